@@ -1,0 +1,81 @@
+"""Packing metrics of a plan (DESIGN.md section 4), vectorized over micro-steps.
+
+Per micro-step, every rank i holds T_i tokens and A_i attention work. An SP group of size s puts
+T/s tokens of its packs on each of its ranks, and Ulysses gives each rank 1/s of the group's
+attention (heads are split), so A_i = (sum of squared sample lengths of the group's packs) / s.
+
+    DBR = sum_i (T_max - T_i) / (T_max * N)     ABR = sum_i (A_max - A_i) / (A_max * N)
+
+both averaged over micro-steps (a micro-step with no tokens at all counts as balanced: its cost
+shows in PR). PR is the share of pack capacity left empty over all packs, empty completions
+included; ``fill`` is the same over the real packs only (the packer's quality). CR is the share
+of tokens processed with sp > 1, and Ave-T the mean over micro-steps of the mean T_i.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from lit_hbp.packing.plan import Plan
+
+
+def _imbalance(per_group: np.ndarray, micro_of_group: np.ndarray, n_micro: int) -> np.ndarray:
+    """mean over groups of (max - x) / max, per micro-step (groups of one micro-step are equal-sized)."""
+    peak = np.zeros(n_micro)
+    np.maximum.at(peak, micro_of_group, per_group)
+    gap = np.where(peak[micro_of_group] > 0, 1.0 - per_group / np.where(peak > 0, peak, 1.0)[micro_of_group], 0.0)
+    counts = np.bincount(micro_of_group, minlength=n_micro)
+    return np.bincount(micro_of_group, weights=gap, minlength=n_micro) / np.maximum(counts, 1)
+
+
+def plan_metrics(plan: Plan) -> dict:
+    """DBR, ABR, PR, CR, Ave-T, fill, and step/pack counts of a plan."""
+    n_packs = plan.offsets.size - 1
+    sp = np.array([lv.sp for lv in plan.levels], dtype=np.int64)
+    bsz = np.array([lv.packs_per_rank for lv in plan.levels], dtype=np.int64)
+    if n_packs == 0:
+        return dict(dbr=0.0, abr=0.0, pr=0.0, cr=0.0, ave_t=0.0, fill=0.0, n_steps=0, n_packs=0, n_empty_packs=0)
+    level = plan.pack_level
+    # Packs are laid out step -> micro-step -> group -> B slots; a group is B consecutive packs,
+    # a micro-step is (N / sp) consecutive groups.
+    step_of_pack = np.repeat(np.arange(plan.n_steps), np.diff(plan.step_offsets))
+    pos = np.arange(n_packs) - plan.step_offsets[step_of_pack]
+    b = bsz[level]
+    groups = plan.world_size // sp[level]
+    # Global ids: group = (step, micro, g); micro = (step, micro).
+    local_group = pos // b
+    micro_in_step = local_group // groups
+    micro_id = step_of_pack * plan.accumulate + micro_in_step
+    first_pack_of_group = np.r_[True, (local_group[1:] != local_group[:-1]) | (step_of_pack[1:] != step_of_pack[:-1])]
+    group_id = np.cumsum(first_pack_of_group) - 1
+    n_groups = int(group_id[-1]) + 1
+    n_micro = plan.n_micro_steps
+
+    tokens = plan.pack_tokens.astype(np.float64)
+    attention = plan.pack_attention
+    group_sp = np.zeros(n_groups, dtype=np.int64)
+    group_sp[group_id] = sp[level]
+    micro_of_group = np.zeros(n_groups, dtype=np.int64)
+    micro_of_group[group_id] = micro_id
+    t_rank = np.bincount(group_id, weights=tokens, minlength=n_groups) / group_sp
+    a_rank = np.bincount(group_id, weights=attention, minlength=n_groups) / group_sp
+
+    capacity = plan.pack_capacity.astype(np.float64)
+    real = plan.offsets[1:] > plan.offsets[:-1]
+    total_tokens = tokens.sum()
+    # Mean T_i over the N ranks of a micro-step = tokens of the micro-step / N.
+    micro_tokens = np.bincount(micro_id, weights=tokens, minlength=n_micro)
+    return dict(
+        dbr=float(_imbalance(t_rank, micro_of_group, n_micro).mean()),
+        abr=float(_imbalance(a_rank, micro_of_group, n_micro).mean()),
+        pr=float(1.0 - total_tokens / capacity.sum()),
+        cr=float(tokens[sp[level] > 1].sum() / total_tokens) if total_tokens else 0.0,
+        ave_t=float((micro_tokens / plan.world_size).mean()),
+        fill=float(tokens[real].sum() / capacity[real].sum()) if real.any() else 0.0,
+        n_steps=int(plan.n_steps),
+        n_packs=int(real.sum()),
+        n_empty_packs=int((~real).sum()),
+    )

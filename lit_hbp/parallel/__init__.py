@@ -1,0 +1,1 @@
+"""Sequence parallelism: the SP topology shared by planner and strategy, process groups, Ulysses."""
