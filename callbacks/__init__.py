@@ -1,0 +1,1 @@
+"""Lightning callbacks of lit-hbp, importable as ``lit_hbp.callbacks``."""
