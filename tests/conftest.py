@@ -7,3 +7,48 @@ sys.path.insert(0, str(Path(__file__).parent))
 # DeepSpeed must not look for CUDA here, and its JIT op is compiled once into the repo's cache.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
+
+import pytest  # noqa: E402
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def build_toy_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+    """A small byte-level BPE tokenizer saved as a Hugging Face fast tokenizer (offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, what is packing?", "def f(x): return x"]
+    tok.train_from_iterator(corpus * 50, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+    if chat_template:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def toy_tokenizer(tmp_path_factory) -> str:
+    return str(build_toy_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="session")
+def small_demo(tmp_path_factory) -> Path:
+    """The embedded demo data set, built small (a few hundred chats, a few long samples)."""
+    from lit_hbp.data.demo import build_demo
+
+    out = tmp_path_factory.mktemp("demo")
+    build_demo(out, n_short=400, n_long=8, vocab_size=2048)
+    return out

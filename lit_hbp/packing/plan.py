@@ -109,21 +109,25 @@ class Plan:
             out.append(Step(int(self.step_level[s]), micro, float(norms[s])))
         return out
 
-    def micro_batches(self, rank: int, start: int = 0) -> Iterator[MicroBatch]:
-        """The micro-batches of ``rank`` in training order, from global micro-step ``start`` on."""
+    def micro_batch(self, rank: int, k: int) -> MicroBatch:
+        """What ``rank`` trains on at global micro-step ``k`` of the epoch."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
-        norms = self.step_loss_norm
-        for s in range(start // self.accumulate, self.n_steps):
-            level = int(self.step_level[s])
-            lv = self.levels[level]
-            groups, b = self.world_size // lv.sp, lv.packs_per_rank
-            g, _ = sp_coords(rank, lv.sp)
-            base = int(self.step_offsets[s])
-            first = start - s * self.accumulate if s == start // self.accumulate else 0
-            for m in range(first, self.accumulate):
-                packs = [self.pack(base + (m * groups + g) * b + k) for k in range(b)]
-                yield MicroBatch(s, m, level, packs, float(norms[s]))
+        if not 0 <= k < self.n_micro_steps:
+            raise IndexError(f"micro-step {k} outside the plan's {self.n_micro_steps}")
+        s, m = divmod(k, self.accumulate)
+        level = int(self.step_level[s])
+        lv = self.levels[level]
+        groups, b = self.world_size // lv.sp, lv.packs_per_rank
+        g, _ = sp_coords(rank, lv.sp)
+        base = int(self.step_offsets[s]) + (m * groups + g) * b
+        norm = max(int(self.step_loss_tokens[s]), 1) / (self.world_size * self.accumulate)
+        return MicroBatch(s, m, level, [self.pack(base + j) for j in range(b)], norm)
+
+    def micro_batches(self, rank: int, start: int = 0) -> Iterator[MicroBatch]:
+        """The micro-batches of ``rank`` in training order, from global micro-step ``start`` on."""
+        for k in range(start, self.n_micro_steps):
+            yield self.micro_batch(rank, k)
 
     @property
     def n_micro_steps(self) -> int:

@@ -1,0 +1,128 @@
+"""Varlen (packed) causal attention, registered in transformers' ``AttentionInterface``.
+
+Any Hugging Face causal LM built with ``attn_implementation="hbp_varlen"`` calls ``varlen_attention``
+for its attention; the packed batch's ``cu_seq_lens_q`` / ``max_length_q`` arrive as forward kwargs.
+No T x T mask is ever built: a mask function returning None is registered under the same name.
+
+Backends, chosen once per run from the device and what is installed:
+``flash_attn`` (flash-attn 2 varlen kernel, CUDA, fp16/bf16), ``torch_varlen`` (torch's own CUDA
+varlen kernel), ``sdpa`` (a causal scaled_dot_product_attention per document; CPU and tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+
+ATTN_NAME = "hbp_varlen"
+BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa")
+_backend: dict[str, str] = {}
+
+
+def available_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """The fastest backend that can run here."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attn"
+        if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+            return "torch_varlen"
+    return "sdpa"
+
+
+def set_backend(name: str) -> None:
+    """Force a backend for the run ("auto" picks on the first call)."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+    _backend.clear()
+    if name != "auto":
+        _backend["name"] = name
+
+
+def current_backend() -> str | None:
+    return _backend.get("name")
+
+
+def _sdpa(q, k, v, cu: list[int], scaling, window, dropout):
+    """q [Hq, T, D], k/v [Hkv, T, D] -> [Hq, T, D]: causal attention inside each document."""
+    gqa = q.shape[0] != k.shape[0]
+    outs = []
+    for s, e in zip(cu[:-1], cu[1:]):
+        n = e - s
+        if window is not None and n > window:
+            i = torch.arange(n, device=q.device)
+            band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+            kwargs = dict(attn_mask=band)
+        else:
+            kwargs = dict(is_causal=True)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, s:e], k[:, s:e], v[:, s:e], dropout_p=dropout, scale=scaling, enable_gqa=gqa, **kwargs
+            )
+        )
+    return torch.cat(outs, dim=1)
+
+
+def _varlen_kernel(backend, q, k, v, cu, max_len, scaling, window, dropout):
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] on CUDA."""
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_varlen_func
+
+        win = (window - 1, window - 1) if window is not None else (-1, -1)
+        return flash_attn_varlen_func(
+            q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=win
+        )
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout:
+        raise ValueError("torch's varlen attention has no dropout: set attention_dropout to 0 or install flash-attn")
+    win = (window - 1, 0) if window is not None else (-1, 0)
+    return varlen_attn(
+        q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=win, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def varlen_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+):
+    """transformers attention function: query [1, Hq, T, D], key/value [1, Hkv, T, D] (GQA not
+    repeated) -> ([1, T, Hq, D], None)."""
+    if query.shape[0] != 1:
+        raise ValueError(f"{ATTN_NAME} takes one packed row per micro-batch, got batch size {query.shape[0]}")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"{ATTN_NAME} does not support attention logit soft-capping")
+    total = query.shape[2]
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q = torch.tensor([0, total], dtype=torch.int32, device=query.device)
+        max_length_q = total
+    if int(cu_seq_lens_q[-1]) != total:
+        raise ValueError(f"cu_seqlens cover {int(cu_seq_lens_q[-1])} tokens but the attention sees {total}")
+    backend = _backend.setdefault("name", available_backend(query.device, query.dtype))
+    drop = dropout if module.training else 0.0
+    if backend == "sdpa":
+        out = _sdpa(query[0], key[0], value[0], cu_seq_lens_q.tolist(), scaling, sliding_window, drop)
+        return out.transpose(0, 1).unsqueeze(0), None
+    cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    out = _varlen_kernel(backend, q, k, v, cu, int(max_length_q), scaling, sliding_window, drop)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+AttentionInterface.register(ATTN_NAME, varlen_attention)
+AttentionMaskInterface.register(ATTN_NAME, _no_mask)

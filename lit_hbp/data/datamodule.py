@@ -1,0 +1,237 @@
+"""HBPDataModule: sources -> tokenized samples -> per-epoch HBP plan -> this rank's micro-batches.
+
+Every rank computes the same plan from the sample lengths (a pure function of the data, levels,
+world size, accumulation and seed + epoch) and reads only its own micro-batches, so no data
+placement is communicated and ``Trainer(use_distributed_sampler=False)`` is required. The loader
+is resumable: a checkpoint records (epoch, micro-steps trained) and a resumed run continues with
+exactly the batches an uninterrupted run would have seen next.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from lit_hbp.data.collate import collate_packs, shard
+from lit_hbp.data.sources import Source
+from lit_hbp.data.store import SampleStore
+from lit_hbp.data.tokenize import TRAIN_ON, tokenize_source
+from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
+from lit_hbp.packing.levels import as_level
+from lit_hbp.parallel.topology import sp_coords
+
+
+class MicroBatchDataset(Dataset):
+    """Item k is this rank's collated (and SP-sharded) micro-batch at micro-step k of the epoch."""
+
+    def __init__(self, store: SampleStore, plan: Plan, rank: int, pad_id: int, epoch: int):
+        self.store, self.plan, self.rank, self.pad_id, self.epoch = store, plan, rank, pad_id, epoch
+
+    def __len__(self) -> int:
+        return self.plan.n_micro_steps
+
+    def __getitem__(self, k: int) -> dict:
+        mb = self.plan.micro_batch(self.rank, k)
+        lv = self.plan.levels[mb.level]
+        meta = dict(level=mb.level, ckpt_layers=lv.ckpt_layers, loss_norm=mb.loss_norm, micro_index=k, epoch=self.epoch)
+        batch = collate_packs(mb.packs, self.store.tokens, sp=lv.sp, pad_id=self.pad_id, meta=meta)
+        return shard(batch, lv.sp, sp_coords(self.rank, lv.sp)[1]) if lv.sp > 1 else batch
+
+
+class PlanSampler(Sampler[int]):
+    """Micro-step indices of the epoch; ``set_epoch`` switches to that epoch's plan. Its length is
+    always the whole epoch, and after a resume it starts at the first micro-step not yet trained."""
+
+    def __init__(self, datamodule: HBPDataModule, dataset: MicroBatchDataset):
+        self.dm, self.dataset = datamodule, dataset
+        self.epoch = dataset.epoch
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            plan = self.dm.plan_for_epoch(epoch)
+            if plan.n_micro_steps != len(self) and self.dm.trainer_setting("reload_dataloaders_every_n_epochs") != 1:
+                raise RuntimeError(
+                    f"the plan of epoch {epoch} has {plan.n_micro_steps} micro-steps but the loader was built for "
+                    f"{len(self)}; with the randomized packer {self.dm.packer!r} set "
+                    "Trainer(reload_dataloaders_every_n_epochs=1) so the epoch length is re-read"
+                )
+            self.dataset.plan, self.dataset.epoch, self.epoch = plan, epoch, epoch
+            self.start = 0
+        pending = self.dm.resume_from
+        if pending is not None and pending["epoch"] == epoch:
+            self.start = pending["micro_step"]
+            self.dm.resume_from = None
+
+    def __len__(self) -> int:
+        return self.dataset.plan.n_micro_steps
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        return iter(range(start, len(self)))
+
+
+class PlanLoader(DataLoader):
+    """A DataLoader Lightning recognizes as resumable (it has state_dict / load_state_dict)."""
+
+    def __init__(self, datamodule: HBPDataModule, dataset: MicroBatchDataset, num_workers: int):
+        self.dm = datamodule
+        super().__init__(dataset, sampler=PlanSampler(datamodule, dataset), batch_size=None, num_workers=num_workers)
+
+    def state_dict(self) -> dict:
+        trained = self.dm.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {"epoch": self.sampler.epoch, "micro_step": int(trained)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dm.resume_from = dict(state)
+        self.sampler.set_epoch(self.sampler.epoch)
+
+
+class HBPDataModule(L.LightningDataModule):
+    """Level-tagged, attention-balanced packed micro-batches for HBP training.
+
+    Args:
+        sources: data sources (paths with optional repeat/weight), e.g. a short chat set and a
+            long-context set.
+        tokenizer: path of a local Hugging Face tokenizer (its chat template is used when it has one).
+        levels: the HBP levels, e.g. ``["16K:1", "128K:8:28"]`` or Level mappings.
+        packer: packing algorithm of every level (see ``lit_hbp.packing.PACKERS``).
+        over_length: samples longer than the largest level: ``error`` | ``drop`` | ``truncate``.
+        train_on: supervise ``assistant`` turns only, or ``all`` tokens.
+        seed: seed of mixing and of the plan (epoch e plans with seed + e).
+        cache_dir: where tokenized sources are cached.
+        num_workers: DataLoader worker processes for collation.
+        demo_dir: build the embedded demo data set and tokenizer here if missing
+            (``python -m lit_hbp.data.demo``); the tiny configs point their sources at it.
+    """
+
+    def __init__(
+        self,
+        sources: list[Source | dict],
+        tokenizer: str,
+        levels: list[Level | dict | str | int],
+        packer: str = DEFAULT_PACKER,
+        over_length: str = "error",
+        train_on: str = "assistant",
+        seed: int = 0,
+        cache_dir: str = "data_cache",
+        num_workers: int = 0,
+        demo_dir: str | None = None,
+    ):
+        super().__init__()
+        if packer not in PACKERS:
+            raise ValueError(f"unknown packer {packer!r}; choose one of {sorted(PACKERS)}")
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+        if not sources:
+            raise ValueError("no data sources given")
+        self.sources = [s if isinstance(s, Source) else Source(**s) for s in sources]
+        self.levels = tuple(as_level(x) for x in levels)
+        validate_levels(self.levels, max(lv.sp for lv in self.levels) if self.levels else 1)
+        self.packer, self.over_length, self.train_on, self.seed = packer, over_length, train_on, seed
+        self.cache_dir, self.num_workers = cache_dir, num_workers
+        if demo_dir is not None:
+            from lit_hbp.data.demo import ensure_demo
+
+            ensure_demo(demo_dir)
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.pad_id = next(x for x in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if x is not None)
+        self.store: SampleStore | None = None
+        self.warmup_steps, self.short_levels = 0, None
+        self.resume_from: dict | None = None
+        self._plans: dict[int, Plan] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the model's embedding must cover (linked to the model in the CLI)."""
+        return len(self.tokenizer)
+
+    def set_curriculum(self, warmup_steps: int, short_levels: list[int] | None = None) -> None:
+        """Plan the first epoch with ``warmup_steps`` steps of the short levels first (HBPCurriculum)."""
+        self.warmup_steps, self.short_levels = int(warmup_steps), short_levels
+        self._plans.clear()
+
+    def trainer_setting(self, name: str):
+        return getattr(self.trainer, name, None) if self.trainer is not None else None
+
+    def _world(self) -> tuple[int, int, int]:
+        t = self.trainer
+        return (t.world_size, t.global_rank, t.accumulate_grad_batches) if t is not None else (1, 0, 1)
+
+    def prepare_data(self) -> None:
+        for s in self.sources:
+            tokenize_source(s, self.tokenizer, self.train_on, self.cache_dir)
+
+    def setup(self, stage: str) -> None:
+        if self.store is not None:
+            return
+        world, rank, _ = self._world()
+        validate_levels(self.levels, world)
+        if self.trainer is not None and getattr(self.trainer, "_accelerator_connector", None) is not None:
+            if self.trainer._accelerator_connector.use_distributed_sampler:
+                raise ValueError(
+                    "HBPDataModule assigns data to ranks itself: set Trainer(use_distributed_sampler=False)"
+                )
+        tokenized = [
+            tokenize_source(s, self.tokenizer, self.train_on, self.cache_dir, progress=rank == 0) for s in self.sources
+        ]
+        self.store = SampleStore.build(tokenized, self.levels[-1].pack_len, self.over_length, self.seed)
+        rank_zero_info(self.store.summary())
+
+    def plan_for_epoch(self, epoch: int) -> Plan:
+        """The plan of ``epoch`` (curriculum warm-up in the first epoch only)."""
+        if epoch not in self._plans:
+            if self.store is None:
+                raise RuntimeError("HBPDataModule.setup() must run before planning")
+            world, _, accumulate = self._world()
+            plan = plan_hbp(
+                self.store.lengths,
+                self.levels,
+                world,
+                accumulate,
+                self.seed + epoch,
+                self.packer,
+                loss_tokens=self.store.loss_tokens,
+                over_length="error",
+                warmup_steps=self.warmup_steps if epoch == 0 else 0,
+                short_levels=self.short_levels,
+            )
+            self._plans = {epoch: plan}
+            m = plan.metrics()
+            rank_zero_info(
+                f"epoch {epoch} {plan.summary()}\n  metrics: " + ", ".join(f"{k} {v:.4g}" for k, v in m.items())
+            )
+        return self._plans[epoch]
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the epoch being trained (what PackingMetrics reads)."""
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        return self.plan_for_epoch(epoch) if self.store is not None else None
+
+    def train_dataloader(self) -> PlanLoader:
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        _, rank, _ = self._world()
+        dataset = MicroBatchDataset(self.store, self.plan_for_epoch(epoch), rank, self.pad_id, epoch)
+        return PlanLoader(self, dataset, self.num_workers)
+
+
+def load_tokenizer(path: str):
+    """A local Hugging Face tokenizer (hub downloads are off in training jobs: give a path)."""
+    from transformers import AutoTokenizer
+
+    if not Path(path).exists():
+        try:
+            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except OSError:
+            raise FileNotFoundError(
+                f"tokenizer not found: {path!r} is neither a local folder nor in the Hugging Face cache"
+            ) from None
+    return AutoTokenizer.from_pretrained(path)
+
+
+__all__ = ["HBPDataModule", "MicroBatchDataset", "PlanLoader", "PlanSampler", "load_tokenizer", "np"]

@@ -1,0 +1,160 @@
+"""The epoch's sample table: sources mixed by repeat or weight, over-length samples handled.
+
+A global sample id maps to (source, row). Repeats make several ids point at one row; the planner
+treats them as separate samples, so a repeated sample is trained on twice, never silently once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lit_hbp.data.tokenize import TokenizedSource
+
+OVER_LENGTH = ("error", "drop", "truncate")
+
+
+def mixture_repeats(sizes: list[int], repeats: list[float | None], weights: list[float | None]) -> list[float]:
+    """Repeat factor per source. Weights share the total sample count of all sources; sources with
+    neither repeat nor weight enter once."""
+    if any(w is not None for w in weights) and any(r is not None for r in repeats):
+        raise ValueError("mix sources by repeat or by weight, not both")
+    if any(w is not None for w in weights):
+        if any(w is None for w in weights):
+            raise ValueError("when one source has a weight, every source needs one")
+        total_w, total_n = sum(weights), sum(sizes)
+        if total_w <= 0:
+            raise ValueError(f"source weights must not all be zero: {weights}")
+        return [w / total_w * total_n / n if n else 0.0 for w, n in zip(weights, sizes)]
+    return [1.0 if r is None else float(r) for r in repeats]
+
+
+@dataclass
+class SampleStore:
+    """Global sample ids over tokenized sources, with effective (possibly truncated) lengths."""
+
+    sources: list[TokenizedSource]
+    source_of: np.ndarray
+    row_of: np.ndarray
+    lengths: np.ndarray
+    loss_tokens: np.ndarray
+    report: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls, sources: list[TokenizedSource], max_len: int, over_length: str = "error", seed: int = 0
+    ) -> SampleStore:
+        """Mix the sources and apply the over-length policy (error / drop / truncate)."""
+        if over_length not in OVER_LENGTH:
+            raise ValueError(f"over_length must be one of {OVER_LENGTH}, got {over_length!r}")
+        reps = mixture_repeats(
+            [len(s) for s in sources], [s.source.repeat for s in sources], [s.source.weight for s in sources]
+        )
+        rng = np.random.default_rng(seed)
+        src, rows, mixed = [], [], []
+        for k, (s, r) in enumerate(zip(sources, reps)):
+            n = len(s)
+            whole, frac = int(r), r - int(r)
+            part = np.sort(rng.permutation(n)[: int(round(frac * n))])
+            chosen = np.r_[np.tile(np.arange(n), whole), part].astype(np.int64)
+            src.append(np.full(chosen.size, k, dtype=np.int64))
+            rows.append(chosen)
+            mixed.append(
+                dict(
+                    path=s.source.path,
+                    samples=n,
+                    repeat=r,
+                    in_epoch=int(chosen.size),
+                    skipped=dict(s.skipped),
+                    skipped_where={k2: list(v) for k2, v in s.skipped_where.items()},
+                )
+            )
+        source_of, row_of = np.concatenate(src), np.concatenate(rows)
+        if source_of.size == 0:
+            raise ValueError(
+                "no training samples: every source is empty or was skipped entirely "
+                f"({[(m['path'], m['skipped']) for m in mixed]})"
+            )
+        lengths = np.empty(source_of.size, dtype=np.int64)
+        loss = np.empty(source_of.size, dtype=np.int64)
+        for k, s in enumerate(sources):
+            sel = source_of == k
+            lengths[sel] = s.lengths[row_of[sel]]
+            loss[sel] = s.loss_tokens()[row_of[sel]]
+        store = cls(sources, source_of, row_of, lengths, loss, dict(sources=mixed))
+        store._over_length(max_len, over_length)
+        return store
+
+    def where(self, i: int) -> str:
+        return self.sources[self.source_of[i]].where(int(self.row_of[i]))
+
+    def _describe(self, idx: np.ndarray, limit: int = 5) -> str:
+        shown = ", ".join(f"{self.where(int(i))} ({self.lengths[i]} tokens)" for i in idx[:limit])
+        return shown + (f" and {idx.size - limit} more" if idx.size > limit else "")
+
+    def _over_length(self, max_len: int, policy: str) -> None:
+        over = np.flatnonzero(self.lengths > max_len)
+        self.report.update(over_length=policy, max_len=max_len, dropped=[], truncated=[], truncated_to_nothing=[])
+        if not over.size:
+            return
+        if policy == "error":
+            raise ValueError(
+                f"{over.size} sample(s) longer than the largest level ({max_len} tokens): {self._describe(over)}. "
+                "Add a larger level, or set over_length: drop | truncate"
+            )
+        keep = np.ones(self.lengths.size, dtype=bool)
+        if policy == "drop":
+            self.report["dropped"] = [self.where(int(i)) for i in over]
+            keep[over] = False
+        else:
+            # Keep the first max_len tokens (the prompt side); recount the targets that survive.
+            new_loss = self.loss_tokens.copy()
+            for k, s in enumerate(self.sources):
+                sel = over[self.source_of[over] == k]
+                upto = np.zeros(len(s), dtype=np.int64)
+                upto[self.row_of[sel]] = max_len
+                new_loss[sel] = s.loss_tokens(np.where(upto > 0, upto, s.lengths))[self.row_of[sel]]
+            self.report["truncated"] = [self.where(int(i)) for i in over]
+            self.loss_tokens = new_loss
+            self.lengths = np.minimum(self.lengths, max_len)
+            empty = over[new_loss[over] == 0]
+            self.report["truncated_to_nothing"] = [self.where(int(i)) for i in empty]
+            keep[empty] = False
+        for name in ("source_of", "row_of", "lengths", "loss_tokens"):
+            setattr(self, name, getattr(self, name)[keep])
+
+    def tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and target mask of sample i, cut to its effective length."""
+        s = self.sources[self.source_of[i]]
+        row = int(self.row_of[i])
+        a = int(s.offsets[row])
+        b = a + int(self.lengths[i])
+        return np.asarray(s.ids[a:b]), np.asarray(s.target[a:b])
+
+    def summary(self) -> str:
+        """One report of what the data pipeline kept, skipped, dropped and truncated."""
+        lines = [
+            f"data: {self.lengths.size} samples in the epoch, {int(self.lengths.sum())} tokens, "
+            f"{int(self.loss_tokens.sum())} supervised"
+        ]
+        for m in self.report["sources"]:
+            skipped = ", ".join(f"{n} {reason}" for reason, n in m["skipped"].items() if n)
+            lines.append(
+                f"  {m['path']}: {m['samples']} samples x {m['repeat']:.3g} -> {m['in_epoch']} in the epoch"
+                + (
+                    f"; skipped {skipped} (e.g. {', '.join(sum(m['skipped_where'].values(), [])[:3])})"
+                    if skipped
+                    else ""
+                )
+            )
+        r = self.report
+        for key, what in (
+            ("dropped", "dropped as longer than"),
+            ("truncated", "truncated to"),
+            ("truncated_to_nothing", "dropped: no supervised token left after truncation to"),
+        ):
+            if r[key]:
+                more = f" and {len(r[key]) - 3} more" if len(r[key]) > 3 else ""
+                lines.append(f"  {len(r[key])} sample(s) {what} {r['max_len']} tokens: {', '.join(r[key][:3])}{more}")
+        return "\n".join(lines)

@@ -1,0 +1,184 @@
+"""HBPLitModule: any Hugging Face causal LM trained on packed varlen micro-batches.
+
+The model runs with the ``hbp_varlen`` attention (no padding, no T x T mask), the loss is a
+chunked cross-entropy with the chosen normalizer (Ave-Token by default), and activation
+checkpointing follows each batch's level: decoder layer i is checkpointed iff i < ckpt_layers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+
+import lightning as L
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from lit_hbp import attention
+from lit_hbp.loss import NORMALIZERS, chunked_cross_entropy, token_weights
+
+
+def build_causal_lm(model: str | dict, vocab_size: int | None = None):
+    """A causal LM from a local checkpoint folder, or randomly initialized from a config mapping
+    (``{"model_type": "llama", "hidden_size": ...}``). Uses the varlen attention and no KV cache."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(model, dict):
+        cfg = dict(model)
+        model_type = cfg.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("a model config mapping needs a 'model_type' (e.g. 'llama', 'qwen2', 'mistral')")
+        if vocab_size is not None:
+            cfg["vocab_size"] = vocab_size
+        config = AutoConfig.for_model(model_type, **cfg)
+        config.use_cache = False
+        net = AutoModelForCausalLM.from_config(config, attn_implementation=attention.ATTN_NAME)
+    else:
+        net = AutoModelForCausalLM.from_pretrained(
+            model, attn_implementation=attention.ATTN_NAME, dtype=torch.get_default_dtype(), local_files_only=True
+        )
+        net.config.use_cache = False
+        if vocab_size is not None and vocab_size > net.get_input_embeddings().num_embeddings:
+            raise ValueError(
+                f"the tokenizer has {vocab_size} tokens but {model} embeds only "
+                f"{net.get_input_embeddings().num_embeddings}: use the checkpoint's tokenizer"
+            )
+    return net
+
+
+def checkpoint_layers(net: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers that support activation checkpointing, in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in net.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+class HBPLitModule(L.LightningModule):
+    """Train a causal LM on HBP micro-batches.
+
+    Args:
+        model: local checkpoint path, or a config mapping with ``model_type`` (random init).
+        vocab_size: tokenizer size (linked from the data module); overrides a config's vocab_size.
+        loss: ``ave_token`` (default) | ``token_mean`` | ``sample_mean`` | ``sum``.
+        lr, weight_decay, betas: AdamW. Bias and norm weights are not decayed.
+        warmup_steps: linear warm-up of the learning rate, then cosine decay to ``min_lr_ratio * lr``
+            at the last optimizer step of the run.
+        ce_chunk_size: supervised tokens per LM-head chunk of the cross-entropy.
+        attn_backend: ``auto`` | ``flash_attn`` | ``torch_varlen`` | ``sdpa``.
+    """
+
+    def __init__(
+        self,
+        model: str | dict,
+        vocab_size: int | None = None,
+        loss: str = "ave_token",
+        lr: float = 2e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        ce_chunk_size: int = 1024,
+        attn_backend: str = "auto",
+    ):
+        super().__init__()
+        if loss not in NORMALIZERS:
+            raise ValueError(f"loss must be one of {NORMALIZERS}, got {loss!r}")
+        attention.set_backend(attn_backend)
+        self.save_hyperparameters()
+        self.model = None
+        self._layers: list[torch.nn.Module] = []
+        self._step_start = 0.0
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = build_causal_lm(self.hparams.model, self.hparams.vocab_size)
+        self._layers = checkpoint_layers(self.model)
+        for layer in self._layers:
+            layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+            layer.gradient_checkpointing = False
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def set_checkpointing(self, ckpt_layers: int) -> None:
+        """Checkpoint the first ``ckpt_layers`` decoder layers, run the rest normally."""
+        if ckpt_layers > len(self._layers):
+            raise ValueError(f"ckpt_layers {ckpt_layers} exceeds the model's {len(self._layers)} decoder layers")
+        for i, layer in enumerate(self._layers):
+            layer.gradient_checkpointing = i < ckpt_layers
+
+    def on_fit_start(self) -> None:
+        dm = getattr(self.trainer, "datamodule", None)
+        for i, lv in enumerate(getattr(dm, "levels", ())):
+            if lv.ckpt_layers > self.num_layers:
+                raise ValueError(
+                    f"level {i} (pack_len {lv.pack_len}) checkpoints {lv.ckpt_layers} layers but the model has "
+                    f"{self.num_layers} decoder layers"
+                )
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(weighted loss, summed CE, supervised tokens) of a micro-batch (or of this rank's SP shard)."""
+        cu = batch["cu_seqlens"]
+        hidden = self.model.get_decoder()(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=batch["max_seqlen"],
+            max_length_k=batch["max_seqlen"],
+            use_cache=False,
+        ).last_hidden_state
+        weights = token_weights(batch, self.hparams.loss)
+        return chunked_cross_entropy(
+            hidden[0],
+            self.model.get_output_embeddings(),
+            batch["labels"][0],
+            weights[0],
+            self.hparams.ce_chunk_size,
+            getattr(self.model.config, "final_logit_softcapping", None),
+        )
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        self.set_checkpointing(int(batch["ckpt_layers"]))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._step_start = time.perf_counter()
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, ce_sum, n = self(batch)
+        self.log("train/loss", ce_sum / max(n, 1), prog_bar=True)
+        self.log("train/level", float(batch["level"]))
+        self.log("train/supervised_tokens", float(batch["n_targets"]))
+        self.log("train/tokens", float(batch["n_tokens"]))
+        return loss
+
+    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - self._step_start
+        level = int(batch["level"])
+        self.log(f"time/level{level}_micro_step_s", seconds)
+        self.log(f"time/level{level}_tokens_per_s_per_device", batch["input_ids"].shape[1] / seconds)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+        groups = [dict(params=decay, weight_decay=hp.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = min(hp.warmup_steps, total)
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = (step - warmup) / max(total - warmup, 1)
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

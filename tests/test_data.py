@@ -1,0 +1,243 @@
+"""Data pipeline: sources, tokenization with label masks, caching, mixing, over-length, collation."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from lit_hbp.data.collate import collate_packs, shard
+from lit_hbp.data.sources import DataError, Source, iter_records
+from lit_hbp.data.store import SampleStore, mixture_repeats
+from lit_hbp.data.tokenize import tokenize_source
+
+
+def write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def chat(user, assistant):
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
+
+
+# ----------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"messages": [', "bad.jsonl:2: malformed JSON"),
+        ("[1, 2]", "bad.jsonl:2: expected a JSON object, got list"),
+        ('{"messages": "hi"}', "bad.jsonl:2: field 'messages' must be list, got str"),
+        ('{"messages": [{"role": "user"}]}', "bad.jsonl:2: messages[0] has no 'content' field"),
+        ('{"messages": [{"role": "user", "content": 5}]}', "bad.jsonl:2: messages[0].content must be str, got int"),
+        ('{"messages": ["hi"]}', "bad.jsonl:2: messages[0] must be an object with role and content"),
+        ('{"prompt": "hi"}', "bad.jsonl:2: record has 'prompt' but no 'response'"),
+        ('{"prompt": "hi", "response": 3}', "bad.jsonl:2: field 'response' must be str, got int"),
+        ('{"text": null}', "bad.jsonl:2: field 'text' must be str, got NoneType"),
+        ('{"question": "hi"}', "bad.jsonl:2: record has none of the fields 'messages', 'prompt'/'response', 'text'"),
+    ],
+)
+def test_bad_records_name_file_line_and_field(tmp_path, toy_tokenizer, line, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", [chat("a", "b"), line])
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    with pytest.raises(DataError) as e:
+        tokenize_source(Source(str(path)), tok, progress=False)
+    assert message in str(e.value)
+
+
+def test_missing_file_and_unknown_format(tmp_path):
+    with pytest.raises(DataError, match="data source not found"):
+        list(iter_records(Source(str(tmp_path / "nope.jsonl"))))
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="cannot tell the format"):
+        list(iter_records(Source(str(tmp_path / "data.csv"))))
+    with pytest.raises(ValueError, match="give repeat or weight, not both"):
+        Source("x.jsonl", repeat=2, weight=1)
+
+
+# ------------------------------------------------------------------------- tokenization + masks
+
+
+def test_assistant_turns_are_the_only_targets(tmp_path, toy_tokenizer):
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    conv = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello world"},
+            {"role": "assistant", "content": "the quick fox"},
+            {"role": "user", "content": "what is packing?"},
+            {"role": "assistant", "content": "lazy dog"},
+        ]
+    }
+    path = write_jsonl(tmp_path / "c.jsonl", [conv])
+    t = tokenize_source(Source(str(path)), tok, progress=False)
+    ids, target = np.asarray(t.ids), np.asarray(t.target)
+    supervised = tok.decode(ids[target].tolist())
+    assert supervised == "the quick fox<|end|>\nlazy dog<|end|>\n"
+    # Reference: the rendered text, and the assistant spans located by hand.
+    text = tok.apply_chat_template(conv["messages"], tokenize=False)
+    assert tok.decode(ids.tolist()) == text
+    assert t.loss_tokens().tolist() == [int(target.sum())]
+
+    everything = tokenize_source(Source(str(path)), tok, train_on="all", progress=False)
+    assert np.asarray(everything.target).sum() == len(ids) - 1  # all but the first token
+
+
+def test_text_prompt_response_and_skips(tmp_path, toy_tokenizer):
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    path = write_jsonl(
+        tmp_path / "mix.jsonl",
+        [
+            {"text": "the lazy dog"},
+            {"prompt": "hello", "response": "world"},
+            {"messages": []},
+            {"text": "   "},
+            {"messages": [{"role": "user", "content": "no answer"}]},
+            chat("fox", "dog"),
+        ],
+    )
+    t = tokenize_source(Source(str(path)), tok, progress=False)
+    assert len(t) == 3
+    assert t.skipped == {"empty conversation": 2, "no supervised token": 1}
+    assert t.skipped_where["no supervised token"] == [f"{path}:5"]
+    assert [t.where(i) for i in range(3)] == [f"{path}:1", f"{path}:2", f"{path}:6"]
+    text_ids = np.asarray(t.ids[t.offsets[0] : t.offsets[1]])
+    assert text_ids[-1] == tok.eos_token_id and tok.decode(text_ids[:-1].tolist()) == "the lazy dog"
+
+
+def test_default_template_when_tokenizer_has_none(tmp_path):
+    from conftest import build_toy_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(build_toy_tokenizer(tmp_path / "tok", chat_template=None))
+    path = write_jsonl(tmp_path / "c.jsonl", [chat("hello", "world")])
+    t = tokenize_source(Source(str(path)), tok, progress=False)
+    assert tok.decode(np.asarray(t.ids)[np.asarray(t.target)].tolist()) == "world<|end|>\n"
+
+
+def test_cache_is_reused_and_invalidated(tmp_path, toy_tokenizer):
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    path = write_jsonl(tmp_path / "c.jsonl", [chat("hello", "world")] * 3)
+    first = tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "cache", progress=False)
+    (cache,) = (tmp_path / "cache").iterdir()
+    again = tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "cache", progress=False)
+    assert isinstance(again.ids, np.memmap) and np.array_equal(again.ids, first.ids)
+    write_jsonl(path, [chat("hello", "world")] * 4)  # the file changed: a new cache entry
+    changed = tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "cache", progress=False)
+    assert len(changed) == 4 and len(list((tmp_path / "cache").iterdir())) == 2
+    other = tokenize_source(Source(str(path)), tok, "all", cache_dir=tmp_path / "cache", progress=False)
+    assert len(list((tmp_path / "cache").iterdir())) == 3 and np.asarray(other.target).sum() > changed.target.sum()
+    assert cache.exists()
+
+
+def test_parquet_and_hf_disk_sources(tmp_path, toy_tokenizer):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    rows = [{"prompt": "hello", "response": "world"}, {"prompt": "fox", "response": "dog"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "hf"))
+    a = tokenize_source(Source(str(tmp_path / "d.parquet")), tok, progress=False)
+    b = tokenize_source(Source(str(tmp_path / "hf")), tok, progress=False)
+    assert np.array_equal(a.ids, b.ids) and len(a) == 2
+    assert a.where(1) == f"{tmp_path / 'd.parquet'}:row 1"
+    with pytest.raises(DataError, match="split 'test' not found"):
+        tokenize_source(Source(str(tmp_path / "hf"), split="test"), tok, progress=False)
+
+
+# ----------------------------------------------------------------------------- mixing, lengths
+
+
+def tokenized(tmp_path, tok, name, records, **source_kw):
+    return tokenize_source(Source(str(write_jsonl(tmp_path / name, records)), **source_kw), tok, progress=False)
+
+
+def test_mixing_by_repeat_and_weight(tmp_path, toy_tokenizer):
+    assert mixture_repeats([100, 10], [None, 3.0], [None, None]) == [1.0, 3.0]
+    assert mixture_repeats([100, 10], [None, None], [1.0, 1.0]) == pytest.approx([0.55, 5.5])
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    a = tokenized(tmp_path, tok, "a.jsonl", [chat(f"hello {i}", "world") for i in range(10)])
+    b = tokenized(tmp_path, tok, "b.jsonl", [chat("fox", "dog " * i) for i in range(1, 5)], repeat=2.5)
+    store = SampleStore.build([a, b], max_len=10_000)
+    assert store.lengths.size == 10 + 10
+    assert np.bincount(store.row_of[store.source_of == 1], minlength=4).tolist().count(3) == 2  # 2 of 4 thrice
+    assert store.report["sources"][1]["in_epoch"] == 10
+
+
+def test_over_length_error_drop_truncate_name_the_samples(tmp_path, toy_tokenizer):
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    long_answer = chat("hello", "the quick brown fox " * 40)
+    long_prompt = chat("the lazy dog " * 40, "fox")
+    src = tokenized(tmp_path, tok, "l.jsonl", [chat("a", "b"), long_answer, long_prompt])
+    lengths = src.lengths
+    limit = int(sorted(lengths)[0]) + 20
+    with pytest.raises(ValueError) as e:
+        SampleStore.build([src], limit, "error")
+    assert f"2 sample(s) longer than the largest level ({limit} tokens): {src.where(1)}" in str(e.value)
+    dropped = SampleStore.build([src], limit, "drop")
+    assert dropped.lengths.size == 1 and dropped.report["dropped"] == [src.where(1), src.where(2)]
+    cut = SampleStore.build([src], limit, "truncate")
+    # The long answer keeps the first `limit` tokens, some of them supervised; the long prompt keeps
+    # no supervised token, so it is dropped and reported.
+    assert cut.lengths.tolist() == [lengths[0], limit]
+    ids, target = cut.tokens(1)
+    assert ids.size == limit and cut.loss_tokens[1] == target[1:].sum() > 0
+    assert cut.report["truncated_to_nothing"] == [src.where(2)]
+    assert "dropped: no supervised token left after truncation" in cut.summary()
+
+
+# ------------------------------------------------------------------------------------ collation
+
+
+def brute_force_batch(samples, pad_id, multiple):
+    ids, labels, pos, cu = [], [], [], [0]
+    for s_ids, s_target in samples:
+        for t in range(len(s_ids)):
+            ids.append(int(s_ids[t]))
+            pos.append(t)
+            nxt = t + 1
+            labels.append(int(s_ids[nxt]) if nxt < len(s_ids) and s_target[nxt] else -100)
+        cu.append(len(ids))
+    pad = (-len(ids)) % multiple if ids else multiple
+    for t in range(pad):
+        ids.append(pad_id)
+        labels.append(-100)
+        pos.append(t)
+    if pad:
+        cu.append(len(ids))
+    return ids, labels, pos, cu
+
+
+@pytest.mark.parametrize("sp", [1, 2, 3, 4])
+def test_collate_matches_brute_force(sp):
+    rng = np.random.default_rng(sp)
+    samples = {i: (rng.integers(5, 300, n), rng.random(n) < 0.6) for i, n in enumerate(rng.integers(1, 40, 9))}
+    packs = [np.array([3, 0, 5]), np.array([8, 1])]
+    batch = collate_packs(packs, lambda i: samples[i], sp=sp, pad_id=7, meta={"level": 2})
+    ids, labels, pos, cu = brute_force_batch([samples[i] for i in [3, 0, 5, 8, 1]], 7, 8 * sp // np.gcd(8, sp))
+    assert batch["input_ids"][0].tolist() == ids
+    assert batch["labels"][0].tolist() == labels
+    assert batch["position_ids"][0].tolist() == pos
+    assert batch["cu_seqlens"].tolist() == cu and batch["cu_seqlens"].dtype == torch.int32
+    assert batch["max_seqlen"] == max(np.diff(cu))
+    assert batch["n_targets"] == sum(x != -100 for x in labels)
+    assert batch["level"] == 2 and batch["sample_index"].tolist() == [3, 0, 5, 8, 1]
+    # sample_targets: per token, the number of targets of its sample.
+    per_sample = [sum(1 for x in labels[a:b] if x != -100) for a, b in zip(cu[:-1], cu[1:])]
+    assert batch["sample_targets"][0].tolist() == [
+        float(per_sample[k]) for k in range(len(cu) - 1) for _ in range(cu[k + 1] - cu[k])
+    ]
+    # SP shards are contiguous slices that tile the batch.
+    parts = [shard(batch, sp, r) for r in range(sp)]
+    assert torch.cat([p["input_ids"] for p in parts], 1).tolist() == [ids]
+    assert all(p["cu_seqlens"] is batch["cu_seqlens"] for p in parts)
+
+
+def test_empty_pack_collates_to_a_dummy_without_targets():
+    batch = collate_packs([np.zeros(0, np.int64)], lambda i: None, sp=4, pad_id=0)
+    assert batch["input_ids"].shape == (1, 8) and batch["n_targets"] == 0 and batch["n_tokens"] == 0
+    assert (batch["labels"] == -100).all() and batch["cu_seqlens"].tolist() == [0, 8]

@@ -1,0 +1,258 @@
+"""The offline demo SFT set: schema, tokenizer, lengths, answers derivable from context, determinism, caching."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import random
+import re
+import shutil
+import statistics
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from lit_hbp.data import demo
+
+SMALL = {"n_short": 200, "n_long": 6, "vocab_size": 2048, "seed": 0}
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+HEADER = re.compile(r"^### Module `([\w.]+)` \(file `([\w./-]+)`\)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return demo.build_demo(tmp_path_factory.mktemp("demo") / "small", **SMALL)
+
+
+@pytest.fixture(scope="module")
+def tok(small: dict):
+    return AutoTokenizer.from_pretrained(small["paths"]["tokenizer"])
+
+
+def read(path: str | Path) -> list[list[dict[str, str]]]:
+    return [json.loads(line)["messages"] for line in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
+def token_len(tok, messages: list[dict[str, str]]) -> int:
+    return len(tok.apply_chat_template(messages, tokenize=True, return_dict=False))
+
+
+def test_files_and_conversation_schema(small: dict) -> None:
+    paths = small["paths"]
+    for key in ("short", "long", "manifest"):
+        assert Path(paths[key]).is_file()
+    assert (Path(paths["tokenizer"]) / "tokenizer.json").is_file()
+    assert not list(Path(paths["out_dir"]).glob(".build-*")), "temporary build dir left behind"
+    manifest = json.loads(Path(paths["manifest"]).read_text())
+    assert manifest["args"] == SMALL
+    assert manifest["python_version"] and manifest["stdlib_path"] == str(STDLIB)
+    for key, n in (("short", SMALL["n_short"]), ("long", SMALL["n_long"])):
+        convs = read(paths[key])
+        assert len(convs) == n == manifest["files"][f"{key}.jsonl"]["samples"]
+        for messages in convs:
+            assert isinstance(messages, list) and len(messages) >= 2
+            roles = [m["role"] for m in messages]
+            assert all(
+                set(m) == {"role", "content"} and isinstance(m["content"], str) and m["content"] for m in messages
+            )
+            if roles[0] == "system":
+                roles = roles[1:]
+            assert roles == ["user", "assistant"] * (len(roles) // 2), roles
+    short = read(paths["short"])
+    assert any(len(m) >= 4 for m in short), "expected a few multi-turn conversations"
+    assert any(m[0]["role"] == "system" for m in short)
+    assert len(manifest["files"]["short.jsonl"]["tasks"]) >= 6, "short samples should use varied templates"
+    assert len(set(manifest["files"]["long.jsonl"]["tasks"])) >= 4
+
+
+def test_tokenizer_special_tokens_template_and_round_trip(small: dict, tok) -> None:
+    assert (tok.pad_token, tok.eos_token, tok.bos_token) == ("<|pad|>", "<|endoftext|>", "<|endoftext|>")
+    assert len(tok) == SMALL["vocab_size"]
+    ids = [tok.encode(t) for t in demo.SPECIAL_TOKENS]
+    assert all(len(i) == 1 for i in ids) and len({i[0] for i in ids}) == len(ids)
+    assert tok.chat_template == demo.CHAT_TEMPLATE
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What does `json.dumps` do?"},
+        {"role": "assistant", "content": "Serialize ``obj`` to a JSON formatted ``str``."},
+    ]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    assert text == (
+        "<|system|>\nBe brief.<|end|>\n<|user|>\nWhat does `json.dumps` do?<|end|>\n"
+        "<|assistant|>\nSerialize ``obj`` to a JSON formatted ``str``.<|end|>\n"
+    )
+    prompt = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    assert text.startswith(prompt)  # prefix-stable: label masking relies on it
+    encoded = tok.apply_chat_template(messages, tokenize=True)
+    assert encoded["input_ids"] == tok.encode(text)
+    assert tok.apply_chat_template(messages, tokenize=True, return_dict=False) == tok.encode(text)
+
+    short, long = read(small["paths"]["short"]), read(small["paths"]["long"])
+    texts = [m["content"] for conv in short[:100] for m in conv] + [
+        long[0][-2]["content"],
+        long[0][0]["content"][:20000],
+    ]
+    for t in texts:
+        assert tok.decode(tok.encode(t)) == t
+    special_ids = {i[0] for i in ids}
+    assert not special_ids & set(tok.encode("x = 1")), "encode must not add BOS/EOS"
+
+
+def test_long_samples_are_long_and_spread(small: dict, tok) -> None:
+    manifest = small["files"]
+    short_len = [token_len(tok, m) for m in read(small["paths"]["short"])]
+    long_len = [token_len(tok, m) for m in read(small["paths"]["long"])]
+    for name, lengths in (("short.jsonl", short_len), ("long.jsonl", long_len)):
+        stats = manifest[name]["tokens"]
+        assert (stats["min"], stats["median"], stats["max"]) == (min(lengths), statistics.median(lengths), max(lengths))
+    assert max(long_len) >= 8 * statistics.median(short_len)
+    assert max(long_len) >= 65536, "the top target is always the top of the range"
+    assert min(long_len) <= 4096 and min(long_len) >= 1500
+    assert 10 <= min(short_len) and max(short_len) <= 8192
+
+    lo, hi = demo.LONG_TOKENS
+    targets = demo._long_targets(48, random.Random(0))
+    assert max(targets) == hi and all(lo <= t <= hi for t in targets)
+    positions = sorted(math.log(t / lo) / math.log(hi / lo) for t in targets)
+    assert all(i / 48 - 1e-9 <= u <= (i + 1) / 48 + 1e-9 for i, u in enumerate(positions)), "stratified log-uniform"
+
+
+def module_ast(context: str, module: str) -> ast.Module:
+    """Parse the module's real stdlib file, after checking its source is verbatim in the context."""
+    relpath = dict(HEADER.findall(context))[module]
+    source = (STDLIB / relpath).read_text(encoding="utf-8", errors="replace")
+    assert source in context
+    return ast.parse(source)
+
+
+def bullets(answer: str) -> list[str]:
+    return re.findall(r"^- `([^`]+)`$", answer, re.M)
+
+
+def fn_names(body: list[ast.stmt]) -> list[str]:
+    return list(dict.fromkeys(n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))))
+
+
+def check_long_answer(context: str, question: str, answer: str) -> str:
+    """Recompute the answer to one long-context question from the context; returns the task kind."""
+    for span in re.findall(r"`([^`]+)`", answer):
+        assert span in context or all(part in context for part in span.split(".")), span
+    if m := re.search(r"top-level functions defined in module `([\w.]+)`", question):
+        tree = module_ast(context, m.group(1))
+        assert bullets(answer) == fn_names(tree.body)
+        return "list_functions"
+    if m := re.search(r"methods defined in class `(\w+)` of module `([\w.]+)`", question):
+        tree = module_ast(context, m.group(2))
+        (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == m.group(1)]
+        assert bullets(answer) == fn_names(cls.body)
+        return "list_methods"
+    if m := re.search(r"classes are defined at the top level of module `([\w.]+)`", question):
+        tree = module_ast(context, m.group(1))
+        assert bullets(answer) == list(dict.fromkeys(n.name for n in tree.body if isinstance(n, ast.ClassDef)))
+        return "list_classes"
+    if m := re.search(r"module `([\w.]+)`, what is the default value of parameter `(\w+)` of \w+ `([\w.]+)`", question):
+        tree = module_ast(context, m.group(1))
+        node: ast.AST = tree
+        for part in m.group(3).split("."):
+            node = next(n for n in node.body if getattr(n, "name", None) == part)
+        args = node.args
+        pos = args.posonlyargs + args.args
+        defaults = dict(zip([a.arg for a in pos][len(pos) - len(args.defaults) :], args.defaults))
+        defaults |= {a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None}
+        expected = ast.unparse(defaults[m.group(2)])
+        assert ast.unparse(ast.parse(re.search(r"is `(.+)`\.$", answer).group(1), mode="eval").body) == expected
+        return "default_value"
+    if m := re.search(r"docstring begins with \"(.+)\"\?", question):
+        needle = m.group(1)
+        assert context.count(needle) == 1
+        defs = list(re.finditer(r"def (\w+)\(", context[: context.index(needle)]))
+        assert re.search(r"`([\w.]+)`", answer).group(1).split(".")[-1] == defs[-1].group(1)
+        return "needle_docstring"
+    if m := re.search(r"defines the function `(\w+)`\?", question):
+        fn = m.group(1)
+        assert context.count(f"def {fn}(") == 1
+        module = re.search(r"module `([\w.]+)`", answer).group(1)
+        assert fn in fn_names(module_ast(context, module).body)
+        return "which_module"
+    raise AssertionError(f"unknown question: {question}")
+
+
+def test_long_answers_are_derivable_from_context(small: dict) -> None:
+    kinds = set()
+    for messages in read(small["paths"]["long"]):
+        turns = [m for m in messages if m["role"] != "system"]
+        first = turns[0]["content"]
+        # The question comes after the sources ("...\nQuestion: q") or on the first line before them.
+        head, sep, tail = first.rpartition("\nQuestion: ")
+        question, context = (tail, head) if sep else first.split("\n", 1)
+        assert HEADER.search(context) and "Question:" not in context[-200:]
+        for i, (user, assistant) in enumerate(zip(turns[::2], turns[1::2])):
+            kinds.add(check_long_answer(context, question if i == 0 else user["content"], assistant["content"]))
+    assert len(kinds) >= 4
+
+
+def test_short_answers_match_the_source(small: dict) -> None:
+    checked = 0
+    for messages in read(small["paths"]["short"]):
+        turns = [m for m in messages if m["role"] != "system"]
+        q, a = turns[0]["content"], turns[1]["content"]
+        if m := re.fullmatch(r"Write the signature of `([\w.]+)`\.", q):
+            name = m.group(1).split(".")[-1]
+            assert re.fullmatch(rf"```python\n(async def|def|class) {name}\b.*\n```", a, re.S), (q, a)
+            checked += 1
+        if m := re.match(r"(?:Write a docstring for|Document the following)[^`]*```python\n(.*)\n```$", q, re.S):
+            assert '"""' + a.split("\n", 1)[0] not in m.group(1)  # the docstring was removed from the code
+            checked += 1
+    assert checked >= 10
+
+
+def test_ensure_demo_reuses_then_rebuilds_identically(small: dict, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "copy"
+    shutil.copytree(small["paths"]["out_dir"], out)
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    mtimes = {p: p.stat().st_mtime_ns for p in files}
+    got = demo.ensure_demo(out)
+    assert got["paths"]["out_dir"] == str(out) and got["args"] == SMALL
+    assert demo.ensure_demo(out, **SMALL)["files"] == small["files"]
+    assert demo.main([str(out), "--if-missing", *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]]) == 0
+    assert "long.jsonl" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in files} == mtimes, "ensure_demo rebuilt a complete build"
+
+    # A missing file triggers a full, independent rebuild (stdlib parsed again), which must be byte-identical.
+    (out / "long.jsonl").unlink()
+    demo._load_modules.cache_clear()
+    demo.ensure_demo(out, **SMALL)
+    assert (out / "short.jsonl").stat().st_mtime_ns != mtimes[out / "short.jsonl"]
+    first = Path(small["paths"]["out_dir"])
+    for name in ("short.jsonl", "long.jsonl", "manifest.json", "tokenizer/tokenizer.json"):
+        assert (out / name).read_bytes() == (first / name).read_bytes(), name
+    vocab = [AutoTokenizer.from_pretrained(d / "tokenizer").get_vocab() for d in (first, out)]
+    assert vocab[0] == vocab[1]
+
+
+def test_ensure_demo_concurrent_callers_build_once_and_seed_matters(small: dict, tmp_path: Path, monkeypatch) -> None:
+    calls = []
+    build = demo.build_demo
+
+    def counting_build(*args, **kwargs):
+        calls.append(args)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "build_demo", counting_build)
+    reseeded = {**SMALL, "seed": 1}
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: demo.ensure_demo(tmp_path / "shared", **reseeded), range(2)))
+    assert len(calls) == 1
+    assert results[0]["files"] == results[1]["files"] and results[0]["args"] == reseeded
+
+    before = Path(small["paths"]["short"]).read_text().splitlines()
+    after = (tmp_path / "shared" / "short.jsonl").read_text().splitlines()
+    assert len(after) == len(before) and before != after
+    # Arguments that differ from the manifest make ensure_demo rebuild; those not passed are not compared.
+    assert demo._complete(tmp_path / "shared", {"seed": 0}) is None
+    assert demo._complete(tmp_path / "shared", {"n_short": SMALL["n_short"]}) is not None

@@ -1,0 +1,263 @@
+"""HBPLitModule: varlen attention equals separate forwards; the loss normalizers' gradients."""
+
+import copy
+import json
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_hbp import attention
+from lit_hbp.data.collate import collate_packs
+from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.loss import chunked_cross_entropy
+from lit_hbp.module import HBPLitModule
+
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+ARCHS = {
+    "llama": TINY,
+    "qwen2": {**TINY, "model_type": "qwen2"},
+    "mistral": {**TINY, "model_type": "mistral", "sliding_window": 24},
+}
+
+
+def make_module(config=TINY, vocab=300, **kw) -> HBPLitModule:
+    torch.manual_seed(0)
+    m = HBPLitModule(model=config, vocab_size=vocab, **kw)
+    m.configure_model()
+    return m
+
+
+def reference_model(module: HBPLitModule):
+    """The same weights with transformers' own SDPA attention: the independent reference."""
+    ref = copy.deepcopy(module.model)
+    ref.set_attn_implementation("sdpa")
+    return ref
+
+
+def random_samples(rng, n, vocab=300, lo=3, hi=60):
+    return {
+        i: (rng.integers(0, vocab, int(k)), rng.random(int(k)) < 0.7) for i, k in enumerate(rng.integers(lo, hi, n))
+    }
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_packed_forward_equals_separate_forwards_cpu(arch):
+    module = make_module(ARCHS[arch])
+    ref = reference_model(module)
+    rng = np.random.default_rng(0)
+    samples = random_samples(rng, 6, hi=50)
+    samples[5] = (rng.integers(0, 300, 40), np.ones(40, bool))  # longer than mistral's window of 24
+    batch = collate_packs([np.arange(6)], lambda i: samples[i], pad_id=0)
+    cu = batch["cu_seqlens"]
+    logits = module.model(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=batch["max_seqlen"],
+        max_length_k=batch["max_seqlen"],
+        use_cache=False,
+    ).logits[0]
+    for i, (a, b) in enumerate(zip(cu[:-2].tolist(), cu[1:-1].tolist())):
+        alone = ref(input_ids=torch.as_tensor(samples[i][0])[None], use_cache=False).logits[0]
+        torch.testing.assert_close(logits[a:b], alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
+def test_packed_forward_equals_separate_forwards_cuda(backend):
+    if backend == "flash_attn":
+        pytest.importorskip("flash_attn", reason="flash-attn is not installed")
+    attention.set_backend(backend)
+    try:
+        module = make_module().cuda().to(torch.bfloat16)
+        ref = reference_model(module)
+        rng = np.random.default_rng(0)
+        samples = random_samples(rng, 6, hi=200)
+        batch = collate_packs([np.arange(6)], lambda i: samples[i], pad_id=0)
+        cu = batch["cu_seqlens"].cuda()
+        logits = (
+            module.model(
+                input_ids=batch["input_ids"].cuda(),
+                position_ids=batch["position_ids"].cuda(),
+                cu_seq_lens_q=cu,
+                cu_seq_lens_k=cu,
+                max_length_q=batch["max_seqlen"],
+                max_length_k=batch["max_seqlen"],
+                use_cache=False,
+            )
+            .logits[0]
+            .float()
+        )
+        for i, (a, b) in enumerate(zip(cu[:-2].tolist(), cu[1:-1].tolist())):
+            alone = ref(input_ids=torch.as_tensor(samples[i][0]).cuda()[None], use_cache=False).logits[0].float()
+            torch.testing.assert_close(logits[a:b], alone, atol=2e-2, rtol=2e-2)
+    finally:
+        attention.set_backend("auto")
+
+
+def test_chunked_cross_entropy_matches_full_logits():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (37,))
+    labels[::3] = -100
+    weights = torch.rand(37)
+    loss, ce_sum, n = chunked_cross_entropy(hidden, head, labels, weights, chunk_size=5)
+    keep = labels != -100
+    ce = F.cross_entropy(head(hidden[keep]), labels[keep], reduction="none")
+    torch.testing.assert_close(loss, (ce * weights[keep]).sum())
+    torch.testing.assert_close(ce_sum, ce.sum().detach())
+    assert n == int(keep.sum())
+    g_chunked = torch.autograd.grad(loss, [hidden, head.weight])
+    g_full = torch.autograd.grad((ce * weights[keep]).sum(), [hidden, head.weight])
+    for a, b in zip(g_chunked, g_full):
+        torch.testing.assert_close(a, b)
+    # No target at all: a zero loss that still reaches the LM head (matched collective hooks).
+    zero, _, n0 = chunked_cross_entropy(hidden, head, torch.full((37,), -100), weights)
+    assert n0 == 0 and zero.item() == 0 and zero.requires_grad
+
+
+# ------------------------------------------------------------------------------- loss gradients
+
+
+class GradCapture(L.Callback):
+    def __init__(self):
+        self.grads = None
+        self.batches = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in batch.items()})
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in pl_module.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    rng = np.random.default_rng(1)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world"]
+    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    with path.open("w") as f:
+        for _ in range(40):
+            q = " ".join(rng.choice(words, rng.integers(2, 20)))
+            a = " ".join(rng.choice(words, rng.integers(1, 25)))
+            f.write(
+                json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+            )
+    return path
+
+
+def train_one_step(data_path, tokenizer, accumulate, loss, tmp_path):
+    dm = HBPDataModule(
+        sources=[{"path": str(data_path)}],
+        tokenizer=tokenizer,
+        levels=["96:1", "256:1"],
+        cache_dir=str(tmp_path / "cache"),
+    )
+    module = make_module(vocab=dm.vocab_size, loss=loss, lr=0.0)
+    capture = GradCapture()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        accumulate_grad_batches=accumulate,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[capture],
+    )
+    reference = copy.deepcopy(module)
+    trainer.fit(module, dm)
+    return capture, dm, reference
+
+
+def reference_grads(reference: HBPLitModule, dm, batches, loss):
+    """Per-sample HF forwards with SDPA attention: the definition of each normalizer."""
+    ref = reference_model(reference)
+    terms = []  # (micro index, sample ce sum, sample targets)
+    for m, b in enumerate(batches):
+        for i in b["sample_index"].tolist():
+            ids, target = dm.store.tokens(i)
+            ids = torch.tensor(ids, dtype=torch.long)
+            labels = torch.where(torch.as_tensor(target[1:]), ids[1:], -100)
+            logits = ref(input_ids=ids[None], use_cache=False).logits[0, :-1]
+            ce = F.cross_entropy(logits, labels, reduction="sum", ignore_index=-100)
+            terms.append((m, ce, int((labels != -100).sum())))
+    a = len(batches)
+    if loss == "ave_token":
+        total = sum(ce for _, ce, _ in terms) / sum(n for *_, n in terms)
+    elif loss == "token_mean":
+        total = (
+            sum(sum(ce for mm, ce, _ in terms if mm == m) / sum(n for mm, _, n in terms if mm == m) for m in range(a))
+            / a
+        )
+    elif loss == "sample_mean":
+        total = (
+            sum(sum(ce / n for mm, ce, n in terms if mm == m) / sum(1 for mm, *_ in terms if mm == m) for m in range(a))
+            / a
+        )
+    else:
+        total = sum(ce for _, ce, _ in terms) / a
+    total.backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("accumulate", [1, 2, 4])
+def test_ave_token_step_equals_global_token_mean(chat_data, toy_tokenizer, tmp_path, accumulate):
+    capture, dm, reference = train_one_step(chat_data, toy_tokenizer, accumulate, "ave_token", tmp_path)
+    assert len(capture.batches) == accumulate
+    expected = reference_grads(reference, dm, capture.batches, "ave_token")
+    for name, g in capture.grads.items():
+        torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+    if accumulate > 1:
+        # The micro-batches hold different token counts, so averaging per-micro-batch means would
+        # give another update: the comparison above can tell the two apart.
+        assert len({b["n_targets"] for b in capture.batches}) > 1
+        per_micro = reference_grads(reference, dm, capture.batches, "token_mean")
+        gap = max((capture.grads[n] - per_micro[n]).abs().max().item() for n in per_micro)
+        assert gap > 1e-4
+
+
+@pytest.mark.parametrize("loss", ["token_mean", "sample_mean", "sum"])
+def test_other_normalizers_match_their_definitions(chat_data, toy_tokenizer, tmp_path, loss):
+    capture, dm, reference = train_one_step(chat_data, toy_tokenizer, 2, loss, tmp_path)
+    expected = reference_grads(reference, dm, capture.batches, loss)
+    for name, g in capture.grads.items():
+        torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_checkpointed_layers_follow_the_level(chat_data):
+    module = make_module()
+    module.set_checkpointing(2)
+    assert [layer.gradient_checkpointing for layer in module._layers] == [True, True, False]
+    with pytest.raises(ValueError, match="ckpt_layers 4 exceeds the model's 3 decoder layers"):
+        module.set_checkpointing(4)
+    # Same gradients with and without checkpointing.
+    rng = np.random.default_rng(0)
+    samples = random_samples(rng, 4)
+    batch = collate_packs([np.arange(4)], lambda i: samples[i], meta={"loss_norm": 10.0})
+    grads = []
+    for k in (0, 3):
+        module.zero_grad()
+        module.train()
+        module.set_checkpointing(k)
+        module(batch)[0].backward()
+        grads.append([p.grad.clone() for p in module.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

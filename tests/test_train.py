@@ -1,0 +1,161 @@
+"""End to end: the tiny CPU config trains and logs; a mid-epoch resume continues exactly."""
+
+import glob
+import json
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
+
+from lit_hbp.cli import main
+from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.module import HBPLitModule
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scalars(logdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = glob.glob(f"{logdir}/**/events.out.tfevents.*", recursive=True)
+    acc = EventAccumulator(events)
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_tiny_config_trains_and_logs(tmp_path, small_demo, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs/tiny_cpu.yaml"),
+            "--data.demo_dir",
+            str(small_demo),
+            "--trainer.max_steps",
+            "24",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
+    logged = scalars(tmp_path / "runs")
+    for tag in (
+        "train/loss",
+        "train/level",
+        "train/supervised_tokens",
+        "train/tokens",
+        "curriculum/warmup",
+        "packing/abr",
+        "packing/pr",
+        "packing/level",
+        "lr-AdamW/pg1",
+        "train/items_per_sec",
+        "time/level0_micro_step_s",
+        "time/level0_tokens_per_s_per_device",
+    ):
+        assert tag in logged, tag
+    loss = [v for _, v in logged["train/loss"]]
+    assert np.mean(loss[-3:]) < np.mean(loss[:3]) - 0.5, loss
+    # The curriculum: the first 10 optimizer steps are on the short levels (1K, 4K) only.
+    warm = [v for _, v in logged["curriculum/warmup"]]
+    levels = [v for _, v in logged["train/level"]]
+    assert warm[0] == 1.0 and all(lv in (0.0, 1.0) for lv, w in zip(levels, warm) if w == 1.0)
+    assert Path("runs/tiny_cpu/version_0/checkpoints/last.ckpt").exists()
+
+
+class Record(L.Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append(
+            (trainer.current_epoch, batch["micro_index"], tuple(batch["sample_index"].tolist()), float(outputs["loss"]))
+        )
+
+
+def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None):
+    L.seed_everything(0)
+    dm = HBPDataModule(
+        sources=[{"path": str(data)}], tokenizer=tokenizer, levels=["128:1", "512:1"], cache_dir=str(tmp_path / "cache")
+    )
+    torch.manual_seed(0)
+    module = HBPLitModule(
+        model={
+            "model_type": "llama",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        },
+        vocab_size=dm.vocab_size,
+        lr=1e-3,
+    )
+    record = Record()
+    callbacks = [record, HBPCurriculum(3), PackingMetrics()]
+    if every:
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1, filename="{step}"
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        logger=False,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(every),
+    )
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return record.rows, dm
+
+
+@pytest.fixture(scope="module")
+def resume_data(tmp_path_factory):
+    rng = np.random.default_rng(3)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world"]
+    path = tmp_path_factory.mktemp("resume") / "d.jsonl"
+    with path.open("w") as f:
+        for _ in range(30):
+            q, a = (" ".join(rng.choice(words, rng.integers(1, k))) for k in (30, 60))
+            f.write(json.dumps({"prompt": q, "response": a}) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, resume_data, toy_tokenizer):
+    full, dm = run(tmp_path / "full", resume_data, toy_tokenizer, max_steps=14, every=1)
+    steps_per_epoch = dm.plan_for_epoch(0).n_steps
+    assert steps_per_epoch < 14, "the run must cross an epoch boundary"
+    for stop in (3, steps_per_epoch + 2):  # mid first epoch, mid second epoch
+        ckpt = tmp_path / "full" / "ckpt" / f"step={stop}.ckpt"
+        resumed, _ = run(tmp_path / f"resumed{stop}", resume_data, toy_tokenizer, max_steps=14, ckpt_path=ckpt)
+        expected = full[2 * stop :]
+        assert [r[:3] for r in resumed] == [r[:3] for r in expected]
+        np.testing.assert_allclose([r[3] for r in resumed], [r[3] for r in expected], rtol=1e-6, atol=1e-7)
+
+
+def test_cli_links_vocab_size_and_interpolates(tmp_path, small_demo, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = main(
+        ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo), "--model.lr", "0.5"],
+        run=False,
+    )
+    assert cli.model.hparams.vocab_size == len(cli.datamodule.tokenizer) == 2048
+    assert cli.model.hparams.model["max_position_embeddings"] == cli.datamodule.levels[-1].pack_len == 8192
+    assert cli.model.hparams.lr == 0.5
+    assert cli.datamodule.sources[0].path == f"{small_demo}/short.jsonl"
+    assert cli.trainer.accumulate_grad_batches == 2
+    assert [type(c).__name__ for c in cli.trainer.callbacks][:3] == [
+        "HBPCurriculum",
+        "PackingMetrics",
+        "HBPThroughputMonitor",
+    ]
