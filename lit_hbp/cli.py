@@ -8,6 +8,7 @@ size is linked from the data module into the model.
 
 from __future__ import annotations
 
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 from lit_hbp.data.datamodule import HBPDataModule
@@ -21,6 +22,8 @@ class HBPCLI(LightningCLI):
 
 def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     """Parse the command line (or ``args``), build trainer, model and data; fit unless ``run=False``."""
+    # Configs write ${data.x} whether or not a subcommand (fit.) prefixes the parsed tree.
+    set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     return HBPCLI(
         HBPLitModule,
         HBPDataModule,

@@ -89,6 +89,7 @@ class HBPLitModule(L.LightningModule):
         self.model = None
         self._layers: list[torch.nn.Module] = []
         self._step_start = 0.0
+        self._step_stats = torch.zeros(2)
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -149,10 +150,25 @@ class HBPLitModule(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, ce_sum, n = self(batch)
-        self.log("train/loss", ce_sum / max(n, 1), prog_bar=True)
-        self.log("train/level", float(batch["level"]))
-        self.log("train/supervised_tokens", float(batch["n_targets"]))
-        self.log("train/tokens", float(batch["n_tokens"]))
+        # train/loss: token-mean CE over all ranks and micro-steps of the optimizer step so far, so
+        # the value logged at a step is that step's loss (an SP shard or an empty completion pack
+        # alone may hold no supervised token).
+        stats = torch.stack([ce_sum.detach().float(), torch.tensor(float(n), device=ce_sum.device)])
+        if self.trainer.world_size > 1:
+            stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
+        if batch_idx % self.trainer.accumulate_grad_batches == 0:
+            self._step_stats = torch.zeros_like(stats)
+        self._step_stats = self._step_stats + stats
+        if self._step_stats[1] > 0:
+            self.log("train/loss", self._step_stats[0] / self._step_stats[1], prog_bar=True, batch_size=1)
+        for key, value in (
+            ("level", batch["level"]),
+            ("sp", batch["sp"]),
+            ("ckpt_layers", batch["ckpt_layers"]),
+            ("supervised_tokens", batch["n_targets"]),
+            ("tokens", batch["n_tokens"]),
+        ):
+            self.log(f"train/{key}", float(value), batch_size=1)
         return loss
 
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
@@ -160,8 +176,8 @@ class HBPLitModule(L.LightningModule):
             torch.cuda.synchronize()
         seconds = time.perf_counter() - self._step_start
         level = int(batch["level"])
-        self.log(f"time/level{level}_micro_step_s", seconds)
-        self.log(f"time/level{level}_tokens_per_s_per_device", batch["input_ids"].shape[1] / seconds)
+        self.log(f"time/level{level}_micro_step_s", seconds, batch_size=1)
+        self.log(f"time/level{level}_tokens_per_s_per_device", batch["input_ids"].shape[1] / seconds, batch_size=1)
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -53,7 +53,7 @@ def test_tiny_config_trains_and_logs(tmp_path, small_demo, monkeypatch):
         "packing/pr",
         "packing/level",
         "lr-AdamW/pg1",
-        "train/items_per_sec",
+        "train/device/items_per_sec",
         "time/level0_micro_step_s",
         "time/level0_tokens_per_s_per_device",
     ):
@@ -150,7 +150,7 @@ def test_cli_links_vocab_size_and_interpolates(tmp_path, small_demo, monkeypatch
         run=False,
     )
     assert cli.model.hparams.vocab_size == len(cli.datamodule.tokenizer) == 2048
-    assert cli.model.hparams.model["max_position_embeddings"] == cli.datamodule.levels[-1].pack_len == 8192
+    assert cli.model.hparams.model["max_position_embeddings"] == cli.datamodule.levels[-1].pack_len == 16384
     assert cli.model.hparams.lr == 0.5
     assert cli.datamodule.sources[0].path == f"{small_demo}/short.jsonl"
     assert cli.trainer.accumulate_grad_batches == 2
@@ -159,3 +159,54 @@ def test_cli_links_vocab_size_and_interpolates(tmp_path, small_demo, monkeypatch
         "PackingMetrics",
         "HBPThroughputMonitor",
     ]
+
+
+def test_llama3_8b_recipe_parses(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", str(ROOT / "configs/llama3_8b_32gpu.yaml"), "--print_config"])
+    assert e.value.code == 0
+    printed = capsys.readouterr().out
+    for expected in (
+        "class_path: lit_hbp.strategy.HBPStrategy",
+        "num_nodes: 4",
+        "precision: bf16-mixed",
+        "pack_len: 131072",
+        "sp: 8",
+        "ckpt_layers: 28",
+        "loss: ave_token",
+        "model: /models/Meta-Llama-3.1-8B-Instruct",
+    ):
+        assert expected in printed, expected
+
+
+@pytest.mark.slow
+def test_tiny_sp_config_trains_on_two_processes(tmp_path, small_demo):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "demo_data").symlink_to(small_demo)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "fit",
+            "--config",
+            str(ROOT / "configs/tiny_cpu_sp.yaml"),
+            "--trainer.max_steps",
+            "8",
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "HBPStrategy levels: 2048 tokens sp 1 ckpt 0, 8192 tokens sp 2 ckpt 2" in out.stderr + out.stdout
+    logged = scalars(tmp_path / "runs")
+    assert {v for _, v in logged["train/sp"]} == {1.0, 2.0}
+    assert len(logged["train/loss"]) >= 4 and all(v > 0 for _, v in logged["train/loss"])

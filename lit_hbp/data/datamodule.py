@@ -9,10 +9,10 @@ exactly the batches an uninterrupted run would have seen next.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import lightning as L
-import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -131,7 +131,8 @@ class HBPDataModule(L.LightningDataModule):
             raise ValueError("no data sources given")
         self.sources = [s if isinstance(s, Source) else Source(**s) for s in sources]
         self.levels = tuple(as_level(x) for x in levels)
-        validate_levels(self.levels, max(lv.sp for lv in self.levels) if self.levels else 1)
+        # Checked against the real world size at setup; here only what needs no world.
+        validate_levels(self.levels, math.lcm(*(lv.sp for lv in self.levels)) if self.levels else 1)
         self.packer, self.over_length, self.train_on, self.seed = packer, over_length, train_on, seed
         self.cache_dir, self.num_workers = cache_dir, num_workers
         if demo_dir is not None:
@@ -232,6 +233,3 @@ def load_tokenizer(path: str):
                 f"tokenizer not found: {path!r} is neither a local folder nor in the Hugging Face cache"
             ) from None
     return AutoTokenizer.from_pretrained(path)
-
-
-__all__ = ["HBPDataModule", "MicroBatchDataset", "PlanLoader", "PlanSampler", "load_tokenizer", "np"]

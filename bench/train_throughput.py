@@ -1,0 +1,244 @@
+"""Training throughput: HBP packed varlen batches vs padded batches vs HF's flattening collator.
+
+    python bench/train_throughput.py [--samples 600] [--max-len 4096] [--batch-size 8] [--device cpu]
+
+All three modes train the same randomly initialized Llama-style model (same seed) for one pass over
+the same samples of the embedded demo data (short chats plus long-context samples up to --max-len),
+with AdamW, forward + backward + step per batch:
+
+- padded: random batches of --batch-size samples padded to the longest, HF attention with a padding
+  mask (what a plain Trainer + DataCollatorWithPadding does);
+- hf_flatten: the same batches concatenated into one row by transformers'
+  DataCollatorWithFlattening (position_ids restart per sample, HF's packed-sequence detection);
+- hbp: the HBP plan (levels 1K sp1 and --max-len sp1 on one device) and HBPLitModule's varlen
+  attention and chunked cross-entropy.
+
+Throughput counts real sample tokens only (padding is waste). Target on the demo data: hbp >= 2x
+padded. On a GPU (--device cuda, bf16) hf_flatten uses flash-attention-2 when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lit_hbp.data.collate import collate_packs
+from lit_hbp.data.datamodule import load_tokenizer
+from lit_hbp.data.demo import ensure_demo
+from lit_hbp.data.sources import Source
+from lit_hbp.data.store import SampleStore
+from lit_hbp.data.tokenize import tokenize_source
+from lit_hbp.module import HBPLitModule
+from lit_hbp.packing import Level, plan_hbp
+from lit_hbp.packing.__main__ import format_table
+
+HERE = Path(__file__).resolve().parent
+
+
+def load_samples(args) -> tuple[SampleStore, np.ndarray, object]:
+    demo = ensure_demo(args.demo_dir)["paths"]
+    tok = load_tokenizer(demo["tokenizer"])
+    sources = [
+        tokenize_source(Source(demo[k]), tok, cache_dir=HERE / "cache", progress=False) for k in ("short", "long")
+    ]
+    store = SampleStore.build(sources, args.max_len, "drop")
+    rng = np.random.default_rng(args.seed)
+    long_ids = np.flatnonzero(store.source_of == 1)
+    short_ids = rng.permutation(np.flatnonzero(store.source_of == 0))[: max(args.samples - long_ids.size, 0)]
+    chosen = rng.permutation(np.r_[short_ids, long_ids])
+    return store, chosen, tok
+
+
+def model_config(args, vocab: int) -> dict:
+    return {
+        "model_type": "llama",
+        "hidden_size": args.hidden,
+        "intermediate_size": 3 * args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": max(args.heads // 2, 1),
+        "max_position_embeddings": args.max_len,
+        "vocab_size": vocab,
+    }
+
+
+def timed_loop(batches, step_fn, device, warmup: int = 2) -> tuple[float, int, int]:
+    """Seconds over all batches after ``warmup`` (excluded), real tokens and computed tokens timed."""
+    real = computed = 0
+    start = None
+    for i, (batch, n_real, n_computed) in enumerate(batches):
+        if i == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        step_fn(batch)
+        if i >= warmup:
+            real += n_real
+            computed += n_computed
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, real, computed
+
+
+def hf_model(base: HBPLitModule, attn: str, device, dtype):
+    net = copy.deepcopy(base.model)
+    net.set_attn_implementation(attn)
+    return net.to(device=device, dtype=dtype).train()
+
+
+def run_padded(base, store, chosen, args, device, dtype, pad_id):
+    net = hf_model(base, "sdpa", device, dtype)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+
+    def batches():
+        for a in range(0, chosen.size, args.batch_size):
+            group = [store.tokens(int(i)) for i in chosen[a : a + args.batch_size]]
+            longest = max(x[0].size for x in group)
+            ids = torch.full((len(group), longest), pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            labels = torch.full_like(ids, -100)
+            for r, (x, target) in enumerate(group):
+                ids[r, : x.size] = torch.as_tensor(x)
+                mask[r, : x.size] = 1
+                labels[r, : x.size] = torch.where(torch.as_tensor(target), torch.as_tensor(x), -100)
+            n_real = int(mask.sum())
+            yield (ids.to(device), mask.to(device), labels.to(device)), n_real, ids.numel()
+
+    def step(b):
+        ids, mask, labels = b
+        net(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return timed_loop(batches(), step, device)
+
+
+def run_flatten(base, store, chosen, args, device, dtype):
+    from transformers import DataCollatorWithFlattening
+
+    attn = "flash_attention_2" if device.type == "cuda" and _has_flash() else "sdpa"
+    net = hf_model(base, attn, device, dtype)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    collator = DataCollatorWithFlattening(return_position_ids=True)
+
+    def batches():
+        for a in range(0, chosen.size, args.batch_size):
+            feats = []
+            for i in chosen[a : a + args.batch_size]:
+                x, target = store.tokens(int(i))
+                feats.append({"input_ids": x.tolist(), "labels": np.where(target, x, -100).tolist()})
+            b = collator(feats)
+            n = b["input_ids"].shape[1]
+            yield {k: v.to(device) for k, v in b.items()}, n, n
+
+    def step(b):
+        net(**b, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return timed_loop(batches(), step, device)
+
+
+def run_hbp(base, store, chosen, args, device, dtype, pad_id):
+    module = copy.deepcopy(base).to(device=device, dtype=dtype).train()
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    plan = plan_hbp(
+        store.lengths[chosen],
+        [Level(1024), Level(args.max_len)],
+        1,
+        seed=args.seed,
+        loss_tokens=store.loss_tokens[chosen],
+    )
+
+    def batches():
+        for mb in plan.micro_batches(0):
+            packs = [chosen[p] for p in mb.packs]
+            b = collate_packs(packs, store.tokens, pad_id=pad_id, meta={"loss_norm": mb.loss_norm})
+            b = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()}
+            b["cu_seqlens"] = b["cu_seqlens"].to(device)
+            yield b, b["n_tokens"], b["input_ids"].shape[1]
+
+    def step(b):
+        module(b)[0].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return timed_loop(batches(), step, device)
+
+
+def _has_flash() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=600)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--demo-dir", default=str(HERE / "demo_data"))
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(args.seed)
+    store, chosen, tok = load_samples(args)
+    pad_id = tok.pad_token_id
+    base = HBPLitModule(model=model_config(args, len(tok)))
+    base.configure_model()
+    lengths = store.lengths[chosen]
+    print(
+        f"{chosen.size} samples, {int(lengths.sum())} tokens (median {int(np.median(lengths))}, "
+        f"max {int(lengths.max())}); model {sum(x.numel() for x in base.parameters()) / 1e6:.1f}M params, "
+        f"{device.type} {dtype}, batch size {args.batch_size} for the baselines\n"
+    )
+    rows = []
+    for name, fn in (
+        ("padded", lambda: run_padded(base, store, chosen, args, device, dtype, pad_id)),
+        ("hf_flatten", lambda: run_flatten(base, store, chosen, args, device, dtype)),
+        ("hbp", lambda: run_hbp(base, store, chosen, args, device, dtype, pad_id)),
+    ):
+        seconds, real, computed = fn()
+        rows.append(
+            dict(
+                name=name,
+                seconds=seconds,
+                real_tokens=real,
+                computed_tokens=computed,
+                padding=1 - real / computed,
+                tokens_per_s=real / seconds,
+            )
+        )
+    for r in rows:
+        r["vs_padded"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    print(
+        format_table(
+            rows,
+            [
+                ("seconds", ".1f"),
+                ("real_tokens", "d"),
+                ("computed_tokens", "d"),
+                ("padding", ".3f"),
+                ("tokens_per_s", ".0f"),
+                ("vs_padded", ".2f"),
+            ],
+        )
+    )
+    ratio = rows[-1]["vs_padded"]
+    print(f"\nhbp vs padded: {ratio:.2f}x (target >= 2x): {'PASS' if ratio >= 2 else 'FAIL'}")
+    return 0 if ratio >= 2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Ulysses sequence parallelism: all-to-all between sequence shards and head shards.
+
+Each rank of an SP group of size sp holds a contiguous 1/sp of the pack's tokens with all heads.
+``seq_to_heads`` gives every rank 1/sp of the heads over the whole pack, so attention runs on the
+full varlen sequence with the pack's global cu_seqlens; ``heads_to_seq`` turns the output back.
+Each is the other's gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lit_hbp.parallel.groups import SPContext
+
+
+def _a2a(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+    """all_to_all over dim 0 (one chunk per rank of the group)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=ctx.group)
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+    """[1, H, T/sp, D] -> [1, H/sp, T, D]."""
+    _, h, t, d = x.shape
+    chunks = _a2a(x.reshape(ctx.size, h // ctx.size, t, d), ctx)  # [source rank, H/sp, T/sp, D]
+    return chunks.permute(1, 0, 2, 3).reshape(1, h // ctx.size, ctx.size * t, d)
+
+
+def _heads_to_seq(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+    """[1, H/sp, T, D] -> [1, H, T/sp, D]."""
+    _, h, t, d = x.shape
+    chunks = x.reshape(h, ctx.size, t // ctx.size, d).permute(1, 0, 2, 3)  # [dest rank, H/sp, T/sp, D]
+    return _a2a(chunks, ctx).reshape(1, h * ctx.size, t // ctx.size, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x, ctx):
+        fctx.sp = ctx
+        return _seq_to_heads(x, ctx)
+
+    @staticmethod
+    def backward(fctx, grad):
+        return _heads_to_seq(grad, fctx.sp), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x, ctx):
+        fctx.sp = ctx
+        return _heads_to_seq(x, ctx)
+
+    @staticmethod
+    def backward(fctx, grad):
+        return _seq_to_heads(grad, fctx.sp), None
+
+
+def seq_to_heads(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+    return _SeqToHeads.apply(x, ctx)
+
+
+def heads_to_seq(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+    return _HeadsToSeq.apply(x, ctx)
+
+
+def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
+    """Raise unless heads split evenly over sp (kv heads may be replicated up to sp)."""
+    if num_heads % sp:
+        raise ValueError(f"{num_heads} attention heads cannot be split over sp {sp}: heads must be divisible by sp")
+    if num_kv_heads % sp and sp % num_kv_heads:
+        raise ValueError(
+            f"{num_kv_heads} key/value heads do not fit sp {sp}: kv heads must be divisible by sp, "
+            "or sp divisible by kv heads (then kv heads are replicated)"
+        )
+
+
+def replicate_kv(x: torch.Tensor, sp: int) -> torch.Tensor:
+    """[1, Hkv, T, D] with Hkv < sp -> [1, sp, T, D]: each kv head repeated for the query heads that
+    use it, so every rank receives the kv head of its query heads."""
+    hkv = x.shape[1]
+    return x if hkv % sp == 0 else x.repeat_interleave(sp // hkv, dim=1)

@@ -1,0 +1,146 @@
+"""HBPStrategy: DeepSpeed with a sequence-parallel degree per HBP level, switched batch by batch.
+
+Every SP group of every degree the levels use is built once at setup; each micro-batch then only
+activates its level's group (its ``sp`` tag), at zero cost. DeepSpeed itself never hears of SP: its
+data-parallel group stays the whole world (no ``mpu``, whose ZeRO partitioning would freeze one sp),
+and the Ave-Token loss carries all SP accounting (DESIGN.md sections 5-7).
+
+Also fixed here:
+- Lightning divides the loss by accumulate_grad_batches and DeepSpeed divides gradients by its
+  accumulation steps again; DeepSpeed's division is cancelled (``scale_wrt_gas=False``).
+- Lightning's DeepSpeedStrategy refuses CPU accelerators; on CPU this strategy initializes
+  DeepSpeed with gloo and ``device_rank=local_rank``, so the whole path runs and is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
+from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
+
+from lit_hbp.packing.levels import Level, as_level, validate_levels  # noqa: E402
+from lit_hbp.parallel import context  # noqa: E402
+from lit_hbp.parallel.groups import SPGroups  # noqa: E402
+from lit_hbp.parallel.ulysses import check_heads  # noqa: E402
+
+
+def validate_sp_setup(levels, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
+    """Everything about the levels that can fail before the first step, with the offending level."""
+    levels = validate_levels(levels, world_size)
+    for i, lv in enumerate(levels):
+        try:
+            check_heads(num_heads, num_kv_heads, lv.sp)
+        except ValueError as e:
+            raise ValueError(f"level {i} (pack_len {lv.pack_len}, sp {lv.sp}): {e}") from None
+        if lv.ckpt_layers > num_layers:
+            raise ValueError(
+                f"level {i} (pack_len {lv.pack_len}) checkpoints {lv.ckpt_layers} layers but the model has "
+                f"{num_layers} decoder layers"
+            )
+
+
+class HBPStrategy(DeepSpeedStrategy):
+    """DeepSpeed (ZeRO 0-3) with per-level Ulysses sequence parallelism.
+
+    Args:
+        levels: the HBP levels; by default those of the trainer's data module (HBPDataModule).
+        stage: ZeRO stage. Other arguments are DeepSpeedStrategy's.
+    """
+
+    strategy_name = "hbp"
+
+    def __init__(
+        self,
+        levels: list[Level | dict | str | int] | None = None,
+        stage: int = 2,
+        logging_batch_size_per_gpu: int = 1,
+        **kwargs: Any,
+    ):
+        super().__init__(stage=stage, logging_batch_size_per_gpu=logging_batch_size_per_gpu, **kwargs)
+        self.levels = None if levels is None else tuple(as_level(x) for x in levels)
+        self.sp_groups: SPGroups | None = None
+
+    @property
+    def _on_cpu(self) -> bool:
+        return self.root_device.type == "cpu"
+
+    def setup_environment(self) -> None:
+        if self._on_cpu:
+            DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's version refuses CPU accelerators
+        else:
+            super().setup_environment()
+
+    def setup_distributed(self) -> None:
+        if not self._on_cpu:
+            return super().setup_distributed()
+        # CPU devices have no index, which the parent's device-index check rejects.
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _deepspeed_args(self) -> argparse.Namespace:
+        return argparse.Namespace(device_rank=self.local_rank if self._on_cpu else self.root_device.index)
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        if not self._on_cpu:
+            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        import deepspeed
+
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=self._deepspeed_args(),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+    def setup(self, trainer) -> None:
+        levels = self.levels or getattr(trainer.datamodule, "levels", None)
+        if not levels:
+            raise ValueError("HBPStrategy needs levels: pass levels=... or use a data module with .levels")
+        module = trainer.lightning_module
+        cfg = module.model.config
+        heads = cfg.num_attention_heads
+        validate_sp_setup(
+            levels,
+            self.world_size,
+            heads,
+            getattr(cfg, "num_key_value_heads", None) or heads,
+            getattr(module, "num_layers", cfg.num_hidden_layers),
+        )
+        self.levels = tuple(as_level(x) for x in levels)
+        self.sp_groups = SPGroups([lv.sp for lv in self.levels], self.world_size, self.global_rank)
+        rank_zero_info(
+            "HBPStrategy levels: "
+            + ", ".join(f"{lv.pack_len} tokens sp {lv.sp} ckpt {lv.ckpt_layers}" for lv in self.levels)
+            + f"; ZeRO stage {self.zero_stage_3 and 3 or self.config['zero_optimization']['stage']}"
+        )
+        super().setup(trainer)
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch, and make its level's SP group the one attention uses."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if isinstance(batch, dict) and "sp" in batch:
+            context.activate(self.sp_groups[int(batch["sp"])])
+        return batch
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Lightning already divided the loss by accumulate_grad_batches.
+        kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def teardown(self) -> None:
+        context.activate(None)
+        super().teardown()

@@ -1,0 +1,85 @@
+"""A pool of CPU processes with one gloo process group, reused by many tests.
+
+Starting a process and importing torch, transformers, lightning and deepspeed costs seconds; a
+module-scoped pool pays it once. Each worker sets the environment a launcher would (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so Lightning inside a worker sees an external launch and
+starts no processes of its own, and DeepSpeed reuses the initialized process group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException:  # report everything, keep serving
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class Pool:
+    """``world`` worker processes; ``run(fn, *args)`` calls fn on every rank, returns results by rank."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 600):
+        for q in self.tasks:
+            q.put((fn, args))
+        out = {}
+        for _ in range(self.world):
+            rank, ok, value = self.results.get(timeout=timeout)
+            out[rank] = (ok, value)
+        errors = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(out.items()) if not ok]
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return [out[r][1] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
