@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+
+from lit_hbp.costmodel import HARDWARE, CostModel, ModelSpec
 
 
 class PackingMetrics(L.Callback):
     """At each epoch start, log the plan's DBR, ABR, PR, CR, Ave-T, fill and the counts of steps,
     packs, empty completion packs, dropped, truncated and zero-length samples; at every step, log
     its level. Works with any data module exposing ``plan`` (a ``lit_hbp.packing.Plan``), and
-    writes to every logger the trainer has."""
+    writes to every logger the trainer has.
+
+    figures: also log, at each epoch start on rank zero, two figures of the epoch's plan to every
+        logger whose ``experiment`` has ``add_figure`` (TensorBoard; other loggers are skipped):
+        "packing/length_histogram", the sample lengths coloured by the level that packs them, and
+        "packing/timeline", per-rank timelines of a few micro-steps priced with the analytic cost
+        model (``lit_hbp.costmodel``) of the trained model on ``hardware``, which shows the idle
+        time and SP communication the plan costs on a real cluster. The model's shape comes from
+        ``pl_module.model.config`` (a Hugging Face config); without one only the histogram is logged.
+    hardware: the cost model's GPU preset for the timeline, a key of ``lit_hbp.costmodel.HARDWARE``.
+    """
+
+    def __init__(self, figures: bool = False, hardware: str = "h100") -> None:
+        if hardware not in HARDWARE:
+            raise ValueError(f"PackingMetrics: unknown hardware {hardware!r}, choose one of {sorted(HARDWARE)}")
+        self.figures = figures
+        self.hardware = hardware
 
     def _plan(self, trainer: L.Trainer):
         plan = getattr(trainer.datamodule, "plan", None)
@@ -34,6 +52,37 @@ class PackingMetrics(L.Callback):
         metrics["epoch"] = float(trainer.current_epoch)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+        if self.figures:
+            self._log_figures(trainer, pl_module, plan)
+
+    def _log_figures(self, trainer: L.Trainer, pl_module: L.LightningModule, plan) -> None:
+        writers = [w for w in (getattr(lg, "experiment", None) for lg in trainer.loggers) if hasattr(w, "add_figure")]
+        if not writers:
+            return
+        # Imported here: matplotlib and the simulator are only needed when figures are asked for.
+        from lit_hbp.simulate.plots import length_histogram_figure
+
+        figures = {"packing/length_histogram": length_histogram_figure(plan)}
+        timeline = self._timeline(pl_module, plan)
+        if timeline is not None:
+            figures["packing/timeline"] = timeline
+        for tag, fig in figures.items():
+            for writer in writers:
+                writer.add_figure(tag, fig, global_step=trainer.global_step, close=False)
+            fig.clear()
+
+    def _timeline(self, pl_module: L.LightningModule, plan):
+        """The epoch's plan priced with the cost model of the trained model, or None without a config."""
+        from lit_hbp.simulate import simulate
+        from lit_hbp.simulate.plots import timeline_figure
+
+        config = getattr(getattr(pl_module, "model", None), "config", None)
+        if config is None or not hasattr(config, "to_dict"):
+            rank_zero_warn("PackingMetrics(figures=True): the module has no `model.config`; timeline not logged")
+            return None
+        spec = ModelSpec.from_config(config.to_dict())
+        cost = CostModel(spec, HARDWARE[self.hardware], world=plan.world_size)
+        return timeline_figure([simulate(plan, cost, "this run")])
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         plan = self._plan(trainer)

@@ -19,7 +19,8 @@ def test_wheel_ships_callbacks_as_lit_hbp_callbacks(tmp_path):
     (wheel,) = dist.glob("lit_hbp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "lit_hbp/callbacks/__init__.py" in names
-    assert "lit_hbp/packing/plan.py" in names
+    for module in ("packing/plan.py", "autoselect/search.py", "simulate/plots.py", "strategy.py", "costmodel.py"):
+        assert f"lit_hbp/{module}" in names, module
     assert not any(n.startswith("callbacks/") for n in names), "callbacks must live under lit_hbp/"
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -24,6 +24,8 @@ from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, vali
 from lit_hbp.packing.levels import as_level
 from lit_hbp.parallel.topology import sp_coords
 
+AUTOSELECT_DEFAULTS = {"mode": "analytic", "gpu": "h100", "candidates": None, "margin_gib": 2.0, "memory_gib": 16.0}
+
 
 class MicroBatchDataset(Dataset):
     """Item k is this rank's collated (and SP-sharded) micro-batch at micro-step k of the epoch."""
@@ -98,7 +100,12 @@ class HBPDataModule(L.LightningDataModule):
         sources: data sources (paths with optional repeat/weight), e.g. a short chat set and a
             long-context set.
         tokenizer: path of a local Hugging Face tokenizer (its chat template is used when it has one).
-        levels: the HBP levels, e.g. ``["16K:1", "128K:8:28"]`` or Level mappings.
+        levels: the HBP levels, e.g. ``["16K:1", "128K:8:28"]`` or Level mappings; or ``"auto"`` to
+            choose them at setup with the paper's auto-selection for this model, data and world.
+        autoselect: settings of ``levels: auto``: ``mode`` analytic (cost model, default) or measured
+            (real micro-steps on the real world); ``gpu`` the hardware preset of the analytic mode
+            (h100, h200, a100); ``candidates`` pack lengths to try; ``margin_gib`` memory left free;
+            ``memory_gib`` the per-device memory of the measured mode on CPU.
         packer: packing algorithm of every level (see ``lit_hbp.packing.PACKERS``).
         over_length: samples longer than the largest level: ``error`` | ``drop`` | ``truncate``.
         train_on: supervise ``assistant`` turns only, or ``all`` tokens.
@@ -113,7 +120,7 @@ class HBPDataModule(L.LightningDataModule):
         self,
         sources: list[Source | dict],
         tokenizer: str,
-        levels: list[Level | dict | str | int],
+        levels: list[Level | dict | str | int] | str,
         packer: str = DEFAULT_PACKER,
         over_length: str = "error",
         train_on: str = "assistant",
@@ -121,6 +128,7 @@ class HBPDataModule(L.LightningDataModule):
         cache_dir: str = "data_cache",
         num_workers: int = 0,
         demo_dir: str | None = None,
+        autoselect: dict | None = None,
     ):
         super().__init__()
         if packer not in PACKERS:
@@ -130,9 +138,17 @@ class HBPDataModule(L.LightningDataModule):
         if not sources:
             raise ValueError("no data sources given")
         self.sources = [s if isinstance(s, Source) else Source(**s) for s in sources]
-        self.levels = tuple(as_level(x) for x in levels)
-        # Checked against the real world size at setup; here only what needs no world.
-        validate_levels(self.levels, math.lcm(*(lv.sp for lv in self.levels)) if self.levels else 1)
+        self.autoselect = {**AUTOSELECT_DEFAULTS, **(autoselect or {})}
+        if self.autoselect["mode"] not in ("analytic", "measured"):
+            raise ValueError(f"autoselect mode must be analytic or measured, got {self.autoselect['mode']!r}")
+        if levels == "auto":
+            self.levels = None
+        elif isinstance(levels, str):
+            raise ValueError(f"levels must be a list of levels or 'auto', got {levels!r}")
+        else:
+            self.levels = tuple(as_level(x) for x in levels)
+            # Checked against the real world size at setup; here only what needs no world.
+            validate_levels(self.levels, math.lcm(*(lv.sp for lv in self.levels)) if self.levels else 1)
         self.packer, self.over_length, self.train_on, self.seed = packer, over_length, train_on, seed
         self.cache_dir, self.num_workers = cache_dir, num_workers
         if demo_dir is not None:
@@ -171,7 +187,6 @@ class HBPDataModule(L.LightningDataModule):
         if self.store is not None:
             return
         world, rank, _ = self._world()
-        validate_levels(self.levels, world)
         if self.trainer is not None and getattr(self.trainer, "_accelerator_connector", None) is not None:
             if self.trainer._accelerator_connector.use_distributed_sampler:
                 raise ValueError(
@@ -180,8 +195,55 @@ class HBPDataModule(L.LightningDataModule):
         tokenized = [
             tokenize_source(s, self.tokenizer, self.train_on, self.cache_dir, progress=rank == 0) for s in self.sources
         ]
-        self.store = SampleStore.build(tokenized, self.levels[-1].pack_len, self.over_length, self.seed)
+        store = SampleStore.build(tokenized, None, self.over_length, self.seed)
+        if self.levels is None:
+            self.levels = tuple(self._select_levels(store.lengths, world))
+        validate_levels(self.levels, world)
+        store.apply_over_length(self.levels[-1].pack_len, self.over_length)
+        self.store = store
         rank_zero_info(self.store.summary())
+
+    def _select_levels(self, lengths, world: int) -> list[Level]:
+        """``levels: auto``: the paper's Algorithm 1 for this model, data and world."""
+        from lit_hbp.autoselect import AnalyticProfiler, MeasuredProfiler, select_levels, sp_candidates
+        from lit_hbp.costmodel import HARDWARE, CostModel, ModelSpec
+
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        model = getattr(getattr(module, "hparams", None), "model", None)
+        if model is None:
+            raise ValueError("levels: auto needs the model: train an HBPLitModule (its `model` describes it)")
+        config = {**model, "vocab_size": self.vocab_size} if isinstance(model, dict) else Path(model)
+        spec = ModelSpec.from_config(config)
+        opts = self.autoselect
+        margin = opts["margin_gib"] * 2**30
+        if opts["mode"] == "analytic":
+            cost = CostModel(spec, HARDWARE[opts["gpu"]], world)
+            profiler = AnalyticProfiler(cost, lengths, self.seed)
+            where = f"analytic, {world} x {cost.hardware.name}"
+        else:
+            import torch
+
+            from lit_hbp.parallel.groups import SPGroups
+
+            device = self.trainer.strategy.root_device
+            capacity = (
+                torch.cuda.get_device_properties(device).total_memory
+                if device.type == "cuda"
+                else opts["memory_gib"] * 2**30
+            )
+
+            def factory():
+                torch.manual_seed(self.seed)
+                copy = type(module)(**module.hparams)
+                copy.configure_model()
+                return copy.to(device)
+
+            groups = SPGroups(sp_candidates(world, spec.heads, spec.kv_heads), world, self.trainer.global_rank)
+            profiler = MeasuredProfiler(factory, lengths, groups, capacity, seed=self.seed)
+            where = f"measured on {world} {device.type} device(s)"
+        selection = select_levels(profiler, lengths, spec, world, candidates=opts["candidates"], margin=margin)
+        rank_zero_info(f"levels: auto ({where})\n{selection.table()}\nchosen {selection.yaml()}")
+        return selection.levels
 
     def plan_for_epoch(self, epoch: int) -> Plan:
         """The plan of ``epoch`` (curriculum warm-up in the first epoch only)."""

@@ -43,9 +43,10 @@ class SampleStore:
 
     @classmethod
     def build(
-        cls, sources: list[TokenizedSource], max_len: int, over_length: str = "error", seed: int = 0
+        cls, sources: list[TokenizedSource], max_len: int | None, over_length: str = "error", seed: int = 0
     ) -> SampleStore:
-        """Mix the sources and apply the over-length policy (error / drop / truncate)."""
+        """Mix the sources and apply the over-length policy (error / drop / truncate) for samples
+        longer than ``max_len`` (None: not yet, e.g. before the levels are chosen)."""
         if over_length not in OVER_LENGTH:
             raise ValueError(f"over_length must be one of {OVER_LENGTH}, got {over_length!r}")
         reps = mixture_repeats(
@@ -83,7 +84,9 @@ class SampleStore:
             lengths[sel] = s.lengths[row_of[sel]]
             loss[sel] = s.loss_tokens()[row_of[sel]]
         store = cls(sources, source_of, row_of, lengths, loss, dict(sources=mixed))
-        store._over_length(max_len, over_length)
+        store.report.update(over_length=over_length, max_len=max_len, dropped=[], truncated=[], truncated_to_nothing=[])
+        if max_len is not None:
+            store.apply_over_length(max_len, over_length)
         return store
 
     def where(self, i: int) -> str:
@@ -93,9 +96,10 @@ class SampleStore:
         shown = ", ".join(f"{self.where(int(i))} ({self.lengths[i]} tokens)" for i in idx[:limit])
         return shown + (f" and {idx.size - limit} more" if idx.size > limit else "")
 
-    def _over_length(self, max_len: int, policy: str) -> None:
+    def apply_over_length(self, max_len: int, policy: str) -> None:
+        """Drop, truncate or reject (``error``) the samples longer than ``max_len``, and record them."""
         over = np.flatnonzero(self.lengths > max_len)
-        self.report.update(over_length=policy, max_len=max_len, dropped=[], truncated=[], truncated_to_nothing=[])
+        self.report.update(over_length=policy, max_len=max_len)
         if not over.size:
             return
         if policy == "error":

@@ -31,37 +31,48 @@ def _imbalance(per_group: np.ndarray, micro_of_group: np.ndarray, n_micro: int) 
     return np.bincount(micro_of_group, weights=gap, minlength=n_micro) / np.maximum(counts, 1)
 
 
+def group_index(plan: Plan) -> dict:
+    """Where every pack sits: its SP group of its micro-step, and per group the micro-step, level
+    and sp. Packs are laid out step -> micro-step -> group -> B slots, so a group is B consecutive
+    packs and a micro-step is N / sp consecutive groups."""
+    n_packs = plan.offsets.size - 1
+    sp = np.array([lv.sp for lv in plan.levels], dtype=np.int64)
+    bsz = np.array([lv.packs_per_rank for lv in plan.levels], dtype=np.int64)
+    level = plan.pack_level
+    step_of_pack = np.repeat(np.arange(plan.n_steps), np.diff(plan.step_offsets))
+    local_group = (np.arange(n_packs) - plan.step_offsets[step_of_pack]) // bsz[level]
+    micro_id = step_of_pack * plan.accumulate + local_group // (plan.world_size // sp[level])
+    first = np.r_[True, (local_group[1:] != local_group[:-1]) | (step_of_pack[1:] != step_of_pack[:-1])]
+    group_id = np.cumsum(first) - 1
+    n_groups = int(group_id[-1]) + 1 if n_packs else 0
+    group_level = np.zeros(n_groups, dtype=np.int64)
+    group_level[group_id] = level
+    micro_of_group = np.zeros(n_groups, dtype=np.int64)
+    micro_of_group[group_id] = micro_id
+    return dict(
+        group_of_pack=group_id,
+        n_groups=n_groups,
+        group_level=group_level,
+        group_sp=sp[group_level],
+        micro_of_group=micro_of_group,
+        n_micro=plan.n_micro_steps,
+    )
+
+
 def plan_metrics(plan: Plan) -> dict:
     """DBR, ABR, PR, CR, Ave-T, fill, and step/pack counts of a plan."""
     n_packs = plan.offsets.size - 1
     sp = np.array([lv.sp for lv in plan.levels], dtype=np.int64)
-    bsz = np.array([lv.packs_per_rank for lv in plan.levels], dtype=np.int64)
     if n_packs == 0:
         return dict(dbr=0.0, abr=0.0, pr=0.0, cr=0.0, ave_t=0.0, fill=0.0, n_steps=0, n_packs=0, n_empty_packs=0)
     level = plan.pack_level
-    # Packs are laid out step -> micro-step -> group -> B slots; a group is B consecutive packs,
-    # a micro-step is (N / sp) consecutive groups.
-    step_of_pack = np.repeat(np.arange(plan.n_steps), np.diff(plan.step_offsets))
-    pos = np.arange(n_packs) - plan.step_offsets[step_of_pack]
-    b = bsz[level]
-    groups = plan.world_size // sp[level]
-    # Global ids: group = (step, micro, g); micro = (step, micro).
-    local_group = pos // b
-    micro_in_step = local_group // groups
-    micro_id = step_of_pack * plan.accumulate + micro_in_step
-    first_pack_of_group = np.r_[True, (local_group[1:] != local_group[:-1]) | (step_of_pack[1:] != step_of_pack[:-1])]
-    group_id = np.cumsum(first_pack_of_group) - 1
-    n_groups = int(group_id[-1]) + 1
-    n_micro = plan.n_micro_steps
-
+    g = group_index(plan)
+    group_id, n_groups, micro_of_group, n_micro = g["group_of_pack"], g["n_groups"], g["micro_of_group"], g["n_micro"]
     tokens = plan.pack_tokens.astype(np.float64)
     attention = plan.pack_attention
-    group_sp = np.zeros(n_groups, dtype=np.int64)
-    group_sp[group_id] = sp[level]
-    micro_of_group = np.zeros(n_groups, dtype=np.int64)
-    micro_of_group[group_id] = micro_id
-    t_rank = np.bincount(group_id, weights=tokens, minlength=n_groups) / group_sp
-    a_rank = np.bincount(group_id, weights=attention, minlength=n_groups) / group_sp
+    t_rank = np.bincount(group_id, weights=tokens, minlength=n_groups) / g["group_sp"]
+    a_rank = np.bincount(group_id, weights=attention, minlength=n_groups) / g["group_sp"]
+    micro_id = micro_of_group[group_id]
 
     capacity = plan.pack_capacity.astype(np.float64)
     real = plan.offsets[1:] > plan.offsets[:-1]

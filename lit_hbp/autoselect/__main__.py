@@ -1,0 +1,130 @@
+"""Choose HBP levels for a training config: Algorithm 1 over the model, the data and the hardware.
+
+    python -m lit_hbp.autoselect --config configs/llama3_8b_32gpu.yaml --analytic --gpus 32 --gpu h100
+    python -m lit_hbp.autoselect --config configs/tiny_cpu.yaml --measured --devices 2
+
+The sample lengths come from the config's data section (tokenized and cached like training does),
+or from --lengths. ``--analytic`` (default) prices candidates with the cost model for --gpus GPUs of
+kind --gpu; ``--measured`` runs real micro-steps of the config's model on --devices local processes
+(CUDA when available, else CPU with gloo). Prints every candidate measured and writes the chosen
+``levels:`` block to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from lit_hbp.autoselect.launch import measured_selection
+from lit_hbp.autoselect.profiler import AnalyticProfiler
+from lit_hbp.autoselect.search import select_levels
+from lit_hbp.costmodel import HARDWARE, CostModel, ModelSpec, load_model_spec
+
+GIB = 1024**3
+
+
+def read_config(path: str | Path) -> dict:
+    """A training YAML with its ${...} interpolations resolved."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
+def config_lengths(config: dict) -> tuple[np.ndarray, int]:
+    """Sample lengths of the config's data sources, and the tokenizer's vocabulary size."""
+    from lit_hbp.data.datamodule import load_tokenizer
+    from lit_hbp.data.sources import Source
+    from lit_hbp.data.store import SampleStore
+    from lit_hbp.data.tokenize import tokenize_source
+
+    data = config.get("data") or {}
+    if data.get("demo_dir"):
+        from lit_hbp.data.demo import ensure_demo
+
+        ensure_demo(data["demo_dir"])
+    tok = load_tokenizer(data["tokenizer"])
+    sources = [Source(**s) if isinstance(s, dict) else Source(s) for s in data["sources"]]
+    tokenized = [tokenize_source(s, tok, data.get("train_on", "assistant"), data.get("cache_dir")) for s in sources]
+    return SampleStore.build(tokenized, max_len=None, seed=data.get("seed", 0)).lengths, len(tok)
+
+
+def model_config(config: dict, vocab: int | None) -> dict | str:
+    model = (config.get("model") or {}).get("model")
+    if model is None:
+        raise ValueError("the config has no model.model entry (a checkpoint path or a config mapping)")
+    if isinstance(model, dict) and vocab is not None:
+        model = {**model, "vocab_size": vocab}
+    return model
+
+
+def spec_of(model: dict | str) -> ModelSpec:
+    return ModelSpec.from_config(model if isinstance(model, dict) else Path(model))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m lit_hbp.autoselect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", required=True, help="a lit-hbp training YAML")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--analytic", action="store_true", help="price candidates with the cost model (default)")
+    mode.add_argument("--measured", action="store_true", help="run real micro-steps on --devices local processes")
+    p.add_argument("--gpus", type=int, default=32, help="analytic: GPUs of the cluster")
+    p.add_argument("--gpu", default="h100", choices=sorted(HARDWARE), help="analytic: GPU kind")
+    p.add_argument("--devices", type=int, default=1, help="measured: local processes (GPUs, or CPU processes)")
+    p.add_argument("--memory-gib", type=float, help="measured: memory per device (default: the GPU's, else 16)")
+    p.add_argument("--lengths", help="sample lengths (.npy or text) instead of tokenizing the config's data")
+    p.add_argument("--model", help="analytic: a model preset or config.json instead of the config's model")
+    p.add_argument("--candidates", nargs="+", type=int, help="pack lengths to try (default: powers of two)")
+    p.add_argument("--margin-gib", type=float, default=2.0, help="memory left free per device")
+    p.add_argument("--out", default="levels.yaml", help="where to write the chosen levels block")
+    args = p.parse_args(argv)
+    try:
+        config = read_config(args.config)
+        if args.lengths:
+            from lit_hbp.packing.__main__ import load_lengths
+
+            lengths, vocab = load_lengths(args.lengths), None
+        else:
+            lengths, vocab = config_lengths(config)
+        model = model_config(config, vocab)
+        spec = load_model_spec(args.model) if args.model else spec_of(model)
+        margin = args.margin_gib * GIB
+        if args.measured:
+            import torch
+
+            capacity = (
+                torch.cuda.get_device_properties(0).total_memory
+                if torch.cuda.is_available()
+                else (args.memory_gib or 16) * GIB
+            )
+            if args.memory_gib:
+                capacity = args.memory_gib * GIB
+            selection = measured_selection(model, vocab, lengths, args.devices, args.candidates, capacity, margin)
+            where = f"measured on {args.devices} local process(es)"
+        else:
+            cost = CostModel(spec, HARDWARE[args.gpu], args.gpus)
+            selection = select_levels(
+                AnalyticProfiler(cost, lengths), lengths, spec, args.gpus, candidates=args.candidates, margin=margin
+            )
+            where = f"analytic, {args.gpus} x {cost.hardware.name}"
+    except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{spec.name}: {len(lengths):,} samples, longest {int(np.max(lengths)):,} tokens ({where})\n")
+    print(selection.table())
+    print(
+        f"\nfastest: {selection.best.pack_len} tokens at sp {selection.best.sp} with {selection.best.ckpt_layers} "
+        f"checkpointed layers; largest: {selection.largest.pack_len} at sp {selection.largest.sp}\n"
+    )
+    print(selection.yaml())
+    Path(args.out).write_text(selection.yaml())
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Hierarchical Groups Auto-Selection: the paper's Algorithms 1, 3 and 4 (DESIGN.md section 8).
+
+Algorithm 4 (checkpointing): profile memory with c_min and c_max checkpointed layers, interpolate
+linearly the smallest count that leaves ``margin`` bytes free. Algorithm 3: for every sp degree,
+that checkpointing, then keep the (sp, ckpt) with the most tokens per second per device.
+Algorithm 1: stage 1 runs Algorithm 3 for every candidate pack length and keeps the fastest
+(l_best) and the largest (l_max); stage 2 adds l1 = l_best / sp_best (short samples stay whole on
+one rank, no SP traffic) and l2 = l_max / sp_max when l2 > l_best.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lit_hbp.autoselect.profiler import Measurement, Profiler
+from lit_hbp.packing.levels import Level
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    pack_len: int
+    sp: int
+    ckpt_layers: int | None
+    measurement: Measurement | None
+    note: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.measurement.tokens_per_second if self.measurement is not None else 0.0
+
+
+@dataclass
+class Selection:
+    levels: list[Level]
+    candidates: list[Candidate] = field(default_factory=list)
+    best: Candidate | None = None
+    largest: Candidate | None = None
+
+    def table(self) -> str:
+        head = f"{'pack_len':>9} {'sp':>3} {'ckpt':>5} {'step_s':>9} {'mem_GiB':>8} {'tok/s/dev':>10}  note"
+        rows = [head, "-" * len(head)]
+        for c in self.candidates:
+            m = c.measurement
+            mem = "-" if m is None or m.memory is None else f"{m.memory / GIB:.1f}"
+            sec = "-" if m is None or not math.isfinite(m.seconds) else f"{m.seconds:.3f}"
+            ck = "-" if c.ckpt_layers is None else str(c.ckpt_layers)
+            rows.append(f"{c.pack_len:>9} {c.sp:>3} {ck:>5} {sec:>9} {mem:>8} {c.tokens_per_second:>10.0f}  {c.note}")
+        return "\n".join(rows)
+
+    def yaml(self) -> str:
+        lines = ["levels:"]
+        for lv in self.levels:
+            lines.append(f"  - {{pack_len: {lv.pack_len}, sp: {lv.sp}, ckpt_layers: {lv.ckpt_layers}}}")
+        return "\n".join(lines) + "\n"
+
+
+def greedy_profile_ckpt(
+    profiler: Profiler, pack_len: int, sp: int, c_min: int, c_max: int, margin: float = 0.0
+) -> tuple[int | None, list[Candidate]]:
+    """Algorithm 4: the fewest checkpointed layers that fit, by linear interpolation of memory.
+
+    Returns (layers or None when even c_max does not fit, the measurements taken)."""
+    trace = []
+
+    def probe(c: int) -> Measurement:
+        m = profiler.measure(pack_len, sp, c)
+        trace.append(Candidate(pack_len, sp, c, m, "memory probe"))
+        return m
+
+    def remaining(m: Measurement) -> float | None:
+        return None if m.memory is None else profiler.capacity - m.memory
+
+    low = probe(c_min)
+    if low.fits and remaining(low) >= margin:
+        return c_min, trace
+    high = probe(c_max) if c_max != c_min else low
+    r_high = remaining(high)
+    if not high.fits or r_high is None or r_high < margin:
+        return None, trace
+    r_low = remaining(low)
+    if r_low is None:  # a real OOM at c_min: no memory figure to interpolate from; bisect instead
+        lo, hi = c_min, c_max
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            m = probe(mid)
+            lo, hi = (lo, mid) if m.fits and remaining(m) >= margin else (mid, hi)
+        return hi, trace
+    slope = (r_high - r_low) / (c_max - c_min)
+    c = min(max(math.ceil(c_max - (r_high - margin) / slope), c_min), c_max)
+    while c < c_max:  # the interpolation is linear; confirm it and step up if it fell short
+        m = probe(c)
+        if m.fits and remaining(m) >= margin:
+            break
+        c += 1
+    return c, trace
+
+
+def find_best_sp_ckpt(
+    profiler: Profiler, pack_len: int, sp_candidates, c_min: int, c_max: int, margin: float = 0.0
+) -> tuple[Candidate | None, list[Candidate]]:
+    """Algorithm 3: the (sp, ckpt) with the most tokens per second per device at ``pack_len``."""
+    rows = []
+    best = None
+    for sp in sp_candidates:
+        if pack_len % sp:
+            continue
+        ckpt, trace = greedy_profile_ckpt(profiler, pack_len, sp, c_min, c_max, margin)
+        if ckpt is None:
+            rows.append(Candidate(pack_len, sp, None, trace[-1].measurement, "OOM even with all layers checkpointed"))
+            continue
+        cand = Candidate(pack_len, sp, ckpt, profiler.measure(pack_len, sp, ckpt), "")
+        rows.append(cand)
+        if best is None or cand.tokens_per_second > best.tokens_per_second:
+            best = cand
+    if best is not None:
+        rows = [
+            Candidate(c.pack_len, c.sp, c.ckpt_layers, c.measurement, "best" if c is best else c.note) for c in rows
+        ]
+        best = next(c for c in rows if c.note == "best")
+    return best, rows
+
+
+def auto_select(
+    profiler: Profiler,
+    pack_lens,
+    sp_candidates,
+    num_layers: int,
+    c_min: int = 0,
+    margin: float = 0.0,
+) -> Selection:
+    """Algorithm 1: levels (pack_len, sp, ckpt_layers) for the data, model and hardware."""
+    pack_lens = sorted(set(int(x) for x in pack_lens))
+    candidates, results = [], {}
+    for length in pack_lens:
+        best, rows = find_best_sp_ckpt(profiler, length, sp_candidates, c_min, num_layers, margin)
+        candidates += rows
+        results[length] = best
+    feasible = {k: v for k, v in results.items() if v is not None}
+    if not feasible:
+        raise ValueError(f"no pack length in {pack_lens} fits in memory with any sp in {list(sp_candidates)}")
+    largest = results[pack_lens[-1]]
+    if largest is None:
+        raise ValueError(
+            f"the largest pack length {pack_lens[-1]} fits with no sp in {list(sp_candidates)}: more GPUs per "
+            "SP group or a smaller largest level are needed"
+        )
+    best = max(feasible.values(), key=lambda c: c.tokens_per_second)
+    # Stage 2: keep short samples whole on one rank, and add the largest level's per-rank length.
+    lengths = {best.pack_len: best, largest.pack_len: largest}
+    l1 = best.pack_len // best.sp
+    l2 = largest.pack_len // largest.sp
+    extra = [l1] + ([l2] if l2 > best.pack_len else [])
+    for length in extra:
+        if length in lengths:
+            continue
+        if length == l1:
+            ckpt, trace = greedy_profile_ckpt(profiler, l1, 1, c_min, num_layers, margin)
+            candidates += trace
+            if ckpt is None:
+                continue
+            lengths[l1] = Candidate(l1, 1, ckpt, profiler.measure(l1, 1, ckpt), "stage 2: l1 = l_best / sp_best")
+        else:
+            cand, rows = find_best_sp_ckpt(profiler, length, sp_candidates, c_min, num_layers, margin)
+            candidates += rows
+            if cand is not None:
+                lengths[length] = cand
+    levels = [Level(c.pack_len, c.sp, c.ckpt_layers) for _, c in sorted(lengths.items())]
+    return Selection(levels, candidates, best, largest)
+
+
+def default_candidates(lengths, largest: int | None = None) -> list[int]:
+    """Pack lengths to try: powers of two from 8K (less for short data) up to the first power of
+    two that holds the longest sample, or up to ``largest`` (which is always included)."""
+    top = largest or 1 << int(np.ceil(np.log2(max(int(np.max(lengths)), 2))))
+    out = [x for x in (2**k for k in range(10, 25)) if min(8192, top) <= x < top]
+    return out + [top]
+
+
+def sp_candidates(world: int, heads: int, kv_heads: int) -> list[int]:
+    """Powers of two that divide the world and the heads (kv heads divide or are replicated)."""
+    out, sp = [], 1
+    while sp <= world:
+        if world % sp == 0 and heads % sp == 0 and (kv_heads % sp == 0 or sp % kv_heads == 0):
+            out.append(sp)
+        sp *= 2
+    return out
+
+
+def select_levels(
+    profiler: Profiler, lengths, model, world: int, largest: int | None = None, candidates=None, margin: float = 0.0
+) -> Selection:
+    """Algorithm 1 over the default candidates for this data, model (a ModelSpec) and world."""
+    cands = sorted(candidates) if candidates else default_candidates(lengths, largest)
+    return auto_select(profiler, cands, sp_candidates(world, model.heads, model.kv_heads), model.layers, 0, margin)

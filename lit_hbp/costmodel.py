@@ -1,0 +1,299 @@
+"""Analytic cost model of one HBP micro-step on a GPU cluster (numpy only, no torch).
+
+It prices what a rank does for one micro-step of a level (pack length, sp, checkpointed layers):
+dense matmul FLOPs, causal attention FLOPs (sum of squared document lengths), Ulysses all-to-all
+bytes over NVLink or InfiniBand, and the recomputation of checkpointed layers; and what it holds:
+ZeRO-partitioned parameters, gradients and Adam states plus activations of the non-checkpointed
+layers. Every constant is written here with where it comes from.
+
+Time of a rank for a micro-step (seconds):
+    dense     = tokens * 2 * (layer_params * (3 + c / L) + lm_head_params * 3) / (peak * eff_dense)
+    attention = 2 * hidden * sum(len^2) / sp * (3.5 * L + c) / (peak * eff_attn)
+    sp_comm   = all-to-all bytes * (2 * L + c) / link bandwidth        (sp > 1 only)
+with tokens = the rank's share of its SP group's packs, c = checkpointed layers. Backward costs
+twice the forward for matmuls and 2.5 times for flash attention; a checkpointed layer runs its
+forward once more, all-to-alls included.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder-only transformer, enough to price FLOPs, bytes and memory."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    head_dim: int | None = None
+    tied_embeddings: bool = False
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        """Matmul parameters of one decoder layer: q, k, v, o projections and a gated MLP."""
+        attn = self.hidden * self.heads * self.dim * 2 + self.hidden * self.kv_heads * self.dim * 2
+        return attn + 3 * self.hidden * self.intermediate
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * (self.layer_params + 2 * self.hidden) + embed + self.hidden
+
+    @classmethod
+    def from_config(cls, config: dict | str | Path, name: str | None = None) -> ModelSpec:
+        """From a Hugging Face config (dict, config.json, or a checkpoint folder holding one)."""
+        if not isinstance(config, dict):
+            path = Path(config)
+            path = path / "config.json" if path.is_dir() else path
+            config = json.loads(path.read_text())
+        c = dict(config)
+        heads = c["num_attention_heads"]
+        return cls(
+            name=name or c.get("_name_or_path") or c.get("model_type", "model"),
+            layers=c["num_hidden_layers"],
+            hidden=c["hidden_size"],
+            heads=heads,
+            kv_heads=c.get("num_key_value_heads") or heads,
+            intermediate=c.get("intermediate_size") or 4 * c["hidden_size"],
+            vocab=c.get("vocab_size", 32000),
+            head_dim=c.get("head_dim"),
+            tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+        )
+
+
+# Published architectures (config.json of each model on the Hugging Face hub).
+MODELS: dict[str, ModelSpec] = {
+    "llama3.1-8b": ModelSpec("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256),
+    "llama3.1-70b": ModelSpec("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256),
+    "qwen2.5-32b": ModelSpec("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064),
+    "qwen2.5-72b": ModelSpec("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064),
+}
+
+
+def load_model_spec(spec: str) -> ModelSpec:
+    """A preset name, a config.json / checkpoint folder, or a training YAML's model section."""
+    if spec.lower() in MODELS:
+        return MODELS[spec.lower()]
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"--model {spec!r} is neither a preset ({', '.join(MODELS)}) nor an existing path")
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        config = yaml.safe_load(path.read_text()) or {}
+        model = (config.get("model") or {}).get("model") or (config.get("model") or {}).get("init_args", {}).get(
+            "model"
+        )
+        if model is None:
+            raise ValueError(f"{path}: no model.model entry (a checkpoint path or a config mapping)")
+        return ModelSpec.from_config(model if isinstance(model, dict) else Path(model), name=path.stem)
+    return ModelSpec.from_config(path)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU kind and its links. Bandwidths are per GPU and per direction, in bytes/s.
+
+    eff_dense / eff_attn: achieved share of peak bf16 FLOP/s for large matmuls and for flash
+    attention; eff_link: achieved share of link bandwidth in all-to-all and ring collectives.
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: float
+    intra_node_bw: float
+    inter_node_bw: float
+    gpus_per_node: int = 8
+    eff_dense: float = 0.60
+    eff_attn: float = 0.50
+    eff_link: float = 0.70
+    link_latency_s: float = 20e-6
+    source: str = ""
+
+
+# Peak dense bf16 FLOP/s and memory from NVIDIA's datasheets (H100 SXM5: 989 TFLOP/s, 80 GB;
+# H200 SXM: 989 TFLOP/s, 141 GB; A100 SXM4 80GB: 312 TFLOP/s). NVLink: 900 GB/s (H100/H200,
+# NVLink 4) and 600 GB/s (A100, NVLink 3) total per GPU, i.e. half per direction. InfiniBand: one
+# 400 Gb/s NDR NIC per GPU (DGX H100/H200) = 50 GB/s, one 200 Gb/s HDR NIC per GPU (DGX A100) =
+# 25 GB/s. Efficiencies: ~60% of peak is what tuned bf16 GEMMs of LLM-sized matrices sustain in
+# Megatron/DeepSpeed reports (MFU 40-55% end to end), ~50% what flash-attention 2/3 reaches on
+# long causal sequences, ~70% of the link rate what NCCL all-to-all and ring collectives reach.
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(
+        "H100-80GB",
+        989e12,
+        80 * GB,
+        450 * GB,
+        50 * GB,
+        source="NVIDIA H100 SXM5 datasheet; DGX H100 (8x NVLink 4, 8x ConnectX-7 NDR 400)",
+    ),
+    "h200": Hardware(
+        "H200-141GB",
+        989e12,
+        141 * GB,
+        450 * GB,
+        50 * GB,
+        source="NVIDIA H200 SXM datasheet; DGX H200 (NVLink 4, ConnectX-7 NDR 400)",
+    ),
+    "a100": Hardware(
+        "A100-80GB",
+        312e12,
+        80 * GB,
+        300 * GB,
+        25 * GB,
+        source="NVIDIA A100 SXM4 80GB datasheet; DGX A100 (NVLink 3, ConnectX-6 HDR 200)",
+    ),
+}
+
+# Activation memory, calibrated on the paper's Table 4 (LLaMA3.1-8B, H100-80GB, the minimum number
+# of checkpointed layers that fits ~78 GB at 32K/64K/128K and sp 2-16): a least-squares fit gives
+# 598 KB per token per non-checkpointed layer, which is 2.75 x the bf16 tensors a decoder layer
+# saves for backward (24*hidden + 8*intermediate + 4*kv_heads*head_dim bytes: norm inputs, q/k/v,
+# RoPE operands, attention output, MLP gate/up/act/product); the rest is fp32 norm copies,
+# temporaries and allocator fragmentation. A checkpointed layer keeps its bf16 input (2*hidden
+# bytes) plus the residual stream (2*hidden). The same fit puts 1.0 MB per token outside the
+# layers, which is vocab * 8 bytes: fp32 logits and their gradient. lit-hbp's chunked
+# cross-entropy never holds those; its LM head keeps one chunk of logits instead.
+ACTIVATION_FACTOR = 2.75
+FULL_LOGITS_BYTES_PER_VOCAB = 8
+MEMORY_RESERVE_BYTES = 2 * GB  # CUDA context, NCCL buffers, allocator reserve
+FLASH_BACKWARD = 2.5  # flash-attention backward FLOPs / forward FLOPs
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Prices micro-steps of a model on a cluster. ``world`` ranks, ZeRO ``zero_stage`` over the
+    whole world (HBP never gives DeepSpeed an SP mpu), bf16 compute, Adam with fp32 states.
+
+    logits: "chunked" (lit-hbp: the LM head runs in chunks of ``ce_chunk`` tokens) or "full"
+    (the whole [tokens, vocab] logits in fp32, as the paper's framework held them)."""
+
+    model: ModelSpec
+    hardware: Hardware
+    world: int
+    zero_stage: int = 2
+    logits: str = "chunked"
+    ce_chunk: int = 2048
+    grad_sync_overlap: float = 0.5
+
+    def with_(self, **changes) -> CostModel:
+        return replace(self, **changes)
+
+    # ----------------------------------------------------------------------------- time
+
+    def dense_seconds(self, tokens: float, ckpt: int) -> float:
+        m = self.model
+        fwd_layers = 2.0 * m.layers * m.layer_params * tokens
+        fwd_head = 2.0 * m.hidden * m.vocab * tokens
+        flops = fwd_layers * (3 + ckpt / m.layers) + fwd_head * 3
+        return flops / (self.hardware.peak_flops * self.hardware.eff_dense)
+
+    def attention_seconds(self, sum_sq: float, sp: int, ckpt: int) -> float:
+        m = self.model
+        fwd_per_layer = 2.0 * m.heads * m.dim * sum_sq / sp
+        flops = fwd_per_layer * ((1 + FLASH_BACKWARD) * m.layers + ckpt)
+        return flops / (self.hardware.peak_flops * self.hardware.eff_attn)
+
+    def a2a_bytes_per_layer(self, tokens: float, sp: int) -> float:
+        """Bytes one rank sends for the four forward all-to-alls (q, k, v, output) of one layer."""
+        if sp == 1:
+            return 0.0
+        m = self.model
+        kv = max(m.kv_heads, sp)  # kv heads are replicated up to sp
+        per_token = 2 * (2 * m.heads * m.dim + 2 * kv * m.dim)  # bf16
+        return tokens * per_token * (sp - 1) / sp
+
+    def sp_comm_seconds(self, tokens, sp: int, ckpt: int):
+        if sp == 1:
+            return 0.0 * tokens
+        hw = self.hardware
+        per_layer = self.a2a_bytes_per_layer(tokens, sp)
+        local = min(sp, hw.gpus_per_node)
+        # Of the sp - 1 peers, local - 1 share the node (NVLink); the rest are across InfiniBand.
+        intra = per_layer * (local - 1) / (sp - 1)
+        inter = per_layer * (sp - local) / (sp - 1)
+        seconds = np.maximum(intra / hw.intra_node_bw, inter / hw.inter_node_bw) / hw.eff_link
+        passes = 2 * self.model.layers + ckpt
+        return passes * (seconds + 4 * hw.link_latency_s)
+
+    def micro_step(self, tokens, sum_sq, sp: int, ckpt: int) -> dict:
+        """Seconds of one rank for a micro-step: dense, attention, sp_comm and their total.
+        ``tokens`` and ``sum_sq`` may be numpy arrays (one entry per rank or SP group)."""
+        parts = dict(
+            dense=self.dense_seconds(tokens, ckpt),
+            attention=self.attention_seconds(sum_sq, sp, ckpt),
+            sp_comm=self.sp_comm_seconds(tokens, sp, ckpt),
+        )
+        parts["total"] = sum(parts.values())
+        return parts
+
+    def grad_sync_seconds(self) -> float:
+        """Per optimizer step: reduce-scatter of bf16 gradients and all-gather of bf16 parameters
+        over the world (ring), on the slowest link, minus the part overlapped with backward."""
+        if self.world == 1:
+            return 0.0
+        hw = self.hardware
+        bw = hw.inter_node_bw if self.world > hw.gpus_per_node else hw.intra_node_bw
+        per_collective = 2.0 * self.model.params * (self.world - 1) / self.world
+        return 2 * per_collective / (bw * hw.eff_link) * (1 - self.grad_sync_overlap)
+
+    # --------------------------------------------------------------------------- memory
+
+    def static_bytes(self) -> float:
+        """Parameters (bf16), gradients (bf16) and Adam states (fp32 master, m, v) per rank."""
+        p, n, z = self.model.params, self.world, self.zero_stage
+        params = 2 * p / (n if z >= 3 else 1)
+        grads = 2 * p / (n if z >= 2 else 1)
+        states = 12 * p / (n if z >= 1 else 1)
+        return params + grads + states
+
+    def activation_bytes_per_token_layer(self) -> float:
+        m = self.model
+        saved = 24 * m.hidden + 8 * m.intermediate + 4 * m.kv_heads * m.dim
+        return ACTIVATION_FACTOR * saved
+
+    def memory_bytes(self, pack_len: int, sp: int, ckpt: int, packs_per_rank: int = 1) -> float:
+        """Peak bytes per rank training packs of ``pack_len`` tokens at this sp and checkpointing."""
+        m = self.model
+        tokens = pack_len * packs_per_rank / sp
+        layers = tokens * ((m.layers - ckpt) * self.activation_bytes_per_token_layer() + ckpt * 4 * m.hidden)
+        if self.logits == "full":
+            head = tokens * m.vocab * FULL_LOGITS_BYTES_PER_VOCAB
+        else:
+            head = min(tokens, self.ce_chunk) * m.vocab * FULL_LOGITS_BYTES_PER_VOCAB + tokens * 4 * m.hidden
+        return self.static_bytes() + layers + head + MEMORY_RESERVE_BYTES
+
+    def fits(self, pack_len: int, sp: int, ckpt: int, packs_per_rank: int = 1) -> bool:
+        return self.memory_bytes(pack_len, sp, ckpt, packs_per_rank) <= self.hardware.memory_bytes
+
+
+def pack_stats(lengths: np.ndarray, pack_len: int, seed: int = 0, max_packs: int = 64) -> tuple[float, float]:
+    """Mean tokens and mean sum of squared lengths of a pack of ``pack_len`` filled from the data's
+    length distribution (samples longer than the pack are cut to it): what a level's packs hold."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), pack_len)
+    lengths = lengths[lengths > 0]
+    tokens, squares = [], []
+    for _ in range(max_packs):
+        draw = rng.choice(lengths, size=min(lengths.size, 4 * pack_len // max(int(lengths.min()), 1) + 1))
+        fill = np.cumsum(draw)
+        take = draw[: max(int(np.searchsorted(fill, pack_len, side="right")), 1)]
+        tokens.append(float(take.sum()))
+        squares.append(float((take.astype(np.float64) ** 2).sum()))
+    return float(np.mean(tokens)), float(np.mean(squares))

@@ -1,0 +1,136 @@
+"""Price a plan's epoch on a cluster with the cost model (numpy only).
+
+Every micro-step, every SP group's ranks run the cost model on their packs (dense, attention and
+Ulysses all-to-all time); the micro-step lasts as long as its slowest group and the other ranks
+wait (idle). Plans are compared as the same training recipe packed differently: the same global
+batch in tokens, hence the same number of optimizer steps, each adding one gradient
+synchronization. Summed, this is the epoch's wall time; times the world size, its GPU-hours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lit_hbp.autoselect.profiler import AnalyticProfiler
+from lit_hbp.autoselect.search import greedy_profile_ckpt, select_levels
+from lit_hbp.costmodel import CostModel
+from lit_hbp.packing import DEFAULT_PACKER, Level, Plan, plan_hbp, plan_single_level
+from lit_hbp.packing.metrics import group_index
+
+PARTS = ("dense", "attention", "sp_comm")
+
+
+@dataclass
+class Simulation:
+    """Per SP group of every micro-step: its level, micro-step and seconds of each part; per
+    micro-step the wall time (slowest group)."""
+
+    name: str
+    plan: Plan
+    cost: CostModel
+    group_micro: np.ndarray
+    group_sp: np.ndarray
+    parts: dict[str, np.ndarray]
+    micro_seconds: np.ndarray
+    grad_sync: float
+    optimizer_steps: int
+
+    @property
+    def seconds(self) -> float:
+        return float(self.micro_seconds.sum() + self.optimizer_steps * self.grad_sync)
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.seconds * self.plan.world_size / 3600
+
+    def idle(self) -> np.ndarray:
+        """Seconds each group's ranks wait for the slowest group of their micro-step."""
+        return self.micro_seconds[self.group_micro] - self.parts["total"]
+
+    def breakdown(self) -> dict[str, float]:
+        """Share of all GPU time spent on each part (rank-weighted), idle and gradient sync."""
+        weight = self.group_sp.astype(np.float64)  # a group's time is spent on sp ranks
+        gpu_seconds = self.seconds * self.plan.world_size
+        out = {p: float((self.parts[p] * weight).sum() / gpu_seconds) for p in PARTS}
+        out["idle"] = float((self.idle() * weight).sum() / gpu_seconds)
+        out["grad_sync"] = float(self.optimizer_steps * self.grad_sync * self.plan.world_size / gpu_seconds)
+        return out
+
+
+def simulate(plan: Plan, cost: CostModel, name: str = "", global_batch_tokens: float | None = None) -> Simulation:
+    """Price every micro-step of ``plan`` with ``cost`` (its world must be the plan's). The epoch
+    takes ceil(tokens / global_batch_tokens) optimizer steps (default: the plan's own steps)."""
+    if cost.world != plan.world_size:
+        raise ValueError(f"cost model world {cost.world} != plan world {plan.world_size}")
+    g = group_index(plan)
+    n = g["n_groups"]
+    tokens = np.bincount(g["group_of_pack"], weights=plan.pack_tokens, minlength=n) / g["group_sp"]
+    sum_sq = np.bincount(g["group_of_pack"], weights=plan.pack_attention, minlength=n)
+    parts = {p: np.zeros(n) for p in (*PARTS, "total")}
+    for i, lv in enumerate(plan.levels):
+        sel = g["group_level"] == i
+        for key, value in cost.micro_step(tokens[sel], sum_sq[sel], lv.sp, lv.ckpt_layers).items():
+            parts[key][sel] = value
+    micro = np.zeros(g["n_micro"])
+    np.maximum.at(micro, g["micro_of_group"], parts["total"])
+    steps = plan.n_steps
+    if global_batch_tokens:
+        steps = int(np.ceil(plan.pack_tokens.sum() / global_batch_tokens))
+    return Simulation(
+        name, plan, cost, g["micro_of_group"], g["group_sp"], parts, micro, cost.grad_sync_seconds(), steps
+    )
+
+
+def fill_checkpointing(levels, cost: CostModel, lengths, margin: float = 0.0) -> list[Level]:
+    """Give every level the fewest checkpointed layers that fit in memory (Algorithm 4)."""
+    profiler = AnalyticProfiler(cost, lengths)
+    out = []
+    for lv in levels:
+        ckpt, _ = greedy_profile_ckpt(profiler, lv.pack_len, lv.sp, 0, cost.model.layers, margin)
+        if ckpt is None:
+            raise ValueError(
+                f"level {lv.pack_len} sp {lv.sp} does not fit in {cost.hardware.name} memory "
+                "even with every layer checkpointed"
+            )
+        out.append(Level(lv.pack_len, lv.sp, ckpt, lv.packs_per_rank))
+    return out
+
+
+def compare(
+    lengths,
+    cost: CostModel,
+    levels,
+    accumulate: int = 1,
+    seed: int = 0,
+    packer: str = DEFAULT_PACKER,
+    auto: bool = True,
+    over_length: str = "drop",
+) -> tuple[list[Simulation], object | None]:
+    """Simulate (a) naive single-level ISF at the largest level, (b) the levels without the balance
+    sort, (c) full HBP with the levels, (d) HBP with auto-selected levels, all with the naive plan's
+    global batch (tokens per optimizer step). Returns the simulations and the auto-selection."""
+    world = cost.world
+    levels = list(levels)
+    top = levels[-1]
+    runs = [
+        ("naive ISF", plan_single_level(lengths, top, world, accumulate, seed, "isf", over_length=over_length)),
+        (
+            "hierarchical, no balance",
+            plan_hbp(lengths, levels, world, accumulate, seed, packer, over_length=over_length, balance=False),
+        ),
+        ("HBP", plan_hbp(lengths, levels, world, accumulate, seed, packer, over_length=over_length)),
+    ]
+    selection = None
+    if auto:
+        selection = select_levels(AnalyticProfiler(cost, lengths, seed), lengths, cost.model, world, top.pack_len)
+        runs.append(
+            (
+                "HBP, auto-selected levels",
+                plan_hbp(lengths, selection.levels, world, accumulate, seed, packer, over_length=over_length),
+            )
+        )
+    naive = runs[0][1]
+    batch = naive.pack_tokens.sum() / naive.n_steps
+    return [simulate(plan, cost, name, batch) for name, plan in runs], selection

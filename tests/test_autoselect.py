@@ -1,0 +1,306 @@
+"""Group auto-selection: Algorithms 1, 3, 4, the cost model's shape and calibration, the measured
+profiler on 2 gloo processes, ``levels: auto`` in training, and the command line."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from distributed import Pool
+
+from lit_hbp.autoselect import AnalyticProfiler, Measurement, auto_select, find_best_sp_ckpt, greedy_profile_ckpt
+from lit_hbp.autoselect.__main__ import main as autoselect_main
+from lit_hbp.costmodel import HARDWARE, MODELS, CostModel, ModelSpec
+from lit_hbp.packing import Level
+
+GB = 1e9
+
+
+class LinearMemory:
+    """Memory falls linearly with checkpointed layers: memory(c) = base + per_layer * (L - c)."""
+
+    def __init__(self, base, per_layer, layers=32, capacity=80 * GB):
+        self.base, self.per_layer, self.layers, self.capacity = base, per_layer, layers, capacity
+        self.calls = []
+
+    def measure(self, pack_len, sp, ckpt):
+        self.calls.append(ckpt)
+        memory = self.base + self.per_layer * (self.layers - ckpt)
+        return Measurement(1.0 + ckpt / 100, memory, pack_len / sp, memory <= self.capacity)
+
+
+def test_algorithm4_interpolates_the_smallest_fitting_count():
+    # 20 GB + 3 GB per non-checkpointed layer: with 80 GB and a 2 GB margin, 19 layers may stay
+    # unchecked: 13 checkpointed is the answer (20 + 3 * 19 = 77 <= 78, 20 + 3 * 20 = 80 > 78).
+    prof = LinearMemory(20 * GB, 3 * GB)
+    ckpt, trace = greedy_profile_ckpt(prof, 32768, 4, 0, 32, margin=2 * GB)
+    assert ckpt == 13
+    assert prof.calls[:2] == [0, 32], "memory is profiled at c_min and c_max first"
+    assert len(trace) <= 3
+    # Everything fits without checkpointing: c_min, after one probe.
+    assert greedy_profile_ckpt(LinearMemory(10 * GB, 1 * GB), 8192, 1, 0, 32)[0] == 0
+    # Nothing fits even fully checkpointed: None.
+    assert greedy_profile_ckpt(LinearMemory(90 * GB, 1 * GB), 8192, 1, 0, 32)[0] is None
+
+
+def test_algorithm4_steps_up_when_the_interpolation_falls_short():
+    """Memory concave in the unchecked layers: the straight line between c_min and c_max
+    underestimates it, so the interpolated count does not fit; verification steps up to the
+    smallest count that does."""
+
+    class Concave(LinearMemory):
+        def measure(self, pack_len, sp, ckpt):
+            self.calls.append(ckpt)
+            memory = self.base + self.per_layer * math.sqrt(self.layers - ckpt) * math.sqrt(self.layers)
+            return Measurement(1.0, memory, pack_len / sp, memory <= self.capacity)
+
+    prof = Concave(20 * GB, 3 * GB)
+    ckpt, _ = greedy_profile_ckpt(prof, 32768, 4, 0, 32)
+    fits = [c for c in range(33) if 20 * GB + 3 * GB * math.sqrt((32 - c) * 32) <= 80 * GB]
+    interpolated = math.ceil(32 - (80 - 20) / (3 * 32 / 32))  # the straight line's answer
+    assert interpolated < min(fits) == ckpt
+
+
+class PaperProfiler:
+    """The paper's worked example (Table 13): 16K trains fastest at sp 1 with 28 checkpointed
+    layers; 128K needs sp 8. Everything else is slower, or does not fit."""
+
+    capacity = 80 * GB
+    best = {
+        (8192, 2): (8, 5000),
+        (16384, 1): (28, 6000),
+        (32768, 8): (8, 5500),
+        (65536, 4): (28, 5200),
+        (131072, 8): (28, 5100),
+    }
+
+    def measure(self, pack_len, sp, ckpt):
+        need, speed = self.best.get((pack_len, sp), (None, 1000))
+        if need is None or ckpt < need:
+            return Measurement(1.0, 100 * GB, pack_len / sp, False)
+        return Measurement(pack_len / sp / speed, 70 * GB, pack_len / sp, True)
+
+
+def test_algorithm1_stage2_on_the_papers_example():
+    sel = auto_select(PaperProfiler(), [8192, 16384, 32768, 65536, 131072], [1, 2, 4, 8, 16], 32)
+    assert (sel.best.pack_len, sel.best.sp, sel.best.ckpt_layers) == (16384, 1, 28)
+    assert (sel.largest.pack_len, sel.largest.sp) == (131072, 8)
+    # l1 = 16K / 1 = l_best; l2 = 128K / 8 = 16K, not above l_best: levels [16K, 128K].
+    assert sel.levels == [Level(16384, 1, 28), Level(131072, 8, 28)]
+    assert "levels:\n  - {pack_len: 16384, sp: 1, ckpt_layers: 28}" in sel.yaml()
+
+
+def test_algorithm1_stage2_adds_l1_and_l2():
+    class Profiler(PaperProfiler):
+        best = {
+            (32768, 4): (20, 7000),
+            (16384, 4): (20, 5000),
+            (8192, 1): (20, 4000),
+            (262144, 8): (30, 4500),
+            (32768, 1): (32, 3000),
+        }
+
+    sel = auto_select(Profiler(), [16384, 32768, 262144], [1, 2, 4, 8], 32)
+    # l_best = 32K at sp 4 -> l1 = 8K at sp 1; l2 = 256K / 8 = 32K, not > l_best -> no l2.
+    assert [lv.pack_len for lv in sel.levels] == [8192, 32768, 262144]
+    assert sel.levels[0].sp == 1
+
+
+def cost_8b(world=32, **kw):
+    return CostModel(MODELS["llama3.1-8b"], HARDWARE["h100"], world, **kw)
+
+
+def test_cost_model_is_monotone_where_it_must_be():
+    cost = cost_8b()
+    for sp in (1, 2, 4, 8):
+        mem = [cost.memory_bytes(32768, sp, c) for c in range(33)]
+        assert all(a > b for a, b in zip(mem, mem[1:])), "more checkpointed layers -> less memory"
+        t = [cost.micro_step(32768 / sp, 32768.0**2, sp, c)["total"] for c in range(33)]
+        assert all(a < b for a, b in zip(t, t[1:])), "more checkpointed layers -> more time"
+    for c in (0, 16):
+        mem = [cost.memory_bytes(65536, sp, c) for sp in (1, 2, 4, 8, 16)]
+        assert all(a > b for a, b in zip(mem, mem[1:])), "more sp -> less memory per device"
+    # Attention grows with the square of document length; SP traffic only exists with sp > 1.
+    assert cost.attention_seconds(2 * 4096.0**2, 1, 0) < cost.attention_seconds(8192.0**2, 1, 0)
+    assert cost.sp_comm_seconds(4096, 1, 0) == 0 < cost.sp_comm_seconds(4096, 2, 0)
+    # Crossing a node (sp 16 > 8 GPUs per node) moves bytes over InfiniBand: slower per token.
+    per_token = [cost.sp_comm_seconds(65536 / sp, sp, 0) / (65536 / sp) for sp in (8, 16)]
+    assert per_token[1] > 2 * per_token[0]
+    # ZeRO stages partition more and more of the static memory.
+    static = [cost_8b(zero_stage=z).static_bytes() for z in range(4)]
+    assert all(a > b for a, b in zip(static, static[1:]))
+
+
+def test_model_spec_matches_published_parameter_counts():
+    assert MODELS["llama3.1-8b"].params == pytest.approx(8.03e9, rel=0.01)
+    assert MODELS["llama3.1-70b"].params == pytest.approx(70.6e9, rel=0.01)
+    spec = ModelSpec.from_config(
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+        }
+    )
+    assert (spec.kv_heads, spec.dim, spec.tied_embeddings) == (4, 16, False)
+
+
+@pytest.fixture(scope="module")
+def paper_shaped_mix():
+    """The shape of ../shared/workloads' paper_mix (log-normal chats, log-uniform long samples)."""
+    rng = np.random.default_rng(20250310)
+    short = np.clip(np.rint(rng.lognormal(np.log(700), 1.1, 100_000)), 32, 32768)
+    long_ = np.rint(np.exp(rng.uniform(np.log(8192), np.log(131072), 500)))
+    return rng.permutation(np.r_[short, long_]).astype(np.int64)
+
+
+@pytest.mark.parametrize("logits", ["chunked", "full"])
+def test_calibration_picks_sp8_with_few_checkpointed_layers_at_32k(paper_shaped_mix, logits):
+    """The paper's Table 12: at 32K on 32 H100s, sp 8 with 8 checkpointed layers was fastest among
+    sp 2 (28 layers), 4 (23) and 16 (0)."""
+    profiler = AnalyticProfiler(cost_8b(logits=logits), paper_shaped_mix)
+    best, rows = find_best_sp_ckpt(profiler, 32768, [2, 4, 8, 16], 0, 32)
+    assert best.sp == 8 and best.ckpt_layers <= 12
+    ckpt = {r.sp: r.ckpt_layers for r in rows}
+    assert ckpt[2] >= 26 and 18 <= ckpt[4] <= 26 and ckpt[16] == 0  # the paper: 28, 23, 0
+
+
+def pool_measured_selection(lengths):
+    import torch
+    import torch.distributed as dist
+
+    from lit_hbp.autoselect import MeasuredProfiler, select_levels, sp_candidates
+    from lit_hbp.module import HBPLitModule
+    from lit_hbp.parallel.groups import SPGroups
+
+    model = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+    }
+    spec = ModelSpec.from_config(model)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = SPGroups(sp_candidates(world, spec.heads, spec.kv_heads), world, rank)
+
+    def factory():
+        torch.manual_seed(0)
+        module = HBPLitModule(model=model)
+        module.configure_model()
+        return module
+
+    profiler = MeasuredProfiler(factory, lengths, groups, capacity=16 * 2**30, steps=2)
+    selection = select_levels(profiler, lengths, spec, world, candidates=[256, 1024])
+    return selection.candidates, selection.levels
+
+
+@pytest.mark.slow
+def test_measured_profiler_on_two_gloo_processes():
+    lengths = np.r_[np.random.default_rng(0).integers(8, 120, 400), [700, 900]]
+    pool = Pool(2)
+    try:
+        results = pool.run(pool_measured_selection, lengths)
+    finally:
+        pool.close()
+    (cands, levels), (cands1, levels1) = results
+    assert levels == levels1, "every rank takes the same decision"
+    measured = [c for c in cands if c.measurement is not None and c.note != "memory probe"]
+    assert {(c.pack_len, c.sp) for c in measured} == {(256, 1), (256, 2), (1024, 1), (1024, 2)}
+    for c in measured:
+        m = c.measurement
+        assert m.fits and 0 < m.seconds < 60 and m.memory > 50 * 2**20 and m.tokens > 0
+        assert c.tokens_per_second == pytest.approx(m.tokens / m.seconds)
+    assert levels[-1].pack_len == 1024 and all(isinstance(lv, Level) for lv in levels)
+    best = max(measured, key=lambda c: c.tokens_per_second)
+    assert any(lv.pack_len == best.pack_len for lv in levels)
+
+
+@pytest.mark.slow
+def test_levels_auto_in_a_training_run(tmp_path, toy_tokenizer):
+    import lightning as L
+
+    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.module import HBPLitModule
+
+    rng = np.random.default_rng(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": " ".join(rng.choice(words, rng.integers(2, k))), "response": " ".join(rng.choice(words, 8))}
+            )
+            + "\n"
+            for k in [20] * 60 + [300] * 3
+        )
+    )
+    dm = HBPDataModule(
+        sources=[{"path": str(data)}],
+        tokenizer=toy_tokenizer,
+        levels="auto",
+        cache_dir=str(tmp_path / "cache"),
+        autoselect={"candidates": [256, 2048]},
+    )
+    module = HBPLitModule(
+        model={
+            "model_type": "llama",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        },
+        vocab_size=dm.vocab_size,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, dm)
+    assert dm.levels[-1].pack_len == 2048 and all(lv.sp == 1 for lv in dm.levels)
+    assert trainer.global_step == 2
+
+
+def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shaped_mix):
+    lengths = tmp_path / "lengths.npy"
+    np.save(lengths, paper_shaped_mix)
+    config = tmp_path / "train.yaml"
+    config.write_text("model:\n  model: /nowhere/llama\ndata:\n  tokenizer: /nowhere\n  sources: []\n")
+    out = tmp_path / "levels.yaml"
+    code = autoselect_main(
+        [
+            "--config",
+            str(config),
+            "--analytic",
+            "--gpus",
+            "32",
+            "--gpu",
+            "h100",
+            "--lengths",
+            str(lengths),
+            "--model",
+            "llama3.1-8b",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "pack_len  sp  ckpt" in printed and "fastest:" in printed
+    import yaml
+
+    levels = yaml.safe_load(out.read_text())["levels"]
+    assert levels[-1]["pack_len"] == 131072 and all(Level(**lv) for lv in levels)
+    assert math.log2(levels[0]["pack_len"]).is_integer()
+    # A missing model is a clear error, not a traceback.
+    assert autoselect_main(["--config", str(config), "--lengths", str(lengths), "--out", str(out)]) == 2
+    assert "/nowhere/llama" in capsys.readouterr().err

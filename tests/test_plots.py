@@ -1,0 +1,179 @@
+"""Figures of a plan and its simulation: written, readable, and carrying the expected artists; and
+PackingMetrics(figures=True) logging them to TensorBoard during a tiny fit."""
+
+import glob
+import json
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lit_hbp.callbacks import PackingMetrics
+from matplotlib.container import BarContainer
+from matplotlib.image import imread
+
+from lit_hbp.costmodel import HARDWARE, CostModel, ModelSpec
+from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.module import HBPLitModule
+from lit_hbp.packing import Level, plan_hbp, plan_single_level
+from lit_hbp.simulate import simulate
+from lit_hbp.simulate.plots import (
+    PART_LABELS,
+    TIMELINE_PARTS,
+    _fmt_fill,
+    _fmt_gpu_time,
+    default_start,
+    length_histogram_figure,
+    save_figures,
+    timeline_figure,
+)
+
+WORLD = 8
+TINY = ModelSpec("tiny", layers=2, hidden=256, heads=4, kv_heads=4, intermediate=512, vocab=1000)
+
+
+@pytest.fixture(scope="module")
+def lengths():
+    rng = np.random.default_rng(0)
+    short = rng.lognormal(5.5, 1.0, 1500).clip(2, 1024).astype(np.int64)
+    long = rng.integers(1500, 8192, 60)
+    return rng.permutation(np.r_[short, long])
+
+
+@pytest.fixture(scope="module")
+def sims(lengths):
+    cost = CostModel(TINY, HARDWARE["h100"], WORLD)
+    hbp = plan_hbp(lengths, [Level(1024, 1), Level(8192, 4)], WORLD, seed=0)
+    naive = plan_single_level(lengths, Level(8192, 4), WORLD, packer="isf")
+    return [simulate(naive, cost, "naive ISF"), simulate(hbp, cost, "HBP")]
+
+
+def bar_series(ax) -> dict[str, BarContainer]:
+    return {c.get_label(): c for c in ax.containers if isinstance(c, BarContainer)}
+
+
+def test_save_figures_writes_readable_pngs(tmp_path, sims):
+    paths = save_figures(tmp_path / "out" / "sim.png", sims, sims[1].plan)
+    assert paths == [tmp_path / "out" / "sim.png", tmp_path / "out" / "sim_lengths.png"]
+    for path in paths:
+        img = imread(path)
+        assert img.shape[0] >= 400 and img.shape[1] >= 600, (path, img.shape)
+        assert img[..., :3].var() > 1e-3, f"{path} is blank"
+
+
+def test_timeline_has_a_bar_series_per_part_and_a_row_per_rank(sims):
+    fig = timeline_figure(sims, n_micro=4)
+    axes = [ax for ax in fig.axes if ax.containers]
+    assert len(axes) == len(sims)
+    for ax, sim in zip(axes, sims):
+        series = bar_series(ax)
+        assert list(series) == [PART_LABELS[p] for p in TIMELINE_PARTS]
+        for bars in series.values():
+            rows = {round(p.get_y() + p.get_height() / 2) for p in bars.patches}
+            assert rows == set(range(WORLD))
+            assert len(bars.patches) == 4 * WORLD  # every rank at each of the 4 micro-steps
+        assert sim.name in ax.get_title()
+        assert _fmt_gpu_time(sim.gpu_hours) in ax.get_title()
+        assert ax.get_xlabel() == "time (ms)"  # the tiny model runs micro-steps in milliseconds
+    # Every rank's parts plus idle end where its micro-step ends (the slowest group's total).
+    for ax, sim in zip(axes, sims):
+        start = default_start(sim, 4)
+        ends = np.array([p.get_x() + p.get_width() for p in bar_series(ax)[PART_LABELS["idle"]].patches])
+        ends = ends.reshape(4, WORLD)
+        np.testing.assert_allclose(ends, ends[:, :1].repeat(WORLD, axis=1))
+        elapsed = np.cumsum(sim.micro_seconds[start : start + 4])
+        np.testing.assert_allclose(ends[:, 0] / ends[-1, 0], elapsed / elapsed[-1])
+
+
+def test_default_window_starts_at_the_largest_level(sims):
+    for sim in sims:
+        start = default_start(sim, 6)
+        level = sim.plan.step_level[start // sim.plan.accumulate]
+        assert level == len(sim.plan.levels) - 1
+    fig = timeline_figure(sims, n_micro=3, start=5)
+    assert all("micro-steps 5-7 " in ax.get_title() for ax in fig.axes if ax.containers)
+
+
+def test_histogram_legend_names_every_level_with_its_fill(sims):
+    plan = sims[1].plan
+    fig = length_histogram_figure(plan)
+    (legend,) = fig.legends
+    texts = [t.get_text() for t in legend.get_texts()]
+    for i, lv in enumerate(plan.levels):
+        info = plan.report["levels"][i]
+        (line,) = [t for t in texts if t.startswith(f"level {i}:")]
+        assert f"sp {lv.sp}" in line and f"{info['samples']:,} samples" in line
+        assert f"fill {_fmt_fill(info['fill'])}" in line
+    assert not any(t.startswith("not packed") for t in texts)
+    assert fig.axes[-1].get_xscale() == "log"
+
+
+def test_histogram_shows_unpacked_samples(lengths):
+    lens = np.r_[lengths, [0, 0, 20000]]
+    plan = plan_hbp(lens, [Level(1024, 1), Level(8192, 4)], WORLD, over_length="drop")
+    texts = [t.get_text() for t in length_histogram_figure(plan).legends[0].get_texts()]
+    assert "not packed: 1 dropped (longer than 8K), 2 zero-length (drawn at 1 token)" in texts
+
+
+def test_fill_is_rounded_down():
+    assert _fmt_fill(0.99996) == "99.99%"
+    assert _fmt_fill(1.0) == "100.00%"
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    rng = np.random.default_rng(1)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world"]
+    path = tmp_path_factory.mktemp("chats") / "d.jsonl"
+    with path.open("w") as f:
+        for _ in range(16):
+            q, a = (" ".join(rng.choice(words, rng.integers(1, k))) for k in (30, 60))
+            f.write(json.dumps({"prompt": q, "response": a}) + "\n")
+    return path
+
+
+def test_packing_metrics_logs_figures_to_tensorboard(tmp_path, chats, toy_tokenizer):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    dm = HBPDataModule(
+        sources=[{"path": str(chats)}], tokenizer=toy_tokenizer, levels=["128:1", "512:1"], cache_dir=str(tmp_path)
+    )
+    torch.manual_seed(0)
+    module = HBPLitModule(
+        model={
+            "model_type": "llama",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        },
+        vocab_size=dm.vocab_size,
+        lr=1e-3,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=TensorBoardLogger(tmp_path, name="tb"),
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[PackingMetrics(figures=True, hardware="a100")],
+    )
+    trainer.fit(module, dm)
+    (events,) = glob.glob(f"{tmp_path}/tb/**/events.out.tfevents.*", recursive=True)
+    acc = EventAccumulator(events, size_guidance={"images": 0})
+    acc.Reload()
+    images = acc.Tags()["images"]
+    assert {"packing/length_histogram", "packing/timeline"} <= set(images), images
+    for tag in ("packing/length_histogram", "packing/timeline"):
+        (img,) = acc.Images(tag)
+        assert img.width > 300 and img.height > 300 and img.step == 0
+    assert "packing/abr" in acc.Tags()["scalars"]
+
+
+def test_packing_metrics_rejects_unknown_hardware():
+    with pytest.raises(ValueError, match="unknown hardware"):
+        PackingMetrics(figures=True, hardware="tpu")
