@@ -213,7 +213,7 @@ def reference_update(result: dict, tokens, vocab: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_sp_levels_train_like_a_single_process_token_mean(pool, sp_data, toy_tokenizer, tmp_path, stage):
     from lit_hbp.data.datamodule import HBPDataModule
 

@@ -1,0 +1,91 @@
+"""The callbacks in plain Lightning projects, and with the offline W&B logger."""
+
+import csv
+import glob
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
+from lit_hbp.cli import main
+from lit_hbp.packing import Level, plan_hbp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PlainData(L.LightningDataModule):
+    """A non-HBP data module: ordinary tensors, plus the plan of how it would pack its samples."""
+
+    def __init__(self):
+        super().__init__()
+        lengths = np.random.default_rng(0).integers(10, 600, 400)
+        self.plan = plan_hbp(lengths, [Level(512), Level(1024, 2)], world_size=2, seed=0)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+class PlainModel(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_packing_metrics_in_a_plain_lightning_project(tmp_path):
+    dm = PlainData()
+    trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=CSVLogger(tmp_path), log_every_n_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[PackingMetrics()])
+    trainer.fit(PlainModel(), dm)
+    (metrics_file,) = glob.glob(f"{tmp_path}/**/metrics.csv", recursive=True)
+    rows = list(csv.DictReader(open(metrics_file)))
+    logged = {k: float(v) for row in rows for k, v in row.items() if v}
+    expected = dm.plan.metrics()
+    for key in ("abr", "dbr", "pr", "cr", "ave_t", "fill", "n_steps"):
+        assert logged[f"packing/{key}"] == pytest.approx(expected[key], rel=1e-6), key
+    levels = [float(r["packing/level"]) for r in rows if r.get("packing/level")]
+    assert levels == [float(x) for x in dm.plan.step_level[: len(levels)]]
+
+
+def test_callbacks_refuse_data_modules_they_cannot_work_with():
+    class NoPlan(L.LightningDataModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1)))
+
+    for callback, message in ((HBPCurriculum(5), "needs a data module with set_curriculum"),
+                              (PackingMetrics(), "needs a data module with a `plan`")):
+        trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+        with pytest.raises(TypeError, match=message):
+            trainer.fit(PlainModel(), NoPlan())
+
+
+@pytest.mark.slow
+def test_tiny_config_logs_to_wandb_offline(tmp_path, small_demo, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "demo_data").symlink_to(small_demo)
+    main(["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--config", str(ROOT / "configs/wandb_offline.yaml"),
+          "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false"])
+    import wandb
+
+    wandb.finish()  # Lightning leaves the run open in-process; finishing writes its summary
+    (run,) = glob.glob(str(tmp_path / "runs/wandb/offline-run-*"))
+    (log,) = glob.glob(f"{run}/*.wandb")
+    # Offline, the run's history and config live in its binary log until `wandb sync`.
+    records = Path(log).read_bytes()
+    for key in (b"train/loss", b"packing/abr", b"curriculum/warmup", b"ave_token"):
+        assert key in records, key
