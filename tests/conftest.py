@@ -10,6 +10,16 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().paren
 
 import pytest  # noqa: E402
 
+# A two-layer Llama-style model small enough to train in seconds on CPU.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

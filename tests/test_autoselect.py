@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import TINY_LLAMA
 from distributed import Pool
 
 from lit_hbp.autoselect import AnalyticProfiler, Measurement, auto_select, find_best_sp_ckpt, greedy_profile_ckpt
@@ -246,14 +247,7 @@ def test_levels_auto_in_a_training_run(tmp_path, toy_tokenizer):
         autoselect={"candidates": [256, 2048]},
     )
     module = HBPLitModule(
-        model={
-            "model_type": "llama",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-        },
+        model=TINY_LLAMA,
         vocab_size=dm.vocab_size,
     )
     trainer = L.Trainer(

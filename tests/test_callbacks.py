@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-
 from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
+
 from lit_hbp.cli import main
 from lit_hbp.packing import Level, plan_hbp
 
@@ -45,9 +45,16 @@ class PlainModel(L.LightningModule):
 
 def test_packing_metrics_in_a_plain_lightning_project(tmp_path):
     dm = PlainData()
-    trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=CSVLogger(tmp_path), log_every_n_steps=1,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[PackingMetrics()])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[PackingMetrics()],
+    )
     trainer.fit(PlainModel(), dm)
     (metrics_file,) = glob.glob(f"{tmp_path}/**/metrics.csv", recursive=True)
     rows = list(csv.DictReader(open(metrics_file)))
@@ -64,10 +71,19 @@ def test_callbacks_refuse_data_modules_they_cannot_work_with():
         def train_dataloader(self):
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 1)))
 
-    for callback, message in ((HBPCurriculum(5), "needs a data module with set_curriculum"),
-                              (PackingMetrics(), "needs a data module with a `plan`")):
-        trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    for callback, message in (
+        (HBPCurriculum(5), "needs a data module with set_curriculum"),
+        (PackingMetrics(), "needs a data module with a `plan`"),
+    ):
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[callback],
+        )
         with pytest.raises(TypeError, match=message):
             trainer.fit(PlainModel(), NoPlan())
 
@@ -78,8 +94,19 @@ def test_tiny_config_logs_to_wandb_offline(tmp_path, small_demo, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     (tmp_path / "demo_data").symlink_to(small_demo)
-    main(["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--config", str(ROOT / "configs/wandb_offline.yaml"),
-          "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs/tiny_cpu.yaml"),
+            "--config",
+            str(ROOT / "configs/wandb_offline.yaml"),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
     import wandb
 
     wandb.finish()  # Lightning leaves the run open in-process; finishing writes its summary

@@ -8,6 +8,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_LLAMA
 from lit_hbp.callbacks import PackingMetrics
 from matplotlib.container import BarContainer
 from matplotlib.image import imread
@@ -141,14 +142,7 @@ def test_packing_metrics_logs_figures_to_tensorboard(tmp_path, chats, toy_tokeni
     )
     torch.manual_seed(0)
     module = HBPLitModule(
-        model={
-            "model_type": "llama",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-        },
+        model=TINY_LLAMA,
         vocab_size=dm.vocab_size,
         lr=1e-3,
     )

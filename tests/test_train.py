@@ -8,6 +8,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_LLAMA
 from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
 
 from lit_hbp.cli import main
@@ -84,14 +85,7 @@ def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None):
     )
     torch.manual_seed(0)
     module = HBPLitModule(
-        model={
-            "model_type": "llama",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-        },
+        model=TINY_LLAMA,
         vocab_size=dm.vocab_size,
         lr=1e-3,
     )

@@ -173,8 +173,21 @@ class Plan:
 # --------------------------------------------------------------------------------------------
 
 
-def _prepare(lengths, loss_tokens, max_len: int, over_length: str):
-    """Validate inputs and apply the over-length policy. Returns the arrays and the index sets."""
+@dataclass(frozen=True)
+class _Inputs:
+    """Validated lengths and loss tokens (over-length policy applied) and the index sets reported."""
+
+    lengths: np.ndarray
+    loss: np.ndarray
+    keep: np.ndarray
+    dropped: np.ndarray
+    truncated: np.ndarray
+    zero_length: np.ndarray
+    zero_loss: np.ndarray
+
+
+def _prepare(lengths, loss_tokens, max_len: int, over_length: str) -> _Inputs:
+    """Validate inputs and apply the over-length policy."""
     arr = check_lengths(lengths)
     if arr.size == 0:
         raise ValueError("empty dataset: no sample lengths given")
@@ -220,7 +233,7 @@ def _prepare(lengths, loss_tokens, max_len: int, over_length: str):
             f"nothing to pack: all {arr.size} samples are zero-length ({zero_length.size}) "
             f"or dropped as longer than {max_len} tokens ({dropped.size})"
         )
-    return arr, loss, keep, dropped, truncated, zero_length, zero_loss
+    return _Inputs(arr, loss, keep, dropped, truncated, zero_length, zero_loss)
 
 
 def _check_common(world_size: int, accumulate: int, warmup_steps: int) -> None:
@@ -382,36 +395,22 @@ def _short_level_ids(levels: tuple[Level, ...], short_levels) -> list[int]:
 
 
 def _build(
-    levels,
-    lengths,
-    loss,
-    keep,
-    level_bins,
-    world_size,
-    accumulate,
-    seed,
-    order,
-    warmup_steps,
-    short_levels,
-    dropped,
-    truncated,
-    zero_length,
-    zero_loss,
-    filled,
-    capacities=None,
+    levels: tuple[Level, ...],
+    inputs: _Inputs,
+    level_bins: list[Bins],
+    world_size: int,
+    accumulate: int,
+    seed: int,
+    order: str,
+    warmup_steps: int = 0,
+    short_levels=None,
+    filled: list[int] | None = None,
+    capacities: list[np.ndarray] | None = None,
 ) -> Plan:
+    lengths, loss = inputs.lengths, inputs.loss
+    filled = filled or [0] * len(levels)
     arrays, info = _assemble(
-        levels,
-        level_bins,
-        lengths,
-        loss,
-        world_size,
-        accumulate,
-        seed,
-        order,
-        warmup_steps,
-        short_levels,
-        capacities,
+        levels, level_bins, lengths, loss, world_size, accumulate, seed, order, warmup_steps, short_levels, capacities
     )
     report = dict(
         n_samples=int(lengths.size),
@@ -442,15 +441,15 @@ def _build(
         seed=int(seed),
         lengths=lengths,
         loss_tokens=loss,
-        dropped=dropped,
-        truncated=truncated,
-        zero_length=zero_length,
-        zero_loss=zero_loss,
+        dropped=inputs.dropped,
+        truncated=inputs.truncated,
+        zero_length=inputs.zero_length,
+        zero_loss=inputs.zero_loss,
         report=report,
         **arrays,
     )
-    if report["n_packed"] != int(keep.sum()):
-        raise AssertionError(f"planner lost samples: packed {report['n_packed']} of {int(keep.sum())}")
+    if report["n_packed"] != int(inputs.keep.sum()):
+        raise AssertionError(f"planner lost samples: packed {report['n_packed']} of {int(inputs.keep.sum())}")
     return plan
 
 
@@ -484,12 +483,11 @@ def plan_hbp(
     """
     levels = validate_levels(levels, world_size)
     _check_common(world_size, accumulate, warmup_steps)
-    lens, loss, keep, dropped, truncated, zero_length, zero_loss = _prepare(
-        lengths, loss_tokens, levels[-1].pack_len, over_length
-    )
+    inputs = _prepare(lengths, loss_tokens, levels[-1].pack_len, over_length)
+    lens = inputs.lengths
     bounds = np.array([lv.pack_len for lv in levels])
     group = np.searchsorted(bounds, lens, side="left")  # level i holds (pack_len_{i-1}, pack_len_i]
-    pools = [np.flatnonzero(keep & (group == i)) for i in range(len(levels))]
+    pools = [np.flatnonzero(inputs.keep & (group == i)) for i in range(len(levels))]
     packer_seeds = np.random.SeedSequence(seed).spawn(len(levels) + 1)[1:]
     level_bins: list[Bins | None] = [None] * len(levels)
     filled = [0] * len(levels)
@@ -511,24 +509,8 @@ def plan_hbp(
         else:
             bins = Bins(members, bins.offsets)
         level_bins[i] = bins
-    return _build(
-        levels,
-        lens,
-        loss,
-        keep,
-        level_bins,
-        world_size,
-        accumulate,
-        seed,
-        "balance" if balance else "random",
-        warmup_steps,
-        short_levels,
-        dropped,
-        truncated,
-        zero_length,
-        zero_loss,
-        filled,
-    )
+    order = "balance" if balance else "random"
+    return _build(levels, inputs, level_bins, world_size, accumulate, seed, order, warmup_steps, short_levels, filled)
 
 
 def _merge_fill(members: np.ndarray, offsets: np.ndarray, extra: np.ndarray, extra_bin: np.ndarray):
@@ -555,30 +537,11 @@ def plan_single_level(
     """Naive packing: every sample in packs of one pack_len and sp (the paper's ISF baseline)."""
     levels = validate_levels([level], world_size)
     _check_common(world_size, accumulate, 0)
-    lens, loss, keep, dropped, truncated, zero_length, zero_loss = _prepare(
-        lengths, loss_tokens, levels[0].pack_len, over_length
-    )
-    own = np.flatnonzero(keep)
-    bins = run_packer(lens[own], levels[0].pack_len, packer, seed)
+    inputs = _prepare(lengths, loss_tokens, levels[0].pack_len, over_length)
+    own = np.flatnonzero(inputs.keep)
+    bins = run_packer(inputs.lengths[own], levels[0].pack_len, packer, seed)
     bins = Bins(own[bins.members], bins.offsets)
-    return _build(
-        levels,
-        lens,
-        loss,
-        keep,
-        [bins],
-        world_size,
-        accumulate,
-        seed,
-        "balance" if balance else "random",
-        0,
-        None,
-        dropped,
-        truncated,
-        zero_length,
-        zero_loss,
-        [0],
-    )
+    return _build(levels, inputs, [bins], world_size, accumulate, seed, "balance" if balance else "random")
 
 
 def plan_sorted_batching(
@@ -596,29 +559,12 @@ def plan_sorted_batching(
     capacity is the padded length, so PR measures padding."""
     levels = validate_levels([Level(max_len, 1, 0, batch_size)], world_size)
     _check_common(world_size, accumulate, 0)
-    lens, loss, keep, dropped, truncated, zero_length, zero_loss = _prepare(lengths, loss_tokens, max_len, over_length)
-    own = np.flatnonzero(keep)
+    inputs = _prepare(lengths, loss_tokens, max_len, over_length)
+    lens = inputs.lengths
+    own = np.flatnonzero(inputs.keep)
     own = own[np.argsort(-lens[own], kind="stable")]
     bins = Bins(own, np.arange(own.size + 1, dtype=np.int64))
     # Consecutive runs of batch_size samples share a padded length: the first (longest) of the run;
     # batching keeps this order, so each SP group's B samples are exactly one run.
     longest = lens[own][(np.arange(own.size) // batch_size) * batch_size]
-    return _build(
-        levels,
-        lens,
-        loss,
-        keep,
-        [bins],
-        world_size,
-        accumulate,
-        seed,
-        "given",
-        0,
-        None,
-        dropped,
-        truncated,
-        zero_length,
-        zero_loss,
-        [0],
-        capacities=[longest],
-    )
+    return _build(levels, inputs, [bins], world_size, accumulate, seed, "given", capacities=[longest])
