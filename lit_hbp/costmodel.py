@@ -283,17 +283,25 @@ class CostModel:
         return self.memory_bytes(pack_len, sp, ckpt, packs_per_rank) <= self.hardware.memory_bytes
 
 
-def pack_stats(lengths: np.ndarray, pack_len: int, seed: int = 0, max_packs: int = 64) -> tuple[float, float]:
-    """Mean tokens and mean sum of squared lengths of a pack of ``pack_len`` filled from the data's
-    length distribution (samples longer than the pack are cut to it): what a level's packs hold."""
-    rng = np.random.default_rng(seed)
+def synthetic_pack(lengths: np.ndarray, pack_len: int, rng: np.random.Generator) -> np.ndarray:
+    """Sample lengths of one pack of ``pack_len`` drawn from the data's length distribution, filled
+    the way the planner fills packs: draws that do not fit the space left are skipped, until the
+    pack is full or no drawn sample fits (samples longer than the pack are cut to it)."""
     lengths = np.minimum(np.asarray(lengths, dtype=np.int64), pack_len)
     lengths = lengths[lengths > 0]
-    tokens, squares = [], []
-    for _ in range(max_packs):
-        draw = rng.choice(lengths, size=min(lengths.size, 4 * pack_len // max(int(lengths.min()), 1) + 1))
-        fill = np.cumsum(draw)
-        take = draw[: max(int(np.searchsorted(fill, pack_len, side="right")), 1)]
-        tokens.append(float(take.sum()))
-        squares.append(float((take.astype(np.float64) ** 2).sum()))
-    return float(np.mean(tokens)), float(np.mean(squares))
+    room, take = pack_len, []
+    for n in rng.choice(lengths, size=4 * pack_len // max(int(lengths.min()), 1) + 1).tolist():
+        if n <= room:
+            take.append(n)
+            room -= n
+            if room < lengths.min():
+                break
+    return np.asarray(take, dtype=np.int64)
+
+
+def pack_stats(lengths, pack_len: int, seed: int = 0, max_packs: int = 64) -> tuple[float, float]:
+    """Mean tokens and mean sum of squared lengths of a pack of ``pack_len`` filled from the data's
+    length distribution: what a level's packs hold."""
+    rng = np.random.default_rng(seed)
+    packs = [synthetic_pack(lengths, pack_len, rng).astype(np.float64) for _ in range(max_packs)]
+    return float(np.mean([p.sum() for p in packs])), float(np.mean([(p**2).sum() for p in packs]))

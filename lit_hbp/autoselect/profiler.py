@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from lit_hbp.costmodel import CostModel, pack_stats
+from lit_hbp.costmodel import CostModel, pack_stats, synthetic_pack
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,7 @@ class MeasuredProfiler:
     def _batch(self, pack_len: int, sp: int, rng: np.random.Generator, vocab: int) -> dict:
         from lit_hbp.data.collate import collate_packs, shard
 
-        lens = np.minimum(self.lengths, pack_len)
-        lens = lens[lens > 0]
-        draw = rng.choice(lens, size=4 * pack_len // max(int(lens.min()), 1) + 1)
-        take = draw[: max(int(np.searchsorted(np.cumsum(draw), pack_len, side="right")), 1)]
+        take = synthetic_pack(self.lengths, pack_len, rng)
         docs = {i: (rng.integers(0, vocab, int(n)), np.ones(int(n), bool)) for i, n in enumerate(take)}
         batch = collate_packs(
             [np.arange(len(take))],

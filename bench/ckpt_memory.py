@@ -1,0 +1,107 @@
+"""Per-level step time and peak memory with no layer vs every layer activation-checkpointed.
+
+    python bench/ckpt_memory.py --config configs/tiny_cpu.yaml [--device cpu] [--steps 3]
+    python bench/ckpt_memory.py --config configs/tiny_cpu.yaml --device cuda --hidden 1024 --layers 24 --heads 16
+
+For each level of the config (sp 1, one device), real micro-steps (forward, backward, update) of the
+config's model on a pack filled from the config's data lengths, timed by the same profiler the
+level auto-selection uses. Memory is measured two ways: the bytes autograd keeps for backward
+(every saved tensor's storage, counted once, through ``saved_tensors_hooks``; non-reentrant
+checkpointing installs its own inner hook, so what it drops is not counted): exact on any device;
+and on a GPU the peak CUDA allocation. (On CPU the peak resident set size mostly measures the
+process and the allocator, so it is not shown.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+from lit_hbp.autoselect.__main__ import config_lengths, model_config, read_config
+from lit_hbp.autoselect.profiler import MeasuredProfiler
+from lit_hbp.module import HBPLitModule
+from lit_hbp.packing.__main__ import format_table
+from lit_hbp.packing.levels import as_level
+from lit_hbp.parallel.groups import SPGroups
+
+MIB = 2**20
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/tiny_cpu.yaml")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--hidden", type=int, help="override the model: hidden size (intermediate = 3x)")
+    p.add_argument("--layers", type=int, help="override the model: decoder layers")
+    p.add_argument("--heads", type=int, help="override the model: attention heads (kv heads = heads / 2)")
+    args = p.parse_args()
+    config = read_config(args.config)
+    lengths, vocab = config_lengths(config)
+    model = dict(model_config(config, vocab))
+    if args.hidden:
+        model.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden)
+    if args.layers:
+        model["num_hidden_layers"] = args.layers
+    if args.heads:
+        model.update(num_attention_heads=args.heads, num_key_value_heads=max(args.heads // 2, 1))
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def factory() -> HBPLitModule:
+        torch.manual_seed(0)
+        module = HBPLitModule(model=model)
+        module.configure_model()
+        return module.to(device=device, dtype=dtype)
+
+    layers = model["num_hidden_layers"]
+    groups = SPGroups([1], 1, 0)
+    profiler = MeasuredProfiler(factory, lengths, groups, capacity=float("inf"), steps=args.steps)
+    module = factory().train()
+    rows = []
+    for level in (as_level(x) for x in config["data"]["levels"]):
+        batch = profiler._batch(level.pack_len, 1, np.random.default_rng(0), model["vocab_size"])
+        batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        row = dict(name=f"{level.pack_len} tokens")
+        for ckpt, tag in ((0, "none"), (layers, "all")):
+            m = profiler.measure(level.pack_len, 1, ckpt)
+            module.set_checkpointing(ckpt)
+            row[f"step_s_{tag}"] = m.seconds
+            row[f"saved_for_backward_mib_{tag}"] = saved_for_backward(module, batch) / MIB
+            if device.type == "cuda":
+                row[f"peak_mib_{tag}"] = m.memory / MIB
+        row["time_cost"] = row["step_s_all"] / row["step_s_none"] - 1
+        row["activation_saving"] = 1 - row["saved_for_backward_mib_all"] / row["saved_for_backward_mib_none"]
+        rows.append(row)
+    params = sum(p.numel() for p in module.parameters()) / 1e6
+    print(f"{params:.1f}M-parameter model, {layers} layers, {device.type} {dtype}, sp 1\n")
+    cols = [
+        (k, "+.1%" if k in ("time_cost", "activation_saving") else ".3f" if k.startswith("step") else ".1f")
+        for k in rows[0]
+        if k != "name"
+    ]
+    print(format_table(rows, cols))
+    return 0
+
+
+def saved_for_backward(module: HBPLitModule, batch: dict) -> int:
+    """Bytes of the distinct tensor storages autograd keeps for the backward of one micro-step."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = module(batch)[0]
+    loss.backward()
+    module.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
