@@ -14,9 +14,11 @@ varlen kernel), ``sdpa`` (a causal scaled_dot_product_attention per document; CP
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from lit_hbp.parallel import context as sp_context
@@ -24,7 +26,18 @@ from lit_hbp.parallel.ulysses import check_heads, heads_to_seq, replicate_kv, se
 
 ATTN_NAME = "hbp_varlen"
 BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa")
-_backend: dict[str, str] = {}
+_forced: list[str | None] = [None]
+_chosen: dict[tuple[str, torch.dtype], str] = {}
+_TORCH_VARLEN_KWARGS = {"scale", "window_size", "enable_gqa"}
+
+
+def _torch_varlen_usable() -> bool:
+    """torch's varlen kernel with the keywords used here (scale, window_size, enable_gqa: torch 2.11+)."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return False
+    from torch.nn.attention.varlen import varlen_attn
+
+    return _TORCH_VARLEN_KWARGS <= set(inspect.signature(varlen_attn).parameters)
 
 
 def available_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -32,22 +45,32 @@ def available_backend(device: torch.device, dtype: torch.dtype) -> str:
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         if importlib.util.find_spec("flash_attn") is not None:
             return "flash_attn"
-        if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+        if _torch_varlen_usable():
             return "torch_varlen"
     return "sdpa"
 
 
 def set_backend(name: str) -> None:
-    """Force a backend for the run ("auto" picks on the first call)."""
+    """Force a backend for the run, or "auto": the fastest for each device and dtype seen."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
-    _backend.clear()
-    if name != "auto":
-        _backend["name"] = name
+    if name == "torch_varlen" and not _torch_varlen_usable():
+        raise ValueError(
+            "attention backend torch_varlen needs torch.nn.attention.varlen with scale, window_size "
+            "and enable_gqa (torch 2.11 or newer)"
+        )
+    _forced[0] = None if name == "auto" else name
+    _chosen.clear()
 
 
-def current_backend() -> str | None:
-    return _backend.get("name")
+def backend_for(device: torch.device, dtype: torch.dtype) -> str:
+    """The backend used for inputs on ``device`` in ``dtype``, chosen once and logged once (a fp32
+    profiling pass on a GPU does not pin the slow backend on the bf16 training that follows)."""
+    key = (device.type, dtype)
+    if key not in _chosen:
+        _chosen[key] = _forced[0] or available_backend(device, dtype)
+        rank_zero_info(f"{ATTN_NAME} attention: {_chosen[key]} backend for {dtype} on {device.type}")
+    return _chosen[key]
 
 
 def _sdpa(q, k, v, cu: list[int], scaling, window, dropout):
@@ -94,7 +117,7 @@ def _varlen_kernel(backend, q, k, v, cu, max_len, scaling, window, dropout) -> t
 
 def _attend(query, key, value, cu: torch.Tensor, max_len: int, scaling, window, dropout) -> torch.Tensor:
     """Causal attention inside each document of one packed row: [1, H, T, D] in and out."""
-    backend = _backend.setdefault("name", available_backend(query.device, query.dtype))
+    backend = backend_for(query.device, query.dtype)
     if backend == "sdpa":
         return _sdpa(query, key, value, cu.tolist(), scaling, window, dropout)
     cu = cu.to(device=query.device, dtype=torch.int32)
@@ -128,7 +151,7 @@ def varlen_attention(
     if cu_seq_lens_q is None:
         cu_seq_lens_q = torch.tensor([0, total], dtype=torch.int32, device=query.device)
         max_length_q = total
-    if int(cu_seq_lens_q[-1]) != total:
+    if cu_seq_lens_q.device.type == "cpu" and int(cu_seq_lens_q[-1]) != total:  # on a GPU this would sync
         raise ValueError(f"cu_seqlens cover {int(cu_seq_lens_q[-1])} tokens but the attention sees {total}")
     drop = dropout if module.training else 0.0
     if sp == 1:

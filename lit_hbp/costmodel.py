@@ -18,7 +18,7 @@ forward once more, all-to-alls included.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -191,9 +191,6 @@ class CostModel:
     logits: str = "chunked"
     ce_chunk: int = 2048
     grad_sync_overlap: float = 0.5
-
-    def with_(self, **changes) -> CostModel:
-        return replace(self, **changes)
 
     # ----------------------------------------------------------------------------- time
 

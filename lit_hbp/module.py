@@ -7,6 +7,7 @@ checkpointing follows each batch's level: decoder layer i is checkpointed iff i 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from functools import partial
@@ -45,6 +46,26 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None):
                 f"{net.get_input_embeddings().num_embeddings}: use the checkpoint's tokenizer"
             )
     return net
+
+
+@contextlib.contextmanager
+def _zero3_loading(trainer):
+    """Under DeepSpeed ZeRO-3 the model is built inside ``deepspeed.zero.Init`` (parameters are
+    partitioned as they are created), so ``from_pretrained`` must load the checkpoint the ZeRO-3
+    way; transformers does when a DeepSpeed config is registered for the duration of the load."""
+    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+    if not getattr(strategy, "zero_stage_3", False):
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    registered = HfDeepSpeedConfig(strategy.config)  # noqa: F841  (kept alive: transformers holds a weakref)
+    try:
+        yield
+    finally:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
 
 
 def checkpoint_layers(net: torch.nn.Module) -> list[torch.nn.Module]:
@@ -94,7 +115,8 @@ class HBPLitModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = build_causal_lm(self.hparams.model, self.hparams.vocab_size)
+        with _zero3_loading(self._trainer):
+            self.model = build_causal_lm(self.hparams.model, self.hparams.vocab_size)
         self._layers = checkpoint_layers(self.model)
         for layer in self._layers:
             layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
@@ -156,7 +178,7 @@ class HBPLitModule(L.LightningModule):
         stats = torch.stack([ce_sum.detach().float(), torch.tensor(float(n), device=ce_sum.device)])
         if self.trainer.world_size > 1:
             stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
-        if batch_idx % self.trainer.accumulate_grad_batches == 0:
+        if batch_idx % self.trainer.accumulate_grad_batches == 0 or self._step_stats.device != stats.device:
             self._step_stats = torch.zeros_like(stats)
         self._step_stats = self._step_stats + stats
         if self._step_stats[1] > 0:
@@ -177,15 +199,18 @@ class HBPLitModule(L.LightningModule):
         seconds = time.perf_counter() - self._step_start
         level = int(batch["level"])
         self.log(f"time/level{level}_micro_step_s", seconds, batch_size=1)
-        self.log(f"time/level{level}_tokens_per_s_per_device", batch["input_ids"].shape[1] / seconds, batch_size=1)
+        tokens = batch["n_tokens"] / batch["sp"]  # this rank's share of the pack's real tokens
+        self.log(f"time/level{level}_tokens_per_s_per_device", tokens / seconds, batch_size=1)
 
     def configure_optimizers(self):
         hp = self.hparams
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
             if p.requires_grad:
-                (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+                shape = getattr(p, "ds_shape", p.shape)  # ZeRO-3 partitions parameters into 1-D shards
+                (no_decay if len(shape) < 2 or "norm" in name.lower() else decay).append(p)
         groups = [dict(params=decay, weight_decay=hp.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        groups = [g for g in groups if g["params"]]
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = min(hp.warmup_steps, total)

@@ -107,7 +107,13 @@ class HBPStrategy(DeepSpeedStrategy):
         return engine, ds_optimizer
 
     def setup(self, trainer) -> None:
-        levels = self.levels or getattr(trainer.datamodule, "levels", None)
+        data_levels = getattr(trainer.datamodule, "levels", None)
+        if self.levels and data_levels and tuple(as_level(x) for x in data_levels) != self.levels:
+            raise ValueError(
+                f"HBPStrategy levels {list(self.levels)} differ from the data module's {list(data_levels)}: the "
+                "batches carry the data module's sp; give the levels once (the strategy reads the data module's)"
+            )
+        levels = self.levels or data_levels
         if not levels:
             raise ValueError("HBPStrategy needs levels: pass levels=... or use a data module with .levels")
         module = trainer.lightning_module

@@ -107,6 +107,16 @@ def test_algorithm1_stage2_adds_l1_and_l2():
     assert sel.levels[0].sp == 1
 
 
+def test_algorithm1_stage2_adds_l2_when_it_exceeds_l_best():
+    class Profiler(PaperProfiler):
+        best = {(8192, 1): (24, 7000), (65536, 2): (28, 5000), (262144, 4): (30, 4500)}
+
+    sel = auto_select(Profiler(), [8192, 262144], [1, 2, 4, 8], 32)
+    # l_best = 8K at sp 1 -> l1 = 8K (already there); l2 = 256K / 4 = 64K > 8K -> a 64K level,
+    # with its own best (sp, ckpt) from Algorithm 3.
+    assert sel.levels == [Level(8192, 1, 24), Level(65536, 2, 28), Level(262144, 4, 30)]
+
+
 def cost_8b(world=32, **kw):
     return CostModel(MODELS["llama3.1-8b"], HARDWARE["h100"], world, **kw)
 

@@ -132,6 +132,20 @@ def test_cache_is_reused_and_invalidated(tmp_path, toy_tokenizer):
     assert cache.exists()
 
 
+def test_cache_follows_the_tokenizer_pipeline(tmp_path):
+    """A change anywhere in the tokenizer (here a lowercasing normalizer) must re-tokenize."""
+    from conftest import build_toy_tokenizer
+    from tokenizers import normalizers
+
+    path = write_jsonl(tmp_path / "c.jsonl", [chat("Hello", "World")])
+    tok = AutoTokenizer.from_pretrained(build_toy_tokenizer(tmp_path / "tok"))
+    before = tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "cache", progress=False)
+    tok.backend_tokenizer.normalizer = normalizers.Lowercase()
+    after = tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "cache", progress=False)
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+    assert not np.array_equal(np.asarray(before.ids), np.asarray(after.ids))
+
+
 def test_parquet_and_hf_disk_sources(tmp_path, toy_tokenizer):
     import datasets
     import pyarrow as pa
@@ -188,6 +202,24 @@ def test_over_length_error_drop_truncate_name_the_samples(tmp_path, toy_tokenize
     assert ids.size == limit and cut.loss_tokens[1] == target[1:].sum() > 0
     assert cut.report["truncated_to_nothing"] == [src.where(2)]
     assert "dropped: no supervised token left after truncation" in cut.summary()
+
+
+def test_data_report_lists_every_sample_it_did_not_train(tmp_path, toy_tokenizer):
+    from lit_hbp.data.datamodule import HBPDataModule
+
+    records = [chat("a", "b")] * 3 + [{"messages": []}] * 7 + [chat("hello", "the quick brown fox " * 40)] * 6
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    dm = HBPDataModule(
+        sources=[{"path": str(path)}],
+        tokenizer=toy_tokenizer,
+        levels=["64"],
+        over_length="drop",
+        cache_dir=str(tmp_path / "cache"),
+    )
+    dm.setup("fit")
+    report = json.loads(dm.write_report().read_text())
+    assert report["dropped"] == [f"{path}:{line}" for line in range(11, 17)]  # all six, not the first few
+    assert report["sources"][0]["skipped_where"]["empty conversation"] == [f"{path}:{line}" for line in range(4, 11)]
 
 
 # ------------------------------------------------------------------------------------ collation

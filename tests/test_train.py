@@ -78,7 +78,7 @@ class Record(L.Callback):
         )
 
 
-def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None):
+def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None, accumulate=2):
     L.seed_everything(0)
     dm = HBPDataModule(
         sources=[{"path": str(data)}], tokenizer=tokenizer, levels=["128:1", "512:1"], cache_dir=str(tmp_path / "cache")
@@ -100,7 +100,7 @@ def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None):
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
-        accumulate_grad_batches=2,
+        accumulate_grad_batches=accumulate,
         logger=False,
         use_distributed_sampler=False,
         enable_progress_bar=False,
@@ -129,12 +129,21 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, resume_data
     full, dm = run(tmp_path / "full", resume_data, toy_tokenizer, max_steps=14, every=1)
     steps_per_epoch = dm.plan_for_epoch(0).n_steps
     assert steps_per_epoch < 14, "the run must cross an epoch boundary"
-    for stop in (3, steps_per_epoch + 2):  # mid first epoch, mid second epoch
+    # Mid first epoch, on the last step of the first epoch, mid second epoch.
+    for stop in (3, steps_per_epoch, steps_per_epoch + 2):
         ckpt = tmp_path / "full" / "ckpt" / f"step={stop}.ckpt"
         resumed, _ = run(tmp_path / f"resumed{stop}", resume_data, toy_tokenizer, max_steps=14, ckpt_path=ckpt)
         expected = full[2 * stop :]
         assert [r[:3] for r in resumed] == [r[:3] for r in expected]
         np.testing.assert_allclose([r[3] for r in resumed], [r[3] for r in expected], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_different_plan(tmp_path, resume_data, toy_tokenizer):
+    run(tmp_path / "full", resume_data, toy_tokenizer, max_steps=3, every=3)
+    ckpt = tmp_path / "full" / "ckpt" / "step=3.ckpt"
+    with pytest.raises(ValueError, match=r"cannot resume mid-epoch.*accumulate: 2 -> 1"):
+        run(tmp_path / "other", resume_data, toy_tokenizer, max_steps=6, ckpt_path=ckpt, accumulate=1)
 
 
 def test_cli_links_vocab_size_and_interpolates(tmp_path, small_demo, monkeypatch):

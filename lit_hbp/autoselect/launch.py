@@ -7,6 +7,7 @@ every rank takes the same decisions); rank 0 returns the selection.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as queue_errors
 import socket
@@ -41,7 +42,8 @@ def _worker(rank: int, world: int, port: int, model, vocab, lengths, candidates,
         module.configure_model()
         return module.to(device)
 
-    profiler = MeasuredProfiler(factory, lengths, groups, capacity)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+    profiler = MeasuredProfiler(factory, lengths, groups, capacity, forward_context=autocast)
     selection = select_levels(profiler, lengths, spec, world, candidates=candidates, margin=margin)
     if rank == 0:
         results.put(selection)

@@ -7,6 +7,7 @@ real micro-steps of the model on the real process group (CUDA peak memory, or pe
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -72,7 +73,11 @@ class MeasuredProfiler:
 
     Every rank of the process group must call ``measure`` with the same arguments (the SP groups
     are collectives). Memory is the peak CUDA allocation, or on CPU the peak resident set size
-    (reset per measurement through /proc/self/clear_refs). ``capacity`` bounds what fits.
+    (reset per measurement through /proc/self/clear_refs). ``capacity`` bounds what fits; the run's
+    optimizer states are not allocated here (SGD), so subtract them from it (the data module does).
+    ``forward_context`` is the training precision's context (e.g. bf16 autocast). Caveat: a CUDA
+    out-of-memory inside an SP all-to-all leaves the group's other ranks waiting; give ``capacity``
+    a margin so Algorithm 4's probes stay inside the device.
     """
 
     def __init__(
@@ -85,8 +90,10 @@ class MeasuredProfiler:
         warmup: int = 1,
         seed: int = 0,
         vocab: int | None = None,
+        forward_context=contextlib.nullcontext,
     ):
         self.module_factory = module_factory
+        self.forward_context = forward_context
         self.lengths = np.asarray(lengths)
         self.sp_groups = sp_groups
         self.capacity = capacity
@@ -131,7 +138,9 @@ class MeasuredProfiler:
             for i in range(self.warmup + self.steps):
                 _sync(device)
                 start = time.perf_counter()
-                module(batch)[0].backward()
+                with self.forward_context():
+                    loss = module(batch)[0]
+                loss.backward()
                 if dist.is_initialized() and dist.get_world_size() > 1:
                     for p in module.parameters():
                         if p.grad is not None:

@@ -9,6 +9,8 @@ exactly the batches an uninterrupted run would have seen next.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -73,8 +75,10 @@ class PlanSampler(Sampler[int]):
         return self.dataset.plan.n_micro_steps
 
     def __iter__(self):
+        # A generator: Lightning may create the iterator before it calls set_epoch (on a restart),
+        # so the epoch's plan and start are read when the first index is drawn, not here.
         start, self.start = self.start, 0
-        return iter(range(start, len(self)))
+        yield from range(start, len(self))
 
 
 class PlanLoader(DataLoader):
@@ -86,9 +90,20 @@ class PlanLoader(DataLoader):
 
     def state_dict(self) -> dict:
         trained = self.dm.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": self.sampler.epoch, "micro_step": int(trained)}
+        return {"epoch": self.sampler.epoch, "micro_step": int(trained), "plan": self.dm.plan_key()}
 
     def load_state_dict(self, state: dict) -> None:
+        saved, now = state.get("plan"), self.dm.plan_key()
+        if saved is not None and saved != now:
+            changed = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in now if saved.get(k) != now.get(k))
+            raise ValueError(
+                f"cannot resume mid-epoch: the checkpoint's plan was made with other settings ({changed}); "
+                "its micro-step would point into a different plan and train samples twice or never. Resume "
+                "with the same data, levels, world size, accumulate_grad_batches and seed, or from an "
+                "end-of-epoch checkpoint."
+            )
+        if state["micro_step"] >= self.dm.plan_for_epoch(state["epoch"]).n_micro_steps:
+            return  # saved at the end of its epoch: the next epoch starts from its beginning
         self.dm.resume_from = dict(state)
         self.sampler.set_epoch(self.sampler.epoch)
 
@@ -172,6 +187,32 @@ class HBPDataModule(L.LightningDataModule):
         self.warmup_steps, self.short_levels = int(warmup_steps), short_levels
         self._plans.clear()
 
+    def write_report(self) -> Path:
+        """Write the data report (all skipped, dropped and truncated samples with their file and line)
+        next to the run's logs, or into the cache folder without a logger; return its path."""
+        log_dir = getattr(self.trainer, "log_dir", None) if self.trainer is not None else None
+        path = Path(log_dir or self.cache_dir) / "data_report.json"
+        if self.trainer is None or self.trainer.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.store.report, indent=1))
+        return path
+
+    def plan_key(self) -> dict:
+        """What the epoch plans depend on: a resumed run must plan the same epochs."""
+        world, _, accumulate = self._world()
+        data = hashlib.sha1(self.store.lengths.tobytes() + self.store.loss_tokens.tobytes()).hexdigest()[:16]
+        return dict(
+            world_size=world,
+            accumulate=accumulate,
+            seed=self.seed,
+            packer=self.packer,
+            levels=[[lv.pack_len, lv.sp, lv.ckpt_layers, lv.packs_per_rank] for lv in self.levels],
+            warmup_steps=self.warmup_steps,
+            short_levels=self.short_levels,
+            samples=int(self.store.lengths.size),
+            data=data,
+        )
+
     def trainer_setting(self, name: str):
         return getattr(self.trainer, name, None) if self.trainer is not None else None
 
@@ -201,7 +242,7 @@ class HBPDataModule(L.LightningDataModule):
         validate_levels(self.levels, world)
         store.apply_over_length(self.levels[-1].pack_len, self.over_length)
         self.store = store
-        rank_zero_info(self.store.summary())
+        rank_zero_info(self.store.summary() + f"\n  every skipped, dropped and truncated sample: {self.write_report()}")
 
     def _select_levels(self, lengths, world: int) -> list[Level]:
         """``levels: auto``: the paper's Algorithm 1 for this model, data and world."""
@@ -226,20 +267,27 @@ class HBPDataModule(L.LightningDataModule):
             from lit_hbp.parallel.groups import SPGroups
 
             device = self.trainer.strategy.root_device
-            capacity = (
+            total = (
                 torch.cuda.get_device_properties(device).total_memory
                 if device.type == "cuda"
                 else opts["memory_gib"] * 2**30
             )
+            # The profile trains with SGD: leave room for the run's Adam states (fp32 m and v, and
+            # the fp32 master copy under mixed precision) as ZeRO partitions them over the world.
+            states = CostModel(spec, HARDWARE[opts["gpu"]], world).static_bytes() - 4 * spec.params
+            capacity = total - max(states, 0.0)
+            precision = self.trainer.precision_plugin
 
             def factory():
                 torch.manual_seed(self.seed)
                 copy = type(module)(**module.hparams)
                 copy.configure_model()
-                return copy.to(device)
+                return precision.convert_module(copy).to(device)
 
             groups = SPGroups(sp_candidates(world, spec.heads, spec.kv_heads), world, self.trainer.global_rank)
-            profiler = MeasuredProfiler(factory, lengths, groups, capacity, seed=self.seed)
+            profiler = MeasuredProfiler(
+                factory, lengths, groups, capacity, seed=self.seed, forward_context=precision.forward_context
+            )
             where = f"measured on {world} {device.type} device(s)"
         selection = select_levels(profiler, lengths, spec, world, candidates=opts["candidates"], margin=margin)
         rank_zero_info(f"levels: auto ({where})\n{selection.table()}\nchosen {selection.yaml()}")

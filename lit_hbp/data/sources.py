@@ -76,8 +76,12 @@ def iter_records(source: Source) -> Iterator[tuple[dict, str]]:
         raise DataError(f"data source not found: {path}")
     fmt = source.resolved_format
     if fmt == "jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
                 if not line.strip():
                     continue
                 try:

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lit_hbp.data.tokenize import TokenizedSource
-
-OVER_LENGTH = ("error", "drop", "truncate")
+from lit_hbp.packing.plan import OVER_LENGTH
 
 
 def mixture_repeats(sizes: list[int], repeats: list[float | None], weights: list[float | None]) -> list[float]:

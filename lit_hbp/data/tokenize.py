@@ -25,7 +25,7 @@ import numpy as np
 from lit_hbp.data.sources import Conversation, DataError, Source, iter_records, to_conversation
 
 TRAIN_ON = ("assistant", "all")
-CACHE_VERSION = 1
+CACHE_VERSION = 3
 BATCH = 512
 # Used when a tokenizer has no chat template of its own. Prefix-stable by construction.
 DEFAULT_CHAT_TEMPLATE = (
@@ -69,11 +69,20 @@ class TokenizedSource:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of everything about a tokenizer that changes the token ids we produce."""
+    """Hash of everything about a tokenizer that changes the token ids we produce: its whole
+    pipeline (normalizer, pre-tokenizer, model and merges, post-processor), special tokens and
+    their ids, BOS/EOS handling and the chat template."""
     h = hashlib.sha256()
     h.update(type(tokenizer).__name__.encode())
-    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    h.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(
+        backend.to_str().encode() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items())).encode()
+    )
+    specials = {str(t): tokenizer.convert_tokens_to_ids(str(t)) for t in tokenizer.all_special_tokens}
+    h.update(json.dumps(sorted(specials.items())).encode())
+    h.update(json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]).encode())
+    flags = {k: tokenizer.init_kwargs.get(k) for k in ("add_bos_token", "add_eos_token", "add_prefix_space")}
+    h.update(json.dumps(flags, sort_keys=True, default=str).encode())
     h.update(str(getattr(tokenizer, "chat_template", None)).encode())
     return h.hexdigest()
 
@@ -188,8 +197,7 @@ def tokenize_source(
 
     def skip(reason: str, where: str) -> None:
         skipped[reason] += 1
-        if len(skipped_where[reason]) < 5:
-            skipped_where[reason].append(where)
+        skipped_where[reason].append(where)
 
     def flush() -> None:
         for (where, row, _), (ids, target) in zip(pending, encoder.encode_batch([p[2] for p in pending])):

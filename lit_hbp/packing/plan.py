@@ -121,8 +121,7 @@ class Plan:
         groups, b = self.world_size // lv.sp, lv.packs_per_rank
         g, _ = sp_coords(rank, lv.sp)
         base = int(self.step_offsets[s]) + (m * groups + g) * b
-        norm = max(int(self.step_loss_tokens[s]), 1) / (self.world_size * self.accumulate)
-        return MicroBatch(s, m, level, [self.pack(base + j) for j in range(b)], norm)
+        return MicroBatch(s, m, level, [self.pack(base + j) for j in range(b)], float(self.step_loss_norm[s]))
 
     def micro_batches(self, rank: int, start: int = 0) -> Iterator[MicroBatch]:
         """The micro-batches of ``rank`` in training order, from global micro-step ``start`` on."""
@@ -236,7 +235,7 @@ def _prepare(lengths, loss_tokens, max_len: int, over_length: str) -> _Inputs:
     return _Inputs(arr, loss, keep, dropped, truncated, zero_length, zero_loss)
 
 
-def _check_common(world_size: int, accumulate: int, warmup_steps: int) -> None:
+def _check_common(accumulate: int, warmup_steps: int) -> None:
     if isinstance(accumulate, bool) or not isinstance(accumulate, (int, np.integer)) or accumulate < 1:
         raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
@@ -382,8 +381,10 @@ def _assemble(
 
 
 def _short_level_ids(levels: tuple[Level, ...], short_levels) -> list[int]:
+    """The levels the curriculum puts first: by default those without sequence parallelism, but
+    never the largest level (with every level at sp 1, e.g. on one GPU, it is the long one)."""
     if short_levels is None:
-        return [i for i, lv in enumerate(levels) if lv.sp == 1]
+        return [i for i, lv in enumerate(levels[:-1]) if lv.sp == 1]
     by_len = {lv.pack_len: i for i, lv in enumerate(levels)}
     out = []
     for x in short_levels:
@@ -478,11 +479,14 @@ def plan_hbp(
     GreedyFilled from the still-unpacked samples of the smaller levels (largest first, best fit).
     Packs are sorted by attention work (sum of squared lengths) so each micro-step carries nearly
     equal work on every SP group; A micro-steps make a step; steps are shuffled with ``seed`` and
-    ``warmup_steps`` steps of ``short_levels`` (pack lengths; default: the sp == 1 levels) go first.
-    ``balance=False`` gives the paper's "hierarchical only" ablation (packs batched in random order).
+    ``warmup_steps`` steps of ``short_levels`` (pack lengths; default: the sp == 1 levels other than
+    the largest) go first. ``balance=False`` gives the paper's "hierarchical only" ablation (packs
+    batched in random order). ``over_length="truncate"`` caps a sample at the largest level and its
+    loss tokens at that length minus one, an upper bound: callers that know the label mask (the
+    data module does) should truncate themselves and pass the surviving counts.
     """
     levels = validate_levels(levels, world_size)
-    _check_common(world_size, accumulate, warmup_steps)
+    _check_common(accumulate, warmup_steps)
     inputs = _prepare(lengths, loss_tokens, levels[-1].pack_len, over_length)
     lens = inputs.lengths
     bounds = np.array([lv.pack_len for lv in levels])
@@ -536,7 +540,7 @@ def plan_single_level(
 ) -> Plan:
     """Naive packing: every sample in packs of one pack_len and sp (the paper's ISF baseline)."""
     levels = validate_levels([level], world_size)
-    _check_common(world_size, accumulate, 0)
+    _check_common(accumulate, 0)
     inputs = _prepare(lengths, loss_tokens, levels[0].pack_len, over_length)
     own = np.flatnonzero(inputs.keep)
     bins = run_packer(inputs.lengths[own], levels[0].pack_len, packer, seed)
@@ -558,7 +562,7 @@ def plan_sorted_batching(
     ``batch_size`` neighbours padded to the longest of them. A "pack" here is one sample and its
     capacity is the padded length, so PR measures padding."""
     levels = validate_levels([Level(max_len, 1, 0, batch_size)], world_size)
-    _check_common(world_size, accumulate, 0)
+    _check_common(accumulate, 0)
     inputs = _prepare(lengths, loss_tokens, max_len, over_length)
     lens = inputs.lengths
     own = np.flatnonzero(inputs.keep)
