@@ -72,7 +72,7 @@ class Plan:
     def n_steps(self) -> int:
         return len(self.step_level)
 
-    @property
+    @cached_property
     def step_loss_norm(self) -> np.ndarray:
         """Ave-Token normalizer of every step: loss tokens of the step / (N * A), at least 1 token."""
         return np.maximum(self.step_loss_tokens, 1) / (self.world_size * self.accumulate)
