@@ -62,3 +62,15 @@ def small_demo(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo")
     build_demo(out, n_short=400, n_long=8, vocab_size=2048)
     return out
+
+
+@pytest.fixture(scope="session")
+def paper_shaped_mix():
+    """../shared/workloads' paper_mix recipe at a quarter of its size (log-normal chats,
+    log-uniform long samples): the tests make their own, CI has no shared folder."""
+    import numpy as np
+
+    rng = np.random.default_rng(20250310)
+    short = np.clip(np.rint(rng.lognormal(np.log(700), 1.1, 100_000)), 32, 32768)
+    long_ = np.rint(np.exp(rng.uniform(np.log(8192), np.log(131072), 500)))
+    return rng.permutation(np.r_[short, long_]).astype(np.int64)

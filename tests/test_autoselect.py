@@ -157,15 +157,6 @@ def test_model_spec_matches_published_parameter_counts():
     assert (spec.kv_heads, spec.dim, spec.tied_embeddings) == (4, 16, False)
 
 
-@pytest.fixture(scope="module")
-def paper_shaped_mix():
-    """The shape of ../shared/workloads' paper_mix (log-normal chats, log-uniform long samples)."""
-    rng = np.random.default_rng(20250310)
-    short = np.clip(np.rint(rng.lognormal(np.log(700), 1.1, 100_000)), 32, 32768)
-    long_ = np.rint(np.exp(rng.uniform(np.log(8192), np.log(131072), 500)))
-    return rng.permutation(np.r_[short, long_]).astype(np.int64)
-
-
 @pytest.mark.parametrize("logits", ["chunked", "full"])
 def test_calibration_picks_sp8_with_few_checkpointed_layers_at_32k(paper_shaped_mix, logits):
     """The paper's Table 12: at 32K on 32 H100s, sp 8 with 8 checkpointed layers was fastest among

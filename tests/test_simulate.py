@@ -39,15 +39,6 @@ def test_simulation_equals_a_loop_over_micro_steps_and_groups():
     assert all(v >= 0 for v in shares.values())
 
 
-@pytest.fixture(scope="module")
-def paper_shaped_mix():
-    """../shared/workloads' paper_mix recipe at a quarter of its size."""
-    rng = np.random.default_rng(20250310)
-    short = np.clip(np.rint(rng.lognormal(np.log(700), 1.1, 100_000)), 32, 32768)
-    long_ = np.rint(np.exp(rng.uniform(np.log(8192), np.log(131072), 500)))
-    return rng.permutation(np.r_[short, long_]).astype(np.int64)
-
-
 def test_hbp_speedup_over_naive_isf_on_a_paper_shaped_mix(paper_shaped_mix):
     cost = CostModel(MODELS["llama3.1-8b"], HARDWARE["h100"], 32)
     levels = fill_checkpointing([Level(16384, 1), Level(131072, 8)], cost, paper_shaped_mix)
