@@ -3,9 +3,9 @@
     python bench/ckpt_memory.py --config configs/tiny_cpu.yaml [--device cpu] [--steps 3]
     python bench/ckpt_memory.py --config configs/tiny_cpu.yaml --device cuda --hidden 1024 --layers 24 --heads 16
 
-For each level of the config (sp 1, one device), real micro-steps (forward, backward, update) of the
-config's model on a pack filled from the config's data lengths, timed by the same profiler the
-level auto-selection uses. Memory is measured two ways: the bytes autograd keeps for backward
+For each level of the config (sp 1, one device), real training steps of the config's model through
+HBPStrategy (DeepSpeed ZeRO-2, AdamW) on a pack filled from the config's data lengths, timed by the
+same profiler the measured level auto-selection uses. Memory is measured two ways: the bytes autograd keeps for backward
 (every saved tensor's storage, counted once, through ``saved_tensors_hooks``; non-reentrant
 checkpointing installs its own inner hook, so what it drops is not counted): exact on any device;
 and on a GPU the peak CUDA allocation. (On CPU the peak resident set size mostly measures the
@@ -21,11 +21,10 @@ import numpy as np
 import torch
 
 from lit_hbp.autoselect.__main__ import config_lengths, model_config, read_config
-from lit_hbp.autoselect.profiler import MeasuredProfiler
+from lit_hbp.autoselect.measured import MeasuredProfiler, synthetic_batch
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing.__main__ import format_table
 from lit_hbp.packing.levels import as_level
-from lit_hbp.parallel.groups import SPGroups
 
 MIB = 2**20
 
@@ -53,17 +52,18 @@ def main() -> int:
 
     def factory() -> HBPLitModule:
         torch.manual_seed(0)
-        module = HBPLitModule(model=model)
-        module.configure_model()
-        return module.to(device=device, dtype=dtype)
+        return HBPLitModule(model=model)
 
     layers = model["num_hidden_layers"]
-    groups = SPGroups([1], 1, 0)
-    profiler = MeasuredProfiler(factory, lengths, groups, capacity=float("inf"), steps=args.steps)
-    module = factory().train()
+    precision = "bf16-mixed" if device.type == "cuda" else "32-true"
+    trainer_args = dict(accelerator=device.type, devices=1, precision=precision)
+    profiler = MeasuredProfiler(factory, lengths, float("inf"), trainer_args, dict(stage=2), steps=args.steps)
+    module = factory()
+    module.configure_model()
+    module = module.to(device=device, dtype=dtype).train()
     rows = []
     for level in (as_level(x) for x in config["data"]["levels"]):
-        batch = profiler._batch(level.pack_len, 1, np.random.default_rng(0), model["vocab_size"])
+        batch = synthetic_batch(lengths, level.pack_len, 1, 0, model["vocab_size"], 0, np.random.default_rng(0))
         batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
         row = dict(name=f"{level.pack_len} tokens")
         for ckpt, tag in ((0, "none"), (layers, "all")):

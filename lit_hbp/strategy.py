@@ -127,7 +127,16 @@ class HBPStrategy(DeepSpeedStrategy):
             getattr(module, "num_layers", cfg.num_hidden_layers),
         )
         self.levels = tuple(as_level(x) for x in levels)
-        self.sp_groups = SPGroups([lv.sp for lv in self.levels], self.world_size, self.global_rank)
+        degrees = [lv.sp for lv in self.levels]
+        if self.sp_groups is None:
+            self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank)
+        else:  # groups handed over from an earlier run of the same world (the measured level search)
+            if (self.sp_groups.world_size, self.sp_groups.rank) != (self.world_size, self.global_rank):
+                raise ValueError(
+                    f"the SP groups handed to HBPStrategy were built for rank {self.sp_groups.rank} of "
+                    f"{self.sp_groups.world_size}, not rank {self.global_rank} of {self.world_size}"
+                )
+            self.sp_groups.ensure(degrees)
         rank_zero_info(
             "HBPStrategy levels: "
             + ", ".join(f"{lv.pack_len} tokens sp {lv.sp} ckpt {lv.ckpt_layers}" for lv in self.levels)

@@ -3,6 +3,7 @@ profiler on 2 gloo processes, ``levels: auto`` in training, and the command line
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,57 +169,150 @@ def test_calibration_picks_sp8_with_few_checkpointed_layers_at_32k(paper_shaped_
     assert ckpt[2] >= 26 and 18 <= ckpt[4] <= 26 and ckpt[16] == 0  # the paper: 28, 23, 0
 
 
+PROBE_MODEL = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+}
+
+
 def pool_measured_selection(lengths):
+    """On every rank: Algorithm 1 with the measured profiler, recording what each probe ran on."""
+    import deepspeed
     import torch
     import torch.distributed as dist
 
-    from lit_hbp.autoselect import MeasuredProfiler, select_levels, sp_candidates
+    from lit_hbp.autoselect import MeasuredProfiler, select_levels
     from lit_hbp.module import HBPLitModule
-    from lit_hbp.parallel.groups import SPGroups
+    from lit_hbp.parallel import context
 
-    model = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-    }
-    spec = ModelSpec.from_config(model)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    groups = SPGroups(sp_candidates(world, spec.heads, spec.kv_heads), world, rank)
+    spec = ModelSpec.from_config(PROBE_MODEL)
+    world = dist.get_world_size()
+    stages, groups, probes = [], {}, []
+    real_init, real_activate = deepspeed.initialize, context.activate
+
+    def initialize(*args, **kwargs):
+        stages.append(kwargs["config"]["zero_optimization"]["stage"])
+        return real_init(*args, **kwargs)
+
+    def activate(ctx):
+        if ctx is not None:
+            groups.setdefault(ctx.size, set()).add(id(ctx.group))
+        return real_activate(ctx)
 
     def factory():
         torch.manual_seed(0)
-        module = HBPLitModule(model=model)
-        module.configure_model()
-        return module
+        return HBPLitModule(model=PROBE_MODEL)
 
-    profiler = MeasuredProfiler(factory, lengths, groups, capacity=16 * 2**30, steps=2)
-    selection = select_levels(profiler, lengths, spec, world, candidates=[256, 1024])
-    return selection.candidates, selection.levels
+    profiler = MeasuredProfiler(
+        factory, lengths, 16 * 2**30, dict(accelerator="cpu", devices=world), dict(stage=2), steps=2
+    )
+    measure = profiler.measure
+    profiler.measure = lambda *a: probes.append(a) or measure(*a)
+    deepspeed.initialize, context.activate = initialize, activate
+    try:
+        selection = select_levels(profiler, lengths, spec, world, candidates=[256, 1024])
+    finally:
+        deepspeed.initialize, context.activate = real_init, real_activate
+    return selection.candidates, selection.levels, dict(stages=stages, groups=groups, probes=probes)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = Pool(2)
+    yield p
+    p.close()
 
 
 @pytest.mark.slow
-def test_measured_profiler_on_two_gloo_processes():
+def test_measured_profiler_trains_through_hbp_strategy_on_two_gloo_processes(pool):
     lengths = np.r_[np.random.default_rng(0).integers(8, 120, 400), [700, 900]]
-    pool = Pool(2)
-    try:
-        results = pool.run(pool_measured_selection, lengths)
-    finally:
-        pool.close()
-    (cands, levels), (cands1, levels1) = results
+    (cands, levels, seen), (_, levels1, _) = pool.run(pool_measured_selection, lengths)
     assert levels == levels1, "every rank takes the same decision"
     measured = [c for c in cands if c.measurement is not None and c.note != "memory probe"]
     assert {(c.pack_len, c.sp) for c in measured} == {(256, 1), (256, 2), (1024, 1), (1024, 2)}
     for c in measured:
         m = c.measurement
-        assert m.fits and 0 < m.seconds < 60 and m.memory > 50 * 2**20 and m.tokens > 0
+        assert m.fits and 0 < m.seconds < 60 and m.memory > 50 * 2**20
+        assert m.tokens == c.pack_len / c.sp
         assert c.tokens_per_second == pytest.approx(m.tokens / m.seconds)
+    # Each probe is a DeepSpeed run with the run's ZeRO stage, and every sp 2 probe used the one
+    # SP group built for the search.
+    assert seen["stages"] == [2] * len(seen["probes"])
+    assert any(sp == 2 for _, sp, _ in seen["probes"]) and len(seen["groups"][2]) == 1
     assert levels[-1].pack_len == 1024 and all(isinstance(lv, Level) for lv in levels)
     best = max(measured, key=lambda c: c.tokens_per_second)
     assert any(lv.pack_len == best.pack_len for lv in levels)
+
+
+def pool_levels_auto_measured(data, tokenizer, cache):
+    """A 2-process HBPStrategy run whose data module measures its levels at setup."""
+    import lightning as L
+
+    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.module import HBPLitModule
+    from lit_hbp.strategy import HBPStrategy
+
+    dm = HBPDataModule(
+        sources=[{"path": data}],
+        tokenizer=tokenizer,
+        levels="auto",
+        cache_dir=cache,
+        autoselect={"mode": "measured", "candidates": [256, 2048]},
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=HBPStrategy(stage=2),
+        max_steps=2,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size), dm)
+    return list(dm.levels), trainer.global_step, [lv.sp for lv in trainer.strategy.levels]
+
+
+@pytest.mark.slow
+def test_levels_auto_measured_inside_a_distributed_run(pool, tmp_path, toy_tokenizer):
+    data = tmp_path / "d.jsonl"
+    write_chat(data, [20] * 60 + [300] * 3)
+    (levels, steps, sps), (levels1, _, _) = pool.run(
+        pool_levels_auto_measured, str(data), toy_tokenizer, str(tmp_path / "cache")
+    )
+    assert levels == levels1 and steps == 2
+    assert levels[-1].pack_len == 2048 and sps == [lv.sp for lv in levels]
+
+
+def test_run_arguments_reuse_the_configs_model_precision_and_zero_settings():
+    from lit_hbp.autoselect.__main__ import read_config
+    from lit_hbp.autoselect.launch import run_arguments
+
+    config = read_config(Path(__file__).parents[1] / "configs" / "tiny_cpu_sp.yaml")
+    module, trainer, strategy = run_arguments(config, vocab=300)
+    assert module["model"]["num_hidden_layers"] == 4 and module["vocab_size"] == 300 and module["lr"] == 3.0e-3
+    assert trainer == {"precision": "32-true", "accumulate_grad_batches": 2}
+    assert strategy == {"stage": 2}
+
+
+def write_chat(path, prompt_words):
+    rng = np.random.default_rng(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": " ".join(rng.choice(words, rng.integers(2, k))), "response": " ".join(rng.choice(words, 8))}
+            )
+            + "\n"
+            for k in prompt_words
+        )
+    )
 
 
 @pytest.mark.slow
@@ -228,18 +322,8 @@ def test_levels_auto_in_a_training_run(tmp_path, toy_tokenizer):
     from lit_hbp.data.datamodule import HBPDataModule
     from lit_hbp.module import HBPLitModule
 
-    rng = np.random.default_rng(0)
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
     data = tmp_path / "d.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps(
-                {"prompt": " ".join(rng.choice(words, rng.integers(2, k))), "response": " ".join(rng.choice(words, 8))}
-            )
-            + "\n"
-            for k in [20] * 60 + [300] * 3
-        )
-    )
+    write_chat(data, [20] * 60 + [300] * 3)
     dm = HBPDataModule(
         sources=[{"path": str(data)}],
         tokenizer=toy_tokenizer,

@@ -1,6 +1,7 @@
 """Hierarchical Groups Auto-Selection: find the levels (pack length, sp, checkpointed layers)."""
 
-from lit_hbp.autoselect.profiler import AnalyticProfiler, MeasuredProfiler, Measurement, Profiler
+from lit_hbp.autoselect.measured import MeasuredProfiler
+from lit_hbp.autoselect.profiler import AnalyticProfiler, Measurement, Profiler
 from lit_hbp.autoselect.search import (
     Candidate,
     Selection,

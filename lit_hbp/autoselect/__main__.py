@@ -5,7 +5,8 @@
 
 The sample lengths come from the config's data section (tokenized and cached like training does),
 or from --lengths. ``--analytic`` (default) prices candidates with the cost model for --gpus GPUs of
-kind --gpu; ``--measured`` runs real micro-steps of the config's model on --devices local processes
+kind --gpu; ``--measured`` trains a few real steps of the config's model per candidate through
+HBPStrategy (the config's precision, accumulation and ZeRO settings) on --devices local processes
 (CUDA when available, else CPU with gloo). Prints every candidate measured and writes the chosen
 ``levels:`` block to --out.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lit_hbp.autoselect.launch import measured_selection
+from lit_hbp.autoselect.launch import measured_selection, run_arguments
 from lit_hbp.autoselect.profiler import AnalyticProfiler
 from lit_hbp.autoselect.search import select_levels
 from lit_hbp.costmodel import HARDWARE, CostModel, ModelSpec, load_model_spec
@@ -103,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.memory_gib:
                 capacity = args.memory_gib * GIB
-            selection = measured_selection(model, vocab, lengths, args.devices, args.candidates, capacity, margin)
+            selection = measured_selection(
+                run_arguments(config, vocab), spec_of(model), lengths, args.devices, args.candidates, capacity, margin
+            )
             where = f"measured on {args.devices} local process(es)"
         else:
             cost = CostModel(spec, HARDWARE[args.gpu], args.gpus)

@@ -1,49 +1,63 @@
 """Run the measured level search on N local processes (GPUs with NCCL, else CPU with gloo).
 
-Each process builds the model, the SP groups of every candidate degree, and runs Algorithm 1
-with the measured profiler in lockstep with the others (measurements are reduced across ranks, so
-every rank takes the same decisions); rank 0 returns the selection.
+Each process joins one process group and runs Algorithm 1 with the measured profiler in lockstep
+with the others (every probe is a short distributed training run and its measurements are reduced
+across ranks, so every rank takes the same decisions); rank 0 returns the selection.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue as queue_errors
 import socket
-from pathlib import Path
 
-from lit_hbp.autoselect.profiler import MeasuredProfiler
-from lit_hbp.autoselect.search import Selection, select_levels, sp_candidates
-from lit_hbp.costmodel import ModelSpec
+from lit_hbp.autoselect.search import Selection, select_levels
 
 
-def _worker(rank: int, world: int, port: int, model, vocab, lengths, candidates, capacity, margin, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def run_arguments(config: dict, vocab: int | None) -> tuple[dict, dict, dict]:
+    """(HBPLitModule, Trainer, HBPStrategy) arguments of a training config that a probe reuses:
+    the model and its loss settings, the precision and accumulation, the ZeRO settings."""
+    module = dict(config.get("model") or {})
+    if vocab is not None:
+        module["vocab_size"] = vocab
+    trainer = config.get("trainer") or {}
+    trainer_args = {k: trainer[k] for k in ("precision", "accumulate_grad_batches") if k in trainer}
+    strategy = trainer.get("strategy")
+    strategy_args = {}
+    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("HBPStrategy"):
+        strategy_args = {k: v for k, v in (strategy.get("init_args") or {}).items() if k != "levels"}
+    return module, trainer_args, strategy_args
+
+
+def _worker(rank: int, world: int, port: int, run_args, spec, lengths, candidates, capacity, margin, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        NODE_RANK="0",
+    )
     import torch
     import torch.distributed as dist
 
+    from lit_hbp.autoselect.measured import MeasuredProfiler
     from lit_hbp.module import HBPLitModule
-    from lit_hbp.parallel.groups import SPGroups
 
+    module_args, trainer_args, strategy_args = run_args
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    spec = ModelSpec.from_config(model if isinstance(model, dict) else Path(model))
-    groups = SPGroups(sp_candidates(world, spec.heads, spec.kv_heads), world, rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
 
-    def factory():
+    def factory() -> HBPLitModule:
         torch.manual_seed(0)
-        module = HBPLitModule(model=model, vocab_size=vocab)
-        module.configure_model()
-        return module.to(device)
+        return HBPLitModule(**module_args)
 
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    profiler = MeasuredProfiler(factory, lengths, groups, capacity, forward_context=autocast)
+    trainer_args = {"accelerator": "cuda" if cuda else "cpu", "devices": world, **trainer_args}
+    profiler = MeasuredProfiler(factory, lengths, capacity, trainer_args, strategy_args)
     selection = select_levels(profiler, lengths, spec, world, candidates=candidates, margin=margin)
     if rank == 0:
         results.put(selection)
@@ -51,8 +65,10 @@ def _worker(rank: int, world: int, port: int, model, vocab, lengths, candidates,
     dist.destroy_process_group()
 
 
-def measured_selection(model, vocab, lengths, devices: int, candidates, capacity: float, margin: float) -> Selection:
-    """Algorithm 1 with real micro-steps of ``model`` on ``devices`` local processes."""
+def measured_selection(
+    run_args: tuple[dict, dict, dict], spec, lengths, devices: int, candidates, capacity: float, margin: float
+) -> Selection:
+    """Algorithm 1 with real training steps (``run_arguments`` of a config) on ``devices`` local processes."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -60,7 +76,7 @@ def measured_selection(model, vocab, lengths, devices: int, candidates, capacity
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    args = (devices, port, model, vocab, lengths, candidates, capacity, margin, results)
+    args = (devices, port, run_args, spec, lengths, candidates, capacity, margin, results)
     procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(devices)]
     for p in procs:
         p.start()

@@ -118,9 +118,10 @@ class HBPDataModule(L.LightningDataModule):
         levels: the HBP levels, e.g. ``["16K:1", "128K:8:28"]`` or Level mappings; or ``"auto"`` to
             choose them at setup with the paper's auto-selection for this model, data and world.
         autoselect: settings of ``levels: auto``: ``mode`` analytic (cost model, default) or measured
-            (real micro-steps on the real world); ``gpu`` the hardware preset of the analytic mode
-            (h100, h200, a100); ``candidates`` pack lengths to try; ``margin_gib`` memory left free;
-            ``memory_gib`` the per-device memory of the measured mode on CPU.
+            (a few real training steps per candidate through HBPStrategy, on the real world); ``gpu``
+            the hardware preset of the analytic mode (h100, h200, a100); ``candidates`` pack lengths
+            to try; ``margin_gib`` memory left free; ``memory_gib`` the per-device memory of the
+            measured mode on CPU.
         packer: packing algorithm of every level (see ``lit_hbp.packing.PACKERS``).
         over_length: samples longer than the largest level: ``error`` | ``drop`` | ``truncate``.
         train_on: supervise ``assistant`` turns only, or ``all`` tokens.
@@ -190,7 +191,7 @@ class HBPDataModule(L.LightningDataModule):
     def write_report(self) -> Path:
         """Write the data report (all skipped, dropped and truncated samples with their file and line)
         next to the run's logs, or into the cache folder without a logger; return its path."""
-        log_dir = getattr(self.trainer, "log_dir", None) if self.trainer is not None else None
+        log_dir = self.trainer.log_dir if self.trainer is not None and self.trainer.loggers else None
         path = Path(log_dir or self.cache_dir) / "data_report.json"
         if self.trainer is None or self.trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -246,7 +247,7 @@ class HBPDataModule(L.LightningDataModule):
 
     def _select_levels(self, lengths, world: int) -> list[Level]:
         """``levels: auto``: the paper's Algorithm 1 for this model, data and world."""
-        from lit_hbp.autoselect import AnalyticProfiler, MeasuredProfiler, select_levels, sp_candidates
+        from lit_hbp.autoselect import AnalyticProfiler, MeasuredProfiler, select_levels
         from lit_hbp.costmodel import HARDWARE, CostModel, ModelSpec
 
         module = self.trainer.lightning_module if self.trainer is not None else None
@@ -264,29 +265,29 @@ class HBPDataModule(L.LightningDataModule):
         else:
             import torch
 
-            from lit_hbp.parallel.groups import SPGroups
+            from lit_hbp.autoselect.measured import probe_strategy_args
 
-            device = self.trainer.strategy.root_device
-            total = (
+            trainer = self.trainer
+            device = trainer.strategy.root_device
+            capacity = (
                 torch.cuda.get_device_properties(device).total_memory
                 if device.type == "cuda"
                 else opts["memory_gib"] * 2**30
             )
-            # The profile trains with SGD: leave room for the run's Adam states (fp32 m and v, and
-            # the fp32 master copy under mixed precision) as ZeRO partitions them over the world.
-            states = CostModel(spec, HARDWARE[opts["gpu"]], world).static_bytes() - 4 * spec.params
-            capacity = total - max(states, 0.0)
-            precision = self.trainer.precision_plugin
+            trainer_args = dict(
+                accelerator=device.type,
+                devices=trainer.device_ids if device.type == "cuda" else trainer.num_devices,
+                num_nodes=trainer.num_nodes,
+                precision=trainer.precision,
+                accumulate_grad_batches=trainer.accumulate_grad_batches,
+            )
 
             def factory():
                 torch.manual_seed(self.seed)
-                copy = type(module)(**module.hparams)
-                copy.configure_model()
-                return precision.convert_module(copy).to(device)
+                return type(module)(**module.hparams)
 
-            groups = SPGroups(sp_candidates(world, spec.heads, spec.kv_heads), world, self.trainer.global_rank)
             profiler = MeasuredProfiler(
-                factory, lengths, groups, capacity, seed=self.seed, forward_context=precision.forward_context
+                factory, lengths, capacity, trainer_args, probe_strategy_args(trainer.strategy), seed=self.seed
             )
             where = f"measured on {world} {device.type} device(s)"
         selection = select_levels(profiler, lengths, spec, world, candidates=opts["candidates"], margin=margin)

@@ -30,12 +30,17 @@ class SPGroups:
     def __init__(self, degrees, world_size: int, rank: int):
         self.world_size, self.rank = world_size, rank
         self.contexts: dict[int, SPContext] = {1: SPContext(None, 1, 0, (rank,))}
-        for sp in sorted({int(d) for d in degrees if d > 1}):
+        self.ensure(degrees)
+
+    def ensure(self, degrees) -> None:
+        """Build the groups of the degrees not built yet (a collective: every rank, same degrees).
+        Lets one set of groups serve many short runs, e.g. the measured level search's probes."""
+        for sp in sorted({int(d) for d in degrees} - set(self.contexts)):
             mine = None
-            for ranks in sp_group_ranks(world_size, sp):
+            for ranks in sp_group_ranks(self.world_size, sp):
                 group = dist.new_group(ranks)  # collective: every rank creates every group
-                if rank in ranks:
-                    mine = SPContext(group, sp, sp_coords(rank, sp)[1], tuple(ranks))
+                if self.rank in ranks:
+                    mine = SPContext(group, sp, sp_coords(self.rank, sp)[1], tuple(ranks))
             self.contexts[sp] = mine
 
     def __getitem__(self, sp: int) -> SPContext:
