@@ -66,6 +66,10 @@ class HBPStrategy(DeepSpeedStrategy):
         **kwargs: Any,
     ):
         super().__init__(stage=stage, logging_batch_size_per_gpu=logging_batch_size_per_gpu, **kwargs)
+        if self.config is not None:
+            # A micro-batch is one packed row; without this Lightning would infer it from a
+            # dataloader before the model exists.
+            self.config.setdefault("train_micro_batch_size_per_gpu", 1)
         self.levels = None if levels is None else tuple(as_level(x) for x in levels)
         self.sp_groups: SPGroups | None = None
 

@@ -181,7 +181,11 @@ PROBE_MODEL = {
 
 
 def pool_measured_selection(lengths):
-    """On every rank: Algorithm 1 with the measured profiler, recording what each probe ran on."""
+    """On every rank: Algorithm 1 with the measured profiler, recording what each probe ran on.
+    The estimate rules out 1024-token packs without checkpointing, so Algorithm 4 bisects there."""
+    import gc
+    import os
+
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -208,17 +212,25 @@ def pool_measured_selection(lengths):
         torch.manual_seed(0)
         return HBPLitModule(model=PROBE_MODEL)
 
+    def estimate(pack_len, sp, ckpt):
+        return 1e15 if (pack_len, ckpt) == (1024, 0) else 0.0
+
     profiler = MeasuredProfiler(
-        factory, lengths, 16 * 2**30, dict(accelerator="cpu", devices=world), dict(stage=2), steps=2
+        factory, lengths, 16 * 2**30, dict(accelerator="cpu", devices=world), dict(stage=2), steps=2, estimate=estimate
     )
-    measure = profiler.measure
-    profiler.measure = lambda *a: probes.append(a) or measure(*a)
+    probe = profiler._probe
+    profiler._probe = lambda *a: probes.append(a) or probe(*a)
     deepspeed.initialize, context.activate = initialize, activate
+    env, rng = dict(os.environ), torch.get_rng_state()
     try:
         selection = select_levels(profiler, lengths, spec, world, candidates=[256, 1024])
     finally:
         deepspeed.initialize, context.activate = real_init, real_activate
-    return selection.candidates, selection.levels, dict(stages=stages, groups=groups, probes=probes)
+    gc.collect()
+    engines = sum(isinstance(o, deepspeed.DeepSpeedEngine) for o in gc.get_objects())
+    untouched = dict(os.environ) == env and torch.equal(torch.get_rng_state(), rng)
+    seen = dict(stages=stages, groups=groups, probes=probes, engines=engines, untouched=untouched)
+    return selection.candidates, selection.levels, seen
 
 
 @pytest.fixture(scope="module")
@@ -231,22 +243,53 @@ def pool():
 @pytest.mark.slow
 def test_measured_profiler_trains_through_hbp_strategy_on_two_gloo_processes(pool):
     lengths = np.r_[np.random.default_rng(0).integers(8, 120, 400), [700, 900]]
-    (cands, levels, seen), (_, levels1, _) = pool.run(pool_measured_selection, lengths)
+    (cands, levels, seen), (_, levels1, seen1) = pool.run(pool_measured_selection, lengths)
     assert levels == levels1, "every rank takes the same decision"
-    measured = [c for c in cands if c.measurement is not None and c.note != "memory probe"]
-    assert {(c.pack_len, c.sp) for c in measured} == {(256, 1), (256, 2), (1024, 1), (1024, 2)}
-    for c in measured:
+    chosen = {(c.pack_len, c.sp): c for c in cands if c.note != "memory probe"}
+    assert set(chosen) == {(256, 1), (256, 2), (1024, 1), (1024, 2)}
+    for (pack_len, sp), c in chosen.items():
         m = c.measurement
         assert m.fits and 0 < m.seconds < 60 and m.memory > 50 * 2**20
-        assert m.tokens == c.pack_len / c.sp
+        assert 0.9 * pack_len / sp <= m.tokens <= pack_len / sp, "real tokens per rank of full packs"
         assert c.tokens_per_second == pytest.approx(m.tokens / m.seconds)
-    # Each probe is a DeepSpeed run with the run's ZeRO stage, and every sp 2 probe used the one
-    # SP group built for the search.
-    assert seen["stages"] == [2] * len(seen["probes"])
-    assert any(sp == 2 for _, sp, _ in seen["probes"]) and len(seen["groups"][2]) == 1
+        # Algorithm 4: 256 fits without checkpointing; at 1024 no checkpointing is ruled out by the
+        # estimate (not run) and bisection between 0 and all 2 layers finds that 1 fits.
+        assert c.ckpt_layers == (0 if pack_len == 256 else 1)
+    ruled_out = [(1024, 1, 0), (1024, 2, 0)]
+    assert seen["probes"] == [(256, 1, 0), (256, 2, 0), (1024, 1, 0), (1024, 1, 2), (1024, 1, 1)] + [
+        (1024, 2, 0),
+        (1024, 2, 2),
+        (1024, 2, 1),
+    ]
+    # Every probe that ran is a DeepSpeed run with the run's ZeRO stage, every sp 2 probe used the
+    # one SP group built for the search, and nothing of a probe outlives it.
+    assert seen["stages"] == [2] * (len(seen["probes"]) - len(ruled_out))
+    assert len(seen["groups"][2]) == 1
+    assert seen["engines"] == seen1["engines"] == 0
+    assert seen["untouched"] and seen1["untouched"], "random state and environment are restored"
     assert levels[-1].pack_len == 1024 and all(isinstance(lv, Level) for lv in levels)
-    best = max(measured, key=lambda c: c.tokens_per_second)
-    assert any(lv.pack_len == best.pack_len for lv in levels)
+
+
+def pool_measure_once(stage, accumulate):
+    import torch.distributed as dist
+
+    from lit_hbp.autoselect import MeasuredProfiler
+    from lit_hbp.module import HBPLitModule
+
+    trainer_args = dict(accelerator="cpu", devices=dist.get_world_size(), accumulate_grad_batches=accumulate)
+    capacity = 2**30 * (1 + dist.get_rank())  # ranks disagree: the smallest device decides
+    profiler = MeasuredProfiler(
+        lambda: HBPLitModule(model=PROBE_MODEL), np.full(50, 100), capacity, trainer_args, dict(stage=stage), steps=1
+    )
+    return profiler.measure(512, 2, 1), profiler.capacity
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, accumulate", [(3, 2), (0, 1)])
+def test_measured_profiler_under_other_zero_stages_and_accumulation(pool, stage, accumulate):
+    (m, capacity), (m1, capacity1) = pool.run(pool_measure_once, stage, accumulate)
+    assert m == m1 and capacity == capacity1 == 2**30
+    assert m.fits and 0 < m.seconds < 60 and m.tokens == 250
 
 
 def pool_levels_auto_measured(data, tokenizer, cache):
@@ -276,18 +319,20 @@ def pool_levels_auto_measured(data, tokenizer, cache):
         enable_model_summary=False,
     )
     trainer.fit(HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size), dm)
-    return list(dm.levels), trainer.global_step, [lv.sp for lv in trainer.strategy.levels]
+    strategy = trainer.strategy
+    return list(dm.levels), trainer.global_step, [lv.sp for lv in strategy.levels], list(strategy.sp_groups.contexts)
 
 
 @pytest.mark.slow
 def test_levels_auto_measured_inside_a_distributed_run(pool, tmp_path, toy_tokenizer):
     data = tmp_path / "d.jsonl"
     write_chat(data, [20] * 60 + [300] * 3)
-    (levels, steps, sps), (levels1, _, _) = pool.run(
+    (levels, steps, sps, groups), (levels1, _, _, _) = pool.run(
         pool_levels_auto_measured, str(data), toy_tokenizer, str(tmp_path / "cache")
     )
     assert levels == levels1 and steps == 2
     assert levels[-1].pack_len == 2048 and sps == [lv.sp for lv in levels]
+    assert sorted(groups) == [1, 2], "the run reuses the SP groups its probes built (sp 2 was probed)"
 
 
 def test_run_arguments_reuse_the_configs_model_precision_and_zero_settings():
@@ -297,8 +342,8 @@ def test_run_arguments_reuse_the_configs_model_precision_and_zero_settings():
     config = read_config(Path(__file__).parents[1] / "configs" / "tiny_cpu_sp.yaml")
     module, trainer, strategy = run_arguments(config, vocab=300)
     assert module["model"]["num_hidden_layers"] == 4 and module["vocab_size"] == 300 and module["lr"] == 3.0e-3
-    assert trainer == {"precision": "32-true", "accumulate_grad_batches": 2}
-    assert strategy == {"stage": 2}
+    assert trainer == {"precision": "32-true", "accumulate_grad_batches": 2, "gradient_clip_val": 1.0}
+    assert strategy == {"stage": 2} and trainer["gradient_clip_val"] == 1.0
 
 
 def write_chat(path, prompt_words):

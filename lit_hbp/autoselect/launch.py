@@ -16,12 +16,14 @@ from lit_hbp.autoselect.search import Selection, select_levels
 
 def run_arguments(config: dict, vocab: int | None) -> tuple[dict, dict, dict]:
     """(HBPLitModule, Trainer, HBPStrategy) arguments of a training config that a probe reuses:
-    the model and its loss settings, the precision and accumulation, the ZeRO settings."""
+    the model and its loss settings, the precision, accumulation and clipping, the ZeRO settings."""
     module = dict(config.get("model") or {})
     if vocab is not None:
         module["vocab_size"] = vocab
     trainer = config.get("trainer") or {}
-    trainer_args = {k: trainer[k] for k in ("precision", "accumulate_grad_batches") if k in trainer}
+    trainer_args = {
+        k: trainer[k] for k in ("precision", "accumulate_grad_batches", "gradient_clip_val") if k in trainer
+    }
     strategy = trainer.get("strategy")
     strategy_args = {}
     if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("HBPStrategy"):
@@ -41,7 +43,8 @@ def _worker(rank: int, world: int, port: int, run_args, spec, lengths, candidate
     import torch
     import torch.distributed as dist
 
-    from lit_hbp.autoselect.measured import MeasuredProfiler
+    from lit_hbp.autoselect.measured import MeasuredProfiler, zero_stage
+    from lit_hbp.costmodel import HARDWARE, CostModel
     from lit_hbp.module import HBPLitModule
 
     module_args, trainer_args, strategy_args = run_args
@@ -57,7 +60,8 @@ def _worker(rank: int, world: int, port: int, run_args, spec, lengths, candidate
         return HBPLitModule(**module_args)
 
     trainer_args = {"accelerator": "cuda" if cuda else "cpu", "devices": world, **trainer_args}
-    profiler = MeasuredProfiler(factory, lengths, capacity, trainer_args, strategy_args)
+    cost = CostModel(spec, HARDWARE["h100"], world, zero_stage=zero_stage(strategy_args))  # memory: no GPU kind
+    profiler = MeasuredProfiler(factory, lengths, capacity, trainer_args, strategy_args, estimate=cost.memory_bytes)
     selection = select_levels(profiler, lengths, spec, world, candidates=candidates, margin=margin)
     if rank == 0:
         results.put(selection)

@@ -11,6 +11,8 @@ import copy
 import gc
 import logging
 import math
+import os
+import random
 import time
 import warnings
 from collections.abc import Callable
@@ -19,6 +21,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lit_hbp.autoselect.profiler import Measurement
@@ -58,17 +61,25 @@ def probe_strategy_args(strategy) -> dict:
     return {"config": config}
 
 
+def zero_stage(strategy_args: dict) -> int:
+    """The ZeRO stage HBPStrategy(**strategy_args) trains with."""
+    config = strategy_args.get("config") or {}
+    return int(config.get("zero_optimization", {}).get("stage", strategy_args.get("stage", 2)))
+
+
 class MeasuredProfiler:
     """Trains ``warmup + steps`` optimizer steps of a fresh copy of the user's module per probe on
     synthetic packs drawn from the dataset's lengths.
 
     Every rank of the world must call ``measure`` with the same arguments (a probe is a
-    distributed run). ``seconds`` is the mean time of a measured micro-step, its share of the
-    optimizer step and of the gradient reduction included; ``memory`` the peak CUDA allocation, or
-    on CPU the peak resident set size, from the start of training (engine built, optimizer states
-    not yet allocated) to the end. Ranks agree on the slowest time and the largest peak. A probe that
-    runs out of memory does not fit. Caveat: a CUDA out-of-memory on one rank inside a collective
-    leaves the others waiting; give ``capacity`` a margin so Algorithm 4's probes stay inside.
+    distributed run). Each micro-step trains a different pack (the same on every SP group).
+    ``seconds`` is the mean time of a measured micro-step, its share of the optimizer step and of
+    the gradient reduction included; ``memory`` the peak from the start of training (engine built,
+    optimizer states not yet allocated) to its end: on CUDA the allocator's peak reservation plus
+    what the process holds outside it, on CPU the peak resident set size. Ranks agree on the
+    slowest time, the largest peak and the smallest capacity. A probe that runs out of memory does
+    not fit. A probe leaves no trace: its engine is freed, and the random states and environment
+    variables of the process are restored.
 
     Args:
         module_factory: a fresh, unconfigured LightningModule (an HBPLitModule) per probe.
@@ -77,6 +88,11 @@ class MeasuredProfiler:
         trainer_args: ``lightning.Trainer`` arguments of the run: accelerator, devices, num_nodes,
             precision, accumulate_grad_batches.
         strategy_args: ``HBPStrategy`` arguments of the run (stage, config, ...), levels excluded.
+        estimate: expected peak bytes of a probe, e.g. the cost model's ``memory_bytes``; a probe
+            estimated over twice ``capacity`` is not run and does not fit. A real out-of-memory
+            that strikes one rank before the others inside a collective leaves them waiting; this
+            keeps the probes that are sure to fail (Algorithm 4 starts at no checkpointing) off the
+            device.
     """
 
     def __init__(
@@ -89,6 +105,7 @@ class MeasuredProfiler:
         steps: int = 3,
         warmup: int = 1,
         seed: int = 0,
+        estimate: Callable[[int, int, int], float] | None = None,
     ):
         self.module_factory = module_factory
         self.lengths = np.asarray(lengths)
@@ -96,7 +113,10 @@ class MeasuredProfiler:
         self.trainer_args = dict(trainer_args or {})
         self.strategy_args = {k: v for k, v in (strategy_args or {}).items() if k != "levels"}
         self.steps, self.warmup, self.seed = steps, warmup, seed
+        self.estimate = estimate
         self.sp_groups: SPGroups | None = None
+        self._capacity_agreed = False
+        self._measured: dict[tuple[int, int, int], Measurement] = {}
 
     def _groups(self, sp: int) -> SPGroups:
         """SP groups shared by every probe (a probe building its own would add communicators each time)."""
@@ -107,13 +127,31 @@ class MeasuredProfiler:
         return self.sp_groups
 
     def measure(self, pack_len: int, sp: int, ckpt_layers: int) -> Measurement:
+        """Probe once per setting (Algorithm 3 asks again for the setting Algorithm 4 settled on)."""
+        key = (int(pack_len), int(sp), int(ckpt_layers))
+        if key not in self._measured:
+            self._measured[key] = self._probe(*key)
+        return self._measured[key]
+
+    def _probe(self, pack_len: int, sp: int, ckpt_layers: int) -> Measurement:
+        if not self._capacity_agreed:  # every rank decides against the smallest device
+            self.capacity = -_reduce_max([-self.capacity])[0]
+            self._capacity_agreed = True
+        if self.estimate is not None:
+            expected = self.estimate(pack_len, sp, ckpt_layers)
+            if expected > 2 * self.capacity:
+                rank_zero_info(
+                    f"probe {pack_len} tokens sp {sp} ckpt {ckpt_layers} not run: the cost model expects "
+                    f"{expected / 2**30:.1f} GiB per device, over twice the {self.capacity / 2**30:.1f} GiB available"
+                )
+                return Measurement(math.inf, None, pack_len / sp, False)
         strategy = HBPStrategy(**copy.deepcopy(self.strategy_args))
         strategy.sp_groups = self._groups(sp)
         accumulate = self.trainer_args.get("accumulate_grad_batches", 1)
         level = Level(pack_len, sp, ckpt_layers)
         data = ProbeData(level, self.lengths, (self.warmup + self.steps) * accumulate, self.seed)
         timer = ProbeTimer(skip=self.warmup * accumulate)
-        with _quiet():
+        with _quiet(), _isolated():
             trainer = L.Trainer(
                 **self.trainer_args,
                 strategy=strategy,
@@ -135,57 +173,104 @@ class MeasuredProfiler:
             except torch.OutOfMemoryError:
                 oom = True
             finally:
+                _release(trainer)
+                data.trainer = None
                 del trainer, strategy
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         seconds, memory = (math.inf, math.inf) if oom else (timer.seconds, timer.peak)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # Every rank must take the same decisions: the slowest rank and the largest peak decide.
-            t = torch.tensor([seconds, memory], dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            seconds, memory = (float(x) for x in t.cpu())
+        # Every rank must take the same decisions: the slowest rank and the largest peak decide.
+        seconds, memory = _reduce_max([seconds, memory])
         if math.isinf(memory):
-            return Measurement(math.inf, None, float(data.tokens), False)
-        return Measurement(seconds, memory, float(data.tokens), memory <= self.capacity)
+            return Measurement(math.inf, None, data.tokens, False)
+        return Measurement(seconds, memory, data.tokens, memory <= self.capacity)
+
+
+def _reduce_max(values: list[float]) -> list[float]:
+    """Element-wise maximum over the world's ranks (the values themselves outside a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _release(trainer: L.Trainer) -> None:
+    """Free a finished probe's DeepSpeed engine: its gradient hooks on the parameters form
+    reference cycles that keep the engine, the model and the optimizer states alive otherwise."""
+    engine = getattr(trainer.strategy, "model", None)
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+
+
+@contextlib.contextmanager
+def _isolated():
+    """Leave no trace of a probe on the run around it: the random states (a probe seeds and trains,
+    the run builds its model afterwards) and the environment (Lightning removes WORLD_SIZE and
+    others when a run ends)."""
+    env = dict(os.environ)
+    states = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        os.environ.clear()
+        os.environ.update(env)
 
 
 class ProbeData(L.LightningDataModule):
-    """``n`` copies of this rank's shard of one synthetic micro-batch. It carries the probe's level
-    as HBPDataModule carries its levels (HBPStrategy reads them there), and builds the batch once
-    the trainer knows the rank and the model its vocabulary."""
+    """``n`` micro-batches of this rank's shard of synthetic packs. It carries the probe's level as
+    HBPDataModule carries its levels (HBPStrategy reads them there), and builds the batches once the
+    trainer knows the rank and the model its vocabulary."""
 
     def __init__(self, level: Level, lengths: np.ndarray, n: int, seed: int):
         super().__init__()
         self.levels = [level]
         self.lengths, self.n, self.seed = lengths, n, seed
-        self.tokens = 0
+        self.tokens = 0.0
 
     def train_dataloader(self) -> DataLoader:
         lv = self.levels[0]
         vocab = self.trainer.lightning_module.model.config.vocab_size
         sp_rank = sp_coords(self.trainer.global_rank, lv.sp)[1]
-        rng = np.random.default_rng(self.seed)  # the same pack on every SP group
-        batch = synthetic_batch(self.lengths, lv.pack_len, lv.sp, sp_rank, vocab, lv.ckpt_layers, rng)
-        self.tokens = batch["input_ids"].shape[1]
-        return DataLoader([batch] * self.n, batch_size=None)
+        rng = np.random.default_rng(self.seed)  # the same packs on every SP group
+        batches = [
+            synthetic_batch(self.lengths, lv.pack_len, lv.sp, sp_rank, vocab, lv.ckpt_layers, rng)
+            for _ in range(self.n)
+        ]
+        self.tokens = float(np.mean([b["n_tokens"] for b in batches])) / lv.sp  # real tokens per rank
+        return DataLoader(batches, batch_size=None)
 
 
 class ProbeTimer(L.Callback):
-    """Times every micro-step after the first ``skip`` (device-synchronized) and tracks peak memory."""
+    """Times every micro-step after the first ``skip`` (device-synchronized) and tracks the peak
+    memory from the start of training: on CUDA what the allocator reserved at most plus what the
+    process holds outside it (CUDA context, NCCL buffers), comparable with the device's total."""
 
     def __init__(self, skip: int):
         self.skip = skip
         self.times: list[float] = []
         self.peak = math.nan
         self._start = 0.0
+        self._outside = 0.0
 
     @property
     def seconds(self) -> float:
         return float(np.mean(self.times)) if self.times else math.inf
 
     def on_train_start(self, trainer, pl_module) -> None:
-        _reset_peak_memory(trainer.strategy.root_device)
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            self._outside = float(total - free - torch.cuda.memory_reserved(device))
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            _reset_peak_rss()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         _sync(trainer.strategy.root_device)
@@ -197,7 +282,11 @@ class ProbeTimer(L.Callback):
             self.times.append(time.perf_counter() - self._start)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self.peak = _peak_memory(trainer.strategy.root_device)
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            self.peak = float(torch.cuda.max_memory_reserved(device)) + self._outside
+        else:
+            self.peak = _peak_rss()
 
 
 @contextlib.contextmanager
@@ -221,10 +310,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
+def _reset_peak_rss() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets the peak resident set size (VmHWM) to the current one
@@ -232,9 +318,7 @@ def _reset_peak_memory(device: torch.device) -> None:
         pass
 
 
-def _peak_memory(device: torch.device) -> float:
-    if device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
+def _peak_rss() -> float:
     try:
         with open("/proc/self/status") as f:
             for line in f:

@@ -265,7 +265,7 @@ class HBPDataModule(L.LightningDataModule):
         else:
             import torch
 
-            from lit_hbp.autoselect.measured import probe_strategy_args
+            from lit_hbp.autoselect.measured import probe_strategy_args, zero_stage
 
             trainer = self.trainer
             device = trainer.strategy.root_device
@@ -280,17 +280,23 @@ class HBPDataModule(L.LightningDataModule):
                 num_nodes=trainer.num_nodes,
                 precision=trainer.precision,
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
+                gradient_clip_val=trainer.gradient_clip_val,
             )
 
             def factory():
                 torch.manual_seed(self.seed)
                 return type(module)(**module.hparams)
 
+            strategy_args = probe_strategy_args(trainer.strategy)
+            cost = CostModel(spec, HARDWARE[opts["gpu"]], world, zero_stage=zero_stage(strategy_args))
             profiler = MeasuredProfiler(
-                factory, lengths, capacity, trainer_args, probe_strategy_args(trainer.strategy), seed=self.seed
+                factory, lengths, capacity, trainer_args, strategy_args, seed=self.seed, estimate=cost.memory_bytes
             )
             where = f"measured on {world} {device.type} device(s)"
         selection = select_levels(profiler, lengths, spec, world, candidates=opts["candidates"], margin=margin)
+        strategy = self.trainer.strategy
+        if opts["mode"] == "measured" and getattr(strategy, "sp_groups", False) is None:
+            strategy.sp_groups = profiler.sp_groups  # the run uses the groups the probes built
         rank_zero_info(f"levels: auto ({where})\n{selection.table()}\nchosen {selection.yaml()}")
         return selection.levels
 
