@@ -428,3 +428,19 @@ def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shap
     # A missing model is a clear error, not a traceback.
     assert autoselect_main(["--config", str(config), "--lengths", str(lengths), "--out", str(out)]) == 2
     assert "/nowhere/llama" in capsys.readouterr().err
+
+
+def test_probes_reproduce_the_runs_deepspeed_settings():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lit_hbp.autoselect.measured import probe_strategy_args, zero_stage
+    from lit_hbp.strategy import HBPStrategy
+
+    run = HBPStrategy(stage=3, offload_optimizer=True, loss_scale=128, remote_device="cpu")
+    run.config["gradient_accumulation_steps"] = 4  # what Lightning adds to the run's config at setup
+    args = probe_strategy_args(run)
+    probe = HBPStrategy(**args)
+    assert zero_stage(args) == 3 and probe.config["zero_optimization"] == run.config["zero_optimization"]
+    assert probe.loss_scale == 128 and probe.remote_device == "cpu"
+    assert "gradient_accumulation_steps" not in probe.config
+    assert probe_strategy_args(DDPStrategy()) == {} and zero_stage({}) == 2

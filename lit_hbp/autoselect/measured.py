@@ -50,15 +50,17 @@ def synthetic_batch(
 
 
 def probe_strategy_args(strategy) -> dict:
-    """HBPStrategy arguments that reproduce a run's strategy in a probe: its DeepSpeed config when
-    it is a DeepSpeed strategy (less what Lightning sets per run), else HBPStrategy's defaults."""
+    """HBPStrategy arguments that reproduce a run's strategy in a probe: when it is a DeepSpeed
+    strategy, its DeepSpeed config (less what Lightning sets per run), ZeRO-3 parameter placement
+    and fp16 loss scaling; else HBPStrategy's defaults."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     if not isinstance(strategy, DeepSpeedStrategy) or strategy.config is None:
         return {}
     config = copy.deepcopy(strategy.config)
     config.pop("gradient_accumulation_steps", None)
-    return {"config": config}
+    kept = ("remote_device", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+    return {"config": config, **{name: getattr(strategy, name) for name in kept}}
 
 
 def zero_stage(strategy_args: dict) -> int:
