@@ -262,10 +262,11 @@ def main() -> int:
     )
     peak = args.peak_tflops * 1e12 if args.peak_tflops else _peak_flops(device)
     spec = ModelSpec.from_config(base.model.config.to_dict())
-    # Useful FLOPs per real token: dense matmuls and LM head (forward + backward), plus the causal
-    # attention of its sample (forward + 2.5x backward), averaged over the data.
-    attn = 2 * spec.heads * spec.dim * spec.layers * 3.5 * (lengths.astype(np.float64) ** 2).sum() / lengths.sum()
-    flops_per_token = 6 * (spec.layers * spec.layer_params + spec.hidden * spec.vocab) + attn
+    # Model FLOPs per real token (the module's definition, ModelSpec.train_flops): dense layers, the
+    # causal attention of its sample and the LM head, forward and backward, averaged over the data.
+    # The LM head is charged at every token here, as the baselines compute it.
+    tokens = lengths.astype(np.float64)
+    flops_per_token = spec.train_flops(tokens.sum(), (tokens**2).sum(), tokens.sum()) / tokens.sum()
     rows = []
     for name, fn in runs:
         seconds, real, computed = fn()

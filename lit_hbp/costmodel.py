@@ -55,6 +55,13 @@ class ModelSpec:
         embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         return self.layers * (self.layer_params + 2 * self.hidden) + embed + self.hidden
 
+    def train_flops(self, tokens: float, sum_sq: float, head_tokens: float) -> float:
+        """Model FLOPs (forward and backward, no recomputation) of training on ``tokens`` tokens
+        whose documents' squared lengths sum to ``sum_sq`` (causal attention: half the score
+        matrix), with the LM head applied at ``head_tokens`` positions (lit-hbp: the supervised ones)."""
+        layers = 2.0 * self.layer_params * tokens + 2.0 * self.heads * self.dim * sum_sq
+        return 3.0 * (self.layers * layers + 2.0 * self.hidden * self.vocab * head_tokens)
+
     @classmethod
     def from_config(cls, config: dict | str | Path, name: str | None = None) -> ModelSpec:
         """From a Hugging Face config (dict, config.json, or a checkpoint folder holding one)."""

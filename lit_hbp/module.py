@@ -13,10 +13,12 @@ import time
 from functools import partial
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from lit_hbp import attention
+from lit_hbp.costmodel import ModelSpec
 from lit_hbp.loss import NORMALIZERS, chunked_cross_entropy, token_weights
 
 
@@ -111,6 +113,8 @@ class HBPLitModule(L.LightningModule):
         self._layers: list[torch.nn.Module] = []
         self._step_start = 0.0
         self._step_stats = torch.zeros(2)
+        self._spec: ModelSpec | None = None
+        self.flops_per_batch = 0.0  # this rank's model FLOPs of the current micro-batch (ThroughputMonitor)
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -118,6 +122,7 @@ class HBPLitModule(L.LightningModule):
         with _zero3_loading(self._trainer):
             self.model = build_causal_lm(self.hparams.model, self.hparams.vocab_size)
         self._layers = checkpoint_layers(self.model)
+        self._spec = ModelSpec.from_config(self.model.config.to_dict())
         for layer in self._layers:
             layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
             layer.gradient_checkpointing = False
@@ -164,10 +169,23 @@ class HBPLitModule(L.LightningModule):
             getattr(self.model.config, "final_logit_softcapping", None),
         )
 
+    def micro_batch_flops(self, batch: dict) -> float:
+        """This rank's model FLOPs for ``batch`` (forward and backward, recomputation not counted,
+        so FLOPs/s over peak is MFU): under SP a rank runs 1/sp of the pack's tokens through the dense
+        layers and 1/sp of the heads over the whole pack; the LM head runs on its supervised tokens."""
+        n = int(batch["n_tokens"])
+        cu = np.asarray(batch["cu_seqlens"].tolist())
+        lengths = np.diff(cu)[cu[1:] <= n].astype(np.float64)  # documents, not the padding segment
+        head = int((batch["labels"] != -100).sum())
+        return self._spec.train_flops(n, float((lengths**2).sum()), 0) / int(batch["sp"]) + self._spec.train_flops(
+            0, 0, head
+        )
+
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         self.set_checkpointing(int(batch["ckpt_layers"]))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        self.flops_per_batch = self.micro_batch_flops(batch)
         self._step_start = time.perf_counter()
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

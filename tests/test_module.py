@@ -261,3 +261,38 @@ def test_checkpointed_layers_follow_the_level(chat_data):
         grads.append([p.grad.clone() for p in module.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_micro_batch_flops_match_a_flop_counter():
+    """The model-FLOPs formula against torch's FLOP counter on HF's eager attention, document by
+    document (eager attention computes the full score matrix: twice the causal half the formula
+    counts); then a micro-batch's figure: real tokens, its documents, its supervised positions, and
+    under SP each rank's share."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lit_hbp.data.collate import shard
+
+    module = make_module()
+    spec = module._spec
+    samples = random_samples(np.random.default_rng(1), 5)
+    samples[4] = (samples[4][0][:-1], samples[4][1][:-1])  # 167 tokens: the pack needs padding
+    eager = copy.deepcopy(module.model)
+    eager.set_attn_implementation("eager")
+    with FlopCounterMode(display=False) as counter:
+        for ids, _ in samples.values():
+            eager(input_ids=torch.as_tensor(ids)[None], use_cache=False).logits.sum().backward()
+    lengths = np.array([ids.size for ids, _ in samples.values()], dtype=np.float64)
+    tokens, sum_sq = lengths.sum(), (lengths**2).sum()
+    assert counter.get_total_flops() == pytest.approx(spec.train_flops(tokens, 2 * sum_sq, tokens), rel=1e-9)
+
+    pack = lambda sp: collate_packs([np.arange(5)], lambda i: samples[i], pad_id=0, sp=sp)  # noqa: E731
+    batch = pack(1)
+    assert batch["input_ids"].shape[1] > tokens == batch["n_tokens"], "padding is not counted"
+    supervised = sum(int(t[1:].sum()) for _, t in samples.values())  # a token predicts the next one
+    assert module.micro_batch_flops(batch) == pytest.approx(spec.train_flops(tokens, sum_sq, supervised), rel=1e-12)
+    shards = [shard(pack(2), 2, r) for r in range(2)]
+    heads = [int((s["labels"] != -100).sum()) for s in shards]
+    assert sum(heads) == supervised
+    for s, h in zip(shards, heads):
+        expected = spec.train_flops(tokens, sum_sq, 0) / 2 + spec.train_flops(0, 0, h)
+        assert module.micro_batch_flops(s) == pytest.approx(expected, rel=1e-12)

@@ -55,6 +55,7 @@ def test_tiny_config_trains_and_logs(tmp_path, small_demo, monkeypatch):
         "packing/level",
         "lr-AdamW/pg1",
         "train/device/items_per_sec",
+        "train/device/flops_per_sec",
         "time/level0_micro_step_s",
         "time/level0_tokens_per_s_per_device",
     ):

@@ -10,6 +10,7 @@ exactly the batches an uninterrupted run would have seen next.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 from pathlib import Path
@@ -283,9 +284,11 @@ class HBPDataModule(L.LightningDataModule):
                 gradient_clip_val=trainer.gradient_clip_val,
             )
 
+            init = inspect.signature(type(module)).parameters  # hparams also hold LightningCLI's entries
+
             def factory():
                 torch.manual_seed(self.seed)
-                return type(module)(**module.hparams)
+                return type(module)(**{k: v for k, v in module.hparams.items() if k in init})
 
             strategy_args = probe_strategy_args(trainer.strategy)
             cost = CostModel(spec, HARDWARE[opts["gpu"]], world, zero_stage=zero_stage(strategy_args))
