@@ -318,7 +318,9 @@ def pool_levels_auto_measured(data, tokenizer, cache):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size), dm)
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size)
+    module.hparams["_instantiator"] = "lightning.pytorch.cli.instantiate_module"  # as LightningCLI records it
+    trainer.fit(module, dm)
     strategy = trainer.strategy
     return list(dm.levels), trainer.global_step, [lv.sp for lv in strategy.levels], list(strategy.sp_groups.contexts)
 
