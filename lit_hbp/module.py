@@ -11,6 +11,7 @@ import contextlib
 import math
 import time
 from functools import partial
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -93,7 +94,7 @@ class HBPLitModule(L.LightningModule):
 
     def __init__(
         self,
-        model: str | dict,
+        model: str | dict[str, Any],
         vocab_size: int | None = None,
         loss: str = "ave_token",
         lr: float = 2e-5,

@@ -150,9 +150,22 @@ def test_resume_refuses_a_different_plan(tmp_path, resume_data, toy_tokenizer):
 def test_cli_links_vocab_size_and_interpolates(tmp_path, small_demo, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = main(
-        ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo), "--model.lr", "0.5"],
+        [
+            "--config",
+            str(ROOT / "configs/tiny_cpu.yaml"),
+            "--data.demo_dir",
+            str(small_demo),
+            "--model.lr",
+            "0.5",
+            "--model.model.num_hidden_layers",
+            "3",
+            "--data.autoselect.margin_gib",
+            "1.5",
+        ],
         run=False,
     )
+    # Entries of the model config mapping given on the command line keep their YAML types.
+    assert cli.model.hparams.model["num_hidden_layers"] == 3 and cli.datamodule.autoselect["margin_gib"] == 1.5
     assert cli.model.hparams.vocab_size == len(cli.datamodule.tokenizer) == 2048
     assert cli.model.hparams.model["max_position_embeddings"] == cli.datamodule.levels[-1].pack_len == 16384
     assert cli.model.hparams.lr == 0.5

@@ -14,6 +14,7 @@ import inspect
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
@@ -145,7 +146,7 @@ class HBPDataModule(L.LightningDataModule):
         cache_dir: str = "data_cache",
         num_workers: int = 0,
         demo_dir: str | None = None,
-        autoselect: dict | None = None,
+        autoselect: dict[str, Any] | None = None,
     ):
         super().__init__()
         if packer not in PACKERS:
