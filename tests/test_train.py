@@ -227,3 +227,10 @@ def test_tiny_sp_config_trains_on_two_processes(tmp_path, small_demo):
     logged = scalars(tmp_path / "runs")
     assert {v for _, v in logged["train/sp"]} == {1.0, 2.0}
     assert len(logged["train/loss"]) >= 4 and all(v > 0 for _, v in logged["train/loss"])
+
+
+def test_tiny_auto_config_parses(tmp_path, small_demo, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = main(["--config", str(ROOT / "configs/tiny_cpu_auto.yaml"), "--data.demo_dir", str(small_demo)], run=False)
+    assert cli.datamodule.levels is None, "chosen at setup"
+    assert cli.datamodule.autoselect["mode"] == "measured" and cli.datamodule.autoselect["candidates"] == [2048, 8192]
