@@ -203,9 +203,8 @@ class CostModel:
 
     def dense_seconds(self, tokens: float, ckpt: int) -> float:
         m = self.model
-        fwd_layers = 2.0 * m.layers * m.layer_params * tokens
-        fwd_head = 2.0 * m.hidden * m.vocab * tokens
-        flops = fwd_layers * (3 + ckpt / m.layers) + fwd_head * 3
+        recompute = ckpt * 2.0 * m.layer_params * tokens  # the checkpointed layers' second forward
+        flops = m.train_flops(tokens, 0.0, tokens) + recompute
         return flops / (self.hardware.peak_flops * self.hardware.eff_dense)
 
     def attention_seconds(self, sum_sq: float, sp: int, ckpt: int) -> float:

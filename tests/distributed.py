@@ -9,28 +9,16 @@ starts no processes of its own, and DeepSpeed reuses the initialized process gro
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lit_hbp.autoselect.launch import free_port, set_launch_env
 
 
 def _worker(rank: int, world: int, port: int, tasks, results) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        NODE_RANK="0",
-        OMP_NUM_THREADS="1",
-    )
+    set_launch_env(rank, world, port)
+    os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
@@ -56,7 +44,7 @@ class Pool:
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
             for r in range(world)

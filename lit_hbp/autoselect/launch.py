@@ -27,11 +27,19 @@ def run_arguments(config: dict, vocab: int | None) -> tuple[dict, dict, dict]:
     strategy = trainer.get("strategy")
     strategy_args = {}
     if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("HBPStrategy"):
-        strategy_args = {k: v for k, v in (strategy.get("init_args") or {}).items() if k != "levels"}
+        strategy_args = dict(strategy.get("init_args") or {})  # the profiler sets its own levels
     return module, trainer_args, strategy_args
 
 
-def _worker(rank: int, world: int, port: int, run_args, spec, lengths, candidates, capacity, margin, results) -> None:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_launch_env(rank: int, world: int, port: int) -> None:
+    """What a launcher sets for a process of a one-node world: Lightning inside it then sees an
+    external launch (starts no processes) and DeepSpeed reuses the process group."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -40,6 +48,10 @@ def _worker(rank: int, world: int, port: int, run_args, spec, lengths, candidate
         WORLD_SIZE=str(world),
         NODE_RANK="0",
     )
+
+
+def _worker(rank: int, world: int, port: int, run_args, spec, lengths, candidates, capacity, margin, results) -> None:
+    set_launch_env(rank, world, port)
     import torch
     import torch.distributed as dist
 
@@ -75,9 +87,7 @@ def measured_selection(
     """Algorithm 1 with real training steps (``run_arguments`` of a config) on ``devices`` local processes."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     args = (devices, port, run_args, spec, lengths, candidates, capacity, margin, results)
