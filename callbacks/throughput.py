@@ -1,10 +1,16 @@
-"""Lightning's ThroughputMonitor, told how to count samples and tokens of packed micro-batches."""
+"""Lightning's ThroughputMonitor for packed micro-batches, synchronizing only when it logs."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import torch
+from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.utilities import rank_zero_only
+
+from lit_hbp.meter import logs_now
 
 
 def samples_in_batch(batch: dict) -> float:
@@ -17,17 +23,65 @@ def tokens_in_batch(batch: dict) -> float:
     return batch["n_tokens"] / batch.get("sp", 1)
 
 
-class HBPThroughputMonitor(ThroughputMonitor):
-    """Logs samples/s and tokens/s where tokens are real sample tokens, never padding; an SP group's
-    ranks each count their 1/sp share, so the world totals are right.
+class ShareThroughput(Throughput):
+    """Lightning's Throughput without its assumption that a batch holds at least one sample: a
+    rank's share of a 128K pack split over SP 8 is 1/8 of a sample."""
 
-    A level's last step may hold empty completion packs (a dummy forward so collectives match).
-    Such a micro-batch adds no sample and no token; its time still counts, in the next update.
+    def update(self, *, time: float, batches: int, samples: float, lengths: float | None = None, flops=None) -> None:
+        self._time.append(time)
+        self._batches.append(batches)
+        self._samples.append(samples)
+        if lengths is not None:
+            self._lengths.append(lengths)
+        if flops is not None:
+            self._flops.append(flops * self.world_size)
+
+
+class HBPThroughputMonitor(ThroughputMonitor):
+    """Logs samples/s, tokens/s, FLOP/s and (on GPUs Lightning knows) MFU, where tokens are real
+    sample tokens, never padding, and an SP group's ranks each count their 1/sp share, so the world
+    totals are right.
+
+    Lightning's ThroughputMonitor synchronizes the GPU after every micro-batch to time it, which
+    stops the host from queueing the next micro-batch while the GPU works. This one counts each
+    micro-batch's samples, tokens and FLOPs on the host and synchronizes only at the optimizer
+    steps whose metrics the loggers write; the rates are over the last ``window_size - 1`` such
+    intervals (default 1: since the previous log). A level's empty completion packs (a dummy
+    forward so collectives match) add no sample and no token; their time still counts.
     """
 
-    def __init__(self, **kwargs: Any):
-        super().__init__(batch_size_fn=samples_in_batch, length_fn=tokens_in_batch, **kwargs)
+    def __init__(self, window_size: int = 2, **kwargs: Any):
+        super().__init__(batch_size_fn=samples_in_batch, length_fn=tokens_in_batch, window_size=window_size, **kwargs)
+        self._pending = dict(samples=0.0, tokens=0.0, flops=0.0, batches=0)
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._throughputs = {
+            s: ShareThroughput(available_flops=self.available_flops, world_size=trainer.world_size, **self.kwargs)
+            for s in self._throughputs
+        }
+
+    @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
-        if tokens_in_batch(batch) > 0:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
+        pending = self._pending
+        pending["samples"] += samples_in_batch(batch)
+        pending["tokens"] += tokens_in_batch(batch)
+        pending["flops"] += float(getattr(pl_module, "flops_per_batch", 0.0) or 0.0)
+        pending["batches"] += 1
+        if not logs_now(trainer):
+            return
+        stage = trainer.state.stage
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        self._batches[stage] += pending["batches"]
+        self._samples[stage] += pending["samples"]
+        self._lengths[stage] += pending["tokens"]
+        self._throughputs[stage].update(
+            time=time.perf_counter() - self._t0s[stage],
+            batches=self._batches[stage],
+            samples=self._samples[stage],
+            lengths=self._lengths[stage],
+            flops=pending["flops"],
+        )
+        self._pending = dict(samples=0.0, tokens=0.0, flops=0.0, batches=0)
+        self._compute(trainer)

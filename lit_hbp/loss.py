@@ -25,20 +25,29 @@ from torch.utils.checkpoint import checkpoint
 NORMALIZERS = ("ave_token", "token_mean", "sample_mean", "sum")
 
 
+def token_scale(batch: dict, normalizer: str) -> float | None:
+    """The weight of every supervised token of ``batch`` when it is one number (all normalizers
+    but ``sample_mean``, whose weight depends on the token's sample), else None."""
+    sp = batch.get("sp", 1)
+    if normalizer == "ave_token":
+        return 1.0 / batch["loss_norm"]
+    if normalizer == "token_mean":
+        return sp / max(batch["n_targets"], 1)
+    if normalizer == "sum":
+        return float(sp)
+    if normalizer == "sample_mean":
+        return None
+    raise ValueError(f"loss normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
+
+
 def token_weights(batch: dict, normalizer: str) -> torch.Tensor:
     """Weight of each token's loss in ``batch`` (shape of labels; zero where labels == -100)."""
     labels = batch["labels"]
-    sp = batch.get("sp", 1)
-    if normalizer == "ave_token":
-        w = torch.full(labels.shape, 1.0 / batch["loss_norm"], device=labels.device)
-    elif normalizer == "token_mean":
-        w = torch.full(labels.shape, sp / max(batch["n_targets"], 1), device=labels.device)
-    elif normalizer == "sample_mean":
-        w = sp / (max(batch["n_loss_samples"], 1) * batch["sample_targets"].clamp(min=1))
-    elif normalizer == "sum":
-        w = torch.full(labels.shape, float(sp), device=labels.device)
+    scale = token_scale(batch, normalizer)
+    if scale is not None:
+        w = torch.full(labels.shape, scale, device=labels.device)
     else:
-        raise ValueError(f"loss normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
+        w = batch.get("sp", 1) / (max(batch["n_loss_samples"], 1) * batch["sample_targets"].clamp(min=1))
     return torch.where(labels != -100, w, torch.zeros_like(w))
 
 
@@ -46,25 +55,28 @@ def chunked_cross_entropy(
     hidden: torch.Tensor,
     lm_head: torch.nn.Module,
     labels: torch.Tensor,
-    weights: torch.Tensor,
+    weights: torch.Tensor | float,
+    index: torch.Tensor | None = None,
     chunk_size: int = 1024,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(sum of weight * CE, sum of CE (detached), number of supervised tokens) over ``hidden`` [T, H].
 
-    Only supervised positions go through the LM head. With none, one position runs with weight 0
-    so every rank's backward touches the same parameters (collective hooks stay matched).
+    Only supervised positions go through the LM head: ``index`` lists them (the collate step
+    computes it on the host, so nothing is read back from the device here); found from ``labels``
+    when None. With none, one position runs with weight 0 so every rank's backward touches the same
+    parameters (collective hooks stay matched). ``weights`` is per token, or one number for all.
     """
-    sel = labels != -100
-    n = int(sel.sum())
+    if index is None:
+        index = torch.nonzero(labels != -100).flatten()
+    n = index.shape[0]
+    h, target = _supervised(hidden, labels, index)
     if n == 0:
-        sel = torch.zeros_like(sel)
-        sel[0] = True
-        target = torch.zeros(1, dtype=labels.dtype, device=labels.device)
-        weight = torch.zeros(1, dtype=torch.float32, device=labels.device)
+        weight = torch.zeros(1, dtype=torch.float32, device=hidden.device)
+    elif torch.is_tensor(weights):
+        weight = weights.index_select(0, index).float()
     else:
-        target, weight = labels[sel], weights[sel].float()
-    h = hidden[sel]
+        weight = torch.full((n,), float(weights), dtype=torch.float32, device=hidden.device)
 
     def chunk_loss(h_chunk, y_chunk, w_chunk):
         logits = lm_head(h_chunk).float()
@@ -80,4 +92,31 @@ def chunked_cross_entropy(
         loss, ce = checkpoint(chunk_loss, h[part], target[part], weight[part], use_reentrant=False)
         total = total + loss
         ce_sum = ce_sum + ce
-    return total, (ce_sum if n else ce_sum * 0), n
+    return total, ce_sum, n
+
+
+def _supervised(hidden, labels, index):
+    """(hidden rows, targets) of the supervised positions; one dummy position when there is none."""
+    if index.shape[0] == 0:
+        index = torch.zeros(1, dtype=torch.long, device=hidden.device)
+        return hidden.index_select(0, index), torch.full((1,), -100, dtype=labels.dtype, device=labels.device)
+    return hidden.index_select(0, index), labels.index_select(0, index)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    lm_head: torch.nn.Module,
+    labels: torch.Tensor,
+    scale: float,
+    index: torch.Tensor,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``chunked_cross_entropy`` with one weight for all tokens, through Liger's fused linear
+    cross-entropy kernel (CUDA, Triton): the LM head and the loss in one pass, logits never stored."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    h, target = _supervised(hidden, labels, index)
+    ce = liger_fused_linear_cross_entropy(
+        h, lm_head.weight, target, getattr(lm_head, "bias", None), reduction="sum", softcap=softcap
+    )
+    return ce * scale, ce.detach(), index.shape[0]

@@ -8,19 +8,23 @@ checkpointing follows each batch's level: decoder layer i is checkpointed iff i 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
-import time
 from functools import partial
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.checkpoint import checkpoint
 
 from lit_hbp import attention
 from lit_hbp.costmodel import ModelSpec
-from lit_hbp.loss import NORMALIZERS, chunked_cross_entropy, token_weights
+from lit_hbp.loss import NORMALIZERS, chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
+from lit_hbp.meter import StepMeter, logs_now
+from lit_hbp.parallel import context as sp_context
+
+RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
 
 
 def build_causal_lm(model: str | dict, vocab_size: int | None = None):
@@ -89,7 +93,16 @@ class HBPLitModule(L.LightningModule):
         warmup_steps: linear warm-up of the learning rate, then cosine decay to ``min_lr_ratio * lr``
             at the last optimizer step of the run.
         ce_chunk_size: supervised tokens per LM-head chunk of the cross-entropy.
-        attn_backend: ``auto`` | ``flash_attn`` | ``torch_varlen`` | ``sdpa``.
+        attn_backend: ``auto`` (the fastest that runs, per device, dtype and feature) or a name of
+            ``lit_hbp.attention.backends.REGISTRY``: ``flash_attn_3``, ``flash_attn_4``,
+            ``flash_attn``, ``torch_varlen``, ``flex``, ``sdpa``, ``eager``.
+        compile: ``torch.compile`` each decoder layer, dynamic over pack lengths (off by default:
+            the first steps of each level pay the compilation). Recompilations are logged and
+            bounded (``RECOMPILE_LIMIT``); per-document attention loops stay uncompiled.
+        liger: Liger kernels on a CUDA GPU (``pip install lit-hbp[gpu]``): RMSNorm, RoPE and SwiGLU
+            of the model family where Liger has them, and the fused linear cross-entropy in place
+            of the chunked one (not for ``sample_mean``, whose weights differ per token, nor under
+            ZeRO-3, which partitions the LM head's weight). Off by default.
     """
 
     def __init__(
@@ -104,6 +117,8 @@ class HBPLitModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         ce_chunk_size: int = 1024,
         attn_backend: str = "auto",
+        compile: bool = False,
+        liger: bool = False,
     ):
         super().__init__()
         if loss not in NORMALIZERS:
@@ -112,9 +127,8 @@ class HBPLitModule(L.LightningModule):
         self.save_hyperparameters()
         self.model = None
         self._layers: list[torch.nn.Module] = []
-        self._step_start = 0.0
-        self._step_stats = torch.zeros(2)
         self._spec: ModelSpec | None = None
+        self._meter = StepMeter()
         self.flops_per_batch = 0.0  # this rank's model FLOPs of the current micro-batch (ThroughputMonitor)
 
     def configure_model(self) -> None:
@@ -127,6 +141,13 @@ class HBPLitModule(L.LightningModule):
         for layer in self._layers:
             layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
             layer.gradient_checkpointing = False
+        if self.hparams.liger:
+            apply_liger(self.model)
+        if self.hparams.compile:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            torch._logging.set_logs(recompiles=True)
+            for layer in self._layers:
+                layer.compile(dynamic=True)
 
     @property
     def num_layers(self) -> int:
@@ -147,9 +168,21 @@ class HBPLitModule(L.LightningModule):
                     f"level {i} (pack_len {lv.pack_len}) checkpoints {lv.ckpt_layers} layers but the model has "
                     f"{self.num_layers} decoder layers"
                 )
+        if self.hparams.liger and getattr(self.trainer.strategy, "zero_stage_3", False):
+            raise ValueError(
+                "liger=True: the fused linear cross-entropy reads the LM head's weight, which ZeRO-3 partitions; "
+                "use ZeRO stage 0-2 or liger=False"
+            )
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(weighted loss, summed CE, supervised tokens) of a micro-batch (or of this rank's SP shard)."""
+        ctx = sp_context.active()
+        if int(batch.get("sp", 1)) != (ctx.size if ctx is not None else 1):
+            raise ValueError(
+                f"this micro-batch (level {batch.get('level')}) is a shard for sequence parallelism {batch['sp']} but "
+                f"the active SP group has {ctx.size if ctx is not None else 1} rank(s): levels with sp > 1 train "
+                "under lit_hbp.strategy.HBPStrategy, which activates each level's group"
+            )
         cu = batch["cu_seqlens"]
         hidden = self.model.get_decoder()(
             input_ids=batch["input_ids"],
@@ -160,48 +193,41 @@ class HBPLitModule(L.LightningModule):
             max_length_k=batch["max_seqlen"],
             use_cache=False,
         ).last_hidden_state
-        weights = token_weights(batch, self.hparams.loss)
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        head = self.model.get_output_embeddings()
+        scale = token_scale(batch, self.hparams.loss)
+        if self.hparams.liger and scale is not None:
+            return fused_linear_cross_entropy(
+                hidden[0], head, batch["labels"][0], scale, batch["target_index"], softcap
+            )
         return chunked_cross_entropy(
             hidden[0],
-            self.model.get_output_embeddings(),
+            head,
             batch["labels"][0],
-            weights[0],
+            scale if scale is not None else token_weights(batch, self.hparams.loss)[0],
+            batch["target_index"],
             self.hparams.ce_chunk_size,
-            getattr(self.model.config, "final_logit_softcapping", None),
+            softcap,
         )
 
     def micro_batch_flops(self, batch: dict) -> float:
         """This rank's model FLOPs for ``batch`` (forward and backward, recomputation not counted,
         so FLOPs/s over peak is MFU): under SP a rank runs 1/sp of the pack's tokens through the dense
-        layers and 1/sp of the heads over the whole pack; the LM head runs on its supervised tokens."""
-        n = int(batch["n_tokens"])
-        cu = np.asarray(batch["cu_seqlens"].tolist())
-        lengths = np.diff(cu)[cu[1:] <= n].astype(np.float64)  # documents, not the padding segment
-        head = int((batch["labels"] != -100).sum())
-        return self._spec.train_flops(n, float((lengths**2).sum()), 0) / int(batch["sp"]) + self._spec.train_flops(
-            0, 0, head
-        )
+        layers and 1/sp of the heads over the whole pack; the LM head runs on its supervised tokens.
+        From the host-side counts of the collate step: nothing is read from the device."""
+        head = batch["target_index"].shape[0]
+        dense = self._spec.train_flops(batch["n_tokens"], batch["doc_sq"], 0)
+        return dense / int(batch["sp"]) + self._spec.train_flops(0, 0, head)
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         self.set_checkpointing(int(batch["ckpt_layers"]))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         self.flops_per_batch = self.micro_batch_flops(batch)
-        self._step_start = time.perf_counter()
+        self._meter.start(batch["input_ids"].device)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, ce_sum, n = self(batch)
-        # train/loss: token-mean CE over all ranks and micro-steps of the optimizer step so far, so
-        # the value logged at a step is that step's loss (an SP shard or an empty completion pack
-        # alone may hold no supervised token).
-        stats = torch.stack([ce_sum.detach().float(), torch.tensor(float(n), device=ce_sum.device)])
-        if self.trainer.world_size > 1:
-            stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
-        if batch_idx % self.trainer.accumulate_grad_batches == 0 or self._step_stats.device != stats.device:
-            self._step_stats = torch.zeros_like(stats)
-        self._step_stats = self._step_stats + stats
-        if self._step_stats[1] > 0:
-            self.log("train/loss", self._step_stats[0] / self._step_stats[1], prog_bar=True, batch_size=1)
+        self._meter.add_loss(ce_sum, n)
+        # Host values logged as host tensors: Lightning would copy a Python number to the device.
         for key, value in (
             ("level", batch["level"]),
             ("sp", batch["sp"]),
@@ -209,17 +235,23 @@ class HBPLitModule(L.LightningModule):
             ("supervised_tokens", batch["n_targets"]),
             ("tokens", batch["n_tokens"]),
         ):
-            self.log(f"train/{key}", float(value), batch_size=1)
+            self.log(f"train/{key}", torch.tensor(float(value)), batch_size=1)
         return loss
 
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - self._step_start
-        level = int(batch["level"])
-        self.log(f"time/level{level}_micro_step_s", seconds, batch_size=1)
-        tokens = batch["n_tokens"] / batch["sp"]  # this rank's share of the pack's real tokens
-        self.log(f"time/level{level}_tokens_per_s_per_device", tokens / seconds, batch_size=1)
+        self._meter.stop(int(batch["level"]), batch["n_tokens"] / batch["sp"])  # this rank's share of real tokens
+        if not logs_now(self.trainer):
+            return
+        # train/loss: token-mean CE over every rank and micro-step since the last logged step.
+        reduce = None
+        if self.trainer.world_size > 1:
+            reduce = partial(self.trainer.strategy.reduce, reduce_op="sum")
+        loss = self._meter.read_loss(reduce)
+        if loss is not None:
+            self.log("train/loss", torch.tensor(loss), prog_bar=True, batch_size=1)
+        for level, (seconds, tokens, count) in self._meter.read_times().items():
+            self.log(f"time/level{level}_micro_step_s", torch.tensor(seconds / count), batch_size=1)
+            self.log(f"time/level{level}_tokens_per_s_per_device", torch.tensor(tokens / seconds), batch_size=1)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -242,3 +274,19 @@ class HBPLitModule(L.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def apply_liger(net) -> None:
+    """Liger's RMSNorm, RoPE and SwiGLU kernels on ``net`` where Liger has them for its family (the
+    cross-entropy is the module's own fused one, so Liger's loss patches stay off)."""
+    if not torch.cuda.is_available():
+        raise ValueError("liger=True needs a CUDA GPU: Liger's kernels are Triton kernels")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ValueError("liger=True needs liger-kernel: pip install 'lit-hbp[gpu]'")
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+    model_type = net.config.model_type
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        rank_zero_warn(f"liger-kernel has no kernels for {model_type!r}: only the fused cross-entropy is used")
+        return
+    _apply_liger_kernel_to_instance(model=net, cross_entropy=False, fused_linear_cross_entropy=False)

@@ -6,6 +6,11 @@ needs no neighbour token), ``position_ids`` restarting at every sample, and the 
 ``cu_seqlens``/``max_seqlen`` for varlen attention. T is padded to a multiple of lcm(8, sp) with a
 padding segment of its own. Per-token ``sample_targets`` (targets of the token's sample) and the
 micro-batch totals let the module apply any loss normalizer on a shard.
+
+Everything the training step needs to know about a micro-batch is computed here, on the host, so the
+step never reads a value back from the device: ``target_index`` (positions of this rank's supervised
+labels, for the LM head), ``doc_sq`` (sum of squared document lengths, for the FLOP count),
+``n_tokens``/``n_targets`` and the plan's loss normalizer.
 """
 
 from __future__ import annotations
@@ -56,9 +61,10 @@ def collate_packs(
     per_sample = np.add.reduceat(supervised.astype(np.int64), cu[:-1]) if seg_lens.size else np.zeros(0, np.int64)
     sample_targets = np.repeat(per_sample, seg_lens)
     n_samples = int((per_sample[: lens.size] > 0).sum())
+    labels = torch.from_numpy(labels)[None]
     batch = dict(
         input_ids=torch.from_numpy(ids)[None],
-        labels=torch.from_numpy(labels)[None],
+        labels=labels,
         position_ids=torch.from_numpy(position_ids)[None],
         sample_targets=torch.from_numpy(sample_targets.astype(np.float32))[None],
         cu_seqlens=torch.from_numpy(cu),
@@ -66,6 +72,8 @@ def collate_packs(
         n_targets=int(supervised.sum()),
         n_loss_samples=n_samples,
         n_tokens=n,
+        doc_sq=float((lens.astype(np.float64) ** 2).sum()),
+        target_index=target_index(labels),
         sample_index=torch.from_numpy(sample_ids.astype(np.int64)),
         sp=sp,
         sp_rank=0,
@@ -85,4 +93,10 @@ def shard(batch: dict, sp: int, sp_rank: int) -> dict:
     for key in TOKEN_KEYS:
         out[key] = batch[key][:, sp_rank * size : (sp_rank + 1) * size]
     out["sp"], out["sp_rank"] = sp, sp_rank
+    out["target_index"] = target_index(out["labels"])
     return out
+
+
+def target_index(labels: torch.Tensor) -> torch.Tensor:
+    """Positions (in the row) of the supervised labels of a [1, T] host tensor."""
+    return torch.nonzero(labels[0] != -100).flatten()

@@ -24,7 +24,7 @@ from lit_hbp.data.collate import collate_packs, shard
 from lit_hbp.data.sources import Source
 from lit_hbp.data.store import SampleStore
 from lit_hbp.data.tokenize import TRAIN_ON, tokenize_source
-from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
+from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, MicroBatch, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import as_level
 from lit_hbp.parallel.topology import sp_coords
 
@@ -32,29 +32,29 @@ AUTOSELECT_DEFAULTS = {"mode": "analytic", "gpu": "h100", "candidates": None, "m
 
 
 class MicroBatchDataset(Dataset):
-    """Item k is this rank's collated (and SP-sharded) micro-batch at micro-step k of the epoch."""
+    """Collates (and SP-shards) the micro-batch its sampler names. It holds no plan: the sampler, in
+    the main process, reads the epoch's plan and hands each item over, so worker processes (started
+    with a copy of this dataset) can never collate from a stale epoch's plan."""
 
-    def __init__(self, store: SampleStore, plan: Plan, rank: int, pad_id: int, epoch: int):
-        self.store, self.plan, self.rank, self.pad_id, self.epoch = store, plan, rank, pad_id, epoch
+    def __init__(self, store: SampleStore, levels: tuple[Level, ...], rank: int, pad_id: int):
+        self.store, self.levels, self.rank, self.pad_id = store, levels, rank, pad_id
 
-    def __len__(self) -> int:
-        return self.plan.n_micro_steps
-
-    def __getitem__(self, k: int) -> dict:
-        mb = self.plan.micro_batch(self.rank, k)
-        lv = self.plan.levels[mb.level]
-        meta = dict(level=mb.level, ckpt_layers=lv.ckpt_layers, loss_norm=mb.loss_norm, micro_index=k, epoch=self.epoch)
+    def __getitem__(self, item: tuple[int, int, MicroBatch]) -> dict:
+        epoch, k, mb = item
+        lv = self.levels[mb.level]
+        meta = dict(level=mb.level, ckpt_layers=lv.ckpt_layers, loss_norm=mb.loss_norm, micro_index=k, epoch=epoch)
         batch = collate_packs(mb.packs, self.store.tokens, sp=lv.sp, pad_id=self.pad_id, meta=meta)
         return shard(batch, lv.sp, sp_coords(self.rank, lv.sp)[1]) if lv.sp > 1 else batch
 
 
-class PlanSampler(Sampler[int]):
-    """Micro-step indices of the epoch; ``set_epoch`` switches to that epoch's plan. Its length is
-    always the whole epoch, and after a resume it starts at the first micro-step not yet trained."""
+class PlanSampler(Sampler[tuple[int, int, MicroBatch]]):
+    """This rank's micro-batches of the epoch, as (epoch, micro-step, MicroBatch); ``set_epoch``
+    switches to that epoch's plan. Its length is always the whole epoch, and after a resume it
+    starts at the first micro-step not yet trained."""
 
-    def __init__(self, datamodule: HBPDataModule, dataset: MicroBatchDataset):
-        self.dm, self.dataset = datamodule, dataset
-        self.epoch = dataset.epoch
+    def __init__(self, datamodule: HBPDataModule, epoch: int, rank: int):
+        self.dm, self.epoch, self.rank = datamodule, epoch, rank
+        self.plan = datamodule.plan_for_epoch(epoch)
         self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -66,7 +66,7 @@ class PlanSampler(Sampler[int]):
                     f"{len(self)}; with the randomized packer {self.dm.packer!r} set "
                     "Trainer(reload_dataloaders_every_n_epochs=1) so the epoch length is re-read"
                 )
-            self.dataset.plan, self.dataset.epoch, self.epoch = plan, epoch, epoch
+            self.plan, self.epoch = plan, epoch
             self.start = 0
         pending = self.dm.resume_from
         if pending is not None and pending["epoch"] == epoch:
@@ -74,21 +74,22 @@ class PlanSampler(Sampler[int]):
             self.dm.resume_from = None
 
     def __len__(self) -> int:
-        return self.dataset.plan.n_micro_steps
+        return self.plan.n_micro_steps
 
     def __iter__(self):
         # A generator: Lightning may create the iterator before it calls set_epoch (on a restart),
         # so the epoch's plan and start are read when the first index is drawn, not here.
         start, self.start = self.start, 0
-        yield from range(start, len(self))
+        for k in range(start, len(self)):
+            yield self.epoch, k, self.plan.micro_batch(self.rank, k)
 
 
 class PlanLoader(DataLoader):
     """A DataLoader Lightning recognizes as resumable (it has state_dict / load_state_dict)."""
 
-    def __init__(self, datamodule: HBPDataModule, dataset: MicroBatchDataset, num_workers: int):
+    def __init__(self, datamodule: HBPDataModule, dataset: MicroBatchDataset, sampler: PlanSampler, **kwargs):
         self.dm = datamodule
-        super().__init__(dataset, sampler=PlanSampler(datamodule, dataset), batch_size=None, num_workers=num_workers)
+        super().__init__(dataset, sampler=sampler, batch_size=None, **kwargs)
 
     def state_dict(self) -> dict:
         trained = self.dm.trainer.fit_loop.epoch_loop.batch_progress.current.processed
@@ -129,7 +130,8 @@ class HBPDataModule(L.LightningDataModule):
         train_on: supervise ``assistant`` turns only, or ``all`` tokens.
         seed: seed of mixing and of the plan (epoch e plans with seed + e).
         cache_dir: where tokenized sources are cached.
-        num_workers: DataLoader worker processes for collation.
+        num_workers: DataLoader worker processes for collation; None (default): 2 when training on
+            a GPU, where batches are also pinned and prefetched so the copy overlaps the step, else 0.
         demo_dir: build the embedded demo data set and tokenizer here if missing
             (``python -m lit_hbp.data.demo``); the tiny configs point their sources at it.
     """
@@ -144,7 +146,7 @@ class HBPDataModule(L.LightningDataModule):
         train_on: str = "assistant",
         seed: int = 0,
         cache_dir: str = "data_cache",
-        num_workers: int = 0,
+        num_workers: int | None = None,
         demo_dir: str | None = None,
         autoselect: dict[str, Any] | None = None,
     ):
@@ -338,8 +340,11 @@ class HBPDataModule(L.LightningDataModule):
     def train_dataloader(self) -> PlanLoader:
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         _, rank, _ = self._world()
-        dataset = MicroBatchDataset(self.store, self.plan_for_epoch(epoch), rank, self.pad_id, epoch)
-        return PlanLoader(self, dataset, self.num_workers)
+        on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        workers = self.num_workers if self.num_workers is not None else (2 if on_gpu else 0)
+        dataset = MicroBatchDataset(self.store, self.levels, rank, self.pad_id)
+        sampler = PlanSampler(self, epoch, rank)
+        return PlanLoader(self, dataset, sampler, num_workers=workers, pin_memory=on_gpu)
 
 
 def load_tokenizer(path: str):

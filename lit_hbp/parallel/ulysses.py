@@ -58,10 +58,12 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad, fctx.sp), None
 
 
+@torch.compiler.disable  # a collective into a preallocated buffer: kept out of compiled graphs
 def seq_to_heads(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
     return _SeqToHeads.apply(x, ctx)
 
 
+@torch.compiler.disable
 def heads_to_seq(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
     return _HeadsToSeq.apply(x, ctx)
 

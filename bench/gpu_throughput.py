@@ -1,0 +1,298 @@
+"""End-to-end training speed per level: lit-hbp beside Hugging Face Trainer on the same packs.
+
+    python bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml [--steps 40] [--warmup 8]
+    python bench/gpu_throughput.py --config configs/tiny_cpu.yaml --steps 6 --warmup 2   # a CPU smoke run
+
+Modes, each timed over the same optimizer steps of each level of the config's epoch plan (the
+packs HBP trains, curriculum off, one device):
+
+- hbp: ``Trainer.fit`` of the config (model, strategy, precision, compile, ...) as
+  ``python train.py fit`` runs it; every optimizer step's wall time, from the previous step's end
+  to its own (the device synchronized there, data loading and the optimizer included), goes to its
+  level;
+- hf_sdpa / hf_flash_attention_2: Hugging Face ``Trainer`` with ``DataCollatorWithFlattening``
+  (one pack per batch, position_ids restarting per sample, bf16 autocast on a GPU), the same
+  initial weights, AdamW; flash_attention_2 only when flash-attn is installed;
+- fwd_bwd: HBPLitModule forward and backward only (weights in the compute dtype, no optimizer).
+
+Tokens are real sample tokens; MFU is ``ModelSpec.train_flops`` (the module's definition: dense
+layers on real tokens, causal attention per document, LM head on supervised tokens, no
+recomputation) over the device's dense peak. A mode that runs out of memory is reported as OOM
+and the others still run. Bars (one H100): hbp MFU >= 0.45 at 16K and >= 0.35 at 4K, hbp >= 3x
+hf_sdpa in tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+
+from lit_hbp.cli import main as cli_main
+from lit_hbp.costmodel import HARDWARE
+from lit_hbp.data.collate import collate_packs
+from lit_hbp.packing.__main__ import format_table
+
+OOM = (torch.OutOfMemoryError,)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_flops(device: torch.device, override: float | None) -> float | None:
+    """Dense bf16 peak of the device (the cost model's presets, by GPU name), or --peak-tflops."""
+    if override:
+        return override * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((hw.peak_flops for key, hw in HARDWARE.items() if key in name), None)
+
+
+class StepClock(L.Callback):
+    """Wall time of every optimizer step (device synchronized at step ends), its level, its real
+    tokens and model FLOPs."""
+
+    def __init__(self):
+        self.rows: list[tuple[int, float, float, float]] = []
+        self._tokens = self._flops = 0.0
+
+    def on_train_start(self, trainer, pl_module):
+        sync(pl_module.device)
+        self._last = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._tokens += batch["n_tokens"] / batch["sp"]
+        self._flops += pl_module.flops_per_batch
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        sync(pl_module.device)
+        now = time.perf_counter()
+        self.rows.append((int(batch["level"]), now - self._last, self._tokens, self._flops))
+        self._last, self._tokens, self._flops = now, 0.0, 0.0
+
+
+def build(config: str, overrides: list[str], steps: int):
+    """The config's trainer, module and data, curriculum off, ``steps`` optimizer steps."""
+    args = ["--config", config, "--trainer.max_steps", str(steps), "--trainer.logger", "false"]
+    args += ["--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false"]
+    cli = cli_main(args + overrides, run=False)
+    trainer = cli.trainer
+    trainer.callbacks[:] = [c for c in trainer.callbacks if type(c).__name__ == "HBPThroughputMonitor"]
+    return cli
+
+
+def level_packs(dm, level: int, count: int) -> list[list[np.ndarray]]:
+    """The first ``count`` optimizer steps of ``level`` in the epoch-0 plan, rank 0's packs of each."""
+    plan = dm.plan_for_epoch(0)
+    out = []
+    for k in range(plan.n_micro_steps):
+        mb = plan.micro_batch(0, k)
+        if mb.level == level and len(out) < count * plan.accumulate:
+            out.append(mb.packs)
+    return out
+
+
+def run_hbp(cli, device, warmup: int) -> dict[int, tuple[float, float, float]]:
+    clock = StepClock()
+    cli.trainer.callbacks.append(clock)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    per_level: dict[int, list] = {}
+    seen: dict[int, int] = {}
+    for level, seconds, tokens, flops in clock.rows:
+        seen[level] = seen.get(level, 0) + 1
+        if seen[level] > warmup:
+            row = per_level.setdefault(level, [0.0, 0.0, 0.0])
+            row[0] += seconds
+            row[1] += tokens
+            row[2] += flops
+    return {level: tuple(r) for level, r in per_level.items()}
+
+
+def pack_flops(module, store, packs) -> tuple[float, float]:
+    """(real tokens, model FLOPs) of one micro-batch of ``packs``, by the module's definition."""
+    batch = collate_packs(packs, store.tokens)
+    return batch["n_tokens"], module.micro_batch_flops(batch)
+
+
+def run_hf(base_model, attn: str, store, micro, device, warmup: int, module) -> tuple[float, float, float]:
+    """HF Trainer + DataCollatorWithFlattening over the same micro-batches (one pack each)."""
+    from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
+
+    cuda = device.type == "cuda"
+    net = copy.deepcopy(base_model).to(device=device, dtype=torch.float32).train()
+    net.set_attn_implementation(attn)
+    flatten = DataCollatorWithFlattening(return_position_ids=True)
+    items = []
+    for packs in micro:
+        feats = []
+        for i in np.concatenate(packs):
+            ids, target = store.tokens(int(i))
+            feats.append({"input_ids": ids.tolist(), "labels": np.where(target, ids, -100).tolist()})
+        items.append(feats)
+    stats = [pack_flops(module, store, packs) for packs in micro]
+    marks: dict[str, float] = {}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, targs, state, control, **kw):
+            if state.global_step == warmup:
+                sync(device)
+                marks["start"] = time.perf_counter()
+
+        def on_step_end(self, targs, state, control, **kw):
+            if state.global_step == len(items):
+                sync(device)
+                marks["end"] = time.perf_counter()
+
+    with tempfile.TemporaryDirectory() as out:
+        targs = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=1,
+            max_steps=len(items),
+            learning_rate=1e-4,
+            bf16=cuda,
+            use_cpu=not cuda,
+            report_to=[],
+            logging_strategy="no",
+            save_strategy="no",
+            remove_unused_columns=False,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        trainer = Trainer(model=net, args=targs, train_dataset=items, data_collator=lambda b: flatten(b[0]), callbacks=[Clock()])
+        trainer.train()
+    tokens = sum(t for t, _ in stats[warmup:])
+    flops = sum(f for _, f in stats[warmup:])
+    return marks["end"] - marks["start"], tokens, flops
+
+
+def run_fwd_bwd(module, store, micro, device, dtype, warmup: int) -> tuple[float, float, float]:
+    """Forward and backward of the module only, weights in ``dtype``, no optimizer."""
+    net = copy.deepcopy(module).to(device=device, dtype=dtype).train()
+    batches = []
+    for packs in micro:
+        b = collate_packs(packs, store.tokens, meta={"loss_norm": 1.0, "level": 0})
+        batches.append({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()})
+    tokens = flops = 0.0
+    for i, b in enumerate(batches):
+        if i == warmup:
+            sync(device)
+            start = time.perf_counter()
+        net(b)[0].backward()
+        net.zero_grad(set_to_none=True)
+        if i >= warmup:
+            tokens += b["n_tokens"]
+            flops += net.micro_batch_flops(b)
+    sync(device)
+    return time.perf_counter() - start, tokens, flops
+
+
+def guarded(name: str, fn, device):
+    """Run one mode; an out-of-memory error is reported, not raised."""
+    try:
+        return fn()
+    except OOM:
+        print(f"{name}: out of memory", file=sys.stderr)
+        return "OOM"
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/llama_1b_1gpu.yaml")
+    p.add_argument("--steps", type=int, default=40, help="timed optimizer steps per level (plus --warmup)")
+    p.add_argument("--warmup", type=int, default=8, help="steps per level left out of the timing (compilation)")
+    p.add_argument("--modes", default="hbp,hf_sdpa,hf_flash_attention_2,fwd_bwd")
+    p.add_argument("--peak-tflops", type=float, help="the device's dense peak, for MFU (GPUs: looked up)")
+    p.add_argument("overrides", nargs="*", help="LightningCLI overrides, e.g. --model.compile=false")
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    per_level = args.steps + args.warmup
+    cli = build(args.config, args.overrides, 1)
+    dm, module = cli.datamodule, cli.model
+    dm.setup("fit")
+    levels = dm.levels
+    n_levels = len(levels)
+    plan = dm.plan_for_epoch(0)
+    counts = np.bincount(plan.step_level, minlength=n_levels)
+    take = int(min(per_level, counts.min()))
+    # Steps enough that every level trains ``take`` of its steps (levels are shuffled in the plan).
+    order = plan.step_level
+    need = max(int(np.flatnonzero(order == lv)[take - 1]) + 1 for lv in range(n_levels))
+    device = cli.trainer.strategy.root_device
+    peak = peak_flops(device, args.peak_tflops)
+    module.configure_model()
+    base_model = copy.deepcopy(module.model)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    results: dict[str, dict[int, object]] = {}
+    if "hbp" in modes:
+        fit = build(args.config, args.overrides, need)
+        fit.model.configure_model()
+        fit.model.model.load_state_dict(base_model.state_dict())
+        out = guarded("hbp", lambda: run_hbp(fit, device, args.warmup), device)
+        results["hbp"] = out if out == "OOM" else out
+        del fit
+    micro = {lv: level_packs(dm, lv, take) for lv in range(n_levels)}
+    for attn in ("sdpa", "flash_attention_2"):
+        name = f"hf_{attn}"
+        if name not in modes:
+            continue
+        if attn == "flash_attention_2" and not _has_flash_attn():
+            print(f"{name}: skipped, flash-attn is not installed", file=sys.stderr)
+            continue
+        results[name] = {
+            lv: guarded(name, lambda lv=lv: run_hf(base_model, attn, dm.store, micro[lv], device, args.warmup, module), device)
+            for lv in range(n_levels)
+        }
+    if "fwd_bwd" in modes:
+        results["fwd_bwd"] = {
+            lv: guarded("fwd_bwd", lambda lv=lv: run_fwd_bwd(module, dm.store, micro[lv], device, dtype, args.warmup), device)
+            for lv in range(n_levels)
+        }
+    params = sum(x.numel() for x in base_model.parameters())
+    print(
+        f"{args.config}: {params / 1e9:.2f}B parameters, {device.type} "
+        f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+        f"{args.steps} timed steps per level after {args.warmup} warm-up steps"
+    )
+    for lv in range(n_levels):
+        base = results.get("hf_sdpa", {}).get(lv) if isinstance(results.get("hf_sdpa"), dict) else None
+        base_tps = base[1] / base[0] if isinstance(base, tuple) else None
+        for name, res in results.items():
+            r = res if res == "OOM" else res.get(lv)
+            row = dict(level=f"{levels[lv].pack_len}:{levels[lv].sp}", mode=name)
+            if r is None:
+                continue
+            if r == "OOM":
+                row.update(tokens_per_s="OOM")
+            else:
+                seconds, tokens, flops = r
+                row.update(tokens_per_s=tokens / seconds, mfu=flops / seconds / peak if peak else float("nan"))
+                row["vs_hf_sdpa"] = tokens / seconds / base_tps if base_tps else float("nan")
+            rows.append(row)
+    print(format_table(rows, [("mode", "s"), ("tokens_per_s", ".0f"), ("mfu", ".3f"), ("vs_hf_sdpa", ".2f")], key="level"))
+    return 0
+
+
+def _has_flash_attn() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

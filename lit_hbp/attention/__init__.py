@@ -1,0 +1,124 @@
+"""Varlen (packed) causal attention, registered in transformers' ``AttentionInterface``.
+
+Any Hugging Face causal LM built with ``attn_implementation="hbp_varlen"`` calls ``varlen_attention``
+for its attention; the packed batch's ``cu_seq_lens_q`` / ``max_length_q`` arrive as forward kwargs.
+No mask function is registered under the name, so transformers builds no mask and runs no
+packed-sequence detection (which would read a device value back every forward). When the strategy
+has activated a sequence-parallel context (``lit_hbp.parallel.context``), Ulysses runs: all-to-all
+to head shards, attention over the whole pack, all-to-all back.
+
+The kernel comes from ``lit_hbp.attention.backends``: per device, the dtype the kernel runs in
+(the autocast dtype under autocast) and the features the layer needs (sliding window, soft-capping,
+sinks, dropout), the fastest backend that can run it; the choice, and why each faster backend was
+not taken, is logged once.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from transformers import AttentionInterface
+
+from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose, why_not
+from lit_hbp.parallel import context as sp_context
+from lit_hbp.parallel.ulysses import check_heads, heads_to_seq, replicate_kv, seq_to_heads
+
+ATTN_NAME = "hbp_varlen"
+_forced: list[str | None] = [None]
+_chosen: dict[tuple[str, torch.dtype, frozenset[str]], str] = {}
+
+
+def set_backend(name: str) -> None:
+    """Force a backend for the run, or "auto": the fastest for each device, dtype and feature set."""
+    if name != "auto" and name not in REGISTRY:
+        raise ValueError(f"attention backend must be one of {('auto', *REGISTRY)}, got {name!r}")
+    _forced[0] = None if name == "auto" else name
+    _chosen.clear()
+
+
+def backend_for(device_type: str, dtype: torch.dtype, needs: frozenset[str] = frozenset()) -> str:
+    """The backend for a call on ``device_type`` running in ``dtype`` that needs ``needs``; chosen
+    once per combination and logged once (a fp32 profiling pass on a GPU does not pin the slow
+    backend on the bf16 training that follows)."""
+    key = (device_type, dtype, needs)
+    if key not in _chosen:
+        what = f"{dtype} on {device_type}" + (f" with {', '.join(sorted(needs))}" if needs else "")
+        if _forced[0] is not None:
+            reason = why_not(_forced[0], device_type, dtype, needs)
+            if reason is not None:
+                raise ValueError(f"attention backend {_forced[0]!r} cannot run {what}: {reason}")
+            name, note = _forced[0], "forced"
+        else:
+            name, skipped = choose(device_type, dtype, needs)
+            note = "; ".join(f"not {k}: {v}" for k, v in skipped.items()) or "the fastest"
+        _chosen[key] = name
+        rank_zero_info(f"{ATTN_NAME} attention: {name} backend for {what} ({note})")
+    return _chosen[key]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in: the autocast dtype under autocast (rotary embeddings leave q and
+    k in fp32 while v is already low precision), else the query's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def _attend(q, k, v, args: AttnArgs) -> torch.Tensor:
+    name = backend_for(q.device.type, q.dtype, args.needs)
+    if args.cu.device != q.device or args.cu.dtype != torch.int32:
+        args = AttnArgs(**{**args.__dict__, "cu": args.cu.to(device=q.device, dtype=torch.int32)})
+    return REGISTRY[name].run(q, k, v, args)
+
+
+def varlen_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+):
+    """transformers attention function: query [1, Hq, T, D], key/value [1, Hkv, T, D] (GQA not
+    repeated) -> ([1, T, Hq, D], None). Under an active SP context T is this rank's shard, and
+    Ulysses all-to-alls run attention over the whole pack on 1/sp of the heads (and of the sinks)."""
+    if query.shape[0] != 1:
+        raise ValueError(f"{ATTN_NAME} takes one packed row per micro-batch, got batch size {query.shape[0]}")
+    ctx = sp_context.active()
+    sp = ctx.size if ctx is not None else 1
+    total = query.shape[2] * sp
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q = torch.tensor([0, total], dtype=torch.int32, device=query.device)
+        max_length_q = total
+    dtype = compute_dtype(query)
+    query, key, value = (x.to(dtype) for x in (query, key, value))
+    sinks = s_aux
+    if sp > 1:
+        check_heads(query.shape[1], key.shape[1], sp)
+        local = query.shape[1] // sp
+        if sinks is not None:
+            sinks = sinks[ctx.rank * local : (ctx.rank + 1) * local]
+        query = seq_to_heads(query, ctx)
+        key, value = (seq_to_heads(replicate_kv(x, sp), ctx) for x in (key, value))
+    args = AttnArgs(
+        cu=cu_seq_lens_q,
+        max_len=int(max_length_q),
+        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        window=sliding_window,
+        softcap=softcap or None,
+        sinks=sinks,
+        dropout=dropout if module.training else 0.0,
+    )
+    out = _attend(query, key, value, args)
+    if sp > 1:
+        out = heads_to_seq(out, ctx)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(ATTN_NAME, varlen_attention)

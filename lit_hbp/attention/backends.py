@@ -1,0 +1,345 @@
+"""Attention kernels for one packed row, as a registry: name -> (can it run here, what it supports, run).
+
+Every backend computes causal attention inside each document of a pack: q [1, Hq, T, D] and k/v
+[1, Hkv, T, D] (grouped-query heads not repeated) -> [1, Hq, T, D], the documents given by
+``cu_seqlens`` (int32, on q's device). A call may also need a sliding ``window`` (a token sees
+itself and the window - 1 tokens before it), logit ``softcap`` (softcap * tanh(score / softcap)),
+attention ``sinks`` (one learned logit per head that joins every softmax and takes probability
+mass from the tokens) and ``dropout``.
+
+The registry is ordered fastest first. For a device, a dtype and the features a call needs, the
+first backend that can run and supports them is taken; each skipped faster backend is reported
+with its reason (``choose``). Kernels that differ between library versions (flash-attn 2/3/4,
+torch's ``varlen_attn`` of torch 2.10-2.13) are adapted from their signatures, so a new
+version needs no code here as long as it keeps its keyword names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from lit_hbp.attention.flex import document_block_mask
+
+FEATURES = ("window", "softcap", "sinks", "dropout")
+HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AttnArgs:
+    """Everything about a call but q, k, v."""
+
+    cu: torch.Tensor
+    max_len: int
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    dropout: float = 0.0
+
+    @property
+    def needs(self) -> frozenset[str]:
+        present = dict(
+            window=self.window is not None,
+            softcap=bool(self.softcap),
+            sinks=self.sinks is not None,
+            dropout=self.dropout > 0,
+        )
+        return frozenset(k for k, v in present.items() if v)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """``unusable(device_type, dtype)`` is None when the backend can run there, else the reason;
+    ``supports()`` the features it implements; ``run(q, k, v, args)`` the kernel."""
+
+    name: str
+    unusable: Callable[[str, torch.dtype], str | None]
+    supports: Callable[[], frozenset[str]]
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnArgs], torch.Tensor]
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        return False
+
+
+@cache
+def _params(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[1, H, T, D] -> [T, H, D], the varlen kernels' layout."""
+    return x[0].transpose(0, 1)
+
+
+def _unflat(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1)[None]
+
+
+# ------------------------------------------------------------------------------------- flash-attn
+
+FLASH_MODULES = {
+    "flash_attn_3": ("flash_attn_interface", "flash-attn 3 (hopper build)"),
+    "flash_attn_4": ("flash_attn.cute", "flash-attn 4 (flash_attn.cute)"),
+    "flash_attn": ("flash_attn", "flash-attn 2"),
+}
+
+
+def _flash_fn(name: str):
+    return importlib.import_module(FLASH_MODULES[name][0]).flash_attn_varlen_func
+
+
+def _flash_supports(name: str) -> frozenset[str]:
+    params = _params(_flash_fn(name))
+    keyword = dict(window="window_size", softcap="softcap", sinks="learnable_sink", dropout="dropout_p")
+    return frozenset(f for f, kw in keyword.items() if kw in params)
+
+
+def _flash_unusable(name: str) -> Callable[[str, torch.dtype], str | None]:
+    module, what = FLASH_MODULES[name]
+
+    def unusable(device_type: str, dtype: torch.dtype) -> str | None:
+        if device_type != "cuda":
+            return "CUDA only"
+        if dtype not in HALF:
+            return f"fp16/bf16 only, not {dtype}"
+        if not _installed(module):
+            return f"{what} is not installed"
+        return None
+
+    return unusable
+
+
+def _flash_run(name: str):
+    def run(q, k, v, a: AttnArgs) -> torch.Tensor:
+        kw = dict(
+            cu_seqlens_q=a.cu,
+            cu_seqlens_k=a.cu,
+            max_seqlen_q=a.max_len,
+            max_seqlen_k=a.max_len,
+            softmax_scale=a.scale,
+            causal=True,
+        )
+        if a.window is not None:
+            kw["window_size"] = (a.window - 1, 0)
+        if a.softcap:
+            kw["softcap"] = a.softcap
+        if a.dropout:
+            kw["dropout_p"] = a.dropout
+        if a.sinks is not None:
+            kw["learnable_sink"] = a.sinks
+        out = _flash_fn(name)(_flat(q), _flat(k), _flat(v), **kw)
+        return _unflat(out[0] if isinstance(out, tuple) else out)  # flash-attn 3 (some builds) and 4 add the LSE
+
+    return run
+
+
+# ------------------------------------------------------------------------------ torch varlen_attn
+
+
+def _torch_varlen_fn():
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+def _torch_varlen_unusable(device_type: str, dtype: torch.dtype) -> str | None:
+    if device_type != "cuda":
+        return "CUDA only"
+    if dtype not in HALF:
+        return f"fp16/bf16 only, not {dtype}"
+    if not _installed("torch.nn.attention.varlen"):
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch 2.10 or newer)"
+    params = _params(_torch_varlen_fn())
+    if not {"window_size", "is_causal"} & params:
+        return "this torch's varlen_attn takes neither window_size nor is_causal: no causal mask"
+    return None
+
+
+def _torch_varlen_supports() -> frozenset[str]:
+    return frozenset({"window"} if "window_size" in _params(_torch_varlen_fn()) else ())
+
+
+def _torch_varlen_run(q, k, v, a: AttnArgs) -> torch.Tensor:
+    """torch's varlen kernel, adapted to its signature: torch 2.10 has ``is_causal`` and no
+    ``scale``/``window_size``/``enable_gqa``, 2.11 adds ``scale`` and ``window_size``, 2.13 ``enable_gqa``.
+    A missing ``scale`` is applied to q (the kernel's default is 1/sqrt(D)); a missing
+    ``enable_gqa`` repeats the k/v heads."""
+    fn = _torch_varlen_fn()
+    params = _params(fn)
+    kw = {}
+    if "scale" in params:
+        kw["scale"] = a.scale
+    elif a.scale != q.shape[-1] ** -0.5:
+        q = q * (a.scale * q.shape[-1] ** 0.5)
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    if "window_size" in params:
+        kw["window_size"] = (a.window - 1 if a.window is not None else -1, 0)
+    else:
+        kw["is_causal"] = True
+    return _unflat(fn(_flat(q), _flat(k), _flat(v), a.cu, a.cu, a.max_len, a.max_len, **kw))
+
+
+# ---------------------------------------------------------------------------------- FlexAttention
+
+_flex_compiled: list = []
+
+
+def _flex_fn():
+    """flex_attention compiled once (dynamic over pack lengths): uncompiled it materializes scores."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not _flex_compiled:
+        _flex_compiled.append(torch.compile(flex_attention, dynamic=True))
+    return _flex_compiled[0]
+
+
+def _flex_unusable(device_type: str, dtype: torch.dtype) -> str | None:
+    if device_type != "cuda":
+        return "CUDA only (torch's FlexAttention has no backward on CPU)"
+    if not _installed("torch.nn.attention.flex_attention"):
+        return f"torch {torch.__version__} has no FlexAttention"
+    return None
+
+
+def flex_run(q, k, v, a: AttnArgs, fn=None) -> torch.Tensor:
+    """FlexAttention with a document block mask (built once per pack, ``flex.document_block_mask``),
+    soft-capping as a score modification, and sinks from the log-sum-exp: with a sink logit s per
+    head, softmax over the tokens and the sink scales the tokens-only output by sigmoid(lse - s)."""
+    fn = fn or _flex_fn()
+    block_mask = document_block_mask(a.cu, q.shape[2], a.window)
+    score_mod = None
+    if a.softcap:
+        cap = float(a.softcap)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+
+    kw = dict(score_mod=score_mod, block_mask=block_mask, scale=a.scale, enable_gqa=q.shape[1] != k.shape[1])
+    if a.sinks is None:
+        return fn(q, k, v, **kw)
+    from torch.nn.attention import flex_attention as flex_module
+
+    if hasattr(flex_module, "AuxRequest") and "return_aux" in _params(flex_module.flex_attention):
+        out, aux = fn(q, k, v, return_aux=flex_module.AuxRequest(lse=True), **kw)
+        lse = aux.lse
+    else:
+        out, lse = fn(q, k, v, return_lse=True, **kw)
+    keep = torch.sigmoid(lse.float() - a.sinks.float()[None, :, None])
+    return (out.float() * keep[..., None]).to(out.dtype)
+
+
+# ------------------------------------------------------------------------- per-document loops
+
+
+def _documents(a: AttnArgs) -> list[tuple[int, int]]:
+    cu = a.cu.tolist()  # the loops need host values: one sync per call on a GPU (fallback backends)
+    return list(zip(cu[:-1], cu[1:]))
+
+
+@torch.compiler.disable
+def _sdpa_run(q, k, v, a: AttnArgs) -> torch.Tensor:
+    """A causal scaled_dot_product_attention per document. Inputs stay 4-D: on CPU torch takes its
+    flash kernel only for 4-D inputs (about 9x faster than the math fallback of 3-D inputs)."""
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for s, e in _documents(a):
+        n = e - s
+        if a.window is not None and n > a.window:
+            kwargs = dict(attn_mask=_band(n, a.window, q.device))
+        else:
+            kwargs = dict(is_causal=True)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout_p=a.dropout, scale=a.scale, enable_gqa=gqa, **kwargs
+            )
+        )
+    return torch.cat(outs, dim=2)
+
+
+def _band(n: int, window: int | None, device) -> torch.Tensor:
+    """[n, n] bool: causal, and within the window when there is one."""
+    i = torch.arange(n, device=device)
+    keep = i[None, :] <= i[:, None]
+    if window is not None:
+        keep &= i[None, :] > i[:, None] - window
+    return keep
+
+
+@torch.compiler.disable
+def eager_run(q, k, v, a: AttnArgs) -> torch.Tensor:
+    """The definition, document by document: scores, soft-cap, causal (and window) mask, softmax in
+    fp32 with the sink logit as an extra column, dropout, weighted values. Slow; runs anywhere and
+    differentiates everywhere, so every feature trains on CPU."""
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for s, e in _documents(a):
+        qs = q[0, :, s:e]
+        ks, vs = (x[0, :, s:e].repeat_interleave(group, dim=0) for x in (k, v))
+        scores = (qs @ ks.transpose(-1, -2)).to(torch.promote_types(qs.dtype, torch.float32)) * a.scale
+        if a.softcap:
+            scores = a.softcap * torch.tanh(scores / a.softcap)
+        scores = scores.masked_fill(~_band(e - s, a.window, q.device), float("-inf"))
+        if a.sinks is not None:
+            sink = a.sinks.to(scores.dtype).reshape(-1, 1, 1).expand(-1, e - s, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        if a.dropout:
+            probs = F.dropout(probs, a.dropout, training=True)
+        outs.append((probs.to(vs.dtype) @ vs)[None])
+    return torch.cat(outs, dim=2)
+
+
+def _anywhere(device_type: str, dtype: torch.dtype) -> None:
+    return None
+
+
+REGISTRY: dict[str, Backend] = {
+    **{
+        name: Backend(name, _flash_unusable(name), lambda name=name: _flash_supports(name), _flash_run(name))
+        for name in FLASH_MODULES
+    },
+    "torch_varlen": Backend("torch_varlen", _torch_varlen_unusable, _torch_varlen_supports, _torch_varlen_run),
+    "flex": Backend("flex", _flex_unusable, lambda: frozenset({"window", "softcap", "sinks"}), flex_run),
+    "sdpa": Backend("sdpa", _anywhere, lambda: frozenset({"window", "dropout"}), _sdpa_run),
+    "eager": Backend("eager", _anywhere, lambda: frozenset(FEATURES), eager_run),
+}
+
+
+def why_not(name: str, device_type: str, dtype: torch.dtype, needs: frozenset[str]) -> str | None:
+    """None when backend ``name`` can run this call, else the reason."""
+    backend = REGISTRY[name]
+    reason = backend.unusable(device_type, dtype)
+    if reason is None:
+        missing = needs - backend.supports()
+        if missing:
+            reason = f"does not support {', '.join(sorted(missing))}"
+    return reason
+
+
+def choose(device_type: str, dtype: torch.dtype, needs: frozenset[str]) -> tuple[str, dict[str, str]]:
+    """The fastest backend for the call, and why each faster one was not taken."""
+    skipped = {}
+    for name in REGISTRY:
+        reason = why_not(name, device_type, dtype, needs)
+        if reason is None:
+            return name, skipped
+        skipped[name] = reason
+    raise AssertionError("the eager backend runs everywhere")  # pragma: no cover

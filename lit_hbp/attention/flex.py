@@ -1,0 +1,75 @@
+"""The FlexAttention block mask of a pack: causal attention inside each document (and a window).
+
+Built from ``cu_seqlens`` on the device at block granularity (128 x 128 tiles), never evaluating
+the T x T mask: a 128K pack has 1024 x 1024 tiles. Tile (i, j) of query block i and key block j
+is *full* when every pair in it attends (j < i, one document, inside the window), *partial* when
+some do (the mask function decides element-wise), else skipped. No host-device sync. Every layer
+of a forward sees the same ``cu_seqlens`` tensor, so the mask is built once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128
+_cache: list[tuple[torch.Tensor, int, int | None, object]] = []
+
+
+def document_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """Document index of each of the pack's ``total`` positions."""
+    positions = torch.arange(total, device=cu.device, dtype=cu.dtype)
+    return torch.searchsorted(cu[1:].contiguous(), positions, right=True)
+
+
+def tile_masks(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK):
+    """(partial, full): [nb, nb] bool tile maps of the pack's mask, nb = ceil(total / block)."""
+    doc = document_ids(cu, total)
+    nb = -(-total // block)
+    start = torch.arange(nb, device=cu.device) * block
+    end = torch.clamp(start + block, max=total) - 1
+    first, last = doc[start], doc[end]
+    i, j = start[:, None] // block, start[None, :] // block
+    below = j < i
+    # Documents are contiguous, so key block j < i shares a document with query block i iff j's
+    # last document is i's first, and is all one document with it iff j's first is i's last.
+    some = (j == i) | (below & (last[None, :] == first[:, None]))
+    full = below & (first[None, :] == last[:, None])
+    complete = end - start == block - 1  # a short last block stays partial, as torch marks it
+    full &= complete[:, None] & complete[None, :]
+    if window is not None:
+        nearest = start[:, None] - end[None, :]  # smallest query - key distance in the tile
+        farthest = end[:, None] - start[None, :]
+        some &= (j == i) | (nearest < window)
+        full &= farthest < window
+    return some & ~full, full
+
+
+def _as_kv_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts [1, 1, nb], indices [1, 1, nb, nb]): each row's marked key blocks listed first."""
+    counts = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[None, None], order[None, None]
+
+
+def document_block_mask(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK):
+    """The BlockMask of a pack with documents ``cu`` (global cu_seqlens) over ``total`` positions."""
+    for key_cu, key_total, key_window, mask in _cache:
+        if key_cu is cu and key_total == total and key_window == window:
+            return mask
+    from torch.nn.attention.flex_attention import BlockMask
+
+    doc = document_ids(cu, total)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        if window is not None:
+            keep &= q_idx - kv_idx < window
+        return keep
+
+    partial, full = tile_masks(cu, total, window, block)
+    mask = BlockMask.from_kv_blocks(
+        *_as_kv_blocks(partial), *_as_kv_blocks(full), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(total, total)
+    )
+    # Holding cu keeps its memory from being reused by another pack's cu while it is cached.
+    _cache[:] = [(cu, total, window, mask), *_cache[:3]]
+    return mask

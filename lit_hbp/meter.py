@@ -1,0 +1,83 @@
+"""What the training step measures, kept where it is produced and read only when the logger writes.
+
+Reading a device value on the host (``.item()``, ``float(t)``, logging a Python number, which
+Lightning turns into a device tensor) waits for every queued kernel: the host stops running ahead
+of the GPU. So per micro-step nothing is read back: the summed cross-entropy stays on the device,
+token counts are host integers from the collate step, and micro-step times are CUDA events. At
+the end of an optimizer step whose metrics the logger will write, one all-reduce and one read
+turn them into numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+
+def logs_now(trainer) -> bool:
+    """True at the last micro-step of an optimizer step whose metrics the loggers write (the same
+    test Lightning's ThroughputMonitor uses)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is None:
+        return False
+    return not trainer.fit_loop._should_accumulate() and connector.should_update_logs
+
+
+class StepMeter:
+    """Cross-entropy and tokens since the last read, and each level's micro-step times."""
+
+    def __init__(self) -> None:
+        self.ce: torch.Tensor | None = None
+        self.targets = 0
+        self._spans: list[tuple[int, float, object, object]] = []
+        self._start: object = None
+
+    def add_loss(self, ce_sum: torch.Tensor, targets: int) -> None:
+        ce_sum = ce_sum.detach().float()
+        self.ce = ce_sum if self.ce is None else self.ce + ce_sum
+        self.targets += targets
+
+    def start(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self, level: int, tokens: float) -> None:
+        if self._start is None:
+            return
+        if isinstance(self._start, float):
+            end: object = time.perf_counter()
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        self._spans.append((level, tokens, self._start, end))
+        self._start = None
+
+    def read_loss(self, reduce=None) -> float | None:
+        """Token-mean cross-entropy since the last read over all ranks (``reduce`` sums a device
+        tensor over the world; every rank must call it), or None without a supervised token."""
+        if self.ce is None:  # no micro-step since the last read, on any rank
+            return None
+        local = torch.stack([self.ce, torch.tensor(float(self.targets), device=self.ce.device)])
+        total = reduce(local) if reduce is not None else local
+        ce, targets = total.tolist()
+        self.ce, self.targets = None, 0
+        return ce / targets if targets > 0 else None
+
+    def read_times(self) -> dict[int, tuple[float, float, int]]:
+        """Per level: (seconds, tokens, micro-steps) since the last read."""
+        out: dict[int, list] = defaultdict(lambda: [0.0, 0.0, 0])
+        if self._spans and not isinstance(self._spans[-1][3], float):
+            self._spans[-1][3].synchronize()
+        for level, tokens, start, end in self._spans:
+            seconds = end - start if isinstance(end, float) else start.elapsed_time(end) / 1000.0
+            row = out[level]
+            row[0] += seconds
+            row[1] += tokens
+            row[2] += 1
+        self._spans = []
+        return {level: tuple(row) for level, row in out.items()}

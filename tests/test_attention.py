@@ -1,0 +1,363 @@
+"""Attention backends: each against a dense fp64 reference over the whole pack; the choice per
+device, dtype, feature set and library version (torch 2.10-2.13 varlen signatures and flash-attn
+2/3/4 faked on CPU); the FlexAttention block mask against torch's own ``create_block_mask``."""
+
+import importlib.machinery
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from lit_hbp import attention
+from lit_hbp.attention import backends
+from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose
+from lit_hbp.attention.flex import tile_masks
+
+
+def dense_reference(q, k, v, cu, scale, window=None, softcap=None, sinks=None):
+    """fp64, the whole pack at once: a T x T mask from document ids (causal, same document, window)."""
+    total = q.shape[2]
+    doc = np.repeat(np.arange(len(cu) - 1), np.diff(np.asarray(cu)))
+    i = np.arange(total)
+    keep = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])
+    if window is not None:
+        keep &= i[:, None] - i[None, :] < window
+    keep = torch.as_tensor(keep)
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = qd @ kd.transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        col = sinks.double().reshape(1, -1, 1, 1).expand(1, -1, total, 1)
+        p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return p @ vd
+
+
+def random_pack(seed, total=90, hq=4, hkv=2, dim=8, docs=5):
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(total - 1, generator=g)[: docs - 1].add(1).sort().values.tolist()
+    cu = [0, *cuts, total]
+    q = torch.randn(1, hq, total, dim, generator=g)
+    k, v = (torch.randn(1, hkv, total, dim, generator=g) for _ in range(2))
+    return q, k, v, cu
+
+
+FEATURE_CASES = {
+    "plain": {},
+    "window": {"window": 7},
+    "softcap": {"softcap": 1.5},
+    "sinks": {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])},
+    "all": {"window": 5, "softcap": 2.0, "sinks": torch.tensor([1.0, 0.0, -0.5, 3.0])},
+}
+
+
+@pytest.mark.parametrize("case", sorted(FEATURE_CASES))
+@pytest.mark.parametrize("name", ["sdpa", "eager"])
+def test_cpu_backends_match_the_dense_reference_with_gradients(name, case):
+    feats = FEATURE_CASES[case]
+    needs = AttnArgs(torch.zeros(2), 1, 1.0, **feats).needs
+    if needs - REGISTRY[name].supports():
+        assert backends.why_not(name, "cpu", torch.float32, needs).startswith("does not support")
+        return
+    q, k, v, cu = random_pack(1)
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    scale = 0.3
+    args = AttnArgs(torch.tensor(cu, dtype=torch.int32), max(np.diff(cu)), scale, **feats)
+    out = REGISTRY[name].run(*ins, args)
+    ref = dense_reference(*ref_in, cu, scale, **feats)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    w = torch.randn_like(ref)
+    (out.double() * w).sum().backward()
+    (ref * w).sum().backward()
+    for a, b in zip(ins, ref_in):
+        torch.testing.assert_close(a.grad.double(), b.grad.double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(FEATURE_CASES))
+def test_flex_forward_matches_the_dense_reference_on_cpu(case):
+    """FlexAttention runs forward (not backward) on CPU: the block mask, soft-capping and the sink
+    correction from the log-sum-exp are checked here; gradients in the GPU test."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    feats = FEATURE_CASES[case]
+    q, k, v, cu = random_pack(2, total=300)
+    args = AttnArgs(torch.tensor(cu, dtype=torch.int32), max(np.diff(cu)), 0.4, **feats)
+    with torch.no_grad():
+        out = backends.flex_run(q, k, v, args, fn=flex_attention)
+    torch.testing.assert_close(out.double(), dense_reference(q, k, v, cu, 0.4, **feats), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 1, 20, 130, 400])
+@pytest.mark.parametrize("seed", range(4))
+def test_flex_tiles_equal_torchs_create_block_mask(seed, window):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    rng = np.random.default_rng(seed)
+    total = int(rng.integers(40, 400))
+    cuts = np.sort(rng.choice(np.arange(1, total), size=int(rng.integers(0, 8)), replace=False))
+    cu = torch.tensor([0, *cuts, total], dtype=torch.int32)
+    doc = torch.as_tensor(np.repeat(np.arange(len(cu) - 1), np.diff(cu.numpy())))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        return keep & (q_idx - kv_idx < window) if window is not None else keep
+
+    expected = create_block_mask(mask_mod, None, None, total, total, device="cpu", BLOCK_SIZE=16)
+    partial, full = tile_masks(cu, total, window, block=16)
+    nb = partial.shape[0]
+    dense = expected.to_dense()[0, 0, :nb, :nb].bool()  # full and partial tiles
+    assert torch.equal(partial | full, dense), (cu.tolist(), window)
+    full_expected = torch.zeros(nb, nb, dtype=torch.bool)
+    counts, idx = expected.full_kv_num_blocks[0, 0], expected.full_kv_indices[0, 0]
+    for r in range(nb):
+        full_expected[r, idx[r, : counts[r]].long()] = True
+    assert torch.equal(full, full_expected)
+
+
+# ------------------------------------------------------------------- choice, versions faked on CPU
+
+
+def fake_kernel(q, k, v, cu, scale=None, left=-1, right=-1, causal=False, softcap=0.0, sinks=None):
+    """Reference semantics of a varlen kernel in [T, H, D] layout: window (left, right), -1 or None
+    unbounded; causal caps right at 0."""
+    assert q.dim() == 3 and cu.dtype == torch.int32
+    total = q.shape[0]
+    cu_l = cu.tolist()
+    doc = np.repeat(np.arange(len(cu_l) - 1), np.diff(cu_l))
+    i = np.arange(total)
+    dist = i[:, None] - i[None, :]
+    keep = doc[:, None] == doc[None, :]
+    if left is not None and left >= 0:
+        keep &= dist <= left
+    if causal:
+        right = 0
+    if right is not None and right >= 0:
+        keep &= -dist <= right
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = (x.transpose(0, 1).double() for x in (q, k, v))
+    kd, vd = kd.repeat_interleave(group, 0), vd.repeat_interleave(group, 0)
+    s = qd @ kd.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~torch.as_tensor(keep), float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().reshape(-1, 1, 1).expand(-1, total, 1)], -1)
+        p = torch.softmax(s, -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return (p @ vd).transpose(0, 1).to(q.dtype)
+
+
+def varlen_210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    assert query.shape[1] == key.shape[1], "torch 2.10 has no GQA"
+    return fake_kernel(query, key, value, cu_seq_q, causal=is_causal)
+
+
+def varlen_211(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
+    assert query.shape[1] == key.shape[1], "torch 2.11 has no enable_gqa"
+    return fake_kernel(query, key, value, cu_seq_q, scale, *window_size)
+
+
+def varlen_213(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+    enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
+):  # fmt: skip
+    assert enable_gqa or query.shape[1] == key.shape[1]
+    return fake_kernel(query, key, value, cu_seq_q, scale, *window_size)
+
+
+TORCH_VARLEN = {"2.10": varlen_210, "2.11": varlen_211, "2.13": varlen_213}
+
+
+@pytest.fixture
+def no_flash(monkeypatch):
+    """A machine with torch but no flash-attn of any version."""
+    monkeypatch.setattr(backends, "_installed", lambda m: m.startswith("torch."))
+
+
+@pytest.mark.parametrize("version", sorted(TORCH_VARLEN))
+def test_every_torch_version_picks_its_varlen_kernel_for_bf16_on_cuda(monkeypatch, no_flash, version):
+    import torch.nn.attention.varlen as varlen_module
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", TORCH_VARLEN[version])
+    assert choose("cuda", torch.bfloat16, frozenset())[0] == "torch_varlen"
+    assert choose("cuda", torch.float16, frozenset())[0] == "torch_varlen"
+    name, skipped = choose("cuda", torch.bfloat16, frozenset({"window"}))
+    if version == "2.10":
+        assert name == "flex" and "does not support window" in skipped["torch_varlen"]
+    else:
+        assert name == "torch_varlen"
+    name, skipped = choose("cuda", torch.float32, frozenset())
+    assert name == "flex" and "fp16/bf16 only" in skipped["torch_varlen"]
+    assert choose("cuda", torch.bfloat16, frozenset({"softcap"}))[0] == "flex"
+    assert choose("cuda", torch.bfloat16, frozenset({"dropout"}))[0] == "sdpa"
+    assert choose("cpu", torch.bfloat16, frozenset())[0] == "sdpa"
+    assert choose("cpu", torch.float32, frozenset({"sinks"}))[0] == "eager"
+
+    # The adapter: scale (pre-scaled q where the keyword is missing), GQA (k/v repeated where
+    # enable_gqa is missing) and the window convention give the definition's numbers.
+    q, k, v, cu = random_pack(3, hq=4, hkv=2)
+    for window in (None, 6):
+        if window is not None and version == "2.10":
+            continue
+        args = AttnArgs(torch.tensor(cu, dtype=torch.int32), max(np.diff(cu)), 0.27, window=window)
+        out = REGISTRY["torch_varlen"].run(q, k, v, args)
+        torch.testing.assert_close(out.double(), dense_reference(q, k, v, cu, 0.27, window), atol=1e-5, rtol=1e-5)
+
+
+def flash2(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+           causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+           return_attn_probs=False, block_table=None):  # fmt: skip
+    assert dropout_p == 0.0
+    return fake_kernel(q, k, v, cu_seqlens_q, softmax_scale, *window_size, causal=causal, softcap=softcap)
+
+
+def flash3(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
+           softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
+           window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
+           sm_margin=0):  # fmt: skip
+    out = fake_kernel(q, k, v, cu_seqlens_q, softmax_scale, *window_size, causal=causal, softcap=softcap)
+    return out, torch.zeros(q.shape[1], q.shape[0])  # early flash-attn 3 builds return (out, lse)
+
+
+def flash4(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+           seqused_k=None, page_table=None, softmax_scale=None, causal=False, softcap=0.0,
+           window_size=(None, None), learnable_sink=None, num_splits=1, pack_gqa=None):  # fmt: skip
+    out = fake_kernel(q, k, v, cu_seqlens_q, softmax_scale, *window_size, causal=causal, softcap=softcap,
+                      sinks=learnable_sink)  # fmt: skip
+    return out, torch.zeros(q.shape[1], q.shape[0])
+
+
+def install_fake(monkeypatch, module: str, fn) -> None:
+    mod = types.ModuleType(module)
+    mod.__spec__ = importlib.machinery.ModuleSpec(module, None)
+    mod.flash_attn_varlen_func = fn
+    monkeypatch.setitem(sys.modules, module, mod)
+
+
+def test_flash_attn_versions_are_preferred_and_adapted(monkeypatch):
+    monkeypatch.setattr(backends, "_installed", lambda m: m in sys.modules or m.startswith("torch"))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    install_fake(monkeypatch, "flash_attn", flash2)
+    assert choose("cuda", torch.bfloat16, frozenset({"window", "softcap", "dropout"}))[0] == "flash_attn"
+    assert choose("cuda", torch.bfloat16, frozenset({"sinks"}))[0] == "flex"
+    assert choose("cuda", torch.float32, frozenset())[0] == "flex"
+    install_fake(monkeypatch, "flash_attn_interface", flash3)
+    install_fake(monkeypatch, "flash_attn.cute", flash4)
+    assert choose("cuda", torch.bfloat16, frozenset({"window", "softcap"}))[0] == "flash_attn_3"
+    name, skipped = choose("cuda", torch.bfloat16, frozenset({"sinks"}))
+    assert name == "flash_attn_4" and "does not support sinks" in skipped["flash_attn_3"]
+    assert choose("cuda", torch.bfloat16, frozenset({"dropout"}))[0] == "flash_attn"
+
+    q, k, v, cu = random_pack(4)
+    cases = {
+        "flash_attn": dict(window=5, softcap=2.0),
+        "flash_attn_3": dict(window=9),
+        "flash_attn_4": dict(softcap=1.0, sinks=torch.tensor([0.5, 1.0, -1.0, 0.0])),
+    }
+    for name, feats in cases.items():
+        args = AttnArgs(torch.tensor(cu, dtype=torch.int32), max(np.diff(cu)), 0.35, **feats)
+        out = REGISTRY[name].run(q, k, v, args)
+        ref = dense_reference(q, k, v, cu, 0.35, **feats)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_choice_is_logged_once_with_the_reasons_and_a_forced_backend_is_checked(monkeypatch):
+    lines = []
+    monkeypatch.setattr(attention, "rank_zero_info", lines.append)
+    attention.set_backend("auto")
+    try:
+        assert attention.backend_for("cpu", torch.float32, frozenset({"softcap"})) == "eager"
+        assert attention.backend_for("cpu", torch.float32, frozenset({"softcap"})) == "eager"
+        (line,) = lines
+        assert "eager backend for torch.float32 on cpu with softcap" in line
+        assert "not sdpa: does not support softcap" in line and "not flex: CUDA only" in line
+        attention.set_backend("flex")
+        with pytest.raises(ValueError, match="attention backend 'flex' cannot run torch.float32 on cpu: CUDA only"):
+            attention.backend_for("cpu", torch.float32)
+        with pytest.raises(ValueError, match="must be one of"):
+            attention.set_backend("flash")
+    finally:
+        attention.set_backend("auto")
+
+
+class Layer(torch.nn.Module):
+    training = False
+
+
+def test_autocast_runs_attention_in_the_autocast_dtype(monkeypatch):
+    """Rotary embeddings leave q and k in fp32 under autocast while v is bf16: the kernel is chosen,
+    and runs, for bf16."""
+    seen = []
+    real = attention._attend
+
+    def spy(q, k, v, args):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, args)
+
+    monkeypatch.setattr(attention, "_attend", spy)
+    q, k, v, cu = random_pack(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attention.varlen_attention(
+            Layer(), q, k, v.bfloat16(), None, scaling=0.3, cu_seq_lens_q=torch.tensor(cu), max_length_q=40
+        )
+    assert seen == [(torch.bfloat16,) * 3] and out.dtype == torch.bfloat16
+    ref = dense_reference(q, k, v, cu, 0.3).transpose(1, 2)
+    torch.testing.assert_close(out.double(), ref, atol=0.05, rtol=0.05)
+
+
+# ---------------------------------------------------------------------------------- on a GPU
+
+CUDA_BACKENDS = ["flash_attn_3", "flash_attn_4", "flash_attn", "torch_varlen", "flex", "sdpa", "eager"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", sorted(FEATURE_CASES))
+@pytest.mark.parametrize("name", CUDA_BACKENDS)
+def test_cuda_backends_match_the_fp32_definition_with_gradients(name, case, dtype):
+    """Outputs and q/k/v gradients of every backend that can run the case against the eager
+    definition in fp64 on the same inputs: a 6K pack of 60 chat-sized and 2 long documents, 8 query
+    heads over 2 kv heads. Tolerances: fp32 1e-3 relative to the largest value (TF32 off), bf16 2e-2."""
+    feats = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in FEATURE_CASES[case].items()}
+    if "sinks" in feats:
+        feats["sinks"] = torch.linspace(-1, 2, 8, device="cuda")
+    needs = AttnArgs(torch.zeros(2), 1, 1.0, **feats).needs
+    reason = backends.why_not(name, "cuda", dtype, needs)
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = np.random.default_rng(0)
+    lengths = np.r_[rng.integers(8, 120, 60), 1500, 900]
+    rng.shuffle(lengths)
+    cu = np.r_[0, np.cumsum(lengths)]
+    total, hq, hkv, dim = int(cu[-1]), 8, 2, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, hq, total, dim, device="cuda", generator=g)
+    k, v = (torch.randn(1, hkv, total, dim, device="cuda", generator=g) for _ in range(2))
+    ins = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    ref_in = [x.to(dtype).double().requires_grad_() for x in (q, k, v)]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    args = AttnArgs(cu_t, int(lengths.max()), dim**-0.5, **feats)
+    out = REGISTRY[name].run(*ins, args)
+    ref_args = AttnArgs(
+        cu_t, int(lengths.max()), dim**-0.5, **{k: (v.double() if torch.is_tensor(v) else v) for k, v in feats.items()}
+    )
+    ref = backends.eager_run(*ref_in, ref_args)
+    w = torch.randn_like(ref)
+    (out.double() * w).sum().backward()
+    (ref * w).sum().backward()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+    for got, want in [(out, ref), *((a.grad, b.grad) for a, b in zip(ins, ref_in))]:
+        err = (got.double() - want).abs().max().item() / want.abs().max().item()
+        assert err < tol, (name, case, dtype, err)
