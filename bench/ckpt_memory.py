@@ -5,7 +5,9 @@
 
 For each level of the config (sp 1, one device), real training steps of the config's model through
 HBPStrategy (DeepSpeed ZeRO-2, AdamW) on a pack filled from the config's data lengths, timed by the
-same profiler the measured level auto-selection uses. Memory is measured two ways: the bytes autograd keeps for backward
+same profiler the measured level auto-selection uses. One discarded probe warms the device up
+first (CUDA context, kernels, allocator); then --repeats rounds alternate which setting runs first,
+and each time is the median over the rounds. Memory is measured two ways: the bytes autograd keeps for backward
 (every saved tensor's storage, counted once, through ``saved_tensors_hooks``; non-reentrant
 checkpointing installs its own inner hook, so what it drops is not counted): exact on any device;
 and on a GPU the peak CUDA allocation. (On CPU the peak resident set size mostly measures the
@@ -34,6 +36,7 @@ def main() -> int:
     p.add_argument("--config", default="configs/tiny_cpu.yaml")
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="rounds per setting, alternating their order")
     p.add_argument("--hidden", type=int, help="override the model: hidden size (intermediate = 3x)")
     p.add_argument("--layers", type=int, help="override the model: decoder layers")
     p.add_argument("--heads", type=int, help="override the model: attention heads (kv heads = heads / 2)")
@@ -62,17 +65,23 @@ def main() -> int:
     module.configure_model()
     module = module.to(device=device, dtype=dtype).train()
     rows = []
-    for level in (as_level(x) for x in config["data"]["levels"]):
+    levels = [as_level(x) for x in config["data"]["levels"]]
+    profiler.probe(levels[0].pack_len, 1, layers)  # warm-up, discarded
+    settings = ((0, "none"), (layers, "all"))
+    for level in levels:
         batch = synthetic_batch(lengths, level.pack_len, 1, 0, model["vocab_size"], 0, np.random.default_rng(0))
         batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
         row = dict(name=f"{level.pack_len} tokens")
-        for ckpt, tag in ((0, "none"), (layers, "all")):
-            m = profiler.measure(level.pack_len, 1, ckpt)
+        runs = {tag: [] for _, tag in settings}
+        for r in range(args.repeats):
+            for ckpt, tag in settings if r % 2 == 0 else settings[::-1]:
+                runs[tag].append(profiler.probe(level.pack_len, 1, ckpt))
+        for ckpt, tag in settings:
+            row[f"step_s_{tag}"] = float(np.median([m.seconds for m in runs[tag]]))
             module.set_checkpointing(ckpt)
-            row[f"step_s_{tag}"] = m.seconds
             row[f"saved_for_backward_mib_{tag}"] = saved_for_backward(module, batch) / MIB
             if device.type == "cuda":
-                row[f"peak_mib_{tag}"] = m.memory / MIB
+                row[f"peak_mib_{tag}"] = max(m.memory for m in runs[tag]) / MIB
         row["time_cost"] = row["step_s_all"] / row["step_s_none"] - 1
         row["activation_saving"] = 1 - row["saved_for_backward_mib_all"] / row["saved_for_backward_mib_none"]
         rows.append(row)

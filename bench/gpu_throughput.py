@@ -30,7 +30,6 @@ import gc
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -85,7 +84,7 @@ class StepClock(L.Callback):
 def build(config: str, overrides: list[str], steps: int):
     """The config's trainer, module and data, curriculum off, ``steps`` optimizer steps."""
     args = ["--config", config, "--trainer.max_steps", str(steps), "--trainer.logger", "false"]
-    args += ["--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false"]
+    args += ["--trainer.enable_progress_bar", "false"]
     cli = cli_main(args + overrides, run=False)
     trainer = cli.trainer
     trainer.callbacks[:] = [c for c in trainer.callbacks if type(c).__name__ == "HBPThroughputMonitor"]
@@ -169,7 +168,9 @@ def run_hf(base_model, attn: str, store, micro, device, warmup: int, module) -> 
             disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        trainer = Trainer(model=net, args=targs, train_dataset=items, data_collator=lambda b: flatten(b[0]), callbacks=[Clock()])
+        trainer = Trainer(
+            model=net, args=targs, train_dataset=items, data_collator=lambda b: flatten(b[0]), callbacks=[Clock()]
+        )
         trainer.train()
     tokens = sum(t for t, _ in stats[warmup:])
     flops = sum(f for _, f in stats[warmup:])
@@ -238,13 +239,13 @@ def main() -> int:
     base_model = copy.deepcopy(module.model)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
-    results: dict[str, dict[int, object]] = {}
+    results: dict[str, dict[int, object]] = {}  # mode -> level -> (seconds, tokens, flops) | "OOM"
     if "hbp" in modes:
         fit = build(args.config, args.overrides, need)
         fit.model.configure_model()
         fit.model.model.load_state_dict(base_model.state_dict())
         out = guarded("hbp", lambda: run_hbp(fit, device, args.warmup), device)
-        results["hbp"] = out if out == "OOM" else out
+        results["hbp"] = {lv: "OOM" for lv in range(n_levels)} if out == "OOM" else out
         del fit
     micro = {lv: level_packs(dm, lv, take) for lv in range(n_levels)}
     for attn in ("sdpa", "flash_attention_2"):
@@ -255,12 +256,18 @@ def main() -> int:
             print(f"{name}: skipped, flash-attn is not installed", file=sys.stderr)
             continue
         results[name] = {
-            lv: guarded(name, lambda lv=lv: run_hf(base_model, attn, dm.store, micro[lv], device, args.warmup, module), device)
+            lv: guarded(
+                name,
+                lambda lv=lv, attn=attn: run_hf(base_model, attn, dm.store, micro[lv], device, args.warmup, module),
+                device,
+            )
             for lv in range(n_levels)
         }
     if "fwd_bwd" in modes:
         results["fwd_bwd"] = {
-            lv: guarded("fwd_bwd", lambda lv=lv: run_fwd_bwd(module, dm.store, micro[lv], device, dtype, args.warmup), device)
+            lv: guarded(
+                "fwd_bwd", lambda lv=lv: run_fwd_bwd(module, dm.store, micro[lv], device, dtype, args.warmup), device
+            )
             for lv in range(n_levels)
         }
     params = sum(x.numel() for x in base_model.parameters())
@@ -270,21 +277,19 @@ def main() -> int:
         f"{args.steps} timed steps per level after {args.warmup} warm-up steps"
     )
     for lv in range(n_levels):
-        base = results.get("hf_sdpa", {}).get(lv) if isinstance(results.get("hf_sdpa"), dict) else None
+        base = results.get("hf_sdpa", {}).get(lv)
         base_tps = base[1] / base[0] if isinstance(base, tuple) else None
         for name, res in results.items():
-            r = res if res == "OOM" else res.get(lv)
-            row = dict(level=f"{levels[lv].pack_len}:{levels[lv].sp}", mode=name)
+            r = res.get(lv)
             if r is None:
                 continue
-            if r == "OOM":
-                row.update(tokens_per_s="OOM")
-            else:
+            row = dict(name=f"{levels[lv].pack_len}:{levels[lv].sp} {name}", tokens_per_s="OOM", mfu="", vs_hf_sdpa="")
+            if r != "OOM":
                 seconds, tokens, flops = r
-                row.update(tokens_per_s=tokens / seconds, mfu=flops / seconds / peak if peak else float("nan"))
-                row["vs_hf_sdpa"] = tokens / seconds / base_tps if base_tps else float("nan")
+                row.update(tokens_per_s=f"{tokens / seconds:.0f}", mfu=f"{flops / seconds / peak:.3f}" if peak else "")
+                row["vs_hf_sdpa"] = f"{tokens / seconds / base_tps:.2f}" if base_tps else ""
             rows.append(row)
-    print(format_table(rows, [("mode", "s"), ("tokens_per_s", ".0f"), ("mfu", ".3f"), ("vs_hf_sdpa", ".2f")], key="level"))
+    print(format_table(rows, [("tokens_per_s", "s"), ("mfu", "s"), ("vs_hf_sdpa", "s")]))
     return 0
 
 

@@ -269,7 +269,15 @@ def main() -> int:
     flops_per_token = spec.train_flops(tokens.sum(), (tokens**2).sum(), tokens.sum()) / tokens.sum()
     rows = []
     for name, fn in runs:
-        seconds, real, computed = fn()
+        try:
+            seconds, real, computed = fn()
+        except torch.OutOfMemoryError:
+            rows.append(dict(name=name, oom=True))
+            print(f"{name}: out of memory", file=sys.stderr)
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         mfu = real / seconds * flops_per_token / peak if peak else float("nan")
         rows.append(
             dict(
@@ -282,9 +290,7 @@ def main() -> int:
                 mfu=mfu,
             )
         )
-    for r in rows:
-        r["vs_padded"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
-        r["vs_hf"] = r["tokens_per_s"] / rows[1]["tokens_per_s"]
+    speed = {r["name"]: r.get("tokens_per_s") for r in rows}
     cols = [
         ("seconds", ".1f"),
         ("real_tokens", "d"),
@@ -293,13 +299,29 @@ def main() -> int:
         ("tokens_per_s", ".0f"),
         ("vs_padded", ".2f"),
         ("vs_hf", ".2f"),
+    ] + ([("mfu", ".3f")] if peak else [])
+    for r in rows:
+        r["vs_padded"] = r["tokens_per_s"] / speed["padded"] if speed["padded"] and not r.get("oom") else float("nan")
+        r["vs_hf"] = (
+            r["tokens_per_s"] / speed["hf_trainer_flatten"]
+            if speed["hf_trainer_flatten"] and not r.get("oom")
+            else float("nan")
+        )
+    table = [
+        {"name": r["name"], **{k: "OOM" if k == "tokens_per_s" else "" for k, _ in cols}}
+        if r.get("oom")
+        else {"name": r["name"], **{k: format(r[k], f) for k, f in cols}}
+        for r in rows
     ]
-    print(format_table(rows, cols + ([("mfu", ".3f")] if peak else [])))
+    print(format_table(table, [(k, "s") for k, _ in cols]))
+    if rows[-1].get("oom"):
+        print("\nhbp ran out of memory: FAIL")
+        return 1
     ratio, vs_hf = rows[-1]["vs_padded"], rows[-1]["vs_hf"]
-    ok = ratio >= 2 and (device.type != "cuda" or vs_hf >= 1.0)
+    ok = (np.isnan(ratio) or ratio >= 2) and (device.type != "cuda" or np.isnan(vs_hf) or vs_hf >= 1.0)
     print(
         f"\nhbp vs padded: {ratio:.2f}x (target >= 2x); vs HF Trainer + flattening: {vs_hf:.2f}x "
-        f"(target >= 1.0x on a GPU): {'PASS' if ok else 'FAIL'}"
+        f"(target >= 1.0x on a GPU): {'PASS' if ok else 'FAIL'}; a baseline that ran out of memory is not compared"
     )
     return 0 if ok else 1
 

@@ -218,8 +218,8 @@ def pool_measured_selection(lengths):
     profiler = MeasuredProfiler(
         factory, lengths, 16 * 2**30, dict(accelerator="cpu", devices=world), dict(stage=2), steps=2, estimate=estimate
     )
-    probe = profiler._probe
-    profiler._probe = lambda *a: probes.append(a) or probe(*a)
+    probe = profiler.probe
+    profiler.probe = lambda *a: probes.append(a) or probe(*a)
     deepspeed.initialize, context.activate = initialize, activate
     env, rng = dict(os.environ), torch.get_rng_state()
     try:

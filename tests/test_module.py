@@ -331,3 +331,29 @@ def test_compiled_layers_train_like_eager_ones(caplog):
     assert counters["stats"]["unique_graphs"] > 0
     assert all(layer._compiled_call_impl is not None for layer in compiled._layers)
     assert torch._dynamo.config.recompile_limit >= 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("loss", ["ave_token", "token_mean", "sum", "sample_mean"])
+def test_liger_kernels_train_like_the_chunked_loss(loss):
+    """liger=True (fused linear cross-entropy, RMSNorm, RoPE, SwiGLU) against the same weights without
+    Liger, fp32: loss within 1e-4 relative, gradients within 1e-3 of the largest entry."""
+    pytest.importorskip("liger_kernel", reason="liger-kernel is not installed")
+    plain = make_module(loss=loss).cuda()
+    fused = make_module(loss=loss, liger=True).cuda()
+    fused.model.load_state_dict(plain.model.state_dict())
+    rng = np.random.default_rng(0)
+    samples = random_samples(rng, 12, hi=200)
+    batch = collate_packs([np.arange(12)], lambda i: samples[i], meta={"loss_norm": 50.0})
+    batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in batch.items()}
+    results = []
+    for m in (plain, fused):
+        value, ce, n = m(batch)
+        value.backward()
+        results.append((value.item(), ce.item(), n, {k: p.grad for k, p in m.model.named_parameters()}))
+    (v0, c0, n0, g0), (v1, c1, n1, g1) = results
+    assert n0 == n1 and abs(v0 - v1) < 1e-4 * abs(v0) and abs(c0 - c1) < 1e-4 * c0
+    for name, g in g0.items():
+        err = (g - g1[name]).abs().max().item() / g.abs().max().item()
+        assert err < 1e-3, (name, err)

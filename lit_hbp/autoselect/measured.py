@@ -132,10 +132,11 @@ class MeasuredProfiler:
         """Probe once per setting (Algorithm 3 asks again for the setting Algorithm 4 settled on)."""
         key = (int(pack_len), int(sp), int(ckpt_layers))
         if key not in self._measured:
-            self._measured[key] = self._probe(*key)
+            self._measured[key] = self.probe(*key)
         return self._measured[key]
 
-    def _probe(self, pack_len: int, sp: int, ckpt_layers: int) -> Measurement:
+    def probe(self, pack_len: int, sp: int, ckpt_layers: int) -> Measurement:
+        """A fresh probe of one setting (not cached; `measure` caches)."""
         if not self._capacity_agreed:  # every rank decides against the smallest device
             self.capacity = -_reduce_max([-self.capacity])[0]
             self._capacity_agreed = True
