@@ -1,7 +1,8 @@
 """End-to-end training speed per level: lit-hbp beside Hugging Face Trainer on the same packs.
 
     python bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml [--steps 40] [--warmup 8]
-    python bench/gpu_throughput.py --config configs/tiny_cpu.yaml --steps 6 --warmup 2   # a CPU smoke run
+    python bench/gpu_throughput.py --config configs/tiny_cpu.yaml --steps 4 --warmup 2   # a CPU smoke run
+    Other arguments are LightningCLI overrides of the config, e.g. --model.compile=false
 
 Modes, each timed over the same optimizer steps of each level of the config's epoch plan (the
 packs HBP trains, curriculum off, one device):
@@ -218,11 +219,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=8, help="steps per level left out of the timing (compilation)")
     p.add_argument("--modes", default="hbp,hf_sdpa,hf_flash_attention_2,fwd_bwd")
     p.add_argument("--peak-tflops", type=float, help="the device's dense peak, for MFU (GPUs: looked up)")
-    p.add_argument("overrides", nargs="*", help="LightningCLI overrides, e.g. --model.compile=false")
-    args = p.parse_args()
+    args, overrides = p.parse_known_args()  # the rest are LightningCLI overrides, e.g. --model.compile=false
     modes = args.modes.split(",")
     per_level = args.steps + args.warmup
-    cli = build(args.config, args.overrides, 1)
+    cli = build(args.config, overrides, 1)
     dm, module = cli.datamodule, cli.model
     dm.setup("fit")
     levels = dm.levels
@@ -241,7 +241,7 @@ def main() -> int:
     rows = []
     results: dict[str, dict[int, object]] = {}  # mode -> level -> (seconds, tokens, flops) | "OOM"
     if "hbp" in modes:
-        fit = build(args.config, args.overrides, need)
+        fit = build(args.config, overrides, need)
         fit.model.configure_model()
         fit.model.model.load_state_dict(base_model.state_dict())
         out = guarded("hbp", lambda: run_hbp(fit, device, args.warmup), device)
