@@ -5,7 +5,8 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from lit_hbp.costmodel import HARDWARE, CostModel, ModelSpec
+from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.model_spec import ModelSpec
 
 
 class PackingMetrics(L.Callback):

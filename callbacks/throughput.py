@@ -46,7 +46,8 @@ class HBPThroughputMonitor(ThroughputMonitor):
     stops the host from queueing the next micro-batch while the GPU works. This one counts each
     micro-batch's samples, tokens and FLOPs on the host and synchronizes only at the optimizer
     steps whose metrics the loggers write; the rates are over the last ``window_size - 1`` such
-    intervals (default 1: since the previous log). A level's empty completion packs (a dummy
+    intervals (default 1: since the previous log). FLOP/s and MFU need the module's
+    ``flops_per_batch`` (None: not logged). A level's empty completion packs (a dummy
     forward so collectives match) add no sample and no token; their time still counts.
     """
 
@@ -66,7 +67,8 @@ class HBPThroughputMonitor(ThroughputMonitor):
         pending = self._pending
         pending["samples"] += samples_in_batch(batch)
         pending["tokens"] += tokens_in_batch(batch)
-        pending["flops"] += float(getattr(pl_module, "flops_per_batch", 0.0) or 0.0)
+        flops = getattr(pl_module, "flops_per_batch", None)
+        pending["flops"] = None if flops is None or pending["flops"] is None else pending["flops"] + flops
         pending["batches"] += 1
         if not logs_now(trainer):
             return

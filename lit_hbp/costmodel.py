@@ -17,100 +17,13 @@ forward once more, all-to-alls included.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from lit_hbp.model_spec import ModelSpec
+
 GB = 1e9
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape of a decoder-only transformer, enough to price FLOPs, bytes and memory."""
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    head_dim: int | None = None
-    tied_embeddings: bool = False
-
-    @property
-    def dim(self) -> int:
-        return self.head_dim or self.hidden // self.heads
-
-    @property
-    def layer_params(self) -> int:
-        """Matmul parameters of one decoder layer: q, k, v, o projections and a gated MLP."""
-        attn = self.hidden * self.heads * self.dim * 2 + self.hidden * self.kv_heads * self.dim * 2
-        return attn + 3 * self.hidden * self.intermediate
-
-    @property
-    def params(self) -> int:
-        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * (self.layer_params + 2 * self.hidden) + embed + self.hidden
-
-    def train_flops(self, tokens: float, sum_sq: float, head_tokens: float) -> float:
-        """Model FLOPs (forward and backward, no recomputation) of training on ``tokens`` tokens
-        whose documents' squared lengths sum to ``sum_sq`` (causal attention: half the score
-        matrix), with the LM head applied at ``head_tokens`` positions (lit-hbp: the supervised ones)."""
-        layers = 2.0 * self.layer_params * tokens + 2.0 * self.heads * self.dim * sum_sq
-        return 3.0 * (self.layers * layers + 2.0 * self.hidden * self.vocab * head_tokens)
-
-    @classmethod
-    def from_config(cls, config: dict | str | Path, name: str | None = None) -> ModelSpec:
-        """From a Hugging Face config (dict, config.json, or a checkpoint folder holding one)."""
-        if not isinstance(config, dict):
-            path = Path(config)
-            path = path / "config.json" if path.is_dir() else path
-            config = json.loads(path.read_text())
-        c = dict(config)
-        heads = c["num_attention_heads"]
-        return cls(
-            name=name or c.get("_name_or_path") or c.get("model_type", "model"),
-            layers=c["num_hidden_layers"],
-            hidden=c["hidden_size"],
-            heads=heads,
-            kv_heads=c.get("num_key_value_heads") or heads,
-            intermediate=c.get("intermediate_size") or 4 * c["hidden_size"],
-            vocab=c.get("vocab_size", 32000),
-            head_dim=c.get("head_dim"),
-            tied_embeddings=bool(c.get("tie_word_embeddings", False)),
-        )
-
-
-# Published architectures (config.json of each model on the Hugging Face hub).
-MODELS: dict[str, ModelSpec] = {
-    "llama3.1-8b": ModelSpec("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256),
-    "llama3.1-70b": ModelSpec("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256),
-    "qwen2.5-32b": ModelSpec("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064),
-    "qwen2.5-72b": ModelSpec("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064),
-}
-
-
-def load_model_spec(spec: str) -> ModelSpec:
-    """A preset name, a config.json / checkpoint folder, or a training YAML's model section."""
-    if spec.lower() in MODELS:
-        return MODELS[spec.lower()]
-    path = Path(spec)
-    if not path.exists():
-        raise FileNotFoundError(f"--model {spec!r} is neither a preset ({', '.join(MODELS)}) nor an existing path")
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        config = yaml.safe_load(path.read_text()) or {}
-        model = (config.get("model") or {}).get("model") or (config.get("model") or {}).get("init_args", {}).get(
-            "model"
-        )
-        if model is None:
-            raise ValueError(f"{path}: no model.model entry (a checkpoint path or a config mapping)")
-        return ModelSpec.from_config(model if isinstance(model, dict) else Path(model), name=path.stem)
-    return ModelSpec.from_config(path)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ after averaging over all N ranks, each SP group counts as one data-parallel repl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -53,14 +55,14 @@ def token_weights(batch: dict, normalizer: str) -> torch.Tensor:
 
 def chunked_cross_entropy(
     hidden: torch.Tensor,
-    lm_head: torch.nn.Module,
+    head: Callable[[torch.Tensor], torch.Tensor],
     labels: torch.Tensor,
     weights: torch.Tensor | float,
     index: torch.Tensor | None = None,
     chunk_size: int = 1024,
-    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(sum of weight * CE, sum of CE (detached), number of supervised tokens) over ``hidden`` [T, H].
+    """(sum of weight * CE, sum of CE (detached), number of supervised tokens) over ``hidden`` [T, H];
+    ``head`` maps hidden states to fp32 logits (``lit_hbp.causal_lm.OutputHead.logits``).
 
     Only supervised positions go through the LM head: ``index`` lists them (the collate step
     computes it on the host, so nothing is read back from the device here); found from ``labels``
@@ -79,9 +81,7 @@ def chunked_cross_entropy(
         weight = torch.full((n,), float(weights), dtype=torch.float32, device=hidden.device)
 
     def chunk_loss(h_chunk, y_chunk, w_chunk):
-        logits = lm_head(h_chunk).float()
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
+        logits = head(h_chunk).float()
         ce = F.cross_entropy(logits, y_chunk, reduction="none")
         return (ce * w_chunk).sum(), ce.detach().sum()
 
@@ -105,18 +105,21 @@ def _supervised(hidden, labels, index):
 
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
-    lm_head: torch.nn.Module,
+    head,
     labels: torch.Tensor,
-    scale: float,
+    weight: float,
     index: torch.Tensor,
-    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``chunked_cross_entropy`` with one weight for all tokens, through Liger's fused linear
-    cross-entropy kernel (CUDA, Triton): the LM head and the loss in one pass, logits never stored."""
+    cross-entropy kernel (CUDA, Triton): the LM head and the loss in one pass, logits never stored.
+    ``head`` is an OutputHead without a bias when it scales its logits (the scale goes on the input)."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     h, target = _supervised(hidden, labels, index)
+    if head.scale != 1.0:
+        h = h * head.scale
+    linear = head.linear
     ce = liger_fused_linear_cross_entropy(
-        h, lm_head.weight, target, getattr(lm_head, "bias", None), reduction="sum", softcap=softcap
+        h, linear.weight, target, getattr(linear, "bias", None), reduction="sum", softcap=head.softcap
     )
-    return ce * scale, ce.detach(), index.shape[0]
+    return ce * weight, ce.detach(), index.shape[0]

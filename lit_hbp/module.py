@@ -8,51 +8,32 @@ checkpointing follows each batch's level: decoder layer i is checkpointed iff i 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 from functools import partial
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.checkpoint import checkpoint
 
 from lit_hbp import attention
-from lit_hbp.costmodel import ModelSpec
+from lit_hbp.causal_lm import (
+    apply_liger,
+    build_causal_lm,
+    check_router_loss,
+    checkpoint_layers,
+    decoder_of,
+    model_spec,
+    output_head,
+    router_aux_loss,
+)
 from lit_hbp.loss import NORMALIZERS, chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
 from lit_hbp.meter import StepMeter, logs_now
+from lit_hbp.model_spec import ModelSpec
 from lit_hbp.parallel import context as sp_context
 
 RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
-
-
-def build_causal_lm(model: str | dict, vocab_size: int | None = None):
-    """A causal LM from a local checkpoint folder, or randomly initialized from a config mapping
-    (``{"model_type": "llama", "hidden_size": ...}``). Uses the varlen attention and no KV cache."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if isinstance(model, dict):
-        cfg = dict(model)
-        model_type = cfg.pop("model_type", None)
-        if model_type is None:
-            raise ValueError("a model config mapping needs a 'model_type' (e.g. 'llama', 'qwen2', 'mistral')")
-        if vocab_size is not None:
-            cfg["vocab_size"] = vocab_size
-        config = AutoConfig.for_model(model_type, **cfg)
-        config.use_cache = False
-        net = AutoModelForCausalLM.from_config(config, attn_implementation=attention.ATTN_NAME)
-    else:
-        net = AutoModelForCausalLM.from_pretrained(
-            model, attn_implementation=attention.ATTN_NAME, dtype=torch.get_default_dtype(), local_files_only=True
-        )
-        net.config.use_cache = False
-        if vocab_size is not None and vocab_size > net.get_input_embeddings().num_embeddings:
-            raise ValueError(
-                f"the tokenizer has {vocab_size} tokens but {model} embeds only "
-                f"{net.get_input_embeddings().num_embeddings}: use the checkpoint's tokenizer"
-            )
-    return net
 
 
 @contextlib.contextmanager
@@ -75,13 +56,6 @@ def _zero3_loading(trainer):
         unset_hf_deepspeed_config()
 
 
-def checkpoint_layers(net: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's decoder layers that support activation checkpointing, in order."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in net.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
 class HBPLitModule(L.LightningModule):
     """Train a causal LM on HBP micro-batches.
 
@@ -99,6 +73,9 @@ class HBPLitModule(L.LightningModule):
         compile: ``torch.compile`` each decoder layer, dynamic over pack lengths (off by default:
             the first steps of each level pay the compilation). Recompilations are logged and
             bounded (``RECOMPILE_LIMIT``); per-document attention loops stay uncompiled.
+        self_check: at the start of fit, check that this model trains a pack of short documents
+            exactly as it trains them one by one, at every level's SP degree (``lit_hbp.selfcheck``;
+            a few forward/backward passes); refuse to train otherwise. On by default.
         liger: Liger kernels on a CUDA GPU (``pip install lit-hbp[gpu]``): RMSNorm, RoPE and SwiGLU
             of the model family where Liger has them, and the fused linear cross-entropy in place
             of the chunked one (not for ``sample_mean``, whose weights differ per token, nor under
@@ -119,6 +96,7 @@ class HBPLitModule(L.LightningModule):
         attn_backend: str = "auto",
         compile: bool = False,
         liger: bool = False,
+        self_check: bool = True,
     ):
         super().__init__()
         if loss not in NORMALIZERS:
@@ -129,7 +107,7 @@ class HBPLitModule(L.LightningModule):
         self._layers: list[torch.nn.Module] = []
         self._spec: ModelSpec | None = None
         self._meter = StepMeter()
-        self.flops_per_batch = 0.0  # this rank's model FLOPs of the current micro-batch (ThroughputMonitor)
+        self.flops_per_batch: float | None = None  # this rank's model FLOPs of the micro-batch (ThroughputMonitor)
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -137,7 +115,11 @@ class HBPLitModule(L.LightningModule):
         with _zero3_loading(self._trainer):
             self.model = build_causal_lm(self.hparams.model, self.hparams.vocab_size)
         self._layers = checkpoint_layers(self.model)
-        self._spec = ModelSpec.from_config(self.model.config.to_dict())
+        check_router_loss(self.model)
+        try:
+            self._spec = model_spec(self.model, self._layers)
+        except ValueError as e:
+            rank_zero_warn(f"model FLOPs unknown, MFU and FLOP/s are not logged: {e}")
         for layer in self._layers:
             layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
             layer.gradient_checkpointing = False
@@ -162,20 +144,55 @@ class HBPLitModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         dm = getattr(self.trainer, "datamodule", None)
-        for i, lv in enumerate(getattr(dm, "levels", ())):
+        levels = tuple(getattr(dm, "levels", None) or ())
+        for i, lv in enumerate(levels):
             if lv.ckpt_layers > self.num_layers:
                 raise ValueError(
                     f"level {i} (pack_len {lv.pack_len}) checkpoints {lv.ckpt_layers} layers but the model has "
                     f"{self.num_layers} decoder layers"
                 )
-        if self.hparams.liger and getattr(self.trainer.strategy, "zero_stage_3", False):
+        strategy = self.trainer.strategy
+        groups = getattr(strategy, "sp_groups", None)
+        for i, lv in enumerate(levels):
+            if lv.sp > 1 and groups is None:
+                raise ValueError(
+                    f"level {i} (pack_len {lv.pack_len}) uses sequence parallelism {lv.sp}, which "
+                    f"{type(strategy).__name__} cannot run: train with lit_hbp.strategy.HBPStrategy"
+                )
+        if self.hparams.liger and getattr(strategy, "zero_stage_3", False):
             raise ValueError(
                 "liger=True: the fused linear cross-entropy reads the LM head's weight, which ZeRO-3 partitions; "
                 "use ZeRO stage 0-2 or liger=False"
             )
+        if self.hparams.self_check:
+            from lit_hbp.selfcheck import run_self_check
+
+            degrees = sorted({lv.sp for lv in levels} | {1})
+            errors = run_self_check(
+                self,
+                degrees,
+                groups,
+                self.trainer.precision_plugin.forward_context,
+                max(lv.pack_len for lv in levels) if levels else None,
+            )
+            rank_zero_info(
+                "self-check passed (a pack equals its documents alone): "
+                + ", ".join(
+                    f"sp {sp}: loss {e[0]:.1e}, input gradients {e[1]:.1e}, leak {e[2]:.0e}" for sp, e in errors.items()
+                )
+            )
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(weighted loss, summed CE, supervised tokens) of a micro-batch (or of this rank's SP shard)."""
+        """(weighted loss, summed CE, supervised tokens) of a micro-batch (or of this rank's SP shard);
+        the router's load-balancing loss is added when the model's config asks for it."""
+        return self.packed_loss(batch)
+
+    def packed_loss(
+        self, batch: dict, inputs_embeds: torch.Tensor | None = None, weights: float | torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The loss of ``batch`` weighted by the module's normalizer (or by ``weights``: one number, or
+        one per position of the shard), from token ids or from given input embeddings (the
+        self-check differentiates with respect to them)."""
         ctx = sp_context.active()
         if int(batch.get("sp", 1)) != (ctx.size if ctx is not None else 1):
             raise ValueError(
@@ -184,37 +201,50 @@ class HBPLitModule(L.LightningModule):
                 "under lit_hbp.strategy.HBPStrategy, which activates each level's group"
             )
         cu = batch["cu_seqlens"]
-        hidden = self.model.get_decoder()(
-            input_ids=batch["input_ids"],
+        attention.set_pack(cu, batch["max_seqlen"], batch["input_ids"].shape[1] * int(batch.get("sp", 1)))
+        aux = getattr(self.model.config, "output_router_logits", False) and inputs_embeds is None
+        out = decoder_of(self.model)(
+            input_ids=batch["input_ids"] if inputs_embeds is None else None,
+            inputs_embeds=inputs_embeds,
             position_ids=batch["position_ids"],
             cu_seq_lens_q=cu,
             cu_seq_lens_k=cu,
             max_length_q=batch["max_seqlen"],
             max_length_k=batch["max_seqlen"],
             use_cache=False,
-        ).last_hidden_state
-        softcap = getattr(self.model.config, "final_logit_softcapping", None)
-        head = self.model.get_output_embeddings()
-        scale = token_scale(batch, self.hparams.loss)
-        if self.hparams.liger and scale is not None:
-            return fused_linear_cross_entropy(
-                hidden[0], head, batch["labels"][0], scale, batch["target_index"], softcap
-            )
-        return chunked_cross_entropy(
-            hidden[0],
-            head,
-            batch["labels"][0],
-            scale if scale is not None else token_weights(batch, self.hparams.loss)[0],
-            batch["target_index"],
-            self.hparams.ce_chunk_size,
-            softcap,
+            **({"output_router_logits": True} if aux else {}),
         )
+        hidden = out.last_hidden_state
+        head = output_head(self.model)
+        scale = weights if weights is not None else token_scale(batch, self.hparams.loss)
+        labels = batch["labels"][0]
+        fusable = isinstance(scale, float) and (head.scale == 1.0 or head.linear.bias is None)
+        if self.hparams.liger and fusable:
+            loss, ce_sum, n = fused_linear_cross_entropy(hidden[0], head, labels, scale, batch["target_index"])
+        else:
+            w = scale if scale is not None else token_weights(batch, self.hparams.loss)[0]
+            loss, ce_sum, n = chunked_cross_entropy(
+                hidden[0], head.logits, labels, w, batch["target_index"], self.hparams.ce_chunk_size
+            )
+        if aux:
+            loss = loss + router_aux_loss(self.model, out.router_logits, self._real_tokens(batch))
+        return loss, ce_sum, n
 
-    def micro_batch_flops(self, batch: dict) -> float:
+    @staticmethod
+    def _real_tokens(batch: dict) -> torch.Tensor:
+        """[1, T] mask of this shard's positions that hold sample tokens (not the padding segment)."""
+        size = batch["input_ids"].shape[1]
+        pos = torch.arange(size, device=batch["input_ids"].device) + batch.get("sp_rank", 0) * size
+        return (pos < batch["n_tokens"])[None]
+
+    def micro_batch_flops(self, batch: dict) -> float | None:
         """This rank's model FLOPs for ``batch`` (forward and backward, recomputation not counted,
         so FLOPs/s over peak is MFU): under SP a rank runs 1/sp of the pack's tokens through the dense
         layers and 1/sp of the heads over the whole pack; the LM head runs on its supervised tokens.
-        From the host-side counts of the collate step: nothing is read from the device."""
+        From the host-side counts of the collate step: nothing is read from the device. None when
+        the model's shape is unknown."""
+        if self._spec is None:
+            return None
         head = batch["target_index"].shape[0]
         dense = self._spec.train_flops(batch["n_tokens"], batch["doc_sq"], 0)
         return dense / int(batch["sp"]) + self._spec.train_flops(0, 0, head)
@@ -274,19 +304,3 @@ class HBPLitModule(L.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def apply_liger(net) -> None:
-    """Liger's RMSNorm, RoPE and SwiGLU kernels on ``net`` where Liger has them for its family (the
-    cross-entropy is the module's own fused one, so Liger's loss patches stay off)."""
-    if not torch.cuda.is_available():
-        raise ValueError("liger=True needs a CUDA GPU: Liger's kernels are Triton kernels")
-    if importlib.util.find_spec("liger_kernel") is None:
-        raise ValueError("liger=True needs liger-kernel: pip install 'lit-hbp[gpu]'")
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
-
-    model_type = net.config.model_type
-    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        rank_zero_warn(f"liger-kernel has no kernels for {model_type!r}: only the fused cross-entropy is used")
-        return
-    _apply_liger_kernel_to_instance(model=net, cross_entropy=False, fused_linear_cross_entropy=False)

@@ -33,12 +33,14 @@ from lit_hbp.parallel.groups import SPGroups  # noqa: E402
 from lit_hbp.parallel.ulysses import check_heads  # noqa: E402
 
 
-def validate_sp_setup(levels, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
-    """Everything about the levels that can fail before the first step, with the offending level."""
+def validate_sp_setup(levels, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int) -> list[int]:
+    """Everything about the levels that can fail before the first step, with the offending level;
+    returns how many times each level replicates the kv heads for Ulysses (1: not at all)."""
     levels = validate_levels(levels, world_size)
+    replication = []
     for i, lv in enumerate(levels):
         try:
-            check_heads(num_heads, num_kv_heads, lv.sp)
+            replication.append(check_heads(num_heads, num_kv_heads, lv.sp))
         except ValueError as e:
             raise ValueError(f"level {i} (pack_len {lv.pack_len}, sp {lv.sp}): {e}") from None
         if lv.ckpt_layers > num_layers:
@@ -46,6 +48,7 @@ def validate_sp_setup(levels, world_size: int, num_heads: int, num_kv_heads: int
                 f"level {i} (pack_len {lv.pack_len}) checkpoints {lv.ckpt_layers} layers but the model has "
                 f"{num_layers} decoder layers"
             )
+    return replication
 
 
 class HBPStrategy(DeepSpeedStrategy):

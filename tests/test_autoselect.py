@@ -12,7 +12,8 @@ from distributed import Pool
 
 from lit_hbp.autoselect import AnalyticProfiler, Measurement, auto_select, find_best_sp_ckpt, greedy_profile_ckpt
 from lit_hbp.autoselect.__main__ import main as autoselect_main
-from lit_hbp.costmodel import HARDWARE, MODELS, CostModel, ModelSpec
+from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.model_spec import MODELS, ModelSpec
 from lit_hbp.packing import Level
 
 GB = 1e9

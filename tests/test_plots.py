@@ -13,8 +13,9 @@ from lit_hbp.callbacks import PackingMetrics
 from matplotlib.container import BarContainer
 from matplotlib.image import imread
 
-from lit_hbp.costmodel import HARDWARE, CostModel, ModelSpec
+from lit_hbp.costmodel import HARDWARE, CostModel
 from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.model_spec import ModelSpec
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing import Level, plan_hbp, plan_single_level
 from lit_hbp.simulate import simulate

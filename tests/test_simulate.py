@@ -4,7 +4,8 @@ paper-shaped mix, and the command line with its pictures."""
 import numpy as np
 import pytest
 
-from lit_hbp.costmodel import HARDWARE, MODELS, CostModel, ModelSpec
+from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.model_spec import MODELS, ModelSpec
 from lit_hbp.packing import Level, plan_hbp
 from lit_hbp.simulate import compare, fill_checkpointing, simulate
 from lit_hbp.simulate.__main__ import main as simulate_main

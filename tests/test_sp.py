@@ -350,7 +350,97 @@ def test_configuration_errors_name_the_level(levels, world, heads, kv, layers, m
     assert message in str(e.value)
 
 
-def test_valid_configurations_pass():
-    validate_sp_setup([Level(64), Level(256, 4, 2)], 8, 32, 8, 32)
-    validate_sp_setup([Level(131072, 8, 28)], 32, 32, 8, 32)  # LLaMA3.1-8B: kv heads replicated? no: 8 % 8
-    validate_sp_setup([Level(65536, 16)], 32, 32, 8, 32)  # 16 % 8 == 0: kv heads replicated twice
+def test_valid_configurations_pass_and_say_how_kv_heads_are_split():
+    assert validate_sp_setup([Level(64), Level(256, 4, 2)], 8, 32, 8, 32) == [1, 1]
+    assert validate_sp_setup([Level(131072, 8, 28)], 32, 32, 8, 32) == [1]  # LLaMA3.1-8B: 8 kv heads over sp 8
+    assert validate_sp_setup([Level(65536, 16)], 32, 32, 8, 32) == [2]  # 8 kv heads replicated twice for sp 16
+    assert validate_sp_setup([Level(64, 4)], 4, 4, 1, 2) == [4]  # multi-query: the one kv head on every rank
+
+
+# --------------------------------------------------------------------------------- self-check
+
+
+def self_check_on_world(config: dict, broken: bool) -> dict:
+    """The self-check of a family at sp 1, 2 and 4 on this 4-process world; with ``broken``, Ulysses
+    hands each rank the wrong heads back (a bug only sequence parallelism can show)."""
+    import torch.distributed as dist
+
+    import lit_hbp.attention as attention_module
+    from lit_hbp.parallel.groups import SPGroups
+    from lit_hbp.selfcheck import SelfCheckError, run_self_check
+
+    torch.manual_seed(0)
+    module = HBPLitModule(model=config, vocab_size=300)
+    module.configure_model()
+    groups = SPGroups([2, 4], dist.get_world_size(), dist.get_rank())
+    real = attention_module.heads_to_seq
+    if broken:
+        attention_module.heads_to_seq = lambda out, ctx: real(out.roll(1, dims=1), ctx)
+    try:
+        return {"errors": run_self_check(module, [1, 2, 4], groups, max_len=512)}
+    except SelfCheckError as e:
+        return {"refused": str(e)}
+    finally:
+        attention_module.heads_to_seq = real
+
+
+SP_FAMILIES = {
+    "llama": TINY,
+    "mistral (sliding window)": {**TINY, "model_type": "mistral", "sliding_window": 24},
+    "gemma2 (soft-capping)": {
+        **TINY,
+        "model_type": "gemma2",
+        "head_dim": 8,
+        "final_logit_softcapping": 2.0,
+        "attn_logit_softcapping": 1.5,
+        "sliding_window": 24,
+    },
+    "gpt_oss (sinks)": {**TINY, "model_type": "gpt_oss", "head_dim": 8, "num_local_experts": 4, "sliding_window": 24},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(SP_FAMILIES))
+def test_self_check_passes_at_every_sp_degree(pool, family):
+    for r in pool.run(self_check_on_world, SP_FAMILIES[family], False):
+        assert set(r["errors"]) == {1, 2, 4}, r
+        for loss_err, grad_err, leak in r["errors"].values():
+            assert loss_err < 1e-4 and grad_err < 1e-3 and leak == 0.0, r
+
+
+@pytest.mark.slow
+def test_self_check_refuses_a_sequence_parallel_bug(pool):
+    results = pool.run(self_check_on_world, TINY, True)
+    for r in results:  # every rank reaches the same verdict, so none waits on the others
+        assert "refused" in r, r
+        assert "at sp 2 differs" in r["refused"] and "sequence parallelism 2 changes the result" in r["refused"]
+
+
+def fit_ddp_with_sp_level(data: str, tokenizer: str, cache: str) -> str:
+    import lightning as L
+
+    from lit_hbp.data.datamodule import HBPDataModule
+
+    dm = HBPDataModule(sources=[{"path": data}], tokenizer=tokenizer, levels=["96:1", "384:2"], cache_dir=cache)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy="ddp",
+        max_steps=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(HBPLitModule(model=TINY, vocab_size=dm.vocab_size), dm)
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.slow
+def test_an_sp_level_under_a_strategy_without_sp_is_refused(pool, sp_data, toy_tokenizer, tmp_path):
+    for message in pool.run(fit_ddp_with_sp_level, str(sp_data), toy_tokenizer, str(tmp_path / "cache")):
+        assert "level 1 (pack_len 384) uses sequence parallelism 2, which DDPStrategy cannot run" in message

@@ -7,6 +7,10 @@ packed-sequence detection (which would read a device value back every forward). 
 has activated a sequence-parallel context (``lit_hbp.parallel.context``), Ulysses runs: all-to-all
 to head shards, attention over the whole pack, all-to-all back.
 
+Document boundaries come from the ``cu_seq_lens_q`` keyword, or, for a model whose layers drop it,
+from the pack the module is training (``set_pack``). A keyword this function does not implement
+(or an explicit mask) raises instead of being ignored: ignoring one trains a different model.
+
 The kernel comes from ``lit_hbp.attention.backends``: per device, the dtype the kernel runs in
 (the autocast dtype under autocast) and the features the layer needs (sliding window, soft-capping,
 sinks, dropout), the fastest backend that can run it; the choice, and why each faster backend was
@@ -26,6 +30,43 @@ from lit_hbp.parallel.ulysses import check_heads, heads_to_seq, replicate_kv, se
 ATTN_NAME = "hbp_varlen"
 _forced: list[str | None] = [None]
 _chosen: dict[tuple[str, torch.dtype, frozenset[str]], str] = {}
+_pack: list[tuple[torch.Tensor, int, int] | None] = [None]
+# Keywords transformers passes that carry nothing this function needs: cu_seq_lens_k/max_length_k
+# equal the q ones for self-attention, position_ids were used for the rotary embedding.
+IGNORED = frozenset(
+    {"position_ids", "cu_seq_lens_k", "max_length_k", "use_cache", "cache_position", "output_router_logits"}
+)
+CHECKED = frozenset({"output_attentions", "is_causal"})
+
+
+def set_pack(cu_seqlens: torch.Tensor | None, max_seqlen: int = 0, total: int = 0) -> None:
+    """The pack being trained (global cu_seqlens over ``total`` positions), or None: the document
+    boundaries for layers that do not pass ``cu_seq_lens_q`` on. Stays set through the backward
+    (checkpointed layers recompute their attention there)."""
+    _pack[0] = None if cu_seqlens is None else (cu_seqlens, int(max_seqlen), int(total))
+
+
+def _unsupported(module, attention_mask, kwargs: dict) -> None:
+    """Raise for what would be silently ignored: an explicit mask, weights asked back, a non-causal
+    call, or any keyword with a value that is not implemented here."""
+    where = type(module).__name__
+    if getattr(module, "is_causal", True) is False:
+        raise NotImplementedError(f"{where} is not causal (is_causal=False); {ATTN_NAME} attends causally")
+    if attention_mask is not None:
+        raise NotImplementedError(
+            f"{where} passes its own attention mask to {ATTN_NAME}, which attends causally inside each document "
+            "and would ignore it"
+        )
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError(f"{where} asks for attention weights, which {ATTN_NAME} does not compute")
+    if kwargs.get("is_causal") is False:
+        raise NotImplementedError(f"{where} asks for non-causal attention; {ATTN_NAME} is causal")
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in IGNORED | CHECKED)
+    if unknown:
+        raise NotImplementedError(
+            f"{where} passes the attention keyword(s) {unknown} that {ATTN_NAME} does not implement; training "
+            "would silently differ from the model's own attention"
+        )
 
 
 def set_backend(name: str) -> None:
@@ -90,9 +131,17 @@ def varlen_attention(
     Ulysses all-to-alls run attention over the whole pack on 1/sp of the heads (and of the sinks)."""
     if query.shape[0] != 1:
         raise ValueError(f"{ATTN_NAME} takes one packed row per micro-batch, got batch size {query.shape[0]}")
+    _unsupported(module, attention_mask, kwargs)
     ctx = sp_context.active()
     sp = ctx.size if ctx is not None else 1
     total = query.shape[2] * sp
+    if cu_seq_lens_q is None and _pack[0] is not None:  # a layer that dropped the keyword
+        cu_seq_lens_q, max_length_q, pack_total = _pack[0]
+        if pack_total != total:
+            raise ValueError(
+                f"{type(module).__name__} runs attention over {total} positions without cu_seq_lens_q while the pack "
+                f"being trained has {pack_total}: the document boundaries are unknown"
+            )
     if cu_seq_lens_q is None:
         cu_seq_lens_q = torch.tensor([0, total], dtype=torch.int32, device=query.device)
         max_length_q = total
@@ -118,7 +167,7 @@ def varlen_attention(
     out = _attend(query, key, value, args)
     if sp > 1:
         out = heads_to_seq(out, ctx)
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTN_NAME, varlen_attention)

@@ -22,7 +22,8 @@ import numpy as np
 from lit_hbp.autoselect.launch import measured_selection, run_arguments
 from lit_hbp.autoselect.profiler import AnalyticProfiler
 from lit_hbp.autoselect.search import select_levels
-from lit_hbp.costmodel import HARDWARE, CostModel, ModelSpec, load_model_spec
+from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.model_spec import ModelSpec, load_model_spec
 
 GIB = 1024**3
 

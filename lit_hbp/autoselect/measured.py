@@ -171,14 +171,17 @@ class MeasuredProfiler:
             )
             device = trainer.strategy.root_device
             oom = False
+            module = self.module_factory()
+            if "self_check" in getattr(module, "hparams", {}):
+                module.hparams.self_check = False  # the run itself checks the model once, not every probe
             try:
-                trainer.fit(self.module_factory(), datamodule=data)
+                trainer.fit(module, datamodule=data)
             except torch.OutOfMemoryError:
                 oom = True
             finally:
                 _release(trainer)
                 data.trainer = None
-                del trainer, strategy
+                del trainer, strategy, module
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

@@ -252,7 +252,8 @@ class HBPDataModule(L.LightningDataModule):
     def _select_levels(self, lengths, world: int) -> list[Level]:
         """``levels: auto``: the paper's Algorithm 1 for this model, data and world."""
         from lit_hbp.autoselect import AnalyticProfiler, MeasuredProfiler, select_levels
-        from lit_hbp.costmodel import HARDWARE, CostModel, ModelSpec
+        from lit_hbp.costmodel import HARDWARE, CostModel
+        from lit_hbp.model_spec import ModelSpec
 
         module = self.trainer.lightning_module if self.trainer is not None else None
         model = getattr(getattr(module, "hparams", None), "model", None)

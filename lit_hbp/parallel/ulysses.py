@@ -68,8 +68,9 @@ def heads_to_seq(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
     return _HeadsToSeq.apply(x, ctx)
 
 
-def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
-    """Raise unless heads split evenly over sp (kv heads may be replicated up to sp)."""
+def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> int:
+    """Raise unless heads split evenly over sp (kv heads may be replicated up to sp); return how
+    many times each kv head is replicated (1: none)."""
     if num_heads % sp:
         raise ValueError(f"{num_heads} attention heads cannot be split over sp {sp}: heads must be divisible by sp")
     if num_kv_heads % sp and sp % num_kv_heads:
@@ -77,6 +78,7 @@ def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
             f"{num_kv_heads} key/value heads do not fit sp {sp}: kv heads must be divisible by sp, "
             "or sp divisible by kv heads (then kv heads are replicated)"
         )
+    return 1 if num_kv_heads % sp == 0 else sp // num_kv_heads
 
 
 def replicate_kv(x: torch.Tensor, sp: int) -> torch.Tensor:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lit_hbp.costmodel import HARDWARE, CostModel, load_model_spec
+from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.model_spec import load_model_spec
 from lit_hbp.packing import Level
 from lit_hbp.packing.__main__ import format_table, load_lengths
 from lit_hbp.simulate.simulator import PARTS, compare, fill_checkpointing

@@ -1,0 +1,183 @@
+"""A Hugging Face causal LM as lit-hbp trains it: built with the varlen attention, its decoder,
+its output head exactly as the family's own forward applies it, its router loss, its FLOPs.
+
+lit-hbp runs the decoder itself and computes the loss from the hidden states (chunked, supervised
+positions only), so whatever the family's ``ForCausalLM.forward`` does after the decoder must be
+reproduced here: logit scaling (Cohere multiplies by ``logit_scale``, Granite divides by
+``logits_scaling``), final soft-capping (Gemma 2/3), the router's load-balancing loss of
+mixture-of-experts models. What is not known here is caught by the self-check at the start of fit
+(``lit_hbp.selfcheck``), which compares against the family's own forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lit_hbp import attention
+from lit_hbp.model_spec import ModelSpec
+
+EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
+
+
+def build_causal_lm(model: str | dict, vocab_size: int | None = None):
+    """A causal LM from a local checkpoint folder, or randomly initialized from a config mapping
+    (``{"model_type": "llama", "hidden_size": ...}``). Uses the varlen attention and no KV cache.
+    A family that does not run its attention through transformers' AttentionInterface is refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(model, dict):
+        cfg = dict(model)
+        model_type = cfg.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("a model config mapping needs a 'model_type' (e.g. 'llama', 'qwen2', 'mistral')")
+        if vocab_size is not None:
+            cfg["vocab_size"] = vocab_size
+        config = AutoConfig.for_model(model_type, **cfg)
+        config.use_cache = False
+        with _refusing_other_attention(model_type):
+            net = AutoModelForCausalLM.from_config(config, attn_implementation=attention.ATTN_NAME)
+    else:
+        with _refusing_other_attention(str(model)):
+            net = AutoModelForCausalLM.from_pretrained(
+                model, attn_implementation=attention.ATTN_NAME, dtype=torch.get_default_dtype(), local_files_only=True
+            )
+        net.config.use_cache = False
+        if vocab_size is not None and vocab_size > net.get_input_embeddings().num_embeddings:
+            raise ValueError(
+                f"the tokenizer has {vocab_size} tokens but {model} embeds only "
+                f"{net.get_input_embeddings().num_embeddings}: use the checkpoint's tokenizer"
+            )
+    return net
+
+
+@contextlib.contextmanager
+def _refusing_other_attention(what: str):
+    """transformers raises KeyError(attn name) for a model that does not dispatch through the
+    AttentionInterface: say so, and what would work."""
+    try:
+        yield
+    except KeyError as e:
+        if e.args and e.args[0] == attention.ATTN_NAME:
+            raise ValueError(
+                f"{what}: this model does not run its attention through transformers' AttentionInterface, so "
+                f"lit-hbp cannot give it packed (varlen) attention and refuses to train it rather than let the "
+                "documents of a pack attend to each other. Families that work: llama, qwen2/3, mistral, gemma, "
+                "phi3, olmo2, mixtral, ... (README, 'Model families')"
+            ) from None
+        raise
+
+
+def decoder_of(net: torch.nn.Module) -> torch.nn.Module:
+    """The module that maps token ids to the final hidden states (final norm included)."""
+    dec = net.get_decoder()
+    if dec is net:
+        dec = getattr(net, "model", None)
+    if dec is None or dec is net:
+        raise ValueError(f"{type(net).__name__}: cannot find its decoder (get_decoder() returns the model itself)")
+    return dec
+
+
+def checkpoint_layers(net: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers that support activation checkpointing, in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in net.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+@dataclass(frozen=True)
+class OutputHead:
+    """logits = softcap(scale * linear(hidden)), as the family's forward computes them."""
+
+    linear: torch.nn.Module
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.linear(hidden).float()
+        if self.scale != 1.0:
+            out = out * self.scale
+        if self.softcap:
+            out = self.softcap * torch.tanh(out / self.softcap)
+        return out
+
+
+def output_head(net: torch.nn.Module) -> OutputHead:
+    config = net.config
+    scale = 1.0
+    if getattr(config, "logit_scale", None) is not None:  # Cohere
+        scale *= float(config.logit_scale)
+    if getattr(config, "logits_scaling", None):  # Granite
+        scale /= float(config.logits_scaling)
+    softcap = getattr(config, "final_logit_softcapping", None) or None
+    return OutputHead(net.get_output_embeddings(), scale, softcap)
+
+
+def _first(config, names):
+    return next((getattr(config, n) for n in names if getattr(config, n, None)), None)
+
+
+def router_aux_loss(net: torch.nn.Module, router_logits, real: torch.Tensor) -> torch.Tensor:
+    """The load-balancing loss the family's forward adds when ``output_router_logits`` is set
+    (its own ``load_balancing_loss_func``), over this micro-batch's real tokens (``real``: [1, T] mask)."""
+    config = net.config
+    fn = sys.modules[type(net).__module__].load_balancing_loss_func
+    aux = fn(router_logits, _first(config, EXPERT_COUNT), _first(config, EXPERTS_PER_TOKEN), real)
+    return config.router_aux_loss_coef * aux
+
+
+def check_router_loss(net: torch.nn.Module) -> None:
+    """A config asking for the router loss trains with it, or is refused here."""
+    if not getattr(net.config, "output_router_logits", False):
+        return
+    module = sys.modules[type(net).__module__]
+    if not hasattr(module, "load_balancing_loss_func") or not _first(net.config, EXPERT_COUNT):
+        raise ValueError(
+            f"{net.config.model_type}: output_router_logits is set but lit-hbp does not know this family's router "
+            "loss (no load_balancing_loss_func in its modeling module); set output_router_logits: false"
+        )
+
+
+def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module]) -> ModelSpec:
+    """The model's shape for FLOP counting, with the matmul parameters a token really passes through
+    in a decoder layer counted from the layers' weights: every matrix once, routed experts at
+    top-k / experts (shared experts and the router in full). Raises ValueError when the config
+    does not say the shape."""
+    spec = ModelSpec.from_config(net.config.to_dict())
+    if not layers:
+        return spec
+    experts = _first(net.config, EXPERT_COUNT)
+    top_k = _first(net.config, EXPERTS_PER_TOKEN)
+    active = total = 0.0
+    for layer in layers:
+        for name, p in layer.named_parameters():
+            shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 keeps the full shape here
+            if len(shape) < 2:
+                continue
+            n = float(torch.Size(shape).numel())
+            total += n
+            routed = experts and top_k and "experts" in name.split(".") and "shared" not in name
+            active += n * top_k / experts if routed else n
+    return replace(spec, active_layer_params=active / len(layers), total_layer_params=total / len(layers))
+
+
+def apply_liger(net) -> None:
+    """Liger's RMSNorm, RoPE and SwiGLU kernels on ``net`` where Liger has them for its family (the
+    cross-entropy is the module's own fused one, so Liger's loss patches stay off)."""
+    if not torch.cuda.is_available():
+        raise ValueError("liger=True needs a CUDA GPU: Liger's kernels are Triton kernels")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ValueError("liger=True needs liger-kernel: pip install 'lit-hbp[gpu]'")
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+    model_type = net.config.model_type
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        rank_zero_warn(f"liger-kernel has no kernels for {model_type!r}: only the fused cross-entropy is used")
+        return
+    _apply_liger_kernel_to_instance(model=net, cross_entropy=False, fused_linear_cross_entropy=False)

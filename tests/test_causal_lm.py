@@ -1,0 +1,129 @@
+"""What lit-hbp reproduces of a family's own forward: FLOPs (routed experts at top-k, families with
+their own field names), the router's load-balancing loss, unknown shapes degrading to a warning;
+and the self-check wired into fit."""
+
+import copy
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from families import small_config
+
+from lit_hbp.data.collate import collate_packs
+from lit_hbp.module import HBPLitModule
+from lit_hbp.selfcheck import SelfCheckError
+
+
+def built(family: str, **overrides) -> HBPLitModule:
+    torch.manual_seed(0)
+    module = HBPLitModule(model={**small_config(family), **overrides}, loss="sum")
+    module.configure_model()
+    return module
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi", "opt", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
+def test_model_flops_match_a_flop_counter(family):
+    """ModelSpec.train_flops with the layer's matmul parameters counted from the model (routed
+    experts at top-k) against torch's FLOP counter on the family's eager forward and backward of one
+    sample (eager attention computes the full score matrix: twice the causal half)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    module = built(family)
+    net = copy.deepcopy(module.model)
+    net.set_attn_implementation("eager")
+    if getattr(net.config, "_experts_implementation", None):
+        net.set_experts_implementation("eager")  # torch's counter does not count grouped matmuls
+    n = 48
+    ids = torch.as_tensor(np.random.default_rng(0).integers(0, 300, n))[None]
+    with FlopCounterMode(display=False) as counter:
+        net(input_ids=ids, use_cache=False).logits.sum().backward()
+    expected = module._spec.train_flops(n, 2.0 * n * n, n)
+    assert counter.get_total_flops() == pytest.approx(expected, rel=0.02), family
+
+
+def test_router_loss_is_added_when_the_config_asks_for_it():
+    module = built("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
+    rng = np.random.default_rng(0)
+    samples = {i: (rng.integers(0, 300, n), np.ones(n, bool)) for i, n in enumerate([20, 13, 31])}  # 64: no padding
+    batch = collate_packs([np.arange(3)], samples.__getitem__, meta=dict(loss_norm=1.0))
+    assert batch["n_tokens"] == batch["input_ids"].shape[1]
+    loss, ce_sum, _ = module(batch)
+    # The family's own forward on the same packed row (same attention) computes the aux loss.
+    out = module.model(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        cu_seq_lens_q=batch["cu_seqlens"],
+        cu_seq_lens_k=batch["cu_seqlens"],
+        max_length_q=batch["max_seqlen"],
+        max_length_k=batch["max_seqlen"],
+        output_router_logits=True,
+        use_cache=False,
+    )
+    assert out.aux_loss.item() > 0
+    torch.testing.assert_close(loss, ce_sum + 0.5 * out.aux_loss, rtol=1e-6, atol=1e-6)
+    plain = built("mixtral")
+    plain.model.load_state_dict(module.model.state_dict())
+    torch.testing.assert_close(plain(batch)[0], ce_sum, rtol=1e-6, atol=1e-6)
+
+
+def test_a_router_loss_for_a_family_without_one_is_refused():
+    with pytest.raises(ValueError, match="llama: output_router_logits is set but lit-hbp does not know"):
+        built("llama", output_router_logits=True)
+
+
+def test_an_unknown_model_shape_only_turns_flops_off():
+    with pytest.warns(UserWarning, match="model FLOPs unknown, MFU and FLOP/s are not logged: the rwkv config has no"):
+        module = built("rwkv")
+    batch = collate_packs([np.arange(1)], lambda i: (np.arange(10), np.ones(10, bool)), meta=dict(loss_norm=1.0))
+    assert module.micro_batch_flops(batch) is None
+
+
+def fit(module, tmp_path, toy_tokenizer, small_demo):
+    from lit_hbp.callbacks import HBPThroughputMonitor
+
+    from lit_hbp.data.datamodule import HBPDataModule
+
+    dm = HBPDataModule(
+        sources=[{"path": str(small_demo / "short.jsonl")}],
+        tokenizer=toy_tokenizer,
+        levels=["256:1", "1024:1"],
+        cache_dir=str(tmp_path / "cache"),
+        over_length="drop",
+    )
+    steps = []
+
+    class Steps(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            steps.append(trainer.global_step)
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[Steps(), HBPThroughputMonitor()],
+    )
+    trainer.fit(module, dm)
+    return steps
+
+
+def test_fit_runs_the_self_check_and_trains(tmp_path, toy_tokenizer, small_demo, caplog):
+    config = {**small_config("mistral"), "vocab_size": None}
+    config.pop("vocab_size")
+    module = HBPLitModule(model=config)
+    with caplog.at_level("INFO"):
+        assert fit(module, tmp_path, toy_tokenizer, small_demo) == [0, 1]
+    assert "self-check passed (a pack equals its documents alone): sp 1: loss" in caplog.text
+
+
+def test_fit_refuses_a_family_the_self_check_rejects_before_any_step(tmp_path, toy_tokenizer, small_demo):
+    config = small_config("bloom")
+    config.pop("vocab_size")
+    steps = []
+    with pytest.raises(SelfCheckError, match="self-check failed for model family 'bloom'"):
+        steps = fit(HBPLitModule(model=config), tmp_path, toy_tokenizer, small_demo)
+    assert steps == []

@@ -1,0 +1,113 @@
+"""Every causal-LM family transformers ships, built small: it trains exactly or it is refused at
+set-up (configure_model, or the self-check at the start of fit). "Exactly": the packed loss and
+every parameter's gradient through HBPLitModule equal the sum over the samples run alone through
+the family's own forward with eager attention, fp32. The README's family table is checked here."""
+
+import copy
+import re
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from families import NAMED, all_families, small_config, too_large
+
+from lit_hbp.data.collate import collate_packs
+from lit_hbp.module import HBPLitModule
+from lit_hbp.selfcheck import SelfCheckError, run_self_check
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+LONGEST_PACK = 256  # the self-check's longest pack: sliding windows below it are exercised
+
+
+def parity_errors(module: HBPLitModule) -> tuple[float, float, str]:
+    """(loss error, worst gradient error, its parameter): packed through the module against each
+    sample alone through the family's own forward with eager attention."""
+    ref = copy.deepcopy(module.model)
+    ref.set_attn_implementation("eager")
+    module.model.eval()  # deterministic routing (no jitter), no dropout: both runs the same function
+    ref.eval()
+    vocab = min(module.model.get_input_embeddings().num_embeddings, module.model.get_output_embeddings().out_features)
+    rng = np.random.default_rng(0)
+    lengths = [7, 40, 23, 61, 12]
+    samples = {i: (rng.integers(0, vocab, n), rng.random(n) < 0.7) for i, n in enumerate(lengths)}
+    batch = collate_packs([np.arange(len(lengths))], samples.__getitem__, meta=dict(loss_norm=1.0))
+    loss = module(batch)[0]
+    loss.backward()
+    expected = 0.0
+    for ids, target in samples.values():
+        ids = torch.as_tensor(ids)
+        labels = torch.where(torch.as_tensor(target[1:]), ids[1:], -100)
+        logits = ref(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
+        expected = expected + F.cross_entropy(logits, labels, reduction="sum")
+    expected.backward()
+    loss_err = abs(loss.item() - expected.item()) / abs(expected.item())
+    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(module.model.named_parameters(), ref.parameters())]
+    scale = max(g.abs().max().item() for _, _, g in pairs if g is not None)
+    worst, where = 0.0, ""
+    for name, got, want in pairs:
+        if got is None and want is None:
+            continue
+        if got is None or want is None:
+            return loss_err, float("inf"), f"{name} has a gradient in only one run"
+        # Relative to the parameter's own scale, floored at 1% of the largest: a gradient that is
+        # zero in exact arithmetic (the key bias under softmax) is rounding noise in both runs.
+        err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-2 * scale)
+        if err > worst:
+            worst, where = err, name
+    return loss_err, worst, where
+
+
+@cache
+def outcome(family: str) -> tuple[str, str]:
+    """("exact", errors) | ("refused", message) | ("unbuildable", reason) | ("wrong", errors)."""
+    try:
+        config = small_config(family)
+        size = too_large(config)
+    except Exception as e:  # the family's config or model rejects the small shape
+        return "unbuildable", f"{type(e).__name__}: {e}"
+    if size:
+        return "unbuildable", f"{size / 1e6:.0f}M parameters at the small shape (a multimodal wrapper)"
+    torch.manual_seed(0)
+    module = HBPLitModule(model=config, loss="sum")
+    try:
+        module.configure_model()
+    except ValueError as e:
+        return "refused", str(e)
+    try:
+        run_self_check(module, [1], max_len=LONGEST_PACK)
+    except SelfCheckError as e:
+        return "refused", str(e)
+    loss_err, grad_err, where = parity_errors(module)
+    status = "exact" if loss_err < 1e-5 and grad_err < 1e-4 else "wrong"
+    return status, f"loss {loss_err:.1e}, gradients {grad_err:.1e} ({where})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", all_families())
+def test_family_trains_exactly_or_is_refused_at_setup(family):
+    status, detail = outcome(family)
+    if status == "unbuildable":
+        pytest.skip(f"{family} cannot be built small here: {detail[:200]}")
+    assert status != "wrong", f"{family} passed the set-up checks but trains differently: {detail}"
+    if status == "refused":
+        assert family in detail, detail  # the refusal names the family ...
+        assert detail.startswith(("self-check", f"{family}: this model does not run")), detail  # ... and is ours
+
+
+def readme_table() -> dict[str, str]:
+    text = README.read_text()
+    section = text[text.index("## Model families") :]
+    section = section[: section.index("\n## ", 4)]
+    return {m[1]: m[2] for m in re.finditer(r"^\| `([\w-]+)` \| (exact|refused)\b", section, re.M)}
+
+
+@pytest.mark.slow
+def test_readme_family_table_matches_what_the_checks_decide():
+    table = readme_table()
+    assert set(NAMED) <= set(table), f"missing from the README table: {sorted(set(NAMED) - set(table))}"
+    observed = {family: outcome(family)[0] for family in table}
+    assert observed == table
+    assert sum(observed[f] == "exact" for f in NAMED) >= 18
