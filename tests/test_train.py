@@ -62,10 +62,11 @@ def test_tiny_config_trains_and_logs(tmp_path, small_demo, monkeypatch):
         assert tag in logged, tag
     loss = [v for _, v in logged["train/loss"]]
     assert np.mean(loss[-3:]) < np.mean(loss[:3]) - 0.5, loss
-    # The curriculum: the first 10 optimizer steps are on the short levels (1K, 4K) only.
-    warm = [v for _, v in logged["curriculum/warmup"]]
-    levels = [v for _, v in logged["train/level"]]
-    assert warm[0] == 1.0 and all(lv in (0.0, 1.0) for lv, w in zip(levels, warm) if w == 1.0)
+    # The curriculum: the steps logged within the first 10 optimizer steps (the config's
+    # warmup_steps) trained the short levels (1K, 4K) only, and the callback says so.
+    early = [v for step, v in logged["train/level"] if step < 10]
+    assert early and set(early) <= {0.0, 1.0}, logged["train/level"]
+    assert all(v == 1.0 for step, v in logged["curriculum/warmup"] if step < 10)
     assert Path("runs/tiny_cpu/version_0/checkpoints/last.ckpt").exists()
 
 
@@ -75,7 +76,13 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.rows.append(
-            (trainer.current_epoch, batch["micro_index"], tuple(batch["sample_index"].tolist()), float(outputs["loss"]))
+            (
+                trainer.current_epoch,
+                batch["micro_index"],
+                tuple(batch["sample_index"].tolist()),
+                float(outputs["loss"]),
+                batch["level"],
+            )
         )
 
 
@@ -135,8 +142,36 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, resume_data
         ckpt = tmp_path / "full" / "ckpt" / f"step={stop}.ckpt"
         resumed, _ = run(tmp_path / f"resumed{stop}", resume_data, toy_tokenizer, max_steps=14, ckpt_path=ckpt)
         expected = full[2 * stop :]
-        assert [r[:3] for r in resumed] == [r[:3] for r in expected]
+        assert [r[:3] + r[4:] for r in resumed] == [r[:3] + r[4:] for r in expected]
         np.testing.assert_allclose([r[3] for r in resumed], [r[3] for r in expected], rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def mixed_data(tmp_path_factory):
+    """Short chats and every fifth one long enough for the 512-token level."""
+    rng = np.random.default_rng(5)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world"]
+    path = tmp_path_factory.mktemp("mixed") / "d.jsonl"
+    with path.open("w") as f:
+        for i in range(40):
+            n = int(rng.integers(80, 200)) if i % 5 == 0 else int(rng.integers(2, 20))
+            q, a = " ".join(rng.choice(words, n)), " ".join(rng.choice(words, rng.integers(2, 15)))
+            f.write(json.dumps({"prompt": q, "response": a}) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_curriculum_puts_short_steps_first_and_trains_every_sample_once(tmp_path, mixed_data, toy_tokenizer):
+    """Checked against the data, not the plan's own report: the first 3 optimizer steps (A = 2) train
+    the short level only, the long level is deferred (it appears later), and over the epoch every
+    sample of the store is trained exactly once."""
+    _, dm = run(tmp_path / "probe", mixed_data, toy_tokenizer, max_steps=1)
+    steps = dm.plan_for_epoch(0).n_steps
+    rows, dm = run(tmp_path / "epoch", mixed_data, toy_tokenizer, max_steps=steps)
+    levels = [r[4] for r in rows]
+    assert levels[:6] == [0] * 6 and 1 in levels[6:], levels
+    trained = sorted(i for r in rows for i in r[2])
+    assert trained == list(range(dm.store.lengths.size))
 
 
 @pytest.mark.slow
