@@ -181,3 +181,26 @@ def apply_liger(net) -> None:
         rank_zero_warn(f"liger-kernel has no kernels for {model_type!r}: only the fused cross-entropy is used")
         return
     _apply_liger_kernel_to_instance(model=net, cross_entropy=False, fused_linear_cross_entropy=False)
+
+
+LORA_NAMES = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout"}
+
+
+def apply_lora(net, lora: dict):
+    """Wrap ``net`` with peft LoRA adapters: only the adapters (and ``modules_to_save``) train.
+    ``lora`` takes rank, alpha, dropout, target_modules (default "all-linear"), modules_to_save, and
+    any other ``peft.LoraConfig`` field by its own name."""
+    import inspect
+
+    from peft import LoraConfig, get_peft_model
+
+    fields = set(inspect.signature(LoraConfig).parameters)
+    kw = {LORA_NAMES.get(k, k): v for k, v in lora.items()}
+    unknown = sorted(k for k in kw if k not in fields)
+    if unknown:
+        raise ValueError(
+            f"lora: unknown setting(s) {unknown}; use rank, alpha, dropout, target_modules, modules_to_save "
+            "or a peft.LoraConfig field"
+        )
+    kw.setdefault("target_modules", "all-linear")
+    return get_peft_model(net, LoraConfig(task_type="CAUSAL_LM", **kw))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
+from lit_hbp import strategy  # noqa: F401  (registers --trainer.strategy hbp, hbp_stage_0 ... hbp_stage_3)
 from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.module import HBPLitModule
 

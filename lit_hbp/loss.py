@@ -60,6 +60,7 @@ def chunked_cross_entropy(
     weights: torch.Tensor | float,
     index: torch.Tensor | None = None,
     chunk_size: int = 1024,
+    recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(sum of weight * CE, sum of CE (detached), number of supervised tokens) over ``hidden`` [T, H];
     ``head`` maps hidden states to fp32 logits (``lit_hbp.causal_lm.OutputHead.logits``).
@@ -68,6 +69,7 @@ def chunked_cross_entropy(
     computes it on the host, so nothing is read back from the device here); found from ``labels``
     when None. With none, one position runs with weight 0 so every rank's backward touches the same
     parameters (collective hooks stay matched). ``weights`` is per token, or one number for all.
+    ``recompute=False`` keeps each chunk's logits for the backward instead of recomputing them.
     """
     if index is None:
         index = torch.nonzero(labels != -100).flatten()
@@ -89,7 +91,8 @@ def chunked_cross_entropy(
     ce_sum = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, h.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
-        loss, ce = checkpoint(chunk_loss, h[part], target[part], weight[part], use_reentrant=False)
+        args = (h[part], target[part], weight[part])
+        loss, ce = checkpoint(chunk_loss, *args, use_reentrant=False) if recompute else chunk_loss(*args)
         total = total + loss
         ce_sum = ce_sum + ce
     return total, ce_sum, n

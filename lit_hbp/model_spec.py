@@ -68,12 +68,15 @@ class ModelSpec:
         per_layer = self.total_layer_params if self.total_layer_params is not None else self.layer_params
         return self.layers * (per_layer + 2 * self.hidden) + embed + self.hidden
 
-    def train_flops(self, tokens: float, sum_sq: float, head_tokens: float) -> float:
+    def train_flops(self, tokens: float, sum_sq: float, head_tokens: float, weight_grads: bool = True) -> float:
         """Model FLOPs (forward and backward, no recomputation) of training on ``tokens`` tokens
         whose documents' squared lengths sum to ``sum_sq`` (causal attention: half the score
-        matrix), with the LM head applied at ``head_tokens`` positions (lit-hbp: the supervised ones)."""
-        layers = 2.0 * self.layer_params * tokens + 2.0 * self.heads * self.dim * sum_sq
-        return 3.0 * (self.layers * layers + 2.0 * self.hidden * self.vocab * head_tokens)
+        matrix), with the LM head applied at ``head_tokens`` positions (lit-hbp: the supervised ones).
+        The backward of a matmul costs two forwards: the input's gradient and the weight's; with
+        frozen weights (LoRA) only the first is run (``weight_grads=False``)."""
+        matmul = 3.0 if weight_grads else 2.0
+        dense = 2.0 * self.layer_params * tokens * matmul + 2.0 * self.heads * self.dim * sum_sq * 3.0
+        return self.layers * dense + 2.0 * self.hidden * self.vocab * head_tokens * matmul
 
     @classmethod
     def from_config(cls, config: dict | str | Path, name: str | None = None) -> ModelSpec:

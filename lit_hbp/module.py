@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from lit_hbp import attention
 from lit_hbp.causal_lm import (
     apply_liger,
+    apply_lora,
     build_causal_lm,
     check_router_loss,
     checkpoint_layers,
@@ -76,6 +77,11 @@ class HBPLitModule(L.LightningModule):
         self_check: at the start of fit, check that this model trains a pack of short documents
             exactly as it trains them one by one, at every level's SP degree (``lit_hbp.selfcheck``;
             a few forward/backward passes); refuse to train otherwise. On by default.
+        lora: train LoRA adapters (peft) instead of the full model: ``{rank: 16, alpha: 32,
+            dropout: 0.05, target_modules: all-linear, modules_to_save: [lm_head]}`` (other
+            ``peft.LoraConfig`` fields by their own names). Only the adapters (and the modules to
+            save) get gradients and optimizer states; every level's SP degree, checkpointing and
+            ZeRO stage work as for full fine-tuning. Export writes the adapter, or merged weights.
         liger: Liger kernels on a CUDA GPU (``pip install lit-hbp[gpu]``): RMSNorm, RoPE and SwiGLU
             of the model family where Liger has them, and the fused linear cross-entropy in place
             of the chunked one (not for ``sample_mean``, whose weights differ per token, nor under
@@ -97,6 +103,7 @@ class HBPLitModule(L.LightningModule):
         compile: bool = False,
         liger: bool = False,
         self_check: bool = True,
+        lora: dict[str, Any] | None = None,
     ):
         super().__init__()
         if loss not in NORMALIZERS:
@@ -123,6 +130,8 @@ class HBPLitModule(L.LightningModule):
         for layer in self._layers:
             layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
             layer.gradient_checkpointing = False
+        if self.hparams.lora:
+            self.model = apply_lora(self.model, dict(self.hparams.lora))
         if self.hparams.liger:
             apply_liger(self.model)
         if self.hparams.compile:
@@ -175,6 +184,10 @@ class HBPLitModule(L.LightningModule):
                 self.trainer.precision_plugin.forward_context,
                 max(lv.pack_len for lv in levels) if levels else None,
             )
+            if getattr(strategy, "zero_stage_3", False):
+                # Modules whose inputs need no gradient (a frozen embedding under LoRA) keep their
+                # gathered weights after a backward outside the engine: partition them again.
+                strategy.deepspeed_engine.empty_partition_cache()
             rank_zero_info(
                 "self-check passed (a pack equals its documents alone): "
                 + ", ".join(
@@ -188,11 +201,12 @@ class HBPLitModule(L.LightningModule):
         return self.packed_loss(batch)
 
     def packed_loss(
-        self, batch: dict, inputs_embeds: torch.Tensor | None = None, weights: float | torch.Tensor | None = None
+        self, batch: dict, weights: float | torch.Tensor | None = None, router_loss: bool = True, recompute: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The loss of ``batch`` weighted by the module's normalizer (or by ``weights``: one number, or
-        one per position of the shard), from token ids or from given input embeddings (the
-        self-check differentiates with respect to them)."""
+        one per position of the shard), with the router's loss when the config asks for it and
+        ``router_loss``; ``recompute=False`` keeps the LM head's logits instead of recomputing them
+        (the self-check, whose backward runs outside the DeepSpeed engine)."""
         ctx = sp_context.active()
         if int(batch.get("sp", 1)) != (ctx.size if ctx is not None else 1):
             raise ValueError(
@@ -202,10 +216,9 @@ class HBPLitModule(L.LightningModule):
             )
         cu = batch["cu_seqlens"]
         attention.set_pack(cu, batch["max_seqlen"], batch["input_ids"].shape[1] * int(batch.get("sp", 1)))
-        aux = getattr(self.model.config, "output_router_logits", False) and inputs_embeds is None
+        aux = router_loss and getattr(self.model.config, "output_router_logits", False)
         out = decoder_of(self.model)(
-            input_ids=batch["input_ids"] if inputs_embeds is None else None,
-            inputs_embeds=inputs_embeds,
+            input_ids=batch["input_ids"],
             position_ids=batch["position_ids"],
             cu_seq_lens_q=cu,
             cu_seq_lens_k=cu,
@@ -218,13 +231,14 @@ class HBPLitModule(L.LightningModule):
         head = output_head(self.model)
         scale = weights if weights is not None else token_scale(batch, self.hparams.loss)
         labels = batch["labels"][0]
-        fusable = isinstance(scale, float) and (head.scale == 1.0 or head.linear.bias is None)
+        plain_head = type(head.linear) is torch.nn.Linear  # not wrapped by an adapter
+        fusable = plain_head and isinstance(scale, float) and (head.scale == 1.0 or head.linear.bias is None)
         if self.hparams.liger and fusable:
             loss, ce_sum, n = fused_linear_cross_entropy(hidden[0], head, labels, scale, batch["target_index"])
         else:
             w = scale if scale is not None else token_weights(batch, self.hparams.loss)[0]
             loss, ce_sum, n = chunked_cross_entropy(
-                hidden[0], head.logits, labels, w, batch["target_index"], self.hparams.ce_chunk_size
+                hidden[0], head.logits, labels, w, batch["target_index"], self.hparams.ce_chunk_size, recompute
             )
         if aux:
             loss = loss + router_aux_loss(self.model, out.router_logits, self._real_tokens(batch))
@@ -246,8 +260,9 @@ class HBPLitModule(L.LightningModule):
         if self._spec is None:
             return None
         head = batch["target_index"].shape[0]
-        dense = self._spec.train_flops(batch["n_tokens"], batch["doc_sq"], 0)
-        return dense / int(batch["sp"]) + self._spec.train_flops(0, 0, head)
+        full = not self.hparams.lora  # LoRA runs no weight gradients of the frozen matmuls
+        dense = self._spec.train_flops(batch["n_tokens"], batch["doc_sq"], 0, full)
+        return dense / int(batch["sp"]) + self._spec.train_flops(0, 0, head, full)
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         self.set_checkpointing(int(batch["ckpt_layers"]))
@@ -269,6 +284,7 @@ class HBPLitModule(L.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        attention.set_pack(None)  # its backward is done: the model may now run outside a pack
         self._meter.stop(int(batch["level"]), batch["n_tokens"] / batch["sp"])  # this rank's share of real tokens
         if not logs_now(self.trainer):
             return
@@ -282,6 +298,30 @@ class HBPLitModule(L.LightningModule):
         for level, (seconds, tokens, count) in self._meter.read_times().items():
             self.log(f"time/level{level}_micro_step_s", torch.tensor(seconds / count), batch_size=1)
             self.log(f"time/level{level}_tokens_per_s_per_device", torch.tensor(tokens / seconds), batch_size=1)
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_ce: torch.Tensor | float = 0.0
+        self._val_targets = 0
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        _, ce_sum, n = self(batch)
+        attention.set_pack(None)
+        self._val_ce = self._val_ce + ce_sum
+        self._val_targets += n
+
+    def on_validation_epoch_end(self) -> None:
+        """val/loss: the token mean of the cross-entropy over the whole validation set (summed
+        cross-entropy and supervised tokens added over every rank and micro-batch), and val/ppl."""
+        device = self.device
+        totals = torch.stack([torch.as_tensor(self._val_ce, device=device, dtype=torch.float64).reshape(()),
+                              torch.tensor(float(self._val_targets), device=device, dtype=torch.float64)])  # fmt: skip
+        if self.trainer.world_size > 1:
+            totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        ce, targets = totals.tolist()
+        if targets > 0:  # the same value on every rank: sync_dist's mean keeps it, and says so to Lightning
+            loss = ce / targets
+            self.log("val/loss", loss, prog_bar=True, batch_size=1, sync_dist=True)
+            self.log("val/ppl", math.exp(min(loss, 50.0)), batch_size=1, sync_dist=True)
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
 from lit_hbp.packing.levels import Level, as_level, validate_levels  # noqa: E402
@@ -166,3 +166,19 @@ class HBPStrategy(DeepSpeedStrategy):
     def teardown(self) -> None:
         context.activate(None)
         super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """``--trainer.strategy hbp`` (ZeRO-2), ``hbp_stage_1`` ... ``hbp_stage_3``, like DeepSpeed's names."""
+        strategy_registry.register("hbp", cls, description="HBP: DeepSpeed ZeRO-2 with per-level SP", override=True)
+        for stage in (0, 1, 2, 3):
+            strategy_registry.register(
+                f"hbp_stage_{stage}",
+                cls,
+                description=f"HBP with DeepSpeed ZeRO stage {stage}",
+                stage=stage,
+                override=True,
+            )
+
+
+HBPStrategy.register_strategies(StrategyRegistry)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -134,6 +135,11 @@ class HBPDataModule(L.LightningDataModule):
             a GPU, where batches are also pinned and prefetched so the copy overlaps the step, else 0.
         demo_dir: build the embedded demo data set and tokenizer here if missing
             (``python -m lit_hbp.data.demo``); the tiny configs point their sources at it.
+        val_sources: validation data (same formats as ``sources``), every record once.
+        val_fraction: also hold out this seeded fraction of the training records (every repeat of
+            a held-out record leaves training) for validation.
+        Validation is planned with the training levels (balanced, no curriculum, the same plan every
+        time) and sharded so every validation sample is evaluated once per run over ranks and SP groups.
     """
 
     def __init__(
@@ -149,8 +155,11 @@ class HBPDataModule(L.LightningDataModule):
         num_workers: int | None = None,
         demo_dir: str | None = None,
         autoselect: dict[str, Any] | None = None,
+        val_sources: list[Source | dict] | None = None,
+        val_fraction: float = 0.0,
     ):
         super().__init__()
+        self.save_hyperparameters("tokenizer")  # in checkpoints: export writes the run's tokenizer
         if packer not in PACKERS:
             raise ValueError(f"unknown packer {packer!r}; choose one of {sorted(PACKERS)}")
         if train_on not in TRAIN_ON:
@@ -158,6 +167,13 @@ class HBPDataModule(L.LightningDataModule):
         if not sources:
             raise ValueError("no data sources given")
         self.sources = [s if isinstance(s, Source) else Source(**s) for s in sources]
+        self.val_sources = [s if isinstance(s, Source) else Source(**s) for s in (val_sources or [])]
+        for s in self.val_sources:
+            if s.repeat is not None or s.weight is not None:
+                raise ValueError(f"val_sources: {s.path} has a repeat or weight; validation reads every record once")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.val_fraction = val_fraction
         self.autoselect = {**AUTOSELECT_DEFAULTS, **(autoselect or {})}
         if self.autoselect["mode"] not in ("analytic", "measured"):
             raise ValueError(f"autoselect mode must be analytic or measured, got {self.autoselect['mode']!r}")
@@ -178,6 +194,8 @@ class HBPDataModule(L.LightningDataModule):
         self.tokenizer = load_tokenizer(tokenizer)
         self.pad_id = next(x for x in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if x is not None)
         self.store: SampleStore | None = None
+        self.val_store: SampleStore | None = None
+        self._val_plan: Plan | None = None
         self.warmup_steps, self.short_levels = 0, None
         self.resume_from: dict | None = None
         self._plans: dict[int, Plan] = {}
@@ -199,7 +217,10 @@ class HBPDataModule(L.LightningDataModule):
         path = Path(log_dir or self.cache_dir) / "data_report.json"
         if self.trainer is None or self.trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(self.store.report, indent=1))
+            report = dict(self.store.report)
+            if self.val_store is not None:
+                report["validation"] = self.val_store.report
+            path.write_text(json.dumps(report, indent=1))
         return path
 
     def plan_key(self) -> dict:
@@ -245,9 +266,33 @@ class HBPDataModule(L.LightningDataModule):
         if self.levels is None:
             self.levels = tuple(self._select_levels(store.lengths, world))
         validate_levels(self.levels, world)
+        held = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        if self.val_fraction:
+            store, *held = store.hold_out(self.val_fraction, self.seed)
+        self.val_store = self._validation_store(tokenized, *held, rank)
         store.apply_over_length(self.levels[-1].pack_len, self.over_length)
         self.store = store
-        rank_zero_info(self.store.summary() + f"\n  every skipped, dropped and truncated sample: {self.write_report()}")
+        summary = self.store.summary()
+        if self.val_store is not None:
+            summary += "\nvalidation " + self.val_store.summary()
+        rank_zero_info(summary + f"\n  every skipped, dropped and truncated sample: {self.write_report()}")
+
+    def _validation_store(self, tokenized: list, held_src, held_rows, rank: int) -> SampleStore | None:
+        """The validation samples, each once: the records held out of the training sources
+        (``val_fraction``) and every record of ``val_sources``; over-length ones follow ``over_length``."""
+        extra = [
+            tokenize_source(s, self.tokenizer, self.train_on, self.cache_dir, progress=rank == 0)
+            for s in self.val_sources
+        ]
+        if not held_src.size and not extra:
+            return None
+        src = np.concatenate([held_src] + [np.full(len(t), len(tokenized) + k, np.int64) for k, t in enumerate(extra)])
+        rows = np.concatenate([held_rows] + [np.arange(len(t), dtype=np.int64) for t in extra])
+        val = SampleStore.from_rows(tokenized + extra, src, rows)
+        val.apply_over_length(self.levels[-1].pack_len, self.over_length)
+        if val.lengths.size == 0:
+            raise ValueError("the validation set is empty after its over-length samples were dropped")
+        return val
 
     def _select_levels(self, lengths, world: int) -> list[Level]:
         """``levels: auto``: the paper's Algorithm 1 for this model, data and world."""
@@ -338,14 +383,59 @@ class HBPDataModule(L.LightningDataModule):
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         return self.plan_for_epoch(epoch) if self.store is not None else None
 
+    def val_plan(self) -> Plan:
+        """The validation set planned with the training levels, once (seed fixed, no curriculum)."""
+        if self._val_plan is None:
+            world, _, _ = self._world()
+            self._val_plan = plan_hbp(
+                self.val_store.lengths,
+                self.levels,
+                world,
+                1,
+                self.seed,
+                self.packer,
+                loss_tokens=self.val_store.loss_tokens,
+                over_length="error",
+            )
+            rank_zero_info(f"validation {self._val_plan.summary()}")
+        return self._val_plan
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_store is None:
+            return []
+        _, rank, _ = self._world()
+        workers, pin = self._loader_settings()
+        dataset = MicroBatchDataset(self.val_store, self.levels, rank, self.pad_id)
+        sampler = FixedPlanSampler(self.val_plan(), rank)
+        return DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=workers, pin_memory=pin)
+
+    def _loader_settings(self) -> tuple[int, bool]:
+        """(worker processes, pinned memory): on a GPU 2 workers collate into pinned memory."""
+        on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        workers = self.num_workers if self.num_workers is not None else (2 if on_gpu else 0)
+        return workers, on_gpu
+
     def train_dataloader(self) -> PlanLoader:
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         _, rank, _ = self._world()
-        on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        workers = self.num_workers if self.num_workers is not None else (2 if on_gpu else 0)
+        workers, pin = self._loader_settings()
         dataset = MicroBatchDataset(self.store, self.levels, rank, self.pad_id)
         sampler = PlanSampler(self, epoch, rank)
-        return PlanLoader(self, dataset, sampler, num_workers=workers, pin_memory=on_gpu)
+        return PlanLoader(self, dataset, sampler, num_workers=workers, pin_memory=pin)
+
+
+class FixedPlanSampler(Sampler[tuple[int, int, MicroBatch]]):
+    """Every micro-batch of a fixed plan for one rank (validation: the same plan every run)."""
+
+    def __init__(self, plan: Plan, rank: int):
+        self.plan, self.rank = plan, rank
+
+    def __len__(self) -> int:
+        return self.plan.n_micro_steps
+
+    def __iter__(self):
+        for k in range(len(self)):
+            yield 0, k, self.plan.micro_batch(self.rank, k)
 
 
 def load_tokenizer(path: str):

@@ -6,7 +6,7 @@ treats them as separate samples, so a repeated sample is trained on twice, never
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -87,6 +87,46 @@ class SampleStore:
         if max_len is not None:
             store.apply_over_length(max_len, over_length)
         return store
+
+    @classmethod
+    def from_rows(cls, sources: list[TokenizedSource], source_of: np.ndarray, row_of: np.ndarray) -> SampleStore:
+        """The samples (source, row) given, each once: a validation set."""
+        source_of, row_of = np.asarray(source_of, np.int64), np.asarray(row_of, np.int64)
+        lengths = np.zeros(source_of.size, np.int64)
+        loss = np.zeros(source_of.size, np.int64)
+        for k, s in enumerate(sources):
+            sel = source_of == k
+            lengths[sel] = s.lengths[row_of[sel]]
+            loss[sel] = s.loss_tokens()[row_of[sel]]
+        mixed = [dict(path=s.source.path, samples=len(s), repeat=1.0, in_epoch=int((source_of == k).sum()),
+                      skipped=dict(s.skipped), skipped_where={k2: list(v) for k2, v in s.skipped_where.items()})
+                 for k, s in enumerate(sources)]  # fmt: skip
+        report = dict(sources=mixed, over_length=None, max_len=None, dropped=[], truncated=[], truncated_to_nothing=[])
+        return cls(list(sources), source_of, row_of, lengths, loss, report)
+
+    def hold_out(self, fraction: float, seed: int) -> tuple[SampleStore, np.ndarray, np.ndarray]:
+        """Move a seeded ``fraction`` of the records (source, row), every repeat of them, out of this
+        store: (the rest, held-out source ids, held-out row ids, each record once). Training and
+        validation never share a record, whatever the repeats."""
+        if not 0 < fraction < 1:
+            raise ValueError(f"val_fraction must be between 0 and 1, got {fraction}")
+        records = np.unique(np.stack([self.source_of, self.row_of], axis=1), axis=0)
+        n_val = max(1, int(round(fraction * len(records))))
+        if n_val >= len(records):
+            raise ValueError(f"val_fraction {fraction} leaves no training record of {len(records)}")
+        chosen = records[np.sort(np.random.default_rng(seed).permutation(len(records))[:n_val])]
+        key = self.source_of * (int(self.row_of.max()) + 1) + self.row_of
+        held = np.isin(key, chosen[:, 0] * (int(self.row_of.max()) + 1) + chosen[:, 1])
+        keep = ~held
+        rest = replace(
+            self,
+            source_of=self.source_of[keep],
+            row_of=self.row_of[keep],
+            lengths=self.lengths[keep],
+            loss_tokens=self.loss_tokens[keep],
+            report={**self.report, "held_out_for_validation": int(n_val)},
+        )
+        return rest, chosen[:, 0], chosen[:, 1]
 
     def where(self, i: int) -> str:
         return self.sources[self.source_of[i]].where(int(self.row_of[i]))

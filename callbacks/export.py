@@ -1,0 +1,36 @@
+"""HBPExport: write a Hugging Face ``save_pretrained`` folder when fit ends."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import lightning as L
+
+
+class HBPExport(L.Callback):
+    """At the end of fit, save a checkpoint (every rank takes part, as ZeRO needs) and turn it into a
+    ``save_pretrained`` folder in ``dirpath`` with ``lit_hbp.export`` (rank zero): config,
+    safetensors weights in ``dtype``, the run's tokenizer; LoRA runs write the adapter, or the merged
+    model with ``merge_lora``. The intermediate checkpoint is removed afterwards."""
+
+    def __init__(self, dirpath: str, dtype: str = "float32", merge_lora: bool = False):
+        from lit_hbp.export import DTYPES
+
+        if dtype not in DTYPES:
+            raise ValueError(f"HBPExport: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.dirpath, self.dtype, self.merge_lora = Path(dirpath), dtype, merge_lora
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lit_hbp.export import export_checkpoint
+
+        staging = self.dirpath.with_name(self.dirpath.name + ".checkpoint")
+        trainer.save_checkpoint(staging)
+        trainer.strategy.barrier("hbp_export_saved")
+        if trainer.is_global_zero:
+            export_checkpoint(staging, self.dirpath, self.dtype, self.merge_lora)
+            if staging.is_dir():
+                shutil.rmtree(staging)
+            else:
+                staging.unlink()
+        trainer.strategy.barrier("hbp_export_written")

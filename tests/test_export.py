@@ -1,0 +1,203 @@
+"""From a run to a usable model: export of ZeRO 2/3 checkpoints to save_pretrained folders (bit-exact
+in fp32, loadable by transformers, resumable by lit-hbp), LoRA adapters (gradient parity with HF +
+peft, only adapters train under ZeRO and SP), the export callback and the strategy's names."""
+
+import copy
+import json
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY_LLAMA
+from distributed import Pool
+
+from lit_hbp.data.collate import collate_packs
+from lit_hbp.export import export_checkpoint
+from lit_hbp.module import HBPLitModule
+
+TINY = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2}
+LORA = {"rank": 4, "alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}
+PROBE = [5, 17, 3, 44, 9, 28, 11, 2, 60, 31]  # token ids of the sample whose logits are compared
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    rng = np.random.default_rng(5)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world"]
+    path = tmp_path_factory.mktemp("export") / "d.jsonl"
+    with path.open("w") as f:
+        for i in range(80):
+            n = int(rng.integers(60, 150)) if i % 8 == 0 else int(rng.integers(2, 25))
+            q, a = " ".join(rng.choice(words, n)), " ".join(rng.choice(words, rng.integers(2, 20)))
+            f.write(json.dumps({"prompt": q, "response": a}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = Pool(2)
+    yield p
+    p.close()
+
+
+def train_and_save(stage: int, data: str, tokenizer: str, cache: str, out: str, lora: dict | None) -> dict:
+    """2 ranks, levels sp 1 and sp 2, a few optimizer steps; the checkpoint saved to ``out``; the
+    trained weights (gathered), the probe's logits through the module, and what the optimizer holds."""
+    import deepspeed
+    from lit_hbp.callbacks import HBPExport
+
+    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.strategy import HBPStrategy
+
+    dm = HBPDataModule(sources=[{"path": data}], tokenizer=tokenizer, levels=["96:1", "384:2"], cache_dir=cache)
+    torch.manual_seed(0)
+    module = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, lr=1e-2, lora=lora)
+    initial = {}
+
+    class Initial(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            params = list(pl_module.model.named_parameters())
+            with deepspeed.zero.GatheredParameters([p for _, p in params]):
+                initial.update({n: p.detach().clone() for n, p in params})
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=HBPStrategy(stage=stage),
+        max_steps=4,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Initial(), HBPExport(out + "_callback")],
+    )
+    trainer.fit(module, dm)
+    trainer.save_checkpoint(out)
+    params = list(module.model.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params]):
+        weights = {n: p.detach().clone() for n, p in params}
+        module.model.eval()
+        with torch.no_grad():
+            logits = module.model(input_ids=torch.tensor([PROBE]), use_cache=False).logits[0]
+    states = trainer.optimizers[0].optimizer.state  # the AdamW inside ZeRO: this rank's flat partitions
+    trained = sum(s["exp_avg"].numel() for s in states.values())
+    return dict(weights=weights, initial=initial, logits=logits, trained_numel=trained)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_export_of_a_zero_checkpoint_is_exact_and_loads_in_transformers(pool, chats, toy_tokenizer, tmp_path, stage):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = str(tmp_path / "run.ckpt")
+    results = pool.run(train_and_save, stage, str(chats), toy_tokenizer, str(tmp_path / "cache"), ckpt, None)
+    trained = results[0]
+    out = export_checkpoint(ckpt, tmp_path / "hf")
+    net = AutoModelForCausalLM.from_pretrained(out)
+    exported = dict(net.named_parameters())
+    assert set(exported) == set(trained["weights"])
+    for name, w in trained["weights"].items():
+        assert torch.equal(exported[name], w), name  # bit-exact in fp32
+    assert any(not torch.equal(trained["initial"][n], w) for n, w in trained["weights"].items())
+    net.eval()
+    with torch.no_grad():
+        logits = net(input_ids=torch.tensor([PROBE])).logits[0]
+    torch.testing.assert_close(logits, trained["logits"], atol=1e-5, rtol=1e-5)
+    assert net.config.use_cache and len(AutoTokenizer.from_pretrained(out)) == net.config.vocab_size
+    generated = net.generate(torch.tensor([PROBE]), max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, len(PROBE) + 4)
+    # The callback's folder holds the same weights; bf16 export casts them.
+    by_callback = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "run.ckpt_callback").named_parameters())
+    assert all(torch.equal(by_callback[n], w) for n, w in trained["weights"].items())
+    half = export_checkpoint(ckpt, tmp_path / "bf16", dtype="bfloat16")
+    net16 = AutoModelForCausalLM.from_pretrained(half, dtype=torch.bfloat16)
+    assert all(torch.equal(p, trained["weights"][n].bfloat16()) for n, p in net16.named_parameters())
+    # model: <folder> resumes fine-tuning from the exported weights.
+    again = HBPLitModule(model=str(out), vocab_size=net.config.vocab_size)
+    again.configure_model()
+    assert all(torch.equal(p, trained["weights"][n]) for n, p in again.model.named_parameters())
+    batch = collate_packs(
+        [np.arange(1)], lambda i: (np.array(PROBE), np.ones(len(PROBE), bool)), meta={"loss_norm": 9.0}
+    )
+    loss = again(batch)[0]
+    loss.backward()
+    assert torch.isfinite(loss) and again.model.model.embed_tokens.weight.grad is not None
+
+
+def test_lora_adapter_gradients_equal_hf_and_peft_on_each_sample_alone():
+    torch.manual_seed(0)
+    module = HBPLitModule(model=TINY, vocab_size=300, loss="sum", lora=LORA)
+    module.configure_model()
+    ref = copy.deepcopy(module.model)
+    ref.base_model.model.set_attn_implementation("eager")
+    rng = np.random.default_rng(0)
+    samples = {i: (rng.integers(0, 300, n), rng.random(n) < 0.7) for i, n in enumerate([7, 40, 23, 61, 12])}
+    batch = collate_packs([np.arange(5)], samples.__getitem__, meta={"loss_norm": 1.0})
+    module(batch)[0].backward()
+    expected = 0.0
+    for ids, target in samples.values():
+        ids = torch.as_tensor(ids)
+        labels = torch.where(torch.as_tensor(target[1:]), ids[1:], -100)
+        logits = ref(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
+        expected = expected + F.cross_entropy(logits, labels, reduction="sum")
+    expected.backward()
+    adapters = 0
+    for (name, p), q in zip(module.model.named_parameters(), ref.parameters()):
+        if "lora_" in name:
+            adapters += 1
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=name)
+        else:
+            assert not p.requires_grad and p.grad is None, name
+    assert adapters == 2 * 7 * TINY["num_hidden_layers"]  # A and B of q, k, v, o, gate, up, down
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_trains_only_adapters_under_zero_and_sp_and_exports(pool, chats, toy_tokenizer, tmp_path, stage):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ckpt = str(tmp_path / "lora.ckpt")
+    results = pool.run(train_and_save, stage, str(chats), toy_tokenizer, str(tmp_path / "cache"), ckpt, LORA)
+    r = results[0]
+    lora = {n for n in r["weights"] if "lora_" in n}
+    # Adam states for the adapters only, partitioned over the ranks by ZeRO (flat partitions may be
+    # padded for alignment, far below the frozen model's size).
+    adapter_numel = sum(r["weights"][n].numel() for n in lora)
+    assert lora and adapter_numel <= sum(x["trained_numel"] for x in results) <= adapter_numel + 256
+    for name, w in r["weights"].items():
+        assert torch.equal(w, r["initial"][name]) != (name in lora), name  # base frozen, adapters moved
+    merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, tmp_path / "merged", merge_lora=True))
+    merged.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=torch.tensor([PROBE])).logits[0], r["logits"], atol=1e-5, rtol=1e-5)
+    adapter = export_checkpoint(ckpt, tmp_path / "adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    # The frozen base the run started from (peft names: base_model.model.<name>, wrapped layers' .base_layer).
+    base = copy.deepcopy(merged)
+    start = {
+        n.removeprefix("base_model.model.").replace(".base_layer.", "."): w
+        for n, w in r["initial"].items()
+        if "lora_" not in n
+    }
+    base.load_state_dict(start, strict=True)
+    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        got = with_adapter(input_ids=torch.tensor([PROBE])).logits[0]
+    torch.testing.assert_close(got, r["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_strategy_names_are_registered_with_lightning():
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="hbp_stage_3", logger=False)
+    assert type(trainer.strategy).__name__ == "HBPStrategy" and trainer.strategy.zero_stage_3
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="hbp", logger=False)
+    assert trainer.strategy.config["zero_optimization"]["stage"] == 2
+
+
+def test_unknown_lora_settings_are_named():
+    module = HBPLitModule(model=TINY, vocab_size=300, lora={"rank": 4, "alfa": 8})
+    with pytest.raises(ValueError, match=r"lora: unknown setting\(s\) \['alfa'\]"):
+        module.configure_model()

@@ -1,0 +1,190 @@
+"""Validation: a held-out split that never meets training, every sample evaluated once per run over
+ranks and SP groups, val/loss equal to a single-process token mean, and validation interleaved
+with a mid-epoch resume."""
+
+import copy
+import json
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY_LLAMA
+from distributed import Pool
+
+from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.module import HBPLitModule
+
+TINY = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    rng = np.random.default_rng(11)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world"]
+    folder = tmp_path_factory.mktemp("val")
+    for name, n_rec in (("train.jsonl", 120), ("extra.jsonl", 15)):
+        with (folder / name).open("w") as f:
+            for i in range(n_rec):
+                n = int(rng.integers(60, 150)) if i % 9 == 0 else int(rng.integers(2, 25))
+                q, a = " ".join(rng.choice(words, n)), " ".join(rng.choice(words, rng.integers(2, 20)))
+                f.write(json.dumps({"prompt": q, "response": a}) + "\n")
+    return folder
+
+
+def datamodule(chats, tokenizer, cache, levels=("96:1", "384:1"), **kw) -> HBPDataModule:
+    return HBPDataModule(
+        sources=[{"path": str(chats / "train.jsonl"), "repeat": 2}],
+        tokenizer=tokenizer,
+        levels=list(levels),
+        cache_dir=str(cache),
+        **kw,
+    )
+
+
+def test_held_out_records_never_train_and_val_sources_join_them(chats, toy_tokenizer, tmp_path):
+    dm = datamodule(
+        chats, toy_tokenizer, tmp_path, val_fraction=0.1, val_sources=[{"path": str(chats / "extra.jsonl")}]
+    )
+    dm.setup("fit")
+    train = {(int(s), int(r)) for s, r in zip(dm.store.source_of, dm.store.row_of)}
+    val = [(int(s), int(r)) for s, r in zip(dm.val_store.source_of, dm.val_store.row_of)]
+    held = [x for x in val if x[0] == 0]
+    extra = [x for x in val if x[0] == 1]
+    assert len(held) == 12 and len(set(held)) == 12 and not set(held) & train  # 10% of 120 records
+    assert sorted(r for _, r in extra) == list(range(15))
+    # Every repeat of a held-out record left training: 108 records x 2 repeats remain.
+    assert dm.store.lengths.size == 2 * 108
+    # The same split on every rank and every run (seeded).
+    again = datamodule(chats, toy_tokenizer, tmp_path, val_fraction=0.1)
+    again.setup("fit")
+    assert np.array_equal(again.val_store.row_of, dm.val_store.row_of[: len(held)])
+    with pytest.raises(ValueError, match="val_sources: .* has a repeat or weight"):
+        datamodule(chats, toy_tokenizer, tmp_path, val_sources=[{"path": str(chats / "extra.jsonl"), "repeat": 2}])
+
+
+def validate_on_world(chats: str, tokenizer: str, cache: str) -> dict:
+    """A 2-process HBPStrategy run (levels sp 1 and sp 2) that validates after its first step with
+    lr 0; returns val/loss, the samples each rank evaluated and the weights."""
+    from pathlib import Path
+
+    import deepspeed
+
+    from lit_hbp.strategy import HBPStrategy
+
+    seen = []
+
+    class Seen(L.Callback):
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            if not trainer.sanity_checking:
+                seen.append((batch["sp"], batch["sp_rank"], batch["sample_index"].tolist()))
+
+    dm = datamodule(Path(chats), tokenizer, cache, levels=("96:1", "384:2"), val_fraction=0.25)
+    torch.manual_seed(0)
+    module = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, lr=0.0, weight_decay=0.0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=HBPStrategy(stage=2),
+        max_steps=1,
+        val_check_interval=1,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Seen()],
+    )
+    trainer.fit(module, dm)
+    params = list(module.model.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params]):
+        weights = {n: p.detach().clone() for n, p in params}
+    return dict(loss=float(trainer.callback_metrics["val/loss"]), seen=seen, weights=weights)
+
+
+@pytest.mark.slow
+def test_validation_loss_on_two_ranks_with_sp_equals_one_process(chats, toy_tokenizer, tmp_path):
+    pool = Pool(2)
+    try:
+        results = pool.run(validate_on_world, str(chats), toy_tokenizer, str(tmp_path / "cache"))
+    finally:
+        pool.close()
+    dm = datamodule(chats, toy_tokenizer, tmp_path / "cache", val_fraction=0.25)  # the same split on one process
+    dm.setup("fit")
+    # Every validation sample evaluated once: by one SP group (both of its ranks hold it), or one rank at sp 1.
+    owners = [i for r in results for sp, sp_rank, ids in r["seen"] if sp_rank == 0 for i in ids]
+    assert sorted(owners) == list(range(dm.val_store.lengths.size))
+    assert {sp for r in results for sp, *_ in r["seen"]} == {1, 2}
+    # The single-process reference: HF's own attention, each sample alone, token mean over the set.
+    torch.manual_seed(0)
+    ref = HBPLitModule(model=TINY, vocab_size=dm.vocab_size)
+    ref.configure_model()
+    net = copy.deepcopy(ref.model)
+    net.set_attn_implementation("sdpa")
+    net.load_state_dict(results[0]["weights"])
+    ce, targets = 0.0, 0
+    with torch.no_grad():
+        for i in range(dm.val_store.lengths.size):
+            ids, target = dm.val_store.tokens(i)
+            ids = torch.as_tensor(ids).long()
+            labels = torch.where(torch.as_tensor(target[1:]), ids[1:], -100)
+            logits = net(input_ids=ids[None], use_cache=False).logits[0, :-1]
+            ce += F.cross_entropy(logits, labels, reduction="sum").item()
+            targets += int((labels != -100).sum())
+    for r in results:
+        assert r["loss"] == pytest.approx(ce / targets, abs=1e-5)
+
+
+class Trace(L.Callback):
+    def __init__(self):
+        self.train, self.val = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.train.append((trainer.current_epoch, batch["micro_index"], tuple(batch["sample_index"].tolist())))
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.val.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
+
+
+def fit_with_validation(chats, tokenizer, tmp_path, name, max_steps, ckpt_path=None):
+    L.seed_everything(0)
+    dm = HBPDataModule(
+        sources=[{"path": str(chats / "train.jsonl")}],
+        tokenizer=tokenizer,
+        levels=["96:1", "384:1"],
+        cache_dir=str(tmp_path / "cache"),
+        val_fraction=0.2,
+    )
+    torch.manual_seed(0)
+    module = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, lr=1e-3)
+    trace = Trace()
+    saver = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / name, every_n_train_steps=1, save_top_k=-1, filename="{step}"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        val_check_interval=4,  # micro-steps: every 2 optimizer steps
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[trace, saver],
+    )
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return trace
+
+
+@pytest.mark.slow
+def test_validation_and_a_mid_epoch_resume_interleave(chats, toy_tokenizer, tmp_path):
+    full = fit_with_validation(chats, toy_tokenizer, tmp_path, "full", 8)
+    assert [step for step, _ in full.val] == [2, 4, 6, 8]
+    resumed = fit_with_validation(chats, toy_tokenizer, tmp_path, "again", 8, tmp_path / "full" / "step=3.ckpt")
+    assert resumed.train == full.train[6:]
+    assert [s for s, _ in resumed.val] == [4, 6, 8]
+    np.testing.assert_allclose([v for _, v in resumed.val], [v for _, v in full.val[1:]], rtol=1e-6)
