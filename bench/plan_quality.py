@@ -1,4 +1,4 @@
-"""Packing quality of HBP against naive packing on the paper-shaped mix (DESIGN.md section 4).
+"""Packing quality of HBP against naive packing on the paper-shaped mix (docs/DESIGN.md section 4).
 
     python bench/plan_quality.py [--world 32] [--accumulate 1]
 

@@ -74,3 +74,33 @@ def paper_shaped_mix():
     short = np.clip(np.rint(rng.lognormal(np.log(700), 1.1, 100_000)), 32, 32768)
     long_ = np.rint(np.exp(rng.uniform(np.log(8192), np.log(131072), 500)))
     return rng.permutation(np.r_[short, long_]).astype(np.int64)
+
+
+def separate_loss(model, samples, device="cpu"):
+    """The independent reference of every packed loss: each sample run alone through the model's own
+    forward (the caller picks its attention), cross-entropy of its supervised next tokens, summed
+    over the samples. ``samples``: {i: (token ids, supervised mask)}."""
+    import torch
+    import torch.nn.functional as F
+
+    total = 0.0
+    for ids, target in samples.values():
+        ids = torch.as_tensor(ids, device=device).long()
+        labels = torch.where(torch.as_tensor(target[1:], device=device), ids[1:], -100)
+        logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
+        total = total + F.cross_entropy(logits, labels, reduction="sum")
+    return total
+
+
+def chat_datamodule(demo, tokenizer, cache, **kw):
+    """The demo chats in 256- and 1024-token levels: the data of the short training runs."""
+    from lit_hbp.data.datamodule import HBPDataModule
+
+    return HBPDataModule(
+        sources=[{"path": str(demo / "short.jsonl")}],
+        tokenizer=tokenizer,
+        levels=["256:1", "1024:1"],
+        cache_dir=str(cache),
+        over_length="drop",
+        **kw,
+    )

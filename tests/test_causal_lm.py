@@ -8,6 +8,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import chat_datamodule
 from families import small_config
 
 from lit_hbp.data.collate import collate_packs
@@ -82,15 +83,7 @@ def test_an_unknown_model_shape_only_turns_flops_off():
 def fit(module, tmp_path, toy_tokenizer, small_demo):
     from lit_hbp.callbacks import HBPThroughputMonitor
 
-    from lit_hbp.data.datamodule import HBPDataModule
-
-    dm = HBPDataModule(
-        sources=[{"path": str(small_demo / "short.jsonl")}],
-        tokenizer=toy_tokenizer,
-        levels=["256:1", "1024:1"],
-        cache_dir=str(tmp_path / "cache"),
-        over_length="drop",
-    )
+    dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache")
     steps = []
 
     class Steps(L.Callback):

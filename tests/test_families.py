@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from conftest import separate_loss
 from families import NAMED, all_families, small_config, too_large
 
 from lit_hbp.data.collate import collate_packs
@@ -36,12 +36,7 @@ def parity_errors(module: HBPLitModule) -> tuple[float, float, str]:
     batch = collate_packs([np.arange(len(lengths))], samples.__getitem__, meta=dict(loss_norm=1.0))
     loss = module(batch)[0]
     loss.backward()
-    expected = 0.0
-    for ids, target in samples.values():
-        ids = torch.as_tensor(ids)
-        labels = torch.where(torch.as_tensor(target[1:]), ids[1:], -100)
-        logits = ref(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
-        expected = expected + F.cross_entropy(logits, labels, reduction="sum")
+    expected = separate_loss(ref, samples)
     expected.backward()
     loss_err = abs(loss.item() - expected.item()) / abs(expected.item())
     pairs = [(n, p.grad, q.grad) for (n, p), q in zip(module.model.named_parameters(), ref.parameters())]
@@ -142,12 +137,7 @@ def test_family_on_cuda_passes_the_self_check_and_matches_eager(family):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = module(batch)[0]
     loss.backward()
-    expected = 0.0
-    for ids, target in samples.values():
-        ids = torch.as_tensor(ids).cuda()
-        labels = torch.where(torch.as_tensor(target[1:]).cuda(), ids[1:], -100)
-        logits = ref(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
-        expected = expected + F.cross_entropy(logits, labels, reduction="sum")
+    expected = separate_loss(ref, samples, "cuda")
     expected.backward()
     assert abs(loss.item() - expected.item()) < 1e-2 * abs(expected.item())
     scale = max(q.grad.abs().max().item() for q in ref.parameters() if q.grad is not None)

@@ -11,7 +11,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, chat_datamodule
 from lightning.pytorch.loggers import Logger
 from lit_hbp.callbacks import HBPThroughputMonitor
 from torch.overrides import TorchFunctionMode
@@ -132,13 +132,7 @@ class RecordLoss(L.Callback):
 
 
 def test_logged_loss_is_the_token_mean_since_the_last_log(tmp_path, toy_tokenizer, small_demo):
-    dm = HBPDataModule(
-        sources=[{"path": str(small_demo / "short.jsonl")}],
-        tokenizer=toy_tokenizer,
-        levels=["256:1", "1024:1"],
-        cache_dir=str(tmp_path / "cache"),
-        over_length="drop",
-    )
+    dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache")
     torch.manual_seed(0)
     module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=0.0)
     logger, record = MemoryLogger(), RecordLoss()
@@ -169,14 +163,7 @@ def test_logged_loss_is_the_token_mean_since_the_last_log(tmp_path, toy_tokenize
 
 def test_loader_workers_give_the_batches_of_the_main_process(tmp_path, toy_tokenizer, small_demo):
     def batches(workers):
-        dm = HBPDataModule(
-            sources=[{"path": str(small_demo / "short.jsonl")}],
-            tokenizer=toy_tokenizer,
-            levels=["256:1", "1024:1"],
-            cache_dir=str(tmp_path / "cache"),
-            over_length="drop",
-            num_workers=workers,
-        )
+        dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache", num_workers=workers)
         dm.setup("fit")
         out = []
         loader = dm.train_dataloader()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import separate_loss
 
 from lit_hbp import attention
 from lit_hbp.data.collate import collate_packs
@@ -78,13 +79,7 @@ def test_packed_loss_and_gradients_equal_separate_forwards_cuda(backend, arch):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = module(batch)[0]
         loss.backward()
-        expected = 0.0
-        for i in range(24):
-            ids, target = samples[i]
-            ids = torch.as_tensor(ids).cuda()
-            labels = torch.where(torch.as_tensor(target[1:]).cuda(), ids[1:], -100)
-            logits = ref(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
-            expected = expected + F.cross_entropy(logits, labels, reduction="sum", ignore_index=-100)
+        expected = separate_loss(ref, samples, "cuda")
         expected.backward()
         assert abs(loss.item() - expected.item()) < 1e-2 * expected.item()
         for (name, p), q in zip(module.model.named_parameters(), ref.parameters()):

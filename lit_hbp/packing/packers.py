@@ -460,7 +460,8 @@ PACKERS: dict[str, PackerFn] = {
     "random": random,
 }
 
-# Chosen by bench/packers.py (bench/RESULTS.md): best fill together with ffd, fastest of the exact packers.
+# Chosen by bench/plan_quality.py and bench/plan_speed.py (bench/RESULTS.md): best fill together
+# with ffd, fastest of the exact packers.
 DEFAULT_PACKER = "bfd"
 
 

@@ -133,7 +133,7 @@ class Plan:
         return self.n_steps * self.accumulate
 
     def metrics(self) -> dict:
-        """DBR, ABR, PR, CR, Ave-T, fill and counts (DESIGN.md section 4)."""
+        """DBR, ABR, PR, CR, Ave-T, fill and counts (docs/DESIGN.md section 4)."""
         return plan_metrics(self)
 
     def summary(self) -> str:
