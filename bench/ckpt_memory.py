@@ -22,11 +22,11 @@ import sys
 import numpy as np
 import torch
 
-from lit_hbp.autoselect.__main__ import config_lengths, model_config, read_config
 from lit_hbp.autoselect.measured import MeasuredProfiler, synthetic_batch
+from lit_hbp.config import config_lengths, model_config, read_config
 from lit_hbp.module import HBPLitModule
-from lit_hbp.packing.__main__ import format_table
 from lit_hbp.packing.levels import as_level
+from lit_hbp.report import format_table
 
 MIB = 2**20
 

@@ -39,7 +39,7 @@ import torch
 from lit_hbp.cli import main as cli_main
 from lit_hbp.costmodel import HARDWARE
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.packing.__main__ import format_table
+from lit_hbp.report import format_table
 
 OOM = (torch.OutOfMemoryError,)
 

@@ -1,4 +1,4 @@
-"""Packing quality of HBP against naive packing on the paper-shaped mix (docs/DESIGN.md section 4).
+"""Packing quality of HBP against naive packing on the paper-shaped mix (docs/design.md section 4).
 
     python bench/plan_quality.py [--world 32] [--accumulate 1]
 
@@ -17,7 +17,7 @@ import time
 from workloads import load
 
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, plan_hbp, plan_single_level
-from lit_hbp.packing.__main__ import METRIC_COLUMNS, format_table
+from lit_hbp.report import METRIC_COLUMNS, format_table
 
 TARGETS = {"abr": 0.005, "pr": 0.002, "cr": 0.18}
 PAPER = {"naive ISF 128K sp8": (0.506, 1.0), "hierarchical only": (0.288, 0.173), "HBP": (0.002, 0.173)}

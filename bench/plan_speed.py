@@ -19,8 +19,8 @@ import numpy as np
 from workloads import load
 
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, plan_hbp, plan_single_level
-from lit_hbp.packing.__main__ import format_table
 from lit_hbp.packing.packers import run_packer
+from lit_hbp.report import format_table
 
 LEVELS = [Level(16384, 1), Level(131072, 8)]
 ANCHORS = "axolotl multipack FFD 2.2 s, LLaMA-Factory greedy knapsack ~5.5 s, NeMo-RL MFFD ~177 s, HBP paper ~5 s"

@@ -49,11 +49,11 @@ import torch.multiprocessing as mp
 from lit_hbp.data.collate import collate_packs, pad_multiple, shard
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing import Level
-from lit_hbp.packing.__main__ import format_table
 from lit_hbp.parallel import context
 from lit_hbp.parallel.groups import SPGroups
 from lit_hbp.parallel.topology import sp_coords
 from lit_hbp.parallel.ulysses import check_heads
+from lit_hbp.report import format_table
 
 TARGET = 0.02  # switch cost as a share of a micro-step
 LR = 1e-3

@@ -34,14 +34,14 @@ import torch
 from lit_hbp.costmodel import HARDWARE
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.datamodule import load_tokenizer
-from lit_hbp.data.demo import ensure_demo
 from lit_hbp.data.sources import Source
 from lit_hbp.data.store import SampleStore
 from lit_hbp.data.tokenize import tokenize_source
+from lit_hbp.demo import ensure_demo
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing import Level, plan_hbp
-from lit_hbp.packing.__main__ import format_table
+from lit_hbp.report import format_table
 
 HERE = Path(__file__).resolve().parent
 

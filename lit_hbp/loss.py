@@ -1,4 +1,4 @@
-"""Chunked cross-entropy and the loss normalizers (docs/DESIGN.md section 5).
+"""Chunked cross-entropy and the loss normalizers (docs/design.md section 5).
 
 Logits of 16K tokens x 128K vocabulary do not fit in memory, so the LM head and the
 cross-entropy run chunk by chunk over the supervised positions only, each chunk under

@@ -3,7 +3,7 @@
 Every SP group of every degree the levels use is built once at setup; each micro-batch then only
 activates its level's group (its ``sp`` tag), at zero cost. DeepSpeed itself never hears of SP: its
 data-parallel group stays the whole world (no ``mpu``, whose ZeRO partitioning would freeze one sp),
-and the Ave-Token loss carries all SP accounting (docs/DESIGN.md sections 5-7).
+and the Ave-Token loss carries all SP accounting (docs/design.md sections 5-7).
 
 Also fixed here:
 - Lightning divides the loss by accumulate_grad_batches and DeepSpeed divides gradients by its

@@ -57,7 +57,7 @@ def toy_tokenizer(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def small_demo(tmp_path_factory) -> Path:
     """The embedded demo data set, built small (a few hundred chats, a few long samples)."""
-    from lit_hbp.data.demo import build_demo
+    from lit_hbp.demo import build_demo
 
     out = tmp_path_factory.mktemp("demo")
     build_demo(out, n_short=400, n_long=8, vocab_size=2048)

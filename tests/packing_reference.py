@@ -163,7 +163,7 @@ def length_multisets(bins, lengths):
 
 
 def metrics(plan) -> dict:
-    """docs/DESIGN.md section 4 computed by looping over steps, micro-steps and ranks."""
+    """docs/design.md section 4 computed by looping over steps, micro-steps and ranks."""
     dbr, abr, ave_t = [], [], []
     for step in plan.steps:
         lv = plan.levels[step.level]

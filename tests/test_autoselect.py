@@ -339,8 +339,8 @@ def test_levels_auto_measured_inside_a_distributed_run(pool, tmp_path, toy_token
 
 
 def test_run_arguments_reuse_the_configs_model_precision_and_zero_settings():
-    from lit_hbp.autoselect.__main__ import read_config
     from lit_hbp.autoselect.launch import run_arguments
+    from lit_hbp.config import read_config
 
     config = read_config(Path(__file__).parents[1] / "configs" / "tiny_cpu_sp.yaml")
     module, trainer, strategy = run_arguments(config, vocab=300)

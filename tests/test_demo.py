@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from lit_hbp.data import demo
+from lit_hbp import demo
 
 SMALL = {"n_short": 200, "n_long": 6, "vocab_size": 2048, "seed": 0}
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

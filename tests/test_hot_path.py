@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import TINY_LLAMA, chat_datamodule
 from lightning.pytorch.loggers import Logger
-from lit_hbp.callbacks import HBPThroughputMonitor
 from torch.overrides import TorchFunctionMode
 
 from lit_hbp import attention
 from lit_hbp.attention import backends
+from lit_hbp.callbacks import HBPThroughputMonitor
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.module import HBPLitModule
@@ -181,7 +181,7 @@ def test_loader_workers_give_the_batches_of_the_main_process(tmp_path, toy_token
 def sync_counting_fit(strategy: str, tmp_path) -> tuple[int, list[str], int]:
     """Trains on CUDA with bf16 autocast, accumulation 4 and logs every 4th step; counts the syncs
     of micro-steps that neither step the optimizer nor log (from one micro-step's start to the next's)."""
-    from lit_hbp.data.demo import build_demo
+    from lit_hbp.demo import build_demo
     from lit_hbp.strategy import HBPStrategy
 
     demo = build_demo(tmp_path / "demo", n_short=300, n_long=4, vocab_size=2048)

@@ -180,7 +180,7 @@ def test_curriculum_moves_short_steps_first_and_drops_nothing():
 def test_paper_attention_example_two_ranks():
     """Packs {1K,1K,1K,1K} and {2K,2K}: attention 4K^2 vs 8K^2 on two ranks.
 
-    docs/DESIGN.md's ABR = sum_i (A_max - A_i) / (A_max * N) is the idle share of all device time:
+    docs/design.md's ABR = sum_i (A_max - A_i) / (A_max * N) is the idle share of all device time:
     (8 - 4) / (8 * 2) = 0.25. The paper quotes 0.5 for this example, which is the idle share of
     the lighter rank alone, (A_max - A_min) / A_max."""
     K = 1024

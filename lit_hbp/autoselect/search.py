@@ -1,4 +1,4 @@
-"""Hierarchical Groups Auto-Selection: the paper's Algorithms 1, 3 and 4 (docs/DESIGN.md section 8).
+"""Hierarchical Groups Auto-Selection: the paper's Algorithms 1, 3 and 4 (docs/design.md section 8).
 
 Algorithm 4 (checkpointing): profile memory with c_min and c_max checkpointed layers, interpolate
 linearly the smallest count that leaves ``margin`` bytes free. Algorithm 3: for every sp degree,

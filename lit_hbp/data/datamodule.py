@@ -134,7 +134,7 @@ class HBPDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes for collation; None (default): 2 when training on
             a GPU, where batches are also pinned and prefetched so the copy overlaps the step, else 0.
         demo_dir: build the embedded demo data set and tokenizer here if missing
-            (``python -m lit_hbp.data.demo``); the tiny configs point their sources at it.
+            (``python -m lit_hbp.demo``); the tiny configs point their sources at it.
         val_sources: validation data (same formats as ``sources``), every record once.
         val_fraction: also hold out this seeded fraction of the training records (every repeat of
             a held-out record leaves training) for validation.
@@ -188,7 +188,7 @@ class HBPDataModule(L.LightningDataModule):
         self.packer, self.over_length, self.train_on, self.seed = packer, over_length, train_on, seed
         self.cache_dir, self.num_workers = cache_dir, num_workers
         if demo_dir is not None:
-            from lit_hbp.data.demo import ensure_demo
+            from lit_hbp.demo import ensure_demo
 
             ensure_demo(demo_dir)
         self.tokenizer = load_tokenizer(tokenizer)

@@ -12,58 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-import numpy as np
-
+from lit_hbp.packing.bins import load_lengths
 from lit_hbp.packing.levels import Level
 from lit_hbp.packing.packers import DEFAULT_PACKER, PACKERS
 from lit_hbp.packing.plan import plan_hbp, plan_single_level
-
-
-def load_lengths(path: str | Path) -> np.ndarray:
-    """Read lengths from .npy or from a text file with one integer per line (errors name the line)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"lengths file not found: {path}")
-    if path.suffix == ".npy":
-        return np.load(path, allow_pickle=False)
-    values = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            text = line.strip()
-            if not text:
-                continue
-            try:
-                values.append(int(text))
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: not an integer length: {text!r}") from None
-    return np.asarray(values, dtype=np.int64)
-
-
-def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """Plain-text table: columns are (key, format) pairs; the first column is the row name."""
-    head = ["plan"] + [k for k, _ in columns]
-    body = [[r["name"]] + [format(r[k], f) for k, f in columns] for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-
-    def line(cells):
-        return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in body])
-
-
-METRIC_COLUMNS = [
-    ("dbr", ".4f"),
-    ("abr", ".4f"),
-    ("pr", ".4f"),
-    ("cr", ".3f"),
-    ("ave_t", ".0f"),
-    ("fill", ".5f"),
-    ("n_steps", "d"),
-    ("n_packs", "d"),
-    ("seconds", ".3f"),
-]
+from lit_hbp.report import METRIC_COLUMNS, format_table
 
 
 def compare(

@@ -1,4 +1,4 @@
-"""Packing metrics of a plan (docs/DESIGN.md section 4), vectorized over micro-steps.
+"""Packing metrics of a plan (docs/design.md section 4), vectorized over micro-steps.
 
 Per micro-step, every rank i holds T_i tokens and A_i attention work. An SP group of size s puts
 T/s tokens of its packs on each of its ranks, and Ulysses gives each rank 1/s of the group's

@@ -16,73 +16,10 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class Bins:
-    """Bins in CSR form: bin b holds ``members[offsets[b]:offsets[b + 1]]``."""
-
-    members: np.ndarray
-    offsets: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def sizes(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def loads(self, lengths: np.ndarray) -> np.ndarray:
-        """Tokens per bin."""
-        out = np.zeros(len(self), dtype=np.int64)
-        nonempty = self.sizes() > 0
-        if self.members.size:
-            out[nonempty] = np.add.reduceat(lengths[self.members], self.offsets[:-1][nonempty])
-        return out
-
-    def as_list(self) -> list[np.ndarray]:
-        return np.split(self.members, self.offsets[1:-1]) if len(self) else []
-
-    @staticmethod
-    def from_assignment(bin_of: np.ndarray, n_bins: int, items: np.ndarray | None = None) -> Bins:
-        """Build bins from a bin id per item (-1 = not placed), keeping item order within a bin."""
-        placed = np.flatnonzero(bin_of >= 0)
-        ids = bin_of[placed]
-        order = np.argsort(ids, kind="stable")
-        members = placed[order] if items is None else items[placed[order]]
-        offsets = np.zeros(n_bins + 1, dtype=np.int64)
-        np.cumsum(np.bincount(ids, minlength=n_bins), out=offsets[1:])
-        return Bins(members.astype(np.int64, copy=False), offsets)
-
-
-def check_lengths(lengths, capacity: int | None = None, what: str = "lengths") -> np.ndarray:
-    """Return lengths as int64, or raise naming the first offending sample indices."""
-    arr = np.asarray(lengths)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be a 1-D array of token counts, got shape {arr.shape}")
-    if arr.dtype.kind not in "iuf" and arr.size:
-        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "f":
-        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
-        if bad.size:
-            raise ValueError(f"{what} must be integers: {_describe(bad, arr)}")
-    arr = arr.astype(np.int64)
-    bad = np.flatnonzero(arr < 0)
-    if bad.size:
-        raise ValueError(f"{what} must be >= 0: negative at {_describe(bad, arr)}")
-    if capacity is not None:
-        bad = np.flatnonzero(arr > capacity)
-        if bad.size:
-            raise ValueError(f"{bad.size} item(s) longer than the capacity {capacity}: {_describe(bad, arr)}")
-    return arr
-
-
-def _describe(bad: np.ndarray, arr: np.ndarray, limit: int = 5) -> str:
-    shown = ", ".join(f"index {int(i)} = {arr[i]}" for i in bad[:limit])
-    return shown + (f" and {bad.size - limit} more" if bad.size > limit else "")
-
+from lit_hbp.packing.bins import Bins, check_lengths, describe_indices
 
 # --------------------------------------------------------------------------------------------
 # Fit-decreasing core (FFD / BFD, with optional pre-existing bins for GreedyFill)
@@ -487,5 +424,5 @@ def pack(lengths, capacity: int, packer: str = DEFAULT_PACKER, seed: int = 0, **
     arr = check_lengths(lengths, int(capacity))
     zero = np.flatnonzero(arr == 0)
     if zero.size:
-        raise ValueError(f"{zero.size} zero-length sample(s) cannot be packed: {_describe(zero, arr)}")
+        raise ValueError(f"{zero.size} zero-length sample(s) cannot be packed: {describe_indices(zero, arr)}")
     return run_packer(arr, int(capacity), packer, seed, **options).as_list()

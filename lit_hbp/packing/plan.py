@@ -12,9 +12,10 @@ from functools import cached_property
 
 import numpy as np
 
+from lit_hbp.packing.bins import Bins, check_lengths, describe_indices
 from lit_hbp.packing.levels import Level, as_level, validate_levels
 from lit_hbp.packing.metrics import plan_metrics
-from lit_hbp.packing.packers import DEFAULT_PACKER, Bins, _describe, check_lengths, fit_decreasing, run_packer
+from lit_hbp.packing.packers import DEFAULT_PACKER, fit_decreasing, run_packer
 from lit_hbp.parallel.topology import sp_coords
 
 OVER_LENGTH = ("error", "drop", "truncate")
@@ -133,7 +134,7 @@ class Plan:
         return self.n_steps * self.accumulate
 
     def metrics(self) -> dict:
-        """DBR, ABR, PR, CR, Ave-T, fill and counts (docs/DESIGN.md section 4)."""
+        """DBR, ABR, PR, CR, Ave-T, fill and counts (docs/design.md section 4)."""
         return plan_metrics(self)
 
     def summary(self) -> str:
@@ -158,7 +159,7 @@ class Plan:
         ):
             arr = getattr(self, key)
             if arr.size:
-                lines.append(f"  {arr.size} sample(s) {what}: {_describe(arr, self.lengths)}")
+                lines.append(f"  {arr.size} sample(s) {what}: {describe_indices(arr, self.lengths)}")
         if r.get("curriculum_requested"):
             lines.append(
                 f"  curriculum: {r['curriculum_moved']} of {r['curriculum_requested']} warm-up steps "
@@ -210,7 +211,7 @@ def _prepare(lengths, loss_tokens, max_len: int, over_length: str) -> _Inputs:
         if over_length == "error":
             raise ValueError(
                 f"{over.size} sample(s) longer than the largest level ({max_len} tokens): "
-                f"{_describe(over, arr)}. Add a larger level, or set over_length='drop' or 'truncate'."
+                f"{describe_indices(over, arr)}. Add a larger level, or set over_length='drop' or 'truncate'."
             )
         if over_length == "drop":
             dropped = over

@@ -18,7 +18,8 @@ import sys
 from lit_hbp.costmodel import HARDWARE, CostModel
 from lit_hbp.model_spec import load_model_spec
 from lit_hbp.packing import Level
-from lit_hbp.packing.__main__ import format_table, load_lengths
+from lit_hbp.packing.bins import load_lengths
+from lit_hbp.report import format_table
 from lit_hbp.simulate.simulator import PARTS, compare, fill_checkpointing
 
 

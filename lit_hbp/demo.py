@@ -24,7 +24,7 @@ In transformers 5.23, ``tok.apply_chat_template(messages, tokenize=True)`` retur
 
 The build is deterministic on a given machine (sorted files, seeded ``random.Random``, BPE training
 is deterministic): same arguments give byte-identical files. Run
-``python -m lit_hbp.data.demo OUT_DIR [--n-short N] [--n-long M] [--vocab-size V] [--seed S]``.
+``python -m lit_hbp.demo OUT_DIR [--n-short N] [--n-long M] [--vocab-size V] [--seed S]``.
 """
 
 from __future__ import annotations
@@ -659,7 +659,7 @@ def build_demo(
 
     short_len, long_len = _token_lengths(tok, short), _token_lengths(tok, long)
     manifest: dict[str, Any] = {
-        "generator": "lit_hbp.data.demo",
+        "generator": "lit_hbp.demo",
         "generator_version": GENERATOR_VERSION,
         "args": {"n_short": n_short, "n_long": n_long, "vocab_size": vocab_size, "seed": seed},
         "python_version": platform.python_version(),
@@ -750,7 +750,7 @@ def _table(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: build the demo data and print a per-file token length summary."""
-    parser = argparse.ArgumentParser(prog="python -m lit_hbp.data.demo", description=__doc__.split("\n\n", 1)[0])
+    parser = argparse.ArgumentParser(prog="python -m lit_hbp.demo", description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--n-short", type=int, default=4000)
     parser.add_argument("--n-long", type=int, default=48)

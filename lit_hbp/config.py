@@ -1,0 +1,48 @@
+"""A training YAML read outside LightningCLI: its data lengths and its model, for the tools that
+price or probe a run before it starts (level auto-selection, benchmarks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from lit_hbp.model_spec import ModelSpec
+
+
+def read_config(path: str | Path) -> dict:
+    """A training YAML with its ${...} interpolations resolved."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
+def config_lengths(config: dict) -> tuple[np.ndarray, int]:
+    """Sample lengths of the config's data sources, and the tokenizer's vocabulary size."""
+    from lit_hbp.data.datamodule import load_tokenizer
+    from lit_hbp.data.sources import Source
+    from lit_hbp.data.store import SampleStore
+    from lit_hbp.data.tokenize import tokenize_source
+
+    data = config.get("data") or {}
+    if data.get("demo_dir"):
+        from lit_hbp.demo import ensure_demo
+
+        ensure_demo(data["demo_dir"])
+    tok = load_tokenizer(data["tokenizer"])
+    sources = [Source(**s) if isinstance(s, dict) else Source(s) for s in data["sources"]]
+    tokenized = [tokenize_source(s, tok, data.get("train_on", "assistant"), data.get("cache_dir")) for s in sources]
+    return SampleStore.build(tokenized, max_len=None, seed=data.get("seed", 0)).lengths, len(tok)
+
+
+def model_config(config: dict, vocab: int | None) -> dict | str:
+    model = (config.get("model") or {}).get("model")
+    if model is None:
+        raise ValueError("the config has no model.model entry (a checkpoint path or a config mapping)")
+    if isinstance(model, dict) and vocab is not None:
+        model = {**model, "vocab_size": vocab}
+    return model
+
+
+def spec_of(model: dict | str) -> ModelSpec:
+    return ModelSpec.from_config(model if isinstance(model, dict) else Path(model))

@@ -1,0 +1,93 @@
+"""Lengths in, bins out (numpy only): reading and validating the length arrays every packer and
+plan starts from, and the CSR storage of bins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Bins:
+    """Bins in CSR form: bin b holds ``members[offsets[b]:offsets[b + 1]]``."""
+
+    members: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def loads(self, lengths: np.ndarray) -> np.ndarray:
+        """Tokens per bin."""
+        out = np.zeros(len(self), dtype=np.int64)
+        nonempty = self.sizes() > 0
+        if self.members.size:
+            out[nonempty] = np.add.reduceat(lengths[self.members], self.offsets[:-1][nonempty])
+        return out
+
+    def as_list(self) -> list[np.ndarray]:
+        return np.split(self.members, self.offsets[1:-1]) if len(self) else []
+
+    @staticmethod
+    def from_assignment(bin_of: np.ndarray, n_bins: int, items: np.ndarray | None = None) -> Bins:
+        """Build bins from a bin id per item (-1 = not placed), keeping item order within a bin."""
+        placed = np.flatnonzero(bin_of >= 0)
+        ids = bin_of[placed]
+        order = np.argsort(ids, kind="stable")
+        members = placed[order] if items is None else items[placed[order]]
+        offsets = np.zeros(n_bins + 1, dtype=np.int64)
+        np.cumsum(np.bincount(ids, minlength=n_bins), out=offsets[1:])
+        return Bins(members.astype(np.int64, copy=False), offsets)
+
+
+def check_lengths(lengths, capacity: int | None = None, what: str = "lengths") -> np.ndarray:
+    """Return lengths as int64, or raise naming the first offending sample indices."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D array of token counts, got shape {arr.shape}")
+    if arr.dtype.kind not in "iuf" and arr.size:
+        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
+        if bad.size:
+            raise ValueError(f"{what} must be integers: {describe_indices(bad, arr)}")
+    arr = arr.astype(np.int64)
+    bad = np.flatnonzero(arr < 0)
+    if bad.size:
+        raise ValueError(f"{what} must be >= 0: negative at {describe_indices(bad, arr)}")
+    if capacity is not None:
+        bad = np.flatnonzero(arr > capacity)
+        if bad.size:
+            raise ValueError(f"{bad.size} item(s) longer than the capacity {capacity}: {describe_indices(bad, arr)}")
+    return arr
+
+
+def describe_indices(bad: np.ndarray, arr: np.ndarray, limit: int = 5) -> str:
+    """The first offending indices and their values, for error messages."""
+    shown = ", ".join(f"index {int(i)} = {arr[i]}" for i in bad[:limit])
+    return shown + (f" and {bad.size - limit} more" if bad.size > limit else "")
+
+
+def load_lengths(path: str | Path) -> np.ndarray:
+    """Read lengths from .npy or from a text file with one integer per line (errors name the line)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"lengths file not found: {path}")
+    if path.suffix == ".npy":
+        return np.load(path, allow_pickle=False)
+    values = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            text = line.strip()
+            if not text:
+                continue
+            try:
+                values.append(int(text))
+            except ValueError:
+                raise ValueError(f"{path}:{lineno}: not an integer length: {text!r}") from None
+    return np.asarray(values, dtype=np.int64)
