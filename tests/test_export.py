@@ -45,8 +45,8 @@ def train_and_save(stage: int, data: str, tokenizer: str, cache: str, out: str, 
     """2 ranks, levels sp 1 and sp 2, a few optimizer steps; the checkpoint saved to ``out``; the
     trained weights (gathered), the probe's logits through the module, and what the optimizer holds."""
     import deepspeed
-    from lit_hbp.callbacks import HBPExport
 
+    from lit_hbp.callbacks import HBPExport
     from lit_hbp.data.datamodule import HBPDataModule
     from lit_hbp.strategy import HBPStrategy
 
@@ -195,3 +195,16 @@ def test_unknown_lora_settings_are_named():
     module = HBPLitModule(model=TINY, vocab_size=300, lora={"rank": 4, "alfa": 8})
     with pytest.raises(ValueError, match=r"lora: unknown setting\(s\) \['alfa'\]"):
         module.configure_model()
+
+
+def test_strategy_name_works_on_the_command_line(tmp_path, small_demo, monkeypatch):
+    from pathlib import Path
+
+    from lit_hbp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    args = ["--config", str(root / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
+    cli = main(args + ["--trainer.strategy", "hbp_stage_2"], run=False)
+    assert type(cli.trainer.strategy).__name__ == "HBPStrategy"
+    assert cli.trainer.strategy.config["zero_optimization"]["stage"] == 2
