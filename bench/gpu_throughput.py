@@ -127,7 +127,8 @@ def pack_flops(module, store, packs) -> tuple[float, float]:
 
 def run_hf(base_model, attn: str, store, micro, device, warmup: int, module) -> tuple[float, float, float]:
     """HF Trainer + DataCollatorWithFlattening over the same micro-batches (one pack each)."""
-    from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
+    from train_throughput import hf_training_args  # the same baseline settings as the other bench
+    from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback
 
     cuda = device.type == "cuda"
     net = copy.deepcopy(base_model).to(device=device, dtype=torch.float32).train()
@@ -155,20 +156,7 @@ def run_hf(base_model, attn: str, store, micro, device, warmup: int, module) -> 
                 marks["end"] = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as out:
-        targs = TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=1,
-            max_steps=len(items),
-            learning_rate=1e-4,
-            bf16=cuda,
-            use_cpu=not cuda,
-            report_to=[],
-            logging_strategy="no",
-            save_strategy="no",
-            remove_unused_columns=False,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-        )
+        targs = hf_training_args(out, 1, len(items), cuda)
         trainer = Trainer(
             model=net, args=targs, train_dataset=items, data_collator=lambda b: flatten(b[0]), callbacks=[Clock()]
         )

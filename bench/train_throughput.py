@@ -138,7 +138,7 @@ def run_hf_trainer(base, store, chosen, args, device):
     """Hugging Face Trainer with DataCollatorWithFlattening (HF's padding-free path)."""
     import tempfile
 
-    from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
+    from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback
 
     cuda = device.type == "cuda"
     net = hf_model(base, "flash_attention_2" if cuda and _has_flash() else "sdpa", device, torch.float32)
@@ -165,26 +165,33 @@ def run_hf_trainer(base, store, chosen, args, device):
                 marks["start"] = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as out:
-        targs = TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=args.batch_size,
-            max_steps=steps,
-            learning_rate=1e-4,
-            bf16=cuda,
-            use_cpu=not cuda,
-            report_to=[],
-            logging_strategy="no",
-            save_strategy="no",
-            remove_unused_columns=False,
-            disable_tqdm=True,
-            seed=args.seed,
-            dataloader_num_workers=0,
-        )
+        targs = hf_training_args(out, args.batch_size, steps, cuda, seed=args.seed)
         Trainer(model=net, args=targs, train_dataset=data, data_collator=collate, callbacks=[Clock()]).train()
     if cuda:
         torch.cuda.synchronize()
     tokens = sum(counts[WARMUP:steps])
     return time.perf_counter() - marks["start"], tokens, tokens
+
+
+def hf_training_args(out: str, batch_size: int, steps: int, cuda: bool, **extra):
+    """The HF Trainer baseline's settings: AdamW at 1e-4, bf16 autocast on a GPU, no logging, no saving."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=batch_size,
+        max_steps=steps,
+        learning_rate=1e-4,
+        bf16=cuda,
+        use_cpu=not cuda,
+        report_to=[],
+        logging_strategy="no",
+        save_strategy="no",
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **extra,
+    )
 
 
 def run_hbp(base, store, chosen, args, device, pad_id):
