@@ -70,7 +70,7 @@ def main() -> int:
     settings = ((0, "none"), (layers, "all"))
     for level in levels:
         batch = synthetic_batch(lengths, level.pack_len, 1, 0, model["vocab_size"], 0, np.random.default_rng(0))
-        batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        batch = batch.to(device)
         row = dict(name=f"{level.pack_len} tokens")
         runs = {tag: [] for _, tag in settings}
         for r in range(args.repeats):

@@ -72,13 +72,13 @@ class StepClock(L.Callback):
         self._last = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._tokens += batch["n_tokens"] / batch["sp"]
+        self._tokens += batch.n_tokens / batch.sp
         self._flops += pl_module.flops_per_batch
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         sync(pl_module.device)
         now = time.perf_counter()
-        self.rows.append((int(batch["level"]), now - self._last, self._tokens, self._flops))
+        self.rows.append((int(batch.level), now - self._last, self._tokens, self._flops))
         self._last, self._tokens, self._flops = now, 0.0, 0.0
 
 
@@ -122,7 +122,7 @@ def run_hbp(cli, device, warmup: int) -> dict[int, tuple[float, float, float]]:
 def pack_flops(module, store, packs) -> tuple[float, float]:
     """(real tokens, model FLOPs) of one micro-batch of ``packs``, by the module's definition."""
     batch = collate_packs(packs, store.tokens)
-    return batch["n_tokens"], module.micro_batch_flops(batch)
+    return batch.n_tokens, module.micro_batch_flops(batch)
 
 
 def run_hf(base_model, attn: str, store, micro, device, warmup: int, module) -> tuple[float, float, float]:
@@ -171,8 +171,8 @@ def run_fwd_bwd(module, store, micro, device, dtype, warmup: int) -> tuple[float
     net = copy.deepcopy(module).to(device=device, dtype=dtype).train()
     batches = []
     for packs in micro:
-        b = collate_packs(packs, store.tokens, meta={"loss_norm": 1.0, "level": 0})
-        batches.append({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()})
+        b = collate_packs(packs, store.tokens, loss_norm=1.0, level=0)
+        batches.append(b.to(device))
     tokens = flops = 0.0
     for i, b in enumerate(batches):
         if i == warmup:
@@ -181,7 +181,7 @@ def run_fwd_bwd(module, store, micro, device, dtype, warmup: int) -> tuple[float
         net(b)[0].backward()
         net.zero_grad(set_to_none=True)
         if i >= warmup:
-            tokens += b["n_tokens"]
+            tokens += b.n_tokens
             flops += net.micro_batch_flops(b)
     sync(device)
     return time.perf_counter() - start, tokens, flops

@@ -46,13 +46,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_hbp.data.collate import collate_packs, pad_multiple, shard
+from lit_hbp.data.collate import collate_packs, pad_multiple
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing import Level
 from lit_hbp.parallel import context
 from lit_hbp.parallel.groups import SPGroups
 from lit_hbp.parallel.topology import sp_coords
-from lit_hbp.parallel.ulysses import check_heads
+from lit_hbp.parallel.ulysses import Ulysses, check_heads
 from lit_hbp.report import format_table
 
 TARGET = 0.02  # switch cost as a share of a micro-step
@@ -149,18 +149,20 @@ def build_batches(args: argparse.Namespace, levels: list[Level], rank: int) -> l
             docs: Docs = {}
             packs = [synthetic_pack(rng, docs, lv.pack_len, args.vocab) for _ in range(args.world // lv.sp)]
             full = [collate_packs([p], docs.__getitem__, sp=lv.sp) for p in packs]
-            loss_norm = sum(b["n_targets"] for b in full) / args.world  # supervised tokens / (N * A), A = 1
+            loss_norm = sum(b.n_targets for b in full) / args.world  # supervised tokens / (N * A), A = 1
             group, sp_rank = sp_coords(rank, lv.sp)
             batch = collate_packs(
                 [packs[group]],
                 docs.__getitem__,
                 sp=lv.sp,
-                meta={"loss_norm": loss_norm, "level": i, "ckpt_layers": lv.ckpt_layers},
+                loss_norm=loss_norm,
+                level=i,
+                ckpt_layers=lv.ckpt_layers,
             )
             if lv.sp > 1:
-                if not crosses_shards(batch["cu_seqlens"], batch["input_ids"].shape[1], lv.sp):
+                if not crosses_shards(batch.cu_seqlens, batch.input_ids.shape[1], lv.sp):
                     raise RuntimeError(f"level {i} batch {j}: no document crosses a shard boundary (change --seed)")
-                batch = shard(batch, lv.sp, sp_rank)
+                batch = Ulysses().shard(batch, lv.sp, sp_rank)
             per_level.append(batch)
         out.append(per_level)
     return out

@@ -147,7 +147,7 @@ def run_hf_trainer(base, store, chosen, args, device):
 
     def collate(features):
         batch = flatten(features)
-        counts.append(int(batch["input_ids"].shape[1]))
+        counts.append(int(batch.input_ids.shape[1]))
         return batch
 
     data = []
@@ -208,10 +208,9 @@ def run_hbp(base, store, chosen, args, device, pad_id):
     def batches():
         for mb in plan.micro_batches(0):
             packs = [chosen[p] for p in mb.packs]
-            b = collate_packs(packs, store.tokens, pad_id=pad_id, meta={"loss_norm": mb.loss_norm})
-            b = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()}
-            b["cu_seqlens"] = b["cu_seqlens"].to(device)
-            yield b, b["n_tokens"], b["input_ids"].shape[1]
+            b = collate_packs(packs, store.tokens, pad_id=pad_id, loss_norm=mb.loss_norm)
+            b = b.to(device)
+            yield b, b.n_tokens, b.input_ids.shape[1]
 
     def step(b):
         with autocast(device):

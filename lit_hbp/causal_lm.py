@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_hbp import attention
+from lit_hbp.checks import check_model_config
 from lit_hbp.model_spec import ModelSpec
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -33,10 +34,9 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if isinstance(model, dict):
+        check_model_config(model)  # a typo'd key would otherwise be ignored and the default trained
         cfg = dict(model)
-        model_type = cfg.pop("model_type", None)
-        if model_type is None:
-            raise ValueError("a model config mapping needs a 'model_type' (e.g. 'llama', 'qwen2', 'mistral')")
+        model_type = cfg.pop("model_type")
         if vocab_size is not None:
             cfg["vocab_size"] = vocab_size
         config = AutoConfig.for_model(model_type, **cfg)

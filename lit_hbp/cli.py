@@ -4,21 +4,182 @@ YAML configs may use OmegaConf interpolation (``${data.levels.2.pack_len}``) so 
 once; it is resolved after the config files and the command line are merged (``omegaconf+``), so
 ``--data.demo_dir X`` also moves every path written as ``${data.demo_dir}/...``. The tokenizer's
 size is linked from the data module into the model.
+
+No silent surprises (issue 14): a list given whole on the command line (``--data.sources '[...]'``)
+replaces the config's list (``--data.sources+=...`` appends); a parser error is a few lines naming
+the bad key and the nearest valid one (``JSONARGPARSE_DEBUG=true`` for jsonargparse's full report);
+the model mapping's keys and the levels against the world size and the model's heads are checked
+before any process spawns (``lit_hbp.checks``); the resolved config is printed once, compact.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
+import sys
+from typing import Any
+
+import yaml
 from jsonargparse import set_parsing_settings
-from lightning.pytorch.cli import LightningCLI
+from jsonargparse._actions import previous_config  # set while a config file is applied over earlier values
+from jsonargparse._typehints import ActionTypeHint  # jsonargparse exports no public name for it
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp import strategy  # noqa: F401  (registers --trainer.strategy hbp, hbp_stage_0 ... hbp_stage_3)
+from lit_hbp.callbacks.defaults import with_default_callbacks
+from lit_hbp.checks import (
+    check_run_config,
+    class_arguments,
+    compact_config,
+    compact_yaml,
+    dataclass_defaults,
+    did_you_mean,
+)
 from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.module import HBPLitModule
 
+DEBUG_ENV = "JSONARGPARSE_DEBUG"  # jsonargparse's own switch: raise with the full report instead of exiting
+CLASS_OPTION = re.compile(r"Problem with given class_path '([^']+)':\s*(?:- )?(?:Option|Key) '([^']+)' is not")
+CLASS_REQUIRED = re.compile(
+    r"Problem with given class_path '([^']+)':\s*(?:- )?the following arguments are required: (.+)"
+)
+PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+UNKNOWN_OPTION = re.compile(r"does not accept option '([^']+)'|Option '([^']+)' is not accepted|"
+                            r"unrecognized arguments: -*([^\s=]+)")  # fmt: skip
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "").lower() == "true"
+
+
+def _option_keys(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option key of ``parser`` and of its subcommands' parsers (``trainer.max_steps``, ...)."""
+    keys, stack = set(), [parser]
+    while stack:
+        p = stack.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack += list(action.choices.values())
+            elif action.dest not in (argparse.SUPPRESS, "help"):
+                keys.add(action.dest)
+    return keys
+
+
+def short_error(message: str, parser: argparse.ArgumentParser) -> str:
+    """jsonargparse's error report cut to what says what is wrong: an unknown init argument of a class
+    (with the class, the nearest valid argument and the valid ones), a missing required one, or an
+    unknown option with the nearest valid one; any other message as it is."""
+    found = CLASS_OPTION.search(message)
+    if found:
+        class_path, option = found.groups()
+        arg = option.removeprefix("init_args.").split(".")[0]
+        key = PARSER_KEY.search(message)
+        valid = list(class_arguments(class_path))
+        text = f"{key.group(1) + ': ' if key else ''}{class_path} has no argument {arg!r}{did_you_mean(arg, valid)}"
+        return text + (f"\n  {class_path.rsplit('.', 1)[-1]} takes: {', '.join(valid)}" if valid else "")
+    found = CLASS_REQUIRED.search(message)
+    if found:
+        key = PARSER_KEY.search(message)
+        return f"{key.group(1) + ': ' if key else ''}{found.group(1)} needs {found.group(2).strip()}"
+    found = UNKNOWN_OPTION.search(message)
+    if found:
+        option = next(g for g in found.groups() if g)
+        return message.splitlines()[0] + did_you_mean(option, _option_keys(parser))
+    return message
+
+
+class HBPArgumentParser(LightningArgumentParser):
+    """LightningArgumentParser with short errors: the bad key, the class it belongs to and the nearest
+    valid key come first, without the 70-line usage listing that buried them (``JSONARGPARSE_DEBUG=true``
+    restores jsonargparse's behaviour: an exception carrying the full report)."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if _debug() or not self.exit_on_error or callable(getattr(self, "_error_handler", None)):
+            return super().error(message, ex)
+        self._logger.error(message)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"error: {short_error(message, parser)}\n")
+        sys.stderr.write(f"tip: `{prog} --help` lists the options; {DEBUG_ENV}=true prints the full report\n")
+        self.exit(2)
+
+
+class _ListReplacingAction(ActionTypeHint):
+    """A list-typed option whose value, given as a whole list on the command line or in a later config
+    file, replaces the list set before. jsonargparse merges two lists of the same length entry by entry
+    (entry i of ``--data.sources '[...]'`` would inherit the ``repeat`` of the config's entry i);
+    ``--key+=...`` (``key+:`` in a config file) still appends."""
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        if len(args) == 4:  # parser, cfg, value, option string: the option on the command line
+            _, cfg, value, option = args
+            whole_list = isinstance(value, list) or (isinstance(value, str) and value.lstrip().startswith("["))
+            if option in self.option_strings and whole_list:
+                cfg[self.dest] = None
+        return super().__call__(*args, **kwargs)
+
+    def _check_type(self, value, append=False, cfg=None, mode=None):
+        if cfg and not append and isinstance(value, list) and previous_config.get() is not None:
+            cfg = cfg.clone()  # a config file given after another: its list does not see the earlier one
+            cfg[self.dest] = None
+        return super()._check_type(value, append=append, cfg=cfg, mode=mode)
+
+
+def replace_lists_from_command_line(parser: argparse.ArgumentParser) -> None:
+    """Make every list-typed option of ``parser`` replace, not merge, when given a whole list."""
+    for action in parser._actions:
+        if type(action) is ActionTypeHint and ActionTypeHint.supports_append(action):
+            action.__class__ = _ListReplacingAction
+
 
 class HBPCLI(LightningCLI):
+    """LightningCLI for HBPLitModule and HBPDataModule, with the short errors of HBPArgumentParser,
+    command-line lists that replace the config's, and the config's checks before anything spawns."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", HBPArgumentParser)
+        super().__init__(*args, **kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        replace_lists_from_command_line(parser)
+
+    def instantiate_trainer(self, **kwargs: Any):
+        """The trainer with the config's callbacks plus lit-hbp's console and run hygiene, each unless
+        the config has one of its kind (``lit_hbp.callbacks.with_default_callbacks``): the final step
+        checkpointed, the step progress bar, the per-level epoch summary, no log folder left by a run
+        that failed before its first step."""
+        config = self._get(self.config_init, "trainer", default={})
+        kwargs.setdefault(
+            "callbacks", with_default_callbacks(config.get("callbacks"), config.get("enable_progress_bar", True))
+        )
+        return super().instantiate_trainer(**kwargs)
+
+    def before_instantiate_classes(self) -> None:
+        """Before anything is built or spawned: the config's own checks (a short error and exit 2),
+        then the resolved config, once (rank 0)."""
+        section = self.config.get(self.subcommand) if self.subcommand else self.config
+        try:
+            check_run_config(section.as_dict())
+        except ValueError as e:
+            if _debug() or not self.parser.exit_on_error:
+                raise
+            sys.stderr.write(f"error: {e}\n")
+            self.parser.exit(2)
+        rank_zero_info(self.config_summary())
+
+    def config_summary(self) -> str:
+        """The resolved config (files, command line and interpolations merged) as YAML, without the
+        values that equal the defaults: what this run sets."""
+        parser = self._parser(self.subcommand)
+        section = self.config.get(self.subcommand) if self.subcommand else self.config
+        config = yaml.safe_load(parser.dump(section, skip_validation=True, skip_none=False, skip_link_targets=False))
+        defaults = yaml.safe_load(parser.dump(parser.get_defaults(), skip_validation=True, skip_none=False))
+        entries = {a.dest: dataclass_defaults(a._typehint) for a in parser._actions if isinstance(a, ActionTypeHint)}
+        compact = compact_config(config, defaults, {k: v for k, v in entries.items() if v})
+        return f"resolved config (what differs from the defaults):\n{compact_yaml(compact)}"
 
 
 def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:

@@ -30,8 +30,9 @@ def config_lengths(config: dict) -> tuple[np.ndarray, int]:
 
         ensure_demo(data["demo_dir"])
     tok = load_tokenizer(data["tokenizer"])
-    sources = [Source(**s) if isinstance(s, dict) else Source(s) for s in data["sources"]]
-    tokenized = [tokenize_source(s, tok, data.get("train_on", "assistant"), data.get("cache_dir")) for s in sources]
+    sources = [Source.of(s, f"data.sources[{i}]") for i, s in enumerate(data["sources"])]
+    train_on, cache = data.get("train_on", "assistant"), data.get("cache_dir")
+    tokenized = [tokenize_source(s, tok, train_on, cache, label=f"data.sources[{i}]") for i, s in enumerate(sources)]
     return SampleStore.build(tokenized, max_len=None, seed=data.get("seed", 0)).lengths, len(tok)
 
 

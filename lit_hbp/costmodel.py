@@ -1,15 +1,16 @@
-"""Analytic cost model of one HBP micro-step on a GPU cluster (numpy only, no torch).
+"""Analytic cost model of one HBP micro-step on a GPU cluster (numpy arithmetic).
 
 It prices what a rank does for one micro-step of a level (pack length, sp, checkpointed layers):
-dense matmul FLOPs, causal attention FLOPs (sum of squared document lengths), Ulysses all-to-all
-bytes over NVLink or InfiniBand, and the recomputation of checkpointed layers; and what it holds:
+dense matmul FLOPs, causal attention FLOPs (sum of squared document lengths), the SP kind's
+communication bytes (``SPKind.comm_bytes_per_layer``; Ulysses: all-to-alls) over NVLink or
+InfiniBand, and the recomputation of checkpointed layers; and what it holds:
 ZeRO-partitioned parameters, gradients and Adam states plus activations of the non-checkpointed
 layers. Every constant is written here with where it comes from.
 
 Time of a rank for a micro-step (seconds):
     dense     = tokens * 2 * (layer_params * (3 + c / L) + lm_head_params * 3) / (peak * eff_dense)
     attention = 2 * hidden * sum(len^2) / sp * (3.5 * L + c) / (peak * eff_attn)
-    sp_comm   = all-to-all bytes * (2 * L + c) / link bandwidth        (sp > 1 only)
+    sp_comm   = SP bytes per layer * (2 * L + c) / link bandwidth      (sp > 1 only)
 with tokens = the rank's share of its SP group's packs, c = checkpointed layers. Backward costs
 twice the forward for matmuls and 2.5 times for flash attention; a checkpointed layer runs its
 forward once more, all-to-alls included.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lit_hbp.model_spec import ModelSpec
+from lit_hbp.parallel.kind import resolve_sp_kind
 
 GB = 1e9
 
@@ -102,7 +104,8 @@ class CostModel:
     whole world (HBP never gives DeepSpeed an SP mpu), bf16 compute, Adam with fp32 states.
 
     logits: "chunked" (lit-hbp: the LM head runs in chunks of ``ce_chunk`` tokens) or "full"
-    (the whole [tokens, vocab] logits in fp32, as the paper's framework held them)."""
+    (the whole [tokens, vocab] logits in fp32, as the paper's framework held them).
+    sp_kind: how levels with sp > 1 split a pack (``lit_hbp.parallel.kind``), for its traffic."""
 
     model: ModelSpec
     hardware: Hardware
@@ -111,6 +114,7 @@ class CostModel:
     logits: str = "chunked"
     ce_chunk: int = 2048
     grad_sync_overlap: float = 0.5
+    sp_kind: str = "ulysses"
 
     # ----------------------------------------------------------------------------- time
 
@@ -126,20 +130,11 @@ class CostModel:
         flops = fwd_per_layer * ((1 + FLASH_BACKWARD) * m.layers + ckpt)
         return flops / (self.hardware.peak_flops * self.hardware.eff_attn)
 
-    def a2a_bytes_per_layer(self, tokens: float, sp: int) -> float:
-        """Bytes one rank sends for the four forward all-to-alls (q, k, v, output) of one layer."""
-        if sp == 1:
-            return 0.0
-        m = self.model
-        kv = max(m.kv_heads, sp)  # kv heads are replicated up to sp
-        per_token = 2 * (2 * m.heads * m.dim + 2 * kv * m.dim)  # bf16
-        return tokens * per_token * (sp - 1) / sp
-
     def sp_comm_seconds(self, tokens, sp: int, ckpt: int):
         if sp == 1:
             return 0.0 * tokens
         hw = self.hardware
-        per_layer = self.a2a_bytes_per_layer(tokens, sp)
+        per_layer = resolve_sp_kind(self.sp_kind).comm_bytes_per_layer(self.model, tokens, sp)
         local = min(sp, hw.gpus_per_node)
         # Of the sp - 1 peers, local - 1 share the node (NVLink); the rest are across InfiniBand.
         intra = per_layer * (local - 1) / (sp - 1)

@@ -24,17 +24,24 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from lit_hbp.data.batch import PackedBatch
+
 NORMALIZERS = ("ave_token", "token_mean", "sample_mean", "sum")
 
 
-def token_scale(batch: dict, normalizer: str) -> float | None:
+def token_scale(batch: PackedBatch, normalizer: str) -> float | None:
     """The weight of every supervised token of ``batch`` when it is one number (all normalizers
     but ``sample_mean``, whose weight depends on the token's sample), else None."""
-    sp = batch.get("sp", 1)
+    sp = batch.sp
     if normalizer == "ave_token":
-        return 1.0 / batch["loss_norm"]
+        if batch.loss_norm is None:
+            raise ValueError(
+                "the ave_token loss needs the plan's normalizer but this micro-batch has no loss_norm: batches "
+                "from HBPDataModule carry it; pass collate_packs(..., loss_norm=...) when building one by hand"
+            )
+        return 1.0 / batch.loss_norm
     if normalizer == "token_mean":
-        return sp / max(batch["n_targets"], 1)
+        return sp / max(batch.n_targets, 1)
     if normalizer == "sum":
         return float(sp)
     if normalizer == "sample_mean":
@@ -42,14 +49,14 @@ def token_scale(batch: dict, normalizer: str) -> float | None:
     raise ValueError(f"loss normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
 
 
-def token_weights(batch: dict, normalizer: str) -> torch.Tensor:
+def token_weights(batch: PackedBatch, normalizer: str) -> torch.Tensor:
     """Weight of each token's loss in ``batch`` (shape of labels; zero where labels == -100)."""
-    labels = batch["labels"]
+    labels = batch.labels
     scale = token_scale(batch, normalizer)
     if scale is not None:
         w = torch.full(labels.shape, scale, device=labels.device)
     else:
-        w = batch.get("sp", 1) / (max(batch["n_loss_samples"], 1) * batch["sample_targets"].clamp(min=1))
+        w = batch.sp / (max(batch.n_loss_samples, 1) * batch.sample_targets.clamp(min=1))
     return torch.where(labels != -100, w, torch.zeros_like(w))
 
 

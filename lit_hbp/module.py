@@ -29,6 +29,8 @@ from lit_hbp.causal_lm import (
     output_head,
     router_aux_loss,
 )
+from lit_hbp.checks import check_module_positions
+from lit_hbp.data.batch import PackedBatch
 from lit_hbp.loss import NORMALIZERS, chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
 from lit_hbp.meter import StepMeter, logs_now
 from lit_hbp.model_spec import ModelSpec
@@ -121,6 +123,7 @@ class HBPLitModule(L.LightningModule):
             return
         with _zero3_loading(self._trainer):
             self.model = build_causal_lm(self.hparams.model, self.hparams.vocab_size)
+        check_module_positions(self)  # max_position_embeddings vs the largest level
         self._layers = checkpoint_layers(self.model)
         check_router_loss(self.model)
         try:
@@ -195,63 +198,67 @@ class HBPLitModule(L.LightningModule):
                 )
             )
 
-    def forward(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(weighted loss, summed CE, supervised tokens) of a micro-batch (or of this rank's SP shard);
         the router's load-balancing loss is added when the model's config asks for it."""
         return self.packed_loss(batch)
 
     def packed_loss(
-        self, batch: dict, weights: float | torch.Tensor | None = None, router_loss: bool = True, recompute: bool = True
+        self,
+        batch: PackedBatch,
+        weights: float | torch.Tensor | None = None,
+        router_loss: bool = True,
+        recompute: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The loss of ``batch`` weighted by the module's normalizer (or by ``weights``: one number, or
         one per position of the shard), with the router's loss when the config asks for it and
         ``router_loss``; ``recompute=False`` keeps the LM head's logits instead of recomputing them
         (the self-check, whose backward runs outside the DeepSpeed engine)."""
         ctx = sp_context.active()
-        if int(batch.get("sp", 1)) != (ctx.size if ctx is not None else 1):
+        if int(batch.sp) != (ctx.size if ctx is not None else 1):
             raise ValueError(
-                f"this micro-batch (level {batch.get('level')}) is a shard for sequence parallelism {batch['sp']} but "
+                f"this micro-batch (level {batch.level}) is a shard for sequence parallelism {batch.sp} but "
                 f"the active SP group has {ctx.size if ctx is not None else 1} rank(s): levels with sp > 1 train "
                 "under lit_hbp.strategy.HBPStrategy, which activates each level's group"
             )
-        cu = batch["cu_seqlens"]
-        attention.set_pack(cu, batch["max_seqlen"], batch["input_ids"].shape[1] * int(batch.get("sp", 1)))
+        cu = batch.cu_seqlens
+        attention.set_pack(cu, batch.max_seqlen, batch.input_ids.shape[1] * int(batch.sp))
         aux = router_loss and getattr(self.model.config, "output_router_logits", False)
         out = decoder_of(self.model)(
-            input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"],
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
             cu_seq_lens_q=cu,
             cu_seq_lens_k=cu,
-            max_length_q=batch["max_seqlen"],
-            max_length_k=batch["max_seqlen"],
+            max_length_q=batch.max_seqlen,
+            max_length_k=batch.max_seqlen,
             use_cache=False,
             **({"output_router_logits": True} if aux else {}),
         )
         hidden = out.last_hidden_state
         head = output_head(self.model)
         scale = weights if weights is not None else token_scale(batch, self.hparams.loss)
-        labels = batch["labels"][0]
+        labels = batch.labels[0]
         plain_head = type(head.linear) is torch.nn.Linear  # not wrapped by an adapter
         fusable = plain_head and isinstance(scale, float) and (head.scale == 1.0 or head.linear.bias is None)
         if self.hparams.liger and fusable:
-            loss, ce_sum, n = fused_linear_cross_entropy(hidden[0], head, labels, scale, batch["target_index"])
+            loss, ce_sum, n = fused_linear_cross_entropy(hidden[0], head, labels, scale, batch.target_index)
         else:
             w = scale if scale is not None else token_weights(batch, self.hparams.loss)[0]
             loss, ce_sum, n = chunked_cross_entropy(
-                hidden[0], head.logits, labels, w, batch["target_index"], self.hparams.ce_chunk_size, recompute
+                hidden[0], head.logits, labels, w, batch.target_index, self.hparams.ce_chunk_size, recompute
             )
         if aux:
             loss = loss + router_aux_loss(self.model, out.router_logits, self._real_tokens(batch))
         return loss, ce_sum, n
 
     @staticmethod
-    def _real_tokens(batch: dict) -> torch.Tensor:
+    def _real_tokens(batch: PackedBatch) -> torch.Tensor:
         """[1, T] mask of this shard's positions that hold sample tokens (not the padding segment)."""
-        size = batch["input_ids"].shape[1]
-        pos = torch.arange(size, device=batch["input_ids"].device) + batch.get("sp_rank", 0) * size
-        return (pos < batch["n_tokens"])[None]
+        size = batch.input_ids.shape[1]
+        pos = torch.arange(size, device=batch.input_ids.device) + batch.sp_rank * size
+        return (pos < batch.n_tokens)[None]
 
-    def micro_batch_flops(self, batch: dict) -> float | None:
+    def micro_batch_flops(self, batch: PackedBatch) -> float | None:
         """This rank's model FLOPs for ``batch`` (forward and backward, recomputation not counted,
         so FLOPs/s over peak is MFU): under SP a rank runs 1/sp of the pack's tokens through the dense
         layers and 1/sp of the heads over the whole pack; the LM head runs on its supervised tokens.
@@ -259,33 +266,33 @@ class HBPLitModule(L.LightningModule):
         the model's shape is unknown."""
         if self._spec is None:
             return None
-        head = batch["target_index"].shape[0]
+        head = batch.target_index.shape[0]
         full = not self.hparams.lora  # LoRA runs no weight gradients of the frozen matmuls
-        dense = self._spec.train_flops(batch["n_tokens"], batch["doc_sq"], 0, full)
-        return dense / int(batch["sp"]) + self._spec.train_flops(0, 0, head, full)
+        dense = self._spec.train_flops(batch.n_tokens, batch.doc_sq, 0, full)
+        return dense / int(batch.sp) + self._spec.train_flops(0, 0, head, full)
 
-    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
-        self.set_checkpointing(int(batch["ckpt_layers"]))
+    def on_train_batch_start(self, batch: PackedBatch, batch_idx: int) -> None:
+        self.set_checkpointing(int(batch.ckpt_layers))
         self.flops_per_batch = self.micro_batch_flops(batch)
-        self._meter.start(batch["input_ids"].device)
+        self._meter.start(batch.input_ids.device)
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
         loss, ce_sum, n = self(batch)
         self._meter.add_loss(ce_sum, n)
         # Host values logged as host tensors: Lightning would copy a Python number to the device.
         for key, value in (
-            ("level", batch["level"]),
-            ("sp", batch["sp"]),
-            ("ckpt_layers", batch["ckpt_layers"]),
-            ("supervised_tokens", batch["n_targets"]),
-            ("tokens", batch["n_tokens"]),
+            ("level", batch.level),
+            ("sp", batch.sp),
+            ("ckpt_layers", batch.ckpt_layers),
+            ("supervised_tokens", batch.n_targets),
+            ("tokens", batch.n_tokens),
         ):
             self.log(f"train/{key}", torch.tensor(float(value)), batch_size=1)
         return loss
 
-    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+    def on_train_batch_end(self, outputs, batch: PackedBatch, batch_idx: int) -> None:
         attention.set_pack(None)  # its backward is done: the model may now run outside a pack
-        self._meter.stop(int(batch["level"]), batch["n_tokens"] / batch["sp"])  # this rank's share of real tokens
+        self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # this rank's share of real tokens
         if not logs_now(self.trainer):
             return
         # train/loss: token-mean CE over every rank and micro-step since the last logged step.
@@ -303,7 +310,7 @@ class HBPLitModule(L.LightningModule):
         self._val_ce: torch.Tensor | float = 0.0
         self._val_targets = 0
 
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
+    def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
         _, ce_sum, n = self(batch)
         attention.set_pack(None)
         self._val_ce = self._val_ce + ce_sum

@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from lit_hbp import attention
-from lit_hbp.data.collate import collate_packs, shard
+from lit_hbp.data.collate import collate_packs
 from lit_hbp.parallel import context as sp_context
+from lit_hbp.parallel.ulysses import Ulysses
 
 DOC_LENGTHS = (9, 23, 5, 100, 31, 14)  # about 200 tokens in all: block-wise mechanisms (compression) engage
 # (loss, input-gradient) tolerances, relative: bf16/fp16 noise against cross-document leakage,
@@ -194,11 +195,11 @@ def _alone_one(net, embed, ids, device, used: set[int]):
 
 def _pack(docs, sp, ctx, device) -> dict:
     """The documents packed, this rank's shard at ``sp``, with where its positions are."""
-    batch = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=sp, meta=dict(loss_norm=1.0, level=0))
-    total = batch["input_ids"].shape[1]
+    batch = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=sp, loss_norm=1.0, level=0)
+    total = batch.input_ids.shape[1]
     if sp > 1:
-        batch = shard(batch, sp, ctx.rank)
-    batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        batch = Ulysses().shard(batch, sp, ctx.rank)
+    batch = batch.to(device)
     part = slice(ctx.rank * total // sp, (ctx.rank + 1) * total // sp) if sp > 1 else slice(0, total)
     bounds = np.r_[0, np.cumsum([len(ids) for ids, _ in docs.values()])]
     doc_of = torch.as_tensor(np.searchsorted(bounds, np.arange(total), side="right") - 1)[part].to(device)

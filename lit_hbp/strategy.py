@@ -27,20 +27,21 @@ from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
+from lit_hbp.data.batch import PackedBatch  # noqa: E402
 from lit_hbp.packing.levels import Level, as_level, validate_levels  # noqa: E402
 from lit_hbp.parallel import context  # noqa: E402
 from lit_hbp.parallel.groups import SPGroups  # noqa: E402
-from lit_hbp.parallel.ulysses import check_heads  # noqa: E402
+from lit_hbp.parallel.kind import resolve_sp_kind  # noqa: E402
 
 
 def validate_sp_setup(levels, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int) -> list[int]:
     """Everything about the levels that can fail before the first step, with the offending level;
-    returns how many times each level replicates the kv heads for Ulysses (1: not at all)."""
+    returns how many copies of each kv head each level's SP kind needs (1: none)."""
     levels = validate_levels(levels, world_size)
     replication = []
     for i, lv in enumerate(levels):
         try:
-            replication.append(check_heads(num_heads, num_kv_heads, lv.sp))
+            replication.append(resolve_sp_kind(lv.sp_kind).check(num_heads, num_kv_heads, lv.sp))
         except ValueError as e:
             raise ValueError(f"level {i} (pack_len {lv.pack_len}, sp {lv.sp}): {e}") from None
         if lv.ckpt_layers > num_layers:
@@ -154,8 +155,8 @@ class HBPStrategy(DeepSpeedStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move the batch, and make its level's SP group the one attention uses."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        if isinstance(batch, dict) and "sp" in batch:
-            context.activate(self.sp_groups[int(batch["sp"])])
+        if isinstance(batch, PackedBatch):
+            context.activate(self.sp_groups[batch.sp], batch.sp_kind)
         return batch
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:

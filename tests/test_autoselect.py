@@ -204,10 +204,10 @@ def pool_measured_selection(lengths):
         stages.append(kwargs["config"]["zero_optimization"]["stage"])
         return real_init(*args, **kwargs)
 
-    def activate(ctx):
+    def activate(ctx, kind="ulysses"):
         if ctx is not None:
             groups.setdefault(ctx.size, set()).add(id(ctx.group))
-        return real_activate(ctx)
+        return real_activate(ctx, kind)
 
     def factory():
         torch.manual_seed(0)
@@ -297,6 +297,7 @@ def pool_levels_auto_measured(data, tokenizer, cache):
     """A 2-process HBPStrategy run whose data module measures its levels at setup."""
     import lightning as L
 
+    from lit_hbp.autoselect import MeasuredSelector
     from lit_hbp.data.datamodule import HBPDataModule
     from lit_hbp.module import HBPLitModule
     from lit_hbp.strategy import HBPStrategy
@@ -304,9 +305,8 @@ def pool_levels_auto_measured(data, tokenizer, cache):
     dm = HBPDataModule(
         sources=[{"path": data}],
         tokenizer=tokenizer,
-        levels="auto",
+        levels=MeasuredSelector(candidates=[256, 2048], memory_gib=16),
         cache_dir=cache,
-        autoselect={"mode": "measured", "candidates": [256, 2048]},
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -338,15 +338,26 @@ def test_levels_auto_measured_inside_a_distributed_run(pool, tmp_path, toy_token
     assert sorted(groups) == [1, 2], "the run reuses the SP groups its probes built (sp 2 was probed)"
 
 
-def test_run_arguments_reuse_the_configs_model_precision_and_zero_settings():
-    from lit_hbp.autoselect.launch import run_arguments
+def test_run_setting_of_a_config_reuses_its_model_precision_and_zero_settings():
+    from lit_hbp.autoselect import RunSetting
     from lit_hbp.config import read_config
+    from lit_hbp.module import HBPLitModule
 
     config = read_config(Path(__file__).parents[1] / "configs" / "tiny_cpu_sp.yaml")
-    module, trainer, strategy = run_arguments(config, vocab=300)
+    run = RunSetting.from_config(config, vocab=300, world=2)
+    module = run.module_args
     assert module["model"]["num_hidden_layers"] == 4 and module["vocab_size"] == 300 and module["lr"] == 3.0e-3
-    assert trainer == {"precision": "32-true", "accumulate_grad_batches": 2, "gradient_clip_val": 1.0}
-    assert strategy == {"stage": 2} and trainer["gradient_clip_val"] == 1.0
+    assert run.trainer_args == {
+        "accelerator": "cpu",
+        "devices": 2,
+        "precision": "32-true",
+        "accumulate_grad_batches": 2,
+        "gradient_clip_val": 1.0,
+    }
+    assert run.strategy_args == {"stage": 2} and not run.in_world
+    assert run.spec.layers == 4 and run.spec.vocab == 300
+    made = run.make_module()
+    assert isinstance(made, HBPLitModule) and made.hparams.vocab_size == 300
 
 
 def write_chat(path, prompt_words):
@@ -367,6 +378,7 @@ def write_chat(path, prompt_words):
 def test_levels_auto_in_a_training_run(tmp_path, toy_tokenizer):
     import lightning as L
 
+    from lit_hbp.autoselect import AnalyticSelector
     from lit_hbp.data.datamodule import HBPDataModule
     from lit_hbp.module import HBPLitModule
 
@@ -375,9 +387,8 @@ def test_levels_auto_in_a_training_run(tmp_path, toy_tokenizer):
     dm = HBPDataModule(
         sources=[{"path": str(data)}],
         tokenizer=toy_tokenizer,
-        levels="auto",
+        levels=AnalyticSelector(candidates=[256, 2048]),
         cache_dir=str(tmp_path / "cache"),
-        autoselect={"candidates": [256, 2048]},
     )
     module = HBPLitModule(
         model=TINY_LLAMA,

@@ -47,17 +47,17 @@ def test_router_loss_is_added_when_the_config_asks_for_it():
     module = built("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
     rng = np.random.default_rng(0)
     samples = {i: (rng.integers(0, 300, n), np.ones(n, bool)) for i, n in enumerate([20, 13, 31])}  # 64: no padding
-    batch = collate_packs([np.arange(3)], samples.__getitem__, meta=dict(loss_norm=1.0))
-    assert batch["n_tokens"] == batch["input_ids"].shape[1]
+    batch = collate_packs([np.arange(3)], samples.__getitem__, loss_norm=1.0)
+    assert batch.n_tokens == batch.input_ids.shape[1]
     loss, ce_sum, _ = module(batch)
     # The family's own forward on the same packed row (same attention) computes the aux loss.
     out = module.model(
-        input_ids=batch["input_ids"],
-        position_ids=batch["position_ids"],
-        cu_seq_lens_q=batch["cu_seqlens"],
-        cu_seq_lens_k=batch["cu_seqlens"],
-        max_length_q=batch["max_seqlen"],
-        max_length_k=batch["max_seqlen"],
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        cu_seq_lens_q=batch.cu_seqlens,
+        cu_seq_lens_k=batch.cu_seqlens,
+        max_length_q=batch.max_seqlen,
+        max_length_k=batch.max_seqlen,
         output_router_logits=True,
         use_cache=False,
     )
@@ -76,7 +76,7 @@ def test_a_router_loss_for_a_family_without_one_is_refused():
 def test_an_unknown_model_shape_only_turns_flops_off():
     with pytest.warns(UserWarning, match="model FLOPs unknown, MFU and FLOP/s are not logged: the rwkv config has no"):
         module = built("rwkv")
-    batch = collate_packs([np.arange(1)], lambda i: (np.arange(10), np.ones(10, bool)), meta=dict(loss_norm=1.0))
+    batch = collate_packs([np.arange(1)], lambda i: (np.arange(10), np.ones(10, bool)), loss_norm=1.0)
     assert module.micro_batch_flops(batch) is None
 
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lit_hbp.data.collate import collate_packs, shard
+from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.sources import DataError, Source, iter_records
 from lit_hbp.data.store import SampleStore, mixture_repeats
 from lit_hbp.data.tokenize import tokenize_source
+from lit_hbp.parallel.ulysses import Ulysses
 
 
 def write_jsonl(path, records):
@@ -249,27 +250,27 @@ def test_collate_matches_brute_force(sp):
     rng = np.random.default_rng(sp)
     samples = {i: (rng.integers(5, 300, n), rng.random(n) < 0.6) for i, n in enumerate(rng.integers(1, 40, 9))}
     packs = [np.array([3, 0, 5]), np.array([8, 1])]
-    batch = collate_packs(packs, lambda i: samples[i], sp=sp, pad_id=7, meta={"level": 2})
+    batch = collate_packs(packs, lambda i: samples[i], sp=sp, pad_id=7, level=2)
     ids, labels, pos, cu = brute_force_batch([samples[i] for i in [3, 0, 5, 8, 1]], 7, 8 * sp // np.gcd(8, sp))
-    assert batch["input_ids"][0].tolist() == ids
-    assert batch["labels"][0].tolist() == labels
-    assert batch["position_ids"][0].tolist() == pos
-    assert batch["cu_seqlens"].tolist() == cu and batch["cu_seqlens"].dtype == torch.int32
-    assert batch["max_seqlen"] == max(np.diff(cu))
-    assert batch["n_targets"] == sum(x != -100 for x in labels)
-    assert batch["level"] == 2 and batch["sample_index"].tolist() == [3, 0, 5, 8, 1]
+    assert batch.input_ids[0].tolist() == ids
+    assert batch.labels[0].tolist() == labels
+    assert batch.position_ids[0].tolist() == pos
+    assert batch.cu_seqlens.tolist() == cu and batch.cu_seqlens.dtype == torch.int32
+    assert batch.max_seqlen == max(np.diff(cu))
+    assert batch.n_targets == sum(x != -100 for x in labels)
+    assert batch.level == 2 and batch.sample_index.tolist() == [3, 0, 5, 8, 1]
     # sample_targets: per token, the number of targets of its sample.
     per_sample = [sum(1 for x in labels[a:b] if x != -100) for a, b in zip(cu[:-1], cu[1:])]
-    assert batch["sample_targets"][0].tolist() == [
+    assert batch.sample_targets[0].tolist() == [
         float(per_sample[k]) for k in range(len(cu) - 1) for _ in range(cu[k + 1] - cu[k])
     ]
     # SP shards are contiguous slices that tile the batch.
-    parts = [shard(batch, sp, r) for r in range(sp)]
-    assert torch.cat([p["input_ids"] for p in parts], 1).tolist() == [ids]
-    assert all(p["cu_seqlens"] is batch["cu_seqlens"] for p in parts)
+    parts = [Ulysses().shard(batch, sp, r) for r in range(sp)]
+    assert torch.cat([p.input_ids for p in parts], 1).tolist() == [ids]
+    assert all(p.cu_seqlens is batch.cu_seqlens for p in parts)
 
 
 def test_empty_pack_collates_to_a_dummy_without_targets():
     batch = collate_packs([np.zeros(0, np.int64)], lambda i: None, sp=4, pad_id=0)
-    assert batch["input_ids"].shape == (1, 8) and batch["n_targets"] == 0 and batch["n_tokens"] == 0
-    assert (batch["labels"] == -100).all() and batch["cu_seqlens"].tolist() == [0, 8]
+    assert batch.input_ids.shape == (1, 8) and batch.n_targets == 0 and batch.n_tokens == 0
+    assert (batch.labels == -100).all() and batch.cu_seqlens.tolist() == [0, 8]

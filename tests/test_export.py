@@ -118,9 +118,7 @@ def test_export_of_a_zero_checkpoint_is_exact_and_loads_in_transformers(pool, ch
     again = HBPLitModule(model=str(out), vocab_size=net.config.vocab_size)
     again.configure_model()
     assert all(torch.equal(p, trained["weights"][n]) for n, p in again.model.named_parameters())
-    batch = collate_packs(
-        [np.arange(1)], lambda i: (np.array(PROBE), np.ones(len(PROBE), bool)), meta={"loss_norm": 9.0}
-    )
+    batch = collate_packs([np.arange(1)], lambda i: (np.array(PROBE), np.ones(len(PROBE), bool)), loss_norm=9.0)
     loss = again(batch)[0]
     loss.backward()
     assert torch.isfinite(loss) and again.model.model.embed_tokens.weight.grad is not None
@@ -134,7 +132,7 @@ def test_lora_adapter_gradients_equal_hf_and_peft_on_each_sample_alone():
     ref.base_model.model.set_attn_implementation("eager")
     rng = np.random.default_rng(0)
     samples = {i: (rng.integers(0, 300, n), rng.random(n) < 0.7) for i, n in enumerate([7, 40, 23, 61, 12])}
-    batch = collate_packs([np.arange(5)], samples.__getitem__, meta={"loss_norm": 1.0})
+    batch = collate_packs([np.arange(5)], samples.__getitem__, loss_norm=1.0)
     module(batch)[0].backward()
     expected = separate_loss(ref, samples)
     expected.backward()

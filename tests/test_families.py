@@ -33,7 +33,7 @@ def parity_errors(module: HBPLitModule) -> tuple[float, float, str]:
     rng = np.random.default_rng(0)
     lengths = [7, 40, 23, 61, 12]
     samples = {i: (rng.integers(0, vocab, n), rng.random(n) < 0.7) for i, n in enumerate(lengths)}
-    batch = collate_packs([np.arange(len(lengths))], samples.__getitem__, meta=dict(loss_norm=1.0))
+    batch = collate_packs([np.arange(len(lengths))], samples.__getitem__, loss_norm=1.0)
     loss = module(batch)[0]
     loss.backward()
     expected = separate_loss(ref, samples)
@@ -130,8 +130,8 @@ def test_family_on_cuda_passes_the_self_check_and_matches_eager(family):
     rng = np.random.default_rng(0)
     vocab = min(module.model.get_input_embeddings().num_embeddings, module.model.get_output_embeddings().out_features)
     samples = {i: (rng.integers(0, vocab, n), rng.random(n) < 0.7) for i, n in enumerate([7, 40, 23, 61, 12])}
-    batch = collate_packs([np.arange(5)], samples.__getitem__, meta=dict(loss_norm=1.0))
-    batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in batch.items()}
+    batch = collate_packs([np.arange(5)], samples.__getitem__, loss_norm=1.0)
+    batch = batch.to("cuda")
     module.model.eval()
     ref.eval()
     with torch.autocast("cuda", dtype=torch.bfloat16):

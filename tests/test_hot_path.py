@@ -75,15 +75,13 @@ def opaque_kernel(monkeypatch):
 @pytest.mark.parametrize("loss", ["ave_token", "sample_mean"])
 def test_forward_and_backward_read_nothing_back(opaque_kernel, loss):
     torch.manual_seed(0)
-    module = HBPLitModule(
-        model={**TINY_LLAMA, "num_hidden_layers": 3, "sliding_window": None}, vocab_size=300, loss=loss
-    )
+    module = HBPLitModule(model={**TINY_LLAMA, "num_hidden_layers": 3}, vocab_size=300, loss=loss)
     module.configure_model()
     module.set_checkpointing(2)
     attention.set_backend("opaque")  # after the module, whose attn_backend ("auto") is set when it is built
     rng = np.random.default_rng(0)
     samples = {i: (rng.integers(0, 300, n), rng.random(n) < 0.6) for i, n in enumerate([30, 7, 51, 12])}
-    batch = collate_packs([np.arange(4)], samples.__getitem__, meta=dict(loss_norm=20.0, level=0, ckpt_layers=2))
+    batch = collate_packs([np.arange(4)], samples.__getitem__, loss_norm=20.0, level=0, ckpt_layers=2)
     mode = HostReads()
     opaque_kernel.append(mode)
     with mode:
@@ -91,7 +89,7 @@ def test_forward_and_backward_read_nothing_back(opaque_kernel, loss):
         loss_value, ce_sum, n = module(batch)
         loss_value.backward()
     assert mode.reads == [], mode.reads
-    assert flops > 0 and n == batch["n_targets"]
+    assert flops > 0 and n == batch.n_targets
     # The recorder does see reads: the same step through the loop backend is caught.
     attention.set_backend("eager")
     with HostReads() as caught:
@@ -169,9 +167,7 @@ def test_loader_workers_give_the_batches_of_the_main_process(tmp_path, toy_token
         loader = dm.train_dataloader()
         for epoch in (0, 1):
             loader.sampler.set_epoch(epoch)
-            out += [
-                (b["epoch"], b["micro_index"], b["sample_index"].tolist(), b["input_ids"].sum().item()) for b in loader
-            ]
+            out += [(b.epoch, b.micro_index, b.sample_index.tolist(), b.input_ids.sum().item()) for b in loader]
         return out
 
     main, workers = batches(0), batches(2)
@@ -254,15 +250,15 @@ def test_training_micro_steps_do_not_synchronize_on_cuda(tmp_path, strategy):
 
 
 def test_a_sharded_micro_batch_without_its_sp_group_is_refused():
-    from lit_hbp.data.collate import shard
+    from lit_hbp.parallel.ulysses import Ulysses
 
     torch.manual_seed(0)
     module = HBPLitModule(model=TINY_LLAMA, vocab_size=300)
     module.configure_model()
     rng = np.random.default_rng(0)
     samples = {i: (rng.integers(0, 300, 20), np.ones(20, bool)) for i in range(3)}
-    batch = collate_packs([np.arange(3)], samples.__getitem__, sp=2, meta=dict(loss_norm=1.0, level=1))
+    batch = collate_packs([np.arange(3)], samples.__getitem__, sp=2, loss_norm=1.0, level=1)
     with pytest.raises(
         ValueError, match=r"shard for sequence parallelism 2 but the active SP group has 1 rank.*HBPStrategy"
     ):
-        module(shard(copy.deepcopy(batch), 2, 0))
+        module(Ulysses().shard(copy.deepcopy(batch), 2, 0))

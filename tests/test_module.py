@@ -75,7 +75,7 @@ def test_packed_loss_and_gradients_equal_separate_forwards_cuda(backend, arch):
         samples = random_samples(rng, 24, hi=300)
         samples[23] = (rng.integers(0, 300, 700), np.ones(700, bool))  # longer than mistral's window
         batch = collate_packs([np.arange(24)], lambda i: samples[i], pad_id=0)
-        batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in batch.items()}
+        batch = batch.to("cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = module(batch)[0]
         loss.backward()
@@ -120,7 +120,7 @@ class GradCapture(L.Callback):
         self.batches = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.batches.append({k: (v.clone() if torch.is_tensor(v) else v) for k, v in batch.items()})
+        self.batches.append(copy.deepcopy(batch))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.grads is None:
@@ -173,7 +173,7 @@ def reference_grads(reference: HBPLitModule, dm, batches, loss):
     ref = reference_model(reference)
     terms = []  # (micro index, sample ce sum, sample targets)
     for m, b in enumerate(batches):
-        for i in b["sample_index"].tolist():
+        for i in b.sample_index.tolist():
             ids, target = dm.store.tokens(i)
             ids = torch.tensor(ids, dtype=torch.long)
             labels = torch.where(torch.as_tensor(target[1:]), ids[1:], -100)
@@ -209,7 +209,7 @@ def test_ave_token_step_equals_global_token_mean(chat_data, toy_tokenizer, tmp_p
     if accumulate > 1:
         # The micro-batches hold different token counts, so averaging per-micro-batch means would
         # give another update: the comparison above can tell the two apart.
-        assert len({b["n_targets"] for b in capture.batches}) > 1
+        assert len({b.n_targets for b in capture.batches}) > 1
         per_micro = reference_grads(reference, dm, capture.batches, "token_mean")
         gap = max((capture.grads[n] - per_micro[n]).abs().max().item() for n in per_micro)
         assert gap > 1e-4
@@ -232,7 +232,7 @@ def test_checkpointed_layers_follow_the_level(chat_data):
     # Same gradients with and without checkpointing.
     rng = np.random.default_rng(0)
     samples = random_samples(rng, 4)
-    batch = collate_packs([np.arange(4)], lambda i: samples[i], meta={"loss_norm": 10.0})
+    batch = collate_packs([np.arange(4)], lambda i: samples[i], loss_norm=10.0)
     grads = []
     for k in (0, 3):
         module.zero_grad()
@@ -251,7 +251,7 @@ def test_micro_batch_flops_match_a_flop_counter():
     under SP each rank's share."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lit_hbp.data.collate import shard
+    from lit_hbp.parallel.ulysses import Ulysses
 
     module = make_module()
     spec = module._spec
@@ -268,11 +268,11 @@ def test_micro_batch_flops_match_a_flop_counter():
 
     pack = lambda sp: collate_packs([np.arange(5)], lambda i: samples[i], pad_id=0, sp=sp)  # noqa: E731
     batch = pack(1)
-    assert batch["input_ids"].shape[1] > tokens == batch["n_tokens"], "padding is not counted"
+    assert batch.input_ids.shape[1] > tokens == batch.n_tokens, "padding is not counted"
     supervised = sum(int(t[1:].sum()) for _, t in samples.values())  # a token predicts the next one
     assert module.micro_batch_flops(batch) == pytest.approx(spec.train_flops(tokens, sum_sq, supervised), rel=1e-12)
-    shards = [shard(pack(2), 2, r) for r in range(2)]
-    heads = [int((s["labels"] != -100).sum()) for s in shards]
+    shards = [Ulysses().shard(pack(2), 2, r) for r in range(2)]
+    heads = [int((s.labels != -100).sum()) for s in shards]
     assert sum(heads) == supervised
     for s, h in zip(shards, heads):
         expected = spec.train_flops(tokens, sum_sq, 0) / 2 + spec.train_flops(0, 0, h)
@@ -291,7 +291,7 @@ def test_compiled_layers_train_like_eager_ones(caplog):
     packs = [[30, 7, 51, 12], [100, 3, 60], [9, 9, 9, 9, 9, 90]]
     for i, lengths in enumerate(packs):
         samples = {j: (rng.integers(0, 300, n), rng.random(n) < 0.7) for j, n in enumerate(lengths)}
-        batch = collate_packs([np.arange(len(lengths))], samples.__getitem__, meta={"loss_norm": 40.0})
+        batch = collate_packs([np.arange(len(lengths))], samples.__getitem__, loss_norm=40.0)
         grads = []
         for m in (eager, compiled):
             m.zero_grad()
@@ -319,8 +319,8 @@ def test_liger_kernels_train_like_the_chunked_loss(loss):
     fused.model.load_state_dict(plain.model.state_dict())
     rng = np.random.default_rng(0)
     samples = random_samples(rng, 12, hi=200)
-    batch = collate_packs([np.arange(12)], lambda i: samples[i], meta={"loss_norm": 50.0})
-    batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in batch.items()}
+    batch = collate_packs([np.arange(12)], lambda i: samples[i], loss_norm=50.0)
+    batch = batch.to("cuda")
     results = []
     for m in (plain, fused):
         value, ce, n = m(batch)

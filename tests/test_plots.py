@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_LLAMA
-from lit_hbp.callbacks import PackingMetrics
 from matplotlib.container import BarContainer
 from matplotlib.image import imread
 
+from lit_hbp.callbacks import PackingMetrics
 from lit_hbp.costmodel import HARDWARE, CostModel
 from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.model_spec import ModelSpec
@@ -76,7 +76,7 @@ def test_timeline_has_a_bar_series_per_part_and_a_row_per_rank(sims):
             assert len(bars.patches) == 4 * WORLD  # every rank at each of the 4 micro-steps
         assert sim.name in ax.get_title()
         assert _fmt_gpu_time(sim.gpu_hours) in ax.get_title()
-        assert ax.get_xlabel() == "time (ms)"  # the tiny model runs micro-steps in milliseconds
+        assert ax.get_xlabel() == "simulated time (ms)"  # the tiny model runs micro-steps in milliseconds
     # Every rank's parts plus idle end where its micro-step ends (the slowest group's total).
     for ax, sim in zip(axes, sims):
         start = default_start(sim, 4)

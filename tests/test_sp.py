@@ -39,7 +39,7 @@ def pool():
 # ------------------------------------------------------------------------------ attention parity
 
 
-def attention_parity(sp: int, kv_heads: int) -> dict:
+def attention_parity(sp: int, kv_heads: int, kind: str = "ulysses") -> dict:
     import torch.distributed as dist
 
     from lit_hbp.attention import varlen_attention
@@ -64,7 +64,7 @@ def attention_parity(sp: int, kv_heads: int) -> dict:
 
     part = slice(ctx.rank * total // sp, (ctx.rank + 1) * total // sp)
     sp_in = [x[:, :, part].clone().requires_grad_() for x in (q, k, v)]
-    context.activate(ctx)
+    context.activate(ctx, kind)
     try:
         out, _ = varlen_attention(module, *sp_in, None, scaling=dim**-0.5, cu_seq_lens_q=cu, max_length_q=max_len)
         (out * w[:, part]).sum().backward()
@@ -83,6 +83,16 @@ def attention_parity(sp: int, kv_heads: int) -> dict:
 def test_ulysses_attention_matches_single_process(pool, sp, kv_heads):
     for r in pool.run(attention_parity, sp, kv_heads):
         assert r["crossing"] > 0, "documents must cross shard boundaries"
+        assert r["out"] < 1e-5
+        assert max(r["grads"]) < 1e-5, r["grads"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp, kv_heads", [(2, 2), (4, 1)])
+def test_a_second_sp_kind_plugs_into_attention(pool, sp, kv_heads):
+    """tests/sp_kinds.py: a kind written outside the library, named by class path, runs exactly."""
+    for r in pool.run(attention_parity, sp, kv_heads, "sp_kinds.GatherAll"):
+        assert r["crossing"] > 0
         assert r["out"] < 1e-5
         assert max(r["grads"]) < 1e-5, r["grads"]
 
@@ -136,10 +146,8 @@ def train_with_strategy(stage: int, data: str, tokenizer: str, cache: str, loss:
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             ctx = context.active()
-            self.groups.setdefault(batch["sp"], set()).add(id(ctx.group) if ctx.group is not None else None)
-            self.rows.append(
-                (batch["micro_index"], batch["sp"], batch["sp_rank"], batch["level"], batch["sample_index"].tolist())
-            )
+            self.groups.setdefault(batch.sp, set()).add(id(ctx.group) if ctx.group is not None else None)
+            self.rows.append((batch.micro_index, batch.sp, batch.sp_rank, batch.level, batch.sample_index.tolist()))
 
         def on_fit_end(self, trainer, pl_module):
             dist.new_group = self.restore
@@ -365,7 +373,7 @@ def self_check_on_world(config: dict, broken: bool) -> dict:
     hands each rank the wrong heads back (a bug only sequence parallelism can show)."""
     import torch.distributed as dist
 
-    import lit_hbp.attention as attention_module
+    import lit_hbp.parallel.ulysses as ulysses_module
     from lit_hbp.parallel.groups import SPGroups
     from lit_hbp.selfcheck import SelfCheckError, run_self_check
 
@@ -373,15 +381,15 @@ def self_check_on_world(config: dict, broken: bool) -> dict:
     module = HBPLitModule(model=config, vocab_size=300)
     module.configure_model()
     groups = SPGroups([2, 4], dist.get_world_size(), dist.get_rank())
-    real = attention_module.heads_to_seq
+    real = ulysses_module.heads_to_seq
     if broken:
-        attention_module.heads_to_seq = lambda out, ctx: real(out.roll(1, dims=1), ctx)
+        ulysses_module.heads_to_seq = lambda out, ctx: real(out.roll(1, dims=1), ctx)
     try:
         return {"errors": run_self_check(module, [1, 2, 4], groups, max_len=512)}
     except SelfCheckError as e:
         return {"refused": str(e)}
     finally:
-        attention_module.heads_to_seq = real
+        ulysses_module.heads_to_seq = real
 
 
 SP_FAMILIES = {

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_LLAMA
-from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
 
+from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
 from lit_hbp.cli import main
 from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.module import HBPLitModule
@@ -67,7 +67,9 @@ def test_tiny_config_trains_and_logs(tmp_path, small_demo, monkeypatch):
     early = [v for step, v in logged["train/level"] if step < 10]
     assert early and set(early) <= {0.0, 1.0}, logged["train/level"]
     assert all(v == 1.0 for step, v in logged["curriculum/warmup"] if step < 10)
-    assert Path("runs/tiny_cpu/version_0/checkpoints/last.ckpt").exists()
+    last = Path("runs/tiny_cpu/version_0/checkpoints/last.ckpt")
+    # every_n_train_steps is 20: without FinalCheckpoint last.ckpt would hold step 20, not the final 24.
+    assert torch.load(last, weights_only=False, map_location="cpu")["global_step"] == 24
 
 
 class Record(L.Callback):
@@ -78,10 +80,10 @@ class Record(L.Callback):
         self.rows.append(
             (
                 trainer.current_epoch,
-                batch["micro_index"],
-                tuple(batch["sample_index"].tolist()),
+                batch.micro_index,
+                tuple(batch.sample_index.tolist()),
                 float(outputs["loss"]),
-                batch["level"],
+                batch.level,
             )
         )
 
@@ -194,13 +196,11 @@ def test_cli_links_vocab_size_and_interpolates(tmp_path, small_demo, monkeypatch
             "0.5",
             "--model.model.num_hidden_layers",
             "3",
-            "--data.autoselect.margin_gib",
-            "1.5",
         ],
         run=False,
     )
     # Entries of the model config mapping given on the command line keep their YAML types.
-    assert cli.model.hparams.model["num_hidden_layers"] == 3 and cli.datamodule.autoselect["margin_gib"] == 1.5
+    assert cli.model.hparams.model["num_hidden_layers"] == 3
     assert cli.model.hparams.vocab_size == len(cli.datamodule.tokenizer) == 2048
     assert cli.model.hparams.model["max_position_embeddings"] == cli.datamodule.levels[-1].pack_len == 16384
     assert cli.model.hparams.lr == 0.5
@@ -268,4 +268,6 @@ def test_tiny_auto_config_parses(tmp_path, small_demo, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = main(["--config", str(ROOT / "configs/tiny_cpu_auto.yaml"), "--data.demo_dir", str(small_demo)], run=False)
     assert cli.datamodule.levels is None, "chosen at setup"
-    assert cli.datamodule.autoselect["mode"] == "measured" and cli.datamodule.autoselect["candidates"] == [2048, 8192]
+    selector = cli.datamodule.selector
+    assert type(selector).__name__ == "MeasuredSelector" and selector.candidates == [2048, 8192]
+    assert selector.memory_gib == 8 and selector.margin_gib == 2.0

@@ -78,7 +78,7 @@ def validate_on_world(chats: str, tokenizer: str, cache: str) -> dict:
     class Seen(L.Callback):
         def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
             if not trainer.sanity_checking:
-                seen.append((batch["sp"], batch["sp_rank"], batch["sample_index"].tolist()))
+                seen.append((batch.sp, batch.sp_rank, batch.sample_index.tolist()))
 
     dm = datamodule(Path(chats), tokenizer, cache, levels=("96:1", "384:2"), val_fraction=0.25)
     torch.manual_seed(0)
@@ -142,7 +142,7 @@ class Trace(L.Callback):
         self.train, self.val = [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.train.append((trainer.current_epoch, batch["micro_index"], tuple(batch["sample_index"].tolist())))
+        self.train.append((trainer.current_epoch, batch.micro_index, tuple(batch.sample_index.tolist())))
 
     def on_validation_end(self, trainer, pl_module):
         if not trainer.sanity_checking:

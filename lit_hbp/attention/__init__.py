@@ -4,8 +4,8 @@ Any Hugging Face causal LM built with ``attn_implementation="hbp_varlen"`` calls
 for its attention; the packed batch's ``cu_seq_lens_q`` / ``max_length_q`` arrive as forward kwargs.
 No mask function is registered under the name, so transformers builds no mask and runs no
 packed-sequence detection (which would read a device value back every forward). When the strategy
-has activated a sequence-parallel context (``lit_hbp.parallel.context``), Ulysses runs: all-to-all
-to head shards, attention over the whole pack, all-to-all back.
+has activated a sequence-parallel context (``lit_hbp.parallel.context``), the level's SP kind wraps
+the kernel (Ulysses: all-to-all to head shards, attention over the whole pack, all-to-all back).
 
 Document boundaries come from the ``cu_seq_lens_q`` keyword, or, for a model whose layers drop it,
 from the pack the module is training (``set_pack``). A keyword this function does not implement
@@ -25,7 +25,6 @@ from transformers import AttentionInterface
 
 from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose, why_not
 from lit_hbp.parallel import context as sp_context
-from lit_hbp.parallel.ulysses import check_heads, heads_to_seq, replicate_kv, seq_to_heads
 
 ATTN_NAME = "hbp_varlen"
 _forced: list[str | None] = [None]
@@ -128,7 +127,7 @@ def varlen_attention(
 ):
     """transformers attention function: query [1, Hq, T, D], key/value [1, Hkv, T, D] (GQA not
     repeated) -> ([1, T, Hq, D], None). Under an active SP context T is this rank's shard, and
-    Ulysses all-to-alls run attention over the whole pack on 1/sp of the heads (and of the sinks)."""
+    the level's SP kind (Ulysses: all-to-alls to 1/sp of the heads over the whole pack) runs it."""
     if query.shape[0] != 1:
         raise ValueError(f"{ATTN_NAME} takes one packed row per micro-batch, got batch size {query.shape[0]}")
     _unsupported(module, attention_mask, kwargs)
@@ -147,26 +146,24 @@ def varlen_attention(
         max_length_q = total
     dtype = compute_dtype(query)
     query, key, value = (x.to(dtype) for x in (query, key, value))
-    sinks = s_aux
-    if sp > 1:
-        check_heads(query.shape[1], key.shape[1], sp)
-        local = query.shape[1] // sp
-        if sinks is not None:
-            sinks = sinks[ctx.rank * local : (ctx.rank + 1) * local]
-        query = seq_to_heads(query, ctx)
-        key, value = (seq_to_heads(replicate_kv(x, sp), ctx) for x in (key, value))
-    args = AttnArgs(
-        cu=cu_seq_lens_q,
-        max_len=int(max_length_q),
-        scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-        window=sliding_window,
-        softcap=softcap or None,
-        sinks=sinks,
-        dropout=dropout if module.training else 0.0,
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        args = AttnArgs(
+            cu=cu_seq_lens_q,
+            max_len=int(max_length_q),
+            scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
+            window=sliding_window,
+            softcap=softcap or None,
+            sinks=sinks,
+            dropout=dropout if module.training else 0.0,
+        )
+        return _attend(q, k, v, args)
+
+    out = (
+        sp_context.active_kind().attend(query, key, value, s_aux, ctx, attend)
+        if sp > 1
+        else attend(query, key, value, s_aux)
     )
-    out = _attend(query, key, value, args)
-    if sp > 1:
-        out = heads_to_seq(out, ctx)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -19,11 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lit_hbp.autoselect.launch import measured_selection, run_arguments
-from lit_hbp.autoselect.profiler import AnalyticProfiler
-from lit_hbp.autoselect.search import select_levels
-from lit_hbp.config import config_lengths, model_config, read_config, spec_of
-from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunSetting
+from lit_hbp.config import config_lengths, read_config
+from lit_hbp.costmodel import HARDWARE
 from lit_hbp.model_spec import load_model_spec
 
 GIB = 1024**3
@@ -55,33 +53,19 @@ def main(argv: list[str] | None = None) -> int:
             lengths, vocab = load_lengths(args.lengths), None
         else:
             lengths, vocab = config_lengths(config)
-        model = model_config(config, vocab)
-        spec = load_model_spec(args.model) if args.model else spec_of(model)
-        margin = args.margin_gib * GIB
+        spec = load_model_spec(args.model) if args.model and not args.measured else None
         if args.measured:
-            import torch
-
-            capacity = (
-                torch.cuda.get_device_properties(0).total_memory
-                if torch.cuda.is_available()
-                else (args.memory_gib or 16) * GIB
-            )
-            if args.memory_gib:
-                capacity = args.memory_gib * GIB
-            selection = measured_selection(
-                run_arguments(config, vocab), spec_of(model), lengths, args.devices, args.candidates, capacity, margin
-            )
-            where = f"measured on {args.devices} local process(es)"
+            selector = MeasuredSelector(args.candidates, args.margin_gib, args.memory_gib)
+            run = RunSetting.from_config(config, vocab, args.devices)
         else:
-            cost = CostModel(spec, HARDWARE[args.gpu], args.gpus)
-            selection = select_levels(
-                AnalyticProfiler(cost, lengths), lengths, spec, args.gpus, candidates=args.candidates, margin=margin
-            )
-            where = f"analytic, {args.gpus} x {cost.hardware.name}"
+            selector = AnalyticSelector(args.gpu, args.candidates, args.margin_gib)
+            run = RunSetting.from_config(config, vocab, args.gpus, spec)
+        selection = selector.select(lengths, run)
     except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{spec.name}: {len(lengths):,} samples, longest {int(np.max(lengths)):,} tokens ({where})\n")
+    where = selector.where(run)
+    print(f"{run.spec.name}: {len(lengths):,} samples, longest {int(np.max(lengths)):,} tokens ({where})\n")
     print(selection.table())
     print(
         f"\nfastest: {selection.best.pack_len} tokens at sp {selection.best.sp} with {selection.best.ckpt_layers} "

@@ -1,34 +1,23 @@
-"""Run the measured level search on N local processes (GPUs with NCCL, else CPU with gloo).
+"""Run a measured level search on N local processes (GPUs with NCCL, else CPU with gloo).
 
-Each process joins one process group and runs Algorithm 1 with the measured profiler in lockstep
-with the others (every probe is a short distributed training run and its measurements are reduced
-across ranks, so every rank takes the same decisions); rank 0 returns the selection.
+Each process joins one process group and calls the selector in lockstep with the others (every
+probe is a short distributed training run and its measurements are reduced across ranks, so every
+rank takes the same decisions); rank 0 returns the selection.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue as queue_errors
 import socket
+from typing import TYPE_CHECKING
 
-from lit_hbp.autoselect.search import Selection, select_levels
+import numpy as np
 
-
-def run_arguments(config: dict, vocab: int | None) -> tuple[dict, dict, dict]:
-    """(HBPLitModule, Trainer, HBPStrategy) arguments of a training config that a probe reuses:
-    the model and its loss settings, the precision, accumulation and clipping, the ZeRO settings."""
-    module = dict(config.get("model") or {})
-    if vocab is not None:
-        module["vocab_size"] = vocab
-    trainer = config.get("trainer") or {}
-    trainer_args = {
-        k: trainer[k] for k in ("precision", "accumulate_grad_batches", "gradient_clip_val") if k in trainer
-    }
-    strategy = trainer.get("strategy")
-    strategy_args = {}
-    if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("HBPStrategy"):
-        strategy_args = dict(strategy.get("init_args") or {})  # the profiler sets its own levels
-    return module, trainer_args, strategy_args
+if TYPE_CHECKING:
+    from lit_hbp.autoselect.search import Selection
+    from lit_hbp.autoselect.selector import MeasuredSelector, RunSetting
 
 
 def free_port() -> int:
@@ -50,48 +39,32 @@ def set_launch_env(rank: int, world: int, port: int) -> None:
     )
 
 
-def _worker(rank: int, world: int, port: int, run_args, spec, lengths, candidates, capacity, margin, results) -> None:
-    set_launch_env(rank, world, port)
+def _worker(rank: int, port: int, selector: MeasuredSelector, lengths: np.ndarray, run: RunSetting, results) -> None:
+    set_launch_env(rank, run.world, port)
     import torch
     import torch.distributed as dist
 
-    from lit_hbp.autoselect.measured import MeasuredProfiler, zero_stage
-    from lit_hbp.costmodel import HARDWARE, CostModel
-    from lit_hbp.module import HBPLitModule
-
-    module_args, trainer_args, strategy_args = run_args
-    cuda = torch.cuda.is_available()
+    cuda = run.trainer_args.get("accelerator") == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-
-    def factory() -> HBPLitModule:
-        torch.manual_seed(0)
-        return HBPLitModule(**module_args)
-
-    trainer_args = {"accelerator": "cuda" if cuda else "cpu", "devices": world, **trainer_args}
-    cost = CostModel(spec, HARDWARE["h100"], world, zero_stage=zero_stage(strategy_args))  # memory: no GPU kind
-    profiler = MeasuredProfiler(factory, lengths, capacity, trainer_args, strategy_args, estimate=cost.memory_bytes)
-    selection = select_levels(profiler, lengths, spec, world, candidates=candidates, margin=margin)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // run.world))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=run.world)
+    selection = selector.select(lengths, dataclasses.replace(run, in_world=True))
     if rank == 0:
         results.put(selection)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measured_selection(
-    run_args: tuple[dict, dict, dict], spec, lengths, devices: int, candidates, capacity: float, margin: float
-) -> Selection:
-    """Algorithm 1 with real training steps (``run_arguments`` of a config) on ``devices`` local processes."""
+def launch(selector: MeasuredSelector, lengths: np.ndarray, run: RunSetting) -> Selection:
+    """``selector.select`` on ``run.world`` local processes started here; rank 0's selection."""
     import torch.multiprocessing as mp
 
     port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    args = (devices, port, run_args, spec, lengths, candidates, capacity, margin, results)
-    procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(devices)]
+    procs = [ctx.Process(target=_worker, args=(r, port, selector, lengths, run, results)) for r in range(run.world)]
     for p in procs:
         p.start()
     try:

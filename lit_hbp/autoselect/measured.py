@@ -26,16 +26,18 @@ from torch.utils.data import DataLoader
 
 from lit_hbp.autoselect.profiler import Measurement
 from lit_hbp.costmodel import synthetic_pack
-from lit_hbp.data.collate import collate_packs, shard
+from lit_hbp.data.batch import PackedBatch
+from lit_hbp.data.collate import collate_packs
 from lit_hbp.packing.levels import Level
 from lit_hbp.parallel.groups import SPGroups
 from lit_hbp.parallel.topology import sp_coords
+from lit_hbp.parallel.ulysses import Ulysses
 from lit_hbp.strategy import HBPStrategy
 
 
 def synthetic_batch(
     lengths, pack_len: int, sp: int, sp_rank: int, vocab: int, ckpt_layers: int, rng: np.random.Generator
-) -> dict:
+) -> PackedBatch:
     """This rank's shard of one micro-batch: a pack filled from the data's length distribution
     (random token ids, every token supervised), tagged as level 0 with ``ckpt_layers``."""
     take = synthetic_pack(lengths, pack_len, rng)
@@ -44,9 +46,10 @@ def synthetic_batch(
         [np.arange(len(take))],
         docs.__getitem__,
         sp=sp,
-        meta={"loss_norm": float(take.sum()), "level": 0, "ckpt_layers": ckpt_layers},
+        loss_norm=float(take.sum()),
+        ckpt_layers=ckpt_layers,
     )
-    return shard(batch, sp, sp_rank) if sp > 1 else batch
+    return Ulysses().shard(batch, sp, sp_rank) if sp > 1 else batch
 
 
 def probe_strategy_args(strategy) -> dict:
@@ -249,7 +252,7 @@ class ProbeData(L.LightningDataModule):
             synthetic_batch(self.lengths, lv.pack_len, lv.sp, sp_rank, vocab, lv.ckpt_layers, rng)
             for _ in range(self.n)
         ]
-        self.tokens = float(np.mean([b["n_tokens"] for b in batches])) / lv.sp  # real tokens per rank
+        self.tokens = float(np.mean([b.n_tokens for b in batches])) / lv.sp  # real tokens per rank
         return DataLoader(batches, batch_size=None)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from lit_hbp.autoselect.profiler import Measurement, Profiler
 from lit_hbp.packing.levels import Level
+from lit_hbp.parallel.kind import resolve_sp_kind
 
 GIB = 1024**3
 
@@ -55,7 +56,8 @@ class Selection:
     def yaml(self) -> str:
         lines = ["levels:"]
         for lv in self.levels:
-            lines.append(f"  - {{pack_len: {lv.pack_len}, sp: {lv.sp}, ckpt_layers: {lv.ckpt_layers}}}")
+            kind = f", sp_kind: {lv.sp_kind}" if lv.sp > 1 and lv.sp_kind != "ulysses" else ""
+            lines.append(f"  - {{pack_len: {lv.pack_len}, sp: {lv.sp}, ckpt_layers: {lv.ckpt_layers}{kind}}}")
         return "\n".join(lines) + "\n"
 
 
@@ -132,8 +134,10 @@ def auto_select(
     num_layers: int,
     c_min: int = 0,
     margin: float = 0.0,
+    sp_kind: str = "ulysses",
 ) -> Selection:
-    """Algorithm 1: levels (pack_len, sp, ckpt_layers) for the data, model and hardware."""
+    """Algorithm 1: levels (pack_len, sp, ckpt_layers) for the data, model and hardware; levels with
+    sp > 1 split their packs the ``sp_kind`` way."""
     pack_lens = sorted(set(int(x) for x in pack_lens))
     candidates, results = [], {}
     for length in pack_lens:
@@ -169,7 +173,7 @@ def auto_select(
             candidates += rows
             if cand is not None:
                 lengths[length] = cand
-    levels = [Level(c.pack_len, c.sp, c.ckpt_layers) for _, c in sorted(lengths.items())]
+    levels = [Level(c.pack_len, c.sp, c.ckpt_layers, sp_kind=sp_kind) for _, c in sorted(lengths.items())]
     return Selection(levels, candidates, best, largest)
 
 
@@ -181,19 +185,22 @@ def default_candidates(lengths, largest: int | None = None) -> list[int]:
     return out + [top]
 
 
-def sp_candidates(world: int, heads: int, kv_heads: int) -> list[int]:
-    """Powers of two that divide the world and the heads (kv heads divide or are replicated)."""
-    out, sp = [], 1
-    while sp <= world:
-        if world % sp == 0 and heads % sp == 0 and (kv_heads % sp == 0 or sp % kv_heads == 0):
-            out.append(sp)
-        sp *= 2
-    return out
+def sp_candidates(world: int, heads: int, kv_heads: int, kind: str = "ulysses") -> list[int]:
+    """The sp degrees the SP kind can run this model at on this world (powers of two)."""
+    return resolve_sp_kind(kind).degrees(world, heads, kv_heads)
 
 
 def select_levels(
-    profiler: Profiler, lengths, model, world: int, largest: int | None = None, candidates=None, margin: float = 0.0
+    profiler: Profiler,
+    lengths,
+    model,
+    world: int,
+    largest: int | None = None,
+    candidates=None,
+    margin: float = 0.0,
+    sp_kind: str = "ulysses",
 ) -> Selection:
     """Algorithm 1 over the default candidates for this data, model (a ModelSpec) and world."""
     cands = sorted(candidates) if candidates else default_candidates(lengths, largest)
-    return auto_select(profiler, cands, sp_candidates(world, model.heads, model.kv_heads), model.layers, 0, margin)
+    degrees = sp_candidates(world, model.heads, model.kv_heads, sp_kind)
+    return auto_select(profiler, cands, degrees, model.layers, 0, margin, sp_kind)

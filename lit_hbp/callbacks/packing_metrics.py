@@ -15,12 +15,22 @@ class PackingMetrics(L.Callback):
     its level. Works with any data module exposing ``plan`` (a ``lit_hbp.packing.Plan``), and
     writes to every logger the trainer has.
 
+    Drop counts (sample occurrences of the epoch: a record of a source with repeat 2 counts twice):
+        ``packing/dropped`` / ``packing/truncated``: every over-length sample of the epoch left out /
+        cut, whoever did it: the data module before planning (its ``store.report``, when it has one)
+        plus the planner (``plan.dropped`` / ``plan.truncated``). HBPDataModule applies
+        ``over_length`` itself and plans what is left, so there these equal the ``data/`` keys.
+        ``data/dropped``, ``data/truncated``, ``data/truncated_to_nothing``: the data module's part
+        alone (truncated_to_nothing: cut, then removed for having no supervised token left), and
+        ``data/<name>_distinct``: the distinct records among them.
+
     figures: also log, at each epoch start on rank zero, two figures of the epoch's plan to every
         logger whose ``experiment`` has ``add_figure`` (TensorBoard; other loggers are skipped):
         "packing/length_histogram", the sample lengths coloured by the level that packs them, and
         "packing/timeline", per-rank timelines of a few micro-steps priced with the analytic cost
         model (``lit_hbp.costmodel``) of the trained model on ``hardware``, which shows the idle
-        time and SP communication the plan costs on a real cluster. The model's shape comes from
+        time and SP communication the plan would cost on such a cluster. Its times are simulated,
+        not measured on the devices of this run, and its titles say so. The model's shape comes from
         ``pl_module.model.config`` (a Hugging Face config); without one only the histogram is logged.
     hardware: the cost model's GPU preset for the timeline, a key of ``lit_hbp.costmodel.HARDWARE``.
     """
@@ -50,6 +60,10 @@ class PackingMetrics(L.Callback):
         for name in ("dropped", "truncated", "truncated_to_nothing"):
             if name in report:
                 metrics[f"data/{name}"] = float(len(report[name]))
+                metrics[f"data/{name}_distinct"] = float(report.get(f"{name}_distinct", len(set(report[name]))))
+        # The epoch's over-length samples, whether the data module or the planner handled them.
+        for name in ("dropped", "truncated"):
+            metrics[f"packing/{name}"] += metrics.get(f"data/{name}", 0.0)
         metrics["epoch"] = float(trainer.current_epoch)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
@@ -83,7 +97,8 @@ class PackingMetrics(L.Callback):
             return None
         spec = ModelSpec.from_config(config.to_dict())
         cost = CostModel(spec, HARDWARE[self.hardware], world=plan.world_size)
-        return timeline_figure([simulate(plan, cost, "this run")])
+        name = f"this epoch's plan, simulated on {plan.world_size} x {cost.hardware.name} (cost model)"
+        return timeline_figure([simulate(plan, cost, name)])
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         plan = self._plan(trainer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,17 +11,18 @@ from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities import rank_zero_only
 
+from lit_hbp.data.batch import PackedBatch
 from lit_hbp.meter import logs_now
 
 
-def samples_in_batch(batch: dict) -> float:
+def samples_in_batch(batch: PackedBatch) -> float:
     """This rank's share: every rank of an SP group sees the group's whole list of samples."""
-    return batch["sample_index"].numel() / batch.get("sp", 1)
+    return batch.sample_index.numel() / batch.sp
 
 
-def tokens_in_batch(batch: dict) -> float:
+def tokens_in_batch(batch: PackedBatch) -> float:
     """This rank's share of the pack's real tokens (not its padding)."""
-    return batch["n_tokens"] / batch.get("sp", 1)
+    return batch.n_tokens / batch.sp
 
 
 class ShareThroughput(Throughput):
@@ -49,11 +51,45 @@ class HBPThroughputMonitor(ThroughputMonitor):
     intervals (default 1: since the previous log). FLOP/s and MFU need the module's
     ``flops_per_batch`` (None: not logged). A level's empty completion packs (a dummy
     forward so collectives match) add no sample and no token; their time still counts.
+
+    In a plain Lightning project (batches that are not PackedBatch) give ``batch_size_fn`` and
+    optionally ``length_fn``, as to Lightning's ThroughputMonitor: they then count the samples and
+    tokens. Without them a batch that is not a PackedBatch stops the run on the first batch with an
+    error that says so.
     """
 
-    def __init__(self, window_size: int = 2, **kwargs: Any):
-        super().__init__(batch_size_fn=samples_in_batch, length_fn=tokens_in_batch, window_size=window_size, **kwargs)
+    def __init__(
+        self,
+        batch_size_fn: Callable[[Any], float] | None = None,
+        length_fn: Callable[[Any], float] | None = None,
+        window_size: int = 2,
+        **kwargs: Any,
+    ):
+        if batch_size_fn is None and length_fn is not None:
+            raise ValueError("HBPThroughputMonitor: a length_fn needs its batch_size_fn (samples in a batch)")
+        packed = batch_size_fn is None
+        super().__init__(
+            batch_size_fn=batch_size_fn or samples_in_batch,
+            length_fn=tokens_in_batch if packed else length_fn,
+            window_size=window_size,
+            **kwargs,
+        )
+        self._check_packed = packed  # counting PackedBatch micro-batches: the first batch is checked
         self._pending = dict(samples=0.0, tokens=0.0, flops=0.0, batches=0)
+
+    def _check_batch(self, batch: Any) -> None:
+        if self._check_packed and not isinstance(batch, PackedBatch):
+            raise TypeError(
+                "HBPThroughputMonitor counts the samples and tokens of lit_hbp PackedBatch micro-batches "
+                f"(from HBPDataModule), but this batch is a {type(batch).__name__}. For other batches pass "
+                "batch_size_fn (samples in a batch) and length_fn (tokens in a batch, optional), as to "
+                "Lightning's ThroughputMonitor: HBPThroughputMonitor(batch_size_fn=lambda b: len(b[0]))"
+            )
+        self._check_packed = False
+
+    def _update(self, trainer, pl_module, batch: Any, iter_num: int) -> None:
+        self._check_batch(batch)  # validation batches go through Lightning's ThroughputMonitor
+        super()._update(trainer, pl_module, batch, iter_num)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -64,9 +100,10 @@ class HBPThroughputMonitor(ThroughputMonitor):
 
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, *args: Any) -> None:
+        self._check_batch(batch)
         pending = self._pending
-        pending["samples"] += samples_in_batch(batch)
-        pending["tokens"] += tokens_in_batch(batch)
+        pending["samples"] += self.batch_size_fn(batch)
+        pending["tokens"] += self.length_fn(batch) if self.length_fn is not None else 0.0
         flops = getattr(pl_module, "flops_per_batch", None)
         pending["flops"] = None if flops is None or pending["flops"] is None else pending["flops"] + flops
         pending["batches"] += 1
@@ -82,7 +119,7 @@ class HBPThroughputMonitor(ThroughputMonitor):
             time=time.perf_counter() - self._t0s[stage],
             batches=self._batches[stage],
             samples=self._samples[stage],
-            lengths=self._lengths[stage],
+            lengths=self._lengths[stage] if self.length_fn is not None else None,
             flops=pending["flops"],
         )
         self._pending = dict(samples=0.0, tokens=0.0, flops=0.0, batches=0)

@@ -1,16 +1,9 @@
-"""Collate a rank's packs into one varlen micro-batch, and cut an SP rank's shard out of it.
+"""Collate a rank's packs into one varlen micro-batch (a ``PackedBatch``, whose fields are documented
+in ``lit_hbp.data.batch``).
 
-A micro-batch is one row of concatenated samples: ``input_ids`` [1, T], pre-shifted ``labels``
-(labels[t] = input_ids[t + 1] inside a sample when that token is supervised, else -100, so a shard
-needs no neighbour token), ``position_ids`` restarting at every sample, and the pack's
-``cu_seqlens``/``max_seqlen`` for varlen attention. T is padded to a multiple of lcm(8, sp) with a
-padding segment of its own. Per-token ``sample_targets`` (targets of the token's sample) and the
-micro-batch totals let the module apply any loss normalizer on a shard.
-
-Everything the training step needs to know about a micro-batch is computed here, on the host, so the
-step never reads a value back from the device: ``target_index`` (positions of this rank's supervised
-labels, for the LM head), ``doc_sq`` (sum of squared document lengths, for the FLOP count),
-``n_tokens``/``n_targets`` and the plan's loss normalizer.
+T is padded to a multiple of lcm(8, sp) with a padding segment of its own, so any SP degree can cut
+it into equal shards. Everything the training step needs to know about a micro-batch is computed
+here, on the host, so the step never reads a value back from the device.
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-TOKEN_KEYS = ("input_ids", "labels", "position_ids", "sample_targets")
+from lit_hbp.data.batch import PackedBatch
 
 
 def pad_multiple(sp: int, base: int = 8) -> int:
@@ -33,10 +26,16 @@ def collate_packs(
     tokens: Callable[[int], tuple[np.ndarray, np.ndarray]],
     *,
     sp: int = 1,
+    sp_kind: str = "ulysses",
     pad_id: int = 0,
-    meta: dict | None = None,
-) -> dict:
-    """Build the micro-batch of ``packs`` (arrays of sample ids); ``tokens(i)`` gives (ids, target)."""
+    level: int = 0,
+    ckpt_layers: int = 0,
+    loss_norm: float | None = None,
+    epoch: int = 0,
+    micro_index: int = 0,
+) -> PackedBatch:
+    """The whole (unsharded) micro-batch of ``packs`` (arrays of sample ids), padded for ``sp``;
+    ``tokens(i)`` gives (ids, supervised mask) of sample i; the rest are the plan's fields."""
     sample_ids = np.concatenate(packs) if packs else np.zeros(0, np.int64)
     parts = [tokens(int(i)) for i in sample_ids]
     lens = np.array([p[0].size for p in parts], dtype=np.int64)
@@ -62,7 +61,7 @@ def collate_packs(
     sample_targets = np.repeat(per_sample, seg_lens)
     n_samples = int((per_sample[: lens.size] > 0).sum())
     labels = torch.from_numpy(labels)[None]
-    batch = dict(
+    return PackedBatch(
         input_ids=torch.from_numpy(ids)[None],
         labels=labels,
         position_ids=torch.from_numpy(position_ids)[None],
@@ -75,26 +74,15 @@ def collate_packs(
         doc_sq=float((lens.astype(np.float64) ** 2).sum()),
         target_index=target_index(labels),
         sample_index=torch.from_numpy(sample_ids.astype(np.int64)),
+        loss_norm=loss_norm,
+        level=level,
         sp=sp,
+        sp_kind=sp_kind,
         sp_rank=0,
+        ckpt_layers=ckpt_layers,
+        epoch=epoch,
+        micro_index=micro_index,
     )
-    batch.update(meta or {})
-    return batch
-
-
-def shard(batch: dict, sp: int, sp_rank: int) -> dict:
-    """The contiguous 1/sp slice of the token tensors that rank ``sp_rank`` of the SP group holds.
-    ``cu_seqlens``/``max_seqlen`` stay global: attention runs over the whole pack after all-to-all."""
-    total = batch["input_ids"].shape[1]
-    if total % sp:
-        raise ValueError(f"micro-batch of {total} tokens cannot be split over sp {sp}: pad it to a multiple of sp")
-    size = total // sp
-    out = dict(batch)
-    for key in TOKEN_KEYS:
-        out[key] = batch[key][:, sp_rank * size : (sp_rank + 1) * size]
-    out["sp"], out["sp_rank"] = sp, sp_rank
-    out["target_index"] = target_index(out["labels"])
-    return out
 
 
 def target_index(labels: torch.Tensor) -> torch.Tensor:

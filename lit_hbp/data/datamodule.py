@@ -10,26 +10,24 @@ exactly the batches an uninterrupted run would have seen next.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lit_hbp.data.collate import collate_packs, shard
-from lit_hbp.data.sources import Source
+from lit_hbp.data.batch import PackedBatch
+from lit_hbp.data.collate import collate_packs
+from lit_hbp.data.sources import Source, check_sources
 from lit_hbp.data.store import SampleStore
 from lit_hbp.data.tokenize import TRAIN_ON, tokenize_source
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, MicroBatch, Plan, plan_hbp, validate_levels
-from lit_hbp.packing.levels import as_level
+from lit_hbp.packing.levels import LevelSelector, as_level
+from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import sp_coords
-
-AUTOSELECT_DEFAULTS = {"mode": "analytic", "gpu": "h100", "candidates": None, "margin_gib": 2.0, "memory_gib": 16.0}
 
 
 class MicroBatchDataset(Dataset):
@@ -40,12 +38,12 @@ class MicroBatchDataset(Dataset):
     def __init__(self, store: SampleStore, levels: tuple[Level, ...], rank: int, pad_id: int):
         self.store, self.levels, self.rank, self.pad_id = store, levels, rank, pad_id
 
-    def __getitem__(self, item: tuple[int, int, MicroBatch]) -> dict:
+    def __getitem__(self, item: tuple[int, int, MicroBatch]) -> PackedBatch:
         epoch, k, mb = item
         lv = self.levels[mb.level]
-        meta = dict(level=mb.level, ckpt_layers=lv.ckpt_layers, loss_norm=mb.loss_norm, micro_index=k, epoch=epoch)
-        batch = collate_packs(mb.packs, self.store.tokens, sp=lv.sp, pad_id=self.pad_id, meta=meta)
-        return shard(batch, lv.sp, sp_coords(self.rank, lv.sp)[1]) if lv.sp > 1 else batch
+        plan = dict(level=mb.level, ckpt_layers=lv.ckpt_layers, loss_norm=mb.loss_norm, micro_index=k, epoch=epoch)
+        batch = collate_packs(mb.packs, self.store.tokens, sp=lv.sp, sp_kind=lv.sp_kind, pad_id=self.pad_id, **plan)
+        return resolve_sp_kind(lv.sp_kind).shard(batch, lv.sp, sp_coords(self.rank, lv.sp)[1]) if lv.sp > 1 else batch
 
 
 class PlanSampler(Sampler[tuple[int, int, MicroBatch]]):
@@ -106,10 +104,32 @@ class PlanLoader(DataLoader):
                 "with the same data, levels, world size, accumulate_grad_batches and seed, or from an "
                 "end-of-epoch checkpoint."
             )
+        rank_zero_info(self.resume_message(state, now))
         if state["micro_step"] >= self.dm.plan_for_epoch(state["epoch"]).n_micro_steps:
             return  # saved at the end of its epoch: the next epoch starts from its beginning
         self.dm.resume_from = dict(state)
         self.sampler.set_epoch(self.sampler.epoch)
+
+    def resume_message(self, state: dict, key: dict) -> str:
+        """Where a resumed run continues and the plan it re-creates, so a resume is never silent."""
+        epoch, micro = state["epoch"], state["micro_step"]
+        plan = self.dm.plan_for_epoch(epoch)
+        trainer = self.dm.trainer
+        step = trainer.global_step if trainer is not None else micro // key["accumulate"]
+        levels = ", ".join(f"{p}:{sp}" + (f":{ck}" if ck else "") for p, sp, ck, *_ in key["levels"])
+        recreated = (
+            f"levels {levels}; world {key['world_size']}, accumulate {key['accumulate']}, "
+            f"seed {key['seed']} + epoch {epoch}, packer {key['packer']}"
+        )
+        if micro >= plan.n_micro_steps:
+            return (
+                f"resuming at optimizer step {step}: epoch {epoch} was trained to its end ({plan.n_micro_steps} "
+                f"micro-batches of its plan); the next epoch starts from its first micro-batch ({recreated})"
+            )
+        return (
+            f"resuming at optimizer step {step}, epoch {epoch}, micro-batch {micro} of {plan.n_micro_steps} of the "
+            f"epoch's plan ({recreated}); the {micro} micro-batches before it are not trained again"
+        )
 
 
 class HBPDataModule(L.LightningDataModule):
@@ -119,13 +139,10 @@ class HBPDataModule(L.LightningDataModule):
         sources: data sources (paths with optional repeat/weight), e.g. a short chat set and a
             long-context set.
         tokenizer: path of a local Hugging Face tokenizer (its chat template is used when it has one).
-        levels: the HBP levels, e.g. ``["16K:1", "128K:8:28"]`` or Level mappings; or ``"auto"`` to
-            choose them at setup with the paper's auto-selection for this model, data and world.
-        autoselect: settings of ``levels: auto``: ``mode`` analytic (cost model, default) or measured
-            (a few real training steps per candidate through HBPStrategy, on the real world); ``gpu``
-            the hardware preset of the analytic mode (h100, h200, a100); ``candidates`` pack lengths
-            to try; ``margin_gib`` memory left free; ``memory_gib`` the per-device memory of the
-            measured mode on CPU.
+        levels: the HBP levels, e.g. ``["16K:1", "128K:8:28"]`` or Level mappings; or a
+            ``LevelSelector`` that chooses them at set-up for this model, data and world with the
+            paper's auto-selection: ``lit_hbp.autoselect.AnalyticSelector`` (cost model) or
+            ``MeasuredSelector`` (a few real training steps per candidate on the run's own world).
         packer: packing algorithm of every level (see ``lit_hbp.packing.PACKERS``).
         over_length: samples longer than the largest level: ``error`` | ``drop`` | ``truncate``.
         train_on: supervise ``assistant`` turns only, or ``all`` tokens.
@@ -146,7 +163,7 @@ class HBPDataModule(L.LightningDataModule):
         self,
         sources: list[Source | dict],
         tokenizer: str,
-        levels: list[Level | dict | str | int] | str,
+        levels: list[Level | dict | str | int] | LevelSelector,
         packer: str = DEFAULT_PACKER,
         over_length: str = "error",
         train_on: str = "assistant",
@@ -154,7 +171,6 @@ class HBPDataModule(L.LightningDataModule):
         cache_dir: str = "data_cache",
         num_workers: int | None = None,
         demo_dir: str | None = None,
-        autoselect: dict[str, Any] | None = None,
         val_sources: list[Source | dict] | None = None,
         val_fraction: float = 0.0,
     ):
@@ -166,21 +182,22 @@ class HBPDataModule(L.LightningDataModule):
             raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
         if not sources:
             raise ValueError("no data sources given")
-        self.sources = [s if isinstance(s, Source) else Source(**s) for s in sources]
-        self.val_sources = [s if isinstance(s, Source) else Source(**s) for s in (val_sources or [])]
+        self.sources = [Source.of(s, f"sources[{i}]") for i, s in enumerate(sources)]
+        self.val_sources = [Source.of(s, f"val_sources[{i}]") for i, s in enumerate(val_sources or [])]
         for s in self.val_sources:
             if s.repeat is not None or s.weight is not None:
                 raise ValueError(f"val_sources: {s.path} has a repeat or weight; validation reads every record once")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.val_fraction = val_fraction
-        self.autoselect = {**AUTOSELECT_DEFAULTS, **(autoselect or {})}
-        if self.autoselect["mode"] not in ("analytic", "measured"):
-            raise ValueError(f"autoselect mode must be analytic or measured, got {self.autoselect['mode']!r}")
-        if levels == "auto":
-            self.levels = None
+        self.selector: LevelSelector | None = None
+        if isinstance(levels, LevelSelector):
+            self.selector, self.levels = levels, None
         elif isinstance(levels, str):
-            raise ValueError(f"levels must be a list of levels or 'auto', got {levels!r}")
+            raise ValueError(
+                f"levels must be a list of levels or a LevelSelector (e.g. lit_hbp.autoselect.AnalyticSelector), "
+                f"got {levels!r}"
+            )
         else:
             self.levels = tuple(as_level(x) for x in levels)
             # Checked against the real world size at setup; here only what needs no world.
@@ -191,6 +208,8 @@ class HBPDataModule(L.LightningDataModule):
             from lit_hbp.demo import ensure_demo
 
             ensure_demo(demo_dir)
+        check_sources(self.sources, "sources")
+        check_sources(self.val_sources, "val_sources")
         self.tokenizer = load_tokenizer(tokenizer)
         self.pad_id = next(x for x in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if x is not None)
         self.store: SampleStore | None = None
@@ -247,8 +266,8 @@ class HBPDataModule(L.LightningDataModule):
         return (t.world_size, t.global_rank, t.accumulate_grad_batches) if t is not None else (1, 0, 1)
 
     def prepare_data(self) -> None:
-        for s in self.sources:
-            tokenize_source(s, self.tokenizer, self.train_on, self.cache_dir)
+        for i, s in enumerate(self.sources):
+            tokenize_source(s, self.tokenizer, self.train_on, self.cache_dir, label=f"sources[{i}]")
 
     def setup(self, stage: str) -> None:
         if self.store is not None:
@@ -260,11 +279,14 @@ class HBPDataModule(L.LightningDataModule):
                     "HBPDataModule assigns data to ranks itself: set Trainer(use_distributed_sampler=False)"
                 )
         tokenized = [
-            tokenize_source(s, self.tokenizer, self.train_on, self.cache_dir, progress=rank == 0) for s in self.sources
+            tokenize_source(s, self.tokenizer, self.train_on, self.cache_dir, progress=rank == 0, label=f"sources[{i}]")
+            for i, s in enumerate(self.sources)
         ]
         store = SampleStore.build(tokenized, None, self.over_length, self.seed)
         if self.levels is None:
-            self.levels = tuple(self._select_levels(store.lengths, world))
+            if self.trainer is None:
+                raise ValueError(f"{type(self.selector).__name__} chooses levels for a run: set up through a Trainer")
+            self.levels = tuple(self.selector.levels_for(store.lengths, self.trainer))
         validate_levels(self.levels, world)
         held = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         if self.val_fraction:
@@ -281,8 +303,10 @@ class HBPDataModule(L.LightningDataModule):
         """The validation samples, each once: the records held out of the training sources
         (``val_fraction``) and every record of ``val_sources``; over-length ones follow ``over_length``."""
         extra = [
-            tokenize_source(s, self.tokenizer, self.train_on, self.cache_dir, progress=rank == 0)
-            for s in self.val_sources
+            tokenize_source(
+                s, self.tokenizer, self.train_on, self.cache_dir, progress=rank == 0, label=f"val_sources[{i}]"
+            )
+            for i, s in enumerate(self.val_sources)
         ]
         if not held_src.size and not extra:
             return None
@@ -293,64 +317,6 @@ class HBPDataModule(L.LightningDataModule):
         if val.lengths.size == 0:
             raise ValueError("the validation set is empty after its over-length samples were dropped")
         return val
-
-    def _select_levels(self, lengths, world: int) -> list[Level]:
-        """``levels: auto``: the paper's Algorithm 1 for this model, data and world."""
-        from lit_hbp.autoselect import AnalyticProfiler, MeasuredProfiler, select_levels
-        from lit_hbp.costmodel import HARDWARE, CostModel
-        from lit_hbp.model_spec import ModelSpec
-
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        model = getattr(getattr(module, "hparams", None), "model", None)
-        if model is None:
-            raise ValueError("levels: auto needs the model: train an HBPLitModule (its `model` describes it)")
-        config = {**model, "vocab_size": self.vocab_size} if isinstance(model, dict) else Path(model)
-        spec = ModelSpec.from_config(config)
-        opts = self.autoselect
-        margin = opts["margin_gib"] * 2**30
-        if opts["mode"] == "analytic":
-            cost = CostModel(spec, HARDWARE[opts["gpu"]], world)
-            profiler = AnalyticProfiler(cost, lengths, self.seed)
-            where = f"analytic, {world} x {cost.hardware.name}"
-        else:
-            import torch
-
-            from lit_hbp.autoselect.measured import probe_strategy_args, zero_stage
-
-            trainer = self.trainer
-            device = trainer.strategy.root_device
-            capacity = (
-                torch.cuda.get_device_properties(device).total_memory
-                if device.type == "cuda"
-                else opts["memory_gib"] * 2**30
-            )
-            trainer_args = dict(
-                accelerator=device.type,
-                devices=trainer.device_ids if device.type == "cuda" else trainer.num_devices,
-                num_nodes=trainer.num_nodes,
-                precision=trainer.precision,
-                accumulate_grad_batches=trainer.accumulate_grad_batches,
-                gradient_clip_val=trainer.gradient_clip_val,
-            )
-
-            init = inspect.signature(type(module)).parameters  # hparams also hold LightningCLI's entries
-
-            def factory():
-                torch.manual_seed(self.seed)
-                return type(module)(**{k: v for k, v in module.hparams.items() if k in init})
-
-            strategy_args = probe_strategy_args(trainer.strategy)
-            cost = CostModel(spec, HARDWARE[opts["gpu"]], world, zero_stage=zero_stage(strategy_args))
-            profiler = MeasuredProfiler(
-                factory, lengths, capacity, trainer_args, strategy_args, seed=self.seed, estimate=cost.memory_bytes
-            )
-            where = f"measured on {world} {device.type} device(s)"
-        selection = select_levels(profiler, lengths, spec, world, candidates=opts["candidates"], margin=margin)
-        strategy = self.trainer.strategy
-        if opts["mode"] == "measured" and getattr(strategy, "sp_groups", False) is None:
-            strategy.sp_groups = profiler.sp_groups  # the run uses the groups the probes built
-        rank_zero_info(f"levels: auto ({where})\n{selection.table()}\nchosen {selection.yaml()}")
-        return selection.levels
 
     def plan_for_epoch(self, epoch: int) -> Plan:
         """The plan of ``epoch`` (curriculum warm-up in the first epoch only)."""

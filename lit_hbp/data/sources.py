@@ -7,12 +7,21 @@ or plain ``{"text": ...}``.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 FORMATS = ("auto", "jsonl", "parquet", "hf")
+# Chat roles a record may use. A role outside these is a typo far more often than a real role, and
+# a misspelled "assistant" would silently lose every supervised token of the record.
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
+# What ``datasets.save_to_disk`` writes into a folder: a DatasetDict, or a single Dataset.
+HF_MARKERS = ("dataset_dict.json", "state.json")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 class DataError(ValueError):
@@ -35,6 +44,27 @@ class Source:
     repeat: float | None = None
     weight: float | None = None
     split: str = "train"
+
+    @classmethod
+    def of(cls, entry: Source | dict | str, label: str) -> Source:
+        """The source a config entry describes (a Source, a path, or a mapping of its fields); a
+        misspelled field is an error naming the entry (``label``, e.g. ``sources[1]``), the field
+        and the nearest valid one, instead of a TypeError from the constructor."""
+        if isinstance(entry, Source):
+            return entry
+        if isinstance(entry, str):
+            return cls(entry)
+        if not isinstance(entry, dict):
+            raise DataError(f"{label}: a source is a path or a mapping with a path, got {entry!r}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        for key in entry:
+            if key not in fields:
+                close = difflib.get_close_matches(str(key), fields, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise DataError(f"{label}: unknown source field {key!r}{hint}; a source takes {', '.join(fields)}")
+        if "path" not in entry:
+            raise DataError(f"{label}: the source has no path: {entry!r}")
+        return cls(**entry)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -69,11 +99,83 @@ class Conversation:
     where: str
 
 
+def _near_names(path: Path) -> str:
+    """A hint naming existing files of the folder whose names are close to ``path``'s."""
+    parent = path.parent
+    if not parent.is_dir():
+        return f"; its folder {parent} does not exist either"
+    try:
+        names = sorted(p.name for p in parent.iterdir())
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=3, cutoff=0.75)
+    return f"; did you mean {' or '.join(repr(str(parent / c)) for c in close)}?" if close else ""
+
+
+def _data_files_in(folder: Path, limit: int = 5) -> str:
+    """The data files directly inside ``folder``, to suggest as paths."""
+    try:
+        files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES)
+    except OSError:
+        return ""
+    if not files:
+        return ""
+    more = f" and {len(files) - limit} more" if len(files) > limit else ""
+    return f"; it holds {', '.join(files[:limit])}{more}"
+
+
+def check_source(source: Source, label: str | None = None) -> None:
+    """Raise a DataError naming the source (``label``, e.g. ``sources[1]``, and its path) when its
+    path cannot be read as its format: missing (or a broken link), a folder where a file is
+    expected or the reverse, not a regular file, or unreadable. Why: otherwise the first thing to
+    touch the path (the cache key's ``stat``, ``open``, ``datasets``) fails with a raw OS error
+    that names neither the source nor the fix."""
+    path = Path(source.path)
+    who = f"{label}: " if label else ""
+    if not path.exists():
+        if path.is_symlink():
+            where = f" (a symbolic link to {os.readlink(path)}, which does not exist)"
+        elif not path.is_absolute():
+            where = f" (looked for {path.resolve()}, relative to the working directory)"
+        else:
+            where = ""
+        raise DataError(f"{who}data source not found: {path}{where}{_near_names(path)}")
+    if path.is_dir():
+        if source.format in ("jsonl", "parquet"):
+            raise DataError(
+                f"{who}data source {path} is a directory, but format {source.format} reads a file: "
+                f"give the file's path{_data_files_in(path)}"
+            )
+        if not any((path / m).is_file() for m in HF_MARKERS):
+            raise DataError(
+                f"{who}data source {path} is a directory but not a data set saved with datasets.save_to_disk "
+                f"(it has no {' or '.join(HF_MARKERS)}): give a .jsonl or .parquet file as the path"
+                f"{_data_files_in(path)}"
+            )
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise DataError(f"{who}data source {path} is a directory that cannot be read (permission denied)")
+        return
+    if not path.is_file():
+        raise DataError(f"{who}data source {path} is not a regular file (a device, pipe or socket)")
+    if source.format == "hf":
+        raise DataError(
+            f"{who}data source {path} is a file, but format hf reads a folder written by datasets.save_to_disk"
+        )
+    if not os.access(path, os.R_OK):
+        raise DataError(f"{who}data source {path} cannot be read (permission denied)")
+
+
+def check_sources(sources: Sequence[Source], field: str = "sources") -> None:
+    """``check_source`` of every source, named by its place in the list (``sources[i]``): lets a
+    data module reject a bad path when it is configured, before any tokenizer loads."""
+    for i, source in enumerate(sources):
+        check_source(source, f"{field}[{i}]")
+
+
 def iter_records(source: Source) -> Iterator[tuple[dict, str]]:
     """Yield (record, location) pairs; location is ``file:line`` or ``file:row N``."""
     path = Path(source.path)
-    if not path.exists():
-        raise DataError(f"data source not found: {path}")
+    check_source(source)
     fmt = source.resolved_format
     if fmt == "jsonl":
         with path.open("rb") as f:
@@ -118,6 +220,16 @@ def _field(record: dict, name: str, where: str, kind: type = str):
     return value
 
 
+def check_role(role: str, where: str) -> None:
+    """Raise naming an unknown chat role, the known ones and the closest of them. Why: only
+    ``assistant`` turns are supervised, so a misspelled one would silently train on nothing."""
+    if role in KNOWN_ROLES:
+        return
+    close = difflib.get_close_matches(role.lower(), KNOWN_ROLES, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise DataError(f"{where} has unknown role {role!r}: known roles are {', '.join(KNOWN_ROLES)}{hint}")
+
+
 def to_conversation(record: dict, where: str) -> Conversation:
     """Normalize a record to chat messages or plain text, or raise naming the field and location."""
     if "messages" in record:
@@ -131,6 +243,7 @@ def to_conversation(record: dict, where: str) -> Conversation:
                     raise DataError(f"{where}: messages[{i}] has no '{key}' field")
                 if not isinstance(m[key], str):
                     raise DataError(f"{where}: messages[{i}].{key} must be str, got {type(m[key]).__name__}")
+            check_role(m["role"], f"{where}: messages[{i}]")
             out.append({"role": m["role"], "content": m["content"]})
         return Conversation(out, None, where)
     if "prompt" in record or "response" in record:

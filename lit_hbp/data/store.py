@@ -13,6 +13,27 @@ import numpy as np
 from lit_hbp.data.tokenize import TokenizedSource
 from lit_hbp.packing.plan import OVER_LENGTH
 
+# The report's lists of samples the over-length policy removed or cut: one ``file:line`` entry per
+# occurrence in the epoch (a record of a source with repeat 2 is listed twice). Beside each list the
+# report keeps ``<name>_distinct``, the number of distinct records among them.
+OVER_LENGTH_LISTS = ("dropped", "truncated", "truncated_to_nothing")
+
+
+def distinct(where: list[str]) -> list[str]:
+    """The distinct records of a list of sample locations, in first-seen order."""
+    return list(dict.fromkeys(where))
+
+
+def count_phrase(n: int, n_distinct: int) -> str:
+    """'40 sample(s) (20 distinct records, repeated in the epoch)': occurrences alone mislead when
+    sources repeat, since one long record of a source with repeat 2 is two dropped samples."""
+    repeated = ", repeated in the epoch" if n_distinct < n else ""
+    return f"{n} sample(s) ({n_distinct} distinct record{'s' if n_distinct != 1 else ''}{repeated})"
+
+
+def _empty_over_length_report() -> dict:
+    return {**{k: [] for k in OVER_LENGTH_LISTS}, **{f"{k}_distinct": 0 for k in OVER_LENGTH_LISTS}}
+
 
 def mixture_repeats(sizes: list[int], repeats: list[float | None], weights: list[float | None]) -> list[float]:
     """Repeat factor per source. Weights share the total sample count of all sources; sources with
@@ -83,7 +104,7 @@ class SampleStore:
             lengths[sel] = s.lengths[row_of[sel]]
             loss[sel] = s.loss_tokens()[row_of[sel]]
         store = cls(sources, source_of, row_of, lengths, loss, dict(sources=mixed))
-        store.report.update(over_length=over_length, max_len=max_len, dropped=[], truncated=[], truncated_to_nothing=[])
+        store.report.update(over_length=over_length, max_len=max_len, **_empty_over_length_report())
         if max_len is not None:
             store.apply_over_length(max_len, over_length)
         return store
@@ -101,7 +122,7 @@ class SampleStore:
         mixed = [dict(path=s.source.path, samples=len(s), repeat=1.0, in_epoch=int((source_of == k).sum()),
                       skipped=dict(s.skipped), skipped_where={k2: list(v) for k2, v in s.skipped_where.items()})
                  for k, s in enumerate(sources)]  # fmt: skip
-        report = dict(sources=mixed, over_length=None, max_len=None, dropped=[], truncated=[], truncated_to_nothing=[])
+        report = dict(sources=mixed, over_length=None, max_len=None, **_empty_over_length_report())
         return cls(list(sources), source_of, row_of, lengths, loss, report)
 
     def hold_out(self, fraction: float, seed: int) -> tuple[SampleStore, np.ndarray, np.ndarray]:
@@ -132,8 +153,12 @@ class SampleStore:
         return self.sources[self.source_of[i]].where(int(self.row_of[i]))
 
     def _describe(self, idx: np.ndarray, limit: int = 5) -> str:
-        shown = ", ".join(f"{self.where(int(i))} ({self.lengths[i]} tokens)" for i in idx[:limit])
-        return shown + (f" and {idx.size - limit} more" if idx.size > limit else "")
+        """The distinct records among samples ``idx`` (a repeated record is named once)."""
+        first = {}
+        for i in idx:
+            first.setdefault(self.where(int(i)), int(i))
+        shown = ", ".join(f"{w} ({self.lengths[i]} tokens)" for w, i in list(first.items())[:limit])
+        return shown + (f" and {len(first) - limit} more" if len(first) > limit else "")
 
     def apply_over_length(self, max_len: int, policy: str) -> None:
         """Drop, truncate or reject (``error``) the samples longer than ``max_len``, and record them."""
@@ -142,8 +167,10 @@ class SampleStore:
         if not over.size:
             return
         if policy == "error":
+            n_distinct = len(distinct([self.where(int(i)) for i in over]))
             raise ValueError(
-                f"{over.size} sample(s) longer than the largest level ({max_len} tokens): {self._describe(over)}. "
+                f"{over.size} sample(s) longer than the largest level ({max_len} tokens): {self._describe(over)}; "
+                f"{count_phrase(int(over.size), n_distinct)} in all. "
                 "Add a larger level, or set over_length: drop | truncate"
             )
         keep = np.ones(self.lengths.size, dtype=bool)
@@ -164,6 +191,8 @@ class SampleStore:
             empty = over[new_loss[over] == 0]
             self.report["truncated_to_nothing"] = [self.where(int(i)) for i in empty]
             keep[empty] = False
+        for name in OVER_LENGTH_LISTS:
+            self.report[f"{name}_distinct"] = len(distinct(self.report[name]))
         for name in ("source_of", "row_of", "lengths", "loss_tokens"):
             setattr(self, name, getattr(self, name)[keep])
 
@@ -183,10 +212,13 @@ class SampleStore:
         ]
         for m in self.report["sources"]:
             skipped = ", ".join(f"{n} {reason}" for reason, n in m["skipped"].items() if n)
+            n_skipped = sum(m["skipped"].values())
+            # Records are skipped when the file is read, before the repeat: the counts are records.
             lines.append(
                 f"  {m['path']}: {m['samples']} samples x {m['repeat']:.3g} -> {m['in_epoch']} in the epoch"
                 + (
-                    f"; skipped {skipped} (e.g. {', '.join(sum(m['skipped_where'].values(), [])[:3])})"
+                    f"; skipped {n_skipped} distinct record(s) of the file ({skipped}) "
+                    f"(e.g. {', '.join(sum(m['skipped_where'].values(), [])[:3])})"
                     if skipped
                     else ""
                 )
@@ -198,6 +230,10 @@ class SampleStore:
             ("truncated_to_nothing", "dropped: no supervised token left after truncation to"),
         ):
             if r[key]:
-                more = f" and {len(r[key]) - 3} more" if len(r[key]) > 3 else ""
-                lines.append(f"  {len(r[key])} sample(s) {what} {r['max_len']} tokens: {', '.join(r[key][:3])}{more}")
+                records = distinct(r[key])
+                more = f" and {len(records) - 3} more" if len(records) > 3 else ""
+                lines.append(
+                    f"  {count_phrase(len(r[key]), len(records))} {what} {r['max_len']} tokens: "
+                    f"{', '.join(records[:3])}{more}"
+                )
         return "\n".join(lines)

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lit_hbp.data.sources import Conversation, DataError, Source, iter_records, to_conversation
+from lit_hbp.data.sources import Conversation, DataError, Source, check_source, iter_records, to_conversation
 
 TRAIN_ON = ("assistant", "all")
-CACHE_VERSION = 3
+# 4: unknown chat roles are errors (caches of v3 may hold records skipped for a misspelled role).
+CACHE_VERSION = 4
 BATCH = 512
 # Used when a tokenizer has no chat template of its own. Prefix-stable by construction.
 DEFAULT_CHAT_TEMPLATE = (
@@ -92,7 +93,10 @@ def _source_stat(path: Path) -> list:
     return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
-def cache_key(source: Source, tokenizer, train_on: str) -> str:
+def cache_key(source: Source, tokenizer, train_on: str, label: str | None = None) -> str:
+    """Hash of the source's files (path, size, mtime), format, tokenizer and settings; raises a
+    DataError naming the source (``label``) if its path cannot be read."""
+    check_source(source, label)
     path = Path(source.path).resolve()
     payload = dict(
         version=CACHE_VERSION,
@@ -181,12 +185,19 @@ class _Encoder:
 
 
 def tokenize_source(
-    source: Source, tokenizer, train_on: str = "assistant", cache_dir: str | Path | None = None, progress: bool = True
+    source: Source,
+    tokenizer,
+    train_on: str = "assistant",
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    label: str | None = None,
 ) -> TokenizedSource:
-    """Tokenize ``source`` (or load its cache). Skipped samples are counted by reason."""
+    """Tokenize ``source`` (or load its cache). Skipped samples are counted by reason. ``label``
+    (e.g. ``sources[1]``) names the source in the error raised when its path cannot be read."""
+    check_source(source, label)
     cache = None
     if cache_dir is not None:
-        cache = Path(cache_dir) / f"{Path(source.path).stem}-{cache_key(source, tokenizer, train_on)}"
+        cache = Path(cache_dir) / f"{Path(source.path).stem}-{cache_key(source, tokenizer, train_on, label)}"
         if (cache / "meta.json").exists():
             return _load(cache, source)
     encoder = _Encoder(tokenizer, train_on)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -14,14 +18,19 @@ class Level:
     sp: sequence-parallel degree; the world splits into world_size / sp groups of contiguous ranks.
     ckpt_layers: decoder layers (counted from the first) run under activation checkpointing.
     packs_per_rank: packs each SP group holds per micro-step (the paper's local batch B).
+    sp_kind: how a pack is split over its SP group when sp > 1: ``ulysses`` (default) or the class
+        path of an ``lit_hbp.parallel.kind.SPKind`` subclass. The plan does not depend on it.
     """
 
     pack_len: int
     sp: int = 1
     ckpt_layers: int = 0
     packs_per_rank: int = 1
+    sp_kind: str = "ulysses"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sp_kind, str) or not self.sp_kind:
+            raise TypeError(f"Level.sp_kind must be a non-empty string, got {self.sp_kind!r}")
         for name in ("pack_len", "sp", "ckpt_layers", "packs_per_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -68,11 +77,21 @@ def as_level(spec: Level | dict | str | int) -> Level:
     if isinstance(spec, int) and not isinstance(spec, bool):
         return Level(spec)
     if isinstance(spec, dict):
-        unknown = set(spec) - {"pack_len", "sp", "ckpt_layers", "packs_per_rank"}
+        unknown = set(spec) - {"pack_len", "sp", "ckpt_layers", "packs_per_rank", "sp_kind"}
         if unknown:
             raise ValueError(f"unknown level field(s) {sorted(unknown)} in {spec!r}")
         return Level(**spec)
     raise TypeError(f"cannot read a level from {spec!r} ({type(spec).__name__})")
+
+
+class LevelSelector(ABC):
+    """Chooses a run's levels at set-up from its sample lengths (``HBPDataModule(levels=selector)``).
+    Selection sits above the data side: implementations (``lit_hbp.autoselect.AnalyticSelector``,
+    ``MeasuredSelector``) read the model and the world from the trainer and hand back levels."""
+
+    @abstractmethod
+    def levels_for(self, lengths: np.ndarray, trainer: Any) -> tuple[Level, ...]:
+        """The levels for samples of ``lengths`` in the run ``trainer`` is setting up."""
 
 
 def validate_levels(levels: Sequence[Level | dict | str | int], world_size: int) -> tuple[Level, ...]:

@@ -14,12 +14,29 @@ of tokens processed with sp > 1, and Ave-T the mean over micro-steps of the mean
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from lit_hbp.packing.plan import Plan
+from lit_hbp.packing.levels import Level
+
+
+class PackLayout(Protocol):
+    """What the metrics read of a plan (``lit_hbp.packing.Plan`` is one): its packs in step ->
+    micro-step -> SP group -> slot order, with their level, tokens, attention work and capacity."""
+
+    levels: Sequence[Level]
+    world_size: int
+    accumulate: int
+    offsets: np.ndarray
+    step_offsets: np.ndarray
+    n_steps: int
+    n_micro_steps: int
+    pack_level: np.ndarray
+    pack_tokens: np.ndarray
+    pack_attention: np.ndarray
+    pack_capacity: np.ndarray
 
 
 def _imbalance(per_group: np.ndarray, micro_of_group: np.ndarray, n_micro: int) -> np.ndarray:
@@ -31,7 +48,7 @@ def _imbalance(per_group: np.ndarray, micro_of_group: np.ndarray, n_micro: int) 
     return np.bincount(micro_of_group, weights=gap, minlength=n_micro) / np.maximum(counts, 1)
 
 
-def group_index(plan: Plan) -> dict:
+def group_index(plan: PackLayout) -> dict:
     """Where every pack sits: its SP group of its micro-step, and per group the micro-step, level
     and sp. Packs are laid out step -> micro-step -> group -> B slots, so a group is B consecutive
     packs and a micro-step is N / sp consecutive groups."""
@@ -59,7 +76,7 @@ def group_index(plan: Plan) -> dict:
     )
 
 
-def plan_metrics(plan: Plan) -> dict:
+def plan_metrics(plan: PackLayout) -> dict:
     """DBR, ABR, PR, CR, Ave-T, fill, and step/pack counts of a plan."""
     n_packs = plan.offsets.size - 1
     sp = np.array([lv.sp for lv in plan.levels], dtype=np.int64)

@@ -1,19 +1,25 @@
 """The SP context of the micro-batch being trained, read by the attention function.
 
-The strategy activates the level's context before the forward; attention reads it. One
+The strategy activates the level's group and SP kind before the forward; attention reads them. One
 process trains one micro-batch at a time, so a module-level slot is enough.
 """
 
 from __future__ import annotations
 
 from lit_hbp.parallel.groups import SPContext
+from lit_hbp.parallel.kind import SPKind, resolve_sp_kind
 
-_active: list[SPContext | None] = [None]
+_active: list = [None, None]
 
 
-def activate(ctx: SPContext | None) -> None:
-    _active[0] = ctx
+def activate(ctx: SPContext | None, kind: SPKind | str = "ulysses") -> None:
+    _active[0], _active[1] = ctx, (resolve_sp_kind(kind) if isinstance(kind, str) else kind)
 
 
 def active() -> SPContext | None:
     return _active[0]
+
+
+def active_kind() -> SPKind:
+    """How the active context splits the pack (Ulysses unless a level named another kind)."""
+    return _active[1] if _active[1] is not None else resolve_sp_kind("ulysses")

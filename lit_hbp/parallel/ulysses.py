@@ -3,7 +3,7 @@
 Each rank of an SP group of size sp holds a contiguous 1/sp of the pack's tokens with all heads.
 ``seq_to_heads`` gives every rank 1/sp of the heads over the whole pack, so attention runs on the
 full varlen sequence with the pack's global cu_seqlens; ``heads_to_seq`` turns the output back.
-Each is the other's gradient.
+Each is the other's gradient. Heads must split over sp; kv heads fewer than sp are replicated.
 """
 
 from __future__ import annotations
@@ -11,7 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lit_hbp.data.batch import PackedBatch
+from lit_hbp.data.collate import target_index
+from lit_hbp.model_spec import ModelSpec
 from lit_hbp.parallel.groups import SPContext
+from lit_hbp.parallel.kind import Attend, SPKind
 
 
 def _a2a(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
@@ -86,3 +90,48 @@ def replicate_kv(x: torch.Tensor, sp: int) -> torch.Tensor:
     use it, so every rank receives the kv head of its query heads."""
     hkv = x.shape[1]
     return x if hkv % sp == 0 else x.repeat_interleave(sp // hkv, dim=1)
+
+
+class Ulysses(SPKind):
+    """DeepSpeed-Ulysses: contiguous token shards, all-to-all to head shards around attention."""
+
+    name = "ulysses"
+
+    def shard(self, batch: PackedBatch, sp: int, rank: int) -> PackedBatch:
+        """The contiguous 1/sp slice of the token tensors. ``cu_seqlens``/``max_seqlen`` stay global:
+        attention runs over the whole pack after the all-to-all."""
+        total = batch.input_ids.shape[1]
+        if total % sp:
+            raise ValueError(f"micro-batch of {total} tokens cannot be split over sp {sp}: pad it to a multiple of sp")
+        size = total // sp
+        cut = {key: getattr(batch, key)[:, rank * size : (rank + 1) * size] for key in PackedBatch.TOKEN_FIELDS}
+        return batch.replace(**cut, sp=sp, sp_rank=rank, target_index=target_index(cut["labels"]))
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        sinks: torch.Tensor | None,
+        ctx: SPContext,
+        attend: Attend,
+    ) -> torch.Tensor:
+        sp = ctx.size
+        self.check(query.shape[1], key.shape[1], sp)
+        local = query.shape[1] // sp
+        if sinks is not None:  # one per query head: this rank's heads
+            sinks = sinks[ctx.rank * local : (ctx.rank + 1) * local]
+        query = seq_to_heads(query, ctx)
+        key, value = (seq_to_heads(replicate_kv(x, sp), ctx) for x in (key, value))
+        return heads_to_seq(attend(query, key, value, sinks), ctx)
+
+    def check(self, num_heads: int, num_kv_heads: int, sp: int) -> int:
+        return check_heads(num_heads, num_kv_heads, sp)
+
+    def comm_bytes_per_layer(self, model: ModelSpec, tokens: float, sp: int) -> float:
+        """The four all-to-alls (q, k, v, output) in bf16; a rank keeps 1/sp of what it holds."""
+        if sp == 1:
+            return 0.0
+        kv = max(model.kv_heads, sp)  # kv heads are replicated up to sp
+        per_token = 2 * (2 * model.heads * model.dim + 2 * kv * model.dim)
+        return tokens * per_token * (sp - 1) / sp

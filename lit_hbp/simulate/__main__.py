@@ -7,13 +7,17 @@ config.json or checkpoint folder, or a lit-hbp training YAML (its model section)
 PACK_LEN:SP[:CKPT]; without CKPT the fewest checkpointed layers that fit are chosen (Algorithm 4).
 Prints the epoch time and GPU-hours of (a) naive single-level ISF at the largest level, (b) the
 levels without the attention-balance sort, (c) full HBP, (d) HBP with auto-selected levels, with
-each one's speed-up over (a) and where its GPU time goes.
+each one's speed-up over (a) and where its GPU time goes. Samples longer than the largest level
+are dropped from every plan (and zero-length ones never packed); it says how many before the table.
+Every time is simulated with the analytic cost model of --gpu, not measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+import numpy as np
 
 from lit_hbp.costmodel import HARDWARE, CostModel
 from lit_hbp.model_spec import load_model_spec
@@ -27,6 +31,25 @@ def parse_levels(specs: list[str]) -> tuple[list[Level], list[bool]]:
     """Levels, and for each whether its checkpointing is to be chosen (no CKPT field given)."""
     levels = [Level.parse(s) for s in specs]
     return levels, [len(s.split(":")) < 3 for s in specs]
+
+
+def left_out(lengths: np.ndarray, max_len: int) -> str:
+    """What every simulated plan leaves out of the epoch and why, or '' when nothing: samples
+    longer than the largest level are dropped (the simulator plans with over_length drop) and
+    zero-length ones are never packed, so the totals cover fewer samples than the file holds."""
+    lengths = np.asarray(lengths)
+    lines = []
+    over = lengths[lengths > max_len]
+    if over.size:
+        lines.append(
+            f"dropped {over.size:,} of {lengths.size:,} samples ({np.unique(over).size:,} distinct lengths; "
+            f"{int(over.sum()):,} tokens, the longest {int(over.max()):,}): longer than the largest level "
+            f"({max_len:,} tokens), so no plan below trains them. Add a larger level to --levels to keep them."
+        )
+    zero = int((lengths == 0).sum())
+    if zero:
+        lines.append(f"left out {zero:,} zero-length samples: they have no token to train.")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,10 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     hw = cost.hardware
     print(
         f"{len(lengths):,} samples, {int(lengths.sum()):,} tokens; {spec.name} ({spec.params / 1e9:.1f}B) on "
-        f"{args.gpus} x {hw.name}, ZeRO-{args.zero_stage}; levels "
+        f"{args.gpus} x {hw.name} (simulated with the cost model), ZeRO-{args.zero_stage}; levels "
         + ", ".join(f"{lv.pack_len} sp{lv.sp} ckpt{lv.ckpt_layers}" for lv in levels)
         + "\n"
     )
+    notice = left_out(lengths, levels[-1].pack_len)
+    if notice:
+        print(notice + "\n")
     cols = [("hours", ".2f"), ("gpu_hours", ".1f"), ("speedup", ".2f"), ("abr", ".3f"), ("cr", ".3f")]
     cols += [(k, ".3f") for k in (*PARTS, "idle", "grad_sync")]
     print(format_table(rows, cols))

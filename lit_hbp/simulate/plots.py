@@ -6,7 +6,9 @@ attention and Ulysses all-to-all seconds, then grey idle time until the slowest 
 micro-step finishes. It shows where the epoch's time goes: naive single-level packing puts a 100K
 sample beside packs of short chats in the same micro-step, so most ranks wait and every token pays
 SP communication; HBP's levels and attention-balance sort leave almost no grey. Gradient
-synchronization (once per optimizer step) is not drawn; it is in the titles' epoch totals.
+synchronization (once per optimizer step) is not drawn; it is in the titles' epoch totals. Every
+time in it comes from the analytic cost model, never from a clock, so its titles and axis say
+"simulated" and name the modelled GPUs: a CPU run's figure must not read as measured on its devices.
 
 ``length_histogram_figure``: the data's sample lengths coloured by the level each sample was packed
 into, as sample counts and as tokens, with each level's pack length, SP degree, checkpointed layers,
@@ -232,7 +234,7 @@ def timeline_figure(sims: Sequence[Simulation], n_micro: int = 6, start: int | N
         idle, busy = _idle_share(sim)
         ax.set_title(
             f"{sim.name or 'simulation'}\n"
-            f"epoch {_fmt_seconds(sim.seconds)} = {_fmt_gpu_time(sim.gpu_hours)}, "
+            f"simulated epoch {_fmt_seconds(sim.seconds)} = {_fmt_gpu_time(sim.gpu_hours)}, "
             f"idle {idle.sum() / max(busy.sum(), 1e-30):.1%}\n"
             f"micro-steps {s}-{s + k - 1} of {sim.micro_seconds.size}: {_fmt_count(tokens)} tokens "
             f"in {_fmt_seconds(float(sim.micro_seconds[s : s + k].sum()))}",
@@ -241,7 +243,7 @@ def timeline_figure(sims: Sequence[Simulation], n_micro: int = 6, start: int | N
         if i % ncols == 0:
             ax.set_ylabel("rank")
         if i >= n - ncols:
-            ax.set_xlabel(f"time ({unit})")
+            ax.set_xlabel(f"simulated time ({unit})")
     for ax in axes[n:]:
         ax.set_visible(False)
     axes[0].set_xlim(0, span * scale * 1.01)
@@ -251,8 +253,9 @@ def timeline_figure(sims: Sequence[Simulation], n_micro: int = 6, start: int | N
         "gradient sync not drawn"
     )
     fig.suptitle(
-        f"Per-rank timeline of consecutive micro-steps: {first.cost.model.name} on {first.plan.world_size} x "
-        f"{first.cost.hardware.name}\n" + "\n".join(textwrap.wrap(f"({note})", int((5.4 * ncols + 0.6) * 12))),
+        f"Per-rank timeline of consecutive micro-steps of {first.cost.model.name}, simulated on "
+        f"{first.plan.world_size} x {first.cost.hardware.name} (cost model, not measured)\n"
+        + "\n".join(textwrap.wrap(f"({note})", int((5.4 * ncols + 0.6) * 12))),
         fontsize=10.5,
     )
     handles = [Patch(color=PART_COLORS[p], label=PART_LABELS[p]) for p in TIMELINE_PARTS]

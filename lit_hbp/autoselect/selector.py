@@ -1,0 +1,228 @@
+"""Level selectors: the paper's Algorithm 1 behind one interface, for every place that chooses levels.
+
+``AnalyticSelector`` prices candidates with the cost model; ``MeasuredSelector`` trains a few real
+steps of the run's own module per candidate through HBPStrategy. Both are ``LevelSelector``s, so a
+data module takes either (``HBPDataModule(levels=MeasuredSelector())``, or in YAML
+``levels: {class_path: lit_hbp.autoselect.MeasuredSelector}``) and chooses at set-up. The command
+line tool (``python -m lit_hbp.autoselect``) calls the same ``select`` on a ``RunSetting`` read from
+a training config, and the measured selector's launcher calls it in every process it starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_hbp.autoselect.launch import launch
+from lit_hbp.autoselect.measured import MeasuredProfiler, probe_strategy_args, zero_stage
+from lit_hbp.autoselect.profiler import AnalyticProfiler
+from lit_hbp.autoselect.search import Selection, select_levels
+from lit_hbp.config import model_config, spec_of
+from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.model_spec import ModelSpec
+from lit_hbp.module import HBPLitModule
+from lit_hbp.packing.levels import Level, LevelSelector
+
+GIB = 1024**3
+
+
+@dataclass
+class RunSetting:
+    """What selection needs to know about the run it chooses levels for.
+
+    spec: the model's shape. world: ranks of the run. module_class/module_args: how to build a
+    fresh copy of the run's LightningModule (measured probes). trainer_args: the run's Trainer
+    settings a probe reuses (accelerator, devices, precision, accumulation, clipping).
+    strategy_args: its HBPStrategy settings (ZeRO stage, DeepSpeed config). in_world: True when
+    called inside the run's own processes (probes run there); False from a tool (the measured
+    selector starts ``world`` local processes). strategy: the run's strategy, which receives the
+    SP groups the probes built.
+    """
+
+    spec: ModelSpec
+    world: int
+    seed: int = 0
+    module_class: type | None = None
+    module_args: dict = field(default_factory=dict)
+    trainer_args: dict = field(default_factory=dict)
+    strategy_args: dict = field(default_factory=dict)
+    in_world: bool = False
+    strategy: Any = None
+
+    def make_module(self):
+        """A fresh copy of the run's module, seeded like the run."""
+        if self.module_class is None:
+            raise ValueError("measured selection needs the run's module (RunSetting.module_class)")
+        torch.manual_seed(self.seed)
+        return self.module_class(**self.module_args)
+
+    @classmethod
+    def from_trainer(cls, trainer, seed: int = 0) -> RunSetting:
+        """The run being set up: its module (rebuilt from its init arguments), world, precision,
+        accumulation and strategy."""
+        module = trainer.lightning_module
+        hparams = getattr(module, "hparams", None) or {}
+        if hparams.get("model") is None:
+            raise ValueError("level selection needs the model: train an HBPLitModule (its `model` describes it)")
+        model = hparams["model"]
+        vocab = hparams.get("vocab_size") or getattr(trainer.datamodule, "vocab_size", None)
+        if isinstance(model, dict) and vocab is not None:
+            model = {**model, "vocab_size": vocab}
+        device = trainer.strategy.root_device
+        init = inspect.signature(type(module)).parameters  # hparams also hold LightningCLI's entries
+        return cls(
+            spec=ModelSpec.from_config(model if isinstance(model, dict) else Path(model)),
+            world=trainer.world_size,
+            seed=seed,
+            module_class=type(module),
+            module_args={k: v for k, v in hparams.items() if k in init},
+            trainer_args=dict(
+                accelerator=device.type,
+                devices=trainer.device_ids if device.type == "cuda" else trainer.num_devices,
+                num_nodes=trainer.num_nodes,
+                precision=trainer.precision,
+                accumulate_grad_batches=trainer.accumulate_grad_batches,
+                gradient_clip_val=trainer.gradient_clip_val,
+            ),
+            strategy_args=probe_strategy_args(trainer.strategy),
+            in_world=True,
+            strategy=trainer.strategy,
+        )
+
+    @classmethod
+    def from_config(cls, config: dict, vocab: int | None, world: int, spec: ModelSpec | None = None) -> RunSetting:
+        """A training config (``lit_hbp.config.read_config``) to be run on ``world`` local processes:
+        its model and loss settings, precision, accumulation, clipping and ZeRO settings."""
+        module_args = dict(config.get("model") or {})
+        if vocab is not None:
+            module_args["vocab_size"] = vocab
+        trainer = config.get("trainer") or {}
+        kept = ("precision", "accumulate_grad_batches", "gradient_clip_val")
+        trainer_args = {k: trainer[k] for k in kept if k in trainer}
+        strategy = trainer.get("strategy")
+        strategy_args = {}
+        if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("HBPStrategy"):
+            strategy_args = {k: v for k, v in (strategy.get("init_args") or {}).items() if k != "levels"}
+        accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(
+            spec=spec or spec_of(model_config(config, vocab)),
+            world=world,
+            seed=int((config.get("data") or {}).get("seed", 0)),
+            module_class=HBPLitModule,
+            module_args=module_args,
+            trainer_args={"accelerator": accelerator, "devices": world, **trainer_args},
+            strategy_args=strategy_args,
+        )
+
+
+class Selector(LevelSelector):
+    """Algorithm 1 over ``candidates`` pack lengths (default: powers of two up to the longest sample),
+    leaving ``margin_gib`` of device memory free; levels with sp > 1 use ``sp_kind``."""
+
+    def __init__(self, candidates: list[int] | None = None, margin_gib: float = 2.0, sp_kind: str = "ulysses"):
+        self.candidates = sorted(int(c) for c in candidates) if candidates else None
+        if margin_gib < 0:
+            raise ValueError(f"margin_gib must be >= 0, got {margin_gib}")
+        self.margin_gib, self.sp_kind = float(margin_gib), sp_kind
+
+    @abstractmethod
+    def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
+        """The levels for samples of ``lengths`` in ``run``, with every candidate priced or measured."""
+
+    @abstractmethod
+    def where(self, run: RunSetting) -> str:
+        """How the candidates are priced, for the log."""
+
+    def levels_for(self, lengths: np.ndarray, trainer) -> tuple[Level, ...]:
+        run = RunSetting.from_trainer(trainer, seed=getattr(trainer.datamodule, "seed", 0))
+        selection = self.select(lengths, run)
+        rank_zero_info(f"levels chosen by {type(self).__name__} ({self.where(run)})\n{selection.table()}\n")
+        rank_zero_info(f"chosen {selection.yaml()}")
+        return tuple(selection.levels)
+
+    def _search(self, profiler, lengths: np.ndarray, run: RunSetting) -> Selection:
+        margin = self.margin_gib * GIB
+        return select_levels(
+            profiler, lengths, run.spec, run.world, candidates=self.candidates, margin=margin, sp_kind=self.sp_kind
+        )
+
+
+class AnalyticSelector(Selector):
+    """Prices every candidate with the cost model of ``gpu`` GPUs (h100, h200, a100): instant, and
+    usable before the cluster exists."""
+
+    def __init__(
+        self, gpu: str = "h100", candidates: list[int] | None = None, margin_gib: float = 2.0, sp_kind: str = "ulysses"
+    ):
+        super().__init__(candidates, margin_gib, sp_kind)
+        if gpu not in HARDWARE:
+            raise ValueError(f"unknown gpu {gpu!r}; choose one of {sorted(HARDWARE)}")
+        self.gpu = gpu
+
+    def cost_model(self, run: RunSetting) -> CostModel:
+        return CostModel(run.spec, HARDWARE[self.gpu], run.world, sp_kind=self.sp_kind)
+
+    def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
+        return self._search(AnalyticProfiler(self.cost_model(run), lengths, run.seed), lengths, run)
+
+    def where(self, run: RunSetting) -> str:
+        return f"analytic, {run.world} x {HARDWARE[self.gpu].name}"
+
+
+class MeasuredSelector(Selector):
+    """Trains ``steps`` optimizer steps of the run's module per candidate, through HBPStrategy with
+    the run's ZeRO stage, precision and accumulation, on the run's world (inside a run) or on
+    ``run.world`` local processes it starts (from a tool). ``memory_gib``: memory per device (default
+    the GPU's; 16 on CPU). The SP groups the probes built are handed to the run's strategy."""
+
+    def __init__(
+        self,
+        candidates: list[int] | None = None,
+        margin_gib: float = 2.0,
+        memory_gib: float | None = None,
+        steps: int = 3,
+        sp_kind: str = "ulysses",
+    ):
+        super().__init__(candidates, margin_gib, sp_kind)
+        self.memory_gib, self.steps = memory_gib, steps
+        self.sp_groups = None
+
+    def capacity(self, device) -> float:
+        if self.memory_gib is not None:
+            return self.memory_gib * GIB
+        if device.type == "cuda":
+            return float(torch.cuda.get_device_properties(device).total_memory)
+        return 16.0 * GIB
+
+    def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
+        if not run.in_world:
+            return launch(self, lengths, run)
+        cuda = run.trainer_args.get("accelerator") == "cuda"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        # The cost model screens out probes sure to run out of memory; memory needs no GPU kind.
+        cost = CostModel(run.spec, HARDWARE["h100"], run.world, zero_stage=zero_stage(run.strategy_args))
+        profiler = MeasuredProfiler(
+            run.make_module,
+            lengths,
+            self.capacity(device),
+            run.trainer_args,
+            run.strategy_args,
+            steps=self.steps,
+            seed=run.seed,
+            estimate=cost.memory_bytes,
+        )
+        selection = self._search(profiler, lengths, run)
+        self.sp_groups = profiler.sp_groups
+        if run.strategy is not None and getattr(run.strategy, "sp_groups", False) is None:
+            run.strategy.sp_groups = self.sp_groups  # the run uses the groups its probes built
+        return selection
+
+    def where(self, run: RunSetting) -> str:
+        return f"measured on {run.world} {run.trainer_args.get('accelerator', 'cpu')} device(s)"

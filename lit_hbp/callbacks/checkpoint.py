@@ -1,0 +1,103 @@
+"""FinalCheckpoint: the end of fit leaves a checkpoint of the final optimizer step.
+
+Lightning's ModelCheckpoint saves ``last.ckpt`` only together with a scheduled save
+(``every_n_train_steps``, an epoch end, a validation), and its ``on_train_end`` writes ``last`` only
+when it never wrote one. With ``every_n_train_steps=20`` and ``max_steps=150`` the last checkpoint
+holds step 140 and the final 10 optimizer steps are lost.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+
+class FinalCheckpoint(L.Callback):
+    """Make every checkpoint callback that keeps a latest checkpoint hold the run's final step.
+
+    For each ``ModelCheckpoint`` of the trainer that did not save at the final step:
+    ``save_last`` set: ``last.ckpt`` is written at the final step; no ``save_last``, no ``monitor``
+    and ``save_top_k == 1`` (the checkpoint callback Lightning adds by default, which keeps the
+    latest checkpoint): its checkpoint is written at the final step. A callback that ranks
+    checkpoints by a monitored metric and keeps no last one is left alone: the final step has no
+    fresh value of that metric to rank it by.
+
+    When ``max_steps`` ends the run the save happens right after the final optimizer step (in
+    ``on_train_batch_end``, after the checkpoint callbacks' own hooks), as a scheduled
+    ``every_n_train_steps`` save would: a checkpoint written later, after Lightning has closed the
+    epoch, would resume at the next epoch and skip the rest of this one. A run that ends with its
+    last epoch (``max_epochs``) or is stopped (``trainer.should_stop``) is saved in ``on_train_end``.
+    A resume from this checkpoint with the same ``max_steps`` trains nothing more.
+
+    The CLI adds this callback; in a plain Lightning project add it to ``Trainer(callbacks=...)``.
+    """
+
+    def __init__(self) -> None:
+        self._saved_at: dict[int, int] = {}  # id(ModelCheckpoint) -> global step this callback saved it at
+        self._step_before = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning runs the checkpoint callbacks last; run after them, so their own save at the
+        # final step (if they make one) comes first and this one only fills in what they skipped.
+        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_before = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stepped = trainer.global_step > self._step_before
+        if stepped and trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
+            self.save_final(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.save_final(trainer)
+
+    def save_final(self, trainer: L.Trainer) -> list[str]:
+        """Save the current step into every checkpoint callback that keeps a latest checkpoint and
+        has not saved this step; return the paths written (every rank calls it: ZeRO saves are
+        collective)."""
+        step = trainer.global_step
+        written: list[str] = []
+        if step == 0:
+            return written
+        # ModelCheckpoint has no public "save now": these are the methods its own hooks call.
+        for cb in trainer.checkpoint_callbacks:
+            if not isinstance(cb, ModelCheckpoint):
+                continue
+            if cb._last_global_step_saved == step or self._saved_at.get(id(cb)) == step:
+                continue
+            keeps_latest = cb.monitor is None and cb.save_top_k == 1
+            if not cb.save_last and not keeps_latest:
+                continue
+            previous = cb._last_global_step_saved
+            candidates = cb._monitor_candidates(trainer)
+            if cb.save_last:
+                if cb.save_last == "link":
+                    # A link would point at the latest scheduled checkpoint, an older step: write the file.
+                    cb._last_checkpoint_saved = ""
+                    _unlink_if_link(trainer, cb.last_model_path)
+                cb._save_last_checkpoint(trainer, candidates)
+                written.append(cb.last_model_path)
+            else:
+                cb._save_topk_checkpoint(trainer, candidates)
+                written.append(cb.best_model_path)
+            # The callback's own schedule stays as it was: a validation right after this step may
+            # still save (and rank) this step by the metric it brings.
+            cb._last_global_step_saved = previous
+            self._saved_at[id(cb)] = step
+        return written
+
+
+def _unlink_if_link(trainer: L.Trainer, path: str) -> None:
+    """Remove a symbolic link before a checkpoint is written at its path (writing would go through
+    it into the checkpoint it points at)."""
+    if trainer.is_global_zero and path and os.path.islink(path):
+        os.remove(path)
+    trainer.strategy.barrier("final_checkpoint_unlink")

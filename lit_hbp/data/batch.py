@@ -1,0 +1,90 @@
+"""PackedBatch: the one micro-batch type that collate builds and the strategy, module, loss,
+callbacks and benches read.
+
+A micro-batch is one row of concatenated samples (varlen: no padding between samples, one padding
+segment at the end). Its token tensors are [1, T / sp]: under sequence parallelism each rank holds
+a contiguous shard, while ``cu_seqlens``/``max_seqlen`` always describe the whole pack. Everything
+else is counted on the host by collate, so the training step never reads a value back from the
+device. The plan's fields (``level``, ``ckpt_layers``, ``loss_norm``, ``epoch``, ``micro_index``)
+say where the micro-batch comes from and how the strategy and the loss must treat it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor
+    """[1, T / sp] token ids of this rank's shard of the pack."""
+    labels: torch.Tensor
+    """[1, T / sp] pre-shifted targets: labels[t] = input_ids[t + 1] of the same sample when that
+    token is supervised, else -100 (a shard needs no neighbour token)."""
+    position_ids: torch.Tensor
+    """[1, T / sp] positions restarting at 0 at every sample."""
+    sample_targets: torch.Tensor
+    """[1, T / sp] float: supervised tokens of each position's sample (per-sample normalizers)."""
+    cu_seqlens: torch.Tensor
+    """int32 [segments + 1]: cumulative sample lengths of the whole pack (the padding is a segment)."""
+    max_seqlen: int
+    """Longest segment of the whole pack."""
+    target_index: torch.Tensor
+    """Positions in this shard of the supervised labels: the rows the LM head runs on."""
+    sample_index: torch.Tensor
+    """Store indices of the pack's samples, in pack order."""
+    n_tokens: int
+    """Real (non-padding) tokens of the whole pack."""
+    n_targets: int
+    """Supervised tokens of the whole pack."""
+    n_loss_samples: int
+    """Samples of the pack with at least one supervised token."""
+    doc_sq: float
+    """Sum of squared sample lengths of the whole pack (the attention FLOPs)."""
+    loss_norm: float | None = None
+    """The plan's Ave-Token normalizer: supervised tokens of the global batch over data-parallel
+    ranks (see docs/design.md, the loss). None when the batch was not planned (ave_token refuses it)."""
+    level: int = 0
+    """Index of the plan level the pack belongs to."""
+    sp: int = 1
+    """Sequence-parallel degree of the level: the number of shards of the pack."""
+    sp_rank: int = 0
+    """Which shard this is."""
+    sp_kind: str = "ulysses"
+    """How the level splits the pack over its SP group (``lit_hbp.parallel.kind``)."""
+    ckpt_layers: int = 0
+    """Decoder layers to run with activation checkpointing at this level."""
+    epoch: int = 0
+    micro_index: int = 0
+    """Micro-step of the epoch's plan (for resume and debugging)."""
+
+    TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("input_ids", "labels", "position_ids", "sample_targets")
+
+    @property
+    def shard_len(self) -> int:
+        """Positions in this rank's shard (T / sp)."""
+        return self.input_ids.shape[1]
+
+    @property
+    def pack_len(self) -> int:
+        """Positions of the whole pack, padding included (T)."""
+        return self.input_ids.shape[1] * self.sp
+
+    def replace(self, **changes) -> PackedBatch:
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The batch with its tensors on ``device`` (Lightning moves it through ``batch_to_device``)."""
+        return self.replace(**{name: t.to(device) for name, t in self._tensors()})
+
+    def pin_memory(self) -> PackedBatch:
+        """Called by the DataLoader's pin-memory thread (``pin_memory=True``)."""
+        return self.replace(**{name: t.pin_memory() for name, t in self._tensors()})
+
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        fields = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return [(name, value) for name, value in fields if isinstance(value, torch.Tensor)]

@@ -1,0 +1,91 @@
+"""The sequence-parallel seam: what a way of splitting one pack over an SP group must provide.
+
+A level names its kind (``Level.sp_kind``, default ``"ulysses"``); everything that depends on how
+a pack is split asks the kind: the data loader (``shard``), attention (``attend``), the strategy's
+set-up checks (``check``), the cost model (``comm_bytes_per_layer``) and the level search
+(``degrees``). A second kind (ring attention, a Ulysses x ring hybrid) is one new module with a
+subclass, named in a level by its class path (``sp_kind: mypkg.ring.Ring``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from functools import cache
+from importlib import import_module
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from lit_hbp.data.batch import PackedBatch
+    from lit_hbp.model_spec import ModelSpec
+    from lit_hbp.parallel.groups import SPContext
+
+BUILTIN = {"ulysses": "lit_hbp.parallel.ulysses.Ulysses"}
+
+Attend = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor | None"], "torch.Tensor"]
+
+
+class SPKind(ABC):
+    """One way of running a pack over ``sp`` ranks. Stateless: one instance serves every level."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def shard(self, batch: PackedBatch, sp: int, rank: int) -> PackedBatch:
+        """The part of the whole (collated, unsharded) micro-batch that SP rank ``rank`` trains."""
+
+    @abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        sinks: torch.Tensor | None,
+        ctx: SPContext,
+        attend: Attend,
+    ) -> torch.Tensor:
+        """Attention of this rank's shard, [1, H, T/sp, D] in and out (key/value with the model's kv
+        heads, not repeated), with ``attend(q, k, v, sinks)`` the single-device varlen kernel over
+        the whole pack's ``cu_seqlens``."""
+
+    @abstractmethod
+    def check(self, num_heads: int, num_kv_heads: int, sp: int) -> int:
+        """Raise ValueError naming the problem unless the model's heads can run at ``sp``; return how
+        many copies of each kv head a rank needs (1: none)."""
+
+    @abstractmethod
+    def comm_bytes_per_layer(self, model: ModelSpec, tokens: float, sp: int) -> float:
+        """Bytes one rank sends over the SP group in one layer's forward for ``tokens`` tokens of
+        its shard (the cost model prices the passes: forward, backward, recomputation)."""
+
+    def degrees(self, world: int, num_heads: int, num_kv_heads: int) -> list[int]:
+        """The sp degrees the level search tries: powers of two that divide the world and pass ``check``."""
+        out, sp = [], 1
+        while sp <= world:
+            if world % sp == 0:
+                try:
+                    self.check(num_heads, num_kv_heads, sp)
+                    out.append(sp)
+                except ValueError:
+                    pass
+            sp *= 2
+        return out
+
+
+@cache
+def resolve_sp_kind(name: str) -> SPKind:
+    """The kind a level names: a built-in (``ulysses``) or the class path of an ``SPKind`` subclass."""
+    path = BUILTIN.get(name, name)
+    module, _, cls = path.rpartition(".")
+    try:
+        kind = getattr(import_module(module), cls) if module else None
+    except ImportError as e:
+        raise ValueError(f"sp_kind {name!r}: cannot import {module!r} ({e})") from None
+    if not (isinstance(kind, type) and issubclass(kind, SPKind)):
+        raise ValueError(
+            f"unknown sp_kind {name!r}: use one of {sorted(BUILTIN)} or the class path of an "
+            "lit_hbp.parallel.kind.SPKind subclass"
+        )
+    return kind()

@@ -1,0 +1,268 @@
+"""Issue 14, "no silent surprises", the config rows: a model-config typo, positions the model does not
+cover, command-line lists merged into the config's, the resolved config printed, world-size and SP
+errors before anything spawns, and short parser errors."""
+
+import argparse
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import TINY_LLAMA
+
+from lit_hbp.checks import check_model_config, check_positions, valid_config_keys, world_size_of
+from lit_hbp.cli import main
+from lit_hbp.module import HBPLitModule
+from lit_hbp.packing import Level
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs/tiny_cpu.yaml")
+TINY_SP = str(ROOT / "configs/tiny_cpu_sp.yaml")
+
+
+def cli_error(capsys, args: list[str]) -> list[str]:
+    """The stderr lines of a CLI run that must stop with exit status 2 before anything is built (so
+    ``fit`` runs nothing either)."""
+    with pytest.raises(SystemExit) as stop:
+        main(args, run=args[0] == "fit")
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("error: "))
+    assert "Traceback" not in "\n".join(lines)
+    return lines[first:]  # (what comes before: warnings, "Seed set to 0")
+
+
+# ------------------------------------------------------------------- 1. model config typos
+
+
+def test_a_model_config_typo_names_the_key_and_the_nearest_valid_one(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown key 'num_hiden_layers' \(did you mean 'num_hidden_layers'\?\)"):
+        check_model_config({"model_type": "llama", "num_hiden_layers": 4})
+    with pytest.raises(ValueError, match=r"'max_length' is a generation setting"):
+        check_model_config({"model_type": "qwen2", "max_length": 4096})
+    with pytest.raises(ValueError, match=r"unknown model_type 'lama' \(did you mean 'llama'\?\)"):
+        check_model_config({"model_type": "lama"})
+    # A key another family knows but this one ignores.
+    with pytest.raises(ValueError, match=r"unknown key 'rope_theta'"):
+        check_model_config({"model_type": "gpt2", "n_layer": 2, "rope_theta": 1e6})
+    # Plain Python: building the module's model refuses it.
+    module = HBPLitModule(model={**TINY_LLAMA, "num_atention_heads": 4}, vocab_size=300)
+    with pytest.raises(ValueError, match=r"'num_atention_heads' \(did you mean 'num_attention_heads'\?\)"):
+        module.configure_model()
+
+
+def test_the_cli_refuses_a_model_config_typo_before_building_anything(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = cli_error(capsys, ["--config", TINY, "--model.model.num_hiden_layers", "2"])
+    assert "unknown key 'num_hiden_layers' (did you mean 'num_hidden_layers'?)" in err[0], err
+    assert len(err) <= 3, err
+
+
+def test_every_key_of_every_causal_lm_default_config_is_valid():
+    """The property the typo check must keep: nothing a family's own config writes is refused."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    checked = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            for family in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+                try:
+                    config = AutoConfig.for_model(family)
+                except Exception:  # a family whose default config transformers itself cannot build
+                    continue
+                keys = config.to_dict()
+                check_model_config({**keys, "model_type": family})
+                checked.append(family)
+        finally:
+            logging.disable(logging.NOTSET)
+    for family in ("llama", "qwen2", "mistral", "gpt_neox", "gpt2", "gemma3_text", "mixtral", "phi3"):
+        assert family in checked
+    assert len(checked) > 100
+    # The spellings of hub config.json files that transformers 5 folds into newer fields or aliases.
+    check_model_config(
+        {
+            "model_type": "llama",
+            "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+            "torch_dtype": "bfloat16",
+            "architectures": ["LlamaForCausalLM"],
+            "transformers_version": "4.43.0",
+        }
+    )
+    check_model_config({"model_type": "gpt2", "num_hidden_layers": 2, "n_layer": 2})  # attribute_map alias
+    assert {"num_hidden_layers", "rope_theta", "use_parallel_residual"} <= valid_config_keys("gpt_neox")
+
+
+# ------------------------------------------------------------------- 2. positions the model does not cover
+
+
+def llama(**kw):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("llama", **kw)
+
+
+LEVELS = [Level(2048), Level(32768, 1, 0)]
+
+
+def test_levels_past_max_position_embeddings_are_an_error_naming_both_numbers():
+    with pytest.raises(ValueError) as e:
+        check_positions(llama(max_position_embeddings=2048), LEVELS)
+    message = str(e.value)
+    assert "pack_len 32768" in message and "max_position_embeddings 2048" in message
+    assert "Raise max_position_embeddings to 32768" in message and "rope_type: yarn, factor: 16" in message
+    # Scaling that does not reach far enough says how far it reaches.
+    linear = llama(max_position_embeddings=2048, rope_parameters={"rope_type": "linear", "factor": 4.0})
+    with pytest.raises(ValueError, match=r"linear RoPE scaling \(factor 4 over 2048 positions\) reaches only 8192"):
+        check_positions(linear, LEVELS)
+    assert check_positions(llama(max_position_embeddings=32768), LEVELS) is None
+    assert check_positions(llama(max_position_embeddings=2048), None) is None  # levels: auto, not chosen yet
+
+
+def test_rope_scaling_that_covers_the_levels_is_stated():
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048}
+    note = check_positions(llama(max_position_embeddings=2048, rope_parameters=yarn), LEVELS)
+    assert note is not None and "32768" in note and "2048" in note and "yarn" in note
+
+
+def test_the_module_checks_positions_against_the_data_modules_levels(tmp_path, small_demo, monkeypatch):
+    """CLI and Python alike: the model is built at fit, against the levels the data module holds."""
+    monkeypatch.chdir(tmp_path)
+    cli = main(
+        [
+            "--config",
+            TINY,
+            "--data.demo_dir",
+            str(small_demo),
+            "--model.model.max_position_embeddings",
+            "2048",
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        run=False,
+    )
+    with pytest.raises(ValueError, match=r"pack_len 16384 exceeds the model's max_position_embeddings 2048"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
+# ------------------------------------------------------------------- 3. command-line lists replace
+
+
+def test_a_command_line_list_replaces_the_configs_list(tmp_path, small_demo, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a, b = f"{small_demo}/short.jsonl", f"{small_demo}/long.jsonl"
+    args = ["--config", TINY, "--data.demo_dir", str(small_demo)]
+    cli = main(
+        args
+        + [
+            "--data.sources",
+            f"[{{path: {a}}}, {{path: {b}}}]",
+            "--data.levels",
+            "[{pack_len: 1024}, {pack_len: 4096}, {pack_len: 16384}]",
+        ],
+        run=False,
+    )
+    assert [(s.path, s.repeat) for s in cli.datamodule.sources] == [(a, None), (b, None)]
+    assert [lv.ckpt_layers for lv in cli.datamodule.levels] == [0, 0, 0]
+    # Appending keeps the config's list.
+    cli = main(args + ["--data.sources+", f"{{path: {a}}}"], run=False)
+    assert [s.repeat for s in cli.datamodule.sources] == [None, 2.0, None]
+    # So does a second config file: its list replaces the first's.
+    second = tmp_path / "second.yaml"
+    second.write_text(yaml.safe_dump({"data": {"sources": [{"path": a}, {"path": b}]}}))
+    cli = main(args + ["--config", str(second)], run=False)
+    assert [(s.path, s.repeat) for s in cli.datamodule.sources] == [(a, None), (b, None)]
+
+
+def test_a_command_line_callback_list_does_not_inherit_the_configs_arguments(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    callbacks = (
+        "[{class_path: lit_hbp.callbacks.HBPCurriculum, init_args: {short_levels: [1024]}}, "
+        "lit_hbp.callbacks.PackingMetrics, lit_hbp.callbacks.HBPThroughputMonitor, "
+        "lightning.pytorch.callbacks.LearningRateMonitor, lightning.pytorch.callbacks.ModelCheckpoint]"
+    )
+    # Merged, the first entry took the config's warmup_steps: 10; replaced, it has none.
+    err = cli_error(capsys, ["--config", TINY, "--trainer.callbacks", callbacks])
+    assert err[0] == "error: trainer.callbacks: lit_hbp.callbacks.HBPCurriculum needs warmup_steps", err
+
+
+# ------------------------------------------------------------------- 4. the resolved config, once and compact
+
+
+def test_the_resolved_config_is_printed_once_and_compact(tmp_path, small_demo, monkeypatch, capfd, caplog):
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.INFO):
+        main(["--config", TINY, "--data.demo_dir", str(small_demo), "--model.lr", "0.5"], run=False)
+    # Lightning's rank-zero logger writes to stderr, or to the root logger's handlers where it has some.
+    out = capfd.readouterr()
+    printed = [m for m in [*caplog.messages, *(out.out + out.err).split("\n")] if "resolved config (" in m]
+    assert len(printed) == 1
+    text = "\n".join(caplog.messages) + out.out + out.err
+    summary = text[text.index("resolved config") :].split("\n", 1)[1]
+    summary = summary[: summary.index("\nGPU available")] if "\nGPU available" in summary else summary
+    config = yaml.safe_load(summary)
+    assert config["model"]["lr"] == 0.5 and config["model"]["model"]["num_hidden_layers"] == 4
+    assert config["data"]["levels"][1] == {"pack_len": 4096, "ckpt_layers": 2}  # resolved, no default fields
+    assert config["model"]["model"]["max_position_embeddings"] == 16384  # interpolation resolved
+    assert config["trainer"]["callbacks"][0] == {
+        "class_path": "lit_hbp.callbacks.HBPCurriculum",
+        "init_args": {"warmup_steps": 10, "short_levels": [1024, 4096]},
+    }
+    assert "ce_chunk_size" not in config["model"] and "log_graph" not in summary  # defaults left out
+    assert len(summary.splitlines()) < 60
+
+
+# ------------------------------------------------------------------- 5. world size and SP before spawning
+
+
+def test_world_size_and_sp_errors_come_before_anything_spawns(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = cli_error(capsys, ["--config", TINY_SP, "--trainer.devices", "3"])
+    assert err[0] == "error: world_size 3 is not divisible by sp 2 of level 1 (pack_len 8192)", err
+    heads = ["--model.model.num_attention_heads", "3", "--model.model.num_key_value_heads", "3"]
+    err = cli_error(capsys, ["--config", TINY_SP, *heads, "--model.model.hidden_size", "96"])
+    assert "level 1 (pack_len 8192, sp 2)" in err[0] and "3 attention heads" in err[0], err
+    err = cli_error(capsys, ["--config", TINY_SP, "--trainer.devices", "[0, 1, 2]", "--trainer.accelerator", "gpu"])
+    assert "world_size 3 is not divisible by sp 2" in err[0], err
+
+
+def test_world_size_from_the_trainer_config():
+    assert world_size_of({"devices": 2, "num_nodes": 4}) == 8
+    assert world_size_of({"devices": [0, 1, 2]}) == 3
+    assert world_size_of({"devices": "0,1", "accelerator": "gpu"}) == 2
+    assert world_size_of({"devices": "4"}) == 4
+    assert world_size_of({"accelerator": "cpu", "devices": "auto", "num_nodes": 2}) == 2
+    assert world_size_of({"accelerator": "cpu", "devices": -1}) is None  # Lightning refuses it itself
+
+
+# ------------------------------------------------------------------- 6. short parser errors
+
+
+def test_a_callback_argument_typo_is_a_short_error(tmp_path, capsys, monkeypatch):
+    config = yaml.safe_load(Path(TINY).read_text())
+    config["trainer"]["callbacks"][0]["init_args"] = {"warmup_stepz": 10}
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    err = cli_error(capsys, ["fit", "--config", str(typo)])
+    assert err[0] == (
+        "error: trainer.callbacks: lit_hbp.callbacks.HBPCurriculum has no argument 'warmup_stepz' "
+        "(did you mean 'warmup_steps'?)"
+    ), err
+    assert len(err) <= 4, err
+    # The full report stays one environment variable away.
+    monkeypatch.setenv("JSONARGPARSE_DEBUG", "true")
+    with pytest.raises(argparse.ArgumentError, match="Does not validate against any of the Union subtypes"):
+        main(["fit", "--config", str(typo)], run=False)
+
+
+def test_an_unknown_option_names_the_nearest_valid_one(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = cli_error(capsys, ["fit", "--config", TINY, "--trainer.max_stepz", "3"])
+    assert err[0] == "error: unrecognized arguments: --trainer.max_stepz 3 (did you mean 'trainer.max_steps'?)", err

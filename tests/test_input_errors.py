@@ -1,0 +1,278 @@
+"""Issue 14, "no silent surprises": bad inputs fail with a message that names the problem, and
+every count of samples left out says how many distinct records it is and why."""
+
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+from conftest import TINY_LLAMA
+from transformers import AutoTokenizer
+
+from lit_hbp.callbacks import PackingMetrics
+from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.data import sources as sources_module
+from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.data.sources import DataError, Source
+from lit_hbp.data.store import SampleStore
+from lit_hbp.data.tokenize import tokenize_source
+from lit_hbp.model_spec import ModelSpec
+from lit_hbp.packing import Level, plan_hbp
+from lit_hbp.simulate import simulate
+from lit_hbp.simulate.__main__ import main as simulate_main
+from lit_hbp.simulate.plots import timeline_figure
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def chat(user, assistant, role="assistant"):
+    return {"messages": [{"role": "user", "content": user}, {"role": role, "content": assistant}]}
+
+
+SHORT = chat("a", "b")
+LONG_ANSWER = "the quick brown fox " * 40  # well over 64 toy tokens, with supervised tokens up front
+LIMIT = 64
+
+
+@pytest.fixture(scope="module")
+def tok(toy_tokenizer):
+    return AutoTokenizer.from_pretrained(toy_tokenizer)
+
+
+# ------------------------------------------------------------------- 1. paths that cannot be read
+
+
+def test_missing_source_is_a_data_error_naming_the_source_and_the_path(tmp_path, tok, toy_tokenizer):
+    good = write_jsonl(tmp_path / "short.jsonl", [SHORT])
+    missing = tmp_path / "lnog.jsonl"
+    write_jsonl(tmp_path / "long.jsonl", [SHORT])  # the file the typo meant
+
+    # Through the data module: refused when it is configured, naming the entry and the path.
+    with pytest.raises(DataError, match=rf"^sources\[1\]: data source not found: {missing}"):
+        HBPDataModule(
+            sources=[{"path": str(good)}, {"path": str(missing)}],
+            tokenizer=toy_tokenizer,
+            levels=["64"],
+            cache_dir=str(tmp_path / "cache"),
+        )
+
+    # The cache key stats the path first: it must not be a raw FileNotFoundError.
+    with pytest.raises(DataError) as e:
+        tokenize_source(Source(str(missing)), tok, cache_dir=tmp_path / "cache", progress=False, label="sources[1]")
+    message = str(e.value)
+    assert message.startswith(f"sources[1]: data source not found: {missing}")
+    assert message.endswith(f"; did you mean '{tmp_path / 'long.jsonl'}'?")  # not short.jsonl
+
+    with pytest.raises(DataError, match=r"^sources\[1\]: data source not found: .*lnog\.jsonl"):
+        sources_module.check_sources([Source(str(good)), Source(str(missing))])
+
+    # A relative path says where it was looked for; a missing folder is named too.
+    with pytest.raises(DataError) as e:
+        sources_module.check_sources([Source("no_such_dir/d.jsonl")], "val_sources")
+    assert str(e.value).startswith("val_sources[0]: data source not found: no_such_dir/d.jsonl (looked for ")
+    assert f"{os.getcwd()}/no_such_dir/d.jsonl" in str(e.value)
+    assert "its folder no_such_dir does not exist either" in str(e.value)
+
+
+def test_directory_broken_link_and_unreadable_sources_say_what_is_wrong(tmp_path, tok, monkeypatch):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "chats.jsonl", [SHORT])
+    with pytest.raises(DataError, match=f"data source {folder} is a directory, but format jsonl reads a file"):
+        tokenize_source(Source(str(folder), format="jsonl"), tok, progress=False)
+    with pytest.raises(DataError) as e:
+        tokenize_source(Source(str(folder)), tok, cache_dir=tmp_path / "cache", progress=False, label="sources[0]")
+    assert str(e.value) == (
+        f"sources[0]: data source {folder} is a directory but not a data set saved with datasets.save_to_disk "
+        "(it has no dataset_dict.json or state.json): give a .jsonl or .parquet file as the path; "
+        "it holds chats.jsonl"
+    )
+    with pytest.raises(DataError, match="is a file, but format hf reads a folder"):
+        tokenize_source(Source(str(folder / "chats.jsonl"), format="hf"), tok, progress=False)
+
+    link = tmp_path / "gone.jsonl"
+    link.symlink_to(tmp_path / "deleted.jsonl")
+    with pytest.raises(DataError, match=f"a symbolic link to {tmp_path / 'deleted.jsonl'}, which does not exist"):
+        tokenize_source(Source(str(link)), tok, cache_dir=tmp_path / "cache", progress=False)
+
+    locked = write_jsonl(tmp_path / "locked.jsonl", [SHORT])
+    locked.chmod(0)
+    if os.geteuid() == 0:  # root reads any file: make the permission check see what a user would
+        monkeypatch.setattr(sources_module.os, "access", lambda path, mode: False)
+    with pytest.raises(DataError, match=rf"^sources\[2\]: data source {locked} cannot be read \(permission denied\)"):
+        tokenize_source(Source(str(locked)), tok, progress=False, label="sources[2]")
+
+
+# ------------------------------------------------------------------------------ 2. unknown roles
+
+
+def test_unknown_role_names_role_file_line_known_roles_and_closest(tmp_path, tok):
+    path = write_jsonl(tmp_path / "c.jsonl", [SHORT, chat("hello", "world", role="assitant")])
+    with pytest.raises(DataError) as e:
+        tokenize_source(Source(str(path)), tok, progress=False)
+    assert str(e.value) == (
+        f"{path}:2: messages[1] has unknown role 'assitant': known roles are "
+        "system, user, assistant, tool, developer, function, ipython; did you mean 'assistant'?"
+    )
+    capitalized = {"messages": [{"role": "Usr", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    path = write_jsonl(tmp_path / "u.jsonl", [capitalized])
+    with pytest.raises(DataError, match=f"^{path}:1: messages\\[0\\] has unknown role 'Usr'.*did you mean 'user'"):
+        tokenize_source(Source(str(path)), tok, progress=False)
+    # The roles accepted before stay accepted, and the assistant turn is still the target.
+    ok = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello"},
+            {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": "world"},
+        ]
+    }
+    t = tokenize_source(Source(str(write_jsonl(tmp_path / "ok.jsonl", [ok]))), tok, progress=False)
+    assert len(t) == 1 and tok.decode(np.asarray(t.ids)[np.asarray(t.target)].tolist()) == "world<|end|>\n"
+
+
+# ----------------------------------------------------------------- 3. occurrences beside records
+
+# Hand-counted reference: a.jsonl (repeat 2) has 4 distinct long records and one empty one, b.jsonl
+# (once) 1 long record: 4 * 2 + 1 = 9 over-length samples in the epoch, 5 distinct records.
+A_RECORDS = [SHORT, *(chat("hello", f"{w} " + LONG_ANSWER) for w in ("one", "two", "three", "four")), {"messages": []}]
+B_RECORDS = [SHORT, chat("fox", LONG_ANSWER)]
+A_LONG_LINES, B_LONG_LINES = [2, 3, 4, 5], [2]
+
+
+def two_sources(tmp_path, tok):
+    a = tokenize_source(Source(str(write_jsonl(tmp_path / "a.jsonl", A_RECORDS)), repeat=2), tok, progress=False)
+    b = tokenize_source(Source(str(write_jsonl(tmp_path / "b.jsonl", B_RECORDS))), tok, progress=False)
+    assert a.lengths.tolist()[0] <= LIMIT < min(a.lengths.tolist()[1:])  # the premise of the counts
+    assert b.lengths.tolist()[0] <= LIMIT < b.lengths.tolist()[1]
+    return a, b
+
+
+def test_store_counts_dropped_and_truncated_as_occurrences_and_distinct_records(tmp_path, tok):
+    a, b = two_sources(tmp_path, tok)
+    expected = [f"{tmp_path / 'a.jsonl'}:{n}" for n in A_LONG_LINES] * 2 + [
+        f"{tmp_path / 'b.jsonl'}:{n}" for n in B_LONG_LINES
+    ]
+    dropped = SampleStore.build([a, b], LIMIT, "drop")
+    assert sorted(dropped.report["dropped"]) == sorted(expected)  # unchanged key: every occurrence
+    assert dropped.report["dropped_distinct"] == 5
+    summary = dropped.summary()
+    assert f"9 sample(s) (5 distinct records, repeated in the epoch) dropped as longer than {LIMIT} tokens" in summary
+    assert "skipped 1 distinct record(s) of the file (1 empty conversation)" in summary
+
+    cut = SampleStore.build([a, b], LIMIT, "truncate")
+    assert len(cut.report["truncated"]) == 9 and cut.report["truncated_distinct"] == 5
+    assert cut.report["truncated_to_nothing_distinct"] == 0
+    assert f"9 sample(s) (5 distinct records, repeated in the epoch) truncated to {LIMIT} tokens" in cut.summary()
+
+    with pytest.raises(ValueError, match=r"; 9 sample\(s\) \(5 distinct records, repeated in the epoch\) in all\."):
+        SampleStore.build([a, b], LIMIT, "error")
+
+
+def datamodule(tmp_path, toy_tokenizer):
+    write_jsonl(tmp_path / "a.jsonl", A_RECORDS)
+    write_jsonl(tmp_path / "b.jsonl", B_RECORDS)
+    dm = HBPDataModule(
+        sources=[{"path": str(tmp_path / "a.jsonl"), "repeat": 2}, {"path": str(tmp_path / "b.jsonl")}],
+        tokenizer=toy_tokenizer,
+        levels=[str(LIMIT)],
+        over_length="drop",
+        cache_dir=str(tmp_path / "cache"),
+    )
+    dm.setup("fit")
+    return dm
+
+
+def test_data_report_json_has_distinct_counts_beside_the_lists(tmp_path, toy_tokenizer):
+    report = json.loads(datamodule(tmp_path, toy_tokenizer).write_report().read_text())
+    assert len(report["dropped"]) == 9 and report["dropped_distinct"] == 5
+    assert report["truncated"] == [] and report["truncated_distinct"] == 0
+
+
+# ------------------------------------------------------------------ 4. TensorBoard keys agree
+
+
+class RecordingLogger:
+    def __init__(self):
+        self.metrics = {}
+
+    def log_metrics(self, metrics, step):
+        self.metrics.update(metrics)
+
+
+def test_packing_and_data_drop_keys_agree(tmp_path, toy_tokenizer):
+    dm = datamodule(tmp_path, toy_tokenizer)
+    logger = RecordingLogger()
+    trainer = types.SimpleNamespace(datamodule=dm, loggers=[logger], global_step=0, current_epoch=0)
+    PackingMetrics().on_train_epoch_start(trainer, None)
+    m = logger.metrics
+    assert m["packing/dropped"] == m["data/dropped"] == 9.0
+    assert m["data/dropped_distinct"] == 5.0
+    assert m["packing/truncated"] == m["data/truncated"] == 0.0
+
+
+def test_packing_dropped_counts_the_planners_drops_too():
+    """A data module with a plan only (no store): the planner's own drops, as before."""
+    plan = plan_hbp(np.r_[np.full(20, 100), [5000, 6000]], [Level(512), Level(1024)], 1, over_length="drop")
+    logger = RecordingLogger()
+    trainer = types.SimpleNamespace(
+        datamodule=types.SimpleNamespace(plan=plan), loggers=[logger], global_step=0, current_epoch=0
+    )
+    PackingMetrics().on_train_epoch_start(trainer, None)
+    assert logger.metrics["packing/dropped"] == 2.0 and "data/dropped" not in logger.metrics
+
+
+# ---------------------------------------------------------------- 5. the simulator says what it drops
+
+
+def test_simulate_command_says_how_many_samples_it_drops_and_why(tmp_path, capsys):
+    lengths = np.r_[np.full(300, 200), [3000, 3000, 4000, 3000], np.full(100, 900)]
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths)) + "\n")
+    code = simulate_main(
+        [str(path), "--model", "llama3.1-8b", "--gpus", "2", "--levels", "1024:1:0", "2048:2:0", "--no-auto"]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    # Reference by hand: four entries above 2048 tokens, of two distinct lengths, 13000 tokens.
+    assert (
+        "dropped 4 of 404 samples (2 distinct lengths; 13,000 tokens, the longest 4,000): longer than the "
+        "largest level (2,048 tokens), so no plan below trains them" in out
+    )
+    assert "(simulated with the cost model)" in out
+
+
+# ------------------------------------------------------------------ 6. simulated figures say so
+
+
+def test_timeline_figures_say_simulated_and_name_the_modelled_gpu():
+    lengths = np.random.default_rng(0).integers(10, 1000, 300)
+    plan = plan_hbp(lengths, [Level(512), Level(1024)], 2, seed=0)
+    spec = ModelSpec("tiny", layers=2, hidden=256, heads=4, kv_heads=4, intermediate=512, vocab=1000)
+    fig = timeline_figure([simulate(plan, CostModel(spec, HARDWARE["h100"], 2), "HBP")])
+    assert "simulated on 2 x H100-80GB (cost model, not measured)" in fig._suptitle.get_text()
+    (ax,) = [ax for ax in fig.axes if ax.containers]
+    assert "simulated epoch " in ax.get_title() and ax.get_xlabel().startswith("simulated time (")
+
+    from transformers import LlamaConfig
+
+    module = types.SimpleNamespace(model=types.SimpleNamespace(config=LlamaConfig(**TINY_LLAMA, vocab_size=400)))
+    fig = PackingMetrics(figures=True, hardware="h100")._timeline(module, plan)
+    (ax,) = [ax for ax in fig.axes if ax.containers]
+    assert "this epoch's plan, simulated on 2 x H100-80GB (cost model)" in ax.get_title()
+    assert "this run" not in ax.get_title() + fig._suptitle.get_text()
+
+
+def test_a_misspelled_source_field_names_the_entry_the_field_and_the_nearest_one(tmp_path):
+    from lit_hbp.data.sources import DataError, Source
+
+    with pytest.raises(DataError, match=r"sources\[1\]: unknown source field 'repet' \(did you mean 'repeat'\?\)"):
+        [Source.of(e, f"sources[{i}]") for i, e in enumerate([{"path": "a.jsonl"}, {"path": "b.jsonl", "repet": 2}])]
+    with pytest.raises(DataError, match=r"val_sources\[0\]: the source has no path"):
+        Source.of({"repeat": 2}, "val_sources[0]")
+    assert Source.of("a.jsonl", "sources[0]") == Source("a.jsonl")
+    assert Source.of({"path": "a.jsonl", "repeat": 2}, "sources[0]").repeat == 2

@@ -1,0 +1,234 @@
+"""The seams a new engineer extends: the SP kind a level names, the typed micro-batch, the level
+selector. Each is checked against what the rest of the library does with it."""
+
+import copy
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_LLAMA
+
+from lit_hbp.autoselect import AnalyticSelector, RunSetting, Selection, sp_candidates
+from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.data.batch import PackedBatch
+from lit_hbp.data.collate import collate_packs
+from lit_hbp.model_spec import ModelSpec
+from lit_hbp.packing import Level
+from lit_hbp.packing.levels import LevelSelector, as_level
+from lit_hbp.parallel import context
+from lit_hbp.parallel.kind import SPKind, resolve_sp_kind
+from lit_hbp.parallel.ulysses import Ulysses
+from lit_hbp.strategy import validate_sp_setup
+
+GATHER = "sp_kinds.GatherAll"  # tests/sp_kinds.py: a kind defined outside the library
+
+
+def samples(n: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {i: (rng.integers(5, 300, m), rng.random(m) < 0.7) for i, m in enumerate(rng.integers(3, 40, n))}
+
+
+# ----------------------------------------------------------------------------------- SP kinds
+
+
+def test_levels_name_their_kind_and_unknown_kinds_are_refused():
+    assert Level(64, 2).sp_kind == "ulysses" and isinstance(resolve_sp_kind("ulysses"), Ulysses)
+    assert as_level({"pack_len": 64, "sp": 2, "sp_kind": GATHER}).sp_kind == GATHER
+    assert type(resolve_sp_kind(GATHER)).__name__ == "GatherAll" and isinstance(resolve_sp_kind(GATHER), SPKind)
+    with pytest.raises(ValueError, match=r"unknown sp_kind 'ring'.*\['ulysses'\]"):
+        resolve_sp_kind("ring")
+    with pytest.raises(ValueError, match="cannot import 'nowhere.to'"):
+        resolve_sp_kind("nowhere.to.Ring")
+    with pytest.raises(ValueError, match=r"unknown sp_kind 'torch.nn.Linear'"):
+        resolve_sp_kind("torch.nn.Linear")  # importable, but not an SPKind
+    with pytest.raises(TypeError, match="sp_kind must be a non-empty string"):
+        Level(64, 2, sp_kind="")
+
+
+def test_the_strategy_checks_and_the_level_search_ask_the_levels_kind():
+    # 6 heads cannot be split over sp 4 by Ulysses; the all-gather kind needs no head split.
+    with pytest.raises(ValueError, match="level 0 .*6 attention heads cannot be split over sp 4"):
+        validate_sp_setup([Level(64, 4)], 4, 6, 6, 2)
+    assert validate_sp_setup([Level(64, 4, sp_kind=GATHER)], 4, 6, 6, 2) == [1]
+    assert sp_candidates(8, 6, 6) == [1, 2]
+    assert sp_candidates(8, 6, 6, GATHER) == [1, 2, 4, 8]
+
+
+def test_the_cost_model_prices_each_kinds_own_traffic():
+    spec = ModelSpec.from_config({**TINY_LLAMA, "vocab_size": 300})
+    ulysses = CostModel(spec, HARDWARE["h100"], 8)
+    gather = dataclasses.replace(ulysses, sp_kind=GATHER)
+    tokens, sp = 4096.0, 4
+    # Independent arithmetic: Ulysses sends (sp-1)/sp of q, k, v (kv replicated up to sp) and the
+    # output; the all-gather kind sends its q, k, v shard to each of the sp - 1 peers. bf16.
+    kv = max(spec.kv_heads, sp)
+    ulysses_bytes = tokens * 2 * (2 * spec.heads + 2 * kv) * spec.dim * (sp - 1) / sp
+    gather_bytes = tokens * 2 * (spec.heads + 2 * spec.kv_heads) * spec.dim * (sp - 1)
+    assert resolve_sp_kind("ulysses").comm_bytes_per_layer(spec, tokens, sp) == pytest.approx(ulysses_bytes)
+    ratio = gather.sp_comm_seconds(tokens, sp, 0) / ulysses.sp_comm_seconds(tokens, sp, 0)
+    assert ratio > 1 and gather.sp_comm_seconds(tokens, 1, 0) == 0
+    # Latency terms are the same for both kinds: the bandwidth part scales with the bytes.
+    hw = HARDWARE["h100"]
+    bandwidth = lambda b: (2 * spec.layers) * b / hw.intra_node_bw / hw.eff_link  # noqa: E731 (sp 4 < 8 GPUs/node)
+    diff = gather.sp_comm_seconds(tokens, sp, 0) - ulysses.sp_comm_seconds(tokens, sp, 0)
+    assert diff == pytest.approx(bandwidth(gather_bytes) - bandwidth(ulysses_bytes))
+
+
+def test_the_data_module_shards_with_the_levels_kind_and_the_batch_carries_it():
+    from lit_hbp.data.datamodule import MicroBatchDataset
+    from lit_hbp.packing.plan import MicroBatch
+
+    class Store:
+        data = samples(6)
+
+        def tokens(self, i):
+            return self.data[i]
+
+    levels = (Level(32), Level(256, 2, 1, sp_kind=GATHER))
+    mb = MicroBatch(step=3, micro=1, level=1, packs=[np.arange(6)], loss_norm=50.0)
+    whole = collate_packs([np.arange(6)], Store().tokens, sp=2, loss_norm=50.0)
+    for rank in (2, 3):  # second SP group of a world of 4: SP ranks 0 and 1
+        batch = MicroBatchDataset(Store(), levels, rank, pad_id=0)[(0, 7, mb)]
+        assert batch.sp_kind == GATHER and batch.sp == 2 and batch.sp_rank == rank - 2
+        assert (batch.level, batch.ckpt_layers, batch.loss_norm, batch.micro_index) == (1, 1, 50.0, 7)
+        half = whole.input_ids.shape[1] // 2
+        assert torch.equal(batch.input_ids, whole.input_ids[:, (rank - 2) * half : (rank - 1) * half])
+
+
+def test_the_strategy_activates_the_batch_kind_with_its_group():
+    from lit_hbp.parallel.groups import SPContext, SPGroups
+    from lit_hbp.strategy import HBPStrategy
+
+    strategy = HBPStrategy.__new__(HBPStrategy)  # only batch_to_device's own work is exercised
+    groups = SPGroups([], 1, 0)
+    fake = SPContext(None, 2, 1, (0, 1))
+    groups.contexts[2] = fake
+    strategy.sp_groups = groups
+    batch = Ulysses().shard(collate_packs([np.arange(4)], samples(4).__getitem__, sp=2, sp_kind=GATHER), 2, 1)
+    try:
+        context.activate(None)
+        assert strategy_activate(strategy, batch) == (fake, GATHER)
+    finally:
+        context.activate(None)
+
+
+def strategy_activate(strategy, batch: PackedBatch):
+    """What HBPStrategy.batch_to_device activates for ``batch`` (the device move is Lightning's)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    real = DeepSpeedStrategy.batch_to_device
+    DeepSpeedStrategy.batch_to_device = lambda self, b, device=None, dataloader_idx=0: b
+    try:
+        type(strategy).batch_to_device(strategy, batch)
+    finally:
+        DeepSpeedStrategy.batch_to_device = real
+    return context.active(), type(context.active_kind()).__module__ + "." + type(context.active_kind()).__name__
+
+
+# --------------------------------------------------------------------------------- PackedBatch
+
+
+def test_packed_batch_moves_pins_copies_and_pickles_as_one_value():
+    batch = collate_packs([np.arange(5)], samples(5).__getitem__, level=2, ckpt_layers=1, loss_norm=9.0)
+    tensors = [f.name for f in dataclasses.fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
+    assert set(PackedBatch.TOKEN_FIELDS) < set(tensors)
+    moved = batch.to("meta")
+    assert all(getattr(moved, name).device.type == "meta" for name in tensors)
+    assert (moved.level, moved.ckpt_layers, moved.loss_norm, moved.n_tokens) == (2, 1, 9.0, batch.n_tokens)
+    assert batch.input_ids.device.type == "cpu", "to() returns a new batch"
+    back = pickle.loads(pickle.dumps(batch))  # what a DataLoader worker sends
+    assert all(torch.equal(getattr(back, n), getattr(batch, n)) for n in tensors) and back.level == 2
+    clone = copy.deepcopy(batch)
+    clone.input_ids[0, 0] += 1
+    assert not torch.equal(clone.input_ids, batch.input_ids)
+    # Lightning moves a dataclass batch field by field (the path of Trainer.batch_to_device).
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    assert move_data_to_device(batch, torch.device("meta")).labels.device.type == "meta"
+    assert batch.pack_len == batch.shard_len == batch.input_ids.shape[1]
+    half = Ulysses().shard(collate_packs([np.arange(5)], samples(5).__getitem__, sp=2), 2, 0)
+    assert half.pack_len == 2 * half.shard_len
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned memory)")
+def test_packed_batch_pins_its_tensors():
+    batch = collate_packs([np.arange(5)], samples(5).__getitem__).pin_memory()
+    assert batch.input_ids.is_pinned() and batch.cu_seqlens.is_pinned()
+
+
+def test_the_ave_token_loss_refuses_an_unplanned_batch():
+    from lit_hbp.loss import token_scale
+
+    batch = collate_packs([np.arange(5)], samples(5).__getitem__)
+    assert batch.loss_norm is None
+    with pytest.raises(ValueError, match="no loss_norm"):
+        token_scale(batch, "ave_token")
+    assert token_scale(batch, "token_mean") == 1 / batch.n_targets
+
+
+# ------------------------------------------------------------------------------ level selector
+
+
+class FixedSelector(LevelSelector):
+    """A user's own selector: whatever rule they like, given the lengths and the trainer."""
+
+    def __init__(self):
+        self.seen = None
+
+    def levels_for(self, lengths, trainer):
+        self.seen = (len(lengths), int(np.max(lengths)), trainer.world_size)
+        return (Level(256), Level(int(2 ** np.ceil(np.log2(np.max(lengths))))))
+
+
+def test_a_data_module_takes_any_level_selector(small_demo, toy_tokenizer, tmp_path):
+    import lightning as L
+
+    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.module import HBPLitModule
+
+    selector = FixedSelector()
+    dm = HBPDataModule(
+        sources=[{"path": str(small_demo / "short.jsonl")}],
+        tokenizer=toy_tokenizer,
+        levels=selector,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    assert dm.levels is None and dm.selector is selector
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(HBPLitModule(model={**TINY_LLAMA, "max_position_embeddings": 16384}, vocab_size=dm.vocab_size), dm)
+    n, longest, world = selector.seen
+    assert n == dm.store.lengths.size and longest == dm.store.lengths.max() and world == 1
+    assert dm.levels[0] == Level(256) and dm.levels[-1].pack_len >= longest
+    with pytest.raises(ValueError, match="a LevelSelector .*got 'auto'"):
+        HBPDataModule(sources=[{"path": "x.jsonl"}], tokenizer=toy_tokenizer, levels="auto")
+
+
+def test_the_analytic_selector_is_algorithm_1_on_the_cost_model():
+    from lit_hbp.autoselect import AnalyticProfiler, select_levels
+
+    spec = ModelSpec.from_config({**TINY_LLAMA, "vocab_size": 300})
+    lengths = np.random.default_rng(0).integers(50, 3000, 500)
+    run = RunSetting(spec=spec, world=4)
+    selection = AnalyticSelector(gpu="a100", candidates=[1024, 4096], margin_gib=1).select(lengths, run)
+    reference = select_levels(
+        AnalyticProfiler(CostModel(spec, HARDWARE["a100"], 4), lengths),
+        lengths,
+        spec,
+        4,
+        candidates=[1024, 4096],
+        margin=2**30,
+    )
+    assert isinstance(selection, Selection) and selection.levels == reference.levels
+    assert [c.measurement for c in selection.candidates] == [c.measurement for c in reference.candidates]
+    with pytest.raises(ValueError, match="unknown gpu 'b200'"):
+        AnalyticSelector(gpu="b200")
