@@ -147,7 +147,7 @@ def run_hf_trainer(base, store, chosen, args, device):
 
     def collate(features):
         batch = flatten(features)
-        counts.append(int(batch.input_ids.shape[1]))
+        counts.append(int(batch["input_ids"].shape[1]))
         return batch
 
     data = []

@@ -26,6 +26,7 @@ from jsonargparse._actions import previous_config  # set while a config file is 
 from jsonargparse._typehints import ActionTypeHint  # jsonargparse exports no public name for it
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
+from omegaconf.errors import OmegaConfBaseException
 
 from lit_hbp import strategy  # noqa: F401  (registers --trainer.strategy hbp, hbp_stage_0 ... hbp_stage_3)
 from lit_hbp.callbacks.defaults import with_default_callbacks
@@ -141,6 +142,18 @@ class HBPCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("parser_class", HBPArgumentParser)
         super().__init__(*args, **kwargs)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Lightning's parsing; an interpolation the merged config cannot resolve (``${data.levels.2...}``
+        after ``--data.levels`` gave two levels) is a short error naming the key, not a traceback."""
+        try:
+            super().parse_arguments(parser, args)
+        except OmegaConfBaseException as e:
+            if _debug() or not parser.exit_on_error:
+                raise
+            where = f" (in {e.full_key})" if getattr(e, "full_key", None) else ""
+            sys.stderr.write(f"error: {str(e).splitlines()[0]}{where}\n")
+            parser.exit(2)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")

@@ -266,3 +266,16 @@ def test_an_unknown_option_names_the_nearest_valid_one(tmp_path, capsys, monkeyp
     monkeypatch.chdir(tmp_path)
     err = cli_error(capsys, ["fit", "--config", TINY, "--trainer.max_stepz", "3"])
     assert err[0] == "error: unrecognized arguments: --trainer.max_stepz 3 (did you mean 'trainer.max_steps'?)", err
+
+
+def test_an_interpolation_the_command_line_broke_is_a_short_error(small_demo, tmp_path, monkeypatch, capsys):
+    """tiny_cpu.yaml sets max_position_embeddings: ${data.levels.2.pack_len}; two levels on the command
+    line leave nothing at index 2."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--data.levels", "[{pack_len: 1024}, {pack_len: 4096}]"], run=False)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Interpolation key") and "data.levels[2].pack_len" in err
+    assert "model.model.max_position_embeddings" in err and "Traceback" not in err
