@@ -40,6 +40,9 @@ CONSUMED_KEYS = frozenset(
         "num_labels",
     }
 )
+# How close (difflib ratio) an unknown model key must be to a missing valid one to be called its typo:
+# num_hiden_layers / num_hidden_layers is 0.97; gemma2's real hidden_act / hidden_size only 0.76.
+TYPO_CUTOFF = 0.85
 # Keys lit-hbp reads from any family's config itself, and refuses with its own message where the family
 # cannot honour them (``causal_lm.check_router_loss``).
 LIT_HBP_KEYS = frozenset({"output_router_logits"})
@@ -124,16 +127,28 @@ def check_model_config(model: Mapping[str, Any]) -> None:
         return
     public = [k for k in valid if not k.startswith("_")]
     generation = _generation_keys()
-    problems = []
+    typos, ignored = [], []
     for key in unknown:
-        if key in generation:
-            problems.append(f"{key!r} is a generation setting, which transformers drops from a model config")
+        # A near miss (a letter or two) of a valid key: what the user meant is not what trains.
+        near = difflib.get_close_matches(key, sorted(public), n=1, cutoff=TYPO_CUTOFF)
+        near = near[0] if near else None
+        if near is not None:
+            typos.append(f"unknown key {key!r} (did you mean {near!r}?)")
+        elif key in generation:
+            ignored.append(f"{key!r} (a generation setting)")
         else:
-            problems.append(f"unknown key {key!r}{did_you_mean(key, public)}")
+            ignored.append(repr(key))
     name = _config_class(str(model_type)).__name__
-    raise ValueError(
-        f"model config ({model_type}): {'; '.join(problems)}. transformers does not use such keys ({name} keeps "
-        "its defaults): fix or remove them"
+    if typos:
+        raise ValueError(
+            f"model config ({model_type}): {'; '.join(typos)}. transformers does not use such keys ({name} keeps "
+            "its defaults): fix or remove them"
+        )
+    # Keys a real config.json carries for other tools (auto_map, quantization_config, task_specific_params,
+    # ...) and no near miss of a missing key: kept, but said, since the model does not read them.
+    warnings.warn(
+        f"model config ({model_type}): {name} does not use {', '.join(ignored)}; they are kept but change nothing",
+        stacklevel=2,
     )
 
 
@@ -195,7 +210,7 @@ def check_positions(config: Any, levels: Sequence[Any] | None) -> str | None:
 
 def check_module_positions(module: Any) -> None:
     """``check_positions`` for an HBPLitModule whose model is built, against its trainer's data module's
-    levels (selected by then, ``levels: auto`` included); nothing to check without them."""
+    levels (chosen by then when a LevelSelector chooses them); nothing to check without them."""
     from lightning.pytorch.utilities import rank_zero_info
 
     trainer = getattr(module, "_trainer", None)
@@ -291,7 +306,7 @@ def check_run_config(config: Mapping[str, Any]) -> None:
     if isinstance(model, Mapping):
         check_model_config(model)
     levels = (config.get("data") or {}).get("levels")
-    if not isinstance(levels, list) or not levels:  # "auto": chosen at setup
+    if not isinstance(levels, list) or not levels:  # a LevelSelector: chosen at setup
         return
     world = world_size_of(config.get("trainer") or {})
     if world is not None:

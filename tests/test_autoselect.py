@@ -1,5 +1,5 @@
 """Group auto-selection: Algorithms 1, 3, 4, the cost model's shape and calibration, the measured
-profiler on 2 gloo processes, ``levels: auto`` in training, and the command line."""
+profiler on 2 gloo processes, the selectors choosing levels in training, and the command line."""
 
 import json
 import math

@@ -202,6 +202,19 @@ def test_final_step_with_the_default_checkpoint_and_with_save_last_link(tmp_path
     assert torch.load(tmp_path / "link" / "step=4.ckpt", weights_only=False)["global_step"] == 4
 
 
+def test_the_default_checkpoint_is_not_rewritten_after_lightning_closes_the_epoch(tmp_path):
+    """Without validation the default checkpoint callback saves at epoch ends. max_steps 5 stops inside
+    the 8-batch epoch: the final-step checkpoint must stay the mid-epoch one, so a resume with a larger
+    max_steps continues the epoch instead of starting the next (Lightning restarts at the next epoch when
+    the checkpoint's epoch counts as processed)."""
+    plain_fit(tmp_path, [FinalCheckpoint()], max_steps=5)
+    (saved,) = glob.glob(f"{tmp_path}/**/*.ckpt", recursive=True)
+    state = torch.load(saved, weights_only=False)
+    epoch = state["loops"]["fit_loop"]["epoch_progress"]["current"]
+    assert state["global_step"] == 5 and epoch["processed"] == 0, epoch
+    # processed == 0: Lightning resumes inside epoch 0 (1 would make it start epoch 1).
+
+
 # ---- 2. a resume says where it continues --------------------------------------------------------
 
 
@@ -311,6 +324,14 @@ def test_failed_run_folders_go_only_when_nothing_was_trained(tmp_path):
     user_file.setup = lambda trainer, *a, **k: Path(trainer.loggers[0].log_dir, "notes.txt").write_text("mine")
     assert fit("keep", [user_file]) == ["tb", "tb/version_0"]
     assert (keep / "tb" / "version_0" / "notes.txt").read_text() == "mine"
+    # A logger with a fixed version logs every run into one folder: an earlier run's events stay.
+    fixed = lambda: TensorBoardLogger(tmp_path / "fixed", name="tb", version="main")  # noqa: E731
+    plain_fit(tmp_path, [], max_steps=2, logger=fixed())
+    earlier = sorted((tmp_path / "fixed" / "tb" / "main").glob("events.out.tfevents.*"))
+    assert earlier
+    with pytest.raises(RuntimeError, match="boom"):
+        plain_fit(tmp_path, [DiscardEmptyRunDir(), FailAt("on_train_start")], max_steps=2, logger=fixed())
+    assert all(p.exists() for p in earlier)
 
 
 def test_cli_adds_the_console_callbacks(tmp_path, small_demo, monkeypatch):

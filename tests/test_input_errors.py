@@ -14,7 +14,7 @@ from lit_hbp.callbacks import PackingMetrics
 from lit_hbp.costmodel import HARDWARE, CostModel
 from lit_hbp.data import sources as sources_module
 from lit_hbp.data.datamodule import HBPDataModule
-from lit_hbp.data.sources import DataError, Source
+from lit_hbp.data.sources import DataError, Source, to_conversation
 from lit_hbp.data.store import SampleStore
 from lit_hbp.data.tokenize import tokenize_source
 from lit_hbp.model_spec import ModelSpec
@@ -133,6 +133,10 @@ def test_unknown_role_names_role_file_line_known_roles_and_closest(tmp_path, tok
     }
     t = tokenize_source(Source(str(write_jsonl(tmp_path / "ok.jsonl", [ok]))), tok, progress=False)
     assert len(t) == 1 and tok.decode(np.asarray(t.ids)[np.asarray(t.target)].tolist()) == "world<|end|>\n"
+    # A role of some templates' own, far from every known one: kept, said once, not supervised.
+    other = {"messages": [{"role": "user", "content": "hi"}, {"role": "observation", "content": "x"}]}
+    with pytest.warns(UserWarning, match=r"role 'observation' is none of system, user"):
+        to_conversation(other, "o.jsonl:1")
 
 
 # ----------------------------------------------------------------- 3. occurrences beside records

@@ -232,3 +232,16 @@ def test_the_analytic_selector_is_algorithm_1_on_the_cost_model():
     assert [c.measurement for c in selection.candidates] == [c.measurement for c in reference.candidates]
     with pytest.raises(ValueError, match="unknown gpu 'b200'"):
         AnalyticSelector(gpu="b200")
+
+
+def test_measured_probes_shard_and_tag_with_the_selectors_kind():
+    from lit_hbp.autoselect import MeasuredProfiler
+    from lit_hbp.autoselect.measured import synthetic_batch
+
+    lengths = np.random.default_rng(0).integers(20, 200, 100)
+    batch = synthetic_batch(lengths, 512, 2, 1, 300, 0, np.random.default_rng(1), GATHER)
+    whole = synthetic_batch(lengths, 512, 1, 0, 300, 0, np.random.default_rng(1))
+    assert batch.sp_kind == GATHER and batch.sp_rank == 1 and batch.n_tokens == whole.n_tokens
+    half = whole.input_ids.shape[1] // 2
+    assert torch.equal(batch.input_ids, whole.input_ids[:, half:])
+    assert MeasuredProfiler(lambda: None, lengths, 2**30, sp_kind=GATHER).sp_kind == GATHER

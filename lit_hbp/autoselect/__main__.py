@@ -24,8 +24,6 @@ from lit_hbp.config import config_lengths, read_config
 from lit_hbp.costmodel import HARDWARE
 from lit_hbp.model_spec import load_model_spec
 
-GIB = 1024**3
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(

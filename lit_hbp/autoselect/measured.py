@@ -30,26 +30,35 @@ from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.packing.levels import Level
 from lit_hbp.parallel.groups import SPGroups
+from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import sp_coords
-from lit_hbp.parallel.ulysses import Ulysses
 from lit_hbp.strategy import HBPStrategy
 
 
 def synthetic_batch(
-    lengths, pack_len: int, sp: int, sp_rank: int, vocab: int, ckpt_layers: int, rng: np.random.Generator
+    lengths,
+    pack_len: int,
+    sp: int,
+    sp_rank: int,
+    vocab: int,
+    ckpt_layers: int,
+    rng: np.random.Generator,
+    sp_kind: str = "ulysses",
 ) -> PackedBatch:
     """This rank's shard of one micro-batch: a pack filled from the data's length distribution
-    (random token ids, every token supervised), tagged as level 0 with ``ckpt_layers``."""
+    (random token ids, every token supervised), tagged as level 0 with ``ckpt_layers``, cut the
+    ``sp_kind`` way."""
     take = synthetic_pack(lengths, pack_len, rng)
     docs = [(rng.integers(0, vocab, int(n)), np.ones(int(n), bool)) for n in take]
     batch = collate_packs(
         [np.arange(len(take))],
         docs.__getitem__,
         sp=sp,
+        sp_kind=sp_kind,
         loss_norm=float(take.sum()),
         ckpt_layers=ckpt_layers,
     )
-    return Ulysses().shard(batch, sp, sp_rank) if sp > 1 else batch
+    return resolve_sp_kind(sp_kind).shard(batch, sp, sp_rank) if sp > 1 else batch
 
 
 def probe_strategy_args(strategy) -> dict:
@@ -98,6 +107,7 @@ class MeasuredProfiler:
             that strikes one rank before the others inside a collective leaves them waiting; this
             keeps the probes that are sure to fail (Algorithm 4 starts at no checkpointing) off the
             device.
+        sp_kind: how probes with sp > 1 split their packs (``lit_hbp.parallel.kind``).
     """
 
     def __init__(
@@ -111,6 +121,7 @@ class MeasuredProfiler:
         warmup: int = 1,
         seed: int = 0,
         estimate: Callable[[int, int, int], float] | None = None,
+        sp_kind: str = "ulysses",
     ):
         self.module_factory = module_factory
         self.lengths = np.asarray(lengths)
@@ -119,6 +130,7 @@ class MeasuredProfiler:
         self.strategy_args = {k: v for k, v in (strategy_args or {}).items() if k != "levels"}
         self.steps, self.warmup, self.seed = steps, warmup, seed
         self.estimate = estimate
+        self.sp_kind = sp_kind
         self.sp_groups: SPGroups | None = None
         self._capacity_agreed = False
         self._measured: dict[tuple[int, int, int], Measurement] = {}
@@ -154,7 +166,7 @@ class MeasuredProfiler:
         strategy = HBPStrategy(**copy.deepcopy(self.strategy_args))
         strategy.sp_groups = self._groups(sp)
         accumulate = self.trainer_args.get("accumulate_grad_batches", 1)
-        level = Level(pack_len, sp, ckpt_layers)
+        level = Level(pack_len, sp, ckpt_layers, sp_kind=self.sp_kind)
         data = ProbeData(level, self.lengths, (self.warmup + self.steps) * accumulate, self.seed)
         timer = ProbeTimer(skip=self.warmup * accumulate)
         with _quiet(), _isolated():
@@ -249,7 +261,7 @@ class ProbeData(L.LightningDataModule):
         sp_rank = sp_coords(self.trainer.global_rank, lv.sp)[1]
         rng = np.random.default_rng(self.seed)  # the same packs on every SP group
         batches = [
-            synthetic_batch(self.lengths, lv.pack_len, lv.sp, sp_rank, vocab, lv.ckpt_layers, rng)
+            synthetic_batch(self.lengths, lv.pack_len, lv.sp, sp_rank, vocab, lv.ckpt_layers, rng, lv.sp_kind)
             for _ in range(self.n)
         ]
         self.tokens = float(np.mean([b.n_tokens for b in batches])) / lv.sp  # real tokens per rank

@@ -217,6 +217,7 @@ class MeasuredSelector(Selector):
             steps=self.steps,
             seed=run.seed,
             estimate=cost.memory_bytes,
+            sp_kind=self.sp_kind,
         )
         selection = self._search(profiler, lengths, run)
         self.sp_groups = profiler.sp_groups

@@ -88,9 +88,12 @@ class FinalCheckpoint(L.Callback):
             else:
                 cb._save_topk_checkpoint(trainer, candidates)
                 written.append(cb.best_model_path)
-            # The callback's own schedule stays as it was: a validation right after this step may
-            # still save (and rank) this step by the metric it brings.
-            cb._last_global_step_saved = previous
+            if cb.monitor is not None:
+                # A callback that ranks by a metric keeps its schedule: a validation right after this
+                # step may still save (and rank) this step by the metric it brings. One without a
+                # metric has this step saved: its epoch-end hook must not write it again after
+                # Lightning closed the epoch (a resume would then skip the rest of the epoch).
+                cb._last_global_step_saved = previous
             self._saved_at[id(cb)] = step
         return written
 

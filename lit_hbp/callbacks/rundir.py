@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
+import time
 from pathlib import Path
 
 import lightning as L
@@ -39,6 +40,7 @@ class DiscardEmptyRunDir(L.Callback):
 
     def __init__(self) -> None:
         self._start_step: int | None = None
+        self._created_after = time.time()  # files older than this are an earlier run's: never removed
         self.removed: list[str] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -53,7 +55,7 @@ class DiscardEmptyRunDir(L.Callback):
             if not isinstance(logger, (TensorBoardLogger, CSVLogger)):
                 continue
             log_dir = Path(logger.log_dir)
-            if not log_dir.is_dir() or not disposable(log_dir):
+            if not log_dir.is_dir() or not disposable(log_dir, self._created_after):
                 continue
             logger.finalize("failed")
             shutil.rmtree(log_dir)
@@ -69,11 +71,15 @@ class DiscardEmptyRunDir(L.Callback):
             )
 
 
-def disposable(folder: Path) -> bool:
-    """True when ``folder`` holds only files named like ``REWRITTEN_BY_A_RERUN`` and empty folders."""
-    for _, _, files in os.walk(folder):
+def disposable(folder: Path, created_after: float = 0.0) -> bool:
+    """True when ``folder`` holds only files named like ``REWRITTEN_BY_A_RERUN``, all written since
+    ``created_after`` (a folder an earlier run logged into, e.g. a logger with a fixed ``version``,
+    keeps that run's events), and empty folders."""
+    for root, _, files in os.walk(folder):
         for name in files:
             if not any(fnmatch.fnmatch(name, pattern) for pattern in REWRITTEN_BY_A_RERUN):
+                return False
+            if os.path.getmtime(os.path.join(root, name)) < created_after:
                 return False
     return True
 

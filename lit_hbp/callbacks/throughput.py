@@ -60,9 +60,9 @@ class HBPThroughputMonitor(ThroughputMonitor):
 
     def __init__(
         self,
+        window_size: int = 2,
         batch_size_fn: Callable[[Any], float] | None = None,
         length_fn: Callable[[Any], float] | None = None,
-        window_size: int = 2,
         **kwargs: Any,
     ):
         if batch_size_fn is None and length_fn is not None:

@@ -78,8 +78,12 @@ class PackedBatch:
         return dataclasses.replace(self, **changes)
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        """The batch with its tensors on ``device`` (Lightning moves it through ``batch_to_device``)."""
-        return self.replace(**{name: t.to(device) for name, t in self._tensors()})
+        """The batch with its tensors on ``device`` (Lightning moves it through ``batch_to_device``,
+        which calls ``to(device)`` on anything that is not a tensor). Copies to an accelerator are
+        non-blocking, as Lightning makes them for tensors: from pinned memory the host does not wait."""
+        device = torch.device(device)
+        non_blocking = device.type not in ("cpu", "mps")
+        return self.replace(**{name: t.to(device, non_blocking=non_blocking) for name, t in self._tensors()})
 
     def pin_memory(self) -> PackedBatch:
         """Called by the DataLoader's pin-memory thread (``pin_memory=True``)."""

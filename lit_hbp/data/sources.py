@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ FORMATS = ("auto", "jsonl", "parquet", "hf")
 # Chat roles a record may use. A role outside these is a typo far more often than a real role, and
 # a misspelled "assistant" would silently lose every supervised token of the record.
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
+ROLE_TYPO_CUTOFF = 0.7  # assitant / assistant 0.94, usr / user 0.86; model / developer 0.43
+_roles_said: set[str] = set()
 # What ``datasets.save_to_disk`` writes into a folder: a DatasetDict, or a single Dataset.
 HF_MARKERS = ("dataset_dict.json", "state.json")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -221,13 +224,23 @@ def _field(record: dict, name: str, where: str, kind: type = str):
 
 
 def check_role(role: str, where: str) -> None:
-    """Raise naming an unknown chat role, the known ones and the closest of them. Why: only
-    ``assistant`` turns are supervised, so a misspelled one would silently train on nothing."""
+    """Raise for a role that looks like a misspelled known one (``assitant``, ``Usr``), naming the known
+    roles and the closest: only ``assistant`` turns are supervised, so a misspelled one would silently
+    train on nothing. Any other role (``model``, ``observation``: some chat templates use their own) is
+    passed to the template as it is, and said once per role."""
     if role in KNOWN_ROLES:
         return
-    close = difflib.get_close_matches(role.lower(), KNOWN_ROLES, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise DataError(f"{where} has unknown role {role!r}: known roles are {', '.join(KNOWN_ROLES)}{hint}")
+    close = difflib.get_close_matches(role.lower(), KNOWN_ROLES, n=1, cutoff=ROLE_TYPO_CUTOFF)
+    known = ", ".join(KNOWN_ROLES)
+    if close:
+        raise DataError(f"{where} has unknown role {role!r}: known roles are {known}; did you mean {close[0]!r}?")
+    if role not in _roles_said:
+        _roles_said.add(role)
+        warnings.warn(
+            f"{where}: role {role!r} is none of {known}; it goes to the chat template as it is and is not "
+            "supervised (only assistant turns are, unless train_on: all)",
+            stacklevel=2,
+        )
 
 
 def to_conversation(record: dict, where: str) -> Conversation:
