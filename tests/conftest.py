@@ -104,3 +104,21 @@ def chat_datamodule(demo, tokenizer, cache, **kw):
         over_length="drop",
         **kw,
     )
+
+
+QUIET = dict(
+    accelerator="cpu",
+    use_distributed_sampler=False,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+
+
+def quiet_trainer(**kw):
+    """A Trainer for a test run: CPU, HBPDataModule's own sampling, nothing logged, saved or printed
+    (``kw`` overrides any of those)."""
+    import lightning as L
+
+    return L.Trainer(**{**QUIET, **kw})

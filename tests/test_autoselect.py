@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, quiet_trainer
 from distributed import Pool
 
 from lit_hbp.autoselect import AnalyticProfiler, Measurement, auto_select, find_best_sp_ckpt, greedy_profile_ckpt
@@ -295,7 +295,6 @@ def test_measured_profiler_under_other_zero_stages_and_accumulation(pool, stage,
 
 def pool_levels_auto_measured(data, tokenizer, cache):
     """A 2-process HBPStrategy run whose data module measures its levels at setup."""
-    import lightning as L
 
     from lit_hbp.autoselect import MeasuredSelector
     from lit_hbp.data.datamodule import HBPDataModule
@@ -308,17 +307,7 @@ def pool_levels_auto_measured(data, tokenizer, cache):
         levels=MeasuredSelector(candidates=[256, 2048], memory_gib=16),
         cache_dir=cache,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=HBPStrategy(stage=2),
-        max_steps=2,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(devices=2, strategy=HBPStrategy(stage=2), max_steps=2)
     module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size)
     module.hparams["_instantiator"] = "lightning.pytorch.cli.instantiate_module"  # as LightningCLI records it
     trainer.fit(module, dm)
@@ -376,7 +365,6 @@ def write_chat(path, prompt_words):
 
 @pytest.mark.slow
 def test_levels_auto_in_a_training_run(tmp_path, toy_tokenizer):
-    import lightning as L
 
     from lit_hbp.autoselect import AnalyticSelector
     from lit_hbp.data.datamodule import HBPDataModule
@@ -394,15 +382,7 @@ def test_levels_auto_in_a_training_run(tmp_path, toy_tokenizer):
         model=TINY_LLAMA,
         vocab_size=dm.vocab_size,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_steps=2)
     trainer.fit(module, dm)
     assert dm.levels[-1].pack_len == 2048 and all(lv.sp == 1 for lv in dm.levels)
     assert trainer.global_step == 2

@@ -8,9 +8,10 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from conftest import quiet_trainer
 from lightning.pytorch.loggers import CSVLogger
-from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
 
+from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
 from lit_hbp.cli import main
 from lit_hbp.packing import Level, plan_hbp
 
@@ -75,15 +76,7 @@ def test_callbacks_refuse_data_modules_they_cannot_work_with():
         (HBPCurriculum(5), "needs a data module with set_curriculum"),
         (PackingMetrics(), "needs a data module with a `plan`"),
     ):
-        trainer = L.Trainer(
-            accelerator="cpu",
-            max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[callback],
-        )
+        trainer = quiet_trainer(max_steps=1, callbacks=[callback], use_distributed_sampler=True)
         with pytest.raises(TypeError, match=message):
             trainer.fit(PlainModel(), NoPlan())
 

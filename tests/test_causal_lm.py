@@ -8,7 +8,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import chat_datamodule
+from conftest import chat_datamodule, quiet_trainer
 from families import small_config
 
 from lit_hbp.data.collate import collate_packs
@@ -90,16 +90,7 @@ def fit(module, tmp_path, toy_tokenizer, small_demo):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             steps.append(trainer.global_step)
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        use_distributed_sampler=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[Steps(), HBPThroughputMonitor()],
-    )
+    trainer = quiet_trainer(max_steps=2, callbacks=[Steps(), HBPThroughputMonitor()])
     trainer.fit(module, dm)
     return steps
 

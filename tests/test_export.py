@@ -9,7 +9,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LLAMA, separate_loss
+from conftest import TINY_LLAMA, quiet_trainer, separate_loss
 from distributed import Pool
 
 from lit_hbp.data.collate import collate_packs
@@ -61,17 +61,8 @@ def train_and_save(stage: int, data: str, tokenizer: str, cache: str, out: str, 
             with deepspeed.zero.GatheredParameters([p for _, p in params]):
                 initial.update({n: p.detach().clone() for n, p in params})
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=HBPStrategy(stage=stage),
-        max_steps=4,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Initial(), HBPExport(out + "_callback")],
+    trainer = quiet_trainer(
+        devices=2, strategy=HBPStrategy(stage=stage), max_steps=4, callbacks=[Initial(), HBPExport(out + "_callback")]
     )
     trainer.fit(module, dm)
     trainer.save_checkpoint(out)

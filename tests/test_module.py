@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import separate_loss
+from conftest import quiet_trainer, separate_loss
 
 from lit_hbp import attention
 from lit_hbp.data.collate import collate_packs
@@ -151,18 +151,7 @@ def train_one_step(data_path, tokenizer, accumulate, loss, tmp_path):
     )
     module = make_module(vocab=dm.vocab_size, loss=loss, lr=0.0)
     capture = GradCapture()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        accumulate_grad_batches=accumulate,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[capture],
-    )
+    trainer = quiet_trainer(devices=1, max_steps=1, accumulate_grad_batches=accumulate, callbacks=[capture])
     reference = copy.deepcopy(module)
     trainer.fit(module, dm)
     return capture, dm, reference

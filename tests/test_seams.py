@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, quiet_trainer
 
 from lit_hbp.autoselect import AnalyticSelector, RunSetting, Selection, sp_candidates
 from lit_hbp.costmodel import HARDWARE, CostModel
@@ -183,7 +183,6 @@ class FixedSelector(LevelSelector):
 
 
 def test_a_data_module_takes_any_level_selector(small_demo, toy_tokenizer, tmp_path):
-    import lightning as L
 
     from lit_hbp.data.datamodule import HBPDataModule
     from lit_hbp.module import HBPLitModule
@@ -196,15 +195,7 @@ def test_a_data_module_takes_any_level_selector(small_demo, toy_tokenizer, tmp_p
         cache_dir=str(tmp_path / "cache"),
     )
     assert dm.levels is None and dm.selector is selector
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_steps=1)
     trainer.fit(HBPLitModule(model={**TINY_LLAMA, "max_position_embeddings": 16384}, vocab_size=dm.vocab_size), dm)
     n, longest, world = selector.seen
     assert n == dm.store.lengths.size and longest == dm.store.lengths.max() and world == 1

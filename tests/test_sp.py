@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import quiet_trainer
 from distributed import Pool
 
 from lit_hbp.module import HBPLitModule
@@ -156,17 +157,11 @@ def train_with_strategy(stage: int, data: str, tokenizer: str, cache: str, loss:
     dm = HBPDataModule(sources=[{"path": data}], tokenizer=tokenizer, levels=LEVELS, cache_dir=cache)
     module = SGDModule(model=TINY, vocab_size=dm.vocab_size, loss=loss, lr=step_size(loss))
     trace = Trace()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=WORLD,
         strategy=HBPStrategy(stage=stage),
         max_steps=STEPS,
         accumulate_grad_batches=ACCUMULATE,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[trace],
     )
     trainer.fit(module, dm)
@@ -305,18 +300,7 @@ def zero3_from_pretrained(checkpoint: str, data: str, tokenizer: str, cache: str
 
     dm = HBPDataModule(sources=[{"path": data}], tokenizer=tokenizer, levels=LEVELS, cache_dir=cache)
     grab = Grab()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=HBPStrategy(stage=3),
-        max_steps=1,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[grab],
-    )
+    trainer = quiet_trainer(devices=WORLD, strategy=HBPStrategy(stage=3), max_steps=1, callbacks=[grab])
     trainer.fit(HBPLitModule(model=checkpoint, vocab_size=dm.vocab_size, weight_decay=0.1), dm)
     from transformers import AutoModelForCausalLM
 
@@ -425,22 +409,11 @@ def test_self_check_refuses_a_sequence_parallel_bug(pool):
 
 
 def fit_ddp_with_sp_level(data: str, tokenizer: str, cache: str) -> str:
-    import lightning as L
 
     from lit_hbp.data.datamodule import HBPDataModule
 
     dm = HBPDataModule(sources=[{"path": data}], tokenizer=tokenizer, levels=["96:1", "384:2"], cache_dir=cache)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy="ddp",
-        max_steps=1,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(devices=WORLD, strategy="ddp", max_steps=1)
     try:
         trainer.fit(HBPLitModule(model=TINY, vocab_size=dm.vocab_size), dm)
     except ValueError as e:

@@ -8,7 +8,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, quiet_trainer
 
 from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
 from lit_hbp.cli import main
@@ -107,16 +107,8 @@ def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None, accumu
                 dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_top_k=-1, filename="{step}"
             )
         )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        use_distributed_sampler=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        enable_checkpointing=bool(every),
+    trainer = quiet_trainer(
+        max_steps=max_steps, accumulate_grad_batches=accumulate, callbacks=callbacks, enable_checkpointing=bool(every)
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return record.rows, dm

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, quiet_trainer
 from distributed import Pool
 
 from lit_hbp.data.datamodule import HBPDataModule
@@ -83,18 +83,12 @@ def validate_on_world(chats: str, tokenizer: str, cache: str) -> dict:
     dm = datamodule(Path(chats), tokenizer, cache, levels=("96:1", "384:2"), val_fraction=0.25)
     torch.manual_seed(0)
     module = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, lr=0.0, weight_decay=0.0)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=2,
         strategy=HBPStrategy(stage=2),
         max_steps=1,
         val_check_interval=1,
         num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[Seen()],
     )
     trainer.fit(module, dm)
@@ -164,17 +158,13 @@ def fit_with_validation(chats, tokenizer, tmp_path, name, max_steps, ckpt_path=N
     saver = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=tmp_path / name, every_n_train_steps=1, save_top_k=-1, filename="{step}"
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_steps=max_steps,
         accumulate_grad_batches=2,
-        val_check_interval=4,  # micro-steps: every 2 optimizer steps
+        val_check_interval=4,
         num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[trace, saver],
+        enable_checkpointing=True,
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     return trace
