@@ -49,9 +49,52 @@ def build_toy_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) -
     return path
 
 
+# The shapes of the pretrained folders the tests fine-tune (save_pretrained, as users' checkpoints are).
+PRETRAINED_SHAPES = {
+    "llama": {**TINY_LLAMA, "num_hidden_layers": 4, "max_position_embeddings": 4096},
+    "qwen2": {**TINY_LLAMA, "model_type": "qwen2", "num_hidden_layers": 4, "max_position_embeddings": 4096},
+}
+
+
+def save_pretrained_checkpoint(path: Path, tokenizer: str | Path, family: str = "llama", seed: int = 0, **shape) -> Path:
+    """A randomly initialized causal LM written the way a user's checkpoint folder looks: config.json,
+    generation_config.json, safetensors weights and the tokenizer files side by side, its special
+    token ids and vocabulary those of ``tokenizer``. ``shape`` overrides PRETRAINED_SHAPES[family]."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    cfg = {**PRETRAINED_SHAPES[family], **shape}
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **cfg,
+    )
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return Path(path)
+
+
 @pytest.fixture(scope="session")
 def toy_tokenizer(tmp_path_factory) -> str:
     return str(build_toy_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="session")
+def pretrained_llama(tmp_path_factory, toy_tokenizer) -> str:
+    """A 4-layer Llama checkpoint folder with the toy tokenizer (``save_pretrained``)."""
+    return str(save_pretrained_checkpoint(tmp_path_factory.mktemp("llama_ckpt"), toy_tokenizer, "llama"))
+
+
+@pytest.fixture(scope="session")
+def pretrained_qwen2(tmp_path_factory, toy_tokenizer) -> str:
+    """A 4-layer Qwen2 checkpoint folder with the toy tokenizer (``save_pretrained``)."""
+    return str(save_pretrained_checkpoint(tmp_path_factory.mktemp("qwen2_ckpt"), toy_tokenizer, "qwen2"))
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lit_hbp.errors import DataError  # noqa: F401  (re-exported: lit_hbp.data.sources.DataError)
+
 FORMATS = ("auto", "jsonl", "parquet", "hf")
 # Chat roles a record may use. A role outside these is a typo far more often than a real role, and
 # a misspelled "assistant" would silently lose every supervised token of the record.
@@ -25,10 +27,6 @@ _roles_said: set[str] = set()
 # What ``datasets.save_to_disk`` writes into a folder: a DatasetDict, or a single Dataset.
 HF_MARKERS = ("dataset_dict.json", "state.json")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-class DataError(ValueError):
-    """Bad training data; the message names the file and line (or row) of the problem."""
 
 
 @dataclass(frozen=True)
