@@ -144,6 +144,16 @@ class HBPLitModule(L.LightningModule):
                 layer.compile(dynamic=True)
 
     @property
+    def base_model(self) -> torch.nn.Module:
+        """The Hugging Face model itself (under LoRA: the model peft wraps)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The model's config travels with its weights, so export needs nothing but the checkpoint
+        (the folder the run started from may be gone or changed)."""
+        checkpoint["hf_config"] = self.base_model.config.to_dict()
+
+    @property
     def num_layers(self) -> int:
         return len(self._layers)
 
