@@ -1,6 +1,6 @@
 """lit-hbp: Hierarchical Balance Packing for long-context SFT with PyTorch Lightning.
 
-    from lit_hbp import HBPDataModule, HBPLitModule, Level, plan_hbp
+    from lit_hbp import HBPDataModule, HBPLitModule, HBPStrategy, Level, PackedBatch, plan_hbp
 
 The packing planner (``lit_hbp.packing``) imports numpy only; the Lightning pieces are imported
 on first use so that ``import lit_hbp.packing`` never pulls in torch.
@@ -13,11 +13,17 @@ __version__ = "0.1.0"
 _LAZY = {
     "HBPDataModule": "lit_hbp.data.datamodule",
     "HBPLitModule": "lit_hbp.module",
+    "HBPStrategy": "lit_hbp.strategy",
+    "PackedBatch": "lit_hbp.data.batch",
     "Source": "lit_hbp.data.sources",
+    "export_checkpoint": "lit_hbp.export",
     "Level": "lit_hbp.packing",
     "plan_hbp": "lit_hbp.packing",
     "plan_single_level": "lit_hbp.packing",
     "pack": "lit_hbp.packing",
+    "UserInputError": "lit_hbp.errors",
+    "ConfigError": "lit_hbp.errors",
+    "DataError": "lit_hbp.errors",
 }
 
 __all__ = sorted(_LAZY)

@@ -27,10 +27,22 @@ EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
 
 
-def build_causal_lm(model: str | dict, vocab_size: int | None = None):
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """The tokenizer's BOS, EOS and padding ids (those it has): what a model config must say so that
+    generation stops and pads where the training data did."""
+    ids = {name: getattr(tokenizer, name, None) for name in SPECIAL_TOKEN_IDS}
+    return {k: int(v) for k, v in ids.items() if isinstance(v, int)}
+
+
+def build_causal_lm(model: str | dict, vocab_size: int | None = None, tokenizer=None):
     """A causal LM from a local checkpoint folder, or randomly initialized from a config mapping
-    (``{"model_type": "llama", "hidden_size": ...}``). Uses the varlen attention and no KV cache.
-    A family that does not run its attention through transformers' AttentionInterface is refused."""
+    (``{"model_type": "llama", "hidden_size": ...}``), whose BOS/EOS/padding ids, unless the mapping
+    sets them, are the ``tokenizer``'s (a family's defaults name other tokens of another vocabulary).
+    Uses the varlen attention and no KV cache. A family that does not run its attention through
+    transformers' AttentionInterface is refused."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if isinstance(model, dict):
@@ -39,6 +51,8 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None):
         model_type = cfg.pop("model_type")
         if vocab_size is not None:
             cfg["vocab_size"] = vocab_size
+        if tokenizer is not None:
+            cfg = {**special_token_ids(tokenizer), **cfg}
         config = AutoConfig.for_model(model_type, **cfg)
         config.use_cache = False
         with _refusing_other_attention(model_type):

@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from lit_hbp.errors import ConfigError
+
 # Keys ``PreTrainedConfig.__post_init__`` (transformers 5) consumes without a field of the same name:
 # backward-compatible spellings that config.json files still carry.
 CONSUMED_KEYS = frozenset(
@@ -68,7 +70,7 @@ def _config_class(model_type: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
-        raise ValueError(
+        raise ConfigError(
             f"unknown model_type {model_type!r}{did_you_mean(model_type, CONFIG_MAPPING.keys())}: "
             "transformers has no config class of that name"
         )
@@ -120,7 +122,7 @@ def check_model_config(model: Mapping[str, Any]) -> None:
     layers); the error names each unknown key and the nearest valid one."""
     model_type = model.get("model_type")
     if model_type is None:
-        raise ValueError("a model config mapping needs a 'model_type' (e.g. 'llama', 'qwen2', 'mistral')")
+        raise ConfigError("a model config mapping needs a 'model_type' (e.g. 'llama', 'qwen2', 'mistral')")
     valid = valid_config_keys(str(model_type))
     unknown = [k for k in model if k not in valid]
     if not unknown:
@@ -140,7 +142,7 @@ def check_model_config(model: Mapping[str, Any]) -> None:
             ignored.append(repr(key))
     name = _config_class(str(model_type)).__name__
     if typos:
-        raise ValueError(
+        raise ConfigError(
             f"model config ({model_type}): {'; '.join(typos)}. transformers does not use such keys ({name} keeps "
             "its defaults): fix or remove them"
         )
@@ -199,7 +201,7 @@ def check_positions(config: Any, levels: Sequence[Any] | None) -> str | None:
         )
     factor = 2 ** math.ceil(math.log2(longest / max_pos))
     covered = f"; its {how} reaches only {limit}" if how else ""
-    raise ValueError(
+    raise ConfigError(
         f"the largest level's pack_len {longest} exceeds the model's max_position_embeddings {max_pos}{covered}: "
         f"a document that long would use positions the model does not cover. Raise max_position_embeddings "
         f"to {longest} (a model trained from scratch), extend it with RoPE scaling (e.g. rope_parameters: "
@@ -299,10 +301,41 @@ def check_sp_setup(levels: Sequence[Any], world_size: int, model: Any) -> None:
     validate_sp_setup(levels, world_size, heads, getattr(config, "num_key_value_heads", None) or heads, layers)
 
 
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds a config.json of ``repo_id`` (no network asked)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except (ImportError, ValueError):  # ValueError: not a valid repo id
+        return False
+
+
+def check_model_source(model: Any, key: str = "model.model") -> None:
+    """A ``model`` given as a path must be a checkpoint folder (a config.json inside) or a model in the
+    Hugging Face cache: said at once, naming the nearest folders, not after the data is tokenized
+    (hub downloads are off in training jobs)."""
+    if isinstance(model, Mapping) or model is None:
+        return
+    path = Path(str(model)).expanduser()
+    if (path / "config.json").is_file() or (not path.exists() and _in_hub_cache(str(model))):
+        return
+    if path.is_dir():
+        raise ConfigError(f"{key}: {str(model)!r} is a folder without a config.json: not a checkpoint folder")
+    parent = path.parent if path.parent.is_dir() else None
+    near = did_you_mean(path.name, (p.name for p in parent.iterdir() if p.is_dir())) if parent else ""
+    raise ConfigError(
+        f"{key}: {str(model)!r} is neither a checkpoint folder{near} nor a model in the Hugging Face cache "
+        "(give the folder save_pretrained wrote, or a config mapping with model_type)"
+    )
+
+
 def check_run_config(config: Mapping[str, Any]) -> None:
     """What a LightningCLI config (the subcommand's section, as plain data) shows wrong before any
-    process spawns: the model mapping's keys, the levels against the world size and the model's heads."""
+    process spawns: the model (its folder, or the mapping's keys), the levels against the world size
+    and the model's heads."""
     model = (config.get("model") or {}).get("model")
+    check_model_source(model)
     if isinstance(model, Mapping):
         check_model_config(model)
     levels = (config.get("data") or {}).get("levels")

@@ -18,14 +18,15 @@ import argparse
 import os
 import re
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import yaml
 from jsonargparse import set_parsing_settings
 from jsonargparse._actions import previous_config  # set while a config file is applied over earlier values
 from jsonargparse._typehints import ActionTypeHint  # jsonargparse exports no public name for it
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_hbp import strategy  # noqa: F401  (registers --trainer.strategy hbp, hbp_stage_0 ... hbp_stage_3)
@@ -39,9 +40,11 @@ from lit_hbp.checks import (
     did_you_mean,
 )
 from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.errors import UserInputError
 from lit_hbp.module import HBPLitModule
 
-DEBUG_ENV = "JSONARGPARSE_DEBUG"  # jsonargparse's own switch: raise with the full report instead of exiting
+DEBUG_ENV = "LIT_HBP_DEBUG"  # the full traceback instead of the short error
+PARSER_DEBUG_ENV = "JSONARGPARSE_DEBUG"  # jsonargparse's own switch: raise with its full report instead of exiting
 CLASS_OPTION = re.compile(r"Problem with given class_path '([^']+)':\s*(?:- )?(?:Option|Key) '([^']+)' is not")
 CLASS_REQUIRED = re.compile(
     r"Problem with given class_path '([^']+)':\s*(?:- )?the following arguments are required: (.+)"
@@ -52,7 +55,15 @@ UNKNOWN_OPTION = re.compile(r"does not accept option '([^']+)'|Option '([^']+)' 
 
 
 def _debug() -> bool:
-    return os.environ.get(DEBUG_ENV, "").lower() == "true"
+    return any(os.environ.get(name, "").lower() in ("1", "true") for name in (DEBUG_ENV, PARSER_DEBUG_ENV))
+
+
+def report_user_error(error: Exception) -> NoReturn:
+    """A user's mistake (``lit_hbp.errors.UserInputError``: config, data, paths) as one short paragraph
+    on stderr and exit status 2, printed once (rank 0); the traceback is for bugs, or ``LIT_HBP_DEBUG=1``."""
+    if rank_zero_only.rank == 0:
+        sys.stderr.write(f"error: {error}\ntip: {DEBUG_ENV}=1 prints the traceback\n")
+    sys.exit(2)
 
 
 def _option_keys(parser: argparse.ArgumentParser) -> set[str]:
@@ -96,6 +107,11 @@ class HBPArgumentParser(LightningArgumentParser):
     valid key come first, without the 70-line usage listing that buried them (``JSONARGPARSE_DEBUG=true``
     restores jsonargparse's behaviour: an exception carrying the full report)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # argparse would take --trainer.max_step as --trainer.max_steps: a prefix is an unknown option here.
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None):
         if _debug() or not self.exit_on_error or callable(getattr(self, "_error_handler", None)):
             return super().error(message, ex)
@@ -103,7 +119,7 @@ class HBPArgumentParser(LightningArgumentParser):
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
         sys.stderr.write(f"error: {short_error(message, parser)}\n")
-        sys.stderr.write(f"tip: `{prog} --help` lists the options; {DEBUG_ENV}=true prints the full report\n")
+        sys.stderr.write(f"tip: `{prog} --help` lists the options; {PARSER_DEBUG_ENV}=true prints the full report\n")
         self.exit(2)
 
 
@@ -179,8 +195,8 @@ class HBPCLI(LightningCLI):
         except ValueError as e:
             if _debug() or not self.parser.exit_on_error:
                 raise
-            sys.stderr.write(f"error: {e}\n")
-            self.parser.exit(2)
+            report_user_error(e)
+        resume_in_run_folder(section)
         rank_zero_info(self.config_summary())
 
     def config_summary(self) -> str:
@@ -195,16 +211,48 @@ class HBPCLI(LightningCLI):
         return f"resolved config (what differs from the defaults):\n{compact_yaml(compact)}"
 
 
+def resume_in_run_folder(section: Any) -> None:
+    """A run resumed with ``--ckpt_path <save_dir>/<name>/<version>/checkpoints/x.ckpt`` logs into that
+    ``<version>`` folder (its curves continue where they stopped) rather than a new ``version_N+1``,
+    when the config's logger writes to ``<save_dir>/<name>`` and pins no version of its own."""
+    ckpt = section.get("ckpt_path")
+    logger = section.get("trainer.logger")
+    if not ckpt or ckpt in ("last", "best", "hpc", "registry") or not logger or isinstance(logger, (bool, list)):
+        return
+    args = logger.get("init_args")
+    if args is None or args.get("version") is not None or args.get("save_dir") is None:
+        return
+    run_dir = Path(ckpt).resolve().parent
+    if run_dir.name == "checkpoints":
+        run_dir = run_dir.parent
+    name = args.get("name")
+    expected = Path(args.save_dir) / name if name else Path(args.save_dir)
+    if run_dir.parent == expected.resolve():
+        args.version = run_dir.name
+        rank_zero_info(f"resuming in the run folder {run_dir} (logs continue there)")
+
+
 def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
-    """Parse the command line (or ``args``), build trainer, model and data; fit unless ``run=False``."""
+    """Parse the command line (or ``args``), build trainer, model and data; fit unless ``run=False``.
+    A mistake in the config or the data (``UserInputError``) ends it with a short error and exit status 2."""
     # Configs write ${data.x} whether or not a subcommand (fit.) prefixes the parsed tree.
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
-    return HBPCLI(
-        HBPLitModule,
-        HBPDataModule,
-        parser_kwargs={"parser_mode": "omegaconf+"},
-        trainer_defaults={"use_distributed_sampler": False, "reload_dataloaders_every_n_epochs": 1},
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        run=run,
-    )
+    try:
+        return HBPCLI(
+            HBPLitModule,
+            HBPDataModule,
+            parser_kwargs={"parser_mode": "omegaconf+"},
+            trainer_defaults={"use_distributed_sampler": False, "reload_dataloaders_every_n_epochs": 1},
+            save_config_kwargs={"overwrite": True},
+            args=args,
+            run=run,
+        )
+    except UserInputError as e:
+        if _debug():
+            raise
+        report_user_error(e)
+
+
+def entry_point() -> None:
+    """``lit-hbp fit --config ...``: the console script ``pip install`` puts on the PATH."""
+    main()

@@ -29,7 +29,7 @@ from lit_hbp.causal_lm import (
     output_head,
     router_aux_loss,
 )
-from lit_hbp.checks import check_module_positions
+from lit_hbp.checks import check_model_source, check_module_positions
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.loss import NORMALIZERS, chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
 from lit_hbp.meter import StepMeter, logs_now
@@ -110,6 +110,7 @@ class HBPLitModule(L.LightningModule):
         super().__init__()
         if loss not in NORMALIZERS:
             raise ValueError(f"loss must be one of {NORMALIZERS}, got {loss!r}")
+        check_model_source(model, "model")
         attention.set_backend(attn_backend)
         self.save_hyperparameters()
         self.model = None
@@ -122,7 +123,11 @@ class HBPLitModule(L.LightningModule):
         if self.model is not None:
             return
         with _zero3_loading(self._trainer):
-            self.model = build_causal_lm(self.hparams.model, self.hparams.vocab_size)
+            self.model = build_causal_lm(self.hparams.model, self.hparams.vocab_size, self._tokenizer())
+        # from_pretrained returns a model in eval mode, and Lightning keeps each module's mode: without
+        # this a checkpoint folder would train without dropout and without activation checkpointing
+        # (transformers checkpoints a layer only in training mode).
+        self.model.train()
         check_module_positions(self)  # max_position_embeddings vs the largest level
         self._layers = checkpoint_layers(self.model)
         check_router_loss(self.model)
@@ -142,6 +147,11 @@ class HBPLitModule(L.LightningModule):
             torch._logging.set_logs(recompiles=True)
             for layer in self._layers:
                 layer.compile(dynamic=True)
+
+    def _tokenizer(self):
+        """The data module's tokenizer, when the trainer has one: a model built from a config mapping
+        takes its special token ids (BOS, EOS, padding) from it."""
+        return getattr(getattr(self._trainer, "datamodule", None), "tokenizer", None)
 
     @property
     def base_model(self) -> torch.nn.Module:
@@ -163,6 +173,9 @@ class HBPLitModule(L.LightningModule):
             raise ValueError(f"ckpt_layers {ckpt_layers} exceeds the model's {len(self._layers)} decoder layers")
         for i, layer in enumerate(self._layers):
             layer.gradient_checkpointing = i < ckpt_layers
+
+    def on_train_start(self) -> None:
+        self.model.train()  # whatever ran before (a user's callback, a validation) left it in
 
     def on_fit_start(self) -> None:
         dm = getattr(self.trainer, "datamodule", None)

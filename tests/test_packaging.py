@@ -36,3 +36,29 @@ def test_wheel_ships_callbacks_as_lit_hbp_callbacks(tmp_path):
     code = "from lit_hbp.callbacks import HBPCurriculum, HBPExport, HBPThroughputMonitor, PackingMetrics"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_console_script_runs_the_cli(tmp_path):
+    """``pip install`` puts ``lit-hbp`` beside the interpreter (declared in the wheel's entry points too);
+    it is the CLI: its help lists the subcommands, and a user's mistake ends with exit status 2."""
+    script = Path(sys.executable).parent / "lit-hbp"
+    assert script.is_file(), "pip install -e . installs the lit-hbp console script"
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0 and "fit" in out.stdout, out.stderr
+    missing = tmp_path / "my_modle"
+    (tmp_path / "my_model").mkdir()
+    config = ROOT / "configs" / "tiny_cpu.yaml"
+    out = subprocess.run([str(script), "fit", "--config", str(config), "--model.model", str(missing)],
+                         capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert f"'{missing}' is neither a checkpoint folder (did you mean 'my_model'?)" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "demo_data").exists() and not (tmp_path / "data_cache").exists()  # nothing built first
+
+
+def test_public_names_import():
+    import lit_hbp
+
+    for name in lit_hbp.__all__:
+        assert getattr(lit_hbp, name) is not None, name
+    assert lit_hbp.PackedBatch.__name__ == "PackedBatch" and issubclass(lit_hbp.DataError, lit_hbp.UserInputError)

@@ -39,6 +39,8 @@ def test_tiny_config_trains_and_logs(tmp_path, small_demo, monkeypatch):
             str(small_demo),
             "--trainer.max_steps",
             "24",
+            "--trainer.val_check_interval",
+            "16",  # micro-batches: validations after steps 8, 16 and 24
             "--trainer.enable_progress_bar",
             "false",
         ]
@@ -67,9 +69,18 @@ def test_tiny_config_trains_and_logs(tmp_path, small_demo, monkeypatch):
     early = [v for step, v in logged["train/level"] if step < 10]
     assert early and set(early) <= {0.0, 1.0}, logged["train/level"]
     assert all(v == 1.0 for step, v in logged["curriculum/warmup"] if step < 10)
-    last = Path("runs/tiny_cpu/version_0/checkpoints/last.ckpt")
-    # every_n_train_steps is 20: without FinalCheckpoint last.ckpt would hold step 20, not the final 24.
-    assert torch.load(last, weights_only=False, map_location="cpu")["global_step"] == 24
+    ckpts = Path("runs/tiny_cpu/version_0/checkpoints")
+    assert torch.load(ckpts / "last.ckpt", weights_only=False, map_location="cpu")["global_step"] == 24
+    # The checkpoint ranking follows the validation schedule: the one checkpoint kept is the step
+    # whose fresh val/loss was the lowest, and it holds that val/loss as its score.
+    val = dict(logged["val/loss"])
+    assert sorted(val) == [7, 15, 23], val  # TensorBoard's step: global_step - 1 at a validation
+    (best,) = [p for p in ckpts.iterdir() if p.name != "last.ckpt"]
+    best_step = min(val, key=val.get) + 1
+    assert best.name.endswith(f"-step={best_step}.ckpt"), (best.name, val)
+    state = torch.load(best, weights_only=False, map_location="cpu")
+    (callback,) = [v for k, v in state["callbacks"].items() if k.startswith("ModelCheckpoint")]
+    assert float(callback["best_model_score"]) == pytest.approx(min(val.values()), rel=1e-6)
 
 
 class Record(L.Callback):

@@ -69,13 +69,13 @@ class Source:
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ValueError(f"source {self.path}: format must be one of {FORMATS}, got {self.format!r}")
+            raise DataError(f"source {self.path}: format must be one of {FORMATS}, got {self.format!r}")
         if self.repeat is not None and self.weight is not None:
-            raise ValueError(f"source {self.path}: give repeat or weight, not both")
+            raise DataError(f"source {self.path}: give repeat or weight, not both")
         for name in ("repeat", "weight"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
-                raise ValueError(f"source {self.path}: {name} must be >= 0, got {value}")
+                raise DataError(f"source {self.path}: {name} must be >= 0, got {value}")
 
     @property
     def resolved_format(self) -> str:

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from lit_hbp.errors import ConfigError  # pure Python: the planner still imports numpy only
+
 
 @dataclass(frozen=True)
 class Level:
@@ -36,26 +38,26 @@ class Level:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"Level.{name} must be an int, got {value!r} ({type(value).__name__})")
         if self.pack_len < 1:
-            raise ValueError(f"Level.pack_len must be >= 1, got {self.pack_len}")
+            raise ConfigError(f"Level.pack_len must be >= 1, got {self.pack_len}")
         if self.sp < 1:
-            raise ValueError(f"Level.sp must be >= 1, got {self.sp}")
+            raise ConfigError(f"Level.sp must be >= 1, got {self.sp}")
         if self.ckpt_layers < 0:
-            raise ValueError(f"Level.ckpt_layers must be >= 0, got {self.ckpt_layers}")
+            raise ConfigError(f"Level.ckpt_layers must be >= 0, got {self.ckpt_layers}")
         if self.packs_per_rank < 1:
-            raise ValueError(f"Level.packs_per_rank must be >= 1, got {self.packs_per_rank}")
+            raise ConfigError(f"Level.packs_per_rank must be >= 1, got {self.packs_per_rank}")
         if self.pack_len < self.sp:
-            raise ValueError(f"Level.pack_len ({self.pack_len}) is smaller than its sp degree ({self.sp})")
+            raise ConfigError(f"Level.pack_len ({self.pack_len}) is smaller than its sp degree ({self.sp})")
 
     @classmethod
     def parse(cls, spec: str) -> Level:
         """Parse ``PACK_LEN[:SP[:CKPT_LAYERS[:PACKS_PER_RANK]]]``, e.g. ``131072:8:28``; K/M suffixes allowed."""
         parts = spec.split(":")
         if not 1 <= len(parts) <= 4 or any(p == "" for p in parts):
-            raise ValueError(f"bad level spec {spec!r}: expected PACK_LEN[:SP[:CKPT_LAYERS[:PACKS_PER_RANK]]]")
+            raise ConfigError(f"bad level spec {spec!r}: expected PACK_LEN[:SP[:CKPT_LAYERS[:PACKS_PER_RANK]]]")
         try:
             values = [_parse_count(p) for p in parts]
         except ValueError as e:
-            raise ValueError(f"bad level spec {spec!r}: {e}") from None
+            raise ConfigError(f"bad level spec {spec!r}: {e}") from None
         return cls(*values)
 
 
@@ -64,7 +66,7 @@ def _parse_count(text: str) -> int:
     scale = {"k": 1024, "m": 1024 * 1024}.get(text[-1:].lower(), 1)
     digits = text[:-1] if scale > 1 else text
     if not digits.isdigit():
-        raise ValueError(f"{text!r} is not a non-negative integer")
+        raise ConfigError(f"{text!r} is not a non-negative integer")
     return int(digits) * scale
 
 
@@ -79,7 +81,7 @@ def as_level(spec: Level | dict | str | int) -> Level:
     if isinstance(spec, dict):
         unknown = set(spec) - {"pack_len", "sp", "ckpt_layers", "packs_per_rank", "sp_kind"}
         if unknown:
-            raise ValueError(f"unknown level field(s) {sorted(unknown)} in {spec!r}")
+            raise ConfigError(f"unknown level field(s) {sorted(unknown)} in {spec!r}")
         return Level(**spec)
     raise TypeError(f"cannot read a level from {spec!r} ({type(spec).__name__})")
 
@@ -101,22 +103,22 @@ def validate_levels(levels: Sequence[Level | dict | str | int], world_size: int)
     and every sp must divide the world size so the SP groups tile the ranks.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
     out = tuple(as_level(x) for x in levels)
     if not out:
-        raise ValueError("no levels given: at least one Level(pack_len, sp) is needed")
+        raise ConfigError("no levels given: at least one Level(pack_len, sp) is needed")
     lens = [lv.pack_len for lv in out]
     for i in range(1, len(lens)):
         if lens[i] <= lens[i - 1]:
-            raise ValueError(
+            raise ConfigError(
                 f"levels must be strictly increasing in pack_len, got {lens}: "
                 f"level {i} ({lens[i]}) <= level {i - 1} ({lens[i - 1]})"
             )
     for i, lv in enumerate(out):
         if lv.sp > world_size:
-            raise ValueError(f"level {i} (pack_len {lv.pack_len}) has sp {lv.sp} > world_size {world_size}")
+            raise ConfigError(f"level {i} (pack_len {lv.pack_len}) has sp {lv.sp} > world_size {world_size}")
         if world_size % lv.sp:
-            raise ValueError(
+            raise ConfigError(
                 f"world_size {world_size} is not divisible by sp {lv.sp} of level {i} (pack_len {lv.pack_len})"
             )
     return out

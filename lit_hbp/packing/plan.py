@@ -12,6 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
+from lit_hbp.errors import DataError
 from lit_hbp.packing.bins import Bins, check_lengths, describe_indices
 from lit_hbp.packing.levels import Level, as_level, validate_levels
 from lit_hbp.packing.metrics import plan_metrics
@@ -190,7 +191,7 @@ def _prepare(lengths, loss_tokens, max_len: int, over_length: str) -> _Inputs:
     """Validate inputs and apply the over-length policy."""
     arr = check_lengths(lengths)
     if arr.size == 0:
-        raise ValueError("empty dataset: no sample lengths given")
+        raise DataError("empty dataset: no sample lengths given (every source empty, or every sample skipped)")
     if over_length not in OVER_LENGTH:
         raise ValueError(f"over_length must be one of {OVER_LENGTH}, got {over_length!r}")
     if loss_tokens is None:

@@ -1,0 +1,71 @@
+"""A checkpoint folder (``save_pretrained``) trains as a model built from a config mapping does: train
+mode in every micro-batch, per-level activation checkpointing really recomputing, special token ids
+from the tokenizer for mappings; and the training paths (self-check, validation, resume) run from a
+folder, not only from a mapping."""
+
+import lightning as L
+import pytest
+import torch
+from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
+from transformers import AutoTokenizer
+
+from lit_hbp.module import HBPLitModule
+
+
+class CountLayerCalls(L.Callback):
+    """Per micro-batch: the level, whether every module of the model was in training mode, and how
+    often the MLP of the first and of the last decoder layer ran (forward plus any recompute)."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self._calls = {}
+
+    def on_train_start(self, trainer, pl_module):
+        layers = pl_module._layers
+        for name, layer in (("first", layers[0]), ("last", layers[-1])):
+            layer.mlp.register_forward_pre_hook(lambda *_, name=name: self._calls.__setitem__(name, self._calls[name] + 1))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._calls = {"first": 0, "last": 0}
+        self._training = all(m.training for m in pl_module.model.modules())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append(dict(level=int(batch.level), training=self._training, **self._calls))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_checkpoint_folder_trains_in_train_mode_with_each_levels_checkpointing(
+    family, request, small_demo, tmp_path
+):
+    folder = request.getfixturevalue(f"pretrained_{family}")
+    dm = chat_datamodule(small_demo, folder, tmp_path / "cache")
+    dm = type(dm)(
+        sources=[{"path": str(small_demo / "short.jsonl")}],
+        tokenizer=folder,
+        levels=["256:1", "1024:1:3"],  # the long level checkpoints 3 of the 4 decoder layers
+        cache_dir=str(tmp_path / "cache"),
+        over_length="drop",
+    )
+    module = HBPLitModule(model=folder, vocab_size=dm.vocab_size, lr=1e-3)
+    counter = CountLayerCalls()
+    quiet_trainer(max_steps=12, accumulate_grad_batches=2, callbacks=[counter]).fit(module, dm)
+    rows = counter.rows
+    assert len(rows) == 24 and {r["level"] for r in rows} == {0, 1}
+    assert all(r["training"] for r in rows), rows
+    for r in rows:  # a checkpointed layer runs its forward again in the backward; the others once
+        assert (r["first"], r["last"]) == ((2, 1) if r["level"] == 1 else (1, 1)), r
+
+
+def test_a_mapping_takes_its_special_token_ids_from_the_tokenizer(small_demo, toy_tokenizer, tmp_path):
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache")
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size)
+    quiet_trainer(max_steps=1).fit(module, dm)
+    config = module.model.config
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (
+        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
+    )  # fmt: skip
+    # A mapping that names an id keeps it.
+    module = HBPLitModule(model={**TINY_LLAMA, "eos_token_id": 5}, vocab_size=dm.vocab_size)
+    quiet_trainer(max_steps=1).fit(module, chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache"))
+    assert module.model.config.eos_token_id == 5
