@@ -108,6 +108,15 @@ def small_demo(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_pretrained(tmp_path_factory, small_demo) -> str:
+    """A 4-layer Llama checkpoint folder with the small demo's tokenizer, covering the tiny configs'
+    16K level: what ``--model.model <folder>`` of configs/tiny_cpu.yaml fine-tunes."""
+    out = tmp_path_factory.mktemp("demo_llama")
+    shape = dict(hidden_size=64, intermediate_size=128, max_position_embeddings=16384)
+    return str(save_pretrained_checkpoint(out, small_demo / "tokenizer", "llama", **shape))
+
+
+@pytest.fixture(scope="session")
 def paper_shaped_mix():
     """../shared/workloads' paper_mix recipe at a quarter of its size (log-normal chats,
     log-uniform long samples): the tests make their own, CI has no shared folder."""

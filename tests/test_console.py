@@ -368,3 +368,45 @@ def test_throughput_monitor_counts_packed_batches(first_run):
     assert len(rows) == MAX_STEPS
     assert float(rows[-1]["train/samples"]) == pytest.approx(sum(r["samples"] for r in first_run.rows))
     assert float(rows[-1]["train/lengths"]) == pytest.approx(sum(r["tokens"] for r in first_run.rows))
+
+
+# ---- 6. a checkpoint folder fine-tuned through the CLI, validated, resumed into its own run folder ---------
+
+
+def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar of every event file in ``run_dir``: {tag: {step: value}}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for events in sorted(run_dir.glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def test_cli_fine_tunes_a_folder_and_resumes_into_the_same_run_folder(tmp_path, small_demo, demo_pretrained, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
+            "--model.model", demo_pretrained, "--trainer.val_check_interval", "8",
+            "--model.min_lr_ratio", "1.0", "--model.warmup_steps", "0",  # a constant rate, whatever max_steps
+            "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    main(args + ["--trainer.max_steps", "4"])
+    run_dir = tmp_path / "runs" / "tiny_cpu" / "version_0"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 4
+    main(args + ["--trainer.max_steps", "8", "--ckpt_path", str(last)])
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # no version_1
+    logged = tensorboard_scalars(run_dir)
+    assert max(logged["train/loss"]) >= 6 and min(logged["train/loss"]) < 4  # both runs' curves, one folder
+    assert sorted(logged["val/loss"]) == [3, 7]  # validations after steps 4 and 8 (TensorBoard: step - 1)
+    resumed = torch.load(last, weights_only=False)
+    assert resumed["global_step"] == 8
+    # The resumed run equals one that was never interrupted.
+    (tmp_path / "straight").mkdir()
+    monkeypatch.chdir(tmp_path / "straight")
+    main(args + ["--trainer.max_steps", "8"])
+    straight = torch.load(tmp_path / "straight/runs/tiny_cpu/version_0/checkpoints/last.ckpt", weights_only=False)
+    for name, value in straight["state_dict"].items():
+        assert torch.equal(value, resumed["state_dict"][name]), name

@@ -164,6 +164,8 @@ def check_source(source: Source, label: str | None = None) -> None:
         )
     if not os.access(path, os.R_OK):
         raise DataError(f"{who}data source {path} cannot be read (permission denied)")
+    if path.stat().st_size == 0:
+        raise DataError(f"{who}data source {path} is empty (0 bytes): remove it from the list or give the right file")
 
 
 def check_sources(sources: Sequence[Source], field: str = "sources") -> None:

@@ -1,0 +1,84 @@
+"""Every mistake a user can make in a config or a data file ends a CLI run the same way: one short
+paragraph naming the problem and where (file:line, config key), exit status 2, no traceback, and
+nothing expensive done first; ``LIT_HBP_DEBUG=1`` brings the traceback back."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lit_hbp.cli import main
+from lit_hbp.errors import DataError
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
+
+
+def write(path: Path, *lines: str) -> str:
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (command-line arguments, what the message must say)."""
+    good = json.dumps(GOOD)
+    malformed = write(tmp / "malformed.jsonl", good, '{"messages": [', good)
+    no_messages = write(tmp / "fields.jsonl", good, good, json.dumps({"conversation": []}))
+    empty = tmp / "empty.jsonl"
+    empty.write_text("")
+    long_text = json.dumps({"text": "word " * 3000})
+    too_long = write(tmp / "long.jsonl", good, long_text)
+    return {
+        "malformed JSON": (["--data.sources", f"[{{path: {malformed}}}]"], f"{malformed}:2: malformed JSON"),
+        "record without messages": (
+            ["--data.sources", f"[{{path: {no_messages}}}]"],
+            f"{no_messages}:3: record has none of the fields 'messages'",
+        ),
+        "empty file": (["--data.sources", f"[{{path: {empty}}}]"], f"sources[0]: data source {empty} is empty"),
+        "over-length": (
+            ["--data.sources", f"[{{path: {too_long}}}]", "--data.over_length", "error"],
+            f"longer than the largest level (16384 tokens): {too_long}:2",
+        ),
+        "misspelled source field": (
+            ["--data.sources", f"[{{path: {demo / 'short.jsonl'}, repaet: 2}}]"],
+            "sources[0]: unknown source field 'repaet' (did you mean 'repeat'?)",
+        ),
+        "misspelled model key": (
+            ["--model.model", "{model_type: llama, num_hiden_layers: 2}"],
+            "unknown key 'num_hiden_layers' (did you mean 'num_hidden_layers'?)",
+        ),
+        "missing model folder": (
+            ["--model.model", str(tmp / "checkpoint")],
+            f"model.model: '{tmp / 'checkpoint'}' is neither a checkpoint folder",
+        ),
+        "abbreviated option": (["--trainer.max_step", "3"], "(did you mean 'trainer.max_steps'?)"),
+    }
+
+
+CASES = ["malformed JSON", "record without messages", "empty file", "over-length", "misspelled source field",
+         "misspelled model key", "missing model folder", "abbreviated option"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_users_mistake_is_one_short_error_with_exit_status_2(case, tmp_path, small_demo, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LIT_HBP_DEBUG", raising=False)
+    args, says = bad_inputs(tmp_path, small_demo)[case]
+    base = ["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
+            "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        main(base + args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2, err
+    assert says in err, err
+    lines = [line for line in err.splitlines() if line.startswith(("error:", "tip:"))]
+    assert len(lines) == 2 and "Traceback" not in err, err
+    assert not (tmp_path / "runs" / "tiny_cpu").exists()  # no run folder left behind
+
+
+def test_the_debug_variable_brings_the_traceback_back(tmp_path, small_demo, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LIT_HBP_DEBUG", "1")
+    args, says = bad_inputs(tmp_path, small_demo)["malformed JSON"]
+    with pytest.raises(DataError, match="malformed JSON"):
+        main(["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo), *args])
