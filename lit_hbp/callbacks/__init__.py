@@ -4,6 +4,7 @@ from lit_hbp.callbacks.checkpoint import FinalCheckpoint
 from lit_hbp.callbacks.curriculum import HBPCurriculum
 from lit_hbp.callbacks.defaults import with_default_callbacks
 from lit_hbp.callbacks.export import HBPExport
+from lit_hbp.callbacks.interrupt import InterruptCheckpoint, ignore_sigint
 from lit_hbp.callbacks.packing_metrics import PackingMetrics
 from lit_hbp.callbacks.progress import HBPProgressBar, LevelSummary
 from lit_hbp.callbacks.rundir import DiscardEmptyRunDir
@@ -16,7 +17,9 @@ __all__ = [
     "HBPExport",
     "HBPProgressBar",
     "HBPThroughputMonitor",
+    "InterruptCheckpoint",
     "LevelSummary",
     "PackingMetrics",
+    "ignore_sigint",
     "with_default_callbacks",
 ]

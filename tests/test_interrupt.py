@@ -1,0 +1,240 @@
+"""Ctrl-C during fit: the running optimizer step finishes, is saved where a resume continues exactly,
+and the command that resumes is printed; a second Ctrl-C stops at once; several ranks agree on the
+step; DataLoader workers survive the terminal's SIGINT."""
+
+import logging
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
+from distributed import Pool
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_hbp.callbacks import FinalCheckpoint, InterruptCheckpoint, ignore_sigint
+from lit_hbp.callbacks.interrupt import FIRST_PRESS, resume_command
+from lit_hbp.module import HBPLitModule
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_STEPS = 6
+
+
+class CtrlC(L.Callback):
+    """Presses Ctrl-C (SIGINT to this process) at the end of each micro-batch in ``at``."""
+
+    def __init__(self, *at: int):
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx in self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+class Trained(L.Callback):
+    """The micro-batches trained: (epoch, micro-batch of the epoch's plan, global step after it)."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append((batch.epoch, batch.micro_index, trainer.global_step))
+
+
+def fit(root: Path, demo: Path, callbacks: list, ckpt_path=None, max_steps: int = MAX_STEPS, **trainer_kw):
+    """The tiny model on the demo chats (levels 256 and 1024), accumulate 2, seeded as every run here."""
+    L.seed_everything(0)
+    dm = chat_datamodule(demo, str(demo / "tokenizer"), root.parent / "cache")
+    torch.manual_seed(0)
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+    trained = Trained()
+    trainer = quiet_trainer(
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        default_root_dir=root,
+        callbacks=[*callbacks, trained],
+        **trainer_kw,
+    )
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return types.SimpleNamespace(trainer=trainer, rows=trained.rows, weights=module.state_dict())
+
+
+@pytest.fixture
+def lightning_log():
+    """The messages of Lightning's logger (rank_zero_info) during a test."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_ctrl_c_saves_the_running_step_and_a_resume_continues_exactly(tmp_path, small_demo, capfd, lightning_log):
+    reference = fit(tmp_path / "reference", small_demo, [])
+    # Ranked by a metric, last.ckpt, and saving at epoch ends: after a stop Lightning closes the epoch
+    # and this callback's epoch-end hook would save last.ckpt again (a resume would skip to epoch 1).
+    ckpt = ModelCheckpoint(tmp_path / "ckpt", monitor="train/loss", save_last=True, save_on_train_epoch_end=True)
+    interrupt = InterruptCheckpoint()
+    before = signal.getsignal(signal.SIGINT)
+    stopped = fit(tmp_path / "stopped", small_demo, [CtrlC(4), interrupt, ckpt], enable_checkpointing=True)
+
+    # Micro-batch 4 is the first of optimizer step 3: its second micro-batch still trains, then fit stops.
+    assert stopped.rows == reference.rows[:6] and stopped.rows[-1] == (0, 5, 3)
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    assert interrupt.checkpoint == last
+    assert torch.load(last, weights_only=False)["global_step"] == 3
+    assert signal.getsignal(signal.SIGINT) is before
+    assert FIRST_PRESS in capfd.readouterr().err
+    said = "\n".join(lightning_log)
+    assert f"Ctrl-C: stopped after optimizer step 3, saved to {last}" in said
+    assert f"resume with: {resume_command(last)}" in said
+
+    resumed = fit(tmp_path / "resumed", small_demo, [], ckpt_path=last)
+    assert resumed.rows == reference.rows[6:]
+    assert resumed.weights.keys() == reference.weights.keys()
+    for name, value in resumed.weights.items():
+        assert torch.equal(value, reference.weights[name]), name
+
+
+def test_without_a_checkpoint_callback_it_writes_interrupted_ckpt(tmp_path, small_demo):
+    interrupt = InterruptCheckpoint()
+    run = fit(tmp_path / "run", small_demo, [CtrlC(1), interrupt, FinalCheckpoint()])
+    assert run.trainer.global_step == 1 and len(run.rows) == 2
+    assert interrupt.checkpoint == str(tmp_path / "run" / "interrupted.ckpt")
+    assert torch.load(interrupt.checkpoint, weights_only=False)["global_step"] == 1
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path, small_demo):
+    interrupt = InterruptCheckpoint()
+    try:
+        with pytest.raises(SystemExit) as e:  # Lightning's KeyboardInterrupt handling exits with status 1
+            fit(tmp_path / "run", small_demo, [CtrlC(0, 1), interrupt], max_steps=1000)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning left SIGINT ignored
+    assert e.value.code == 1
+    assert interrupt.checkpoint is None and not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_resume_command_replaces_the_ckpt_path():
+    argv = ["python", "-u", "train.py", "fit", "--ckpt_path", "old.ckpt", "--config", "a b.yaml", "--ckpt_path=x"]
+    assert resume_command("runs/last.ckpt", argv) == (
+        "python -u train.py fit --config 'a b.yaml' --ckpt_path runs/last.ckpt"
+    )
+
+
+class Pids(torch.utils.data.Dataset):
+    """Item i: the worker's pid, a little later than the one before."""
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return os.getpid()
+
+
+def test_dataloader_workers_ignore_sigint():
+    loader = torch.utils.data.DataLoader(Pids(), num_workers=1, worker_init_fn=ignore_sigint)
+    items = iter(loader)
+    worker = int(next(items))
+    os.kill(worker, signal.SIGINT)
+    assert [int(pid) for pid in items] == [worker] * 19
+
+
+def ddp_fit(root: str, demo: str, press_on_rank: int) -> dict:
+    """One rank of a 2-process DDP fit; only ``press_on_rank`` gets a Ctrl-C (after micro-batch 4)."""
+    import torch.distributed as dist
+
+    interrupt = InterruptCheckpoint()
+    press = [CtrlC(4)] if dist.get_rank() == press_on_rank else []
+    run = fit(Path(root), Path(demo), [*press, interrupt], devices=2, strategy="ddp")
+    return dict(step=run.trainer.global_step, rows=run.rows, checkpoint=interrupt.checkpoint)
+
+
+@pytest.mark.slow
+def test_ranks_stop_together_when_one_of_them_gets_ctrl_c(tmp_path, small_demo):
+    pool = Pool(2)
+    try:
+        ranks = pool.run(ddp_fit, str(tmp_path / "run"), str(small_demo), 1)
+    finally:
+        pool.close()
+    # Rank 1 asked after micro-batch 4 (inside optimizer step 3): both ranks finish step 3 and stop.
+    assert [r["step"] for r in ranks] == [3, 3]
+    assert [len(r["rows"]) for r in ranks] == [6, 6]
+    path = str(tmp_path / "run" / "interrupted.ckpt")
+    assert [r["checkpoint"] for r in ranks] == [path, path]
+    assert torch.load(path, weights_only=False)["global_step"] == 3
+
+
+STEP_SHOWN = re.compile(r"Epoch \d+: +\d+%\|[^|]*\| *[1-9]\d*/\d+ steps")  # the bar after an optimizer step
+
+
+def press_ctrl_c_when(command: list[str], cwd: Path, shown: re.Pattern, timeout: float = 240) -> tuple[int, str]:
+    """Run ``command``; once its output matches ``shown`` send it SIGINT, as a terminal's Ctrl-C does;
+    return its exit status and output (stdout and stderr)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read1(4096), b"")))
+    reader.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not shown.search(b"".join(chunks).decode(errors="replace")):
+            assert proc.poll() is None, b"".join(chunks).decode(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "no training step shown"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+        reader.join()
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_cli_run_saves_and_prints_a_command_that_resumes(tmp_path, small_demo):
+    max_steps = 12
+    command = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "fit",
+        "--config",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        "--data.demo_dir",
+        str(small_demo),
+        "--data.cache_dir",
+        "cache",
+        "--trainer.max_steps",
+        str(max_steps),
+        "--model.model.hidden_size",
+        "32",
+        "--model.model.intermediate_size",
+        "64",
+        "--model.self_check",
+        "false",
+    ]
+    status, out = press_ctrl_c_when(command, tmp_path, STEP_SHOWN)
+    assert status == 0, out[-3000:]
+    assert FIRST_PRESS in out
+    step, path = re.search(r"Ctrl-C: stopped after optimizer step (\d+), saved to (\S+)", out).groups()
+    assert path == "runs/tiny_cpu/version_0/checkpoints/last.ckpt"
+    assert torch.load(tmp_path / path, weights_only=False)["global_step"] == int(step) < max_steps
+    resume = re.search(r"resume with: (.*)", out).group(1)
+    assert shlex.split(resume) == [*command, "--ckpt_path", path]
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    resumed = subprocess.run(shlex.split(resume), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming at optimizer step {step}, epoch 0, micro-batch {2 * int(step)} of" in resumed.stderr
+    assert f"`max_steps={max_steps}` reached" in resumed.stderr
