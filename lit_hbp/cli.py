@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lit_hbp import strategy  # noqa: F401  (registers --trainer.strategy hbp, hbp_stage_0 ... hbp_stage_3)
 from lit_hbp.callbacks.defaults import with_default_callbacks
+from lit_hbp.callbacks.interrupt import InterruptCheckpoint
 from lit_hbp.checks import (
     check_run_config,
     class_arguments,
@@ -43,6 +44,7 @@ from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.errors import UserInputError
 from lit_hbp.module import HBPLitModule
 
+INTERRUPTED = 130  # the shell's status of a program ended by Ctrl-C (128 + SIGINT)
 DEBUG_ENV = "LIT_HBP_DEBUG"  # the full traceback instead of the short error
 PARSER_DEBUG_ENV = "JSONARGPARSE_DEBUG"  # jsonargparse's own switch: raise with its full report instead of exiting
 CLASS_OPTION = re.compile(r"Problem with given class_path '([^']+)':\s*(?:- )?(?:Option|Key) '([^']+)' is not")
@@ -238,7 +240,7 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     # Configs write ${data.x} whether or not a subcommand (fit.) prefixes the parsed tree.
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     try:
-        return HBPCLI(
+        cli = HBPCLI(
             HBPLitModule,
             HBPDataModule,
             parser_kwargs={"parser_mode": "omegaconf+"},
@@ -251,6 +253,9 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
         if _debug():
             raise
         report_user_error(e)
+    if any(isinstance(c, InterruptCheckpoint) and c.checkpoint for c in cli.trainer.callbacks):
+        sys.exit(INTERRUPTED)  # saved and stopped early: `fit ... && export ...` must not go on
+    return cli
 
 
 def entry_point() -> None:

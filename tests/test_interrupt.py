@@ -21,7 +21,7 @@ from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
 from distributed import Pool
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_hbp.callbacks import FinalCheckpoint, InterruptCheckpoint, ignore_sigint
+from lit_hbp.callbacks import FinalCheckpoint, HBPExport, InterruptCheckpoint, ignore_sigint
 from lit_hbp.callbacks.interrupt import FIRST_PRESS, resume_command
 from lit_hbp.module import HBPLitModule
 
@@ -109,10 +109,12 @@ def test_ctrl_c_saves_the_running_step_and_a_resume_continues_exactly(tmp_path, 
 
 def test_without_a_checkpoint_callback_it_writes_interrupted_ckpt(tmp_path, small_demo):
     interrupt = InterruptCheckpoint()
-    run = fit(tmp_path / "run", small_demo, [CtrlC(1), interrupt, FinalCheckpoint()])
+    export = HBPExport(str(tmp_path / "exported"))
+    run = fit(tmp_path / "run", small_demo, [CtrlC(1), interrupt, FinalCheckpoint(), export])
     assert run.trainer.global_step == 1 and len(run.rows) == 2
     assert interrupt.checkpoint == str(tmp_path / "run" / "interrupted.ckpt")
     assert torch.load(interrupt.checkpoint, weights_only=False)["global_step"] == 1
+    assert not (tmp_path / "exported").exists()  # an interrupted run is resumed, not exported
 
 
 def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path, small_demo):
@@ -225,7 +227,7 @@ def test_ctrl_c_in_a_cli_run_saves_and_prints_a_command_that_resumes(tmp_path, s
         "false",
     ]
     status, out = press_ctrl_c_when(command, tmp_path, STEP_SHOWN)
-    assert status == 0, out[-3000:]
+    assert status == 130, out[-3000:]  # saved and stopped early, as a shell reports Ctrl-C
     assert FIRST_PRESS in out
     step, path = re.search(r"Ctrl-C: stopped after optimizer step (\d+), saved to (\S+)", out).groups()
     assert path == "runs/tiny_cpu/version_0/checkpoints/last.ckpt"
@@ -238,3 +240,4 @@ def test_ctrl_c_in_a_cli_run_saves_and_prints_a_command_that_resumes(tmp_path, s
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming at optimizer step {step}, epoch 0, micro-batch {2 * int(step)} of" in resumed.stderr
     assert f"`max_steps={max_steps}` reached" in resumed.stderr
+    assert sorted(p.name for p in (tmp_path / "runs/tiny_cpu").iterdir()) == ["version_0"]  # logs continue there

@@ -6,13 +6,17 @@ import shutil
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_hbp.callbacks.interrupt import InterruptCheckpoint
 
 
 class HBPExport(L.Callback):
     """At the end of fit, save a checkpoint (every rank takes part, as ZeRO needs) and turn it into a
     ``save_pretrained`` folder in ``dirpath`` with ``lit_hbp.export`` (rank zero): config,
     safetensors weights in ``dtype``, the run's tokenizer; LoRA runs write the adapter, or the merged
-    model with ``merge_lora``. The intermediate checkpoint is removed afterwards."""
+    model with ``merge_lora``. The intermediate checkpoint is removed afterwards. A run stopped by
+Ctrl-C (``InterruptCheckpoint``) is not exported: the log says how to export its checkpoint."""
 
     def __init__(self, dirpath: str, dtype: str = "float32", merge_lora: bool = False):
         from lit_hbp.export import DTYPES
@@ -24,6 +28,13 @@ class HBPExport(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lit_hbp.export import export_checkpoint
 
+        interrupted = [c.checkpoint for c in trainer.callbacks if isinstance(c, InterruptCheckpoint) and c.checkpoint]
+        if interrupted:  # a run stopped by Ctrl-C is not the model asked for: it is resumed, not served
+            rank_zero_info(
+                f"HBPExport: nothing written to {self.dirpath}: training was interrupted; to export that step "
+                f"anyway: python -m lit_hbp.export {interrupted[0]} {self.dirpath}"
+            )
+            return
         staging = self.dirpath.with_name(self.dirpath.name + ".checkpoint")
         trainer.save_checkpoint(staging)
         trainer.strategy.barrier("hbp_export_saved")
