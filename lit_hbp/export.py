@@ -1,28 +1,36 @@
-"""Export a training checkpoint to a Hugging Face ``save_pretrained`` folder.
+"""Export a training checkpoint to a Hugging Face ``save_pretrained`` folder ready to serve.
 
     python -m lit_hbp.export CKPT OUT_DIR [--dtype bfloat16] [--merge-lora] [--tokenizer PATH]
 
 CKPT is what ``Trainer.save_checkpoint`` / ``ModelCheckpoint`` wrote: a Lightning checkpoint file, or
 the checkpoint folder of a DeepSpeed run (HBPStrategy, ZeRO 0-3), whose partitioned parameters are
 gathered into one fp32 state dict with Lightning's ``convert_zero_checkpoint_to_fp32_state_dict``
-(DeepSpeed's zero_to_fp32). The module is rebuilt from the checkpoint's hyper-parameters, loaded,
-and written with ``save_pretrained`` (safetensors) in the dtype asked for, with the tokenizer the
-run trained with. The folder loads with ``AutoModelForCausalLM.from_pretrained`` (and vLLM or the
-Hub) and is a valid ``model:`` of a new lit-hbp run. A LoRA run writes its adapter
-(``adapter_config.json`` + weights, for peft), or with ``--merge-lora`` the merged full model.
+(DeepSpeed's zero_to_fp32). The checkpoint is all the export reads: the model is built from the
+config the run saved in it (``hf_config``) and loaded with its weights, and the tokenizer is the one
+the run trained with, chat template included (saved by ``HBPDataModule``); the folder the run started
+from and the tokenizer folder may be gone. The folder holds config, safetensors weights in the dtype
+asked for and the tokenizer, with the special ids a server needs: BOS/EOS/padding of the tokenizer in
+config.json and generation_config.json, generation stopping at the tokenizer's EOS and at the chat
+template's end-of-turn token, and the KV cache on. It loads with ``AutoModelForCausalLM`` (and vLLM or
+the Hub) and is a valid ``model:`` of a new lit-hbp run. A LoRA run writes its adapter
+(``adapter_config.json`` + weights, for peft, with the tokenizer and generation config), or with
+``--merge-lora`` the merged full model.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
+from lit_hbp.errors import UserInputError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -40,21 +48,139 @@ def load_checkpoint(path: str | Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def module_from_checkpoint(ckpt: dict):
-    """The HBPLitModule the checkpoint was trained with, its weights loaded."""
-    from lit_hbp.module import HBPLitModule
-
+def _hparams(ckpt: dict) -> dict:
     hparams = dict(ckpt.get("hyper_parameters") or {})
     if "model" not in hparams:
         raise ValueError("the checkpoint has no HBPLitModule hyper-parameters (was it written by a lit-hbp run?)")
-    init = inspect.signature(HBPLitModule).parameters
-    module = HBPLitModule(**{k: v for k, v in hparams.items() if k in init})
-    module.configure_model()
-    state = {k: v for k, v in ckpt["state_dict"].items()}
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    return hparams
+
+
+def hf_config_of(ckpt: dict):
+    """The model's Hugging Face config: the one the run saved in the checkpoint (``hf_config``); for a
+    checkpoint written before lit-hbp saved it, rebuilt from the module's hyper-parameters (a config
+    mapping, or the config.json of the model folder the run started from)."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if "hf_config" in ckpt:
+        saved = dict(ckpt["hf_config"])
+        return CONFIG_MAPPING[saved["model_type"]].from_dict(saved)
+    hparams = _hparams(ckpt)
+    model = hparams["model"]
+    if isinstance(model, str):
+        if not Path(model).exists():
+            raise UserInputError(
+                f"this checkpoint was written before lit-hbp saved the model config in it, so the config is read "
+                f"from the model folder the run started from, {model}, which is gone: put that folder (its "
+                "config.json is enough) back there"
+            )
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    # The family's default special ids name tokens of another vocabulary: only those the mapping sets stay.
+    cfg = {**dict.fromkeys(SPECIAL_IDS), **model}
+    if hparams.get("vocab_size") is not None:
+        cfg["vocab_size"] = hparams["vocab_size"]
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
+    """The trained network (peft-wrapped under LoRA), fp32, built from the checkpoint alone: its config,
+    its LoRA settings and its weights (never ``from_pretrained`` of the folder the run started from)."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_hbp.causal_lm import apply_lora
+
+    hparams = _hparams(ckpt)
+    config = hf_config_of(ckpt)
+    config.use_cache = True  # training turned the KV cache off; generation wants it
+    net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if hparams.get("lora"):
+        net = apply_lora(net, dict(hparams["lora"]))
+    # HBPLitModule holds the network as ``model``: its state dict keys are ``model.<name>``.
+    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}
+    missing, unexpected = net.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"the checkpoint does not match its model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return module
+    return net
+
+
+def run_tokenizer(ckpt: dict, folder: str | Path, fallback: str | None = None):
+    """The tokenizer the run trained with, written into ``folder``: the files the checkpoint holds
+    (``HBPDataModule.state_dict``); for older checkpoints ``fallback`` (``--tokenizer``), else the path
+    in the data module's hyper-parameters. None when there is none."""
+    from lit_hbp.data.datamodule import load_tokenizer, tokenizer_from_files
+
+    files = next((v["tokenizer_files"] for v in ckpt.values() if isinstance(v, dict) and "tokenizer_files" in v), None)
+    if files is not None:
+        if fallback:
+            warnings.warn(
+                f"--tokenizer {fallback} is ignored: the checkpoint holds the tokenizer the run trained with",
+                stacklevel=2,
+            )
+        return tokenizer_from_files(files, folder)
+    path = fallback or (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+    if not path:
+        return None
+    tokenizer = load_tokenizer(path)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The token the chat template closes an assistant turn with (``<|im_end|>``, ``<|eot_id|>``, the
+    EOS...), found by rendering a conversation: generation must stop there, or the served model talks
+    on past its turn. None without a template, or when what follows the answer is not one added or
+    special token."""
+    from jinja2 import TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    answer = "lit-hbp probe answer"
+    messages = [{"role": "user", "content": "lit-hbp probe question"}, {"role": "assistant", "content": answer}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except TemplateError:  # a template that refuses this conversation (e.g. it wants a system turn)
+        return None
+    if answer not in text:
+        return None
+    ids = tokenizer(text[text.rindex(answer) + len(answer) :], add_special_tokens=False)["input_ids"]
+    if not ids or tokenizer.convert_ids_to_tokens(ids[0]) not in tokenizer.get_added_vocab():
+        return None
+    return int(ids[0])
+
+
+def serving_token_ids(tokenizer, config) -> tuple[dict[str, int | None], list[int]]:
+    """(BOS/EOS/padding ids for config.json and generation_config.json, the ids generation stops at).
+    The ids are the tokenizer's (padding: its pad, else EOS), the config's where the tokenizer has
+    none; generation stops at the tokenizer's EOS, the chat template's end-of-turn token and any EOS
+    the config already named."""
+    base_eos = getattr(config, "eos_token_id", None)
+    base_eos = [] if base_eos is None else list(base_eos) if isinstance(base_eos, (list, tuple)) else [base_eos]
+
+    def first(*ids):
+        return next((int(i) for i in ids if i is not None), None)
+
+    eos = first(tokenizer.eos_token_id, *base_eos)
+    ids = dict(
+        bos_token_id=first(tokenizer.bos_token_id, getattr(config, "bos_token_id", None)),
+        eos_token_id=eos,
+        pad_token_id=first(tokenizer.pad_token_id, eos),
+    )
+    stop = [tokenizer.eos_token_id, end_of_turn_id(tokenizer), *base_eos]
+    return ids, list(dict.fromkeys(int(i) for i in stop if i is not None))
+
+
+def prepare_for_serving(net: torch.nn.Module, tokenizer) -> None:
+    """Set the special ids (``serving_token_ids``) and the KV cache on the model's config and
+    generation config."""
+    config, generation = net.config, net.generation_config
+    config.use_cache = generation.use_cache = True
+    generation._from_model_config = False  # set on purpose: no library may rebuild it from config.json
+    if tokenizer is None:
+        return
+    ids, stop = serving_token_ids(tokenizer, config)
+    for name in SPECIAL_IDS:
+        setattr(config, name, ids[name])
+        setattr(generation, name, ids[name])
+    generation.eos_token_id = stop
 
 
 def export_checkpoint(
@@ -64,25 +190,29 @@ def export_checkpoint(
     merge_lora: bool = False,
     tokenizer: str | None = None,
 ) -> Path:
-    """Write ``out_dir`` (see the module docstring); returns it."""
+    """Write ``out_dir`` (see the module docstring); returns it. ``tokenizer``: only for checkpoints
+    that do not hold the run's tokenizer (written before lit-hbp saved it in them)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     ckpt = load_checkpoint(checkpoint)
-    module = module_from_checkpoint(ckpt)
-    net = module.model
+    net = model_from_checkpoint(ckpt)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = run_tokenizer(ckpt, out, tokenizer)
+    if tok is None:
+        warnings.warn(
+            "no tokenizer written: the checkpoint holds none and none was given (--tokenizer); the special "
+            "ids of the config are left as they were",
+            stacklevel=2,
+        )
     if hasattr(net, "peft_config") and merge_lora:
         net = net.merge_and_unload()
     net = net.to(DTYPES[dtype])
-    base = net.get_base_model() if hasattr(net, "get_base_model") else net
-    base.config.use_cache = True  # training turned the KV cache off; generation wants it
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    base = net.get_base_model() if hasattr(net, "peft_config") else net
+    prepare_for_serving(base, tok)
     net.save_pretrained(out, safe_serialization=True)
-    tok = tokenizer or (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer")
-    if tok:
-        from lit_hbp.data.datamodule import load_tokenizer
-
-        load_tokenizer(tok).save_pretrained(out)
+    if base is not net:  # an adapter: the server reads the base model's config, but our stop ids from here
+        base.generation_config.save_pretrained(out)
     return out
 
 
@@ -94,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--merge-lora", action="store_true", help="LoRA runs: write merged full weights, not the adapter")
-    p.add_argument("--tokenizer", help="tokenizer to save alongside (default: the one the run trained with)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer to save alongside, for checkpoints that do not hold the run's own (written by older lit-hbp)",
+    )
     args = p.parse_args(argv)
     out = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.merge_lora, args.tokenizer)
     print(f"wrote {out}: " + ", ".join(sorted(x.name for x in out.iterdir())))

@@ -109,13 +109,98 @@ def test_text_prompt_response_and_skips(tmp_path, toy_tokenizer):
     assert text_ids[-1] == tok.eos_token_id and tok.decode(text_ids[:-1].tolist()) == "the lazy dog"
 
 
-def test_default_template_when_tokenizer_has_none(tmp_path):
+def test_a_chat_without_any_template_is_an_error_naming_its_line_and_the_fix(tmp_path):
     from conftest import build_toy_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(build_toy_tokenizer(tmp_path / "tok", chat_template=None))
+    from lit_hbp.data.datamodule import HBPDataModule
+
+    tok = build_toy_tokenizer(tmp_path / "tok", chat_template=None)
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "the lazy dog"}])
+    chats = write_jsonl(tmp_path / "c.jsonl", [{"text": "the lazy dog"}, {"messages": []}, chat("hello", "world")])
+    kw = dict(tokenizer=str(tok), levels=["64"], cache_dir=str(tmp_path / "cache"))
+    dm = HBPDataModule(sources=[{"path": str(text)}], **kw)
+    dm.setup("fit")  # plain text needs no template
+    assert dm.store.lengths.size == 1 and dm.tokenizer.chat_template is None
+    with pytest.raises(DataError) as e:
+        HBPDataModule(sources=[{"path": str(chats)}], **kw).setup("fit")
+    assert f"{chats}:3: this chat record needs a chat template and the tokenizer has none" in str(e.value)
+    assert "set data.chat_template to a Jinja template string, a template file, or a built-in (tags, plain)" in str(
+        e.value
+    )
+
+
+TAGS = "<|user|>\nhello<|endoftext|><|assistant|>\nworld<|endoftext|>"  # what the built-in "tags" renders here
+
+
+@pytest.mark.parametrize("kind", ["name", "string", "file"])
+def test_chat_template_option_overrides_the_tokenizers_and_is_saved_with_it(tmp_path, toy_tokenizer, kind):
+    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.data.tokenize import CHAT_TEMPLATES
+
+    (tmp_path / "t.jinja").write_text(CHAT_TEMPLATES["tags"])
+    option = {"name": "tags", "string": CHAT_TEMPLATES["tags"], "file": str(tmp_path / "t.jinja")}[kind]
     path = write_jsonl(tmp_path / "c.jsonl", [chat("hello", "world")])
-    t = tokenize_source(Source(str(path)), tok, progress=False)
-    assert tok.decode(np.asarray(t.ids)[np.asarray(t.target)].tolist()) == "world<|end|>\n"
+    dm = HBPDataModule(
+        sources=[{"path": str(path)}], tokenizer=toy_tokenizer, levels=["64"], cache_dir=str(tmp_path / "cache"),
+        chat_template=option,
+    )  # fmt: skip
+    assert dm.tokenizer.chat_template == CHAT_TEMPLATES["tags"]  # the toy tokenizer's own is replaced
+    dm.setup("fit")
+    ids, target = dm.store.tokens(0)
+    assert dm.tokenizer.decode(ids.tolist()) == TAGS
+    assert dm.tokenizer.decode(ids[target].tolist()) == "world<|endoftext|>"
+    dm.tokenizer.save_pretrained(tmp_path / "saved")
+    assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == CHAT_TEMPLATES["tags"]
+
+
+def test_unknown_chat_template_is_a_short_config_error(tmp_path, toy_tokenizer):
+    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.errors import ConfigError
+
+    path = str(write_jsonl(tmp_path / "c.jsonl", [chat("hello", "world")]))
+    for option in ("chatml", str(tmp_path / "missing.jinja")):
+        with pytest.raises(ConfigError, match=r"data.chat_template .* is no built-in template \(tags, plain\)"):
+            HBPDataModule(sources=[{"path": path}], tokenizer=toy_tokenizer, levels=["64"], chat_template=option)
+
+
+@pytest.mark.parametrize("name", ["tags", "plain"])
+def test_built_in_templates_are_prefix_stable_and_end_the_answer_with_eos(toy_tokenizer, name):
+    from lit_hbp.data.tokenize import CHAT_TEMPLATES
+
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "world"},
+        {"role": "user", "content": "fox?"},
+        {"role": "assistant", "content": "dog"},
+    ]
+
+    def render(upto, prompt=False):
+        return tok.apply_chat_template(
+            msgs[:upto], tokenize=False, add_generation_prompt=prompt, chat_template=CHAT_TEMPLATES[name]
+        )
+
+    full = render(5)
+    for i in (2, 4):  # each assistant turn: its prompt, then exactly its content and EOS
+        assert full.startswith(render(i, True)) and full.startswith(render(i + 1))
+        assert render(i + 1)[len(render(i, True)) :] == msgs[i]["content"] + tok.eos_token
+
+
+def test_cache_follows_the_chat_template_option(tmp_path, toy_tokenizer):
+    from lit_hbp.data.datamodule import HBPDataModule
+
+    path = write_jsonl(tmp_path / "c.jsonl", [chat("hello", "world")])
+    decoded = []
+    for option in (None, "tags", "plain"):
+        dm = HBPDataModule(
+            sources=[{"path": str(path)}], tokenizer=toy_tokenizer, levels=["64"], cache_dir=str(tmp_path / "cache"),
+            chat_template=option,
+        )  # fmt: skip
+        dm.setup("fit")
+        decoded.append(dm.tokenizer.decode(dm.store.tokens(0)[0].tolist()))
+    assert len(set(decoded)) == 3 and len(list((tmp_path / "cache").iterdir())) == 3 + 1  # + data_report.json
+    assert decoded[1] == TAGS
 
 
 def test_cache_is_reused_and_invalidated(tmp_path, toy_tokenizer):
@@ -221,6 +306,45 @@ def test_data_report_lists_every_sample_it_did_not_train(tmp_path, toy_tokenizer
     report = json.loads(dm.write_report().read_text())
     assert report["dropped"] == [f"{path}:{line}" for line in range(11, 17)]  # all six, not the first few
     assert report["sources"][0]["skipped_where"]["empty conversation"] == [f"{path}:{line}" for line in range(4, 11)]
+
+
+def test_per_source_counts_are_those_left_after_the_hold_out_and_over_length(tmp_path, toy_tokenizer):
+    from lit_hbp.data.datamodule import HBPDataModule
+
+    short = [chat(f"hello {i}", "world") for i in range(20)]
+    mixed = [chat("fox", "dog " * (3 if i % 3 else 120)) for i in range(9)]  # every third is longer than 96
+    a, b = write_jsonl(tmp_path / "a.jsonl", short), write_jsonl(tmp_path / "b.jsonl", mixed)
+    dm = HBPDataModule(
+        sources=[{"path": str(a)}, {"path": str(b), "repeat": 2}], tokenizer=toy_tokenizer, levels=["96"],
+        over_length="drop", cache_dir=str(tmp_path / "cache"), val_fraction=0.25,
+    )  # fmt: skip
+    dm.setup("fit")
+    # Reference: the tokenized sources, and the records held out (those validation kept or dropped as too long).
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    sources = [tokenize_source(Source(str(p)), tok, progress=False) for p in (a, b)]
+    report = json.loads(dm.write_report().read_text())
+    held = {(int(s), int(r)) for s, r in zip(dm.val_store.source_of, dm.val_store.row_of)}
+    held |= {(int(w.startswith(str(b))), int(w.rsplit(":", 1)[1]) - 1) for w in report["validation"]["dropped"]}
+    summary = dm.store.summary() + "\n" + dm.val_store.summary()
+    for k, repeat in ((0, 1), (1, 2)):
+        rows = list(zip(sources[k].lengths.tolist(), sources[k].loss_tokens().tolist()))
+        train = [x for r, x in enumerate(rows) if (k, r) not in held and x[0] <= 96]
+        val = [x for r, x in enumerate(rows) if (k, r) in held and x[0] <= 96]
+        n_held = sum(1 for s, _ in held if s == k)
+        assert report["sources"][k]["held_out"] == repeat * n_held
+        assert report["sources"][k]["kept"] == dict(
+            samples=repeat * len(train),
+            tokens=repeat * sum(n for n, _ in train),
+            supervised_tokens=repeat * sum(t for _, t in train),
+        )
+        assert report["validation"]["sources"][k]["selected"] == n_held
+        assert report["validation"]["sources"][k]["kept"] == dict(
+            samples=len(val), tokens=sum(n for n, _ in val), supervised_tokens=sum(t for _, t in val)
+        )
+        assert f"-> {repeat * len(train)} samples, {repeat * sum(n for n, _ in train)} tokens" in summary
+        assert f"{n_held} of its {len(rows)} records" in summary
+    assert report["dropped"] and report["validation"]["dropped"]  # both lose over-length samples here
+    assert sum(m["kept"]["samples"] for m in report["sources"]) == dm.store.lengths.size
 
 
 # ------------------------------------------------------------------------------------ collation

@@ -9,11 +9,11 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LLAMA, quiet_trainer, separate_loss
+from conftest import CHAT_TEMPLATE, TINY_LLAMA, quiet_trainer, separate_loss
 from distributed import Pool
 
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.export import export_checkpoint
+from lit_hbp.export import export_checkpoint, load_checkpoint
 from lit_hbp.module import HBPLitModule
 
 TINY = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -97,7 +97,13 @@ def test_export_of_a_zero_checkpoint_is_exact_and_loads_in_transformers(pool, ch
         logits = net(input_ids=torch.tensor([PROBE])).logits[0]
     torch.testing.assert_close(logits, trained["logits"], atol=1e-5, rtol=1e-5)
     assert net.config.use_cache and len(AutoTokenizer.from_pretrained(out)) == net.config.vocab_size
-    generated = net.generate(torch.tensor([PROBE]), max_new_tokens=4, do_sample=False)
+    # The model config and the tokenizer survive DeepSpeed's client state and Lightning's ZeRO converter.
+    gathered = load_checkpoint(ckpt)
+    assert {k: gathered["hf_config"][k] for k in TINY} == TINY
+    assert "tokenizer.json" in gathered["HBPDataModule"]["tokenizer_files"]
+    assert AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE
+    assert net.generation_config.eos_token_id == [1, 5]  # <|endoftext|>, and <|end|> closing a turn
+    generated = net.generate(torch.tensor([PROBE]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert generated.shape == (1, len(PROBE) + 4)
     # The callback's folder holds the same weights; bf16 export casts them.
     by_callback = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "run.ckpt_callback").named_parameters())
@@ -159,6 +165,7 @@ def test_lora_trains_only_adapters_under_zero_and_sp_and_exports(pool, chats, to
         torch.testing.assert_close(merged(input_ids=torch.tensor([PROBE])).logits[0], r["logits"], atol=1e-5, rtol=1e-5)
     adapter = export_checkpoint(ckpt, tmp_path / "adapter")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    assert {"generation_config.json", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in adapter.iterdir()}
     # The frozen base the run started from (peft names: base_model.model.<name>, wrapped layers' .base_layer).
     base = copy.deepcopy(merged)
     start = {

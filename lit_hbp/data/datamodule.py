@@ -4,7 +4,9 @@ Every rank computes the same plan from the sample lengths (a pure function of th
 world size, accumulation and seed + epoch) and reads only its own micro-batches, so no data
 placement is communicated and ``Trainer(use_distributed_sampler=False)`` is required. The loader
 is resumable: a checkpoint records (epoch, micro-steps trained) and a resumed run continues with
-exactly the batches an uninterrupted run would have seen next.
+exactly the batches an uninterrupted run would have seen next. The tokenizer (with the chat template the
+run renders chats with) travels in every checkpoint (``state_dict``), so ``lit_hbp.export`` needs
+neither the tokenizer folder nor the base model folder.
 """
 
 from __future__ import annotations
@@ -12,18 +14,19 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import lightning as L
 import numpy as np
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.sources import Source, check_sources
 from lit_hbp.data.store import SampleStore
-from lit_hbp.data.tokenize import TRAIN_ON, tokenize_source
+from lit_hbp.data.tokenize import TRAIN_ON, resolve_chat_template, tokenize_source, tokenizer_fingerprint
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, MicroBatch, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LevelSelector, as_level
 from lit_hbp.parallel.kind import resolve_sp_kind
@@ -138,7 +141,13 @@ class HBPDataModule(L.LightningDataModule):
     Args:
         sources: data sources (paths with optional repeat/weight), e.g. a short chat set and a
             long-context set.
-        tokenizer: path of a local Hugging Face tokenizer (its chat template is used when it has one).
+        tokenizer: path of a local Hugging Face tokenizer (its chat template renders chat records unless
+            ``chat_template`` is given).
+        chat_template: the chat template to render chat records with, instead of the tokenizer's own: a
+            Jinja string, a path to a template file, or a built-in name (``tags``, ``plain``: see
+            ``lit_hbp.data.tokenize.CHAT_TEMPLATES``; each ends an assistant turn with the tokenizer's
+            EOS). It is set on the tokenizer, which checkpoints and the export carry. A tokenizer without
+            a template and no ``chat_template`` can tokenize only ``{"text"}`` records.
         levels: the HBP levels, e.g. ``["16K:1", "128K:8:28"]`` or Level mappings; or a
             ``LevelSelector`` that chooses them at set-up for this model, data and world with the
             paper's auto-selection: ``lit_hbp.autoselect.AnalyticSelector`` (cost model) or
@@ -173,6 +182,7 @@ class HBPDataModule(L.LightningDataModule):
         demo_dir: str | None = None,
         val_sources: list[Source | dict] | None = None,
         val_fraction: float = 0.0,
+        chat_template: str | None = None,
     ):
         super().__init__()
         self.save_hyperparameters("tokenizer")  # in checkpoints: export writes the run's tokenizer
@@ -211,6 +221,8 @@ class HBPDataModule(L.LightningDataModule):
         check_sources(self.sources, "sources")
         check_sources(self.val_sources, "val_sources")
         self.tokenizer = load_tokenizer(tokenizer)
+        if chat_template is not None:
+            self.tokenizer.chat_template = resolve_chat_template(chat_template, self.tokenizer)
         self.pad_id = next(x for x in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if x is not None)
         self.store: SampleStore | None = None
         self.val_store: SampleStore | None = None
@@ -224,6 +236,24 @@ class HBPDataModule(L.LightningDataModule):
         """Tokens the model's embedding must cover (linked to the model in the CLI)."""
         return len(self.tokenizer)
 
+    def state_dict(self) -> dict:
+        """The tokenizer's files, chat template included: a checkpoint is then all an export needs."""
+        return {"tokenizer_files": tokenizer_files(self.tokenizer)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run keeps the tokenizer it was given (its data are tokenized with it); one that
+        differs from the checkpoint's is said, since the ids and the chat format would change mid-run."""
+        files = state.get("tokenizer_files")
+        if not files:
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            saved = tokenizer_fingerprint(tokenizer_from_files(files, tmp))
+        if saved != tokenizer_fingerprint(self.tokenizer):
+            rank_zero_warn(
+                "the checkpoint was trained with another tokenizer (vocabulary, special tokens or chat template) "
+                "than data.tokenizer / data.chat_template give now; this run goes on with the new one and saves it"
+            )
+
     def set_curriculum(self, warmup_steps: int, short_levels: list[int] | None = None) -> None:
         """Plan the first epoch with ``warmup_steps`` steps of the short levels first (HBPCurriculum)."""
         self.warmup_steps, self.short_levels = int(warmup_steps), short_levels
@@ -236,9 +266,9 @@ class HBPDataModule(L.LightningDataModule):
         path = Path(log_dir or self.cache_dir) / "data_report.json"
         if self.trainer is None or self.trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
-            report = dict(self.store.report)
+            report = self.store.final_report()
             if self.val_store is not None:
-                report["validation"] = self.val_store.report
+                report["validation"] = self.val_store.final_report()
             path.write_text(json.dumps(report, indent=1))
         return path
 
@@ -416,3 +446,21 @@ def load_tokenizer(path: str):
                 f"tokenizer not found: {path!r} is neither a local folder nor in the Hugging Face cache"
             ) from None
     return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The files ``save_pretrained`` writes for ``tokenizer`` (a few MB at most), by name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+def tokenizer_from_files(files: dict[str, bytes | str], folder: str | Path):
+    """Write ``files`` (``tokenizer_files``) into ``folder`` and load the tokenizer from there."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (folder / Path(name).name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    return AutoTokenizer.from_pretrained(folder)

@@ -1,7 +1,9 @@
 """The epoch's sample table: sources mixed by repeat or weight, over-length samples handled.
 
 A global sample id maps to (source, row). Repeats make several ids point at one row; the planner
-treats them as separate samples, so a repeated sample is trained on twice, never silently once.
+treats them as separate samples, so a repeated sample is trained on twice, never silently once. The
+report and the summary count, per source, what is left after the validation hold-out and the
+over-length policy: the samples and tokens that really train (or validate).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class SampleStore:
             sel = source_of == k
             lengths[sel] = s.lengths[row_of[sel]]
             loss[sel] = s.loss_tokens()[row_of[sel]]
-        mixed = [dict(path=s.source.path, samples=len(s), repeat=1.0, in_epoch=int((source_of == k).sum()),
+        mixed = [dict(path=s.source.path, samples=len(s), selected=int((source_of == k).sum()),
                       skipped=dict(s.skipped), skipped_where={k2: list(v) for k2, v in s.skipped_where.items()})
                  for k, s in enumerate(sources)]  # fmt: skip
         report = dict(sources=mixed, over_length=None, max_len=None, **_empty_over_length_report())
@@ -139,13 +141,15 @@ class SampleStore:
         key = self.source_of * (int(self.row_of.max()) + 1) + self.row_of
         held = np.isin(key, chosen[:, 0] * (int(self.row_of.max()) + 1) + chosen[:, 1])
         keep = ~held
+        per_source = np.bincount(self.source_of[held], minlength=len(self.sources))
+        sources = [{**m, "held_out": int(n)} for m, n in zip(self.report["sources"], per_source)]
         rest = replace(
             self,
             source_of=self.source_of[keep],
             row_of=self.row_of[keep],
             lengths=self.lengths[keep],
             loss_tokens=self.loss_tokens[keep],
-            report={**self.report, "held_out_for_validation": int(n_val)},
+            report={**self.report, "sources": sources, "held_out_for_validation": int(n_val)},
         )
         return rest, chosen[:, 0], chosen[:, 1]
 
@@ -204,18 +208,44 @@ class SampleStore:
         b = a + int(self.lengths[i])
         return np.asarray(s.ids[a:b]), np.asarray(s.target[a:b])
 
+    def source_counts(self) -> list[dict[str, int]]:
+        """Per source, the samples, tokens and supervised tokens this store holds now (after the
+        hold-out and the over-length policy, truncated lengths counted as cut)."""
+        n = len(self.sources)
+        samples = np.bincount(self.source_of, minlength=n)
+        tokens = np.bincount(self.source_of, weights=self.lengths, minlength=n)
+        supervised = np.bincount(self.source_of, weights=self.loss_tokens, minlength=n)
+        counts = zip(samples, tokens, supervised)
+        return [dict(samples=int(a), tokens=int(b), supervised_tokens=int(c)) for a, b, c in counts]
+
+    def final_report(self) -> dict:
+        """The report with each source's ``kept`` counts as they stand now (``data_report.json``)."""
+        sources = [{**m, "kept": c} for m, c in zip(self.report["sources"], self.source_counts())]
+        return {**self.report, "sources": sources}
+
     def summary(self) -> str:
-        """One report of what the data pipeline kept, skipped, dropped and truncated."""
+        """One report of what the data pipeline kept, skipped, dropped and truncated: per source, what
+        it contributes after the repeat, the validation hold-out and the over-length policy."""
         lines = [
-            f"data: {self.lengths.size} samples in the epoch, {int(self.lengths.sum())} tokens, "
+            f"data: {self.lengths.size} samples, {int(self.lengths.sum())} tokens, "
             f"{int(self.loss_tokens.sum())} supervised"
         ]
-        for m in self.report["sources"]:
+        for m, kept in zip(self.report["sources"], self.source_counts()):
             skipped = ", ".join(f"{n} {reason}" for reason, n in m["skipped"].items() if n)
             n_skipped = sum(m["skipped"].values())
+            if "selected" in m:  # a validation set: records picked once each
+                steps, before = [f"{m['selected']} of its {m['samples']} records"], m["selected"]
+            else:
+                steps = [f"{m['samples']} samples x {m['repeat']:.3g} -> {m['in_epoch']} in the epoch"]
+                before = m["in_epoch"] - m.get("held_out", 0)
+                if m.get("held_out"):
+                    steps.append(f"{m['held_out']} held out for validation")
+            if before > kept["samples"]:
+                steps.append(f"{before - kept['samples']} over-length dropped")
             # Records are skipped when the file is read, before the repeat: the counts are records.
             lines.append(
-                f"  {m['path']}: {m['samples']} samples x {m['repeat']:.3g} -> {m['in_epoch']} in the epoch"
+                f"  {m['path']}: {', '.join(steps)} -> {kept['samples']} samples, {kept['tokens']} tokens "
+                f"({kept['supervised_tokens']} supervised)"
                 + (
                     f"; skipped {n_skipped} distinct record(s) of the file ({skipped}) "
                     f"(e.g. {', '.join(sum(m['skipped_where'].values(), [])[:3])})"

@@ -7,7 +7,10 @@ any change re-tokenizes and a re-run with the same inputs only memory-maps the a
 Label mask: ``target[t]`` is True when token t is a supervised prediction (the model learns to
 produce token t from the tokens before it). Chat samples supervise the assistant turns, found by
 rendering the chat template for each prefix of the conversation and mapping those character spans
-onto the tokens of the full rendering (one tokenization per sample).
+onto the tokens of the full rendering (one tokenization per sample). The template is the tokenizer's
+own, which the data module replaces with ``data.chat_template`` (``resolve_chat_template``) when
+given; a chat record without any template is an error, never a silent default (the served model
+would be prompted in a format it was not trained on).
 """
 
 from __future__ import annotations
@@ -23,15 +26,27 @@ from pathlib import Path
 import numpy as np
 
 from lit_hbp.data.sources import Conversation, DataError, Source, check_source, iter_records, to_conversation
+from lit_hbp.errors import ConfigError
 
 TRAIN_ON = ("assistant", "all")
-# 4: unknown chat roles are errors (caches of v3 may hold records skipped for a misspelled role).
-CACHE_VERSION = 4
+# 5: no silent default chat template (caches of v4 may hold chats rendered with one).
+CACHE_VERSION = 5
 BATCH = 512
-# Used when a tokenizer has no chat template of its own. Prefix-stable by construction.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+# Built-in chat templates (``data.chat_template: NAME``). Each closes an assistant turn with the
+# tokenizer's EOS, one token of every vocabulary, so the model learns to stop and generation stops
+# there without new tokens; each is prefix-stable (the first k turns render to a prefix of them all).
+CHAT_TEMPLATES = {
+    "tags": (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    ),
+    "plain": (
+        "{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant:\n{% endif %}"
+    ),
+}
+CHAT_TEMPLATE_FIX = (
+    f"set data.chat_template to a Jinja template string, a template file, or a built-in ({', '.join(CHAT_TEMPLATES)})"
 )
 SKIP_REASONS = ("empty conversation", "no supervised token")
 
@@ -88,6 +103,26 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
+def resolve_chat_template(option: str, tokenizer) -> str:
+    """The template ``data.chat_template`` names: a built-in name, a template file or a Jinja string
+    (told apart by its ``{{`` / ``{%``); a short error naming the option for anything else."""
+    if option in CHAT_TEMPLATES:
+        if tokenizer.eos_token is None:
+            raise ConfigError(
+                f"data.chat_template {option!r} ends assistant turns with the tokenizer's EOS token, and this "
+                "tokenizer has none: give a template of your own"
+            )
+        return CHAT_TEMPLATES[option]
+    if "{{" in option or "{%" in option:
+        return option
+    if Path(option).expanduser().is_file():
+        return Path(option).expanduser().read_text()
+    raise ConfigError(
+        f"data.chat_template {option!r} is no built-in template ({', '.join(CHAT_TEMPLATES)}), no existing file "
+        "and no Jinja template string"
+    )
+
+
 def _source_stat(path: Path) -> list:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
@@ -110,7 +145,8 @@ def cache_key(source: Source, tokenizer, train_on: str, label: str | None = None
 
 
 class _Encoder:
-    """Turns normalized conversations into (ids, target) with the tokenizer's chat template."""
+    """Turns normalized conversations into (ids, target) with the tokenizer's chat template (the data
+    module sets it from ``data.chat_template``)."""
 
     def __init__(self, tokenizer, train_on: str):
         if train_on not in TRAIN_ON:
@@ -122,7 +158,7 @@ class _Encoder:
             )
         self.tok = tokenizer
         self.train_on = train_on
-        self.template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        self.template = getattr(tokenizer, "chat_template", None) or None
         self.eos = tokenizer.eos_token_id
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
@@ -138,6 +174,10 @@ class _Encoder:
         msgs = conv.messages
         if not msgs or not any(m["content"].strip() for m in msgs):
             return "empty conversation"
+        if self.template is None:
+            raise DataError(
+                f"{conv.where}: this chat record needs a chat template and the tokenizer has none: {CHAT_TEMPLATE_FIX}"
+            )
         full = self._render(msgs, False)
         if self.train_on == "all":
             return full, None, False
@@ -223,20 +263,20 @@ def tokenize_source(
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(desc=f"tokenizing {Path(source.path).name}", unit=" samples", disable=not progress)
-    for record, where in iter_records(source):
-        conv = to_conversation(record, where)
-        prepared = encoder.prepare(conv)
-        if isinstance(prepared, str):
-            skip(prepared, where)
-        else:
-            row = int(where.rsplit(":", 1)[1].replace("row ", ""))
-            pending.append((where, row, prepared))
-            if len(pending) >= BATCH:
-                flush()
-        bar.update(1)
-    flush()
-    bar.close()
+    # A context: a bad record closes the bar (ends its line) before its error is printed.
+    with tqdm(desc=f"tokenizing {Path(source.path).name}", unit=" samples", disable=not progress) as bar:
+        for record, where in iter_records(source):
+            conv = to_conversation(record, where)
+            prepared = encoder.prepare(conv)
+            if isinstance(prepared, str):
+                skip(prepared, where)
+            else:
+                row = int(where.rsplit(":", 1)[1].replace("row ", ""))
+                pending.append((where, row, prepared))
+                if len(pending) >= BATCH:
+                    flush()
+            bar.update(1)
+        flush()
     out = TokenizedSource(
         source=source,
         ids=np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32),
