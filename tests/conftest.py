@@ -56,7 +56,9 @@ PRETRAINED_SHAPES = {
 }
 
 
-def save_pretrained_checkpoint(path: Path, tokenizer: str | Path, family: str = "llama", seed: int = 0, **shape) -> Path:
+def save_pretrained_checkpoint(
+    path: Path, tokenizer: str | Path, family: str = "llama", seed: int = 0, **shape
+) -> Path:
     """A randomly initialized causal LM written the way a user's checkpoint folder looks: config.json,
     generation_config.json, safetensors weights and the tokenizer files side by side, its special
     token ids and vocabulary those of ``tokenizer``. ``shape`` overrides PRETRAINED_SHAPES[family]."""

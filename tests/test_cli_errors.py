@@ -26,7 +26,7 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
     no_messages = write(tmp / "fields.jsonl", good, good, json.dumps({"conversation": []}))
     empty = tmp / "empty.jsonl"
     empty.write_text("")
-    long_text = json.dumps({"text": "word " * 3000})
+    long_text = json.dumps({"text": "word " * 20000})
     too_long = write(tmp / "long.jsonl", good, long_text)
     return {
         "malformed JSON": (["--data.sources", f"[{{path: {malformed}}}]"], f"{malformed}:2: malformed JSON"),

@@ -5,10 +5,10 @@ folder, not only from a mapping."""
 
 import lightning as L
 import pytest
-import torch
 from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
 from transformers import AutoTokenizer
 
+from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.module import HBPLitModule
 
 
@@ -23,7 +23,10 @@ class CountLayerCalls(L.Callback):
     def on_train_start(self, trainer, pl_module):
         layers = pl_module._layers
         for name, layer in (("first", layers[0]), ("last", layers[-1])):
-            layer.mlp.register_forward_pre_hook(lambda *_, name=name: self._calls.__setitem__(name, self._calls[name] + 1))
+            layer.mlp.register_forward_pre_hook(lambda *_, name=name: self._count(name))
+
+    def _count(self, name):
+        self._calls[name] += 1
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._calls = {"first": 0, "last": 0}
@@ -34,12 +37,9 @@ class CountLayerCalls(L.Callback):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_a_checkpoint_folder_trains_in_train_mode_with_each_levels_checkpointing(
-    family, request, small_demo, tmp_path
-):
+def test_a_checkpoint_folder_trains_in_train_mode_with_each_levels_checkpointing(family, request, small_demo, tmp_path):
     folder = request.getfixturevalue(f"pretrained_{family}")
-    dm = chat_datamodule(small_demo, folder, tmp_path / "cache")
-    dm = type(dm)(
+    dm = HBPDataModule(
         sources=[{"path": str(small_demo / "short.jsonl")}],
         tokenizer=folder,
         levels=["256:1", "1024:1:3"],  # the long level checkpoints 3 of the 4 decoder layers

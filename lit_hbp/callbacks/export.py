@@ -16,7 +16,7 @@ class HBPExport(L.Callback):
     ``save_pretrained`` folder in ``dirpath`` with ``lit_hbp.export`` (rank zero): config,
     safetensors weights in ``dtype``, the run's tokenizer; LoRA runs write the adapter, or the merged
     model with ``merge_lora``. The intermediate checkpoint is removed afterwards. A run stopped by
-Ctrl-C (``InterruptCheckpoint``) is not exported: the log says how to export its checkpoint."""
+    Ctrl-C (``InterruptCheckpoint``) is not exported: the log says how to export its checkpoint."""
 
     def __init__(self, dirpath: str, dtype: str = "float32", merge_lora: bool = False):
         from lit_hbp.export import DTYPES

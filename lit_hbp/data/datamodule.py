@@ -27,6 +27,7 @@ from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.sources import Source, check_sources
 from lit_hbp.data.store import SampleStore
 from lit_hbp.data.tokenize import TRAIN_ON, resolve_chat_template, tokenize_source, tokenizer_fingerprint
+from lit_hbp.errors import ConfigError, DataError
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, MicroBatch, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LevelSelector, as_level
 from lit_hbp.parallel.kind import resolve_sp_kind
@@ -101,7 +102,7 @@ class PlanLoader(DataLoader):
         saved, now = state.get("plan"), self.dm.plan_key()
         if saved is not None and saved != now:
             changed = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in now if saved.get(k) != now.get(k))
-            raise ValueError(
+            raise ConfigError(
                 f"cannot resume mid-epoch: the checkpoint's plan was made with other settings ({changed}); "
                 "its micro-step would point into a different plan and train samples twice or never. Resume "
                 "with the same data, levels, world size, accumulate_grad_batches and seed, or from an "
@@ -187,24 +188,24 @@ class HBPDataModule(L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters("tokenizer")  # in checkpoints: export writes the run's tokenizer
         if packer not in PACKERS:
-            raise ValueError(f"unknown packer {packer!r}; choose one of {sorted(PACKERS)}")
+            raise ConfigError(f"unknown packer {packer!r}; choose one of {sorted(PACKERS)}")
         if train_on not in TRAIN_ON:
-            raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+            raise ConfigError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
         if not sources:
-            raise ValueError("no data sources given")
+            raise ConfigError("no data sources given")
         self.sources = [Source.of(s, f"sources[{i}]") for i, s in enumerate(sources)]
         self.val_sources = [Source.of(s, f"val_sources[{i}]") for i, s in enumerate(val_sources or [])]
         for s in self.val_sources:
             if s.repeat is not None or s.weight is not None:
-                raise ValueError(f"val_sources: {s.path} has a repeat or weight; validation reads every record once")
+                raise ConfigError(f"val_sources: {s.path} has a repeat or weight; validation reads every record once")
         if not 0 <= val_fraction < 1:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+            raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.val_fraction = val_fraction
         self.selector: LevelSelector | None = None
         if isinstance(levels, LevelSelector):
             self.selector, self.levels = levels, None
         elif isinstance(levels, str):
-            raise ValueError(
+            raise ConfigError(
                 f"levels must be a list of levels or a LevelSelector (e.g. lit_hbp.autoselect.AnalyticSelector), "
                 f"got {levels!r}"
             )
@@ -305,7 +306,7 @@ class HBPDataModule(L.LightningDataModule):
         world, rank, _ = self._world()
         if self.trainer is not None and getattr(self.trainer, "_accelerator_connector", None) is not None:
             if self.trainer._accelerator_connector.use_distributed_sampler:
-                raise ValueError(
+                raise ConfigError(
                     "HBPDataModule assigns data to ranks itself: set Trainer(use_distributed_sampler=False)"
                 )
         tokenized = [
@@ -345,7 +346,7 @@ class HBPDataModule(L.LightningDataModule):
         val = SampleStore.from_rows(tokenized + extra, src, rows)
         val.apply_over_length(self.levels[-1].pack_len, self.over_length)
         if val.lengths.size == 0:
-            raise ValueError("the validation set is empty after its over-length samples were dropped")
+            raise DataError("the validation set is empty after its over-length samples were dropped")
         return val
 
     def plan_for_epoch(self, epoch: int) -> Plan:
@@ -403,7 +404,7 @@ class HBPDataModule(L.LightningDataModule):
         workers, pin = self._loader_settings()
         dataset = MicroBatchDataset(self.val_store, self.levels, rank, self.pad_id)
         sampler = FixedPlanSampler(self.val_plan(), rank)
-        return DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=workers, pin_memory=pin)
+        return DataLoader(dataset, sampler=sampler, batch_size=None, **self._worker_settings(workers), pin_memory=pin)
 
     def _loader_settings(self) -> tuple[int, bool]:
         """(worker processes, pinned memory): on a GPU 2 workers collate into pinned memory."""
@@ -411,13 +412,21 @@ class HBPDataModule(L.LightningDataModule):
         workers = self.num_workers if self.num_workers is not None else (2 if on_gpu else 0)
         return workers, on_gpu
 
+    @staticmethod
+    def _worker_settings(workers: int) -> dict:
+        """Worker processes that ignore Ctrl-C: the terminal's SIGINT reaches them too, and the main
+        process finishes the running optimizer step (InterruptCheckpoint) with their batches."""
+        from lit_hbp.callbacks.interrupt import ignore_sigint
+
+        return dict(num_workers=workers, worker_init_fn=ignore_sigint if workers else None)
+
     def train_dataloader(self) -> PlanLoader:
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         _, rank, _ = self._world()
         workers, pin = self._loader_settings()
         dataset = MicroBatchDataset(self.store, self.levels, rank, self.pad_id)
         sampler = PlanSampler(self, epoch, rank)
-        return PlanLoader(self, dataset, sampler, num_workers=workers, pin_memory=pin)
+        return PlanLoader(self, dataset, sampler, **self._worker_settings(workers), pin_memory=pin)
 
 
 class FixedPlanSampler(Sampler[tuple[int, int, MicroBatch]]):

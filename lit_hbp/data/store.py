@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lit_hbp.data.tokenize import TokenizedSource
+from lit_hbp.errors import ConfigError, DataError
 from lit_hbp.packing.plan import OVER_LENGTH
 
 # The report's lists of samples the over-length policy removed or cut: one ``file:line`` entry per
@@ -41,13 +42,13 @@ def mixture_repeats(sizes: list[int], repeats: list[float | None], weights: list
     """Repeat factor per source. Weights share the total sample count of all sources; sources with
     neither repeat nor weight enter once."""
     if any(w is not None for w in weights) and any(r is not None for r in repeats):
-        raise ValueError("mix sources by repeat or by weight, not both")
+        raise ConfigError("mix sources by repeat or by weight, not both")
     if any(w is not None for w in weights):
         if any(w is None for w in weights):
-            raise ValueError("when one source has a weight, every source needs one")
+            raise ConfigError("when one source has a weight, every source needs one")
         total_w, total_n = sum(weights), sum(sizes)
         if total_w <= 0:
-            raise ValueError(f"source weights must not all be zero: {weights}")
+            raise ConfigError(f"source weights must not all be zero: {weights}")
         return [w / total_w * total_n / n if n else 0.0 for w, n in zip(weights, sizes)]
     return [1.0 if r is None else float(r) for r in repeats]
 
@@ -70,7 +71,7 @@ class SampleStore:
         """Mix the sources and apply the over-length policy (error / drop / truncate) for samples
         longer than ``max_len`` (None: not yet, e.g. before the levels are chosen)."""
         if over_length not in OVER_LENGTH:
-            raise ValueError(f"over_length must be one of {OVER_LENGTH}, got {over_length!r}")
+            raise ConfigError(f"over_length must be one of {OVER_LENGTH}, got {over_length!r}")
         reps = mixture_repeats(
             [len(s) for s in sources], [s.source.repeat for s in sources], [s.source.weight for s in sources]
         )
@@ -95,7 +96,7 @@ class SampleStore:
             )
         source_of, row_of = np.concatenate(src), np.concatenate(rows)
         if source_of.size == 0:
-            raise ValueError(
+            raise DataError(
                 "no training samples: every source is empty or was skipped entirely "
                 f"({[(m['path'], m['skipped']) for m in mixed]})"
             )
@@ -132,11 +133,11 @@ class SampleStore:
         store: (the rest, held-out source ids, held-out row ids, each record once). Training and
         validation never share a record, whatever the repeats."""
         if not 0 < fraction < 1:
-            raise ValueError(f"val_fraction must be between 0 and 1, got {fraction}")
+            raise ConfigError(f"val_fraction must be between 0 and 1, got {fraction}")
         records = np.unique(np.stack([self.source_of, self.row_of], axis=1), axis=0)
         n_val = max(1, int(round(fraction * len(records))))
         if n_val >= len(records):
-            raise ValueError(f"val_fraction {fraction} leaves no training record of {len(records)}")
+            raise DataError(f"val_fraction {fraction} leaves no training record of {len(records)}")
         chosen = records[np.sort(np.random.default_rng(seed).permutation(len(records))[:n_val])]
         key = self.source_of * (int(self.row_of.max()) + 1) + self.row_of
         held = np.isin(key, chosen[:, 0] * (int(self.row_of.max()) + 1) + chosen[:, 1])
@@ -172,7 +173,7 @@ class SampleStore:
             return
         if policy == "error":
             n_distinct = len(distinct([self.where(int(i)) for i in over]))
-            raise ValueError(
+            raise DataError(
                 f"{over.size} sample(s) longer than the largest level ({max_len} tokens): {self._describe(over)}; "
                 f"{count_phrase(int(over.size), n_distinct)} in all. "
                 "Add a larger level, or set over_length: drop | truncate"

@@ -150,9 +150,9 @@ class _Encoder:
 
     def __init__(self, tokenizer, train_on: str):
         if train_on not in TRAIN_ON:
-            raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+            raise ConfigError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
         if not getattr(tokenizer, "is_fast", False):
-            raise ValueError(
+            raise ConfigError(
                 f"{type(tokenizer).__name__} is a slow tokenizer: lit-hbp needs a fast one (offset mapping) to "
                 "locate assistant turns; load it with use_fast=True or convert it with the tokenizers library"
             )
