@@ -35,15 +35,28 @@ def chats(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, toy_tokenizer) -> str:
+    """TINY saved as a user's checkpoint folder (save_pretrained, with the tokenizer): the ZeRO-3 runs
+    start from it, so a ZeRO-3 partitioned load of a folder is checked too."""
+    from conftest import save_pretrained_checkpoint
+
+    shape = {k: v for k, v in TINY.items() if k != "model_type"}
+    return str(save_pretrained_checkpoint(tmp_path_factory.mktemp("tiny_folder"), toy_tokenizer, "llama", **shape))
+
+
+@pytest.fixture(scope="module")
 def pool():
     p = Pool(2)
     yield p
     p.close()
 
 
-def train_and_save(stage: int, data: str, tokenizer: str, cache: str, out: str, lora: dict | None) -> dict:
-    """2 ranks, levels sp 1 and sp 2, a few optimizer steps; the checkpoint saved to ``out``; the
-    trained weights (gathered), the probe's logits through the module, and what the optimizer holds."""
+def train_and_save(
+    stage: int, data: str, tokenizer: str, cache: str, out: str, lora: dict | None, model: str | dict = TINY
+) -> dict:
+    """2 ranks, levels sp 1 and sp 2, a few optimizer steps of ``model`` (a mapping or a checkpoint
+    folder); the checkpoint saved to ``out``; the trained weights (gathered), the probe's logits
+    through the module, and what the optimizer holds."""
     import deepspeed
 
     from lit_hbp.callbacks import HBPExport
@@ -52,7 +65,7 @@ def train_and_save(stage: int, data: str, tokenizer: str, cache: str, out: str, 
 
     dm = HBPDataModule(sources=[{"path": data}], tokenizer=tokenizer, levels=["96:1", "384:2"], cache_dir=cache)
     torch.manual_seed(0)
-    module = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, lr=1e-2, lora=lora)
+    module = HBPLitModule(model=model, vocab_size=dm.vocab_size, lr=1e-2, lora=lora)
     initial = {}
 
     class Initial(L.Callback):
@@ -79,12 +92,18 @@ def train_and_save(stage: int, data: str, tokenizer: str, cache: str, out: str, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_export_of_a_zero_checkpoint_is_exact_and_loads_in_transformers(pool, chats, toy_tokenizer, tmp_path, stage):
+def test_export_of_a_zero_checkpoint_is_exact_and_loads_in_transformers(
+    pool, chats, toy_tokenizer, tiny_folder, tmp_path, stage
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ckpt = str(tmp_path / "run.ckpt")
-    results = pool.run(train_and_save, stage, str(chats), toy_tokenizer, str(tmp_path / "cache"), ckpt, None)
+    model, tokenizer = (tiny_folder, tiny_folder) if stage == 3 else (TINY, toy_tokenizer)
+    results = pool.run(train_and_save, stage, str(chats), tokenizer, str(tmp_path / "cache"), ckpt, None, model)
     trained = results[0]
+    if stage == 3:  # the folder's weights, loaded partitioned over the ranks, are what training starts from
+        start = dict(AutoModelForCausalLM.from_pretrained(tiny_folder).named_parameters())
+        assert all(torch.equal(start[n], w) for n, w in trained["initial"].items())
     out = export_checkpoint(ckpt, tmp_path / "hf")
     net = AutoModelForCausalLM.from_pretrained(out)
     exported = dict(net.named_parameters())
@@ -145,12 +164,15 @@ def test_lora_adapter_gradients_equal_hf_and_peft_on_each_sample_alone():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_lora_trains_only_adapters_under_zero_and_sp_and_exports(pool, chats, toy_tokenizer, tmp_path, stage):
+def test_lora_trains_only_adapters_under_zero_and_sp_and_exports(
+    pool, chats, toy_tokenizer, tiny_folder, tmp_path, stage
+):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     ckpt = str(tmp_path / "lora.ckpt")
-    results = pool.run(train_and_save, stage, str(chats), toy_tokenizer, str(tmp_path / "cache"), ckpt, LORA)
+    model, tokenizer = (tiny_folder, tiny_folder) if stage == 3 else (TINY, toy_tokenizer)
+    results = pool.run(train_and_save, stage, str(chats), tokenizer, str(tmp_path / "cache"), ckpt, LORA, model)
     r = results[0]
     lora = {n for n in r["weights"] if "lora_" in n}
     # Adam states for the adapters only, partitioned over the ranks by ZeRO (flat partitions may be
