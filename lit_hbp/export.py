@@ -37,7 +37,10 @@ def load_checkpoint(path: str | Path) -> dict:
     """The checkpoint as one dict with a full fp32 ``state_dict``, whatever wrote it."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        from lit_hbp.checks import did_you_mean
+
+        near = did_you_mean(path.name, (p.name for p in path.parent.iterdir())) if path.parent.is_dir() else ""
+        raise UserInputError(f"checkpoint not found: {path}{near}")
     if path.is_dir():  # DeepSpeed: one shard per rank (ZeRO) under <dir>/checkpoint
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
@@ -51,7 +54,7 @@ def load_checkpoint(path: str | Path) -> dict:
 def _hparams(ckpt: dict) -> dict:
     hparams = dict(ckpt.get("hyper_parameters") or {})
     if "model" not in hparams:
-        raise ValueError("the checkpoint has no HBPLitModule hyper-parameters (was it written by a lit-hbp run?)")
+        raise UserInputError("the checkpoint has no HBPLitModule hyper-parameters (was it written by a lit-hbp run?)")
     return hparams
 
 
@@ -218,7 +221,10 @@ def export_checkpoint(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m lit_hbp.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m lit_hbp.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument("checkpoint", help="a Lightning checkpoint file or a DeepSpeed checkpoint folder")
     p.add_argument("out_dir")
@@ -229,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         help="tokenizer to save alongside, for checkpoints that do not hold the run's own (written by older lit-hbp)",
     )
     args = p.parse_args(argv)
-    out = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.merge_lora, args.tokenizer)
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.merge_lora, args.tokenizer)
+    except UserInputError as e:  # a wrong path or checkpoint: one line and status 2, as the training CLI
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {out}: " + ", ".join(sorted(x.name for x in out.iterdir())))
     return 0
 

@@ -82,3 +82,13 @@ def test_the_debug_variable_brings_the_traceback_back(tmp_path, small_demo, monk
     args, says = bad_inputs(tmp_path, small_demo)["malformed JSON"]
     with pytest.raises(DataError, match="malformed JSON"):
         main(["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo), *args])
+
+
+def test_export_of_a_missing_checkpoint_is_a_short_error(tmp_path, capsys):
+    from lit_hbp.export import main as export_main
+
+    (tmp_path / "last.ckpt").write_bytes(b"")
+    assert export_main([str(tmp_path / "lats.ckpt"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: checkpoint not found: {tmp_path / 'lats.ckpt'} (did you mean 'last.ckpt'?)"
+    assert not (tmp_path / "out").exists()

@@ -69,3 +69,25 @@ def test_a_mapping_takes_its_special_token_ids_from_the_tokenizer(small_demo, to
     module = HBPLitModule(model={**TINY_LLAMA, "eos_token_id": 5}, vocab_size=dm.vocab_size)
     quiet_trainer(max_steps=1).fit(module, chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache"))
     assert module.model.config.eos_token_id == 5
+
+
+def test_the_cli_fine_tunes_a_folder_with_the_tiny_config_in_train_mode(
+    small_demo, demo_pretrained, tmp_path, monkeypatch
+):
+    """The issue's user path: ``train.py fit --config configs/tiny_cpu.yaml --model.model <folder>`` for
+    12 steps; every micro-batch in train mode, each level's checkpointed layers recomputed."""
+    from pathlib import Path
+
+    from lit_hbp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    cli = main(["fit", "--config", str(config), "--data.demo_dir", str(small_demo), "--model.model", demo_pretrained,
+                "--trainer.max_steps", "12", "--trainer.enable_progress_bar", "false",
+                "--trainer.callbacks+=test_pretrained.CountLayerCalls"])  # fmt: skip
+    (counter,) = [c for c in cli.trainer.callbacks if isinstance(c, CountLayerCalls)]
+    ckpt = [lv.ckpt_layers for lv in cli.datamodule.levels]  # 0, 2 and 4 of the folder's 4 layers
+    assert len(counter.rows) == 24 and all(r["training"] for r in counter.rows), counter.rows
+    for r in counter.rows:
+        assert (r["first"], r["last"]) == (1 + (ckpt[r["level"]] > 0), 1 + (ckpt[r["level"]] >= 4)), r
+    assert {ckpt[r["level"]] for r in counter.rows} >= {0, 2}
