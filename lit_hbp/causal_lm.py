@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_hbp import attention
-from lit_hbp.checks import check_model_config
+from lit_hbp.checks import check_model_config, local_checkpoint
 from lit_hbp.model_spec import ModelSpec
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -60,7 +60,10 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None, tokenizer=
     else:
         with _refusing_other_attention(str(model)):
             net = AutoModelForCausalLM.from_pretrained(
-                model, attn_implementation=attention.ATTN_NAME, dtype=torch.get_default_dtype(), local_files_only=True
+                local_checkpoint(model),
+                attn_implementation=attention.ATTN_NAME,
+                dtype=torch.get_default_dtype(),
+                local_files_only=True,
             )
         net.config.use_cache = False
         if vocab_size is not None and vocab_size > net.get_input_embeddings().num_embeddings:

@@ -301,14 +301,24 @@ def check_sp_setup(levels: Sequence[Any], world_size: int, model: Any) -> None:
     validate_sp_setup(levels, world_size, heads, getattr(config, "num_key_value_heads", None) or heads, layers)
 
 
-def _in_hub_cache(repo_id: str) -> bool:
-    """Whether the Hugging Face cache holds a config.json of ``repo_id`` (no network asked)."""
+def hub_snapshot(repo_id: str) -> str | None:
+    """The folder of ``repo_id``'s snapshot in the Hugging Face cache, or None (no network asked).
+    Loading that folder, not the name, keeps transformers from asking the Hub about files the cache
+    does not hold (an adapter config): without a network that costs retries of ~20 s."""
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
-    except (ImportError, ValueError):  # ValueError: not a valid repo id
-        return False
+        return snapshot_download(repo_id, local_files_only=True)
+    except (ImportError, HFValidationError, LocalEntryNotFoundError, ValueError, OSError):
+        return None
+
+
+def local_checkpoint(model: str | Path) -> str:
+    """``model`` as a local folder: itself, or its snapshot in the Hugging Face cache."""
+    if Path(model).expanduser().exists():
+        return str(Path(model).expanduser())
+    return hub_snapshot(str(model)) or str(model)
 
 
 def check_model_source(model: Any, key: str = "model.model") -> None:
@@ -317,9 +327,10 @@ def check_model_source(model: Any, key: str = "model.model") -> None:
     (hub downloads are off in training jobs)."""
     if isinstance(model, Mapping) or model is None:
         return
-    path = Path(str(model)).expanduser()
-    if (path / "config.json").is_file() or (not path.exists() and _in_hub_cache(str(model))):
+    path = Path(local_checkpoint(model))
+    if (path / "config.json").is_file():
         return
+    path = Path(str(model)).expanduser()
     if path.is_dir():
         raise ConfigError(f"{key}: {str(model)!r} is a folder without a config.json: not a checkpoint folder")
     parent = path.parent if path.parent.is_dir() else None

@@ -52,11 +52,15 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             f"model.model: '{tmp / 'checkpoint'}' is neither a checkpoint folder",
         ),
         "abbreviated option": (["--trainer.max_step", "3"], "(did you mean 'trainer.max_steps'?)"),
+        "missing tokenizer": (
+            ["--data.tokenizer", str(demo.parent / "tokenzer")],
+            f"data.tokenizer: '{demo.parent / 'tokenzer'}' is neither a local folder",
+        ),
     }
 
 
 CASES = ["malformed JSON", "record without messages", "empty file", "over-length", "misspelled source field",
-         "misspelled model key", "missing model folder", "abbreviated option"]  # fmt: skip
+         "misspelled model key", "missing model folder", "abbreviated option", "missing tokenizer"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)

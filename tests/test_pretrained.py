@@ -91,3 +91,28 @@ def test_the_cli_fine_tunes_a_folder_with_the_tiny_config_in_train_mode(
     for r in counter.rows:
         assert (r["first"], r["last"]) == (1 + (ckpt[r["level"]] > 0), 1 + (ckpt[r["level"]] >= 4)), r
     assert {ckpt[r["level"]] for r in counter.rows} >= {0, 2}
+
+
+def test_a_model_in_the_hugging_face_cache_is_found_by_its_name(pretrained_llama, small_demo, tmp_path, monkeypatch):
+    """``model: org/name`` of a model the Hugging Face cache holds (as ``hf download`` leaves it) loads
+    without the network; a name the cache does not hold is refused at once, naming the option."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from lit_hbp.errors import ConfigError
+
+    snapshot = tmp_path / "hub" / "models--my-org--tiny-llama" / "snapshots" / "0123abcd"
+    shutil.copytree(pretrained_llama, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    dm = HBPDataModule(sources=[{"path": str(small_demo / "short.jsonl")}], tokenizer="my-org/tiny-llama",
+                       levels=["256:1", "1024:1"], cache_dir=str(tmp_path / "cache"), over_length="drop")  # fmt: skip
+    module = HBPLitModule(model="my-org/tiny-llama", vocab_size=dm.vocab_size)
+    quiet_trainer(max_steps=2).fit(module, dm)
+    assert module.model.training and module.trainer.global_step == 2
+    with pytest.raises(ConfigError, match=r"model: 'my-org/tiny-lama' is neither a checkpoint folder"):
+        HBPLitModule(model="my-org/tiny-lama")

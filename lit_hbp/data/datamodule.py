@@ -22,6 +22,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lit_hbp.checks import did_you_mean, local_checkpoint
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.sources import Source, check_sources
@@ -449,10 +450,13 @@ def load_tokenizer(path: str):
 
     if not Path(path).exists():
         try:
-            return AutoTokenizer.from_pretrained(path, local_files_only=True)
+            return AutoTokenizer.from_pretrained(local_checkpoint(path), local_files_only=True)
         except OSError:
-            raise FileNotFoundError(
-                f"tokenizer not found: {path!r} is neither a local folder nor in the Hugging Face cache"
+            parent = Path(path).parent
+            folders = [p.name for p in parent.iterdir() if p.is_dir()] if parent.is_dir() else []
+            near = did_you_mean(Path(path).name, folders)
+            raise ConfigError(
+                f"data.tokenizer: {path!r} is neither a local folder{near} nor a tokenizer in the Hugging Face cache"
             ) from None
     return AutoTokenizer.from_pretrained(path)
 
