@@ -56,7 +56,16 @@ def test_packing_metrics_in_a_plain_lightning_project(tmp_path):
         enable_model_summary=False,
         callbacks=[PackingMetrics()],
     )
-    trainer.fit(PlainModel(), dm)
+    model = PlainModel()
+    given = []
+    log = model.log
+    model.log = lambda name, value, **kw: (
+        given.append(value) if name == "packing/level" else None,
+        log(name, value, **kw),
+    )
+    trainer.fit(model, dm)
+    # A host tensor, never a Python number: Lightning would copy a number to the device every micro-step.
+    assert given and all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in given)
     (metrics_file,) = glob.glob(f"{tmp_path}/**/metrics.csv", recursive=True)
     rows = list(csv.DictReader(open(metrics_file)))
     logged = {k: float(v) for row in rows for k, v in row.items() if v}

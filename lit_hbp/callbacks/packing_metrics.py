@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lit_hbp.costmodel import HARDWARE, CostModel
@@ -103,4 +104,5 @@ class PackingMetrics(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         plan = self._plan(trainer)
         step = min(batch_idx // trainer.accumulate_grad_batches, plan.n_steps - 1)
-        pl_module.log("packing/level", float(plan.step_level[step]), batch_size=1)
+        # A host tensor: Lightning copies a Python number to the device, a blocking copy every micro-step.
+        pl_module.log("packing/level", torch.tensor(float(plan.step_level[step])), batch_size=1)
