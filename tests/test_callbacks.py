@@ -57,12 +57,14 @@ def test_packing_metrics_in_a_plain_lightning_project(tmp_path):
         callbacks=[PackingMetrics()],
     )
     model = PlainModel()
-    given = []
-    log = model.log
-    model.log = lambda name, value, **kw: (
-        given.append(value) if name == "packing/level" else None,
-        log(name, value, **kw),
-    )
+    given, log = [], model.log
+
+    def recording_log(name, value, **kw):
+        if name == "packing/level":
+            given.append(value)
+        return log(name, value, **kw)
+
+    model.log = recording_log
     trainer.fit(model, dm)
     # A host tensor, never a Python number: Lightning would copy a number to the device every micro-step.
     assert given and all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in given)
