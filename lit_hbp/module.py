@@ -39,6 +39,14 @@ from lit_hbp.parallel import context as sp_context
 RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
 
 
+def set_recompile_limit(limit: int) -> None:
+    """Raise dynamo's per-code recompile limit to at least ``limit``: ``recompile_limit`` from torch
+    2.7, ``cache_size_limit`` before."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), limit))
+
+
 @contextlib.contextmanager
 def _zero3_loading(trainer):
     """Under DeepSpeed ZeRO-3 the model is built inside ``deepspeed.zero.Init`` (parameters are
@@ -143,7 +151,7 @@ class HBPLitModule(L.LightningModule):
         if self.hparams.liger:
             apply_liger(self.model)
         if self.hparams.compile:
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            set_recompile_limit(RECOMPILE_LIMIT)
             torch._logging.set_logs(recompiles=True)
             for layer in self._layers:
                 layer.compile(dynamic=True)

@@ -15,14 +15,22 @@ The kernel comes from ``lit_hbp.attention.backends``: per device, the dtype the 
 (the autocast dtype under autocast) and the features the layer needs (sliding window, soft-capping,
 sinks, dropout), the fastest backend that can run it; the choice, and why each faster backend was
 not taken, is logged once.
+
+The kernel call is the ``torch.library`` custom op ``hbp::varlen_attention``: a compiled decoder layer
+sees one opaque op with a fake implementation (the output's shape and dtype) and stays one graph on
+every backend, the per-document CPU loops included; backend choice, logging, imports and host reads
+happen inside the op, at run time, never while tracing. Its backward, ``hbp::varlen_attention_backward``,
+recomputes the forward through the backend's own differentiable kernel and differentiates it.
 """
 
 from __future__ import annotations
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch._C import DispatchKey
 from transformers import AttentionInterface
 
+from lit_hbp.attention import flex
 from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose, why_not
 from lit_hbp.parallel import context as sp_context
 
@@ -41,8 +49,9 @@ CHECKED = frozenset({"output_attentions", "is_causal"})
 def set_pack(cu_seqlens: torch.Tensor | None, max_seqlen: int = 0, total: int = 0) -> None:
     """The pack being trained (global cu_seqlens over ``total`` positions), or None: the document
     boundaries for layers that do not pass ``cu_seq_lens_q`` on. Stays set through the backward
-    (checkpointed layers recompute their attention there)."""
+    (checkpointed layers recompute their attention there). Its FlexAttention masks live as long."""
     _pack[0] = None if cu_seqlens is None else (cu_seqlens, int(max_seqlen), int(total))
+    flex.set_pack(cu_seqlens, int(total))
 
 
 def _unsupported(module, attention_mask, kwargs: dict) -> None:
@@ -110,6 +119,100 @@ def _attend(q, k, v, args: AttnArgs) -> torch.Tensor:
     return REGISTRY[name].run(q, k, v, args)
 
 
+def _run_op(q, k, v, cu, sinks, seed, max_len: int, scale: float, window, softcap, dropout: float) -> torch.Tensor:
+    """The kernel; with dropout, on the device's RNG seeded with ``seed`` (restored after), so the
+    backward's recomputation draws the forward's dropout mask again."""
+    args = AttnArgs(cu=cu, max_len=max_len, scale=scale, window=window, softcap=softcap, sinks=sinks, dropout=dropout)
+    if not dropout:
+        return _attend(q, k, v, args)
+    cuda = q.device.type == "cuda"
+    with torch.random.fork_rng(devices=[q.device] if cuda else [], device_type=q.device.type):
+        (torch.cuda if cuda else torch.random.default_generator).manual_seed(int(seed))
+        return _attend(q, k, v, args)
+
+
+@torch.library.custom_op("hbp::varlen_attention", mutates_args=())
+def _varlen_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    sinks: torch.Tensor | None,
+    max_len: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    dropout: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [1, Hq, T, D], the dropout seed the backward replays; 0 without dropout)."""
+    seed = torch.randint(2**62, (), dtype=torch.int64) if dropout else torch.zeros((), dtype=torch.int64)
+    with torch.no_grad():
+        out = _run_op(q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout)
+    return out.contiguous() if out is not q else out.clone(), seed  # the fake's layout; never an input
+
+
+@_varlen_op.register_fake
+def _(q, k, v, cu, sinks, max_len, scale, window, softcap, dropout):
+    return q.new_empty(q.shape), torch.empty((), dtype=torch.int64)
+
+
+_AUTOGRAD_KEYS = [
+    DispatchKey.ADInplaceOrView,
+    *(k for n, k in DispatchKey.__members__.items() if n.startswith("Autograd")),
+]
+
+
+@torch.library.custom_op("hbp::varlen_attention_backward", mutates_args=())
+def _varlen_backward_op(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    sinks: torch.Tensor | None,
+    seed: torch.Tensor,
+    max_len: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    dropout: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks; dsinks empty without sinks): the forward recomputed by its backend with
+    autograd on (a custom op's kernel runs below autograd, which is switched back on here) and
+    differentiated. Exact: the same kernel, inputs and dropout seed as the forward."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        inputs = [x.detach().requires_grad_() for x in (q, k, v, *([sinks] if sinks is not None else []))]
+        out = _run_op(
+            *inputs[:3], cu, inputs[3] if sinks is not None else None, seed, max_len, scale, window, softcap, dropout
+        )
+        grads = torch.autograd.grad(out, inputs, grad)
+    dsinks = grads[3] if sinks is not None else q.new_empty(0)
+    return tuple(torch.empty_like(x).copy_(g) for x, g in zip((q, k, v, dsinks), (*grads[:3], dsinks)))  # the fake's
+
+
+@_varlen_backward_op.register_fake
+def _(grad, q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout):
+    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu, sinks, *ctx.host = inputs
+    ctx.save_for_backward(q, k, v, cu, sinks, output[1])
+
+
+def _backward(ctx, grad: torch.Tensor, _seed_grad):
+    q, k, v, cu, sinks, seed = ctx.saved_tensors
+    dq, dk, dv, dsinks = _varlen_backward_op(grad, q, k, v, cu, sinks, seed, *ctx.host)
+    return dq, dk, dv, None, dsinks if sinks is not None else None, None, None, None, None, None
+
+
+_varlen_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def varlen_attention(
     module,
     query: torch.Tensor,
@@ -148,16 +251,12 @@ def varlen_attention(
     query, key, value = (x.to(dtype) for x in (query, key, value))
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-        args = AttnArgs(
-            cu=cu_seq_lens_q,
-            max_len=int(max_length_q),
-            scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-            window=sliding_window,
-            softcap=softcap or None,
-            sinks=sinks,
-            dropout=dropout if module.training else 0.0,
-        )
-        return _attend(q, k, v, args)
+        scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+        p = float(dropout) if module.training else 0.0
+        if not torch.compiler.is_compiling():  # eager: the kernel itself, no recomputation in the backward
+            args = AttnArgs(cu_seq_lens_q, int(max_length_q), scale, sliding_window, softcap or None, sinks, p)
+            return _attend(q, k, v, args)
+        return _varlen_op(q, k, v, cu_seq_lens_q, sinks, max_length_q, scale, sliding_window, softcap or None, p)[0]
 
     out = (
         sp_context.active_kind().attend(query, key, value, s_aux, ctx, attend)

@@ -3,8 +3,11 @@
 Built from ``cu_seqlens`` on the device at block granularity (128 x 128 tiles), never evaluating
 the T x T mask: a 128K pack has 1024 x 1024 tiles. Tile (i, j) of query block i and key block j
 is *full* when every pair in it attends (j < i, one document, inside the window), *partial* when
-some do (the mask function decides element-wise), else skipped. No host-device sync. Every layer
-of a forward sees the same ``cu_seqlens`` tensor, so the mask is built once per micro-batch.
+some do (the mask function decides element-wise), else skipped. No host-device sync. The masks of
+the pack being trained are held by the pack (``set_pack``, called by ``attention.set_pack`` once per
+micro-batch, outside compiled code), so every layer of its forward and backward shares one per window;
+attention runs FlexAttention inside the opaque ``hbp::varlen_attention`` op, so no compiled graph
+guards on them.
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ from __future__ import annotations
 import torch
 
 BLOCK = 128
-_cache: list[tuple[torch.Tensor, int, int | None, object]] = []
+_pack: list[tuple[torch.Tensor, int, dict[int | None, object]] | None] = [None]
+
+
+def set_pack(cu: torch.Tensor | None, total: int = 0) -> None:
+    """The pack being trained (global cu_seqlens over ``total`` positions), or None; drops the
+    previous pack's masks."""
+    _pack[0] = None if cu is None else (cu, total, {})
 
 
 def document_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
@@ -52,10 +61,19 @@ def _as_kv_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def document_block_mask(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK):
-    """The BlockMask of a pack with documents ``cu`` (global cu_seqlens) over ``total`` positions."""
-    for key_cu, key_total, key_window, mask in _cache:
-        if key_cu is cu and key_total == total and key_window == window:
-            return mask
+    """The BlockMask of a pack with documents ``cu`` (global cu_seqlens) over ``total`` positions:
+    for the pack being trained, built on its first use per window and kept with the pack."""
+    pack = _pack[0]
+    if pack is None or pack[0] is not cu or pack[1] != total or block != BLOCK:
+        return build_block_mask(cu, total, window, block)
+    masks = pack[2]
+    if window not in masks:
+        masks[window] = build_block_mask(cu, total, window)
+    return masks[window]
+
+
+def build_block_mask(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK):
+    """A new BlockMask of documents ``cu`` over ``total`` positions."""
     from torch.nn.attention.flex_attention import BlockMask
 
     doc = document_ids(cu, total)
@@ -67,9 +85,6 @@ def document_block_mask(cu: torch.Tensor, total: int, window: int | None, block:
         return keep
 
     partial, full = tile_masks(cu, total, window, block)
-    mask = BlockMask.from_kv_blocks(
+    return BlockMask.from_kv_blocks(
         *_as_kv_blocks(partial), *_as_kv_blocks(full), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(total, total)
     )
-    # Holding cu keeps its memory from being reused by another pack's cu while it is cached.
-    _cache[:] = [(cu, total, window, mask), *_cache[:3]]
-    return mask
