@@ -9,19 +9,25 @@ mass from the tokens) and ``dropout``.
 
 The registry is ordered fastest first. For a device, a dtype and the features a call needs, the
 first backend that can run and supports them is taken; each skipped faster backend is reported
-with its reason (``choose``). Kernels that differ between library versions (flash-attn 2/3/4,
-torch's ``varlen_attn`` of torch 2.10-2.13) are adapted from their signatures, so a new
-version needs no code here as long as it keeps its keyword names.
+with its reason (``choose``). A flash-attn backend counts only on the GPUs it is built for and when
+its module imports, probed on the first selection (never at import) and once: a broken or partial
+install (flash-attn 2.8's ``flash_attn/cute`` without cutlass) is skipped with its error. Kernels
+that differ between library versions (flash-attn 2/3/4, torch's ``varlen_attn`` of torch 2.10-2.13)
+are adapted from their signatures, so a new version needs no code here as long as it keeps its
+keyword names.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -67,10 +73,20 @@ class Backend:
 
 
 def _installed(module: str) -> bool:
+    """Whether ``module``'s file is there, found without running any of its package's code: a broken
+    package then fails its import probe with its own error instead of reading as missing."""
+    top, *sub = module.split(".")
     try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package that is missing or broken
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):  # a top-level module that is missing or has no spec
         return False
+    if spec is None or not sub:
+        return spec is not None
+    *parents, leaf = sub
+    return any(
+        Path(where, *parents, leaf).is_dir() or Path(where, *parents, f"{leaf}.py").is_file()
+        for where in spec.submodule_search_locations or ()
+    )
 
 
 @cache
@@ -94,6 +110,17 @@ FLASH_MODULES = {
     "flash_attn_4": ("flash_attn.cute", "flash-attn 4 (flash_attn.cute)"),
     "flash_attn": ("flash_attn", "flash-attn 2"),
 }
+# The GPUs (compute capability) each kernel is built for, from the upstream READMEs and the asserts
+# in their interfaces: flash-attn 2 Ampere, Ada and Hopper (and newer; bf16 needs SM80+ too),
+# flash-attn 3 Hopper only, flash-attn 4 (CuTe DSL) Hopper and Blackwell (SM9x, SM10x).
+FLASH_ARCHS: dict[str, tuple[Callable[[tuple[int, int]], bool], str]] = {
+    "flash_attn_3": (lambda cap: cap == (9, 0), "SM90 (Hopper) only"),
+    "flash_attn_4": (lambda cap: cap[0] in (9, 10), "SM90/SM100 (Hopper, Blackwell) only"),
+    "flash_attn": (lambda cap: cap >= (8, 0), "SM80 or newer (Ampere, Ada, Hopper)"),
+}
+# The distribution flash-attn 4 comes as; flash-attn 2.8 wheels ship a preview flash_attn/cute/ too,
+# which needs nvidia-cutlass-dsl that they do not install.
+FLASH_4_DIST = "flash-attn-4"
 
 
 def _flash_fn(name: str):
@@ -106,8 +133,46 @@ def _flash_supports(name: str) -> frozenset[str]:
     return frozenset(f for f, kw in keyword.items() if kw in params)
 
 
+def _provider(module: str) -> tuple[str, str] | None:
+    """(name, version) of the installed distribution that holds ``module``: the one whose RECORD lists
+    its file, else (for a top-level module) the one whose top_level.txt names it; None if none does."""
+    top, path = module.split(".")[0], module.replace(".", "/")
+    names = importlib.metadata.packages_distributions().get(top, [])
+    files = {f"{path}/__init__.py", f"{path}.py"}
+    for dist_name in names:
+        dist = importlib.metadata.distribution(dist_name)
+        if any(str(f) in files for f in dist.files or ()):
+            return dist_name, dist.version
+    return (names[0], importlib.metadata.version(names[0])) if names and top == module else None
+
+
+def _normalized(dist_name: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist_name).lower()
+
+
+@cache
+def _probe(name: str) -> str | None:
+    """Import flash backend ``name``'s module once, on the first selection that gets this far (never
+    at lit_hbp's import): None when it imports and has the kernel, else the reason, naming the
+    distribution it came from. A broken install (a missing dependency, an undefined CUDA symbol)
+    may raise anything: it rejects the backend instead of crashing the first forward."""
+    module, what = FLASH_MODULES[name]
+    try:
+        if hasattr(importlib.import_module(module), "flash_attn_varlen_func"):
+            return None
+        error = "has no flash_attn_varlen_func"
+    except Exception as e:  # whatever a broken install raises
+        error = f"does not import: {type(e).__name__}: {e}"
+    provider = _provider(module)
+    source = f" (from {' '.join(provider)})" if provider else ""
+    if name == "flash_attn_4" and (provider is None or _normalized(provider[0]) != FLASH_4_DIST):
+        source += f" (flash-attn 4 is the {FLASH_4_DIST} distribution)"
+    return f"{module}{source} {error}"
+
+
 def _flash_unusable(name: str) -> Callable[[str, torch.dtype], str | None]:
     module, what = FLASH_MODULES[name]
+    supported, archs = FLASH_ARCHS[name]
 
     def unusable(device_type: str, dtype: torch.dtype) -> str | None:
         if device_type != "cuda":
@@ -116,7 +181,10 @@ def _flash_unusable(name: str) -> Callable[[str, torch.dtype], str | None]:
             return f"fp16/bf16 only, not {dtype}"
         if not _installed(module):
             return f"{what} is not installed"
-        return None
+        major, minor = torch.cuda.get_device_capability()
+        if not supported((major, minor)):
+            return f"{what} runs on {archs}, this GPU is SM{major}{minor}"
+        return _probe(name)
 
     return unusable
 
