@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from lit_hbp.cli import main as cli_main
-from lit_hbp.costmodel import HARDWARE
 from lit_hbp.data.collate import collate_packs
+from lit_hbp.gpu_peaks import peak_flops as gpu_peak_flops
 from lit_hbp.report import format_table
 
 OOM = (torch.OutOfMemoryError,)
@@ -50,13 +50,10 @@ def sync(device: torch.device) -> None:
 
 
 def peak_flops(device: torch.device, override: float | None) -> float | None:
-    """Dense bf16 peak of the device (the cost model's presets, by GPU name), or --peak-tflops."""
+    """Dense bf16 peak of the device (``lit_hbp.gpu_peaks``, by GPU variant), or --peak-tflops."""
     if override:
         return override * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower()
-    return next((hw.peak_flops for key, hw in HARDWARE.items() if key in name), None)
+    return gpu_peak_flops(device, torch.bfloat16)
 
 
 class StepClock(L.Callback):

@@ -31,13 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lit_hbp.costmodel import HARDWARE
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.datamodule import load_tokenizer
 from lit_hbp.data.sources import Source
 from lit_hbp.data.store import SampleStore
 from lit_hbp.data.tokenize import tokenize_source
 from lit_hbp.demo import ensure_demo
+from lit_hbp.gpu_peaks import peak_flops
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing import Level, plan_hbp
@@ -223,11 +223,8 @@ def run_hbp(base, store, chosen, args, device, pad_id):
 
 
 def _peak_flops(device) -> float | None:
-    """bf16 dense peak of the GPU (for MFU), from the cost model's presets by device name."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower()
-    return next((hw.peak_flops for key, hw in HARDWARE.items() if key in name), None)
+    """bf16 dense peak of the GPU (for MFU), by GPU variant (``lit_hbp.gpu_peaks``)."""
+    return peak_flops(device, torch.bfloat16)
 
 
 def _has_flash() -> bool:

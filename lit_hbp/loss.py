@@ -56,7 +56,8 @@ def token_weights(batch: PackedBatch, normalizer: str) -> torch.Tensor:
     if scale is not None:
         w = torch.full(labels.shape, scale, device=labels.device)
     else:
-        w = batch.sp / (max(batch.n_loss_samples, 1) * batch.sample_targets.clamp(min=1))
+        # sample_targets is an integer tensor (exact under any precision plugin); the weights are fp32.
+        w = batch.sp / (max(batch.n_loss_samples, 1) * batch.sample_targets.clamp(min=1).float())
     return torch.where(labels != -100, w, torch.zeros_like(w))
 
 

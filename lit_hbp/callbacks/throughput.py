@@ -9,9 +9,12 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
 from lit_hbp.data.batch import PackedBatch
+from lit_hbp.gpu_peaks import peak_flops
 from lit_hbp.meter import logs_now
 
 
@@ -40,9 +43,9 @@ class ShareThroughput(Throughput):
 
 
 class HBPThroughputMonitor(ThroughputMonitor):
-    """Logs samples/s, tokens/s, FLOP/s and (on GPUs Lightning knows) MFU, where tokens are real
-    sample tokens, never padding, and an SP group's ranks each count their 1/sp share, so the world
-    totals are right.
+    """Logs samples/s, tokens/s, FLOP/s and (on GPUs whose peak ``lit_hbp.gpu_peaks`` knows) MFU,
+    where tokens are real sample tokens, never padding, and an SP group's ranks each count their 1/sp
+    share, so the world totals are right.
 
     Lightning's ThroughputMonitor synchronizes the GPU after every micro-batch to time it, which
     stops the host from queueing the next micro-batch while the GPU works. This one counts each
@@ -92,10 +95,17 @@ class HBPThroughputMonitor(ThroughputMonitor):
         super()._update(trainer, pl_module, batch, iter_num)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
+        """Lightning's setup with the peak of the exact GPU variant (``lit_hbp.gpu_peaks``) and
+        throughputs that count shares of samples."""
+        self.available_flops = peak_flops(
+            trainer.strategy.root_device, _plugin_to_compute_dtype(trainer.precision_plugin)
+        )
+        stages = [trainer.state.stage]
+        if stage == TrainerFn.FITTING and trainer.enable_validation:
+            stages.append(RunningStage.VALIDATING)  # fit includes validation
         self._throughputs = {
             s: ShareThroughput(available_flops=self.available_flops, world_size=trainer.world_size, **self.kwargs)
-            for s in self._throughputs
+            for s in stages
         }
 
     @rank_zero_only

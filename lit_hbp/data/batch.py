@@ -7,6 +7,9 @@ a contiguous shard, while ``cu_seqlens``/``max_seqlen`` always describe the whol
 else is counted on the host by collate, so the training step never reads a value back from the
 device. The plan's fields (``level``, ``ckpt_layers``, ``loss_norm``, ``epoch``, ``micro_index``)
 say where the micro-batch comes from and how the strategy and the loss must treat it.
+
+No field is a floating tensor: Lightning's precision plugins (``convert_input``) cast every floating
+tensor of a batch to the training dtype, so counts travel as integer tensors or Python numbers.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ class PackedBatch:
     position_ids: torch.Tensor
     """[1, T / sp] positions restarting at 0 at every sample."""
     sample_targets: torch.Tensor
-    """[1, T / sp] float: supervised tokens of each position's sample (per-sample normalizers)."""
+    """[1, T / sp] int32: supervised tokens of each position's sample (per-sample normalizers). An
+    integer tensor, so precision plugins that cast a batch's floating tensors (DeepSpeed's bf16
+    casts 265 to 264) leave it exact; the loss turns it into fp32 weights."""
     cu_seqlens: torch.Tensor
     """int32 [segments + 1]: cumulative sample lengths of the whole pack (the padding is a segment)."""
     max_seqlen: int

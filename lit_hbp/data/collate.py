@@ -65,7 +65,7 @@ def collate_packs(
         input_ids=torch.from_numpy(ids)[None],
         labels=labels,
         position_ids=torch.from_numpy(position_ids)[None],
-        sample_targets=torch.from_numpy(sample_targets.astype(np.float32))[None],
+        sample_targets=torch.from_numpy(sample_targets.astype(np.int32))[None],
         cu_seqlens=torch.from_numpy(cu),
         max_seqlen=int(seg_lens.max()),
         n_targets=int(supervised.sum()),
