@@ -74,6 +74,9 @@ class HBPStrategy(DeepSpeedStrategy):
             # A micro-batch is one packed row; without this Lightning would infer it from a
             # dataloader before the model exists.
             self.config.setdefault("train_micro_batch_size_per_gpu", 1)
+            # DeepSpeed's throughput timer (on by default) synchronizes the device in every forward and
+            # optimizer step; lit-hbp's monitors time the steps without waiting (HBPThroughputMonitor).
+            self.config.setdefault("timers", {"throughput": {"enabled": False, "synchronized": False}})
         self.levels = None if levels is None else tuple(as_level(x) for x in levels)
         self.sp_groups: SPGroups | None = None
 

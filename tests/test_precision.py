@@ -132,3 +132,14 @@ def test_deepspeed_floor_excludes_the_releases_that_cast_rope_buffers_to_bf16():
     (spec,) = [r.specifier for r in map(Requirement, project["dependencies"]) if r.name == "deepspeed"]
     assert not spec.contains("0.19.0") and not spec.contains("0.19.1") and spec.contains("0.19.2")
     assert spec.contains(importlib.metadata.version("deepspeed"))
+
+
+def test_the_strategy_turns_deepspeeds_synchronizing_throughput_timer_off_unless_asked():
+    from deepspeed.utils.config import get_timers_config
+
+    from lit_hbp.strategy import HBPStrategy
+
+    timers = get_timers_config(HBPStrategy(stage=2).config)  # DeepSpeed's own reading of the config
+    assert not timers.enabled and not timers.synchronized
+    asked = {"zero_optimization": {"stage": 2}, "timers": {"throughput": {"enabled": True, "synchronized": True}}}
+    assert get_timers_config(HBPStrategy(config=asked).config).enabled
