@@ -15,7 +15,27 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 
-class FinalCheckpoint(L.Callback):
+class StepEndCallback(L.Callback):
+    """A callback that acts at the end of an optimizer step (the last micro-batch of an accumulation)
+    and after the checkpoint callbacks' own hooks, so a save they make at that step comes first."""
+
+    _step_before = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning runs the checkpoint callbacks last: run after them.
+        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_before = trainer.global_step
+
+    def stepped(self, trainer: L.Trainer) -> bool:
+        """Whether the micro-batch that just ended completed an optimizer step."""
+        return trainer.global_step > self._step_before
+
+
+class FinalCheckpoint(StepEndCallback):
     """Make every checkpoint callback that keeps a latest checkpoint hold the run's final step.
 
     For each ``ModelCheckpoint`` of the trainer that did not save at the final step:
@@ -37,23 +57,11 @@ class FinalCheckpoint(L.Callback):
 
     def __init__(self) -> None:
         self._saved_at: dict[int, int] = {}  # id(ModelCheckpoint) -> global step this callback saved it at
-        self._step_before = 0
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # Lightning runs the checkpoint callbacks last; run after them, so their own save at the
-        # final step (if they make one) comes first and this one only fills in what they skipped.
-        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._step_before = trainer.global_step
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        stepped = trainer.global_step > self._step_before
-        if stepped and trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
+        if self.stepped(trainer) and trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
             self.save_final(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

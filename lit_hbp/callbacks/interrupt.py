@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_hbp.callbacks.checkpoint import FinalCheckpoint
+from lit_hbp.callbacks.checkpoint import FinalCheckpoint, StepEndCallback
 
 FIRST_PRESS = (
     "Ctrl-C: training stops after the current optimizer step and saves a checkpoint; "
@@ -29,7 +29,7 @@ FIRST_PRESS = (
 FALLBACK_NAME = "interrupted.ckpt"
 
 
-class InterruptCheckpoint(L.Callback):
+class InterruptCheckpoint(StepEndCallback):
     """The first Ctrl-C (SIGINT) lets the running optimizer step finish, saves it and stops fit; the
     second raises KeyboardInterrupt (Lightning's default: stop at once, nothing saved).
 
@@ -68,13 +68,7 @@ class InterruptCheckpoint(L.Callback):
         self._announce = False
         self._group: Any = None
         self._group_world: Any = None  # the default group ``_group`` was made under
-        self._step_before = 0
         self._final = FinalCheckpoint()
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # Run after the checkpoint callbacks (Lightning puts them last): a scheduled save at the step
-        # comes first and is the one reused.
-        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.requested, self.checkpoint = False, None
@@ -99,15 +93,10 @@ class InterruptCheckpoint(L.Callback):
             # os.write, not print: a handler that runs inside a buffered write to the same stream fails.
             os.write(2, f"\n{FIRST_PRESS}\n".encode())
 
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._step_before = trainer.global_step
-
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step == self._step_before:
+        if not self.stepped(trainer):
             return  # inside an accumulation
         stop = self.requested
         if self._group is not None:
