@@ -7,10 +7,10 @@
 Modes, each timed over the same optimizer steps of each level of the config's epoch plan (the
 packs HBP trains, curriculum off, one device):
 
-- hbp: ``Trainer.fit`` of the config (model, strategy, precision, compile, ...) as
-  ``python train.py fit`` runs it; every optimizer step's wall time, from the previous step's end
-  to its own (the device synchronized there, data loading and the optimizer included), goes to its
-  level;
+- hbp: ``Trainer.fit`` of the config (model, strategy, precision, compile, logger, callbacks, ...)
+  as ``python train.py fit`` runs it, checkpointing and curriculum off; every optimizer step's wall
+  time, from the previous step's end to its own (the device synchronized there, data loading and
+  the optimizer included), goes to its level;
 - hf_sdpa / hf_flash_attention_2: Hugging Face ``Trainer`` with ``DataCollatorWithFlattening``
   (one pack per batch, position_ids restarting per sample, bf16 autocast on a GPU), the same
   initial weights, AdamW; flash_attention_2 only when flash-attn is installed;
@@ -35,7 +35,9 @@ import time
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lit_hbp.callbacks import HBPCurriculum
 from lit_hbp.cli import main as cli_main
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.gpu_peaks import peak_flops as gpu_peak_flops
@@ -80,12 +82,13 @@ class StepClock(L.Callback):
 
 
 def build(config: str, overrides: list[str], steps: int):
-    """The config's trainer, module and data, curriculum off, ``steps`` optimizer steps."""
-    args = ["--config", config, "--trainer.max_steps", str(steps), "--trainer.logger", "false"]
-    args += ["--trainer.enable_progress_bar", "false"]
+    """The config's trainer, module and data for ``steps`` optimizer steps, as ``train.py fit`` builds
+    them: its logger and callbacks (their per-step costs are the run's) and the CLI's own, with no
+    progress bar, no checkpoint written and the curriculum off (the timed steps are the plan's)."""
+    args = ["--config", config, "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false"]
     cli = cli_main(args + overrides, run=False)
-    trainer = cli.trainer
-    trainer.callbacks[:] = [c for c in trainer.callbacks if type(c).__name__ == "HBPThroughputMonitor"]
+    dropped = (HBPCurriculum, ModelCheckpoint)  # a 1B model's checkpoint is gigabytes of disk, not speed
+    cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, dropped)]
     return cli
 
 

@@ -184,14 +184,28 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module]) -> ModelSpec
     return replace(spec, active_layer_params=active / len(layers), total_layer_params=total / len(layers))
 
 
+LIGER_FLOOR = "liger-kernel>=0.6.2"  # the first release whose fused linear cross-entropy takes accum_dtype
+
+
 def apply_liger(net) -> None:
-    """Liger's RMSNorm, RoPE and SwiGLU kernels on ``net`` where Liger has them for its family (the
-    cross-entropy is the module's own fused one, so Liger's loss patches stay off)."""
+    """Liger's RMSNorm, RoPE and SwiGLU kernels on ``net``, the Hugging Face model itself (not a peft
+    wrapper), where Liger has them for its family (the cross-entropy is the module's own fused one,
+    so Liger's loss patches stay off). Refuses a Liger whose fused linear cross-entropy cannot
+    accumulate the LM head's gradient in fp32 (``accum_dtype``)."""
     if not torch.cuda.is_available():
         raise ValueError("liger=True needs a CUDA GPU: Liger's kernels are Triton kernels")
     if importlib.util.find_spec("liger_kernel") is None:
         raise ValueError("liger=True needs liger-kernel: pip install 'lit-hbp[gpu]'")
+    import inspect
+
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+    if "accum_dtype" not in inspect.signature(liger_fused_linear_cross_entropy).parameters:
+        raise ValueError(
+            "liger=True: this liger-kernel's fused linear cross-entropy has no accum_dtype, so the LM head's "
+            f"gradient would accumulate in bf16; pip install '{LIGER_FLOOR}'"
+        )
 
     model_type = net.config.model_type
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:

@@ -122,8 +122,10 @@ def fused_linear_cross_entropy(
     index: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``chunked_cross_entropy`` with one weight for all tokens, through Liger's fused linear
-    cross-entropy kernel (CUDA, Triton): the LM head and the loss in one pass, logits never stored.
-    ``head`` is an OutputHead without a bias when it scales its logits (the scale goes on the input)."""
+    cross-entropy kernel (CUDA, Triton): the LM head and the loss in one pass, logits never stored,
+    the head's gradient accumulated in fp32. ``head`` is an OutputHead without a bias when it scales
+    its logits (the scale goes on the input). Liger reads two values on the host per call (the
+    supervised count in forward, ``grad_output == 1`` in backward): two syncs per micro-step."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     h, target = _supervised(hidden, labels, index)
@@ -131,6 +133,12 @@ def fused_linear_cross_entropy(
         h = h * head.scale
     linear = head.linear
     ce = liger_fused_linear_cross_entropy(
-        h, linear.weight, target, getattr(linear, "bias", None), reduction="sum", softcap=head.softcap
+        h,
+        linear.weight,
+        target,
+        getattr(linear, "bias", None),
+        reduction="sum",
+        softcap=head.softcap,
+        accum_dtype=torch.float32,  # the LM head's gradient summed over chunks in fp32, not bf16
     )
     return ce * weight, ce.detach(), index.shape[0]

@@ -39,6 +39,15 @@ from lit_hbp.parallel import context as sp_context
 RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
 
 
+def adamw_kind(params: list[torch.Tensor]) -> str:
+    """``fused`` when every trainable parameter is a floating tensor on a CUDA device (DeepSpeed
+    steps its fp32 master copies, on the same device), else ``for-loop`` (torch's own choice off
+    CUDA). The fused kernel updates every parameter in one pass over memory; the unfused AdamW
+    makes about ten."""
+    fused = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+    return "fused" if fused else "for-loop"
+
+
 def set_recompile_limit(limit: int) -> None:
     """Raise dynamo's per-code recompile limit to at least ``limit``: ``recompile_limit`` from torch
     2.7, ``cache_size_limit`` before."""
@@ -74,7 +83,8 @@ class HBPLitModule(L.LightningModule):
         model: local checkpoint path, or a config mapping with ``model_type`` (random init).
         vocab_size: tokenizer size (linked from the data module); overrides a config's vocab_size.
         loss: ``ave_token`` (default) | ``token_mean`` | ``sample_mean`` | ``sum``.
-        lr, weight_decay, betas: AdamW. Bias and norm weights are not decayed.
+        lr, weight_decay, betas: AdamW, torch's fused kernel when every trainable parameter is on
+            CUDA (``adamw_kind``). Bias and norm weights are not decayed.
         warmup_steps: linear warm-up of the learning rate, then cosine decay to ``min_lr_ratio * lr``
             at the last optimizer step of the run.
         ce_chunk_size: supervised tokens per LM-head chunk of the cross-entropy.
@@ -93,9 +103,11 @@ class HBPLitModule(L.LightningModule):
             save) get gradients and optimizer states; every level's SP degree, checkpointing and
             ZeRO stage work as for full fine-tuning. Export writes the adapter, or merged weights.
         liger: Liger kernels on a CUDA GPU (``pip install lit-hbp[gpu]``): RMSNorm, RoPE and SwiGLU
-            of the model family where Liger has them, and the fused linear cross-entropy in place
-            of the chunked one (not for ``sample_mean``, whose weights differ per token, nor under
-            ZeRO-3, which partitions the LM head's weight). Off by default.
+            of the model family where Liger has them (applied before LoRA wraps the model), and the
+            fused linear cross-entropy in place of the chunked one, the LM head's gradient
+            accumulated in fp32 (not for ``sample_mean``, whose weights differ per token, nor under
+            ZeRO-3, which partitions the LM head's weight). Liger's loss reads two values on the
+            host per micro-step (docs/design.md section 11). Off by default.
     """
 
     def __init__(
@@ -146,10 +158,10 @@ class HBPLitModule(L.LightningModule):
         for layer in self._layers:
             layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
             layer.gradient_checkpointing = False
+        if self.hparams.liger:  # before peft wraps the model: Liger resolves the family's own modules
+            apply_liger(self.model)
         if self.hparams.lora:
             self.model = apply_lora(self.model, dict(self.hparams.lora))
-        if self.hparams.liger:
-            apply_liger(self.model)
         if self.hparams.compile:
             set_recompile_limit(RECOMPILE_LIMIT)
             torch._logging.set_logs(recompiles=True)
@@ -370,7 +382,10 @@ class HBPLitModule(L.LightningModule):
                 (no_decay if len(shape) < 2 or "norm" in name.lower() else decay).append(p)
         groups = [dict(params=decay, weight_decay=hp.weight_decay), dict(params=no_decay, weight_decay=0.0)]
         groups = [g for g in groups if g["params"]]
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        kind = adamw_kind(decay + no_decay)
+        rank_zero_info(f"optimizer: AdamW ({kind})")
+        fused = True if kind == "fused" else None  # None: torch chooses (a for-loop off CUDA)
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), fused=fused)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = min(hp.warmup_steps, total)
 

@@ -52,12 +52,25 @@ def validate_sp_setup(levels, world_size: int, num_heads: int, num_kv_heads: int
     return replication
 
 
+def without_idle_overlap(config: dict[str, Any], world_size: int, asked: bool) -> dict[str, Any]:
+    """``config`` with ZeRO's ``overlap_comm`` off in a world of one process, unless ``asked``: it
+    overlaps the gradient reduction with the backward, and one process reduces nothing, while ZeRO's
+    gradient epilogue still synchronizes the device for it (after every backward under ZeRO-2)."""
+    zero = config.get("zero_optimization")
+    if asked or world_size > 1 or not isinstance(zero, dict):
+        return config
+    return {**config, "zero_optimization": {**zero, "overlap_comm": False}}
+
+
 class HBPStrategy(DeepSpeedStrategy):
     """DeepSpeed (ZeRO 0-3) with per-level Ulysses sequence parallelism.
 
     Args:
         levels: the HBP levels; by default those of the trainer's data module (HBPDataModule).
-        stage: ZeRO stage. Other arguments are DeepSpeedStrategy's.
+        stage: ZeRO stage.
+        overlap_comm: ZeRO's overlap of the gradient reduction with the backward; by default (None)
+            on with several processes and off with one, which reduces nothing (a DeepSpeed
+            ``config`` that sets it decides instead). Other arguments are DeepSpeedStrategy's.
     """
 
     strategy_name = "hbp"
@@ -67,9 +80,15 @@ class HBPStrategy(DeepSpeedStrategy):
         levels: list[Level | dict | str | int] | None = None,
         stage: int = 2,
         logging_batch_size_per_gpu: int = 1,
+        overlap_comm: bool | None = None,
         **kwargs: Any,
     ):
+        if overlap_comm is not None:
+            kwargs["overlap_comm"] = overlap_comm
         super().__init__(stage=stage, logging_batch_size_per_gpu=logging_batch_size_per_gpu, **kwargs)
+        user_config = kwargs.get("config") is not None or self.DEEPSPEED_ENV_VAR in os.environ
+        zero = (self.config or {}).get("zero_optimization") or {}
+        self._overlap_comm_asked = overlap_comm is not None or (user_config and "overlap_comm" in zero)
         if self.config is not None:
             # A micro-batch is one packed row; without this Lightning would infer it from a
             # dataloader before the model exists.
@@ -148,6 +167,7 @@ class HBPStrategy(DeepSpeedStrategy):
                     f"{self.sp_groups.world_size}, not rank {self.global_rank} of {self.world_size}"
                 )
             self.sp_groups.ensure(degrees)
+        self.config = without_idle_overlap(self.config, self.world_size, self._overlap_comm_asked)
         rank_zero_info(
             "HBPStrategy levels: "
             + ", ".join(f"{lv.pack_len} tokens sp {lv.sp} ckpt {lv.ckpt_layers}" for lv in self.levels)

@@ -182,8 +182,12 @@ def test_loader_workers_give_the_batches_of_the_main_process(tmp_path, toy_token
 
 
 def sync_counting_fit(strategy: str, tmp_path) -> tuple[int, list[str], int]:
-    """Trains on CUDA with bf16 autocast, accumulation 4 and logs every 4th step; counts the syncs
-    of micro-steps that neither step the optimizer nor log (from one micro-step's start to the next's)."""
+    """Trains on CUDA with bf16 autocast, accumulation 4, logs every 4th step and the callbacks of
+    configs/llama_1b_1gpu.yaml; counts the syncs (those ``set_sync_debug_mode`` reports, and every
+    ``torch.cuda.synchronize()``, which it does not) of micro-steps that neither step the optimizer
+    nor log (from one micro-step's start to the next's)."""
+    from test_sync_audit import config_callbacks
+
     from lit_hbp.demo import build_demo
     from lit_hbp.strategy import HBPStrategy
 
@@ -227,6 +231,13 @@ def sync_counting_fit(strategy: str, tmp_path) -> tuple[int, list[str], int]:
             self._close()
 
     count = Count()
+    synchronize = torch.cuda.synchronize
+
+    def counted_synchronize(*args, **kwargs):
+        if count.caught is not None:
+            count.syncs.append("torch.cuda.synchronize()")
+        return synchronize(*args, **kwargs)
+
     trainer = L.Trainer(
         accelerator="gpu",
         devices=1,
@@ -239,9 +250,13 @@ def sync_counting_fit(strategy: str, tmp_path) -> tuple[int, list[str], int]:
         use_distributed_sampler=False,
         enable_checkpointing=False,
         enable_model_summary=False,
-        callbacks=[count, HBPThroughputMonitor()],
+        callbacks=[count, *config_callbacks()],
     )
-    trainer.fit(module, dm)
+    torch.cuda.synchronize = counted_synchronize
+    try:
+        trainer.fit(module, dm)
+    finally:
+        torch.cuda.synchronize = synchronize
     return count.watched, count.syncs, trainer.global_step
 
 

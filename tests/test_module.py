@@ -320,3 +320,40 @@ def test_liger_kernels_train_like_the_chunked_loss(loss):
     for name, g in g0.items():
         err = (g - g1[name]).abs().max().item() / g.abs().max().item()
         assert err < 1e-3, (name, err)
+
+
+class FakeParam:
+    """What adamw_kind reads of a parameter: its device and whether it is floating."""
+
+    def __init__(self, is_cuda: bool, floating: bool = True):
+        self.is_cuda, self._floating = is_cuda, floating
+
+    def is_floating_point(self) -> bool:
+        return self._floating
+
+
+def test_adamw_is_fused_when_every_trainable_parameter_is_a_cuda_float():
+    from lit_hbp.module import adamw_kind
+
+    assert adamw_kind([FakeParam(True), FakeParam(True)]) == "fused"
+    assert adamw_kind([FakeParam(True), FakeParam(False)]) == "for-loop"  # one on the host
+    assert adamw_kind([FakeParam(True), FakeParam(True, floating=False)]) == "for-loop"
+    assert adamw_kind([]) == "for-loop"
+    assert adamw_kind([torch.nn.Parameter(torch.ones(2))]) == "for-loop"
+
+
+@pytest.mark.parametrize("kind", ["fused", "for-loop"])
+def test_configure_optimizers_uses_and_logs_the_chosen_adamw(kind, monkeypatch, caplog):
+    import types
+
+    import lit_hbp.module as module_file
+
+    seen = []
+    monkeypatch.setattr(module_file, "adamw_kind", lambda params: seen.append(len(params)) or kind)
+    module = make_module()
+    module._trainer = types.SimpleNamespace(estimated_stepping_batches=10)
+    with caplog.at_level("INFO"):
+        optimizer = module.configure_optimizers()["optimizer"]
+    assert seen == [sum(1 for p in module.model.parameters() if p.requires_grad)]
+    assert optimizer.defaults["fused"] is (True if kind == "fused" else None)
+    assert f"optimizer: AdamW ({kind})" in caplog.text

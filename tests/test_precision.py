@@ -143,3 +143,44 @@ def test_the_strategy_turns_deepspeeds_synchronizing_throughput_timer_off_unless
     assert not timers.enabled and not timers.synchronized
     asked = {"zero_optimization": {"stage": 2}, "timers": {"throughput": {"enabled": True, "synchronized": True}}}
     assert get_timers_config(HBPStrategy(config=asked).config).enabled
+
+
+@pytest.mark.parametrize(
+    "kwargs, world, overlap",
+    [
+        ({"stage": 2}, 1, False),  # one process reduces nothing: no stream to overlap, only its sync
+        ({"stage": 3}, 1, False),
+        ({"stage": 2}, 2, True),  # Lightning's default where there is a reduction to overlap
+        ({"stage": 2, "overlap_comm": True}, 1, True),  # asked
+        ({"config": {"zero_optimization": {"stage": 2, "overlap_comm": True}}}, 1, True),  # asked in the config
+        ({"config": {"zero_optimization": {"stage": 3}}}, 1, False),  # DeepSpeed's default for stage 3: on
+    ],
+)
+def test_the_strategy_turns_zero_overlap_comm_off_on_a_single_process_unless_asked(kwargs, world, overlap):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from lit_hbp.strategy import HBPStrategy, without_idle_overlap
+
+    strategy = HBPStrategy(**kwargs)
+    config = without_idle_overlap(strategy.config, world, strategy._overlap_comm_asked)
+    assert DeepSpeedZeroConfig(**config["zero_optimization"]).overlap_comm is overlap  # DeepSpeed's reading
+    assert strategy.config["zero_optimization"] == HBPStrategy(**kwargs).config["zero_optimization"]  # not mutated
+
+
+def test_a_config_file_strategy_leaves_overlap_comm_to_the_world_size():
+    """LightningCLI (jsonargparse) instantiates the strategy with every argument, defaults included."""
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    from lit_hbp.strategy import HBPStrategy, without_idle_overlap
+
+    entry = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "llama_1b_1gpu.yaml").read_text())
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=HBPStrategy)
+    cfg = parser.parse_object({"strategy": entry["trainer"]["strategy"]})
+    assert "overlap_comm" in cfg.strategy.init_args  # passed explicitly
+    strategy = parser.instantiate_classes(cfg).strategy
+    assert without_idle_overlap(strategy.config, 1, strategy._overlap_comm_asked)["zero_optimization"] == {
+        **strategy.config["zero_optimization"],
+        "overlap_comm": False,
+    }

@@ -1,0 +1,319 @@
+"""Sync audit: a training micro-step that the logger does not write waits for nothing on a GPU.
+
+``Trainer.fit`` on CPU with the trainer settings and callbacks of ``configs/llama_1b_1gpu.yaml``
+(its strategy, precision and callback list, read from the file), plus the callbacks the CLI adds
+(``with_default_callbacks``: FinalCheckpoint, InterruptCheckpoint, LevelSummary,
+DiscardEmptyRunDir, HBPProgressBar), with ``accumulate_grad_batches=2`` and ``log_every_n_steps=3``:
+accumulation micro-steps, optimizer steps that log and optimizer steps that do not.
+
+What is counted, from a micro-step's ``on_train_batch_start`` to the end of the training loop's
+work for it (``on_advance_end``: LR schedulers, loggers, Lightning's step-metric logging), in every
+micro-step except the last micro-step of an optimizer step whose metrics the loggers write
+(``lit_hbp.meter.logs_now``):
+
+- every ``torch.cuda.synchronize()`` and DeepSpeed accelerator ``synchronize()`` (patched);
+- every host read of a tensor that would live on the GPU: ``item``, ``tolist``, ``cpu``, ``numpy``,
+  ``bool``/``int``/``float``/``index`` of a tensor, ``torch.equal``/``allclose`` and the
+  data-dependent shapes (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing), seen by a
+  torch-function mode. On a GPU each of these waits for the device;
+- every ``LightningModule.log`` of a Python number (Lightning copies it to the device) or of a
+  tensor that would live on the GPU.
+
+Which tensors would live on the GPU: on CPU every tensor is a host tensor, so the mode tracks the
+host ones and treats every other tensor as a device tensor (when in doubt, device: the audit errs
+towards counting). Host tensors are those made by a factory (``torch.tensor``, ``zeros``,
+``from_numpy``, ...) without a ``device`` argument, and the results of ops whose tensor inputs are
+all host tensors; ``.to(<device>)`` (what ``batch_to_device`` does) makes a device tensor, ``.cpu()``
+a host tensor. Parameters, gradients, the optimizer's states, the batch after ``batch_to_device``
+and the model's outputs are device tensors. A factory given a device (``torch.tensor(x,
+device=module.device)``) makes a device tensor: on a GPU that is a host-to-device copy.
+
+DeepSpeed's accelerator is swapped for one that, like CUDA's, does not order its work itself, so
+DeepSpeed takes the branches it takes on a GPU where it can. Reads are attributed to the first
+frame outside torch. The bar: nothing at all in accumulation micro-steps; at optimizer steps that do
+not log, nothing but DeepSpeed's own grad-norm and overflow checks (listed; ``docs/design.md``
+section 11).
+
+Not seen on CPU: branches taken only on a CUDA device (``StepMeter``'s CUDA events,
+``HBPThroughputMonitor``'s synchronize at logging steps), which the GPU test of
+``tests/test_hot_path.py`` runs. The attention is one opaque call, as a GPU varlen kernel is: its
+CPU stand-in, a loop over documents that reads their bounds on the host, runs unwatched. Layers run
+eagerly (the config compiles them: ``tests/test_compile.py`` holds a compiled layer to one graph).
+Epoch-level hooks (``LevelSummary``'s one all-gather per epoch) are outside micro-steps.
+
+InterruptCheckpoint all-reduces a Ctrl-C flag at each optimizer step when the world has more than
+one process: a CPU tensor over a gloo group, read with ``.item()`` on the host, no device sync. The
+run fakes that group so the read happens in this single process, and the audit must not count it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+import weakref
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from conftest import TINY_LLAMA, chat_datamodule
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from torch.overrides import TorchFunctionMode
+
+import lit_hbp.callbacks.interrupt as interrupt_module
+from lit_hbp import attention
+from lit_hbp.attention import backends
+from lit_hbp.callbacks import InterruptCheckpoint, with_default_callbacks
+from lit_hbp.meter import logs_now
+from lit_hbp.module import HBPLitModule
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "llama_1b_1gpu.yaml"
+READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "equal", "allclose"}
+READS |= {"nonzero", "masked_select", "unique", "argwhere"}
+FACTORIES = {"tensor", "as_tensor", "scalar_tensor", "from_numpy", "zeros", "ones", "empty", "full", "arange"}
+FACTORIES |= {"linspace", "rand", "randn", "randint", "eye"}
+FAKE_GLOO = "fake-gloo-group"
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _moves_to_device(args, kwargs) -> bool:
+    """``t.to(...)`` with a device (or a tensor whose device it takes), not only a dtype."""
+    targets = [*args[1:], kwargs.get("device")]
+    return any(isinstance(a, (torch.device, str, torch.Tensor)) for a in targets)
+
+
+def origin() -> str:
+    """``package: file:line function`` of the first frame outside torch and this file: who asked."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        parts = Path(frame.filename).parts
+        if frame.filename == __file__ or "torch" in parts:
+            continue
+        package = next((p for p in ("lit_hbp", "lightning", "deepspeed", "transformers") if p in parts), "other")
+        return f"{package}: {parts[-1]}:{frame.lineno} {frame.name}"
+    return "other: unknown"
+
+
+class DeviceReads(TorchFunctionMode):
+    """Records host reads of tensors that would be on the GPU, while ``watching``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host: dict[int, weakref.ref] = {}  # by id: a WeakSet would compare tensors with ==
+        self.watching = False
+        self.reads: list[str] = []  # "what (origin)" of device tensors
+        self.host_reads: list[str] = []  # the same for host tensors (no sync on a GPU)
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        ref = self.host.get(id(t))
+        return ref is not None and ref() is t
+
+    def mark(self, t: torch.Tensor, host: bool) -> None:
+        key = id(t)
+        if not host:
+            self.host.pop(key, None)
+            return
+
+        def forget(ref: weakref.ref) -> None:
+            if self.host.get(key) is ref:
+                del self.host[key]
+
+        self.host[key] = weakref.ref(t, forget)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        inputs = _tensors(list(args)) + _tensors(kwargs)
+        on_device = [t for t in inputs if not self.is_host(t)]
+        if self.watching:
+            read = name in READS or (name == "repeat_interleave" and torch.is_tensor(kwargs.get("repeats")))
+            if name == "__getitem__" and len(args) > 1:
+                index = args[1] if isinstance(args[1], tuple) else (args[1],)
+                read = any(torch.is_tensor(i) and i.dtype == torch.bool for i in index)
+            if read:
+                (self.reads if on_device else self.host_reads).append(f"{name} ({origin()})")
+        out = func(*args, **kwargs)
+        if name in FACTORIES:
+            host = kwargs.get("device") is None
+        elif name == "cpu":
+            host = True
+        elif name in ("to", "cuda"):
+            host = not on_device and not (name == "cuda" or _moves_to_device(args, kwargs))
+        else:
+            host = bool(inputs) and not on_device
+        for t in _tensors(out):
+            self.mark(t, host)
+        return out
+
+
+class Audit(L.Callback):
+    """Opens a watch window at each micro-step's start; the window closes after the loop's
+    ``on_advance_end`` for it (patched in the test). Keeps, per micro-step, whether it logs, whether
+    it steps the optimizer, and what was counted."""
+
+    def __init__(self, mode: DeviceReads) -> None:
+        self.mode = mode
+        self.extra: list[str] = []  # synchronize and log calls of the open window
+        self.windows: list[tuple[bool, bool, list[str]]] = []
+        self.host_reads: list[str] = []
+        self._logging = self._stepping = False
+
+    def note(self, what: str) -> None:
+        if self.mode.watching:
+            self.extra.append(f"{what} ({origin()})")
+
+    def on_train_start(self, trainer, pl_module):
+        for cb in trainer.callbacks:
+            if isinstance(cb, InterruptCheckpoint):
+                cb._group = FAKE_GLOO  # as on a world of several processes: the flag is all-reduced and read
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.close()
+        self.mode.reads, self.mode.host_reads, self.extra = [], [], []
+        self.mode.watching = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._logging, self._stepping = logs_now(trainer), not trainer.fit_loop._should_accumulate()
+
+    def close(self) -> None:
+        if self.mode.watching:
+            self.mode.watching = False
+            self.host_reads += self.mode.host_reads
+            self.windows.append((self._logging, self._stepping, self.mode.reads + self.extra))
+
+
+def config_callbacks() -> list[L.Callback]:
+    """The callbacks of configs/llama_1b_1gpu.yaml, built as LightningCLI builds them."""
+    out = []
+    for entry in yaml.safe_load(CONFIG.read_text())["trainer"]["callbacks"]:
+        module, name = entry["class_path"].rsplit(".", 1)
+        out.append(getattr(importlib.import_module(module), name)(**entry.get("init_args", {})))
+    return out
+
+
+def config_trainer_settings() -> dict:
+    """The config's strategy (with its init_args) and precision, on CPU."""
+    trainer = yaml.safe_load(CONFIG.read_text())["trainer"]
+    strategy = trainer["strategy"]
+    module, name = strategy["class_path"].rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    return dict(strategy=cls(**strategy.get("init_args", {})), precision=trainer["precision"])
+
+
+def test_the_recorder_tells_device_reads_from_host_reads():
+    """The mode's rules on their own: what it must count and what it must not."""
+    layer = torch.nn.Linear(4, 2)
+    with DeviceReads() as mode:
+        mode.watching = True
+        out = layer(torch.ones(1, 4))
+        out.sum().item()  # a model output: device
+        torch.tensor(3.0, device=torch.device("cpu")).tolist()  # made on the device
+        torch.ones(3).to("cpu").cpu()  # moved to the device, then read back
+        host = torch.tensor([1.0, 2.0])
+        (host * 2).sum().item()  # host from its factory to its read
+        float(torch.tensor(1.5).clone().detach().squeeze())  # how Lightning handles a logged host tensor
+    assert [r.split(" ")[0] for r in mode.reads] == ["item", "tolist", "cpu"], mode.reads
+
+
+def test_no_sync_outside_logging_steps(tmp_path, toy_tokenizer, small_demo, monkeypatch):
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    settings = config_trainer_settings()
+    mode = DeviceReads()
+    audit = Audit(mode)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: audit.note("torch.cuda.synchronize"))
+    from deepspeed.accelerator import get_accelerator
+
+    # DeepSpeed synchronizes through its accelerator (torch.cuda.synchronize on a GPU, a no-op on CPU),
+    # and skips some of those syncs on an accelerator that orders its work itself, as CPU's does and
+    # CUDA's does not. (ZeRO's overlap_comm path, which needs a CUDA stream, then fails here.)
+    monkeypatch.setattr(get_accelerator(), "synchronize", lambda *a, **k: audit.note("accelerator.synchronize"))
+    monkeypatch.setattr(get_accelerator(), "resolves_data_dependency", lambda: False)
+
+    real_all_reduce = interrupt_module.dist.all_reduce
+
+    def all_reduce(tensor, *args, group=None, **kwargs):
+        return None if group == FAKE_GLOO else real_all_reduce(tensor, *args, group=group, **kwargs)
+
+    monkeypatch.setattr(interrupt_module.dist, "all_reduce", all_reduce)
+    real_log = L.LightningModule.log
+
+    def log(self, name, value, *args, **kwargs):
+        if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and not mode.is_host(value)):
+            audit.note(f"log({name!r}, {type(value).__name__})")
+        return real_log(self, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(L.LightningModule, "log", log)
+    real_advance_end = _TrainingEpochLoop.on_advance_end
+
+    def on_advance_end(self, *args, **kwargs):
+        try:
+            return real_advance_end(self, *args, **kwargs)
+        finally:
+            audit.close()
+
+    monkeypatch.setattr(_TrainingEpochLoop, "on_advance_end", on_advance_end)
+
+    def opaque(q, k, v, args):
+        """A varlen kernel is one device call; its CPU stand-in reads document bounds on the host."""
+        watching, mode.watching = mode.watching, False
+        try:
+            return backends.eager_run(q, k, v, args)
+        finally:
+            mode.watching = watching
+
+    kernel = backends.Backend("opaque", backends._anywhere, lambda: frozenset(backends.FEATURES), opaque)
+    monkeypatch.setitem(backends.REGISTRY, "opaque", kernel)
+    dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache")
+    torch.manual_seed(0)
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, attn_backend="opaque", self_check=False)
+    callbacks = with_default_callbacks([audit, *config_callbacks()], enable_progress_bar=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        accumulate_grad_batches=2,
+        log_every_n_steps=3,
+        gradient_clip_val=1.0,
+        use_distributed_sampler=False,
+        logger=CSVLogger(tmp_path / "logs"),
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+        **settings,
+    )
+    try:
+        with mode:
+            trainer.fit(module, dm)
+    finally:
+        attention.set_backend("auto")
+
+    assert trainer.strategy.deepspeed_engine.zero_overlap_comm() is False  # one process: nothing to overlap
+    names = {type(c).__name__ for c in trainer.callbacks}
+    assert {"PackingMetrics", "HBPThroughputMonitor", "LearningRateMonitor", "InterruptCheckpoint"} <= names
+    assert {"FinalCheckpoint", "LevelSummary", "DiscardEmptyRunDir", "HBPProgressBar"} <= names
+    assert trainer.global_step == 6 and len(audit.windows) == 12
+    quiet_step, logging_step = [(False, False), (False, True)], [(False, False), (True, True)]
+    shape = [(logging, stepping) for logging, stepping, _ in audit.windows]
+    assert shape == (quiet_step * 2 + logging_step) * 2  # log_every_n_steps=3: optimizer steps 3 and 6 log
+    accumulating = [c for _, stepping, counted in audit.windows if not stepping for c in counted]
+    assert not accumulating, "\n".join(f"{n} x {c}" for c, n in Counter(accumulating).most_common())
+    quiet = [c for logging, _, counted in audit.windows if not logging for c in counted]
+    not_deepspeed = Counter(c for c in quiet if not c.split("(", 1)[1].startswith("deepspeed: "))
+    assert not not_deepspeed, "\n".join(f"{n} x {c}" for c, n in not_deepspeed.most_common())
+    # The recorder does see device reads: the logging steps read the loss...
+    assert any(c.startswith("tolist (lit_hbp: meter.py") for logging, _, w in audit.windows if logging for c in w)
+    # ...while InterruptCheckpoint's Ctrl-C flag, read on the host at each optimizer step, is not counted.
+    assert sum("interrupt.py" in c for c in audit.host_reads) == 6, audit.host_reads
+    print("DeepSpeed's reads at optimizer steps that do not log:", Counter(quiet).most_common(), file=sys.stderr)
