@@ -32,7 +32,11 @@ def config_lengths(config: dict) -> tuple[np.ndarray, int]:
     tok = load_tokenizer(data["tokenizer"])
     sources = [Source.of(s, f"data.sources[{i}]") for i, s in enumerate(data["sources"])]
     train_on, cache = data.get("train_on", "assistant"), data.get("cache_dir")
-    tokenized = [tokenize_source(s, tok, train_on, cache, label=f"data.sources[{i}]") for i, s in enumerate(sources)]
+    num_proc = data.get("num_proc")
+    tokenized = [
+        tokenize_source(s, tok, train_on, cache, label=f"data.sources[{i}]", num_proc=num_proc)
+        for i, s in enumerate(sources)
+    ]
     return SampleStore.build(tokenized, max_len=None, seed=data.get("seed", 0)).lengths, len(tok)
 
 

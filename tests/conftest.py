@@ -8,7 +8,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+
+def flat_tokens(t):
+    """(ids, supervised mask) of every sample of a TokenizedSource, back to back, as int64 and bool."""
+    parts = [t.sample(i) for i in range(len(t))]
+    if not parts:
+        return np.zeros(0, np.int64), np.zeros(0, bool)
+    return np.concatenate([p[0] for p in parts]).astype(np.int64), np.concatenate([p[1] for p in parts])
+
 
 # A two-layer Llama-style model small enough to train in seconds on CPU.
 TINY_LLAMA = {
@@ -80,6 +90,23 @@ def save_pretrained_checkpoint(
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tok.save_pretrained(path)
     return Path(path)
+
+
+LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_process_group(monkeypatch):
+    """Each test starts and ends without a process group or a launcher's environment in this process:
+    an in-process DeepSpeed fit initializes one (Lightning sets MASTER_PORT to the port its store
+    listens on), and a later test's subprocess would inherit the variable and fail on the busy port."""
+    for name in LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

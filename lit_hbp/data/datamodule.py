@@ -27,7 +27,13 @@ from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.sources import Source, check_sources
 from lit_hbp.data.store import SampleStore
-from lit_hbp.data.tokenize import TRAIN_ON, resolve_chat_template, tokenize_source, tokenizer_fingerprint
+from lit_hbp.data.tokenize import (
+    TRAIN_ON,
+    TokenizedSource,
+    resolve_chat_template,
+    tokenize_source,
+    tokenizer_fingerprint,
+)
 from lit_hbp.errors import ConfigError, DataError
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, MicroBatch, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LevelSelector, as_level
@@ -158,7 +164,11 @@ class HBPDataModule(L.LightningDataModule):
         over_length: samples longer than the largest level: ``error`` | ``drop`` | ``truncate``.
         train_on: supervise ``assistant`` turns only, or ``all`` tokens.
         seed: seed of mixing and of the plan (epoch e plans with seed + e).
-        cache_dir: where tokenized sources are cached.
+        cache_dir: where tokenized sources are cached (one cache a source, tokenizer and setting,
+            written once by one process while every other rank and node waits on its lock: put it
+            on a file system they share).
+        num_proc: processes that tokenize a source; None (default): every core of the node for a
+            source over 8 MB (or 8,192 rows), the main process for a smaller one.
         num_workers: DataLoader worker processes for collation; None (default): 2 when training on
             a GPU, where batches are also pinned and prefetched so the copy overlaps the step, else 0.
         demo_dir: build the embedded demo data set and tokenizer here if missing
@@ -185,6 +195,7 @@ class HBPDataModule(L.LightningDataModule):
         val_sources: list[Source | dict] | None = None,
         val_fraction: float = 0.0,
         chat_template: str | None = None,
+        num_proc: int | None = None,
     ):
         super().__init__()
         self.save_hyperparameters("tokenizer")  # in checkpoints: export writes the run's tokenizer
@@ -216,6 +227,9 @@ class HBPDataModule(L.LightningDataModule):
             validate_levels(self.levels, math.lcm(*(lv.sp for lv in self.levels)) if self.levels else 1)
         self.packer, self.over_length, self.train_on, self.seed = packer, over_length, train_on, seed
         self.cache_dir, self.num_workers = cache_dir, num_workers
+        if num_proc is not None and num_proc < 1:
+            raise ConfigError(f"data.num_proc must be >= 1 (or null: every core), got {num_proc}")
+        self.num_proc = num_proc
         if demo_dir is not None:
             from lit_hbp.demo import ensure_demo
 
@@ -297,9 +311,17 @@ class HBPDataModule(L.LightningDataModule):
         t = self.trainer
         return (t.world_size, t.global_rank, t.accumulate_grad_batches) if t is not None else (1, 0, 1)
 
+    def _tokenize(self, source: Source, label: str, progress: bool = True) -> TokenizedSource:
+        return tokenize_source(
+            source, self.tokenizer, self.train_on, self.cache_dir, progress, label=label, num_proc=self.num_proc
+        )
+
     def prepare_data(self) -> None:
-        for i, s in enumerate(self.sources):
-            tokenize_source(s, self.tokenizer, self.train_on, self.cache_dir, label=f"sources[{i}]")
+        """Tokenize every source into the cache (Lightning calls it on one process per node; the cache
+        lock makes the nodes take turns on a shared cache_dir)."""
+        for field, sources in (("sources", self.sources), ("val_sources", self.val_sources)):
+            for i, s in enumerate(sources):
+                self._tokenize(s, f"{field}[{i}]")
 
     def setup(self, stage: str) -> None:
         if self.store is not None:
@@ -310,10 +332,7 @@ class HBPDataModule(L.LightningDataModule):
                 raise ConfigError(
                     "HBPDataModule assigns data to ranks itself: set Trainer(use_distributed_sampler=False)"
                 )
-        tokenized = [
-            tokenize_source(s, self.tokenizer, self.train_on, self.cache_dir, progress=rank == 0, label=f"sources[{i}]")
-            for i, s in enumerate(self.sources)
-        ]
+        tokenized = [self._tokenize(s, f"sources[{i}]", rank == 0) for i, s in enumerate(self.sources)]
         store = SampleStore.build(tokenized, None, self.over_length, self.seed)
         if self.levels is None:
             if self.trainer is None:
@@ -334,12 +353,7 @@ class HBPDataModule(L.LightningDataModule):
     def _validation_store(self, tokenized: list, held_src, held_rows, rank: int) -> SampleStore | None:
         """The validation samples, each once: the records held out of the training sources
         (``val_fraction``) and every record of ``val_sources``; over-length ones follow ``over_length``."""
-        extra = [
-            tokenize_source(
-                s, self.tokenizer, self.train_on, self.cache_dir, progress=rank == 0, label=f"val_sources[{i}]"
-            )
-            for i, s in enumerate(self.val_sources)
-        ]
+        extra = [self._tokenize(s, f"val_sources[{i}]", rank == 0) for i, s in enumerate(self.val_sources)]
         if not held_src.size and not extra:
             return None
         src = np.concatenate([held_src] + [np.full(len(t), len(tokenized) + k, np.int64) for k, t in enumerate(extra)])

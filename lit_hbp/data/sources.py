@@ -1,8 +1,10 @@
-"""Training data sources: JSONL, parquet and Hugging Face datasets saved to disk.
+"""Training data sources: JSONL, parquet, Arrow files and Hugging Face datasets saved to disk.
 
-A record is one of three shapes, checked here so a bad line is reported with its file and line:
-chat ``{"messages": [{"role": ..., "content": ...}, ...]}``, ``{"prompt": ..., "response": ...}``,
-or plain ``{"text": ...}``.
+A record is one of four shapes, checked here (or, pre-tokenized, in ``lit_hbp.data.tokenize``) so a
+bad line is reported with its file and line: chat ``{"messages": [{"role": ..., "content": ...}]}``,
+``{"prompt": ..., "response": ...}``, plain ``{"text": ...}``, or pre-tokenized ``{"input_ids": [...]}``
+with ``labels`` or ``assistant_masks``. Sources are read in chunks (``iter_chunks``), so no source is
+ever held whole in memory.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from lit_hbp.errors import DataError  # noqa: F401  (re-exported: lit_hbp.data.sources.DataError)
 
-FORMATS = ("auto", "jsonl", "parquet", "hf")
+FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf")
 # Chat roles a record may use. A role outside these is a typo far more often than a real role, and
 # a misspelled "assistant" would silently lose every supervised token of the record.
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
@@ -26,7 +28,11 @@ ROLE_TYPO_CUTOFF = 0.7  # assitant / assistant 0.94, usr / user 0.86; model / de
 _roles_said: set[str] = set()
 # What ``datasets.save_to_disk`` writes into a folder: a DatasetDict, or a single Dataset.
 HF_MARKERS = ("dataset_dict.json", "state.json")
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+# A chunk: what a tokenizer worker takes at a time (a few hundred chats), and all the source the
+# main process holds at once.
+CHUNK_BYTES = 1 << 20
+CHUNK_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,9 @@ class Source:
             return "jsonl"
         if p.suffix == ".parquet":
             return "parquet"
-        raise DataError(f"{self.path}: cannot tell the format from the name; set format: jsonl | parquet | hf")
+        if p.suffix == ".arrow":
+            return "arrow"
+        raise DataError(f"{self.path}: cannot tell the format from the name; set format: jsonl | parquet | arrow | hf")
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,7 @@ def check_source(source: Source, label: str | None = None) -> None:
             where = ""
         raise DataError(f"{who}data source not found: {path}{where}{_near_names(path)}")
     if path.is_dir():
-        if source.format in ("jsonl", "parquet"):
+        if source.format in ("jsonl", "parquet", "arrow"):
             raise DataError(
                 f"{who}data source {path} is a directory, but format {source.format} reads a file: "
                 f"give the file's path{_data_files_in(path)}"
@@ -175,45 +183,120 @@ def check_sources(sources: Sequence[Source], field: str = "sources") -> None:
         check_source(source, f"{field}[{i}]")
 
 
-def iter_records(source: Source) -> Iterator[tuple[dict, str]]:
-    """Yield (record, location) pairs; location is ``file:line`` or ``file:row N``."""
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a source that a worker process tokenizes on its own: the raw bytes of whole JSONL
+    lines (``first``: the first one's line number) or a list of table records (``first``: the first
+    one's row). ``size`` is its share of ``source_units`` (bytes or rows), for progress."""
+
+    first: int
+    lines: bytes | None = None
+    records: list[dict] | None = None
+    size: int = 0
+
+
+def source_units(source: Source) -> tuple[int, str]:
+    """How much there is to read: (bytes, "B") of a JSONL file, (rows, " rows") of a table."""
+    fmt, path = source.resolved_format, Path(source.path)
+    if fmt == "jsonl":
+        return path.stat().st_size, "B"
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows, " rows"
+    return len(_table(source)), " rows"
+
+
+def _table(source: Source):
+    """A memory-mapped table source: an Arrow IPC file or stream, or a ``datasets.save_to_disk`` folder."""
+    path = Path(source.path)
+    if source.resolved_format == "arrow":
+        import pyarrow as pa
+
+        try:
+            return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+        except pa.ArrowInvalid:
+            try:
+                return pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
+            except pa.ArrowInvalid as e:
+                raise DataError(f"{path}: not an Arrow IPC file or stream ({e})") from None
+    import datasets
+
+    data = datasets.load_from_disk(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        if source.split not in data:
+            raise DataError(f"{path}: split {source.split!r} not found; splits are {sorted(data)}")
+        data = data[source.split]
+    return data
+
+
+def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int | None = None) -> Iterator[Chunk]:
+    """The source in order, a chunk at a time, never holding more than a chunk: JSONL cut at line ends
+    (about ``chunk_bytes`` each, a longer line whole), tables in ``chunk_rows`` records."""
+    chunk_bytes, chunk_rows = chunk_bytes or CHUNK_BYTES, chunk_rows or CHUNK_ROWS
     path = Path(source.path)
     check_source(source)
     fmt = source.resolved_format
     if fmt == "jsonl":
         with path.open("rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
-                if not isinstance(record, dict):
-                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-                yield record, f"{path}:{lineno}"
+            line, rest = 1, b""
+            while True:
+                block = f.read(chunk_bytes)
+                data = rest + block
+                if not block:
+                    if data:  # a last line without its newline
+                        yield Chunk(first=line, lines=data, size=len(data))
+                    return
+                cut = data.rfind(b"\n") + 1
+                rest = data[cut:]
+                if cut:  # else one line longer than the block so far: read on
+                    yield Chunk(first=line, lines=data[:cut], size=cut)
+                    line += data.count(b"\n", 0, cut)
     elif fmt == "parquet":
         import pyarrow.parquet as pq
 
         row = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-            for record in batch.to_pylist():
-                yield record, f"{path}:row {row}"
-                row += 1
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=chunk_rows):
+            yield Chunk(first=row, records=batch.to_pylist(), size=batch.num_rows)
+            row += batch.num_rows
     else:
-        import datasets
+        table = _table(source)
+        for row in range(0, len(table), chunk_rows):
+            part = table.slice(row, chunk_rows) if fmt == "arrow" else table[row : row + chunk_rows]
+            records = part.to_pylist() if fmt == "arrow" else [dict(zip(part, v)) for v in zip(*part.values())]
+            yield Chunk(first=row, records=records, size=len(records))
 
-        data = datasets.load_from_disk(str(path))
-        if isinstance(data, datasets.DatasetDict):
-            if source.split not in data:
-                raise DataError(f"{path}: split {source.split!r} not found; splits are {sorted(data)}")
-            data = data[source.split]
-        for row, record in enumerate(data):
-            yield record, f"{path}:row {row}"
+
+def chunk_records(source: Source, chunk: Chunk) -> Iterator[tuple[dict, str, int]]:
+    """(record, location, row) of each record of a chunk; location is ``file:line`` or ``file:row N``,
+    row the line number or the row."""
+    path = source.path
+    if chunk.records is not None:
+        for i, record in enumerate(chunk.records):
+            yield record, f"{path}:row {chunk.first + i}", chunk.first + i
+        return
+    for i, raw in enumerate(chunk.lines.split(b"\n")):
+        lineno = chunk.first + i
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        yield record, f"{path}:{lineno}", lineno
+
+
+def iter_records(source: Source) -> Iterator[tuple[dict, str]]:
+    """Yield (record, location) pairs; location is ``file:line`` or ``file:row N``."""
+    for chunk in iter_chunks(source):
+        for record, where, _ in chunk_records(source, chunk):
+            yield record, where
 
 
 def _field(record: dict, name: str, where: str, kind: type = str):

@@ -3,7 +3,9 @@
 A global sample id maps to (source, row). Repeats make several ids point at one row; the planner
 treats them as separate samples, so a repeated sample is trained on twice, never silently once. The
 report and the summary count, per source, what is left after the validation hold-out and the
-over-length policy: the samples and tokens that really train (or validate).
+over-length policy: the samples and tokens that really train (or validate). Everything here is per
+sample (lengths and supervised counts come from the caches' per-sample arrays), so a store of a
+billion tokens costs tens of bytes a sample, not bytes a token.
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ def mixture_repeats(sizes: list[int], repeats: list[float | None], weights: list
     return [1.0 if r is None else float(r) for r in repeats]
 
 
+def _per_sample(sources: list[TokenizedSource], source_of: np.ndarray, row_of: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(length, supervised tokens) of each (source, row) sample, from the caches' per-sample arrays."""
+    lengths = np.zeros(source_of.size, np.int64)
+    loss = np.zeros(source_of.size, np.int64)
+    for k, s in enumerate(sources):
+        sel = source_of == k
+        lengths[sel] = s.lengths[row_of[sel]]
+        loss[sel] = s.loss_tokens(row_of[sel])
+    return lengths, loss
+
+
 @dataclass
 class SampleStore:
     """Global sample ids over tokenized sources, with effective (possibly truncated) lengths."""
@@ -100,12 +113,7 @@ class SampleStore:
                 "no training samples: every source is empty or was skipped entirely "
                 f"({[(m['path'], m['skipped']) for m in mixed]})"
             )
-        lengths = np.empty(source_of.size, dtype=np.int64)
-        loss = np.empty(source_of.size, dtype=np.int64)
-        for k, s in enumerate(sources):
-            sel = source_of == k
-            lengths[sel] = s.lengths[row_of[sel]]
-            loss[sel] = s.loss_tokens()[row_of[sel]]
+        lengths, loss = _per_sample(sources, source_of, row_of)
         store = cls(sources, source_of, row_of, lengths, loss, dict(sources=mixed))
         store.report.update(over_length=over_length, max_len=max_len, **_empty_over_length_report())
         if max_len is not None:
@@ -116,12 +124,7 @@ class SampleStore:
     def from_rows(cls, sources: list[TokenizedSource], source_of: np.ndarray, row_of: np.ndarray) -> SampleStore:
         """The samples (source, row) given, each once: a validation set."""
         source_of, row_of = np.asarray(source_of, np.int64), np.asarray(row_of, np.int64)
-        lengths = np.zeros(source_of.size, np.int64)
-        loss = np.zeros(source_of.size, np.int64)
-        for k, s in enumerate(sources):
-            sel = source_of == k
-            lengths[sel] = s.lengths[row_of[sel]]
-            loss[sel] = s.loss_tokens()[row_of[sel]]
+        lengths, loss = _per_sample(sources, source_of, row_of)
         mixed = [dict(path=s.source.path, samples=len(s), selected=int((source_of == k).sum()),
                       skipped=dict(s.skipped), skipped_where={k2: list(v) for k2, v in s.skipped_where.items()})
                  for k, s in enumerate(sources)]  # fmt: skip
@@ -187,9 +190,7 @@ class SampleStore:
             new_loss = self.loss_tokens.copy()
             for k, s in enumerate(self.sources):
                 sel = over[self.source_of[over] == k]
-                upto = np.zeros(len(s), dtype=np.int64)
-                upto[self.row_of[sel]] = max_len
-                new_loss[sel] = s.loss_tokens(np.where(upto > 0, upto, s.lengths))[self.row_of[sel]]
+                new_loss[sel] = s.loss_tokens(self.row_of[sel], max_len)
             self.report["truncated"] = [self.where(int(i)) for i in over]
             self.loss_tokens = new_loss
             self.lengths = np.minimum(self.lengths, max_len)
@@ -203,11 +204,7 @@ class SampleStore:
 
     def tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and target mask of sample i, cut to its effective length."""
-        s = self.sources[self.source_of[i]]
-        row = int(self.row_of[i])
-        a = int(s.offsets[row])
-        b = a + int(self.lengths[i])
-        return np.asarray(s.ids[a:b]), np.asarray(s.target[a:b])
+        return self.sources[self.source_of[i]].sample(int(self.row_of[i]), int(self.lengths[i]))
 
     def source_counts(self) -> list[dict[str, int]]:
         """Per source, the samples, tokens and supervised tokens this store holds now (after the

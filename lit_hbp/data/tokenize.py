@@ -1,8 +1,15 @@
 """Tokenize a source once, with the label mask of supervised tokens, and cache it on disk.
 
-The cache of a source lives in ``cache_dir/<name>-<key>/`` where the key hashes the source file
-(path, size, mtime), the tokenizer (vocabulary, special tokens, chat template) and the settings, so
-any change re-tokenizes and a re-run with the same inputs only memory-maps the arrays.
+The cache of a source lives in ``cache_dir/<name>-<key>/`` (``lit_hbp.data.cache``) where the key
+hashes the source file (path, size, mtime), the tokenizer (vocabulary, special tokens, chat
+template) and the settings, so any change re-tokenizes and a re-run with the same inputs only
+memory-maps the arrays. One process tokenizes a cache, whatever the number of ranks and nodes; the
+others wait on its lock and read it. The source streams from disk in chunks (``iter_chunks``), which
+``num_proc`` worker processes tokenize while the main process appends their results, in order, to
+the cache: memory is a few chunks, whatever the size of the source.
+
+Pre-tokenized records (``input_ids`` with ``labels`` or ``assistant_masks``, or alone: every token
+supervised) are validated against the tokenizer's vocabulary and taken as they are.
 
 Label mask: ``target[t]`` is True when token t is a supervised prediction (the model learns to
 produce token t from the tokens before it). Chat samples supervise the assistant turns, found by
@@ -18,20 +25,37 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import socket
+import sys
 import tempfile
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from lit_hbp.data.sources import Conversation, DataError, Source, check_source, iter_records, to_conversation
+from lit_hbp.data.cache import CacheWriter, cache_lock, is_complete, mask_spans, read_cache, spans_mask
+from lit_hbp.data.sources import (
+    Chunk,
+    Conversation,
+    DataError,
+    Source,
+    check_source,
+    chunk_records,
+    iter_chunks,
+    source_units,
+    to_conversation,
+)
 from lit_hbp.errors import ConfigError
 
 TRAIN_ON = ("assistant", "all")
 # 5: no silent default chat template (caches of v4 may hold chats rendered with one).
-CACHE_VERSION = 5
-BATCH = 512
+# 6: narrow ids, supervised spans, per-sample counts (``lit_hbp.data.cache``).
+CACHE_VERSION = 6
+# Below this much of a source, worker processes cost more to start than they save (num_proc=None).
+PARALLEL_MIN_BYTES = 8 << 20
+PARALLEL_MIN_ROWS = 8192
 # Built-in chat templates (``data.chat_template: NAME``). Each closes an assistant turn with the
 # tokenizer's EOS, one token of every vocabulary, so the model learns to stop and generation stops
 # there without new tokens; each is prefix-stable (the first k turns render to a prefix of them all).
@@ -49,34 +73,67 @@ CHAT_TEMPLATE_FIX = (
     f"set data.chat_template to a Jinja template string, a template file, or a built-in ({', '.join(CHAT_TEMPLATES)})"
 )
 SKIP_REASONS = ("empty conversation", "no supervised token")
+IGNORE_INDEX = -100
 
 
 @dataclass
 class TokenizedSource:
-    """All kept samples of one source: flat token ids and targets, split by ``offsets``."""
+    """All kept samples of one source, as its cache holds them: ids split by ``offsets``, the
+    supervised runs of sample i in ``spans[span_offsets[i]:span_offsets[i + 1]]``, and per sample its
+    row and supervised count. ``ids`` and ``spans`` are memory-mapped: what set-up reads is per sample."""
 
     source: Source
     ids: np.ndarray
-    target: np.ndarray
     offsets: np.ndarray
     rows: np.ndarray
+    supervised: np.ndarray
+    spans: np.ndarray
+    span_offsets: np.ndarray
     skipped: dict[str, int] = field(default_factory=dict)
     skipped_where: dict[str, list[str]] = field(default_factory=dict)
+    from_cache: bool = False
+    folder: Path | None = None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    def __getstate__(self) -> dict:
+        """Pickled (a DataLoader worker started by spawn or forkserver) without the token arrays, which
+        the copy maps again from ``folder``: a memory map pickles as its whole data otherwise."""
+        state = dict(self.__dict__)
+        if self.folder is not None and self.folder.is_dir():
+            state.update(ids=None, spans=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.ids is None:
+            _, arrays = read_cache(self.folder)
+            self.ids, self.spans = arrays["ids"], arrays["spans"]
 
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    def loss_tokens(self, upto: np.ndarray | None = None) -> np.ndarray:
-        """Supervised targets per sample (the first token of a sample is never a target), counting
-        only the first ``upto[i]`` tokens of sample i when given (truncation)."""
-        csum = np.r_[0, np.cumsum(self.target, dtype=np.int64)]
-        start = self.offsets[:-1] + 1
-        end = self.offsets[1:] if upto is None else self.offsets[:-1] + np.minimum(upto, self.lengths)
-        return np.maximum(csum[np.maximum(end, start)] - csum[np.minimum(start, end)], 0)
+    def loss_tokens(self, rows: np.ndarray | None = None, upto: int | np.ndarray | None = None) -> np.ndarray:
+        """Supervised targets of samples ``rows`` (all when None), counting only their first ``upto``
+        tokens when given (truncation); from the spans of those samples alone."""
+        if upto is None:
+            return self.supervised if rows is None else self.supervised[rows]
+        rows = np.arange(len(self)) if rows is None else np.asarray(rows, np.int64)
+        counts = self.span_offsets[rows + 1] - self.span_offsets[rows]
+        first = np.repeat(self.span_offsets[rows] - np.cumsum(counts) + counts, counts)
+        spans = np.asarray(self.spans[first + np.arange(int(counts.sum()))], np.int64)
+        limit = np.repeat(np.broadcast_to(np.asarray(upto, np.int64), rows.shape), counts)
+        width = np.maximum(np.minimum(spans[:, 1], limit) - np.minimum(spans[:, 0], limit), 0)
+        return np.bincount(np.repeat(np.arange(rows.size), counts), weights=width, minlength=rows.size).astype(np.int64)
+
+    def sample(self, row: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and supervised mask of sample ``row``, cut to ``length`` tokens when given."""
+        a, b = int(self.offsets[row]), int(self.offsets[row + 1])
+        n = b - a if length is None else min(int(length), b - a)
+        spans = np.asarray(self.spans[self.span_offsets[row] : self.span_offsets[row + 1]])
+        return np.asarray(self.ids[a : a + n]), spans_mask(spans, n)
 
     def where(self, i: int) -> str:
         """File and line (or row) a sample came from."""
@@ -224,6 +281,155 @@ class _Encoder:
         return out
 
 
+def pretokenized(record: dict, where: str, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, supervised mask) of a pre-tokenized record, checked against the vocabulary: ``labels``
+    unshifted with -100 on unsupervised tokens (the Hugging Face convention), or ``assistant_masks``
+    (1 on supervised tokens), or neither (every token supervised)."""
+    try:
+        ids = np.asarray(record["input_ids"], dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise DataError(f"{where}: input_ids must be a list of integers") from None
+    if ids.ndim != 1:
+        raise DataError(f"{where}: input_ids must be a flat list of integers, got shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+        raise DataError(
+            f"{where}: input_ids holds token id {bad}, outside the tokenizer's vocabulary (0..{vocab_size - 1}): "
+            "was it tokenized with another tokenizer?"
+        )
+    if "labels" in record and record["labels"] is not None:
+        labels = np.asarray(record["labels"], dtype=np.int64)
+        if labels.shape != ids.shape:
+            raise DataError(f"{where}: labels has {labels.size} entries for {ids.size} input_ids")
+        target = labels != IGNORE_INDEX
+        wrong = np.flatnonzero(target & (labels != ids))
+        if wrong.size:
+            t = int(wrong[0])
+            raise DataError(
+                f"{where}: labels[{t}] = {labels[t]} is neither {IGNORE_INDEX} nor input_ids[{t}] = {ids[t]}: labels "
+                "are read unshifted, equal to input_ids where supervised (the Hugging Face convention)"
+            )
+    elif "assistant_masks" in record and record["assistant_masks"] is not None:
+        mask = np.asarray(record["assistant_masks"])
+        if mask.shape != ids.shape:
+            raise DataError(f"{where}: assistant_masks has {mask.size} entries for {ids.size} input_ids")
+        if not np.isin(mask, (0, 1)).all():
+            raise DataError(f"{where}: assistant_masks must hold 0 and 1 only")
+        target = mask.astype(bool)
+    else:
+        target = np.ones(ids.size, dtype=bool)
+    target[:1] = False
+    return ids, target
+
+
+@dataclass
+class ChunkResult:
+    """What one chunk adds to the cache (``CacheWriter.append``) and to the skip counts."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    rows: np.ndarray
+    spans: np.ndarray
+    span_counts: np.ndarray
+    records: int
+    skipped: list[tuple[str, str]]
+    size: int
+
+
+class ChunkTokenizer:
+    """Tokenizes chunks of a source: in the main process or in each worker process."""
+
+    def __init__(self, tokenizer, train_on: str):
+        self.encoder = _Encoder(tokenizer, train_on)
+        self.vocab_size = len(tokenizer)
+
+    def __call__(self, source: Source, chunk: Chunk) -> ChunkResult:
+        kept: list[tuple[int, str, np.ndarray, np.ndarray]] = []
+        skipped: list[tuple[str, str]] = []
+        pending: list[tuple[int, tuple]] = []
+        records = 0
+        for record, where, row in chunk_records(source, chunk):
+            records += 1
+            if "input_ids" in record:
+                kept.append((row, where, *pretokenized(record, where, self.vocab_size)))
+                continue
+            prepared = self.encoder.prepare(to_conversation(record, where))
+            if isinstance(prepared, str):
+                skipped.append((prepared, where))
+            else:
+                pending.append((row, where, prepared))
+        encoded = self.encoder.encode_batch([p[2] for p in pending]) if pending else []
+        kept += [(row, where, ids, target) for (row, where, _), (ids, target) in zip(pending, encoded)]
+        kept.sort(key=lambda k: k[0])
+        out_ids, lengths, rows, spans, counts = [], [], [], [], []
+        for row, where, ids, target in kept:
+            if not target.any():
+                skipped.append(("no supervised token", where))
+                continue
+            runs = mask_spans(target)
+            out_ids.append(ids)
+            lengths.append(ids.size)
+            rows.append(row)
+            spans.append(runs)
+            counts.append(len(runs))
+        return ChunkResult(
+            ids=np.concatenate(out_ids) if out_ids else np.zeros(0, np.int64),
+            lengths=np.asarray(lengths, np.int64),
+            rows=np.asarray(rows, np.int64),
+            spans=np.concatenate(spans) if spans else np.zeros((0, 2), np.int32),
+            span_counts=np.asarray(counts, np.int64),
+            records=records,
+            skipped=skipped,
+            size=chunk.size,
+        )
+
+
+_WORKER: ChunkTokenizer | None = None
+
+
+def _start_worker(tokenizer, train_on: str) -> None:
+    global _WORKER
+    # One thread per worker: the workers are the parallelism (the fast tokenizer's own thread pool
+    # would oversubscribe the cores).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER = ChunkTokenizer(tokenizer, train_on)
+
+
+def _worker_context():
+    """Fork where the platform has it (as ``datasets.map(num_proc=...)`` does): a forked worker has the
+    tokenizer already, starts in milliseconds, and does not re-run the user's main module, which
+    spawn does (a script without an ``if __name__ == "__main__"`` guard would start itself again).
+    The workers only tokenize: they never touch torch, CUDA or the parent's threads."""
+    import multiprocessing
+
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+
+
+def _work(source: Source, chunk: Chunk) -> ChunkResult:
+    return _WORKER(source, chunk)
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity, not the whole machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def worker_count(source: Source, num_proc: int | None) -> int:
+    """Worker processes for ``source``: ``num_proc`` when given (1: the main process tokenizes), else
+    every core, except for a source too small to repay starting them."""
+    if num_proc is not None:
+        if num_proc < 1:
+            raise ConfigError(f"data.num_proc must be >= 1 (or null: every core), got {num_proc}")
+        return num_proc
+    total, unit = source_units(source)
+    small = total < (PARALLEL_MIN_BYTES if unit == "B" else PARALLEL_MIN_ROWS)
+    return 1 if small else cores()
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def tokenize_source(
     source: Source,
     tokenizer,
@@ -231,80 +437,103 @@ def tokenize_source(
     cache_dir: str | Path | None = None,
     progress: bool = True,
     label: str | None = None,
+    num_proc: int | None = None,
 ) -> TokenizedSource:
-    """Tokenize ``source`` (or load its cache). Skipped samples are counted by reason. ``label``
-    (e.g. ``sources[1]``) names the source in the error raised when its path cannot be read."""
+    """Tokenize ``source`` (or read its cache). Skipped samples are counted by reason. ``label``
+    (e.g. ``sources[1]``) names the source in the error raised when its path cannot be read.
+    ``num_proc``: worker processes (None: every core for a large source, the main process for a
+    small one). Without ``cache_dir`` the cache is written to a temporary folder and read from there."""
     check_source(source, label)
-    cache = None
-    if cache_dir is not None:
-        cache = Path(cache_dir) / f"{Path(source.path).stem}-{cache_key(source, tokenizer, train_on, label)}"
-        if (cache / "meta.json").exists():
-            return _load(cache, source)
-    encoder = _Encoder(tokenizer, train_on)
-    ids_parts, target_parts, lengths, rows = [], [], [], []
-    skipped = dict.fromkeys(SKIP_REASONS, 0)
-    skipped_where: dict[str, list[str]] = {r: [] for r in SKIP_REASONS}
-    pending: list[tuple] = []
+    if cache_dir is None:
+        with tempfile.TemporaryDirectory(prefix="lit-hbp-tokens-") as tmp:
+            # The arrays stay memory-mapped after the folder is removed (POSIX keeps unlinked files).
+            return tokenize_source(source, tokenizer, train_on, tmp, progress, label, num_proc)
+    folder = Path(cache_dir) / f"{Path(source.path).stem}-{cache_key(source, tokenizer, train_on, label)}"
+    if is_complete(folder):
+        return _load(folder, source)
+    with cache_lock(folder, say=_say if progress else None):
+        if is_complete(folder):  # the process we waited for wrote it
+            return _load(folder, source)
+        _write(folder, source, tokenizer, train_on, progress, worker_count(source, num_proc))
+    return _load(folder, source, from_cache=False)
 
-    def skip(reason: str, where: str) -> None:
-        skipped[reason] += 1
-        skipped_where[reason].append(where)
 
-    def flush() -> None:
-        for (where, row, _), (ids, target) in zip(pending, encoder.encode_batch([p[2] for p in pending])):
-            if not target.any():
-                skip("no supervised token", where)
-                continue
-            ids_parts.append(ids)
-            target_parts.append(target)
-            lengths.append(ids.size)
-            rows.append(row)
-        pending.clear()
-
+def _write(folder: Path, source: Source, tokenizer, train_on: str, progress: bool, workers: int) -> None:
+    """Tokenize ``source`` chunk by chunk into the cache ``folder`` (we hold its lock)."""
     from tqdm.auto import tqdm
 
+    run = ChunkTokenizer(tokenizer, train_on)  # checks the settings before any worker starts
+    writer = CacheWriter(folder, len(tokenizer))
+    skipped = dict.fromkeys(SKIP_REASONS, 0)
+    skipped_where: dict[str, list[str]] = {r: [] for r in SKIP_REASONS}
+    records = 0
+    started = time.perf_counter()
+    total, unit = source_units(source)
+    pool = None
     # A context: a bad record closes the bar (ends its line) before its error is printed.
-    with tqdm(desc=f"tokenizing {Path(source.path).name}", unit=" samples", disable=not progress) as bar:
-        for record, where in iter_records(source):
-            conv = to_conversation(record, where)
-            prepared = encoder.prepare(conv)
-            if isinstance(prepared, str):
-                skip(prepared, where)
+    with tqdm(
+        total=total, unit=unit, unit_scale=unit == "B", disable=not progress,
+        desc=f"tokenizing {Path(source.path).name}" + (f" ({workers} processes)" if workers > 1 else ""),
+    ) as bar:  # fmt: skip
+        try:
+            if workers > 1:
+                from concurrent.futures import ProcessPoolExecutor
+
+                pool = ProcessPoolExecutor(workers, _worker_context(), _start_worker, (tokenizer, train_on))
+                results = _in_order(pool, source, 2 * workers)
             else:
-                row = int(where.rsplit(":", 1)[1].replace("row ", ""))
-                pending.append((where, row, prepared))
-                if len(pending) >= BATCH:
-                    flush()
-            bar.update(1)
-        flush()
-    out = TokenizedSource(
-        source=source,
-        ids=np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32),
-        target=np.concatenate(target_parts) if target_parts else np.zeros(0, bool),
-        offsets=np.r_[0, np.cumsum(lengths, dtype=np.int64)].astype(np.int64),
-        rows=np.asarray(rows, dtype=np.int64),
-        skipped=skipped,
-        skipped_where=skipped_where,
+                results = (run(source, chunk) for chunk in iter_chunks(source))
+            for result in results:
+                writer.append(result.ids, result.lengths, result.rows, result.spans, result.span_counts)
+                records += result.records
+                for reason, where in result.skipped:
+                    skipped[reason] += 1
+                    skipped_where[reason].append(where)
+                bar.update(result.size)
+                bar.set_postfix_str(f"{records:,} records, {writer.tokens:,} tokens", refresh=False)
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+    writer.commit(
+        dict(
+            version=CACHE_VERSION,
+            source=str(source.path),
+            records=records,
+            skipped=skipped,
+            skipped_where=skipped_where,
+            tokenized_by=f"{socket.gethostname()}:{os.getpid()}",
+            processes=workers,
+            seconds=round(time.perf_counter() - started, 3),
+        )
     )
-    if cache is not None:
-        _save(cache, out)
-    return out
 
 
-def _save(cache: Path, t: TokenizedSource) -> None:
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".tmp-"))
-    for name in ("ids", "target", "offsets", "rows"):
-        np.save(tmp / f"{name}.npy", getattr(t, name))
-    meta = dict(source=str(t.source.path), samples=len(t), skipped=t.skipped, skipped_where=t.skipped_where)
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    try:
-        os.replace(tmp, cache)
-    except OSError:  # another process finished first: its cache is identical
-        shutil.rmtree(tmp, ignore_errors=True)
+def _in_order(pool, source: Source, window: int):
+    """The chunks' results in source order, with at most ``window`` chunks in flight (bounded memory)."""
+    futures: deque = deque()
+    for chunk in iter_chunks(source):
+        futures.append(pool.submit(_work, source, chunk))
+        if len(futures) >= window:
+            yield futures.popleft().result()
+    while futures:
+        yield futures.popleft().result()
 
 
-def _load(cache: Path, source: Source) -> TokenizedSource:
-    meta = json.loads((cache / "meta.json").read_text())
-    arrays = {n: np.load(cache / f"{n}.npy", mmap_mode="r") for n in ("ids", "target", "offsets", "rows")}
-    return TokenizedSource(source=source, skipped=meta["skipped"], skipped_where=meta["skipped_where"], **arrays)
+def _load(folder: Path, source: Source, from_cache: bool = True) -> TokenizedSource:
+    meta, a = read_cache(folder)
+    return TokenizedSource(
+        source=source,
+        ids=a["ids"],
+        offsets=a["offsets"],
+        rows=a["rows"],
+        supervised=a["supervised"],
+        spans=a["spans"],
+        span_offsets=a["span_offsets"],
+        skipped=meta["skipped"],
+        skipped_where=meta["skipped_where"],
+        from_cache=from_cache,
+        folder=folder,
+    )

@@ -1,0 +1,182 @@
+"""The on-disk token cache of one source: written once, incrementally, and valid or absent.
+
+Layout of ``<cache_dir>/<name>-<key>/``:
+
+- ``ids.bin``: every kept sample's token ids, back to back, in the narrowest unsigned dtype that
+  holds the vocabulary (uint16 up to 65,536 ids, else uint32);
+- ``spans.bin``: the supervised runs of each sample as int32 ``[start, end)`` pairs relative to the
+  sample's first token (a chat has one run per assistant turn: a few pairs a sample, not a byte a
+  token);
+- ``samples.npz``: per sample, its token offset, source row (file line or table row), supervised
+  token count and span offset: what set-up reads, so set-up memory grows with samples, not tokens;
+- ``meta.json``: counts, dtype, skipped records; written last.
+
+The writer fills a hidden sibling folder and renames it into place when complete, so a reader sees
+the whole cache or none. One process per cache writes it: ``cache_lock`` is an ``flock`` the kernel
+releases when its holder dies, so a crashed writer never blocks the next one, and the next holder
+removes the crashed writer's half-written folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from lit_hbp.errors import DataError
+
+FILES = ("ids.bin", "spans.bin", "samples.npz", "meta.json")
+
+
+def id_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype holding ids below ``vocab_size``."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def mask_spans(target: np.ndarray) -> np.ndarray:
+    """The ``[start, end)`` runs of True in a boolean mask, as an (n, 2) int32 array."""
+    edges = np.diff(np.r_[np.int8(0), target.view(np.int8), np.int8(0)])
+    return np.stack([np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)], axis=1).astype(np.int32)
+
+
+def spans_mask(spans: np.ndarray, length: int) -> np.ndarray:
+    """The boolean mask of ``length`` tokens that is True on ``spans`` (cut at ``length``); a sample
+    has a few spans (its assistant turns), so a loop over them costs less than any token-sized temporary."""
+    mask = np.zeros(length, bool)
+    for a, b in spans.tolist():
+        mask[a:b] = True
+    return mask
+
+
+def is_complete(folder: Path) -> bool:
+    """A cache folder a reader may use: every file present and the arrays as long as ``meta.json`` says
+    (a folder copied in part, or written by an older version, is not)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        return (
+            (folder / "ids.bin").stat().st_size == meta["tokens"] * np.dtype(meta["id_dtype"]).itemsize
+            and (folder / "spans.bin").stat().st_size == meta["spans"] * 8
+            and (folder / "samples.npz").is_file()
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+class CacheWriter:
+    """Appends tokenized samples chunk by chunk into a hidden folder; ``commit`` renames it into place."""
+
+    def __init__(self, folder: Path, vocab_size: int):
+        self.folder = folder
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
+        umask = os.umask(0)
+        os.umask(umask)
+        self.tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would hide the cache from other users' runs
+        self.dtype = id_dtype(vocab_size)
+        self._ids = open(self.tmp / "ids.bin", "wb")  # noqa: SIM115  (closed in commit/abort)
+        self._spans = open(self.tmp / "spans.bin", "wb")  # noqa: SIM115
+        self.tokens = self.n_spans = 0
+        self._lengths: list[np.ndarray] = []
+        self._rows: list[np.ndarray] = []
+        self._supervised: list[np.ndarray] = []
+        self._span_counts: list[np.ndarray] = []
+
+    def append(self, ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray, spans: np.ndarray, span_counts) -> None:
+        """One chunk: flat ids of its samples, their lengths and rows, flat spans and spans per sample."""
+        self._ids.write(np.ascontiguousarray(ids, self.dtype).tobytes())
+        self._spans.write(np.ascontiguousarray(spans, np.int32).tobytes())
+        self.tokens += int(ids.size)
+        self.n_spans += int(spans.shape[0])
+        span_counts = np.asarray(span_counts, np.int64)
+        widths = (spans[:, 1] - spans[:, 0]).astype(np.int64)
+        owner = np.repeat(np.arange(span_counts.size), span_counts)
+        self._supervised.append(np.bincount(owner, weights=widths, minlength=span_counts.size).astype(np.int64))
+        self._lengths.append(np.asarray(lengths, np.int64))
+        self._rows.append(np.asarray(rows, np.int64))
+        self._span_counts.append(span_counts)
+
+    def commit(self, meta: dict) -> Path:
+        """Finish the files and rename the folder into place (atomic: readers see all or nothing)."""
+        for f in (self._ids, self._spans):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        span_counts = np.concatenate(self._span_counts) if self._span_counts else np.zeros(0, np.int64)
+        np.savez(
+            self.tmp / "samples.npz",
+            offsets=np.r_[0, np.cumsum(lengths)].astype(np.int64),
+            rows=np.concatenate(self._rows) if self._rows else np.zeros(0, np.int64),
+            supervised=np.concatenate(self._supervised) if self._supervised else np.zeros(0, np.int64),
+            span_offsets=np.r_[0, np.cumsum(span_counts)].astype(np.int64),
+        )
+        meta = {**meta, "samples": int(lengths.size), "tokens": self.tokens, "spans": self.n_spans}
+        (self.tmp / "meta.json").write_text(json.dumps({**meta, "id_dtype": self.dtype.name}, indent=1))
+        if self.folder.exists():  # a stale folder that failed ``is_complete``: we hold the lock
+            shutil.rmtree(self.folder)
+        os.replace(self.tmp, self.folder)
+        return self.folder
+
+    def abort(self) -> None:
+        for f in (self._ids, self._spans):
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def read_cache(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, arrays) of a complete cache; the token-sized arrays are memory-mapped, never read."""
+    meta = json.loads((folder / "meta.json").read_text())
+    with np.load(folder / "samples.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    for name, dtype, shape in (
+        ("ids", meta["id_dtype"], (meta["tokens"],)),
+        ("spans", np.int32, (meta["spans"], 2)),
+    ):
+        size = int(np.prod(shape))
+        arrays[name] = (
+            np.memmap(folder / f"{name}.bin", dtype=dtype, mode="r", shape=shape) if size else np.zeros(shape, dtype)
+        )
+    return meta, arrays
+
+
+@contextmanager
+def cache_lock(folder: Path, say=None) -> Iterator[None]:
+    """Hold the lock of cache ``folder`` (``.locks/<name>.lock`` beside it), waiting for its holder if
+    there is one (``say`` reports who); on entry, remove what a crashed writer left (its hidden folders)."""
+    path = folder.parent / ".locks" / f"{folder.name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            if say is not None:
+                say(f"waiting for {holder}, which is tokenizing into {folder}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as e:
+            raise DataError(
+                f"cannot lock {path} ({e.strerror}): data.cache_dir must be on a file system with file locks, "
+                "shared by every rank that reads it"
+            ) from None
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"{socket.gethostname()}:{os.getpid()} ({Path(sys.argv[0]).name or 'python'})")
+            f.flush()
+            for stale in folder.parent.glob(f".{folder.name}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            fcntl.flock(f, fcntl.LOCK_UN)

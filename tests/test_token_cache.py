@@ -1,0 +1,355 @@
+"""Data at scale (issue 20): chunked sources, parallel tokenization into one crash-safe cache per
+source, narrow ids and supervised spans, pre-tokenized sources, and set-up memory per sample."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import flat_tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+import lit_hbp.data.sources as sources_module
+import lit_hbp.data.tokenize as tokenize_module
+from lit_hbp.data.cache import CacheWriter, id_dtype, is_complete, mask_spans, spans_mask
+from lit_hbp.data.sources import Source, iter_chunks, iter_records
+from lit_hbp.data.store import SampleStore
+from lit_hbp.data.tokenize import _load, tokenize_source
+from lit_hbp.errors import ConfigError, DataError
+
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "pack"]
+
+
+def records(n: int, seed: int = 0) -> list:
+    """Chats, prompt/response pairs, plain text and records that are skipped, in a seeded mix."""
+    rng = np.random.default_rng(seed)
+
+    def words(lo, hi):
+        return " ".join(rng.choice(WORDS, int(rng.integers(lo, hi))))
+
+    out = []
+    for i in range(n):
+        kind = i % 7
+        if kind == 5:
+            out.append({"messages": [{"role": "user", "content": "  "}]})  # empty conversation
+        elif kind == 6:
+            out.append({"messages": [{"role": "user", "content": words(1, 5)}]})  # no supervised token
+        elif kind == 4:
+            out.append({"text": words(1, 60)})
+        elif kind == 3:
+            out.append({"prompt": words(1, 30), "response": words(1, 30)})
+        else:
+            turns = []
+            for _ in range(int(rng.integers(1, 4))):
+                turns += [{"role": "user", "content": words(1, 40)}, {"role": "assistant", "content": words(1, 40)}]
+            out.append({"messages": turns})
+    return out
+
+
+def write_jsonl(path: Path, rows: list, blank_every: int = 0) -> Path:
+    with path.open("w") as f:
+        for i, r in enumerate(rows):
+            f.write(json.dumps(r) + "\n")
+            if blank_every and i % blank_every == 0:
+                f.write("\n")
+    return path
+
+
+def caches(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def same(a, b) -> None:
+    for name in ("offsets", "rows", "supervised", "span_offsets"):
+        assert np.array_equal(a.__dict__[name], b.__dict__[name]), name
+    assert np.array_equal(np.asarray(a.ids), np.asarray(b.ids))
+    assert np.array_equal(np.asarray(a.spans), np.asarray(b.spans))
+    assert a.skipped == b.skipped and a.skipped_where == b.skipped_where
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lines=st.lists(
+        st.one_of(st.just(""), st.text(alphabet="abcxyz", min_size=1, max_size=90)), min_size=0, max_size=30
+    ),
+    chunk=st.integers(1, 64),
+    trailing_newline=st.booleans(),
+)
+def test_jsonl_chunks_cover_the_file_and_keep_line_numbers(tmp_path_factory, lines, chunk, trailing_newline):
+    """Chunks at any size: their bytes are the file's, and records keep their file:line (blank lines
+    skipped, a line longer than a chunk whole, a last line without a newline read)."""
+    path = tmp_path_factory.mktemp("chunks") / "d.jsonl"
+    body = "\n".join(json.dumps({"text": x}) if x else "" for x in lines)
+    path.write_text(body + ("\n" if trailing_newline and lines else ""))
+    if path.stat().st_size == 0:
+        return
+    chunks = list(iter_chunks(Source(str(path)), chunk_bytes=chunk))
+    assert b"".join(c.lines for c in chunks) == path.read_bytes()
+    assert sum(c.size for c in chunks) == path.stat().st_size
+    got = [(r["text"], where) for r, where in iter_records(Source(str(path)))]
+    expected = [(x, f"{path}:{i}") for i, x in enumerate(lines, 1) if x]
+    monkey_chunks = [
+        (r["text"], where) for c in chunks for r, where, _ in sources_module.chunk_records(Source(str(path)), c)
+    ]
+    assert got == expected == monkey_chunks
+
+
+def test_parallel_tokenization_equals_the_main_process_over_many_chunks(tmp_path, toy_tokenizer, monkeypatch):
+    """2 worker processes over 40+ chunks write the same cache as the main process alone, and both
+    match a tokenization of each record on its own (a chunk of one record)."""
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    path = write_jsonl(tmp_path / "mix.jsonl", records(420), blank_every=50)
+    monkeypatch.setattr(sources_module, "CHUNK_BYTES", 1500)
+    alone = tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "one", progress=False, num_proc=1)
+    parallel = tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "two", progress=False, num_proc=2)
+    assert len(list(iter_chunks(Source(str(path))))) > 40
+    assert json.loads((caches(tmp_path / "two")[0] / "meta.json").read_text())["processes"] == 2
+    same(alone, parallel)
+    monkeypatch.setattr(sources_module, "CHUNK_BYTES", 1)  # every line its own chunk
+    single = tokenize_source(Source(str(path)), tok, progress=False, num_proc=1)
+    same(alone, single)
+    assert alone.skipped == {"empty conversation": 60, "no supervised token": 60}
+    assert len(alone) == 300 and alone.where(0) == f"{path}:1" and alone.where(1) == f"{path}:3"
+
+
+def test_narrow_ids_and_spans_on_disk(tmp_path, toy_tokenizer):
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    assert id_dtype(len(tok)) == np.uint16 and id_dtype(65536) == np.uint16 and id_dtype(65537) == np.uint32
+    path = write_jsonl(tmp_path / "c.jsonl", records(70))
+    t = tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "cache", progress=False)
+    (folder,) = caches(tmp_path / "cache")
+    tokens = int(t.offsets[-1])
+    assert t.ids.dtype == np.uint16 and (folder / "ids.bin").stat().st_size == 2 * tokens
+    assert (folder / "spans.bin").stat().st_size == 8 * len(t.spans) < tokens  # spans: per turn, not per token
+    ids, target = flat_tokens(t)
+    assert target.sum() == t.supervised.sum() and not target[t.offsets[:-1]].any()
+
+
+@settings(max_examples=80, deadline=None)
+@given(mask=st.lists(st.booleans(), min_size=0, max_size=40), upto=st.integers(0, 45))
+def test_spans_round_trip_and_count_truncated_targets(mask, upto):
+    target = np.asarray(mask, bool)
+    spans = mask_spans(target)
+    assert np.array_equal(spans_mask(spans, target.size), target)
+    assert np.array_equal(spans_mask(spans, min(upto, target.size)), target[:upto])
+
+
+def synthetic_cache(folder: Path, lengths: np.ndarray, seed: int = 0):
+    """A cache of samples of ``lengths`` with random ids and 1-3 supervised runs each, written the way
+    tokenization writes it, in chunks of 64 samples."""
+    rng = np.random.default_rng(seed)
+    writer = CacheWriter(folder, 50_000)
+    masks = []
+    for lo in range(0, lengths.size, 64):
+        part = lengths[lo : lo + 64]
+        ids, spans, counts = [], [], []
+        for n in part:
+            target = np.zeros(n, bool)
+            for _ in range(int(rng.integers(1, 4))):
+                a = int(rng.integers(1, n))
+                target[a : a + int(rng.integers(1, n))] = True
+            masks.append(target)
+            runs = mask_spans(target)
+            ids.append(rng.integers(0, 50_000, n))
+            spans.append(runs)
+            counts.append(len(runs))
+        writer.append(np.concatenate(ids), part, np.arange(lo, lo + part.size) + 1, np.concatenate(spans), counts)
+    writer.commit(dict(skipped={}, skipped_where={}))
+    return masks
+
+
+def test_set_up_memory_grows_with_samples_not_tokens(tmp_path):
+    """A store over a 16M-token cache: build, truncate, hold out and read samples with a traced peak
+    of < 64 bytes a sample, where a token-sized array (the old cumsum of the mask) alone is 128 MB;
+    the supervised counts after truncation equal a brute-force count over the masks."""
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(20_000, 44_000, 500)
+    masks = synthetic_cache(tmp_path / "big", lengths)
+    src = Source(str(write_jsonl(tmp_path / "big.jsonl", [{"text": "x"}])))
+    np.unique(np.zeros((2, 2)), axis=0)  # numpy's lazy imports, before tracing
+    tracemalloc.start()
+    t = _load(tmp_path / "big", src)
+    store = SampleStore.build([t], max_len=32_768, over_length="truncate")
+    rest, _, _ = store.hold_out(0.1, seed=0)
+    ids, target = rest.tokens(0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert lengths.sum() > 15_000_000
+    assert peak < 64 * lengths.size + ids.nbytes + target.nbytes + 200_000, peak
+    expected = np.asarray([int(m[:32_768].sum()) for m in masks])
+    assert store.loss_tokens.tolist() == expected[expected > 0].tolist()  # truncated to nothing: dropped
+    assert store.lengths.tolist() == np.minimum(lengths, 32_768)[expected > 0].tolist()
+    assert len(store.report["truncated_to_nothing"]) == (expected == 0).sum() > 0
+    row = int(rest.row_of[0])
+    assert np.array_equal(target, masks[row][: rest.lengths[0]]) and ids.dtype == np.uint16
+
+
+def test_loss_tokens_of_rows_with_a_cut_equal_the_masks(tmp_path):
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(2, 300, 200)
+    masks = synthetic_cache(tmp_path / "c", lengths, seed=3)
+    t = _load(tmp_path / "c", Source(str(write_jsonl(tmp_path / "c.jsonl", [{"text": "x"}]))))
+    rows = rng.choice(200, 50, replace=False)
+    upto = rng.integers(0, 320, 50)
+    assert t.loss_tokens(rows, upto).tolist() == [int(masks[r][:u].sum()) for r, u in zip(rows, upto)]
+    assert t.loss_tokens().tolist() == [int(m.sum()) for m in masks]
+
+
+def _tokenize_in_process(path: str, tok: str, cache: str, chunk: int) -> tuple[int, bool, int]:
+    """Run in another process: count the cache writes this process makes."""
+    import lit_hbp.data.sources as s
+    import lit_hbp.data.tokenize as tz
+
+    s.CHUNK_BYTES = chunk
+    writes = []
+    real = tz._write
+    tz._write = lambda *a, **k: (writes.append(1), real(*a, **k))[1]
+    from transformers import AutoTokenizer
+
+    t = tz.tokenize_source(
+        s.Source(path), AutoTokenizer.from_pretrained(tok), cache_dir=cache, progress=False, num_proc=1
+    )
+    return len(writes), t.from_cache, int(t.offsets[-1])
+
+
+def test_two_concurrent_set_ups_tokenize_once(tmp_path, toy_tokenizer):
+    """Two processes that set up the same source at once (two ranks, or two nodes on one cache_dir):
+    one tokenizes, the other waits on the lock and reads its cache."""
+    import multiprocessing
+
+    path = write_jsonl(tmp_path / "d.jsonl", records(3000))
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        pool.map(abs, [1, 2])  # both started (imports done) before the race
+        results = pool.starmap(_tokenize_in_process, [(str(path), toy_tokenizer, str(tmp_path / "cache"), 4096)] * 2)
+    assert sorted(r[0] for r in results) == [0, 1], results
+    assert sorted(r[1] for r in results) == [False, True] and results[0][2] == results[1][2]
+    assert len(caches(tmp_path / "cache")) == 1 and not list((tmp_path / "cache").glob(".d-*"))
+
+
+def test_a_killed_writer_leaves_no_cache_and_no_stuck_lock(tmp_path, toy_tokenizer):
+    """SIGKILL a process midway through writing a cache: no cache a later run accepts is left, the
+    next run is not blocked by the dead writer's lock, removes its half-written folder and
+    tokenizes everything again, exactly."""
+    path = write_jsonl(tmp_path / "d.jsonl", records(6000))
+    cache = tmp_path / "cache"
+    code = (
+        "import sys, lit_hbp.data.sources as s; s.CHUNK_BYTES = 2048\n"
+        "from lit_hbp.data.tokenize import tokenize_source\nfrom transformers import AutoTokenizer\n"
+        f"tokenize_source(s.Source({str(path)!r}), AutoTokenizer.from_pretrained({toy_tokenizer!r}), "
+        f"cache_dir={str(cache)!r}, progress=False, num_proc=1)\nprint('finished')"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        partial = [p for p in cache.glob(".d-*.tmp-*") if (p / "ids.bin").is_file() and (p / "ids.bin").stat().st_size]
+        if partial:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL and b"finished" not in proc.stdout.read()
+    assert partial and not caches(cache)
+    assert not any(is_complete(p) for p in cache.glob(".d-*"))
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    start = time.time()
+    again = tokenize_source(Source(str(path)), tok, cache_dir=cache, progress=False, num_proc=1)
+    assert not again.from_cache and time.time() - start < 60
+    assert not list(cache.glob(".d-*")) and len(caches(cache)) == 1
+    same(again, tokenize_source(Source(str(path)), tok, progress=False, num_proc=1))
+
+
+def pretokenized_rows(tok, n: int = 12) -> list[dict]:
+    rng = np.random.default_rng(4)
+    rows = []
+    for _ in range(n):
+        ids = rng.integers(0, len(tok), int(rng.integers(3, 40))).tolist()
+        cut = int(rng.integers(1, len(ids)))
+        labels = [-100] * cut + ids[cut:]
+        rows.append(dict(input_ids=ids, labels=labels, assistant_masks=[0] * cut + [1] * (len(ids) - cut)))
+    return rows
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow", "hf", "jsonl"])
+@pytest.mark.parametrize("field", ["labels", "assistant_masks"])
+def test_pre_tokenized_sources_are_taken_as_they_are(tmp_path, toy_tokenizer, fmt, field):
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    rows = pretokenized_rows(tok)
+    keep = [{k: r[k] for k in ("input_ids", field)} for r in rows]
+    table = pa.Table.from_pylist(keep)
+    if fmt == "parquet":
+        path = tmp_path / "d.parquet"
+        pq.write_table(table, path, row_group_size=5)
+    elif fmt == "arrow":
+        path = tmp_path / "d.arrow"
+        with pa.ipc.new_stream(path, table.schema) as w:
+            w.write_table(table, max_chunksize=4)
+    elif fmt == "hf":
+        import datasets
+
+        path = tmp_path / "hf"
+        datasets.Dataset.from_list(keep).save_to_disk(str(path))
+    else:
+        path = write_jsonl(tmp_path / "d.jsonl", keep)
+    t = tokenize_source(Source(str(path)), tok, progress=False, num_proc=1)
+    ids, target = flat_tokens(t)
+    assert ids.tolist() == sum((r["input_ids"] for r in rows), [])
+    expected = np.concatenate([np.asarray(r["labels"]) != -100 for r in rows])
+    expected[t.offsets[:-1]] = False  # the first token of a sample is never predicted
+    assert np.array_equal(target, expected) and len(t) == len(rows)
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (dict(input_ids=[1, 2, 10**6], labels=[1, 2, 10**6]), r"row 1: input_ids holds token id 1000000, outside"),
+        (dict(input_ids=[1, 2, 3], labels=[1, 2]), r"row 1: labels has 2 entries for 3 input_ids"),
+        (dict(input_ids=[1, 2, 3], labels=[-100, 5, 3]), r"row 1: labels\[1\] = 5 is neither -100 nor input_ids"),
+        (dict(input_ids=[1, 2, 3], assistant_masks=[0, 1]), r"row 1: assistant_masks has 2 entries for 3"),
+        (dict(input_ids=[1, -2, 3], labels=None), r"row 1: input_ids holds token id -2"),
+    ],
+)
+def test_bad_pre_tokenized_records_name_the_row_and_the_problem(tmp_path, toy_tokenizer, record, message):
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    good = dict(input_ids=[1, 2, 3], labels=[-100, 2, 3])
+    path = tmp_path / "d.parquet"
+    if "assistant_masks" in record:
+        good = dict(input_ids=[1, 2, 3], assistant_masks=[0, 1, 1])
+    pq.write_table(pa.Table.from_pylist([good, record]), path)
+    with pytest.raises(DataError, match=f"{path}:{message}"):
+        tokenize_source(Source(str(path)), tok, progress=False, num_proc=2)
+
+
+def test_num_proc_is_checked_and_small_sources_stay_in_process(tmp_path, toy_tokenizer, monkeypatch):
+    from lit_hbp.data.datamodule import HBPDataModule
+
+    path = write_jsonl(tmp_path / "d.jsonl", records(20))
+    with pytest.raises(ConfigError, match="data.num_proc must be >= 1"):
+        HBPDataModule(sources=[str(path)], tokenizer=toy_tokenizer, levels=["256:1"], num_proc=0)
+    assert tokenize_module.worker_count(Source(str(path)), None) == 1
+    assert tokenize_module.worker_count(Source(str(path)), 3) == 3
+    monkeypatch.setattr(tokenize_module, "PARALLEL_MIN_BYTES", 10)
+    assert tokenize_module.worker_count(Source(str(path)), None) == len(os.sched_getaffinity(0))
+
+
+def test_a_pickled_source_maps_its_tokens_again_instead_of_copying_them(tmp_path, toy_tokenizer):
+    """What a DataLoader worker started by spawn or forkserver receives: the arrays map the cache."""
+    import pickle
+
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    path = write_jsonl(tmp_path / "d.jsonl", records(300))
+    t = tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "cache", progress=False)
+    blob = pickle.dumps(t)
+    assert len(blob) < t.ids.nbytes
+    copy = pickle.loads(blob)
+    assert isinstance(copy.ids, np.memmap) and isinstance(copy.spans, np.memmap)
+    same(t, copy)
