@@ -62,6 +62,17 @@ def without_idle_overlap(config: dict[str, Any], world_size: int, asked: bool) -
     return {**config, "zero_optimization": {**zero, "overlap_comm": False}}
 
 
+def without_overflow_check(config: dict[str, Any], asked: bool) -> dict[str, Any]:
+    """``config`` with DeepSpeed's bf16 gradient-overflow check off, unless ``asked``: bf16 has no loss
+    scale to adjust, and the check reads an overflow flag and the gradient norm's finiteness on the
+    host at every optimizer step (two device syncs). Without it a non-finite gradient is not skipped
+    but shows in the logged loss, as in torch's, Megatron's and Hugging Face Trainer's bf16 training."""
+    bf16 = config.get("bf16")
+    if asked or not isinstance(bf16, dict) or not bf16.get("enabled"):
+        return config
+    return {**config, "bf16": {**bf16, "check_grad_overflow": False}}
+
+
 class HBPStrategy(DeepSpeedStrategy):
     """DeepSpeed (ZeRO 0-3) with per-level Ulysses sequence parallelism.
 
@@ -71,6 +82,9 @@ class HBPStrategy(DeepSpeedStrategy):
         overlap_comm: ZeRO's overlap of the gradient reduction with the backward; by default (None)
             on with several processes and off with one, which reduces nothing (a DeepSpeed
             ``config`` that sets it decides instead). Other arguments are DeepSpeedStrategy's.
+
+    DeepSpeed's throughput timer and its bf16 gradient-overflow check are off unless a DeepSpeed
+    ``config`` turns them on: both synchronize the device (``without_overflow_check``).
     """
 
     strategy_name = "hbp"
@@ -89,6 +103,8 @@ class HBPStrategy(DeepSpeedStrategy):
         user_config = kwargs.get("config") is not None or self.DEEPSPEED_ENV_VAR in os.environ
         zero = (self.config or {}).get("zero_optimization") or {}
         self._overlap_comm_asked = overlap_comm is not None or (user_config and "overlap_comm" in zero)
+        bf16 = (self.config or {}).get("bf16") or {}
+        self._overflow_check_asked = bool(user_config and "check_grad_overflow" in bf16)
         if self.config is not None:
             # A micro-batch is one packed row; without this Lightning would infer it from a
             # dataloader before the model exists.
@@ -98,6 +114,10 @@ class HBPStrategy(DeepSpeedStrategy):
             self.config.setdefault("timers", {"throughput": {"enabled": False, "synchronized": False}})
         self.levels = None if levels is None else tuple(as_level(x) for x in levels)
         self.sp_groups: SPGroups | None = None
+
+    def _format_config(self) -> None:
+        super()._format_config()  # adds the precision's section (bf16) to the config
+        self.config = without_overflow_check(self.config, self._overflow_check_asked)
 
     @property
     def _on_cpu(self) -> bool:

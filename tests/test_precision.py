@@ -146,6 +146,23 @@ def test_the_strategy_turns_deepspeeds_synchronizing_throughput_timer_off_unless
 
 
 @pytest.mark.parametrize(
+    "config, check",
+    [
+        (None, False),  # bf16 has no loss scale: the check only reads a flag and the norm on the host
+        ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True, "check_grad_overflow": True}}, True),
+    ],
+)
+def test_the_strategy_turns_deepspeeds_bf16_overflow_check_off_unless_asked(config, check):
+    from deepspeed.runtime.precision_config import get_bfloat16_config
+
+    strategy = HBPStrategy(stage=2, config=config)
+    strategy.precision_plugin = DeepSpeedPrecision("bf16-mixed")
+    strategy._format_config()  # what setup does once the precision is known
+    bf16 = get_bfloat16_config(strategy.config)  # DeepSpeed's own reading of the config
+    assert bf16.enabled and bf16.check_grad_overflow is check
+
+
+@pytest.mark.parametrize(
     "kwargs, world, overlap",
     [
         ({"stage": 2}, 1, False),  # one process reduces nothing: no stream to overlap, only its sync
