@@ -30,6 +30,7 @@ from lit_hbp.data.store import SampleStore
 from lit_hbp.data.tokenize import (
     TRAIN_ON,
     TokenizedSource,
+    check_num_proc,
     resolve_chat_template,
     tokenize_source,
     tokenizer_fingerprint,
@@ -227,8 +228,7 @@ class HBPDataModule(L.LightningDataModule):
             validate_levels(self.levels, math.lcm(*(lv.sp for lv in self.levels)) if self.levels else 1)
         self.packer, self.over_length, self.train_on, self.seed = packer, over_length, train_on, seed
         self.cache_dir, self.num_workers = cache_dir, num_workers
-        if num_proc is not None and num_proc < 1:
-            raise ConfigError(f"data.num_proc must be >= 1 (or null: every core), got {num_proc}")
+        check_num_proc(num_proc)
         self.num_proc = num_proc
         if demo_dir is not None:
             from lit_hbp.demo import ensure_demo

@@ -414,12 +414,17 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def check_num_proc(num_proc: int | None) -> None:
+    """A short ConfigError for a ``num_proc`` below 1 (None: every core)."""
+    if num_proc is not None and num_proc < 1:
+        raise ConfigError(f"data.num_proc must be >= 1 (or null: every core), got {num_proc}")
+
+
 def worker_count(source: Source, num_proc: int | None) -> int:
     """Worker processes for ``source``: ``num_proc`` when given (1: the main process tokenizes), else
     every core, except for a source too small to repay starting them."""
+    check_num_proc(num_proc)
     if num_proc is not None:
-        if num_proc < 1:
-            raise ConfigError(f"data.num_proc must be >= 1 (or null: every core), got {num_proc}")
         return num_proc
     total, unit = source_units(source)
     small = total < (PARALLEL_MIN_BYTES if unit == "B" else PARALLEL_MIN_ROWS)
