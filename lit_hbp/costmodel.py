@@ -8,12 +8,17 @@ ZeRO-partitioned parameters, gradients and Adam states plus activations of the n
 layers. Every constant is written here with where it comes from.
 
 Time of a rank for a micro-step (seconds):
-    dense     = tokens * 2 * (layer_params * (3 + c / L) + lm_head_params * 3) / (peak * eff_dense)
-    attention = 2 * hidden * sum(len^2) / sp * (3.5 * L + c) / (peak * eff_attn)
-    sp_comm   = SP bytes per layer * (2 * L + c) / link bandwidth      (sp > 1 only)
-with tokens = the rank's share of its SP group's packs, c = checkpointed layers. Backward costs
-twice the forward for matmuls and 2.5 times for flash attention; a checkpointed layer runs its
-forward once more, all-to-alls included.
+    dense        = tokens * 2 * (layer_params * (3 + c / L) + lm_head_params * 3) / (peak * eff_dense)
+    attention    = 2 * hidden * sum(len^2) / sp * (3.5 * L + c [+ L with CP]) / (peak * eff_attn)
+    ulysses_comm = all-to-all bytes per layer * (2 * L + c) / link bandwidth      (ulysses > 1)
+    cp_comm      = all-gather bytes per layer * (3 * L + c) / link bandwidth      (cp > 1)
+    sp_comm      = ulysses_comm + cp_comm
+with tokens = the rank's share of its SP group's packs, c = checkpointed layers, sp = ulysses x cp.
+Backward costs twice the forward for matmuls and 2.5 times for flash attention; a checkpointed
+layer runs its forward once more, collectives included. Context parallelism's backward gathers K/V
+again, reduce-scatters dK/dV (the same bytes twice) and recomputes the layer's attention forward
+(the gathered K/V is not kept). No communication is overlapped with compute: the all-to-alls and
+the all-gathers sit on the critical path of their layer, and are priced in full.
 """
 
 from __future__ import annotations
@@ -105,7 +110,8 @@ class CostModel:
 
     logits: "chunked" (lit-hbp: the LM head runs in chunks of ``ce_chunk`` tokens) or "full"
     (the whole [tokens, vocab] logits in fp32, as the paper's framework held them).
-    sp_kind: how levels with sp > 1 split a pack (``lit_hbp.parallel.kind``), for its traffic."""
+    sp_kind: how levels with sp > 1 and no context parallelism split a pack
+        (``lit_hbp.parallel.kind``), for its traffic; levels with cp > 1 run the ``cp`` kind."""
 
     model: ModelSpec
     hardware: Hardware
@@ -124,35 +130,61 @@ class CostModel:
         flops = m.train_flops(tokens, 0.0, tokens) + recompute
         return flops / (self.hardware.peak_flops * self.hardware.eff_dense)
 
-    def attention_seconds(self, sum_sq: float, sp: int, ckpt: int) -> float:
+    def attention_seconds(self, sum_sq: float, sp: int, ckpt: int, cp: int = 1) -> float:
         m = self.model
         fwd_per_layer = 2.0 * m.heads * m.dim * sum_sq / sp
-        flops = fwd_per_layer * ((1 + FLASH_BACKWARD) * m.layers + ckpt)
+        recompute = ckpt + (m.layers if cp > 1 else 0)  # CP's backward recomputes each layer's attention
+        flops = fwd_per_layer * ((1 + FLASH_BACKWARD) * m.layers + recompute)
         return flops / (self.hardware.peak_flops * self.hardware.eff_attn)
 
-    def sp_comm_seconds(self, tokens, sp: int, ckpt: int):
-        if sp == 1:
-            return 0.0 * tokens
+    def _link_seconds(self, nbytes, peers: int, local: int):
+        """Seconds to send ``nbytes`` to ``peers`` - 1 others of which ``local`` - 1 share the node
+        (NVLink) and the rest are across InfiniBand; the slower side bounds."""
         hw = self.hardware
-        per_layer = resolve_sp_kind(self.sp_kind).comm_bytes_per_layer(self.model, tokens, sp)
-        local = min(sp, hw.gpus_per_node)
-        # Of the sp - 1 peers, local - 1 share the node (NVLink); the rest are across InfiniBand.
-        intra = per_layer * (local - 1) / (sp - 1)
-        inter = per_layer * (sp - local) / (sp - 1)
-        seconds = np.maximum(intra / hw.intra_node_bw, inter / hw.inter_node_bw) / hw.eff_link
-        passes = 2 * self.model.layers + ckpt
-        return passes * (seconds + 4 * hw.link_latency_s)
+        intra = nbytes * (local - 1) / (peers - 1)
+        inter = nbytes * (peers - local) / (peers - 1)
+        return np.maximum(intra / hw.intra_node_bw, inter / hw.inter_node_bw) / hw.eff_link
 
-    def micro_step(self, tokens, sum_sq, sp: int, ckpt: int) -> dict:
-        """Seconds of one rank for a micro-step: dense, attention, sp_comm and their total.
-        ``tokens`` and ``sum_sq`` may be numpy arrays (one entry per rank or SP group)."""
+    def comm_parts(self, tokens, sp: int, ckpt: int, cp: int = 1) -> dict:
+        """Seconds of one rank's SP communication in a micro-step, by collective family:
+        ``ulysses_comm`` (all-to-alls inside the Ulysses group of sp / cp contiguous ranks) and
+        ``cp_comm`` (K/V all-gathers and dK/dV reduce-scatters over the CP group, strided across
+        the Ulysses groups: its peers share a node only while a Ulysses group is smaller than one)."""
+        zero = 0.0 * tokens
+        if sp == 1:
+            return dict(ulysses_comm=zero, cp_comm=zero)
+        hw, layers = self.hardware, self.model.layers
+        kind = resolve_sp_kind("cp" if cp > 1 else self.sp_kind)
+        u = sp // cp
+        if cp == 1:
+            per_layer = kind.comm_bytes_per_layer(self.model, tokens, sp)
+            ulysses = self._link_seconds(per_layer, sp, min(sp, hw.gpus_per_node))
+            return dict(ulysses_comm=(2 * layers + ckpt) * (ulysses + 4 * hw.link_latency_s), cp_comm=zero)
+        parts = kind.comm_breakdown(self.model, tokens, sp, cp)
+        out = dict(ulysses_comm=zero)
+        if u > 1:
+            ulysses = self._link_seconds(parts["ulysses"], u, min(u, hw.gpus_per_node))
+            out["ulysses_comm"] = (2 * layers + ckpt) * (ulysses + 4 * hw.link_latency_s)
+        local = 1 if u >= hw.gpus_per_node else min(cp, hw.gpus_per_node // u)
+        gather = self._link_seconds(parts["cp"], cp, local)
+        out["cp_comm"] = (3 * layers + ckpt) * (gather + 2 * hw.link_latency_s)  # K and V per pass
+        return out
+
+    def sp_comm_seconds(self, tokens, sp: int, ckpt: int, cp: int = 1):
+        return sum(self.comm_parts(tokens, sp, ckpt, cp).values())
+
+    def micro_step(self, tokens, sum_sq, sp: int, ckpt: int, cp: int = 1) -> dict:
+        """Seconds of one rank for a micro-step: dense, attention, sp_comm (with its parts
+        ulysses_comm and cp_comm) and the total. ``tokens`` and ``sum_sq`` may be numpy arrays
+        (one entry per rank or SP group); ``cp`` is the level's context-parallel degree."""
+        comm = self.comm_parts(tokens, sp, ckpt, cp)
         parts = dict(
             dense=self.dense_seconds(tokens, ckpt),
-            attention=self.attention_seconds(sum_sq, sp, ckpt),
-            sp_comm=self.sp_comm_seconds(tokens, sp, ckpt),
+            attention=self.attention_seconds(sum_sq, sp, ckpt, cp),
+            sp_comm=comm["ulysses_comm"] + comm["cp_comm"],
         )
         parts["total"] = sum(parts.values())
-        return parts
+        return {**parts, **comm}
 
     def grad_sync_seconds(self) -> float:
         """Per optimizer step: reduce-scatter of bf16 gradients and all-gather of bf16 parameters

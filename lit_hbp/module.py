@@ -220,9 +220,10 @@ class HBPLitModule(L.LightningModule):
                 "use ZeRO stage 0-2 or liger=False"
             )
         if self.hparams.self_check:
-            from lit_hbp.selfcheck import run_self_check
+            from lit_hbp.selfcheck import layout_name, run_self_check
 
-            degrees = sorted({lv.sp for lv in levels} | {1})
+            layouts = getattr(strategy, "levels", None) or levels  # the strategy's carry resolved layouts
+            degrees = sorted({(lv.sp, lv.layout[1]) for lv in layouts} | {(1, 1)})
             errors = run_self_check(
                 self,
                 degrees,
@@ -237,7 +238,8 @@ class HBPLitModule(L.LightningModule):
             rank_zero_info(
                 "self-check passed (a pack equals its documents alone): "
                 + ", ".join(
-                    f"sp {sp}: loss {e[0]:.1e}, input gradients {e[1]:.1e}, leak {e[2]:.0e}" for sp, e in errors.items()
+                    f"{layout_name(key)}: loss {e[0]:.1e}, input gradients {e[1]:.1e}, leak {e[2]:.0e}"
+                    for key, e in errors.items()
                 )
             )
 
@@ -266,6 +268,7 @@ class HBPLitModule(L.LightningModule):
             )
         cu = batch.cu_seqlens
         attention.set_pack(cu, batch.max_seqlen, batch.input_ids.shape[1] * int(batch.sp))
+        sp_context.set_shard(batch.cp_shard)
         aux = router_loss and getattr(self.model.config, "output_router_logits", False)
         out = decoder_of(self.model)(
             input_ids=batch.input_ids,
@@ -297,9 +300,7 @@ class HBPLitModule(L.LightningModule):
     @staticmethod
     def _real_tokens(batch: PackedBatch) -> torch.Tensor:
         """[1, T] mask of this shard's positions that hold sample tokens (not the padding segment)."""
-        size = batch.input_ids.shape[1]
-        pos = torch.arange(size, device=batch.input_ids.device) + batch.sp_rank * size
-        return (pos < batch.n_tokens)[None]
+        return (batch.positions_in_pack() < batch.n_tokens)[None]
 
     def micro_batch_flops(self, batch: PackedBatch) -> float | None:
         """This rank's model FLOPs for ``batch`` (forward and backward, recomputation not counted,

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from lit_hbp import attention
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.parallel import context as sp_context
-from lit_hbp.parallel.ulysses import Ulysses
+from lit_hbp.parallel.kind import resolve_sp_kind
 
 DOC_LENGTHS = (9, 23, 5, 100, 31, 14)  # about 200 tokens in all: block-wise mechanisms (compression) engage
 # (loss, input-gradient) tolerances, relative: bf16/fp16 noise against cross-document leakage,
@@ -67,13 +67,25 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.double() - want.double()).abs().max().item() / max(scale, 1e-12)
 
 
+def layout_key(layout: int | tuple[int, int]) -> int | tuple[int, int]:
+    """A degree (Ulysses) stays a number; (sp, cp) with cp > 1 stays a pair; (sp, 1) becomes sp."""
+    sp, cp = (layout, 1) if isinstance(layout, int) else (int(layout[0]), int(layout[1]))
+    return sp if cp == 1 else (sp, cp)
+
+
+def layout_name(layout: int | tuple[int, int]) -> str:
+    key = layout_key(layout)
+    return f"sp {key}" if isinstance(key, int) else f"sp {key[0]} (ulysses {key[0] // key[1]} x cp {key[1]})"
+
+
 def run_self_check(
     module, sp_degrees, sp_groups=None, autocast=contextlib.nullcontext, max_len: int | None = None
 ) -> dict:
-    """Compare packed and alone for each degree in ``sp_degrees``; returns (loss error, gradient
-    error, leak) per degree and raises SelfCheckError (after every rank agrees) when one is out of
-    tolerance. ``module`` is an HBPLitModule after configure_model; ``autocast`` the run's
-    precision context; ``max_len`` the longest pack (a longer sliding window never matters)."""
+    """Compare packed and alone for each SP layout in ``sp_degrees`` (a degree, Ulysses, or
+    (sp, cp)); returns (loss error, gradient error, leak) per layout (``layout_key``) and raises
+    SelfCheckError (after every rank agrees) when one is out of tolerance. ``module`` is an
+    HBPLitModule after configure_model; ``autocast`` the run's precision context; ``max_len`` the
+    longest pack (a longer sliding window never matters)."""
     net = module.model
     embed = net.get_input_embeddings()
     device = next(net.parameters()).device
@@ -84,7 +96,8 @@ def run_self_check(
         with autocast():
             on = device.type
             dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else next(net.parameters()).dtype
-            packs = {sp: _pack(docs, sp, sp_groups[sp] if sp > 1 else None, device) for sp in sorted(set(sp_degrees))}
+            layouts = sorted({layout_key(x) for x in sp_degrees}, key=lambda k: (k, 1) if isinstance(k, int) else k)
+            packs = {key: _pack(docs, key, sp_groups, device) for key in layouts}
             leaks = {sp: _leak(module, embed, pack, device) for sp, pack in packs.items()}  # cheapest verdict first
             for sp, leak in leaks.items():
                 if leak > LEAK_TOLERANCE:
@@ -108,11 +121,11 @@ def run_self_check(
         sp_context.activate(None)
         attention.set_pack(None)
     loss_tol, grad_tol = TOLERANCE.get(dtype, LOW_PRECISION)
-    worst = _agree(np.array([results[sp] for sp in sorted(results)]), device)
-    for (loss_err, grad_err, leak), sp in zip(worst, sorted(results)):
+    worst = _agree(np.array([results[sp] for sp in results]), device)
+    for (loss_err, grad_err, leak), sp in zip(worst, results):
         if loss_err > loss_tol or grad_err > grad_tol or leak > LEAK_TOLERANCE:
             raise SelfCheckError(_explain(module, len(docs), sp, loss_err, grad_err, leak, loss_tol, grad_tol, dtype))
-    return {sp: tuple(e) for sp, e in zip(sorted(results), worst.tolist())}
+    return {sp: tuple(e) for sp, e in zip(results, worst.tolist())}
 
 
 def _vocab(net) -> int:
@@ -136,16 +149,17 @@ def _weights_in_graph(loss: torch.Tensor, into: set[int]) -> None:
         stack.extend(f for f, _ in fn.next_functions)
 
 
-def _check_same_weights(net, used_alone: set[int], used_packed: set[int], sp: int) -> None:
+def _check_same_weights(net, used_alone: set[int], used_packed: set[int], sp) -> None:
     names = {id(p): n for n, p in net.named_parameters()}
     only_alone = sorted(names[i] for i in used_alone - used_packed if i in names)
     only_packed = sorted(names[i] for i in used_packed - used_alone if i in names)
     if only_alone or only_packed:
         raise SelfCheckError(
-            f"self-check failed for model family {net.config.model_type!r} ({type(net).__name__}) at sp {sp}: the "
-            "packed path and the family's own forward on each document use different trainable weights: only "
-            f"alone {only_alone[:4]} (they would never train), only packed {only_packed[:4]} (a computation over "
-            "the whole pack, e.g. compression across documents). Training is refused."
+            f"self-check failed for model family {net.config.model_type!r} ({type(net).__name__}) at "
+            f"{layout_name(sp)}: the packed path and the family's own forward on each document use different "
+            f"trainable weights: only alone {only_alone[:4]} (they would never train), only packed "
+            f"{only_packed[:4]} (a computation over the whole pack, e.g. compression across documents). "
+            "Training is refused."
         )
 
 
@@ -193,17 +207,20 @@ def _alone_one(net, embed, ids, device, used: set[int]):
     return ce.detach(), grad[0].detach()
 
 
-def _pack(docs, sp, ctx, device) -> dict:
-    """The documents packed, this rank's shard at ``sp``, with where its positions are."""
-    batch = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=sp, loss_norm=1.0, level=0)
+def _pack(docs, key, sp_groups, device) -> dict:
+    """The documents packed, this rank's shard at SP layout ``key``, with where its positions are."""
+    sp, cp = (key, 1) if isinstance(key, int) else key
+    kind = resolve_sp_kind("cp" if cp > 1 else "ulysses")
+    ctx = sp_groups[(sp, cp)] if sp > 1 else None
+    batch = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=sp, cp=cp, sp_kind=kind.name, loss_norm=1.0)
     total = batch.input_ids.shape[1]
     if sp > 1:
-        batch = Ulysses().shard(batch, sp, ctx.rank)
+        batch = kind.shard(batch, sp, ctx.rank)
+    part = batch.positions_in_pack().to(device)
     batch = batch.to(device)
-    part = slice(ctx.rank * total // sp, (ctx.rank + 1) * total // sp) if sp > 1 else slice(0, total)
     bounds = np.r_[0, np.cumsum([len(ids) for ids, _ in docs.values()])]
-    doc_of = torch.as_tensor(np.searchsorted(bounds, np.arange(total), side="right") - 1)[part].to(device)
-    return dict(batch=batch, ctx=ctx, total=total, part=part, bounds=bounds, doc_of=doc_of)
+    doc_of = torch.as_tensor(np.searchsorted(bounds, np.arange(total), side="right") - 1, device=device)[part]
+    return dict(batch=batch, ctx=ctx, kind=kind, total=total, part=part, bounds=bounds, doc_of=doc_of)
 
 
 def _leak(module, embed, pack, device) -> float:
@@ -211,7 +228,7 @@ def _leak(module, embed, pack, device) -> float:
     own, over the SP group; documents from the last (which sees every earlier one) back, stopping
     at the first leak (the ranks agree after each one, so they run the same passes)."""
     embed_grad_max = 0.0
-    sp_context.activate(pack["ctx"])
+    sp_context.activate(pack["ctx"], pack["kind"])
     try:
         for j in reversed(range(len(pack["bounds"]) - 1)):
             mine = (pack["doc_of"] == j).float()
@@ -232,7 +249,7 @@ def _leak(module, embed, pack, device) -> float:
 
 def _packed_errors(module, embed, docs, reference, pack, device, used: set[int]) -> tuple[float, float]:
     """(relative loss error, relative input-gradient error) of this rank's shard of the pack."""
-    sp_context.activate(pack["ctx"])
+    sp_context.activate(pack["ctx"], pack["kind"])
     try:
         with _embedding_leaves(embed) as leaves:
             loss, _, _ = module.packed_loss(pack["batch"], weights=1.0, router_loss=False, recompute=False)
@@ -274,8 +291,8 @@ def _explain(module, n_docs, sp, loss_err, grad_err, leak, loss_tol, grad_tol, d
             + (f", e.g. {', '.join(suspects[:4])}" if suspects else "")
             + "; attention outside transformers' AttentionInterface; routing that depends on other tokens)"
         )
-    elif sp > 1:
-        cause = f"sequence parallelism {sp} changes the result, while the pack without it matches"
+    elif sp != 1:
+        cause = f"sequence parallelism at {layout_name(sp)} changes the result, while the pack without it matches"
     else:
         cause = (
             "each document computes something else packed than alone: positions that do not restart per "
@@ -289,7 +306,7 @@ def _explain(module, n_docs, sp, loss_err, grad_err, leak, loss_tol, grad_tol, d
         ]
     return (
         f"self-check failed for model family {family!r} ({type(module.model).__name__}) in {dtype}: a pack of "
-        f"{n_docs} short documents at sp {sp} differs from the documents trained one by one: "
+        f"{n_docs} short documents at {layout_name(sp)} differs from the documents trained one by one: "
         f"{', '.join(measured)}. Likely cause: {cause}. Training is refused rather than run silently "
         "wrong; use a family listed as exact in the README, or set self_check: false only if you know why this "
         "differs."

@@ -32,16 +32,19 @@ from lit_hbp.packing.levels import Level, as_level, validate_levels  # noqa: E40
 from lit_hbp.parallel import context  # noqa: E402
 from lit_hbp.parallel.groups import SPGroups  # noqa: E402
 from lit_hbp.parallel.kind import resolve_sp_kind  # noqa: E402
+from lit_hbp.parallel.topology import layout_levels, model_heads, resolve_layout  # noqa: E402
 
 
 def validate_sp_setup(levels, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int) -> list[int]:
     """Everything about the levels that can fail before the first step, with the offending level;
-    returns how many copies of each kv head each level's SP kind needs (1: none)."""
+    returns how many copies of each kv head each level's SP kind needs (1: none). Levels without a
+    (ulysses, cp) layout get the default one (``resolve_layout``)."""
     levels = validate_levels(levels, world_size)
     replication = []
     for i, lv in enumerate(levels):
+        lv = resolve_layout(lv, num_heads, num_kv_heads)
         try:
-            replication.append(resolve_sp_kind(lv.sp_kind).check(num_heads, num_kv_heads, lv.sp))
+            replication.append(resolve_sp_kind(lv.sp_kind).check(num_heads, num_kv_heads, lv.sp, lv.layout[1]))
         except ValueError as e:
             raise ValueError(f"level {i} (pack_len {lv.pack_len}, sp {lv.sp}): {e}") from None
         if lv.ckpt_layers > num_layers:
@@ -73,8 +76,19 @@ def without_overflow_check(config: dict[str, Any], asked: bool) -> dict[str, Any
     return {**config, "bf16": {**bf16, "check_grad_overflow": False}}
 
 
+def _plan_fields(levels) -> list[tuple]:
+    """What the data module's plan and the strategy's groups must agree on (a layout left to the
+    default on one side is filled in the same way on the other)."""
+    return [(lv.pack_len, lv.sp, lv.ckpt_layers, lv.packs_per_rank) for lv in map(as_level, levels)]
+
+
+def _layout_note(level: Level) -> str:
+    u, cp = level.layout
+    return f" (ulysses {u} x cp {cp})" if cp > 1 else ""
+
+
 class HBPStrategy(DeepSpeedStrategy):
-    """DeepSpeed (ZeRO 0-3) with per-level Ulysses sequence parallelism.
+    """DeepSpeed (ZeRO 0-3) with per-level sequence parallelism (Ulysses x context parallelism).
 
     Args:
         levels: the HBP levels; by default those of the trainer's data module (HBPDataModule).
@@ -158,7 +172,7 @@ class HBPStrategy(DeepSpeedStrategy):
 
     def setup(self, trainer) -> None:
         data_levels = getattr(trainer.datamodule, "levels", None)
-        if self.levels and data_levels and tuple(as_level(x) for x in data_levels) != self.levels:
+        if self.levels and data_levels and _plan_fields(data_levels) != _plan_fields(self.levels):
             raise ValueError(
                 f"HBPStrategy levels {list(self.levels)} differ from the data module's {list(data_levels)}: the "
                 "batches carry the data module's sp; give the levels once (the strategy reads the data module's)"
@@ -168,16 +182,11 @@ class HBPStrategy(DeepSpeedStrategy):
             raise ValueError("HBPStrategy needs levels: pass levels=... or use a data module with .levels")
         module = trainer.lightning_module
         cfg = module.model.config
-        heads = cfg.num_attention_heads
         validate_sp_setup(
-            levels,
-            self.world_size,
-            heads,
-            getattr(cfg, "num_key_value_heads", None) or heads,
-            getattr(module, "num_layers", cfg.num_hidden_layers),
+            levels, self.world_size, *model_heads(cfg), getattr(module, "num_layers", cfg.num_hidden_layers)
         )
-        self.levels = tuple(as_level(x) for x in levels)
-        degrees = [lv.sp for lv in self.levels]
+        self.levels = layout_levels([as_level(x) for x in levels], cfg)
+        degrees = [(lv.sp, lv.layout[1]) for lv in self.levels]
         if self.sp_groups is None:
             self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank)
         else:  # groups handed over from an earlier run of the same world (the measured level search)
@@ -190,7 +199,9 @@ class HBPStrategy(DeepSpeedStrategy):
         self.config = without_idle_overlap(self.config, self.world_size, self._overlap_comm_asked)
         rank_zero_info(
             "HBPStrategy levels: "
-            + ", ".join(f"{lv.pack_len} tokens sp {lv.sp} ckpt {lv.ckpt_layers}" for lv in self.levels)
+            + ", ".join(
+                f"{lv.pack_len} tokens sp {lv.sp}{_layout_note(lv)} ckpt {lv.ckpt_layers}" for lv in self.levels
+            )
             + f"; ZeRO stage {self.zero_stage_3 and 3 or self.config['zero_optimization']['stage']}"
         )
         super().setup(trainer)
@@ -199,7 +210,7 @@ class HBPStrategy(DeepSpeedStrategy):
         """Move the batch, and make its level's SP group the one attention uses."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if isinstance(batch, PackedBatch):
-            context.activate(self.sp_groups[batch.sp], batch.sp_kind)
+            context.activate(self.sp_groups[(batch.sp, batch.cp)], batch.sp_kind)
         return batch
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:

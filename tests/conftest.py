@@ -203,3 +203,28 @@ def quiet_trainer(**kw):
     import lightning as L
 
     return L.Trainer(**{**QUIET, **kw})
+
+
+@pytest.fixture(scope="session")
+def sp_data(tmp_path_factory):
+    """Chats of 2-25 words, every eighth with a prompt of 60-150: packs of every level of the SP tests."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world"]
+    path = tmp_path_factory.mktemp("spdata") / "d.jsonl"
+    with path.open("w") as f:
+        for i in range(160):
+            n = int(rng.integers(60, 150)) if i % 8 == 0 else int(rng.integers(2, 25))
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": " ".join(rng.choice(words, n)),
+                        "response": " ".join(rng.choice(words, rng.integers(2, 20))),
+                    }
+                )
+                + "\n"
+            )
+    return path

@@ -16,14 +16,16 @@ import torch.multiprocessing as mp
 from lit_hbp.autoselect.launch import free_port, set_launch_env
 
 
-def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, backend: str) -> None:
     set_launch_env(rank, world, port)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     while True:
         task = tasks.get()
         if task is None:
@@ -39,14 +41,14 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 class Pool:
     """``world`` worker processes; ``run(fn, *args)`` calls fn on every rank, returns results by rank."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, backend: str = "gloo"):
         ctx = mp.get_context("spawn")
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, backend), daemon=True)
             for r in range(world)
         ]
         for p in self.procs:

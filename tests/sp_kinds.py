@@ -55,10 +55,10 @@ class GatherAll(SPKind):
         size = query.shape[2]
         return out[:, :, ctx.rank * size : (ctx.rank + 1) * size]
 
-    def check(self, num_heads: int, num_kv_heads: int, sp: int) -> int:
+    def check(self, num_heads: int, num_kv_heads: int, sp: int, cp: int = 1) -> int:
         return 1
 
-    def comm_bytes_per_layer(self, model: ModelSpec, tokens: float, sp: int) -> float:
+    def comm_bytes_per_layer(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> float:
         if sp == 1:
             return 0.0
         return tokens * 2 * (model.heads + 2 * model.kv_heads) * model.dim * (sp - 1)

@@ -26,7 +26,7 @@ class LinearMemory:
         self.base, self.per_layer, self.layers, self.capacity = base, per_layer, layers, capacity
         self.calls = []
 
-    def measure(self, pack_len, sp, ckpt):
+    def measure(self, pack_len, sp, ckpt, cp=1):
         self.calls.append(ckpt)
         memory = self.base + self.per_layer * (self.layers - ckpt)
         return Measurement(1.0 + ckpt / 100, memory, pack_len / sp, memory <= self.capacity)
@@ -52,7 +52,7 @@ def test_algorithm4_steps_up_when_the_interpolation_falls_short():
     smallest count that does."""
 
     class Concave(LinearMemory):
-        def measure(self, pack_len, sp, ckpt):
+        def measure(self, pack_len, sp, ckpt, cp=1):
             self.calls.append(ckpt)
             memory = self.base + self.per_layer * math.sqrt(self.layers - ckpt) * math.sqrt(self.layers)
             return Measurement(1.0, memory, pack_len / sp, memory <= self.capacity)
@@ -77,7 +77,7 @@ class PaperProfiler:
         (131072, 8): (28, 5100),
     }
 
-    def measure(self, pack_len, sp, ckpt):
+    def measure(self, pack_len, sp, ckpt, cp=1):
         need, speed = self.best.get((pack_len, sp), (None, 1000))
         if need is None or ckpt < need:
             return Measurement(1.0, 100 * GB, pack_len / sp, False)
@@ -224,7 +224,7 @@ def pool_measured_selection(lengths):
     deepspeed.initialize, context.activate = initialize, activate
     env, rng = dict(os.environ), torch.get_rng_state()
     try:
-        selection = select_levels(profiler, lengths, spec, world, candidates=[256, 1024])
+        selection = select_levels(profiler, lengths, spec, world, candidates=[256, 1024], every_layout=False)
     finally:
         deepspeed.initialize, context.activate = real_init, real_activate
     gc.collect()
@@ -256,11 +256,11 @@ def test_measured_profiler_trains_through_hbp_strategy_on_two_gloo_processes(poo
         # Algorithm 4: 256 fits without checkpointing; at 1024 no checkpointing is ruled out by the
         # estimate (not run) and bisection between 0 and all 2 layers finds that 1 fits.
         assert c.ckpt_layers == (0 if pack_len == 256 else 1)
-    ruled_out = [(1024, 1, 0), (1024, 2, 0)]
-    assert seen["probes"] == [(256, 1, 0), (256, 2, 0), (1024, 1, 0), (1024, 1, 2), (1024, 1, 1)] + [
-        (1024, 2, 0),
-        (1024, 2, 2),
-        (1024, 2, 1),
+    ruled_out = [(1024, 1, 0, 1), (1024, 2, 0, 1)]
+    assert seen["probes"] == [(256, 1, 0, 1), (256, 2, 0, 1), (1024, 1, 0, 1), (1024, 1, 2, 1), (1024, 1, 1, 1)] + [
+        (1024, 2, 0, 1),
+        (1024, 2, 2, 1),
+        (1024, 2, 1, 1),
     ]
     # Every probe that ran is a DeepSpeed run with the run's ZeRO stage, every sp 2 probe used the
     # one SP group built for the search, and nothing of a probe outlives it.
@@ -324,7 +324,7 @@ def test_levels_auto_measured_inside_a_distributed_run(pool, tmp_path, toy_token
     )
     assert levels == levels1 and steps == 2
     assert levels[-1].pack_len == 2048 and sps == [lv.sp for lv in levels]
-    assert sorted(groups) == [1, 2], "the run reuses the SP groups its probes built (sp 2 was probed)"
+    assert sorted(groups) == [(1, 1), (2, 1)], "the run reuses the SP groups its probes built (sp 2 was probed)"
 
 
 def test_run_setting_of_a_config_reuses_its_model_precision_and_zero_settings():
@@ -413,7 +413,7 @@ def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shap
     )
     assert code == 0
     printed = capsys.readouterr().out
-    assert "pack_len  sp  ckpt" in printed and "fastest:" in printed
+    assert "pack_len  sp=UxCP  ckpt" in printed and "fastest:" in printed
     import yaml
 
     levels = yaml.safe_load(out.read_text())["levels"]

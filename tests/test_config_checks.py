@@ -233,8 +233,10 @@ def test_world_size_and_sp_errors_come_before_anything_spawns(tmp_path, capsys, 
     err = cli_error(capsys, ["--config", TINY_SP, "--trainer.devices", "3"])
     assert err[0] == "error: world_size 3 is not divisible by sp 2 of level 1 (pack_len 8192)", err
     heads = ["--model.model.num_attention_heads", "3", "--model.model.num_key_value_heads", "3"]
-    err = cli_error(capsys, ["--config", TINY_SP, *heads, "--model.model.hidden_size", "96"])
-    assert "level 1 (pack_len 8192, sp 2)" in err[0] and "3 attention heads" in err[0], err
+    # 3 heads at sp 2 train by context parallelism unless the level asks for Ulysses 2.
+    ulysses = ["--data.levels", "[{pack_len: 2048, sp: 1}, {pack_len: 8192, sp: 2, ulysses: 2}]"]
+    err = cli_error(capsys, ["--config", TINY_SP, *heads, *ulysses, "--model.model.hidden_size", "96"])
+    assert "level 1 (pack_len 8192, sp 2)" in err[0] and "3 attention heads cannot be split over 2 Ulysses" in err[0]
     err = cli_error(capsys, ["--config", TINY_SP, "--trainer.devices", "[0, 1, 2]", "--trainer.accelerator", "gpu"])
     assert "world_size 3 is not divisible by sp 2" in err[0], err
 

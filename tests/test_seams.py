@@ -37,7 +37,7 @@ def test_levels_name_their_kind_and_unknown_kinds_are_refused():
     assert Level(64, 2).sp_kind == "ulysses" and isinstance(resolve_sp_kind("ulysses"), Ulysses)
     assert as_level({"pack_len": 64, "sp": 2, "sp_kind": GATHER}).sp_kind == GATHER
     assert type(resolve_sp_kind(GATHER)).__name__ == "GatherAll" and isinstance(resolve_sp_kind(GATHER), SPKind)
-    with pytest.raises(ValueError, match=r"unknown sp_kind 'ring'.*\['ulysses'\]"):
+    with pytest.raises(ValueError, match=r"unknown sp_kind 'ring'.*\['cp', 'ulysses'\]"):
         resolve_sp_kind("ring")
     with pytest.raises(ValueError, match="cannot import 'nowhere.to'"):
         resolve_sp_kind("nowhere.to.Ring")
@@ -48,12 +48,14 @@ def test_levels_name_their_kind_and_unknown_kinds_are_refused():
 
 
 def test_the_strategy_checks_and_the_level_search_ask_the_levels_kind():
-    # 6 heads cannot be split over sp 4 by Ulysses; the all-gather kind needs no head split.
-    with pytest.raises(ValueError, match="level 0 .*6 attention heads cannot be split over sp 4"):
-        validate_sp_setup([Level(64, 4)], 4, 6, 6, 2)
+    # 6 heads cannot be split over 4 ranks by Ulysses; the all-gather kind needs no head split.
+    with pytest.raises(ValueError, match="level 0 .*6 attention heads cannot be split over 4 Ulysses ranks"):
+        validate_sp_setup([Level(64, 4, ulysses=4)], 4, 6, 6, 2)
     assert validate_sp_setup([Level(64, 4, sp_kind=GATHER)], 4, 6, 6, 2) == [1]
-    assert sp_candidates(8, 6, 6) == [1, 2]
-    assert sp_candidates(8, 6, 6, GATHER) == [1, 2, 4, 8]
+    # Ulysses alone stops at 2 for 6 heads; the built-in kinds go on with context parallelism.
+    assert sp_candidates(8, 6, 6, every_layout=False) == [(1, 1), (2, 1), (4, 2), (8, 4)]
+    assert (4, 4) in sp_candidates(8, 6, 6) and (4, 1) not in sp_candidates(8, 6, 6)
+    assert sp_candidates(8, 6, 6, GATHER) == [(1, 1), (2, 1), (4, 1), (8, 1)]
 
 
 def test_the_cost_model_prices_each_kinds_own_traffic():
@@ -104,7 +106,7 @@ def test_the_strategy_activates_the_batch_kind_with_its_group():
     strategy = HBPStrategy.__new__(HBPStrategy)  # only batch_to_device's own work is exercised
     groups = SPGroups([], 1, 0)
     fake = SPContext(None, 2, 1, (0, 1))
-    groups.contexts[2] = fake
+    groups.contexts[(2, 1)] = fake
     strategy.sp_groups = groups
     batch = Ulysses().shard(collate_packs([np.arange(4)], samples(4).__getitem__, sp=2, sp_kind=GATHER), 2, 1)
     try:

@@ -2,7 +2,6 @@
 level switches that reuse groups, and configuration errors."""
 
 import copy
-import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -175,32 +174,12 @@ def train_with_strategy(stage: int, data: str, tokenizer: str, cache: str, loss:
     )
 
 
-@pytest.fixture(scope="module")
-def sp_data(tmp_path_factory):
-    rng = np.random.default_rng(7)
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world"]
-    path = tmp_path_factory.mktemp("spdata") / "d.jsonl"
-    with path.open("w") as f:
-        for i in range(160):
-            n = int(rng.integers(60, 150)) if i % 8 == 0 else int(rng.integers(2, 25))
-            f.write(
-                json.dumps(
-                    {
-                        "prompt": " ".join(rng.choice(words, n)),
-                        "response": " ".join(rng.choice(words, rng.integers(2, 20))),
-                    }
-                )
-                + "\n"
-            )
-    return path
-
-
-def reference_update(result: dict, tokens, vocab: int, loss: str = "ave_token") -> dict:
+def reference_update(result: dict, tokens, vocab: int, loss: str = "ave_token", model: dict = TINY) -> dict:
     """One process, HF's own attention, each normalizer by its definition: ave_token is the token
     mean over every token of the optimizer step; the others are per micro-batch of an SP group
     (its B packs), averaged over the world's N / sp groups and over the A micro-steps."""
     torch.manual_seed(0)
-    module = HBPLitModule(model=TINY, vocab_size=vocab)
+    module = HBPLitModule(model=model, vocab_size=vocab)
     module.configure_model()
     net = copy.deepcopy(module.model)
     net.set_attn_implementation("sdpa")
@@ -331,8 +310,15 @@ def test_zero3_loads_a_local_checkpoint_exactly(pool, sp_data, toy_tokenizer, tm
     [
         ([Level(64, 3)], 4, 4, 4, 2, "world_size 4 is not divisible by sp 3 of level 0"),
         ([Level(64, 8)], 4, 8, 8, 2, "level 0 (pack_len 64) has sp 8 > world_size 4"),
-        ([Level(32), Level(64, 4)], 4, 6, 6, 2, "level 1 (pack_len 64, sp 4): 6 attention heads cannot be split"),
-        ([Level(64, 4)], 4, 8, 3, 2, "level 0 (pack_len 64, sp 4): 3 key/value heads do not fit sp 4"),
+        (
+            [Level(32), Level(64, 4, ulysses=4)],
+            4,
+            6,
+            6,
+            2,
+            "level 1 (pack_len 64, sp 4): 6 attention heads cannot be split over 4 Ulysses ranks",
+        ),
+        ([Level(64, 4, cp=2)], 4, 8, 3, 2, "level 0 (pack_len 64, sp 4): 3 key/value heads do not fit 2 Ulysses"),
         ([Level(64, 2, 3)], 4, 4, 4, 2, "level 0 (pack_len 64) checkpoints 3 layers but the model has 2"),
     ],
 )
@@ -405,7 +391,7 @@ def test_self_check_refuses_a_sequence_parallel_bug(pool):
     results = pool.run(self_check_on_world, TINY, True)
     for r in results:  # every rank reaches the same verdict, so none waits on the others
         assert "refused" in r, r
-        assert "at sp 2 differs" in r["refused"] and "sequence parallelism 2 changes the result" in r["refused"]
+        assert "at sp 2 differs" in r["refused"] and "sequence parallelism at sp 2 changes the result" in r["refused"]
 
 
 def fit_ddp_with_sp_level(data: str, tokenizer: str, cache: str) -> str:

@@ -267,6 +267,44 @@ def test_tiny_sp_config_trains_on_two_processes(tmp_path, small_demo):
     assert len(logged["train/loss"]) >= 4 and all(v > 0 for _, v in logged["train/loss"])
 
 
+@pytest.mark.slow
+def test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes(tmp_path, small_demo):
+    """configs/tiny_cpu_2d.yaml: a 2-head model at sp 4 (Ulysses 2 x CP 2) and a CP-only level."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "demo_data").symlink_to(small_demo)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "fit",
+            "--config",
+            str(ROOT / "configs/tiny_cpu_2d.yaml"),
+            "--trainer.max_steps",
+            "6",
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    printed = out.stderr + out.stdout
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (
+        "HBPStrategy levels: 2048 tokens sp 1 ckpt 0, 4096 tokens sp 2 (ulysses 1 x cp 2) ckpt 2, "
+        "8192 tokens sp 4 (ulysses 2 x cp 2) ckpt 4" in printed
+    )
+    assert "sp 4 (ulysses 2 x cp 2): loss" in printed  # the self-check ran the layout
+    logged = scalars(tmp_path / "runs")
+    assert len(logged["train/loss"]) >= 3 and all(v > 0 for _, v in logged["train/loss"])
+
+
 def test_tiny_auto_config_parses(tmp_path, small_demo, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = main(["--config", str(ROOT / "configs/tiny_cpu_auto.yaml"), "--data.demo_dir", str(small_demo)], run=False)

@@ -114,8 +114,10 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _attend(q, k, v, args: AttnArgs) -> torch.Tensor:
     name = backend_for(q.device.type, q.dtype, args.needs)
-    if args.cu.device != q.device or args.cu.dtype != torch.int32:
-        args = AttnArgs(**{**args.__dict__, "cu": args.cu.to(device=q.device, dtype=torch.int32)})
+    for field in ("cu", "cu_k"):
+        cu = getattr(args, field)
+        if cu is not None and (cu.device != q.device or cu.dtype != torch.int32):
+            args = AttnArgs(**{**args.__dict__, field: cu.to(device=q.device, dtype=torch.int32)})
     return REGISTRY[name].run(q, k, v, args)
 
 
@@ -250,9 +252,23 @@ def varlen_attention(
     dtype = compute_dtype(query)
     query, key, value = (x.to(dtype) for x in (query, key, value))
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        cu_q: torch.Tensor | None = None,
+        cu_k: torch.Tensor | None = None,
+        max_q: int | None = None,
+        max_k: int | None = None,
+    ) -> torch.Tensor:
+        """The kernel over the pack's documents, or (context parallelism, always eager: its kind
+        runs outside compiled graphs) over query ranges ``cu_q`` against key prefixes ``cu_k``."""
         scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
         p = float(dropout) if module.training else 0.0
+        if cu_k is not None:
+            args = AttnArgs(cu_q, int(max_q), scale, sliding_window, softcap or None, sinks, p, cu_k, int(max_k))
+            return _attend(q, k, v, args)
         if not torch.compiler.is_compiling():  # eager: the kernel itself, no recomputation in the backward
             args = AttnArgs(cu_seq_lens_q, int(max_length_q), scale, sliding_window, softcap or None, sinks, p)
             return _attend(q, k, v, args)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lit_hbp.attention.flex import document_block_mask
+from lit_hbp.attention.flex import cross_block_mask, document_block_mask
 
 FEATURES = ("window", "softcap", "sinks", "dropout")
 HALF = (torch.float16, torch.bfloat16)
@@ -40,7 +40,10 @@ HALF = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class AttnArgs:
-    """Everything about a call but q, k, v."""
+    """Everything about a call but q, k, v. ``cu``/``max_len`` are the query documents; with
+    ``cu_k``/``max_len_k`` the keys have documents of their own (context parallelism: a query range
+    [a, b) of a document against keys [0, b)), and causal is bottom-right aligned: the last query
+    of a document sees its last key."""
 
     cu: torch.Tensor
     max_len: int
@@ -49,6 +52,17 @@ class AttnArgs:
     softcap: float | None = None
     sinks: torch.Tensor | None = None
     dropout: float = 0.0
+    cu_k: torch.Tensor | None = None
+    max_len_k: int | None = None
+
+    @property
+    def keys_cu(self) -> torch.Tensor:
+        """The key documents: ``cu_k``, or the query documents for self-attention."""
+        return self.cu if self.cu_k is None else self.cu_k
+
+    @property
+    def keys_max_len(self) -> int:
+        return self.max_len if self.max_len_k is None else self.max_len_k
 
     @property
     def needs(self) -> frozenset[str]:
@@ -193,11 +207,11 @@ def _flash_run(name: str):
     def run(q, k, v, a: AttnArgs) -> torch.Tensor:
         kw = dict(
             cu_seqlens_q=a.cu,
-            cu_seqlens_k=a.cu,
+            cu_seqlens_k=a.keys_cu,
             max_seqlen_q=a.max_len,
-            max_seqlen_k=a.max_len,
+            max_seqlen_k=a.keys_max_len,
             softmax_scale=a.scale,
-            causal=True,
+            causal=True,  # bottom-right aligned when keys outnumber queries (flash-attn >= 2.1)
         )
         if a.window is not None:
             kw["window_size"] = (a.window - 1, 0)
@@ -261,7 +275,7 @@ def _torch_varlen_run(q, k, v, a: AttnArgs) -> torch.Tensor:
         kw["window_size"] = (a.window - 1 if a.window is not None else -1, 0)
     else:
         kw["is_causal"] = True
-    return _unflat(fn(_flat(q), _flat(k), _flat(v), a.cu, a.cu, a.max_len, a.max_len, **kw))
+    return _unflat(fn(_flat(q), _flat(k), _flat(v), a.cu, a.keys_cu, a.max_len, a.keys_max_len, **kw))
 
 
 # ---------------------------------------------------------------------------------- FlexAttention
@@ -291,7 +305,10 @@ def flex_run(q, k, v, a: AttnArgs, fn=None) -> torch.Tensor:
     soft-capping as a score modification, and sinks from the log-sum-exp: with a sink logit s per
     head, softmax over the tokens and the sink scales the tokens-only output by sigmoid(lse - s)."""
     fn = fn or _flex_fn()
-    block_mask = document_block_mask(a.cu, q.shape[2], a.window)
+    if a.cu_k is None:
+        block_mask = document_block_mask(a.cu, q.shape[2], a.window)
+    else:
+        block_mask = cross_block_mask(a.cu, a.cu_k, q.shape[2], k.shape[2], a.window)
     score_mod = None
     if a.softcap:
         cap = float(a.softcap)
@@ -316,37 +333,44 @@ def flex_run(q, k, v, a: AttnArgs, fn=None) -> torch.Tensor:
 # ------------------------------------------------------------------------- per-document loops
 
 
-def _documents(a: AttnArgs) -> list[tuple[int, int]]:
+def _documents(a: AttnArgs) -> list[tuple[slice, slice]]:
+    """(query rows, key rows) of every document (the same rows for self-attention)."""
     cu = a.cu.tolist()  # the loops need host values: one sync per call on a GPU (fallback backends)
-    return list(zip(cu[:-1], cu[1:]))
+    cu_k = cu if a.cu_k is None else a.cu_k.tolist()
+    return [(slice(s, e), slice(ks, ke)) for s, e, ks, ke in zip(cu[:-1], cu[1:], cu_k[:-1], cu_k[1:])]
 
 
 @torch.compiler.disable
 def _sdpa_run(q, k, v, a: AttnArgs) -> torch.Tensor:
     """A causal scaled_dot_product_attention per document. Inputs stay 4-D: on CPU torch takes its
-    flash kernel only for 4-D inputs (about 9x faster than the math fallback of 3-D inputs)."""
+    flash kernel only for 4-D inputs (about 9x faster than the math fallback of 3-D inputs). SDPA's
+    ``is_causal`` is top-left aligned, so query ranges shorter than their keys (and windows) pass
+    the bottom-right band as a mask."""
     gqa = q.shape[1] != k.shape[1]
     outs = []
-    for s, e in _documents(a):
-        n = e - s
-        if a.window is not None and n > a.window:
-            kwargs = dict(attn_mask=_band(n, a.window, q.device))
+    for qs, ks in _documents(a):
+        n, m = qs.stop - qs.start, ks.stop - ks.start
+        if n != m or (a.window is not None and n > a.window):
+            kwargs = dict(attn_mask=_band(n, a.window, q.device, m))
         else:
             kwargs = dict(is_causal=True)
         outs.append(
             F.scaled_dot_product_attention(
-                q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout_p=a.dropout, scale=a.scale, enable_gqa=gqa, **kwargs
+                q[:, :, qs], k[:, :, ks], v[:, :, ks], dropout_p=a.dropout, scale=a.scale, enable_gqa=gqa, **kwargs
             )
         )
     return torch.cat(outs, dim=2)
 
 
-def _band(n: int, window: int | None, device) -> torch.Tensor:
-    """[n, n] bool: causal, and within the window when there is one."""
-    i = torch.arange(n, device=device)
-    keep = i[None, :] <= i[:, None]
+def _band(n: int, window: int | None, device, m: int | None = None) -> torch.Tensor:
+    """[n, m] bool: n queries that are the last n of m keys (m = n: self-attention) see the keys up to
+    their own position (causal, bottom-right), and within the window when there is one."""
+    m = n if m is None else m
+    i = torch.arange(n, device=device)[:, None] + (m - n)
+    j = torch.arange(m, device=device)[None, :]
+    keep = j <= i
     if window is not None:
-        keep &= i[None, :] > i[:, None] - window
+        keep &= j > i - window
     return keep
 
 
@@ -357,15 +381,16 @@ def eager_run(q, k, v, a: AttnArgs) -> torch.Tensor:
     differentiates everywhere, so every feature trains on CPU."""
     group = q.shape[1] // k.shape[1]
     outs = []
-    for s, e in _documents(a):
-        qs = q[0, :, s:e]
-        ks, vs = (x[0, :, s:e].repeat_interleave(group, dim=0) for x in (k, v))
+    for rows, keys in _documents(a):
+        n, m = rows.stop - rows.start, keys.stop - keys.start
+        qs = q[0, :, rows]
+        ks, vs = (x[0, :, keys].repeat_interleave(group, dim=0) for x in (k, v))
         scores = (qs @ ks.transpose(-1, -2)).to(torch.promote_types(qs.dtype, torch.float32)) * a.scale
         if a.softcap:
             scores = a.softcap * torch.tanh(scores / a.softcap)
-        scores = scores.masked_fill(~_band(e - s, a.window, q.device), float("-inf"))
+        scores = scores.masked_fill(~_band(n, a.window, q.device, m), float("-inf"))
         if a.sinks is not None:
-            sink = a.sinks.to(scores.dtype).reshape(-1, 1, 1).expand(-1, e - s, 1)
+            sink = a.sinks.to(scores.dtype).reshape(-1, 1, 1).expand(-1, n, 1)
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         else:
             probs = torch.softmax(scores, dim=-1)

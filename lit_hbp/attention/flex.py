@@ -88,3 +88,44 @@ def build_block_mask(cu: torch.Tensor, total: int, window: int | None, block: in
     return BlockMask.from_kv_blocks(
         *_as_kv_blocks(partial), *_as_kv_blocks(full), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(total, total)
     )
+
+
+def cross_block_mask(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, q_len: int, k_len: int, window: int | None, block: int = BLOCK
+):
+    """The BlockMask of query ranges ``cu_q`` against key prefixes ``cu_k`` (context parallelism:
+    segment d's queries are the last ``len_q(d)`` positions of its ``len_k(d)`` keys, causal
+    bottom-right). Query s of segment d sees key t of the same segment iff t <= s + cu_k[d + 1] -
+    cu_q[d + 1] (its aligned key), within the window. Tiles are marked partial where a pair may
+    attend (segment ranges overlap and the tile's first key is not past the block's last aligned
+    key), never full: exact through the mask function, built on the device without a host read.
+    Built per call: the layout changes with every micro-batch and CP calls are few."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    seg_q = document_ids(cu_q, q_len)
+    seg_k = document_ids(cu_k, k_len)
+    aligned = torch.arange(q_len, device=cu_q.device) + (cu_k[1:] - cu_q[1:])[seg_q]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (seg_q[q_idx] == seg_k[kv_idx]) & (kv_idx <= aligned[q_idx])
+        if window is not None:
+            keep &= aligned[q_idx] - kv_idx < window
+        return keep
+
+    nq, nk = -(-q_len // block), -(-k_len // block)
+    q0 = torch.arange(nq, device=cu_q.device) * block
+    q1 = torch.clamp(q0 + block, max=q_len) - 1
+    k0 = torch.arange(nk, device=cu_q.device) * block
+    k1 = torch.clamp(k0 + block, max=k_len) - 1
+    pad = torch.full((nq * block - q_len,), -1, device=cu_q.device, dtype=aligned.dtype)
+    blocks = torch.cat([aligned, pad]).view(nq, block)
+    most = blocks.max(-1).values
+    least = torch.where(blocks >= 0, blocks, torch.iinfo(blocks.dtype).max).min(-1).values
+    some = (seg_k[k0][None, :] <= seg_q[q1][:, None]) & (seg_k[k1][None, :] >= seg_q[q0][:, None])
+    some &= k0[None, :] <= most[:, None]
+    if window is not None:
+        some &= k1[None, :] > least[:, None] - window
+    none = torch.zeros_like(some)
+    return BlockMask.from_kv_blocks(
+        *_as_kv_blocks(some), *_as_kv_blocks(none), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(q_len, k_len)
+    )

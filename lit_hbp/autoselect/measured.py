@@ -44,10 +44,11 @@ def synthetic_batch(
     ckpt_layers: int,
     rng: np.random.Generator,
     sp_kind: str = "ulysses",
+    cp: int = 1,
 ) -> PackedBatch:
     """This rank's shard of one micro-batch: a pack filled from the data's length distribution
     (random token ids, every token supervised), tagged as level 0 with ``ckpt_layers``, cut the
-    ``sp_kind`` way."""
+    ``sp_kind`` way over the (sp / cp) x cp layout."""
     take = synthetic_pack(lengths, pack_len, rng)
     docs = [(rng.integers(0, vocab, int(n)), np.ones(int(n), bool)) for n in take]
     batch = collate_packs(
@@ -55,6 +56,7 @@ def synthetic_batch(
         docs.__getitem__,
         sp=sp,
         sp_kind=sp_kind,
+        cp=cp,
         loss_norm=float(take.sum()),
         ckpt_layers=ckpt_layers,
     )
@@ -135,22 +137,22 @@ class MeasuredProfiler:
         self._capacity_agreed = False
         self._measured: dict[tuple[int, int, int], Measurement] = {}
 
-    def _groups(self, sp: int) -> SPGroups:
+    def _groups(self, sp: int, cp: int) -> SPGroups:
         """SP groups shared by every probe (a probe building its own would add communicators each time)."""
         if self.sp_groups is None:
             world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
             self.sp_groups = SPGroups([], world, rank)
-        self.sp_groups.ensure([sp])
+        self.sp_groups.ensure([(sp, cp)])
         return self.sp_groups
 
-    def measure(self, pack_len: int, sp: int, ckpt_layers: int) -> Measurement:
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, cp: int = 1) -> Measurement:
         """Probe once per setting (Algorithm 3 asks again for the setting Algorithm 4 settled on)."""
-        key = (int(pack_len), int(sp), int(ckpt_layers))
+        key = (int(pack_len), int(sp), int(ckpt_layers), int(cp))
         if key not in self._measured:
             self._measured[key] = self.probe(*key)
         return self._measured[key]
 
-    def probe(self, pack_len: int, sp: int, ckpt_layers: int) -> Measurement:
+    def probe(self, pack_len: int, sp: int, ckpt_layers: int, cp: int = 1) -> Measurement:
         """A fresh probe of one setting (not cached; `measure` caches)."""
         if not self._capacity_agreed:  # every rank decides against the smallest device
             self.capacity = -_reduce_max([-self.capacity])[0]
@@ -164,9 +166,10 @@ class MeasuredProfiler:
                 )
                 return Measurement(math.inf, None, pack_len / sp, False)
         strategy = HBPStrategy(**copy.deepcopy(self.strategy_args))
-        strategy.sp_groups = self._groups(sp)
+        strategy.sp_groups = self._groups(sp, cp)
         accumulate = self.trainer_args.get("accumulate_grad_batches", 1)
-        level = Level(pack_len, sp, ckpt_layers, sp_kind=self.sp_kind)
+        layout = dict(ulysses=sp // cp, cp=cp) if cp > 1 else dict(sp_kind=self.sp_kind)
+        level = Level(pack_len, sp, ckpt_layers, **layout)
         data = ProbeData(level, self.lengths, (self.warmup + self.steps) * accumulate, self.seed)
         timer = ProbeTimer(skip=self.warmup * accumulate)
         with _quiet(), _isolated():
@@ -261,7 +264,9 @@ class ProbeData(L.LightningDataModule):
         sp_rank = sp_coords(self.trainer.global_rank, lv.sp)[1]
         rng = np.random.default_rng(self.seed)  # the same packs on every SP group
         batches = [
-            synthetic_batch(self.lengths, lv.pack_len, lv.sp, sp_rank, vocab, lv.ckpt_layers, rng, lv.sp_kind)
+            synthetic_batch(
+                self.lengths, lv.pack_len, lv.sp, sp_rank, vocab, lv.ckpt_layers, rng, lv.sp_kind, lv.layout[1]
+            )
             for _ in range(self.n)
         ]
         self.tokens = float(np.mean([b.n_tokens for b in batches])) / lv.sp  # real tokens per rank

@@ -40,7 +40,7 @@ class Measurement:
 class Profiler(Protocol):
     capacity: float
 
-    def measure(self, pack_len: int, sp: int, ckpt_layers: int) -> Measurement: ...
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, cp: int = 1) -> Measurement: ...
 
 
 class AnalyticProfiler:
@@ -55,10 +55,10 @@ class AnalyticProfiler:
         self.capacity = cost.hardware.memory_bytes
         self._stats: dict[int, tuple[float, float]] = {}
 
-    def measure(self, pack_len: int, sp: int, ckpt_layers: int) -> Measurement:
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, cp: int = 1) -> Measurement:
         if pack_len not in self._stats:
             self._stats[pack_len] = pack_stats(self.lengths, pack_len, self.seed)
         tokens, sum_sq = self._stats[pack_len]
         memory = self.cost.memory_bytes(pack_len, sp, ckpt_layers)
-        seconds = self.cost.micro_step(tokens / sp, sum_sq, sp, ckpt_layers)["total"]
+        seconds = self.cost.micro_step(tokens / sp, sum_sq, sp, ckpt_layers, cp)["total"]
         return Measurement(seconds, memory, tokens / sp, memory <= self.capacity)

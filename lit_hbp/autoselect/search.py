@@ -1,8 +1,9 @@
 """Hierarchical Groups Auto-Selection: the paper's Algorithms 1, 3 and 4 (docs/design.md section 8).
 
 Algorithm 4 (checkpointing): profile memory with c_min and c_max checkpointed layers, interpolate
-linearly the smallest count that leaves ``margin`` bytes free. Algorithm 3: for every sp degree,
-that checkpointing, then keep the (sp, ckpt) with the most tokens per second per device.
+linearly the smallest count that leaves ``margin`` bytes free. Algorithm 3: for every SP layout
+(sp, cp) = (ulysses x cp, cp), that checkpointing, then keep the (sp, cp, ckpt) with the most tokens
+per second per device.
 Algorithm 1: stage 1 runs Algorithm 3 for every candidate pack length and keeps the fastest
 (l_best) and the largest (l_max); stage 2 adds l1 = l_best / sp_best (short samples stay whole on
 one rank, no SP traffic) and l2 = l_max / sp_max when l2 > l_best.
@@ -16,8 +17,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lit_hbp.autoselect.profiler import Measurement, Profiler
-from lit_hbp.packing.levels import Level
+from lit_hbp.packing.levels import LAYOUT_KINDS, Level
+from lit_hbp.parallel.context_parallel import ContextParallel
+from lit_hbp.parallel.groups import as_layout
 from lit_hbp.parallel.kind import resolve_sp_kind
+from lit_hbp.parallel.topology import default_layout
 
 GIB = 1024**3
 
@@ -29,6 +33,11 @@ class Candidate:
     ckpt_layers: int | None
     measurement: Measurement | None
     note: str = ""
+    cp: int = 1
+
+    @property
+    def layout(self) -> str:
+        return str(self.sp) if self.cp == 1 else f"{self.sp}={self.sp // self.cp}x{self.cp}"
 
     @property
     def tokens_per_second(self) -> float:
@@ -43,26 +52,32 @@ class Selection:
     largest: Candidate | None = None
 
     def table(self) -> str:
-        head = f"{'pack_len':>9} {'sp':>3} {'ckpt':>5} {'step_s':>9} {'mem_GiB':>8} {'tok/s/dev':>10}  note"
+        head = f"{'pack_len':>9} {'sp=UxCP':>8} {'ckpt':>5} {'step_s':>9} {'mem_GiB':>8} {'tok/s/dev':>10}  note"
         rows = [head, "-" * len(head)]
         for c in self.candidates:
             m = c.measurement
             mem = "-" if m is None or m.memory is None else f"{m.memory / GIB:.1f}"
             sec = "-" if m is None or not math.isfinite(m.seconds) else f"{m.seconds:.3f}"
             ck = "-" if c.ckpt_layers is None else str(c.ckpt_layers)
-            rows.append(f"{c.pack_len:>9} {c.sp:>3} {ck:>5} {sec:>9} {mem:>8} {c.tokens_per_second:>10.0f}  {c.note}")
+            rows.append(
+                f"{c.pack_len:>9} {c.layout:>8} {ck:>5} {sec:>9} {mem:>8} {c.tokens_per_second:>10.0f}  {c.note}"
+            )
         return "\n".join(rows)
 
     def yaml(self) -> str:
         lines = ["levels:"]
         for lv in self.levels:
-            kind = f", sp_kind: {lv.sp_kind}" if lv.sp > 1 and lv.sp_kind != "ulysses" else ""
+            if lv.sp_kind in LAYOUT_KINDS:
+                u, cp = lv.layout
+                kind = f", ulysses: {u}, cp: {cp}" if cp > 1 else ""
+            else:
+                kind = f", sp_kind: {lv.sp_kind}" if lv.sp > 1 else ""
             lines.append(f"  - {{pack_len: {lv.pack_len}, sp: {lv.sp}, ckpt_layers: {lv.ckpt_layers}{kind}}}")
         return "\n".join(lines) + "\n"
 
 
 def greedy_profile_ckpt(
-    profiler: Profiler, pack_len: int, sp: int, c_min: int, c_max: int, margin: float = 0.0
+    profiler: Profiler, pack_len: int, sp: int, c_min: int, c_max: int, margin: float = 0.0, cp: int = 1
 ) -> tuple[int | None, list[Candidate]]:
     """Algorithm 4: the fewest checkpointed layers that fit, by linear interpolation of memory.
 
@@ -70,8 +85,8 @@ def greedy_profile_ckpt(
     trace = []
 
     def probe(c: int) -> Measurement:
-        m = profiler.measure(pack_len, sp, c)
-        trace.append(Candidate(pack_len, sp, c, m, "memory probe"))
+        m = profiler.measure(pack_len, sp, c, cp)
+        trace.append(Candidate(pack_len, sp, c, m, "memory probe", cp))
         return m
 
     def remaining(m: Measurement) -> float | None:
@@ -105,23 +120,27 @@ def greedy_profile_ckpt(
 def find_best_sp_ckpt(
     profiler: Profiler, pack_len: int, sp_candidates, c_min: int, c_max: int, margin: float = 0.0
 ) -> tuple[Candidate | None, list[Candidate]]:
-    """Algorithm 3: the (sp, ckpt) with the most tokens per second per device at ``pack_len``."""
+    """Algorithm 3: the (sp, cp, ckpt) with the most tokens per second per device at ``pack_len``;
+    ``sp_candidates`` are degrees (Ulysses) or (sp, cp) layouts."""
     rows = []
     best = None
-    for sp in sp_candidates:
+    for layout in sp_candidates:
+        sp, cp = as_layout(layout)
         if pack_len % sp:
             continue
-        ckpt, trace = greedy_profile_ckpt(profiler, pack_len, sp, c_min, c_max, margin)
+        ckpt, trace = greedy_profile_ckpt(profiler, pack_len, sp, c_min, c_max, margin, cp)
         if ckpt is None:
-            rows.append(Candidate(pack_len, sp, None, trace[-1].measurement, "OOM even with all layers checkpointed"))
+            oom = "OOM even with all layers checkpointed"
+            rows.append(Candidate(pack_len, sp, None, trace[-1].measurement, oom, cp))
             continue
-        cand = Candidate(pack_len, sp, ckpt, profiler.measure(pack_len, sp, ckpt), "")
+        cand = Candidate(pack_len, sp, ckpt, profiler.measure(pack_len, sp, ckpt, cp), "", cp)
         rows.append(cand)
         if best is None or cand.tokens_per_second > best.tokens_per_second:
             best = cand
     if best is not None:
         rows = [
-            Candidate(c.pack_len, c.sp, c.ckpt_layers, c.measurement, "best" if c is best else c.note) for c in rows
+            Candidate(c.pack_len, c.sp, c.ckpt_layers, c.measurement, "best" if c is best else c.note, c.cp)
+            for c in rows
         ]
         best = next(c for c in rows if c.note == "best")
     return best, rows
@@ -173,8 +192,18 @@ def auto_select(
             candidates += rows
             if cand is not None:
                 lengths[length] = cand
-    levels = [Level(c.pack_len, c.sp, c.ckpt_layers, sp_kind=sp_kind) for _, c in sorted(lengths.items())]
+    levels = [candidate_level(c, sp_kind) for _, c in sorted(lengths.items())]
     return Selection(levels, candidates, best, largest)
+
+
+def candidate_level(c: Candidate, sp_kind: str) -> Level:
+    """The level of a chosen candidate, with its (ulysses, cp) layout when it has CP (plain Ulysses
+    is what a level without a layout resolves to wherever the heads allow it)."""
+    if sp_kind in LAYOUT_KINDS and c.cp > 1:
+        return Level(c.pack_len, c.sp, c.ckpt_layers, ulysses=c.sp // c.cp, cp=c.cp)
+    if sp_kind in LAYOUT_KINDS:
+        return Level(c.pack_len, c.sp, c.ckpt_layers)
+    return Level(c.pack_len, c.sp, c.ckpt_layers, sp_kind=sp_kind)
 
 
 def default_candidates(lengths, largest: int | None = None) -> list[int]:
@@ -185,9 +214,19 @@ def default_candidates(lengths, largest: int | None = None) -> list[int]:
     return out + [top]
 
 
-def sp_candidates(world: int, heads: int, kv_heads: int, kind: str = "ulysses") -> list[int]:
-    """The sp degrees the SP kind can run this model at on this world (powers of two)."""
-    return resolve_sp_kind(kind).degrees(world, heads, kv_heads)
+def sp_candidates(
+    world: int, heads: int, kv_heads: int, kind: str = "ulysses", every_layout: bool = True
+) -> list[tuple[int, int]]:
+    """The (sp, cp) layouts to try on this world (powers of two). The built-in kinds offer every
+    layout whose Ulysses part the heads allow (plain Ulysses is cp 1), or with ``every_layout``
+    False only the default one per degree (Ulysses as large as the heads allow, CP the rest: fewer
+    probes for a measured search); a kind of one's own its ``layouts``."""
+    if kind not in LAYOUT_KINDS:
+        return resolve_sp_kind(kind).layouts(world, heads, kv_heads)
+    layouts = ContextParallel().layouts(world, heads, kv_heads)
+    if every_layout:
+        return layouts
+    return sorted({(sp, default_layout(sp, heads, kv_heads)[1]) for sp, _ in layouts})
 
 
 def select_levels(
@@ -199,8 +238,10 @@ def select_levels(
     candidates=None,
     margin: float = 0.0,
     sp_kind: str = "ulysses",
+    every_layout: bool = True,
 ) -> Selection:
-    """Algorithm 1 over the default candidates for this data, model (a ModelSpec) and world."""
+    """Algorithm 1 over the default candidates for this data, model (a ModelSpec) and world, and
+    the SP layouts of ``sp_candidates``."""
     cands = sorted(candidates) if candidates else default_candidates(lengths, largest)
-    degrees = sp_candidates(world, model.heads, model.kv_heads, sp_kind)
-    return auto_select(profiler, cands, degrees, model.layers, 0, margin, sp_kind)
+    layouts = sp_candidates(world, model.heads, model.kv_heads, sp_kind, every_layout)
+    return auto_select(profiler, cands, layouts, model.layers, 0, margin, sp_kind)

@@ -147,10 +147,20 @@ class Selector(LevelSelector):
         rank_zero_info(f"chosen {selection.yaml()}")
         return tuple(selection.levels)
 
+    every_layout = True
+    """Whether the search tries every (ulysses, cp) layout of each degree, or only the default one."""
+
     def _search(self, profiler, lengths: np.ndarray, run: RunSetting) -> Selection:
         margin = self.margin_gib * GIB
         return select_levels(
-            profiler, lengths, run.spec, run.world, candidates=self.candidates, margin=margin, sp_kind=self.sp_kind
+            profiler,
+            lengths,
+            run.spec,
+            run.world,
+            candidates=self.candidates,
+            margin=margin,
+            sp_kind=self.sp_kind,
+            every_layout=self.every_layout,
         )
 
 
@@ -181,6 +191,8 @@ class MeasuredSelector(Selector):
     the run's ZeRO stage, precision and accumulation, on the run's world (inside a run) or on
     ``run.world`` local processes it starts (from a tool). ``memory_gib``: memory per device (default
     the GPU's; 16 on CPU). The SP groups the probes built are handed to the run's strategy."""
+
+    every_layout = False  # a probe is a short training run: one layout per degree, the default one
 
     def __init__(
         self,

@@ -13,8 +13,10 @@ from lit_hbp.model_spec import ModelSpec
 class PackingMetrics(L.Callback):
     """At each epoch start, log the plan's DBR, ABR, PR, CR, Ave-T, fill and the counts of steps,
     packs, empty completion packs, dropped, truncated and zero-length samples; at every step, log
-    its level. Works with any data module exposing ``plan`` (a ``lit_hbp.packing.Plan``), and
-    writes to every logger the trainer has.
+    its level, and for a context-parallel micro-batch ``packing/cp_area_imbalance``: the largest
+    causal attention area of its CP ranks over their mean (the ABR inside the SP group). Works
+    with any data module exposing ``plan`` (a ``lit_hbp.packing.Plan``), and writes to every
+    logger the trainer has.
 
     Drop counts (sample occurrences of the epoch: a record of a source with repeat 2 counts twice):
         ``packing/dropped`` / ``packing/truncated``: every over-length sample of the epoch left out /
@@ -106,3 +108,5 @@ class PackingMetrics(L.Callback):
         step = min(batch_idx // trainer.accumulate_grad_batches, plan.n_steps - 1)
         # A host tensor: Lightning copies a Python number to the device, a blocking copy every micro-step.
         pl_module.log("packing/level", torch.tensor(float(plan.step_level[step])), batch_size=1)
+        if getattr(batch, "cp", 1) > 1:
+            pl_module.log("packing/cp_area_imbalance", torch.tensor(float(batch.cp_imbalance)), batch_size=1)

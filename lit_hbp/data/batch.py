@@ -3,7 +3,9 @@ callbacks and benches read.
 
 A micro-batch is one row of concatenated samples (varlen: no padding between samples, one padding
 segment at the end). Its token tensors are [1, T / sp]: under sequence parallelism each rank holds
-a contiguous shard, while ``cu_seqlens``/``max_seqlen`` always describe the whole pack. Everything
+a shard (contiguous under Ulysses; the planner's balanced ranges under context parallelism, with
+``pack_index`` and ``cp_shard`` saying where they are), while ``cu_seqlens``/``max_seqlen`` always
+describe the whole pack. Everything
 else is counted on the host by collate, so the training step never reads a value back from the
 device. The plan's fields (``level``, ``ckpt_layers``, ``loss_norm``, ``epoch``, ``micro_index``)
 say where the micro-batch comes from and how the strategy and the loss must treat it.
@@ -19,6 +21,22 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
+
+@dataclass
+class CPShard:
+    """The attention geometry of one CP rank's queries (``lit_hbp.packing.context_split``): its
+    query ranges ``cu_q`` against key prefixes ``cu_k`` (int32), and where those keys are in the
+    CP group's all-gathered K/V (``key_index``, int64, into the rank-ordered concatenation)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    key_index: torch.Tensor
+    max_q: int
+    max_k: int
+
+    def apply(self, fn) -> CPShard:
+        return dataclasses.replace(self, **{k: fn(getattr(self, k)) for k in ("cu_q", "cu_k", "key_index")})
 
 
 @dataclass
@@ -61,6 +79,16 @@ class PackedBatch:
     """Which shard this is."""
     sp_kind: str = "ulysses"
     """How the level splits the pack over its SP group (``lit_hbp.parallel.kind``)."""
+    cp: int = 1
+    """Context-parallel degree of the level's layout (sp = ulysses x cp)."""
+    pack_index: torch.Tensor | None = None
+    """Positions in the pack of this shard's tokens, when they are not the contiguous slice
+    ``sp_rank * T / sp`` onward (context parallelism)."""
+    cp_shard: CPShard | None = None
+    """Attention geometry of this rank's CP group shard (cp > 1)."""
+    cp_imbalance: float = 1.0
+    """Largest causal attention area of the pack's CP ranks over their mean (the ABR inside the SP
+    group; 1.0 without CP)."""
     ckpt_layers: int = 0
     """Decoder layers to run with activation checkpointing at this level."""
     epoch: int = 0
@@ -88,12 +116,22 @@ class PackedBatch:
         non-blocking, as Lightning makes them for tensors: from pinned memory the host does not wait."""
         device = torch.device(device)
         non_blocking = device.type not in ("cpu", "mps")
-        return self.replace(**{name: t.to(device, non_blocking=non_blocking) for name, t in self._tensors()})
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> PackedBatch:
         """Called by the DataLoader's pin-memory thread (``pin_memory=True``)."""
-        return self.replace(**{name: t.pin_memory() for name, t in self._tensors()})
+        return self._map(torch.Tensor.pin_memory)
 
-    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+    def positions_in_pack(self) -> torch.Tensor:
+        """[T / sp] positions in the pack of this shard's tokens."""
+        if self.pack_index is not None:
+            return self.pack_index
+        size = self.input_ids.shape[1]
+        return torch.arange(size, device=self.input_ids.device) + self.sp_rank * size
+
+    def _map(self, fn) -> PackedBatch:
         fields = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
-        return [(name, value) for name, value in fields if isinstance(value, torch.Tensor)]
+        changes = {name: fn(value) for name, value in fields if isinstance(value, torch.Tensor)}
+        if self.cp_shard is not None:
+            changes["cp_shard"] = self.cp_shard.apply(fn)
+        return self.replace(**changes)

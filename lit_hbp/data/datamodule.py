@@ -39,7 +39,7 @@ from lit_hbp.errors import ConfigError, DataError
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, MicroBatch, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LevelSelector, as_level
 from lit_hbp.parallel.kind import resolve_sp_kind
-from lit_hbp.parallel.topology import sp_coords
+from lit_hbp.parallel.topology import layout_levels, sp_coords
 
 
 class MicroBatchDataset(Dataset):
@@ -54,7 +54,9 @@ class MicroBatchDataset(Dataset):
         epoch, k, mb = item
         lv = self.levels[mb.level]
         plan = dict(level=mb.level, ckpt_layers=lv.ckpt_layers, loss_norm=mb.loss_norm, micro_index=k, epoch=epoch)
-        batch = collate_packs(mb.packs, self.store.tokens, sp=lv.sp, sp_kind=lv.sp_kind, pad_id=self.pad_id, **plan)
+        batch = collate_packs(
+            mb.packs, self.store.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=self.pad_id, **plan
+        )
         return resolve_sp_kind(lv.sp_kind).shard(batch, lv.sp, sp_coords(self.rank, lv.sp)[1]) if lv.sp > 1 else batch
 
 
@@ -288,6 +290,13 @@ class HBPDataModule(L.LightningDataModule):
             path.write_text(json.dumps(report, indent=1))
         return path
 
+    def sharding_levels(self) -> tuple[Level, ...]:
+        """The levels with the (ulysses, cp) layouts of the model being trained (``layout_levels``,
+        as the strategy resolves them): the plan does not depend on them, the shards do."""
+        module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        config = getattr(getattr(module, "model", None), "config", None)
+        return self.levels if config is None else layout_levels(self.levels, config)
+
     def plan_key(self) -> dict:
         """What the epoch plans depend on: a resumed run must plan the same epochs."""
         world, _, accumulate = self._world()
@@ -417,7 +426,7 @@ class HBPDataModule(L.LightningDataModule):
             return []
         _, rank, _ = self._world()
         workers, pin = self._loader_settings()
-        dataset = MicroBatchDataset(self.val_store, self.levels, rank, self.pad_id)
+        dataset = MicroBatchDataset(self.val_store, self.sharding_levels(), rank, self.pad_id)
         sampler = FixedPlanSampler(self.val_plan(), rank)
         return DataLoader(dataset, sampler=sampler, batch_size=None, **self._worker_settings(workers), pin_memory=pin)
 
@@ -439,7 +448,7 @@ class HBPDataModule(L.LightningDataModule):
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         _, rank, _ = self._world()
         workers, pin = self._loader_settings()
-        dataset = MicroBatchDataset(self.store, self.levels, rank, self.pad_id)
+        dataset = MicroBatchDataset(self.store, self.sharding_levels(), rank, self.pad_id)
         sampler = PlanSampler(self, epoch, rank)
         return PlanLoader(self, dataset, sampler, **self._worker_settings(workers), pin_memory=pin)
 

@@ -11,6 +11,9 @@ import numpy as np
 
 from lit_hbp.errors import ConfigError  # pure Python: the planner still imports numpy only
 
+LAYOUT_KINDS = ("ulysses", "cp")
+"""The built-in SP kinds whose levels have a (ulysses, cp) layout: ``cp`` runs every cp > 1."""
+
 
 @dataclass(frozen=True)
 class Level:
@@ -20,8 +23,13 @@ class Level:
     sp: sequence-parallel degree; the world splits into world_size / sp groups of contiguous ranks.
     ckpt_layers: decoder layers (counted from the first) run under activation checkpointing.
     packs_per_rank: packs each SP group holds per micro-step (the paper's local batch B).
-    sp_kind: how a pack is split over its SP group when sp > 1: ``ulysses`` (default) or the class
-        path of an ``lit_hbp.parallel.kind.SPKind`` subclass. The plan does not depend on it.
+    sp_kind: how a pack is split over its SP group when sp > 1: ``ulysses`` (default), ``cp``
+        (Ulysses x context parallelism) or the class path of an ``lit_hbp.parallel.kind.SPKind``
+        subclass. The plan does not depend on it.
+    ulysses, cp: the layout of sp = ulysses x cp for the built-in kinds: Ulysses all-to-all over
+        ``ulysses`` ranks (inside a node), context parallelism over ``cp`` (across). Give one, both or
+        neither: by default (``resolve_layout``, once the model is known) Ulysses takes the largest
+        degree the model's heads allow and CP the rest. A level with cp > 1 runs the ``cp`` kind.
     """
 
     pack_len: int
@@ -29,12 +37,16 @@ class Level:
     ckpt_layers: int = 0
     packs_per_rank: int = 1
     sp_kind: str = "ulysses"
+    ulysses: int | None = None
+    cp: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_kind, str) or not self.sp_kind:
             raise TypeError(f"Level.sp_kind must be a non-empty string, got {self.sp_kind!r}")
-        for name in ("pack_len", "sp", "ckpt_layers", "packs_per_rank"):
+        for name in ("pack_len", "sp", "ckpt_layers", "packs_per_rank", "ulysses", "cp"):
             value = getattr(self, name)
+            if value is None and name in ("ulysses", "cp"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"Level.{name} must be an int, got {value!r} ({type(value).__name__})")
         if self.pack_len < 1:
@@ -47,6 +59,33 @@ class Level:
             raise ConfigError(f"Level.packs_per_rank must be >= 1, got {self.packs_per_rank}")
         if self.pack_len < self.sp:
             raise ConfigError(f"Level.pack_len ({self.pack_len}) is smaller than its sp degree ({self.sp})")
+        self._fill_layout()
+
+    def _fill_layout(self) -> None:
+        """Complete (ulysses, cp) from sp when one is given, check their product, and name the ``cp``
+        kind for a level with cp > 1 (frozen: set through object.__setattr__, once, here)."""
+        u, cp = self.ulysses, self.cp
+        for name, value in (("ulysses", u), ("cp", cp)):
+            if value is not None and (value < 1 or self.sp % value):
+                raise ConfigError(f"Level.{name} ({value}) must be >= 1 and divide sp ({self.sp})")
+        if u is not None and cp is None:
+            cp = self.sp // u
+        elif cp is not None and u is None:
+            u = self.sp // cp
+        if u is not None and u * cp != self.sp:
+            raise ConfigError(f"Level.ulysses ({u}) x Level.cp ({cp}) must equal sp ({self.sp})")
+        if cp is not None and cp > 1 and self.sp_kind not in LAYOUT_KINDS:
+            raise ConfigError(f"Level.cp ({cp}) needs sp_kind {LAYOUT_KINDS[1]!r}, not {self.sp_kind!r}")
+        kind = LAYOUT_KINDS[1] if cp is not None and cp > 1 else self.sp_kind
+        if u is not None and cp == 1 and self.sp_kind == LAYOUT_KINDS[1]:
+            kind = LAYOUT_KINDS[0]
+        for name, value in (("ulysses", u), ("cp", cp), ("sp_kind", kind)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        """(ulysses, cp) of the level (cp 1 until ``resolve_layout`` fills in a default one)."""
+        return (self.ulysses, self.cp) if self.cp is not None else (self.sp, 1)
 
     @classmethod
     def parse(cls, spec: str) -> Level:
@@ -79,7 +118,7 @@ def as_level(spec: Level | dict | str | int) -> Level:
     if isinstance(spec, int) and not isinstance(spec, bool):
         return Level(spec)
     if isinstance(spec, dict):
-        unknown = set(spec) - {"pack_len", "sp", "ckpt_layers", "packs_per_rank", "sp_kind"}
+        unknown = set(spec) - {"pack_len", "sp", "ckpt_layers", "packs_per_rank", "sp_kind", "ulysses", "cp"}
         if unknown:
             raise ConfigError(f"unknown level field(s) {sorted(unknown)} in {spec!r}")
         return Level(**spec)

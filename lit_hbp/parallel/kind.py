@@ -2,9 +2,11 @@
 
 A level names its kind (``Level.sp_kind``, default ``"ulysses"``); everything that depends on how
 a pack is split asks the kind: the data loader (``shard``), attention (``attend``), the strategy's
-set-up checks (``check``), the cost model (``comm_bytes_per_layer``) and the level search
-(``degrees``). A second kind (ring attention, a Ulysses x ring hybrid) is one new module with a
-subclass, named in a level by its class path (``sp_kind: mypkg.ring.Ring``).
+set-up checks (``check``), the cost model (``comm_bytes_per_layer``, ``comm_breakdown``) and the
+level search (``layouts``). The built-in kinds are ``ulysses`` (all-to-all over heads) and ``cp``
+(Ulysses x context parallelism, ``lit_hbp.parallel.context_parallel``), whose levels have a layout
+sp = ulysses x cp; a kind of one's own (ring attention) is one new module with a subclass, named in
+a level by its class path (``sp_kind: mypkg.ring.Ring``), and runs levels with cp 1.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ if TYPE_CHECKING:
     from lit_hbp.model_spec import ModelSpec
     from lit_hbp.parallel.groups import SPContext
 
-BUILTIN = {"ulysses": "lit_hbp.parallel.ulysses.Ulysses"}
+BUILTIN = {"ulysses": "lit_hbp.parallel.ulysses.Ulysses", "cp": "lit_hbp.parallel.context_parallel.ContextParallel"}
 
-Attend = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor | None"], "torch.Tensor"]
+Attend = Callable[..., "torch.Tensor"]
+"""``attend(q, k, v, sinks)``: the single-device varlen kernel over the whole pack's documents; with
+keywords ``cu_q, cu_k, max_q, max_k`` over query ranges against key prefixes of their own
+(``lit_hbp.attention.backends.AttnArgs``: causal bottom-right), as context parallelism calls it."""
 
 
 class SPKind(ABC):
@@ -51,27 +56,36 @@ class SPKind(ABC):
         the whole pack's ``cu_seqlens``."""
 
     @abstractmethod
-    def check(self, num_heads: int, num_kv_heads: int, sp: int) -> int:
-        """Raise ValueError naming the problem unless the model's heads can run at ``sp``; return how
-        many copies of each kv head a rank needs (1: none)."""
+    def check(self, num_heads: int, num_kv_heads: int, sp: int, cp: int = 1) -> int:
+        """Raise ValueError naming the problem unless the model's heads can run at ``sp`` (laid out
+        as (sp / cp) x cp); return how many copies of each kv head a rank needs (1: none)."""
 
     @abstractmethod
-    def comm_bytes_per_layer(self, model: ModelSpec, tokens: float, sp: int) -> float:
+    def comm_bytes_per_layer(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> float:
         """Bytes one rank sends over the SP group in one layer's forward for ``tokens`` tokens of
         its shard (the cost model prices the passes: forward, backward, recomputation)."""
 
-    def degrees(self, world: int, num_heads: int, num_kv_heads: int) -> list[int]:
-        """The sp degrees the level search tries: powers of two that divide the world and pass ``check``."""
+    def comm_breakdown(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> dict[str, float]:
+        """``comm_bytes_per_layer`` by collective family (reports print them side by side)."""
+        return {self.name: self.comm_bytes_per_layer(model, tokens, sp, cp)}
+
+    def layouts(self, world: int, num_heads: int, num_kv_heads: int) -> list[tuple[int, int]]:
+        """The (sp, cp) layouts the level search tries: sp a power of two dividing the world, cp 1,
+        where ``check`` passes."""
         out, sp = [], 1
         while sp <= world:
             if world % sp == 0:
                 try:
                     self.check(num_heads, num_kv_heads, sp)
-                    out.append(sp)
+                    out.append((sp, 1))
                 except ValueError:
                     pass
             sp *= 2
         return out
+
+    def degrees(self, world: int, num_heads: int, num_kv_heads: int) -> list[int]:
+        """The sp degrees of ``layouts``."""
+        return sorted({sp for sp, _ in self.layouts(world, num_heads, num_kv_heads)})
 
 
 @cache

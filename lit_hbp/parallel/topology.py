@@ -17,3 +17,66 @@ def sp_group_ranks(world_size: int, sp: int) -> list[list[int]]:
 def sp_coords(rank: int, sp: int) -> tuple[int, int]:
     """(SP group index, rank inside the group) of a global rank under degree ``sp``."""
     return rank // sp, rank % sp
+
+
+def layout_coords(sp_rank: int, ulysses: int) -> tuple[int, int]:
+    """(CP rank, Ulysses rank) of a rank of an SP group laid out as ulysses x cp: Ulysses groups
+    are contiguous (inside a node), CP groups strided across them."""
+    return sp_rank // ulysses, sp_rank % ulysses
+
+
+def cp_group_ranks(world_size: int, sp: int, cp: int) -> list[list[int]]:
+    """Ranks of every CP group of the layout (sp / cp) x cp: in SP group g, the ranks with the same
+    Ulysses rank u are g*sp + u + j*(sp / cp), j < cp."""
+    if cp < 1 or sp % cp:
+        raise ValueError(f"cp {cp} must be >= 1 and divide sp {sp}")
+    u = sp // cp
+    return [[g * sp + r + j * u for j in range(cp)] for g in range(world_size // sp) for r in range(u)]
+
+
+def heads_problem(num_heads: int, num_kv_heads: int, ulysses: int) -> str | None:
+    """Why the heads cannot be split over ``ulysses`` ranks by the all-to-all (kv heads may be
+    replicated up to the degree), or None when they can."""
+    if num_heads % ulysses:
+        return (
+            f"{num_heads} attention heads cannot be split over {ulysses} Ulysses ranks: heads must be divisible by it"
+        )
+    if num_kv_heads % ulysses and ulysses % num_kv_heads:
+        return (
+            f"{num_kv_heads} key/value heads do not fit {ulysses} Ulysses ranks: kv heads must be divisible by it, "
+            "or it divisible by kv heads (then kv heads are replicated)"
+        )
+    return None
+
+
+def default_layout(sp: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(ulysses, cp) for ``sp``: Ulysses on the largest divisor of sp the heads allow (its all-to-all
+    moves the least and stays inside a node), context parallelism on the rest."""
+    u = max(d for d in range(1, sp + 1) if sp % d == 0 and heads_problem(num_heads, num_kv_heads, d) is None)
+    return u, sp // u
+
+
+def resolve_layout(level, num_heads: int, num_kv_heads: int):
+    """``level`` with its (ulysses, cp) filled in for a model of these heads (unchanged when it gives
+    one, or names a kind of its own)."""
+    from dataclasses import replace
+
+    from lit_hbp.packing.levels import LAYOUT_KINDS
+
+    if level.cp is not None or level.sp_kind not in LAYOUT_KINDS:
+        return level
+    u, cp = default_layout(level.sp, num_heads, num_kv_heads)
+    return replace(level, ulysses=u, cp=cp, sp_kind=LAYOUT_KINDS[1] if cp > 1 else LAYOUT_KINDS[0])
+
+
+def model_heads(config) -> tuple[int, int]:
+    """(query heads, key/value heads) of a transformers config."""
+    heads = int(config.num_attention_heads)
+    return heads, int(getattr(config, "num_key_value_heads", None) or heads)
+
+
+def layout_levels(levels, config) -> tuple:
+    """The levels with their (ulysses, cp) layouts resolved for the model of ``config``: the
+    strategy, the data module and the self-check all call this pure function, so they agree."""
+    heads, kv = model_heads(config)
+    return tuple(resolve_layout(lv, heads, kv) for lv in levels)

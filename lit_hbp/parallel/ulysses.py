@@ -16,6 +16,7 @@ from lit_hbp.data.collate import target_index
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.parallel.groups import SPContext
 from lit_hbp.parallel.kind import Attend, SPKind
+from lit_hbp.parallel.topology import heads_problem
 
 
 def _a2a(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
@@ -75,13 +76,9 @@ def heads_to_seq(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
 def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> int:
     """Raise unless heads split evenly over sp (kv heads may be replicated up to sp); return how
     many times each kv head is replicated (1: none)."""
-    if num_heads % sp:
-        raise ValueError(f"{num_heads} attention heads cannot be split over sp {sp}: heads must be divisible by sp")
-    if num_kv_heads % sp and sp % num_kv_heads:
-        raise ValueError(
-            f"{num_kv_heads} key/value heads do not fit sp {sp}: kv heads must be divisible by sp, "
-            "or sp divisible by kv heads (then kv heads are replicated)"
-        )
+    problem = heads_problem(num_heads, num_kv_heads, sp)
+    if problem is not None:
+        raise ValueError(problem)
     return 1 if num_kv_heads % sp == 0 else sp // num_kv_heads
 
 
@@ -125,10 +122,12 @@ class Ulysses(SPKind):
         key, value = (seq_to_heads(replicate_kv(x, sp), ctx) for x in (key, value))
         return heads_to_seq(attend(query, key, value, sinks), ctx)
 
-    def check(self, num_heads: int, num_kv_heads: int, sp: int) -> int:
+    def check(self, num_heads: int, num_kv_heads: int, sp: int, cp: int = 1) -> int:
+        if cp != 1:
+            raise ValueError(f"the ulysses kind has no context parallelism (cp {cp}): use sp_kind 'cp'")
         return check_heads(num_heads, num_kv_heads, sp)
 
-    def comm_bytes_per_layer(self, model: ModelSpec, tokens: float, sp: int) -> float:
+    def comm_bytes_per_layer(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> float:
         """The four all-to-alls (q, k, v, output) in bf16; a rank keeps 1/sp of what it holds."""
         if sp == 1:
             return 0.0

@@ -5,6 +5,10 @@
 --model is a preset (llama3.1-8b, llama3.1-70b, qwen2.5-32b, qwen2.5-72b), a Hugging Face
 config.json or checkpoint folder, or a lit-hbp training YAML (its model section). Levels are
 PACK_LEN:SP[:CKPT]; without CKPT the fewest checkpointed layers that fit are chosen (Algorithm 4).
+A level's sp is laid out as Ulysses on the largest degree the model's heads allow and context
+parallelism (CP) on the rest; the auto-selected levels (d) try every (ulysses, cp) layout. The
+SP communication is reported as its two parts: ulysses_comm (all-to-alls) and cp_comm (K/V
+all-gathers and dK/dV reduce-scatters).
 Prints the epoch time and GPU-hours of (a) naive single-level ISF at the largest level, (b) the
 levels without the attention-balance sort, (c) full HBP, (d) HBP with auto-selected levels, with
 each one's speed-up over (a) and where its GPU time goes. Samples longer than the largest level
@@ -23,8 +27,9 @@ from lit_hbp.costmodel import HARDWARE, CostModel
 from lit_hbp.model_spec import load_model_spec
 from lit_hbp.packing import Level
 from lit_hbp.packing.bins import load_lengths
+from lit_hbp.parallel.topology import resolve_layout
 from lit_hbp.report import format_table
-from lit_hbp.simulate.simulator import PARTS, compare, fill_checkpointing
+from lit_hbp.simulate.simulator import COMM_PARTS, compare, fill_checkpointing
 
 
 def parse_levels(specs: list[str]) -> tuple[list[Level], list[bool]]:
@@ -52,6 +57,23 @@ def left_out(lengths: np.ndarray, max_len: int) -> str:
     return "\n".join(lines)
 
 
+def layouts_tried(selection, pack_len: int) -> str:
+    """The (ulysses x cp, checkpointing) settings the search priced for the largest level, fastest
+    first: why it took the layout it took."""
+    rows = [c for c in selection.candidates if c.pack_len == pack_len and c.note != "memory probe"]
+    rows.sort(key=lambda c: -c.tokens_per_second)
+    lines = [f"layouts the search priced for the {pack_len:,}-token level (sp=ulysses x cp, tokens/s per GPU):"]
+    for c in rows:
+        ckpt = "OOM" if c.ckpt_layers is None else f"ckpt {c.ckpt_layers}"
+        lines.append(f"  sp {c.layout:>8}  {ckpt:>8}  {c.tokens_per_second:>10,.0f}  {c.note}".rstrip())
+    return "\n".join(lines)
+
+
+def layout_note(level: Level) -> str:
+    u, cp = level.layout
+    return f"={u}x{cp}" if cp > 1 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m lit_hbp.simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -72,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_model_spec(args.model)
         cost = CostModel(spec, HARDWARE[args.gpu], args.gpus, zero_stage=args.zero_stage)
         levels, auto_ckpt = parse_levels(args.levels)
+        levels = [resolve_layout(lv, spec.heads, spec.kv_heads) for lv in levels]
         chosen = fill_checkpointing([lv for lv, a in zip(levels, auto_ckpt) if a], cost, lengths)
         levels = [chosen.pop(0) if a else lv for lv, a in zip(levels, auto_ckpt)]
         sims, selection = compare(lengths, cost, levels, args.accumulate, args.seed, auto=not args.no_auto)
@@ -97,20 +120,25 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{len(lengths):,} samples, {int(lengths.sum()):,} tokens; {spec.name} ({spec.params / 1e9:.1f}B) on "
         f"{args.gpus} x {hw.name} (simulated with the cost model), ZeRO-{args.zero_stage}; levels "
-        + ", ".join(f"{lv.pack_len} sp{lv.sp} ckpt{lv.ckpt_layers}" for lv in levels)
+        + ", ".join(f"{lv.pack_len} sp{lv.sp}{layout_note(lv)} ckpt{lv.ckpt_layers}" for lv in levels)
         + "\n"
     )
     notice = left_out(lengths, levels[-1].pack_len)
     if notice:
         print(notice + "\n")
     cols = [("hours", ".2f"), ("gpu_hours", ".1f"), ("speedup", ".2f"), ("abr", ".3f"), ("cr", ".3f")]
-    cols += [(k, ".3f") for k in (*PARTS, "idle", "grad_sync")]
+    cols += [(k, ".3f") for k in ("dense", "attention", *COMM_PARTS, "idle", "grad_sync")]
     print(format_table(rows, cols))
-    print("\n(dense ... grad_sync: share of all GPU time; idle = waiting for the slowest SP group of a micro-step)")
+    print(
+        "\n(dense ... grad_sync: share of all GPU time; ulysses_comm: all-to-alls, cp_comm: context parallelism's "
+        "K/V all-gathers and reduce-scatters, neither overlapped with compute; idle = waiting for the slowest SP "
+        "group of a micro-step)"
+    )
     hbp = rows[2]
     print(f"HBP over naive ISF: {hbp['speedup']:.2f}x (the paper measured 1.40x for LLaMA3.1-8B on 32 H100s).")
     if selection is not None:
         print("\nauto-selected levels (d):\n" + selection.yaml())
+        print(layouts_tried(selection, levels[-1].pack_len))
     if args.plot:
         from lit_hbp.simulate.plots import save_figures
 

@@ -2,8 +2,8 @@
 
 ``timeline_figure``: per-rank timelines of a few consecutive micro-steps, one panel per simulation
 (e.g. naive ISF beside HBP) on a shared time axis. Every rank's bar is its SP group's dense compute,
-attention and Ulysses all-to-all seconds, then grey idle time until the slowest group of the
-micro-step finishes. It shows where the epoch's time goes: naive single-level packing puts a 100K
+attention, Ulysses all-to-all and context-parallel all-gather seconds, then grey idle time until the
+slowest group of the micro-step finishes. It shows where the epoch's time goes: naive single-level packing puts a 100K
 sample beside packs of short chats in the same micro-step, so most ranks wait and every token pays
 SP communication; HBP's levels and attention-balance sort leave almost no grey. Gradient
 synchronization (once per optimizer step) is not drawn; it is in the titles' epoch totals. Every
@@ -41,12 +41,19 @@ if TYPE_CHECKING:
     from lit_hbp.packing import Plan
     from lit_hbp.simulate.simulator import Simulation
 
-TIMELINE_PARTS = ("dense", "attention", "sp_comm", "idle")
-PART_COLORS = {"dense": "#3A6FB0", "attention": "#F0B23A", "sp_comm": "#D62728", "idle": "#D3D3D3"}
+TIMELINE_PARTS = ("dense", "attention", "ulysses_comm", "cp_comm", "idle")
+PART_COLORS = {
+    "dense": "#3A6FB0",
+    "attention": "#F0B23A",
+    "ulysses_comm": "#D62728",
+    "cp_comm": "#FF9896",
+    "idle": "#D3D3D3",
+}
 PART_LABELS = {
     "dense": "dense compute (matmuls, recompute)",
     "attention": "attention",
-    "sp_comm": "SP communication (Ulysses all-to-all)",
+    "ulysses_comm": "SP communication (Ulysses all-to-all)",
+    "cp_comm": "CP all-gather/reduce-scatter",
     "idle": "idle (waiting for the slowest SP group)",
 }
 # Levels get colours that the timeline's parts do not use (tab10 green, purple, brown, pink, ...).
@@ -184,7 +191,8 @@ def _draw_timeline(ax, sim: Simulation, start: int, k: int, scale: float) -> tup
         mids.append(t + length / 2)
         spans.append(length)
         level = plan.levels[lv]
-        labels.append(f"{_fmt_tokens(level.pack_len)}\nsp {level.sp}")
+        u, cp = level.layout
+        labels.append(f"{_fmt_tokens(level.pack_len)}\nsp {level.sp}" + (f"={u}x{cp}" if cp > 1 else ""))
         t += length
         ax.axvline(t, color="black", linewidth=0.8, zorder=3)
     for part in TIMELINE_PARTS:

@@ -1,7 +1,8 @@
 """Price a plan's epoch on a cluster with the cost model (numpy only).
 
-Every micro-step, every SP group's ranks run the cost model on their packs (dense, attention and
-Ulysses all-to-all time); the micro-step lasts as long as its slowest group and the other ranks
+Every micro-step, every SP group's ranks run the cost model on their packs (dense, attention, and
+the SP communication: Ulysses all-to-alls and context parallelism's all-gathers, priced apart); the
+micro-step lasts as long as its slowest group and the other ranks
 wait (idle). Plans are compared as the same training recipe packed differently: the same global
 batch in tokens, hence the same number of optimizer steps, each adding one gradient
 synchronization. Summed, this is the epoch's wall time; times the world size, its GPU-hours.
@@ -9,7 +10,7 @@ synchronization. Summed, this is the epoch's wall time; times the world size, it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -20,6 +21,10 @@ from lit_hbp.packing import DEFAULT_PACKER, Level, Plan, plan_hbp, plan_single_l
 from lit_hbp.packing.metrics import group_index
 
 PARTS = ("dense", "attention", "sp_comm")
+COMM_PARTS = ("ulysses_comm", "cp_comm")
+"""The two collective families sp_comm is made of."""
+SHARES = ("dense", "attention", *COMM_PARTS)
+"""What ``Simulation.breakdown`` splits the busy GPU time into."""
 
 
 @dataclass
@@ -50,10 +55,11 @@ class Simulation:
         return self.micro_seconds[self.group_micro] - self.parts["total"]
 
     def breakdown(self) -> dict[str, float]:
-        """Share of all GPU time spent on each part (rank-weighted), idle and gradient sync."""
+        """Share of all GPU time spent on each part (rank-weighted; SP communication as its Ulysses and
+        CP parts), idle and gradient sync: the shares add up to 1."""
         weight = self.group_sp.astype(np.float64)  # a group's time is spent on sp ranks
         gpu_seconds = self.seconds * self.plan.world_size
-        out = {p: float((self.parts[p] * weight).sum() / gpu_seconds) for p in PARTS}
+        out = {p: float((self.parts[p] * weight).sum() / gpu_seconds) for p in SHARES}
         out["idle"] = float((self.idle() * weight).sum() / gpu_seconds)
         out["grad_sync"] = float(self.optimizer_steps * self.grad_sync * self.plan.world_size / gpu_seconds)
         return out
@@ -68,10 +74,10 @@ def simulate(plan: Plan, cost: CostModel, name: str = "", global_batch_tokens: f
     n = g["n_groups"]
     tokens = np.bincount(g["group_of_pack"], weights=plan.pack_tokens, minlength=n) / g["group_sp"]
     sum_sq = np.bincount(g["group_of_pack"], weights=plan.pack_attention, minlength=n)
-    parts = {p: np.zeros(n) for p in (*PARTS, "total")}
+    parts = {p: np.zeros(n) for p in (*PARTS, *COMM_PARTS, "total")}
     for i, lv in enumerate(plan.levels):
         sel = g["group_level"] == i
-        for key, value in cost.micro_step(tokens[sel], sum_sq[sel], lv.sp, lv.ckpt_layers).items():
+        for key, value in cost.micro_step(tokens[sel], sum_sq[sel], lv.sp, lv.ckpt_layers, lv.layout[1]).items():
             parts[key][sel] = value
     micro = np.zeros(g["n_micro"])
     np.maximum.at(micro, g["micro_of_group"], parts["total"])
@@ -88,13 +94,13 @@ def fill_checkpointing(levels, cost: CostModel, lengths, margin: float = 0.0) ->
     profiler = AnalyticProfiler(cost, lengths)
     out = []
     for lv in levels:
-        ckpt, _ = greedy_profile_ckpt(profiler, lv.pack_len, lv.sp, 0, cost.model.layers, margin)
+        ckpt, _ = greedy_profile_ckpt(profiler, lv.pack_len, lv.sp, 0, cost.model.layers, margin, lv.layout[1])
         if ckpt is None:
             raise ValueError(
                 f"level {lv.pack_len} sp {lv.sp} does not fit in {cost.hardware.name} memory "
                 "even with every layer checkpointed"
             )
-        out.append(Level(lv.pack_len, lv.sp, ckpt, lv.packs_per_rank))
+        out.append(replace(lv, ckpt_layers=ckpt))
     return out
 
 

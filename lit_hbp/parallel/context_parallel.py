@@ -1,0 +1,259 @@
+"""Ulysses x context parallelism (CP): the ``cp`` SP kind, for degrees the heads cannot reach alone.
+
+A level of degree sp = ulysses x cp splits its pack twice. The planner's ``split_pack``
+(``lit_hbp.packing.context_split``) gives each of the cp CP ranks T / cp tokens of balanced causal
+attention area, as document ranges (no padding to multiples of anything); each CP rank's shard is
+then cut into ulysses contiguous pieces, one per rank of its Ulysses group (contiguous ranks, inside
+a node; CP groups are strided across them, ``lit_hbp.parallel.topology``).
+
+Attention of a layer:
+
+1. Ulysses all-to-all inside the Ulysses group: [1, H, T/sp, D] -> [1, H/ulysses, T/cp, D], the CP
+   rank's whole shard over its share of the heads (skipped at ulysses 1);
+2. the all-gather K/V algorithm over the CP group (``_CPAttention``), kv heads a slice at a time so
+   the gathered K/V of a slice stays about the size of the rank's own K/V: all-gather the slice,
+   pick the keys the rank's query ranges see (``CPShard.key_index``: range [a, b) of a document sees
+   keys [0, b)), one varlen call with separate query and key lengths (causal bottom-right), exact;
+   the backward gathers the slice again, recomputes the slice's attention through the same kernel
+   and reduce-scatters dK/dV to their owners. Nothing is merged across steps (no ring, no drift);
+   the gathered K/V is never kept for the backward;
+3. the Ulysses all-to-all back.
+
+The shard's geometry (``CPShard``) is computed on the host by ``shard``, from the pack's document
+lengths, and travels with the batch: the step reads nothing back from the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lit_hbp.data.batch import CPShard, PackedBatch
+from lit_hbp.data.collate import target_index
+from lit_hbp.model_spec import ModelSpec
+from lit_hbp.packing.context_split import ContextSplit, split_pack
+from lit_hbp.parallel import context
+from lit_hbp.parallel.groups import SPContext
+from lit_hbp.parallel.kind import Attend, SPKind
+from lit_hbp.parallel.topology import heads_problem, layout_coords
+from lit_hbp.parallel.ulysses import Ulysses, heads_to_seq, replicate_kv, seq_to_heads
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def cp_shard_of(split: ContextSplit, rank: int) -> CPShard:
+    """Rank ``rank``'s attention geometry, with its keys located in the rank-ordered all-gather."""
+    cu_q, cu_k = split.cu_seqlens_q(rank), split.cu_seqlens_k(rank)
+    key_index = split.inverse_permutation()[split.key_index(rank)]
+    return CPShard(
+        cu_q=torch.from_numpy(cu_q),
+        cu_k=torch.from_numpy(cu_k),
+        key_index=torch.from_numpy(key_index),
+        max_q=int(np.diff(cu_q).max(initial=0)),
+        max_k=int(np.diff(cu_k).max(initial=0)),
+    )
+
+
+def kv_slice(num_kv_heads: int, cp: int) -> int:
+    """kv heads per all-gather: the largest divisor of the kv heads not above kv / cp, so a gathered
+    slice (cp ranks' tokens) is no larger than the rank's own K/V."""
+    most = max(1, num_kv_heads // cp)
+    return max(d for d in range(1, most + 1) if num_kv_heads % d == 0)
+
+
+def _gather(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+    """[1, h, T/cp, D] of every CP rank -> [1, h, T, D], ranks in order (the permuted pack)."""
+    _, h, t, d = x.shape
+    out = x.new_empty(ctx.size * h * t * d)
+    _all_gather(out, x.permute(1, 0, 2, 3).contiguous().flatten(), group=ctx.group)  # [1, h] -> rank-major
+    return out.view(ctx.size, h, t, d).permute(1, 0, 2, 3).reshape(1, h, ctx.size * t, d)
+
+
+def _scatter_sum(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+    """The gradient of ``_gather``: [1, h, T, D] of every rank, summed, each rank keeping its rows."""
+    _, h, total, d = x.shape
+    t = total // ctx.size
+    out = x.new_empty(h * t * d)
+    _reduce_scatter(out, x.view(h, ctx.size, t, d).permute(1, 0, 2, 3).contiguous().flatten(), group=ctx.group)
+    return out.view(1, h, t, d)
+
+
+@contextlib.contextmanager
+def _replayable(device: torch.device, seed: int):
+    """The device RNG seeded with ``seed`` inside, restored after: attention dropout draws the same
+    mask in the forward and in the backward's recomputation."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type=device.type):
+        (torch.cuda if cuda else torch.random.default_generator).manual_seed(seed)
+        yield
+
+
+class _CPAttention(torch.autograd.Function):
+    """Attention of this CP rank's queries over the CP group's K/V, slice of kv heads by slice."""
+
+    @staticmethod
+    def forward(fctx, q, k, v, sinks, ctx: SPContext, shard: CPShard, attend: Attend):
+        fctx.ctx, fctx.shard, fctx.attend = ctx, shard, attend
+        fctx.seed = int(torch.randint(2**62, ()))  # the host generator: no device read
+        fctx.save_for_backward(q, k, v, sinks)
+        outs = [
+            _CPAttention._slice(q, k, v, sinks, ctx, shard, attend, heads, fctx.seed + i, grad=False)
+            for i, heads in enumerate(_CPAttention._slices(q, k, ctx))
+        ]
+        return torch.cat([o for o, _ in outs], dim=1)
+
+    @staticmethod
+    def _slices(q, k, ctx: SPContext) -> list[tuple[slice, slice]]:
+        """(query heads, kv heads) of every slice."""
+        hkv, group = k.shape[1], q.shape[1] // k.shape[1]
+        s = kv_slice(hkv, ctx.size)
+        return [(slice(j * group, (j + s) * group), slice(j, j + s)) for j in range(0, hkv, s)]
+
+    @staticmethod
+    def _slice(q, k, v, sinks, ctx, shard, attend, heads, seed, grad: bool):
+        """One slice's output, and (with ``grad``) the leaves it was computed from."""
+        qh, kh = heads
+        with torch.no_grad():
+            kv = [_gather(x[:, kh], ctx) for x in (k, v)]
+        with torch.enable_grad() if grad else contextlib.nullcontext():
+            leaves = [q[:, qh], *kv, sinks[qh] if sinks is not None else None]
+            if grad:
+                leaves = [x.detach().requires_grad_() if x is not None else None for x in leaves]
+            keys, values = (x.index_select(2, shard.key_index) for x in leaves[1:3])
+            with _replayable(q.device, seed):
+                out = attend(
+                    leaves[0],
+                    keys,
+                    values,
+                    leaves[3],
+                    cu_q=shard.cu_q,
+                    cu_k=shard.cu_k,
+                    max_q=shard.max_q,
+                    max_k=shard.max_k,
+                )
+        return out, leaves
+
+    @staticmethod
+    def backward(fctx, grad):
+        q, k, v, sinks = fctx.saved_tensors
+        ctx = fctx.ctx
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dsinks = torch.zeros_like(sinks) if sinks is not None else None
+        for i, heads in enumerate(_CPAttention._slices(q, k, ctx)):
+            qh, kh = heads
+            out, leaves = _CPAttention._slice(
+                q, k, v, sinks, ctx, fctx.shard, fctx.attend, heads, fctx.seed + i, grad=True
+            )
+            wrt = [x for x in leaves if x is not None]
+            grads = torch.autograd.grad(out, wrt, grad[:, qh], allow_unused=True)
+            grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, wrt)]
+            dq[:, qh] = grads[0]
+            dk[:, kh], dv[:, kh] = (_scatter_sum(g.contiguous(), ctx) for g in grads[1:3])
+            if dsinks is not None:
+                dsinks[qh] = grads[3]
+        return dq, dk, dv, dsinks, None, None, None
+
+
+@torch.compiler.disable  # collectives and host geometry: kept out of compiled graphs
+def cp_attention(q, k, v, sinks, ctx: SPContext, shard: CPShard, attend: Attend) -> torch.Tensor:
+    return _CPAttention.apply(q, k, v, sinks, ctx, shard, attend)
+
+
+class ContextParallel(SPKind):
+    """Ulysses inside a node x all-gather K/V context parallelism across, the pack split by the
+    planner's balanced CP split."""
+
+    name = "cp"
+
+    def shard(self, batch: PackedBatch, sp: int, rank: int) -> PackedBatch:
+        """Rank ``rank``'s tokens: its CP rank's balanced ranges, then its contiguous Ulysses piece of
+        them; position ids, labels (pre-shifted) and per-sample counts travel with the tokens."""
+        cp = int(batch.cp)
+        if cp == 1:
+            return Ulysses().shard(batch, sp, rank)
+        total = batch.input_ids.shape[1]
+        if total % sp:
+            raise ValueError(f"micro-batch of {total} tokens cannot be split over sp {sp}: pad it to a multiple of sp")
+        cp_rank, u_rank = layout_coords(rank, sp // cp)
+        split = split_pack(np.diff(batch.cu_seqlens.numpy()).astype(np.int64), cp)
+        size = total // sp
+        index = torch.from_numpy(split.gather_index(cp_rank)[u_rank * size : (u_rank + 1) * size])
+        cut = {key: getattr(batch, key)[:, index] for key in PackedBatch.TOKEN_FIELDS}
+        return batch.replace(
+            **cut,
+            sp=sp,
+            sp_rank=rank,
+            target_index=target_index(cut["labels"]),
+            pack_index=index,
+            cp_shard=cp_shard_of(split, cp_rank),
+            cp_imbalance=split.imbalance(),
+        )
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        sinks: torch.Tensor | None,
+        ctx: SPContext,
+        attend: Attend,
+    ) -> torch.Tensor:
+        if ctx.cp is None:
+            return Ulysses().attend(query, key, value, sinks, ctx, attend)
+        shard = context.active_shard()
+        if shard is None:
+            raise RuntimeError("context-parallel attention outside a CP micro-batch: no CP shard was set")
+        u = ctx.ulysses
+        if u.size == 1:
+            return cp_attention(query, key, value, sinks, ctx.cp, shard, attend)
+        check_ulysses = heads_problem(query.shape[1], key.shape[1], u.size)
+        if check_ulysses is not None:
+            raise ValueError(check_ulysses)
+        local = query.shape[1] // u.size
+        if sinks is not None:
+            sinks = sinks[u.rank * local : (u.rank + 1) * local]
+        query = seq_to_heads(query, u)
+        key, value = (seq_to_heads(replicate_kv(x, u.size), u) for x in (key, value))
+        return heads_to_seq(cp_attention(query, key, value, sinks, ctx.cp, shard, attend), u)
+
+    def check(self, num_heads: int, num_kv_heads: int, sp: int, cp: int = 1) -> int:
+        if cp < 1 or sp % cp:
+            raise ValueError(f"cp {cp} must be >= 1 and divide sp {sp}")
+        u = sp // cp
+        problem = heads_problem(num_heads, num_kv_heads, u)
+        if problem is not None:
+            raise ValueError(f"{problem} (sp {sp} = ulysses {u} x cp {cp}; a larger cp needs fewer heads)")
+        return 1 if num_kv_heads % u == 0 else u // num_kv_heads
+
+    def comm_breakdown(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> dict[str, float]:
+        """Bytes one rank sends in one layer's forward, per collective family: the Ulysses
+        all-to-alls inside its Ulysses group, and the CP all-gather of K/V (bf16; a rank sends its
+        own K/V to the cp - 1 others). The backward sends the CP part twice (the gather again and
+        the reduce-scatter of dK/dV, the same bytes) and the Ulysses part once."""
+        u = sp // cp
+        kv = max(model.kv_heads, u)  # kv heads replicated up to the Ulysses degree
+        return {
+            "ulysses": Ulysses().comm_bytes_per_layer(model, tokens, u),
+            "cp": 0.0 if cp == 1 else 2 * 2 * tokens * kv * model.dim * (cp - 1),
+        }
+
+    def comm_bytes_per_layer(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> float:
+        return sum(self.comm_breakdown(model, tokens, sp, cp).values())
+
+    def layouts(self, world: int, num_heads: int, num_kv_heads: int) -> list[tuple[int, int]]:
+        """Every (sp, cp) of powers of two, sp dividing the world, whose Ulysses part the heads allow."""
+        out = []
+        sp = 1
+        while sp <= world:
+            if world % sp == 0:
+                cp = 1
+                while cp <= sp:
+                    if heads_problem(num_heads, num_kv_heads, sp // cp) is None:
+                        out.append((sp, cp))
+                    cp *= 2
+            sp *= 2
+        return out

@@ -1,0 +1,80 @@
+"""Context parallelism in the cost model, the level search and the simulator: bytes and links
+against hand computations, layouts the search can reach only through CP, and the simulator's report
+of CP communication beside Ulysses'."""
+
+import numpy as np
+import pytest
+
+from lit_hbp.autoselect import sp_candidates
+from lit_hbp.costmodel import CostModel, Hardware
+from lit_hbp.model_spec import ModelSpec
+from lit_hbp.parallel.context_parallel import ContextParallel
+from lit_hbp.parallel.ulysses import Ulysses
+from lit_hbp.simulate.__main__ import main as simulate_main
+
+SPEC = ModelSpec("tiny", 4, 32, 4, 2, 64, 100)  # head_dim 8
+NODE = Hardware("test", 1e15, 80e9, intra_node_bw=400e9, inter_node_bw=50e9, gpus_per_node=8, link_latency_s=0.0)
+
+
+def test_comm_bytes_by_collective_family():
+    # sp 4 = Ulysses 2 x CP 2, 100 tokens of the rank's shard, bf16.
+    parts = ContextParallel().comm_breakdown(SPEC, 100, 4, 2)
+    ulysses = 100 * 2 * (2 * 4 * 8 + 2 * 2 * 8) * (2 - 1) / 2  # q, out; k, v: a rank keeps 1/2
+    gather = (2 - 1) * (100 * 2) * (2 / 2) * 8 * 2 * 2  # its T/cp tokens' K and V to the one other rank
+    assert parts == {"ulysses": pytest.approx(ulysses), "cp": pytest.approx(gather)}
+    assert ContextParallel().comm_bytes_per_layer(SPEC, 100, 4, 2) == pytest.approx(ulysses + gather)
+    plain = Ulysses().comm_bytes_per_layer(SPEC, 100, 4)
+    assert ContextParallel().comm_breakdown(SPEC, 100, 4, 1) == {"ulysses": plain, "cp": 0.0}
+    # CP alone, one kv head replicated for nothing: kv heads stay 2.
+    assert ContextParallel().comm_breakdown(SPEC, 100, 4, 4)["cp"] == pytest.approx(3 * 100 * 2 * 8 * 2 * 2)
+
+
+@pytest.mark.parametrize("sp, cp, local", [(16, 2, 1), (16, 8, 4), (8, 4, 4), (4, 4, 4)])
+def test_cp_traffic_crosses_nodes_only_when_its_peers_do(sp, cp, local):
+    """CP groups are strided by the Ulysses degree u: with u >= 8 GPUs per node every CP peer is on
+    another node; else 8 // u of them share the node."""
+    cost = CostModel(SPEC, NODE, world=64)
+    tokens, ckpt = 1000.0, 1
+    got = cost.comm_parts(tokens, sp, ckpt, cp)["cp_comm"]
+    nbytes = ContextParallel().comm_breakdown(SPEC, tokens, sp, cp)["cp"]
+    intra, inter = nbytes * (local - 1) / (cp - 1), nbytes * (cp - local) / (cp - 1)
+    seconds = max(intra / NODE.intra_node_bw, inter / NODE.inter_node_bw) / NODE.eff_link
+    assert got == pytest.approx((3 * SPEC.layers + ckpt) * seconds)  # forward, recompute, 2 in the backward
+
+
+def test_cp_levels_pay_one_more_attention_forward_and_cp_1_is_unchanged():
+    cost = CostModel(SPEC, NODE, world=8)
+    plain, cp = cost.attention_seconds(1e9, 4, 2), cost.attention_seconds(1e9, 4, 2, cp=2)
+    assert cp / plain == pytest.approx((3.5 * 4 + 2 + 4) / (3.5 * 4 + 2))
+    step = cost.micro_step(1000.0, 1e9, 4, 2)
+    assert step["cp_comm"] == 0 and step["sp_comm"] == step["ulysses_comm"] > 0
+    both = cost.micro_step(1000.0, 1e9, 4, 2, cp=2)
+    assert both["sp_comm"] == pytest.approx(both["ulysses_comm"] + both["cp_comm"]) and both["cp_comm"] > 0
+    assert both["total"] == pytest.approx(both["dense"] + both["attention"] + both["sp_comm"])
+
+
+def test_the_search_reaches_past_the_heads_through_cp():
+    # Qwen2.5-7B: 28 query heads over 4 kv heads; Ulysses alone stops at 4.
+    layouts = sp_candidates(64, 28, 4)
+    assert (8, 1) not in layouts and (8, 2) in layouts and (16, 4) in layouts
+    assert max(sp for sp, cp in layouts if cp == 1) == 4
+    assert sp_candidates(64, 28, 4, every_layout=False)[:5] == [(1, 1), (2, 1), (4, 1), (8, 2), (16, 4)]
+
+
+def test_simulate_reports_cp_beside_ulysses_for_llama_8b_on_64_h100(tmp_path, capsys, paper_shaped_mix):
+    path = tmp_path / "lengths.npy"
+    np.save(path, paper_shaped_mix[:40_000])
+    argv = [str(path), "--model", "llama3.1-8b", "--gpus", "64", "--gpu", "h100", "--levels", "16384:1", "262144:64"]
+    assert simulate_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "262144 sp64=32x2" in out  # 32 heads: Ulysses 32 x CP 2 by default
+    header = next(line for line in out.splitlines() if line.startswith("plan "))
+    assert header.index("ulysses_comm") < header.index("cp_comm")
+    hbp = next(line for line in out.splitlines() if line.startswith("HBP "))
+    columns = header.split()
+    shares = dict(zip(columns[-7:], map(float, hbp.split()[-7:])))
+    assert shares["cp_comm"] > 0 and shares["ulysses_comm"] > 0
+    # The search priced every (ulysses, cp) layout of the 256K level and says which it took.
+    table = out[out.index("layouts the search priced for the 262,144-token level") :]
+    assert "16=8x2" in table and "64=32x2" in table and "best" in table
+    assert "auto-selected levels (d)" in out
