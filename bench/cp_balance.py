@@ -1,10 +1,12 @@
 """Per-rank causal attention area of context-parallel splits on the paper-mix long-level packs.
 
-    python bench/cp_balance.py [--world 32] [--seed 0]
+    python bench/cp_balance.py [--world 32] [--seed 0] [--figure docs/figures/cp_balance.png]
 
 Workload paper_mix.npy (400K chat samples + 2K long-context samples), planned by HBP with levels
 [32K sp1, 128K sp{cp}] for cp 2 and 4, and [32K sp1, 256K sp8] and [32K sp1, 128K sp8] for cp 8.
-Every pack of the long level is padded as collate pads it (to a multiple of lcm(8, cp), the
+With --figure, also draws the per-rank area of two 128K packs at cp 4 and 8, contiguous against
+split_pack (``lit_hbp.simulate.plots.cp_balance_figure``; the README's figure). Every pack of the
+long level is padded as collate pads it (to a multiple of lcm(8, cp), the
 padding a segment of its own) and split over cp ranks two ways: contiguously (rank r holds tokens
 [r T / cp, (r + 1) T / cp)) and by ``lit_hbp.packing.context_split.split_pack``. Imbalance is
 max / mean causal area over the ranks of a pack (the bar: <= 1.05 on every pack at cp 4 and 8).
@@ -63,11 +65,31 @@ def measure(packs: list[np.ndarray], cp: int) -> dict:
     )
 
 
+def example_packs() -> dict[str, np.ndarray]:
+    """One 128K document, and a 128K pack of one long document among chats (as the long level holds)."""
+    chats = np.random.default_rng(0).integers(300, 2500, 12)
+    mixed = np.r_[chats[:6], 100 * K, chats[6:], 28 * K - chats.sum()]
+    return {"one 128K document": np.array([128 * K]), f"a 100K document and {mixed.size - 1} chats": mixed}
+
+
+def write_figure(path: str) -> None:
+    from pathlib import Path
+
+    from lit_hbp.simulate.plots import cp_balance_figure
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    cp_balance_figure(example_packs()).savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--figure", help="write the per-rank area figure of two example packs to this PNG")
     args = p.parse_args()
+    if args.figure:
+        write_figure(args.figure)
     lengths = load("paper_mix")
     setups = [
         (2, [Level(32 * K, 1), Level(128 * K, 2)]),

@@ -24,6 +24,7 @@ from lit_hbp.simulate.plots import (
     TIMELINE_PARTS,
     _fmt_fill,
     _fmt_gpu_time,
+    cp_balance_figure,
     default_start,
     length_histogram_figure,
     save_figures,
@@ -172,3 +173,27 @@ def test_packing_metrics_logs_figures_to_tensorboard(tmp_path, chats, toy_tokeni
 def test_packing_metrics_rejects_unknown_hardware():
     with pytest.raises(ValueError, match="unknown hardware"):
         PackingMetrics(figures=True, hardware="tpu")
+
+
+def test_cp_balance_figure_draws_each_ranks_area_of_both_splits(tmp_path):
+    """Bars are each CP rank's causal area over the mean, summed by hand from its token positions:
+    a contiguous split of one document rises to (2 cp - 1) / cp, the planner's stays at 1."""
+    docs = {"one document": np.array([4096]), "mixed": np.array([300, 3000, 50, 746])}
+    fig = cp_balance_figure(docs, cps=(2, 4))
+    axes = fig.axes
+    assert len(axes) == 4
+    for ax, (title, cp) in zip(axes, [(t, cp) for t in docs for cp in (2, 4)]):
+        assert ax.get_title() == f"{title}, cp {cp}"
+        contiguous, balanced = [c for c in ax.containers if isinstance(c, BarContainer)]
+        heights = np.array([b.get_height() for b in contiguous.patches])
+        lengths = docs[title]
+        positions = np.concatenate([np.arange(n) + 1 for n in lengths])  # keys each token sees
+        area = positions.reshape(cp, -1).sum(axis=1).astype(float)
+        np.testing.assert_allclose(heights, area / area.mean())
+        assert max(b.get_height() for b in balanced.patches) < 1.05
+    one = [b.get_height() for b in axes[1].containers[0].patches]
+    assert one[-1] == pytest.approx((2 * 4 - 1) / 4, rel=1e-3)
+    path = tmp_path / "cp.png"
+    fig.savefig(path)
+    assert imread(path).shape[0] > 100
+

@@ -404,3 +404,33 @@ def save_figures(path, sims: Sequence[Simulation], plan: Plan) -> list[Path]:
         fig.savefig(out)
         fig.clear()
     return [path, hist]
+
+
+def cp_balance_figure(packs: dict[str, np.ndarray], cps: Sequence[int] = (4, 8)) -> Figure:
+    """Per-rank causal attention area of context-parallel splits, one panel per (pack, cp): each CP
+    rank's area over the mean for the contiguous split (rank r holds tokens [r T / cp, (r + 1) T /
+    cp)) beside the planner's ``split_pack``. ``packs``: a title -> document lengths (their sum a
+    multiple of every cp). Shows why CP needs balancing at all: a contiguous split gives the last
+    rank of a long document (2 cp - 1) / cp times the mean."""
+    from lit_hbp.packing.context_split import contiguous_split, split_pack
+
+    fig = _new_figure(4.2 * len(cps), 3.0 * len(packs))
+    axes = fig.subplots(len(packs), len(cps), squeeze=False)
+    for row, (title, docs) in enumerate(packs.items()):
+        for col, cp in enumerate(cps):
+            ax = axes[row][col]
+            ranks = np.arange(cp)
+            for shift, (name, split, color) in enumerate(
+                (("contiguous", contiguous_split(docs, cp), "#D62728"), ("split_pack", split_pack(docs, cp), "#3A6FB0"))
+            ):
+                area = split.area_per_rank().astype(np.float64)
+                ax.bar(ranks + (shift - 0.5) * 0.4, area / area.mean(), width=0.4, color=color,
+                       label=f"{name} (worst {split.imbalance():.2f}x)")  # fmt: skip
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+            ax.set_xticks(ranks)
+            ax.set_xlabel("CP rank")
+            ax.set_ylabel("causal attention area / mean")
+            ax.set_title(f"{title}, cp {cp}", fontsize=9)
+            ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return fig
