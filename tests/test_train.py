@@ -303,6 +303,24 @@ def test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes(tmp_path, small_de
     assert "sp 4 (ulysses 2 x cp 2): loss" in printed  # the self-check ran the layout
     logged = scalars(tmp_path / "runs")
     assert len(logged["train/loss"]) >= 3 and all(v > 0 for _, v in logged["train/loss"])
+    imbalance = [v for _, v in logged["packing/cp_area_imbalance"]]
+    assert imbalance and max(imbalance) < 1.05, "every CP micro-batch balanced by the planner"
+    # What the run trained exports to a Hugging Face folder that loads and generates.
+    from transformers import AutoModelForCausalLM
+
+    (ckpt,) = (tmp_path / "runs" / "tiny_cpu_2d").glob("version_0/checkpoints/*.ckpt")
+    exported = subprocess.run(
+        [sys.executable, "-m", "lit_hbp.export", str(ckpt), str(tmp_path / "hf")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    net = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert net.config.num_attention_heads == 2
+    out = net.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 7)
 
 
 def test_tiny_auto_config_parses(tmp_path, small_demo, monkeypatch):
