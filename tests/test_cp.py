@@ -461,7 +461,7 @@ def cp_device_reads(sp: int, cp: int) -> list[str]:
     """Host reads of would-be device tensors in the forward and backward of a CP micro-batch
     (``tests/test_sync_audit.py``'s recorder; the kernel one opaque call, as on a GPU)."""
     import torch.distributed as dist
-    from test_sync_audit import DeviceReads
+    from test_sync_audit import DeviceReads, opaque_kernel
 
     from lit_hbp import attention
     from lit_hbp.attention import backends
@@ -471,17 +471,7 @@ def cp_device_reads(sp: int, cp: int) -> list[str]:
     from lit_hbp.parallel.groups import SPGroups
 
     mode = DeviceReads()
-
-    def opaque(q, k, v, args):
-        watching, mode.watching = mode.watching, False
-        try:
-            return backends.eager_run(q, k, v, args)
-        finally:
-            mode.watching = watching
-
-    backends.REGISTRY["opaque"] = backends.Backend(
-        "opaque", backends._anywhere, lambda: frozenset(backends.FEATURES), opaque
-    )
+    backends.REGISTRY["opaque"] = opaque_kernel(mode)
     torch.manual_seed(0)
     module = HBPLitModule(model=TINY2, vocab_size=97, self_check=False, attn_backend="opaque")
     module.configure_model()

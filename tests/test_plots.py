@@ -196,4 +196,3 @@ def test_cp_balance_figure_draws_each_ranks_area_of_both_splits(tmp_path):
     path = tmp_path / "cp.png"
     fig.savefig(path)
     assert imread(path).shape[0] > 100
-

@@ -159,6 +159,20 @@ class DeviceReads(TorchFunctionMode):
         return out
 
 
+def opaque_kernel(mode: DeviceReads) -> backends.Backend:
+    """An attention backend the recorder does not watch inside: a varlen kernel is one device call;
+    its CPU stand-in (the eager loop) reads document bounds on the host."""
+
+    def opaque(q, k, v, args):
+        watching, mode.watching = mode.watching, False
+        try:
+            return backends.eager_run(q, k, v, args)
+        finally:
+            mode.watching = watching
+
+    return backends.Backend("opaque", backends._anywhere, lambda: frozenset(backends.FEATURES), opaque)
+
+
 class Audit(L.Callback):
     """Opens a watch window at each micro-step's start; the window closes after the loop's
     ``on_advance_end`` for it (patched in the test). Keeps, per micro-step, whether it logs, whether
@@ -266,16 +280,7 @@ def test_no_sync_outside_logging_steps(tmp_path, toy_tokenizer, small_demo, monk
 
     monkeypatch.setattr(_TrainingEpochLoop, "on_advance_end", on_advance_end)
 
-    def opaque(q, k, v, args):
-        """A varlen kernel is one device call; its CPU stand-in reads document bounds on the host."""
-        watching, mode.watching = mode.watching, False
-        try:
-            return backends.eager_run(q, k, v, args)
-        finally:
-            mode.watching = watching
-
-    kernel = backends.Backend("opaque", backends._anywhere, lambda: frozenset(backends.FEATURES), opaque)
-    monkeypatch.setitem(backends.REGISTRY, "opaque", kernel)
+    monkeypatch.setitem(backends.REGISTRY, "opaque", opaque_kernel(mode))
     # On a GPU every trainable parameter is a CUDA float, so AdamW is fused (``adamw_kind``): it keeps
     # its step counts on the device and never reads them; the for-loop AdamW chosen on CPU reads them.
     monkeypatch.setattr(module_module, "adamw_kind", lambda params: "fused")

@@ -234,32 +234,28 @@ def test_llama3_8b_recipe_parses(capsys):
         assert expected in printed, expected
 
 
-@pytest.mark.slow
-def test_tiny_sp_config_trains_on_two_processes(tmp_path, small_demo):
+def run_config(tmp_path, small_demo, config: str, steps: int):
+    """``train.py fit --config configs/<config>`` for ``steps`` optimizer steps in ``tmp_path``."""
     import os
     import subprocess
     import sys
 
     (tmp_path / "demo_data").symlink_to(small_demo)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "fit",
-            "--config",
-            str(ROOT / "configs/tiny_cpu_sp.yaml"),
-            "--trainer.max_steps",
-            "8",
-            "--trainer.enable_progress_bar",
-            "false",
-        ],
+    args = ["fit", "--config", str(ROOT / "configs" / config), "--trainer.max_steps", str(steps)]
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args, "--trainer.enable_progress_bar", "false"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
+
+
+@pytest.mark.slow
+def test_tiny_sp_config_trains_on_two_processes(tmp_path, small_demo):
+    out = run_config(tmp_path, small_demo, "tiny_cpu_sp.yaml", 8)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "HBPStrategy levels: 2048 tokens sp 1 ckpt 0, 8192 tokens sp 2 ckpt 2" in out.stderr + out.stdout
     logged = scalars(tmp_path / "runs")
@@ -270,30 +266,10 @@ def test_tiny_sp_config_trains_on_two_processes(tmp_path, small_demo):
 @pytest.mark.slow
 def test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes(tmp_path, small_demo):
     """configs/tiny_cpu_2d.yaml: a 2-head model at sp 4 (Ulysses 2 x CP 2) and a CP-only level."""
-    import os
     import subprocess
     import sys
 
-    (tmp_path / "demo_data").symlink_to(small_demo)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "fit",
-            "--config",
-            str(ROOT / "configs/tiny_cpu_2d.yaml"),
-            "--trainer.max_steps",
-            "6",
-            "--trainer.enable_progress_bar",
-            "false",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    out = run_config(tmp_path, small_demo, "tiny_cpu_2d.yaml", 6)
     printed = out.stderr + out.stdout
     assert out.returncode == 0, out.stderr[-3000:]
     assert (
@@ -311,7 +287,6 @@ def test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes(tmp_path, small_de
     (ckpt,) = (tmp_path / "runs" / "tiny_cpu_2d").glob("version_0/checkpoints/*.ckpt")
     exported = subprocess.run(
         [sys.executable, "-m", "lit_hbp.export", str(ckpt), str(tmp_path / "hf")],
-        env=env,
         capture_output=True,
         text=True,
         timeout=300,
