@@ -82,11 +82,6 @@ def _plan_fields(levels) -> list[tuple]:
     return [(lv.pack_len, lv.sp, lv.ckpt_layers, lv.packs_per_rank) for lv in map(as_level, levels)]
 
 
-def _layout_note(level: Level) -> str:
-    u, cp = level.layout
-    return f" (ulysses {u} x cp {cp})" if cp > 1 else ""
-
-
 class HBPStrategy(DeepSpeedStrategy):
     """DeepSpeed (ZeRO 0-3) with per-level sequence parallelism (Ulysses x context parallelism).
 
@@ -200,7 +195,7 @@ class HBPStrategy(DeepSpeedStrategy):
         rank_zero_info(
             "HBPStrategy levels: "
             + ", ".join(
-                f"{lv.pack_len} tokens sp {lv.sp}{_layout_note(lv)} ckpt {lv.ckpt_layers}" for lv in self.levels
+                f"{lv.pack_len} tokens sp {lv.sp}{lv.layout_note} ckpt {lv.ckpt_layers}" for lv in self.levels
             )
             + f"; ZeRO stage {self.zero_stage_3 and 3 or self.config['zero_optimization']['stage']}"
         )

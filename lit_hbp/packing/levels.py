@@ -83,6 +83,12 @@ class Level:
             object.__setattr__(self, name, value)
 
     @property
+    def layout_note(self) -> str:
+        """`` (ulysses U x cp C)`` for a level with context parallelism, else empty: for logs."""
+        u, cp = self.layout
+        return f" (ulysses {u} x cp {cp})" if cp > 1 else ""
+
+    @property
     def layout(self) -> tuple[int, int]:
         """(ulysses, cp) of the level (cp 1 until ``resolve_layout`` fills in a default one)."""
         return (self.ulysses, self.cp) if self.cp is not None else (self.sp, 1)
