@@ -194,9 +194,7 @@ class HBPStrategy(DeepSpeedStrategy):
         self.config = without_idle_overlap(self.config, self.world_size, self._overlap_comm_asked)
         rank_zero_info(
             "HBPStrategy levels: "
-            + ", ".join(
-                f"{lv.pack_len} tokens sp {lv.sp}{lv.layout_note} ckpt {lv.ckpt_layers}" for lv in self.levels
-            )
+            + ", ".join(f"{lv.pack_len} tokens sp {lv.sp}{lv.layout_note} ckpt {lv.ckpt_layers}" for lv in self.levels)
             + f"; ZeRO stage {self.zero_stage_3 and 3 or self.config['zero_optimization']['stage']}"
         )
         super().setup(trainer)

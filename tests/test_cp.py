@@ -500,3 +500,52 @@ def cp_device_reads(sp: int, cp: int) -> list[str]:
 def test_a_cp_micro_batch_reads_nothing_back_from_the_device(pool4, sp, cp):
     for reads in pool4.run(cp_device_reads, sp, cp):
         assert reads == []
+
+
+def cp_dropout_directional_derivative(sp: int, cp: int) -> tuple[float, float]:
+    """With attention dropout, the backward recomputes each slice's attention: it must draw the
+    forward's dropout mask again. The gradient along a random direction against a central
+    difference of two forwards with the same seed (fp64)."""
+    import torch.distributed as dist
+
+    from lit_hbp.attention import varlen_attention
+    from lit_hbp.packing.context_split import split_pack
+    from lit_hbp.parallel import context
+    from lit_hbp.parallel.context_parallel import cp_shard_of
+    from lit_hbp.parallel.groups import SPGroups
+
+    lengths = PACKS["spans_every_rank"]
+    ctx = SPGroups([(sp, cp)], dist.get_world_size(), dist.get_rank())[(sp, cp)]
+    g = torch.Generator().manual_seed(3 + dist.get_rank())
+    split = split_pack(lengths, cp)
+    cp_rank, u_rank = layout_coords(ctx.rank, sp // cp)
+    size = sum(lengths) // sp
+    q, k, v = (torch.randn(1, 4, size, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    w, direction = torch.randn(1, size, 4, 8, generator=g, dtype=torch.float64), torch.randn_like(q)
+    cu = torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32)
+    module = SimpleNamespace(training=True)
+    context.activate(ctx, "cp")
+    context.set_shard(cp_shard_of(split, cp_rank))
+
+    def loss(query):
+        torch.manual_seed(11)  # the same dropout masks in every forward
+        out, _ = varlen_attention(module, query, k, v, None, dropout=0.3, cu_seq_lens_q=cu, max_length_q=64)
+        return (out * w).sum()
+
+    try:
+        leaf = q.clone().requires_grad_()
+        loss(leaf).backward()
+        analytic = float((leaf.grad * direction).sum())
+        eps = 1e-6
+        with torch.no_grad():
+            numeric = float((loss(q + eps * direction) - loss(q - eps * direction)) / (2 * eps))
+    finally:
+        context.activate(None)
+        context.set_shard(None)
+    return analytic, numeric
+
+
+@pytest.mark.slow
+def test_cp_attention_dropout_replays_its_mask_in_the_backward(pool4):
+    for analytic, numeric in pool4.run(cp_dropout_directional_derivative, 4, 2):
+        assert analytic == pytest.approx(numeric, rel=1e-6)
