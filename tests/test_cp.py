@@ -357,7 +357,7 @@ def train_cp(stage: int, data: str, tokenizer: str, cache: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_two_head_model_trains_at_sp_4_like_one_process(pool4, sp_data, toy_tokenizer, tmp_path, stage):
     from lit_hbp.data.datamodule import HBPDataModule
 

@@ -78,3 +78,41 @@ def test_simulate_reports_cp_beside_ulysses_for_llama_8b_on_64_h100(tmp_path, ca
     table = out[out.index("layouts the search priced for the 262,144-token level") :]
     assert "16=8x2" in table and "64=32x2" in table and "best" in table
     assert "auto-selected levels (d)" in out
+
+
+def test_simulator_prices_a_cp_groups_attention_at_its_busiest_rank():
+    """A loop over the plan's groups: each CP group's micro-batch (its packs' documents and
+    collate's padding to lcm(8, sp)) split by split_pack, every rank's causal area summed from its
+    tokens' positions, attention priced at the largest."""
+    from lit_hbp.packing import Level, plan_hbp
+    from lit_hbp.packing.context_split import split_pack
+    from lit_hbp.simulate import simulate
+
+    rng = np.random.default_rng(1)
+    lengths = np.r_[rng.integers(10, 500, 2000), rng.integers(500, 4000, 60)]
+    levels = [Level(512, 1, 1, 2), Level(4096, 4, 3, ulysses=2, cp=2)]
+    plan = plan_hbp(lengths, levels, 8, accumulate=2)
+    cost = CostModel(ModelSpec("tiny", 4, 256, 8, 4, 512, 1000), NODE, 8)
+    sim = simulate(plan, cost, "hbp")
+    total, worst = 0.0, []
+    for step in plan.steps:
+        lv = plan.levels[step.level]
+        u, cp = lv.layout
+        for micro in step.micro:
+            times = []
+            for group in micro:
+                docs = lengths[np.concatenate(group).astype(int)]
+                imbalance = 1.0
+                if cp > 1:
+                    pad = -docs.sum() % 8
+                    split = split_pack(np.r_[docs, pad].astype(np.int64), cp)
+                    area = np.array([(split.positions(r) + 1).sum() for r in range(cp)], dtype=float)
+                    imbalance = area.max() / area.mean()
+                    worst.append(imbalance)
+                sum_sq = float((docs.astype(float) ** 2).sum()) * imbalance
+                times.append(cost.micro_step(docs.sum() / lv.sp, sum_sq, lv.sp, lv.ckpt_layers, cp)["total"])
+            total += max(times)
+        total += cost.grad_sync_seconds()
+    assert worst and sim.seconds == pytest.approx(total, rel=1e-9)
+    assert sim.cp_abr() == pytest.approx(np.mean(1 - 1 / np.array(worst)))
+    assert sim.parts["cp_comm"].sum() > 0

@@ -135,7 +135,7 @@ class MeasuredProfiler:
         self.sp_kind = sp_kind
         self.sp_groups: SPGroups | None = None
         self._capacity_agreed = False
-        self._measured: dict[tuple[int, int, int], Measurement] = {}
+        self._measured: dict[tuple[int, int, int, int], Measurement] = {}
 
     def _groups(self, sp: int, cp: int) -> SPGroups:
         """SP groups shared by every probe (a probe building its own would add communicators each time)."""

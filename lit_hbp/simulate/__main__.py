@@ -8,7 +8,9 @@ PACK_LEN:SP[:CKPT]; without CKPT the fewest checkpointed layers that fit are cho
 A level's sp is laid out as Ulysses on the largest degree the model's heads allow and context
 parallelism (CP) on the rest; the auto-selected levels (d) try every (ulysses, cp) layout. The
 SP communication is reported as its two parts: ulysses_comm (all-to-alls) and cp_comm (K/V
-all-gathers and dK/dV reduce-scatters).
+all-gathers and dK/dV reduce-scatters). A CP group's micro-batch is split over its CP ranks by the
+planner's split_pack and its attention priced at the busiest rank; cp_abr is that split's
+imbalance, (max - mean) / max causal area over the CP ranks, averaged over the CP groups.
 Prints the epoch time and GPU-hours of (a) naive single-level ISF at the largest level, (b) the
 levels without the attention-balance sort, (c) full HBP, (d) HBP with auto-selected levels, with
 each one's speed-up over (a) and where its GPU time goes. Samples longer than the largest level
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 gpu_hours=s.gpu_hours,
                 speedup=base / s.seconds,
                 abr=m["abr"],
+                cp_abr=s.cp_abr(),
                 cr=m["cr"],
                 **s.breakdown(),
             )
@@ -126,13 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     notice = left_out(lengths, levels[-1].pack_len)
     if notice:
         print(notice + "\n")
-    cols = [("hours", ".2f"), ("gpu_hours", ".1f"), ("speedup", ".2f"), ("abr", ".3f"), ("cr", ".3f")]
+    cols = [
+        ("hours", ".2f"),
+        ("gpu_hours", ".1f"),
+        ("speedup", ".2f"),
+        ("abr", ".3f"),
+        ("cp_abr", ".3f"),
+        ("cr", ".3f"),
+    ]
     cols += [(k, ".3f") for k in ("dense", "attention", *COMM_PARTS, "idle", "grad_sync")]
     print(format_table(rows, cols))
     print(
-        "\n(dense ... grad_sync: share of all GPU time; ulysses_comm: all-to-alls, cp_comm: context parallelism's "
-        "K/V all-gathers and reduce-scatters, neither overlapped with compute; idle = waiting for the slowest SP "
-        "group of a micro-step)"
+        "\n(cp_abr: attention imbalance over the CP ranks of a group; dense ... grad_sync: share of all GPU "
+        "time; ulysses_comm: all-to-alls, cp_comm: context parallelism's K/V all-gathers and reduce-scatters, "
+        "neither overlapped with compute; idle = waiting for the slowest SP group of a micro-step)"
     )
     hbp = rows[2]
     print(f"HBP over naive ISF: {hbp['speedup']:.2f}x (the paper measured 1.40x for LLaMA3.1-8B on 32 H100s).")

@@ -2,14 +2,17 @@
 
 Every micro-step, every SP group's ranks run the cost model on their packs (dense, attention, and
 the SP communication: Ulysses all-to-alls and context parallelism's all-gathers, priced apart); the
-micro-step lasts as long as its slowest group and the other ranks
-wait (idle). Plans are compared as the same training recipe packed differently: the same global
-batch in tokens, hence the same number of optimizer steps, each adding one gradient
-synchronization. Summed, this is the epoch's wall time; times the world size, its GPU-hours.
+micro-step lasts as long as its slowest group and the other ranks wait (idle). Inside a group with
+context parallelism the micro-batch is split over the CP ranks as training splits it
+(``split_pack``), and its attention is priced at the busiest CP rank's causal area: the all-gathers
+of every layer make the other CP ranks wait for it. Plans are compared as the same training recipe
+packed differently: the same global batch in tokens, hence the same number of optimizer steps, each
+adding one gradient synchronization. Summed, this is the epoch's wall time; times the world size, its GPU-hours.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -18,6 +21,7 @@ from lit_hbp.autoselect.profiler import AnalyticProfiler
 from lit_hbp.autoselect.search import greedy_profile_ckpt, select_levels
 from lit_hbp.costmodel import CostModel
 from lit_hbp.packing import DEFAULT_PACKER, Level, Plan, plan_hbp, plan_single_level
+from lit_hbp.packing.context_split import split_pack
 from lit_hbp.packing.metrics import group_index
 
 PARTS = ("dense", "attention", "sp_comm")
@@ -41,6 +45,9 @@ class Simulation:
     micro_seconds: np.ndarray
     grad_sync: float
     optimizer_steps: int
+    group_cp: np.ndarray
+    group_cp_imbalance: np.ndarray
+    """Per group: its CP degree, and max / mean causal attention area over its CP ranks (1 without CP)."""
 
     @property
     def seconds(self) -> float:
@@ -53,6 +60,12 @@ class Simulation:
     def idle(self) -> np.ndarray:
         """Seconds each group's ranks wait for the slowest group of their micro-step."""
         return self.micro_seconds[self.group_micro] - self.parts["total"]
+
+    def cp_abr(self) -> float:
+        """Attention balance inside the SP groups with CP, the plan's ABR taken over CP ranks instead
+        of groups: mean over those groups of (max - mean) / max area (0 when no level has CP)."""
+        cp = self.group_cp_imbalance[self.group_cp > 1]
+        return float((1.0 - 1.0 / cp).mean()) if cp.size else 0.0
 
     def breakdown(self) -> dict[str, float]:
         """Share of all GPU time spent on each part (rank-weighted; SP communication as its Ulysses and
@@ -72,8 +85,10 @@ def simulate(plan: Plan, cost: CostModel, name: str = "", global_batch_tokens: f
         raise ValueError(f"cost model world {cost.world} != plan world {plan.world_size}")
     g = group_index(plan)
     n = g["n_groups"]
+    group_cp = np.array([lv.layout[1] for lv in plan.levels], dtype=np.int64)[g["group_level"]]
+    imbalance = cp_imbalance(plan, g, group_cp)
     tokens = np.bincount(g["group_of_pack"], weights=plan.pack_tokens, minlength=n) / g["group_sp"]
-    sum_sq = np.bincount(g["group_of_pack"], weights=plan.pack_attention, minlength=n)
+    sum_sq = np.bincount(g["group_of_pack"], weights=plan.pack_attention, minlength=n) * imbalance
     parts = {p: np.zeros(n) for p in (*PARTS, *COMM_PARTS, "total")}
     for i, lv in enumerate(plan.levels):
         sel = g["group_level"] == i
@@ -85,8 +100,38 @@ def simulate(plan: Plan, cost: CostModel, name: str = "", global_batch_tokens: f
     if global_batch_tokens:
         steps = int(np.ceil(plan.pack_tokens.sum() / global_batch_tokens))
     return Simulation(
-        name, plan, cost, g["micro_of_group"], g["group_sp"], parts, micro, cost.grad_sync_seconds(), steps
+        name,
+        plan,
+        cost,
+        g["micro_of_group"],
+        g["group_sp"],
+        parts,
+        micro,
+        cost.grad_sync_seconds(),
+        steps,
+        group_cp,
+        imbalance,
     )
+
+
+def cp_imbalance(plan: Plan, g: dict, group_cp: np.ndarray) -> np.ndarray:
+    """Per SP group: max / mean causal attention area over its CP ranks, 1 for groups without CP.
+
+    The micro-batch is split the way training splits it: its packs' documents in order, padded by
+    collate to a multiple of lcm(8, sp) with a padding segment of its own (which costs attention
+    like a document), cut by ``split_pack``. Only CP groups are split (one per long micro-batch)."""
+    out = np.ones(g["n_groups"])
+    cp_groups = np.flatnonzero(group_cp > 1)
+    if not cp_groups.size:
+        return out
+    order = np.argsort(g["group_of_pack"], kind="stable")
+    first = np.r_[0, np.cumsum(np.bincount(g["group_of_pack"], minlength=g["n_groups"]))]
+    for grp in cp_groups.tolist():
+        packs = order[first[grp] : first[grp + 1]]
+        docs = plan.lengths[np.concatenate([plan.pack(p) for p in packs])].astype(np.int64)
+        pad = -int(docs.sum()) % math.lcm(8, int(g["group_sp"][grp]))
+        out[grp] = split_pack(np.r_[docs, pad] if pad else docs, int(group_cp[grp])).imbalance()
+    return out
 
 
 def fill_checkpointing(levels, cost: CostModel, lengths, margin: float = 0.0) -> list[Level]:
