@@ -93,6 +93,26 @@ def test_algorithm1_stage2_on_the_papers_example():
     assert "levels:\n  - {pack_len: 16384, sp: 1, ckpt_layers: 28}" in sel.yaml()
 
 
+def test_algorithm1_picks_a_cp_layout_and_writes_it_out():
+    """Qwen2.5-7B's heads (28 over 4 kv) stop Ulysses at 4; the 128K level fits only at sp 8, which
+    the search reaches as Ulysses 4 x CP 2. The chosen level carries that layout, and the table and
+    YAML print it (the YAML reads back into the same level)."""
+    import yaml
+
+    from lit_hbp.autoselect import sp_candidates
+
+    class Profiler(PaperProfiler):
+        best = {(16384, 1): (28, 6000), (131072, 8): (12, 5100)}
+
+    layouts = sp_candidates(64, 28, 4)
+    sel = auto_select(Profiler(), [16384, 131072], layouts, 32)
+    top = sel.levels[-1]
+    assert (top.pack_len, top.sp, top.layout, top.sp_kind) == (131072, 8, (4, 2), "cp")
+    assert f"  - {{pack_len: 131072, sp: 8, ckpt_layers: {top.ckpt_layers}, ulysses: 4, cp: 2}}" in sel.yaml()
+    assert [Level(**lv) for lv in yaml.safe_load(sel.yaml())["levels"]] == sel.levels
+    assert any(line.split()[:2] == ["131072", "8=4x2"] and "best" in line for line in sel.table().splitlines())
+
+
 def test_algorithm1_stage2_adds_l1_and_l2():
     class Profiler(PaperProfiler):
         best = {

@@ -269,3 +269,11 @@ def test_paper_mix_packs_are_balanced_within_five_percent(paper_shaped_mix, cp, 
         assert split.ranges_per_rank().max() <= 2 * docs.size + cp
     assert worst <= 1.05, worst
     assert naive_worst > 1.5
+
+
+@pytest.mark.parametrize("docs", [[], [0], [0, 0]])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_a_pack_without_tokens_splits_into_empty_shards(docs, cp):
+    for split in (split_pack(docs, cp), contiguous_split(docs, cp)):
+        assert split.tokens_per_rank().tolist() == [0] * cp and split.imbalance() == 1.0
+        assert all(split.gather_index(r).size == 0 for r in range(cp))

@@ -196,3 +196,26 @@ def test_cp_balance_figure_draws_each_ranks_area_of_both_splits(tmp_path):
     path = tmp_path / "cp.png"
     fig.savefig(path)
     assert imread(path).shape[0] > 100
+
+
+def test_timeline_draws_cp_communication_beside_ulysses(lengths):
+    """A level of sp 4 = Ulysses 2 x CP 2: its ranks' bars carry both collective families, each
+    as wide as the simulator priced it, and the legend names both."""
+    cost = CostModel(TINY, HARDWARE["h100"], WORLD)
+    plan = plan_hbp(lengths, [Level(1024, 1), Level(8192, 4, ulysses=2, cp=2)], WORLD, seed=0)
+    sim = simulate(plan, cost, "HBP with CP")
+    start = default_start(sim, 2)
+    fig = timeline_figure([sim], n_micro=2, start=start)
+    (ax,) = [ax for ax in fig.axes if ax.containers]
+    series = bar_series(ax)
+    assert plan.step_level[start // plan.accumulate] == 1
+    groups = np.searchsorted(sim.group_micro, start) + np.arange(WORLD) // 4  # micro-step `start`, rank order
+    for part in ("ulysses_comm", "cp_comm"):
+        widths = np.array([p.get_width() for p in series[PART_LABELS[part]].patches[:WORLD]])
+        assert (widths > 0).all()
+        np.testing.assert_allclose(widths / widths.sum(), sim.parts[part][groups] / sim.parts[part][groups].sum())
+    (legend,) = fig.legends
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert "SP communication (Ulysses all-to-all)" in texts and "CP all-gather/reduce-scatter" in texts
+    (top,) = ax.child_axes  # the levels' labels
+    assert any("sp 4=2x2" in label.get_text() for label in top.get_xticklabels())

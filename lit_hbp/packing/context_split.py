@@ -199,6 +199,8 @@ def _build(cp: int, lengths: np.ndarray, rank, doc, start, end) -> ContextSplit:
     rank, doc, start, end = (np.asarray(x, dtype=np.int64) for x in (rank, doc, start, end))
     keep = end > start
     rank, doc, start, end = rank[keep], doc[keep], start[keep], end[keep]
+    if rank.size == 0:  # a pack without tokens: every rank holds nothing
+        return ContextSplit(cp, lengths, np.zeros(cp + 1, dtype=np.int64), rank, start, end)
     order = np.lexsort((start, doc, rank))
     rank, doc, start, end = rank[order], doc[order], start[order], end[order]
     new = np.r_[True, (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (start[1:] != end[:-1])]

@@ -118,8 +118,8 @@ def cp_imbalance(plan: Plan, g: dict, group_cp: np.ndarray) -> np.ndarray:
     """Per SP group: max / mean causal attention area over its CP ranks, 1 for groups without CP.
 
     The micro-batch is split the way training splits it: its packs' documents in order, padded by
-    collate to a multiple of lcm(8, sp) with a padding segment of its own (which costs attention
-    like a document), cut by ``split_pack``. Only CP groups are split (one per long micro-batch)."""
+    collate to a multiple of lcm(8, sp) (at least one) with a padding segment of its own (which
+    costs attention like a document), cut by ``split_pack``. Only CP groups are split (one per long micro-batch)."""
     out = np.ones(g["n_groups"])
     cp_groups = np.flatnonzero(group_cp > 1)
     if not cp_groups.size:
@@ -129,7 +129,8 @@ def cp_imbalance(plan: Plan, g: dict, group_cp: np.ndarray) -> np.ndarray:
     for grp in cp_groups.tolist():
         packs = order[first[grp] : first[grp + 1]]
         docs = plan.lengths[np.concatenate([plan.pack(p) for p in packs])].astype(np.int64)
-        pad = -int(docs.sum()) % math.lcm(8, int(g["group_sp"][grp]))
+        multiple, n = math.lcm(8, int(g["group_sp"][grp])), int(docs.sum())
+        pad = max(multiple, -(-n // multiple) * multiple) - n
         out[grp] = split_pack(np.r_[docs, pad] if pad else docs, int(group_cp[grp])).imbalance()
     return out
 
