@@ -46,9 +46,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_hbp.data.collate import collate_packs, pad_multiple
+from lit_hbp.data.collate import collate_packs
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing import Level
+from lit_hbp.packing.context_split import padded_length
 from lit_hbp.parallel import context
 from lit_hbp.parallel.groups import SPGroups
 from lit_hbp.parallel.topology import sp_coords
@@ -91,8 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"sp {sp} does not divide --world {args.world}")
         if ck > args.layers:
             p.error(f"ckpt {ck} exceeds --layers {args.layers}")
-        if args.pack_len % pad_multiple(sp):
-            p.error(f"--pack-len {args.pack_len} must be a multiple of {pad_multiple(sp)} (no padding at sp {sp})")
+        if padded_length(args.pack_len, sp) != args.pack_len:
+            p.error(f"--pack-len {args.pack_len} must be a multiple of lcm(8, {sp}) (no padding at sp {sp})")
         try:
             check_heads(args.heads, args.kv_heads, sp)
         except ValueError as e:

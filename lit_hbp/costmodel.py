@@ -9,16 +9,20 @@ layers. Every constant is written here with where it comes from.
 
 Time of a rank for a micro-step (seconds):
     dense        = tokens * 2 * (layer_params * (3 + c / L) + lm_head_params * 3) / (peak * eff_dense)
-    attention    = 2 * hidden * sum(len^2) / sp * (3.5 * L + c [+ L with CP]) / (peak * eff_attn)
+    attention    = 2 * hidden * sum(len^2) / sp * (3.5 * L + c) / (peak * eff_attn)
     ulysses_comm = all-to-all bytes per layer * (2 * L + c) / link bandwidth      (ulysses > 1)
-    cp_comm      = all-gather bytes per layer * (3 * L + c) / link bandwidth      (cp > 1)
+    cp_comm      = what the K/V all-gathers and dK/dV reduce-scatters add to attention (cp > 1)
     sp_comm      = ulysses_comm + cp_comm
 with tokens = the rank's share of its SP group's packs, c = checkpointed layers, sp = ulysses x cp.
 Backward costs twice the forward for matmuls and 2.5 times for flash attention; a checkpointed
-layer runs its forward once more, collectives included. Context parallelism's backward gathers K/V
-again, reduce-scatters dK/dV (the same bytes twice) and recomputes the layer's attention forward
-(the gathered K/V is not kept). No communication is overlapped with compute: the all-to-alls and
-the all-gathers sit on the critical path of their layer, and are priced in full.
+layer runs its forward once more, collectives included. The Ulysses all-to-alls sit on the critical
+path of their layer and are priced in full. Context parallelism moves a layer's K/V in S kv-head
+slices (``topology.cp_slices``), the transfer of slice j + 1 in flight while slice j's attention
+runs: a pass exposes its first slice's transfer and, after that, whatever of each transfer the
+slice's attention does not cover (``exposed``). The forward (and a checkpointed layer's second
+forward) gathers K/V once; the backward gathers again and reduce-scatters dK/dV (twice the bytes)
+beside 2.5 times the forward's attention, and runs the kernel's backward from the forward's saved
+output and LSE, so nothing is recomputed (the flash-attention backends; Flex would recompute).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from lit_hbp.model_spec import ModelSpec
+from lit_hbp.packing.context_split import split_micro_batch
 from lit_hbp.parallel.kind import resolve_sp_kind
+from lit_hbp.parallel.topology import cp_slices
 
 GB = 1e9
 
@@ -130,12 +136,15 @@ class CostModel:
         flops = m.train_flops(tokens, 0.0, tokens) + recompute
         return flops / (self.hardware.peak_flops * self.hardware.eff_dense)
 
-    def attention_seconds(self, sum_sq: float, sp: int, ckpt: int, cp: int = 1) -> float:
-        m = self.model
-        fwd_per_layer = 2.0 * m.heads * m.dim * sum_sq / sp
-        recompute = ckpt + (m.layers if cp > 1 else 0)  # CP's backward recomputes each layer's attention
-        flops = fwd_per_layer * ((1 + FLASH_BACKWARD) * m.layers + recompute)
-        return flops / (self.hardware.peak_flops * self.hardware.eff_attn)
+    def attention_forward_seconds(self, sum_sq, sp: int):
+        """One layer's attention forward on a rank holding 1/sp of the work of ``sum_sq``."""
+        return (
+            2.0 * self.model.heads * self.model.dim * sum_sq / sp / (self.hardware.peak_flops * self.hardware.eff_attn)
+        )
+
+    def attention_seconds(self, sum_sq: float, sp: int, ckpt: int) -> float:
+        layers = self.model.layers
+        return self.attention_forward_seconds(sum_sq, sp) * ((1 + FLASH_BACKWARD) * layers + ckpt)
 
     def _link_seconds(self, nbytes, peers: int, local: int):
         """Seconds to send ``nbytes`` to ``peers`` - 1 others of which ``local`` - 1 share the node
@@ -145,11 +154,13 @@ class CostModel:
         inter = nbytes * (peers - local) / (peers - 1)
         return np.maximum(intra / hw.intra_node_bw, inter / hw.inter_node_bw) / hw.eff_link
 
-    def comm_parts(self, tokens, sp: int, ckpt: int, cp: int = 1) -> dict:
+    def comm_parts(self, tokens, sp: int, ckpt: int, cp: int = 1, sum_sq=None) -> dict:
         """Seconds of one rank's SP communication in a micro-step, by collective family:
         ``ulysses_comm`` (all-to-alls inside the Ulysses group of sp / cp contiguous ranks) and
         ``cp_comm`` (K/V all-gathers and dK/dV reduce-scatters over the CP group, strided across
-        the Ulysses groups: its peers share a node only while a Ulysses group is smaller than one)."""
+        the Ulysses groups: its peers share a node only while a Ulysses group is smaller than one),
+        as much of them as the attention of the layer's ``sum_sq`` does not hide (all of them
+        without ``sum_sq``)."""
         zero = 0.0 * tokens
         if sp == 1:
             return dict(ulysses_comm=zero, cp_comm=zero)
@@ -166,21 +177,25 @@ class CostModel:
             ulysses = self._link_seconds(parts["ulysses"], u, min(u, hw.gpus_per_node))
             out["ulysses_comm"] = (2 * layers + ckpt) * (ulysses + 4 * hw.link_latency_s)
         local = 1 if u >= hw.gpus_per_node else min(cp, hw.gpus_per_node // u)
-        gather = self._link_seconds(parts["cp"], cp, local)
-        out["cp_comm"] = (3 * layers + ckpt) * (gather + 2 * hw.link_latency_s)  # K and V per pass
+        slices = cp_slices(self.model.kv_heads, u, cp)
+        gather = self._link_seconds(parts["cp"], cp, local) + 2 * slices * hw.link_latency_s  # K and V per slice
+        compute = zero if sum_sq is None else self.attention_forward_seconds(sum_sq, sp)
+        forward = exposed(gather, compute, slices)
+        backward = exposed(2 * gather, FLASH_BACKWARD * compute, slices)
+        out["cp_comm"] = (layers + ckpt) * forward + layers * backward
         return out
 
-    def sp_comm_seconds(self, tokens, sp: int, ckpt: int, cp: int = 1):
-        return sum(self.comm_parts(tokens, sp, ckpt, cp).values())
+    def sp_comm_seconds(self, tokens, sp: int, ckpt: int, cp: int = 1, sum_sq=None):
+        return sum(self.comm_parts(tokens, sp, ckpt, cp, sum_sq).values())
 
     def micro_step(self, tokens, sum_sq, sp: int, ckpt: int, cp: int = 1) -> dict:
         """Seconds of one rank for a micro-step: dense, attention, sp_comm (with its parts
         ulysses_comm and cp_comm) and the total. ``tokens`` and ``sum_sq`` may be numpy arrays
         (one entry per rank or SP group); ``cp`` is the level's context-parallel degree."""
-        comm = self.comm_parts(tokens, sp, ckpt, cp)
+        comm = self.comm_parts(tokens, sp, ckpt, cp, sum_sq)
         parts = dict(
             dense=self.dense_seconds(tokens, ckpt),
-            attention=self.attention_seconds(sum_sq, sp, ckpt, cp),
+            attention=self.attention_seconds(sum_sq, sp, ckpt),
             sp_comm=comm["ulysses_comm"] + comm["cp_comm"],
         )
         parts["total"] = sum(parts.values())
@@ -226,6 +241,13 @@ class CostModel:
         return self.memory_bytes(pack_len, sp, ckpt, packs_per_rank) <= self.hardware.memory_bytes
 
 
+def exposed(comm, compute, pieces: int):
+    """Seconds a pass's collective adds to its compute when both run in ``pieces`` equal parts, part
+    j + 1's transfer in flight while part j computes: the first part's transfer waits in full, each
+    later one for what its part of the compute does not cover."""
+    return comm / pieces + (pieces - 1) / pieces * np.maximum(comm - compute, 0.0)
+
+
 def synthetic_pack(lengths: np.ndarray, pack_len: int, rng: np.random.Generator) -> np.ndarray:
     """Sample lengths of one pack of ``pack_len`` drawn from the data's length distribution, filled
     the way the planner fills packs: draws that do not fit the space left are skipped, until the
@@ -242,9 +264,15 @@ def synthetic_pack(lengths: np.ndarray, pack_len: int, rng: np.random.Generator)
     return np.asarray(take, dtype=np.int64)
 
 
-def pack_stats(lengths, pack_len: int, seed: int = 0, max_packs: int = 64) -> tuple[float, float]:
+def pack_stats(
+    lengths, pack_len: int, seed: int = 0, max_packs: int = 64, sp: int = 1, cp: int = 1
+) -> tuple[float, float]:
     """Mean tokens and mean sum of squared lengths of a pack of ``pack_len`` filled from the data's
-    length distribution: what a level's packs hold."""
+    length distribution: what a level's packs hold. With ``cp`` > 1 the sum of squares is priced at
+    the busiest CP rank (times its max / mean area under the split training uses at degree ``sp``,
+    ``split_micro_batch``), as the simulator prices CP groups."""
     rng = np.random.default_rng(seed)
-    packs = [synthetic_pack(lengths, pack_len, rng).astype(np.float64) for _ in range(max_packs)]
-    return float(np.mean([p.sum() for p in packs])), float(np.mean([(p**2).sum() for p in packs]))
+    packs = [synthetic_pack(lengths, pack_len, rng) for _ in range(max_packs)]
+    busiest = [split_micro_batch(p, sp, cp).imbalance() if cp > 1 else 1.0 for p in packs]
+    sum_sq = [(p.astype(np.float64) ** 2).sum() * b for p, b in zip(packs, busiest)]
+    return float(np.mean([p.sum() for p in packs])), float(np.mean(sum_sq))

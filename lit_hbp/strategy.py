@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -35,14 +36,16 @@ from lit_hbp.parallel.kind import resolve_sp_kind  # noqa: E402
 from lit_hbp.parallel.topology import layout_levels, model_heads, resolve_layout  # noqa: E402
 
 
-def validate_sp_setup(levels, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int) -> list[int]:
+def validate_sp_setup(
+    levels, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int, node_size: int | None = None
+) -> list[int]:
     """Everything about the levels that can fail before the first step, with the offending level;
     returns how many copies of each kv head each level's SP kind needs (1: none). Levels without a
-    (ulysses, cp) layout get the default one (``resolve_layout``)."""
+    (ulysses, cp) layout get the default one for nodes of ``node_size`` ranks (``resolve_layout``)."""
     levels = validate_levels(levels, world_size)
     replication = []
     for i, lv in enumerate(levels):
-        lv = resolve_layout(lv, num_heads, num_kv_heads)
+        lv = resolve_layout(lv, num_heads, num_kv_heads, node_size)
         try:
             replication.append(resolve_sp_kind(lv.sp_kind).check(num_heads, num_kv_heads, lv.sp, lv.layout[1]))
         except ValueError as e:
@@ -149,6 +152,19 @@ class HBPStrategy(DeepSpeedStrategy):
     def _deepspeed_args(self) -> argparse.Namespace:
         return argparse.Namespace(device_rank=self.local_rank if self._on_cpu else self.root_device.index)
 
+    def _initialize_deepspeed_inference(self, model) -> None:
+        """Lightning's engine for validate/test/predict; on CPU with the rank DeepSpeed needs (the
+        parent passes the device index, which CPU devices do not have)."""
+        if not self._on_cpu:
+            return super()._initialize_deepspeed_inference(model)
+        import deepspeed
+
+        initialize = deepspeed.initialize
+        with mock.patch.object(
+            deepspeed, "initialize", lambda **kw: initialize(**{**kw, "args": self._deepspeed_args()})
+        ):
+            super()._initialize_deepspeed_inference(model)
+
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         if not self._on_cpu:
             return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
@@ -177,10 +193,15 @@ class HBPStrategy(DeepSpeedStrategy):
             raise ValueError("HBPStrategy needs levels: pass levels=... or use a data module with .levels")
         module = trainer.lightning_module
         cfg = module.model.config
+        node_size = trainer.num_devices
         validate_sp_setup(
-            levels, self.world_size, *model_heads(cfg), getattr(module, "num_layers", cfg.num_hidden_layers)
+            levels,
+            self.world_size,
+            *model_heads(cfg),
+            getattr(module, "num_layers", cfg.num_hidden_layers),
+            node_size,
         )
-        self.levels = layout_levels([as_level(x) for x in levels], cfg)
+        self.levels = layout_levels([as_level(x) for x in levels], cfg, node_size)
         degrees = [(lv.sp, lv.layout[1]) for lv in self.levels]
         if self.sp_groups is None:
             self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank)

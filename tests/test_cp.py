@@ -14,8 +14,8 @@ from distributed import Pool
 from test_sp import ACCUMULATE, STEPS, SGDModule, gathered_params, reference_update, step_size
 
 from lit_hbp.packing import Level
-from lit_hbp.parallel.context_parallel import ContextParallel, kv_slice
-from lit_hbp.parallel.topology import cp_group_ranks, default_layout, layout_coords, resolve_layout
+from lit_hbp.parallel.context_parallel import ContextParallel
+from lit_hbp.parallel.topology import cp_group_ranks, cp_slices, default_layout, kv_slice, layout_coords, resolve_layout
 
 TINY2 = {  # two query heads: Ulysses alone stops at sp 2
     "model_type": "llama",
@@ -58,6 +58,14 @@ def test_the_default_layout_puts_ulysses_on_what_the_heads_allow():
     assert default_layout(8, 28, 4) == (4, 2)  # Qwen2.5-7B: 28 heads stop Ulysses at 4
     assert default_layout(4, 2, 1) == (2, 2)
     assert default_layout(64, 32, 8) == (32, 2)
+    # Given the ranks per node, Ulysses stays inside a node and CP goes across.
+    assert default_layout(64, 32, 8, node_size=8) == (8, 8)
+    assert default_layout(16, 32, 8, node_size=8) == (8, 2)
+    assert default_layout(8, 32, 8, node_size=8) == (8, 1)
+    assert default_layout(8, 28, 4, node_size=8) == (4, 2)
+    assert default_layout(8, 32, 8, node_size=4) == (4, 2)  # 4-GPU nodes
+    assert default_layout(4, 2, 1, node_size=4) == (2, 2)
+    assert resolve_layout(Level(1024, 64), 32, 8, node_size=8).layout == (8, 8)
     level = resolve_layout(Level(1024, 8), 28, 4)
     assert (level.ulysses, level.cp, level.sp_kind) == (4, 2, "cp")
     assert resolve_layout(Level(1024, 8), 32, 8).sp_kind == "ulysses"
@@ -199,6 +207,67 @@ def test_cp_attention_matches_one_process_on_four_ranks(pool4, pack, sp, cp, kv_
 def test_cp_attention_keeps_window_and_sinks(pool4, window, sinks):
     for r in pool4.run(cp_attention_parity, 4, 2, 2, PACKS["spans_every_rank"], window, sinks):
         assert r["out"] < 1e-12 and max(r["grads"]) < 1e-12, r
+
+
+def cp_kernel_calls(sp: int, cp: int, kv_heads: int, split: bool) -> dict:
+    """``cp_attention_parity`` with the CPU kernel's calls and the CP collectives logged in order.
+    With the kernel's LSE pair (``split``) the CP forward runs its forward once per kv-head slice
+    and the backward its backward kernel once per slice, no forward; without it (the pair removed,
+    as for Flex) the backward recomputes each slice's forward."""
+    import dataclasses
+
+    from lit_hbp.attention import backends
+    from lit_hbp.parallel import context_parallel as cpm
+
+    events: list[str] = []
+    sdpa = backends.REGISTRY["sdpa"]
+
+    def logged(what, fn):
+        def call(*args, **kwargs):
+            events.append(what)
+            return fn(*args, **kwargs)
+
+        return call
+
+    lse = dataclasses.replace(sdpa.lse, forward=logged("forward", sdpa.lse.forward),
+                              backward=logged("backward", sdpa.lse.backward)) if split else None  # fmt: skip
+    patched = {
+        "_all_gather": logged("gather", cpm._all_gather),
+        "_reduce_scatter": logged("scatter", cpm._reduce_scatter),
+    }
+    saved = {name: getattr(cpm, name) for name in patched}
+    backends.REGISTRY["sdpa"] = dataclasses.replace(sdpa, run=logged("run", sdpa.run), lse=lse)
+    for name, fn in patched.items():
+        setattr(cpm, name, fn)
+    try:
+        errors = cp_attention_parity(sp, cp, kv_heads, PACKS["many_short_one_long"], None, False)
+    finally:
+        backends.REGISTRY["sdpa"] = sdpa
+        for name, fn in saved.items():
+            setattr(cpm, name, fn)
+    return {**errors, "events": events}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp, cp, kv_heads", [(4, 4, 4), (4, 2, 2)])
+@pytest.mark.parametrize("split", [True, False])
+def test_the_cp_backward_runs_the_backward_kernel_and_prefetches_the_next_slice(pool4, sp, cp, kv_heads, split):
+    slices = cp_slices(kv_heads, sp // cp, cp)
+    for r in pool4.run(cp_kernel_calls, sp, cp, kv_heads, split):
+        assert r["out"] < 1e-12 and max(r["grads"]) < 1e-12, r
+        ev = r["events"]
+        assert ev[0] == "run"  # the single-process reference: its kernel, differentiated by autograd
+        cp_events = ev[1:]
+        kernels = [e for e in cp_events if e != "gather" and e != "scatter"]
+        if split:
+            assert kernels == ["forward"] * slices + ["backward"] * slices
+        else:
+            assert kernels == ["run"] * (2 * slices)  # the forward, then its recomputation
+        assert cp_events.count("gather") == 2 * 2 * slices and cp_events.count("scatter") == 2 * slices
+        # Before the kernel of slice j runs, the K and V gathers of slice j + 1 are in flight.
+        for j, at in enumerate(i for i, e in enumerate(cp_events) if e not in ("gather", "scatter")):
+            pass_j = j % slices
+            assert cp_events[:at].count("gather") - 2 * slices * (j // slices) == 2 * min(pass_j + 2, slices), ev
 
 
 @pytest.mark.gpu

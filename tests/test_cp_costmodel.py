@@ -2,6 +2,8 @@
 against hand computations, layouts the search can reach only through CP, and the simulator's report
 of CP communication beside Ulysses'."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -42,15 +44,52 @@ def test_cp_traffic_crosses_nodes_only_when_its_peers_do(sp, cp, local):
     assert got == pytest.approx((3 * SPEC.layers + ckpt) * seconds)  # forward, recompute, 2 in the backward
 
 
-def test_cp_levels_pay_one_more_attention_forward_and_cp_1_is_unchanged():
+def test_cp_levels_pay_no_attention_recompute_and_cp_1_is_unchanged():
+    """The CP backward runs the kernel's backward from the saved LSE: attention costs what it costs
+    without CP; a layout with cp 1 prices no CP traffic."""
     cost = CostModel(SPEC, NODE, world=8)
-    plain, cp = cost.attention_seconds(1e9, 4, 2), cost.attention_seconds(1e9, 4, 2, cp=2)
-    assert cp / plain == pytest.approx((3.5 * 4 + 2 + 4) / (3.5 * 4 + 2))
+    assert cost.attention_seconds(1e9, 4, 2) == pytest.approx(
+        cost.attention_forward_seconds(1e9, 4) * (3.5 * SPEC.layers + 2)
+    )
     step = cost.micro_step(1000.0, 1e9, 4, 2)
     assert step["cp_comm"] == 0 and step["sp_comm"] == step["ulysses_comm"] > 0
     both = cost.micro_step(1000.0, 1e9, 4, 2, cp=2)
+    assert both["attention"] == step["attention"]
     assert both["sp_comm"] == pytest.approx(both["ulysses_comm"] + both["cp_comm"]) and both["cp_comm"] > 0
     assert both["total"] == pytest.approx(both["dense"] + both["attention"] + both["sp_comm"])
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 4, 8])
+def test_a_pipelined_transfer_exposes_its_first_piece_and_what_compute_does_not_cover(pieces):
+    """Brute force: piece j's transfer starts when piece j - 1's transfer ends and may overlap piece
+    j - 1's compute; piece j computes after its transfer and after piece j - 1's compute."""
+    from lit_hbp.costmodel import exposed
+
+    rng = np.random.default_rng(pieces)
+    for comm, compute in rng.uniform(0, 10, size=(50, 2)):
+        sent = done = 0.0
+        for _ in range(pieces):
+            sent += comm / pieces
+            done = max(done, sent) + compute / pieces
+        assert exposed(comm, compute, pieces) == pytest.approx(done - compute)
+    assert exposed(3.0, 100.0, pieces) == pytest.approx(3.0 / pieces)  # hidden but the first piece
+    assert exposed(3.0, 0.0, pieces) == pytest.approx(3.0)  # nothing to hide behind
+
+
+def test_cp_comm_hides_behind_the_attention_of_its_slices():
+    """Llama-like: 8 kv heads at cp 4 (Ulysses 1) gather 4 slices of 2 heads; with attention far
+    longer than the transfers only the first slice of each pass is exposed (a reduce-scatter's last
+    slice too in the backward); with no attention every transfer is."""
+    from lit_hbp.parallel.topology import cp_slices
+
+    spec = ModelSpec("llama-like", 4, 64, 8, 8, 128, 100)
+    cost = CostModel(spec, NODE, world=8)
+    assert cp_slices(8, 1, 4) == 4 and cp_slices(8, 2, 4) == 4 and cp_slices(2, 4, 2) == 1
+    tokens, ckpt = 1000.0, 1
+    none = cost.comm_parts(tokens, 4, ckpt, 4)["cp_comm"]
+    hidden = cost.comm_parts(tokens, 4, ckpt, 4, sum_sq=1e15)["cp_comm"]
+    assert hidden == pytest.approx(none / 4)
+    assert none / 4 < cost.comm_parts(tokens, 4, ckpt, 4, sum_sq=1e6)["cp_comm"] <= none
 
 
 def test_the_search_reaches_past_the_heads_through_cp():
@@ -67,7 +106,7 @@ def test_simulate_reports_cp_beside_ulysses_for_llama_8b_on_64_h100(tmp_path, ca
     argv = [str(path), "--model", "llama3.1-8b", "--gpus", "64", "--gpu", "h100", "--levels", "16384:1", "262144:64"]
     assert simulate_main(argv) == 0
     out = capsys.readouterr().out
-    assert "262144 sp64=32x2" in out  # 32 heads: Ulysses 32 x CP 2 by default
+    assert "262144 sp64=8x8" in out  # by default Ulysses inside the 8-GPU node, CP across the 8 nodes
     header = next(line for line in out.splitlines() if line.startswith("plan "))
     assert header.index("ulysses_comm") < header.index("cp_comm")
     hbp = next(line for line in out.splitlines() if line.startswith("HBP "))
@@ -116,3 +155,21 @@ def test_simulator_prices_a_cp_groups_attention_at_its_busiest_rank():
     assert worst and sim.seconds == pytest.approx(total, rel=1e-9)
     assert sim.cp_abr() == pytest.approx(np.mean(1 - 1 / np.array(worst)))
     assert sim.parts["cp_comm"].sum() > 0
+
+
+def test_the_analytic_search_prices_cp_candidates_at_the_busiest_cp_rank(paper_shaped_mix):
+    """Brute force over the same synthetic packs: each pack's sum of squares times its max / mean
+    CP area under ``split_pack``; cp 1 is the plain mean."""
+    from lit_hbp.costmodel import pack_stats, synthetic_pack
+    from lit_hbp.packing.context_split import split_pack
+
+    lengths, pack_len = paper_shaped_mix[:20_000], 65536
+    tokens, plain = pack_stats(lengths, pack_len, seed=3, max_packs=16)
+    for cp in (2, 4, 8):
+        rng = np.random.default_rng(3)
+        packs = [synthetic_pack(lengths, pack_len, rng) for _ in range(16)]
+        pads = [-int(p.sum()) % math.lcm(8, 2 * cp) for p in packs]  # collate pads to lcm(8, sp), sp = 2 cp
+        padded = [np.r_[p, pad] if pad else p for p, pad in zip(packs, pads)]
+        want = np.mean([(p.astype(float) ** 2).sum() * split_pack(d, cp).imbalance() for p, d in zip(packs, padded)])
+        got_tokens, got = pack_stats(lengths, pack_len, seed=3, max_packs=16, sp=2 * cp, cp=cp)
+        assert got_tokens == tokens and got == pytest.approx(want) and plain <= got <= 1.05 * plain

@@ -95,7 +95,11 @@ def validate_on_world(chats: str, tokenizer: str, cache: str) -> dict:
     params = list(module.model.named_parameters())
     with deepspeed.zero.GatheredParameters([p for _, p in params]):
         weights = {n: p.detach().clone() for n, p in params}
-    return dict(loss=float(trainer.callback_metrics["val/loss"]), seen=seen, weights=weights)
+    # `trainer.validate` alone, as `lit-hbp validate` runs it: DeepSpeed's inference engine on CPU.
+    alone = quiet_trainer(devices=2, strategy=HBPStrategy(stage=2)).validate(module, dm, verbose=False)
+    return dict(
+        loss=float(trainer.callback_metrics["val/loss"]), alone=alone[0]["val/loss"], seen=seen, weights=weights
+    )
 
 
 @pytest.mark.slow
@@ -129,6 +133,7 @@ def test_validation_loss_on_two_ranks_with_sp_equals_one_process(chats, toy_toke
             targets += int((labels != -100).sum())
     for r in results:
         assert r["loss"] == pytest.approx(ce / targets, abs=1e-5)
+        assert r["alone"] == pytest.approx(r["loss"], rel=1e-6)
 
 
 class Trace(L.Callback):
@@ -178,3 +183,13 @@ def test_validation_and_a_mid_epoch_resume_interleave(chats, toy_tokenizer, tmp_
     assert resumed.train == full.train[6:]
     assert [s for s, _ in resumed.val] == [4, 6, 8]
     np.testing.assert_allclose([v for _, v in resumed.val], [v for _, v in full.val[1:]], rtol=1e-6)
+
+
+def test_validate_without_a_validation_split_is_a_config_error(chats, toy_tokenizer, tmp_path):
+    """`lit-hbp validate` on data without a split would evaluate nothing and say nothing."""
+    from lit_hbp.errors import ConfigError
+
+    dm = datamodule(chats, toy_tokenizer, tmp_path)
+    with pytest.raises(ConfigError, match="nothing to validate: .* set data.val_fraction .* or data.val_sources"):
+        dm.setup("validate")
+    dm.setup("fit")  # training without validation is fine

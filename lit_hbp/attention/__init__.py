@@ -25,18 +25,23 @@ recomputes the forward through the backend's own differentiable kernel and diffe
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch._C import DispatchKey
 from transformers import AttentionInterface
 
 from lit_hbp.attention import flex
-from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose, why_not
+from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose, lse_why_not, why_not
 from lit_hbp.parallel import context as sp_context
 
 ATTN_NAME = "hbp_varlen"
 _forced: list[str | None] = [None]
 _chosen: dict[tuple[str, torch.dtype, frozenset[str]], str] = {}
+_lse_logged: set[tuple[str, str, frozenset[str]]] = set()
 _pack: list[tuple[torch.Tensor, int, int] | None] = [None]
 # Keywords transformers passes that carry nothing this function needs: cu_seq_lens_k/max_length_k
 # equal the q ones for self-attention, position_ids were used for the rotary embedding.
@@ -112,25 +117,109 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def _attend(q, k, v, args: AttnArgs) -> torch.Tensor:
-    name = backend_for(q.device.type, q.dtype, args.needs)
+def _on_device(args: AttnArgs, q: torch.Tensor) -> AttnArgs:
+    """``args`` with its document offsets as int32 on q's device, as every kernel takes them."""
     for field in ("cu", "cu_k"):
         cu = getattr(args, field)
         if cu is not None and (cu.device != q.device or cu.dtype != torch.int32):
             args = AttnArgs(**{**args.__dict__, field: cu.to(device=q.device, dtype=torch.int32)})
-    return REGISTRY[name].run(q, k, v, args)
+    return args
+
+
+def _attend(q, k, v, args: AttnArgs) -> torch.Tensor:
+    return REGISTRY[backend_for(q.device.type, q.dtype, args.needs)].run(q, k, v, _on_device(args, q))
+
+
+@contextlib.contextmanager
+def replay_rng(device: torch.device, seed: int, active: bool = True) -> Iterator[None]:
+    """The device's RNG seeded with ``seed`` inside and restored after (when ``active``): a backward
+    that recomputes an attention forward draws the forward's dropout mask again."""
+    if not active:
+        yield
+        return
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type=device.type):
+        (torch.cuda if cuda else torch.random.default_generator).manual_seed(int(seed))
+        yield
 
 
 def _run_op(q, k, v, cu, sinks, seed, max_len: int, scale: float, window, softcap, dropout: float) -> torch.Tensor:
     """The kernel; with dropout, on the device's RNG seeded with ``seed`` (restored after), so the
     backward's recomputation draws the forward's dropout mask again."""
     args = AttnArgs(cu=cu, max_len=max_len, scale=scale, window=window, softcap=softcap, sinks=sinks, dropout=dropout)
-    if not dropout:
+    with replay_rng(q.device, seed, active=bool(dropout)):
         return _attend(q, k, v, args)
-    cuda = q.device.type == "cuda"
-    with torch.random.fork_rng(devices=[q.device] if cuda else [], device_type=q.device.type):
-        (torch.cuda if cuda else torch.random.default_generator).manual_seed(int(seed))
-        return _attend(q, k, v, args)
+
+
+def lse_kernels(device_type: str, dtype: torch.dtype, needs: frozenset[str]):
+    """The chosen backend's forward-with-LSE / backward pair for such a call (``backends.LseKernels``),
+    or None when it has none (the backward then recomputes the forward); which one is logged once."""
+    name = backend_for(device_type, dtype, needs)
+    reason = lse_why_not(name, device_type, needs)
+    key = (name, device_type, needs)
+    if key not in _lse_logged:
+        _lse_logged.add(key)
+        how = "its backward kernel from the saved LSE" if reason is None else f"recomputes the forward ({reason})"
+        rank_zero_info(f"{ATTN_NAME} attention: the context-parallel backward on {name} runs {how}")
+    return REGISTRY[name].lse if reason is None else None
+
+
+@dataclass(frozen=True)
+class Attend:
+    """One layer's attention call over the pack being trained, as the SP kinds receive it
+    (``lit_hbp.parallel.kind.Attend``): ``attend(q, k, v, sinks)`` runs the kernel over the pack's
+    documents; ``forward``/``backward`` run it over query ranges against key prefixes of their own
+    (context parallelism: range [a, b) of a document sees keys [0, b), causal bottom-right) as two
+    calls outside autograd, the backward from the forward's saved output and LSE."""
+
+    cu: torch.Tensor
+    max_len: int
+    scaling: float | None
+    window: int | None
+    softcap: float | None
+    dropout: float
+
+    def _scale(self, q: torch.Tensor) -> float:
+        return float(self.scaling) if self.scaling is not None else q.shape[-1] ** -0.5
+
+    def __call__(self, q, k, v, sinks) -> torch.Tensor:
+        scale, softcap = self._scale(q), self.softcap or None
+        if not torch.compiler.is_compiling():  # eager: the kernel itself, no recomputation in the backward
+            return _attend(
+                q, k, v, AttnArgs(self.cu, int(self.max_len), scale, self.window, softcap, sinks, self.dropout)
+            )
+        return _varlen_op(q, k, v, self.cu, sinks, self.max_len, scale, self.window, softcap, self.dropout)[0]
+
+    def ranges(self, q, sinks, cu_q, cu_k, max_q: int, max_k: int) -> AttnArgs:
+        """The call's arguments for query ranges ``cu_q`` against key prefixes ``cu_k``."""
+        softcap = self.softcap or None
+        args = AttnArgs(cu_q, int(max_q), self._scale(q), self.window, softcap, sinks, self.dropout, cu_k, int(max_k))
+        return _on_device(args, q)
+
+    def forward(self, q, k, v, sinks, seed: int, **geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out, lse) over the ranges ``geometry`` (``cu_q, cu_k, max_q, max_k``), without autograd;
+        lse is None when the backend has no backward kernel for the call (``backward`` then
+        recomputes the forward, its dropout replayed from ``seed``)."""
+        args = self.ranges(q, sinks, **geometry)
+        kernels = lse_kernels(q.device.type, q.dtype, args.needs)
+        with torch.no_grad():
+            if kernels is not None:
+                return kernels.forward(q, k, v, args)
+            with replay_rng(q.device, seed, active=bool(args.dropout)):
+                return _attend(q, k, v, args), None
+
+    def backward(self, grad, q, k, v, sinks, out, lse, seed: int, **geometry):
+        """(dq, dk, dv, dsinks or None) of ``forward``'s output for the upstream gradient ``grad``."""
+        args = self.ranges(q, sinks, **geometry)
+        if lse is not None:
+            return lse_kernels(q.device.type, q.dtype, args.needs).backward(grad, q, k, v, out, lse, args)
+        with torch.enable_grad(), replay_rng(q.device, seed, active=bool(args.dropout)):
+            leaves = [x.detach().requires_grad_() if x is not None else None for x in (q, k, v, sinks)]
+            wrt = [x for x in leaves if x is not None]
+            out = _attend(*leaves[:3], AttnArgs(**{**args.__dict__, "sinks": leaves[3]}))
+            grads = torch.autograd.grad(out, wrt, grad, allow_unused=True)
+        grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, wrt)]
+        return (*grads[:3], grads[3] if sinks is not None else None)
 
 
 @torch.library.custom_op("hbp::varlen_attention", mutates_args=())
@@ -251,28 +340,8 @@ def varlen_attention(
         max_length_q = total
     dtype = compute_dtype(query)
     query, key, value = (x.to(dtype) for x in (query, key, value))
-
-    def attend(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        sinks: torch.Tensor | None,
-        cu_q: torch.Tensor | None = None,
-        cu_k: torch.Tensor | None = None,
-        max_q: int | None = None,
-        max_k: int | None = None,
-    ) -> torch.Tensor:
-        """The kernel over the pack's documents, or (context parallelism, always eager: its kind
-        runs outside compiled graphs) over query ranges ``cu_q`` against key prefixes ``cu_k``."""
-        scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
-        p = float(dropout) if module.training else 0.0
-        if cu_k is not None:
-            args = AttnArgs(cu_q, int(max_q), scale, sliding_window, softcap or None, sinks, p, cu_k, int(max_k))
-            return _attend(q, k, v, args)
-        if not torch.compiler.is_compiling():  # eager: the kernel itself, no recomputation in the backward
-            args = AttnArgs(cu_seq_lens_q, int(max_length_q), scale, sliding_window, softcap or None, sinks, p)
-            return _attend(q, k, v, args)
-        return _varlen_op(q, k, v, cu_seq_lens_q, sinks, max_length_q, scale, sliding_window, softcap or None, p)[0]
+    p = float(dropout) if module.training else 0.0
+    attend = Attend(cu_seq_lens_q, max_length_q, scaling, sliding_window, softcap, p)
 
     out = (
         sp_context.active_kind().attend(query, key, value, s_aux, ctx, attend)

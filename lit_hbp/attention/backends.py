@@ -76,14 +76,31 @@ class AttnArgs:
 
 
 @dataclass(frozen=True)
+class LseKernels:
+    """A backend's kernel as two calls: ``forward(q, k, v, args) -> (out, lse)`` keeps the softmax's
+    log-sum-exp (in the kernel's own layout: opaque to callers), ``backward(dout, q, k, v, out, lse,
+    args) -> (dq, dk, dv, dsinks or None)`` computes the gradients from them without running the
+    forward again. What flash-attention's autograd functions do inside, exposed so that context
+    parallelism can run the backward on K/V it gathers again rather than keep them (or recompute).
+    ``unusable(device_type, needs)`` is None when the pair runs such a call, else the reason."""
+
+    unusable: Callable[[str, frozenset[str]], str | None]
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnArgs], tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
 class Backend:
     """``unusable(device_type, dtype)`` is None when the backend can run there, else the reason;
-    ``supports()`` the features it implements; ``run(q, k, v, args)`` the kernel."""
+    ``supports()`` the features it implements; ``run(q, k, v, args)`` the kernel (differentiable by
+    autograd); ``lse`` the same kernel as a forward keeping the LSE and a backward from it, where the
+    library exposes them."""
 
     name: str
     unusable: Callable[[str, torch.dtype], str | None]
     supports: Callable[[], frozenset[str]]
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnArgs], torch.Tensor]
+    lse: LseKernels | None = None
 
 
 def _installed(module: str) -> bool:
@@ -105,7 +122,9 @@ def _installed(module: str) -> bool:
 
 @cache
 def _params(fn) -> frozenset[str]:
-    return frozenset(inspect.signature(fn).parameters)
+    """Parameter names of ``fn``; of the Python function behind a ``torch.library`` custom op (whose
+    own signature is ``*args, **kwargs``), as flash-attn >= 2.7 and torch's varlen define them."""
+    return frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -253,14 +272,14 @@ def _torch_varlen_supports() -> frozenset[str]:
     return frozenset({"window"} if "window_size" in _params(_torch_varlen_fn()) else ())
 
 
-def _torch_varlen_run(q, k, v, a: AttnArgs) -> torch.Tensor:
+def _torch_varlen_run(q, k, v, a: AttnArgs, **extra):
     """torch's varlen kernel, adapted to its signature: torch 2.10 has ``is_causal`` and no
     ``scale``/``window_size``/``enable_gqa``, 2.11 adds ``scale`` and ``window_size``, 2.13 ``enable_gqa``.
     A missing ``scale`` is applied to q (the kernel's default is 1/sqrt(D)); a missing
-    ``enable_gqa`` repeats the k/v heads."""
+    ``enable_gqa`` repeats the k/v heads. With ``extra`` (``return_aux``), (out, lse)."""
     fn = _torch_varlen_fn()
     params = _params(fn)
-    kw = {}
+    kw = dict(extra)
     if "scale" in params:
         kw["scale"] = a.scale
     elif a.scale != q.shape[-1] ** -0.5:
@@ -275,7 +294,8 @@ def _torch_varlen_run(q, k, v, a: AttnArgs) -> torch.Tensor:
         kw["window_size"] = (a.window - 1 if a.window is not None else -1, 0)
     else:
         kw["is_causal"] = True
-    return _unflat(fn(_flat(q), _flat(k), _flat(v), a.cu, a.keys_cu, a.max_len, a.keys_max_len, **kw))
+    res = fn(_flat(q), _flat(k), _flat(v), a.cu, a.keys_cu, a.max_len, a.keys_max_len, **kw)
+    return (_unflat(res[0]), res[1]) if extra else _unflat(res)
 
 
 # ---------------------------------------------------------------------------------- FlexAttention
@@ -400,20 +420,448 @@ def eager_run(q, k, v, a: AttnArgs) -> torch.Tensor:
     return torch.cat(outs, dim=2)
 
 
+# ---------------------------------------------------------- forward with the LSE, backward from it
+#
+# The flash-attn kernels that return the LSE and take it back are the libraries' private functions
+# (those their autograd functions call; ring-flash-attention calls the same). They are adapted by
+# parameter name like the public ones: flash-attn 2.6 takes ``window_size=(left, right)`` and returns
+# (out, q, k, v, out_padded, lse, S_dmask, rng_state), 2.7+ takes ``window_size_left/right`` and
+# returns (out, lse, S_dmask, rng_state); flash-attn 3 (hopper) and 4 (CuTe) have functions of their
+# own. A version lacking a parameter used here has no pair: the caller recomputes, and says why.
+
+FLASH_LSE = {
+    "flash_attn": ("flash_attn.flash_attn_interface", "_flash_attn_varlen_forward", "_flash_attn_varlen_backward"),
+    "flash_attn_3": ("flash_attn_interface", "_flash_attn_forward", "_flash_attn_backward"),
+    "flash_attn_4": ("flash_attn.cute.interface", "_flash_attn_fwd", "_flash_attn_bwd"),
+}
+_VARLEN = {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap"}
+_FLASH_LSE_PARAMS = {  # (forward, backward) parameters each pair is called with; "window" is either spelling
+    "flash_attn": (
+        _VARLEN | {"causal", "dropout_p", "alibi_slopes", "return_softmax", "window"},
+        _VARLEN
+        | {
+            "dout",
+            "q",
+            "k",
+            "v",
+            "out",
+            "softmax_lse",
+            "dq",
+            "dk",
+            "dv",
+            "causal",
+            "dropout_p",
+            "alibi_slopes",
+            "deterministic",
+            "rng_state",
+            "window",
+        },
+    ),  # fmt: skip
+    "flash_attn_3": (
+        _VARLEN | {"causal", "window_size_left", "window_size_right"},
+        _VARLEN
+        | {
+            "dout",
+            "q",
+            "k",
+            "v",
+            "out",
+            "softmax_lse",
+            "dq",
+            "dk",
+            "dv",
+            "is_causal",
+            "window_size_left",
+            "window_size_right",
+        },
+    ),  # fmt: skip
+    "flash_attn_4": (
+        _VARLEN | {"causal", "window_size_left", "window_size_right", "return_lse"},
+        _VARLEN | {"q", "k", "v", "out", "dout", "lse", "causal", "window_size_left", "window_size_right"},
+    ),
+}
+NO_DROPOUT = "attention dropout: the backward kernels are called without it (the backward recomputes instead)"
+
+
+def _flash_lse_fns(name: str) -> tuple[Callable, Callable]:
+    module, fwd, bwd = FLASH_LSE[name]
+    mod = importlib.import_module(module)
+    return getattr(mod, fwd), getattr(mod, bwd)
+
+
+def _named(params: frozenset[str]) -> frozenset[str]:
+    """``params`` with either window spelling read as "window"."""
+    return params | ({"window"} if params & {"window_size", "window_size_left"} else set())
+
+
+@cache
+def _flash_lse_problem(name: str) -> str | None:
+    """None when the installed flash backend ``name`` has its forward-with-LSE and backward functions
+    with every parameter used here, else what is missing."""
+    module, fwd_name, bwd_name = FLASH_LSE[name]
+    try:
+        fns = _flash_lse_fns(name)
+    except Exception as e:  # an older or broken install
+        return f"{module} has no {fwd_name} / {bwd_name} ({type(e).__name__}: {e})"
+    for fn, fn_name, want in zip(fns, (fwd_name, bwd_name), _FLASH_LSE_PARAMS[name]):
+        missing = want - _named(_params(fn))
+        if missing:
+            return f"{module}.{fn_name} takes no {', '.join(sorted(missing))}"
+    return None
+
+
+def _flash_lse_supports(name: str) -> frozenset[str]:
+    both = _params(_flash_lse_fns(name)[0]) & _params(_flash_lse_fns(name)[1])
+    return frozenset({"window", "softcap"} | ({"sinks"} if "learnable_sink" in both else set()))
+
+
+def _lse_unusable(supports: Callable[[], frozenset[str]], problem: Callable[[], str | None]):
+    def unusable(device_type: str, needs: frozenset[str]) -> str | None:
+        if "dropout" in needs:
+            return NO_DROPOUT
+        reason = problem()
+        if reason is None:
+            missing = needs - supports()
+            if missing:
+                reason = f"its backward kernel does not take {', '.join(sorted(missing))}"
+        return reason
+
+    return unusable
+
+
+def _pad8(x: torch.Tensor) -> torch.Tensor:
+    """The head dimension padded with zeros to a multiple of 8, as flash-attn 2's kernels need (its
+    autograd function pads the same way; the padded output columns are exactly zero)."""
+    return F.pad(x, [0, -x.shape[-1] % 8]) if x.shape[-1] % 8 else x
+
+
+def _window(a: AttnArgs) -> tuple[int, int]:
+    return (a.window - 1, 0) if a.window is not None else (-1, -1)
+
+
+def _flash_varlen_kw(params: frozenset[str], a: AttnArgs) -> dict:
+    """The keywords every flash pair takes: documents, scale, causal, window and soft-capping."""
+    left, right = _window(a)
+    kw = dict(
+        cu_seqlens_q=a.cu,
+        cu_seqlens_k=a.keys_cu,
+        max_seqlen_q=a.max_len,
+        max_seqlen_k=a.keys_max_len,
+        softmax_scale=a.scale,
+        softcap=float(a.softcap or 0.0),
+    )
+    if "window_size" in params:
+        kw["window_size"] = (left, right)
+    else:
+        kw["window_size_left"], kw["window_size_right"] = left, right
+    kw["is_causal" if "is_causal" in params else "causal"] = True  # bottom-right aligned, as in the forward
+    return kw
+
+
+def _flash2_forward(q, k, v, a: AttnArgs):
+    fwd, _ = _flash_lse_fns("flash_attn")
+    kw = _flash_varlen_kw(_params(fwd), a)
+    res = fwd(*(_pad8(_flat(x)) for x in (q, k, v)), dropout_p=0.0, alibi_slopes=None, return_softmax=False, **kw)
+    out, lse = (res[0], res[5]) if len(res) == 8 else (res[0], res[1])  # 2.6 returns q, k, v, out_padded too
+    return _unflat(out[..., : q.shape[-1]]), lse
+
+
+def _flash2_backward(dout, q, k, v, out, lse, a: AttnArgs):
+    _, bwd = _flash_lse_fns("flash_attn")
+    dout_, q_, k_, v_, out_ = (_pad8(_flat(x)) for x in (dout, q, k, v, out))
+    grads = [x.new_empty(x.shape) for x in (q_, k_, v_)]  # contiguous, as flash-attn allocates them
+    kw = dict(
+        dropout_p=0.0, alibi_slopes=None, deterministic=False, rng_state=None, **_flash_varlen_kw(_params(bwd), a)
+    )
+    bwd(dout=dout_, q=q_, k=k_, v=v_, out=out_, softmax_lse=lse, dq=grads[0], dk=grads[1], dv=grads[2], **kw)
+    return (*(_unflat(g[..., : q.shape[-1]]) for g in grads), None)
+
+
+def _flash3_forward(q, k, v, a: AttnArgs):
+    fwd, _ = _flash_lse_fns("flash_attn_3")
+    res = fwd(_flat(q), _flat(k), _flat(v), **_flash_varlen_kw(_params(fwd), a))
+    return _unflat(res[0]), res[1]
+
+
+def _flash3_backward(dout, q, k, v, out, lse, a: AttnArgs):
+    _, bwd = _flash_lse_fns("flash_attn_3")
+    q_, k_, v_ = _flat(q), _flat(k), _flat(v)
+    grads = [x.new_empty(x.shape) for x in (q_, k_, v_)]  # contiguous, as flash-attn allocates them
+    bwd(dout=_flat(dout), q=q_, k=k_, v=v_, out=_flat(out), softmax_lse=lse, dq=grads[0], dk=grads[1], dv=grads[2],
+        **_flash_varlen_kw(_params(bwd), a))  # fmt: skip
+    return (*(_unflat(g) for g in grads), None)
+
+
+def _flash4_kw(params: frozenset[str], a: AttnArgs) -> dict:
+    """flash-attn 4 reads None as "no window" and "no soft-capping"; sinks join its softmax."""
+    kw = _flash_varlen_kw(params, a)
+    if a.window is None:
+        kw["window_size_left"] = kw["window_size_right"] = None
+    if not a.softcap:
+        kw.pop("softcap")
+    if a.sinks is not None:
+        kw["learnable_sink"] = a.sinks
+    return kw
+
+
+def _flash4_forward(q, k, v, a: AttnArgs):
+    fwd, _ = _flash_lse_fns("flash_attn_4")
+    res = fwd(_flat(q), _flat(k), _flat(v), return_lse=True, **_flash4_kw(_params(fwd), a))
+    return _unflat(res[0]), res[1]
+
+
+def _flash4_backward(dout, q, k, v, out, lse, a: AttnArgs):
+    _, bwd = _flash_lse_fns("flash_attn_4")
+    res = bwd(
+        q=_flat(q), k=_flat(k), v=_flat(v), out=_flat(out), dout=_flat(dout), lse=lse, **_flash4_kw(_params(bwd), a)
+    )
+    dsinks = res[3].to(a.sinks.dtype) if a.sinks is not None else None
+    return (*(_unflat(g) for g in res[:3]), dsinks)
+
+
+FLASH_LSE_KERNELS = {
+    "flash_attn": (_flash2_forward, _flash2_backward),
+    "flash_attn_3": (_flash3_forward, _flash3_backward),
+    "flash_attn_4": (_flash4_forward, _flash4_backward),
+}
+
+
+def _flash_lse(name: str) -> LseKernels:
+    forward, backward = FLASH_LSE_KERNELS[name]
+    return LseKernels(
+        _lse_unusable(lambda: _flash_lse_supports(name), lambda: _flash_lse_problem(name)), forward, backward
+    )
+
+
+_TORCH_VARLEN_BACKWARD = {"grad_out", "query", "key", "value", "out", "lse", "cu_seq_q", "cu_seq_k", "max_q", "max_k",
+                          "is_causal", "rng_state", "scale"}  # fmt: skip
+
+
+def _torch_varlen_backward_op():
+    _torch_varlen_fn()  # registers torch.ops.torch_attn
+    return getattr(torch.ops.torch_attn, "_varlen_attn_backward", None)
+
+
+def _torch_varlen_lse_problem() -> str | None:
+    """None when this torch's varlen_attn returns the LSE (``return_aux``) and its backward op takes
+    what the forward was called with."""
+    params = _params(_torch_varlen_fn())
+    if not {"return_aux", "scale"} <= params:
+        return f"torch {torch.__version__}'s varlen_attn takes no {'return_aux' if 'scale' in params else 'scale'}"
+    op = _torch_varlen_backward_op()
+    names = {x.name for x in op.default._schema.arguments} if op is not None else set()
+    want = _TORCH_VARLEN_BACKWARD | ({"window_size"} if "window_size" in params else set())
+    if not want <= names:
+        missing = ", ".join(sorted(want - names))
+        return f"torch {torch.__version__} has no torch_attn._varlen_attn_backward taking {missing}"
+    return None
+
+
+def _torch_varlen_forward(q, k, v, a: AttnArgs):
+    from torch.nn.attention.varlen import AuxRequest
+
+    return _torch_varlen_run(q, k, v, a, return_aux=AuxRequest(lse=True))
+
+
+def _torch_varlen_backward(dout, q, k, v, out, lse, a: AttnArgs):
+    """torch's own backward op of varlen_attn (``torch_attn::_varlen_attn_backward``), called as its
+    autograd formula calls it: the causal flag and window the forward used, a zero RNG state (the
+    forward runs without dropout)."""
+    params = _params(_torch_varlen_fn())
+    group = 1 if "enable_gqa" in params else q.shape[1] // k.shape[1]
+    k_, v_ = (x.repeat_interleave(group, dim=1) if group > 1 else x for x in (k, v))
+    left = a.window - 1 if a.window is not None else -1
+    kw = dict(scale=a.scale)
+    if "window_size" in params:
+        kw["window_size"] = [left, 0]
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    dq, dk, dv = _torch_varlen_backward_op()(
+        _flat(dout), _flat(q), _flat(k_), _flat(v_), _flat(out), lse, a.cu, a.keys_cu, a.max_len, a.keys_max_len,
+        left == -1, rng, **kw,
+    )  # fmt: skip
+    dk, dv = (_unflat(x) for x in (dk, dv))
+    if group > 1:
+        dk, dv = (x.unflatten(1, (k.shape[1], group)).sum(2) for x in (dk, dv))
+    return _unflat(dq), dk, dv, None
+
+
+def _cpu_doc_mask(n: int, m: int, window: int | None, like: torch.Tensor) -> dict:
+    """Arguments of torch's CPU flash kernel for n queries that are the last n of m keys: its own
+    causal flag where that is the mask, else the band as an additive mask of the query's dtype."""
+    if n == m and (window is None or n <= window):
+        return dict(is_causal=True, attn_mask=None)
+    band = _band(n, window, like.device, m)
+    return dict(is_causal=False, attn_mask=torch.zeros(n, m, dtype=like.dtype).masked_fill(~band, float("-inf")))
+
+
+@cache
+def _cpu_flash_takes_gqa() -> bool:
+    """Whether this torch's CPU flash kernel takes fewer key/value heads than query heads (probed
+    once on a tiny call); else K/V are repeated per document."""
+    q, kv = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8)
+    try:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, kv, kv, 0.0, True)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _sdpa_lse_unusable(device_type: str, needs: frozenset[str]) -> str | None:
+    if "dropout" in needs:
+        return NO_DROPOUT
+    if device_type != "cpu":
+        return f"its LSE kernel is torch's CPU flash kernel, not on {device_type}"
+    if needs - {"window"}:
+        return f"its backward kernel does not take {', '.join(sorted(needs - {'window'}))}"
+    return None
+
+
+@torch.compiler.disable
+def _sdpa_forward(q, k, v, a: AttnArgs):
+    """torch's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, what SDPA runs on
+    CPU) document by document, keeping its LSE [1, Hq, T]."""
+    group = 1 if _cpu_flash_takes_gqa() else q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
+    for qs, ks in _documents(a):
+        n, m = qs.stop - qs.start, ks.stop - ks.start
+        if n:
+            kd, vd = (x[:, :, ks] if group == 1 else x[:, :, ks].repeat_interleave(group, 1) for x in (k, v))
+            mask = _cpu_doc_mask(n, m, a.window, q)
+            out[:, :, qs], lse[:, :, qs] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, qs], kd, vd, 0.0, mask["is_causal"], attn_mask=mask["attn_mask"], scale=a.scale
+            )
+    return out, lse
+
+
+@torch.compiler.disable
+def _sdpa_backward(dout, q, k, v, out, lse, a: AttnArgs):
+    """The CPU flash kernel's backward document by document, from the saved output and LSE."""
+    hkv, group = k.shape[1], 1 if _cpu_flash_takes_gqa() else q.shape[1] // k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for qs, ks in _documents(a):
+        n, m = qs.stop - qs.start, ks.stop - ks.start
+        if n:
+            kd, vd = (x[:, :, ks] if group == 1 else x[:, :, ks].repeat_interleave(group, 1) for x in (k, v))
+            mask = _cpu_doc_mask(n, m, a.window, q)
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                *(x[:, :, qs].contiguous() for x in (dout, q)), kd, vd, out[:, :, qs].contiguous(),
+                lse[:, :, qs].contiguous(), 0.0, mask["is_causal"], attn_mask=mask["attn_mask"], scale=a.scale,
+            )  # fmt: skip
+            dq[:, :, qs] = gq
+            dk[:, :, ks] += gk.unflatten(1, (hkv, group)).sum(2)
+            dv[:, :, ks] += gv.unflatten(1, (hkv, group)).sum(2)
+    return dq, dk, dv, None
+
+
+def _eager_scores(qs, ks, a: AttnArgs, n: int, m: int):
+    """Scores of one document [H, n, m] in fp32 (or wider): scaled, soft-capped (with the tanh kept
+    for the backward), masked outside the causal band with -inf."""
+    raw = (qs @ ks.transpose(-1, -2)).to(torch.promote_types(qs.dtype, torch.float32)) * a.scale
+    capped = torch.tanh(raw / a.softcap) if a.softcap else None
+    scores = a.softcap * capped if a.softcap else raw
+    return scores.masked_fill(~_band(n, a.window, qs.device, m), float("-inf")), capped
+
+
+@torch.compiler.disable
+def _eager_forward(q, k, v, a: AttnArgs):
+    """``eager_run`` keeping the log-sum-exp [Hq, T] (the sink logit included in it)."""
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for rows, keys in _documents(a):
+        n, m = rows.stop - rows.start, keys.stop - keys.start
+        ks, vs = (x[0, :, keys].repeat_interleave(group, dim=0) for x in (k, v))
+        scores, _ = _eager_scores(q[0, :, rows], ks, a, n, m)
+        if a.sinks is not None:
+            sink = a.sinks.to(scores.dtype).reshape(-1, 1, 1).expand(-1, n, 1)
+            lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1)
+        else:
+            lse = torch.logsumexp(scores, dim=-1)
+        outs.append((torch.exp(scores - lse[..., None]).to(vs.dtype) @ vs)[None])
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=1)
+
+
+@torch.compiler.disable
+def _eager_backward(dout, q, k, v, out, lse, a: AttnArgs):
+    """The softmax backward from the LSE, document by document (flash-attention's formulas): P =
+    exp(S - lse), dV = P^T dO, dS = P (dO V^T - rowsum(dO O)), through the soft-cap's tanh, dQ = dS K
+    scale, dK = dS^T Q scale; a sink's gradient is -sum_i P_sink,i rowsum(dO O)_i."""
+    hkv, group = k.shape[1], q.shape[1] // k.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dq, dk, dv = (torch.zeros_like(x, dtype=acc) for x in (q, k, v))
+    dsinks = torch.zeros_like(a.sinks, dtype=acc) if a.sinks is not None else None
+    for rows, keys in _documents(a):
+        n, m = rows.stop - rows.start, keys.stop - keys.start
+        qs = q[0, :, rows]
+        ks, vs = (x[0, :, keys].repeat_interleave(group, dim=0) for x in (k, v))
+        scores, capped = _eager_scores(qs, ks, a, n, m)
+        lse_d = lse[:, rows].to(acc)[..., None]
+        p = torch.exp(scores - lse_d)
+        do, o = dout[0, :, rows].to(acc), out[0, :, rows].to(acc)
+        rowsum = (do * o).sum(-1, keepdim=True)
+        ds = p * (do @ vs.to(acc).transpose(-1, -2) - rowsum)
+        if capped is not None:
+            ds = ds * (1 - capped**2)
+        dq[0, :, rows] = ds @ ks.to(acc) * a.scale
+        dk[0, :, keys] += (ds.transpose(-1, -2) @ qs.to(acc) * a.scale).unflatten(0, (hkv, group)).sum(1)
+        dv[0, :, keys] += (p.transpose(-1, -2) @ do).unflatten(0, (hkv, group)).sum(1)
+        if dsinks is not None:
+            dsinks -= (torch.exp(a.sinks.to(acc)[:, None] - lse_d[..., 0]) * rowsum[..., 0]).sum(-1)
+    grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+    return (*grads, dsinks.to(a.sinks.dtype) if dsinks is not None else None)
+
+
 def _anywhere(device_type: str, dtype: torch.dtype) -> None:
     return None
 
 
 REGISTRY: dict[str, Backend] = {
     **{
-        name: Backend(name, _flash_unusable(name), lambda name=name: _flash_supports(name), _flash_run(name))
+        name: Backend(
+            name, _flash_unusable(name), lambda name=name: _flash_supports(name), _flash_run(name), _flash_lse(name)
+        )
         for name in FLASH_MODULES
     },
-    "torch_varlen": Backend("torch_varlen", _torch_varlen_unusable, _torch_varlen_supports, _torch_varlen_run),
+    "torch_varlen": Backend(
+        "torch_varlen",
+        _torch_varlen_unusable,
+        _torch_varlen_supports,
+        _torch_varlen_run,
+        LseKernels(
+            _lse_unusable(_torch_varlen_supports, _torch_varlen_lse_problem),
+            _torch_varlen_forward,
+            _torch_varlen_backward,
+        ),
+    ),
+    # FlexAttention's backward is generated by the compiler from its forward: no backward kernel to call.
     "flex": Backend("flex", _flex_unusable, lambda: frozenset({"window", "softcap", "sinks"}), flex_run),
-    "sdpa": Backend("sdpa", _anywhere, lambda: frozenset({"window", "dropout"}), _sdpa_run),
-    "eager": Backend("eager", _anywhere, lambda: frozenset(FEATURES), eager_run),
+    "sdpa": Backend(
+        "sdpa",
+        _anywhere,
+        lambda: frozenset({"window", "dropout"}),
+        _sdpa_run,
+        LseKernels(_sdpa_lse_unusable, _sdpa_forward, _sdpa_backward),
+    ),
+    "eager": Backend(
+        "eager",
+        _anywhere,
+        lambda: frozenset(FEATURES),
+        eager_run,
+        LseKernels(
+            _lse_unusable(lambda: frozenset({"window", "softcap", "sinks"}), lambda: None),
+            _eager_forward,
+            _eager_backward,
+        ),
+    ),  # fmt: skip
 }
+
+
+def lse_why_not(name: str, device_type: str, needs: frozenset[str]) -> str | None:
+    """None when backend ``name`` runs this call as a forward keeping the LSE and a backward kernel
+    from it, else the reason (the caller then recomputes the forward in the backward)."""
+    lse = REGISTRY[name].lse
+    return "the library exposes no backward kernel" if lse is None else lse.unusable(device_type, needs)
 
 
 def why_not(name: str, device_type: str, dtype: torch.dtype, needs: frozenset[str]) -> str | None:

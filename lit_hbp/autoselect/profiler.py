@@ -53,12 +53,13 @@ class AnalyticProfiler:
         self.lengths = np.asarray(lengths)
         self.seed = seed
         self.capacity = cost.hardware.memory_bytes
-        self._stats: dict[int, tuple[float, float]] = {}
+        self._stats: dict[tuple[int, int, int], tuple[float, float]] = {}
 
     def measure(self, pack_len: int, sp: int, ckpt_layers: int, cp: int = 1) -> Measurement:
-        if pack_len not in self._stats:
-            self._stats[pack_len] = pack_stats(self.lengths, pack_len, self.seed)
-        tokens, sum_sq = self._stats[pack_len]
+        key = (pack_len, sp, cp) if cp > 1 else (pack_len, 1, 1)  # only CP splits depend on the layout
+        if key not in self._stats:
+            self._stats[key] = pack_stats(self.lengths, pack_len, self.seed, sp=key[1], cp=key[2])
+        tokens, sum_sq = self._stats[key]
         memory = self.cost.memory_bytes(pack_len, sp, ckpt_layers)
         seconds = self.cost.micro_step(tokens / sp, sum_sq, sp, ckpt_layers, cp)["total"]
         return Measurement(seconds, memory, tokens / sp, memory <= self.capacity)

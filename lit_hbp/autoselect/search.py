@@ -215,18 +215,24 @@ def default_candidates(lengths, largest: int | None = None) -> list[int]:
 
 
 def sp_candidates(
-    world: int, heads: int, kv_heads: int, kind: str = "ulysses", every_layout: bool = True
+    world: int,
+    heads: int,
+    kv_heads: int,
+    kind: str = "ulysses",
+    every_layout: bool = True,
+    node_size: int | None = None,
 ) -> list[tuple[int, int]]:
     """The (sp, cp) layouts to try on this world (powers of two). The built-in kinds offer every
     layout whose Ulysses part the heads allow (plain Ulysses is cp 1), or with ``every_layout``
-    False only the default one per degree (Ulysses as large as the heads allow, CP the rest: fewer
-    probes for a measured search); a kind of one's own its ``layouts``."""
+    False only the default one per degree on nodes of ``node_size`` ranks (Ulysses as large as the
+    heads and a node allow, CP the rest: fewer probes for a measured search); a kind of one's own
+    its ``layouts``."""
     if kind not in LAYOUT_KINDS:
         return resolve_sp_kind(kind).layouts(world, heads, kv_heads)
     layouts = ContextParallel().layouts(world, heads, kv_heads)
     if every_layout:
         return layouts
-    return sorted({(sp, default_layout(sp, heads, kv_heads)[1]) for sp, _ in layouts})
+    return sorted({(sp, default_layout(sp, heads, kv_heads, node_size)[1]) for sp, _ in layouts})
 
 
 def select_levels(
@@ -239,9 +245,10 @@ def select_levels(
     margin: float = 0.0,
     sp_kind: str = "ulysses",
     every_layout: bool = True,
+    node_size: int | None = None,
 ) -> Selection:
     """Algorithm 1 over the default candidates for this data, model (a ModelSpec) and world, and
     the SP layouts of ``sp_candidates``."""
     cands = sorted(candidates) if candidates else default_candidates(lengths, largest)
-    layouts = sp_candidates(world, model.heads, model.kv_heads, sp_kind, every_layout)
+    layouts = sp_candidates(world, model.heads, model.kv_heads, sp_kind, every_layout, node_size)
     return auto_select(profiler, cands, layouts, model.layers, 0, margin, sp_kind)

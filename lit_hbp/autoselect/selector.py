@@ -43,7 +43,7 @@ class RunSetting:
     strategy_args: its HBPStrategy settings (ZeRO stage, DeepSpeed config). in_world: True when
     called inside the run's own processes (probes run there); False from a tool (the measured
     selector starts ``world`` local processes). strategy: the run's strategy, which receives the
-    SP groups the probes built.
+    SP groups the probes built. node_size: ranks per node (the default layouts keep Ulysses inside one).
     """
 
     spec: ModelSpec
@@ -55,6 +55,7 @@ class RunSetting:
     strategy_args: dict = field(default_factory=dict)
     in_world: bool = False
     strategy: Any = None
+    node_size: int | None = None
 
     def make_module(self):
         """A fresh copy of the run's module, seeded like the run."""
@@ -94,6 +95,7 @@ class RunSetting:
             strategy_args=probe_strategy_args(trainer.strategy),
             in_world=True,
             strategy=trainer.strategy,
+            node_size=trainer.num_devices,
         )
 
     @classmethod
@@ -161,6 +163,7 @@ class Selector(LevelSelector):
             margin=margin,
             sp_kind=self.sp_kind,
             every_layout=self.every_layout,
+            node_size=run.node_size,
         )
 
 

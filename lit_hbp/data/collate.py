@@ -8,17 +8,13 @@ here, on the host, so the step never reads a value back from the device.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from lit_hbp.data.batch import PackedBatch
-
-
-def pad_multiple(sp: int, base: int = 8) -> int:
-    return base * sp // math.gcd(base, sp)
+from lit_hbp.packing.context_split import padded_length
 
 
 def collate_packs(
@@ -41,8 +37,7 @@ def collate_packs(
     parts = [tokens(int(i)) for i in sample_ids]
     lens = np.array([p[0].size for p in parts], dtype=np.int64)
     n = int(lens.sum())
-    multiple = pad_multiple(sp)
-    total = max(multiple, -(-n // multiple) * multiple)
+    total = padded_length(n, sp)
     pad = total - n
     ids = np.full(total, pad_id, dtype=np.int64)
     target = np.zeros(total + 1, dtype=bool)

@@ -295,7 +295,7 @@ class HBPDataModule(L.LightningDataModule):
         as the strategy resolves them): the plan does not depend on them, the shards do."""
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         config = getattr(getattr(module, "model", None), "config", None)
-        return self.levels if config is None else layout_levels(self.levels, config)
+        return self.levels if config is None else layout_levels(self.levels, config, self.trainer.num_devices)
 
     def plan_key(self) -> dict:
         """What the epoch plans depend on: a resumed run must plan the same epochs."""
@@ -341,6 +341,11 @@ class HBPDataModule(L.LightningDataModule):
                 raise ConfigError(
                     "HBPDataModule assigns data to ranks itself: set Trainer(use_distributed_sampler=False)"
                 )
+        if stage == "validate" and not (self.val_fraction or self.val_sources):
+            raise ConfigError(
+                "nothing to validate: the data has no validation split; set data.val_fraction (a share of the "
+                "training records held out) or data.val_sources"
+            )
         tokenized = [self._tokenize(s, f"sources[{i}]", rank == 0) for i, s in enumerate(self.sources)]
         store = SampleStore.build(tokenized, None, self.over_length, self.seed)
         if self.levels is None:

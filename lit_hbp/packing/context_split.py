@@ -20,6 +20,7 @@ rank of a CP group computes the same split from the pack's document lengths alon
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -260,6 +261,21 @@ def split_pack(doc_lengths, cp: int, *, tol: float = DEFAULT_TOL) -> ContextSpli
         return whole
     stream = _stream_split(lengths, cp, shard)
     return stream if stream.imbalance() <= whole.imbalance() else whole
+
+
+def padded_length(n_tokens: int, sp: int) -> int:
+    """Tokens of a micro-batch of ``n_tokens`` once collated for degree ``sp``: padded up to a
+    multiple of lcm(8, sp), at least one multiple, so any SP degree cuts it into equal shards."""
+    multiple = math.lcm(8, sp)
+    return max(multiple, -(-n_tokens // multiple) * multiple)
+
+
+def split_micro_batch(doc_lengths, sp: int, cp: int) -> ContextSplit:
+    """``split_pack`` of a micro-batch of these documents as training cuts it: padded by collate
+    (``padded_length``) with a padding segment of its own, which costs attention like a document."""
+    docs = np.asarray(doc_lengths, dtype=np.int64)
+    pad = padded_length(int(docs.sum()), sp) - int(docs.sum())
+    return split_pack(np.r_[docs, pad] if pad else docs, cp)
 
 
 def _whole_first(lengths: np.ndarray, cp: int, shard: int) -> ContextSplit:

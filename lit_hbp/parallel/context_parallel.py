@@ -11,12 +11,14 @@ Attention of a layer:
 1. Ulysses all-to-all inside the Ulysses group: [1, H, T/sp, D] -> [1, H/ulysses, T/cp, D], the CP
    rank's whole shard over its share of the heads (skipped at ulysses 1);
 2. the all-gather K/V algorithm over the CP group (``_CPAttention``), kv heads a slice at a time so
-   the gathered K/V of a slice stays about the size of the rank's own K/V: all-gather the slice,
-   pick the keys the rank's query ranges see (``CPShard.key_index``: range [a, b) of a document sees
-   keys [0, b)), one varlen call with separate query and key lengths (causal bottom-right), exact;
-   the backward gathers the slice again, recomputes the slice's attention through the same kernel
-   and reduce-scatters dK/dV to their owners. Nothing is merged across steps (no ring, no drift);
-   the gathered K/V is never kept for the backward;
+   the gathered K/V of a slice stays about the size of the rank's own K/V (two slices are alive
+   while the next one's gather is in flight): all-gather the slice, pick the keys the rank's query
+   ranges see (``CPShard.key_index``: range [a, b) of a document sees keys [0, b)), one varlen call
+   with separate query and key lengths (causal bottom-right), exact, keeping its output and LSE.
+   The backward gathers each slice again and runs the kernel's backward from that output and LSE
+   (flash-attn 2/3/4, torch's varlen, the CPU loops; Flex and attention dropout recompute the
+   slice's forward instead), then reduce-scatters dK/dV to their owners while the next slice runs.
+   Nothing is merged across steps (no ring, no drift); the gathered K/V is never kept;
 3. the Ulysses all-to-all back.
 
 The shard's geometry (``CPShard``) is computed on the host by ``shard``, from the pack's document
@@ -24,8 +26,6 @@ lengths, and travels with the batch: the step reads nothing back from the device
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from lit_hbp.packing.context_split import ContextSplit, split_pack
 from lit_hbp.parallel import context
 from lit_hbp.parallel.groups import SPContext
 from lit_hbp.parallel.kind import Attend, SPKind
-from lit_hbp.parallel.topology import heads_problem, layout_coords
+from lit_hbp.parallel.topology import heads_problem, kv_slice, layout_coords
 from lit_hbp.parallel.ulysses import Ulysses, heads_to_seq, replicate_kv, seq_to_heads
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
@@ -58,53 +58,65 @@ def cp_shard_of(split: ContextSplit, rank: int) -> CPShard:
     )
 
 
-def kv_slice(num_kv_heads: int, cp: int) -> int:
-    """kv heads per all-gather: the largest divisor of the kv heads not above kv / cp, so a gathered
-    slice (cp ranks' tokens) is no larger than the rank's own K/V."""
-    most = max(1, num_kv_heads // cp)
-    return max(d for d in range(1, most + 1) if num_kv_heads % d == 0)
+class _Gathered:
+    """An all-gather of a kv-head slice of K and V over the CP group, started asynchronously so the
+    kernel of the previous slice runs while it is in flight: [1, h, T/cp, D] of every CP rank ->
+    [1, h, T, D], ranks in order (the permuted pack)."""
+
+    def __init__(self, tensors: list[torch.Tensor], ctx: SPContext):
+        self.shapes = [x.shape for x in tensors]
+        self.srcs = [x.permute(1, 0, 2, 3).contiguous().flatten() for x in tensors]  # [1, h] -> rank-major
+        self.bufs = [x.new_empty(ctx.size * x.numel()) for x in tensors]
+        self.works = [_all_gather(b, x, group=ctx.group, async_op=True) for b, x in zip(self.bufs, self.srcs)]
+        self.size = ctx.size
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        return [
+            buf.view(self.size, h, t, d).permute(1, 0, 2, 3).reshape(1, h, self.size * t, d)
+            for buf, (_, h, t, d) in zip(self.bufs, self.shapes)
+        ]
 
 
-def _gather(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
-    """[1, h, T/cp, D] of every CP rank -> [1, h, T, D], ranks in order (the permuted pack)."""
-    _, h, t, d = x.shape
-    out = x.new_empty(ctx.size * h * t * d)
-    _all_gather(out, x.permute(1, 0, 2, 3).contiguous().flatten(), group=ctx.group)  # [1, h] -> rank-major
-    return out.view(ctx.size, h, t, d).permute(1, 0, 2, 3).reshape(1, h, ctx.size * t, d)
+class _Scattered:
+    """The gradient of ``_Gathered``: [1, h, T, D] of every rank, summed, each rank keeping its rows
+    [1, h, T/cp, D]; started asynchronously, so the next slice's backward runs while it is in flight."""
 
+    def __init__(self, x: torch.Tensor, ctx: SPContext):
+        _, h, total, d = x.shape
+        t = total // ctx.size
+        self.src = x.view(h, ctx.size, t, d).permute(1, 0, 2, 3).contiguous().flatten()
+        self.out = x.new_empty(h * t * d)
+        self.work = _reduce_scatter(self.out, self.src, group=ctx.group, async_op=True)
+        self.shape = (1, h, t, d)
 
-def _scatter_sum(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
-    """The gradient of ``_gather``: [1, h, T, D] of every rank, summed, each rank keeping its rows."""
-    _, h, total, d = x.shape
-    t = total // ctx.size
-    out = x.new_empty(h * t * d)
-    _reduce_scatter(out, x.view(h, ctx.size, t, d).permute(1, 0, 2, 3).contiguous().flatten(), group=ctx.group)
-    return out.view(1, h, t, d)
-
-
-@contextlib.contextmanager
-def _replayable(device: torch.device, seed: int):
-    """The device RNG seeded with ``seed`` inside, restored after: attention dropout draws the same
-    mask in the forward and in the backward's recomputation."""
-    cuda = device.type == "cuda"
-    with torch.random.fork_rng(devices=[device] if cuda else [], device_type=device.type):
-        (torch.cuda if cuda else torch.random.default_generator).manual_seed(seed)
-        yield
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out.view(self.shape)
 
 
 class _CPAttention(torch.autograd.Function):
-    """Attention of this CP rank's queries over the CP group's K/V, slice of kv heads by slice."""
+    """Attention of this CP rank's queries over the CP group's K/V, slice of kv heads by slice, the
+    gather of slice j + 1 in flight while slice j's kernel runs. The forward keeps each slice's
+    output and LSE (``Attend.forward``); the backward gathers each slice again, runs the backward
+    kernel from them (``Attend.backward``; backends without one recompute the slice's forward) and
+    reduce-scatters dK/dV while the next slice computes."""
 
     @staticmethod
     def forward(fctx, q, k, v, sinks, ctx: SPContext, shard: CPShard, attend: Attend):
         fctx.ctx, fctx.shard, fctx.attend = ctx, shard, attend
         fctx.seed = int(torch.randint(2**62, ()))  # the host generator: no device read
-        fctx.save_for_backward(q, k, v, sinks)
-        outs = [
-            _CPAttention._slice(q, k, v, sinks, ctx, shard, attend, heads, fctx.seed + i, grad=False)
-            for i, heads in enumerate(_CPAttention._slices(q, k, ctx))
-        ]
-        return torch.cat([o for o, _ in outs], dim=1)
+        slices = _CPAttention._slices(q, k, ctx)
+        out = torch.empty_like(q)
+        fctx.lse = []
+        for i, (qh, _, keys, values) in enumerate(_CPAttention._gathered(k, v, slices, ctx, shard)):
+            out[:, qh], lse = attend.forward(
+                q[:, qh], keys, values, _heads(sinks, qh), fctx.seed + i, **_geometry(shard)
+            )
+            fctx.lse.append(lse)
+        fctx.save_for_backward(q, k, v, sinks, out)
+        return out
 
     @staticmethod
     def _slices(q, k, ctx: SPContext) -> list[tuple[slice, slice]]:
@@ -114,48 +126,59 @@ class _CPAttention(torch.autograd.Function):
         return [(slice(j * group, (j + s) * group), slice(j, j + s)) for j in range(0, hkv, s)]
 
     @staticmethod
-    def _slice(q, k, v, sinks, ctx, shard, attend, heads, seed, grad: bool):
-        """One slice's output, and (with ``grad``) the leaves it was computed from."""
-        qh, kh = heads
-        with torch.no_grad():
-            kv = [_gather(x[:, kh], ctx) for x in (k, v)]
-        with torch.enable_grad() if grad else contextlib.nullcontext():
-            leaves = [q[:, qh], *kv, sinks[qh] if sinks is not None else None]
-            if grad:
-                leaves = [x.detach().requires_grad_() if x is not None else None for x in leaves]
-            keys, values = (x.index_select(2, shard.key_index) for x in leaves[1:3])
-            with _replayable(q.device, seed):
-                out = attend(
-                    leaves[0],
-                    keys,
-                    values,
-                    leaves[3],
-                    cu_q=shard.cu_q,
-                    cu_k=shard.cu_k,
-                    max_q=shard.max_q,
-                    max_k=shard.max_k,
-                )
-        return out, leaves
+    def _gathered(k, v, slices, ctx: SPContext, shard: CPShard):
+        """(query heads, kv heads, keys, values) of every slice: the keys and values its query ranges
+        see, out of the slice's all-gather; the next slice's gather is started before this one is used.
+        Runs inside the autograd function's forward and backward, where autograd records nothing."""
+        pending = _Gathered([k[:, slices[0][1]], v[:, slices[0][1]]], ctx)
+        for i, (qh, kh) in enumerate(slices):
+            kv = pending.wait()
+            if i + 1 < len(slices):
+                nxt = slices[i + 1][1]
+                pending = _Gathered([k[:, nxt], v[:, nxt]], ctx)
+            yield (qh, kh, *(x.index_select(2, shard.key_index) for x in kv))
 
     @staticmethod
     def backward(fctx, grad):
-        q, k, v, sinks = fctx.saved_tensors
-        ctx = fctx.ctx
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        q, k, v, sinks, out = fctx.saved_tensors
+        ctx, shard = fctx.ctx, fctx.shard
+        dq = torch.empty_like(q)
         dsinks = torch.zeros_like(sinks) if sinks is not None else None
-        for i, heads in enumerate(_CPAttention._slices(q, k, ctx)):
-            qh, kh = heads
-            out, leaves = _CPAttention._slice(
-                q, k, v, sinks, ctx, fctx.shard, fctx.attend, heads, fctx.seed + i, grad=True
-            )
-            wrt = [x for x in leaves if x is not None]
-            grads = torch.autograd.grad(out, wrt, grad[:, qh], allow_unused=True)
-            grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, wrt)]
-            dq[:, qh] = grads[0]
-            dk[:, kh], dv[:, kh] = (_scatter_sum(g.contiguous(), ctx) for g in grads[1:3])
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        total = ctx.size * k.shape[2]
+        in_flight = None  # the previous slice's dK/dV reduce-scatters: one slice's at a time
+
+        def land(scattered) -> None:
+            kh, parts = scattered
+            dk[:, kh], dv[:, kh] = (x.wait() for x in parts)
+
+        for i, (qh, kh, keys, values) in enumerate(
+            _CPAttention._gathered(k, v, _CPAttention._slices(q, k, ctx), ctx, shard)
+        ):
+            dq[:, qh], dkeys, dvalues, ds = fctx.attend.backward(
+                grad[:, qh], q[:, qh], keys, values, _heads(sinks, qh), out[:, qh], fctx.lse[i], fctx.seed + i,
+                **_geometry(shard),
+            )  # fmt: skip
             if dsinks is not None:
-                dsinks[qh] = grads[3]
+                dsinks[qh] = ds
+            if in_flight is not None:
+                land(in_flight)
+            # The gradient of index_select (keys seen by several ranges add up), then of the gather.
+            wholes = [
+                g.new_zeros(1, g.shape[1], total, g.shape[3]).index_add_(2, shard.key_index, g)
+                for g in (dkeys, dvalues)
+            ]
+            in_flight = (kh, [_Scattered(x, ctx) for x in wholes])
+        land(in_flight)
         return dq, dk, dv, dsinks, None, None, None
+
+
+def _heads(sinks: torch.Tensor | None, heads: slice) -> torch.Tensor | None:
+    return sinks[heads] if sinks is not None else None
+
+
+def _geometry(shard: CPShard) -> dict:
+    return dict(cu_q=shard.cu_q, cu_k=shard.cu_k, max_q=shard.max_q, max_k=shard.max_k)
 
 
 @torch.compiler.disable  # collectives and host geometry: kept out of compiled graphs

@@ -12,10 +12,9 @@ a level by its class path (``sp_kind: mypkg.ring.Ring``), and runs levels with c
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from functools import cache
 from importlib import import_module
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -26,10 +25,19 @@ if TYPE_CHECKING:
 
 BUILTIN = {"ulysses": "lit_hbp.parallel.ulysses.Ulysses", "cp": "lit_hbp.parallel.context_parallel.ContextParallel"}
 
-Attend = Callable[..., "torch.Tensor"]
-"""``attend(q, k, v, sinks)``: the single-device varlen kernel over the whole pack's documents; with
-keywords ``cu_q, cu_k, max_q, max_k`` over query ranges against key prefixes of their own
-(``lit_hbp.attention.backends.AttnArgs``: causal bottom-right), as context parallelism calls it."""
+
+class Attend(Protocol):
+    """The layer's attention kernel as a kind receives it (``lit_hbp.attention.Attend``)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """The single-device varlen kernel over the whole pack's documents (differentiable)."""
+
+    def forward(self, q, k, v, sinks, seed: int, **geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Over query ranges against key prefixes of their own (``geometry``: ``cu_q, cu_k, max_q,
+        max_k``; causal bottom-right), outside autograd: the output and the LSE ``backward`` needs."""
+
+    def backward(self, grad, q, k, v, sinks, out, lse, seed: int, **geometry) -> tuple:
+        """(dq, dk, dv, dsinks or None) of ``forward``'s output, from its saved output and LSE."""
 
 
 class SPKind(ABC):

@@ -49,23 +49,40 @@ def heads_problem(num_heads: int, num_kv_heads: int, ulysses: int) -> str | None
     return None
 
 
-def default_layout(sp: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
-    """(ulysses, cp) for ``sp``: Ulysses on the largest divisor of sp the heads allow (its all-to-all
-    moves the least and stays inside a node), context parallelism on the rest."""
-    u = max(d for d in range(1, sp + 1) if sp % d == 0 and heads_problem(num_heads, num_kv_heads, d) is None)
+def kv_slice(num_kv_heads: int, cp: int) -> int:
+    """kv heads per CP all-gather: the largest divisor of the kv heads not above kv / cp, so a gathered
+    slice (cp ranks' tokens) is no larger than the rank's own K/V."""
+    most = max(1, num_kv_heads // cp)
+    return max(d for d in range(1, most + 1) if num_kv_heads % d == 0)
+
+
+def cp_slices(num_kv_heads: int, ulysses: int, cp: int) -> int:
+    """How many kv-head slices a CP rank gathers in turn: the kv heads it holds after the Ulysses
+    all-to-all (one, replicated, when there are fewer than the Ulysses degree) over ``kv_slice``."""
+    local = max(1, num_kv_heads // ulysses)
+    return local // kv_slice(local, cp)
+
+
+def default_layout(sp: int, num_heads: int, num_kv_heads: int, node_size: int | None = None) -> tuple[int, int]:
+    """(ulysses, cp) for ``sp``: Ulysses on the largest divisor of sp the heads allow and, given the
+    ranks per node ``node_size``, no larger than a node (its all-to-all moves the least inside a
+    node, while across nodes CP's all-gather is cheaper: ``lit_hbp.costmodel``), context
+    parallelism on the rest, across the nodes."""
+    most = sp if node_size is None else max(1, min(sp, node_size))
+    u = max(d for d in range(1, most + 1) if sp % d == 0 and heads_problem(num_heads, num_kv_heads, d) is None)
     return u, sp // u
 
 
-def resolve_layout(level, num_heads: int, num_kv_heads: int):
-    """``level`` with its (ulysses, cp) filled in for a model of these heads (unchanged when it gives
-    one, or names a kind of its own)."""
+def resolve_layout(level, num_heads: int, num_kv_heads: int, node_size: int | None = None):
+    """``level`` with its (ulysses, cp) filled in for a model of these heads on nodes of
+    ``node_size`` ranks (unchanged when it gives one, or names a kind of its own)."""
     from dataclasses import replace
 
     from lit_hbp.packing.levels import LAYOUT_KINDS
 
     if level.cp is not None or level.sp_kind not in LAYOUT_KINDS:
         return level
-    u, cp = default_layout(level.sp, num_heads, num_kv_heads)
+    u, cp = default_layout(level.sp, num_heads, num_kv_heads, node_size)
     return replace(level, ulysses=u, cp=cp, sp_kind=LAYOUT_KINDS[1] if cp > 1 else LAYOUT_KINDS[0])
 
 
@@ -75,8 +92,9 @@ def model_heads(config) -> tuple[int, int]:
     return heads, int(getattr(config, "num_key_value_heads", None) or heads)
 
 
-def layout_levels(levels, config) -> tuple:
-    """The levels with their (ulysses, cp) layouts resolved for the model of ``config``: the
-    strategy, the data module and the self-check all call this pure function, so they agree."""
+def layout_levels(levels, config, node_size: int | None) -> tuple:
+    """The levels with their (ulysses, cp) layouts resolved for the model of ``config`` on nodes of
+    ``node_size`` ranks (the Trainer's ``num_devices``): the strategy, the data module and the
+    self-check all call this pure function with the same arguments, so they agree."""
     heads, kv = model_heads(config)
-    return tuple(resolve_layout(lv, heads, kv) for lv in levels)
+    return tuple(resolve_layout(lv, heads, kv, node_size) for lv in levels)

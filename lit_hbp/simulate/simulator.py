@@ -12,7 +12,6 @@ adding one gradient synchronization. Summed, this is the epoch's wall time; time
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -21,7 +20,7 @@ from lit_hbp.autoselect.profiler import AnalyticProfiler
 from lit_hbp.autoselect.search import greedy_profile_ckpt, select_levels
 from lit_hbp.costmodel import CostModel
 from lit_hbp.packing import DEFAULT_PACKER, Level, Plan, plan_hbp, plan_single_level
-from lit_hbp.packing.context_split import split_pack
+from lit_hbp.packing.context_split import split_micro_batch
 from lit_hbp.packing.metrics import group_index
 
 PARTS = ("dense", "attention", "sp_comm")
@@ -128,10 +127,8 @@ def cp_imbalance(plan: Plan, g: dict, group_cp: np.ndarray) -> np.ndarray:
     first = np.r_[0, np.cumsum(np.bincount(g["group_of_pack"], minlength=g["n_groups"]))]
     for grp in cp_groups.tolist():
         packs = order[first[grp] : first[grp + 1]]
-        docs = plan.lengths[np.concatenate([plan.pack(p) for p in packs])].astype(np.int64)
-        multiple, n = math.lcm(8, int(g["group_sp"][grp])), int(docs.sum())
-        pad = max(multiple, -(-n // multiple) * multiple) - n
-        out[grp] = split_pack(np.r_[docs, pad] if pad else docs, int(group_cp[grp])).imbalance()
+        docs = plan.lengths[np.concatenate([plan.pack(p) for p in packs])]
+        out[grp] = split_micro_batch(docs, int(g["group_sp"][grp]), int(group_cp[grp])).imbalance()
     return out
 
 
