@@ -434,47 +434,19 @@ FLASH_LSE = {
     "flash_attn_3": ("flash_attn_interface", "_flash_attn_forward", "_flash_attn_backward"),
     "flash_attn_4": ("flash_attn.cute.interface", "_flash_attn_fwd", "_flash_attn_bwd"),
 }
-_VARLEN = {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap"}
+_VARLEN = frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "softcap"})
+_GRADS = frozenset({"dout", "q", "k", "v", "out", "dq", "dk", "dv"})
 _FLASH_LSE_PARAMS = {  # (forward, backward) parameters each pair is called with; "window" is either spelling
     "flash_attn": (
         _VARLEN | {"causal", "dropout_p", "alibi_slopes", "return_softmax", "window"},
         _VARLEN
-        | {
-            "dout",
-            "q",
-            "k",
-            "v",
-            "out",
-            "softmax_lse",
-            "dq",
-            "dk",
-            "dv",
-            "causal",
-            "dropout_p",
-            "alibi_slopes",
-            "deterministic",
-            "rng_state",
-            "window",
-        },
-    ),  # fmt: skip
+        | _GRADS
+        | {"softmax_lse", "causal", "dropout_p", "alibi_slopes", "deterministic", "rng_state", "window"},
+    ),
     "flash_attn_3": (
         _VARLEN | {"causal", "window_size_left", "window_size_right"},
-        _VARLEN
-        | {
-            "dout",
-            "q",
-            "k",
-            "v",
-            "out",
-            "softmax_lse",
-            "dq",
-            "dk",
-            "dv",
-            "is_causal",
-            "window_size_left",
-            "window_size_right",
-        },
-    ),  # fmt: skip
+        _VARLEN | _GRADS | {"softmax_lse", "is_causal", "window_size_left", "window_size_right"},
+    ),
     "flash_attn_4": (
         _VARLEN | {"causal", "window_size_left", "window_size_right", "return_lse"},
         _VARLEN | {"q", "k", "v", "out", "dout", "lse", "causal", "window_size_left", "window_size_right"},
