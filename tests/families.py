@@ -54,7 +54,7 @@ OVERRIDES = {
     "cohere": dict(logit_scale=0.25),
     "gemma2": dict(final_logit_softcapping=2.0, attn_logit_softcapping=1.5),
     **{f: MLA for f in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "minicpm3", "youtu", "axk1", "axk2")},
-    **{f: MLA for f in ("glm4_moe_lite", "glm_moe_dsa", "deepseek_v4")},
+    **{f: MLA for f in ("glm4_moe_lite", "glm_moe_dsa", "deepseek_v4", "sarvam_mla")},
 }
 MAX_PARAMS = 5_000_000  # larger after shrinking: a multimodal wrapper whose sub-models keep their size
 # The families of the issue that asked for this matrix; the README's table is checked against them.

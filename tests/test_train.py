@@ -2,6 +2,7 @@
 
 import glob
 import json
+import re
 from pathlib import Path
 
 import lightning as L
@@ -284,7 +285,15 @@ def test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes(tmp_path, small_de
     # What the run trained exports to a Hugging Face folder that loads and generates.
     from transformers import AutoModelForCausalLM
 
-    (ckpt,) = (tmp_path / "runs" / "tiny_cpu_2d").glob("version_0/checkpoints/*.ckpt")
+    ckpt = tmp_path / "runs" / "tiny_cpu_2d" / "version_0" / "checkpoints" / "last.ckpt"
+    # `validate` alone from the checkpoint, on the same 4 processes and levels (CP included).
+    validated = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "validate", "--config", str(ROOT / "configs" / "tiny_cpu_2d.yaml"),
+         "--ckpt_path", str(ckpt), "--trainer.enable_progress_bar", "false"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert validated.returncode == 0, validated.stderr[-3000:]
+    assert re.search(r"val/loss\s*│\s*[0-9.]+", validated.stdout), validated.stdout[-2000:]
     exported = subprocess.run(
         [sys.executable, "-m", "lit_hbp.export", str(ckpt), str(tmp_path / "hf")],
         capture_output=True,
