@@ -222,16 +222,21 @@ def _flash_unusable(name: str) -> Callable[[str, torch.dtype], str | None]:
     return unusable
 
 
+def _flash_documents(a: AttnArgs) -> dict:
+    """The query and key documents and the scale, as every flash-attn function names them."""
+    return dict(
+        cu_seqlens_q=a.cu,
+        cu_seqlens_k=a.keys_cu,
+        max_seqlen_q=a.max_len,
+        max_seqlen_k=a.keys_max_len,
+        softmax_scale=a.scale,
+    )
+
+
 def _flash_run(name: str):
     def run(q, k, v, a: AttnArgs) -> torch.Tensor:
-        kw = dict(
-            cu_seqlens_q=a.cu,
-            cu_seqlens_k=a.keys_cu,
-            max_seqlen_q=a.max_len,
-            max_seqlen_k=a.keys_max_len,
-            softmax_scale=a.scale,
-            causal=True,  # bottom-right aligned when keys outnumber queries (flash-attn >= 2.1)
-        )
+        # causal is bottom-right aligned when keys outnumber queries (flash-attn >= 2.1)
+        kw = dict(_flash_documents(a), causal=True)
         if a.window is not None:
             kw["window_size"] = (a.window - 1, 0)
         if a.softcap:
@@ -514,14 +519,7 @@ def _window(a: AttnArgs) -> tuple[int, int]:
 def _flash_varlen_kw(params: frozenset[str], a: AttnArgs) -> dict:
     """The keywords every flash pair takes: documents, scale, causal, window and soft-capping."""
     left, right = _window(a)
-    kw = dict(
-        cu_seqlens_q=a.cu,
-        cu_seqlens_k=a.keys_cu,
-        max_seqlen_q=a.max_len,
-        max_seqlen_k=a.keys_max_len,
-        softmax_scale=a.scale,
-        softcap=float(a.softcap or 0.0),
-    )
+    kw = dict(_flash_documents(a), softcap=float(a.softcap or 0.0))
     if "window_size" in params:
         kw["window_size"] = (left, right)
     else:
