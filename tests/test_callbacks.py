@@ -113,7 +113,11 @@ def test_tiny_config_logs_to_wandb_offline(tmp_path, small_demo, monkeypatch):
     )
     import wandb
 
-    wandb.finish()  # Lightning leaves the run open in-process; finishing writes its summary
+    # Lightning leaves the run open in-process. `finish` only tells wandb's service process that the run
+    # ended (it returns before the service closes the run's log); `teardown` waits for that process to exit,
+    # as the atexit hook does when `train.py` ends.
+    wandb.finish()
+    wandb.teardown()
     (run,) = glob.glob(str(tmp_path / "runs/wandb/offline-run-*"))
     (log,) = glob.glob(f"{run}/*.wandb")
     # Offline, the run's history and config live in its binary log until `wandb sync`.
