@@ -1,7 +1,8 @@
-"""compile=True: each decoder layer compiles to one graph (attention is the opaque ``hbp::varlen_attention``
+"""compile=True: each decoder layer compiles to one graph (attention is the opaque ``hbp::varlen_attention_v2``
 custom op, on every backend), packs of other lengths and document counts reuse it (dynamic shapes, no
 guard on the pack), and the compiled module trains like the eager one."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,9 +11,11 @@ import torch
 import torch._dynamo
 import torch._dynamo.testing
 from conftest import TINY_LLAMA
+from test_attention import dense_reference, random_pack
 
 from lit_hbp import attention
 from lit_hbp.attention import flex
+from lit_hbp.attention.backends import AttnArgs
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.module import HBPLitModule, set_recompile_limit
 
@@ -89,3 +92,143 @@ def test_flex_block_masks_are_held_by_the_pack_being_trained():
     finally:
         attention.set_pack(None)
     assert flex.document_block_mask(cu, 9, None) is not mask
+
+
+COUNTED = ("run", "lse.forward", "lse.backward")
+
+
+def count_kernel_calls(monkeypatch, name: str) -> dict[str, int]:
+    """Backend ``name`` with its kernel and its LSE pair counting their calls."""
+    calls = dict.fromkeys(COUNTED, 0)
+    backend = attention.REGISTRY[name]
+
+    def counted(what, fn):
+        def call(*a, **kw):
+            calls[what] += 1
+            return fn(*a, **kw)
+
+        return call
+
+    lse = dataclasses.replace(
+        backend.lse,
+        forward=counted("lse.forward", backend.lse.forward),
+        backward=counted("lse.backward", backend.lse.backward),
+    )
+    monkeypatch.setitem(
+        attention.REGISTRY, name, dataclasses.replace(backend, run=counted("run", backend.run), lse=lse)
+    )
+    return calls
+
+
+OP_CASES = {  # on CPU: sdpa takes windows and dropout; soft-capping and sinks go to the eager backend
+    "sdpa": ("sdpa", {}),
+    "sdpa window": ("sdpa", {"window": 7}),
+    "eager softcap sinks": ("eager", {"softcap": 1.5, "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OP_CASES))
+def test_compiled_attention_backward_runs_the_kernel_from_the_saved_lse(monkeypatch, case):
+    """Under torch.compile the op keeps the LSE and its backward runs the backend's backward kernel:
+    one forward kernel per step, none in the backward; output and gradients equal the dense fp64
+    reference; one graph, no breaks, and packs of other document counts reuse it."""
+    name, feats = OP_CASES[case]
+    calls = count_kernel_calls(monkeypatch, name)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    sinks = feats.get("sinks")
+
+    @torch.compile(backend=backend, dynamic=True, fullgraph=True)
+    def attend(q, k, v, sinks, cu, max_len):
+        return attention.Attend(cu, max_len, 0.3, feats.get("window"), feats.get("softcap"), 0.0)(q, k, v, sinks)
+
+    for seed, docs in enumerate([5, 3, 6]):
+        q, k, v, cu = random_pack(seed, docs=docs)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, *([sinks] if sinks is not None else []))]
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        out = attend(*leaves[:3], leaves[3] if sinks is not None else None, cu_t, int(max(np.diff(cu))))
+        ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+        ref = dense_reference(*ref_leaves[:3], cu, 0.3, feats.get("window"), feats.get("softcap"), *ref_leaves[3:])
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        w = torch.randn_like(ref)
+        got = torch.autograd.grad((out.double() * w).sum(), leaves)
+        want = torch.autograd.grad((ref * w).sum(), ref_leaves)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+        assert calls == {"run": 0, "lse.forward": seed + 1, "lse.backward": seed + 1}, calls
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert backend.frame_count <= 2  # the first pack, then one dynamic-shape graph
+
+
+def test_compiled_attention_with_dropout_recomputes_the_forward(monkeypatch):
+    """Dropout has no backward kernel to call: the op saves no LSE and its backward runs the forward
+    again on the forward's dropout seed (the same mask: gradients equal those of the eager kernel
+    under that seed)."""
+    calls = count_kernel_calls(monkeypatch, "sdpa")
+    q, k, v, cu = random_pack(0)
+    cu_t, max_len = torch.tensor(cu, dtype=torch.int32), int(max(np.diff(cu)))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse, seed = attention._varlen_op(*leaves, cu_t, None, max_len, 0.3, None, None, 0.4)
+    out = out.transpose(1, 2)  # the op's [1, T, H, D]
+    assert lse.numel() == 0 and calls == {"run": 1, "lse.forward": 0, "lse.backward": 0}
+    w = torch.randn_like(out)
+    got = torch.autograd.grad((out * w).sum(), leaves)
+    assert calls["run"] == 2 and calls["lse.backward"] == 0
+    ref_leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    with attention.replay_rng(q.device, int(seed)):
+        ref = attention.REGISTRY["sdpa"].run(*ref_leaves, AttnArgs(cu_t, max_len, 0.3, dropout=0.4))
+    torch.testing.assert_close(out, ref.detach(), atol=0, rtol=0)
+    for a, b in zip(got, torch.autograd.grad((ref * w).sum(), ref_leaves)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", sorted(OP_CASES))
+def test_attention_op_passes_torchs_opcheck(case):
+    """torch.library.opcheck: schema, fake (the LSE's shape decided as the kernel decides it),
+    autograd registration and AOT dispatch with dynamic shapes."""
+    _, feats = OP_CASES[case]
+    q, k, v, cu = random_pack(2)
+    sinks = feats.get("sinks")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, *([sinks] if sinks is not None else []))]
+    args = (*leaves[:3], torch.tensor(cu, dtype=torch.int32), leaves[3] if sinks is not None else None)
+    torch.library.opcheck(
+        attention._varlen_op,
+        (*args, int(max(np.diff(cu))), 0.3, feats.get("window"), feats.get("softcap"), 0.0),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["flash_attn", "flash_attn_3", "flash_attn_4", "torch_varlen", "flex"])
+def test_compiled_attention_on_the_gpu_matches_the_kernels_own_autograd(monkeypatch, name):
+    """Inductor, bf16, GQA, several documents: the op's output and gradients against the same kernel
+    differentiated by its own autograd; backends with a backward kernel run it and no second forward
+    (Flex recomputes). A backend not installed here is skipped with the reason."""
+    from lit_hbp.attention import backends
+
+    reason = backends.why_not(name, "cuda", torch.bfloat16, frozenset())
+    if reason:
+        pytest.skip(f"{name}: {reason}")
+    attention.set_backend(name)
+    try:
+        has_pair = backends.lse_why_not(name, "cuda", frozenset()) is None
+        calls = count_kernel_calls(monkeypatch, name) if has_pair else None
+        torch._dynamo.reset()
+        q, k, v, cu = random_pack(0, total=3000, hq=8, hkv=2, dim=128, docs=7)
+        q, k, v = (x.cuda().bfloat16() for x in (q, k, v))
+        cu_t, max_len = torch.tensor(cu, dtype=torch.int32, device="cuda"), int(max(np.diff(cu)))
+        layer = torch.compile(lambda q, k, v: attention.Attend(cu_t, max_len, None, None, None, 0.0)(q, k, v, None))
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = layer(*leaves)
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, leaves, dout)
+        ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref = attention.REGISTRY[name].run(*ref_leaves, AttnArgs(cu_t, max_len, 128**-0.5))
+        want = torch.autograd.grad(ref, ref_leaves, dout)
+        for a, b in zip([out, *got], [ref, *want]):
+            assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 1e-2, name
+        if has_pair:
+            assert calls["lse.backward"] == 1 and calls["run"] == 0, calls
+    finally:
+        attention.set_backend("auto")

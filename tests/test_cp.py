@@ -135,10 +135,19 @@ def test_shards_hold_every_token_once_with_their_positions_labels_and_counts():
 
 
 def cp_attention_parity(
-    sp: int, cp: int, kv_heads: int, lengths: list[int], window: int | None, sinks: bool, device: str = "cpu"
+    sp: int,
+    cp: int,
+    kv_heads: int,
+    lengths: list[int],
+    window: int | None,
+    sinks: bool,
+    device: str = "cpu",
+    compiled: bool = False,
 ) -> dict:
     """Largest errors of a CP rank's attention output and input gradients against one process
-    over the whole pack: fp64 on CPU, bf16 (relative to the largest value) on a GPU."""
+    over the whole pack: fp64 on CPU, bf16 (relative to the largest value) on a GPU; ``compiled``:
+    the CP call under torch.compile (as in a compiled decoder layer), the reference eager."""
+    import torch._dynamo
     import torch.distributed as dist
 
     from lit_hbp.attention import varlen_attention
@@ -173,8 +182,12 @@ def cp_attention_parity(
     sink_in = s.clone().requires_grad_() if sinks else None
     context.activate(ctx, "cp")
     context.set_shard(cp_shard_of(split, cp_rank).apply(lambda t: t.to(device)))
+    attend = varlen_attention
+    if compiled:
+        torch._dynamo.reset()
+        attend = torch.compile(varlen_attention, backend="aot_eager", dynamic=True)
     try:
-        out, _ = varlen_attention(module, *cp_in, None, s_aux=sink_in, **kw)
+        out, _ = attend(module, *cp_in, None, s_aux=sink_in, **kw)
         (out * w[:, index]).sum().backward()
     finally:
         context.activate(None)
@@ -206,6 +219,14 @@ def test_cp_attention_matches_one_process_on_four_ranks(pool4, pack, sp, cp, kv_
 @pytest.mark.parametrize("window, sinks", [(5, False), (None, True), (6, True)])
 def test_cp_attention_keeps_window_and_sinks(pool4, window, sinks):
     for r in pool4.run(cp_attention_parity, 4, 2, 2, PACKS["spans_every_rank"], window, sinks):
+        assert r["out"] < 1e-12 and max(r["grads"]) < 1e-12, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp, cp, window, sinks", [(4, 2, None, False), (4, 4, 5, True)])
+def test_compiled_cp_attention_matches_one_process(pool4, sp, cp, window, sinks):
+    """compile=True: the Ulysses part's attention is the compiled custom op, CP's its own kernels."""
+    for r in pool4.run(cp_attention_parity, sp, cp, 2, PACKS["spans_every_rank"], window, sinks, "cpu", True):
         assert r["out"] < 1e-12 and max(r["grads"]) < 1e-12, r
 
 

@@ -102,6 +102,7 @@ def test_cpu_kernels_compute_bottom_right_causal_ranges(lengths, cuts, seed, fea
         if backends.lse_why_not(name, "cpu", args.needs) is None:
             out, lse = REGISTRY[name].lse.forward(q, k, v, args)
             torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10, msg=name)
+            assert lse.shape == q.shape[1:3] and lse.dtype == backends.lse_dtype(q.dtype), name  # the op's fake
             sink_leaf = [feats["sinks"].clone().requires_grad_()] if "sinks" in feats else []
             ref_out = reference(*ref_leaves, q_rows, [len(r) for r in k_rows], 0.4,
                                 **{**feats, **({"sinks": sink_leaf[0]} if sink_leaf else {})})  # fmt: skip
@@ -521,6 +522,7 @@ def test_lse_pairs_on_the_gpu_match_the_kernels_own_autograd(name, feature):
     dout = torch.randn_like(want)
     want_grads = torch.autograd.grad(want, leaves, dout)
     out, lse = REGISTRY[name].lse.forward(q, k, v, args)
+    assert lse.shape == q.shape[1:3] and lse.dtype == torch.float32, (name, lse.shape, lse.dtype)  # the op's fake
     grads = [g for g in REGISTRY[name].lse.backward(dout, q, k, v, out, lse, args) if g is not None]
     assert len(grads) == len(want_grads)
     for got, ref in zip([out, *grads], [want, *want_grads]):

@@ -16,11 +16,12 @@ The kernel comes from ``lit_hbp.attention.backends``: per device, the dtype the 
 sinks, dropout), the fastest backend that can run it; the choice, and why each faster backend was
 not taken, is logged once.
 
-The kernel call is the ``torch.library`` custom op ``hbp::varlen_attention``: a compiled decoder layer
+The kernel call is the ``torch.library`` custom op ``hbp::varlen_attention_v2``: a compiled decoder layer
 sees one opaque op with a fake implementation (the output's shape and dtype) and stays one graph on
 every backend, the per-document CPU loops included; backend choice, logging, imports and host reads
-happen inside the op, at run time, never while tracing. Its backward, ``hbp::varlen_attention_backward``,
-recomputes the forward through the backend's own differentiable kernel and differentiates it.
+happen inside the op, at run time, never while tracing. The op keeps the kernel's LSE where the backend
+has a backward kernel (``backends.LseKernels``), and its backward, ``hbp::varlen_attention_v2_backward``,
+runs that kernel; otherwise (Flex, dropout) it recomputes the forward and differentiates it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch._C import DispatchKey
 from transformers import AttentionInterface
 
 from lit_hbp.attention import flex
-from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose, lse_why_not, why_not
+from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose, lse_dtype, lse_why_not, why_not
 from lit_hbp.parallel import context as sp_context
 
 ATTN_NAME = "hbp_varlen"
@@ -160,7 +161,9 @@ def lse_kernels(device_type: str, dtype: torch.dtype, needs: frozenset[str]):
     if key not in _lse_logged:
         _lse_logged.add(key)
         how = "its backward kernel from the saved LSE" if reason is None else f"recomputes the forward ({reason})"
-        rank_zero_info(f"{ATTN_NAME} attention: the context-parallel backward on {name} runs {how}")
+        rank_zero_info(
+            f"{ATTN_NAME} attention: the backward on {name} for {', '.join(sorted(needs)) or 'plain'} calls runs {how}"
+        )
     return REGISTRY[name].lse if reason is None else None
 
 
@@ -188,7 +191,8 @@ class Attend:
             return _attend(
                 q, k, v, AttnArgs(self.cu, int(self.max_len), scale, self.window, softcap, sinks, self.dropout)
             )
-        return _varlen_op(q, k, v, self.cu, sinks, self.max_len, scale, self.window, softcap, self.dropout)[0]
+        out = _varlen_op(q, k, v, self.cu, sinks, self.max_len, scale, self.window, softcap, self.dropout)[0]
+        return out.transpose(1, 2)
 
     def ranges(self, q, sinks, cu_q, cu_k, max_q: int, max_k: int) -> AttnArgs:
         """The call's arguments for query ranges ``cu_q`` against key prefixes ``cu_k``."""
@@ -222,7 +226,24 @@ class Attend:
         return (*grads[:3], grads[3] if sinks is not None else None)
 
 
-@torch.library.custom_op("hbp::varlen_attention", mutates_args=())
+# Compiled graphs are cached on disk keyed by the ops they call, not by those ops' schemas or kernels
+# (torch's AOTAutograd cache): the names carry the contract's version, so a graph cached by an older
+# lit-hbp is never run against these ops.
+OP = "hbp::varlen_attention_v2"
+
+
+def _op_args(q, cu, sinks, max_len: int, scale: float, window, softcap, dropout: float) -> AttnArgs:
+    return _on_device(AttnArgs(cu, int(max_len), scale, window, softcap, sinks, dropout), q)
+
+
+def _op_lse_shape(q, args: AttnArgs) -> tuple[int, ...]:
+    """The op's LSE: [Hq, T] where the backend has a backward kernel for the call, else empty (its
+    backward then recomputes the forward). Decided from device, dtype and features alone, so the
+    fake and the kernel agree."""
+    return tuple(q.shape[1:3]) if lse_kernels(q.device.type, q.dtype, args.needs) is not None else (0,)
+
+
+@torch.library.custom_op(OP, mutates_args=())
 def _varlen_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -234,17 +255,29 @@ def _varlen_op(
     window: int | None,
     softcap: float | None,
     dropout: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output [1, Hq, T, D], the dropout seed the backward replays; 0 without dropout)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output [1, T, Hq, D], the LSE its backward kernel takes (``_op_lse_shape``), the dropout seed
+    the backward's recomputation replays; 0 without dropout). The output's layout is the varlen
+    kernels' own and what the output projection takes: no copy of it on the GPU, and the tensor the
+    backward keeps is the one the projection keeps."""
+    args = _op_args(q, cu, sinks, max_len, scale, window, softcap, dropout)
     seed = torch.randint(2**62, (), dtype=torch.int64) if dropout else torch.zeros((), dtype=torch.int64)
     with torch.no_grad():
-        out = _run_op(q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout)
-    return out.contiguous() if out is not q else out.clone(), seed  # the fake's layout; never an input
+        if _op_lse_shape(q, args) != (0,):
+            out, lse = lse_kernels(q.device.type, q.dtype, args.needs).forward(q, k, v, args)
+        else:
+            out, lse = _run_op(q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout), q.new_empty(0)
+    out = out.transpose(1, 2).contiguous()
+    if any(out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in (q, k, v)):
+        out = out.clone()  # a custom op's output never aliases an input
+    return out, lse.to(lse_dtype(q.dtype)).reshape(_op_lse_shape(q, args)).contiguous(), seed
 
 
 @_varlen_op.register_fake
 def _(q, k, v, cu, sinks, max_len, scale, window, softcap, dropout):
-    return q.new_empty(q.shape), torch.empty((), dtype=torch.int64)
+    lse_shape = _op_lse_shape(q, AttnArgs(cu, max_len, scale, window, softcap, sinks, dropout))
+    out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    return out, q.new_empty(lse_shape, dtype=lse_dtype(q.dtype)), torch.empty((), dtype=torch.int64)
 
 
 _AUTOGRAD_KEYS = [
@@ -253,24 +286,10 @@ _AUTOGRAD_KEYS = [
 ]
 
 
-@torch.library.custom_op("hbp::varlen_attention_backward", mutates_args=())
-def _varlen_backward_op(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu: torch.Tensor,
-    sinks: torch.Tensor | None,
-    seed: torch.Tensor,
-    max_len: int,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    dropout: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dsinks; dsinks empty without sinks): the forward recomputed by its backend with
-    autograd on (a custom op's kernel runs below autograd, which is switched back on here) and
-    differentiated. Exact: the same kernel, inputs and dropout seed as the forward."""
+def _recomputed_grads(grad, q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout):
+    """The forward recomputed by its backend with autograd on (a custom op's kernel runs below
+    autograd, which is switched back on here) and differentiated. Exact: the same kernel, inputs
+    and dropout seed as the forward."""
     exclude = torch._C._dispatch_tls_local_exclude_set()
     for key in _AUTOGRAD_KEYS:
         exclude = exclude.remove(key)
@@ -280,24 +299,55 @@ def _varlen_backward_op(
             *inputs[:3], cu, inputs[3] if sinks is not None else None, seed, max_len, scale, window, softcap, dropout
         )
         grads = torch.autograd.grad(out, inputs, grad)
+    return (*grads[:3], grads[3] if sinks is not None else None)
+
+
+@torch.library.custom_op(f"{OP}_backward", mutates_args=())
+def _varlen_backward_op(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seed: torch.Tensor,
+    max_len: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    dropout: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks; dsinks empty without sinks) for the gradient of the output [1, T, Hq, D]:
+    the backend's backward kernel from the saved output and LSE, or, where the forward saved no LSE,
+    ``_recomputed_grads``."""
+    grad = grad.contiguous().transpose(1, 2)  # [1, Hq, T, D], the kernels' view (flash-attn: stride 1 last)
+    if lse.numel():
+        args = _op_args(q, cu, sinks, max_len, scale, window, softcap, dropout)
+        kernels = lse_kernels(q.device.type, q.dtype, args.needs)
+        grads = kernels.backward(grad, q, k, v, out.transpose(1, 2), lse, args)
+    else:
+        grads = _recomputed_grads(grad, q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout)
     dsinks = grads[3] if sinks is not None else q.new_empty(0)
     return tuple(torch.empty_like(x).copy_(g) for x, g in zip((q, k, v, dsinks), (*grads[:3], dsinks)))  # the fake's
 
 
 @_varlen_backward_op.register_fake
-def _(grad, q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout):
+def _(grad, q, k, v, cu, sinks, out, lse, seed, max_len, scale, window, softcap, dropout):
     dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, cu, sinks, *ctx.host = inputs
-    ctx.save_for_backward(q, k, v, cu, sinks, output[1])
+    ctx.save_for_backward(q, k, v, cu, sinks, *output)
+    ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx, grad: torch.Tensor, _seed_grad):
-    q, k, v, cu, sinks, seed = ctx.saved_tensors
-    dq, dk, dv, dsinks = _varlen_backward_op(grad, q, k, v, cu, sinks, seed, *ctx.host)
+def _backward(ctx, grad: torch.Tensor, _lse_grad, _seed_grad):
+    q, k, v, cu, sinks, out, lse, seed = ctx.saved_tensors
+    dq, dk, dv, dsinks = _varlen_backward_op(grad, q, k, v, cu, sinks, out, lse, seed, *ctx.host)
     return dq, dk, dv, None, dsinks if sinks is not None else None, None, None, None, None, None
 
 

@@ -75,14 +75,20 @@ class AttnArgs:
         return frozenset(k for k, v in present.items() if v)
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The LSE's dtype for inputs of ``dtype``: fp32, or the inputs' own when wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 @dataclass(frozen=True)
 class LseKernels:
     """A backend's kernel as two calls: ``forward(q, k, v, args) -> (out, lse)`` keeps the softmax's
-    log-sum-exp (in the kernel's own layout: opaque to callers), ``backward(dout, q, k, v, out, lse,
-    args) -> (dq, dk, dv, dsinks or None)`` computes the gradients from them without running the
-    forward again. What flash-attention's autograd functions do inside, exposed so that context
-    parallelism can run the backward on K/V it gathers again rather than keep them (or recompute).
-    ``unusable(device_type, needs)`` is None when the pair runs such a call, else the reason."""
+    log-sum-exp, [Hq, T] in ``lse_dtype(q.dtype)`` (the varlen kernels' own layout), ``backward(dout,
+    q, k, v, out, lse, args) -> (dq, dk, dv, dsinks or None)`` computes the gradients from them
+    without running the forward again. What flash-attention's autograd functions do inside, exposed
+    so that context parallelism can run the backward on K/V it gathers again rather than keep them,
+    and the compiled custom op can save the LSE. ``unusable(device_type, needs)`` is None when the
+    pair runs such a call, else the reason."""
 
     unusable: Callable[[str, frozenset[str]], str | None]
     forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnArgs], tuple[torch.Tensor, torch.Tensor]]
@@ -689,10 +695,10 @@ def _sdpa_lse_unusable(device_type: str, needs: frozenset[str]) -> str | None:
 @torch.compiler.disable
 def _sdpa_forward(q, k, v, a: AttnArgs):
     """torch's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, what SDPA runs on
-    CPU) document by document, keeping its LSE [1, Hq, T]."""
+    CPU) document by document, keeping its LSE (as [1, Hq, T]; returned as [Hq, T])."""
     group = 1 if _cpu_flash_takes_gqa() else q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
-    lse = q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
+    lse = q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
     for qs, ks in _documents(a):
         n, m = qs.stop - qs.start, ks.stop - ks.start
         if n:
@@ -701,7 +707,7 @@ def _sdpa_forward(q, k, v, a: AttnArgs):
             out[:, :, qs], lse[:, :, qs] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q[:, :, qs], kd, vd, 0.0, mask["is_causal"], attn_mask=mask["attn_mask"], scale=a.scale
             )
-    return out, lse
+    return out, lse[0]
 
 
 @torch.compiler.disable
@@ -709,6 +715,7 @@ def _sdpa_backward(dout, q, k, v, out, lse, a: AttnArgs):
     """The CPU flash kernel's backward document by document, from the saved output and LSE."""
     hkv, group = k.shape[1], 1 if _cpu_flash_takes_gqa() else q.shape[1] // k.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    lse = lse[None]
     for qs, ks in _documents(a):
         n, m = qs.stop - qs.start, ks.stop - ks.start
         if n:
