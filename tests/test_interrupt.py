@@ -22,7 +22,7 @@ from distributed import Pool
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_hbp.callbacks import FinalCheckpoint, HBPExport, InterruptCheckpoint, ignore_sigint
-from lit_hbp.callbacks.interrupt import FIRST_PRESS, resume_command
+from lit_hbp.callbacks.interrupt import FIRST_PRESS, resume_command, torchrun_argv
 from lit_hbp.module import HBPLitModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +133,33 @@ def test_resume_command_replaces_the_ckpt_path():
     assert resume_command("runs/last.ckpt", argv) == (
         "python -u train.py fit --config 'a b.yaml' --ckpt_path runs/last.ckpt"
     )
+
+
+def test_the_launcher_command_is_recognised(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", f"{tmp_path}/bin:/usr/bin")
+    typed = ["--nproc_per_node", "8", "train.py", "fit", "--config", "c.yaml"]
+    assert torchrun_argv(["/usr/bin/python3", f"{tmp_path}/bin/torchrun", *typed]) == ["torchrun", *typed]
+    assert torchrun_argv(["python", "-u", "/opt/env/bin/torchrun", *typed]) == ["/opt/env/bin/torchrun", *typed]
+    module = ["python3", "-X", "utf8", "-m", "torch.distributed.run", *typed]
+    assert torchrun_argv(module) == module
+    assert torchrun_argv(["python", "train.py", "fit"]) is None
+    assert torchrun_argv(["python", "-m", "lit_hbp.train", "fit"]) is None
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_resume_command_is_the_launchers(tmp_path):
+    """A real torchrun: the worker's own command line is ``python -u script.py ...``; the resume
+    command is the torchrun line the user typed."""
+    script = tmp_path / "show.py"
+    script.write_text("from lit_hbp.callbacks.interrupt import resume_command\nprint(resume_command('new.ckpt'))\n")
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+    cmd = ["torchrun", "--standalone", "--nproc_per_node", "1", str(script), "fit", "--ckpt_path", "old.ckpt"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True).stdout
+    want = shlex.join(
+        ["torchrun", "--standalone", "--nproc_per_node", "1", str(script), "fit", "--ckpt_path", "new.ckpt"]
+    )
+    assert out.strip().splitlines()[-1] == want, out
 
 
 class Pids(torch.utils.data.Dataset):

@@ -153,11 +153,43 @@ class InterruptCheckpoint(StepEndCallback):
         self._installed = False
 
 
+def launch_argv() -> list[str]:
+    """The command line that started this run: under torchrun (``TORCHELASTIC_RUN_ID`` set) the
+    launcher's, read from its process (a worker's own is ``python -u train.py ...``, which would
+    restart one process); else this process's (``sys.orig_argv``: the interpreter and its options
+    as typed)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                launcher = torchrun_argv([a.decode() for a in f.read().split(b"\0") if a])
+        except OSError:  # not Linux: the worker's own line is the best there is
+            launcher = None
+        if launcher:
+            return launcher
+    return list(sys.orig_argv)
+
+
+def torchrun_argv(cmdline: Sequence[str]) -> list[str] | None:
+    """``cmdline`` as the user typed it when it is a torchrun launcher's (``torchrun ...``, the
+    interpreter running the console script dropped, or ``python -m torch.distributed.run ...``),
+    else None."""
+    rest = list(cmdline[1:])
+    while rest and rest[0].startswith("-") and rest[0] != "-m":  # the interpreter's own options
+        rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]
+    if rest[:2] == ["-m", "torch.distributed.run"]:
+        return list(cmdline)
+    if rest and os.path.basename(rest[0]) == "torchrun":
+        return ["torchrun", *rest[1:]] if os.path.dirname(rest[0]) in os.get_exec_path() else rest
+    if cmdline and os.path.basename(cmdline[0]) == "torchrun":  # a launcher without an interpreter
+        return list(cmdline)
+    return None
+
+
 def resume_command(path: str, argv: Sequence[str] | None = None) -> str:
-    """This process's command line (``sys.orig_argv``: the interpreter and its options as typed),
-    any ``--ckpt_path`` removed, plus ``--ckpt_path path``, quoted for a POSIX shell."""
+    """The run's command line (``launch_argv``), any ``--ckpt_path`` removed, plus ``--ckpt_path
+    path``, quoted for a POSIX shell."""
     kept: list[str] = []
-    args = iter(sys.orig_argv if argv is None else argv)
+    args = iter(launch_argv() if argv is None else argv)
     for arg in args:
         if arg == "--ckpt_path":
             next(args, None)
