@@ -107,6 +107,14 @@ def test_ctrl_c_saves_the_running_step_and_a_resume_continues_exactly(tmp_path, 
         assert torch.equal(value, reference.weights[name]), name
 
 
+def test_ctrl_c_stops_before_min_steps(tmp_path, small_demo):
+    """Lightning trains on past ``should_stop`` until ``min_steps``; a Ctrl-C stop does not."""
+    interrupt = InterruptCheckpoint()
+    run = fit(tmp_path / "run", small_demo, [CtrlC(1), interrupt, FinalCheckpoint()], min_steps=5, min_epochs=2)
+    assert run.trainer.global_step == 1 and len(run.rows) == 2
+    assert torch.load(interrupt.checkpoint, weights_only=False)["global_step"] == 1
+
+
 def test_without_a_checkpoint_callback_it_writes_interrupted_ckpt(tmp_path, small_demo):
     interrupt = InterruptCheckpoint()
     export = HBPExport(str(tmp_path / "exported"))

@@ -42,11 +42,12 @@ class InterruptCheckpoint(StepEndCallback):
     latest checkpoint (``FinalCheckpoint.save_final``: ``last.ckpt`` of ``save_last``), or, when none
     holds the step with the trainer's state, ``interrupted.ckpt`` in the first checkpoint callback's
     ``dirpath``, else ``<log_dir>/checkpoints``, else ``default_root_dir``. Then ``should_stop`` is
-    set, the validation Lightning would run on a stop is skipped (it can take long; a resume from a
-    step-end save skips a validation scheduled at that step anyway), and every ``ModelCheckpoint``
-    counts the step as saved: its epoch-end hook would otherwise save again after Lightning closed
-    the epoch, and that file would resume at the next epoch. Rank 0 prints the path and the command
-    that resumes (this process's command line with ``--ckpt_path <path>``).
+    set (``min_steps``/``min_epochs`` do not hold it back), the validation Lightning would run on a
+    stop is skipped (it can take long; a resume from a step-end save skips a validation scheduled at
+    that step anyway), and every ``ModelCheckpoint`` counts the step as saved: its epoch-end hook
+    would otherwise save again after Lightning closed the epoch, and that file would resume at the
+    next epoch. Rank 0 prints the path and the command that resumes (the run's command line, the
+    torchrun one under torchrun, with ``--ckpt_path <path>``).
 
     Several processes (DDP, DeepSpeed): a terminal's Ctrl-C reaches every rank, not at the same
     step. At each optimizer-step boundary the ranks all-reduce (max) their request over a gloo
@@ -122,6 +123,10 @@ class InterruptCheckpoint(StepEndCallback):
         for cb in checkpoints:
             cb._last_global_step_saved = step
         trainer.should_stop = True
+        # Lightning keeps training past should_stop until min_steps / min_epochs are met: a Ctrl-C
+        # overrides them for this fit (the resumed run gets them back from its command line).
+        trainer.fit_loop.min_epochs = None
+        trainer.fit_loop.epoch_loop.min_steps = None
         trainer.fit_loop.epoch_loop._skip_next_val = True  # Lightning's own flag: no validation after this step
         self.checkpoint = path
         text = f"Ctrl-C: stopped after optimizer step {step}, saved to {path}\nresume with: {resume_command(path)}"
