@@ -115,6 +115,30 @@ def test_a_second_sp_kind_plugs_into_attention(pool, sp, kv_heads):
         assert max(r["grads"]) < 1e-5, r["grads"]
 
 
+def logged_lines() -> list[str]:
+    """What ``rank_zero_info`` prints on this rank."""
+    import io
+    import logging
+
+    from lightning.pytorch.utilities import rank_zero_info
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        rank_zero_info("from rank zero only")
+    finally:
+        logger.removeHandler(handler)
+    return stream.getvalue().splitlines()
+
+
+def test_spawned_workers_log_on_rank_zero_only(pool):
+    """A process started with ``set_launch_env`` (the benchmarks', the measured search's, these
+    tests') imported Lightning before it knew its rank; rank_zero_info still prints once."""
+    assert pool.run(logged_lines) == [["from rank zero only"]] + [[]] * (WORLD - 1)
+
+
 # -------------------------------------------------------------------------- whole-model parity
 
 

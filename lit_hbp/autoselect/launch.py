@@ -28,7 +28,11 @@ def free_port() -> int:
 
 def set_launch_env(rank: int, world: int, port: int) -> None:
     """What a launcher sets for a process of a one-node world: Lightning inside it then sees an
-    external launch (starts no processes) and DeepSpeed reuses the process group."""
+    external launch (starts no processes) and DeepSpeed reuses the process group. Lightning's
+    rank-zero-only logging learns the rank too: it read the environment when it was imported,
+    which in a spawned process is before this call."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -37,6 +41,7 @@ def set_launch_env(rank: int, world: int, port: int) -> None:
         WORLD_SIZE=str(world),
         NODE_RANK="0",
     )
+    rank_zero_only.rank = rank
 
 
 def _worker(rank: int, port: int, selector: MeasuredSelector, lengths: np.ndarray, run: RunSetting, results) -> None:
