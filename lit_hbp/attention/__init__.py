@@ -236,11 +236,11 @@ def _op_args(q, cu, sinks, max_len: int, scale: float, window, softcap, dropout:
     return _on_device(AttnArgs(cu, int(max_len), scale, window, softcap, sinks, dropout), q)
 
 
-def _op_lse_shape(q, args: AttnArgs) -> tuple[int, ...]:
-    """The op's LSE: [Hq, T] where the backend has a backward kernel for the call, else empty (its
-    backward then recomputes the forward). Decided from device, dtype and features alone, so the
-    fake and the kernel agree."""
-    return tuple(q.shape[1:3]) if lse_kernels(q.device.type, q.dtype, args.needs) is not None else (0,)
+def _op_lse_kernels(q, args: AttnArgs):
+    """The backend's LSE pair for the op's call, or None (its backward then recomputes the forward,
+    and the op's LSE is empty). Decided from device, dtype and features alone, so the fake and the
+    kernel agree."""
+    return lse_kernels(q.device.type, q.dtype, args.needs)
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -256,28 +256,31 @@ def _varlen_op(
     softcap: float | None,
     dropout: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(output [1, T, Hq, D], the LSE its backward kernel takes (``_op_lse_shape``), the dropout seed
+    """(output [1, T, Hq, D], the LSE [Hq, T] its backward kernel takes (empty without one), the dropout seed
     the backward's recomputation replays; 0 without dropout). The output's layout is the varlen
     kernels' own and what the output projection takes: no copy of it on the GPU, and the tensor the
     backward keeps is the one the projection keeps."""
     args = _op_args(q, cu, sinks, max_len, scale, window, softcap, dropout)
     seed = torch.randint(2**62, (), dtype=torch.int64) if dropout else torch.zeros((), dtype=torch.int64)
+    kernels = _op_lse_kernels(q, args)
     with torch.no_grad():
-        if _op_lse_shape(q, args) != (0,):
-            out, lse = lse_kernels(q.device.type, q.dtype, args.needs).forward(q, k, v, args)
+        if kernels is not None:
+            out, lse = kernels.forward(q, k, v, args)
+            lse = lse.to(lse_dtype(q.dtype)).reshape(q.shape[1:3]).contiguous()
         else:
             out, lse = _run_op(q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout), q.new_empty(0)
     out = out.transpose(1, 2).contiguous()
     if any(out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in (q, k, v)):
         out = out.clone()  # a custom op's output never aliases an input
-    return out, lse.to(lse_dtype(q.dtype)).reshape(_op_lse_shape(q, args)).contiguous(), seed
+    return out, lse.to(lse_dtype(q.dtype)), seed
 
 
 @_varlen_op.register_fake
 def _(q, k, v, cu, sinks, max_len, scale, window, softcap, dropout):
-    lse_shape = _op_lse_shape(q, AttnArgs(cu, max_len, scale, window, softcap, sinks, dropout))
+    has_lse = _op_lse_kernels(q, AttnArgs(cu, max_len, scale, window, softcap, sinks, dropout)) is not None
     out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
-    return out, q.new_empty(lse_shape, dtype=lse_dtype(q.dtype)), torch.empty((), dtype=torch.int64)
+    lse = q.new_empty(q.shape[1:3] if has_lse else (0,), dtype=lse_dtype(q.dtype))
+    return out, lse, torch.empty((), dtype=torch.int64)
 
 
 _AUTOGRAD_KEYS = [
