@@ -236,14 +236,18 @@ def test_llama3_8b_recipe_parses(capsys):
 
 
 def run_config(tmp_path, small_demo, config: str, steps: int):
-    """``train.py fit --config configs/<config>`` for ``steps`` optimizer steps in ``tmp_path``."""
+    """``train.py fit --config configs/<config>`` for ``steps`` optimizer steps in ``tmp_path``, the
+    first step of each level first (``levels_first.EachLevelFirst``): every level trains, whatever
+    steps the plan of this machine's demo data draws first."""
     import os
     import subprocess
     import sys
 
     (tmp_path / "demo_data").symlink_to(small_demo)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    args = ["fit", "--config", str(ROOT / "configs" / config), "--trainer.max_steps", str(steps)]
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    args = ["fit", "--config", str(ROOT / "configs" / config), "--trainer.max_steps", str(steps),
+            "--trainer.callbacks+=levels_first.EachLevelFirst"]  # fmt: skip
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args, "--trainer.enable_progress_bar", "false"],
         cwd=tmp_path,
