@@ -286,9 +286,9 @@ def check_sp_setup(levels: Sequence[Any], world_size: int, model: Any) -> None:
     """The levels against the world (every sp divides it) and, when they use sequence parallelism and
     the model's shape is known, against its attention heads and layers: HBPStrategy's own checks at
     setup, run from the config alone."""
-    from lit_hbp.packing.levels import validate_levels
+    from lit_hbp.packing.levels import as_level, validate_levels
 
-    levels = validate_levels(levels, world_size)
+    levels = validate_levels([as_level(x, f"data.levels[{i}]") for i, x in enumerate(levels)], world_size)
     if all(lv.sp == 1 for lv in levels):
         return
     config = _model_config(model)

@@ -41,7 +41,7 @@ from lit_hbp.checks import (
     did_you_mean,
 )
 from lit_hbp.data.datamodule import HBPDataModule
-from lit_hbp.errors import UserInputError
+from lit_hbp.errors import ConfigError, UserInputError
 from lit_hbp.module import HBPLitModule
 
 INTERRUPTED = 130  # the shell's status of a program ended by Ctrl-C (128 + SIGINT)
@@ -58,6 +58,19 @@ UNKNOWN_OPTION = re.compile(r"does not accept option '([^']+)'|Option '([^']+)' 
 
 def _debug() -> bool:
     return any(os.environ.get(name, "").lower() in ("1", "true") for name in (DEBUG_ENV, PARSER_DEBUG_ENV))
+
+
+def user_error_in(error: BaseException) -> UserInputError | None:
+    """The user's mistake behind ``error``: itself, or the ``UserInputError`` it was raised from (a config
+    value checked while jsonargparse instantiates a class, e.g. a data source, surfaces wrapped in its
+    ValueError)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UserInputError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def report_user_error(error: Exception) -> NoReturn:
@@ -234,11 +247,54 @@ def resume_in_run_folder(section: Any) -> None:
         rank_zero_info(f"resuming in the run folder {run_dir} (logs continue there)")
 
 
+class PreviewCLI(HBPCLI):
+    """``lit-hbp preview``: the config parsed as ``fit`` parses it (files, command line, interpolations),
+    only the data module built, and its first samples printed (``lit_hbp.preview``)."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_argument("--n", type=int, default=3, help="how many samples to show")
+        parser.add_argument(
+            "--json", action="store_true",
+            help='one JSON object per sample and line: {"source", "line", "input_ids", "supervised"}',
+        )  # fmt: skip
+
+    def before_instantiate_classes(self) -> None:
+        if self.config.n < 1:
+            report_user_error(ConfigError(f"--n must be >= 1, got {self.config.n}"))
+
+    def instantiate_classes(self) -> None:
+        data = LightningArgumentParser(exit_on_error=False)
+        data.add_lightning_class_args(HBPDataModule, "data")
+        self.datamodule = data.instantiate_classes(data.parse_object({"data": self.config.data.as_dict()})).data
+
+
+def preview_main(args: list[str]) -> PreviewCLI:
+    """``lit-hbp preview --config CONFIG [--data.* ...] [--n N] [--json]``."""
+    from lit_hbp.preview import preview
+
+    try:
+        cli = PreviewCLI(
+            HBPLitModule, HBPDataModule, parser_kwargs={"parser_mode": "omegaconf+"}, args=args, run=False,
+            save_config_callback=None,
+        )  # fmt: skip
+        preview(cli.datamodule, cli.config.n, cli.config.json)
+    except ValueError as e:
+        if _debug() or user_error_in(e) is None:
+            raise
+        report_user_error(user_error_in(e))
+    return cli
+
+
 def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     """Parse the command line (or ``args``), build trainer, model and data; fit unless ``run=False``.
-    A mistake in the config or the data (``UserInputError``) ends it with a short error and exit status 2."""
+    A mistake in the config or the data (``UserInputError``) ends it with a short error and exit status 2.
+    ``preview`` shows the data's first samples as they train (``lit_hbp.preview``)."""
     # Configs write ${data.x} whether or not a subcommand (fit.) prefixes the parsed tree.
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["preview"]:
+        return preview_main(argv[1:])
     try:
         cli = HBPCLI(
             HBPLitModule,
@@ -249,10 +305,10 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
             args=args,
             run=run,
         )
-    except UserInputError as e:
-        if _debug():
+    except ValueError as e:  # UserInputError is a ValueError
+        if _debug() or user_error_in(e) is None:
             raise
-        report_user_error(e)
+        report_user_error(user_error_in(e))
     if any(isinstance(c, InterruptCheckpoint) and c.checkpoint for c in cli.trainer.callbacks):
         sys.exit(INTERRUPTED)  # saved and stopped early: `fit ... && export ...` must not go on
     return cli

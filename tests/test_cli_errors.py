@@ -52,6 +52,14 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             f"model.model: '{tmp / 'checkpoint'}' is neither a checkpoint folder",
         ),
         "abbreviated option": (["--trainer.max_step", "3"], "(did you mean 'trainer.max_steps'?)"),
+        "misspelled record format": (
+            ["--data.sources", f"[{{path: {demo / 'short.jsonl'}, format: sharegtp}}]"],
+            "format 'sharegtp' is not a record format (did you mean 'sharegpt'?); formats: auto, openai, sharegpt",
+        ),
+        "bad level count": (
+            ["--data.levels", "[{pack_len: 4x}]", "--model.model.max_position_embeddings", "4096"],
+            "data.levels[0]: pack_len must be a whole number (e.g. 4096, or 4K = 4096, 1M = 1048576), got '4x'",
+        ),
         "missing tokenizer": (
             ["--data.tokenizer", str(demo.parent / "tokenzer")],
             f"data.tokenizer: '{demo.parent / 'tokenzer'}' is neither a local folder",
@@ -60,7 +68,8 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
 
 
 CASES = ["malformed JSON", "record without messages", "empty file", "over-length", "misspelled source field",
-         "misspelled model key", "missing model folder", "abbreviated option", "missing tokenizer"]  # fmt: skip
+         "misspelled model key", "missing model folder", "abbreviated option", "missing tokenizer",
+         "misspelled record format", "bad level count"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -39,12 +39,15 @@ def chat(user, assistant):
         ("[1, 2]", "bad.jsonl:2: expected a JSON object, got list"),
         ('{"messages": "hi"}', "bad.jsonl:2: field 'messages' must be list, got str"),
         ('{"messages": [{"role": "user"}]}', "bad.jsonl:2: messages[0] has no 'content' field"),
-        ('{"messages": [{"role": "user", "content": 5}]}', "bad.jsonl:2: messages[0].content must be str, got int"),
+        (
+            '{"messages": [{"role": "user", "content": 5}]}',
+            "bad.jsonl:2: messages[0].content must be str or a list of text parts, got int",
+        ),
         ('{"messages": ["hi"]}', "bad.jsonl:2: messages[0] must be an object with role and content"),
         ('{"prompt": "hi"}', "bad.jsonl:2: record has 'prompt' but no 'response'"),
         ('{"prompt": "hi", "response": 3}', "bad.jsonl:2: field 'response' must be str, got int"),
         ('{"text": null}', "bad.jsonl:2: field 'text' must be str, got NoneType"),
-        ('{"question": "hi"}', "bad.jsonl:2: record has none of the fields 'messages', 'prompt'/'response', 'text'"),
+        ('{"question": "hi"}', "bad.jsonl:2: record has none of the fields 'messages', 'conversations'"),
     ],
 )
 def test_bad_records_name_file_line_and_field(tmp_path, toy_tokenizer, line, message):
@@ -59,7 +62,7 @@ def test_missing_file_and_unknown_format(tmp_path):
     with pytest.raises(DataError, match="data source not found"):
         list(iter_records(Source(str(tmp_path / "nope.jsonl"))))
     (tmp_path / "data.csv").write_text("a,b\n")
-    with pytest.raises(DataError, match="cannot tell the format"):
+    with pytest.raises(DataError, match="cannot tell the file type"):
         list(iter_records(Source(str(tmp_path / "data.csv"))))
     with pytest.raises(ValueError, match="give repeat or weight, not both"):
         Source("x.jsonl", repeat=2, weight=1)
@@ -252,7 +255,7 @@ def test_parquet_and_hf_disk_sources(tmp_path, toy_tokenizer):
     a = tokenize_source(Source(str(tmp_path / "d.parquet")), tok, progress=False)
     b = tokenize_source(Source(str(tmp_path / "hf")), tok, progress=False)
     assert np.array_equal(a.ids, b.ids) and len(a) == 2
-    assert a.where(1) == f"{tmp_path / 'd.parquet'}:row 1"
+    assert a.where(1) == f"{tmp_path / 'd.parquet'}:row 2"
     with pytest.raises(DataError, match="split 'test' not found"):
         tokenize_source(Source(str(tmp_path / "hf"), split="test"), tok, progress=False)
 
@@ -289,13 +292,23 @@ def test_over_length_error_drop_truncate_name_the_samples(tmp_path, toy_tokenize
     dropped = SampleStore.build([src], limit, "drop")
     assert dropped.lengths.size == 1 and dropped.report["dropped"] == [src.where(1), src.where(2)]
     cut = SampleStore.build([src], limit, "truncate")
-    # The long answer keeps the first `limit` tokens, some of them supervised; the long prompt keeps
-    # no supervised token, so it is dropped and reported.
-    assert cut.lengths.tolist() == [lengths[0], limit]
+    # The long answer keeps its first `limit` tokens (it is supervised throughout, from its start); the
+    # long prompt keeps its last ones: the end of the question and the whole answer.
+    assert cut.lengths.tolist() == [lengths[0], limit, limit]
+    full_ids, full_target = src.sample(1)
     ids, target = cut.tokens(1)
-    assert ids.size == limit and cut.loss_tokens[1] == target[1:].sum() > 0
-    assert cut.report["truncated_to_nothing"] == [src.where(2)]
-    assert "dropped: no supervised token left after truncation" in cut.summary()
+    first = int(np.flatnonzero(full_target)[0])
+    assert ids.tolist() == full_ids[first - 1 : first - 1 + limit].tolist()
+    assert cut.loss_tokens[1] == target.sum() == target[1:].sum() == limit - 1
+    full_ids, full_target = src.sample(2)
+    ids, target = cut.tokens(2)
+    assert ids.tolist() == full_ids[-limit:].tolist() and target.tolist() == [False, *full_target[-limit + 1 :]]
+    assert cut.loss_tokens[2] == full_target.sum() > 0
+    assert cut.report["truncated_to_nothing"] == [] and cut.report["truncated"] == [src.where(1), src.where(2)]
+    assert [t["kept"] for t in cut.report["truncation"]] == [
+        [first - 1, first - 1 + limit],
+        [lengths[2] - limit, lengths[2]],
+    ]
 
 
 def test_data_report_lists_every_sample_it_did_not_train(tmp_path, toy_tokenizer):

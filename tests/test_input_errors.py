@@ -14,9 +14,11 @@ from lit_hbp.callbacks import PackingMetrics
 from lit_hbp.costmodel import HARDWARE, CostModel
 from lit_hbp.data import sources as sources_module
 from lit_hbp.data.datamodule import HBPDataModule
-from lit_hbp.data.sources import DataError, Source, to_conversation
+from lit_hbp.data.records import RecordReader
+from lit_hbp.data.sources import DataError, Source
 from lit_hbp.data.store import SampleStore
 from lit_hbp.data.tokenize import tokenize_source
+from lit_hbp.errors import ConfigError
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing import Level, plan_hbp
 from lit_hbp.simulate import simulate
@@ -82,8 +84,10 @@ def test_directory_broken_link_and_unreadable_sources_say_what_is_wrong(tmp_path
     folder = tmp_path / "data"
     folder.mkdir()
     write_jsonl(folder / "chats.jsonl", [SHORT])
-    with pytest.raises(DataError, match=f"data source {folder} is a directory, but format jsonl reads a file"):
-        tokenize_source(Source(str(folder), format="jsonl"), tok, progress=False)
+    with pytest.raises(DataError, match=f"data source {folder} is a directory, but file_type jsonl reads a file"):
+        tokenize_source(Source(str(folder), file_type="jsonl"), tok, progress=False)
+    with pytest.raises(ConfigError, match="format 'jsonl' is a file type: write file_type: jsonl"):
+        Source(str(folder), format="jsonl")
     with pytest.raises(DataError) as e:
         tokenize_source(Source(str(folder)), tok, cache_dir=tmp_path / "cache", progress=False, label="sources[0]")
     assert str(e.value) == (
@@ -91,8 +95,8 @@ def test_directory_broken_link_and_unreadable_sources_say_what_is_wrong(tmp_path
         "(it has no dataset_dict.json or state.json): give a .jsonl or .parquet file as the path; "
         "it holds chats.jsonl"
     )
-    with pytest.raises(DataError, match="is a file, but format hf reads a folder"):
-        tokenize_source(Source(str(folder / "chats.jsonl"), format="hf"), tok, progress=False)
+    with pytest.raises(DataError, match="is a file, but file_type hf reads a folder"):
+        tokenize_source(Source(str(folder / "chats.jsonl"), file_type="hf"), tok, progress=False)
 
     link = tmp_path / "gone.jsonl"
     link.symlink_to(tmp_path / "deleted.jsonl")
@@ -135,9 +139,9 @@ def test_unknown_role_names_role_file_line_known_roles_and_closest(tmp_path, tok
     ids, target = flat_tokens(t)
     assert len(t) == 1 and tok.decode(ids[target].tolist()) == "world<|end|>\n"
     # A role of some templates' own, far from every known one: kept, said once, not supervised.
-    other = {"messages": [{"role": "user", "content": "hi"}, {"role": "observation", "content": "x"}]}
-    with pytest.warns(UserWarning, match=r"role 'observation' is none of system, user"):
-        to_conversation(other, "o.jsonl:1")
+    other = {"messages": [{"role": "user", "content": "hi"}, {"role": "critic", "content": "x"}]}
+    with pytest.warns(UserWarning, match=r"role 'critic' is none of system, user"):
+        RecordReader().read(other, "o.jsonl:1")
 
 
 # ----------------------------------------------------------------- 3. occurrences beside records

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lit_hbp.errors import ConfigError
 from lit_hbp.packing import Level, plan_hbp, plan_single_level, plan_sorted_batching
+from lit_hbp.packing.levels import as_level
 
 settings.register_profile("ci", deadline=None, max_examples=60)
 settings.load_profile("ci")
@@ -293,6 +295,17 @@ def test_level_validation_and_parsing():
         Level(10.5)
     with pytest.raises(ValueError, match="smaller than its sp"):
         Level(2, 4)
+    # A config's mapping takes the suffixes its strings take; a bad value names the level and the field.
+    assert as_level({"pack_len": "4k", "sp": "2", "ckpt_layers": 3}) == Level(4096, 2, 3)
+    for bad, message in [
+        ({"pack_len": "4x"}, r"data.levels\[1\]: pack_len must be a whole number .* got '4x'"),
+        ({"pack_len": 4096.5}, r"data.levels\[1\]: pack_len must be a whole number"),
+        ({"pack_len": 4096, "spp": 2}, r"data.levels\[1\]: unknown level field\(s\) \['spp'\]"),
+        ("4K:x", r"data.levels\[1\]: bad level spec '4K:x'"),
+        ([4096], r"data.levels\[1\]: cannot read a level from \[4096\]"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            as_level(bad, "data.levels[1]")
 
 
 def test_packing_core_does_not_import_torch():

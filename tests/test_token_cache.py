@@ -23,7 +23,7 @@ import lit_hbp.data.sources as sources_module
 import lit_hbp.data.tokenize as tokenize_module
 from lit_hbp.data.cache import CacheWriter, id_dtype, is_complete, mask_spans, spans_mask
 from lit_hbp.data.sources import Source, iter_chunks, iter_records
-from lit_hbp.data.store import SampleStore
+from lit_hbp.data.store import SampleStore, truncation_window
 from lit_hbp.data.tokenize import _load, tokenize_source
 from lit_hbp.errors import ConfigError, DataError
 
@@ -164,7 +164,7 @@ def synthetic_cache(folder: Path, lengths: np.ndarray, seed: int = 0):
             spans.append(runs)
             counts.append(len(runs))
         writer.append(np.concatenate(ids), part, np.arange(lo, lo + part.size) + 1, np.concatenate(spans), counts)
-    writer.commit(dict(skipped={}, skipped_where={}))
+    writer.commit(dict(skipped={}, skipped_where={}, metadata={}))
     return masks
 
 
@@ -186,12 +186,24 @@ def test_set_up_memory_grows_with_samples_not_tokens(tmp_path):
     tracemalloc.stop()
     assert lengths.sum() > 15_000_000
     assert peak < 64 * lengths.size + ids.nbytes + target.nbytes + 200_000, peak
-    expected = np.asarray([int(m[:32_768].sum()) for m in masks])
-    assert store.loss_tokens.tolist() == expected[expected > 0].tolist()  # truncated to nothing: dropped
-    assert store.lengths.tolist() == np.minimum(lengths, 32_768)[expected > 0].tolist()
-    assert len(store.report["truncated_to_nothing"]) == (expected == 0).sum() > 0
+    # Brute force: the supervised targets (after the window's first token) of every window, the best one.
+    best = [best_window(m, 32_768) for m in masks]
+    assert store.loss_tokens.tolist() == [kept for _, kept in best]
+    assert store.lengths.tolist() == np.minimum(lengths, 32_768).tolist()
+    assert store.starts.tolist() == [start for start, _ in best] and store.starts.any()
     row = int(rest.row_of[0])
-    assert np.array_equal(target, masks[row][: rest.lengths[0]]) and ids.dtype == np.uint16
+    start = int(rest.starts[0])
+    want = masks[row][start : start + rest.lengths[0]].copy()
+    want[0] = False
+    assert np.array_equal(target, want) and ids.dtype == np.uint16
+
+
+def best_window(mask: np.ndarray, max_len: int) -> tuple[int, int]:
+    """(start, supervised targets kept) of the earliest window of ``max_len`` tokens keeping the most
+    targets, by trying every start (a window's first token is no target)."""
+    counts = [int(mask[s + 1 : s + max_len].sum()) for s in range(max(mask.size - max_len, 0) + 1)]
+    start = int(np.argmax(counts))
+    return start, counts[start] if mask.size > max_len else int(mask[1:].sum())
 
 
 def test_loss_tokens_of_rows_with_a_cut_equal_the_masks(tmp_path):
@@ -200,9 +212,23 @@ def test_loss_tokens_of_rows_with_a_cut_equal_the_masks(tmp_path):
     masks = synthetic_cache(tmp_path / "c", lengths, seed=3)
     t = _load(tmp_path / "c", Source(str(write_jsonl(tmp_path / "c.jsonl", [{"text": "x"}]))))
     rows = rng.choice(200, 50, replace=False)
-    upto = rng.integers(0, 320, 50)
-    assert t.loss_tokens(rows, upto).tolist() == [int(masks[r][:u].sum()) for r, u in zip(rows, upto)]
+    starts, length = rng.integers(0, 40, 50), 120
+    want = [int(masks[r][s + 1 : s + length].sum()) for r, s in zip(rows, starts)]
+    assert t.loss_tokens(rows, (starts, length)).tolist() == want
     assert t.loss_tokens().tolist() == [int(m.sum()) for m in masks]
+
+
+@settings(max_examples=300)
+@given(st.lists(st.booleans(), min_size=1, max_size=80), st.integers(1, 90))
+def test_truncation_window_is_the_earliest_best_window(bits, max_len):
+    """Against trying every start: the window keeping the most supervised targets, the earliest."""
+    mask = np.array(bits)
+    mask[0] = False  # a sample's first token is never a target
+    start = truncation_window(mask_spans(mask), mask.size, max_len)
+    assert (
+        start,
+        int(mask[start + 1 : start + max_len].sum()) if mask.size > max_len else int(mask.sum()),
+    ) == best_window(mask, max_len)
 
 
 def _tokenize_in_process(path: str, tok: str, cache: str, chunk: int) -> tuple[int, bool, int]:
@@ -311,11 +337,11 @@ def test_pre_tokenized_sources_are_taken_as_they_are(tmp_path, toy_tokenizer, fm
 @pytest.mark.parametrize(
     "record, message",
     [
-        (dict(input_ids=[1, 2, 10**6], labels=[1, 2, 10**6]), r"row 1: input_ids holds token id 1000000, outside"),
-        (dict(input_ids=[1, 2, 3], labels=[1, 2]), r"row 1: labels has 2 entries for 3 input_ids"),
-        (dict(input_ids=[1, 2, 3], labels=[-100, 5, 3]), r"row 1: labels\[1\] = 5 is neither -100 nor input_ids"),
-        (dict(input_ids=[1, 2, 3], assistant_masks=[0, 1]), r"row 1: assistant_masks has 2 entries for 3"),
-        (dict(input_ids=[1, -2, 3], labels=None), r"row 1: input_ids holds token id -2"),
+        (dict(input_ids=[1, 2, 10**6], labels=[1, 2, 10**6]), r"row 2: input_ids holds token id 1000000, outside"),
+        (dict(input_ids=[1, 2, 3], labels=[1, 2]), r"row 2: labels has 2 entries for 3 input_ids"),
+        (dict(input_ids=[1, 2, 3], labels=[-100, 5, 3]), r"row 2: labels\[1\] = 5 is neither -100 nor input_ids"),
+        (dict(input_ids=[1, 2, 3], assistant_masks=[0, 1]), r"row 2: assistant_masks has 2 entries for 3"),
+        (dict(input_ids=[1, -2, 3], labels=None), r"row 2: input_ids holds token id -2"),
     ],
 )
 def test_bad_pre_tokenized_records_name_the_row_and_the_problem(tmp_path, toy_tokenizer, record, message):

@@ -245,7 +245,11 @@ def run_config(tmp_path, small_demo, config: str, steps: int):
 
     (tmp_path / "demo_data").symlink_to(small_demo)
     tests = str(Path(__file__).parent)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+    }
     args = ["fit", "--config", str(ROOT / "configs" / config), "--trainer.max_steps", str(steps),
             "--trainer.callbacks+=levels_first.EachLevelFirst"]  # fmt: skip
     return subprocess.run(

@@ -149,38 +149,54 @@ class PlanLoader(DataLoader):
 class HBPDataModule(L.LightningDataModule):
     """Level-tagged, attention-balanced packed micro-batches for HBP training.
 
+    Validation is planned with the training levels (balanced, no curriculum, the same plan every time)
+    and sharded so every validation sample is evaluated once per run over ranks and SP groups.
+
     Args:
-        sources: data sources (paths with optional repeat/weight), e.g. a short chat set and a
-            long-context set.
-        tokenizer: path of a local Hugging Face tokenizer (its chat template renders chat records unless
-            ``chat_template`` is given).
-        chat_template: the chat template to render chat records with, instead of the tokenizer's own: a
-            Jinja string, a path to a template file, or a built-in name (``tags``, ``plain``: see
-            ``lit_hbp.data.tokenize.CHAT_TEMPLATES``; each ends an assistant turn with the tokenizer's
-            EOS). It is set on the tokenizer, which checkpoints and the export carry. A tokenizer without
-            a template and no ``chat_template`` can tokenize only ``{"text"}`` records.
-        levels: the HBP levels, e.g. ``["16K:1", "128K:8:28"]`` or Level mappings; or a
-            ``LevelSelector`` that chooses them at set-up for this model, data and world with the
-            paper's auto-selection: ``lit_hbp.autoselect.AnalyticSelector`` (cost model) or
-            ``MeasuredSelector`` (a few real training steps per candidate on the run's own world).
-        packer: packing algorithm of every level (see ``lit_hbp.packing.PACKERS``).
-        over_length: samples longer than the largest level: ``error`` | ``drop`` | ``truncate``.
-        train_on: supervise ``assistant`` turns only, or ``all`` tokens.
+        sources: the training data, a list of paths or of mappings ``{path, format, file_type, repeat |
+            weight, split, subset, fields, roles}`` (``--data.sources.help`` describes each field). path:
+            a .jsonl file, a .json file (a JSON array or JSON Lines), .parquet, .arrow, a
+            ``datasets.save_to_disk`` folder, or ``org/name`` of a Hub data set in the local cache.
+            format: auto (by each record's fields) | openai ({"messages", "tools"}: tool calls, tool
+            results, content parts, per-message weight 0/1) | sharegpt ({"conversations": [{"from",
+            "value"}], "system", "tools"}) | alpaca ({"instruction", "input", "output", "system",
+            "history"}) | prompt_response | text | tokens (pre-tokenized input_ids with labels or
+            assistant_masks). fields renames a format's fields ({messages: dialog, role: speaker}),
+            roles maps a data set's role names onto chat roles ({bot: assistant}).
+        tokenizer: a local Hugging Face tokenizer folder, or a tokenizer in the Hugging Face cache by its
+            name; its chat template renders chat records unless ``chat_template`` is given.
+        levels: the HBP levels, e.g. ``["16K:1", "128K:8:28"]`` (PACK_LEN[:SP[:CKPT_LAYERS[:PACKS_PER_RANK]]],
+            K = 1024) or mappings ``{pack_len: 16K, sp: 1, ckpt_layers: 0, packs_per_rank: 1, ulysses,
+            cp, sp_kind}``; or a ``LevelSelector`` that chooses them at set-up for this model, data and
+            world with the paper's auto-selection: ``lit_hbp.autoselect.AnalyticSelector`` (cost model)
+            or ``MeasuredSelector`` (a few real training steps per candidate on the run's own world).
+        packer: packing algorithm of every level: bfd (default) | ffd | ffs | greedy | isf | mffd |
+            random | spfhp (``lit_hbp.packing.PACKERS``).
+        over_length: samples longer than the largest level: error (default: stop, naming them) | drop |
+            truncate (keep the window with the most supervised tokens: unsupervised tokens, such as the
+            start of a long document, are cut first, the answer kept while it fits). Every dropped or
+            truncated sample is counted in the log and listed in data_report.json.
+        train_on: which turns of a chat train: assistant (default: every assistant turn, tool calls
+            included) | last_assistant (the last assistant turn only) | all (every token); a message's
+            ``weight`` (0 or 1) decides for its own turn.
         seed: seed of mixing and of the plan (epoch e plans with seed + e).
         cache_dir: where tokenized sources are cached (one cache a source, tokenizer and setting,
             written once by one process while every other rank and node waits on its lock: put it
             on a file system they share).
-        num_proc: processes that tokenize a source; None (default): every core of the node for a
-            source over 8 MB (or 8,192 rows), the main process for a smaller one.
         num_workers: DataLoader worker processes for collation; None (default): 2 when training on
             a GPU, where batches are also pinned and prefetched so the copy overlaps the step, else 0.
         demo_dir: build the embedded demo data set and tokenizer here if missing
             (``python -m lit_hbp.demo``); the tiny configs point their sources at it.
-        val_sources: validation data (same formats as ``sources``), every record once.
+        val_sources: validation data (the same forms as ``sources``), every record once.
         val_fraction: also hold out this seeded fraction of the training records (every repeat of
             a held-out record leaves training) for validation.
-        Validation is planned with the training levels (balanced, no curriculum, the same plan every
-        time) and sharded so every validation sample is evaluated once per run over ranks and SP groups.
+        chat_template: the chat template to render chat records with, instead of the tokenizer's own: a
+            Jinja string, a path to a template file, or a built-in name: tags | plain (each ends an
+            assistant turn with the tokenizer's EOS). It is set on the tokenizer, which checkpoints and
+            the export carry. A tokenizer without a template and no ``chat_template`` can tokenize only
+            ``{"text"}`` and pre-tokenized records.
+        num_proc: processes that tokenize a source; None (default): every core of the node for a
+            source over 8 MB (or 8,192 rows), the main process for a smaller one.
     """
 
     def __init__(
@@ -205,7 +221,7 @@ class HBPDataModule(L.LightningDataModule):
         if packer not in PACKERS:
             raise ConfigError(f"unknown packer {packer!r}; choose one of {sorted(PACKERS)}")
         if train_on not in TRAIN_ON:
-            raise ConfigError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+            raise ConfigError(f"data.train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
         if not sources:
             raise ConfigError("no data sources given")
         self.sources = [Source.of(s, f"sources[{i}]") for i, s in enumerate(sources)]
@@ -225,7 +241,7 @@ class HBPDataModule(L.LightningDataModule):
                 f"got {levels!r}"
             )
         else:
-            self.levels = tuple(as_level(x) for x in levels)
+            self.levels = tuple(as_level(x, f"data.levels[{i}]") for i, x in enumerate(levels))
             # Checked against the real world size at setup; here only what needs no world.
             validate_levels(self.levels, math.lcm(*(lv.sp for lv in self.levels)) if self.levels else 1)
         self.packer, self.over_length, self.train_on, self.seed = packer, over_length, train_on, seed
@@ -325,6 +341,10 @@ class HBPDataModule(L.LightningDataModule):
             source, self.tokenizer, self.train_on, self.cache_dir, progress, label=label, num_proc=self.num_proc
         )
 
+    def tokenize_sources(self, progress: bool = True) -> list[TokenizedSource]:
+        """Every training source tokenized (from its cache when it has one), in the order given."""
+        return [self._tokenize(s, f"sources[{i}]", progress) for i, s in enumerate(self.sources)]
+
     def prepare_data(self) -> None:
         """Tokenize every source into the cache (Lightning calls it on one process per node; the cache
         lock makes the nodes take turns on a shared cache_dir)."""
@@ -346,7 +366,7 @@ class HBPDataModule(L.LightningDataModule):
                 "nothing to validate: the data has no validation split; set data.val_fraction (a share of the "
                 "training records held out) or data.val_sources"
             )
-        tokenized = [self._tokenize(s, f"sources[{i}]", rank == 0) for i, s in enumerate(self.sources)]
+        tokenized = self.tokenize_sources(progress=rank == 0)
         store = SampleStore.build(tokenized, None, self.over_length, self.seed)
         if self.levels is None:
             if self.trainer is None:

@@ -1,10 +1,10 @@
-"""Training data sources: JSONL, parquet, Arrow files and Hugging Face datasets saved to disk.
+"""Training data sources: where records come from and how the files are read.
 
-A record is one of four shapes, checked here (or, pre-tokenized, in ``lit_hbp.data.tokenize``) so a
-bad line is reported with its file and line: chat ``{"messages": [{"role": ..., "content": ...}]}``,
-``{"prompt": ..., "response": ...}``, plain ``{"text": ...}``, or pre-tokenized ``{"input_ids": [...]}``
-with ``labels`` or ``assistant_masks``. Sources are read in chunks (``iter_chunks``), so no source is
-ever held whole in memory.
+A source is a JSONL file, a ``.json`` file holding an array of records, a parquet or Arrow file, a
+``datasets.save_to_disk`` folder, or a Hugging Face Hub data set in the local cache (``org/name``,
+read offline). What a record says is the business of ``lit_hbp.data.records`` (its ``format``).
+Sources are read in chunks (``iter_chunks``), so no source is ever held whole in memory; every
+record keeps its location, ``file:line`` (JSONL) or ``file:row N`` (rows count from 1, like lines).
 """
 
 from __future__ import annotations
@@ -13,22 +13,21 @@ import dataclasses
 import difflib
 import json
 import os
-import warnings
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
-from lit_hbp.errors import DataError  # noqa: F401  (re-exported: lit_hbp.data.sources.DataError)
+from lit_hbp.data.records import RECORD_FORMATS, RecordReader
+from lit_hbp.errors import ConfigError, DataError
 
-FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf")
-# Chat roles a record may use. A role outside these is a typo far more often than a real role, and
-# a misspelled "assistant" would silently lose every supervised token of the record.
-KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
-ROLE_TYPO_CUTOFF = 0.7  # assitant / assistant 0.94, usr / user 0.86; model / developer 0.43
-_roles_said: set[str] = set()
+FILE_TYPES = ("auto", "jsonl", "json", "parquet", "arrow", "hf", "hub")
 # What ``datasets.save_to_disk`` writes into a folder: a DatasetDict, or a single Dataset.
 HF_MARKERS = ("dataset_dict.json", "state.json")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+# A Hub data set's name: ``org/name`` (letters, digits, ``-``, ``_``, ``.``).
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # A chunk: what a tokenizer worker takes at a time (a few hundred chats), and all the source the
 # main process holds at once.
 CHUNK_BYTES = 1 << 20
@@ -39,18 +38,34 @@ CHUNK_ROWS = 1024
 class Source:
     """One training data source.
 
-    path: a .jsonl/.json file, a .parquet file, or a folder written by ``datasets.save_to_disk``.
-    repeat: how many times the source enters an epoch (2.0 = twice, 0.5 = a seeded half).
-    weight: alternatively, the source's share of the epoch's samples relative to the other
-        sources' weights (the epoch keeps the total sample count of all sources).
-    split: the split to read from a saved ``DatasetDict``.
+    Args:
+        path: a .jsonl file, a .json file (a JSON array of records, or JSON Lines), a .parquet or .arrow
+            file, a folder written by ``datasets.save_to_disk``, or ``org/name`` of a Hugging Face Hub data
+            set in the local cache (as ``hf download --repo-type dataset`` or ``datasets.load_dataset``
+            left it; read offline).
+        format: the records' format: ``auto`` (by each record's fields), ``openai``, ``sharegpt``,
+            ``alpaca``, ``prompt_response``, ``text`` or ``tokens`` (``lit_hbp.data.records``).
+        file_type: how the file is read: ``auto`` (by its name), ``jsonl``, ``json``, ``parquet``,
+            ``arrow``, ``hf`` (a ``save_to_disk`` folder) or ``hub``.
+        repeat: how many times the source enters an epoch (2.0 = twice, 0.5 = a seeded half).
+        weight: alternatively, the source's share of the epoch's samples relative to the other
+            sources' weights (the epoch keeps the total sample count of all sources).
+        split: the split to read from a saved ``DatasetDict`` or a Hub data set.
+        subset: the configuration (subset) of a Hub data set that has several.
+        fields: the data set's names of the format's fields, e.g. ``{messages: dialog, role: speaker,
+            content: text}`` (needs a format other than ``auto``).
+        roles: the data set's role names mapped onto chat roles, e.g. ``{bot: assistant, customer: user}``.
     """
 
     path: str
     format: str = "auto"
+    file_type: str = "auto"
     repeat: float | None = None
     weight: float | None = None
     split: str = "train"
+    subset: str | None = None
+    fields: dict[str, str] | None = None
+    roles: dict[str, str] | None = None
 
     @classmethod
     def of(cls, entry: Source | dict | str, label: str) -> Source:
@@ -71,41 +86,98 @@ class Source:
                 raise DataError(f"{label}: unknown source field {key!r}{hint}; a source takes {', '.join(fields)}")
         if "path" not in entry:
             raise DataError(f"{label}: the source has no path: {entry!r}")
-        return cls(**entry)
+        try:
+            return cls(**entry)
+        except ConfigError as e:
+            raise ConfigError(f"{label}: {e}") from None
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise DataError(f"source {self.path}: format must be one of {FORMATS}, got {self.format!r}")
+        if self.format in FILE_TYPES[1:] and self.format not in RECORD_FORMATS:
+            raise ConfigError(
+                f"source {self.path}: format {self.format!r} is a file type: write file_type: {self.format} "
+                f"(format names the records' shape: {', '.join(RECORD_FORMATS)})"
+            )
+        self.reader()  # checks format, fields and roles
+        if self.file_type not in FILE_TYPES:
+            raise ConfigError(
+                f"source {self.path}: file_type must be one of {', '.join(FILE_TYPES)}, got {self.file_type!r}"
+            )
         if self.repeat is not None and self.weight is not None:
-            raise DataError(f"source {self.path}: give repeat or weight, not both")
+            raise ConfigError(f"source {self.path}: give repeat or weight, not both")
         for name in ("repeat", "weight"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
-                raise DataError(f"source {self.path}: {name} must be >= 0, got {value}")
+                raise ConfigError(f"source {self.path}: {name} must be >= 0, got {value}")
 
-    @property
-    def resolved_format(self) -> str:
-        if self.format != "auto":
-            return self.format
+    def __hash__(self) -> int:
+        return hash((self.path, self.format, self.file_type, self.split, self.subset))
+
+    def reader(self) -> RecordReader:
+        """The reader of this source's records (its format, fields and roles)."""
+        return RecordReader(self.format, self.fields, self.roles, label=f"source {self.path}")
+
+    @cached_property
+    def resolved_file_type(self) -> str:
+        if self.file_type != "auto":
+            return self.file_type
         p = Path(self.path)
         if p.is_dir():
             return "hf"
-        if p.suffix in (".jsonl", ".json"):
+        if p.suffix == ".jsonl":
             return "jsonl"
+        if p.suffix == ".json":
+            return "json" if _first_char(p) == "[" else "jsonl"
         if p.suffix == ".parquet":
             return "parquet"
         if p.suffix == ".arrow":
             return "arrow"
-        raise DataError(f"{self.path}: cannot tell the format from the name; set format: jsonl | parquet | arrow | hf")
+        if is_hub_name(self.path):
+            return "hub"
+        raise DataError(
+            f"{self.path}: cannot tell the file type from the name; set file_type: {' | '.join(FILE_TYPES[1:])}"
+        )
+
+    @cached_property
+    def local_path(self) -> Path:
+        """Where the data lie on this machine: the path, or a Hub data set's snapshot in the cache."""
+        if self.resolved_file_type == "hub":
+            folder = hub_dataset(self.path)
+            if folder is None:
+                raise DataError(f"data source {self.path!r}: no Hugging Face Hub data set of that name in the cache")
+            return folder
+        return Path(self.path)
+
+    @property
+    def is_table(self) -> bool:
+        """Read as rows (every file type but JSON Lines)."""
+        return self.resolved_file_type != "jsonl"
 
 
-@dataclass(frozen=True)
-class Conversation:
-    """A normalized record: chat messages, or plain text (``messages`` is None)."""
+def is_hub_name(path: str) -> bool:
+    """Whether ``path`` reads as a Hub data set's ``org/name``: two parts, no data file's suffix, and
+    nothing of that name here."""
+    return bool(HUB_NAME.match(path)) and Path(path).suffix not in DATA_SUFFIXES and not Path(path).exists()
 
-    messages: list[dict] | None
-    text: str | None
-    where: str
+
+def _first_char(path: Path) -> str:
+    """The first character of a file other than whitespace (a BOM counts as whitespace)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    except OSError:
+        return ""
+    return head[:1].decode("ascii", "replace")
+
+
+def hub_dataset(name: str) -> Path | None:
+    """The folder of Hub data set ``name``'s snapshot in the Hugging Face cache, or None (no network asked)."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+        return Path(snapshot_download(name, repo_type="dataset", local_files_only=True))
+    except (ImportError, HFValidationError, LocalEntryNotFoundError, ValueError, OSError):
+        return None
 
 
 def _near_names(path: Path) -> str:
@@ -135,12 +207,24 @@ def _data_files_in(folder: Path, limit: int = 5) -> str:
 
 def check_source(source: Source, label: str | None = None) -> None:
     """Raise a DataError naming the source (``label``, e.g. ``sources[1]``, and its path) when its
-    path cannot be read as its format: missing (or a broken link), a folder where a file is
-    expected or the reverse, not a regular file, or unreadable. Why: otherwise the first thing to
-    touch the path (the cache key's ``stat``, ``open``, ``datasets``) fails with a raw OS error
-    that names neither the source nor the fix."""
+    path cannot be read as its file type: missing (or a broken link), a folder where a file is
+    expected or the reverse, not a regular file, unreadable, or a Hub name the cache does not hold.
+    Why: otherwise the first thing to touch the path (the cache key's ``stat``, ``open``,
+    ``datasets``) fails with a raw OS error that names neither the source nor the fix."""
     path = Path(source.path)
     who = f"{label}: " if label else ""
+    kind = source.file_type
+    if not path.exists() and (kind == "hub" or (kind == "auto" and is_hub_name(source.path))):
+        if hub_dataset(source.path) is None:
+            from huggingface_hub.constants import HF_HUB_CACHE
+
+            folder = Path(HF_HUB_CACHE) / f"datasets--{source.path.replace('/', '--')}"
+            raise DataError(
+                f"{who}data source {source.path!r} is neither a file or folder here (looked for {path.resolve()}) "
+                f"nor a Hugging Face Hub data set in the local cache (looked for {folder}; downloads are off: "
+                f"fetch it first with `hf download --repo-type dataset {source.path}`)"
+            )
+        return
     if not path.exists():
         if path.is_symlink():
             where = f" (a symbolic link to {os.readlink(path)}, which does not exist)"
@@ -150,9 +234,9 @@ def check_source(source: Source, label: str | None = None) -> None:
             where = ""
         raise DataError(f"{who}data source not found: {path}{where}{_near_names(path)}")
     if path.is_dir():
-        if source.format in ("jsonl", "parquet", "arrow"):
+        if kind in ("jsonl", "json", "parquet", "arrow"):
             raise DataError(
-                f"{who}data source {path} is a directory, but format {source.format} reads a file: "
+                f"{who}data source {path} is a directory, but file_type {kind} reads a file: "
                 f"give the file's path{_data_files_in(path)}"
             )
         if not any((path / m).is_file() for m in HF_MARKERS):
@@ -166,9 +250,10 @@ def check_source(source: Source, label: str | None = None) -> None:
         return
     if not path.is_file():
         raise DataError(f"{who}data source {path} is not a regular file (a device, pipe or socket)")
-    if source.format == "hf":
+    if kind in ("hf", "hub"):
         raise DataError(
-            f"{who}data source {path} is a file, but format hf reads a folder written by datasets.save_to_disk"
+            f"{who}data source {path} is a file, but file_type {kind} reads "
+            + ("a folder written by datasets.save_to_disk" if kind == "hf" else "a Hub data set by its name")
         )
     if not os.access(path, os.R_OK):
         raise DataError(f"{who}data source {path} cannot be read (permission denied)")
@@ -186,21 +271,23 @@ def check_sources(sources: Sequence[Source], field: str = "sources") -> None:
 @dataclass(frozen=True)
 class Chunk:
     """A piece of a source that a worker process tokenizes on its own: the raw bytes of whole JSONL
-    lines (``first``: the first one's line number) or a list of table records (``first``: the first
-    one's row). ``size`` is its share of ``source_units`` (bytes or rows), for progress."""
+    lines (``first``: the first one's line number) or a list of records (``first``: the first one's
+    row, from 1; ``record_lines``: each one's line in a JSON array file). ``size`` is its share of
+    ``source_units`` (bytes or rows), for progress."""
 
     first: int
     lines: bytes | None = None
     records: list[dict] | None = None
+    record_lines: list[int] | None = None
     size: int = 0
 
 
 def source_units(source: Source) -> tuple[int, str]:
-    """How much there is to read: (bytes, "B") of a JSONL file, (rows, " rows") of a table."""
-    fmt, path = source.resolved_format, Path(source.path)
-    if fmt == "jsonl":
+    """How much there is to read: (bytes, "B") of a JSONL or JSON file, (rows, " rows") of a table."""
+    kind, path = source.resolved_file_type, source.local_path
+    if kind in ("jsonl", "json"):
         return path.stat().st_size, "B"
-    if fmt == "parquet":
+    if kind == "parquet":
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(path).metadata.num_rows, " rows"
@@ -208,9 +295,10 @@ def source_units(source: Source) -> tuple[int, str]:
 
 
 def _table(source: Source):
-    """A memory-mapped table source: an Arrow IPC file or stream, or a ``datasets.save_to_disk`` folder."""
-    path = Path(source.path)
-    if source.resolved_format == "arrow":
+    """A memory-mapped table source: an Arrow IPC file or stream, a ``datasets.save_to_disk`` folder,
+    or a Hub data set's snapshot read by ``datasets`` (offline: its files are on this machine)."""
+    kind, path = source.resolved_file_type, source.local_path
+    if kind == "arrow":
         import pyarrow as pa
 
         try:
@@ -222,6 +310,11 @@ def _table(source: Source):
                 raise DataError(f"{path}: not an Arrow IPC file or stream ({e})") from None
     import datasets
 
+    if kind == "hub":
+        try:
+            return datasets.load_dataset(str(path), name=source.subset, split=source.split)
+        except ValueError as e:  # an unknown split or subset: datasets names the ones there are
+            raise DataError(f"data source {source.path!r} (the Hub data set in {path}): {e}") from None
     data = datasets.load_from_disk(str(path))
     if isinstance(data, datasets.DatasetDict):
         if source.split not in data:
@@ -232,12 +325,11 @@ def _table(source: Source):
 
 def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int | None = None) -> Iterator[Chunk]:
     """The source in order, a chunk at a time, never holding more than a chunk: JSONL cut at line ends
-    (about ``chunk_bytes`` each, a longer line whole), tables in ``chunk_rows`` records."""
+    (about ``chunk_bytes`` each, a longer line whole), tables and JSON arrays in ``chunk_rows`` records."""
     chunk_bytes, chunk_rows = chunk_bytes or CHUNK_BYTES, chunk_rows or CHUNK_ROWS
-    path = Path(source.path)
     check_source(source)
-    fmt = source.resolved_format
-    if fmt == "jsonl":
+    kind, path = source.resolved_file_type, source.local_path
+    if kind == "jsonl":
         with path.open("rb") as f:
             line, rest = 1, b""
             while True:
@@ -252,28 +344,113 @@ def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int 
                 if cut:  # else one line longer than the block so far: read on
                     yield Chunk(first=line, lines=data[:cut], size=cut)
                     line += data.count(b"\n", 0, cut)
-    elif fmt == "parquet":
+    elif kind == "json":
+        yield from _array_chunks(path, chunk_bytes, chunk_rows)
+    elif kind == "parquet":
         import pyarrow.parquet as pq
 
-        row = 0
+        row = 1
         for batch in pq.ParquetFile(path).iter_batches(batch_size=chunk_rows):
             yield Chunk(first=row, records=batch.to_pylist(), size=batch.num_rows)
             row += batch.num_rows
     else:
         table = _table(source)
         for row in range(0, len(table), chunk_rows):
-            part = table.slice(row, chunk_rows) if fmt == "arrow" else table[row : row + chunk_rows]
-            records = part.to_pylist() if fmt == "arrow" else [dict(zip(part, v)) for v in zip(*part.values())]
-            yield Chunk(first=row, records=records, size=len(records))
+            part = table.slice(row, chunk_rows) if kind == "arrow" else table[row : row + chunk_rows]
+            records = part.to_pylist() if kind == "arrow" else [dict(zip(part, v)) for v in zip(*part.values())]
+            yield Chunk(first=row + 1, records=records, size=len(records))
+
+
+def _array_chunks(path: Path, chunk_bytes: int, chunk_rows: int) -> Iterator[Chunk]:
+    """The records of a JSON array file, ``chunk_rows`` at a time, each with the line it starts on;
+    read ``chunk_bytes`` at a time (more while one record is longer), never the whole file."""
+    decoder = json.JSONDecoder()
+    with path.open("rb") as f:
+        text, pos, line, done, read = "", 0, 1, False, 0
+
+        def more(n: int) -> None:
+            nonlocal text, pos, line, done, read
+            block = f.read(n)
+            done = not block
+            read += len(block)
+            line += text.count("\n", 0, pos)
+            try:
+                text = text[pos:] + block.decode("utf-8")
+            except UnicodeDecodeError:  # a block may end inside a character: take the rest of it
+                rest = f.read(3)
+                read += len(rest)
+                try:
+                    text = text[pos:] + (block + rest).decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}: not valid UTF-8 ({e.reason} near byte {read})") from None
+            pos = 0
+
+        def next_char() -> str:
+            """Skip whitespace (reading on as needed); the next character, or "" at the end of the file."""
+            nonlocal pos
+            while True:
+                while pos < len(text) and text[pos] in " \t\r\n\ufeff":
+                    pos += 1
+                if pos < len(text) or done:
+                    return text[pos : pos + 1]
+                more(chunk_bytes)
+
+        def line_at() -> int:
+            return line + text.count("\n", 0, pos)
+
+        if next_char() != "[":
+            raise DataError(
+                f"{path}: a .json source holds a JSON array of records (or JSON Lines); it starts with {next_char()!r}"
+            )
+        pos += 1
+        records, lines, row, size = [], [], 1, 0
+        while True:
+            c = next_char()
+            if c == "]":
+                pos += 1
+                if next_char():
+                    raise DataError(f"{path}:line {line_at()}: text after the end of the JSON array")
+                break
+            if not c:
+                raise DataError(f"{path}: the JSON array is not closed (the file ends inside it)")
+            if row > 1:
+                if c != ",":
+                    raise DataError(f"{path}:line {line_at()}: expected ',' or ']' between records, got {c!r}")
+                pos += 1
+                next_char()
+            start, want = line_at(), chunk_bytes
+            while True:
+                try:
+                    record, end = decoder.raw_decode(text, pos)
+                    if end < len(text) or done:
+                        break
+                except json.JSONDecodeError as e:
+                    if done:
+                        raise DataError(f"{path}:row {row} (line {start}): malformed JSON: {e.msg}") from None
+                more(want)  # the record goes on past what was read: read more, twice as much each time
+                want *= 2
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:row {row} (line {start}): expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+            lines.append(start)
+            size += end - pos
+            pos, row = end, row + 1
+            if len(records) == chunk_rows:
+                yield Chunk(first=row - len(records), records=records, record_lines=lines, size=size)
+                records, lines, size = [], [], 0
+        if records:
+            yield Chunk(first=row - len(records), records=records, record_lines=lines, size=size)
 
 
 def chunk_records(source: Source, chunk: Chunk) -> Iterator[tuple[dict, str, int]]:
-    """(record, location, row) of each record of a chunk; location is ``file:line`` or ``file:row N``,
-    row the line number or the row."""
+    """(record, location, row) of each record of a chunk; location is ``file:line`` or ``file:row N``
+    (``file:row N (line L)`` in a JSON array), row the line number or the row (from 1)."""
     path = source.path
     if chunk.records is not None:
         for i, record in enumerate(chunk.records):
-            yield record, f"{path}:row {chunk.first + i}", chunk.first + i
+            row = chunk.first + i
+            line = f" (line {chunk.record_lines[i]})" if chunk.record_lines else ""
+            yield record, f"{path}:row {row}{line}", row
         return
     for i, raw in enumerate(chunk.lines.split(b"\n")):
         lineno = chunk.first + i
@@ -297,61 +474,3 @@ def iter_records(source: Source) -> Iterator[tuple[dict, str]]:
     for chunk in iter_chunks(source):
         for record, where, _ in chunk_records(source, chunk):
             yield record, where
-
-
-def _field(record: dict, name: str, where: str, kind: type = str):
-    value = record[name]
-    if not isinstance(value, kind):
-        raise DataError(f"{where}: field '{name}' must be {kind.__name__}, got {type(value).__name__}")
-    return value
-
-
-def check_role(role: str, where: str) -> None:
-    """Raise for a role that looks like a misspelled known one (``assitant``, ``Usr``), naming the known
-    roles and the closest: only ``assistant`` turns are supervised, so a misspelled one would silently
-    train on nothing. Any other role (``model``, ``observation``: some chat templates use their own) is
-    passed to the template as it is, and said once per role."""
-    if role in KNOWN_ROLES:
-        return
-    close = difflib.get_close_matches(role.lower(), KNOWN_ROLES, n=1, cutoff=ROLE_TYPO_CUTOFF)
-    known = ", ".join(KNOWN_ROLES)
-    if close:
-        raise DataError(f"{where} has unknown role {role!r}: known roles are {known}; did you mean {close[0]!r}?")
-    if role not in _roles_said:
-        _roles_said.add(role)
-        warnings.warn(
-            f"{where}: role {role!r} is none of {known}; it goes to the chat template as it is and is not "
-            "supervised (only assistant turns are, unless train_on: all)",
-            stacklevel=2,
-        )
-
-
-def to_conversation(record: dict, where: str) -> Conversation:
-    """Normalize a record to chat messages or plain text, or raise naming the field and location."""
-    if "messages" in record:
-        messages = _field(record, "messages", where, list)
-        out = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise DataError(f"{where}: messages[{i}] must be an object with role and content")
-            for key in ("role", "content"):
-                if key not in m:
-                    raise DataError(f"{where}: messages[{i}] has no '{key}' field")
-                if not isinstance(m[key], str):
-                    raise DataError(f"{where}: messages[{i}].{key} must be str, got {type(m[key]).__name__}")
-            check_role(m["role"], f"{where}: messages[{i}]")
-            out.append({"role": m["role"], "content": m["content"]})
-        return Conversation(out, None, where)
-    if "prompt" in record or "response" in record:
-        for key in ("prompt", "response"):
-            if key not in record:
-                raise DataError(f"{where}: record has '{'response' if key == 'prompt' else 'prompt'}' but no '{key}'")
-        prompt, response = _field(record, "prompt", where), _field(record, "response", where)
-        return Conversation(
-            [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], None, where
-        )
-    if "text" in record:
-        return Conversation(None, _field(record, "text", where), where)
-    raise DataError(
-        f"{where}: record has none of the fields 'messages', 'prompt'/'response', 'text' (it has {sorted(record)})"
-    )

@@ -37,7 +37,33 @@ def count_phrase(n: int, n_distinct: int) -> str:
 
 
 def _empty_over_length_report() -> dict:
-    return {**{k: [] for k in OVER_LENGTH_LISTS}, **{f"{k}_distinct": 0 for k in OVER_LENGTH_LISTS}}
+    return {**{k: [] for k in OVER_LENGTH_LISTS}, **{f"{k}_distinct": 0 for k in OVER_LENGTH_LISTS}, "truncation": []}
+
+
+def truncation_window(spans: np.ndarray, length: int, max_len: int) -> int:
+    """Where the ``max_len`` tokens kept of a sample of ``length`` start: the window holding the most
+    supervised targets (its first token is none: nothing before it predicts it), the earliest of
+    those, so it keeps the most context before them. A document question whose answer ends the sample
+    keeps its end (question and answer) and cuts the document's start; a sample supervised
+    throughout keeps its first tokens. ``spans``: the sample's sorted, disjoint supervised runs.
+
+    The count of a window is piecewise linear in its start, so the earliest best start is 0 or a
+    point where a window edge meets a span edge: a few candidates per span, no token-sized array."""
+    last = length - max_len
+    spans = np.asarray(spans, np.int64).reshape(-1, 2)
+    if last <= 0 or not len(spans):
+        return 0
+    a, b = spans[:, 0], spans[:, 1]
+    before_span = np.r_[0, np.cumsum(b - a)]
+
+    def supervised_before(x: np.ndarray) -> np.ndarray:  # supervised tokens in [0, x)
+        j = np.searchsorted(b, x, side="right")  # spans wholly before x
+        inside = np.maximum(x - a[np.minimum(j, len(a) - 1)], 0) * (j < len(a))
+        return before_span[j] + inside
+
+    starts = np.unique(np.clip(np.r_[0, last, a - 1, b - 1, a - max_len, b - max_len], 0, last))
+    kept = supervised_before(starts + max_len) - supervised_before(starts + 1)
+    return int(starts[np.argmax(kept)])
 
 
 def mixture_repeats(sizes: list[int], repeats: list[float | None], weights: list[float | None]) -> list[float]:
@@ -76,6 +102,13 @@ class SampleStore:
     lengths: np.ndarray
     loss_tokens: np.ndarray
     report: dict = field(default_factory=dict)
+    starts: np.ndarray | None = None  # per sample, its first token kept (truncation), else 0
+
+    PER_SAMPLE = ("source_of", "row_of", "lengths", "loss_tokens", "starts")
+
+    def __post_init__(self) -> None:
+        if self.starts is None:
+            self.starts = np.zeros(self.lengths.size, np.int64)
 
     @classmethod
     def build(
@@ -105,6 +138,7 @@ class SampleStore:
                     in_epoch=int(chosen.size),
                     skipped=dict(s.skipped),
                     skipped_where={k2: list(v) for k2, v in s.skipped_where.items()},
+                    metadata_fields=dict(s.metadata),
                 )
             )
         source_of, row_of = np.concatenate(src), np.concatenate(rows)
@@ -126,7 +160,8 @@ class SampleStore:
         source_of, row_of = np.asarray(source_of, np.int64), np.asarray(row_of, np.int64)
         lengths, loss = _per_sample(sources, source_of, row_of)
         mixed = [dict(path=s.source.path, samples=len(s), selected=int((source_of == k).sum()),
-                      skipped=dict(s.skipped), skipped_where={k2: list(v) for k2, v in s.skipped_where.items()})
+                      skipped=dict(s.skipped), skipped_where={k2: list(v) for k2, v in s.skipped_where.items()},
+                      metadata_fields=dict(s.metadata))
                  for k, s in enumerate(sources)]  # fmt: skip
         report = dict(sources=mixed, over_length=None, max_len=None, **_empty_over_length_report())
         return cls(list(sources), source_of, row_of, lengths, loss, report)
@@ -149,10 +184,7 @@ class SampleStore:
         sources = [{**m, "held_out": int(n)} for m, n in zip(self.report["sources"], per_source)]
         rest = replace(
             self,
-            source_of=self.source_of[keep],
-            row_of=self.row_of[keep],
-            lengths=self.lengths[keep],
-            loss_tokens=self.loss_tokens[keep],
+            **{name: getattr(self, name)[keep] for name in self.PER_SAMPLE},
             report={**self.report, "sources": sources, "held_out_for_validation": int(n_val)},
         )
         return rest, chosen[:, 0], chosen[:, 1]
@@ -186,25 +218,43 @@ class SampleStore:
             self.report["dropped"] = [self.where(int(i)) for i in over]
             keep[over] = False
         else:
-            # Keep the first max_len tokens (the prompt side); recount the targets that survive.
-            new_loss = self.loss_tokens.copy()
-            for k, s in enumerate(self.sources):
-                sel = over[self.source_of[over] == k]
-                new_loss[sel] = s.loss_tokens(self.row_of[sel], max_len)
-            self.report["truncated"] = [self.where(int(i)) for i in over]
-            self.loss_tokens = new_loss
-            self.lengths = np.minimum(self.lengths, max_len)
-            empty = over[new_loss[over] == 0]
+            self._truncate(over, max_len)
+            empty = over[self.loss_tokens[over] == 0]
             self.report["truncated_to_nothing"] = [self.where(int(i)) for i in empty]
             keep[empty] = False
         for name in OVER_LENGTH_LISTS:
             self.report[f"{name}_distinct"] = len(distinct(self.report[name]))
-        for name in ("source_of", "row_of", "lengths", "loss_tokens"):
+        for name in self.PER_SAMPLE:
             setattr(self, name, getattr(self, name)[keep])
 
+    def _truncate(self, over: np.ndarray, max_len: int) -> None:
+        """Cut samples ``over`` to ``max_len`` tokens, keeping the window with the most supervised
+        targets (``truncation_window``): unsupervised tokens go first, the answer stays while it fits.
+        The report lists each cut: the tokens kept and the supervised targets before and after."""
+        cuts = []
+        self.starts, self.loss_tokens = self.starts.copy(), self.loss_tokens.copy()
+        for k, s in enumerate(self.sources):
+            sel = over[self.source_of[over] == k]
+            rows = self.row_of[sel]
+            starts = np.array(
+                [truncation_window(s.sample_spans(int(r)), int(s.lengths[r]), max_len) for r in rows], np.int64
+            )
+            kept = s.loss_tokens(rows, (starts, max_len))
+            for i, start, after in zip(sel.tolist(), starts.tolist(), kept.tolist()):
+                cuts.append((i, start, after))
+            self.starts[sel], self.loss_tokens[sel] = starts, kept
+        cuts.sort()
+        self.report["truncated"] = [self.where(i) for i, _, _ in cuts]
+        self.report["truncation"] = [
+            dict(sample=self.where(i), tokens=int(self.lengths[i]), kept=[start, start + max_len],
+                 supervised=int(self.sources[self.source_of[i]].supervised[self.row_of[i]]), supervised_kept=after)
+            for i, start, after in cuts
+        ]  # fmt: skip
+        self.lengths = np.minimum(self.lengths, max_len)
+
     def tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids and target mask of sample i, cut to its effective length."""
-        return self.sources[self.source_of[i]].sample(int(self.row_of[i]), int(self.lengths[i]))
+        """Token ids and target mask of sample i, cut to its kept window."""
+        return self.sources[self.source_of[i]].sample(int(self.row_of[i]), int(self.lengths[i]), int(self.starts[i]))
 
     def source_counts(self) -> list[dict[str, int]]:
         """Per source, the samples, tokens and supervised tokens this store holds now (after the
@@ -251,6 +301,9 @@ class SampleStore:
                     else ""
                 )
             )
+            if m.get("metadata_fields"):
+                fields = ", ".join(f"{k} ({n})" for k, n in m["metadata_fields"].items())
+                lines.append(f"    record fields read as metadata, not trained on: {fields}")
         r = self.report
         for key, what in (
             ("dropped", "dropped as longer than"),
@@ -264,4 +317,9 @@ class SampleStore:
                     f"  {count_phrase(len(r[key]), len(records))} {what} {r['max_len']} tokens: "
                     f"{', '.join(records[:3])}{more}"
                 )
+                if key == "truncated":
+                    lines.append(
+                        "    (each keeps the window with the most supervised tokens: unsupervised tokens are cut "
+                        "first; data_report.json's truncation lists the tokens kept of each)"
+                    )
         return "\n".join(lines)

@@ -36,23 +36,18 @@ from pathlib import Path
 import numpy as np
 
 from lit_hbp.data.cache import CacheWriter, cache_lock, is_complete, mask_spans, read_cache, spans_mask
-from lit_hbp.data.sources import (
-    Chunk,
-    Conversation,
-    DataError,
-    Source,
-    check_source,
-    chunk_records,
-    iter_chunks,
-    source_units,
-    to_conversation,
-)
-from lit_hbp.errors import ConfigError
+from lit_hbp.data.records import RENDERED, Conversation, TokenRecord
+from lit_hbp.data.sources import Chunk, Source, check_source, chunk_records, iter_chunks, source_units
+from lit_hbp.errors import ConfigError, DataError
 
-TRAIN_ON = ("assistant", "all")
+# Which turns of a chat train: every assistant turn, the last one only, or every token; a message's
+# ``weight`` (0 or 1) decides for its own turn.
+TRAIN_ON = ("assistant", "last_assistant", "all")
 # 5: no silent default chat template (caches of v4 may hold chats rendered with one).
 # 6: narrow ids, supervised spans, per-sample counts (``lit_hbp.data.cache``).
-CACHE_VERSION = 6
+# 7: record formats and tools, a token supervised when it overlaps a trained turn, table rows from 1,
+#    metadata fields counted.
+CACHE_VERSION = 7
 # Below this much of a source, worker processes cost more to start than they save (num_proc=None).
 PARALLEL_MIN_BYTES = 8 << 20
 PARALLEL_MIN_ROWS = 8192
@@ -76,11 +71,16 @@ SKIP_REASONS = ("empty conversation", "no supervised token")
 IGNORE_INDEX = -100
 
 
+class _EmptyPrefix(Exception):
+    """The template cannot render an empty conversation (the prefix before a first message)."""
+
+
 @dataclass
 class TokenizedSource:
     """All kept samples of one source, as its cache holds them: ids split by ``offsets``, the
     supervised runs of sample i in ``spans[span_offsets[i]:span_offsets[i + 1]]``, and per sample its
-    row and supervised count. ``ids`` and ``spans`` are memory-mapped: what set-up reads is per sample."""
+    row and supervised count. ``ids`` and ``spans`` are memory-mapped: what set-up reads is per sample.
+    ``metadata``: the record fields its format does not read, with how many records have each."""
 
     source: Source
     ids: np.ndarray
@@ -91,6 +91,7 @@ class TokenizedSource:
     span_offsets: np.ndarray
     skipped: dict[str, int] = field(default_factory=dict)
     skipped_where: dict[str, list[str]] = field(default_factory=dict)
+    metadata: dict[str, int] = field(default_factory=dict)
     from_cache: bool = False
     folder: Path | None = None
 
@@ -115,30 +116,39 @@ class TokenizedSource:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    def loss_tokens(self, rows: np.ndarray | None = None, upto: int | np.ndarray | None = None) -> np.ndarray:
-        """Supervised targets of samples ``rows`` (all when None), counting only their first ``upto``
-        tokens when given (truncation); from the spans of those samples alone."""
-        if upto is None:
+    def sample_spans(self, row: int) -> np.ndarray:
+        """The supervised ``[start, end)`` runs of sample ``row`` (relative to its first token)."""
+        return np.asarray(self.spans[self.span_offsets[row] : self.span_offsets[row + 1]])
+
+    def loss_tokens(self, rows: np.ndarray | None = None, window: tuple | None = None) -> np.ndarray:
+        """Supervised targets of samples ``rows`` (all when None), from their spans alone; with
+        ``window`` = (starts, length), only those a sample cut to tokens [start, start + length) keeps:
+        the window's first token is no target (nothing before it predicts it)."""
+        if window is None:
             return self.supervised if rows is None else self.supervised[rows]
         rows = np.arange(len(self)) if rows is None else np.asarray(rows, np.int64)
         counts = self.span_offsets[rows + 1] - self.span_offsets[rows]
         first = np.repeat(self.span_offsets[rows] - np.cumsum(counts) + counts, counts)
         spans = np.asarray(self.spans[first + np.arange(int(counts.sum()))], np.int64)
-        limit = np.repeat(np.broadcast_to(np.asarray(upto, np.int64), rows.shape), counts)
-        width = np.maximum(np.minimum(spans[:, 1], limit) - np.minimum(spans[:, 0], limit), 0)
+        starts, length = (np.broadcast_to(np.asarray(x, np.int64), rows.shape) for x in window)
+        lo, hi = np.repeat(starts + 1, counts), np.repeat(starts + length, counts)
+        width = np.maximum(np.minimum(spans[:, 1], hi) - np.maximum(spans[:, 0], lo), 0)
         return np.bincount(np.repeat(np.arange(rows.size), counts), weights=width, minlength=rows.size).astype(np.int64)
 
-    def sample(self, row: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids and supervised mask of sample ``row``, cut to ``length`` tokens when given."""
-        a, b = int(self.offsets[row]), int(self.offsets[row + 1])
+    def sample(self, row: int, length: int | None = None, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and supervised mask of sample ``row``, tokens [start, start + length) of it when
+        given (a truncated sample); the first token is never supervised."""
+        a, b = int(self.offsets[row]) + int(start), int(self.offsets[row + 1])
         n = b - a if length is None else min(int(length), b - a)
-        spans = np.asarray(self.spans[self.span_offsets[row] : self.span_offsets[row + 1]])
-        return np.asarray(self.ids[a : a + n]), spans_mask(spans, n)
+        spans = self.sample_spans(row) - int(start)
+        mask = spans_mask(np.clip(spans, 0, n), n)
+        mask[:1] = False
+        return np.asarray(self.ids[a : a + n]), mask
 
     def where(self, i: int) -> str:
         """File and line (or row) a sample came from."""
-        fmt = self.source.resolved_format
-        return f"{self.source.path}:{int(self.rows[i])}" if fmt == "jsonl" else f"{self.source.path}:row {self.rows[i]}"
+        row = int(self.rows[i])
+        return f"{self.source.path}:row {row}" if self.source.is_table else f"{self.source.path}:{row}"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -186,28 +196,56 @@ def _source_stat(path: Path) -> list:
 
 
 def cache_key(source: Source, tokenizer, train_on: str, label: str | None = None) -> str:
-    """Hash of the source's files (path, size, mtime), format, tokenizer and settings; raises a
-    DataError naming the source (``label``) if its path cannot be read."""
+    """Hash of the source's files (path, size, mtime), how they are read (file type, record format,
+    field and role names, split, subset), the tokenizer and the settings; raises a DataError naming
+    the source (``label``) if its path cannot be read."""
     check_source(source, label)
-    path = Path(source.path).resolve()
+    path = source.local_path.resolve()
     payload = dict(
         version=CACHE_VERSION,
         files=_source_stat(path),
-        format=source.resolved_format,
+        file_type=source.resolved_file_type,
+        format=source.format,
+        fields=source.fields,
+        roles=source.roles,
         split=source.split,
+        subset=source.subset,
         tokenizer=tokenizer_fingerprint(tokenizer),
         train_on=train_on,
     )
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
+
+
+def _complement(spans: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The parts of [0, n) outside ``spans``."""
+    out, at = [], 0
+    for a, b in sorted(spans):
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    return out + ([(at, n)] if at < n else [])
+
+
 class _Encoder:
-    """Turns normalized conversations into (ids, target) with the tokenizer's chat template (the data
-    module sets it from ``data.chat_template``)."""
+    """Turns conversations into (ids, target) with the tokenizer's chat template (the data module sets
+    it from ``data.chat_template``): the template renders every message, the record's tools and tool
+    calls; the trained turns are located by rendering prefixes of the conversation."""
 
     def __init__(self, tokenizer, train_on: str):
         if train_on not in TRAIN_ON:
-            raise ConfigError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+            raise ConfigError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError(
                 f"{type(tokenizer).__name__} is a slow tokenizer: lit-hbp needs a fast one (offset mapping) to "
@@ -218,10 +256,68 @@ class _Encoder:
         self.template = getattr(tokenizer, "chat_template", None) or None
         self.eos = tokenizer.eos_token_id
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=self.template
-        )
+    def _render(self, conv: Conversation, upto: int | None, generation_prompt: bool = False, tools=True, messages=None):
+        """The template's text of the first ``upto`` messages (all: None) of ``conv`` (or ``messages``)."""
+        msgs = (conv.messages if messages is None else messages)[:upto]
+        try:
+            return self.tok.apply_chat_template(
+                msgs, tools=conv.tools if tools else None, tokenize=False,
+                add_generation_prompt=generation_prompt, chat_template=self.template,
+            )  # fmt: skip
+        except Exception as e:  # the template's raise_exception, or a value it cannot handle
+            if upto == 0:
+                raise _EmptyPrefix from None
+            raise DataError(f"{conv.where}: the chat template cannot render this record: {e}") from None
+
+    def _prefix(self, conv: Conversation, i: int, generation_prompt: bool) -> str:
+        """The rendering of the messages before message i ("" where the template cannot render none)."""
+        try:
+            return self._render(conv, i, generation_prompt)
+        except _EmptyPrefix:
+            return ""
+
+    def _trained(self, conv: Conversation) -> list[bool]:
+        """Per message: does it train? ``train_on`` decides, a message's weight overrides it."""
+        roles = [m["role"] for m in conv.messages]
+        if self.train_on == "all":
+            out = [True] * len(roles)
+        elif self.train_on == "assistant":
+            out = [r == "assistant" for r in roles]
+        else:
+            last = max((i for i, r in enumerate(roles) if r == "assistant"), default=-1)
+            out = [i == last for i in range(len(roles))]
+        return [bool(w) if w is not None else t for t, w in zip(out, conv.weights or [None] * len(roles))]
+
+    def _check_rendered(self, conv: Conversation, full: str) -> None:
+        """Refuse what the template would drop: the record's tools, a message's tool calls or reasoning."""
+        if conv.tools and self._render(conv, None, tools=False) == full:
+            raise DataError(
+                f"{conv.where}: tools: the chat template does not render tools, so the model would never see the "
+                "tool definitions: use a chat template that renders them (data.chat_template), or drop the field"
+            )
+        for i, m in enumerate(conv.messages):
+            for key in RENDERED:
+                if key in m:
+                    without = [*conv.messages[:i], {k: v for k, v in m.items() if k != key}]
+                    if self._render(conv, i + 1) == self._render(conv, None, messages=without):
+                        raise DataError(
+                            f"{conv.where}: messages[{i}].{key}: the chat template does not render it, so the model "
+                            "would learn the turn without it: use a chat template that renders it (data.chat_template)"
+                        )
+
+    def _span(self, conv: Conversation, i: int, full: str, whole: bool) -> tuple[int, int]:
+        """The characters of message i: from where its rendering departs from the prefix before it (for
+        an assistant turn, the prefix with the generation prompt: its header is the prompt's, not
+        trained) to its end."""
+        upto = self._render(conv, i + 1)
+        if not full.startswith(upto):
+            raise DataError(
+                f"{conv.where}: the chat template is not prefix-stable (rendering the conversation up to "
+                f"message {i} is not a prefix of the whole), so its turns cannot be located; "
+                "use train_on: all or a template that renders earlier turns unchanged"
+            )
+        generation = conv.messages[i]["role"] == "assistant" and not whole
+        return _common_prefix(self._prefix(conv, i, generation), upto), len(upto)
 
     def prepare(self, conv: Conversation) -> tuple[str, list[tuple[int, int]] | None, bool] | str:
         """Rendered text, supervised character spans (None = all), and whether it is plain text;
@@ -229,29 +325,21 @@ class _Encoder:
         if conv.text is not None:
             return (conv.text, None, True) if conv.text.strip() else "empty conversation"
         msgs = conv.messages
-        if not msgs or not any(m["content"].strip() for m in msgs):
+        if not msgs or not any(m["content"].strip() or m.get("tool_calls") for m in msgs):
             return "empty conversation"
         if self.template is None:
             raise DataError(
                 f"{conv.where}: this chat record needs a chat template and the tokenizer has none: {CHAT_TEMPLATE_FIX}"
             )
-        full = self._render(msgs, False)
+        full = self._render(conv, None)
+        self._check_rendered(conv, full)
+        trained = self._trained(conv)
         if self.train_on == "all":
-            return full, None, False
-        spans = []
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            start = len(self._render(msgs[:i], True)) if i else 0
-            upto = self._render(msgs[: i + 1], False)
-            if not full.startswith(upto):
-                raise DataError(
-                    f"{conv.where}: the chat template is not prefix-stable (rendering the conversation up to "
-                    f"message {i} is not a prefix of the whole), so assistant turns cannot be located; "
-                    "use train_on: all or a template that renders earlier turns unchanged"
-                )
-            spans.append((start, len(upto)))
-        return full, spans, False
+            if all(trained):
+                return full, None, False
+            left_out = [self._span(conv, i, full, whole=True) for i, t in enumerate(trained) if not t]
+            return full, _complement(left_out, len(full)), False
+        return full, [self._span(conv, i, full, whole=False) for i, t in enumerate(trained) if t], False
 
     def encode_batch(self, prepared: list[tuple[str, list | None, bool]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Tokenize a batch in one call per kind (the fast tokenizer parallelizes it)."""
@@ -271,22 +359,23 @@ class _Encoder:
                 if is_text and self.eos is not None and (ids.size == 0 or ids[-1] != self.eos):
                     ids = np.r_[ids, np.int32(self.eos)]
                 target = np.ones(ids.size, dtype=bool)
-                if spans is not None:
-                    starts = np.asarray(enc["offset_mapping"][j], dtype=np.int64).reshape(-1, 2)[:, 0]
+                if spans is not None:  # a token trains when it overlaps a trained turn (as char_to_token maps)
+                    offsets = np.asarray(enc["offset_mapping"][j], dtype=np.int64).reshape(-1, 2)
                     target[:] = False
                     for a, b in spans:
-                        target |= (starts >= a) & (starts < b)
+                        target |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
                 target[:1] = False
                 out[i] = (ids, target)
         return out
 
 
-def pretokenized(record: dict, where: str, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+def pretokenized(record: TokenRecord, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids, supervised mask) of a pre-tokenized record, checked against the vocabulary: ``labels``
     unshifted with -100 on unsupervised tokens (the Hugging Face convention), or ``assistant_masks``
     (1 on supervised tokens), or neither (every token supervised)."""
+    where = record.where
     try:
-        ids = np.asarray(record["input_ids"], dtype=np.int64)
+        ids = np.asarray(record.input_ids, dtype=np.int64)
     except (TypeError, ValueError, OverflowError):
         raise DataError(f"{where}: input_ids must be a list of integers") from None
     if ids.ndim != 1:
@@ -297,8 +386,8 @@ def pretokenized(record: dict, where: str, vocab_size: int) -> tuple[np.ndarray,
             f"{where}: input_ids holds token id {bad}, outside the tokenizer's vocabulary (0..{vocab_size - 1}): "
             "was it tokenized with another tokenizer?"
         )
-    if "labels" in record and record["labels"] is not None:
-        labels = np.asarray(record["labels"], dtype=np.int64)
+    if record.labels is not None:
+        labels = np.asarray(record.labels, dtype=np.int64)
         if labels.shape != ids.shape:
             raise DataError(f"{where}: labels has {labels.size} entries for {ids.size} input_ids")
         target = labels != IGNORE_INDEX
@@ -309,8 +398,8 @@ def pretokenized(record: dict, where: str, vocab_size: int) -> tuple[np.ndarray,
                 f"{where}: labels[{t}] = {labels[t]} is neither {IGNORE_INDEX} nor input_ids[{t}] = {ids[t]}: labels "
                 "are read unshifted, equal to input_ids where supervised (the Hugging Face convention)"
             )
-    elif "assistant_masks" in record and record["assistant_masks"] is not None:
-        mask = np.asarray(record["assistant_masks"])
+    elif record.assistant_masks is not None:
+        mask = np.asarray(record.assistant_masks)
         if mask.shape != ids.shape:
             raise DataError(f"{where}: assistant_masks has {mask.size} entries for {ids.size} input_ids")
         if not np.isin(mask, (0, 1)).all():
@@ -324,7 +413,8 @@ def pretokenized(record: dict, where: str, vocab_size: int) -> tuple[np.ndarray,
 
 @dataclass
 class ChunkResult:
-    """What one chunk adds to the cache (``CacheWriter.append``) and to the skip counts."""
+    """What one chunk adds to the cache (``CacheWriter.append``), to the skip counts and to the counts
+    of metadata fields."""
 
     ids: np.ndarray
     lengths: np.ndarray
@@ -333,6 +423,7 @@ class ChunkResult:
     span_counts: np.ndarray
     records: int
     skipped: list[tuple[str, str]]
+    metadata: dict[str, int]
     size: int
 
 
@@ -344,16 +435,21 @@ class ChunkTokenizer:
         self.vocab_size = len(tokenizer)
 
     def __call__(self, source: Source, chunk: Chunk) -> ChunkResult:
+        reader = source.reader()
         kept: list[tuple[int, str, np.ndarray, np.ndarray]] = []
         skipped: list[tuple[str, str]] = []
         pending: list[tuple[int, tuple]] = []
+        metadata: dict[str, int] = {}
         records = 0
         for record, where, row in chunk_records(source, chunk):
             records += 1
-            if "input_ids" in record:
-                kept.append((row, where, *pretokenized(record, where, self.vocab_size)))
+            read, extra = reader.read(record, where)
+            for key in extra:
+                metadata[key] = metadata.get(key, 0) + 1
+            if isinstance(read, TokenRecord):
+                kept.append((row, where, *pretokenized(read, self.vocab_size)))
                 continue
-            prepared = self.encoder.prepare(to_conversation(record, where))
+            prepared = self.encoder.prepare(read)
             if isinstance(prepared, str):
                 skipped.append((prepared, where))
             else:
@@ -380,6 +476,7 @@ class ChunkTokenizer:
             span_counts=np.asarray(counts, np.int64),
             records=records,
             skipped=skipped,
+            metadata=metadata,
             size=chunk.size,
         )
 
@@ -471,6 +568,7 @@ def _write(folder: Path, source: Source, tokenizer, train_on: str, progress: boo
     writer = CacheWriter(folder, len(tokenizer))
     skipped = dict.fromkeys(SKIP_REASONS, 0)
     skipped_where: dict[str, list[str]] = {r: [] for r in SKIP_REASONS}
+    metadata: dict[str, int] = {}
     records = 0
     started = time.perf_counter()
     total, unit = source_units(source)
@@ -494,6 +592,8 @@ def _write(folder: Path, source: Source, tokenizer, train_on: str, progress: boo
                 for reason, where in result.skipped:
                     skipped[reason] += 1
                     skipped_where[reason].append(where)
+                for key, n in result.metadata.items():
+                    metadata[key] = metadata.get(key, 0) + n
                 bar.update(result.size)
                 bar.set_postfix_str(f"{records:,} records, {writer.tokens:,} tokens", refresh=False)
         except BaseException:
@@ -509,6 +609,7 @@ def _write(folder: Path, source: Source, tokenizer, train_on: str, progress: boo
             records=records,
             skipped=skipped,
             skipped_where=skipped_where,
+            metadata=metadata,
             tokenized_by=f"{socket.gethostname()}:{os.getpid()}",
             processes=workers,
             seconds=round(time.perf_counter() - started, 3),
@@ -539,6 +640,7 @@ def _load(folder: Path, source: Source, from_cache: bool = True) -> TokenizedSou
         span_offsets=a["span_offsets"],
         skipped=meta["skipped"],
         skipped_where=meta["skipped_where"],
+        metadata=meta["metadata"],
         from_cache=from_cache,
         folder=folder,
     )

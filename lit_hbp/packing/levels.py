@@ -115,20 +115,47 @@ def _parse_count(text: str) -> int:
     return int(digits) * scale
 
 
-def as_level(spec: Level | dict | str | int) -> Level:
-    """Accept the ways configs write a level: a Level, a mapping, ``"16K:1"`` or a bare pack length."""
+LEVEL_FIELDS = ("pack_len", "sp", "ckpt_layers", "packs_per_rank", "sp_kind", "ulysses", "cp")
+COUNT_FIELDS = ("pack_len", "sp", "ckpt_layers", "packs_per_rank", "ulysses", "cp")
+
+
+def as_level(spec: Level | dict | str | int, label: str = "level") -> Level:
+    """Accept the ways configs write a level: a Level, a mapping (counts as integers or with a K/M
+    suffix, ``{pack_len: 4K}``), ``"16K:1"`` or a bare pack length. A bad one is a ConfigError naming
+    ``label`` (``data.levels[1]``), the field and what it takes."""
     if isinstance(spec, Level):
         return spec
     if isinstance(spec, str):
-        return Level.parse(spec)
+        try:
+            return Level.parse(spec)
+        except ConfigError as e:
+            raise ConfigError(f"{label}: {e}") from None
     if isinstance(spec, int) and not isinstance(spec, bool):
         return Level(spec)
     if isinstance(spec, dict):
-        unknown = set(spec) - {"pack_len", "sp", "ckpt_layers", "packs_per_rank", "sp_kind", "ulysses", "cp"}
+        unknown = sorted(set(spec) - set(LEVEL_FIELDS))
         if unknown:
-            raise ConfigError(f"unknown level field(s) {sorted(unknown)} in {spec!r}")
-        return Level(**spec)
-    raise TypeError(f"cannot read a level from {spec!r} ({type(spec).__name__})")
+            raise ConfigError(f"{label}: unknown level field(s) {unknown}; a level takes {', '.join(LEVEL_FIELDS)}")
+        values = dict(spec)
+        for key in COUNT_FIELDS:
+            value = values.get(key)
+            if isinstance(value, str):
+                try:
+                    values[key] = _parse_count(value)
+                except ConfigError:
+                    value = None
+            if values.get(key) is not None and (isinstance(values[key], bool) or not isinstance(values[key], int)):
+                raise ConfigError(
+                    f"{label}: {key} must be a whole number (e.g. 4096, or 4K = 4096, 1M = 1048576), got {spec[key]!r}"
+                )
+        try:
+            return Level(**values)
+        except (TypeError, ConfigError) as e:
+            raise ConfigError(f"{label}: {e}") from None
+    raise ConfigError(
+        f"{label}: cannot read a level from {spec!r}: give PACK_LEN[:SP[:CKPT_LAYERS[:PACKS_PER_RANK]]] "
+        "(e.g. 16K:1) or a mapping {pack_len, sp, ckpt_layers, ...}"
+    )
 
 
 class LevelSelector(ABC):
@@ -149,7 +176,7 @@ def validate_levels(levels: Sequence[Level | dict | str | int], world_size: int)
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
-    out = tuple(as_level(x) for x in levels)
+    out = tuple(as_level(x, f"levels[{i}]") for i, x in enumerate(levels))
     if not out:
         raise ConfigError("no levels given: at least one Level(pack_len, sp) is needed")
     lens = [lv.pack_len for lv in out]

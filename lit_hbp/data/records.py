@@ -1,0 +1,463 @@
+"""Record formats: one record of a source, read as the chat messages its template renders.
+
+A source's ``format`` names the shape of its records (``auto``: decided per record by its fields):
+
+- ``openai``: ``{"messages": [...], "tools": [...]}``, the OpenAI chat format: ``role`` and ``content``
+  (a string, null beside ``tool_calls``, or a list of text parts), assistant ``tool_calls``, ``tool``
+  messages with ``tool_call_id`` and ``name``, ``reasoning_content`` / ``thinking``, and a per-message
+  ``weight`` (0 or 1) deciding whether that turn trains;
+- ``sharegpt``: ``{"conversations": [{"from": "human", "value": ...}], "system": ..., "tools": ...}``;
+- ``alpaca``: ``{"instruction", "input", "output"}`` with optional ``system`` and ``history``;
+- ``prompt_response``: ``{"prompt", "response"}`` with an optional ``system``;
+- ``text``: ``{"text"}``, every token trained;
+- ``tokens``: pre-tokenized ``{"input_ids"}`` with ``labels`` or ``assistant_masks``.
+
+``fields`` renames any of a format's fields (``{messages: dialog, role: speaker}``) and ``roles`` maps
+a data set's role names onto chat roles (``{bot: assistant}``). Used or refused: a field of a message
+is rendered or the record is refused with its file and line; a record's other fields are metadata,
+counted per source in the data report.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lit_hbp.errors import ConfigError, DataError
+
+RECORD_FORMATS = ("auto", "openai", "sharegpt", "alpaca", "prompt_response", "text", "tokens")
+# The record fields of each format, by their default names (``fields`` renames them).
+RECORD_FIELDS = {
+    "openai": ("messages", "tools"),
+    "sharegpt": ("conversations", "system", "tools"),
+    "alpaca": ("instruction", "input", "output", "system", "history", "tools"),
+    "prompt_response": ("prompt", "response", "system"),
+    "text": ("text",),
+    "tokens": ("input_ids", "labels", "assistant_masks", "attention_mask"),
+}
+# The fields of one message of the chat formats.
+MESSAGE_FIELDS = {
+    "openai": (
+        "role",
+        "content",
+        "name",
+        "tool_calls",
+        "tool_call_id",
+        "reasoning_content",
+        "thinking",
+        "weight",
+        "function_call",
+    ),  # fmt: skip
+    "sharegpt": ("from", "value", "weight"),
+}
+# Fields of OpenAI API responses that carry nothing when empty: taken when null or empty, else refused.
+EMPTY_ONLY = ("refusal", "annotations", "audio")
+# Record fields that would change what trains if they were read, and are not: refused, never metadata.
+NOT_READ = ("weight", "weights", "loss_weight", "training", "images", "image", "audios", "videos")
+# Fields a message passes to the chat template besides role and content; each must change the rendering.
+RENDERED = ("tool_calls", "reasoning_content", "thinking")
+# Chat roles a record may use. A role outside these is a typo far more often than a real role, and
+# a misspelled "assistant" would silently lose every supervised token of the record.
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
+# ShareGPT's role names (``from``), understood in every chat format; ``function_call`` is an assistant
+# turn whose value is the JSON of the call(s).
+FUNCTION_CALL = "function_call"
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "observation": "tool", FUNCTION_CALL: FUNCTION_CALL}
+ROLE_TYPO_CUTOFF = 0.7  # assitant / assistant 0.94, usr / user 0.86; model / developer 0.43
+FIELD_TYPO_CUTOFF = 0.8  # tool / tools 0.89, conversation / conversations 0.96
+TEXT_PARTS = ("text", "input_text", "output_text")
+MEDIA_PARTS = ("image_url", "image", "input_image", "input_audio", "audio", "video", "video_url", "file", "input_file")
+_roles_said: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat record as its template renders it, or plain text (``messages`` is None).
+
+    messages: role, content (a string) and the optional fields the template reads (``tool_calls`` with
+        JSON objects as arguments, ``tool_call_id``, ``name``, ``reasoning_content``, ``thinking``).
+    tools: the tool definitions handed to the template (OpenAI's ``{"type": "function", ...}`` form).
+    weights: per message, 0 or 1 when the record says whether it trains, None where ``train_on`` decides.
+    """
+
+    messages: list[dict] | None
+    text: str | None
+    where: str
+    tools: list[dict] | None = None
+    weights: tuple[int | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """A pre-tokenized record: its ids and ``labels`` or ``assistant_masks`` (None when absent)."""
+
+    input_ids: Any
+    labels: Any
+    assistant_masks: Any
+    where: str
+
+
+def _near(name: str, names: tuple[str, ...] | list[str], cutoff: float = FIELD_TYPO_CUTOFF) -> str | None:
+    close = difflib.get_close_matches(str(name), list(names), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def check_role(role: str, where: str) -> None:
+    """Raise for a role that looks like a misspelled known one (``assitant``, ``Usr``), naming the known
+    roles and the closest: only ``assistant`` turns are supervised, so a misspelled one would silently
+    train on nothing. Any other role (``model``, ``critic``: some chat templates use their own) is
+    passed to the template as it is, and said once per role."""
+    if role in KNOWN_ROLES:
+        return
+    close = _near(role.lower(), KNOWN_ROLES, ROLE_TYPO_CUTOFF)
+    known = ", ".join(KNOWN_ROLES)
+    if close:
+        raise DataError(f"{where} has unknown role {role!r}: known roles are {known}; did you mean {close!r}?")
+    if role not in _roles_said:
+        _roles_said.add(role)
+        warnings.warn(
+            f"{where}: role {role!r} is none of {known}; it goes to the chat template as it is and is not "
+            "supervised (only assistant turns are, unless train_on: all or the message's weight is 1)",
+            stacklevel=2,
+        )
+
+
+def detect_format(record: Mapping, where: str) -> str:
+    """The format of a record by its fields (``auto``): pre-tokenized ids first, then the chat shapes."""
+    for fmt, keys in (
+        ("tokens", ("input_ids",)),
+        ("openai", ("messages",)),
+        ("sharegpt", ("conversations",)),
+        ("alpaca", ("instruction",)),
+        ("prompt_response", ("prompt", "response")),
+        ("text", ("text",)),
+    ):
+        if any(k in record for k in keys):
+            return fmt
+    raise DataError(
+        f"{where}: record has none of the fields 'messages', 'conversations', 'instruction', 'prompt'/'response', "
+        f"'text', 'input_ids' (it has {sorted(record)}); name the record's format and fields in the source "
+        "(format: openai | sharegpt | alpaca | prompt_response | text | tokens, fields: {...})"
+    )
+
+
+class RecordReader:
+    """Reads the records of one source (its ``format``, ``fields`` and ``roles``); picklable, so every
+    tokenizer worker process reads with the same settings. ``label`` names the source in config errors."""
+
+    def __init__(
+        self,
+        format: str = "auto",
+        fields: Mapping[str, str] | None = None,
+        roles: Mapping[str, str] | None = None,
+        label: str = "source",
+    ):
+        if format not in RECORD_FORMATS:
+            close = _near(format, RECORD_FORMATS, 0.6)
+            hint = f" (did you mean {close!r}?)" if close else ""
+            raise ConfigError(
+                f"{label}: format {format!r} is not a record format{hint}; formats: {', '.join(RECORD_FORMATS)}"
+            )
+        self.format = format
+        self.fields = dict(fields or {})
+        if self.fields:
+            if format == "auto":
+                raise ConfigError(f"{label}: fields renames the fields of a format: give the source's format too")
+            known = RECORD_FIELDS[format] + MESSAGE_FIELDS.get(format, ())
+            for key, value in self.fields.items():
+                if key not in known:
+                    close = _near(key, known, 0.6)
+                    hint = f" (did you mean {close!r}?)" if close else ""
+                    raise ConfigError(
+                        f"{label}: fields: {key!r} is no field of format {format}{hint}; it has {', '.join(known)}"
+                    )
+                if not isinstance(value, str) or not value:
+                    raise ConfigError(f"{label}: fields: {key!r} must name a field (a string), got {value!r}")
+        self.roles = dict(roles or {})
+        targets = KNOWN_ROLES + (FUNCTION_CALL,)
+        for key, value in self.roles.items():
+            if value not in targets:
+                raise ConfigError(
+                    f"{label}: roles: {key!r} maps to {value!r}, which is no chat role ({', '.join(targets)})"
+                )
+
+    def name(self, canonical: str) -> str:
+        """The data set's name of a field (``fields`` renames it)."""
+        return self.fields.get(canonical, canonical)
+
+    def read(self, record: Mapping, where: str) -> tuple[Conversation | TokenRecord, list[str]]:
+        """The record as a conversation, text or token record, and its metadata fields (those its format
+        does not read); a field that would change training without being read is refused."""
+        fmt = self.format if self.format != "auto" else detect_format(record, where)
+        used = {self.name(k) for k in RECORD_FIELDS[fmt]}
+        extra = [k for k in record if k not in used]
+        for key in extra:
+            close = _near(key, sorted(used))
+            if close is not None and close not in record:
+                raise DataError(f"{where}: record field {key!r} is not read by format {fmt}: did you mean {close!r}?")
+            if key in NOT_READ and record[key] not in (None, [], ""):
+                raise DataError(
+                    f"{where}: record field {key!r} is not supported (format {fmt} reads {', '.join(sorted(used))}): "
+                    "remove it, or set weight per message"
+                )
+        return getattr(self, f"_{fmt}")(record, where), extra
+
+    # ---------------------------------------------------------------------------------------- formats
+
+    def _required(self, record: Mapping, key: str, where: str, kind: type = str):
+        name = self.name(key)
+        if name not in record:
+            raise DataError(f"{where}: record has no {name!r} field")
+        value = record[name]
+        if not isinstance(value, kind):
+            raise DataError(f"{where}: field {name!r} must be {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    def _optional_text(self, record: Mapping, key: str, where: str) -> str | None:
+        value = record.get(self.name(key))
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise DataError(f"{where}: field {self.name(key)!r} must be str, got {type(value).__name__}")
+        return value
+
+    def _tools(self, record: Mapping, where: str) -> list[dict] | None:
+        return tools_of(record.get(self.name("tools")), f"{where}: {self.name('tools')}")
+
+    def _conversation(self, messages: list[tuple[dict, int | None]], where: str, tools, system=None) -> Conversation:
+        if system is not None:
+            messages = [({"role": "system", "content": system}, None), *messages]
+        return Conversation([m for m, _ in messages], None, where, tools, tuple(w for _, w in messages))
+
+    def _openai(self, record: Mapping, where: str) -> Conversation:
+        messages = self._required(record, "messages", where, list)
+        out = [self._openai_message(m, i, where) for i, m in enumerate(messages)]
+        return self._conversation(out, where, self._tools(record, where))
+
+    def _openai_message(self, m: Any, i: int, where: str) -> tuple[dict, int | None]:
+        at = f"{where}: messages[{i}]"
+        if not isinstance(m, dict):
+            raise DataError(f"{at} must be an object with role and content")
+        known = {self.name(k): k for k in MESSAGE_FIELDS["openai"]}
+        for key in m:
+            if key in known or (key in EMPTY_ONLY and m[key] in (None, [], "")):
+                continue
+            close = _near(key, list(known))
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise DataError(
+                f"{at} has field {key!r}, which lit-hbp does not read{hint} (a message has {', '.join(known)})"
+            )
+        fields = {canonical: m[name] for name, canonical in known.items() if name in m and m[name] is not None}
+        if "role" not in fields:
+            raise DataError(f"{at} has no {self.name('role')!r} field")
+        if not isinstance(fields["role"], str):
+            raise DataError(f"{at}.{self.name('role')} must be str, got {type(fields['role']).__name__}")
+        role = self._role(fields.pop("role"), at)
+        content = fields.pop("content", None)
+        if "function_call" in fields:  # the legacy single call: one tool call
+            if "tool_calls" in fields:
+                raise DataError(f"{at} has both function_call and tool_calls: give tool_calls")
+            fields["tool_calls"] = [fields.pop("function_call")]
+        if role == FUNCTION_CALL:  # ShareGPT's call turn inside messages: its content is the call
+            role, fields["tool_calls"], content = "assistant", calls_of_json(content, f"{at}.content"), None
+        elif self.name("content") not in m and "tool_calls" not in fields:
+            raise DataError(f"{at} has no {self.name('content')!r} field")
+        message = {"role": role, "content": text_of(content, f"{at}.{self.name('content')}", "tool_calls" in fields)}
+        if "tool_calls" in fields:
+            if role != "assistant":
+                raise DataError(f"{at}: tool_calls on a {role!r} message; only assistant messages call tools")
+            message["tool_calls"] = tool_calls_of(fields.pop("tool_calls"), f"{at}.tool_calls")
+        for key in ("name", "tool_call_id", "reasoning_content", "thinking"):
+            if key in fields:
+                value = fields.pop(key)
+                if not isinstance(value, str):
+                    raise DataError(f"{at}.{self.name(key)} must be str, got {type(value).__name__}")
+                message[key] = value
+        return message, weight_of(fields.pop("weight", None), f"{at}.{self.name('weight')}")
+
+    def _role(self, raw: str, at: str) -> str:
+        role = self.roles.get(raw) or SHAREGPT_ROLES.get(raw, raw)
+        if role != FUNCTION_CALL:
+            check_role(role, at)
+        return role
+
+    def _sharegpt(self, record: Mapping, where: str) -> Conversation:
+        turns = self._required(record, "conversations", where, list)
+        known = {self.name(k): k for k in MESSAGE_FIELDS["sharegpt"]}
+        out = []
+        for i, t in enumerate(turns):
+            at = f"{where}: {self.name('conversations')}[{i}]"
+            if not isinstance(t, dict):
+                raise DataError(f"{at} must be an object with {self.name('from')} and {self.name('value')}")
+            for key in t:
+                if key not in known:
+                    close = _near(key, list(known))
+                    hint = f"; did you mean {close!r}?" if close else ""
+                    raise DataError(
+                        f"{at} has field {key!r}, which lit-hbp does not read{hint} (a turn has {', '.join(known)})"
+                    )
+            for key in ("from", "value"):
+                if self.name(key) not in t:
+                    raise DataError(f"{at} has no {self.name(key)!r} field")
+            raw = t[self.name("from")]
+            if not isinstance(raw, str):
+                raise DataError(f"{at}.{self.name('from')} must be str, got {type(raw).__name__}")
+            role = self.roles.get(raw) or SHAREGPT_ROLES.get(raw, raw)
+            if role not in KNOWN_ROLES and role != FUNCTION_CALL:
+                known_from = sorted({*KNOWN_ROLES, *SHAREGPT_ROLES} - {"developer", "function", "ipython"})
+                raise DataError(
+                    f"{at} is from {raw!r}, which is no ShareGPT role ({', '.join(known_from)}); map it with the "
+                    f"source's roles, e.g. roles: {{{raw}: assistant}}"
+                )
+            value = t[self.name("value")]
+            if role == FUNCTION_CALL:
+                message = {"role": "assistant", "content": "", "tool_calls": calls_of_json(value, f"{at}.value")}
+            else:
+                message = {"role": role, "content": text_of(value, f"{at}.{self.name('value')}")}
+            out.append((message, weight_of(t.get(self.name("weight")), f"{at}.{self.name('weight')}")))
+        return self._conversation(out, where, self._tools(record, where), self._optional_text(record, "system", where))
+
+    def _alpaca(self, record: Mapping, where: str) -> Conversation:
+        instruction = self._required(record, "instruction", where)
+        output = self._required(record, "output", where)
+        question = "\n".join(x for x in (instruction, self._optional_text(record, "input", where)) if x)
+        history = record.get(self.name("history")) or []
+        if not isinstance(history, list):
+            raise DataError(f"{where}: field {self.name('history')!r} must be a list of [instruction, response] pairs")
+        turns = []
+        for i, pair in enumerate(history):
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise DataError(
+                    f"{where}: {self.name('history')}[{i}] must be a pair of strings [instruction, response]"
+                )
+            turns += [({"role": "user", "content": pair[0]}, None), ({"role": "assistant", "content": pair[1]}, None)]
+        turns += [({"role": "user", "content": question}, None), ({"role": "assistant", "content": output}, None)]
+        system = self._optional_text(record, "system", where)
+        return self._conversation(turns, where, self._tools(record, where), system)
+
+    def _prompt_response(self, record: Mapping, where: str) -> Conversation:
+        for key, other in (("prompt", "response"), ("response", "prompt")):
+            if self.name(key) not in record:
+                raise DataError(f"{where}: record has {self.name(other)!r} but no {self.name(key)!r}")
+        prompt, response = self._required(record, "prompt", where), self._required(record, "response", where)
+        turns = [({"role": "user", "content": prompt}, None), ({"role": "assistant", "content": response}, None)]
+        return self._conversation(turns, where, None, self._optional_text(record, "system", where))
+
+    def _text(self, record: Mapping, where: str) -> Conversation:
+        return Conversation(None, self._required(record, "text", where), where)
+
+    def _tokens(self, record: Mapping, where: str) -> TokenRecord:
+        mask = record.get(self.name("attention_mask"))
+        if mask is not None and not all(x == 1 for x in mask):
+            raise DataError(
+                f"{where}: attention_mask has zeros: a pre-tokenized record must hold one unpadded sample "
+                "(lit-hbp packs and pads itself)"
+            )
+        return TokenRecord(
+            record[self.name("input_ids")],
+            record.get(self.name("labels")),
+            record.get(self.name("assistant_masks")),
+            where,
+        )
+
+
+# ------------------------------------------------------------------------------------------- pieces
+
+
+def text_of(content: Any, at: str, may_be_empty: bool = False) -> str:
+    """A message's content as one string: a string, the text parts of a list in order (joined as
+    written), or null beside tool calls (``may_be_empty``). Images, audio and files are refused."""
+    if content is None:
+        if may_be_empty:
+            return ""
+        raise DataError(f"{at} is null; only an assistant message with tool_calls may have no content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise DataError(f"{at} must be str or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise DataError(f"{at}[{j}] is a {kind!r} part: not supported (lit-hbp trains on text; drop the part)")
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise DataError(f'{at}[{j}] must be a text part {{"type": "text", "text": ...}}, got {part!r:.80}')
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def weight_of(value: Any, at: str) -> int | None:
+    """A message's ``weight``: 0 (the turn does not train) or 1 (it trains), or None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, int, float)) and value in (0, 1):
+        return int(value)
+    raise DataError(f"{at} must be 0 or 1 (whether the turn trains), got {value!r}")
+
+
+def _json(value: Any, at: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{at} is not valid JSON: {e.msg} (column {e.colno})") from None
+
+
+def tools_of(value: Any, at: str) -> list[dict] | None:
+    """Tool definitions in OpenAI's form ``{"type": "function", "function": {name, description,
+    parameters}}``: a list (or its JSON string); a bare function description is wrapped."""
+    value = _json(value, at)
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(f"{at} must be a list of tool definitions (objects)")
+    out = []
+    for j, tool in enumerate(value):
+        if "type" not in tool and "function" not in tool:
+            if not isinstance(tool.get("name"), str):
+                raise DataError(f"{at}[{j}] has neither a type nor a name: not a tool definition")
+            tool = {"type": "function", "function": tool}
+        out.append(tool)
+    return out
+
+
+def tool_calls_of(value: Any, at: str) -> list[dict]:
+    """Tool calls as chat templates read them: ``{"type": "function", "function": {"name", "arguments"}}``
+    with the arguments a JSON object (OpenAI writes them as a JSON string, which a template's ``tojson``
+    would quote), keeping the call's ``id``."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{at} must be a non-empty list of calls")
+    out = []
+    for j, call in enumerate(value):
+        if not isinstance(call, dict):
+            raise DataError(f"{at}[{j}] must be an object")
+        fn = call.get("function", call)
+        unknown = set(call) - (
+            {"id", "type", "function"} if "function" in call else {"id", "type", "name", "arguments"}
+        )
+        if unknown or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise DataError(f'{at}[{j}] must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}')
+        if set(fn) - {"name", "arguments"}:
+            raise DataError(
+                f"{at}[{j}].function has fields {sorted(set(fn) - {'name', 'arguments'})}; a call has name, arguments"
+            )
+        arguments = _json(fn.get("arguments", {}), f"{at}[{j}].function.arguments")
+        entry = {
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": arguments if arguments is not None else {}},
+        }
+        if call.get("id") is not None:
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def calls_of_json(value: Any, at: str) -> list[dict]:
+    """ShareGPT's ``function_call`` turn: the JSON of one call ``{"name", "arguments"}`` or a list of them."""
+    calls = _json(value, at)
+    return tool_calls_of(calls if isinstance(calls, list) else [calls], at)

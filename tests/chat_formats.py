@@ -1,0 +1,110 @@
+# ruff: noqa: E501  (the template keeps Qwen's string literals whole)
+"""A Qwen2.5-style tokenizer folder whose chat template renders tools, tool calls and tool results, and
+the independent reference of what a chat record trains on: the tokenizer's own
+``apply_chat_template(messages, tools=..., return_assistant_tokens_mask=True)``.
+
+``QWEN_TEMPLATE`` renders text exactly as Qwen2.5-Instruct's template does (its system prompt with the
+tools, ``<tool_call>`` JSON in assistant turns, consecutive tool results in one user turn). Its
+``{% generation %}`` markers, which change nothing in the text, mark what a turn trains, so that
+transformers' assistant mask is the reference. The template reads the message's ``weight`` (0: the
+turn does not train) and a ``train_on`` keyword: ``assistant``, ``last_assistant`` or ``all``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+QWEN_TEMPLATE = r"""
+{%- set train_on = train_on | default('assistant') -%}
+{%- set ns = namespace(last=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'assistant' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- macro head() -%}
+{%- if tools -%}
+{{- '<|im_start|>system\n' -}}
+{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] -}}
+{%- else -%}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' -}}{%- endif -%}
+{{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" -}}
+{%- for tool in tools -%}{{- "\n" -}}{{- tool | tojson -}}{%- endfor -%}
+{{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" -}}
+{%- else -%}
+{%- if messages[0]['role'] == 'system' -%}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' -}}
+{%- else -%}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' -}}{%- endif -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- macro body(message, loop) -%}
+{%- if (message.role == "user") or (message.role == "system" and not loop.first) -%}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' -}}
+{%- elif message.role == "tool" -%}
+{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") -%}{{- '<|im_start|>user' -}}{%- endif -%}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' -}}
+{%- if loop.last or (messages[loop.index0 + 1].role != "tool") -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- macro answer(message) -%}
+{%- if message.content -%}{{- message.content -}}{%- endif -%}
+{%- if message.tool_calls -%}
+{%- for tool_call in message.tool_calls -%}
+{%- if tool_call.function is defined -%}{%- set tool_call = tool_call.function -%}{%- endif -%}
+{%- if message.content or not loop.first -%}{{- '\n' -}}{%- endif -%}
+{{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' -}}{{- tool_call.arguments | tojson -}}{{- '}\n</tool_call>' -}}
+{%- endfor -%}
+{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- endmacro -%}
+{%- if train_on == 'all' -%}{%- generation -%}{{- head() -}}{%- endgeneration -%}{%- else -%}{{- head() -}}{%- endif -%}
+{%- for message in messages -%}
+{%- set weight = message.weight if message.weight is defined else none -%}
+{%- if train_on == 'all' -%}{%- set trained = weight is none or weight -%}
+{%- elif train_on == 'last_assistant' -%}{%- set trained = (weight is none and loop.index0 == ns.last) or weight -%}
+{%- else -%}{%- set trained = (weight is none and message.role == 'assistant') or weight -%}{%- endif -%}
+{%- if message.role == "assistant" -%}
+{%- if train_on == 'all' and trained -%}{%- generation -%}{{- '<|im_start|>assistant\n' -}}{{- answer(message) -}}{%- endgeneration -%}
+{%- else -%}{{- '<|im_start|>assistant\n' -}}
+{%- if trained -%}{%- generation -%}{{- answer(message) -}}{%- endgeneration -%}{%- else -%}{{- answer(message) -}}{%- endif -%}
+{%- endif -%}
+{%- elif trained and not (message.role == "system" and loop.first) -%}{%- generation -%}{{- body(message, loop) -}}{%- endgeneration -%}
+{%- else -%}{{- body(message, loop) -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
+"""
+# Qwen's text, without the markers and the keyword: what a user's Qwen2.5 tokenizer folder holds.
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+    '{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": '
+    '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}',
+    '<tool_response>\n{"temperature": 21}\n</tool_response> the quick brown fox jumps over the lazy dog',
+    "What is the weather in Paris? It is 21 degrees and sunny. Summarize the document below. Answer:",
+]
+
+
+def build_qwen_tokenizer(path: Path) -> Path:
+    """A byte-level BPE tokenizer with Qwen's special tokens and the reference template, saved as a
+    Hugging Face tokenizer folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 30, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = QWEN_TEMPLATE
+    fast.save_pretrained(path)
+    return Path(path)
+
+
+def reference(tokenizer, messages: list[dict], tools=None, train_on: str = "assistant") -> tuple[list[int], list[int]]:
+    """(input_ids, supervised) of a chat by the tokenizer's own template: every token of a trained turn
+    (transformers' assistant mask), except the first token, which no token before it predicts."""
+    out = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, train_on=train_on
+    )
+    supervised = list(out["assistant_masks"])
+    supervised[0] = 0
+    return list(out["input_ids"]), supervised

@@ -1,0 +1,559 @@
+"""Chat data as users have it (issue 27): the OpenAI chat format with tools, tool calls, tool results,
+content parts and per-message weights; ShareGPT, Alpaca and prompt/response records; JSON array files,
+parquet and Hugging Face Hub data sets from the local cache; data sets with their own field and role
+names. Every format is checked against an independent rendering: the tokenizer's own
+``apply_chat_template(messages, tools=...)`` with its assistant mask (``chat_formats.reference``), on
+messages written here by hand in the form chat templates take, through ``lit-hbp preview --json`` and
+through a ``Trainer.fit``'s batches."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from chat_formats import build_qwen_tokenizer, reference
+from conftest import TINY_LLAMA, quiet_trainer
+from transformers import AutoTokenizer
+
+from lit_hbp.cli import main
+from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.data.sources import Source
+from lit_hbp.data.tokenize import tokenize_source
+from lit_hbp.errors import DataError
+from lit_hbp.module import HBPLitModule
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+TOOLS = [{"type": "function", "function": WEATHER}]
+
+
+def call(name, arguments, **extra):
+    """A tool call as chat templates take it (arguments a JSON object)."""
+    return {"type": "function", "function": {"name": name, "arguments": arguments}, **extra}
+
+
+# Each case: (record as the data set holds it, the messages and tools a chat template takes).
+OPENAI = [
+    (  # tools, a call with content null and OpenAI's string arguments, its result, parts, a weight-0 turn
+        {
+            "id": "a1",
+            "source": "support",
+            "tools": TOOLS,
+            "messages": [
+                {"role": "system", "content": "You are a weather bot."},
+                {"role": "user", "content": "What is the weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": '{"temperature": 21}'},
+                {
+                    "role": "assistant",
+                    "weight": 0,
+                    "content": [{"type": "text", "text": "It is 21 degrees"}, {"type": "text", "text": " and sunny."}],
+                },
+                {"role": "user", "content": "And in Rome?"},
+                {
+                    "role": "assistant",
+                    "content": "Let me check.",
+                    "tool_calls": [
+                        {
+                            "id": "c2",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c2", "content": '{"temperature": 25}'},
+                {"role": "assistant", "content": "It is 25 degrees in Rome.", "weight": 1},
+            ],
+        },
+        (
+            [
+                {"role": "system", "content": "You are a weather bot."},
+                {"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Paris"}, id="c1")]},
+                {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "c1", "name": "get_weather"},
+                {"role": "assistant", "content": "It is 21 degrees and sunny.", "weight": 0},
+                {"role": "user", "content": "And in Rome?"},
+                {
+                    "role": "assistant",
+                    "content": "Let me check.",
+                    "tool_calls": [call("get_weather", {"city": "Rome"}, id="c2")],
+                },
+                {"role": "tool", "content": '{"temperature": 25}', "tool_call_id": "c2"},
+                {"role": "assistant", "content": "It is 25 degrees in Rome."},
+            ],
+            TOOLS,
+        ),
+    ),
+    (  # content "" beside two parallel calls and two results in one turn
+        {
+            "id": "a2",
+            "source": "support",
+            "tools": TOOLS,
+            "messages": [
+                {"role": "user", "content": "Paris and Rome?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+                    ],
+                },
+                {"role": "tool", "content": '{"temperature": 21}'},
+                {"role": "tool", "content": '{"temperature": 25}'},
+                {"role": "assistant", "content": "21 and 25 degrees."},
+            ],
+        },
+        (
+            [
+                {"role": "user", "content": "Paris and Rome?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [call("get_weather", {"city": "Paris"}), call("get_weather", {"city": "Rome"})],
+                },
+                {"role": "tool", "content": '{"temperature": 21}'},
+                {"role": "tool", "content": '{"temperature": 25}'},
+                {"role": "assistant", "content": "21 and 25 degrees."},
+            ],
+            TOOLS,
+        ),
+    ),
+    (  # no tools; ShareGPT's role names inside messages
+        {
+            "id": "a3",
+            "source": "chat",
+            "messages": [{"role": "human", "content": "Say hello."}, {"role": "gpt", "content": "Hello there."}],
+        },
+        ([{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there."}], None),
+    ),
+]
+
+SHAREGPT = [
+    (
+        {
+            "system": "You are a weather bot.",
+            "tools": json.dumps([WEATHER]),  # LLaMA-Factory's form: a JSON string of bare functions
+            "conversations": [
+                {"from": "human", "value": "Weather in Paris?"},
+                {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+                {"from": "observation", "value": '{"temperature": 21}'},
+                {"from": "gpt", "value": "It is 21 degrees."},
+                {"from": "human", "value": "Thanks!"},
+                {"from": "gpt", "value": "You are welcome.", "weight": 0},
+            ],
+        },
+        (
+            [
+                {"role": "system", "content": "You are a weather bot."},
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Paris"})]},
+                {"role": "tool", "content": '{"temperature": 21}'},
+                {"role": "assistant", "content": "It is 21 degrees."},
+                {"role": "user", "content": "Thanks!"},
+                {"role": "assistant", "content": "You are welcome.", "weight": 0},
+            ],
+            TOOLS,
+        ),
+    ),
+    (
+        {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi, what is packing?"}]},
+        ([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi, what is packing?"}], None),
+    ),
+]
+
+ALPACA = [
+    (
+        {
+            "instruction": "Summarize the document below.",
+            "input": "the quick brown fox",
+            "output": "A fox.",
+            "system": "Be brief.",
+            "history": [["hello", "hi"]],
+        },
+        (
+            [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "hi"},
+                {"role": "user", "content": "Summarize the document below.\nthe quick brown fox"},
+                {"role": "assistant", "content": "A fox."},
+            ],
+            None,
+        ),
+    ),
+    (
+        {"instruction": "What is the weather in Paris?", "input": "", "output": "Sunny."},
+        (
+            [{"role": "user", "content": "What is the weather in Paris?"}, {"role": "assistant", "content": "Sunny."}],
+            None,
+        ),
+    ),
+]
+
+PROMPT_RESPONSE = [
+    (
+        {"prompt": "What is packing?", "response": "Putting samples together.", "system": "Be brief."},
+        (
+            [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is packing?"},
+                {"role": "assistant", "content": "Putting samples together."},
+            ],
+            None,
+        ),
+    ),
+]
+
+MAPPED = [  # a data set with its own names: dialog / speaker / text, roles customer and bot
+    (
+        {"dialog": [{"speaker": "customer", "text": "Weather in Rome?"}, {"speaker": "bot", "text": "Sunny, 25."}]},
+        ([{"role": "user", "content": "Weather in Rome?"}, {"role": "assistant", "content": "Sunny, 25."}], None),
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory) -> str:
+    return str(build_qwen_tokenizer(tmp_path_factory.mktemp("qwen")))
+
+
+def write_hub_dataset(hub: Path, name: str, rows: list[dict]) -> Path:
+    """A data set as ``hf download --repo-type dataset`` leaves it in the Hugging Face cache."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo = hub / f"datasets--{name.replace('/', '--')}"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (snapshot / "data").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows), snapshot / "data" / "train-00000-of-00001.parquet")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    return snapshot
+
+
+@pytest.fixture
+def every_format(tmp_path, monkeypatch):
+    """Sources of every format and file type, and per (source as given, line or row from 1) the
+    reference messages and tools."""
+    import datasets
+    import huggingface_hub.constants
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def jsonl(name, cases):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(record) + "\n" for record, _ in cases))
+        return str(path)
+
+    alpaca = tmp_path / "alpaca.json"  # a JSON array, pretty-printed
+    alpaca.write_text(json.dumps([record for record, _ in ALPACA], indent=2))
+    pq.write_table(pa.Table.from_pylist([r for r, _ in PROMPT_RESPONSE]), tmp_path / "pr.parquet")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets_cache")
+    write_hub_dataset(
+        tmp_path / "hub", "my-org/weather-chats", [{"conversations": r["conversations"]} for r, _ in SHAREGPT[1:]]
+    )
+    sources = [
+        ({"path": jsonl("openai.jsonl", OPENAI)}, OPENAI),
+        ({"path": jsonl("sharegpt.jsonl", SHAREGPT), "format": "sharegpt"}, SHAREGPT),
+        ({"path": str(alpaca)}, ALPACA),
+        ({"path": str(tmp_path / "pr.parquet")}, PROMPT_RESPONSE),
+        ({"path": jsonl("mapped.jsonl", MAPPED), "format": "openai",
+          "fields": {"messages": "dialog", "role": "speaker", "content": "text"},
+          "roles": {"customer": "user", "bot": "assistant"}}, MAPPED),
+        ({"path": "my-org/weather-chats", "format": "sharegpt"}, SHAREGPT[1:]),
+    ]  # fmt: skip
+    expected = {(s["path"], i + 1): ref for s, cases in sources for i, (_, ref) in enumerate(cases)}
+    return [s for s, _ in sources], expected
+
+
+def preview_json(capsys, config: Path, *args: str) -> list[dict]:
+    main(["preview", "--config", str(config), "--json", "--n", "100", *args])
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def write_config(tmp_path: Path, tokenizer: str, sources: list, levels=(4096,), **data) -> Path:
+    config = {
+        "model": {"model": TINY_LLAMA},
+        "data": {"tokenizer": tokenizer, "sources": sources, "levels": list(levels),
+                 "cache_dir": str(tmp_path / "cache"), **data},
+    }  # fmt: skip
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "last_assistant", "all"])
+def test_preview_gives_the_templates_own_tokens_and_trained_turns_for_every_format(
+    train_on, qwen, every_format, tmp_path, capsys
+):
+    """The bar: ``lit-hbp preview --json`` of records of every format equals the tokenizer's own
+    ``apply_chat_template(messages, tools=...)``, supervised exactly on the trained turns (tool calls
+    included; weight-0 turns and every system, user and tool token excluded with ``assistant``)."""
+    sources, expected = every_format
+    tok = AutoTokenizer.from_pretrained(qwen)
+    got = preview_json(capsys, write_config(tmp_path, qwen, sources, train_on=train_on))
+    references = {key: reference(tok, *ref, train_on) for key, ref in expected.items()}
+    # Every record, but one whose trained turns are all weight 0 (ShareGPT's first with last_assistant).
+    trains = [key for key, (_, supervised) in references.items() if any(supervised)]
+    assert [(g["source"], g["line"]) for g in got] == trains and len(trains) >= len(expected) - 1
+    for g in got:
+        ids, supervised = references[(g["source"], g["line"])]
+        assert g["input_ids"] == ids, (g["source"], g["line"])
+        assert g["supervised"] == supervised, (
+            g["source"],
+            g["line"],
+            tok.decode(np.array(ids)[np.array(supervised, bool)]),
+        )
+    if train_on == "assistant":  # a tool call is trained as the assistant's output, its result is not
+        first = got[0]
+        trained = tok.decode([i for i, s in zip(first["input_ids"], first["supervised"]) if s])
+        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in trained
+        assert "temperature" not in trained and "21 degrees and sunny" not in trained
+
+
+def test_a_fit_trains_exactly_the_reference_tokens(qwen, every_format, tmp_path):
+    """Through ``Trainer.fit``: every packed sample's ids and next-token labels equal the reference
+    rendering and mask of its record (labels are pre-shifted: position t predicts t + 1)."""
+    sources, expected = every_format
+    tok = AutoTokenizer.from_pretrained(qwen)
+    dm = HBPDataModule(sources=sources, tokenizer=qwen, levels=["512", "2048"], cache_dir=str(tmp_path / "cache"))
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, self_check=False)
+    seen = {}
+
+    class Batches(__import__("lightning").Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            cu, ids, labels = batch.cu_seqlens.tolist(), batch.input_ids[0].tolist(), batch.labels[0].tolist()
+            for k, sample in enumerate(batch.sample_index.tolist()):
+                a, b = cu[k], cu[k + 1]
+                trained = [0] + [int(labels[t - 1] != -100) for t in range(a + 1, b)]
+                assert all(labels[t - 1] in (-100, ids[t]) for t in range(a + 1, b))
+                seen[dm.store.where(sample)] = (ids[a:b], trained)
+
+    quiet_trainer(max_epochs=1, callbacks=[Batches()]).fit(module, dm)
+    assert len(seen) == len(expected)
+    for (source, line), (messages, tools) in expected.items():
+        where = f"{source}:{line}" if source.endswith(".jsonl") else f"{source}:row {line}"
+        assert seen[where] == reference(tok, messages, tools), where
+
+
+def test_metadata_fields_are_listed_once_per_source_in_the_report(qwen, every_format, tmp_path):
+    sources, _ = every_format
+    dm = HBPDataModule(sources=sources[:2], tokenizer=qwen, levels=["4096"], cache_dir=str(tmp_path / "cache"))
+    dm.setup("fit")
+    report = json.loads(dm.write_report().read_text())
+    assert [s["metadata_fields"] for s in report["sources"]] == [{"id": 3, "source": 3}, {}]
+    assert "record fields read as metadata, not trained on: id (3), source (3)" in dm.store.summary()
+
+
+def test_truncation_keeps_the_answer_of_a_long_document_question(qwen, tmp_path, capsys):
+    """The bar: a 3,000-token document-question-answer record, levels up to 1,024, ``over_length:
+    truncate``: the sample fits, its answer is still supervised (the document's start is cut)."""
+    tok = AutoTokenizer.from_pretrained(qwen)
+    document = " ".join(["the quick brown fox jumps over the lazy dog"] * 400)
+    messages = [
+        {"role": "user", "content": f"{document}\n\nSummarize the document below. What does the fox do?"},
+        {"role": "assistant", "content": "It jumps over the lazy dog."},
+    ]
+    ids, supervised = reference(tok, messages)
+    assert len(ids) > 3000
+    path = tmp_path / "doc.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    config = write_config(tmp_path, qwen, [{"path": str(path)}], levels=(512, 1024), over_length="truncate")
+    (got,) = preview_json(capsys, config)
+    assert got["input_ids"] == ids[-1024:] and got["supervised"] == [0, *supervised[-1023:]]
+    assert sum(got["supervised"]) == sum(supervised) > 5
+    dm = HBPDataModule(sources=[str(path)], tokenizer=qwen, levels=["512", "1024"], over_length="truncate",
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    (cut,) = json.loads(dm.write_report().read_text())["truncation"]
+    assert cut == dict(sample=f"{path}:1", tokens=len(ids), kept=[len(ids) - 1024, len(ids)],
+                       supervised=sum(supervised), supervised_kept=sum(supervised))  # fmt: skip
+
+
+def test_text_preview_marks_the_trained_tokens(qwen, every_format, tmp_path, capsys):
+    sources, _ = every_format
+    main(["preview", "--config", str(write_config(tmp_path, qwen, sources[:1])), "--n", "1"])
+    out = capsys.readouterr().out
+    assert "openai.jsonl:1: " in out and "supervised tokens (what the loss trains on) are shown between ⟦ and ⟧" in out
+    assert '<|im_start|>assistant\n⟦<tool_call>\n{"name": "get_weather"' in out
+    assert (
+        "⟦It is 25 degrees in Rome.<|im_end|>\n⟧" in out
+        and "It is 21 degrees and sunny.<|im_end|>\n<|im_start|>" in out
+    )
+
+
+# ------------------------------------------------------------------------------------- refusals
+
+REFUSED = {
+    "image part": (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                   {"type": "image_url", "image_url": {"url": "x.png"}}]},
+                      {"role": "assistant", "content": "A cat."}]},
+        r"messages\[0\].content\[1\] is a 'image_url' part: not supported",
+    ),
+    "unknown message field": (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "wieght": 0}]},
+        r"messages\[1\] has field 'wieght', which lit-hbp does not read; did you mean 'weight'\?",
+    ),
+    "weight not 0 or 1": (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "weight": 0.5}]},
+        r"messages\[1\].weight must be 0 or 1 \(whether the turn trains\), got 0.5",
+    ),
+    "null user content": (
+        {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "yo"}]},
+        r"messages\[0\].content is null; only an assistant message with tool_calls may have no content",
+    ),
+    "unread record field": (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "tool": TOOLS},
+        r"record field 'tool' is not read by format openai: did you mean 'tools'\?",
+    ),
+    "record images": (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "images": ["a.png"]},
+        r"record field 'images' is not supported",
+    ),
+    "reasoning the template drops": (
+        {"messages": [{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "yo", "reasoning_content": "The user greets me."}]},
+        r"messages\[1\].reasoning_content: the chat template does not render it",
+    ),
+    "malformed arguments": (
+        {"messages": [{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": None, "tool_calls": [
+                          {"type": "function", "function": {"name": "f", "arguments": "{city: Paris}"}}]}]},
+        r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON",
+    ),
+    "unknown ShareGPT role": (
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "chatgpt", "value": "yo"}]},
+        r"conversations\[1\] is from 'chatgpt', which is no ShareGPT role .*roles: \{chatgpt: assistant\}",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_would_train_wrong_is_refused_with_file_line_and_exit_status_2(case, qwen, tmp_path, capsys):
+    record, message = REFUSED[case]
+    path = tmp_path / "d.jsonl"
+    good = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["preview", "--config", str(write_config(tmp_path, qwen, [{"path": str(path)}]))])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    import re
+
+    assert re.search(f"error: {re.escape(str(path))}:2: {message}", err), err
+
+
+def test_a_template_that_cannot_render_tools_or_tool_calls_is_refused(toy_tokenizer, tmp_path):
+    """The toy template renders role and content only: a record's tools or an assistant's tool calls
+    would silently vanish from what the model sees."""
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    tools = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "tools": TOOLS}
+    calls = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]}  # fmt: skip
+    cases = [
+        (tools, r"d.jsonl:1: tools: the chat template does not render tools"),
+        (calls, r"d.jsonl:1: messages\[1\].tool_calls: the chat template does not render it"),
+    ]
+    for record, message in cases:
+        path = tmp_path / "d.jsonl"
+        path.write_text(json.dumps(record) + "\n")
+        with pytest.raises(DataError, match=message):
+            tokenize_source(Source(str(path)), tok, progress=False)
+
+
+def test_config_mistakes_in_a_source_are_short_errors(qwen, tmp_path, capsys):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
+    cases = {
+        "sharegtp": ({"format": "sharegtp"}, "format 'sharegtp' is not a record format (did you mean 'sharegpt'?)"),
+        "file type": ({"format": "jsonl"}, "format 'jsonl' is a file type: write file_type: jsonl"),
+        "fields without format": ({"fields": {"messages": "dialog"}}, "give the source's format too"),
+        "unknown field name": (
+            {"format": "sharegpt", "fields": {"conversation": "c"}},
+            "fields: 'conversation' is no field of format sharegpt (did you mean 'conversations'?)",
+        ),
+        "role target": ({"roles": {"bot": "assistent"}}, "roles: 'bot' maps to 'assistent', which is no chat role"),
+    }
+    for name, (source, message) in cases.items():
+        with pytest.raises(SystemExit) as stop:
+            main(["preview", "--config", str(write_config(tmp_path, qwen, [{"path": str(path), **source}]))])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and "Traceback" not in err, (name, err)
+
+
+def test_a_hub_data_set_missing_from_the_cache_names_where_it_looked(qwen, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError) as e:
+        HBPDataModule(sources=["my-org/no-such-set"], tokenizer=qwen, levels=["512"])
+    assert str(e.value).startswith("sources[0]: data source 'my-org/no-such-set' is neither a file or folder here")
+    assert f"looked for {tmp_path / 'hub' / 'datasets--my-org--no-such-set'}" in str(e.value)
+    assert "hf download --repo-type dataset my-org/no-such-set" in str(e.value)
+
+
+def test_json_arrays_read_record_by_record_with_row_and_line(tmp_path, qwen):
+    """A .json array (compact or pretty-printed) gives the records of the same lines as JSON Lines;
+    a bad element is named by its row and the line it starts on."""
+    from lit_hbp.data.sources import iter_chunks, iter_records
+
+    records = [{"text": f"record {i} " + "x" * (i * 37 % 300)} for i in range(50)]
+    for indent in (None, 2):
+        path = tmp_path / f"a{indent}.json"
+        path.write_text(json.dumps(records, indent=indent))
+        got = list(iter_records(Source(str(path))))
+        assert [r for r, _ in got] == records
+        chunks = list(iter_chunks(Source(str(path)), chunk_bytes=64, chunk_rows=7))  # records over many reads
+        assert [r for c in chunks for r in c.records] == records and sum(len(c.records) for c in chunks) == 50
+    assert got[3][1] == f"{path}:row 4 (line {1 + 3 * 3 + 1})"  # "[", then 3 lines a record
+    bad = tmp_path / "bad.json"
+    bad.write_text('[\n  {"text": "a"},\n  [1, 2]\n]')
+    with pytest.raises(DataError, match=rf"{bad}:row 2 \(line 3\): expected a JSON object, got list"):
+        list(iter_records(Source(str(bad))))
+    bad.write_text('[\n  {"text": "a"},\n  {"text": }\n]')
+    with pytest.raises(DataError, match=rf"{bad}:row 2 \(line 3\): malformed JSON"):
+        list(iter_records(Source(str(bad))))
+    bad.write_text('[{"text": "a"}')
+    with pytest.raises(DataError, match="the JSON array is not closed"):
+        list(iter_records(Source(str(bad))))
+    lines = tmp_path / "lines.json"  # a .json file of JSON Lines reads as JSONL
+    lines.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
+    assert [r for r, _ in iter_records(Source(str(lines)))] == records[:3]
+
+
+def test_the_console_script_previews_and_refuses_like_fit(qwen, tmp_path):
+    """``lit-hbp preview`` as a user runs it: JSON lines on stdout (logs and progress on stderr)."""
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "lit-hbp"
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([r for r, _ in ALPACA]))
+    config = write_config(tmp_path, qwen, [{"path": str(path)}])
+    out = subprocess.run([str(script), "preview", "--config", str(config), "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = [json.loads(line) for line in out.stdout.splitlines()]
+    tok = AutoTokenizer.from_pretrained(qwen)
+    assert [(g["line"], g["input_ids"], g["supervised"]) for g in got] == [
+        (i + 1, *reference(tok, *ref)) for i, (_, ref) in enumerate(ALPACA)
+    ]
