@@ -557,3 +557,79 @@ def test_the_console_script_previews_and_refuses_like_fit(qwen, tmp_path):
     assert [(g["line"], g["input_ids"], g["supervised"]) for g in got] == [
         (i + 1, *reference(tok, *ref)) for i, (_, ref) in enumerate(ALPACA)
     ]
+
+
+def qwen_with(tmp_path: Path, qwen: str, template) -> object:
+    """The Qwen-style tokenizer with another chat template (a string, or named templates)."""
+    tok = AutoTokenizer.from_pretrained(qwen)
+    tok.chat_template = template
+    tok.save_pretrained(tmp_path / "tok")
+    return AutoTokenizer.from_pretrained(tmp_path / "tok")
+
+
+def test_named_templates_are_picked_as_at_inference(qwen, tmp_path):
+    """A tokenizer with named templates (``{"default", "tool_use"}``, as Hermes ships) renders a record
+    with tools by ``tool_use`` (here one that cannot render without tools) and one without by
+    ``default``, as ``apply_chat_template`` does."""
+    from chat_formats import QWEN_TEMPLATE
+
+    tool_use = QWEN_TEMPLATE.replace("{%- if tools -%}", "{%- if true -%}")  # iterates tools unconditionally
+    tok = qwen_with(
+        tmp_path, qwen, {"default": QWEN_TEMPLATE.replace("You are Qwen", "You are Hermes"), "tool_use": tool_use}
+    )
+    cases = [OPENAI[0], OPENAI[2]]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record, _ in cases))
+    t = tokenize_source(Source(str(path)), tok, progress=False)
+    for row, (_, (messages, tools)) in enumerate(cases):
+        ids, mask = t.sample(row)
+        assert (ids.tolist(), mask.astype(int).tolist()) == reference(tok, messages, tools)
+    assert "You are Hermes" in tok.decode(t.sample(1)[0].tolist())  # the default template, no tools
+
+
+MISTRAL_LIKE = (  # the system prompt goes into the user turn only when that turn is the last message
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- '<|endoftext|>' }}{%- for m in loop_messages %}{%- if m['role'] == 'user' %}"
+    "{%- if loop.last and system is defined %}{{- '<|im_start|>' + system + '\\n\\n' + m['content'] + '<|im_end|>' }}"
+    "{%- else %}{{- '<|im_start|>' + m['content'] + '<|im_end|>' }}{%- endif %}"
+    "{%- elif m['role'] == 'assistant' %}{{- ' ' + m['content'] + '<|endoftext|>' }}{%- endif %}{%- endfor %}"
+)
+ROLES_ONLY = (  # user and assistant turns only: any other role vanishes
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{{ '<|im_start|>user\\n' + m['content'] + '<|im_end|>' }}"
+    "{%- elif m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' + m['content'] + '<|im_end|>' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, record, message",
+    [
+        (
+            MISTRAL_LIKE,
+            {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"},
+                          {"role": "assistant", "content": "Hello!"}]},
+            r"messages\[0\] \(system\): the chat template does not render its content",
+        ),
+        (
+            MISTRAL_LIKE,  # the user turn before an answer renders otherwise in the whole conversation
+            {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"},
+                          {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "A joke?"}]},
+            r"the chat template is not prefix-stable at message 2 .* train_on: last_assistant",
+        ),
+        (
+            ROLES_ONLY,
+            {"messages": [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": "21 degrees"},
+                          {"role": "assistant", "content": "It is 21."}]},
+            r"messages\[1\] \(tool\): the chat template does not render its content",
+        ),
+    ],
+)  # fmt: skip
+def test_a_template_that_would_mis_mask_or_drop_a_message_is_refused(template, record, message, qwen, tmp_path):
+    """What real templates do (Mistral v0.3 puts the system prompt in the last user turn only; Zephyr
+    has no branch for tool results): refused with the record's line, never trained as rendered."""
+    tok = qwen_with(tmp_path, qwen, template)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=f"{path}:1: {message}"):
+        tokenize_source(Source(str(path)), tok, progress=False)

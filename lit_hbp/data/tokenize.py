@@ -71,8 +71,8 @@ SKIP_REASONS = ("empty conversation", "no supervised token")
 IGNORE_INDEX = -100
 
 
-class _EmptyPrefix(Exception):
-    """The template cannot render an empty conversation (the prefix before a first message)."""
+class _PrefixFailed(Exception):
+    """The template cannot render the first messages of a conversation on their own."""
 
 
 @dataclass
@@ -257,24 +257,30 @@ class _Encoder:
         self.eos = tokenizer.eos_token_id
 
     def _render(self, conv: Conversation, upto: int | None, generation_prompt: bool = False, tools=True, messages=None):
-        """The template's text of the first ``upto`` messages (all: None) of ``conv`` (or ``messages``)."""
+        """The template's text of the first ``upto`` messages (all: None) of ``conv`` (or ``messages``).
+        The tokenizer's own template: a tokenizer with named templates (``{"default", "tool_use"}``)
+        lets transformers pick the one for the call, as it does at inference."""
         msgs = (conv.messages if messages is None else messages)[:upto]
         try:
             return self.tok.apply_chat_template(
-                msgs, tools=conv.tools if tools else None, tokenize=False,
-                add_generation_prompt=generation_prompt, chat_template=self.template,
-            )  # fmt: skip
+                msgs, tools=conv.tools if tools else None, tokenize=False, add_generation_prompt=generation_prompt
+            )
         except Exception as e:  # the template's raise_exception, or a value it cannot handle
-            if upto == 0:
-                raise _EmptyPrefix from None
+            if upto is not None and upto < len(conv.messages):
+                raise _PrefixFailed(str(e)) from None
             raise DataError(f"{conv.where}: the chat template cannot render this record: {e}") from None
 
     def _prefix(self, conv: Conversation, i: int, generation_prompt: bool) -> str:
         """The rendering of the messages before message i ("" where the template cannot render none)."""
         try:
             return self._render(conv, i, generation_prompt)
-        except _EmptyPrefix:
-            return ""
+        except _PrefixFailed as e:
+            if i == 0:
+                return ""
+            raise DataError(
+                f"{conv.where}: messages[{i}]: the chat template cannot render the conversation before this message "
+                f"({e}), so the turn cannot be located"
+            ) from None
 
     def _trained(self, conv: Conversation) -> list[bool]:
         """Per message: does it train? ``train_on`` decides, a message's weight overrides it."""
@@ -289,13 +295,24 @@ class _Encoder:
         return [bool(w) if w is not None else t for t, w in zip(out, conv.weights or [None] * len(roles))]
 
     def _check_rendered(self, conv: Conversation, full: str) -> None:
-        """Refuse what the template would drop: the record's tools, a message's tool calls or reasoning."""
-        if conv.tools and self._render(conv, None, tools=False) == full:
-            raise DataError(
-                f"{conv.where}: tools: the chat template does not render tools, so the model would never see the "
-                "tool definitions: use a chat template that renders them (data.chat_template), or drop the field"
-            )
+        """Refuse what the template would drop: the record's tools, a message's content, tool calls or
+        reasoning. (A template that cannot render without the tools needs them: it renders them.)"""
+        if conv.tools:
+            try:
+                dropped = self._render(conv, None, tools=False) == full
+            except DataError:
+                dropped = False
+            if dropped:
+                raise DataError(
+                    f"{conv.where}: tools: the chat template does not render tools, so the model would never see the "
+                    "tool definitions: use a chat template that renders them (data.chat_template), or drop the field"
+                )
         for i, m in enumerate(conv.messages):
+            if m["content"].strip() and m["content"].strip() not in full:
+                raise DataError(
+                    f"{conv.where}: messages[{i}] ({m['role']}): the chat template does not render its content, so "
+                    "the model would never see it: use a chat template that renders the role, or drop the message"
+                )
             for key in RENDERED:
                 if key in m:
                     without = [*conv.messages[:i], {k: v for k, v in m.items() if k != key}]
@@ -308,16 +325,19 @@ class _Encoder:
     def _span(self, conv: Conversation, i: int, full: str, whole: bool) -> tuple[int, int]:
         """The characters of message i: from where its rendering departs from the prefix before it (for
         an assistant turn, the prefix with the generation prompt: its header is the prompt's, not
-        trained) to its end."""
+        trained) to its end. The conversation must render the same up to message i's end when cut
+        there (prefix-stable): otherwise the turn's characters in the whole are not the ones located."""
         upto = self._render(conv, i + 1)
-        if not full.startswith(upto):
+        before = self._prefix(conv, i, False)
+        if not (full.startswith(upto) and upto.startswith(before)):
             raise DataError(
-                f"{conv.where}: the chat template is not prefix-stable (rendering the conversation up to "
-                f"message {i} is not a prefix of the whole), so its turns cannot be located; "
-                "use train_on: all or a template that renders earlier turns unchanged"
+                f"{conv.where}: the chat template is not prefix-stable at message {i} (the conversation cut before "
+                "or after it does not render as the start of the whole), so its turns cannot be located: use "
+                "train_on: last_assistant (only the last turn is located) or a template that renders "
+                "earlier turns unchanged"
             )
-        generation = conv.messages[i]["role"] == "assistant" and not whole
-        return _common_prefix(self._prefix(conv, i, generation), upto), len(upto)
+        head = self._prefix(conv, i, True) if conv.messages[i]["role"] == "assistant" and not whole else before
+        return max(_common_prefix(head, upto), len(before)), len(upto)
 
     def prepare(self, conv: Conversation) -> tuple[str, list[tuple[int, int]] | None, bool] | str:
         """Rendered text, supervised character spans (None = all), and whether it is plain text;
