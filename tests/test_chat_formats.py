@@ -536,6 +536,15 @@ def test_json_arrays_read_record_by_record_with_row_and_line(tmp_path, qwen):
     bad.write_text('[{"text": "a"}')
     with pytest.raises(DataError, match="the JSON array is not closed"):
         list(iter_records(Source(str(bad))))
+    wide = tmp_path / "wide.json"  # characters of 2 and 3 bytes cut by every read size
+    records = [{"text": "中文字符" * (i % 7 + 1) + "é" * (i % 3), "i": i} for i in range(40)]
+    wide.write_text(json.dumps(records, ensure_ascii=False, indent=1), encoding="utf-8")
+    for size in range(1, 14):
+        assert [r for c in iter_chunks(Source(str(wide)), chunk_bytes=size, chunk_rows=3) for r in c.records] == records
+    assert sum(c.size for c in iter_chunks(Source(str(wide)), chunk_bytes=50, chunk_rows=3)) == wide.stat().st_size
+    bom = tmp_path / "bom.jsonl"  # a byte order mark before the first line of JSON Lines
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"text": "a"}\n{"text": "b"}\n')
+    assert [r for r, _ in iter_records(Source(str(bom)))] == [{"text": "a"}, {"text": "b"}]
     lines = tmp_path / "lines.json"  # a .json file of JSON Lines reads as JSONL
     lines.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
     assert [r for r, _ in iter_records(Source(str(lines)))] == records[:3]
@@ -633,3 +642,72 @@ def test_a_template_that_would_mis_mask_or_drop_a_message_is_refused(template, r
     path.write_text(json.dumps(record) + "\n")
     with pytest.raises(DataError, match=f"{path}:1: {message}"):
         tokenize_source(Source(str(path)), tok, progress=False)
+
+
+FIRST_TURNS = [  # the first message trains: the template's preamble (its default system prompt) must not
+    (
+        {"messages": [{"role": "assistant", "content": "Hello! How can I help?"},
+                      {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}]},
+        [{"role": "assistant", "content": "Hello! How can I help?"},
+         {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}],
+    ),
+    (
+        {"messages": [{"role": "user", "content": "Weather?", "weight": 1}, {"role": "assistant", "content": "Yes."}]},
+        [{"role": "user", "content": "Weather?", "weight": 1}, {"role": "assistant", "content": "Yes."}],
+    ),
+    (
+        {"system": "Be brief.", "messages": [{"role": "user", "content": "Weather?", "weight": 0},
+                                              {"role": "assistant", "content": "Sunny."}]},
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?", "weight": 0},
+         {"role": "assistant", "content": "Sunny."}],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_a_first_turn_that_trains_leaves_the_templates_preamble_out(train_on, qwen, tmp_path):
+    """A chat opening with an assistant greeting, a weight-1 first user turn, a weight-0 first user turn
+    under ``all``, and the OpenAI record's own ``system`` field: as the template's own mask says."""
+    tok = AutoTokenizer.from_pretrained(qwen)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record, _ in FIRST_TURNS))
+    t = tokenize_source(Source(str(path)), tok, progress=False, train_on=train_on)
+    for row, (_, messages) in enumerate(FIRST_TURNS):
+        ids, mask = t.sample(row)
+        assert (ids.tolist(), mask.astype(int).tolist()) == reference(tok, messages, None, train_on), row
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"messages": [{"role": "user", "content": "hi", "name": "Alice"}, {"role": "assistant", "content": "yo"}]},
+         r"messages\[0\].name: the chat template does not render it"),
+        ({"system": "Be brief.", "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]},
+         r"the record has a 'system' field and a system message: give one"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
+         r"messages\[0\].content\[0\] must be a text part"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"type": "code", "code": "1"}]}]},
+         r"messages\[0\].tool_calls\[0\] is a 'code' call: only function calls are read"),
+        ({"input_ids": [1, 2, 3], "labels": [-100, None, 3]}, r"labels must be a flat list of integers"),
+        ({"input_ids": [1.7, 2.2, 3.9]}, r"input_ids must be a flat list of integers"),
+        ({"input_ids": [1, 2, 3], "attention_mask": 1}, r"attention_mask has zeros"),
+        ({"input_ids": [1, 2, 3], "labels": [-100, -100, 3], "assistant_masks": [0, 1, 1]},
+         r"labels and assistant_masks disagree at token 1: give one of them"),
+    ],
+)  # fmt: skip
+def test_fields_that_would_be_dropped_or_misread_are_refused(record, message, qwen, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=f"{path}:1: {message}"):
+        tokenize_source(Source(str(path)), AutoTokenizer.from_pretrained(qwen), progress=False)
+
+
+def test_split_and_subset_only_where_they_are_read(tmp_path):
+    from lit_hbp.data.sources import check_source
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a"}\n')
+    with pytest.raises(DataError, match="split is read from data sets saved with save_to_disk and Hub data sets"):
+        check_source(Source(str(path), split="test"))
+    with pytest.raises(DataError, match="subset is read from Hub data sets only"):
+        check_source(Source(str(path), subset="en"))

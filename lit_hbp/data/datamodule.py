@@ -201,7 +201,7 @@ class HBPDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        sources: list[Source | dict],
+        sources: list[str | dict | Source],
         tokenizer: str,
         levels: list[Level | dict | str | int] | LevelSelector,
         packer: str = DEFAULT_PACKER,
@@ -211,7 +211,7 @@ class HBPDataModule(L.LightningDataModule):
         cache_dir: str = "data_cache",
         num_workers: int | None = None,
         demo_dir: str | None = None,
-        val_sources: list[Source | dict] | None = None,
+        val_sources: list[str | dict | Source] | None = None,
         val_fraction: float = 0.0,
         chat_template: str | None = None,
         num_proc: int | None = None,

@@ -32,10 +32,10 @@ from lit_hbp.errors import ConfigError, DataError
 RECORD_FORMATS = ("auto", "openai", "sharegpt", "alpaca", "prompt_response", "text", "tokens")
 # The record fields of each format, by their default names (``fields`` renames them).
 RECORD_FIELDS = {
-    "openai": ("messages", "tools"),
+    "openai": ("messages", "tools", "system"),
     "sharegpt": ("conversations", "system", "tools"),
     "alpaca": ("instruction", "input", "output", "system", "history", "tools"),
-    "prompt_response": ("prompt", "response", "system"),
+    "prompt_response": ("prompt", "response", "system", "tools"),
     "text": ("text",),
     "tokens": ("input_ids", "labels", "assistant_masks", "attention_mask"),
 }
@@ -180,6 +180,8 @@ class RecordReader:
         self.roles = dict(roles or {})
         targets = KNOWN_ROLES + (FUNCTION_CALL,)
         for key, value in self.roles.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{label}: roles: the data set's role names are strings, got {key!r}")
             if value not in targets:
                 raise ConfigError(
                     f"{label}: roles: {key!r} maps to {value!r}, which is no chat role ({', '.join(targets)})"
@@ -236,7 +238,10 @@ class RecordReader:
     def _openai(self, record: Mapping, where: str) -> Conversation:
         messages = self._required(record, "messages", where, list)
         out = [self._openai_message(m, i, where) for i, m in enumerate(messages)]
-        return self._conversation(out, where, self._tools(record, where))
+        system = self._optional_text(record, "system", where)
+        if system is not None and out and out[0][0]["role"] == "system":
+            raise DataError(f"{where}: the record has a {self.name('system')!r} field and a system message: give one")
+        return self._conversation(out, where, self._tools(record, where), system)
 
     def _openai_message(self, m: Any, i: int, where: str) -> tuple[dict, int | None]:
         at = f"{where}: messages[{i}]"
@@ -345,14 +350,16 @@ class RecordReader:
                 raise DataError(f"{where}: record has {self.name(other)!r} but no {self.name(key)!r}")
         prompt, response = self._required(record, "prompt", where), self._required(record, "response", where)
         turns = [({"role": "user", "content": prompt}, None), ({"role": "assistant", "content": response}, None)]
-        return self._conversation(turns, where, None, self._optional_text(record, "system", where))
+        return self._conversation(
+            turns, where, self._tools(record, where), self._optional_text(record, "system", where)
+        )
 
     def _text(self, record: Mapping, where: str) -> Conversation:
         return Conversation(None, self._required(record, "text", where), where)
 
     def _tokens(self, record: Mapping, where: str) -> TokenRecord:
         mask = record.get(self.name("attention_mask"))
-        if mask is not None and not all(x == 1 for x in mask):
+        if mask is not None and not (isinstance(mask, (list, tuple)) and all(x == 1 for x in mask)):
             raise DataError(
                 f"{where}: attention_mask has zeros: a pre-tokenized record must hold one unpadded sample "
                 "(lit-hbp packs and pads itself)"
@@ -384,7 +391,7 @@ def text_of(content: Any, at: str, may_be_empty: bool = False) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in MEDIA_PARTS:
             raise DataError(f"{at}[{j}] is a {kind!r} part: not supported (lit-hbp trains on text; drop the part)")
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
             raise DataError(f'{at}[{j}] must be a text part {{"type": "text", "text": ...}}, got {part!r:.80}')
         texts.append(part["text"])
     return "".join(texts)
@@ -436,6 +443,8 @@ def tool_calls_of(value: Any, at: str) -> list[dict]:
     for j, call in enumerate(value):
         if not isinstance(call, dict):
             raise DataError(f"{at}[{j}] must be an object")
+        if call.get("type", "function") != "function":
+            raise DataError(f"{at}[{j}] is a {call['type']!r} call: only function calls are read")
         fn = call.get("function", call)
         unknown = set(call) - (
             {"id", "type", "function"} if "function" in call else {"id", "type", "name", "arguments"}

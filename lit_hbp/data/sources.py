@@ -9,6 +9,7 @@ record keeps its location, ``file:line`` (JSONL) or ``file:row N`` (rows count f
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import json
@@ -50,7 +51,7 @@ class Source:
         repeat: how many times the source enters an epoch (2.0 = twice, 0.5 = a seeded half).
         weight: alternatively, the source's share of the epoch's samples relative to the other
             sources' weights (the epoch keeps the total sample count of all sources).
-        split: the split to read from a saved ``DatasetDict`` or a Hub data set.
+        split: the split to read from a saved ``DatasetDict`` or a Hub data set (default: train).
         subset: the configuration (subset) of a Hub data set that has several.
         fields: the data set's names of the format's fields, e.g. ``{messages: dialog, role: speaker,
             content: text}`` (needs a format other than ``auto``).
@@ -62,7 +63,7 @@ class Source:
     file_type: str = "auto"
     repeat: float | None = None
     weight: float | None = None
-    split: str = "train"
+    split: str | None = None
     subset: str | None = None
     fields: dict[str, str] | None = None
     roles: dict[str, str] | None = None
@@ -214,6 +215,7 @@ def check_source(source: Source, label: str | None = None) -> None:
     path = Path(source.path)
     who = f"{label}: " if label else ""
     kind = source.file_type
+    _check_table_options(source, who)
     if not path.exists() and (kind == "hub" or (kind == "auto" and is_hub_name(source.path))):
         if hub_dataset(source.path) is None:
             from huggingface_hub.constants import HF_HUB_CACHE
@@ -259,6 +261,21 @@ def check_source(source: Source, label: str | None = None) -> None:
         raise DataError(f"{who}data source {path} cannot be read (permission denied)")
     if path.stat().st_size == 0:
         raise DataError(f"{who}data source {path} is empty (0 bytes): remove it from the list or give the right file")
+
+
+def _check_table_options(source: Source, who: str) -> None:
+    """``split`` is read from saved data sets and Hub data sets, ``subset`` from Hub data sets: given
+    for another source, it is refused rather than ignored."""
+    path = Path(source.path)
+    hub = source.file_type == "hub" or (source.file_type == "auto" and is_hub_name(source.path))
+    saved = source.file_type == "hf" or (source.file_type == "auto" and path.is_dir())
+    if source.subset is not None and not hub:
+        raise DataError(f"{who}data source {source.path}: subset is read from Hub data sets only")
+    if source.split is not None and not (hub or saved):
+        raise DataError(
+            f"{who}data source {source.path}: split is read from data sets saved with save_to_disk and Hub data "
+            "sets only; a file is one split: give the file of the split you want"
+        )
 
 
 def check_sources(sources: Sequence[Source], field: str = "sources") -> None:
@@ -312,14 +329,15 @@ def _table(source: Source):
 
     if kind == "hub":
         try:
-            return datasets.load_dataset(str(path), name=source.subset, split=source.split)
+            return datasets.load_dataset(str(path), name=source.subset, split=source.split or "train")
         except ValueError as e:  # an unknown split or subset: datasets names the ones there are
             raise DataError(f"data source {source.path!r} (the Hub data set in {path}): {e}") from None
     data = datasets.load_from_disk(str(path))
     if isinstance(data, datasets.DatasetDict):
-        if source.split not in data:
-            raise DataError(f"{path}: split {source.split!r} not found; splits are {sorted(data)}")
-        data = data[source.split]
+        split = source.split or "train"
+        if split not in data:
+            raise DataError(f"{path}: split {split!r} not found; splits are {sorted(data)}")
+        data = data[split]
     return data
 
 
@@ -361,85 +379,93 @@ def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int 
             yield Chunk(first=row + 1, records=records, size=len(records))
 
 
+class _ArrayReader:
+    """A JSON array file read a block at a time: the decoded text not yet consumed, the position in
+    it, and the line there (counted once per character, so reading stays linear in the file)."""
+
+    WHITESPACE = " \t\r\n\ufeff"
+
+    def __init__(self, f, path: Path, block: int):
+        self.f, self.path, self.block = f, path, block
+        self.decode = codecs.getincrementaldecoder("utf-8")().decode  # a block may end inside a character
+        self.text, self.pos, self.done, self.read = "", 0, False, 0
+        self.line, self.counted = 1, 0  # the line at text[counted]
+
+    def more(self, n: int) -> None:
+        """Read ``n`` more bytes (dropping the text already consumed)."""
+        data = self.f.read(n)
+        self.done = not data
+        self.read += len(data)
+        self.line_at()
+        try:
+            text = self.decode(data, final=self.done)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{self.path}: not valid UTF-8 ({e.reason} near byte {self.read})") from None
+        self.text, self.counted, self.pos = self.text[self.pos :] + text, 0, 0
+
+    def next_char(self) -> str:
+        """Skip whitespace (reading on as needed); the next character, or "" at the end of the file."""
+        while True:
+            while self.pos < len(self.text) and self.text[self.pos] in self.WHITESPACE:
+                self.pos += 1
+            if self.pos < len(self.text) or self.done:
+                return self.text[self.pos : self.pos + 1]
+            self.more(self.block)
+
+    def line_at(self) -> int:
+        self.line += self.text.count("\n", self.counted, self.pos)
+        self.counted = self.pos
+        return self.line
+
+
 def _array_chunks(path: Path, chunk_bytes: int, chunk_rows: int) -> Iterator[Chunk]:
     """The records of a JSON array file, ``chunk_rows`` at a time, each with the line it starts on;
     read ``chunk_bytes`` at a time (more while one record is longer), never the whole file."""
     decoder = json.JSONDecoder()
     with path.open("rb") as f:
-        text, pos, line, done, read = "", 0, 1, False, 0
-
-        def more(n: int) -> None:
-            nonlocal text, pos, line, done, read
-            block = f.read(n)
-            done = not block
-            read += len(block)
-            line += text.count("\n", 0, pos)
-            try:
-                text = text[pos:] + block.decode("utf-8")
-            except UnicodeDecodeError:  # a block may end inside a character: take the rest of it
-                rest = f.read(3)
-                read += len(rest)
-                try:
-                    text = text[pos:] + (block + rest).decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{path}: not valid UTF-8 ({e.reason} near byte {read})") from None
-            pos = 0
-
-        def next_char() -> str:
-            """Skip whitespace (reading on as needed); the next character, or "" at the end of the file."""
-            nonlocal pos
-            while True:
-                while pos < len(text) and text[pos] in " \t\r\n\ufeff":
-                    pos += 1
-                if pos < len(text) or done:
-                    return text[pos : pos + 1]
-                more(chunk_bytes)
-
-        def line_at() -> int:
-            return line + text.count("\n", 0, pos)
-
-        if next_char() != "[":
+        r = _ArrayReader(f, path, chunk_bytes)
+        if r.next_char() != "[":
+            first = r.next_char()
             raise DataError(
-                f"{path}: a .json source holds a JSON array of records (or JSON Lines); it starts with {next_char()!r}"
+                f"{path}: a .json source holds a JSON array of records (or JSON Lines); it starts with {first!r}"
             )
-        pos += 1
-        records, lines, row, size = [], [], 1, 0
+        r.pos += 1
+        records, lines, row, reported = [], [], 1, 0
         while True:
-            c = next_char()
+            c = r.next_char()
             if c == "]":
-                pos += 1
-                if next_char():
-                    raise DataError(f"{path}:line {line_at()}: text after the end of the JSON array")
+                r.pos += 1
+                if r.next_char():
+                    raise DataError(f"{path}:line {r.line_at()}: text after the end of the JSON array")
                 break
             if not c:
                 raise DataError(f"{path}: the JSON array is not closed (the file ends inside it)")
             if row > 1:
                 if c != ",":
-                    raise DataError(f"{path}:line {line_at()}: expected ',' or ']' between records, got {c!r}")
-                pos += 1
-                next_char()
-            start, want = line_at(), chunk_bytes
+                    raise DataError(f"{path}:line {r.line_at()}: expected ',' or ']' between records, got {c!r}")
+                r.pos += 1
+                r.next_char()
+            start, want = r.line_at(), chunk_bytes
             while True:
                 try:
-                    record, end = decoder.raw_decode(text, pos)
-                    if end < len(text) or done:
+                    record, end = decoder.raw_decode(r.text, r.pos)
+                    if end < len(r.text) or r.done:
                         break
                 except json.JSONDecodeError as e:
-                    if done:
+                    if r.done:
                         raise DataError(f"{path}:row {row} (line {start}): malformed JSON: {e.msg}") from None
-                more(want)  # the record goes on past what was read: read more, twice as much each time
+                r.more(want)  # the record goes on past what was read: read more, twice as much each time
                 want *= 2
             if not isinstance(record, dict):
                 raise DataError(f"{path}:row {row} (line {start}): expected a JSON object, got {type(record).__name__}")
             records.append(record)
             lines.append(start)
-            size += end - pos
-            pos, row = end, row + 1
+            r.pos, row = end, row + 1
             if len(records) == chunk_rows:
-                yield Chunk(first=row - len(records), records=records, record_lines=lines, size=size)
-                records, lines, size = [], [], 0
-        if records:
-            yield Chunk(first=row - len(records), records=records, record_lines=lines, size=size)
+                yield Chunk(first=row - len(records), records=records, record_lines=lines, size=r.read - reported)
+                records, lines, reported = [], [], r.read
+        if records or r.read > reported:
+            yield Chunk(first=row - len(records), records=records, record_lines=lines, size=r.read - reported)
 
 
 def chunk_records(source: Source, chunk: Chunk) -> Iterator[tuple[dict, str, int]]:
@@ -458,6 +484,8 @@ def chunk_records(source: Source, chunk: Chunk) -> Iterator[tuple[dict, str, int
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        if lineno == 1:
+            line = line.removeprefix("\ufeff")  # a byte order mark some editors write
         if not line.strip():
             continue
         try:

@@ -235,9 +235,9 @@ class SampleStore:
         self.starts, self.loss_tokens = self.starts.copy(), self.loss_tokens.copy()
         for k, s in enumerate(self.sources):
             sel = over[self.source_of[over] == k]
-            rows = self.row_of[sel]
+            rows, lengths = self.row_of[sel], s.lengths
             starts = np.array(
-                [truncation_window(s.sample_spans(int(r)), int(s.lengths[r]), max_len) for r in rows], np.int64
+                [truncation_window(s.sample_spans(int(r)), int(lengths[r]), max_len) for r in rows], np.int64
             )
             kept = s.loss_tokens(rows, (starts, max_len))
             for i, start, after in zip(sel.tolist(), starts.tolist(), kept.tolist()):

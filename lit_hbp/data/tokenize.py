@@ -270,13 +270,14 @@ class _Encoder:
                 raise _PrefixFailed(str(e)) from None
             raise DataError(f"{conv.where}: the chat template cannot render this record: {e}") from None
 
-    def _prefix(self, conv: Conversation, i: int, generation_prompt: bool) -> str:
-        """The rendering of the messages before message i ("" where the template cannot render none)."""
+    def _prefix(self, conv: Conversation, i: int, generation_prompt: bool) -> str | None:
+        """The rendering of the messages before message i; None before the first one when the template
+        cannot render an empty conversation (transformers refuses to)."""
         try:
             return self._render(conv, i, generation_prompt)
         except _PrefixFailed as e:
             if i == 0:
-                return ""
+                return None
             raise DataError(
                 f"{conv.where}: messages[{i}]: the chat template cannot render the conversation before this message "
                 f"({e}), so the turn cannot be located"
@@ -313,7 +314,8 @@ class _Encoder:
                     f"{conv.where}: messages[{i}] ({m['role']}): the chat template does not render its content, so "
                     "the model would never see it: use a chat template that renders the role, or drop the message"
                 )
-            for key in RENDERED:
+            # A tool result's name and call id link it to its call: the template may leave them out.
+            for key in RENDERED + (("name",) if m["role"] != "tool" else ()):
                 if key in m:
                     without = [*conv.messages[:i], {k: v for k, v in m.items() if k != key}]
                     if self._render(conv, i + 1) == self._render(conv, None, messages=without):
@@ -327,17 +329,46 @@ class _Encoder:
         an assistant turn, the prefix with the generation prompt: its header is the prompt's, not
         trained) to its end. The conversation must render the same up to message i's end when cut
         there (prefix-stable): otherwise the turn's characters in the whole are not the ones located."""
-        upto = self._render(conv, i + 1)
+        try:
+            upto = self._render(conv, i + 1)
+        except _PrefixFailed as e:
+            raise DataError(
+                f"{conv.where}: messages[{i}]: the chat template cannot render the conversation up to this message "
+                f"({e}), so the turn cannot be located"
+            ) from None
         before = self._prefix(conv, i, False)
-        if not (full.startswith(upto) and upto.startswith(before)):
+        if not (full.startswith(upto) and upto.startswith(before or "")):
             raise DataError(
                 f"{conv.where}: the chat template is not prefix-stable at message {i} (the conversation cut before "
                 "or after it does not render as the start of the whole), so its turns cannot be located: use "
                 "train_on: last_assistant (only the last turn is located) or a template that renders "
                 "earlier turns unchanged"
             )
-        head = self._prefix(conv, i, True) if conv.messages[i]["role"] == "assistant" and not whole else before
+        generation = conv.messages[i]["role"] == "assistant" and not whole
+        if before is None:
+            return self._first_start(conv, upto, generation), len(upto)
+        head = self._prefix(conv, i, True) if generation else before
         return max(_common_prefix(head, upto), len(before)), len(upto)
+
+    def _first_start(self, conv: Conversation, upto: str, generation: bool) -> int:
+        """Where the first message's turn starts in ``upto`` (its rendering alone), the template's preamble
+        (a default system prompt, the tools) excluded: an assistant turn's content starts where the
+        rendering with other content departs; a whole message is what a second copy of it adds."""
+        first = conv.messages[0]
+        try:
+            if generation:
+                other = self._render(conv, None, messages=[{**first, "content": "\x01" + first["content"]}])
+                return _common_prefix(upto, other)
+            twice = self._render(conv, None, messages=[first, first])
+        except DataError:
+            twice = ""
+        own = len(twice) - len(upto)
+        if not (twice.startswith(upto) and 0 < own <= len(upto) and twice[len(upto) :] == upto[len(upto) - own :]):
+            raise DataError(
+                f"{conv.where}: messages[0]: the chat template renders the first message with a preamble that cannot "
+                "be told apart from it, so its turn cannot be located: leave its weight unset"
+            )
+        return len(upto) - own
 
     def prepare(self, conv: Conversation) -> tuple[str, list[tuple[int, int]] | None, bool] | str:
         """Rendered text, supervised character spans (None = all), and whether it is plain text;
@@ -389,25 +420,33 @@ class _Encoder:
         return out
 
 
+def _integers(value, name: str, where: str, bools: bool = False) -> np.ndarray:
+    """A flat list of integers (and booleans where ``bools``) as an int64 array, or a DataError."""
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError):
+        array = None
+    kinds = "iub" if bools else "iu"
+    if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in kinds):
+        raise DataError(f"{where}: {name} must be a flat list of integers, got {str(value)[:60]}")
+    return array.astype(np.int64)
+
+
 def pretokenized(record: TokenRecord, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids, supervised mask) of a pre-tokenized record, checked against the vocabulary: ``labels``
     unshifted with -100 on unsupervised tokens (the Hugging Face convention), or ``assistant_masks``
     (1 on supervised tokens), or neither (every token supervised)."""
     where = record.where
-    try:
-        ids = np.asarray(record.input_ids, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        raise DataError(f"{where}: input_ids must be a list of integers") from None
-    if ids.ndim != 1:
-        raise DataError(f"{where}: input_ids must be a flat list of integers, got shape {ids.shape}")
+    ids = _integers(record.input_ids, "input_ids", where)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
         raise DataError(
             f"{where}: input_ids holds token id {bad}, outside the tokenizer's vocabulary (0..{vocab_size - 1}): "
             "was it tokenized with another tokenizer?"
         )
+    target = np.ones(ids.size, dtype=bool)
     if record.labels is not None:
-        labels = np.asarray(record.labels, dtype=np.int64)
+        labels = _integers(record.labels, "labels", where)
         if labels.shape != ids.shape:
             raise DataError(f"{where}: labels has {labels.size} entries for {ids.size} input_ids")
         target = labels != IGNORE_INDEX
@@ -418,15 +457,16 @@ def pretokenized(record: TokenRecord, vocab_size: int) -> tuple[np.ndarray, np.n
                 f"{where}: labels[{t}] = {labels[t]} is neither {IGNORE_INDEX} nor input_ids[{t}] = {ids[t]}: labels "
                 "are read unshifted, equal to input_ids where supervised (the Hugging Face convention)"
             )
-    elif record.assistant_masks is not None:
-        mask = np.asarray(record.assistant_masks)
+    if record.assistant_masks is not None:
+        mask = _integers(record.assistant_masks, "assistant_masks", where, bools=True)
         if mask.shape != ids.shape:
             raise DataError(f"{where}: assistant_masks has {mask.size} entries for {ids.size} input_ids")
         if not np.isin(mask, (0, 1)).all():
             raise DataError(f"{where}: assistant_masks must hold 0 and 1 only")
+        if record.labels is not None and not np.array_equal(mask.astype(bool)[1:], target[1:]):
+            t = 1 + int(np.flatnonzero(mask.astype(bool)[1:] != target[1:])[0])
+            raise DataError(f"{where}: labels and assistant_masks disagree at token {t}: give one of them")
         target = mask.astype(bool)
-    else:
-        target = np.ones(ids.size, dtype=bool)
     target[:1] = False
     return ids, target
 

@@ -110,7 +110,7 @@ def _parse_count(text: str) -> int:
     text = text.strip()
     scale = {"k": 1024, "m": 1024 * 1024}.get(text[-1:].lower(), 1)
     digits = text[:-1] if scale > 1 else text
-    if not digits.isdigit():
+    if not (digits.isascii() and digits.isdigit()):
         raise ConfigError(f"{text!r} is not a non-negative integer")
     return int(digits) * scale
 
