@@ -1,6 +1,7 @@
 """lit-hbp: Hierarchical Balance Packing for long-context SFT with PyTorch Lightning.
 
     from lit_hbp import HBPDataModule, HBPLitModule, HBPStrategy, Level, PackedBatch, plan_hbp
+    from lit_hbp import prepare_model, packed_loss, pack_samples   # inside your own LightningModule
 
 The packing planner (``lit_hbp.packing``) imports numpy only; the Lightning pieces are imported
 on first use so that ``import lit_hbp.packing`` never pulls in torch.
@@ -15,6 +16,11 @@ _LAZY = {
     "HBPLitModule": "lit_hbp.module",
     "HBPStrategy": "lit_hbp.strategy",
     "PackedBatch": "lit_hbp.data.batch",
+    "PackedLoss": "lit_hbp.causal_lm",
+    "prepare_model": "lit_hbp.causal_lm",
+    "packed_loss": "lit_hbp.causal_lm",
+    "pack_samples": "lit_hbp.data.collate",
+    "collate_packs": "lit_hbp.data.collate",
     "Source": "lit_hbp.data.sources",
     "export_checkpoint": "lit_hbp.export",
     "Level": "lit_hbp.packing",

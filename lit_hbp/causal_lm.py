@@ -1,5 +1,12 @@
 """A Hugging Face causal LM as lit-hbp trains it: built with the varlen attention, its decoder,
-its output head exactly as the family's own forward applies it, its router loss, its FLOPs.
+its output head exactly as the family's own forward applies it, its router loss, its FLOPs; and
+the two functions a Lightning module of one's own calls to train any such model on packs:
+
+    from lit_hbp import prepare_model, packed_loss
+    model = prepare_model(hf_model)   # varlen attention, per-level checkpointing; returns the model
+    out = packed_loss(model, batch)   # out.loss (normalized, to backward), out.ce_sum, out.n_targets
+
+``HBPLitModule`` trains through the same two functions.
 
 lit-hbp runs the decoder itself and computes the loss from the hidden states (chunked, supervised
 positions only), so whatever the family's ``ForCausalLM.forward`` does after the decoder must be
@@ -15,13 +22,19 @@ import contextlib
 import importlib.util
 import sys
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.checkpoint import checkpoint
 
 from lit_hbp import attention
 from lit_hbp.checks import check_model_config, local_checkpoint
+from lit_hbp.data.batch import PackedBatch
+from lit_hbp.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
 from lit_hbp.model_spec import ModelSpec
+from lit_hbp.parallel import context as sp_context
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
@@ -89,6 +102,164 @@ def _refusing_other_attention(what: str):
                 "phi3, olmo2, mixtral, ... (README, 'Model families')"
             ) from None
         raise
+
+
+LAYERS = "_hbp_layers"  # what prepare_model keeps on the model: its decoder layers, for checkpointing
+
+
+def base_of(net: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model itself (under peft: the model the adapters wrap)."""
+    return net.get_base_model() if hasattr(net, "get_base_model") else net
+
+
+def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a Hugging Face causal LM (or its peft wrapper) train on lit-hbp's packs; returns it.
+
+    Its attention becomes ``hbp_varlen`` (transformers' ``set_attn_implementation``): every document of a
+    pack attends only to itself, and a level's sequence parallelism runs inside it. Its decoder layers
+    get non-reentrant activation checkpointing, off until ``packed_loss`` applies a batch's
+    ``ckpt_layers``; the KV cache is off. A family whose attention does not go through transformers'
+    AttentionInterface is refused: its documents would attend to each other."""
+    net = base_of(model)
+    if not hasattr(net, "set_attn_implementation") or not hasattr(net, "config"):
+        raise TypeError(f"prepare_model takes a Hugging Face causal LM (a PreTrainedModel), got {type(net).__name__}")
+    if net.config._attn_implementation != attention.ATTN_NAME:
+        with _refusing_other_attention(type(net).__name__):
+            net.set_attn_implementation(attention.ATTN_NAME)
+        if net.config._attn_implementation != attention.ATTN_NAME:
+            raise KeyError(attention.ATTN_NAME)  # transformers only warned: the same refusal
+    net.config.use_cache = False
+    layers = checkpoint_layers(net)
+    for layer in layers:
+        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+        layer.gradient_checkpointing = False
+    net.__dict__[LAYERS] = layers  # a plain attribute: not a submodule, not in the state dict
+    if not getattr(net.loss_function, "refuses_unshifted", False):
+        net.loss_function = _pre_shifted(net.loss_function)
+    return model
+
+
+def _pre_shifted(loss_function):
+    """The model's own loss (``model(..., labels=...)``), refusing the labels it would shift: a
+    PackedBatch's labels are already shifted (``labels[t]`` is the target of position t), and
+    transformers' causal-LM loss shifts ``labels`` again unless ``shift_labels`` is given."""
+
+    def loss(*args, shift_labels=None, **kwargs):
+        if shift_labels is None:
+            raise ValueError(
+                "the labels of lit-hbp's batches are already shifted (labels[t] is the target of position t) and "
+                "transformers' loss would shift them again: compute the loss with lit_hbp.packed_loss(model, batch), "
+                "or pass shift_labels=batch.labels to the model"
+            )
+        return loss_function(*args, shift_labels=shift_labels, **kwargs)
+
+    loss.refuses_unshifted = True
+    return loss
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers ``prepare_model`` found (checkpointed from the first)."""
+    layers = base_of(model).__dict__.get(LAYERS)
+    if layers is None:
+        raise ValueError(_not_prepared(model))
+    return layers
+
+
+def set_checkpointing(model: torch.nn.Module, ckpt_layers: int) -> None:
+    """Checkpoint the first ``ckpt_layers`` decoder layers of a prepared model, run the rest normally."""
+    layers = decoder_layers(model)
+    if ckpt_layers > len(layers):
+        raise ValueError(f"ckpt_layers {ckpt_layers} exceeds the model's {len(layers)} decoder layers")
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i < ckpt_layers
+
+
+def _not_prepared(model: torch.nn.Module) -> str:
+    config = getattr(base_of(model), "config", None)
+    attn = getattr(config, "_attn_implementation", None)
+    return (
+        f"{type(base_of(model)).__name__} runs {attn!r} attention, which would let the documents of a pack attend to "
+        "each other and cannot run a level's sequence parallelism: call lit_hbp.prepare_model(model) first"
+    )
+
+
+class PackedLoss(NamedTuple):
+    """``packed_loss``'s result: ``loss`` (normalized, what to backward), ``ce_sum`` (the summed
+    cross-entropy of this rank's shard, detached) and ``n_targets`` (its supervised tokens)."""
+
+    loss: torch.Tensor
+    ce_sum: torch.Tensor
+    n_targets: int
+
+
+def packed_loss(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    loss: str = "ave_token",
+    *,
+    weights: float | torch.Tensor | None = None,
+    ce_chunk_size: int = 1024,
+    liger: bool = False,
+    router_loss: bool = True,
+    recompute: bool = True,
+) -> PackedLoss:
+    """The loss of a packed micro-batch (``batch``, this rank's shard under SP) through a model that
+    ``prepare_model`` prepared, exactly as each of its documents alone would give it.
+
+    It applies the batch's ``ckpt_layers``, checks the level's SP group is the active one, passes the
+    document boundaries and per-document positions to the model's decoder, and runs the chunked
+    cross-entropy over the supervised positions only (the labels are pre-shifted: position t
+    predicts t + 1), weighted by the normalizer ``loss`` (``ave_token`` (default) | ``token_mean`` |
+    ``sample_mean`` | ``sum``, ``lit_hbp.loss``) or by ``weights``. The family's router loss is added
+    when its config asks for it (and ``router_loss``). ``liger``: Liger's fused linear cross-entropy
+    on a CUDA GPU; ``recompute=False`` keeps each chunk's logits for the backward."""
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(
+            f"packed_loss takes a PackedBatch (HBPDataModule's micro-batches, or lit_hbp.pack_samples over your own "
+            f"samples), got {type(batch).__name__}"
+        )
+    net = base_of(model)
+    if getattr(net.config, "_attn_implementation", None) != attention.ATTN_NAME or LAYERS not in net.__dict__:
+        raise ValueError(_not_prepared(model))
+    ctx = sp_context.active()
+    if int(batch.sp) != (ctx.size if ctx is not None else 1):
+        raise ValueError(
+            f"this micro-batch (level {batch.level}) is a shard for sequence parallelism {batch.sp} but the active SP "
+            f"group has {ctx.size if ctx is not None else 1} rank(s): levels with sp > 1 train under "
+            "lit_hbp.HBPStrategy, which activates each level's group"
+        )
+    set_checkpointing(model, int(batch.ckpt_layers))
+    cu = batch.cu_seqlens
+    attention.set_pack(cu, batch.max_seqlen, batch.input_ids.shape[1] * int(batch.sp))
+    sp_context.set_shard(batch.cp_shard)
+    aux = router_loss and getattr(net.config, "output_router_logits", False)
+    out = decoder_of(model)(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=batch.max_seqlen,
+        max_length_k=batch.max_seqlen,
+        use_cache=False,
+        **({"output_router_logits": True} if aux else {}),
+    )
+    hidden = out.last_hidden_state
+    head = output_head(model)
+    scale = weights if weights is not None else token_scale(batch, loss)
+    labels = batch.labels[0]
+    plain_head = type(head.linear) is torch.nn.Linear  # not wrapped by an adapter
+    fusable = plain_head and isinstance(scale, float) and (head.scale == 1.0 or head.linear.bias is None)
+    if liger and fusable:
+        total, ce_sum, n = fused_linear_cross_entropy(hidden[0], head, labels, scale, batch.target_index)
+    else:
+        w = scale if scale is not None else token_weights(batch, loss)[0]
+        total, ce_sum, n = chunked_cross_entropy(
+            hidden[0], head.logits, labels, w, batch.target_index, ce_chunk_size, recompute
+        )
+    if aux:
+        real = (batch.positions_in_pack() < batch.n_tokens)[None]  # not the padding segment
+        total = total + router_aux_loss(net, out.router_logits, real)
+    return PackedLoss(total, ce_sum, n)
 
 
 def decoder_of(net: torch.nn.Module) -> torch.nn.Module:

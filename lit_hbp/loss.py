@@ -36,8 +36,9 @@ def token_scale(batch: PackedBatch, normalizer: str) -> float | None:
     if normalizer == "ave_token":
         if batch.loss_norm is None:
             raise ValueError(
-                "the ave_token loss needs the plan's normalizer but this micro-batch has no loss_norm: batches "
-                "from HBPDataModule carry it; pass collate_packs(..., loss_norm=...) when building one by hand"
+                "the ave_token loss weighs a token by the optimizer step's supervised tokens over all ranks and "
+                "micro-batches, which HBPDataModule's plan knows before the step; this micro-batch has no loss_norm "
+                "(your own DataLoader): use the token_mean or sum loss, or pass loss_norm to pack_samples"
             )
         return 1.0 / batch.loss_norm
     if normalizer == "token_mean":

@@ -15,26 +15,26 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.checkpoint import checkpoint
 
 from lit_hbp import attention
 from lit_hbp.causal_lm import (
+    PackedLoss,
     apply_liger,
     apply_lora,
+    base_of,
     build_causal_lm,
     check_router_loss,
-    checkpoint_layers,
-    decoder_of,
+    decoder_layers,
     model_spec,
-    output_head,
-    router_aux_loss,
+    packed_loss,
+    prepare_model,
+    set_checkpointing,
 )
 from lit_hbp.checks import check_model_source, check_module_positions
 from lit_hbp.data.batch import PackedBatch
-from lit_hbp.loss import NORMALIZERS, chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
+from lit_hbp.loss import NORMALIZERS
 from lit_hbp.meter import StepMeter, logs_now
 from lit_hbp.model_spec import ModelSpec
-from lit_hbp.parallel import context as sp_context
 
 RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
 
@@ -74,6 +74,14 @@ def _zero3_loading(trainer):
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
+
+
+def _require_packed(batch: Any) -> None:
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(
+            f"HBPLitModule trains on PackedBatch micro-batches (HBPDataModule's, or lit_hbp.pack_samples as the "
+            f"collate_fn of your own DataLoader), got {type(batch).__name__}"
+        )
 
 
 class HBPLitModule(L.LightningModule):
@@ -149,15 +157,12 @@ class HBPLitModule(L.LightningModule):
         # (transformers checkpoints a layer only in training mode).
         self.model.train()
         check_module_positions(self)  # max_position_embeddings vs the largest level
-        self._layers = checkpoint_layers(self.model)
+        self._layers = decoder_layers(prepare_model(self.model))
         check_router_loss(self.model)
         try:
             self._spec = model_spec(self.model, self._layers)
         except ValueError as e:
             rank_zero_warn(f"model FLOPs unknown, MFU and FLOP/s are not logged: {e}")
-        for layer in self._layers:
-            layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
-            layer.gradient_checkpointing = False
         if self.hparams.liger:  # before peft wraps the model: Liger resolves the family's own modules
             apply_liger(self.model)
         if self.hparams.lora:
@@ -176,7 +181,7 @@ class HBPLitModule(L.LightningModule):
     @property
     def base_model(self) -> torch.nn.Module:
         """The Hugging Face model itself (under LoRA: the model peft wraps)."""
-        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return base_of(self.model)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The model's config travels with its weights, so export needs nothing but the checkpoint
@@ -189,10 +194,7 @@ class HBPLitModule(L.LightningModule):
 
     def set_checkpointing(self, ckpt_layers: int) -> None:
         """Checkpoint the first ``ckpt_layers`` decoder layers, run the rest normally."""
-        if ckpt_layers > len(self._layers):
-            raise ValueError(f"ckpt_layers {ckpt_layers} exceeds the model's {len(self._layers)} decoder layers")
-        for i, layer in enumerate(self._layers):
-            layer.gradient_checkpointing = i < ckpt_layers
+        set_checkpointing(self.model, ckpt_layers)
 
     def on_train_start(self) -> None:
         self.model.train()  # whatever ran before (a user's callback, a validation) left it in
@@ -243,7 +245,7 @@ class HBPLitModule(L.LightningModule):
                 )
             )
 
-    def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def forward(self, batch: PackedBatch) -> PackedLoss:
         """(weighted loss, summed CE, supervised tokens) of a micro-batch (or of this rank's SP shard);
         the router's load-balancing loss is added when the model's config asks for it."""
         return self.packed_loss(batch)
@@ -254,53 +256,16 @@ class HBPLitModule(L.LightningModule):
         weights: float | torch.Tensor | None = None,
         router_loss: bool = True,
         recompute: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The loss of ``batch`` weighted by the module's normalizer (or by ``weights``: one number, or
-        one per position of the shard), with the router's loss when the config asks for it and
-        ``router_loss``; ``recompute=False`` keeps the LM head's logits instead of recomputing them
-        (the self-check, whose backward runs outside the DeepSpeed engine)."""
-        ctx = sp_context.active()
-        if int(batch.sp) != (ctx.size if ctx is not None else 1):
-            raise ValueError(
-                f"this micro-batch (level {batch.level}) is a shard for sequence parallelism {batch.sp} but "
-                f"the active SP group has {ctx.size if ctx is not None else 1} rank(s): levels with sp > 1 train "
-                "under lit_hbp.strategy.HBPStrategy, which activates each level's group"
-            )
-        cu = batch.cu_seqlens
-        attention.set_pack(cu, batch.max_seqlen, batch.input_ids.shape[1] * int(batch.sp))
-        sp_context.set_shard(batch.cp_shard)
-        aux = router_loss and getattr(self.model.config, "output_router_logits", False)
-        out = decoder_of(self.model)(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            cu_seq_lens_q=cu,
-            cu_seq_lens_k=cu,
-            max_length_q=batch.max_seqlen,
-            max_length_k=batch.max_seqlen,
-            use_cache=False,
-            **({"output_router_logits": True} if aux else {}),
-        )
-        hidden = out.last_hidden_state
-        head = output_head(self.model)
-        scale = weights if weights is not None else token_scale(batch, self.hparams.loss)
-        labels = batch.labels[0]
-        plain_head = type(head.linear) is torch.nn.Linear  # not wrapped by an adapter
-        fusable = plain_head and isinstance(scale, float) and (head.scale == 1.0 or head.linear.bias is None)
-        if self.hparams.liger and fusable:
-            loss, ce_sum, n = fused_linear_cross_entropy(hidden[0], head, labels, scale, batch.target_index)
-        else:
-            w = scale if scale is not None else token_weights(batch, self.hparams.loss)[0]
-            loss, ce_sum, n = chunked_cross_entropy(
-                hidden[0], head.logits, labels, w, batch.target_index, self.hparams.ce_chunk_size, recompute
-            )
-        if aux:
-            loss = loss + router_aux_loss(self.model, out.router_logits, self._real_tokens(batch))
-        return loss, ce_sum, n
-
-    @staticmethod
-    def _real_tokens(batch: PackedBatch) -> torch.Tensor:
-        """[1, T] mask of this shard's positions that hold sample tokens (not the padding segment)."""
-        return (batch.positions_in_pack() < batch.n_tokens)[None]
+    ) -> PackedLoss:
+        """``lit_hbp.packed_loss`` of ``batch`` with this module's normalizer and settings (or ``weights``:
+        one number, or one per position of the shard); ``recompute=False`` keeps the LM head's logits
+        instead of recomputing them (the self-check, whose backward runs outside the DeepSpeed engine)."""
+        _require_packed(batch)
+        hp = self.hparams
+        return packed_loss(
+            self.model, batch, hp.loss, weights=weights, ce_chunk_size=hp.ce_chunk_size, liger=hp.liger,
+            router_loss=router_loss, recompute=recompute,
+        )  # fmt: skip
 
     def micro_batch_flops(self, batch: PackedBatch) -> float | None:
         """This rank's model FLOPs for ``batch`` (forward and backward, recomputation not counted,
@@ -316,7 +281,7 @@ class HBPLitModule(L.LightningModule):
         return dense / int(batch.sp) + self._spec.train_flops(0, 0, head, full)
 
     def on_train_batch_start(self, batch: PackedBatch, batch_idx: int) -> None:
-        self.set_checkpointing(int(batch.ckpt_layers))
+        _require_packed(batch)
         self.flops_per_batch = self.micro_batch_flops(batch)
         self._meter.start(batch.input_ids.device)
 

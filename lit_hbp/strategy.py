@@ -28,6 +28,7 @@ from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
+from lit_hbp import attention  # noqa: E402
 from lit_hbp.data.batch import PackedBatch  # noqa: E402
 from lit_hbp.packing.levels import Level, as_level, validate_levels  # noqa: E402
 from lit_hbp.parallel import context  # noqa: E402
@@ -83,6 +84,32 @@ def _plan_fields(levels) -> list[tuple]:
     """What the data module's plan and the strategy's groups must agree on (a layout left to the
     default on one side is filled in the same way on the other)."""
     return [(lv.pack_len, lv.sp, lv.ckpt_layers, lv.packs_per_rank) for lv in map(as_level, levels)]
+
+
+def trained_model(module, levels: list[Level]):
+    """The Hugging Face model a LightningModule trains (HBPLitModule's, or the one a module of one's own
+    holds), checked against the levels: sequence parallelism runs inside lit-hbp's attention, so a
+    level with sp > 1 and a model with other attention would train each rank's shard alone."""
+    from transformers import PreTrainedModel
+
+    found = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    nets = [m for m in found if not any(m is not other and m in set(other.modules()) for other in found)]
+    if not nets:
+        raise ValueError(
+            f"HBPStrategy: {type(module).__name__} holds no Hugging Face model (a transformers PreTrainedModel), whose "
+            "decoder lit-hbp's attention and levels need"
+        )
+    sp_levels = [lv for lv in levels if lv.sp > 1]
+    for net in nets:
+        attn = getattr(net.config, "_attn_implementation", None)
+        if sp_levels and attn != attention.ATTN_NAME:
+            lv = sp_levels[0]
+            raise ValueError(
+                f"HBPStrategy: the level of {lv.pack_len} tokens has sp {lv.sp}, but {type(net).__name__} runs "
+                f"{attn!r} attention, which would attend within each rank's shard only: call "
+                "lit_hbp.prepare_model(model) on it in your module (HBPLitModule does)"
+            )
+    return nets[0]
 
 
 class HBPStrategy(DeepSpeedStrategy):
@@ -192,7 +219,8 @@ class HBPStrategy(DeepSpeedStrategy):
         if not levels:
             raise ValueError("HBPStrategy needs levels: pass levels=... or use a data module with .levels")
         module = trainer.lightning_module
-        cfg = module.model.config
+        net = trained_model(module, [as_level(x) for x in levels])
+        cfg = net.config
         node_size = trainer.num_devices
         validate_sp_setup(
             levels,
@@ -225,6 +253,7 @@ class HBPStrategy(DeepSpeedStrategy):
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if isinstance(batch, PackedBatch):
             context.activate(self.sp_groups[(batch.sp, batch.cp)], batch.sp_kind)
+            attention.expect_pack(batch.pack_len, batch.cu_seqlens.shape[0] - 1)
         return batch
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -44,10 +44,12 @@ _forced: list[str | None] = [None]
 _chosen: dict[tuple[str, torch.dtype, frozenset[str]], str] = {}
 _lse_logged: set[tuple[str, str, frozenset[str]]] = set()
 _pack: list[tuple[torch.Tensor, int, int] | None] = [None]
+_expected: list[tuple[int, int] | None] = [None]  # (positions, documents) of the micro-batch in flight
 # Keywords transformers passes that carry nothing this function needs: cu_seq_lens_k/max_length_k
 # equal the q ones for self-attention, position_ids were used for the rotary embedding.
 IGNORED = frozenset(
     {"position_ids", "cu_seq_lens_k", "max_length_k", "use_cache", "cache_position", "output_router_logits"}
+    | {"shift_labels", "num_items_in_batch"}  # the loss's keywords, which transformers hands every layer too
 )
 CHECKED = frozenset({"output_attentions", "is_causal"})
 
@@ -58,6 +60,13 @@ def set_pack(cu_seqlens: torch.Tensor | None, max_seqlen: int = 0, total: int = 
     (checkpointed layers recompute their attention there). Its FlexAttention masks live as long."""
     _pack[0] = None if cu_seqlens is None else (cu_seqlens, int(max_seqlen), int(total))
     flex.set_pack(cu_seqlens, int(total))
+
+
+def expect_pack(total: int | None, documents: int = 1) -> None:
+    """The micro-batch in flight packs ``documents`` segments over ``total`` positions (the data module
+    and the strategy say so when they hand one over): attention over a row of that length without its
+    document boundaries is then refused, not run as one document."""
+    _expected[0] = None if total is None else (int(total), int(documents))
 
 
 def _unsupported(module, attention_mask, kwargs: dict) -> None:
@@ -389,6 +398,12 @@ def varlen_attention(
                 f"being trained has {pack_total}: the document boundaries are unknown"
             )
     if cu_seq_lens_q is None:
+        if _expected[0] is not None and _expected[0][0] == total and _expected[0][1] > 1:
+            raise ValueError(
+                f"{type(module).__name__} runs {ATTN_NAME} attention over a pack of {_expected[0][1]} segments without "
+                "their boundaries, so they would attend to each other: compute the loss with "
+                "lit_hbp.packed_loss(model, batch), which passes them (cu_seq_lens_q, max_length_q, position_ids)"
+            )
         cu_seq_lens_q = torch.tensor([0, total], dtype=torch.int32, device=query.device)
         max_length_q = total
     dtype = compute_dtype(query)

@@ -8,7 +8,8 @@ here, on the host, so the step never reads a value back from the device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,3 +86,24 @@ def collate_packs(
 def target_index(labels: torch.Tensor) -> torch.Tensor:
     """Positions (in the row) of the supervised labels of a [1, T] host tensor."""
     return torch.nonzero(labels[0] != -100).flatten()
+
+
+def pack_samples(samples: Sequence[Any], pad_id: int = 0, loss_norm: float | None = None) -> PackedBatch:
+    """Your own samples packed into one micro-batch: the ``collate_fn`` of a plain DataLoader over a
+    Dataset of ``(input_ids, supervised)`` pairs (or mappings with those keys, as ``lit-hbp preview
+    --json`` prints them), ``supervised[i]`` 1 when token i is a target of the loss. Each sample keeps
+    its own positions and attends only to itself. Without ``loss_norm`` (the optimizer step's
+    supervised tokens / (world size x accumulation), which HBPDataModule's plan knows) train with the
+    ``token_mean`` or ``sum`` loss; levels with sequence parallelism need HBPDataModule's plan."""
+    pairs = []
+    for i, sample in enumerate(samples):
+        ids, mask = (sample["input_ids"], sample["supervised"]) if isinstance(sample, Mapping) else sample
+        ids, mask = np.asarray(ids), np.asarray(mask)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise ValueError(f"sample {i}: input_ids must be a flat sequence of integers")
+        if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
+            raise ValueError(f"sample {i}: supervised must hold one 0 or 1 per token ({mask.size} for {ids.size})")
+        pairs.append((ids.astype(np.int64), mask.astype(bool)))
+    if not pairs:
+        raise ValueError("pack_samples got no samples")
+    return collate_packs([np.arange(len(pairs))], lambda i: pairs[i], pad_id=pad_id, loss_norm=loss_norm)
