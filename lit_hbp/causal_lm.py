@@ -118,8 +118,10 @@ def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     Its attention becomes ``hbp_varlen`` (transformers' ``set_attn_implementation``): every document of a
     pack attends only to itself, and a level's sequence parallelism runs inside it. Its decoder layers
     get non-reentrant activation checkpointing, off until ``packed_loss`` applies a batch's
-    ``ckpt_layers``; the KV cache is off. A family whose attention does not go through transformers'
-    AttentionInterface is refused: its documents would attend to each other."""
+    ``ckpt_layers``; the KV cache is off; the model is put in train mode (``from_pretrained`` returns it
+    in eval mode, which would train without dropout and without checkpointing). Its own loss refuses
+    the pre-shifted labels it would shift again. A family whose attention does not go through
+    transformers' AttentionInterface is refused: its documents would attend to each other."""
     net = base_of(model)
     if not hasattr(net, "set_attn_implementation") or not hasattr(net, "config"):
         raise TypeError(f"prepare_model takes a Hugging Face causal LM (a PreTrainedModel), got {type(net).__name__}")
@@ -129,6 +131,7 @@ def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
         if net.config._attn_implementation != attention.ATTN_NAME:
             raise KeyError(attention.ATTN_NAME)  # transformers only warned: the same refusal
     net.config.use_cache = False
+    model.train()
     layers = checkpoint_layers(net)
     for layer in layers:
         layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
