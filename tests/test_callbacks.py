@@ -78,6 +78,66 @@ def test_packing_metrics_in_a_plain_lightning_project(tmp_path):
     assert levels == [float(x) for x in dm.plan.step_level[: len(levels)]]
 
 
+class DictData(L.LightningDataModule):
+    """An ordinary padded data module: dicts of input_ids and attention_mask."""
+
+    def train_dataloader(self):
+        rows = [{"input_ids": torch.randint(0, 50, (12,)), "attention_mask": torch.ones(12, dtype=torch.long)}] * 16
+        return torch.utils.data.DataLoader(rows, batch_size=4)
+
+
+class DictModel(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50)
+
+    def training_step(self, batch, batch_idx):
+        x = batch["input_ids"]
+        return torch.nn.functional.cross_entropy(self.out(self.emb(x))[:, :-1].reshape(-1, 50), x[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_every_callback_works_in_a_plain_project_or_says_what_it_needs(tmp_path):
+    """The README's table of callbacks, checked: in a project with its own module and padded dict
+    batches, the console and run hygiene work; the others stop at once with the one line they need."""
+    from lit_hbp.callbacks import (
+        DiscardEmptyRunDir,
+        FinalCheckpoint,
+        HBPExport,
+        HBPProgressBar,
+        HBPThroughputMonitor,
+        InterruptCheckpoint,
+        LevelSummary,
+    )
+
+    counted = HBPThroughputMonitor(
+        batch_size_fn=lambda b: len(b["input_ids"]), length_fn=lambda b: b["input_ids"].numel()
+    )
+    works = [HBPProgressBar(), FinalCheckpoint(), InterruptCheckpoint(), DiscardEmptyRunDir(), counted]
+    for callback in works:
+        bar = isinstance(callback, HBPProgressBar)
+        trainer = quiet_trainer(max_steps=2, callbacks=[callback], enable_progress_bar=bar, default_root_dir=tmp_path)
+        trainer.fit(DictModel(), DictData())
+        assert trainer.global_step == 2, type(callback).__name__
+    needs = [
+        (HBPCurriculum(5), "needs a data module with set_curriculum(warmup_steps, short_levels), such as HBPDataMod"),
+        (PackingMetrics(), "needs a data module with a `plan` attribute"),
+        (LevelSummary(), "counts the levels of lit_hbp PackedBatch micro-batches (from HBPDataModule)"),
+        (
+            HBPThroughputMonitor(),
+            'HBPThroughputMonitor(batch_size_fn=lambda b: len(b["input_ids"]), length_fn=lambda b: b["attention_mask"]',
+        ),
+        (HBPExport(str(tmp_path / "hf")), "HBPExport exports the model of an HBPLitModule run, not of a DictModel"),
+    ]  # fmt: skip
+    for callback, message in needs:
+        trainer = quiet_trainer(max_steps=1, callbacks=[callback])
+        with pytest.raises(TypeError) as e:
+            trainer.fit(DictModel(), DictData())
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 def test_callbacks_refuse_data_modules_they_cannot_work_with():
     class NoPlan(L.LightningDataModule):
         def train_dataloader(self):
@@ -124,3 +184,4 @@ def test_tiny_config_logs_to_wandb_offline(tmp_path, small_demo, monkeypatch):
     records = Path(log).read_bytes()
     for key in (b"train/loss", b"packing/abr", b"curriculum/warmup", b"ave_token"):
         assert key in records, key
+    assert glob.glob(str(tmp_path / "runs/tiny_cpu/version_0/events.out.tfevents.*")), "TensorBoard logs beside W&B"

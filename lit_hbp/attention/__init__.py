@@ -8,7 +8,8 @@ has activated a sequence-parallel context (``lit_hbp.parallel.context``), the le
 the kernel (Ulysses: all-to-all to head shards, attention over the whole pack, all-to-all back).
 
 Document boundaries come from the ``cu_seq_lens_q`` keyword, or, for a model whose layers drop it,
-from the pack the module is training (``set_pack``). A keyword this function does not implement
+from the pack being trained (``set_pack``) when the call runs over that many positions; a call over
+the pack in flight (``expect_pack``) without them is refused, any other runs as one sequence. A keyword this function does not implement
 (or an explicit mask) raises instead of being ignored: ignoring one trains a different model.
 
 The kernel comes from ``lit_hbp.attention.backends``: per device, the dtype the kernel runs in
@@ -390,13 +391,8 @@ def varlen_attention(
     ctx = sp_context.active()
     sp = ctx.size if ctx is not None else 1
     total = query.shape[2] * sp
-    if cu_seq_lens_q is None and _pack[0] is not None:  # a layer that dropped the keyword
-        cu_seq_lens_q, max_length_q, pack_total = _pack[0]
-        if pack_total != total:
-            raise ValueError(
-                f"{type(module).__name__} runs attention over {total} positions without cu_seq_lens_q while the pack "
-                f"being trained has {pack_total}: the document boundaries are unknown"
-            )
+    if cu_seq_lens_q is None and _pack[0] is not None and _pack[0][2] == total:  # a layer that dropped the keyword
+        cu_seq_lens_q, max_length_q, _ = _pack[0]
     if cu_seq_lens_q is None:
         if _expected[0] is not None and _expected[0][0] == total and _expected[0][1] > 1:
             raise ValueError(

@@ -25,6 +25,15 @@ class HBPExport(L.Callback):
             raise ValueError(f"HBPExport: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.dirpath, self.dtype, self.merge_lora = Path(dirpath), dtype, merge_lora
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lit_hbp.module import HBPLitModule
+
+        if not isinstance(pl_module, HBPLitModule):
+            raise TypeError(
+                f"HBPExport exports the model of an HBPLitModule run, not of a {type(pl_module).__name__}: save your "
+                "own module's Hugging Face model with model.save_pretrained(folder) (and the tokenizer beside it)"
+            )
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lit_hbp.export import export_checkpoint
 

@@ -28,6 +28,16 @@ def tokens_in_batch(batch: PackedBatch) -> float:
     return batch.n_tokens / batch.sp
 
 
+def _counting_hint(batch: Any) -> str:
+    """The ``batch_size_fn`` / ``length_fn`` arguments that count a batch of this shape."""
+    if isinstance(batch, dict) and "input_ids" in batch:
+        tokens = 'b["attention_mask"].sum()' if "attention_mask" in batch else 'b["input_ids"].numel()'
+        return f'batch_size_fn=lambda b: len(b["input_ids"]), length_fn=lambda b: {tokens}'
+    if isinstance(batch, (tuple, list)):
+        return "batch_size_fn=lambda b: len(b[0]), length_fn=lambda b: b[0].numel()"
+    return "batch_size_fn=lambda b: <samples in b>, length_fn=lambda b: <tokens in b>"
+
+
 class ShareThroughput(Throughput):
     """Lightning's Throughput without its assumption that a batch holds at least one sample: a
     rank's share of a 128K pack split over SP 8 is 1/8 of a sample."""
@@ -84,9 +94,8 @@ class HBPThroughputMonitor(ThroughputMonitor):
         if self._check_packed and not isinstance(batch, PackedBatch):
             raise TypeError(
                 "HBPThroughputMonitor counts the samples and tokens of lit_hbp PackedBatch micro-batches "
-                f"(from HBPDataModule), but this batch is a {type(batch).__name__}. For other batches pass "
-                "batch_size_fn (samples in a batch) and length_fn (tokens in a batch, optional), as to "
-                "Lightning's ThroughputMonitor: HBPThroughputMonitor(batch_size_fn=lambda b: len(b[0]))"
+                f"(from HBPDataModule), but this batch is a {type(batch).__name__}: say how to count yours, as to "
+                f"Lightning's ThroughputMonitor: HBPThroughputMonitor({_counting_hint(batch)})"
             )
         self._check_packed = False
 

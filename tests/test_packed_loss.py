@@ -1,0 +1,128 @@
+"""The public packed loss (``prepare_model``, ``packed_loss``, ``pack_samples``) in a module of one's own,
+and the guards that refuse what would train wrong without them: a model called on a pack without its
+document boundaries, transformers' loss shifting lit-hbp's pre-shifted labels again, a batch that is
+no PackedBatch."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY_LLAMA, quiet_trainer
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lit_hbp import HBPLitModule, pack_samples, packed_loss, prepare_model
+from lit_hbp.attention import expect_pack, set_pack
+
+
+def tiny_model(attn: str = "sdpa"):
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    config = AutoConfig.for_model("llama", vocab_size=64, **cfg)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def samples(n: int = 5, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(token ids, supervised mask) pairs of 3-40 tokens, each supervised on its second half."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(3, 40))
+        mask = np.zeros(length, bool)
+        mask[length // 2 :] = True
+        out.append((rng.integers(0, 64, length), mask))
+    return out
+
+
+def alone(model, pairs) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy of each sample alone (its own forward, eager attention) and the targets."""
+    ce, n = 0.0, 0
+    for ids, mask in pairs:
+        ids = torch.as_tensor(ids)
+        labels = torch.where(torch.as_tensor(mask[1:]), ids[1:], -100)
+        ce = ce + F.cross_entropy(model(input_ids=ids[None]).logits[0, :-1].float(), labels, reduction="sum")
+        n += int((labels != -100).sum())
+    return ce, n
+
+
+def test_packed_loss_of_your_own_samples_equals_each_sample_alone():
+    reference = tiny_model("eager").float()
+    ce, n = alone(reference, pairs := samples())
+    ce.backward()
+    model = prepare_model(tiny_model())
+    model.load_state_dict(reference.state_dict())
+    batch = pack_samples(pairs)  # as the collate_fn of a plain DataLoader over (ids, mask) pairs
+    out = packed_loss(model, batch, "token_mean")
+    out.loss.backward()
+    assert out.n_targets == n and float(out.ce_sum) == pytest.approx(float(ce), rel=1e-5)
+    assert float(out.loss) == pytest.approx(float(ce) / n, rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        scale = q.grad.abs().max().item()
+        torch.testing.assert_close(
+            p.grad, q.grad / n, rtol=1e-5, atol=1e-5 * scale / n, msg=lambda m, k=name: f"{k}: {m}"
+        )
+    # The same samples as dicts, as `lit-hbp preview --json` prints them, and through a DataLoader.
+    rows = [{"input_ids": ids.tolist(), "supervised": mask.astype(int).tolist()} for ids, mask in pairs]
+    loader = torch.utils.data.DataLoader(rows, batch_size=len(rows), collate_fn=pack_samples)
+    assert torch.equal(next(iter(loader)).labels, batch.labels)
+
+
+def test_ave_token_without_the_plan_names_the_alternatives():
+    model = prepare_model(tiny_model())
+    with pytest.raises(ValueError, match="use the token_mean or sum loss, or pass loss_norm to pack_samples"):
+        packed_loss(model, pack_samples(samples()))
+    out = packed_loss(model, pack_samples(samples(), loss_norm=10.0))  # the step's tokens / (N x A), given
+    assert float(out.loss) == pytest.approx(float(out.ce_sum) / 10.0, rel=1e-6)
+
+
+def test_an_unprepared_model_or_a_foreign_batch_is_refused():
+    with pytest.raises(ValueError, match=r"runs 'sdpa' attention.*call lit_hbp.prepare_model\(model\) first"):
+        packed_loss(tiny_model(), pack_samples(samples()))
+    with pytest.raises(TypeError, match="packed_loss takes a PackedBatch .* got dict"):
+        packed_loss(prepare_model(tiny_model()), {"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=64, self_check=False)
+
+    class Padded(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.arange(8)}
+
+    with pytest.raises(TypeError, match="HBPLitModule trains on PackedBatch micro-batches .* got dict"):
+        quiet_trainer(max_steps=1).fit(module, torch.utils.data.DataLoader(Padded(), batch_size=2))
+
+
+def test_a_pack_in_flight_without_its_boundaries_is_refused():
+    """The model called on the pack's row directly (no cu_seq_lens, no pack set by packed_loss):
+    its documents would attend to each other, so hbp_varlen refuses; a row of another length (say,
+    generation) runs as one sequence."""
+    model = prepare_model(tiny_model())
+    batch = pack_samples(samples())
+    set_pack(None)  # what packed_loss sets: not here
+    expect_pack(batch.pack_len, batch.cu_seqlens.shape[0] - 1)
+    try:
+        with pytest.raises(ValueError, match=r"over a pack of \d+ segments without their boundaries.*packed_loss"):
+            model(input_ids=batch.input_ids)
+        model(input_ids=batch.input_ids[:, :7])
+    finally:
+        expect_pack(None)
+
+
+def test_transformers_loss_takes_the_labels_pre_shifted_or_refuses():
+    """A prepared model's own loss: ``labels=batch.labels`` alone would be shifted a second time
+    (refused); with ``shift_labels=batch.labels`` it is the packed cross-entropy, and the loss's
+    keywords reach the attention without breaking it."""
+    reference = tiny_model("eager").float()
+    ce, n = alone(reference, pairs := samples(seed=1))
+    model = prepare_model(tiny_model())
+    model.load_state_dict(reference.state_dict())
+    batch = pack_samples(pairs)
+    boundaries = dict(position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
+                      max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)  # fmt: skip
+    with pytest.raises(ValueError, match="already shifted .* would shift them again"):
+        model(input_ids=batch.input_ids, labels=batch.labels, **boundaries)
+    out = model(input_ids=batch.input_ids, labels=batch.labels, shift_labels=batch.labels, **boundaries)
+    assert float(out.loss) == pytest.approx(float(ce) / n, rel=1e-5)
+    out = model(input_ids=batch.input_ids, labels=batch.labels, shift_labels=batch.labels,
+                num_items_in_batch=torch.tensor(n), **boundaries)  # fmt: skip
+    assert float(out.loss) == pytest.approx(float(ce) / n, rel=1e-5)
