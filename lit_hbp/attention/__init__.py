@@ -8,9 +8,10 @@ has activated a sequence-parallel context (``lit_hbp.parallel.context``), the le
 the kernel (Ulysses: all-to-all to head shards, attention over the whole pack, all-to-all back).
 
 Document boundaries come from the ``cu_seq_lens_q`` keyword, or, for a model whose layers drop it,
-from the pack being trained (``set_pack``) when the call runs over that many positions; a call over
-the pack in flight (``expect_pack``) without them is refused, any other runs as one sequence. A keyword this function does not implement
-(or an explicit mask) raises instead of being ignored: ignoring one trains a different model.
+from the pack being trained (``set_pack``) when the call runs over that many positions; a call
+over the pack in flight (``expect_pack``) without them is refused, any other runs as one sequence. A
+keyword this function does not implement (or an explicit mask) raises instead of being ignored:
+ignoring one trains a different model.
 
 The kernel comes from ``lit_hbp.attention.backends``: per device, the dtype the kernel runs in
 (the autocast dtype under autocast) and the features the layer needs (sliding window, soft-capping,
