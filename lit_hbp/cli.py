@@ -45,6 +45,7 @@ from lit_hbp.errors import ConfigError, UserInputError
 from lit_hbp.module import HBPLitModule
 
 INTERRUPTED = 130  # the shell's status of a program ended by Ctrl-C (128 + SIGINT)
+RUNS = "runs"  # the run folder's root (default_root_dir), relative to the working directory
 DEBUG_ENV = "LIT_HBP_DEBUG"  # the full traceback instead of the short error
 PARSER_DEBUG_ENV = "JSONARGPARSE_DEBUG"  # jsonargparse's own switch: raise with its full report instead of exiting
 CLASS_OPTION = re.compile(r"Problem with given class_path '([^']+)':\s*(?:- )?(?:Option|Key) '([^']+)' is not")
@@ -300,7 +301,10 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
             HBPLitModule,
             HBPDataModule,
             parser_kwargs={"parser_mode": "omegaconf+"},
-            trainer_defaults={"use_distributed_sampler": False, "reload_dataloaders_every_n_epochs": 1},
+            # runs/ (git-ignored) holds what a run writes, with a logger or without: the resolved config,
+            # checkpoints, logs; a run from the checkout's root leaves `git status` clean.
+            trainer_defaults={"use_distributed_sampler": False, "reload_dataloaders_every_n_epochs": 1,
+                              "default_root_dir": RUNS},  # fmt: skip
             save_config_kwargs={"overwrite": True},
             args=args,
             run=run,

@@ -311,6 +311,10 @@ class HBPLitModule(L.LightningModule):
         loss = self._meter.read_loss(reduce)
         if loss is not None:
             self.log("train/loss", torch.tensor(loss), prog_bar=True, batch_size=1)
+        # The learning rate of the step (a host value: the optimizer's), whether or not a logger runs.
+        optimizer = self.optimizers(use_pl_optimizer=False)
+        optimizer = optimizer[0] if isinstance(optimizer, list) else optimizer
+        self.log("train/lr", torch.tensor(float(optimizer.param_groups[0]["lr"])), batch_size=1)
         for level, (seconds, tokens, count) in self._meter.read_times().items():
             self.log(f"time/level{level}_micro_step_s", torch.tensor(seconds / count), batch_size=1)
             self.log(f"time/level{level}_tokens_per_s_per_device", torch.tensor(tokens / seconds), batch_size=1)

@@ -310,7 +310,7 @@ def test_no_sync_outside_logging_steps(tmp_path, toy_tokenizer, small_demo, monk
 
     assert trainer.strategy.deepspeed_engine.zero_overlap_comm() is False  # one process: nothing to overlap
     names = {type(c).__name__ for c in trainer.callbacks}
-    assert {"PackingMetrics", "HBPThroughputMonitor", "LearningRateMonitor", "InterruptCheckpoint"} <= names
+    assert {"PackingMetrics", "HBPThroughputMonitor", "InterruptCheckpoint"} <= names
     assert {"FinalCheckpoint", "LevelSummary", "DiscardEmptyRunDir", "HBPProgressBar"} <= names
     assert trainer.global_step == 6 and len(audit.windows) == 12
     quiet_step, logging_step = [(False, False), (False, True)], [(False, False), (True, True)]

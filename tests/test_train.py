@@ -56,7 +56,7 @@ def test_tiny_config_trains_and_logs(tmp_path, small_demo, monkeypatch):
         "packing/abr",
         "packing/pr",
         "packing/level",
-        "lr-AdamW/pg1",
+        "train/lr",
         "train/device/items_per_sec",
         "train/device/flops_per_sec",
         "time/level0_micro_step_s",
