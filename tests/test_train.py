@@ -278,7 +278,7 @@ def test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes(tmp_path, small_de
     import subprocess
     import sys
 
-    out = run_config(tmp_path, small_demo, "tiny_cpu_2d.yaml", 6)
+    out = run_config(tmp_path, small_demo, "tiny_cpu_2d.yaml", 4)
     printed = out.stderr + out.stdout
     assert out.returncode == 0, out.stderr[-3000:]
     assert (
@@ -287,7 +287,7 @@ def test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes(tmp_path, small_de
     )
     assert "sp 4 (ulysses 2 x cp 2): loss" in printed  # the self-check ran the layout
     logged = scalars(tmp_path / "runs")
-    assert len(logged["train/loss"]) >= 3 and all(v > 0 for _, v in logged["train/loss"])
+    assert len(logged["train/loss"]) >= 2 and all(v > 0 for _, v in logged["train/loss"])
     imbalance = [v for _, v in logged["packing/cp_area_imbalance"]]
     assert imbalance and max(imbalance) < 1.05, "every CP micro-batch balanced by the planner"
     # What the run trained exports to a Hugging Face folder that loads and generates.
