@@ -5,7 +5,7 @@
 Workload paper_mix.npy (400K chat samples + 2K long-context samples), planned by HBP with levels
 [32K sp1, 128K sp{cp}] for cp 2 and 4, and [32K sp1, 256K sp8] and [32K sp1, 128K sp8] for cp 8.
 With --figure, also draws the per-rank area of two 128K packs at cp 4 and 8, contiguous against
-split_pack (``lit_hbp.simulate.plots.cp_balance_figure``; the README's figure). Every pack of the
+split_pack (``lit_hbp.simulate.plots.cp_balance_figure``; the figure of docs/levels.md). Every pack of the
 long level is padded as collate pads it (to a multiple of lcm(8, cp), the
 padding a segment of its own) and split over cp ranks two ways: contiguously (rank r holds tokens
 [r T / cp, (r + 1) T / cp)) and by ``lit_hbp.packing.context_split.split_pack``. Imbalance is

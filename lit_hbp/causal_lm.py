@@ -99,7 +99,7 @@ def _refusing_other_attention(what: str):
                 f"{what}: this model does not run its attention through transformers' AttentionInterface, so "
                 f"lit-hbp cannot give it packed (varlen) attention and refuses to train it rather than let the "
                 "documents of a pack attend to each other. Families that work: llama, qwen2/3, mistral, gemma, "
-                "phi3, olmo2, mixtral, ... (README, 'Model families')"
+                "phi3, olmo2, mixtral, ... (docs/families.md)"
             ) from None
         raise
 

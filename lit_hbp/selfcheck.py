@@ -308,7 +308,7 @@ def _explain(module, n_docs, sp, loss_err, grad_err, leak, loss_tol, grad_tol, d
         f"self-check failed for model family {family!r} ({type(module.model).__name__}) in {dtype}: a pack of "
         f"{n_docs} short documents at {layout_name(sp)} differs from the documents trained one by one: "
         f"{', '.join(measured)}. Likely cause: {cause}. Training is refused rather than run silently "
-        "wrong; use a family listed as exact in the README, or set self_check: false only if you know why this "
+        "wrong; use a family listed as exact in docs/families.md, or set self_check: false only if you know why this "
         "differs."
     )
 

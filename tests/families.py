@@ -57,7 +57,7 @@ OVERRIDES = {
     **{f: MLA for f in ("glm4_moe_lite", "glm_moe_dsa", "deepseek_v4", "sarvam_mla")},
 }
 MAX_PARAMS = 5_000_000  # larger after shrinking: a multimodal wrapper whose sub-models keep their size
-# The families of the issue that asked for this matrix; the README's table is checked against them.
+# The families of the issue that asked for this matrix; the table of docs/families.md is checked against them.
 NAMED = (
     "llama qwen2 mistral qwen3 gemma gemma3_text phi3 phi gpt_neox starcoder2 olmo2 mixtral deepseek_v3 opt "
     "granite cohere gpt_oss stablelm gemma2 falcon gptj gpt2 bloom"

@@ -100,7 +100,7 @@ class DictModel(L.LightningModule):
 
 
 def test_every_callback_works_in_a_plain_project_or_says_what_it_needs(tmp_path):
-    """The README's table of callbacks, checked: in a project with its own module and padded dict
+    """The table of callbacks in docs/lightning.md, checked: in a project with its own module and padded dict
     batches, the console and run hygiene work; the others stop at once with the one line they need."""
     from lit_hbp.callbacks import (
         DiscardEmptyRunDir,

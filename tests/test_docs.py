@@ -28,7 +28,6 @@ RUN_BY = {
     "lit-hbp preview --config my.yaml --json": "tests/test_chat_formats.py::test_the_console_script_previews_and_refuses_like_fit",
     "python -m lit_hbp.packing": "tests/test_packing_cli.py::test_module_entry_point_runs",
     "python -m lit_hbp.autoselect --config configs/llama3_8b_32gpu.yaml --analytic": "tests/test_autoselect.py::test_autoselect_command_writes_the_levels_block",
-    "python -m lit_hbp.autoselect --config configs/tiny_cpu.yaml --measured": "tests/test_autoselect.py::test_measured_profiler_trains_through_hbp_strategy_on_two_gloo_processes",
     "python -m lit_hbp.simulate": "tests/test_simulate.py::test_simulate_command_prints_the_table_and_writes_pictures",
     "python train.py fit --config configs/tiny_cpu_sp.yaml": "tests/test_train.py::test_tiny_sp_config_trains_on_two_processes",
     "torchrun --standalone --nproc_per_node 2 train.py fit": "tests/test_docs.py::test_the_torchrun_line_of_the_cluster_guide",

@@ -1,7 +1,7 @@
 """Every causal-LM family transformers ships, built small: it trains exactly or it is refused at
 set-up (configure_model, or the self-check at the start of fit). "Exactly": the packed loss and
 every parameter's gradient through HBPLitModule equal the sum over the samples run alone through
-the family's own forward with eager attention, fp32. The README's family table is checked here."""
+the family's own forward with eager attention, fp32. The family table of docs/families.md is checked here."""
 
 import copy
 import re
@@ -100,7 +100,7 @@ def readme_table() -> dict[str, str]:
 @pytest.mark.slow
 def test_readme_family_table_matches_what_the_checks_decide():
     table = readme_table()
-    assert set(NAMED) <= set(table), f"missing from the README table: {sorted(set(NAMED) - set(table))}"
+    assert set(NAMED) <= set(table), f"missing from the table of docs/families.md: {sorted(set(NAMED) - set(table))}"
     observed = {family: outcome(family)[0] for family in table}
     assert observed == table
     assert sum(observed[f] == "exact" for f in NAMED) >= 18

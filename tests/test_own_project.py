@@ -3,7 +3,7 @@ calls ``prepare_model`` and ``packed_loss``, its trainer takes ``HBPDataModule``
 On one process its first update equals the one of each sample alone through the Hugging Face model
 with eager attention; on two processes with an sp 2 level, the pack's cross-entropy (summed over the
 SP group) and every parameter's update equal that single-process reference; the same module without
-``prepare_model`` is refused under sp 2; the project's script runs as its README says."""
+``prepare_model`` is refused under sp 2; the project's script runs as docs/lightning.md says."""
 
 import json
 import os
