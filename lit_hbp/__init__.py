@@ -23,6 +23,8 @@ _LAZY = {
     "collate_packs": "lit_hbp.data.collate",
     "Source": "lit_hbp.data.sources",
     "export_checkpoint": "lit_hbp.export",
+    "AtomicCheckpointIO": "lit_hbp.checkpoints",
+    "newest_checkpoint": "lit_hbp.checkpoints",
     "Level": "lit_hbp.packing",
     "plan_hbp": "lit_hbp.packing",
     "plan_single_level": "lit_hbp.packing",

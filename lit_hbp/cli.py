@@ -26,12 +26,16 @@ from jsonargparse import set_parsing_settings
 from jsonargparse._actions import previous_config  # set while a config file is applied over earlier values
 from jsonargparse._typehints import ActionTypeHint  # jsonargparse exports no public name for it
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_hbp import strategy  # noqa: F401  (registers --trainer.strategy hbp, hbp_stage_0 ... hbp_stage_3)
 from lit_hbp.callbacks.defaults import with_default_callbacks
 from lit_hbp.callbacks.interrupt import InterruptCheckpoint
+from lit_hbp.callbacks.lost_rank import LostRankReport
+from lit_hbp.checkpoints import AtomicCheckpointIO, newest_checkpoint
 from lit_hbp.checks import (
     check_run_config,
     class_arguments,
@@ -44,7 +48,7 @@ from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.errors import ConfigError, UserInputError
 from lit_hbp.module import HBPLitModule
 
-INTERRUPTED = 130  # the shell's status of a program ended by Ctrl-C (128 + SIGINT)
+TERMINATED = 128 + 15  # a shell's status for a program ended by SIGTERM
 RUNS = "runs"  # the run folder's root (default_root_dir), relative to the working directory
 DEBUG_ENV = "LIT_HBP_DEBUG"  # the full traceback instead of the short error
 PARSER_DEBUG_ENV = "JSONARGPARSE_DEBUG"  # jsonargparse's own switch: raise with its full report instead of exiting
@@ -195,12 +199,15 @@ class HBPCLI(LightningCLI):
         """The trainer with the config's callbacks plus lit-hbp's console and run hygiene, each unless
         the config has one of its kind (``lit_hbp.callbacks.with_default_callbacks``): the final step
         checkpointed, the step progress bar, the per-level epoch summary, no log folder left by a run
-        that failed before its first step."""
+        that failed before its first step; checkpoint files written atomically (``AtomicCheckpointIO``)."""
         config = self._get(self.config_init, "trainer", default={})
         kwargs.setdefault(
             "callbacks", with_default_callbacks(config.get("callbacks"), config.get("enable_progress_bar", True))
         )
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not one the config chose
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
     def before_instantiate_classes(self) -> None:
         """Before anything is built or spawned: the config's own checks (a short error and exit 2),
@@ -211,6 +218,10 @@ class HBPCLI(LightningCLI):
         except ValueError as e:
             if _debug() or not self.parser.exit_on_error:
                 raise
+            report_user_error(e)
+        try:
+            resolve_auto_resume(section)
+        except ConfigError as e:
             report_user_error(e)
         resume_in_run_folder(section)
         rank_zero_info(self.config_summary())
@@ -225,6 +236,72 @@ class HBPCLI(LightningCLI):
         entries = {a.dest: dataclass_defaults(a._typehint) for a in parser._actions if isinstance(a, ActionTypeHint)}
         compact = compact_config(config, defaults, {k: v for k, v in entries.items() if v})
         return f"resolved config (what differs from the defaults):\n{compact_yaml(compact)}"
+
+
+AUTO = "auto"  # --ckpt_path auto: the newest complete checkpoint of the run's folders, if there is one
+NAMED_LOGGERS = {  # logger class -> (its init argument that names the run folder, that argument's default)
+    "lightning.pytorch.loggers.TensorBoardLogger": ("name", "lightning_logs"),
+    "lightning.pytorch.loggers.tensorboard.TensorBoardLogger": ("name", "lightning_logs"),
+    "lightning.pytorch.loggers.CSVLogger": ("name", "lightning_logs"),
+    "lightning.pytorch.loggers.csv_logs.CSVLogger": ("name", "lightning_logs"),
+    "lightning.pytorch.loggers.WandbLogger": ("project", "lightning_logs"),
+    "lightning.pytorch.loggers.wandb.WandbLogger": ("project", "lightning_logs"),
+}
+
+
+def checkpoint_folders(section: Any) -> list[Path]:
+    """The folders a run of this config writes checkpoints into, over all its versions: each
+    ``ModelCheckpoint``'s ``dirpath``; ``<save_dir>/<name>/<version>/checkpoints`` of the first logger
+    (where Lightning's checkpoint callbacks and ``interrupted.ckpt`` go), or
+    ``<default_root_dir>/checkpoints`` without a logger; ``default_root_dir`` (SLURM's
+    ``hpc_ckpt_<n>.ckpt``). A logger whose folders are not known here is refused unless every
+    checkpoint callback has a ``dirpath``."""
+    root = Path(section.get("trainer.default_root_dir") or ".")
+    folders = [root]
+    callbacks = section.get("trainer.callbacks") or []
+    dirpaths = [cb.get("init_args", {}).get("dirpath") for cb in callbacks if _is_model_checkpoint(cb)]
+    folders += [Path(d) for d in dirpaths if d]
+    logger = section.get("trainer.logger")
+    logger = logger[0] if isinstance(logger, list) and logger else logger
+    if logger in (None, False, True, []):
+        return folders + [root / "checkpoints"]
+    class_path, args = logger.get("class_path"), logger.get("init_args") or {}
+    if class_path not in NAMED_LOGGERS:
+        if dirpaths and all(dirpaths):
+            return folders
+        raise ConfigError(
+            f"--ckpt_path {AUTO}: where {class_path} puts checkpoints is not known here; give each "
+            "ModelCheckpoint a dirpath (trainer.callbacks), or resume with --ckpt_path <file>"
+        )
+    key, default = NAMED_LOGGERS[class_path]
+    base = Path(args.get("save_dir") or root) / str(args.get(key) or default)
+    version = args.get("version")
+    versions = [base / (version if isinstance(version, str) else f"version_{version}")] if version is not None else (
+        sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    )  # fmt: skip
+    return folders + [v / "checkpoints" for v in versions]
+
+
+def _is_model_checkpoint(callback: Any) -> bool:
+    class_path = callback.get("class_path", "") if hasattr(callback, "get") else ""
+    return class_path.rsplit(".", 1)[-1] == "ModelCheckpoint"
+
+
+def resolve_auto_resume(section: Any) -> None:
+    """``--ckpt_path auto``: the newest complete checkpoint of the run's folders
+    (``checkpoint_folders``, ``lit_hbp.checkpoints.newest_checkpoint``), or none (training starts from
+    the beginning); said in the log either way. A requeued or restarted job resumes with the same
+    command line."""
+    if section.get("ckpt_path") != AUTO:
+        return
+    folders = checkpoint_folders(section)
+    found = newest_checkpoint(folders)
+    section.ckpt_path = found
+    if found:
+        rank_zero_info(f"--ckpt_path {AUTO}: resuming from {found}, the newest complete checkpoint of the run")
+    else:
+        where = ", ".join(str(f) for f in dict.fromkeys(folders))
+        rank_zero_info(f"--ckpt_path {AUTO}: no checkpoint in {where}: training starts from the beginning")
 
 
 def resume_in_run_folder(section: Any) -> None:
@@ -303,8 +380,11 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
             parser_kwargs={"parser_mode": "omegaconf+"},
             # runs/ (git-ignored) holds what a run writes, with a logger or without: the resolved config,
             # checkpoints, logs; a run from the checkout's root leaves `git status` clean.
-            trainer_defaults={"use_distributed_sampler": False, "reload_dataloaders_every_n_epochs": 1,
-                              "default_root_dir": RUNS},  # fmt: skip
+            trainer_defaults={
+                "use_distributed_sampler": False,
+                "reload_dataloaders_every_n_epochs": 1,
+                "default_root_dir": RUNS,
+            },  # fmt: skip
             save_config_kwargs={"overwrite": True},
             args=args,
             run=run,
@@ -313,8 +393,17 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
         if _debug() or user_error_in(e) is None:
             raise
         report_user_error(user_error_in(e))
-    if any(isinstance(c, InterruptCheckpoint) and c.checkpoint for c in cli.trainer.callbacks):
-        sys.exit(INTERRUPTED)  # saved and stopped early: `fit ... && export ...` must not go on
+    except Exception:
+        if LostRankReport.reported and not _debug():  # said which rank is gone: its traceback adds nothing
+            sys.stderr.write(f"tip: {DEBUG_ENV}=1 prints the traceback\n")
+            sys.exit(1)
+        raise
+    except SIGTERMException:  # Lightning's: a SIGTERM before training started, when its own handler held it
+        rank_zero_info("SIGTERM before the first optimizer step: stopped, nothing to save")
+        sys.exit(TERMINATED)
+    status = next((c.exit_status for c in cli.trainer.callbacks if isinstance(c, InterruptCheckpoint)), None)
+    if status:
+        sys.exit(status)  # saved and stopped early: `fit ... && export ...` must not go on, a scheduler sees it
     return cli
 
 

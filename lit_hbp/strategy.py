@@ -8,6 +8,8 @@ and the Ave-Token loss carries all SP accounting (docs/design.md sections 5-7).
 Also fixed here:
 - Lightning divides the loss by accumulate_grad_batches and DeepSpeed divides gradients by its
   accumulation steps again; DeepSpeed's division is cancelled (``scale_wrt_gas=False``).
+- Lightning saves every DeepSpeed checkpoint over the previous one's files (tag ``checkpoint``); here
+  each save is a new tag and ``latest`` is written last (``lit_hbp.checkpoints``).
 - Lightning's DeepSpeedStrategy refuses CPU accelerators; on CPU this strategy initializes
   DeepSpeed with gloo and ``device_rank=local_rank``, so the whole path runs and is tested on CPU.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from datetime import timedelta
 from typing import Any
 from unittest import mock
 
@@ -29,12 +32,15 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strateg
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
 from lit_hbp import attention  # noqa: E402
+from lit_hbp.checkpoints import is_complete, save_deepspeed  # noqa: E402
 from lit_hbp.data.batch import PackedBatch  # noqa: E402
 from lit_hbp.packing.levels import Level, as_level, validate_levels  # noqa: E402
 from lit_hbp.parallel import context  # noqa: E402
 from lit_hbp.parallel.groups import SPGroups  # noqa: E402
 from lit_hbp.parallel.kind import resolve_sp_kind  # noqa: E402
 from lit_hbp.parallel.topology import layout_levels, model_heads, resolve_layout  # noqa: E402
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 def validate_sp_setup(
@@ -112,6 +118,14 @@ def trained_model(module, levels: list[Level]):
     return nets[0]
 
 
+def _whole_folder(path: Any) -> None:
+    if not is_complete(path):
+        raise FileNotFoundError(
+            f"{path} is not a complete DeepSpeed checkpoint folder: its `latest` file must name a tag folder "
+            "holding the model states (a save that was killed leaves the previous tag named)"
+        )
+
+
 class HBPStrategy(DeepSpeedStrategy):
     """DeepSpeed (ZeRO 0-3) with per-level sequence parallelism (Ulysses x context parallelism).
 
@@ -120,7 +134,11 @@ class HBPStrategy(DeepSpeedStrategy):
         stage: ZeRO stage.
         overlap_comm: ZeRO's overlap of the gradient reduction with the backward; by default (None)
             on with several processes and off with one, which reduces nothing (a DeepSpeed
-            ``config`` that sets it decides instead). Other arguments are DeepSpeedStrategy's.
+            ``config`` that sets it decides instead).
+        timeout: how long a collective waits for the other ranks before it fails (``h:m:s``): a rank
+            that died mid-step stops the others after this long on GPUs (NCCL; gloo fails at once).
+            10 minutes, not torch's 30: long enough for a checkpoint write or a first step's compile,
+            which other ranks wait on. Other arguments are DeepSpeedStrategy's.
 
     DeepSpeed's throughput timer and its bf16 gradient-overflow check are off unless a DeepSpeed
     ``config`` turns them on: both synchronize the device (``without_overflow_check``).
@@ -134,11 +152,14 @@ class HBPStrategy(DeepSpeedStrategy):
         stage: int = 2,
         logging_batch_size_per_gpu: int = 1,
         overlap_comm: bool | None = None,
+        timeout: timedelta = COLLECTIVE_TIMEOUT,
         **kwargs: Any,
     ):
         if overlap_comm is not None:
             kwargs["overlap_comm"] = overlap_comm
-        super().__init__(stage=stage, logging_batch_size_per_gpu=logging_batch_size_per_gpu, **kwargs)
+        super().__init__(
+            stage=stage, logging_batch_size_per_gpu=logging_batch_size_per_gpu, timeout=timeout, **kwargs
+        )  # fmt: skip
         user_config = kwargs.get("config") is not None or self.DEEPSPEED_ENV_VAR in os.environ
         zero = (self.config or {}).get("zero_optimization") or {}
         self._overlap_comm_asked = overlap_comm is not None or (user_config and "overlap_comm" in zero)
@@ -260,6 +281,19 @@ class HBPStrategy(DeepSpeedStrategy):
         # Lightning already divided the loss by accumulate_grad_batches.
         kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
+        """DeepSpeed's checkpoint folder, written so that a kill at any moment leaves the previous save
+        loadable (``lit_hbp.checkpoints.save_deepspeed``: a tag folder per save, ``latest`` last)."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (no CheckpointIO is used)")
+        save_deepspeed(self, checkpoint, filepath, exclude=("state_dict", "optimizer_states"))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """DeepSpeed's load, with the folder checked for what ``save_checkpoint`` writes (Lightning's
+        check wants its fixed tag folder ``checkpoint``): ``latest`` naming a complete tag folder."""
+        with mock.patch("lightning.pytorch.strategies.deepspeed._validate_checkpoint_directory", _whole_folder):
+            return super().load_checkpoint(checkpoint_path, weights_only)
 
     def teardown(self) -> None:
         context.activate(None)

@@ -31,6 +31,7 @@ RUN_BY = {
     "python -m lit_hbp.simulate": "tests/test_simulate.py::test_simulate_command_prints_the_table_and_writes_pictures",
     "python train.py fit --config configs/tiny_cpu_sp.yaml": "tests/test_train.py::test_tiny_sp_config_trains_on_two_processes",
     "torchrun --standalone --nproc_per_node 2 train.py fit": "tests/test_docs.py::test_the_torchrun_line_of_the_cluster_guide",
+    "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2": "tests/test_train.py::test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes",
     "python examples/own_project/train.py": "tests/test_own_project.py::test_the_projects_script_runs_on_two_processes",
 }  # fmt: skip
 

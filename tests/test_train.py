@@ -235,31 +235,37 @@ def test_llama3_8b_recipe_parses(capsys):
         assert expected in printed, expected
 
 
-def run_config(tmp_path, small_demo, config: str, steps: int):
-    """``train.py fit --config configs/<config>`` for ``steps`` optimizer steps in ``tmp_path``, the
-    first step of each level first (``levels_first.EachLevelFirst``): every level trains, whatever
-    steps the plan of this machine's demo data draws first."""
-    import os
-    import subprocess
+def config_command(tmp_path, small_demo, config: str, steps: int, *extra: str) -> list[str]:
+    """``train.py fit --config configs/<config>`` for ``steps`` optimizer steps, the first step of each
+    level first (``levels_first.EachLevelFirst``): every level trains, whatever steps the plan of this
+    machine's demo data draws first. Run it in ``tmp_path`` with ``config_env()``."""
     import sys
 
-    (tmp_path / "demo_data").symlink_to(small_demo)
+    if not (tmp_path / "demo_data").exists():
+        (tmp_path / "demo_data").symlink_to(small_demo)
+    return [
+        sys.executable, str(ROOT / "train.py"), "fit", "--config", str(ROOT / "configs" / config),
+        "--trainer.max_steps", str(steps), "--trainer.callbacks+=levels_first.EachLevelFirst",
+        "--trainer.enable_progress_bar", "false", *extra,
+    ]  # fmt: skip
+
+
+def config_env() -> dict:
+    import os
+
     tests = str(Path(__file__).parent)
-    env = {
+    return {
         **os.environ,
         "PYTHONWARNINGS": "ignore",
         "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
     }
-    args = ["fit", "--config", str(ROOT / "configs" / config), "--trainer.max_steps", str(steps),
-            "--trainer.callbacks+=levels_first.EachLevelFirst"]  # fmt: skip
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args, "--trainer.enable_progress_bar", "false"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+
+
+def run_config(tmp_path, small_demo, config: str, steps: int, *extra: str):
+    import subprocess
+
+    cmd = config_command(tmp_path, small_demo, config, steps, *extra)
+    return subprocess.run(cmd, cwd=tmp_path, env=config_env(), capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow
@@ -272,20 +278,56 @@ def test_tiny_sp_config_trains_on_two_processes(tmp_path, small_demo):
     assert len(logged["train/loss"]) >= 4 and all(v > 0 for _, v in logged["train/loss"])
 
 
-@pytest.mark.slow
-def test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes(tmp_path, small_demo):
-    """configs/tiny_cpu_2d.yaml: a 2-head model at sp 4 (Ulysses 2 x CP 2) and a CP-only level."""
+LEVELS_2D = (
+    "HBPStrategy levels: 2048 tokens sp 1 ckpt 0, 4096 tokens sp 2 (ulysses 1 x cp 2) ckpt 2, "
+    "8192 tokens sp 4 (ulysses 2 x cp 2) ckpt 4"
+)
+
+
+def assert_two_nodes_match(folder: Path, small_demo, one_node_losses: list) -> None:
+    """The same run as 2 nodes x 2 processes on this machine, each node its own torchrun (as on a
+    cluster: ``torchrun --nnodes 2 --node-rank N --nproc-per-node 2 --rdzv-endpoint HOST:PORT``), with
+    a shared cache folder: the data is tokenized once for both nodes, Ulysses stays inside a node and
+    CP goes across, and every step's loss equals the one-node run's."""
     import subprocess
     import sys
 
-    out = run_config(tmp_path, small_demo, "tiny_cpu_2d.yaml", 4)
+    from lit_hbp.autoselect.launch import free_port
+
+    folder.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    for node in (0, 1):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                    "--nproc-per-node", "2", "--rdzv-endpoint", endpoint]  # fmt: skip
+        cmd = config_command(folder, small_demo, "tiny_cpu_2d.yaml", 4, "--trainer.log_every_n_steps", "1",
+                             "--trainer.num_nodes", "2", "--trainer.devices", "2")  # fmt: skip
+        nodes.append(subprocess.Popen([*launcher, *cmd[1:]], cwd=folder, env=config_env(), text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))  # fmt: skip
+    outs = [p.communicate(timeout=900)[0] for p in nodes]
+    for p, out in zip(nodes, outs):
+        assert p.returncode == 0, out[-3000:]
+    assert LEVELS_2D in outs[0]  # Ulysses 2 inside each node of 2, CP 2 across the nodes
+    assert sum("tokenizing short.jsonl" in out for out in outs) == 1, "one node tokenizes, the other reads its cache"
+    assert scalars(folder / "runs")["train/loss"] == one_node_losses
+
+
+@pytest.mark.slow
+def test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes(tmp_path, small_demo):
+    """configs/tiny_cpu_2d.yaml: a 2-head model at sp 4 (Ulysses 2 x CP 2) and a CP-only level; the
+    same run on 2 nodes of 2 processes (``assert_two_nodes_match``)."""
+    import subprocess
+    import sys
+
+    one_node = tmp_path / "one_node"
+    one_node.mkdir()
+    out = run_config(one_node, small_demo, "tiny_cpu_2d.yaml", 4, "--trainer.log_every_n_steps", "1")
     printed = out.stderr + out.stdout
     assert out.returncode == 0, out.stderr[-3000:]
-    assert (
-        "HBPStrategy levels: 2048 tokens sp 1 ckpt 0, 4096 tokens sp 2 (ulysses 1 x cp 2) ckpt 2, "
-        "8192 tokens sp 4 (ulysses 2 x cp 2) ckpt 4" in printed
-    )
+    assert LEVELS_2D in printed
     assert "sp 4 (ulysses 2 x cp 2): loss" in printed  # the self-check ran the layout
+    assert_two_nodes_match(tmp_path / "two_nodes", small_demo, scalars(one_node / "runs")["train/loss"])
+    tmp_path = one_node
     logged = scalars(tmp_path / "runs")
     assert len(logged["train/loss"]) >= 2 and all(v > 0 for _, v in logged["train/loss"])
     imbalance = [v for _, v in logged["packing/cp_area_imbalance"]]

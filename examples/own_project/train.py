@@ -6,7 +6,9 @@
 What adopting lit-hbp changed here: the data module is ``HBPDataModule`` (levels, each with its own
 sequence-parallel degree), the strategy ``HBPStrategy`` when a level uses sequence parallelism, the
 Trainer leaves sampling to the data module (``use_distributed_sampler=False``), and lit-hbp's
-callbacks join the project's own TensorBoard logger and checkpointing.
+callbacks join the project's own TensorBoard logger and checkpointing. For a cluster: checkpoints
+written atomically, SIGTERM/SIGUSR1/Ctrl-C saving the running step (exit status ``128 + signal``),
+a lost rank named, and a run started again resuming from its newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -23,8 +25,15 @@ sys.path.insert(0, str(Path(__file__).parent))  # the project's own modules, whe
 
 from chat_lm import ChatLM  # noqa: E402
 
-from lit_hbp import HBPDataModule, HBPStrategy  # noqa: E402
-from lit_hbp.callbacks import HBPProgressBar, HBPThroughputMonitor, LevelSummary, PackingMetrics  # noqa: E402
+from lit_hbp import AtomicCheckpointIO, HBPDataModule, HBPStrategy, newest_checkpoint  # noqa: E402
+from lit_hbp.callbacks import (  # noqa: E402
+    HBPProgressBar,
+    HBPThroughputMonitor,
+    InterruptCheckpoint,
+    LevelSummary,
+    LostRankReport,
+    PackingMetrics,
+)
 
 
 def main(argv: list[str] | None = None) -> L.Trainer:
@@ -49,12 +58,20 @@ def main(argv: list[str] | None = None) -> L.Trainer:
         max_steps=args.max_steps,
         accumulate_grad_batches=2,
         logger=TensorBoardLogger(args.out),
+        plugins=[AtomicCheckpointIO()],
         callbacks=[ModelCheckpoint(save_last=True), PackingMetrics(), HBPThroughputMonitor(), LevelSummary(),
-                   HBPProgressBar()],
+                   HBPProgressBar(), InterruptCheckpoint(), LostRankReport()],
     )  # fmt: skip
-    trainer.fit(ChatLM(args.checkpoint), data)
+    # A job started again (requeued, restarted) continues from the newest complete checkpoint, if any.
+    resume = newest_checkpoint(Path(args.out).glob("lightning_logs/version_*/checkpoints"))
+    trainer.fit(ChatLM(args.checkpoint), data, ckpt_path=resume)
     return trainer
 
 
+def exit_status(trainer: L.Trainer) -> int:
+    """128 + signal when a signal stopped training (a scheduler then sees an interrupted job), else 0."""
+    return next((c.exit_status for c in trainer.callbacks if isinstance(c, InterruptCheckpoint)), None) or 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status(main()))

@@ -5,6 +5,7 @@ from lit_hbp.callbacks.curriculum import HBPCurriculum
 from lit_hbp.callbacks.defaults import with_default_callbacks
 from lit_hbp.callbacks.export import HBPExport
 from lit_hbp.callbacks.interrupt import InterruptCheckpoint, ignore_sigint
+from lit_hbp.callbacks.lost_rank import LostRankReport
 from lit_hbp.callbacks.packing_metrics import PackingMetrics
 from lit_hbp.callbacks.progress import HBPProgressBar, LevelSummary
 from lit_hbp.callbacks.rundir import DiscardEmptyRunDir
@@ -19,6 +20,7 @@ __all__ = [
     "HBPThroughputMonitor",
     "InterruptCheckpoint",
     "LevelSummary",
+    "LostRankReport",
     "PackingMetrics",
     "ignore_sigint",
     "with_default_callbacks",

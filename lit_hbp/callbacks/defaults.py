@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import ProgressBar
 
 from lit_hbp.callbacks.checkpoint import FinalCheckpoint
 from lit_hbp.callbacks.interrupt import InterruptCheckpoint
+from lit_hbp.callbacks.lost_rank import LostRankReport
 from lit_hbp.callbacks.progress import HBPProgressBar, LevelSummary
 from lit_hbp.callbacks.rundir import DiscardEmptyRunDir
 
@@ -17,11 +18,18 @@ def with_default_callbacks(
     callbacks: L.Callback | Sequence[L.Callback] | None, enable_progress_bar: bool | None = True
 ) -> list[L.Callback]:
     """``callbacks`` plus those of lit-hbp's console and run hygiene the list has none of:
-    FinalCheckpoint, InterruptCheckpoint, LevelSummary, DiscardEmptyRunDir, and HBPProgressBar
+    FinalCheckpoint, InterruptCheckpoint, LostRankReport, LevelSummary, DiscardEmptyRunDir, and
+    HBPProgressBar
     unless the list has a progress bar or ``enable_progress_bar`` is False (Lightning refuses a bar
     then)."""
     out = [callbacks] if isinstance(callbacks, L.Callback) else list(callbacks or [])
-    wanted: list[L.Callback] = [FinalCheckpoint(), InterruptCheckpoint(), LevelSummary(), DiscardEmptyRunDir()]
+    wanted: list[L.Callback] = [
+        FinalCheckpoint(),
+        InterruptCheckpoint(),
+        LostRankReport(),
+        LevelSummary(),
+        DiscardEmptyRunDir(),
+    ]
     if enable_progress_bar is not False:
         wanted.append(HBPProgressBar())
     for callback in wanted:

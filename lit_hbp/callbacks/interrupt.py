@@ -1,7 +1,11 @@
-"""InterruptCheckpoint: Ctrl-C ends training at the next optimizer step with a checkpoint to resume from.
+"""InterruptCheckpoint: Ctrl-C, a scheduler's SIGTERM or a SLURM warning signal ends training at the
+next optimizer step with a checkpoint to resume from, and a non-zero exit status.
 
-Lightning's own handling of Ctrl-C (``_call_and_handle_interrupt``) stops at once and exits: the steps
-since the last scheduled checkpoint are lost and nothing says which file to resume from.
+Lightning's own handling stops at once (Ctrl-C: ``_call_and_handle_interrupt``) or ends the run with
+exit status 0 (SIGTERM: ``SIGTERMException`` is a ``SystemExit`` without a code), so a preempted job
+looks successful; either way the steps since the last scheduled checkpoint are lost and nothing says
+which file to resume from. Under SLURM with ``auto_requeue`` its USR1 handler saves in the middle of
+a step, from inside the signal handler.
 """
 
 from __future__ import annotations
@@ -17,124 +21,205 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.callbacks.checkpoint import FinalCheckpoint, StepEndCallback
+from lit_hbp.errors import ConfigError
 
 FIRST_PRESS = (
     "Ctrl-C: training stops after the current optimizer step and saves a checkpoint; "
     "press Ctrl-C again to stop at once without saving"
 )
 FALLBACK_NAME = "interrupted.ckpt"
+SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+
+
+def signal_label(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def first_signal_note(signum: int) -> str:
+    """What a process prints when the first interrupting signal arrives."""
+    if signum == signal.SIGINT:
+        return FIRST_PRESS
+    name = signal.Signals(signum).name
+    return (
+        f"{name}: training stops after the current optimizer step and saves a checkpoint; "
+        f"another signal stops at once without saving"
+    )
 
 
 class InterruptCheckpoint(StepEndCallback):
-    """The first Ctrl-C (SIGINT) lets the running optimizer step finish, saves it and stops fit; the
-    second raises KeyboardInterrupt (Lightning's default: stop at once, nothing saved).
+    """The first interrupting signal (Ctrl-C's SIGINT, the SIGTERM of SLURM, Kubernetes or torchrun, a
+    SLURM warning signal such as ``--signal=USR1@90``) lets the running optimizer step finish, saves it
+    and stops fit; a second signal stops at once (SIGINT: KeyboardInterrupt, Lightning's default; any
+    other: the signal's default action, the process ends by it). ``exit_status`` is then ``128 +
+    signal number`` (130 for Ctrl-C, 143 for SIGTERM), what a shell reports for a process ended by the
+    signal: the CLI exits with it, so a scheduler and ``fit ... && export ...`` see an interrupted run.
 
-    While training runs (``on_train_start`` to ``on_train_end`` or a failure; setup and the sanity
-    check keep Lightning's plain Ctrl-C: there is nothing to save yet) a SIGINT handler of the main
-    thread records the request. At the next optimizer-step boundary (``global_step`` increased, in
-    ``on_train_batch_end`` after the checkpoint callbacks' hooks, so the micro-batches of an
-    accumulation complete first) the step is saved where a scheduled ``every_n_train_steps`` save
-    would be, i.e. the exact mid-epoch resume state: into every ``ModelCheckpoint`` that keeps a
-    latest checkpoint (``FinalCheckpoint.save_final``: ``last.ckpt`` of ``save_last``), or, when none
-    holds the step with the trainer's state, ``interrupted.ckpt`` in the first checkpoint callback's
-    ``dirpath``, else ``<log_dir>/checkpoints``, else ``default_root_dir``. Then ``should_stop`` is
-    set (``min_steps``/``min_epochs`` do not hold it back), the validation Lightning would run on a
-    stop is skipped (it can take long; a resume from a step-end save skips a validation scheduled at
-    that step anyway), and every ``ModelCheckpoint`` counts the step as saved: its epoch-end hook
-    would otherwise save again after Lightning closed the epoch, and that file would resume at the
-    next epoch. Rank 0 prints the path and the command that resumes (the run's command line, the
-    torchrun one under torchrun, with ``--ckpt_path <path>``).
+    While training runs (``on_train_start`` to ``on_train_end`` or a failure; before that Lightning's
+    handlers apply, and there is nothing to save yet) handlers of the main thread record the signal.
+    At the next optimizer-step boundary (``global_step`` increased, in ``on_train_batch_end`` after
+    the checkpoint callbacks' hooks, so the micro-batches of an accumulation complete first) the step
+    is saved where a scheduled ``every_n_train_steps`` save would be, i.e. the exact mid-epoch resume
+    state: into every ``ModelCheckpoint`` that keeps a latest checkpoint (``FinalCheckpoint.save_final``:
+    ``last.ckpt`` of ``save_last``), or, when none holds the step with the trainer's state,
+    ``interrupted.ckpt`` in the first checkpoint callback's ``dirpath``, else ``<log_dir>/checkpoints``,
+    else ``default_root_dir``. Then ``should_stop`` is set (``min_steps``/``min_epochs`` do not hold it
+    back), the validation Lightning would run on a stop is skipped (it can take long; a resume from a
+    step-end save skips a validation scheduled at that step anyway), and every ``ModelCheckpoint``
+    counts the step as saved: its epoch-end hook would otherwise save again after Lightning closed the
+    epoch, and that file would resume at the next epoch. Rank 0 prints the path and the command that
+    resumes (the run's command line, the torchrun one under torchrun, with ``--ckpt_path <path>``).
 
-    Several processes (DDP, DeepSpeed): a terminal's Ctrl-C reaches every rank, not at the same
-    step. At each optimizer-step boundary the ranks all-reduce (max) their request over a gloo
-    group of their own, so all of them stop and save (a ZeRO save is collective) at the same step;
-    gloo on a CPU tensor costs one small host message per step and, on GPUs, no device
-    synchronization.
+    SLURM with requeueing (Lightning's ``SLURMEnvironment(auto_requeue=True)``, its default under
+    ``sbatch``): the requeue signal (``requeue_signal``, USR1) is handled at the step boundary by
+    Lightning's own requeue handler, which saves ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir`` and runs
+    ``scontrol requeue``; the requeued job resumes from it by itself (Lightning's ``hpc`` resume, or
+    ``--ckpt_path auto``). Older ``hpc_ckpt_*.ckpt`` are removed once the new one is written.
+
+    Several processes (DDP, DeepSpeed): a terminal's Ctrl-C reaches every rank, a scheduler's SIGTERM
+    every rank or one, not at the same step. At each optimizer-step boundary the ranks all-reduce (max)
+    what they received over a gloo group of their own, so all of them stop and save (a ZeRO save is
+    collective) at the same step; gloo on a CPU tensor costs one small host message per step and, on
+    GPUs, no device synchronization. Lightning's per-micro-batch broadcast of its own SIGTERM flag, a
+    device tensor read on the host, is switched off while these handlers are installed: they replace
+    its SIGTERM handler.
 
     DataLoader workers get the terminal's SIGINT too: give them ``ignore_sigint`` as
     ``worker_init_fn``. The CLI adds this callback; in a plain Lightning project add it to
-    ``Trainer(callbacks=...)``.
+    ``Trainer(callbacks=...)`` and exit with ``exit_status`` when it is set.
+
+    Args:
+        signals: the signals handled, by name (``SIGINT``, ``SIGTERM``, ``SIGUSR1``, ``SIGUSR2``, ...).
     """
 
-    def __init__(self) -> None:
-        self.requested = False  # this process got a Ctrl-C (set by the signal handler)
+    def __init__(self, signals: Sequence[str] = SIGNALS) -> None:
+        self.signals = tuple(_signal_number(name) for name in signals)
+        self.received: int | None = None  # the first signal this process got (set by the handler)
+        self.signal: int | None = None  # the signal the ranks stopped for
         self.checkpoint: str | None = None  # the file saved at the interrupt
-        self._installed = False
-        self._previous: Any = None  # the SIGINT handler to restore
+        self.requeued = False
+        self._installed: dict[int, Any] = {}  # signal -> the handler to restore
         self._pid = 0
         self._announce = False
         self._group: Any = None
         self._group_world: Any = None  # the default group ``_group`` was made under
         self._final = FinalCheckpoint()
 
+    @property
+    def requested(self) -> bool:
+        """This process received an interrupting signal."""
+        return self.received is not None
+
+    @property
+    def exit_status(self) -> int | None:
+        """``128 + signal`` once training stopped for a signal (a shell's status for a process the
+        signal ended), else None."""
+        return None if self.signal is None or self.checkpoint is None else 128 + int(self.signal)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.requested, self.checkpoint = False, None
+        self.received, self.signal, self.checkpoint, self.requeued = None, None, None, False
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             if self._group is None or self._group_world is not dist.group.WORLD:
                 # new_group is collective: every rank reaches on_train_start.
                 self._group, self._group_world = dist.new_group(backend="gloo"), dist.group.WORLD
-        # Signal handlers belong to the main thread. A process that ignores SIGINT (a shell's background
-        # job: `python train.py &`) keeps ignoring it, as Python itself does.
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
-            self._pid, self._announce = os.getpid(), trainer.is_global_zero
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
-            self._installed = True
+        # Signal handlers belong to the main thread. A process that ignores a signal (a shell's background
+        # job ignores SIGINT: `python train.py &`) keeps ignoring it, as Python itself does.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._pid, self._announce = os.getpid(), trainer.is_global_zero
+        for signum in self.signals:
+            if signal.getsignal(signum) != signal.SIG_IGN:
+                self._installed[signum] = signal.signal(signum, self._on_signal)
+        if signal.SIGTERM in self._installed:
+            # Lightning reads its own SIGTERM flag (never set now) from a device tensor at every micro-batch.
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._pid:
             return  # a forked DataLoader worker inherited the handler: the main process decides
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+        if self.received is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.write(2, f"\n{signal_label(signum)} again: stopping at once without saving\n".encode())
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.received = signum
         if self._announce:
             # os.write, not print: a handler that runs inside a buffered write to the same stream fails.
-            os.write(2, f"\n{FIRST_PRESS}\n".encode())
+            os.write(2, f"\n{first_signal_note(signum)}\n".encode())
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not self.stepped(trainer):
             return  # inside an accumulation
-        stop = self.requested
+        got = [int(self.received == s) for s in self.signals]
         if self._group is not None:
-            flag = torch.tensor([int(stop)], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            stop = bool(flag.item())
-        if stop:
-            self._save_and_stop(trainer)
+            flags = torch.tensor(got, dtype=torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+            got = flags.tolist()
+        received = [s for s, flag in zip(self.signals, got) if flag]
+        if received:
+            requeue = _requeue_signal(trainer)
+            self._save_and_stop(trainer, min(received, key=lambda s: (s != requeue, s != signal.SIGTERM)))
 
-    def _save_and_stop(self, trainer: L.Trainer) -> None:
+    def _save_and_stop(self, trainer: L.Trainer, signum: int) -> None:
         step = trainer.global_step
         checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
-        written = self._final.save_final(trainer)
-        # ModelCheckpoint has no public "last saved file": these attributes are what its hooks use.
-        held = [
-            cb._last_checkpoint_saved
-            for cb in checkpoints
-            if not cb.save_weights_only and (cb._last_checkpoint_saved in written or cb._last_global_step_saved == step)
-        ]
-        path = held[0] if held else self._fallback_path(trainer, checkpoints)
-        if not held:
-            trainer.save_checkpoint(path)
+        if signum == _requeue_signal(trainer):
+            path = self._requeue(trainer, signum)
+        else:
+            written = self._final.save_final(trainer)
+            # ModelCheckpoint has no public "last saved file": these attributes are what its hooks use.
+            held = [
+                cb._last_checkpoint_saved
+                for cb in checkpoints
+                if not cb.save_weights_only
+                and (cb._last_checkpoint_saved in written or cb._last_global_step_saved == step)
+            ]
+            path = held[0] if held else self._fallback_path(trainer, checkpoints)
+            if not held:
+                trainer.save_checkpoint(path)
         for cb in checkpoints:
             cb._last_global_step_saved = step
         trainer.should_stop = True
-        # Lightning keeps training past should_stop until min_steps / min_epochs are met: a Ctrl-C
+        # Lightning keeps training past should_stop until min_steps / min_epochs are met: a signal
         # overrides them for this fit (the resumed run gets them back from its command line).
         trainer.fit_loop.min_epochs = None
         trainer.fit_loop.epoch_loop.min_steps = None
         trainer.fit_loop.epoch_loop._skip_next_val = True  # Lightning's own flag: no validation after this step
-        self.checkpoint = path
-        text = f"Ctrl-C: stopped after optimizer step {step}, saved to {path}\nresume with: {resume_command(path)}"
+        self.signal, self.checkpoint = signum, path
+        text = f"{signal_label(signum)}: stopped after optimizer step {step}, saved to {path}\n"
+        if self.requeued:
+            text += "the SLURM job is requeued and resumes from there by itself"
+        else:
+            text += f"resume with: {resume_command(path)}"
         bar = trainer.progress_bar_callback
         if isinstance(bar, TQDMProgressBar) and bar.is_enabled and trainer.is_global_zero:
             bar.print(text)  # above the bar (tqdm.write), not into its line
         else:
             rank_zero_info(text)
+
+    def _requeue(self, trainer: L.Trainer, signum: int) -> str:
+        """Lightning's SLURM requeue (save ``hpc_ckpt_<n>.ckpt``, ``scontrol requeue``), at the step
+        boundary; the older hpc checkpoints are removed once the new one is written."""
+        connector = trainer._checkpoint_connector  # Lightning's requeue handler saves where this says
+        folder = str(trainer.default_root_dir)
+        path = connector.hpc_save_path(folder)
+        older = [os.path.join(folder, f) for f in os.listdir(folder)] if os.path.isdir(folder) else []
+        trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)
+        trainer.strategy.barrier("hpc_checkpoint_written")
+        for old in older:
+            name = os.path.basename(old)
+            if name.startswith("hpc_ckpt_") and name.endswith(".ckpt") and old != path:
+                trainer.strategy.remove_checkpoint(old)
+        self.requeued = True
+        return path
 
     @staticmethod
     def _fallback_path(trainer: L.Trainer, checkpoints: list[ModelCheckpoint]) -> str:
@@ -145,17 +230,44 @@ class InterruptCheckpoint(StepEndCallback):
         return os.path.join(dirpath, FALLBACK_NAME)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._restore()
+        self._restore(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._restore()
+        self._restore(trainer)
 
-    def _restore(self) -> None:
-        """Put the previous SIGINT handler back, unless something replaced ours since (Lightning
-        ignores SIGINT while it shuts down after a KeyboardInterrupt)."""
-        if self._installed and signal.getsignal(signal.SIGINT) == self._on_sigint:
-            signal.signal(signal.SIGINT, signal.SIG_DFL if self._previous is None else self._previous)
-        self._installed = False
+    def _restore(self, trainer: L.Trainer) -> None:
+        """Put the previous handlers back, unless something replaced ours since (Lightning ignores
+        SIGINT while it shuts down after a KeyboardInterrupt)."""
+        for signum, previous in self._installed.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self._installed = {}
+        trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _signal_number(name: str) -> int:
+    """``signal.SIGTERM`` for ``"SIGTERM"`` (or ``"TERM"``); a short error for a signal that is
+    unknown here or cannot be handled."""
+    key = name if str(name).upper().startswith("SIG") else f"SIG{name}"
+    try:
+        signum = signal.Signals[str(key).upper()]
+    except KeyError:
+        raise ConfigError(f"InterruptCheckpoint signals: {name!r} is not a signal of this system") from None
+    if signum in (signal.SIGKILL, signal.SIGSTOP):
+        raise ConfigError(f"InterruptCheckpoint signals: {signum.name} cannot be handled by a process")
+    return int(signum)
+
+
+def _requeue_signal(trainer: L.Trainer) -> int | None:
+    """The signal Lightning requeues a SLURM job on, when it is set to (``auto_requeue``)."""
+    environment = trainer._accelerator_connector.cluster_environment  # the trainer has no public accessor
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and environment.requeue_signal:
+        return int(environment.requeue_signal)
+    return None
 
 
 def launch_argv() -> list[str]:

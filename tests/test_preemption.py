@@ -1,0 +1,198 @@
+"""Runs that survive the cluster, the way a scheduler treats them: ``lit-hbp fit`` in subprocesses,
+SIGTERM sent as SLURM sends it (to every process of the job), SIGKILL at random moments of a run
+that checkpoints every step, a rank killed mid-step, and ``--ckpt_path auto`` resuming from the
+newest complete checkpoint. Each resumed run is compared with the same run never interrupted."""
+
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_hbp.checkpoints import newest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_SHOWN = re.compile(r"Epoch \d+: +\d+%\|[^|]*\| *[1-9]\d*/\d+ steps")  # the bar after an optimizer step
+SMALL = ["--model.model.hidden_size", "32", "--model.model.intermediate_size", "64", "--model.self_check", "false"]
+
+
+def command(config: str, demo: Path, cache: Path, max_steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, str(ROOT / "train.py"), "fit", "--config", str(ROOT / "configs" / config),
+        "--data.demo_dir", str(demo), "--data.cache_dir", str(cache), "--trainer.max_steps", str(max_steps),
+        *SMALL, *extra,
+    ]  # fmt: skip
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def ranks_of(proc: subprocess.Popen) -> list[int]:
+    """The pids of a run's rank processes: the one started, and the ranks Lightning's launcher started
+    (its children running train.py; DataLoader workers are children too and are left out)."""
+    pids = [proc.pid]
+    for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        if any(arg.endswith(b"train.py") for arg in cmdline):
+            pids.append(int(child))
+    return pids
+
+
+class Job:
+    """A run in a subprocess whose output is read as it comes."""
+
+    def __init__(self, cmd: list[str], cwd: Path):
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.chunks: list[bytes] = []
+        self.reader = threading.Thread(
+            target=lambda: self.chunks.extend(iter(lambda: self.proc.stdout.read1(4096), b""))
+        )
+        self.reader.start()
+
+    @property
+    def out(self) -> str:
+        return b"".join(self.chunks).decode(errors="replace")
+
+    def wait_for(self, pattern: re.Pattern, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not pattern.search(self.out):
+            assert self.proc.poll() is None, self.out[-3000:]
+            assert time.monotonic() < deadline, f"{pattern.pattern!r} not shown:\n{self.out[-3000:]}"
+            time.sleep(0.05)
+
+    def end(self, timeout: float = 300) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.proc.kill()
+            self.reader.join()
+        return self.proc.returncode
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint: a Lightning file, or a DeepSpeed folder gathered to fp32."""
+    if path.is_dir():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(path))
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        assert torch.equal(value, b[name]), name
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_step_exits_143_and_the_printed_command_resumes_exactly(tmp_path, small_demo):
+    max_steps = 12
+    cmd = command("tiny_cpu.yaml", small_demo, tmp_path / "cache", max_steps)
+    reference = run(cmd, tmp_path / "reference")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    job = Job(cmd, tmp_path / "run")
+    job.wait_for(STEP_SHOWN)
+    job.proc.send_signal(signal.SIGTERM)
+    status = job.end()
+    out = job.out
+    assert status == 128 + signal.SIGTERM, out[-3000:]  # not 0: a scheduler sees an interrupted job
+    assert "SIGTERM: training stops after the current optimizer step and saves a checkpoint" in out
+    step, path = re.search(r"SIGTERM: stopped after optimizer step (\d+), saved to (\S+)", out).groups()
+    assert path == "runs/tiny_cpu/version_0/checkpoints/last.ckpt"
+    assert torch.load(tmp_path / "run" / path, weights_only=False)["global_step"] == int(step) < max_steps
+    resume = re.search(r"resume with: (.*)", out).group(1)
+    assert shlex.split(resume) == [*cmd, "--ckpt_path", path]
+
+    resumed = run(shlex.split(resume), tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming at optimizer step {step}, epoch 0, micro-batch {2 * int(step)} of" in resumed.stderr
+    assert sorted(p.name for p in (tmp_path / "run/runs/tiny_cpu").iterdir()) == ["version_0"]  # logs continue there
+    final = "runs/tiny_cpu/version_0/checkpoints/last.ckpt"
+    assert_same_weights(weights(tmp_path / "run" / final), weights(tmp_path / "reference" / final))
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_rank_of_a_deepspeed_run_and_ckpt_path_auto_resume_exactly(tmp_path, small_demo):
+    """2 processes (Lightning's launcher, gloo, ZeRO-2, a level with sp 2): SIGTERM to every rank, as
+    SLURM sends it; the requeued job's command is the same, with ``--ckpt_path auto``."""
+    cmd = command("tiny_cpu_sp.yaml", small_demo, tmp_path / "cache", 6, "--ckpt_path", "auto")
+    reference = run(cmd, tmp_path / "reference")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert "--ckpt_path auto: no checkpoint in" in reference.stderr
+
+    job = Job(cmd, tmp_path / "run")
+    job.wait_for(STEP_SHOWN)
+    ranks = ranks_of(job.proc)
+    assert len(ranks) == 2
+    for pid in ranks:
+        os.kill(pid, signal.SIGTERM)
+    assert job.end() == 128 + signal.SIGTERM, job.out[-3000:]
+    step, path = re.search(r"SIGTERM: stopped after optimizer step (\d+), saved to (\S+)", job.out).groups()
+    assert int(step) < 6 and Path(tmp_path / "run" / path).is_dir()  # a DeepSpeed folder
+
+    resumed = run(cmd, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"--ckpt_path auto: resuming from {path}" in resumed.stderr
+    final = "runs/tiny_cpu_sp/version_0/checkpoints/epoch=0-step=6.ckpt"
+    assert_same_weights(weights(tmp_path / "run" / final), weights(tmp_path / "reference" / final))
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_stops_the_other_with_a_message(tmp_path, small_demo):
+    job = Job(command("tiny_cpu_sp.yaml", small_demo, tmp_path / "cache", 40), tmp_path / "run")
+    job.wait_for(STEP_SHOWN)
+    main, rank1 = ranks_of(job.proc)
+    killed = time.monotonic()
+    os.kill(rank1, signal.SIGKILL)
+    status = job.end(timeout=120)
+    assert time.monotonic() - killed < 120
+    assert status != 0, job.out[-3000:]
+    assert re.search(rf"rank 1 \(pid {rank1}\) on \S+ is gone", job.out), job.out[-3000:]
+    assert "Traceback" not in job.out  # the lost rank is the news, not the collective that noticed
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_leaves_a_checkpoint_that_loads_and_auto_resumes(tmp_path, small_demo):
+    """A run that checkpoints every optimizer step, killed (SIGKILL: no handler runs) at random moments
+    after its first step; every time the newest checkpoint loads, and ``--ckpt_path auto`` continues
+    from it."""
+    cmd = command(
+        "tiny_cpu.yaml", small_demo, tmp_path / "cache", 40, "--ckpt_path", "auto",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.every_n_train_steps", "1", "--trainer.callbacks.save_last", "true",
+        "--trainer.callbacks.save_top_k", "-1",
+    )  # fmt: skip
+    rng = random.Random(0)
+    steps = []
+    for trial in range(3):
+        job = Job(cmd, tmp_path / "run")
+        job.wait_for(STEP_SHOWN)
+        time.sleep(rng.uniform(0.0, 2.0))
+        job.proc.send_signal(signal.SIGKILL)
+        job.end()
+        if trial:
+            assert f"--ckpt_path auto: resuming from {newest}" in job.out  # noqa: F821 (the previous trial's)
+        folder = tmp_path / "run/runs/tiny_cpu/version_0/checkpoints"
+        newest = newest_checkpoint([folder])
+        step = torch.load(newest, weights_only=False)["global_step"]
+        for path in folder.glob("*.ckpt"):  # every file under a checkpoint's name loads
+            torch.load(path, weights_only=False)
+        newest = str(Path(newest).relative_to(tmp_path / "run"))
+        steps.append(step)
+    assert steps == sorted(steps) and steps[0] >= 1
