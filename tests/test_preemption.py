@@ -196,3 +196,27 @@ def test_sigkill_at_random_moments_leaves_a_checkpoint_that_loads_and_auto_resum
         newest = str(Path(newest).relative_to(tmp_path / "run"))
         steps.append(step)
     assert steps == sorted(steps) and steps[0] >= 1
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_worker_and_ckpt_path_auto_continues(tmp_path, small_demo):
+    """``torchrun --max-restarts 1 ... --ckpt_path auto``: a worker SIGKILLed after its first saved
+    step is started again by the agent, resumes from the newest complete checkpoint by itself and
+    ends the run with status 0."""
+    cmd = command(
+        "tiny_cpu.yaml", small_demo, tmp_path / "cache", 8, "--ckpt_path", "auto",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.every_n_train_steps", "1", "--trainer.callbacks.save_last", "true",
+    )  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                "--max-restarts", "1"]  # fmt: skip
+    job = Job([*launcher, *cmd[1:]], tmp_path / "run")
+    job.wait_for(re.compile(r"Epoch \d+: +\d+%\|[^|]*\| *[2-9]/\d+ steps"))  # step 1 saved, step 2 done
+    (worker,) = (int(p) for p in Path(f"/proc/{job.proc.pid}/task/{job.proc.pid}/children").read_text().split())
+    os.kill(worker, signal.SIGKILL)
+    assert job.end() == 0, job.out[-3000:]
+    resumed = re.search(r"--ckpt_path auto: resuming from (\S+)", job.out)
+    assert resumed, job.out[-3000:]
+    assert "`max_steps=8` reached" in job.out
+    last = tmp_path / "run/runs/tiny_cpu/version_0/checkpoints/last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 8
