@@ -250,6 +250,34 @@ def test_dataloader_workers_ignore_sigint():
     assert [int(pid) for pid in items] == [worker] * 19
 
 
+def _sleep():
+    time.sleep(60)
+
+
+def test_a_forked_worker_told_to_end_ends():
+    """A DataLoader worker forked while the handlers are installed inherits them; SIGTERM (a loader's
+    shutdown terminates its workers with it) still ends the worker, SIGINT is left to the main process."""
+    import multiprocessing
+
+    interrupt = InterruptCheckpoint()
+    interrupt._pid = os.getpid()
+    before = {s: signal.signal(s, interrupt._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        worker = multiprocessing.get_context("fork").Process(target=_sleep)
+        worker.start()
+        time.sleep(0.5)
+        os.kill(worker.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert worker.is_alive()
+        os.kill(worker.pid, signal.SIGTERM)
+        worker.join(30)
+        assert worker.exitcode == -signal.SIGTERM
+        assert interrupt.received is None  # the main process got nothing
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def ddp_fit(root: str, demo: str, press_on_rank: int) -> dict:
     """One rank of a 2-process DDP fit; only ``press_on_rank`` gets a Ctrl-C (after micro-batch 4)."""
     import torch.distributed as dist

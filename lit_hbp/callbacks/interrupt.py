@@ -139,8 +139,11 @@ class InterruptCheckpoint(StepEndCallback):
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self._pid:
-            return  # a forked DataLoader worker inherited the handler: the main process decides
+        if os.getpid() != self._pid:  # a forked DataLoader worker inherited the handler
+            if signum != signal.SIGINT:  # a worker told to end (its loader's shutdown) ends, as it would without us
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return  # the terminal's Ctrl-C: the main process decides
         if self.received is not None:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
