@@ -10,8 +10,11 @@ config the run saved in it (``hf_config``) and loaded with its weights, and the 
 the run trained with, chat template included (saved by ``HBPDataModule``); the folder the run started
 from and the tokenizer folder may be gone. The folder holds config, safetensors weights in the dtype
 asked for and the tokenizer, with the special ids a server needs: BOS/EOS/padding of the tokenizer in
-config.json and generation_config.json, generation stopping at the tokenizer's EOS and at the chat
-template's end-of-turn token, and the KV cache on. It loads with ``AutoModelForCausalLM`` (and vLLM or
+config.json and generation_config.json, generation stopping at the tokenizer's EOS, at the chat
+template's end-of-turn token and at every EOS of the base model, and the KV cache on. The base model's
+own generation_config.json (a run started from a folder that has one; saved in the checkpoint as
+``hf_generation_config``) is kept: its sampling defaults (do_sample, temperature, top_p, ...) stay as
+they were, and none is added where it had none. It loads with ``AutoModelForCausalLM`` (and vLLM or
 the Hub) and is a valid ``model:`` of a new lit-hbp run. A LoRA run writes its adapter
 (``adapter_config.json`` + weights, for peft, with the tokenizer and generation config), or with
 ``--merge-lora`` the merged full model.
@@ -84,9 +87,21 @@ def hf_config_of(ckpt: dict):
     return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
+def generation_config_of(ckpt: dict):
+    """The base model's own generation config (its generation_config.json, saved in the checkpoint by
+    ``HBPLitModule.on_save_checkpoint`` as ``hf_generation_config``), or None: a model built from a
+    config mapping or from a folder without one, and checkpoints written before lit-hbp saved it, whose
+    export rebuilds the generation config from the model config and the tokenizer, as it always did."""
+    from transformers import GenerationConfig
+
+    saved = ckpt.get("hf_generation_config")
+    return None if saved is None else GenerationConfig.from_dict(dict(saved))
+
+
 def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     """The trained network (peft-wrapped under LoRA), fp32, built from the checkpoint alone: its config,
-    its LoRA settings and its weights (never ``from_pretrained`` of the folder the run started from)."""
+    the base model's generation config when it had one of its own (``generation_config_of``), its LoRA
+    settings and its weights (never ``from_pretrained`` of the folder the run started from)."""
     from transformers import AutoModelForCausalLM
 
     from lit_hbp.causal_lm import apply_lora
@@ -95,6 +110,9 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     config = hf_config_of(ckpt)
     config.use_cache = True  # training turned the KV cache off; generation wants it
     net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generation = generation_config_of(ckpt)
+    if generation is not None:
+        net.generation_config = generation
     if hparams.get("lora"):
         net = apply_lora(net, dict(hparams["lora"]))
     # HBPLitModule holds the network as ``model``: its state dict keys are ``model.<name>``.
@@ -150,13 +168,17 @@ def end_of_turn_id(tokenizer) -> int | None:
     return int(ids[0])
 
 
-def serving_token_ids(tokenizer, config) -> tuple[dict[str, int | None], list[int]]:
+def _ids(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def serving_token_ids(tokenizer, config, generation=None) -> tuple[dict[str, int | None], list[int]]:
     """(BOS/EOS/padding ids for config.json and generation_config.json, the ids generation stops at).
     The ids are the tokenizer's (padding: its pad, else EOS), the config's where the tokenizer has
     none; generation stops at the tokenizer's EOS, the chat template's end-of-turn token and any EOS
-    the config already named."""
-    base_eos = getattr(config, "eos_token_id", None)
-    base_eos = [] if base_eos is None else list(base_eos) if isinstance(base_eos, (list, tuple)) else [base_eos]
+    the config or the base model's ``generation`` config already named (e.g. Llama-3 instruct's three),
+    in that order, each once."""
+    base_eos = _ids(getattr(config, "eos_token_id", None))
 
     def first(*ids):
         return next((int(i) for i in ids if i is not None), None)
@@ -168,18 +190,20 @@ def serving_token_ids(tokenizer, config) -> tuple[dict[str, int | None], list[in
         pad_token_id=first(tokenizer.pad_token_id, eos),
     )
     stop = [tokenizer.eos_token_id, end_of_turn_id(tokenizer), *base_eos]
+    stop += _ids(getattr(generation, "eos_token_id", None))
     return ids, list(dict.fromkeys(int(i) for i in stop if i is not None))
 
 
 def prepare_for_serving(net: torch.nn.Module, tokenizer) -> None:
     """Set the special ids (``serving_token_ids``) and the KV cache on the model's config and
-    generation config."""
+    generation config; the rest of the generation config (the base model's sampling defaults, when
+    ``model_from_checkpoint`` restored its own) is left as it is."""
     config, generation = net.config, net.generation_config
     config.use_cache = generation.use_cache = True
     generation._from_model_config = False  # set on purpose: no library may rebuild it from config.json
     if tokenizer is None:
         return
-    ids, stop = serving_token_ids(tokenizer, config)
+    ids, stop = serving_token_ids(tokenizer, config, generation)
     for name in SPECIAL_IDS:
         setattr(config, name, ids[name])
         setattr(generation, name, ids[name])

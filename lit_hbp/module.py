@@ -48,6 +48,35 @@ def adamw_kind(params: list[torch.Tensor]) -> str:
     return "fused" if fused else "for-loop"
 
 
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The L2 norm of ``grads`` taken as one vector, accumulated in fp32, as a tensor on the first
+    gradient's device (nothing is read on the host); None without a gradient."""
+    if not grads:
+        return None
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g.detach())
+    device = grads[0].device
+    norms = [n.to(device) for group in by_device.values() for n in torch._foreach_norm(group, 2, dtype=torch.float32)]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def zero_engine(strategy):
+    """The DeepSpeed engine of a strategy (DeepSpeedStrategy, HBPStrategy) whose optimizer is one of
+    ZeRO's (stages 1-3, and DeepSpeed's BF16 optimizer): it computes the global gradient norm itself,
+    over the gradient partitions of every rank, before clipping (``get_global_grad_norm()`` after the
+    step). None for other strategies and for ZeRO stage 0, whose gradients are whole on each rank in
+    the parameters' ``.grad``."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if not isinstance(strategy, DeepSpeedStrategy):
+        return None
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    engine = strategy.model  # the engine, once the strategy has set it up
+    return engine if isinstance(getattr(engine, "optimizer", None), ZeROOptimizer) else None
+
+
 def set_recompile_limit(limit: int) -> None:
     """Raise dynamo's per-code recompile limit to at least ``limit``: ``recompile_limit`` from torch
     2.7, ``cache_size_limit`` before."""
@@ -145,6 +174,7 @@ class HBPLitModule(L.LightningModule):
         self._layers: list[torch.nn.Module] = []
         self._spec: ModelSpec | None = None
         self._meter = StepMeter()
+        self._grad_norm: torch.Tensor | None = None  # this optimizer step's, on logging steps (not ZeRO)
         self.flops_per_batch: float | None = None  # this rank's model FLOPs of the micro-batch (ThroughputMonitor)
 
     def configure_model(self) -> None:
@@ -185,8 +215,16 @@ class HBPLitModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The model's config travels with its weights, so export needs nothing but the checkpoint
-        (the folder the run started from may be gone or changed)."""
-        checkpoint["hf_config"] = self.base_model.config.to_dict()
+        (the folder the run started from may be gone or changed): ``hf_config``, and, when the model
+        folder has a generation config of its own (its generation_config.json: sampling defaults, every
+        EOS id), ``hf_generation_config`` (its non-default fields), which the export keeps. A model
+        built from a config mapping, or from a folder without one, stores none (nor did checkpoints
+        written before lit-hbp stored it): the export then rebuilds it from the config and tokenizer."""
+        net = self.base_model
+        checkpoint["hf_config"] = net.config.to_dict()
+        generation = getattr(net, "generation_config", None)
+        if generation is not None and not getattr(generation, "_from_model_config", False):
+            checkpoint["hf_generation_config"] = generation.to_diff_dict()
 
     @property
     def num_layers(self) -> int:
@@ -299,6 +337,44 @@ class HBPLitModule(L.LightningModule):
             self.log(f"train/{key}", torch.tensor(float(value)), batch_size=1)
         return loss
 
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """At the optimizer steps whose metrics the loggers write, the global L2 norm of the gradients
+        before clipping (Lightning clips after this hook), from the trainable parameters' ``.grad``
+        (on one device; under DDP after its all-reduce; under DeepSpeed ZeRO stage 0 after the
+        engine's all-reduce, its loss scale divided out), kept on the device for ``train/grad_norm``.
+        Under ZeRO (stages 1-3) the gradients are partitioned: the engine's own norm is read after
+        its step instead (``on_train_batch_end``). Nothing at the other steps."""
+        self._grad_norm = None
+        if not logs_now(self.trainer) or zero_engine(self.trainer.strategy) is not None:
+            return
+        # The model's own gradients: under DeepSpeed's stage-0 fp16/bf16 optimizers the optimizer's
+        # parameters are fp32 master copies whose gradients are set only inside its step.
+        norm = grad_norm([p.grad for p in self.model.parameters() if p.requires_grad and p.grad is not None])
+        if norm is None:
+            return
+        # Gradients still loss-scaled here: DeepSpeed's fp16 optimizers (stage 0), and torch's GradScaler
+        # with an optimizer that unscales in its own step (fused AdamW), which Lightning leaves scaled.
+        scale = getattr(optimizer, "loss_scale", None)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            scale = scaler.get_scale()  # a host read, at a logging step only
+        if isinstance(scale, (int, float)) and scale not in (0, 1):
+            norm = norm / scale
+        self._grad_norm = norm
+
+    def _logged_grad_norm(self) -> torch.Tensor | None:
+        """``train/grad_norm`` of this optimizer step (a logging one): under ZeRO the engine's global
+        norm before clipping (DeepSpeed 0.19: a device tensor, unscaled, the same on every rank;
+        ``inf`` after an fp16 overflow; None with ``compute_grad_norm: false``), else what
+        ``on_before_optimizer_step`` computed."""
+        engine = zero_engine(self.trainer.strategy)
+        norm, self._grad_norm = self._grad_norm, None
+        if engine is not None:
+            norm = engine.get_global_grad_norm()
+            if norm is not None and not isinstance(norm, torch.Tensor):
+                norm = torch.tensor(float(norm))
+        return None if norm is None else norm.detach().float()
+
     def on_train_batch_end(self, outputs, batch: PackedBatch, batch_idx: int) -> None:
         attention.set_pack(None)  # its backward is done: the model may now run outside a pack
         self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # this rank's share of real tokens
@@ -311,6 +387,10 @@ class HBPLitModule(L.LightningModule):
         loss = self._meter.read_loss(reduce)
         if loss is not None:
             self.log("train/loss", torch.tensor(loss), prog_bar=True, batch_size=1)
+        # The global gradient L2 norm before clipping, a device tensor read when the logger writes it.
+        norm = self._logged_grad_norm()
+        if norm is not None:
+            self.log("train/grad_norm", norm, batch_size=1)
         # The learning rate of the step (a host value: the optimizer's), whether or not a logger runs.
         optimizer = self.optimizers(use_pl_optimizer=False)
         optimizer = optimizer[0] if isinstance(optimizer, list) else optimizer

@@ -19,6 +19,18 @@ from lit_hbp.module import HBPLitModule
 TINY = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2}
 LORA = {"rank": 4, "alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}
 PROBE = [5, 17, 3, 44, 9, 28, 11, 2, 60, 31]  # token ids of the sample whose logits are compared
+# A base model's own generation_config.json, as Llama-3 instruct's: sampling defaults and several EOS ids
+# (7, 9, 11: none of them the toy tokenizer's EOS, 1, nor its chat template's end of turn, <|end|> = 5).
+BASE_GENERATION = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [7, 9, 11]}
+SERVED_STOPS = [1, 5, 7, 9, 11]  # the tokenizer's EOS, the end of turn, then the base's, each once
+
+
+def with_generation_config(folder):
+    """``folder`` (a save_pretrained model folder) with BASE_GENERATION as its generation_config.json."""
+    from transformers import GenerationConfig
+
+    GenerationConfig(**BASE_GENERATION, bos_token_id=1).save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +48,14 @@ def chats(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory, toy_tokenizer) -> str:
-    """TINY saved as a user's checkpoint folder (save_pretrained, with the tokenizer): the ZeRO-3 runs
-    start from it, so a ZeRO-3 partitioned load of a folder is checked too."""
+    """TINY saved as a user's checkpoint folder (save_pretrained, with the tokenizer and a generation config
+    of its own, BASE_GENERATION): the ZeRO-3 runs start from it, so a ZeRO-3 partitioned load of a folder
+    is checked too, and its generation config's way through DeepSpeed's checkpoint to the export."""
     from conftest import save_pretrained_checkpoint
 
     shape = {k: v for k, v in TINY.items() if k != "model_type"}
-    return str(save_pretrained_checkpoint(tmp_path_factory.mktemp("tiny_folder"), toy_tokenizer, "llama", **shape))
+    folder = save_pretrained_checkpoint(tmp_path_factory.mktemp("tiny_folder"), toy_tokenizer, "llama", **shape)
+    return str(with_generation_config(folder))
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +135,15 @@ def test_export_of_a_zero_checkpoint_is_exact_and_loads_in_transformers(
     assert {k: gathered["hf_config"][k] for k in TINY} == TINY
     assert "tokenizer.json" in gathered["HBPDataModule"]["tokenizer_files"]
     assert AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE
-    assert net.generation_config.eos_token_id == [1, 5]  # <|endoftext|>, and <|end|> closing a turn
+    served = json.loads((out / "generation_config.json").read_text())
+    if stage == 3:  # from a folder with a generation config of its own: kept, with every EOS
+        assert {k: served[k] for k in ("do_sample", "temperature", "top_p")} == {
+            k: BASE_GENERATION[k] for k in ("do_sample", "temperature", "top_p")
+        }
+        assert net.generation_config.eos_token_id == SERVED_STOPS
+    else:  # from a mapping: <|endoftext|>, and <|end|> closing a turn; no sampling defaults
+        assert net.generation_config.eos_token_id == [1, 5]
+        assert not {"do_sample", "temperature", "top_p", "top_k"} & set(served)
     generated = net.generate(torch.tensor([PROBE]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert generated.shape == (1, len(PROBE) + 4)
     # The callback's folder holds the same weights; bf16 export casts them.
@@ -138,6 +160,15 @@ def test_export_of_a_zero_checkpoint_is_exact_and_loads_in_transformers(
     loss = again(batch)[0]
     loss.backward()
     assert torch.isfinite(loss) and again.model.model.embed_tokens.weight.grad is not None
+
+
+@pytest.mark.slow
+def test_zero2_on_two_ranks_logs_the_grad_norm_of_the_gradient_over_both(pool, toy_tokenizer, tmp_path):
+    """train/grad_norm on two ranks (tests/test_grad_norm.py has the one-process checks), here to share
+    this module's pool."""
+    from test_grad_norm import check_two_ranks
+
+    check_two_ranks(pool, toy_tokenizer, tmp_path)
 
 
 def test_lora_adapter_gradients_equal_hf_and_peft_on_each_sample_alone():
@@ -188,6 +219,9 @@ def test_lora_trains_only_adapters_under_zero_and_sp_and_exports(
     adapter = export_checkpoint(ckpt, tmp_path / "adapter")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
     assert {"generation_config.json", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in adapter.iterdir()}
+    served = json.loads((adapter / "generation_config.json").read_text())
+    assert served["eos_token_id"] == (SERVED_STOPS if stage == 3 else [1, 5])  # the base's own kept (stage 3)
+    assert served.get("temperature") == (BASE_GENERATION["temperature"] if stage == 3 else None)
     # The frozen base the run started from (peft names: base_model.model.<name>, wrapped layers' .base_layer).
     base = copy.deepcopy(merged)
     start = {
@@ -200,6 +234,76 @@ def test_lora_trains_only_adapters_under_zero_and_sp_and_exports(
     with torch.no_grad():
         got = with_adapter(input_ids=torch.tensor([PROBE])).logits[0]
     torch.testing.assert_close(got, r["logits"], atol=1e-5, rtol=1e-5)
+
+
+class Force:
+    """A logits processor: generation emits ``ids[i]`` at its step i, and keeps emitting the last."""
+
+    def __init__(self, prompt_len: int, ids: list[int]):
+        self.prompt_len, self.ids = prompt_len, ids
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.prompt_len
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.ids[min(step, len(self.ids) - 1)]] = 0.0
+        return forced
+
+
+def one_step_checkpoint(model: str, chats, root) -> str:
+    """One optimizer step of ``model`` (a folder with its tokenizer) on one process, saved."""
+    from lit_hbp.data.datamodule import HBPDataModule
+
+    dm = HBPDataModule(sources=[{"path": str(chats)}], tokenizer=model, levels=["96:1", "384:1"], cache_dir=str(root))
+    module = HBPLitModule(model=model, vocab_size=dm.vocab_size, self_check=False)
+    trainer = quiet_trainer(max_steps=1)
+    trainer.fit(module, dm)
+    trainer.save_checkpoint(root / "run.ckpt")
+    return str(root / "run.ckpt")
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["base-generation-config", "none"])
+def test_export_keeps_the_base_models_generation_config_and_stops_at_all_its_ends(chats, toy_tokenizer, tmp_path, own):
+    from conftest import save_pretrained_checkpoint
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    shape = {k: v for k, v in TINY.items() if k != "model_type"}
+    base = save_pretrained_checkpoint(tmp_path / "base", toy_tokenizer, "llama", **shape)
+    if own:
+        with_generation_config(base)
+    else:
+        (base / "generation_config.json").unlink()
+    ckpt = one_step_checkpoint(str(base), chats, tmp_path)
+    assert ("hf_generation_config" in torch.load(ckpt, weights_only=False)) == own
+    out = export_checkpoint(ckpt, tmp_path / "served")
+
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    ends = {tok.eos_token_id, tok.convert_tokens_to_ids("<|end|>")}
+    served = json.loads((out / "generation_config.json").read_text())
+    sampling = {"do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "max_length"}
+    if own:
+        assert {k: served[k] for k in ("do_sample", "temperature", "top_p")} == {
+            k: BASE_GENERATION[k] for k in ("do_sample", "temperature", "top_p")
+        }
+        assert set(served["eos_token_id"]) >= set(BASE_GENERATION["eos_token_id"]) | ends
+        assert sampling & set(served) == {"do_sample", "temperature", "top_p"}  # nothing the base did not have
+    else:  # as before: the tokenizer's EOS and the end of turn, no sampling defaults
+        assert served["eos_token_id"] == [tok.eos_token_id, tok.convert_tokens_to_ids("<|end|>")]
+        assert not sampling & set(served)
+    assert len(served["eos_token_id"]) == len(set(served["eos_token_id"]))
+    assert (served["bos_token_id"], served["pad_token_id"]) == (tok.bos_token_id, tok.pad_token_id)
+
+    # Generation with the served config stops at each of its ends, and only there.
+    net = AutoModelForCausalLM.from_pretrained(out).eval()
+    generation = GenerationConfig.from_pretrained(out)
+    prompt = torch.tensor([PROBE])
+    with torch.no_grad():
+        for end in served["eos_token_id"]:
+            forced = [Force(len(PROBE), [20, end])]
+            new = net.generate(prompt, generation_config=generation, logits_processor=forced, max_new_tokens=6)
+            assert new[0, len(PROBE) :].tolist() == [20, end], end
+        forced = [Force(len(PROBE), [20])]
+        new = net.generate(prompt, generation_config=generation, logits_processor=forced, max_new_tokens=6)
+        assert new.shape[1] == len(PROBE) + 6  # no end: it runs to the limit
 
 
 def test_strategy_names_are_registered_with_lightning():

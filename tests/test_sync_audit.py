@@ -49,6 +49,7 @@ run fakes that group so the read happens in this single process, and the audit m
 
 from __future__ import annotations
 
+import csv
 import importlib
 import traceback
 import weakref
@@ -331,3 +332,7 @@ def test_no_sync_outside_logging_steps(tmp_path, toy_tokenizer, small_demo, monk
     assert any(c.startswith("tolist (lit_hbp: meter.py") for logging, _, w in audit.windows if logging for c in w)
     # ...while InterruptCheckpoint's Ctrl-C flag, read on the host at each optimizer step, is not counted.
     assert sum("interrupt.py" in c for c in audit.host_reads) == 6, audit.host_reads
+    # The gradient norm (DeepSpeed's, kept on the device) is written at the two logging steps alone.
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        norms = [float(row["train/grad_norm"]) for row in csv.DictReader(f) if row.get("train/grad_norm")]
+    assert len(norms) == 2 and all(0 < n < float("inf") for n in norms), norms
