@@ -25,6 +25,7 @@ import yaml
 from jsonargparse import set_parsing_settings
 from jsonargparse._actions import previous_config  # set while a config file is applied over earlier values
 from jsonargparse._typehints import ActionTypeHint  # jsonargparse exports no public name for it
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
@@ -402,9 +403,18 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
         rank_zero_info("SIGTERM before the first optimizer step: stopped, nothing to save")
         sys.exit(TERMINATED)
     status = next((c.exit_status for c in cli.trainer.callbacks if isinstance(c, InterruptCheckpoint)), None)
-    if status:
+    if status and not launched_by_rank_zero(cli.trainer):
         sys.exit(status)  # saved and stopped early: `fit ... && export ...` must not go on, a scheduler sees it
     return cli
+
+
+def launched_by_rank_zero(trainer: Any) -> bool:
+    """Whether this process is a rank Lightning's own launcher started from a node's rank 0 (``devices: N``
+    without torchrun or SLURM). Its exit status is read by rank 0's watch over its children, which
+    kills rank 0 at once on a non-zero one: such a rank ends with 0 after a signal's stop, and rank 0,
+    the process the user or the scheduler started, reports the stop."""
+    environment = trainer._accelerator_connector.cluster_environment  # the trainer has no public accessor
+    return type(environment) is LightningEnvironment and trainer.local_rank > 0
 
 
 def entry_point() -> None:

@@ -143,6 +143,7 @@ def test_sigterm_to_every_rank_of_a_deepspeed_run_and_ckpt_path_auto_resume_exac
     for pid in ranks:
         os.kill(pid, signal.SIGTERM)
     assert job.end() == 128 + signal.SIGTERM, job.out[-3000:]
+    assert "Forcefully terminating" not in job.out  # rank 1 ended with 0: rank 0's watch did not kill it
     step, path = re.search(r"SIGTERM: stopped after optimizer step (\d+), saved to (\S+)", job.out).groups()
     assert int(step) < 6 and Path(tmp_path / "run" / path).is_dir()  # a DeepSpeed folder
 
