@@ -17,7 +17,9 @@ Also fixed here:
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import weakref
 from datetime import timedelta
 from typing import Any
 from unittest import mock
@@ -118,6 +120,28 @@ def trained_model(module, levels: list[Level]):
     return nets[0]
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the strategies that set up a world in this process
+
+
+@atexit.register
+def release_process_groups() -> None:
+    """At exit, while the interpreter is whole: drop the SP groups of every HBPStrategy still alive and
+    destroy every process group (DeepSpeed's cached references included). A gloo worker thread left
+    to end during interpreter shutdown can free a tensor, take the GIL and abort the process
+    (``terminate called without an active exception``) after a successful run. A world already
+    destroyed (the measured level search destroys its own) is left alone."""
+    context.activate(None)
+    for strategy in list(_LIVE):
+        strategy.sp_groups = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        import deepspeed.comm
+
+        if deepspeed.comm.is_initialized():
+            deepspeed.comm.destroy_process_group()
+        else:
+            torch.distributed.destroy_process_group()
+
+
 def _whole_folder(path: Any) -> None:
     if not is_complete(path):
         raise FileNotFoundError(
@@ -190,6 +214,9 @@ class HBPStrategy(DeepSpeedStrategy):
             super().setup_environment()
 
     def setup_distributed(self) -> None:
+        # Lightning destroys the process groups at exit for NCCL only: release_process_groups does it for
+        # every backend, this strategy's SP groups included, before interpreter shutdown begins.
+        _LIVE.add(self)
         if not self._on_cpu:
             return super().setup_distributed()
         # CPU devices have no index, which the parent's device-index check rejects.

@@ -2,6 +2,7 @@
 
 import glob
 import json
+import os
 import re
 from pathlib import Path
 
@@ -261,17 +262,48 @@ def config_env() -> dict:
     }
 
 
-def run_config(tmp_path, small_demo, config: str, steps: int, *extra: str):
+def run_config(tmp_path, small_demo, config: str, steps: int, *extra: str, env: dict | None = None):
     import subprocess
 
     cmd = config_command(tmp_path, small_demo, config, steps, *extra)
-    return subprocess.run(cmd, cwd=tmp_path, env=config_env(), capture_output=True, text=True, timeout=900)
+    env = {**config_env(), **(env or {})}
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+
+
+# Imported first by every process of a run (PYTHONPATH), so its exit hook runs last: after lit-hbp's.
+THREADS_AT_EXIT = """
+import atexit, json, os, sys
+
+def _count():
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except OSError:
+            pass
+    with open(os.path.join(os.environ["THREADS_AT_EXIT"], str(os.getpid())), "w") as f:
+        json.dump({"argv": sys.argv, "gloo_threads": sum(n.startswith("pt_gloo") for n in names)}, f)
+
+atexit.register(_count)
+"""
 
 
 @pytest.mark.slow
 def test_tiny_sp_config_trains_on_two_processes(tmp_path, small_demo):
-    out = run_config(tmp_path, small_demo, "tiny_cpu_sp.yaml", 8)
+    """Also: at exit the process groups are gone before interpreter shutdown. A gloo worker thread
+    still running then can free a tensor, take the GIL and abort the process after a successful fit
+    (``terminate called without an active exception``): 8 such threads per rank before lit-hbp
+    destroyed its groups at exit, the 2 of DeepSpeed's own reference to the world group now."""
+    hook, counts = tmp_path / "hook", tmp_path / "threads"
+    hook.mkdir(), counts.mkdir()
+    (hook / "sitecustomize.py").write_text(THREADS_AT_EXIT)
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), config_env()["PYTHONPATH"]]), "THREADS_AT_EXIT": str(counts)}
+    out = run_config(tmp_path, small_demo, "tiny_cpu_sp.yaml", 8, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "terminate called" not in out.stderr
+    ranks = [json.loads(f.read_text()) for f in counts.iterdir()]
+    threads = [r["gloo_threads"] for r in ranks if "fit" in r["argv"]]  # not the helper processes of a run
+    assert len(threads) == 2 and max(threads) <= 2, ranks
     assert "HBPStrategy levels: 2048 tokens sp 1 ckpt 0, 8192 tokens sp 2 ckpt 2" in out.stderr + out.stdout
     logged = scalars(tmp_path / "runs")
     assert {v for _, v in logged["train/sp"]} == {1.0, 2.0}

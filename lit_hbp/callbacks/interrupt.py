@@ -234,9 +234,19 @@ class InterruptCheckpoint(StepEndCallback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore(trainer)
+        self._release_group()
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._restore(trainer)
+        self._release_group()
+
+    def _release_group(self) -> None:
+        """Destroy the gloo group of the agreement now: its worker threads, joined when the group is
+        freed, would otherwise end during interpreter shutdown, where one that frees a tensor takes
+        the GIL and aborts the process (``terminate called without an active exception``)."""
+        if self._group is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = self._group_world = None
 
     def _restore(self, trainer: L.Trainer) -> None:
         """Put the previous handlers back, unless something replaced ours since (Lightning ignores
