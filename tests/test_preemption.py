@@ -146,12 +146,37 @@ def test_sigterm_to_every_rank_of_a_deepspeed_run_and_ckpt_path_auto_resume_exac
     assert "Forcefully terminating" not in job.out  # rank 1 ended with 0: rank 0's watch did not kill it
     step, path = re.search(r"SIGTERM: stopped after optimizer step (\d+), saved to (\S+)", job.out).groups()
     assert int(step) < 6 and Path(tmp_path / "run" / path).is_dir()  # a DeepSpeed folder
+    assert f"resume with: {shlex.join([*cmd[:-2], '--ckpt_path', path])}" in job.out
 
     resumed = run(cmd, tmp_path / "run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"--ckpt_path auto: resuming from {path}" in resumed.stderr
     final = "runs/tiny_cpu_sp/version_0/checkpoints/epoch=0-step=6.ckpt"
     assert_same_weights(weights(tmp_path / "run" / final), weights(tmp_path / "reference" / final))
+
+
+SECOND_SIGNAL = """
+import os, signal, time
+from lit_hbp.callbacks import InterruptCheckpoint
+
+interrupt = InterruptCheckpoint()
+interrupt._pid, interrupt._announce = os.getpid(), True
+signal.signal(signal.SIGTERM, interrupt._on_signal)  # what on_train_start installs
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("first: received", interrupt.received, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("still running after the second SIGTERM")
+"""
+
+
+def test_a_second_sigterm_stops_at_once():
+    out = subprocess.run([sys.executable, "-c", SECOND_SIGNAL], capture_output=True, text=True, timeout=120, env=env())
+    assert out.returncode == -signal.SIGTERM, out.stdout + out.stderr  # ended by the signal, as without a handler
+    assert out.stdout.strip() == f"first: received {int(signal.SIGTERM)}"
+    assert "SIGTERM: training stops after the current optimizer step" in out.stderr
+    assert "SIGTERM again: stopping at once without saving" in out.stderr
 
 
 @pytest.mark.slow
