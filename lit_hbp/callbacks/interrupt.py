@@ -244,7 +244,8 @@ class InterruptCheckpoint(StepEndCallback):
         """Destroy the gloo group of the agreement now: its worker threads, joined when the group is
         freed, would otherwise end during interpreter shutdown, where one that frees a tensor takes
         the GIL and aborts the process (``terminate called without an active exception``)."""
-        if self._group is not None and dist.is_available() and dist.is_initialized():
+        made_here = self._group_world is not None and dist.is_available() and dist.is_initialized()
+        if made_here and self._group_world is dist.group.WORLD:  # a world destroyed since took it along
             dist.destroy_process_group(self._group)
         self._group = self._group_world = None
 
