@@ -72,6 +72,16 @@ def fit(root: Path, demo: Path, callbacks: list, ckpt_path=None, max_steps: int 
     return types.SimpleNamespace(trainer=trainer, rows=trained.rows, weights=module.state_dict())
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_as_in_a_terminal():
+    """Python's own Ctrl-C handler, as a program started from a terminal has it: a test run started as
+    a shell's background job (``pytest &``, a CI script) inherits SIGINT ignored, which the callback
+    keeps ignoring, as Python does."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture
 def lightning_log():
     """The messages of Lightning's logger (rank_zero_info) during a test."""
