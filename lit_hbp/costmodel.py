@@ -20,7 +20,8 @@ path of their layer and are priced in full. Context parallelism moves a layer's 
 slices (``topology.cp_slices``), the transfer of slice j + 1 in flight while slice j's attention
 runs: a pass exposes its first slice's transfer and, after that, whatever of each transfer the
 slice's attention does not cover (``exposed``). The forward (and a checkpointed layer's second
-forward) gathers K/V once; the backward gathers again and reduce-scatters dK/dV (twice the bytes)
+forward) gathers K/V once; the backward gathers again and reduce-scatters dK/dV in fp32 (three times
+the forward's bytes)
 beside 2.5 times the forward's attention, and runs the kernel's backward from the forward's saved
 output and LSE, so nothing is recomputed (the flash-attention backends; Flex would recompute).
 """
@@ -181,7 +182,7 @@ class CostModel:
         gather = self._link_seconds(parts["cp"], cp, local) + 2 * slices * hw.link_latency_s  # K and V per slice
         compute = zero if sum_sq is None else self.attention_forward_seconds(sum_sq, sp)
         forward = exposed(gather, compute, slices)
-        backward = exposed(2 * gather, FLASH_BACKWARD * compute, slices)
+        backward = exposed(3 * gather, FLASH_BACKWARD * compute, slices)
         out["cp_comm"] = (layers + ckpt) * forward + layers * backward
         return out
 

@@ -39,13 +39,22 @@ from lit_hbp.model_spec import ModelSpec
 RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
 
 
-def adamw_kind(params: list[torch.Tensor]) -> str:
-    """``fused`` when every trainable parameter is a floating tensor on a CUDA device (DeepSpeed
-    steps its fp32 master copies, on the same device), else ``for-loop`` (torch's own choice off
-    CUDA). The fused kernel updates every parameter in one pass over memory; the unfused AdamW
-    makes about ten."""
-    fused = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+def adamw_kind(params: list[torch.Tensor], device: torch.device | None = None) -> str:
+    """``fused`` when every trainable parameter is a floating tensor stepped on a CUDA device, else
+    ``for-loop`` (torch's own choice off CUDA). ``device`` is where the optimizer steps them (the
+    strategy's: a model built before ``fit`` is on the host until DeepSpeed moves it, and DeepSpeed
+    steps its fp32 master copies there); without it, where the parameters are. The fused kernel
+    updates every parameter in one pass over memory; the unfused AdamW makes about ten."""
+    on_cuda = device.type == "cuda" if device is not None else all(p.is_cuda for p in params)
+    fused = bool(params) and on_cuda and all(p.is_floating_point() for p in params)
     return "fused" if fused else "for-loop"
+
+
+def optimizer_device(strategy) -> torch.device:
+    """Where ``strategy`` steps the optimizer: its root device, the host under ZeRO-Offload."""
+    zero = (getattr(strategy, "config", None) or {}).get("zero_optimization", {})
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    return torch.device("cpu") if offload not in (None, "none") else strategy.root_device
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
@@ -432,7 +441,8 @@ class HBPLitModule(L.LightningModule):
                 (no_decay if len(shape) < 2 or "norm" in name.lower() else decay).append(p)
         groups = [dict(params=decay, weight_decay=hp.weight_decay), dict(params=no_decay, weight_decay=0.0)]
         groups = [g for g in groups if g["params"]]
-        kind = adamw_kind(decay + no_decay)
+        device = optimizer_device(self.trainer.strategy) if self._trainer is not None else None
+        kind = adamw_kind(decay + no_decay, device)
         rank_zero_info(f"optimizer: AdamW ({kind})")
         fused = True if kind == "fused" else None  # None: torch chooses (a for-loop off CUDA)
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), fused=fused)

@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from packaging.version import Version
 
 from lit_hbp import attention
 from lit_hbp.attention import backends
@@ -247,7 +248,9 @@ def install_fake(monkeypatch, module: str, fn) -> None:
 def test_flash_attn_versions_are_preferred_and_adapted(monkeypatch):
     monkeypatch.setattr(backends, "_installed", lambda m: m in sys.modules or m.startswith("torch"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100: all three run
-    backends._probe.cache_clear()
+    backends.reset_probes()
+    # The fakes come without dist-info: flash-attn 4 as its newest release (installs: test_backend_install.py).
+    monkeypatch.setattr(backends, "_flash4_version", lambda: Version("4.0.0b27"))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     install_fake(monkeypatch, "flash_attn", flash2)
     assert choose("cuda", torch.bfloat16, frozenset({"window", "softcap", "dropout"}))[0] == "flash_attn"

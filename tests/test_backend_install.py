@@ -1,8 +1,10 @@
-"""Backend choice against flash-attn installs as pip lays them out, built on disk: the upstream package
-layouts, kernel signatures and ``*.dist-info`` folders of flash-attn 2.8.3 (with its preview
-``flash_attn/cute/`` that needs the uninstalled ``cutlass``), flash-attn 3 (hopper build), flash-attn 4
-(``flash-attn-4``) and broken builds, on a faked CUDA GPU. The choice must never crash a run."""
+"""Backend choice against flash-attention installs as pip lays them out (``flash_installs``: the
+upstream layouts, signatures and dist-info of flash-attn 2.8.3 with its preview ``flash_attn/cute``,
+flash-attn-4 releases, flash-attn 3 source builds, broken builds) on a faked CUDA GPU. A backend is
+taken only when its forward *and* backward run what the layer needs; every refusal says why; the
+taken backend's forward and backward run (the fakes fail as their upstream release does)."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,35 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from flash_installs import INSTALLS, install
 
 from lit_hbp import attention
 from lit_hbp.attention import backends
 from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose
 
 FAKE_TOPS = ("flash_attn", "flash_attn_interface", "cutlass")
-KERNEL_BODY = "    import torch\n\n    return torch.zeros_like(q)\n"
-
-FA2_INTERFACE = (
-    "def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,\n"
-    "        softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,\n"
-    "        deterministic=False, return_attn_probs=False, block_table=None):\n" + KERNEL_BODY
-)
-FA3_INTERFACE = (
-    "def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,\n"
-    "        seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,\n"
-    "        v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,\n"
-    "        deterministic=False, sm_margin=0):\n" + KERNEL_BODY
-)
-FA4_INTERFACE = (
-    "def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,\n"
-    "        max_seqlen_k=None, seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,\n"
-    "        softcap=0.0, window_size=(None, None), learnable_sink=None, num_splits=1, pack_gqa=None):\n"
-    "    import torch\n\n    return torch.zeros_like(q), None\n\n\n"
-    "def flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0, window_size=(None, None)):\n"
-    "    return flash_attn_varlen_func(q, k, v)\n"
-)
-CUTE_INIT = "import cutlass.cute as cute\n\nfrom .interface import flash_attn_func, flash_attn_varlen_func\n"
-FA_CUTE = {"flash_attn/cute/__init__.py": CUTE_INIT, "flash_attn/cute/interface.py": FA4_INTERFACE}
 UNDEFINED_SYMBOL = "flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEi"
 
 
@@ -50,51 +30,32 @@ def counted(text: str) -> str:
     )
 
 
-# (distribution name, version, {path: source}) as each wheel installs them.
-INSTALLS = {
-    "flash-attn 2.8.3": (
-        "flash_attn",
-        "2.8.3",
-        {
-            "flash_attn/__init__.py": counted(
-                '__version__ = "2.8.3"\n\nfrom flash_attn.flash_attn_interface import flash_attn_varlen_func\n'
-            ),
-            "flash_attn/flash_attn_interface.py": FA2_INTERFACE,
-            **FA_CUTE,
-        },
-    ),
-    "flash-attn 3": ("flash_attn_3", "3.0.0b1", {"flash_attn_interface.py": counted(FA3_INTERFACE)}),
-    "flash-attn 4": ("flash-attn-4", "4.0.0b4", FA_CUTE),
-    "cutlass": ("nvidia-cutlass-dsl", "4.2.1", {"cutlass/__init__.py": "", "cutlass/cute.py": ""}),
+BROKEN = {
     "broken flash-attn 2": (
         "flash_attn",
         "2.7.4.post1",
-        {
-            "flash_attn/__init__.py": counted(f"raise ImportError({UNDEFINED_SYMBOL!r})"),
-        },
+        {"flash_attn/__init__.py": counted(f"raise ImportError({UNDEFINED_SYMBOL!r})")},
     ),
     "broken flash-attn 3": (
         "flash_attn_3",
         "3.0.0b1",
         {"flash_attn_interface.py": counted("raise OSError('libcudart.so.13: cannot open shared object file')")},
     ),
+    "counted flash-attn 3": (
+        "flash_attn_3",
+        "3.0.0b1",
+        {"flash_attn_interface.py": counted(INSTALLS["flash-attn 3 (2025-07)"][2]["flash_attn_interface.py"])},
+    ),
+    "counted flash-attn 2.8.3": (
+        "flash_attn",
+        "2.8.3",
+        {
+            **INSTALLS["flash-attn 2.8.3"][2],
+            "flash_attn/__init__.py": counted(INSTALLS["flash-attn 2.8.3"][2]["flash_attn/__init__.py"]),
+        },
+    ),
 }
-
-
-def install(site: Path, *names: str) -> None:
-    """Write the packages and a dist-info (METADATA, RECORD, top_level.txt) per distribution."""
-    for key in names:
-        dist, version, files = INSTALLS[key]
-        for path, text in files.items():
-            (site / path).parent.mkdir(parents=True, exist_ok=True)
-            (site / path).write_text(text)
-        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-        (info / "RECORD").write_text("".join(f"{path},,\n" for path in files))
-        (info / "top_level.txt").write_text(
-            "\n".join(sorted({path.split("/")[0].removesuffix(".py") for path in files}))
-        )
+ALL = {**INSTALLS, **BROKEN}
 
 
 @pytest.fixture
@@ -103,12 +64,12 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     path = tmp_path / "site"
     path.mkdir()
     monkeypatch.syspath_prepend(str(path))
-    backends._probe.cache_clear()
+    backends.reset_probes()
     attention.set_backend("auto")
     yield path
     for name in [m for m in sys.modules if m.split(".")[0] in FAKE_TOPS]:
         del sys.modules[name]
-    backends._probe.cache_clear()
+    backends.reset_probes()
     attention.set_backend("auto")
 
 
@@ -122,48 +83,187 @@ def imports(site: Path) -> list[str]:
     return log.read_text().split() if log.exists() else []
 
 
-def first_forward(name: str) -> None:
-    """The chosen backend's kernel adapter runs (the fakes return zeros) and keeps the layout."""
-    q = torch.randn(1, 4, 10, 8, dtype=torch.bfloat16)
-    k, v = torch.randn(2, 1, 2, 10, 8, dtype=torch.bfloat16)
-    args = AttnArgs(torch.tensor([0, 3, 10], dtype=torch.int32), 7, 8**-0.5)
-    assert REGISTRY[name].run(q, k, v, args).shape == q.shape
+def call(needs: frozenset[str] = frozenset()):
+    """A layer's call (bf16, 4 query heads over 1 kv head, two documents) needing ``needs``, with its
+    inputs and sinks as leaves."""
+    q = torch.randn(1, 4, 10, 8, dtype=torch.bfloat16).requires_grad_()
+    k, v = (x.requires_grad_() for x in torch.randn(2, 1, 1, 10, 8, dtype=torch.bfloat16))
+    sinks = torch.zeros(4, dtype=torch.float32, requires_grad=True) if "sinks" in needs else None
+    args = AttnArgs(
+        torch.tensor([0, 3, 10], dtype=torch.int32),
+        7,
+        8**-0.5,
+        window=4 if "window" in needs else None,
+        softcap=30.0 if "softcap" in needs else None,
+        sinks=sinks,
+    )
+    return (q, k, v), args
+
+
+def trains(name: str, needs: frozenset[str] = frozenset()) -> None:
+    """Backend ``name``'s forward and backward of such a call run (the fakes raise where their release
+    does), the layout is kept, and every input gets a gradient (sinks included)."""
+    (q, k, v), args = call(needs)
+    out = REGISTRY[name].run(q, k, v, args)
+    assert out.shape == q.shape
+    out.float().sum().backward()
+    leaves = [q, k, v] + ([args.sinks] if args.sinks is not None else [])
+    assert all(x.grad is not None for x in leaves), f"{name} leaves a gradient out"
+
+
+def lse_pair_trains(name: str, needs: frozenset[str] = frozenset()) -> None:
+    """Backend ``name``'s forward keeping the LSE and its backward kernel run on such a call."""
+    (q, k, v), args = call(needs)
+    pair = REGISTRY[name].lse
+    out, lse = pair.forward(q.detach(), k.detach(), v.detach(), args)
+    grads = pair.backward(torch.ones_like(out), q.detach(), k.detach(), v.detach(), out, lse, args)
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+
+
+HOPPER_CASES = [
+    # (installed in this order, what the layer needs, the backend taken, the refusal of flash-attn 4)
+    (("flash-attn 2.8.3",), frozenset(), "flash_attn", "is flash-attn 2.8.3's preview of flash-attn 4"),
+    # nvidia-cutlass-dsl importable (left by a flash-attn-4): 2.8.3's cute/ imports, and is still no flash-attn 4.
+    (
+        ("nvidia-cutlass-dsl", "flash-attn 2.8.3"),
+        frozenset(),
+        "flash_attn",
+        "whose varlen backward raises NotImplementedError",
+    ),
+    (
+        ("nvidia-cutlass-dsl", "flash-attn-4 4.0.0b4"),
+        frozenset(),
+        "torch_varlen",
+        "'varlen backward is not yet supported on sm90'",
+    ),
+    (("nvidia-cutlass-dsl", "flash-attn-4 4.0.0b20"), frozenset(), "flash_attn_4", None),
+    (
+        ("nvidia-cutlass-dsl", "flash-attn-4 4.0.0b20"),
+        frozenset({"softcap"}),
+        "flex",
+        "no softcap in the backward: flash-attn-4 4.0.0b20",
+    ),
+    (("nvidia-cutlass-dsl", "flash-attn-4 4.0.0b25"), frozenset({"softcap"}), "flash_attn_4", None),
+    (
+        ("nvidia-cutlass-dsl", "flash-attn-4 4.0.0b25"),
+        frozenset({"sinks"}),
+        "flex",
+        "no sinks in the backward: flash-attn-4 4.0.0b25",
+    ),
+    (("nvidia-cutlass-dsl", "flash-attn-4 4.0.0b27"), frozenset({"sinks", "window"}), "flash_attn_4", None),
+    (
+        ("flash-attn 2.8.3", "nvidia-cutlass-dsl", "flash-attn-4 4.0.0b4"),
+        frozenset({"window"}),
+        "flash_attn",
+        "'varlen backward",
+    ),
+    # The last install wins flash_attn/cute/: flash-attn-4 first, then flash-attn 2.8.3 over it.
+    (
+        ("nvidia-cutlass-dsl", "flash-attn-4 4.0.0b27", "flash-attn 2.8.3"),
+        frozenset(),
+        "flash_attn",
+        "preview of flash-attn 4",
+    ),
+    (("flash-attn 2.8.3", "nvidia-cutlass-dsl", "flash-attn-4 4.0.0b27"), frozenset(), "flash_attn_4", None),
+]
+
+
+@pytest.mark.parametrize("installed, needs, expected, fa4_refusal", HOPPER_CASES)
+def test_a_backend_is_taken_only_when_its_backward_runs_what_the_layer_needs(
+    monkeypatch, site, installed, needs, expected, fa4_refusal
+):
+    install(site, *installed)
+    fake_gpu(monkeypatch, (9, 0))
+    name, skipped = choose("cuda", torch.bfloat16, needs)
+    assert name == expected, skipped
+    if fa4_refusal is not None:
+        assert fa4_refusal in skipped["flash_attn_4"], skipped
+    if name.startswith("flash_attn"):
+        trains(name, needs)
+        lse_pair_trains(name, needs)
 
 
 @pytest.mark.parametrize(
-    "installed, expected",
+    "installed, needs, failure",
     [
-        (("flash-attn 2.8.3",), "flash_attn"),
-        ((), "torch_varlen"),
-        (("flash-attn 2.8.3", "flash-attn 3"), "flash_attn_3"),
-        (("flash-attn 2.8.3", "cutlass"), "flash_attn_4"),
-        (("flash-attn 4", "cutlass"), "flash_attn_4"),  # its dependency nvidia-cutlass-dsl comes along
+        (("flash-attn 2.8.3", "nvidia-cutlass-dsl"), frozenset(), "max_seqlen_q"),  # 2.8.3's cute forward
+        (("nvidia-cutlass-dsl", "flash-attn-4 4.0.0b4"), frozenset(), "varlen backward is not yet supported on sm90"),
+        (("nvidia-cutlass-dsl", "flash-attn-4 4.0.0b20"), frozenset({"softcap"}), "varlen + score_mod"),
     ],
 )
-def test_what_pip_installs_is_chosen_on_a_hopper_without_crashing(monkeypatch, site, installed, expected):
+def test_what_was_refused_fails_as_upstream_does(monkeypatch, site, installed, needs, failure):
+    """The refusals above are real: forced onto flash_attn.cute, these installs crash as their releases do."""
     install(site, *installed)
     fake_gpu(monkeypatch, (9, 0))
+    with pytest.raises((TypeError, AssertionError), match=re.escape(failure)):
+        trains("flash_attn_4", needs)
+
+
+def test_flash_attn_4_before_4_0_0b26_would_freeze_the_sinks(monkeypatch, site):
+    install(site, "nvidia-cutlass-dsl", "flash-attn-4 4.0.0b25")
+    fake_gpu(monkeypatch, (9, 0))
+    (q, k, v), args = call(frozenset({"sinks"}))
+    args = AttnArgs(**{**args.__dict__, "sinks": args.sinks.detach().bfloat16().requires_grad_()})
+    REGISTRY["flash_attn_4"].run(q, k, v, args).float().sum().backward()
+    assert args.sinks.grad is None  # what training on it would do, which the choice above refuses
+
+
+def test_blackwell_runs_flash_attn_4_releases_whose_backward_refuses_hopper(monkeypatch, site):
+    install(site, "nvidia-cutlass-dsl", "flash-attn-4 4.0.0b4")
+    fake_gpu(monkeypatch, (10, 0))
+    name, skipped = choose("cuda", torch.bfloat16, frozenset({"window"}))
+    assert name == "flash_attn_4", skipped
+    trains(name, frozenset({"window"}))
+
+
+def test_a_flash_attn_3_build_is_called_with_every_required_argument(monkeypatch, site):
+    """A source build of 2025-07 (hopper c7697bbf..5e114d53): 25 required parameters in its forward,
+    17 in its backward. Those annotated Optional are passed None, so both passes run."""
+    install(site, "flash-attn 3 (2025-07)")
+    fake_gpu(monkeypatch, (9, 0))
+    name, skipped = choose("cuda", torch.bfloat16, frozenset({"window", "softcap"}))
+    assert name == "flash_attn_3", skipped
+    trains(name, frozenset({"window", "softcap"}))
+    assert backends.lse_why_not(name, "cuda", frozenset({"window"})) is None
+    lse_pair_trains(name, frozenset({"window"}))
+
+
+def test_a_flash_attn_3_build_whose_required_arguments_are_unknown_is_refused(monkeypatch, site):
+    """A build from before 2025-02-16 (hopper fa445ff6): seqused_q and seqused_k are required, before
+    max_seqlen_q, without an annotation that says None is theirs to take."""
+    install(site, "flash-attn 3 (2025-02)")
+    fake_gpu(monkeypatch, (9, 0))
     name, skipped = choose("cuda", torch.bfloat16, frozenset())
-    assert name == expected, skipped
-    if expected != "torch_varlen":
-        first_forward(name)
-    if installed == ("flash-attn 2.8.3",):
-        # flash-attn 2.8's wheel ships flash_attn/cute/ but not the cutlass it imports.
-        assert skipped["flash_attn_4"] == (
-            "flash_attn.cute (from flash_attn 2.8.3) (flash-attn 4 is the flash-attn-4 distribution) "
-            "does not import: ModuleNotFoundError: No module named 'cutlass'"
-        )
-    if installed == ("flash-attn 4", "cutlass"):
-        assert skipped == {"flash_attn_3": "flash-attn 3 (hopper build) is not installed"}
-        # flash-attn 4 installs flash_attn/cute/ only: the flash_attn namespace it leaves is no flash-attn 2.
-        _, skipped = choose("cuda", torch.bfloat16, frozenset({"dropout"}))
-        assert skipped["flash_attn"] == "flash_attn (from flash-attn-4 4.0.0b4) has no flash_attn_varlen_func"
-    if not installed:
-        assert skipped == {name: f"{what} is not installed" for name, (_, what) in backends.FLASH_MODULES.items()}
+    assert name == "torch_varlen"
+    assert skipped["flash_attn_3"] == (
+        "flash_attn_interface.flash_attn_varlen_func requires seqused_q, seqused_k, which lit-hbp does not pass"
+    )
+    # Its private pair predates the names lit-hbp calls: context parallelism recomputes instead.
+    assert "takes no" in backends._flash_lse_problem("flash_attn_3")
+
+
+def test_each_refusal_is_logged_once_with_its_reason(monkeypatch, site):
+    install(site, "flash-attn 2.8.3", "nvidia-cutlass-dsl", "flash-attn-4 4.0.0b20")
+    fake_gpu(monkeypatch, (9, 0))
+    lines = []
+    monkeypatch.setattr(attention, "rank_zero_info", lines.append)
+    for _ in range(2):
+        assert attention.backend_for("cuda", torch.bfloat16, frozenset({"softcap"})) == "flash_attn"
+    (line,) = lines
+    assert (
+        "flash_attn backend" in line and "not flash_attn_4: no softcap in the backward: flash-attn-4 4.0.0b20" in line
+    )
 
 
 def test_each_flash_attn_runs_only_on_the_gpus_it_is_built_for(monkeypatch, site):
-    install(site, "flash-attn 2.8.3", "flash-attn 3", "cutlass")
+    install(
+        site,
+        "counted flash-attn 2.8.3",
+        "counted flash-attn 3",
+        "nvidia-cutlass-dsl",
+        "flash-attn-4 4.0.0b27",
+        installs=ALL,
+    )
     fake_gpu(monkeypatch, (8, 0))
     name, skipped = choose("cuda", torch.bfloat16, frozenset())
     assert name == "flash_attn"
@@ -178,6 +278,22 @@ def test_each_flash_attn_runs_only_on_the_gpus_it_is_built_for(monkeypatch, site
     assert name == "torch_varlen"
     assert skipped["flash_attn"] == "flash-attn 2 runs on SM80 or newer (Ampere, Ada, Hopper), this GPU is SM75"
     assert imports(site) == ["flash_attn"]  # flash-attn 3 was never imported where it cannot run
+
+
+def test_with_no_flash_attn_installed_torch_varlen_is_taken(monkeypatch, site):
+    fake_gpu(monkeypatch, (9, 0))
+    name, skipped = choose("cuda", torch.bfloat16, frozenset())
+    assert name == "torch_varlen"
+    assert skipped == {name: f"{what} is not installed" for name, (_, what) in backends.FLASH_MODULES.items()}
+
+
+def test_flash_attn_4_alone_leaves_no_flash_attn_2(monkeypatch, site):
+    """flash-attn-4 installs flash_attn/cute/ only: the flash_attn namespace it leaves is no flash-attn 2."""
+    install(site, "nvidia-cutlass-dsl", "flash-attn-4 4.0.0b27")
+    fake_gpu(monkeypatch, (9, 0))
+    _, skipped = choose("cuda", torch.bfloat16, frozenset({"dropout"}))
+    assert skipped["flash_attn"] == "flash_attn (from flash-attn-4 4.0.0b27) has no flash_attn_varlen_func"
+    assert skipped["flash_attn_4"] == "does not support dropout"
 
 
 @pytest.mark.parametrize(
@@ -195,7 +311,7 @@ def test_each_flash_attn_runs_only_on_the_gpus_it_is_built_for(monkeypatch, site
 def test_a_broken_install_is_rejected_with_its_error_and_probed_once(
     monkeypatch, site, installed, expected, rejected, reason
 ):
-    install(site, *installed)
+    install(site, *installed, installs=ALL)
     fake_gpu(monkeypatch, (9, 0))
     lines = []
     monkeypatch.setattr(attention, "rank_zero_info", lines.append)
@@ -203,7 +319,7 @@ def test_a_broken_install_is_rejected_with_its_error_and_probed_once(
         assert attention.backend_for("cuda", torch.bfloat16) == expected
     (line,) = lines
     module, _ = backends.FLASH_MODULES[rejected]
-    dist, version, _ = INSTALLS[installed[-1]]
+    dist, version, _ = ALL[installed[-1]]
     assert f"not {rejected}: {module} (from {dist} {version}) does not import: {reason}" in line
     attention.backend_for("cuda", torch.float16, frozenset({"window"}))
     assert len(lines) == 2 and reason in lines[1]
@@ -211,7 +327,7 @@ def test_a_broken_install_is_rejected_with_its_error_and_probed_once(
 
 
 def test_importing_lit_hbp_imports_no_flash_attn(site):
-    install(site, "flash-attn 2.8.3", "flash-attn 3")
+    install(site, "counted flash-attn 2.8.3", "counted flash-attn 3", installs=ALL)
     code = textwrap.dedent(
         f"""
         import sys
@@ -222,3 +338,13 @@ def test_importing_lit_hbp_imports_no_flash_attn(site):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]" and imports(site) == []
+
+
+def test_an_editable_flash_attn_4_is_read_by_its_distribution(monkeypatch, site):
+    """``pip install -e`` of flash-attn-4: its RECORD lists no module file; its distribution still
+    says which release it is."""
+    install(site, "nvidia-cutlass-dsl", "flash-attn-4 4.0.0b27")
+    record = next(site.glob("flash_attn_4-*.dist-info")) / "RECORD"
+    record.write_text("__editable__.flash_attn_4-4.0.0b27.pth,,\n")
+    fake_gpu(monkeypatch, (9, 0))
+    assert choose("cuda", torch.bfloat16, frozenset({"sinks"}))[0] == "flash_attn_4"

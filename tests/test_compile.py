@@ -1,4 +1,4 @@
-"""compile=True: each decoder layer compiles to one graph (attention is the opaque ``hbp::varlen_attention_v2``
+"""compile=True: each decoder layer compiles to one graph (attention is the opaque ``hbp::varlen_attention_v3``
 custom op, on every backend), packs of other lengths and document counts reuse it (dynamic shapes, no
 guard on the pack), and the compiled module trains like the eager one."""
 
@@ -232,3 +232,33 @@ def test_compiled_attention_on_the_gpu_matches_the_kernels_own_autograd(monkeypa
             assert calls["lse.backward"] == 1 and calls["run"] == 0, calls
     finally:
         attention.set_backend("auto")
+
+
+@pytest.mark.parametrize("case", sorted(OP_CASES))
+def test_the_backward_op_returns_the_kernels_own_gradients(monkeypatch, case):
+    """q, k, v in the model's layout ([1, T, H, D] in memory, what a q_proj(...).view().transpose(1, 2)
+    gives): the backward op hands back the very tensors its kernel wrote, no copy, in the layout its
+    fake declares (opcheck compares the two)."""
+    name, feats = OP_CASES[case]
+    backend = attention.REGISTRY[name]
+    written = []
+
+    def backward(*args):
+        grads = backend.lse.backward(*args)
+        written.extend(g.untyped_storage().data_ptr() for g in grads[:3])
+        return grads
+
+    monkeypatch.setitem(
+        attention.REGISTRY, name, dataclasses.replace(backend, lse=dataclasses.replace(backend.lse, backward=backward))
+    )
+    q, k, v, cu = random_pack(3)
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))  # the model's layout
+    sinks = feats.get("sinks")
+    cu_t, max_len = torch.tensor(cu, dtype=torch.int32), int(max(np.diff(cu)))
+    host = (max_len, 0.3, feats.get("window"), feats.get("softcap"), 0.0)
+    out, lse, seed = attention._varlen_op(q, k, v, cu_t, sinks, *host)
+    grad = torch.randn_like(out)
+    grads = attention._varlen_backward_op(grad, q, k, v, cu_t, sinks, out, lse, seed, *host)
+    assert [g.untyped_storage().data_ptr() for g in grads[:3]] == written
+    assert [g.stride() for g in grads[:3]] == [attention.kernel_layout(x).stride() for x in (q, k, v)]
+    torch.library.opcheck(attention._varlen_backward_op, (grad, q, k, v, cu_t, sinks, out, lse, seed, *host))

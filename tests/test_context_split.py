@@ -83,6 +83,16 @@ def check_split(split: ContextSplit, lengths, cp):
             # Bottom-right causal alignment: the last query of the range sees every key.
             q_len, k_len = b[i] - a[i], b[i]
             assert k_len - q_len == a[i]
+        # Key rounds: round j is the keys of the j-th range of each document (counted by a loop), so
+        # a round's keys are distinct and the rounds cover every key once.
+        seen: dict[int, int] = {}
+        want: dict[int, list[int]] = {}
+        for i in range(len(d)):
+            j = seen[int(d[i])] = seen.get(int(d[i]), -1) + 1
+            want.setdefault(j, []).extend(range(cu_k[i], cu_k[i + 1]))
+        rounds = split.key_rounds(r)
+        assert [list(x) for x in rounds] == [want[j] for j in sorted(want)] or (not want and len(rounds) == 1)
+        assert all(np.unique(keys[x]).size == x.size for x in rounds)
 
 
 def padded(lengths, cp):

@@ -639,3 +639,88 @@ def cp_dropout_directional_derivative(sp: int, cp: int) -> tuple[float, float]:
 def test_cp_attention_dropout_replays_its_mask_in_the_backward(pool4):
     for analytic, numeric in pool4.run(cp_dropout_directional_derivative, 4, 2):
         assert analytic == pytest.approx(numeric, rel=1e-6)
+
+
+# ------------------------------------------------------------- dK/dV: fp32, one order, every run
+
+
+@pytest.mark.parametrize(
+    "lengths, cp", [([64], 4), ([61, 3], 4), (PACKS["many_short_one_long"][:8] + [5], 2), ([4000, 96], 8)]
+)
+def test_key_gradients_add_up_in_fp32_like_a_brute_force_sum(lengths, cp):
+    """``gathered_key_grad`` against np.add.at in fp64 over bf16 gradients: every key's sum, rounded
+    to fp32 once per added range (exact for the two ranges of these packs), never to bf16."""
+    from lit_hbp.packing.context_split import split_pack
+    from lit_hbp.parallel.context_parallel import cp_shard_of, gathered_key_grad
+
+    split = split_pack(np.asarray(lengths), cp)
+    total = split.pack_len
+    rounds = []
+    for rank in range(cp):
+        shard = cp_shard_of(split, rank)
+        n = shard.key_index.numel()
+        g = torch.randn(1, 2, n, 4, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        got = gathered_key_grad(g, shard, total)
+        want = np.zeros((2, total, 4))
+        np.add.at(want, (slice(None), shard.key_index.numpy()), g[0].double().numpy())
+        assert got.dtype == torch.float32
+        assert torch.equal(got[0], torch.from_numpy(want).float()), rank
+        rounds.append(len(shard.key_rounds))
+    assert max(rounds) >= 2, "a rank holds two ranges of a document: its keys add up"
+
+
+def cp_bf16_gradients_twice(sp: int, cp: int, lengths: list[int]) -> dict:
+    """A bf16 CP attention forward and backward on CPU, run twice on the same inputs: whether every
+    input gradient is the same bits, and the dtypes the dK/dV reduce-scatters ran in."""
+    import torch.distributed as dist
+
+    from lit_hbp.attention import varlen_attention
+    from lit_hbp.packing.context_split import split_pack
+    from lit_hbp.parallel import context
+    from lit_hbp.parallel import context_parallel as cpm
+    from lit_hbp.parallel.groups import SPGroups
+
+    ctx = SPGroups([(sp, cp)], dist.get_world_size(), dist.get_rank())[(sp, cp)]
+    g = torch.Generator().manual_seed(3)
+    total, heads, dim = sum(lengths), 4, 8
+    q, k, v = (torch.randn(1, heads, total, dim, generator=g).to(torch.bfloat16) for _ in range(3))
+    w = torch.randn(1, total, heads, dim, generator=g).to(torch.bfloat16)
+    split = split_pack(np.asarray(lengths), cp)
+    cp_rank, u_rank = layout_coords(ctx.rank, sp // cp)
+    size = total // sp
+    index = torch.from_numpy(split.gather_index(cp_rank)[u_rank * size : (u_rank + 1) * size])
+    kw = dict(scaling=dim**-0.5, cu_seq_lens_q=torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32),
+              max_length_q=max(lengths))  # fmt: skip
+    scattered = []
+    reduce_scatter = cpm._reduce_scatter
+
+    def recorded(out, src, **kwargs):
+        scattered.append(str(src.dtype))
+        return reduce_scatter(out, src, **kwargs)
+
+    cpm._reduce_scatter = recorded
+    context.activate(ctx, "cp")
+    context.set_shard(cpm.cp_shard_of(split, cp_rank))
+    runs = []
+    try:
+        for _ in range(2):
+            inputs = [x[:, :, index].clone().requires_grad_() for x in (q, k, v)]
+            out, _ = varlen_attention(SimpleNamespace(training=False), *inputs, None, **kw)
+            (out * w[:, index]).sum().backward()
+            runs.append([x.grad for x in inputs])
+    finally:
+        cpm._reduce_scatter = reduce_scatter
+        context.activate(None)
+        context.set_shard(None)
+    same = all(torch.equal(a, b) and a.dtype == torch.bfloat16 for a, b in zip(*runs))
+    return dict(same=same, scattered=sorted(set(scattered)), rounds=len(cpm.cp_shard_of(split, cp_rank).key_rounds))
+
+
+@pytest.mark.slow
+def test_cp_gradients_of_a_bf16_micro_batch_are_the_same_bits_on_every_run(pool4):
+    """The same bf16 micro-batch twice on 4 ranks (Ulysses 2 x CP 2 and CP 4): bit-identical
+    gradients, dK/dV reduce-scattered in fp32, on ranks whose keys are seen by two ranges."""
+    for sp, cp in [(4, 2), (4, 4)]:
+        results = pool4.run(cp_bf16_gradients_twice, sp, cp, [64, 29, 3])
+        assert all(r["same"] and r["scattered"] == ["torch.float32"] for r in results), results
+        assert max(r["rounds"] for r in results) >= 2, results

@@ -398,8 +398,44 @@ def varlen_213_backward(
     return tuple(backends._flat(g).contiguous() for g in (dq, dk, dv))
 
 
+VARLEN_KERNELS: list[str] = []  # the kernel each fake torch > 2.13 varlen pass ran: "flash" or "cudnn"
+
+
+def varlen_215_aux(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+    enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
+):  # fmt: skip
+    """torch > 2.13's varlen_attn: cuDNN's kernel when enabled and eligible (causal needs ``cu_seq_q is
+    cu_seq_k``), else flash's (``_select_backend`` of torch/nn/attention/varlen.py)."""
+    causal_ok = list(window_size) != [-1, 0] or cu_seq_q is cu_seq_k
+    cudnn = torch._C._get_cudnn_sdp_enabled() and causal_ok
+    VARLEN_KERNELS.append("cudnn" if cudnn else "flash")
+    res = varlen_213_aux(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale,
+                         window_size=window_size, enable_gqa=enable_gqa)  # fmt: skip
+    if return_aux is None:
+        return res
+    return res[0], res[1] + 1.0 if cudnn else res[1]  # cuDNN's LSE is not one flash's backward takes
+
+
+@torch.library.custom_op("hbp_test::_varlen_attn_backward_215", mutates_args={})
+def varlen_215_backward(
+    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, max_q: int, max_k: int, is_causal: bool,
+    rng_state: torch.Tensor, scale: float | None = None, window_size: list[int] | None = None, backend: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """torch > 2.13's ``_varlen_attn_backward`` schema: ``backend`` (an SDPBackend value, flash by default)."""
+    VARLEN_KERNELS.append("flash" if backend == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value else "cudnn")
+    return varlen_213_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
+                               rng_state, scale, window_size)  # fmt: skip
+
+
 def install_lse_fake(monkeypatch, name: str, fwd, bwd) -> None:
-    """Modules at the upstream paths holding the fake forward/backward (and the public function)."""
+    """Modules at the upstream paths holding the fake forward/backward (and the public function);
+    flash-attn 4 as the newest release (installs with their dist-info: test_backend_install.py)."""
+    from packaging.version import Version
+
+    if name == "flash_attn_4":
+        monkeypatch.setattr(backends, "_flash4_version", lambda: Version("4.0.0b27"))
     module, fwd_name, bwd_name = backends.FLASH_LSE[name]
     parts = module.split(".")
     for i in range(1, len(parts) + 1):
@@ -418,6 +454,35 @@ def install_torch_varlen_fake(monkeypatch) -> None:
 
     monkeypatch.setattr(varlen_module, "varlen_attn", varlen_213_aux)
     monkeypatch.setattr(backends, "_torch_varlen_backward_op", lambda: torch.ops.hbp_test._varlen_attn_backward)
+
+
+def test_torch_varlen_with_a_backend_argument_runs_the_forwards_kernel_backward(monkeypatch):
+    """torch > 2.13 prefers cuDNN in the forward for self-attention, and its backward op runs flash's
+    unless told ``backend``: the LSE pair pins its forward to flash's kernel and says so to the
+    backward, whose gradients then equal the reference."""
+    import torch.nn.attention.varlen as varlen_module
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", varlen_215_aux)
+    monkeypatch.setattr(backends, "_torch_varlen_backward_op", lambda: torch.ops.hbp_test._varlen_attn_backward_215)
+    rows = [np.arange(6), np.arange(5)]
+    q, k, v, cu, _ = inputs(rows, rows, dim=8)
+    args = AttnArgs(cu, 6, 0.35)  # self-attention: the key documents are the query documents
+    assert args.keys_cu is args.cu and backends.lse_why_not("torch_varlen", "cuda", args.needs) is None
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    VARLEN_KERNELS.clear()
+    flat = [backends._flat(x) for x in (q, k, v)]
+    varlen_215_aux(*flat, args.cu, args.keys_cu, 6, 6, scale=0.35, window_size=(-1, 0), enable_gqa=True)
+    assert VARLEN_KERNELS == ["cudnn"], "unpinned, the fake prefers cuDNN as torch does"
+    VARLEN_KERNELS.clear()
+    pair = REGISTRY["torch_varlen"].lse
+    out, lse = pair.forward(q, k, v, args)
+    dout = torch.randn_like(out)
+    grads = pair.backward(dout, q, k, v, out, lse, args)
+    assert VARLEN_KERNELS == ["flash", "flash"] and torch._C._get_cudnn_sdp_enabled(), "pinned for the call only"
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = reference(*leaves, rows, [6, 5], 0.35)
+    for got, ref in zip(grads[:3], torch.autograd.grad(want, leaves, dout)):
+        torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-12)
 
 
 @pytest.fixture(autouse=True)

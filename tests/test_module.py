@@ -340,6 +340,28 @@ def test_adamw_is_fused_when_every_trainable_parameter_is_a_cuda_float():
     assert adamw_kind([FakeParam(True), FakeParam(True, floating=False)]) == "for-loop"
     assert adamw_kind([]) == "for-loop"
     assert adamw_kind([torch.nn.Parameter(torch.ones(2))]) == "for-loop"
+    # Where the strategy steps them decides: parameters still on the host go to the GPU with DeepSpeed.
+    assert adamw_kind([FakeParam(False)], torch.device("cuda", 0)) == "fused"
+    assert adamw_kind([FakeParam(True)], torch.device("cpu")) == "for-loop"
+
+
+def test_a_model_built_on_the_host_before_fit_gets_the_fused_adamw_of_its_gpu_strategy():
+    """bench/gpu_throughput.py builds the model on the host and DeepSpeed moves it to the GPU after
+    configure_optimizers: the optimizer follows the strategy's device, not the parameters' (and the
+    host, under ZeRO-Offload)."""
+    from types import SimpleNamespace
+
+    module = make_module()
+    for device, config, want in [
+        ("cuda", {}, True),
+        ("cuda", {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, False),
+        ("cpu", {}, False),
+    ]:
+        strategy = SimpleNamespace(root_device=torch.device(device), config=config)
+        module._trainer = SimpleNamespace(strategy=strategy, estimated_stepping_batches=10)
+        optimizer = module.configure_optimizers()["optimizer"]
+        assert bool(optimizer.defaults["fused"]) == want, (device, config)
+        assert next(module.parameters()).device.type == "cpu"
 
 
 @pytest.mark.parametrize("kind", ["fused", "for-loop"])
@@ -349,9 +371,10 @@ def test_configure_optimizers_uses_and_logs_the_chosen_adamw(kind, monkeypatch, 
     import lit_hbp.module as module_file
 
     seen = []
-    monkeypatch.setattr(module_file, "adamw_kind", lambda params: seen.append(len(params)) or kind)
+    monkeypatch.setattr(module_file, "adamw_kind", lambda params, device: seen.append(len(params)) or kind)
     module = make_module()
-    module._trainer = types.SimpleNamespace(estimated_stepping_batches=10)
+    strategy = types.SimpleNamespace(root_device=torch.device("cpu"))
+    module._trainer = types.SimpleNamespace(strategy=strategy, estimated_stepping_batches=10)
     with caplog.at_level("INFO"):
         optimizer = module.configure_optimizers()["optimizer"]
     assert seen == [sum(1 for p in module.model.parameters() if p.requires_grad)]

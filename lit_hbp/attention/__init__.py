@@ -18,11 +18,11 @@ The kernel comes from ``lit_hbp.attention.backends``: per device, the dtype the 
 sinks, dropout), the fastest backend that can run it; the choice, and why each faster backend was
 not taken, is logged once.
 
-The kernel call is the ``torch.library`` custom op ``hbp::varlen_attention_v2``: a compiled decoder layer
+The kernel call is the ``torch.library`` custom op ``hbp::varlen_attention_v3``: a compiled decoder layer
 sees one opaque op with a fake implementation (the output's shape and dtype) and stays one graph on
 every backend, the per-document CPU loops included; backend choice, logging, imports and host reads
 happen inside the op, at run time, never while tracing. The op keeps the kernel's LSE where the backend
-has a backward kernel (``backends.LseKernels``), and its backward, ``hbp::varlen_attention_v2_backward``,
+has a backward kernel (``backends.LseKernels``), and its backward, ``hbp::varlen_attention_v3_backward``,
 runs that kernel; otherwise (Flex, dropout) it recomputes the forward and differentiates it.
 """
 
@@ -240,7 +240,7 @@ class Attend:
 # Compiled graphs are cached on disk keyed by the ops they call, not by those ops' schemas or kernels
 # (torch's AOTAutograd cache): the names carry the contract's version, so a graph cached by an older
 # lit-hbp is never run against these ops.
-OP = "hbp::varlen_attention_v2"
+OP = "hbp::varlen_attention_v3"
 
 
 def _op_args(q, cu, sinks, max_len: int, scale: float, window, softcap, dropout: float) -> AttnArgs:
@@ -344,13 +344,32 @@ def _varlen_backward_op(
     else:
         grads = _recomputed_grads(grad, q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout)
     dsinks = grads[3] if sinks is not None else q.new_empty(0)
-    return tuple(torch.empty_like(x).copy_(g) for x, g in zip((q, k, v, dsinks), (*grads[:3], dsinks)))  # the fake's
+    inputs = (grad, q, k, v, cu, sinks, out, lse, seed)
+    return (*(_in_kernel_layout(g, x, inputs) for g, x in zip(grads[:3], (q, k, v))), dsinks.contiguous())
+
+
+def kernel_layout(x: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped as ``x`` ([1, H, T, D]) laid out as the varlen kernels write their
+    gradients: [1, T, H, D] in memory (their [T, H, D], the model's own q/k/v layout too)."""
+    return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
+
+
+def _in_kernel_layout(g: torch.Tensor, like: torch.Tensor, inputs) -> torch.Tensor:
+    """``g`` as the backward op returns it (its fake's strides): the kernel's own tensor where its layout
+    is already that (the flash-attn kernels, torch's varlen, the CPU kernels on the model's layout), a
+    copy only otherwise (a head dim padded for flash-attn 2, repeated K/V heads summed)."""
+    want = kernel_layout(like)
+    same = all(a == b for a, b, n in zip(g.stride(), want.stride(), g.shape) if n > 1)
+    fresh = all(g.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for x in inputs if x is not None)
+    if same and fresh and g.dtype == like.dtype and g.storage_offset() == 0:
+        return g.as_strided(want.shape, want.stride())
+    return want.copy_(g)
 
 
 @_varlen_backward_op.register_fake
 def _(grad, q, k, v, cu, sinks, out, lse, seed, max_len, scale, window, softcap, dropout):
-    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
+    return kernel_layout(q), kernel_layout(k), kernel_layout(v), dsinks
 
 
 def _setup_context(ctx, inputs, output) -> None:

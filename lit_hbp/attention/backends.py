@@ -8,22 +8,27 @@ attention ``sinks`` (one learned logit per head that joins every softmax and tak
 mass from the tokens) and ``dropout``.
 
 The registry is ordered fastest first. For a device, a dtype and the features a call needs, the
-first backend that can run and supports them is taken; each skipped faster backend is reported
-with its reason (``choose``). A flash-attn backend counts only on the GPUs it is built for and when
-its module imports, probed on the first selection (never at import) and once: a broken or partial
-install (flash-attn 2.8's ``flash_attn/cute`` without cutlass) is skipped with its error. Kernels
-that differ between library versions (flash-attn 2/3/4, torch's ``varlen_attn`` of torch 2.10-2.13)
-are adapted from their signatures, so a new version needs no code here as long as it keeps its
-keyword names.
+first backend whose forward *and* backward can do them is taken; each skipped faster backend is
+reported with its reason (``choose``). A flash-attn backend counts only on the GPUs it is built for,
+from the distribution that ships it (flash-attn 4 is the ``flash-attn-4`` distribution; flash-attn
+2.8's preview ``flash_attn/cute`` is never flash-attn 4) at a version whose backward runs what the
+layer needs (``FLASH_4_FLOORS``), and when its module imports, probed on the first selection (never
+at import) and once: a broken install is skipped with its error. Kernels that differ between library
+versions (flash-attn 2/3/4, torch's ``varlen_attn``) are adapted from their signatures: a
+parameter is passed by name when the kernel has it, a required parameter this module does not
+supply is passed None when its own annotation allows None, and otherwise the backend is refused,
+so no kernel is called with missing arguments.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
 import re
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -31,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from packaging.version import InvalidVersion, Version
 
 from lit_hbp.attention.flex import cross_block_mask, document_block_mask
 
@@ -107,6 +113,9 @@ class Backend:
     supports: Callable[[], frozenset[str]]
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnArgs], torch.Tensor]
     lse: LseKernels | None = None
+    limits: Callable[[], dict[str, str]] = dict
+    """Features the forward takes that this install's backward cannot do, with why (left out of
+    ``supports``): a layer that needs one takes another backend, never a frozen or wrong gradient."""
 
 
 def _installed(module: str) -> bool:
@@ -133,6 +142,37 @@ def _params(fn) -> frozenset[str]:
     return frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
 
+def _signature(fn) -> inspect.Signature:
+    return inspect.signature(getattr(fn, "_init_fn", fn))
+
+
+def _accepts_none(param: inspect.Parameter) -> bool:
+    """Whether the parameter's own annotation allows None (``Optional[X]``, ``X | None``, or as text)."""
+    a = param.annotation
+    if isinstance(a, str):
+        return a.startswith("Optional[") or a.replace(" ", "").endswith("|None") or a == "None"
+    return type(None) in typing.get_args(a)
+
+
+def unsupplied(fn, positional: int, keywords) -> tuple[list[str], list[str]]:
+    """(required parameters of ``fn`` a call with ``positional`` leading arguments and ``keywords``
+    leaves out that accept None, those that do not): a kernel whose required parameters change
+    between builds (flash-attn 3 source builds of 2025-07) is then called complete, or not at all."""
+    none, other = [], []
+    for i, (name, p) in enumerate(_signature(fn).parameters.items()):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
+            continue
+        if (i < positional and p.kind != p.KEYWORD_ONLY) or name in keywords:
+            continue
+        (none if _accepts_none(p) else other).append(name)
+    return none, other
+
+
+def _complete(fn, positional: int, kw: dict) -> dict:
+    """``kw`` with None for every required parameter it leaves out that accepts None (``unsupplied``)."""
+    return {**kw, **dict.fromkeys(unsupplied(fn, positional, kw)[0])}
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """[1, H, T, D] -> [T, H, D], the varlen kernels' layout."""
     return x[0].transpose(0, 1)
@@ -157,31 +197,69 @@ FLASH_ARCHS: dict[str, tuple[Callable[[tuple[int, int]], bool], str]] = {
     "flash_attn_4": (lambda cap: cap[0] in (9, 10), "SM90/SM100 (Hopper, Blackwell) only"),
     "flash_attn": (lambda cap: cap >= (8, 0), "SM80 or newer (Ampere, Ada, Hopper)"),
 }
-# The distribution flash-attn 4 comes as; flash-attn 2.8 wheels ship a preview flash_attn/cute/ too,
-# which needs nvidia-cutlass-dsl that they do not install.
+# The distributions flash-attn 4 comes as (``flash-attn4`` for its first betas). flash-attn 2.8 wheels
+# ship a preview flash_attn/cute/ too, whose varlen backward raises NotImplementedError and whose
+# varlen forward (2.8.2, 2.8.3) takes no max_seqlen_q: never flash-attn 4, whatever imports.
 FLASH_4_DIST = "flash-attn-4"
+FLASH_4_DISTS = (FLASH_4_DIST, "flash-attn4", "fa4")
+# The first flash-attn-4 release whose backward runs each of these (read in flash_attn/cute/interface.py
+# at the fa4-v4.0.0.betaN tags of Dao-AILab/flash-attention); an older one is refused for the layer
+# that needs it, which takes the next backend.
+FLASH_4_FLOORS: dict[str, tuple[Version, str]] = {
+    "sm90": (Version("4.0.0b5"), "its backward asserts 'varlen backward is not yet supported on sm90'"),
+    "softcap": (Version("4.0.0b24"), "its varlen backward refuses soft-capping ('varlen + score_mod not supported')"),
+    "sinks": (Version("4.0.0b26"), "its backward gives learnable_sink no gradient (the sinks would stay frozen)"),
+}
 
 
 def _flash_fn(name: str):
     return importlib.import_module(FLASH_MODULES[name][0]).flash_attn_varlen_func
 
 
+def _flash_limits(name: str) -> dict[str, str]:
+    """Features this flash-attn install's forward takes and its backward cannot do, with why."""
+    if name != "flash_attn_4":
+        return {}
+    version = _flash4_version()  # None: no release is known, so no floor is known to be met
+    return {
+        feature: f"flash-attn-4 {version or '(no release installed)'}: {why} (fixed in {floor})"
+        for feature, (floor, why) in FLASH_4_FLOORS.items()
+        if feature in FEATURES and (version is None or version < floor)
+    }
+
+
 def _flash_supports(name: str) -> frozenset[str]:
     params = _params(_flash_fn(name))
     keyword = dict(window="window_size", softcap="softcap", sinks="learnable_sink", dropout="dropout_p")
-    return frozenset(f for f, kw in keyword.items() if kw in params)
+    return frozenset(f for f, kw in keyword.items() if kw in params) - _flash_limits(name).keys()
+
+
+def _record_hash(path: Path) -> str:
+    """A file's hash as a wheel's RECORD writes it (sha256, urlsafe base64 without padding)."""
+    import base64
+    import hashlib
+
+    return base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=").decode()
 
 
 def _provider(module: str) -> tuple[str, str] | None:
-    """(name, version) of the installed distribution that holds ``module``: the one whose RECORD lists
-    its file, else (for a top-level module) the one whose top_level.txt names it; None if none does."""
+    """(name, version) of the installed distribution that holds ``module``: of those whose RECORD lists
+    its file, the one whose recorded hash is the file on disk (two wheels that write the same file,
+    flash-attn 2.8 and flash-attn-4's ``flash_attn/cute``: the last installed); else, for a top-level
+    module, the one whose top_level.txt names it; None if none does."""
     top, path = module.split(".")[0], module.replace(".", "/")
     names = importlib.metadata.packages_distributions().get(top, [])
     files = {f"{path}/__init__.py", f"{path}.py"}
-    for dist_name in names:
+    listing = []
+    for dist_name in dict.fromkeys(names):
         dist = importlib.metadata.distribution(dist_name)
-        if any(str(f) in files for f in dist.files or ()):
-            return dist_name, dist.version
+        listing += [(dist, f) for f in dist.files or () if str(f) in files]
+    for dist, f in listing:
+        on_disk = Path(dist.locate_file(f))
+        if f.hash is not None and on_disk.is_file() and _record_hash(on_disk) == f.hash.value:
+            return dist.metadata["Name"], dist.version
+    if listing:
+        return listing[0][0].metadata["Name"], listing[0][0].version
     return (names[0], importlib.metadata.version(names[0])) if names and top == module else None
 
 
@@ -190,23 +268,63 @@ def _normalized(dist_name: str) -> str:
 
 
 @cache
+def _flash4_version() -> Version | None:
+    """The installed flash-attn-4 release (its distribution's version: ``flash_attn.cute.__version__``
+    reads another distribution's name and says 0.0.0), or None."""
+    provider = _provider(FLASH_MODULES["flash_attn_4"][0])
+    if provider is None:  # an editable install: its RECORD lists no module file
+        installed = [d for d in FLASH_4_DISTS if _has_dist(d)]
+        provider = (installed[0], importlib.metadata.version(installed[0])) if installed else None
+    try:
+        return Version(provider[1]) if provider and _normalized(provider[0]) in FLASH_4_DISTS else None
+    except InvalidVersion:
+        return None
+
+
+def _has_dist(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@cache
 def _probe(name: str) -> str | None:
     """Import flash backend ``name``'s module once, on the first selection that gets this far (never
     at lit_hbp's import): None when it imports and has the kernel, else the reason, naming the
     distribution it came from. A broken install (a missing dependency, an undefined CUDA symbol)
-    may raise anything: it rejects the backend instead of crashing the first forward."""
+    may raise anything: it rejects the backend instead of crashing the first forward. flash-attn 4
+    counts only from its own distribution, at a release version (its backward's abilities depend on it)."""
     module, what = FLASH_MODULES[name]
+    provider = _provider(module)
+    source = f" (from {' '.join(provider)})" if provider else ""
+    if name == "flash_attn_4" and _flash4_version() is None:
+        if provider is not None and _normalized(provider[0]) == "flash-attn":
+            return (
+                f"{module}{source} is flash-attn {provider[1]}'s preview of flash-attn 4, whose varlen backward "
+                f"raises NotImplementedError; flash-attn 4 is the {FLASH_4_DIST} distribution"
+            )
+        return f"{module}{source} is not a release of flash-attn 4 (the {FLASH_4_DIST} distribution)"
     try:
         if hasattr(importlib.import_module(module), "flash_attn_varlen_func"):
             return None
         error = "has no flash_attn_varlen_func"
     except Exception as e:  # whatever a broken install raises
         error = f"does not import: {type(e).__name__}: {e}"
-    provider = _provider(module)
-    source = f" (from {' '.join(provider)})" if provider else ""
-    if name == "flash_attn_4" and (provider is None or _normalized(provider[0]) != FLASH_4_DIST):
-        source += f" (flash-attn 4 is the {FLASH_4_DIST} distribution)"
     return f"{module}{source} {error}"
+
+
+def reset_probes() -> None:
+    """Forget what was probed of the installed kernels (after installing or removing one)."""
+    for fn in (_probe, _flash4_version, _flash_lse_problem):
+        fn.cache_clear()
+
+
+# The keywords every call of a flash-attn varlen function passes (``_flash_run``), beside q, k, v.
+_FLASH_RUN_KEYWORDS = frozenset(
+    {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal"}
+)
 
 
 def _flash_unusable(name: str) -> Callable[[str, torch.dtype], str | None]:
@@ -223,7 +341,16 @@ def _flash_unusable(name: str) -> Callable[[str, torch.dtype], str | None]:
         major, minor = torch.cuda.get_device_capability()
         if not supported((major, minor)):
             return f"{what} runs on {archs}, this GPU is SM{major}{minor}"
-        return _probe(name)
+        reason = _probe(name)
+        if reason is None and name == "flash_attn_4" and major == 9:
+            floor, why = FLASH_4_FLOORS["sm90"]
+            if _flash4_version() < floor:
+                reason = f"flash-attn-4 {_flash4_version()} on SM90: {why} (fixed in {floor})"
+        if reason is None:
+            _, missing = unsupplied(_flash_fn(name), 3, _FLASH_RUN_KEYWORDS)
+            if missing:
+                reason = f"{module}.flash_attn_varlen_func requires {', '.join(missing)}, which lit-hbp does not pass"
+        return reason
 
     return unusable
 
@@ -251,7 +378,8 @@ def _flash_run(name: str):
             kw["dropout_p"] = a.dropout
         if a.sinks is not None:
             kw["learnable_sink"] = a.sinks
-        out = _flash_fn(name)(_flat(q), _flat(k), _flat(v), **kw)
+        fn = _flash_fn(name)
+        out = fn(_flat(q), _flat(k), _flat(v), **_complete(fn, 3, kw))
         return _unflat(out[0] if isinstance(out, tuple) else out)  # flash-attn 3 (some builds) and 4 add the LSE
 
     return run
@@ -477,25 +605,37 @@ def _named(params: frozenset[str]) -> frozenset[str]:
     return params | ({"window"} if params & {"window_size", "window_size_left"} else set())
 
 
+def _spelled(params: frozenset[str], want: frozenset[str]) -> frozenset[str]:
+    """``want`` with "window" as the spelling ``params`` has."""
+    window = {"window_size"} if "window_size" in params else {"window_size_left", "window_size_right"}
+    return want - {"window"} | (window if "window" in want else set())
+
+
 @cache
 def _flash_lse_problem(name: str) -> str | None:
     """None when the installed flash backend ``name`` has its forward-with-LSE and backward functions
-    with every parameter used here, else what is missing."""
+    with every parameter used here, and every required parameter of theirs is passed (or accepts None),
+    else what is missing."""
     module, fwd_name, bwd_name = FLASH_LSE[name]
     try:
         fns = _flash_lse_fns(name)
     except Exception as e:  # an older or broken install
         return f"{module} has no {fwd_name} / {bwd_name} ({type(e).__name__}: {e})"
-    for fn, fn_name, want in zip(fns, (fwd_name, bwd_name), _FLASH_LSE_PARAMS[name]):
+    # The forwards take q, k, v by position, the backwards everything by name.
+    for fn, fn_name, want, positional in zip(fns, (fwd_name, bwd_name), _FLASH_LSE_PARAMS[name], (3, 0)):
         missing = want - _named(_params(fn))
         if missing:
             return f"{module}.{fn_name} takes no {', '.join(sorted(missing))}"
+        _, required = unsupplied(fn, positional, _spelled(_params(fn), want))
+        if required:
+            return f"{module}.{fn_name} requires {', '.join(required)}, which lit-hbp does not pass"
     return None
 
 
 def _flash_lse_supports(name: str) -> frozenset[str]:
     both = _params(_flash_lse_fns(name)[0]) & _params(_flash_lse_fns(name)[1])
-    return frozenset({"window", "softcap"} | ({"sinks"} if "learnable_sink" in both else set()))
+    taken = {"window", "softcap"} | ({"sinks"} if "learnable_sink" in both else set())
+    return frozenset(taken) - _flash_limits(name).keys()
 
 
 def _lse_unusable(supports: Callable[[], frozenset[str]], problem: Callable[[], str | None]):
@@ -537,7 +677,8 @@ def _flash_varlen_kw(params: frozenset[str], a: AttnArgs) -> dict:
 def _flash2_forward(q, k, v, a: AttnArgs):
     fwd, _ = _flash_lse_fns("flash_attn")
     kw = _flash_varlen_kw(_params(fwd), a)
-    res = fwd(*(_pad8(_flat(x)) for x in (q, k, v)), dropout_p=0.0, alibi_slopes=None, return_softmax=False, **kw)
+    kw = _complete(fwd, 3, dict(kw, dropout_p=0.0, alibi_slopes=None, return_softmax=False))
+    res = fwd(*(_pad8(_flat(x)) for x in (q, k, v)), **kw)
     out, lse = (res[0], res[5]) if len(res) == 8 else (res[0], res[1])  # 2.6 returns q, k, v, out_padded too
     return _unflat(out[..., : q.shape[-1]]), lse
 
@@ -549,13 +690,14 @@ def _flash2_backward(dout, q, k, v, out, lse, a: AttnArgs):
     kw = dict(
         dropout_p=0.0, alibi_slopes=None, deterministic=False, rng_state=None, **_flash_varlen_kw(_params(bwd), a)
     )
-    bwd(dout=dout_, q=q_, k=k_, v=v_, out=out_, softmax_lse=lse, dq=grads[0], dk=grads[1], dv=grads[2], **kw)
+    kw.update(dout=dout_, q=q_, k=k_, v=v_, out=out_, softmax_lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+    bwd(**_complete(bwd, 0, kw))
     return (*(_unflat(g[..., : q.shape[-1]]) for g in grads), None)
 
 
 def _flash3_forward(q, k, v, a: AttnArgs):
     fwd, _ = _flash_lse_fns("flash_attn_3")
-    res = fwd(_flat(q), _flat(k), _flat(v), **_flash_varlen_kw(_params(fwd), a))
+    res = fwd(_flat(q), _flat(k), _flat(v), **_complete(fwd, 3, _flash_varlen_kw(_params(fwd), a)))
     return _unflat(res[0]), res[1]
 
 
@@ -563,8 +705,8 @@ def _flash3_backward(dout, q, k, v, out, lse, a: AttnArgs):
     _, bwd = _flash_lse_fns("flash_attn_3")
     q_, k_, v_ = _flat(q), _flat(k), _flat(v)
     grads = [x.new_empty(x.shape) for x in (q_, k_, v_)]  # contiguous, as flash-attn allocates them
-    bwd(dout=_flat(dout), q=q_, k=k_, v=v_, out=_flat(out), softmax_lse=lse, dq=grads[0], dk=grads[1], dv=grads[2],
-        **_flash_varlen_kw(_params(bwd), a))  # fmt: skip
+    kw = dict(_flash_varlen_kw(_params(bwd), a), dout=_flat(dout), q=q_, k=k_, v=v_, out=_flat(out), softmax_lse=lse)
+    bwd(**_complete(bwd, 0, dict(kw, dq=grads[0], dk=grads[1], dv=grads[2])))
     return (*(_unflat(g) for g in grads), None)
 
 
@@ -582,15 +724,15 @@ def _flash4_kw(params: frozenset[str], a: AttnArgs) -> dict:
 
 def _flash4_forward(q, k, v, a: AttnArgs):
     fwd, _ = _flash_lse_fns("flash_attn_4")
-    res = fwd(_flat(q), _flat(k), _flat(v), return_lse=True, **_flash4_kw(_params(fwd), a))
+    res = fwd(_flat(q), _flat(k), _flat(v), **_complete(fwd, 3, dict(_flash4_kw(_params(fwd), a), return_lse=True)))
     return _unflat(res[0]), res[1]
 
 
 def _flash4_backward(dout, q, k, v, out, lse, a: AttnArgs):
     _, bwd = _flash_lse_fns("flash_attn_4")
-    res = bwd(
-        q=_flat(q), k=_flat(k), v=_flat(v), out=_flat(out), dout=_flat(dout), lse=lse, **_flash4_kw(_params(bwd), a)
-    )
+    kw = dict(_flash4_kw(_params(bwd), a), lse=lse)
+    kw.update(q=_flat(q), k=_flat(k), v=_flat(v), out=_flat(out), dout=_flat(dout))
+    res = bwd(**_complete(bwd, 0, kw))
     dsinks = res[3].to(a.sinks.dtype) if a.sinks is not None else None
     return (*(_unflat(g) for g in res[:3]), dsinks)
 
@@ -625,18 +767,35 @@ def _torch_varlen_lse_problem() -> str | None:
     if not {"return_aux", "scale"} <= params:
         return f"torch {torch.__version__}'s varlen_attn takes no {'return_aux' if 'scale' in params else 'scale'}"
     op = _torch_varlen_backward_op()
-    names = {x.name for x in op.default._schema.arguments} if op is not None else set()
+    arguments = op.default._schema.arguments if op is not None else []
+    names = {x.name for x in arguments}
     want = _TORCH_VARLEN_BACKWARD | ({"window_size"} if "window_size" in params else set())
     if not want <= names:
         missing = ", ".join(sorted(want - names))
         return f"torch {torch.__version__} has no torch_attn._varlen_attn_backward taking {missing}"
+    required = [x.name for x in arguments if not x.has_default_value() and x.name not in want]
+    if required:
+        return f"torch {torch.__version__}'s torch_attn._varlen_attn_backward requires {', '.join(required)}"
     return None
 
 
+def _torch_varlen_picks_backend() -> bool:
+    """Whether this torch's varlen backward op takes ``backend``: its forward then runs cuDNN's kernel
+    where eligible (SM90/SM100, causal with ``cu_seq_q is cu_seq_k``) unless pinned, and the op's
+    backward runs flash's unless told otherwise (torch > 2.13)."""
+    op = _torch_varlen_backward_op()
+    return op is not None and any(x.name == "backend" for x in op.default._schema.arguments)
+
+
 def _torch_varlen_forward(q, k, v, a: AttnArgs):
+    """torch's varlen forward keeping the LSE, on flash's kernel: the one whose backward
+    ``_torch_varlen_backward`` calls (a cuDNN output and LSE under flash's backward are wrong)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.varlen import AuxRequest
 
-    return _torch_varlen_run(q, k, v, a, return_aux=AuxRequest(lse=True))
+    pinned = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if _torch_varlen_picks_backend() else contextlib.nullcontext()
+    with pinned:
+        return _torch_varlen_run(q, k, v, a, return_aux=AuxRequest(lse=True))
 
 
 def _torch_varlen_backward(dout, q, k, v, out, lse, a: AttnArgs):
@@ -650,6 +809,10 @@ def _torch_varlen_backward(dout, q, k, v, out, lse, a: AttnArgs):
     kw = dict(scale=a.scale)
     if "window_size" in params:
         kw["window_size"] = [left, 0]
+    if _torch_varlen_picks_backend():
+        from torch.nn.attention import SDPBackend
+
+        kw["backend"] = SDPBackend.FLASH_ATTENTION.value  # the kernel ``_torch_varlen_forward`` pinned
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     dq, dk, dv = _torch_varlen_backward_op()(
         _flat(dout), _flat(q), _flat(k_), _flat(v_), _flat(out), lse, a.cu, a.keys_cu, a.max_len, a.keys_max_len,
@@ -796,7 +959,12 @@ def _anywhere(device_type: str, dtype: torch.dtype) -> None:
 REGISTRY: dict[str, Backend] = {
     **{
         name: Backend(
-            name, _flash_unusable(name), lambda name=name: _flash_supports(name), _flash_run(name), _flash_lse(name)
+            name,
+            _flash_unusable(name),
+            lambda name=name: _flash_supports(name),
+            _flash_run(name),
+            _flash_lse(name),
+            lambda name=name: _flash_limits(name),
         )
         for name in FLASH_MODULES
     },
@@ -847,7 +1015,10 @@ def why_not(name: str, device_type: str, dtype: torch.dtype, needs: frozenset[st
     reason = backend.unusable(device_type, dtype)
     if reason is None:
         missing = needs - backend.supports()
-        if missing:
+        limits = backend.limits()
+        if missing & limits.keys():
+            reason = "; ".join(f"no {f} in the backward: {limits[f]}" for f in sorted(missing & limits.keys()))
+        elif missing:
             reason = f"does not support {', '.join(sorted(missing))}"
     return reason
 

@@ -6,7 +6,7 @@ is *full* when every pair in it attends (j < i, one document, inside the window)
 some do (the mask function decides element-wise), else skipped. No host-device sync. The masks of
 the pack being trained are held by the pack (``set_pack``, called by ``attention.set_pack`` once per
 micro-batch, outside compiled code), so every layer of its forward and backward shares one per window;
-attention runs FlexAttention inside the opaque ``hbp::varlen_attention_v2`` op, so no compiled graph
+attention runs FlexAttention inside the opaque ``hbp::varlen_attention_v3`` op, so no compiled graph
 guards on them.
 """
 

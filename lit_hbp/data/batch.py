@@ -27,16 +27,22 @@ import torch
 class CPShard:
     """The attention geometry of one CP rank's queries (``lit_hbp.packing.context_split``): its
     query ranges ``cu_q`` against key prefixes ``cu_k`` (int32), and where those keys are in the
-    CP group's all-gathered K/V (``key_index``, int64, into the rank-ordered concatenation)."""
+    CP group's all-gathered K/V (``key_index``, int64, into the rank-ordered concatenation).
+    ``key_rounds``: when ranges of one document overlap in keys, (positions into ``key_index``,
+    their ``key_index``) per round of distinct keys (``ContextSplit.key_rounds``); empty when every
+    key is distinct."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     key_index: torch.Tensor
     max_q: int
     max_k: int
+    key_rounds: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     def apply(self, fn) -> CPShard:
-        return dataclasses.replace(self, **{k: fn(getattr(self, k)) for k in ("cu_q", "cu_k", "key_index")})
+        tensors = {k: fn(getattr(self, k)) for k in ("cu_q", "cu_k", "key_index")}
+        rounds = tuple((fn(pos), fn(keys)) for pos, keys in self.key_rounds)
+        return dataclasses.replace(self, **tensors, key_rounds=rounds)
 
 
 @dataclass

@@ -135,6 +135,21 @@ class ContextSplit:
         first = self.doc_starts[self.doc[s]]
         return _concat_aranges(first, first + self.end[s])
 
+    def key_rounds(self, rank: int) -> list[np.ndarray]:
+        """Positions into ``key_index(rank)`` in rounds whose keys are distinct: round j holds the
+        keys of the j-th range of every document on the rank. Ranges of one document overlap in
+        keys, so their key gradients add up; summed round by round (one round: nothing adds up),
+        that sum has one order on every run, unlike an atomic scatter-add."""
+        s = self._sl(rank)
+        docs, lengths = self.doc[s], self.end[s]
+        order = np.argsort(docs, kind="stable")
+        first = np.r_[True, docs[order][1:] != docs[order][:-1]]
+        index = np.arange(docs.size)
+        occurrence = np.empty_like(index)
+        occurrence[order] = index - np.maximum.accumulate(np.where(first, index, 0))
+        per_key = np.repeat(occurrence, lengths)
+        return [np.flatnonzero(per_key == j) for j in range(int(occurrence.max(initial=0)) + 1)]
+
     # ---- the whole group ------------------------------------------------------------------
 
     def permutation(self) -> np.ndarray:

@@ -17,8 +17,10 @@ Attention of a layer:
    with separate query and key lengths (causal bottom-right), exact, keeping its output and LSE.
    The backward gathers each slice again and runs the kernel's backward from that output and LSE
    (flash-attn 2/3/4, torch's varlen, the CPU loops; Flex and attention dropout recompute the
-   slice's forward instead), then reduce-scatters dK/dV to their owners while the next slice runs.
-   Nothing is merged across steps (no ring, no drift); the gathered K/V is never kept;
+   slice's forward instead), then reduce-scatters dK/dV to their owners while the next slice runs,
+   summed in fp32 in a fixed order (``gathered_key_grad``) and cast once: the same micro-batch
+   gives the same bits on every run. Nothing is merged across steps (no ring, no drift); the
+   gathered K/V is never kept;
 3. the Ulysses all-to-all back.
 
 The shard's geometry (``CPShard``) is computed on the host by ``shard``, from the pack's document
@@ -49,13 +51,32 @@ def cp_shard_of(split: ContextSplit, rank: int) -> CPShard:
     """Rank ``rank``'s attention geometry, with its keys located in the rank-ordered all-gather."""
     cu_q, cu_k = split.cu_seqlens_q(rank), split.cu_seqlens_k(rank)
     key_index = split.inverse_permutation()[split.key_index(rank)]
+    rounds = split.key_rounds(rank)
+    if len(rounds) < 2:
+        rounds = []  # every key distinct: nothing adds up
     return CPShard(
         cu_q=torch.from_numpy(cu_q),
         cu_k=torch.from_numpy(cu_k),
         key_index=torch.from_numpy(key_index),
         max_q=int(np.diff(cu_q).max(initial=0)),
         max_k=int(np.diff(cu_k).max(initial=0)),
+        key_rounds=tuple((torch.from_numpy(r), torch.from_numpy(key_index[r])) for r in rounds),
     )
+
+
+def gathered_key_grad(g: torch.Tensor, shard: CPShard, total: int) -> torch.Tensor:
+    """The gradient of the all-gathered keys (or values) [1, h, total, D] in fp32 (or ``g``'s dtype
+    when wider), from that of the keys the rank's ranges saw (``g``, [1, h, len(key_index), D]): the
+    gradient of the index_select. Keys seen by several ranges of a document add up, round by round of
+    distinct keys, so the sum has one order and one rounding on every run (an atomic bf16
+    scatter-add has neither)."""
+    acc = torch.promote_types(g.dtype, torch.float32)
+    whole = g.new_zeros(1, g.shape[1], total, g.shape[3], dtype=acc)
+    if not shard.key_rounds:
+        return whole.index_copy_(2, shard.key_index, g.to(acc))
+    for positions, keys in shard.key_rounds:
+        whole.index_add_(2, keys, g.index_select(2, positions).to(acc))
+    return whole
 
 
 class _Gathered:
@@ -163,11 +184,8 @@ class _CPAttention(torch.autograd.Function):
                 dsinks[qh] = ds
             if in_flight is not None:
                 land(in_flight)
-            # The gradient of index_select (keys seen by several ranges add up), then of the gather.
-            wholes = [
-                g.new_zeros(1, g.shape[1], total, g.shape[3]).index_add_(2, shard.key_index, g)
-                for g in (dkeys, dvalues)
-            ]
+            # The gradients of the index_select and of the gather, summed in fp32 and cast once on landing.
+            wholes = [gathered_key_grad(g, shard, total) for g in (dkeys, dvalues)]
             in_flight = (kh, [_Scattered(x, ctx) for x in wholes])
         land(in_flight)
         return dq, dk, dv, dsinks, None, None, None
@@ -255,8 +273,8 @@ class ContextParallel(SPKind):
     def comm_breakdown(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> dict[str, float]:
         """Bytes one rank sends in one layer's forward, per collective family: the Ulysses
         all-to-alls inside its Ulysses group, and the CP all-gather of K/V (bf16; a rank sends its
-        own K/V to the cp - 1 others). The backward sends the CP part twice (the gather again and
-        the reduce-scatter of dK/dV, the same bytes) and the Ulysses part once."""
+        own K/V to the cp - 1 others). The backward sends the CP part three times (the gather again,
+        and the reduce-scatter of dK/dV in fp32, twice the bytes) and the Ulysses part once."""
         u = sp // cp
         kv = max(model.kv_heads, u)  # kv heads replicated up to the Ulysses degree
         return {
