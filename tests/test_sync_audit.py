@@ -284,7 +284,7 @@ def test_no_sync_outside_logging_steps(tmp_path, toy_tokenizer, small_demo, monk
     monkeypatch.setitem(backends.REGISTRY, "opaque", opaque_kernel(mode))
     # On a GPU every trainable parameter is a CUDA float, so AdamW is fused (``adamw_kind``): it keeps
     # its step counts on the device and never reads them; the for-loop AdamW chosen on CPU reads them.
-    monkeypatch.setattr(module_module, "adamw_kind", lambda params: "fused")
+    monkeypatch.setattr(module_module, "adamw_kind", lambda params, device=None: "fused")
     dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache")
     torch.manual_seed(0)
     module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, attn_backend="opaque", self_check=False)

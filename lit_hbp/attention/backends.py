@@ -22,7 +22,9 @@ so no kernel is called with missing arguments.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -236,9 +238,6 @@ def _flash_supports(name: str) -> frozenset[str]:
 
 def _record_hash(path: Path) -> str:
     """A file's hash as a wheel's RECORD writes it (sha256, urlsafe base64 without padding)."""
-    import base64
-    import hashlib
-
     return base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=").decode()
 
 
