@@ -12,6 +12,22 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _threads_as_they_were():
+    """A test leaves the process's thread settings as it found them: Lightning's launchers set
+    OMP_NUM_THREADS (and torch's thread count) in the process that runs ``fit``, and every process a
+    later test starts would inherit it (4 training processes x 2 OpenMP threads on 2 cores)."""
+    import torch
+
+    before, threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    yield
+    if before is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = before
+    torch.set_num_threads(threads)
+
+
 def flat_tokens(t):
     """(ids, supervised mask) of every sample of a TokenizedSource, back to back, as int64 and bool."""
     parts = [t.sample(i) for i in range(len(t))]
