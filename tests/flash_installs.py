@@ -361,6 +361,9 @@ class SchedulerMetadataTensorsTorch:
 # (varlen backward on SM90, soft-capping in the varlen backward, a learnable_sink gradient, outputs of
 # _flash_attn_fwd, learnable_sink must be bf16).
 FA4_RELEASES = {
+    # 4.0.0b3 has no tag: it was published from 3e643ef9 as the "fa4" distribution, between beta2 and beta4,
+    # whose interface.py it shares.
+    "4.0.0b3": ("fa4-v4.0.0.beta4", (False, False, False, 2, True)),
     "4.0.0b4": ("fa4-v4.0.0.beta4", (False, False, False, 2, True)),
     "4.0.0b20": ("fa4-v4.0.0.beta20", (True, False, False, 4, True)),
     "4.0.0b25": ("fa4-v4.0.0.beta25", (True, True, False, 4, True)),
@@ -561,7 +564,7 @@ INSTALLS = {
     ),
     **{
         f"flash-attn-4 {v}": (
-            "flash-attn-4",
+            "fa4" if v == "4.0.0b3" else "flash-attn-4",
             v,
             {"flash_attn/cute/__init__.py": FA4_INIT, "flash_attn/cute/interface.py": fa4_interface(v)},
         )
