@@ -354,3 +354,27 @@ def test_an_editable_flash_attn_4_is_read_by_its_distribution(monkeypatch, site)
     record.write_text("__editable__.flash_attn_4-4.0.0b27.pth,,\n")
     fake_gpu(monkeypatch, (9, 0))
     assert choose("cuda", torch.bfloat16, frozenset({"sinks"}))[0] == "flash_attn_4"
+
+
+def test_a_cute_folder_two_wheels_claim_without_hashes_is_nobodys_flash_attn_4(monkeypatch, site):
+    """flash-attn 2.8.3 and flash-attn-4 both list flash_attn/cute/ and neither RECORD has hashes (an
+    installer that writes none): which one is on disk is unknown, so it is not trained on."""
+    install(site, "flash-attn 2.8.3", "nvidia-cutlass-dsl", "flash-attn-4 4.0.0b27")
+    for record in site.glob("*.dist-info/RECORD"):
+        record.write_text("".join(line.split(",")[0] + ",,\n" for line in record.read_text().splitlines()))
+    fake_gpu(monkeypatch, (9, 0))
+    name, skipped = choose("cuda", torch.bfloat16, frozenset())
+    assert name == "flash_attn"
+    assert skipped["flash_attn_4"] == "flash_attn.cute is not a release of flash-attn 4 (the flash-attn-4 distribution)"
+
+
+def test_required_parameters_that_accept_none_are_told_apart_however_annotated():
+    namespace: dict = {}
+    exec(  # annotations as text, as in a module with ``from __future__ import annotations``
+        "from __future__ import annotations\n"
+        "def kernel(q, k, v, a: Optional[int], b: int | None, c: Union[int, None], d: None | int, e: int, f,"
+        " g: int = 0, *, h: Optional[int]): ...",
+        namespace,
+    )
+    none, other = backends.unsupplied(namespace["kernel"], 3, {"f"})
+    assert none == ["a", "b", "c", "d", "h"] and other == ["e"]

@@ -358,12 +358,13 @@ def _in_kernel_layout(g: torch.Tensor, like: torch.Tensor, inputs) -> torch.Tens
     """``g`` as the backward op returns it (its fake's strides): the kernel's own tensor where its layout
     is already that (the flash-attn kernels, torch's varlen, the CPU kernels on the model's layout), a
     copy only otherwise (a head dim padded for flash-attn 2, repeated K/V heads summed)."""
-    want = kernel_layout(like)
-    same = all(a == b for a, b, n in zip(g.stride(), want.stride(), g.shape) if n > 1)
+    b, h, t, d = like.shape
+    strides = (t * h * d, d, h * d, 1)  # kernel_layout's
+    same = g.shape == like.shape and all(a == s for a, s, n in zip(g.stride(), strides, g.shape) if n > 1)
     fresh = all(g.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for x in inputs if x is not None)
     if same and fresh and g.dtype == like.dtype and g.storage_offset() == 0:
-        return g.as_strided(want.shape, want.stride())
-    return want.copy_(g)
+        return g.as_strided(like.shape, strides)
+    return kernel_layout(like).copy_(g)
 
 
 @_varlen_backward_op.register_fake

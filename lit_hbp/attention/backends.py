@@ -144,15 +144,19 @@ def _params(fn) -> frozenset[str]:
     return frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
 
+@cache
 def _signature(fn) -> inspect.Signature:
     return inspect.signature(getattr(fn, "_init_fn", fn))
 
 
 def _accepts_none(param: inspect.Parameter) -> bool:
-    """Whether the parameter's own annotation allows None (``Optional[X]``, ``X | None``, or as text)."""
+    """Whether the parameter's own annotation allows None (``Optional[X]``, ``X | None``,
+    ``Union[X, None]``, or any of them as text)."""
     a = param.annotation
     if isinstance(a, str):
-        return a.startswith("Optional[") or a.replace(" ", "").endswith("|None") or a == "None"
+        text = a.replace(" ", "")
+        union = text.startswith("Optional[") or (text.startswith("Union[") and "None" in text)
+        return union or "|None" in text or text.startswith("None|") or text == "None"
     return type(None) in typing.get_args(a)
 
 
@@ -246,20 +250,30 @@ def _provider(module: str) -> tuple[str, str] | None:
     its file, the one whose recorded hash is the file on disk (two wheels that write the same file,
     flash-attn 2.8 and flash-attn-4's ``flash_attn/cute``: the last installed); else, for a top-level
     module, the one whose top_level.txt names it; None if none does."""
-    top, path = module.split(".")[0], module.replace(".", "/")
+    top = module.split(".")[0]
     names = importlib.metadata.packages_distributions().get(top, [])
-    files = {f"{path}/__init__.py", f"{path}.py"}
-    listing = []
-    for dist_name in dict.fromkeys(names):
-        dist = importlib.metadata.distribution(dist_name)
-        listing += [(dist, f) for f in dist.files or () if str(f) in files]
-    for dist, f in listing:
+    listing = _listed(module)
+    for dist_name, dist, f in listing:
         on_disk = Path(dist.locate_file(f))
         if f.hash is not None and on_disk.is_file() and _record_hash(on_disk) == f.hash.value:
-            return dist.metadata["Name"], dist.version
-    if listing:
-        return listing[0][0].metadata["Name"], listing[0][0].version
+            return dist_name, dist.version
+    if len({name for name, _, _ in listing}) == 1:
+        return listing[0][0], listing[0][1].version
+    if listing:  # several wheels wrote the file and none's hash is the file on disk: whose it is, is unknown
+        return None
     return (names[0], importlib.metadata.version(names[0])) if names and top == module else None
+
+
+def _listed(module: str) -> list:
+    """(distribution name, distribution, RECORD entry) of every installed distribution whose RECORD
+    lists ``module``'s file."""
+    top, path = module.split(".")[0], module.replace(".", "/")
+    files = {f"{path}/__init__.py", f"{path}.py"}
+    listing = []
+    for dist_name in dict.fromkeys(importlib.metadata.packages_distributions().get(top, [])):
+        dist = importlib.metadata.distribution(dist_name)
+        listing += [(dist_name, dist, f) for f in dist.files or () if str(f) in files]
+    return listing
 
 
 def _normalized(dist_name: str) -> str:
@@ -271,12 +285,12 @@ def _flash4_version() -> Version | None:
     """The installed flash-attn-4 release (its distribution's version: ``flash_attn.cute.__version__``
     reads another distribution's name and says 0.0.0), or None."""
     provider = _provider(FLASH_MODULES["flash_attn_4"][0])
-    if provider is None:  # an editable install: its RECORD lists no module file
+    if provider is None and not _listed(FLASH_MODULES["flash_attn_4"][0]):  # an editable install: no RECORD lists it
         installed = [d for d in FLASH_4_DISTS if _has_dist(d)]
         provider = (installed[0], importlib.metadata.version(installed[0])) if installed else None
     try:
         return Version(provider[1]) if provider and _normalized(provider[0]) in FLASH_4_DISTS else None
-    except InvalidVersion:
+    except (InvalidVersion, TypeError):  # a distribution without a (valid) version
         return None
 
 
@@ -297,7 +311,7 @@ def _probe(name: str) -> str | None:
     counts only from its own distribution, at a release version (its backward's abilities depend on it)."""
     module, what = FLASH_MODULES[name]
     provider = _provider(module)
-    source = f" (from {' '.join(provider)})" if provider else ""
+    source = f" (from {' '.join(map(str, provider))})" if provider else ""
     if name == "flash_attn_4" and _flash4_version() is None:
         if provider is not None and _normalized(provider[0]) == "flash-attn":
             return (
