@@ -22,19 +22,19 @@ import contextlib
 import importlib.util
 import sys
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.checkpoint import checkpoint
 
 from lit_hbp import attention
 from lit_hbp.checks import check_model_config, local_checkpoint
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
 from lit_hbp.model_spec import ModelSpec
+from lit_hbp.offload import OFFLOADER, HostOffload, checkpoint_function, host_offload
 from lit_hbp.parallel import context as sp_context
+from lit_hbp.tiling import TILES, mlp_of, tiled_forward
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
@@ -134,9 +134,14 @@ def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     model.train()
     layers = checkpoint_layers(net)
     for layer in layers:
-        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+        layer._gradient_checkpointing_func = checkpoint_function(None)
         layer.gradient_checkpointing = False
-    net.__dict__[LAYERS] = layers  # a plain attribute: not a submodule, not in the state dict
+        mlp = mlp_of(layer)
+        if mlp is not None and TILES not in mlp.__dict__:
+            mlp.forward = tiled_forward(mlp, mlp.forward)  # an instance attribute: the state dict is unchanged
+            mlp.__dict__[TILES] = 1
+    net.__dict__[LAYERS] = layers  # plain attributes: not submodules, not in the state dict
+    net.__dict__.setdefault(OFFLOADER, HostOffload())
     if not getattr(net.loss_function, "refuses_unshifted", False):
         net.loss_function = _pre_shifted(net.loss_function)
     return model
@@ -168,13 +173,37 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def set_checkpointing(model: torch.nn.Module, ckpt_layers: int) -> None:
-    """Checkpoint the first ``ckpt_layers`` decoder layers of a prepared model, run the rest normally."""
+def set_checkpointing(model: torch.nn.Module, ckpt_layers: int, offload: bool = False) -> None:
+    """Checkpoint the first ``ckpt_layers`` decoder layers of a prepared model, run the rest normally;
+    with ``offload`` the checkpointed layers keep their inputs in host memory (``lit_hbp.offload``)."""
     layers = decoder_layers(model)
     if ckpt_layers > len(layers):
         raise ValueError(f"ckpt_layers {ckpt_layers} exceeds the model's {len(layers)} decoder layers")
+    if offload and ckpt_layers == 0:
+        raise ValueError("offload keeps the checkpointed layers' inputs on the host: it needs ckpt_layers > 0")
+    func = checkpoint_function(host_offload(model) if offload else None)
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i < ckpt_layers
+        layer._gradient_checkpointing_func = func
+
+
+def set_mlp_tiles(model: torch.nn.Module, tiles: int) -> None:
+    """Run every decoder layer's MLP of a prepared model in ``tiles`` tiles of the sequence
+    (``lit_hbp.tiling``; 1: the family's MLP as it is). A model whose layers have no token-wise MLP
+    (MoE blocks) is refused for tiles > 1."""
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"mlp_tiles must be a positive int, got {tiles!r}")
+    for i, layer in enumerate(decoder_layers(model)):
+        mlp = mlp_of(layer)
+        if mlp is None or TILES not in mlp.__dict__:
+            if tiles == 1:
+                continue
+            raise ValueError(
+                f"mlp_tiles {tiles}: decoder layer {i} ({type(layer).__name__}) has no token-wise MLP lit-hbp can tile "
+                f"({type(getattr(layer, 'mlp', None)).__name__}: mixture-of-experts blocks route tokens and feed the "
+                "router loss); use mlp_tiles 1 for this model"
+            )
+        mlp.__dict__[TILES] = tiles
 
 
 def _not_prepared(model: torch.nn.Module) -> str:
@@ -209,13 +238,13 @@ def packed_loss(
     """The loss of a packed micro-batch (``batch``, this rank's shard under SP) through a model that
     ``prepare_model`` prepared, exactly as each of its documents alone would give it.
 
-    It applies the batch's ``ckpt_layers``, checks the level's SP group is the active one, passes the
-    document boundaries and per-document positions to the model's decoder, and runs the chunked
-    cross-entropy over the supervised positions only (the labels are pre-shifted: position t
-    predicts t + 1), weighted by the normalizer ``loss`` (``ave_token`` (default) | ``token_mean`` |
-    ``sample_mean`` | ``sum``, ``lit_hbp.loss``) or by ``weights``. The family's router loss is added
-    when its config asks for it (and ``router_loss``). ``liger``: Liger's fused linear cross-entropy
-    on a CUDA GPU; ``recompute=False`` keeps each chunk's logits for the backward."""
+    It applies the batch's ``ckpt_layers``, ``offload`` and ``mlp_tiles``, checks the level's SP group
+    is the active one, passes the document boundaries and per-document positions to the model's decoder,
+    and runs the chunked cross-entropy over the supervised positions only (the labels are pre-shifted:
+    position t predicts t + 1), weighted by the normalizer ``loss`` (``ave_token`` (default) |
+    ``token_mean`` | ``sample_mean`` | ``sum``, ``lit_hbp.loss``) or by ``weights``. The family's router
+    loss is added when its config asks for it (and ``router_loss``). ``liger``: Liger's fused linear
+    cross-entropy on a CUDA GPU; ``recompute=False`` keeps each chunk's logits for the backward."""
     if not isinstance(batch, PackedBatch):
         raise TypeError(
             f"packed_loss takes a PackedBatch (HBPDataModule's micro-batches, or lit_hbp.pack_samples over your own "
@@ -231,7 +260,8 @@ def packed_loss(
             f"group has {ctx.size if ctx is not None else 1} rank(s): levels with sp > 1 train under "
             "lit_hbp.HBPStrategy, which activates each level's group"
         )
-    set_checkpointing(model, int(batch.ckpt_layers))
+    set_checkpointing(model, int(batch.ckpt_layers), bool(batch.offload))
+    set_mlp_tiles(model, int(batch.mlp_tiles))
     cu = batch.cu_seqlens
     attention.set_pack(cu, batch.max_seqlen, batch.input_ids.shape[1] * int(batch.sp))
     sp_context.set_shard(batch.cp_shard)

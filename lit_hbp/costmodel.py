@@ -3,9 +3,11 @@
 It prices what a rank does for one micro-step of a level (pack length, sp, checkpointed layers):
 dense matmul FLOPs, causal attention FLOPs (sum of squared document lengths), the SP kind's
 communication bytes (``SPKind.comm_bytes_per_layer``; Ulysses: all-to-alls) over NVLink or
-InfiniBand, and the recomputation of checkpointed layers; and what it holds:
-ZeRO-partitioned parameters, gradients and Adam states plus activations of the non-checkpointed
-layers. Every constant is written here with where it comes from.
+InfiniBand, the recomputation of checkpointed layers, a tiled MLP's second forward and the host
+copies of offloaded layer inputs; and what it holds: ZeRO-partitioned parameters, gradients and Adam
+states, the activations of the layers run whole, the checkpointed inputs (on the device or the host),
+a layer's recompute and backward working set and the LM head's chunk (``memory_parts``). Every
+constant is written here with where it comes from.
 
 Time of a rank for a micro-step (seconds):
     dense        = tokens * 2 * (layer_params * (3 + c / L) + lm_head_params * 3) / (peak * eff_dense)
@@ -13,6 +15,9 @@ Time of a rank for a micro-step (seconds):
     ulysses_comm = all-to-all bytes per layer * (2 * L + c) / link bandwidth      (ulysses > 1)
     cp_comm      = what the K/V all-gathers and dK/dV reduce-scatters add to attention (cp > 1)
     sp_comm      = ulysses_comm + cp_comm
+    offload      = the host copies of the c checkpointed inputs (t b h bytes each, each way over
+                   ``host_bw``) not hidden behind a layer's forward (going) or recompute and backward
+                   (coming back), ``exposed`` in c pieces                       (offload levels)
 with tokens = the rank's share of its SP group's packs, c = checkpointed layers, sp = ulysses x cp.
 Backward costs twice the forward for matmuls and 2.5 times for flash attention; a checkpointed
 layer runs its forward once more, collectives included. The Ulysses all-to-alls sit on the critical
@@ -58,6 +63,8 @@ class Hardware:
     eff_attn: float = 0.50
     eff_link: float = 0.70
     link_latency_s: float = 20e-6
+    host_bw: float = 0.0
+    host_memory_bytes: float = 0.0
     source: str = ""
 
 
@@ -75,7 +82,9 @@ HARDWARE: dict[str, Hardware] = {
         80 * GB,
         450 * GB,
         50 * GB,
-        source="NVIDIA H100 SXM5 datasheet; DGX H100 (8x NVLink 4, 8x ConnectX-7 NDR 400)",
+        host_bw=50 * GB,
+        host_memory_bytes=2000 * GB,
+        source="NVIDIA H100 SXM5 datasheet; DGX H100 (8x NVLink 4, 8x ConnectX-7 NDR 400, PCIe Gen5 x16, 2 TB)",
     ),
     "h200": Hardware(
         "H200-141GB",
@@ -83,7 +92,9 @@ HARDWARE: dict[str, Hardware] = {
         141 * GB,
         450 * GB,
         50 * GB,
-        source="NVIDIA H200 SXM datasheet; DGX H200 (NVLink 4, ConnectX-7 NDR 400)",
+        host_bw=50 * GB,
+        host_memory_bytes=2000 * GB,
+        source="NVIDIA H200 SXM datasheet; DGX H200 (NVLink 4, ConnectX-7 NDR 400, PCIe Gen5 x16, 2 TB)",
     ),
     "a100": Hardware(
         "A100-80GB",
@@ -91,23 +102,36 @@ HARDWARE: dict[str, Hardware] = {
         80 * GB,
         300 * GB,
         25 * GB,
-        source="NVIDIA A100 SXM4 80GB datasheet; DGX A100 (NVLink 3, ConnectX-6 HDR 200)",
+        host_bw=25 * GB,
+        host_memory_bytes=2000 * GB,
+        source="NVIDIA A100 SXM4 80GB datasheet; DGX A100 (NVLink 3, ConnectX-6 HDR 200, PCIe Gen4 x16, 2 TB)",
     ),
 }
 
-# Activation memory, calibrated on the paper's Table 4 (LLaMA3.1-8B, H100-80GB, the minimum number
-# of checkpointed layers that fits ~78 GB at 32K/64K/128K and sp 2-16): a least-squares fit gives
-# 598 KB per token per non-checkpointed layer, which is 2.75 x the bf16 tensors a decoder layer
-# saves for backward (24*hidden + 8*intermediate + 4*kv_heads*head_dim bytes: norm inputs, q/k/v,
-# RoPE operands, attention output, MLP gate/up/act/product); the rest is fp32 norm copies,
-# temporaries and allocator fragmentation. A checkpointed layer keeps its bf16 input (2*hidden
-# bytes) plus the residual stream (2*hidden). The same fit puts 1.0 MB per token outside the
-# layers, which is vocab * 8 bytes: fp32 logits and their gradient. lit-hbp's chunked
-# cross-entropy never holds those; its LM head keeps one chunk of logits instead.
-ACTIVATION_FACTOR = 2.75
+# Activation memory: the tensors lit-hbp's forward keeps for the backward, counted op by op for a
+# Llama-style decoder layer (RMSNorm, q/k/v/o projections with RoPE, a gated MLP) in the model's
+# dtype of ``b`` bytes, per token and layer (``CostModel.layer_saved_bytes``):
+#   each RMSNorm: its input upcast to fp32 (4h), the normalized bf16 copy the weight multiplies and
+#     the output the next matmuls save (2 x b h)                                    2 x (4h + 2bh)
+#   attention: q and k after RoPE, v (the kernel's inputs), its output (o_proj's input is a view of
+#     it; the CPU sdpa backend keeps each document's output and their concatenation: 2 copies) and
+#     its fp32 log-sum-exp                                        b(q + 2kv) + b q copies + 4 heads
+#   gated MLP: gate, act(gate), up, act * up                                                 4 b i
+# checked against measured bytes on CPU (tests/test_memory_model.py: within 10% at 4096-8192 tokens,
+# sp 1 and Ulysses 2, 0-4 of 4 layers checkpointed, offload, 1-8 MLP tiles, fp32 and bf16). A
+# checkpointed layer keeps its input (b h), on the host with offload; its recompute holds one layer's
+# set again. The running layer's backward adds a working set (``working_bytes``): the gradients of
+# the residual stream and of the layer input (2 b h) and the largest of its phases (MLP, upcast norm,
+# attention with the SP kind's buffers). The LM head's phase (``head_bytes``) comes before the
+# layers' backward and holds one chunk of fp32 logits and their gradient (8 bytes per vocab entry).
+# The paper's framework (Tables 4 and 12) held 2.6x these activations (its temporaries and allocator
+# fragmentation) and all the logits: ``PAPER_ACTIVATION_OVERHEAD`` with ``logits="full"`` reproduces
+# its checkpoint counts at 32K on 32 H100s (sp 2/4/8/16: 28/21/7/0 layers; the paper: 28/23/8/0).
+PAPER_ACTIVATION_OVERHEAD = 2.6
 FULL_LOGITS_BYTES_PER_VOCAB = 8
 MEMORY_RESERVE_BYTES = 2 * GB  # CUDA context, NCCL buffers, allocator reserve
 FLASH_BACKWARD = 2.5  # flash-attention backward FLOPs / forward FLOPs
+ATTENTION_OUTPUT_COPIES = {"flash": 1, "sdpa": 2}
 
 
 @dataclass(frozen=True)
@@ -118,7 +142,16 @@ class CostModel:
     logits: "chunked" (lit-hbp: the LM head runs in chunks of ``ce_chunk`` tokens) or "full"
     (the whole [tokens, vocab] logits in fp32, as the paper's framework held them).
     sp_kind: how levels with sp > 1 and no context parallelism split a pack
-        (``lit_hbp.parallel.kind``), for its traffic; levels with cp > 1 run the ``cp`` kind."""
+        (``lit_hbp.parallel.kind``), for its traffic; levels with cp > 1 run the ``cp`` kind.
+    dtype_bytes: bytes of the model's parameters and activations (2: bf16; 4: fp32).
+    attention: "flash" (a kernel keeping one output) or "sdpa" (lit-hbp's per-document fallback on CPU).
+    activation_overhead: multiplies the activations, for a framework that keeps more than the tensors
+        counted here (``PAPER_ACTIVATION_OVERHEAD``).
+    liger: the model runs Liger's RMSNorm (keeps its bf16 input and an fp32 rstd per row, no fp32 copy)
+        and SwiGLU (keeps gate and up, recomputes the activation), ``HBPLitModule(liger=True)``: from
+        Liger-Kernel's ``LigerRMSNormFunction`` / ``LigerSiLUMulFunction`` ``save_for_backward``; GPU
+        only, so not measured on CPU.
+    optimizer_offload: DeepSpeed's ``offload_optimizer`` to the host: the Adam states leave the GPU."""
 
     model: ModelSpec
     hardware: Hardware
@@ -128,12 +161,19 @@ class CostModel:
     ce_chunk: int = 2048
     grad_sync_overlap: float = 0.5
     sp_kind: str = "ulysses"
+    dtype_bytes: int = 2
+    attention: str = "flash"
+    activation_overhead: float = 1.0
+    liger: bool = False
+    optimizer_offload: bool = False
 
     # ----------------------------------------------------------------------------- time
 
-    def dense_seconds(self, tokens: float, ckpt: int) -> float:
+    def dense_seconds(self, tokens: float, ckpt: int, tiles: int = 1) -> float:
         m = self.model
         recompute = ckpt * 2.0 * m.layer_params * tokens  # the checkpointed layers' second forward
+        if tiles > 1:  # a tiled MLP runs its forward once more in the backward, tile by tile
+            recompute = recompute + m.layers * 2.0 * 3 * m.hidden * m.intermediate * tokens
         flops = m.train_flops(tokens, 0.0, tokens) + recompute
         return flops / (self.hardware.peak_flops * self.hardware.eff_dense)
 
@@ -189,15 +229,19 @@ class CostModel:
     def sp_comm_seconds(self, tokens, sp: int, ckpt: int, cp: int = 1, sum_sq=None):
         return sum(self.comm_parts(tokens, sp, ckpt, cp, sum_sq).values())
 
-    def micro_step(self, tokens, sum_sq, sp: int, ckpt: int, cp: int = 1) -> dict:
+    def micro_step(
+        self, tokens, sum_sq, sp: int, ckpt: int, cp: int = 1, offload: bool = False, tiles: int = 1
+    ) -> dict:
         """Seconds of one rank for a micro-step: dense, attention, sp_comm (with its parts
-        ulysses_comm and cp_comm) and the total. ``tokens`` and ``sum_sq`` may be numpy arrays
-        (one entry per rank or SP group); ``cp`` is the level's context-parallel degree."""
+        ulysses_comm and cp_comm), offload (the host copies' exposed part) and the total. ``tokens``
+        and ``sum_sq`` may be numpy arrays (one entry per rank or SP group); ``cp`` is the level's
+        context-parallel degree."""
         comm = self.comm_parts(tokens, sp, ckpt, cp, sum_sq)
         parts = dict(
-            dense=self.dense_seconds(tokens, ckpt),
+            dense=self.dense_seconds(tokens, ckpt, tiles),
             attention=self.attention_seconds(sum_sq, sp, ckpt),
             sp_comm=comm["ulysses_comm"] + comm["cp_comm"],
+            offload=self.offload_seconds(tokens, ckpt, sum_sq, sp) if offload else 0.0 * tokens,
         )
         parts["total"] = sum(parts.values())
         return {**parts, **comm}
@@ -214,32 +258,144 @@ class CostModel:
 
     # --------------------------------------------------------------------------- memory
 
+    def static_parts(self) -> dict:
+        """Parameters and gradients (model dtype) and Adam states (fp32 master, m, v) per rank, as ZeRO
+        partitions them over the world."""
+        p, n, z, b = self.model.params, self.world, self.zero_stage, self.dtype_bytes
+        master = 4 if b < 4 else 0  # fp32 training keeps no master copy
+        return dict(
+            params=b * p / (n if z >= 3 else 1),
+            grads=b * p / (n if z >= 2 else 1),
+            optimizer=0.0 if self.optimizer_offload else (master + 8) * p / (n if z >= 1 else 1),
+        )
+
     def static_bytes(self) -> float:
-        """Parameters (bf16), gradients (bf16) and Adam states (fp32 master, m, v) per rank."""
-        p, n, z = self.model.params, self.world, self.zero_stage
-        params = 2 * p / (n if z >= 3 else 1)
-        grads = 2 * p / (n if z >= 2 else 1)
-        states = 12 * p / (n if z >= 1 else 1)
-        return params + grads + states
+        return sum(self.static_parts().values())
 
-    def activation_bytes_per_token_layer(self) -> float:
-        m = self.model
-        saved = 24 * m.hidden + 8 * m.intermediate + 4 * m.kv_heads * m.dim
-        return ACTIVATION_FACTOR * saved
+    def layer_saved_bytes(self, tiles: int = 1) -> float:
+        """Bytes per token a decoder layer keeps for its backward (the table above)."""
+        m, b = self.model, self.dtype_bytes
+        q, kv = m.heads * m.dim, m.kv_heads * m.dim
+        norms = 2 * (self._norm_input() + 2 * b * m.hidden)
+        attention = b * (q + 2 * kv) + b * q * ATTENTION_OUTPUT_COPIES[self.attention] + 4 * m.heads
+        mlp = (2 if self.liger else 4) * b * m.intermediate if tiles == 1 else 0
+        return self.activation_overhead * (norms + attention + mlp)
 
-    def memory_bytes(self, pack_len: int, sp: int, ckpt: int, packs_per_rank: int = 1) -> float:
-        """Peak bytes per rank training packs of ``pack_len`` tokens at this sp and checkpointing."""
-        m = self.model
+    def _norm_input(self) -> float:
+        """Bytes per token an RMSNorm keeps beyond two model-dtype rows: Hugging Face's keeps an fp32
+        copy of its input (the two rows: the normalized copy the weight multiplies, the output); Liger's
+        keeps an fp32 rstd (the two rows: its input, the output)."""
+        return 4 if self.liger else 4 * self.model.hidden
+
+    def _upcast(self) -> float:
+        """fp32 temporaries of an upcasting RMSNorm's backward (none in fp32 or with Liger)."""
+        return 8 * self.model.hidden if self.dtype_bytes < 4 and not self.liger else 0
+
+    def working_bytes(self, tokens: float, sp: int, cp: int = 1, tiles: int = 1) -> float:
+        """Transient bytes of the running layer's backward on a rank of ``tokens`` tokens."""
+        m, b = self.model, self.dtype_bytes
+        q, kv = m.heads * m.dim, m.kv_heads * m.dim
+        # Phases of the backward, at their largest: the MLP's (it frees its saved set as it makes
+        # gradients, 1.5 b i beyond it; a tiled one recomputes a tile and keeps its input gradient
+        # whole), an upcast RMSNorm's fp32 backward (8h) with attention's input gradients alive, and
+        # attention's: dq, dk, dv, the all-to-all's other copy of them (Ulysses), the K/V gathered
+        # from the CP group and their fp32 gradients (CP).
+        mlp = 1.5 * b * m.intermediate if tiles == 1 else 2.5 * b * m.intermediate / tiles + b * m.hidden
+        norm = self._upcast() + b * (q + 2 * kv) if self._upcast() else 0
+        attention = b * (q + 2 * kv) * (2 if sp // cp > 1 else 1) + (2 * kv * (b + 4) * cp if cp > 1 else 0)
+        per_token = 2 * b * m.hidden + max(mlp, norm, attention)
+        return self.activation_overhead * per_token * tokens
+
+    def head_bytes(self, tokens: float) -> float:
+        """The LM head's phase: the final norm's saved set, the hidden rows the chunked loss keeps, the
+        RoPE tables, one chunk's fp32 logits and gradient (all the logits with ``logits="full"``), and
+        the final norm's backward (the hidden gradient, fp32 temporaries when upcast)."""
+        m, b = self.model, self.dtype_bytes
+        saved = tokens * (self._norm_input() + 3 * b * m.hidden + 2 * b * m.dim + 2 * b * m.hidden + self._upcast())
+        rows = tokens if self.logits == "full" else min(tokens, self.ce_chunk)
+        return saved + rows * m.vocab * FULL_LOGITS_BYTES_PER_VOCAB
+
+    def memory_parts(
+        self,
+        pack_len: int,
+        sp: int,
+        ckpt: int,
+        packs_per_rank: int = 1,
+        offload: bool = False,
+        tiles: int = 1,
+        cp: int = 1,
+    ) -> dict:
+        """Peak bytes per rank of a level, by part: ``params``, ``grads``, ``optimizer`` (ZeRO),
+        ``layers`` (what the layers run without checkpointing keep), ``checkpointed`` (checkpointed
+        layers' inputs on the device: all of them, or with ``offload`` the one being recomputed; the
+        prefetched one arrives as the recompute's working set is freed), ``recompute`` (a checkpointed
+        layer's set, rebuilt in its backward),
+        ``working`` (the running layer's transients), ``head`` and ``reserve``; and ``host`` (the
+        offloaded inputs, in host memory: not part of the device total). ``memory_bytes`` adds them up,
+        the head's phase and the layers' backward phase (recompute + working) taken at their larger."""
+        m, b = self.model, self.dtype_bytes
         tokens = pack_len * packs_per_rank / sp
-        layers = tokens * ((m.layers - ckpt) * self.activation_bytes_per_token_layer() + ckpt * 4 * m.hidden)
-        if self.logits == "full":
-            head = tokens * m.vocab * FULL_LOGITS_BYTES_PER_VOCAB
-        else:
-            head = min(tokens, self.ce_chunk) * m.vocab * FULL_LOGITS_BYTES_PER_VOCAB + tokens * 4 * m.hidden
-        return self.static_bytes() + layers + head + MEMORY_RESERVE_BYTES
+        saved = tokens * self.layer_saved_bytes(tiles)
+        plain = m.layers - ckpt
+        on_device = min(ckpt, 1) if offload else ckpt
+        parts = dict(self.static_parts())
+        parts.update(
+            layers=plain * saved,
+            checkpointed=on_device * tokens * b * m.hidden,
+            recompute=saved if ckpt and plain == 0 else 0.0,
+            working=self.working_bytes(tokens, sp, cp, tiles),
+            head=self.head_bytes(tokens),
+            reserve=MEMORY_RESERVE_BYTES,
+        )
+        parts["host"] = (ckpt if offload else 0) * tokens * b * m.hidden
+        return parts
 
-    def fits(self, pack_len: int, sp: int, ckpt: int, packs_per_rank: int = 1) -> bool:
-        return self.memory_bytes(pack_len, sp, ckpt, packs_per_rank) <= self.hardware.memory_bytes
+    def memory_bytes(
+        self,
+        pack_len: int,
+        sp: int,
+        ckpt: int,
+        packs_per_rank: int = 1,
+        offload: bool = False,
+        tiles: int = 1,
+        cp: int = 1,
+    ) -> float:
+        """Peak bytes per rank training packs of ``pack_len`` tokens at this sp, checkpointing, offload and tiles."""
+        p = self.memory_parts(pack_len, sp, ckpt, packs_per_rank, offload, tiles, cp)
+        phases = max(p["head"], p["recompute"] + p["working"])  # the LM head's backward runs before the layers'
+        return p["params"] + p["grads"] + p["optimizer"] + p["layers"] + p["checkpointed"] + phases + p["reserve"]
+
+    def host_fits(self, pack_len: int, sp: int, ckpt: int, packs_per_rank: int = 1) -> bool:
+        """Whether the node's host memory holds its GPUs' offloaded inputs (all checkpointed)."""
+        hw = self.hardware
+        per_gpu = self.memory_parts(pack_len, sp, ckpt, packs_per_rank, offload=True)["host"]
+        return not hw.host_memory_bytes or per_gpu * hw.gpus_per_node <= hw.host_memory_bytes
+
+    def fits(
+        self,
+        pack_len: int,
+        sp: int,
+        ckpt: int,
+        packs_per_rank: int = 1,
+        offload: bool = False,
+        tiles: int = 1,
+        cp: int = 1,
+    ) -> bool:
+        device = self.memory_bytes(pack_len, sp, ckpt, packs_per_rank, offload, tiles, cp) <= self.hardware.memory_bytes
+        return device and (not offload or self.host_fits(pack_len, sp, ckpt, packs_per_rank))
+
+    def offload_seconds(self, tokens, ckpt: int, sum_sq=None, sp: int = 1) -> float:
+        """Exposed seconds of a micro-step's offload copies: each checkpointed layer's input goes to
+        the host during the forward and comes back during the backward on the side stream, behind the
+        compute of one layer (its forward; the next layer's recompute and backward)."""
+        if not ckpt or not self.hardware.host_bw:
+            return 0.0 * tokens
+        m = self.model
+        copy = tokens * self.dtype_bytes * m.hidden / self.hardware.host_bw
+        forward = self.dense_seconds(tokens, 0) / 3 / m.layers
+        if sum_sq is not None:
+            forward = forward + self.attention_forward_seconds(sum_sq, sp)
+        return exposed(ckpt * copy, ckpt * forward, ckpt) + exposed(ckpt * copy, ckpt * 3 * forward, ckpt)
 
 
 def exposed(comm, compute, pieces: int):

@@ -29,10 +29,12 @@ from lit_hbp.causal_lm import (
     packed_loss,
     prepare_model,
     set_checkpointing,
+    set_mlp_tiles,
 )
 from lit_hbp.checks import check_model_source, check_module_positions
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.loss import NORMALIZERS
+from lit_hbp.memory import fit_warnings
 from lit_hbp.meter import StepMeter, logs_now
 from lit_hbp.model_spec import ModelSpec
 
@@ -48,6 +50,14 @@ def adamw_kind(params: list[torch.Tensor], device: torch.device | None = None) -
     on_cuda = device.type == "cuda" if device is not None else all(p.is_cuda for p in params)
     fused = bool(params) and on_cuda and all(p.is_floating_point() for p in params)
     return "fused" if fused else "for-loop"
+
+
+def device_memory(device: torch.device) -> float | None:
+    """Bytes of a GPU's memory, what ``fit`` checks each level's predicted peak against (None off GPUs:
+    a CPU run shares the host's memory with everything else)."""
+    if device.type != "cuda":
+        return None
+    return float(torch.cuda.get_device_properties(device).total_memory)
 
 
 def optimizer_device(strategy) -> torch.device:
@@ -239,9 +249,10 @@ class HBPLitModule(L.LightningModule):
     def num_layers(self) -> int:
         return len(self._layers)
 
-    def set_checkpointing(self, ckpt_layers: int) -> None:
-        """Checkpoint the first ``ckpt_layers`` decoder layers, run the rest normally."""
-        set_checkpointing(self.model, ckpt_layers)
+    def set_checkpointing(self, ckpt_layers: int, offload: bool = False) -> None:
+        """Checkpoint the first ``ckpt_layers`` decoder layers (their inputs on the host with ``offload``),
+        run the rest normally."""
+        set_checkpointing(self.model, ckpt_layers, offload)
 
     def on_train_start(self) -> None:
         self.model.train()  # whatever ran before (a user's callback, a validation) left it in
@@ -263,6 +274,17 @@ class HBPLitModule(L.LightningModule):
                     f"level {i} (pack_len {lv.pack_len}) uses sequence parallelism {lv.sp}, which "
                     f"{type(strategy).__name__} cannot run: train with lit_hbp.strategy.HBPStrategy"
                 )
+        tiles = max((lv.mlp_tiles for lv in levels), default=1)
+        if tiles > 1:  # a model without token-wise MLPs refuses now, not at the first long step
+            set_mlp_tiles(self.model, tiles)
+            set_mlp_tiles(self.model, 1)
+        capacity = device_memory(self.device)
+        if capacity and levels and self._spec is not None:
+            dtype_bytes = next(self.model.parameters()).element_size()
+            for line in fit_warnings(
+                self.trainer, self._spec, self.hparams.liger, self.hparams.ce_chunk_size, dtype_bytes, capacity
+            ):
+                rank_zero_warn(f"{line} (python -m lit_hbp.memory prints every level's parts)")
         if self.hparams.liger and getattr(strategy, "zero_stage_3", False):
             raise ValueError(
                 "liger=True: the fused linear cross-entropy reads the LM head's weight, which ZeRO-3 partitions; "

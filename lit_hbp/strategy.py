@@ -91,7 +91,10 @@ def without_overflow_check(config: dict[str, Any], asked: bool) -> dict[str, Any
 def _plan_fields(levels) -> list[tuple]:
     """What the data module's plan and the strategy's groups must agree on (a layout left to the
     default on one side is filled in the same way on the other)."""
-    return [(lv.pack_len, lv.sp, lv.ckpt_layers, lv.packs_per_rank) for lv in map(as_level, levels)]
+    return [
+        (lv.pack_len, lv.sp, lv.ckpt_layers, lv.packs_per_rank, lv.offload, lv.mlp_tiles)
+        for lv in map(as_level, levels)
+    ]
 
 
 def trained_model(module, levels: list[Level]):
@@ -278,6 +281,13 @@ class HBPStrategy(DeepSpeedStrategy):
             node_size,
         )
         self.levels = layout_levels([as_level(x) for x in levels], cfg, node_size)
+        for i, lv in enumerate(self.levels):
+            if lv.mlp_tiles > 1 and self.zero_stage_3:
+                raise ValueError(
+                    f"level {i} (pack_len {lv.pack_len}) has mlp_tiles {lv.mlp_tiles}: a tiled MLP's backward reads "
+                    "the MLP's weights whole, which ZeRO-3 partitions; use ZeRO stage 0-2 (with offload_optimizer "
+                    "for room) or mlp_tiles 1"
+                )
         degrees = [(lv.sp, lv.layout[1]) for lv in self.levels]
         if self.sp_groups is None:
             self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank)
@@ -291,7 +301,10 @@ class HBPStrategy(DeepSpeedStrategy):
         self.config = without_idle_overlap(self.config, self.world_size, self._overlap_comm_asked)
         rank_zero_info(
             "HBPStrategy levels: "
-            + ", ".join(f"{lv.pack_len} tokens sp {lv.sp}{lv.layout_note} ckpt {lv.ckpt_layers}" for lv in self.levels)
+            + ", ".join(
+                f"{lv.pack_len} tokens sp {lv.sp}{lv.layout_note} ckpt {lv.ckpt_layers}{lv.memory_note}"
+                for lv in self.levels
+            )
             + f"; ZeRO stage {self.zero_stage_3 and 3 or self.config['zero_optimization']['stage']}"
         )
         super().setup(trainer)

@@ -17,6 +17,7 @@ from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.loss import chunked_cross_entropy
 from lit_hbp.module import HBPLitModule
+from lit_hbp.tiling import TiledMLP
 
 TINY = {
     "model_type": "llama",
@@ -380,3 +381,48 @@ def test_configure_optimizers_uses_and_logs_the_chosen_adamw(kind, monkeypatch, 
     assert seen == [sum(1 for p in module.model.parameters() if p.requires_grad)]
     assert optimizer.defaults["fused"] is (True if kind == "fused" else None)
     assert f"optimizer: AdamW ({kind})" in caplog.text
+
+
+def test_fit_trains_offloaded_tiled_levels_and_warns_of_one_that_will_not_fit(
+    chat_data, toy_tokenizer, tmp_path, monkeypatch
+):
+    """A level's offload and mlp_tiles reach the model at every micro-step; on a GPU whose memory a level's
+    predicted peak exceeds, fit warns naming the level (the GPU's memory faked: 1.5 GiB, less than the
+    2 GB the cost model reserves for a CUDA context)."""
+    import lit_hbp.module as module_mod
+    from lit_hbp import offload as offload_mod
+
+    monkeypatch.setattr(module_mod, "device_memory", lambda device: 1.5 * 2**30)
+    packed = []
+    pack = offload_mod.HostOffload._pack
+    monkeypatch.setattr(offload_mod.HostOffload, "_pack", lambda self, t: packed.append(t.shape) or pack(self, t))
+    tiled = []
+    tiled_forward = TiledMLP.forward
+    monkeypatch.setattr(
+        TiledMLP, "forward", staticmethod(lambda ctx, f, n, *a: tiled.append(n) or tiled_forward(ctx, f, n, *a))
+    )
+    dm = HBPDataModule(
+        sources=[{"path": str(chat_data)}],
+        tokenizer=toy_tokenizer,
+        levels=[{"pack_len": 40}, {"pack_len": 256, "ckpt_layers": 3, "offload": True, "mlp_tiles": 4}],
+        cache_dir=str(tmp_path / "cache"),
+    )
+    module = make_module(vocab=dm.vocab_size)
+    seen = []
+
+    class Levels(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((batch.level, batch.offload, batch.mlp_tiles))
+
+    trainer = quiet_trainer(devices=1, max_epochs=1, callbacks=[Levels()])
+    with pytest.warns(UserWarning) as warned:
+        trainer.fit(module, dm)
+    lines = [str(w.message) for w in warned if "will not fit" in str(w.message)]
+    assert len(lines) == 2 and "level 0 (40 tokens, sp 1, ckpt 0) will not fit: 1.9 GiB" in lines[0]
+    assert "level 1 (256 tokens, sp 1, ckpt 3 offload mlp_tiles 4) will not fit" in lines[1]
+    assert "the device has 1.5 GiB" in lines[1] and "raise mlp_tiles, sp or the ZeRO stage" in lines[1]
+    assert (1, True, 4) in seen and (0, False, 1) in seen
+    hidden = module.model.config.hidden_size
+    level1 = sum(1 for level, _, _ in seen if level == 1)
+    assert len(packed) == 3 * level1 and all(shape[-1] == hidden for shape in packed)  # 3 inputs per step, to the host
+    assert tiled and set(tiled) == {4}  # only the 256-token level's MLPs ran tiled

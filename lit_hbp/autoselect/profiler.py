@@ -53,13 +53,20 @@ class AnalyticProfiler:
         self.lengths = np.asarray(lengths)
         self.seed = seed
         self.capacity = cost.hardware.memory_bytes
+        self.tiles_allowed = cost.zero_stage < 3  # ZeRO-3's partitioned weights cannot enter a TiledMLP
         self._stats: dict[tuple[int, int, int], tuple[float, float]] = {}
 
-    def measure(self, pack_len: int, sp: int, ckpt_layers: int, cp: int = 1) -> Measurement:
+    memory_settings = True
+    """It prices offload and MLP tiles too (``search.fit_memory`` tries them)."""
+
+    def measure(
+        self, pack_len: int, sp: int, ckpt_layers: int, cp: int = 1, offload: bool = False, tiles: int = 1
+    ) -> Measurement:
         key = (pack_len, sp, cp) if cp > 1 else (pack_len, 1, 1)  # only CP splits depend on the layout
         if key not in self._stats:
             self._stats[key] = pack_stats(self.lengths, pack_len, self.seed, sp=key[1], cp=key[2])
         tokens, sum_sq = self._stats[key]
-        memory = self.cost.memory_bytes(pack_len, sp, ckpt_layers)
-        seconds = self.cost.micro_step(tokens / sp, sum_sq, sp, ckpt_layers, cp)["total"]
-        return Measurement(seconds, memory, tokens / sp, memory <= self.capacity)
+        memory = self.cost.memory_bytes(pack_len, sp, ckpt_layers, 1, offload, tiles, cp)
+        seconds = self.cost.micro_step(tokens / sp, sum_sq, sp, ckpt_layers, cp, offload, tiles)["total"]
+        fits = memory <= self.capacity and (not offload or self.cost.host_fits(pack_len, sp, ckpt_layers))
+        return Measurement(seconds, memory, tokens / sp, fits)

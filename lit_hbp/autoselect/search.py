@@ -12,7 +12,7 @@ one rank, no SP traffic) and l2 = l_max / sp_max when l2 > l_best.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -34,10 +34,16 @@ class Candidate:
     measurement: Measurement | None
     note: str = ""
     cp: int = 1
+    offload: bool = False
+    tiles: int = 1
 
     @property
     def layout(self) -> str:
         return str(self.sp) if self.cp == 1 else f"{self.sp}={self.sp // self.cp}x{self.cp}"
+
+    @property
+    def memory_note(self) -> str:
+        return (" offload" if self.offload else "") + (f" tiles {self.tiles}" if self.tiles > 1 else "")
 
     @property
     def tokens_per_second(self) -> float:
@@ -59,9 +65,10 @@ class Selection:
             mem = "-" if m is None or m.memory is None else f"{m.memory / GIB:.1f}"
             sec = "-" if m is None or not math.isfinite(m.seconds) else f"{m.seconds:.3f}"
             ck = "-" if c.ckpt_layers is None else str(c.ckpt_layers)
-            rows.append(
-                f"{c.pack_len:>9} {c.layout:>8} {ck:>5} {sec:>9} {mem:>8} {c.tokens_per_second:>10.0f}  {c.note}"
+            note = (
+                c.memory_note.strip() + "; " + c.note if c.memory_note and c.note else c.memory_note.strip() or c.note
             )
+            rows.append(f"{c.pack_len:>9} {c.layout:>8} {ck:>5} {sec:>9} {mem:>8} {c.tokens_per_second:>10.0f}  {note}")
         return "\n".join(rows)
 
     def yaml(self) -> str:
@@ -72,7 +79,10 @@ class Selection:
                 kind = f", ulysses: {u}, cp: {cp}" if cp > 1 else ""
             else:
                 kind = f", sp_kind: {lv.sp_kind}" if lv.sp > 1 else ""
-            lines.append(f"  - {{pack_len: {lv.pack_len}, sp: {lv.sp}, ckpt_layers: {lv.ckpt_layers}{kind}}}")
+            memory = (", offload: true" if lv.offload else "") + (
+                f", mlp_tiles: {lv.mlp_tiles}" if lv.mlp_tiles > 1 else ""
+            )
+            lines.append(f"  - {{pack_len: {lv.pack_len}, sp: {lv.sp}, ckpt_layers: {lv.ckpt_layers}{memory}{kind}}}")
         return "\n".join(lines) + "\n"
 
 
@@ -117,6 +127,63 @@ def greedy_profile_ckpt(
     return c, trace
 
 
+TILE_STEPS = (2, 4, 8, 16, 32, 64)
+"""MLP tile counts the search tries, in order, once offload alone is not enough."""
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """How a level fits: checkpointed layers, offload, MLP tiles."""
+
+    ckpt: int
+    offload: bool = False
+    tiles: int = 1
+
+
+def fit_memory(
+    profiler: Profiler, pack_len: int, sp: int, c_min: int, c_max: int, margin: float = 0.0, cp: int = 1
+) -> tuple[MemoryFit | None, list[Candidate]]:
+    """The paper's Algorithm 4 (the fewest checkpointed layers that fit), then, when every layer
+    checkpointed is not enough and the profiler prices them (``memory_settings``): offload of the
+    checkpointed inputs, then offload with the fewest MLP tiles (``TILE_STEPS``) that fit."""
+    ckpt, trace = greedy_profile_ckpt(profiler, pack_len, sp, c_min, c_max, margin, cp)
+    if ckpt is not None:
+        return MemoryFit(ckpt), trace
+    if not getattr(profiler, "memory_settings", False) or c_max == 0:
+        return None, trace
+    steps = TILE_STEPS if getattr(profiler, "tiles_allowed", True) else ()
+    for tiles in (1, *steps):
+        if tiles > pack_len // sp:
+            break
+        m = profiler.measure(pack_len, sp, c_max, cp, offload=True, tiles=tiles)
+        trace.append(Candidate(pack_len, sp, c_max, m, "memory probe", cp, True, tiles))
+        if m.fits and m.memory is not None and profiler.capacity - m.memory >= margin:
+            return MemoryFit(c_max, True, tiles), trace
+    return None, trace
+
+
+def why_not_fits(cost, level: Level) -> str:
+    """What a level needs beyond the device with every layer checkpointed, offloaded and the MLP in
+    the most tiles the search tries: the parts of its predicted memory, largest first."""
+    hw = cost.hardware
+    tiles = min(TILE_STEPS[-1], level.pack_len // level.sp)
+    layers, cp = cost.model.layers, level.layout[1]
+    parts = cost.memory_parts(level.pack_len, level.sp, layers, level.packs_per_rank, True, tiles, cp)
+    total = cost.memory_bytes(level.pack_len, level.sp, layers, level.packs_per_rank, True, tiles, cp)
+    host = parts.pop("host") * hw.gpus_per_node
+    if hw.host_memory_bytes and host > hw.host_memory_bytes and total <= hw.memory_bytes:
+        return (
+            f"its offloaded inputs need {host / GIB:.0f} GiB of host memory per node, the node has "
+            f"{hw.host_memory_bytes / GIB:.0f} GiB"
+        )
+    top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
+    return (
+        f"{total / GIB:.1f} GiB per GPU predicted with all {layers} layers checkpointed and offloaded and "
+        f"{tiles} MLP tiles, the {hw.name} has {hw.memory_bytes / GIB:.1f} GiB ({top} GiB): a larger sp or "
+        "ZeRO stage, or a shorter level"
+    )
+
+
 def find_best_sp_ckpt(
     profiler: Profiler, pack_len: int, sp_candidates, c_min: int, c_max: int, margin: float = 0.0
 ) -> tuple[Candidate | None, list[Candidate]]:
@@ -128,20 +195,20 @@ def find_best_sp_ckpt(
         sp, cp = as_layout(layout)
         if pack_len % sp:
             continue
-        ckpt, trace = greedy_profile_ckpt(profiler, pack_len, sp, c_min, c_max, margin, cp)
-        if ckpt is None:
-            oom = "OOM even with all layers checkpointed"
+        fit, trace = fit_memory(profiler, pack_len, sp, c_min, c_max, margin, cp)
+        if fit is None:
+            extra = ", offloaded and tiled" if getattr(profiler, "memory_settings", False) else ""
+            oom = f"OOM even with all layers checkpointed{extra}"
             rows.append(Candidate(pack_len, sp, None, trace[-1].measurement, oom, cp))
             continue
-        cand = Candidate(pack_len, sp, ckpt, profiler.measure(pack_len, sp, ckpt, cp), "", cp)
+        settings = dict(offload=fit.offload, tiles=fit.tiles) if fit.offload else {}
+        m = profiler.measure(pack_len, sp, fit.ckpt, cp, **settings)
+        cand = Candidate(pack_len, sp, fit.ckpt, m, "", cp, fit.offload, fit.tiles)
         rows.append(cand)
         if best is None or cand.tokens_per_second > best.tokens_per_second:
             best = cand
     if best is not None:
-        rows = [
-            Candidate(c.pack_len, c.sp, c.ckpt_layers, c.measurement, "best" if c is best else c.note, c.cp)
-            for c in rows
-        ]
+        rows = [replace(c, note="best" if c is best else c.note) for c in rows]
         best = next(c for c in rows if c.note == "best")
     return best, rows
 
@@ -199,11 +266,12 @@ def auto_select(
 def candidate_level(c: Candidate, sp_kind: str) -> Level:
     """The level of a chosen candidate, with its (ulysses, cp) layout when it has CP (plain Ulysses
     is what a level without a layout resolves to wherever the heads allow it)."""
+    memory = dict(offload=c.offload, mlp_tiles=c.tiles)
     if sp_kind in LAYOUT_KINDS and c.cp > 1:
-        return Level(c.pack_len, c.sp, c.ckpt_layers, ulysses=c.sp // c.cp, cp=c.cp)
+        return Level(c.pack_len, c.sp, c.ckpt_layers, ulysses=c.sp // c.cp, cp=c.cp, **memory)
     if sp_kind in LAYOUT_KINDS:
-        return Level(c.pack_len, c.sp, c.ckpt_layers)
-    return Level(c.pack_len, c.sp, c.ckpt_layers, sp_kind=sp_kind)
+        return Level(c.pack_len, c.sp, c.ckpt_layers, **memory)
+    return Level(c.pack_len, c.sp, c.ckpt_layers, sp_kind=sp_kind, **memory)
 
 
 def default_candidates(lengths, largest: int | None = None) -> list[int]:

@@ -97,6 +97,10 @@ class PackedBatch:
     group; 1.0 without CP)."""
     ckpt_layers: int = 0
     """Decoder layers to run with activation checkpointing at this level."""
+    offload: bool = False
+    """Keep the checkpointed layers' inputs in host memory until their recompute (``lit_hbp.offload``)."""
+    mlp_tiles: int = 1
+    """Tiles each decoder layer's MLP runs this shard's tokens in (``lit_hbp.tiling``; 1: untiled)."""
     epoch: int = 0
     micro_index: int = 0
     """Micro-step of the epoch's plan (for resume and debugging)."""

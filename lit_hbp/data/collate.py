@@ -28,6 +28,8 @@ def collate_packs(
     pad_id: int = 0,
     level: int = 0,
     ckpt_layers: int = 0,
+    offload: bool = False,
+    mlp_tiles: int = 1,
     loss_norm: float | None = None,
     epoch: int = 0,
     micro_index: int = 0,
@@ -78,6 +80,8 @@ def collate_packs(
         cp=cp,
         sp_rank=0,
         ckpt_layers=ckpt_layers,
+        offload=offload,
+        mlp_tiles=mlp_tiles,
         epoch=epoch,
         micro_index=micro_index,
     )

@@ -53,7 +53,15 @@ class MicroBatchDataset(Dataset):
     def __getitem__(self, item: tuple[int, int, MicroBatch]) -> PackedBatch:
         epoch, k, mb = item
         lv = self.levels[mb.level]
-        plan = dict(level=mb.level, ckpt_layers=lv.ckpt_layers, loss_norm=mb.loss_norm, micro_index=k, epoch=epoch)
+        plan = dict(
+            level=mb.level,
+            ckpt_layers=lv.ckpt_layers,
+            offload=lv.offload,
+            mlp_tiles=lv.mlp_tiles,
+            loss_norm=mb.loss_norm,
+            micro_index=k,
+            epoch=epoch,
+        )
         batch = collate_packs(
             mb.packs, self.store.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=self.pad_id, **plan
         )

@@ -26,6 +26,12 @@ class Level:
     sp_kind: how a pack is split over its SP group when sp > 1: ``ulysses`` (default), ``cp``
         (Ulysses x context parallelism) or the class path of an ``lit_hbp.parallel.kind.SPKind``
         subclass. The plan does not depend on it.
+    offload: keep the inputs of the checkpointed layers in host memory (pinned, copied on a side stream)
+        from their forward to their recompute, instead of on the device: for levels whose
+        checkpointed inputs alone fill the device. Needs ckpt_layers > 0.
+    mlp_tiles: run each decoder layer's MLP over the rank's tokens in this many tiles, recomputing a
+        tile's intermediate in the backward, so a layer's working set stops growing with the pack
+        (1: untiled).
     ulysses, cp: the layout of sp = ulysses x cp for the built-in kinds: Ulysses all-to-all over
         ``ulysses`` ranks (inside a node), context parallelism over ``cp`` (across). Give one, both or
         neither: by default (``resolve_layout``, once the model is known) Ulysses takes the largest
@@ -39,11 +45,15 @@ class Level:
     sp_kind: str = "ulysses"
     ulysses: int | None = None
     cp: int | None = None
+    offload: bool = False
+    mlp_tiles: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp_kind, str) or not self.sp_kind:
             raise TypeError(f"Level.sp_kind must be a non-empty string, got {self.sp_kind!r}")
-        for name in ("pack_len", "sp", "ckpt_layers", "packs_per_rank", "ulysses", "cp"):
+        if not isinstance(self.offload, bool):
+            raise TypeError(f"Level.offload must be true or false, got {self.offload!r}")
+        for name in ("pack_len", "sp", "ckpt_layers", "packs_per_rank", "ulysses", "cp", "mlp_tiles"):
             value = getattr(self, name)
             if value is None and name in ("ulysses", "cp"):
                 continue
@@ -57,8 +67,19 @@ class Level:
             raise ConfigError(f"Level.ckpt_layers must be >= 0, got {self.ckpt_layers}")
         if self.packs_per_rank < 1:
             raise ConfigError(f"Level.packs_per_rank must be >= 1, got {self.packs_per_rank}")
+        if self.mlp_tiles < 1:
+            raise ConfigError(f"Level.mlp_tiles must be >= 1, got {self.mlp_tiles}")
+        if self.offload and self.ckpt_layers == 0:
+            raise ConfigError(
+                "Level.offload keeps the checkpointed layers' inputs on the host, and this level checkpoints none "
+                "(ckpt_layers 0): give ckpt_layers (offload usually goes with every layer checkpointed)"
+            )
         if self.pack_len < self.sp:
             raise ConfigError(f"Level.pack_len ({self.pack_len}) is smaller than its sp degree ({self.sp})")
+        if self.mlp_tiles > self.pack_len // self.sp:
+            raise ConfigError(
+                f"Level.mlp_tiles ({self.mlp_tiles}) exceeds the tokens of a rank ({self.pack_len} / sp {self.sp})"
+            )
         self._fill_layout()
 
     def _fill_layout(self) -> None:
@@ -89,6 +110,11 @@ class Level:
         return f" (ulysses {u} x cp {cp})" if cp > 1 else ""
 
     @property
+    def memory_note(self) -> str:
+        """`` offload`` / `` mlp_tiles N`` where the level has them, else empty: for logs."""
+        return (" offload" if self.offload else "") + (f" mlp_tiles {self.mlp_tiles}" if self.mlp_tiles > 1 else "")
+
+    @property
     def layout(self) -> tuple[int, int]:
         """(ulysses, cp) of the level (cp 1 until ``resolve_layout`` fills in a default one)."""
         return (self.ulysses, self.cp) if self.cp is not None else (self.sp, 1)
@@ -115,8 +141,8 @@ def _parse_count(text: str) -> int:
     return int(digits) * scale
 
 
-LEVEL_FIELDS = ("pack_len", "sp", "ckpt_layers", "packs_per_rank", "sp_kind", "ulysses", "cp")
-COUNT_FIELDS = ("pack_len", "sp", "ckpt_layers", "packs_per_rank", "ulysses", "cp")
+LEVEL_FIELDS = ("pack_len", "sp", "ckpt_layers", "packs_per_rank", "sp_kind", "ulysses", "cp", "offload", "mlp_tiles")
+COUNT_FIELDS = ("pack_len", "sp", "ckpt_layers", "packs_per_rank", "ulysses", "cp", "mlp_tiles")
 
 
 def as_level(spec: Level | dict | str | int, label: str = "level") -> Level:

@@ -148,7 +148,7 @@ class Plan:
         for i, lv in enumerate(self.levels):
             d = r["levels"][i]
             lines.append(
-                f"  level {i}: pack_len {lv.pack_len} sp {lv.sp}{lv.layout_note} ckpt {lv.ckpt_layers} "
+                f"  level {i}: pack_len {lv.pack_len} sp {lv.sp}{lv.layout_note} ckpt {lv.ckpt_layers}{lv.memory_note} "
                 f"B {lv.packs_per_rank}: "
                 f"{d['samples']} samples ({d['filled_from_below']} filled in from smaller levels), "
                 f"{d['packs']} packs, fill {d['fill']:.4f}, {d['steps']} steps, {d['empty_packs']} empty packs"

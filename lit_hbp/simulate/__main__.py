@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", nargs="+", default=["16384:1", "131072:8"], help="HBP levels PACK_LEN:SP[:CKPT]")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
+    p.add_argument("--liger", action="store_true", help="the model runs Liger's RMSNorm and SwiGLU (liger: true)")
+    p.add_argument(
+        "--offload-optimizer", action="store_true", help="DeepSpeed offload_optimizer: Adam states on the host"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-auto", action="store_true", help="skip (d), the auto-selected levels")
     p.add_argument("--plot", help="write the rank timelines to this PNG (and a length histogram beside it)")
@@ -94,7 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lengths = load_lengths(args.lengths)
         spec = load_model_spec(args.model)
-        cost = CostModel(spec, HARDWARE[args.gpu], args.gpus, zero_stage=args.zero_stage)
+        cost = CostModel(
+            spec,
+            HARDWARE[args.gpu],
+            args.gpus,
+            zero_stage=args.zero_stage,
+            liger=args.liger,
+            optimizer_offload=args.offload_optimizer,
+        )
         levels, auto_ckpt = parse_levels(args.levels)
         levels = [resolve_layout(lv, spec.heads, spec.kv_heads, cost.hardware.gpus_per_node) for lv in levels]
         chosen = fill_checkpointing([lv for lv, a in zip(levels, auto_ckpt) if a], cost, lengths)
@@ -123,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{len(lengths):,} samples, {int(lengths.sum()):,} tokens; {spec.name} ({spec.params / 1e9:.1f}B) on "
         f"{args.gpus} x {hw.name} (simulated with the cost model), ZeRO-{args.zero_stage}; levels "
-        + ", ".join(f"{lv.pack_len} sp{lv.sp}{layout_note(lv)} ckpt{lv.ckpt_layers}" for lv in levels)
+        + ", ".join(f"{lv.pack_len} sp{lv.sp}{layout_note(lv)} ckpt{lv.ckpt_layers}{lv.memory_note}" for lv in levels)
         + "\n"
     )
     notice = left_out(lengths, levels[-1].pack_len)
@@ -137,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         ("cp_abr", ".3f"),
         ("cr", ".3f"),
     ]
-    cols += [(k, ".3f") for k in ("dense", "attention", *COMM_PARTS, "idle", "grad_sync")]
+    cols += [(k, ".3f") for k in ("dense", "attention", *COMM_PARTS, "offload", "idle", "grad_sync")]
     print(format_table(rows, cols))
     print(
         "\n(cp_abr: attention imbalance over the CP ranks of a group; dense ... grad_sync: share of all GPU "

@@ -41,12 +41,13 @@ if TYPE_CHECKING:
     from lit_hbp.packing import Plan
     from lit_hbp.simulate.simulator import Simulation
 
-TIMELINE_PARTS = ("dense", "attention", "ulysses_comm", "cp_comm", "idle")
+TIMELINE_PARTS = ("dense", "attention", "ulysses_comm", "cp_comm", "offload", "idle")
 PART_COLORS = {
     "dense": "#3A6FB0",
     "attention": "#F0B23A",
     "ulysses_comm": "#D62728",
     "cp_comm": "#FF9896",
+    "offload": "#17BECF",
     "idle": "#D3D3D3",
 }
 PART_LABELS = {
@@ -54,6 +55,7 @@ PART_LABELS = {
     "attention": "attention",
     "ulysses_comm": "SP communication (Ulysses all-to-all)",
     "cp_comm": "CP all-gather/reduce-scatter",
+    "offload": "activation offload (host copies not hidden)",
     "idle": "idle (waiting for the slowest SP group)",
 }
 # Levels get colours that the timeline's parts do not use (tab10 green, purple, brown, pink, ...).

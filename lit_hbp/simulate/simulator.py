@@ -17,16 +17,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from lit_hbp.autoselect.profiler import AnalyticProfiler
-from lit_hbp.autoselect.search import greedy_profile_ckpt, select_levels
+from lit_hbp.autoselect.search import fit_memory, select_levels, why_not_fits
 from lit_hbp.costmodel import CostModel
 from lit_hbp.packing import DEFAULT_PACKER, Level, Plan, plan_hbp, plan_single_level
 from lit_hbp.packing.context_split import split_micro_batch
 from lit_hbp.packing.metrics import group_index
 
-PARTS = ("dense", "attention", "sp_comm")
+PARTS = ("dense", "attention", "sp_comm", "offload")
 COMM_PARTS = ("ulysses_comm", "cp_comm")
 """The two collective families sp_comm is made of."""
-SHARES = ("dense", "attention", *COMM_PARTS)
+SHARES = ("dense", "attention", *COMM_PARTS, "offload")
 """What ``Simulation.breakdown`` splits the busy GPU time into."""
 
 
@@ -91,7 +91,8 @@ def simulate(plan: Plan, cost: CostModel, name: str = "", global_batch_tokens: f
     parts = {p: np.zeros(n) for p in (*PARTS, *COMM_PARTS, "total")}
     for i, lv in enumerate(plan.levels):
         sel = g["group_level"] == i
-        for key, value in cost.micro_step(tokens[sel], sum_sq[sel], lv.sp, lv.ckpt_layers, lv.layout[1]).items():
+        step = cost.micro_step(tokens[sel], sum_sq[sel], lv.sp, lv.ckpt_layers, lv.layout[1], lv.offload, lv.mlp_tiles)
+        for key, value in step.items():
             parts[key][sel] = value
     micro = np.zeros(g["n_micro"])
     np.maximum.at(micro, g["micro_of_group"], parts["total"])
@@ -133,17 +134,15 @@ def cp_imbalance(plan: Plan, g: dict, group_cp: np.ndarray) -> np.ndarray:
 
 
 def fill_checkpointing(levels, cost: CostModel, lengths, margin: float = 0.0) -> list[Level]:
-    """Give every level the fewest checkpointed layers that fit in memory (Algorithm 4)."""
+    """Give every level the fewest checkpointed layers that fit in memory (Algorithm 4), then, when
+    every layer checkpointed is not enough, offload and MLP tiles (``fit_memory``)."""
     profiler = AnalyticProfiler(cost, lengths)
     out = []
     for lv in levels:
-        ckpt, _ = greedy_profile_ckpt(profiler, lv.pack_len, lv.sp, 0, cost.model.layers, margin, lv.layout[1])
-        if ckpt is None:
-            raise ValueError(
-                f"level {lv.pack_len} sp {lv.sp} does not fit in {cost.hardware.name} memory "
-                "even with every layer checkpointed"
-            )
-        out.append(replace(lv, ckpt_layers=ckpt))
+        fit, _ = fit_memory(profiler, lv.pack_len, lv.sp, 0, cost.model.layers, margin, lv.layout[1])
+        if fit is None:
+            raise ValueError(f"level {lv.pack_len} sp {lv.sp}{lv.layout_note} does not fit: {why_not_fits(cost, lv)}")
+        out.append(replace(lv, ckpt_layers=fit.ckpt, offload=fit.offload, mlp_tiles=fit.tiles))
     return out
 
 

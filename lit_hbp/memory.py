@@ -1,0 +1,189 @@
+"""Each level's predicted peak memory per GPU, before anything launches.
+
+    python -m lit_hbp.memory --config configs/llama3_8b_32gpu.yaml [--gpu h100] [--gpus 32]
+
+Reads the training YAML (its model, levels, precision, world, ZeRO stage and offload, ``liger``) and
+prints, per level, the cost model's parts (``CostModel.memory_parts``: parameters, gradients and
+Adam states as ZeRO partitions them, the activations of the layers run whole, the checkpointed inputs
+on the device or on the host with ``offload``, a layer's recompute and backward working set, the LM
+head) against the GPU's memory and the node's host memory; exit status 1 when a level does not fit.
+``HBPLitModule`` runs the same check at ``fit`` start on a GPU and warns for each level that will not
+fit. The model counts the tensors lit-hbp keeps (checked within 10% of measured bytes on CPU,
+tests/test_memory_model.py); the allocator's fragmentation comes on top, within ``reserve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lit_hbp.costmodel import HARDWARE, CostModel, Hardware
+from lit_hbp.model_spec import ModelSpec
+from lit_hbp.packing.levels import Level, as_level
+from lit_hbp.parallel.topology import resolve_layout
+
+GIB = 1024**3
+SHOWN = ("params", "grads", "optimizer", "layers", "checkpointed", "recompute", "working", "head")
+
+
+def level_memory(cost: CostModel, lv: Level) -> dict:
+    """A level's predicted parts (GiB), ``total`` (GiB per GPU), ``host`` (GiB per GPU) and ``fits``."""
+    cp = lv.layout[1]
+    args = (lv.pack_len, lv.sp, lv.ckpt_layers, lv.packs_per_rank, lv.offload, lv.mlp_tiles, cp)
+    parts = cost.memory_parts(*args)
+    row = {k: parts[k] / GIB for k in SHOWN}
+    row["total"] = cost.memory_bytes(*args) / GIB
+    row["host"] = parts["host"] / GIB
+    row["fits"] = cost.fits(*args)
+    return row
+
+
+def not_fitting(cost: CostModel, levels) -> list[str]:
+    """One line per level that will not fit the device (or the node's host memory), saying by how much
+    and what to change."""
+    out = []
+    hw = cost.hardware
+    for i, lv in enumerate(levels):
+        row = level_memory(cost, lv)
+        if row["fits"]:
+            continue
+        top = max(SHOWN, key=row.get)
+        if lv.ckpt_layers < cost.model.layers:
+            hint = f"checkpoint more layers (ckpt_layers {lv.ckpt_layers} of {cost.model.layers})"
+        elif not lv.offload:
+            hint = "set offload: true"
+        else:
+            hint = "raise mlp_tiles, sp or the ZeRO stage"
+        where = (
+            f"{row['total']:.1f} GiB per GPU predicted, the device has {hw.memory_bytes / GIB:.1f} GiB"
+            if row["total"] * GIB > hw.memory_bytes
+            else f"{row['host'] * hw.gpus_per_node:.0f} GiB of offloaded inputs per node, the host has "
+            f"{hw.host_memory_bytes / GIB:.0f} GiB"
+        )
+        out.append(
+            f"level {i} ({lv.pack_len} tokens, sp {lv.sp}, ckpt {lv.ckpt_layers}{lv.memory_note}) will not fit: "
+            f"{where} (largest part: {top} {row[top]:.1f} GiB); {hint}"
+        )
+    return out
+
+
+def fit_warnings(trainer, spec: ModelSpec, liger: bool, ce_chunk: int, dtype_bytes: int, capacity: float) -> list[str]:
+    """``not_fitting`` for a run being set up on devices of ``capacity`` bytes: its levels, world, ZeRO
+    stage and optimizer offload read from the trainer (``HBPLitModule.on_fit_start`` warns with them)."""
+    import os
+
+    strategy = trainer.strategy
+    config = getattr(strategy, "config", None) or {}
+    zero = config.get("zero_optimization") or {}
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0.0
+    hardware = Hardware(
+        "this device", 0.0, capacity, 0.0, 0.0, gpus_per_node=trainer.num_devices, host_memory_bytes=host
+    )
+    cost = CostModel(
+        spec,
+        hardware,
+        trainer.world_size,
+        zero_stage=int(zero.get("stage", 0)) if zero else 0,
+        ce_chunk=ce_chunk,
+        dtype_bytes=dtype_bytes,
+        liger=liger,
+        optimizer_offload=offload,
+    )
+    levels = tuple(getattr(trainer.datamodule, "levels", None) or ())
+    return not_fitting(cost, [resolve_layout(lv, spec.heads, spec.kv_heads, trainer.num_devices) for lv in levels])
+
+
+def table(cost: CostModel, levels) -> str:
+    head = ["level", "pack_len", "sp", "ckpt", "offload", "tiles", *SHOWN, "total", "host", "fits"]
+    rows = [head]
+    for i, lv in enumerate(levels):
+        r = level_memory(cost, lv)
+        rows.append(
+            [
+                str(i),
+                str(lv.pack_len),
+                str(lv.sp),
+                str(lv.ckpt_layers),
+                "yes" if lv.offload else "no",
+                str(lv.mlp_tiles),
+            ]
+            + [f"{r[k]:.1f}" for k in (*SHOWN, "total", "host")]
+            + ["yes" if r["fits"] else "NO"]
+        )
+    widths = [max(len(r[j]) for r in rows) for j in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def run_cost(config: dict, spec: ModelSpec, hardware: Hardware, world: int) -> CostModel:
+    """The cost model of a training config's run: precision, ZeRO stage and optimizer offload,
+    Liger, the loss's chunk."""
+    trainer = config.get("trainer") or {}
+    model = config.get("model") or {}
+    strategy = trainer.get("strategy")
+    init = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    if isinstance(strategy, str) and strategy.startswith("hbp_stage_"):
+        init = {"stage": int(strategy.rsplit("_", 1)[1])}
+    zero = (init.get("config") or {}).get("zero_optimization") or {}
+    stage = int(zero.get("stage", init.get("stage", 2)))
+    offload = zero.get("offload_optimizer") or {}
+    optimizer_offload = bool(init.get("offload_optimizer")) or offload.get("device", "none") not in ("none", None)
+    precision = str(trainer.get("precision", "bf16-mixed"))
+    return CostModel(
+        spec,
+        hardware,
+        world,
+        zero_stage=stage,
+        ce_chunk=int(model.get("ce_chunk_size", 1024)),
+        dtype_bytes=4 if precision.startswith("32") else 2,
+        liger=bool(model.get("liger", False)),
+        optimizer_offload=optimizer_offload,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lit_hbp.config import model_config, read_config, spec_of
+    from lit_hbp.model_spec import load_model_spec
+
+    p = argparse.ArgumentParser(
+        prog="python -m lit_hbp.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--config", required=True, help="a lit-hbp training YAML")
+    p.add_argument("--gpu", default="h100", choices=sorted(HARDWARE))
+    p.add_argument("--gpus", type=int, help="GPUs of the run (default: the config's devices x num_nodes)")
+    p.add_argument("--model", help="a model preset or config.json instead of the config's model")
+    args = p.parse_args(argv)
+    try:
+        config = read_config(args.config)
+        spec = load_model_spec(args.model) if args.model else spec_of(model_config(config, None))
+        trainer = config.get("trainer") or {}
+        devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+        world = args.gpus or (devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None)
+        if not world:
+            raise ValueError(f"trainer.devices is {devices!r}: give the run's GPUs with --gpus")
+        raw = (config.get("data") or {}).get("levels")
+        if not isinstance(raw, list):
+            raise ValueError("data.levels: the config chooses its levels at set-up; give them as a list to price them")
+        hw = HARDWARE[args.gpu]
+        levels = [
+            resolve_layout(as_level(x, f"data.levels[{i}]"), spec.heads, spec.kv_heads, hw.gpus_per_node)
+            for i, x in enumerate(raw)
+        ]
+        cost = run_cost(config, spec, hw, world)
+    except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"{spec.name} ({spec.params / 1e9:.1f}B) on {world} x {hw.name}, ZeRO-{cost.zero_stage}"
+        f"{' + optimizer offload' if cost.optimizer_offload else ''}{', Liger' if cost.liger else ''}, "
+        f"{'bf16' if cost.dtype_bytes == 2 else 'fp32'}: predicted peak GiB per GPU (host: offloaded inputs, "
+        "GiB per GPU)\n"
+    )
+    print(table(cost, levels))
+    problems = not_fitting(cost, levels)
+    print("\n" + ("\n".join(problems) if problems else "every level fits."))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Tiled MLP: a decoder layer's MLP over the sequence in tiles, so its working set stops growing with the pack.
+
+An MLP works token by token, yet run on a whole shard it holds [tokens, intermediate] activations
+(gate, up, their product: 3.5x the hidden states of a Llama layer) for its backward, and its
+recompute under checkpointing materializes them again. ``TiledMLP`` runs the forward tile by
+tile without keeping them, and the backward recomputes one tile at a time and backpropagates
+through it: the layer keeps only the MLP's input, and the working set is one tile's. The weights'
+gradients are summed over the tiles in fp32 (or wider) and handed to autograd once per backward,
+so gradient hooks (DeepSpeed's ZeRO-1/2 reduction, LoRA) see one gradient per step as without
+tiles. Exact up to the order of fp32 sums.
+
+Tiles are a level's setting (``Level.mlp_tiles``), applied per micro-batch by ``packed_loss``
+through ``set_mlp_tiles``; a level with 1 tile runs the family's MLP untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TILES = "_hbp_mlp_tiles"  # an MLP's current tile count (a plain attribute set by set_mlp_tiles)
+
+
+class TiledMLP(torch.autograd.Function):
+    """``out = mlp(x)`` computed in ``tiles`` pieces of the sequence dimension (-2), saving only ``x``.
+
+    ``params`` are the MLP's parameters that require gradients: inputs of the function, so their
+    gradients leave its backward as outputs (once), not by accumulation inside it."""
+
+    @staticmethod
+    def forward(ctx, forward, tiles: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.forward, ctx.tiles, ctx.rng = forward, tiles, _rng_state(x.device)
+        ctx.save_for_backward(x, *params)
+        out = None
+        with torch.no_grad():
+            for piece, index in _tiles(x, tiles):
+                y = forward(piece)
+                if y.shape != piece.shape[:-1] + y.shape[-1:]:
+                    raise ValueError(
+                        f"a tiled MLP must work token by token; it mapped {tuple(piece.shape)} to {tuple(y.shape)}"
+                    )
+                if out is None:
+                    out = y.new_empty(x.shape[:-1] + y.shape[-1:])
+                out[index] = y
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, *params = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[2] else None
+        sums = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
+        devices = [x.device] if x.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the forward's dropout masks, tile by tile
+            _set_rng_state(x.device, ctx.rng)
+            for (piece, index), (g, _) in zip(_tiles(x, ctx.tiles), _tiles(grad, ctx.tiles)):
+                piece = piece.detach().requires_grad_(grad_x is not None)
+                with torch.enable_grad():
+                    y = ctx.forward(piece)
+                wrt = ([piece] if grad_x is not None else []) + params
+                grads = torch.autograd.grad(y, wrt, g, allow_unused=True)
+                if grad_x is not None:
+                    grad_x[index] = grads[0]
+                    grads = grads[1:]
+                for total, part in zip(sums, grads):
+                    if part is not None:
+                        total.add_(part)
+        return (None, None, grad_x, *(s.to(p.dtype) for s, p in zip(sums, params)))
+
+
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _tiles(x: torch.Tensor, tiles: int):
+    """(tile, index of the tile in x) over the sequence dimension (-2), ``tiles`` near-equal pieces."""
+    length = x.shape[-2]
+    bounds = [length * i // tiles for i in range(tiles + 1)]
+    for a, b in zip(bounds, bounds[1:]):
+        index = (..., slice(a, b), slice(None))
+        yield x[index], index
+
+
+def tiled_forward(mlp: torch.nn.Module, forward):
+    """The forward ``prepare_model`` gives a decoder layer's MLP: the family's own with 1 tile, TiledMLP
+    with more (when gradients are on: without them there is no working set to save)."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        tiles = mlp.__dict__.get(TILES, 1)
+        if tiles == 1 or not torch.is_grad_enabled():
+            return forward(x)
+        params = [p for p in mlp.parameters() if p.requires_grad]
+        return TiledMLP.apply(forward, min(tiles, x.shape[-2]), x, *params)
+
+    return run
+
+
+def mlp_of(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """A decoder layer's token-wise MLP, or None when it has none a tiling may run (an MoE block:
+    its router's logits feed the auxiliary loss and would be split over tiles and lose their gradient)."""
+    mlp = getattr(layer, "mlp", None)
+    if not isinstance(mlp, torch.nn.Module) or any(hasattr(mlp, a) for a in ("experts", "router", "shared_expert")):
+        return None
+    return mlp

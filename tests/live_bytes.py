@@ -1,0 +1,44 @@
+"""Measured memory on a CPU: the bytes of every tensor storage alive, op by op.
+
+``LiveBytes`` is a TorchDispatchMode: after each aten op it registers the storages of the op's
+outputs (weakly: a storage leaves when its last tensor dies) and records the sum of what is alive,
+minus ``host_bytes()`` (what an offloader holds in "host" memory, which on a CPU is the same
+memory), keeping the peak. Tensors that exist before the mode starts (parameters) are registered
+with ``track``. It measures tensors as torch's allocator sees them, not the allocator's own caching
+or fragmentation: what a memory model of tensors must predict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class LiveBytes(TorchDispatchMode):
+    def __init__(self, host_bytes: Callable[[], int] = lambda: 0):
+        super().__init__()
+        self.live = WeakIdKeyDictionary()
+        self.host_bytes = host_bytes
+        self.peak = 0
+        self.trace: list[int] = []
+
+    def track(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self.live[st] = st.nbytes()
+
+    def now(self) -> int:
+        return sum(self.live.values()) - self.host_bytes()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type != "meta")
+        now = self.now()
+        self.trace.append(now)
+        self.peak = max(self.peak, now)
+        return out
