@@ -34,7 +34,7 @@ from lit_hbp.loss import chunked_cross_entropy, fused_linear_cross_entropy, toke
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.offload import OFFLOADER, HostOffload, checkpoint_function, host_offload
 from lit_hbp.parallel import context as sp_context
-from lit_hbp.tiling import TILES, mlp_of, tiled_forward
+from lit_hbp.tiling import TILES, install_tiling, mlp_of
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
@@ -137,9 +137,8 @@ def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
         layer._gradient_checkpointing_func = checkpoint_function(None)
         layer.gradient_checkpointing = False
         mlp = mlp_of(layer)
-        if mlp is not None and TILES not in mlp.__dict__:
-            mlp.forward = tiled_forward(mlp, mlp.forward)  # an instance attribute: the state dict is unchanged
-            mlp.__dict__[TILES] = 1
+        if mlp is not None:
+            install_tiling(mlp)
     net.__dict__[LAYERS] = layers  # plain attributes: not submodules, not in the state dict
     net.__dict__.setdefault(OFFLOADER, HostOffload())
     if not getattr(net.loss_function, "refuses_unshifted", False):
@@ -195,14 +194,15 @@ def set_mlp_tiles(model: torch.nn.Module, tiles: int) -> None:
         raise ValueError(f"mlp_tiles must be a positive int, got {tiles!r}")
     for i, layer in enumerate(decoder_layers(model)):
         mlp = mlp_of(layer)
-        if mlp is None or TILES not in mlp.__dict__:
+        if mlp is None:
             if tiles == 1:
                 continue
             raise ValueError(
                 f"mlp_tiles {tiles}: decoder layer {i} ({type(layer).__name__}) has no token-wise MLP lit-hbp can tile "
                 f"({type(getattr(layer, 'mlp', None)).__name__}: mixture-of-experts blocks route tokens and feed the "
-                "router loss); use mlp_tiles 1 for this model"
+                "router loss, some families' MLPs take more than the hidden states); use mlp_tiles 1 for this model"
             )
+        install_tiling(mlp)  # again if something (Liger) bound another forward since prepare_model
         mlp.__dict__[TILES] = tiles
 
 

@@ -15,9 +15,13 @@ through ``set_mlp_tiles``; a level with 1 tile runs the family's MLP untouched.
 
 from __future__ import annotations
 
+import inspect
+import types
+
 import torch
 
 TILES = "_hbp_mlp_tiles"  # an MLP's current tile count (a plain attribute set by set_mlp_tiles)
+INNER = "_hbp_mlp_forward"  # the forward the tiles run
 
 
 class TiledMLP(torch.autograd.Function):
@@ -86,24 +90,41 @@ def _tiles(x: torch.Tensor, tiles: int):
         yield x[index], index
 
 
-def tiled_forward(mlp: torch.nn.Module, forward):
-    """The forward ``prepare_model`` gives a decoder layer's MLP: the family's own with 1 tile, TiledMLP
-    with more (when gradients are on: without them there is no working set to save)."""
+def install_tiling(mlp: torch.nn.Module) -> None:
+    """Make ``mlp`` run in its ``TILES`` count of tiles (1 until ``set_mlp_tiles`` says otherwise): its
+    forward becomes ``_tiled_forward`` bound to it, around the forward it had (the family's, or one an
+    integration such as Liger bound later: installing again wraps that one). Bound methods in the
+    instance's dict follow the module through ``copy.deepcopy``; the state dict is unchanged."""
+    current = mlp.__dict__.get("forward")
+    if getattr(current, "__func__", None) is _tiled_forward:
+        return
+    mlp.__dict__[INNER] = mlp.forward
+    mlp.__dict__.setdefault(TILES, 1)
+    mlp.forward = types.MethodType(_tiled_forward, mlp)
 
-    def run(x: torch.Tensor) -> torch.Tensor:
-        tiles = mlp.__dict__.get(TILES, 1)
-        if tiles == 1 or not torch.is_grad_enabled():
-            return forward(x)
-        params = [p for p in mlp.parameters() if p.requires_grad]
-        return TiledMLP.apply(forward, min(tiles, x.shape[-2]), x, *params)
 
-    return run
+def _tiled_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The family's MLP with 1 tile, TiledMLP with more (when gradients are on: without them there is
+    no working set to save)."""
+    forward = self.__dict__[INNER]
+    tiles = self.__dict__.get(TILES, 1)
+    if tiles == 1 or not torch.is_grad_enabled():
+        return forward(x)
+    params = [p for p in self.parameters() if p.requires_grad]
+    return TiledMLP.apply(forward, min(tiles, x.shape[-2]), x, *params)
 
 
 def mlp_of(layer: torch.nn.Module) -> torch.nn.Module | None:
-    """A decoder layer's token-wise MLP, or None when it has none a tiling may run (an MoE block:
-    its router's logits feed the auxiliary loss and would be split over tiles and lose their gradient)."""
+    """A decoder layer's token-wise MLP of one input, or None when it has none a tiling may run (an MoE
+    block: its router's logits feed the auxiliary loss and would be split over tiles and lose their
+    gradient)."""
     mlp = getattr(layer, "mlp", None)
     if not isinstance(mlp, torch.nn.Module) or any(hasattr(mlp, a) for a in ("experts", "router", "shared_expert")):
         return None
+    try:
+        params = list(inspect.signature(mlp.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        return None  # an MLP of more inputs (Bloom's adds the residual inside): not a map of tokens alone
     return mlp

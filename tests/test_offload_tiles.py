@@ -178,3 +178,17 @@ def test_mixture_of_experts_layers_refuse_tiles():
     set_mlp_tiles(model, 1)
     with pytest.raises(ValueError, match="mlp_tiles 2: decoder layer 0 .*mixture-of-experts"):
         set_mlp_tiles(model, 2)
+
+
+def test_a_deep_copy_trains_its_own_weights_with_tiles_and_offload():
+    """Reference models are deep copies (tests, EMA, the self-check): the copy's tiled MLPs and
+    offloaded layers must run on the copy's weights, and leave the original's untouched."""
+    import copy
+
+    model = llama(2)
+    twin = copy.deepcopy(model)
+    b = batch(ckpt_layers=2, offload=True, mlp_tiles=4)
+    loss, grads = loss_and_grads(twin, b)
+    assert all(p.grad is None for p in model.parameters())
+    loss_ref, grads_ref = loss_and_grads(model, b)
+    assert torch.equal(loss, loss_ref) and all(torch.equal(grads[n], grads_ref[n]) for n in grads)

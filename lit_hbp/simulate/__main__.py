@@ -66,7 +66,7 @@ def layouts_tried(selection, pack_len: int) -> str:
     rows.sort(key=lambda c: -c.tokens_per_second)
     lines = [f"layouts the search priced for the {pack_len:,}-token level (sp=ulysses x cp, tokens/s per GPU):"]
     for c in rows:
-        ckpt = "OOM" if c.ckpt_layers is None else f"ckpt {c.ckpt_layers}"
+        ckpt = "OOM" if c.ckpt_layers is None else f"ckpt {c.ckpt_layers}{c.memory_note}"
         lines.append(f"  sp {c.layout:>8}  {ckpt:>8}  {c.tokens_per_second:>10,.0f}  {c.note}".rstrip())
     return "\n".join(lines)
 
