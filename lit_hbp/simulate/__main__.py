@@ -67,7 +67,7 @@ def layouts_tried(selection, pack_len: int) -> str:
     lines = [f"layouts the search priced for the {pack_len:,}-token level (sp=ulysses x cp, tokens/s per GPU):"]
     for c in rows:
         ckpt = "OOM" if c.ckpt_layers is None else f"ckpt {c.ckpt_layers}{c.memory_note}"
-        lines.append(f"  sp {c.layout:>8}  {ckpt:>8}  {c.tokens_per_second:>10,.0f}  {c.note}".rstrip())
+        lines.append(f"  sp {c.layout:>8}  {ckpt:>16}  {c.tokens_per_second:>10,.0f}  {c.note}".rstrip())
     return "\n".join(lines)
 
 
