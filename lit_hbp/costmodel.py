@@ -151,7 +151,11 @@ class CostModel:
         and SwiGLU (keeps gate and up, recomputes the activation), ``HBPLitModule(liger=True)``: from
         Liger-Kernel's ``LigerRMSNormFunction`` / ``LigerSiLUMulFunction`` ``save_for_backward``; GPU
         only, so not measured on CPU.
-    optimizer_offload: DeepSpeed's ``offload_optimizer`` to the host: the Adam states leave the GPU."""
+    optimizer_offload: DeepSpeed's ``offload_optimizer`` to the host: the Adam states leave the GPU.
+    trainable: share of the parameters trained (gradients, Adam states, a tiled MLP's gradient sums):
+        1 for full fine-tuning, ~0 under LoRA.
+    prefetch: offload brings the next input back while a layer recomputes (a CUDA side stream: two
+        inputs on the device then); False where the copy back is synchronous (CPU, other devices)."""
 
     model: ModelSpec
     hardware: Hardware
@@ -166,6 +170,8 @@ class CostModel:
     activation_overhead: float = 1.0
     liger: bool = False
     optimizer_offload: bool = False
+    trainable: float = 1.0
+    prefetch: bool = True
 
     # ----------------------------------------------------------------------------- time
 
@@ -263,10 +269,11 @@ class CostModel:
         partitions them over the world."""
         p, n, z, b = self.model.params, self.world, self.zero_stage, self.dtype_bytes
         master = 4 if b < 4 else 0  # fp32 training keeps no master copy
+        trained = p * self.trainable
         return dict(
             params=b * p / (n if z >= 3 else 1),
-            grads=b * p / (n if z >= 2 else 1),
-            optimizer=0.0 if self.optimizer_offload else (master + 8) * p / (n if z >= 1 else 1),
+            grads=b * trained / (n if z >= 2 else 1),
+            optimizer=0.0 if self.optimizer_offload else (master + 8) * trained / (n if z >= 1 else 1),
         )
 
     def static_bytes(self) -> float:
@@ -304,7 +311,9 @@ class CostModel:
         norm = self._upcast() + b * (q + 2 * kv) if self._upcast() else 0
         attention = b * (q + 2 * kv) * (2 if sp // cp > 1 else 1) + (2 * kv * (b + 4) * cp if cp > 1 else 0)
         per_token = 2 * b * m.hidden + max(mlp, norm, attention)
-        return self.activation_overhead * per_token * tokens
+        # a tiled MLP sums its weights' gradients over the tiles in fp32
+        sums = 4 * 3 * m.hidden * m.intermediate * self.trainable if tiles > 1 else 0.0
+        return self.activation_overhead * per_token * tokens + sums
 
     def head_bytes(self, tokens: float) -> float:
         """The LM head's phase: the final norm's saved set, the hidden rows the chunked loss keeps, the
@@ -327,8 +336,8 @@ class CostModel:
     ) -> dict:
         """Peak bytes per rank of a level, by part: ``params``, ``grads``, ``optimizer`` (ZeRO),
         ``layers`` (what the layers run without checkpointing keep), ``checkpointed`` (checkpointed
-        layers' inputs on the device: all of them, or with ``offload`` the one being recomputed; the
-        prefetched one arrives as the recompute's working set is freed), ``recompute`` (a checkpointed
+        layers' inputs on the device: all of them, or with ``offload`` the one being recomputed and the
+        one prefetched behind it), ``recompute`` (a checkpointed
         layer's set, rebuilt in its backward),
         ``working`` (the running layer's transients), ``head`` and ``reserve``; and ``host`` (the
         offloaded inputs, in host memory: not part of the device total). ``memory_bytes`` adds them up,
@@ -337,7 +346,7 @@ class CostModel:
         tokens = pack_len * packs_per_rank / sp
         saved = tokens * self.layer_saved_bytes(tiles)
         plain = m.layers - ckpt
-        on_device = min(ckpt, 1) if offload else ckpt
+        on_device = min(ckpt, 2 if self.prefetch else 1) if offload else ckpt
         parts = dict(self.static_parts())
         parts.update(
             layers=plain * saved,

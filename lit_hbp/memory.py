@@ -67,7 +67,9 @@ def not_fitting(cost: CostModel, levels) -> list[str]:
     return out
 
 
-def fit_warnings(trainer, spec: ModelSpec, liger: bool, ce_chunk: int, dtype_bytes: int, capacity: float) -> list[str]:
+def fit_warnings(
+    trainer, spec: ModelSpec, liger: bool, ce_chunk: int, dtype_bytes: int, capacity: float, trainable: float = 1.0
+) -> list[str]:
     """``not_fitting`` for a run being set up on devices of ``capacity`` bytes: its levels, world, ZeRO
     stage and optimizer offload read from the trainer (``HBPLitModule.on_fit_start`` warns with them)."""
     import os
@@ -89,6 +91,7 @@ def fit_warnings(trainer, spec: ModelSpec, liger: bool, ce_chunk: int, dtype_byt
         dtype_bytes=dtype_bytes,
         liger=liger,
         optimizer_offload=offload,
+        trainable=trainable,
     )
     levels = tuple(getattr(trainer.datamodule, "levels", None) or ())
     return not_fitting(cost, [resolve_layout(lv, spec.heads, spec.kv_heads, trainer.num_devices) for lv in levels])
@@ -122,13 +125,18 @@ def run_cost(config: dict, spec: ModelSpec, hardware: Hardware, world: int) -> C
     model = config.get("model") or {}
     strategy = trainer.get("strategy")
     init = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
-    if isinstance(strategy, str) and strategy.startswith("hbp_stage_"):
-        init = {"stage": int(strategy.rsplit("_", 1)[1])}
+    deepspeed = isinstance(strategy, dict) and any(
+        name in str(strategy.get("class_path", "")) for name in ("HBPStrategy", "DeepSpeedStrategy")
+    )
+    if isinstance(strategy, str) and strategy.rsplit("_", 1)[-1].isdigit() and "stage" in strategy:
+        init, deepspeed = {"stage": int(strategy.rsplit("_", 1)[1])}, True  # hbp_stage_N, deepspeed_stage_N
+    elif strategy in ("hbp", "deepspeed"):
+        deepspeed = True
     zero = (init.get("config") or {}).get("zero_optimization") or {}
-    stage = int(zero.get("stage", init.get("stage", 2)))
+    stage = int(zero.get("stage", init.get("stage", 2))) if deepspeed else 0  # DDP / one device: no ZeRO
     offload = zero.get("offload_optimizer") or {}
     optimizer_offload = bool(init.get("offload_optimizer")) or offload.get("device", "none") not in ("none", None)
-    precision = str(trainer.get("precision", "bf16-mixed"))
+    precision = str(trainer.get("precision", "32-true"))  # Lightning's default
     return CostModel(
         spec,
         hardware,
@@ -138,6 +146,7 @@ def run_cost(config: dict, spec: ModelSpec, hardware: Hardware, world: int) -> C
         dtype_bytes=4 if precision.startswith("32") else 2,
         liger=bool(model.get("liger", False)),
         optimizer_offload=optimizer_offload,
+        trainable=0.0 if model.get("lora") else 1.0,  # LoRA's adapters: a share too small to count
     )
 
 
@@ -158,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_model_spec(args.model) if args.model else spec_of(model_config(config, None))
         trainer = config.get("trainer") or {}
         devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
-        world = args.gpus or (devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None)
+        counted = isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0
+        world = args.gpus or (devices * nodes if counted else None)
         if not world:
             raise ValueError(f"trainer.devices is {devices!r}: give the run's GPUs with --gpus")
         raw = (config.get("data") or {}).get("levels")

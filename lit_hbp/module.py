@@ -275,14 +275,28 @@ class HBPLitModule(L.LightningModule):
                     f"{type(strategy).__name__} cannot run: train with lit_hbp.strategy.HBPStrategy"
                 )
         tiles = max((lv.mlp_tiles for lv in levels), default=1)
+        if tiles > 1 and getattr(strategy, "zero_stage_3", False):
+            raise ValueError(
+                f"mlp_tiles {tiles}: a tiled MLP's backward reads the MLP's weights whole, which ZeRO-3 partitions; "
+                "use ZeRO stage 0-2 (with offload_optimizer for room) or mlp_tiles 1"
+            )
         if tiles > 1:  # a model without token-wise MLPs refuses now, not at the first long step
             set_mlp_tiles(self.model, tiles)
             set_mlp_tiles(self.model, 1)
         capacity = device_memory(self.device)
         if capacity and levels and self._spec is not None:
-            dtype_bytes = next(self.model.parameters()).element_size()
+            half = any(p in str(self.trainer.precision) for p in ("16", "bf16"))
+            dtype_bytes = 2 if half else next(self.model.parameters()).element_size()
+            params = list(self.model.parameters())
+            trainable = sum(p.numel() for p in params if p.requires_grad) / max(sum(p.numel() for p in params), 1)
             for line in fit_warnings(
-                self.trainer, self._spec, self.hparams.liger, self.hparams.ce_chunk_size, dtype_bytes, capacity
+                self.trainer,
+                self._spec,
+                self.hparams.liger,
+                self.hparams.ce_chunk_size,
+                dtype_bytes,
+                capacity,
+                trainable,
             ):
                 rank_zero_warn(f"{line} (python -m lit_hbp.memory prints every level's parts)")
         if self.hparams.liger and getattr(strategy, "zero_stage_3", False):

@@ -11,7 +11,10 @@ a layer saves lives inside the checkpoint's own hooks and is recomputed, as with
 
 Exact by construction: the tensor that returns is a bit copy of the one that left. On a CPU the
 "host" copy is another CPU tensor (no pinning, no stream), the same path, which is what the tests
-measure and compare bit for bit.
+measure and compare bit for bit; other accelerators copy to the host synchronously. The CUDA stream
+path is written to torch's stream semantics and has a ``-m gpu`` test, not yet run on a GPU. The
+prefetch means a GPU holds two inputs during a recompute (the cost model counts them); PyTorch's
+pinned-memory cache rounds host buffers up, so the host may hold more than ``host_bytes()``.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ OFFLOADER = "_hbp_offload"  # where prepare_model keeps the model's HostOffload 
 class _Stored:
     """One offloaded tensor: its host copy, and (on a GPU) the device copy prefetched for the backward."""
 
-    __slots__ = ("host", "device", "ready", "__weakref__")
+    __slots__ = ("host", "device", "ready", "used", "__weakref__")
 
     def __init__(self, host: torch.Tensor, device: torch.device):
         self.host = host
         self.device = device
         self.ready: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        self.used = False
 
 
 class HostOffload:
@@ -46,6 +50,10 @@ class HostOffload:
     def __init__(self) -> None:
         self._stored: list[weakref.ref[_Stored]] = []
         self._stream: torch.cuda.Stream | None = None
+
+    def __deepcopy__(self, memo) -> HostOffload:
+        """A copy of a prepared model (a reference, an EMA) offloads on its own: no shared stream or store."""
+        return HostOffload()
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -68,8 +76,12 @@ class HostOffload:
     def _pack(self, t: torch.Tensor) -> _Stored | torch.Tensor:
         if t.numel() == 0:  # the checkpoint's empty marker: nothing to move
             return t
-        if t.device.type != "cuda":
+        if len(self._stored) > 4 * 1024:  # forwards whose backward never ran (their entries died)
+            self._live()
+        if t.device.type == "cpu":  # the same path, into another CPU tensor (what the CPU tests measure)
             stored = _Stored(t.detach().clone(memory_format=torch.preserve_format), t.device)
+        elif t.device.type != "cuda":  # another accelerator: a synchronous copy to the host
+            stored = _Stored(t.detach().to("cpu"), t.device)
         else:
             stream = self._side_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))
@@ -84,8 +96,11 @@ class HostOffload:
     def _unpack(self, stored: _Stored | torch.Tensor) -> torch.Tensor:
         if isinstance(stored, torch.Tensor):
             return stored
-        if stored.device.type != "cuda":
+        stored.used = True
+        if stored.device.type == "cpu":
             out = stored.host
+        elif stored.device.type != "cuda":
+            out = stored.host.to(stored.device)
         else:
             if stored.ready is None:
                 self._prefetch(stored)
@@ -106,15 +121,15 @@ class HostOffload:
         stored.ready = (out, event)
 
     def _prefetch_before(self, stored: _Stored) -> None:
-        """Start bringing back the input offloaded just before ``stored``: the backward asks for it next."""
+        """Start bringing back the nearest input offloaded before ``stored`` that the backward has not
+        used yet: it asks for it next (a layer of several offloaded inputs brings its next one)."""
         if stored.device.type != "cuda":
             return
         live = self._live()
-        at = next((i for i, s in enumerate(live) if s is stored), None)
-        if at:
-            previous = live[at - 1]
-            if previous.ready is None:
-                self._prefetch(previous)
+        at = next((i for i, s in enumerate(live) if s is stored), 0)
+        previous = next((s for s in reversed(live[:at]) if not s.used), None)
+        if previous is not None and previous.ready is None:
+            self._prefetch(previous)
 
 
 def host_offload(model: torch.nn.Module) -> HostOffload:

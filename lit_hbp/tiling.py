@@ -33,19 +33,11 @@ class TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, forward, tiles: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.forward, ctx.tiles, ctx.rng = forward, tiles, _rng_state(x.device)
+        device = x.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, *params)
-        out = None
         with torch.no_grad():
-            for piece, index in _tiles(x, tiles):
-                y = forward(piece)
-                if y.shape != piece.shape[:-1] + y.shape[-1:]:
-                    raise ValueError(
-                        f"a tiled MLP must work token by token; it mapped {tuple(piece.shape)} to {tuple(y.shape)}"
-                    )
-                if out is None:
-                    out = y.new_empty(x.shape[:-1] + y.shape[-1:])
-                out[index] = y
-        return out
+            return run_tiles(forward, x, tiles)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -53,7 +45,9 @@ class TiledMLP(torch.autograd.Function):
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[2] else None
         sums = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
         devices = [x.device] if x.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # the forward's dropout masks, tile by tile
+        device, enabled, dtype = ctx.autocast
+        # the forward's dropout masks, tile by tile, under the forward's autocast
+        with torch.random.fork_rng(devices=devices), torch.autocast(device, dtype=dtype, enabled=enabled):
             _set_rng_state(x.device, ctx.rng)
             for (piece, index), (g, _) in zip(_tiles(x, ctx.tiles), _tiles(grad, ctx.tiles)):
                 piece = piece.detach().requires_grad_(grad_x is not None)
@@ -68,6 +62,21 @@ class TiledMLP(torch.autograd.Function):
                     if part is not None:
                         total.add_(part)
         return (None, None, grad_x, *(s.to(p.dtype) for s, p in zip(sums, params)))
+
+
+def run_tiles(forward, x: torch.Tensor, tiles: int) -> torch.Tensor:
+    """``forward`` over ``tiles`` pieces of x's sequence dimension, written into one output."""
+    out = None
+    for piece, index in _tiles(x, tiles):
+        y = forward(piece)
+        if y.shape != piece.shape[:-1] + y.shape[-1:]:
+            raise ValueError(
+                f"a tiled MLP must work token by token; it mapped {tuple(piece.shape)} to {tuple(y.shape)}"
+            )
+        if out is None:
+            out = y.new_empty(x.shape[:-1] + y.shape[-1:])
+        out[index] = y
+    return out
 
 
 def _rng_state(device: torch.device) -> tuple:
@@ -104,14 +113,16 @@ def install_tiling(mlp: torch.nn.Module) -> None:
 
 
 def _tiled_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The family's MLP with 1 tile, TiledMLP with more (when gradients are on: without them there is
-    no working set to save)."""
+    """The family's MLP with 1 tile, TiledMLP with more; without gradients (validation at a long
+    level) a plain loop over the tiles, whose intermediates live one tile at a time."""
     forward = self.__dict__[INNER]
-    tiles = self.__dict__.get(TILES, 1)
-    if tiles == 1 or not torch.is_grad_enabled():
+    tiles = min(self.__dict__.get(TILES, 1), x.shape[-2])
+    if tiles <= 1:
         return forward(x)
+    if not torch.is_grad_enabled():
+        return run_tiles(forward, x, tiles)
     params = [p for p in self.parameters() if p.requires_grad]
-    return TiledMLP.apply(forward, min(tiles, x.shape[-2]), x, *params)
+    return TiledMLP.apply(forward, tiles, x, *params)
 
 
 def mlp_of(layer: torch.nn.Module) -> torch.nn.Module | None:

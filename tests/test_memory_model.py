@@ -48,7 +48,9 @@ def measured_and_predicted(model, cfg, dtype, tokens: int, ckpt: int, offload: b
         packed_loss(model, batch, "token_mean", ce_chunk_size=1024).loss.backward()
     spec = ModelSpec.from_config({"model_type": "llama", **cfg})
     bytes_ = 4 if dtype == torch.float32 else 2
-    cost = CostModel(spec, HARDWARE["h100"], 1, zero_stage=0, ce_chunk=1024, dtype_bytes=bytes_, attention="sdpa")
+    cost = CostModel(
+        spec, HARDWARE["h100"], 1, zero_stage=0, ce_chunk=1024, dtype_bytes=bytes_, attention="sdpa", prefetch=False
+    )
     parts = cost.memory_parts(tokens, 1, ckpt, offload=offload, tiles=tiles)
     # One process measures a forward and backward: no optimizer states, no CUDA reserve.
     predicted = cost.memory_bytes(tokens, 1, ckpt, offload=offload, tiles=tiles) - parts["optimizer"] - parts["reserve"]
@@ -63,7 +65,8 @@ def measured_and_predicted(model, cfg, dtype, tokens: int, ckpt: int, offload: b
 def test_predicted_peak_is_within_10_percent_of_measured(shape, dtype):
     rows = []
     model, cfg = model_of(shape, dtype)
-    for point in POINTS:
+    points = POINTS if shape == "gqa" else [(4096, *p[1:]) for p in POINTS]  # the wide shape at one length: time
+    for point in points:
         measured, predicted, _ = measured_and_predicted(model, cfg, dtype, *point)
         rows.append((point, measured, predicted, predicted / measured - 1))
     worst = max(rows, key=lambda r: abs(r[3]))
@@ -77,7 +80,9 @@ def test_host_part_is_what_the_offload_holds():
     model = prepare_model(AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **cfg)))
     docs = [(np.arange(1024) % 256, np.ones(1024, bool)) for _ in range(2)]
     out = packed_loss(model, pack_samples(docs).replace(ckpt_layers=3, offload=True), "token_mean")
-    cost = CostModel(ModelSpec.from_config({"model_type": "llama", **cfg}), HARDWARE["h100"], 1, dtype_bytes=4)
+    cost = CostModel(
+        ModelSpec.from_config({"model_type": "llama", **cfg}), HARDWARE["h100"], 1, dtype_bytes=4, prefetch=False
+    )
     assert host_offload(model).host_bytes() == cost.memory_parts(2048, 1, 3, offload=True)["host"]
     out.loss.backward()
 
@@ -162,7 +167,7 @@ def test_memory_command_prints_each_level_and_fails_on_one_that_does_not_fit(tmp
     assert "data.levels[1]: Level.offload keeps" in capsys.readouterr().err
 
 
-SP_POINTS = [(8192, 0, False, 1), (8192, 4, False, 1), (8192, 4, True, 1), (8192, 4, True, 4)]
+SP_POINTS = [(4096, 0, False, 1), (4096, 4, False, 1), (4096, 4, True, 1), (4096, 4, True, 4)]
 
 
 def ulysses_rank(dtype_name: str) -> dict:
@@ -226,6 +231,7 @@ def test_ulysses_levels_offload_exactly_and_within_10_percent_of_the_model(dtype
         ce_chunk=1024,
         dtype_bytes=4 if dtype_name == "float32" else 2,
         attention="sdpa",
+        prefetch=False,
     )
     rows = []
     for rank in results:

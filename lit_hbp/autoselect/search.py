@@ -249,11 +249,14 @@ def auto_select(
         if length in lengths:
             continue
         if length == l1:
-            ckpt, trace = greedy_profile_ckpt(profiler, l1, 1, c_min, num_layers, margin)
+            fit, trace = fit_memory(profiler, l1, 1, c_min, num_layers, margin)
             candidates += trace
-            if ckpt is None:
+            if fit is None:
                 continue
-            lengths[l1] = Candidate(l1, 1, ckpt, profiler.measure(l1, 1, ckpt), "stage 2: l1 = l_best / sp_best")
+            settings = dict(offload=True, tiles=fit.tiles) if fit.offload else {}
+            m = profiler.measure(l1, 1, fit.ckpt, **settings)
+            note = "stage 2: l1 = l_best / sp_best"
+            lengths[l1] = Candidate(l1, 1, fit.ckpt, m, note, 1, fit.offload, fit.tiles)
         else:
             cand, rows = find_best_sp_ckpt(profiler, length, sp_candidates, c_min, num_layers, margin)
             candidates += rows

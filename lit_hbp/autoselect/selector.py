@@ -180,7 +180,15 @@ class AnalyticSelector(Selector):
         self.gpu = gpu
 
     def cost_model(self, run: RunSetting) -> CostModel:
-        return CostModel(run.spec, HARDWARE[self.gpu], run.world, sp_kind=self.sp_kind)
+        liger = bool(run.module_args.get("liger", False))
+        return CostModel(
+            run.spec,
+            HARDWARE[self.gpu],
+            run.world,
+            zero_stage=zero_stage(run.strategy_args),
+            sp_kind=self.sp_kind,
+            liger=liger,
+        )
 
     def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
         return self._search(AnalyticProfiler(self.cost_model(run), lengths, run.seed), lengths, run)
