@@ -337,8 +337,7 @@ class CostModel:
         """Peak bytes per rank of a level, by part: ``params``, ``grads``, ``optimizer`` (ZeRO),
         ``layers`` (what the layers run without checkpointing keep), ``checkpointed`` (checkpointed
         layers' inputs on the device: all of them, or with ``offload`` the one being recomputed and the
-        one prefetched behind it), ``recompute`` (a checkpointed
-        layer's set, rebuilt in its backward),
+        one prefetched behind it), ``recompute`` (a checkpointed layer's set, rebuilt in its backward),
         ``working`` (the running layer's transients), ``head`` and ``reserve``; and ``host`` (the
         offloaded inputs, in host memory: not part of the device total). ``memory_bytes`` adds them up,
         the head's phase and the layers' backward phase (recompute + working) taken at their larger."""
