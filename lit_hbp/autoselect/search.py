@@ -179,8 +179,8 @@ def why_not_fits(cost, level: Level) -> str:
     top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
     return (
         f"{total / GIB:.1f} GiB per GPU predicted with all {layers} layers checkpointed and offloaded and "
-        f"{tiles} MLP tiles, the {hw.name} has {hw.memory_bytes / GIB:.1f} GiB ({top} GiB): a larger sp or "
-        "ZeRO stage, or a shorter level"
+        f"{tiles} MLP tiles, the {hw.name} has {hw.memory_bytes / GIB:.1f} GiB ({top} GiB): a larger sp, "
+        "Liger's norms (liger: true), the Adam states on the host (offload_optimizer), or a shorter level"
     )
 
 
