@@ -105,6 +105,7 @@ def _refusing_other_attention(what: str):
 
 
 LAYERS = "_hbp_layers"  # what prepare_model keeps on the model: its decoder layers, for checkpointing
+MLPS = "_hbp_mlps"  # and each layer's tileable MLP (None where it has none), read once: not per micro-batch
 
 
 def base_of(net: torch.nn.Module) -> torch.nn.Module:
@@ -136,10 +137,12 @@ def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     for layer in layers:
         layer._gradient_checkpointing_func = checkpoint_function(None)
         layer.gradient_checkpointing = False
-        mlp = mlp_of(layer)
+    mlps = [mlp_of(layer) for layer in layers]
+    for mlp in mlps:
         if mlp is not None:
             install_tiling(mlp)
     net.__dict__[LAYERS] = layers  # plain attributes: not submodules, not in the state dict
+    net.__dict__[MLPS] = mlps
     net.__dict__.setdefault(OFFLOADER, HostOffload())
     if not getattr(net.loss_function, "refuses_unshifted", False):
         net.loss_function = _pre_shifted(net.loss_function)
@@ -192,8 +195,8 @@ def set_mlp_tiles(model: torch.nn.Module, tiles: int) -> None:
     (MoE blocks) is refused for tiles > 1."""
     if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
         raise ValueError(f"mlp_tiles must be a positive int, got {tiles!r}")
-    for i, layer in enumerate(decoder_layers(model)):
-        mlp = mlp_of(layer)
+    layers = decoder_layers(model)
+    for i, (layer, mlp) in enumerate(zip(layers, base_of(model).__dict__[MLPS])):
         if mlp is None:
             if tiles == 1:
                 continue
