@@ -78,8 +78,8 @@ def main() -> int:
                 runs[tag].append(profiler.probe(level.pack_len, 1, ckpt))
         for ckpt, tag in settings:
             row[f"step_s_{tag}"] = float(np.median([m.seconds for m in runs[tag]]))
-            module.set_checkpointing(ckpt)
-            row[f"saved_for_backward_mib_{tag}"] = saved_for_backward(module, batch) / MIB
+            saved = saved_for_backward(module, batch.replace(ckpt_layers=ckpt))
+            row[f"saved_for_backward_mib_{tag}"] = saved / MIB
             if device.type == "cuda":
                 row[f"peak_mib_{tag}"] = max(m.memory for m in runs[tag]) / MIB
         row["time_cost"] = row["step_s_all"] / row["step_s_none"] - 1

@@ -70,10 +70,9 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
     k, v = (torch.randn(1, args.kv_heads, total, dim, generator=g)[:, :, index] for _ in range(2))
     w = torch.randn(1, total, args.heads, dim, generator=g)[:, index]
     cu = torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32)
-    kw = dict(scaling=dim**-0.5, cu_seq_lens_q=cu, max_length_q=max(lengths))
+    kw = dict(scaling=dim**-0.5, cu_seq_lens_q=cu, max_length_q=max(lengths), hbp_cp_shard=cp_shard_of(split, ctx.rank))
     module = SimpleNamespace(training=False)
     context.activate(ctx, "cp")
-    context.set_shard(cp_shard_of(split, ctx.rank))
     sdpa = backends.REGISTRY["sdpa"]
     ways = {"lse": sdpa, "recompute": dataclasses.replace(sdpa, lse=None)}
 
@@ -101,7 +100,6 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
     finally:
         backends.REGISTRY["sdpa"] = sdpa
         context.activate(None)
-        context.set_shard(None)
     diff = max((a - b).abs().max().item() / b.abs().max().item() for a, b in zip(grads["lse"], grads["recompute"]))
     diff_t = torch.tensor(diff, dtype=torch.float64)
     dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)

@@ -5,15 +5,16 @@
 HBP trains each level with its own SP degree and number of activation-checkpointed layers, and
 consecutive micro-steps may belong to different levels. The strategy makes a switch cheap by
 building every SP process group once at setup; a switch then only points the attention at another
-existing group (``context.activate``) and flips the layers' checkpointing flags
-(``set_checkpointing``). This benchmark checks that claim on --world CPU processes (gloo, one
-thread each), all training the same tiny Llama-style HBPLitModule (random init, same seed).
+existing group (``context.activate``), and each packed call flips the layers' checkpointing flags
+for its duration (``pack_scope``, entered and left by ``packed_loss``). This benchmark checks that
+claim on --world CPU processes (gloo, one thread each), all training the same tiny Llama-style
+HBPLitModule (random init, same seed).
 
 Three levels share one pack length (so their steps are comparable) but differ in SP degree
 (default 1, 2, 4) and checkpointed layers (default 0, 2, 4). Each SP group gets its own synthetic
 packed micro-batch per step (random document lengths, fixed seed, documents crossing shard
 boundaries), built with ``collate_packs`` and cut into the rank's ``shard``. A micro-step is:
-activate the level's SP context + set_checkpointing + forward + backward + gradient all-reduce
+activate the level's SP context + forward in the level's pack scope + backward + gradient all-reduce
 over the whole world (data parallel, averaged) + SGD step.
 
 - Schedules: "blocked" runs all steps of level 0, then 1, then 2 (2 switches); "switching" runs
@@ -21,7 +22,7 @@ over the whole world (data parallel, averaged) + SGD step.
   warm-up, the two alternate for --rounds rounds; totals are the max over ranks between barriers,
   per-schedule medians over rounds are compared, and beside them the median of the per-round ratios
   (robust to a burst of outside load that hits one schedule of a round).
-- Isolated switch: ``context.activate`` + ``set_checkpointing`` timed alone over many calls
+- Isolated switch: ``context.activate`` + entering and leaving a ``pack_scope`` timed alone over many calls
   (max over ranks), as a share of the mean micro-step time. This is the noise-free measure.
 - No process group may be created after setup: ``torch.distributed.new_group`` is wrapped and its
   calls counted during warm-up and the timed schedules.
@@ -48,6 +49,7 @@ import torch.multiprocessing as mp
 
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.module import HBPLitModule
+from lit_hbp.pack_scope import pack_scope
 from lit_hbp.packing import Level
 from lit_hbp.packing.context_split import padded_length
 from lit_hbp.parallel import context
@@ -186,10 +188,12 @@ class Trainer:
         self.world = dist.get_world_size()
 
     def switch(self, level: int) -> None:
-        """What the strategy does per micro-batch: pick the level's existing group, set checkpointing."""
+        """What the strategy and packed_loss do per micro-batch: pick the level's existing group, enter and
+        leave the level's pack scope (its checkpointing flags)."""
         lv = self.levels[level]
         context.activate(self.groups[lv.sp])
-        self.module.set_checkpointing(lv.ckpt_layers)
+        with pack_scope(self.module.model, lv.ckpt_layers):
+            pass
 
     def micro_step(self, level: int, batch: Batch) -> None:
         self.switch(level)
@@ -239,6 +243,11 @@ def mean_over_ranks(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
+
+
+def enter_and_leave(model, ckpt_layers: int) -> None:
+    with pack_scope(model, ckpt_layers):
+        pass
 
 
 def time_calls(fn: Callable[[int], None], calls: int, repeats: int = 5) -> float:
@@ -302,8 +311,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, results) 
             "context.activate": time_calls(
                 lambda n: context.activate(groups[levels[n % n_levels].sp]), args.switch_calls
             ),
-            "set_checkpointing": time_calls(
-                lambda n: trainer.module.set_checkpointing(ckpts[n % n_levels]), args.switch_calls
+            "pack_scope": time_calls(
+                lambda n: enter_and_leave(trainer.module.model, ckpts[n % n_levels]), args.switch_calls
             ),
             "switch (both)": time_calls(lambda n: trainer.switch(n % n_levels), args.switch_calls),
         }

@@ -2,6 +2,7 @@
 
     from lit_hbp import HBPDataModule, HBPLitModule, HBPStrategy, Level, PackedBatch, plan_hbp
     from lit_hbp import prepare_model, packed_loss, pack_samples   # inside your own LightningModule
+    from lit_hbp import pack_inputs, prepared, unprepare_model     # the model's other calls, a teacher
 
 The packing planner (``lit_hbp.packing``) imports numpy only; the Lightning pieces are imported
 on first use so that ``import lit_hbp.packing`` never pulls in torch.
@@ -19,7 +20,13 @@ _LAZY = {
     "PackedLoss": "lit_hbp.causal_lm",
     "prepare_model": "lit_hbp.causal_lm",
     "packed_loss": "lit_hbp.causal_lm",
+    "unprepare_model": "lit_hbp.causal_lm",
+    "prepared": "lit_hbp.causal_lm",
+    "zero3_loading": "lit_hbp.causal_lm",
+    "pack_inputs": "lit_hbp.pack_scope",
+    "pack_scope": "lit_hbp.pack_scope",
     "pack_samples": "lit_hbp.data.collate",
+    "step_loss_norm": "lit_hbp.loss",
     "collate_packs": "lit_hbp.data.collate",
     "Source": "lit_hbp.data.sources",
     "export_checkpoint": "lit_hbp.export",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -32,9 +33,10 @@ from lit_hbp.checks import check_model_config, local_checkpoint
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
 from lit_hbp.model_spec import ModelSpec
-from lit_hbp.offload import OFFLOADER, HostOffload, checkpoint_function, host_offload
+from lit_hbp.offload import OFFLOADER, HostOffload
+from lit_hbp.pack_scope import PREPARED, Prepared, install_call_hooks, pack_inputs, pack_scope, record_of
 from lit_hbp.parallel import context as sp_context
-from lit_hbp.tiling import TILES, install_tiling, mlp_of
+from lit_hbp.tiling import install_tiling, mlp_of, uninstall_tiling
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
@@ -88,6 +90,31 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None, tokenizer=
 
 
 @contextlib.contextmanager
+def zero3_loading(strategy) -> Iterator[None]:
+    """Under a DeepSpeed strategy at ZeRO-3, ``from_pretrained`` inside this block loads the checkpoint
+    into the partitioned parameters (DeepSpeed's config registered for transformers, as its own Trainer
+    does); elsewhere it does nothing. ``HBPStrategy`` runs ``configure_model`` inside it: call it
+    yourself around ``from_pretrained`` under Lightning's ``DeepSpeedStrategy``."""
+    if not getattr(strategy, "zero_stage_3", False):
+        yield
+        return
+    from transformers.integrations.deepspeed import (
+        HfDeepSpeedConfig,
+        is_deepspeed_zero3_enabled,
+        unset_hf_deepspeed_config,
+    )
+
+    if is_deepspeed_zero3_enabled():  # already registered (HBPStrategy's, around HBPLitModule's)
+        yield
+        return
+    registered = HfDeepSpeedConfig(strategy.config)  # noqa: F841  (kept alive: transformers holds a weakref)
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+
+
+@contextlib.contextmanager
 def _refusing_other_attention(what: str):
     """transformers raises KeyError(attn name) for a model that does not dispatch through the
     AttentionInterface: say so, and what would work."""
@@ -104,10 +131,6 @@ def _refusing_other_attention(what: str):
         raise
 
 
-LAYERS = "_hbp_layers"  # what prepare_model keeps on the model: its decoder layers, for checkpointing
-MLPS = "_hbp_mlps"  # and each layer's tileable MLP (None where it has none), read once: not per micro-batch
-
-
 def base_of(net: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model itself (under peft: the model the adapters wrap)."""
     return net.get_base_model() if hasattr(net, "get_base_model") else net
@@ -116,105 +139,145 @@ def base_of(net: torch.nn.Module) -> torch.nn.Module:
 def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     """Make a Hugging Face causal LM (or its peft wrapper) train on lit-hbp's packs; returns it.
 
-    Its attention becomes ``hbp_varlen`` (transformers' ``set_attn_implementation``): every document of a
-    pack attends only to itself, and a level's sequence parallelism runs inside it. Its decoder layers
-    get non-reentrant activation checkpointing, off until ``packed_loss`` applies a batch's
-    ``ckpt_layers``; the KV cache is off; the model is put in train mode (``from_pretrained`` returns it
-    in eval mode, which would train without dropout and without checkpointing). Its own loss refuses
-    the pre-shifted labels it would shift again. A family whose attention does not go through
-    transformers' AttentionInterface is refused: its documents would attend to each other."""
+    Only packed calls change: those that carry a pack's document boundaries (``packed_loss``, or
+    ``model(**pack_inputs(batch))``) run lit-hbp's varlen attention (every document attends only to
+    itself, a level's sequence parallelism inside it) with the level's checkpointing, offload and MLP
+    tiles, for the duration of the call (``lit_hbp.pack_scope``). Every other call (padded batches
+    with a mask, ordinary ``labels=``, the KV cache, ``generate()``) computes what the model computed
+    before. The model is put in train mode (``from_pretrained`` returns it in eval mode, which would
+    train without dropout and without checkpointing). A call of a pack's token ids without its
+    boundaries, and ``labels=`` of a pack (pre-shifted: its loss would shift them again) are refused.
+    A family whose attention does not go through transformers' AttentionInterface is refused: its
+    documents would attend to each other. ``unprepare_model`` (or ``with prepared(model):``) undoes it."""
     net = base_of(model)
     if not hasattr(net, "set_attn_implementation") or not hasattr(net, "config"):
         raise TypeError(f"prepare_model takes a Hugging Face causal LM (a PreTrainedModel), got {type(net).__name__}")
-    if net.config._attn_implementation != attention.ATTN_NAME:
-        with _refusing_other_attention(type(net).__name__):
-            net.set_attn_implementation(attention.ATTN_NAME)
+    if record_of(net) is not None:
+        model.train()
+        return model
+    configs = model_configs(net)
+    own = {id(c): c._attn_implementation_internal for c in configs}
+    with _refusing_other_attention(type(net).__name__):
+        net.set_attn_implementation(attention.ATTN_NAME)
         if net.config._attn_implementation != attention.ATTN_NAME:
             raise KeyError(attention.ATTN_NAME)  # transformers only warned: the same refusal
-    net.config.use_cache = False
-    model.train()
+    fallback = "sdpa" if getattr(net, "_supports_sdpa", False) else "eager"
+    for config in configs:  # outside a pack: the attention it had (built with lit-hbp's: sdpa or eager)
+        name = own[id(config)]
+        config._attn_implementation_internal = fallback if name in (None, attention.ATTN_NAME) else name
+    decoder = decoder_of(net)
     layers = checkpoint_layers(net)
-    for layer in layers:
-        layer._gradient_checkpointing_func = checkpoint_function(None)
-        layer.gradient_checkpointing = False
-    mlps = [mlp_of(layer) for layer in layers]
-    for mlp in mlps:
+    record = Prepared(
+        decoder=decoder,
+        configs=[(c, c._attn_implementation_internal) for c in configs],
+        layers=layers,
+        mlps=[mlp_of(layer) for layer in layers],
+        attends=[[m for m in layer.modules() if hasattr(m, "config")] for layer in layers],
+        loss_function=net.__dict__.get("_loss_function"),
+    )
+    for mlp in record.mlps:
         if mlp is not None:
             install_tiling(mlp)
-    net.__dict__[LAYERS] = layers  # plain attributes: not submodules, not in the state dict
-    net.__dict__[MLPS] = mlps
+    net.__dict__[PREPARED] = decoder.__dict__[PREPARED] = record  # plain attributes: not in the state dict
     net.__dict__.setdefault(OFFLOADER, HostOffload())
-    if not getattr(net.loss_function, "refuses_unshifted", False):
-        net.loss_function = _pre_shifted(net.loss_function)
+    net.loss_function = _pre_shifted(net.loss_function)
+    install_call_hooks(record)
+    model.train()
     return model
 
 
+def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo ``prepare_model``: the model's own attention, loss, MLP forwards and checkpointing as they
+    were, nothing of lit-hbp left on it (a project handing the model to code that expects it untouched)."""
+    net = base_of(model)
+    record = record_of(net)
+    if record is None:
+        return model
+    if record.calls:
+        raise RuntimeError("unprepare_model inside a packed call of the same model")
+    for handle in record.hooks:
+        handle.remove()
+    for config, name in record.configs:
+        config._attn_implementation_internal = name
+    for mlp in record.mlps:
+        if mlp is not None:
+            uninstall_tiling(mlp)
+    if record.loss_function is None:
+        net.__dict__.pop("_loss_function", None)
+    else:
+        net.loss_function = record.loss_function
+    for key in (PREPARED, OFFLOADER):
+        net.__dict__.pop(key, None)
+    record.decoder.__dict__.pop(PREPARED, None)
+    return model
+
+
+@contextlib.contextmanager
+def prepared(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``with prepared(model):`` the model trains on packs inside, and is handed back as it was
+    (attention, loss, train/eval mode) when the block ends."""
+    training = base_of(model).training
+    was_prepared = record_of(model) is not None
+    prepare_model(model)
+    try:
+        yield model
+    finally:
+        if not was_prepared:
+            unprepare_model(model)
+        model.train(training)
+
+
+def model_configs(net: torch.nn.Module) -> list:
+    """Every model config the model's modules read (the top one and sub-configs), once each."""
+    from transformers import PretrainedConfig
+
+    seen: dict[int, object] = {}
+    for module in net.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
 def _pre_shifted(loss_function):
-    """The model's own loss (``model(..., labels=...)``), refusing the labels it would shift: a
-    PackedBatch's labels are already shifted (``labels[t]`` is the target of position t), and
-    transformers' causal-LM loss shifts ``labels`` again unless ``shift_labels`` is given."""
+    """The model's own loss (``model(..., labels=...)``): ordinary outside a pack; in a packed call
+    (one with the pack's boundaries) the labels of lit-hbp's batches are already shifted, so it refuses
+    ``labels`` without ``shift_labels``, and under sequence parallelism, where it would average each
+    rank's shard on its own, it refuses altogether."""
 
     def loss(*args, shift_labels=None, **kwargs):
-        if shift_labels is None:
-            raise ValueError(
-                "the labels of lit-hbp's batches are already shifted (labels[t] is the target of position t) and "
-                "transformers' loss would shift them again: compute the loss with lit_hbp.packed_loss(model, batch), "
-                "or pass shift_labels=batch.labels to the model"
-            )
+        if kwargs.get("cu_seq_lens_q") is not None:
+            ctx = sp_context.active()
+            if ctx is not None and ctx.size > 1:
+                raise ValueError(
+                    f"the model's own loss under sequence parallelism {ctx.size} would average each rank's shard "
+                    "of the pack separately, not per token over the pack: compute it with "
+                    "lit_hbp.packed_loss(model, batch)"
+                )
+            if shift_labels is None:
+                raise ValueError(
+                    "the labels of lit-hbp's batches are already shifted (labels[t] is the target of position t) and "
+                    "transformers' loss would shift them again: compute the loss with "
+                    "lit_hbp.packed_loss(model, batch), or pass shift_labels=batch.labels"
+                )
         return loss_function(*args, shift_labels=shift_labels, **kwargs)
 
-    loss.refuses_unshifted = True
     return loss
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers ``prepare_model`` found (checkpointed from the first)."""
-    layers = base_of(model).__dict__.get(LAYERS)
-    if layers is None:
+    record = record_of(model)
+    if record is None:
         raise ValueError(_not_prepared(model))
-    return layers
-
-
-def set_checkpointing(model: torch.nn.Module, ckpt_layers: int, offload: bool = False) -> None:
-    """Checkpoint the first ``ckpt_layers`` decoder layers of a prepared model, run the rest normally;
-    with ``offload`` the checkpointed layers keep their inputs in host memory (``lit_hbp.offload``)."""
-    layers = decoder_layers(model)
-    if ckpt_layers > len(layers):
-        raise ValueError(f"ckpt_layers {ckpt_layers} exceeds the model's {len(layers)} decoder layers")
-    if offload and ckpt_layers == 0:
-        raise ValueError("offload keeps the checkpointed layers' inputs on the host: it needs ckpt_layers > 0")
-    func = checkpoint_function(host_offload(model) if offload else None)
-    for i, layer in enumerate(layers):
-        layer.gradient_checkpointing = i < ckpt_layers
-        layer._gradient_checkpointing_func = func
-
-
-def set_mlp_tiles(model: torch.nn.Module, tiles: int) -> None:
-    """Run every decoder layer's MLP of a prepared model in ``tiles`` tiles of the sequence
-    (``lit_hbp.tiling``; 1: the family's MLP as it is). A model whose layers have no token-wise MLP
-    (MoE blocks) is refused for tiles > 1."""
-    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
-        raise ValueError(f"mlp_tiles must be a positive int, got {tiles!r}")
-    layers = decoder_layers(model)
-    for i, (layer, mlp) in enumerate(zip(layers, base_of(model).__dict__[MLPS])):
-        if mlp is None:
-            if tiles == 1:
-                continue
-            raise ValueError(
-                f"mlp_tiles {tiles}: decoder layer {i} ({type(layer).__name__}) has no token-wise MLP lit-hbp can tile "
-                f"({type(getattr(layer, 'mlp', None)).__name__}: mixture-of-experts blocks route tokens and feed the "
-                "router loss, some families' MLPs take more than the hidden states); use mlp_tiles 1 for this model"
-            )
-        install_tiling(mlp)  # again if something (Liger) bound another forward since prepare_model
-        mlp.__dict__[TILES] = tiles
+    return record.layers
 
 
 def _not_prepared(model: torch.nn.Module) -> str:
-    config = getattr(base_of(model), "config", None)
-    attn = getattr(config, "_attn_implementation", None)
     return (
-        f"{type(base_of(model)).__name__} runs {attn!r} attention, which would let the documents of a pack attend to "
-        "each other and cannot run a level's sequence parallelism: call lit_hbp.prepare_model(model) first"
+        f"{type(base_of(model)).__name__} is not prepared for packs: its attention would let the documents of a "
+        "pack attend to each other and cannot run a level's sequence parallelism: call "
+        "lit_hbp.prepare_model(model) first"
     )
 
 
@@ -254,31 +317,12 @@ def packed_loss(
             f"samples), got {type(batch).__name__}"
         )
     net = base_of(model)
-    if getattr(net.config, "_attn_implementation", None) != attention.ATTN_NAME or LAYERS not in net.__dict__:
+    if record_of(net) is None:
         raise ValueError(_not_prepared(model))
-    ctx = sp_context.active()
-    if int(batch.sp) != (ctx.size if ctx is not None else 1):
-        raise ValueError(
-            f"this micro-batch (level {batch.level}) is a shard for sequence parallelism {batch.sp} but the active SP "
-            f"group has {ctx.size if ctx is not None else 1} rank(s): levels with sp > 1 train under "
-            "lit_hbp.HBPStrategy, which activates each level's group"
-        )
-    set_checkpointing(model, int(batch.ckpt_layers), bool(batch.offload))
-    set_mlp_tiles(model, int(batch.mlp_tiles))
-    cu = batch.cu_seqlens
-    attention.set_pack(cu, batch.max_seqlen, batch.input_ids.shape[1] * int(batch.sp))
-    sp_context.set_shard(batch.cp_shard)
+    inputs = pack_inputs(batch)  # checks the level's SP group is the active one
     aux = router_loss and getattr(net.config, "output_router_logits", False)
-    out = decoder_of(model)(
-        input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
-        cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
-        max_length_q=batch.max_seqlen,
-        max_length_k=batch.max_seqlen,
-        use_cache=False,
-        **({"output_router_logits": True} if aux else {}),
-    )
+    with pack_scope(model, int(batch.ckpt_layers), bool(batch.offload), int(batch.mlp_tiles), inputs):
+        out = decoder_of(model)(**inputs, use_cache=False, **({"output_router_logits": True} if aux else {}))
     hidden = out.last_hidden_state
     head = output_head(model)
     scale = weights if weights is not None else token_scale(batch, loss)

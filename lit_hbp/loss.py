@@ -18,7 +18,7 @@ after averaging over all N ranks, each SP group counts as one data-parallel repl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,35 @@ def token_scale(batch: PackedBatch, normalizer: str) -> float | None:
     if normalizer == "sample_mean":
         return None
     raise ValueError(f"loss normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
+
+
+def step_loss_norm(micro_batches: Sequence[PackedBatch], group=None) -> float:
+    """The ``ave_token`` normalizer of one optimizer step over your own data: ``micro_batches`` are this
+    rank's micro-batches of the step (the same count on every rank), their supervised tokens summed
+    over the ranks of ``group`` (torch.distributed's world when it is initialized), divided by ranks x
+    micro-batches. Set it on each (``batch.replace(loss_norm=...)``, or ``pack_samples(..., loss_norm=)``):
+    with gradients averaged over the ranks and the accumulated micro-batches, the update is the token
+    mean over the whole step. Sequence-parallel levels take it from HBPDataModule's plan instead."""
+    batches = list(micro_batches)
+    if not batches:
+        raise ValueError("step_loss_norm needs this rank's micro-batches of the step, got none")
+    if any(int(b.sp) != 1 for b in batches):
+        raise ValueError("step_loss_norm counts whole packs per rank: levels with sp > 1 take HBPDataModule's plan")
+    total = float(sum(b.n_targets for b in batches))
+    world = 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size(group)
+        nccl = torch.distributed.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        counts = torch.tensor([total, float(len(batches))], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(counts, group=group)
+        total, micro = counts.tolist()
+        if micro != len(batches) * world:
+            raise ValueError(
+                f"step_loss_norm: this rank has {len(batches)} micro-batches in the step but the ranks have "
+                f"{int(micro)} in all: every rank must run the same number"
+            )
+    return max(total, 1.0) / (world * len(batches))
 
 
 def token_weights(batch: PackedBatch, normalizer: str) -> torch.Tensor:

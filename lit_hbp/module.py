@@ -7,7 +7,6 @@ checkpointing follows each batch's level: decoder layer i is checkpointed iff i 
 
 from __future__ import annotations
 
-import contextlib
 import math
 from functools import partial
 from typing import Any
@@ -28,8 +27,7 @@ from lit_hbp.causal_lm import (
     model_spec,
     packed_loss,
     prepare_model,
-    set_checkpointing,
-    set_mlp_tiles,
+    zero3_loading,
 )
 from lit_hbp.checks import check_model_source, check_module_positions
 from lit_hbp.data.batch import PackedBatch
@@ -37,6 +35,7 @@ from lit_hbp.loss import NORMALIZERS
 from lit_hbp.memory import fit_warnings
 from lit_hbp.meter import StepMeter, logs_now
 from lit_hbp.model_spec import ModelSpec
+from lit_hbp.pack_scope import pack_scope
 
 RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
 
@@ -102,26 +101,6 @@ def set_recompile_limit(limit: int) -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), limit))
-
-
-@contextlib.contextmanager
-def _zero3_loading(trainer):
-    """Under DeepSpeed ZeRO-3 the model is built inside ``deepspeed.zero.Init`` (parameters are
-    partitioned as they are created), so ``from_pretrained`` must load the checkpoint the ZeRO-3
-    way; transformers does when a DeepSpeed config is registered for the duration of the load."""
-    strategy = getattr(trainer, "strategy", None) if trainer is not None else None
-    if not getattr(strategy, "zero_stage_3", False):
-        yield
-        return
-    from transformers.integrations import HfDeepSpeedConfig
-
-    registered = HfDeepSpeedConfig(strategy.config)  # noqa: F841  (kept alive: transformers holds a weakref)
-    try:
-        yield
-    finally:
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
 
 
 def _require_packed(batch: Any) -> None:
@@ -199,7 +178,7 @@ class HBPLitModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        with _zero3_loading(self._trainer):
+        with zero3_loading(getattr(self._trainer, "strategy", None) if self._trainer is not None else None):
             self.model = build_causal_lm(self.hparams.model, self.hparams.vocab_size, self._tokenizer())
         # from_pretrained returns a model in eval mode, and Lightning keeps each module's mode: without
         # this a checkpoint folder would train without dropout and without activation checkpointing
@@ -249,11 +228,6 @@ class HBPLitModule(L.LightningModule):
     def num_layers(self) -> int:
         return len(self._layers)
 
-    def set_checkpointing(self, ckpt_layers: int, offload: bool = False) -> None:
-        """Checkpoint the first ``ckpt_layers`` decoder layers (their inputs on the host with ``offload``),
-        run the rest normally."""
-        set_checkpointing(self.model, ckpt_layers, offload)
-
     def on_train_start(self) -> None:
         self.model.train()  # whatever ran before (a user's callback, a validation) left it in
 
@@ -281,8 +255,8 @@ class HBPLitModule(L.LightningModule):
                 "use ZeRO stage 0-2 (with offload_optimizer for room) or mlp_tiles 1"
             )
         if tiles > 1:  # a model without token-wise MLPs refuses now, not at the first long step
-            set_mlp_tiles(self.model, tiles)
-            set_mlp_tiles(self.model, 1)
+            with pack_scope(self.model, tiles=tiles):
+                pass
         capacity = device_memory(self.device)
         if capacity and levels and self._spec is not None:
             half = any(p in str(self.trainer.precision) for p in ("16", "bf16"))
@@ -421,7 +395,6 @@ class HBPLitModule(L.LightningModule):
         return None if norm is None else norm.detach().float()
 
     def on_train_batch_end(self, outputs, batch: PackedBatch, batch_idx: int) -> None:
-        attention.set_pack(None)  # its backward is done: the model may now run outside a pack
         self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # this rank's share of real tokens
         if not logs_now(self.trainer):
             return
@@ -450,7 +423,6 @@ class HBPLitModule(L.LightningModule):
 
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
         _, ce_sum, n = self(batch)
-        attention.set_pack(None)
         self._val_ce = self._val_ce + ce_sum
         self._val_targets += n
 

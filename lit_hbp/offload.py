@@ -20,7 +20,6 @@ pinned-memory cache rounds host buffers up, so the host may hold more than ``hos
 from __future__ import annotations
 
 import weakref
-from functools import partial
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -145,10 +144,3 @@ def offloaded_checkpoint(offload: HostOffload, fn, *args):
     """``torch.utils.checkpoint`` (non-reentrant) whose saved inputs live in host memory."""
     with offload.hooks():
         return checkpoint(fn, *args, use_reentrant=False)
-
-
-def checkpoint_function(offload: HostOffload | None):
-    """The ``_gradient_checkpointing_func`` of a decoder layer, with or without offload."""
-    if offload is None:
-        return partial(checkpoint, use_reentrant=False)
-    return partial(offloaded_checkpoint, offload)

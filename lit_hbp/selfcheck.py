@@ -34,7 +34,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lit_hbp import attention
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.parallel import context as sp_context
 from lit_hbp.parallel.kind import resolve_sp_kind
@@ -119,7 +118,6 @@ def run_self_check(
     finally:
         net.train(was_training)
         sp_context.activate(None)
-        attention.set_pack(None)
     loss_tol, grad_tol = TOLERANCE.get(dtype, LOW_PRECISION)
     worst = _agree(np.array([results[sp] for sp in results]), device)
     for (loss_err, grad_err, leak), sp in zip(worst, results):
@@ -184,15 +182,17 @@ def _embedding_leaves(embed):
 def _alone(net, embed, docs, device, used: set[int]):
     """Per document: (CE per position [n - 1], d(its CE) / d(its embeddings) [n, H]), through the
     family's own forward, output head and masks, with transformers' eager attention."""
+    from lit_hbp.causal_lm import model_configs
+
     out = {}
-    attention.set_pack(None)
-    own = net.config._attn_implementation
+    own = [(config, config._attn_implementation_internal) for config in model_configs(net)]
     net.set_attn_implementation("eager")
     try:
         for i, (ids, _) in docs.items():
             out[i] = _alone_one(net, embed, ids, device, used)
     finally:
-        net.set_attn_implementation(own)
+        for config, name in own:
+            config._attn_implementation_internal = name
     return out
 
 

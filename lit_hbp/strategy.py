@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import os
+import sys
 import weakref
+from collections.abc import Generator
 from datetime import timedelta
+from functools import partial
 from typing import Any
 from unittest import mock
 
@@ -33,9 +37,10 @@ from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
-from lit_hbp import attention  # noqa: E402
+from lit_hbp.causal_lm import zero3_loading  # noqa: E402
 from lit_hbp.checkpoints import is_complete, save_deepspeed  # noqa: E402
-from lit_hbp.data.batch import PackedBatch  # noqa: E402
+from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
+from lit_hbp.pack_scope import record_of  # noqa: E402
 from lit_hbp.packing.levels import Level, as_level, validate_levels  # noqa: E402
 from lit_hbp.parallel import context  # noqa: E402
 from lit_hbp.parallel.groups import SPGroups  # noqa: E402
@@ -98,29 +103,63 @@ def _plan_fields(levels) -> list[tuple]:
 
 
 def trained_model(module, levels: list[Level]):
-    """The Hugging Face model a LightningModule trains (HBPLitModule's, or the one a module of one's own
-    holds), checked against the levels: sequence parallelism runs inside lit-hbp's attention, so a
-    level with sp > 1 and a model with other attention would train each rank's shard alone."""
+    """The Hugging Face model a LightningModule trains (the outermost one with trainable parameters:
+    HBPLitModule's, or the one a module of one's own holds), checked against the levels: sequence
+    parallelism runs inside lit-hbp's attention, so at a level with sp > 1 a trainable model that
+    ``prepare_model`` did not prepare would train each rank's shard alone. A frozen model the module
+    holds (a teacher, a reference) may stay as it is while it never sees a pack (``guard_frozen``)."""
     from transformers import PreTrainedModel
 
-    found = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
-    nets = [m for m in found if not any(m is not other and m in set(other.modules()) for other in found)]
+    found = [(name, m) for name, m in module.named_modules() if isinstance(m, PreTrainedModel)]
+    nets = [(n, m) for n, m in found if not any(m is not o and m in set(o.modules()) for _, o in found)]
     if not nets:
         raise ValueError(
             f"HBPStrategy: {type(module).__name__} holds no Hugging Face model (a transformers PreTrainedModel), whose "
             "decoder lit-hbp's attention and levels need"
         )
+    trainable = [(n, m) for n, m in nets if any(p.requires_grad for p in m.parameters())]
     sp_levels = [lv for lv in levels if lv.sp > 1]
-    for net in nets:
-        attn = getattr(net.config, "_attn_implementation", None)
-        if sp_levels and attn != attention.ATTN_NAME:
+    for name, net in trainable:
+        if sp_levels and record_of(net) is None:
             lv = sp_levels[0]
             raise ValueError(
-                f"HBPStrategy: the level of {lv.pack_len} tokens has sp {lv.sp}, but {type(net).__name__} runs "
-                f"{attn!r} attention, which would attend within each rank's shard only: call "
-                "lit_hbp.prepare_model(model) on it in your module (HBPLitModule does)"
+                f"HBPStrategy: the level of {lv.pack_len} tokens has sp {lv.sp}, but {_path(name)} "
+                f"({type(net).__name__}) is not prepared for packs and would attend within each rank's shard only: "
+                f"call lit_hbp.prepare_model({_path(name)}) in your module's configure_model (HBPLitModule does)"
             )
-    return nets[0]
+    return (trainable or nets)[0][1]
+
+
+def _path(name: str) -> str:
+    """A submodule's attribute path as the module's own code names it."""
+    return f"self.{name}" if name else "the module"
+
+
+def guard_frozen(module) -> list:
+    """Hooks on each frozen Hugging Face model ``module`` holds unprepared (a teacher, a reference)
+    that refuse a call on a pack's token ids, naming the attribute: outside a pack such a model runs
+    as it always did; on a pack it would attend across documents or within one rank's shard."""
+    from transformers import PreTrainedModel
+
+    handles = []
+    for name, net in module.named_modules():
+        if not isinstance(net, PreTrainedModel) or record_of(net) is not None:
+            continue
+        if any(p.requires_grad for p in net.parameters()):
+            continue
+        handles.append(net.register_forward_pre_hook(partial(_refuse_pack, _path(name)), with_kwargs=True))
+    return handles
+
+
+def _refuse_pack(path: str, net, args: tuple, kwargs: dict):
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor) and ids.__dict__.get(PACK_MARK, 0):
+        raise ValueError(
+            f"{path} ({type(net).__name__}) is called on a packed micro-batch but is not prepared for packs, so its "
+            f"documents (and, under sequence parallelism, its ranks' shards) would attend to each other: call "
+            f"lit_hbp.prepare_model({path}) in configure_model and call it with **lit_hbp.pack_inputs(batch)"
+        )
+    return None
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the strategies that set up a world in this process
@@ -137,10 +176,11 @@ def release_process_groups() -> None:
     for strategy in list(_LIVE):
         strategy.sp_groups = None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        import deepspeed.comm
-
-        if deepspeed.comm.is_initialized():
-            deepspeed.comm.destroy_process_group()
+        # DeepSpeed only where the run imported it: importing it now (a DDP run) would register atexit
+        # callbacks during interpreter shutdown, which Python refuses with an error on every such exit.
+        ds_comm = sys.modules.get("deepspeed.comm")
+        if ds_comm is not None and ds_comm.is_initialized():
+            ds_comm.destroy_process_group()
         else:
             torch.distributed.destroy_process_group()
 
@@ -201,6 +241,7 @@ class HBPStrategy(DeepSpeedStrategy):
             self.config.setdefault("timers", {"throughput": {"enabled": False, "synchronized": False}})
         self.levels = None if levels is None else tuple(as_level(x) for x in levels)
         self.sp_groups: SPGroups | None = None
+        self._frozen_guards: list = []
 
     def _format_config(self) -> None:
         super()._format_config()  # adds the precision's section (bf16) to the config
@@ -271,6 +312,7 @@ class HBPStrategy(DeepSpeedStrategy):
             raise ValueError("HBPStrategy needs levels: pass levels=... or use a data module with .levels")
         module = trainer.lightning_module
         net = trained_model(module, [as_level(x) for x in levels])
+        self._frozen_guards = guard_frozen(module)
         cfg = net.config
         node_size = trainer.num_devices
         validate_sp_setup(
@@ -314,8 +356,15 @@ class HBPStrategy(DeepSpeedStrategy):
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if isinstance(batch, PackedBatch):
             context.activate(self.sp_groups[(batch.sp, batch.cp)], batch.sp_kind)
-            attention.expect_pack(batch.pack_len, batch.cu_seqlens.shape[0] - 1)
         return batch
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """DeepSpeed's ``zero.Init`` under ZeRO-3, with DeepSpeed's config registered for transformers:
+        ``from_pretrained`` inside a module's ``configure_model`` then loads the checkpoint into the
+        partitioned parameters (without it transformers fails, or loads nothing)."""
+        with super().model_sharded_context(), zero3_loading(self):
+            yield
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning already divided the loss by accumulate_grad_batches.
@@ -337,6 +386,9 @@ class HBPStrategy(DeepSpeedStrategy):
 
     def teardown(self) -> None:
         context.activate(None)
+        for handle in self._frozen_guards:
+            handle.remove()
+        self._frozen_guards = []
         super().teardown()
 
     @classmethod

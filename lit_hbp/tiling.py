@@ -112,6 +112,18 @@ def install_tiling(mlp: torch.nn.Module) -> None:
     mlp.forward = types.MethodType(_tiled_forward, mlp)
 
 
+def uninstall_tiling(mlp: torch.nn.Module) -> None:
+    """The forward ``mlp`` had before ``install_tiling``."""
+    if getattr(mlp.__dict__.get("forward"), "__func__", None) is not _tiled_forward:
+        return
+    inner = mlp.__dict__.pop(INNER)
+    mlp.__dict__.pop(TILES, None)
+    if getattr(inner, "__func__", None) is getattr(type(mlp), "forward", None):
+        del mlp.forward  # the class's own forward
+    else:
+        mlp.forward = inner  # one an integration bound before
+
+
 def _tiled_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The family's MLP with 1 tile, TiledMLP with more; without gradients (validation at a long
     level) a plain loop over the tiles, whose intermediates live one tile at a time."""

@@ -43,7 +43,6 @@ def packs(n: int) -> list:
 def grads(module: HBPLitModule, batch) -> list[torch.Tensor]:
     module.zero_grad()
     module(batch)[0].backward()
-    attention.set_pack(None)
     return [p.grad.clone() for p in module.parameters()]
 
 
@@ -81,17 +80,20 @@ def test_recompile_limit_falls_back_to_cache_size_limit_before_torch_2_7(monkeyp
 
 
 def test_flex_block_masks_are_held_by_the_pack_being_trained():
-    """Built once per pack and window (every layer shares it), dropped with the pack."""
+    """Built once per pack and window (every layer shares it), kept on the pack's cu_seqlens and gone
+    with it: nothing else holds a pack's masks."""
+    import gc
+    import weakref
+
     cu = torch.tensor([0, 5, 9], dtype=torch.int32)
-    attention.set_pack(cu, 5, 9)
-    try:
-        mask = flex.document_block_mask(cu, 9, None)
-        assert flex.document_block_mask(cu, 9, None) is mask
-        assert flex.document_block_mask(cu, 9, 3) is not mask
-        assert flex.document_block_mask(cu.clone(), 9, None) is not mask  # not the pack's documents
-    finally:
-        attention.set_pack(None)
-    assert flex.document_block_mask(cu, 9, None) is not mask
+    mask = flex.document_block_mask(cu, 9, None)
+    assert flex.document_block_mask(cu, 9, None) is mask
+    assert flex.document_block_mask(cu, 9, 3) is not mask
+    assert flex.document_block_mask(cu.clone(), 9, None) is not mask  # not the pack's documents
+    gone = weakref.ref(mask)
+    del cu, mask
+    gc.collect()
+    assert gone() is None
 
 
 COUNTED = ("run", "lse.forward", "lse.backward")

@@ -181,17 +181,16 @@ def cp_attention_parity(
     cp_in = [x[:, :, index].clone().requires_grad_() for x in (q, k, v)]
     sink_in = s.clone().requires_grad_() if sinks else None
     context.activate(ctx, "cp")
-    context.set_shard(cp_shard_of(split, cp_rank).apply(lambda t: t.to(device)))
+    shard = cp_shard_of(split, cp_rank).apply(lambda t: t.to(device))
     attend = varlen_attention
     if compiled:
         torch._dynamo.reset()
         attend = torch.compile(varlen_attention, backend="aot_eager", dynamic=True)
     try:
-        out, _ = attend(module, *cp_in, None, s_aux=sink_in, **kw)
+        out, _ = attend(module, *cp_in, None, s_aux=sink_in, hbp_cp_shard=shard, **kw)
         (out * w[:, index]).sum().backward()
     finally:
         context.activate(None)
-        context.set_shard(None)
 
     def error(got: torch.Tensor, want: torch.Tensor) -> float:
         scale = 1.0 if device == "cpu" else want.abs().max().item()
@@ -347,7 +346,6 @@ def cp_model_parity(sp: int, cp: int, lengths: list[int], model: dict, lora: boo
         loss.backward()
     finally:
         context.activate(None)
-        context.set_shard(None)
     params = {n: p for n, p in module.model.named_parameters() if p.requires_grad}
     grads = {n: p.grad.clone() for n, p in params.items()}
     total = loss.detach().clone()
@@ -579,7 +577,6 @@ def cp_device_reads(sp: int, cp: int) -> list[str]:
             mode.watching = False
     finally:
         context.activate(None)
-        context.set_shard(None)
         attention.set_backend("auto")
         del backends.REGISTRY["opaque"]
     return mode.reads
@@ -615,11 +612,13 @@ def cp_dropout_directional_derivative(sp: int, cp: int) -> tuple[float, float]:
     cu = torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32)
     module = SimpleNamespace(training=True)
     context.activate(ctx, "cp")
-    context.set_shard(cp_shard_of(split, cp_rank))
+    shard = cp_shard_of(split, cp_rank)
 
     def loss(query):
         torch.manual_seed(11)  # the same dropout masks in every forward
-        out, _ = varlen_attention(module, query, k, v, None, dropout=0.3, cu_seq_lens_q=cu, max_length_q=64)
+        out, _ = varlen_attention(
+            module, query, k, v, None, dropout=0.3, cu_seq_lens_q=cu, max_length_q=64, hbp_cp_shard=shard
+        )
         return (out * w).sum()
 
     try:
@@ -631,7 +630,6 @@ def cp_dropout_directional_derivative(sp: int, cp: int) -> tuple[float, float]:
             numeric = float((loss(q + eps * direction) - loss(q - eps * direction)) / (2 * eps))
     finally:
         context.activate(None)
-        context.set_shard(None)
     return analytic, numeric
 
 
@@ -700,18 +698,17 @@ def cp_bf16_gradients_twice(sp: int, cp: int, lengths: list[int]) -> dict:
 
     cpm._reduce_scatter = recorded
     context.activate(ctx, "cp")
-    context.set_shard(cpm.cp_shard_of(split, cp_rank))
+    shard = cpm.cp_shard_of(split, cp_rank)
     runs = []
     try:
         for _ in range(2):
             inputs = [x[:, :, index].clone().requires_grad_() for x in (q, k, v)]
-            out, _ = varlen_attention(SimpleNamespace(training=False), *inputs, None, **kw)
+            out, _ = varlen_attention(SimpleNamespace(training=False), *inputs, None, hbp_cp_shard=shard, **kw)
             (out * w[:, index]).sum().backward()
             runs.append([x.grad for x in inputs])
     finally:
         cpm._reduce_scatter = reduce_scatter
         context.activate(None)
-        context.set_shard(None)
     same = all(torch.equal(a, b) and a.dtype == torch.bfloat16 for a, b in zip(*runs))
     return dict(same=same, scattered=sorted(set(scattered)), rounds=len(cpm.cp_shard_of(split, cp_rank).key_rounds))
 

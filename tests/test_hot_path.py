@@ -79,7 +79,6 @@ def test_forward_and_backward_read_nothing_back(opaque_kernel, loss):
     torch.manual_seed(0)
     module = HBPLitModule(model={**TINY_LLAMA, "num_hidden_layers": 3}, vocab_size=300, loss=loss)
     module.configure_model()
-    module.set_checkpointing(2)
     attention.set_backend("opaque")  # after the module, whose attn_backend ("auto") is set when it is built
     rng = np.random.default_rng(0)
     samples = {i: (rng.integers(0, 300, n), rng.random(n) < 0.6) for i, n in enumerate([30, 7, 51, 12])}

@@ -17,6 +17,7 @@ from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.loss import chunked_cross_entropy
 from lit_hbp.module import HBPLitModule
+from lit_hbp.pack_scope import pack_scope
 from lit_hbp.tiling import TiledMLP
 
 TINY = {
@@ -214,11 +215,15 @@ def test_other_normalizers_match_their_definitions(chat_data, toy_tokenizer, tmp
 
 
 def test_checkpointed_layers_follow_the_level(chat_data):
+    """A level's checkpointing holds for its packed call only: inside ``pack_scope`` the first k layers,
+    after it the layers as they were."""
     module = make_module()
-    module.set_checkpointing(2)
-    assert [layer.gradient_checkpointing for layer in module._layers] == [True, True, False]
+    with pack_scope(module.model, 2):
+        assert [layer.gradient_checkpointing for layer in module._layers] == [True, True, False]
+    assert [layer.gradient_checkpointing for layer in module._layers] == [False, False, False]
     with pytest.raises(ValueError, match="ckpt_layers 4 exceeds the model's 3 decoder layers"):
-        module.set_checkpointing(4)
+        with pack_scope(module.model, 4):
+            pass
     # Same gradients with and without checkpointing.
     rng = np.random.default_rng(0)
     samples = random_samples(rng, 4)
@@ -227,8 +232,7 @@ def test_checkpointed_layers_follow_the_level(chat_data):
     for k in (0, 3):
         module.zero_grad()
         module.train()
-        module.set_checkpointing(k)
-        module(batch)[0].backward()
+        module(batch.replace(ckpt_layers=k))[0].backward()
         grads.append([p.grad.clone() for p in module.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
@@ -285,8 +289,7 @@ def test_compiled_layers_train_like_eager_ones(caplog):
         grads = []
         for m in (eager, compiled):
             m.zero_grad()
-            m.set_checkpointing(i % 2)
-            loss = m(batch)[0]
+            loss = m(batch.replace(ckpt_layers=i % 2))[0]
             loss.backward()
             grads.append([p.grad.clone() for p in m.parameters()])
         for a, b in zip(*grads):

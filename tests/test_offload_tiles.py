@@ -8,9 +8,9 @@ from live_bytes import LiveBytes
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_hbp import pack_samples, packed_loss, prepare_model
-from lit_hbp.causal_lm import set_mlp_tiles
 from lit_hbp.errors import ConfigError
 from lit_hbp.offload import host_offload
+from lit_hbp.pack_scope import pack_scope
 from lit_hbp.packing import Level
 from lit_hbp.packing.levels import as_level
 
@@ -175,9 +175,11 @@ def test_mixture_of_experts_layers_refuse_tiles():
         num_experts_per_tok=1,
     )
     model = prepare_model(AutoModelForCausalLM.from_config(config))
-    set_mlp_tiles(model, 1)
+    with pack_scope(model, tiles=1):
+        pass
     with pytest.raises(ValueError, match="mlp_tiles 2: decoder layer 0 .*mixture-of-experts"):
-        set_mlp_tiles(model, 2)
+        with pack_scope(model, tiles=2):
+            pass
 
 
 def test_a_deep_copy_trains_its_own_weights_with_tiles_and_offload():

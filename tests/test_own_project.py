@@ -147,8 +147,8 @@ def test_two_processes_at_sp_2_train_like_one(project, tmp_path):
     for rank in ranks:
         assert_update_is_the_reference(rank, ce, grads)
     message = str(refused.value)
-    assert "has sp 2, but LlamaForCausalLM runs 'sdpa' attention" in message
-    assert "call lit_hbp.prepare_model(model)" in message
+    assert "has sp 2, but self.model (LlamaForCausalLM) is not prepared for packs" in message
+    assert "call lit_hbp.prepare_model(self.model) in your module's configure_model" in message
 
 
 @pytest.mark.slow

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from conftest import TINY_LLAMA, quiet_trainer
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_hbp import HBPLitModule, pack_samples, packed_loss, prepare_model
-from lit_hbp.attention import expect_pack, set_pack
+from lit_hbp import HBPLitModule, pack_inputs, pack_samples, packed_loss, prepare_model
 
 
 def tiny_model(attn: str = "sdpa"):
@@ -75,7 +74,7 @@ def test_ave_token_without_the_plan_names_the_alternatives():
 
 
 def test_an_unprepared_model_or_a_foreign_batch_is_refused():
-    with pytest.raises(ValueError, match=r"runs 'sdpa' attention.*call lit_hbp.prepare_model\(model\) first"):
+    with pytest.raises(ValueError, match=r"is not prepared for packs.*call lit_hbp.prepare_model\(model\) first"):
         packed_loss(tiny_model(), pack_samples(samples()))
     with pytest.raises(TypeError, match="packed_loss takes a PackedBatch .* got dict"):
         packed_loss(prepare_model(tiny_model()), {"input_ids": torch.zeros(1, 4, dtype=torch.long)})
@@ -92,20 +91,20 @@ def test_an_unprepared_model_or_a_foreign_batch_is_refused():
         quiet_trainer(max_steps=1).fit(module, torch.utils.data.DataLoader(Padded(), batch_size=2))
 
 
-def test_a_pack_in_flight_without_its_boundaries_is_refused():
-    """The model called on the pack's row directly (no cu_seq_lens, no pack set by packed_loss):
-    its documents would attend to each other, so hbp_varlen refuses; a row of another length (say,
-    generation) runs as one sequence."""
+def test_a_pack_without_its_boundaries_is_refused():
+    """The model called on a pack's token ids directly (no cu_seq_lens): its documents would attend to
+    each other, so the prepared model refuses, for pack_samples' batches as for the data module's; a row
+    of other token ids (say, generation) runs as the model always did."""
     model = prepare_model(tiny_model())
     batch = pack_samples(samples())
-    set_pack(None)  # what packed_loss sets: not here
-    expect_pack(batch.pack_len, batch.cu_seqlens.shape[0] - 1)
-    try:
-        with pytest.raises(ValueError, match=r"over a pack of \d+ segments without their boundaries.*packed_loss"):
-            model(input_ids=batch.input_ids)
-        model(input_ids=batch.input_ids[:, :7])
-    finally:
-        expect_pack(None)
+    with pytest.raises(ValueError, match=r"on a packed micro-batch of \d+ segments without their .*pack_inputs"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids)
+    with pytest.raises(ValueError, match=r"without their document boundaries"):
+        model.model(batch.input_ids)  # the decoder, positionally
+    model(input_ids=batch.input_ids[:, :7])
+    moved = batch.to("cpu").replace(level=1)  # a batch Lightning moved: still marked
+    with pytest.raises(ValueError, match="without their document boundaries"):
+        model(input_ids=moved.input_ids)
 
 
 def test_transformers_loss_takes_the_labels_pre_shifted_or_refuses():
@@ -117,12 +116,11 @@ def test_transformers_loss_takes_the_labels_pre_shifted_or_refuses():
     model = prepare_model(tiny_model())
     model.load_state_dict(reference.state_dict())
     batch = pack_samples(pairs)
-    boundaries = dict(position_ids=batch.position_ids, cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
-                      max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)  # fmt: skip
     with pytest.raises(ValueError, match="already shifted .* would shift them again"):
-        model(input_ids=batch.input_ids, labels=batch.labels, **boundaries)
-    out = model(input_ids=batch.input_ids, labels=batch.labels, shift_labels=batch.labels, **boundaries)
+        model(**pack_inputs(batch), labels=batch.labels)
+    out = model(**pack_inputs(batch), labels=batch.labels, shift_labels=batch.labels)
     assert float(out.loss) == pytest.approx(float(ce) / n, rel=1e-5)
-    out = model(input_ids=batch.input_ids, labels=batch.labels, shift_labels=batch.labels,
-                num_items_in_batch=torch.tensor(n), **boundaries)  # fmt: skip
+    out = model(
+        **pack_inputs(batch), labels=batch.labels, shift_labels=batch.labels, num_items_in_batch=torch.tensor(n)
+    )
     assert float(out.loss) == pytest.approx(float(ce) / n, rel=1e-5)

@@ -1,17 +1,17 @@
 """Varlen (packed) causal attention, registered in transformers' ``AttentionInterface``.
 
-Any Hugging Face causal LM built with ``attn_implementation="hbp_varlen"`` calls ``varlen_attention``
-for its attention; the packed batch's ``cu_seq_lens_q`` / ``max_length_q`` arrive as forward kwargs.
-No mask function is registered under the name, so transformers builds no mask and runs no
-packed-sequence detection (which would read a device value back every forward). When the strategy
-has activated a sequence-parallel context (``lit_hbp.parallel.context``), the level's SP kind wraps
-the kernel (Ulysses: all-to-all to head shards, attention over the whole pack, all-to-all back).
-
-Document boundaries come from the ``cu_seq_lens_q`` keyword, or, for a model whose layers drop it,
-from the pack being trained (``set_pack``) when the call runs over that many positions; a call
-over the pack in flight (``expect_pack``) without them is refused, any other runs as one sequence. A
-keyword this function does not implement (or an explicit mask) raises instead of being ignored:
-ignoring one trains a different model.
+A model that ``lit_hbp.prepare_model`` prepared runs ``varlen_attention`` only inside a packed call
+(``lit_hbp.pack_scope``): the call's ``cu_seq_lens_q`` / ``max_length_q`` (and a context-parallel
+shard, ``hbp_cp_shard``) arrive as forward keywords and travel with it, through checkpointed layers'
+recomputation too (for a family whose layers drop the keywords, StableLM, the scope puts the call's
+on the layers' attention modules for the call's duration, ``CALL_PACK``); nothing of a pack is kept
+in this module. Outside a pack the model runs the attention it had before. No mask function is
+registered under the name, so transformers builds no mask and runs no packed-sequence detection
+(which would read a device value back every forward). When the strategy has activated a
+sequence-parallel context (``lit_hbp.parallel.context``), the level's SP kind wraps the kernel
+(Ulysses: all-to-all to head shards, attention over the whole pack, all-to-all back). A call
+without the boundaries, an explicit mask or a keyword this function does not implement raises
+instead of being ignored: ignoring one trains a different model.
 
 The kernel comes from ``lit_hbp.attention.backends``: per device, the dtype the kernel runs in
 (the autocast dtype under autocast) and the features the layer needs (sliding window, soft-capping,
@@ -37,38 +37,25 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch._C import DispatchKey
 from transformers import AttentionInterface
 
-from lit_hbp.attention import flex
 from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose, lse_dtype, lse_why_not, why_not
+from lit_hbp.data.batch import CPShard
 from lit_hbp.parallel import context as sp_context
 
 ATTN_NAME = "hbp_varlen"
+# On a layer's attention modules for the duration of a packed call only (``lit_hbp.pack_scope``): the
+# call's boundaries, for a family whose decoder layers do not pass the attention keywords on (StableLM).
+CALL_PACK = "_hbp_call_pack"
 _forced: list[str | None] = [None]
 _chosen: dict[tuple[str, torch.dtype, frozenset[str]], str] = {}
 _lse_logged: set[tuple[str, str, frozenset[str]]] = set()
-_pack: list[tuple[torch.Tensor, int, int] | None] = [None]
-_expected: list[tuple[int, int] | None] = [None]  # (positions, documents) of the micro-batch in flight
 # Keywords transformers passes that carry nothing this function needs: cu_seq_lens_k/max_length_k
 # equal the q ones for self-attention, position_ids were used for the rotary embedding.
 IGNORED = frozenset(
     {"position_ids", "cu_seq_lens_k", "max_length_k", "use_cache", "cache_position", "output_router_logits"}
     | {"shift_labels", "num_items_in_batch"}  # the loss's keywords, which transformers hands every layer too
+    | {"hbp_cp_shard"}  # read by varlen_attention itself
 )
 CHECKED = frozenset({"output_attentions", "is_causal"})
-
-
-def set_pack(cu_seqlens: torch.Tensor | None, max_seqlen: int = 0, total: int = 0) -> None:
-    """The pack being trained (global cu_seqlens over ``total`` positions), or None: the document
-    boundaries for layers that do not pass ``cu_seq_lens_q`` on. Stays set through the backward
-    (checkpointed layers recompute their attention there). Its FlexAttention masks live as long."""
-    _pack[0] = None if cu_seqlens is None else (cu_seqlens, int(max_seqlen), int(total))
-    flex.set_pack(cu_seqlens, int(total))
-
-
-def expect_pack(total: int | None, documents: int = 1) -> None:
-    """The micro-batch in flight packs ``documents`` segments over ``total`` positions (the data module
-    and the strategy say so when they hand one over): attention over a row of that length without its
-    document boundaries is then refused, not run as one document."""
-    _expected[0] = None if total is None else (int(total), int(documents))
 
 
 def _unsupported(module, attention_mask, kwargs: dict) -> None:
@@ -184,7 +171,8 @@ class Attend:
     (``lit_hbp.parallel.kind.Attend``): ``attend(q, k, v, sinks)`` runs the kernel over the pack's
     documents; ``forward``/``backward`` run it over query ranges against key prefixes of their own
     (context parallelism: range [a, b) of a document sees keys [0, b), causal bottom-right) as two
-    calls outside autograd, the backward from the forward's saved output and LSE."""
+    calls outside autograd, the backward from the forward's saved output and LSE. ``shard``: the
+    micro-batch's context-parallel geometry, which came with the call."""
 
     cu: torch.Tensor
     max_len: int
@@ -192,6 +180,7 @@ class Attend:
     window: int | None
     softcap: float | None
     dropout: float
+    shard: CPShard | None = None  # this rank's context-parallel geometry (cp > 1)
 
     def _scale(self, q: torch.Tensor) -> float:
         return float(self.scaling) if self.scaling is not None else q.shape[-1] ** -0.5
@@ -403,30 +392,31 @@ def varlen_attention(
     max_length_q: int | None = None,
     **kwargs,
 ):
-    """transformers attention function: query [1, Hq, T, D], key/value [1, Hkv, T, D] (GQA not
-    repeated) -> ([1, T, Hq, D], None). Under an active SP context T is this rank's shard, and
-    the level's SP kind (Ulysses: all-to-alls to 1/sp of the heads over the whole pack) runs it."""
+    """transformers attention function of a packed call: query [1, Hq, T, D], key/value [1, Hkv, T, D]
+    (GQA not repeated) -> ([1, T, Hq, D], None), each document of ``cu_seq_lens_q`` attending to itself.
+    Under an active SP context T is this rank's shard, and the level's SP kind (Ulysses: all-to-alls to
+    1/sp of the heads over the whole pack) runs it."""
     if query.shape[0] != 1:
         raise ValueError(f"{ATTN_NAME} takes one packed row per micro-batch, got batch size {query.shape[0]}")
     _unsupported(module, attention_mask, kwargs)
+    if cu_seq_lens_q is None:
+        pack = getattr(module, "__dict__", {}).get(CALL_PACK)
+        if pack is not None:
+            cu_seq_lens_q, max_length_q = pack["cu_seq_lens_q"], pack["max_length_q"]
+            kwargs["hbp_cp_shard"] = pack.get("hbp_cp_shard")
+    if cu_seq_lens_q is None:
+        raise ValueError(
+            f"{type(module).__name__} ran {ATTN_NAME} attention without the pack's document boundaries "
+            "(cu_seq_lens_q), so its documents would attend to each other: this family's layers do not pass the "
+            "attention keywords on, and lit-hbp cannot train it packed (docs/families.md). A model built with "
+            f"attn_implementation={ATTN_NAME!r}: build it with its own attention and call lit_hbp.prepare_model"
+        )
     ctx = sp_context.active()
     sp = ctx.size if ctx is not None else 1
-    total = query.shape[2] * sp
-    if cu_seq_lens_q is None and _pack[0] is not None and _pack[0][2] == total:  # a layer that dropped the keyword
-        cu_seq_lens_q, max_length_q, _ = _pack[0]
-    if cu_seq_lens_q is None:
-        if _expected[0] is not None and _expected[0][0] == total and _expected[0][1] > 1:
-            raise ValueError(
-                f"{type(module).__name__} runs {ATTN_NAME} attention over a pack of {_expected[0][1]} segments without "
-                "their boundaries, so they would attend to each other: compute the loss with "
-                "lit_hbp.packed_loss(model, batch), which passes them (cu_seq_lens_q, max_length_q, position_ids)"
-            )
-        cu_seq_lens_q = torch.tensor([0, total], dtype=torch.int32, device=query.device)
-        max_length_q = total
     dtype = compute_dtype(query)
     query, key, value = (x.to(dtype) for x in (query, key, value))
     p = float(dropout) if module.training else 0.0
-    attend = Attend(cu_seq_lens_q, max_length_q, scaling, sliding_window, softcap, p)
+    attend = Attend(cu_seq_lens_q, max_length_q, scaling, sliding_window, softcap, p, kwargs.get("hbp_cp_shard"))
 
     out = (
         sp_context.active_kind().attend(query, key, value, s_aux, ctx, attend)

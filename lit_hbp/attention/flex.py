@@ -4,10 +4,9 @@ Built from ``cu_seqlens`` on the device at block granularity (128 x 128 tiles), 
 the T x T mask: a 128K pack has 1024 x 1024 tiles. Tile (i, j) of query block i and key block j
 is *full* when every pair in it attends (j < i, one document, inside the window), *partial* when
 some do (the mask function decides element-wise), else skipped. No host-device sync. The masks of
-the pack being trained are held by the pack (``set_pack``, called by ``attention.set_pack`` once per
-micro-batch, outside compiled code), so every layer of its forward and backward shares one per window;
-attention runs FlexAttention inside the opaque ``hbp::varlen_attention_v3`` op, so no compiled graph
-guards on them.
+a pack are kept on its ``cu_seqlens`` tensor, so every layer of its forward and backward shares one
+per window and they go with the pack; attention runs FlexAttention inside the opaque
+``hbp::varlen_attention_v3`` op, so no compiled graph guards on them.
 """
 
 from __future__ import annotations
@@ -15,13 +14,7 @@ from __future__ import annotations
 import torch
 
 BLOCK = 128
-_pack: list[tuple[torch.Tensor, int, dict[int | None, object]] | None] = [None]
-
-
-def set_pack(cu: torch.Tensor | None, total: int = 0) -> None:
-    """The pack being trained (global cu_seqlens over ``total`` positions), or None; drops the
-    previous pack's masks."""
-    _pack[0] = None if cu is None else (cu, total, {})
+MASKS = "_hbp_block_masks"  # on a pack's cu_seqlens tensor: its masks, by (total, window)
 
 
 def document_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
@@ -61,15 +54,15 @@ def _as_kv_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def document_block_mask(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK):
-    """The BlockMask of a pack with documents ``cu`` (global cu_seqlens) over ``total`` positions:
-    for the pack being trained, built on its first use per window and kept with the pack."""
-    pack = _pack[0]
-    if pack is None or pack[0] is not cu or pack[1] != total or block != BLOCK:
+    """The BlockMask of a pack with documents ``cu`` (global cu_seqlens) over ``total`` positions, built
+    on its first use per window and kept on ``cu`` itself: every layer of the pack's forward and
+    backward shares it, and it goes when the pack's tensors go (no module state holds a pack)."""
+    if block != BLOCK:
         return build_block_mask(cu, total, window, block)
-    masks = pack[2]
-    if window not in masks:
-        masks[window] = build_block_mask(cu, total, window)
-    return masks[window]
+    masks = cu.__dict__.setdefault(MASKS, {})
+    if (total, window) not in masks:
+        masks[(total, window)] = build_block_mask(cu, total, window)
+    return masks[(total, window)]
 
 
 def build_block_mask(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK):

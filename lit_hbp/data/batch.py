@@ -45,6 +45,9 @@ class CPShard:
         return dataclasses.replace(self, **tensors, key_rounds=rounds)
 
 
+PACK_MARK = "_hbp_pack_segments"  # on a PackedBatch's input_ids: how many segments the pack holds
+
+
 @dataclass
 class PackedBatch:
     input_ids: torch.Tensor
@@ -106,6 +109,11 @@ class PackedBatch:
     """Micro-step of the epoch's plan (for resume and debugging)."""
 
     TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("input_ids", "labels", "position_ids", "sample_targets")
+
+    def __post_init__(self) -> None:
+        # The pack's segment count on its token ids (a host int): a prepared model called on them
+        # without the document boundaries refuses instead of running the pack as one document.
+        self.input_ids.__dict__[PACK_MARK] = int(self.cu_seqlens.shape[0]) - 1
 
     @property
     def shard_len(self) -> int:

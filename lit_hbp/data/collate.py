@@ -92,22 +92,72 @@ def target_index(labels: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(labels[0] != -100).flatten()
 
 
-def pack_samples(samples: Sequence[Any], pad_id: int = 0, loss_norm: float | None = None) -> PackedBatch:
-    """Your own samples packed into one micro-batch: the ``collate_fn`` of a plain DataLoader over a
-    Dataset of ``(input_ids, supervised)`` pairs (or mappings with those keys, as ``lit-hbp preview
-    --json`` prints them), ``supervised[i]`` 1 when token i is a target of the loss. Each sample keeps
-    its own positions and attends only to itself. Without ``loss_norm`` (the optimizer step's
-    supervised tokens / (world size x accumulation), which HBPDataModule's plan knows) train with the
-    ``token_mean`` or ``sum`` loss; levels with sequence parallelism need HBPDataModule's plan."""
-    pairs = []
-    for i, sample in enumerate(samples):
-        ids, mask = (sample["input_ids"], sample["supervised"]) if isinstance(sample, Mapping) else sample
-        ids, mask = np.asarray(ids), np.asarray(mask)
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise ValueError(f"sample {i}: input_ids must be a flat sequence of integers")
-        if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
-            raise ValueError(f"sample {i}: supervised must hold one 0 or 1 per token ({mask.size} for {ids.size})")
-        pairs.append((ids.astype(np.int64), mask.astype(bool)))
+SAMPLE_INFO = frozenset({"source", "line", "index"})  # what `lit-hbp preview --json` adds about a sample
+
+
+def pack_samples(
+    samples: Sequence[Any],
+    pad_id: int = 0,
+    loss_norm: float | None = None,
+    *,
+    ckpt_layers: int = 0,
+    offload: bool = False,
+    mlp_tiles: int = 1,
+) -> PackedBatch:
+    """Your own samples packed into one micro-batch: the ``collate_fn`` of a plain DataLoader over
+    ``(input_ids, supervised)`` pairs (``supervised[i]`` 1 when token i is a target of the loss), mappings
+    with those keys (as ``lit-hbp preview --json`` prints them), or Hugging Face style records
+    (``input_ids`` and ``labels``, -100 where a token is not trained, ``attention_mask`` all ones). Each
+    sample keeps its own positions and attends only to itself. ``ckpt_layers``, ``offload`` and
+    ``mlp_tiles`` are the level settings ``packed_loss`` applies for the call. Without ``loss_norm`` (the
+    optimizer step's supervised tokens / (world size x accumulation): ``step_loss_norm`` computes it
+    over the ranks) train with the ``token_mean`` or ``sum`` loss; levels with sequence parallelism
+    need HBPDataModule's plan."""
+    pairs = [_sample(i, sample) for i, sample in enumerate(samples)]
     if not pairs:
         raise ValueError("pack_samples got no samples")
-    return collate_packs([np.arange(len(pairs))], lambda i: pairs[i], pad_id=pad_id, loss_norm=loss_norm)
+    return collate_packs(
+        [np.arange(len(pairs))], lambda i: pairs[i], pad_id=pad_id, loss_norm=loss_norm, ckpt_layers=ckpt_layers,
+        offload=offload, mlp_tiles=mlp_tiles,
+    )  # fmt: skip
+
+
+def _sample(i: int, sample: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, supervised mask) of one of ``pack_samples``' samples, or a ValueError naming it."""
+    if not isinstance(sample, Mapping):
+        ids, mask = sample
+    else:
+        unknown = sorted(set(sample) - {"input_ids", "supervised", "labels", "attention_mask"} - SAMPLE_INFO)
+        if unknown:
+            raise ValueError(
+                f"sample {i}: pack_samples does not use {unknown}; give input_ids with supervised (1 per trained "
+                "token) or labels (-100 where not trained)"
+            )
+        if "input_ids" not in sample or ("supervised" in sample) == ("labels" in sample):
+            raise ValueError(f"sample {i}: give input_ids and one of supervised or labels, got {sorted(sample)}")
+        ids = np.asarray(sample["input_ids"])
+        if "attention_mask" in sample and not np.all(np.asarray(sample["attention_mask"]) == 1):
+            raise ValueError(
+                f"sample {i}: its attention_mask has zeros (padding): pack samples without padding, each attends "
+                "only to itself"
+            )
+        if "labels" in sample:
+            labels = np.asarray(sample["labels"])
+            if labels.shape != ids.shape:
+                raise ValueError(f"sample {i}: labels must hold one value per token ({labels.size} for {ids.size})")
+            trained = labels != -100
+            if not np.array_equal(labels[trained], ids[trained]):
+                at = int(np.flatnonzero(trained & (labels != ids))[0])
+                raise ValueError(
+                    f"sample {i}: labels[{at}] is {int(labels[at])}, not -100 and not the token input_ids[{at}] "
+                    f"({int(ids[at])}): causal-LM labels are the input ids (shifted by the loss) or -100"
+                )
+            mask = trained.astype(np.int64)
+        else:
+            mask = sample["supervised"]
+    ids, mask = np.asarray(ids), np.asarray(mask)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise ValueError(f"sample {i}: input_ids must be a flat sequence of integers")
+    if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
+        raise ValueError(f"sample {i}: supervised must hold one 0 or 1 per token ({mask.size} for {ids.size})")
+    return ids.astype(np.int64), mask.astype(bool)

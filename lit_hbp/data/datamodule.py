@@ -463,15 +463,6 @@ class HBPDataModule(L.LightningDataModule):
         sampler = FixedPlanSampler(self.val_plan(), rank)
         return DataLoader(dataset, sampler=sampler, batch_size=None, **self._worker_settings(workers), pin_memory=pin)
 
-    def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        """Tell the attention the pack in flight: a forward over it without its document boundaries
-        (the model called directly instead of through ``lit_hbp.packed_loss``) is refused."""
-        if isinstance(batch, PackedBatch):
-            from lit_hbp.attention import expect_pack
-
-            expect_pack(batch.pack_len, batch.cu_seqlens.shape[0] - 1)
-        return batch
-
     def _loader_settings(self) -> tuple[int, bool]:
         """(worker processes, pinned memory): on a GPU 2 workers collate into pinned memory."""
         on_gpu = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"

@@ -1,28 +1,16 @@
 """The SP context of the micro-batch being trained, read by the attention function.
 
-The strategy activates the level's group and SP kind before the forward; the module sets the
-micro-batch's context-parallel geometry (``set_shard``) for each forward; attention reads them. One
-process trains one micro-batch at a time, so module-level slots are enough.
+The strategy activates the level's group and SP kind when it hands a micro-batch over; attention
+reads them inside a packed call (the micro-batch's context-parallel geometry travels with the call,
+``hbp_cp_shard``). One process trains one micro-batch at a time, so module-level slots are enough.
 """
 
 from __future__ import annotations
 
-from lit_hbp.data.batch import CPShard
 from lit_hbp.parallel.groups import SPContext
 from lit_hbp.parallel.kind import SPKind, resolve_sp_kind
 
 _active: list = [None, None]
-_shard: list[CPShard | None] = [None]
-
-
-def set_shard(shard: CPShard | None) -> None:
-    """The CP geometry of the micro-batch being trained (None without CP); stays set through its
-    backward, whose checkpointed layers attend again."""
-    _shard[0] = shard
-
-
-def active_shard() -> CPShard | None:
-    return _shard[0]
 
 
 def activate(ctx: SPContext | None, kind: SPKind | str = "ulysses") -> None:

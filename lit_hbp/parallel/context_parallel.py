@@ -37,7 +37,6 @@ from lit_hbp.data.batch import CPShard, PackedBatch
 from lit_hbp.data.collate import target_index
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.context_split import ContextSplit, split_pack
-from lit_hbp.parallel import context
 from lit_hbp.parallel.groups import SPContext
 from lit_hbp.parallel.kind import Attend, SPKind
 from lit_hbp.parallel.topology import heads_problem, kv_slice, layout_coords
@@ -245,9 +244,9 @@ class ContextParallel(SPKind):
     ) -> torch.Tensor:
         if ctx.cp is None:
             return Ulysses().attend(query, key, value, sinks, ctx, attend)
-        shard = context.active_shard()
+        shard = attend.shard
         if shard is None:
-            raise RuntimeError("context-parallel attention outside a CP micro-batch: no CP shard was set")
+            raise RuntimeError("context-parallel attention without the micro-batch's CP shard (hbp_cp_shard)")
         u = ctx.ulysses
         if u.size == 1:
             return cp_attention(query, key, value, sinks, ctx.cp, shard, attend)

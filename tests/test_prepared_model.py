@@ -1,0 +1,420 @@
+"""A prepared model stays a normal model wherever a project's own code calls it.
+
+The reference is always independent: the unprepared model with eager attention, call by call (a
+padded batch with a mask and ordinary labels, greedy ``generate()`` with and without the KV cache,
+KV-cache decode steps), each document alone for a pack, one process for two. A pack's state lives
+as long as its call; what cannot be exact (a pack without its boundaries, the model's own loss under
+sequence parallelism, an unprepared model called on a pack) is refused, naming what to do.
+"""
+
+import copy
+import gc
+import weakref
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import quiet_trainer
+from distributed import Pool
+from test_packed_loss import alone, samples, tiny_model
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from lit_hbp import (
+    HBPStrategy,
+    Level,
+    pack_inputs,
+    pack_samples,
+    packed_loss,
+    prepare_model,
+    prepared,
+    step_loss_norm,
+    unprepare_model,
+)
+from lit_hbp.data.collate import collate_packs
+from lit_hbp.pack_scope import PREPARED, record_of
+from lit_hbp.strategy import guard_frozen, trained_model
+
+PAD = 0
+
+
+def pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the unprepared model with eager attention, a prepared copy of it that had sdpa)."""
+    reference = tiny_model("eager").float().eval()
+    model = prepare_model(tiny_model())
+    model.load_state_dict(reference.state_dict())
+    return reference, model.eval()
+
+
+def padded(lengths: list[int], length: int, seed: int = 0, left: bool = False):
+    """A padded batch: token ids, attention mask and ordinary (unshifted) labels, -100 on padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(lengths), length), PAD)
+    mask = torch.zeros(len(lengths), length, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        span = slice(length - n, length) if left else slice(0, n)
+        ids[row, span] = torch.randint(3, 64, (n,), generator=g)
+        mask[row, span] = 1
+    return ids, mask, torch.where(mask.bool(), ids, -100)
+
+
+def decode_steps(model, prompt: torch.Tensor, steps: int = 5) -> list[torch.Tensor]:
+    """Logits of a prefill and ``steps`` single-token decode steps through a DynamicCache (greedy)."""
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    logits = [out.logits[:, -1]]
+    for _ in range(steps):
+        token = logits[-1].argmax(-1, keepdim=True)
+        out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return logits
+
+
+def close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> None:
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=rel, atol=rel * scale)
+
+
+@pytest.mark.parametrize("after_a_pack", [False, True], ids=["fresh", "after_a_packed_step"])
+def test_calls_outside_a_pack_compute_what_the_unprepared_model_computes(after_a_pack):
+    """Padded forward with a mask and ordinary labels, greedy generate() with and without the cache,
+    five KV-cache decode steps: the unprepared eager model's results, also right after a packed training
+    step (checkpointed, tiled) whose pack has the length of the calls that follow."""
+    reference, model = pair()
+    ids, mask, labels = padded([24, 21, 17, 5], 24)
+    if after_a_pack:
+        batch = pack_samples([(np.arange(3, 15), np.ones(12)), (np.arange(5, 17), np.ones(12))], loss_norm=10.0)
+        assert batch.input_ids.shape[1] == ids.shape[1]  # the same length: nothing of the pack may be picked up
+        model.train()
+        packed_loss(model, batch.replace(ckpt_layers=1, mlp_tiles=2)).loss.backward()
+        model.eval()
+    with torch.no_grad():
+        got, want = (
+            model(input_ids=ids, attention_mask=mask, labels=labels),
+            reference(ids, attention_mask=mask, labels=labels),
+        )
+        real = mask.bool()
+        close(got.logits[real], want.logits[real])
+        assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-5)
+        prompts, prompt_mask, _ = padded([9, 6], 9, seed=1, left=True)
+        greedy = dict(attention_mask=prompt_mask, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+        expected = reference.generate(prompts, **greedy)
+        assert torch.equal(model.generate(prompts, **greedy), expected)
+        assert torch.equal(model.generate(prompts, use_cache=False, **greedy), expected)
+        for a, b in zip(decode_steps(model, prompts[:1, 3:]), decode_steps(reference, prompts[:1, 3:])):
+            close(a, b)
+
+
+def test_no_state_of_a_pack_outlives_its_call():
+    """After a packed step nothing holds the pack (its tensors are freed once the batch and graph are
+    dropped), the model's attention, checkpointing and tiles are as before, also when the call raised."""
+    _, model = pair()
+    model.train()
+    layers = record_of(model).layers
+    batch = pack_samples(samples(), loss_norm=20.0).replace(ckpt_layers=2, offload=True, mlp_tiles=2)
+    out = packed_loss(model, batch)
+    out.loss.backward()
+    cu = weakref.ref(batch.cu_seqlens)
+    del batch, out
+    gc.collect()
+    assert cu() is None, "something outside the call kept the pack's boundaries"
+    assert model.config._attn_implementation == "sdpa"
+    assert [layer.gradient_checkpointing for layer in layers] == [False, False]
+    assert all(mlp.__dict__["_hbp_mlp_tiles"] == 1 for mlp in record_of(model).mlps)
+    assert record_of(model).calls == []
+
+    def fail(*_):
+        raise RuntimeError("boom")
+
+    handle = layers[1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        packed_loss(model, pack_samples(samples(), loss_norm=20.0).replace(ckpt_layers=1))
+    handle.remove()
+    assert model.config._attn_implementation == "sdpa" and not layers[0].gradient_checkpointing
+    assert record_of(model).calls == []
+
+
+def count_forwards(layers) -> list[int]:
+    counts = [0] * len(layers)
+    for i, layer in enumerate(layers):
+        layer.self_attn.register_forward_pre_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
+    return counts
+
+
+def test_a_projects_own_gradient_checkpointing_is_kept():
+    """gradient_checkpointing_enable() before or after prepare_model: packed calls checkpoint every layer
+    (not only the level's first), the model still says it checkpoints, gradients are unchanged; without
+    it only the level's layers recompute."""
+    _, plain = pair()
+    own = copy.deepcopy(plain)
+    own.gradient_checkpointing_enable()
+    batch = pack_samples(samples(), loss_norm=20.0).replace(ckpt_layers=1)
+    grads = []
+    for model, recomputed in ((plain, [2, 1]), (own, [2, 2])):
+        model.train()
+        counts = count_forwards(record_of(model).layers)
+        packed_loss(model, batch).loss.backward()
+        assert counts == recomputed
+        grads.append([p.grad for p in model.parameters()])
+    assert own.is_gradient_checkpointing and not plain.is_gradient_checkpointing
+    for a, b in zip(*grads):
+        close(a, b)
+
+
+def test_prepared_hands_the_model_back_as_it_was():
+    """``with prepared(model):`` trains on packs inside; after it the model has its own attention, loss,
+    MLP forwards and mode, no hooks or attributes of lit-hbp, and computes what it computed before."""
+    model = tiny_model().eval()
+    before = copy.deepcopy(model)
+    ids, mask, labels = padded([10, 7], 10)
+    with prepared(model):
+        assert model.training and record_of(model) is not None
+        packed_loss(model, pack_samples(samples(), loss_norm=20.0)).loss.backward()
+    assert not model.training and record_of(model) is None
+    assert model.config._attn_implementation == "sdpa" and "_loss_function" not in model.__dict__
+    assert not model.model._forward_pre_hooks and not model.model._forward_hooks
+    assert PREPARED not in model.model.__dict__
+    assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
+    with torch.no_grad():
+        assert torch.equal(
+            model(ids, attention_mask=mask, labels=labels).logits,
+            before(ids, attention_mask=mask, labels=labels).logits,
+        )
+    assert unprepare_model(prepare_model(model)) is model and record_of(model) is None
+
+
+def test_a_deep_copy_is_prepared_on_its_own():
+    """A deep copy (EMA, a reference) has its own record and hooks: unpreparing it leaves the original
+    prepared, and the copy's packed calls train the copy."""
+    _, model = pair()
+    twin = copy.deepcopy(model)
+    assert record_of(twin) is not record_of(model) and record_of(twin).decoder is twin.model
+    unprepare_model(twin)
+    assert record_of(model) is not None
+    with pytest.raises(ValueError, match="without their document boundaries"):
+        model(input_ids=pack_samples(samples()).input_ids)
+    twin(input_ids=pack_samples(samples()).input_ids)  # unprepared: no guard of lit-hbp's left on it
+
+
+def test_pack_samples_takes_hugging_face_records_and_level_settings():
+    pairs = samples(seed=3)
+    records = [{"input_ids": ids.tolist(), "labels": np.where(m, ids, -100).tolist(), "attention_mask": [1] * len(ids)}
+               for ids, m in pairs]  # fmt: skip
+    a, b = pack_samples(pairs), pack_samples(records, ckpt_layers=1, mlp_tiles=2)
+    assert torch.equal(a.labels, b.labels) and torch.equal(a.position_ids, b.position_ids)
+    assert (b.ckpt_layers, b.mlp_tiles) == (1, 2)
+    _, model = pair()
+    model.train()
+    counts = count_forwards(record_of(model).layers)
+    packed_loss(model, b, "token_mean").loss.backward()
+    assert counts == [2, 1]
+    bad = dict(records[1], labels=[7] + records[1]["labels"][1:])
+    with pytest.raises(ValueError, match=r"sample 1: labels\[0\] is 7, not -100 and not the token"):
+        pack_samples([records[0], bad])
+    with pytest.raises(ValueError, match="sample 0: its attention_mask has zeros"):
+        pack_samples([dict(records[0], attention_mask=[1] * (len(records[0]["input_ids"]) - 1) + [0])])
+    with pytest.raises(ValueError, match=r"sample 0: pack_samples does not use \['token_type_ids'\]"):
+        pack_samples([dict(records[0], token_type_ids=[0])])
+
+
+class Distill(L.LightningModule):
+    """A module of one's own with a student, a frozen prepared teacher called on the packs, and a frozen
+    unprepared judge that only ever sees a padded batch."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = folder
+        self.student = self.teacher = self.judge = None
+        self.seen = []
+
+    def configure_model(self):
+        if self.student is None:
+            self.student = prepare_model(AutoModelForCausalLM.from_pretrained(self.folder))
+            self.teacher = prepare_model(AutoModelForCausalLM.from_pretrained(self.folder)).requires_grad_(False)
+            self.judge = AutoModelForCausalLM.from_pretrained(self.folder).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        out = packed_loss(self.student, batch, "token_mean")
+        with torch.no_grad():
+            teacher = self.teacher(**pack_inputs(batch)).logits
+            ids, mask, labels = padded([8, 5], 8)
+            judged = self.judge(ids, attention_mask=mask, labels=labels).loss
+        self.seen.append((float(out.ce_sum), teacher.float(), float(judged)))
+        return out.loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.student.parameters() if p.requires_grad], lr=0.0)
+
+
+@pytest.mark.slow
+def test_zero3_loads_an_own_modules_models_from_a_folder_with_a_frozen_teacher(pretrained_llama, tmp_path):
+    """HBPStrategy at ZeRO-3 and a module that calls from_pretrained in configure_model (no helper): the
+    first step's loss is the checkpoint's (each sample alone, eager), the frozen teacher's logits on the
+    pack are each document's alone, the unprepared judge runs its own padded batch."""
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(3, 60, n), rng.random(n) < 0.7) for n in (11, 23, 6, 17)]
+    loader = torch.utils.data.DataLoader(docs, batch_size=4, collate_fn=pack_samples)
+    module = Distill(pretrained_llama)
+    trainer = quiet_trainer(strategy=HBPStrategy(stage=3, levels=[Level(64)]), max_steps=1, devices=1)
+    trainer.fit(module, loader)
+    reference = AutoModelForCausalLM.from_pretrained(pretrained_llama, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        ce, _ = alone(reference, docs)
+        ids, mask, labels = padded([8, 5], 8)
+        judged = float(reference(ids, attention_mask=mask, labels=labels).loss)
+        ce_sum, teacher, judge_loss = module.seen[0]
+        assert ce_sum == pytest.approx(float(ce), rel=1e-5)
+        assert judge_loss == pytest.approx(judged, rel=1e-5)
+        start = 0
+        for ids_doc, _ in docs:
+            n = len(ids_doc)
+            close(teacher[0, start : start + n], reference(torch.as_tensor(ids_doc)[None]).logits[0].float())
+            start += n
+
+
+def test_frozen_models_that_see_a_pack_must_be_prepared():
+    """The strategy's check: a frozen model held unprepared may run outside packs; called on a pack it is
+    refused naming its attribute; an unprepared trainable model at a level with sp > 1 is refused at
+    set-up naming its attribute; the trained model is the trainable one."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.judge = tiny_model().requires_grad_(False)
+            self.student = prepare_model(tiny_model())
+
+    holder = Holder()
+    assert trained_model(holder, [Level(64, 2)]) is holder.student
+    handles = guard_frozen(holder)
+    try:
+        ids, mask, _ = padded([6, 4], 6)
+        holder.judge(ids, attention_mask=mask)
+        with pytest.raises(ValueError, match=r"self\.judge \(LlamaForCausalLM\) is called on a packed micro-batch"):
+            holder.judge(input_ids=pack_samples(samples()).input_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    holder.student = tiny_model()
+    with pytest.raises(
+        ValueError, match=r"self\.student \(LlamaForCausalLM\) is not prepared .*prepare_model\(self\.student\)"
+    ):
+        trained_model(holder, [Level(64, 2)])
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+def two_ranks(docs, sp_docs):
+    """On each of 2 gloo ranks: (a) data parallel over own packs, 2 micro-batches per rank, normalized by
+    step_loss_norm; (b) at sp 2 over one pack: the model's own loss refused, the pack's ids without
+    boundaries refused, a prepared teacher's logits of this rank's shard."""
+    from lit_hbp.parallel import context
+    from lit_hbp.parallel.groups import SPGroups
+    from lit_hbp.parallel.ulysses import Ulysses
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = prepare_model(tiny_model()).float()
+    micro = [pack_samples(docs[rank][i : i + 2]) for i in (0, 2)]
+    norm = step_loss_norm(micro)
+    for batch in micro:
+        (packed_loss(model, batch.replace(loss_norm=norm)).loss / len(micro)).backward()  # Lightning's 1/A
+    grads = [p.grad.clone() for p in model.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+        g /= dist.get_world_size()
+
+    ctx = SPGroups([(2, 1)], 2, rank)[(2, 1)]
+    whole = collate_packs([np.arange(len(sp_docs))], sp_docs.__getitem__, sp=2, loss_norm=1.0)
+    shard = Ulysses().shard(whole, 2, ctx.rank)
+    context.activate(ctx)
+    refusals = []
+    try:
+        for call in (
+            lambda: model(**pack_inputs(shard), labels=shard.labels, shift_labels=shard.labels),
+            lambda: model(input_ids=shard.input_ids),
+        ):
+            try:
+                call()
+            except ValueError as e:
+                refusals.append(str(e))
+        with torch.no_grad():
+            logits = model(**pack_inputs(shard)).logits
+    finally:
+        context.activate(None)
+    gathered = [torch.empty_like(logits) for _ in range(2)]
+    dist.all_gather(gathered, logits.contiguous())
+    return grads, norm, refusals, torch.cat(gathered, dim=1)
+
+
+@pytest.mark.slow
+def test_two_processes_give_one_processs_update_and_refuse_what_sp_cannot_do():
+    rng = np.random.default_rng(5)
+    docs = {r: [(rng.integers(0, 64, n), rng.random(n) < 0.6) for n in rng.integers(4, 30, 4)] for r in (0, 1)}
+    sp_docs = {i: (rng.integers(0, 64, n), np.ones(n, bool)) for i, n in enumerate([9, 14, 5, 4])}
+    pool = Pool(2)
+    try:
+        results = pool.run(two_ranks, docs, sp_docs)
+    finally:
+        pool.close()
+    reference = tiny_model("eager").float()
+    torch.manual_seed(0)
+    reference.load_state_dict(prepare_model(tiny_model()).float().state_dict())
+    ce, n = alone(reference, docs[0] + docs[1])
+    (ce / n).backward()
+    (grads, norm, refusals, logits), (grads1, norm1, refusals1, _) = results
+    assert norm == norm1 == pytest.approx(n / 4)
+    for got, other, want in zip(grads, grads1, reference.parameters()):
+        torch.testing.assert_close(got, other)
+        close(got, want.grad)
+    for messages in (refusals, refusals1):
+        assert len(messages) == 2
+        assert "would average each rank's shard" in messages[0] and "packed_loss" in messages[0]
+        assert "without their document boundaries" in messages[1]
+    with torch.no_grad():
+        start = 0
+        for ids, _ in sp_docs.values():
+            want = reference(torch.as_tensor(ids)[None]).logits[0]
+            close(logits[0, start : start + len(ids)], want)
+            start += len(ids)
+
+
+DDP_SCRIPT = """
+import lightning as L, sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_packed_loss import samples, tiny_model
+from lit_hbp import HBPStrategy, pack_samples, packed_loss, prepare_model  # the strategy's exit hook registered
+
+class Own(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = prepare_model(tiny_model())
+    def training_step(self, batch, batch_idx):
+        return packed_loss(self.model, batch, "token_mean").loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+loader = torch.utils.data.DataLoader(samples(8), batch_size=4, collate_fn=pack_samples)
+L.Trainer(accelerator="cpu", devices=1, strategy="ddp", max_steps=1, logger=False, enable_checkpointing=False,
+          enable_progress_bar=False, enable_model_summary=False).fit(Own(), loader)
+"""
+
+
+@pytest.mark.slow
+def test_a_ddp_run_exits_cleanly(tmp_path):
+    """A strategy="ddp" run of an own module ends without "Exception ignored in atexit callback": the exit
+    hook that destroys the process groups must not import DeepSpeed (whose import registers atexit
+    callbacks, which Python refuses during shutdown) when the run never used it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "run.py").write_text(DDP_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "run.py"), str(Path(__file__).parent)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Exception ignored" not in out.stderr and "atexit" not in out.stderr, out.stderr[-2000:]
+    assert "max_steps=1` reached" in out.stderr + out.stdout
