@@ -20,6 +20,7 @@ import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
+from unittest import mock
 
 import yaml
 from jsonargparse import set_parsing_settings
@@ -353,10 +354,12 @@ def preview_main(args: list[str]) -> PreviewCLI:
     from lit_hbp.preview import preview
 
     try:
-        cli = PreviewCLI(
-            HBPLitModule, HBPDataModule, parser_kwargs={"parser_mode": "omegaconf+"}, args=args, run=False,
-            save_config_callback=None,
-        )  # fmt: skip
+        # The arguments come in ``args`` alone: LightningCLI warns when it also sees them in sys.argv.
+        with mock.patch.object(sys, "argv", sys.argv[:1]):
+            cli = PreviewCLI(
+                HBPLitModule, HBPDataModule, parser_kwargs={"parser_mode": "omegaconf+"}, args=args, run=False,
+                save_config_callback=None,
+            )  # fmt: skip
         preview(cli.datamodule, cli.config.n, cli.config.json)
     except ValueError as e:
         if _debug() or user_error_in(e) is None:
@@ -415,8 +418,3 @@ def launched_by_rank_zero(trainer: Any) -> bool:
     the process the user or the scheduler started, reports the stop."""
     environment = trainer._accelerator_connector.cluster_environment  # the trainer has no public accessor
     return type(environment) is LightningEnvironment and trainer.local_rank > 0
-
-
-def entry_point() -> None:
-    """``lit-hbp fit --config ...``: the console script ``pip install`` puts on the PATH."""
-    main()

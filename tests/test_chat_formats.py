@@ -561,6 +561,7 @@ def test_the_console_script_previews_and_refuses_like_fit(qwen, tmp_path):
     config = write_config(tmp_path, qwen, [{"path": str(path)}])
     out = subprocess.run([str(script), "preview", "--config", str(config), "--json"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+    assert "not recommended to provide both args and command line arguments" not in out.stderr, out.stderr[-2000:]
     got = [json.loads(line) for line in out.stdout.splitlines()]
     tok = AutoTokenizer.from_pretrained(qwen)
     assert [(g["line"], g["input_ids"], g["supervised"]) for g in got] == [
@@ -711,3 +712,130 @@ def test_split_and_subset_only_where_they_are_read(tmp_path):
         check_source(Source(str(path), split="test"))
     with pytest.raises(DataError, match="subset is read from Hub data sets only"):
         check_source(Source(str(path), subset="en"))
+
+
+# ------------------------------------------------------------------- {% generation %} templates
+
+
+def without_generation_tags(template: str) -> str:
+    """The same text, its ``{% generation %}`` markers gone: a template whose turns renderings locate."""
+    import re
+
+    return re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", template)
+
+
+def generation_template(newline_in_block: bool) -> str:
+    """``QWEN_TEMPLATE`` (the same text) marking an assistant turn with ``{% generation %}`` around its
+    answer and ``<|im_end|>``, the newline after ``<|im_end|>`` outside; with ``newline_in_block``, the
+    newline after the header inside. Renderings locate another turn (after the header to the newline)."""
+    from chat_formats import QWEN_TEMPLATE
+
+    edits = [
+        ("{{- '<|im_end|>\\n' -}}\n{%- endmacro -%}", "{{- '<|im_end|>' -}}\n{%- endmacro -%}"),
+        ("{{- answer(message) -}}{%- endgeneration -%}", "{{- answer(message) -}}{%- endgeneration -%}{{- '\\n' -}}"),
+        (
+            "{%- else -%}{{- answer(message) -}}{%- endif -%}",
+            "{%- else -%}{{- answer(message) -}}{{- '\\n' -}}{%- endif -%}",
+        ),
+    ]
+    if newline_in_block:
+        edits += [
+            (
+                "{{- '<|im_start|>assistant\\n' -}}\n{%- if trained -%}{%- generation -%}",
+                "{{- '<|im_start|>assistant' -}}\n{%- if trained -%}{%- generation -%}{{- '\\n' -}}",
+            ),
+            (
+                "{%- else -%}{{- answer(message) -}}{{- '\\n' -}}",
+                "{%- else -%}{{- '\\n' -}}{{- answer(message) -}}{{- '\\n' -}}",
+            ),
+        ]
+    out = QWEN_TEMPLATE
+    for old, new in edits:
+        assert out.count(old) >= 1, old
+        out = out.replace(old, new)
+    return out
+
+
+def tokenized_by_line(source: dict, tok, train_on: str) -> dict[int, tuple[list[int], list[int]]]:
+    """Per line (or row) of a source, its (input_ids, supervised) as lit-hbp tokenizes it."""
+    t = tokenize_source(Source(**source), tok, train_on=train_on, progress=False)
+    return {int(t.rows[i]): tuple(x.astype(int).tolist() for x in t.sample(i)) for i in range(len(t))}
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "last_assistant"])
+@pytest.mark.parametrize("newline_in_block", [False, True], ids=["newline after", "newline in block"])
+def test_a_generation_template_supervises_its_own_assistant_mask_for_every_format(
+    newline_in_block, train_on, qwen, every_format, tmp_path
+):
+    """The issue: with ``{% generation %}`` around the answer and ``<|im_end|>`` (the newline after it
+    outside, or the newline after the header inside), every record format supervises exactly
+    ``apply_chat_template(..., return_assistant_tokens_mask=True)``'s tokens of its trained turns (the
+    template sees no weight and no ``train_on``: lit-hbp leaves the other turns out), never the
+    renderings' turn (header newline to trailing newline)."""
+    sources, expected = every_format
+    tok = qwen_with(tmp_path, qwen, generation_template(newline_in_block))
+    qwen_tok = AutoTokenizer.from_pretrained(qwen)
+    for source in sources:
+        got = tokenized_by_line(source, tok, train_on)
+        cases = {
+            line: reference(tok, *ref, train_on) for (path, line), ref in expected.items() if path == source["path"]
+        }
+        assert got == {line: ref for line, ref in cases.items() if any(ref[1])}, source["path"]
+    for messages, tools in expected.values():  # Qwen's text: only the markers moved
+        assert reference(tok, messages, tools)[0] == reference(qwen_tok, messages, tools)[0]
+    ids, supervised = reference(tok, *OPENAI[2][1])
+    trained = tok.decode([i for i, s in zip(ids, supervised) if s])
+    assert trained == ("\nHello there.<|im_end|>" if newline_in_block else "Hello there.<|im_end|>")
+
+
+def test_first_turns_and_weights_of_a_generation_template(qwen, tmp_path):
+    """A weight-1 user turn (no block marks it: its rendering trains), a weight-0 one, an assistant
+    greeting first: as the template's own mask says."""
+    tok = qwen_with(tmp_path, qwen, generation_template(False))
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record, _ in FIRST_TURNS))
+    got = tokenized_by_line({"path": str(path)}, tok, "assistant")
+    assert got == {line + 1: reference(tok, messages) for line, (_, messages) in enumerate(FIRST_TURNS)}
+
+
+def test_train_on_all_trains_every_token_whatever_the_generation_blocks(qwen, every_format, tmp_path):
+    """``train_on: all`` trains whole messages (weight 0 leaves its message out): the blocks, which mark
+    what the assistant generates, do not narrow it."""
+    sources, _ = every_format
+    marked = qwen_with(tmp_path / "marked", qwen, generation_template(False))
+    plain = qwen_with(tmp_path / "plain", qwen, without_generation_tags(generation_template(False)))
+    for source in sources:
+        assert tokenized_by_line(source, marked, "all") == tokenized_by_line(source, plain, "all"), source["path"]
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "last_assistant", "all"])
+def test_without_generation_blocks_renderings_locate_the_same_turns(train_on, qwen, every_format, tmp_path):
+    """``QWEN_TEMPLATE``'s blocks agree with its renderings (the newline after ``<|im_end|>`` is in them):
+    its text without the blocks, where renderings locate the turns, supervises the same tokens."""
+    from chat_formats import QWEN_TEMPLATE
+
+    sources, expected = every_format
+    tok = AutoTokenizer.from_pretrained(qwen)
+    plain = qwen_with(tmp_path, qwen, without_generation_tags(QWEN_TEMPLATE))
+    for source in sources:
+        cases = {
+            line: reference(tok, *ref, train_on) for (path, line), ref in expected.items() if path == source["path"]
+        }
+        got = tokenized_by_line(source, plain, train_on)
+        assert got == {line: ref for line, ref in cases.items() if any(ref[1])}, source["path"]
+
+
+def test_a_slow_tokenizer_is_refused_for_a_generation_template(tmp_path):
+    """The template's mask maps characters onto tokens by their offsets, which only a fast tokenizer gives."""
+    from transformers import ByT5Tokenizer
+
+    from lit_hbp.errors import ConfigError
+
+    tok = ByT5Tokenizer()
+    tok.chat_template = generation_template(False)
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    )
+    with pytest.raises(ConfigError, match="ByT5Tokenizer is a slow tokenizer: lit-hbp needs a fast one"):
+        tokenize_source(Source(str(path)), tok, progress=False)

@@ -31,6 +31,12 @@ def test_the_main_job_leaves_git_status_clean(logger, tmp_path, small_demo, monk
     args = ["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--trainer.max_steps", "2",
             "--trainer.enable_progress_bar", "false", "--trainer.logger", logger]  # fmt: skip
     main(args)
+    if logger == "true":  # the README's export line: its output folder (runs/tiny_hf) is git-ignored too
+        from lit_hbp.export import main as export
+
+        (ckpt,) = repo.rglob("last.ckpt")
+        assert export([str(ckpt.relative_to(repo)), "runs/tiny_hf"]) == 0
+        assert (repo / "runs/tiny_hf/config.json").is_file()
     assert git(repo, "status", "--porcelain", "--untracked-files=all") == ""
     written = {p.relative_to(repo).parts[0] for p in repo.rglob("*") if ".git" not in p.parts}
     assert written == {".gitignore", "demo_data", "data_cache", "runs"}, written

@@ -44,7 +44,10 @@ def test_console_script_runs_the_cli(tmp_path):
     script = Path(sys.executable).parent / "lit-hbp"
     assert script.is_file(), "pip install -e . installs the lit-hbp console script"
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, cwd=tmp_path)
-    assert out.returncode == 0 and "fit" in out.stdout, out.stderr
+    assert out.returncode == 0, out.stderr
+    assert all(f"  {name} " in out.stdout for name in ("fit", "validate", "test", "predict", "preview")), out.stdout
+    out = subprocess.run([str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2 and "usage: lit-hbp SUBCOMMAND" in out.stderr, out.stderr
     missing = tmp_path / "my_modle"
     (tmp_path / "my_model").mkdir()
     config = ROOT / "configs" / "tiny_cpu.yaml"
@@ -54,6 +57,19 @@ def test_console_script_runs_the_cli(tmp_path):
     assert f"'{missing}' is neither a checkpoint folder (did you mean 'my_model'?)" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "demo_data").exists() and not (tmp_path / "data_cache").exists()  # nothing built first
+
+
+def test_the_help_imports_nothing_heavy():
+    """``lit-hbp --help`` answers without importing torch, Lightning or transformers (seconds on a busy
+    machine); a subcommand's own ``--help`` is LightningCLI's."""
+    code = (
+        "import sys\nfrom lit_hbp.command import entry_point\ntry:\n    entry_point(['--help'])\n"
+        "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'transformers', 'numpy'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("[]"), out.stdout[-300:]
 
 
 def test_public_names_import():

@@ -71,19 +71,47 @@ def test_a_mapping_takes_its_special_token_ids_from_the_tokenizer(small_demo, to
     assert module.model.config.eos_token_id == 5
 
 
+def mid_length_records(demo, path, low: int, high: int, n: int = 12):
+    """``n`` chat records of ``low``..``high`` tokens (rendered with the demo tokenizer's template), cut
+    from the demo's own long documents: a level between ``low`` and ``high`` then has samples whatever
+    the demo holds."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo / "tokenizer")
+    text = "\n".join(json.loads(line)["messages"][0]["content"] for line in (demo / "long.jsonl").open())
+    rows, start = [], 0
+    for i in range(n):
+        target = low + (high - low) * (i + 1) // (n + 1)
+        cut = len(tok.encode(text[start : start + 4 * target], add_special_tokens=False))
+        chars = 4 * target * target // max(cut, 1)  # about ``target`` tokens
+        messages = [{"role": "user", "content": text[start : start + chars]}, {"role": "assistant", "content": "ok"}]
+        size = len(tok.apply_chat_template(messages, tokenize=True, return_dict=False))
+        assert low < size <= high, (size, low, high)
+        rows.append(json.dumps({"messages": messages}))
+        start += chars
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
 def test_the_cli_fine_tunes_a_folder_with_the_tiny_config_in_train_mode(
     small_demo, demo_pretrained, tmp_path, monkeypatch
 ):
     """The issue's user path: ``train.py fit --config configs/tiny_cpu.yaml --model.model <folder>``;
     every micro-batch in train mode, each level's checkpointed layers recomputed. The first step of
-    each level runs first (``EachLevelFirst``), so the 3 steps visit all 3 levels whatever the data."""
+    each level runs first (``EachLevelFirst``), so the 3 steps visit all 3 levels whatever the data;
+    a source of mid-length records gives the middle level packs of its own on any Python build (the
+    demo is built from the host's standard library)."""
     from pathlib import Path
 
     from lit_hbp.cli import main
 
     monkeypatch.chdir(tmp_path)
     config = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
+    middle = mid_length_records(small_demo, tmp_path / "middle.jsonl", 1100, 4000)
     cli = main(["fit", "--config", str(config), "--data.demo_dir", str(small_demo), "--model.model", demo_pretrained,
+                f"--data.sources+={{path: {middle}}}",
                 "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false",
                 "--trainer.callbacks+=levels_first.EachLevelFirst",
                 "--trainer.callbacks+=test_pretrained.CountLayerCalls"])  # fmt: skip

@@ -12,12 +12,15 @@ Pre-tokenized records (``input_ids`` with ``labels`` or ``assistant_masks``, or 
 supervised) are validated against the tokenizer's vocabulary and taken as they are.
 
 Label mask: ``target[t]`` is True when token t is a supervised prediction (the model learns to
-produce token t from the tokens before it). Chat samples supervise the assistant turns, found by
+produce token t from the tokens before it). Chat samples supervise the trained turns, found by
 rendering the chat template for each prefix of the conversation and mapping those character spans
-onto the tokens of the full rendering (one tokenization per sample). The template is the tokenizer's
-own, which the data module replaces with ``data.chat_template`` (``resolve_chat_template``) when
-given; a chat record without any template is an error, never a silent default (the served model
-would be prompted in a format it was not trained on).
+onto the tokens of the full rendering (one tokenization per sample). A template with
+``{% generation %}`` blocks says itself what an assistant turn trains: there a trained assistant
+turn supervises the template's own assistant mask within the turn (``apply_chat_template(...,
+return_assistant_tokens_mask=True)``; a turn ``train_on`` or a weight leaves out stays out). The
+template is the tokenizer's own, which the data module replaces with ``data.chat_template``
+(``resolve_chat_template``) when given; a chat record without any template is an error, never a
+silent default (the served model would be prompted in a format it was not trained on).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -47,7 +51,8 @@ TRAIN_ON = ("assistant", "last_assistant", "all")
 # 6: narrow ids, supervised spans, per-sample counts (``lit_hbp.data.cache``).
 # 7: record formats and tools, a token supervised when it overlaps a trained turn, table rows from 1,
 #    metadata fields counted.
-CACHE_VERSION = 7
+# 8: an assistant turn of a template with {% generation %} blocks trains what the blocks mark.
+CACHE_VERSION = 8
 # Below this much of a source, worker processes cost more to start than they save (num_proc=None).
 PARALLEL_MIN_BYTES = 8 << 20
 PARALLEL_MIN_ROWS = 8192
@@ -68,6 +73,8 @@ CHAT_TEMPLATE_FIX = (
     f"set data.chat_template to a Jinja template string, a template file, or a built-in ({', '.join(CHAT_TEMPLATES)})"
 )
 SKIP_REASONS = ("empty conversation", "no supervised token")
+# A template marking assistant output (transformers' tag; a loose match, whitespace control included).
+GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 IGNORE_INDEX = -100
 
 
@@ -324,11 +331,10 @@ class _Encoder:
                             "would learn the turn without it: use a chat template that renders it (data.chat_template)"
                         )
 
-    def _span(self, conv: Conversation, i: int, full: str, whole: bool) -> tuple[int, int]:
-        """The characters of message i: from where its rendering departs from the prefix before it (for
-        an assistant turn, the prefix with the generation prompt: its header is the prompt's, not
-        trained) to its end. The conversation must render the same up to message i's end when cut
-        there (prefix-stable): otherwise the turn's characters in the whole are not the ones located."""
+    def _turn(self, conv: Conversation, i: int, full: str) -> tuple[str | None, str]:
+        """The renderings of the messages before message i (None: see ``_prefix``) and up to its end. The
+        conversation must render the same when cut there (prefix-stable): otherwise the turn's
+        characters in the whole are not the ones located."""
         try:
             upto = self._render(conv, i + 1)
         except _PrefixFailed as e:
@@ -344,6 +350,13 @@ class _Encoder:
                 "train_on: last_assistant (only the last turn is located) or a template that renders "
                 "earlier turns unchanged"
             )
+        return before, upto
+
+    def _span(self, conv: Conversation, i: int, full: str, whole: bool) -> tuple[int, int]:
+        """The characters of message i: from where its rendering departs from the prefix before it (for
+        an assistant turn, the prefix with the generation prompt: its header is the prompt's, not
+        trained) to its end."""
+        before, upto = self._turn(conv, i, full)
         generation = conv.messages[i]["role"] == "assistant" and not whole
         if before is None:
             return self._first_start(conv, upto, generation), len(upto)
@@ -390,7 +403,45 @@ class _Encoder:
                 return full, None, False
             left_out = [self._span(conv, i, full, whole=True) for i, t in enumerate(trained) if not t]
             return full, _complement(left_out, len(full)), False
-        return full, [self._span(conv, i, full, whole=False) for i, t in enumerate(trained) if t], False
+        blocks = self._generation_blocks(conv, full)
+        spans = []
+        for i, t in enumerate(trained):
+            if not t:
+                continue
+            if blocks is None or conv.messages[i]["role"] != "assistant":
+                spans.append(self._span(conv, i, full, whole=False))
+                continue
+            before, upto = self._turn(conv, i, full)
+            a, b = len(before or ""), len(upto)  # the turn, its header and separators included
+            # A block is cut to the turn; an empty one still marks a token it falls inside, as transformers does.
+            spans += [(max(s, a), min(e, b)) for s, e in blocks if max(s, a) < min(e, b) or a <= s == e < b]
+        return full, spans, False
+
+    def _generation_blocks(self, conv: Conversation, full: str) -> list[tuple[int, int]] | None:
+        """The characters the template's ``{% generation %}`` blocks mark in ``full``, as
+        ``apply_chat_template(..., return_assistant_tokens_mask=True)`` finds them (the same call of
+        transformers' renderer, its text checked equal to ``full``); None for a template without them,
+        whose turns are located by renderings."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        template = self.tok.get_chat_template(None, conv.tools)
+        if not GENERATION_TAG.search(template):
+            return None
+        # apply_chat_template drops None-valued message fields and hands the template the special tokens.
+        messages = [{k: v for k, v in m.items() if v is not None} for m in conv.messages]
+        (text,), (blocks,) = render_jinja_template(
+            [messages],
+            tools=conv.tools,
+            chat_template=template,
+            return_assistant_tokens_mask=True,
+            **self.tok.special_tokens_map,
+        )
+        if text != full:
+            raise DataError(
+                f"{conv.where}: the chat template renders this record otherwise when its {{% generation %}} blocks "
+                f"are tracked (at character {_common_prefix(text, full)}), so its assistant mask cannot be located"
+            )
+        return [tuple(block) for block in blocks]
 
     def encode_batch(self, prepared: list[tuple[str, list | None, bool]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Tokenize a batch in one call per kind (the fast tokenizer parallelizes it)."""

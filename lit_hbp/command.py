@@ -1,0 +1,47 @@
+"""``lit-hbp`` and ``python train.py``: the command line's entry, light enough to answer ``--help`` at once.
+
+Lightning, transformers and DeepSpeed take seconds to import on a busy machine; every subcommand needs
+them, the list of subcommands does not. ``lit-hbp SUBCOMMAND --help`` is the subcommand's own full help
+(LightningCLI's, ``lit_hbp.cli``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+SUBCOMMANDS = {
+    "fit": "train on the config's data (and validate), save checkpoints; Ctrl-C saves and prints the resume line",
+    "validate": "the validation loss of a checkpoint (--ckpt_path) on the config's validation data",
+    "test": "run the module's test loop (HBPLitModule has none: use validate)",
+    "predict": "run the module's predict loop (HBPLitModule has none: export and generate instead)",
+    "preview": "the config's first training samples as they train: tokens, supervised ones marked (--json)",
+}
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, what in SUBCOMMANDS.items()]
+    return "\n".join(
+        [
+            "usage: lit-hbp SUBCOMMAND --config CONFIG [--section.key VALUE ...]",
+            "",
+            "Hierarchical Balance Packing for long-context fine-tuning (docs/finetune.md).",
+            "",
+            "subcommands:",
+            *lines,
+            "",
+            "lit-hbp SUBCOMMAND --help lists the subcommand's options.",
+        ]
+    )
+
+
+def entry_point(argv: list[str] | None = None) -> None:
+    """``lit-hbp [SUBCOMMAND] ...``: the short help without a subcommand (exit 0 when asked for, 2 when
+    none was given), else the subcommand through ``lit_hbp.cli.main``."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if args else sys.stderr)
+        sys.exit(0 if args else 2)
+    from lit_hbp.cli import main
+
+    main(None if argv is None else args)
