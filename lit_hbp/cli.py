@@ -323,7 +323,10 @@ def resume_in_run_folder(section: Any) -> None:
     name = args.get("name")
     expected = Path(args.save_dir) / name if name else Path(args.save_dir)
     if run_dir.parent == expected.resolve():
-        args.version = run_dir.name
+        # version_N as the number N: the loggers name its folder the same, and the progress bar shows
+        # v_num=N (a string version shows its last 4 characters there: "on_0").
+        number = re.fullmatch(r"version_(\d+)", run_dir.name)
+        args.version = int(number.group(1)) if number else run_dir.name
         rank_zero_info(f"resuming in the run folder {run_dir} (logs continue there)")
 
 

@@ -216,7 +216,7 @@ def test_the_resolved_config_is_printed_once_and_compact(tmp_path, small_demo, m
     config = yaml.safe_load(summary)
     assert config["model"]["lr"] == 0.5 and config["model"]["model"]["num_hidden_layers"] == 4
     assert config["data"]["levels"][1] == {"pack_len": 4096, "ckpt_layers": 2}  # resolved, no default fields
-    assert config["model"]["model"]["max_position_embeddings"] == 16384  # interpolation resolved
+    assert config["model"]["model"]["max_position_embeddings"] == 16384
     assert config["trainer"]["callbacks"][0] == {
         "class_path": "lit_hbp.callbacks.HBPCurriculum",
         "init_args": {"warmup_steps": 10, "short_levels": [1024, 4096]},
@@ -278,12 +278,22 @@ def test_an_unknown_option_names_the_nearest_valid_one(tmp_path, capsys, monkeyp
 
 
 def test_an_interpolation_the_command_line_broke_is_a_short_error(small_demo, tmp_path, monkeypatch, capsys):
-    """tiny_cpu.yaml sets max_position_embeddings: ${data.levels.2.pack_len}; two levels on the command
-    line leave nothing at index 2."""
+    """tiny_cpu.yaml takes any number of levels from the command line (it interpolates none of them); a
+    config of one's own that writes ${data.levels.2.pack_len} and gets two levels on the command line
+    stops with a short error naming the key."""
     monkeypatch.chdir(tmp_path)
     args = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
+    two = ["--data.levels", "[{pack_len: 1024}, {pack_len: 4096}]"]
+    cli = main([*args, *two], run=False)
+    assert [lv.pack_len for lv in cli.datamodule.levels] == [1024, 4096]
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(
+        (ROOT / "configs/tiny_cpu.yaml")
+        .read_text()
+        .replace("max_position_embeddings: 16384", "max_position_embeddings: ${data.levels.2.pack_len}")
+    )
     with pytest.raises(SystemExit) as e:
-        main([*args, "--data.levels", "[{pack_len: 1024}, {pack_len: 4096}]"], run=False)
+        main(["--config", str(mine), "--data.demo_dir", str(small_demo), *two], run=False)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: Interpolation key") and "data.levels[2].pack_len" in err

@@ -399,8 +399,9 @@ def test_cli_fine_tunes_a_folder_and_resumes_into_the_same_run_folder(
     run_dir = tmp_path / "runs" / "tiny_cpu" / "version_0"
     last = run_dir / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=False)["global_step"] == 4
-    main(args + ["--trainer.max_steps", "8", "--ckpt_path", str(last)])
+    cli = main(args + ["--trainer.max_steps", "8", "--ckpt_path", str(last)])
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # no version_1
+    assert cli.trainer.logger.version == 0  # the progress bar's v_num=0 (a string would show "on_0")
     logged = tensorboard_scalars(run_dir)
     assert max(logged["train/loss"]) >= 6 and min(logged["train/loss"]) < 4  # both runs' curves, one folder
     assert sorted(logged["val/loss"]) == [3, 7]  # validations after steps 4 and 8 (TensorBoard: step - 1)

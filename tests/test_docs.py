@@ -23,7 +23,7 @@ RUN_BY = {
     "python train.py fit --config configs/tiny_cpu.yaml": "tests/test_train.py::test_tiny_config_trains_and_logs",
     "python -m lit_hbp.export runs/": "tests/test_train.py::test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes",
     "python -c": "tests/test_serving.py::test_a_fine_tuned_folder_exports_from_the_checkpoint_alone_and_stops_at_the_end_of_its_turn",
-    "lit-hbp fit --config configs/tiny_cpu.yaml": "tests/test_pretrained.py::test_the_cli_fine_tunes_a_folder_with_the_tiny_config_in_train_mode",
+    "lit-hbp fit --config configs/own_model_cpu.yaml": "tests/test_pretrained.py::test_the_own_model_line_fine_tunes_a_4k_context_folder",
     "lit-hbp preview --config configs/tiny_cpu.yaml --n 2": "tests/test_docs.py::test_the_preview_command_of_the_guide",
     "lit-hbp preview --config my.yaml --json": "tests/test_chat_formats.py::test_the_console_script_previews_and_refuses_like_fit",
     "python -m lit_hbp.packing": "tests/test_packing_cli.py::test_module_entry_point_runs",

@@ -4,6 +4,7 @@ from the tokenizer for mappings; and the training paths (self-check, validation,
 folder, not only from a mapping."""
 
 import lightning as L
+import numpy as np
 import pytest
 from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
 from transformers import AutoTokenizer
@@ -146,3 +147,37 @@ def test_a_model_in_the_hugging_face_cache_is_found_by_its_name(pretrained_llama
     assert module.model.training and module.trainer.global_step == 2
     with pytest.raises(ConfigError, match=r"model: 'my-org/tiny-lama' is neither a checkpoint folder"):
         HBPLitModule(model="my-org/tiny-lama")
+
+
+def test_the_own_model_line_fine_tunes_a_4k_context_folder(pretrained_llama, tmp_path, monkeypatch):
+    """The README's and the guide's own-model line, as they write it, on a checkpoint folder whose
+    context is 4K tokens: its levels fit the folder, its tokenizer is the folder's."""
+    import json
+    import re
+    from pathlib import Path
+
+    from lit_hbp.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    line = (
+        "lit-hbp fit --config configs/own_model_cpu.yaml --model.model /models/my-llama "
+        "--data.sources '[{path: chats.jsonl}]'"
+    )
+    for doc in ("README.md", "docs/finetune.md"):
+        assert line in re.sub(r"\s*\\?\n\s*", " ", (root / doc).read_text()), doc
+    words = "the quick brown fox jumps over the lazy dog hello world what is packing".split()
+    rng = np.random.default_rng(0)
+    with (tmp_path / "chats.jsonl").open("w") as f:
+        for _ in range(80):
+            ask, answer = (" ".join(rng.choice(words, int(rng.integers(3, 40)))) for _ in range(2))
+            f.write(
+                json.dumps({"messages": [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]})
+            )
+            f.write("\n")
+    monkeypatch.chdir(tmp_path)
+    args = line.split()[1:6] + ["--data.sources", "[{path: chats.jsonl}]"]
+    args[2], args[4] = str(root / args[2]), pretrained_llama
+    cli = main([*args, "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"])
+    assert cli.trainer.global_step == 2
+    assert cli.model.base_model.config.max_position_embeddings == 4096
+    assert cli.datamodule.tokenizer.name_or_path == pretrained_llama
