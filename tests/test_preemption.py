@@ -246,3 +246,22 @@ def test_torchrun_restarts_a_killed_worker_and_ckpt_path_auto_continues(tmp_path
     assert "`max_steps=8` reached" in job.out
     last = tmp_path / "run/runs/tiny_cpu/version_0/checkpoints/last.ckpt"
     assert torch.load(last, weights_only=False)["global_step"] == 8
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_and_torchrun_exits_1_as_documented(tmp_path, small_demo):
+    """SIGTERM to torchrun's own process (what Kubernetes sends its first process): torchrun forwards it
+    to the workers, which save the step, print the torchrun line that resumes, and exit 143; torchrun
+    itself then ends with status 1 and torch's ``SignalException`` (its elastic agent raises on the
+    signal it received), as docs/cluster.md says."""
+    cmd = command("tiny_cpu.yaml", small_demo, tmp_path / "cache", 12)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    job = Job([*launcher, *cmd[1:]], tmp_path / "run")
+    job.wait_for(STEP_SHOWN)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.end() == 1, job.out[-3000:]
+    out = job.out
+    step, path = re.search(r"SIGTERM: stopped after optimizer step (\d+), saved to (\S+)", out).groups()
+    assert torch.load(tmp_path / "run" / path, weights_only=False)["global_step"] == int(step) < 12
+    assert re.search(r"resume with: .*torch\.distributed\.run .*--ckpt_path " + re.escape(path), out), out[-3000:]
+    assert "SignalException" in out and "got signal: 15" in out
