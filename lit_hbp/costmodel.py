@@ -413,20 +413,32 @@ def exposed(comm, compute, pieces: int):
     return comm / pieces + (pieces - 1) / pieces * np.maximum(comm - compute, 0.0)
 
 
-def synthetic_pack(lengths: np.ndarray, pack_len: int, rng: np.random.Generator) -> np.ndarray:
+def synthetic_pack(lengths: np.ndarray, pack_len: int, rng: np.random.Generator, window: int = 4096) -> np.ndarray:
     """Sample lengths of one pack of ``pack_len`` drawn from the data's length distribution, filled
     the way the planner fills packs: draws that do not fit the space left are skipped, until the
-    pack is full or no drawn sample fits (samples longer than the pack are cut to it)."""
+    pack is full or no drawn sample fits (samples longer than the pack are cut to it).
+
+    Vectorized over ``window`` draws at a time (a 4M-token pack takes ~10^5 draws): the next draw
+    that fits is found by a scan, and the run of draws after it whose running sum fits is taken at
+    once; the first draw past that run does not fit, so the next scan skips it, as one draw at a
+    time would."""
     lengths = np.minimum(np.asarray(lengths, dtype=np.int64), pack_len)
     lengths = lengths[lengths > 0]
-    room, take = pack_len, []
-    for n in rng.choice(lengths, size=4 * pack_len // max(int(lengths.min()), 1) + 1).tolist():
-        if n <= room:
-            take.append(n)
-            room -= n
-            if room < lengths.min():
-                break
-    return np.asarray(take, dtype=np.int64)
+    smallest = int(lengths.min())
+    draws = rng.choice(lengths, size=4 * pack_len // max(smallest, 1) + 1)
+    room, pos, take = pack_len, 0, []
+    while pos < draws.size and room >= smallest:
+        hit = np.flatnonzero(draws[pos : pos + window] <= room)
+        if not hit.size:
+            pos += window
+            continue
+        start = pos + int(hit[0])
+        run = draws[start : start + window]
+        k = int(np.searchsorted(np.cumsum(run), room, side="right"))
+        take.append(run[:k])
+        room -= int(run[:k].sum())
+        pos = start + k
+    return np.concatenate(take) if take else np.zeros(0, np.int64)
 
 
 def pack_stats(

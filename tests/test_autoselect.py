@@ -410,7 +410,9 @@ def test_levels_auto_in_a_training_run(tmp_path, toy_tokenizer):
     assert trainer.global_step == 2
 
 
-def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shaped_mix):
+def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shaped_mix, monkeypatch):
+    """The chosen levels block is printed, and written to --out only: nothing lands where the command
+    runs unasked (a checkout's `git status` stays clean)."""
     lengths = tmp_path / "lengths.npy"
     np.save(lengths, paper_shaped_mix)
     config = tmp_path / "train.yaml"
@@ -441,6 +443,12 @@ def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shap
     levels = yaml.safe_load(out.read_text())["levels"]
     assert levels[-1]["pack_len"] == 131072 and all(Level(**lv) for lv in levels)
     assert math.log2(levels[0]["pack_len"]).is_integer()
+    assert yaml.safe_load(printed[printed.index("levels:") :].split("\nwrote")[0])["levels"] == levels
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    args = ["--config", str(config), "--analytic", "--gpus", "32", "--lengths", str(lengths), "--model", "llama3.1-8b"]
+    assert autoselect_main(args) == 0
+    assert list((tmp_path / "cwd").iterdir()) == []
     # A missing model is a clear error, not a traceback.
     assert autoselect_main(["--config", str(config), "--lengths", str(lengths), "--out", str(out)]) == 2
     assert "/nowhere/llama" in capsys.readouterr().err
@@ -460,3 +468,117 @@ def test_probes_reproduce_the_runs_deepspeed_settings():
     assert probe.loss_scale == 128 and probe.remote_device == "cpu"
     assert "gradient_accumulation_steps" not in probe.config
     assert probe_strategy_args(DDPStrategy()) == {} and zero_stage({}) == 2
+
+
+# ------------------------------------------------------------- one level search, keeping every sample
+
+
+def long_mix(longest=(1 << 20, 1 << 20, 4 << 20)) -> np.ndarray:
+    """2,000 chats (log-normal around 1.5K tokens, at least 256: few draws per synthetic 4M pack) and a
+    few samples of 256K to 4M tokens: the issue's mix, small enough for seconds."""
+    rng = np.random.default_rng(7)
+    chats = np.clip(np.rint(rng.lognormal(np.log(1500), 1.0, 2000)), 256, 32768).astype(np.int64)
+    return rng.permutation(np.r_[chats, 1 << 18, longest]).astype(np.int64)
+
+
+def both_tools(tmp_path, capsys, lengths, *flags):
+    """Run ``simulate`` and ``autoselect --analytic`` for LLaMA3.1-8B on 8 H100s; their exit codes,
+    outputs and the levels each chose (simulate's printed YAML, autoselect's written file)."""
+    import yaml
+
+    from lit_hbp.simulate.__main__ import main as simulate_main
+
+    path, config, out = tmp_path / "lengths.npy", tmp_path / "train.yaml", tmp_path / "levels.yaml"
+    np.save(path, lengths)
+    config.write_text("model:\n  model: /nowhere/llama\ndata:\n  tokenizer: /nowhere\n  sources: []\n")
+    common = ["--model", "llama3.1-8b", "--gpus", "8", "--gpu", "h100", *flags]
+    sim_code = simulate_main([str(path), *common])
+    sim = capsys.readouterr()
+    auto_code = autoselect_main(
+        ["--config", str(config), "--analytic", "--lengths", str(path), "--out", str(out), *common]
+    )
+    auto = capsys.readouterr()
+    chosen = None
+    if sim_code == 0 and auto_code == 0:
+        block = sim.out[sim.out.index("levels:\n") :].split("\n\n")[0]
+        chosen = (yaml.safe_load(block)["levels"], yaml.safe_load(out.read_text())["levels"])
+    return (sim_code, sim), (auto_code, auto), chosen
+
+
+def test_simulate_and_autoselect_keep_the_4m_sample_with_liger_and_optimizer_offload(tmp_path, capsys):
+    """The issue's bar, small: with --liger --offload-optimizer both tools run the one search, whose
+    largest level holds the 4M sample (sp 8, every layer checkpointed and offloaded, MLP tiles), name
+    the same levels, and the plan drops nothing; simulate says what its default levels drop beside it
+    and the auto plan's speed-up over naive ISF at the same largest level."""
+    lengths = long_mix()
+    (sim_code, sim), (auto_code, auto), chosen = both_tools(tmp_path, capsys, lengths, "--liger", "--offload-optimizer")
+    assert sim_code == auto_code == 0, sim.err + auto.err
+    simulated, selected = chosen
+    assert simulated == selected
+    top = simulated[-1]
+    assert top["pack_len"] == 4 << 20 and top["sp"] == 8 and top["ckpt_layers"] == 32 and top["offload"]
+    assert top["mlp_tiles"] > 1
+    assert "dropped by the auto-selected levels (d), largest 4,194,304: no sample" in sim.out
+    assert "dropped by the given levels (a)-(c), largest 131,072: 4 of 2,004 samples" in sim.out
+    speedup = sim.out.split("over naive ISF at the same largest level (4,194,304 tokens): ")[1].split("x")[0]
+    assert float(speedup) >= 1.0
+    # The plan the levels make trains every sample.
+    from lit_hbp.packing import Level, plan_hbp
+
+    plan = plan_hbp(lengths, [Level(**lv) for lv in simulated], 8, over_length="error")
+    assert plan.dropped.size == 0
+
+
+def test_without_the_flags_both_tools_refuse_naming_the_levers_that_fit(tmp_path, capsys):
+    """As the model comes, 4M tokens fit no layout of 8 H100s: both tools exit 2 with the same one-line
+    refusal, which names the levers the search found (Liger with optimizer offload at 74.2 of 74.5 GiB,
+    16 GPUs, a 2M largest level), never a plan that leaves the 4M sample out."""
+    (sim_code, sim), (auto_code, auto), _ = both_tools(tmp_path, capsys, long_mix())
+    assert sim_code == auto_code == 2 and sim.out == auto.out == ""
+    assert sim.err == auto.err and sim.err.count("\n") == 1
+    err = sim.err
+    assert err.startswith("error: the longest sample (4,194,304 tokens) needs a 4,194,304-token level")
+    flags = "--liger --offload-optimizer (model.liger: true, HBPStrategy offload_optimizer: true)"
+    assert f"{flags}: 74.2 of 74.5 GiB at sp 8, ckpt 32, offload, mlp_tiles 4" in err
+    assert "16 GPUs (--gpus 16: " in err and "--max-len 2097152" in err
+    assert "--liger (" not in err.replace("--liger --offload", ""), "one flag alone does not fit: not named"
+
+
+def test_a_length_beyond_every_lever_on_8_gpus_is_refused_naming_what_is_left():
+    """64M tokens: no flag makes them fit 8 H100s; the refusal names the fewest GPUs that do and the
+    longest level that fits, found by the search, before pricing anything."""
+    from lit_hbp.autoselect.levers import NoLevelFits
+    from lit_hbp.autoselect.search import analytic_levels
+
+    lengths = np.r_[np.full(100, 2000), 64 << 20]
+    cost = CostModel(MODELS["llama3.1-8b"], HARDWARE["h100"], 8, liger=True, optimizer_offload=True)
+    with pytest.raises(NoLevelFits) as refused:
+        analytic_levels(cost, lengths)
+    err = str(refused.value)
+    assert "\n" not in err
+    assert "67,108,864-token level, which fits no sp of 8 x H100-80GB with --liger --offload-optimizer" in err
+    gpus, shorter = refused.value.levers
+    assert gpus.startswith(tuple(f"{n} GPUs (--gpus {n}: " for n in (16, 32, 64, 128, 256, 512)))
+    assert shorter.startswith("a largest level of 4,194,304 tokens (--max-len 4194304")
+    # The GPUs it names are enough: the search keeps the sample there.
+    world = int(gpus.split()[0])
+    from dataclasses import replace
+
+    from lit_hbp.autoselect.levers import FitQuestion, every_layout
+
+    wide = replace(cost, world=world)
+    assert FitQuestion(wide, every_layout(wide)).where(64 << 20) is not None
+    assert FitQuestion(replace(cost, world=world // 2), every_layout(cost)).where(64 << 20) is None
+
+
+def test_a_cap_keeps_the_largest_level_and_says_what_it_leaves_to_over_length():
+    """--max-len (a selector's max_len, the model's positions) caps the largest level; what is
+    longer is counted for data.over_length, not silently planned around."""
+    from lit_hbp.autoselect.search import analytic_levels
+
+    lengths = long_mix()
+    cost = CostModel(MODELS["llama3.1-8b"], HARDWARE["h100"], 8)
+    selection = analytic_levels(cost, lengths, max_len=1 << 20)
+    assert selection.levels[-1].pack_len == 1 << 20 and selection.levels[-1].offload
+    (note,) = selection.notes
+    assert note.startswith("1 sample (4,194,304 tokens, the longest 4,194,304) is longer than the largest level")

@@ -114,8 +114,9 @@ def test_simulate_reports_cp_beside_ulysses_for_llama_8b_on_64_h100(tmp_path, ca
     columns = header.split()
     shares = dict(zip(columns[-7:], map(float, hbp.split()[-7:])))
     assert shares["cp_comm"] > 0 and shares["ulysses_comm"] > 0
-    # The search priced every (ulysses, cp) layout of the 256K level and says which it took.
-    table = out[out.index("layouts the search priced for the 262,144-token level") :]
+    # The search priced every (ulysses, cp) layout of its largest level (the 128K that holds the
+    # longest sample, whatever --levels says) and says which it took.
+    table = out[out.index("layouts the search priced for the 131,072-token level") :]
     assert "16=8x2" in table and "64=32x2" in table and "best" in table
     assert "auto-selected levels (d)" in out
 

@@ -4,10 +4,11 @@ paper-shaped mix, and the command line with its pictures."""
 import numpy as np
 import pytest
 
+from lit_hbp.autoselect.search import analytic_levels
 from lit_hbp.costmodel import HARDWARE, CostModel
 from lit_hbp.model_spec import MODELS, ModelSpec
 from lit_hbp.packing import Level, plan_hbp
-from lit_hbp.simulate import compare, fill_checkpointing, simulate
+from lit_hbp.simulate import compare, compare_auto, fill_checkpointing, simulate
 from lit_hbp.simulate.__main__ import main as simulate_main
 
 TINY = ModelSpec("tiny", 4, 256, 8, 4, 512, 1000)
@@ -43,12 +44,15 @@ def test_simulation_equals_a_loop_over_micro_steps_and_groups():
 def test_hbp_speedup_over_naive_isf_on_a_paper_shaped_mix(paper_shaped_mix):
     cost = CostModel(MODELS["llama3.1-8b"], HARDWARE["h100"], 32)
     levels = fill_checkpointing([Level(16384, 1), Level(131072, 8)], cost, paper_shaped_mix)
-    sims, selection = compare(paper_shaped_mix, cost, levels)
-    naive, hierarchical, hbp, auto = (sims[0].seconds / s.seconds for s in sims)
+    sims = compare(paper_shaped_mix, cost, levels)
+    naive, hierarchical, hbp = (sims[0].seconds / s.seconds for s in sims)
     assert naive == 1.0
     assert 1.2 <= hbp <= 1.7, hbp  # the paper: 1.40x
     assert 1.0 < hierarchical < hbp  # the paper: hierarchical packing alone 1.16-1.2x
-    assert auto >= hbp * 0.95
+    selection = analytic_levels(cost, paper_shaped_mix)
+    naive_auto, auto_sim = compare_auto(paper_shaped_mix, cost, selection)
+    assert list(naive_auto.plan.levels) == selection.levels[-1:]  # naive ISF at the search's own largest level
+    assert naive_auto.seconds / auto_sim.seconds >= hbp * 0.95
     # HBP removes the idle time of unbalanced attention and most SP traffic.
     assert sims[2].breakdown()["idle"] < 0.02 < sims[0].breakdown()["idle"]
     comm = [sum(s.breakdown()[k] for k in ("ulysses_comm", "cp_comm")) for s in (sims[2], sims[0])]

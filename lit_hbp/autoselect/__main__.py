@@ -7,8 +7,15 @@ The sample lengths come from the config's data section (tokenized and cached lik
 or from --lengths. ``--analytic`` (default) prices candidates with the cost model for --gpus GPUs of
 kind --gpu; ``--measured`` trains a few real steps of the config's model per candidate through
 HBPStrategy (the config's precision, accumulation and ZeRO settings) on --devices local processes
-(CUDA when available, else CPU with gloo). Prints every candidate measured and writes the chosen
-``levels:`` block to --out.
+(CUDA when available, else CPU with gloo). Prints every candidate measured and the chosen ``levels:``
+block (also written to --out when given).
+
+The search is the one ``python -m lit_hbp.simulate`` auto-selects with (``search.select_levels``): its
+largest level holds the longest sample (up to --max-len and the model's positions), trying every sp
+up to --gpus, checkpointing, offload and MLP tiles; --liger and --offload-optimizer turn on Liger's
+RMSNorm/SwiGLU and the Adam states on the host for the run (as the config's model.liger and
+HBPStrategy offload_optimizer do). When the longest sample fits nothing, it exits 2 naming the levers
+that would make it fit, each found by running the search with it.
 """
 
 from __future__ import annotations
@@ -40,8 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", help="sample lengths (.npy or text) instead of tokenizing the config's data")
     p.add_argument("--model", help="analytic: a model preset or config.json instead of the config's model")
     p.add_argument("--candidates", nargs="+", type=int, help="pack lengths to try (default: powers of two)")
-    p.add_argument("--margin-gib", type=float, default=2.0, help="memory left free per device")
-    p.add_argument("--out", default="levels.yaml", help="where to write the chosen levels block")
+    p.add_argument(
+        "--margin-gib",
+        type=float,
+        help="memory left free per device (default: 0 analytic, the cost model keeps a 2 GB reserve; 2 measured)",
+    )
+    p.add_argument("--max-len", type=int, help="the longest level to choose (longer samples follow data.over_length)")
+    p.add_argument("--liger", action="store_true", help="the model runs Liger's RMSNorm and SwiGLU (model.liger: true)")
+    p.add_argument(
+        "--offload-optimizer", action="store_true", help="DeepSpeed offload_optimizer: the Adam states on the host"
+    )
+    p.add_argument("--out", help="also write the chosen levels block to this file (it is always printed)")
     args = p.parse_args(argv)
     try:
         config = read_config(args.config)
@@ -52,12 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             lengths, vocab = config_lengths(config)
         spec = load_model_spec(args.model) if args.model and not args.measured else None
+        margin = {} if args.margin_gib is None else {"margin_gib": args.margin_gib}
         if args.measured:
-            selector = MeasuredSelector(args.candidates, args.margin_gib, args.memory_gib)
+            selector = MeasuredSelector(args.candidates, memory_gib=args.memory_gib, max_len=args.max_len, **margin)
             run = RunSetting.from_config(config, vocab, args.devices)
         else:
-            selector = AnalyticSelector(args.gpu, args.candidates, args.margin_gib)
+            selector = AnalyticSelector(args.gpu, args.candidates, max_len=args.max_len, **margin)
             run = RunSetting.from_config(config, vocab, args.gpus, spec)
+        run = run.with_flags(args.liger, args.offload_optimizer)
         selection = selector.select(lengths, run)
     except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -69,9 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         f"\nfastest: {selection.best.pack_len} tokens at sp {selection.best.sp} with {selection.best.ckpt_layers} "
         f"checkpointed layers; largest: {selection.largest.pack_len} at sp {selection.largest.sp}\n"
     )
+    for note in selection.notes:
+        print(note + "\n")
     print(selection.yaml())
-    Path(args.out).write_text(selection.yaml())
-    print(f"wrote {args.out}")
+    if args.out:  # nothing is written where the command runs unless asked
+        Path(args.out).write_text(selection.yaml())
+        print(f"wrote {args.out}")
     return 0
 
 

@@ -7,7 +7,8 @@ model train packs of ``pack_len`` tokens at a given sp and number of checkpointe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -43,6 +44,26 @@ class Profiler(Protocol):
     def measure(self, pack_len: int, sp: int, ckpt_layers: int, cp: int = 1) -> Measurement: ...
 
 
+class MemoryProfiler:
+    """The cost model's memory alone, for questions that need no step time: does a level fit, and
+    with which lever (``search.fit_anywhere``). ``capacity`` defaults to the GPU's memory;
+    ``memory_settings`` False leaves offload and MLP tiles out of the search (a measured search
+    probes checkpointing only)."""
+
+    def __init__(self, cost: CostModel, capacity: float | None = None, memory_settings: bool = True):
+        self.cost = cost
+        self.capacity = cost.hardware.memory_bytes if capacity is None else capacity
+        self.memory_settings = memory_settings
+        self.tiles_allowed = cost.zero_stage < 3  # ZeRO-3's partitioned weights cannot enter a TiledMLP
+
+    def measure(
+        self, pack_len: int, sp: int, ckpt_layers: int, cp: int = 1, offload: bool = False, tiles: int = 1
+    ) -> Measurement:
+        memory = self.cost.memory_bytes(pack_len, sp, ckpt_layers, 1, offload, tiles, cp)
+        fits = memory <= self.capacity and (not offload or self.cost.host_fits(pack_len, sp, ckpt_layers))
+        return Measurement(1.0, memory, pack_len / sp, fits)
+
+
 class AnalyticProfiler:
     """Cost-model profiler: packs filled from the dataset's length distribution. Candidates are
     compared at a fixed global batch (as the paper's profiles are), where the gradient sync costs
@@ -52,8 +73,9 @@ class AnalyticProfiler:
         self.cost = cost
         self.lengths = np.asarray(lengths)
         self.seed = seed
-        self.capacity = cost.hardware.memory_bytes
-        self.tiles_allowed = cost.zero_stage < 3  # ZeRO-3's partitioned weights cannot enter a TiledMLP
+        self.memory = MemoryProfiler(cost)
+        self.capacity = self.memory.capacity
+        self.tiles_allowed = self.memory.tiles_allowed
         self._stats: dict[tuple[int, int, int], tuple[float, float]] = {}
 
     memory_settings = True
@@ -62,11 +84,14 @@ class AnalyticProfiler:
     def measure(
         self, pack_len: int, sp: int, ckpt_layers: int, cp: int = 1, offload: bool = False, tiles: int = 1
     ) -> Measurement:
+        """Memory first: a candidate that does not fit is not timed (``seconds`` inf), so the layouts
+        a long level runs out of memory in cost no synthetic packs."""
+        m = self.memory.measure(pack_len, sp, ckpt_layers, cp, offload, tiles)
+        if not m.fits:
+            return replace(m, seconds=math.inf)
         key = (pack_len, sp, cp) if cp > 1 else (pack_len, 1, 1)  # only CP splits depend on the layout
         if key not in self._stats:
             self._stats[key] = pack_stats(self.lengths, pack_len, self.seed, sp=key[1], cp=key[2])
         tokens, sum_sq = self._stats[key]
-        memory = self.cost.memory_bytes(pack_len, sp, ckpt_layers, 1, offload, tiles, cp)
         seconds = self.cost.micro_step(tokens / sp, sum_sq, sp, ckpt_layers, cp, offload, tiles)["total"]
-        fits = memory <= self.capacity and (not offload or self.cost.host_fits(pack_len, sp, ckpt_layers))
-        return Measurement(seconds, memory, tokens / sp, fits)
+        return Measurement(seconds, m.memory, tokens / sp, True)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
-from lit_hbp.autoselect.profiler import Measurement, Profiler
+from lit_hbp.autoselect.profiler import AnalyticProfiler, Measurement, Profiler
 from lit_hbp.packing.levels import LAYOUT_KINDS, Level
 from lit_hbp.parallel.context_parallel import ContextParallel
 from lit_hbp.parallel.groups import as_layout
@@ -56,6 +57,8 @@ class Selection:
     candidates: list[Candidate] = field(default_factory=list)
     best: Candidate | None = None
     largest: Candidate | None = None
+    notes: list[str] = field(default_factory=list)
+    """What the levels leave out: samples longer than a capped largest level."""
 
     def table(self) -> str:
         head = f"{'pack_len':>9} {'sp=UxCP':>8} {'ckpt':>5} {'step_s':>9} {'mem_GiB':>8} {'tok/s/dev':>10}  note"
@@ -162,26 +165,39 @@ def fit_memory(
     return None, trace
 
 
-def why_not_fits(cost, level: Level) -> str:
-    """What a level needs beyond the device with every layer checkpointed, offloaded and the MLP in
-    the most tiles the search tries: the parts of its predicted memory, largest first."""
-    hw = cost.hardware
-    tiles = min(TILE_STEPS[-1], level.pack_len // level.sp)
-    layers, cp = cost.model.layers, level.layout[1]
-    parts = cost.memory_parts(level.pack_len, level.sp, layers, level.packs_per_rank, True, tiles, cp)
-    total = cost.memory_bytes(level.pack_len, level.sp, layers, level.packs_per_rank, True, tiles, cp)
-    host = parts.pop("host") * hw.gpus_per_node
-    if hw.host_memory_bytes and host > hw.host_memory_bytes and total <= hw.memory_bytes:
-        return (
-            f"its offloaded inputs need {host / GIB:.0f} GiB of host memory per node, the node has "
-            f"{hw.host_memory_bytes / GIB:.0f} GiB"
-        )
-    top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
-    return (
-        f"{total / GIB:.1f} GiB per GPU predicted with all {layers} layers checkpointed and offloaded and "
-        f"{tiles} MLP tiles, the {hw.name} has {hw.memory_bytes / GIB:.1f} GiB ({top} GiB): a larger sp, "
-        "Liger's norms (liger: true), the Adam states on the host (offload_optimizer), or a shorter level"
-    )
+@dataclass(frozen=True)
+class Placement:
+    """Where a level fits: its (sp, cp) layout, how (``MemoryFit``) and its predicted peak bytes."""
+
+    sp: int
+    cp: int
+    fit: MemoryFit
+    memory: float
+
+    def describe(self, capacity: float) -> str:
+        """``74.2 of 74.5 GiB at sp 8, ckpt 32, offload, mlp_tiles 4``: what a refusal quotes."""
+        layout = f"sp {self.sp}" + (f" (ulysses {self.sp // self.cp} x cp {self.cp})" if self.cp > 1 else "")
+        how = f"ckpt {self.fit.ckpt}" + (", offload" if self.fit.offload else "")
+        how += f", mlp_tiles {self.fit.tiles}" if self.fit.tiles > 1 else ""
+        return f"{self.memory / GIB:.1f} of {capacity / GIB:.1f} GiB at {layout}, {how}"
+
+
+def fit_anywhere(profiler, pack_len: int, layouts, layers: int, margin: float = 0.0) -> Placement | None:
+    """The first layout, fewest ranks first, in which ``pack_len`` fits (``fit_memory``: checkpointing,
+    then offload, then MLP tiles), or None: the search's question for its largest level, asked of
+    memory alone so that it can be asked first and again with each lever (``levers.py``)."""
+    for sp, cp in sorted(as_layout(x) for x in layouts):
+        if pack_len % sp:
+            continue
+        fit, _ = fit_memory(profiler, pack_len, sp, 0, layers, margin, cp)
+        if fit is not None:
+            settings = dict(offload=True, tiles=fit.tiles) if fit.offload else {}
+            return Placement(sp, cp, fit, profiler.measure(pack_len, sp, fit.ckpt, cp, **settings).memory)
+    return None
+
+
+class LargestDoesNotFit(ValueError):
+    """Algorithm 1's largest pack length fits in no layout the profiler tried."""
 
 
 def find_best_sp_ckpt(
@@ -230,15 +246,13 @@ def auto_select(
         best, rows = find_best_sp_ckpt(profiler, length, sp_candidates, c_min, num_layers, margin)
         candidates += rows
         results[length] = best
-    feasible = {k: v for k, v in results.items() if v is not None}
-    if not feasible:
-        raise ValueError(f"no pack length in {pack_lens} fits in memory with any sp in {list(sp_candidates)}")
     largest = results[pack_lens[-1]]
     if largest is None:
-        raise ValueError(
+        raise LargestDoesNotFit(
             f"the largest pack length {pack_lens[-1]} fits with no sp in {list(sp_candidates)}: more GPUs per "
             "SP group or a smaller largest level are needed"
         )
+    feasible = {k: v for k, v in results.items() if v is not None}
     best = max(feasible.values(), key=lambda c: c.tokens_per_second)
     # Stage 2: keep short samples whole on one rank, and add the largest level's per-rank length.
     lengths = {best.pack_len: best, largest.pack_len: largest}
@@ -277,12 +291,33 @@ def candidate_level(c: Candidate, sp_kind: str) -> Level:
     return Level(c.pack_len, c.sp, c.ckpt_layers, sp_kind=sp_kind, **memory)
 
 
+def covering_length(lengths, max_len: int | None = None) -> int:
+    """The largest level: the first power of two that holds the longest sample, or ``max_len`` (the
+    user's cap, the model's positions) when that is shorter: every sample up to the cap is kept."""
+    top = 1 << (max(int(np.max(lengths)), 2) - 1).bit_length()
+    return top if max_len is None else min(top, int(max_len))
+
+
 def default_candidates(lengths, largest: int | None = None) -> list[int]:
     """Pack lengths to try: powers of two from 8K (less for short data) up to the first power of
     two that holds the longest sample, or up to ``largest`` (which is always included)."""
-    top = largest or 1 << int(np.ceil(np.log2(max(int(np.max(lengths)), 2))))
-    out = [x for x in (2**k for k in range(10, 25)) if min(8192, top) <= x < top]
+    top = largest or covering_length(lengths)
+    out, x = [], min(8192, top)
+    while x < top:
+        out.append(x)
+        x *= 2
     return out + [top]
+
+
+def level_candidates(lengths, top: int, candidates=None, max_len: int | None = None) -> list[int]:
+    """The pack lengths Algorithm 1 prices: the user's ``candidates`` (none above ``max_len``), with
+    ``top`` added when none of them holds the longest sample up to the cap; else the defaults."""
+    if not candidates:
+        return default_candidates(lengths, top)
+    out = sorted({int(c) for c in candidates if max_len is None or c <= max_len})
+    if not out or out[-1] < min(int(np.max(lengths)), top):
+        out = sorted({*out, top})
+    return out
 
 
 def sp_candidates(
@@ -311,15 +346,77 @@ def select_levels(
     lengths,
     model,
     world: int,
-    largest: int | None = None,
+    max_len: int | None = None,
     candidates=None,
     margin: float = 0.0,
     sp_kind: str = "ulysses",
     every_layout: bool = True,
     node_size: int | None = None,
+    cost=None,
 ) -> Selection:
-    """Algorithm 1 over the default candidates for this data, model (a ModelSpec) and world, and
-    the SP layouts of ``sp_candidates``."""
-    cands = sorted(candidates) if candidates else default_candidates(lengths, largest)
-    layouts = sp_candidates(world, model.heads, model.kv_heads, sp_kind, every_layout, node_size)
-    return auto_select(profiler, cands, layouts, model.layers, 0, margin, sp_kind)
+    """The level search every tool runs (``simulate``, ``autoselect``, the selectors of a fit):
+    Algorithm 1 over pack lengths up to the one that holds the longest sample (``covering_length``,
+    capped at ``max_len``) for this model (a ModelSpec) and world, on the SP layouts of
+    ``sp_candidates``, each with the fewest checkpointed layers, then offload, then MLP tiles that fit.
+
+    It keeps every sample or refuses: when the largest level fits no layout, it raises
+    ``levers.NoLevelFits`` naming what would make it fit (with ``cost``, the run's cost model: each
+    lever found by running the memory search with it), before pricing anything where the profiler
+    answers memory analytically. Samples above ``max_len`` are the caller's to truncate or drop
+    (``Selection.notes`` counts them)."""
+    from lit_hbp.autoselect.levers import FitQuestion, refusal  # levers builds on this module
+
+    top = covering_length(lengths, max_len)
+    cands = level_candidates(lengths, top, candidates, max_len)
+    layouts_of = partial(
+        sp_candidates,
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        kind=sp_kind,
+        every_layout=every_layout,
+        node_size=node_size,
+    )
+    analytic = getattr(profiler, "memory_settings", False)
+    question = None if cost is None else FitQuestion(cost, layouts_of, margin, profiler.capacity, analytic)
+    if question is not None and analytic and question.where(cands[-1]) is None:
+        raise refusal(question, cands[-1], lengths)
+    try:
+        selection = auto_select(profiler, cands, layouts_of(world), model.layers, 0, margin, sp_kind)
+    except LargestDoesNotFit:
+        if question is None:
+            raise
+        raise refusal(question, cands[-1], lengths) from None
+    selection.notes = beyond_notes(lengths, selection.levels[-1].pack_len)
+    return selection
+
+
+def beyond_notes(lengths, largest: int) -> list[str]:
+    """What a selection leaves to ``data.over_length``: the samples longer than its largest level."""
+    lengths = np.asarray(lengths)
+    over = lengths[lengths > largest]
+    if not over.size:
+        return []
+    return [
+        f"{over.size:,} sample{'' if over.size == 1 else 's'} ({int(over.sum()):,} tokens, the longest "
+        f"{int(over.max()):,}) {'is' if over.size == 1 else 'are'} longer than the "
+        f"largest level ({largest:,} tokens, the cap): data.over_length truncates, drops or refuses them"
+    ]
+
+
+def analytic_levels(
+    cost,
+    lengths,
+    seed: int = 0,
+    max_len: int | None = None,
+    candidates=None,
+    margin: float = 0.0,
+    sp_kind: str = "ulysses",
+    node_size: int | None = None,
+) -> Selection:
+    """``select_levels`` priced by the cost model of the run (``AnalyticProfiler``): what
+    ``python -m lit_hbp.simulate`` auto-selects and ``AnalyticSelector`` (``python -m
+    lit_hbp.autoselect --analytic``, a fit with analytic levels) chooses, from the same arguments."""
+    profiler = AnalyticProfiler(cost, lengths, seed)
+    return select_levels(
+        profiler, lengths, cost.model, cost.world, max_len, candidates, margin, sp_kind, True, node_size, cost
+    )

@@ -11,9 +11,11 @@ a training config, and the measured selector's launcher calls it in every proces
 from __future__ import annotations
 
 import inspect
+import json
 from abc import abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,11 +23,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.autoselect.launch import launch
-from lit_hbp.autoselect.measured import MeasuredProfiler, probe_strategy_args, zero_stage
-from lit_hbp.autoselect.profiler import AnalyticProfiler
-from lit_hbp.autoselect.search import Selection, select_levels
+from lit_hbp.autoselect.measured import MeasuredProfiler, optimizer_offloaded, probe_strategy_args, zero_stage
+from lit_hbp.autoselect.search import Selection, analytic_levels, select_levels
+from lit_hbp.checks import position_range
 from lit_hbp.config import model_config, spec_of
-from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.costmodel import HARDWARE, CostModel, Hardware
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing.levels import Level, LevelSelector
@@ -44,6 +46,8 @@ class RunSetting:
     called inside the run's own processes (probes run there); False from a tool (the measured
     selector starts ``world`` local processes). strategy: the run's strategy, which receives the
     SP groups the probes built. node_size: ranks per node (the default layouts keep Ulysses inside one).
+    max_len: the longest position the model covers (``checks.position_range``: max_position_embeddings
+    or what its RoPE scaling extends it to), None when unknown: the largest level the fit accepts.
     """
 
     spec: ModelSpec
@@ -56,6 +60,14 @@ class RunSetting:
     in_world: bool = False
     strategy: Any = None
     node_size: int | None = None
+    max_len: int | None = None
+
+    def with_flags(self, liger: bool = False, offload_optimizer: bool = False) -> RunSetting:
+        """This run with Liger's RMSNorm/SwiGLU and/or the Adam states on the host turned on (the
+        levers ``--liger`` and ``--offload-optimizer`` of the command line tools)."""
+        module_args = {**self.module_args, **({"liger": True} if liger else {})}
+        strategy_args = {**self.strategy_args, **({"offload_optimizer": True} if offload_optimizer else {})}
+        return replace(self, module_args=module_args, strategy_args=strategy_args)
 
     def make_module(self):
         """A fresh copy of the run's module, seeded like the run."""
@@ -96,6 +108,7 @@ class RunSetting:
             in_world=True,
             strategy=trainer.strategy,
             node_size=trainer.num_devices,
+            max_len=position_limit(model),
         )
 
     @classmethod
@@ -113,26 +126,73 @@ class RunSetting:
         if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("HBPStrategy"):
             strategy_args = {k: v for k, v in (strategy.get("init_args") or {}).items() if k != "levels"}
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        model = None if spec else model_config(config, vocab)
         return cls(
-            spec=spec or spec_of(model_config(config, vocab)),
+            spec=spec or spec_of(model),
             world=world,
             seed=int((config.get("data") or {}).get("seed", 0)),
             module_class=HBPLitModule,
             module_args=module_args,
             trainer_args={"accelerator": accelerator, "devices": world, **trainer_args},
             strategy_args=strategy_args,
+            max_len=None if model is None else position_limit(model),
+        )
+
+    def cost_model(self, hardware: Hardware, sp_kind: str = "ulysses") -> CostModel:
+        """The run's cost model on ``hardware``: its world, ZeRO stage, Liger and optimizer offload."""
+        return CostModel(
+            self.spec,
+            hardware,
+            self.world,
+            zero_stage=zero_stage(self.strategy_args),
+            sp_kind=sp_kind,
+            liger=bool(self.module_args.get("liger", False)),
+            optimizer_offload=optimizer_offloaded(self.strategy_args),
         )
 
 
-class Selector(LevelSelector):
-    """Algorithm 1 over ``candidates`` pack lengths (default: powers of two up to the longest sample),
-    leaving ``margin_gib`` of device memory free; levels with sp > 1 use ``sp_kind``."""
+def position_limit(model) -> int | None:
+    """The longest position a model config (a mapping, a config.json or a checkpoint folder) covers,
+    None when it does not say or cannot be read here: the fit refuses levels past it
+    (``checks.check_positions``), so the search does not choose them."""
+    if not isinstance(model, dict):
+        path = Path(str(model))
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            return None
+        try:
+            model = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+    return position_range(SimpleNamespace(**model))[1]
 
-    def __init__(self, candidates: list[int] | None = None, margin_gib: float = 2.0, sp_kind: str = "ulysses"):
+
+class Selector(LevelSelector):
+    """The level search (``search.select_levels``) over ``candidates`` pack lengths (default: powers of
+    two up to the one holding the longest sample), leaving ``margin_gib`` of device memory free;
+    levels with sp > 1 use ``sp_kind``. The largest level holds the longest sample, up to ``max_len``
+    and the model's positions (longer samples follow ``data.over_length``); when it fits nowhere the
+    search refuses, naming the levers that would make it fit (``levers.NoLevelFits``)."""
+
+    def __init__(
+        self,
+        candidates: list[int] | None = None,
+        margin_gib: float = 2.0,
+        sp_kind: str = "ulysses",
+        max_len: int | None = None,
+    ):
         self.candidates = sorted(int(c) for c in candidates) if candidates else None
         if margin_gib < 0:
             raise ValueError(f"margin_gib must be >= 0, got {margin_gib}")
+        if max_len is not None and int(max_len) < 1:
+            raise ValueError(f"max_len must be a positive number of tokens, got {max_len}")
         self.margin_gib, self.sp_kind = float(margin_gib), sp_kind
+        self.max_len = None if max_len is None else int(max_len)
+
+    def cap(self, run: RunSetting) -> int | None:
+        """The longest level allowed: ``max_len`` and the model's positions, the shorter."""
+        caps = [c for c in (self.max_len, run.max_len) if c is not None]
+        return min(caps) if caps else None
 
     @abstractmethod
     def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
@@ -146,52 +206,54 @@ class Selector(LevelSelector):
         run = RunSetting.from_trainer(trainer, seed=getattr(trainer.datamodule, "seed", 0))
         selection = self.select(lengths, run)
         rank_zero_info(f"levels chosen by {type(self).__name__} ({self.where(run)})\n{selection.table()}\n")
-        rank_zero_info(f"chosen {selection.yaml()}")
+        rank_zero_info(f"chosen {selection.yaml()}" + "".join(f"\n{note}" for note in selection.notes))
         return tuple(selection.levels)
 
     every_layout = True
     """Whether the search tries every (ulysses, cp) layout of each degree, or only the default one."""
 
-    def _search(self, profiler, lengths: np.ndarray, run: RunSetting) -> Selection:
-        margin = self.margin_gib * GIB
+    def _search(self, profiler, lengths: np.ndarray, run: RunSetting, cost: CostModel) -> Selection:
         return select_levels(
             profiler,
             lengths,
             run.spec,
             run.world,
+            max_len=self.cap(run),
             candidates=self.candidates,
-            margin=margin,
+            margin=self.margin_gib * GIB,
             sp_kind=self.sp_kind,
             every_layout=self.every_layout,
             node_size=run.node_size,
+            cost=cost,
         )
 
 
 class AnalyticSelector(Selector):
     """Prices every candidate with the cost model of ``gpu`` GPUs (h100, h200, a100): instant, and
-    usable before the cluster exists."""
+    usable before the cluster exists. ``margin_gib`` defaults to 0: the cost model already keeps a
+    2 GB reserve (CUDA context, NCCL, allocator), as ``python -m lit_hbp.simulate`` and
+    ``python -m lit_hbp.memory`` count it."""
 
     def __init__(
-        self, gpu: str = "h100", candidates: list[int] | None = None, margin_gib: float = 2.0, sp_kind: str = "ulysses"
+        self,
+        gpu: str = "h100",
+        candidates: list[int] | None = None,
+        margin_gib: float = 0.0,
+        sp_kind: str = "ulysses",
+        max_len: int | None = None,
     ):
-        super().__init__(candidates, margin_gib, sp_kind)
+        super().__init__(candidates, margin_gib, sp_kind, max_len)
         if gpu not in HARDWARE:
             raise ValueError(f"unknown gpu {gpu!r}; choose one of {sorted(HARDWARE)}")
         self.gpu = gpu
 
     def cost_model(self, run: RunSetting) -> CostModel:
-        liger = bool(run.module_args.get("liger", False))
-        return CostModel(
-            run.spec,
-            HARDWARE[self.gpu],
-            run.world,
-            zero_stage=zero_stage(run.strategy_args),
-            sp_kind=self.sp_kind,
-            liger=liger,
-        )
+        return run.cost_model(HARDWARE[self.gpu], self.sp_kind)
 
     def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
-        return self._search(AnalyticProfiler(self.cost_model(run), lengths, run.seed), lengths, run)
+        margin = self.margin_gib * GIB
+        args = (self.cap(run), self.candidates, margin, self.sp_kind, run.node_size)
+        return analytic_levels(self.cost_model(run), lengths, run.seed, *args)
 
     def where(self, run: RunSetting) -> str:
         return f"analytic, {run.world} x {HARDWARE[self.gpu].name}"
@@ -212,8 +274,9 @@ class MeasuredSelector(Selector):
         memory_gib: float | None = None,
         steps: int = 3,
         sp_kind: str = "ulysses",
+        max_len: int | None = None,
     ):
-        super().__init__(candidates, margin_gib, sp_kind)
+        super().__init__(candidates, margin_gib, sp_kind, max_len)
         self.memory_gib, self.steps = memory_gib, steps
         self.sp_groups = None
 
@@ -229,8 +292,9 @@ class MeasuredSelector(Selector):
             return launch(self, lengths, run)
         cuda = run.trainer_args.get("accelerator") == "cuda"
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        # The cost model screens out probes sure to run out of memory; memory needs no GPU kind.
-        cost = CostModel(run.spec, HARDWARE["h100"], run.world, zero_stage=zero_stage(run.strategy_args))
+        # The cost model screens out probes sure to run out of memory (memory needs no GPU kind) and
+        # finds the levers a refusal names.
+        cost = run.cost_model(HARDWARE["h100"])
         profiler = MeasuredProfiler(
             run.make_module,
             lengths,
@@ -242,7 +306,7 @@ class MeasuredSelector(Selector):
             estimate=cost.memory_bytes,
             sp_kind=self.sp_kind,
         )
-        selection = self._search(profiler, lengths, run)
+        selection = self._search(profiler, lengths, run, cost)
         self.sp_groups = profiler.sp_groups
         if run.strategy is not None and getattr(run.strategy, "sp_groups", False) is None:
             run.strategy.sp_groups = self.sp_groups  # the run uses the groups its probes built

@@ -12,9 +12,16 @@ all-gathers and dK/dV reduce-scatters). A CP group's micro-batch is split over i
 planner's split_pack and its attention priced at the busiest rank; cp_abr is that split's
 imbalance, (max - mean) / max causal area over the CP ranks, averaged over the CP groups.
 Prints the epoch time and GPU-hours of (a) naive single-level ISF at the largest level, (b) the
-levels without the attention-balance sort, (c) full HBP, (d) HBP with auto-selected levels, with
-each one's speed-up over (a) and where its GPU time goes. Samples longer than the largest level
-are dropped from every plan (and zero-length ones never packed); it says how many before the table.
+levels without the attention-balance sort, (c) full HBP, each with its speed-up over (a), and of
+(d) HBP with auto-selected levels beside naive ISF at (d)'s largest level, with its speed-up over
+that; and where each one's GPU time goes. Samples longer than the given largest level are dropped
+from (a)-(c) (and zero-length ones never packed); it says how many, beside what (d) drops.
+
+The auto-selected levels are the level search's (``search.select_levels``, the one
+``python -m lit_hbp.autoselect --analytic`` runs): the largest holds the longest sample (up to
+--max-len), trying every sp up to --gpus, checkpointing, offload and MLP tiles, with --liger and
+--offload-optimizer when given; a longest sample that fits nothing is refused (exit 2) naming the
+levers that would make it fit, each found by running the search with it. --no-auto skips (d).
 Every time is simulated with the analytic cost model of --gpu, not measured.
 """
 
@@ -25,13 +32,17 @@ import sys
 
 import numpy as np
 
+from lit_hbp.autoselect.search import Selection, analytic_levels
 from lit_hbp.costmodel import HARDWARE, CostModel
 from lit_hbp.model_spec import load_model_spec
 from lit_hbp.packing import Level
 from lit_hbp.packing.bins import load_lengths
 from lit_hbp.parallel.topology import resolve_layout
 from lit_hbp.report import format_table
-from lit_hbp.simulate.simulator import COMM_PARTS, compare, fill_checkpointing
+from lit_hbp.simulate.simulator import COMM_PARTS, Simulation, compare, compare_auto, fill_checkpointing
+
+COLUMNS = [("hours", ".2f"), ("gpu_hours", ".1f"), ("speedup", ".2f"), ("abr", ".3f"), ("cp_abr", ".3f"), ("cr", ".3f")]
+COLUMNS += [(k, ".3f") for k in ("dense", "attention", *COMM_PARTS, "offload", "idle", "grad_sync")]
 
 
 def parse_levels(specs: list[str]) -> tuple[list[Level], list[bool]]:
@@ -53,10 +64,57 @@ def left_out(lengths: np.ndarray, max_len: int) -> str:
             f"{int(over.sum()):,} tokens, the longest {int(over.max()):,}): longer than the largest level "
             f"({max_len:,} tokens), so no plan below trains them. Add a larger level to --levels to keep them."
         )
-    zero = int((lengths == 0).sum())
-    if zero:
-        lines.append(f"left out {zero:,} zero-length samples: they have no token to train.")
-    return "\n".join(lines)
+    return "\n".join(lines + zero_note(lengths))
+
+
+def zero_note(lengths: np.ndarray) -> list[str]:
+    zero = int((np.asarray(lengths) == 0).sum())
+    return [f"left out {zero:,} zero-length samples: they have no token to train."] if zero else []
+
+
+def dropped(lengths: np.ndarray, max_len: int) -> str:
+    """``56 of 20,056 samples (40,695,089 of 89,778,826 tokens, 45.3%; the longest 4,194,304)``."""
+    lengths = np.asarray(lengths)
+    over = lengths[lengths > max_len]
+    if not over.size:
+        return "no sample"
+    share = over.sum() / max(lengths.sum(), 1)
+    return (
+        f"{over.size:,} of {lengths.size:,} samples ({int(over.sum()):,} of {int(lengths.sum()):,} tokens, "
+        f"{share:.1%}; the longest {int(over.max()):,})"
+    )
+
+
+def left_out_beside_auto(lengths: np.ndarray, given: int, selection: Selection) -> str:
+    """What the given levels (a)-(c) and the auto-selected ones (d) drop, side by side: (d) drops only
+    samples above a --max-len cap, never one that fits."""
+    top = selection.levels[-1].pack_len
+    lines = [
+        f"dropped by the given levels (a)-(c), largest {given:,}: {dropped(lengths, given)}",
+        f"dropped by the auto-selected levels (d), largest {top:,}: {dropped(lengths, top)}",
+    ]
+    return "\n".join(lines + zero_note(lengths))
+
+
+def rows_of(sims: list[Simulation]) -> list[dict]:
+    """A table row per simulation, its speed-up over the first (a naive ISF plan)."""
+    base = sims[0].seconds
+    rows = []
+    for s in sims:
+        m = s.plan.metrics()
+        rows.append(
+            dict(
+                name=s.name,
+                hours=s.seconds / 3600,
+                gpu_hours=s.gpu_hours,
+                speedup=base / s.seconds,
+                abr=m["abr"],
+                cp_abr=s.cp_abr(),
+                cr=m["cr"],
+                **s.breakdown(),
+            )
+        )
+    return rows
 
 
 def layouts_tried(selection, pack_len: int) -> str:
@@ -76,6 +134,11 @@ def layout_note(level: Level) -> str:
     return f"={u}x{cp}" if cp > 1 else ""
 
 
+def describe(levels) -> str:
+    """``16384 sp1 ckpt0, 131072 sp8=2x4 ckpt20 offload``: levels on one line."""
+    return ", ".join(f"{lv.pack_len} sp{lv.sp}{layout_note(lv)} ckpt{lv.ckpt_layers}{lv.memory_note}" for lv in levels)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m lit_hbp.simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -93,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-auto", action="store_true", help="skip (d), the auto-selected levels")
+    p.add_argument("--max-len", type=int, help="(d): the longest level the search may choose (default: no cap)")
+    p.add_argument("--margin-gib", type=float, default=0.0, help="memory left free per GPU beyond the 2 GB reserve")
     p.add_argument("--plot", help="write the rank timelines to this PNG (and a length histogram beside it)")
     args = p.parse_args(argv)
     try:
@@ -106,52 +171,36 @@ def main(argv: list[str] | None = None) -> int:
             liger=args.liger,
             optimizer_offload=args.offload_optimizer,
         )
+        margin = args.margin_gib * 1024**3
+        # the search first: a longest sample that fits nothing is refused before anything is priced
+        selection = None if args.no_auto else analytic_levels(cost, lengths, args.seed, args.max_len, margin=margin)
         levels, auto_ckpt = parse_levels(args.levels)
         levels = [resolve_layout(lv, spec.heads, spec.kv_heads, cost.hardware.gpus_per_node) for lv in levels]
-        chosen = fill_checkpointing([lv for lv, a in zip(levels, auto_ckpt) if a], cost, lengths)
+        chosen = fill_checkpointing([lv for lv, a in zip(levels, auto_ckpt) if a], cost, lengths, margin)
         levels = [chosen.pop(0) if a else lv for lv, a in zip(levels, auto_ckpt)]
-        sims, selection = compare(lengths, cost, levels, args.accumulate, args.seed, auto=not args.no_auto)
+        sims = compare(lengths, cost, levels, args.accumulate, args.seed)
+        auto = [] if selection is None else compare_auto(lengths, cost, selection, args.accumulate, args.seed)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    base = sims[0].seconds
-    rows = []
-    for s in sims:
-        m = s.plan.metrics()
-        rows.append(
-            dict(
-                name=s.name,
-                hours=s.seconds / 3600,
-                gpu_hours=s.gpu_hours,
-                speedup=base / s.seconds,
-                abr=m["abr"],
-                cp_abr=s.cp_abr(),
-                cr=m["cr"],
-                **s.breakdown(),
-            )
-        )
     hw = cost.hardware
+    flags = (", Liger" if args.liger else "") + (", optimizer offload" if args.offload_optimizer else "")
     print(
         f"{len(lengths):,} samples, {int(lengths.sum()):,} tokens; {spec.name} ({spec.params / 1e9:.1f}B) on "
-        f"{args.gpus} x {hw.name} (simulated with the cost model), ZeRO-{args.zero_stage}; levels "
-        + ", ".join(f"{lv.pack_len} sp{lv.sp}{layout_note(lv)} ckpt{lv.ckpt_layers}{lv.memory_note}" for lv in levels)
+        f"{args.gpus} x {hw.name} (simulated with the cost model), ZeRO-{args.zero_stage}{flags}; levels "
+        + describe(levels)
         + "\n"
     )
-    notice = left_out(lengths, levels[-1].pack_len)
+    top = levels[-1].pack_len
+    notice = left_out(lengths, top) if selection is None else left_out_beside_auto(lengths, top, selection)
     if notice:
         print(notice + "\n")
-    cols = [
-        ("hours", ".2f"),
-        ("gpu_hours", ".1f"),
-        ("speedup", ".2f"),
-        ("abr", ".3f"),
-        ("cp_abr", ".3f"),
-        ("cr", ".3f"),
-    ]
-    cols += [(k, ".3f") for k in ("dense", "attention", *COMM_PARTS, "offload", "idle", "grad_sync")]
-    print(format_table(rows, cols))
+    rows = rows_of(sims) + (rows_of(auto) if auto else [])
+    print(format_table(rows, COLUMNS))
     print(
-        "\n(cp_abr: attention imbalance over the CP ranks of a group; dense ... grad_sync: share of all GPU "
+        "\n(speedup: over naive ISF at the same largest level, the first row for the given levels, "
+        "'naive ISF at N' for the auto-selected ones; cp_abr: attention imbalance over the CP ranks of a group; "
+        "dense ... grad_sync: share of all GPU "
         "time; ulysses_comm: all-to-alls, on the critical path; cp_comm: what context parallelism's K/V "
         "all-gathers and dK/dV reduce-scatters add beyond the attention of the slices they overlap; idle = "
         "waiting for the slowest SP group of a micro-step)"
@@ -159,8 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     hbp = rows[2]
     print(f"HBP over naive ISF: {hbp['speedup']:.2f}x (the paper measured 1.40x for LLaMA3.1-8B on 32 H100s).")
     if selection is not None:
-        print("\nauto-selected levels (d):\n" + selection.yaml())
-        print(layouts_tried(selection, levels[-1].pack_len))
+        auto_top = selection.levels[-1].pack_len
+        print(
+            f"HBP with the auto-selected levels over naive ISF at the same largest level ({auto_top:,} tokens): "
+            f"{rows[-1]['speedup']:.2f}x"
+        )
+        print("\nauto-selected levels (d), " + describe(selection.levels) + ":\n" + selection.yaml())
+        for note in selection.notes:
+            print(note + "\n")
+        print(layouts_tried(selection, auto_top))
     if args.plot:
         from lit_hbp.simulate.plots import save_figures
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from lit_hbp.autoselect.levers import why_not_fits
 from lit_hbp.autoselect.profiler import AnalyticProfiler
-from lit_hbp.autoselect.search import fit_memory, select_levels, why_not_fits
+from lit_hbp.autoselect.search import Selection, fit_memory
 from lit_hbp.costmodel import CostModel
 from lit_hbp.packing import DEFAULT_PACKER, Level, Plan, plan_hbp, plan_single_level
 from lit_hbp.packing.context_split import split_micro_batch
@@ -146,6 +147,14 @@ def fill_checkpointing(levels, cost: CostModel, lengths, margin: float = 0.0) ->
     return out
 
 
+def price(runs: list[tuple[str, Plan]], cost: CostModel) -> list[Simulation]:
+    """Simulate named plans as one training recipe: every plan at the first one's global batch
+    (tokens per optimizer step), so each takes the optimizer steps its tokens need."""
+    first = runs[0][1]
+    batch = first.pack_tokens.sum() / first.n_steps
+    return [simulate(plan, cost, name, batch) for name, plan in runs]
+
+
 def compare(
     lengths,
     cost: CostModel,
@@ -153,32 +162,45 @@ def compare(
     accumulate: int = 1,
     seed: int = 0,
     packer: str = DEFAULT_PACKER,
-    auto: bool = True,
     over_length: str = "drop",
-) -> tuple[list[Simulation], object | None]:
+) -> list[Simulation]:
     """Simulate (a) naive single-level ISF at the largest level, (b) the levels without the balance
-    sort, (c) full HBP with the levels, (d) HBP with auto-selected levels, all with the naive plan's
-    global batch (tokens per optimizer step). Returns the simulations and the auto-selection."""
-    world = cost.world
-    levels = list(levels)
+    sort, (c) full HBP with the levels, at the naive plan's global batch."""
+    world, levels = cost.world, list(levels)
+    return price(
+        [
+            (
+                "naive ISF",
+                plan_single_level(lengths, levels[-1], world, accumulate, seed, "isf", over_length=over_length),
+            ),
+            (
+                "hierarchical, no balance",
+                plan_hbp(lengths, levels, world, accumulate, seed, packer, over_length=over_length, balance=False),
+            ),
+            ("HBP", plan_hbp(lengths, levels, world, accumulate, seed, packer, over_length=over_length)),
+        ],
+        cost,
+    )
+
+
+def compare_auto(
+    lengths, cost: CostModel, selection: Selection, accumulate: int = 1, seed: int = 0, packer: str = DEFAULT_PACKER
+) -> list[Simulation]:
+    """Simulate naive ISF at the auto-selected largest level and (d) HBP with the auto-selected levels,
+    at the naive plan's global batch: the speed-up of the search's plan over packing the same samples
+    naively. Samples above a capped largest level (``max_len``) are dropped from both, as the notes say."""
+    levels, world = selection.levels, cost.world
     top = levels[-1]
-    runs = [
-        ("naive ISF", plan_single_level(lengths, top, world, accumulate, seed, "isf", over_length=over_length)),
-        (
-            "hierarchical, no balance",
-            plan_hbp(lengths, levels, world, accumulate, seed, packer, over_length=over_length, balance=False),
-        ),
-        ("HBP", plan_hbp(lengths, levels, world, accumulate, seed, packer, over_length=over_length)),
-    ]
-    selection = None
-    if auto:
-        selection = select_levels(AnalyticProfiler(cost, lengths, seed), lengths, cost.model, world, top.pack_len)
-        runs.append(
+    return price(
+        [
+            (
+                f"naive ISF at {top.pack_len}",
+                plan_single_level(lengths, top, world, accumulate, seed, "isf", over_length="drop"),
+            ),
             (
                 "HBP, auto-selected levels",
-                plan_hbp(lengths, selection.levels, world, accumulate, seed, packer, over_length=over_length),
-            )
-        )
-    naive = runs[0][1]
-    batch = naive.pack_tokens.sum() / naive.n_steps
-    return [simulate(plan, cost, name, batch) for name, plan in runs], selection
+                plan_hbp(lengths, levels, world, accumulate, seed, packer, over_length="drop"),
+            ),
+        ],
+        cost,
+    )
