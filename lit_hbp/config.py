@@ -50,4 +50,15 @@ def model_config(config: dict, vocab: int | None) -> dict | str:
 
 
 def spec_of(model: dict | str) -> ModelSpec:
-    return ModelSpec.from_config(model if isinstance(model, dict) else Path(model))
+    """The shape of the config's model: its mapping, or its checkpoint folder's config.json; a folder
+    that is not on this machine (pricing a cluster's run on a laptop) names the way round it."""
+    if isinstance(model, dict):
+        return ModelSpec.from_config(model)
+    if not Path(model).exists():
+        from lit_hbp.model_spec import MODELS
+
+        raise ValueError(
+            f"model.model {model} is not on this machine: give the model's shape with --model, a preset "
+            f"({', '.join(sorted(MODELS))}) or a config.json"
+        )
+    return ModelSpec.from_config(Path(model))

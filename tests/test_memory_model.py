@@ -2,6 +2,8 @@
 micro-step through packed_loss, every tensor storage alive counted op by op (``live_bytes``), at
 points of (tokens, sp, checkpointed layers, offload, MLP tiles) in fp32 and bf16, within 10%."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -166,6 +168,13 @@ def test_memory_command_prints_each_level_and_fails_on_one_that_does_not_fit(tmp
     levels[1] = {"pack_len": "1M", "sp": 8, "offload": True}
     assert main(["--config", write_config(tmp_path / "bad.yaml", levels)]) == 2
     assert "data.levels[1]: Level.offload keeps" in capsys.readouterr().err
+
+    # The repository's 8B config names a checkpoint folder this machine does not have: the presets are the way.
+    root = Path(__file__).resolve().parents[1]
+    assert main(["--config", str(root / "configs/llama3_8b_32gpu.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "is not on this machine: give the model's shape with --model, a preset (" in err and "llama3.1-8b" in err
+    assert main(["--config", str(root / "configs/llama3_8b_32gpu.yaml"), "--model", "llama3.1-8b"]) in (0, 1)
 
 
 SP_POINTS = [(4096, 0, False, 1), (4096, 4, False, 1), (4096, 4, True, 1), (4096, 4, True, 4)]
