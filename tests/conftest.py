@@ -113,7 +113,8 @@ LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", 
 
 @pytest.fixture(autouse=True)
 def no_leftover_process_group(monkeypatch):
-    """Each test starts and ends without a process group or a launcher's environment in this process:
+    """Each test starts and ends without a process group (DeepSpeed's cached ones included) or a launcher's
+    environment in this process:
     an in-process DeepSpeed fit initializes one (Lightning sets MASTER_PORT to the port its store
     listens on), and a later test's subprocess would inherit the variable and fail on the busy port."""
     for name in LAUNCH_ENV:
@@ -122,7 +123,11 @@ def no_leftover_process_group(monkeypatch):
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        # As at a run's exit: DeepSpeed's cached groups too (an in-process DeepSpeed fit caches a clone of
+        # the world group, which a later test's engine would otherwise try to use after it was destroyed).
+        from lit_hbp.strategy import release_process_groups
+
+        release_process_groups()
 
 
 @pytest.fixture(scope="session")
