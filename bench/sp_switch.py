@@ -327,7 +327,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, results) 
                     "groups_at_setup": created_at_setup,
                     "groups_after_setup": created_after_setup,
                     "n_params": sum(p.numel() for p in trainer.params),
-                    "tokens_per_rank": [batches[i][0]["input_ids"].shape[1] for i in range(n_levels)],
+                    "tokens_per_rank": [batches[i][0].input_ids.shape[1] for i in range(n_levels)],
                 }
             )
         dist.barrier()
