@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_hbp import attention
 from lit_hbp.data.batch import PACK_MARK, PackedBatch
-from lit_hbp.offload import HostOffload, offloaded_checkpoint
+from lit_hbp.offload import HostOffload, host_offload, offloaded_checkpoint
 from lit_hbp.parallel import context as sp_context
 from lit_hbp.tiling import TILES, install_tiling
 
@@ -147,7 +147,7 @@ def pack_scope(
             f"the model's own gradient checkpointing is on (gradient_checkpointing_enable): packed calls checkpoint "
             f"the layers it checkpoints, not only the level's first {ckpt_layers}"
         )
-    host = _offloader(model) if offload else None
+    host = host_offload(model) if offload else None
     pack = None if pack is None else {k: pack[k] for k in PACK_KEYS if pack.get(k) is not None}
     with _attending(prepared, list(range(len(layers))), tiles, pack):
         try:
@@ -163,12 +163,6 @@ def pack_scope(
                     layer.__dict__.pop("_gradient_checkpointing_func", None)
                 else:
                     layer._gradient_checkpointing_func = func
-
-
-def _offloader(model: torch.nn.Module) -> HostOffload:
-    from lit_hbp.offload import host_offload
-
-    return host_offload(model)
 
 
 def pack_inputs(batch: PackedBatch) -> dict:
