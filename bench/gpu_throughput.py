@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import sys
 import tempfile
 import time
@@ -37,10 +38,13 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lit_hbp import attention
 from lit_hbp.callbacks import HBPCurriculum
 from lit_hbp.cli import main as cli_main
+from lit_hbp.costmodel import MEMORY_RESERVE_BYTES
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.gpu_peaks import peak_flops as gpu_peak_flops
+from lit_hbp.memory import GIB, level_memory
 from lit_hbp.report import format_table
 
 OOM = (torch.OutOfMemoryError,)
@@ -60,11 +64,17 @@ def peak_flops(device: torch.device, override: float | None) -> float | None:
 
 class StepClock(L.Callback):
     """Wall time of every optimizer step (device synchronized at step ends), its level, its real
-    tokens and model FLOPs."""
+    tokens and model FLOPs; on a GPU each level's peak of allocated bytes over its micro-steps (the
+    optimizer step included: Lightning runs it inside the training step)."""
 
     def __init__(self):
         self.rows: list[tuple[int, float, float, float]] = []
+        self.peak: dict[int, int] = {}
         self._tokens = self._flops = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def on_train_start(self, trainer, pl_module):
         sync(pl_module.device)
@@ -73,6 +83,9 @@ class StepClock(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._tokens += batch.n_tokens / batch.sp
         self._flops += pl_module.flops_per_batch
+        if pl_module.device.type == "cuda":
+            level = int(batch.level)
+            self.peak[level] = max(self.peak.get(level, 0), torch.cuda.max_memory_allocated(pl_module.device))
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         sync(pl_module.device)
@@ -103,10 +116,18 @@ def level_packs(dm, level: int, count: int) -> list[list[np.ndarray]]:
     return out
 
 
-def run_hbp(cli, device, warmup: int) -> dict[int, tuple[float, float, float]]:
+def run_hbp(cli, device, warmup: int, memory: dict) -> dict[int, tuple[float, float, float]]:
+    """Each level's (seconds, tokens, FLOPs) after ``warmup`` steps; ``memory`` gets each level's
+    predicted bytes (the memory model of this run, without its CUDA reserve) and the measured peak."""
     clock = StepClock()
     cli.trainer.callbacks.append(clock)
     cli.trainer.fit(cli.model, cli.datamodule)
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0.0
+    cost, layouts = cli.model.cost_model(capacity)
+    for level, lv in enumerate(layouts):
+        predicted = level_memory(cost, lv)["total"] - MEMORY_RESERVE_BYTES / GIB
+        measured = clock.peak[level] / GIB if level in clock.peak else None
+        memory[level] = {"predicted_gib": predicted, "measured_gib": measured}
     per_level: dict[int, list] = {}
     seen: dict[int, int] = {}
     for level, seconds, tokens, flops in clock.rows:
@@ -133,12 +154,14 @@ def run_hf(base_model, attn: str, store, micro, device, warmup: int, module) -> 
     cuda = device.type == "cuda"
     net = copy.deepcopy(base_model).to(device=device, dtype=torch.float32).train()
     net.set_attn_implementation(attn)
+    net.config.use_cache = False  # with a cache, transformers does not split a padding-free row into its samples
     flatten = DataCollatorWithFlattening(return_position_ids=True)
     items = []
     for packs in micro:
         feats = []
         for i in np.concatenate(packs):
             ids, target = store.tokens(int(i))
+            ids = ids.astype(np.int64)  # the store keeps small vocabularies in uint16: -100 would wrap
             feats.append({"input_ids": ids.tolist(), "labels": np.where(target, ids, -100).tolist()})
         items.append(feats)
     stats = [pack_flops(module, store, packs) for packs in micro]
@@ -207,6 +230,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=8, help="steps per level left out of the timing (compilation)")
     p.add_argument("--modes", default="hbp,hf_sdpa,hf_flash_attention_2,fwd_bwd")
     p.add_argument("--peak-tflops", type=float, help="the device's dense peak, for MFU (GPUs: looked up)")
+    p.add_argument("--json", help="write the table, the memory per level and the attention backends here")
     args, overrides = p.parse_known_args()  # the rest are LightningCLI overrides, e.g. --model.compile=false
     modes = args.modes.split(",")
     per_level = args.steps + args.warmup
@@ -227,12 +251,13 @@ def main() -> int:
     base_model = copy.deepcopy(module.model)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
+    memory: dict[int, dict] = {}
     results: dict[str, dict[int, object]] = {}  # mode -> level -> (seconds, tokens, flops) | "OOM"
     if "hbp" in modes:
         fit = build(args.config, overrides, need)
         fit.model.configure_model()
         fit.model.model.load_state_dict(base_model.state_dict())
-        out = guarded("hbp", lambda: run_hbp(fit, device, args.warmup), device)
+        out = guarded("hbp", lambda: run_hbp(fit, device, args.warmup, memory), device)
         results["hbp"] = {lv: "OOM" for lv in range(n_levels)} if out == "OOM" else out
         del fit
     micro = {lv: level_packs(dm, lv, take) for lv in range(n_levels)}
@@ -261,7 +286,7 @@ def main() -> int:
     params = sum(x.numel() for x in base_model.parameters())
     print(
         f"{args.config}: {params / 1e9:.2f}B parameters, {device.type} "
-        f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+        f"({device_name(device)}), "
         f"{args.steps} timed steps per level after {args.warmup} warm-up steps"
     )
     for lv in range(n_levels):
@@ -278,7 +303,31 @@ def main() -> int:
                 row["vs_hf_sdpa"] = f"{tokens / seconds / base_tps:.2f}" if base_tps else ""
             rows.append(row)
     print(format_table(rows, [("tokens_per_s", "s"), ("mfu", "s"), ("vs_hf_sdpa", "s")]))
+    mem_rows = []
+    for lv, m in sorted(memory.items()):
+        measured = m["measured_gib"]
+        error = f"{m['predicted_gib'] / measured - 1:+.1%}" if measured else "n/a (no CUDA)"
+        row = dict(name=f"{levels[lv].pack_len}:{levels[lv].sp}", predicted_gib=f"{m['predicted_gib']:.2f}")
+        mem_rows.append({**row, "measured_gib": f"{measured:.2f}" if measured else "", "error": error})
+    if mem_rows:
+        print("memory per level: the memory model's tensors (no CUDA reserve) against max_memory_allocated")
+        print(format_table(mem_rows, [("predicted_gib", "s"), ("measured_gib", "s"), ("error", "s")]))
+    chosen = attention.choices()
+    for c in chosen:
+        print(f"attention: {c['backend']} for {c['dtype']} {c['needs']} calls on {c['device']} ({c['why']})")
+    if args.json:
+        report = {
+            "config": args.config, "device": device_name(device), "parameters": params, "steps": args.steps,
+            "warmup": args.warmup, "throughput": rows, "attention": chosen,
+            "memory": [{**r, **memory[lv]} for lv, r in zip(sorted(memory), mem_rows)],
+        }  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _has_flash_attn() -> bool:

@@ -102,6 +102,7 @@ def autocast(device):
 def hf_model(base: HBPLitModule, attn: str, device, dtype=torch.float32):
     net = copy.deepcopy(base.model)
     net.set_attn_implementation(attn)
+    net.config.use_cache = False  # with a cache, transformers does not split a padding-free row into its samples
     return net.to(device=device, dtype=dtype).train()
 
 
@@ -153,6 +154,7 @@ def run_hf_trainer(base, store, chosen, args, device):
     data = []
     for i in chosen:
         x, target = store.tokens(int(i))
+        x = x.astype(np.int64)  # the store keeps small vocabularies in uint16: -100 would wrap
         data.append({"input_ids": x.tolist(), "labels": np.where(target, x, -100).tolist()})
     steps = -(-len(data) // args.batch_size)
     marks = {}

@@ -67,11 +67,11 @@ def not_fitting(cost: CostModel, levels) -> list[str]:
     return out
 
 
-def fit_warnings(
+def trainer_cost(
     trainer, spec: ModelSpec, liger: bool, ce_chunk: int, dtype_bytes: int, capacity: float, trainable: float = 1.0
-) -> list[str]:
-    """``not_fitting`` for a run being set up on devices of ``capacity`` bytes: its levels, world, ZeRO
-    stage and optimizer offload read from the trainer (``HBPLitModule.on_fit_start`` warns with them)."""
+) -> tuple[CostModel, list[Level]]:
+    """The cost model of a run being set up on devices of ``capacity`` bytes, and its levels as laid out:
+    world, ZeRO stage and optimizer offload read from the trainer."""
     import os
 
     strategy = trainer.strategy
@@ -94,7 +94,7 @@ def fit_warnings(
         trainable=trainable,
     )
     levels = tuple(getattr(trainer.datamodule, "levels", None) or ())
-    return not_fitting(cost, [resolve_layout(lv, spec.heads, spec.kv_heads, trainer.num_devices) for lv in levels])
+    return cost, [resolve_layout(lv, spec.heads, spec.kv_heads, trainer.num_devices) for lv in levels]
 
 
 def table(cost: CostModel, levels) -> str:

@@ -30,12 +30,14 @@ from lit_hbp.causal_lm import (
     zero3_loading,
 )
 from lit_hbp.checks import check_model_source, check_module_positions
+from lit_hbp.costmodel import CostModel
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.loss import NORMALIZERS
-from lit_hbp.memory import fit_warnings
+from lit_hbp.memory import not_fitting, trainer_cost
 from lit_hbp.meter import StepMeter, logs_now
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.pack_scope import pack_scope
+from lit_hbp.packing.levels import Level
 
 RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
 
@@ -259,19 +261,7 @@ class HBPLitModule(L.LightningModule):
                 pass
         capacity = device_memory(self.device)
         if capacity and levels and self._spec is not None:
-            half = any(p in str(self.trainer.precision) for p in ("16", "bf16"))
-            dtype_bytes = 2 if half else next(self.model.parameters()).element_size()
-            params = list(self.model.parameters())
-            trainable = sum(p.numel() for p in params if p.requires_grad) / max(sum(p.numel() for p in params), 1)
-            for line in fit_warnings(
-                self.trainer,
-                self._spec,
-                self.hparams.liger,
-                self.hparams.ce_chunk_size,
-                dtype_bytes,
-                capacity,
-                trainable,
-            ):
+            for line in not_fitting(*self.cost_model(capacity)):
                 rank_zero_warn(f"{line} (python -m lit_hbp.memory prints every level's parts)")
         if self.hparams.liger and getattr(strategy, "zero_stage_3", False):
             raise ValueError(
@@ -439,6 +429,16 @@ class HBPLitModule(L.LightningModule):
             loss = ce / targets
             self.log("val/loss", loss, prog_bar=True, batch_size=1, sync_dist=True)
             self.log("val/ppl", math.exp(min(loss, 50.0)), batch_size=1, sync_dist=True)
+
+    def cost_model(self, capacity: float) -> tuple[CostModel, list[Level]]:
+        """The memory model of this run as its trainer set it up, on devices of ``capacity`` bytes:
+        ``(CostModel, levels as laid out)``; ``lit_hbp.memory.level_memory`` gives each level's parts."""
+        half = any(p in str(self.trainer.precision) for p in ("16", "bf16"))
+        dtype_bytes = 2 if half else next(self.model.parameters()).element_size()
+        params = list(self.model.parameters())
+        trainable = sum(p.numel() for p in params if p.requires_grad) / max(sum(p.numel() for p in params), 1)
+        hp = self.hparams
+        return trainer_cost(self.trainer, self._spec, hp.liger, hp.ce_chunk_size, dtype_bytes, capacity, trainable)
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -286,11 +286,20 @@ def test_choice_is_logged_once_with_the_reasons_and_a_forced_backend_is_checked(
         (line,) = lines
         assert "eager backend for torch.float32 on cpu with softcap" in line
         assert "not sdpa: does not support softcap" in line and "not flex: CUDA only" in line
+        (chosen,) = attention.choices()  # what a run or a benchmark reports: the logged line's parts
+        assert (chosen["device"], chosen["dtype"], chosen["needs"], chosen["backend"]) == (
+            "cpu",
+            "float32",
+            "softcap",
+            "eager",
+        )
+        assert chosen["why"] in line and chosen["why"].startswith("not ")
         attention.set_backend("flex")
         with pytest.raises(ValueError, match="attention backend 'flex' cannot run torch.float32 on cpu: CUDA only"):
             attention.backend_for("cpu", torch.float32)
         with pytest.raises(ValueError, match="must be one of"):
             attention.set_backend("flash")
+        assert attention.choices() == []
     finally:
         attention.set_backend("auto")
 

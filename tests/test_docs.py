@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_LIMIT = 12_000
-STARTS = ("python", "lit-hbp", "torchrun", "srun", "pip", "tensorboard")
+STARTS = ("python", "lit-hbp", "torchrun", "srun", "pip", "tensorboard", "bash")
 # A command shown in the docs (its start) -> the test that runs it (with fewer steps where it trains).
 RUN_BY = {
     "python3 -m venv .venv": ".ci/run",  # CI installs from nothing, as the README's set-up says
@@ -33,6 +33,9 @@ RUN_BY = {
     "torchrun --standalone --nproc_per_node 2 train.py fit": "tests/test_docs.py::test_the_torchrun_line_of_the_cluster_guide",
     "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2": "tests/test_train.py::test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes",
     "python examples/own_project/train.py": "tests/test_own_project.py::test_the_projects_script_runs_on_two_processes",
+    'pip install -e ".[bench]"': ".ci/run",  # the dev extra CI installs holds the bench extra
+    "python bench/peers.py": "tests/test_gpu_proof.py::test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results",
+    "bash bench/gpu_proof.sh --dry-run": "tests/test_gpu_proof.py::test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results",
 }  # fmt: skip
 
 

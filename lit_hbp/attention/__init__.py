@@ -46,8 +46,8 @@ ATTN_NAME = "hbp_varlen"
 # call's boundaries, for a family whose decoder layers do not pass the attention keywords on (StableLM).
 CALL_PACK = "_hbp_call_pack"
 _forced: list[str | None] = [None]
-_chosen: dict[tuple[str, torch.dtype, frozenset[str]], str] = {}
-_lse_logged: set[tuple[str, str, frozenset[str]]] = set()
+_chosen: dict[tuple[str, torch.dtype, frozenset[str]], tuple[str, str]] = {}  # -> (backend, why)
+_lse_logged: dict[tuple[str, str, frozenset[str]], str] = {}  # -> how its backward runs
 # Keywords transformers passes that carry nothing this function needs: cu_seq_lens_k/max_length_k
 # equal the q ones for self-attention, position_ids were used for the rotary embedding.
 IGNORED = frozenset(
@@ -104,9 +104,26 @@ def backend_for(device_type: str, dtype: torch.dtype, needs: frozenset[str] = fr
         else:
             name, skipped = choose(device_type, dtype, needs)
             note = "; ".join(f"not {k}: {v}" for k, v in skipped.items()) or "the fastest"
-        _chosen[key] = name
+        _chosen[key] = (name, note)
         rank_zero_info(f"{ATTN_NAME} attention: {name} backend for {what} ({note})")
-    return _chosen[key]
+    return _chosen[key][0]
+
+
+def choices() -> list[dict[str, str]]:
+    """Every backend chosen in this process so far, one per kind of call the layers made (device,
+    dtype, the features they need: a sliding window, sinks, ...), with why the faster ones were not
+    taken and how its backward runs: what a run or a benchmark reports it trained with."""
+    return [
+        {
+            "device": device,
+            "dtype": str(dtype).removeprefix("torch."),
+            "needs": ",".join(sorted(needs)) or "plain",
+            "backend": name,
+            "why": why,
+            "backward": _lse_logged.get((name, device, needs), ""),
+        }
+        for (device, dtype, needs), (name, why) in _chosen.items()
+    ]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -157,8 +174,8 @@ def lse_kernels(device_type: str, dtype: torch.dtype, needs: frozenset[str]):
     reason = lse_why_not(name, device_type, needs)
     key = (name, device_type, needs)
     if key not in _lse_logged:
-        _lse_logged.add(key)
         how = "its backward kernel from the saved LSE" if reason is None else f"recomputes the forward ({reason})"
+        _lse_logged[key] = how
         rank_zero_info(
             f"{ATTN_NAME} attention: the backward on {name} for {', '.join(sorted(needs)) or 'plain'} calls runs {how}"
         )

@@ -1,0 +1,88 @@
+"""The GPU proof never rots: its CPU dry run (the same parts on the tiny config) runs here, from the shell
+script a GPU machine runs, and what it writes is checked against what it measured from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_proof import PARTS, pytest_counts  # noqa: E402
+from peers import check_indices, max_diff  # noqa: E402
+
+
+@pytest.mark.slow
+def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", "bench/gpu_proof.sh", "--dry-run", "--work", str(work)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert sorted(p.name for p in out.iterdir()) == ["proof.json", "proof.log", "proof.md"]
+    report = json.loads((out / "proof.json").read_text())
+    parts = report["parts"]
+    assert list(parts) == list(PARTS) and report["dry_run"]
+    assert parts["sp2"]["status"] == "skipped: 0 GPU(s), an sp 2 level needs 2"
+    assert all(parts[p]["status"] == "passed" for p in PARTS if p != "sp2")
+
+    versions = parts["env"]["result"]
+    import torch
+    import trl
+
+    assert versions["torch"] == torch.__version__ and versions["trl"] == trl.__version__ and versions["gpus"] == []
+
+    # pytest -m gpu on a CPU: every GPU test collected and skipped with its reason, none failed
+    tests = parts["tests"]["result"]
+    assert tests["skipped"] > 0 and tests["passed"] == tests["failed"] == tests["error"] == 0
+
+    thr = parts["throughput"]["result"]
+    assert [r["name"] for r in thr["throughput"]] == ["256:1 hbp", "256:1 hf_sdpa", "1024:1 hbp", "1024:1 hf_sdpa"]
+    assert all(float(r["tokens_per_s"]) > 0 for r in thr["throughput"])
+    assert [m["name"] for m in thr["memory"]] == ["256:1", "1024:1"]
+    assert all(m["measured_gib"] is None and m["error"] == "n/a (no CUDA)" for m in thr["memory"])
+    # the 1K level holds 4x the 256 level's activations: the memory model's prediction grows with it
+    assert thr["memory"][1]["predicted_gib"] > thr["memory"][0]["predicted_gib"] > 0
+    assert {(c["device"], c["dtype"]) for c in thr["attention"]} == {("cpu", "float32")}
+
+    peers = parts["peers"]["result"]
+    records = [json.loads(line) for line in (work / "peers" / "data.jsonl").read_text().splitlines()]
+    tokens = sum(len(r["input_ids"]) for r in records)
+    assert peers["data"]["tokens"] == tokens and peers["data"]["samples"] == len(records) == 12
+    for mode in ("lit-hbp", "trl-bfd", "trl-nopack", "hf-padding"):
+        row = peers["modes"][mode]
+        assert row["real_tokens"] == tokens, mode  # one pass over every sample, whatever the batching
+        assert row["apart"] is True and row["check_max_diff"] < 1e-4, mode
+    assert peers["modes"]["trl-nopack"]["padding"] > 0 and peers["modes"]["trl-bfd"]["padding"] == 0
+    assert peers["control_max_diff"] > 1e-2  # a mode that lets samples see each other is caught
+
+    md = (out / "proof.md").read_text()
+    for head in ("| part | status | seconds |", "## Throughput", "| level | predicted GiB", "## Peers"):
+        assert head in md
+
+
+def test_the_check_samples_fit_one_pack_and_are_supervised():
+    records = [{"input_ids": [1] * n, "labels": [-100] * n if n == 7 else [1] * n} for n in (5, 7, 900, 3, 200, 4) * 3]
+    picked = check_indices(records, 1024)
+    assert len(picked) == 8 and 7 not in [len(records[i]["input_ids"]) for i in picked]
+    assert sum(len(records[i]["input_ids"]) for i in picked) <= 1024
+    assert max_diff([1.0, 2.0], [1.0, 2.5]) == 0.5 and max_diff([1.0], [1.0, 2.0]) is None
+
+
+def test_pytest_counts_read_a_cut_off_verbose_log():
+    log = (
+        "tests/test_a.py::test_x PASSED [ 10%]\n"
+        "tests/test_a.py::test_y[bf16] FAILED [ 20%]\n"
+        "tests/test_b.py::test_z SKIPPED (needs CUDA) [ 30%]\n"
+    )
+    counts = pytest_counts(log)
+    assert (counts["passed"], counts["failed"], counts["skipped"], counts["error"]) == (1, 1, 1, 0)
+    assert counts["failed_tests"] == ["tests/test_a.py::test_y[bf16]"]
