@@ -176,7 +176,9 @@ def tables(report: dict) -> str:
         lines += ["| level mode | tokens/s | MFU | vs hf_sdpa |", "|---|---|---|---|"]
         lines += [f"| {r['name']} | {r['tokens_per_s']} | {r['mfu']} | {r['vs_hf_sdpa']} |" for r in thr["throughput"]]
         lines += ["", "| level | predicted GiB (tensors) | max_memory_allocated GiB | error |", "|---|---|---|---|"]
-        lines += [f"| {m['name']} | {m['predicted_gib']} | {m['measured_gib']} | {m['error']} |" for m in thr["memory"]]
+        for m in thr["memory"]:
+            measured = "" if m["measured_gib"] is None else f"{m['measured_gib']:.2f}"
+            lines.append(f"| {m['name']} | {m['predicted_gib']:.2f} | {measured} | {m['error']} |")
         lines += ["", "| attention calls | backend | why | backward |", "|---|---|---|---|"]
         lines += [
             f"| {c['dtype']} {c['needs']} on {c['device']} | {c['backend']} | {c['why']} | {c['backward']} |"
