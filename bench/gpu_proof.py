@@ -15,7 +15,7 @@ others' results:
   ``torch.cuda.max_memory_allocated`` per level, the attention backend each kind of layer call chose and why;
 - peers: ``bench/peers.py`` at the 1B size: lit-hbp's CLI, TRL (BFD + padding-free, no packing), HF
   Trainer with dynamic padding, with the check that each mode keeps samples apart;
-- sp2 (2+ GPUs only): the 1B config with an sp 2 level, a few steps on 2 GPUs.
+- sp2 (2+ GPUs only): the 1B config with one level, 16K tokens at sp 2, 20 steps on every GPU here.
 
 Writes ``proof.json`` (everything), ``proof.md`` (the tables) and ``proof.log`` (each part's output) to
 --out (default: $OUT when set, else runs/gpu_proof) and prints a one-screen summary. Exit status 0 when
@@ -95,19 +95,20 @@ def peers_part(args: argparse.Namespace, work: Path) -> dict:
 
 
 def sp2_part(args: argparse.Namespace, work: Path) -> dict | str:
-    gpus = args.gpus
-    if gpus < 2:
-        return f"skipped: {gpus} GPU(s), an sp 2 level needs 2"
-    levels = "--data.levels=[{pack_len: 4096, sp: 1}, {pack_len: 16384, sp: 2}]"
-    cmd = [sys.executable, "-m", "lit_hbp.command", "fit", "--config", "configs/llama_1b_1gpu.yaml", levels]
-    cmd += [
-        f"--trainer.devices={gpus}",
-        "--trainer.max_steps=20",
-        "--trainer.logger=false",
-        f"--data.demo_dir={args.demo_dir}",
-    ]
-    cmd += ["--trainer.enable_checkpointing=false", "--trainer.callbacks=[]", f"--trainer.default_root_dir={work}"]
-    return {"cmd": cmd}
+    """The 1B config with one level, 16K tokens at sp 2 (every step runs it), on every GPU here."""
+    if args.gpus < 2:
+        return f"skipped: {args.gpus} GPU(s), an sp 2 level needs 2"
+    cmd = [sys.executable, "train.py", "fit", "--config", "configs/llama_1b_1gpu.yaml"]
+    cmd += ["--data.levels=[{pack_len: 16384, sp: 2}]", f"--trainer.devices={args.gpus}", "--trainer.max_steps=20"]
+    cmd += ["--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]"]
+    cmd += [f"--data.demo_dir={args.demo_dir}", f"--trainer.default_root_dir={work}"]
+    return {"cmd": cmd, "levels": True}
+
+
+def level_steps(log: str) -> list[dict]:
+    """The rows of the per-level table a fit prints at its end: level, pack_len, sp, steps, tokens/s."""
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\d+\s+\d+\s+\d+\s+[\d.]+\s+(\d+)\s*$", log, re.M)
+    return [dict(zip(("level", "pack_len", "sp", "steps", "tokens_per_s"), map(int, r))) for r in rows]
 
 
 BUILDERS = {
@@ -152,6 +153,10 @@ def run_part(name: str, spec: dict | str, box: float, logf) -> dict:
         result["result"] = json.loads(out.strip().splitlines()[-1])
     if spec.get("json") and Path(spec["json"]).exists():
         result["result"] = json.loads(Path(spec["json"]).read_text())
+    if spec.get("levels"):
+        result["result"] = level_steps(out + err)
+        if status == "passed" and not any(r["sp"] > 1 and r["steps"] for r in result["result"]):
+            result["status"] = "failed: no step ran a level with sp > 1"
     if spec.get("pytest"):
         result["result"] = pytest_counts(out)
         if status.startswith("failed (exit 5)"):  # no test selected (none marked gpu): a finding, not a crash

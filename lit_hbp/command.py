@@ -45,3 +45,7 @@ def entry_point(argv: list[str] | None = None) -> None:
     from lit_hbp.cli import main
 
     main(None if argv is None else args)
+
+
+if __name__ == "__main__":  # python -m lit_hbp.command, as the console script
+    entry_point()

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_proof import PARTS, pytest_counts  # noqa: E402
+from gpu_proof import PARTS, level_steps, pytest_counts, sp2_part  # noqa: E402
 from peers import check_indices, max_diff  # noqa: E402
 
 
@@ -86,3 +86,25 @@ def test_pytest_counts_read_a_cut_off_verbose_log():
     counts = pytest_counts(log)
     assert (counts["passed"], counts["failed"], counts["skipped"], counts["error"]) == (1, 1, 1, 0)
     assert counts["failed_tests"] == ["tests/test_a.py::test_y[bf16]"]
+
+
+def test_the_sp2_part_runs_train_py_on_every_gpu_and_reads_the_level_table(tmp_path):
+    """The sp2 part cannot run here (it needs 2 GPUs); its command is train.py's (``python -m
+    lit_hbp.command`` did nothing before it had a main guard) and its check reads the table a fit prints."""
+    import argparse
+
+    args = argparse.Namespace(gpus=2, demo_dir=tmp_path)
+    assert sp2_part(argparse.Namespace(gpus=1, demo_dir=tmp_path), tmp_path).startswith("skipped")
+    cmd = sp2_part(args, tmp_path)["cmd"]
+    assert cmd[1:3] == ["train.py", "fit"] and "--data.levels=[{pack_len: 16384, sp: 2}]" in cmd
+    assert "--trainer.devices=2" in cmd
+    printed = (  # the end of `python train.py fit --config configs/tiny_cpu_sp.yaml` with 2 levels, 3 steps
+        "  level  pack_len  sp  steps  micro-batches  samples  tokens  seconds  tokens/s\n"
+        "      0      2048   1      3              6       98   24555     2.83      8679\n"
+        "      1      8192   2      0              0        0       0     0.00         0\n"
+        "    all                    3              6       98   24555     2.83      8679\n"
+    )
+    assert level_steps(printed) == [
+        {"level": 0, "pack_len": 2048, "sp": 1, "steps": 3, "tokens_per_s": 8679},
+        {"level": 1, "pack_len": 8192, "sp": 2, "steps": 0, "tokens_per_s": 0},
+    ]

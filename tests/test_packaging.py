@@ -70,6 +70,9 @@ def test_the_help_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("[]"), out.stdout[-300:]
+    # python -m lit_hbp.command is the console script too (it returned at once, doing nothing, before)
+    out = subprocess.run([sys.executable, "-m", "lit_hbp.command"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and "preview" in out.stderr, out.stderr[-500:]
 
 
 def test_public_names_import():
