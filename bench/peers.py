@@ -111,16 +111,26 @@ def build_data(out: Path, demo_dir: Path, samples: int, long: int, max_len: int,
 
 
 def read_records(path: str | Path) -> list[dict]:
-    """The data file's records; a record without input_ids/labels, or longer than nothing, is refused."""
+    """The data file's ``{input_ids, labels}`` records (an ``attention_mask`` of ones is taken too):
+    every mode reads them alike, so a record any mode would read differently is refused with its line."""
     records = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             r = json.loads(line)
-            if "input_ids" not in r or "labels" not in r or len(r["labels"]) != len(r["input_ids"]):
-                raise SystemExit(f"{path}:{line_no}: a record needs input_ids and labels of the same length")
-            records.append({"input_ids": r["input_ids"], "labels": r["labels"]})
+            where = f"{path}:{line_no}"
+            extra = sorted(set(r) - {"input_ids", "labels", "attention_mask"})
+            if extra:
+                raise SystemExit(f"{where}: peers reads input_ids and labels only, not {extra}")
+            ids, labels = r.get("input_ids"), r.get("labels")
+            if ids is None or labels is None or len(labels) != len(ids) or not ids:
+                raise SystemExit(f"{where}: a record needs input_ids and labels of the same, non-zero length")
+            if any(x != -100 and x != t for x, t in zip(labels, ids)):
+                raise SystemExit(f"{where}: labels are the input ids (shifted by each mode's loss) or -100")
+            if any(m != 1 for m in r.get("attention_mask", ())):
+                raise SystemExit(f"{where}: attention_mask has zeros: give samples without padding")
+            records.append({"input_ids": ids, "labels": labels})
     return records
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_proof import PARTS, level_steps, pytest_counts, sp2_part  # noqa: E402
-from peers import check_indices, max_diff  # noqa: E402
+from peers import check_indices, max_diff, read_records  # noqa: E402
 
 
 @pytest.mark.slow
@@ -108,3 +109,21 @@ def test_the_sp2_part_runs_train_py_on_every_gpu_and_reads_the_level_table(tmp_p
         {"level": 0, "pack_len": 2048, "sp": 1, "steps": 3, "tokens_per_s": 8679},
         {"level": 1, "pack_len": 8192, "sp": 2, "steps": 0, "tokens_per_s": 0},
     ]
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        ({"input_ids": [1, 2], "labels": [1, 2], "weight": 0.5}, "not ['weight']"),
+        ({"input_ids": [1, 2], "labels": [1]}, "same, non-zero length"),
+        ({"input_ids": [1, 2], "labels": [-100, 3]}, "labels are the input ids"),
+        ({"input_ids": [1, 2], "labels": [1, 2], "attention_mask": [1, 0]}, "without padding"),
+    ],
+)
+def test_peers_refuses_a_record_the_modes_would_read_differently(tmp_path, record, says):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input_ids": [5, 6], "labels": [-100, 6]}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(SystemExit, match=rf"d.jsonl:2: .*{re.escape(says)}"):
+        read_records(data)
+    data.write_text(json.dumps({"input_ids": [5, 6], "labels": [-100, 6], "attention_mask": [1, 1]}) + "\n")
+    assert read_records(data) == [{"input_ids": [5, 6], "labels": [-100, 6]}]
