@@ -177,7 +177,7 @@ def token_losses(logits, labels, shifted: bool) -> list[float]:
     """Cross-entropy of every supervised token in row-major order; HF labels are shifted here."""
     import torch
 
-    logits, labels = logits.float(), labels
+    logits = logits.float()
     if not shifted:
         logits, labels = logits[:, :-1], labels[:, 1:]
     keep = labels != -100
@@ -365,9 +365,10 @@ def lit_hbp_check(spec: dict, check: list[dict]) -> tuple[float, list[float]]:
 def worker_lit_hbp(spec: dict) -> dict:
     import lightning as L
 
+    from lit_hbp import attention
     from lit_hbp.cli import main as cli_main
 
-    result: dict = {"attention": "lit-hbp varlen"}
+    result: dict = {}
     if spec["check_now"]:
         start = time.perf_counter()
         result["check_loss"], result["check_token_losses"] = lit_hbp_check(spec, check_records(spec))
@@ -388,6 +389,8 @@ def worker_lit_hbp(spec: dict) -> dict:
     cli = cli_main(["--config", str(config)], run=False)
     cli.trainer.callbacks.append(Clock())
     cli.trainer.fit(cli.model, cli.datamodule)
+    chosen = sorted({c["backend"] for c in attention.choices()})  # the backends its packed calls ran on
+    result["attention"] = "lit-hbp varlen: " + ", ".join(chosen)
     sync()
     end = time.perf_counter()
     first_end, first_real = clock["first"] or (end, 0)
