@@ -47,6 +47,13 @@ def grads(module: HBPLitModule, batch) -> list[torch.Tensor]:
 
 
 @pytest.mark.slow
+def test_an_attend_call_hashes_before_its_fields_exist():
+    """torch 2.11's dynamo hashes an object it builds while tracing before the object's fields are set
+    (found on an H100 with torch 2.11: every compiled layer failed): ``Attend`` hashes by identity."""
+    half_built = object.__new__(attention.Attend)
+    assert hash(half_built) == object.__hash__(half_built)
+
+
 def test_compiled_layers_are_one_graph_and_train_like_eager(monkeypatch):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

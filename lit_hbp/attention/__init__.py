@@ -182,7 +182,7 @@ def lse_kernels(device_type: str, dtype: torch.dtype, needs: frozenset[str]):
     return REGISTRY[name].lse if reason is None else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity hash: dynamo (torch 2.11) hashes it while tracing, before its fields exist
 class Attend:
     """One layer's attention call over the pack being trained, as the SP kinds receive it
     (``lit_hbp.parallel.kind.Attend``): ``attend(q, k, v, sinks)`` runs the kernel over the pack's
