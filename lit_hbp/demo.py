@@ -1,8 +1,10 @@
-"""Offline demo SFT data and tokenizer, built from the Python standard library sources.
+"""Offline demo SFT data and tokenizer, built from a snapshot of the Python standard library sources.
 
 Why: CPU training runs, tests and benchmarks need a realistic long-context SFT mix (thousands of
 short chats plus a few 2K-64K+ token long-context tasks) and a tokenizer, without network access.
-Every machine with Python has the standard library sources, so both are generated from them:
+Both are generated from the standard library modules of one Python release (``demo_corpus/`` in this
+package: each module's source and what ``ast`` found in it), the same files on every machine, so the
+demo's samples, tokenizer and counts do not depend on the Python that builds them:
 
 - ``short.jsonl``: question/answer chats about one function, method or class (explain it, write its
   signature, summarize or write its docstring, explain its code, list its parameters or methods),
@@ -15,16 +17,18 @@ Every machine with Python has the standard library sources, so both are generate
 - ``tokenizer/``: a byte-level BPE tokenizer trained on the module sources and the short chats,
   saved with ``PreTrainedTokenizerFast.save_pretrained`` so ``AutoTokenizer.from_pretrained`` loads
   it offline; it has no post-processor, so ``encode`` adds no BOS/EOS.
-- ``manifest.json``: arguments, counts, token length statistics, Python version, stdlib path.
+- ``manifest.json``: arguments, counts, token length statistics, the corpus and its Python release.
 
 Token lengths are measured on the chat-template rendering encoded with ``add_special_tokens=False``.
 In transformers 5.23, ``tok.apply_chat_template(messages, tokenize=True)`` returns a
 ``BatchEncoding`` with ``input_ids`` and ``attention_mask`` (``return_dict`` defaults to True);
 ``return_dict=False`` gives a plain ``list[int]``. Both equal ``tok.encode(rendered_text)``.
 
-The build is deterministic on a given machine (sorted files, seeded ``random.Random``, BPE training
-is deterministic): same arguments give byte-identical files. Run
+The build is deterministic (a fixed corpus, seeded ``random.Random``, deterministic BPE training): same
+arguments give byte-identical files on every machine with the same ``tokenizers`` release. Run
 ``python -m lit_hbp.demo OUT_DIR [--n-short N] [--n-long M] [--vocab-size V] [--seed S]``.
+``python -m lit_hbp.demo --freeze-corpus FILE`` writes the corpus anew from the running Python's
+standard library (how ``demo_corpus/`` was made; building from another corpus changes every count).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import gzip
 import json
 import os
 import platform
@@ -42,7 +47,6 @@ import statistics
 import sys
 import sysconfig
 import tempfile
-import textwrap
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -54,7 +58,7 @@ from tqdm.auto import tqdm
 
 __all__ = ["CHAT_TEMPLATE", "GENERATOR_VERSION", "SPECIAL_TOKENS", "build_demo", "ensure_demo", "main"]
 
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"  # 2: from the committed corpus, not the host's standard library
 PAD, EOS = "<|pad|>", "<|endoftext|>"
 SPECIAL_TOKENS = (PAD, EOS, "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 # Prefix-stable: rendering a conversation's first k turns gives a prefix of rendering all turns.
@@ -63,6 +67,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 SHORT_FILE, LONG_FILE, TOKENIZER_DIR, MANIFEST_FILE = "short.jsonl", "long.jsonl", "tokenizer", "manifest.json"
+CORPUS = "stdlib.json.gz"  # in lit_hbp/demo_corpus/ (package data)
 LONG_TOKENS = (2048, 70_000)  # log-uniform target range of long samples; the top target is always the max
 _LONG_OVERHEAD = 160  # tokens of intro, question, answer and template around the module sources
 _SKIP_DIRS = frozenset(
@@ -117,13 +122,23 @@ def _stdlib_files(root: Path) -> list[Path]:
     return sorted(files)
 
 
-@functools.lru_cache(maxsize=2)
-def _load_modules(stdlib: str) -> tuple[_Module, ...]:
-    """Parse the standard library once per process; builds with other arguments reuse it."""
-    root = Path(stdlib)
-    files = _stdlib_files(root)
-    parsed = [_parse_module(root, p) for p in tqdm(files, desc="parse stdlib", unit="file", disable=None)]
-    return tuple(m for m in parsed if m is not None)
+def _corpus_file() -> Any:
+    from importlib.resources import files
+
+    return files("lit_hbp") / "demo_corpus" / CORPUS
+
+
+@functools.cache
+def _corpus() -> dict[str, Any]:
+    """The committed corpus: {"python_version", "modules": [module record, ...]} (``_module_record``)."""
+    with _corpus_file().open("rb") as f:
+        return json.loads(gzip.decompress(f.read()).decode("utf-8"))
+
+
+@functools.cache
+def _load_modules() -> tuple[_Module, ...]:
+    """The corpus's modules, read once per process; builds with other arguments reuse them."""
+    return tuple(_module_from_record(r) for r in _corpus()["modules"])
 
 
 class _TokenCounts:
@@ -174,15 +189,34 @@ class _Source:
             return None
         return self._line(node.lineno)[node.col_offset : node.end_col_offset].decode(errors="replace")
 
-    def code_without_doc(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> str:
+    def code_span(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> list[int] | None:
+        """(first line with decorators, docstring's first and last line, last line) of a documented
+        definition whose body is more than its docstring, for ``_code``; None otherwise."""
         doc = node.body[0]
-        if len(node.body) == 1 or doc.lineno == node.lineno or node.end_lineno is None:
-            return ""
+        if len(node.body) == 1 or doc.lineno == node.lineno or node.end_lineno is None or doc.end_lineno is None:
+            return None
         start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-        body = self.lines[doc.end_lineno : node.end_lineno]
-        while body and not body[0].strip():
-            body = body[1:]
-        return textwrap.dedent("\n".join(self.lines[start - 1 : doc.lineno - 1] + body)).strip("\n")
+        return [start, doc.lineno, doc.end_lineno, node.end_lineno]
+
+
+def _dedent(lines: list[str]) -> str:
+    """``textwrap.dedent`` of Python 3.11 on lines: lines of only spaces and tabs become empty, and the
+    longest run of spaces and tabs that starts every other line is removed (written out so that the
+    demo does not change with another Python's textwrap)."""
+    lines = [line if line.strip(" \t") else "" for line in lines]
+    margin = os.path.commonprefix([line[: len(line) - len(line.lstrip(" \t"))] for line in lines if line])
+    return "\n".join(line[len(margin) :] for line in lines)
+
+
+def _code(lines: list[str], span: list[int] | None) -> str:
+    """A definition's dedented source without its docstring (``_Source.code_span``); "" without a span."""
+    if span is None:
+        return ""
+    start, doc_start, doc_end, end = span
+    body = lines[doc_end:end]
+    while body and not body[0].strip():
+        body = body[1:]
+    return _dedent(lines[start - 1 : doc_start - 1] + body).strip("\n")
 
 
 def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef, src: _Source, method: bool) -> list[tuple[str, str | None]]:
@@ -213,8 +247,10 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> s
     return f"{prefix} {node.name}({ast.unparse(node.args)}){returns}"
 
 
-def _parse_module(root: Path, path: Path) -> _Module | None:
-    """Parse one file into its definitions; None for files that cannot serve as demo text."""
+def _module_record(root: Path, path: Path) -> dict[str, Any] | None:
+    """What the demo reads of one file, as JSON: its source and, per definition, (qualified name, kind,
+    signature, cleaned docstring, ``code_span``, parameters with their default's source, methods); None
+    for files that cannot serve as demo text."""
     source = path.read_text(encoding="utf-8", errors="replace")
     if len(source) > _MAX_FILE_CHARS or len(source.strip()) == 0 or any(t in source for t in SPECIAL_TOKENS):
         return None
@@ -223,12 +259,10 @@ def _parse_module(root: Path, path: Path) -> _Module | None:
     except (SyntaxError, ValueError):
         return None
     rel = path.relative_to(root)
-    name = _module_name(rel)
     src = _Source(source)
-    defs: list[_Def] = []
+    defs: list[list[Any]] = []
     functions: list[str] = []
     classes: list[tuple[str, tuple[str, ...]]] = []
-    defaults: list[tuple[str, str, str]] = []
     fn_types = (ast.FunctionDef, ast.AsyncFunctionDef)
 
     def add(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef, qual: str, kind: str) -> None:
@@ -239,9 +273,8 @@ def _parse_module(root: Path, path: Path) -> _Module | None:
             methods = _dedup([n.name for n in node.body if isinstance(n, fn_types)])
         else:
             params = _params(node, src, method=kind == "method")
-            defaults.extend((qual, p, d) for p, d in params if d is not None and len(d) <= 60)
-        code = src.code_without_doc(node) if doc else ""
-        defs.append(_Def(name, qual, kind, _signature(node), doc, code, tuple(params), methods))
+        span = src.code_span(node) if doc else None
+        defs.append([qual, kind, _signature(node), doc, span, params, list(methods)])
 
     for node in tree.body:
         if isinstance(node, fn_types):
@@ -253,18 +286,58 @@ def _parse_module(root: Path, path: Path) -> _Module | None:
             add(node, node.name, "class")
             for m in methods:
                 add(m, f"{node.name}.{m.name}", "method")
+    return {
+        "name": _module_name(rel),
+        "relpath": rel.as_posix(),
+        "source": source,
+        "defs": defs,
+        "functions": list(_dedup(functions)),
+        "classes": [[c, list(m)] for c, m in classes],
+    }
+
+
+def _module_from_record(r: dict[str, Any]) -> _Module:
+    """A corpus record as the builder uses it: definitions whose qualified name is unique in the module,
+    classes whose name is, defaults of at most 60 characters."""
+    name, lines = r["name"], r["source"].split("\n")
+    defs = [
+        _Def(name, q, kind, sig, doc, _code(lines, span), tuple((p, d) for p, d in params), tuple(methods))
+        for q, kind, sig, doc, span, params, methods in r["defs"]
+    ]
     quals = Counter(d.qual for d in defs)
-    class_names = Counter(c for c, _ in classes)
+    class_names = Counter(c for c, _ in r["classes"])
+    defaults = [
+        (d.qual, p, default)
+        for d in defs
+        if d.kind != "class"
+        for p, default in d.params
+        if default is not None and len(default) <= 60
+    ]
     return _Module(
         name=name,
-        relpath=rel.as_posix(),
-        block=f"### Module `{name}` (file `{rel.as_posix()}`)\n```python\n{source}\n```\n",
+        relpath=r["relpath"],
+        block=f"### Module `{name}` (file `{r['relpath']}`)\n```python\n{r['source']}\n```\n",
         defs=tuple(d for d in defs if quals[d.qual] == 1),
-        functions=_dedup(functions),
-        class_names=_dedup([c for c, _ in classes]),
-        classes=tuple((c, m) for c, m in classes if class_names[c] == 1),
+        functions=tuple(r["functions"]),
+        class_names=_dedup([c for c, _ in r["classes"]]),
+        classes=tuple((c, tuple(m)) for c, m in r["classes"] if class_names[c] == 1),
         defaults=tuple(d for d in defaults if quals[d[0]] == 1),
     )
+
+
+def freeze_corpus(path: str | os.PathLike[str], stdlib: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Write the corpus the demo is built from: the modules of ``stdlib`` (the running Python's
+    standard library by default) that can serve as demo text, as gzipped JSON; returns its summary.
+    The committed ``demo_corpus/stdlib.json.gz`` was written by it; the demo reads nothing else."""
+    root = Path(stdlib or sysconfig.get_paths()["stdlib"])
+    files = _stdlib_files(root)
+    records = [r for p in tqdm(files, desc="parse stdlib", unit="file", disable=None) if (r := _module_record(root, p))]
+    if not records:
+        raise RuntimeError(f"no parsable standard library sources under {root}")
+    corpus = {"python_version": platform.python_version(), "modules": records}
+    data = json.dumps(corpus, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    Path(path).write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
+    return {"python_version": corpus["python_version"], "modules": len(records), "bytes": Path(path).stat().st_size}
 
 
 def _first_paragraph(doc: str) -> str:
@@ -632,10 +705,7 @@ def build_demo(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    modules = _load_modules(str(stdlib))
-    if not modules:
-        raise RuntimeError(f"no parsable standard library sources under {stdlib}")
+    modules = _load_modules()
 
     short, short_tasks = _short_samples(modules, n_short, rng)
     corpus = [m.block for m in modules] + [t["content"] for turns in short for t in turns]
@@ -662,9 +732,7 @@ def build_demo(
         "generator": "lit_hbp.demo",
         "generator_version": GENERATOR_VERSION,
         "args": {"n_short": n_short, "n_long": n_long, "vocab_size": vocab_size, "seed": seed},
-        "python_version": platform.python_version(),
-        "stdlib_path": str(stdlib),
-        "n_modules": len(modules),
+        "corpus": {"file": CORPUS, "python_version": _corpus()["python_version"], "modules": len(modules)},
         "files": {
             SHORT_FILE: {
                 "samples": len(short),
@@ -751,20 +819,37 @@ def _table(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: build the demo data and print a per-file token length summary."""
     parser = argparse.ArgumentParser(prog="python -m lit_hbp.demo", description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("out_dir", type=Path, nargs="?")
     parser.add_argument("--n-short", type=int, default=4000)
     parser.add_argument("--n-long", type=int, default=48)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--if-missing", action="store_true", help="keep an existing complete build (ensure_demo)")
+    parser.add_argument(
+        "--freeze-corpus",
+        type=Path,
+        metavar="FILE",
+        help="write the corpus from this Python's standard library instead",
+    )
     args = parser.parse_args(argv)
+    if args.freeze_corpus is not None:
+        frozen = freeze_corpus(args.freeze_corpus)
+        what = f"{frozen['modules']} modules of Python {frozen['python_version']}, {frozen['bytes']} bytes"
+        print(f"{args.freeze_corpus}: {what}")
+        return 0
+    if args.out_dir is None:
+        parser.error("the output folder is required (or --freeze-corpus FILE)")
     kwargs = {"n_short": args.n_short, "n_long": args.n_long, "vocab_size": args.vocab_size, "seed": args.seed}
     start = time.perf_counter()
     result = ensure_demo(args.out_dir, **kwargs) if args.if_missing else build_demo(args.out_dir, **kwargs)
     print(_table(result))
     tok = result["tokenizer"]
     print(f"tokenizer: {result['paths']['tokenizer']} (vocab {tok['vocab_size']})")
-    print(f"{result['n_modules']} stdlib modules from {result['stdlib_path']}; {time.perf_counter() - start:.1f} s")
+    corpus = result["corpus"]
+    print(
+        f"{corpus['modules']} modules of Python {corpus['python_version']}'s standard library ({corpus['file']}); "
+        f"{time.perf_counter() - start:.1f} s"
+    )
     return 0
 
 

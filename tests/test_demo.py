@@ -1,8 +1,12 @@
-"""The offline demo SFT set: schema, tokenizer, lengths, answers derivable from context, determinism, caching."""
+"""The offline demo SFT set: schema, tokenizer, lengths, answers derivable from context, determinism, caching,
+and the committed corpus it is built from (the same on every machine, whatever its Python)."""
 
 from __future__ import annotations
 
 import ast
+import functools
+import gzip
+import hashlib
 import json
 import math
 import random
@@ -19,7 +23,7 @@ from transformers import AutoTokenizer
 from lit_hbp import demo
 
 SMALL = {"n_short": 200, "n_long": 6, "vocab_size": 2048, "seed": 0}
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
+CORPUS = Path(demo.__file__).parent / "demo_corpus" / demo.CORPUS
 HEADER = re.compile(r"^### Module `([\w.]+)` \(file `([\w./-]+)`\)$", re.M)
 
 
@@ -49,7 +53,8 @@ def test_files_and_conversation_schema(small: dict) -> None:
     assert not list(Path(paths["out_dir"]).glob(".build-*")), "temporary build dir left behind"
     manifest = json.loads(Path(paths["manifest"]).read_text())
     assert manifest["args"] == SMALL
-    assert manifest["python_version"] and manifest["stdlib_path"] == str(STDLIB)
+    corpus = json.loads(gzip.decompress(CORPUS.read_bytes()))
+    assert manifest["corpus"] == {"file": CORPUS.name, "python_version": "3.11.7", "modules": len(corpus["modules"])}
     for key, n in (("short", SMALL["n_short"]), ("long", SMALL["n_long"])):
         convs = read(paths[key])
         assert len(convs) == n == manifest["files"][f"{key}.jsonl"]["samples"]
@@ -122,10 +127,16 @@ def test_long_samples_are_long_and_spread(small: dict, tok) -> None:
     assert all(i / 48 - 1e-9 <= u <= (i + 1) / 48 + 1e-9 for i, u in enumerate(positions)), "stratified log-uniform"
 
 
+@functools.cache
+def corpus_sources() -> dict[str, str]:
+    """relpath -> source of every module of the committed corpus, read here without lit_hbp.demo."""
+    return {m["relpath"]: m["source"] for m in json.loads(gzip.decompress(CORPUS.read_bytes()))["modules"]}
+
+
 def module_ast(context: str, module: str) -> ast.Module:
-    """Parse the module's real stdlib file, after checking its source is verbatim in the context."""
+    """Parse the module's file as the corpus has it, after checking its source is verbatim in the context."""
     relpath = dict(HEADER.findall(context))[module]
-    source = (STDLIB / relpath).read_text(encoding="utf-8", errors="replace")
+    source = corpus_sources()[relpath]
     assert source in context
     return ast.parse(source)
 
@@ -223,9 +234,10 @@ def test_ensure_demo_reuses_then_rebuilds_identically(small: dict, tmp_path: Pat
     assert "long.jsonl" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in files} == mtimes, "ensure_demo rebuilt a complete build"
 
-    # A missing file triggers a full, independent rebuild (stdlib parsed again), which must be byte-identical.
+    # A missing file triggers a full, independent rebuild (the corpus read again), which must be byte-identical.
     (out / "long.jsonl").unlink()
     demo._load_modules.cache_clear()
+    demo._corpus.cache_clear()
     demo.ensure_demo(out, **SMALL)
     assert (out / "short.jsonl").stat().st_mtime_ns != mtimes[out / "short.jsonl"]
     first = Path(small["paths"]["out_dir"])
@@ -256,3 +268,109 @@ def test_ensure_demo_concurrent_callers_build_once_and_seed_matters(small: dict,
     # Arguments that differ from the manifest make ensure_demo rebuild; those not passed are not compared.
     assert demo._complete(tmp_path / "shared", {"seed": 0}) is None
     assert demo._complete(tmp_path / "shared", {"n_short": SMALL["n_short"]}) is not None
+
+
+def test_the_demo_reads_only_the_committed_corpus(small: dict, tmp_path: Path, monkeypatch) -> None:
+    """Another Python's standard library (here: a folder with one module, and no way to list files)
+    changes nothing: the build reads the corpus committed to the package, so every machine gets the
+    same chats, whose text does not depend on the tokenizer either (pinned by its hash)."""
+    other = tmp_path / "other-stdlib"
+    other.mkdir()
+    (other / "only.py").write_text('def only():\n    """The only function."""\n    return 1\n')
+    paths = {**sysconfig.get_paths(), "stdlib": str(other), "platstdlib": str(other)}
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: paths)
+
+    def no_listing(root):
+        raise AssertionError(f"the demo listed {root}")
+
+    monkeypatch.setattr(demo, "_stdlib_files", no_listing)
+    demo._load_modules.cache_clear()
+    demo._corpus.cache_clear()
+    rebuilt = demo.build_demo(tmp_path / "demo", **SMALL)
+    first = Path(small["paths"]["out_dir"])
+    for name in ("short.jsonl", "long.jsonl", "manifest.json", "tokenizer/tokenizer.json"):
+        assert (tmp_path / "demo" / name).read_bytes() == (first / name).read_bytes(), name
+    assert rebuilt["files"] == small["files"]
+    short = hashlib.sha256((first / "short.jsonl").read_bytes()).hexdigest()
+    assert short == SMALL_SHORT_SHA256, "the corpus or the chat templates changed: the README's counts change too"
+
+
+SMALL_SHORT_SHA256 = "00dd3d8fbade4eb930851abe2e8bcc81e70b9e4c8a9223d023b2c170ba800df6"
+
+FAKE_MODULE = """import functools
+
+
+@functools.cache
+def double(x, y=2, *rest, scale: float = 1.0, **kw) -> int:
+    \"\"\"Twice x.
+
+        Indented more.\"\"\"
+
+    return 2 * x * y
+
+
+class Box:
+    \"\"\"A box.\"\"\"
+
+    def __init__(self, size=(1, 2)):
+        \"\"\"Make it.\"\"\"
+        if size:
+            pass
+  \t
+        self.size = size
+
+    def only_doc(self):
+        \"\"\"Nothing else.\"\"\"
+"""
+
+
+def test_freeze_corpus_keeps_what_the_demo_reads_of_each_module(tmp_path: Path) -> None:
+    """``freeze_corpus`` over a standard library of a few files: test files, test folders, empty files,
+    files that do not parse and files with the chat's special tokens are left out; a module's
+    definitions come back as ``ast`` and ``textwrap`` give them, read here from the file itself."""
+    lib = tmp_path / "lib"
+    (lib / "pkg").mkdir(parents=True)
+    (lib / "tests").mkdir()
+    (lib / "pkg" / "__init__.py").write_text("")
+    (lib / "pkg" / "mod.py").write_text(FAKE_MODULE)
+    (lib / "test_left_out.py").write_text(FAKE_MODULE)
+    (lib / "tests" / "t.py").write_text(FAKE_MODULE)
+    (lib / "broken.py").write_text("def (:\n")
+    (lib / "special.py").write_text('S = "<|end|>"\n')
+    summary = demo.freeze_corpus(tmp_path / "c.json.gz", lib)
+    records = json.loads(gzip.decompress((tmp_path / "c.json.gz").read_bytes()))["modules"]
+    assert summary["modules"] == 1 and [r["relpath"] for r in records] == ["pkg/mod.py"]
+
+    m = demo._module_from_record(records[0])
+    assert (m.name, m.relpath) == ("pkg.mod", "pkg/mod.py")
+    assert m.block == f"### Module `pkg.mod` (file `pkg/mod.py`)\n```python\n{FAKE_MODULE}\n```\n"
+    assert (m.functions, m.class_names, m.classes) == (("double",), ("Box",), (("Box", ("__init__", "only_doc")),))
+    defs = {d.qual: d for d in m.defs}
+    assert list(defs) == ["double", "Box", "Box.__init__", "Box.only_doc"]
+    assert defs["double"].doc == "Twice x.\n\nIndented more."
+    assert defs["double"].signature == "def double(x, y=2, *rest, scale: float=1.0, **kw) -> int"  # ast.unparse's
+    # Decorators and the def line, the body after the docstring (leading blank lines dropped), dedented.
+    assert defs["double"].code == (
+        "@functools.cache\ndef double(x, y=2, *rest, scale: float = 1.0, **kw) -> int:\n    return 2 * x * y"
+    )
+    assert defs["double"].params == (("x", None), ("y", "2"), ("*rest", None), ("scale", "1.0"), ("**kw", None))
+    assert defs["Box"].methods == ("__init__", "only_doc") and defs["Box"].signature == "class Box"
+    # The method out of its class, the line of a space and a tab inside its body left empty.
+    init = "def __init__(self, size=(1, 2)):\n    if size:\n        pass\n\n    self.size = size"
+    assert defs["Box.__init__"].code == init
+    assert defs["Box.__init__"].params == (("size", "(1, 2)"),) and defs["Box.only_doc"].code == ""
+    assert m.defaults == (("double", "y", "2"), ("double", "scale", "1.0"), ("Box.__init__", "size", "(1, 2)"))
+
+
+def test_dedent_is_python_311s_textwrap_dedent() -> None:
+    """The demo's own dedent, against what Python 3.11's ``textwrap.dedent`` returns (written out: a
+    later Python's textwrap may treat whitespace-only lines otherwise, the demo must not change)."""
+    cases = {
+        ("    a", "      b", "", "    c"): "a\n  b\n\nc",
+        ("\tx", "\t  y", "  ", "\t"): "x\n  y\n\n",
+        ("    a", "  \tb"): "  a\n\tb",
+        ("  a", "\x0c", "  b"): "  a\n\x0c\n  b",
+        ("   ",): "",
+    }
+    for lines, want in cases.items():
+        assert demo._dedent(list(lines)) == want, lines

@@ -25,6 +25,7 @@ def test_wheel_ships_callbacks_as_lit_hbp_callbacks(tmp_path):
     for module in modules:
         assert f"lit_hbp/{module}" in names, module
     assert not any(n.startswith("callbacks/") for n in names), "callbacks must live under lit_hbp/"
+    assert "lit_hbp/demo_corpus/stdlib.json.gz" in names  # the demo's corpus (package data)
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = "import lit_hbp.callbacks, lit_hbp.packing; print(lit_hbp.callbacks.__file__)"
@@ -32,6 +33,11 @@ def test_wheel_ships_callbacks_as_lit_hbp_callbacks(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith(str(site)), out.stdout
+    # The installed package reads the demo's corpus from its own folder.
+    code = "from lit_hbp import demo; print(len(demo._load_modules()), demo._corpus_file())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["448", str(site / "lit_hbp/demo_corpus/stdlib.json.gz")], out.stdout
     # A plain install used from the checkout's root (train.py's folder), whose lit_hbp/ comes first.
     code = "from lit_hbp.callbacks import HBPCurriculum, HBPExport, HBPThroughputMonitor, PackingMetrics"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
