@@ -14,23 +14,35 @@ leave the previous checkpoint loadable and never a truncated file under a checkp
   writes ``latest`` on rank 0 before the other ranks are done.
 
 ``newest_checkpoint`` finds the newest complete checkpoint of a run's folders, what ``--ckpt_path
-auto`` resumes from.
+auto`` resumes from (``find_resumable`` also says what it passed over and why).
+
+No pickle from a stranger: a checkpoint is a pickle, and unpickling runs whatever functions the file
+names. Every checkpoint lit-hbp opens (resume, validate, export) is first read with
+``torch.load(weights_only=True)`` under an allow-list of exactly what lit-hbp, Lightning and DeepSpeed
+write (``SAFE_GLOBALS``, beside torch's own tensors and containers): ``check_checkpoint`` refuses
+anything else with a one-line error naming the types, before any data is tokenized. A file one made
+oneself, or trusts, opens with the opt-in (``--weights_only false`` for ``fit``/``validate``,
+``--trust-checkpoint`` for ``python -m lit_hbp.export``; docs/finetune.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import pickletools
 import re
 import shutil
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 from fsspec.utils import get_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from lit_hbp.errors import UserInputError
 
 LATEST = "latest"  # DeepSpeed's file naming the tag folder a load reads
 PARTIAL = ".partial"
@@ -153,11 +165,204 @@ def newest_checkpoint(folders: Iterable[str | os.PathLike]) -> str | None:
     """The newest complete checkpoint (``*.ckpt``: a file or a DeepSpeed folder; ``is_complete``)
     directly inside any of ``folders``, by the time it was completed; None when there is none.
     Partial files (``.<name>.partial``) and incomplete checkpoints are passed over."""
+    return find_resumable(folders)[0]
+
+
+# --- what a resume passes over ----------------------------------------------------------------------
+
+
+def why_incomplete(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a whole checkpoint (``is_complete``), in a few words; None when it is one."""
+    path = Path(path)
+    if not path.exists():
+        return "it does not exist"
+    if path.is_dir():
+        tag = _latest_tag(path)
+        if not (path / LATEST).is_file():
+            return "a folder without DeepSpeed's `latest` file (a save that was cut short, or not a checkpoint folder)"
+        if tag is None or not (path / tag).is_dir():
+            return f"its `latest` names the tag folder {tag!r}, which is not there"
+        states = [f for f in (path / tag).iterdir() if MODEL_STATES.match(f.name)]
+        if not states:
+            return f"its tag folder {tag} holds no model-states file"
+        broken = [f.name for f in states if not _whole_zip(f)]
+        return f"{tag}/{broken[0]} is truncated" if broken else None
+    if not path.is_file():
+        return "not a regular file"
+    if _whole_zip(path):
+        return None
+    return _why_not_zip(path)
+
+
+def _why_not_zip(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if not head:
+        return "empty (0 bytes)"
+    if head == b"PK\x03\x04":  # a zip's first entry, without the directory a zip ends with
+        return "truncated: it starts as a checkpoint but its end is missing (a save that was cut short?)"
+    return "not a checkpoint: not a file torch.save wrote (those are zip archives)"
+
+
+def find_resumable(folders: Iterable[str | os.PathLike]) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the newest complete checkpoint directly inside any of ``folders``, by the time it was completed,
+    or None; each checkpoint-named entry passed over, with why): what ``--ckpt_path auto`` resumes from
+    and what it says it skipped. A left-over ``.<name>.partial`` file is a save that was cut short."""
     found: list[tuple[float, str]] = []
+    skipped: list[tuple[str, str]] = []
     for folder in dict.fromkeys(Path(f) for f in folders):
         if not folder.is_dir():
             continue
-        for path in folder.glob("*.ckpt"):
-            if not path.name.startswith(".") and is_complete(path):
+        for path in sorted(folder.glob("*.ckpt")):
+            if path.name.startswith("."):
+                continue
+            why = why_incomplete(path)
+            if why is None:
                 found.append((_written_at(path), str(path)))
-    return max(found)[1] if found else None
+            else:
+                skipped.append((str(path), why))
+        for path in sorted(folder.glob(f".*.ckpt{PARTIAL}")):
+            skipped.append((str(path), "a save that was cut short (written beside its name, never renamed)"))
+    return (max(found)[1] if found else None), skipped
+
+
+# --- no pickle from a stranger ----------------------------------------------------------------------
+
+# What lit-hbp's runs write beyond torch's own weights-only allow-list (tensors, dtypes, OrderedDict...),
+# name -> where it comes from. Lightning's checkpoint (a plain file, the CLI's default) holds nothing
+# more: its loops, callbacks, optimizer and scheduler states and hyper-parameters are plain containers.
+SAFE_GLOBALS = {
+    "deepspeed.runtime.zero.config.ZeroStageEnum": "DeepSpeed ZeRO's optimizer state (zero_stage)",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": "DeepSpeed's optimizer state (a static loss scale)",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": "DeepSpeed's optimizer state (fp16's dynamic loss scale)",
+    "deepspeed.utils.tensor_fragment.fragment_address": "DeepSpeed's optimizer state (param_slice_mappings)",
+}
+TRUST_HINT = {
+    "fit": "--weights_only false",
+    "export": "--trust-checkpoint",
+}
+
+
+class UnsafeCheckpoint(UserInputError):
+    """A checkpoint whose pickle names something outside the allow-list (``SAFE_GLOBALS``)."""
+
+
+def safe_globals() -> list:
+    """The objects of ``SAFE_GLOBALS`` whose modules are installed (DeepSpeed's, imported only here)."""
+    import importlib
+
+    found = []
+    for name in SAFE_GLOBALS:
+        module, attr = name.rsplit(".", 1)
+        try:
+            found.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):  # DeepSpeed absent or reorganised: its checkpoints are refused
+            continue
+    return found
+
+
+@contextlib.contextmanager
+def allow_listed() -> Iterator[None]:
+    """``torch.load(weights_only=True)`` inside accepts what ``SAFE_GLOBALS`` names, nothing else."""
+    with torch.serialization.safe_globals(safe_globals()):
+        yield
+
+
+def pickled_globals(data: bytes) -> list[str]:
+    """Every function or class a pickle names (``module.name``), read statically: nothing runs.
+    GLOBAL and INST name theirs; STACK_GLOBAL takes the two strings pushed before it."""
+    names: list[str] = []
+    strings: list[str] = []
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("GLOBAL", "INST"):
+                names.append(".".join(str(arg).split(" ", 1)))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str) and op.name.endswith("UNICODE"):
+                strings.append(arg)
+    except (ValueError, pickle.UnpicklingError, EOFError):  # an unreadable rest: the load below refuses it
+        pass
+    return list(dict.fromkeys(names))
+
+
+def _pickles(path: Path) -> Iterator[tuple[str, bytes]]:
+    """(member, pickle bytes) of each pickle a torch.save zip holds (``data.pkl``; torch's later formats
+    add none that names functions)."""
+    with zipfile.ZipFile(path) as z:
+        for name in z.namelist():
+            if name.endswith(".pkl"):
+                yield name, z.read(name)
+
+
+def unsafe_globals(path: str | os.PathLike) -> list[str]:
+    """What a torch.save file's pickles name beyond torch's weights-only allow-list and ``SAFE_GLOBALS``."""
+    from torch import _weights_only_unpickler as unpickler  # torch's own allow-list (no public accessor)
+
+    allowed = set(unpickler._get_allowed_globals()) | set(SAFE_GLOBALS)
+    return [g for _, data in _pickles(Path(path)) for g in pickled_globals(data) if g not in allowed]
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The torch.save files a load of checkpoint ``path`` reads: the file, or every ``.pt`` file of the
+    tag folder a DeepSpeed folder's ``latest`` names."""
+    path = Path(path)
+    if not path.is_dir():
+        return [path]
+    return sorted(p for p in (path / (_latest_tag(path) or "")).glob("*.pt") if p.is_file())
+
+
+def check_checkpoint(path: str | os.PathLike, trust: bool = False, opt_in: str = TRUST_HINT["fit"]) -> None:
+    """Refuse, with a one-line ``UserInputError``, a checkpoint path that is missing, a folder that is
+    not a DeepSpeed checkpoint, a truncated file or one that is not a checkpoint, and (unless ``trust``)
+    one whose pickles name anything outside the allow-list: each file is read by torch's weights-only
+    unpickler (memory-mapped, so its tensors are not read), so nothing it names runs. ``opt_in``: the
+    option that trusts a file, named in the refusal."""
+    path = Path(path)
+    if not path.exists():
+        from lit_hbp.checks import did_you_mean
+
+        near = did_you_mean(path.name, (p.name for p in path.parent.iterdir())) if path.parent.is_dir() else ""
+        raise UserInputError(f"checkpoint not found: {path}{near}")
+    why = why_incomplete(path)
+    if why is not None:
+        kind = "folder" if path.is_dir() else "file"
+        raise UserInputError(f"not a checkpoint that can be loaded: {path} ({kind}): {why}")
+    if trust:
+        return
+    for file in checkpoint_files(path):
+        safe_load(file, opt_in=opt_in, mmap=True)
+
+
+def safe_load(path: str | os.PathLike, map_location: Any = "cpu", opt_in: str = TRUST_HINT["fit"], mmap: bool = False):
+    """``torch.load(path, weights_only=True)`` with the allow-list; a file that names anything else is an
+    ``UnsafeCheckpoint`` naming what (and ``opt_in``), a file that does not unpickle a ``UserInputError``."""
+    path = Path(path)
+    unsafe = unsafe_globals(path)
+    if unsafe:
+        raise UnsafeCheckpoint(_refusal(path, unsafe, opt_in))
+    try:
+        with allow_listed():
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:  # what the static read could not name (torch's message names it)
+        detail = next((line for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
+        raise UnsafeCheckpoint(_refusal(path, [detail.strip() or type(e).__name__], opt_in)) from None
+    except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserInputError(f"cannot read checkpoint {path}: {first}") from None
+
+
+def _refusal(path: Path, names: list[str], opt_in: str) -> str:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (
+        f"refused to open {path}: its pickle names {shown}, which lit-hbp, Lightning and DeepSpeed never write "
+        f"(unpickling would run it); only for a file you trust: {opt_in} (docs/finetune.md)"
+    )
+
+
+def trusted_load(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """``torch.load`` of a file the user said they trust (the opt-in): any pickle."""
+    return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)

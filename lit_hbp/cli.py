@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import re
 import sys
 from pathlib import Path
@@ -30,14 +31,23 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_hbp import strategy  # noqa: F401  (registers --trainer.strategy hbp, hbp_stage_0 ... hbp_stage_3)
 from lit_hbp.callbacks.defaults import with_default_callbacks
 from lit_hbp.callbacks.interrupt import InterruptCheckpoint
 from lit_hbp.callbacks.lost_rank import LostRankReport
-from lit_hbp.checkpoints import AtomicCheckpointIO, newest_checkpoint
+from lit_hbp.checkpoints import (
+    TRUST_HINT,
+    AtomicCheckpointIO,
+    UnsafeCheckpoint,
+    allow_listed,
+    check_checkpoint,
+    find_resumable,
+    safe_load,
+    trusted_load,
+)
 from lit_hbp.checks import (
     check_run_config,
     class_arguments,
@@ -211,9 +221,51 @@ class HBPCLI(LightningCLI):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
 
+    def _parse_ckpt_path(self) -> None:
+        """``--ckpt_path`` checked (``check_resume``: a short error and exit 2) before Lightning reads the
+        checkpoint's hyper-parameters into the config, as LightningCLI does here; they are read as it
+        reads them, but with lit-hbp's allow-list and memory-mapped (the tensors of a large checkpoint
+        are not read in just to find them)."""
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        section = self.config[subcommand]
+        self._guard(check_resume, section)
+        ckpt = section.get("ckpt_path")
+        if not (ckpt and str(ckpt) != AUTO and Path(ckpt).is_file()):
+            return
+        load = trusted_load if section.get("weights_only") is False else safe_load
+        hparams = load(ckpt, mmap=True).get("hyper_parameters", {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        try:
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
+
+    def _guard(self, check, *args: Any) -> None:
+        """Run ``check``; a ``UserInputError`` is a short error and exit 2 (raised under the debug switch
+        or a parser that does not exit)."""
+        try:
+            check(*args)
+        except UserInputError as e:
+            if _debug() or not self.parser.exit_on_error:
+                raise
+            report_user_error(e)
+
+    def _set_seed(self) -> None:
+        """Seeded after the config's checks (``before_instantiate_classes``): an error is the first line a
+        refused config prints, not after Lightning's "Seed set to ..."."""
+
     def before_instantiate_classes(self) -> None:
-        """Before anything is built or spawned: the config's own checks (a short error and exit 2),
-        then the resolved config, once (rank 0)."""
+        """Before anything is built or spawned: the config's own checks, the trainer's values Lightning
+        would refuse (``check_trainer_values``) and the checkpoint ``--ckpt_path auto`` found
+        (``check_resume``), each a short error and exit 2; then the seed and the resolved config, once
+        (rank 0)."""
         section = self.config.get(self.subcommand) if self.subcommand else self.config
         try:
             check_run_config(section.as_dict())
@@ -221,11 +273,10 @@ class HBPCLI(LightningCLI):
             if _debug() or not self.parser.exit_on_error:
                 raise
             report_user_error(e)
-        try:
-            resolve_auto_resume(section)
-        except ConfigError as e:
-            report_user_error(e)
+        self._guard(check_trainer_values, section)
+        self._guard(resolve_auto_resume, section)
         resume_in_run_folder(section)
+        super()._set_seed()
         rank_zero_info(self.config_summary())
 
     def config_summary(self) -> str:
@@ -291,19 +342,119 @@ def _is_model_checkpoint(callback: Any) -> bool:
 
 def resolve_auto_resume(section: Any) -> None:
     """``--ckpt_path auto``: the newest complete checkpoint of the run's folders
-    (``checkpoint_folders``, ``lit_hbp.checkpoints.newest_checkpoint``), or none (training starts from
-    the beginning); said in the log either way. A requeued or restarted job resumes with the same
+    (``checkpoint_folders``, ``lit_hbp.checkpoints.find_resumable``), or none (training starts from
+    the beginning); said in the log either way, with each checkpoint it passed over and why (a
+    truncated ``last.ckpt``, a save cut short). A requeued or restarted job resumes with the same
     command line."""
     if section.get("ckpt_path") != AUTO:
         return
     folders = checkpoint_folders(section)
-    found = newest_checkpoint(folders)
+    found, skipped = find_resumable(folders)
     section.ckpt_path = found
+    for path, why in skipped:
+        rank_zero_info(f"--ckpt_path {AUTO}: skipped {path}: {why}")
     if found:
+        check_resume(section)
         rank_zero_info(f"--ckpt_path {AUTO}: resuming from {found}, the newest complete checkpoint of the run")
     else:
         where = ", ".join(str(f) for f in dict.fromkeys(folders))
-        rank_zero_info(f"--ckpt_path {AUTO}: no checkpoint in {where}: training starts from the beginning")
+        none = "no complete checkpoint" if skipped else "no checkpoint"
+        rank_zero_info(f"--ckpt_path {AUTO}: {none} in {where}: training starts from the beginning")
+
+
+KEYWORDS = ("last", "best", "hpc", "registry")  # --ckpt_path values Lightning resolves itself
+DEEPSPEED_STRATEGIES = ("hbp", "deepspeed")  # strategy names (and class names) that save a checkpoint folder
+
+
+def _saves_folders(value: Any) -> bool:
+    """Whether ``trainer.strategy`` (a name or a class_path mapping) is DeepSpeed's, which saves and loads
+    a checkpoint folder (lit-hbp's HBPStrategy is one)."""
+    if hasattr(value, "get"):
+        value = value.get("class_path") or ""
+    name = str(value or "").rsplit(".", 1)[-1].lower()
+    return any(name.startswith(s) for s in DEEPSPEED_STRATEGIES) or name.endswith("deepspeedstrategy")
+
+
+def check_resume(section: Any) -> None:
+    """``--ckpt_path`` (a local file or folder; Lightning's keywords and remote URLs are left to it) checked
+    before anything is built: there, a whole checkpoint (not truncated, not some other file), of the kind
+    the run's strategy loads (a DeepSpeed folder for ``hbp``, a file otherwise) and, unless
+    ``--weights_only false``, read by torch's weights-only unpickler with lit-hbp's allow-list
+    (``lit_hbp.checkpoints``). Lightning then loads it with ``weights_only=True`` and the same allow-list
+    (``main``)."""
+    ckpt = section.get("ckpt_path")
+    if "weights_only" in section and section.get("weights_only") is None:
+        section.weights_only = True  # torch's default since 2.6, said here for every torch and environment
+    if not ckpt or str(ckpt) in KEYWORDS or "://" in str(ckpt):
+        return
+    path = Path(ckpt)
+    trust = section.get("weights_only") is False
+    check_checkpoint(path, trust=trust)
+    deepspeed = _saves_folders(section.get("trainer.strategy"))
+    if path.is_dir() and not deepspeed:
+        raise ConfigError(
+            f"--ckpt_path {path} is a DeepSpeed checkpoint folder: resume it with the strategy that saved it "
+            "(--trainer.strategy hbp, or its hbp_stage_N)"
+        )
+    if path.is_file() and deepspeed:
+        raise ConfigError(
+            f"--ckpt_path {path} is a checkpoint file, and DeepSpeed (trainer.strategy "
+            f"{section.get('trainer.strategy')}) resumes from the checkpoint folder it saved: give that folder"
+        )
+
+
+# Trainer arguments whose values need this machine's hardware or a built object to check: the probe in
+# check_trainer_values leaves them to the trainer the run builds.
+UNPROBED = ("accelerator", "devices", "strategy", "precision", "plugins", "callbacks", "logger", "profiler")
+# Values Lightning's Trainer takes but a run cannot: key -> (accepted?, what is accepted, what happens otherwise).
+RUN_RULES = {
+    "accumulate_grad_batches": (
+        lambda v: isinstance(v, int) and v >= 1,
+        "a whole number >= 1",
+        "the plan of micro-batches per optimizer step needs at least one",
+    ),
+    "gradient_clip_val": (
+        lambda v: v is None or v >= 0,
+        "a number >= 0, or null for no clipping",
+        "a negative norm would flip the sign of every gradient it clips",
+    ),
+}
+
+
+def check_trainer_values(section: Any) -> None:
+    """Every trainer value Lightning's ``Trainer`` would refuse (``max_steps: -5``, ``max_epochs: -3``,
+    ``limit_val_batches: 1.5``, ...), refused now as a ``ConfigError`` naming the key, before the data
+    are tokenized: a ``Trainer`` is built from the config's values on the CPU, quietly, and its refusal is
+    the error. Lightning's own checks are the reference, so each release's rules are the ones applied;
+    ``RUN_RULES`` adds the values it takes but a run cannot use (``accumulate_grad_batches: 0``)."""
+    import logging
+    import warnings
+
+    from lightning.pytorch import Trainer
+
+    trainer = section.get("trainer")
+    if trainer is None:
+        return
+    for key, (accepted, what, why) in RUN_RULES.items():
+        if key in trainer and not accepted(trainer.get(key)):
+            raise ConfigError(f"trainer.{key} must be {what}, got {trainer.get(key)!r}: {why}")
+    values = {k: v for k, v in trainer.as_dict().items() if k not in UNPROBED}
+    given = trainer.get("logger")
+    values["logger"] = False if given in (None, False, []) else True  # barebones refuses any logger
+    values["profiler"] = None if trainer.get("profiler") is None else "simple"
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # no "GPU available" banner from the probe: the run prints its own
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            Trainer(accelerator="cpu", devices=1, strategy="auto", **values)
+    except (MisconfigurationException, ValueError, TypeError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        named = [k for k in re.findall(r"`(\w+)(?:=[^`]*)?`", message) if k in values]
+        key = f"trainer.{named[0]}" if named else "trainer"
+        raise ConfigError(f"{key}: {message}") from None
+    finally:
+        logging.disable(previous)
 
 
 def resume_in_run_folder(section: Any) -> None:
@@ -381,25 +532,36 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     if argv[:1] == ["preview"]:
         return preview_main(argv[1:])
     try:
-        cli = HBPCLI(
-            HBPLitModule,
-            HBPDataModule,
-            parser_kwargs={"parser_mode": "omegaconf+"},
-            # runs/ (git-ignored) holds what a run writes, with a logger or without: the resolved config,
-            # checkpoints, logs; a run from the checkout's root leaves `git status` clean.
-            trainer_defaults={
-                "use_distributed_sampler": False,
-                "reload_dataloaders_every_n_epochs": 1,
-                "default_root_dir": RUNS,
-            },  # fmt: skip
-            save_config_kwargs={"overwrite": True},
-            args=args,
-            run=run,
-        )
+        with allow_listed():  # Lightning's resume loads with weights_only=True (check_resume): lit-hbp's allow-list
+            cli = HBPCLI(
+                HBPLitModule,
+                HBPDataModule,
+                parser_kwargs={"parser_mode": "omegaconf+"},
+                # runs/ (git-ignored) holds what a run writes, with a logger or without: the resolved config,
+                # checkpoints, logs; a run from the checkout's root leaves `git status` clean.
+                trainer_defaults={
+                    "use_distributed_sampler": False,
+                    "reload_dataloaders_every_n_epochs": 1,
+                    "default_root_dir": RUNS,
+                },  # fmt: skip
+                save_config_kwargs={"overwrite": True},
+                args=args,
+                run=run,
+            )
     except ValueError as e:  # UserInputError is a ValueError
         if _debug() or user_error_in(e) is None:
             raise
         report_user_error(user_error_in(e))
+    except pickle.UnpicklingError as e:  # a checkpoint Lightning found itself (--ckpt_path last, hpc, ...)
+        if _debug():
+            raise
+        detail = next((line for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
+        report_user_error(
+            UnsafeCheckpoint(
+                f"refused to open the checkpoint: {detail.strip()}; only for a file you trust: "
+                f"{TRUST_HINT['fit']} (docs/finetune.md)"
+            )
+        )
     except Exception:
         if LostRankReport.reported and not _debug():  # said which rank is gone: its traceback adds nothing
             sys.stderr.write(f"tip: {DEBUG_ENV}=1 prints the traceback\n")

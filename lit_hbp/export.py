@@ -18,6 +18,10 @@ they were, and none is added where it had none. It loads with ``AutoModelForCaus
 the Hub) and is a valid ``model:`` of a new lit-hbp run. A LoRA run writes its adapter
 (``adapter_config.json`` + weights, for peft, with the tokenizer and generation config), or with
 ``--merge-lora`` the merged full model.
+
+The checkpoint is opened with ``torch.load(weights_only=True)`` and lit-hbp's allow-list of what its runs
+write (``lit_hbp.checkpoints``): a file whose pickle names anything else is refused, naming it, and
+nothing in it runs. ``--trust-checkpoint`` opens any pickle: only for a file you made or trust.
 """
 
 from __future__ import annotations
@@ -36,22 +40,23 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """The checkpoint as one dict with a full fp32 ``state_dict``, whatever wrote it."""
-    path = Path(path)
-    if not path.exists():
-        from lit_hbp.checks import did_you_mean
+def load_checkpoint(path: str | Path, trust: bool = False) -> dict:
+    """The checkpoint as one dict with a full fp32 ``state_dict``, whatever wrote it. Read with the
+    weights-only allow-list (``lit_hbp.checkpoints.check_checkpoint``) unless ``trust``."""
+    from lit_hbp.checkpoints import TRUST_HINT, check_checkpoint, safe_load, trusted_load
 
-        near = did_you_mean(path.name, (p.name for p in path.parent.iterdir())) if path.parent.is_dir() else ""
-        raise UserInputError(f"checkpoint not found: {path}{near}")
-    if path.is_dir():  # DeepSpeed: one shard per rank (ZeRO) under <dir>/checkpoint
+    path = Path(path)
+    opt_in = TRUST_HINT["export"]
+    check_checkpoint(path, trust=trust, opt_in=opt_in)  # every file DeepSpeed's conversion reads, too
+    load = trusted_load if trust else (lambda p: safe_load(p, opt_in=opt_in))
+    if path.is_dir():  # DeepSpeed: one shard per rank (ZeRO) under <dir>/<tag>
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "consolidated.ckpt"
             convert_zero_checkpoint_to_fp32_state_dict(str(path), str(out))
-            return torch.load(out, map_location="cpu", weights_only=False)
-    return torch.load(path, map_location="cpu", weights_only=False)
+            return load(out)
+    return load(path)
 
 
 def _hparams(ckpt: dict) -> dict:
@@ -216,12 +221,14 @@ def export_checkpoint(
     dtype: str = "float32",
     merge_lora: bool = False,
     tokenizer: str | None = None,
+    trust: bool = False,
 ) -> Path:
     """Write ``out_dir`` (see the module docstring); returns it. ``tokenizer``: only for checkpoints
-    that do not hold the run's tokenizer (written before lit-hbp saved it in them)."""
+    that do not hold the run's tokenizer (written before lit-hbp saved it in them). ``trust``: open a
+    checkpoint whose pickle names more than lit-hbp's runs write (``--trust-checkpoint``)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    ckpt = load_checkpoint(checkpoint)
+    ckpt = load_checkpoint(checkpoint, trust=trust)
     net = model_from_checkpoint(ckpt)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -258,9 +265,17 @@ def main(argv: list[str] | None = None) -> int:
         "--tokenizer",
         help="tokenizer to save alongside, for checkpoints that do not hold the run's own (written by older lit-hbp)",
     )
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="open a checkpoint whose pickle names more than lit-hbp's runs write (it may run code: only for a "
+        "file you made or trust)",
+    )
     args = p.parse_args(argv)
     try:
-        out = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.merge_lora, args.tokenizer)
+        out = export_checkpoint(
+            args.checkpoint, args.out_dir, args.dtype, args.merge_lora, args.tokenizer, args.trust_checkpoint
+        )
     except UserInputError as e:  # a wrong path or checkpoint: one line and status 2, as the training CLI
         print(f"error: {e}", file=sys.stderr)
         return 2

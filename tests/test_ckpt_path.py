@@ -1,0 +1,179 @@
+"""No traceback in the first hour: a bad ``--ckpt_path`` (missing, a folder, truncated, random bytes,
+text, crafted, of the other strategy's kind) and a trainer value Lightning would refuse end the run at
+parse time, before any data is tokenized, with one ``error:`` line first and exit status 2;
+``--ckpt_path auto`` says which checkpoints it passed over and why."""
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from jsonargparse import Namespace
+
+from lit_hbp.checkpoints import find_resumable, why_incomplete
+from lit_hbp.cli import check_trainer_values, main, resolve_auto_resume
+from lit_hbp.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _as_a_person_runs_it(monkeypatch):
+    """The arguments come in ``args`` alone (not pytest's sys.argv), without the debug switch."""
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    monkeypatch.delenv("LIT_HBP_DEBUG", raising=False)
+    monkeypatch.delenv("JSONARGPARSE_DEBUG", raising=False)
+
+
+class WritesAFile:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+def whole(path: Path, step: int = 1) -> Path:
+    torch.save({"global_step": step, "state_dict": {"w": torch.zeros(4096)}}, path)
+    return path
+
+
+def bad_checkpoints(tmp: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (the --ckpt_path, what the error says)."""
+    good = whole(tmp / "good.ckpt").read_bytes()
+    (tmp / "truncated.ckpt").write_bytes(good[: len(good) // 2])
+    (tmp / "random.ckpt").write_bytes(os.urandom(3000))
+    (tmp / "text.ckpt").write_text("not a checkpoint\n")
+    (tmp / "empty.ckpt").write_bytes(b"")
+    (tmp / "folder").mkdir()
+    torch.save({"hyper_parameters": {"x": WritesAFile(tmp / "ran")}}, tmp / "crafted.ckpt")
+    return {
+        "missing": (tmp / "goood.ckpt", f"checkpoint not found: {tmp / 'goood.ckpt'} (did you mean 'good.ckpt'?)"),
+        "folder": (tmp / "folder", "(folder): a folder without DeepSpeed's `latest` file"),
+        "truncated": (tmp / "truncated.ckpt", "(file): truncated: it starts as a checkpoint but its end is missing"),
+        "random bytes": (tmp / "random.ckpt", "(file): not a checkpoint: not a file torch.save wrote"),
+        "text": (tmp / "text.ckpt", "(file): not a checkpoint: not a file torch.save wrote"),
+        "empty": (tmp / "empty.ckpt", "(file): empty (0 bytes)"),
+        "crafted": (tmp / "crafted.ckpt", "its pickle names __builtin__.exec, which lit-hbp, Lightning and DeepSpeed"),
+    }
+
+
+def run_cli(args, tmp_path, small_demo, capfd):
+    """``lit-hbp fit`` of the tiny config with ``args``: (exit status, stdout, stderr)."""
+    base = ["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
+            "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "2"]  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        main(base + args)
+    out, err = capfd.readouterr()
+    return stop.value.code, out, err
+
+
+@pytest.mark.parametrize("case", ["missing", "folder", "truncated", "random bytes", "text", "empty", "crafted"])
+def test_a_bad_ckpt_path_is_one_line_before_any_data_is_tokenized(case, tmp_path, small_demo, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    path, says = bad_checkpoints(tmp_path)[case]
+    code, out, err = run_cli(["--ckpt_path", str(path)], tmp_path, small_demo, capfd)
+    assert code == 2, err
+    lines = (out + err).strip().splitlines()
+    assert lines[0].startswith("error: ") and says in lines[0], lines
+    assert lines[1:] == ["tip: LIT_HBP_DEBUG=1 prints the traceback"], lines  # nothing else printed
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "runs").exists()  # nothing tokenized or logged
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_checkpoint_folder_for_a_run_that_saves_files_and_the_reverse(tmp_path, small_demo, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "ds.ckpt"
+    (folder / "global_step2").mkdir(parents=True)
+    (folder / "latest").write_text("global_step2")
+    whole(folder / "global_step2" / "mp_rank_00_model_states.pt")
+    code, _, err = run_cli(["--ckpt_path", str(folder)], tmp_path, small_demo, capfd)
+    assert code == 2 and "is a DeepSpeed checkpoint folder: resume it with the strategy that saved it" in err, err
+    code, _, err = run_cli(
+        ["--ckpt_path", str(whole(tmp_path / "one.ckpt")), "--trainer.strategy", "hbp"], tmp_path, small_demo, capfd
+    )
+    assert code == 2 and "resumes from the checkpoint folder it saved" in err, err
+
+
+@pytest.mark.parametrize(
+    "option, value, says",
+    [
+        ("max_steps", "-5", "trainer.max_steps: `max_steps` must be a non-negative integer or -1"),
+        ("max_epochs", "-3", "trainer.max_epochs: `max_epochs` must be a non-negative integer or -1"),
+        ("num_nodes", "0", "trainer.num_nodes: `num_nodes` must be a positive integer"),
+        ("limit_val_batches", "1.5", "invalid value 1.5 for limit_val_batches"),
+        ("accumulate_grad_batches", "0", "trainer.accumulate_grad_batches must be a whole number >= 1, got 0"),
+        ("gradient_clip_val", "-1.0", "trainer.gradient_clip_val must be a number >= 0"),
+    ],
+)
+def test_a_trainer_value_lightning_would_refuse_is_refused_at_parse_time(
+    option, value, says, tmp_path, small_demo, monkeypatch, capfd
+):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli([f"--trainer.{option}", value], tmp_path, small_demo, capfd)
+    assert code == 2, err
+    lines = (out + err).strip().splitlines()
+    assert lines[0].startswith("error: ") and says in lines[0] and len(lines) == 2, lines
+    assert not (tmp_path / "cache").exists()
+
+
+# Lightning's Trainer is the reference: every value it refuses, lit-hbp refuses at parse time, and every
+# value it takes (but RUN_RULES's) passes.
+TRAINER_VALUES = [
+    ("max_steps", -5), ("max_steps", -1), ("max_steps", 0), ("max_epochs", -2), ("max_epochs", -1),
+    ("min_steps", -3), ("limit_train_batches", -1), ("limit_train_batches", 1.5), ("limit_train_batches", 0.5),
+    ("limit_val_batches", 2.0), ("val_check_interval", -1), ("val_check_interval", 1.5),
+    ("num_sanity_val_steps", -2), ("num_sanity_val_steps", -1), ("log_every_n_steps", -1),
+    ("check_val_every_n_epoch", 1.5), ("reload_dataloaders_every_n_epochs", -1), ("num_nodes", 0),
+    ("gradient_clip_algorithm", "max"), ("gradient_clip_algorithm", "norm"), ("max_time", "00:99"),
+    ("max_time", "00:00:10:00"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("key, value", TRAINER_VALUES)
+def test_the_trainer_check_refuses_exactly_what_lightning_refuses(key, value):
+    from lightning.pytorch import Trainer
+
+    try:
+        Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, **{key: value})
+        lightning_refuses = False
+    except Exception:  # whatever Lightning raises for the value
+        lightning_refuses = True
+    section = Namespace(trainer=Namespace(**{key: value}))
+    if lightning_refuses:
+        with pytest.raises(ConfigError, match=r"^trainer"):
+            check_trainer_values(section)
+    else:
+        check_trainer_values(section)
+
+
+def test_auto_names_each_checkpoint_it_passed_over_and_why(tmp_path, caplog):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    older = whole(folder / "step=1.ckpt")
+    last = whole(folder / "last.ckpt", 2)
+    last.write_bytes(last.read_bytes()[:1000])  # the newest, cut short
+    os.utime(older, (1, 1))
+    (folder / ".last.ckpt.partial").write_bytes(b"PK\x03\x04")
+    found, skipped = find_resumable([folder])
+    assert found == str(older)
+    assert dict(skipped) == {
+        str(last): why_incomplete(last),
+        str(folder / ".last.ckpt.partial"): "a save that was cut short (written beside its name, never renamed)",
+    }
+    assert why_incomplete(last).startswith("truncated")
+    trainer = Namespace(default_root_dir=str(tmp_path), callbacks=None, logger=None, strategy=None)
+    section = Namespace(ckpt_path="auto", weights_only=None, trainer=trainer)
+    with caplog.at_level(logging.INFO):
+        resolve_auto_resume(section)
+    assert section.ckpt_path == str(older)
+    assert f"--ckpt_path auto: skipped {last}: truncated" in caplog.text
+    assert f"--ckpt_path auto: resuming from {older}" in caplog.text
+    older.unlink()
+    section.ckpt_path = "auto"
+    with caplog.at_level(logging.INFO):
+        resolve_auto_resume(section)
+    assert section.ckpt_path is None
+    assert "no complete checkpoint in" in caplog.text and "training starts from the beginning" in caplog.text
