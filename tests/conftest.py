@@ -1,3 +1,5 @@
+import copy
+import logging
 import os
 import sys
 from pathlib import Path
@@ -12,20 +14,297 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _threads_as_they_were():
-    """A test leaves the process's thread settings as it found them: Lightning's launchers set
-    OMP_NUM_THREADS (and torch's thread count) in the process that runs ``fit``, and every process a
-    later test starts would inherit it (4 training processes x 2 OpenMP threads on 2 cores)."""
+def pytest_collection_modifyitems(config, items):
+    """``LIT_HBP_TEST_ORDER=reverse`` runs the collected tests last to first: a test that passes only
+    after (or before) another shows up (no plugin needed)."""
+    order = os.environ.get("LIT_HBP_TEST_ORDER", "")
+    if order == "reverse":
+        items.reverse()
+    elif order:
+        raise pytest.UsageError(f"LIT_HBP_TEST_ORDER={order!r}: the only order is 'reverse'")
+
+
+def console_script(name: str) -> str:
+    """The path of the console script ``name`` (``lit-hbp``, ``torchrun``) of the Python running the tests.
+    pip puts it beside the interpreter in a virtual environment, and in the install scheme's scripts
+    folder otherwise (Debian's /usr/local/bin for /usr/bin/python3, ~/.local/bin for ``--user``); PATH last."""
+    import shutil
+    import sysconfig
+
+    folders = [os.path.dirname(sys.executable), sysconfig.get_path("scripts")]
+    if f"{os.name}_user" in sysconfig.get_scheme_names():
+        folders.append(sysconfig.get_path("scripts", f"{os.name}_user"))
+    found = shutil.which(name, path=os.pathsep.join([*folders, os.environ.get("PATH", "")]))
+    assert found, f"console script {name!r} is in none of {folders} and not on PATH (pip install -e . puts it there)"
+    return found
+
+
+# lit-hbp's records of what it said or chose once per process: (module, attribute, its value at import)
+# of a set, dict or list, or of a class's attribute (``Class.name``). Those its modules lack are skipped.
+ONCE_PER_PROCESS = (
+    ("lit_hbp.attention", "_chosen", {}),
+    ("lit_hbp.attention", "_lse_logged", {}),
+    ("lit_hbp.attention", "_forced", [None]),
+    ("lit_hbp.data.records", "_roles_said", set()),
+    ("lit_hbp.callbacks.lost_rank", "LostRankReport.reported", False),
+)
+HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
+def _settings() -> list[tuple[str, object, object]]:
+    """(name, getter, setter) of each process-wide setting of torch a test may change."""
     import torch
 
-    before, threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    b = torch.backends
+    out = [
+        ("default dtype", torch.get_default_dtype, torch.set_default_dtype),
+        (
+            "deterministic algorithms",
+            lambda: (
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            ),
+            lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+        ),
+        ("threads", torch.get_num_threads, torch.set_num_threads),
+        ("grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
+        ("anomaly detection", torch.is_anomaly_enabled, torch.autograd.set_detect_anomaly),
+        ("flash sdp", b.cuda.flash_sdp_enabled, b.cuda.enable_flash_sdp),
+        ("mem-efficient sdp", b.cuda.mem_efficient_sdp_enabled, b.cuda.enable_mem_efficient_sdp),
+        ("math sdp", b.cuda.math_sdp_enabled, b.cuda.enable_math_sdp),
+        ("cudnn sdp", b.cuda.cudnn_sdp_enabled, b.cuda.enable_cudnn_sdp),
+    ]
+    out.append(("tf32 and fp32 precision", _precision, _set_precision))
+    for name in ("enabled", "benchmark", "deterministic"):
+        get = lambda n=name: getattr(b.cudnn, n)  # noqa: E731
+        put = lambda v, n=name: setattr(b.cudnn, n, v)  # noqa: E731
+        out.append((f"torch.backends.cudnn.{name}", get, put))
+    out.append(("torch.backends.mkldnn.enabled", lambda: b.mkldnn.enabled, lambda v: setattr(b.mkldnn, "enabled", v)))
+    return out
+
+
+def _precision_owners() -> dict:
+    """The objects whose ``fp32_precision`` (torch's newer TF32 settings) torch has, by name."""
+    import torch
+
+    b = torch.backends
+    owners = {"": b, "cuda.matmul": b.cuda.matmul, "cudnn": b.cudnn, "mkldnn": b.mkldnn}
+    for parent in ("cudnn", "mkldnn"):
+        for child in ("matmul", "conv", "rnn"):
+            owners[f"{parent}.{child}"] = getattr(getattr(b, parent), child, None)
+    return {name: o for name, o in owners.items() if o is not None and hasattr(o, "fp32_precision")}
+
+
+def _precision():
+    """The TF32 settings through both of torch's APIs: the older one (the matmul precision and the
+    ``allow_tf32`` flags; "unreadable" where torch refuses to read it after a mix of the two APIs) and
+    the newer ``fp32_precision`` of each backend."""
+    import torch
+
+    b = torch.backends
+    old = []
+    for get in (torch.get_float32_matmul_precision, lambda: b.cuda.matmul.allow_tf32, lambda: b.cudnn.allow_tf32):
+        try:
+            old.append(get())
+        except RuntimeError:
+            old.append("unreadable")
+    return tuple(old), tuple((name, o.fp32_precision) for name, o in _precision_owners().items())
+
+
+def _set_precision(value) -> None:
+    """Back to ``value`` (``_precision``): the older API first, then every ``fp32_precision`` (what makes
+    the two agree again after a test used both)."""
+    import torch
+
+    b = torch.backends
+    (precision, matmul, cudnn), new = value
+    if precision != "unreadable":
+        torch.set_float32_matmul_precision(precision)
+    if matmul != "unreadable":
+        b.cuda.matmul.allow_tf32 = matmul
+    if cudnn != "unreadable":
+        b.cudnn.allow_tf32 = cudnn
+    owners = _precision_owners()
+    for name, setting in new:
+        owners[name].fp32_precision = setting
+
+
+class ProcessState:
+    """A snapshot of every process-wide setting a test may change, and its restore: torch's default
+    dtype, deterministic and backend flags, thread count and grad mode; the configs of dynamo and
+    inductor (their recompile limit); torch._logging's settings; the environment; the working
+    directory; signal handlers; the random generators of random, numpy and torch; transformers'
+    verbosity, progress bars and ``warning_once`` records; the levels of every named logger; and
+    lit-hbp's once-per-process records (ONCE_PER_PROCESS)."""
+
+    def __init__(self) -> None:
+        import importlib
+        import random
+        import signal
+
+        import torch
+
+        self.settings = [(name, get, put, get()) for name, get, put in _settings()]
+        self.configs = []
+        for module in ("torch._dynamo.config", "torch._inductor.config"):
+            if module in sys.modules or module == "torch._dynamo.config":
+                config = importlib.import_module(module)
+                self.configs.append((config, config.get_config_copy()))
+        from torch._logging import _internal as torch_logs
+
+        self.torch_logs = (dict(torch_logs.log_state.log_qname_to_level), set(torch_logs.log_state.artifact_names))
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.signals = {s: signal.getsignal(getattr(signal, s)) for s in HANDLED_SIGNALS if hasattr(signal, s)}
+        self.rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        self.loggers = {
+            name: (lg.level, lg.disabled, lg.propagate)
+            for name, lg in logging.root.manager.loggerDict.items()
+            if isinstance(lg, logging.Logger)
+        }
+        self.transformers = None
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
+
+            self.transformers = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
+        # A module not imported yet starts with the value at import, whenever a test imports it.
+        self.once = {}
+        for module, attr, at_import in ONCE_PER_PROCESS:
+            owner, value = self._find(module, attr)
+            self.once[(module, attr)] = copy.copy(at_import if owner is None else value)
+
+    @staticmethod
+    def _find(module: str, attr: str):
+        """(owner, value) of ``module.attr`` (``attr`` may be ``Class.name``) if the module is imported and
+        has it; (None, None) otherwise."""
+        owner = sys.modules.get(module)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, name):
+            return None, None
+        return owner, getattr(owner, name)
+
+    @staticmethod
+    def forget_warnings_said_once() -> None:
+        """transformers' ``warning_once``/``info_once`` remember what they said (an lru_cache): forgotten."""
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
+
+            for said in (getattr(hf_logging, "warning_once", None), getattr(hf_logging, "info_once", None)):
+                if hasattr(said, "cache_clear"):
+                    said.cache_clear()
+
+    def restore(self) -> list[str]:
+        """Put every setting back; returns the names of those the test had changed."""
+        import random
+        import signal
+
+        import torch
+
+        changed = []
+        for name, get, put, before in self.settings:
+            if get() != before:
+                changed.append(name)
+                put(before)
+        for config, before in self.configs:
+            now = config.get_config_copy()
+            for key, value in before.items():
+                if key in now and now[key] != value:
+                    changed.append(f"{config.__name__}.{key}")
+                    setattr(config, key, value)
+        self._restore_torch_logs(changed)
+        if dict(os.environ) != self.environ:
+            changed.append("environment")
+            for key in set(os.environ) - set(self.environ):
+                del os.environ[key]
+            os.environ.update(self.environ)
+        try:
+            here = os.getcwd()
+        except FileNotFoundError:  # the test's folder was removed while it was the working directory
+            here = None
+        if here != self.cwd:
+            changed.append("working directory")
+            os.chdir(self.cwd)
+        for name, handler in self.signals.items():
+            if signal.getsignal(getattr(signal, name)) is not handler and handler is not None:
+                changed.append(f"{name} handler")
+                signal.signal(getattr(signal, name), handler)
+        random.setstate(self.rng[0])
+        np.random.set_state(self.rng[1])
+        torch.set_rng_state(self.rng[2])
+        for name, lg in list(logging.root.manager.loggerDict.items()):
+            if isinstance(lg, logging.Logger) and name in self.loggers:
+                level, lg.disabled, lg.propagate = self.loggers[name]
+                if lg.level != level:
+                    lg.setLevel(level)  # (clears the loggers' cached isEnabledFor answers)
+        if self.transformers is not None:
+            from transformers.utils import logging as hf_logging
+
+            verbosity, bars = self.transformers
+            if hf_logging.get_verbosity() != verbosity:
+                changed.append("transformers verbosity")
+                hf_logging.set_verbosity(verbosity)
+            if hf_logging.is_progress_bar_enabled() != bars:
+                changed.append("transformers progress bars")
+                (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+        self.forget_warnings_said_once()
+        for (module, attr), before in self.once.items():
+            owner, value = self._find(module, attr)
+            if owner is None or value == before:
+                continue
+            changed.append(f"{module}.{attr}")
+            if isinstance(value, (set, dict)):
+                value.clear()
+                value.update(copy.copy(before))
+            elif isinstance(value, list):
+                value[:] = copy.copy(before)
+            else:
+                setattr(owner, attr.rsplit(".", 1)[-1], copy.copy(before))
+        return changed
+
+    def _restore_torch_logs(self, changed: list[str]) -> None:
+        """torch._logging.set_logs(...) as before: its loggers' levels and handlers set up again from the
+        snapshot (torch's own set-up, reading the snapshot instead of TORCH_LOGS)."""
+        from torch._logging import _internal as torch_logs
+
+        levels, artifacts = self.torch_logs
+        state = torch_logs.log_state
+        if state.log_qname_to_level == levels and state.artifact_names == artifacts:
+            return
+        changed.append("torch._logging")
+
+        def from_snapshot():
+            state.log_qname_to_level, state.artifact_names = dict(levels), set(artifacts)
+
+        from_env = torch_logs._update_log_state_from_env
+        torch_logs._update_log_state_from_env = from_snapshot
+        try:
+            torch_logs._init_logs()
+        finally:
+            torch_logs._update_log_state_from_env = from_env
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_leaves_the_process_as_it_found_it():
+    """What a module's own fixtures change (set up before the first test's snapshot) ends with the module."""
+    state = ProcessState()
     yield
-    if before is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = before
-    torch.set_num_threads(threads)
+    state.restore()
+
+
+@pytest.fixture(autouse=True)
+def _test_leaves_the_process_as_it_found_it():
+    """Each test starts from the settings the one before it found and ends leaving them so: Lightning's
+    launchers set OMP_NUM_THREADS and torch's thread count in the process that runs ``fit`` (every
+    process a later test starts would inherit them), a compiled run raises dynamo's recompile limit and
+    turns on torch's recompile logs, a warning said once per process would not be said in a later test
+    that checks it (tests/test_input_errors.py), a test may chdir, seed, or install a signal handler.
+    Once-per-process warnings are forgotten before each test too."""
+    ProcessState.forget_warnings_said_once()
+    state = ProcessState()
+    yield
+    state.restore()
 
 
 def flat_tokens(t):

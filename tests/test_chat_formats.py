@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 from chat_formats import build_qwen_tokenizer, reference
-from conftest import TINY_LLAMA, quiet_trainer
+from conftest import TINY_LLAMA, console_script, quiet_trainer
 from transformers import AutoTokenizer
 
 from lit_hbp.cli import main
@@ -553,9 +553,8 @@ def test_json_arrays_read_record_by_record_with_row_and_line(tmp_path, qwen):
 def test_the_console_script_previews_and_refuses_like_fit(qwen, tmp_path):
     """``lit-hbp preview`` as a user runs it: JSON lines on stdout (logs and progress on stderr)."""
     import subprocess
-    import sys
 
-    script = Path(sys.executable).parent / "lit-hbp"
+    script = console_script("lit-hbp")
     path = tmp_path / "d.json"
     path.write_text(json.dumps([r for r, _ in ALPACA]))
     config = write_config(tmp_path, qwen, [{"path": str(path)}])

@@ -5,7 +5,6 @@ writing leaves the previous checkpoint loadable and nothing truncated under a ch
 import multiprocessing
 import os
 import signal
-import time
 import types
 from pathlib import Path
 
@@ -179,11 +178,13 @@ def test_a_deepspeed_folder_without_latest_is_not_complete(tmp_path):
 def test_the_newest_complete_checkpoint_is_chosen(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     AtomicCheckpointIO().save_checkpoint(state(1), a / "epoch=0-step=1.ckpt")
-    time.sleep(0.05)
     AtomicCheckpointIO().save_checkpoint(state(2), b / "last.ckpt")
-    time.sleep(0.05)
     (a / "newer-but-cut.ckpt").write_bytes(_bytes_of(state(3))[:100])
     (a / ".hidden.ckpt").write_bytes(_bytes_of(state(4)))
+    # Completed in this order, a minute apart (set, not waited for: a file system's clock may be coarse).
+    order = [a / "epoch=0-step=1.ckpt", b / "last.ckpt", a / "newer-but-cut.ckpt", a / ".hidden.ckpt"]
+    for k, path in enumerate(order):
+        os.utime(path, (1_700_000_000 + 60 * k,) * 2)
     assert newest_checkpoint([a, b, tmp_path / "missing"]) == str(b / "last.ckpt")
     assert newest_checkpoint([a]) == str(a / "epoch=0-step=1.ckpt")
     assert newest_checkpoint([]) is None

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import console_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -86,7 +87,7 @@ def test_the_readme_is_short_and_every_link_resolves():
 def test_the_preview_command_of_the_guide(tmp_path, small_demo):
     """``lit-hbp preview --config configs/tiny_cpu.yaml --n 2`` as docs/data.md shows it."""
     (tmp_path / "demo_data").symlink_to(small_demo)
-    script = Path(sys.executable).parent / "lit-hbp"
+    script = console_script("lit-hbp")
     out = subprocess.run([str(script), "preview", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--n", "2"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]

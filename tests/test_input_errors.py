@@ -138,10 +138,25 @@ def test_unknown_role_names_role_file_line_known_roles_and_closest(tmp_path, tok
     t = tokenize_source(Source(str(write_jsonl(tmp_path / "ok.jsonl", [ok]))), tok, progress=False)
     ids, target = flat_tokens(t)
     assert len(t) == 1 and tok.decode(ids[target].tolist()) == "world<|end|>\n"
-    # A role of some templates' own, far from every known one: kept, said once, not supervised.
+
+
+def test_a_role_of_a_templates_own_is_said_once_per_role(monkeypatch):
+    """A role of some templates' own, far from every known one: kept, said once per role (whichever test
+    read it before: the record of roles said starts empty here), not supervised."""
+    import warnings
+
+    from lit_hbp.data import records
+
+    monkeypatch.setattr(records, "_roles_said", set())
     other = {"messages": [{"role": "user", "content": "hi"}, {"role": "critic", "content": "x"}]}
-    with pytest.warns(UserWarning, match=r"role 'critic' is none of system, user"):
+    with pytest.warns(UserWarning, match=r"^o.jsonl:1: messages\[1\]: role 'critic' is none of system, user"):
         RecordReader().read(other, "o.jsonl:1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said already: no second warning
+        RecordReader().read(other, "o.jsonl:2")
+    judge = {"messages": [{"role": "user", "content": "hi"}, {"role": "judge", "content": "x"}]}
+    with pytest.warns(UserWarning, match=r"^o.jsonl:3: messages\[1\]: role 'judge' is none of system, user"):
+        RecordReader().read(judge, "o.jsonl:3")
 
 
 # ----------------------------------------------------------------- 3. occurrences beside records

@@ -7,7 +7,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 import types
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
+from conftest import TINY_LLAMA, chat_datamodule, console_script, quiet_trainer
 from distributed import Pool
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -231,8 +230,8 @@ def test_under_torchrun_the_resume_command_is_the_launchers(tmp_path):
     command is the torchrun line the user typed."""
     script = tmp_path / "show.py"
     script.write_text("from lit_hbp.callbacks.interrupt import resume_command\nprint(resume_command('new.ckpt'))\n")
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+    bin_dir = os.path.dirname(console_script("torchrun"))  # typed as `torchrun`, as users do
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
     cmd = ["torchrun", "--standalone", "--nproc_per_node", "1", str(script), "fit", "--ckpt_path", "old.ckpt"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True).stdout
     want = shlex.join(
@@ -260,27 +259,34 @@ def test_dataloader_workers_ignore_sigint():
     assert [int(pid) for pid in items] == [worker] * 19
 
 
-def _sleep():
-    time.sleep(60)
+def _echo(conn):
+    """A worker that answers every message with the message (until a signal ends it)."""
+    conn.send("started")
+    while True:
+        conn.send(conn.recv())
 
 
 def test_a_forked_worker_told_to_end_ends():
     """A DataLoader worker forked while the handlers are installed inherits them; SIGTERM (a loader's
-    shutdown terminates its workers with it) still ends the worker, SIGINT is left to the main process."""
+    shutdown terminates its workers with it) still ends the worker, SIGINT is left to the main process.
+    No waiting for a while: a signal sent before a message is handled before the message is read, so
+    the worker answering the message sent after SIGINT is the worker having survived it."""
     import multiprocessing
 
     interrupt = InterruptCheckpoint()
     interrupt._pid = os.getpid()
     before = {s: signal.signal(s, interrupt._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        worker = multiprocessing.get_context("fork").Process(target=_sleep)
+        ctx = multiprocessing.get_context("fork")
+        ours, theirs = ctx.Pipe()
+        worker = ctx.Process(target=_echo, args=(theirs,))
         worker.start()
-        time.sleep(0.5)
+        assert ours.poll(300) and ours.recv() == "started"
         os.kill(worker.pid, signal.SIGINT)
-        time.sleep(0.5)
-        assert worker.is_alive()
+        ours.send("still there?")
+        assert ours.poll(300) and ours.recv() == "still there?"  # (EOFError if SIGINT had ended it)
         os.kill(worker.pid, signal.SIGTERM)
-        worker.join(30)
+        worker.join(300)
         assert worker.exitcode == -signal.SIGTERM
         assert interrupt.received is None  # the main process got nothing
     finally:

@@ -1,0 +1,124 @@
+"""The suite passes in any order: conftest's ProcessState (the autouse fixtures around every test and
+module) puts back every process-wide setting a test changes, and ``LIT_HBP_TEST_ORDER=reverse`` runs
+the suite last test first. Checked here against the values read before the changes, without it."""
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from conftest import ProcessState
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ignore(signum, frame):
+    pass
+
+
+def test_every_process_wide_setting_a_test_changes_is_put_back(tmp_path):
+    import torch._dynamo.config as dynamo_config
+    from torch._logging import _internal as torch_logs
+    from transformers.utils import logging as hf_logging
+
+    from lit_hbp.callbacks.lost_rank import LostRankReport
+    from lit_hbp.data import records
+
+    b = torch.backends
+    logger = logging.getLogger("lit_hbp.test_process_state")
+    before = dict(
+        dtype=torch.get_default_dtype(),
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        precision=torch.get_float32_matmul_precision(),
+        tf32=b.cuda.matmul.allow_tf32,
+        fp32=(b.cuda.matmul.fp32_precision, b.mkldnn.matmul.fp32_precision),
+        benchmark=b.cudnn.benchmark,
+        threads=torch.get_num_threads(),
+        grad=torch.is_grad_enabled(),
+        limit=dynamo_config.recompile_limit,
+        artifacts=set(torch_logs.log_state.artifact_names),
+        environ=dict(os.environ),
+        cwd=os.getcwd(),
+        usr1=signal.getsignal(signal.SIGUSR1),
+        verbosity=hf_logging.get_verbosity(),
+        bars=hf_logging.is_progress_bar_enabled(),
+        level=logger.level,
+        roles=set(records._roles_said),
+        reported=LostRankReport.reported,
+    )
+    debug = logger.isEnabledFor(logging.DEBUG)  # (cached by the logger from here on)
+    state = ProcessState()
+    after_snapshot = (random.random(), np.random.rand(), torch.rand(1).item())
+
+    torch.set_default_dtype(torch.float64)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.set_float32_matmul_precision("medium")
+    b.cuda.matmul.allow_tf32 = not b.cuda.matmul.allow_tf32
+    b.cuda.matmul.fp32_precision = "ieee"  # torch's newer API after the older one: reading the older one fails
+    b.cudnn.benchmark = not before["benchmark"]
+    torch.set_num_threads(1 if before["threads"] != 1 else 2)
+    torch.set_grad_enabled(not before["grad"])
+    dynamo_config.recompile_limit = before["limit"] + 100  # what a compiled lit-hbp run does
+    torch._logging.set_logs(recompiles=True)
+    os.environ["OMP_NUM_THREADS"] = "7"
+    os.environ["LIT_HBP_TEST_PROCESS_STATE"] = "set by the test"
+    os.environ.pop("DS_ACCELERATOR", None)
+    os.chdir(tmp_path)
+    signal.signal(signal.SIGUSR1, _ignore)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logger.setLevel(logging.DEBUG)
+    records._roles_said.add("critic")
+    LostRankReport.reported = True
+    hf_logging.get_logger("transformers.test_process_state").warning_once("said once")
+    assert hf_logging.warning_once.cache_info().currsize > 0
+    random.random(), np.random.rand(), torch.rand(1)
+
+    changed = state.restore()
+
+    assert torch.get_default_dtype() == before["dtype"]
+    assert torch.are_deterministic_algorithms_enabled() == before["deterministic"]
+    assert torch.get_float32_matmul_precision() == before["precision"]
+    assert b.cuda.matmul.allow_tf32 == before["tf32"] and b.cudnn.benchmark == before["benchmark"]
+    assert (b.cuda.matmul.fp32_precision, b.mkldnn.matmul.fp32_precision) == before["fp32"]
+    assert torch.get_num_threads() == before["threads"] and torch.is_grad_enabled() == before["grad"]
+    assert dynamo_config.recompile_limit == before["limit"]
+    assert torch_logs.log_state.artifact_names == before["artifacts"]
+    assert dict(os.environ) == before["environ"] and os.getcwd() == before["cwd"]
+    assert signal.getsignal(signal.SIGUSR1) == before["usr1"]
+    assert hf_logging.get_verbosity() == before["verbosity"]
+    assert hf_logging.is_progress_bar_enabled() == before["bars"]
+    assert hf_logging.warning_once.cache_info().currsize == 0  # said again by the next test
+    assert logger.level == before["level"] and logger.isEnabledFor(logging.DEBUG) == debug
+    assert records._roles_said == before["roles"] and LostRankReport.reported == before["reported"]
+    # The random generators are where they were at the snapshot: the same draws again.
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == after_snapshot
+    for name in ("default dtype", "environment", "working directory", "torch._logging", "SIGUSR1 handler"):
+        assert name in changed, changed
+    assert "torch._dynamo.config.recompile_limit" in changed
+
+
+def test_the_reverse_order_runs_the_last_test_first(monkeypatch):
+    """``LIT_HBP_TEST_ORDER=reverse``: pytest collects this file's tests last to first; another order is
+    refused."""
+    import pytest
+    from conftest import pytest_collection_modifyitems
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=ROOT, env={**os.environ, "LIT_HBP_TEST_ORDER": "reverse"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    collected = [line.split("::")[1] for line in out.stdout.splitlines() if "::" in line]
+    assert collected == [
+        "test_the_reverse_order_runs_the_last_test_first",
+        "test_every_process_wide_setting_a_test_changes_is_put_back",
+    ]
+    monkeypatch.setenv("LIT_HBP_TEST_ORDER", "random")
+    with pytest.raises(pytest.UsageError, match="LIT_HBP_TEST_ORDER='random': the only order is 'reverse'"):
+        pytest_collection_modifyitems(None, [1, 2])
