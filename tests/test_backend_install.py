@@ -378,3 +378,79 @@ def test_required_parameters_that_accept_none_are_told_apart_however_annotated()
     )
     none, other = backends.unsupplied(namespace["kernel"], 3, {"f"})
     assert none == ["a", "b", "c", "d", "h"] and other == ["e"]
+
+
+# torch 2.14's choice between cuDNN's and flash's varlen kernels, as torch/nn/attention/varlen.py of 2.14.1
+# writes it (``_should_use_cudnn`` there: ROCm no, cuDNN >= 9.18, SM90/SM100; 2.13's always says no). The
+# test below runs torch's own function where the installed torch has it (2.14), else this copy.
+def _can_use_cudnn_214(query, key, value, max_q, window_size, enable_gqa=False, seqused_k=None, block_table=None,
+                       num_splits=None):  # fmt: skip
+    if not query.is_cuda or not _should_use_cudnn_on_an_h100(query.device.index):
+        return False
+    if max_q <= 128:
+        return False
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if query.shape[-1] % 8 != 0 or value.shape[-1] % 8 != 0:
+        return False
+    if window_size != [-1, -1]:
+        return False
+    if enable_gqa or query.size(-2) != key.size(-2):
+        return False
+    return not (num_splits is not None or (block_table is not None and seqused_k is None))
+
+
+def _should_use_cudnn_on_an_h100(device_index) -> bool:
+    return True
+
+
+class _OnCuda:
+    """A [T, H, D] tensor's face as ``_can_use_cudnn`` reads it, on GPU 0 (no CUDA needed)."""
+
+    def __init__(self, heads: int, dtype=torch.bfloat16):
+        self._t = torch.zeros(4, heads, 64, dtype=dtype)
+        self.is_cuda, self.dtype, self.shape = True, dtype, self._t.shape
+        self.device = type("Device", (), {"index": 0})()
+
+    def size(self, dim):
+        return self._t.size(dim)
+
+
+def _cudnn_choosers():
+    import torch.nn.attention.varlen as varlen_module
+
+    choosers = {"torch 2.14.1's source (copy)": _can_use_cudnn_214}
+    if hasattr(varlen_module, "_can_use_cudnn"):
+        choosers[f"torch {torch.__version__}'s own"] = varlen_module._can_use_cudnn
+    return choosers
+
+
+@pytest.mark.parametrize("which", list(_cudnn_choosers()))
+def test_torch_214_runs_cudnn_only_for_full_windows_so_lit_hbps_causal_calls_run_flash(monkeypatch, which):
+    """torch 2.14 picks cuDNN's varlen kernel on an H100 in forward and backward alike by the window it is
+    called with: never for a causal window ``[left, 0]``, the only kind lit-hbp passes; so the LSE pair's
+    output, LSE and gradients are flash's, as its backward needs (a full window would run cuDNN)."""
+    import torch.nn.attention.varlen as varlen_module
+
+    chooser = _cudnn_choosers()[which]
+    if chooser is not _can_use_cudnn_214:
+        monkeypatch.setattr(varlen_module, "_should_use_cudnn", _should_use_cudnn_on_an_h100)
+    q, kv = _OnCuda(8), _OnCuda(8)
+    assert chooser(q, kv, kv, 4096, [-1, -1]), "eligible: a full window, equal heads, bf16, long documents"
+    for window in ([-1, 0], [511, 0], [0, 0]):
+        assert not chooser(q, kv, kv, 4096, window), window
+    assert backends._torch_varlen_cudnn_problem() is None
+    assert backends._torch_varlen_lse_problem() is None, "this torch's varlen LSE pair is usable as it is"
+
+
+def test_a_torch_that_could_run_cudnn_for_causal_calls_unpinned_is_refused_for_the_lse_pair(monkeypatch):
+    import torch.nn.attention.varlen as varlen_module
+
+    monkeypatch.setattr(varlen_module, "_can_use_cudnn", lambda query, key, value, max_q: True, raising=False)
+    monkeypatch.setattr(backends, "_torch_varlen_picks_backend", lambda: False)
+    why = backends._torch_varlen_lse_problem()
+    assert (
+        why == f"torch {torch.__version__}'s varlen_attn may run cuDNN's kernel for causal calls and cannot be pinned"
+    )
+    monkeypatch.setattr(backends, "_torch_varlen_picks_backend", lambda: True)  # the op takes ``backend``: pinned
+    assert backends._torch_varlen_cudnn_problem() is None

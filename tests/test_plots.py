@@ -219,3 +219,45 @@ def test_timeline_draws_cp_communication_beside_ulysses(lengths):
     assert "SP communication (Ulysses all-to-all)" in texts and "CP all-gather/reduce-scatter" in texts
     (top,) = ax.child_axes  # the levels' labels
     assert any("sp 4=2x2" in label.get_text() for label in top.get_xticklabels())
+
+
+def legend_inside(fig) -> list[str]:
+    """The figure's legends (and its title) drawn outside it (their bounding box past the figure's), as
+    text; [] when every one lies whole inside."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    outside = []
+    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert legends, "the figure has a legend"
+    titles = [fig._suptitle] if fig._suptitle is not None else []  # matplotlib has no public getter
+    for legend in legends + titles:
+        ext = legend.get_window_extent(renderer)
+        if ext.x0 < box.x0 - 0.5 or ext.y0 < box.y0 - 0.5 or ext.x1 > box.x1 + 0.5 or ext.y1 > box.y1 + 0.5:
+            texts = [t.get_text() for t in legend.get_texts()] if hasattr(legend, "get_texts") else legend.get_text()
+            outside.append(f"{texts}: {ext} outside {box}")
+    return outside
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_the_timeline_shows_its_whole_legend(sims, n):
+    """Rendered, every legend entry and the title lie inside the picture (a one-panel figure cut "dense
+    compute", "attention" and the idle entry off on both sides, and its title's first line)."""
+    fig = timeline_figure([sims[i % 2] for i in range(n)])
+    assert legend_inside(fig) == []
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert texts == [PART_LABELS[p] for p in TIMELINE_PARTS]
+
+
+def test_the_length_histogram_and_cp_balance_show_their_whole_legends(sims, lengths):
+    assert legend_inside(length_histogram_figure(sims[1].plan, lengths)) == []
+    docs = {"one long document": np.array([4096]), "a mix": np.array([2048, 1024, 512, 512])}
+    assert legend_inside(cp_balance_figure(docs)) == []
+
+
+def test_saved_timeline_pictures_hold_the_whole_legend(tmp_path, sims):
+    """As written to disk (savefig, what simulate --plot writes): the legend's box in the saved image."""
+    fig = timeline_figure(sims[:1])
+    fig.savefig(tmp_path / "t.png")
+    assert legend_inside(fig) == []
+    assert imread(tmp_path / "t.png").shape[1] == round(fig.get_figwidth() * fig.dpi)

@@ -773,12 +773,31 @@ def _torch_varlen_backward_op():
     return getattr(torch.ops.torch_attn, "_varlen_attn_backward", None)
 
 
+def _torch_varlen_cudnn_problem() -> str | None:
+    """None when the LSE pair's calls run flash's kernel in both directions (cuDNN's LSE is not one
+    flash's backward takes, and its causal mask is not bottom-right aligned for CP's key ranges):
+    a torch whose backward op takes ``backend`` is pinned (``_torch_varlen_forward``); torch <= 2.13
+    never runs cuDNN (its ``_should_use_cudnn`` is False); torch 2.14 chooses cuDNN by
+    ``_can_use_cudnn(..., window_size)``, only for a full window ``[-1, -1]`` (non-causal) in both its
+    forward and backward, and lit-hbp's calls are causal (``window_size=[left, 0]``)."""
+    if _torch_varlen_picks_backend():
+        return None
+    module = importlib.import_module("torch.nn.attention.varlen")
+    chooser = getattr(module, "_can_use_cudnn", None)
+    if chooser is None or "window_size" in _params(chooser):
+        return None
+    return f"torch {torch.__version__}'s varlen_attn may run cuDNN's kernel for causal calls and cannot be pinned"
+
+
 def _torch_varlen_lse_problem() -> str | None:
-    """None when this torch's varlen_attn returns the LSE (``return_aux``) and its backward op takes
-    what the forward was called with."""
+    """None when this torch's varlen_attn returns the LSE (``return_aux``), its backward op takes
+    what the forward was called with, and both run flash's kernel (``_torch_varlen_cudnn_problem``)."""
     params = _params(_torch_varlen_fn())
     if not {"return_aux", "scale"} <= params:
         return f"torch {torch.__version__}'s varlen_attn takes no {'return_aux' if 'scale' in params else 'scale'}"
+    cudnn = _torch_varlen_cudnn_problem()
+    if cudnn is not None:
+        return cudnn
     op = _torch_varlen_backward_op()
     arguments = op.default._schema.arguments if op is not None else []
     names = {x.name for x in arguments}
@@ -793,9 +812,9 @@ def _torch_varlen_lse_problem() -> str | None:
 
 
 def _torch_varlen_picks_backend() -> bool:
-    """Whether this torch's varlen backward op takes ``backend``: its forward then runs cuDNN's kernel
-    where eligible (SM90/SM100, causal with ``cu_seq_q is cu_seq_k``) unless pinned, and the op's
-    backward runs flash's unless told otherwise (torch > 2.13)."""
+    """Whether this torch's varlen backward op takes ``backend`` (2.13's and 2.14.1's take none; a later
+    torch that adds it is pinned): its forward then runs cuDNN's kernel where eligible (SM90/SM100, causal with
+    ``cu_seq_q is cu_seq_k``) unless pinned, and the op's backward runs flash's unless told otherwise."""
     op = _torch_varlen_backward_op()
     return op is not None and any(x.name == "backend" for x in op.default._schema.arguments)
 

@@ -118,6 +118,19 @@ def _new_figure(width: float, height: float) -> Figure:
     return fig
 
 
+def _legend_below(fig: Figure, handles: list, fontsize: float, max_cols: int):
+    """The figure's legend under its panels, in as many columns (at most ``max_cols``) as fit the
+    figure's width: a wider one is cut off on both sides (constrained layout makes room below, not
+    beside). The legend's width depends on its texts alone, measured without drawing the figure."""
+    renderer = fig.canvas.get_renderer()
+    for ncols in range(max(min(max_cols, len(handles)), 1), 0, -1):
+        legend = fig.legend(handles=handles, loc="outside lower center", ncols=ncols, fontsize=fontsize, frameon=False)
+        if ncols == 1 or legend.get_window_extent(renderer).width <= 0.98 * fig.bbox.width:
+            return legend
+        legend.remove()
+    return legend
+
+
 # --------------------------------------------------------------------------------------------
 # Timeline
 # --------------------------------------------------------------------------------------------
@@ -262,14 +275,14 @@ def timeline_figure(sims: Sequence[Simulation], n_micro: int = 6, start: int | N
         "black lines separate micro-steps; top labels: pack length and SP degree of the level trained; "
         "gradient sync not drawn"
     )
-    fig.suptitle(
+    title = (
         f"Per-rank timeline of consecutive micro-steps of {first.cost.model.name}, simulated on "
-        f"{first.plan.world_size} x {first.cost.hardware.name} (cost model, not measured)\n"
-        + "\n".join(textwrap.wrap(f"({note})", int((5.4 * ncols + 0.6) * 12))),
-        fontsize=10.5,
+        f"{first.plan.world_size} x {first.cost.hardware.name} (cost model, not measured)"
     )
+    width = int((5.4 * ncols + 0.6) * 11)  # characters of 10.5 pt text across the figure
+    fig.suptitle("\n".join(textwrap.wrap(title, width) + textwrap.wrap(f"({note})", width)), fontsize=10.5)
     handles = [Patch(color=PART_COLORS[p], label=PART_LABELS[p]) for p in TIMELINE_PARTS]
-    fig.legend(handles=handles, loc="outside lower center", ncols=4 if ncols > 1 else 2, fontsize=9, frameon=False)
+    _legend_below(fig, handles, fontsize=9, max_cols=len(handles))
     return fig
 
 
@@ -387,7 +400,7 @@ def length_histogram_figure(plan: Plan, lengths=None) -> Figure:
         "larger levels' free space)",
         fontsize=10.5,
     )
-    fig.legend(handles=handles, loc="outside lower center", ncols=1, fontsize=8.5, frameon=False)
+    _legend_below(fig, handles, fontsize=8.5, max_cols=1)
     return fig
 
 
