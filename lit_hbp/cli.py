@@ -15,10 +15,12 @@ before any process spawns (``lit_hbp.checks``); the resolved config is printed o
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pickle
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 from unittest import mock
@@ -28,6 +30,7 @@ from jsonargparse import set_parsing_settings
 from jsonargparse._actions import previous_config  # set while a config file is applied over earlier values
 from jsonargparse._typehints import ActionTypeHint  # jsonargparse exports no public name for it
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
@@ -38,6 +41,7 @@ from lit_hbp import strategy  # noqa: F401  (registers --trainer.strategy hbp, h
 from lit_hbp.callbacks.defaults import with_default_callbacks
 from lit_hbp.callbacks.interrupt import InterruptCheckpoint
 from lit_hbp.callbacks.lost_rank import LostRankReport
+from lit_hbp.callbacks.summary import HBPModelSummary
 from lit_hbp.checkpoints import (
     TRUST_HINT,
     AtomicCheckpointIO,
@@ -216,6 +220,12 @@ class HBPCLI(LightningCLI):
         kwargs.setdefault(
             "callbacks", with_default_callbacks(config.get("callbacks"), config.get("enable_progress_bar", True))
         )
+        summary = config.get("enable_model_summary") is not False and not config.get("barebones")
+        if summary and not any(isinstance(c, ModelSummary) for c in kwargs["callbacks"]):
+            # Lightning's default summary prints FLOPs it never counted (lit_hbp.callbacks.summary); with
+            # enable_model_summary left on it would also say it skipped its own for this one.
+            kwargs["callbacks"] = [*kwargs["callbacks"], HBPModelSummary()]
+            kwargs["enable_model_summary"] = False
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not one the config chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
@@ -427,8 +437,6 @@ def check_trainer_values(section: Any) -> None:
     are tokenized: a ``Trainer`` is built from the config's values on the CPU, quietly, and its refusal is
     the error. Lightning's own checks are the reference, so each release's rules are the ones applied;
     ``RUN_RULES`` adds the values it takes but a run cannot use (``accumulate_grad_batches: 0``)."""
-    import logging
-    import warnings
 
     from lightning.pytorch import Trainer
 
@@ -503,15 +511,27 @@ class PreviewCLI(HBPCLI):
         self.datamodule = data.instantiate_classes(data.parse_object({"data": self.config.data.as_dict()})).data
 
 
+PREVIEW_USAGE = "lit-hbp preview --config CONFIG [--data.KEY VALUE ...] [--n N] [--json]"
+PREVIEW_HELP = (
+    "The config's first training samples as they train: the chat template's rendering, each supervised "
+    "token marked (lit_hbp.preview). The config is read as fit reads it (files, command line, "
+    "interpolations); only its data section is built. Its own options come first below; the data "
+    "module's (--data.*) follow the trainer's and the model's, which preview reads but does not use."
+)
+
+
 def preview_main(args: list[str]) -> PreviewCLI:
-    """``lit-hbp preview --config CONFIG [--data.* ...] [--n N] [--json]``."""
+    """``lit-hbp preview --config CONFIG [--data.* ...] [--n N] [--json]``; its ``--help`` starts with its
+    own usage and options (not LightningCLI's 70-line usage of every trainer option)."""
     from lit_hbp.preview import preview
 
+    parser_kwargs = {"parser_mode": "omegaconf+", "prog": "lit-hbp preview", "usage": PREVIEW_USAGE,
+                     "description": PREVIEW_HELP}  # fmt: skip
     try:
         # The arguments come in ``args`` alone: LightningCLI warns when it also sees them in sys.argv.
         with mock.patch.object(sys, "argv", sys.argv[:1]):
             cli = PreviewCLI(
-                HBPLitModule, HBPDataModule, parser_kwargs={"parser_mode": "omegaconf+"}, args=args, run=False,
+                HBPLitModule, HBPDataModule, parser_kwargs=parser_kwargs, args=args, run=False,
                 save_config_callback=None,
             )  # fmt: skip
         preview(cli.datamodule, cli.config.n, cli.config.json)
@@ -522,12 +542,38 @@ def preview_main(args: list[str]) -> PreviewCLI:
     return cli
 
 
+class _DropAdvert(logging.Filter):
+    """Drops Lightning's "Tip: ... try installing litlogger" line, printed by every run without a
+    LitLogger: an advertisement for a hosted service, nothing about this run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "try installing [litlogger]" not in str(record.msg)
+
+
+def quiet_what_a_user_cannot_act_on() -> None:
+    """Silence, precisely (message, category and the module it is attributed to), what a plain run printed
+    that no user can act on: torch >= 2.13 deprecates the ``isinstance(treespec, LeafSpec)`` check that
+    Lightning 2.6's own ``lightning.pytorch.utilities._pytree`` makes for every fit's data loaders (a
+    FutureWarning about Lightning's code, not the user's), and Lightning's litlogger advertisement.
+    Every other warning is left as it is."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropAdvert) for f in rank_zero.filters):
+        rank_zero.addFilter(_DropAdvert())
+
+
 def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     """Parse the command line (or ``args``), build trainer, model and data; fit unless ``run=False``.
     A mistake in the config or the data (``UserInputError``) ends it with a short error and exit status 2.
     ``preview`` shows the data's first samples as they train (``lit_hbp.preview``)."""
     # Configs write ${data.x} whether or not a subcommand (fit.) prefixes the parsed tree.
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+    quiet_what_a_user_cannot_act_on()
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["preview"]:
         return preview_main(argv[1:])
