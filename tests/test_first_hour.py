@@ -13,6 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from conftest import console_script
 
 from lit_hbp.callbacks.summary import HBPModelSummary
 from lit_hbp.cli import main, quiet_what_a_user_cannot_act_on
@@ -36,7 +37,7 @@ def test_a_plain_run_prints_no_warning_nobody_can_act_on_nor_uncounted_flops(tmp
     """``lit-hbp fit`` of the tiny config, as a person runs it: the model summary is there, without a
     FLOPs column of zeros; no LeafSpec deprecation, no litlogger advertisement, no Python warning."""
     run = subprocess.run(
-        [str(Path(sys.executable).parent / "lit-hbp"), "fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"),
+        [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"),
          "--data.demo_dir", str(small_demo), "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false",
          "--data.cache_dir", str(tmp_path / "cache")],
         cwd=tmp_path, capture_output=True, text=True, timeout=900,
