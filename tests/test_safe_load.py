@@ -170,3 +170,25 @@ def test_resume_checks_with_the_allow_list_unless_weights_only_is_false(tmp_path
     trusted = Namespace(ckpt_path=str(path), weights_only=False, trainer=Namespace(strategy="auto"))
     check_resume(trusted)  # no error
     check_checkpoint(path, trust=True)
+
+
+def test_a_token_cache_holding_a_pickle_is_refused_and_runs_nothing(tmp_path):
+    """The token cache's ``samples.npz`` is read numbers-only: a folder someone else planted in a shared
+    ``cache_dir`` with an object array (a pickle) is a short DataError naming it, and nothing runs."""
+    import json
+
+    import numpy as np
+
+    from lit_hbp.data.cache import read_cache
+    from lit_hbp.errors import DataError
+
+    marker = tmp_path / "ran"
+    folder = tmp_path / "cache" / "short-0123"
+    folder.mkdir(parents=True)
+    (folder / "ids.bin").write_bytes(b"")
+    (folder / "spans.bin").write_bytes(b"")
+    (folder / "meta.json").write_text(json.dumps({"tokens": 0, "spans": 0, "samples": 1, "id_dtype": "uint16"}))
+    np.savez(folder / "samples.npz", offsets=np.array([WritesAFile(marker)], dtype=object), rows=np.zeros(1, int))
+    with pytest.raises(DataError, match=r"samples\.npz: Object arrays cannot be loaded when allow_pickle=False"):
+        read_cache(folder)
+    assert not marker.exists()

@@ -135,8 +135,15 @@ class CacheWriter:
 def read_cache(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
     """(meta, arrays) of a complete cache; the token-sized arrays are memory-mapped, never read."""
     meta = json.loads((folder / "meta.json").read_text())
-    with np.load(folder / "samples.npz") as z:
-        arrays = {k: z[k] for k in z.files}
+    # Numbers only: an object array in a cache folder someone else wrote is refused, never unpickled.
+    try:
+        with np.load(folder / "samples.npz", allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except ValueError as e:
+        raise DataError(
+            f"{folder / 'samples.npz'}: {e} (lit-hbp's token cache holds numbers only, and a pickle is never "
+            f"opened): remove {folder} and the run tokenizes its source again"
+        ) from None
     for name, dtype, shape in (
         ("ids", meta["id_dtype"], (meta["tokens"],)),
         ("spans", np.int32, (meta["spans"], 2)),
