@@ -42,15 +42,18 @@ from lit_hbp.packing.context_split import split_micro_batch
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import cp_slices
 
-GB = 1e9
+GIB = 1024**3
+"""Bytes of a GiB: memory is counted as devices report it (``torch.cuda.get_device_properties().total_memory``)."""
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """One GPU kind and its links. Bandwidths are per GPU and per direction, in bytes/s.
+    """One GPU kind and its links. Memory in bytes as the device reports it; bandwidths per GPU and per
+    direction in bytes/s, and FLOP/s, as the vendors' decimal numbers.
 
     eff_dense / eff_attn: achieved share of peak bf16 FLOP/s for large matmuls and for flash
     attention; eff_link: achieved share of link bandwidth in all-to-all and ring collectives.
+    accelerator: "cuda", or "cpu" for a measured search on CPU processes (Liger needs CUDA).
     """
 
     name: str
@@ -66,44 +69,48 @@ class Hardware:
     host_bw: float = 0.0
     host_memory_bytes: float = 0.0
     source: str = ""
+    accelerator: str = "cuda"
 
 
-# Peak dense bf16 FLOP/s and memory from NVIDIA's datasheets (H100 SXM5: 989 TFLOP/s, 80 GB;
-# H200 SXM: 989 TFLOP/s, 141 GB; A100 SXM4 80GB: 312 TFLOP/s). NVLink: 900 GB/s (H100/H200,
-# NVLink 4) and 600 GB/s (A100, NVLink 3) total per GPU, i.e. half per direction. InfiniBand: one
-# 400 Gb/s NDR NIC per GPU (DGX H100/H200) = 50 GB/s, one 200 Gb/s HDR NIC per GPU (DGX A100) =
-# 25 GB/s. Efficiencies: ~60% of peak is what tuned bf16 GEMMs of LLM-sized matrices sustain in
-# Megatron/DeepSpeed reports (MFU 40-55% end to end), ~50% what flash-attention 2/3 reaches on
-# long causal sequences, ~70% of the link rate what NCCL all-to-all and ring collectives reach.
+# Peak dense bf16 FLOP/s from NVIDIA's datasheets (H100 SXM5 and H200 SXM: 989 TFLOP/s; A100 SXM4 80GB:
+# 312 TFLOP/s). Memory: what ``torch.cuda.get_device_properties(i).total_memory`` reports, less than the
+# datasheets' decimal 80 / 141 GB: NVIDIA H100 80GB HBM3 81,559 MiB (79.6 GiB), NVIDIA H200 143,771 MiB
+# (140.4 GiB), NVIDIA A100-SXM4-80GB 81,251 MiB (79.3 GiB). NVLink: 900 GB/s (H100/H200, NVLink 4) and
+# 600 GB/s (A100, NVLink 3) total per GPU, i.e. half per direction. InfiniBand: one 400 Gb/s NDR NIC per
+# GPU (DGX H100/H200) = 50 GB/s, one 200 Gb/s HDR NIC per GPU (DGX A100) = 25 GB/s. Host: PCIe Gen5 x16
+# (Gen4 on the A100) per GPU, and the DGX's 2 TB of memory as the OS reports it (MemTotal ~2,000 GiB).
+# Efficiencies: ~60% of peak is what tuned bf16 GEMMs of LLM-sized matrices sustain in Megatron/DeepSpeed
+# reports (MFU 40-55% end to end), ~50% what flash-attention 2/3 reaches on long causal sequences, ~70% of
+# the link rate what NCCL all-to-all and ring collectives reach.
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(
         "H100-80GB",
         989e12,
-        80 * GB,
-        450 * GB,
-        50 * GB,
-        host_bw=50 * GB,
-        host_memory_bytes=2000 * GB,
+        81559 * 2**20,
+        450e9,
+        50e9,
+        host_bw=50e9,
+        host_memory_bytes=2000 * GIB,
         source="NVIDIA H100 SXM5 datasheet; DGX H100 (8x NVLink 4, 8x ConnectX-7 NDR 400, PCIe Gen5 x16, 2 TB)",
     ),
     "h200": Hardware(
         "H200-141GB",
         989e12,
-        141 * GB,
-        450 * GB,
-        50 * GB,
-        host_bw=50 * GB,
-        host_memory_bytes=2000 * GB,
+        143771 * 2**20,
+        450e9,
+        50e9,
+        host_bw=50e9,
+        host_memory_bytes=2000 * GIB,
         source="NVIDIA H200 SXM datasheet; DGX H200 (NVLink 4, ConnectX-7 NDR 400, PCIe Gen5 x16, 2 TB)",
     ),
     "a100": Hardware(
         "A100-80GB",
         312e12,
-        80 * GB,
-        300 * GB,
-        25 * GB,
-        host_bw=25 * GB,
-        host_memory_bytes=2000 * GB,
+        81251 * 2**20,
+        300e9,
+        25e9,
+        host_bw=25e9,
+        host_memory_bytes=2000 * GIB,
         source="NVIDIA A100 SXM4 80GB datasheet; DGX A100 (NVLink 3, ConnectX-6 HDR 200, PCIe Gen4 x16, 2 TB)",
     ),
 }
@@ -129,7 +136,7 @@ HARDWARE: dict[str, Hardware] = {
 # its checkpoint counts at 32K on 32 H100s (sp 2/4/8/16: 28/21/7/0 layers; the paper: 28/23/8/0).
 PAPER_ACTIVATION_OVERHEAD = 2.6
 FULL_LOGITS_BYTES_PER_VOCAB = 8
-MEMORY_RESERVE_BYTES = 2 * GB  # CUDA context, NCCL buffers, allocator reserve
+MEMORY_RESERVE_BYTES = 2e9  # CUDA context, NCCL buffers, allocator reserve: an estimate of 2 GB (1.86 GiB)
 FLASH_BACKWARD = 2.5  # flash-attention backward FLOPs / forward FLOPs
 ATTENTION_OUTPUT_COPIES = {"flash": 1, "sdpa": 2}
 
@@ -151,7 +158,8 @@ class CostModel:
         and SwiGLU (keeps gate and up, recomputes the activation), ``HBPLitModule(liger=True)``: from
         Liger-Kernel's ``LigerRMSNormFunction`` / ``LigerSiLUMulFunction`` ``save_for_backward``; GPU
         only, so not measured on CPU.
-    optimizer_offload: DeepSpeed's ``offload_optimizer`` to the host: the Adam states leave the GPU.
+    optimizer_offload: DeepSpeed's ``offload_optimizer`` to the host: the Adam states leave the GPU (ZeRO 1-3).
+    param_offload: DeepSpeed's ``offload_param`` to the host: ZeRO-3's parameter partitions leave the GPU.
     trainable: share of the parameters trained (gradients, Adam states, a tiled MLP's gradient sums):
         1 for full fine-tuning, ~0 under LoRA.
     prefetch: offload brings the next input back while a layer recomputes (a CUDA side stream: two
@@ -162,7 +170,7 @@ class CostModel:
     world: int
     zero_stage: int = 2
     logits: str = "chunked"
-    ce_chunk: int = 2048
+    ce_chunk: int = 1024
     grad_sync_overlap: float = 0.5
     sp_kind: str = "ulysses"
     dtype_bytes: int = 2
@@ -170,6 +178,7 @@ class CostModel:
     activation_overhead: float = 1.0
     liger: bool = False
     optimizer_offload: bool = False
+    param_offload: bool = False
     trainable: float = 1.0
     prefetch: bool = True
 
@@ -266,12 +275,12 @@ class CostModel:
 
     def static_parts(self) -> dict:
         """Parameters and gradients (model dtype) and Adam states (fp32 master, m, v) per rank, as ZeRO
-        partitions them over the world."""
+        partitions them over the world (none of what is offloaded to the host)."""
         p, n, z, b = self.model.params, self.world, self.zero_stage, self.dtype_bytes
         master = 4 if b < 4 else 0  # fp32 training keeps no master copy
         trained = p * self.trainable
         return dict(
-            params=b * p / (n if z >= 3 else 1),
+            params=0.0 if self.param_offload else b * p / (n if z >= 3 else 1),
             grads=b * trained / (n if z >= 2 else 1),
             optimizer=0.0 if self.optimizer_offload else (master + 8) * trained / (n if z >= 1 else 1),
         )

@@ -2,11 +2,13 @@
 
     python -m lit_hbp.memory --config configs/llama3_8b_32gpu.yaml [--gpu h100] [--gpus 32]
 
-Reads the training YAML (its model, levels, precision, world, ZeRO stage and offload, ``liger``) and
-prints, per level, the cost model's parts (``CostModel.memory_parts``: parameters, gradients and
+Reads the training YAML (its model, levels, precision, world, strategy's ZeRO stage and offloads,
+``liger``, LoRA: ``run_settings.config_settings``; a setting set-up would refuse is refused here, exit 2)
+and prints, per level, the cost model's parts (``CostModel.memory_parts``: parameters, gradients and
 Adam states as ZeRO partitions them, the activations of the layers run whole, the checkpointed inputs
 on the device or on the host with ``offload``, a layer's recompute and backward working set, the LM
-head) against the GPU's memory and the node's host memory; exit status 1 when a level does not fit.
+head) against the GPU's memory (as the device reports it) and the node's host memory; exit status 1
+when a level does not fit, naming what set-up would accept that might make it fit.
 ``HBPLitModule`` runs the same check at ``fit`` start on a GPU and warns for each level that will not
 fit. The model counts the tensors lit-hbp keeps (checked within 10% of measured bytes on CPU,
 tests/test_memory_model.py); the allocator's fragmentation comes on top, within ``reserve``.
@@ -16,13 +18,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
-from lit_hbp.costmodel import HARDWARE, CostModel, Hardware
+from lit_hbp.costmodel import GIB, HARDWARE, CostModel
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level, as_level
 from lit_hbp.parallel.topology import resolve_layout
+from lit_hbp.run_settings import (
+    CONFIG,
+    SWITCHES,
+    check,
+    config_settings,
+    cost_model,
+    describe,
+    local_hardware,
+    problems,
+    trainer_settings,
+)
 
-GIB = 1024**3
 SHOWN = ("params", "grads", "optimizer", "layers", "checkpointed", "recompute", "working", "head")
 
 
@@ -53,7 +66,7 @@ def not_fitting(cost: CostModel, levels) -> list[str]:
         elif not lv.offload:
             hint = "set offload: true"
         else:
-            hint = "raise mlp_tiles, sp or the ZeRO stage"
+            hint = beyond_offload(cost, lv)
         where = (
             f"{row['total']:.1f} GiB per GPU predicted, the device has {hw.memory_bytes / GIB:.1f} GiB"
             if row["total"] * GIB > hw.memory_bytes
@@ -67,32 +80,27 @@ def not_fitting(cost: CostModel, levels) -> list[str]:
     return out
 
 
+def beyond_offload(cost: CostModel, lv: Level) -> str:
+    """What is left to raise or set for a level already checkpointed and offloaded, of what set-up accepts
+    beside the run's settings and the level's MLP tiles (``run_settings.problems``)."""
+    raise_ = ["mlp_tiles"] if not problems(cost, tiles=2) else []
+    raise_ += ["sp"]
+    if any(not problems(replace(cost, zero_stage=z), tiles=lv.mlp_tiles) for z in range(cost.zero_stage + 1, 4)):
+        raise_ += ["the ZeRO stage"]
+    unset = [{s: True} for s in SWITCHES if not getattr(cost, s)]
+    set_ = [CONFIG.spell_all(c) for c in unset if not problems(replace(cost, **c), tiles=lv.mlp_tiles)]
+    hint = "raise " + ", ".join(raise_[:-1]) + (" or " if len(raise_) > 1 else "") + raise_[-1]
+    return hint + "".join(f"; or set {s}" for s in set_)
+
+
 def trainer_cost(
     trainer, spec: ModelSpec, liger: bool, ce_chunk: int, dtype_bytes: int, capacity: float, trainable: float = 1.0
 ) -> tuple[CostModel, list[Level]]:
     """The cost model of a run being set up on devices of ``capacity`` bytes, and its levels as laid out:
-    world, ZeRO stage and optimizer offload read from the trainer."""
-    import os
-
-    strategy = trainer.strategy
-    config = getattr(strategy, "config", None) or {}
-    zero = config.get("zero_optimization") or {}
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0.0
-    hardware = Hardware(
-        "this device", 0.0, capacity, 0.0, 0.0, gpus_per_node=trainer.num_devices, host_memory_bytes=host
-    )
-    cost = CostModel(
-        spec,
-        hardware,
-        trainer.world_size,
-        zero_stage=int(zero.get("stage", 0)) if zero else 0,
-        ce_chunk=ce_chunk,
-        dtype_bytes=dtype_bytes,
-        liger=liger,
-        optimizer_offload=offload,
-        trainable=trainable,
-    )
+    world, precision, ZeRO stage and offloads read from the trainer (``run_settings.trainer_settings``)."""
+    hardware = local_hardware(trainer.strategy.root_device, capacity, trainer.num_devices)
+    known = dict(liger=liger, ce_chunk=ce_chunk, dtype_bytes=dtype_bytes, trainable=trainable)
+    cost = cost_model(spec, trainer_settings(trainer, hardware, **known))
     levels = tuple(getattr(trainer.datamodule, "levels", None) or ())
     return cost, [resolve_layout(lv, spec.heads, spec.kv_heads, trainer.num_devices) for lv in levels]
 
@@ -116,38 +124,6 @@ def table(cost: CostModel, levels) -> str:
         )
     widths = [max(len(r[j]) for r in rows) for j in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
-
-
-def run_cost(config: dict, spec: ModelSpec, hardware: Hardware, world: int) -> CostModel:
-    """The cost model of a training config's run: precision, ZeRO stage and optimizer offload,
-    Liger, the loss's chunk."""
-    trainer = config.get("trainer") or {}
-    model = config.get("model") or {}
-    strategy = trainer.get("strategy")
-    init = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
-    deepspeed = isinstance(strategy, dict) and any(
-        name in str(strategy.get("class_path", "")) for name in ("HBPStrategy", "DeepSpeedStrategy")
-    )
-    if isinstance(strategy, str) and strategy.rsplit("_", 1)[-1].isdigit() and "stage" in strategy:
-        init, deepspeed = {"stage": int(strategy.rsplit("_", 1)[1])}, True  # hbp_stage_N, deepspeed_stage_N
-    elif strategy in ("hbp", "deepspeed"):
-        deepspeed = True
-    zero = (init.get("config") or {}).get("zero_optimization") or {}
-    stage = int(zero.get("stage", init.get("stage", 2))) if deepspeed else 0  # DDP / one device: no ZeRO
-    offload = zero.get("offload_optimizer") or {}
-    optimizer_offload = bool(init.get("offload_optimizer")) or offload.get("device", "none") not in ("none", None)
-    precision = str(trainer.get("precision", "32-true"))  # Lightning's default
-    return CostModel(
-        spec,
-        hardware,
-        world,
-        zero_stage=stage,
-        ce_chunk=int(model.get("ce_chunk_size", 1024)),
-        dtype_bytes=4 if precision.startswith("32") else 2,
-        liger=bool(model.get("liger", False)),
-        optimizer_offload=optimizer_offload,
-        trainable=0.0 if model.get("lora") else 1.0,  # LoRA's adapters: a share too small to count
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,15 +155,15 @@ def main(argv: list[str] | None = None) -> int:
             resolve_layout(as_level(x, f"data.levels[{i}]"), spec.heads, spec.kv_heads, hw.gpus_per_node)
             for i, x in enumerate(raw)
         ]
-        cost = run_cost(config, spec, hw, world)
+        settings = config_settings(config, hw, world)
+        check(settings, CONFIG, max((lv.mlp_tiles for lv in levels), default=1))
+        cost = cost_model(spec, settings)
     except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
-        f"{spec.name} ({spec.params / 1e9:.1f}B) on {world} x {hw.name}, ZeRO-{cost.zero_stage}"
-        f"{' + optimizer offload' if cost.optimizer_offload else ''}{', Liger' if cost.liger else ''}, "
-        f"{'bf16' if cost.dtype_bytes == 2 else 'fp32'}: predicted peak GiB per GPU (host: offloaded inputs, "
-        "GiB per GPU)\n"
+        f"{spec.name} ({spec.params / 1e9:.1f}B) on {world} x {hw.name}, {describe(cost)}: predicted peak GiB "
+        "per GPU (host: offloaded inputs, GiB per GPU)\n"
     )
     print(table(cost, levels))
     problems = not_fitting(cost, levels)

@@ -38,6 +38,7 @@ from lit_hbp.meter import StepMeter, logs_now
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.pack_scope import pack_scope
 from lit_hbp.packing.levels import Level
+from lit_hbp.run_settings import check, deepspeed_zero, local_hardware, trainer_settings
 
 RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
 
@@ -63,9 +64,8 @@ def device_memory(device: torch.device) -> float | None:
 
 def optimizer_device(strategy) -> torch.device:
     """Where ``strategy`` steps the optimizer: its root device, the host under ZeRO-Offload."""
-    zero = (getattr(strategy, "config", None) or {}).get("zero_optimization", {})
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    return torch.device("cpu") if offload not in (None, "none") else strategy.root_device
+    offloaded = deepspeed_zero(getattr(strategy, "config", None))["optimizer_offload"]
+    return torch.device("cpu") if offloaded else strategy.root_device
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
@@ -251,11 +251,7 @@ class HBPLitModule(L.LightningModule):
                     f"{type(strategy).__name__} cannot run: train with lit_hbp.strategy.HBPStrategy"
                 )
         tiles = max((lv.mlp_tiles for lv in levels), default=1)
-        if tiles > 1 and getattr(strategy, "zero_stage_3", False):
-            raise ValueError(
-                f"mlp_tiles {tiles}: a tiled MLP's backward reads the MLP's weights whole, which ZeRO-3 partitions; "
-                "use ZeRO stage 0-2 (with offload_optimizer for room) or mlp_tiles 1"
-            )
+        check(trainer_settings(self.trainer, local_hardware(self.device), liger=self.hparams.liger), tiles=tiles)
         if tiles > 1:  # a model without token-wise MLPs refuses now, not at the first long step
             with pack_scope(self.model, tiles=tiles):
                 pass
@@ -263,11 +259,6 @@ class HBPLitModule(L.LightningModule):
         if capacity and levels and self._spec is not None:
             for line in not_fitting(*self.cost_model(capacity)):
                 rank_zero_warn(f"{line} (python -m lit_hbp.memory prints every level's parts)")
-        if self.hparams.liger and getattr(strategy, "zero_stage_3", False):
-            raise ValueError(
-                "liger=True: the fused linear cross-entropy reads the LM head's weight, which ZeRO-3 partitions; "
-                "use ZeRO stage 0-2 or liger=False"
-            )
         if self.hparams.self_check:
             from lit_hbp.selfcheck import layout_name, run_self_check
 

@@ -46,6 +46,7 @@ from lit_hbp.parallel import context  # noqa: E402
 from lit_hbp.parallel.groups import SPGroups  # noqa: E402
 from lit_hbp.parallel.kind import resolve_sp_kind  # noqa: E402
 from lit_hbp.parallel.topology import layout_levels, model_heads, resolve_layout  # noqa: E402
+from lit_hbp.run_settings import Settings, check, deepspeed_zero, refusal  # noqa: E402
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
@@ -239,6 +240,11 @@ class HBPStrategy(DeepSpeedStrategy):
             # DeepSpeed's throughput timer (on by default) synchronizes the device in every forward and
             # optimizer step; lit-hbp's monitors time the steps without waiting (HBPThroughputMonitor).
             self.config.setdefault("timers", {"throughput": {"enabled": False, "synchronized": False}})
+            zero = deepspeed_zero(self.config)
+            check(Settings(**zero))  # an offload DeepSpeed ignores at this ZeRO stage is refused
+            if zero["optimizer_offload"]:
+                # DeepSpeed refuses a torch optimizer (HBPLitModule's AdamW) to offload unless told
+                self.config.setdefault("zero_force_ds_cpu_optimizer", False)
         self.levels = None if levels is None else tuple(as_level(x) for x in levels)
         self.sp_groups: SPGroups | None = None
         self._frozen_guards: list = []
@@ -323,13 +329,10 @@ class HBPStrategy(DeepSpeedStrategy):
             node_size,
         )
         self.levels = layout_levels([as_level(x) for x in levels], cfg, node_size)
+        zero = Settings(**deepspeed_zero(self.config))
         for i, lv in enumerate(self.levels):
-            if lv.mlp_tiles > 1 and self.zero_stage_3:
-                raise ValueError(
-                    f"level {i} (pack_len {lv.pack_len}) has mlp_tiles {lv.mlp_tiles}: a tiled MLP's backward reads "
-                    "the MLP's weights whole, which ZeRO-3 partitions; use ZeRO stage 0-2 (with offload_optimizer "
-                    "for room) or mlp_tiles 1"
-                )
+            if lv.mlp_tiles > 1 and (why := refusal("mlp_tiles", zero, value=lv.mlp_tiles)):
+                raise ValueError(f"level {i} (pack_len {lv.pack_len}): {why}")
         degrees = [(lv.sp, lv.layout[1]) for lv in self.levels]
         if self.sp_groups is None:
             self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank)
@@ -347,7 +350,7 @@ class HBPStrategy(DeepSpeedStrategy):
                 f"{lv.pack_len} tokens sp {lv.sp}{lv.layout_note} ckpt {lv.ckpt_layers}{lv.memory_note}"
                 for lv in self.levels
             )
-            + f"; ZeRO stage {self.zero_stage_3 and 3 or self.config['zero_optimization']['stage']}"
+            + f"; ZeRO stage {zero.zero_stage}"
         )
         super().setup(trainer)
 

@@ -16,13 +16,13 @@ from lit_hbp.costmodel import HARDWARE, PAPER_ACTIVATION_OVERHEAD, CostModel
 from lit_hbp.model_spec import MODELS, ModelSpec
 from lit_hbp.packing import Level
 
-GB = 1e9
+GIB = 1024**3
 
 
 class LinearMemory:
     """Memory falls linearly with checkpointed layers: memory(c) = base + per_layer * (L - c)."""
 
-    def __init__(self, base, per_layer, layers=32, capacity=80 * GB):
+    def __init__(self, base, per_layer, layers=32, capacity=80 * GIB):
         self.base, self.per_layer, self.layers, self.capacity = base, per_layer, layers, capacity
         self.calls = []
 
@@ -33,17 +33,17 @@ class LinearMemory:
 
 
 def test_algorithm4_interpolates_the_smallest_fitting_count():
-    # 20 GB + 3 GB per non-checkpointed layer: with 80 GB and a 2 GB margin, 19 layers may stay
+    # 20 GiB + 3 GiB per non-checkpointed layer: with 80 GiB and a 2 GiB margin, 19 layers may stay
     # unchecked: 13 checkpointed is the answer (20 + 3 * 19 = 77 <= 78, 20 + 3 * 20 = 80 > 78).
-    prof = LinearMemory(20 * GB, 3 * GB)
-    ckpt, trace = greedy_profile_ckpt(prof, 32768, 4, 0, 32, margin=2 * GB)
+    prof = LinearMemory(20 * GIB, 3 * GIB)
+    ckpt, trace = greedy_profile_ckpt(prof, 32768, 4, 0, 32, margin=2 * GIB)
     assert ckpt == 13
     assert prof.calls[:2] == [0, 32], "memory is profiled at c_min and c_max first"
     assert len(trace) <= 3
     # Everything fits without checkpointing: c_min, after one probe.
-    assert greedy_profile_ckpt(LinearMemory(10 * GB, 1 * GB), 8192, 1, 0, 32)[0] == 0
+    assert greedy_profile_ckpt(LinearMemory(10 * GIB, 1 * GIB), 8192, 1, 0, 32)[0] == 0
     # Nothing fits even fully checkpointed: None.
-    assert greedy_profile_ckpt(LinearMemory(90 * GB, 1 * GB), 8192, 1, 0, 32)[0] is None
+    assert greedy_profile_ckpt(LinearMemory(90 * GIB, 1 * GIB), 8192, 1, 0, 32)[0] is None
 
 
 def test_algorithm4_steps_up_when_the_interpolation_falls_short():
@@ -57,9 +57,9 @@ def test_algorithm4_steps_up_when_the_interpolation_falls_short():
             memory = self.base + self.per_layer * math.sqrt(self.layers - ckpt) * math.sqrt(self.layers)
             return Measurement(1.0, memory, pack_len / sp, memory <= self.capacity)
 
-    prof = Concave(20 * GB, 3 * GB)
+    prof = Concave(20 * GIB, 3 * GIB)
     ckpt, _ = greedy_profile_ckpt(prof, 32768, 4, 0, 32)
-    fits = [c for c in range(33) if 20 * GB + 3 * GB * math.sqrt((32 - c) * 32) <= 80 * GB]
+    fits = [c for c in range(33) if 20 * GIB + 3 * GIB * math.sqrt((32 - c) * 32) <= 80 * GIB]
     interpolated = math.ceil(32 - (80 - 20) / (3 * 32 / 32))  # the straight line's answer
     assert interpolated < min(fits) == ckpt
 
@@ -68,7 +68,7 @@ class PaperProfiler:
     """The paper's worked example (Table 13): 16K trains fastest at sp 1 with 28 checkpointed
     layers; 128K needs sp 8. Everything else is slower, or does not fit."""
 
-    capacity = 80 * GB
+    capacity = 80 * GIB
     best = {
         (8192, 2): (8, 5000),
         (16384, 1): (28, 6000),
@@ -80,8 +80,8 @@ class PaperProfiler:
     def measure(self, pack_len, sp, ckpt, cp=1):
         need, speed = self.best.get((pack_len, sp), (None, 1000))
         if need is None or ckpt < need:
-            return Measurement(1.0, 100 * GB, pack_len / sp, False)
-        return Measurement(pack_len / sp / speed, 70 * GB, pack_len / sp, True)
+            return Measurement(1.0, 100 * GIB, pack_len / sp, False)
+        return Measurement(pack_len / sp / speed, 70 * GIB, pack_len / sp, True)
 
 
 def test_algorithm1_stage2_on_the_papers_example():
@@ -410,13 +410,20 @@ def test_levels_auto_in_a_training_run(tmp_path, toy_tokenizer):
     assert trainer.global_step == 2
 
 
+RUN_CONFIG = (
+    "trainer:\n  precision: bf16-mixed\n  strategy: hbp\n"
+    "model:\n  model: /nowhere/llama\ndata:\n  tokenizer: /nowhere\n  sources: []\n"
+)
+"""A bf16 HBPStrategy (ZeRO-2) run of a model that is not on this machine (--model gives its shape)."""
+
+
 def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shaped_mix, monkeypatch):
     """The chosen levels block is printed, and written to --out only: nothing lands where the command
     runs unasked (a checkout's `git status` stays clean)."""
     lengths = tmp_path / "lengths.npy"
     np.save(lengths, paper_shaped_mix)
     config = tmp_path / "train.yaml"
-    config.write_text("model:\n  model: /nowhere/llama\ndata:\n  tokenizer: /nowhere\n  sources: []\n")
+    config.write_text(RUN_CONFIG)
     out = tmp_path / "levels.yaml"
     code = autoselect_main(
         [
@@ -457,17 +464,20 @@ def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shap
 def test_probes_reproduce_the_runs_deepspeed_settings():
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lit_hbp.autoselect.measured import probe_strategy_args, zero_stage
+    from lit_hbp.autoselect.measured import probe_strategy_args
+    from lit_hbp.run_settings import deepspeed_zero, strategy_config
     from lit_hbp.strategy import HBPStrategy
 
     run = HBPStrategy(stage=3, offload_optimizer=True, loss_scale=128, remote_device="cpu")
     run.config["gradient_accumulation_steps"] = 4  # what Lightning adds to the run's config at setup
     args = probe_strategy_args(run)
     probe = HBPStrategy(**args)
-    assert zero_stage(args) == 3 and probe.config["zero_optimization"] == run.config["zero_optimization"]
+    assert probe.config["zero_optimization"] == run.config["zero_optimization"]
+    assert deepspeed_zero(strategy_config(args)) == dict(zero_stage=3, optimizer_offload=True, param_offload=False)
     assert probe.loss_scale == 128 and probe.remote_device == "cpu"
     assert "gradient_accumulation_steps" not in probe.config
-    assert probe_strategy_args(DDPStrategy()) == {} and zero_stage({}) == 2
+    assert probe_strategy_args(DDPStrategy()) == {}
+    assert deepspeed_zero(strategy_config({}))["zero_stage"] == 2  # HBPStrategy's default, as the probes run it
 
 
 # ------------------------------------------------------------- one level search, keeping every sample
@@ -490,7 +500,7 @@ def both_tools(tmp_path, capsys, lengths, *flags):
 
     path, config, out = tmp_path / "lengths.npy", tmp_path / "train.yaml", tmp_path / "levels.yaml"
     np.save(path, lengths)
-    config.write_text("model:\n  model: /nowhere/llama\ndata:\n  tokenizer: /nowhere\n  sources: []\n")
+    config.write_text(RUN_CONFIG)
     common = ["--model", "llama3.1-8b", "--gpus", "8", "--gpu", "h100", *flags]
     sim_code = simulate_main([str(path), *common])
     sim = capsys.readouterr()
@@ -530,42 +540,58 @@ def test_simulate_and_autoselect_keep_the_4m_sample_with_liger_and_optimizer_off
 
 
 def test_without_the_flags_both_tools_refuse_naming_the_levers_that_fit(tmp_path, capsys):
-    """As the model comes, 4M tokens fit no layout of 8 H100s: both tools exit 2 with the same one-line
-    refusal, which names the levers the search found (Liger with optimizer offload at 74.2 of 74.5 GiB,
-    16 GPUs, a 2M largest level), never a plan that leaves the 4M sample out."""
-    (sim_code, sim), (auto_code, auto), _ = both_tools(tmp_path, capsys, long_mix())
+    """As the model comes, 4M tokens fit no layout of 8 H100s (79.6 GiB as the device reports it): both
+    tools exit 2 with the same one-line refusal, which names the levers the search found in their own flags
+    (Liger with optimizer offload, 16 GPUs, a 2M largest level), never a plan that leaves the 4M sample out;
+    each lever pasted into the same command makes it plan the sample."""
+    lengths = long_mix()
+    (sim_code, sim), (auto_code, auto), _ = both_tools(tmp_path, capsys, lengths)
     assert sim_code == auto_code == 2 and sim.out == auto.out == ""
     assert sim.err == auto.err and sim.err.count("\n") == 1
     err = sim.err
     assert err.startswith("error: the longest sample (4,194,304 tokens) needs a 4,194,304-token level")
-    flags = "--liger --offload-optimizer (model.liger: true, HBPStrategy offload_optimizer: true)"
-    assert f"{flags}: 74.2 of 74.5 GiB at sp 8, ckpt 32, offload, mlp_tiles 4" in err
-    assert "16 GPUs (--gpus 16: " in err and "--max-len 2097152" in err
-    assert "--liger (" not in err.replace("--liger --offload", ""), "one flag alone does not fit: not named"
+    assert "fits no sp of 8 x H100-80GB at ZeRO-2 (" in err and "; 79.6 GiB to use)" in err
+    found = err.split(": it fits with ")[1].rstrip("\n").split("; or ")
+    assert found[0].startswith("--liger --offload-optimizer: ") and " of 79.6 GiB at sp 8, ckpt 32, offload" in found[0]
+    assert found[1].startswith("16 GPUs (--gpus 16: ") and found[2].startswith("a largest level of 2,097,152 tokens")
+    assert len(found) == 3, "one flag alone, or a higher ZeRO stage, does not fit: not named"
+    config, out = tmp_path / "train.yaml", tmp_path / "levels.yaml"
+    base = ["--config", str(config), "--analytic", "--lengths", str(tmp_path / "lengths.npy"), "--out", str(out)]
+    base += ["--model", "llama3.1-8b", "--gpu", "h100", "--candidates", "8192"]
+    pasted = [
+        ["--gpus", "8", "--liger", "--offload-optimizer"],
+        ["--gpus", "16"],
+        ["--gpus", "8", "--max-len", "2097152"],
+    ]
+    for flags, top in zip(pasted, (4 << 20, 4 << 20, 2 << 20)):
+        assert autoselect_main(base + flags) == 0, capsys.readouterr().err
+        capsys.readouterr()
+        import yaml
+
+        assert yaml.safe_load(out.read_text())["levels"][-1]["pack_len"] == top
 
 
 def test_a_length_beyond_every_lever_on_8_gpus_is_refused_naming_what_is_left():
-    """64M tokens: no flag makes them fit 8 H100s; the refusal names the fewest GPUs that do and the
+    """64M tokens: no setting makes them fit 8 H100s; the refusal names the fewest GPUs that do and the
     longest level that fits, found by the search, before pricing anything."""
-    from lit_hbp.autoselect.levers import NoLevelFits
+    from dataclasses import replace
+
+    from lit_hbp.autoselect.levers import FitQuestion, NoLevelFits, every_layout
     from lit_hbp.autoselect.search import analytic_levels
+    from lit_hbp.run_settings import Settings, cost_model
 
     lengths = np.r_[np.full(100, 2000), 64 << 20]
-    cost = CostModel(MODELS["llama3.1-8b"], HARDWARE["h100"], 8, liger=True, optimizer_offload=True)
+    cost = cost_model(MODELS["llama3.1-8b"], Settings(8, HARDWARE["h100"], liger=True, optimizer_offload=True))
     with pytest.raises(NoLevelFits) as refused:
         analytic_levels(cost, lengths)
     err = str(refused.value)
     assert "\n" not in err
-    assert "67,108,864-token level, which fits no sp of 8 x H100-80GB with --liger --offload-optimizer" in err
+    assert "67,108,864-token level, which fits no sp of 8 x H100-80GB at ZeRO-2 with model.liger: true, " in err
     gpus, shorter = refused.value.levers
-    assert gpus.startswith(tuple(f"{n} GPUs (--gpus {n}: " for n in (16, 32, 64, 128, 256, 512)))
-    assert shorter.startswith("a largest level of 4,194,304 tokens (--max-len 4194304")
-    # The GPUs it names are enough: the search keeps the sample there.
-    world = int(gpus.split()[0])
-    from dataclasses import replace
-
-    from lit_hbp.autoselect.levers import FitQuestion, every_layout
-
+    world = gpus.changes["world"]
+    assert world in (16, 32, 64, 128, 256, 512) and str(gpus).startswith(f"{world} GPUs (trainer.devices x ")
+    assert shorter.max_len == 4 << 20 and str(shorter).startswith("a largest level of 4,194,304 tokens (the selector")
+    # The GPUs it names are enough, and half of them are not.
     wide = replace(cost, world=world)
     assert FitQuestion(wide, every_layout(wide)).where(64 << 20) is not None
     assert FitQuestion(replace(cost, world=world // 2), every_layout(cost)).where(64 << 20) is None
@@ -582,3 +608,34 @@ def test_a_cap_keeps_the_largest_level_and_says_what_it_leaves_to_over_length():
     assert selection.levels[-1].pack_len == 1 << 20 and selection.levels[-1].offload
     (note,) = selection.notes
     assert note.startswith("1 sample (4,194,304 tokens, the longest 4,194,304) is longer than the largest level")
+
+
+def test_the_autoselect_modules_import_each_other_in_no_circle():
+    """Each module of lit_hbp/autoselect imports only modules below it: no circle, also through imports made
+    inside functions or for type checking only (the package's __init__ hands names on and is left out)."""
+    import ast
+
+    folder = Path(__file__).resolve().parents[1] / "lit_hbp" / "autoselect"
+    names = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    graph = {}
+    for name in names:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lit_hbp.autoselect"):
+                parts = node.module.split(".")
+                imported |= {parts[2]} if len(parts) > 2 else {a.name for a in node.names} & names
+            elif isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[2] for a in node.names if a.name.startswith("lit_hbp.autoselect.")}
+        graph[name] = imported & names
+
+    def below(name: str, seen: set) -> set:
+        """Every module ``name`` imports, directly or through others."""
+        for imported in graph[name] - seen:
+            seen.add(imported)
+            below(imported, seen)
+        return seen
+
+    circles = sorted(name for name in names if name in below(name, set()))
+    assert circles == [], {name: sorted(graph[name]) for name in circles}
+    assert "selector" not in graph["launch"] and "search" not in graph["levers"]

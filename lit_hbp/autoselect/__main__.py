@@ -12,16 +12,18 @@ block (also written to --out when given).
 
 The search is the one ``python -m lit_hbp.simulate`` auto-selects with (``search.select_levels``): its
 largest level holds the longest sample (up to --max-len and the model's positions), trying every sp
-up to --gpus, checkpointing, offload and MLP tiles; --liger and --offload-optimizer turn on Liger's
-RMSNorm/SwiGLU and the Adam states on the host for the run (as the config's model.liger and
-HBPStrategy offload_optimizer do). When the longest sample fits nothing, it exits 2 naming the levers
-that would make it fit, each found by running the search with it.
+up to --gpus, checkpointing, offload and MLP tiles. The run is the config's (its precision, strategy's
+ZeRO stage and offloads, model.liger, LoRA, ce_chunk_size); --liger, --offload-optimizer and --zero-stage
+change it as the config's model.liger, HBPStrategy offload_optimizer and stage would. When the longest
+sample fits nothing, it exits 2 naming the levers that would make it fit, each found by running the
+search with it and spelled as this command's flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,7 @@ from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunS
 from lit_hbp.config import config_lengths, read_config
 from lit_hbp.costmodel import HARDWARE
 from lit_hbp.model_spec import load_model_spec
+from lit_hbp.run_settings import ANALYTIC, MEASURED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--offload-optimizer", action="store_true", help="DeepSpeed offload_optimizer: the Adam states on the host"
     )
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="the ZeRO stage (default: the config's)")
     p.add_argument("--out", help="also write the chosen levels block to this file (it is always printed)")
     args = p.parse_args(argv)
     try:
@@ -71,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         margin = {} if args.margin_gib is None else {"margin_gib": args.margin_gib}
         if args.measured:
             selector = MeasuredSelector(args.candidates, memory_gib=args.memory_gib, max_len=args.max_len, **margin)
-            run = RunSetting.from_config(config, vocab, args.devices)
+            run = replace(RunSetting.from_config(config, vocab, args.devices), tool=MEASURED)
         else:
             selector = AnalyticSelector(args.gpu, args.candidates, max_len=args.max_len, **margin)
-            run = RunSetting.from_config(config, vocab, args.gpus, spec)
-        run = run.with_flags(args.liger, args.offload_optimizer)
+            run = replace(RunSetting.from_config(config, vocab, args.gpus, spec), tool=ANALYTIC)
+        run = run.with_flags(args.liger, args.offload_optimizer, args.zero_stage)
         selection = selector.select(lengths, run)
     except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,23 +1,19 @@
-"""Run a measured level search on N local processes (GPUs with NCCL, else CPU with gloo).
+"""Run one function on N local processes joined in a process group (GPUs with NCCL, else CPU with gloo).
 
-Each process joins one process group and calls the selector in lockstep with the others (every
-probe is a short distributed training run and its measurements are reduced across ranks, so every
-rank takes the same decisions); rank 0 returns the selection.
+The measured level search runs this way from a tool: each process calls the selector in lockstep with the
+others (every probe is a short distributed training run and its measurements are reduced across ranks, so
+every rank takes the same decisions); rank 0's answer, or its refusal, comes back to the caller.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue as queue_errors
 import socket
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-import numpy as np
-
-if TYPE_CHECKING:
-    from lit_hbp.autoselect.search import Selection
-    from lit_hbp.autoselect.selector import MeasuredSelector, RunSetting
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -44,49 +40,54 @@ def set_launch_env(rank: int, world: int, port: int) -> None:
     rank_zero_only.rank = rank
 
 
-def _worker(rank: int, port: int, selector: MeasuredSelector, lengths: np.ndarray, run: RunSetting, results) -> None:
-    set_launch_env(rank, run.world, port)
+def _worker(rank: int, port: int, world: int, cuda: bool, fn: Callable, args: tuple, results) -> None:
+    set_launch_env(rank, world, port)
     import torch
     import torch.distributed as dist
 
-    cuda = run.trainer_args.get("accelerator") == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // run.world))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=run.world)
-    selection = selector.select(lengths, dataclasses.replace(run, in_world=True))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        answer: tuple[bool, Any] = (True, fn(*args))
+    except ValueError as e:  # a refusal: every rank took the same decisions and refuses alike
+        answer = (False, e)
     if rank == 0:
-        results.put(selection)
+        results.put(answer)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def launch(selector: MeasuredSelector, lengths: np.ndarray, run: RunSetting) -> Selection:
-    """``selector.select`` on ``run.world`` local processes started here; rank 0's selection."""
+def launch(fn: Callable[..., T], args: tuple, world: int, cuda: bool) -> T:
+    """``fn(*args)`` on ``world`` local processes started here, in one process group; rank 0's answer, or
+    the ``ValueError`` it raised (raised here)."""
     import torch.multiprocessing as mp
 
     port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, selector, lengths, run, results)) for r in range(run.world)]
+    procs = [ctx.Process(target=_worker, args=(r, port, world, cuda, fn, args, results)) for r in range(world)]
     for p in procs:
         p.start()
     try:
         while True:
             try:
-                selection = results.get(timeout=1.0)
+                ok, answer = results.get(timeout=1.0)
                 break
             except queue_errors.Empty:
                 failed = [p for p in procs if p.exitcode not in (None, 0)]
                 if failed:
                     raise RuntimeError(
-                        f"measured profiling failed on {len(failed)} process(es) (exit codes "
+                        f"{len(failed)} of the {world} launched processes failed (exit codes "
                         f"{[p.exitcode for p in failed]}); see their output above"
                     ) from None
         for p in procs:
             p.join()
-        return selection
+        if not ok:
+            raise answer
+        return answer
     finally:
         for p in procs:
             if p.is_alive():

@@ -1,26 +1,29 @@
 """Why a level does not fit, and what would make it fit: the level search's refusal.
 
 A refusal never lists levers blindly. Each lever it names is the search's own memory question
-(``search.fit_anywhere``: every (sp, cp) layout the world offers, fewest ranks first, each with
+(``memory_fit.fit_anywhere``: every (sp, cp) layout the world offers, fewest ranks first, each with
 checkpointing, then offload, then MLP tiles) asked again with that lever, and quoted with the peak it
-would reach: offload and tiles where the search in use leaves them out (a measured search), Liger's
-RMSNorm/SwiGLU and the Adam states on the host (the fewest flags that do it), more GPUs (doubling
-the world: larger SP groups, smaller ZeRO partitions), and a shorter largest level (the samples
-beyond it then follow ``data.over_length``).
+would reach. Each is a setting set-up accepts beside the run's others (``run_settings.RULES``), spelled
+as the tool that prints the refusal takes it (``run_settings.Tool``): offload and tiles where the search
+in use leaves them out (a measured search), the fewest of Liger's RMSNorm/SwiGLU, the Adam states on the
+host and a higher ZeRO stage, more GPUs (doubling the world: larger SP groups, smaller ZeRO partitions),
+and a shorter largest level (the samples beyond it then follow ``data.over_length``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from itertools import combinations
 
 import numpy as np
 
+from lit_hbp.autoselect.memory_fit import TILE_STEPS, Placement, fit_anywhere
 from lit_hbp.autoselect.profiler import MemoryProfiler
-from lit_hbp.autoselect.search import GIB, TILE_STEPS, Placement, fit_anywhere
-from lit_hbp.costmodel import CostModel
+from lit_hbp.costmodel import GIB, CostModel
 from lit_hbp.packing.levels import Level
 from lit_hbp.parallel.context_parallel import ContextParallel
+from lit_hbp.run_settings import CONFIG, SIMULATE, SWITCHES, Tool, problems, refusal
 
 MAX_LEVER_GPUS = 4096
 """The most GPUs a refusal looks for (doubling the run's world)."""
@@ -30,34 +33,40 @@ SHORTEST_LEVEL = 1024
 
 
 @dataclass(frozen=True)
-class Flag:
-    """A run setting a refusal may name: the ``CostModel`` field it sets, and how the command lines
-    and a training config spell it."""
+class Lever:
+    """One way to make a level fit, found by asking the memory search with it: the run's settings it changes
+    (``changes``: liger, optimizer_offload, zero_stage, world, as ``CostModel`` and ``Settings`` name them),
+    the largest level it caps (``max_len``), or the analytic search (``analytic``: offload and MLP tiles,
+    which a measured search leaves out); ``text`` is how the refusal says it."""
 
-    field: str
-    cli: str
-    config: str
+    text: str
+    changes: dict = field(default_factory=dict)
+    max_len: int | None = None
+    analytic: bool = False
 
-
-FLAGS = (
-    Flag("liger", "--liger", "model.liger: true"),
-    Flag("optimizer_offload", "--offload-optimizer", "HBPStrategy offload_optimizer: true"),
-)
-
-
-def spell(flags: tuple[Flag, ...]) -> str:
-    """``--liger --offload-optimizer (model.liger: true, HBPStrategy offload_optimizer: true)``."""
-    return " ".join(f.cli for f in flags) + " (" + ", ".join(f.config for f in flags) + ")"
+    def __str__(self) -> str:
+        return self.text
 
 
-def flag_sets(cost: CostModel) -> list[tuple[Flag, ...]]:
-    """The flags the run has not set, one at a time, then all together."""
-    off = tuple(f for f in FLAGS if not getattr(cost, f.field))
-    return [(f,) for f in off] + ([off] if len(off) > 1 else [])
+def setting_changes(cost: CostModel) -> list[dict]:
+    """The changes of Liger, optimizer offload and ZeRO stage a refusal may name, fewest first: each unset
+    flag, each higher stage and their combinations, less those set-up refuses (``run_settings.problems``)."""
+    unset = [f for f in SWITCHES if not getattr(cost, f)]
+    out = []
+    for n in range(len(unset) + 1):
+        for flags in combinations(unset, n):
+            for stage in (None, *range(cost.zero_stage + 1, 4)):
+                changes = {f: True for f in flags} | ({} if stage is None else {"zero_stage": stage})
+                if changes and not problems(replace(cost, **changes)):
+                    out.append(changes)
+    return sorted(out, key=len)
 
 
-def with_flags(cost: CostModel, flags: tuple[Flag, ...]) -> CostModel:
-    return replace(cost, **{f.field: True for f in flags})
+def covers(found: dict, changes: dict) -> bool:
+    """Whether ``changes`` asks for everything ``found`` does (its flags, a stage at least as high): a
+    refusal that names ``found`` need not name ``changes`` too."""
+    flags = all(changes.get(f) for f in SWITCHES if found.get(f))
+    return flags and changes.get("zero_stage", -1) >= found.get("zero_stage", -1)
 
 
 def every_layout(cost: CostModel) -> Callable[[int], list[tuple[int, int]]]:
@@ -67,15 +76,17 @@ def every_layout(cost: CostModel) -> Callable[[int], list[tuple[int, int]]]:
 
 @dataclass(frozen=True)
 class FitQuestion:
-    """Does a pack length fit this run: its cost model, the (sp, cp) layouts a world offers
-    (``layouts_of``), the margin left free, the device's capacity (default the GPU's memory) and
-    whether offload and MLP tiles may be used (``memory_settings``: False for a measured search)."""
+    """Does a pack length fit this run: its cost model (``run_settings.cost_model``), the (sp, cp) layouts a
+    world offers (``layouts_of``), the margin left free, the device's capacity (default the GPU's memory),
+    whether offload and MLP tiles may be used (``memory_settings``: False for a measured search), and the
+    ``tool`` whose words the answer speaks."""
 
     cost: CostModel
     layouts_of: Callable[[int], list]
     margin: float = 0.0
     capacity: float | None = None
     memory_settings: bool = True
+    tool: Tool = CONFIG
 
     @property
     def device_bytes(self) -> float:
@@ -91,40 +102,45 @@ class FitQuestion:
         return fit_anywhere(profiler, pack_len, self.layouts_of(cost.world), cost.model.layers, self.margin)
 
 
-def settings_lever(q: FitQuestion, pack_len: int) -> list[str]:
+def settings_lever(q: FitQuestion, pack_len: int) -> list[Lever]:
     """Offload and MLP tiles, when the search in use does not try them (a measured one)."""
     if q.memory_settings or (where := q.where(pack_len, memory_settings=True)) is None:
         return []
-    return [f"offload and MLP tiles, which the analytic search tries ({where.describe(q.device_bytes)})"]
+    text = f"{q.tool.spell('analytic')}, whose search tries offload and MLP tiles ({where.describe(q.device_bytes)})"
+    return [Lever(text, analytic=True)]
 
 
-def flag_levers(q: FitQuestion, pack_len: int) -> list[str]:
-    """Each smallest set of unset flags (Liger, optimizer offload) with which ``pack_len`` fits."""
-    out, fitting = [], []
-    for flags in flag_sets(q.cost):
-        if any(set(done) <= set(flags) for done in fitting):
+def setting_levers(q: FitQuestion, pack_len: int) -> list[Lever]:
+    """Each smallest change of Liger, optimizer offload and ZeRO stage with which ``pack_len`` fits."""
+    out: list[Lever] = []
+    for changes in setting_changes(q.cost):
+        if any(covers(lever.changes, changes) for lever in out):
             continue
-        if (where := q.where(pack_len, with_flags(q.cost, flags))) is not None:
-            fitting.append(flags)
-            out.append(f"{spell(flags)}: {where.describe(q.device_bytes)}")
+        if (where := q.where(pack_len, replace(q.cost, **changes))) is not None:
+            out.append(Lever(f"{q.tool.spell_all(changes)}: {where.describe(q.device_bytes)}", changes))
     return out
 
 
-def gpu_lever(q: FitQuestion, pack_len: int) -> list[str]:
-    """The fewest GPUs (doubling the world, up to ``MAX_LEVER_GPUS``) with which ``pack_len`` fits:
-    with the run's flags, else with every flag."""
-    every = tuple(f for f in FLAGS if not getattr(q.cost, f.field))
-    for flags in ((), every) if every else ((),):
+def gpu_lever(q: FitQuestion, pack_len: int) -> list[Lever]:
+    """The fewest GPUs (doubling the world, up to ``MAX_LEVER_GPUS``) with which ``pack_len`` fits: with the
+    run's settings, else with the most relief set-up accepts (every flag, the highest ZeRO stage beside them)
+    where that alone does not make it fit on the run's GPUs."""
+    changes = setting_changes(q.cost)
+    most = max(changes, key=lambda c: (sum(bool(c.get(f)) for f in SWITCHES), c.get("zero_stage", 0)), default=None)
+    for extra in ({}, most) if most else ({},):
+        if extra and q.where(pack_len, replace(q.cost, **extra)) is not None:
+            return []  # a setting lever already makes it fit on these GPUs
         world = 2 * q.cost.world
         while world <= MAX_LEVER_GPUS:
-            if (where := q.where(pack_len, replace(with_flags(q.cost, flags), world=world))) is not None:
-                also = f" with {spell(flags)}" if flags else ""
-                return [f"{world} GPUs{also} (--gpus {world}: {where.describe(q.device_bytes)})"]
+            if (where := q.where(pack_len, replace(q.cost, **extra, world=world))) is not None:
+                also = f" with {q.tool.spell_all(extra)}" if extra else ""
+                text = f"{world} GPUs{also} ({q.tool.spell('world', world)}: {where.describe(q.device_bytes)})"
+                return [Lever(text, {**extra, "world": world})]
             world *= 2
     return []
 
 
-def shorter_lever(q: FitQuestion, pack_len: int, lengths) -> list[str]:
+def shorter_lever(q: FitQuestion, pack_len: int, lengths) -> list[Lever]:
     """The longest power of two below ``pack_len`` that fits with the run's settings, and what it
     leaves to ``over_length``."""
     shorter = 1 << (int(pack_len).bit_length() - 1)
@@ -140,18 +156,23 @@ def shorter_lever(q: FitQuestion, pack_len: int, lengths) -> list[str]:
         if longer.size
         else ""
     )
-    return [f"a largest level of {shorter:,} tokens (--max-len {shorter}, the selector's max_len{left})"]
+    return [Lever(f"a largest level of {shorter:,} tokens ({q.tool.spell('max_len', shorter)}{left})", max_len=shorter)]
 
 
-def levers(q: FitQuestion, pack_len: int, lengths=None) -> list[str]:
+def levers(q: FitQuestion, pack_len: int, lengths=None) -> list[Lever]:
     """What would make ``pack_len`` fit, each found by running the memory search with it, in the order
-    a user reaches for them (``settings_lever``, ``flag_levers``, ``gpu_lever``, ``shorter_lever``)."""
+    a user reaches for them (``settings_lever``, ``setting_levers``, ``gpu_lever``, ``shorter_lever``)."""
     return (
         settings_lever(q, pack_len)
-        + flag_levers(q, pack_len)
+        + setting_levers(q, pack_len)
         + gpu_lever(q, pack_len)
         + shorter_lever(q, pack_len, lengths)
     )
+
+
+def most_tiles(cost: CostModel, pack_len: int, sp: int) -> int:
+    """The most MLP tiles the search tries at this level, 1 where set-up refuses tiles."""
+    return min(TILE_STEPS[-1], pack_len // sp) if refusal("mlp_tiles", cost) is None else 1
 
 
 def closest(q: FitQuestion, pack_len: int) -> str:
@@ -162,7 +183,7 @@ def closest(q: FitQuestion, pack_len: int) -> str:
     for sp, cp in q.layouts_of(cost.world):
         if pack_len % sp:
             continue
-        tiles = min(TILE_STEPS[-1], pack_len // sp) if q.memory_settings and cost.zero_stage < 3 else 1
+        tiles = most_tiles(cost, pack_len, sp) if q.memory_settings else 1
         rows.append((cost.memory_bytes(pack_len, sp, layers, 1, q.memory_settings, tiles, cp), sp, cp, tiles))
     if not rows:
         return f"no sp of {cost.world} GPUs divides it"
@@ -184,39 +205,47 @@ def static_note(q: FitQuestion) -> str:
     static = q.cost.static_bytes()
     return (
         f"the parameters, gradients and Adam states alone take {static / GIB:.1f} GiB per GPU under "
-        f"ZeRO-{q.cost.zero_stage} on {q.cost.world} GPUs, {q.device_bytes / GIB:.1f} GiB to use: a higher ZeRO "
-        "stage (HBPStrategy stage), or a smaller model"
+        f"ZeRO-{q.cost.zero_stage} on {q.cost.world} GPUs, {q.device_bytes / GIB:.1f} GiB to use: a smaller model"
     )
 
 
 class NoLevelFits(ValueError):
     """The longest sample fits no level this run can train. The message (one line) says how far the
-    run falls short and names the levers that would make it fit; ``pack_len`` and ``levers`` carry
-    them for callers."""
+    run falls short and names the levers that would make it fit; ``pack_len`` and ``levers`` (``Lever``s)
+    carry them for callers."""
 
-    def __init__(self, message: str, pack_len: int, found: list[str]):
+    def __init__(self, message: str, pack_len: int, found: list[Lever]):
         super().__init__(message)
         self.pack_len, self.levers = pack_len, found
 
+    def __reduce__(self):
+        """Pickled whole: the measured search's processes hand it to the one that launched them."""
+        return type(self), (str(self), self.pack_len, self.levers)
 
-def refusal(q: FitQuestion, pack_len: int, lengths=None) -> NoLevelFits:
+
+def run_flags(q: FitQuestion) -> str:
+    """`` with --liger --offload-optimizer``: the run's own switches, as the tool spells them."""
+    on = {f: True for f in SWITCHES if getattr(q.cost, f)}
+    return f" with {q.tool.spell_all(on)}" if on else ""
+
+
+def no_level_fits(q: FitQuestion, pack_len: int, lengths=None) -> NoLevelFits:
     """The error for a largest level of ``pack_len`` that fits no layout of the run, naming the levers."""
     hw, world = q.cost.hardware, q.cost.world
-    flags = tuple(f for f in FLAGS if getattr(q.cost, f.field))
-    with_ = f" with {' '.join(f.cli for f in flags)}" if flags else ""
     longest = f"the longest sample ({int(np.max(lengths)):,} tokens) needs " if lengths is not None else ""
     found = levers(q, pack_len, lengths)
-    fix = "it fits with " + "; or ".join(found) if found else f"no lever makes any level fit: {static_note(q)}"
-    where = f"{world} x {hw.name}{with_} ({closest(q, pack_len)})"
+    fix = "it fits with " + "; or ".join(map(str, found)) if found else f"no lever makes it fit: {static_note(q)}"
+    where = f"{world} x {hw.name} at ZeRO-{q.cost.zero_stage}{run_flags(q)} ({closest(q, pack_len)})"
     return NoLevelFits(f"{longest}a {pack_len:,}-token level, which fits no sp of {where}: {fix}", pack_len, found)
 
 
 def why_not_fits(cost: CostModel, level: Level) -> str:
-    """What a level given by hand needs beyond the device with every layer checkpointed, offloaded and
-    the MLP in the most tiles the search tries: the parts of its predicted memory, largest first; then
-    the levers that make it fit (a larger sp, Liger, optimizer offload), each found by the search."""
+    """What a level given to ``python -m lit_hbp.simulate`` needs beyond the device with every layer
+    checkpointed, offloaded and the MLP in the most tiles the search tries: the parts of its predicted
+    memory, largest first; then the levers that make it fit (a larger sp, Liger, optimizer offload, a higher
+    ZeRO stage), each found by the search."""
     hw = cost.hardware
-    tiles = min(TILE_STEPS[-1], level.pack_len // level.sp)
+    tiles = most_tiles(cost, level.pack_len, level.sp)
     layers, cp = cost.model.layers, level.layout[1]
     parts = cost.memory_parts(level.pack_len, level.sp, layers, level.packs_per_rank, True, tiles, cp)
     total = cost.memory_bytes(level.pack_len, level.sp, layers, level.packs_per_rank, True, tiles, cp)
@@ -227,12 +256,14 @@ def why_not_fits(cost: CostModel, level: Level) -> str:
             f"{hw.host_memory_bytes / GIB:.0f} GiB"
         )
     top = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
-    larger = FitQuestion(cost, lambda w: [x for x in every_layout(cost)(w) if x[0] > level.sp])
-    here = FitQuestion(cost, lambda w: [(level.sp, cp)])
+    larger = FitQuestion(cost, lambda w: [x for x in every_layout(cost)(w) if x[0] > level.sp], tool=SIMULATE)
+    here = FitQuestion(cost, lambda w: [(level.sp, cp)], tool=SIMULATE)
     wider = larger.where(level.pack_len)
-    found = ([f"a larger sp ({wider.describe(hw.memory_bytes)})"] if wider else []) + flag_levers(here, level.pack_len)
+    found = [f"a larger sp ({wider.describe(hw.memory_bytes)})"] if wider else []
+    found += [str(lever) for lever in setting_levers(here, level.pack_len)]
     fix = "it fits with " + "; or ".join(found) + "; or make it shorter" if found else "make it shorter"
+    tiled = f" and {tiles} MLP tiles" if tiles > 1 else ""
     return (
-        f"{total / GIB:.1f} GiB per GPU predicted with all {layers} layers checkpointed and offloaded and "
-        f"{tiles} MLP tiles, the {hw.name} has {hw.memory_bytes / GIB:.1f} GiB ({top} GiB): {fix}"
+        f"{total / GIB:.1f} GiB per GPU predicted with all {layers} layers checkpointed and offloaded{tiled}, "
+        f"the {hw.name} has {hw.memory_bytes / GIB:.1f} GiB ({top} GiB): {fix}"
     )

@@ -77,19 +77,6 @@ def probe_strategy_args(strategy) -> dict:
     return {"config": config, **{name: getattr(strategy, name) for name in kept}}
 
 
-def zero_stage(strategy_args: dict) -> int:
-    """The ZeRO stage HBPStrategy(**strategy_args) trains with."""
-    config = strategy_args.get("config") or {}
-    return int(config.get("zero_optimization", {}).get("stage", strategy_args.get("stage", 2)))
-
-
-def optimizer_offloaded(strategy_args: dict) -> bool:
-    """Whether HBPStrategy(**strategy_args) keeps the Adam states on the host (``offload_optimizer``)."""
-    config = strategy_args.get("config") or {}
-    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
-    return bool(strategy_args.get("offload_optimizer")) or offload.get("device", "none") not in ("none", None)
-
-
 class MeasuredProfiler:
     """Trains ``warmup + steps`` optimizer steps of a fresh copy of the user's module per probe on
     synthetic packs drawn from the dataset's lengths.

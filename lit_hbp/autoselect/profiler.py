@@ -2,7 +2,8 @@
 model train packs of ``pack_len`` tokens at a given sp and number of checkpointed layers?
 
 ``AnalyticProfiler`` prices it with the cost model (no hardware needed); ``MeasuredProfiler``
-(lit_hbp.autoselect.measured) trains a few real steps of the model through HBPStrategy.
+(lit_hbp.autoselect.measured) trains a few real steps of the model through HBPStrategy. A ``Candidate``
+is one setting the search asked about, with the answer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from lit_hbp.costmodel import CostModel, pack_stats
+from lit_hbp.run_settings import refusal
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,33 @@ class Measurement:
         return 0.0 if self.oom or self.seconds <= 0 else self.tokens / self.seconds
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A setting the search priced or probed (pack length, (sp, cp) layout, checkpointed layers, offload,
+    MLP tiles) and what the profiler answered."""
+
+    pack_len: int
+    sp: int
+    ckpt_layers: int | None
+    measurement: Measurement | None
+    note: str = ""
+    cp: int = 1
+    offload: bool = False
+    tiles: int = 1
+
+    @property
+    def layout(self) -> str:
+        return str(self.sp) if self.cp == 1 else f"{self.sp}={self.sp // self.cp}x{self.cp}"
+
+    @property
+    def memory_note(self) -> str:
+        return (" offload" if self.offload else "") + (f" tiles {self.tiles}" if self.tiles > 1 else "")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.measurement.tokens_per_second if self.measurement is not None else 0.0
+
+
 class Profiler(Protocol):
     capacity: float
 
@@ -54,7 +83,7 @@ class MemoryProfiler:
         self.cost = cost
         self.capacity = cost.hardware.memory_bytes if capacity is None else capacity
         self.memory_settings = memory_settings
-        self.tiles_allowed = cost.zero_stage < 3  # ZeRO-3's partitioned weights cannot enter a TiledMLP
+        self.tiles_allowed = refusal("mlp_tiles", cost) is None  # set-up refuses them under ZeRO-3
 
     def measure(
         self, pack_len: int, sp: int, ckpt_layers: int, cp: int = 1, offload: bool = False, tiles: int = 1

@@ -1,9 +1,9 @@
-"""Hierarchical Groups Auto-Selection: the paper's Algorithms 1, 3 and 4 (docs/design.md section 8).
+"""Hierarchical Groups Auto-Selection: the paper's Algorithms 1 and 3 (docs/design.md section 8), over
+Algorithm 4 and the memory settings beyond it (``memory_fit``), and the one level search every tool runs
+(``select_levels``), which refuses with the levers that would make its largest level fit (``levers``).
 
-Algorithm 4 (checkpointing): profile memory with c_min and c_max checkpointed layers, interpolate
-linearly the smallest count that leaves ``margin`` bytes free. Algorithm 3: for every SP layout
-(sp, cp) = (ulysses x cp, cp), that checkpointing, then keep the (sp, cp, ckpt) with the most tokens
-per second per device.
+Algorithm 3: for every SP layout (sp, cp) = (ulysses x cp, cp), the fewest checkpointed layers that fit
+(Algorithm 4), then keep the (sp, cp, ckpt) with the most tokens per second per device.
 Algorithm 1: stage 1 runs Algorithm 3 for every candidate pack length and keeps the fastest
 (l_best) and the largest (l_max); stage 2 adds l1 = l_best / sp_best (short samples stay whole on
 one rank, no SP traffic) and l2 = l_max / sp_max when l2 > l_best.
@@ -17,38 +17,17 @@ from functools import partial
 
 import numpy as np
 
-from lit_hbp.autoselect.profiler import AnalyticProfiler, Measurement, Profiler
+from lit_hbp.autoselect.levers import FitQuestion, no_level_fits
+from lit_hbp.autoselect.memory_fit import TILE_STEPS as TILE_STEPS  # the tile counts, where bench/ reads them
+from lit_hbp.autoselect.memory_fit import fit_memory
+from lit_hbp.autoselect.profiler import AnalyticProfiler, Candidate, Profiler
+from lit_hbp.costmodel import GIB, CostModel
 from lit_hbp.packing.levels import LAYOUT_KINDS, Level
 from lit_hbp.parallel.context_parallel import ContextParallel
 from lit_hbp.parallel.groups import as_layout
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import default_layout
-
-GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class Candidate:
-    pack_len: int
-    sp: int
-    ckpt_layers: int | None
-    measurement: Measurement | None
-    note: str = ""
-    cp: int = 1
-    offload: bool = False
-    tiles: int = 1
-
-    @property
-    def layout(self) -> str:
-        return str(self.sp) if self.cp == 1 else f"{self.sp}={self.sp // self.cp}x{self.cp}"
-
-    @property
-    def memory_note(self) -> str:
-        return (" offload" if self.offload else "") + (f" tiles {self.tiles}" if self.tiles > 1 else "")
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.measurement.tokens_per_second if self.measurement is not None else 0.0
+from lit_hbp.run_settings import CONFIG, Tool
 
 
 @dataclass
@@ -87,113 +66,6 @@ class Selection:
             )
             lines.append(f"  - {{pack_len: {lv.pack_len}, sp: {lv.sp}, ckpt_layers: {lv.ckpt_layers}{memory}{kind}}}")
         return "\n".join(lines) + "\n"
-
-
-def greedy_profile_ckpt(
-    profiler: Profiler, pack_len: int, sp: int, c_min: int, c_max: int, margin: float = 0.0, cp: int = 1
-) -> tuple[int | None, list[Candidate]]:
-    """Algorithm 4: the fewest checkpointed layers that fit, by linear interpolation of memory.
-
-    Returns (layers or None when even c_max does not fit, the measurements taken)."""
-    trace = []
-
-    def probe(c: int) -> Measurement:
-        m = profiler.measure(pack_len, sp, c, cp)
-        trace.append(Candidate(pack_len, sp, c, m, "memory probe", cp))
-        return m
-
-    def remaining(m: Measurement) -> float | None:
-        return None if m.memory is None else profiler.capacity - m.memory
-
-    low = probe(c_min)
-    if low.fits and remaining(low) >= margin:
-        return c_min, trace
-    high = probe(c_max) if c_max != c_min else low
-    r_high = remaining(high)
-    if not high.fits or r_high is None or r_high < margin:
-        return None, trace
-    r_low = remaining(low)
-    if r_low is None:  # a real OOM at c_min: no memory figure to interpolate from; bisect instead
-        lo, hi = c_min, c_max
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            m = probe(mid)
-            lo, hi = (lo, mid) if m.fits and remaining(m) >= margin else (mid, hi)
-        return hi, trace
-    slope = (r_high - r_low) / (c_max - c_min)
-    c = min(max(math.ceil(c_max - (r_high - margin) / slope), c_min), c_max)
-    while c < c_max:  # the interpolation is linear; confirm it and step up if it fell short
-        m = probe(c)
-        if m.fits and remaining(m) >= margin:
-            break
-        c += 1
-    return c, trace
-
-
-TILE_STEPS = (2, 4, 8, 16, 32, 64)
-"""MLP tile counts the search tries, in order, once offload alone is not enough."""
-
-
-@dataclass(frozen=True)
-class MemoryFit:
-    """How a level fits: checkpointed layers, offload, MLP tiles."""
-
-    ckpt: int
-    offload: bool = False
-    tiles: int = 1
-
-
-def fit_memory(
-    profiler: Profiler, pack_len: int, sp: int, c_min: int, c_max: int, margin: float = 0.0, cp: int = 1
-) -> tuple[MemoryFit | None, list[Candidate]]:
-    """The paper's Algorithm 4 (the fewest checkpointed layers that fit), then, when every layer
-    checkpointed is not enough and the profiler prices them (``memory_settings``): offload of the
-    checkpointed inputs, then offload with the fewest MLP tiles (``TILE_STEPS``) that fit."""
-    ckpt, trace = greedy_profile_ckpt(profiler, pack_len, sp, c_min, c_max, margin, cp)
-    if ckpt is not None:
-        return MemoryFit(ckpt), trace
-    if not getattr(profiler, "memory_settings", False) or c_max == 0:
-        return None, trace
-    steps = TILE_STEPS if getattr(profiler, "tiles_allowed", True) else ()
-    for tiles in (1, *steps):
-        if tiles > pack_len // sp:
-            break
-        m = profiler.measure(pack_len, sp, c_max, cp, offload=True, tiles=tiles)
-        trace.append(Candidate(pack_len, sp, c_max, m, "memory probe", cp, True, tiles))
-        if m.fits and m.memory is not None and profiler.capacity - m.memory >= margin:
-            return MemoryFit(c_max, True, tiles), trace
-    return None, trace
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a level fits: its (sp, cp) layout, how (``MemoryFit``) and its predicted peak bytes."""
-
-    sp: int
-    cp: int
-    fit: MemoryFit
-    memory: float
-
-    def describe(self, capacity: float) -> str:
-        """``74.2 of 74.5 GiB at sp 8, ckpt 32, offload, mlp_tiles 4``: what a refusal quotes."""
-        layout = f"sp {self.sp}" + (f" (ulysses {self.sp // self.cp} x cp {self.cp})" if self.cp > 1 else "")
-        how = f"ckpt {self.fit.ckpt}" + (", offload" if self.fit.offload else "")
-        how += f", mlp_tiles {self.fit.tiles}" if self.fit.tiles > 1 else ""
-        return f"{self.memory / GIB:.1f} of {capacity / GIB:.1f} GiB at {layout}, {how}"
-
-
-def fit_anywhere(profiler, pack_len: int, layouts, layers: int, margin: float = 0.0) -> Placement | None:
-    """The first layout, fewest ranks first, in which ``pack_len`` fits (``fit_memory``: checkpointing,
-    then offload, then MLP tiles), or None: the search's question for its largest level, asked of
-    memory alone so that it can be asked first and again with each lever (``levers.py``)."""
-    for sp, cp in sorted(as_layout(x) for x in layouts):
-        if pack_len % sp:
-            continue
-        fit, _ = fit_memory(profiler, pack_len, sp, 0, layers, margin, cp)
-        if fit is not None:
-            settings = dict(offload=True, tiles=fit.tiles) if fit.offload else {}
-            return Placement(sp, cp, fit, profiler.measure(pack_len, sp, fit.ckpt, cp, **settings).memory)
-    return None
 
 
 class LargestDoesNotFit(ValueError):
@@ -352,7 +224,8 @@ def select_levels(
     sp_kind: str = "ulysses",
     every_layout: bool = True,
     node_size: int | None = None,
-    cost=None,
+    cost: CostModel | None = None,
+    tool: Tool = CONFIG,
 ) -> Selection:
     """The level search every tool runs (``simulate``, ``autoselect``, the selectors of a fit):
     Algorithm 1 over pack lengths up to the one that holds the longest sample (``covering_length``,
@@ -360,12 +233,10 @@ def select_levels(
     ``sp_candidates``, each with the fewest checkpointed layers, then offload, then MLP tiles that fit.
 
     It keeps every sample or refuses: when the largest level fits no layout, it raises
-    ``levers.NoLevelFits`` naming what would make it fit (with ``cost``, the run's cost model: each
-    lever found by running the memory search with it), before pricing anything where the profiler
-    answers memory analytically. Samples above ``max_len`` are the caller's to truncate or drop
-    (``Selection.notes`` counts them)."""
-    from lit_hbp.autoselect.levers import FitQuestion, refusal  # levers builds on this module
-
+    ``levers.NoLevelFits`` naming what would make it fit in ``tool``'s words (with ``cost``, the run's cost
+    model, ``run_settings.cost_model``: each lever found by running the memory search with it), before
+    pricing anything where the profiler answers memory analytically. Samples above ``max_len`` are the
+    caller's to truncate or drop (``Selection.notes`` counts them)."""
     top = covering_length(lengths, max_len)
     cands = level_candidates(lengths, top, candidates, max_len)
     layouts_of = partial(
@@ -377,15 +248,15 @@ def select_levels(
         node_size=node_size,
     )
     analytic = getattr(profiler, "memory_settings", False)
-    question = None if cost is None else FitQuestion(cost, layouts_of, margin, profiler.capacity, analytic)
+    question = None if cost is None else FitQuestion(cost, layouts_of, margin, profiler.capacity, analytic, tool)
     if question is not None and analytic and question.where(cands[-1]) is None:
-        raise refusal(question, cands[-1], lengths)
+        raise no_level_fits(question, cands[-1], lengths)
     try:
         selection = auto_select(profiler, cands, layouts_of(world), model.layers, 0, margin, sp_kind)
     except LargestDoesNotFit:
         if question is None:
             raise
-        raise refusal(question, cands[-1], lengths) from None
+        raise no_level_fits(question, cands[-1], lengths) from None
     selection.notes = beyond_notes(lengths, selection.levels[-1].pack_len)
     return selection
 
@@ -404,7 +275,7 @@ def beyond_notes(lengths, largest: int) -> list[str]:
 
 
 def analytic_levels(
-    cost,
+    cost: CostModel,
     lengths,
     seed: int = 0,
     max_len: int | None = None,
@@ -412,11 +283,12 @@ def analytic_levels(
     margin: float = 0.0,
     sp_kind: str = "ulysses",
     node_size: int | None = None,
+    tool: Tool = CONFIG,
 ) -> Selection:
     """``select_levels`` priced by the cost model of the run (``AnalyticProfiler``): what
     ``python -m lit_hbp.simulate`` auto-selects and ``AnalyticSelector`` (``python -m
     lit_hbp.autoselect --analytic``, a fit with analytic levels) chooses, from the same arguments."""
     profiler = AnalyticProfiler(cost, lengths, seed)
     return select_levels(
-        profiler, lengths, cost.model, cost.world, max_len, candidates, margin, sp_kind, True, node_size, cost
+        profiler, lengths, cost.model, cost.world, max_len, candidates, margin, sp_kind, True, node_size, cost, tool
     )

@@ -23,16 +23,26 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.autoselect.launch import launch
-from lit_hbp.autoselect.measured import MeasuredProfiler, optimizer_offloaded, probe_strategy_args, zero_stage
+from lit_hbp.autoselect.measured import MeasuredProfiler, probe_strategy_args
 from lit_hbp.autoselect.search import Selection, analytic_levels, select_levels
 from lit_hbp.checks import position_range
 from lit_hbp.config import model_config, spec_of
-from lit_hbp.costmodel import HARDWARE, CostModel, Hardware
+from lit_hbp.costmodel import GIB, HARDWARE, CostModel, Hardware
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing.levels import Level, LevelSelector
-
-GIB = 1024**3
+from lit_hbp.run_settings import (
+    CONFIG,
+    Settings,
+    Tool,
+    check,
+    config_strategy,
+    cost_model,
+    describe,
+    local_hardware,
+    settings_of,
+    with_zero,
+)
 
 
 @dataclass
@@ -48,6 +58,8 @@ class RunSetting:
     SP groups the probes built. node_size: ranks per node (the default layouts keep Ulysses inside one).
     max_len: the longest position the model covers (``checks.position_range``: max_position_embeddings
     or what its RoPE scaling extends it to), None when unknown: the largest level the fit accepts.
+    tool: whose words a refusal speaks (``run_settings.Tool``): a training config's inside a fit, the
+    command line's from ``python -m lit_hbp.autoselect``.
     """
 
     spec: ModelSpec
@@ -61,13 +73,26 @@ class RunSetting:
     strategy: Any = None
     node_size: int | None = None
     max_len: int | None = None
+    tool: Tool = CONFIG
 
-    def with_flags(self, liger: bool = False, offload_optimizer: bool = False) -> RunSetting:
-        """This run with Liger's RMSNorm/SwiGLU and/or the Adam states on the host turned on (the
-        levers ``--liger`` and ``--offload-optimizer`` of the command line tools)."""
+    def with_flags(
+        self, liger: bool = False, offload_optimizer: bool = False, zero_stage: int | None = None
+    ) -> RunSetting:
+        """This run with Liger's RMSNorm/SwiGLU, the Adam states on the host and/or another ZeRO stage (the
+        levers ``--liger``, ``--offload-optimizer`` and ``--zero-stage`` of the command line tools)."""
         module_args = {**self.module_args, **({"liger": True} if liger else {})}
-        strategy_args = {**self.strategy_args, **({"offload_optimizer": True} if offload_optimizer else {})}
+        strategy_args = with_zero(self.strategy_args, zero_stage, offload_optimizer)
         return replace(self, module_args=module_args, strategy_args=strategy_args)
+
+    def settings(self, hardware: Hardware) -> Settings:
+        """The run's settings on ``hardware`` (``run_settings.settings_of``): its HBPStrategy's ZeRO stage and
+        offloads, the module's Liger, LoRA and loss chunk, the precision."""
+        precision = self.trainer_args.get("precision")
+        return settings_of(hardware, self.world, self.strategy_args, self.module_args, precision)
+
+    def cost_model(self, hardware: Hardware, sp_kind: str = "ulysses") -> CostModel:
+        """The run's cost model on ``hardware`` (``run_settings.cost_model`` of ``settings``)."""
+        return cost_model(self.spec, self.settings(hardware), sp_kind)
 
     def make_module(self):
         """A fresh copy of the run's module, seeded like the run."""
@@ -114,17 +139,16 @@ class RunSetting:
     @classmethod
     def from_config(cls, config: dict, vocab: int | None, world: int, spec: ModelSpec | None = None) -> RunSetting:
         """A training config (``lit_hbp.config.read_config``) to be run on ``world`` local processes:
-        its model and loss settings, precision, accumulation, clipping and ZeRO settings."""
+        its model and loss settings, precision (Lightning's 32-true when it names none), accumulation,
+        clipping and its DeepSpeed strategy's settings (``run_settings.config_strategy``; HBPStrategy's
+        defaults when it names none: the search plans levels with sp > 1, which need HBPStrategy)."""
         module_args = dict(config.get("model") or {})
         if vocab is not None:
             module_args["vocab_size"] = vocab
         trainer = config.get("trainer") or {}
-        kept = ("precision", "accumulate_grad_batches", "gradient_clip_val")
-        trainer_args = {k: trainer[k] for k in kept if k in trainer}
-        strategy = trainer.get("strategy")
-        strategy_args = {}
-        if isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("HBPStrategy"):
-            strategy_args = {k: v for k, v in (strategy.get("init_args") or {}).items() if k != "levels"}
+        kept = {k: trainer[k] for k in ("accumulate_grad_batches", "gradient_clip_val") if k in trainer}
+        trainer_args = {"precision": trainer.get("precision", "32-true"), **kept}
+        strategy_args = config_strategy(trainer.get("strategy")) or {}
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
         model = None if spec else model_config(config, vocab)
         return cls(
@@ -136,18 +160,6 @@ class RunSetting:
             trainer_args={"accelerator": accelerator, "devices": world, **trainer_args},
             strategy_args=strategy_args,
             max_len=None if model is None else position_limit(model),
-        )
-
-    def cost_model(self, hardware: Hardware, sp_kind: str = "ulysses") -> CostModel:
-        """The run's cost model on ``hardware``: its world, ZeRO stage, Liger and optimizer offload."""
-        return CostModel(
-            self.spec,
-            hardware,
-            self.world,
-            zero_stage=zero_stage(self.strategy_args),
-            sp_kind=sp_kind,
-            liger=bool(self.module_args.get("liger", False)),
-            optimizer_offload=optimizer_offloaded(self.strategy_args),
         )
 
 
@@ -225,6 +237,7 @@ class Selector(LevelSelector):
             every_layout=self.every_layout,
             node_size=run.node_size,
             cost=cost,
+            tool=run.tool,
         )
 
 
@@ -251,12 +264,14 @@ class AnalyticSelector(Selector):
         return run.cost_model(HARDWARE[self.gpu], self.sp_kind)
 
     def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
+        cost = self.cost_model(run)
+        check(cost, run.tool)
         margin = self.margin_gib * GIB
-        args = (self.cap(run), self.candidates, margin, self.sp_kind, run.node_size)
-        return analytic_levels(self.cost_model(run), lengths, run.seed, *args)
+        args = (self.cap(run), self.candidates, margin, self.sp_kind, run.node_size, run.tool)
+        return analytic_levels(cost, lengths, run.seed, *args)
 
     def where(self, run: RunSetting) -> str:
-        return f"analytic, {run.world} x {HARDWARE[self.gpu].name}"
+        return f"analytic, {run.world} x {HARDWARE[self.gpu].name}, {describe(self.cost_model(run))}"
 
 
 class MeasuredSelector(Selector):
@@ -280,25 +295,26 @@ class MeasuredSelector(Selector):
         self.memory_gib, self.steps = memory_gib, steps
         self.sp_groups = None
 
-    def capacity(self, device) -> float:
-        if self.memory_gib is not None:
-            return self.memory_gib * GIB
-        if device.type == "cuda":
-            return float(torch.cuda.get_device_properties(device).total_memory)
-        return 16.0 * GIB
-
-    def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
-        if not run.in_world:
-            return launch(self, lengths, run)
+    def cost_model(self, run: RunSetting) -> CostModel:
+        """The run's cost model on this process's device as it reports itself (``run_settings.local_hardware``):
+        a GPU's memory, ``memory_gib`` where given, 16 GiB of a CPU."""
         cuda = run.trainer_args.get("accelerator") == "cuda"
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        # The cost model screens out probes sure to run out of memory (memory needs no GPU kind) and
-        # finds the levers a refusal names.
-        cost = run.cost_model(HARDWARE["h100"])
+        memory = self.memory_gib * GIB if self.memory_gib is not None else None if cuda else 16.0 * GIB
+        return run.cost_model(local_hardware(device, memory, run.node_size or run.world), self.sp_kind)
+
+    def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
+        # The cost model refuses what set-up would refuse, screens out probes sure to run out of memory and
+        # finds the levers a refusal names, priced on this device.
+        cost = self.cost_model(run)
+        check(cost, run.tool)
+        if not run.in_world:
+            cuda = run.trainer_args.get("accelerator") == "cuda"
+            return launch(self.select, (lengths, replace(run, in_world=True)), run.world, cuda)
         profiler = MeasuredProfiler(
             run.make_module,
             lengths,
-            self.capacity(device),
+            cost.hardware.memory_bytes,
             run.trainer_args,
             run.strategy_args,
             steps=self.steps,
@@ -313,4 +329,5 @@ class MeasuredSelector(Selector):
         return selection
 
     def where(self, run: RunSetting) -> str:
-        return f"measured on {run.world} {run.trainer_args.get('accelerator', 'cpu')} device(s)"
+        cost = self.cost_model(run)
+        return f"measured on {run.world} x {cost.hardware.name}, {describe(cost)}"

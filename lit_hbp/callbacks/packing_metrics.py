@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.costmodel import HARDWARE
 from lit_hbp.model_spec import ModelSpec
+from lit_hbp.run_settings import Settings, cost_model, trainer_settings
 
 
 class PackingMetrics(L.Callback):
@@ -31,7 +34,7 @@ class PackingMetrics(L.Callback):
         logger whose ``experiment`` has ``add_figure`` (TensorBoard; other loggers are skipped):
         "packing/length_histogram", the sample lengths coloured by the level that packs them, and
         "packing/timeline", per-rank timelines of a few micro-steps priced with the analytic cost
-        model (``lit_hbp.costmodel``) of the trained model on ``hardware``, which shows the idle
+        model of the trained model's run (``run_settings.cost_model``) on ``hardware``, which shows the idle
         time and SP communication the plan would cost on such a cluster. Its times are simulated,
         not measured on the devices of this run, and its titles say so. The model's shape comes from
         ``pl_module.model.config`` (a Hugging Face config); without one only the histogram is logged.
@@ -81,7 +84,7 @@ class PackingMetrics(L.Callback):
         from lit_hbp.simulate.plots import length_histogram_figure
 
         figures = {"packing/length_histogram": length_histogram_figure(plan)}
-        timeline = self._timeline(pl_module, plan)
+        timeline = self._timeline(pl_module, plan, trainer)
         if timeline is not None:
             figures["packing/timeline"] = timeline
         for tag, fig in figures.items():
@@ -89,8 +92,9 @@ class PackingMetrics(L.Callback):
                 writer.add_figure(tag, fig, global_step=trainer.global_step, close=False)
             fig.clear()
 
-    def _timeline(self, pl_module: L.LightningModule, plan):
-        """The epoch's plan priced with the cost model of the trained model, or None without a config."""
+    def _timeline(self, pl_module: L.LightningModule, plan, trainer: L.Trainer | None = None):
+        """The epoch's plan priced with the cost model of the trained model (and of the trainer's run: its ZeRO
+        stage, offloads, precision), or None without a config."""
         from lit_hbp.simulate import simulate
         from lit_hbp.simulate.plots import timeline_figure
 
@@ -99,7 +103,9 @@ class PackingMetrics(L.Callback):
             rank_zero_warn("PackingMetrics(figures=True): the module has no `model.config`; timeline not logged")
             return None
         spec = ModelSpec.from_config(config.to_dict())
-        cost = CostModel(spec, HARDWARE[self.hardware], world=plan.world_size)
+        hardware = HARDWARE[self.hardware]
+        run = Settings(plan.world_size, hardware) if trainer is None else trainer_settings(trainer, hardware)
+        cost = cost_model(spec, replace(run, world=plan.world_size))
         name = f"this epoch's plan, simulated on {plan.world_size} x {cost.hardware.name} (cost model)"
         return timeline_figure([simulate(plan, cost, name)])
 

@@ -33,12 +33,13 @@ import sys
 import numpy as np
 
 from lit_hbp.autoselect.search import Selection, analytic_levels
-from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.costmodel import GIB, HARDWARE
 from lit_hbp.model_spec import load_model_spec
 from lit_hbp.packing import Level
 from lit_hbp.packing.bins import load_lengths
 from lit_hbp.parallel.topology import resolve_layout
 from lit_hbp.report import format_table
+from lit_hbp.run_settings import SIMULATE, Settings, check, cost_model, describe
 from lit_hbp.simulate.simulator import COMM_PARTS, Simulation, compare, compare_auto, fill_checkpointing
 
 COLUMNS = [("hours", ".2f"), ("gpu_hours", ".1f"), ("speedup", ".2f"), ("abr", ".3f"), ("cp_abr", ".3f"), ("cr", ".3f")]
@@ -134,7 +135,7 @@ def layout_note(level: Level) -> str:
     return f"={u}x{cp}" if cp > 1 else ""
 
 
-def describe(levels) -> str:
+def describe_levels(levels) -> str:
     """``16384 sp1 ckpt0, 131072 sp8=2x4 ckpt20 offload``: levels on one line."""
     return ", ".join(f"{lv.pack_len} sp{lv.sp}{layout_note(lv)} ckpt{lv.ckpt_layers}{lv.memory_note}" for lv in levels)
 
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", default="h100", choices=sorted(HARDWARE))
     p.add_argument("--levels", nargs="+", default=["16384:1", "131072:8"], help="HBP levels PACK_LEN:SP[:CKPT]")
     p.add_argument("--accumulate", type=int, default=1)
-    p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
+    p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3], help="DeepSpeed's ZeRO stage")
     p.add_argument("--liger", action="store_true", help="the model runs Liger's RMSNorm and SwiGLU (liger: true)")
     p.add_argument(
         "--offload-optimizer", action="store_true", help="DeepSpeed offload_optimizer: Adam states on the host"
@@ -163,17 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lengths = load_lengths(args.lengths)
         spec = load_model_spec(args.model)
-        cost = CostModel(
-            spec,
-            HARDWARE[args.gpu],
-            args.gpus,
-            zero_stage=args.zero_stage,
-            liger=args.liger,
-            optimizer_offload=args.offload_optimizer,
-        )
-        margin = args.margin_gib * 1024**3
+        settings = Settings(args.gpus, HARDWARE[args.gpu], args.zero_stage, args.offload_optimizer, liger=args.liger)
+        check(settings, SIMULATE)
+        cost = cost_model(spec, settings)
+        margin = args.margin_gib * GIB
         # the search first: a longest sample that fits nothing is refused before anything is priced
-        selection = None if args.no_auto else analytic_levels(cost, lengths, args.seed, args.max_len, margin=margin)
+        selection = (
+            None
+            if args.no_auto
+            else analytic_levels(cost, lengths, args.seed, args.max_len, margin=margin, tool=SIMULATE)
+        )
         levels, auto_ckpt = parse_levels(args.levels)
         levels = [resolve_layout(lv, spec.heads, spec.kv_heads, cost.hardware.gpus_per_node) for lv in levels]
         chosen = fill_checkpointing([lv for lv, a in zip(levels, auto_ckpt) if a], cost, lengths, margin)
@@ -183,12 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    hw = cost.hardware
-    flags = (", Liger" if args.liger else "") + (", optimizer offload" if args.offload_optimizer else "")
     print(
         f"{len(lengths):,} samples, {int(lengths.sum()):,} tokens; {spec.name} ({spec.params / 1e9:.1f}B) on "
-        f"{args.gpus} x {hw.name} (simulated with the cost model), ZeRO-{args.zero_stage}{flags}; levels "
-        + describe(levels)
+        f"{args.gpus} x {cost.hardware.name} (simulated with the cost model), {describe(cost)}; levels "
+        + describe_levels(levels)
         + "\n"
     )
     top = levels[-1].pack_len
@@ -213,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             f"HBP with the auto-selected levels over naive ISF at the same largest level ({auto_top:,} tokens): "
             f"{rows[-1]['speedup']:.2f}x"
         )
-        print("\nauto-selected levels (d), " + describe(selection.levels) + ":\n" + selection.yaml())
+        print("\nauto-selected levels (d), " + describe_levels(selection.levels) + ":\n" + selection.yaml())
         for note in selection.notes:
             print(note + "\n")
         print(layouts_tried(selection, auto_top))

@@ -1,0 +1,340 @@
+"""A run's settings, read once: the cost model they price, and which of them set-up accepts together.
+
+Every tool that plans a run or refuses one reads it here: the level search and its refusals
+(``autoselect.levers``), ``python -m lit_hbp.memory``, both selectors, the simulator, ``PackingMetrics``'
+timeline and the set-up checks of ``HBPLitModule`` and ``HBPStrategy``. ``Settings`` is what a run's memory
+depends on beyond its model; ``cost_model`` prices it; ``RULES`` says which settings set-up refuses and
+with what; a ``Tool`` spells a setting the way one command line (or a training config) takes it. So what a
+refusal advises is a flag of the tool that printed it, and what set-up then accepts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from lit_hbp.costmodel import HARDWARE, CostModel, Hardware
+from lit_hbp.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a run's memory depends on beyond its model, under the names ``CostModel`` gives them.
+
+    world: ranks. hardware: the GPU kind (a ``HARDWARE`` preset) or the device a measured search runs on.
+    zero_stage: DeepSpeed's ZeRO stage (``HBPStrategy``'s default 2; 0 without DeepSpeed: DDP, one device).
+    optimizer_offload / param_offload: DeepSpeed's ``offload_optimizer`` / ``offload_param`` to the host.
+    liger: Liger's RMSNorm, SwiGLU and fused loss (``model.liger``). trainable: the share of the parameters
+    trained (1; ~0 under LoRA). dtype_bytes: the precision's bytes per parameter and activation (bf16 where
+    no precision is known). ce_chunk: the loss's chunk (``HBPLitModule``'s ``ce_chunk_size``)."""
+
+    world: int = 1
+    hardware: Hardware = HARDWARE["h100"]
+    zero_stage: int = 2
+    optimizer_offload: bool = False
+    param_offload: bool = False
+    liger: bool = False
+    trainable: float = 1.0
+    dtype_bytes: int = 2
+    ce_chunk: int = 1024
+
+
+def cost_model(spec: ModelSpec, settings: Settings, sp_kind: str = "ulysses") -> CostModel:
+    """The cost model of a run: every field of ``settings`` is the cost model's own (a lever applied to one
+    is applied to the other with ``dataclasses.replace``); ``sp_kind`` prices levels with sp > 1."""
+    return CostModel(spec, sp_kind=sp_kind, **{f.name: getattr(settings, f.name) for f in fields(Settings)})
+
+
+# ------------------------------------------------------------------------------------------ reading a run
+
+
+def deepspeed_zero(config: dict | None) -> dict:
+    """``zero_stage``, ``optimizer_offload`` and ``param_offload`` of a DeepSpeed config as DeepSpeed reads
+    it: no ``zero_optimization`` section, or one without a stage, is stage 0; an offload counts where its
+    device is not ``none``."""
+    zero = (config or {}).get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+
+    def offloaded(key: str) -> bool:
+        return str((zero.get(key) or {}).get("device") or "none") != "none"
+
+    return dict(
+        zero_stage=int(zero.get("stage", 0)),
+        optimizer_offload=offloaded("offload_optimizer"),
+        param_offload=offloaded("offload_param"),
+    )
+
+
+def strategy_config(args: dict) -> dict:
+    """The DeepSpeed config ``HBPStrategy(**args)`` trains with: its ``config`` (a mapping or a JSON file;
+    Lightning then reads no ``stage`` nor offload argument), else the one Lightning builds from ``stage``
+    (default 2) and ``offload_optimizer`` / ``offload_parameters``."""
+    config = args.get("config")
+    if isinstance(config, (str, Path)):
+        return json.loads(Path(config).read_text())
+    if config is not None:
+        return config
+    zero: dict[str, Any] = {"stage": int(args.get("stage", 2))}
+    if args.get("offload_optimizer"):
+        zero["offload_optimizer"] = {"device": args.get("offload_optimizer_device", "cpu")}
+    if args.get("offload_parameters"):
+        zero["offload_param"] = {"device": args.get("offload_params_device", "cpu")}
+    return {"zero_optimization": zero}
+
+
+def with_zero(args: dict, zero_stage: int | None = None, optimizer_offload: bool = False) -> dict:
+    """``HBPStrategy`` arguments ``args`` at ``zero_stage`` and/or with the Adam states on the host, written
+    into their DeepSpeed ``config`` where they have one (Lightning reads nothing else then)."""
+    args = copy.deepcopy(args)
+    if args.get("config") is None:
+        if zero_stage is not None:
+            args["stage"] = zero_stage
+        if optimizer_offload:
+            args["offload_optimizer"] = True
+        return args
+    config = copy.deepcopy(strategy_config(args))
+    zero = config.setdefault("zero_optimization", {})
+    if zero_stage is not None:
+        zero["stage"] = zero_stage
+    if optimizer_offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {**args, "config": config}
+
+
+REGISTERED = re.compile(r"(hbp|deepspeed)(?:_stage_(\d))?(_offload)?(_nvme)?")
+"""The registered names of DeepSpeed strategies: hbp, hbp_stage_N, deepspeed, deepspeed_stage_N[_offload[_nvme]]."""
+
+
+def config_strategy(strategy: Any) -> dict | None:
+    """The ``HBPStrategy`` arguments of a training config's ``trainer.strategy`` (a class_path entry or a
+    registered name), None for a strategy without DeepSpeed (ddp, auto, none)."""
+    if isinstance(strategy, dict):
+        if not str(strategy.get("class_path", "")).endswith(("HBPStrategy", "DeepSpeedStrategy")):
+            return None
+        return {k: v for k, v in (strategy.get("init_args") or {}).items() if k != "levels"}
+    match = REGISTERED.fullmatch(str(strategy))
+    if match is None:
+        return None
+    _, stage, offload, nvme = match.groups()
+    args: dict[str, Any] = {} if stage is None else {"stage": int(stage)}
+    if offload:  # Lightning's deepspeed_stage_2_offload, deepspeed_stage_3_offload[_nvme]
+        args["offload_optimizer"] = True
+        if stage == "3":
+            args["offload_parameters"] = True
+        if nvme:
+            args.update(offload_optimizer_device="nvme", offload_params_device="nvme")
+    return args
+
+
+def precision_bytes(precision: Any) -> int:
+    """Bytes per parameter and activation of a Lightning precision (``64-true``, ``32-true``, ``bf16-mixed``...)."""
+    name = str(precision)
+    return 8 if name.startswith("64") else 4 if name.startswith("32") else 2
+
+
+def settings_of(
+    hardware: Hardware, world: int, strategy_args: dict | None, model_args: dict, precision: Any = None
+) -> Settings:
+    """A run from its parts: ``HBPStrategy`` arguments (None: no DeepSpeed), the module's arguments (liger,
+    lora, ce_chunk_size) and its Lightning precision (None: bf16)."""
+    zero = deepspeed_zero(None if strategy_args is None else strategy_config(strategy_args))
+    return Settings(
+        world,
+        hardware,
+        **zero,
+        liger=bool(model_args.get("liger", False)),
+        trainable=0.0 if model_args.get("lora") else 1.0,  # LoRA's adapters: a share too small to count
+        dtype_bytes=Settings.dtype_bytes if precision is None else precision_bytes(precision),
+        ce_chunk=int(model_args.get("ce_chunk_size", Settings.ce_chunk)),
+    )
+
+
+def config_settings(config: dict, hardware: Hardware, world: int) -> Settings:
+    """The run a training config (``lit_hbp.config.read_config``) describes, on ``world`` GPUs of ``hardware``:
+    its strategy, its model's liger, lora and ce_chunk_size, and its precision (Lightning's 32-true if none)."""
+    trainer = config.get("trainer") or {}
+    strategy = config_strategy(trainer.get("strategy"))
+    return settings_of(hardware, world, strategy, config.get("model") or {}, trainer.get("precision", "32-true"))
+
+
+def trainer_settings(trainer: Any, hardware: Hardware, **given: Any) -> Settings:
+    """The run a Lightning trainer sets up: its world, precision and strategy's DeepSpeed config (none:
+    ZeRO stage 0), and what the caller knows better (``given``: liger, trainable, dtype_bytes, ce_chunk...)."""
+    zero = deepspeed_zero(getattr(trainer.strategy, "config", None))
+    read = dict(world=trainer.world_size, hardware=hardware, dtype_bytes=precision_bytes(trainer.precision), **zero)
+    return Settings(**{**read, **given})
+
+
+def local_hardware(device: Any, capacity: float | None = None, devices: int = 1) -> Hardware:
+    """The device this process trains on, as it reports itself: a CUDA GPU's name and total memory (with its
+    kind's FLOP/s and links where ``HARDWARE`` knows the kind), or the CPU; ``capacity`` in place of the
+    device's memory (a user's ``memory_gib``), ``devices`` per node, and the host's memory."""
+    host = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) if hasattr(os, "sysconf") else 0.0
+    if device.type != "cuda":
+        memory = host if capacity is None else capacity
+        return Hardware("CPU", 0.0, memory, 0.0, 0.0, devices, host_memory_bytes=host, accelerator="cpu")
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    memory = float(torch.cuda.get_device_properties(device).total_memory) if capacity is None else capacity
+    kind = next((hw for key, hw in HARDWARE.items() if key in name.lower()), Hardware(name, 0.0, memory, 0.0, 0.0))
+    return replace(kind, name=name, memory_bytes=memory, gpus_per_node=devices, host_memory_bytes=host)
+
+
+def describe(run: Settings | CostModel) -> str:
+    """``ZeRO-2 + optimizer offload, Liger, bf16``: a run's settings in a header line."""
+    offloads = (" + optimizer offload" if run.optimizer_offload else "") + (
+        " + parameter offload" if run.param_offload else ""
+    )
+    extras = (", Liger" if run.liger else "") + (", LoRA" if run.trainable < 1 else "")
+    dtype = {2: "bf16", 4: "fp32", 8: "fp64"}.get(run.dtype_bytes, f"{run.dtype_bytes}-byte")
+    return f"ZeRO-{run.zero_stage}{offloads}{extras}, {dtype}"
+
+
+# ------------------------------------------------------------------------ what set-up accepts, and spelling
+
+
+class Run(Protocol):
+    """What the rules read of a run: a ``Settings`` or a ``CostModel``."""
+
+    zero_stage: int
+    hardware: Hardware
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Set-up refuses ``setting`` on a run where ``allowed`` is False: it ``needs`` that (the run has ``now``),
+    because ``why``; any one of ``fixes`` (settings and values) makes the run acceptable."""
+
+    setting: str
+    allowed: Callable[[Run], bool]
+    needs: str
+    now: Callable[[Run], str]
+    why: str
+    fixes: tuple[tuple[str, Any], ...]
+
+
+def _stage(run: Run) -> str:
+    return str(run.zero_stage)
+
+
+RULES = (
+    Rule(
+        "optimizer_offload",
+        lambda run: run.zero_stage >= 1,
+        "ZeRO stage 1-3",
+        _stage,
+        "without ZeRO DeepSpeed keeps the Adam states on the device: only ZeRO's optimizers read offload_optimizer",
+        (("zero_stage", 2), ("optimizer_offload", False)),
+    ),
+    Rule(
+        "param_offload",
+        lambda run: run.zero_stage == 3,
+        "ZeRO stage 3",
+        _stage,
+        "only ZeRO-3 partitions the parameters, and only its partitions are offloaded",
+        (("zero_stage", 3), ("param_offload", False)),
+    ),
+    Rule(
+        "liger",
+        lambda run: run.zero_stage < 3,
+        "ZeRO stage 0-2",
+        _stage,
+        "Liger's fused linear cross-entropy reads the LM head's weight whole, which ZeRO-3 partitions",
+        (("zero_stage", 2), ("liger", False)),
+    ),
+    Rule(
+        "liger",
+        lambda run: run.hardware.accelerator == "cuda",
+        "a CUDA GPU",
+        lambda run: run.hardware.accelerator,
+        "Liger's kernels are Triton kernels",
+        (("liger", False),),
+    ),
+    Rule(
+        "mlp_tiles",
+        lambda run: run.zero_stage < 3,
+        "ZeRO stage 0-2",
+        _stage,
+        "a tiled MLP's backward reads the MLP's weights whole, which ZeRO-3 partitions",
+        (("zero_stage", 2), ("mlp_tiles", 1)),
+    ),
+)
+"""Which setting set-up accepts with which: ``HBPStrategy`` and ``HBPLitModule`` refuse what a rule refuses,
+and the level search advises nothing a rule refuses."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """How a command line, or a training config, spells the settings a refusal names, so that what it prints
+    is what that tool takes. ``flags`` maps a setting to a template: ``{}`` takes the value, a bare flag
+    turns the setting on; a setting the tool has no flag for is spelled as a training config has it."""
+
+    flags: dict[str, str]
+
+    def spell(self, setting: str, value: Any = True) -> str:
+        template = self.flags.get(setting) or CONFIG.flags[setting]
+        if "{}" in template:
+            return template.format(str(value).lower() if isinstance(value, bool) else value)
+        return template if value else f"without {template}"
+
+    def spell_all(self, changes: dict[str, Any]) -> str:
+        """Several settings: flags side by side (``--liger --zero-stage 2``), config keys in a list."""
+        spelled = [self.spell(s, v) for s, v in changes.items()]
+        return (" " if all(w.startswith("-") for w in spelled) else ", ").join(spelled)
+
+
+CONFIG = Tool(
+    {
+        "liger": "model.liger: {}",
+        "optimizer_offload": "HBPStrategy offload_optimizer: {}",
+        "param_offload": "HBPStrategy offload_parameters: {}",
+        "zero_stage": "HBPStrategy stage: {}",
+        "mlp_tiles": "mlp_tiles: {}",
+        "world": "trainer.devices x trainer.num_nodes = {}",
+        "max_len": "the selector's max_len: {}",
+        "analytic": "data.levels: lit_hbp.autoselect.AnalyticSelector",
+    }
+)
+"""A training config's words: a selector's refusal inside a fit, set-up's refusals."""
+
+_COMMAND = {"liger": "--liger", "optimizer_offload": "--offload-optimizer", "zero_stage": "--zero-stage {}"}
+SIMULATE = Tool({**_COMMAND, "world": "--gpus {}", "max_len": "--max-len {}"})
+"""``python -m lit_hbp.simulate``."""
+ANALYTIC = Tool({**_COMMAND, "world": "--gpus {}", "max_len": "--max-len {}"})
+"""``python -m lit_hbp.autoselect --analytic``."""
+MEASURED = Tool({**_COMMAND, "world": "--devices {}", "max_len": "--max-len {}", "analytic": "--analytic"})
+"""``python -m lit_hbp.autoselect --measured``."""
+
+
+SWITCHES = ("liger", "optimizer_offload")
+"""The run's switches a refusal may advise turning on (beside a higher ZeRO stage, more GPUs, a shorter level)."""
+
+
+def refusal(setting: str, run: Run, tool: Tool = CONFIG, value: Any = True) -> str | None:
+    """Why set-up refuses ``setting`` at ``value`` on ``run``, in ``tool``'s words, or None when it accepts it."""
+    rule = next((r for r in RULES if r.setting == setting and not r.allowed(run)), None)
+    if rule is None:
+        return None
+    fixes = " or ".join(tool.spell(s, v) for s, v in rule.fixes)
+    return f"{tool.spell(setting, value)} needs {rule.needs}, not {rule.now(run)} ({rule.why}): use {fixes}"
+
+
+def problems(run: Settings | CostModel, tool: Tool = CONFIG, tiles: int = 1) -> list[str]:
+    """What set-up refuses of ``run`` (and of MLP tiles of ``tiles``), in ``tool``'s words."""
+    on = [(s, True) for s in ("liger", "optimizer_offload", "param_offload") if getattr(run, s)]
+    on += [("mlp_tiles", tiles)] if tiles > 1 else []
+    return [why for s, value in on if (why := refusal(s, run, tool, value)) is not None]
+
+
+def check(run: Settings | CostModel, tool: Tool = CONFIG, tiles: int = 1) -> None:
+    """Refuse a run set-up would refuse (``problems``), with the first reason."""
+    found = problems(run, tool, tiles)
+    if found:
+        raise ValueError(found[0])
