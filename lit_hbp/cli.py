@@ -400,7 +400,10 @@ def check_resume(section: Any) -> None:
     path = Path(ckpt)
     trust = section.get("weights_only") is False
     check_checkpoint(path, trust=trust)
-    deepspeed = _saves_folders(section.get("trainer.strategy"))
+    chosen = section.get("trainer.strategy")
+    if hasattr(chosen, "get") and (chosen.get("init_args") or {}).get("load_full_weights"):
+        return  # DeepSpeed's load_full_weights: a ZeRO-3 run that loads a file; Lightning decides
+    deepspeed = _saves_folders(chosen)
     if path.is_dir() and not deepspeed:
         raise ConfigError(
             f"--ckpt_path {path} is a DeepSpeed checkpoint folder: resume it with the strategy that saved it "
@@ -409,7 +412,7 @@ def check_resume(section: Any) -> None:
     if path.is_file() and deepspeed:
         raise ConfigError(
             f"--ckpt_path {path} is a checkpoint file, and DeepSpeed (trainer.strategy "
-            f"{section.get('trainer.strategy')}) resumes from the checkpoint folder it saved: give that folder"
+            f"{chosen}) resumes from the checkpoint folder it saved: give that folder"
         )
 
 

@@ -177,3 +177,18 @@ def test_auto_names_each_checkpoint_it_passed_over_and_why(tmp_path, caplog):
         resolve_auto_resume(section)
     assert section.ckpt_path is None
     assert "no complete checkpoint in" in caplog.text and "training starts from the beginning" in caplog.text
+
+
+def test_a_zero3_run_that_loads_full_weights_may_resume_from_a_file(tmp_path):
+    """DeepSpeed's ``load_full_weights`` loads a consolidated file: the kind check leaves it to Lightning."""
+    from lit_hbp.cli import check_resume
+
+    strategy = Namespace(
+        class_path="lit_hbp.strategy.HBPStrategy", init_args=Namespace(stage=3, load_full_weights=True)
+    )
+    section = Namespace(ckpt_path=str(whole(tmp_path / "full.ckpt")), weights_only=None,
+                        trainer=Namespace(strategy=strategy))  # fmt: skip
+    check_resume(section)
+    strategy.init_args.load_full_weights = False
+    with pytest.raises(ConfigError, match="resumes from the checkpoint folder it saved"):
+        check_resume(section)
