@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from lit_hbp.attention import backends, set_backend
+    from lit_hbp.attention import backends
 
-    set_backend("sdpa")
+    assert backends.choose("cpu", torch.float32, frozenset())[0] == "sdpa"  # what these calls run (auto, CPU)
     lengths = pack_lengths(args.pack_len, args.seed)
     g = torch.Generator().manual_seed(args.seed)
     total, dim = sum(lengths), args.head_dim

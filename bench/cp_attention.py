@@ -52,13 +52,13 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from types import SimpleNamespace
 
-    from lit_hbp.attention import backends, set_backend, varlen_attention
+    from lit_hbp.attention import backends, varlen_attention
     from lit_hbp.packing.context_split import split_pack
-    from lit_hbp.parallel import context
+    from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.context_parallel import cp_shard_of
     from lit_hbp.parallel.groups import SPGroups
 
-    set_backend("sdpa")
+    assert backends.choose("cpu", torch.float32, frozenset())[0] == "sdpa"  # what these calls run (auto, CPU)
     cp = world
     ctx = SPGroups([(cp, cp)], world, rank)[(cp, cp)]
     lengths = pack_lengths(args.pack_len, args.seed)
@@ -71,8 +71,8 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
     w = torch.randn(1, total, args.heads, dim, generator=g)[:, index]
     cu = torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32)
     kw = dict(scaling=dim**-0.5, cu_seq_lens_q=cu, max_length_q=max(lengths), hbp_cp_shard=cp_shard_of(split, ctx.rank))
+    kw["hbp_sp"] = SPCall.of(ctx, "cp")  # the level's group, carried by the call
     module = SimpleNamespace(training=False)
-    context.activate(ctx, "cp")
     sdpa = backends.REGISTRY["sdpa"]
     ways = {"lse": sdpa, "recompute": dataclasses.replace(sdpa, lse=None)}
 
@@ -99,7 +99,6 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
                     timings[way].append((fwd, bwd))
     finally:
         backends.REGISTRY["sdpa"] = sdpa
-        context.activate(None)
     diff = max((a - b).abs().max().item() / b.abs().max().item() for a, b in zip(grads["lse"], grads["recompute"]))
     diff_t = torch.tensor(diff, dtype=torch.float64)
     dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)

@@ -253,12 +253,14 @@ def main() -> int:
     rows = []
     memory: dict[int, dict] = {}
     results: dict[str, dict[int, object]] = {}  # mode -> level -> (seconds, tokens, flops) | "OOM"
+    chosen = []  # the attention backends lit-hbp's packed calls ran on, per kind of call
     if "hbp" in modes:
         fit = build(args.config, overrides, need)
         fit.model.configure_model()
         fit.model.model.load_state_dict(base_model.state_dict())
         out = guarded("hbp", lambda: run_hbp(fit, device, args.warmup, memory), device)
         results["hbp"] = {lv: "OOM" for lv in range(n_levels)} if out == "OOM" else out
+        chosen += attention.choices(fit.model.model)
         del fit
     micro = {lv: level_packs(dm, lv, take) for lv in range(n_levels)}
     for attn in ("sdpa", "flash_attention_2"):
@@ -283,6 +285,7 @@ def main() -> int:
             )
             for lv in range(n_levels)
         }
+        chosen += [c for c in attention.choices(module.model) if c not in chosen]
     params = sum(x.numel() for x in base_model.parameters())
     print(
         f"{args.config}: {params / 1e9:.2f}B parameters, {device.type} "
@@ -312,7 +315,6 @@ def main() -> int:
     if mem_rows:
         print("memory per level: the memory model's tensors (no CUDA reserve) against max_memory_allocated")
         print(format_table(mem_rows, [("predicted_gib", "s"), ("measured_gib", "s"), ("error", "s")]))
-    chosen = attention.choices()
     for c in chosen:
         print(f"attention: {c['backend']} for {c['dtype']} {c['needs']} calls on {c['device']} ({c['why']})")
     if args.json:

@@ -389,7 +389,7 @@ def worker_lit_hbp(spec: dict) -> dict:
     cli = cli_main(["--config", str(config)], run=False)
     cli.trainer.callbacks.append(Clock())
     cli.trainer.fit(cli.model, cli.datamodule)
-    chosen = sorted({c["backend"] for c in attention.choices()})  # the backends its packed calls ran on
+    chosen = sorted({c["backend"] for c in attention.choices(cli.model.model)})  # its packed calls' backends
     result["attention"] = "lit-hbp varlen: " + ", ".join(chosen)
     sync()
     end = time.perf_counter()

@@ -4,9 +4,10 @@
 
 HBP trains each level with its own SP degree and number of activation-checkpointed layers, and
 consecutive micro-steps may belong to different levels. The strategy makes a switch cheap by
-building every SP process group once at setup; a switch then only points the attention at another
-existing group (``context.activate``), and each packed call flips the layers' checkpointing flags
-for its duration (``pack_scope``, entered and left by ``packed_loss``). This benchmark checks that
+building every SP process group once at setup; a switch then only hands the micro-batch over with
+another existing group (``batch.replace(sp_group=...)``, what ``HBPStrategy.batch_to_device`` does), and
+each packed call is this thread's call for its duration (``pack_scope``, entered and left by
+``packed_loss``: the level's checkpointing flags, its settings on the thread). This benchmark checks that
 claim on --world CPU processes (gloo, one thread each), all training the same tiny Llama-style
 HBPLitModule (random init, same seed).
 
@@ -14,7 +15,7 @@ Three levels share one pack length (so their steps are comparable) but differ in
 (default 1, 2, 4) and checkpointed layers (default 0, 2, 4). Each SP group gets its own synthetic
 packed micro-batch per step (random document lengths, fixed seed, documents crossing shard
 boundaries), built with ``collate_packs`` and cut into the rank's ``shard``. A micro-step is:
-activate the level's SP context + forward in the level's pack scope + backward + gradient all-reduce
+hand the batch over with its level's SP group + forward in the level's pack scope + backward + gradient all-reduce
 over the whole world (data parallel, averaged) + SGD step.
 
 - Schedules: "blocked" runs all steps of level 0, then 1, then 2 (2 switches); "switching" runs
@@ -22,7 +23,7 @@ over the whole world (data parallel, averaged) + SGD step.
   warm-up, the two alternate for --rounds rounds; totals are the max over ranks between barriers,
   per-schedule medians over rounds are compared, and beside them the median of the per-round ratios
   (robust to a burst of outside load that hits one schedule of a round).
-- Isolated switch: ``context.activate`` + entering and leaving a ``pack_scope`` timed alone over many calls
+- Isolated switch: the hand-over + entering and leaving a ``pack_scope`` timed alone over many calls
   (max over ranks), as a share of the mean micro-step time. This is the noise-free measure.
 - No process group may be created after setup: ``torch.distributed.new_group`` is wrapped and its
   calls counted during warm-up and the timed schedules.
@@ -49,10 +50,10 @@ import torch.multiprocessing as mp
 
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.module import HBPLitModule
-from lit_hbp.pack_scope import pack_scope
+from lit_hbp.packed_call import pack_scope
 from lit_hbp.packing import Level
 from lit_hbp.packing.context_split import padded_length
-from lit_hbp.parallel import context
+from lit_hbp.parallel.context import SPCall
 from lit_hbp.parallel.groups import SPGroups
 from lit_hbp.parallel.topology import sp_coords
 from lit_hbp.parallel.ulysses import Ulysses, check_heads
@@ -185,19 +186,22 @@ class Trainer:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.opt = torch.optim.SGD(self.params, lr=LR)
         self.levels, self.groups = levels, groups
+        self.sp_calls = [SPCall.of(groups[lv.sp], "ulysses") if lv.sp > 1 else None for lv in levels]
         self.world = dist.get_world_size()
 
-    def switch(self, level: int) -> None:
-        """What the strategy and packed_loss do per micro-batch: pick the level's existing group, enter and
-        leave the level's pack scope (its checkpointing flags)."""
-        lv = self.levels[level]
-        context.activate(self.groups[lv.sp])
-        with pack_scope(self.module.model, lv.ckpt_layers):
+    def hand_over(self, level: int, batch: Batch) -> Batch:
+        """What the strategy does per micro-batch: the batch with its level's existing group."""
+        return batch.replace(sp_group=self.sp_calls[level])
+
+    def switch(self, level: int, batch: Batch) -> None:
+        """What the strategy and packed_loss do per micro-batch besides the compute: hand the batch over,
+        enter and leave the level's pack scope (its checkpointing flags, the call on this thread)."""
+        self.hand_over(level, batch)
+        with pack_scope(self.module.model, self.levels[level].ckpt_layers):
             pass
 
     def micro_step(self, level: int, batch: Batch) -> None:
-        self.switch(level)
-        loss, _, _ = self.module(batch)
+        loss, _, _ = self.module(self.hand_over(level, batch))
         loss.backward()
         self.all_reduce_grads()
         self.opt.step()
@@ -308,15 +312,16 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, results) 
 
         n_levels, ckpts = len(levels), [lv.ckpt_layers for lv in levels]
         switch_us = {
-            "context.activate": time_calls(
-                lambda n: context.activate(groups[levels[n % n_levels].sp]), args.switch_calls
+            "hand-over": time_calls(
+                lambda n: trainer.hand_over(n % n_levels, batches[n % n_levels][0]), args.switch_calls
             ),
             "pack_scope": time_calls(
                 lambda n: enter_and_leave(trainer.module.model, ckpts[n % n_levels]), args.switch_calls
             ),
-            "switch (both)": time_calls(lambda n: trainer.switch(n % n_levels), args.switch_calls),
+            "switch (both)": time_calls(
+                lambda n: trainer.switch(n % n_levels, batches[n % n_levels][0]), args.switch_calls
+            ),
         }
-        context.activate(None)
         counter.restore()
         if rank == 0:
             results.put(

@@ -23,19 +23,28 @@ import importlib.util
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_hbp import attention
+from lit_hbp import attention, calls
 from lit_hbp.checks import check_model_config, local_checkpoint
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.offload import OFFLOADER, HostOffload
-from lit_hbp.pack_scope import PREPARED, Prepared, install_call_hooks, pack_inputs, pack_scope, record_of
-from lit_hbp.parallel import context as sp_context
+from lit_hbp.packed_call import (
+    PREPARED,
+    Prepared,
+    current_tiles,
+    install_call_hooks,
+    pack_inputs,
+    pack_scope,
+    record_of,
+    unwrapped,
+)
 from lit_hbp.tiling import install_tiling, mlp_of, uninstall_tiling
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -132,29 +141,36 @@ def _refusing_other_attention(what: str):
 
 
 def base_of(net: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face model itself (under peft: the model the adapters wrap)."""
-    return net.get_base_model() if hasattr(net, "get_base_model") else net
+    """The Hugging Face model itself (under peft: the model the adapters wrap; under
+    ``torch.compile``: the compiled module)."""
+    return unwrapped(net)
 
 
-def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
+def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.nn.Module:
     """Make a Hugging Face causal LM (or its peft wrapper) train on lit-hbp's packs; returns it.
 
     Only packed calls change: those that carry a pack's document boundaries (``packed_loss``, or
     ``model(**pack_inputs(batch))``) run lit-hbp's varlen attention (every document attends only to
     itself, a level's sequence parallelism inside it) with the level's checkpointing, offload and MLP
-    tiles, for the duration of the call (``lit_hbp.pack_scope``). Every other call (padded batches
+    tiles, for the duration of the call (``lit_hbp.packed_call``). Every other call (padded batches
     with a mask, ordinary ``labels=``, the KV cache, ``generate()``) computes what the model computed
     before. The model is put in train mode (``from_pretrained`` returns it in eval mode, which would
     train without dropout and without checkpointing). A call of a pack's token ids without its
     boundaries, and ``labels=`` of a pack (pre-shifted: its loss would shift them again) are refused.
     A family whose attention does not go through transformers' AttentionInterface is refused: its
-    documents would attend to each other. ``unprepare_model`` (or ``with prepared(model):``) undoes it."""
+    documents would attend to each other. ``attn_backend``: the kernel of its packed calls (``auto``:
+    the fastest that runs each kind of call; ``lit_hbp.attention.backends``), the model's own: another
+    model keeps its own. ``unprepare_model`` (or ``with prepared(model):``) undoes it."""
     net = base_of(model)
     if not hasattr(net, "set_attn_implementation") or not hasattr(net, "config"):
         raise TypeError(f"prepare_model takes a Hugging Face causal LM (a PreTrainedModel), got {type(net).__name__}")
-    if record_of(net) is not None:
+    attention.check_backend(attn_backend)
+    record = record_of(net)
+    if record is not None:
+        record.backend = attn_backend
         model.train()
         return model
+    calls.install()
     configs = model_configs(net)
     own = {id(c): c._attn_implementation_internal for c in configs}
     with _refusing_other_attention(type(net).__name__):
@@ -165,22 +181,30 @@ def prepare_model(model: torch.nn.Module) -> torch.nn.Module:
     for config in configs:  # outside a pack: the attention it had (built with lit-hbp's: sdpa or eager)
         name = own[id(config)]
         config._attn_implementation_internal = fallback if name in (None, attention.ATTN_NAME) else name
+    unrouted = sorted({type(c).__name__ for c in configs if not calls.routes(c)})
+    if unrouted:
+        raise ValueError(
+            f"{type(net).__name__}: its config class {unrouted[0]} defines its own attention-implementation property, "
+            "so lit-hbp cannot give its packed calls varlen attention and refuses to train it rather than let the "
+            "documents of a pack attend to each other (docs/families.md)"
+        )
     decoder = decoder_of(net)
     layers = checkpoint_layers(net)
     record = Prepared(
+        net=net,
         decoder=decoder,
         configs=[(c, c._attn_implementation_internal) for c in configs],
         layers=layers,
         mlps=[mlp_of(layer) for layer in layers],
         attends=[[m for m in layer.modules() if hasattr(m, "config")] for layer in layers],
-        loss_function=net.__dict__.get("_loss_function"),
+        backend=attn_backend,
     )
     for mlp in record.mlps:
         if mlp is not None:
-            install_tiling(mlp)
-    net.__dict__[PREPARED] = decoder.__dict__[PREPARED] = record  # plain attributes: not in the state dict
+            install_tiling(mlp, partial(current_tiles, record))
+    for module in (net, decoder, *(m for ms in record.attends for m in ms)):
+        module.__dict__[PREPARED] = record  # plain attributes: not in the state dict
     net.__dict__.setdefault(OFFLOADER, HostOffload())
-    net.loss_function = _pre_shifted(net.loss_function)
     install_call_hooks(record)
     model.train()
     return model
@@ -193,8 +217,8 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
     record = record_of(net)
     if record is None:
         return model
-    if record.calls:
-        raise RuntimeError("unprepare_model inside a packed call of the same model")
+    if record.active:
+        raise RuntimeError("unprepare_model while a packed call of the same model runs")
     for handle in record.hooks:
         handle.remove()
     for config, name in record.configs:
@@ -202,13 +226,9 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
     for mlp in record.mlps:
         if mlp is not None:
             uninstall_tiling(mlp)
-    if record.loss_function is None:
-        net.__dict__.pop("_loss_function", None)
-    else:
-        net.loss_function = record.loss_function
-    for key in (PREPARED, OFFLOADER):
-        net.__dict__.pop(key, None)
-    record.decoder.__dict__.pop(PREPARED, None)
+    net.__dict__.pop(OFFLOADER, None)
+    for module in (net, record.decoder, *(m for ms in record.attends for m in ms)):
+        module.__dict__.pop(PREPARED, None)
     return model
 
 
@@ -239,32 +259,6 @@ def model_configs(net: torch.nn.Module) -> list:
     return list(seen.values())
 
 
-def _pre_shifted(loss_function):
-    """The model's own loss (``model(..., labels=...)``): ordinary outside a pack; in a packed call
-    (one with the pack's boundaries) the labels of lit-hbp's batches are already shifted, so it refuses
-    ``labels`` without ``shift_labels``, and under sequence parallelism, where it would average each
-    rank's shard on its own, it refuses altogether."""
-
-    def loss(*args, shift_labels=None, **kwargs):
-        if kwargs.get("cu_seq_lens_q") is not None:
-            ctx = sp_context.active()
-            if ctx is not None and ctx.size > 1:
-                raise ValueError(
-                    f"the model's own loss under sequence parallelism {ctx.size} would average each rank's shard "
-                    "of the pack separately, not per token over the pack: compute it with "
-                    "lit_hbp.packed_loss(model, batch)"
-                )
-            if shift_labels is None:
-                raise ValueError(
-                    "the labels of lit-hbp's batches are already shifted (labels[t] is the target of position t) and "
-                    "transformers' loss would shift them again: compute the loss with "
-                    "lit_hbp.packed_loss(model, batch), or pass shift_labels=batch.labels"
-                )
-        return loss_function(*args, shift_labels=shift_labels, **kwargs)
-
-    return loss
-
-
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers ``prepare_model`` found (checkpointed from the first)."""
     record = record_of(model)
@@ -288,6 +282,15 @@ class PackedLoss(NamedTuple):
     loss: torch.Tensor
     ce_sum: torch.Tensor
     n_targets: int
+
+    def mean_ce(self, batch: PackedBatch) -> torch.Tensor:
+        """The token-mean cross-entropy of the whole pack of ``batch`` (this rank's shard and, under
+        sequence parallelism, the other shards of its SP group: one all-reduce over the group), what to
+        log; a device tensor, nothing read back."""
+        stats = torch.stack([self.ce_sum.detach().float(), self.ce_sum.new_tensor(float(self.n_targets))])
+        if batch.sp_group is not None:
+            torch.distributed.all_reduce(stats, group=batch.sp_group.ctx.group)
+        return stats[0] / stats[1].clamp(min=1.0)
 
 
 def packed_loss(
@@ -317,12 +320,13 @@ def packed_loss(
             f"samples), got {type(batch).__name__}"
         )
     net = base_of(model)
-    if record_of(net) is None:
+    record = record_of(net)
+    if record is None:
         raise ValueError(_not_prepared(model))
-    inputs = pack_inputs(batch)  # checks the level's SP group is the active one
+    inputs = pack_inputs(batch)  # checks the level's SP group came with the batch
     aux = router_loss and getattr(net.config, "output_router_logits", False)
-    with pack_scope(model, int(batch.ckpt_layers), bool(batch.offload), int(batch.mlp_tiles), inputs):
-        out = decoder_of(model)(**inputs, use_cache=False, **({"output_router_logits": True} if aux else {}))
+    with pack_scope(net, int(batch.ckpt_layers), bool(batch.offload), int(batch.mlp_tiles), inputs):
+        out = _decoder_call(model, record)(**inputs, **({"output_router_logits": True} if aux else {}))
     hidden = out.last_hidden_state
     head = output_head(model)
     scale = weights if weights is not None else token_scale(batch, loss)
@@ -340,6 +344,33 @@ def packed_loss(
         real = (batch.positions_in_pack() < batch.n_tokens)[None]  # not the padding segment
         total = total + router_aux_loss(net, out.router_logits, real)
     return PackedLoss(total, ce_sum, n)
+
+
+def _decoder_call(model: torch.nn.Module, record: Prepared):
+    """The decoder as ``packed_loss`` runs it: compiled as the model was (``torch.compile(model)``:
+    through the same compile settings; ``model.compile()``: its settings where torch keeps them
+    reachable, else torch's defaults), since the decoder is called without the model's own forward."""
+    decoder = record.decoder
+    ctx = getattr(model, "dynamo_ctx", None)  # torch.compile(model): an OptimizedModule
+    if ctx is None and getattr(record.net, "_compiled_call_impl", None) is not None:  # model.compile()
+        ctx = _compile_context(record.net._compiled_call_impl)
+    if ctx is None:
+        return decoder
+    if record.compiled is None or record.compiled[0] is not ctx:
+        record.compiled = (ctx, ctx(decoder) if callable(ctx) else torch.compile(decoder))
+    return record.compiled[1]
+
+
+def _compile_context(compiled) -> object:
+    """The compile context ``torch.compile`` wrapped ``compiled`` with (its settings), found among the
+    wrapper's closure cells; True when torch keeps it elsewhere (the decoder then gets the defaults)."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
+    for cell in getattr(compiled, "__closure__", None) or ():
+        contents = cell.cell_contents
+        if isinstance(contents, _TorchDynamoContext):
+            return contents
+    return True
 
 
 def decoder_of(net: torch.nn.Module) -> torch.nn.Module:

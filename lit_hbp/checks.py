@@ -296,7 +296,7 @@ def check_sp_setup(levels: Sequence[Any], world_size: int, model: Any) -> None:
     layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(heads, int) or not isinstance(layers, int):
         return
-    from lit_hbp.strategy import validate_sp_setup  # lazily: it imports DeepSpeed
+    from lit_hbp.parallel.kind import validate_sp_setup
 
     validate_sp_setup(levels, world_size, heads, getattr(config, "num_key_value_heads", None) or heads, layers)
 

@@ -36,7 +36,7 @@ from lit_hbp.loss import NORMALIZERS
 from lit_hbp.memory import not_fitting, trainer_cost
 from lit_hbp.meter import StepMeter, logs_now
 from lit_hbp.model_spec import ModelSpec
-from lit_hbp.pack_scope import pack_scope
+from lit_hbp.packed_call import pack_scope
 from lit_hbp.packing.levels import Level
 from lit_hbp.run_settings import check, deepspeed_zero, local_hardware, trainer_settings
 
@@ -97,12 +97,16 @@ def zero_engine(strategy):
     return engine if isinstance(getattr(engine, "optimizer", None), ZeROOptimizer) else None
 
 
-def set_recompile_limit(limit: int) -> None:
-    """Raise dynamo's per-code recompile limit to at least ``limit``: ``recompile_limit`` from torch
-    2.7, ``cache_size_limit`` before."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), limit))
+def _limit_name() -> str:
+    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+def set_recompile_limit(limit: int) -> int:
+    """Raise dynamo's per-code recompile limit to at least ``limit`` (``recompile_limit`` from torch
+    2.7, ``cache_size_limit`` before); returns the limit it had, to put back when the run ends."""
+    before = getattr(torch._dynamo.config, _limit_name())
+    setattr(torch._dynamo.config, _limit_name(), max(before, limit))
+    return before
 
 
 def _require_packed(batch: Any) -> None:
@@ -168,7 +172,7 @@ class HBPLitModule(L.LightningModule):
         if loss not in NORMALIZERS:
             raise ValueError(f"loss must be one of {NORMALIZERS}, got {loss!r}")
         check_model_source(model, "model")
-        attention.set_backend(attn_backend)
+        attention.check_backend(attn_backend)
         self.save_hyperparameters()
         self.model = None
         self._layers: list[torch.nn.Module] = []
@@ -176,6 +180,7 @@ class HBPLitModule(L.LightningModule):
         self._meter = StepMeter()
         self._grad_norm: torch.Tensor | None = None  # this optimizer step's, on logging steps (not ZeRO)
         self.flops_per_batch: float | None = None  # this rank's model FLOPs of the micro-batch (ThroughputMonitor)
+        self._recompile_limit: int | None = None  # dynamo's, before configure_model raised it for compile
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -187,7 +192,7 @@ class HBPLitModule(L.LightningModule):
         # (transformers checkpoints a layer only in training mode).
         self.model.train()
         check_module_positions(self)  # max_position_embeddings vs the largest level
-        self._layers = decoder_layers(prepare_model(self.model))
+        self._layers = decoder_layers(prepare_model(self.model, attn_backend=self.hparams.attn_backend))
         check_router_loss(self.model)
         try:
             self._spec = model_spec(self.model, self._layers)
@@ -198,10 +203,16 @@ class HBPLitModule(L.LightningModule):
         if self.hparams.lora:
             self.model = apply_lora(self.model, dict(self.hparams.lora))
         if self.hparams.compile:
-            set_recompile_limit(RECOMPILE_LIMIT)
-            torch._logging.set_logs(recompiles=True)
+            self._recompile_limit = set_recompile_limit(RECOMPILE_LIMIT)
             for layer in self._layers:
                 layer.compile(dynamic=True)
+
+    def teardown(self, stage: str) -> None:
+        """Dynamo's recompile limit as it was before this module's compiled run (a later run in the process
+        starts from torch's own)."""
+        if self._recompile_limit is not None:
+            setattr(torch._dynamo.config, _limit_name(), self._recompile_limit)
+            self._recompile_limit = None
 
     def _tokenizer(self):
         """The data module's tokenizer, when the trainer has one: a model built from a config mapping

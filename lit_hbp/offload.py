@@ -54,6 +54,10 @@ class HostOffload:
         """A copy of a prepared model (a reference, an EMA) offloads on its own: no shared stream or store."""
         return HostOffload()
 
+    def __reduce__(self):
+        """A pickled prepared model offloads on its own when loaded (streams and host copies stay here)."""
+        return (HostOffload, ())
+
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.parallel import context as sp_context
+from lit_hbp.parallel.context import SPCall
 from lit_hbp.parallel.kind import resolve_sp_kind
 
 DOC_LENGTHS = (9, 23, 5, 100, 31, 14)  # about 200 tokens in all: block-wise mechanisms (compression) engage
@@ -117,7 +117,6 @@ def run_self_check(
         ) from e
     finally:
         net.train(was_training)
-        sp_context.activate(None)
     loss_tol, grad_tol = TOLERANCE.get(dtype, LOW_PRECISION)
     worst = _agree(np.array([results[sp] for sp in results]), device)
     for (loss_err, grad_err, leak), sp in zip(worst, results):
@@ -215,7 +214,7 @@ def _pack(docs, key, sp_groups, device) -> dict:
     batch = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=sp, cp=cp, sp_kind=kind.name, loss_norm=1.0)
     total = batch.input_ids.shape[1]
     if sp > 1:
-        batch = kind.shard(batch, sp, ctx.rank)
+        batch = kind.shard(batch, sp, ctx.rank).replace(sp_group=SPCall.of(ctx, kind))
     part = batch.positions_in_pack().to(device)
     batch = batch.to(device)
     bounds = np.r_[0, np.cumsum([len(ids) for ids, _ in docs.values()])]
@@ -228,35 +227,27 @@ def _leak(module, embed, pack, device) -> float:
     own, over the SP group; documents from the last (which sees every earlier one) back, stopping
     at the first leak (the ranks agree after each one, so they run the same passes)."""
     embed_grad_max = 0.0
-    sp_context.activate(pack["ctx"], pack["kind"])
-    try:
-        for j in reversed(range(len(pack["bounds"]) - 1)):
-            mine = (pack["doc_of"] == j).float()
-            with _embedding_leaves(embed) as leaves:
-                loss_j, _, _ = module.packed_loss(pack["batch"], weights=mine, router_loss=False, recompute=False)
-            (g,) = torch.autograd.grad(loss_j, leaves[-1])
-            outside, inside = _agree(
-                np.array([(g[0] * (1 - mine[:, None])).abs().max().item(), (g[0] * mine[:, None]).abs().max().item()]),
-                device,
-            )
-            embed_grad_max = max(embed_grad_max, outside / max(inside, 1e-30))
-            if embed_grad_max > LEAK_TOLERANCE:
-                break
-    finally:
-        sp_context.activate(None)
+    for j in reversed(range(len(pack["bounds"]) - 1)):
+        mine = (pack["doc_of"] == j).float()
+        with _embedding_leaves(embed) as leaves:
+            loss_j, _, _ = module.packed_loss(pack["batch"], weights=mine, router_loss=False, recompute=False)
+        (g,) = torch.autograd.grad(loss_j, leaves[-1])
+        outside, inside = _agree(
+            np.array([(g[0] * (1 - mine[:, None])).abs().max().item(), (g[0] * mine[:, None]).abs().max().item()]),
+            device,
+        )
+        embed_grad_max = max(embed_grad_max, outside / max(inside, 1e-30))
+        if embed_grad_max > LEAK_TOLERANCE:
+            break
     return float(embed_grad_max)
 
 
 def _packed_errors(module, embed, docs, reference, pack, device, used: set[int]) -> tuple[float, float]:
     """(relative loss error, relative input-gradient error) of this rank's shard of the pack."""
-    sp_context.activate(pack["ctx"], pack["kind"])
-    try:
-        with _embedding_leaves(embed) as leaves:
-            loss, _, _ = module.packed_loss(pack["batch"], weights=1.0, router_loss=False, recompute=False)
-        _weights_in_graph(loss, used)
-        (grad,) = torch.autograd.grad(loss, leaves[-1])
-    finally:
-        sp_context.activate(None)
+    with _embedding_leaves(embed) as leaves:
+        loss, _, _ = module.packed_loss(pack["batch"], weights=1.0, router_loss=False, recompute=False)
+    _weights_in_graph(loss, used)
+    (grad,) = torch.autograd.grad(loss, leaves[-1])
     # The same quantities from the documents alone, laid out like the pack, cut to this shard.
     total, bounds, part = pack["total"], pack["bounds"], pack["part"]
     ce_ref = torch.zeros(total, device=device, dtype=torch.float64)

@@ -1,7 +1,8 @@
 """HBPStrategy: DeepSpeed with a sequence-parallel degree per HBP level, switched batch by batch.
 
-Every SP group of every degree the levels use is built once at setup; each micro-batch then only
-activates its level's group (its ``sp`` tag), at zero cost. DeepSpeed itself never hears of SP: its
+Every SP group of every degree the levels use is built once at setup; each micro-batch is then handed
+over with its level's group (``PackedBatch.sp_group``, which its packed calls carry), at zero cost:
+nothing is activated in the process, so nothing outlives the micro-batch. DeepSpeed itself never hears of SP: its
 data-parallel group stays the whole world (no ``mpu``, whose ZeRO partitioning would freeze one sp),
 and the Ave-Token loss carries all SP accounting (docs/design.md sections 5-7).
 
@@ -40,37 +41,15 @@ from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 from lit_hbp.causal_lm import zero3_loading  # noqa: E402
 from lit_hbp.checkpoints import is_complete, save_deepspeed  # noqa: E402
 from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
-from lit_hbp.pack_scope import record_of  # noqa: E402
-from lit_hbp.packing.levels import Level, as_level, validate_levels  # noqa: E402
-from lit_hbp.parallel import context  # noqa: E402
+from lit_hbp.packed_call import record_of  # noqa: E402
+from lit_hbp.packing.levels import Level, as_level  # noqa: E402
+from lit_hbp.parallel.context import SPCall  # noqa: E402
 from lit_hbp.parallel.groups import SPGroups  # noqa: E402
-from lit_hbp.parallel.kind import resolve_sp_kind  # noqa: E402
-from lit_hbp.parallel.topology import layout_levels, model_heads, resolve_layout  # noqa: E402
+from lit_hbp.parallel.kind import validate_sp_setup  # noqa: E402
+from lit_hbp.parallel.topology import layout_levels, model_heads  # noqa: E402
 from lit_hbp.run_settings import Settings, check, deepspeed_zero, refusal  # noqa: E402
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-
-
-def validate_sp_setup(
-    levels, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int, node_size: int | None = None
-) -> list[int]:
-    """Everything about the levels that can fail before the first step, with the offending level;
-    returns how many copies of each kv head each level's SP kind needs (1: none). Levels without a
-    (ulysses, cp) layout get the default one for nodes of ``node_size`` ranks (``resolve_layout``)."""
-    levels = validate_levels(levels, world_size)
-    replication = []
-    for i, lv in enumerate(levels):
-        lv = resolve_layout(lv, num_heads, num_kv_heads, node_size)
-        try:
-            replication.append(resolve_sp_kind(lv.sp_kind).check(num_heads, num_kv_heads, lv.sp, lv.layout[1]))
-        except ValueError as e:
-            raise ValueError(f"level {i} (pack_len {lv.pack_len}, sp {lv.sp}): {e}") from None
-        if lv.ckpt_layers > num_layers:
-            raise ValueError(
-                f"level {i} (pack_len {lv.pack_len}) checkpoints {lv.ckpt_layers} layers but the model has "
-                f"{num_layers} decoder layers"
-            )
-    return replication
 
 
 def without_idle_overlap(config: dict[str, Any], world_size: int, asked: bool) -> dict[str, Any]:
@@ -138,8 +117,11 @@ def _path(name: str) -> str:
 
 def guard_frozen(module) -> list:
     """Hooks on each frozen Hugging Face model ``module`` holds unprepared (a teacher, a reference)
-    that refuse a call on a pack's token ids, naming the attribute: outside a pack such a model runs
-    as it always did; on a pack it would attend across documents or within one rank's shard."""
+    that refuse, naming the attribute, a packed call it would compute wrong: one under sequence
+    parallelism (it would attend within one rank's shard), one with the boundaries but its KV cache on
+    (transformers would let the documents attend to each other), a pack's token ids without
+    boundaries or positions. Outside a pack, and on ``pack_inputs`` at sp 1 (transformers' own packed
+    path, the cache off), such a model runs as it always did."""
     from transformers import PreTrainedModel
 
     handles = []
@@ -154,11 +136,19 @@ def guard_frozen(module) -> list:
 
 def _refuse_pack(path: str, net, args: tuple, kwargs: dict):
     ids = kwargs.get("input_ids", args[0] if args else None)
-    if isinstance(ids, torch.Tensor) and ids.__dict__.get(PACK_MARK, 0):
+    marked = isinstance(ids, torch.Tensor) and ids.__dict__.get(PACK_MARK, 0) > 1
+    boundaries = kwargs.get("cu_seq_lens_q") is not None
+    why = None
+    if kwargs.get("hbp_sp") is not None or kwargs.get("hbp_cp_shard") is not None:
+        why = "under sequence parallelism its ranks' shards would attend only to themselves"
+    elif boundaries and kwargs.get("use_cache", net.config.use_cache) is not False:
+        why = "with its KV cache on, transformers lets the documents of the pack attend to each other"
+    elif marked and not boundaries and kwargs.get("position_ids") is None:
+        why = "without boundaries or positions its documents would attend to each other"
+    if why is not None:
         raise ValueError(
-            f"{path} ({type(net).__name__}) is called on a packed micro-batch but is not prepared for packs, so its "
-            f"documents (and, under sequence parallelism, its ranks' shards) would attend to each other: call "
-            f"lit_hbp.prepare_model({path}) in configure_model and call it with **lit_hbp.pack_inputs(batch)"
+            f"{path} ({type(net).__name__}) is called on a packed micro-batch but is not prepared for packs: {why}; "
+            f"call lit_hbp.prepare_model({path}) in configure_model and call it with **lit_hbp.pack_inputs(batch)"
         )
     return None
 
@@ -173,7 +163,6 @@ def release_process_groups() -> None:
     to end during interpreter shutdown can free a tensor, take the GIL and abort the process
     (``terminate called without an active exception``) after a successful run. A world already
     destroyed (the measured level search destroys its own) is left alone."""
-    context.activate(None)
     for strategy in list(_LIVE):
         strategy.sp_groups = None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -247,6 +236,7 @@ class HBPStrategy(DeepSpeedStrategy):
                 self.config.setdefault("zero_force_ds_cpu_optimizer", False)
         self.levels = None if levels is None else tuple(as_level(x) for x in levels)
         self.sp_groups: SPGroups | None = None
+        self._sp_calls: dict[tuple, SPCall] = {}  # (sp, cp, kind) -> the level's SPCall, built on first use
         self._frozen_guards: list = []
 
     def _format_config(self) -> None:
@@ -355,10 +345,13 @@ class HBPStrategy(DeepSpeedStrategy):
         super().setup(trainer)
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Move the batch, and make its level's SP group the one attention uses."""
+        """Move the batch, with its level's SP group and kind (its packed calls carry them)."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        if isinstance(batch, PackedBatch):
-            context.activate(self.sp_groups[(batch.sp, batch.cp)], batch.sp_kind)
+        if isinstance(batch, PackedBatch) and batch.sp > 1:
+            key = (batch.sp, batch.cp, batch.sp_kind)
+            if key not in self._sp_calls:
+                self._sp_calls[key] = SPCall.of(self.sp_groups[(batch.sp, batch.cp)], batch.sp_kind)
+            batch = batch.replace(sp_group=self._sp_calls[key])
         return batch
 
     @contextlib.contextmanager
@@ -388,7 +381,7 @@ class HBPStrategy(DeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
 
     def teardown(self) -> None:
-        context.activate(None)
+        self._sp_calls = {}
         for handle in self._frozen_guards:
             handle.remove()
         self._frozen_guards = []

@@ -9,19 +9,16 @@ gradients are summed over the tiles in fp32 (or wider) and handed to autograd on
 so gradient hooks (DeepSpeed's ZeRO-1/2 reduction, LoRA) see one gradient per step as without
 tiles. Exact up to the order of fp32 sums.
 
-Tiles are a level's setting (``Level.mlp_tiles``), applied per micro-batch by ``packed_loss``
-through ``set_mlp_tiles``; a level with 1 tile runs the family's MLP untouched.
+Tiles are a level's setting (``Level.mlp_tiles``) of a packed call: the MLP asks the call running on
+its thread (``tiles_of``, given when ``prepare_model`` installs the tiling); outside a packed call, and
+at a level with 1 tile, the family's MLP runs untouched.
 """
 
 from __future__ import annotations
 
 import inspect
-import types
 
 import torch
-
-TILES = "_hbp_mlp_tiles"  # an MLP's current tile count (a plain attribute set by set_mlp_tiles)
-INNER = "_hbp_mlp_forward"  # the forward the tiles run
 
 
 class TiledMLP(torch.autograd.Function):
@@ -99,42 +96,48 @@ def _tiles(x: torch.Tensor, tiles: int):
         yield x[index], index
 
 
-def install_tiling(mlp: torch.nn.Module) -> None:
-    """Make ``mlp`` run in its ``TILES`` count of tiles (1 until ``set_mlp_tiles`` says otherwise): its
-    forward becomes ``_tiled_forward`` bound to it, around the forward it had (the family's, or one an
-    integration such as Liger bound later: installing again wraps that one). Bound methods in the
-    instance's dict follow the module through ``copy.deepcopy``; the state dict is unchanged."""
+class TiledForward:
+    """An MLP's ``forward`` in the tiles its packed call asks for (``tiles_of()``), around ``inner``:
+    the forward it had (None: its class's own, looked up at each call). A plain object in the
+    module's dict, so the model pickles and deep-copies with it; the state dict is unchanged."""
+
+    def __init__(self, mlp: torch.nn.Module, inner, tiles_of) -> None:
+        self.mlp, self.inner, self.tiles_of = mlp, inner, tiles_of
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) if self.inner is not None else type(self.mlp).forward(self.mlp, x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The family's MLP with 1 tile, TiledMLP with more; without gradients (validation at a long
+        level) a plain loop over the tiles, whose intermediates live one tile at a time."""
+        tiles = min(self.tiles_of(), x.shape[-2])
+        if tiles <= 1:
+            return self.forward(x)
+        if not torch.is_grad_enabled():
+            return run_tiles(self.forward, x, tiles)
+        params = [p for p in self.mlp.parameters() if p.requires_grad]
+        return TiledMLP.apply(self.forward, tiles, x, *params)
+
+
+def install_tiling(mlp: torch.nn.Module, tiles_of) -> None:
+    """Make ``mlp`` run in the tiles ``tiles_of()`` says: its forward becomes a ``TiledForward``
+    around the forward it had (the family's, or one an integration such as Liger bound later:
+    installing again wraps that one)."""
     current = mlp.__dict__.get("forward")
-    if getattr(current, "__func__", None) is _tiled_forward:
+    if isinstance(current, TiledForward):
         return
-    mlp.__dict__[INNER] = mlp.forward
-    mlp.__dict__.setdefault(TILES, 1)
-    mlp.forward = types.MethodType(_tiled_forward, mlp)
+    mlp.forward = TiledForward(mlp, current, tiles_of)
 
 
 def uninstall_tiling(mlp: torch.nn.Module) -> None:
     """The forward ``mlp`` had before ``install_tiling``."""
-    if getattr(mlp.__dict__.get("forward"), "__func__", None) is not _tiled_forward:
+    current = mlp.__dict__.get("forward")
+    if not isinstance(current, TiledForward):
         return
-    inner = mlp.__dict__.pop(INNER)
-    mlp.__dict__.pop(TILES, None)
-    if getattr(inner, "__func__", None) is getattr(type(mlp), "forward", None):
+    if current.inner is None:
         del mlp.forward  # the class's own forward
     else:
-        mlp.forward = inner  # one an integration bound before
-
-
-def _tiled_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The family's MLP with 1 tile, TiledMLP with more; without gradients (validation at a long
-    level) a plain loop over the tiles, whose intermediates live one tile at a time."""
-    forward = self.__dict__[INNER]
-    tiles = min(self.__dict__.get(TILES, 1), x.shape[-2])
-    if tiles <= 1:
-        return forward(x)
-    if not torch.is_grad_enabled():
-        return run_tiles(forward, x, tiles)
-    params = [p for p in self.parameters() if p.requires_grad]
-    return TiledMLP.apply(forward, tiles, x, *params)
+        mlp.forward = current.inner  # one an integration bound before
 
 
 def mlp_of(layer: torch.nn.Module) -> torch.nn.Module | None:

@@ -11,10 +11,11 @@ import pytest
 import torch
 from packaging.version import Version
 
-from lit_hbp import attention
+from lit_hbp import attention, prepare_model
 from lit_hbp.attention import backends
 from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose
 from lit_hbp.attention.flex import tile_masks
+from lit_hbp.packed_call import record_of
 
 
 def dense_reference(q, k, v, cu, scale, window=None, softcap=None, sinks=None):
@@ -276,32 +277,38 @@ def test_flash_attn_versions_are_preferred_and_adapted(monkeypatch):
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_choice_is_logged_once_with_the_reasons_and_a_forced_backend_is_checked(monkeypatch):
+def test_each_models_choice_is_logged_once_with_the_reasons_and_a_forced_backend_is_checked(monkeypatch):
+    """The choice is the model's: logged the first time each model makes such a call (a second model
+    logs its own), listed by ``choices(model)`` for that model only; a forced backend that cannot run
+    the call is refused naming why, and an unknown name is refused where the model is prepared."""
+    from test_packed_loss import tiny_model
+
     lines = []
     monkeypatch.setattr(attention, "rank_zero_info", lines.append)
-    attention.set_backend("auto")
-    try:
-        assert attention.backend_for("cpu", torch.float32, frozenset({"softcap"})) == "eager"
-        assert attention.backend_for("cpu", torch.float32, frozenset({"softcap"})) == "eager"
-        (line,) = lines
-        assert "eager backend for torch.float32 on cpu with softcap" in line
-        assert "not sdpa: does not support softcap" in line and "not flex: CUDA only" in line
-        (chosen,) = attention.choices()  # what a run or a benchmark reports: the logged line's parts
-        assert (chosen["device"], chosen["dtype"], chosen["needs"], chosen["backend"]) == (
-            "cpu",
-            "float32",
-            "softcap",
-            "eager",
-        )
-        assert chosen["why"] in line and chosen["why"].startswith("not ")
-        attention.set_backend("flex")
-        with pytest.raises(ValueError, match="attention backend 'flex' cannot run torch.float32 on cpu: CUDA only"):
-            attention.backend_for("cpu", torch.float32)
-        with pytest.raises(ValueError, match="must be one of"):
-            attention.set_backend("flash")
-        assert attention.choices() == []
-    finally:
-        attention.set_backend("auto")
+    first, second = prepare_model(tiny_model()), prepare_model(tiny_model(), attn_backend="eager")
+    owner = record_of(first).owner
+    assert attention.backend_for("cpu", torch.float32, frozenset({"softcap"}), "auto", owner) == "eager"
+    assert attention.backend_for("cpu", torch.float32, frozenset({"softcap"}), "auto", owner) == "eager"
+    (line,) = lines
+    assert "eager backend for torch.float32 on cpu with softcap" in line
+    assert "not sdpa: does not support softcap" in line and "not flex: CUDA only" in line
+    (chosen,) = attention.choices(first)  # what a run or a benchmark reports: the logged line's parts
+    assert (chosen["device"], chosen["dtype"], chosen["needs"], chosen["backend"]) == (
+        "cpu",
+        "float32",
+        "softcap",
+        "eager",
+    )
+    assert chosen["why"] in line and chosen["why"].startswith("not ")
+    assert attention.choices(second) == []
+    attention.backend_for("cpu", torch.float32, frozenset({"softcap"}), "eager", record_of(second).owner)
+    assert len(lines) == 2 and [c["why"] for c in attention.choices(second)] == ["forced"]
+    with pytest.raises(ValueError, match="attention backend 'flex' cannot run torch.float32 on cpu: CUDA only"):
+        attention.backend_for("cpu", torch.float32, frozenset(), "flex", owner)
+    with pytest.raises(ValueError, match="must be one of"):
+        prepare_model(tiny_model(), attn_backend="flash")
+    with pytest.raises(ValueError, match="is not prepared"):
+        attention.choices(tiny_model())
 
 
 class Layer(torch.nn.Module):
@@ -314,9 +321,9 @@ def test_autocast_runs_attention_in_the_autocast_dtype(monkeypatch):
     seen = []
     real = attention._attend
 
-    def spy(q, k, v, args):
+    def spy(q, k, v, args, backend="auto", owner=0):
         seen.append((q.dtype, k.dtype, v.dtype))
-        return real(q, k, v, args)
+        return real(q, k, v, args, backend, owner)
 
     monkeypatch.setattr(attention, "_attend", spy)
     q, k, v, cu = random_pack(5)

@@ -178,7 +178,7 @@ def test_compiled_attention_with_dropout_recomputes_the_forward(monkeypatch):
     q, k, v, cu = random_pack(0)
     cu_t, max_len = torch.tensor(cu, dtype=torch.int32), int(max(np.diff(cu)))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out, lse, seed = attention._varlen_op(*leaves, cu_t, None, max_len, 0.3, None, None, 0.4)
+    out, lse, seed = attention._varlen_op(*leaves, cu_t, None, max_len, 0.3, None, None, 0.4, "auto", 0)
     out = out.transpose(1, 2)  # the op's [1, T, H, D]
     assert lse.numel() == 0 and calls == {"run": 1, "lse.forward": 0, "lse.backward": 0}
     w = torch.randn_like(out)
@@ -203,7 +203,7 @@ def test_attention_op_passes_torchs_opcheck(case):
     args = (*leaves[:3], torch.tensor(cu, dtype=torch.int32), leaves[3] if sinks is not None else None)
     torch.library.opcheck(
         attention._varlen_op,
-        (*args, int(max(np.diff(cu))), 0.3, feats.get("window"), feats.get("softcap"), 0.0),
+        (*args, int(max(np.diff(cu))), 0.3, feats.get("window"), feats.get("softcap"), 0.0, "auto", 0),
     )
 
 
@@ -219,28 +219,25 @@ def test_compiled_attention_on_the_gpu_matches_the_kernels_own_autograd(monkeypa
     reason = backends.why_not(name, "cuda", torch.bfloat16, frozenset())
     if reason:
         pytest.skip(f"{name}: {reason}")
-    attention.set_backend(name)
-    try:
-        has_pair = backends.lse_why_not(name, "cuda", frozenset()) is None
-        calls = count_kernel_calls(monkeypatch, name) if has_pair else None
-        torch._dynamo.reset()
-        q, k, v, cu = random_pack(0, total=3000, hq=8, hkv=2, dim=128, docs=7)
-        q, k, v = (x.cuda().bfloat16() for x in (q, k, v))
-        cu_t, max_len = torch.tensor(cu, dtype=torch.int32, device="cuda"), int(max(np.diff(cu)))
-        layer = torch.compile(lambda q, k, v: attention.Attend(cu_t, max_len, None, None, None, 0.0)(q, k, v, None))
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        out = layer(*leaves)
-        dout = torch.randn_like(out)
-        got = torch.autograd.grad(out, leaves, dout)
-        ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        ref = attention.REGISTRY[name].run(*ref_leaves, AttnArgs(cu_t, max_len, 128**-0.5))
-        want = torch.autograd.grad(ref, ref_leaves, dout)
-        for a, b in zip([out, *got], [ref, *want]):
-            assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 1e-2, name
-        if has_pair:
-            assert calls["lse.backward"] == 1 and calls["run"] == 0, calls
-    finally:
-        attention.set_backend("auto")
+    has_pair = backends.lse_why_not(name, "cuda", frozenset()) is None
+    calls = count_kernel_calls(monkeypatch, name) if has_pair else None
+    torch._dynamo.reset()
+    q, k, v, cu = random_pack(0, total=3000, hq=8, hkv=2, dim=128, docs=7)
+    q, k, v = (x.cuda().bfloat16() for x in (q, k, v))
+    cu_t, max_len = torch.tensor(cu, dtype=torch.int32, device="cuda"), int(max(np.diff(cu)))
+    attend = attention.Attend(cu_t, max_len, None, None, None, 0.0, None, name)  # the model's forced backend
+    layer = torch.compile(lambda q, k, v: attend(q, k, v, None))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = layer(*leaves)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = attention.REGISTRY[name].run(*ref_leaves, AttnArgs(cu_t, max_len, 128**-0.5))
+    want = torch.autograd.grad(ref, ref_leaves, dout)
+    for a, b in zip([out, *got], [ref, *want]):
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 1e-2, name
+    if has_pair:
+        assert calls["lse.backward"] == 1 and calls["run"] == 0, calls
 
 
 @pytest.mark.parametrize("case", sorted(OP_CASES))
@@ -264,7 +261,7 @@ def test_the_backward_op_returns_the_kernels_own_gradients(monkeypatch, case):
     q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))  # the model's layout
     sinks = feats.get("sinks")
     cu_t, max_len = torch.tensor(cu, dtype=torch.int32), int(max(np.diff(cu)))
-    host = (max_len, 0.3, feats.get("window"), feats.get("softcap"), 0.0)
+    host = (max_len, 0.3, feats.get("window"), feats.get("softcap"), 0.0, "auto", 0)
     out, lse, seed = attention._varlen_op(q, k, v, cu_t, sinks, *host)
     grad = torch.randn_like(out)
     grads = attention._varlen_backward_op(grad, q, k, v, cu_t, sinks, out, lse, seed, *host)

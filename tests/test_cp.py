@@ -152,7 +152,7 @@ def cp_attention_parity(
 
     from lit_hbp.attention import varlen_attention
     from lit_hbp.packing.context_split import split_pack
-    from lit_hbp.parallel import context
+    from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.context_parallel import cp_shard_of
     from lit_hbp.parallel.groups import SPGroups
 
@@ -170,7 +170,6 @@ def cp_attention_parity(
     kw = dict(scaling=dim**-0.5, cu_seq_lens_q=cu, max_length_q=max(lengths), sliding_window=window)
 
     ref_in = [x.clone().requires_grad_() for x in (q, k, v, *([s] if sinks else []))]
-    context.activate(None)
     out_ref, _ = varlen_attention(module, *ref_in[:3], None, s_aux=ref_in[3] if sinks else None, **kw)
     (out_ref * w).sum().backward()
 
@@ -180,17 +179,13 @@ def cp_attention_parity(
     index = torch.from_numpy(split.gather_index(cp_rank)[u_rank * size : (u_rank + 1) * size]).to(device)
     cp_in = [x[:, :, index].clone().requires_grad_() for x in (q, k, v)]
     sink_in = s.clone().requires_grad_() if sinks else None
-    context.activate(ctx, "cp")
     shard = cp_shard_of(split, cp_rank).apply(lambda t: t.to(device))
     attend = varlen_attention
     if compiled:
         torch._dynamo.reset()
         attend = torch.compile(varlen_attention, backend="aot_eager", dynamic=True)
-    try:
-        out, _ = attend(module, *cp_in, None, s_aux=sink_in, hbp_cp_shard=shard, **kw)
-        (out * w[:, index]).sum().backward()
-    finally:
-        context.activate(None)
+    out, _ = attend(module, *cp_in, None, s_aux=sink_in, hbp_cp_shard=shard, hbp_sp=SPCall.of(ctx, "cp"), **kw)
+    (out * w[:, index]).sum().backward()
 
     def error(got: torch.Tensor, want: torch.Tensor) -> float:
         scale = 1.0 if device == "cpu" else want.abs().max().item()
@@ -324,7 +319,7 @@ def cp_model_parity(sp: int, cp: int, lengths: list[int], model: dict, lora: boo
 
     from lit_hbp.data.collate import collate_packs
     from lit_hbp.module import HBPLitModule
-    from lit_hbp.parallel import context
+    from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.groups import SPGroups
 
     torch.manual_seed(0)
@@ -339,13 +334,9 @@ def cp_model_parity(sp: int, cp: int, lengths: list[int], model: dict, lora: boo
     docs = {i: (rng.integers(0, 97, n), rng.random(n) < 0.8) for i, n in enumerate(lengths)}
     whole = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=sp, cp=cp, sp_kind="cp", loss_norm=1.0)
     ctx = SPGroups([(sp, cp)], dist.get_world_size(), dist.get_rank())[(sp, cp)]
-    batch = ContextParallel().shard(whole, sp, ctx.rank)
-    context.activate(ctx, "cp")
-    try:
-        loss, _, _ = module.packed_loss(batch, weights=1.0, recompute=False)
-        loss.backward()
-    finally:
-        context.activate(None)
+    batch = ContextParallel().shard(whole, sp, ctx.rank).replace(sp_group=SPCall.of(ctx, "cp"))
+    loss, _, _ = module.packed_loss(batch, weights=1.0, recompute=False)
+    loss.backward()
     params = {n: p for n, p in module.model.named_parameters() if p.requires_grad}
     grads = {n: p.grad.clone() for n, p in params.items()}
     total = loss.detach().clone()
@@ -403,7 +394,6 @@ def train_cp(stage: int, data: str, tokenizer: str, cache: str) -> dict:
     from conftest import quiet_trainer
 
     from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.parallel import context
     from lit_hbp.strategy import HBPStrategy
 
     class Trace(L.Callback):
@@ -421,8 +411,8 @@ def train_cp(stage: int, data: str, tokenizer: str, cache: str) -> dict:
             dist.new_group, self.restore = counting, real
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            ctx = context.active()
-            self.layouts.add((batch.sp, batch.cp, ctx.size, ctx.cp_size))
+            group = batch.sp_group  # the level's group, handed over with the batch (none at sp 1)
+            self.layouts.add((batch.sp, batch.cp, *((group.size, group.ctx.cp_size) if group else (1, 1))))
             self.rows.append((batch.micro_index, batch.sp, batch.sp_rank, batch.level, batch.sample_index.tolist()))
 
         def on_fit_end(self, trainer, pl_module):
@@ -551,11 +541,10 @@ def cp_device_reads(sp: int, cp: int) -> list[str]:
     import torch.distributed as dist
     from test_sync_audit import DeviceReads, opaque_kernel
 
-    from lit_hbp import attention
     from lit_hbp.attention import backends
     from lit_hbp.data.collate import collate_packs
     from lit_hbp.module import HBPLitModule
-    from lit_hbp.parallel import context
+    from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.groups import SPGroups
 
     mode = DeviceReads()
@@ -569,15 +558,13 @@ def cp_device_reads(sp: int, cp: int) -> list[str]:
     whole = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=sp, cp=cp, sp_kind="cp", loss_norm=1.0)
     try:
         with mode:
-            batch = ContextParallel().shard(whole, sp, ctx.rank).to("cpu")  # what batch_to_device does
-            context.activate(ctx, "cp")
+            batch = ContextParallel().shard(whole, sp, ctx.rank).to("cpu")  # what batch_to_device does,
+            batch = batch.replace(sp_group=SPCall.of(ctx, "cp"))  # with the level's group
             mode.watching = True
             loss, _, _ = module.packed_loss(batch)
             loss.backward()
             mode.watching = False
     finally:
-        context.activate(None)
-        attention.set_backend("auto")
         del backends.REGISTRY["opaque"]
     return mode.reads
 
@@ -597,7 +584,7 @@ def cp_dropout_directional_derivative(sp: int, cp: int) -> tuple[float, float]:
 
     from lit_hbp.attention import varlen_attention
     from lit_hbp.packing.context_split import split_pack
-    from lit_hbp.parallel import context
+    from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.context_parallel import cp_shard_of
     from lit_hbp.parallel.groups import SPGroups
 
@@ -611,25 +598,22 @@ def cp_dropout_directional_derivative(sp: int, cp: int) -> tuple[float, float]:
     w, direction = torch.randn(1, size, 4, 8, generator=g, dtype=torch.float64), torch.randn_like(q)
     cu = torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32)
     module = SimpleNamespace(training=True)
-    context.activate(ctx, "cp")
-    shard = cp_shard_of(split, cp_rank)
+    shard, sp_group = cp_shard_of(split, cp_rank), SPCall.of(ctx, "cp")
 
     def loss(query):
         torch.manual_seed(11)  # the same dropout masks in every forward
         out, _ = varlen_attention(
-            module, query, k, v, None, dropout=0.3, cu_seq_lens_q=cu, max_length_q=64, hbp_cp_shard=shard
-        )
+            module, query, k, v, None, dropout=0.3, cu_seq_lens_q=cu, max_length_q=64, hbp_cp_shard=shard,
+            hbp_sp=sp_group,
+        )  # fmt: skip
         return (out * w).sum()
 
-    try:
-        leaf = q.clone().requires_grad_()
-        loss(leaf).backward()
-        analytic = float((leaf.grad * direction).sum())
-        eps = 1e-6
-        with torch.no_grad():
-            numeric = float((loss(q + eps * direction) - loss(q - eps * direction)) / (2 * eps))
-    finally:
-        context.activate(None)
+    leaf = q.clone().requires_grad_()
+    loss(leaf).backward()
+    analytic = float((leaf.grad * direction).sum())
+    eps = 1e-6
+    with torch.no_grad():
+        numeric = float((loss(q + eps * direction) - loss(q - eps * direction)) / (2 * eps))
     return analytic, numeric
 
 
@@ -674,8 +658,8 @@ def cp_bf16_gradients_twice(sp: int, cp: int, lengths: list[int]) -> dict:
 
     from lit_hbp.attention import varlen_attention
     from lit_hbp.packing.context_split import split_pack
-    from lit_hbp.parallel import context
     from lit_hbp.parallel import context_parallel as cpm
+    from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.groups import SPGroups
 
     ctx = SPGroups([(sp, cp)], dist.get_world_size(), dist.get_rank())[(sp, cp)]
@@ -697,18 +681,18 @@ def cp_bf16_gradients_twice(sp: int, cp: int, lengths: list[int]) -> dict:
         return reduce_scatter(out, src, **kwargs)
 
     cpm._reduce_scatter = recorded
-    context.activate(ctx, "cp")
-    shard = cpm.cp_shard_of(split, cp_rank)
+    shard, sp_group = cpm.cp_shard_of(split, cp_rank), SPCall.of(ctx, "cp")
     runs = []
     try:
         for _ in range(2):
             inputs = [x[:, :, index].clone().requires_grad_() for x in (q, k, v)]
-            out, _ = varlen_attention(SimpleNamespace(training=False), *inputs, None, hbp_cp_shard=shard, **kw)
+            out, _ = varlen_attention(
+                SimpleNamespace(training=False), *inputs, None, hbp_cp_shard=shard, hbp_sp=sp_group, **kw
+            )
             (out * w[:, index]).sum().backward()
             runs.append([x.grad for x in inputs])
     finally:
         cpm._reduce_scatter = reduce_scatter
-        context.activate(None)
     same = all(torch.equal(a, b) and a.dtype == torch.bfloat16 for a, b in zip(*runs))
     return dict(same=same, scattered=sorted(set(scattered)), rounds=len(cpm.cp_shard_of(split, cp_rank).key_rounds))
 

@@ -17,7 +17,7 @@ from conftest import TINY_LLAMA, chat_datamodule
 from lightning.pytorch.loggers import Logger
 from torch.overrides import TorchFunctionMode
 
-from lit_hbp import attention
+from lit_hbp import prepare_model
 from lit_hbp.attention import backends
 from lit_hbp.callbacks import HBPThroughputMonitor
 from lit_hbp.data.collate import collate_packs
@@ -71,7 +71,6 @@ def opaque_kernel(monkeypatch):
         backends.Backend("opaque", backends._anywhere, lambda: frozenset(backends.FEATURES), run),
     )
     yield mode_box
-    attention.set_backend("auto")
 
 
 @pytest.mark.parametrize("loss", ["ave_token", "sample_mean"])
@@ -79,7 +78,7 @@ def test_forward_and_backward_read_nothing_back(opaque_kernel, loss):
     torch.manual_seed(0)
     module = HBPLitModule(model={**TINY_LLAMA, "num_hidden_layers": 3}, vocab_size=300, loss=loss)
     module.configure_model()
-    attention.set_backend("opaque")  # after the module, whose attn_backend ("auto") is set when it is built
+    prepare_model(module.model, attn_backend="opaque")  # the kernel registered only for this test
     rng = np.random.default_rng(0)
     samples = {i: (rng.integers(0, 300, n), rng.random(n) < 0.6) for i, n in enumerate([30, 7, 51, 12])}
     batch = collate_packs([np.arange(4)], samples.__getitem__, loss_norm=20.0, level=0, ckpt_layers=2)
@@ -92,7 +91,7 @@ def test_forward_and_backward_read_nothing_back(opaque_kernel, loss):
     assert mode.reads == [], mode.reads
     assert flops > 0 and n == batch.n_targets
     # The recorder does see reads: the same step through the loop backend is caught.
-    attention.set_backend("eager")
+    prepare_model(module.model, attn_backend="eager")
     with HostReads() as caught:
         module(batch)[0].backward()
     assert "tolist" in caught.reads
@@ -280,6 +279,6 @@ def test_a_sharded_micro_batch_without_its_sp_group_is_refused():
     samples = {i: (rng.integers(0, 300, 20), np.ones(20, bool)) for i in range(3)}
     batch = collate_packs([np.arange(3)], samples.__getitem__, sp=2, loss_norm=1.0, level=1)
     with pytest.raises(
-        ValueError, match=r"shard for sequence parallelism 2 but the active SP group has 1 rank.*HBPStrategy"
+        ValueError, match=r"shard for sequence parallelism 2 but came with none as its SP group.*HBPStrategy"
     ):
         module(Ulysses().shard(copy.deepcopy(batch), 2, 0))

@@ -15,7 +15,6 @@ import pytest
 import torch
 from conftest import TINY_LLAMA
 
-from lit_hbp import attention
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.module import HBPLitModule
 
@@ -103,7 +102,6 @@ def liger(tmp_path, monkeypatch):
     yield setup
     for name in [n for n in sys.modules if n == "liger_kernel" or n.startswith("liger_kernel.")]:
         del sys.modules[name]
-    attention.set_backend("auto")
 
 
 def micro_batch():

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from conftest import quiet_trainer, separate_loss
 
-from lit_hbp import attention
+from lit_hbp import prepare_model
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.loss import chunked_cross_entropy
 from lit_hbp.module import HBPLitModule
-from lit_hbp.pack_scope import pack_scope
+from lit_hbp.packed_call import pack_scope
 from lit_hbp.tiling import TiledMLP
 
 TINY = {
@@ -71,24 +71,21 @@ def test_packed_loss_and_gradients_equal_separate_forwards_cuda(backend, arch):
         pytest.skip(f"{backend}: {reason}")
     module = make_module(ARCHS[arch], loss="sum").cuda()
     ref = reference_model(module)
-    attention.set_backend(backend)
-    try:
-        rng = np.random.default_rng(0)
-        samples = random_samples(rng, 24, hi=300)
-        samples[23] = (rng.integers(0, 300, 700), np.ones(700, bool))  # longer than mistral's window
-        batch = collate_packs([np.arange(24)], lambda i: samples[i], pad_id=0)
-        batch = batch.to("cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = module(batch)[0]
-        loss.backward()
-        expected = separate_loss(ref, samples, "cuda")
-        expected.backward()
-        assert abs(loss.item() - expected.item()) < 1e-2 * expected.item()
-        for (name, p), q in zip(module.model.named_parameters(), ref.parameters()):
-            err = (p.grad - q.grad).abs().max().item() / q.grad.abs().max().item()
-            assert err < 5e-2, (name, err)
-    finally:
-        attention.set_backend("auto")
+    prepare_model(module.model, attn_backend=backend)
+    rng = np.random.default_rng(0)
+    samples = random_samples(rng, 24, hi=300)
+    samples[23] = (rng.integers(0, 300, 700), np.ones(700, bool))  # longer than mistral's window
+    batch = collate_packs([np.arange(24)], lambda i: samples[i], pad_id=0)
+    batch = batch.to("cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = module(batch)[0]
+    loss.backward()
+    expected = separate_loss(ref, samples, "cuda")
+    expected.backward()
+    assert abs(loss.item() - expected.item()) < 1e-2 * expected.item()
+    for (name, p), q in zip(module.model.named_parameters(), ref.parameters()):
+        err = (p.grad - q.grad).abs().max().item() / q.grad.abs().max().item()
+        assert err < 5e-2, (name, err)
 
 
 def test_chunked_cross_entropy_matches_full_logits():

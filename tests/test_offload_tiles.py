@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lit_hbp import pack_samples, packed_loss, prepare_model
 from lit_hbp.errors import ConfigError
 from lit_hbp.offload import host_offload
-from lit_hbp.pack_scope import pack_scope
+from lit_hbp.packed_call import pack_scope
 from lit_hbp.packing import Level
 from lit_hbp.packing.levels import as_level
 
@@ -111,8 +111,6 @@ def test_tiled_mlp_under_lora_dropout_replays_the_forwards_masks():
     the same tiles run with autograd keeping everything (no recompute), from the same RNG state."""
     from peft import LoraConfig, get_peft_model
 
-    from lit_hbp.tiling import TILES
-
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["gate_proj", "up_proj", "down_proj"])
     model = prepare_model(get_peft_model(llama(1), config))
     for n, p in model.named_parameters():
@@ -127,12 +125,12 @@ def test_tiled_mlp_under_lora_dropout_replays_the_forwards_masks():
         for p in params:
             p.grad = None
         x.grad = None
-        mlp.__dict__[TILES] = tiles
         torch.manual_seed(5)
-        if tiles == 1:  # the reference: tile by tile, everything kept
-            out = torch.cat([mlp(piece) for piece in x.tensor_split(4, dim=1)], dim=1)
-        else:
-            out = mlp(x)
+        with pack_scope(model, tiles=tiles):  # the MLP runs in the tiles of the packed call it is in
+            if tiles == 1:  # the reference: tile by tile, everything kept
+                out = torch.cat([mlp(piece) for piece in x.tensor_split(4, dim=1)], dim=1)
+            else:
+                out = mlp(x)
         out.backward(g)
         return [x.grad.clone()] + [p.grad.clone() for p in params]
 

@@ -1,9 +1,10 @@
 """A Lightning project of one's own adopting lit-hbp (``examples/own_project``): its LightningModule
 calls ``prepare_model`` and ``packed_loss``, its trainer takes ``HBPDataModule`` and ``HBPStrategy``.
 On one process its first update equals the one of each sample alone through the Hugging Face model
-with eager attention; on two processes with an sp 2 level, the pack's cross-entropy (summed over the
-SP group) and every parameter's update equal that single-process reference; the same module without
-``prepare_model`` is refused under sp 2; the project's script runs as docs/lightning.md says."""
+with eager attention; on two processes with an sp 2 level, the cross-entropy it logs (the whole pack's,
+over the SP group, on both ranks) and every parameter's update equal that single-process reference;
+the same module without ``prepare_model`` is refused under sp 2; the project's script runs as
+docs/lightning.md says."""
 
 import json
 import os
@@ -41,7 +42,7 @@ def project(tmp_path_factory, toy_tokenizer):
 
 def one_update(ckpt: str, data: str, cache: str, devices: int, sp: int, prepare: bool = True) -> dict:
     """One optimizer step (SGD) of the project's ChatLM on the first micro-batch of a level at ``sp``:
-    the parameters before and after (gathered), the pack's samples and this rank's cross-entropy."""
+    the parameters before and after (gathered), the pack's samples and the ``train/ce`` it logged."""
     import lightning as L
 
     sys.path.insert(0, str(PROJECT))
@@ -61,11 +62,12 @@ def one_update(ckpt: str, data: str, cache: str, devices: int, sp: int, prepare:
             return torch.optim.SGD(self.model.parameters(), lr=LR)
 
         def training_step(self, batch, batch_idx):
-            from lit_hbp import packed_loss
+            self.seen = dict(samples=batch.sample_index.tolist())
+            return super().training_step(batch, batch_idx)  # the project's own step, as it logs
 
-            out = packed_loss(self.model, batch)
-            self.seen = dict(samples=batch.sample_index.tolist(), ce=float(out.ce_sum), n=out.n_targets)
-            return out.loss
+        def log(self, name, value, *args, **kwargs):
+            self.seen[name] = float(value)
+            super().log(name, value, *args, **kwargs)
 
     def params(module):
         import deepspeed
@@ -91,8 +93,8 @@ def one_update(ckpt: str, data: str, cache: str, devices: int, sp: int, prepare:
 
 
 def reference(ckpt: str, data: str, cache: str, samples: list[int], initial: dict):
-    """Each sample alone through the model with eager attention: the summed cross-entropy and the
-    gradient of its token mean (what ave_token's update is on one step of one pack)."""
+    """Each sample alone through the model with eager attention: the token-mean cross-entropy and the
+    gradient of it (what ave_token's update is on one step of one pack)."""
     from transformers import AutoModelForCausalLM
 
     from lit_hbp import HBPDataModule
@@ -110,7 +112,7 @@ def reference(ckpt: str, data: str, cache: str, samples: list[int], initial: dic
         ce = ce + F.cross_entropy(logits, labels, reduction="sum")
         n += int((labels != -100).sum())
     (ce / n).backward()
-    return float(ce), {name: p.grad for name, p in net.named_parameters()}
+    return float(ce / n), {name: p.grad for name, p in net.named_parameters()}
 
 
 def assert_update_is_the_reference(result: dict, ce: float, grads: dict) -> None:
@@ -127,7 +129,7 @@ def test_one_process_trains_each_sample_as_alone(project, tmp_path):
     result = one_update(ckpt, data, str(tmp_path / "cache"), devices=1, sp=1)
     assert len(result["samples"]) > 3  # a pack of several documents
     ce, grads = reference(ckpt, data, str(tmp_path / "cache"), result["samples"], result["initial"])
-    assert result["ce"] == pytest.approx(ce, rel=1e-5)
+    assert result["train/ce"] == pytest.approx(ce, rel=1e-5)
     assert_update_is_the_reference(result, ce, grads)
 
 
@@ -143,7 +145,7 @@ def test_two_processes_at_sp_2_train_like_one(project, tmp_path):
         pool.close()
     assert ranks[0]["samples"] == ranks[1]["samples"]  # one SP group: both ranks hold shards of one pack
     ce, grads = reference(ckpt, data, str(tmp_path / "cache"), ranks[0]["samples"], ranks[0]["initial"])
-    assert ranks[0]["ce"] + ranks[1]["ce"] == pytest.approx(ce, rel=1e-5)
+    assert ranks[0]["train/ce"] == ranks[1]["train/ce"] == pytest.approx(ce, rel=1e-5)  # the pack's, on both
     for rank in ranks:
         assert_update_is_the_reference(rank, ce, grads)
     message = str(refused.value)

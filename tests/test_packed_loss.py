@@ -1,7 +1,7 @@
 """The public packed loss (``prepare_model``, ``packed_loss``, ``pack_samples``) in a module of one's own,
 and the guards that refuse what would train wrong without them: a model called on a pack without its
-document boundaries, transformers' loss shifting lit-hbp's pre-shifted labels again, a batch that is
-no PackedBatch."""
+document boundaries or positions, transformers' loss shifting lit-hbp's pre-shifted labels again, a batch
+that is no PackedBatch."""
 
 import numpy as np
 import pytest
@@ -91,14 +91,24 @@ def test_an_unprepared_model_or_a_foreign_batch_is_refused():
         quiet_trainer(max_steps=1).fit(module, torch.utils.data.DataLoader(Padded(), batch_size=2))
 
 
-def test_a_pack_without_its_boundaries_is_refused():
-    """The model called on a pack's token ids directly (no cu_seq_lens): its documents would attend to
-    each other, so the prepared model refuses, for pack_samples' batches as for the data module's; a row
-    of other token ids (say, generation) runs as the model always did."""
+def test_a_pack_is_recognised_by_its_boundaries_or_its_positions():
+    """The model called on a pack's token ids with its positions but no boundaries (``cu_seq_lens``):
+    the positions restart at each document, which says where the documents are, so each gets its
+    logits alone. Without positions too, its documents would attend to each other: refused, for
+    pack_samples' batches as for the data module's; a row of other token ids runs as always."""
+    reference = tiny_model("eager").float()
     model = prepare_model(tiny_model())
-    batch = pack_samples(samples())
+    model.load_state_dict(reference.state_dict())
+    pairs = samples()
+    batch = pack_samples(pairs)
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits[0]
+    start = 0
+    for ids, _ in pairs:
+        want = reference(input_ids=torch.as_tensor(ids)[None]).logits[0]
+        torch.testing.assert_close(logits[start : start + len(ids)], want, rtol=1e-5, atol=1e-5)
+        start += len(ids)
     with pytest.raises(ValueError, match=r"on a packed micro-batch of \d+ segments without their .*pack_inputs"):
-        model(input_ids=batch.input_ids, position_ids=batch.position_ids)
+        model(input_ids=batch.input_ids)
     with pytest.raises(ValueError, match=r"without their document boundaries"):
         model.model(batch.input_ids)  # the decoder, positionally
     model(input_ids=batch.input_ids[:, :7])
@@ -116,7 +126,7 @@ def test_transformers_loss_takes_the_labels_pre_shifted_or_refuses():
     model = prepare_model(tiny_model())
     model.load_state_dict(reference.state_dict())
     batch = pack_samples(pairs)
-    with pytest.raises(ValueError, match="already shifted .* would shift them again"):
+    with pytest.raises(ValueError, match="are pre-shifted .* would shift them again"):
         model(**pack_inputs(batch), labels=batch.labels)
     out = model(**pack_inputs(batch), labels=batch.labels, shift_labels=batch.labels)
     assert float(out.loss) == pytest.approx(float(ce) / n, rel=1e-5)

@@ -22,7 +22,6 @@ from packaging.requirements import Requirement
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.loss import token_weights
-from lit_hbp.parallel import context
 from lit_hbp.parallel.groups import SPGroups
 from lit_hbp.strategy import HBPStrategy
 
@@ -78,10 +77,7 @@ def test_hbp_strategy_path_leaves_every_field_exact(precision):
     strategy = HBPStrategy(precision_plugin=DeepSpeedPrecision(precision))
     strategy.sp_groups = SPGroups([1], world_size=1, rank=0)
     batch = odd_batch()
-    try:
-        moved = strategy.batch_to_device(strategy.precision_plugin.convert_input(batch), torch.device("cpu"))
-    finally:
-        context.activate(None)
+    moved = strategy.batch_to_device(strategy.precision_plugin.convert_input(batch), torch.device("cpu"))
     assert_same(moved, batch)
 
 

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from lit_hbp import (
     HBPStrategy,
     Level,
+    calls,
     pack_inputs,
     pack_samples,
     packed_loss,
@@ -33,7 +34,7 @@ from lit_hbp import (
     unprepare_model,
 )
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.pack_scope import PREPARED, record_of
+from lit_hbp.packed_call import PREPARED, current_tiles, record_of
 from lit_hbp.strategy import guard_frozen, trained_model
 
 PAD = 0
@@ -121,8 +122,7 @@ def test_no_state_of_a_pack_outlives_its_call():
     assert cu() is None, "something outside the call kept the pack's boundaries"
     assert model.config._attn_implementation == "sdpa"
     assert [layer.gradient_checkpointing for layer in layers] == [False, False]
-    assert all(mlp.__dict__["_hbp_mlp_tiles"] == 1 for mlp in record_of(model).mlps)
-    assert record_of(model).calls == []
+    assert current_tiles(record_of(model)) == 1 and record_of(model).active == 0 and calls.running() is None
 
     def fail(*_):
         raise RuntimeError("boom")
@@ -132,7 +132,7 @@ def test_no_state_of_a_pack_outlives_its_call():
         packed_loss(model, pack_samples(samples(), loss_norm=20.0).replace(ckpt_layers=1))
     handle.remove()
     assert model.config._attn_implementation == "sdpa" and not layers[0].gradient_checkpointing
-    assert record_of(model).calls == []
+    assert record_of(model).active == 0 and calls.running() is None
 
 
 def count_forwards(layers) -> list[int]:
@@ -192,7 +192,7 @@ def test_a_deep_copy_is_prepared_on_its_own():
     assert record_of(twin) is not record_of(model) and record_of(twin).decoder is twin.model
     unprepare_model(twin)
     assert record_of(model) is not None
-    with pytest.raises(ValueError, match="without their document boundaries"):
+    with pytest.raises(ValueError, match="without their document boundaries or positions"):
         model(input_ids=pack_samples(samples()).input_ids)
     twin(input_ids=pack_samples(samples()).input_ids)  # unprepared: no guard of lit-hbp's left on it
 
@@ -274,9 +274,11 @@ def test_zero3_loads_an_own_modules_models_from_a_folder_with_a_frozen_teacher(p
 
 
 def test_frozen_models_that_see_a_pack_must_be_prepared():
-    """The strategy's check: a frozen model held unprepared may run outside packs; called on a pack it is
-    refused naming its attribute; an unprepared trainable model at a level with sp > 1 is refused at
-    set-up naming its attribute; the trained model is the trainable one."""
+    """The strategy's check: a frozen model held unprepared may run outside packs, and on
+    ``pack_inputs`` at sp 1 (transformers' own packed path: each document's logits alone); called on a
+    pack it would compute wrong (the ids without boundaries or positions, the boundaries with its cache
+    on) it is refused naming its attribute; an unprepared trainable model at a level with sp > 1 is
+    refused at set-up naming its attribute; the trained model is the trainable one."""
 
     class Holder(torch.nn.Module):
         def __init__(self):
@@ -290,8 +292,19 @@ def test_frozen_models_that_see_a_pack_must_be_prepared():
     try:
         ids, mask, _ = padded([6, 4], 6)
         holder.judge(ids, attention_mask=mask)
-        with pytest.raises(ValueError, match=r"self\.judge \(LlamaForCausalLM\) is called on a packed micro-batch"):
-            holder.judge(input_ids=pack_samples(samples()).input_ids)
+        pairs = samples()
+        batch = pack_samples(pairs)
+        with torch.no_grad():
+            logits = holder.judge(**pack_inputs(batch)).logits[0]
+            start = 0
+            for doc, _ in pairs:
+                close(logits[start : start + len(doc)], holder.judge(torch.as_tensor(doc)[None]).logits[0])
+                start += len(doc)
+        with pytest.raises(ValueError, match=r"self\.judge \(LlamaForCausalLM\) is called on a packed micro-batch.*"
+                           "without boundaries or positions"):  # fmt: skip
+            holder.judge(input_ids=batch.input_ids)
+        with pytest.raises(ValueError, match="with its KV cache on"):
+            holder.judge(**{**pack_inputs(batch), "use_cache": True})
     finally:
         for h in handles:
             h.remove()
@@ -308,8 +321,10 @@ def test_frozen_models_that_see_a_pack_must_be_prepared():
 def two_ranks(docs, sp_docs):
     """On each of 2 gloo ranks: (a) data parallel over own packs, 2 micro-batches per rank, normalized by
     step_loss_norm; (b) at sp 2 over one pack: the model's own loss refused, the pack's ids without
-    boundaries refused, a prepared teacher's logits of this rank's shard."""
-    from lit_hbp.parallel import context
+    boundaries refused, a prepared teacher's logits of this rank's shard; (c) the sp 2 pack's summed
+    cross-entropy with every layer checkpointed, backpropagated only after another micro-batch (sp 1,
+    no group) ran its forward and backward: the recomputation runs in its own call's group."""
+    from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.groups import SPGroups
     from lit_hbp.parallel.ulysses import Ulysses
 
@@ -327,25 +342,27 @@ def two_ranks(docs, sp_docs):
 
     ctx = SPGroups([(2, 1)], 2, rank)[(2, 1)]
     whole = collate_packs([np.arange(len(sp_docs))], sp_docs.__getitem__, sp=2, loss_norm=1.0)
-    shard = Ulysses().shard(whole, 2, ctx.rank)
-    context.activate(ctx)
+    shard = Ulysses().shard(whole, 2, ctx.rank).replace(sp_group=SPCall.of(ctx, "ulysses"))
     refusals = []
-    try:
-        for call in (
-            lambda: model(**pack_inputs(shard), labels=shard.labels, shift_labels=shard.labels),
-            lambda: model(input_ids=shard.input_ids),
-        ):
-            try:
-                call()
-            except ValueError as e:
-                refusals.append(str(e))
-        with torch.no_grad():
-            logits = model(**pack_inputs(shard)).logits
-    finally:
-        context.activate(None)
+    for call in (
+        lambda: model(**pack_inputs(shard), labels=shard.labels, shift_labels=shard.labels),
+        lambda: model(input_ids=shard.input_ids),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            refusals.append(str(e))
+    with torch.no_grad():
+        logits = model(**pack_inputs(shard)).logits
     gathered = [torch.empty_like(logits) for _ in range(2)]
     dist.all_gather(gathered, logits.contiguous())
-    return grads, norm, refusals, torch.cat(gathered, dim=1)
+
+    sp_loss = packed_loss(model, shard.replace(ckpt_layers=2), weights=1.0).loss
+    packed_loss(model, micro[0].replace(loss_norm=norm)).loss.backward()  # another call in between
+    sp_grads = list(torch.autograd.grad(sp_loss, list(model.parameters())))
+    for g in sp_grads:
+        dist.all_reduce(g)  # the shards' parts of the pack's gradient
+    return grads, norm, refusals, torch.cat(gathered, dim=1), sp_grads
 
 
 @pytest.mark.slow
@@ -363,7 +380,7 @@ def test_two_processes_give_one_processs_update_and_refuse_what_sp_cannot_do():
     reference.load_state_dict(prepare_model(tiny_model()).float().state_dict())
     ce, n = alone(reference, docs[0] + docs[1])
     (ce / n).backward()
-    (grads, norm, refusals, logits), (grads1, norm1, refusals1, _) = results
+    (grads, norm, refusals, logits, sp_grads), (grads1, norm1, refusals1, _, sp_grads1) = results
     assert norm == norm1 == pytest.approx(n / 4)
     for got, other, want in zip(grads, grads1, reference.parameters()):
         torch.testing.assert_close(got, other)
@@ -378,6 +395,10 @@ def test_two_processes_give_one_processs_update_and_refuse_what_sp_cannot_do():
             want = reference(torch.as_tensor(ids)[None]).logits[0]
             close(logits[0, start : start + len(ids)], want)
             start += len(ids)
+    ce_sp, _ = alone(reference, list(sp_docs.values()))
+    for got, other, want in zip(sp_grads, sp_grads1, torch.autograd.grad(ce_sp, list(reference.parameters()))):
+        torch.testing.assert_close(got, other)
+        close(got, want)
 
 
 DDP_SCRIPT = """

@@ -17,10 +17,8 @@ from lit_hbp.data.collate import collate_packs
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing import Level
 from lit_hbp.packing.levels import LevelSelector, as_level
-from lit_hbp.parallel import context
-from lit_hbp.parallel.kind import SPKind, resolve_sp_kind
+from lit_hbp.parallel.kind import SPKind, resolve_sp_kind, validate_sp_setup
 from lit_hbp.parallel.ulysses import Ulysses
-from lit_hbp.strategy import validate_sp_setup
 
 GATHER = "sp_kinds.GatherAll"  # tests/sp_kinds.py: a kind defined outside the library
 
@@ -99,34 +97,37 @@ def test_the_data_module_shards_with_the_levels_kind_and_the_batch_carries_it():
         assert torch.equal(batch.input_ids, whole.input_ids[:, (rank - 2) * half : (rank - 1) * half])
 
 
-def test_the_strategy_activates_the_batch_kind_with_its_group():
+def test_the_strategy_hands_the_batch_over_with_its_kind_and_group():
+    """batch_to_device gives the micro-batch its level's group and kind (which its packed calls carry),
+    one SPCall per level, and activates nothing: the next batch of another level gets its own."""
     from lit_hbp.parallel.groups import SPContext, SPGroups
     from lit_hbp.strategy import HBPStrategy
 
     strategy = HBPStrategy.__new__(HBPStrategy)  # only batch_to_device's own work is exercised
+    strategy._sp_calls = {}
     groups = SPGroups([], 1, 0)
     fake = SPContext(None, 2, 1, (0, 1))
     groups.contexts[(2, 1)] = fake
     strategy.sp_groups = groups
     batch = Ulysses().shard(collate_packs([np.arange(4)], samples(4).__getitem__, sp=2, sp_kind=GATHER), 2, 1)
-    try:
-        context.activate(None)
-        assert strategy_activate(strategy, batch) == (fake, GATHER)
-    finally:
-        context.activate(None)
+    moved = handed_over(strategy, batch)
+    assert moved.sp_group.ctx is fake
+    assert type(moved.sp_group.kind).__module__ + "." + type(moved.sp_group.kind).__name__ == GATHER
+    assert handed_over(strategy, batch).sp_group is moved.sp_group
+    whole = collate_packs([np.arange(4)], samples(4).__getitem__)
+    assert handed_over(strategy, whole).sp_group is None
 
 
-def strategy_activate(strategy, batch: PackedBatch):
-    """What HBPStrategy.batch_to_device activates for ``batch`` (the device move is Lightning's)."""
+def handed_over(strategy, batch: PackedBatch) -> PackedBatch:
+    """What HBPStrategy.batch_to_device hands over for ``batch`` (the device move is Lightning's)."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     real = DeepSpeedStrategy.batch_to_device
     DeepSpeedStrategy.batch_to_device = lambda self, b, device=None, dataloader_idx=0: b
     try:
-        type(strategy).batch_to_device(strategy, batch)
+        return type(strategy).batch_to_device(strategy, batch)
     finally:
         DeepSpeedStrategy.batch_to_device = real
-    return context.active(), type(context.active_kind()).__module__ + "." + type(context.active_kind()).__name__
 
 
 # --------------------------------------------------------------------------------- PackedBatch

@@ -13,7 +13,7 @@ from distributed import Pool
 
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing import Level
-from lit_hbp.strategy import validate_sp_setup
+from lit_hbp.parallel.kind import validate_sp_setup
 
 WORLD = 4
 LEVELS = [Level(96, 1, 0), Level(192, 2, 1, 2), Level(384, 4, 2)]  # sp 1 / 2 (two packs per rank) / 4
@@ -46,7 +46,7 @@ def attention_parity(sp: int, kv_heads: int, kind: str = "ulysses", compiled: bo
     import torch.distributed as dist
 
     from lit_hbp.attention import varlen_attention
-    from lit_hbp.parallel import context
+    from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.groups import SPGroups
 
     ctx = SPGroups([sp], dist.get_world_size(), dist.get_rank())[sp]
@@ -61,22 +61,18 @@ def attention_parity(sp: int, kv_heads: int, kind: str = "ulysses", compiled: bo
     module = SimpleNamespace(training=False)
 
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    context.activate(None)
     out_ref, _ = varlen_attention(module, *ref_in, None, scaling=dim**-0.5, cu_seq_lens_q=cu, max_length_q=max_len)
     (out_ref * w).sum().backward()
 
     part = slice(ctx.rank * total // sp, (ctx.rank + 1) * total // sp)
     sp_in = [x[:, :, part].clone().requires_grad_() for x in (q, k, v)]
-    context.activate(ctx, kind)
     attend = varlen_attention
     if compiled:
         torch._dynamo.reset()
         attend = torch.compile(varlen_attention, backend="aot_eager", dynamic=True)
-    try:
-        out, _ = attend(module, *sp_in, None, scaling=dim**-0.5, cu_seq_lens_q=cu, max_length_q=max_len)
-        (out * w[:, part]).sum().backward()
-    finally:
-        context.activate(None)
+    sp_group = SPCall.of(ctx, kind)  # the level's group, carried by the call
+    out, _ = attend(module, *sp_in, None, scaling=dim**-0.5, cu_seq_lens_q=cu, max_length_q=max_len, hbp_sp=sp_group)
+    (out * w[:, part]).sum().backward()
     crossing = int(((cu[1:-1] % (total // sp)) != 0).sum())
     return dict(
         out=(out - out_ref[:, part]).abs().max().item(),
@@ -168,7 +164,6 @@ def train_with_strategy(stage: int, data: str, tokenizer: str, cache: str, loss:
     import torch.distributed as dist
 
     from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.parallel import context
     from lit_hbp.strategy import HBPStrategy
 
     class Trace(L.Callback):
@@ -187,8 +182,8 @@ def train_with_strategy(stage: int, data: str, tokenizer: str, cache: str, loss:
             self.restore = real
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            ctx = context.active()
-            self.groups.setdefault(batch.sp, set()).add(id(ctx.group) if ctx.group is not None else None)
+            group = batch.sp_group.ctx.group if batch.sp_group is not None else None  # handed over with the batch
+            self.groups.setdefault(batch.sp, set()).add(id(group) if group is not None else None)
             self.rows.append((batch.micro_index, batch.sp, batch.sp_rank, batch.level, batch.sample_index.tolist()))
 
         def on_fit_end(self, trainer, pl_module):

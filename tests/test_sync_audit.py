@@ -67,7 +67,6 @@ from torch.overrides import TorchFunctionMode
 
 import lit_hbp.callbacks.interrupt as interrupt_module
 import lit_hbp.module as module_module
-from lit_hbp import attention
 from lit_hbp.attention import backends
 from lit_hbp.callbacks import InterruptCheckpoint, with_default_callbacks
 from lit_hbp.meter import logs_now
@@ -303,11 +302,8 @@ def test_no_sync_outside_logging_steps(tmp_path, toy_tokenizer, small_demo, monk
         callbacks=callbacks,
         **settings,
     )
-    try:
-        with mode:
-            trainer.fit(module, dm)
-    finally:
-        attention.set_backend("auto")
+    with mode:
+        trainer.fit(module, dm)
 
     assert trainer.strategy.deepspeed_engine.zero_overlap_comm() is False  # one process: nothing to overlap
     names = {type(c).__name__ for c in trainer.callbacks}

@@ -25,7 +25,7 @@ class ChatLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         out = packed_loss(self.model, batch)  # batch: a lit_hbp.PackedBatch (this rank's shard under SP)
-        self.log("train/ce", out.ce_sum / max(out.n_targets, 1), batch_size=1)
+        self.log("train/ce", out.mean_ce(batch), batch_size=1)  # the whole pack's, over its SP group
         return out.loss
 
     def configure_optimizers(self):

@@ -1,24 +1,25 @@
 """Varlen (packed) causal attention, registered in transformers' ``AttentionInterface``.
 
 A model that ``lit_hbp.prepare_model`` prepared runs ``varlen_attention`` only inside a packed call
-(``lit_hbp.pack_scope``): the call's ``cu_seq_lens_q`` / ``max_length_q`` (and a context-parallel
-shard, ``hbp_cp_shard``) arrive as forward keywords and travel with it, through checkpointed layers'
-recomputation too (for a family whose layers drop the keywords, StableLM, the scope puts the call's
-on the layers' attention modules for the call's duration, ``CALL_PACK``); nothing of a pack is kept
-in this module. Outside a pack the model runs the attention it had before. No mask function is
-registered under the name, so transformers builds no mask and runs no packed-sequence detection
-(which would read a device value back every forward). When the strategy has activated a
-sequence-parallel context (``lit_hbp.parallel.context``), the level's SP kind wraps the kernel
-(Ulysses: all-to-all to head shards, attention over the whole pack, all-to-all back). A call
-without the boundaries, an explicit mask or a keyword this function does not implement raises
-instead of being ignored: ignoring one trains a different model.
+(``lit_hbp.packed_call``): the call's ``cu_seq_lens_q`` / ``max_length_q`` (and a context-parallel
+shard, ``hbp_cp_shard``, and the level's SP group, ``hbp_sp``) arrive as forward keywords and travel
+with it, through checkpointed layers' recomputation too (for a family whose layers drop the keywords,
+StableLM, they come from the model's packed call on this thread, ``lit_hbp.calls``); nothing of a pack
+is kept in this module. Outside a pack the model runs the attention it had before. No mask function
+is registered under the name, so transformers builds no mask and runs no packed-sequence detection
+(which would read a device value back every forward). When the call carries an SP group, the level's
+SP kind wraps the kernel (Ulysses: all-to-all to head shards, attention over the whole pack,
+all-to-all back). A call without the boundaries, an explicit mask or a keyword this function does not
+implement raises instead of being ignored: ignoring one trains a different model.
 
 The kernel comes from ``lit_hbp.attention.backends``: per device, the dtype the kernel runs in
 (the autocast dtype under autocast) and the features the layer needs (sliding window, soft-capping,
-sinks, dropout), the fastest backend that can run it; the choice, and why each faster backend was
-not taken, is logged once.
+sinks, dropout), the fastest backend that can run it, or the one the model was prepared with
+(``prepare_model(model, attn_backend=...)``: a setting of the model, not of the process). Each
+model's choices, and why each faster backend was not taken, are logged the first time that model
+makes such a call, and ``choices(model)`` lists them.
 
-The kernel call is the ``torch.library`` custom op ``hbp::varlen_attention_v3``: a compiled decoder layer
+The kernel call is the ``torch.library`` custom op ``hbp::varlen_attention_v4``: a compiled decoder layer
 sees one opaque op with a fake implementation (the output's shape and dtype) and stays one graph on
 every backend, the per-document CPU loops included; backend choice, logging, imports and host reads
 happen inside the op, at run time, never while tracing. The op keeps the kernel's LSE where the backend
@@ -37,23 +38,23 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch._C import DispatchKey
 from transformers import AttentionInterface
 
+from lit_hbp import calls
 from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose, lse_dtype, lse_why_not, why_not
+from lit_hbp.calls import ATTN_NAME
 from lit_hbp.data.batch import CPShard
-from lit_hbp.parallel import context as sp_context
+from lit_hbp.packed_call import PREPARED, record_of
 
-ATTN_NAME = "hbp_varlen"
-# On a layer's attention modules for the duration of a packed call only (``lit_hbp.pack_scope``): the
-# call's boundaries, for a family whose decoder layers do not pass the attention keywords on (StableLM).
-CALL_PACK = "_hbp_call_pack"
-_forced: list[str | None] = [None]
-_chosen: dict[tuple[str, torch.dtype, frozenset[str]], tuple[str, str]] = {}  # -> (backend, why)
-_lse_logged: dict[tuple[str, str, frozenset[str]], str] = {}  # -> how its backward runs
+Kind = tuple[str, str, torch.dtype, frozenset]  # (backend setting, device type, dtype, features)
+_choice: dict[Kind, tuple[str, str]] = {}  # -> (backend, why): a memo of ``choose``, the same for every model
+# what each prepared model's packed calls ran: (owner, device, dtype, features) -> (backend, why, backward)
+_ran: dict[tuple[int, str, torch.dtype, frozenset], list[str]] = {}
 # Keywords transformers passes that carry nothing this function needs: cu_seq_lens_k/max_length_k
 # equal the q ones for self-attention, position_ids were used for the rotary embedding.
 IGNORED = frozenset(
     {"position_ids", "cu_seq_lens_k", "max_length_k", "use_cache", "cache_position", "output_router_logits"}
     | {"shift_labels", "num_items_in_batch"}  # the loss's keywords, which transformers hands every layer too
-    | {"hbp_cp_shard"}  # read by varlen_attention itself
+    | {"hbp_cp_shard", "hbp_sp"}  # read by varlen_attention itself
+    | {"seq_idx"}  # DataCollatorWithFlattening's document index: the boundaries say the same
 )
 CHECKED = frozenset({"output_attentions", "is_causal"})
 
@@ -81,38 +82,47 @@ def _unsupported(module, attention_mask, kwargs: dict) -> None:
         )
 
 
-def set_backend(name: str) -> None:
-    """Force a backend for the run, or "auto": the fastest for each device, dtype and feature set."""
+def check_backend(name: str) -> str:
+    """``name`` if it is ``auto`` or a registered backend, else a ValueError naming them."""
     if name != "auto" and name not in REGISTRY:
         raise ValueError(f"attention backend must be one of {('auto', *REGISTRY)}, got {name!r}")
-    _forced[0] = None if name == "auto" else name
-    _chosen.clear()
+    return name
 
 
-def backend_for(device_type: str, dtype: torch.dtype, needs: frozenset[str] = frozenset()) -> str:
-    """The backend for a call on ``device_type`` running in ``dtype`` that needs ``needs``; chosen
-    once per combination and logged once (a fp32 profiling pass on a GPU does not pin the slow
-    backend on the bf16 training that follows)."""
-    key = (device_type, dtype, needs)
-    if key not in _chosen:
+def backend_for(
+    device_type: str, dtype: torch.dtype, needs: frozenset[str] = frozenset(), backend: str = "auto", owner: int = 0
+) -> str:
+    """The backend for a call on ``device_type`` running in ``dtype`` that needs ``needs``: ``backend``
+    when a model was prepared with one (refused where it cannot run the call), else the fastest that
+    can. Logged, and kept for ``choices``, the first time the model ``owner`` makes such a call."""
+    key = (backend, device_type, dtype, needs)
+    if key not in _choice:
         what = f"{dtype} on {device_type}" + (f" with {', '.join(sorted(needs))}" if needs else "")
-        if _forced[0] is not None:
-            reason = why_not(_forced[0], device_type, dtype, needs)
+        if backend != "auto":
+            reason = why_not(backend, device_type, dtype, needs)
             if reason is not None:
-                raise ValueError(f"attention backend {_forced[0]!r} cannot run {what}: {reason}")
-            name, note = _forced[0], "forced"
+                raise ValueError(f"attention backend {backend!r} cannot run {what}: {reason}")
+            _choice[key] = (backend, "forced")
         else:
             name, skipped = choose(device_type, dtype, needs)
-            note = "; ".join(f"not {k}: {v}" for k, v in skipped.items()) or "the fastest"
-        _chosen[key] = (name, note)
-        rank_zero_info(f"{ATTN_NAME} attention: {name} backend for {what} ({note})")
-    return _chosen[key][0]
+            _choice[key] = (name, "; ".join(f"not {k}: {v}" for k, v in skipped.items()) or "the fastest")
+    name, why = _choice[key]
+    ran = (owner, device_type, dtype, needs)
+    if owner and ran not in _ran:
+        _ran[ran] = [name, why, ""]
+        what = f"{dtype} on {device_type}" + (f" with {', '.join(sorted(needs))}" if needs else "")
+        rank_zero_info(f"{ATTN_NAME} attention: {name} backend for {what} ({why})")
+    return name
 
 
-def choices() -> list[dict[str, str]]:
-    """Every backend chosen in this process so far, one per kind of call the layers made (device,
-    dtype, the features they need: a sliding window, sinks, ...), with why the faster ones were not
-    taken and how its backward runs: what a run or a benchmark reports it trained with."""
+def choices(model: torch.nn.Module) -> list[dict[str, str]]:
+    """The backends the packed calls of ``model`` (a prepared model) ran, one per kind of call its
+    layers made (device, dtype, the features they need: a sliding window, sinks, ...), with why the
+    faster ones were not taken and how the backward runs: what a run or a benchmark reports it
+    trained with."""
+    record = record_of(model)
+    if record is None:
+        raise ValueError(f"choices: {type(model).__name__} is not prepared (lit_hbp.prepare_model)")
     return [
         {
             "device": device,
@@ -120,9 +130,10 @@ def choices() -> list[dict[str, str]]:
             "needs": ",".join(sorted(needs)) or "plain",
             "backend": name,
             "why": why,
-            "backward": _lse_logged.get((name, device, needs), ""),
+            "backward": backward,
         }
-        for (device, dtype, needs), (name, why) in _chosen.items()
+        for (owner, device, dtype, needs), (name, why, backward) in _ran.items()
+        if owner == record.owner
     ]
 
 
@@ -142,8 +153,9 @@ def _on_device(args: AttnArgs, q: torch.Tensor) -> AttnArgs:
     return args
 
 
-def _attend(q, k, v, args: AttnArgs) -> torch.Tensor:
-    return REGISTRY[backend_for(q.device.type, q.dtype, args.needs)].run(q, k, v, _on_device(args, q))
+def _attend(q, k, v, args: AttnArgs, backend: str = "auto", owner: int = 0) -> torch.Tensor:
+    name = backend_for(q.device.type, q.dtype, args.needs, backend, owner)
+    return REGISTRY[name].run(q, k, v, _on_device(args, q))
 
 
 @contextlib.contextmanager
@@ -159,25 +171,27 @@ def replay_rng(device: torch.device, seed: int, active: bool = True) -> Iterator
         yield
 
 
-def _run_op(q, k, v, cu, sinks, seed, max_len: int, scale: float, window, softcap, dropout: float) -> torch.Tensor:
+def _run_op(
+    q, k, v, cu, sinks, seed, max_len: int, scale: float, window, softcap, dropout: float, backend: str, owner: int
+) -> torch.Tensor:
     """The kernel; with dropout, on the device's RNG seeded with ``seed`` (restored after), so the
     backward's recomputation draws the forward's dropout mask again."""
     args = AttnArgs(cu=cu, max_len=max_len, scale=scale, window=window, softcap=softcap, sinks=sinks, dropout=dropout)
     with replay_rng(q.device, seed, active=bool(dropout)):
-        return _attend(q, k, v, args)
+        return _attend(q, k, v, args, backend, owner)
 
 
-def lse_kernels(device_type: str, dtype: torch.dtype, needs: frozenset[str]):
+def lse_kernels(device_type: str, dtype: torch.dtype, needs: frozenset[str], backend: str = "auto", owner: int = 0):
     """The chosen backend's forward-with-LSE / backward pair for such a call (``backends.LseKernels``),
-    or None when it has none (the backward then recomputes the forward); which one is logged once."""
-    name = backend_for(device_type, dtype, needs)
+    or None when it has none (the backward then recomputes the forward); logged with the choice."""
+    name = backend_for(device_type, dtype, needs, backend, owner)
     reason = lse_why_not(name, device_type, needs)
-    key = (name, device_type, needs)
-    if key not in _lse_logged:
-        how = "its backward kernel from the saved LSE" if reason is None else f"recomputes the forward ({reason})"
-        _lse_logged[key] = how
+    ran = _ran.get((owner, device_type, dtype, needs))
+    if ran is not None and not ran[2]:
+        ran[2] = "its backward kernel from the saved LSE" if reason is None else f"recomputes the forward ({reason})"
         rank_zero_info(
-            f"{ATTN_NAME} attention: the backward on {name} for {', '.join(sorted(needs)) or 'plain'} calls runs {how}"
+            f"{ATTN_NAME} attention: the backward on {name} for {', '.join(sorted(needs)) or 'plain'} calls runs "
+            f"{ran[2]}"
         )
     return REGISTRY[name].lse if reason is None else None
 
@@ -198,6 +212,8 @@ class Attend:
     softcap: float | None
     dropout: float
     shard: CPShard | None = None  # this rank's context-parallel geometry (cp > 1)
+    backend: str = "auto"  # the model's backend setting
+    owner: int = 0  # the model (its ``Prepared.owner``), for ``choices``
 
     def _scale(self, q: torch.Tensor) -> float:
         return float(self.scaling) if self.scaling is not None else q.shape[-1] ** -0.5
@@ -205,10 +221,11 @@ class Attend:
     def __call__(self, q, k, v, sinks) -> torch.Tensor:
         scale, softcap = self._scale(q), self.softcap or None
         if not torch.compiler.is_compiling():  # eager: the kernel itself, no recomputation in the backward
-            return _attend(
-                q, k, v, AttnArgs(self.cu, int(self.max_len), scale, self.window, softcap, sinks, self.dropout)
-            )
-        out = _varlen_op(q, k, v, self.cu, sinks, self.max_len, scale, self.window, softcap, self.dropout)[0]
+            args = AttnArgs(self.cu, int(self.max_len), scale, self.window, softcap, sinks, self.dropout)
+            return _attend(q, k, v, args, self.backend, self.owner)
+        out = _varlen_op(
+            q, k, v, self.cu, sinks, self.max_len, scale, self.window, softcap, self.dropout, self.backend, self.owner
+        )[0]
         return out.transpose(1, 2)
 
     def ranges(self, q, sinks, cu_q, cu_k, max_q: int, max_k: int) -> AttnArgs:
@@ -222,22 +239,23 @@ class Attend:
         lse is None when the backend has no backward kernel for the call (``backward`` then
         recomputes the forward, its dropout replayed from ``seed``)."""
         args = self.ranges(q, sinks, **geometry)
-        kernels = lse_kernels(q.device.type, q.dtype, args.needs)
+        kernels = lse_kernels(q.device.type, q.dtype, args.needs, self.backend, self.owner)
         with torch.no_grad():
             if kernels is not None:
                 return kernels.forward(q, k, v, args)
             with replay_rng(q.device, seed, active=bool(args.dropout)):
-                return _attend(q, k, v, args), None
+                return _attend(q, k, v, args, self.backend, self.owner), None
 
     def backward(self, grad, q, k, v, sinks, out, lse, seed: int, **geometry):
         """(dq, dk, dv, dsinks or None) of ``forward``'s output for the upstream gradient ``grad``."""
         args = self.ranges(q, sinks, **geometry)
         if lse is not None:
-            return lse_kernels(q.device.type, q.dtype, args.needs).backward(grad, q, k, v, out, lse, args)
+            kernels = lse_kernels(q.device.type, q.dtype, args.needs, self.backend, self.owner)
+            return kernels.backward(grad, q, k, v, out, lse, args)
         with torch.enable_grad(), replay_rng(q.device, seed, active=bool(args.dropout)):
             leaves = [x.detach().requires_grad_() if x is not None else None for x in (q, k, v, sinks)]
             wrt = [x for x in leaves if x is not None]
-            out = _attend(*leaves[:3], AttnArgs(**{**args.__dict__, "sinks": leaves[3]}))
+            out = _attend(*leaves[:3], AttnArgs(**{**args.__dict__, "sinks": leaves[3]}), self.backend, self.owner)
             grads = torch.autograd.grad(out, wrt, grad, allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, wrt)]
         return (*grads[:3], grads[3] if sinks is not None else None)
@@ -246,18 +264,18 @@ class Attend:
 # Compiled graphs are cached on disk keyed by the ops they call, not by those ops' schemas or kernels
 # (torch's AOTAutograd cache): the names carry the contract's version, so a graph cached by an older
 # lit-hbp is never run against these ops.
-OP = "hbp::varlen_attention_v3"
+OP = "hbp::varlen_attention_v4"
 
 
 def _op_args(q, cu, sinks, max_len: int, scale: float, window, softcap, dropout: float) -> AttnArgs:
     return _on_device(AttnArgs(cu, int(max_len), scale, window, softcap, sinks, dropout), q)
 
 
-def _op_lse_kernels(q, args: AttnArgs):
+def _op_lse_kernels(q, args: AttnArgs, backend: str, owner: int):
     """The backend's LSE pair for the op's call, or None (its backward then recomputes the forward,
-    and the op's LSE is empty). Decided from device, dtype and features alone, so the fake and the
-    kernel agree."""
-    return lse_kernels(q.device.type, q.dtype, args.needs)
+    and the op's LSE is empty). Decided from the backend setting, device, dtype and features alone,
+    so the fake and the kernel agree."""
+    return lse_kernels(q.device.type, q.dtype, args.needs, backend, owner)
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -272,6 +290,8 @@ def _varlen_op(
     window: int | None,
     softcap: float | None,
     dropout: float,
+    backend: str,
+    owner: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output [1, T, Hq, D], the LSE [Hq, T] its backward kernel takes (empty without one), the dropout seed
     the backward's recomputation replays; 0 without dropout). The output's layout is the varlen
@@ -279,13 +299,14 @@ def _varlen_op(
     backward keeps is the one the projection keeps."""
     args = _op_args(q, cu, sinks, max_len, scale, window, softcap, dropout)
     seed = torch.randint(2**62, (), dtype=torch.int64) if dropout else torch.zeros((), dtype=torch.int64)
-    kernels = _op_lse_kernels(q, args)
+    kernels = _op_lse_kernels(q, args, backend, owner)
     with torch.no_grad():
         if kernels is not None:
             out, lse = kernels.forward(q, k, v, args)
             lse = lse.to(lse_dtype(q.dtype)).reshape(q.shape[1:3]).contiguous()
         else:
-            out, lse = _run_op(q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout), q.new_empty(0)
+            run = (max_len, scale, window, softcap, dropout, backend, owner)
+            out, lse = _run_op(q, k, v, cu, sinks, seed, *run), q.new_empty(0)
     out = out.transpose(1, 2).contiguous()
     if any(out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in (q, k, v)):
         out = out.clone()  # a custom op's output never aliases an input
@@ -293,8 +314,9 @@ def _varlen_op(
 
 
 @_varlen_op.register_fake
-def _(q, k, v, cu, sinks, max_len, scale, window, softcap, dropout):
-    has_lse = _op_lse_kernels(q, AttnArgs(cu, max_len, scale, window, softcap, sinks, dropout)) is not None
+def _(q, k, v, cu, sinks, max_len, scale, window, softcap, dropout, backend, owner):
+    args = AttnArgs(cu, max_len, scale, window, softcap, sinks, dropout)
+    has_lse = _op_lse_kernels(q, args, backend, 0) is not None  # decided here, not run: nothing to record
     out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     lse = q.new_empty(q.shape[1:3] if has_lse else (0,), dtype=lse_dtype(q.dtype))
     return out, lse, torch.empty((), dtype=torch.int64)
@@ -306,7 +328,7 @@ _AUTOGRAD_KEYS = [
 ]
 
 
-def _recomputed_grads(grad, q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout):
+def _recomputed_grads(grad, q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout, backend, owner):
     """The forward recomputed by its backend with autograd on (a custom op's kernel runs below
     autograd, which is switched back on here) and differentiated. Exact: the same kernel, inputs
     and dropout seed as the forward."""
@@ -315,9 +337,8 @@ def _recomputed_grads(grad, q, k, v, cu, sinks, seed, max_len, scale, window, so
         exclude = exclude.remove(key)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
         inputs = [x.detach().requires_grad_() for x in (q, k, v, *([sinks] if sinks is not None else []))]
-        out = _run_op(
-            *inputs[:3], cu, inputs[3] if sinks is not None else None, seed, max_len, scale, window, softcap, dropout
-        )
+        run = (max_len, scale, window, softcap, dropout, backend, owner)
+        out = _run_op(*inputs[:3], cu, inputs[3] if sinks is not None else None, seed, *run)
         grads = torch.autograd.grad(out, inputs, grad)
     return (*grads[:3], grads[3] if sinks is not None else None)
 
@@ -338,6 +359,8 @@ def _varlen_backward_op(
     window: int | None,
     softcap: float | None,
     dropout: float,
+    backend: str,
+    owner: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks; dsinks empty without sinks) for the gradient of the output [1, T, Hq, D]:
     the backend's backward kernel from the saved output and LSE, or, where the forward saved no LSE,
@@ -345,10 +368,11 @@ def _varlen_backward_op(
     grad = grad.contiguous().transpose(1, 2)  # [1, Hq, T, D], the kernels' view (flash-attn: stride 1 last)
     if lse.numel():
         args = _op_args(q, cu, sinks, max_len, scale, window, softcap, dropout)
-        kernels = lse_kernels(q.device.type, q.dtype, args.needs)
+        kernels = lse_kernels(q.device.type, q.dtype, args.needs, backend, owner)
         grads = kernels.backward(grad, q, k, v, out.transpose(1, 2), lse, args)
     else:
-        grads = _recomputed_grads(grad, q, k, v, cu, sinks, seed, max_len, scale, window, softcap, dropout)
+        run = (max_len, scale, window, softcap, dropout, backend, owner)
+        grads = _recomputed_grads(grad, q, k, v, cu, sinks, seed, *run)
     dsinks = grads[3] if sinks is not None else q.new_empty(0)
     inputs = (grad, q, k, v, cu, sinks, out, lse, seed)
     return (*(_in_kernel_layout(g, x, inputs) for g, x in zip(grads[:3], (q, k, v))), dsinks.contiguous())
@@ -374,7 +398,7 @@ def _in_kernel_layout(g: torch.Tensor, like: torch.Tensor, inputs) -> torch.Tens
 
 
 @_varlen_backward_op.register_fake
-def _(grad, q, k, v, cu, sinks, out, lse, seed, max_len, scale, window, softcap, dropout):
+def _(grad, q, k, v, cu, sinks, out, lse, seed, max_len, scale, window, softcap, dropout, backend, owner):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
     return kernel_layout(q), kernel_layout(k), kernel_layout(v), dsinks
 
@@ -388,7 +412,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad: torch.Tensor, _lse_grad, _seed_grad):
     q, k, v, cu, sinks, out, lse, seed = ctx.saved_tensors
     dq, dk, dv, dsinks = _varlen_backward_op(grad, q, k, v, cu, sinks, out, lse, seed, *ctx.host)
-    return dq, dk, dv, None, dsinks if sinks is not None else None, None, None, None, None, None
+    return dq, dk, dv, None, dsinks if sinks is not None else None, None, None, None, None, None, None, None
 
 
 _varlen_op.register_autograd(_backward, setup_context=_setup_context)
@@ -411,16 +435,17 @@ def varlen_attention(
 ):
     """transformers attention function of a packed call: query [1, Hq, T, D], key/value [1, Hkv, T, D]
     (GQA not repeated) -> ([1, T, Hq, D], None), each document of ``cu_seq_lens_q`` attending to itself.
-    Under an active SP context T is this rank's shard, and the level's SP kind (Ulysses: all-to-alls to
-    1/sp of the heads over the whole pack) runs it."""
+    When the call carries its level's SP group (``hbp_sp``) T is this rank's shard, and the level's SP
+    kind (Ulysses: all-to-alls to 1/sp of the heads over the whole pack) runs it."""
     if query.shape[0] != 1:
         raise ValueError(f"{ATTN_NAME} takes one packed row per micro-batch, got batch size {query.shape[0]}")
     _unsupported(module, attention_mask, kwargs)
-    if cu_seq_lens_q is None:
-        pack = getattr(module, "__dict__", {}).get(CALL_PACK)
-        if pack is not None:
-            cu_seq_lens_q, max_length_q = pack["cu_seq_lens_q"], pack["max_length_q"]
-            kwargs["hbp_cp_shard"] = pack.get("hbp_cp_shard")
+    record = getattr(module, "__dict__", {}).get(PREPARED)
+    if cu_seq_lens_q is None and record is not None:
+        call = calls.current(record)  # a family whose layers drop the keywords: the call's own
+        if call is not None:
+            cu_seq_lens_q, max_length_q = call.pack.get("cu_seq_lens_q"), call.pack.get("max_length_q")
+            kwargs = {**call.pack, **kwargs}
     if cu_seq_lens_q is None:
         raise ValueError(
             f"{type(module).__name__} ran {ATTN_NAME} attention without the pack's document boundaries "
@@ -428,18 +453,17 @@ def varlen_attention(
             "attention keywords on, and lit-hbp cannot train it packed (docs/families.md). A model built with "
             f"attn_implementation={ATTN_NAME!r}: build it with its own attention and call lit_hbp.prepare_model"
         )
-    ctx = sp_context.active()
-    sp = ctx.size if ctx is not None else 1
+    sp = kwargs.get("hbp_sp")
     dtype = compute_dtype(query)
     query, key, value = (x.to(dtype) for x in (query, key, value))
     p = float(dropout) if module.training else 0.0
-    attend = Attend(cu_seq_lens_q, max_length_q, scaling, sliding_window, softcap, p, kwargs.get("hbp_cp_shard"))
-
-    out = (
-        sp_context.active_kind().attend(query, key, value, s_aux, ctx, attend)
-        if sp > 1
-        else attend(query, key, value, s_aux)
-    )
+    backend, owner = (record.backend, record.owner) if record is not None else ("auto", 0)
+    shard = kwargs.get("hbp_cp_shard")
+    attend = Attend(cu_seq_lens_q, max_length_q, scaling, sliding_window, softcap, p, shard, backend, owner)
+    if sp is not None:
+        out = sp.kind.attend(query, key, value, s_aux, sp.ctx, attend)
+    else:
+        out = attend(query, key, value, s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 

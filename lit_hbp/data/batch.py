@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -104,6 +104,10 @@ class PackedBatch:
     """Keep the checkpointed layers' inputs in host memory until their recompute (``lit_hbp.offload``)."""
     mlp_tiles: int = 1
     """Tiles each decoder layer's MLP runs this shard's tokens in (``lit_hbp.tiling``; 1: untiled)."""
+    sp_group: Any = None
+    """The level's SP group on this rank and its kind, a ``lit_hbp.parallel.context.SPCall`` (typed
+    loosely: the batch type sits below the parallel package): set by ``HBPStrategy`` when it hands
+    the micro-batch over (sp > 1); its packed calls carry it."""
     epoch: int = 0
     micro_index: int = 0
     """Micro-step of the epoch's plan (for resume and debugging)."""

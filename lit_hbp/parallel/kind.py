@@ -16,6 +16,9 @@ from functools import cache
 from importlib import import_module
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from lit_hbp.packing.levels import validate_levels
+from lit_hbp.parallel.topology import resolve_layout
+
 if TYPE_CHECKING:
     import torch
 
@@ -111,3 +114,25 @@ def resolve_sp_kind(name: str) -> SPKind:
             "lit_hbp.parallel.kind.SPKind subclass"
         )
     return kind()
+
+
+def validate_sp_setup(
+    levels, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int, node_size: int | None = None
+) -> list[int]:
+    """Everything about the levels that can fail before the first step, with the offending level;
+    returns how many copies of each kv head each level's SP kind needs (1: none). Levels without a
+    (ulysses, cp) layout get the default one for nodes of ``node_size`` ranks (``resolve_layout``)."""
+    levels = validate_levels(levels, world_size)
+    replication = []
+    for i, lv in enumerate(levels):
+        lv = resolve_layout(lv, num_heads, num_kv_heads, node_size)
+        try:
+            replication.append(resolve_sp_kind(lv.sp_kind).check(num_heads, num_kv_heads, lv.sp, lv.layout[1]))
+        except ValueError as e:
+            raise ValueError(f"level {i} (pack_len {lv.pack_len}, sp {lv.sp}): {e}") from None
+        if lv.ckpt_layers > num_layers:
+            raise ValueError(
+                f"level {i} (pack_len {lv.pack_len}) checkpoints {lv.ckpt_layers} layers but the model has "
+                f"{num_layers} decoder layers"
+            )
+    return replication

@@ -1,0 +1,100 @@
+"""The packed calls a thread is running: the only place a call's state lives while it runs.
+
+A packed call of a prepared model (``lit_hbp.packed_call``) needs its modules to see, for exactly
+its duration and nowhere else, lit-hbp's varlen attention in place of the model's own, its level's
+settings (checkpointed layers, host offload, MLP tiles) and, for families whose layers drop the
+attention keywords, its pack. Setting any of that on the model (its config, its layers) would show
+it to every other thread calling the model meanwhile, to every model built from the same config and
+to every later call that reads it by mistake. So a call is a ``PackCall`` pushed on this thread's
+stack while it runs (and pushed again, in the backward, around a checkpointed layer's recomputation):
+another thread, or this thread after the call, sees nothing of it.
+
+The attention implementation transformers dispatches on is read from ``config._attn_implementation``
+(a property of ``PretrainedConfig``). ``install`` makes that property answer lit-hbp's name for the
+configs of the model whose packed call runs on this thread, and what the config says everywhere
+else: the one change lit-hbp makes to transformers, inert outside a packed call. The getter reads a
+thread-local dict, which ``torch.compile`` traces with guards on its content (no graph break).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+ATTN_NAME = "hbp_varlen"
+_local = threading.local()
+
+
+@dataclass(frozen=True, eq=False)
+class PackCall:
+    """One packed call of a prepared model: ``prepared`` (its ``Prepared`` record), ``pack`` (the
+    keywords attention needs: ``cu_seq_lens_q``, ``max_length_q``, ``hbp_cp_shard``, ``hbp_sp``),
+    the level's ``ckpt_layers`` (None: the layers the project checkpoints itself), ``offload`` (the
+    model's ``HostOffload`` or None) and MLP ``tiles``."""
+
+    prepared: Any
+    pack: dict
+    ckpt_layers: int | None = None
+    offload: Any = None
+    tiles: int = 1
+
+
+def current(prepared) -> PackCall | None:
+    """The packed call of the model ``prepared`` this thread is running (its innermost), or None."""
+    stack = getattr(_local, "calls", None)
+    if stack and stack[-1].prepared is prepared:
+        return stack[-1]
+    return None
+
+
+def running() -> PackCall | None:
+    """This thread's innermost packed call, of whichever model."""
+    stack = getattr(_local, "calls", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def entered(call: PackCall) -> Iterator[PackCall]:
+    """``call`` is this thread's innermost packed call inside: its model's configs name lit-hbp's
+    attention (on this thread only); the previous state after, however the block ends."""
+    stack = getattr(_local, "calls", None)
+    if stack is None:
+        stack = _local.calls = []
+    before = getattr(_local, "names", None)
+    stack.append(call)
+    _local.names = {id(config): ATTN_NAME for config, _ in call.prepared.configs}
+    try:
+        yield call
+    finally:
+        stack.pop()
+        _local.names = before
+
+
+def _attn_implementation(config) -> str | None:
+    """``PretrainedConfig._attn_implementation``: lit-hbp's attention for the configs of this
+    thread's packed call, what the config says otherwise."""
+    names = getattr(_local, "names", None)
+    if names:
+        name = names.get(id(config))
+        if name is not None:
+            return name
+    return config._attn_implementation_internal
+
+
+def install() -> None:
+    """Route ``PretrainedConfig._attn_implementation`` through this thread's packed call (once;
+    the setter stays transformers' own)."""
+    from transformers import PretrainedConfig
+
+    prop = PretrainedConfig.__dict__["_attn_implementation"]
+    if prop.fget is not _attn_implementation:
+        PretrainedConfig._attn_implementation = property(_attn_implementation, prop.fset, prop.fdel, prop.__doc__)
+
+
+def routes(config) -> bool:
+    """Whether ``config``'s attention name follows the packed call (a config class of a family that
+    defines its own ``_attn_implementation`` property would keep its own attention inside a pack)."""
+    return getattr(type(config), "_attn_implementation", None).fget is _attn_implementation

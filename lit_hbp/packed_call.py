@@ -1,0 +1,358 @@
+"""A packed call of a prepared model, and nothing of it outside the call.
+
+``prepare_model`` leaves a Hugging Face model as it was for every call but a packed one: its own
+attention (sdpa, eager, flash ...) with transformers' masks, its KV cache and ``generate()``, its
+ordinary ``labels=`` loss, its own gradient checkpointing. A packed call is recognised by what it
+carries: the pack's document boundaries (``cu_seq_lens_q``: ``packed_loss``, ``model(**pack_inputs(batch))``,
+Hugging Face's ``DataCollatorWithFlattening`` with its flash keywords), or, without them, positions
+that restart inside one row (the same collator without them; any copy, slice or ``inputs_embeds`` of
+a pack called with its positions): the boundaries are then read from the positions, as transformers'
+own packed-sequence detection reads them.
+
+For exactly the duration of such a call (``pack_scope``) the call is this thread's ``PackCall``
+(``lit_hbp.calls``): the model's configs name lit-hbp's varlen attention on this thread only, its
+decoder layers are checkpointed as the batch's level says (inputs on the host with ``offload``) and its
+MLPs run in the level's tiles. A checkpointed layer recomputes in the backward, after the call returned,
+maybe on another thread: the checkpoint function enters the same call around the recomputation. So a
+pack lives as long as its call and its autograd graph; another thread's calls, another model built
+from the same config and later calls see nothing of it. The one thing a call sets on the model are the
+layers' checkpointing flags, while any packed call of the model runs (counted over threads): a plain
+call of the model on another thread meanwhile finds the call-aware checkpoint function, which runs it
+as the model's own flags say.
+
+Refused instead of trained wrong: a pack's token ids (``PackedBatch.input_ids``, which carry the
+pack's segment count, ``PACK_MARK``) called with neither boundaries nor positions; an attention mask
+with zeros, or a KV cache, in a packed call; the model's own loss (``labels=``) on a pack whose labels
+are lit-hbp's pre-shifted ones, whose documents' first labels are not -100 (the loss's shift would
+train one document's last token on the next one's first), or under sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.checkpoint import checkpoint
+
+from lit_hbp import calls
+from lit_hbp.data.batch import PACK_MARK, PackedBatch
+from lit_hbp.offload import host_offload, offloaded_checkpoint
+from lit_hbp.parallel.context import sp_call
+from lit_hbp.tiling import install_tiling
+
+PREPARED = "_hbp_prepared"  # the Prepared record, on the model, its decoder, its attention modules and MLPs
+PACK_KEYS = ("cu_seq_lens_q", "max_length_q", "hbp_cp_shard", "hbp_sp")  # what attention needs of a packed call
+_owners = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Prepared:
+    """What ``prepare_model`` did to a model: to apply per packed call and to undo (``unprepare_model``)."""
+
+    net: torch.nn.Module  # the Hugging Face model itself
+    decoder: torch.nn.Module
+    configs: list  # every config its modules read, with the attention implementation it has outside a pack
+    layers: list[torch.nn.Module]  # decoder layers that can checkpoint, in order
+    mlps: list[torch.nn.Module | None]  # each layer's tileable MLP (None where it has none)
+    attends: list[list[torch.nn.Module]]  # each layer's modules that may call the attention function
+    backend: str = "auto"  # the attention backend of its packed calls (``lit_hbp.attention.backends``)
+    owner: int = field(default_factory=lambda: next(_owners))  # names its calls in ``attention.choices``
+    hooks: list = field(default_factory=list)
+    own: list | None = None  # the layers' own (checkpointing flag, function) while packed calls run
+    active: int = 0  # packed calls of the model running now, on any thread
+    said_own_ckpt: bool = False
+    compiled: tuple | None = None  # (compile context, the decoder compiled with it) for a compiled model
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __getstate__(self) -> dict:
+        """Pickled between calls: no lock, no call in flight, no compiled code (a loaded copy has its own)."""
+        skip = ("lock", "own", "active", "owner", "compiled")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
+
+    def __setstate__(self, state: dict) -> None:
+        """A prepared model loaded in another process: its packed calls need the config's routing there too."""
+        self.__dict__.update(state, lock=threading.Lock(), own=None, active=0, owner=next(_owners), compiled=None)
+        calls.install()
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside ``torch.compile``'s and peft's wrappers."""
+    model = getattr(model, "_orig_mod", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def record_of(model: torch.nn.Module) -> Prepared | None:
+    return unwrapped(model).__dict__.get(PREPARED)
+
+
+def current_tiles(prepared: Prepared) -> int:
+    """The MLP tiles of the model's packed call on this thread (1 outside one)."""
+    call = calls.current(prepared)
+    return call.tiles if call is not None else 1
+
+
+def _checkpoint(prepared: Prepared, layer: int, fn, *args):
+    """Layer ``layer``'s checkpoint function while packed calls of the model run: in this thread's
+    packed call, the level's (or the project's own) checkpointing, whose recomputation enters the
+    call again; in a plain call (another thread's), what the layer's own flags say."""
+    own_flag, own_func = prepared.own[layer] if prepared.own is not None else (False, None)
+    call = calls.current(prepared)
+    if call is None:
+        return own_func(fn, *args) if own_flag and own_func is not None else fn(*args)
+    if not (own_flag or (call.ckpt_layers is not None and layer < call.ckpt_layers)):
+        return fn(*args)
+    if torch.compiler.is_compiling():  # the compiled backward recomputes without Python
+        run = fn
+    else:
+
+        def run(*inputs):
+            with calls.entered(call):
+                return fn(*inputs)
+
+    if call.offload is None:
+        return checkpoint(run, *args, use_reentrant=False)
+    return offloaded_checkpoint(call.offload, run, *args)
+
+
+@contextlib.contextmanager
+def _layer_flags(prepared: Prepared, ckpt_layers: int | None) -> Iterator[None]:
+    """While packed calls of the model run (counted over threads): every layer's checkpoint function is
+    the call-aware one, and the first ``ckpt_layers`` layers (the most any running call asks for) are
+    flagged for checkpointing besides those the project flagged; the layers' own after the last call."""
+    with prepared.lock:
+        if prepared.active == 0:
+            prepared.own = [
+                (layer.gradient_checkpointing, layer.__dict__.get("_gradient_checkpointing_func"))
+                for layer in prepared.layers
+            ]
+            for i, layer in enumerate(prepared.layers):
+                layer._gradient_checkpointing_func = partial(_checkpoint, prepared, i)
+        for layer in prepared.layers[: ckpt_layers or 0]:
+            layer.gradient_checkpointing = True
+        prepared.active += 1
+    try:
+        yield
+    finally:
+        with prepared.lock:
+            prepared.active -= 1
+            if prepared.active == 0:
+                for layer, (flag, func) in zip(prepared.layers, prepared.own):
+                    layer.gradient_checkpointing = flag
+                    if func is None:
+                        layer.__dict__.pop("_gradient_checkpointing_func", None)
+                    else:
+                        layer._gradient_checkpointing_func = func
+                prepared.own = None
+
+
+@contextlib.contextmanager
+def pack_scope(
+    model: torch.nn.Module,
+    ckpt_layers: int | None = None,
+    offload: bool = False,
+    tiles: int = 1,
+    pack: dict | None = None,
+) -> Iterator[None]:
+    """The duration of one packed call of a prepared model (``pack``: its keywords, ``pack_inputs``):
+    varlen attention, the first ``ckpt_layers`` decoder layers checkpointed (None: as the project set
+    them; a project's own ``gradient_checkpointing_enable()`` keeps every layer checkpointed), their
+    inputs on the host with ``offload``, the MLPs in ``tiles``; on this thread, for this call only."""
+    prepared = record_of(model)
+    if prepared is None:
+        raise ValueError("pack_scope: call lit_hbp.prepare_model(model) first")
+    layers, mlps = prepared.layers, prepared.mlps
+    if ckpt_layers is not None and ckpt_layers > len(layers):
+        raise ValueError(f"ckpt_layers {ckpt_layers} exceeds the model's {len(layers)} decoder layers")
+    if offload and not ckpt_layers:
+        raise ValueError("offload keeps the checkpointed layers' inputs on the host: it needs ckpt_layers > 0")
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"mlp_tiles must be a positive int, got {tiles!r}")
+    if tiles > 1:
+        for i, (layer, mlp) in enumerate(zip(layers, mlps)):
+            if mlp is None:
+                raise ValueError(
+                    f"mlp_tiles {tiles}: decoder layer {i} ({type(layer).__name__}) has no token-wise MLP lit-hbp can "
+                    f"tile ({type(getattr(layer, 'mlp', None)).__name__}: mixture-of-experts blocks route tokens and "
+                    "feed the router loss, some families' MLPs take more than the hidden states); use mlp_tiles 1 "
+                    "for this model"
+                )
+            install_tiling(mlp, partial(current_tiles, prepared))  # again if an integration (Liger) rebound it
+    if ckpt_layers is not None and ckpt_layers < len(layers) and not prepared.said_own_ckpt:
+        if any(layer.gradient_checkpointing for layer in layers) and prepared.active == 0:
+            prepared.said_own_ckpt = True
+            rank_zero_info(
+                f"the model's own gradient checkpointing is on (gradient_checkpointing_enable): packed calls "
+                f"checkpoint the layers it checkpoints, not only the level's first {ckpt_layers}"
+            )
+    pack = {} if pack is None else {k: pack[k] for k in PACK_KEYS if pack.get(k) is not None}
+    call = calls.PackCall(prepared, pack, ckpt_layers, host_offload(unwrapped(model)) if offload else None, tiles)
+    with _layer_flags(prepared, ckpt_layers), calls.entered(call):
+        yield
+
+
+def pack_inputs(batch: PackedBatch) -> dict:
+    """The keywords of a packed call on ``batch`` (this rank's shard): token ids, per-document
+    positions, the pack's document boundaries, ``use_cache=False`` and, under sequence parallelism,
+    the level's SP group (``hbp_sp``) and context-parallel geometry. ``model(**pack_inputs(batch))``
+    gives each document's logits as it alone would: on a prepared model through lit-hbp's attention;
+    on an unprepared one (a frozen teacher) at sp 1 through transformers' own packed path, which the
+    cache turned off lets run (its masks from the positions, or flash-attention's boundaries)."""
+    cu = batch.cu_seqlens
+    kw = dict(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=batch.max_seqlen,
+        max_length_k=batch.max_seqlen,
+        use_cache=False,
+    )
+    sp = sp_call(batch)
+    if sp is not None:
+        kw["hbp_sp"] = sp
+    if batch.cp_shard is not None:
+        kw["hbp_cp_shard"] = batch.cp_shard
+    return kw
+
+
+def boundaries_from_positions(position_ids: torch.Tensor) -> dict | None:
+    """``cu_seq_lens_q`` / ``max_length_q`` of a one-row pack whose positions restart (a step other
+    than +1 starts a document, as transformers' ``find_packed_sequence_indices`` reads them), or None
+    for one sequence. Reads the starts back from the device once."""
+    if position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] < 2:
+        return None
+    p = position_ids[0]
+    starts = (torch.nonzero(torch.diff(p) != 1).flatten() + 1).tolist()
+    if not starts:
+        return None
+    cu = [0, *starts, int(p.numel())]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=p.device)
+    return dict(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=max(b - a for a, b in zip(cu, cu[1:])))
+
+
+def _packed_keywords(kwargs: dict) -> dict | None:
+    """The boundary keywords of a call, given or read from restarting positions; None for a plain call."""
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return {k: kwargs[k] for k in ("cu_seq_lens_q", "max_length_q") if k in kwargs}
+    if kwargs.get("attention_mask") is not None or _cache_of(kwargs) is not None:
+        return None  # a padded batch or a decoding step: transformers' own masks and cache
+    pos = kwargs.get("position_ids")
+    return boundaries_from_positions(pos) if isinstance(pos, torch.Tensor) else None
+
+
+def _cache_of(kwargs: dict):
+    return kwargs.get("past_key_values", kwargs.get("cache"))
+
+
+def _check_packed_call(where: str, kwargs: dict) -> None:
+    """What a packed call cannot honour: a KV cache, an attention mask that pads inside the pack."""
+    cache = _cache_of(kwargs)
+    if cache is not None and (not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0):
+        raise ValueError(
+            f"{where}: a packed call (document boundaries) with a KV cache of earlier tokens: a pack's documents "
+            "start from nothing; call it without past_key_values"
+        )
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+        raise ValueError(
+            f"{where}: a packed call with an attention_mask that has zeros: the boundaries (cu_seq_lens_q) say where "
+            "documents end, and a mask cannot pad inside a pack; drop the attention_mask"
+        )
+
+
+def install_call_hooks(prepared: Prepared) -> None:
+    """The model's hooks: the decoder runs a call that carries a pack in a ``pack_scope`` (unless
+    ``packed_loss`` opened one), and refuses a pack's token ids without boundaries or positions; the
+    model refuses its own loss on a pack it would compute wrong."""
+    prepared.hooks = [
+        prepared.decoder.register_forward_pre_hook(_enter_call, with_kwargs=True),
+        prepared.decoder.register_forward_hook(_leave_call, with_kwargs=True, always_call=True),
+        prepared.net.register_forward_pre_hook(_check_own_loss, with_kwargs=True),
+    ]
+
+
+def _enter_call(decoder: torch.nn.Module, args: tuple, kwargs: dict):
+    prepared: Prepared = decoder.__dict__[PREPARED]
+    entered = getattr(calls._local, "hooked", None)
+    if entered is None:
+        entered = calls._local.hooked = []
+    entered.append(None)  # what the forward hook closes, also when this hook raises
+    if calls.current(prepared) is not None:  # packed_loss's scope, or a recomputation inside it
+        return None
+    packed = _packed_keywords(kwargs)
+    if packed is None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        segments = ids.__dict__.get(PACK_MARK, 0) if isinstance(ids, torch.Tensor) else 0
+        if segments > 1 and kwargs.get("position_ids") is None:
+            raise ValueError(
+                f"{type(decoder).__name__} was called on a packed micro-batch of {segments} segments without their "
+                "document boundaries or positions, so they would attend to each other: compute the loss with "
+                "lit_hbp.packed_loss(model, batch), or call the model with **lit_hbp.pack_inputs(batch)"
+            )
+        return None
+    _check_packed_call(type(decoder).__name__, kwargs)
+    kwargs = {**kwargs, **packed}
+    kwargs.pop("attention_mask", None)
+    scope = pack_scope(decoder, pack=kwargs)
+    scope.__enter__()
+    entered[-1] = scope
+    return args, kwargs
+
+
+def _leave_call(decoder: torch.nn.Module, args: tuple, kwargs: dict, output):
+    scope = calls._local.hooked.pop()
+    if scope is not None:
+        scope.__exit__(None, None, None)
+    return None
+
+
+def _check_own_loss(net: torch.nn.Module, args: tuple, kwargs: dict):
+    """The model's own loss (``labels=``) in a packed call: transformers shifts the labels by one over
+    the whole row, which is each document's loss when the labels are ordinary (the token itself) and
+    every document's first label is -100 (as ``DataCollatorWithFlattening`` makes them). lit-hbp's
+    pre-shifted labels, other first labels, and any such loss under sequence parallelism (each rank would
+    average its shard alone) are refused. One read-back from the device per call with labels."""
+    labels = kwargs.get("labels")
+    if not isinstance(labels, torch.Tensor):
+        return None
+    sp = kwargs.get("hbp_sp")
+    packed = _packed_keywords(kwargs) if sp is None else {}
+    if packed is None:
+        return None
+    if sp is not None:
+        raise ValueError(
+            f"the model's own loss under sequence parallelism {sp.ctx.size} would average each rank's shard of the "
+            "pack separately, not per token over the pack: compute it with lit_hbp.packed_loss(model, batch)"
+        )
+    if kwargs.get("shift_labels") is not None:
+        return None  # the targets of each position, as given
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    cu = packed.get("cu_seq_lens_q")
+    starts = cu[1:-1].long() if cu is not None else labels.new_zeros(0)
+    row = labels[0]
+    checks = [(row.index_select(0, starts.to(row.device)) == -100).all()]
+    if isinstance(ids, torch.Tensor) and ids.shape == labels.shape:
+        ids = ids[0]
+        checks.append(((row == ids) | (row == -100)).all())
+        checks.append(((row[:-1] == ids[1:]) | (row[:-1] == -100)).all() & (row[-1] == -100))
+    verdict = torch.stack(checks).tolist()
+    first_ok, ordinary, pre_shifted = (*verdict, True, False)[:3]
+    if pre_shifted and not ordinary:
+        raise ValueError(
+            "labels= of this packed call are pre-shifted (labels[t] is the target of position t, as lit-hbp's "
+            "batches have them) and transformers' loss would shift them again: pass shift_labels=batch.labels too "
+            "(the targets as they are), or compute the loss with lit_hbp.packed_loss(model, batch)"
+        )
+    if not first_ok:
+        raise ValueError(
+            "labels= of this packed call: a document's first label is not -100, so transformers' loss, which shifts "
+            "the labels over the whole row, would train the previous document's last token to predict it; set the "
+            "first label of every document to -100 (DataCollatorWithFlattening does), or pass shift_labels"
+        )
+    return None

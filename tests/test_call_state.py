@@ -1,0 +1,378 @@
+"""A call's state lives in the call: threads, copies, shared configs, teachers, every pack format.
+
+Each case is forced, not raced: another thread's call runs while the packed call is held inside its
+forward (a hook on a middle layer waits for it), so the interleaving the test asserts is the one that
+happens. References are independent: the unprepared model with eager attention, each document alone.
+"""
+
+import copy
+import io
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo.testing
+import torch.nn.functional as F
+from conftest import TINY_LLAMA
+from test_packed_loss import samples, tiny_model
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+
+from lit_hbp import HBPLitModule, attention, pack_inputs, pack_samples, packed_loss, prepare_model
+from lit_hbp.packed_call import record_of
+
+TIMEOUT = 120  # seconds a forced interleaving may wait for the other thread before the test fails
+
+
+def pair():
+    """(the unprepared model with eager attention, a prepared copy that had sdpa), in eval mode."""
+    reference = tiny_model("eager").float().eval()
+    model = prepare_model(tiny_model()).eval()
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
+def alone_logits(reference, pairs) -> torch.Tensor:
+    """Each document through the reference on its own, concatenated in pack order."""
+    with torch.no_grad():
+        return torch.cat([reference(input_ids=torch.as_tensor(ids)[None]).logits[0] for ids, _ in pairs])
+
+
+def max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got.float() - want.float()).abs().max().item()
+
+
+class Held:
+    """Holds the packed call inside its forward (at layer 1's attention) until ``other`` ran on another
+    thread: ``other``'s calls happen while the packed call is in flight, every time."""
+
+    def __init__(self, model, other):
+        self.inside, self.done, self.other, self.errors = threading.Event(), threading.Event(), other, []
+        self.result = None
+        layer = model.get_base_model().model.layers[1] if hasattr(model, "get_base_model") else model.model.layers[1]
+        self.handle = layer.self_attn.register_forward_pre_hook(self._hold)
+        self.thread = threading.Thread(target=self._run)
+
+    def _hold(self, *_):
+        if not self.inside.is_set():
+            self.inside.set()
+            assert self.done.wait(TIMEOUT), "the other thread's call did not finish"
+
+    def _run(self):
+        try:
+            assert self.inside.wait(TIMEOUT), "the packed call never started"
+            self.result = self.other()
+        except BaseException as e:  # surfaced on the main thread
+            self.errors.append(e)
+        finally:
+            self.done.set()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.thread.join(TIMEOUT)
+        self.handle.remove()
+        if self.errors:
+            raise self.errors[0]
+        assert self.inside.is_set(), "the packed call did not reach the held layer"
+
+
+def test_another_threads_plain_calls_during_a_packed_call_are_the_unprepared_models():
+    """A padded forward and greedy generate() on another thread while a packed call is held in flight:
+    the unprepared model's results; the packed call's logits each document's alone."""
+    reference, model = pair()
+    pairs = samples()
+    batch = pack_samples(pairs)
+    ids = torch.randint(3, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+
+    def plain():
+        with torch.no_grad():
+            return (
+                model(input_ids=ids, attention_mask=mask).logits,
+                model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0),
+            )
+
+    with torch.no_grad():
+        with Held(model, plain) as held:
+            packed = model(**pack_inputs(batch)).logits[0]
+        want_logits = reference(input_ids=ids, attention_mask=mask).logits
+        want_tokens = reference.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    logits, tokens = held.result
+    real = mask.bool()
+    assert max_diff(logits[real], want_logits[real]) < 1e-5
+    assert torch.equal(tokens, want_tokens)
+    n = sum(len(d) for d, _ in pairs)
+    assert max_diff(packed[:n], alone_logits(reference, pairs)) < 1e-5
+
+
+def test_models_sharing_the_config_see_nothing_of_a_packed_call():
+    """A shallow copy of the model (its modules and config shared) and a model built from the same config
+    object, called on another thread while a packed call is in flight, and built from the config during
+    it: each computes what the unprepared model computes."""
+    reference, model = pair()
+    batch = pack_samples(samples())
+    ids = torch.randint(3, 64, (1, 13), generator=torch.Generator().manual_seed(2))
+    shallow = copy.copy(model)
+    sibling = AutoModelForCausalLM.from_config(model.config).eval()
+    sibling.load_state_dict(reference.state_dict())
+
+    def others():
+        with torch.no_grad():
+            during = AutoModelForCausalLM.from_config(model.config).eval()
+            during.load_state_dict(reference.state_dict())
+            return [m(input_ids=ids).logits for m in (shallow, sibling, during)], during
+
+    with torch.no_grad():
+        with Held(model, others) as held:
+            model(**pack_inputs(batch))
+        want = reference(input_ids=ids).logits
+    outs, during = held.result
+    for out in outs:
+        assert max_diff(out, want) < 1e-5
+    assert during.config._attn_implementation == model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        assert max_diff(during(input_ids=ids).logits, want) < 1e-5  # after the call too
+
+
+def test_a_teachers_packed_call_while_another_thread_generates_on_it():
+    """A prepared, frozen teacher: its packed call held in flight while another thread runs generate()
+    on the same model, and the other way round: both exact."""
+    reference, teacher = pair()
+    teacher.requires_grad_(False)
+    pairs = samples(seed=4)
+    batch = pack_samples(pairs)
+    prompt = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    n = sum(len(d) for d, _ in pairs)
+    want = alone_logits(reference, pairs)
+    with torch.no_grad():
+        expected = reference.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    def generate():
+        with torch.no_grad():
+            return teacher.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    def packed():
+        with torch.no_grad():
+            return teacher(**pack_inputs(batch)).logits[0]
+
+    with torch.no_grad():
+        with Held(teacher, generate) as held:
+            logits = teacher(**pack_inputs(batch)).logits[0]
+    assert torch.equal(held.result, expected) and max_diff(logits[:n], want) < 1e-5
+    # the packed call on the other thread, held inside the generation's first forward
+    with torch.no_grad(), Held(teacher, packed) as held:
+        tokens = teacher.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, expected) and max_diff(held.result[:n], want) < 1e-5
+
+
+def test_copies_slices_and_embeddings_of_a_pack_with_its_positions_are_exact():
+    """The pack is recognised by its restarting positions: a clone, a slice of whole documents and
+    ``inputs_embeds`` of its ids each give every document's logits alone; the batch's own ids (and a
+    moved or deep-copied batch's) without positions are refused."""
+    reference, model = pair()
+    pairs = samples(seed=5)
+    batch = pack_samples(pairs)
+    n = sum(len(d) for d, _ in pairs)
+    want = alone_logits(reference, pairs)
+    first_two = len(pairs[0][0]) + len(pairs[1][0])
+    with torch.no_grad():
+        ids, pos = batch.input_ids.clone(), batch.position_ids.clone()
+        assert max_diff(model(input_ids=ids, position_ids=pos).logits[0, :n], want) < 1e-5
+        sliced = model(input_ids=batch.input_ids[:, :first_two], position_ids=batch.position_ids[:, :first_two])
+        assert max_diff(sliced.logits[0], want[:first_two]) < 1e-5
+        embeds = model.get_input_embeddings()(batch.input_ids)
+        assert max_diff(model(inputs_embeds=embeds, position_ids=batch.position_ids).logits[0, :n], want) < 1e-5
+        for marked in (batch.input_ids, copy.deepcopy(batch).input_ids, batch.to("cpu").input_ids):
+            with pytest.raises(ValueError, match="without their document boundaries or positions"):
+                model(input_ids=marked)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_an_unprepared_teacher_on_pack_inputs_gives_each_documents_logits(attn):
+    """``teacher(**pack_inputs(batch))`` on a model lit-hbp never touched (its config builds a KV cache):
+    pack_inputs turns the cache off, so transformers' own packed path keeps the documents apart."""
+    reference = tiny_model("eager").float().eval()
+    teacher = tiny_model(attn).eval()
+    teacher.load_state_dict(reference.state_dict())
+    assert teacher.config.use_cache
+    pairs = samples(seed=6)
+    batch = pack_samples(pairs)
+    with torch.no_grad():
+        logits = teacher(**pack_inputs(batch)).logits[0]
+    n = sum(len(d) for d, _ in pairs)
+    assert max_diff(logits[:n], alone_logits(reference, pairs)) < 1e-5
+
+
+def flattened(pairs, flash: bool) -> dict:
+    """Hugging Face's own packed batch of the samples (DataCollatorWithFlattening), ordinary labels."""
+    features = [{"input_ids": ids.tolist(), "labels": np.where(m, ids, -100).tolist()} for ids, m in pairs]
+    return DataCollatorWithFlattening(return_flash_attn_kwargs=flash)(features)
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["positions", "flash_kwargs"])
+def test_hugging_faces_flattened_batch_trains_exactly(flash):
+    """DataCollatorWithFlattening's batch (with or without its flash keywords, ordinary labels) through a
+    prepared model's own forward and loss: the token-mean cross-entropy of each sample alone (eager),
+    and every gradient."""
+    reference = tiny_model("eager").float()
+    model = prepare_model(tiny_model())
+    model.load_state_dict(reference.state_dict())
+    pairs = samples(seed=7)
+    ce, count = 0.0, 0
+    for ids, m in pairs:
+        ids = torch.as_tensor(ids)
+        labels = torch.where(torch.as_tensor(m[1:]), ids[1:], -100)
+        ce = ce + F.cross_entropy(reference(input_ids=ids[None]).logits[0, :-1], labels, reduction="sum")
+        count += int((labels != -100).sum())
+    (ce / count).backward()
+    batch = flattened(pairs, flash)
+    assert ("cu_seq_lens_q" in batch) == flash and "attention_mask" not in batch
+    out = model(**batch)
+    out.loss.backward()
+    assert float(out.loss) == pytest.approx(float(ce / count), abs=1e-5)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert max_diff(p.grad, q.grad) <= 1e-4 * max(q.grad.abs().max().item(), 1e-12), name
+
+
+def test_labels_a_packed_call_would_train_wrong_are_refused_and_the_advice_works():
+    """lit-hbp's pre-shifted labels through the model's own loss: refused, and the advice
+    (``shift_labels=``) gives the packed cross-entropy; ordinary labels whose documents' first label is
+    not -100 (the shift would train one document's last token on the next one's first): refused."""
+    reference = tiny_model("eager").float()
+    model = prepare_model(tiny_model())
+    model.load_state_dict(reference.state_dict())
+    pairs = samples(seed=8)
+    batch = pack_samples(pairs)
+    with pytest.raises(ValueError, match=r"pre-shifted .* pass shift_labels=batch.labels too"):
+        model(**pack_inputs(batch), labels=batch.labels)
+    out = model(**pack_inputs(batch), labels=batch.labels, shift_labels=batch.labels)
+    ce, count = 0.0, 0
+    with torch.no_grad():
+        for ids, m in pairs:
+            ids = torch.as_tensor(ids)
+            labels = torch.where(torch.as_tensor(m[1:]), ids[1:], -100)
+            ce += float(F.cross_entropy(reference(input_ids=ids[None]).logits[0, :-1], labels, reduction="sum"))
+            count += int((labels != -100).sum())
+    assert float(out.loss) == pytest.approx(ce / count, rel=1e-5)
+    hf = flattened(pairs, flash=True)
+    bad = hf["labels"].clone()
+    second = int(hf["cu_seq_lens_q"][1])
+    bad[0, second] = hf["input_ids"][0, second]
+    with pytest.raises(ValueError, match="a document's first label is not -100"):
+        model(**{**hf, "labels": bad})
+
+
+def test_a_pack_with_a_mask_that_pads_or_a_cache_is_refused():
+    _, model = pair()
+    batch = pack_samples(samples())
+    mask = torch.ones_like(batch.input_ids)
+    mask[0, 3] = 0
+    with pytest.raises(ValueError, match="attention_mask that has zeros"):
+        model(**pack_inputs(batch), attention_mask=mask)
+    model(**pack_inputs(batch), attention_mask=torch.ones_like(batch.input_ids))  # all ones: nothing to pad
+    prefix = model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="with a KV cache of earlier tokens"):
+        model(**{**pack_inputs(batch), "use_cache": True}, past_key_values=prefix)
+
+
+def test_two_modules_keep_their_own_attention_backends():
+    """``HBPLitModule(attn_backend="eager")`` then a module with the default: the first still runs eager
+    (observed at the kernel), its hyperparameters say so, and ``choices`` answers per model."""
+    ran = []
+    real = {name: attention.REGISTRY[name] for name in ("eager", "sdpa")}
+
+    def spy(name):
+        backend = real[name]
+
+        def run(*args, **kwargs):
+            ran.append(name)
+            return backend.run(*args, **kwargs)
+
+        return type(backend)(**{**backend.__dict__, "run": run})
+
+    first = HBPLitModule(model=TINY_LLAMA, vocab_size=64, attn_backend="eager", self_check=False)
+    first.configure_model()
+    second = HBPLitModule(model=TINY_LLAMA, vocab_size=64, self_check=False)
+    second.configure_model()
+    batch = pack_samples(samples(), loss_norm=20.0)
+    saved = dict(attention.REGISTRY)
+    try:
+        attention.REGISTRY.update({name: spy(name) for name in real})
+        packed_loss(first.model, batch)
+        assert set(ran) == {"eager"}
+        ran.clear()
+        packed_loss(second.model, batch)
+        assert set(ran) == {"sdpa"}
+    finally:
+        attention.REGISTRY.clear()
+        attention.REGISTRY.update(saved)
+    assert first.hparams.attn_backend == "eager"
+    assert {c["backend"] for c in attention.choices(first.model)} == {"eager"}
+    assert {c["backend"] for c in attention.choices(second.model)} == {"sdpa"}
+
+
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
+def test_a_compiled_model_trains_packed_and_actually_compiles(how):
+    """``packed_loss`` on ``torch.compile(model)`` and on a model after ``model.compile()``: accepted,
+    the decoder runs compiled with the model's compile settings (frames counted by its backend), loss
+    and gradients as eager."""
+    reference, model = pair()
+    eager_model = copy.deepcopy(model).train()
+    model.train()
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    if how == "torch.compile(model)":
+        compiled = torch.compile(model, backend=counter)
+    else:
+        model.compile(backend=counter)
+        compiled = model
+    batch = pack_samples(samples(seed=9), loss_norm=20.0)
+    got = packed_loss(compiled, batch)
+    got.loss.backward()
+    want = packed_loss(eager_model, batch)
+    want.loss.backward()
+    assert counter.frame_count > 0
+    assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager_model.parameters()):
+        assert max_diff(p.grad, q.grad) <= 1e-5 * max(q.grad.abs().max().item(), 1e-12), name
+    torch._dynamo.reset()
+
+
+def test_a_prepared_model_pickles_and_comes_back_prepared():
+    """``torch.save(model)`` / ``pickle`` (what ``ddp_spawn`` does with a module): the loaded model is
+    prepared on its own (its record, hooks and offload), its packed calls exact, its plain calls the
+    unprepared model's."""
+    reference, model = pair()
+    pairs = samples(seed=10)
+    batch = pack_samples(pairs)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    restored = pickle.loads(pickle.dumps(model))
+    n = sum(len(d) for d, _ in pairs)
+    want = alone_logits(reference, pairs)
+    ids = torch.randint(3, 64, (1, 9), generator=torch.Generator().manual_seed(4))
+    for m in (loaded, restored):
+        assert record_of(m) is not None and record_of(m) is not record_of(model)
+        assert record_of(m).decoder is m.model
+        with torch.no_grad():
+            assert max_diff(m(**pack_inputs(batch)).logits[0, :n], want) < 1e-5
+            assert max_diff(m(input_ids=ids).logits, reference(input_ids=ids).logits) < 1e-5
+        with pytest.raises(ValueError, match="without their document boundaries"):
+            m(input_ids=batch.input_ids)
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=64, self_check=False)
+    module.configure_model()
+    assert record_of(pickle.loads(pickle.dumps(module)).model) is not None
+
+
+def test_the_public_names_are_the_functions():
+    import lit_hbp
+    from lit_hbp import pack_scope
+
+    assert callable(pack_scope) and pack_scope is lit_hbp.packed_call.pack_scope
