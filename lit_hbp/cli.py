@@ -395,8 +395,8 @@ def check_resume(section: Any) -> None:
     ckpt = section.get("ckpt_path")
     if "weights_only" in section and section.get("weights_only") is None:
         section.weights_only = True  # torch's default since 2.6, said here for every torch and environment
-    if not ckpt or str(ckpt) in KEYWORDS or "://" in str(ckpt):
-        return
+    if not ckpt or str(ckpt) in (AUTO, *KEYWORDS) or "://" in str(ckpt):
+        return  # auto: checked once resolve_auto_resume found the checkpoint
     path = Path(ckpt)
     trust = section.get("weights_only") is False
     check_checkpoint(path, trust=trust)

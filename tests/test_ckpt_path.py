@@ -192,3 +192,23 @@ def test_a_zero3_run_that_loads_full_weights_may_resume_from_a_file(tmp_path):
     strategy.init_args.load_full_weights = False
     with pytest.raises(ConfigError, match="resumes from the checkpoint folder it saved"):
         check_resume(section)
+
+
+def test_auto_on_the_command_line_skips_a_truncated_last_and_refuses_a_crafted_one(
+    tmp_path, small_demo, monkeypatch, capfd, caplog
+):
+    """``--ckpt_path auto`` as a requeued job runs it: the truncated ``last.ckpt`` is named as skipped, the
+    newest whole checkpoint is read with the allow-list (a crafted one is refused, its code never run),
+    before any data is tokenized."""
+    monkeypatch.chdir(tmp_path)
+    folder = Path("runs/tiny_cpu/version_0/checkpoints")  # where the tiny config's logger puts them
+    folder.mkdir(parents=True)
+    last = whole(folder / "last.ckpt")
+    last.write_bytes(last.read_bytes()[:2000])
+    torch.save({"hyper_parameters": {"x": WritesAFile(tmp_path / "ran")}}, folder / "step=1.ckpt")
+    with caplog.at_level(logging.INFO):
+        code, out, err = run_cli(["--ckpt_path", "auto"], tmp_path, small_demo, capfd)
+    assert code == 2, err
+    assert f"--ckpt_path auto: skipped {last}: truncated" in caplog.text, caplog.text
+    assert f"error: refused to open {folder / 'step=1.ckpt'}: its pickle names __builtin__.exec" in err, err
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "cache").exists()
