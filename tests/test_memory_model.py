@@ -201,7 +201,7 @@ def ulysses_rank(dtype_name: str) -> dict:
     import torch.distributed as dist
 
     from lit_hbp.data.collate import collate_packs
-    from lit_hbp.parallel import context
+    from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.groups import SPGroups
     from lit_hbp.parallel.kind import resolve_sp_kind
 
@@ -209,32 +209,28 @@ def ulysses_rank(dtype_name: str) -> dict:
     ctx = SPGroups([2], dist.get_world_size(), dist.get_rank())[2]
     model, cfg = model_of("gqa", dtype)
     out = {"points": [], "exact": None}
-    context.activate(ctx, "ulysses")
-    try:
-        grads = {}
-        for tokens, ckpt, offload, tiles in SP_POINTS:
-            rng = np.random.default_rng(0)
-            docs = [(rng.integers(0, 256, tokens // 4), np.ones(tokens // 4, bool)) for _ in range(4)]
-            whole = collate_packs([np.arange(4)], docs.__getitem__, sp=2, loss_norm=float(tokens))
-            batch = resolve_sp_kind("ulysses").shard(whole, 2, ctx.rank)
-            batch = batch.replace(ckpt_layers=ckpt, offload=offload, mlp_tiles=tiles)
-            model.zero_grad(set_to_none=True)
-            meter = LiveBytes(host_offload(model).host_bytes)
-            meter.track(model.parameters())
-            with meter:
-                loss = packed_loss(model, batch, ce_chunk_size=1024).loss
-                loss.backward()
-            grads[(ckpt, offload, tiles)] = [p.grad.clone() for p in model.parameters()]
-            out["points"].append(((tokens, ckpt, offload, tiles), meter.peak))
-        same = all(torch.equal(a, b) for a, b in zip(grads[(4, False, 1)], grads[(4, True, 1)]))
-        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # relative to the largest entry
-        close = all(
-            (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
-            for a, b in zip(grads[(4, True, 4)], grads[(4, True, 1)])
-        )
-        out["exact"] = (same, close)
-    finally:
-        context.activate(None)
+    grads = {}
+    for tokens, ckpt, offload, tiles in SP_POINTS:
+        rng = np.random.default_rng(0)
+        docs = [(rng.integers(0, 256, tokens // 4), np.ones(tokens // 4, bool)) for _ in range(4)]
+        whole = collate_packs([np.arange(4)], docs.__getitem__, sp=2, loss_norm=float(tokens))
+        batch = resolve_sp_kind("ulysses").shard(whole, 2, ctx.rank)
+        batch = batch.replace(ckpt_layers=ckpt, offload=offload, mlp_tiles=tiles, sp_group=SPCall.of(ctx, "ulysses"))
+        model.zero_grad(set_to_none=True)
+        meter = LiveBytes(host_offload(model).host_bytes)
+        meter.track(model.parameters())
+        with meter:
+            loss = packed_loss(model, batch, ce_chunk_size=1024).loss
+            loss.backward()
+        grads[(ckpt, offload, tiles)] = [p.grad.clone() for p in model.parameters()]
+        out["points"].append(((tokens, ckpt, offload, tiles), meter.peak))
+    same = all(torch.equal(a, b) for a, b in zip(grads[(4, False, 1)], grads[(4, True, 1)]))
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # relative to the largest entry
+    close = all(
+        (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+        for a, b in zip(grads[(4, True, 4)], grads[(4, True, 1)])
+    )
+    out["exact"] = (same, close)
     return out
 
 
