@@ -173,12 +173,14 @@ def trainer_settings(trainer: Any, hardware: Hardware, **given: Any) -> Settings
 
 def local_hardware(device: Any, capacity: float | None = None, devices: int = 1) -> Hardware:
     """The device this process trains on, as it reports itself: a CUDA GPU's name and total memory (with its
-    kind's FLOP/s and links where ``HARDWARE`` knows the kind), or the CPU; ``capacity`` in place of the
-    device's memory (a user's ``memory_gib``), ``devices`` per node, and the host's memory."""
+    kind's FLOP/s and links where ``HARDWARE`` knows the kind), or a CPU; ``capacity`` in place of the
+    device's memory (a user's ``memory_gib``), ``devices`` per node, and the host's memory. It prices a
+    measured search's refusal and ``fit``'s memory check on the GPU that runs them."""
     host = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) if hasattr(os, "sysconf") else 0.0
-    if device.type != "cuda":
+    if device.type != "cuda":  # the host's memory is the device's
         memory = host if capacity is None else capacity
-        return Hardware("CPU", 0.0, memory, 0.0, 0.0, devices, host_memory_bytes=host, accelerator="cpu")
+        kind = device.type
+        return Hardware(kind.upper(), 0.0, memory, 0.0, 0.0, devices, host_memory_bytes=host, accelerator=kind)
     import torch
 
     name = torch.cuda.get_device_name(device)

@@ -356,6 +356,32 @@ def test_levels_auto_measured_inside_a_distributed_run(pool, tmp_path, toy_token
     assert sorted(groups) == [(1, 1), (2, 1)], "the run reuses the SP groups its probes built (sp 2 was probed)"
 
 
+def rank_and_scaled_world(scale: int) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size() * scale
+
+
+def refuse_alike(pack_len: int):
+    """What every rank of a measured search raises when nothing fits (each took the same decisions)."""
+    from lit_hbp.autoselect.levers import Lever, NoLevelFits
+
+    raise NoLevelFits(f"a {pack_len:,}-token level fits nowhere", pack_len, [Lever("16 GPUs", {"world": 16})])
+
+
+@pytest.mark.slow
+def test_launch_hands_back_rank_zeros_answer_or_the_refusal_of_the_processes_it_started():
+    """The measured selector's launcher from a tool: rank 0's answer of a 2-process gloo world comes back,
+    and a refusal comes back whole (its levers too), not as a crashed process."""
+    from lit_hbp.autoselect.launch import launch
+    from lit_hbp.autoselect.levers import NoLevelFits
+
+    assert launch(rank_and_scaled_world, (10,), 2, False) == (0, 20)
+    with pytest.raises(NoLevelFits) as refused:
+        launch(refuse_alike, (4096,), 2, False)
+    assert str(refused.value) == "a 4,096-token level fits nowhere" and refused.value.levers[0].changes == {"world": 16}
+
+
 def test_run_setting_of_a_config_reuses_its_model_precision_and_zero_settings():
     from lit_hbp.autoselect import RunSetting
     from lit_hbp.config import read_config

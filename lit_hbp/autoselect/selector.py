@@ -300,7 +300,10 @@ class MeasuredSelector(Selector):
         a GPU's memory, ``memory_gib`` where given, 16 GiB of a CPU."""
         cuda = run.trainer_args.get("accelerator") == "cuda"
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        memory = self.memory_gib * GIB if self.memory_gib is not None else None if cuda else 16.0 * GIB
+        if self.memory_gib is not None:
+            memory = self.memory_gib * GIB
+        else:
+            memory = None if cuda else 16.0 * GIB  # None: what the GPU reports
         return run.cost_model(local_hardware(device, memory, run.node_size or run.world), self.sp_kind)
 
     def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
