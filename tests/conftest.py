@@ -24,6 +24,11 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"LIT_HBP_TEST_ORDER={order!r}: the only order is 'reverse'")
 
 
+# How long a test waits for a process, a line or a file before it calls it a hang: a bound on hangs,
+# never on speed (an hour: no machine is too busy for it, whatever runs beside the suite).
+HANG_S = 3600
+
+
 def console_script(name: str) -> str:
     """The path of the console script ``name`` (``lit-hbp``, ``torchrun``) of the Python running the tests.
     pip puts it beside the interpreter in a virtual environment, and in the install scheme's scripts
@@ -42,9 +47,8 @@ def console_script(name: str) -> str:
 # lit-hbp's records of what it said or chose once per process: (module, attribute, its value at import)
 # of a set, dict or list, or of a class's attribute (``Class.name``). Those its modules lack are skipped.
 ONCE_PER_PROCESS = (
-    ("lit_hbp.attention", "_chosen", {}),
-    ("lit_hbp.attention", "_lse_logged", {}),
-    ("lit_hbp.attention", "_forced", [None]),
+    ("lit_hbp.attention", "_choice", {}),  # the backend choice's memo
+    ("lit_hbp.attention", "_ran", {}),  # per model (by id, which a later model may reuse): logged once, choices()
     ("lit_hbp.data.records", "_roles_said", set()),
     ("lit_hbp.callbacks.lost_rank", "LostRankReport.reported", False),
 )

@@ -12,6 +12,7 @@ import os
 import traceback
 
 import torch.multiprocessing as mp
+from conftest import HANG_S
 
 from lit_hbp.autoselect.launch import free_port, set_launch_env
 
@@ -54,7 +55,7 @@ class Pool:
         for p in self.procs:
             p.start()
 
-    def run(self, fn, *args, timeout: float = 600):
+    def run(self, fn, *args, timeout: float = HANG_S):
         for q in self.tasks:
             q.put((fn, args))
         out = {}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HANG_S
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonargparse import Namespace
@@ -61,7 +62,7 @@ def die_after(n_bytes: int, f):
 def killed_while_saving(target, *args) -> None:
     p = FORK.Process(target=target, args=args)
     p.start()
-    p.join(60)
+    p.join(HANG_S)
     assert p.exitcode == -signal.SIGKILL
 
 

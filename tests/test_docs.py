@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import console_script
+from conftest import HANG_S, console_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -89,7 +89,7 @@ def test_the_preview_command_of_the_guide(tmp_path, small_demo):
     (tmp_path / "demo_data").symlink_to(small_demo)
     script = console_script("lit-hbp")
     out = subprocess.run([str(script), "preview", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--n", "2"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+                         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("━━ sample ") == 2 and "⟦" in out.stdout and "<|assistant|>" in out.stdout
 
@@ -104,7 +104,7 @@ def test_the_torchrun_line_of_the_cluster_guide(tmp_path, small_demo):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py"),
          "fit", "--config", str(ROOT / "configs/tiny_cpu_sp.yaml"), "--trainer.max_steps", "2",
          "--trainer.enable_progress_bar", "false"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "HBPStrategy levels: 2048 tokens sp 1 ckpt 0, 8192 tokens sp 2 ckpt 2" in out.stderr + out.stdout

@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import TINY_LLAMA, chat_datamodule, console_script, quiet_trainer
+from conftest import HANG_S, TINY_LLAMA, chat_datamodule, console_script, quiet_trainer
 from distributed import Pool
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -233,7 +233,7 @@ def test_under_torchrun_the_resume_command_is_the_launchers(tmp_path):
     bin_dir = os.path.dirname(console_script("torchrun"))  # typed as `torchrun`, as users do
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
     cmd = ["torchrun", "--standalone", "--nproc_per_node", "1", str(script), "fit", "--ckpt_path", "old.ckpt"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True).stdout
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S, check=True).stdout
     want = shlex.join(
         ["torchrun", "--standalone", "--nproc_per_node", "1", str(script), "fit", "--ckpt_path", "new.ckpt"]
     )
@@ -281,12 +281,12 @@ def test_a_forked_worker_told_to_end_ends():
         ours, theirs = ctx.Pipe()
         worker = ctx.Process(target=_echo, args=(theirs,))
         worker.start()
-        assert ours.poll(300) and ours.recv() == "started"
+        assert ours.poll(HANG_S) and ours.recv() == "started"
         os.kill(worker.pid, signal.SIGINT)
         ours.send("still there?")
-        assert ours.poll(300) and ours.recv() == "still there?"  # (EOFError if SIGINT had ended it)
+        assert ours.poll(HANG_S) and ours.recv() == "still there?"  # (EOFError if SIGINT had ended it)
         os.kill(worker.pid, signal.SIGTERM)
-        worker.join(300)
+        worker.join(HANG_S)
         assert worker.exitcode == -signal.SIGTERM
         assert interrupt.received is None  # the main process got nothing
     finally:

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import flat_tokens
+from conftest import HANG_S, flat_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -277,7 +277,7 @@ def test_a_killed_writer_leaves_no_cache_and_no_stuck_lock(tmp_path, toy_tokeniz
         f"cache_dir={str(cache)!r}, progress=False, num_proc=1)\nprint('finished')"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    deadline = time.monotonic() + 600  # a bound on a hang, not on speed
+    deadline = time.monotonic() + HANG_S
     while not (
         partial := [p for p in cache.glob(".d-*.tmp-*") if (p / "ids.bin").is_file() and (p / "ids.bin").stat().st_size]
     ):

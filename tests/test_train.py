@@ -9,7 +9,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LLAMA, quiet_trainer
+from conftest import HANG_S, TINY_LLAMA, quiet_trainer
 
 from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
 from lit_hbp.cli import main
@@ -270,7 +270,7 @@ def run_config(tmp_path, small_demo, config: str, steps: int, *extra: str, env: 
 
     cmd = config_command(tmp_path, small_demo, config, steps, *extra)
     env = {**config_env(), **(env or {})}
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S)
 
 
 # Imported first by every process of a run (PYTHONPATH), so its exit hook runs last: after lit-hbp's.
@@ -344,7 +344,7 @@ def assert_two_nodes_match(folder: Path, small_demo, one_node_losses: list) -> N
                              "--trainer.num_nodes", "2", "--trainer.devices", "2")  # fmt: skip
         nodes.append(subprocess.Popen([*launcher, *cmd[1:]], cwd=folder, env=config_env(), text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))  # fmt: skip
-    outs = [p.communicate(timeout=900)[0] for p in nodes]
+    outs = [p.communicate(timeout=HANG_S)[0] for p in nodes]
     for p, out in zip(nodes, outs):
         assert p.returncode == 0, out[-3000:]
     assert LEVELS_2D in outs[0]  # Ulysses 2 inside each node of 2, CP 2 across the nodes
@@ -381,7 +381,7 @@ def test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes(tmp_path, small_de
         [sys.executable, "-m", "lit_hbp.export", str(ckpt), str(tmp_path / "hf")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert exported.returncode == 0, exported.stderr[-2000:]
     net = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
