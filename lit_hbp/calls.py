@@ -10,10 +10,11 @@ stack while it runs (and pushed again, in the backward, around a checkpointed la
 another thread, or this thread after the call, sees nothing of it.
 
 The attention implementation transformers dispatches on is read from ``config._attn_implementation``
-(a property of ``PretrainedConfig``). ``install`` makes that property answer lit-hbp's name for the
-configs of the model whose packed call runs on this thread, and what the config says everywhere
-else: the one change lit-hbp makes to transformers, inert outside a packed call. The getter reads a
-thread-local dict, which ``torch.compile`` traces with guards on its content (no graph break).
+(a property of ``PretrainedConfig``, or of a family's config class that defines its own). ``install``
+makes that property answer lit-hbp's name for the configs of the model whose packed call runs on this
+thread, and what the class's own getter says everywhere else: the one change lit-hbp makes to
+transformers, inert outside a packed call. The getter reads a thread-local dict, which
+``torch.compile`` traces with guards on its content (no graph break).
 """
 
 from __future__ import annotations
@@ -73,28 +74,29 @@ def entered(call: PackCall) -> Iterator[PackCall]:
         _local.names = before
 
 
-def _attn_implementation(config) -> str | None:
-    """``PretrainedConfig._attn_implementation``: lit-hbp's attention for the configs of this
-    thread's packed call, what the config says otherwise."""
-    names = getattr(_local, "names", None)
-    if names:
-        name = names.get(id(config))
-        if name is not None:
-            return name
-    return config._attn_implementation_internal
+class _Routed:
+    """The getter of a config class's ``_attn_implementation`` property: lit-hbp's attention for the
+    configs of this thread's packed call, the class's own getter otherwise."""
+
+    def __init__(self, own) -> None:
+        self.own = own
+
+    def __call__(self, config) -> str | None:
+        names = getattr(_local, "names", None)
+        if names:
+            name = names.get(id(config))
+            if name is not None:
+                return name
+        return self.own(config)
 
 
-def install() -> None:
-    """Route ``PretrainedConfig._attn_implementation`` through this thread's packed call (once;
-    the setter stays transformers' own)."""
+def install(config_class: type | None = None) -> None:
+    """Route ``_attn_implementation`` through this thread's packed call: on ``PretrainedConfig`` and on
+    ``config_class``'s own property where a family defines one (once each; setters stay the family's)."""
     from transformers import PretrainedConfig
 
-    prop = PretrainedConfig.__dict__["_attn_implementation"]
-    if prop.fget is not _attn_implementation:
-        PretrainedConfig._attn_implementation = property(_attn_implementation, prop.fset, prop.fdel, prop.__doc__)
-
-
-def routes(config) -> bool:
-    """Whether ``config``'s attention name follows the packed call (a config class of a family that
-    defines its own ``_attn_implementation`` property would keep its own attention inside a pack)."""
-    return getattr(type(config), "_attn_implementation", None).fget is _attn_implementation
+    for cls in {PretrainedConfig, *([config_class] if config_class is not None else [])}:
+        owner = next(c for c in cls.__mro__ if "_attn_implementation" in c.__dict__)
+        prop = owner.__dict__["_attn_implementation"]
+        if not isinstance(prop.fget, _Routed):
+            owner._attn_implementation = property(_Routed(prop.fget), prop.fset, prop.fdel, prop.__doc__)

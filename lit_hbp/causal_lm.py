@@ -46,6 +46,7 @@ from lit_hbp.packed_call import (
     unwrapped,
 )
 from lit_hbp.tiling import install_tiling, mlp_of, uninstall_tiling
+from lit_hbp.vision import encoder_outputs, is_multimodal, refuse_bidirectional
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
@@ -67,7 +68,7 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None, tokenizer=
     sets them, are the ``tokenizer``'s (a family's defaults name other tokens of another vocabulary).
     Uses the varlen attention and no KV cache. A family that does not run its attention through
     transformers' AttentionInterface is refused."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if isinstance(model, dict):
         check_model_config(model)  # a typo'd key would otherwise be ignored and the default trained
@@ -79,16 +80,14 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None, tokenizer=
             cfg = {**special_token_ids(tokenizer), **cfg}
         config = AutoConfig.for_model(model_type, **cfg)
         config.use_cache = False
+        auto, attn = _auto_class(model_type)
         with _refusing_other_attention(model_type):
-            net = AutoModelForCausalLM.from_config(config, attn_implementation=attention.ATTN_NAME)
+            net = auto.from_config(config, **attn)
     else:
+        folder = local_checkpoint(model)
+        auto, attn = _auto_class(AutoConfig.from_pretrained(folder, local_files_only=True).model_type)
         with _refusing_other_attention(str(model)):
-            net = AutoModelForCausalLM.from_pretrained(
-                local_checkpoint(model),
-                attn_implementation=attention.ATTN_NAME,
-                dtype=torch.get_default_dtype(),
-                local_files_only=True,
-            )
+            net = auto.from_pretrained(folder, dtype=torch.get_default_dtype(), local_files_only=True, **attn)
         net.config.use_cache = False
         if vocab_size is not None and vocab_size > net.get_input_embeddings().num_embeddings:
             raise ValueError(
@@ -96,6 +95,21 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None, tokenizer=
                 f"{net.get_input_embeddings().num_embeddings}: use the checkpoint's tokenizer"
             )
     return net
+
+
+def _auto_class(model_type: str):
+    """(the Auto class that loads a checkpoint of ``model_type``, its attention argument): a causal LM
+    with lit-hbp's attention (refused at load when the family cannot take it); a vision-language model
+    as an image-text-to-text model with its own attention, whose language model ``prepare_model`` checks."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForImageTextToText, {}
+    return AutoModelForCausalLM, {"attn_implementation": attention.ATTN_NAME}
 
 
 @contextlib.contextmanager
@@ -170,29 +184,30 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         record.backend = attn_backend
         model.train()
         return model
-    calls.install()
-    configs = model_configs(net)
+    decoder = decoder_of(net)
+    configs = model_configs(decoder)  # a vision-language model's vision tower keeps its own attention
+    for config in configs:
+        calls.install(type(config))
+        if getattr(config, "use_bidirectional_attention", None) is True:
+            raise ValueError(
+                f"{type(net).__name__}: its config sets use_bidirectional_attention=True, so its tokens attend to "
+                "later ones, which lit-hbp's causal attention per document does not compute: a pack would train wrong; "
+                "set use_bidirectional_attention: false, or train another family (docs/families.md)"
+            )
     own = {id(c): c._attn_implementation_internal for c in configs}
     with _refusing_other_attention(type(net).__name__):
-        net.set_attn_implementation(attention.ATTN_NAME)
-        if net.config._attn_implementation != attention.ATTN_NAME:
+        decoder.set_attn_implementation(attention.ATTN_NAME)
+        if decoder.config._attn_implementation != attention.ATTN_NAME:
             raise KeyError(attention.ATTN_NAME)  # transformers only warned: the same refusal
-    fallback = "sdpa" if getattr(net, "_supports_sdpa", False) else "eager"
+    fallback = "sdpa" if getattr(decoder, "_supports_sdpa", False) else "eager"
     for config in configs:  # outside a pack: the attention it had (built with lit-hbp's: sdpa or eager)
         name = own[id(config)]
         config._attn_implementation_internal = fallback if name in (None, attention.ATTN_NAME) else name
-    unrouted = sorted({type(c).__name__ for c in configs if not calls.routes(c)})
-    if unrouted:
-        raise ValueError(
-            f"{type(net).__name__}: its config class {unrouted[0]} defines its own attention-implementation property, "
-            "so lit-hbp cannot give its packed calls varlen attention and refuses to train it rather than let the "
-            "documents of a pack attend to each other (docs/families.md)"
-        )
-    decoder = decoder_of(net)
-    layers = checkpoint_layers(net)
+    layers = checkpoint_layers(decoder)
     record = Prepared(
         net=net,
         decoder=decoder,
+        runner=net.model if is_multimodal(net) else decoder,
         configs=[(c, c._attn_implementation_internal) for c in configs],
         layers=layers,
         mlps=[mlp_of(layer) for layer in layers],
@@ -202,7 +217,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     for mlp in record.mlps:
         if mlp is not None:
             install_tiling(mlp, partial(current_tiles, record))
-    for module in (net, decoder, *(m for ms in record.attends for m in ms)):
+    for module in {id(m): m for m in (net, decoder, record.runner, *(m for ms in record.attends for m in ms))}.values():
         module.__dict__[PREPARED] = record  # plain attributes: not in the state dict
     net.__dict__.setdefault(OFFLOADER, HostOffload())
     install_call_hooks(record)
@@ -227,7 +242,7 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
         if mlp is not None:
             uninstall_tiling(mlp)
     net.__dict__.pop(OFFLOADER, None)
-    for module in (net, record.decoder, *(m for ms in record.attends for m in ms)):
+    for module in (net, record.decoder, record.runner, *(m for ms in record.attends for m in ms)):
         module.__dict__.pop(PREPARED, None)
     return model
 
@@ -324,7 +339,12 @@ def packed_loss(
     if record is None:
         raise ValueError(_not_prepared(model))
     inputs = pack_inputs(batch)  # checks the level's SP group came with the batch
-    aux = router_loss and getattr(net.config, "output_router_logits", False)
+    aux = router_loss and getattr(net.config.get_text_config(), "output_router_logits", False)
+    if batch.mm:  # images encoded apart, by the vision tower's own attention
+        refuse_bidirectional(net, batch.mm)
+        encoded = encoder_outputs(record.runner, batch.mm)
+        inputs = {k: v for k, v in inputs.items() if k not in ("pixel_values", "pixel_values_videos")}
+        inputs["mm_encoder_outputs"] = encoded
     with pack_scope(net, int(batch.ckpt_layers), bool(batch.offload), int(batch.mlp_tiles), inputs):
         out = _decoder_call(model, record)(**inputs, **({"output_router_logits": True} if aux else {}))
     hidden = out.last_hidden_state
@@ -350,7 +370,7 @@ def _decoder_call(model: torch.nn.Module, record: Prepared):
     """The decoder as ``packed_loss`` runs it: compiled as the model was (``torch.compile(model)``:
     through the same compile settings; ``model.compile()``: its settings where torch keeps them
     reachable, else torch's defaults), since the decoder is called without the model's own forward."""
-    decoder = record.decoder
+    decoder = record.runner
     ctx = getattr(model, "dynamo_ctx", None)  # torch.compile(model): an OptimizedModule
     if ctx is None and getattr(record.net, "_compiled_call_impl", None) is not None:  # model.compile()
         ctx = _compile_context(record.net._compiled_call_impl)
@@ -408,7 +428,7 @@ class OutputHead:
 
 
 def output_head(net: torch.nn.Module) -> OutputHead:
-    config = net.config
+    config = net.config.get_text_config()  # a vision-language model's head settings are its language model's
     scale = 1.0
     if getattr(config, "logit_scale", None) is not None:  # Cohere
         scale *= float(config.logit_scale)
@@ -448,11 +468,12 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module]) -> ModelSpec
     in a decoder layer counted from the layers' weights: every matrix once, routed experts at
     top-k / experts (shared experts and the router in full). Raises ValueError when the config
     does not say the shape."""
-    spec = ModelSpec.from_config(net.config.to_dict())
+    config = net.config.get_text_config()  # a vision-language model's: its language model's
+    spec = ModelSpec.from_config(config.to_dict())
     if not layers:
         return spec
-    experts = _first(net.config, EXPERT_COUNT)
-    top_k = _first(net.config, EXPERTS_PER_TOKEN)
+    experts = _first(config, EXPERT_COUNT)
+    top_k = _first(config, EXPERTS_PER_TOKEN)
     active = total = 0.0
     for layer in layers:
         for name, p in layer.named_parameters():

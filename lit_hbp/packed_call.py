@@ -45,6 +45,7 @@ from lit_hbp.data.batch import PACK_MARK, PackedBatch
 from lit_hbp.offload import host_offload, offloaded_checkpoint
 from lit_hbp.parallel.context import sp_call
 from lit_hbp.tiling import install_tiling
+from lit_hbp.vision import attends_both_ways, refuse_bidirectional
 
 PREPARED = "_hbp_prepared"  # the Prepared record, on the model, its decoder, its attention modules and MLPs
 PACK_KEYS = ("cu_seq_lens_q", "max_length_q", "hbp_cp_shard", "hbp_sp")  # what attention needs of a packed call
@@ -56,7 +57,8 @@ class Prepared:
     """What ``prepare_model`` did to a model: to apply per packed call and to undo (``unprepare_model``)."""
 
     net: torch.nn.Module  # the Hugging Face model itself
-    decoder: torch.nn.Module
+    decoder: torch.nn.Module  # its (language) decoder: hidden states of the token sequence
+    runner: torch.nn.Module  # what packed_loss calls: the decoder, or a vision-language model's inner model
     configs: list  # every config its modules read, with the attention implementation it has outside a pack
     layers: list[torch.nn.Module]  # decoder layers that can checkpoint, in order
     mlps: list[torch.nn.Module | None]  # each layer's tileable MLP (None where it has none)
@@ -78,7 +80,8 @@ class Prepared:
     def __setstate__(self, state: dict) -> None:
         """A prepared model loaded in another process: its packed calls need the config's routing there too."""
         self.__dict__.update(state, lock=threading.Lock(), own=None, active=0, owner=next(_owners), compiled=None)
-        calls.install()
+        for config, _ in self.configs:
+            calls.install(type(config))
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -204,9 +207,14 @@ def pack_inputs(batch: PackedBatch) -> dict:
     on an unprepared one (a frozen teacher) at sp 1 through transformers' own packed path, which the
     cache turned off lets run (its masks from the positions, or flash-attention's boundaries)."""
     cu = batch.cu_seqlens
+    positions = batch.position_ids
+    media = dict(batch.mm or {})
+    if "position_ids" in media:  # multimodal RoPE: [text row, 3 rows], as transformers' packed path reads them
+        positions = torch.cat([positions[None], media.pop("position_ids")], dim=0)
     kw = dict(
         input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
+        position_ids=positions,
+        **media,
         cu_seq_lens_q=cu,
         cu_seq_lens_k=cu,
         max_length_q=batch.max_seqlen,
@@ -215,6 +223,11 @@ def pack_inputs(batch: PackedBatch) -> dict:
     )
     sp = sp_call(batch)
     if sp is not None:
+        if batch.mm:
+            raise ValueError(
+                f"this micro-batch (level {batch.level}) holds images or videos at sp {batch.sp}: vision-language "
+                "packs train at sp 1 for now (each rank would need the images whose tokens it holds)"
+            )
         kw["hbp_sp"] = sp
     if batch.cp_shard is not None:
         kw["hbp_cp_shard"] = batch.cp_shard
@@ -225,6 +238,8 @@ def boundaries_from_positions(position_ids: torch.Tensor) -> dict | None:
     """``cu_seq_lens_q`` / ``max_length_q`` of a one-row pack whose positions restart (a step other
     than +1 starts a document, as transformers' ``find_packed_sequence_indices`` reads them), or None
     for one sequence. Reads the starts back from the device once."""
+    if position_ids.dim() == 3 and position_ids.shape[0] == 4:  # multimodal RoPE: row 0 is the text row
+        position_ids = position_ids[0]
     if position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] < 2:
         return None
     p = position_ids[0]
@@ -273,7 +288,7 @@ def install_call_hooks(prepared: Prepared) -> None:
     prepared.hooks = [
         prepared.decoder.register_forward_pre_hook(_enter_call, with_kwargs=True),
         prepared.decoder.register_forward_hook(_leave_call, with_kwargs=True, always_call=True),
-        prepared.net.register_forward_pre_hook(_check_own_loss, with_kwargs=True),
+        prepared.net.register_forward_pre_hook(_check_model_call, with_kwargs=True),
     ]
 
 
@@ -309,6 +324,16 @@ def _leave_call(decoder: torch.nn.Module, args: tuple, kwargs: dict, output):
     scope = calls._local.hooked.pop()
     if scope is not None:
         scope.__exit__(None, None, None)
+    return None
+
+
+def _check_model_call(net: torch.nn.Module, args: tuple, kwargs: dict):
+    """A packed call of the model as a whole: images or a prefix where its family attends both ways among
+    them (``lit_hbp.vision.attends_both_ways``) are refused, and so is its own loss where it would be wrong."""
+    if attends_both_ways(net) is not None:
+        if kwargs.get("hbp_sp") is not None or _packed_keywords(kwargs) is not None:
+            refuse_bidirectional(net, kwargs)
+    _check_own_loss(net, args, kwargs)
     return None
 
 

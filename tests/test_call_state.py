@@ -376,3 +376,22 @@ def test_the_public_names_are_the_functions():
     from lit_hbp import pack_scope
 
     assert callable(pack_scope) and pack_scope is lit_hbp.packed_call.pack_scope
+
+
+def test_a_prefix_that_attends_both_ways_is_refused_in_a_pack():
+    """hrm_text sets prefix_lm by default: tokens whose token_type_ids are 1 attend to each other both
+    ways, which a causal kernel per document does not compute, so a packed call carrying them is refused;
+    without them the family packs exactly (tests/test_families.py)."""
+    from families import small_config
+    from transformers import AutoConfig
+
+    cfg = small_config("hrm_text")
+    config = AutoConfig.for_model(cfg.pop("model_type"), **{**cfg, "vocab_size": 64})
+    assert config.prefix_lm
+    model = prepare_model(AutoModelForCausalLM.from_config(config))
+    batch = pack_samples(samples(seed=11))
+    prefix = torch.zeros_like(batch.input_ids)
+    prefix[0, :3] = 1
+    with pytest.raises(ValueError, match="prefix_lm, so tokens whose token_type_ids are 1 attend"):
+        model(**pack_inputs(batch), token_type_ids=prefix)
+    model(**pack_inputs(batch), token_type_ids=torch.zeros_like(batch.input_ids))  # no prefix: causal, exact

@@ -10,8 +10,9 @@ else is counted on the host by collate, so the training step never reads a value
 device. The plan's fields (``level``, ``ckpt_layers``, ``loss_norm``, ``epoch``, ``micro_index``)
 say where the micro-batch comes from and how the strategy and the loss must treat it.
 
-No field is a floating tensor: Lightning's precision plugins (``convert_input``) cast every floating
-tensor of a batch to the training dtype, so counts travel as integer tensors or Python numbers.
+No field but a vision-language pack's pixels is a floating tensor: Lightning's precision plugins
+(``convert_input``) cast every floating tensor of a batch to the training dtype, so counts travel as
+integer tensors or Python numbers (the pixels are meant to be cast: the model computes in that dtype).
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ class PackedBatch:
     """Keep the checkpointed layers' inputs in host memory until their recompute (``lit_hbp.offload``)."""
     mlp_tiles: int = 1
     """Tiles each decoder layer's MLP runs this shard's tokens in (``lit_hbp.tiling``; 1: untiled)."""
+    mm: dict[str, torch.Tensor] | None = None
+    """A vision-language pack's images and videos (``lit_hbp.vision``): the family's processor fields,
+    records concatenated in pack order (``pixel_values``, ``image_grid_thw``, ``image_sizes``, video fields;
+    per-token ``mm_token_type_ids`` / ``token_type_ids`` as [1, T]) and, for multimodal RoPE,
+    ``position_ids`` [3, 1, T] (each record's rows computed alone). None for text."""
     sp_group: Any = None
     """The level's SP group on this rank and its kind, a ``lit_hbp.parallel.context.SPCall`` (typed
     loosely: the batch type sits below the parallel package): set by ``HBPStrategy`` when it hands
@@ -156,4 +162,6 @@ class PackedBatch:
         changes = {name: fn(value) for name, value in fields if isinstance(value, torch.Tensor)}
         if self.cp_shard is not None:
             changes["cp_shard"] = self.cp_shard.apply(fn)
+        if self.mm is not None:
+            changes["mm"] = {k: fn(v) for k, v in self.mm.items()}
         return self.replace(**changes)

@@ -16,6 +16,7 @@ import torch
 
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.packing.context_split import padded_length
+from lit_hbp.vision import MM_KEYS, MRopePositions, collate_media, media_of
 
 
 def collate_packs(
@@ -33,9 +34,13 @@ def collate_packs(
     loss_norm: float | None = None,
     epoch: int = 0,
     micro_index: int = 0,
+    media: Callable[[int], Mapping[str, torch.Tensor]] | None = None,
+    rope: MRopePositions | None = None,
 ) -> PackedBatch:
     """The whole (unsharded) micro-batch of ``packs`` (arrays of sample ids), padded for ``sp``;
-    ``tokens(i)`` gives (ids, supervised mask) of sample i; the rest are the plan's fields."""
+    ``tokens(i)`` gives (ids, supervised mask) of sample i; ``media(i)`` its images and videos (a
+    vision-language record, ``lit_hbp.vision``), ``rope`` numbers a record's positions when the family's
+    depend on its images; the rest are the plan's fields."""
     sample_ids = np.concatenate(packs) if packs else np.zeros(0, np.int64)
     parts = [tokens(int(i)) for i in sample_ids]
     lens = np.array([p[0].size for p in parts], dtype=np.int64)
@@ -60,6 +65,13 @@ def collate_packs(
     sample_targets = np.repeat(per_sample, seg_lens)
     n_samples = int((per_sample[: lens.size] > 0).sum())
     labels = torch.from_numpy(labels)[None]
+    mm = None
+    if media is not None:
+        extra = [media(int(i)) for i in sample_ids]
+        if any(extra):
+            mm = collate_media(extra, lens.tolist(), total)
+            if rope is not None:
+                mm["position_ids"] = rope.pack([p[0] for p in parts], extra, total)
     return PackedBatch(
         input_ids=torch.from_numpy(ids)[None],
         labels=labels,
@@ -84,6 +96,7 @@ def collate_packs(
         mlp_tiles=mlp_tiles,
         epoch=epoch,
         micro_index=micro_index,
+        mm=mm,
     )
 
 
@@ -103,46 +116,66 @@ def pack_samples(
     ckpt_layers: int = 0,
     offload: bool = False,
     mlp_tiles: int = 1,
+    model: torch.nn.Module | None = None,
 ) -> PackedBatch:
     """Your own samples packed into one micro-batch: the ``collate_fn`` of a plain DataLoader over
     ``(input_ids, supervised)`` pairs (``supervised[i]`` 1 when token i is a target of the loss), mappings
     with those keys (as ``lit-hbp preview --json`` prints them), or Hugging Face style records
-    (``input_ids`` and ``labels``, -100 where a token is not trained, ``attention_mask`` all ones). Each
-    sample keeps its own positions and attends only to itself. ``ckpt_layers``, ``offload`` and
-    ``mlp_tiles`` are the level settings ``packed_loss`` applies for the call. Without ``loss_norm`` (the
-    optimizer step's supervised tokens / (world size x accumulation): ``step_loss_norm`` computes it
-    over the ranks) train with the ``token_mean`` or ``sum`` loss; levels with sequence parallelism
-    need HBPDataModule's plan."""
-    pairs = [_sample(i, sample) for i, sample in enumerate(samples)]
-    if not pairs:
+    (``input_ids`` and ``labels``, -100 where a token is not trained, ``attention_mask`` all ones), also a
+    vision-language processor's (its ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, video
+    fields, ...: ``lit_hbp.vision``). Each sample keeps its own positions and attends only to itself;
+    ``model`` (the model the batch is for) numbers a record's positions when its family's depend on its
+    images (multimodal RoPE: Qwen2-VL and kin). ``ckpt_layers``, ``offload`` and ``mlp_tiles`` are the
+    level settings ``packed_loss`` applies for the call. Without ``loss_norm`` (the optimizer step's
+    supervised tokens / (world size x accumulation): ``step_loss_norm`` computes it over the ranks) train
+    with the ``token_mean`` or ``sum`` loss; levels with sequence parallelism need HBPDataModule's plan."""
+    parts = [_sample(i, sample) for i, sample in enumerate(samples)]
+    if not parts:
         raise ValueError("pack_samples got no samples")
+    rope = MRopePositions.of(model)
+    grids = [i for i, (_, _, m) in enumerate(parts) if "image_grid_thw" in m or "video_grid_thw" in m]
+    if grids and rope is None:
+        raise ValueError(
+            f"sample {grids[0]}: records with image_grid_thw number their positions by their images (multimodal "
+            "RoPE): pass the model they are for, pack_samples(samples, model=model)"
+        )
     return collate_packs(
-        [np.arange(len(pairs))], lambda i: pairs[i], pad_id=pad_id, loss_norm=loss_norm, ckpt_layers=ckpt_layers,
-        offload=offload, mlp_tiles=mlp_tiles,
+        [np.arange(len(parts))], lambda i: parts[i][:2], pad_id=pad_id, loss_norm=loss_norm, ckpt_layers=ckpt_layers,
+        offload=offload, mlp_tiles=mlp_tiles, media=lambda i: parts[i][2], rope=rope,
     )  # fmt: skip
 
 
-def _sample(i: int, sample: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids, supervised mask) of one of ``pack_samples``' samples, or a ValueError naming it."""
+def _row(value: Any) -> np.ndarray:
+    """A per-token field as a flat array (a processor's [1, L] tensors too)."""
+    value = np.asarray(value.cpu() if torch.is_tensor(value) else value)
+    return value[0] if value.ndim == 2 and value.shape[0] == 1 else value
+
+
+def _sample(i: int, sample: Any) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(token ids, supervised mask, images and videos) of one of ``pack_samples``' samples, or a
+    ValueError naming it."""
+    media: dict = {}
     if not isinstance(sample, Mapping):
         ids, mask = sample
     else:
-        unknown = sorted(set(sample) - {"input_ids", "supervised", "labels", "attention_mask"} - SAMPLE_INFO)
+        known = {"input_ids", "supervised", "labels", "attention_mask", *MM_KEYS}
+        unknown = sorted(set(sample) - known - SAMPLE_INFO)
         if unknown:
             raise ValueError(
                 f"sample {i}: pack_samples does not use {unknown}; give input_ids with supervised (1 per trained "
-                "token) or labels (-100 where not trained)"
+                "token) or labels (-100 where not trained), and a vision-language processor's "
+                f"{', '.join(MM_KEYS)}"
             )
         if "input_ids" not in sample or ("supervised" in sample) == ("labels" in sample):
             raise ValueError(f"sample {i}: give input_ids and one of supervised or labels, got {sorted(sample)}")
-        ids = np.asarray(sample["input_ids"])
-        if "attention_mask" in sample and not np.all(np.asarray(sample["attention_mask"]) == 1):
+        ids = _row(sample["input_ids"])
+        if "attention_mask" in sample and not np.all(_row(sample["attention_mask"]) == 1):
             raise ValueError(
                 f"sample {i}: its attention_mask has zeros (padding): pack samples without padding, each attends "
                 "only to itself"
             )
         if "labels" in sample:
-            labels = np.asarray(sample["labels"])
+            labels = _row(sample["labels"])
             if labels.shape != ids.shape:
                 raise ValueError(f"sample {i}: labels must hold one value per token ({labels.size} for {ids.size})")
             trained = labels != -100
@@ -155,9 +188,10 @@ def _sample(i: int, sample: Any) -> tuple[np.ndarray, np.ndarray]:
             mask = trained.astype(np.int64)
         else:
             mask = sample["supervised"]
+        media = media_of(sample, i, ids.size)
     ids, mask = np.asarray(ids), np.asarray(mask)
     if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
         raise ValueError(f"sample {i}: input_ids must be a flat sequence of integers")
     if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
         raise ValueError(f"sample {i}: supervised must hold one 0 or 1 per token ({mask.size} for {ids.size})")
-    return ids.astype(np.int64), mask.astype(bool)
+    return ids.astype(np.int64), mask.astype(bool), media

@@ -1,0 +1,190 @@
+"""Vision-language packs: the images and videos of several records in one packed call, each record
+computed as it alone would be.
+
+A record of a vision-language model is its token ids, each image or video already expanded into its
+placeholder tokens by the family's processor, the pixels the processor made of its images and videos,
+their per-image metadata (grids, sizes) and, for families with multimodal RoPE (Qwen2-VL and kin),
+per-token media types. Packing keeps each record's computation its own:
+
+- pixels and per-image metadata concatenate along their first dimension in record order (the model
+  scatters image features into the placeholders in order); anyres tiles ([images, tiles, C, H, W])
+  are zero-padded to the pack's widest, as the family's own batching pads them (the model reads only
+  each image's own tiles); per-record counts (``batch_num_images``) stay per record;
+- per-token fields (``mm_token_type_ids``, ``token_type_ids``) concatenate like the ids;
+- positions restart per record; a family whose positions depend on the images numbers each record
+  alone with its own ``get_rope_index`` (``MRopePositions``), the rows stacked under the pack's text
+  row ([4, 1, T]: what transformers' own packed path reads);
+- the vision tower keeps its own attention: a packed call routes only the language model's configs
+  to lit-hbp's varlen attention (``lit_hbp.causal_lm.prepare_model``), and ``packed_loss`` encodes the
+  images outside the packed call (``mm_encoder_outputs``).
+
+Refused rather than trained wrong: families whose language model lets an image's tokens attend to
+each other both ways (``BIDIRECTIONAL``): one causal kernel per document is not their computation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+# Concatenated along their first dimension, in record order.
+CONCAT_KEYS = (
+    "pixel_values", "image_grid_thw", "image_sizes", "batch_num_images",
+    "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+)  # fmt: skip
+TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")  # one value per token, concatenated like the ids
+MM_KEYS = CONCAT_KEYS + TOKEN_KEYS
+IMAGE_ARGS = ("pixel_values", "image_grid_thw", "image_sizes", "batch_num_images")
+VIDEO_ARGS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+# model_type -> why a causal kernel per document cannot be its language model's attention over images
+BIDIRECTIONAL = {
+    "gemma3": "an image's tokens attend to each other both ways (token_type_ids)",
+    "gemma3n": "an image's tokens attend to each other both ways",
+    "gemma4": "an image's tokens attend to each other both ways",
+    "gemma4_unified": "an image's tokens attend to each other both ways",
+    "paligemma": "the image and the prompt attend to each other both ways (a prefix LM)",
+    "pi0": "the prefix attends both ways",
+    "git": "the image tokens attend to each other both ways",
+    "molmo2": "an image's tokens attend to each other both ways",
+    "unlimited_ocr": "its image blocks attend both ways",
+    "step3p7": "its attention is bidirectional",
+    "shieldgemma2": "an image's tokens attend to each other both ways (Gemma 3)",
+}
+
+
+def is_multimodal(net: torch.nn.Module) -> bool:
+    """A Hugging Face model with a vision tower: its inner model encodes images (``get_image_features``)."""
+    inner = getattr(net, "model", None)
+    return inner is not None and callable(getattr(inner, "get_image_features", None))
+
+
+def has_media(mm: Mapping | None) -> bool:
+    """Whether a pack's multimodal inputs hold any image or video."""
+    if not mm:
+        return False
+    if any(mm.get(k) is not None and mm[k].numel() for k in ("pixel_values", "pixel_values_videos")):
+        return True
+    return any(mm.get(k) is not None and bool((mm[k] != 0).any()) for k in TOKEN_KEYS)
+
+
+def attends_both_ways(net: torch.nn.Module) -> str | None:
+    """Why some of ``net``'s tokens may attend to later ones when a call marks them (images, a prefix), or
+    None: a family in ``BIDIRECTIONAL``, or a config with ``prefix_lm`` (its ``token_type_ids`` 1 mark a
+    prefix that attends both ways)."""
+    family = getattr(net.config, "model_type", None)
+    if family in BIDIRECTIONAL:
+        return BIDIRECTIONAL[family]
+    if getattr(net.config.get_text_config(), "prefix_lm", False):
+        return "its config sets prefix_lm, so tokens whose token_type_ids are 1 attend to each other both ways"
+    return None
+
+
+def refuse_bidirectional(net: torch.nn.Module, mm: Mapping | None) -> None:
+    """Raise when ``net``'s family lets marked tokens attend both ways and the pack holds such tokens
+    (images, or ``token_type_ids`` 1)."""
+    why = attends_both_ways(net)
+    if why is not None and has_media(mm):
+        raise ValueError(
+            f"{type(net).__name__} ({net.config.model_type}): {why}, which lit-hbp's causal attention per document "
+            "does not compute, so this pack would train wrong; train it on packs without them (text only), or "
+            "another family (docs/vision.md)"
+        )
+
+
+def media_of(record: Mapping, i: int, length: int) -> dict[str, torch.Tensor]:
+    """The multimodal fields of ``record`` (sample ``i`` of ``length`` tokens) as tensors, per-token
+    fields checked for their length."""
+    out = {}
+    for key in MM_KEYS:
+        if record.get(key) is None:
+            continue
+        value = torch.as_tensor(np.asarray(record[key])) if not torch.is_tensor(record[key]) else record[key]
+        if key in TOKEN_KEYS:
+            value = value.reshape(-1)
+            if value.numel() != length:
+                raise ValueError(f"sample {i}: {key} must hold one value per token ({value.numel()} for {length})")
+        out[key] = value
+    return out
+
+
+def collate_media(parts: Sequence[Mapping[str, torch.Tensor]], lengths: Sequence[int], total: int) -> dict:
+    """The pack's multimodal inputs from each record's (``media_of``) in pack order; per-token fields
+    padded with 0 to the pack's ``total`` tokens; the same keys present in every record or refused."""
+    keys = {k for p in parts for k in p}
+    out: dict[str, torch.Tensor] = {}
+    for key in TOKEN_KEYS:
+        if key in keys:
+            row = torch.zeros(total, dtype=torch.long)
+            at = 0
+            for part, n in zip(parts, lengths):
+                if key in part:
+                    row[at : at + n] = part[key].long()
+                at += n
+            out[key] = row[None]
+    for key in CONCAT_KEYS:
+        values = [p[key] for p in parts if key in p]
+        if not values:
+            continue
+        if key == "pixel_values" and values[0].dim() == 5:  # anyres: [images, tiles, C, H, W]
+            tiles = max(v.shape[1] for v in values)
+            values = [torch.nn.functional.pad(v, (0, 0, 0, 0, 0, 0, 0, tiles - v.shape[1])) for v in values]
+        out[key] = torch.cat([v.reshape(1) if v.dim() == 0 else v for v in values], dim=0)
+    return out
+
+
+class MRopePositions:
+    """Each record's multimodal-RoPE positions from the family's own ``get_rope_index``, computed on
+    the record alone (so a pack gives each record what it gets alone), on the host."""
+
+    def __init__(self, inner: torch.nn.Module):
+        self.inner = inner
+
+    @classmethod
+    def of(cls, model: torch.nn.Module | None) -> MRopePositions | None:
+        if model is None:
+            return None
+        net = getattr(model, "_orig_mod", model)  # torch.compile's wrapper, then peft's
+        net = net.get_base_model() if hasattr(net, "get_base_model") else net
+        inner = getattr(net, "model", None)
+        return cls(inner) if callable(getattr(inner, "get_rope_index", None)) else None
+
+    def rows(self, ids: np.ndarray, media: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """[3, L] positions of one record."""
+        ids_t = torch.as_tensor(ids, dtype=torch.long)[None]
+        kw = {k: media[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in media}
+        types = media.get("mm_token_type_ids")
+        kw["mm_token_type_ids"] = (types if types is not None else torch.zeros(len(ids), dtype=torch.long))[None]
+        with torch.no_grad():
+            positions, _ = self.inner.get_rope_index(ids_t, **kw)
+        return positions[:, 0].cpu()
+
+    def pack(self, ids: Sequence[np.ndarray], media: Sequence[Mapping], total: int) -> torch.Tensor:
+        """[3, 1, total] rows of the pack: each record's, then an arange over the padding."""
+        rows = [self.rows(i, m) for i, m in zip(ids, media)]
+        n = sum(r.shape[1] for r in rows)
+        rows.append(torch.arange(total - n).expand(3, -1))
+        return torch.cat(rows, dim=1)[:, None]
+
+
+def encoder_outputs(inner: torch.nn.Module, mm: Mapping[str, torch.Tensor]) -> dict:
+    """The images' and videos' encodings by the model's own vision tower (``get_image_features`` /
+    ``get_video_features`` with the arguments they take), as ``mm_encoder_outputs``: computed apart
+    from the packed call, so the tower runs with its own attention and sees none of the pack's keywords."""
+    import inspect
+
+    out = {}
+    for name, args, method in (
+        ("image", IMAGE_ARGS, "get_image_features"),
+        ("video", VIDEO_ARGS, "get_video_features"),
+    ):
+        if mm.get(args[0]) is None:
+            continue
+        fn = getattr(inner, method)
+        takes = inspect.signature(fn).parameters
+        kw = {k: mm[k] for k in args if k in mm and k in takes}
+        if "return_dict" in takes or any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+            kw["return_dict"] = True
+        out[name] = fn(**kw)
+    return out

@@ -1,0 +1,135 @@
+"""Vision-language packs: records with images packed into one call train exactly as each record alone.
+
+The reference is independent: each record alone through the unprepared model with eager attention,
+fp32, its own forward computing its own positions (multimodal RoPE included) and image features. Tiny
+checkpoint folders are written as users' folders look (``tests/vision_models.py``).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForImageTextToText
+from vision_models import BUILDERS, three_records, trained
+
+from lit_hbp import pack_inputs, pack_samples, packed_loss, prepare_model
+from lit_hbp.packed_call import record_of
+
+EXACT = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm")
+    return {family: build(root / family) for family, build in BUILDERS.items()}
+
+
+def pair(folder):
+    """(the unprepared model with eager attention, a prepared copy with the same weights), fp32."""
+    reference = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
+    model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float())
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
+def alone_ce(reference, records) -> torch.Tensor:
+    """Summed cross-entropy of each record alone (its own forward), image placeholders untrained."""
+    ce = 0.0
+    for rec in records:
+        labels = rec["labels"][0]
+        inputs = {k: v for k, v in rec.items() if k != "labels"}
+        logits = reference(**inputs, use_cache=False).logits[0, :-1].float()
+        ce = ce + F.cross_entropy(logits, labels[1:], reduction="sum", ignore_index=-100)
+    return ce
+
+
+@pytest.mark.parametrize("family", EXACT)
+def test_a_pack_of_image_records_trains_like_each_record_alone(folders, family):
+    """pack_samples over three processor-style records (one image; two images of other sizes; text only)
+    and packed_loss(loss="sum") on the prepared model: the summed cross-entropy to 1e-5 and every
+    parameter's gradient (vision tower and projector included) to 1e-4 of the records alone. A tensor
+    whose gradient is zero in exact arithmetic (an attention's key bias: softmax ignores a shift) is
+    held to 1e-4 of the layer-wide scale instead of its own float noise."""
+    reference, model = pair(folders[family])
+    records = [trained(r, reference.config) for r in three_records(folders[family])]
+    want = alone_ce(reference, records)
+    want.backward()
+    batch = pack_samples(records, model=model)
+    out = packed_loss(model, batch, "sum")
+    out.loss.backward()
+    assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
+    grads = {n: (p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), reference.parameters())}
+    scale = max(q.abs().max().item() for _, q in grads.values() if q is not None)
+    vision = 0
+    for name, (got, ref) in grads.items():
+        assert (got is None) == (ref is None), name
+        if ref is None:
+            continue
+        vision += "vision" in name or "visual" in name
+        bound = 1e-4 * max(ref.abs().max().item(), 1e-3 * scale)
+        assert (got - ref).abs().max().item() <= bound, name
+    assert vision > 0, "the vision tower must train through the pack"
+
+
+def test_multimodal_rope_positions_need_the_model(folders):
+    records = [trained(r, AutoConfig.from_pretrained(folders["qwen2_vl"])) for r in three_records(folders["qwen2_vl"])]
+    with pytest.raises(
+        ValueError, match=r"sample 0: records with image_grid_thw .*pack_samples\(samples, model=model\)"
+    ):
+        pack_samples(records)
+
+
+def test_a_family_whose_image_tokens_attend_both_ways_is_refused_with_images(folders):
+    """Gemma 3: an image's tokens attend to each other both ways, which a causal kernel per document
+    does not compute: a pack with images is refused (packed_loss and a packed call alike); a pack of
+    text-only records trains exactly."""
+    reference, model = pair(folders["gemma3"])
+    records = [trained(r, reference.config) for r in three_records(folders["gemma3"])]
+    batch = pack_samples(records, model=model)
+    with pytest.raises(ValueError, match=r"gemma3.*attend to each other both ways"):
+        packed_loss(model, batch, "sum")
+    with pytest.raises(ValueError, match=r"gemma3.*attend to each other both ways"):
+        model(**pack_inputs(batch))
+    text = [records[2], {**records[2], "token_type_ids": torch.zeros_like(records[2]["input_ids"])}]
+    want = alone_ce(reference, text)
+    out = packed_loss(model, pack_samples(text, model=model), "sum")
+    assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_outside_a_pack_a_prepared_vlm_is_the_unprepared_one(folders, family):
+    """A record with its images through the model's own forward, and greedy generate() from it: the
+    unprepared model's logits and tokens; the vision tower keeps its own attention (only the language
+    model's config is routed in a packed call)."""
+    reference, model = pair(folders[family])
+    reference.eval()
+    model.eval()
+    rec = three_records(folders[family])[1]
+    record = record_of(model)
+    assert record.runner is model.model and record.decoder is model.model.language_model
+    assert all(config is not model.config.vision_config for config, _ in record.configs)
+    with torch.no_grad():
+        got, want = model(**rec).logits, reference(**rec).logits
+        assert (got - want).abs().max().item() < 1e-5
+        prompt = {k: v for k, v in rec.items()}
+        greedy = dict(max_new_tokens=5, do_sample=False)
+        assert torch.equal(model.generate(**prompt, **greedy), reference.generate(**prompt, **greedy))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_pack_inputs_give_each_records_logits_prepared_or_not(folders, family):
+    """``model(**pack_inputs(batch))`` on the prepared model, and on an unprepared teacher (transformers'
+    own packed path: positions whose text row restarts, the cache off): each record's logits alone."""
+    reference, model = pair(folders[family])
+    teacher = AutoModelForImageTextToText.from_pretrained(folders[family]).float().eval()
+    teacher.load_state_dict(reference.state_dict())
+    records = three_records(folders[family])
+    batch = pack_samples([trained(r, reference.config) for r in records], model=model)
+    with torch.no_grad():
+        alone = [reference(**r, use_cache=False).logits[0] for r in records]
+        for m in (model.eval(), teacher):
+            logits = m(**pack_inputs(batch)).logits[0]
+            start = 0
+            for want in alone:
+                got = logits[start : start + want.shape[0]]
+                assert (got - want).abs().max().item() < 1e-5, type(m).__name__
+                start += want.shape[0]

@@ -1,0 +1,243 @@
+"""Tiny vision-language checkpoints, written as users' folders look (save_pretrained: config, weights,
+tokenizer, image processor or processor), built offline in seconds; and their records, as each family's
+processor makes them.
+
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors need torchvision in transformers 5.x (a video processor is
+mandatory); without it their records are made as the processor makes them: the chat template, the
+image processor's pixels and grids, each image's placeholder expanded to its grid's merged token
+count, ``mm_token_type_ids`` 1 on image placeholders (the same ids, types and grids as the processor).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, what is packing?", "describe the image.",
+          "a cat on a mat", "def f(x): return x"]  # fmt: skip
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>"]  # fmt: skip
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}<image>\n"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT: {% endif %}"
+)
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}<start_of_image>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+LLAMA_TEXT = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+
+
+def toy_tokenizer(specials, pad, eos, bos=None, extra=None, chat_template=None):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 50, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, eos_token=eos, bos_token=bos, **(extra or {}))
+    fast.chat_template = chat_template
+    return fast
+
+
+def _save(path: Path, config, *parts) -> Path:
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
+    for part in parts:
+        part.save_pretrained(path)
+    return Path(path)
+
+
+def build_qwen(path: Path, family: str = "qwen2_vl") -> Path:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: patch 4, merge 2 (one language token per 8x8 pixels)."""
+    from transformers import AutoConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = toy_tokenizer(QWEN_SPECIALS, pad="<|endoftext|>", eos="<|im_end|>", chat_template=QWEN_TEMPLATE)
+    images = Qwen2VLImageProcessorPil(
+        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+    )
+    ids = {
+        name: tok.convert_tokens_to_ids(token)
+        for name, token in [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]
+    }  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_parameters=rope,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)  # fmt: skip
+    vision = dict(depth=2, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+    elif family == "qwen2_5_vl":
+        vision.update(
+            hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=16, fullatt_block_indexes=[1]
+        )
+    else:
+        text.update(head_dim=16, rope_parameters={**rope, "mrope_interleaved": True})
+        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=64, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0])  # fmt: skip
+    config = AutoConfig.for_model(family, text_config=text, vision_config=vision, **ids)
+    return _save(path, config, tok, images)
+
+
+def build_llava(path: Path, family: str = "llava") -> Path:
+    """LLaVA (CLIP tower, 16 image tokens) or LLaVA-NeXT (anyres tiles and image_sizes)."""
+    from transformers import AutoConfig, LlavaNextProcessor, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tok = toy_tokenizer(["<pad>", "<s>", "</s>", "<|end|>", "<image>"], pad="<pad>", eos="</s>", bos="<s>",
+                        chat_template=LLAVA_TEMPLATE)  # fmt: skip
+    crop = {"height": 16, "width": 16}
+    pinpoints = [[16, 16], [16, 32], [32, 16], [32, 32]]
+    common = dict(tokenizer=tok, patch_size=4, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                  chat_template=LLAVA_TEMPLATE)  # fmt: skip
+    if family == "llava":
+        processor = LlavaProcessor(CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size=crop), **common)
+        extra = {}
+    else:
+        images = LlavaNextImageProcessorPil(size={"shortest_edge": 16}, crop_size=crop, image_grid_pinpoints=pinpoints)
+        processor = LlavaNextProcessor(images, **common)
+        extra = {"image_grid_pinpoints": pinpoints}
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=16, patch_size=4, projection_dim=32)  # fmt: skip
+    text = {**LLAMA_TEXT, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id}  # fmt: skip
+    config = AutoConfig.for_model(
+        family, vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        image_seq_length=16, vision_feature_layer=-1, vision_feature_select_strategy="default", **extra,
+    )  # fmt: skip
+    return _save(path, config, processor)
+
+
+def build_gemma3(path: Path) -> Path:
+    """Gemma 3: image tokens that attend to each other both ways (a sliding and a full layer)."""
+    from transformers import AutoConfig, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    mm = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    specials = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", *mm.values()]
+    tok = toy_tokenizer(
+        specials,
+        pad="<pad>",
+        eos="<eos>",
+        bos="<bos>",
+        extra={"extra_special_tokens": mm},
+        chat_template=GEMMA3_TEMPLATE,
+    )
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 16, "width": 16}), tokenizer=tok, image_seq_length=4,
+        chat_template=GEMMA3_TEMPLATE,
+    )  # fmt: skip
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+                  patch_size=4, vision_use_head=False)  # fmt: skip
+    names = [("boi_token_index", "boi_token"), ("eoi_token_index", "eoi_token"), ("image_token_index", "image_token")]
+    ids = {k: tok.convert_tokens_to_ids(mm[v]) for k, v in names}
+    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4, **ids)
+    return _save(path, config, processor)
+
+
+BUILDERS = {
+    "qwen2_vl": lambda p: build_qwen(p, "qwen2_vl"),
+    "qwen2_5_vl": lambda p: build_qwen(p, "qwen2_5_vl"),
+    "qwen3_vl": lambda p: build_qwen(p, "qwen3_vl"),
+    "llava": lambda p: build_llava(p, "llava"),
+    "llava_next": lambda p: build_llava(p, "llava_next"),
+    "gemma3": build_gemma3,
+}
+
+
+def image(seed: int, height: int, width: int):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def messages(images: list, question: str, answer: str) -> list[dict]:
+    content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": question}]
+    return [{"role": "user", "content": content}, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+
+
+def record(folder: Path, images: list, question: str, answer: str) -> dict:
+    """One record as the family's processor returns it (``return_tensors="pt"``), without its mask."""
+    from transformers import AutoConfig
+
+    msgs = messages(images, question, answer)
+    if AutoConfig.from_pretrained(folder).model_type.startswith("qwen"):
+        return _qwen_record(folder, images, msgs)
+    from transformers import AutoProcessor
+
+    out = dict(AutoProcessor.from_pretrained(folder).apply_chat_template(
+        msgs, tokenize=True, return_dict=True, return_tensors="pt"
+    ))  # fmt: skip
+    out.pop("attention_mask")
+    return out
+
+
+def _qwen_record(folder: Path, images: list, msgs: list[dict]) -> dict:
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tok, processor = AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    out = {}
+    if images:
+        pixels = processor(images=images, return_tensors="pt")
+        for grid in pixels["image_grid_thw"]:
+            count = int(grid.prod()) // processor.merge_size**2
+            text = text.replace("<|image_pad|>", "<|placeholder|>" * count, 1)
+        text = text.replace("<|placeholder|>", "<|image_pad|>")
+        out.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    out.update(input_ids=ids, mm_token_type_ids=(ids == tok.convert_tokens_to_ids("<|image_pad|>")).long())
+    return out
+
+
+def three_records(folder: Path) -> list[dict]:
+    """One image; two images of other sizes; text only."""
+    return [
+        record(folder, [image(1, 24, 40)], "describe the image.", "a cat on a mat"),
+        record(folder, [image(2, 32, 16), image(3, 16, 24)], "what is packing?", "hello world"),
+        record(folder, [], "the quick brown fox", "jumps over the lazy dog"),
+    ]
+
+
+def image_token_id(config) -> int:
+    return getattr(config, "image_token_id", None) or config.image_token_index
+
+
+def trained(rec: dict, config) -> dict:
+    """The record with labels: every token but the image placeholders (never trained)."""
+    ids = rec["input_ids"][0]
+    return {**rec, "labels": torch.where(ids == image_token_id(config), -100, ids)[None]}
