@@ -483,7 +483,9 @@ def flex_run(q, k, v, a: AttnArgs, fn=None) -> torch.Tensor:
         block_mask = cross_block_mask(a.cu, a.cu_k, q.shape[2], k.shape[2], a.window)
     score_mod = None
     if a.softcap:
-        cap = float(a.softcap)
+        # A tensor, not a Python float: compiled dynamic, torch 2.15 traces a captured float as a SymFloat,
+        # which FlexAttention's score_mod buffers refuse (only tensors and ints); a tensor is one on every torch.
+        cap = torch.tensor(float(a.softcap), dtype=torch.float32, device=q.device)
 
         def score_mod(score, b, h, q_idx, kv_idx):
             return cap * torch.tanh(score / cap)
