@@ -395,10 +395,12 @@ def _compile_context(compiled) -> object:
 
 def decoder_of(net: torch.nn.Module) -> torch.nn.Module:
     """The module that maps token ids to the final hidden states (final norm included)."""
+    from transformers import PreTrainedModel
+
     dec = net.get_decoder()
-    if dec is net:
+    if dec is net or not isinstance(dec, PreTrainedModel):  # ModernBERT's ``decoder`` is its output projection
         dec = getattr(net, "model", None)
-    if dec is None or dec is net:
+    if not isinstance(dec, PreTrainedModel) or dec is net:
         raise ValueError(f"{type(net).__name__}: cannot find its decoder (get_decoder() returns the model itself)")
     return dec
 

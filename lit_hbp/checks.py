@@ -345,6 +345,11 @@ def check_run_config(config: Mapping[str, Any]) -> None:
     """What a LightningCLI config (the subcommand's section, as plain data) shows wrong before any
     process spawns: the model (its folder, or the mapping's keys), the levels against the world size
     and the model's heads."""
+    data = config.get("data") or {}
+    if data.get("demo_dir") and data.get("demo") == "vision":  # the demo's checkpoint folder is the model
+        from lit_hbp.demo import ensure_kind
+
+        ensure_kind(data["demo_dir"], "vision")
     model = (config.get("model") or {}).get("model")
     check_model_source(model)
     if isinstance(model, Mapping):

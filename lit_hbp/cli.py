@@ -611,8 +611,9 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
                 f"{TRUST_HINT['fit']} (docs/finetune.md)"
             )
         )
-    except Exception:
-        if LostRankReport.reported and not _debug():  # said which rank is gone: its traceback adds nothing
+    except Exception as e:
+        # said which rank is gone: its traceback adds nothing
+        if getattr(e, LostRankReport.MARK, None) and not _debug():
             sys.stderr.write(f"tip: {DEBUG_ENV}=1 prints the traceback\n")
             sys.exit(1)
         raise

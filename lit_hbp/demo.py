@@ -805,6 +805,19 @@ def ensure_demo(out_dir: str | os.PathLike[str], **kwargs: Any) -> dict[str, Any
         return build_demo(out, **kwargs)
 
 
+DEMOS = ("text", "vision")  # HBPDataModule's ``demo``: this module's, or lit_hbp.demo_vlm's
+
+
+def ensure_kind(out_dir: str | os.PathLike[str], kind: str = "text") -> None:
+    """Build the demo ``kind`` in ``out_dir`` when missing (the data module's ``demo_dir``)."""
+    if kind == "vision":
+        from lit_hbp.demo_vlm import ensure_vlm_demo
+
+        ensure_vlm_demo(out_dir)
+    else:
+        ensure_demo(out_dir)
+
+
 def _table(result: dict[str, Any]) -> str:
     rows = [("file", "samples", "min", "median", "max")]
     for name, info in result["files"].items():

@@ -107,14 +107,13 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     """The trained network (peft-wrapped under LoRA), fp32, built from the checkpoint alone: its config,
     the base model's generation config when it had one of its own (``generation_config_of``), its LoRA
     settings and its weights (never ``from_pretrained`` of the folder the run started from)."""
-    from transformers import AutoModelForCausalLM
-
-    from lit_hbp.causal_lm import apply_lora
+    from lit_hbp.causal_lm import _auto_class, apply_lora
 
     hparams = _hparams(ckpt)
     config = hf_config_of(ckpt)
     config.use_cache = True  # training turned the KV cache off; generation wants it
-    net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto, _ = _auto_class(config.model_type)  # a vision-language model: AutoModelForImageTextToText
+    net = auto.from_config(config, dtype=torch.float32)
     generation = generation_config_of(ckpt)
     if generation is not None:
         net.generation_config = generation
@@ -148,6 +147,16 @@ def run_tokenizer(ckpt: dict, folder: str | Path, fallback: str | None = None):
     tokenizer = load_tokenizer(path)
     tokenizer.save_pretrained(folder)
     return tokenizer
+
+
+def run_processor(ckpt: dict, folder: str | Path) -> None:
+    """A vision-language run's processor (image processor settings, chat template), written into
+    ``folder`` beside the tokenizer: ``AutoProcessor`` loads the export as it loaded the checkpoint."""
+    files = next((v["processor_files"] for v in ckpt.values() if isinstance(v, dict) and "processor_files" in v), None)
+    for name, data in (files or {}).items():
+        target = Path(folder) / Path(name).name
+        if not target.exists():  # the tokenizer's own files are written from the tokenizer
+            target.write_bytes(data if isinstance(data, bytes) else data.encode())
 
 
 def end_of_turn_id(tokenizer) -> int | None:
@@ -233,6 +242,7 @@ def export_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = run_tokenizer(ckpt, out, tokenizer)
+    run_processor(ckpt, out)
     if tok is None:
         warnings.warn(
             "no tokenizer written: the checkpoint holds none and none was given (--tokenizer); the special "

@@ -97,15 +97,12 @@ def zero_engine(strategy):
     return engine if isinstance(getattr(engine, "optimizer", None), ZeROOptimizer) else None
 
 
-def _limit_name() -> str:
-    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-
-
 def set_recompile_limit(limit: int) -> int:
-    """Raise dynamo's per-code recompile limit to at least ``limit`` (``recompile_limit`` from torch
-    2.7, ``cache_size_limit`` before); returns the limit it had, to put back when the run ends."""
-    before = getattr(torch._dynamo.config, _limit_name())
-    setattr(torch._dynamo.config, _limit_name(), max(before, limit))
+    """Raise dynamo's per-code recompile limit to at least ``limit`` (a pack length per level, and the
+    last pack of an epoch, each compile a layer once more); returns the limit it had, to put back when
+    the run ends."""
+    before = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(before, limit)
     return before
 
 
@@ -211,7 +208,7 @@ class HBPLitModule(L.LightningModule):
         """Dynamo's recompile limit as it was before this module's compiled run (a later run in the process
         starts from torch's own)."""
         if self._recompile_limit is not None:
-            setattr(torch._dynamo.config, _limit_name(), self._recompile_limit)
+            torch._dynamo.config.recompile_limit = self._recompile_limit
             self._recompile_limit = None
 
     def _tokenizer(self):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,6 +51,7 @@ from lit_hbp.vision import attends_both_ways, refuse_bidirectional
 PREPARED = "_hbp_prepared"  # the Prepared record, on the model, its decoder, its attention modules and MLPs
 PACK_KEYS = ("cu_seq_lens_q", "max_length_q", "hbp_cp_shard", "hbp_sp")  # what attention needs of a packed call
 _owners = itertools.count(1)
+_by_owner: weakref.WeakValueDictionary[int, Prepared] = weakref.WeakValueDictionary()
 
 
 @dataclass(eq=False)
@@ -71,17 +73,31 @@ class Prepared:
     said_own_ckpt: bool = False
     compiled: tuple | None = None  # (compile context, the decoder compiled with it) for a compiled model
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # what its packed calls ran: (device, dtype, features) -> [backend, why, backward] (``attention.choices``)
+    ran: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _by_owner[self.owner] = self
 
     def __getstate__(self) -> dict:
         """Pickled between calls: no lock, no call in flight, no compiled code (a loaded copy has its own)."""
-        skip = ("lock", "own", "active", "owner", "compiled")
+        skip = ("lock", "own", "active", "owner", "compiled", "ran")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict) -> None:
         """A prepared model loaded in another process: its packed calls need the config's routing there too."""
-        self.__dict__.update(state, lock=threading.Lock(), own=None, active=0, owner=next(_owners), compiled=None)
+        self.__dict__.update(
+            state, lock=threading.Lock(), own=None, active=0, owner=next(_owners), compiled=None, ran={}
+        )
+        _by_owner[self.owner] = self
         for config, _ in self.configs:
             calls.install(type(config))
+
+
+def record_by_owner(owner: int) -> Prepared | None:
+    """The record of the prepared model numbered ``owner`` (what a packed call's custom op carries), or
+    None once that model is gone."""
+    return _by_owner.get(owner)
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:

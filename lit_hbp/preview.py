@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import TextIO
 
 from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.data.media import image_token_id
 from lit_hbp.data.store import SampleStore
 
 OPEN, CLOSE = "⟦", "⟧"
@@ -47,19 +48,50 @@ def samples(store: SampleStore, n: int) -> Iterator[dict]:
         seen.add(key)
         ids, supervised = store.tokens(i)
         source = store.sources[key[0]]
-        yield dict(
+        sample = dict(
             source=source.source.path,
             line=int(source.rows[key[1]]),
             input_ids=ids.tolist(),
             supervised=supervised.astype(int).tolist(),
             index=i,
         )
+        images = store.images(i)
+        if images:
+            sample["images"] = [dict(file=f, width=w, height=h) for f, w, h in images]
+        yield sample
         if len(seen) == n:
             return
 
 
-def render(tokenizer, ids: list[int], supervised: list[int], color: bool) -> str:
-    """The decoded tokens with each supervised run marked."""
+def image_runs(ids: list[int], image_id: int | None) -> list[tuple[int, int]]:
+    """The [start, end) runs of image tokens in ``ids``: where each image stands, and its token count."""
+    runs, start = [], None
+    for k, t in enumerate([*ids, None]):
+        if t == image_id and image_id is not None and start is None:
+            start = k
+        elif t != image_id and start is not None:
+            runs.append((start, k))
+            start = None
+    return runs
+
+
+def render(
+    tokenizer, ids: list[int], supervised: list[int], color: bool, image_id: int | None = None, images: list = ()
+) -> str:
+    """The decoded tokens with each supervised run marked, each image's tokens as one line saying its
+    file, size and how many tokens it became."""
+    runs = image_runs(ids, image_id) if images else []
+    if runs:
+        out, at = [], 0
+        named = len(runs) == len(images)  # images next to each other share a run
+        for j, (a, b) in enumerate(runs):
+            out.append(render(tokenizer, ids[at:a], supervised[at:a], color))
+            im = images[j] if named else None
+            what = f"{im['file']} {im['width']}x{im['height']}" if im else f"{len(images)} images"
+            out.append(f"[image {j + 1}: {what} -> {b - a} tokens]")
+            at = b
+        out.append(render(tokenizer, ids[at:], supervised[at:], color))
+        return "".join(out)
     out, start = [], 0
     for k in range(1, len(ids) + 1):
         if k == len(ids) or supervised[k] != supervised[start]:
@@ -91,7 +123,9 @@ def preview(dm: HBPDataModule, n: int, as_json: bool, out: TextIO | None = None)
         full = int(store.sources[store.source_of[index]].lengths[store.row_of[index]])
         cut = f" (truncated: tokens {start}-{start + tokens} of {full} kept)" if tokens < full else ""
         print(f"\n━━ sample {shown}: {store.where(index)}: {tokens} tokens, {trained} supervised{cut}", file=out)
-        print(render(dm.tokenizer, sample["input_ids"], sample["supervised"], color), file=out)
+        images = sample.get("images", [])
+        image_id = image_token_id(dm.processor) if images else None
+        print(render(dm.tokenizer, sample["input_ids"], sample["supervised"], color, image_id, images), file=out)
     if not shown:
         print("no training samples: every record was skipped (see the summary above)", file=sys.stderr)
     return shown

@@ -1,4 +1,3 @@
-import copy
 import logging
 import os
 import sys
@@ -44,14 +43,6 @@ def console_script(name: str) -> str:
     return found
 
 
-# lit-hbp's records of what it said or chose once per process: (module, attribute, its value at import)
-# of a set, dict or list, or of a class's attribute (``Class.name``). Those its modules lack are skipped.
-ONCE_PER_PROCESS = (
-    ("lit_hbp.attention", "_choice", {}),  # the backend choice's memo
-    ("lit_hbp.attention", "_ran", {}),  # per model (by id, which a later model may reuse): logged once, choices()
-    ("lit_hbp.data.records", "_roles_said", set()),
-    ("lit_hbp.callbacks.lost_rank", "LostRankReport.reported", False),
-)
 HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
 
@@ -139,7 +130,7 @@ class ProcessState:
     inductor (their recompile limit); torch._logging's settings; the environment; the working
     directory; signal handlers; the random generators of random, numpy and torch; transformers'
     verbosity, progress bars and ``warning_once`` records; the levels of every named logger; and
-    lit-hbp's once-per-process records (ONCE_PER_PROCESS)."""
+    lit-hbp's memo of the installed attention kernels."""
 
     def __init__(self) -> None:
         import importlib
@@ -171,23 +162,6 @@ class ProcessState:
             from transformers.utils import logging as hf_logging
 
             self.transformers = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled())
-        # A module not imported yet starts with the value at import, whenever a test imports it.
-        self.once = {}
-        for module, attr, at_import in ONCE_PER_PROCESS:
-            owner, value = self._find(module, attr)
-            self.once[(module, attr)] = copy.copy(at_import if owner is None else value)
-
-    @staticmethod
-    def _find(module: str, attr: str):
-        """(owner, value) of ``module.attr`` (``attr`` may be ``Class.name``) if the module is imported and
-        has it; (None, None) otherwise."""
-        owner = sys.modules.get(module)
-        *path, name = attr.split(".")
-        for part in path:
-            owner = getattr(owner, part, None)
-        if owner is None or not hasattr(owner, name):
-            return None, None
-        return owner, getattr(owner, name)
 
     @staticmethod
     def forget_warnings_said_once() -> None:
@@ -253,18 +227,8 @@ class ProcessState:
                 changed.append("transformers progress bars")
                 (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
         self.forget_warnings_said_once()
-        for (module, attr), before in self.once.items():
-            owner, value = self._find(module, attr)
-            if owner is None or value == before:
-                continue
-            changed.append(f"{module}.{attr}")
-            if isinstance(value, (set, dict)):
-                value.clear()
-                value.update(copy.copy(before))
-            elif isinstance(value, list):
-                value[:] = copy.copy(before)
-            else:
-                setattr(owner, attr.rsplit(".", 1)[-1], copy.copy(before))
+        if "lit_hbp.attention.backends" in sys.modules:  # a test may fake a kernel's install or a GPU
+            sys.modules["lit_hbp.attention.backends"].reset_probes()
         return changed
 
     def _restore_torch_logs(self, changed: list[str]) -> None:

@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_LLAMA
 from flash_installs import INSTALLS, install
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_hbp import attention
+from lit_hbp import attention, prepare_model
 from lit_hbp.attention import backends
 from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose
+from lit_hbp.packed_call import record_of
 
 FAKE_TOPS = ("flash_attn", "flash_attn_interface", "cutlass")
 UNDEFINED_SYMBOL = "flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEi"
@@ -60,17 +63,22 @@ ALL = {**INSTALLS, **BROKEN}
 
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """An empty site folder on sys.path; the fake modules and the probe verdicts are forgotten after."""
+    """An empty site folder on sys.path; the fake modules, the probe verdicts and the choices made from
+    them are forgotten after."""
     path = tmp_path / "site"
     path.mkdir()
     monkeypatch.syspath_prepend(str(path))
     backends.reset_probes()
-    attention.set_backend("auto")
     yield path
     for name in [m for m in sys.modules if m.split(".")[0] in FAKE_TOPS]:
         del sys.modules[name]
     backends.reset_probes()
-    attention.set_backend("auto")
+
+
+def prepared_model() -> torch.nn.Module:
+    """A tiny prepared model: its packed calls' choices are logged, once per model, and kept on it."""
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    return prepare_model(AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=64, **cfg)))
 
 
 def fake_gpu(monkeypatch, capability: tuple[int, int]) -> None:
@@ -253,9 +261,15 @@ def test_each_refusal_is_logged_once_with_its_reason(monkeypatch, site):
     fake_gpu(monkeypatch, (9, 0))
     lines = []
     monkeypatch.setattr(attention, "rank_zero_info", lines.append)
+    model = prepared_model()
+    owner = record_of(model).owner  # what the model's packed calls carry
     for _ in range(2):
-        assert attention.backend_for("cuda", torch.bfloat16, frozenset({"softcap"})) == "flash_attn"
-    (line,) = lines
+        assert attention.backend_for("cuda", torch.bfloat16, frozenset({"softcap"}), owner=owner) == "flash_attn"
+    (line,) = lines  # once per model
+    assert [c["backend"] for c in attention.choices(model)] == ["flash_attn"]
+    other = prepared_model()
+    attention.backend_for("cuda", torch.bfloat16, frozenset({"softcap"}), owner=record_of(other).owner)
+    assert len(lines) == 2  # another model's calls are said again
     assert (
         "flash_attn backend" in line and "not flash_attn_4: no softcap in the backward: flash-attn-4 4.0.0b20" in line
     )
@@ -321,13 +335,15 @@ def test_a_broken_install_is_rejected_with_its_error_and_probed_once(
     fake_gpu(monkeypatch, (9, 0))
     lines = []
     monkeypatch.setattr(attention, "rank_zero_info", lines.append)
+    model = prepared_model()  # kept: the choices live on it
+    owner = record_of(model).owner
     for _ in range(2):
-        assert attention.backend_for("cuda", torch.bfloat16) == expected
+        assert attention.backend_for("cuda", torch.bfloat16, owner=owner) == expected
     (line,) = lines
     module, _ = backends.FLASH_MODULES[rejected]
     dist, version, _ = ALL[installed[-1]]
     assert f"not {rejected}: {module} (from {dist} {version}) does not import: {reason}" in line
-    attention.backend_for("cuda", torch.float16, frozenset({"window"}))
+    attention.backend_for("cuda", torch.float16, frozenset({"window"}), owner=owner)
     assert len(lines) == 2 and reason in lines[1]
     assert imports(site).count(module) == 1
 

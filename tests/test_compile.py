@@ -3,7 +3,6 @@ custom op, on every backend), packs of other lengths and document counts reuse i
 guard on the pack), and the compiled module trains like the eager one."""
 
 import dataclasses
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -71,19 +70,6 @@ def test_compiled_layers_are_one_graph_and_train_like_eager(monkeypatch):
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert backend.frame_count - graphs_after_first <= 2, "recompiled for other packs"
-
-
-def test_recompile_limit_falls_back_to_cache_size_limit_before_torch_2_7(monkeypatch):
-    """torch 2.6's dynamo config has ``cache_size_limit`` and no ``recompile_limit``."""
-    old = SimpleNamespace(cache_size_limit=8)
-    monkeypatch.setattr(torch._dynamo, "config", old)
-    set_recompile_limit(16)
-    set_recompile_limit(4)  # never lowered
-    assert vars(old) == {"cache_size_limit": 16}
-    new = SimpleNamespace(recompile_limit=8, cache_size_limit=8)
-    monkeypatch.setattr(torch._dynamo, "config", new)
-    set_recompile_limit(16)
-    assert vars(new) == {"recompile_limit": 16, "cache_size_limit": 8}
 
 
 def test_flex_block_masks_are_held_by_the_pack_being_trained():

@@ -214,7 +214,9 @@ def test_pack_samples_takes_hugging_face_records_and_level_settings():
         pack_samples([records[0], bad])
     with pytest.raises(ValueError, match="sample 0: its attention_mask has zeros"):
         pack_samples([dict(records[0], attention_mask=[1] * (len(records[0]["input_ids"]) - 1) + [0])])
-    with pytest.raises(ValueError, match=r"sample 0: pack_samples does not use \['token_type_ids'\]"):
+    with pytest.raises(ValueError, match=r"sample 0: pack_samples does not use \['cross_attention_mask'\]"):
+        pack_samples([dict(records[0], cross_attention_mask=[0])])  # mllama's: its images are cross-attended
+    with pytest.raises(ValueError, match=r"sample 0: token_type_ids must hold one value per token \(1 for 33\)"):
         pack_samples([dict(records[0], token_type_ids=[0])])
 
 

@@ -26,9 +26,6 @@ def test_every_process_wide_setting_a_test_changes_is_put_back(tmp_path):
     from torch._logging import _internal as torch_logs
     from transformers.utils import logging as hf_logging
 
-    from lit_hbp.callbacks.lost_rank import LostRankReport
-    from lit_hbp.data import records
-
     b = torch.backends
     logger = logging.getLogger("lit_hbp.test_process_state")
     before = dict(
@@ -48,8 +45,6 @@ def test_every_process_wide_setting_a_test_changes_is_put_back(tmp_path):
         verbosity=hf_logging.get_verbosity(),
         bars=hf_logging.is_progress_bar_enabled(),
         level=logger.level,
-        roles=set(records._roles_said),
-        reported=LostRankReport.reported,
     )
     debug = logger.isEnabledFor(logging.DEBUG)  # (cached by the logger from here on)
     state = ProcessState()
@@ -73,8 +68,6 @@ def test_every_process_wide_setting_a_test_changes_is_put_back(tmp_path):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logger.setLevel(logging.DEBUG)
-    records._roles_said.add("critic")
-    LostRankReport.reported = True
     hf_logging.get_logger("transformers.test_process_state").warning_once("said once")
     assert hf_logging.warning_once.cache_info().currsize > 0
     random.random(), np.random.rand(), torch.rand(1)
@@ -95,7 +88,6 @@ def test_every_process_wide_setting_a_test_changes_is_put_back(tmp_path):
     assert hf_logging.is_progress_bar_enabled() == before["bars"]
     assert hf_logging.warning_once.cache_info().currsize == 0  # said again by the next test
     assert logger.level == before["level"] and logger.isEnabledFor(logging.DEBUG) == debug
-    assert records._roles_said == before["roles"] and LostRankReport.reported == before["reported"]
     # The random generators are where they were at the snapshot: the same draws again.
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == after_snapshot
     for name in ("default dtype", "environment", "working directory", "torch._logging", "SIGUSR1 handler"):

@@ -39,15 +39,11 @@ from torch._C import DispatchKey
 from transformers import AttentionInterface
 
 from lit_hbp import calls
-from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose, lse_dtype, lse_why_not, why_not
+from lit_hbp.attention.backends import REGISTRY, AttnArgs, decide, lse_dtype, lse_why_not
 from lit_hbp.calls import ATTN_NAME
 from lit_hbp.data.batch import CPShard
-from lit_hbp.packed_call import PREPARED, record_of
+from lit_hbp.packed_call import PREPARED, record_by_owner, record_of
 
-Kind = tuple[str, str, torch.dtype, frozenset]  # (backend setting, device type, dtype, features)
-_choice: dict[Kind, tuple[str, str]] = {}  # -> (backend, why): a memo of ``choose``, the same for every model
-# what each prepared model's packed calls ran: (owner, device, dtype, features) -> (backend, why, backward)
-_ran: dict[tuple[int, str, torch.dtype, frozenset], list[str]] = {}
 # Keywords transformers passes that carry nothing this function needs: cu_seq_lens_k/max_length_k
 # equal the q ones for self-attention, position_ids were used for the rotary embedding.
 IGNORED = frozenset(
@@ -95,21 +91,10 @@ def backend_for(
     """The backend for a call on ``device_type`` running in ``dtype`` that needs ``needs``: ``backend``
     when a model was prepared with one (refused where it cannot run the call), else the fastest that
     can. Logged, and kept for ``choices``, the first time the model ``owner`` makes such a call."""
-    key = (backend, device_type, dtype, needs)
-    if key not in _choice:
-        what = f"{dtype} on {device_type}" + (f" with {', '.join(sorted(needs))}" if needs else "")
-        if backend != "auto":
-            reason = why_not(backend, device_type, dtype, needs)
-            if reason is not None:
-                raise ValueError(f"attention backend {backend!r} cannot run {what}: {reason}")
-            _choice[key] = (backend, "forced")
-        else:
-            name, skipped = choose(device_type, dtype, needs)
-            _choice[key] = (name, "; ".join(f"not {k}: {v}" for k, v in skipped.items()) or "the fastest")
-    name, why = _choice[key]
-    ran = (owner, device_type, dtype, needs)
-    if owner and ran not in _ran:
-        _ran[ran] = [name, why, ""]
+    name, why = decide(backend, device_type, dtype, needs)
+    record = record_by_owner(owner) if owner else None
+    if record is not None and (device_type, dtype, needs) not in record.ran:
+        record.ran[device_type, dtype, needs] = [name, why, ""]
         what = f"{dtype} on {device_type}" + (f" with {', '.join(sorted(needs))}" if needs else "")
         rank_zero_info(f"{ATTN_NAME} attention: {name} backend for {what} ({why})")
     return name
@@ -132,8 +117,7 @@ def choices(model: torch.nn.Module) -> list[dict[str, str]]:
             "why": why,
             "backward": backward,
         }
-        for (owner, device, dtype, needs), (name, why, backward) in _ran.items()
-        if owner == record.owner
+        for (device, dtype, needs), (name, why, backward) in record.ran.items()
     ]
 
 
@@ -186,7 +170,8 @@ def lse_kernels(device_type: str, dtype: torch.dtype, needs: frozenset[str], bac
     or None when it has none (the backward then recomputes the forward); logged with the choice."""
     name = backend_for(device_type, dtype, needs, backend, owner)
     reason = lse_why_not(name, device_type, needs)
-    ran = _ran.get((owner, device_type, dtype, needs))
+    record = record_by_owner(owner) if owner else None
+    ran = None if record is None else record.ran.get((device_type, dtype, needs))
     if ran is not None and not ran[2]:
         ran[2] = "its backward kernel from the saved LSE" if reason is None else f"recomputes the forward ({reason})"
         rank_zero_info(

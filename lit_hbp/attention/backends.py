@@ -329,8 +329,9 @@ def _probe(name: str) -> str | None:
 
 
 def reset_probes() -> None:
-    """Forget what was probed of the installed kernels (after installing or removing one)."""
-    for fn in (_probe, _flash4_version, _flash_lse_problem):
+    """Forget what was probed of the installed kernels, and the choices made from it (after installing
+    or removing one)."""
+    for fn in (_probe, _flash4_version, _flash_lse_problem, decide):
         fn.cache_clear()
 
 
@@ -1066,3 +1067,17 @@ def choose(device_type: str, dtype: torch.dtype, needs: frozenset[str]) -> tuple
             return name, skipped
         skipped[name] = reason
     raise AssertionError("the eager backend runs everywhere")  # pragma: no cover
+
+
+@cache
+def decide(backend: str, device_type: str, dtype: torch.dtype, needs: frozenset[str]) -> tuple[str, str]:
+    """The backend a call runs with and why: ``backend`` when a model was prepared with one (a
+    ValueError where it cannot run the call), else ``choose``'s. Cached until ``reset_probes``."""
+    if backend != "auto":
+        reason = why_not(backend, device_type, dtype, needs)
+        if reason is not None:
+            what = f"{dtype} on {device_type}" + (f" with {', '.join(sorted(needs))}" if needs else "")
+            raise ValueError(f"attention backend {backend!r} cannot run {what}: {reason}")
+        return backend, "forced"
+    name, skipped = choose(device_type, dtype, needs)
+    return name, "; ".join(f"not {k}: {v}" for k, v in skipped.items()) or "the fastest"

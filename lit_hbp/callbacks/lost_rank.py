@@ -9,6 +9,7 @@ under Lightning's own launcher, rank 0 watches its child processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -38,7 +39,7 @@ class LostRankReport(L.Callback):
     (``lost``), and how many ranks run on other hosts (their launcher or their logs tell about those).
     The CLI adds this callback; in a plain Lightning project add it to ``Trainer(callbacks=...)``."""
 
-    reported = False  # this process reported a lost rank (the CLI then exits without a traceback)
+    MARK = "hbp_lost_ranks"  # set on the exception when reported (the CLI then exits without a traceback)
 
     def __init__(self) -> None:
         self.peers: list[tuple[str, int]] = []  # rank -> (host, pid)
@@ -66,4 +67,5 @@ class LostRankReport(L.Callback):
             "checkpoint) once the job is restarted\n"
         )
         sys.stderr.flush()
-        LostRankReport.reported = True
+        with contextlib.suppress(AttributeError):  # an exception type with __slots__ keeps its traceback
+            setattr(exception, self.MARK, list(self.lost))

@@ -9,6 +9,8 @@ Layout of ``<cache_dir>/<name>-<key>/``:
   token);
 - ``samples.npz``: per sample, its token offset, source row (file line or table row), supervised
   token count and span offset: what set-up reads, so set-up memory grows with samples, not tokens;
+- ``media.json``: only for records with images: each image's file, width and height (samples.npz's
+  ``media_offsets`` says whose), never its pixels: the DataLoader workers load them;
 - ``meta.json``: counts, dtype, skipped records; written last.
 
 The writer fills a hidden sibling folder and renames it into place when complete, so a reader sees
@@ -89,9 +91,16 @@ class CacheWriter:
         self._rows: list[np.ndarray] = []
         self._supervised: list[np.ndarray] = []
         self._span_counts: list[np.ndarray] = []
+        self._media_counts: list[np.ndarray] = []  # per sample: how many images
+        self._media: list[tuple[str, int, int]] = []  # every image's (file, width, height), in sample order
 
-    def append(self, ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray, spans: np.ndarray, span_counts) -> None:
-        """One chunk: flat ids of its samples, their lengths and rows, flat spans and spans per sample."""
+    def append(
+        self, ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray, spans: np.ndarray, span_counts, media=None
+    ) -> None:
+        """One chunk: flat ids of its samples, their lengths and rows, flat spans and spans per sample,
+        and per sample its images (files and sizes, never pixels)."""
+        self._media_counts.append(np.asarray([len(m) for m in media] if media else np.zeros(len(lengths)), np.int64))
+        self._media += [m for ms in media or () for m in ms]
         self._ids.write(np.ascontiguousarray(ids, self.dtype).tobytes())
         self._spans.write(np.ascontiguousarray(spans, np.int32).tobytes())
         self.tokens += int(ids.size)
@@ -112,13 +121,16 @@ class CacheWriter:
             f.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         span_counts = np.concatenate(self._span_counts) if self._span_counts else np.zeros(0, np.int64)
-        np.savez(
-            self.tmp / "samples.npz",
+        arrays = dict(
             offsets=np.r_[0, np.cumsum(lengths)].astype(np.int64),
             rows=np.concatenate(self._rows) if self._rows else np.zeros(0, np.int64),
             supervised=np.concatenate(self._supervised) if self._supervised else np.zeros(0, np.int64),
             span_offsets=np.r_[0, np.cumsum(span_counts)].astype(np.int64),
         )
+        if self._media:  # images: per sample an offset into media.json's (file, width, height) rows
+            arrays["media_offsets"] = np.r_[0, np.cumsum(np.concatenate(self._media_counts))].astype(np.int64)
+            (self.tmp / "media.json").write_text(json.dumps([list(m) for m in self._media]))
+        np.savez(self.tmp / "samples.npz", **arrays)
         meta = {**meta, "samples": int(lengths.size), "tokens": self.tokens, "spans": self.n_spans}
         (self.tmp / "meta.json").write_text(json.dumps({**meta, "id_dtype": self.dtype.name}, indent=1))
         if self.folder.exists():  # a stale folder that failed ``is_complete``: we hold the lock
@@ -144,6 +156,8 @@ def read_cache(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
             f"{folder / 'samples.npz'}: {e} (lit-hbp's token cache holds numbers only, and a pickle is never "
             f"opened): remove {folder} and the run tokenizes its source again"
         ) from None
+    if (folder / "media.json").exists():
+        arrays["media"] = json.loads((folder / "media.json").read_text())
     for name, dtype, shape in (
         ("ids", meta["id_dtype"], (meta["tokens"],)),
         ("spans", np.int32, (meta["spans"], 2)),

@@ -42,17 +42,42 @@ from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import layout_levels, sp_coords
 
 
+class ImageInputs:
+    """What a loader worker needs to turn a sample's image files into the model's inputs: the
+    checkpoint's processor (pixels, grids) and, for a family whose positions depend on its images,
+    the positions' function on the checkpoint's config (``lit_hbp.data.media``)."""
+
+    def __init__(self, processor, config, token_types: bool):
+        from lit_hbp.data.media import WorkerMedia, rope_stand_in
+        from lit_hbp.vision import MRopePositions
+
+        self.media = WorkerMedia(processor, token_types)
+        inner = rope_stand_in(config) if config is not None else None
+        self.rope = MRopePositions(inner) if inner is not None else None
+
+
 class MicroBatchDataset(Dataset):
     """Collates (and SP-shards) the micro-batch its sampler names. It holds no plan: the sampler, in
     the main process, reads the epoch's plan and hands each item over, so worker processes (started
     with a copy of this dataset) can never collate from a stale epoch's plan."""
 
-    def __init__(self, store: SampleStore, levels: tuple[Level, ...], rank: int, pad_id: int):
+    def __init__(
+        self, store: SampleStore, levels: tuple[Level, ...], rank: int, pad_id: int, images: ImageInputs | None = None
+    ):
         self.store, self.levels, self.rank, self.pad_id = store, levels, rank, pad_id
+        self.images = images if store.has_images else None
+
+    def _media(self, i: int) -> dict:
+        """Sample i's images as the processor's tensors (decoded here, in the loader's worker)."""
+        images = self.store.images(i)
+        return self.images.media(self.store.tokens(i)[0], images, self.store.where(i)) if images else {}
 
     def __getitem__(self, item: tuple[int, int, MicroBatch]) -> PackedBatch:
         epoch, k, mb = item
         lv = self.levels[mb.level]
+        media = {}
+        if self.images is not None:
+            media = dict(media=self._media, rope=self.images.rope)
         plan = dict(
             level=mb.level,
             ckpt_layers=lv.ckpt_layers,
@@ -63,8 +88,15 @@ class MicroBatchDataset(Dataset):
             epoch=epoch,
         )
         batch = collate_packs(
-            mb.packs, self.store.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=self.pad_id, **plan
-        )
+            mb.packs, self.store.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=self.pad_id, **plan,
+            **media,
+        )  # fmt: skip
+        if batch.mm is not None and lv.sp > 1:
+            where = ", ".join(self.store.where(int(i)) for i in np.concatenate(mb.packs) if self.store.images(int(i)))
+            raise DataError(
+                f"samples with images at level {lv.pack_len}:{lv.sp} ({where}): images on sequence-parallel levels are "
+                "not built yet; give the images' samples an sp 1 level (one long enough for them)"
+            )
         return resolve_sp_kind(lv.sp_kind).shard(batch, lv.sp, sp_coords(self.rank, lv.sp)[1]) if lv.sp > 1 else batch
 
 
@@ -195,6 +227,8 @@ class HBPDataModule(L.LightningDataModule):
             a GPU, where batches are also pinned and prefetched so the copy overlaps the step, else 0.
         demo_dir: build the embedded demo data set and tokenizer here if missing
             (``python -m lit_hbp.demo``); the tiny configs point their sources at it.
+        demo: which demo ``demo_dir`` holds: text (default) | vision (a tiny vision-language checkpoint
+            folder and an image-chat data set, ``python -m lit_hbp.demo_vlm``).
         val_sources: validation data (the same forms as ``sources``), every record once.
         val_fraction: also hold out this seeded fraction of the training records (every repeat of
             a held-out record leaves training) for validation.
@@ -223,6 +257,7 @@ class HBPDataModule(L.LightningDataModule):
         val_fraction: float = 0.0,
         chat_template: str | None = None,
         num_proc: int | None = None,
+        demo: str = "text",
     ):
         super().__init__()
         self.save_hyperparameters("tokenizer")  # in checkpoints: export writes the run's tokenizer
@@ -256,13 +291,20 @@ class HBPDataModule(L.LightningDataModule):
         self.cache_dir, self.num_workers = cache_dir, num_workers
         check_num_proc(num_proc)
         self.num_proc = num_proc
-        if demo_dir is not None:
-            from lit_hbp.demo import ensure_demo
+        from lit_hbp.demo import DEMOS, ensure_kind
 
-            ensure_demo(demo_dir)
+        if demo not in DEMOS:
+            raise ConfigError(f"data.demo must be one of {', '.join(DEMOS)}, got {demo!r}")
+        if demo_dir is not None:
+            ensure_kind(demo_dir, demo)
         check_sources(self.sources, "sources")
         check_sources(self.val_sources, "val_sources")
         self.tokenizer = load_tokenizer(tokenizer)
+        self.processor, self.model_config = load_processor(tokenizer)
+        if self.processor is not None:  # one tokenizer and chat template for text and images
+            self.processor.tokenizer = self.tokenizer
+            if not getattr(self.tokenizer, "chat_template", None):
+                self.tokenizer.chat_template = getattr(self.processor, "chat_template", None)
         if chat_template is not None:
             self.tokenizer.chat_template = resolve_chat_template(chat_template, self.tokenizer)
         self.pad_id = next(x for x in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if x is not None)
@@ -279,8 +321,12 @@ class HBPDataModule(L.LightningDataModule):
         return len(self.tokenizer)
 
     def state_dict(self) -> dict:
-        """The tokenizer's files, chat template included: a checkpoint is then all an export needs."""
-        return {"tokenizer_files": tokenizer_files(self.tokenizer)}
+        """The tokenizer's files, chat template included, and a vision-language checkpoint's processor
+        files: a checkpoint is then all an export needs."""
+        state = {"tokenizer_files": tokenizer_files(self.tokenizer)}
+        if self.processor is not None:
+            state["processor_files"] = tokenizer_files(self.processor)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """A resumed run keeps the tokenizer it was given (its data are tokenized with it); one that
@@ -346,8 +392,16 @@ class HBPDataModule(L.LightningDataModule):
 
     def _tokenize(self, source: Source, label: str, progress: bool = True) -> TokenizedSource:
         return tokenize_source(
-            source, self.tokenizer, self.train_on, self.cache_dir, progress, label=label, num_proc=self.num_proc
-        )
+            source, self.tokenizer, self.train_on, self.cache_dir, progress, label=label, num_proc=self.num_proc,
+            processor=self.processor,
+        )  # fmt: skip
+
+    def _images(self, store: SampleStore) -> ImageInputs | None:
+        """The loader's image inputs when ``store`` has samples with images."""
+        if self.processor is None or not store.has_images:
+            return None
+        token_types = any(s.token_types for s in store.sources)
+        return ImageInputs(self.processor, self.model_config, token_types)
 
     def tokenize_sources(self, progress: bool = True) -> list[TokenizedSource]:
         """Every training source tokenized (from its cache when it has one), in the order given."""
@@ -459,7 +513,9 @@ class HBPDataModule(L.LightningDataModule):
             return []
         _, rank, _ = self._world()
         workers, pin = self._loader_settings()
-        dataset = MicroBatchDataset(self.val_store, self.sharding_levels(), rank, self.pad_id)
+        dataset = MicroBatchDataset(
+            self.val_store, self.sharding_levels(), rank, self.pad_id, self._images(self.val_store)
+        )
         sampler = FixedPlanSampler(self.val_plan(), rank)
         return DataLoader(dataset, sampler=sampler, batch_size=None, **self._worker_settings(workers), pin_memory=pin)
 
@@ -481,7 +537,7 @@ class HBPDataModule(L.LightningDataModule):
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         _, rank, _ = self._world()
         workers, pin = self._loader_settings()
-        dataset = MicroBatchDataset(self.store, self.sharding_levels(), rank, self.pad_id)
+        dataset = MicroBatchDataset(self.store, self.sharding_levels(), rank, self.pad_id, self._images(self.store))
         sampler = PlanSampler(self, epoch, rank)
         return PlanLoader(self, dataset, sampler, **self._worker_settings(workers), pin_memory=pin)
 
@@ -517,8 +573,29 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def load_processor(path: str):
+    """(processor, config) of a vision-language checkpoint folder (one with an image processor's
+    files), else (None, None): its processor expands and encodes the images of chat records."""
+    folder = Path(path) if Path(path).exists() else None
+    if folder is None or not any((folder / name).exists() for name in PROCESSOR_FILES):
+        return None, None
+    from transformers import AutoConfig, AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(folder)
+    except (ImportError, OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer: the processor of {path} does not load: {e}") from None
+    if not hasattr(processor, "image_processor"):
+        return None, None
+    config = AutoConfig.from_pretrained(folder) if (folder / "config.json").exists() else None
+    return processor, config
+
+
 def tokenizer_files(tokenizer) -> dict[str, bytes]:
-    """The files ``save_pretrained`` writes for ``tokenizer`` (a few MB at most), by name."""
+    """The files ``save_pretrained`` writes for ``tokenizer`` (or a processor; a few MB at most), by name."""
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ from lit_hbp.errors import ConfigError, DataError
 RECORD_FORMATS = ("auto", "openai", "sharegpt", "alpaca", "prompt_response", "text", "tokens")
 # The record fields of each format, by their default names (``fields`` renames them).
 RECORD_FIELDS = {
-    "openai": ("messages", "tools", "system"),
-    "sharegpt": ("conversations", "system", "tools"),
+    "openai": ("messages", "tools", "system", "images"),
+    "sharegpt": ("conversations", "system", "tools", "images", "image"),
     "alpaca": ("instruction", "input", "output", "system", "history", "tools"),
     "prompt_response": ("prompt", "response", "system", "tools"),
     "text": ("text",),
@@ -57,7 +58,7 @@ MESSAGE_FIELDS = {
 # Fields of OpenAI API responses that carry nothing when empty: taken when null or empty, else refused.
 EMPTY_ONLY = ("refusal", "annotations", "audio")
 # Record fields that would change what trains if they were read, and are not: refused, never metadata.
-NOT_READ = ("weight", "weights", "loss_weight", "training", "images", "image", "audios", "videos")
+NOT_READ = ("weight", "weights", "loss_weight", "training", "images", "image", "audios", "videos", "video")
 # Fields a message passes to the chat template besides role and content; each must change the rendering.
 RENDERED = ("tool_calls", "reasoning_content", "thinking")
 # Chat roles a record may use. A role outside these is a typo far more often than a real role, and
@@ -71,17 +72,20 @@ ROLE_TYPO_CUTOFF = 0.7  # assitant / assistant 0.94, usr / user 0.86; model / de
 FIELD_TYPO_CUTOFF = 0.8  # tool / tools 0.89, conversation / conversations 0.96
 TEXT_PARTS = ("text", "input_text", "output_text")
 MEDIA_PARTS = ("image_url", "image", "input_image", "input_audio", "audio", "video", "video_url", "file", "input_file")
-_roles_said: set[str] = set()
+IMAGE_MARKER = "<image>"  # LLaVA's and LLaMA-Factory's: where each of the record's ``images`` stands
 
 
 @dataclass(frozen=True)
 class Conversation:
     """A chat record as its template renders it, or plain text (``messages`` is None).
 
-    messages: role, content (a string) and the optional fields the template reads (``tool_calls`` with
-        JSON objects as arguments, ``tool_call_id``, ``name``, ``reasoning_content``, ``thinking``).
+    messages: role, content (a string, or text and image parts where the message has images) and the
+        optional fields the template reads (``tool_calls`` with JSON objects as arguments,
+        ``tool_call_id``, ``name``, ``reasoning_content``, ``thinking``).
     tools: the tool definitions handed to the template (OpenAI's ``{"type": "function", ...}`` form).
     weights: per message, 0 or 1 when the record says whether it trains, None where ``train_on`` decides.
+    images: the files of its image parts, in the order they stand (paths as the source's folder resolves
+        them): loaded with the model's processor, never stored in the token cache.
     """
 
     messages: list[dict] | None
@@ -89,6 +93,7 @@ class Conversation:
     where: str
     tools: list[dict] | None = None
     weights: tuple[int | None, ...] = ()
+    images: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,19 +111,19 @@ def _near(name: str, names: tuple[str, ...] | list[str], cutoff: float = FIELD_T
     return close[0] if close else None
 
 
-def check_role(role: str, where: str) -> None:
+def check_role(role: str, where: str, said: set[str]) -> None:
     """Raise for a role that looks like a misspelled known one (``assitant``, ``Usr``), naming the known
     roles and the closest: only ``assistant`` turns are supervised, so a misspelled one would silently
     train on nothing. Any other role (``model``, ``critic``: some chat templates use their own) is
-    passed to the template as it is, and said once per role."""
+    passed to the template as it is, and said once per role of those in ``said`` (a reader's own)."""
     if role in KNOWN_ROLES:
         return
     close = _near(role.lower(), KNOWN_ROLES, ROLE_TYPO_CUTOFF)
     known = ", ".join(KNOWN_ROLES)
     if close:
         raise DataError(f"{where} has unknown role {role!r}: known roles are {known}; did you mean {close!r}?")
-    if role not in _roles_said:
-        _roles_said.add(role)
+    if role not in said:
+        said.add(role)
         warnings.warn(
             f"{where}: role {role!r} is none of {known}; it goes to the chat template as it is and is not "
             "supervised (only assistant turns are, unless train_on: all or the message's weight is 1)",
@@ -155,6 +160,7 @@ class RecordReader:
         fields: Mapping[str, str] | None = None,
         roles: Mapping[str, str] | None = None,
         label: str = "source",
+        root: str | None = None,
     ):
         if format not in RECORD_FORMATS:
             close = _near(format, RECORD_FORMATS, 0.6)
@@ -178,6 +184,8 @@ class RecordReader:
                 if not isinstance(value, str) or not value:
                     raise ConfigError(f"{label}: fields: {key!r} must name a field (a string), got {value!r}")
         self.roles = dict(roles or {})
+        self.roles_said: set[str] = set()  # the unknown roles this reader warned of, each once
+        self.root = root  # the folder image paths are relative to (the data file's)
         targets = KNOWN_ROLES + (FUNCTION_CALL,)
         for key, value in self.roles.items():
             if not isinstance(key, str):
@@ -230,10 +238,61 @@ class RecordReader:
     def _tools(self, record: Mapping, where: str) -> list[dict] | None:
         return tools_of(record.get(self.name("tools")), f"{where}: {self.name('tools')}")
 
-    def _conversation(self, messages: list[tuple[dict, int | None]], where: str, tools, system=None) -> Conversation:
+    def _conversation(
+        self, messages: list[tuple[dict, int | None]], where: str, tools, system=None, record: Mapping | None = None
+    ) -> Conversation:
         if system is not None:
             messages = [({"role": "system", "content": system}, None), *messages]
-        return Conversation([m for m, _ in messages], None, where, tools, tuple(w for _, w in messages))
+        msgs = [m for m, _ in messages]
+        images = self._images(msgs, record or {}, where)
+        return Conversation(msgs, None, where, tools, tuple(w for _, w in messages), images)
+
+    def _images(self, messages: list[dict], record: Mapping, where: str) -> tuple[str, ...]:
+        """The record's images in the order they stand: its messages' image parts, or its ``images`` (or
+        LLaVA's ``image``) placed at the ``<image>`` markers of the text, one marker per image. A message
+        with images gets its content as parts; paths resolve against the data file's folder."""
+        listed = [(key, record[self.name(key)]) for key in ("images", "image") if record.get(self.name(key))]
+        parts = [p for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+        if not listed:
+            return tuple(self._path(p.pop("path"), p.pop("at")) for p in parts)
+        if parts:
+            raise DataError(f"{where}: the record has both image parts and a {listed[0][0]!r} field: give one")
+        if len(listed) > 1:
+            raise DataError(f"{where}: the record has both 'images' and 'image': give one")
+        key, value = listed[0]
+        paths = [value] if isinstance(value, str) else value
+        if not isinstance(paths, list) or not all(isinstance(x, str) and x for x in paths):
+            raise DataError(f"{where}: field {self.name(key)!r} must be a path or a list of paths, got {value!r:.80}")
+        markers = sum(m["content"].count(IMAGE_MARKER) for m in messages if isinstance(m["content"], str))
+        if markers != len(paths):
+            raise DataError(
+                f"{where}: {len(paths)} image(s) in {self.name(key)!r} but {markers} {IMAGE_MARKER} marker(s) in the "
+                "text: each image stands at one marker"
+            )
+        for m in messages:
+            if isinstance(m["content"], str) and IMAGE_MARKER in m["content"]:
+                pieces = m["content"].split(IMAGE_MARKER)
+                content: list[dict] = []
+                for j, piece in enumerate(pieces):
+                    if j:
+                        content.append({"type": "image"})
+                    if piece:
+                        content.append({"type": "text", "text": piece})
+                m["content"] = content
+        return tuple(self._path(p, f"{where}: {self.name(key)}") for p in paths)
+
+    def _path(self, path: str, at: str) -> str:
+        """An image's file: a local path, relative to the data file's folder."""
+        if path.startswith("file://"):
+            path = path[len("file://") :]
+        if "://" in path or path.startswith("data:"):
+            raise DataError(
+                f"{at}: {path[:60]!r} is not a local file: lit-hbp reads images from disk (no network at run time); "
+                "download them and give their paths"
+            )
+        if self.root is not None and not os.path.isabs(path):
+            path = os.path.join(self.root, path)
+        return path
 
     def _openai(self, record: Mapping, where: str) -> Conversation:
         messages = self._required(record, "messages", where, list)
@@ -241,7 +300,7 @@ class RecordReader:
         system = self._optional_text(record, "system", where)
         if system is not None and out and out[0][0]["role"] == "system":
             raise DataError(f"{where}: the record has a {self.name('system')!r} field and a system message: give one")
-        return self._conversation(out, where, self._tools(record, where), system)
+        return self._conversation(out, where, self._tools(record, where), system, record)
 
     def _openai_message(self, m: Any, i: int, where: str) -> tuple[dict, int | None]:
         at = f"{where}: messages[{i}]"
@@ -287,7 +346,7 @@ class RecordReader:
     def _role(self, raw: str, at: str) -> str:
         role = self.roles.get(raw) or SHAREGPT_ROLES.get(raw, raw)
         if role != FUNCTION_CALL:
-            check_role(role, at)
+            check_role(role, at, self.roles_said)
         return role
 
     def _sharegpt(self, record: Mapping, where: str) -> Conversation:
@@ -324,7 +383,8 @@ class RecordReader:
             else:
                 message = {"role": role, "content": text_of(value, f"{at}.{self.name('value')}")}
             out.append((message, weight_of(t.get(self.name("weight")), f"{at}.{self.name('weight')}")))
-        return self._conversation(out, where, self._tools(record, where), self._optional_text(record, "system", where))
+        system = self._optional_text(record, "system", where)
+        return self._conversation(out, where, self._tools(record, where), system, record)
 
     def _alpaca(self, record: Mapping, where: str) -> Conversation:
         instruction = self._required(record, "instruction", where)
@@ -375,9 +435,10 @@ class RecordReader:
 # ------------------------------------------------------------------------------------------- pieces
 
 
-def text_of(content: Any, at: str, may_be_empty: bool = False) -> str:
+def text_of(content: Any, at: str, may_be_empty: bool = False) -> str | list[dict]:
     """A message's content as one string: a string, the text parts of a list in order (joined as
-    written), or null beside tool calls (``may_be_empty``). Images, audio and files are refused."""
+    written), or null beside tool calls (``may_be_empty``); with image parts, the text and image parts
+    in order (an image part's file kept under ``path`` for the reader). Audio, video and files are refused."""
     if content is None:
         if may_be_empty:
             return ""
@@ -386,15 +447,36 @@ def text_of(content: Any, at: str, may_be_empty: bool = False) -> str:
         return content
     if not isinstance(content, list):
         raise DataError(f"{at} must be str or a list of text parts, got {type(content).__name__}")
-    texts = []
+    texts: list[str] = []
+    parts: list[dict] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PARTS:
+            parts.append({"type": "image", "path": image_file(part, kind, f"{at}[{j}]"), "at": f"{at}[{j}]"})
+            continue
         if kind in MEDIA_PARTS:
-            raise DataError(f"{at}[{j}] is a {kind!r} part: not supported (lit-hbp trains on text; drop the part)")
+            raise DataError(f"{at}[{j}] is a {kind!r} part: not supported (lit-hbp trains on text and images)")
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
             raise DataError(f'{at}[{j}] must be a text part {{"type": "text", "text": ...}}, got {part!r:.80}')
         texts.append(part["text"])
+        parts.append({"type": "text", "text": part["text"]})
+    if any(p["type"] == "image" for p in parts):
+        return parts
     return "".join(texts)
+
+
+IMAGE_PARTS = ("image", "image_url", "input_image")
+
+
+def image_file(part: Mapping, kind: str, at: str) -> str:
+    """The file of an image part: ``{"type": "image", "image"|"path"|"url": ...}``, OpenAI's
+    ``{"type": "image_url", "image_url": {"url": ...}}`` or ``{"type": "input_image", "image_url": ...}``."""
+    value = part.get("image", part.get("path", part.get("url"))) if kind == "image" else part.get("image_url")
+    if isinstance(value, Mapping):
+        value = value.get("url")
+    if not isinstance(value, str) or not value:
+        raise DataError(f'{at} is an image part without a file (give "image": "path/to/file.png"), got {part!r:.80}')
+    return value
 
 
 def weight_of(value: Any, at: str) -> int | None:

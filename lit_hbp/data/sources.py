@@ -114,8 +114,11 @@ class Source:
         return hash((self.path, self.format, self.file_type, self.split, self.subset))
 
     def reader(self) -> RecordReader:
-        """The reader of this source's records (its format, fields and roles)."""
-        return RecordReader(self.format, self.fields, self.roles, label=f"source {self.path}")
+        """The reader of this source's records (its format, fields and roles; image paths relative to
+        the data file's folder, or to the source's folder)."""
+        path = Path(self.path)
+        root = str(path if path.is_dir() else path.parent)
+        return RecordReader(self.format, self.fields, self.roles, label=f"source {self.path}", root=root)
 
     @cached_property
     def resolved_file_type(self) -> str:

@@ -231,6 +231,13 @@ class SampleStore:
         """Cut samples ``over`` to ``max_len`` tokens, keeping the window with the most supervised
         targets (``truncation_window``): unsupervised tokens go first, the answer stays while it fits.
         The report lists each cut: the tokens kept and the supervised targets before and after."""
+        with_images = [int(i) for i in over if self.images(int(i))]
+        if with_images:
+            raise DataError(
+                f"{len(with_images)} sample(s) with images longer than the largest level ({max_len} tokens): "
+                f"{self._describe(np.asarray(with_images))}; over_length: truncate would cut their image tokens from "
+                "their pixels. Add a larger level, or set over_length: drop"
+            )
         cuts = []
         self.starts, self.loss_tokens = self.starts.copy(), self.loss_tokens.copy()
         for k, s in enumerate(self.sources):
@@ -255,6 +262,14 @@ class SampleStore:
     def tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and target mask of sample i, cut to its kept window."""
         return self.sources[self.source_of[i]].sample(int(self.row_of[i]), int(self.lengths[i]), int(self.starts[i]))
+
+    def images(self, i: int) -> list[tuple[str, int, int]]:
+        """The images of sample i: (file, width, height) each, in the order they stand."""
+        return self.sources[self.source_of[i]].sample_media(int(self.row_of[i]))
+
+    @property
+    def has_images(self) -> bool:
+        return any(s.media_offsets is not None for s in self.sources)
 
     def source_counts(self) -> list[dict[str, int]]:
         """Per source, the samples, tokens and supervised tokens this store holds now (after the

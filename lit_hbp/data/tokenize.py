@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from lit_hbp.data.cache import CacheWriter, cache_lock, is_complete, mask_spans, read_cache, spans_mask
+from lit_hbp.data.media import ImageExpander, processor_fingerprint
 from lit_hbp.data.records import RENDERED, Conversation, TokenRecord
 from lit_hbp.data.sources import Chunk, Source, check_source, chunk_records, iter_chunks, source_units
 from lit_hbp.errors import ConfigError, DataError
@@ -101,6 +102,10 @@ class TokenizedSource:
     metadata: dict[str, int] = field(default_factory=dict)
     from_cache: bool = False
     folder: Path | None = None
+    # a sample's images: rows media_offsets[i]:media_offsets[i + 1] of media (file, width, height)
+    media_offsets: np.ndarray | None = None
+    media: list | None = None
+    token_types: bool = False  # its processor marks image tokens in mm_token_type_ids
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -152,6 +157,12 @@ class TokenizedSource:
         mask[:1] = False
         return np.asarray(self.ids[a : a + n]), mask
 
+    def sample_media(self, row: int) -> list[tuple[str, int, int]]:
+        """The images of sample ``row`` (file, width, height), in the order they stand."""
+        if self.media_offsets is None:
+            return []
+        return [tuple(m) for m in self.media[self.media_offsets[row] : self.media_offsets[row + 1]]]
+
     def where(self, i: int) -> str:
         """File and line (or row) a sample came from."""
         row = int(self.rows[i])
@@ -202,7 +213,7 @@ def _source_stat(path: Path) -> list:
     return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
-def cache_key(source: Source, tokenizer, train_on: str, label: str | None = None) -> str:
+def cache_key(source: Source, tokenizer, train_on: str, label: str | None = None, processor=None) -> str:
     """Hash of the source's files (path, size, mtime), how they are read (file type, record format,
     field and role names, split, subset), the tokenizer and the settings; raises a DataError naming
     the source (``label``) if its path cannot be read."""
@@ -220,6 +231,8 @@ def cache_key(source: Source, tokenizer, train_on: str, label: str | None = None
         tokenizer=tokenizer_fingerprint(tokenizer),
         train_on=train_on,
     )
+    if processor is not None:  # how many tokens an image becomes
+        payload["images"] = processor_fingerprint(processor)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -233,6 +246,19 @@ def _common_prefix(a: str, b: str) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
     return lo
+
+
+def _has_content(message: dict) -> bool:
+    """A message with text, images or tool calls (an empty string alone is nothing to train on)."""
+    content = message["content"]
+    return not isinstance(content, str) or bool(content.strip()) or bool(message.get("tool_calls"))
+
+
+def _marked(content: str | list[dict]) -> str | list[dict]:
+    """A message's content with a character in front that no template adds (where its turn departs)."""
+    if isinstance(content, str):
+        return "\x01" + content
+    return [{"type": "text", "text": "\x01"}, *content]
 
 
 def _complement(spans: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
@@ -316,7 +342,9 @@ class _Encoder:
                     "tool definitions: use a chat template that renders them (data.chat_template), or drop the field"
                 )
         for i, m in enumerate(conv.messages):
-            if m["content"].strip() and m["content"].strip() not in full:
+            content = m["content"]
+            texts = [content] if isinstance(content, str) else [p["text"] for p in content if "text" in p]
+            if any(t.strip() and t.strip() not in full for t in texts):
                 raise DataError(
                     f"{conv.where}: messages[{i}] ({m['role']}): the chat template does not render its content, so "
                     "the model would never see it: use a chat template that renders the role, or drop the message"
@@ -370,7 +398,7 @@ class _Encoder:
         first = conv.messages[0]
         try:
             if generation:
-                other = self._render(conv, None, messages=[{**first, "content": "\x01" + first["content"]}])
+                other = self._render(conv, None, messages=[{**first, "content": _marked(first["content"])}])
                 return _common_prefix(upto, other)
             twice = self._render(conv, None, messages=[first, first])
         except DataError:
@@ -389,7 +417,7 @@ class _Encoder:
         if conv.text is not None:
             return (conv.text, None, True) if conv.text.strip() else "empty conversation"
         msgs = conv.messages
-        if not msgs or not any(m["content"].strip() or m.get("tool_calls") for m in msgs):
+        if not msgs or not any(_has_content(m) for m in msgs):
             return "empty conversation"
         if self.template is None:
             raise DataError(
@@ -536,18 +564,22 @@ class ChunkResult:
     skipped: list[tuple[str, str]]
     metadata: dict[str, int]
     size: int
+    media: list[list[tuple[str, int, int]]] = field(default_factory=list)  # per kept sample
+    token_types: bool = False  # the processor returned mm_token_type_ids for its images
 
 
 class ChunkTokenizer:
-    """Tokenizes chunks of a source: in the main process or in each worker process."""
+    """Tokenizes chunks of a source: in the main process or in each worker process. With the
+    checkpoint's ``processor``, records with images are expanded as the processor does."""
 
-    def __init__(self, tokenizer, train_on: str):
+    def __init__(self, tokenizer, train_on: str, processor=None):
         self.encoder = _Encoder(tokenizer, train_on)
         self.vocab_size = len(tokenizer)
+        self.expander = ImageExpander(processor) if processor is not None else None
 
     def __call__(self, source: Source, chunk: Chunk) -> ChunkResult:
         reader = source.reader()
-        kept: list[tuple[int, str, np.ndarray, np.ndarray]] = []
+        kept: list[tuple[int, str, np.ndarray, np.ndarray, list]] = []
         skipped: list[tuple[str, str]] = []
         pending: list[tuple[int, tuple]] = []
         metadata: dict[str, int] = {}
@@ -558,21 +590,31 @@ class ChunkTokenizer:
             for key in extra:
                 metadata[key] = metadata.get(key, 0) + 1
             if isinstance(read, TokenRecord):
-                kept.append((row, where, *pretokenized(read, self.vocab_size)))
+                kept.append((row, where, *pretokenized(read, self.vocab_size), []))
                 continue
+            if read.images and self.expander is None:
+                raise DataError(
+                    f"{where}: the record has {len(read.images)} image(s) and the tokenizer folder has no processor "
+                    "for them: give the vision-language checkpoint's folder (its processor's files) as data.tokenizer"
+                )
             prepared = self.encoder.prepare(read)
             if isinstance(prepared, str):
                 skipped.append((prepared, where))
             else:
-                pending.append((row, where, prepared))
+                pending.append((row, where, prepared, read.images))
         encoded = self.encoder.encode_batch([p[2] for p in pending]) if pending else []
-        kept += [(row, where, ids, target) for (row, where, _), (ids, target) in zip(pending, encoded)]
+        for (row, where, prepared, images), (ids, target) in zip(pending, encoded):
+            media: list = []
+            if images:
+                ids, target, media = self.expander(prepared[0], ids, target, images, where)
+            kept.append((row, where, ids, target, media))
         kept.sort(key=lambda k: k[0])
-        out_ids, lengths, rows, spans, counts = [], [], [], [], []
-        for row, where, ids, target in kept:
+        out_ids, lengths, rows, spans, counts, out_media = [], [], [], [], [], []
+        for row, where, ids, target, media in kept:
             if not target.any():
                 skipped.append(("no supervised token", where))
                 continue
+            out_media.append(media)
             runs = mask_spans(target)
             out_ids.append(ids)
             lengths.append(ids.size)
@@ -589,18 +631,20 @@ class ChunkTokenizer:
             skipped=skipped,
             metadata=metadata,
             size=chunk.size,
+            media=out_media,
+            token_types=self.expander is not None and self.expander.token_types,
         )
 
 
 _WORKER: ChunkTokenizer | None = None
 
 
-def _start_worker(tokenizer, train_on: str) -> None:
+def _start_worker(tokenizer, train_on: str, processor=None) -> None:
     global _WORKER
     # One thread per worker: the workers are the parallelism (the fast tokenizer's own thread pool
     # would oversubscribe the cores).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER = ChunkTokenizer(tokenizer, train_on)
+    _WORKER = ChunkTokenizer(tokenizer, train_on, processor)
 
 
 def _worker_context():
@@ -651,36 +695,42 @@ def tokenize_source(
     progress: bool = True,
     label: str | None = None,
     num_proc: int | None = None,
+    processor=None,
 ) -> TokenizedSource:
     """Tokenize ``source`` (or read its cache). Skipped samples are counted by reason. ``label``
     (e.g. ``sources[1]``) names the source in the error raised when its path cannot be read.
     ``num_proc``: worker processes (None: every core for a large source, the main process for a
-    small one). Without ``cache_dir`` the cache is written to a temporary folder and read from there."""
+    small one). Without ``cache_dir`` the cache is written to a temporary folder and read from there.
+    ``processor``: the vision-language checkpoint's, for records with images (``lit_hbp.data.media``)."""
     check_source(source, label)
     if cache_dir is None:
         with tempfile.TemporaryDirectory(prefix="lit-hbp-tokens-") as tmp:
             # The arrays stay memory-mapped after the folder is removed (POSIX keeps unlinked files).
-            return tokenize_source(source, tokenizer, train_on, tmp, progress, label, num_proc)
-    folder = Path(cache_dir) / f"{Path(source.path).stem}-{cache_key(source, tokenizer, train_on, label)}"
+            return tokenize_source(source, tokenizer, train_on, tmp, progress, label, num_proc, processor)
+    key = cache_key(source, tokenizer, train_on, label, processor)
+    folder = Path(cache_dir) / f"{Path(source.path).stem}-{key}"
     if is_complete(folder):
         return _load(folder, source)
     with cache_lock(folder, say=_say if progress else None):
         if is_complete(folder):  # the process we waited for wrote it
             return _load(folder, source)
-        _write(folder, source, tokenizer, train_on, progress, worker_count(source, num_proc))
+        _write(folder, source, tokenizer, train_on, progress, worker_count(source, num_proc), processor)
     return _load(folder, source, from_cache=False)
 
 
-def _write(folder: Path, source: Source, tokenizer, train_on: str, progress: bool, workers: int) -> None:
+def _write(
+    folder: Path, source: Source, tokenizer, train_on: str, progress: bool, workers: int, processor=None
+) -> None:
     """Tokenize ``source`` chunk by chunk into the cache ``folder`` (we hold its lock)."""
     from tqdm.auto import tqdm
 
-    run = ChunkTokenizer(tokenizer, train_on)  # checks the settings before any worker starts
+    run = ChunkTokenizer(tokenizer, train_on, processor)  # checks the settings before any worker starts
     writer = CacheWriter(folder, len(tokenizer))
     skipped = dict.fromkeys(SKIP_REASONS, 0)
     skipped_where: dict[str, list[str]] = {r: [] for r in SKIP_REASONS}
     metadata: dict[str, int] = {}
     records = 0
+    token_types = False
     started = time.perf_counter()
     total, unit = source_units(source)
     pool = None
@@ -693,13 +743,14 @@ def _write(folder: Path, source: Source, tokenizer, train_on: str, progress: boo
             if workers > 1:
                 from concurrent.futures import ProcessPoolExecutor
 
-                pool = ProcessPoolExecutor(workers, _worker_context(), _start_worker, (tokenizer, train_on))
+                pool = ProcessPoolExecutor(workers, _worker_context(), _start_worker, (tokenizer, train_on, processor))
                 results = _in_order(pool, source, 2 * workers)
             else:
                 results = (run(source, chunk) for chunk in iter_chunks(source))
             for result in results:
-                writer.append(result.ids, result.lengths, result.rows, result.spans, result.span_counts)
+                writer.append(result.ids, result.lengths, result.rows, result.spans, result.span_counts, result.media)
                 records += result.records
+                token_types |= result.token_types
                 for reason, where in result.skipped:
                     skipped[reason] += 1
                     skipped_where[reason].append(where)
@@ -724,6 +775,7 @@ def _write(folder: Path, source: Source, tokenizer, train_on: str, progress: boo
             tokenized_by=f"{socket.gethostname()}:{os.getpid()}",
             processes=workers,
             seconds=round(time.perf_counter() - started, 3),
+            token_types=token_types,
         )
     )
 
@@ -754,4 +806,7 @@ def _load(folder: Path, source: Source, from_cache: bool = True) -> TokenizedSou
         metadata=meta["metadata"],
         from_cache=from_cache,
         folder=folder,
+        media_offsets=a.get("media_offsets"),
+        media=a.get("media"),
+        token_types=bool(meta.get("token_types", False)),
     )

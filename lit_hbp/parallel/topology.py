@@ -87,7 +87,9 @@ def resolve_layout(level, num_heads: int, num_kv_heads: int, node_size: int | No
 
 
 def model_heads(config) -> tuple[int, int]:
-    """(query heads, key/value heads) of a transformers config."""
+    """(query heads, key/value heads) of a transformers config (a vision-language model's: its
+    language model's, the one sequence parallelism splits)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = int(config.num_attention_heads)
     return heads, int(getattr(config, "num_key_value_heads", None) or heads)
 

@@ -1,0 +1,344 @@
+"""Records with images on the data side: chat records with image parts, LLaVA JSON and ShareGPT /
+LLaMA-Factory ``images`` with ``<image>`` markers, rendered and expanded by the checkpoint's processor,
+cached as ids and image files, decoded in the loader, packed exactly.
+
+References are independent: the processor's own ``apply_chat_template`` for the ids, each record alone
+through the unprepared model with eager attention for the loss and every gradient, the family's own
+``get_rope_index`` for positions.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import HANG_S, console_script
+from PIL import Image
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+from vision_models import build_llava, build_qwen, image, three_records
+
+from lit_hbp import HBPDataModule, packed_loss, prepare_model
+from lit_hbp.data.media import rope_stand_in
+from lit_hbp.data.sources import Source
+from lit_hbp.data.tokenize import tokenize_source
+from lit_hbp.errors import DataError
+from lit_hbp.vision import MRopePositions, media_of
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {"a.png": (30, 20), "b.png": (24, 40), "c.png": (16, 16)}  # (width, height)
+ANSWERS = ["a cat on a mat", "the quick brown fox", "def f(x): return x", "hello world"]
+
+
+def chat(content, answer):
+    return [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
+
+
+# The same kinds of records in each format a user has: (record, its messages as the processor takes them)
+def records(folder: Path) -> list[tuple[dict, list]]:
+    img = {name: Image.open(folder / "img" / name).convert("RGB") for name in SIZES}
+
+    def parts(*names, text):
+        return [*({"type": "image", "image": img[n]} for n in names), {"type": "text", "text": text}]
+
+    def reference(user_parts, answer):
+        answer_parts = [{"type": "text", "text": answer}]
+        return [{"role": "user", "content": user_parts}, {"role": "assistant", "content": answer_parts}]
+
+    return [
+        (  # OpenAI-style content parts
+            {"messages": chat([{"type": "image", "image": "img/a.png"},
+                               {"type": "text", "text": "describe the image."}], ANSWERS[0])},
+            reference(parts("a.png", text="describe the image."), ANSWERS[0]),
+        ),
+        (  # LLaVA JSON: one image, <image> in the first human turn
+            {"id": "llava-1", "image": "img/b.png",
+             "conversations": [{"from": "human", "value": "<image>what is packing?"},
+                               {"from": "gpt", "value": ANSWERS[1]}]},
+            reference(parts("b.png", text="what is packing?"), ANSWERS[1]),
+        ),
+        (  # LLaMA-Factory: messages with <image> markers and an images list (two images, absolute path too)
+            {"messages": chat("<image><image>hello world, what is packing?", ANSWERS[2]),
+             "images": ["img/c.png", str(folder / "img" / "a.png")]},
+            reference(parts("c.png", "a.png", text="hello world, what is packing?"), ANSWERS[2]),
+        ),
+        (  # text only, in the same file
+            {"messages": chat("the quick brown fox", ANSWERS[3])},
+            [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": ANSWERS[3]}],
+        ),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A tiny LLaVA-NeXT checkpoint folder (anyres: image sizes change the token count), images on disk
+    and a JSON Lines file of records in three formats."""
+    root = tmp_path_factory.mktemp("vlm_data")
+    folder = build_llava(root / "llava_next", "llava_next")
+    (root / "img").mkdir()
+    for k, (name, (w, h)) in enumerate(SIZES.items()):
+        image(k, h, w).save(root / "img" / name)
+    write(root / "d.jsonl", [r for r, _ in records(root)])
+    return root, folder
+
+
+def write(path: Path, recs: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_records_with_images_render_and_expand_as_the_processor_does(data, tmp_path):
+    root, folder = data
+    processor = AutoProcessor.from_pretrained(folder)
+    t = tokenize_source(Source(str(root / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
+    assert len(t) == 4
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    for row, (_, msgs) in enumerate(records(root)):
+        ref = processor.apply_chat_template(msgs, tokenize=True, return_dict=True)
+        ids, mask = t.sample(row)
+        assert ids.tolist() == list(ref["input_ids"][0]), row
+        # the answer trains, nothing else (its first token carries the header's space: a token that
+        # overlaps the turn trains, as for text records)
+        assert processor.tokenizer.decode(ids[mask]).strip() == ANSWERS[row] + "<|end|>"
+        assert not mask[ids == image_id].any()
+    # The cache holds each image's file and size, in order, never pixels.
+    assert t.sample_media(0) == [(str(root / "img/a.png"), 30, 20)]
+    assert t.sample_media(2) == [(str(root / "img/c.png"), 16, 16), (str(root / "img/a.png"), 30, 20)]
+    assert t.sample_media(3) == []
+
+
+def test_the_token_cache_grows_with_samples_not_pixels(data, tmp_path):
+    """The same records with images 64x larger in area: the same cache bytes (paths aside)."""
+    root, folder = data
+    processor = AutoProcessor.from_pretrained(folder)
+    sizes = {}
+    for scale in (1, 8):
+        d = tmp_path / f"x{scale}"
+        (d / "img").mkdir(parents=True)
+        for k, (name, (w, h)) in enumerate(SIZES.items()):
+            image(k, h * scale, w * scale).save(d / "img" / name)
+        write(d / "d.jsonl", [r for r, _ in records(root)][:2])
+        tokenize_source(Source(str(d / "d.jsonl")), processor.tokenizer, cache_dir=d / "cache", processor=processor,
+                        progress=False)  # fmt: skip
+        (cache,) = (d / "cache").glob("d-*")
+        sizes[scale] = {p.name: p.stat().st_size for p in cache.iterdir() if p.name not in ("meta.json", "media.json")}
+        assert sum(p.stat().st_size for p in d.glob("img/*")) > 10 * sum(sizes[scale].values()) or scale == 1
+    assert sizes[1] == sizes[8]  # (anyres: the tiny model's token count depends on the tiles, not the pixels)
+
+
+def alone(reference, encoded: list) -> torch.Tensor:
+    """Summed cross-entropy of each record alone through the unprepared model: (the processor's own
+    encoding of the record, its labels)."""
+    return sum(
+        F.cross_entropy(
+            reference(**{k: v for k, v in enc.items() if k != "attention_mask"}, use_cache=False).logits[0, :-1],
+            labels[1:],
+            reduction="sum",
+            ignore_index=-100,
+        )
+        for enc, labels in encoded
+    )
+
+
+def test_a_data_module_pack_of_image_records_trains_like_each_record_alone(data, tmp_path):
+    """HBPDataModule over the records (images decoded by the loader): its pack through packed_loss on
+    the prepared model gives the summed cross-entropy of the records alone (1e-5) and every gradient,
+    the vision tower's included (1e-4)."""
+    root, folder = data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    (batch,) = list(dm.train_dataloader())
+    assert batch.mm is not None and batch.mm["pixel_values"].shape[0] == 4  # four images in the pack
+    reference = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
+    model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float())
+    processor = AutoProcessor.from_pretrained(folder)
+    refs = []
+    for row, (_, msgs) in enumerate(records(root)):
+        enc = processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt")
+        ids, mask = dm.store.sources[0].sample(row)
+        refs.append((enc, torch.where(torch.as_tensor(mask), enc["input_ids"][0], -100)))
+    want = alone(reference, refs)
+    want.backward()
+    out = packed_loss(model, batch, "sum")
+    out.loss.backward()
+    assert float(out.ce_sum.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    scale = max(q.grad.abs().max().item() for q in reference.parameters() if q.grad is not None)
+    vision = 0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            vision += "vision" in name
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * max(q.grad.abs().max().item(), 1e-3 * scale), name
+    assert vision > 0
+
+
+def test_loader_workers_decode_the_images_as_the_main_process_does(data, tmp_path):
+    root, folder = data
+    batches = []
+    for workers in (0, 1):
+        dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                           cache_dir=str(tmp_path / "cache"), num_workers=workers)  # fmt: skip
+        dm.setup("fit")
+        (batch,) = list(dm.train_dataloader())
+        batches.append(batch)
+    a, b = batches
+    assert torch.equal(a.input_ids, b.input_ids) and set(a.mm) == set(b.mm)
+    assert all(torch.equal(a.mm[k], b.mm[k]) for k in a.mm)
+
+
+def test_multimodal_rope_positions_in_the_loader_are_the_models_own(tmp_path):
+    """The loader numbers Qwen2-VL positions from the checkpoint's config alone (no weights in the
+    worker): the same as the model's own get_rope_index."""
+    folder = build_qwen(tmp_path / "qwen2_vl")
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    mine, theirs = MRopePositions(rope_stand_in(AutoConfig.from_pretrained(folder))), MRopePositions.of(model)
+    for rec in three_records(folder):
+        ids = rec["input_ids"][0].numpy()
+        media = media_of(rec, 0, ids.size)  # as pack_samples and the loader hand them over
+        assert torch.equal(mine.rows(ids, media), theirs.rows(ids, media))
+    assert rope_stand_in(AutoConfig.from_pretrained(build_llava(tmp_path / "llava"))) is None
+
+
+@pytest.mark.parametrize(
+    "record, error",
+    [
+        ({"messages": chat([{"type": "image", "image": "img/missing.png"}, {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: image .*img/missing.png does not exist"),
+        ({"messages": chat("<image> hi", "x"), "images": ["img/a.png", "img/b.png"]},
+         r"d.jsonl:2: 2 image\(s\) in 'images' but 1 <image> marker\(s\) in the text"),
+        ({"messages": chat([{"type": "image", "image": "img/broken.png"}, {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: image .*img/broken.png cannot be read"),
+        ({"messages": chat([{"type": "image", "image": "https://example.com/a.png"}, {"type": "text", "text": "x"}],
+                           "x")},
+         r"d.jsonl:2: messages\[0\].content\[0\]: 'https://example.com/a.png' is not a local file"),
+        ({"messages": chat([{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "x"}], "x")},
+         r"d.jsonl:2: messages\[0\].content\[0\] is a 'video' part: not supported"),
+    ],
+    ids=["missing", "markers", "corrupt", "url", "video"],
+)  # fmt: skip
+def test_a_bad_image_record_stops_with_its_file_and_line(data, tmp_path, record, error):
+    root, folder = data
+    d = tmp_path / "bad"
+    (d / "img").mkdir(parents=True)
+    for name in SIZES:
+        (d / "img" / name).write_bytes((root / "img" / name).read_bytes())
+    (d / "img" / "broken.png").write_bytes((root / "img" / "a.png").read_bytes()[:60])  # truncated
+    write(d / "d.jsonl", [records(root)[3][0], record])
+    processor = AutoProcessor.from_pretrained(folder)
+    with pytest.raises(DataError, match=error):
+        tokenize_source(Source(str(d / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
+
+
+def test_records_with_images_need_the_checkpoints_processor(data):
+    root, folder = data
+    from transformers import AutoTokenizer
+
+    no_processor = r"d.jsonl:1: the record has 1 image\(s\) and the tokenizer folder has no processor"
+    with pytest.raises(DataError, match=no_processor):
+        tokenize_source(Source(str(root / "d.jsonl")), AutoTokenizer.from_pretrained(folder), progress=False)
+
+
+def test_truncating_a_sample_with_images_is_refused(data, tmp_path):
+    root, folder = data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["64:1"],
+                       cache_dir=str(tmp_path / "cache"), over_length="truncate")  # fmt: skip
+    refused = r"sample\(s\) with images longer than the largest level \(64 tokens\).*d.jsonl:1"
+    with pytest.raises(DataError, match=refused):
+        dm.setup("fit")
+
+
+@pytest.mark.slow
+def test_the_cli_stops_on_a_missing_image_with_exit_2(data, tmp_path):
+    root, folder = data
+    d = tmp_path / "cli"
+    d.mkdir()
+    write(d / "d.jsonl", [records(root)[3][0], {"messages": chat("<image> hi", "x"), "images": ["nowhere.png"]}])
+    cmd = [console_script("lit-hbp"), "fit", "--model.model", str(folder), "--data.tokenizer", str(folder),
+           "--data.sources", json.dumps([str(d / "d.jsonl")]), "--data.levels", '["512:1"]', "--trainer.max_steps", "1",
+           "--trainer.accelerator", "cpu", "--data.cache_dir", str(d / "cache")]  # fmt: skip
+    out = subprocess.run(cmd, cwd=d, capture_output=True, text=True, timeout=HANG_S)
+    assert out.returncode == 2, out.stderr[-3000:]
+    error = out.stderr.strip().splitlines()[-2]  # the error, then the traceback tip
+    assert error.startswith("error: ") and "d.jsonl:2: image" in error and "nowhere.png does not exist" in error
+
+
+def test_preview_shows_where_each_image_stands_and_its_tokens(data, tmp_path):
+    import io
+
+    from lit_hbp.preview import preview
+
+    root, folder = data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    out = io.StringIO()
+    assert preview(dm, 2, as_json=False, out=out) == 2
+    processor = AutoProcessor.from_pretrained(folder)
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    text = out.getvalue()
+    # the processor's own count of the image's tokens: its encoding alone
+    msgs = records(root)[0][1]
+    alone = processor.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"][0]
+    want = int((np.asarray(alone) == image_id).sum())
+    assert f"[image 1: {root / 'img/a.png'} 30x20 -> {want} tokens]" in text
+    assert "<image>" not in text  # each image's tokens are one line, not its placeholders
+    js = io.StringIO()
+    preview(dm, 1, as_json=True, out=js)
+    assert json.loads(js.getvalue())["images"] == [{"file": str(root / "img/a.png"), "width": 30, "height": 20}]
+
+
+def test_the_guides_example_records_read_as_it_says(data, tmp_path):
+    """docs/vision.md's JSON Lines block: each record reads, with its images where the guide says."""
+    import re
+
+    root, folder = data
+    (block,) = re.findall(r"```json\n(.*?)```", (ROOT / "docs" / "vision.md").read_text(), re.S)
+    (tmp_path / "img").mkdir()
+    for k, name in enumerate(("cat.png", "a.png", "b.png")):
+        image(k, 20, 20).save(tmp_path / "img" / name)
+    (tmp_path / "d.jsonl").write_text(block)
+    processor = AutoProcessor.from_pretrained(folder)
+    t = tokenize_source(Source(str(tmp_path / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
+    files = [[Path(f).name for f, _, _ in t.sample_media(row)] for row in range(len(t))]
+    assert files == [["cat.png"], ["cat.png"], ["a.png", "b.png"]]
+    assert [processor.tokenizer.decode(t.sample(row)[0][t.sample(row)[1]]).strip() for row in range(3)] == [
+        "A cat.<|end|>", "A cat.<|end|>", "The first.<|end|>"
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_tiny_vlm_config_trains_and_exports_a_folder_that_answers_from_an_image(tmp_path):
+    """configs/tiny_vlm_cpu.yaml as a new user runs it (the demo built on first use): the loss falls,
+    and the export loads with AutoModelForImageTextToText + AutoProcessor and generates from an image."""
+    from test_train import scalars
+
+    run = subprocess.run(
+        [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs" / "tiny_vlm_cpu.yaml"),
+         "--trainer.max_steps", "16", "--trainer.val_check_interval", "8", "--trainer.enable_progress_bar", "false"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [v for _, v in scalars(tmp_path / "runs")["train/loss"]]
+    assert len(losses) >= 6 and np.mean(losses[-3:]) < 0.75 * np.mean(losses[:3]), losses
+    (ckpt,) = (tmp_path / "runs").glob("tiny_vlm_cpu/version_0/checkpoints/last.ckpt")
+    export = subprocess.run(
+        [sys.executable, "-m", "lit_hbp.export", str(ckpt), str(tmp_path / "hf")],
+        capture_output=True, text=True, timeout=HANG_S,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stderr[-3000:]
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf")
+    processor = AutoProcessor.from_pretrained(tmp_path / "hf")
+    trained = torch.load(ckpt, weights_only=True, map_location="cpu")["state_dict"]
+    exported = model.state_dict()
+    assert {f"model.{k}" for k in exported} == set(trained)  # every trained weight, the vision tower's included
+    assert all(torch.equal(v, trained[f"model.{k}"]) for k, v in exported.items())
+    picture = Image.open(next((tmp_path / "demo_vlm" / "images").glob("*.png"))).convert("RGB")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is the shape?"}]}]
+    text = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], images=[picture], return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert out.shape == (1, enc["input_ids"].shape[1] + 6)
+    assert processor.image_processor.crop_size == {"height": 32, "width": 32}  # the run's processor, not a default
