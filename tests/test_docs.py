@@ -30,6 +30,7 @@ RUN_BY = {
     "python -m lit_hbp.packing": "tests/test_packing_cli.py::test_module_entry_point_runs",
     "python -m lit_hbp.autoselect --config configs/llama3_8b_32gpu.yaml --analytic": "tests/test_autoselect.py::test_autoselect_command_writes_the_levels_block",
     "python -m lit_hbp.simulate": "tests/test_simulate.py::test_simulate_command_prints_the_table_and_writes_pictures",
+    "lit-hbp fit --config configs/tiny_vlm_cpu.yaml": "tests/test_vision_data.py::test_the_tiny_vlm_config_trains_and_exports_a_folder_that_answers_from_an_image",
     "python train.py fit --config configs/tiny_cpu_sp.yaml": "tests/test_train.py::test_tiny_sp_config_trains_on_two_processes",
     "torchrun --standalone --nproc_per_node 2 train.py fit": "tests/test_docs.py::test_the_torchrun_line_of_the_cluster_guide",
     "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2": "tests/test_train.py::test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes",

@@ -66,6 +66,16 @@ class ImageExpander:
         self.image_id = image_token_id(processor)
         self.token_types = False  # the processor returned mm_token_type_ids (the workers rebuild them)
 
+    def refuse_placeholders(self, ids: np.ndarray, where: str) -> None:
+        """A record without images whose text holds the image token (an ``<image>`` marker with no
+        ``images`` list): the model would look for pixels that are not there."""
+        if (ids == self.image_id).any():
+            token = self.processor.tokenizer.convert_ids_to_tokens(self.image_id)
+            raise DataError(
+                f"{where}: the text holds the image token {token!r} but the record has no images: give the images "
+                "(an images list, or image parts), or remove the marker"
+            )
+
     def __call__(
         self, text: str, ids: np.ndarray, target: np.ndarray, images: Sequence[str], where: str
     ) -> tuple[np.ndarray, np.ndarray, list[tuple[str, int, int]]]:

@@ -607,6 +607,8 @@ class ChunkTokenizer:
             media: list = []
             if images:
                 ids, target, media = self.expander(prepared[0], ids, target, images, where)
+            elif self.expander is not None:
+                self.expander.refuse_placeholders(ids, where)
             kept.append((row, where, ids, target, media))
         kept.sort(key=lambda k: k[0])
         out_ids, lengths, rows, spans, counts, out_media = [], [], [], [], [], []
