@@ -4,7 +4,7 @@
 #   bash bench/gpu_wheels.sh [PYTHON_VERSION] [EXTRA_PACKAGE ...]     (default 3.12)
 # Fetched as binary wheels for manylinux x86-64 without their dependencies: DeepSpeed's and the CLI's needs,
 # datasets and TRL (bench/peers.py), Liger's kernels, and the packages whose lit-hbp pins (pyproject.toml)
-# an image may predate: pyarrow >= 23.0.1 and jinja2 >= 3.1.6 (advisories below those). An image with torch
+# an image may predate: pyarrow >= 23.0.1, jinja2 >= 3.1.6 and pillow >= 11.3 (advisories below those). An image with torch
 # (>= 2.10; the GPU image's 2.11+cu130 is kept: no torch, triton or CUDA wheel is ever fetched, and
 # bench/gpu_proof.sh refuses one), transformers (5.10-5.24; the image's 5.17), Lightning (>= 2.6.6, < 2.7;
 # the image's 2.6.6), accelerate, numpy, pandas, tokenizers, safetensors, pyyaml, psutil, ninja, einops,
@@ -21,7 +21,7 @@ PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp $PLAT -d .whl \
     hjson pydantic pydantic-core annotated-types typing-inspection omegaconf jsonargparse docstring-parser \
     typeshed-client importlib-resources datasets==5.2.0 dill multiprocess trl==1.16.0 "liger-kernel>=0.6.2" \
-    "pyarrow>=23.0.1" "jinja2>=3.1.6" "$@"
+    "pyarrow>=23.0.1" "jinja2>=3.1.6" "pillow>=11.3" "$@"
 python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl \
     "deepspeed==$(python3 -c 'import importlib.metadata as m; print(m.version("deepspeed"))' 2>/dev/null || echo 0.19.8)"
 du -sh .whl

@@ -30,6 +30,7 @@ REQUIRES = {Requirement(r).name: Requirement(r) for r in PROJECT["dependencies"]
         ("deepspeed", ["0.19.2", "0.19.8"], ["0.19.0", "0.19.1", "0.20.0"]),
         ("pyarrow", ["23.0.1", "26.0.1"], ["15.0.0", "23.0.0"]),
         ("jinja2", ["3.1.6"], ["3.1.4", "3.1.5"]),
+        ("pillow", ["11.3.0", "13.0.0"], ["10.2.0", "11.2.1"]),
     ],
 )
 def test_the_pins_allow_and_refuse_what_the_advisories_and_tests_say(package, allowed, refused):
@@ -52,7 +53,7 @@ def test_every_bound_says_why():
         name = Requirement(stripped.strip('",')).name
         spec = REQUIRES[name].specifier
         bounded = any(s.operator in ("<", "<=", "==", "~=") for s in spec)
-        if bounded or name in ("torch", "lightning", "transformers", "deepspeed", "pyarrow", "jinja2", "pyyaml"):
+        if bounded or name in ("torch", "lightning", "transformers", "deepspeed", "pyarrow", "jinja2", "pyyaml", "pillow"):
             assert comment, f"{name}: its bounds {spec} need a comment saying why"
         comment = False
 
