@@ -46,7 +46,7 @@ from lit_hbp.packed_call import (
     unwrapped,
 )
 from lit_hbp.tiling import install_tiling, mlp_of, uninstall_tiling
-from lit_hbp.vision import encoder_outputs, is_multimodal, refuse_bidirectional
+from lit_hbp.vision import encoder_outputs, is_multimodal, language_linears, refuse_bidirectional, vision_tower
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
@@ -522,10 +522,23 @@ def apply_liger(net) -> None:
 LORA_NAMES = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout"}
 
 
+def freeze_vision(net: torch.nn.Module) -> int:
+    """Keep a vision-language model's image encoder as it is (its projector and language model train);
+    returns how many parameters stopped training. A ValueError for a model without one."""
+    tower = vision_tower(net)
+    if tower is None:
+        raise ValueError(f"freeze_vision: {type(net).__name__} has no vision tower (a text-only model)")
+    params = list(tower.parameters())
+    for p in params:
+        p.requires_grad_(False)
+    return len(params)
+
+
 def apply_lora(net, lora: dict):
     """Wrap ``net`` with peft LoRA adapters: only the adapters (and ``modules_to_save``) train.
-    ``lora`` takes rank, alpha, dropout, target_modules (default "all-linear"), modules_to_save, and
-    any other ``peft.LoraConfig`` field by its own name."""
+    ``lora`` takes rank, alpha, dropout, target_modules (default "all-linear"; on a vision-language
+    model every linear layer of its language model), modules_to_save, and any other
+    ``peft.LoraConfig`` field by its own name."""
     import inspect
 
     from peft import LoraConfig, get_peft_model
@@ -538,5 +551,7 @@ def apply_lora(net, lora: dict):
             f"lora: unknown setting(s) {unknown}; use rank, alpha, dropout, target_modules, modules_to_save "
             "or a peft.LoraConfig field"
         )
+    if "target_modules" not in kw and is_multimodal(net):  # the language model's layers, not the vision tower's
+        kw["target_modules"] = language_linears(net, decoder_of(net))
     kw.setdefault("target_modules", "all-linear")
     return get_peft_model(net, LoraConfig(task_type="CAUSAL_LM", **kw))

@@ -24,6 +24,7 @@ from lit_hbp.causal_lm import (
     build_causal_lm,
     check_router_loss,
     decoder_layers,
+    freeze_vision,
     model_spec,
     packed_loss,
     prepare_model,
@@ -146,6 +147,9 @@ class HBPLitModule(L.LightningModule):
             accumulated in fp32 (not for ``sample_mean``, whose weights differ per token, nor under
             ZeRO-3, which partitions the LM head's weight). Liger's loss reads two values on the
             host per micro-step (docs/design.md section 11). Off by default.
+        freeze_vision: a vision-language model's image encoder keeps its weights (its projector and
+            language model train); refused for a text-only model. Off by default: the tower trains.
+            LoRA on a vision-language model targets its language model's linear layers by default.
     """
 
     def __init__(
@@ -164,6 +168,7 @@ class HBPLitModule(L.LightningModule):
         liger: bool = False,
         self_check: bool = True,
         lora: dict[str, Any] | None = None,
+        freeze_vision: bool = False,
     ):
         super().__init__()
         if loss not in NORMALIZERS:
@@ -197,6 +202,8 @@ class HBPLitModule(L.LightningModule):
             rank_zero_warn(f"model FLOPs unknown, MFU and FLOP/s are not logged: {e}")
         if self.hparams.liger:  # before peft wraps the model: Liger resolves the family's own modules
             apply_liger(self.model)
+        if self.hparams.freeze_vision:
+            freeze_vision(self.model)
         if self.hparams.lora:
             self.model = apply_lora(self.model, dict(self.hparams.lora))
         if self.hparams.compile:

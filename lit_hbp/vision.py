@@ -60,6 +60,24 @@ def is_multimodal(net: torch.nn.Module) -> bool:
     return inner is not None and callable(getattr(inner, "get_image_features", None))
 
 
+VISION_TOWERS = ("vision_tower", "visual", "vision_model")  # the inner model's image encoder, by family
+
+
+def vision_tower(net: torch.nn.Module) -> torch.nn.Module | None:
+    """The image encoder of a vision-language model (LLaVA's ``vision_tower``, Qwen's ``visual``, ...),
+    without its projector; None for a text-only model."""
+    inner = getattr(net, "model", None)
+    towers = (getattr(inner, n, None) for n in VISION_TOWERS)
+    return next((t for t in towers if isinstance(t, torch.nn.Module)), None)
+
+
+def language_linears(net: torch.nn.Module, decoder: torch.nn.Module) -> list[str]:
+    """The names (in ``net``) of the language model's linear layers: LoRA's default targets on a
+    vision-language model, whose vision tower and projector keep their weights."""
+    inside = {id(m) for m in decoder.modules()}
+    return [n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear) and id(m) in inside]
+
+
 def has_media(mm: Mapping | None) -> bool:
     """Whether a pack's multimodal inputs hold any image or video."""
     if not mm:

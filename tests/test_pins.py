@@ -53,7 +53,8 @@ def test_every_bound_says_why():
         name = Requirement(stripped.strip('",')).name
         spec = REQUIRES[name].specifier
         bounded = any(s.operator in ("<", "<=", "==", "~=") for s in spec)
-        if bounded or name in ("torch", "lightning", "transformers", "deepspeed", "pyarrow", "jinja2", "pyyaml", "pillow"):
+        reasoned = ("torch", "lightning", "transformers", "deepspeed", "pyarrow", "jinja2", "pyyaml", "pillow")
+        if bounded or name in reasoned:
             assert comment, f"{name}: its bounds {spec} need a comment saying why"
         comment = False
 

@@ -344,3 +344,54 @@ def test_the_tiny_vlm_config_trains_and_exports_a_folder_that_answers_from_an_im
     out = model.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert out.shape == (1, enc["input_ids"].shape[1] + 6)
     assert processor.image_processor.crop_size == {"height": 32, "width": 32}  # the run's processor, not a default
+
+
+def test_the_vision_tower_trains_or_stays_as_the_config_says_and_lora_targets_the_language_model(data):
+    """freeze_vision: the tower's weights get no gradient and no optimizer state, the projector and the
+    language model train; LoRA by default adapts the language model's linear layers only."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_hbp import HBPLitModule, pack_samples
+
+    root, folder = data
+    processor = AutoProcessor.from_pretrained(folder)
+    _, msgs = records(root)[0]
+    enc = dict(processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt"))
+    enc.pop("attention_mask")
+    enc["labels"] = torch.where(enc["input_ids"] == processor.tokenizer.convert_tokens_to_ids("<image>"), -100,
+                                enc["input_ids"])  # fmt: skip
+    trained = {}
+    for freeze in (False, True):
+        module = HBPLitModule(model=str(folder), freeze_vision=freeze, self_check=False)
+        module.configure_model()
+        packed_loss(module.model, pack_samples([enc]), "sum").loss.backward()
+        tower = {n for n, p in module.model.named_parameters() if ".vision_tower." in f".{n}"}
+        trained[freeze] = {n for n, p in module.model.named_parameters() if p.grad is not None}
+        assert all(p.requires_grad is not (freeze and n in tower) for n, p in module.model.named_parameters())
+    assert trained[False] & tower and trained[True] == trained[False] - tower  # the rest trains as before
+    # A fit step: the tower's weights are where they were, the rest moved; the optimizer holds no tower weight.
+    import lightning as L
+
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(root / "cache_freeze"))  # fmt: skip
+    module = HBPLitModule(model=str(folder), freeze_vision=True, self_check=False, lr=1e-2)
+    before = {n: p.detach().clone() for n, p in AutoModelForImageTextToText.from_pretrained(folder).named_parameters()}
+    quiet = dict(enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, **quiet)
+    trainer.fit(module, dm)
+    held = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+    for name, p in module.model.named_parameters():
+        assert (id(p) in held) is (name not in tower), name
+        if name in tower:
+            assert torch.equal(p.detach(), before[name]), name
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in module.model.named_parameters() if n not in tower)
+    lora = HBPLitModule(model=str(folder), lora={"rank": 4}, self_check=False)
+    lora.configure_model()
+    adapted = {n.split(".lora_A")[0] for n, _ in lora.model.named_parameters() if ".lora_A." in n}
+    assert adapted and all(".language_model." in n for n in adapted), sorted(adapted)[:5]
+    text = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2, vocab_size=64))  # fmt: skip
+    from lit_hbp.causal_lm import freeze_vision
+
+    with pytest.raises(ValueError, match="freeze_vision: LlamaForCausalLM has no vision tower"):
+        freeze_vision(text)
