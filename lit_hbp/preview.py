@@ -57,7 +57,7 @@ def samples(store: SampleStore, n: int) -> Iterator[dict]:
         )
         images = store.images(i)
         if images:
-            sample["images"] = [dict(file=f, width=w, height=h) for f, w, h in images]
+            sample["images"] = [dict(file=f, width=w, height=h) for f, w, h, *_ in images]
         yield sample
         if len(seen) == n:
             return

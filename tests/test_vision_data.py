@@ -104,9 +104,15 @@ def test_records_with_images_render_and_expand_as_the_processor_does(data, tmp_p
         # overlaps the turn trains, as for text records)
         assert processor.tokenizer.decode(ids[mask]).strip() == ANSWERS[row] + "<|end|>"
         assert not mask[ids == image_id].any()
-    # The cache holds each image's file and size, in order, never pixels.
-    assert t.sample_media(0) == [(str(root / "img/a.png"), 30, 20)]
-    assert t.sample_media(2) == [(str(root / "img/c.png"), 16, 16), (str(root / "img/a.png"), 30, 20)]
+
+    # The cache holds each image's file, size and the pixels its encoder sees, in order, never pixels themselves.
+    def seen(name):  # the image processor's tiles of the image alone: each pixel once, and how many tiles
+        pv = processor.image_processor(images=[Image.open(root / "img" / name).convert("RGB")])["pixel_values"]
+        return int(np.prod(np.shape(pv))) // 3, np.shape(pv)[1]
+
+    assert t.sample_media(0) == [(str(root / "img/a.png"), 30, 20, *seen("a.png"))]
+    assert t.sample_media(2) == [(str(root / "img/c.png"), 16, 16, *seen("c.png")),
+                                 (str(root / "img/a.png"), 30, 20, *seen("a.png"))]  # fmt: skip
     assert t.sample_media(3) == []
 
 
@@ -304,7 +310,7 @@ def test_the_guides_example_records_read_as_it_says(data, tmp_path):
     (tmp_path / "d.jsonl").write_text(block)
     processor = AutoProcessor.from_pretrained(folder)
     t = tokenize_source(Source(str(tmp_path / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
-    files = [[Path(f).name for f, _, _ in t.sample_media(row)] for row in range(len(t))]
+    files = [[Path(m[0]).name for m in t.sample_media(row)] for row in range(len(t))]
     assert files == [["cat.png"], ["cat.png"], ["a.png", "b.png"]]
     assert [processor.tokenizer.decode(t.sample(row)[0][t.sample(row)[1]]).strip() for row in range(3)] == [
         "A cat.<|end|>", "A cat.<|end|>", "The first.<|end|>"
@@ -395,3 +401,56 @@ def test_the_vision_tower_trains_or_stays_as_the_config_says_and_lora_targets_th
 
     with pytest.raises(ValueError, match="freeze_vision: LlamaForCausalLM has no vision tower"):
         freeze_vision(text)
+
+
+# the tower's layers in the FLOP counter's names: CLIP's encoder, Qwen's blocks (not its merger)
+QWEN_BLOCKS = r"\.blocks\.\d+$"
+TOWER_LAYERS = {"llava_next": r"^CLIPVisionModel\.encoder$", "qwen2_vl": QWEN_BLOCKS, "qwen2_5_vl": QWEN_BLOCKS}
+
+
+@pytest.mark.parametrize("family", list(TOWER_LAYERS))
+def test_the_encoders_work_is_what_torch_counts(tmp_path, family):
+    """encoder_flops against torch's FLOP counter on the tower's own layers (eager attention, so its
+    matmuls are counted), for images of three sizes: within 15% (the counter also sees CLIP's CLS token)."""
+    import re
+
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoImageProcessor
+
+    from lit_hbp.data.media import encoded_pixels, encoder_flops
+
+    build = build_llava if family.startswith("llava") else build_qwen
+    folder = build(tmp_path / family, family)
+    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").eval()
+    images = AutoImageProcessor.from_pretrained(folder)
+    for k, (h, w) in enumerate([(16, 16), (32, 24), (32, 32)]):
+        picture = image(k, h, w)
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            model.model.get_image_features(**images(images=[picture], return_tensors="pt"))
+        counts = counter.get_flop_counts().items()
+        want = sum(sum(v.values()) for name, v in counts if re.search(TOWER_LAYERS[family], name))
+        pixels, tiles = encoded_pixels(images, picture)
+        got = float(encoder_flops(np.array([pixels]), np.array([tiles]), model.config)[0])
+        assert 0.85 * want <= got <= 1.15 * want, (family, (h, w), got, want)
+
+
+def test_the_data_modules_plan_weighs_each_samples_image_encoding(data, tmp_path):
+    """HBPDataModule plans with its images' encoder work (the checkpoint's vision config), zero for a
+    text-only record, more for more pixels."""
+    from lit_hbp.data.media import vision_work
+    from lit_hbp.packing import plan_hbp
+
+    root, folder = data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    extra = dm.vision_work(dm.store)
+    images = [len(dm.store.images(i)) for i in range(dm.store.lengths.size)]
+    assert [bool(e) for e in extra] == [bool(k) for k in images]  # work exactly where there are images
+    two = images.index(2)
+    assert extra[two] > max(e for e, k in zip(extra, images) if k == 1)
+    assert np.allclose(extra, vision_work(dm.store.image_pixels(), AutoConfig.from_pretrained(folder)))
+    want = plan_hbp(dm.store.lengths, dm.levels, 1, 1, dm.seed, dm.packer, loss_tokens=dm.store.loss_tokens,
+                    extra_work=extra)  # fmt: skip
+    assert np.array_equal(dm.plan_for_epoch(0).members, want.members)

@@ -460,6 +460,15 @@ class HBPDataModule(L.LightningDataModule):
             raise DataError("the validation set is empty after its over-length samples were dropped")
         return val
 
+    def vision_work(self, store: SampleStore):
+        """Per sample of ``store``, its images' encoding in the planner's units (``media.vision_work``),
+        so the balance weighs it beside attention; None without images or a model config."""
+        if not store.has_images or self.model_config is None:
+            return None
+        from lit_hbp.data.media import vision_work
+
+        return vision_work(store.image_pixels(), self.model_config)
+
     def plan_for_epoch(self, epoch: int) -> Plan:
         """The plan of ``epoch`` (curriculum warm-up in the first epoch only)."""
         if epoch not in self._plans:
@@ -477,6 +486,7 @@ class HBPDataModule(L.LightningDataModule):
                 over_length="error",
                 warmup_steps=self.warmup_steps if epoch == 0 else 0,
                 short_levels=self.short_levels,
+                extra_work=self.vision_work(self.store),
             )
             self._plans = {epoch: plan}
             m = plan.metrics()
@@ -504,6 +514,7 @@ class HBPDataModule(L.LightningDataModule):
                 self.packer,
                 loss_tokens=self.val_store.loss_tokens,
                 over_length="error",
+                extra_work=self.vision_work(self.val_store),
             )
             rank_zero_info(f"validation {self._val_plan.summary()}")
         return self._val_plan

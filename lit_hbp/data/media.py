@@ -78,7 +78,7 @@ class ImageExpander:
 
     def __call__(
         self, text: str, ids: np.ndarray, target: np.ndarray, images: Sequence[str], where: str
-    ) -> tuple[np.ndarray, np.ndarray, list[tuple[str, int, int]]]:
+    ) -> tuple[np.ndarray, np.ndarray, list[tuple[str, int, int, int]]]:
         loaded = [load_image(p, where) for p in images]
         placeholders = int((ids == self.image_id).sum())
         if placeholders != len(loaded):
@@ -93,7 +93,17 @@ class ImageExpander:
         self.token_types |= "mm_token_type_ids" in enc
         expanded = np.asarray(enc["input_ids"][0], dtype=ids.dtype)
         out_target = carry_mask(ids, target, expanded, self.image_id, where)
-        return expanded, out_target, [(p, *im.size) for p, im in zip(images, loaded)]
+        seen = [encoded_pixels(self.processor.image_processor, im) for im in loaded]
+        return expanded, out_target, [(p, *im.size, *s) for p, im, s in zip(images, loaded, seen)]
+
+
+def encoded_pixels(image_processor, image) -> tuple[int, int]:
+    """What the vision tower encodes of ``image``: its pixels as the image processor cuts them (tiles or
+    patches, each pixel once per frame), and in how many tiles (each attended apart: LLaVA-NeXT's anyres
+    tiles; 1 where the whole image is one sequence, Qwen's)."""
+    shape = np.shape(image_processor(images=[image], return_tensors="np")["pixel_values"])
+    tiles = shape[1] if len(shape) == 5 else shape[0] if len(shape) == 4 else 1
+    return int(np.prod(shape)) // 3, int(tiles)
 
 
 def carry_mask(ids: np.ndarray, target: np.ndarray, expanded: np.ndarray, image_id: int, where: str) -> np.ndarray:
@@ -147,11 +157,11 @@ class WorkerMedia:
         self.image_id = image_token_id(processor)
         self.token_types = token_types  # the processor returns mm_token_type_ids (1 on image tokens)
 
-    def __call__(self, ids: np.ndarray, images: Sequence[tuple[str, int, int]], where: str) -> dict[str, torch.Tensor]:
+    def __call__(self, ids: np.ndarray, images: Sequence[tuple], where: str) -> dict[str, torch.Tensor]:
         if not images:
             return {}
         loaded = []
-        for path, width, height in images:
+        for path, width, height, *_ in images:
             im = load_image(path, where)
             if im.size != (width, height):
                 raise DataError(
@@ -166,3 +176,31 @@ class WorkerMedia:
         if self.token_types:
             out["mm_token_type_ids"] = torch.as_tensor((np.asarray(ids) == self.image_id).astype(np.int64))
         return out
+
+
+def encoder_flops(pixels: np.ndarray, tiles: np.ndarray, config) -> np.ndarray:
+    """Forward FLOPs of a vision tower encoding images of ``pixels`` in ``tiles`` (each image's), from its
+    config: per patch the layers' dense work, per tile the attention among its own patches (both ways)."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        return np.zeros(np.shape(pixels))
+    get = lambda *names: next((getattr(vision, n) for n in names if getattr(vision, n, None)), None)  # noqa: E731
+    hidden, layers = get("embed_dim", "hidden_size"), get("num_hidden_layers", "depth")  # Qwen2-VL: embed_dim
+    inner = get("intermediate_size") or (get("mlp_ratio") or 4) * hidden
+    patch, frames = get("patch_size") or 14, get("temporal_patch_size") or 1
+    mlp = 3 if get("hidden_act") in ("silu", "swish") else 2  # a gated MLP (Qwen2.5-VL's) has three matrices
+    n = np.asarray(pixels, dtype=np.float64) / (patch * patch * frames)
+    return layers * (2 * (4 * hidden * hidden + mlp * hidden * inner) * n + 4 * hidden * n * n / np.asarray(tiles))
+
+
+def vision_work(image_pixels: Sequence[Sequence[tuple[int, int]]], config) -> np.ndarray:
+    """Per sample, its images' encoding in the planner's units of balance (squared lengths: a token
+    pair's attention work in the language model, ``plan_hbp(extra_work=...)``), so a pack heavy with
+    images weighs what it costs."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    per_pair = 2 * text.num_hidden_layers * text.hidden_size  # causal attention's forward FLOPs per squared token
+    counts = np.array([len(p) for p in image_pixels], dtype=np.int64)
+    flat = np.array([im for p in image_pixels for im in p], dtype=np.float64).reshape(-1, 2)
+    per_image = encoder_flops(flat[:, 0], flat[:, 1], config) / per_pair
+    owner = np.repeat(np.arange(counts.size), counts)
+    return np.bincount(owner, weights=per_image, minlength=counts.size)

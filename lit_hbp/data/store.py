@@ -267,6 +267,10 @@ class SampleStore:
         """The images of sample i: (file, width, height) each, in the order they stand."""
         return self.sources[self.source_of[i]].sample_media(int(self.row_of[i]))
 
+    def image_pixels(self) -> list[list[tuple[int, int]]]:
+        """Per sample, each image's (pixels, tiles) as its encoder sees them (``media.ImageExpander.pixels``)."""
+        return [[(int(m[3]), int(m[4])) for m in self.images(i)] for i in range(self.lengths.size)]
+
     @property
     def has_images(self) -> bool:
         return any(s.media_offsets is not None for s in self.sources)

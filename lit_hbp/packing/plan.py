@@ -186,9 +186,10 @@ class _Inputs:
     truncated: np.ndarray
     zero_length: np.ndarray
     zero_loss: np.ndarray
+    work: np.ndarray  # per sample, what balancing weighs: its squared length plus its extra work
 
 
-def _prepare(lengths, loss_tokens, max_len: int, over_length: str) -> _Inputs:
+def _prepare(lengths, loss_tokens, max_len: int, over_length: str, extra_work=None) -> _Inputs:
     """Validate inputs and apply the over-length policy."""
     arr = check_lengths(lengths)
     if arr.size == 0:
@@ -227,6 +228,14 @@ def _prepare(lengths, loss_tokens, max_len: int, over_length: str) -> _Inputs:
             loss[over] = np.minimum(loss[over], max_len - 1)
     zero_length = np.flatnonzero(arr == 0)
     zero_loss = np.flatnonzero((loss == 0) & (arr > 0))
+    work = arr.astype(np.float64) ** 2
+    if extra_work is not None:
+        extra = np.asarray(extra_work, dtype=np.float64)
+        if extra.shape != arr.shape or not np.all(np.isfinite(extra)) or (extra < 0).any():
+            raise ValueError(
+                f"extra_work must hold one finite value >= 0 per sample ({arr.size}), got shape {extra.shape}"
+            )
+        work = work + extra
     keep = np.ones(arr.size, dtype=bool)
     keep[dropped] = False
     keep[zero_length] = False
@@ -235,7 +244,7 @@ def _prepare(lengths, loss_tokens, max_len: int, over_length: str) -> _Inputs:
             f"nothing to pack: all {arr.size} samples are zero-length ({zero_length.size}) "
             f"or dropped as longer than {max_len} tokens ({dropped.size})"
         )
-    return _Inputs(arr, loss, keep, dropped, truncated, zero_length, zero_loss)
+    return _Inputs(arr, loss, keep, dropped, truncated, zero_length, zero_loss, work)
 
 
 def _check_common(accumulate: int, warmup_steps: int) -> None:
@@ -307,10 +316,12 @@ def _assemble(
     warmup_steps: int,
     short_levels,
     capacities: list[np.ndarray] | None = None,
+    work: np.ndarray | None = None,
 ) -> tuple[dict, dict]:
-    """Turn per-level bins into the plan arrays: balance sort, batching, completion, shuffle, curriculum."""
+    """Turn per-level bins into the plan arrays: balance sort, batching, completion, shuffle, curriculum.
+    ``work``: per sample, what the balance weighs (default: its squared length, the attention work)."""
     rng_order, rng_steps = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
-    sq = lengths.astype(np.float64) ** 2
+    sq = lengths.astype(np.float64) ** 2 if work is None else work
     # One CSR over all levels' bins, plus an empty sentinel pack at the end.
     all_members = np.concatenate([b.members for b in level_bins] + [np.zeros(0, np.int64)])
     sizes = np.concatenate([b.sizes() for b in level_bins] + [np.zeros(1, np.int64)])
@@ -414,8 +425,9 @@ def _build(
     lengths, loss = inputs.lengths, inputs.loss
     filled = filled or [0] * len(levels)
     arrays, info = _assemble(
-        levels, level_bins, lengths, loss, world_size, accumulate, seed, order, warmup_steps, short_levels, capacities
-    )
+        levels, level_bins, lengths, loss, world_size, accumulate, seed, order, warmup_steps, short_levels, capacities,
+        inputs.work,
+    )  # fmt: skip
     report = dict(
         n_samples=int(lengths.size),
         n_packed=int(sum(b.members.size for b in level_bins)),
@@ -474,6 +486,7 @@ def plan_hbp(
     warmup_steps: int = 0,
     short_levels=None,
     balance: bool = True,
+    extra_work=None,
 ) -> Plan:
     """Hierarchical Balance Packing of one epoch.
 
@@ -486,11 +499,13 @@ def plan_hbp(
     the largest) go first. ``balance=False`` gives the paper's "hierarchical only" ablation (packs
     batched in random order). ``over_length="truncate"`` caps a sample at the largest level and its
     loss tokens at that length minus one, an upper bound: callers that know the label mask (the
-    data module does) should truncate themselves and pass the surviving counts.
+    data module does) should truncate themselves and pass the surviving counts. ``extra_work``: per
+    sample, work beside its attention in squared-length units (a vision-language sample's image
+    encoding, ``lit_hbp.data.media.vision_work``): the balance weighs each pack's squared lengths plus it.
     """
     levels = validate_levels(levels, world_size)
     _check_common(accumulate, warmup_steps)
-    inputs = _prepare(lengths, loss_tokens, levels[-1].pack_len, over_length)
+    inputs = _prepare(lengths, loss_tokens, levels[-1].pack_len, over_length, extra_work)
     lens = inputs.lengths
     bounds = np.array([lv.pack_len for lv in levels])
     group = np.searchsorted(bounds, lens, side="left")  # level i holds (pack_len_{i-1}, pack_len_i]
