@@ -45,6 +45,7 @@ class Pool:
     def __init__(self, world: int, backend: str = "gloo"):
         ctx = mp.get_context("spawn")
         self.world = world
+        self.broken = ""  # the traceback that stopped the pool
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
@@ -56,18 +57,32 @@ class Pool:
             p.start()
 
     def run(self, fn, *args, timeout: float = HANG_S):
+        """fn(*args) on every rank, the results by rank. A rank that fails ends the call at once with its
+        traceback (the other ranks may be waiting for it in a collective: the pool is stopped, and a
+        later call says why), never a wait for the ranks that cannot finish."""
+        if self.broken:
+            raise RuntimeError(f"the pool stopped after an earlier failure:\n{self.broken}")
         for q in self.tasks:
             q.put((fn, args))
         out = {}
         for _ in range(self.world):
             rank, ok, value = self.results.get(timeout=timeout)
             out[rank] = (ok, value)
-        errors = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(out.items()) if not ok]
-        if errors:
-            raise RuntimeError("\n".join(errors))
+            if not ok:
+                self.broken = f"rank {rank}:\n{value}"
+                self.kill()
+                raise RuntimeError(self.broken)
         return [out[r][1] for r in range(self.world)]
 
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=30)
+
     def close(self) -> None:
+        if self.broken:
+            return
         for q in self.tasks:
             q.put(None)
         for p in self.procs:

@@ -14,24 +14,26 @@ from lit_hbp.simulate.__main__ import main as simulate_main
 TINY = ModelSpec("tiny", 4, 256, 8, 4, 512, 1000)
 
 
-def test_simulation_equals_a_loop_over_micro_steps_and_groups():
+@pytest.mark.parametrize("images", [False, True])
+def test_simulation_equals_a_loop_over_micro_steps_and_groups(images):
+    """With ``images``, 30% of the samples carry extra work (an image's encoding, in squared-length
+    units), priced as attention of their group."""
     rng = np.random.default_rng(0)
     lengths = np.r_[rng.integers(10, 500, 3000), rng.integers(500, 4000, 40)]
-    plan = plan_hbp(lengths, [Level(512, 1, 1, 2), Level(4096, 4, 3)], 8, accumulate=2)
+    extra = np.where(rng.random(lengths.size) < 0.3, rng.uniform(0, 2e5, lengths.size), 0.0) if images else None
+    plan = plan_hbp(lengths, [Level(512, 1, 1, 2), Level(4096, 4, 3)], 8, accumulate=2, extra_work=extra)
     cost = CostModel(TINY, HARDWARE["h100"], 8)
-    sim = simulate(plan, cost, "hbp")
+    sim = simulate(plan, cost, "hbp", extra_work=extra)
+    work = lengths.astype(float) ** 2 + (extra if images else 0.0)
     total = 0.0
     for step in plan.steps:
         lv = plan.levels[step.level]
         for micro in step.micro:
             times = []
             for group in micro:
-                part = lengths[np.concatenate(group).astype(int)]
-                times.append(
-                    cost.micro_step(part.sum() / lv.sp, float((part.astype(float) ** 2).sum()), lv.sp, lv.ckpt_layers)[
-                        "total"
-                    ]
-                )
+                members = np.concatenate(group).astype(int)
+                step = cost.micro_step(lengths[members].sum() / lv.sp, float(work[members].sum()), lv.sp, lv.ckpt_layers)
+                times.append(step["total"])
             total += max(times)
         total += cost.grad_sync_seconds()
     assert sim.seconds == pytest.approx(total, rel=1e-9)

@@ -79,9 +79,24 @@ class Simulation:
         return out
 
 
-def simulate(plan: Plan, cost: CostModel, name: str = "", global_batch_tokens: float | None = None) -> Simulation:
+def pack_extra(plan: Plan, extra_work) -> np.ndarray:
+    """Per pack of ``plan``, its samples' extra work (``plan_hbp``'s units: squared lengths)."""
+    extra = np.asarray(extra_work, dtype=np.float64)
+    sizes = np.diff(plan.offsets)
+    out = np.zeros(sizes.size)
+    full = sizes > 0
+    if plan.members.size:
+        out[full] = np.add.reduceat(extra[plan.members], plan.offsets[:-1][full])
+    return out
+
+
+def simulate(
+    plan: Plan, cost: CostModel, name: str = "", global_batch_tokens: float | None = None, extra_work=None
+) -> Simulation:
     """Price every micro-step of ``plan`` with ``cost`` (its world must be the plan's). The epoch
-    takes ceil(tokens / global_batch_tokens) optimizer steps (default: the plan's own steps)."""
+    takes ceil(tokens / global_batch_tokens) optimizer steps (default: the plan's own steps).
+    ``extra_work``: per sample, work beside the language model's (a vision-language sample's image
+    encoding, ``plan_hbp``'s units), priced as attention and split over the SP group."""
     if cost.world != plan.world_size:
         raise ValueError(f"cost model world {cost.world} != plan world {plan.world_size}")
     g = group_index(plan)
@@ -90,6 +105,8 @@ def simulate(plan: Plan, cost: CostModel, name: str = "", global_batch_tokens: f
     imbalance = cp_imbalance(plan, g, group_cp)
     tokens = np.bincount(g["group_of_pack"], weights=plan.pack_tokens, minlength=n) / g["group_sp"]
     sum_sq = np.bincount(g["group_of_pack"], weights=plan.pack_attention, minlength=n) * imbalance
+    if extra_work is not None:
+        sum_sq = sum_sq + np.bincount(g["group_of_pack"], weights=pack_extra(plan, extra_work), minlength=n)
     parts = {p: np.zeros(n) for p in (*PARTS, *COMM_PARTS, "total")}
     for i, lv in enumerate(plan.levels):
         sel = g["group_level"] == i
@@ -148,12 +165,13 @@ def fill_checkpointing(levels, cost: CostModel, lengths, margin: float = 0.0) ->
     return out
 
 
-def price(runs: list[tuple[str, Plan]], cost: CostModel) -> list[Simulation]:
+def price(runs: list[tuple[str, Plan]], cost: CostModel, extra_work=None) -> list[Simulation]:
     """Simulate named plans as one training recipe: every plan at the first one's global batch
-    (tokens per optimizer step), so each takes the optimizer steps its tokens need."""
+    (tokens per optimizer step), so each takes the optimizer steps its tokens need; ``extra_work``
+    (per sample) is priced in every plan alike, whatever each plan knew of it."""
     first = runs[0][1]
     batch = first.pack_tokens.sum() / first.n_steps
-    return [simulate(plan, cost, name, batch) for name, plan in runs]
+    return [simulate(plan, cost, name, batch, extra_work) for name, plan in runs]
 
 
 def compare(

@@ -1,0 +1,83 @@
+"""HBP on a vision-language mix, with and without the vision tower's work in the balance, in the cluster
+simulator (docs/vision.md).
+
+    python bench/vlm_balance.py [--world 8] [--samples 40000] [--seed 0]
+
+The mix (seeded): text chats of 100-8K tokens (35%), one-image chats (35%), 2-6 image chats (20%) and
+videos of 10K-120K tokens (10%); an image is 256-2,048 tokens after merging. The model: Qwen2.5-VL-7B's
+shape (a 28-layer 3584-wide language model; a 32-layer 1280-wide vision tower, 14-pixel patches, 2x2
+merge: four patches per image token, two frames per video patch). Each sample's encoder work comes from
+``lit_hbp.data.media.encoder_flops`` (checked against torch's FLOP counter in tests/test_vision_data.py)
+and is priced in every plan alike; rows differ only in how they pack and order. 8 x H100 by default,
+levels 16K sp 1 and 128K sp 8 with checkpointing filled in by the simulator (``fill_checkpointing``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import numpy as np
+
+from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.data.media import vision_work
+from lit_hbp.model_spec import ModelSpec
+from lit_hbp.packing import Level, plan_hbp, plan_single_level
+from lit_hbp.simulate.simulator import fill_checkpointing, price
+
+LM = ModelSpec("qwen2.5-vl-7b", 28, 3584, 28, 4, 18944, 152064)
+VISION = SimpleNamespace(embed_dim=1280, depth=32, intermediate_size=3420, patch_size=14, temporal_patch_size=2,
+                         hidden_act="silu")  # fmt: skip
+CONFIG = SimpleNamespace(vision_config=VISION, num_hidden_layers=LM.layers, hidden_size=LM.hidden)
+PIXELS_PER_TOKEN = 4 * 14 * 14 * 2  # 2x2 merged patches of 14x14 pixels, each pixel once per frame of a pair
+
+
+def mix(n: int, seed: int) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
+    """(lengths, per sample its images' (pixels, tiles)) of the vision-language mix."""
+    rng = np.random.default_rng(seed)
+    kinds = rng.choice(4, size=n, p=[0.35, 0.35, 0.20, 0.10])
+    text = np.exp(rng.uniform(np.log(100), np.log(8192), n)).astype(np.int64)
+    lengths, images = np.zeros(n, np.int64), []
+    for i, kind in enumerate(kinds.tolist()):
+        if kind == 3:  # a video: one sequence of frames, 10K-120K tokens
+            tokens = [int(np.exp(rng.uniform(np.log(10_000), np.log(120_000))))]
+        else:
+            count = (0, 1, int(rng.integers(2, 7)))[kind]
+            tokens = [int(np.exp(rng.uniform(np.log(256), np.log(2048)))) for _ in range(count)]
+        lengths[i] = min(int(text[i] // (4 if kind == 3 else 1)) + sum(tokens), 131_072)
+        images.append([(t * PIXELS_PER_TOKEN, 1) for t in tokens])
+    return lengths, images
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--samples", type=int, default=40_000)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    lengths, images = mix(args.samples, args.seed)
+    extra = vision_work(images, CONFIG)
+    cost = CostModel(LM, HARDWARE["h100"], args.world)
+    levels = fill_checkpointing([Level(16_384, 1), Level(131_072, min(8, args.world))], cost, lengths)
+    w, s = args.world, args.seed
+    runs = [
+        ("naive ISF at 128K", plan_single_level(lengths, levels[-1], w, 1, s, "isf", over_length="drop")),
+        ("hierarchical, no balance", plan_hbp(lengths, levels, w, 1, s, over_length="drop", balance=False)),
+        ("HBP, attention only", plan_hbp(lengths, levels, w, 1, s, over_length="drop")),
+        ("HBP with the vision work", plan_hbp(lengths, levels, w, 1, s, over_length="drop", extra_work=extra)),
+    ]
+    sims = price(runs, cost, extra_work=extra)
+    ratio = extra.sum() / (lengths.astype(np.float64) ** 2).sum()
+    print(f"{args.samples} samples, {int(lengths.sum()):,} tokens, {sum(map(len, images)):,} images/videos on "
+          f"{w} x {HARDWARE['h100'].name}; the vision tower's work {ratio:.1f}x the language model's attention; levels "
+          + ", ".join(f"{lv.pack_len}:{lv.sp} ckpt {lv.ckpt_layers}" for lv in levels))  # fmt: skip
+    base = sims[0].seconds
+    print(f"{'plan':<28} {'epoch s':>10} {'idle':>6} {'speed-up':>9}")
+    for sim in sims:
+        idle = sim.breakdown()["idle"]
+        print(f"{sim.name:<28} {sim.seconds:>10.0f} {idle:>6.1%} {base / sim.seconds:>8.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
