@@ -94,3 +94,20 @@ def test_simulate_command_prints_the_table_and_writes_pictures(tmp_path, capsys,
         assert image.shape[0] > 300 and image.shape[1] > 500 and image.std() > 0.01
     assert simulate_main([str(path), "--model", "nope"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_the_vlm_balance_bench_runs_and_hbp_with_the_vision_work_leads(capsys, monkeypatch):
+    """bench/vlm_balance.py on a smaller mix: HBP with the vision work in its balance is the fastest
+    plan on 32 GPUs, ahead of attention-only HBP and naive packing (the same work priced in each)."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    monkeypatch.syspath_prepend(bench)
+    import vlm_balance
+
+    monkeypatch.setattr(sys, "argv", ["vlm_balance.py", "--samples", "4000", "--world", "32"])
+    assert vlm_balance.main() == 0
+    rows = {line[:28].strip(): float(line.split()[-1].rstrip("x")) for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["naive ISF at 128K"] == 1.0
+    assert rows["HBP with the vision work"] >= rows["HBP, attention only"] > 1.2, rows
