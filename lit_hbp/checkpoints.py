@@ -240,6 +240,10 @@ SAFE_GLOBALS = {
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": "DeepSpeed's optimizer state (fp16's dynamic loss scale)",
     "deepspeed.utils.tensor_fragment.fragment_address": "DeepSpeed's optimizer state (param_slice_mappings)",
 }
+# Python 3.11's earlier releases (Debian's 3.11.2) pickle an enum member as getattr(its class, its name):
+# DeepSpeed's ZeroStageEnum so. Those names load through ``enum_member``, which returns a member of an
+# allow-listed enum and refuses any other attribute.
+GETATTR = ("__builtin__.getattr", "builtins.getattr")
 TRUST_HINT = {
     "fit": "--weights_only false",
     "export": "--trust-checkpoint",
@@ -264,10 +268,21 @@ def safe_globals() -> list:
     return found
 
 
+def enum_member(cls: Any, name: Any) -> Any:
+    """``getattr(cls, name)`` as a pickle written by Python 3.11.0-3.11.4 calls it for an enum member:
+    only a member of an enum ``SAFE_GLOBALS`` names; anything else is refused, nothing is read."""
+    import enum
+
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in safe_globals() and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r:.60}, {name!r:.40}): not a member of an allow-listed enum")
+
+
 @contextlib.contextmanager
 def allow_listed() -> Iterator[None]:
-    """``torch.load(weights_only=True)`` inside accepts what ``SAFE_GLOBALS`` names, nothing else."""
-    with torch.serialization.safe_globals(safe_globals()):
+    """``torch.load(weights_only=True)`` inside accepts what ``SAFE_GLOBALS`` names (and an enum member
+    pickled as ``getattr``, ``enum_member``), nothing else."""
+    with torch.serialization.safe_globals([*safe_globals(), *((enum_member, name) for name in GETATTR)]):
         yield
 
 
@@ -302,7 +317,7 @@ def unsafe_globals(path: str | os.PathLike) -> list[str]:
     """What a torch.save file's pickles name beyond torch's weights-only allow-list and ``SAFE_GLOBALS``."""
     from torch import _weights_only_unpickler as unpickler  # torch's own allow-list (no public accessor)
 
-    allowed = set(unpickler._get_allowed_globals()) | set(SAFE_GLOBALS)
+    allowed = set(unpickler._get_allowed_globals()) | set(SAFE_GLOBALS) | set(GETATTR)
     return [g for _, data in _pickles(Path(path)) for g in pickled_globals(data) if g not in allowed]
 
 
@@ -348,7 +363,8 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu", opt_in: str = 
         with allow_listed():
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:  # what the static read could not name (torch's message names it)
-        detail = next((line for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
+        marks = ("GLOBAL", "Unsupported", "allow-listed enum")  # torch's own words, or enum_member's
+        detail = next((line for line in str(e).splitlines() if any(m in line for m in marks)), "")
         raise UnsafeCheckpoint(_refusal(path, [detail.strip() or type(e).__name__], opt_in)) from None
     except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -72,10 +72,15 @@ def test_compiled_layers_are_one_graph_and_train_like_eager(monkeypatch):
     assert backend.frame_count - graphs_after_first <= 2, "recompiled for other packs"
 
 
-def test_the_recompile_limit_is_raised_never_lowered_and_said_what_it_was(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    assert set_recompile_limit(16) == 8 and torch._dynamo.config.recompile_limit == 16
-    assert set_recompile_limit(4) == 16 and torch._dynamo.config.recompile_limit == 16  # never lowered
+def test_the_recompile_limit_is_raised_never_lowered_and_said_what_it_was():
+    config = torch._dynamo.config
+    before = config.recompile_limit  # (monkeypatch would delete the key from torch's config on undo)
+    try:
+        config.recompile_limit = 8
+        assert set_recompile_limit(16) == 8 and config.recompile_limit == 16
+        assert set_recompile_limit(4) == 16 and config.recompile_limit == 16  # never lowered
+    finally:
+        config.recompile_limit = before
 
 
 def test_flex_block_masks_are_held_by_the_pack_being_trained():

@@ -192,3 +192,27 @@ def test_a_token_cache_holding_a_pickle_is_refused_and_runs_nothing(tmp_path):
     with pytest.raises(DataError, match=r"samples\.npz: Object arrays cannot be loaded when allow_pickle=False"):
         read_cache(folder)
     assert not marker.exists()
+
+
+class _Pickled:
+    """An object that pickles as ``getattr(owner, name)``: how Python 3.11.0-3.11.4 write an enum member."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+def test_an_enum_member_pickled_as_getattr_loads_and_no_other_getattr_does(tmp_path):
+    """Debian's Python 3.11.2 pickles DeepSpeed's ZeroStageEnum as getattr(ZeroStageEnum, 'gradients'):
+    it loads as that member; getattr for any other attribute or class is refused and runs nothing."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    torch.save({"zero_stage": _Pickled(ZeroStageEnum, "gradients")}, tmp_path / "old.pt")
+    assert safe_load(tmp_path / "old.pt")["zero_stage"] is ZeroStageEnum.gradients
+    for owner, name in [(ZeroStageEnum, "__init__"), (LossScaler, "update_scale"), (ZeroStageEnum, "nothing")]:
+        torch.save({"x": _Pickled(owner, name)}, tmp_path / "bad.pt")
+        with pytest.raises(UnsafeCheckpoint, match="not a member of an allow-listed enum"):
+            safe_load(tmp_path / "bad.pt")

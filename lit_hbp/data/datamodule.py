@@ -65,7 +65,7 @@ class MicroBatchDataset(Dataset):
         self, store: SampleStore, levels: tuple[Level, ...], rank: int, pad_id: int, images: ImageInputs | None = None
     ):
         self.store, self.levels, self.rank, self.pad_id = store, levels, rank, pad_id
-        self.images = images if store.has_images else None
+        self.images = images if images is not None and store.has_images else None
 
     def _media(self, i: int) -> dict:
         """Sample i's images as the processor's tensors (decoded here, in the loader's worker)."""
