@@ -144,24 +144,25 @@ def _model(folder: Path, tok, seed: int) -> None:
 
 
 def build(out: Path, n: int, seed: int) -> dict[str, Any]:
-    """Write the demo into ``out`` (a fresh folder, renamed into place when complete)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    """Write the demo into ``out`` (its lock held): built in a hidden folder inside it, moved into place
+    part by part, the manifest last (what says the demo is complete)."""
+    (out / "manifest.json").unlink(missing_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".build-"))
     try:
         (tmp / IMAGE_DIR).mkdir()
         recs = records(random.Random(seed), n, tmp / IMAGE_DIR)
         (tmp / DATA_FILE).write_text("".join(json.dumps(r) + "\n" for r in recs))
         texts = [m["content"] for r in recs for m in r["messages"]] * 4
         _model(tmp / MODEL_DIR, _tokenizer(texts), seed)
+        for name in (IMAGE_DIR, DATA_FILE, MODEL_DIR):
+            if (out / name).is_dir():
+                shutil.rmtree(out / name)
+            os.replace(tmp / name, out / name)
         manifest = {"version": VERSION, "args": {"n": n, "seed": seed}, "records": len(recs),
                     "images": sum(len(r.get("images", [])) for r in recs)}  # fmt: skip
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -182,8 +183,8 @@ def ensure_vlm_demo(out_dir: str | os.PathLike[str], n: int = 1200, seed: int = 
 
     if (manifest := complete()) is not None:
         return manifest
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out.parent / f".{out.name}.lock")):
+    out.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out / ".demo.lock")):
         return complete() or build(out, n, seed)
 
 

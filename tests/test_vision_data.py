@@ -321,14 +321,24 @@ def test_the_guides_example_records_read_as_it_says(data, tmp_path):
 def test_the_tiny_vlm_config_trains_and_exports_a_folder_that_answers_from_an_image(tmp_path):
     """configs/tiny_vlm_cpu.yaml as a new user runs it (the demo built on first use): the loss falls,
     and the export loads with AutoModelForImageTextToText + AutoProcessor and generates from an image."""
+    import shutil
+
     from test_train import scalars
 
+    shutil.copy(ROOT / ".gitignore", tmp_path / ".gitignore")  # a checkout: the run leaves git status clean
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "add", ".gitignore"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-q", "-m", "checkout"],
+                   cwd=tmp_path, check=True)  # fmt: skip
     run = subprocess.run(
         [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs" / "tiny_vlm_cpu.yaml"),
          "--trainer.max_steps", "16", "--trainer.val_check_interval", "8", "--trainer.enable_progress_bar", "false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=tmp_path,
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert status == "", status
     losses = [v for _, v in scalars(tmp_path / "runs")["train/loss"]]
     assert len(losses) >= 6 and np.mean(losses[-3:]) < 0.75 * np.mean(losses[:3]), losses
     (ckpt,) = (tmp_path / "runs").glob("tiny_vlm_cpu/version_0/checkpoints/last.ckpt")
