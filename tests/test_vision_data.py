@@ -464,3 +464,18 @@ def test_the_data_modules_plan_weighs_each_samples_image_encoding(data, tmp_path
     want = plan_hbp(dm.store.lengths, dm.levels, 1, 1, dm.seed, dm.packer, loss_tokens=dm.store.loss_tokens,
                     extra_work=extra)  # fmt: skip
     assert np.array_equal(dm.plan_for_epoch(0).members, want.members)
+
+
+def test_samples_with_images_on_an_sp_level_are_refused_when_planned(data, tmp_path):
+    """A plan that puts samples with images on an sp 2 level stops before any step, naming them."""
+    from lit_hbp.packing import Level, plan_hbp
+
+    root, folder = data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    plan = plan_hbp(dm.store.lengths, [Level(40, 1), Level(1024, 2)], 2, over_length="error")
+    with pytest.raises(DataError, match=r"sample\(s\) with images planned on a sequence-parallel level \(.*d.jsonl:"):
+        HBPDataModule._refuse_images_on_sp_levels(dm.store, plan)
+    text_only = plan_hbp(dm.store.lengths, [Level(1024, 1)], 2)
+    HBPDataModule._refuse_images_on_sp_levels(dm.store, text_only)  # sp 1: nothing to refuse
