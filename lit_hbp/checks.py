@@ -347,7 +347,7 @@ def check_run_config(config: Mapping[str, Any]) -> None:
     and the model's heads."""
     data = config.get("data") or {}
     if data.get("demo_dir") and data.get("demo") == "vision":  # the demo's checkpoint folder is the model
-        from lit_hbp.demo import ensure_kind
+        from lit_hbp.demo_vlm import ensure_kind
 
         ensure_kind(data["demo_dir"], "vision")
     model = (config.get("model") or {}).get("model")

@@ -624,10 +624,9 @@ def _long_sample(
     return None
 
 
-def _train_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    """Byte-level BPE over the demo text, wrapped as a transformers fast tokenizer with the chat template."""
+def byte_level_bpe(texts: list[str], vocab_size: int, specials: Sequence[str]) -> Any:
+    """A byte-level BPE (``tokenizers``) trained on ``texts`` with ``specials`` first: the demos' own."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -635,11 +634,19 @@ def _train_tokenizer(texts: list[str], vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(texts, trainer, length=len(texts))
+    return backend
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """Byte-level BPE over the demo text, wrapped as a transformers fast tokenizer with the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = byte_level_bpe(texts, vocab_size, SPECIAL_TOKENS)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD,
@@ -803,19 +810,6 @@ def ensure_demo(out_dir: str | os.PathLike[str], **kwargs: Any) -> dict[str, Any
         if manifest is not None:
             return {**manifest, "paths": _paths(out)}
         return build_demo(out, **kwargs)
-
-
-DEMOS = ("text", "vision")  # HBPDataModule's ``demo``: this module's, or lit_hbp.demo_vlm's
-
-
-def ensure_kind(out_dir: str | os.PathLike[str], kind: str = "text") -> None:
-    """Build the demo ``kind`` in ``out_dir`` when missing (the data module's ``demo_dir``)."""
-    if kind == "vision":
-        from lit_hbp.demo_vlm import ensure_vlm_demo
-
-        ensure_vlm_demo(out_dir)
-    else:
-        ensure_demo(out_dir)
 
 
 def _table(result: dict[str, Any]) -> str:

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-VERSION = "1"
+from lit_hbp.demo import byte_level_bpe, ensure_demo
+
+VERSION = "2"  # 2: the text demo's BPE settings (lit_hbp.demo.byte_level_bpe)
 MODEL_DIR, DATA_FILE, IMAGE_DIR = "model", "chat.jsonl", "images"
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 205, 30),
           "purple": (140, 60, 190), "orange": (245, 135, 25)}  # fmt: skip
@@ -99,16 +101,9 @@ def records(rng: random.Random, n: int, image_dir: Path) -> list[dict[str, Any]]
 
 
 def _tokenizer(texts: list[str]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(texts, trainer)
+    tok = byte_level_bpe(texts, 512, SPECIALS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="<|end|>")
     fast.chat_template = TEMPLATE
     return fast
@@ -186,6 +181,17 @@ def ensure_vlm_demo(out_dir: str | os.PathLike[str], n: int = 1200, seed: int = 
     out.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out / ".demo.lock")):
         return complete() or build(out, n, seed)
+
+
+DEMOS = ("text", "vision")  # HBPDataModule's ``demo``: lit_hbp.demo's, or this module's
+
+
+def ensure_kind(out_dir: str | os.PathLike[str], kind: str = "text") -> None:
+    """Build the demo ``kind`` in ``out_dir`` when missing (the data module's ``demo_dir``)."""
+    if kind == "vision":
+        ensure_vlm_demo(out_dir)
+    else:
+        ensure_demo(out_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -291,7 +291,7 @@ class HBPDataModule(L.LightningDataModule):
         self.cache_dir, self.num_workers = cache_dir, num_workers
         check_num_proc(num_proc)
         self.num_proc = num_proc
-        from lit_hbp.demo import DEMOS, ensure_kind
+        from lit_hbp.demo_vlm import DEMOS, ensure_kind
 
         if demo not in DEMOS:
             raise ConfigError(f"data.demo must be one of {', '.join(DEMOS)}, got {demo!r}")
