@@ -225,8 +225,11 @@ def test_multimodal_rope_positions_in_the_loader_are_the_models_own(tmp_path):
          r"d.jsonl:2: messages\[0\].content\[0\] is a 'video' part: not supported"),
         ({"messages": chat("<image> what is this?", "x")},
          r"d.jsonl:2: the text holds the image token '<image>' but the record has no images"),
+        ({"messages": chat([{"type": "image", "image": "img/a.png", "detail": "high"}, {"type": "text", "text": "x"}],
+                           "x")},
+         r"d.jsonl:2: messages\[0\].content\[0\]: an image part's \['detail'\] is not read"),
     ],
-    ids=["missing", "markers", "corrupt", "url", "video", "marker without images"],
+    ids=["missing", "markers", "corrupt", "url", "video", "marker without images", "unread key"],
 )  # fmt: skip
 def test_a_bad_image_record_stops_with_its_file_and_line(data, tmp_path, record, error):
     root, folder = data

@@ -471,6 +471,10 @@ IMAGE_PARTS = ("image", "image_url", "input_image")
 def image_file(part: Mapping, kind: str, at: str) -> str:
     """The file of an image part: ``{"type": "image", "image"|"path"|"url": ...}``, OpenAI's
     ``{"type": "image_url", "image_url": {"url": ...}}`` or ``{"type": "input_image", "image_url": ...}``."""
+    known = {"type", "image", "path", "url"} if kind == "image" else {"type", "image_url"}
+    unknown = sorted(set(part) - known)
+    if unknown:
+        raise DataError(f"{at}: an image part's {unknown} is not read (it has {', '.join(sorted(known))})")
     value = part.get("image", part.get("path", part.get("url"))) if kind == "image" else part.get("image_url")
     if isinstance(value, Mapping):
         value = value.get("url")
