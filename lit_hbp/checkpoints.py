@@ -254,12 +254,14 @@ class UnsafeCheckpoint(UserInputError):
     """A checkpoint whose pickle names something outside the allow-list (``SAFE_GLOBALS``)."""
 
 
-def safe_globals() -> list:
-    """The objects of ``SAFE_GLOBALS`` whose modules are installed (DeepSpeed's, imported only here)."""
+def safe_globals(names: Iterable[str] | None = None) -> list:
+    """The objects of ``SAFE_GLOBALS`` (those among ``names`` if given) whose modules are installed:
+    DeepSpeed's, imported only here, and only for a file that names them (an export of a plain run does
+    not import DeepSpeed)."""
     import importlib
 
     found = []
-    for name in SAFE_GLOBALS:
+    for name in SAFE_GLOBALS if names is None else [n for n in SAFE_GLOBALS if n in set(names)]:
         module, attr = name.rsplit(".", 1)
         try:
             found.append(getattr(importlib.import_module(module), attr))
@@ -273,16 +275,18 @@ def enum_member(cls: Any, name: Any) -> Any:
     only a member of an enum ``SAFE_GLOBALS`` names; anything else is refused, nothing is read."""
     import enum
 
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in safe_globals() and name in cls.__members__:
+    allowed = isinstance(cls, type) and f"{cls.__module__}.{cls.__qualname__}" in SAFE_GLOBALS
+    if allowed and issubclass(cls, enum.Enum) and name in cls.__members__:
         return cls[name]
     raise pickle.UnpicklingError(f"getattr({cls!r:.60}, {name!r:.40}): not a member of an allow-listed enum")
 
 
 @contextlib.contextmanager
-def allow_listed() -> Iterator[None]:
-    """``torch.load(weights_only=True)`` inside accepts what ``SAFE_GLOBALS`` names (and an enum member
-    pickled as ``getattr``, ``enum_member``), nothing else."""
-    with torch.serialization.safe_globals([*safe_globals(), *((enum_member, name) for name in GETATTR)]):
+def allow_listed(names: Iterable[str] | None = None) -> Iterator[None]:
+    """``torch.load(weights_only=True)`` inside accepts what ``SAFE_GLOBALS`` names (those among ``names``
+    if given: what the file's pickles name) and an enum member pickled as ``getattr`` (``enum_member``),
+    nothing else."""
+    with torch.serialization.safe_globals([*safe_globals(names), *((enum_member, name) for name in GETATTR)]):
         yield
 
 
@@ -313,12 +317,18 @@ def _pickles(path: Path) -> Iterator[tuple[str, bytes]]:
                 yield name, z.read(name)
 
 
-def unsafe_globals(path: str | os.PathLike) -> list[str]:
-    """What a torch.save file's pickles name beyond torch's weights-only allow-list and ``SAFE_GLOBALS``."""
+def named_globals(path: str | os.PathLike) -> list[str]:
+    """Every function or class the pickles of torch.save file ``path`` name (read statically)."""
+    return list(dict.fromkeys(g for _, data in _pickles(Path(path)) for g in pickled_globals(data)))
+
+
+def unsafe_globals(path: str | os.PathLike, named: list[str] | None = None) -> list[str]:
+    """What a torch.save file's pickles name (``named``, read from ``path`` if not given) beyond torch's
+    weights-only allow-list and ``SAFE_GLOBALS``."""
     from torch import _weights_only_unpickler as unpickler  # torch's own allow-list (no public accessor)
 
     allowed = set(unpickler._get_allowed_globals()) | set(SAFE_GLOBALS) | set(GETATTR)
-    return [g for _, data in _pickles(Path(path)) for g in pickled_globals(data) if g not in allowed]
+    return [g for g in (named_globals(path) if named is None else named) if g not in allowed]
 
 
 def checkpoint_files(path: str | os.PathLike) -> list[Path]:
@@ -356,11 +366,15 @@ def safe_load(path: str | os.PathLike, map_location: Any = "cpu", opt_in: str = 
     """``torch.load(path, weights_only=True)`` with the allow-list; a file that names anything else is an
     ``UnsafeCheckpoint`` naming what (and ``opt_in``), a file that does not unpickle a ``UserInputError``."""
     path = Path(path)
-    unsafe = unsafe_globals(path)
+    try:
+        named: list[str] | None = named_globals(path)
+    except (OSError, zipfile.BadZipFile):  # not a zip: torch's weights-only unpickler below is the guard
+        named = None
+    unsafe = [] if named is None else unsafe_globals(path, named)
     if unsafe:
         raise UnsafeCheckpoint(_refusal(path, unsafe, opt_in))
     try:
-        with allow_listed():
+        with allow_listed(named):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:  # what the static read could not name (torch's message names it)
         marks = ("GLOBAL", "Unsupported", "allow-listed enum")  # torch's own words, or enum_member's

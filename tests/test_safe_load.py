@@ -216,3 +216,22 @@ def test_an_enum_member_pickled_as_getattr_loads_and_no_other_getattr_does(tmp_p
         torch.save({"x": _Pickled(owner, name)}, tmp_path / "bad.pt")
         with pytest.raises(UnsafeCheckpoint, match="not a member of an allow-listed enum"):
             safe_load(tmp_path / "bad.pt")
+
+
+def test_a_plain_checkpoint_loads_without_importing_deepspeed(tmp_path):
+    """Only a file that names DeepSpeed's classes imports DeepSpeed (slow, and it prints its accelerator
+    warning): exporting a plain run's checkpoint does not. In a fresh interpreter, so nothing imported
+    by an earlier test counts; a file naming ZeroStageEnum then imports exactly what it names."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    plain, ds = tmp_path / "plain.ckpt", tmp_path / "ds.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, plain)
+    torch.save({"zero_stage": ZeroStageEnum.gradients}, ds)
+    code = (
+        "import sys\nfrom lit_hbp.checkpoints import safe_load\n"
+        f"assert safe_load({str(plain)!r})['epoch'] == 1\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))\n"
+        f"print(safe_load({str(ds)!r})['zero_stage'].name)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.splitlines() == ["[]", "gradients"]
