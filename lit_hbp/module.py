@@ -279,19 +279,23 @@ class HBPLitModule(L.LightningModule):
 
             layouts = getattr(strategy, "levels", None) or levels  # the strategy's carry resolved layouts
             degrees = sorted({(lv.sp, lv.layout[1]) for lv in layouts} | {(1, 1)})
+            data = getattr(self.trainer, "datamodule", None)
+            media_docs = data.self_check_samples() if hasattr(data, "self_check_samples") else []
             errors = run_self_check(
                 self,
                 degrees,
                 groups,
                 self.trainer.precision_plugin.forward_context,
                 max(lv.pack_len for lv in levels) if levels else None,
+                media_docs,
             )
             if getattr(strategy, "zero_stage_3", False):
                 # Modules whose inputs need no gradient (a frozen embedding under LoRA) keep their
                 # gathered weights after a backward outside the engine: partition them again.
                 strategy.deepspeed_engine.empty_partition_cache()
+            images = f", {len(media_docs)} of them with images at sp 1" if media_docs else ""
             rank_zero_info(
-                "self-check passed (a pack equals its documents alone): "
+                f"self-check passed (a pack equals its documents alone{images}): "
                 + ", ".join(
                     f"{layout_name(key)}: loss {e[0]:.1e}, input gradients {e[1]:.1e}, leak {e[2]:.0e}"
                     for key, e in errors.items()

@@ -15,6 +15,10 @@ precision, a handful of short documents (the same on every rank) runs
   through the attention call is caught here), no SP. When the config has a sliding window (or an
   attention chunk) shorter than the longest pack, one document is longer than it.
 
+A vision-language run adds the shortest samples with images from its own data (``media_docs``: the
+run's processor, images and vision tower) to the sequence-parallelism-1 pack, and compares the
+gradient with respect to their pixels too (it reaches the vision tower and the projector).
+
 The summed cross-entropy and the gradient with respect to the input embeddings (which reaches
 every layer) must agree within the dtype's tolerance, and the packed path must use exactly the
 trainable weights the family's own forward uses (a weight it skips would never train; one only it
@@ -37,6 +41,7 @@ import torch.nn.functional as F
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.parallel.context import SPCall
 from lit_hbp.parallel.kind import resolve_sp_kind
+from lit_hbp.vision import TOKEN_KEYS, MRopePositions
 
 DOC_LENGTHS = (9, 23, 5, 100, 31, 14)  # about 200 tokens in all: block-wise mechanisms (compression) engage
 # (loss, input-gradient) tolerances, relative: bf16/fp16 noise against cross-document leakage,
@@ -44,6 +49,7 @@ DOC_LENGTHS = (9, 23, 5, 100, 31, 14)  # about 200 tokens in all: block-wise mec
 TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.float64: (1e-8, 1e-7)}
 LOW_PRECISION = (2e-2, 1.5e-1)
 LEAK_TOLERANCE = 1e-6  # gradient of one document's loss on the others, relative to its own
+PIXELS = ("pixel_values", "pixel_values_videos")  # the media inputs gradients are taken for
 SUSPECTS = ("mamba", "ssm", "recurrent", "linearattention", "lightning", "deltanet", "conv", "rwkv", "xlstm")
 
 
@@ -78,17 +84,27 @@ def layout_name(layout: int | tuple[int, int]) -> str:
 
 
 def run_self_check(
-    module, sp_degrees, sp_groups=None, autocast=contextlib.nullcontext, max_len: int | None = None
+    module,
+    sp_degrees,
+    sp_groups=None,
+    autocast=contextlib.nullcontext,
+    max_len: int | None = None,
+    media_docs=(),
 ) -> dict:
     """Compare packed and alone for each SP layout in ``sp_degrees`` (a degree, Ulysses, or
     (sp, cp)); returns (loss error, gradient error, leak) per layout (``layout_key``) and raises
     SelfCheckError (after every rank agrees) when one is out of tolerance. ``module`` is an
     HBPLitModule after configure_model; ``autocast`` the run's precision context; ``max_len`` the
-    longest pack (a longer sliding window never matters)."""
+    longest pack (a longer sliding window never matters); ``media_docs`` (ids, the processor's tensors)
+    of samples with images, packed at sp 1 beside the text documents (images never go to an SP level)."""
     net = module.model
     embed = net.get_input_embeddings()
     device = next(net.parameters()).device
     docs = _documents(_vocab(net), net.config, max_len)
+    media = {}
+    for ids, mm in media_docs:
+        media[len(docs)] = {k: v for k, v in mm.items()}
+        docs[len(docs)] = (np.asarray(ids, dtype=np.int64), np.ones(len(ids), bool))
     was_training = net.training
     net.eval()  # dropout and router jitter off: the comparison is between two deterministic runs
     try:
@@ -96,17 +112,18 @@ def run_self_check(
             on = device.type
             dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else next(net.parameters()).dtype
             layouts = sorted({layout_key(x) for x in sp_degrees}, key=lambda k: (k, 1) if isinstance(k, int) else k)
-            packs = {key: _pack(docs, key, sp_groups, device) for key in layouts}
+            rope = MRopePositions.of(net) if media else None
+            packs = {key: _pack(docs, media, key, sp_groups, device, rope) for key in layouts}
             leaks = {sp: _leak(module, embed, pack, device) for sp, pack in packs.items()}  # cheapest verdict first
             for sp, leak in leaks.items():
                 if leak > LEAK_TOLERANCE:
                     raise SelfCheckError(_explain(module, len(docs), sp, np.nan, np.nan, leak, np.nan, np.nan, dtype))
-            used_alone: set[int] = set()
-            reference = _alone(net, embed, docs, device, used_alone)
+            reference = _alone(net, embed, docs, media, device)
             results = {}
             for sp, pack in packs.items():
                 used_packed: set[int] = set()
-                results[sp] = (*_packed_errors(module, embed, docs, reference, pack, device, used_packed), leaks[sp])
+                results[sp] = (*_packed_errors(module, embed, reference, pack, device, used_packed), leaks[sp])
+                used_alone = set().union(*(reference[i]["used"] for i in pack["docs"]))
                 _check_same_weights(net, used_alone, used_packed, sp)
     except SelfCheckError:
         raise
@@ -178,9 +195,20 @@ def _embedding_leaves(embed):
         handle.remove()
 
 
-def _alone(net, embed, docs, device, used: set[int]):
-    """Per document: (CE per position [n - 1], d(its CE) / d(its embeddings) [n, H]), through the
-    family's own forward, output head and masks, with transformers' eager attention."""
+def _pixel_leaves(mm: dict | None) -> dict[str, torch.Tensor]:
+    """The pixel inputs of ``mm`` as leaves that take a gradient (through the vision tower and the
+    projector into the language model), replaced in ``mm``."""
+    leaves = {k: mm[k].detach().float().requires_grad_() for k in PIXELS if mm and mm.get(k) is not None}
+    if mm:
+        mm.update(leaves)
+    return leaves
+
+
+def _alone(net, embed, docs, media, device) -> dict[int, dict]:
+    """Per document: CE per position [n - 1], d(its CE) / d(its embeddings) [n, H], d(its CE) / d(its
+    pixels) and the trainable weights it used, through the family's own forward, output head and
+    masks, with transformers' eager attention (its vision tower's too); a document with images
+    gets the model's own positions for them."""
     from lit_hbp.causal_lm import model_configs
 
     out = {}
@@ -188,38 +216,60 @@ def _alone(net, embed, docs, device, used: set[int]):
     net.set_attn_implementation("eager")
     try:
         for i, (ids, _) in docs.items():
-            out[i] = _alone_one(net, embed, ids, device, used)
+            out[i] = _alone_one(net, embed, ids, media.get(i), device)
     finally:
         for config, name in own:
             config._attn_implementation_internal = name
     return out
 
 
-def _alone_one(net, embed, ids, device, used: set[int]):
+def _alone_one(net, embed, ids, mm, device) -> dict:
     ids_t = torch.as_tensor(ids, device=device)
+    if mm:  # the processor's tensors as the model takes them alone: per-token fields as a [1, L] row
+        kw = {k: (v[None] if k in TOKEN_KEYS else v).to(device) for k, v in mm.items()}
+        pixels = _pixel_leaves(kw)
+    else:
+        kw, pixels = {"position_ids": torch.arange(len(ids), device=device)[None]}, {}
     with _embedding_leaves(embed) as leaves:
-        positions = torch.arange(len(ids), device=device)[None]
-        logits = net(input_ids=ids_t[None], position_ids=positions, use_cache=False).logits
+        logits = net(input_ids=ids_t[None], use_cache=False, **kw).logits
     ce = F.cross_entropy(logits[0, :-1].float(), ids_t[1:], reduction="none")
+    used: set[int] = set()
     _weights_in_graph(ce.sum(), used)
-    (grad,) = torch.autograd.grad(ce.sum(), leaves[-1])
-    return ce.detach(), grad[0].detach()
+    grads = torch.autograd.grad(ce.sum(), [leaves[-1], *pixels.values()])
+    return dict(ce=ce.detach(), grad=grads[0][0].detach(), pixels=dict(zip(pixels, grads[1:])), used=used)
 
 
-def _pack(docs, key, sp_groups, device) -> dict:
-    """The documents packed, this rank's shard at SP layout ``key``, with where its positions are."""
+def _pack(docs, media, key, sp_groups, device, rope) -> dict:
+    """The documents packed (those with images only at sp 1), this rank's shard at SP layout ``key``,
+    with where its positions are and which document owns each row of its pixels."""
     sp, cp = (key, 1) if isinstance(key, int) else key
     kind = resolve_sp_kind("cp" if cp > 1 else "ulysses")
     ctx = sp_groups[(sp, cp)] if sp > 1 else None
-    batch = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=sp, cp=cp, sp_kind=kind.name, loss_norm=1.0)
+    order = [i for i in docs if sp == 1 and cp == 1 or i not in media]
+    batch = collate_packs(
+        [np.asarray(order)], docs.__getitem__, sp=sp, cp=cp, sp_kind=kind.name, loss_norm=1.0,
+        media=lambda i: media.get(i, {}), rope=rope,
+    )  # fmt: skip
     total = batch.input_ids.shape[1]
     if sp > 1:
         batch = kind.shard(batch, sp, ctx.rank).replace(sp_group=SPCall.of(ctx, kind))
     part = batch.positions_in_pack().to(device)
     batch = batch.to(device)
-    bounds = np.r_[0, np.cumsum([len(ids) for ids, _ in docs.values()])]
+    bounds = np.r_[0, np.cumsum([len(docs[i][0]) for i in order])]
     doc_of = torch.as_tensor(np.searchsorted(bounds, np.arange(total), side="right") - 1, device=device)[part]
-    return dict(batch=batch, ctx=ctx, kind=kind, total=total, part=part, bounds=bounds, doc_of=doc_of)
+    rows = {k: np.repeat(np.arange(len(order)), [media[i][k].shape[0] if i in media and k in media[i] else 0
+                                                   for i in order]) for k in PIXELS}  # fmt: skip
+    return dict(batch=batch, ctx=ctx, kind=kind, total=total, part=part, bounds=bounds, doc_of=doc_of, docs=order,
+                pixel_doc={k: torch.as_tensor(v, device=device) for k, v in rows.items()})  # fmt: skip
+
+
+def _with_pixel_leaves(batch):
+    """``batch`` with its pixels as leaves, and those leaves (empty for a text pack)."""
+    if batch.mm is None:
+        return batch, {}
+    mm = dict(batch.mm)
+    leaves = _pixel_leaves(mm)
+    return batch.replace(mm=mm), leaves
 
 
 def _leak(module, embed, pack, device) -> float:
@@ -229,36 +279,49 @@ def _leak(module, embed, pack, device) -> float:
     embed_grad_max = 0.0
     for j in reversed(range(len(pack["bounds"]) - 1)):
         mine = (pack["doc_of"] == j).float()
+        batch, pixels = _with_pixel_leaves(pack["batch"])
         with _embedding_leaves(embed) as leaves:
-            loss_j, _, _ = module.packed_loss(pack["batch"], weights=mine, router_loss=False, recompute=False)
-        (g,) = torch.autograd.grad(loss_j, leaves[-1])
-        outside, inside = _agree(
-            np.array([(g[0] * (1 - mine[:, None])).abs().max().item(), (g[0] * mine[:, None]).abs().max().item()]),
-            device,
-        )
+            loss_j, _, _ = module.packed_loss(batch, weights=mine, router_loss=False, recompute=False)
+        g, *gp = torch.autograd.grad(loss_j, [leaves[-1], *pixels.values()])
+        outside = [(g[0] * (1 - mine[:, None])).abs().max().item()]
+        inside = [(g[0] * mine[:, None]).abs().max().item()]
+        for key, grad in zip(pixels, gp):  # another document's pixels: exactly no gradient either
+            own = (pack["pixel_doc"][key] == j).reshape(-1, *[1] * (grad.dim() - 1))
+            outside.append((grad * ~own).abs().max().item())
+            inside.append((grad * own).abs().max().item())
+        outside, inside = _agree(np.array([max(outside), max(inside)]), device)
         embed_grad_max = max(embed_grad_max, outside / max(inside, 1e-30))
         if embed_grad_max > LEAK_TOLERANCE:
             break
     return float(embed_grad_max)
 
 
-def _packed_errors(module, embed, docs, reference, pack, device, used: set[int]) -> tuple[float, float]:
-    """(relative loss error, relative input-gradient error) of this rank's shard of the pack."""
+def _packed_errors(module, embed, reference, pack, device, used: set[int]) -> tuple[float, float]:
+    """(relative loss error, relative input-gradient error: embeddings, and pixels when the pack has
+    images) of this rank's shard of the pack."""
+    from lit_hbp.vision import collate_media
+
+    batch, pixels = _with_pixel_leaves(pack["batch"])
     with _embedding_leaves(embed) as leaves:
-        loss, _, _ = module.packed_loss(pack["batch"], weights=1.0, router_loss=False, recompute=False)
+        loss, _, _ = module.packed_loss(batch, weights=1.0, router_loss=False, recompute=False)
     _weights_in_graph(loss, used)
-    (grad,) = torch.autograd.grad(loss, leaves[-1])
+    grad, *grad_pixels = torch.autograd.grad(loss, [leaves[-1], *pixels.values()])
     # The same quantities from the documents alone, laid out like the pack, cut to this shard.
     total, bounds, part = pack["total"], pack["bounds"], pack["part"]
     ce_ref = torch.zeros(total, device=device, dtype=torch.float64)
     grad_ref = torch.zeros(total, grad.shape[-1], device=device, dtype=torch.float64)
-    for i, (ids, _) in docs.items():
-        ce, g = reference[i]
-        ce_ref[bounds[i] : bounds[i] + len(ids) - 1] = ce.double()
-        grad_ref[bounds[i] : bounds[i + 1]] = g.double()
+    for k, i in enumerate(pack["docs"]):
+        ce, g = reference[i]["ce"], reference[i]["grad"]
+        ce_ref[bounds[k] : bounds[k + 1] - 1] = ce.double()
+        grad_ref[bounds[k] : bounds[k + 1]] = g.double()
     want_loss = ce_ref[part].sum()
     loss_err = abs(loss.item() - want_loss.item()) / max(abs(want_loss.item()), 1e-12)
-    return loss_err, _errors(grad[0], grad_ref[part])
+    errors = [_errors(grad[0], grad_ref[part])]
+    for key, got in zip(pixels, grad_pixels):  # laid out (and tile-padded) as the pack lays out the pixels
+        parts = [{key: reference[i]["pixels"][key].cpu()} for i in pack["docs"] if key in reference[i]["pixels"]]
+        want = collate_media(parts, [0] * len(parts), 0)[key].to(device)
+        errors.append(_errors(got, want))
+    return loss_err, max(errors)
 
 
 def _agree(errors: np.ndarray, device) -> np.ndarray:

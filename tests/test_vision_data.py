@@ -182,6 +182,49 @@ def test_a_data_module_pack_of_image_records_trains_like_each_record_alone(data,
     assert vision > 0
 
 
+def test_the_self_check_packs_the_runs_own_images_and_catches_a_leak_between_them(data, tmp_path, monkeypatch):
+    """The data module hands the self-check its shortest samples with images exactly as the processor
+    encodes them alone; packed beside the text documents they pass (loss, embedding and pixel gradients,
+    no leak); an encoder that lets one image see another (a thousandth of the pack's mean pixel added to
+    each image) leaks only through the pixels, and the self-check refuses it."""
+    from lit_hbp import causal_lm
+    from lit_hbp.module import HBPLitModule
+    from lit_hbp.selfcheck import SelfCheckError, run_self_check
+
+    root, folder = data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    docs = dm.self_check_samples()
+    processor = AutoProcessor.from_pretrained(folder)
+    encoded = [processor.apply_chat_template(m, tokenize=True, return_dict=True, return_tensors="pt")
+               for _, m in records(root)[:3]]  # fmt: skip
+    by_length = sorted(range(3), key=lambda r: encoded[r]["input_ids"].shape[1])[:2]
+    assert len(docs) == 2
+    for (ids, mm), row in zip(docs, by_length):
+        assert ids.tolist() == encoded[row]["input_ids"][0].tolist()
+        assert torch.equal(mm["pixel_values"], encoded[row]["pixel_values"])
+        assert torch.equal(mm["image_sizes"], encoded[row]["image_sizes"])
+
+    torch.manual_seed(0)
+    module = HBPLitModule(model=str(folder), loss="sum")
+    module.configure_model()
+    module.model.float()
+    (loss_err, grad_err, leak) = run_self_check(module, [1], media_docs=docs)[1]
+    assert loss_err < 1e-5 and grad_err < 1e-4 and leak == 0.0
+
+    encode = causal_lm.encoder_outputs
+
+    def leaky(inner, mm):
+        pv = mm["pixel_values"]
+        return encode(inner, {**mm, "pixel_values": pv + 1e-3 * pv.mean(0, keepdim=True)})
+
+    monkeypatch.setattr(causal_lm, "encoder_outputs", leaky)
+    with pytest.raises(SelfCheckError, match="influence each other"):
+        run_self_check(module, [1], media_docs=docs)
+    run_self_check(module, [1])  # the text documents alone do not see it: the images are what catches it
+
+
 def test_loader_workers_decode_the_images_as_the_main_process_does(data, tmp_path):
     root, folder = data
     batches = []
@@ -339,6 +382,7 @@ def test_the_tiny_vlm_config_trains_and_exports_a_folder_that_answers_from_an_im
         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "self-check passed (a pack equals its documents alone, 2 of them with images at sp 1)" in run.stderr
     status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=tmp_path,
                             capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert status == "", status

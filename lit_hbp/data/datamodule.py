@@ -403,6 +403,21 @@ class HBPDataModule(L.LightningDataModule):
         token_types = any(s.token_types for s in store.sources)
         return ImageInputs(self.processor, self.model_config, token_types)
 
+    def self_check_samples(self, n: int = 2) -> list[tuple[np.ndarray, dict]]:
+        """The ``n`` shortest training samples with images, as (ids, the processor's tensors): the
+        self-check packs them beside its text documents, so the run's own images, processor and vision
+        tower are checked too (the same samples on every rank). Empty without images."""
+        store = self.store
+        images = self._images(store) if store is not None else None
+        if images is None:
+            return []
+        with_images = np.flatnonzero(store.image_counts() > 0)
+        out = []
+        for i in with_images[np.argsort(store.lengths[with_images], kind="stable")[:n]].tolist():
+            ids = store.tokens(i)[0]
+            out.append((ids, images.media(ids, store.images(i), store.where(i))))
+        return out
+
     def tokenize_sources(self, progress: bool = True) -> list[TokenizedSource]:
         """Every training source tokenized (from its cache when it has one), in the order given."""
         return [self._tokenize(s, f"sources[{i}]", progress) for i, s in enumerate(self.sources)]

@@ -271,6 +271,15 @@ class SampleStore:
         """Per sample, each image's (pixels, tiles) as its encoder sees them (``media.ImageExpander.pixels``)."""
         return [[(int(m[3]), int(m[4])) for m in self.images(i)] for i in range(self.lengths.size)]
 
+    def image_counts(self) -> np.ndarray:
+        """Per sample, how many images it holds."""
+        counts = np.zeros(self.lengths.size, np.int64)
+        for k, s in enumerate(self.sources):
+            if s.media_offsets is not None:
+                sel = self.source_of == k
+                counts[sel] = np.diff(s.media_offsets)[self.row_of[sel]]
+        return counts
+
     @property
     def has_images(self) -> bool:
         return any(s.media_offsets is not None for s in self.sources)
