@@ -45,6 +45,7 @@ from lit_hbp.packed_call import (
     record_of,
     unwrapped,
 )
+from lit_hbp.parallel.media import split_encoder_outputs
 from lit_hbp.tiling import install_tiling, mlp_of, uninstall_tiling
 from lit_hbp.vision import encoder_outputs, is_multimodal, language_linears, refuse_bidirectional, vision_tower
 
@@ -340,9 +341,15 @@ def packed_loss(
         raise ValueError(_not_prepared(model))
     inputs = pack_inputs(batch)  # checks the level's SP group came with the batch
     aux = router_loss and getattr(net.config.get_text_config(), "output_router_logits", False)
-    if batch.mm:  # images encoded apart, by the vision tower's own attention
+    if batch.mm:  # images encoded apart, by the vision tower's own attention (split over the SP group)
         refuse_bidirectional(net, batch.mm)
-        encoded = encoder_outputs(record.runner, batch.mm)
+        if int(batch.sp) > 1:
+            part = batch.positions_in_pack().to(batch.input_ids.device)
+            encoded = split_encoder_outputs(
+                record.runner, batch.mm, batch.input_ids, part, int(batch.cu_seqlens[-1]), inputs["hbp_sp"]
+            )
+        else:
+            encoded = encoder_outputs(record.runner, batch.mm)
         inputs = {k: v for k, v in inputs.items() if k not in ("pixel_values", "pixel_values_videos")}
         inputs["mm_encoder_outputs"] = encoded
     with pack_scope(net, int(batch.ckpt_layers), bool(batch.offload), int(batch.mlp_tiles), inputs):

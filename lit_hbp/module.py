@@ -293,7 +293,7 @@ class HBPLitModule(L.LightningModule):
                 # Modules whose inputs need no gradient (a frozen embedding under LoRA) keep their
                 # gathered weights after a backward outside the engine: partition them again.
                 strategy.deepspeed_engine.empty_partition_cache()
-            images = f", {len(media_docs)} of them with images at sp 1" if media_docs else ""
+            images = f", {len(media_docs)} of them with images" if media_docs else ""
             rank_zero_info(
                 f"self-check passed (a pack equals its documents alone{images}): "
                 + ", ".join(

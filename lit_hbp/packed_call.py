@@ -46,7 +46,7 @@ from lit_hbp.data.batch import PACK_MARK, PackedBatch
 from lit_hbp.offload import host_offload, offloaded_checkpoint
 from lit_hbp.parallel.context import sp_call
 from lit_hbp.tiling import install_tiling
-from lit_hbp.vision import attends_both_ways, refuse_bidirectional
+from lit_hbp.vision import TOKEN_KEYS, attends_both_ways, refuse_bidirectional
 
 PREPARED = "_hbp_prepared"  # the Prepared record, on the model, its decoder, its attention modules and MLPs
 PACK_KEYS = ("cu_seq_lens_q", "max_length_q", "hbp_cp_shard", "hbp_sp")  # what attention needs of a packed call
@@ -225,6 +225,9 @@ def pack_inputs(batch: PackedBatch) -> dict:
     cu = batch.cu_seqlens
     positions = batch.position_ids
     media = dict(batch.mm or {})
+    if media and int(batch.sp) > 1:  # the whole pack's media travels with each shard: its per-token rows are cut
+        part = batch.positions_in_pack().to(batch.input_ids.device)
+        media = {k: v[..., part] if k in TOKEN_KEYS or k == "position_ids" else v for k, v in media.items()}
     if "position_ids" in media:  # multimodal RoPE: [text row, 3 rows], as transformers' packed path reads them
         positions = torch.cat([positions[None], media.pop("position_ids")], dim=0)
     kw = dict(
@@ -239,11 +242,6 @@ def pack_inputs(batch: PackedBatch) -> dict:
     )
     sp = sp_call(batch)
     if sp is not None:
-        if batch.mm:
-            raise ValueError(
-                f"this micro-batch (level {batch.level}) holds images or videos at sp {batch.sp}: vision-language "
-                "packs train at sp 1 for now (each rank would need the images whose tokens it holds)"
-            )
         kw["hbp_sp"] = sp
     if batch.cp_shard is not None:
         kw["hbp_cp_shard"] = batch.cp_shard

@@ -16,8 +16,9 @@ precision, a handful of short documents (the same on every rank) runs
   attention chunk) shorter than the longest pack, one document is longer than it.
 
 A vision-language run adds the shortest samples with images from its own data (``media_docs``: the
-run's processor, images and vision tower) to the sequence-parallelism-1 pack, and compares the
-gradient with respect to their pixels too (it reaches the vision tower and the projector).
+run's processor, images and vision tower) to the pack of every layout (at sp > 1 the SP group splits
+their encoding, ``lit_hbp.parallel.media``), and compares the gradient with respect to their pixels
+too (it reaches the vision tower and the projector).
 
 The summed cross-entropy and the gradient with respect to the input embeddings (which reaches
 every layer) must agree within the dtype's tolerance, and the packed path must use exactly the
@@ -96,7 +97,7 @@ def run_self_check(
     SelfCheckError (after every rank agrees) when one is out of tolerance. ``module`` is an
     HBPLitModule after configure_model; ``autocast`` the run's precision context; ``max_len`` the
     longest pack (a longer sliding window never matters); ``media_docs`` (ids, the processor's tensors)
-    of samples with images, packed at sp 1 beside the text documents (images never go to an SP level)."""
+    of samples with images, packed beside the text documents (the same on every rank)."""
     net = module.model
     embed = net.get_input_embeddings()
     device = next(net.parameters()).device
@@ -240,12 +241,12 @@ def _alone_one(net, embed, ids, mm, device) -> dict:
 
 
 def _pack(docs, media, key, sp_groups, device, rope) -> dict:
-    """The documents packed (those with images only at sp 1), this rank's shard at SP layout ``key``,
-    with where its positions are and which document owns each row of its pixels."""
+    """The documents packed, this rank's shard at SP layout ``key`` (the whole pack's images travel with
+    every shard), with where its positions are and which document owns each row of its pixels."""
     sp, cp = (key, 1) if isinstance(key, int) else key
     kind = resolve_sp_kind("cp" if cp > 1 else "ulysses")
     ctx = sp_groups[(sp, cp)] if sp > 1 else None
-    order = [i for i in docs if sp == 1 and cp == 1 or i not in media]
+    order = list(docs)
     batch = collate_packs(
         [np.asarray(order)], docs.__getitem__, sp=sp, cp=cp, sp_kind=kind.name, loss_norm=1.0,
         media=lambda i: media.get(i, {}), rope=rope,
@@ -306,6 +307,9 @@ def _packed_errors(module, embed, reference, pack, device, used: set[int]) -> tu
         loss, _, _ = module.packed_loss(batch, weights=1.0, router_loss=False, recompute=False)
     _weights_in_graph(loss, used)
     grad, *grad_pixels = torch.autograd.grad(loss, [leaves[-1], *pixels.values()])
+    if pack["ctx"] is not None:  # under SP a rank's pixels get the gradient of the images it encoded
+        for g in grad_pixels:
+            torch.distributed.all_reduce(g, group=pack["ctx"].group)
     # The same quantities from the documents alone, laid out like the pack, cut to this shard.
     total, bounds, part = pack["total"], pack["bounds"], pack["part"]
     ce_ref = torch.zeros(total, device=device, dtype=torch.float64)

@@ -315,7 +315,7 @@ class HBPStrategy(DeepSpeedStrategy):
             levels,
             self.world_size,
             *model_heads(cfg),
-            getattr(module, "num_layers", cfg.num_hidden_layers),
+            getattr(module, "num_layers", None) or cfg.get_text_config().num_hidden_layers,
             node_size,
         )
         self.levels = layout_levels([as_level(x) for x in levels], cfg, node_size)

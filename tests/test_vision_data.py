@@ -382,7 +382,7 @@ def test_the_tiny_vlm_config_trains_and_exports_a_folder_that_answers_from_an_im
         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "self-check passed (a pack equals its documents alone, 2 of them with images at sp 1)" in run.stderr
+    assert "self-check passed (a pack equals its documents alone, 2 of them with images)" in run.stderr
     status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=tmp_path,
                             capture_output=True, text=True, check=True).stdout  # fmt: skip
     assert status == "", status
@@ -513,16 +513,19 @@ def test_the_data_modules_plan_weighs_each_samples_image_encoding(data, tmp_path
     assert np.array_equal(dm.plan_for_epoch(0).members, want.members)
 
 
-def test_samples_with_images_on_an_sp_level_are_refused_when_planned(data, tmp_path):
-    """A plan that puts samples with images on an sp 2 level stops before any step, naming them."""
-    from lit_hbp.packing import Level, plan_hbp
-
-    root, folder = data
-    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
-                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
-    dm.setup("fit")
-    plan = plan_hbp(dm.store.lengths, [Level(40, 1), Level(1024, 2)], 2, over_length="error")
-    with pytest.raises(DataError, match=r"sample\(s\) with images planned on a sequence-parallel level \(.*d.jsonl:"):
-        HBPDataModule._refuse_images_on_sp_levels(dm.store, plan)
-    text_only = plan_hbp(dm.store.lengths, [Level(1024, 1)], 2)
-    HBPDataModule._refuse_images_on_sp_levels(dm.store, text_only)  # sp 1: nothing to refuse
+@pytest.mark.slow
+def test_the_tiny_vlm_config_trains_its_images_on_sp_2_levels_under_hbp_strategy(tmp_path):
+    """configs/tiny_vlm_cpu.yaml on 2 processes with both levels at sp 2 (HBPStrategy, ZeRO 2): the
+    self-check passes at sp 2 with the run's own images (each against the records alone, eager), the
+    SP group splits their encoding, and training and validation run."""
+    run = subprocess.run(
+        [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs" / "tiny_vlm_cpu.yaml"),
+         "--trainer.devices", "2", "--trainer.strategy", "{class_path: lit_hbp.strategy.HBPStrategy, init_args: {stage: 2}}",
+         "--data.levels", "[{pack_len: 1024, sp: 2}, {pack_len: 2048, sp: 2}]", "--trainer.max_steps", "2",
+         "--trainer.val_check_interval", "2", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [x for x in run.stderr.splitlines() if x.startswith("self-check passed")]
+    assert "2 of them with images" in line and ", sp 2: loss" in line, line
+    assert "epoch 0 summary: 2 of the plan's" in run.stderr and "world 2" in run.stderr

@@ -91,12 +91,6 @@ class MicroBatchDataset(Dataset):
             mb.packs, self.store.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=self.pad_id, **plan,
             **media,
         )  # fmt: skip
-        if batch.mm is not None and lv.sp > 1:
-            where = ", ".join(self.store.where(int(i)) for i in np.concatenate(mb.packs) if self.store.images(int(i)))
-            raise DataError(
-                f"samples with images at level {lv.pack_len}:{lv.sp} ({where}): images on sequence-parallel levels are "
-                "not built yet; give the images' samples an sp 1 level (one long enough for them)"
-            )
         return resolve_sp_kind(lv.sp_kind).shard(batch, lv.sp, sp_coords(self.rank, lv.sp)[1]) if lv.sp > 1 else batch
 
 
@@ -475,22 +469,6 @@ class HBPDataModule(L.LightningDataModule):
             raise DataError("the validation set is empty after its over-length samples were dropped")
         return val
 
-    @staticmethod
-    def _refuse_images_on_sp_levels(store: SampleStore, plan: Plan) -> None:
-        """Samples with images are not trained on sequence-parallel levels yet: refused when planned,
-        before any step, naming them (the loader would meet them mid-epoch)."""
-        if not store.has_images:
-            return
-        sp_packs = np.flatnonzero(np.array([lv.sp for lv in plan.levels])[plan.pack_level] > 1)
-        members = np.concatenate([plan.pack(p) for p in sp_packs]) if sp_packs.size else np.zeros(0, np.int64)
-        with_images = [int(i) for i in members if store.images(int(i))]
-        if with_images:
-            where = ", ".join(store.where(i) for i in with_images[:5])
-            raise DataError(
-                f"{len(with_images)} sample(s) with images planned on a sequence-parallel level ({where}): images on "
-                "SP levels are not built yet; give them an sp 1 level that holds them (a larger pack_len at sp 1)"
-            )
-
     def vision_work(self, store: SampleStore):
         """Per sample of ``store``, its images' encoding in the planner's units (``media.vision_work``),
         so the balance weighs it beside attention; None without images or a model config."""
@@ -519,7 +497,6 @@ class HBPDataModule(L.LightningDataModule):
                 short_levels=self.short_levels,
                 extra_work=self.vision_work(self.store),
             )
-            self._refuse_images_on_sp_levels(self.store, plan)
             self._plans = {epoch: plan}
             m = plan.metrics()
             rank_zero_info(
@@ -548,7 +525,6 @@ class HBPDataModule(L.LightningDataModule):
                 over_length="error",
                 extra_work=self.vision_work(self.val_store),
             )
-            self._refuse_images_on_sp_levels(self.val_store, self._val_plan)
             rank_zero_info(f"validation {self._val_plan.summary()}")
         return self._val_plan
 

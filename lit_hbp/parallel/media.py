@@ -1,0 +1,248 @@
+"""Images and videos of a pack on a sequence-parallel level: each rank of the SP group encodes its
+share, and each rank gets the features of the placeholder tokens its shard holds.
+
+Every rank of the group carries the whole pack's media (``PackedBatch.mm``: pixels are small next to
+the activations of a long pack); the items (images, or videos) are dealt to the ranks largest-first by
+the patches their encoder sees (``owners``), so the vision tower's work is split, not repeated. After
+encoding, one all-reduce of the pack's placeholder positions says which rank's shard holds which
+feature row, and one all-to-all sends each row from the rank that encoded it to the rank that needs it
+(its backward sends the gradients back to the encoder). The shard's features reach the model through
+``mm_encoder_outputs`` as one block in its placeholders' order, which the families read as
+``torch.cat(pooler_output)`` and scatter into the shard's placeholder tokens.
+
+Refused rather than trained wrong, on every rank at once: an encoder whose output is not one block of
+feature rows per item, or carries more than ``pooler_output`` (Qwen3-VL's deepstack features are read
+per placeholder at later layers), and a pack whose placeholder tokens do not match the feature rows
+one for one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lit_hbp.parallel.context import SPCall
+from lit_hbp.vision import encoder_outputs
+
+
+@dataclass(frozen=True)
+class MediaKind:
+    """The inputs of one kind of media (images or videos) in a family's processor output."""
+
+    name: str  # the key of ``mm_encoder_outputs``
+    pixels: str
+    grid: str  # multimodal-RoPE families: one (t, h, w) row per item, pixels flattened to patches
+    per_item: tuple[str, ...]
+    token_ids: tuple[str, ...]  # config attributes naming its placeholder token
+
+
+KINDS = (
+    MediaKind("image", "pixel_values", "image_grid_thw", ("image_sizes", "image_grid_thw"),
+              ("image_token_id", "image_token_index")),
+    MediaKind("video", "pixel_values_videos", "video_grid_thw", ("video_grid_thw", "second_per_grid_ts"),
+              ("video_token_id", "video_token_index")),
+)  # fmt: skip
+PLAIN_OUTPUT = ("last_hidden_state", "pooler_output", "hidden_states", "attentions")
+
+
+def owners(weights: np.ndarray, groups: np.ndarray, size: int) -> np.ndarray:
+    """Per item, the SP rank that encodes it: groups of items (a record's images when the family
+    reads them per record) dealt largest-first to the least-loaded rank (lowest on ties), so every
+    rank computes the same answer and the ranks' encoder work is balanced."""
+    weights = np.asarray(weights, dtype=np.float64)
+    groups = np.asarray(groups, dtype=np.int64)
+    ids, inverse = np.unique(groups, return_inverse=True)
+    totals = np.bincount(inverse, weights=weights, minlength=ids.size)
+    load = np.zeros(size)
+    owner_of_group = np.zeros(ids.size, np.int64)
+    for g in np.argsort(-totals, kind="stable"):
+        r = int(np.argmin(load))
+        owner_of_group[g] = r
+        load[r] += totals[g]
+    return owner_of_group[inverse]
+
+
+def _items(mm: Mapping[str, torch.Tensor], kind: MediaKind) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pixel rows, encoder weight, group) per item of ``kind`` in ``mm``."""
+    pixels = mm[kind.pixels]
+    if mm.get(kind.grid) is not None:
+        rows = mm[kind.grid].prod(-1).cpu().numpy().astype(np.int64)
+        weight = rows.astype(np.float64)
+    elif pixels.dim() >= 4:  # one image per row; anyres tiles zero-padded to the pack's widest
+        rows = np.ones(pixels.shape[0], np.int64)
+        tiles = pixels.reshape(pixels.shape[0], -1, pixels.shape[-3] * pixels.shape[-2] * pixels.shape[-1])
+        weight = (tiles.abs().sum(-1) > 0).sum(-1).cpu().numpy().astype(np.float64) if pixels.dim() == 5 else rows * 1.0
+    else:
+        raise ValueError(
+            f"{kind.pixels} of shape {tuple(pixels.shape)} without {kind.grid}: lit-hbp cannot tell its "
+            f"{kind.name}s apart to split their encoding over the SP group; train these samples on an sp 1 level"
+        )
+    groups = np.arange(rows.size)
+    if kind.name == "image" and mm.get("batch_num_images") is not None:  # read per record: kept together
+        groups = np.repeat(np.arange(mm["batch_num_images"].numel()), mm["batch_num_images"].cpu().numpy())
+    return rows, weight, groups
+
+
+def _subset(mm: Mapping[str, torch.Tensor], kind: MediaKind, rows: np.ndarray, groups: np.ndarray, mine: np.ndarray):
+    """The encoder inputs of the items ``mine`` (a boolean per item) of ``kind``."""
+    starts = np.r_[0, np.cumsum(rows)]
+    take = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in np.flatnonzero(mine)] or [np.zeros(0, int)])
+    out = {kind.pixels: mm[kind.pixels][torch.as_tensor(take, dtype=torch.long, device=mm[kind.pixels].device)]}
+    sel = torch.as_tensor(np.flatnonzero(mine), dtype=torch.long)
+    for key in kind.per_item:
+        if mm.get(key) is not None:
+            out[key] = mm[key][sel.to(mm[key].device)]
+    if kind.name == "image" and mm.get("batch_num_images") is not None:
+        kept = np.unique(groups[mine])
+        out["batch_num_images"] = mm["batch_num_images"][torch.as_tensor(kept, dtype=torch.long)]
+    return out
+
+
+def _token_id(config, kind: MediaKind) -> int:
+    for attr in kind.token_ids:
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"{type(config).__name__} names no {kind.name} placeholder token ({' / '.join(kind.token_ids)})")
+
+
+class _Exchange(torch.autograd.Function):
+    """all_to_all of feature rows with per-rank counts; the backward sends the gradients back.
+    ``anchor`` (a scalar leaf) makes every rank of the group run the backward, also one that sends
+    nothing (it encoded no item)."""
+
+    @staticmethod
+    def forward(fctx, rows, anchor, send, recv, group):
+        fctx.send, fctx.recv, fctx.group = send, recv, group
+        out = rows.new_empty(sum(recv), rows.shape[1])
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(fctx, grad):
+        back = grad.new_empty(sum(fctx.send), grad.shape[1])
+        dist.all_to_all_single(back, grad.contiguous(), fctx.send, fctx.recv, group=fctx.group)
+        return back, None, None, None, None
+
+
+def _agree_or_refuse(problem: str | None, device, group) -> None:
+    """Raise on every rank when any rank found ``problem`` (so none waits in a collective)."""
+    flag = torch.tensor([0.0 if problem is None else 1.0], device=device)
+    dist.all_reduce(flag, group=group)
+    if flag.item() > 0:
+        raise ValueError(
+            problem
+            or "another rank of the SP group cannot split this pack's image encoding (its error names why); "
+            "train these samples on an sp 1 level"
+        )
+
+
+@torch.compiler.disable  # collectives with data-dependent sizes: kept out of compiled graphs
+def split_encoder_outputs(
+    inner: torch.nn.Module,
+    mm: Mapping[str, torch.Tensor],
+    input_ids: torch.Tensor,
+    part: torch.Tensor,
+    total: int,
+    sp: SPCall,
+) -> dict:
+    """``mm_encoder_outputs`` for this rank's shard of a pack at sp > 1: this rank encodes its share
+    of the pack's items (``owners``) with the model's own encoders (``lit_hbp.vision.encoder_outputs``),
+    and receives the feature rows of the placeholder tokens its shard holds (``input_ids``, at the
+    pack's positions ``part`` of ``total``), in their order."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    ctx = sp.ctx
+    group, size, me = ctx.group, ctx.size, ctx.rank
+    config = inner.config
+    hidden = config.get_text_config().hidden_size
+    dtype = inner.get_input_embeddings().weight.dtype
+    device = input_ids.device
+    language = {id(p) for p in inner.get_decoder().parameters()} if hasattr(inner, "get_decoder") else set()
+    trains = torch.is_grad_enabled() and (
+        any(p.requires_grad for p in inner.parameters() if id(p) not in language)
+        or any(mm[k.pixels].requires_grad for k in KINDS if mm.get(k.pixels) is not None)
+    )
+    out = {}
+    for kind in KINDS:
+        if mm.get(kind.pixels) is None:
+            continue
+        rows, weight, groups = _items(mm, kind)
+        owner = owners(weight, groups, size)
+        mine = owner == me
+        problem, blocks = None, []
+        if mine.any():
+            encoded = encoder_outputs(inner, _subset(mm, kind, rows, groups, mine))[kind.name]
+            extra = [f for f, v in encoded.items() if v is not None and f not in PLAIN_OUTPUT]
+            blocks = list(encoded.pooler_output) if encoded.pooler_output is not None else []
+            if extra:
+                problem = (
+                    f"{type(inner).__name__}: its {kind.name} encoder also returns {extra}, which the model reads per "
+                    "placeholder token; lit-hbp does not split those over the SP group yet: train these samples on "
+                    "an sp 1 level"
+                )
+            elif len(blocks) != int(mine.sum()) or any(b.dim() != 2 or b.shape[1] != hidden for b in blocks):
+                problem = (
+                    f"{type(inner).__name__}: its {kind.name} encoder does not return one block of feature rows per "
+                    f"{kind.name} ({len(blocks)} for {int(mine.sum())}), so lit-hbp cannot split its work over the SP "
+                    "group: train these samples on an sp 1 level"
+                )
+        _agree_or_refuse(problem, device, group)
+        # Feature rows per item (from the rank that encoded it), and who holds each placeholder token.
+        counts = torch.zeros(rows.size, dtype=torch.long, device=device)
+        if blocks:
+            counts[torch.as_tensor(np.flatnonzero(mine), device=device)] = torch.tensor(
+                [b.shape[0] for b in blocks], device=device
+            )
+        where = torch.zeros(total, dtype=torch.int32, device=device)
+        local = (input_ids[0] == _token_id(config, kind)).to(device)
+        where[part[local]] = me + 1
+        dist.all_reduce(counts, group=group)
+        dist.all_reduce(where, group=group)
+        needer = where[where > 0].long().cpu().numpy() - 1
+        item_rows = counts.cpu().numpy()
+        if needer.size != int(item_rows.sum()):
+            raise ValueError(
+                f"this pack holds {needer.size} {kind.name} placeholder token(s) and its {kind.name}s encode to "
+                f"{int(item_rows.sum())} feature row(s): they must match one for one (data.tokenizer must be the "
+                "checkpoint's processor)"
+            )
+        route = Route.of(np.repeat(owner, item_rows), needer, me, size)
+        feats = torch.cat(blocks).to(dtype) if blocks else torch.zeros(0, hidden, dtype=dtype, device=device)
+        anchor = torch.zeros((), device=device, requires_grad=trains)
+        sent = feats[torch.as_tensor(route.take, dtype=torch.long, device=device)]
+        got = _Exchange.apply(sent, anchor, route.send, route.recv, group)
+        placed = got[torch.as_tensor(route.order, dtype=torch.long, device=device)]
+        out[kind.name] = BaseModelOutputWithPooling(pooler_output=(placed,))
+    return out
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one rank's feature rows travel: ``take`` (rows of its own features, in sending order),
+    ``send``/``recv`` (rows per peer rank), ``order`` (the received rows put in its placeholders' order)."""
+
+    take: np.ndarray
+    send: list[int]
+    recv: list[int]
+    order: np.ndarray
+
+    @classmethod
+    def of(cls, holder: np.ndarray, needer: np.ndarray, me: int, size: int) -> Route:
+        """Per global feature row (placeholder order), the rank that encoded it (``holder``) and the
+        rank whose shard holds its placeholder (``needer``). Rows are sent grouped by the needing
+        rank (all_to_all's layout), so they arrive grouped by sender; ``order`` undoes that."""
+        own = np.flatnonzero(holder == me)  # the global rows this rank encoded, as its features hold them
+        outgoing = own[np.argsort(needer[own], kind="stable")]
+        wanted = np.flatnonzero(needer == me)
+        arrival = wanted[np.argsort(holder[wanted], kind="stable")]
+        return cls(
+            take=np.searchsorted(own, outgoing),
+            send=np.bincount(needer[own], minlength=size).tolist(),
+            recv=np.bincount(holder[wanted], minlength=size).tolist(),
+            order=np.argsort(arrival, kind="stable"),
+        )

@@ -1,0 +1,171 @@
+"""Vision-language packs on sequence-parallel levels, on 2 gloo processes: each rank encodes its share of
+the pack's images and gets the features of the placeholder tokens its shard holds. The summed
+cross-entropy summed and every gradient (vision tower and projector included) averaged over the SP group
+(as the data-parallel all-reduce averages it; a shard's loss carries the factor sp for it) equal
+each record alone through the unprepared model with eager attention in one process (fp32): Ulysses
+(sp 2) and context parallelism (sp 2 = cp 2)."""
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from distributed import Pool
+from transformers import AutoModelForImageTextToText
+from vision_models import BUILDERS, three_records, trained
+
+from lit_hbp.parallel.media import Route, owners
+
+EXACT = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next"]
+LAYOUTS = {"ulysses": (2, 1), "cp": (2, 2)}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = Pool(2)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm_sp")
+    return {family: BUILDERS[family](root / family) for family in [*EXACT, "qwen3_vl"]}
+
+
+def collate(records, model, sp: int, cp: int, kind: str):
+    """The whole pack of ``records`` (processor-style, with labels) padded for the layout."""
+    from lit_hbp.data.collate import collate_packs
+    from lit_hbp.vision import MRopePositions, media_of
+
+    tokens = [(r["input_ids"][0].numpy(), (r["labels"][0] != -100).numpy()) for r in records]
+    media = [media_of(r, i, len(t[0])) for i, (r, t) in enumerate(zip(records, tokens))]
+    return collate_packs([np.arange(len(records))], tokens.__getitem__, sp=sp, cp=cp, sp_kind=kind, loss_norm=1.0,
+                         media=media.__getitem__, rope=MRopePositions.of(model))  # fmt: skip
+
+
+def sp_step(folder: str, weights: str, sp: int, cp: int) -> dict:
+    """This rank's shard of the pack through packed_loss; CE summed and gradients averaged over the SP group."""
+    import torch.distributed as dist
+
+    from lit_hbp import packed_loss, prepare_model
+    from lit_hbp.parallel.context import SPCall
+    from lit_hbp.parallel.groups import SPGroups
+    from lit_hbp.parallel.kind import resolve_sp_kind
+
+    kind = resolve_sp_kind("cp" if cp > 1 else "ulysses")
+    ctx = SPGroups([(sp, cp)], dist.get_world_size(), dist.get_rank())[(sp, cp)]
+    model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float())
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    records = [trained(r, model.config) for r in three_records(Path(folder))]
+    batch = collate(records, model, sp, cp, kind.name)
+    encoded = []  # how many images each call of the tower on this rank encoded
+    own = model.model.get_image_features
+
+    @functools.wraps(own)
+    def counted(pixel_values, *args, **kwargs):
+        grid = kwargs.get("image_grid_thw", args[0] if args else None)
+        encoded.append(int(grid.shape[0]) if grid is not None and grid.dim() == 2 else int(pixel_values.shape[0]))
+        return own(pixel_values, *args, **kwargs)
+
+    model.model.get_image_features = counted
+    shard = kind.shard(batch, sp, ctx.rank).replace(sp_group=SPCall.of(ctx, kind))
+    try:
+        out = packed_loss(model, shard, "sum")
+    except ValueError as e:
+        return {"error": str(e)}
+    out.loss.backward()
+    ce = out.ce_sum.detach().clone()
+    dist.all_reduce(ce, group=ctx.group)
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=ctx.group)
+            grads[name] = p.grad.numpy() / sp  # averaged, as the data-parallel all-reduce does (the loss carries sp)
+    return {"ce": float(ce), "grads": grads, "encoded": encoded}
+
+
+def reference(folder: Path, weights: Path):
+    """CE summed over the records alone (eager, unprepared, one process) and its gradients."""
+    import torch.nn.functional as F
+
+    ref = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
+    torch.save(ref.state_dict(), weights)
+    records = [trained(r, ref.config) for r in three_records(folder)]
+    ce = 0.0
+    for rec in records:
+        labels = rec["labels"][0]
+        inputs = {k: v for k, v in rec.items() if k != "labels"}
+        logits = ref(**inputs, use_cache=False).logits[0, :-1]
+        ce = ce + F.cross_entropy(logits, labels[1:], reduction="sum", ignore_index=-100)
+    ce.backward()
+    return float(ce.detach()), {n: p.grad.numpy() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("family", EXACT)
+def test_an_image_pack_on_an_sp_level_trains_like_each_record_alone(pool, folders, tmp_path, family, layout):
+    want_ce, want = reference(folders[family], tmp_path / "weights.pt")
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folders[family]), str(tmp_path / "weights.pt"), sp, cp)
+    scale = max(np.abs(g).max() for g in want.values())
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert r["ce"] == pytest.approx(want_ce, rel=1e-5)
+        assert set(r["grads"]) == set(want)
+        assert any("vision" in n or "visual" in n for n in r["grads"])
+        for name, ref in want.items():
+            bound = 1e-4 * max(np.abs(ref).max(), 1e-3 * scale)
+            assert np.abs(r["grads"][name] - ref).max() <= bound, name
+    # the three images were encoded once in all, split over the two ranks (two on one, one on the other)
+    assert sorted(sum(r["encoded"], 0) for r in results) == [1, 2] and all(len(r["encoded"]) == 1 for r in results)
+
+
+def test_an_encoder_with_per_token_extras_is_refused_on_every_rank(pool, folders, tmp_path):
+    """Qwen3-VL's encoder also returns deepstack features, read per placeholder token at later layers:
+    not split yet, so every rank refuses (none waits in a collective) and says what to do."""
+    reference(folders["qwen3_vl"], tmp_path / "weights.pt")
+    results = pool.run(sp_step, str(folders["qwen3_vl"]), str(tmp_path / "weights.pt"), 2, 1)
+    assert all("error" in r for r in results), results
+    assert "deepstack" in results[0]["error"] and "sp 1 level" in results[0]["error"]
+    assert "sp 1 level" in results[1]["error"]
+
+
+def test_items_are_dealt_largest_first_and_a_records_images_stay_together():
+    """Brute force over small cases: the dealing is the greedy largest-first one (every rank computes
+    the same), each group on one rank, and no rank holds more than the lightest plus the largest group."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, size = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+        weights = rng.integers(1, 100, n).astype(float)
+        groups = np.sort(rng.integers(0, max(1, n // 2), n))
+        got = owners(weights, groups, size)
+        for g in np.unique(groups):
+            assert len(set(got[groups == g])) == 1
+        per_group = {g: weights[groups == g].sum() for g in np.unique(groups)}
+        load = np.bincount(got, weights=weights, minlength=size)
+        assert load.max() <= load.min() + max(per_group.values())
+        assert np.array_equal(got, owners(weights, groups, size))
+
+
+def test_every_feature_row_reaches_the_rank_of_its_placeholder_in_order():
+    """The routes of all ranks, simulated as all_to_all moves the rows (brute force over random
+    layouts: who encoded each row, whose shard holds its placeholder): every rank gets exactly the
+    rows of its placeholders, in their order."""
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        size, n = int(rng.integers(1, 5)), int(rng.integers(0, 40))
+        holder, needer = rng.integers(0, size, n), rng.integers(0, size, n)
+        routes = [Route.of(holder, needer, r, size) for r in range(size)]
+        for r in range(size):
+            own = np.flatnonzero(holder == r)
+            assert len(routes[r].take) == own.size and sum(routes[r].send) == own.size
+        for dst in range(size):
+            arrived = []
+            for src in range(size):  # all_to_all: dst gets src's chunk number dst, senders in rank order
+                sent = np.flatnonzero(holder == src)[routes[src].take]
+                start = sum(routes[src].send[:dst])
+                arrived.extend(sent[start : start + routes[src].send[dst]])
+                assert routes[dst].recv[src] == routes[src].send[dst]
+            assert np.array_equal(np.asarray(arrived, dtype=int)[routes[dst].order], np.flatnonzero(needer == dst))
