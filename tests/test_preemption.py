@@ -288,3 +288,31 @@ def test_torchrun_restarts_a_killed_worker_then_a_sigterm_saves_and_torchrun_exi
     assert torch.load(tmp_path / "run" / path, weights_only=False)["global_step"] == int(step) < max_steps
     assert re.search(r"resume with: .*torch\.distributed\.run .*--ckpt_path " + re.escape(path), out), out[-3000:]
     assert "SignalException" in out and "got signal: 15" in out
+
+
+def test_a_peer_still_being_torn_down_is_awaited_and_named(monkeypatch, capsys):
+    """A killed rank's sockets close before the kernel makes it a zombie, so the survivor's collective
+    can fail ("Connection reset by peer") while the peer still looks alive: the report waits for it
+    (bounded) and names it. Another error is reported at once, without waiting."""
+    import socket
+    from types import SimpleNamespace
+
+    from lit_hbp.callbacks import lost_rank
+
+    host = socket.gethostname()
+    report = lost_rank.LostRankReport()
+    report.peers = [(host, 100), (host, 101)]
+    looks = iter([True, True, True, False])  # rank 1 is seen alive three times, then gone
+    seen = []
+    monkeypatch.setattr(lost_rank, "process_alive", lambda pid: seen.append(pid) or next(looks))
+    trainer = SimpleNamespace(global_rank=0)
+    error = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:51113: Connection reset by peer.")
+    report.on_exception(trainer, None, error)
+    assert report.lost == [1] and seen == [101] * 4
+    assert "rank 1 (pid 101) on" in capsys.readouterr().err
+    assert getattr(error, lost_rank.LostRankReport.MARK) == [1]
+
+    monkeypatch.setattr(lost_rank, "process_alive", lambda pid: seen.append(pid) or True)
+    seen.clear()
+    report.on_exception(trainer, None, ValueError("a bug"))
+    assert report.lost == [] and seen == [101]  # looked once, no wait

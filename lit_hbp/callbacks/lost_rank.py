@@ -13,6 +13,7 @@ import contextlib
 import os
 import socket
 import sys
+import time
 
 import lightning as L
 import torch.distributed as dist
@@ -40,6 +41,10 @@ class LostRankReport(L.Callback):
     The CLI adds this callback; in a plain Lightning project add it to ``Trainer(callbacks=...)``."""
 
     MARK = "hbp_lost_ranks"  # set on the exception when reported (the CLI then exits without a traceback)
+    # A peer's sockets close while the kernel tears it down, before it is a zombie: a collective can fail
+    # with these words while the killed rank still shows as running, so its end is awaited (a bounded poll).
+    PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+    GRACE_S = 10.0
 
     def __init__(self) -> None:
         self.peers: list[tuple[str, int]] = []  # rank -> (host, pid)
@@ -55,7 +60,13 @@ class LostRankReport(L.Callback):
         if not self.peers or isinstance(exception, KeyboardInterrupt):
             return
         rank, host = trainer.global_rank, socket.gethostname()
-        self.lost = [r for r, (h, pid) in enumerate(self.peers) if h == host and r != rank and not process_alive(pid)]
+        local = [(r, pid) for r, (h, pid) in enumerate(self.peers) if h == host and r != rank]
+        deadline = time.monotonic() + (self.GRACE_S if any(w in str(exception) for w in self.PEER_GONE) else 0.0)
+        while True:
+            self.lost = [r for r, pid in local if not process_alive(pid)]
+            if self.lost or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         elsewhere = sum(h != host for h, _ in self.peers)
         if not self.lost:
             return
