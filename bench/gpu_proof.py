@@ -1,6 +1,6 @@
 """What lit-hbp does on this GPU, in one run: the parts of ``bench/gpu_proof.sh`` (which installs first).
 
-    bash bench/gpu_proof.sh [--out DIR] [--parts env,demo,tests,throughput,peers,sp2]
+    bash bench/gpu_proof.sh [--out DIR] [--parts env,demo,tests,throughput,peers,vlm,sp2]
     bash bench/gpu_proof.sh --dry-run      # CPU: the same parts on the tiny config, a few steps
 
 Parts, each in its own process with its own time box, so one that fails or runs over still leaves the
@@ -15,6 +15,8 @@ others' results:
   ``torch.cuda.max_memory_allocated`` per level, the attention backend each kind of layer call chose and why;
 - peers: ``bench/peers.py`` at the 1B size: lit-hbp's CLI, TRL (BFD + padding-free, no packing), HF
   Trainer with dynamic padding, with the check that each mode keeps samples apart;
+- vlm: configs/tiny_vlm_cpu.yaml (a tiny LLaVA-NeXT on drawn-shape image chats) on one GPU in bf16: the
+  self-check with the run's own images, then 60 steps of image packs (the per-level table);
 - sp2 (2+ GPUs only): the 1B config with one level, 16K tokens at sp 2, 20 steps on every GPU here.
 
 Writes ``proof.json`` (everything), ``proof.md`` (the tables) and ``proof.log`` (each part's output) to
@@ -37,10 +39,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PARTS = ("env", "demo", "tests", "throughput", "peers", "sp2")
-# Seconds per part on one H100/H200: with the install before them (~25 s) the boxes add up to 8 minutes.
+PARTS = ("env", "demo", "tests", "throughput", "peers", "vlm", "sp2")
+# Seconds per part on one H100/H200: with the install before them (~25 s) the boxes add up to 9 minutes.
 # Building the demo data takes ~11 s on a 2-core CPU (none when demo_data/ came with the checkout).
-BOXES = {"env": 30, "demo": 30, "tests": 80, "throughput": 130, "peers": 180, "sp2": 90}
+BOXES = {"env": 30, "demo": 30, "tests": 80, "throughput": 130, "peers": 180, "vlm": 60, "sp2": 90}
 PACKAGES = ("torch", "transformers", "lightning", "deepspeed", "trl", "flash_attn", "liger_kernel", "peft")
 
 
@@ -95,6 +97,19 @@ def peers_part(args: argparse.Namespace, work: Path) -> dict:
     return {"cmd": cmd, "json": out}
 
 
+def vlm_part(args: argparse.Namespace, work: Path) -> dict:
+    """The tiny vision-language config on one GPU in bf16 (its demo built in the work folder)."""
+    cmd = [sys.executable, "train.py", "fit", "--config", "configs/tiny_vlm_cpu.yaml"]
+    if args.dry_run:
+        cmd += ["--trainer.max_steps=2"]
+    else:
+        cmd += ["--trainer.accelerator=gpu", "--trainer.devices=1", "--trainer.precision=bf16-mixed"]
+        cmd += ["--trainer.max_steps=60"]
+    cmd += ["--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]"]
+    cmd += [f"--data.demo_dir={work / 'demo_vlm'}", f"--data.cache_dir={work / 'vlm_cache'}"]
+    return {"cmd": cmd + [f"--trainer.default_root_dir={work}"], "images": True}
+
+
 def sp2_part(args: argparse.Namespace, work: Path) -> dict | str:
     """The 1B config with one level, 16K tokens at sp 2 (every step runs it), on every GPU here."""
     if args.gpus < 2:
@@ -114,7 +129,7 @@ def level_steps(log: str) -> list[dict]:
 
 BUILDERS = {
     "env": env_part, "demo": demo_part, "tests": tests_part, "throughput": throughput_part, "peers": peers_part,
-    "sp2": sp2_part,
+    "vlm": vlm_part, "sp2": sp2_part,
 }  # fmt: skip
 
 
@@ -158,6 +173,11 @@ def run_part(name: str, spec: dict | str, box: float, logf) -> dict:
         result["result"] = level_steps(out + err)
         if status == "passed" and not any(r["sp"] > 1 and r["steps"] for r in result["result"]):
             result["status"] = "failed: no step ran a level with sp > 1"
+    if spec.get("images"):
+        line = next((x for x in (out + err).splitlines() if x.startswith("self-check passed")), "")
+        result["result"] = {"self_check": line, "levels": level_steps(out + err)}
+        if status == "passed" and "with images" not in line:
+            result["status"] = "failed: the self-check ran no pack with images"
     if spec.get("pytest"):
         result["result"] = pytest_counts(out)
         if status.startswith("failed (exit 5)"):  # no test selected (none marked gpu): a finding, not a crash
@@ -190,6 +210,11 @@ def tables(report: dict) -> str:
             f"| {c['dtype']} {c['needs']} on {c['device']} | {c['backend']} | {c['why']} | {c['backward']} |"
             for c in thr["attention"]
         ]
+    vlm = report["parts"].get("vlm", {}).get("result")
+    if vlm:
+        lines += ["", "## Vision-language (configs/tiny_vlm_cpu.yaml)", "", vlm["self_check"] or "no self-check line", ""]
+        lines += ["| level | pack_len | sp | steps | tokens/s |", "|---|---|---|---|---|"]
+        lines += [f"| {r['level']} | {r['pack_len']} | {r['sp']} | {r['steps']} | {r['tokens_per_s']} |" for r in vlm["levels"]]
     peers = report["parts"].get("peers", {}).get("result")
     if peers:
         lines += ["", f"## Peers ({peers['data']['samples']} samples, {peers['data']['tokens']:,} tokens)", ""]

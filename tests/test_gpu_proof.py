@@ -54,6 +54,9 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path):
     assert thr["memory"][1]["predicted_gib"] > thr["memory"][0]["predicted_gib"] > 0
     assert {(c["device"], c["dtype"]) for c in thr["attention"]} == {("cpu", "float32")}
 
+    vlm = parts["vlm"]["result"]  # the tiny vision-language run: its self-check packed the run's images
+    assert "2 of them with images" in vlm["self_check"] and sum(r["steps"] for r in vlm["levels"]) == 2
+
     peers = parts["peers"]["result"]
     records = [json.loads(line) for line in (work / "peers" / "data.jsonl").read_text().splitlines()]
     tokens = sum(len(r["input_ids"]) for r in records)
@@ -66,7 +69,8 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path):
     assert peers["control_max_diff"] > 1e-2  # a mode that lets samples see each other is caught
 
     md = (out / "proof.md").read_text()
-    for head in ("| part | status | seconds |", "## Throughput", "| level | predicted GiB", "## Peers"):
+    for head in ("| part | status | seconds |", "## Throughput", "| level | predicted GiB", "## Vision-language",
+                 "## Peers"):
         assert head in md
 
 
