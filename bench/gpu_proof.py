@@ -212,9 +212,12 @@ def tables(report: dict) -> str:
         ]
     vlm = report["parts"].get("vlm", {}).get("result")
     if vlm:
-        lines += ["", "## Vision-language (configs/tiny_vlm_cpu.yaml)", "", vlm["self_check"] or "no self-check line", ""]
-        lines += ["| level | pack_len | sp | steps | tokens/s |", "|---|---|---|---|---|"]
-        lines += [f"| {r['level']} | {r['pack_len']} | {r['sp']} | {r['steps']} | {r['tokens_per_s']} |" for r in vlm["levels"]]
+        lines += ["", "## Vision-language (configs/tiny_vlm_cpu.yaml)", "", vlm["self_check"] or "no self-check"]
+        lines += ["", "| level | pack_len | sp | steps | tokens/s |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {r['level']} | {r['pack_len']} | {r['sp']} | {r['steps']} | {r['tokens_per_s']} |"
+            for r in vlm["levels"]
+        ]
     peers = report["parts"].get("peers", {}).get("result")
     if peers:
         lines += ["", f"## Peers ({peers['data']['samples']} samples, {peers['data']['tokens']:,} tokens)", ""]

@@ -33,6 +33,7 @@ from lit_hbp.causal_lm import (
 from lit_hbp.checks import check_model_source, check_module_positions
 from lit_hbp.costmodel import CostModel
 from lit_hbp.data.batch import PackedBatch
+from lit_hbp.errors import ConfigError
 from lit_hbp.loss import NORMALIZERS
 from lit_hbp.memory import not_fitting, trainer_cost
 from lit_hbp.meter import StepMeter, logs_now
@@ -265,6 +266,14 @@ class HBPLitModule(L.LightningModule):
                     f"level {i} (pack_len {lv.pack_len}) uses sequence parallelism {lv.sp}, which "
                     f"{type(strategy).__name__} cannot run: train with lit_hbp.strategy.HBPStrategy"
                 )
+        data = getattr(self.trainer, "datamodule", None)
+        if getattr(strategy, "zero_stage_3", False) and getattr(getattr(data, "store", None), "has_images", False):
+            raise ConfigError(
+                "trainer.strategy: HBPStrategy(stage=3) with samples that have images: ZeRO-3 gathers a module's "
+                "weights when its forward runs, but the vision tower runs only on ranks whose pack holds images, "
+                "and some families use weights outside any forward (LLaVA-NeXT's image_newline); train "
+                "vision-language data with stage 2 (or offload the optimizer: offload_optimizer=True)"
+            )
         tiles = max((lv.mlp_tiles for lv in levels), default=1)
         check(trainer_settings(self.trainer, local_hardware(self.device), liger=self.hparams.liger), tiles=tiles)
         if tiles > 1:  # a model without token-wise MLPs refuses now, not at the first long step
@@ -279,7 +288,6 @@ class HBPLitModule(L.LightningModule):
 
             layouts = getattr(strategy, "levels", None) or levels  # the strategy's carry resolved layouts
             degrees = sorted({(lv.sp, lv.layout[1]) for lv in layouts} | {(1, 1)})
-            data = getattr(self.trainer, "datamodule", None)
             media_docs = data.self_check_samples() if hasattr(data, "self_check_samples") else []
             errors = run_self_check(
                 self,

@@ -69,8 +69,13 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path):
     assert peers["control_max_diff"] > 1e-2  # a mode that lets samples see each other is caught
 
     md = (out / "proof.md").read_text()
-    for head in ("| part | status | seconds |", "## Throughput", "| level | predicted GiB", "## Vision-language",
-                 "## Peers"):
+    for head in (
+        "| part | status | seconds |",
+        "## Throughput",
+        "| level | predicted GiB",
+        "## Vision-language",
+        "## Peers",
+    ):
         assert head in md
 
 

@@ -520,7 +520,8 @@ def test_the_tiny_vlm_config_trains_its_images_on_sp_2_levels_under_hbp_strategy
     SP group splits their encoding, and training and validation run."""
     run = subprocess.run(
         [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs" / "tiny_vlm_cpu.yaml"),
-         "--trainer.devices", "2", "--trainer.strategy", "{class_path: lit_hbp.strategy.HBPStrategy, init_args: {stage: 2}}",
+         "--trainer.devices", "2",
+         "--trainer.strategy", "{class_path: lit_hbp.strategy.HBPStrategy, init_args: {stage: 2}}",
          "--data.levels", "[{pack_len: 1024, sp: 2}, {pack_len: 2048, sp: 2}]", "--trainer.max_steps", "2",
          "--trainer.val_check_interval", "2", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
@@ -529,3 +530,21 @@ def test_the_tiny_vlm_config_trains_its_images_on_sp_2_levels_under_hbp_strategy
     (line,) = [x for x in run.stderr.splitlines() if x.startswith("self-check passed")]
     assert "2 of them with images" in line and ", sp 2: loss" in line, line
     assert "epoch 0 summary: 2 of the plan's" in run.stderr and "world 2" in run.stderr
+
+
+def test_zero_3_with_image_samples_is_refused_before_the_first_step(data, tmp_path):
+    """ZeRO-3 gathers a module's weights when its forward runs; the vision tower runs only where a pack
+    holds images and LLaVA-NeXT reads image_newline outside any forward (partitioned: a shape error, or
+    a rank left waiting): refused at the start of fit, naming what to use."""
+    from conftest import quiet_trainer
+
+    from lit_hbp.module import HBPLitModule
+    from lit_hbp.strategy import HBPStrategy
+
+    root, folder = data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"), val_fraction=0)  # fmt: skip
+    trainer = quiet_trainer(strategy=HBPStrategy(stage=3), devices=1, max_steps=1)
+    refused = r"trainer.strategy: HBPStrategy\(stage=3\) with samples that have images: .* stage 2"
+    with pytest.raises(ValueError, match=refused):
+        trainer.fit(HBPLitModule(model=str(folder)), datamodule=dm)
