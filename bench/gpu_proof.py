@@ -93,7 +93,8 @@ def peers_part(args: argparse.Namespace, work: Path) -> dict:
         "--size", "1b", "--samples", "300", "--long", "4", "--max-len", "8192", "--batch-size", "2"
     ]  # fmt: skip
     cmd = [sys.executable, str(HERE / "peers.py"), *size, "--rounds", "1", "--demo-dir", str(args.demo_dir)]
-    cmd += ["--work", str(work / "peers"), "--timeout", str(BOXES["peers"] // 2), "--json", str(out)]
+    per_mode = int(BOXES["peers"] * getattr(args, "scale", 1.0)) // 2  # the part's box, half for one mode
+    cmd += ["--work", str(work / "peers"), "--timeout", str(per_mode), "--json", str(out)]
     return {"cmd": cmd, "json": out}
 
 
@@ -262,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus == 0 and not args.dry_run:
         print("gpu_proof: no CUDA GPU here; --dry-run runs the same parts on a CPU", file=sys.stderr)
         return 2
-    scale = args.box_scale * (3.0 if args.dry_run else 1.0)  # a 2-core CPU builds and trains slower
+    # A dry run's boxes only bound a hang: a loaded 2-core CPU builds and trains many times slower.
+    scale = args.box_scale * (10.0 if args.dry_run else 1.0)
+    args.scale = scale
     report = {"device": "cpu" if args.dry_run and args.gpus == 0 else f"{args.gpus} GPU(s)", "dry_run": args.dry_run}
     report["host"] = {"python": platform.python_version(), "cpus": os.cpu_count()}
     report["parts"] = {}

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -25,7 +26,7 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path):
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     proc = subprocess.run(
         ["bash", "bench/gpu_proof.sh", "--dry-run", "--work", str(work)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert sorted(p.name for p in out.iterdir()) == ["proof.json", "proof.log", "proof.md"]
