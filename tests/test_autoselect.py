@@ -208,6 +208,7 @@ def pool_measured_selection(lengths):
     The estimate rules out 1024-token packs without checkpointing, so Algorithm 4 bisects there."""
     import gc
     import os
+    import weakref
     from unittest import mock
 
     import deepspeed
@@ -220,12 +221,14 @@ def pool_measured_selection(lengths):
 
     spec = ModelSpec.from_config(PROBE_MODEL)
     world = dist.get_world_size()
-    stages, groups, probes = [], {}, []
+    stages, groups, probes, made = [], {}, [], []
     real_init, real_of = deepspeed.initialize, SPCall.of
 
     def initialize(*args, **kwargs):
         stages.append(kwargs["config"]["zero_optimization"]["stage"])
-        return real_init(*args, **kwargs)
+        out = real_init(*args, **kwargs)
+        made.append(weakref.ref(out[0]))  # the probe's engine: it must not outlive its probe
+        return out
 
     def sp_call(ctx, kind):  # the strategy hands each sp > 1 micro-batch over with its level's group
         groups.setdefault(ctx.size, set()).add(id(ctx.group))
@@ -247,9 +250,9 @@ def pool_measured_selection(lengths):
     with mock.patch.object(deepspeed, "initialize", initialize), mock.patch.object(SPCall, "of", sp_call):
         selection = select_levels(profiler, lengths, spec, world, candidates=[256, 1024], every_layout=False)
     gc.collect()
-    engines = sum(isinstance(o, deepspeed.DeepSpeedEngine) for o in gc.get_objects())
+    engines = sum(ref() is not None for ref in made)  # this search's engines only, not an earlier test's
     untouched = dict(os.environ) == env and torch.equal(torch.get_rng_state(), rng)
-    seen = dict(stages=stages, groups=groups, probes=probes, engines=engines, untouched=untouched)
+    seen = dict(stages=stages, groups=groups, probes=probes, engines=engines, made=len(made), untouched=untouched)
     return selection.candidates, selection.levels, seen
 
 
@@ -295,7 +298,7 @@ def test_measured_profiler_trains_through_hbp_strategy_on_two_gloo_processes(poo
     # one SP group built for the search, and nothing of a probe outlives it.
     assert seen["stages"] == [2] * (len(seen["probes"]) - len(ruled_out))
     assert len(seen["groups"][2]) == 1
-    assert seen["engines"] == seen1["engines"] == 0
+    assert seen["engines"] == seen1["engines"] == 0 and seen["made"] == len(seen["stages"])
     assert seen["untouched"] and seen1["untouched"], "random state and environment are restored"
     assert levels[-1].pack_len == 1024 and all(isinstance(lv, Level) for lv in levels)
 
