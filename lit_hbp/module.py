@@ -254,20 +254,19 @@ class HBPLitModule(L.LightningModule):
         levels = tuple(getattr(dm, "levels", None) or ())
         for i, lv in enumerate(levels):
             if lv.ckpt_layers > self.num_layers:
-                raise ValueError(
-                    f"level {i} (pack_len {lv.pack_len}) checkpoints {lv.ckpt_layers} layers but the model has "
-                    f"{self.num_layers} decoder layers"
+                raise ConfigError(
+                    f"data.levels: level {i} (pack_len {lv.pack_len}) checkpoints {lv.ckpt_layers} layers but the "
+                    f"model has {self.num_layers} decoder layers"
                 )
         strategy = self.trainer.strategy
         groups = getattr(strategy, "sp_groups", None)
         for i, lv in enumerate(levels):
             if lv.sp > 1 and groups is None:
-                raise ValueError(
-                    f"level {i} (pack_len {lv.pack_len}) uses sequence parallelism {lv.sp}, which "
+                raise ConfigError(
+                    f"data.levels: level {i} (pack_len {lv.pack_len}) uses sequence parallelism {lv.sp}, which "
                     f"{type(strategy).__name__} cannot run: train with lit_hbp.strategy.HBPStrategy"
                 )
-        data = getattr(self.trainer, "datamodule", None)
-        if getattr(strategy, "zero_stage_3", False) and getattr(getattr(data, "store", None), "has_images", False):
+        if getattr(strategy, "zero_stage_3", False) and getattr(getattr(dm, "store", None), "has_images", False):
             raise ConfigError(
                 "trainer.strategy: HBPStrategy(stage=3) with samples that have images: ZeRO-3 gathers a module's "
                 "weights when its forward runs, but the vision tower runs only on ranks whose pack holds images, "
@@ -288,7 +287,7 @@ class HBPLitModule(L.LightningModule):
 
             layouts = getattr(strategy, "levels", None) or levels  # the strategy's carry resolved layouts
             degrees = sorted({(lv.sp, lv.layout[1]) for lv in layouts} | {(1, 1)})
-            media_docs = data.self_check_samples() if hasattr(data, "self_check_samples") else []
+            media_docs = dm.self_check_samples() if hasattr(dm, "self_check_samples") else []
             errors = run_self_check(
                 self,
                 degrees,
