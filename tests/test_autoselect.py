@@ -272,7 +272,7 @@ def test_measured_profiler_trains_through_hbp_strategy_on_two_gloo_processes(poo
     assert set(chosen) == {(256, 1), (256, 2), (1024, 1), (1024, 2)}
     for (pack_len, sp), c in chosen.items():
         m = c.measurement
-        assert m.fits and 0 < m.seconds < 60 and m.memory > 50 * 2**20
+        assert m.fits and m.seconds > 0 and m.memory > 50 * 2**20  # a time, never bounded: load varies
         assert 0.9 * pack_len / sp <= m.tokens <= pack_len / sp, "real tokens per rank of full packs"
         assert c.tokens_per_second == pytest.approx(m.tokens / m.seconds)
         # Algorithm 4: 256 fits without checkpointing; at 1024 no checkpointing is ruled out by the
@@ -322,7 +322,7 @@ def pool_measure_once(stage, accumulate):
 def test_measured_profiler_under_other_zero_stages_and_accumulation(pool, stage, accumulate):
     (m, capacity), (m1, capacity1) = pool.run(pool_measure_once, stage, accumulate)
     assert m == m1 and capacity == capacity1 == 2**30
-    assert m.fits and 0 < m.seconds < 60 and m.tokens == 250
+    assert m.fits and m.seconds > 0 and m.tokens == 250
 
 
 def pool_levels_auto_measured(data, tokenizer, cache):
