@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.parallel.context import SPCall
 from lit_hbp.parallel.kind import resolve_sp_kind
+from lit_hbp.parallel.media import KINDS
 from lit_hbp.vision import TOKEN_KEYS, MRopePositions
 
 DOC_LENGTHS = (9, 23, 5, 100, 31, 14)  # about 200 tokens in all: block-wise mechanisms (compression) engage
@@ -50,7 +51,7 @@ DOC_LENGTHS = (9, 23, 5, 100, 31, 14)  # about 200 tokens in all: block-wise mec
 TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.float64: (1e-8, 1e-7)}
 LOW_PRECISION = (2e-2, 1.5e-1)
 LEAK_TOLERANCE = 1e-6  # gradient of one document's loss on the others, relative to its own
-PIXELS = ("pixel_values", "pixel_values_videos")  # the media inputs gradients are taken for
+PIXELS = tuple(kind.pixels for kind in KINDS)  # the media inputs gradients are taken for
 SUSPECTS = ("mamba", "ssm", "recurrent", "linearattention", "lightning", "deltanet", "conv", "rwkv", "xlstm")
 
 
@@ -104,7 +105,7 @@ def run_self_check(
     docs = _documents(_vocab(net), net.config, max_len)
     media = {}
     for ids, mm in media_docs:
-        media[len(docs)] = {k: v for k, v in mm.items()}
+        media[len(docs)] = dict(mm)
         docs[len(docs)] = (np.asarray(ids, dtype=np.int64), np.ones(len(ids), bool))
     was_training = net.training
     net.eval()  # dropout and router jitter off: the comparison is between two deterministic runs
