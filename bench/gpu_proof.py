@@ -98,6 +98,26 @@ def peers_part(args: argparse.Namespace, work: Path) -> dict:
     return {"cmd": cmd, "json": out}
 
 
+def vlm_site(work: Path) -> str | None:
+    """A folder with transformers >= 5.18 (vision-language packs need its ``mm_encoder_outputs``) for the
+    parts with images, installed from .whl/vlm/ (bench/gpu_wheels.sh) where this Python's is older; None
+    where it is new enough. Raises where it is older and .whl/vlm/ has no wheels."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    if Version(importlib.metadata.version("transformers")) >= Version("5.18"):
+        return None
+    wheels = sorted(str(w) for w in (ROOT / ".whl" / "vlm").glob("*.whl"))
+    if not wheels:
+        raise RuntimeError("transformers is older than 5.18 here and .whl/vlm/ is empty: run bench/gpu_wheels.sh")
+    site = work / "vlm_site"
+    if not site.exists():
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]
+        subprocess.run([*pip, *wheels], check=True)
+    return str(site)
+
+
 def vlm_part(args: argparse.Namespace, work: Path) -> dict:
     """The tiny vision-language config on one GPU in bf16 (its demo built in the work folder)."""
     cmd = [sys.executable, "train.py", "fit", "--config", "configs/tiny_vlm_cpu.yaml"]
@@ -108,7 +128,8 @@ def vlm_part(args: argparse.Namespace, work: Path) -> dict:
         cmd += ["--trainer.max_steps=60"]
     cmd += ["--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]"]
     cmd += [f"--data.demo_dir={work / 'demo_vlm'}", f"--data.cache_dir={work / 'vlm_cache'}"]
-    return {"cmd": cmd + [f"--trainer.default_root_dir={work}"], "images": True}
+    site = None if args.dry_run else vlm_site(work)
+    return {"cmd": cmd + [f"--trainer.default_root_dir={work}"], "images": True, "site": site}
 
 
 def sp2_part(args: argparse.Namespace, work: Path) -> dict | str:
@@ -149,7 +170,7 @@ def run_part(name: str, spec: dict | str, box: float, logf) -> dict:
     start = time.perf_counter()
     logf.write(f"\n===== {name}: {' '.join(map(str, spec['cmd']))}\n")
     logf.flush()
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [spec.get("site"), str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     # its own process group: a part over its box is stopped with every process it started (peers' workers)
     proc = subprocess.Popen(
@@ -272,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with open(out / "proof.log", "w") as logf:
         for name in parts:
-            result = run_part(name, BUILDERS[name](args, work), BOXES[name] * scale, logf)
+            try:
+                spec = BUILDERS[name](args, work)
+            except (RuntimeError, subprocess.CalledProcessError) as e:  # a part that cannot start here
+                spec = f"failed: {e}"
+            result = run_part(name, spec, BOXES[name] * scale, logf)
             report["parts"][name] = result
             print(f"gpu_proof: {name}: {result['status']} ({result.get('seconds', 0)} s)", flush=True)
             if name == "env" and "result" in result and result["result"]["gpus"]:

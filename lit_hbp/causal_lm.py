@@ -23,7 +23,6 @@ import importlib.util
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -38,7 +37,6 @@ from lit_hbp.offload import OFFLOADER, HostOffload
 from lit_hbp.packed_call import (
     PREPARED,
     Prepared,
-    current_tiles,
     install_call_hooks,
     pack_inputs,
     pack_scope,
@@ -47,7 +45,14 @@ from lit_hbp.packed_call import (
 )
 from lit_hbp.parallel.media import split_encoder_outputs
 from lit_hbp.tiling import install_tiling, mlp_of, uninstall_tiling
-from lit_hbp.vision import encoder_outputs, is_multimodal, language_linears, refuse_bidirectional, vision_tower
+from lit_hbp.vision import (
+    check_encoder_outputs,
+    encoder_outputs,
+    is_multimodal,
+    language_linears,
+    refuse_bidirectional,
+    vision_tower,
+)
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
@@ -217,7 +222,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     )
     for mlp in record.mlps:
         if mlp is not None:
-            install_tiling(mlp, partial(current_tiles, record))
+            install_tiling(mlp, record.tiles_of)
     for module in {id(m): m for m in (net, decoder, record.runner, *(m for ms in record.attends for m in ms))}.values():
         module.__dict__[PREPARED] = record  # plain attributes: not in the state dict
     net.__dict__.setdefault(OFFLOADER, HostOffload())
@@ -343,6 +348,7 @@ def packed_loss(
     aux = router_loss and getattr(net.config.get_text_config(), "output_router_logits", False)
     if batch.mm:  # images encoded apart, by the vision tower's own attention (split over the SP group)
         refuse_bidirectional(net, batch.mm)
+        check_encoder_outputs(record.runner)
         if int(batch.sp) > 1:
             part = batch.positions_in_pack().to(batch.input_ids.device)
             encoded = split_encoder_outputs(

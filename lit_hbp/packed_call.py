@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -69,25 +70,34 @@ class Prepared:
     owner: int = field(default_factory=lambda: next(_owners))  # names its calls in ``attention.choices``
     hooks: list = field(default_factory=list)
     own: list | None = None  # the layers' own (checkpointing flag, function) while packed calls run
+    own_flags: list | None = None  # the flags the layers held in their own dict then (None: their class's)
     active: int = 0  # packed calls of the model running now, on any thread
     said_own_ckpt: bool = False
     compiled: tuple | None = None  # (compile context, the decoder compiled with it) for a compiled model
     lock: threading.Lock = field(default_factory=threading.Lock)
     # what its packed calls ran: (device, dtype, features) -> [backend, why, backward] (``attention.choices``)
     ran: dict = field(default_factory=dict)
+    # one object for every layer, so compiled layers share their graphs: the MLPs' ``tiles_of`` and the
+    # layers' checkpoint function while packed calls run
+    tiles_of: Any = None
+    checkpoint: Any = None
 
     def __post_init__(self) -> None:
         _by_owner[self.owner] = self
+        if self.tiles_of is None:
+            self.tiles_of = partial(current_tiles, self)
+        if self.checkpoint is None:
+            self.checkpoint = partial(_checkpoint, self)
 
     def __getstate__(self) -> dict:
         """Pickled between calls: no lock, no call in flight, no compiled code (a loaded copy has its own)."""
-        skip = ("lock", "own", "active", "owner", "compiled", "ran")
+        skip = ("lock", "own", "own_flags", "active", "owner", "compiled", "ran")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict) -> None:
         """A prepared model loaded in another process: its packed calls need the config's routing there too."""
         self.__dict__.update(
-            state, lock=threading.Lock(), own=None, active=0, owner=next(_owners), compiled=None, ran={}
+            state, lock=threading.Lock(), own=None, own_flags=None, active=0, owner=next(_owners), compiled=None, ran={}
         )
         _by_owner[self.owner] = self
         for config, _ in self.configs:
@@ -110,24 +120,35 @@ def record_of(model: torch.nn.Module) -> Prepared | None:
     return unwrapped(model).__dict__.get(PREPARED)
 
 
+def _own_flags(prepared: Prepared, fn) -> tuple[bool, object]:
+    """The (checkpointing flag, function) the project gave the layer that ``fn`` runs (transformers
+    passes the layer's forward bound to it, as a partial's first argument or its method's owner)."""
+    layer = fn.args[0] if getattr(fn, "args", None) else getattr(getattr(fn, "func", None), "__self__", None)
+    index = next((i for i, x in enumerate(prepared.layers) if x is layer), None)
+    if prepared.own is None or index is None:
+        return False, None
+    return prepared.own[index]
+
+
 def current_tiles(prepared: Prepared) -> int:
     """The MLP tiles of the model's packed call on this thread (1 outside one)."""
     call = calls.current(prepared)
     return call.tiles if call is not None else 1
 
 
-def _checkpoint(prepared: Prepared, layer: int, fn, *args):
-    """Layer ``layer``'s checkpoint function while packed calls of the model run: in this thread's
-    packed call, the level's (or the project's own) checkpointing, whose recomputation enters the
-    call again; in a plain call (another thread's), what the layer's own flags say."""
-    own_flag, own_func = prepared.own[layer] if prepared.own is not None else (False, None)
+def _checkpoint(prepared: Prepared, fn, *args):
+    """A flagged layer's checkpoint function while packed calls of the model run (one for all layers:
+    a layer's index read here would be a guard of compiled layers, one graph per layer). In this
+    thread's packed call: checkpointed, offloaded as the call says, the recomputation entering the call
+    again; the layer is flagged by this call's level, the project, or a deeper level another thread
+    runs now (then it recomputes too: the same numbers). In a plain call on another thread: what the
+    layer's own flags say."""
     call = calls.current(prepared)
     if call is None:
+        own_flag, own_func = _own_flags(prepared, fn)
         return own_func(fn, *args) if own_flag and own_func is not None else fn(*args)
-    if not (own_flag or (call.ckpt_layers is not None and layer < call.ckpt_layers)):
-        return fn(*args)
-    if torch.compiler.is_compiling():  # the compiled backward recomputes without Python
-        run = fn
+    if torch.compiler.is_compiling() and call.tiles == 1:  # the compiled backward recomputes without Python
+        run = fn  # (tiled MLPs break the graph, so their layer's checkpoint runs eagerly: it must enter the call)
     else:
 
         def run(*inputs):
@@ -150,8 +171,9 @@ def _layer_flags(prepared: Prepared, ckpt_layers: int | None) -> Iterator[None]:
                 (layer.gradient_checkpointing, layer.__dict__.get("_gradient_checkpointing_func"))
                 for layer in prepared.layers
             ]
-            for i, layer in enumerate(prepared.layers):
-                layer._gradient_checkpointing_func = partial(_checkpoint, prepared, i)
+            prepared.own_flags = [layer.__dict__.get("gradient_checkpointing") for layer in prepared.layers]
+            for layer in prepared.layers:
+                layer._gradient_checkpointing_func = prepared.checkpoint
         for layer in prepared.layers[: ckpt_layers or 0]:
             layer.gradient_checkpointing = True
         prepared.active += 1
@@ -161,8 +183,11 @@ def _layer_flags(prepared: Prepared, ckpt_layers: int | None) -> Iterator[None]:
         with prepared.lock:
             prepared.active -= 1
             if prepared.active == 0:
-                for layer, (flag, func) in zip(prepared.layers, prepared.own):
-                    layer.gradient_checkpointing = flag
+                for layer, (flag, func), own in zip(prepared.layers, prepared.own, prepared.own_flags):
+                    if own is None:  # the class's flag, as before: a flag left in the instance is a new guard
+                        layer.__dict__.pop("gradient_checkpointing", None)
+                    else:
+                        layer.gradient_checkpointing = flag
                     if func is None:
                         layer.__dict__.pop("_gradient_checkpointing_func", None)
                     else:
@@ -201,7 +226,7 @@ def pack_scope(
                     "feed the router loss, some families' MLPs take more than the hidden states); use mlp_tiles 1 "
                     "for this model"
                 )
-            install_tiling(mlp, partial(current_tiles, prepared))  # again if an integration (Liger) rebound it
+            install_tiling(mlp, prepared.tiles_of)  # again if an integration (Liger) rebound it
     if ckpt_layers is not None and ckpt_layers < len(layers) and not prepared.said_own_ckpt:
         if any(layer.gradient_checkpointing for layer in layers) and prepared.active == 0:
             prepared.said_own_ckpt = True

@@ -41,6 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 from lit_hbp.causal_lm import zero3_loading  # noqa: E402
 from lit_hbp.checkpoints import is_complete, save_deepspeed  # noqa: E402
 from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
+from lit_hbp.errors import ConfigError  # noqa: E402
 from lit_hbp.packed_call import record_of  # noqa: E402
 from lit_hbp.packing.levels import Level, as_level  # noqa: E402
 from lit_hbp.parallel.context import SPCall  # noqa: E402
@@ -180,6 +181,19 @@ def _whole_folder(path: Any) -> None:
         raise FileNotFoundError(
             f"{path} is not a complete DeepSpeed checkpoint folder: its `latest` file must name a tag folder "
             "holding the model states (a save that was killed leaves the previous tag named)"
+        )
+
+
+def _check_deepspeed_device(device: torch.device) -> None:
+    """DeepSpeed picks its device once, from ``DS_ACCELERATOR`` or what it finds: one that is not the
+    trainer's would keep the model where the process group cannot reach it (a cryptic collective error)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if device.type == "cuda" and get_accelerator().device_name() != "cuda":
+        raise ConfigError(
+            f"DeepSpeed runs on {get_accelerator().device_name()!r} (DS_ACCELERATOR="
+            f"{os.environ.get('DS_ACCELERATOR', '')!r}) but the trainer on {device}: unset DS_ACCELERATOR, or set "
+            "it to cuda"
         )
 
 
@@ -342,6 +356,7 @@ class HBPStrategy(DeepSpeedStrategy):
             )
             + f"; ZeRO stage {zero.zero_stage}"
         )
+        _check_deepspeed_device(self.root_device)
         super().setup(trainer)
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:

@@ -16,6 +16,7 @@ at a level with 1 tile, the family's MLP runs untouched.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -96,48 +97,55 @@ def _tiles(x: torch.Tensor, tiles: int):
         yield x[index], index
 
 
-class TiledForward:
-    """An MLP's ``forward`` in the tiles its packed call asks for (``tiles_of()``), around ``inner``:
-    the forward it had (None: its class's own, looked up at each call). A plain object in the
-    module's dict, so the model pickles and deep-copies with it; the state dict is unchanged."""
+TILES_OF = "_lit_hbp_tiles_of"  # on a tiled MLP: the callable that says its packed call's tiles (one per model)
+INNER = "_lit_hbp_inner_forward"  # on a tiled MLP: a forward an integration (Liger) bound on the instance
+OWN = "_lit_hbp_own_forward"  # on the class's tiling forward: the class's forward it runs
 
-    def __init__(self, mlp: torch.nn.Module, inner, tiles_of) -> None:
-        self.mlp, self.inner, self.tiles_of = mlp, inner, tiles_of
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x) if self.inner is not None else type(self.mlp).forward(self.mlp, x)
+def _tiling_forward(own):
+    """The forward of an MLP class whose instances may run in tiles: an instance that ``install_tiling``
+    marked asks its packed call for the tiles; any other runs ``own`` untouched. On the class, not the
+    instance, so every layer's MLP is the same code to dynamo (compiled layers share one graph)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The family's MLP with 1 tile, TiledMLP with more; without gradients (validation at a long
-        level) a plain loop over the tiles, whose intermediates live one tile at a time."""
-        tiles = min(self.tiles_of(), x.shape[-2])
+    @functools.wraps(own)
+    def forward(self, x, *args, **kwargs):
+        tiles_of = self.__dict__.get(TILES_OF)
+        inner = self.__dict__.get(INNER)
+        if tiles_of is None or args or kwargs:
+            return own(self, x, *args, **kwargs) if inner is None else inner(x, *args, **kwargs)
+        untiled = functools.partial(own, self) if inner is None else inner
+        tiles = min(tiles_of(), x.shape[-2])
         if tiles <= 1:
-            return self.forward(x)
-        if not torch.is_grad_enabled():
-            return run_tiles(self.forward, x, tiles)
-        params = [p for p in self.mlp.parameters() if p.requires_grad]
-        return TiledMLP.apply(self.forward, tiles, x, *params)
+            return untiled(x)
+        if not torch.is_grad_enabled():  # validation at a long level: one tile's intermediates at a time
+            return run_tiles(untiled, x, tiles)
+        params = [p for p in self.parameters() if p.requires_grad]
+        return TiledMLP.apply(untiled, tiles, x, *params)
+
+    setattr(forward, OWN, own)
+    return forward
 
 
 def install_tiling(mlp: torch.nn.Module, tiles_of) -> None:
-    """Make ``mlp`` run in the tiles ``tiles_of()`` says: its forward becomes a ``TiledForward``
-    around the forward it had (the family's, or one an integration such as Liger bound later:
-    installing again wraps that one)."""
-    current = mlp.__dict__.get("forward")
-    if isinstance(current, TiledForward):
-        return
-    mlp.forward = TiledForward(mlp, current, tiles_of)
+    """Make ``mlp`` run in the tiles ``tiles_of()`` says (pass one callable for all of a model's MLPs):
+    its class's forward becomes the tiling one (once per class; again if something replaced it since),
+    and a forward an integration bound on the instance is run inside the tiles."""
+    cls = type(mlp)
+    if getattr(cls.forward, OWN, None) is None:
+        cls.forward = _tiling_forward(cls.forward)
+    bound = mlp.__dict__.pop("forward", None)
+    if bound is not None:
+        mlp.__dict__[INNER] = bound
+    mlp.__dict__[TILES_OF] = tiles_of
 
 
 def uninstall_tiling(mlp: torch.nn.Module) -> None:
-    """The forward ``mlp`` had before ``install_tiling``."""
-    current = mlp.__dict__.get("forward")
-    if not isinstance(current, TiledForward):
-        return
-    if current.inner is None:
-        del mlp.forward  # the class's own forward
-    else:
-        mlp.forward = current.inner  # one an integration bound before
+    """``mlp`` as before ``install_tiling``: its class's tiling forward runs the class's own for it (the
+    class keeps it: other prepared models may share the class), an integration's bound forward is back."""
+    mlp.__dict__.pop(TILES_OF, None)
+    bound = mlp.__dict__.pop(INNER, None)
+    if bound is not None:
+        mlp.forward = bound
 
 
 def mlp_of(layer: torch.nn.Module) -> torch.nn.Module | None:

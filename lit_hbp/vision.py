@@ -186,6 +186,29 @@ class MRopePositions:
         return torch.cat(rows, dim=1)[:, None]
 
 
+def check_encoder_outputs(inner: torch.nn.Module) -> None:
+    """Refuse a model whose forward cannot take the images' encodings computed apart
+    (``mm_encoder_outputs``, transformers 5.18 on, not every family): its packed call would run the
+    vision tower inside and hand the language model's attention the pack's keywords."""
+    import inspect
+
+    import transformers
+    from packaging.version import Version
+
+    if "mm_encoder_outputs" in inspect.signature(inner.forward).parameters:
+        return
+    version = transformers.__version__
+    fix = (
+        "pip install 'transformers>=5.18', which has it"
+        if Version(version) < Version("5.18")
+        else "this family cannot train on images with lit-hbp"
+    )
+    raise ValueError(
+        f"{type(inner).__name__}.forward takes no mm_encoder_outputs (transformers {version}): lit-hbp encodes a "
+        f"pack's images apart from the packed call and hands them over so; {fix} (packs without images train)"
+    )
+
+
 def encoder_outputs(inner: torch.nn.Module, mm: Mapping[str, torch.Tensor]) -> dict:
     """The images' and videos' encodings by the model's own vision tower (``get_image_features`` /
     ``get_video_features`` with the arguments they take), as ``mm_encoder_outputs``: computed apart

@@ -5,12 +5,15 @@ from pathlib import Path
 
 # Brute-force references live next to the tests.
 sys.path.insert(0, str(Path(__file__).parent))
-# DeepSpeed must not look for CUDA here, and its JIT op is compiled once into the repo's cache.
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
-
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Without a GPU DeepSpeed must not look for CUDA (with one, the GPU tests' DeepSpeed runs on it), and its
+# JIT op is compiled once into the repo's cache.
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
 
 
 def pytest_collection_modifyitems(config, items):

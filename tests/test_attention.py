@@ -12,7 +12,7 @@ import torch
 from packaging.version import Version
 
 from lit_hbp import attention, prepare_model
-from lit_hbp.attention import backends
+from lit_hbp.attention import backends, flex
 from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose
 from lit_hbp.attention.flex import tile_masks
 from lit_hbp.packed_call import record_of
@@ -96,6 +96,22 @@ def test_flex_forward_matches_the_dense_reference_on_cpu(case):
     torch.testing.assert_close(out.double(), dense_reference(q, k, v, cu, 0.4, **feats), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("feats", [{"window": 7}, {"window": 5, "softcap": 2.0}])
+def test_compiled_flex_lowers_the_windowed_mask_on_cpu(feats):
+    """Inductor lowers a block mask's mask_mod as one pointwise subgraph, in which an in-place ``&=``
+    cannot be written (on an H100 every windowed family failed its self-check on flex): compiled, the
+    windowed cases lower and match the dense reference (CPU forward without sinks, which need the LSE that
+    compiled CPU flex does not return; the GPU test has them and the gradients)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    q, k, v, cu = random_pack(2, total=300)
+    args = AttnArgs(torch.tensor(cu, dtype=torch.int32), max(np.diff(cu)), 0.4, **feats)
+    with torch.no_grad():
+        out = backends.flex_run(q, k, v, args, fn=torch.compile(flex_attention))
+    torch.testing.assert_close(out.double(), dense_reference(q, k, v, cu, 0.4, **feats), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 1, 20, 130, 400])
 @pytest.mark.parametrize("seed", range(4))
 def test_flex_tiles_equal_torchs_create_block_mask(seed, window):
@@ -121,6 +137,36 @@ def test_flex_tiles_equal_torchs_create_block_mask(seed, window):
     for r in range(nb):
         full_expected[r, idx[r, : counts[r]].long()] = True
     assert torch.equal(full, full_expected)
+
+
+@torch.library.custom_op("hbp_test::block_mask_in_op", mutates_args=())
+def _block_mask_in_op(cu: torch.Tensor, x: torch.Tensor, window: int) -> torch.Tensor:
+    mask = flex.build_block_mask(cu, x.shape[0], window or None, block=16)
+    return x * mask.q_num_blocks.sum()
+
+
+@_block_mask_in_op.register_fake
+def _(cu, x, window):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_block_mask_is_built_inside_a_compiled_graphs_op_with_torchs_query_lists(window):
+    """The attention op builds its BlockMask while a compiled graph runs; torch's ``from_kv_blocks`` derives
+    the query-side lists under vmap, which fails there ("Cannot access storage of BatchedTensorImpl": flex
+    under torch.compile failed on an H100). Built from the transposed tiles, they equal torch's own."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    cu = torch.tensor([0, 37, 40, 150, 190], dtype=torch.int32)
+    mask = flex.build_block_mask(cu, 190, window, block=16)
+    torchs = BlockMask.from_kv_blocks(
+        mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices, BLOCK_SIZE=16
+    )
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(mask, name), getattr(torchs, name)), name
+    x = torch.ones(190)
+    got = torch.compile(lambda cu, x: _block_mask_in_op(cu, x, window or 0) + 1, fullgraph=True)(cu, x)
+    assert torch.equal(got, x * mask.q_num_blocks.sum() + 1)
 
 
 # ------------------------------------------------------------------- choice, versions faked on CPU
@@ -366,8 +412,9 @@ def test_cuda_backends_match_the_fp32_definition_with_gradients(name, case, dtyp
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, hq, total, dim, device="cuda", generator=g)
     k, v = (torch.randn(1, hkv, total, dim, device="cuda", generator=g) for _ in range(2))
-    ins = [x.to(dtype).requires_grad_() for x in (q, k, v)]
-    ref_in = [x.to(dtype).double().requires_grad_() for x in (q, k, v)]
+    rounded = [x.to(dtype) for x in (q, k, v)]  # (in fp32 the inputs themselves: leaves of their own below)
+    ins = [x.clone().requires_grad_() for x in rounded]
+    ref_in = [x.double().requires_grad_() for x in rounded]
     cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
     args = AttnArgs(cu_t, int(lengths.max()), dim**-0.5, **feats)
     out = REGISTRY[name].run(*ins, args)

@@ -110,6 +110,44 @@ def test_another_threads_plain_calls_during_a_packed_call_are_the_unprepared_mod
     assert max_diff(packed[:n], alone_logits(reference, pairs)) < 1e-5
 
 
+def test_another_threads_training_call_keeps_the_projects_own_checkpointing_during_a_packed_call():
+    """The project checkpoints every layer itself (``gradient_checkpointing_enable``); a packed call at a
+    level checkpointing 1 layer is held in flight while another thread runs a plain training step: that
+    step goes through the project's own checkpoint function on every layer (the layer found from what
+    transformers hands the function: one function for all layers, no per-layer guard for dynamo) and its
+    gradients are the unprepared model's."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    reference, model = pair()
+    for m in (reference, model):
+        m.train()
+        m.gradient_checkpointing_enable({"use_reentrant": False})
+    counted = []
+
+    def own(fn, *args, **kwargs):
+        counted.append(1)
+        return partial(checkpoint, use_reentrant=False)(fn, *args, **kwargs)
+
+    for layer in model.model.layers:
+        layer._gradient_checkpointing_func = own
+    ids = torch.randint(3, 64, (2, 11), generator=torch.Generator().manual_seed(3))
+
+    def plain():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    batch = pack_samples(samples()).replace(ckpt_layers=1)
+    with Held(model, plain) as held:
+        packed_loss(model, batch, "sum")
+    assert len(counted) == len(model.model.layers)  # each layer's forward, by the project's own function
+    reference(input_ids=ids, labels=ids).loss.backward()
+    for name, param in reference.named_parameters():
+        assert max_diff(held.result[name], param.grad) < 1e-5, name
+
+
 def test_models_sharing_the_config_see_nothing_of_a_packed_call():
     """A shallow copy of the model (its modules and config shared) and a model built from the same config
     object, called on another thread while a packed call is in flight, and built from the config during

@@ -111,8 +111,10 @@ def test_readme_family_table_matches_what_the_checks_decide():
 @pytest.mark.parametrize("family", NAMED)
 def test_family_on_cuda_passes_the_self_check_and_matches_eager(family):
     """On a GPU, fp32 weights under bf16 autocast with the backend that is chosen there: the
-    self-check passes (or the family is refused as on CPU), and the packed loss and gradients equal
-    the samples alone through eager attention in fp32 (loss within 1%, gradients within 5%)."""
+    self-check passes (or the family is refused as on CPU), and the packed loss and gradients are as
+    close to the samples alone through eager attention in fp32 as the unprepared model's own bf16 run
+    of the samples alone is (loss within 1% or twice that run's error, each gradient within 5% or twice
+    its error: routers and learned positions are noisier in bf16 than 5%, in both runs alike)."""
     if outcome(family)[0] != "exact":
         pytest.skip(f"{family} is not trained on CPU either: {outcome(family)[0]}")
     torch.manual_seed(0)
@@ -125,21 +127,26 @@ def test_family_on_cuda_passes_the_self_check_and_matches_eager(family):
     assert errors[1][2] == 0.0  # isolation is exact in bf16 too
     ref = copy.deepcopy(module.model)
     ref.set_attn_implementation("eager")
+    ref16 = copy.deepcopy(ref)
     rng = np.random.default_rng(0)
     vocab = min(module.model.get_input_embeddings().num_embeddings, module.model.get_output_embeddings().out_features)
     samples = {i: (rng.integers(0, vocab, n), rng.random(n) < 0.7) for i, n in enumerate([7, 40, 23, 61, 12])}
     batch = collate_packs([np.arange(5)], samples.__getitem__, loss_norm=1.0)
     batch = batch.to("cuda")
-    module.model.eval()
-    ref.eval()
+    for m in (module.model, ref, ref16):
+        m.eval()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = module(batch)[0]
+        own16 = separate_loss(ref16, samples, "cuda")
     loss.backward()
+    own16.backward()
     expected = separate_loss(ref, samples, "cuda")
     expected.backward()
-    assert abs(loss.item() - expected.item()) < 1e-2 * abs(expected.item())
+    want = expected.item()
+    assert abs(loss.item() - want) < max(1e-2 * abs(want), 2 * abs(own16.item() - want))
     scale = max(q.grad.abs().max().item() for q in ref.parameters() if q.grad is not None)
-    for (name, p), q in zip(module.model.named_parameters(), ref.parameters()):
+    for (name, p), q, o in zip(module.model.named_parameters(), ref.parameters(), ref16.parameters()):
         if q.grad is not None:
-            err = (p.grad - q.grad).abs().max().item() / max(q.grad.abs().max().item(), 1e-2 * scale)
-            assert err < 5e-2, (family, name, err)
+            norm = max(q.grad.abs().max().item(), 1e-2 * scale)
+            err, own_err = ((g - q.grad).abs().max().item() / norm for g in (p.grad, o.grad))
+            assert err < max(5e-2, 2 * own_err), (family, name, err, own_err)

@@ -197,19 +197,24 @@ def test_a_deep_copy_trains_its_own_weights_with_tiles_and_offload():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_offload_is_exact_and_lowers_the_peak_allocation():
-    """On CUDA: the copies go through pinned memory on the side stream; the loss and gradients equal
-    the same level without offload bit for bit, and the peak allocation drops by about the
-    checkpointed inputs (7 of 8 layers' inputs, measured by the CUDA allocator)."""
+    """On CUDA: the copies go through pinned memory on the side stream; the loss equals the same level
+    without offload bit for bit, each gradient as closely as two runs without offload equal each other
+    (the attention kernel's backward adds in a varying order on a GPU: bit for bit where it does not),
+    and the peak allocation drops by about the checkpointed inputs (7 of 8 layers' inputs, measured by
+    the CUDA allocator)."""
     model = llama(8, torch.bfloat16, hidden=1024).cuda()
     b = batch(32768, ckpt_layers=8).to("cuda")
     peaks, results = [], []
-    for offload in (False, True):
+    for offload in (False, True, False):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         results.append(loss_and_grads(model, b.replace(offload=offload)))
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated())
-    (loss, grads), (loss_off, grads_off) = results
-    assert torch.equal(loss, loss_off) and all(torch.equal(grads[n], grads_off[n]) for n in grads)
+    (loss, grads), (loss_off, grads_off), (loss_again, grads_again) = results
+    assert torch.equal(loss, loss_off) and torch.equal(loss, loss_again)
+    for n in grads:
+        spread = (grads[n] - grads_again[n]).abs().max()
+        assert (grads_off[n] - grads[n]).abs().max() <= 2 * spread, (n, spread)
     layer_input = 32768 * 1024 * 2
     assert peaks[0] - peaks[1] >= 5 * layer_input, peaks

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from lit_hbp import costmodel
 from lit_hbp.autoselect.levers import NoLevelFits
@@ -352,3 +353,20 @@ def test_each_tool_spells_what_its_own_command_line_takes():
     assert MEASURED.spell("world", 16) == "--devices 16" and ANALYTIC.spell("world", 16) == "--gpus 16"
     assert CONFIG.spell("liger") == "model.liger: true" and SIMULATE.spell("liger", False) == "without --liger"
     assert SIMULATE.spell_all({"liger": True, "zero_stage": 2}) == "--liger --zero-stage 2"
+
+
+def test_deepspeed_on_another_device_than_the_trainers_is_refused_naming_ds_accelerator(monkeypatch):
+    """DeepSpeed picks its device once (``DS_ACCELERATOR``, set to cpu here): a trainer on CUDA with it would
+    keep the model on the host, where the NCCL group cannot reach it ("No backend type associated with
+    device type cpu", the GPU test suite's own mistake on an H100). Refused at set-up, naming the variable."""
+    from deepspeed.accelerator import get_accelerator
+
+    from lit_hbp.errors import ConfigError
+    from lit_hbp.strategy import _check_deepspeed_device
+
+    assert get_accelerator().device_name() == "cpu"
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    refused = r"DeepSpeed runs on 'cpu' \(DS_ACCELERATOR='cpu'\) but the trainer on cuda:0"
+    with pytest.raises(ConfigError, match=refused):
+        _check_deepspeed_device(torch.device("cuda", 0))
+    _check_deepspeed_device(torch.device("cpu"))

@@ -53,6 +53,21 @@ def _as_kv_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[None, None], order[None, None]
 
 
+def block_mask(partial: torch.Tensor, full: torch.Tensor, block: int, mask_mod, seq_lengths: tuple[int, int]):
+    """The BlockMask of [q blocks, kv blocks] tile maps, its query-side lists (the backward's) from the
+    transposed maps: ``BlockMask.from_kv_blocks`` derives them under vmap, which fails inside a custom
+    op of a compiled graph ("Cannot access storage of BatchedTensorImpl": flex under torch.compile)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kv, full_kv = _as_kv_blocks(partial), _as_kv_blocks(full)
+    q, full_q = _as_kv_blocks(partial.T), _as_kv_blocks(full.T)
+    return BlockMask(
+        seq_lengths=seq_lengths, kv_num_blocks=kv[0], kv_indices=kv[1], full_kv_num_blocks=full_kv[0],
+        full_kv_indices=full_kv[1], q_num_blocks=q[0], q_indices=q[1], full_q_num_blocks=full_q[0],
+        full_q_indices=full_q[1], BLOCK_SIZE=(block, block), mask_mod=mask_mod,
+    )  # fmt: skip
+
+
 def document_block_mask(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK):
     """The BlockMask of a pack with documents ``cu`` (global cu_seqlens) over ``total`` positions, built
     on its first use per window and kept on ``cu`` itself: every layer of the pack's forward and
@@ -67,20 +82,17 @@ def document_block_mask(cu: torch.Tensor, total: int, window: int | None, block:
 
 def build_block_mask(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK):
     """A new BlockMask of documents ``cu`` over ``total`` positions."""
-    from torch.nn.attention.flex_attention import BlockMask
 
     doc = document_ids(cu, total)
 
     def mask_mod(b, h, q_idx, kv_idx):
         keep = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
         if window is not None:
-            keep &= q_idx - kv_idx < window
+            keep = keep & (q_idx - kv_idx < window)  # not in place: inductor lowers a mask_mod pointwise
         return keep
 
     partial, full = tile_masks(cu, total, window, block)
-    return BlockMask.from_kv_blocks(
-        *_as_kv_blocks(partial), *_as_kv_blocks(full), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(total, total)
-    )
+    return block_mask(partial, full, block, mask_mod, (total, total))
 
 
 def cross_block_mask(
@@ -93,7 +105,6 @@ def cross_block_mask(
     attend (segment ranges overlap and the tile's first key is not past the block's last aligned
     key), never full: exact through the mask function, built on the device without a host read.
     Built per call: the layout changes with every micro-batch and CP calls are few."""
-    from torch.nn.attention.flex_attention import BlockMask
 
     seg_q = document_ids(cu_q, q_len)
     seg_k = document_ids(cu_k, k_len)
@@ -102,7 +113,7 @@ def cross_block_mask(
     def mask_mod(b, h, q_idx, kv_idx):
         keep = (seg_q[q_idx] == seg_k[kv_idx]) & (kv_idx <= aligned[q_idx])
         if window is not None:
-            keep &= aligned[q_idx] - kv_idx < window
+            keep = keep & (aligned[q_idx] - kv_idx < window)  # not in place (a pointwise subgraph)
         return keep
 
     nq, nk = -(-q_len // block), -(-k_len // block)
@@ -118,7 +129,4 @@ def cross_block_mask(
     some &= k0[None, :] <= most[:, None]
     if window is not None:
         some &= k1[None, :] > least[:, None] - window
-    none = torch.zeros_like(some)
-    return BlockMask.from_kv_blocks(
-        *_as_kv_blocks(some), *_as_kv_blocks(none), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(q_len, k_len)
-    )
+    return block_mask(some, torch.zeros_like(some), block, mask_mod, (q_len, k_len))
