@@ -8,6 +8,7 @@ through the unprepared model with eager attention for the loss and every gradien
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from vision_models import build_llava, build_qwen, image, three_records
 
 from lit_hbp import HBPDataModule, packed_loss, prepare_model
-from lit_hbp.data.media import rope_stand_in
+from lit_hbp.data.media import image_token_id, rope_stand_in
 from lit_hbp.data.sources import Source
 from lit_hbp.data.tokenize import tokenize_source
 from lit_hbp.errors import DataError
@@ -85,30 +86,53 @@ def data(tmp_path_factory):
     return root, folder
 
 
+@pytest.fixture(scope="module")
+def qwen_data(tmp_path_factory):
+    """The same images and records beside a tiny Qwen2-VL checkpoint folder (multimodal RoPE, patches
+    merged 2x2). Its processor loads a video processor, which needs torchvision: the compatibility part of
+    the CI (torch 2.14.1 with its torchvision) runs these; the main environment's CPU torch has none."""
+    if os.environ.get("LIT_HBP_WITH_TORCHVISION"):  # the CI's compatibility part: run, never skip
+        import torchvision  # noqa: F401
+    pytest.importorskip("torchvision", reason="Qwen2-VL's processor needs torchvision (the CI's compatibility part)")
+    root = tmp_path_factory.mktemp("qwen_data")
+    folder = build_qwen(root / "qwen2_vl")
+    (root / "img").mkdir()
+    for k, (name, (w, h)) in enumerate(SIZES.items()):
+        image(k, h, w).save(root / "img" / name)
+    write(root / "d.jsonl", [r for r, _ in records(root)])
+    return root, folder
+
+
+FAMILY_DATA = {"llava_next": "data", "qwen2_vl": "qwen_data"}
+TURN_END = {"llava_next": "<|end|>", "qwen2_vl": "<|im_end|>"}  # what each toy chat template closes a turn with
+
+
 def write(path: Path, recs: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     return path
 
 
-def test_records_with_images_render_and_expand_as_the_processor_does(data, tmp_path):
-    root, folder = data
+@pytest.mark.parametrize("family", list(FAMILY_DATA))
+def test_records_with_images_render_and_expand_as_the_processor_does(family, request, tmp_path):
+    root, folder = request.getfixturevalue(FAMILY_DATA[family])
     processor = AutoProcessor.from_pretrained(folder)
     t = tokenize_source(Source(str(root / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
     assert len(t) == 4
-    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    image_id = image_token_id(processor)
     for row, (_, msgs) in enumerate(records(root)):
         ref = processor.apply_chat_template(msgs, tokenize=True, return_dict=True)
         ids, mask = t.sample(row)
         assert ids.tolist() == list(ref["input_ids"][0]), row
         # the answer trains, nothing else (its first token carries the header's space: a token that
         # overlaps the turn trains, as for text records)
-        assert processor.tokenizer.decode(ids[mask]).strip() == ANSWERS[row] + "<|end|>"
+        assert processor.tokenizer.decode(ids[mask]).strip() == ANSWERS[row] + TURN_END[family]
         assert not mask[ids == image_id].any()
 
     # The cache holds each image's file, size and the pixels its encoder sees, in order, never pixels themselves.
-    def seen(name):  # the image processor's tiles of the image alone: each pixel once, and how many tiles
+    def seen(name):  # the image processor's pixels of the image alone (each pixel once a frame), its tiles
         pv = processor.image_processor(images=[Image.open(root / "img" / name).convert("RGB")])["pixel_values"]
-        return int(np.prod(np.shape(pv))) // 3, np.shape(pv)[1]
+        shape = np.shape(pv)  # LLaVA-NeXT: [1, tiles, 3, h, w]; Qwen: [patches, 3 x frames x patch^2], one tile
+        return int(np.prod(shape)) // 3, shape[1] if len(shape) == 5 else 1
 
     assert t.sample_media(0) == [(str(root / "img/a.png"), 30, 20, *seen("a.png"))]
     assert t.sample_media(2) == [(str(root / "img/c.png"), 16, 16, *seen("c.png")),
@@ -149,16 +173,18 @@ def alone(reference, encoded: list) -> torch.Tensor:
     )
 
 
-def test_a_data_module_pack_of_image_records_trains_like_each_record_alone(data, tmp_path):
-    """HBPDataModule over the records (images decoded by the loader): its pack through packed_loss on
-    the prepared model gives the summed cross-entropy of the records alone (1e-5) and every gradient,
-    the vision tower's included (1e-4)."""
-    root, folder = data
+@pytest.mark.parametrize("family", list(FAMILY_DATA))
+def test_a_data_module_pack_of_image_records_trains_like_each_record_alone(family, request, tmp_path):
+    """HBPDataModule over the records (images decoded by the loader; Qwen's 3-D positions numbered there):
+    its pack through packed_loss on the prepared model gives the summed cross-entropy of the records
+    alone (1e-5) and every gradient, the vision tower's included (1e-4)."""
+    root, folder = request.getfixturevalue(FAMILY_DATA[family])
     dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
                        cache_dir=str(tmp_path / "cache"))  # fmt: skip
     dm.setup("fit")
     (batch,) = list(dm.train_dataloader())
-    assert batch.mm is not None and batch.mm["pixel_values"].shape[0] == 4  # four images in the pack
+    per_image = "image_grid_thw" if family == "qwen2_vl" else "image_sizes"
+    assert batch.mm is not None and batch.mm[per_image].shape[0] == 4  # four images in the pack
     reference = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
     model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float())
     processor = AutoProcessor.from_pretrained(folder)
@@ -177,7 +203,7 @@ def test_a_data_module_pack_of_image_records_trains_like_each_record_alone(data,
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
-            vision += "vision" in name
+            vision += "vision" in name or ".visual." in name  # the tower: LLaVA's vision_tower, Qwen's visual
             assert (p.grad - q.grad).abs().max().item() <= 1e-4 * max(q.grad.abs().max().item(), 1e-3 * scale), name
     assert vision > 0
 
@@ -225,8 +251,11 @@ def test_the_self_check_packs_the_runs_own_images_and_catches_a_leak_between_the
     run_self_check(module, [1])  # the text documents alone do not see it: the images are what catches it
 
 
-def test_loader_workers_decode_the_images_as_the_main_process_does(data, tmp_path):
-    root, folder = data
+@pytest.mark.parametrize("family", list(FAMILY_DATA))
+def test_loader_workers_decode_the_images_as_the_main_process_does(family, request, tmp_path):
+    """A worker decodes the images (and, for Qwen, numbers the 3-D positions and token types) as the main
+    process does."""
+    root, folder = request.getfixturevalue(FAMILY_DATA[family])
     batches = []
     for workers in (0, 1):
         dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
@@ -237,6 +266,7 @@ def test_loader_workers_decode_the_images_as_the_main_process_does(data, tmp_pat
     a, b = batches
     assert torch.equal(a.input_ids, b.input_ids) and set(a.mm) == set(b.mm)
     assert all(torch.equal(a.mm[k], b.mm[k]) for k in a.mm)
+    assert torch.equal(a.position_ids, b.position_ids)
 
 
 def test_multimodal_rope_positions_in_the_loader_are_the_models_own(tmp_path):
