@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForImageTextToText
-from vision_models import BUILDERS, three_records, trained
+from vision_models import BUILDERS, three_records, trained, video_records
 
 from lit_hbp import pack_inputs, pack_samples, packed_loss, prepare_model
 from lit_hbp.packed_call import record_of
 
 EXACT = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next"]
+RECORDS = {"images": three_records, "videos": video_records}
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +45,19 @@ def alone_ce(reference, records) -> torch.Tensor:
     return ce
 
 
-@pytest.mark.parametrize("family", EXACT)
-def test_a_pack_of_image_records_trains_like_each_record_alone(folders, family):
-    """pack_samples over three processor-style records (one image; two images of other sizes; text only)
-    and packed_loss(loss="sum") on the prepared model: the summed cross-entropy to 1e-5 and every
-    parameter's gradient (vision tower and projector included) to 1e-4 of the records alone. A tensor
-    whose gradient is zero in exact arithmetic (an attention's key bias: softmax ignores a shift) is
-    held to 1e-4 of the layer-wide scale instead of its own float noise."""
+CASES = [(f, "images") for f in EXACT] + [(f, "videos") for f in ("qwen2_vl", "qwen2_5_vl")]
+
+
+@pytest.mark.parametrize(("family", "media"), CASES)
+def test_a_pack_of_image_records_trains_like_each_record_alone(folders, family, media):
+    """pack_samples over three processor-style records (images: one image; two images of other sizes; text
+    only. videos: a video of 4 temporal patches; an image; a video of 2) and packed_loss(loss="sum") on the
+    prepared model: the summed cross-entropy to 1e-5 and every parameter's gradient (vision tower and
+    projector included) to 1e-4 of the records alone. A tensor whose gradient is zero in exact arithmetic
+    (an attention's key bias: softmax ignores a shift) is held to 1e-4 of the layer-wide scale instead of
+    its own float noise."""
     reference, model = pair(folders[family])
-    records = [trained(r, reference.config) for r in three_records(folders[family])]
+    records = [trained(r, reference.config) for r in RECORDS[media](folders[family])]
     want = alone_ce(reference, records)
     want.backward()
     batch = pack_samples(records, model=model)

@@ -13,11 +13,12 @@ import pytest
 import torch
 from distributed import Pool
 from transformers import AutoModelForImageTextToText
-from vision_models import BUILDERS, three_records, trained
+from vision_models import BUILDERS, three_records, trained, video_records
 
 from lit_hbp.parallel.media import Route, owners
 
 EXACT = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next"]
+RECORDS = {"images": three_records, "videos": video_records}
 LAYOUTS = {"ulysses": (2, 1), "cp": (2, 2)}
 
 
@@ -45,7 +46,7 @@ def collate(records, model, sp: int, cp: int, kind: str):
                          media=media.__getitem__, rope=MRopePositions.of(model))  # fmt: skip
 
 
-def sp_step(folder: str, weights: str, sp: int, cp: int) -> dict:
+def sp_step(folder: str, weights: str, sp: int, cp: int, media: str = "images") -> dict:
     """This rank's shard of the pack through packed_loss; CE summed and gradients averaged over the SP group."""
     import torch.distributed as dist
 
@@ -58,10 +59,11 @@ def sp_step(folder: str, weights: str, sp: int, cp: int) -> dict:
     ctx = SPGroups([(sp, cp)], dist.get_world_size(), dist.get_rank())[(sp, cp)]
     model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float())
     model.load_state_dict(torch.load(weights, weights_only=True))
-    records = [trained(r, model.config) for r in three_records(Path(folder))]
+    records = [trained(r, model.config) for r in RECORDS[media](Path(folder))]
     batch = collate(records, model, sp, cp, kind.name)
     encoded = []  # how many images each call of the tower on this rank encoded
-    own = model.model.get_image_features
+    videos = []  # the (t, h, w) of each video (or frame of one) this rank encoded
+    own, own_videos = model.model.get_image_features, getattr(model.model, "get_video_features", None)
 
     @functools.wraps(own)
     def counted(pixel_values, *args, **kwargs):
@@ -69,7 +71,13 @@ def sp_step(folder: str, weights: str, sp: int, cp: int) -> dict:
         encoded.append(int(grid.shape[0]) if grid is not None and grid.dim() == 2 else int(pixel_values.shape[0]))
         return own(pixel_values, *args, **kwargs)
 
+    def counted_videos(pixel_values_videos, video_grid_thw=None, **kwargs):
+        videos.extend(video_grid_thw.tolist())
+        return own_videos(pixel_values_videos, video_grid_thw, **kwargs)
+
     model.model.get_image_features = counted
+    if own_videos is not None:
+        model.model.get_video_features = functools.wraps(own_videos)(counted_videos)
     shard = kind.shard(batch, sp, ctx.rank).replace(sp_group=SPCall.of(ctx, kind))
     try:
         out = packed_loss(model, shard, "sum")
@@ -83,16 +91,16 @@ def sp_step(folder: str, weights: str, sp: int, cp: int) -> dict:
         if p.grad is not None:
             dist.all_reduce(p.grad, group=ctx.group)
             grads[name] = p.grad.numpy() / sp  # averaged, as the data-parallel all-reduce does (the loss carries sp)
-    return {"ce": float(ce), "grads": grads, "encoded": encoded}
+    return {"ce": float(ce), "grads": grads, "encoded": encoded, "videos": videos}
 
 
-def reference(folder: Path, weights: Path):
+def reference(folder: Path, weights: Path, media: str = "images"):
     """CE summed over the records alone (eager, unprepared, one process) and its gradients."""
     import torch.nn.functional as F
 
     ref = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
     torch.save(ref.state_dict(), weights)
-    records = [trained(r, ref.config) for r in three_records(folder)]
+    records = [trained(r, ref.config) for r in RECORDS[media](folder)]
     ce = 0.0
     for rec in records:
         labels = rec["labels"][0]
@@ -120,6 +128,30 @@ def test_an_image_pack_on_an_sp_level_trains_like_each_record_alone(pool, folder
             assert np.abs(r["grads"][name] - ref).max() <= bound, name
     # the three images were encoded once in all, split over the two ranks (two on one, one on the other)
     assert sorted(sum(r["encoded"], 0) for r in results) == [1, 2] and all(len(r["encoded"]) == 1 for r in results)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_videos_frames_are_split_over_the_sp_group_and_train_like_each_record_alone(
+    pool, folders, tmp_path, family, layout
+):
+    """A pack of a 4-frame video, an image and a 2-frame video (frames: temporal patches) at sp 2: the
+    ranks encode the videos frame by frame between them (these towers attend within a frame), no frame
+    twice, and the loss and every gradient equal each record alone in one process."""
+    want_ce, want = reference(folders[family], tmp_path / "weights.pt", "videos")
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folders[family]), str(tmp_path / "weights.pt"), sp, cp, "videos")
+    scale = max(np.abs(g).max() for g in want.values())
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert r["ce"] == pytest.approx(want_ce, rel=1e-5)
+        assert set(r["grads"]) == set(want)
+        for name, ref in want.items():
+            bound = 1e-4 * max(np.abs(ref).max(), 1e-3 * scale)
+            assert np.abs(r["grads"][name] - ref).max() <= bound, name
+    frames = [grid for r in results for grid in r["videos"]]
+    assert sorted(frames) == sorted([[1, 4, 4]] * 4 + [[1, 4, 6]] * 2)  # six frames, each encoded once
+    assert all(r["videos"] for r in results)  # by both ranks: a long video's encoding is split
 
 
 def test_an_encoder_with_per_token_extras_is_refused_on_every_rank(pool, folders, tmp_path):

@@ -233,11 +233,48 @@ def three_records(folder: Path) -> list[dict]:
     ]
 
 
+def video_record(folder: Path, grid: tuple[int, int, int], question: str, answer: str, seed: int = 0) -> dict:
+    """A Qwen-family record with one video as its processor returns it, made without the video processor
+    (it needs torchvision): ``grid`` (temporal patches, height and width in patches), random pixel rows
+    in the family's patch layout (3 channels x 2 frames x 4 x 4 pixels a row), the placeholder expanded
+    to one token per 2x2 merged patches, video tokens of media type 2."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok, config = AutoTokenizer.from_pretrained(folder), AutoConfig.from_pretrained(folder)
+    msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]}]  # fmt: skip
+    t, h, w = grid
+    text = tok.apply_chat_template(msgs, tokenize=False).replace("<|video_pad|>", "<|video_pad|>" * (t * h * w // 4))
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    vision = config.vision_config
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    g = torch.Generator().manual_seed(seed)
+    out = {
+        "input_ids": ids,
+        "pixel_values_videos": torch.randn(t * h * w, width, generator=g),
+        "video_grid_thw": torch.tensor([[t, h, w]]),
+        "mm_token_type_ids": 2 * (ids == tok.convert_tokens_to_ids("<|video_pad|>")).long(),
+    }
+    if config.model_type == "qwen2_5_vl":
+        out["second_per_grid_ts"] = torch.tensor([1.0])
+    return out
+
+
+def video_records(folder: Path) -> list[dict]:
+    """A video of 4 temporal patches (16 tokens); one image; a shorter video (2 temporal patches)."""
+    return [
+        video_record(folder, (4, 4, 4), "what happens?", "a cat walks", seed=1),
+        record(folder, [image(1, 24, 40)], "describe the image.", "a cat on a mat"),
+        video_record(folder, (2, 4, 6), "and here?", "hello world", seed=2),
+    ]
+
+
 def image_token_id(config) -> int:
     return getattr(config, "image_token_id", None) or config.image_token_index
 
 
 def trained(rec: dict, config) -> dict:
-    """The record with labels: every token but the image placeholders (never trained)."""
+    """The record with labels: every token but the image and video placeholders (never trained)."""
     ids = rec["input_ids"][0]
-    return {**rec, "labels": torch.where(ids == image_token_id(config), -100, ids)[None]}
+    media = (ids == image_token_id(config)) | (ids == getattr(config, "video_token_id", -1))
+    return {**rec, "labels": torch.where(media, -100, ids)[None]}

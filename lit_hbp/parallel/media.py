@@ -66,14 +66,38 @@ def owners(weights: np.ndarray, groups: np.ndarray, size: int) -> np.ndarray:
     return owner_of_group[inverse]
 
 
-def _items(mm: Mapping[str, torch.Tensor], kind: MediaKind) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(pixel rows, encoder weight, group) per item of ``kind`` in ``mm``."""
+# Families whose vision tower encodes each temporal patch of a video apart (attention within a frame's
+# patches, positions by height and width): a video's frames encode alone as they do together, so a long
+# video is dealt to the SP group frame by frame. Other families' videos are one item each.
+FRAME_WISE = frozenset({"qwen2_vl", "qwen2_5_vl"})
+
+
+@dataclass(frozen=True)
+class Items:
+    """The units of one kind of media a pack's SP group deals out: images, videos, or a video's frames."""
+
+    rows: np.ndarray  # pixel rows of each unit, in order
+    weight: np.ndarray  # its encoder work
+    groups: np.ndarray  # units dealt together (a record's images when the family reads them per record)
+    parent: np.ndarray  # the image or video each unit is of (per-item fields are its parent's)
+    grid: np.ndarray | None  # (t, h, w) of each unit for multimodal-RoPE families
+
+
+def _items(mm: Mapping[str, torch.Tensor], kind: MediaKind, frame_wise: bool = False) -> Items:
+    """The units of ``kind`` in ``mm``: its items, or with ``frame_wise`` each video's temporal patches."""
     pixels = mm[kind.pixels]
+    grid = None
     if mm.get(kind.grid) is not None:
-        rows = mm[kind.grid].prod(-1).cpu().numpy().astype(np.int64)
+        grid = mm[kind.grid].cpu().numpy().astype(np.int64)
+        parent = np.arange(grid.shape[0])
+        if frame_wise and kind.name == "video":
+            parent = np.repeat(parent, grid[:, 0])
+            grid = np.column_stack([np.ones(parent.size, np.int64), grid[parent, 1], grid[parent, 2]])
+        rows = grid.prod(-1)
         weight = rows.astype(np.float64)
     elif pixels.dim() >= 4:  # one image per row; anyres tiles zero-padded to the pack's widest
         rows = np.ones(pixels.shape[0], np.int64)
+        parent = np.arange(rows.size)
         tiles = pixels.reshape(pixels.shape[0], -1, pixels.shape[-3] * pixels.shape[-2] * pixels.shape[-1])
         weight = (tiles.abs().sum(-1) > 0).sum(-1).cpu().numpy().astype(np.float64) if pixels.dim() == 5 else rows * 1.0
     else:
@@ -84,20 +108,22 @@ def _items(mm: Mapping[str, torch.Tensor], kind: MediaKind) -> tuple[np.ndarray,
     groups = np.arange(rows.size)
     if kind.name == "image" and mm.get("batch_num_images") is not None:  # read per record: kept together
         groups = np.repeat(np.arange(mm["batch_num_images"].numel()), mm["batch_num_images"].cpu().numpy())
-    return rows, weight, groups
+    return Items(rows, weight, groups, parent, grid)
 
 
-def _subset(mm: Mapping[str, torch.Tensor], kind: MediaKind, rows: np.ndarray, groups: np.ndarray, mine: np.ndarray):
-    """The encoder inputs of the items ``mine`` (a boolean per item) of ``kind``."""
-    starts = np.r_[0, np.cumsum(rows)]
+def _subset(mm: Mapping[str, torch.Tensor], kind: MediaKind, items: Items, mine: np.ndarray):
+    """The encoder inputs of the units ``mine`` (a boolean per unit) of ``kind``."""
+    starts = np.r_[0, np.cumsum(items.rows)]
     take = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in np.flatnonzero(mine)] or [np.zeros(0, int)])
     out = {kind.pixels: mm[kind.pixels][torch.as_tensor(take, dtype=torch.long, device=mm[kind.pixels].device)]}
-    sel = torch.as_tensor(np.flatnonzero(mine), dtype=torch.long)
+    sel = torch.as_tensor(items.parent[mine], dtype=torch.long)
     for key in kind.per_item:
         if mm.get(key) is not None:
             out[key] = mm[key][sel.to(mm[key].device)]
+    if items.grid is not None:  # a unit's own (t, h, w): a video's frames are videos of one temporal patch
+        out[kind.grid] = torch.as_tensor(items.grid[mine], dtype=mm[kind.grid].dtype, device=mm[kind.grid].device)
     if kind.name == "image" and mm.get("batch_num_images") is not None:
-        kept = np.unique(groups[mine])
+        kept = np.unique(items.groups[mine])
         out["batch_num_images"] = mm["batch_num_images"][torch.as_tensor(kept, dtype=torch.long)]
     return out
 
@@ -171,12 +197,13 @@ def split_encoder_outputs(
     for kind in KINDS:
         if mm.get(kind.pixels) is None:
             continue
-        rows, weight, groups = _items(mm, kind)
-        owner = owners(weight, groups, size)
+        items = _items(mm, kind, frame_wise=getattr(config, "model_type", None) in FRAME_WISE)
+        rows = items.rows
+        owner = owners(items.weight, items.groups, size)
         mine = owner == me
         problem, blocks = None, []
         if mine.any():
-            encoded = encoder_outputs(inner, _subset(mm, kind, rows, groups, mine))[kind.name]
+            encoded = encoder_outputs(inner, _subset(mm, kind, items, mine))[kind.name]
             extra = [f for f, v in encoded.items() if v is not None and f not in PLAIN_OUTPUT]
             blocks = list(encoded.pooler_output) if encoded.pooler_output is not None else []
             if extra:
