@@ -77,6 +77,29 @@ def test_a_pack_of_image_records_trains_like_each_record_alone(folders, family, 
     assert vision > 0, "the vision tower must train through the pack"
 
 
+def test_a_pack_of_llava_onevision_records_trains_like_each_record_alone(tmp_path):
+    """LLaVA-OneVision (anyres tiles for a record's single image, the base tile of each image of a record
+    of several: ``batch_num_images`` kept per record in the pack): the loss to 1e-5 and every gradient to
+    1e-4 of the records alone."""
+    from vision_models import build_llava, needs_torchvision
+
+    needs_torchvision("llava_onevision")
+    reference, model = pair(build_llava(tmp_path / "llava_onevision", "llava_onevision"))
+    records = [trained(r, reference.config) for r in three_records(tmp_path / "llava_onevision")]
+    want = alone_ce(reference, records)
+    want.backward()
+    batch = pack_samples(records, model=model)
+    assert batch.mm["batch_num_images"].tolist() == [1, 2]  # the text-only record has none
+    out = packed_loss(model, batch, "sum")
+    out.loss.backward()
+    assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
+    scale = max(q.grad.abs().max().item() for q in reference.parameters() if q.grad is not None)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * max(q.grad.abs().max().item(), 1e-3 * scale), name
+
+
 def test_multimodal_rope_positions_need_the_model(folders):
     records = [trained(r, AutoConfig.from_pretrained(folders["qwen2_vl"])) for r in three_records(folders["qwen2_vl"])]
     with pytest.raises(

@@ -8,7 +8,6 @@ through the unprepared model with eager attention for the loss and every gradien
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from conftest import HANG_S, console_script
 from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
-from vision_models import build_llava, build_qwen, image, three_records
+from vision_models import build_llava, build_qwen, image, needs_torchvision, three_records
 
 from lit_hbp import HBPDataModule, packed_loss, prepare_model
 from lit_hbp.data.media import image_token_id, rope_stand_in
@@ -91,9 +90,7 @@ def qwen_data(tmp_path_factory):
     """The same images and records beside a tiny Qwen2-VL checkpoint folder (multimodal RoPE, patches
     merged 2x2). Its processor loads a video processor, which needs torchvision: the compatibility part of
     the CI (torch 2.14.1 with its torchvision) runs these; the main environment's CPU torch has none."""
-    if os.environ.get("LIT_HBP_WITH_TORCHVISION"):  # the CI's compatibility part: run, never skip
-        import torchvision  # noqa: F401
-    pytest.importorskip("torchvision", reason="Qwen2-VL's processor needs torchvision (the CI's compatibility part)")
+    needs_torchvision("qwen2_vl")
     root = tmp_path_factory.mktemp("qwen_data")
     folder = build_qwen(root / "qwen2_vl")
     (root / "img").mkdir()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from distributed import Pool
 from transformers import AutoModelForImageTextToText
-from vision_models import BUILDERS, three_records, trained, video_records
+from vision_models import BUILDERS, build_llava, needs_torchvision, three_records, trained, video_records
 
 from lit_hbp.parallel.media import Route, owners
 
@@ -152,6 +152,27 @@ def test_a_videos_frames_are_split_over_the_sp_group_and_train_like_each_record_
     frames = [grid for r in results for grid in r["videos"]]
     assert sorted(frames) == sorted([[1, 4, 4]] * 4 + [[1, 4, 6]] * 2)  # six frames, each encoded once
     assert all(r["videos"] for r in results)  # by both ranks: a long video's encoding is split
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_llava_onevisions_images_of_one_record_are_encoded_together_on_an_sp_level(pool, tmp_path, layout):
+    """LLaVA-OneVision reads a record's images together (``batch_num_images``: a record of several images
+    gets the base tile of each, a single image its anyres tiles): at sp 2 the two images of one record are
+    encoded by one rank in one call, and the loss and every gradient equal each record alone."""
+    needs_torchvision("llava_onevision")
+    folder = build_llava(tmp_path / "llava_onevision", "llava_onevision")
+    want_ce, want = reference(folder, tmp_path / "weights.pt")
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp)
+    scale = max(np.abs(g).max() for g in want.values())
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert r["ce"] == pytest.approx(want_ce, rel=1e-5)
+        for name, ref in want.items():
+            bound = 1e-4 * max(np.abs(ref).max(), 1e-3 * scale)
+            assert np.abs(r["grads"][name] - ref).max() <= bound, name
+    calls = sorted(n for r in results for n in r["encoded"])
+    assert calls == [1, 2]  # record 0's image on one rank, record 1's two images together on the other
 
 
 def test_an_encoder_with_per_token_extras_is_refused_on_every_rank(pool, folders, tmp_path):

@@ -122,6 +122,19 @@ def build_llava(path: Path, family: str = "llava") -> Path:
     if family == "llava":
         processor = LlavaProcessor(CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size=crop), **common)
         extra = {}
+    elif family == "llava_onevision":  # anyres for a record's single image, the base tile for a record of several
+        # (its processor has a video processor, which needs torchvision: the CI's compatibility part)
+        from transformers import LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor
+        from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+            LlavaOnevisionImageProcessorPil,
+        )
+
+        images = LlavaOnevisionImageProcessorPil(size={"height": 16, "width": 16}, image_grid_pinpoints=pinpoints)
+        processor = LlavaOnevisionProcessor(
+            images, tokenizer=tok, video_processor=LlavaOnevisionVideoProcessor(), num_image_tokens=17,  # CLS too
+            vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
+        )  # fmt: skip
+        extra = {"image_grid_pinpoints": pinpoints}
     else:
         images = LlavaNextImageProcessorPil(size={"shortest_edge": 16}, crop_size=crop, image_grid_pinpoints=pinpoints)
         processor = LlavaNextProcessor(images, **common)
@@ -135,6 +148,19 @@ def build_llava(path: Path, family: str = "llava") -> Path:
         image_seq_length=16, vision_feature_layer=-1, vision_feature_select_strategy="default", **extra,
     )  # fmt: skip
     return _save(path, config, processor)
+
+
+def needs_torchvision(family: str):
+    """Skip where torchvision is missing (the main CI's CPU torch has none; Qwen's and LLaVA-OneVision's
+    processors load a video processor that needs it), except in the CI's compatibility part
+    (``LIT_HBP_WITH_TORCHVISION``), where a missing torchvision fails."""
+    import os
+
+    import pytest
+
+    if os.environ.get("LIT_HBP_WITH_TORCHVISION"):
+        import torchvision  # noqa: F401
+    pytest.importorskip("torchvision", reason=f"{family}'s processor needs torchvision (the CI's compatibility part)")
 
 
 def build_gemma3(path: Path) -> Path:
