@@ -6,6 +6,8 @@ checkpoint folders are written as users' folders look (``tests/vision_models.py`
 """
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +100,54 @@ def test_a_pack_of_llava_onevision_records_trains_like_each_record_alone(tmp_pat
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
             assert (p.grad - q.grad).abs().max().item() <= 1e-4 * max(q.grad.abs().max().item(), 1e-3 * scale), name
+
+
+FAMILIES_MD = Path(__file__).resolve().parents[1] / "docs" / "families.md"
+# The image-text families the tests here build and train exactly (the compatibility part of the CI has
+# LLaVA-OneVision: its processor needs torchvision), with what the tests cover.
+VLM_TESTED = {
+    "qwen2_vl": "images and videos, sp 1 and 2 (frames split over the SP group); the data path",
+    "qwen2_5_vl": "images and videos, sp 1 and 2 (frames split over the SP group)",
+    "qwen3_vl": "images, sp 1; refused at sp > 1 (deepstack features read per placeholder)",
+    "llava": "images, sp 1 and 2",
+    "llava_next": "images (anyres tiles), sp 1 and 2; the data path, the demo",
+    "llava_onevision": "images, sp 1 and 2 (a record's images encoded together)",
+}
+
+
+def vlm_families() -> dict[str, tuple[str, str]]:
+    """Every image-text-to-text family transformers registers, with what lit-hbp does with a pack of its
+    images: exact (tested here), refused (by ``refuse_bidirectional`` or ``check_encoder_outputs``, the
+    reason), or decided by the start-of-fit self-check on the run's own images (not built here)."""
+    import inspect
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    from lit_hbp.vision import BIDIRECTIONAL
+
+    out = {}
+    for family in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        base = getattr(transformers, MODEL_MAPPING_NAMES.get(family) or "", None)
+        forward = inspect.signature(base.forward).parameters if base is not None else {}
+        if family in VLM_TESTED:
+            out[family] = ("exact", VLM_TESTED[family])
+        elif family in BIDIRECTIONAL:
+            out[family] = ("refused", BIDIRECTIONAL[family])
+        elif base is not None and "mm_encoder_outputs" not in forward:
+            out[family] = ("refused", "its forward takes no image features computed apart (mm_encoder_outputs)")
+        else:
+            out[family] = ("self-check", "")
+    return out
+
+
+def test_the_vision_language_family_table_is_what_the_code_decides():
+    """docs/families.md's table of image-text families is, row for row, what ``vlm_families`` finds in
+    this transformers (a new family shows up as a missing row)."""
+    section = FAMILIES_MD.read_text().split("## Vision-language families", 1)[1]
+    rows = re.findall(r"^\| `([\w.-]+)` \| (exact|refused|self-check) \| (.*?) \|$", section, re.M)
+    table = {family: (status, note) for family, status, note in rows}
+    assert table == vlm_families()
 
 
 def test_multimodal_rope_positions_need_the_model(folders):
