@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU checks in one device call (~6 minutes on an H100; 2026-11-27 ran this plan in 339 s): the two halves
+# of `pytest -m gpu` beside the image tests and the proof's vlm part (transformers 5.24 from .whl/vlm/ where the
+# image's is older than 5.18), then the 1B throughput alone (lit-hbp beside HF Trainer, the memory model).
+# Here first: bash bench/gpu_wheels.sh. Device run: carry [".whl", "demo_data"], `bash bench/gpu_checks.sh`.
+# Eight files come back in $OUT: env.txt (the timeline), t_attn.log, t_other.log, t_vis.log, vlm/proof.*, throughput.log.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_checks}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+at() { echo "$1 at $(( $(date +%s) - T0 )) s" >> $OUT/env.txt; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_vlm .whl/vlm/*.whl || exit 3
+export PYTHONPATH=/tmp/site:$PWD
+at install
+PYT="python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider"
+( timeout 240 $PYT tests/test_attention.py > $OUT/t_attn.log 2>&1; at "attention exit $?" ) &
+( timeout 260 $PYT tests --ignore=tests/test_attention.py --ignore=tests/test_vision.py > $OUT/t_other.log 2>&1; at "other exit $?" ) &
+(
+  timeout 60 $PYT tests/test_vision.py > $OUT/t_vis.log 2>&1; at "vision (image transformers) exit $?"
+  PYTHONPATH=/tmp/site_vlm:$PYTHONPATH timeout 90 $PYT tests/test_vision.py >> $OUT/t_vis.log 2>&1; at "vision (5.24) exit $?"
+  timeout 150 python3 bench/gpu_proof.py --parts vlm --out $OUT/vlm > /dev/null 2>&1; at "vlm part exit $?"
+) &
+wait
+timeout 150 python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml --steps 12 --warmup 4 --modes hbp,hf_sdpa --data.demo_dir=demo_data > $OUT/throughput.log 2>&1
+at "throughput exit $?"
+cat $OUT/env.txt
