@@ -27,9 +27,11 @@ from lit_hbp.simulate.simulator import fill_checkpointing, price
 
 LM = ModelSpec("qwen2.5-vl-7b", 28, 3584, 28, 4, 18944, 152064)
 VISION = SimpleNamespace(embed_dim=1280, depth=32, intermediate_size=3420, patch_size=14, temporal_patch_size=2,
+                         window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
                          hidden_act="silu")  # fmt: skip
 CONFIG = SimpleNamespace(vision_config=VISION, num_hidden_layers=LM.layers, hidden_size=LM.hidden)
 PIXELS_PER_TOKEN = 4 * 14 * 14 * 2  # 2x2 merged patches of 14x14 pixels, each pixel once per frame of a pair
+FRAME_TOKENS = (448 // 28) ** 2  # a temporal patch (two 448x448 frames): its tokens after the 2x2 merge
 
 
 def mix(n: int, seed: int) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
@@ -45,7 +47,9 @@ def mix(n: int, seed: int) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
             count = (0, 1, int(rng.integers(2, 7)))[kind]
             tokens = [int(np.exp(rng.uniform(np.log(256), np.log(2048)))) for _ in range(count)]
         lengths[i] = min(int(text[i] // (4 if kind == 3 else 1)) + sum(tokens), 131_072)
-        images.append([(t * PIXELS_PER_TOKEN, 1) for t in tokens])
+        # The tower attends within a frame pair (a temporal patch) of a video: 256 tokens at 448x448 frames
+        tiles = [max(1, t // FRAME_TOKENS) if kind == 3 else 1 for t in tokens]
+        images.append([(t * PIXELS_PER_TOKEN, k) for t, k in zip(tokens, tiles)])
     return lengths, images
 
 

@@ -495,7 +495,9 @@ TOWER_LAYERS = {"llava_next": r"^CLIPVisionModel\.encoder$", "qwen2_vl": QWEN_BL
 @pytest.mark.parametrize("family", list(TOWER_LAYERS))
 def test_the_encoders_work_is_what_torch_counts(tmp_path, family):
     """encoder_flops against torch's FLOP counter on the tower's own layers (eager attention, so its
-    matmuls are counted), for images of three sizes: within 15% (the counter also sees CLIP's CLS token)."""
+    matmuls are counted), for images of three sizes: within 15% for CLIP (the counter also sees its CLS
+    token), 5% for the Qwen towers (Qwen2.5-VL's windowed layers attend within 16 of the largest image's
+    64 patches: counted as full attention, it was 12% over)."""
     import re
 
     from torch.utils.flop_counter import FlopCounterMode
@@ -516,7 +518,8 @@ def test_the_encoders_work_is_what_torch_counts(tmp_path, family):
         want = sum(sum(v.values()) for name, v in counts if re.search(TOWER_LAYERS[family], name))
         pixels, tiles = encoded_pixels(images, picture)
         got = float(encoder_flops(np.array([pixels]), np.array([tiles]), model.config)[0])
-        assert 0.85 * want <= got <= 1.15 * want, (family, (h, w), got, want)
+        tolerance = 0.15 if family.startswith("llava") else 0.05
+        assert (1 - tolerance) * want <= got <= (1 + tolerance) * want, (family, (h, w), got, want)
 
 
 def test_the_data_modules_plan_weighs_each_samples_image_encoding(data, tmp_path):

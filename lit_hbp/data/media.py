@@ -180,7 +180,8 @@ class WorkerMedia:
 
 def encoder_flops(pixels: np.ndarray, tiles: np.ndarray, config) -> np.ndarray:
     """Forward FLOPs of a vision tower encoding images of ``pixels`` in ``tiles`` (each image's), from its
-    config: per patch the layers' dense work, per tile the attention among its own patches (both ways)."""
+    config: per patch the layers' dense work, per tile the attention among its own patches (both ways),
+    within a window where the tower's layers attend in windows (Qwen2.5-VL's)."""
     vision = getattr(config, "vision_config", None)
     if vision is None:
         return np.zeros(np.shape(pixels))
@@ -190,7 +191,13 @@ def encoder_flops(pixels: np.ndarray, tiles: np.ndarray, config) -> np.ndarray:
     patch, frames = get("patch_size") or 14, get("temporal_patch_size") or 1
     mlp = 3 if get("hidden_act") in ("silu", "swish") else 2  # a gated MLP (Qwen2.5-VL's) has three matrices
     n = np.asarray(pixels, dtype=np.float64) / (patch * patch * frames)
-    return layers * (2 * (4 * hidden * hidden + mlp * hidden * inner) * n + 4 * hidden * n * n / np.asarray(tiles))
+    per_tile = n / np.asarray(tiles)
+    # Qwen2.5-VL: all but its fullatt_block_indexes layers attend within windows of (window_size / patch)^2 patches
+    full = get("fullatt_block_indexes")
+    window = (get("window_size") or 0) // patch
+    windowed = layers - len(full) if full is not None and window else 0
+    attention = (layers - windowed) * per_tile + windowed * np.minimum(per_tile, window * window)
+    return layers * 2 * (4 * hidden * hidden + mlp * hidden * inner) * n + 4 * hidden * n * attention
 
 
 def vision_work(image_pixels: Sequence[Sequence[tuple[int, int]]], config) -> np.ndarray:
