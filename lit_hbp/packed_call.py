@@ -69,8 +69,7 @@ class Prepared:
     backend: str = "auto"  # the attention backend of its packed calls (``lit_hbp.attention.backends``)
     owner: int = field(default_factory=lambda: next(_owners))  # names its calls in ``attention.choices``
     hooks: list = field(default_factory=list)
-    own: list | None = None  # the layers' own (checkpointing flag, function) while packed calls run
-    own_flags: list | None = None  # the flags the layers held in their own dict then (None: their class's)
+    own: list | None = None  # the layers' own (checkpointing flag, function, dict flag) while packed calls run
     active: int = 0  # packed calls of the model running now, on any thread
     said_own_ckpt: bool = False
     compiled: tuple | None = None  # (compile context, the decoder compiled with it) for a compiled model
@@ -91,13 +90,13 @@ class Prepared:
 
     def __getstate__(self) -> dict:
         """Pickled between calls: no lock, no call in flight, no compiled code (a loaded copy has its own)."""
-        skip = ("lock", "own", "own_flags", "active", "owner", "compiled", "ran")
+        skip = ("lock", "own", "active", "owner", "compiled", "ran")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict) -> None:
         """A prepared model loaded in another process: its packed calls need the config's routing there too."""
         self.__dict__.update(
-            state, lock=threading.Lock(), own=None, own_flags=None, active=0, owner=next(_owners), compiled=None, ran={}
+            state, lock=threading.Lock(), own=None, active=0, owner=next(_owners), compiled=None, ran={}
         )
         _by_owner[self.owner] = self
         for config, _ in self.configs:
@@ -127,7 +126,7 @@ def _own_flags(prepared: Prepared, fn) -> tuple[bool, object]:
     index = next((i for i, x in enumerate(prepared.layers) if x is layer), None)
     if prepared.own is None or index is None:
         return False, None
-    return prepared.own[index]
+    return prepared.own[index][:2]
 
 
 def current_tiles(prepared: Prepared) -> int:
@@ -167,11 +166,14 @@ def _layer_flags(prepared: Prepared, ckpt_layers: int | None) -> Iterator[None]:
     flagged for checkpointing besides those the project flagged; the layers' own after the last call."""
     with prepared.lock:
         if prepared.active == 0:
-            prepared.own = [
-                (layer.gradient_checkpointing, layer.__dict__.get("_gradient_checkpointing_func"))
+            prepared.own = [  # (flag, function, the flag in the layer's own dict: None where it is its class's)
+                (
+                    layer.gradient_checkpointing,
+                    layer.__dict__.get("_gradient_checkpointing_func"),
+                    layer.__dict__.get("gradient_checkpointing"),
+                )
                 for layer in prepared.layers
             ]
-            prepared.own_flags = [layer.__dict__.get("gradient_checkpointing") for layer in prepared.layers]
             for layer in prepared.layers:
                 layer._gradient_checkpointing_func = prepared.checkpoint
         for layer in prepared.layers[: ckpt_layers or 0]:
@@ -183,7 +185,7 @@ def _layer_flags(prepared: Prepared, ckpt_layers: int | None) -> Iterator[None]:
         with prepared.lock:
             prepared.active -= 1
             if prepared.active == 0:
-                for layer, (flag, func), own in zip(prepared.layers, prepared.own, prepared.own_flags):
+                for layer, (flag, func, own) in zip(prepared.layers, prepared.own):
                     if own is None:  # the class's flag, as before: a flag left in the instance is a new guard
                         layer.__dict__.pop("gradient_checkpointing", None)
                     else:

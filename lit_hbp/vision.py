@@ -24,6 +24,7 @@ each other both ways (``BIDIRECTIONAL``): one causal kernel per document is not 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -190,13 +191,22 @@ def check_encoder_outputs(inner: torch.nn.Module) -> None:
     """Refuse a model whose forward cannot take the images' encodings computed apart
     (``mm_encoder_outputs``, transformers 5.18 on, not every family): its packed call would run the
     vision tower inside and hand the language model's attention the pack's keywords."""
+    if not _takes_encoder_outputs(type(inner)):
+        _refuse_encoder_outputs(inner)
+
+
+@functools.cache
+def _takes_encoder_outputs(cls: type) -> bool:
+    """Whether ``cls.forward`` takes ``mm_encoder_outputs`` (read once per class: packed_loss asks per pack)."""
     import inspect
 
+    return "mm_encoder_outputs" in inspect.signature(cls.forward).parameters
+
+
+def _refuse_encoder_outputs(inner: torch.nn.Module) -> None:
     import transformers
     from packaging.version import Version
 
-    if "mm_encoder_outputs" in inspect.signature(inner.forward).parameters:
-        return
     version = transformers.__version__
     fix = (
         "pip install 'transformers>=5.18', which has it"
