@@ -73,8 +73,8 @@ def child(args) -> dict:
     dm.setup("fit")
     seconds = time.perf_counter() - start
     store = dm.store
-    counts = store.image_counts()
-    files = {m[0] for i in range(min(len(counts), 2000)) for m in store.images(i)}
+    counts = store.media_counts()
+    files = {m[0] for i in range(min(len(counts), 2000)) for m in store.media(i)}
     per_file = {f: Image.open(f).size for f in files}
     pixel_bytes = np.mean([w * h * 3 for w, h in per_file.values()]) * counts.sum()
     return {

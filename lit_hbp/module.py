@@ -266,7 +266,7 @@ class HBPLitModule(L.LightningModule):
                     f"data.levels: level {i} (pack_len {lv.pack_len}) uses sequence parallelism {lv.sp}, which "
                     f"{type(strategy).__name__} cannot run: train with lit_hbp.strategy.HBPStrategy"
                 )
-        if getattr(strategy, "zero_stage_3", False) and getattr(getattr(dm, "store", None), "has_images", False):
+        if getattr(strategy, "zero_stage_3", False) and getattr(getattr(dm, "store", None), "has_media", False):
             raise ConfigError(
                 "trainer.strategy: HBPStrategy(stage=3) with samples that have images: ZeRO-3 gathers a module's "
                 "weights when its forward runs, but the vision tower runs only on ranks whose pack holds images, "

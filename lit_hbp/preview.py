@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TextIO
 
 from lit_hbp.data.datamodule import HBPDataModule
-from lit_hbp.data.media import image_token_id
+from lit_hbp.data.media import Image, Video, image_token_id, video_token_id
 from lit_hbp.data.store import SampleStore
 
 OPEN, CLOSE = "⟦", "⟧"
@@ -55,40 +55,69 @@ def samples(store: SampleStore, n: int) -> Iterator[dict]:
             supervised=supervised.astype(int).tolist(),
             index=i,
         )
-        images = store.images(i)
+        media = store.media(i)
+        images = [m for m in media if isinstance(m, Image)]
+        videos = [m for m in media if isinstance(m, Video)]
         if images:
-            sample["images"] = [dict(file=f, width=w, height=h) for f, w, h, *_ in images]
+            sample["images"] = [dict(file=m.file, width=m.width, height=m.height) for m in images]
+        if videos:
+            sample["videos"] = [
+                dict(source=m.source if isinstance(m.source, str) else list(m.source), width=m.width, height=m.height,
+                     frames=m.frames)
+                for m in videos
+            ]  # fmt: skip
         yield sample
         if len(seen) == n:
             return
 
 
-def image_runs(ids: list[int], image_id: int | None) -> list[tuple[int, int]]:
-    """The [start, end) runs of image tokens in ``ids``: where each image stands, and its token count."""
+def token_runs(ids: list[int], token_id: int | None) -> list[tuple[int, int]]:
+    """The [start, end) runs of ``token_id`` in ``ids``: where each image or video stands, and its token count."""
     runs, start = [], None
     for k, t in enumerate([*ids, None]):
-        if t == image_id and image_id is not None and start is None:
+        if t == token_id and token_id is not None and start is None:
             start = k
-        elif t != image_id and start is not None:
+        elif t != token_id and start is not None:
             runs.append((start, k))
             start = None
     return runs
 
 
+def _describe(kind: str, entry: dict) -> str:
+    if kind == "image":
+        return f"{entry['file']} {entry['width']}x{entry['height']}"
+    source = entry["source"]
+    name = source if isinstance(source, str) else f"{source[0]} ... ({len(source)} files)"
+    return f"{name} {entry['frames']} frames {entry['width']}x{entry['height']}"
+
+
 def render(
-    tokenizer, ids: list[int], supervised: list[int], color: bool, image_id: int | None = None, images: list = ()
+    tokenizer, ids: list[int], supervised: list[int], color: bool, media: Sequence[tuple[str, int | None, list]] = ()
 ) -> str:
-    """The decoded tokens with each supervised run marked, each image's tokens as one line saying its
-    file, size and how many tokens it became."""
-    runs = image_runs(ids, image_id) if images else []
+    """The decoded tokens with each supervised run marked, each image's and video's tokens as one line
+    saying its file, size and how many tokens it became. ``media``: (kind, its token id, its entries,
+    each with the runs of tokens it became: one, or one per temporal patch where the processor puts a
+    timestamp before each, Qwen3-VL's)."""
+    runs = []
+    for kind, token_id, entries in media:
+        found = token_runs(ids, token_id) if entries else []
+        per = [1] * len(entries)
+        if len(found) != len(entries) and len(found) == sum(e["runs"] for e in entries):
+            per = [e["runs"] for e in entries]
+        if len(found) != sum(per):  # items next to each other share a run: not told apart
+            runs += [(a, b, f"[{len(entries)} {kind}s -> {b - a} tokens]") for a, b in found]
+            continue
+        at = 0
+        for j, (entry, k) in enumerate(zip(entries, per)):
+            mine = found[at : at + k]
+            at += k
+            tokens = sum(b - a for a, b in mine)
+            runs.append((mine[0][0], mine[-1][1], f"[{kind} {j + 1}: {_describe(kind, entry)} -> {tokens} tokens]"))
     if runs:
         out, at = [], 0
-        named = len(runs) == len(images)  # images next to each other share a run
-        for j, (a, b) in enumerate(runs):
+        for a, b, line in sorted(runs):
             out.append(render(tokenizer, ids[at:a], supervised[at:a], color))
-            im = images[j] if named else None
-            what = f"{im['file']} {im['width']}x{im['height']}" if im else f"{len(images)} images"
-            out.append(f"[image {j + 1}: {what} -> {b - a} tokens]")
+            out.append(line)
             at = b
         out.append(render(tokenizer, ids[at:], supervised[at:], color))
         return "".join(out)
@@ -123,9 +152,14 @@ def preview(dm: HBPDataModule, n: int, as_json: bool, out: TextIO | None = None)
         full = int(store.sources[store.source_of[index]].lengths[store.row_of[index]])
         cut = f" (truncated: tokens {start}-{start + tokens} of {full} kept)" if tokens < full else ""
         print(f"\n━━ sample {shown}: {store.where(index)}: {tokens} tokens, {trained} supervised{cut}", file=out)
-        images = sample.get("images", [])
-        image_id = image_token_id(dm.processor) if images else None
-        print(render(dm.tokenizer, sample["input_ids"], sample["supervised"], color, image_id, images), file=out)
+        media = []
+        if sample.get("images"):
+            media.append(("image", image_token_id(dm.processor), [{**e, "runs": 1} for e in sample["images"]]))
+        if sample.get("videos"):
+            tiles = [m.tiles for m in store.media(index) if isinstance(m, Video)]
+            entries = [{**e, "runs": t} for e, t in zip(sample["videos"], tiles)]
+            media.append(("video", video_token_id(dm.processor), entries))
+        print(render(dm.tokenizer, sample["input_ids"], sample["supervised"], color, media), file=out)
     if not shown:
         print("no training samples: every record was skipped (see the summary above)", file=sys.stderr)
     return shown

@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from lit_hbp.errors import DataError
+
 # Concatenated along their first dimension, in record order.
 CONCAT_KEYS = (
     "pixel_values", "image_grid_thw", "image_sizes", "batch_num_images",
@@ -149,7 +151,17 @@ def collate_media(parts: Sequence[Mapping[str, torch.Tensor]], lengths: Sequence
         if key == "pixel_values" and values[0].dim() == 5:  # anyres: [images, tiles, C, H, W]
             tiles = max(v.shape[1] for v in values)
             values = [torch.nn.functional.pad(v, (0, 0, 0, 0, 0, 0, 0, tiles - v.shape[1])) for v in values]
-        out[key] = torch.cat([v.reshape(1) if v.dim() == 0 else v for v in values], dim=0)
+        values = [v.reshape(1) if v.dim() == 0 else v for v in values]
+        if len({v.shape[1:] for v in values}) > 1:
+            shapes = sorted({tuple(v.shape[1:]) for v in values})
+            hint = (
+                ": the family's forward takes a pack's videos as one [videos, frames, ...] tensor (LLaVA-OneVision's), "
+                "so they need one frame count; set its video processor's num_frames with do_sample_frames: true, or "
+                "give videos of one length"
+                if key == "pixel_values_videos" else ""
+            )  # fmt: skip
+            raise DataError(f"a pack's records give {key} of different shapes {shapes} that cannot be joined{hint}")
+        out[key] = torch.cat(values, dim=0)
     return out
 
 

@@ -106,12 +106,12 @@ FAMILIES_MD = Path(__file__).resolve().parents[1] / "docs" / "families.md"
 # The image-text families the tests here build and train exactly (the compatibility part of the CI has
 # LLaVA-OneVision: its processor needs torchvision), with what the tests cover.
 VLM_TESTED = {
-    "qwen2_vl": "images and videos, sp 1 and 2 (frames split over the SP group); the data path",
-    "qwen2_5_vl": "images and videos, sp 1 and 2 (frames split over the SP group)",
-    "qwen3_vl": "images, sp 1; refused at sp > 1 (deepstack features read per placeholder)",
+    "qwen2_vl": "images and videos, sp 1 and 2 (frames split over the SP group); the data path, videos too",
+    "qwen2_5_vl": "images and videos, sp 1 and 2 (frames split over the SP group); the data path for videos",
+    "qwen3_vl": "images, sp 1; the data path for videos (frame timestamps); refused at sp > 1 (deepstack)",
     "llava": "images, sp 1 and 2",
     "llava_next": "images (anyres tiles), sp 1 and 2; the data path, the demo",
-    "llava_onevision": "images, sp 1 and 2 (a record's images encoded together)",
+    "llava_onevision": "images, sp 1 and 2 (a record's images encoded together); videos of one frame count",
 }
 
 

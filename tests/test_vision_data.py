@@ -292,7 +292,7 @@ def test_multimodal_rope_positions_in_the_loader_are_the_models_own(tmp_path):
                            "x")},
          r"d.jsonl:2: messages\[0\].content\[0\]: 'https://example.com/a.png' is not a local file"),
         ({"messages": chat([{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "x"}], "x")},
-         r"d.jsonl:2: messages\[0\].content\[0\] is a 'video' part: not supported"),
+         r"d.jsonl:2: the record has 1 video\(s\) and the checkpoint's LlavaNextProcessor takes no videos"),
         ({"messages": chat("<image> what is this?", "x")},
          r"d.jsonl:2: the text holds the image token '<image>' but the record has no images"),
         ({"messages": chat([{"type": "image", "image": "img/a.png", "detail": "high"}, {"type": "text", "text": "x"}],
@@ -327,7 +327,7 @@ def test_truncating_a_sample_with_images_is_refused(data, tmp_path):
     root, folder = data
     dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["64:1"],
                        cache_dir=str(tmp_path / "cache"), over_length="truncate")  # fmt: skip
-    refused = r"sample\(s\) with images longer than the largest level \(64 tokens\).*d.jsonl:1"
+    refused = r"sample\(s\) with images or videos longer than the largest level \(64 tokens\).*d.jsonl:1"
     with pytest.raises(DataError, match=refused):
         dm.setup("fit")
 
@@ -376,7 +376,7 @@ def test_the_guides_example_records_read_as_it_says(data, tmp_path):
     import re
 
     root, folder = data
-    (block,) = re.findall(r"```json\n(.*?)```", (ROOT / "docs" / "vision.md").read_text(), re.S)
+    block = re.findall(r"```json\n(.*?)```", (ROOT / "docs" / "vision.md").read_text(), re.S)[0]  # images
     (tmp_path / "img").mkdir()
     for k, name in enumerate(("cat.png", "a.png", "b.png")):
         image(k, 20, 20).save(tmp_path / "img" / name)
@@ -533,11 +533,11 @@ def test_the_data_modules_plan_weighs_each_samples_image_encoding(data, tmp_path
                        cache_dir=str(tmp_path / "cache"))  # fmt: skip
     dm.setup("fit")
     extra = dm.vision_work(dm.store)
-    images = [len(dm.store.images(i)) for i in range(dm.store.lengths.size)]
+    images = [len(dm.store.media(i)) for i in range(dm.store.lengths.size)]
     assert [bool(e) for e in extra] == [bool(k) for k in images]  # work exactly where there are images
     two = images.index(2)
     assert extra[two] > max(e for e, k in zip(extra, images) if k == 1)
-    assert np.allclose(extra, vision_work(dm.store.image_pixels(), AutoConfig.from_pretrained(folder)))
+    assert np.allclose(extra, vision_work(dm.store.media_pixels(), AutoConfig.from_pretrained(folder)))
     want = plan_hbp(dm.store.lengths, dm.levels, 1, 1, dm.seed, dm.packer, loss_tokens=dm.store.loss_tokens,
                     extra_work=extra)  # fmt: skip
     assert np.array_equal(dm.plan_for_epoch(0).members, want.members)

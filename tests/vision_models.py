@@ -33,6 +33,7 @@ LLAVA_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | upper }}: "
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for content in message['content'] %}{% if content['type'] == 'image' %}<image>\n"
+    "{% elif content['type'] == 'video' %}<video>\n"
     "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|end|>\n"
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT: {% endif %}"
 )
@@ -113,8 +114,8 @@ def build_llava(path: Path, family: str = "llava") -> Path:
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    tok = toy_tokenizer(["<pad>", "<s>", "</s>", "<|end|>", "<image>"], pad="<pad>", eos="</s>", bos="<s>",
-                        chat_template=LLAVA_TEMPLATE)  # fmt: skip
+    specials = ["<pad>", "<s>", "</s>", "<|end|>", "<image>"] + (["<video>"] if family == "llava_onevision" else [])
+    tok = toy_tokenizer(specials, pad="<pad>", eos="</s>", bos="<s>", chat_template=LLAVA_TEMPLATE)
     crop = {"height": 16, "width": 16}
     pinpoints = [[16, 16], [16, 32], [32, 16], [32, 32]]
     common = dict(tokenizer=tok, patch_size=4, vision_feature_select_strategy="default", num_additional_image_tokens=1,
@@ -131,10 +132,10 @@ def build_llava(path: Path, family: str = "llava") -> Path:
 
         images = LlavaOnevisionImageProcessorPil(size={"height": 16, "width": 16}, image_grid_pinpoints=pinpoints)
         processor = LlavaOnevisionProcessor(
-            images, tokenizer=tok, video_processor=LlavaOnevisionVideoProcessor(), num_image_tokens=17,  # CLS too
-            vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
-        )  # fmt: skip
-        extra = {"image_grid_pinpoints": pinpoints}
+            images, tokenizer=tok, video_processor=LlavaOnevisionVideoProcessor(size={"height": 16, "width": 16}),
+            num_image_tokens=17, vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
+        )  # fmt: skip  (num_image_tokens: the CLS token too; a video's 16x16 frames)
+        extra = {"image_grid_pinpoints": pinpoints, "video_token_index": tok.convert_tokens_to_ids("<video>")}
     else:
         images = LlavaNextImageProcessorPil(size={"shortest_edge": 16}, crop_size=crop, image_grid_pinpoints=pinpoints)
         processor = LlavaNextProcessor(images, **common)

@@ -9,8 +9,9 @@ Layout of ``<cache_dir>/<name>-<key>/``:
   token);
 - ``samples.npz``: per sample, its token offset, source row (file line or table row), supervised
   token count and span offset: what set-up reads, so set-up memory grows with samples, not tokens;
-- ``media.json``: only for records with images: each image's file, width and height (samples.npz's
-  ``media_offsets`` says whose), never its pixels: the DataLoader workers load them;
+- ``media.json``: only for records with images or videos: each image's file, width and height, each
+  video's frames (folder, list or file), frame size and count, and the pixels its encoder sees
+  (samples.npz's ``media_offsets`` says whose), never the pixels themselves: the DataLoader workers load them;
 - ``meta.json``: counts, dtype, skipped records; written last.
 
 The writer fills a hidden sibling folder and renames it into place when complete, so a reader sees
@@ -91,14 +92,14 @@ class CacheWriter:
         self._rows: list[np.ndarray] = []
         self._supervised: list[np.ndarray] = []
         self._span_counts: list[np.ndarray] = []
-        self._media_counts: list[np.ndarray] = []  # per sample: how many images
-        self._media: list[tuple[str, int, int]] = []  # every image's (file, width, height), in sample order
+        self._media_counts: list[np.ndarray] = []  # per sample: how many images and videos
+        self._media: list[tuple] = []  # every image's and video's entry (``media.Image``, ``media.Video``)
 
     def append(
         self, ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray, spans: np.ndarray, span_counts, media=None
     ) -> None:
         """One chunk: flat ids of its samples, their lengths and rows, flat spans and spans per sample,
-        and per sample its images (files and sizes, never pixels)."""
+        and per sample its images and videos (files and sizes, never pixels)."""
         self._media_counts.append(np.asarray([len(m) for m in media] if media else np.zeros(len(lengths)), np.int64))
         self._media += [m for ms in media or () for m in ms]
         self._ids.write(np.ascontiguousarray(ids, self.dtype).tobytes())

@@ -42,9 +42,9 @@ from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import layout_levels, sp_coords
 
 
-class ImageInputs:
-    """What a loader worker needs to turn a sample's image files into the model's inputs: the
-    checkpoint's processor (pixels, grids) and, for a family whose positions depend on its images,
+class MediaInputs:
+    """What a loader worker needs to turn a sample's image and video files into the model's inputs: the
+    checkpoint's processor (pixels, grids) and, for a family whose positions depend on its media,
     the positions' function on the checkpoint's config (``lit_hbp.data.media``)."""
 
     def __init__(self, processor, config, token_types: bool):
@@ -62,22 +62,22 @@ class MicroBatchDataset(Dataset):
     with a copy of this dataset) can never collate from a stale epoch's plan."""
 
     def __init__(
-        self, store: SampleStore, levels: tuple[Level, ...], rank: int, pad_id: int, images: ImageInputs | None = None
+        self, store: SampleStore, levels: tuple[Level, ...], rank: int, pad_id: int, media: MediaInputs | None = None
     ):
         self.store, self.levels, self.rank, self.pad_id = store, levels, rank, pad_id
-        self.images = images if images is not None and store.has_images else None
+        self.inputs = media if media is not None and store.has_media else None
 
     def _media(self, i: int) -> dict:
-        """Sample i's images as the processor's tensors (decoded here, in the loader's worker)."""
-        images = self.store.images(i)
-        return self.images.media(self.store.tokens(i)[0], images, self.store.where(i)) if images else {}
+        """Sample i's images and videos as the processor's tensors (decoded here, in the loader's worker)."""
+        media = self.store.media(i)
+        return self.inputs.media(self.store.tokens(i)[0], media, self.store.where(i)) if media else {}
 
     def __getitem__(self, item: tuple[int, int, MicroBatch]) -> PackedBatch:
         epoch, k, mb = item
         lv = self.levels[mb.level]
         media = {}
-        if self.images is not None:
-            media = dict(media=self._media, rope=self.images.rope)
+        if self.inputs is not None:
+            media = dict(media=self._media, rope=self.inputs.rope)
         plan = dict(
             level=mb.level,
             ckpt_layers=lv.ckpt_layers,
@@ -390,26 +390,26 @@ class HBPDataModule(L.LightningDataModule):
             processor=self.processor,
         )  # fmt: skip
 
-    def _images(self, store: SampleStore) -> ImageInputs | None:
-        """The loader's image inputs when ``store`` has samples with images."""
-        if self.processor is None or not store.has_images:
+    def _media_inputs(self, store: SampleStore) -> MediaInputs | None:
+        """The loader's media inputs when ``store`` has samples with images or videos."""
+        if self.processor is None or not store.has_media:
             return None
         token_types = any(s.token_types for s in store.sources)
-        return ImageInputs(self.processor, self.model_config, token_types)
+        return MediaInputs(self.processor, self.model_config, token_types)
 
     def self_check_samples(self, n: int = 2) -> list[tuple[np.ndarray, dict]]:
-        """The ``n`` shortest training samples with images, as (ids, the processor's tensors): the
-        self-check packs them beside its text documents, so the run's own images, processor and vision
-        tower are checked too (the same samples on every rank). Empty without images."""
+        """The ``n`` shortest training samples with images or videos, as (ids, the processor's tensors):
+        the self-check packs them beside its text documents, so the run's own media, processor and vision
+        tower are checked too (the same samples on every rank). Empty without media."""
         store = self.store
-        images = self._images(store) if store is not None else None
-        if images is None:
+        inputs = self._media_inputs(store) if store is not None else None
+        if inputs is None:
             return []
-        with_images = np.flatnonzero(store.image_counts() > 0)
+        with_media = np.flatnonzero(store.media_counts() > 0)
         out = []
-        for i in with_images[np.argsort(store.lengths[with_images], kind="stable")[:n]].tolist():
+        for i in with_media[np.argsort(store.lengths[with_media], kind="stable")[:n]].tolist():
             ids = store.tokens(i)[0]
-            out.append((ids, images.media(ids, store.images(i), store.where(i))))
+            out.append((ids, inputs.media(ids, store.media(i), store.where(i))))
         return out
 
     def tokenize_sources(self, progress: bool = True) -> list[TokenizedSource]:
@@ -472,11 +472,11 @@ class HBPDataModule(L.LightningDataModule):
     def vision_work(self, store: SampleStore):
         """Per sample of ``store``, its images' encoding in the planner's units (``media.vision_work``),
         so the balance weighs it beside attention; None without images or a model config."""
-        if not store.has_images or self.model_config is None:
+        if not store.has_media or self.model_config is None:
             return None
         from lit_hbp.data.media import vision_work
 
-        return vision_work(store.image_pixels(), self.model_config)
+        return vision_work(store.media_pixels(), self.model_config)
 
     def plan_for_epoch(self, epoch: int) -> Plan:
         """The plan of ``epoch`` (curriculum warm-up in the first epoch only)."""
@@ -534,7 +534,7 @@ class HBPDataModule(L.LightningDataModule):
         _, rank, _ = self._world()
         workers, pin = self._loader_settings()
         dataset = MicroBatchDataset(
-            self.val_store, self.sharding_levels(), rank, self.pad_id, self._images(self.val_store)
+            self.val_store, self.sharding_levels(), rank, self.pad_id, self._media_inputs(self.val_store)
         )
         sampler = FixedPlanSampler(self.val_plan(), rank)
         return DataLoader(dataset, sampler=sampler, batch_size=None, **self._worker_settings(workers), pin_memory=pin)
@@ -557,7 +557,8 @@ class HBPDataModule(L.LightningDataModule):
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         _, rank, _ = self._world()
         workers, pin = self._loader_settings()
-        dataset = MicroBatchDataset(self.store, self.sharding_levels(), rank, self.pad_id, self._images(self.store))
+        media = self._media_inputs(self.store)
+        dataset = MicroBatchDataset(self.store, self.sharding_levels(), rank, self.pad_id, media)
         sampler = PlanSampler(self, epoch, rank)
         return PlanLoader(self, dataset, sampler, **self._worker_settings(workers), pin_memory=pin)
 

@@ -1,17 +1,21 @@
-"""Images of chat records, on the data side: loaded from the files a record names, counted into tokens
-by the checkpoint's own processor when the source is tokenized, and turned into the processor's
-pixels again in the DataLoader workers. The token cache keeps each sample's image files and sizes,
-never pixels, so it grows with samples.
+"""Images and videos of chat records, on the data side: loaded from the files a record names, counted
+into tokens by the checkpoint's own processor when the source is tokenized, and turned into the
+processor's pixels again in the DataLoader workers. The token cache keeps each sample's image and
+video files and sizes, never pixels, so it grows with samples.
 
-Tokenizing a record with images: the chat template renders one placeholder per image (``<image>``,
-``<|image_pad|>``); the processor expands each placeholder into the tokens its image becomes; the
-supervised mask of the rendering is carried over to the expanded ids (image tokens never train).
+Tokenizing a record with media: the chat template renders one placeholder per image or video
+(``<image>``, ``<|image_pad|>``, ``<|video_pad|>``); the processor expands each placeholder into the
+tokens it becomes; the supervised mask of the rendering is carried over to the expanded ids (image and
+video tokens never train). A video is a folder of frames, a list of frame files or a video file, which
+the processor's own loader decodes (its optional dependency, torchcodec, installed).
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,13 +24,45 @@ from lit_hbp.errors import DataError
 from lit_hbp.vision import MM_KEYS
 
 
+class Image(NamedTuple):
+    """An image of a sample, as the token cache keeps it: its file and size, the pixels its encoder sees
+    and in how many tiles (``encoded_pixels``)."""
+
+    file: str
+    width: int
+    height: int
+    pixels: int
+    tiles: int
+
+
+class Video(NamedTuple):
+    """A video of a sample, as the token cache keeps it: its frames' folder, list or video file, one
+    frame's size, the pixels its encoder sees (every frame) and in how many tiles, and its frame count."""
+
+    source: str | tuple[str, ...]
+    width: int
+    height: int
+    pixels: int
+    tiles: int
+    frames: int
+
+
+def media_entry(row: Sequence) -> Image | Video:
+    """A token cache row (``media.json``) as the entry it is: a video's has its frame count too."""
+    if len(row) == len(Video._fields):
+        source = row[0] if isinstance(row[0], str) else tuple(row[0])
+        return Video(source, *(int(x) for x in row[1:]))
+    return Image(row[0], *(int(x) for x in row[1:]))
+
+
 def load_image(path: str, where: str):
     """The RGB image in ``path``, fully decoded; a DataError naming the record for a missing, unreadable
     or truncated file."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image as PILImage
+    from PIL import UnidentifiedImageError
 
     try:
-        with Image.open(path) as im:
+        with PILImage.open(path) as im:
             im.load()
             return im.convert("RGB")
     except FileNotFoundError:
@@ -35,66 +71,172 @@ def load_image(path: str, where: str):
         raise DataError(f"{where}: image {path} cannot be read ({type(e).__name__}: {e})") from None
 
 
+def _natural(name: str) -> list:
+    """``frame_2`` before ``frame_10``: digits compare as numbers."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def frame_files(folder: str, where: str) -> list[str]:
+    """A frame folder's image files in frame order (names compared with their numbers as numbers)."""
+    from PIL import Image as PILImage
+
+    kinds = set(PILImage.registered_extensions())
+    files = [f for f in os.listdir(folder) if os.path.splitext(f)[1].lower() in kinds]
+    if not files:
+        raise DataError(f"{where}: video {folder} is a folder without image files (a video's frames)")
+    return [os.path.join(folder, f) for f in sorted(files, key=_natural)]
+
+
+class Clip(NamedTuple):
+    """A video loaded: its frames (RGB images, or the loader's array for a video file), the loader's
+    metadata (None for frames: the processor makes its own), one frame's size and the frame count."""
+
+    frames: Any
+    metadata: Any
+    width: int
+    height: int
+    count: int
+
+
+def load_video(source: str | Sequence[str], where: str, processor) -> Clip:
+    """A video's frames: a folder of frame images, a list of frame files, or a video file decoded by the
+    processor's own loader (transformers' ``fetch_videos``; a DataError naming the missing decoder when
+    it cannot). Frames must share one size."""
+    if not isinstance(source, str) or os.path.isdir(source):
+        files = frame_files(source, where) if isinstance(source, str) else list(source)
+        frames = [load_image(f, f"{where}: video frame {k}") for k, f in enumerate(files)]
+        sizes = {im.size for im in frames}
+        if len(sizes) > 1:
+            raise DataError(
+                f"{where}: video {source}'s frames differ in size ({sorted(sizes)}): give frames of one size"
+            )
+        ((width, height),) = sizes
+        return Clip(frames, None, width, height, len(frames))
+    if not os.path.exists(source):
+        raise DataError(f"{where}: video {source} does not exist")
+    try:
+        array, metadata = processor.video_processor.fetch_videos(source)
+    except ImportError as e:
+        raise DataError(
+            f"{where}: video {source} is a video file and the processor cannot decode it here ({e}): install its "
+            "decoder (pip install torchcodec), or give the video's frames (a folder of images or a list of frames)"
+        ) from None
+    except (OSError, RuntimeError, ValueError, TypeError) as e:
+        raise DataError(f"{where}: video {source} cannot be read ({type(e).__name__}: {e})") from None
+    count, height, width = int(np.shape(array)[0]), int(np.shape(array)[1]), int(np.shape(array)[2])
+    return Clip(array, metadata, width, height, count)
+
+
+def _token_id(processor, kind: str) -> int | None:
+    token_id = getattr(processor, f"{kind}_token_id", None)
+    if token_id is None:
+        token = getattr(processor, f"{kind}_token", None)
+        token_id = processor.tokenizer.convert_tokens_to_ids(token) if token else None
+    return None if token_id is None else int(token_id)
+
+
 def image_token_id(processor) -> int:
     """The id of the token a processor repeats for each image."""
-    token_id = getattr(processor, "image_token_id", None)
-    if token_id is None:
-        token = getattr(processor, "image_token", None)
-        token_id = processor.tokenizer.convert_tokens_to_ids(token) if token else None
+    token_id = _token_id(processor, "image")
     if token_id is None:
         raise DataError(f"{type(processor).__name__} names no image token: its records with images cannot be packed")
-    return int(token_id)
+    return token_id
+
+
+def video_token_id(processor) -> int | None:
+    """The id of the token a processor repeats for each video; None for a processor without videos."""
+    return _token_id(processor, "video") if getattr(processor, "video_processor", None) is not None else None
 
 
 def processor_fingerprint(processor) -> str:
-    """What decides how many tokens an image becomes: the image processor's settings (part of the
-    token cache's key)."""
+    """What decides how many tokens an image or video becomes: the image (and video) processor's
+    settings (part of the token cache's key)."""
     import json
 
     if processor is None:
         return ""
     settings = processor.image_processor.to_dict()
+    video = getattr(processor, "video_processor", None)
+    if video is not None:
+        settings["video_processor"] = video.to_dict()
     return json.dumps({"processor": type(processor).__name__, **settings}, sort_keys=True, default=str)
 
 
-class ImageExpander:
-    """The ids of a rendered record with images, as the processor makes them, with the rendering's
-    supervised mask carried over; the images' files and sizes for the cache."""
+def processor_inputs(clips: Sequence[Clip]) -> dict:
+    """The processor's ``videos`` (and ``video_metadata`` where a video file's loader gave it; frames get
+    transformers' own default, as when no metadata is passed)."""
+    if not clips:
+        return {}
+    out: dict = {"videos": [c.frames for c in clips]}
+    if any(c.metadata is not None for c in clips):
+        out["video_metadata"] = [
+            c.metadata if c.metadata is not None else
+            {"total_num_frames": c.count, "fps": None, "duration": None, "frames_indices": list(range(c.count)),
+             "height": c.height, "width": c.width}
+            for c in clips
+        ]  # fmt: skip
+    return out
+
+
+class MediaExpander:
+    """The ids of a rendered record with images and videos, as the processor makes them, with the
+    rendering's supervised mask carried over; the media's files and sizes for the cache."""
 
     def __init__(self, processor):
         self.processor = processor
         self.image_id = image_token_id(processor)
+        self.video_id = video_token_id(processor)
         self.token_types = False  # the processor returned mm_token_type_ids (the workers rebuild them)
 
     def refuse_placeholders(self, ids: np.ndarray, where: str) -> None:
-        """A record without images whose text holds the image token (an ``<image>`` marker with no
+        """A record without media whose text holds the image or video token (an ``<image>`` marker with no
         ``images`` list): the model would look for pixels that are not there."""
-        if (ids == self.image_id).any():
-            token = self.processor.tokenizer.convert_ids_to_tokens(self.image_id)
+        for kind, token_id in (("image", self.image_id), ("video", self.video_id)):
+            if token_id is not None and (ids == token_id).any():
+                token = self.processor.tokenizer.convert_ids_to_tokens(token_id)
+                raise DataError(
+                    f"{where}: the text holds the {kind} token {token!r} but the record has no {kind}s: give the "
+                    f"{kind}s (an {kind}s list, or {kind} parts), or remove the marker"
+                )
+
+    def _placed(self, ids: np.ndarray, kind: str, token_id: int | None, count: int, where: str) -> None:
+        if token_id is None:
             raise DataError(
-                f"{where}: the text holds the image token {token!r} but the record has no images: give the images "
-                "(an images list, or image parts), or remove the marker"
+                f"{where}: the record has {count} {kind}(s) and the checkpoint's {type(self.processor).__name__} "
+                f"takes no {kind}s"
+            )
+        placeholders = int((ids == token_id).sum())
+        if placeholders != count:
+            raise DataError(
+                f"{where}: {count} {kind}(s) but the chat template rendered {placeholders} {kind} placeholder(s): "
+                f"each {kind} needs its place in the text (an {kind} part, or an <{kind}> marker)"
             )
 
     def __call__(
-        self, text: str, ids: np.ndarray, target: np.ndarray, images: Sequence[str], where: str
-    ) -> tuple[np.ndarray, np.ndarray, list[tuple[str, int, int, int]]]:
+        self, text: str, ids: np.ndarray, target: np.ndarray, images: Sequence[str], videos: Sequence, where: str
+    ) -> tuple[np.ndarray, np.ndarray, list[Image | Video]]:
+        self._placed(ids, "image", self.image_id, len(images), where)
+        if videos or self.video_id is not None:
+            self._placed(ids, "video", self.video_id, len(videos), where)
         loaded = [load_image(p, where) for p in images]
-        placeholders = int((ids == self.image_id).sum())
-        if placeholders != len(loaded):
-            raise DataError(
-                f"{where}: {len(loaded)} image(s) but the chat template rendered {placeholders} image placeholder(s): "
-                "each image needs its place in the text (an image part, or an <image> marker)"
-            )
+        clips = [load_video(v, where, self.processor) for v in videos]
         try:
-            enc = self.processor(text=[text], images=loaded, add_special_tokens=False)
+            enc = self.processor(
+                text=[text], images=loaded or None, **processor_inputs(clips), add_special_tokens=False,
+                return_text_replacement_offsets=True, return_offsets_mapping=self.processor.tokenizer.is_fast,
+            )  # fmt: skip
         except (ValueError, TypeError) as e:
             raise DataError(f"{where}: the processor refused the record: {e}") from None
         self.token_types |= "mm_token_type_ids" in enc
         expanded = np.asarray(enc["input_ids"][0], dtype=ids.dtype)
-        out_target = carry_mask(ids, target, expanded, self.image_id, where)
-        seen = [encoded_pixels(self.processor.image_processor, im) for im in loaded]
-        return expanded, out_target, [(p, *im.size, *s) for p, im, s in zip(images, loaded, seen)]
+        media_ids = [t for t in (self.image_id, self.video_id) if t is not None]
+        out_target = carry_mask(ids, target, expanded, expansions(enc, media_ids), media_ids, where)
+        out: list[Image | Video] = [
+            Image(p, *im.size, *encoded_pixels(self.processor.image_processor, im)) for p, im in zip(images, loaded)
+        ]
+        for v, clip in zip(videos, clips):
+            out.append(Video(v, clip.width, clip.height, *encoded_video_pixels(self.processor, clip), clip.count))
+        return expanded, out_target, out
 
 
 def encoded_pixels(image_processor, image) -> tuple[int, int]:
@@ -106,17 +248,49 @@ def encoded_pixels(image_processor, image) -> tuple[int, int]:
     return int(np.prod(shape)) // 3, int(tiles)
 
 
-def carry_mask(ids: np.ndarray, target: np.ndarray, expanded: np.ndarray, image_id: int, where: str) -> np.ndarray:
+def encoded_video_pixels(processor, clip: Clip) -> tuple[int, int]:
+    """What the vision tower encodes of a video: its pixels as the video processor cuts them (every
+    frame's), and in how many pieces its tower attends apart: Qwen's temporal patches (the grid's first
+    number), one per frame where frames are encoded as images (LLaVA-OneVision's)."""
+    metadata = {"video_metadata": [clip.metadata]} if clip.metadata is not None else {}
+    out = processor.video_processor(videos=[clip.frames], return_tensors="np", **metadata)
+    shape = np.shape(out["pixel_values_videos"])
+    grid = out.get("video_grid_thw")
+    tiles = int(np.asarray(grid)[0][0]) if grid is not None else shape[1] if len(shape) == 5 else 1
+    return int(np.prod(shape)) // 3, tiles
+
+
+def expansions(enc, media_ids) -> np.ndarray:
+    """Which of the processor's ids stand where it expanded a placeholder: the characters it replaced
+    (``text_replacement_offsets``) located by the tokenizer's offsets, so text a processor adds of its
+    own (Qwen3-VL's frame timestamps) counts as the expansion; with a slow tokenizer (no offsets), the
+    image and video tokens alone."""
+    ids = np.asarray(enc["input_ids"][0])
+    offsets = enc.get("offset_mapping")
+    if offsets is None:
+        return np.isin(ids, media_ids)
+    tokens = np.asarray(offsets[0], dtype=np.int64).reshape(-1, 2)
+    inside = np.zeros(ids.size, dtype=bool)
+    for r in (enc.get("text_replacement_offsets") or [[]])[0]:
+        start, end = r["new_span"]
+        inside |= (tokens[:, 0] < end) & (tokens[:, 1] > start)
+    return inside | np.isin(ids, media_ids)
+
+
+def carry_mask(
+    ids: np.ndarray, target: np.ndarray, expanded: np.ndarray, inside: np.ndarray, media_ids, where: str
+) -> np.ndarray:
     """``target`` of the rendering's ``ids`` on the processor's ``expanded`` ids: both hold the same
-    tokens once image tokens are removed; image tokens never train."""
-    mine, theirs = ids != image_id, expanded != image_id
-    if not np.array_equal(ids[mine], expanded[theirs]):
+    tokens once the rendering's image and video tokens and the processor's expansions of them
+    (``inside``) are removed; an expansion never trains."""
+    mine = ~np.isin(ids, media_ids)
+    if not np.array_equal(ids[mine], expanded[~inside]):
         raise DataError(
             f"{where}: the processor tokenizes this record otherwise than its tokenizer does beyond expanding the "
-            "image placeholders, so its supervised tokens cannot be located"
+            "image and video placeholders, so its supervised tokens cannot be located"
         )
     out = np.zeros(expanded.size, dtype=bool)
-    out[np.flatnonzero(theirs)] = target[mine]
+    out[np.flatnonzero(~inside)] = target[mine]
     return out
 
 
@@ -148,34 +322,59 @@ def rope_stand_in(config) -> ConfigOnly | None:
 
 
 class WorkerMedia:
-    """A sample's images as the processor's tensors (``pixel_values``, grids, sizes) and its per-token
-    fields, built in a DataLoader worker from the files the cache names; an image whose size changed
-    since tokenizing is refused (its token count would not match)."""
+    """A sample's images and videos as the processor's tensors (``pixel_values``, grids, sizes, the video
+    fields) and its per-token fields, built in a DataLoader worker from the files the cache names; an
+    image or video whose size or frame count changed since tokenizing is refused (its token count would
+    not match)."""
 
     def __init__(self, processor, token_types: bool):
         self.processor = processor
         self.image_id = image_token_id(processor)
-        self.token_types = token_types  # the processor returns mm_token_type_ids (1 on image tokens)
+        self.video_id = video_token_id(processor)
+        self.token_types = token_types  # the processor returns mm_token_type_ids (1 on image tokens, 2 on video's)
 
-    def __call__(self, ids: np.ndarray, images: Sequence[tuple], where: str) -> dict[str, torch.Tensor]:
-        if not images:
+    def __call__(self, ids: np.ndarray, media: Sequence[Image | Video], where: str) -> dict[str, torch.Tensor]:
+        images = [m for m in media if isinstance(m, Image)]
+        videos = [m for m in media if isinstance(m, Video)]
+        out: dict[str, torch.Tensor] = {}
+        if images:
+            loaded = []
+            for path, width, height, *_ in images:
+                im = load_image(path, where)
+                _same(f"image {path}", im.size, (width, height), where)
+                loaded.append(im)
+            out.update(self.processor.image_processor(images=loaded, return_tensors="pt"))
+        if videos:
+            clips = []
+            for v in videos:
+                clip = load_video(v.source, where, self.processor)
+                _same(f"video {v.source}", (clip.width, clip.height, clip.count), (v.width, v.height, v.frames), where)
+                clips.append(clip)
+            # the processor itself (on the videos' placeholders alone): it adds fields its video processor lacks
+            token = self.processor.tokenizer.convert_ids_to_tokens(self.video_id)
+            enc = self.processor(text=[token * len(clips)], **processor_inputs(clips), return_tensors="pt")
+            out.update({k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")})
+        if not out:
             return {}
-        loaded = []
-        for path, width, height, *_ in images:
-            im = load_image(path, where)
-            if im.size != (width, height):
-                raise DataError(
-                    f"{where}: image {path} is {im.size[0]}x{im.size[1]} now, {width}x{height} when the source was "
-                    "tokenized: remove the token cache (data.cache_dir) to tokenize it again"
-                )
-            loaded.append(im)
-        out = dict(self.processor.image_processor(images=loaded, return_tensors="pt"))
         unknown = sorted(set(out) - set(MM_KEYS))
         if unknown:
-            raise DataError(f"{where}: the image processor returns {unknown}, which lit-hbp does not pack")
+            raise DataError(f"{where}: the processor returns {unknown}, which lit-hbp does not pack")
         if self.token_types:
-            out["mm_token_type_ids"] = torch.as_tensor((np.asarray(ids) == self.image_id).astype(np.int64))
+            ids = np.asarray(ids)
+            types = (ids == self.image_id).astype(np.int64)
+            if self.video_id is not None:
+                types[ids == self.video_id] = 2
+            out["mm_token_type_ids"] = torch.as_tensor(types)
         return out
+
+
+def _same(what: str, now: tuple, then: tuple, where: str) -> None:
+    if now != then:
+        say = lambda t: f"{t[0]}x{t[1]}" + (f", {t[2]} frames" if len(t) > 2 else "")  # noqa: E731
+        raise DataError(
+            f"{where}: {what} is {say(now)} now, {say(then)} when the source was tokenized: remove the token cache "
+            "(data.cache_dir) to tokenize it again"
+        )
 
 
 def encoder_flops(pixels: np.ndarray, tiles: np.ndarray, config) -> np.ndarray:
@@ -200,14 +399,14 @@ def encoder_flops(pixels: np.ndarray, tiles: np.ndarray, config) -> np.ndarray:
     return layers * 2 * (4 * hidden * hidden + mlp * hidden * inner) * n + 4 * hidden * n * attention
 
 
-def vision_work(image_pixels: Sequence[Sequence[tuple[int, int]]], config) -> np.ndarray:
+def vision_work(media_pixels: Sequence[Sequence[tuple[int, int]]], config) -> np.ndarray:
     """Per sample, its images' encoding in the planner's units of balance (squared lengths: a token
     pair's attention work in the language model, ``plan_hbp(extra_work=...)``), so a pack heavy with
     images weighs what it costs."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     per_pair = 2 * text.num_hidden_layers * text.hidden_size  # causal attention's forward FLOPs per squared token
-    counts = np.array([len(p) for p in image_pixels], dtype=np.int64)
-    flat = np.array([im for p in image_pixels for im in p], dtype=np.float64).reshape(-1, 2)
+    counts = np.array([len(p) for p in media_pixels], dtype=np.int64)
+    flat = np.array([im for p in media_pixels for im in p], dtype=np.float64).reshape(-1, 2)
     per_image = encoder_flops(flat[:, 0], flat[:, 1], config) / per_pair
     owner = np.repeat(np.arange(counts.size), counts)
     return np.bincount(owner, weights=per_image, minlength=counts.size)

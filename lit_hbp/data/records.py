@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,8 +34,8 @@ from lit_hbp.errors import ConfigError, DataError
 RECORD_FORMATS = ("auto", "openai", "sharegpt", "alpaca", "prompt_response", "text", "tokens")
 # The record fields of each format, by their default names (``fields`` renames them).
 RECORD_FIELDS = {
-    "openai": ("messages", "tools", "system", "images"),
-    "sharegpt": ("conversations", "system", "tools", "images", "image"),
+    "openai": ("messages", "tools", "system", "images", "videos"),
+    "sharegpt": ("conversations", "system", "tools", "images", "image", "videos", "video"),
     "alpaca": ("instruction", "input", "output", "system", "history", "tools"),
     "prompt_response": ("prompt", "response", "system", "tools"),
     "text": ("text",),
@@ -72,20 +73,25 @@ ROLE_TYPO_CUTOFF = 0.7  # assitant / assistant 0.94, usr / user 0.86; model / de
 FIELD_TYPO_CUTOFF = 0.8  # tool / tools 0.89, conversation / conversations 0.96
 TEXT_PARTS = ("text", "input_text", "output_text")
 MEDIA_PARTS = ("image_url", "image", "input_image", "input_audio", "audio", "video", "video_url", "file", "input_file")
-IMAGE_MARKER = "<image>"  # LLaVA's and LLaMA-Factory's: where each of the record's ``images`` stands
+# LLaVA's and LLaMA-Factory's record fields of each media kind (its list, its one-item form) and the
+# marker that stands in the text where each of them goes.
+MEDIA_FIELDS = {"image": ("images", "image", "<image>"), "video": ("videos", "video", "<video>")}
+IMAGE_MARKER = MEDIA_FIELDS["image"][2]
 
 
 @dataclass(frozen=True)
 class Conversation:
     """A chat record as its template renders it, or plain text (``messages`` is None).
 
-    messages: role, content (a string, or text and image parts where the message has images) and the
+    messages: role, content (a string, or text, image and video parts where the message has media) and the
         optional fields the template reads (``tool_calls`` with JSON objects as arguments,
         ``tool_call_id``, ``name``, ``reasoning_content``, ``thinking``).
     tools: the tool definitions handed to the template (OpenAI's ``{"type": "function", ...}`` form).
     weights: per message, 0 or 1 when the record says whether it trains, None where ``train_on`` decides.
     images: the files of its image parts, in the order they stand (paths as the source's folder resolves
         them): loaded with the model's processor, never stored in the token cache.
+    videos: its videos in the order they stand, each a folder of frames, a list of frame files or a
+        video file (``lit_hbp.data.media.load_video``).
     """
 
     messages: list[dict] | None
@@ -94,6 +100,7 @@ class Conversation:
     tools: list[dict] | None = None
     weights: tuple[int | None, ...] = ()
     images: tuple[str, ...] = ()
+    videos: tuple[str | tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -244,51 +251,63 @@ class RecordReader:
         if system is not None:
             messages = [({"role": "system", "content": system}, None), *messages]
         msgs = [m for m, _ in messages]
-        images = self._images(msgs, record or {}, where)
-        return Conversation(msgs, None, where, tools, tuple(w for _, w in messages), images)
+        media = self._media(msgs, record or {}, where)
+        return Conversation(msgs, None, where, tools, tuple(w for _, w in messages), media["image"], media["video"])
 
-    def _images(self, messages: list[dict], record: Mapping, where: str) -> tuple[str, ...]:
-        """The record's images in the order they stand: its messages' image parts, or its ``images`` (or
-        LLaVA's ``image``) placed at the ``<image>`` markers of the text, one marker per image. A message
-        with images gets its content as parts; paths resolve against the data file's folder."""
-        listed = [(key, record[self.name(key)]) for key in ("images", "image") if record.get(self.name(key))]
-        parts = [p for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
-        if not listed:
-            return tuple(self._path(p.pop("path"), p.pop("at")) for p in parts)
-        if parts:
-            raise DataError(f"{where}: the record has both image parts and a {listed[0][0]!r} field: give one")
-        if len(listed) > 1:
-            raise DataError(f"{where}: the record has both 'images' and 'image': give one")
-        key, value = listed[0]
-        paths = [value] if isinstance(value, str) else value
-        if not isinstance(paths, list) or not all(isinstance(x, str) and x for x in paths):
-            raise DataError(f"{where}: field {self.name(key)!r} must be a path or a list of paths, got {value!r:.80}")
-        markers = sum(m["content"].count(IMAGE_MARKER) for m in messages if isinstance(m["content"], str))
-        if markers != len(paths):
-            raise DataError(
-                f"{where}: {len(paths)} image(s) in {self.name(key)!r} but {markers} {IMAGE_MARKER} marker(s) in the "
-                "text: each image stands at one marker"
-            )
-        for m in messages:
-            if isinstance(m["content"], str) and IMAGE_MARKER in m["content"]:
-                pieces = m["content"].split(IMAGE_MARKER)
-                content: list[dict] = []
-                for j, piece in enumerate(pieces):
-                    if j:
-                        content.append({"type": "image"})
-                    if piece:
-                        content.append({"type": "text", "text": piece})
-                m["content"] = content
-        return tuple(self._path(p, f"{where}: {self.name(key)}") for p in paths)
+    def _media(self, messages: list[dict], record: Mapping, where: str) -> dict[str, tuple]:
+        """The record's images and videos, each kind in the order it stands: its messages' parts of that
+        kind, or its list field (``images``, ``videos``; LLaVA's ``image``, ``video``) placed at the
+        kind's markers in the text (``<image>``, ``<video>``), one marker per item. A message with media
+        gets its content as parts; paths resolve against the data file's folder."""
+        out: dict[str, tuple] = {}
+        markers: dict[str, str] = {}
+        for kind, (plural, single, marker) in MEDIA_FIELDS.items():
+            listed = [(key, record[self.name(key)]) for key in (plural, single) if record.get(self.name(key))]
+            parts = [p for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == kind]
+            if not listed:
+                out[kind] = tuple(self._source(p.pop("path"), p.pop("at")) for p in parts)
+                continue
+            if parts:
+                raise DataError(f"{where}: the record has both {kind} parts and a {listed[0][0]!r} field: give one")
+            if len(listed) > 1:
+                raise DataError(f"{where}: the record has both {plural!r} and {single!r}: give one")
+            key, value = listed[0]
+            items = [value] if isinstance(value, str) or (kind == "video" and key == single) else value
+            if not isinstance(items, list) or not all(_is_source(x, frames=kind == "video") for x in items):
+                what = "a path or a list of paths" if kind == "image" else "a list of videos (paths or lists of frames)"
+                raise DataError(f"{where}: field {self.name(key)!r} must be {what}, got {value!r:.80}")
+            found = sum(m["content"].count(marker) for m in messages if isinstance(m["content"], str))
+            if found != len(items):
+                raise DataError(
+                    f"{where}: {len(items)} {kind}(s) in {self.name(key)!r} but {found} {marker} marker(s) in the "
+                    f"text: each {kind} stands at one marker"
+                )
+            out[kind] = tuple(self._source(x, f"{where}: {self.name(key)}") for x in items)
+            markers[marker] = kind
+        if markers:
+            split = re.compile("(" + "|".join(re.escape(m) for m in markers) + ")")
+            for m in messages:
+                if isinstance(m["content"], str) and split.search(m["content"]):
+                    pieces = split.split(m["content"])
+                    m["content"] = [
+                        {"type": markers[p]} if p in markers else {"type": "text", "text": p} for p in pieces if p
+                    ]
+        return out
+
+    def _source(self, source: str | list[str], at: str) -> str | tuple[str, ...]:
+        """An image's or video's file, or a video's frame files: local paths, relative to the data file's folder."""
+        if isinstance(source, list):
+            return tuple(self._path(p, at) for p in source)
+        return self._path(source, at)
 
     def _path(self, path: str, at: str) -> str:
-        """An image's file: a local path, relative to the data file's folder."""
+        """A local file, relative to the data file's folder."""
         if path.startswith("file://"):
             path = path[len("file://") :]
         if "://" in path or path.startswith("data:"):
             raise DataError(
-                f"{at}: {path[:60]!r} is not a local file: lit-hbp reads images from disk (no network at run time); "
-                "download them and give their paths"
+                f"{at}: {path[:60]!r} is not a local file: lit-hbp reads images and videos from disk (no network at "
+                "run time); download them and give their paths"
             )
         if self.root is not None and not os.path.isabs(path):
             path = os.path.join(self.root, path)
@@ -437,8 +456,8 @@ class RecordReader:
 
 def text_of(content: Any, at: str, may_be_empty: bool = False) -> str | list[dict]:
     """A message's content as one string: a string, the text parts of a list in order (joined as
-    written), or null beside tool calls (``may_be_empty``); with image parts, the text and image parts
-    in order (an image part's file kept under ``path`` for the reader). Audio, video and files are refused."""
+    written), or null beside tool calls (``may_be_empty``); with image or video parts, the text, image and
+    video parts in order (each one's file kept under ``path`` for the reader). Audio and files are refused."""
     if content is None:
         if may_be_empty:
             return ""
@@ -451,36 +470,49 @@ def text_of(content: Any, at: str, may_be_empty: bool = False) -> str | list[dic
     parts: list[dict] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in IMAGE_PARTS:
-            parts.append({"type": "image", "path": image_file(part, kind, f"{at}[{j}]"), "at": f"{at}[{j}]"})
+        if kind in IMAGE_PARTS or kind in VIDEO_PARTS:
+            media = "image" if kind in IMAGE_PARTS else "video"
+            parts.append({"type": media, "path": media_file(part, kind, media, f"{at}[{j}]"), "at": f"{at}[{j}]"})
             continue
         if kind in MEDIA_PARTS:
-            raise DataError(f"{at}[{j}] is a {kind!r} part: not supported (lit-hbp trains on text and images)")
+            raise DataError(f"{at}[{j}] is a {kind!r} part: not supported (lit-hbp trains on text, images and videos)")
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
             raise DataError(f'{at}[{j}] must be a text part {{"type": "text", "text": ...}}, got {part!r:.80}')
         texts.append(part["text"])
         parts.append({"type": "text", "text": part["text"]})
-    if any(p["type"] == "image" for p in parts):
+    if any(p["type"] != "text" for p in parts):
         return parts
     return "".join(texts)
 
 
 IMAGE_PARTS = ("image", "image_url", "input_image")
+VIDEO_PARTS = ("video", "video_url")
 
 
-def image_file(part: Mapping, kind: str, at: str) -> str:
-    """The file of an image part: ``{"type": "image", "image"|"path"|"url": ...}``, OpenAI's
-    ``{"type": "image_url", "image_url": {"url": ...}}`` or ``{"type": "input_image", "image_url": ...}``."""
-    known = {"type", "image", "path", "url"} if kind == "image" else {"type", "image_url"}
+def media_file(part: Mapping, kind: str, media: str, at: str) -> str | list[str]:
+    """The file of an image or video part: ``{"type": "image" | "video", "image" | "video" | "path" |
+    "url": ...}`` (a video's may be a list of frame files), OpenAI's ``{"type": "image_url", "image_url":
+    {"url": ...}}`` (``video_url`` alike) or ``{"type": "input_image", "image_url": ...}``."""
+    direct = kind == media
+    known = {"type", media, "path", "url"} if direct else {"type", f"{media}_url"}
     unknown = sorted(set(part) - known)
+    article = "an" if media == "image" else "a"
     if unknown:
-        raise DataError(f"{at}: an image part's {unknown} is not read (it has {', '.join(sorted(known))})")
-    value = part.get("image", part.get("path", part.get("url"))) if kind == "image" else part.get("image_url")
+        raise DataError(f"{at}: {article} {media} part's {unknown} is not read (it has {', '.join(sorted(known))})")
+    value = part.get(media, part.get("path", part.get("url"))) if direct else part.get(f"{media}_url")
     if isinstance(value, Mapping):
         value = value.get("url")
-    if not isinstance(value, str) or not value:
-        raise DataError(f'{at} is an image part without a file (give "image": "path/to/file.png"), got {part!r:.80}')
+    if not _is_source(value, frames=media == "video"):
+        example = '"image": "path/to/file.png"' if media == "image" else '"video": "path/to/frames/" or a list of them'
+        raise DataError(f"{at} is {article} {media} part without a file (give {example}), got {part!r:.80}")
     return value
+
+
+def _is_source(value: Any, frames: bool) -> bool:
+    """A non-empty path, or (``frames``: a video's) a non-empty list of them."""
+    if frames and isinstance(value, list):
+        return bool(value) and all(isinstance(x, str) and x for x in value)
+    return isinstance(value, str) and bool(value)
 
 
 def weight_of(value: Any, at: str) -> int | None:

@@ -231,12 +231,12 @@ class SampleStore:
         """Cut samples ``over`` to ``max_len`` tokens, keeping the window with the most supervised
         targets (``truncation_window``): unsupervised tokens go first, the answer stays while it fits.
         The report lists each cut: the tokens kept and the supervised targets before and after."""
-        with_images = [int(i) for i in over if self.images(int(i))]
-        if with_images:
+        with_media = [int(i) for i in over if self.media(int(i))]
+        if with_media:
             raise DataError(
-                f"{len(with_images)} sample(s) with images longer than the largest level ({max_len} tokens): "
-                f"{self._describe(np.asarray(with_images))}; over_length: truncate would cut their image tokens from "
-                "their pixels. Add a larger level, or set over_length: drop"
+                f"{len(with_media)} sample(s) with images or videos longer than the largest level "
+                f"({max_len} tokens): {self._describe(np.asarray(with_media))}; over_length: truncate would cut their "
+                "image or video tokens from their pixels. Add a larger level, or set over_length: drop"
             )
         cuts = []
         self.starts, self.loss_tokens = self.starts.copy(), self.loss_tokens.copy()
@@ -263,16 +263,17 @@ class SampleStore:
         """Token ids and target mask of sample i, cut to its kept window."""
         return self.sources[self.source_of[i]].sample(int(self.row_of[i]), int(self.lengths[i]), int(self.starts[i]))
 
-    def images(self, i: int) -> list[tuple[str, int, int]]:
-        """The images of sample i: (file, width, height) each, in the order they stand."""
+    def media(self, i: int) -> list[tuple]:
+        """The images and videos of sample i (``media.Image`` and ``media.Video`` entries: file, size, the
+        pixels its encoder sees), each kind in the order it stands."""
         return self.sources[self.source_of[i]].sample_media(int(self.row_of[i]))
 
-    def image_pixels(self) -> list[list[tuple[int, int]]]:
-        """Per sample, each image's (pixels, tiles) as its encoder sees them (``media.ImageExpander.pixels``)."""
-        return [[(int(m[3]), int(m[4])) for m in self.images(i)] for i in range(self.lengths.size)]
+    def media_pixels(self) -> list[list[tuple[int, int]]]:
+        """Per sample, each image's and video's (pixels, tiles) as its encoder sees them (``media.encoded_pixels``)."""
+        return [[(int(m.pixels), int(m.tiles)) for m in self.media(i)] for i in range(self.lengths.size)]
 
-    def image_counts(self) -> np.ndarray:
-        """Per sample, how many images it holds."""
+    def media_counts(self) -> np.ndarray:
+        """Per sample, how many images and videos it holds."""
         counts = np.zeros(self.lengths.size, np.int64)
         for k, s in enumerate(self.sources):
             if s.media_offsets is not None:
@@ -281,7 +282,7 @@ class SampleStore:
         return counts
 
     @property
-    def has_images(self) -> bool:
+    def has_media(self) -> bool:
         return any(s.media_offsets is not None for s in self.sources)
 
     def source_counts(self) -> list[dict[str, int]]:

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from lit_hbp.data.cache import CacheWriter, cache_lock, is_complete, mask_spans, read_cache, spans_mask
-from lit_hbp.data.media import ImageExpander, processor_fingerprint
+from lit_hbp.data.media import Image, MediaExpander, Video, media_entry, processor_fingerprint
 from lit_hbp.data.records import RENDERED, Conversation, TokenRecord
 from lit_hbp.data.sources import Chunk, Source, check_source, chunk_records, iter_chunks, source_units
 from lit_hbp.errors import ConfigError, DataError
@@ -102,7 +102,7 @@ class TokenizedSource:
     metadata: dict[str, int] = field(default_factory=dict)
     from_cache: bool = False
     folder: Path | None = None
-    # a sample's images: rows media_offsets[i]:media_offsets[i + 1] of media (file, width, height)
+    # a sample's images and videos: rows media_offsets[i]:media_offsets[i + 1] of media (``media.media_entry``)
     media_offsets: np.ndarray | None = None
     media: list | None = None
     token_types: bool = False  # its processor marks image tokens in mm_token_type_ids
@@ -157,11 +157,11 @@ class TokenizedSource:
         mask[:1] = False
         return np.asarray(self.ids[a : a + n]), mask
 
-    def sample_media(self, row: int) -> list[tuple[str, int, int]]:
-        """The images of sample ``row`` (file, width, height), in the order they stand."""
+    def sample_media(self, row: int) -> list[Image | Video]:
+        """The images and videos of sample ``row`` (``media.Image``, ``media.Video``)."""
         if self.media_offsets is None:
             return []
-        return [tuple(m) for m in self.media[self.media_offsets[row] : self.media_offsets[row + 1]]]
+        return [media_entry(m) for m in self.media[self.media_offsets[row] : self.media_offsets[row + 1]]]
 
     def where(self, i: int) -> str:
         """File and line (or row) a sample came from."""
@@ -564,18 +564,18 @@ class ChunkResult:
     skipped: list[tuple[str, str]]
     metadata: dict[str, int]
     size: int
-    media: list[list[tuple[str, int, int]]] = field(default_factory=list)  # per kept sample
-    token_types: bool = False  # the processor returned mm_token_type_ids for its images
+    media: list[list[Image | Video]] = field(default_factory=list)  # per kept sample
+    token_types: bool = False  # the processor returned mm_token_type_ids for its images and videos
 
 
 class ChunkTokenizer:
     """Tokenizes chunks of a source: in the main process or in each worker process. With the
-    checkpoint's ``processor``, records with images are expanded as the processor does."""
+    checkpoint's ``processor``, records with images and videos are expanded as the processor does."""
 
     def __init__(self, tokenizer, train_on: str, processor=None):
         self.encoder = _Encoder(tokenizer, train_on)
         self.vocab_size = len(tokenizer)
-        self.expander = ImageExpander(processor) if processor is not None else None
+        self.expander = MediaExpander(processor) if processor is not None else None
 
     def __call__(self, source: Source, chunk: Chunk) -> ChunkResult:
         reader = source.reader()
@@ -592,21 +592,22 @@ class ChunkTokenizer:
             if isinstance(read, TokenRecord):
                 kept.append((row, where, *pretokenized(read, self.vocab_size), []))
                 continue
-            if read.images and self.expander is None:
+            if (read.images or read.videos) and self.expander is None:
+                what = f"{len(read.images)} image(s)" if read.images else f"{len(read.videos)} video(s)"
                 raise DataError(
-                    f"{where}: the record has {len(read.images)} image(s) and the tokenizer folder has no processor "
-                    "for them: give the vision-language checkpoint's folder (its processor's files) as data.tokenizer"
+                    f"{where}: the record has {what} and the tokenizer folder has no processor for them: give the "
+                    "vision-language checkpoint's folder (its processor's files) as data.tokenizer"
                 )
             prepared = self.encoder.prepare(read)
             if isinstance(prepared, str):
                 skipped.append((prepared, where))
             else:
-                pending.append((row, where, prepared, read.images))
+                pending.append((row, where, prepared, read))
         encoded = self.encoder.encode_batch([p[2] for p in pending]) if pending else []
-        for (row, where, prepared, images), (ids, target) in zip(pending, encoded):
+        for (row, where, prepared, read), (ids, target) in zip(pending, encoded):
             media: list = []
-            if images:
-                ids, target, media = self.expander(prepared[0], ids, target, images, where)
+            if read.images or read.videos:
+                ids, target, media = self.expander(prepared[0], ids, target, read.images, read.videos, where)
             elif self.expander is not None:
                 self.expander.refuse_placeholders(ids, where)
             kept.append((row, where, ids, target, media))
@@ -703,7 +704,7 @@ def tokenize_source(
     (e.g. ``sources[1]``) names the source in the error raised when its path cannot be read.
     ``num_proc``: worker processes (None: every core for a large source, the main process for a
     small one). Without ``cache_dir`` the cache is written to a temporary folder and read from there.
-    ``processor``: the vision-language checkpoint's, for records with images (``lit_hbp.data.media``)."""
+    ``processor``: the vision-language checkpoint's, for records with images and videos (``lit_hbp.data.media``)."""
     check_source(source, label)
     if cache_dir is None:
         with tempfile.TemporaryDirectory(prefix="lit-hbp-tokens-") as tmp:

@@ -1,0 +1,423 @@
+"""Records with videos on the data side: a video part (a folder of frames), LLaMA-Factory's ``videos``
+with ``<video>`` markers (a list of frames, beside an image), LLaVA-Video's ``video`` beside ShareGPT
+``conversations``; rendered and expanded by the checkpoint's processor, cached as ids and frame files,
+decoded in the loader, planned with the tower's work, packed exactly.
+
+Qwen's processors load a video processor, which needs torchvision: the CI's compatibility part runs
+these (``needs_torchvision``). References are independent: the processor's own ``apply_chat_template``
+(which loads a list of frame files itself) for ids and pixels, each record alone through the unprepared
+model with eager attention for the loss and every gradient.
+"""
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_vision_data import alone, chat, write
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+from vision_models import build_qwen, image, needs_torchvision
+
+from lit_hbp import HBPDataModule, packed_loss, prepare_model
+from lit_hbp.data.media import Image as ImageEntry
+from lit_hbp.data.media import Video, vision_work
+from lit_hbp.data.sources import Source
+from lit_hbp.data.tokenize import tokenize_source
+from lit_hbp.errors import DataError
+
+# a folder of 4 frames whose names sort wrongly as text (f10 after f1): frame order is by number
+CLIP = ["f1.png", "f2.png", "f3.png", "f10.png"]
+ANSWERS = ["a cat walks", "the quick brown fox", "hello world", "def f(x): return x"]
+
+
+def frames(root: Path) -> None:
+    (root / "clip").mkdir()
+    for k, name in enumerate(CLIP):
+        image(10 + k, 24, 32).save(root / "clip" / name)
+    (root / "short").mkdir()
+    for k in range(2):
+        image(20 + k, 16, 24).save(root / "short" / f"{k}.png")
+    (root / "img").mkdir()
+    image(1, 20, 30).save(root / "img" / "a.png")
+
+
+def records(root: Path) -> list[tuple[dict, list]]:
+    """(record, its messages as the processor's apply_chat_template takes them: videos as frame lists)."""
+    clip = [str(root / "clip" / n) for n in CLIP]
+    short = [str(root / "short" / f"{k}.png") for k in range(2)]
+
+    def reference(user_parts, answer):
+        return [{"role": "user", "content": user_parts},
+                {"role": "assistant", "content": [{"type": "text", "text": answer}]}]  # fmt: skip
+
+    picture = Image.open(root / "img" / "a.png").convert("RGB")
+    return [
+        (  # an OpenAI-style video part: a folder of frames
+            {"messages": chat([{"type": "video", "video": "clip"}, {"type": "text", "text": "what happens?"}],
+                              ANSWERS[0])},
+            reference([{"type": "video", "video": clip}, {"type": "text", "text": "what happens?"}], ANSWERS[0]),
+        ),
+        (  # LLaMA-Factory: <image> and <video> markers, an images list and a videos list (a list of frames)
+            {"messages": chat("<image><video>which is longer?", ANSWERS[1]), "images": ["img/a.png"],
+             "videos": [["short/0.png", "short/1.png"]]},
+            reference([{"type": "image", "image": picture}, {"type": "video", "video": short},
+                       {"type": "text", "text": "which is longer?"}], ANSWERS[1]),
+        ),
+        (  # LLaVA-Video: one video beside ShareGPT conversations
+            {"id": "v-1", "video": "clip",
+             "conversations": [{"from": "human", "value": "<video>describe it"}, {"from": "gpt", "value": ANSWERS[2]}]},
+            reference([{"type": "video", "video": clip}, {"type": "text", "text": "describe it"}], ANSWERS[2]),
+        ),
+        (  # text only, in the same file
+            {"messages": chat("the quick brown fox", ANSWERS[3])},
+            [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": ANSWERS[3]}],
+        ),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def video_data(request, tmp_path_factory):
+    """A tiny Qwen2-VL or Qwen2.5-VL folder (Qwen2.5-VL's videos carry seconds per temporal patch into
+    the positions), frames on disk and a JSON Lines file of records in three formats."""
+    needs_torchvision(request.param)
+    root = tmp_path_factory.mktemp(f"video_{request.param}")
+    folder = build_qwen(root / request.param, request.param)
+    frames(root)
+    write(root / "d.jsonl", [r for r, _ in records(root)])
+    return root, folder
+
+
+def video_alone(processor, frames_list: list[str]) -> tuple[int, int]:
+    """The pixels the tower encodes of a video (each frame's) and its temporal patches, from the
+    processor's own encoding of the video alone."""
+    enc = processor(text=["<|video_pad|>"], videos=[[Image.open(f).convert("RGB") for f in frames_list]])
+    return int(np.prod(np.shape(enc["pixel_values_videos"]))) // 3, int(enc["video_grid_thw"][0][0])
+
+
+def test_records_with_videos_render_and_expand_as_the_processor_does(video_data):
+    root, folder = video_data
+    processor = AutoProcessor.from_pretrained(folder)
+    t = tokenize_source(Source(str(root / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
+    assert len(t) == 4
+    video_id = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for row, (_, msgs) in enumerate(records(root)):
+        ref = processor.apply_chat_template(msgs, tokenize=True, return_dict=True)
+        ids, mask = t.sample(row)
+        assert ids.tolist() == list(ref["input_ids"][0]), row
+        assert processor.tokenizer.decode(ids[mask]).strip() == ANSWERS[row] + "<|im_end|>"
+        assert not mask[(ids == video_id) | (ids == image_id)].any()
+    assert int((t.sample(0)[0] == video_id).sum()) == 2 * 3 * 4  # 4 frames of 32x24: 2 temporal patches of 3x4
+    clip = [str(root / "clip" / n) for n in CLIP]
+    short = [str(root / "short" / f"{k}.png") for k in range(2)]
+    assert t.sample_media(0) == [Video(str(root / "clip"), 32, 24, *video_alone(processor, clip), 4)]
+    (picture, video) = t.sample_media(1)
+    assert isinstance(picture, ImageEntry) and picture[:3] == (str(root / "img/a.png"), 30, 20)
+    assert video == Video(tuple(short), 24, 16, *video_alone(processor, short), 2)
+    assert t.sample_media(2) == t.sample_media(0) and t.sample_media(3) == []
+
+
+def test_a_data_module_pack_of_video_records_trains_like_each_record_alone(video_data, tmp_path):
+    """HBPDataModule over the records (frames decoded in a loader worker, 3-D positions numbered there,
+    Qwen2.5-VL's seconds per temporal patch from the processor): its pack through packed_loss equals the
+    records alone through the unprepared model, the summed cross-entropy (1e-5) and every gradient, the
+    vision tower's included (1e-4); a worker's batch is the main process's."""
+    root, folder = video_data
+    batches = []
+    for workers in (0, 1):
+        dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                           cache_dir=str(tmp_path / "cache"), num_workers=workers)  # fmt: skip
+        dm.setup("fit")
+        (batch,) = list(dm.train_dataloader())
+        batches.append(batch)
+    batch, other = batches
+    assert torch.equal(batch.input_ids, other.input_ids) and set(batch.mm) == set(other.mm)
+    assert all(torch.equal(batch.mm[k], other.mm[k]) for k in batch.mm)
+    assert torch.equal(batch.position_ids, other.position_ids)
+    assert batch.mm["video_grid_thw"].shape[0] == 3 and batch.mm["image_grid_thw"].shape[0] == 1
+
+    reference = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
+    model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float())
+    processor = AutoProcessor.from_pretrained(folder)
+    refs = []
+    for row, (_, msgs) in enumerate(records(root)):
+        enc = processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt")
+        ids, mask = dm.store.sources[0].sample(row)
+        refs.append((enc, torch.where(torch.as_tensor(mask), enc["input_ids"][0], -100)))
+    want = alone(reference, refs)
+    want.backward()
+    out = packed_loss(model, batch, "sum")
+    out.loss.backward()
+    assert float(out.ce_sum.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    scale = max(q.grad.abs().max().item() for q in reference.parameters() if q.grad is not None)
+    vision = 0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            vision += ".visual." in name
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * max(q.grad.abs().max().item(), 1e-3 * scale), name
+    assert vision > 0
+
+
+def test_the_plan_weighs_each_videos_encoding(video_data, tmp_path):
+    """The planner's extra work per sample: the video's tower work (every frame's patches, attended per
+    temporal patch), more for the 4-frame clip than the 2 small frames beside an image, none for text."""
+    root, folder = video_data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    work = dm.vision_work(dm.store)
+    processor = AutoProcessor.from_pretrained(folder)
+    clip = video_alone(processor, [str(root / "clip" / n) for n in CLIP])
+    by_row = dict(zip(dm.store.row_of.tolist(), work.tolist()))
+    config = AutoConfig.from_pretrained(folder)
+    assert by_row[0] == pytest.approx(float(vision_work([[clip]], config)[0])) and by_row[0] > 0
+    assert by_row[0] == by_row[2] and by_row[3] == 0
+
+
+def test_preview_shows_where_each_video_stands_and_its_tokens(video_data, tmp_path):
+    from lit_hbp.preview import preview
+
+    root, folder = video_data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    out = io.StringIO()
+    assert preview(dm, 2, as_json=False, out=out) == 2
+    text = out.getvalue()
+    assert f"[video 1: {root / 'clip'} 4 frames 32x24 -> 24 tokens]" in text
+    assert f"[image 1: {root / 'img/a.png'} 30x20 -> " in text
+    assert f"[video 1: {root / 'short/0.png'} ... (2 files) 2 frames 24x16 -> 6 tokens]" in text
+    assert "<|video_pad|>" not in text
+    js = io.StringIO()
+    preview(dm, 1, as_json=True, out=js)
+    assert json.loads(js.getvalue())["videos"] == [{"source": str(root / "clip"), "width": 32, "height": 24,
+                                                    "frames": 4}]  # fmt: skip
+
+
+def _bad(root: Path) -> None:
+    (root / "empty").mkdir()
+    (root / "mixed").mkdir()
+    image(1, 24, 32).save(root / "mixed" / "0.png")
+    image(2, 16, 32).save(root / "mixed" / "1.png")
+    (root / "v.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really a video")
+
+
+@pytest.mark.parametrize(
+    "record, error",
+    [
+        ({"messages": chat([{"type": "video", "video": "nowhere"}, {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: video .*nowhere does not exist"),
+        ({"messages": chat([{"type": "video", "video": "empty"}, {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: video .*empty is a folder without image files"),
+        ({"messages": chat([{"type": "video", "video": "mixed"}, {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: video .*mixed's frames differ in size"),
+        ({"messages": chat([{"type": "video", "video": ["clip/f1.png", "clip/f9.png"]},
+                            {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: video frame 1: image .*clip/f9.png does not exist"),
+        ({"messages": chat("<video> hi", "x"), "videos": ["clip", "clip"]},
+         r"d.jsonl:2: 2 video\(s\) in 'videos' but 1 <video> marker\(s\) in the text"),
+        ({"messages": chat("<|vision_start|><|video_pad|><|vision_end|> hi", "x")},
+         r"d.jsonl:2: the text holds the video token '<\|video_pad\|>' but the record has no videos"),
+        ({"messages": chat([{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: video .*v.mp4 (is a video file and the processor cannot decode it here .*torchcodec"
+         r"|cannot be read)"),
+        ({"messages": chat([{"type": "video", "video": []}, {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: messages\[0\].content\[0\] is a video part without a file"),
+    ],
+    ids=["missing", "empty-folder", "sizes-differ", "missing-frame", "markers", "bare-token", "video-file",
+         "no-frames"],
+)  # fmt: skip
+def test_a_bad_video_record_stops_with_its_file_and_line(video_data, tmp_path, record, error):
+    root, folder = video_data
+    d = tmp_path / "bad"
+    d.mkdir()
+    frames(d)
+    _bad(d)
+    write(d / "d.jsonl", [records(d)[3][0], record])
+    processor = AutoProcessor.from_pretrained(folder)
+    with pytest.raises(DataError, match=error):
+        tokenize_source(Source(str(d / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
+
+
+def test_a_video_whose_frames_changed_since_tokenizing_is_refused_in_the_loader(video_data, tmp_path):
+    root, folder = video_data
+    d = tmp_path / "changed"
+    d.mkdir()
+    frames(d)
+    write(d / "d.jsonl", [records(d)[0][0]])
+    dm = HBPDataModule(sources=[str(d / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    image(99, 24, 32).save(d / "clip" / "f11.png")
+    with pytest.raises(DataError, match=r"d.jsonl:1: video .*clip is 32x24, 5 frames now, 32x24, 4 frames when the "
+                                         r"source was tokenized: remove the token cache"):  # fmt: skip
+        list(dm.train_dataloader())
+
+
+def test_a_video_file_goes_through_the_processors_own_loader(video_data, tmp_path, monkeypatch):
+    """A video file is decoded by the video processor's own ``fetch_videos`` (torchcodec, not installed
+    here: a fake with its signature and return, frames and the decoder's metadata at 2 fps) and encoded
+    with that metadata, as the processor encodes a decoded video: ids, pixels and (Qwen2.5-VL) seconds
+    per temporal patch from the file's own frame rate."""
+    from transformers.video_utils import VideoMetadata
+
+    root, folder = video_data
+    processor = AutoProcessor.from_pretrained(folder)
+    clip = np.stack([np.asarray(Image.open(root / "clip" / n).convert("RGB")) for n in CLIP])
+    d = tmp_path / "file"
+    d.mkdir()
+    (d / "v.mp4").write_bytes(b"mp4")
+    decoded = []
+
+    def fetch_videos(self, video_url_or_urls, sample_indices_fn=None):
+        decoded.append(video_url_or_urls)
+        meta = VideoMetadata(total_num_frames=4, fps=2.0, width=32, height=24, duration=2.0,
+                             video_backend="torchcodec", frames_indices=[0, 1, 2, 3])  # fmt: skip
+        return clip.copy(), meta
+
+    monkeypatch.setattr(type(processor.video_processor), "fetch_videos", fetch_videos)
+    write(d / "d.jsonl", [{"messages": chat([{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "hi"}],
+                                            "a cat walks")}])  # fmt: skip
+    dm = HBPDataModule(sources=[str(d / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    (batch,) = list(dm.train_dataloader())
+    assert decoded == [str(d / "v.mp4")] * len(decoded) and len(decoded) >= 2  # tokenizing, then the loader
+    msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "a cat walks"}]}]  # fmt: skip
+    text = processor.apply_chat_template(msgs, tokenize=False)
+    meta = fetch_videos(None, "x")[1]
+    ref = processor(text=[text], videos=[clip], video_metadata=[meta], return_tensors="pt")
+    assert batch.input_ids[0, : ref["input_ids"].shape[1]].tolist() == ref["input_ids"][0].tolist()
+    assert torch.equal(batch.mm["pixel_values_videos"], ref["pixel_values_videos"])
+    if "second_per_grid_ts" in ref:
+        assert batch.mm["second_per_grid_ts"].tolist() == [1.0] == ref["second_per_grid_ts"].tolist()
+    assert dm.store.media(0) == [Video(str(d / "v.mp4"), 32, 24, *video_alone(processor, [
+        str(root / "clip" / n) for n in CLIP]), 4)]  # fmt: skip
+
+
+def test_a_videos_encoder_work_is_what_torch_counts(video_data):
+    """encoder_flops of a video (its frames' patches, attention within each temporal patch) against
+    torch's FLOP counter on the tower's own blocks encoding it (eager attention), within 5%: a 4-frame
+    clip is twice the 2-frame one's frames, not four times its attention."""
+    import re
+
+    from test_vision_data import QWEN_BLOCKS
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lit_hbp.data.media import encoder_flops
+
+    root, folder = video_data
+    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    for names in ([root / "clip" / n for n in CLIP], [root / "clip" / n for n in CLIP[:2]]):
+        pil = [Image.open(f).convert("RGB") for f in names]
+        enc = processor.video_processor(videos=[pil], return_tensors="pt")
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            model.model.get_video_features(enc["pixel_values_videos"], enc["video_grid_thw"])
+        want = sum(sum(v.values()) for name, v in counter.get_flop_counts().items() if re.search(QWEN_BLOCKS, name))
+        pixels, tiles = video_alone(processor, [str(f) for f in names])
+        got = float(encoder_flops(np.array([pixels]), np.array([tiles]), model.config)[0])
+        assert 0.95 * want <= got <= 1.05 * want, (len(names), got, want)
+
+
+def test_the_guides_example_video_records_read_as_it_says(video_data, tmp_path):
+    """docs/vision.md's second JSON Lines block: each record reads, with its videos where the guide says."""
+    import re
+
+    root, folder = video_data
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "vision.md").read_text()
+    block = re.findall(r"```json\n(.*?)```", guide, re.S)[1]
+    (tmp_path / "clips" / "walk").mkdir(parents=True)
+    for k in range(4):
+        image(k, 24, 32).save(tmp_path / "clips" / "walk" / f"{k}.png")
+        image(k, 24, 32).save(tmp_path / "clips" / f"f{k}.png")
+    (tmp_path / "img").mkdir()
+    image(9, 20, 20).save(tmp_path / "img" / "cat.png")
+    (tmp_path / "d.jsonl").write_text(block)
+    processor = AutoProcessor.from_pretrained(folder)
+    t = tokenize_source(Source(str(tmp_path / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
+    kinds = [[(type(m).__name__, m.frames if isinstance(m, Video) else 1) for m in t.sample_media(r)] for r in range(3)]
+    assert kinds == [[("Video", 4)], [("Video", 4)], [("Image", 1), ("Video", 2)]]
+    answers = [processor.tokenizer.decode(t.sample(r)[0][t.sample(r)[1]]).strip() for r in range(3)]
+    assert answers == ["A cat walks.<|im_end|>", "A cat walks.<|im_end|>", "Yes.<|im_end|>"]
+
+
+def test_the_self_check_packs_the_runs_own_videos(video_data, tmp_path):
+    """The start-of-fit self-check gets the run's two shortest samples with media as the processor
+    encodes them alone (a video among them) and passes with them: loss, embedding and pixel gradients
+    (the videos' included) equal each alone, and no leak between them."""
+    from lit_hbp.module import HBPLitModule
+    from lit_hbp.selfcheck import run_self_check
+
+    root, folder = video_data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    docs = dm.self_check_samples()
+    processor = AutoProcessor.from_pretrained(folder)
+    encoded = [processor.apply_chat_template(m, tokenize=True, return_dict=True, return_tensors="pt")
+               for _, m in records(root)[:3]]  # fmt: skip
+    by_length = sorted(range(3), key=lambda r: encoded[r]["input_ids"].shape[1])[:2]
+    assert len(docs) == 2 and any("pixel_values_videos" in mm for _, mm in docs)
+    for (ids, mm), row in zip(docs, by_length):
+        assert ids.tolist() == encoded[row]["input_ids"][0].tolist()
+        for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "pixel_values"):
+            assert (key in mm) == (key in encoded[row]), key
+            assert key not in mm or torch.allclose(mm[key].float(), torch.as_tensor(encoded[row][key]).float())
+    torch.manual_seed(0)
+    module = HBPLitModule(model=str(folder), loss="sum")
+    module.configure_model()
+    module.model.float()
+    (loss_err, grad_err, leak) = run_self_check(module, [1], media_docs=docs)[1]
+    assert loss_err < 1e-5 and grad_err < 1e-4 and leak == 0.0
+
+
+def test_llava_onevision_videos_train_like_each_record_alone_and_frame_counts_must_agree(tmp_path):
+    """LLaVA-OneVision's videos (each frame through the tower as an image, pooled): the data module's pack
+    of two 4-frame clips and a text record equals them alone (loss and every gradient); a pack whose
+    videos differ in frame count is refused naming the fix, since its forward takes one frames tensor."""
+    from vision_models import build_llava
+
+    needs_torchvision("llava_onevision")
+    folder = build_llava(tmp_path / "ov", "llava_onevision")
+    frames(tmp_path)
+    every = records(tmp_path)
+    same = [every[0], every[2], every[3]]
+    write(tmp_path / "d.jsonl", [r for r, _ in same])
+    dm = HBPDataModule(sources=[str(tmp_path / "d.jsonl")], tokenizer=str(folder), levels=["2048:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    (batch,) = list(dm.train_dataloader())
+    assert tuple(batch.mm["pixel_values_videos"].shape[:2]) == (2, 4)
+    assert [m.tiles for m in dm.store.media(0)] == [4]  # a frame is a tile: attended apart
+    processor = AutoProcessor.from_pretrained(folder)
+    reference = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
+    model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float())
+    refs = []
+    for row, (_, msgs) in enumerate(same):
+        enc = processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt")
+        ids, mask = dm.store.sources[0].sample(row)
+        assert ids.tolist() == enc["input_ids"][0].tolist()
+        refs.append((enc, torch.where(torch.as_tensor(mask), enc["input_ids"][0], -100)))
+    want = alone(reference, refs)
+    want.backward()
+    out = packed_loss(model, batch, "sum")
+    out.loss.backward()
+    assert float(out.ce_sum.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    scale = max(q.grad.abs().max().item() for q in reference.parameters() if q.grad is not None)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * max(q.grad.abs().max().item(), 1e-3 * scale), name
+
+    write(tmp_path / "e.jsonl", [r for r, _ in every])  # a 2-frame video beside the 4-frame clips
+    dm = HBPDataModule(sources=[str(tmp_path / "e.jsonl")], tokenizer=str(folder), levels=["2048:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    with pytest.raises(DataError, match=r"pixel_values_videos of different shapes .* need one frame count"):
+        list(dm.train_dataloader())
