@@ -314,13 +314,17 @@ def test_a_bad_image_record_stops_with_its_file_and_line(data, tmp_path, record,
         tokenize_source(Source(str(d / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
 
 
-def test_records_with_images_need_the_checkpoints_processor(data):
+def test_records_with_images_need_the_checkpoints_processor(data, tmp_path):
     root, folder = data
     from transformers import AutoTokenizer
 
     no_processor = r"d.jsonl:1: the record has 1 image\(s\) and the tokenizer folder has no processor"
     with pytest.raises(DataError, match=no_processor):
         tokenize_source(Source(str(root / "d.jsonl")), AutoTokenizer.from_pretrained(folder), progress=False)
+    write(tmp_path / "v.jsonl", [{"messages": chat("<video>what happens?", "x"), "videos": [["a.png", "b.png"]]}])
+    no_processor = r"v.jsonl:1: the record has 1 video\(s\) and the tokenizer folder has no processor"
+    with pytest.raises(DataError, match=no_processor):
+        tokenize_source(Source(str(tmp_path / "v.jsonl")), AutoTokenizer.from_pretrained(folder), progress=False)
 
 
 def test_truncating_a_sample_with_images_is_refused(data, tmp_path):
