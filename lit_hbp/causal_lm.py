@@ -19,7 +19,9 @@ mixture-of-experts models. What is not known here is caught by the self-check at
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
+import inspect
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -443,14 +445,29 @@ class OutputHead:
 
 
 def output_head(net: torch.nn.Module) -> OutputHead:
+    """The head as the model's own forward applies it: a setting of its (language model's) config counts
+    only where the forward reads it (Aya Vision's forward leaves its Cohere 2 language model's
+    ``logit_scale`` unapplied)."""
     config = net.config.get_text_config()  # a vision-language model's head settings are its language model's
+    applies = functools.partial(_forward_reads, type(net))
     scale = 1.0
-    if getattr(config, "logit_scale", None) is not None:  # Cohere
+    if getattr(config, "logit_scale", None) is not None and applies("logit_scale"):  # Cohere
         scale *= float(config.logit_scale)
-    if getattr(config, "logits_scaling", None):  # Granite
+    if getattr(config, "logits_scaling", None) and applies("logits_scaling"):  # Granite
         scale /= float(config.logits_scaling)
     softcap = getattr(config, "final_logit_softcapping", None) or None
-    return OutputHead(net.get_output_embeddings(), scale, softcap)
+    return OutputHead(
+        net.get_output_embeddings(), scale, softcap if softcap and applies("final_logit_softcapping") else None
+    )
+
+
+@functools.cache
+def _forward_reads(cls: type, name: str) -> bool:
+    """Whether ``cls.forward`` names ``name`` (its source unreadable: assumed to, as its config says)."""
+    try:
+        return name in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
 
 
 def _first(config, names):

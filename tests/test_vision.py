@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForImageTextToText
-from vision_models import BUILDERS, three_records, trained, video_records
+from vision_models import BUILDERS, DEFAULT_BUILT, build_default, counted_records, three_records, trained, video_records
 
 from lit_hbp import pack_inputs, pack_samples, packed_loss, prepare_model
 from lit_hbp.packed_call import record_of
@@ -79,6 +79,29 @@ def test_a_pack_of_image_records_trains_like_each_record_alone(folders, family, 
     assert vision > 0, "the vision tower must train through the pack"
 
 
+@pytest.mark.parametrize("family", DEFAULT_BUILT)
+def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone(tmp_path, family):
+    """Families built from transformers' default config (shrunk): two records with an image each and a
+    text-only record, packed, give the records alone's summed cross-entropy (1e-5) and every gradient,
+    the tower's included (1e-4). Aya Vision and Cohere2-Vision: their forward leaves the Cohere 2
+    language model's logit_scale unapplied, and so does the pack's loss."""
+    reference, model = pair(build_default(tmp_path / family, family))
+    records = counted_records(tmp_path / family)
+    want = alone_ce(reference, records)
+    want.backward()
+    out = packed_loss(model, pack_samples(records, model=model), "sum")
+    out.loss.backward()
+    assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
+    scale = max(q.grad.abs().max().item() for q in reference.parameters() if q.grad is not None)
+    tower = 0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            tower += any(part in name for part in ("vision", "visual", "image_tower"))  # Video-LLaVA: image_tower
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * max(q.grad.abs().max().item(), 1e-3 * scale), name
+    assert tower > 0
+
+
 def test_a_pack_of_llava_onevision_records_trains_like_each_record_alone(tmp_path):
     """LLaVA-OneVision (anyres tiles for a record's single image, the base tile of each image of a record
     of several: ``batch_num_images`` kept per record in the pack): the loss to 1e-5 and every gradient to
@@ -112,6 +135,7 @@ VLM_TESTED = {
     "llava": "images, sp 1 and 2",
     "llava_next": "images (anyres tiles), sp 1 and 2; the data path, the demo",
     "llava_onevision": "images, sp 1 and 2 (a record's images encoded together); videos of one frame count",
+    **{family: "images, sp 1 (its default config, shrunk)" for family in DEFAULT_BUILT},
 }
 
 

@@ -132,8 +132,12 @@ def build_llava(path: Path, family: str = "llava") -> Path:
 
         images = LlavaOnevisionImageProcessorPil(size={"height": 16, "width": 16}, image_grid_pinpoints=pinpoints)
         processor = LlavaOnevisionProcessor(
-            images, tokenizer=tok, video_processor=LlavaOnevisionVideoProcessor(size={"height": 16, "width": 16}),
-            num_image_tokens=17, vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE,
+            images,
+            tokenizer=tok,
+            video_processor=LlavaOnevisionVideoProcessor(size={"height": 16, "width": 16}),
+            num_image_tokens=17,
+            vision_feature_select_strategy="default",
+            chat_template=LLAVA_TEMPLATE,
         )  # fmt: skip  (num_image_tokens: the CLS token too; a video's 16x16 frames)
         extra = {"image_grid_pinpoints": pinpoints, "video_token_index": tok.convert_tokens_to_ids("<video>")}
     else:
@@ -305,3 +309,90 @@ def trained(rec: dict, config) -> dict:
     ids = rec["input_ids"][0]
     media = (ids == image_token_id(config)) | (ids == getattr(config, "video_token_id", -1))
     return {**rec, "labels": torch.where(media, -100, ids)[None]}
+
+
+# Families built from transformers' own default config, shrunk (``build_default``): their records are made
+# by counting what the tower gives for an image (``counted_records``), as their processor expands it.
+DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "deepseek_vl", "got_ocr2", "internvl", "lighton_ocr", "mistral3",
+                 "qwen3_vl_moe", "video_llava", "vipllava")  # fmt: skip
+_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=512, max_position_embeddings=512, moe_intermediate_size=32, num_experts=4,
+             num_experts_per_tok=2)  # fmt: skip
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, depth=2, num_heads=2,
+               out_hidden_size=64, image_size=32, patch_size=8, head_dim=16)  # fmt: skip
+_FIXES = {  # what a family's default needs beyond the sizes above
+    "vipllava": lambda c: setattr(c, "vision_feature_layers", [-1, -2]),
+    "internvl": lambda c: (setattr(c.vision_config, "image_size", [32, 32]),
+                           setattr(c.vision_config, "patch_size", [8, 8])),
+}  # fmt: skip
+
+
+def _shrink(config, sizes: dict) -> None:
+    for key, value in sizes.items():
+        if isinstance(getattr(config, key, None), (int, float)) and not isinstance(getattr(config, key), bool):
+            setattr(config, key, value)
+
+
+def build_default(path: Path, family: str) -> Path:
+    """A tiny ``family`` checkpoint folder: transformers' default config for it with a 2-layer language
+    model (vocabulary 512, the image token 500) and a 2-layer tower on 32-pixel images; random weights."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family)
+    text = config.get_text_config()
+    _shrink(text, _TEXT)
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[: text.num_hidden_layers]
+    for key, value in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0)):
+        for holder in {id(text): text, id(config): config}.values():
+            if getattr(holder, key, None) is not None:
+                setattr(holder, key, value)
+    rope = getattr(text, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("mrope_section"):  # Qwen3-VL-MoE: sections of the smaller heads
+        text.rope_parameters = {**rope, "mrope_section": [2, 3, 3]}
+    _shrink(config.vision_config, _VISION)
+    for key in ("image_token_id", "image_token_index"):
+        if getattr(config, key, None) is not None:
+            setattr(config, key, 500)
+    for key in ("video_token_id", "video_token_index"):
+        if getattr(config, key, None) is not None:
+            setattr(config, key, 501)
+    _FIXES.get(family, lambda c: None)(config)
+    return _save(path, config)
+
+
+def counted_records(folder: Path) -> list[dict]:
+    """Two records with one image each (random pixels, the placeholder repeated as many times as the
+    tower gives features for it) and a text-only record, labelled (image tokens untrained)."""
+    import inspect
+
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    config, vision = model.config, model.config.vision_config
+    token = image_token_id(config)
+    out = []
+    for seed, with_image in ((1, True), (2, True), (3, False)):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(10, 200, (1, 20), generator=g)
+        rec: dict = {}
+        if with_image:
+            takes = inspect.signature(model.model.get_image_features).parameters
+            if "image_grid_thw" in takes:  # Qwen-style towers take patch rows and their grid
+                rows = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+                rec["pixel_values"] = torch.randn(16, rows, generator=g)
+                rec["image_grid_thw"] = torch.tensor([[1, 4, 4]])
+            else:
+                size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
+                rec["pixel_values"] = torch.randn(1, getattr(vision, "num_channels", 3), size, size, generator=g)
+            if "image_sizes" in takes:
+                rec["image_sizes"] = torch.tensor([[size, size]])
+            with torch.no_grad():
+                features = model.model.get_image_features(**rec, return_dict=True).pooler_output
+            n = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features)
+            ids = torch.cat([ids[:, :5], torch.full((1, n), token), ids[:, 5:]], 1)
+            if "image_grid_thw" in rec:
+                rec["mm_token_type_ids"] = (ids == token).long()
+        rec["input_ids"] = ids
+        out.append(trained(rec, config))
+    return out
