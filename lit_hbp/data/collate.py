@@ -134,7 +134,7 @@ def pack_samples(
         raise ValueError("pack_samples got no samples")
     rope = MRopePositions.of(model)
     grids = [i for i, (_, _, m) in enumerate(parts) if "image_grid_thw" in m or "video_grid_thw" in m]
-    if grids and rope is None:
+    if grids and model is None:  # (a model without get_rope_index numbers its positions 1-D, as text)
         raise ValueError(
             f"sample {grids[0]}: records with image_grid_thw number their positions by their images (multimodal "
             "RoPE): pass the model they are for, pack_samples(samples, model=model)"
