@@ -266,6 +266,8 @@ class HBPLitModule(L.LightningModule):
                     f"data.levels: level {i} (pack_len {lv.pack_len}) uses sequence parallelism {lv.sp}, which "
                     f"{type(strategy).__name__} cannot run: train with lit_hbp.strategy.HBPStrategy"
                 )
+        if getattr(getattr(dm, "store", None), "has_media", False):
+            self._check_media_family()
         if getattr(strategy, "zero_stage_3", False) and getattr(getattr(dm, "store", None), "has_media", False):
             raise ConfigError(
                 "trainer.strategy: HBPStrategy(stage=3) with samples that have images: ZeRO-3 gathers a module's "
@@ -308,6 +310,19 @@ class HBPLitModule(L.LightningModule):
                     for key, e in errors.items()
                 )
             )
+
+    def _check_media_family(self) -> None:
+        """A run whose data has images or videos, on a family that cannot pack them, stops here (exit 2)
+        with the family's reason, not at its first step with images."""
+        from lit_hbp.packed_call import record_of
+        from lit_hbp.vision import check_encoder_outputs, refuse_bidirectional
+
+        net = self.base_model
+        try:
+            refuse_bidirectional(net, {"pixel_values": torch.ones(1)})
+            check_encoder_outputs(record_of(net).runner)
+        except ValueError as e:
+            raise ConfigError(f"model.model: the data has images or videos, and {e}") from None
 
     def forward(self, batch: PackedBatch) -> PackedLoss:
         """(weighted loss, summed CE, supervised tokens) of a micro-batch (or of this rank's SP shard);

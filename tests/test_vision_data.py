@@ -582,3 +582,30 @@ def test_zero_3_with_image_samples_is_refused_before_the_first_step(data, tmp_pa
     refused = r"trainer.strategy: HBPStrategy\(stage=3\) with samples that have images: .* stage 2"
     with pytest.raises(ValueError, match=refused):
         trainer.fit(HBPLitModule(model=str(folder)), datamodule=dm)
+
+
+def test_gemma3_records_render_as_its_processor_does_and_fit_stops_naming_its_attention(tmp_path):
+    """Gemma 3's processor replaces its rendered <start_of_image> with the image's whole sequence (its
+    own newlines and soft tokens): the record reads as apply_chat_template gives it, answer trained; fit
+    then stops with exit 2 before the first step, naming why (its image tokens attend both ways)."""
+    from vision_models import build_gemma3
+
+    folder = build_gemma3(tmp_path / "gemma3")
+    image(1, 20, 30).save(tmp_path / "a.png")
+    write(tmp_path / "d.jsonl", [{"messages": chat([{"type": "image", "image": "a.png"},
+                                                    {"type": "text", "text": "describe"}], "a cat")}])  # fmt: skip
+    processor = AutoProcessor.from_pretrained(folder)
+    t = tokenize_source(Source(str(tmp_path / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
+    picture = Image.open(tmp_path / "a.png").convert("RGB")
+    msgs = chat([{"type": "image", "image": picture}, {"type": "text", "text": "describe"}], "a cat")
+    ref = processor.apply_chat_template(msgs, tokenize=True, return_dict=True)
+    ids, mask = t.sample(0)
+    assert ids.tolist() == list(ref["input_ids"][0])
+    assert processor.tokenizer.decode(ids[mask]).strip() == "a cat<end_of_turn>"
+    cmd = [console_script("lit-hbp"), "fit", "--model.model", str(folder), "--data.tokenizer", str(folder),
+           "--data.sources", json.dumps([str(tmp_path / "d.jsonl")]), "--data.levels", '["512:1"]',
+           "--trainer.max_steps", "1", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+           "--data.cache_dir", str(tmp_path / "cache")]  # fmt: skip
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "attend to each other both ways" in out.stderr.strip().splitlines()[-2], out.stderr[-2000:]

@@ -321,6 +321,9 @@ def rope_stand_in(config) -> ConfigOnly | None:
     return ConfigOnly(cls, config) if callable(getattr(cls, "get_rope_index", None)) else None
 
 
+PER_TEXT = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # the placeholders' own
+
+
 class WorkerMedia:
     """A sample's images and videos as the processor's tensors (``pixel_values``, grids, sizes, the video
     fields) and its per-token fields, built in a DataLoader worker from the files the cache names; an
@@ -333,29 +336,33 @@ class WorkerMedia:
         self.video_id = video_token_id(processor)
         self.token_types = token_types  # the processor returns mm_token_type_ids (1 on image tokens, 2 on video's)
 
+    def _placeholder(self, kind: str, token_id: int) -> str:
+        return getattr(self.processor, f"{kind}_token", None) or self.processor.tokenizer.convert_ids_to_tokens(
+            token_id
+        )
+
     def __call__(self, ids: np.ndarray, media: Sequence[Image | Video], where: str) -> dict[str, torch.Tensor]:
         images = [m for m in media if isinstance(m, Image)]
         videos = [m for m in media if isinstance(m, Video)]
-        out: dict[str, torch.Tensor] = {}
-        if images:
-            loaded = []
-            for path, width, height, *_ in images:
-                im = load_image(path, where)
-                _same(f"image {path}", im.size, (width, height), where)
-                loaded.append(im)
-            out.update(self.processor.image_processor(images=loaded, return_tensors="pt"))
-        if videos:
-            clips = []
-            for v in videos:
-                clip = load_video(v.source, where, self.processor)
-                _same(f"video {v.source}", (clip.width, clip.height, clip.count), (v.width, v.height, v.frames), where)
-                clips.append(clip)
-            # the processor itself (on the videos' placeholders alone): it adds fields its video processor lacks
-            token = self.processor.tokenizer.convert_ids_to_tokens(self.video_id)
-            enc = self.processor(text=[token * len(clips)], **processor_inputs(clips), return_tensors="pt")
-            out.update({k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")})
-        if not out:
+        if not media:
             return {}
+        loaded, clips = [], []
+        for path, width, height, *_ in images:
+            im = load_image(path, where)
+            _same(f"image {path}", im.size, (width, height), where)
+            loaded.append(im)
+        for v in videos:
+            clip = load_video(v.source, where, self.processor)
+            _same(f"video {v.source}", (clip.width, clip.height, clip.count), (v.width, v.height, v.frames), where)
+            clips.append(clip)
+        # The processor itself, on the media's placeholders alone: its own fields, as it returns them for
+        # the record (Qwen2.5-VL's seconds per temporal patch, LLaVA-OneVision's images per record), none
+        # of its image processor's that it keeps to itself (Gemma 3's num_crops).
+        text = self._placeholder("image", self.image_id) * len(loaded)
+        if clips:
+            text += self._placeholder("video", self.video_id) * len(clips)
+        enc = self.processor(text=[text], images=loaded or None, **processor_inputs(clips), return_tensors="pt")
+        out = {k: v for k, v in enc.items() if k not in PER_TEXT}
         unknown = sorted(set(out) - set(MM_KEYS))
         if unknown:
             raise DataError(f"{where}: the processor returns {unknown}, which lit-hbp does not pack")
