@@ -13,7 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForImageTextToText
-from vision_models import BUILDERS, DEFAULT_BUILT, build_default, counted_records, three_records, trained, video_records
+from vision_models import (
+    BUILDERS,
+    DEFAULT_BUILT,
+    DEFAULT_BUILT_VIDEOS,
+    build_default,
+    counted_records,
+    three_records,
+    trained,
+    video_records,
+)
 
 from lit_hbp import pack_inputs, pack_samples, packed_loss, prepare_model
 from lit_hbp.packed_call import record_of
@@ -82,11 +91,12 @@ def test_a_pack_of_image_records_trains_like_each_record_alone(folders, family, 
 @pytest.mark.parametrize("family", DEFAULT_BUILT)
 def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone(tmp_path, family):
     """Families built from transformers' default config (shrunk): two records with an image each and a
-    text-only record, packed, give the records alone's summed cross-entropy (1e-5) and every gradient,
-    the tower's included (1e-4). Aya Vision and Cohere2-Vision: their forward leaves the Cohere 2
-    language model's logit_scale unapplied, and so does the pack's loss."""
+    text-only record (and a 4-frame video's record, for the video families), packed, give the records
+    alone's summed cross-entropy (1e-5) and every gradient, the tower's included (1e-4). Aya Vision and
+    Cohere2-Vision: their forward leaves the Cohere 2 language model's logit_scale unapplied, and so
+    does the pack's loss."""
     reference, model = pair(build_default(tmp_path / family, family))
-    records = counted_records(tmp_path / family)
+    records = counted_records(tmp_path / family, videos=family in DEFAULT_BUILT_VIDEOS)
     want = alone_ce(reference, records)
     want.backward()
     out = packed_loss(model, pack_samples(records, model=model), "sum")
@@ -136,6 +146,7 @@ VLM_TESTED = {
     "llava_next": "images (anyres tiles), sp 1 and 2; the data path, the demo",
     "llava_onevision": "images, sp 1 and 2 (a record's images encoded together); videos of one frame count",
     **{family: "images, sp 1 (its default config, shrunk)" for family in DEFAULT_BUILT},
+    **{family: "images and videos, sp 1 (its default config, shrunk)" for family in DEFAULT_BUILT_VIDEOS},
 }
 
 

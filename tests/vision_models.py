@@ -313,8 +313,9 @@ def trained(rec: dict, config) -> dict:
 
 # Families built from transformers' own default config, shrunk (``build_default``): their records are made
 # by counting what the tower gives for an image (``counted_records``), as their processor expands it.
-DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "deepseek_vl", "got_ocr2", "internvl", "lighton_ocr", "mistral3",
-                 "qwen3_vl_moe", "video_llava", "vipllava")  # fmt: skip
+DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "deepseek_vl", "got_ocr2", "internvl", "lighton_ocr",
+                 "llava_next_video", "mistral3", "qwen3_vl_moe", "video_llava", "vipllava")  # fmt: skip
+DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=512, max_position_embeddings=512, moe_intermediate_size=32, num_experts=4,
              num_experts_per_tok=2)  # fmt: skip
@@ -357,42 +358,58 @@ def build_default(path: Path, family: str) -> Path:
     for key in ("video_token_id", "video_token_index"):
         if getattr(config, key, None) is not None:
             setattr(config, key, 501)
+    if getattr(config, "image_grid_pinpoints", None):  # anyres: one 32-pixel tile beside the base image
+        config.image_grid_pinpoints = [[32, 32]]
     _FIXES.get(family, lambda c: None)(config)
     return _save(path, config)
 
 
-def counted_records(folder: Path) -> list[dict]:
+def counted_records(folder: Path, videos: bool = False) -> list[dict]:
     """Two records with one image each (random pixels, the placeholder repeated as many times as the
-    tower gives features for it) and a text-only record, labelled (image tokens untrained)."""
+    tower gives features for it) and a text-only record, labelled (image tokens untrained); with
+    ``videos``, a record with a 4-frame video too (its placeholder repeated as the tower's video features)."""
     import inspect
 
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(folder)
     config, vision = model.config, model.config.vision_config
-    token = image_token_id(config)
     out = []
-    for seed, with_image in ((1, True), (2, True), (3, False)):
+    kinds = [(1, "image"), (2, "image"), (3, None)] + ([(4, "video")] if videos else [])
+    for seed, kind in kinds:
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(10, 200, (1, 20), generator=g)
         rec: dict = {}
-        if with_image:
-            takes = inspect.signature(model.model.get_image_features).parameters
-            if "image_grid_thw" in takes:  # Qwen-style towers take patch rows and their grid
+        if kind is not None:
+            encode = getattr(model.model, f"get_{kind}_features")
+            takes = inspect.signature(encode).parameters
+            pixels = "pixel_values" if kind == "image" else "pixel_values_videos"
+            grid = f"{kind}_grid_thw"
+            frames = 1 if kind == "image" else 4
+            if grid in takes:  # Qwen-style towers take patch rows and their grid
                 rows = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-                rec["pixel_values"] = torch.randn(16, rows, generator=g)
-                rec["image_grid_thw"] = torch.tensor([[1, 4, 4]])
+                t = max(1, frames // vision.temporal_patch_size)  # an image: one temporal patch
+                rec[pixels] = torch.randn(16 * t, rows, generator=g)
+                rec[grid] = torch.tensor([[t, 4, 4]])
             else:
                 size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
-                rec["pixel_values"] = torch.randn(1, getattr(vision, "num_channels", 3), size, size, generator=g)
+                # anyres images: base + one tile; a video: its frames
+                tiles = (2,) if kind == "image" and getattr(config, "image_grid_pinpoints", None) else ()
+                tiles = (frames,) if kind == "video" else tiles
+                rec[pixels] = torch.randn(1, *tiles, getattr(vision, "num_channels", 3), size, size, generator=g)
             if "image_sizes" in takes:
                 rec["image_sizes"] = torch.tensor([[size, size]])
             with torch.no_grad():
-                features = model.model.get_image_features(**rec, return_dict=True).pooler_output
+                features = encode(**rec, return_dict=True).pooler_output
             n = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features)
+            token = image_token_id(config) if kind == "image" else video_token_id(config)
             ids = torch.cat([ids[:, :5], torch.full((1, n), token), ids[:, 5:]], 1)
-            if "image_grid_thw" in rec:
-                rec["mm_token_type_ids"] = (ids == token).long()
+            if grid in rec:
+                rec["mm_token_type_ids"] = (ids == token).long() * (1 if kind == "image" else 2)
         rec["input_ids"] = ids
         out.append(trained(rec, config))
     return out
+
+
+def video_token_id(config) -> int:
+    return getattr(config, "video_token_id", None) or config.video_token_index
