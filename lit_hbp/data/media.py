@@ -231,12 +231,32 @@ class MediaExpander:
         expanded = np.asarray(enc["input_ids"][0], dtype=ids.dtype)
         media_ids = [t for t in (self.image_id, self.video_id) if t is not None]
         out_target = carry_mask(ids, target, expanded, expansions(enc, media_ids), media_ids, where)
-        out: list[Image | Video] = [
-            Image(p, *im.size, *encoded_pixels(self.processor.image_processor, im)) for p, im in zip(images, loaded)
+        seen = encoded_of_record(enc, "image", len(loaded)) or [
+            encoded_pixels(self.processor.image_processor, im) for im in loaded
         ]
-        for v, clip in zip(videos, clips):
-            out.append(Video(v, clip.width, clip.height, *encoded_video_pixels(self.processor, clip), clip.count))
+        out: list[Image | Video] = [Image(p, *im.size, *s) for p, im, s in zip(images, loaded, seen)]
+        seen = encoded_of_record(enc, "video", len(clips)) or [encoded_video_pixels(self.processor, c) for c in clips]
+        out += [Video(v, c.width, c.height, *s, c.count) for v, c, s in zip(videos, clips, seen)]
         return expanded, out_target, out
+
+
+def encoded_of_record(enc, kind: str, count: int) -> list[tuple[int, int]] | None:
+    """Each image's (or video's) encoded pixels and tiles read off the processor's encoding of the whole
+    record, where its layout tells them apart: Qwen's patch rows by their grids, or the record's only
+    item; None otherwise (each is then encoded alone, ``encoded_pixels``)."""
+    key = "pixel_values" if kind == "image" else "pixel_values_videos"
+    values, grid = enc.get(key), enc.get(f"{kind}_grid_thw")
+    if not count or values is None:
+        return None if count else []
+    shape = np.shape(values)
+    if grid is not None and len(shape) == 2:  # patch rows of C x T x p x p values: T x p x p pixels a row
+        grid = np.asarray(grid).reshape(-1, 3)
+        per_row = shape[1] // 3
+        return [(int(np.prod(g)) * per_row, int(g[0]) if kind == "video" else 1) for g in grid]
+    if count == 1 and len(shape) in (4, 5):  # [tiles (crops), C, H, W] or [1, tiles (frames), C, H, W]
+        tiles = shape[1] if len(shape) == 5 else shape[0]
+        return [(int(np.prod(shape)) // 3, int(tiles))]
+    return None
 
 
 def encoded_pixels(image_processor, image) -> tuple[int, int]:
