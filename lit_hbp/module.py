@@ -302,7 +302,9 @@ class HBPLitModule(L.LightningModule):
                 # Modules whose inputs need no gradient (a frozen embedding under LoRA) keep their
                 # gathered weights after a backward outside the engine: partition them again.
                 strategy.deepspeed_engine.empty_partition_cache()
-            images = f", {len(media_docs)} of them with images" if media_docs else ""
+            kinds = [k for k, key in (("images", "pixel_values"), ("videos", "pixel_values_videos"))
+                     if any(key in mm for _, mm in media_docs)]  # fmt: skip
+            images = f", {len(media_docs)} of them with {' or '.join(kinds)}" if media_docs else ""
             rank_zero_info(
                 f"self-check passed (a pack equals its documents alone{images}): "
                 + ", ".join(

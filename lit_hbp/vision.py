@@ -183,7 +183,7 @@ class MRopePositions:
 
     def rows(self, ids: np.ndarray, media: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """[3, L] positions of one record."""
-        ids_t = torch.as_tensor(ids, dtype=torch.long)[None]
+        ids_t = torch.tensor(np.asarray(ids), dtype=torch.long)[None]  # a copy: the cache's ids are read-only
         kw = {k: media[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in media}
         types = media.get("mm_token_type_ids")
         kw["mm_token_type_ids"] = (types if types is not None else torch.zeros(len(ids), dtype=torch.long))[None]

@@ -421,3 +421,30 @@ def test_llava_onevision_videos_train_like_each_record_alone_and_frame_counts_mu
     dm.setup("fit")
     with pytest.raises(DataError, match=r"pixel_values_videos of different shapes .* need one frame count"):
         list(dm.train_dataloader())
+
+
+def test_the_cli_trains_video_records_and_its_self_check_packs_them(video_data, tmp_path):
+    """``lit-hbp fit`` on a folder of video records, as a user runs it: exit 0, the self-check packed the
+    run's videos; a record whose frames are missing stops it with exit 2 naming its file and line."""
+    import re
+    import subprocess
+
+    from conftest import HANG_S, console_script
+
+    root, folder = video_data
+    write(root / "cli.jsonl", [r for r, _ in records(root)] * 3)  # beside the frames its paths name
+    cmd = [console_script("lit-hbp"), "fit", "--model.model", str(folder), "--data.tokenizer", str(folder),
+           "--data.levels", '["512:1"]', "--trainer.max_steps", "2", "--trainer.accelerator", "cpu",
+           "--trainer.logger", "false", "--data.cache_dir", str(tmp_path / "cache")]  # fmt: skip
+    out = subprocess.run([*cmd, "--data.sources", json.dumps([str(root / "cli.jsonl")])], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the run's two shortest samples with media: Qwen3-VL's clips are longer (a timestamp per frame pair)
+    assert re.search(r"self-check passed \(a pack equals its documents alone, 2 of them with (images or )?videos\)",
+                     out.stderr), out.stderr[-2000:]  # fmt: skip
+    bad = {"messages": chat([{"type": "video", "video": "gone"}, {"type": "text", "text": "hi"}], "x")}
+    write(root / "cli_bad.jsonl", [records(root)[3][0], bad])
+    out = subprocess.run([*cmd, "--data.sources", json.dumps([str(root / "cli_bad.jsonl")])], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "cli_bad.jsonl:2: video" in out.stderr and "gone does not exist" in out.stderr
