@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AutoConfig, AutoModelForImageTextToText
 from vision_models import (
     BUILDERS,
@@ -95,6 +96,10 @@ def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone
     alone's summed cross-entropy (1e-5) and every gradient, the tower's included (1e-4). Aya Vision and
     Cohere2-Vision: their forward leaves the Cohere 2 language model's logit_scale unapplied, and so
     does the pack's loss."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if family not in CONFIG_MAPPING_NAMES:  # the supported range starts at 5.10, which predates some families
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
     reference, model = pair(build_default(tmp_path / family, family))
     records = counted_records(tmp_path / family, videos=family in DEFAULT_BUILT_VIDEOS)
     want = alone_ce(reference, records)
