@@ -304,6 +304,24 @@ def image_token_id(config) -> int:
     return getattr(config, "image_token_id", None) or config.image_token_index
 
 
+TOWER_NAMES = ("vision", "visual", "image_tower")  # LLaVA's vision_tower, Qwen's visual, Video-LLaVA's image_tower
+
+
+def assert_same_grads(model, reference) -> int:
+    """Every parameter's gradient after the pack (``model``) against the records alone (``reference``, the
+    same weights): both absent, or within 1e-4 of the reference's largest entry of that tensor (at least
+    1e-3 of the largest over all tensors: an attention's key bias has zero gradient in exact arithmetic,
+    float noise otherwise). Returns how many of the vision tower's tensors had a gradient."""
+    scale = max(q.grad.abs().max().item() for q in reference.parameters() if q.grad is not None)
+    tower = 0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            tower += any(part in name for part in TOWER_NAMES)
+            assert (p.grad - q.grad).abs().max().item() <= 1e-4 * max(q.grad.abs().max().item(), 1e-3 * scale), name
+    return tower
+
+
 def trained(rec: dict, config) -> dict:
     """The record with labels: every token but the image and video placeholders (never trained)."""
     ids = rec["input_ids"][0]
