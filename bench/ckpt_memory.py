@@ -42,7 +42,7 @@ def main() -> int:
     p.add_argument("--heads", type=int, help="override the model: attention heads (kv heads = heads / 2)")
     args = p.parse_args()
     config = read_config(args.config)
-    lengths, vocab = config_lengths(config)
+    lengths, vocab, _ = config_lengths(config)
     model = dict(model_config(config, vocab))
     if args.hidden:
         model.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden)

@@ -8,28 +8,37 @@ videos of 10K-120K tokens (10%); an image is 256-2,048 tokens after merging. The
 shape (a 28-layer 3584-wide language model; a 32-layer 1280-wide vision tower, 14-pixel patches, 2x2
 merge: four patches per image token, two frames per video patch). Each sample's encoder work comes from
 ``lit_hbp.data.media.encoder_flops`` (checked against torch's FLOP counter in tests/test_vision_data.py)
-and is priced in every plan alike; rows differ only in how they pack and order. 8 x H100 by default,
-levels 16K sp 1 and 128K sp 8 with checkpointing filled in by the simulator (``fill_checkpointing``).
+and is priced in every plan alike (the tower trained: its forward, backward and, on a level that
+checkpoints, its recompute); rows differ only in how they pack and order. 8 x H100 by default, levels
+16K sp 1 and 128K sp 8 with checkpointing filled in by the simulator (``fill_checkpointing``, the tower's
+memory counted), and a last row on the levels the analytic search chooses knowing the tower
+(``analytic_levels(vision=...)``).
 """
 
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
 
 import numpy as np
+from transformers import AutoConfig
 
+from lit_hbp.autoselect.search import analytic_levels, with_vision
 from lit_hbp.costmodel import HARDWARE, CostModel
-from lit_hbp.data.media import vision_work
+from lit_hbp.data.media import vision_load
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing import Level, plan_hbp, plan_single_level
 from lit_hbp.simulate.simulator import fill_checkpointing, price
 
-LM = ModelSpec("qwen2.5-vl-7b", 28, 3584, 28, 4, 18944, 152064)
-VISION = SimpleNamespace(embed_dim=1280, depth=32, intermediate_size=3420, patch_size=14, temporal_patch_size=2,
-                         window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
-                         hidden_act="silu")  # fmt: skip
-CONFIG = SimpleNamespace(vision_config=VISION, num_hidden_layers=LM.layers, hidden_size=LM.hidden)
+QWEN25_VL_7B = dict(  # the published Qwen2.5-VL-7B-Instruct config's shape
+    model_type="qwen2_5_vl",
+    text_config=dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     intermediate_size=18944, vocab_size=152064),
+    vision_config=dict(depth=32, hidden_size=1280, out_hidden_size=3584, intermediate_size=3420, num_heads=16,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                       fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
+)  # fmt: skip
+CONFIG = AutoConfig.for_model(**QWEN25_VL_7B)
+LM = ModelSpec.from_config(CONFIG.to_dict(), name="qwen2.5-vl-7b")
 PIXELS_PER_TOKEN = 4 * 14 * 14 * 2  # 2x2 merged patches of 14x14 pixels, each pixel once per frame of a pair
 FRAME_TOKENS = (448 // 28) ** 2  # a temporal patch (two 448x448 frames): its tokens after the 2x2 merge
 
@@ -60,21 +69,26 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     lengths, images = mix(args.samples, args.seed)
-    extra = vision_work(images, CONFIG)
-    cost = CostModel(LM, HARDWARE["h100"], args.world)
+    load = vision_load(images, CONFIG)
+    extra = load.work
+    cost = with_vision(CostModel(LM, HARDWARE["h100"], args.world), lengths, load)
     levels = fill_checkpointing([Level(16_384, 1), Level(131_072, min(8, args.world))], cost, lengths)
+    chosen = analytic_levels(cost, lengths, args.seed, max_len=131_072, vision=load).levels
     w, s = args.world, args.seed
     runs = [
         ("naive ISF at 128K", plan_single_level(lengths, levels[-1], w, 1, s, "isf", over_length="drop")),
         ("hierarchical, no balance", plan_hbp(lengths, levels, w, 1, s, over_length="drop", balance=False)),
         ("HBP, attention only", plan_hbp(lengths, levels, w, 1, s, over_length="drop")),
         ("HBP with the vision work", plan_hbp(lengths, levels, w, 1, s, over_length="drop", extra_work=extra)),
+        ("HBP, auto-selected levels", plan_hbp(lengths, chosen, w, 1, s, over_length="drop", extra_work=extra)),
     ]
     sims = price(runs, cost, extra_work=extra)
     ratio = extra.sum() / (lengths.astype(np.float64) ** 2).sum()
+    chosen_text = ", ".join(f"{lv.pack_len}:{lv.sp} ckpt {lv.ckpt_layers}" for lv in chosen)
     print(f"{args.samples} samples, {int(lengths.sum()):,} tokens, {sum(map(len, images)):,} images/videos on "
           f"{w} x {HARDWARE['h100'].name}; the vision tower's work {ratio:.1f}x the language model's attention; levels "
-          + ", ".join(f"{lv.pack_len}:{lv.sp} ckpt {lv.ckpt_layers}" for lv in levels))  # fmt: skip
+          + ", ".join(f"{lv.pack_len}:{lv.sp} ckpt {lv.ckpt_layers}" for lv in levels)
+          + f"; auto-selected {chosen_text}")  # fmt: skip
     base = sims[0].seconds
     print(f"{'plan':<28} {'epoch s':>10} {'idle':>6} {'speed-up':>9}")
     for sim in sims:

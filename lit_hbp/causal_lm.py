@@ -218,6 +218,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         runner=net.model if is_multimodal(net) else decoder,
         configs=[(c, c._attn_implementation_internal) for c in configs],
         layers=layers,
+        blocks=[] if vision_tower(net) is None else checkpoint_layers(vision_tower(net)),
         mlps=[mlp_of(layer) for layer in layers],
         attends=[[m for m in layer.modules() if hasattr(m, "config")] for layer in layers],
         backend=attn_backend,
@@ -348,19 +349,9 @@ def packed_loss(
         raise ValueError(_not_prepared(model))
     inputs = pack_inputs(batch)  # checks the level's SP group came with the batch
     aux = router_loss and getattr(net.config.get_text_config(), "output_router_logits", False)
-    if batch.mm:  # images encoded apart, by the vision tower's own attention (split over the SP group)
-        refuse_bidirectional(net, batch.mm)
-        check_encoder_outputs(record.runner)
-        if int(batch.sp) > 1:
-            part = batch.positions_in_pack().to(batch.input_ids.device)
-            encoded = split_encoder_outputs(
-                record.runner, batch.mm, batch.input_ids, part, int(batch.cu_seqlens[-1]), inputs["hbp_sp"]
-            )
-        else:
-            encoded = encoder_outputs(record.runner, batch.mm)
-        inputs = {k: v for k, v in inputs.items() if k not in ("pixel_values", "pixel_values_videos")}
-        inputs["mm_encoder_outputs"] = encoded
     with pack_scope(net, int(batch.ckpt_layers), bool(batch.offload), int(batch.mlp_tiles), inputs):
+        if batch.mm:  # images encoded apart, by the vision tower's own attention (split over the SP group), in
+            inputs = _encoded(record, batch, inputs)  # the call: its blocks checkpointed as the level says
         out = _decoder_call(model, record)(**inputs, **({"output_router_logits": True} if aux else {}))
     hidden = out.last_hidden_state
     head = output_head(model)
@@ -379,6 +370,22 @@ def packed_loss(
         real = (batch.positions_in_pack() < batch.n_tokens)[None]  # not the padding segment
         total = total + router_aux_loss(net, out.router_logits, real)
     return PackedLoss(total, ce_sum, n)
+
+
+def _encoded(record: Prepared, batch: PackedBatch, inputs: dict) -> dict:
+    """The call's keywords with the pack's images and videos encoded (``mm_encoder_outputs``) in place of
+    their pixels: each rank its share of them under SP (``split_encoder_outputs``)."""
+    refuse_bidirectional(record.net, batch.mm)
+    check_encoder_outputs(record.runner)
+    if int(batch.sp) > 1:
+        part = batch.positions_in_pack().to(batch.input_ids.device)
+        encoded = split_encoder_outputs(
+            record.runner, batch.mm, batch.input_ids, part, int(batch.cu_seqlens[-1]), inputs["hbp_sp"]
+        )
+    else:
+        encoded = encoder_outputs(record.runner, batch.mm)
+    kept = {k: v for k, v in inputs.items() if k not in ("pixel_values", "pixel_values_videos")}
+    return {**kept, "mm_encoder_outputs": encoded}
 
 
 def _decoder_call(model: torch.nn.Module, record: Prepared):
@@ -421,7 +428,7 @@ def decoder_of(net: torch.nn.Module) -> torch.nn.Module:
 
 
 def checkpoint_layers(net: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's decoder layers that support activation checkpointing, in order."""
+    """The module's layers that support activation checkpointing, in order (a decoder's, a vision tower's)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in net.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -499,9 +506,10 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module]) -> ModelSpec
     """The model's shape for FLOP counting, with the matmul parameters a token really passes through
     in a decoder layer counted from the layers' weights: every matrix once, routed experts at
     top-k / experts (shared experts and the router in full). Raises ValueError when the config
-    does not say the shape."""
+    does not say the shape; a vision-language model's carries its tower's (``ModelSpec.vision``)."""
     config = net.config.get_text_config()  # a vision-language model's: its language model's
-    spec = ModelSpec.from_config(config.to_dict())
+    vision = getattr(net.config, "vision_config", None)
+    spec = ModelSpec.from_config({**config.to_dict(), **({"vision_config": vision.to_dict()} if vision else {})})
     if not layers:
         return spec
     experts = _first(config, EXPERT_COUNT)

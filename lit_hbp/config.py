@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lit_hbp.costmodel import VisionLoad
 from lit_hbp.model_spec import ModelSpec
 
 
@@ -17,27 +18,31 @@ def read_config(path: str | Path) -> dict:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
 
-def config_lengths(config: dict) -> tuple[np.ndarray, int]:
-    """Sample lengths of the config's data sources, and the tokenizer's vocabulary size."""
-    from lit_hbp.data.datamodule import load_tokenizer
+def config_lengths(config: dict) -> tuple[np.ndarray, int, VisionLoad | None]:
+    """Sample lengths of the config's data sources, the tokenizer's vocabulary size and, for a
+    vision-language checkpoint's data with images or videos, what they give its tower (``VisionLoad``)."""
+    from lit_hbp.data.datamodule import load_renderers
+    from lit_hbp.data.media import vision_load
     from lit_hbp.data.sources import Source
     from lit_hbp.data.store import SampleStore
     from lit_hbp.data.tokenize import tokenize_source
 
     data = config.get("data") or {}
     if data.get("demo_dir"):
-        from lit_hbp.demo import ensure_demo
+        from lit_hbp.demo_vlm import ensure_kind
 
-        ensure_demo(data["demo_dir"])
-    tok = load_tokenizer(data["tokenizer"])
+        ensure_kind(data["demo_dir"], data.get("demo", "text"))
+    tok, processor, vlm_config = load_renderers(data["tokenizer"], data.get("chat_template"))
     sources = [Source.of(s, f"data.sources[{i}]") for i, s in enumerate(data["sources"])]
     train_on, cache = data.get("train_on", "assistant"), data.get("cache_dir")
     num_proc = data.get("num_proc")
     tokenized = [
-        tokenize_source(s, tok, train_on, cache, label=f"data.sources[{i}]", num_proc=num_proc)
+        tokenize_source(s, tok, train_on, cache, label=f"data.sources[{i}]", num_proc=num_proc, processor=processor)
         for i, s in enumerate(sources)
     ]
-    return SampleStore.build(tokenized, max_len=None, seed=data.get("seed", 0)).lengths, len(tok)
+    store = SampleStore.build(tokenized, max_len=None, seed=data.get("seed", 0))
+    vision = vision_load(store.media_pixels(), vlm_config) if store.has_media and vlm_config is not None else None
+    return store.lengths, len(tok), vision
 
 
 def model_config(config: dict, vocab: int | None) -> dict | str:

@@ -163,7 +163,11 @@ class CostModel:
     trainable: share of the parameters trained (gradients, Adam states, a tiled MLP's gradient sums):
         1 for full fine-tuning, ~0 under LoRA.
     prefetch: offload brings the next input back while a layer recomputes (a CUDA side stream: two
-        inputs on the device then); False where the copy back is synchronous (CPU, other devices)."""
+        inputs on the device then); False where the copy back is synchronous (CPU, other devices).
+    vision_trained: a vision-language model's tower trains (its gradients, Adam states and activations);
+        False under ``freeze_vision`` and LoRA (it runs forward only).
+    vision_patches_per_token: the most image patches the tower encodes per token of a pack, from the data
+        (``VisionLoad.patches_per_token``; 0: no images): a pack of L tokens holds up to L times it."""
 
     model: ModelSpec
     hardware: Hardware
@@ -181,6 +185,8 @@ class CostModel:
     param_offload: bool = False
     trainable: float = 1.0
     prefetch: bool = True
+    vision_trained: bool = True
+    vision_patches_per_token: float = 0.0
 
     # ----------------------------------------------------------------------------- time
 
@@ -201,6 +207,14 @@ class CostModel:
     def attention_seconds(self, sum_sq: float, sp: int, ckpt: int) -> float:
         layers = self.model.layers
         return self.attention_forward_seconds(sum_sq, sp) * ((1 + FLASH_BACKWARD) * layers + ckpt)
+
+    def vision_seconds(self, work, sp: int, ckpt: int):
+        """The vision tower's part of a micro-step: its forward over the images of ``work`` (the planner's
+        units, ``VisionLoad.work``) split over the SP group, with its backward (twice the forward: dense
+        work) when it trains and, on a level that checkpoints, its forward again (its blocks recompute)."""
+        passes = (3.0 + (1.0 if ckpt else 0.0)) if self.vision_trained else 1.0
+        flops = work * self.model.pair_flops / sp * passes
+        return flops / (self.hardware.peak_flops * self.hardware.eff_dense)
 
     def _link_seconds(self, nbytes, peers: int, local: int):
         """Seconds to send ``nbytes`` to ``peers`` - 1 others of which ``local`` - 1 share the node
@@ -245,16 +259,25 @@ class CostModel:
         return sum(self.comm_parts(tokens, sp, ckpt, cp, sum_sq).values())
 
     def micro_step(
-        self, tokens, sum_sq, sp: int, ckpt: int, cp: int = 1, offload: bool = False, tiles: int = 1
+        self,
+        tokens,
+        sum_sq,
+        sp: int,
+        ckpt: int,
+        cp: int = 1,
+        offload: bool = False,
+        tiles: int = 1,
+        vision_work=0.0,
     ) -> dict:
-        """Seconds of one rank for a micro-step: dense, attention, sp_comm (with its parts
-        ulysses_comm and cp_comm), offload (the host copies' exposed part) and the total. ``tokens``
-        and ``sum_sq`` may be numpy arrays (one entry per rank or SP group); ``cp`` is the level's
-        context-parallel degree."""
+        """Seconds of one rank for a micro-step: dense, attention, vision (the tower's images of
+        ``vision_work``), sp_comm (with its parts ulysses_comm and cp_comm), offload (the host copies'
+        exposed part) and the total. ``tokens``, ``sum_sq`` and ``vision_work`` may be numpy arrays (one
+        entry per rank or SP group); ``cp`` is the level's context-parallel degree."""
         comm = self.comm_parts(tokens, sp, ckpt, cp, sum_sq)
         parts = dict(
             dense=self.dense_seconds(tokens, ckpt, tiles),
             attention=self.attention_seconds(sum_sq, sp, ckpt),
+            vision=self.vision_seconds(vision_work, sp, ckpt) + 0.0 * tokens,
             sp_comm=comm["ulysses_comm"] + comm["cp_comm"],
             offload=self.offload_seconds(tokens, ckpt, sum_sq, sp) if offload else 0.0 * tokens,
         )
@@ -276,9 +299,11 @@ class CostModel:
     def static_parts(self) -> dict:
         """Parameters and gradients (model dtype) and Adam states (fp32 master, m, v) per rank, as ZeRO
         partitions them over the world (none of what is offloaded to the host)."""
-        p, n, z, b = self.model.params, self.world, self.zero_stage, self.dtype_bytes
+        n, z, b = self.world, self.zero_stage, self.dtype_bytes
+        vision = 0.0 if self.model.vision is None else self.model.vision.params(self.model.hidden)
+        p = self.model.params + vision
         master = 4 if b < 4 else 0  # fp32 training keeps no master copy
-        trained = p * self.trainable
+        trained = (self.model.params + (vision if self.vision_trained else 0.0)) * self.trainable
         return dict(
             params=0.0 if self.param_offload else b * p / (n if z >= 3 else 1),
             grads=b * trained / (n if z >= 2 else 1),
@@ -324,6 +349,19 @@ class CostModel:
         sums = 4 * 3 * m.hidden * m.intermediate * self.trainable if tiles > 1 else 0.0
         return self.activation_overhead * per_token * tokens + sums
 
+    def vision_bytes(self, tokens: float, ckpt: int) -> float:
+        """What a trained vision tower keeps for its backward on a rank of ``tokens`` tokens (its share of the
+        pack's patches, at most ``vision_patches_per_token`` a token): every block's saved set, or on a level
+        that checkpoints (its blocks checkpoint too) their inputs. Held from its forward, before the language
+        model's, to its backward, after it: on top of the language model's peak. None when frozen."""
+        v = self.model.vision
+        if v is None or not self.vision_trained or not self.vision_patches_per_token:
+            return 0.0
+        patches = tokens * self.vision_patches_per_token
+        per_block = self.dtype_bytes * v.hidden if ckpt else v.saved_bytes_per_patch(self.dtype_bytes)
+        per_patch = v.layers * per_block + v.outside_bytes_per_patch(self.dtype_bytes)
+        return self.activation_overhead * per_patch * patches
+
     def head_bytes(self, tokens: float) -> float:
         """The LM head's phase: the final norm's saved set, the hidden rows the chunked loss keeps, the
         RoPE tables, one chunk's fp32 logits and gradient (all the logits with ``logits="full"``), and
@@ -347,7 +385,8 @@ class CostModel:
         ``layers`` (what the layers run without checkpointing keep), ``checkpointed`` (checkpointed
         layers' inputs on the device: all of them, or with ``offload`` the one being recomputed and the
         one prefetched behind it), ``recompute`` (a checkpointed layer's set, rebuilt in its backward),
-        ``working`` (the running layer's transients), ``head`` and ``reserve``; and ``host`` (the
+        ``working`` (the running layer's transients), ``head``, ``vision`` (a trained vision tower's saved
+        set, ``vision_bytes``) and ``reserve``; and ``host`` (the
         offloaded inputs, in host memory: not part of the device total). ``memory_bytes`` adds them up,
         the head's phase and the layers' backward phase (recompute + working) taken at their larger."""
         m, b = self.model, self.dtype_bytes
@@ -362,6 +401,7 @@ class CostModel:
             recompute=saved if ckpt and plain == 0 else 0.0,
             working=self.working_bytes(tokens, sp, cp, tiles),
             head=self.head_bytes(tokens),
+            vision=self.vision_bytes(tokens, ckpt),
             reserve=MEMORY_RESERVE_BYTES,
         )
         parts["host"] = (ckpt if offload else 0) * tokens * b * m.hidden
@@ -380,7 +420,8 @@ class CostModel:
         """Peak bytes per rank training packs of ``pack_len`` tokens at this sp, checkpointing, offload and tiles."""
         p = self.memory_parts(pack_len, sp, ckpt, packs_per_rank, offload, tiles, cp)
         phases = max(p["head"], p["recompute"] + p["working"])  # the LM head's backward runs before the layers'
-        return p["params"] + p["grads"] + p["optimizer"] + p["layers"] + p["checkpointed"] + phases + p["reserve"]
+        held = p["params"] + p["grads"] + p["optimizer"] + p["layers"] + p["checkpointed"] + p["vision"]
+        return held + phases + p["reserve"]
 
     def host_fits(self, pack_len: int, sp: int, ckpt: int, packs_per_rank: int = 1) -> bool:
         """Whether the node's host memory holds its GPUs' offloaded inputs (all checkpointed)."""
@@ -425,40 +466,66 @@ def exposed(comm, compute, pieces: int):
 def synthetic_pack(lengths: np.ndarray, pack_len: int, rng: np.random.Generator, window: int = 4096) -> np.ndarray:
     """Sample lengths of one pack of ``pack_len`` drawn from the data's length distribution, filled
     the way the planner fills packs: draws that do not fit the space left are skipped, until the
-    pack is full or no drawn sample fits (samples longer than the pack are cut to it).
+    pack is full or no drawn sample fits (samples longer than the pack are cut to it)."""
+    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), pack_len)
+    return lengths[synthetic_members(lengths, pack_len, rng, window)]
+
+
+def synthetic_members(lengths: np.ndarray, pack_len: int, rng: np.random.Generator, window: int = 4096) -> np.ndarray:
+    """The samples (indices into ``lengths``, each at most ``pack_len``) ``synthetic_pack`` draws.
 
     Vectorized over ``window`` draws at a time (a 4M-token pack takes ~10^5 draws): the next draw
     that fits is found by a scan, and the run of draws after it whose running sum fits is taken at
     once; the first draw past that run does not fit, so the next scan skips it, as one draw at a
     time would."""
-    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), pack_len)
-    lengths = lengths[lengths > 0]
-    smallest = int(lengths.min())
-    draws = rng.choice(lengths, size=4 * pack_len // max(smallest, 1) + 1)
+    valid = np.flatnonzero(lengths > 0)
+    smallest = int(lengths[valid].min())
+    draws = valid[rng.integers(0, valid.size, size=4 * pack_len // max(smallest, 1) + 1)]
+    drawn = lengths[draws]
     room, pos, take = pack_len, 0, []
     while pos < draws.size and room >= smallest:
-        hit = np.flatnonzero(draws[pos : pos + window] <= room)
+        hit = np.flatnonzero(drawn[pos : pos + window] <= room)
         if not hit.size:
             pos += window
             continue
         start = pos + int(hit[0])
-        run = draws[start : start + window]
+        run = drawn[start : start + window]
         k = int(np.searchsorted(np.cumsum(run), room, side="right"))
-        take.append(run[:k])
+        take.append(draws[start : start + k])
         room -= int(run[:k].sum())
         pos = start + k
     return np.concatenate(take) if take else np.zeros(0, np.int64)
 
 
 def pack_stats(
-    lengths, pack_len: int, seed: int = 0, max_packs: int = 64, sp: int = 1, cp: int = 1
-) -> tuple[float, float]:
-    """Mean tokens and mean sum of squared lengths of a pack of ``pack_len`` filled from the data's
-    length distribution: what a level's packs hold. With ``cp`` > 1 the sum of squares is priced at
-    the busiest CP rank (times its max / mean area under the split training uses at degree ``sp``,
-    ``split_micro_batch``), as the simulator prices CP groups."""
+    lengths, pack_len: int, seed: int = 0, max_packs: int = 64, sp: int = 1, cp: int = 1, extra_work=None
+) -> tuple[float, float, float]:
+    """Mean tokens, mean sum of squared lengths and mean extra work (per sample ``extra_work``: a
+    vision-language sample's image encoding, ``VisionLoad.work``; 0 without it) of a pack of ``pack_len``
+    filled from the data's length distribution: what a level's packs hold. With ``cp`` > 1 the sum of
+    squares is priced at the busiest CP rank (times its max / mean area under the split training uses at
+    degree ``sp``, ``split_micro_batch``), as the simulator prices CP groups."""
     rng = np.random.default_rng(seed)
-    packs = [synthetic_pack(lengths, pack_len, rng) for _ in range(max_packs)]
+    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), pack_len)
+    members = [synthetic_members(lengths, pack_len, rng) for _ in range(max_packs)]
+    packs = [lengths[m] for m in members]
     busiest = [split_micro_batch(p, sp, cp).imbalance() if cp > 1 else 1.0 for p in packs]
     sum_sq = [(p.astype(np.float64) ** 2).sum() * b for p, b in zip(packs, busiest)]
-    return float(np.mean([p.sum() for p in packs])), float(np.mean(sum_sq))
+    extra = 0.0 if extra_work is None else float(np.mean([np.asarray(extra_work)[m].sum() for m in members]))
+    return float(np.mean([p.sum() for p in packs])), float(np.mean(sum_sq)), extra
+
+
+@dataclass(frozen=True)
+class VisionLoad:
+    """What a vision-language run's tower encodes, per sample: ``patches`` (image patches, video frames'
+    included) and ``work`` (its forward in the planner's units: squared lengths, ``media.vision_work``).
+    The level search prices a level's vision time from ``work`` and its memory from the most patches a
+    token of a pack can carry (``patches_per_token``)."""
+
+    patches: np.ndarray
+    work: np.ndarray
+
+    def patches_per_token(self, lengths) -> float:
+        """The most patches per token of any sample: a pack of L tokens holds at most L times it."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        return float(np.max(np.asarray(self.patches, np.float64) / np.maximum(lengths, 1), initial=0.0))

@@ -36,7 +36,7 @@ from lit_hbp.run_settings import (
     trainer_settings,
 )
 
-SHOWN = ("params", "grads", "optimizer", "layers", "checkpointed", "recompute", "working", "head")
+SHOWN = ("params", "grads", "optimizer", "layers", "checkpointed", "recompute", "working", "head", "vision")
 
 
 def level_memory(cost: CostModel, lv: Level) -> dict:
@@ -94,13 +94,26 @@ def beyond_offload(cost: CostModel, lv: Level) -> str:
 
 
 def trainer_cost(
-    trainer, spec: ModelSpec, liger: bool, ce_chunk: int, dtype_bytes: int, capacity: float, trainable: float = 1.0
+    trainer,
+    spec: ModelSpec,
+    liger: bool,
+    ce_chunk: int,
+    dtype_bytes: int,
+    capacity: float,
+    trainable: float = 1.0,
+    vision_trained: bool = True,
 ) -> tuple[CostModel, list[Level]]:
     """The cost model of a run being set up on devices of ``capacity`` bytes, and its levels as laid out:
-    world, precision, ZeRO stage and offloads read from the trainer (``run_settings.trainer_settings``)."""
+    world, precision, ZeRO stage and offloads read from the trainer (``run_settings.trainer_settings``), a
+    vision-language run's tower with its data's images (the data module's ``vision_load``)."""
     hardware = local_hardware(trainer.strategy.root_device, capacity, trainer.num_devices)
     known = dict(liger=liger, ce_chunk=ce_chunk, dtype_bytes=dtype_bytes, trainable=trainable)
-    cost = cost_model(spec, trainer_settings(trainer, hardware, **known))
+    cost = cost_model(spec, trainer_settings(trainer, hardware, vision_trained=vision_trained, **known))
+    dm = trainer.datamodule
+    store = getattr(dm, "store", None)
+    load = dm.vision_load(store) if store is not None and hasattr(dm, "vision_load") else None
+    if load is not None and spec.vision is not None:
+        cost = replace(cost, vision_patches_per_token=load.patches_per_token(store.lengths))
     levels = tuple(getattr(trainer.datamodule, "levels", None) or ())
     return cost, [resolve_layout(lv, spec.heads, spec.kv_heads, trainer.num_devices) for lv in levels]
 

@@ -24,11 +24,106 @@ ALIASES = {
 }
 
 
-def _field(config: dict, name: str):
-    for key in ALIASES[name]:
+def _field(config: dict, name: str, aliases: dict = ALIASES):
+    for key in aliases[name]:
         if config.get(key) is not None:
             return config[key]
     return None
+
+
+# A vision tower's fields, as its config names them (Qwen2-VL's ``hidden_size`` is its merger's output: its
+# width is ``embed_dim``).
+VISION_ALIASES = {
+    "layers": ("depth", "num_hidden_layers", "num_layers"),
+    "hidden": ("embed_dim", "hidden_size", "width"),
+    "intermediate": ("intermediate_size",),
+    "heads": ("num_heads", "num_attention_heads"),
+}
+GATED_ACTS = ("silu", "swish")  # a gated MLP (Qwen2.5-VL's): gate, up and down matrices
+SIGMOID_ACTS = ("quick_gelu",)  # x * sigmoid(1.702 x): keeps its input and the sigmoid
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A vision-language model's image encoder (its ``vision_config``), enough for what it weighs and what
+    it keeps per image patch for the backward (``saved_bytes_per_patch``, checked against bytes measured on
+    CPU for the Qwen, CLIP and SigLIP towers in tests/test_vision_costs.py).
+
+    mlp_rows: rows of the intermediate size a block keeps per patch (2: GELU's input and output; 3: a
+    sigmoid GELU's also its sigmoid; 4: a gated MLP's gate, up, activation and product). rotary: its
+    attention rotates q and k (Qwen's 2-D RoPE, the towers that cut videos into temporal patches), keeping
+    the rotated copies. windowed: some of its blocks attend within windows (Qwen2.5-VL's: the patches are
+    reordered into windows and back). merge: patches per language token along each side (Qwen's 2: four
+    patches a token).
+    projectors: the projectors of its features into the language model (Qwen3-VL's deepstack adds some), to
+    ``out_hidden`` (its config's; None: the language model's width).
+    patch_pixels: the pixels of one patch (patch_size squared, times the temporal patch)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int = 16
+    mlp_rows: int = 2
+    rotary: bool = False
+    windowed: bool = False
+    merge: int = 1
+    projectors: int = 1
+    patch_pixels: int = 14 * 14
+    out_hidden: int | None = None
+
+    @property
+    def gated(self) -> bool:
+        return self.mlp_rows == 4
+
+    def params(self, text_hidden: int) -> float:
+        """Its blocks (attention's four matrices, the MLP's two or three), the patch embedding and the
+        projectors (each: merged patches to the language model's width through one hidden layer)."""
+        h, i = self.hidden, self.intermediate
+        blocks = self.layers * (4 * h * h + (3 if self.gated else 2) * h * i)
+        merged, out = self.merge * self.merge * h, self.out_hidden or text_hidden
+        projector = merged * out + max(merged, out) ** 2
+        return blocks + 3 * self.patch_pixels * h + self.projectors * projector
+
+    def saved_bytes_per_patch(self, dtype_bytes: int) -> float:
+        """Bytes per patch one block keeps for its backward: two norms' inputs, the attention's input, q, k,
+        v, output and projection input (with q and k rotated copies: Qwen's), the MLP's input and its
+        intermediate rows; a gated tower's RMSNorms (Qwen2.5-VL's) keep an fp32 copy of their input below fp32."""
+        h = self.hidden
+        rows = 9 * h + (4 * h if self.rotary else 0) + self.mlp_rows * self.intermediate
+        upcast = 2 * 4 * h if self.gated and dtype_bytes < 4 else 0
+        return dtype_bytes * rows + upcast
+
+    def outside_bytes_per_patch(self, dtype_bytes: int) -> float:
+        """Bytes per patch kept outside the blocks, checkpointed or not: each projector's norm input, first
+        matmul input, activation input and second matmul input (merged patches: a hidden row per patch
+        each); a rotary tower's cos and sin tables (fp32, a head's width each); a windowed tower's patches
+        reordered into windows and back."""
+        rotary = 2 * 4 * (self.hidden // self.heads) if self.rotary else 0
+        windows = 2 * dtype_bytes * self.hidden if self.windowed else 0
+        return dtype_bytes * 4 * self.hidden * self.projectors + rotary + windows
+
+    @classmethod
+    def from_config(cls, vision: dict) -> VisionSpec | None:
+        """From a ``vision_config`` mapping; None when it names no depth or width (a tower lit-hbp cannot price)."""
+        values = {f: _field(vision, f, VISION_ALIASES) for f in VISION_ALIASES}
+        if values["layers"] is None or values["hidden"] is None:
+            return None
+        hidden = int(values["hidden"])
+        act = str(vision.get("hidden_act") or vision.get("hidden_activation") or "gelu")
+        patch, frames = int(vision.get("patch_size") or 14), int(vision.get("temporal_patch_size") or 1)
+        return cls(
+            layers=int(values["layers"]),
+            hidden=hidden,
+            intermediate=int(values["intermediate"] or (vision.get("mlp_ratio") or 4) * hidden),
+            heads=int(values["heads"] or max(hidden // 64, 1)),
+            mlp_rows=4 if act in GATED_ACTS else 3 if act in SIGMOID_ACTS else 2,
+            rotary=vision.get("temporal_patch_size") is not None,
+            windowed=bool(vision.get("window_size")) and vision.get("fullatt_block_indexes") is not None,
+            merge=int(vision.get("spatial_merge_size") or 1),
+            projectors=1 + len(vision.get("deepstack_visual_indexes") or []),
+            patch_pixels=patch * patch * frames,
+            out_hidden=vision.get("out_hidden_size") or (vision["hidden_size"] if vision.get("embed_dim") else None),
+        )
 
 
 @dataclass(frozen=True)
@@ -48,6 +143,8 @@ class ModelSpec:
     tied_embeddings: bool = False
     active_layer_params: float | None = None
     total_layer_params: float | None = None
+    vision: VisionSpec | None = None
+    """A vision-language model's image encoder (None: a text-only model)."""
 
     @property
     def dim(self) -> int:
@@ -63,7 +160,14 @@ class ModelSpec:
         return attn + 3 * self.hidden * self.intermediate
 
     @property
+    def pair_flops(self) -> float:
+        """Forward FLOPs of one token pair's causal attention through every layer: the planner's unit of work
+        (``plan_hbp(extra_work=...)`` counts a vision tower's in it)."""
+        return 2.0 * self.layers * self.hidden
+
+    @property
     def params(self) -> float:
+        """The language model's parameters (a vision tower's: ``vision.params``)."""
         embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         per_layer = self.total_layer_params if self.total_layer_params is not None else self.layer_params
         return self.layers * (per_layer + 2 * self.hidden) + embed + self.hidden
@@ -87,6 +191,7 @@ class ModelSpec:
             path = path / "config.json" if path.is_dir() else path
             config = json.loads(path.read_text())
         c = dict(config)
+        vision = c.get("vision_config")
         text = c.get("text_config")
         if isinstance(text, dict) and _field(c, "layers") is None:
             c = {**text, **{k: v for k, v in c.items() if k not in text and k != "text_config"}}
@@ -108,6 +213,7 @@ class ModelSpec:
             vocab=int(values["vocab"] or 32000),
             head_dim=c.get("head_dim"),
             tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+            vision=VisionSpec.from_config(vision) if isinstance(vision, dict) else None,
         )
 
 

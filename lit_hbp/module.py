@@ -41,6 +41,7 @@ from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packed_call import pack_scope
 from lit_hbp.packing.levels import Level
 from lit_hbp.run_settings import check, deepspeed_zero, local_hardware, trainer_settings
+from lit_hbp.vision import vision_tower
 
 RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
 
@@ -469,10 +470,15 @@ class HBPLitModule(L.LightningModule):
         ``(CostModel, levels as laid out)``; ``lit_hbp.memory.level_memory`` gives each level's parts."""
         half = any(p in str(self.trainer.precision) for p in ("16", "bf16"))
         dtype_bytes = 2 if half else next(self.model.parameters()).element_size()
-        params = list(self.model.parameters())
+        tower = vision_tower(base_of(self.model))
+        in_tower = set() if tower is None else {id(p) for p in tower.parameters()}
+        trained = tower is not None and any(p.requires_grad for p in tower.parameters())
+        params = [p for p in self.model.parameters() if id(p) not in in_tower]  # the tower's: ``trained``
         trainable = sum(p.numel() for p in params if p.requires_grad) / max(sum(p.numel() for p in params), 1)
         hp = self.hparams
-        return trainer_cost(self.trainer, self._spec, hp.liger, hp.ce_chunk_size, dtype_bytes, capacity, trainable)
+        return trainer_cost(
+            self.trainer, self._spec, hp.liger, hp.ce_chunk_size, dtype_bytes, capacity, trainable, trained
+        )
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -11,9 +11,11 @@ own packed-sequence detection reads them.
 
 For exactly the duration of such a call (``pack_scope``) the call is this thread's ``PackCall``
 (``lit_hbp.calls``): the model's configs name lit-hbp's varlen attention on this thread only, its
-decoder layers are checkpointed as the batch's level says (inputs on the host with ``offload``) and its
-MLPs run in the level's tiles. A checkpointed layer recomputes in the backward, after the call returned,
-maybe on another thread: the checkpoint function enters the same call around the recomputation. So a
+decoder layers are checkpointed as the batch's level says (inputs on the host with ``offload``), a
+vision-language model's tower blocks all of them when the level checkpoints any (a block keeps per
+image patch what a decoder layer keeps per token), and its MLPs run in the level's tiles. A
+checkpointed layer recomputes in the backward, after the call returned, maybe on another thread: the
+checkpoint function enters the same call around the recomputation. So a
 pack lives as long as its call and its autograd graph; another thread's calls, another model built
 from the same config and later calls see nothing of it. The one thing a call sets on the model are the
 layers' checkpointing flags, while any packed call of the model runs (counted over threads): a plain
@@ -64,12 +66,13 @@ class Prepared:
     runner: torch.nn.Module  # what packed_loss calls: the decoder, or a vision-language model's inner model
     configs: list  # every config its modules read, with the attention implementation it has outside a pack
     layers: list[torch.nn.Module]  # decoder layers that can checkpoint, in order
+    blocks: list[torch.nn.Module]  # the vision tower's blocks that can checkpoint (none: a text-only model)
     mlps: list[torch.nn.Module | None]  # each layer's tileable MLP (None where it has none)
     attends: list[list[torch.nn.Module]]  # each layer's modules that may call the attention function
     backend: str = "auto"  # the attention backend of its packed calls (``lit_hbp.attention.backends``)
     owner: int = field(default_factory=lambda: next(_owners))  # names its calls in ``attention.choices``
     hooks: list = field(default_factory=list)
-    own: list | None = None  # the layers' own (checkpointing flag, function, dict flag) while packed calls run
+    own: list | None = None  # layers' and blocks' own (checkpointing flag, function, dict flag) while packed calls run
     active: int = 0  # packed calls of the model running now, on any thread
     said_own_ckpt: bool = False
     compiled: tuple | None = None  # (compile context, the decoder compiled with it) for a compiled model
@@ -119,11 +122,16 @@ def record_of(model: torch.nn.Module) -> Prepared | None:
     return unwrapped(model).__dict__.get(PREPARED)
 
 
+def _layer_of(fn) -> Any:
+    """The layer whose forward a checkpoint function runs (transformers passes it bound, as a partial's
+    first argument or its method's owner)."""
+    return fn.args[0] if getattr(fn, "args", None) else getattr(getattr(fn, "func", None), "__self__", None)
+
+
 def _own_flags(prepared: Prepared, fn) -> tuple[bool, object]:
-    """The (checkpointing flag, function) the project gave the layer that ``fn`` runs (transformers
-    passes the layer's forward bound to it, as a partial's first argument or its method's owner)."""
-    layer = fn.args[0] if getattr(fn, "args", None) else getattr(getattr(fn, "func", None), "__self__", None)
-    index = next((i for i, x in enumerate(prepared.layers) if x is layer), None)
+    """The (checkpointing flag, function) the project gave the layer or tower block that ``fn`` runs."""
+    layer = _layer_of(fn)
+    index = next((i for i, x in enumerate([*prepared.layers, *prepared.blocks]) if x is layer), None)
     if prepared.own is None or index is None:
         return False, None
     return prepared.own[index][:2]
@@ -154,16 +162,18 @@ def _checkpoint(prepared: Prepared, fn, *args):
             with calls.entered(call):
                 return fn(*inputs)
 
-    if call.offload is None:
+    if call.offload is None or any(_layer_of(fn) is b for b in prepared.blocks):  # a tower block's input stays
         return checkpoint(run, *args, use_reentrant=False)
     return offloaded_checkpoint(call.offload, run, *args)
 
 
 @contextlib.contextmanager
 def _layer_flags(prepared: Prepared, ckpt_layers: int | None) -> Iterator[None]:
-    """While packed calls of the model run (counted over threads): every layer's checkpoint function is
-    the call-aware one, and the first ``ckpt_layers`` layers (the most any running call asks for) are
-    flagged for checkpointing besides those the project flagged; the layers' own after the last call."""
+    """While packed calls of the model run (counted over threads): every layer's and tower block's
+    checkpoint function is the call-aware one, and the first ``ckpt_layers`` layers (the most any running
+    call asks for), with every tower block when that is one or more, are flagged for checkpointing besides
+    those the project flagged; the layers' and blocks' own after the last call."""
+    every = [*prepared.layers, *prepared.blocks]
     with prepared.lock:
         if prepared.active == 0:
             prepared.own = [  # (flag, function, the flag in the layer's own dict: None where it is its class's)
@@ -172,11 +182,11 @@ def _layer_flags(prepared: Prepared, ckpt_layers: int | None) -> Iterator[None]:
                     layer.__dict__.get("_gradient_checkpointing_func"),
                     layer.__dict__.get("gradient_checkpointing"),
                 )
-                for layer in prepared.layers
+                for layer in every
             ]
-            for layer in prepared.layers:
+            for layer in every:
                 layer._gradient_checkpointing_func = prepared.checkpoint
-        for layer in prepared.layers[: ckpt_layers or 0]:
+        for layer in [*prepared.layers[: ckpt_layers or 0], *(prepared.blocks if ckpt_layers else [])]:
             layer.gradient_checkpointing = True
         prepared.active += 1
     try:
@@ -185,7 +195,7 @@ def _layer_flags(prepared: Prepared, ckpt_layers: int | None) -> Iterator[None]:
         with prepared.lock:
             prepared.active -= 1
             if prepared.active == 0:
-                for layer, (flag, func, own) in zip(prepared.layers, prepared.own):
+                for layer, (flag, func, own) in zip(every, prepared.own):
                     if own is None:  # the class's flag, as before: a flag left in the instance is a new guard
                         layer.__dict__.pop("gradient_checkpointing", None)
                     else:

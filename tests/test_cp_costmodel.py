@@ -166,12 +166,12 @@ def test_the_analytic_search_prices_cp_candidates_at_the_busiest_cp_rank(paper_s
     from lit_hbp.packing.context_split import split_pack
 
     lengths, pack_len = paper_shaped_mix[:20_000], 65536
-    tokens, plain = pack_stats(lengths, pack_len, seed=3, max_packs=16)
+    tokens, plain, _ = pack_stats(lengths, pack_len, seed=3, max_packs=16)
     for cp in (2, 4, 8):
         rng = np.random.default_rng(3)
         packs = [synthetic_pack(lengths, pack_len, rng) for _ in range(16)]
         pads = [-int(p.sum()) % math.lcm(8, 2 * cp) for p in packs]  # collate pads to lcm(8, sp), sp = 2 cp
         padded = [np.r_[p, pad] if pad else p for p, pad in zip(packs, pads)]
         want = np.mean([(p.astype(float) ** 2).sum() * split_pack(d, cp).imbalance() for p, d in zip(packs, padded)])
-        got_tokens, got = pack_stats(lengths, pack_len, seed=3, max_packs=16, sp=2 * cp, cp=cp)
+        got_tokens, got, _ = pack_stats(lengths, pack_len, seed=3, max_packs=16, sp=2 * cp, cp=cp)
         assert got_tokens == tokens and got == pytest.approx(want) and plain <= got <= 1.05 * plain

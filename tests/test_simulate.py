@@ -17,14 +17,14 @@ TINY = ModelSpec("tiny", 4, 256, 8, 4, 512, 1000)
 @pytest.mark.parametrize("images", [False, True])
 def test_simulation_equals_a_loop_over_micro_steps_and_groups(images):
     """With ``images``, 30% of the samples carry extra work (an image's encoding, in squared-length
-    units), priced as attention of their group."""
+    units), priced as the vision tower's part of their group's micro-step."""
     rng = np.random.default_rng(0)
     lengths = np.r_[rng.integers(10, 500, 3000), rng.integers(500, 4000, 40)]
     extra = np.where(rng.random(lengths.size) < 0.3, rng.uniform(0, 2e5, lengths.size), 0.0) if images else None
     plan = plan_hbp(lengths, [Level(512, 1, 1, 2), Level(4096, 4, 3)], 8, accumulate=2, extra_work=extra)
     cost = CostModel(TINY, HARDWARE["h100"], 8)
     sim = simulate(plan, cost, "hbp", extra_work=extra)
-    work = lengths.astype(float) ** 2 + (extra if images else 0.0)
+    work = extra if images else np.zeros(lengths.size)
     total = 0.0
     for step in plan.steps:
         lv = plan.levels[step.level]
@@ -32,8 +32,9 @@ def test_simulation_equals_a_loop_over_micro_steps_and_groups(images):
             times = []
             for group in micro:
                 members = np.concatenate(group).astype(int)
-                tokens, sum_sq = lengths[members].sum() / lv.sp, float(work[members].sum())
-                times.append(cost.micro_step(tokens, sum_sq, lv.sp, lv.ckpt_layers)["total"])
+                tokens, sum_sq = lengths[members].sum() / lv.sp, float((lengths[members].astype(float) ** 2).sum())
+                step_parts = cost.micro_step(tokens, sum_sq, lv.sp, lv.ckpt_layers, vision_work=work[members].sum())
+                times.append(step_parts["total"])
             total += max(times)
         total += cost.grad_sync_seconds()
     assert sim.seconds == pytest.approx(total, rel=1e-9)
@@ -41,6 +42,7 @@ def test_simulation_equals_a_loop_over_micro_steps_and_groups(images):
     shares = sim.breakdown()
     assert sum(shares.values()) == pytest.approx(1.0)
     assert all(v >= 0 for v in shares.values())
+    assert (shares["vision"] > 0) is images
 
 
 def test_hbp_speedup_over_naive_isf_on_a_paper_shaped_mix(paper_shaped_mix):

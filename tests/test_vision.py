@@ -80,6 +80,48 @@ def test_a_pack_of_image_records_trains_like_each_record_alone(folders, family, 
     assert assert_same_grads(model, reference) > 0, "the vision tower must train through the pack"
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava_next"])
+def test_a_level_that_checkpoints_checkpoints_the_vision_tower_too_and_stays_exact(folders, family):
+    """A level with checkpointed layers checkpoints every vision tower block in its packed calls (a block
+    keeps per patch what a decoder layer keeps per token): each block runs its forward again in the
+    backward, what the tower keeps until then shrinks to the blocks' inputs, and the loss and every
+    gradient stay the records alone's. A level without checkpointing runs each block once; outside the
+    call the blocks' own flags are back."""
+    from live_bytes import LiveBytes
+
+    from lit_hbp.vision import vision_tower
+
+    reference, model = pair(folders[family])
+    records = [trained(r, reference.config) for r in three_records(folders[family])]
+    want = alone_ce(reference, records)
+    want.backward()
+    blocks = record_of(model).blocks
+    assert blocks and all(b in list(vision_tower(model).modules()) for b in blocks)
+    runs = []  # a block's first linear layer counts its forwards (recomputation runs the block's forward again)
+    first = [next(m for m in b.modules() if isinstance(m, torch.nn.Linear)) for b in blocks]
+    hooks = [m.register_forward_hook(lambda *_: runs.append(1)) for m in first]
+    kept = {}
+    for ckpt in (0, 2):
+        model.zero_grad(set_to_none=True)
+        runs.clear()
+        batch = pack_samples(records, model=model).replace(ckpt_layers=ckpt)
+        meter = LiveBytes()
+        meter.track(model.parameters())
+        with meter:
+            before = meter.now()
+            out = packed_loss(model, batch, "sum")
+            kept[ckpt] = meter.now() - before
+        forwards = len(runs)
+        out.loss.backward()
+        assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
+        assert assert_same_grads(model, reference) > 0
+        assert forwards > 0 and len(runs) == (2 * forwards if ckpt else forwards), (ckpt, forwards, len(runs))
+    for h in hooks:
+        h.remove()
+    assert kept[2] < kept[0], kept
+    assert not any(b.gradient_checkpointing for b in blocks)
+
+
 @pytest.mark.parametrize("family", DEFAULT_BUILT)
 def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone(tmp_path, family):
     """Families built from transformers' default config (shrunk): two records with an image each and a

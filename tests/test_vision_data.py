@@ -540,6 +540,56 @@ def test_the_data_modules_plan_weighs_each_samples_image_encoding(data, tmp_path
     assert np.array_equal(dm.plan_for_epoch(0).members, want.members)
 
 
+def test_level_selection_at_fit_start_counts_the_runs_images(data, tmp_path):
+    """A fit whose levels an AnalyticSelector chooses hands it its data's images: per sample the patches
+    the processor cut (the encoded pixels of each image of the record, counted from the processor's own
+    output here, over the tower's 4x4 patches) and their encoding's work (what the plan balances), and
+    trains on what it chose. A MeasuredSelector (its probes hold no images) and a selector of one's own
+    that takes no ``vision`` are refused at set-up, naming it."""
+    from conftest import quiet_trainer
+
+    from lit_hbp.autoselect import AnalyticSelector, MeasuredSelector
+    from lit_hbp.errors import ConfigError
+    from lit_hbp.module import HBPLitModule
+    from lit_hbp.packing.levels import LevelSelector
+
+    class Recording(AnalyticSelector):
+        def levels_for(self, lengths, trainer, vision=None):
+            self.seen = (np.asarray(lengths).copy(), vision)
+            return super().levels_for(lengths, trainer, vision)
+
+    class OwnSelector(LevelSelector):
+        def levels_for(self, lengths, trainer):
+            return (1024,)
+
+    root, folder = data
+    processor = AutoProcessor.from_pretrained(folder)
+    want = []  # each record's images through the processor alone: 3 x 4 x 4 values a patch
+    for _, messages in records(root):
+        images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+                  if p["type"] == "image"]  # fmt: skip
+        want.append(sum(processor.image_processor(images=[im], return_tensors="np")["pixel_values"].size // 48
+                        for im in images))  # fmt: skip
+    selector = Recording(candidates=[1024, 2048])
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=selector,
+                       cache_dir=str(tmp_path / "cache"), val_fraction=0)  # fmt: skip
+    trainer = quiet_trainer(max_steps=1)
+    module = HBPLitModule(model=str(folder))
+    trainer.fit(module, datamodule=dm)
+    lengths, vision = selector.seen
+    assert sorted(vision.patches.tolist()) == sorted(want) and vision.patches_per_token(lengths) > 0
+    assert np.allclose(vision.work, dm.vision_work(dm.store)) and trainer.global_step == 1
+    cost, _ = module.cost_model(80 * 2**30)  # the fit-start memory check's model (on a GPU) counts them too
+    assert cost.vision_trained and cost.vision_patches_per_token == vision.patches_per_token(dm.store.lengths)
+    assert cost.model.vision is not None and cost.memory_parts(1024, 1, 0)["vision"] > 0
+    for levels, refused in [(MeasuredSelector(), "MeasuredSelector probes packs of text tokens"),
+                            (OwnSelector(), "OwnSelector.levels_for takes no vision argument")]:  # fmt: skip
+        dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=levels,
+                           cache_dir=str(tmp_path / "cache"), val_fraction=0)  # fmt: skip
+        with pytest.raises(ConfigError, match=refused):
+            quiet_trainer(max_steps=1).fit(HBPLitModule(model=str(folder)), datamodule=dm)
+
+
 @pytest.mark.slow
 def test_the_tiny_vlm_config_trains_its_images_on_sp_2_levels_under_hbp_strategy(tmp_path):
     """configs/tiny_vlm_cpu.yaml on 2 processes with both levels at sp 2 (HBPStrategy, ZeRO 2): the

@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.lengths:
             from lit_hbp.packing.bins import load_lengths
 
-            lengths, vocab = load_lengths(args.lengths), None
+            lengths, vocab, vision = load_lengths(args.lengths), None, None
         else:
-            lengths, vocab = config_lengths(config)
+            lengths, vocab, vision = config_lengths(config)
         spec = load_model_spec(args.model) if args.model and not args.measured else None
         margin = {} if args.margin_gib is None else {"margin_gib": args.margin_gib}
         if args.measured:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             selector = AnalyticSelector(args.gpu, args.candidates, max_len=args.max_len, **margin)
             run = replace(RunSetting.from_config(config, vocab, args.gpus, spec), tool=ANALYTIC)
         run = run.with_flags(args.liger, args.offload_optimizer, args.zero_stage)
-        selection = selector.select(lengths, run)
+        selection = selector.select(lengths, run, vision)
     except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from lit_hbp.costmodel import CostModel, pack_stats
+from lit_hbp.costmodel import CostModel, VisionLoad, pack_stats
 from lit_hbp.run_settings import refusal
 
 
@@ -94,18 +94,21 @@ class MemoryProfiler:
 
 
 class AnalyticProfiler:
-    """Cost-model profiler: packs filled from the dataset's length distribution. Candidates are
-    compared at a fixed global batch (as the paper's profiles are), where the gradient sync costs
-    every candidate the same per token, so a micro-step's time leaves it out."""
+    """Cost-model profiler: packs filled from the dataset's length distribution (a vision-language
+    run's with their images' encoding, ``vision``: its cost model then carries the most patches a token
+    brings, ``with_vision``). Candidates are compared at a fixed global batch (as the paper's profiles
+    are), where the gradient sync costs every candidate the same per token, so a micro-step's time leaves
+    it out."""
 
-    def __init__(self, cost: CostModel, lengths, seed: int = 0):
+    def __init__(self, cost: CostModel, lengths, seed: int = 0, vision: VisionLoad | None = None):
         self.cost = cost
         self.lengths = np.asarray(lengths)
         self.seed = seed
+        self.vision = vision
         self.memory = MemoryProfiler(cost)
         self.capacity = self.memory.capacity
         self.tiles_allowed = self.memory.tiles_allowed
-        self._stats: dict[tuple[int, int, int], tuple[float, float]] = {}
+        self._stats: dict[tuple[int, int, int], tuple[float, float, float]] = {}
 
     memory_settings = True
     """It prices offload and MLP tiles too (``search.fit_memory`` tries them)."""
@@ -120,7 +123,9 @@ class AnalyticProfiler:
             return replace(m, seconds=math.inf)
         key = (pack_len, sp, cp) if cp > 1 else (pack_len, 1, 1)  # only CP splits depend on the layout
         if key not in self._stats:
-            self._stats[key] = pack_stats(self.lengths, pack_len, self.seed, sp=key[1], cp=key[2])
-        tokens, sum_sq = self._stats[key]
-        seconds = self.cost.micro_step(tokens / sp, sum_sq, sp, ckpt_layers, cp, offload, tiles)["total"]
+            work = None if self.vision is None else self.vision.work
+            self._stats[key] = pack_stats(self.lengths, pack_len, self.seed, sp=key[1], cp=key[2], extra_work=work)
+        tokens, sum_sq, vision = self._stats[key]
+        step = self.cost.micro_step(tokens / sp, sum_sq, sp, ckpt_layers, cp, offload, tiles, vision)
+        seconds = step["total"]
         return Measurement(seconds, m.memory, tokens / sp, True)

@@ -21,7 +21,7 @@ from lit_hbp.autoselect.levers import FitQuestion, no_level_fits
 from lit_hbp.autoselect.memory_fit import TILE_STEPS as TILE_STEPS  # the tile counts, where bench/ reads them
 from lit_hbp.autoselect.memory_fit import fit_memory
 from lit_hbp.autoselect.profiler import AnalyticProfiler, Candidate, Profiler
-from lit_hbp.costmodel import GIB, CostModel
+from lit_hbp.costmodel import GIB, CostModel, VisionLoad
 from lit_hbp.packing.levels import LAYOUT_KINDS, Level
 from lit_hbp.parallel.context_parallel import ContextParallel
 from lit_hbp.parallel.groups import as_layout
@@ -261,6 +261,20 @@ def select_levels(
     return selection
 
 
+def with_vision(cost: CostModel, lengths, vision: VisionLoad | None) -> CostModel:
+    """The run's cost model with the most image patches a token of its data brings (the memory a trained
+    tower keeps, ``CostModel.vision_bytes``); refused where the data has images and the model no tower
+    the cost model can price."""
+    if vision is None:
+        return cost
+    if cost.model.vision is None:
+        raise ValueError(
+            f"the data has images or videos but the model {cost.model.name} has no vision_config the level "
+            "search can price (its depth and width): give levels in the config instead of choosing them"
+        )
+    return replace(cost, vision_patches_per_token=vision.patches_per_token(lengths))
+
+
 def beyond_notes(lengths, largest: int) -> list[str]:
     """What a selection leaves to ``data.over_length``: the samples longer than its largest level."""
     lengths = np.asarray(lengths)
@@ -284,11 +298,15 @@ def analytic_levels(
     sp_kind: str = "ulysses",
     node_size: int | None = None,
     tool: Tool = CONFIG,
+    vision: VisionLoad | None = None,
 ) -> Selection:
     """``select_levels`` priced by the cost model of the run (``AnalyticProfiler``): what
     ``python -m lit_hbp.simulate`` auto-selects and ``AnalyticSelector`` (``python -m
-    lit_hbp.autoselect --analytic``, a fit with analytic levels) chooses, from the same arguments."""
-    profiler = AnalyticProfiler(cost, lengths, seed)
+    lit_hbp.autoselect --analytic``, a fit with analytic levels) chooses, from the same arguments. With
+    ``vision`` (a vision-language run's images, per sample) every candidate's time counts the tower's
+    encoding and its memory what the tower keeps (``with_vision``)."""
+    cost = with_vision(cost, lengths, vision)
+    profiler = AnalyticProfiler(cost, lengths, seed, vision)
     return select_levels(
         profiler, lengths, cost.model, cost.world, max_len, candidates, margin, sp_kind, True, node_size, cost, tool
     )

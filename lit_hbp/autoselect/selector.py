@@ -27,7 +27,8 @@ from lit_hbp.autoselect.measured import MeasuredProfiler, probe_strategy_args
 from lit_hbp.autoselect.search import Selection, analytic_levels, select_levels
 from lit_hbp.checks import position_range
 from lit_hbp.config import model_config, spec_of
-from lit_hbp.costmodel import GIB, HARDWARE, CostModel, Hardware
+from lit_hbp.costmodel import GIB, HARDWARE, CostModel, Hardware, VisionLoad
+from lit_hbp.errors import ConfigError
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing.levels import Level, LevelSelector
@@ -207,16 +208,17 @@ class Selector(LevelSelector):
         return min(caps) if caps else None
 
     @abstractmethod
-    def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
-        """The levels for samples of ``lengths`` in ``run``, with every candidate priced or measured."""
+    def select(self, lengths: np.ndarray, run: RunSetting, vision: VisionLoad | None = None) -> Selection:
+        """The levels for samples of ``lengths`` in ``run`` (``vision``: a vision-language run's images, per
+        sample), with every candidate priced or measured."""
 
     @abstractmethod
     def where(self, run: RunSetting) -> str:
         """How the candidates are priced, for the log."""
 
-    def levels_for(self, lengths: np.ndarray, trainer) -> tuple[Level, ...]:
+    def levels_for(self, lengths: np.ndarray, trainer, vision: VisionLoad | None = None) -> tuple[Level, ...]:
         run = RunSetting.from_trainer(trainer, seed=getattr(trainer.datamodule, "seed", 0))
-        selection = self.select(lengths, run)
+        selection = self.select(lengths, run, vision)
         rank_zero_info(f"levels chosen by {type(self).__name__} ({self.where(run)})\n{selection.table()}\n")
         rank_zero_info(f"chosen {selection.yaml()}" + "".join(f"\n{note}" for note in selection.notes))
         return tuple(selection.levels)
@@ -263,11 +265,11 @@ class AnalyticSelector(Selector):
     def cost_model(self, run: RunSetting) -> CostModel:
         return run.cost_model(HARDWARE[self.gpu], self.sp_kind)
 
-    def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
+    def select(self, lengths: np.ndarray, run: RunSetting, vision: VisionLoad | None = None) -> Selection:
         cost = self.cost_model(run)
         check(cost, run.tool)
         margin = self.margin_gib * GIB
-        args = (self.cap(run), self.candidates, margin, self.sp_kind, run.node_size, run.tool)
+        args = (self.cap(run), self.candidates, margin, self.sp_kind, run.node_size, run.tool, vision)
         return analytic_levels(cost, lengths, run.seed, *args)
 
     def where(self, run: RunSetting) -> str:
@@ -306,14 +308,20 @@ class MeasuredSelector(Selector):
             memory = None if cuda else 16.0 * GIB  # None: what the GPU reports
         return run.cost_model(local_hardware(device, memory, run.node_size or run.world), self.sp_kind)
 
-    def select(self, lengths: np.ndarray, run: RunSetting) -> Selection:
+    def select(self, lengths: np.ndarray, run: RunSetting, vision: VisionLoad | None = None) -> Selection:
+        if vision is not None:
+            raise ConfigError(
+                "MeasuredSelector probes packs of text tokens, so it would leave the vision tower's work and memory "
+                "out for data with images or videos: use levels: {class_path: lit_hbp.autoselect.AnalyticSelector} "
+                "(it prices the tower) or give the levels"
+            )
         # The cost model refuses what set-up would refuse, screens out probes sure to run out of memory and
         # finds the levers a refusal names, priced on this device.
         cost = self.cost_model(run)
         check(cost, run.tool)
         if not run.in_world:
             cuda = run.trainer_args.get("accelerator") == "cuda"
-            return launch(self.select, (lengths, replace(run, in_world=True)), run.world, cuda)
+            return launch(self.select, (lengths, replace(run, in_world=True), None), run.world, cuda)
         profiler = MeasuredProfiler(
             run.make_module,
             lengths,

@@ -12,6 +12,7 @@ neither the tokenizer folder nor the base model folder.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import tempfile
@@ -293,14 +294,7 @@ class HBPDataModule(L.LightningDataModule):
             ensure_kind(demo_dir, demo)
         check_sources(self.sources, "sources")
         check_sources(self.val_sources, "val_sources")
-        self.tokenizer = load_tokenizer(tokenizer)
-        self.processor, self.model_config = load_processor(tokenizer)
-        if self.processor is not None:  # one tokenizer and chat template for text and images
-            self.processor.tokenizer = self.tokenizer
-            if not getattr(self.tokenizer, "chat_template", None):
-                self.tokenizer.chat_template = getattr(self.processor, "chat_template", None)
-        if chat_template is not None:
-            self.tokenizer.chat_template = resolve_chat_template(chat_template, self.tokenizer)
+        self.tokenizer, self.processor, self.model_config = load_renderers(tokenizer, chat_template)
         self.pad_id = next(x for x in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if x is not None)
         self.store: SampleStore | None = None
         self.val_store: SampleStore | None = None
@@ -442,7 +436,7 @@ class HBPDataModule(L.LightningDataModule):
         if self.levels is None:
             if self.trainer is None:
                 raise ValueError(f"{type(self.selector).__name__} chooses levels for a run: set up through a Trainer")
-            self.levels = tuple(self.selector.levels_for(store.lengths, self.trainer))
+            self.levels = self._selected_levels(store)
         validate_levels(self.levels, world)
         held = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         if self.val_fraction:
@@ -468,6 +462,29 @@ class HBPDataModule(L.LightningDataModule):
         if val.lengths.size == 0:
             raise DataError("the validation set is empty after its over-length samples were dropped")
         return val
+
+    def _selected_levels(self, store: SampleStore) -> tuple:
+        """The selector's levels for ``store``, its images and videos counted (``vision_load``): a selector
+        of one's own that takes no ``vision`` is refused for data with them."""
+        vision = self.vision_load(store)
+        if vision is None:
+            return tuple(self.selector.levels_for(store.lengths, self.trainer))
+        if "vision" not in inspect.signature(self.selector.levels_for).parameters:
+            raise ConfigError(
+                f"data.levels: {type(self.selector).__name__}.levels_for takes no vision argument, so it would choose "
+                "levels without the vision tower's work and memory for this data's images and videos; accept "
+                "vision=None (a lit_hbp.costmodel.VisionLoad) or give the levels"
+            )
+        return tuple(self.selector.levels_for(store.lengths, self.trainer, vision=vision))
+
+    def vision_load(self, store: SampleStore):
+        """Per sample of ``store``, the patches its images and videos give the tower and their work
+        (``media.vision_load``): what the level search prices; None without images or a model config."""
+        if not store.has_media or self.model_config is None:
+            return None
+        from lit_hbp.data.media import vision_load
+
+        return vision_load(store.media_pixels(), self.model_config)
 
     def vision_work(self, store: SampleStore):
         """Per sample of ``store``, its images' encoding in the planner's units (``media.vision_work``),
@@ -595,6 +612,21 @@ def load_tokenizer(path: str):
 
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def load_renderers(path: str, chat_template: str | None = None) -> tuple:
+    """(tokenizer, processor, model config) of ``data.tokenizer``: a vision-language checkpoint's processor
+    shares the tokenizer and its chat template (None, None for a text checkpoint); ``chat_template``
+    replaces the template."""
+    tokenizer = load_tokenizer(path)
+    processor, config = load_processor(path)
+    if processor is not None:  # one tokenizer and chat template for text and images
+        processor.tokenizer = tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = getattr(processor, "chat_template", None)
+    if chat_template is not None:
+        tokenizer.chat_template = resolve_chat_template(chat_template, tokenizer)
+    return tokenizer, processor, config
 
 
 def load_processor(path: str):

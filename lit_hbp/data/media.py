@@ -20,7 +20,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from lit_hbp.costmodel import VisionLoad
 from lit_hbp.errors import DataError
+from lit_hbp.model_spec import ModelSpec
 from lit_hbp.vision import MM_KEYS
 
 
@@ -428,12 +430,29 @@ def encoder_flops(pixels: np.ndarray, tiles: np.ndarray, config) -> np.ndarray:
 
 def vision_work(media_pixels: Sequence[Sequence[tuple[int, int]]], config) -> np.ndarray:
     """Per sample, its images' encoding in the planner's units of balance (squared lengths: a token
-    pair's attention work in the language model, ``plan_hbp(extra_work=...)``), so a pack heavy with
-    images weighs what it costs."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    per_pair = 2 * text.num_hidden_layers * text.hidden_size  # causal attention's forward FLOPs per squared token
+    pair's attention work in the language model, ``ModelSpec.pair_flops``, ``plan_hbp(extra_work=...)``),
+    so a pack heavy with images weighs what it costs."""
+    flat, owner, counts = _flat(media_pixels)
+    per_image = encoder_flops(flat[:, 0], flat[:, 1], config) / _spec(config).pair_flops
+    return np.bincount(owner, weights=per_image, minlength=counts.size)
+
+
+def vision_load(media_pixels: Sequence[Sequence[tuple[int, int]]], config) -> VisionLoad:
+    """Per sample, the patches its images and videos give the vision tower and their encoding's work
+    (``vision_work``): what the level search prices a vision-language run's levels with."""
+    flat, owner, counts = _flat(media_pixels)
+    vision = _spec(config).vision
+    if vision is None:
+        raise ValueError(f"{getattr(config, 'model_type', 'the model')}: its vision_config names no depth and width")
+    patches = np.bincount(owner, weights=flat[:, 0] / vision.patch_pixels, minlength=counts.size)
+    return VisionLoad(patches, vision_work(media_pixels, config))
+
+
+def _flat(media_pixels) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     counts = np.array([len(p) for p in media_pixels], dtype=np.int64)
     flat = np.array([im for p in media_pixels for im in p], dtype=np.float64).reshape(-1, 2)
-    per_image = encoder_flops(flat[:, 0], flat[:, 1], config) / per_pair
-    owner = np.repeat(np.arange(counts.size), counts)
-    return np.bincount(owner, weights=per_image, minlength=counts.size)
+    return flat, np.repeat(np.arange(counts.size), counts), counts
+
+
+def _spec(config) -> ModelSpec:
+    return ModelSpec.from_config(config.to_dict() if hasattr(config, "to_dict") else dict(config))

@@ -190,8 +190,10 @@ class LevelSelector(ABC):
     ``MeasuredSelector``) read the model and the world from the trainer and hand back levels."""
 
     @abstractmethod
-    def levels_for(self, lengths: np.ndarray, trainer: Any) -> tuple[Level, ...]:
-        """The levels for samples of ``lengths`` in the run ``trainer`` is setting up."""
+    def levels_for(self, lengths: np.ndarray, trainer: Any, vision: Any = None) -> tuple[Level, ...]:
+        """The levels for samples of ``lengths`` in the run ``trainer`` is setting up; ``vision``: a
+        vision-language run's images and videos per sample (``lit_hbp.costmodel.VisionLoad``), None for
+        text (a selector that cannot count the tower's work and memory refuses it)."""
 
 
 def validate_levels(levels: Sequence[Level | dict | str | int], world_size: int) -> tuple[Level, ...]:

@@ -43,7 +43,7 @@ from lit_hbp.run_settings import SIMULATE, Settings, check, cost_model, describe
 from lit_hbp.simulate.simulator import COMM_PARTS, Simulation, compare, compare_auto, fill_checkpointing
 
 COLUMNS = [("hours", ".2f"), ("gpu_hours", ".1f"), ("speedup", ".2f"), ("abr", ".3f"), ("cp_abr", ".3f"), ("cr", ".3f")]
-COLUMNS += [(k, ".3f") for k in ("dense", "attention", *COMM_PARTS, "offload", "idle", "grad_sync")]
+COLUMNS += [(k, ".3f") for k in ("dense", "attention", "vision", *COMM_PARTS, "offload", "idle", "grad_sync")]
 
 
 def parse_levels(specs: list[str]) -> tuple[list[Level], list[bool]]:

@@ -41,10 +41,11 @@ if TYPE_CHECKING:
     from lit_hbp.packing import Plan
     from lit_hbp.simulate.simulator import Simulation
 
-TIMELINE_PARTS = ("dense", "attention", "ulysses_comm", "cp_comm", "offload", "idle")
+TIMELINE_PARTS = ("dense", "attention", "vision", "ulysses_comm", "cp_comm", "offload", "idle")
 PART_COLORS = {
     "dense": "#3A6FB0",
     "attention": "#F0B23A",
+    "vision": "#2CA02C",
     "ulysses_comm": "#D62728",
     "cp_comm": "#FF9896",
     "offload": "#17BECF",
@@ -53,6 +54,7 @@ PART_COLORS = {
 PART_LABELS = {
     "dense": "dense compute (matmuls, recompute)",
     "attention": "attention",
+    "vision": "vision tower (image and video encoding)",
     "ulysses_comm": "SP communication (Ulysses all-to-all)",
     "cp_comm": "CP all-gather/reduce-scatter",
     "offload": "activation offload (host copies not hidden)",

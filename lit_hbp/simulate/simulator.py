@@ -25,10 +25,10 @@ from lit_hbp.packing import DEFAULT_PACKER, Level, Plan, plan_hbp, plan_single_l
 from lit_hbp.packing.context_split import split_micro_batch
 from lit_hbp.packing.metrics import group_index
 
-PARTS = ("dense", "attention", "sp_comm", "offload")
+PARTS = ("dense", "attention", "vision", "sp_comm", "offload")
 COMM_PARTS = ("ulysses_comm", "cp_comm")
 """The two collective families sp_comm is made of."""
-SHARES = ("dense", "attention", *COMM_PARTS, "offload")
+SHARES = ("dense", "attention", "vision", *COMM_PARTS, "offload")
 """What ``Simulation.breakdown`` splits the busy GPU time into."""
 
 
@@ -96,7 +96,8 @@ def simulate(
     """Price every micro-step of ``plan`` with ``cost`` (its world must be the plan's). The epoch
     takes ceil(tokens / global_batch_tokens) optimizer steps (default: the plan's own steps).
     ``extra_work``: per sample, work beside the language model's (a vision-language sample's image
-    encoding, ``plan_hbp``'s units), priced as attention and split over the SP group."""
+    encoding, ``plan_hbp``'s units), priced as the vision tower's part (``CostModel.vision_seconds``: split
+    over the SP group)."""
     if cost.world != plan.world_size:
         raise ValueError(f"cost model world {cost.world} != plan world {plan.world_size}")
     g = group_index(plan)
@@ -105,12 +106,15 @@ def simulate(
     imbalance = cp_imbalance(plan, g, group_cp)
     tokens = np.bincount(g["group_of_pack"], weights=plan.pack_tokens, minlength=n) / g["group_sp"]
     sum_sq = np.bincount(g["group_of_pack"], weights=plan.pack_attention, minlength=n) * imbalance
+    vision = np.zeros(n)
     if extra_work is not None:
-        sum_sq = sum_sq + np.bincount(g["group_of_pack"], weights=pack_extra(plan, extra_work), minlength=n)
+        vision = np.bincount(g["group_of_pack"], weights=pack_extra(plan, extra_work), minlength=n)
     parts = {p: np.zeros(n) for p in (*PARTS, *COMM_PARTS, "total")}
     for i, lv in enumerate(plan.levels):
         sel = g["group_level"] == i
-        step = cost.micro_step(tokens[sel], sum_sq[sel], lv.sp, lv.ckpt_layers, lv.layout[1], lv.offload, lv.mlp_tiles)
+        step = cost.micro_step(
+            tokens[sel], sum_sq[sel], lv.sp, lv.ckpt_layers, lv.layout[1], lv.offload, lv.mlp_tiles, vision[sel]
+        )
         for key, value in step.items():
             parts[key][sel] = value
     micro = np.zeros(g["n_micro"])
