@@ -58,15 +58,16 @@ def running() -> PackCall | None:
 
 
 @contextlib.contextmanager
-def entered(call: PackCall) -> Iterator[PackCall]:
+def entered(call: PackCall, route: bool = True) -> Iterator[PackCall]:
     """``call`` is this thread's innermost packed call inside: its model's configs name lit-hbp's
-    attention (on this thread only); the previous state after, however the block ends."""
+    attention (on this thread only; with ``route`` False each config keeps its own: a vision tower
+    encoding the call's images); the previous state after, however the block ends."""
     stack = getattr(_local, "calls", None)
     if stack is None:
         stack = _local.calls = []
     before = getattr(_local, "names", None)
     stack.append(call)
-    _local.names = {id(config): ATTN_NAME for config, _ in call.prepared.configs}
+    _local.names = {id(config): ATTN_NAME for config, _ in call.prepared.configs} if route else {}
     try:
         yield call
     finally:

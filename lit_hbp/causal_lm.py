@@ -374,16 +374,18 @@ def packed_loss(
 
 def _encoded(record: Prepared, batch: PackedBatch, inputs: dict) -> dict:
     """The call's keywords with the pack's images and videos encoded (``mm_encoder_outputs``) in place of
-    their pixels: each rank its share of them under SP (``split_encoder_outputs``)."""
+    their pixels: each rank its share of them under SP (``split_encoder_outputs``). Inside the packed
+    call (its tower blocks checkpoint as its level says), every config naming its own attention."""
     refuse_bidirectional(record.net, batch.mm)
     check_encoder_outputs(record.runner)
-    if int(batch.sp) > 1:
-        part = batch.positions_in_pack().to(batch.input_ids.device)
-        encoded = split_encoder_outputs(
-            record.runner, batch.mm, batch.input_ids, part, int(batch.cu_seqlens[-1]), inputs["hbp_sp"]
-        )
-    else:
-        encoded = encoder_outputs(record.runner, batch.mm)
+    with calls.entered(calls.current(record), route=False):
+        if int(batch.sp) > 1:
+            part = batch.positions_in_pack().to(batch.input_ids.device)
+            encoded = split_encoder_outputs(
+                record.runner, batch.mm, batch.input_ids, part, int(batch.cu_seqlens[-1]), inputs["hbp_sp"]
+            )
+        else:
+            encoded = encoder_outputs(record.runner, batch.mm)
     kept = {k: v for k, v in inputs.items() if k not in ("pixel_values", "pixel_values_videos")}
     return {**kept, "mm_encoder_outputs": encoded}
 

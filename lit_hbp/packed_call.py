@@ -154,15 +154,16 @@ def _checkpoint(prepared: Prepared, fn, *args):
     if call is None:
         own_flag, own_func = _own_flags(prepared, fn)
         return own_func(fn, *args) if own_flag and own_func is not None else fn(*args)
-    if torch.compiler.is_compiling() and call.tiles == 1:  # the compiled backward recomputes without Python
-        run = fn  # (tiled MLPs break the graph, so their layer's checkpoint runs eagerly: it must enter the call)
+    block = any(_layer_of(fn) is b for b in prepared.blocks)  # a tower block: its own attention, its input kept
+    if torch.compiler.is_compiling() and call.tiles == 1 and not block:  # compiled backward recomputes without
+        run = fn  # Python (tiled MLPs break the graph, so their layer's checkpoint runs eagerly: it enters the call)
     else:
 
         def run(*inputs):
-            with calls.entered(call):
+            with calls.entered(call, route=not block):
                 return fn(*inputs)
 
-    if call.offload is None or any(_layer_of(fn) is b for b in prepared.blocks):  # a tower block's input stays
+    if call.offload is None or block:
         return checkpoint(run, *args, use_reentrant=False)
     return offloaded_checkpoint(call.offload, run, *args)
 

@@ -234,7 +234,8 @@ def _refuse_encoder_outputs(inner: torch.nn.Module) -> None:
 def encoder_outputs(inner: torch.nn.Module, mm: Mapping[str, torch.Tensor]) -> dict:
     """The images' and videos' encodings by the model's own vision tower (``get_image_features`` /
     ``get_video_features`` with the arguments they take), as ``mm_encoder_outputs``: computed apart
-    from the packed call, so the tower runs with its own attention and sees none of the pack's keywords."""
+    from the decoder's call, so the tower runs with its own attention and sees none of the pack's keywords
+    (``packed_loss`` runs it in the packed call's scope with every config's own attention)."""
     import inspect
 
     out = {}

@@ -122,6 +122,34 @@ def test_a_level_that_checkpoints_checkpoints_the_vision_tower_too_and_stays_exa
     assert not any(b.gradient_checkpointing for b in blocks)
 
 
+def test_the_tower_keeps_its_own_attention_in_a_packed_call_even_on_a_config_the_decoder_reads(folders):
+    """The images are encoded inside the packed call (its blocks checkpoint with the level), forward and
+    recomputation, with every config naming its own attention: a family whose tower read a config the
+    decoder reads too (made so here by listing the tower's among the decoder's) still encodes with its
+    own non-causal attention, the loss and every gradient the records alone's."""
+    from lit_hbp.vision import vision_tower
+
+    reference, model = pair(folders["qwen2_vl"])
+    records = [trained(r, reference.config) for r in three_records(folders["qwen2_vl"])]
+    want = alone_ce(reference, records)
+    want.backward()
+    from lit_hbp import calls
+
+    record = record_of(model)
+    tower = vision_tower(model).config
+    record.configs.append((tower, tower._attn_implementation))
+    calls.install(type(tower))  # as prepare_model routes each config the decoder reads
+    try:
+        for ckpt in (0, 1):  # the blocks' forward in the encoding; and run again in the checkpoint's recompute
+            model.zero_grad(set_to_none=True)
+            out = packed_loss(model, pack_samples(records, model=model).replace(ckpt_layers=ckpt), "sum")
+            out.loss.backward()
+            assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
+            assert assert_same_grads(model, reference) > 0
+    finally:
+        record.configs.pop()
+
+
 @pytest.mark.parametrize("family", DEFAULT_BUILT)
 def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone(tmp_path, family):
     """Families built from transformers' default config (shrunk): two records with an image each and a
