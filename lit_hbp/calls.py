@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 ATTN_NAME = "hbp_varlen"
@@ -34,13 +34,15 @@ class PackCall:
     """One packed call of a prepared model: ``prepared`` (its ``Prepared`` record), ``pack`` (the
     keywords attention needs: ``cu_seq_lens_q``, ``max_length_q``, ``hbp_cp_shard``, ``hbp_sp``),
     the level's ``ckpt_layers`` (None: the layers the project checkpoints itself), ``offload`` (the
-    model's ``HostOffload`` or None) and MLP ``tiles``."""
+    model's ``HostOffload`` or None) and MLP ``tiles``; ``tower``: the attention a vision tower's configs
+    name while it encodes the call's images (config id -> transformers' implementation; the others their own)."""
 
     prepared: Any
     pack: dict
     ckpt_layers: int | None = None
     offload: Any = None
     tiles: int = 1
+    tower: dict = field(default_factory=dict)
 
 
 def current(prepared) -> PackCall | None:
@@ -60,14 +62,15 @@ def running() -> PackCall | None:
 @contextlib.contextmanager
 def entered(call: PackCall, route: bool = True) -> Iterator[PackCall]:
     """``call`` is this thread's innermost packed call inside: its model's configs name lit-hbp's
-    attention (on this thread only; with ``route`` False each config keeps its own: a vision tower
-    encoding the call's images); the previous state after, however the block ends."""
+    attention (on this thread only; with ``route`` False a vision tower encoding the call's images: its
+    configs name the call's ``tower`` attention, every other config its own); the previous state after,
+    however the block ends."""
     stack = getattr(_local, "calls", None)
     if stack is None:
         stack = _local.calls = []
     before = getattr(_local, "names", None)
     stack.append(call)
-    _local.names = {id(config): ATTN_NAME for config, _ in call.prepared.configs} if route else {}
+    _local.names = {id(config): ATTN_NAME for config, _ in call.prepared.configs} if route else dict(call.tower)
     try:
         yield call
     finally:

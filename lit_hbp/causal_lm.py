@@ -219,6 +219,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         configs=[(c, c._attn_implementation_internal) for c in configs],
         layers=layers,
         blocks=[] if vision_tower(net) is None else checkpoint_layers(vision_tower(net)),
+        tower_configs=tower_configs(net, configs),
         mlps=[mlp_of(layer) for layer in layers],
         attends=[[m for m in layer.modules() if hasattr(m, "config")] for layer in layers],
         backend=attn_backend,
@@ -269,6 +270,17 @@ def prepared(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         if not was_prepared:
             unprepare_model(model)
         model.train(training)
+
+
+def tower_configs(net: torch.nn.Module, decoder_configs: list) -> list:
+    """The configs a vision-language model's vision tower reads and its decoder does not (routed to the
+    packed call's tower attention, ``packed_call.tower_names``); none for a text-only model."""
+    tower = vision_tower(net)
+    seen = {id(c) for c in decoder_configs}
+    out = [] if tower is None else [c for c in model_configs(tower) if id(c) not in seen]
+    for config in out:
+        calls.install(type(config))
+    return out
 
 
 def model_configs(net: torch.nn.Module) -> list:

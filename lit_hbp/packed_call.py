@@ -67,6 +67,7 @@ class Prepared:
     configs: list  # every config its modules read, with the attention implementation it has outside a pack
     layers: list[torch.nn.Module]  # decoder layers that can checkpoint, in order
     blocks: list[torch.nn.Module]  # the vision tower's blocks that can checkpoint (none: a text-only model)
+    tower_configs: list  # the configs only the vision tower reads (its attention in a packed call: ``tower_names``)
     mlps: list[torch.nn.Module | None]  # each layer's tileable MLP (None where it has none)
     attends: list[list[torch.nn.Module]]  # each layer's modules that may call the attention function
     backend: str = "auto"  # the attention backend of its packed calls (``lit_hbp.attention.backends``)
@@ -102,7 +103,7 @@ class Prepared:
             state, lock=threading.Lock(), own=None, active=0, owner=next(_owners), compiled=None, ran={}
         )
         _by_owner[self.owner] = self
-        for config, _ in self.configs:
+        for config in [c for c, _ in self.configs] + self.tower_configs:
             calls.install(type(config))
 
 
@@ -208,6 +209,22 @@ def _layer_flags(prepared: Prepared, ckpt_layers: int | None) -> Iterator[None]:
                 prepared.own = None
 
 
+def tower_names(prepared: Prepared) -> dict:
+    """The attention a vision tower's configs name in a packed call of the model (config id -> transformers'
+    implementation): the varlen flash one sharing the kernel the model's packed calls choose on its device
+    and compute dtype (``backends.tower_attention``), so a tower encodes a pack's images in one call per
+    layer; empty (its own attention) elsewhere, on a CPU, in fp32 and for a text-only model."""
+    if not prepared.tower_configs:
+        return {}
+    from lit_hbp.attention import backends
+
+    device = next(prepared.net.parameters()).device
+    on = device.type
+    dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else next(prepared.net.parameters()).dtype
+    name = backends.tower_attention(prepared.backend, on, dtype)
+    return {} if name is None else {id(c): name for c in prepared.tower_configs}
+
+
 @contextlib.contextmanager
 def pack_scope(
     model: torch.nn.Module,
@@ -248,7 +265,8 @@ def pack_scope(
                 f"checkpoint the layers it checkpoints, not only the level's first {ckpt_layers}"
             )
     pack = {} if pack is None else {k: pack[k] for k in PACK_KEYS if pack.get(k) is not None}
-    call = calls.PackCall(prepared, pack, ckpt_layers, host_offload(unwrapped(model)) if offload else None, tiles)
+    offloader = host_offload(unwrapped(model)) if offload else None
+    call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, tower_names(prepared))
     with _layer_flags(prepared, ckpt_layers), calls.entered(call):
         yield
 

@@ -150,6 +150,72 @@ def test_the_tower_keeps_its_own_attention_in_a_packed_call_even_on_a_config_the
         record.configs.pop()
 
 
+def stand_in_flash(calls_seen: list):
+    """A CPU stand-in for transformers' flash attention (its name has "flash", so Qwen's towers hand it
+    their images' ``cu_seq_lens``): non-causal attention within each image, by sdpa, each call noted."""
+
+    def attend(module, q, k, v, attention_mask=None, scaling=None, dropout=0.0, **kw):
+        calls_seen.append(kw.get("cu_seq_lens_q"))
+        cu = kw.get("cu_seq_lens_q")
+        bounds = [(0, q.shape[2])] if cu is None else list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+        out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale=scaling)
+                         for a, b in bounds], dim=2)  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
+
+    return attend
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava_next"])
+def test_a_tower_encodes_a_packs_images_with_the_calls_flash_attention_where_chosen(folders, family, monkeypatch):
+    """Where the language model's packed calls run a flash kernel (a CUDA GPU, half precision), the tower's
+    configs name transformers' flash implementation of it for the call's encoding only: Qwen's towers then
+    take all the pack's images in one call per layer by their ``cu_seq_lens`` (forward and recomputation),
+    and the loss and every gradient stay the records alone's. A CPU stand-in plays transformers' flash
+    here (``backends.tower_attention`` chooses it); outside a packed call the tower's own attention runs."""
+    from transformers import AttentionInterface
+
+    from lit_hbp.attention import backends
+
+    seen: list = []
+    AttentionInterface.register("flash_stand_in", stand_in_flash(seen))
+    monkeypatch.setattr(backends, "tower_attention", lambda backend, device, dtype: "flash_stand_in")
+    reference, model = pair(folders[family])
+    records = [trained(r, reference.config) for r in three_records(folders[family])]
+    want = alone_ce(reference, records)
+    want.backward()
+    assert not seen
+    for ckpt in (0, 1):
+        model.zero_grad(set_to_none=True)
+        seen.clear()
+        out = packed_loss(model, pack_samples(records, model=model).replace(ckpt_layers=ckpt), "sum")
+        forwards = len(seen)
+        out.loss.backward()
+        assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
+        assert assert_same_grads(model, reference) > 0
+        layers = len(record_of(model).blocks)
+        # one call a layer (LLaVA's tiles in one batch), again in the recomputation
+        assert forwards == layers and len(seen) == (2 if ckpt else 1) * forwards
+        if family == "qwen2_vl":  # the pack's three images (one record of one, one of two) in one call a layer
+            assert all(cu is not None and len(cu) == 4 for cu in seen), seen
+    seen.clear()
+    with torch.no_grad():
+        model(**{k: v for k, v in records[0].items() if k != "labels"}, use_cache=False)
+    assert not seen, "outside a packed call the tower runs its own attention"
+
+
+def test_the_tower_runs_flash_only_where_the_language_model_runs_its_kernel(monkeypatch):
+    """``tower_attention``: transformers' flash implementation of the kernel the packed calls choose on a
+    CUDA device in half precision; the tower's own attention on a CPU, in fp32, or beside another kernel."""
+    from lit_hbp.attention import backends
+
+    for chosen, want in [("flash_attn", "flash_attention_2"), ("flash_attn_3", "flash_attention_3"),
+                         ("flash_attn_4", None), ("torch_varlen", None), ("sdpa", None)]:  # fmt: skip
+        monkeypatch.setattr(backends, "decide", lambda *a, chosen=chosen: (chosen, "forced"))
+        assert backends.tower_attention("auto", "cuda", torch.bfloat16) == want
+        assert backends.tower_attention("auto", "cuda", torch.float32) is None
+        assert backends.tower_attention("auto", "cpu", torch.bfloat16) is None
+
+
 @pytest.mark.parametrize("family", DEFAULT_BUILT)
 def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone(tmp_path, family):
     """Families built from transformers' default config (shrunk): two records with an image each and a

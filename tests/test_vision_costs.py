@@ -95,6 +95,12 @@ def test_the_towers_parameters_are_what_transformers_builds(family):
 
 
 def test_a_frozen_tower_keeps_nothing_and_trains_no_states():
+    """A run's settings say whether the tower trains (not under freeze_vision or LoRA); a frozen tower holds
+    no gradients, Adam states or saved activations and runs its forward only."""
+    from lit_hbp.run_settings import settings_of
+
+    for module_args, trains in [({}, True), ({"freeze_vision": True}, False), ({"lora": {"r": 8}}, False)]:
+        assert settings_of(HARDWARE["h100"], 8, None, module_args).vision_trained is trains
     spec = ModelSpec.from_config(AutoConfig.for_model("qwen2_vl").to_dict())
     trained = CostModel(spec, HARDWARE["h100"], 8, vision_patches_per_token=4.0)
     frozen = CostModel(spec, HARDWARE["h100"], 8, vision_patches_per_token=4.0, vision_trained=False)

@@ -1069,6 +1069,23 @@ def choose(device_type: str, dtype: torch.dtype, needs: frozenset[str]) -> tuple
     raise AssertionError("the eager backend runs everywhere")  # pragma: no cover
 
 
+# transformers' own attention for a vision tower, by the lit-hbp backend whose kernel it runs
+TOWER_FLASH = {"flash_attn": "flash_attention_2", "flash_attn_3": "flash_attention_3"}
+
+
+def tower_attention(backend: str, device_type: str, dtype: torch.dtype) -> str | None:
+    """The attention a vision tower runs in a packed call: transformers' varlen flash implementation of the
+    kernel the language model's packed calls choose on ``device_type`` in ``dtype`` (its images in one
+    kernel call a layer, Qwen's by their ``cu_seqlens``), where transformers registers it; None (the
+    tower's own attention) on a CPU, in fp32 (flash kernels take half precision only) or another backend."""
+    if device_type != "cuda" or dtype not in HALF:
+        return None
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = TOWER_FLASH.get(decide(backend, device_type, dtype, frozenset())[0])
+    return impl if impl is not None and impl in ALL_ATTENTION_FUNCTIONS else None
+
+
 @cache
 def decide(backend: str, device_type: str, dtype: torch.dtype, needs: frozenset[str]) -> tuple[str, str]:
     """The backend a call runs with and why: ``backend`` when a model was prepared with one (a
