@@ -197,7 +197,8 @@ def run_part(name: str, spec: dict | str, box: float, logf) -> dict:
             result["status"] = "failed: no step ran a level with sp > 1"
     if spec.get("images"):
         line = next((x for x in (out + err).splitlines() if x.startswith("self-check passed")), "")
-        result["result"] = {"self_check": line, "levels": level_steps(out + err)}
+        tower = next((x for x in (out + err).splitlines() if x.startswith("vision tower attention")), "")
+        result["result"] = {"self_check": line, "tower": tower, "levels": level_steps(out + err)}
         if status == "passed" and "with images" not in line:
             result["status"] = "failed: the self-check ran no pack with images"
     if spec.get("pytest"):
@@ -235,6 +236,7 @@ def tables(report: dict) -> str:
     vlm = report["parts"].get("vlm", {}).get("result")
     if vlm:
         lines += ["", "## Vision-language (configs/tiny_vlm_cpu.yaml)", "", vlm["self_check"] or "no self-check"]
+        lines += ["", vlm.get("tower") or "no tower attention logged"]
         lines += ["", "| level | pack_len | sp | steps | tokens/s |", "|---|---|---|---|---|"]
         lines += [
             f"| {r['level']} | {r['pack_len']} | {r['sp']} | {r['steps']} | {r['tokens_per_s']} |"

@@ -76,6 +76,7 @@ class Prepared:
     own: list | None = None  # layers' and blocks' own (checkpointing flag, function, dict flag) while packed calls run
     active: int = 0  # packed calls of the model running now, on any thread
     said_own_ckpt: bool = False
+    tower_said: set = field(default_factory=set)  # (device, dtype) the tower's attention in packed calls was logged for
     compiled: tuple | None = None  # (compile context, the decoder compiled with it) for a compiled model
     lock: threading.Lock = field(default_factory=threading.Lock)
     # what its packed calls ran: (device, dtype, features) -> [backend, why, backward] (``attention.choices``)
@@ -94,14 +95,13 @@ class Prepared:
 
     def __getstate__(self) -> dict:
         """Pickled between calls: no lock, no call in flight, no compiled code (a loaded copy has its own)."""
-        skip = ("lock", "own", "active", "owner", "compiled", "ran")
+        skip = ("lock", "own", "active", "owner", "compiled", "ran", "tower_said")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict) -> None:
         """A prepared model loaded in another process: its packed calls need the config's routing there too."""
-        self.__dict__.update(
-            state, lock=threading.Lock(), own=None, active=0, owner=next(_owners), compiled=None, ran={}
-        )
+        fresh = dict(lock=threading.Lock(), own=None, active=0, owner=next(_owners), compiled=None, ran={})
+        self.__dict__.update(state, **fresh, tower_said=set())
         _by_owner[self.owner] = self
         for config in [c for c, _ in self.configs] + self.tower_configs:
             calls.install(type(config))
@@ -222,6 +222,9 @@ def tower_names(prepared: Prepared) -> dict:
     on = device.type
     dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else next(prepared.net.parameters()).dtype
     name = backends.tower_attention(prepared.backend, on, dtype)
+    if (on, dtype) not in prepared.tower_said:
+        prepared.tower_said.add((on, dtype))
+        rank_zero_info(f"vision tower attention in packed calls: {name or 'its own'} for {dtype} on {on}")
     return {} if name is None else {id(c): name for c in prepared.tower_configs}
 
 

@@ -57,6 +57,7 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path):
 
     vlm = parts["vlm"]["result"]  # the tiny vision-language run: its self-check packed the run's images
     assert "2 of them with images" in vlm["self_check"] and sum(r["steps"] for r in vlm["levels"]) == 2
+    assert vlm["tower"] == "vision tower attention in packed calls: its own for torch.float32 on cpu", vlm["tower"]
 
     peers = parts["peers"]["result"]
     records = [json.loads(line) for line in (work / "peers" / "data.jsonl").read_text().splitlines()]
