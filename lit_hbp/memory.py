@@ -111,8 +111,10 @@ def trainer_cost(
     cost = cost_model(spec, trainer_settings(trainer, hardware, vision_trained=vision_trained, **known))
     dm = trainer.datamodule
     store = getattr(dm, "store", None)
-    load = dm.vision_load(store) if store is not None and hasattr(dm, "vision_load") else None
-    if load is not None and spec.vision is not None:
+    load = None
+    if spec.vision is not None and store is not None and hasattr(dm, "vision_load"):  # a tower it can price
+        load = dm.vision_load(store)
+    if load is not None:
         cost = replace(cost, vision_patches_per_token=load.patches_per_token(store.lengths))
     levels = tuple(getattr(trainer.datamodule, "levels", None) or ())
     return cost, [resolve_layout(lv, spec.heads, spec.kv_heads, trainer.num_devices) for lv in levels]
