@@ -190,7 +190,7 @@ class ModelSpec:
             path = Path(config)
             path = path / "config.json" if path.is_dir() else path
             config = json.loads(path.read_text())
-        c = dict(config)
+        c = top = dict(config)
         vision = c.get("vision_config")
         text = c.get("text_config")
         if isinstance(text, dict) and _field(c, "layers") is None:
@@ -204,7 +204,7 @@ class ModelSpec:
         if kv is None and c.get("multi_query"):
             kv = 1
         return cls(
-            name=name or c.get("_name_or_path") or c.get("model_type", "model"),
+            name=name or top.get("_name_or_path") or top.get("model_type") or c.get("model_type", "model"),
             layers=int(values["layers"]),
             hidden=hidden,
             heads=heads,

@@ -312,8 +312,9 @@ class MeasuredSelector(Selector):
         if vision is not None:
             raise ConfigError(
                 "MeasuredSelector probes packs of text tokens, so it would leave the vision tower's work and memory "
-                "out for data with images or videos: use levels: {class_path: lit_hbp.autoselect.AnalyticSelector} "
-                "(it prices the tower) or give the levels"
+                "out for data with images or videos: use the analytic search, which prices the tower (levels: "
+                "{class_path: lit_hbp.autoselect.AnalyticSelector} in a config, --analytic on the command line), "
+                "or give the levels"
             )
         # The cost model refuses what set-up would refuse, screens out probes sure to run out of memory and
         # finds the levers a refusal names, priced on this device.
