@@ -268,7 +268,7 @@ class HBPLitModule(L.LightningModule):
                     f"{type(strategy).__name__} cannot run: train with lit_hbp.strategy.HBPStrategy"
                 )
         if getattr(getattr(dm, "store", None), "has_media", False):
-            self._check_media_family(levels)
+            self._check_media_family()
         if getattr(strategy, "zero_stage_3", False) and getattr(getattr(dm, "store", None), "has_media", False):
             raise ConfigError(
                 "trainer.strategy: HBPStrategy(stage=3) with samples that have images: ZeRO-3 gathers a module's "
@@ -314,11 +314,11 @@ class HBPLitModule(L.LightningModule):
                 )
             )
 
-    def _check_media_family(self, levels) -> None:
-        """A run whose data has images or videos, on a family that cannot pack them (or not on a level with
-        sp > 1), stops here (exit 2) with the family's reason, not at its first step with images."""
+    def _check_media_family(self) -> None:
+        """A run whose data has images or videos, on a family that cannot pack them, stops here (exit 2)
+        with the family's reason, not at its first step with images."""
         from lit_hbp.packed_call import record_of
-        from lit_hbp.vision import check_encoder_outputs, per_placeholder_features, refuse_bidirectional
+        from lit_hbp.vision import check_encoder_outputs, refuse_bidirectional
 
         net = self.base_model
         try:
@@ -326,14 +326,6 @@ class HBPLitModule(L.LightningModule):
             check_encoder_outputs(record_of(net).runner)
         except ValueError as e:
             raise ConfigError(f"model.model: the data has images or videos, and {e}") from None
-        extra = per_placeholder_features(net.config)
-        split = [i for i, lv in enumerate(levels) if lv.sp > 1]
-        if extra and split:
-            raise ConfigError(
-                f"data.levels: level {split[0]} (sp {levels[split[0]].sp}) would split the images' encoding over its "
-                f"SP group, but {type(net).__name__} also reads its {extra} per image token at later layers, which "
-                "lit-hbp does not split over an SP group yet: train the data with images on sp 1 levels"
-            )
 
     def forward(self, batch: PackedBatch) -> PackedLoss:
         """(weighted loss, summed CE, supervised tokens) of a micro-batch (or of this rank's SP shard);

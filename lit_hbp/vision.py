@@ -231,18 +231,6 @@ def _refuse_encoder_outputs(inner: torch.nn.Module) -> None:
     )
 
 
-# Vision config fields that make the language model read encoder features per image token beyond the
-# embeddings it scatters (what ``parallel.media`` moves to each shard): with what they are called.
-PER_PLACEHOLDER = {"deepstack_visual_indexes": "deepstack features (Qwen3-VL's)"}
-
-
-def per_placeholder_features(config) -> str | None:
-    """What of a vision-language model's encoder outputs its language model reads per image token at later
-    layers (which a split of the encoding over an SP group does not carry yet), or None."""
-    vision = getattr(config, "vision_config", None)
-    return next((what for field, what in PER_PLACEHOLDER.items() if getattr(vision, field, None)), None)
-
-
 def encoder_outputs(inner: torch.nn.Module, mm: Mapping[str, torch.Tensor]) -> dict:
     """The images' and videos' encodings by the model's own vision tower (``get_image_features`` /
     ``get_video_features`` with the arguments they take), as ``mm_encoder_outputs``: computed apart

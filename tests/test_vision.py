@@ -262,7 +262,7 @@ FAMILIES_MD = Path(__file__).resolve().parents[1] / "docs" / "families.md"
 VLM_TESTED = {
     "qwen2_vl": "images and videos, sp 1 and 2 (frames split over the SP group); the data path, videos at sp 2 too",
     "qwen2_5_vl": "images and videos, sp 1 and 2 (frames split over the SP group); the data path for videos, sp 2 too",
-    "qwen3_vl": "images, sp 1; the data path for videos (frame timestamps); refused at set-up at sp > 1 (deepstack)",
+    "qwen3_vl": "images, sp 1 and 2 (deepstack features moved with the features); the data path for videos, sp 2 too",
     "llava": "images, sp 1 and 2",
     "llava_next": "images (anyres tiles), sp 1 and 2; the data path, the demo",
     "llava_onevision": "images, sp 1 and 2 (a record's images encoded together); videos of one frame count",

@@ -10,16 +10,20 @@ feature row, and one all-to-all sends each row from the rank that encoded it to 
 ``mm_encoder_outputs`` as one block in its placeholders' order, which the families read as
 ``torch.cat(pooler_output)`` and scatter into the shard's placeholder tokens.
 
+Features the model reads per placeholder at later layers (Qwen3-VL's deepstack features: per deepstack
+layer, one block of rows per item, row for row with the item's features) travel the same way, each
+layer's rows along the same route, so each shard adds to its own image tokens what they would get alone.
+
 Refused rather than trained wrong, on every rank at once: an encoder whose output is not one block of
-feature rows per item, or carries more than ``pooler_output`` (Qwen3-VL's deepstack features are read
-per placeholder at later layers), and a pack whose placeholder tokens do not match the feature rows
-one for one.
+feature rows per item, or carries fields beyond those (``PER_ROW``), and a pack whose placeholder tokens
+do not match the feature rows one for one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -47,6 +51,7 @@ KINDS = (
               ("video_token_id", "video_token_index")),
 )  # fmt: skip
 PLAIN_OUTPUT = ("last_hidden_state", "pooler_output", "hidden_states", "attentions")
+PER_ROW = ("deepstack_features",)  # per layer, one block per item row for row with pooler_output: moved alike
 
 
 def owners(weights: np.ndarray, groups: np.ndarray, size: int) -> np.ndarray:
@@ -201,16 +206,22 @@ def split_encoder_outputs(
         rows = items.rows
         owner = owners(items.weight, items.groups, size)
         mine = owner == me
-        problem, blocks = None, []
+        problem, blocks, per_row = None, [], {}
         if mine.any():
             encoded = encoder_outputs(inner, _subset(mm, kind, items, mine))[kind.name]
-            extra = [f for f, v in encoded.items() if v is not None and f not in PLAIN_OUTPUT]
+            extra = [f for f, v in encoded.items() if v is not None and f not in PLAIN_OUTPUT + PER_ROW]
             blocks = list(encoded.pooler_output) if encoded.pooler_output is not None else []
+            per_row = {f: [list(layer) for layer in getattr(encoded, f)] for f in PER_ROW if getattr(encoded, f, None)}
             if extra:
                 problem = (
                     f"{type(inner).__name__}: its {kind.name} encoder also returns {extra}, which the model reads per "
                     "placeholder token; lit-hbp does not split those over the SP group yet: train these samples on "
                     "an sp 1 level"
+                )
+            elif any([b.shape for b in layer] != [b.shape for b in blocks] for f in per_row.values() for layer in f):
+                problem = (
+                    f"{type(inner).__name__}: its {kind.name} encoder's {sorted(per_row)} do not match its features "
+                    "row for row, so lit-hbp cannot split them over the SP group: train these samples on an sp 1 level"
                 )
             elif len(blocks) != int(mine.sum()) or any(b.dim() != 2 or b.shape[1] != hidden for b in blocks):
                 problem = (
@@ -239,12 +250,33 @@ def split_encoder_outputs(
                 "checkpoint's processor)"
             )
         route = Route.of(np.repeat(owner, item_rows), needer, me, size)
-        feats = torch.cat(blocks).to(dtype) if blocks else torch.zeros(0, hidden, dtype=dtype, device=device)
         anchor = torch.zeros((), device=device, requires_grad=trains)
-        sent = feats[torch.as_tensor(route.take, dtype=torch.long, device=device)]
-        got = _Exchange.apply(sent, anchor, route.send, route.recv, group)
-        placed = got[torch.as_tensor(route.order, dtype=torch.long, device=device)]
-        out[kind.name] = BaseModelOutputWithPooling(pooler_output=(placed,))
+        moved = partial(_moved, route=route, anchor=anchor, group=group, like=torch.zeros(0, hidden, dtype=dtype))
+        out[kind.name] = BaseModelOutputWithPooling(pooler_output=(moved(blocks),))
+        for field, layers in _per_row_layers(per_row, device, group).items():
+            setattr(out[kind.name], field, [(moved(rows),) for rows in layers])
+    return out
+
+
+def _moved(rows: list[torch.Tensor], route: Route, anchor: torch.Tensor, group, like: torch.Tensor) -> torch.Tensor:
+    """This rank's feature rows (its items' blocks) sent along ``route``: the rows of its shard's
+    placeholders, in their order (empty blocks shaped ``like``)."""
+    device = anchor.device
+    feats = torch.cat(rows).to(like.dtype) if rows else like.to(device)
+    take = torch.as_tensor(route.take, dtype=torch.long, device=device)
+    got = _Exchange.apply(feats[take], anchor, route.send, route.recv, group)
+    return got[torch.as_tensor(route.order, dtype=torch.long, device=device)]
+
+
+def _per_row_layers(per_row: dict, device, group) -> dict[str, list[list[torch.Tensor]]]:
+    """Each ``PER_ROW`` field's layers on every rank of the group, a rank that encoded no item holding
+    empty ones (the layer count agreed over the group, so every rank joins each layer's exchange)."""
+    out = {}
+    for field in PER_ROW:
+        count = torch.tensor([len(per_row.get(field, []))], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        if int(count.item()):
+            out[field] = per_row.get(field) or [[] for _ in range(int(count.item()))]
     return out
 
 
