@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_hbp import attention, calls
 from lit_hbp.checks import check_model_config, local_checkpoint
@@ -361,7 +361,8 @@ def packed_loss(
         raise ValueError(_not_prepared(model))
     inputs = pack_inputs(batch)  # checks the level's SP group came with the batch
     aux = router_loss and getattr(net.config.get_text_config(), "output_router_logits", False)
-    with pack_scope(net, int(batch.ckpt_layers), bool(batch.offload), int(batch.mlp_tiles), inputs):
+    level = (int(batch.ckpt_layers), bool(batch.offload), int(batch.mlp_tiles))
+    with pack_scope(net, *level, inputs, tower_names(record) if batch.mm else None):
         if batch.mm:  # images encoded apart, by the vision tower's own attention (split over the SP group), in
             inputs = _encoded(record, batch, inputs)  # the call: its blocks checkpointed as the level says
         out = _decoder_call(model, record)(**inputs, **({"output_router_logits": True} if aux else {}))
@@ -382,6 +383,23 @@ def packed_loss(
         real = (batch.positions_in_pack() < batch.n_tokens)[None]  # not the padding segment
         total = total + router_aux_loss(net, out.router_logits, real)
     return PackedLoss(total, ce_sum, n)
+
+
+def tower_names(prepared: Prepared) -> dict:
+    """The attention a vision tower's configs name in a packed call of the model (config id -> transformers'
+    implementation): the varlen flash one sharing the kernel the model's packed calls choose on its device
+    and compute dtype (``backends.tower_attention``), so a tower encodes a pack's images in one call per
+    layer; empty (its own attention) elsewhere, on a CPU, in fp32 and for a text-only model."""
+    if not prepared.tower_configs:
+        return {}
+    weight = next(prepared.net.parameters())
+    on = weight.device.type
+    dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else weight.dtype
+    name = attention.backends.tower_attention(prepared.backend, on, dtype)
+    if (on, dtype) not in prepared.tower_said:
+        prepared.tower_said.add((on, dtype))
+        rank_zero_info(f"vision tower attention in packed calls: {name or 'its own'} for {dtype} on {on}")
+    return {} if name is None else {id(c): name for c in prepared.tower_configs}
 
 
 def _encoded(record: Prepared, batch: PackedBatch, inputs: dict) -> dict:

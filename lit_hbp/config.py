@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lit_hbp.costmodel import VisionLoad
 from lit_hbp.model_spec import ModelSpec
+from lit_hbp.packing.vision_load import VisionLoad
 
 
 def read_config(path: str | Path) -> dict:

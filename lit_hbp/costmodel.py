@@ -513,19 +513,3 @@ def pack_stats(
     sum_sq = [(p.astype(np.float64) ** 2).sum() * b for p, b in zip(packs, busiest)]
     extra = 0.0 if extra_work is None else float(np.mean([np.asarray(extra_work)[m].sum() for m in members]))
     return float(np.mean([p.sum() for p in packs])), float(np.mean(sum_sq)), extra
-
-
-@dataclass(frozen=True)
-class VisionLoad:
-    """What a vision-language run's tower encodes, per sample: ``patches`` (image patches, video frames'
-    included) and ``work`` (its forward in the planner's units: squared lengths, ``media.vision_work``).
-    The level search prices a level's vision time from ``work`` and its memory from the most patches a
-    token of a pack can carry (``patches_per_token``)."""
-
-    patches: np.ndarray
-    work: np.ndarray
-
-    def patches_per_token(self, lengths) -> float:
-        """The most patches per token of any sample: a pack of L tokens holds at most L times it."""
-        lengths = np.asarray(lengths, dtype=np.float64)
-        return float(np.max(np.asarray(self.patches, np.float64) / np.maximum(lengths, 1), initial=0.0))

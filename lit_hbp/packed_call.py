@@ -67,7 +67,7 @@ class Prepared:
     configs: list  # every config its modules read, with the attention implementation it has outside a pack
     layers: list[torch.nn.Module]  # decoder layers that can checkpoint, in order
     blocks: list[torch.nn.Module]  # the vision tower's blocks that can checkpoint (none: a text-only model)
-    tower_configs: list  # the configs only the vision tower reads (its attention in a packed call: ``tower_names``)
+    tower_configs: list  # configs only the vision tower reads (their packed-call attention: causal_lm.tower_names)
     mlps: list[torch.nn.Module | None]  # each layer's tileable MLP (None where it has none)
     attends: list[list[torch.nn.Module]]  # each layer's modules that may call the attention function
     backend: str = "auto"  # the attention backend of its packed calls (``lit_hbp.attention.backends``)
@@ -209,25 +209,6 @@ def _layer_flags(prepared: Prepared, ckpt_layers: int | None) -> Iterator[None]:
                 prepared.own = None
 
 
-def tower_names(prepared: Prepared) -> dict:
-    """The attention a vision tower's configs name in a packed call of the model (config id -> transformers'
-    implementation): the varlen flash one sharing the kernel the model's packed calls choose on its device
-    and compute dtype (``backends.tower_attention``), so a tower encodes a pack's images in one call per
-    layer; empty (its own attention) elsewhere, on a CPU, in fp32 and for a text-only model."""
-    if not prepared.tower_configs:
-        return {}
-    from lit_hbp.attention import backends
-
-    device = next(prepared.net.parameters()).device
-    on = device.type
-    dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else next(prepared.net.parameters()).dtype
-    name = backends.tower_attention(prepared.backend, on, dtype)
-    if (on, dtype) not in prepared.tower_said:
-        prepared.tower_said.add((on, dtype))
-        rank_zero_info(f"vision tower attention in packed calls: {name or 'its own'} for {dtype} on {on}")
-    return {} if name is None else {id(c): name for c in prepared.tower_configs}
-
-
 @contextlib.contextmanager
 def pack_scope(
     model: torch.nn.Module,
@@ -235,11 +216,14 @@ def pack_scope(
     offload: bool = False,
     tiles: int = 1,
     pack: dict | None = None,
+    tower: dict | None = None,
 ) -> Iterator[None]:
     """The duration of one packed call of a prepared model (``pack``: its keywords, ``pack_inputs``):
     varlen attention, the first ``ckpt_layers`` decoder layers checkpointed (None: as the project set
     them; a project's own ``gradient_checkpointing_enable()`` keeps every layer checkpointed), their
-    inputs on the host with ``offload``, the MLPs in ``tiles``; on this thread, for this call only."""
+    inputs on the host with ``offload``, the MLPs in ``tiles``, a vision tower's configs naming ``tower``'s
+    attention while it encodes the call's images (``causal_lm.tower_names``; none: their own); on this
+    thread, for this call only."""
     prepared = record_of(model)
     if prepared is None:
         raise ValueError("pack_scope: call lit_hbp.prepare_model(model) first")
@@ -269,7 +253,7 @@ def pack_scope(
             )
     pack = {} if pack is None else {k: pack[k] for k in PACK_KEYS if pack.get(k) is not None}
     offloader = host_offload(unwrapped(model)) if offload else None
-    call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, tower_names(prepared))
+    call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, dict(tower or {}))
     with _layer_flags(prepared, ckpt_layers), calls.entered(call):
         yield
 

@@ -14,7 +14,8 @@ from typing import Protocol
 
 import numpy as np
 
-from lit_hbp.costmodel import CostModel, VisionLoad, pack_stats
+from lit_hbp.costmodel import CostModel, pack_stats
+from lit_hbp.packing.vision_load import VisionLoad
 from lit_hbp.run_settings import refusal
 
 

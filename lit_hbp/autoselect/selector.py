@@ -27,11 +27,12 @@ from lit_hbp.autoselect.measured import MeasuredProfiler, probe_strategy_args
 from lit_hbp.autoselect.search import Selection, analytic_levels, select_levels
 from lit_hbp.checks import position_range
 from lit_hbp.config import model_config, spec_of
-from lit_hbp.costmodel import GIB, HARDWARE, CostModel, Hardware, VisionLoad
+from lit_hbp.costmodel import GIB, HARDWARE, CostModel, Hardware
 from lit_hbp.errors import ConfigError
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.module import HBPLitModule
 from lit_hbp.packing.levels import Level, LevelSelector
+from lit_hbp.packing.vision_load import VisionLoad
 from lit_hbp.run_settings import (
     CONFIG,
     Settings,

@@ -473,7 +473,7 @@ class HBPDataModule(L.LightningDataModule):
             raise ConfigError(
                 f"data.levels: {type(self.selector).__name__}.levels_for takes no vision argument, so it would choose "
                 "levels without the vision tower's work and memory for this data's images and videos; accept "
-                "vision=None (a lit_hbp.costmodel.VisionLoad) or give the levels"
+                "vision=None (a lit_hbp.packing.VisionLoad) or give the levels"
             )
         return tuple(self.selector.levels_for(store.lengths, self.trainer, vision=vision))
 

@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lit_hbp.costmodel import VisionLoad
 from lit_hbp.errors import DataError
 from lit_hbp.model_spec import ModelSpec
+from lit_hbp.packing.vision_load import VisionLoad
 from lit_hbp.vision import MM_KEYS
 
 

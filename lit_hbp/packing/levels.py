@@ -192,7 +192,7 @@ class LevelSelector(ABC):
     @abstractmethod
     def levels_for(self, lengths: np.ndarray, trainer: Any, vision: Any = None) -> tuple[Level, ...]:
         """The levels for samples of ``lengths`` in the run ``trainer`` is setting up; ``vision``: a
-        vision-language run's images and videos per sample (``lit_hbp.costmodel.VisionLoad``), None for
+        vision-language run's images and videos per sample (``lit_hbp.packing.VisionLoad``), None for
         text (a selector that cannot count the tower's work and memory refuses it)."""
 
 
