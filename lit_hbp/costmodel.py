@@ -511,5 +511,6 @@ def pack_stats(
     packs = [lengths[m] for m in members]
     busiest = [split_micro_batch(p, sp, cp).imbalance() if cp > 1 else 1.0 for p in packs]
     sum_sq = [(p.astype(np.float64) ** 2).sum() * b for p, b in zip(packs, busiest)]
-    extra = 0.0 if extra_work is None else float(np.mean([np.asarray(extra_work)[m].sum() for m in members]))
+    work = None if extra_work is None else np.asarray(extra_work, dtype=np.float64)
+    extra = 0.0 if work is None else float(np.mean([work[m].sum() for m in members]))
     return float(np.mean([p.sum() for p in packs])), float(np.mean(sum_sq)), extra
