@@ -65,6 +65,16 @@ def device_memory(device: torch.device) -> float | None:
     return float(torch.cuda.get_device_properties(device).total_memory)
 
 
+def clips_before_the_step(trainer) -> bool:
+    """Whether Lightning clips the gradients before the optimizer's step under its mixed-precision plugin,
+    which refuses an optimizer that unscales inside its step (fused AdamW: "does not allow for gradient
+    clipping"), bf16 included. DeepSpeed clips inside its own step and takes the fused kernel."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    clip = getattr(trainer, "gradient_clip_val", None)
+    return bool(clip) and isinstance(getattr(trainer, "precision_plugin", None), MixedPrecision)
+
+
 def optimizer_device(strategy) -> torch.device:
     """Where ``strategy`` steps the optimizer: its root device, the host under ZeRO-Offload."""
     offloaded = deepspeed_zero(getattr(strategy, "config", None))["optimizer_offload"]
@@ -125,7 +135,8 @@ class HBPLitModule(L.LightningModule):
         vocab_size: tokenizer size (linked from the data module); overrides a config's vocab_size.
         loss: ``ave_token`` (default) | ``token_mean`` | ``sample_mean`` | ``sum``.
         lr, weight_decay, betas: AdamW, torch's fused kernel when every trainable parameter is on
-            CUDA (``adamw_kind``). Bias and norm weights are not decayed.
+            CUDA (``adamw_kind``; its multi-tensor one where Lightning's mixed precision clips the
+            gradients, which the fused kernel refuses). Bias and norm weights are not decayed.
         warmup_steps: linear warm-up of the learning rate, then cosine decay to ``min_lr_ratio * lr``
             at the last optimizer step of the run.
         ce_chunk_size: supervised tokens per LM-head chunk of the cross-entropy.
@@ -491,9 +502,13 @@ class HBPLitModule(L.LightningModule):
         groups = [g for g in groups if g["params"]]
         device = optimizer_device(self.trainer.strategy) if self._trainer is not None else None
         kind = adamw_kind(decay + no_decay, device)
-        rank_zero_info(f"optimizer: AdamW ({kind})")
+        why = ""
+        if kind == "fused" and self._trainer is not None and clips_before_the_step(self.trainer):
+            kind, why = "foreach", ": the fused kernel unscales inside its step, where Lightning's mixed precision cannot clip"
+        rank_zero_info(f"optimizer: AdamW ({kind}{why})")
         fused = True if kind == "fused" else None  # None: torch chooses (a for-loop off CUDA)
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), fused=fused)
+        foreach = True if kind == "foreach" else None
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), fused=fused, foreach=foreach)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = min(hp.warmup_steps, total)
 

@@ -154,7 +154,10 @@ def _(cu, x, window):
 def test_a_block_mask_is_built_inside_a_compiled_graphs_op_with_torchs_query_lists(window):
     """The attention op builds its BlockMask while a compiled graph runs; torch's ``from_kv_blocks`` derives
     the query-side lists under vmap, which fails there ("Cannot access storage of BatchedTensorImpl": flex
-    under torch.compile failed on an H100). Built from the transposed tiles, they equal torch's own."""
+    under torch.compile failed on an H100). Built from the transposed tiles, they equal torch's own, in
+    torch's row-major layout too: the GPU kernels read the lists by their rows' strides, so column-major
+    lists (a sort of the transposed tiles keeps its strides) gave wrong gradients on an H100 wherever a
+    key block had several query blocks, and CPU flex (which does not read them) passed."""
     from torch.nn.attention.flex_attention import BlockMask
 
     cu = torch.tensor([0, 37, 40, 150, 190], dtype=torch.int32)
@@ -162,8 +165,11 @@ def test_a_block_mask_is_built_inside_a_compiled_graphs_op_with_torchs_query_lis
     torchs = BlockMask.from_kv_blocks(
         mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices, BLOCK_SIZE=16
     )
-    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+    names = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    for name in names:
         assert torch.equal(getattr(mask, name), getattr(torchs, name)), name
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", *names):
+        assert getattr(mask, name).is_contiguous(), name
     x = torch.ones(190)
     got = torch.compile(lambda cu, x: _block_mask_in_op(cu, x, window or 0) + 1, fullgraph=True)(cu, x)
     assert torch.equal(got, x * mask.q_num_blocks.sum() + 1)

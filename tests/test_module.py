@@ -365,6 +365,36 @@ def test_a_model_built_on_the_host_before_fit_gets_the_fused_adamw_of_its_gpu_st
         assert next(module.parameters()).device.type == "cpu"
 
 
+def test_a_fused_adamw_is_not_handed_to_lightnings_mixed_precision_when_it_clips(
+    chat_data, toy_tokenizer, tmp_path, monkeypatch, caplog
+):
+    """On an H100 the VLM demo (bf16-mixed, gradient_clip_val 1.0, no DeepSpeed) stopped at its first step:
+    Lightning's mixed precision refuses to clip an optimizer that unscales inside its step (fused AdamW).
+    There the multi-tensor AdamW steps instead. Here the strategy's device is said to be CUDA, so the fused
+    kernel (CPU-capable in torch >= 2.4) would be chosen: fit runs and the run's optimizer is not fused."""
+    import lit_hbp.module as module_file
+
+    monkeypatch.setattr(module_file, "optimizer_device", lambda strategy: torch.device("cuda", 0))
+    dm = HBPDataModule(
+        sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=[{"pack_len": 128}],
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    module = make_module(vocab=dm.vocab_size)
+    trainer = quiet_trainer(devices=1, max_steps=2, precision="bf16-mixed", gradient_clip_val=1.0)
+    with caplog.at_level("INFO"):
+        trainer.fit(module, dm)
+    assert trainer.global_step == 2
+    optimizer = trainer.optimizers[0]
+    assert not optimizer.defaults["fused"] and optimizer.defaults["foreach"]
+    assert "optimizer: AdamW (foreach: the fused kernel unscales inside its step" in caplog.text
+    # Without clipping, or in full precision, the fused kernel is kept.
+    for kwargs in ({"precision": "bf16-mixed"}, {"precision": "32-true", "gradient_clip_val": 1.0}):
+        module = make_module(vocab=dm.vocab_size)
+        trainer = quiet_trainer(devices=1, max_steps=1, **kwargs)
+        trainer.fit(module, dm)
+        assert trainer.optimizers[0].defaults["fused"], kwargs
+
+
 @pytest.mark.parametrize("kind", ["fused", "for-loop"])
 def test_configure_optimizers_uses_and_logs_the_chosen_adamw(kind, monkeypatch, caplog):
     import types

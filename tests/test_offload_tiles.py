@@ -200,21 +200,30 @@ def test_on_a_gpu_offload_is_exact_and_lowers_the_peak_allocation():
     """On CUDA: the copies go through pinned memory on the side stream; the loss equals the same level
     without offload bit for bit, each gradient as closely as two runs without offload equal each other
     (the attention kernel's backward adds in a varying order on a GPU: bit for bit where it does not),
-    and the peak allocation drops by about the checkpointed inputs (7 of 8 layers' inputs, measured by
-    the CUDA allocator)."""
+    and the peak allocation of the forward and backward, above what was allocated before them, drops as
+    the memory model says (7 of 8 layers' inputs checkpointed, 2 of them on the device at once with offload:
+    5 inputs, within 10%; an H100 measured 4.93). Each run's
+    gradients are kept on the host: held on the device they raised the next run's peak (an H100 measured
+    the third run 375 MB above the first)."""
     model = llama(8, torch.bfloat16, hidden=1024).cuda()
     b = batch(32768, ckpt_layers=8).to("cuda")
     peaks, results = [], []
     for offload in (False, True, False):
+        model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        results.append(loss_and_grads(model, b.replace(offload=offload)))
+        out = packed_loss(model, b.replace(offload=offload), "token_mean")
+        out.loss.backward()
         torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated())
+        peaks.append(torch.cuda.max_memory_allocated() - start)
+        grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out.loss.detach().cpu(), grads))
     (loss, grads), (loss_off, grads_off), (loss_again, grads_again) = results
     assert torch.equal(loss, loss_off) and torch.equal(loss, loss_again)
     for n in grads:
         spread = (grads[n] - grads_again[n]).abs().max()
         assert (grads_off[n] - grads[n]).abs().max() <= 2 * spread, (n, spread)
     layer_input = 32768 * 1024 * 2
-    assert peaks[0] - peaks[1] >= 5 * layer_input, peaks
+    assert abs(peaks[0] - peaks[2]) < layer_input, peaks  # the measure repeats: nothing held between runs
+    assert peaks[0] - peaks[1] >= 0.9 * (7 - 2) * layer_input, peaks

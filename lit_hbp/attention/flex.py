@@ -47,10 +47,13 @@ def tile_masks(cu: torch.Tensor, total: int, window: int | None, block: int = BL
 
 
 def _as_kv_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(counts [1, 1, nb], indices [1, 1, nb, nb]): each row's marked key blocks listed first."""
+    """(counts [1, 1, nb], indices [1, 1, nb, nb]): each row's marked key blocks listed first, row-major
+    as torch's kernels read them (a sort keeps a transposed input's strides: the query-side lists of the
+    backward were read column-wise on a GPU, wrong wherever a key block had several query blocks)."""
+    tiles = tiles.contiguous()
     counts = tiles.sum(-1, dtype=torch.int32)
     order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return counts[None, None], order[None, None]
+    return counts[None, None].contiguous(), order[None, None].contiguous()
 
 
 def block_mask(partial: torch.Tensor, full: torch.Tensor, block: int, mask_mod, seq_lengths: tuple[int, int]):
