@@ -320,7 +320,8 @@ class HBPLitModule(L.LightningModule):
             rank_zero_info(
                 f"self-check passed (a pack equals its documents alone{images}): "
                 + ", ".join(
-                    f"{layout_name(key)}: loss {e[0]:.1e}, input gradients {e[1]:.1e}, leak {e[2]:.0e}"
+                    f"{layout_name(key)}: loss {e.loss:.1e}, input gradients {e.grads:.1e}, leak {e.leak:.0e}"
+                    + (f", {e.left_out} document(s) left out: a token's experts tied by rounding" if e.left_out else "")
                     for key, e in errors.items()
                 )
             )

@@ -3,6 +3,7 @@ set-up (configure_model, or the self-check at the start of fit). "Exactly": the 
 every parameter's gradient through HBPLitModule equal the sum over the samples run alone through
 the family's own forward with eager attention, fp32. The family table of docs/families.md is checked here."""
 
+import contextlib
 import copy
 import re
 from functools import cache
@@ -16,7 +17,7 @@ from families import NAMED, all_families, small_config, too_large
 
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.module import HBPLitModule
-from lit_hbp.selfcheck import SelfCheckError, run_self_check
+from lit_hbp.selfcheck import SelfCheckError, _documents, _vocab, run_self_check
 
 FAMILIES = Path(__file__).resolve().parents[1] / "docs" / "families.md"
 LONGEST_PACK = 256  # the self-check's longest pack: sliding windows below it are exercised
@@ -106,6 +107,104 @@ def test_readme_family_table_matches_what_the_checks_decide():
     assert sum(observed[f] == "exact" for f in NAMED) >= 18
 
 
+def reroute(module, rows):
+    """Hook the first experts module: in the packed pass only (more rows than any document alone), the
+    tokens at ``rows`` of the pack go to the next experts. What a rounding tie does to one token, or a
+    packing error to a whole document."""
+    from lit_hbp.selfcheck import _experts_calls
+
+    experts, arg, pos = _experts_calls(module.model)[0]
+    longest = max(len(ids) for ids, _ in _documents(_vocab(module.model), module.model.config, LONGEST_PACK).values())
+
+    def hook(mod, args, kwargs):
+        idx = args[pos]
+        if idx.reshape(-1, idx.shape[-1]).shape[0] <= longest:
+            return None
+        moved = idx.clone().reshape(-1, idx.shape[-1])
+        moved[rows] = (moved[rows] + 1) % mod.num_experts
+        return (*args[:pos], moved.reshape(idx.shape), *args[pos + 1 :]), kwargs
+
+    return experts.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def moe_module():
+    torch.manual_seed(0)
+    module = HBPLitModule(model=small_config("mixtral"), loss="sum")
+    module.configure_model()
+    return module
+
+
+def pack_bounds(module) -> np.ndarray:
+    docs = _documents(_vocab(module.model), module.model.config, LONGEST_PACK)
+    return np.r_[0, np.cumsum([len(ids) for ids, _ in docs.values()])]
+
+
+def bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def test_a_token_rerouted_by_a_rounding_tie_leaves_its_document_out_of_a_bf16_self_check():
+    """An H100 refused GPT-OSS in bf16: one token chose other experts packed than alone (a tie of its
+    router's scores, rounded otherwise in the pack's matmul shapes) and moved the input gradients 20%.
+    Here one token of the second document is sent to other experts in the pack only: in bf16 that document
+    is left out and named (the others still compared); in fp32 the same is a failure that says so."""
+    module = moe_module()
+    row = int(pack_bounds(module)[1]) + 3
+    clean = run_self_check(module, [1], autocast=bf16, max_len=LONGEST_PACK)[1]
+    assert clean.left_out == 0
+    with contextlib.closing(Removing(reroute(module, [row]))):
+        result = run_self_check(module, [1], autocast=bf16, max_len=LONGEST_PACK)[1]
+        assert result.left_out == 1 and result.leak == 0.0
+        assert result.loss < 2e-2 and result.grads < 1.5e-1
+        with pytest.raises(SelfCheckError, match="tokens of 1 of the 7 documents chose other experts"):
+            run_self_check(module, [1], max_len=LONGEST_PACK)
+
+
+def test_rerouting_beyond_a_tie_is_compared_not_excused():
+    """A packing error moves most tokens of a document, or tokens of most documents: that is no tie. Every
+    token of the longest document, or one token of each of 4 of the 7 documents, sent to other experts in
+    the pack: in bf16 no document is left out (the comparison keeps them all), and in fp32 the check fails
+    naming the rerouting."""
+    module = moe_module()
+    bounds = pack_bounds(module)
+    k = int(np.argmax(np.diff(bounds)))
+    for rows, named in [(list(range(bounds[k], bounds[k + 1])), 1), ([int(b) + 1 for b in bounds[:4]], 4)]:
+        with contextlib.closing(Removing(reroute(module, rows))):
+            assert run_self_check(module, [1], autocast=bf16, max_len=LONGEST_PACK)[1].left_out == 0
+            with pytest.raises(SelfCheckError, match=f"tokens of {named} of the 7 documents chose other experts"):
+                run_self_check(module, [1], max_len=LONGEST_PACK)
+
+
+class Removing:
+    """A hook handle that ``contextlib.closing`` removes."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def close(self):
+        self.handle.remove()
+
+
+def rerouted_samples(module, ref, samples, device="cuda") -> set[int]:
+    """The samples one of whose tokens chooses other experts packed under bf16 autocast than alone through
+    ``ref`` in fp32 (none for a dense model)."""
+    from lit_hbp.selfcheck import _routes
+
+    batch = collate_packs([np.arange(len(samples))], samples.__getitem__, loss_norm=1.0).to(device)
+    with torch.no_grad(), _routes(module.model) as packed, torch.autocast(device, dtype=torch.bfloat16):
+        module(batch)
+    with torch.no_grad(), _routes(ref) as alone:
+        for ids, _ in samples.values():
+            ref(input_ids=torch.as_tensor(ids, device=device)[None], use_cache=False)
+    bounds = np.r_[0, np.cumsum([len(ids) for ids, _ in samples.values()])]
+    tied: set[int] = set()
+    for got, want in zip(packed, alone):
+        want = torch.cat(want)
+        rows = (got[0][: len(want)] != want).any(-1).nonzero().flatten().cpu().numpy()
+        tied |= {int(i) for i in np.searchsorted(bounds, rows, side="right") - 1}
+    return tied
+
+
 def padded_loss(model, samples, device="cpu"):
     """The samples' summed loss as one right-padded batch through the unprepared model (its attention
     mask hides the padding): the same sums as ``separate_loss``, in other matmul shapes."""
@@ -128,11 +227,12 @@ def test_family_on_cuda_passes_the_self_check_and_matches_eager(family):
     """On a GPU, fp32 weights under bf16 autocast with the backend that is chosen there: the
     self-check passes (or the family is refused as on CPU), and the packed loss and gradients are as
     close to the samples alone through eager attention in fp32 as the unprepared model's own bf16 runs
-    are, of the samples alone and as one right-padded batch (loss within 1% or twice their error, each
-    gradient within 5% or twice the larger of its errors). Routers and learned positions are noisier in
-    bf16 than 5%, and a router's gradient jumps where rounding flips a token's experts, which another
-    layout of the same samples (a pack, a padded batch: other matmul shapes) does: an H100 measured
-    Mixtral's gate 10% from fp32 packed, 0.7% alone."""
+    are, of the samples alone and as one right-padded batch (loss within 1% plus twice their error, each
+    gradient within 5% plus twice the larger of its errors: routers and learned positions are noisier in
+    bf16 than 5%; an H100 measured DeepSeek-V3's embedding gradient 7.5% from fp32 alone, 16.5% packed). A
+    sample one of whose tokens chooses other experts packed in bf16 than alone in fp32 (a tie of its
+    router's scores: an H100 sent one Mixtral token elsewhere, and the expert weights' gradients moved
+    31%) is left out, as the self-check leaves it out, and the rest compared."""
     if outcome(family)[0] != "exact":
         pytest.skip(f"{family} is not trained on CPU either: {outcome(family)[0]}")
     torch.manual_seed(0)
@@ -149,10 +249,15 @@ def test_family_on_cuda_passes_the_self_check_and_matches_eager(family):
     rng = np.random.default_rng(0)
     vocab = min(module.model.get_input_embeddings().num_embeddings, module.model.get_output_embeddings().out_features)
     samples = {i: (rng.integers(0, vocab, n), rng.random(n) < 0.7) for i, n in enumerate([7, 40, 23, 61, 12])}
-    batch = collate_packs([np.arange(5)], samples.__getitem__, loss_norm=1.0)
-    batch = batch.to("cuda")
     for m in (module.model, ref, ref16, pad16):
         m.eval()
+    for _ in range(3):  # leaving a sample out changes the pack's shapes: its rounding may tie another
+        tied = rerouted_samples(module, ref, samples)
+        if not tied:
+            break
+        samples = dict(enumerate(v for i, v in samples.items() if i not in tied))
+    assert not tied and len(samples) >= 3, (tied, len(samples))
+    batch = collate_packs([np.arange(len(samples))], samples.__getitem__, loss_norm=1.0).to("cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = module(batch)[0]
         own16 = separate_loss(ref16, samples, "cuda")
@@ -164,11 +269,11 @@ def test_family_on_cuda_passes_the_self_check_and_matches_eager(family):
     expected.backward()
     want = expected.item()
     own_loss_err = max(abs(x.item() - want) for x in (own16, padded16))
-    assert abs(loss.item() - want) < max(1e-2 * abs(want), 2 * own_loss_err)
+    assert abs(loss.item() - want) < 1e-2 * abs(want) + 2 * own_loss_err
     scale = max(q.grad.abs().max().item() for q in ref.parameters() if q.grad is not None)
     params = zip(module.model.named_parameters(), ref.parameters(), ref16.parameters(), pad16.parameters())
     for (name, p), q, o, d in params:
         if q.grad is not None:
             norm = max(q.grad.abs().max().item(), 1e-2 * scale)
             err, own_err, pad_err = ((g - q.grad).abs().max().item() / norm for g in (p.grad, o.grad, d.grad))
-            assert err < max(5e-2, 2 * own_err, 2 * pad_err), (family, name, err, own_err, pad_err)
+            assert err < 5e-2 + 2 * max(own_err, pad_err), (family, name, err, own_err, pad_err)

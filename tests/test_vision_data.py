@@ -226,7 +226,7 @@ def test_the_self_check_packs_the_runs_own_images_and_catches_a_leak_between_the
     module = HBPLitModule(model=str(folder), loss="sum")
     module.configure_model()
     module.model.float()
-    (loss_err, grad_err, leak) = run_self_check(module, [1], media_docs=docs)[1]
+    loss_err, grad_err, leak, _ = run_self_check(module, [1], media_docs=docs)[1]
     assert loss_err < 1e-5 and grad_err < 1e-4 and leak == 0.0
 
     encode = causal_lm.encoder_outputs
