@@ -147,10 +147,10 @@ def run_self_check(
                     raise SelfCheckError(_explain(module, len(docs), sp, np.nan, np.nan, leak, np.nan, np.nan, dtype))
             reference = _alone(net, embed, docs, media, device)
             excuse = dtype not in TOLERANCE  # rounding ties of routers: bf16 and fp16 only
-            results = {}
+            results, wheres = {}, {}
             for sp, pack in packs.items():
                 used_packed: set[int] = set()
-                loss_err, grad_err, left_out, rerouted = _packed_errors(
+                loss_err, grad_err, left_out, rerouted, wheres[sp] = _packed_errors(
                     module, embed, reference, pack, device, used_packed, excuse
                 )
                 results[sp] = (loss_err, grad_err, leaks[sp], left_out, rerouted)
@@ -170,7 +170,9 @@ def run_self_check(
     for (loss_err, grad_err, leak, _, rerouted), sp in zip(worst, results):
         if loss_err > loss_tol or grad_err > grad_tol or leak > LEAK_TOLERANCE:
             raise SelfCheckError(
-                _explain(module, len(docs), sp, loss_err, grad_err, leak, loss_tol, grad_tol, dtype, int(rerouted))
+                _explain(
+                    module, len(docs), sp, loss_err, grad_err, leak, loss_tol, grad_tol, dtype, int(rerouted), wheres[sp]
+                )
             )
     return {sp: LayoutResult(*e[:3], int(e[3])) for sp, e in zip(results, worst.tolist())}
 
@@ -332,9 +334,10 @@ def _leak(module, embed, pack, device) -> float:
 
 def _packed_errors(
     module, embed, reference, pack, device, used: set[int], excuse: bool
-) -> tuple[float, float, int, int]:
+) -> tuple[float, float, int, int, str]:
     """(relative loss error, relative input-gradient error: embeddings, and pixels when the pack has
-    images; documents left out, documents rerouted) of this rank's shard of the pack. With ``excuse``, the
+    images; documents left out, documents rerouted, where this shard's embedding gradients differ most)
+    of this rank's shard of the pack. With ``excuse``, the
     documents whose tokens chose other experts by a rounding tie (``_rerouted``) are left out when they
     are at most half of them: the pack runs again with their loss weighted 0."""
     n_docs = len(pack["docs"])
@@ -359,6 +362,12 @@ def _packed_errors(
     want_loss = ce_ref[part].sum()
     loss_err = abs(loss.item() - want_loss.item()) / max(abs(want_loss.item()), 1e-12)
     errors = [_errors(grad[0], grad_ref[part])]
+    row = int((grad[0].double() - grad_ref[part]).abs().amax(-1).argmax())
+    k, at = int(pack["doc_of"][row]), int(part[row])
+    where = (
+        f", most at token {at - bounds[k]} of document {k} ({bounds[k + 1] - bounds[k]} tokens long)"
+        if k < n_docs else ""
+    )  # fmt: skip
     for key, got in grad_pixels.items():  # laid out (and tile-padded) as the pack lays out the pixels
         parts = [
             {key: reference[i]["pixels"][key].cpu() * float(keep[k])}
@@ -366,7 +375,7 @@ def _packed_errors(
         ]  # fmt: skip
         want = collate_media(parts, [0] * len(parts), 0)[key].to(device)
         errors.append(_errors(got, want))
-    return loss_err, max(errors), left_out, int(rerouted.sum())
+    return loss_err, max(errors), left_out, int(rerouted.sum()), where
 
 
 # A rounding tie reroutes a token or two of a document (in one layer or the next); a packing error, most.
@@ -467,7 +476,9 @@ def _agree(errors: np.ndarray, device) -> np.ndarray:
     return errors
 
 
-def _explain(module, n_docs, sp, loss_err, grad_err, leak, loss_tol, grad_tol, dtype, rerouted: int = 0) -> str:
+def _explain(
+    module, n_docs, sp, loss_err, grad_err, leak, loss_tol, grad_tol, dtype, rerouted: int = 0, where: str = ""
+) -> str:
     family = module.model.config.model_type
     if leak > LEAK_TOLERANCE:
         suspects = sorted({type(m).__name__ for m in module.model.modules() if _suspect(type(m).__name__)})
@@ -488,7 +499,7 @@ def _explain(module, n_docs, sp, loss_err, grad_err, leak, loss_tol, grad_tol, d
     if not np.isnan(loss_err):  # a leak stops the check before the comparison with the documents alone
         measured[:0] = [
             f"summed loss by {loss_err:.2e} (tolerance {loss_tol:.0e})",
-            f"input gradients by {grad_err:.2e} of their largest value (tolerance {grad_tol:.0e})",
+            f"input gradients by {grad_err:.2e} of their largest value (tolerance {grad_tol:.0e}){where}",
         ]
     if rerouted:
         measured.append(f"tokens of {rerouted} of the {n_docs} documents chose other experts packed than alone")

@@ -149,15 +149,17 @@ def test_a_token_rerouted_by_a_rounding_tie_leaves_its_document_out_of_a_bf16_se
     Here one token of the second document is sent to other experts in the pack only: in bf16 that document
     is left out and named (the others still compared); in fp32 the same is a failure that says so."""
     module = moe_module()
-    row = int(pack_bounds(module)[1]) + 3
+    bounds = pack_bounds(module)
+    row = int(bounds[1]) + 3
     clean = run_self_check(module, [1], autocast=bf16, max_len=LONGEST_PACK)[1]
     assert clean.left_out == 0
     with contextlib.closing(Removing(reroute(module, [row]))):
         result = run_self_check(module, [1], autocast=bf16, max_len=LONGEST_PACK)[1]
         assert result.left_out == 1 and result.leak == 0.0
         assert result.loss < 2e-2 and result.grads < 1.5e-1
-        with pytest.raises(SelfCheckError, match="tokens of 1 of the 7 documents chose other experts"):
+        with pytest.raises(SelfCheckError, match="tokens of 1 of the 7 documents chose other experts") as refused:
             run_self_check(module, [1], max_len=LONGEST_PACK)
+        assert f"most at token 3 of document 1 ({bounds[2] - bounds[1]} tokens long)" in str(refused.value)
 
 
 def test_rerouting_beyond_a_tie_is_compared_not_excused():
