@@ -22,12 +22,12 @@ too (it reaches the vision tower and the projector).
 
 A mixture-of-experts model in bf16 or fp16 may send a token to other experts packed than alone: its
 router's scores for two experts tie within rounding, and the pack's other matmul shapes round them
-otherwise (an H100 did so for one of ~200 tokens of GPT-OSS, Mixtral). That token's document then
-differs by tens of percent with nothing wrong in the packing, so the experts each token chose are
-recorded in both runs (transformers' experts modules take them as ``top_k_index``) and a document
-whose tokens chose differently is left out of the comparison, named in the result; more than half of
-them rerouted, or any in fp32, is a failure (a packing error moves every token). The leak check keeps
-every document.
+otherwise (an H100 did so for one of 143 tokens of a tiny Mixtral, moving its expert gradients 31%).
+That token's document then differs by tens of percent with nothing wrong in the packing, so the experts
+each token chose are recorded in both runs (transformers' experts modules take them as ``top_k_index``)
+and a document where a token or two chose differently is left out of the comparison and counted; more
+rerouting, more than half of the documents, or any in fp32 is compared (a packing error moves most
+tokens) and named in the failure. The leak check keeps every document.
 
 The summed cross-entropy and the gradient with respect to the input embeddings (which reaches
 every layer) must agree within the dtype's tolerance, and the packed path must use exactly the
@@ -337,9 +337,9 @@ def _packed_errors(
 ) -> tuple[float, float, int, int, str]:
     """(relative loss error, relative input-gradient error: embeddings, and pixels when the pack has
     images; documents left out, documents rerouted, where this shard's embedding gradients differ most)
-    of this rank's shard of the pack. With ``excuse``, the
-    documents whose tokens chose other experts by a rounding tie (``_rerouted``) are left out when they
-    are at most half of them: the pack runs again with their loss weighted 0."""
+    of this rank's shard of the pack. With ``excuse``, the documents a rounding tie sent a token or two of
+    to other experts (``_rerouted``) are left out while they are at most half of them: the pack runs
+    again with their loss weighted 0."""
     n_docs = len(pack["docs"])
     loss, grad, grad_pixels, routes = _packed_run(module, embed, pack, 1.0, used)
     counts = _agree(_rerouted(reference, pack, routes), device)  # every rank decides alike (ZeRO-3 gathers)
