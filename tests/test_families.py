@@ -144,8 +144,8 @@ def bf16():
 
 
 def test_a_token_rerouted_by_a_rounding_tie_leaves_its_document_out_of_a_bf16_self_check():
-    """An H100 refused GPT-OSS in bf16: one token chose other experts packed than alone (a tie of its
-    router's scores, rounded otherwise in the pack's matmul shapes) and moved the input gradients 20%.
+    """On an H100 one token of a tiny Mixtral chose other experts packed in bf16 than alone (a tie of its
+    router's scores, rounded otherwise in the pack's matmul shapes) and moved its expert gradients 31%.
     Here one token of the second document is sent to other experts in the pack only: in bf16 that document
     is left out and named (the others still compared); in fp32 the same is a failure that says so."""
     module = moe_module()
