@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks in one device call (~6-7 minutes on an H100; 2026-11-27 ran this plan, less the profile, in
+# The GPU checks in one device call (~7 minutes on an H100; 2026-11-27 ran this plan, less the profile, in
 # 294 s): the two halves of `pytest -m gpu` beside the image tests and the proof's vlm part (transformers 5.24
 # from .whl/vlm/ where the image's is older than 5.18), then the 1B throughput alone (lit-hbp beside HF
 # Trainer, the memory model) and a profile of its 4K level.
 # Here first: bash bench/gpu_wheels.sh. Device run: carry [".whl", "demo_data"], `bash bench/gpu_checks.sh`.
-# Nine files come back in $OUT: env.txt (the timeline), t_attn.log, t_other.log, t_vis.log, vlm/proof.*, throughput.log,
-# profile.log (Lightning's per-hook host times of the 4K level).
+# Ten files come back in $OUT: env.txt (the timeline), t_attn.log, t_other.log, t_vis.log, vlm/proof.*, throughput.log,
+# profile.log and profile_auto.log (Lightning's per-hook host times of the 4K level, with and without DeepSpeed).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_checks}; mkdir -p "$OUT"
@@ -33,4 +33,9 @@ timeout 90 python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml -
     --data.demo_dir=demo_data '--data.levels=[{pack_len: 4096}]' --data.over_length=truncate --trainer.profiler=simple \
     > $OUT/profile.log 2>&1
 at "profile exit $?"
+# The same level without DeepSpeed (one GPU: ZeRO-2 shards nothing, its hooks and step are host time only).
+timeout 90 python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml --steps 12 --warmup 4 --modes hbp \
+    --data.demo_dir=demo_data '--data.levels=[{pack_len: 4096}]' --data.over_length=truncate --trainer.profiler=simple \
+    --trainer.strategy=auto > $OUT/profile_auto.log 2>&1
+at "profile without DeepSpeed exit $?"
 cat $OUT/env.txt
