@@ -107,10 +107,11 @@ def test_readme_family_table_matches_what_the_checks_decide():
     assert sum(observed[f] == "exact" for f in NAMED) >= 18
 
 
-def reroute(module, rows):
-    """Hook the first experts module: in the packed pass only (more rows than any document alone), the
-    tokens at ``rows`` of the pack go to the next experts. What a rounding tie does to one token, or a
-    packing error to a whole document."""
+@contextlib.contextmanager
+def rerouted(module, rows):
+    """While active, the first experts module sends the tokens at ``rows`` of the pack to the next experts,
+    in the packed pass only (more rows than any document alone). What a rounding tie does to one token, or
+    a packing error to a whole document."""
     from lit_hbp.selfcheck import _experts_calls
 
     experts, arg, pos = _experts_calls(module.model)[0]
@@ -124,7 +125,11 @@ def reroute(module, rows):
         moved[rows] = (moved[rows] + 1) % mod.num_experts
         return (*args[:pos], moved.reshape(idx.shape), *args[pos + 1 :]), kwargs
 
-    return experts.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = experts.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def moe_module():
@@ -153,7 +158,7 @@ def test_a_token_rerouted_by_a_rounding_tie_leaves_its_document_out_of_a_bf16_se
     row = int(bounds[1]) + 3
     clean = run_self_check(module, [1], autocast=bf16, max_len=LONGEST_PACK)[1]
     assert clean.left_out == 0
-    with contextlib.closing(Removing(reroute(module, [row]))):
+    with rerouted(module, [row]):
         result = run_self_check(module, [1], autocast=bf16, max_len=LONGEST_PACK)[1]
         assert result.left_out == 1 and result.leak == 0.0
         assert result.loss < 2e-2 and result.grads < 1.5e-1
@@ -171,20 +176,10 @@ def test_rerouting_beyond_a_tie_is_compared_not_excused():
     bounds = pack_bounds(module)
     k = int(np.argmax(np.diff(bounds)))
     for rows, named in [(list(range(bounds[k], bounds[k + 1])), 1), ([int(b) + 1 for b in bounds[:4]], 4)]:
-        with contextlib.closing(Removing(reroute(module, rows))):
+        with rerouted(module, rows):
             assert run_self_check(module, [1], autocast=bf16, max_len=LONGEST_PACK)[1].left_out == 0
             with pytest.raises(SelfCheckError, match=f"tokens of {named} of the 7 documents chose other experts"):
                 run_self_check(module, [1], max_len=LONGEST_PACK)
-
-
-class Removing:
-    """A hook handle that ``contextlib.closing`` removes."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def close(self):
-        self.handle.remove()
 
 
 def rerouted_samples(module, ref, samples, device="cuda") -> set[int]:
