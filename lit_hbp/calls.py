@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ATTN_NAME = "hbp_varlen"
+TOWER_NAME = "hbp_tower_flash_varlen"  # a vision tower's (``lit_hbp.attention.tower``): "flash" gets its images' bounds
 _local = threading.local()
 
 

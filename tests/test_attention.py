@@ -18,12 +18,12 @@ from lit_hbp.attention.flex import tile_masks
 from lit_hbp.packed_call import record_of
 
 
-def dense_reference(q, k, v, cu, scale, window=None, softcap=None, sinks=None):
+def dense_reference(q, k, v, cu, scale, window=None, softcap=None, sinks=None, causal=True):
     """fp64, the whole pack at once: a T x T mask from document ids (causal, same document, window)."""
     total = q.shape[2]
     doc = np.repeat(np.arange(len(cu) - 1), np.diff(np.asarray(cu)))
     i = np.arange(total)
-    keep = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])
+    keep = (doc[:, None] == doc[None, :]) & ((i[None, :] <= i[:, None]) | (not causal))
     if window is not None:
         keep &= i[:, None] - i[None, :] < window
     keep = torch.as_tensor(keep)
@@ -112,9 +112,12 @@ def test_compiled_flex_lowers_the_windowed_mask_on_cpu(feats):
     torch.testing.assert_close(out.double(), dense_reference(q, k, v, cu, 0.4, **feats), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 1, 20, 130, 400])
+@pytest.mark.parametrize(("window", "causal"), [(None, True), (1, True), (20, True), (130, True), (400, True),
+                                               (None, False)])  # fmt: skip
 @pytest.mark.parametrize("seed", range(4))
-def test_flex_tiles_equal_torchs_create_block_mask(seed, window):
+def test_flex_tiles_equal_torchs_create_block_mask(seed, window, causal):
+    """Causal (with windows) and both ways (a vision tower's images): the tiles torch marks, for random packs
+    with documents of every size against 16-wide tiles (one document per tile, several, a long one over many)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     rng = np.random.default_rng(seed)
@@ -124,11 +127,11 @@ def test_flex_tiles_equal_torchs_create_block_mask(seed, window):
     doc = torch.as_tensor(np.repeat(np.arange(len(cu) - 1), np.diff(cu.numpy())))
 
     def mask_mod(b, h, q_idx, kv_idx):
-        keep = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        keep = (doc[q_idx] == doc[kv_idx]) & ((q_idx >= kv_idx) | (not causal))
         return keep & (q_idx - kv_idx < window) if window is not None else keep
 
     expected = create_block_mask(mask_mod, None, None, total, total, device="cpu", BLOCK_SIZE=16)
-    partial, full = tile_masks(cu, total, window, block=16)
+    partial, full = tile_masks(cu, total, window, block=16, causal=causal)
     nb = partial.shape[0]
     dense = expected.to_dense()[0, 0, :nb, :nb].bool()  # full and partial tiles
     assert torch.equal(partial | full, dense), (cu.tolist(), window)
@@ -296,6 +299,46 @@ def install_fake(monkeypatch, module: str, fn) -> None:
     mod.__spec__ = importlib.machinery.ModuleSpec(module, None)
     mod.flash_attn_varlen_func = fn
     monkeypatch.setitem(sys.modules, module, mod)
+
+
+BOTH_WAYS = ["sdpa", "eager", "flex", "torch_varlen 2.10", "torch_varlen 2.11", "torch_varlen 2.13", "flash_attn",
+             "flash_attn_3", "flash_attn_4"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", BOTH_WAYS)
+def test_every_backend_attends_both_ways_inside_each_document_when_asked(monkeypatch, kernel):
+    """``AttnArgs(causal=False)`` (a vision tower's images, ``lit_hbp.attention.tower``): each backend's run,
+    the GPU kernels as their upstream signatures on CPU (flex: its CPU forward), gives the dense reference
+    with every key of the document seen, the output's gradients too where CPU differentiates it."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    name, _, version = kernel.partition(" ")
+    if version:
+        import torch.nn.attention.varlen as varlen_module
+
+        monkeypatch.setattr(varlen_module, "varlen_attn", TORCH_VARLEN[version])
+    fakes = {"flash_attn": ("flash_attn", flash2), "flash_attn_3": ("flash_attn_interface", flash3),
+             "flash_attn_4": ("flash_attn.cute", flash4)}  # fmt: skip
+    if name in fakes:
+        install_fake(monkeypatch, *fakes[name])
+    q, k, v, cu = random_pack(5, hq=4, hkv=4 if version in ("2.10", "2.11") else 2)
+    grads = name in ("sdpa", "eager")  # the GPU kernels' backward is theirs (flex has none on CPU)
+    ins = [x.clone().requires_grad_(grads) for x in (q, k, v)]
+    args = AttnArgs(torch.tensor(cu, dtype=torch.int32), max(np.diff(cu)), 0.31, causal=False)
+    run = (lambda *a: backends.flex_run(*a, fn=flex_attention)) if name == "flex" else REGISTRY[name].run
+    out = run(*ins, args)
+    ref_in = [x.clone().double().requires_grad_() for x in (q, k, v)]
+    ref = dense_reference(*ref_in, cu, 0.31, causal=False)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ref, dense_reference(q, k, v, cu, 0.31)), "both ways differs from causal"
+    if grads:
+        w = torch.randn_like(ref)
+        (out.double() * w).sum().backward()
+        (ref * w).sum().backward()
+        for a, b in zip(ins, ref_in):
+            torch.testing.assert_close(a.grad.double(), b.grad, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="no sliding window"):
+        AttnArgs(args.cu, args.max_len, 0.31, window=4, causal=False)
 
 
 def test_flash_attn_versions_are_preferred_and_adapted(monkeypatch):

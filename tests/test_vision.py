@@ -39,10 +39,10 @@ def folders(tmp_path_factory):
     return {family: build(root / family) for family, build in BUILDERS.items()}
 
 
-def pair(folder):
+def pair(folder, backend: str = "auto"):
     """(the unprepared model with eager attention, a prepared copy with the same weights), fp32."""
     reference = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
-    model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float())
+    model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float(), attn_backend=backend)
     model.load_state_dict(reference.state_dict())
     return reference, model
 
@@ -203,27 +203,126 @@ def test_a_tower_encodes_a_packs_images_with_the_calls_flash_attention_where_cho
     assert not seen, "outside a packed call the tower runs its own attention"
 
 
-def test_the_tower_runs_flash_only_where_the_language_model_runs_its_kernel(monkeypatch):
-    """``tower_attention``: transformers' flash implementation of the kernel the packed calls choose on a
-    CUDA device in half precision; the tower's own attention on a CPU, in fp32, or beside another kernel."""
+def test_the_tower_runs_the_language_models_varlen_kernel_where_its_packed_calls_run_one(monkeypatch):
+    """``tower_attention``: on a CUDA device, transformers' flash implementation of flash-attn 2 and 3 and
+    lit-hbp's tower attention for the other one-kernel backends (flash-attn 4, torch's varlen, Flex: fp32
+    too); the tower's own attention on a CPU and beside the per-document loops (sdpa, eager)."""
     from lit_hbp.attention import backends
+    from lit_hbp.calls import TOWER_NAME
 
     for chosen, want in [("flash_attn", "flash_attention_2"), ("flash_attn_3", "flash_attention_3"),
-                         ("flash_attn_4", None), ("torch_varlen", None), ("sdpa", None)]:  # fmt: skip
+                         ("flash_attn_4", TOWER_NAME), ("torch_varlen", TOWER_NAME), ("flex", TOWER_NAME),
+                         ("sdpa", None), ("eager", None)]:  # fmt: skip
         monkeypatch.setattr(backends, "decide", lambda *a, chosen=chosen: (chosen, "forced"))
         assert backends.tower_attention("auto", "cuda", torch.bfloat16) == want
-        assert backends.tower_attention("auto", "cuda", torch.float32) is None
         assert backends.tower_attention("auto", "cpu", torch.bfloat16) is None
 
 
+def counted_tower_calls(monkeypatch, backend: str) -> list:
+    """The document offsets of every both-ways (tower) call of ``backend``'s kernel, noted as it runs."""
+    import dataclasses
+
+    from lit_hbp.attention import backends
+
+    seen: list = []
+    kernel = backends.REGISTRY[backend]
+
+    def run(q, k, v, a):
+        if not a.causal:
+            seen.append(a.cu.tolist())
+        return kernel.run(q, k, v, a)
+
+    monkeypatch.setitem(backends.REGISTRY, backend, dataclasses.replace(kernel, run=run))
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next"])
+def test_lit_hbps_tower_attention_encodes_all_of_a_packs_images_in_one_kernel_call_a_layer(
+    folders, family, backend, monkeypatch
+):
+    """lit-hbp's tower attention (what a tower runs on a GPU beside torch's varlen, Flex or flash-attn 4),
+    forced here on CPU over the model's backend setting: every tower layer encodes all of the pack's images
+    in one call of that backend's kernel, both ways inside each image (Qwen's by their ``cu_seqlens``,
+    Qwen2.5-VL's windowed layers by their windows; LLaVA-NeXT's tiles one document each), again in the
+    checkpoint's recomputation, and the loss and every gradient stay the records alone's."""
+    from lit_hbp.attention import backends
+    from lit_hbp.calls import TOWER_NAME
+
+    monkeypatch.setattr(backends, "tower_attention", lambda *a: TOWER_NAME)
+    seen = counted_tower_calls(monkeypatch, backend)
+    folder = folders[family]
+    reference = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
+    model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float(), attn_backend=backend)
+    model.load_state_dict(reference.state_dict())
+    records = [trained(r, reference.config) for r in three_records(folder)]
+    want = alone_ce(reference, records)
+    want.backward()
+    layers = len(record_of(model).blocks)
+    for ckpt in (0, 1):
+        model.zero_grad(set_to_none=True)
+        seen.clear()
+        out = packed_loss(model, pack_samples(records, model=model).replace(ckpt_layers=ckpt), "sum")
+        forwards = len(seen)
+        out.loss.backward()
+        assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
+        assert assert_same_grads(model, reference) > 0
+        assert forwards == layers and len(seen) == (2 if ckpt else 1) * forwards, (forwards, layers, len(seen))
+        if family.startswith("qwen"):  # the pack's three images in one call (windows: at least as many)
+            assert any(len(cu) == 4 for cu in seen) and all(len(cu) >= 4 for cu in seen), seen
+        else:  # LLaVA(-NeXT): every image (tile) of the pack, one document each
+            assert len(set(map(len, seen))) == 1 and len(seen[0]) >= 4, seen
+    seen.clear()
+    with torch.no_grad():
+        model(**{k: v for k, v in records[0].items() if k != "labels"}, use_cache=False)
+    assert not seen, "outside a packed call the tower runs its own attention"
+
+
+def test_the_tower_attention_takes_a_padding_mask_as_flash_does_and_refuses_what_it_cannot_do():
+    """Called as a tower calls a flash implementation: rows of patches, a [batch, patches] padding mask
+    (each row's kept patches attend both ways among themselves, padded rows give zeros), against sdpa per
+    row; a 4-D mask, weights asked back or an unknown keyword are refused by name."""
+    from lit_hbp.attention.tower import tower_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 7, 8, generator=g) for _ in range(3))
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 4:] = False
+    mask[2, 1:] = False
+    module = torch.nn.Module().eval()
+    out, weights = tower_attention(module, q, k, v, mask, scaling=0.4, is_causal=False)
+    assert weights is None and out.shape == (3, 7, 2, 8)
+    for b in range(3):
+        n = int(mask[b].sum())
+        want = F.scaled_dot_product_attention(q[b : b + 1, :, :n], k[b : b + 1, :, :n], v[b : b + 1, :, :n], scale=0.4)
+        torch.testing.assert_close(out[b, :n], want[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        assert not out[b, n:].any()
+    whole, _ = tower_attention(module, q, k, v, None, scaling=0.4)
+    torch.testing.assert_close(whole, F.scaled_dot_product_attention(q, k, v, scale=0.4).transpose(1, 2))
+    with pytest.raises(NotImplementedError, match=r"\[batch, patches\]"):
+        tower_attention(module, q, k, v, torch.zeros(3, 1, 7, 7))
+    with pytest.raises(NotImplementedError, match="attention weights"):
+        tower_attention(module, q, k, v, None, output_attentions=True)
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        tower_attention(module, q, k, v, None, sliding_window=4)
+
+
+@pytest.mark.parametrize("tower", ["own", "lit-hbp"])
 @pytest.mark.parametrize("family", DEFAULT_BUILT)
-def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone(tmp_path, family):
+def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone(tmp_path, family, tower, monkeypatch):
     """Families built from transformers' default config (shrunk): two records with an image each and a
     text-only record (and a 4-frame video's record, for the video families), packed, give the records
-    alone's summed cross-entropy (1e-5) and every gradient, the tower's included (1e-4). Aya Vision and
-    Cohere2-Vision: their forward leaves the Cohere 2 language model's logit_scale unapplied, and so
-    does the pack's loss."""
+    alone's summed cross-entropy (1e-5) and every gradient, the tower's included (1e-4); with the tower's own
+    attention (a CPU's) and with lit-hbp's tower attention (a GPU's beside torch's varlen, Flex, flash-attn
+    4; here on the CPU's kernel). Aya Vision and Cohere2-Vision: their forward leaves the Cohere 2 language
+    model's logit_scale unapplied, and so does the pack's loss."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from lit_hbp.attention import backends
+    from lit_hbp.calls import TOWER_NAME
+
+    if tower == "lit-hbp":
+        monkeypatch.setattr(backends, "tower_attention", lambda *a: TOWER_NAME)
 
     if family not in CONFIG_MAPPING_NAMES:  # the supported range starts at 5.10, which predates some families
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
@@ -390,17 +489,22 @@ def test_pack_inputs_give_each_records_logits_prepared_or_not(folders, family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["auto", "flex"])
 @pytest.mark.parametrize("family", EXACT)
-def test_a_pack_of_image_records_on_cuda_in_bf16_matches_each_record_alone(folders, family):
-    """On a GPU, fp32 weights under bf16 autocast with the backend chosen there (the vision tower with its
-    own attention): the packed loss and every gradient as close to the records alone through the
+def test_a_pack_of_image_records_on_cuda_in_bf16_matches_each_record_alone(folders, family, backend):
+    """On a GPU, fp32 weights under bf16 autocast with the backend chosen there and with Flex (the vision
+    tower on the same kernel: transformers' flash beside flash-attn 2/3, lit-hbp's tower attention beside
+    torch's varlen and Flex, its images in one call a layer): the packed loss and every gradient as close to the records alone through the
     unprepared model with eager attention in fp32 as that model's own bf16 run of them is (1% or twice
     its error for the loss, 5% or twice for each gradient). On transformers before 5.18 (the GPU image's
     5.17) a pack with images is refused, naming the version to install."""
     import transformers
     from packaging.version import Version
 
-    reference, model = pair(folders[family])
+    from lit_hbp.attention import backends
+
+    assert backends.tower_attention(backend, "cuda", torch.bfloat16) is not None, "the tower on the call's kernel"
+    reference, model = pair(folders[family], backend)
     records = [trained(r, reference.config) for r in three_records(folders[family])]
     batch = pack_samples(records, model=model).to("cuda")  # positions numbered on the host, then moved
     reference.cuda()

@@ -453,3 +453,4 @@ def varlen_attention(
 
 
 AttentionInterface.register(ATTN_NAME, varlen_attention)
+from lit_hbp.attention import tower  # noqa: E402,F401  (registers a vision tower's attention, calls.TOWER_NAME)

@@ -1,6 +1,7 @@
 """Attention kernels for one packed row, as a registry: name -> (can it run here, what it supports, run).
 
-Every backend computes causal attention inside each document of a pack: q [1, Hq, T, D] and k/v
+Every backend computes causal attention inside each document of a pack (a vision tower's images attend
+both ways inside each: ``AttnArgs.causal``): q [1, Hq, T, D] and k/v
 [1, Hkv, T, D] (grouped-query heads not repeated) -> [1, Hq, T, D], the documents given by
 ``cu_seqlens`` (int32, on q's device). A call may also need a sliding ``window`` (a token sees
 itself and the window - 1 tokens before it), logit ``softcap`` (softcap * tanh(score / softcap)),
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from packaging.version import InvalidVersion, Version
 
 from lit_hbp.attention.flex import cross_block_mask, document_block_mask
+from lit_hbp.calls import TOWER_NAME
 
 FEATURES = ("window", "softcap", "sinks", "dropout")
 HALF = (torch.float16, torch.bfloat16)
@@ -62,6 +64,13 @@ class AttnArgs:
     dropout: float = 0.0
     cu_k: torch.Tensor | None = None
     max_len_k: int | None = None
+    causal: bool = True
+    """False: each document attends both ways (a vision tower's images, ``lit_hbp.attention.tower``), taken
+    by every backend's ``run``; the LSE pairs serve the language model's causal calls only."""
+
+    def __post_init__(self) -> None:
+        if not self.causal and (self.window is not None or self.cu_k is not None):
+            raise ValueError("attention both ways takes no sliding window and no key ranges of its own")
 
     @property
     def keys_cu(self) -> torch.Tensor:
@@ -383,7 +392,7 @@ def _flash_documents(a: AttnArgs) -> dict:
 def _flash_run(name: str):
     def run(q, k, v, a: AttnArgs) -> torch.Tensor:
         # causal is bottom-right aligned when keys outnumber queries (flash-attn >= 2.1)
-        kw = dict(_flash_documents(a), causal=True)
+        kw = dict(_flash_documents(a), causal=a.causal)
         if a.window is not None:
             kw["window_size"] = (a.window - 1, 0)
         if a.softcap:
@@ -444,9 +453,9 @@ def _torch_varlen_run(q, k, v, a: AttnArgs, **extra):
             group = q.shape[1] // k.shape[1]
             k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
     if "window_size" in params:
-        kw["window_size"] = (a.window - 1 if a.window is not None else -1, 0)
+        kw["window_size"] = (a.window - 1 if a.window is not None else -1, 0 if a.causal else -1)
     else:
-        kw["is_causal"] = True
+        kw["is_causal"] = a.causal
     res = fn(_flat(q), _flat(k), _flat(v), a.cu, a.keys_cu, a.max_len, a.keys_max_len, **kw)
     return (_unflat(res[0]), res[1]) if extra else _unflat(res)
 
@@ -479,7 +488,7 @@ def flex_run(q, k, v, a: AttnArgs, fn=None) -> torch.Tensor:
     head, softmax over the tokens and the sink scales the tokens-only output by sigmoid(lse - s)."""
     fn = fn or _flex_fn()
     if a.cu_k is None:
-        block_mask = document_block_mask(a.cu, q.shape[2], a.window)
+        block_mask = document_block_mask(a.cu, q.shape[2], a.window, causal=a.causal)
     else:
         block_mask = cross_block_mask(a.cu, a.cu_k, q.shape[2], k.shape[2], a.window)
     score_mod = None
@@ -528,7 +537,7 @@ def _sdpa_run(q, k, v, a: AttnArgs) -> torch.Tensor:
         if n != m or (a.window is not None and n > a.window):
             kwargs = dict(attn_mask=_band(n, a.window, q.device, m))
         else:
-            kwargs = dict(is_causal=True)
+            kwargs = dict(is_causal=a.causal)
         outs.append(
             F.scaled_dot_product_attention(
                 q[:, :, qs], k[:, :, ks], v[:, :, ks], dropout_p=a.dropout, scale=a.scale, enable_gqa=gqa, **kwargs
@@ -563,7 +572,8 @@ def eager_run(q, k, v, a: AttnArgs) -> torch.Tensor:
         scores = (qs @ ks.transpose(-1, -2)).to(torch.promote_types(qs.dtype, torch.float32)) * a.scale
         if a.softcap:
             scores = a.softcap * torch.tanh(scores / a.softcap)
-        scores = scores.masked_fill(~_band(n, a.window, q.device, m), float("-inf"))
+        if a.causal:
+            scores = scores.masked_fill(~_band(n, a.window, q.device, m), float("-inf"))
         if a.sinks is not None:
             sink = a.sinks.to(scores.dtype).reshape(-1, 1, 1).expand(-1, n, 1)
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
@@ -1071,19 +1081,24 @@ def choose(device_type: str, dtype: torch.dtype, needs: frozenset[str]) -> tuple
 
 # transformers' own attention for a vision tower, by the lit-hbp backend whose kernel it runs
 TOWER_FLASH = {"flash_attn": "flash_attention_2", "flash_attn_3": "flash_attention_3"}
+# backends that run every document of a call in one kernel: a tower takes them through lit-hbp's tower attention
+ONE_KERNEL = frozenset({"flash_attn_4", "torch_varlen", "flex", *TOWER_FLASH})
 
 
 def tower_attention(backend: str, device_type: str, dtype: torch.dtype) -> str | None:
-    """The attention a vision tower runs in a packed call: transformers' varlen flash implementation of the
-    kernel the language model's packed calls choose on ``device_type`` in ``dtype`` (its images in one
-    kernel call a layer, Qwen's by their ``cu_seqlens``), where transformers registers it; None (the
-    tower's own attention) on a CPU, in fp32 (flash kernels take half precision only) or another backend."""
-    if device_type != "cuda" or dtype not in HALF:
+    """The attention a vision tower runs in a packed call: where the language model's packed calls run a
+    varlen kernel on ``device_type`` in ``dtype``, that kernel over all of a pack's images in one call a
+    layer (Qwen's towers by their ``cu_seqlens``): transformers' flash implementation of flash-attn 2 and 3,
+    lit-hbp's tower attention (``lit_hbp.attention.tower``) for the others. None (the tower's own
+    attention) where the packed calls loop over documents (a CPU, sdpa, eager): the tower's own is as fast."""
+    if device_type != "cuda":
         return None
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    impl = TOWER_FLASH.get(decide(backend, device_type, dtype, frozenset())[0])
-    return impl if impl is not None and impl in ALL_ATTENTION_FUNCTIONS else None
+    name = decide(backend, device_type, dtype, frozenset())[0]
+    if TOWER_FLASH.get(name) in ALL_ATTENTION_FUNCTIONS:
+        return TOWER_FLASH[name]
+    return TOWER_NAME if name in ONE_KERNEL else None
 
 
 @cache

@@ -1,4 +1,5 @@
-"""The FlexAttention block mask of a pack: causal attention inside each document (and a window).
+"""The FlexAttention block mask of a pack: causal attention inside each document (and a window), or
+attention both ways inside each (a vision tower's images).
 
 Built from ``cu_seqlens`` on the device at block granularity (128 x 128 tiles), never evaluating
 the T x T mask: a 128K pack has 1024 x 1024 tiles. Tile (i, j) of query block i and key block j
@@ -23,20 +24,25 @@ def document_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
     return torch.searchsorted(cu[1:].contiguous(), positions, right=True)
 
 
-def tile_masks(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK):
+def tile_masks(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK, causal: bool = True):
     """(partial, full): [nb, nb] bool tile maps of the pack's mask, nb = ceil(total / block)."""
     doc = document_ids(cu, total)
     nb = -(-total // block)
     start = torch.arange(nb, device=cu.device) * block
     end = torch.clamp(start + block, max=total) - 1
     first, last = doc[start], doc[end]
+    complete = end - start == block - 1  # a short last block stays partial, as torch marks it
+    if not causal:  # tiles whose document ranges overlap; full where both blocks are all one document
+        some = (first[None, :] <= last[:, None]) & (last[None, :] >= first[:, None])
+        one = (first == last) & complete
+        full = one[:, None] & one[None, :] & (first[:, None] == first[None, :])
+        return some & ~full, full
     i, j = start[:, None] // block, start[None, :] // block
     below = j < i
     # Documents are contiguous, so key block j < i shares a document with query block i iff j's
     # last document is i's first, and is all one document with it iff j's first is i's last.
     some = (j == i) | (below & (last[None, :] == first[:, None]))
     full = below & (first[None, :] == last[:, None])
-    complete = end - start == block - 1  # a short last block stays partial, as torch marks it
     full &= complete[:, None] & complete[None, :]
     if window is not None:
         nearest = start[:, None] - end[None, :]  # smallest query - key distance in the tile
@@ -71,30 +77,34 @@ def block_mask(partial: torch.Tensor, full: torch.Tensor, block: int, mask_mod, 
     )  # fmt: skip
 
 
-def document_block_mask(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK):
+def document_block_mask(
+    cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK, causal: bool = True
+):
     """The BlockMask of a pack with documents ``cu`` (global cu_seqlens) over ``total`` positions, built
     on its first use per window and kept on ``cu`` itself: every layer of the pack's forward and
     backward shares it, and it goes when the pack's tensors go (no module state holds a pack)."""
     if block != BLOCK:
-        return build_block_mask(cu, total, window, block)
+        return build_block_mask(cu, total, window, block, causal)
     masks = cu.__dict__.setdefault(MASKS, {})
-    if (total, window) not in masks:
-        masks[(total, window)] = build_block_mask(cu, total, window)
-    return masks[(total, window)]
+    if (total, window, causal) not in masks:
+        masks[(total, window, causal)] = build_block_mask(cu, total, window, causal=causal)
+    return masks[(total, window, causal)]
 
 
-def build_block_mask(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK):
-    """A new BlockMask of documents ``cu`` over ``total`` positions."""
+def build_block_mask(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK, causal: bool = True):
+    """A new BlockMask of documents ``cu`` over ``total`` positions (causal, or both ways)."""
 
     doc = document_ids(cu, total)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        keep = (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        keep = doc[q_idx] == doc[kv_idx]
+        if causal:
+            keep = keep & (q_idx >= kv_idx)  # not in place: inductor lowers a mask_mod pointwise
         if window is not None:
-            keep = keep & (q_idx - kv_idx < window)  # not in place: inductor lowers a mask_mod pointwise
+            keep = keep & (q_idx - kv_idx < window)
         return keep
 
-    partial, full = tile_masks(cu, total, window, block)
+    partial, full = tile_masks(cu, total, window, block, causal)
     return block_mask(partial, full, block, mask_mod, (total, total))
 
 
