@@ -4,6 +4,7 @@ price or probe a run before it starts (level auto-selection, benchmarks)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,14 @@ def read_config(path: str | Path) -> dict:
 def config_lengths(config: dict) -> tuple[np.ndarray, int, VisionLoad | None]:
     """Sample lengths of the config's data sources, the tokenizer's vocabulary size and, for a
     vision-language checkpoint's data with images or videos, what they give its tower (``VisionLoad``)."""
-    from lit_hbp.data.datamodule import load_renderers
+    return config_samples(config)[:3]
+
+
+def config_samples(config: dict) -> tuple[np.ndarray, int, VisionLoad | None, Any]:
+    """``config_lengths`` and, for data with images or videos, the samples themselves as a measured level
+    search packs them into its probes (``lit_hbp.data.datamodule.StoreSamples``, their images read by the
+    checkpoint's processor); None for text."""
+    from lit_hbp.data.datamodule import MediaInputs, StoreSamples, load_renderers
     from lit_hbp.data.media import vision_load
     from lit_hbp.data.sources import Source
     from lit_hbp.data.store import SampleStore
@@ -41,8 +49,10 @@ def config_lengths(config: dict) -> tuple[np.ndarray, int, VisionLoad | None]:
         for i, s in enumerate(sources)
     ]
     store = SampleStore.build(tokenized, max_len=None, seed=data.get("seed", 0))
-    vision = vision_load(store.media_pixels(), vlm_config) if store.has_media and vlm_config is not None else None
-    return store.lengths, len(tok), vision
+    media = store.has_media and vlm_config is not None
+    vision = vision_load(store.media_pixels(), vlm_config) if media else None
+    inputs = MediaInputs(processor, vlm_config, any(s.token_types for s in store.sources)) if media else None
+    return store.lengths, len(tok), vision, StoreSamples(store, inputs) if media else None
 
 
 def model_config(config: dict, vocab: int | None) -> dict | str:

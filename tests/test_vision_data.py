@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import HANG_S, console_script
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from vision_models import assert_same_grads, build_llava, build_qwen, image, needs_torchvision, three_records
@@ -544,11 +546,11 @@ def test_level_selection_at_fit_start_counts_the_runs_images(data, tmp_path):
     """A fit whose levels an AnalyticSelector chooses hands it its data's images: per sample the patches
     the processor cut (the encoded pixels of each image of the record, counted from the processor's own
     output here, over the tower's 4x4 patches) and their encoding's work (what the plan balances), and
-    trains on what it chose. A MeasuredSelector (its probes hold no images) and a selector of one's own
-    that takes no ``vision`` are refused at set-up, naming it."""
+    trains on what it chose. A selector of one's own that takes no ``vision`` is refused at set-up, naming
+    it."""
     from conftest import quiet_trainer
 
-    from lit_hbp.autoselect import AnalyticSelector, MeasuredSelector
+    from lit_hbp.autoselect import AnalyticSelector
     from lit_hbp.errors import ConfigError
     from lit_hbp.module import HBPLitModule
     from lit_hbp.packing.levels import LevelSelector
@@ -582,12 +584,10 @@ def test_level_selection_at_fit_start_counts_the_runs_images(data, tmp_path):
     cost, _ = module.cost_model(80 * 2**30)  # the fit-start memory check's model (on a GPU) counts them too
     assert cost.vision_trained and cost.vision_patches_per_token == vision.patches_per_token(dm.store.lengths)
     assert cost.model.vision is not None and cost.memory_parts(1024, 1, 0)["vision"] > 0
-    for levels, refused in [(MeasuredSelector(), "MeasuredSelector probes packs of text tokens"),
-                            (OwnSelector(), "OwnSelector.levels_for takes no vision argument")]:  # fmt: skip
-        dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=levels,
-                           cache_dir=str(tmp_path / "cache"), val_fraction=0)  # fmt: skip
-        with pytest.raises(ConfigError, match=refused):
-            quiet_trainer(max_steps=1).fit(HBPLitModule(model=str(folder)), datamodule=dm)
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=OwnSelector(),
+                       cache_dir=str(tmp_path / "cache"), val_fraction=0)  # fmt: skip
+    with pytest.raises(ConfigError, match="OwnSelector.levels_for takes no vision argument"):
+        quiet_trainer(max_steps=1).fit(HBPLitModule(model=str(folder)), datamodule=dm)
 
 
 @pytest.mark.slow
@@ -652,3 +652,86 @@ def test_gemma3_records_render_as_its_processor_does_and_fit_stops_naming_its_at
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "attend to each other both ways" in out.stderr.strip().splitlines()[-2], out.stderr[-2000:]
+
+
+@given(
+    lengths=st.lists(st.integers(1, 60), min_size=1, max_size=40),
+    patches=st.lists(st.integers(0, 90), min_size=40, max_size=40),
+    pack_len=st.integers(1, 200),
+)
+@settings(max_examples=200, deadline=None)
+def test_the_densest_probe_pack_holds_whole_samples_and_leaves_no_room_a_sample_fits(lengths, patches, pack_len):
+    """A measured probe's first pack (``densest_members``): whole samples the level holds, each once, within
+    the pack, with no sample left out that would still fit; with samples all one length, the ones with the
+    most patches (brute force: the best any choice of that many samples reaches)."""
+    from lit_hbp.autoselect.measured import densest_members
+
+    lengths, patches = np.array(lengths), np.array(patches[: len(lengths)])
+    take = densest_members(lengths, patches, pack_len)
+    assert len(set(take.tolist())) == take.size and lengths[take].sum() <= pack_len
+    left = np.setdiff1d(np.arange(lengths.size), take)
+    assert not (lengths[left] <= pack_len - lengths[take].sum()).any()
+    same = np.full(lengths.size, lengths[0])
+    take = densest_members(same, patches, pack_len)
+    k = min(lengths.size, pack_len // lengths[0])
+    assert take.size == k and patches[take].sum() == np.sort(patches)[::-1][:k].sum()
+
+
+@pytest.mark.slow
+def test_a_measured_level_search_packs_the_runs_own_images_into_its_probes(tmp_path, monkeypatch):
+    """``MeasuredSelector`` on data with images (the image-chat demo, a tiny LLaVA-NeXT): its probes train packs
+    of the run's own records, each probe's first the densest in image patches, the others drawn from the
+    records the level holds; every probe pack's images are its records' own files (their sizes read off
+    the files), and the run trains on the levels it chose."""
+    from conftest import quiet_trainer
+
+    from lit_hbp.autoselect import MeasuredSelector, measured
+    from lit_hbp.demo_vlm import ensure_vlm_demo
+    from lit_hbp.errors import ConfigError
+    from lit_hbp.module import HBPLitModule
+
+    demo = tmp_path / "demo"
+    ensure_vlm_demo(demo, n=160)
+    lines = (demo / "chat.jsonl").read_text().splitlines()
+    seen = []
+    real = measured.sample_batch
+
+    def recording(samples, members, level, sp_rank):
+        batch = real(samples, members, level, sp_rank)
+        seen.append((level.pack_len, np.asarray(members), batch))
+        return batch
+
+    monkeypatch.setattr(measured, "sample_batch", recording)
+    selector = MeasuredSelector(candidates=[256, 512], steps=1)
+    dm = HBPDataModule(sources=[str(demo / "chat.jsonl")], tokenizer=str(demo / "model"), levels=selector,
+                       cache_dir=str(tmp_path / "cache"), val_fraction=0)  # fmt: skip
+    trainer = quiet_trainer(max_steps=1)
+    trainer.fit(HBPLitModule(model=str(demo / "model")), datamodule=dm)
+    assert trainer.global_step == 1 and {lv.pack_len for lv in dm.levels} <= {256, 512}
+    store, patches = dm.store, dm.vision_load(dm.store).patches
+    assert {pack_len for pack_len, _, _ in seen} == {256, 512}
+    for pack_len in (256, 512):
+        probes = [(members, batch) for n, members, batch in seen if n == pack_len]
+        totals = [int(patches[members].sum()) for members, _ in probes]
+        assert totals[0] == max(totals) > 0, totals  # each probe's first pack: the densest
+        for members, batch in probes:
+            assert store.lengths[members].sum() <= pack_len and (store.lengths[members] <= pack_len).all()
+            sizes = []
+            for i in members.tolist():
+                line = int(store.where(i).rsplit(":", 1)[1])
+                for name in json.loads(lines[line - 1]).get("images", []):
+                    w, h = Image.open(demo / name).size
+                    sizes.append([h, w])
+            assert batch.mm["image_sizes"].tolist() == sizes
+    with pytest.raises(ConfigError, match="without the samples"):  # the images' work without the images
+        MeasuredSelector().select(store.lengths, None, dm.vision_load(store))
+    config = tmp_path / "c.yaml"  # the command line tool: the same probes, in the processes it starts
+    config.write_text(json.dumps({"data": {"tokenizer": str(demo / "model"), "sources": [str(demo / "chat.jsonl")],
+                                           "cache_dir": str(tmp_path / "cache")},
+                                  "model": {"model": str(demo / "model")}}))  # fmt: skip
+    tool = subprocess.run(
+        [sys.executable, "-m", "lit_hbp.autoselect", "--config", str(config), "--measured", "--candidates", "256",
+         "512"], capture_output=True, text=True, timeout=HANG_S,
+    )  # fmt: skip
+    assert tool.returncode == 0, tool.stderr[-3000:]
+    assert "measured on 1 x CPU" in tool.stdout and "levels:\n  - {pack_len: " in tool.stdout, tool.stdout

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunSetting
-from lit_hbp.config import config_lengths, read_config
+from lit_hbp.config import config_samples, read_config
 from lit_hbp.costmodel import HARDWARE
 from lit_hbp.model_spec import load_model_spec
 from lit_hbp.run_settings import ANALYTIC, MEASURED
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.lengths:
             from lit_hbp.packing.bins import load_lengths
 
-            lengths, vocab, vision = load_lengths(args.lengths), None, None
+            lengths, vocab, vision, samples = load_lengths(args.lengths), None, None, None
         else:
-            lengths, vocab, vision = config_lengths(config)
+            lengths, vocab, vision, samples = config_samples(config)
         spec = load_model_spec(args.model) if args.model and not args.measured else None
         margin = {} if args.margin_gib is None else {"margin_gib": args.margin_gib}
         if args.measured:
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             selector = AnalyticSelector(args.gpu, args.candidates, max_len=args.max_len, **margin)
             run = replace(RunSetting.from_config(config, vocab, args.gpus, spec), tool=ANALYTIC)
         run = run.with_flags(args.liger, args.offload_optimizer, args.zero_stage)
-        selection = selector.select(lengths, run, vision)
+        extra = {"samples": samples} if args.measured else {}  # measured probes pack a run's images (None: text)
+        selection = selector.select(lengths, run, vision, **extra)
     except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,12 @@
 HBPStrategy, so what it measures (step time, peak memory) is what training will see: the run's
 DeepSpeed engine with its ZeRO stage, precision, optimizer states and gradient reduction, the SP
 group of the probed degree, and the probed number of checkpointed layers.
+
+A text run's probes train packs of random tokens drawn from the data's lengths. A run with images or
+videos packs its probes with its own samples (``StoreSamples``: their images decoded by the run's
+processor, encoded by its tower, split over the SP group as training splits them): the first micro-batch
+is the level's densest pack (whole samples by patches per token, most first: the tower's largest share
+of memory), the measured ones drawn from the samples the level holds, as the planner fills packs.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lit_hbp.autoselect.profiler import Measurement
-from lit_hbp.costmodel import synthetic_pack
+from lit_hbp.costmodel import synthetic_members, synthetic_pack
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.packing.levels import Level
@@ -61,6 +67,34 @@ def synthetic_batch(
         ckpt_layers=ckpt_layers,
     )
     return resolve_sp_kind(sp_kind).shard(batch, sp, sp_rank) if sp > 1 else batch
+
+
+def densest_members(lengths: np.ndarray, patches: np.ndarray, pack_len: int) -> np.ndarray:
+    """The samples of a pack of ``pack_len`` with the most image patches: whole samples by patches per token,
+    most first, each taken while it fits (what the tower keeps at its largest in a pack of the level)."""
+    lengths, patches = np.asarray(lengths, np.int64), np.asarray(patches, np.float64)
+    fits = np.flatnonzero((lengths > 0) & (lengths <= pack_len))
+    order = fits[np.argsort(-patches[fits] / lengths[fits], kind="stable")]
+    room, smallest, take = pack_len, int(lengths[fits].min(initial=pack_len + 1)), []
+    for i in order.tolist():
+        if room < smallest:
+            break
+        if lengths[i] <= room:
+            take.append(i)
+            room -= int(lengths[i])
+    return np.asarray(take, np.int64)
+
+
+def sample_batch(samples, members: np.ndarray, level: Level, sp_rank: int) -> PackedBatch:
+    """This rank's shard of a micro-batch of the run's own samples ``members`` (``StoreSamples``: their
+    images and videos as the processor makes them), cut as ``level`` cuts it."""
+    members = np.asarray(members, np.int64)
+    supervised = sum(int(samples.tokens(int(i))[1].sum()) for i in members)
+    batch = collate_packs(
+        [members], samples.tokens, sp=level.sp, sp_kind=level.sp_kind, cp=level.layout[1],
+        loss_norm=float(max(supervised, 1)), ckpt_layers=level.ckpt_layers, **samples.collate_args(),
+    )  # fmt: skip
+    return resolve_sp_kind(level.sp_kind).shard(batch, level.sp, sp_rank) if level.sp > 1 else batch
 
 
 def probe_strategy_args(strategy) -> dict:
@@ -104,6 +138,9 @@ class MeasuredProfiler:
             keeps the probes that are sure to fail (Algorithm 4 starts at no checkpointing) off the
             device.
         sp_kind: how probes with sp > 1 split their packs (``lit_hbp.parallel.kind``).
+        samples: the run's samples with images or videos (``data.datamodule.StoreSamples``, indexed as
+            ``lengths``) and ``patches`` their patches per sample (``VisionLoad.patches``): the probes pack
+            them, the first micro-batch the densest in patches. None: random tokens (a text run).
     """
 
     def __init__(
@@ -118,6 +155,8 @@ class MeasuredProfiler:
         seed: int = 0,
         estimate: Callable[[int, int, int], float] | None = None,
         sp_kind: str = "ulysses",
+        samples=None,
+        patches: np.ndarray | None = None,
     ):
         self.module_factory = module_factory
         self.lengths = np.asarray(lengths)
@@ -127,6 +166,9 @@ class MeasuredProfiler:
         self.steps, self.warmup, self.seed = steps, warmup, seed
         self.estimate = estimate
         self.sp_kind = sp_kind
+        if (samples is None) != (patches is None):
+            raise ValueError("MeasuredProfiler: samples and their patches come together")
+        self.samples, self.patches = samples, None if patches is None else np.asarray(patches)
         self.sp_groups: SPGroups | None = None
         self._capacity_agreed = False
         self._measured: dict[tuple[int, int, int, int], Measurement] = {}
@@ -164,7 +206,8 @@ class MeasuredProfiler:
         accumulate = self.trainer_args.get("accumulate_grad_batches", 1)
         layout = dict(ulysses=sp // cp, cp=cp) if cp > 1 else dict(sp_kind=self.sp_kind)
         level = Level(pack_len, sp, ckpt_layers, **layout)
-        data = ProbeData(level, self.lengths, (self.warmup + self.steps) * accumulate, self.seed)
+        n = (self.warmup + self.steps) * accumulate
+        data = ProbeData(level, self.lengths, n, self.seed, self.samples, self.patches)
         timer = ProbeTimer(skip=self.warmup * accumulate)
         with _quiet(), _isolated():
             trainer = L.Trainer(
@@ -242,27 +285,38 @@ def _isolated():
 
 
 class ProbeData(L.LightningDataModule):
-    """``n`` micro-batches of this rank's shard of synthetic packs. It carries the probe's level as
-    HBPDataModule carries its levels (HBPStrategy reads them there), and builds the batches once the
-    trainer knows the rank and the model its vocabulary."""
+    """``n`` micro-batches of this rank's shard of the probe's packs: random tokens drawn from the data's
+    lengths, or with ``samples`` (a run with images or videos) the run's own samples the level holds, the
+    first pack the densest in ``patches``. It carries the probe's level as HBPDataModule carries its
+    levels (HBPStrategy reads them there), and builds the batches once the trainer knows the rank and the
+    model its vocabulary."""
 
-    def __init__(self, level: Level, lengths: np.ndarray, n: int, seed: int):
+    def __init__(
+        self, level: Level, lengths: np.ndarray, n: int, seed: int, samples=None, patches: np.ndarray | None = None
+    ):
         super().__init__()
         self.levels = [level]
         self.lengths, self.n, self.seed = lengths, n, seed
+        self.samples, self.patches = samples, patches
         self.tokens = 0.0
 
     def train_dataloader(self) -> DataLoader:
         lv = self.levels[0]
-        vocab = self.trainer.lightning_module.model.config.vocab_size
         sp_rank = sp_coords(self.trainer.global_rank, lv.sp)[1]
         rng = np.random.default_rng(self.seed)  # the same packs on every SP group
-        batches = [
-            synthetic_batch(
-                self.lengths, lv.pack_len, lv.sp, sp_rank, vocab, lv.ckpt_layers, rng, lv.sp_kind, lv.layout[1]
-            )
-            for _ in range(self.n)
-        ]
+        held = np.where(np.asarray(self.lengths) <= lv.pack_len, self.lengths, 0)  # whole samples the level holds
+        if self.samples is not None and held.any():
+            packs = [densest_members(self.lengths, self.patches, lv.pack_len)]
+            packs += [synthetic_members(held, lv.pack_len, rng) for _ in range(self.n - 1)]
+            batches = [sample_batch(self.samples, members, lv, sp_rank) for members in packs]
+        else:
+            vocab = self.trainer.lightning_module.model.config.get_text_config().vocab_size
+            batches = [
+                synthetic_batch(
+                    self.lengths, lv.pack_len, lv.sp, sp_rank, vocab, lv.ckpt_layers, rng, lv.sp_kind, lv.layout[1]
+                )
+                for _ in range(self.n)
+            ]
         self.tokens = float(np.mean([b.n_tokens for b in batches])) / lv.sp  # real tokens per rank
         return DataLoader(batches, batch_size=None)
 

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.autoselect.launch import launch
 from lit_hbp.autoselect.measured import MeasuredProfiler, probe_strategy_args
-from lit_hbp.autoselect.search import Selection, analytic_levels, select_levels
+from lit_hbp.autoselect.search import Selection, analytic_levels, select_levels, with_vision
 from lit_hbp.checks import position_range
 from lit_hbp.config import model_config, spec_of
 from lit_hbp.costmodel import GIB, HARDWARE, CostModel, Hardware
@@ -218,8 +218,16 @@ class Selector(LevelSelector):
         """How the candidates are priced, for the log."""
 
     def levels_for(self, lengths: np.ndarray, trainer, vision: VisionLoad | None = None) -> tuple[Level, ...]:
-        run = RunSetting.from_trainer(trainer, seed=getattr(trainer.datamodule, "seed", 0))
-        selection = self.select(lengths, run, vision)
+        run = self.run_of(trainer)
+        return self.chosen(self.select(lengths, run, vision), run)
+
+    @staticmethod
+    def run_of(trainer) -> RunSetting:
+        """The run ``trainer`` is setting up."""
+        return RunSetting.from_trainer(trainer, seed=getattr(trainer.datamodule, "seed", 0))
+
+    def chosen(self, selection: Selection, run: RunSetting) -> tuple[Level, ...]:
+        """``selection``'s levels, logged with how they were priced."""
         rank_zero_info(f"levels chosen by {type(self).__name__} ({self.where(run)})\n{selection.table()}\n")
         rank_zero_info(f"chosen {selection.yaml()}" + "".join(f"\n{note}" for note in selection.notes))
         return tuple(selection.levels)
@@ -281,7 +289,8 @@ class MeasuredSelector(Selector):
     """Trains ``steps`` optimizer steps of the run's module per candidate, through HBPStrategy with
     the run's ZeRO stage, precision and accumulation, on the run's world (inside a run) or on
     ``run.world`` local processes it starts (from a tool). ``memory_gib``: memory per device (default
-    the GPU's; 16 on CPU). The SP groups the probes built are handed to the run's strategy."""
+    the GPU's; 16 on CPU). The SP groups the probes built are handed to the run's strategy. A run with
+    images or videos packs its own samples into the probes (the tower encodes them as in training)."""
 
     every_layout = False  # a probe is a short training run: one layout per degree, the default one
 
@@ -309,21 +318,32 @@ class MeasuredSelector(Selector):
             memory = None if cuda else 16.0 * GIB  # None: what the GPU reports
         return run.cost_model(local_hardware(device, memory, run.node_size or run.world), self.sp_kind)
 
-    def select(self, lengths: np.ndarray, run: RunSetting, vision: VisionLoad | None = None) -> Selection:
-        if vision is not None:
+    def levels_for(
+        self, lengths: np.ndarray, trainer, vision: VisionLoad | None = None, samples=None
+    ) -> tuple[Level, ...]:
+        """The levels for the run ``trainer`` sets up; ``samples``: its samples with images or videos
+        (``lit_hbp.data.datamodule.StoreSamples``, indexed as ``lengths``), which the probes pack."""
+        run = self.run_of(trainer)
+        return self.chosen(self.select(lengths, run, vision, samples), run)
+
+    def select(self, lengths: np.ndarray, run: RunSetting, vision: VisionLoad | None = None, samples=None) -> Selection:
+        """The levels for samples of ``lengths`` in ``run``, each candidate measured; a run with images or
+        videos (``vision``) gives its ``samples`` too, and the probes pack them (``measured.ProbeData``)."""
+        if vision is not None and samples is None:
             raise ConfigError(
-                "MeasuredSelector probes packs of text tokens, so it would leave the vision tower's work and memory "
-                "out for data with images or videos: use the analytic search, which prices the tower (levels: "
-                "{class_path: lit_hbp.autoselect.AnalyticSelector} in a config, --analytic on the command line), "
-                "or give the levels"
+                "MeasuredSelector packs the run's own samples into its probes when the data has images or videos, "
+                "and was given the images (vision) without the samples: choose through HBPDataModule(levels=...) "
+                "or python -m lit_hbp.autoselect --measured --config, which hand them over"
             )
         # The cost model refuses what set-up would refuse, screens out probes sure to run out of memory and
         # finds the levers a refusal names, priced on this device.
         cost = self.cost_model(run)
         check(cost, run.tool)
+        if vision is not None and cost.model.vision is not None:  # the screen counts what the tower keeps
+            cost = with_vision(cost, lengths, vision)
         if not run.in_world:
             cuda = run.trainer_args.get("accelerator") == "cuda"
-            return launch(self.select, (lengths, replace(run, in_world=True), None), run.world, cuda)
+            return launch(self.select, (lengths, replace(run, in_world=True), vision, samples), run.world, cuda)
         profiler = MeasuredProfiler(
             run.make_module,
             lengths,
@@ -334,6 +354,8 @@ class MeasuredSelector(Selector):
             seed=run.seed,
             estimate=cost.memory_bytes,
             sp_kind=self.sp_kind,
+            samples=samples,
+            patches=None if samples is None else vision.patches if vision is not None else np.zeros(len(lengths)),
         )
         selection = self._search(profiler, lengths, run, cost)
         self.sp_groups = profiler.sp_groups

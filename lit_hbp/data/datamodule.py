@@ -57,6 +57,29 @@ class MediaInputs:
         self.rope = MRopePositions(inner) if inner is not None else None
 
 
+class StoreSamples:
+    """A store's samples as ``collate_packs`` reads them: ids and supervised mask, and with ``inputs`` their
+    images and videos as the processor's tensors (decoded at each call, in the process that collates) and the
+    family's positions. The loader's dataset collates from it, and a measured level search packs its probes
+    with the run's own samples through it (``lit_hbp.autoselect.measured``)."""
+
+    def __init__(self, store: SampleStore, inputs: MediaInputs | None = None):
+        self.store = store
+        self.inputs = inputs if inputs is not None and store.has_media else None
+
+    def tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.store.tokens(i)
+
+    def media(self, i: int) -> dict:
+        """Sample i's images and videos as the processor's tensors (none for a text sample)."""
+        media = self.store.media(i)
+        return self.inputs.media(self.store.tokens(i)[0], media, self.store.where(i)) if media else {}
+
+    def collate_args(self) -> dict:
+        """``collate_packs``'s media keywords: none for text."""
+        return {} if self.inputs is None else dict(media=self.media, rope=self.inputs.rope)
+
+
 class MicroBatchDataset(Dataset):
     """Collates (and SP-shards) the micro-batch its sampler names. It holds no plan: the sampler, in
     the main process, reads the epoch's plan and hands each item over, so worker processes (started
@@ -65,20 +88,12 @@ class MicroBatchDataset(Dataset):
     def __init__(
         self, store: SampleStore, levels: tuple[Level, ...], rank: int, pad_id: int, media: MediaInputs | None = None
     ):
-        self.store, self.levels, self.rank, self.pad_id = store, levels, rank, pad_id
-        self.inputs = media if media is not None and store.has_media else None
-
-    def _media(self, i: int) -> dict:
-        """Sample i's images and videos as the processor's tensors (decoded here, in the loader's worker)."""
-        media = self.store.media(i)
-        return self.inputs.media(self.store.tokens(i)[0], media, self.store.where(i)) if media else {}
+        self.samples = StoreSamples(store, media)  # images decoded here, in the loader's worker
+        self.levels, self.rank, self.pad_id = levels, rank, pad_id
 
     def __getitem__(self, item: tuple[int, int, MicroBatch]) -> PackedBatch:
         epoch, k, mb = item
         lv = self.levels[mb.level]
-        media = {}
-        if self.inputs is not None:
-            media = dict(media=self._media, rope=self.inputs.rope)
         plan = dict(
             level=mb.level,
             ckpt_layers=lv.ckpt_layers,
@@ -89,8 +104,8 @@ class MicroBatchDataset(Dataset):
             epoch=epoch,
         )
         batch = collate_packs(
-            mb.packs, self.store.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=self.pad_id, **plan,
-            **media,
+            mb.packs, self.samples.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=self.pad_id, **plan,
+            **self.samples.collate_args(),
         )  # fmt: skip
         return resolve_sp_kind(lv.sp_kind).shard(batch, lv.sp, sp_coords(self.rank, lv.sp)[1]) if lv.sp > 1 else batch
 
@@ -465,17 +480,20 @@ class HBPDataModule(L.LightningDataModule):
 
     def _selected_levels(self, store: SampleStore) -> tuple:
         """The selector's levels for ``store``, its images and videos counted (``vision_load``): a selector
-        of one's own that takes no ``vision`` is refused for data with them."""
+        of one's own that takes no ``vision`` is refused for data with them; one that takes ``samples`` (a
+        measured search) gets the samples too, to pack into its probes."""
         vision = self.vision_load(store)
         if vision is None:
             return tuple(self.selector.levels_for(store.lengths, self.trainer))
-        if "vision" not in inspect.signature(self.selector.levels_for).parameters:
+        takes = inspect.signature(self.selector.levels_for).parameters
+        if "vision" not in takes:
             raise ConfigError(
                 f"data.levels: {type(self.selector).__name__}.levels_for takes no vision argument, so it would choose "
                 "levels without the vision tower's work and memory for this data's images and videos; accept "
                 "vision=None (a lit_hbp.packing.VisionLoad) or give the levels"
             )
-        return tuple(self.selector.levels_for(store.lengths, self.trainer, vision=vision))
+        samples = {"samples": StoreSamples(store, self._media_inputs(store))} if "samples" in takes else {}
+        return tuple(self.selector.levels_for(store.lengths, self.trainer, vision=vision, **samples))
 
     def vision_load(self, store: SampleStore):
         """Per sample of ``store``, the patches its images and videos give the tower and their work
