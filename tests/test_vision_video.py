@@ -250,46 +250,84 @@ def test_a_video_whose_frames_changed_since_tokenizing_is_refused_in_the_loader(
         list(dm.train_dataloader())
 
 
-def test_a_video_file_goes_through_the_processors_own_loader(video_data, tmp_path, monkeypatch):
-    """A video file is decoded by the video processor's own ``fetch_videos`` (torchcodec, not installed
-    here: a fake with its signature and return, frames and the decoder's metadata at 2 fps) and encoded
-    with that metadata, as the processor encodes a decoded video: ids, pixels and (Qwen2.5-VL) seconds
-    per temporal patch from the file's own frame rate."""
-    from transformers.video_utils import VideoMetadata
-
-    root, folder = video_data
+def check_video_file(folder: Path, d: Path, clip, meta, tmp_path: Path) -> list:
+    """A record of the video file ``d / v.mp4`` through the data module: its batch against the processor's
+    own encoding of the decoded frames ``clip`` with the decoder's metadata ``meta``; the cache's entry."""
     processor = AutoProcessor.from_pretrained(folder)
-    clip = np.stack([np.asarray(Image.open(root / "clip" / n).convert("RGB")) for n in CLIP])
-    d = tmp_path / "file"
-    d.mkdir()
-    (d / "v.mp4").write_bytes(b"mp4")
-    decoded = []
-
-    def fetch_videos(self, video_url_or_urls, sample_indices_fn=None):
-        decoded.append(video_url_or_urls)
-        meta = VideoMetadata(total_num_frames=4, fps=2.0, width=32, height=24, duration=2.0,
-                             video_backend="torchcodec", frames_indices=[0, 1, 2, 3])  # fmt: skip
-        return clip.copy(), meta
-
-    monkeypatch.setattr(type(processor.video_processor), "fetch_videos", fetch_videos)
     write(d / "d.jsonl", [{"messages": chat([{"type": "video", "video": "v.mp4"}, {"type": "text", "text": "hi"}],
                                             "a cat walks")}])  # fmt: skip
     dm = HBPDataModule(sources=[str(d / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
                        cache_dir=str(tmp_path / "cache"))  # fmt: skip
     dm.setup("fit")
     (batch,) = list(dm.train_dataloader())
-    assert decoded == [str(d / "v.mp4")] * len(decoded) and len(decoded) >= 2  # tokenizing, then the loader
     msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "hi"}]},
             {"role": "assistant", "content": [{"type": "text", "text": "a cat walks"}]}]  # fmt: skip
     text = processor.apply_chat_template(msgs, tokenize=False)
-    meta = fetch_videos(None, "x")[1]
     ref = processor(text=[text], videos=[clip], video_metadata=[meta], return_tensors="pt")
     assert batch.input_ids[0, : ref["input_ids"].shape[1]].tolist() == ref["input_ids"][0].tolist()
     assert torch.equal(batch.mm["pixel_values_videos"], ref["pixel_values_videos"])
-    if "second_per_grid_ts" in ref:
+    if "second_per_grid_ts" in ref:  # seconds per temporal patch from the file's own frame rate (2 fps)
         assert batch.mm["second_per_grid_ts"].tolist() == [1.0] == ref["second_per_grid_ts"].tolist()
-    assert dm.store.media(0) == [Video(str(d / "v.mp4"), 32, 24, *video_alone(processor, [
+    return dm.store.media(0)
+
+
+def test_a_video_file_goes_through_the_processors_own_loader(video_data, tmp_path, monkeypatch):
+    """A video file is decoded by the video processor's own ``fetch_videos`` (here a fake with its signature
+    and torchcodec's return: frames [T, C, H, W] as a tensor and the decoder's metadata at 2 fps) and encoded
+    with that metadata, as the processor encodes a decoded video: ids, pixels and (Qwen2.5-VL) seconds per
+    temporal patch from the file's own frame rate; the cache keeps the file, its frame size and count."""
+    from transformers.video_utils import VideoMetadata
+
+    root, folder = video_data
+    processor = AutoProcessor.from_pretrained(folder)
+    clip = np.stack([np.asarray(Image.open(root / "clip" / n).convert("RGB")) for n in CLIP])
+    clip = torch.from_numpy(clip).permute(0, 3, 1, 2).contiguous()  # torchcodec's layout
+    d = tmp_path / "file"
+    d.mkdir()
+    (d / "v.mp4").write_bytes(b"mp4")
+    decoded = []
+    meta = VideoMetadata(total_num_frames=4, fps=2.0, width=32, height=24, duration=2.0,
+                         video_backend="torchcodec", frames_indices=[0, 1, 2, 3])  # fmt: skip
+
+    def fetch_videos(self, video_url_or_urls, sample_indices_fn=None):
+        decoded.append(video_url_or_urls)
+        return clip.clone(), meta
+
+    monkeypatch.setattr(type(processor.video_processor), "fetch_videos", fetch_videos)
+    entry = check_video_file(folder, d, clip, meta, tmp_path)
+    assert decoded == [str(d / "v.mp4")] * len(decoded) and len(decoded) >= 2  # tokenizing, then the loader
+    assert entry == [Video(str(d / "v.mp4"), 32, 24, *video_alone(processor, [
         str(root / "clip" / n) for n in CLIP]), 4)]  # fmt: skip
+
+
+def test_a_real_video_file_is_decoded_by_torchcodec_as_the_processor_decodes_it(video_data, tmp_path):
+    """A real MP4 (the clip's frames encoded by torchcodec at 2 fps) through the data module: decoded by the
+    processor's own loader with torchcodec and FFmpeg installed (the CI's compatibility part installs both,
+    ``LIT_HBP_WITH_TORCHCODEC``; elsewhere skipped where torchcodec cannot load), the batch equal to the
+    processor's encoding of the frames torchcodec's own decoder reads back with its metadata."""
+    import os
+
+    if os.environ.get("LIT_HBP_WITH_TORCHCODEC"):
+        from torchcodec.decoders import VideoDecoder
+    else:
+        decoders = pytest.importorskip("torchcodec.decoders", reason="no torchcodec (the CI's compatibility part)")
+        VideoDecoder = decoders.VideoDecoder
+    from torchcodec.encoders import VideoEncoder
+    from transformers.video_utils import VideoMetadata
+
+    root, folder = video_data
+    d = tmp_path / "real"
+    d.mkdir()
+    frames_ = np.stack([np.asarray(Image.open(root / "clip" / n).convert("RGB")) for n in CLIP])
+    VideoEncoder(torch.from_numpy(frames_).permute(0, 3, 1, 2).contiguous(), frame_rate=2.0).to_file(str(d / "v.mp4"))
+    decoder = VideoDecoder(str(d / "v.mp4"))
+    clip = decoder.get_frames_at(list(range(decoder.metadata.num_frames))).data  # lossy: what the file holds
+    meta = VideoMetadata(total_num_frames=clip.shape[0], fps=decoder.metadata.average_fps, width=32, height=24,
+                         duration=clip.shape[0] / decoder.metadata.average_fps, video_backend="torchcodec",
+                         frames_indices=list(range(clip.shape[0])))  # fmt: skip
+    assert tuple(clip.shape) == (4, 3, 24, 32) and meta.fps == 2.0
+    (entry,) = check_video_file(folder, d, clip, meta, tmp_path)
+    assert (entry.source, entry.width, entry.height, entry.frames) == (str(d / "v.mp4"), 32, 24, 4)
 
 
 def test_a_videos_encoder_work_is_what_torch_counts(video_data):

@@ -125,8 +125,16 @@ def load_video(source: str | Sequence[str], where: str, processor) -> Clip:
         ) from None
     except (OSError, RuntimeError, ValueError, TypeError) as e:
         raise DataError(f"{where}: video {source} cannot be read ({type(e).__name__}: {e})") from None
-    count, height, width = int(np.shape(array)[0]), int(np.shape(array)[1]), int(np.shape(array)[2])
-    return Clip(array, metadata, width, height, count)
+    return Clip(array, metadata, *_frame_size(array, metadata), int(np.shape(array)[0]))
+
+
+def _frame_size(array, metadata) -> tuple[int, int]:
+    """(width, height) of a decoded video's frames: the decoder's metadata, else the frames' layout (torchcodec
+    gives [frames, channels, height, width], the older decoders [frames, height, width, channels])."""
+    if getattr(metadata, "width", None) and getattr(metadata, "height", None):
+        return int(metadata.width), int(metadata.height)
+    shape = np.shape(array)
+    return (int(shape[3]), int(shape[2])) if shape[1] in (1, 3, 4) else (int(shape[2]), int(shape[1]))
 
 
 def _token_id(processor, kind: str) -> int | None:
