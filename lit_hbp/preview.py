@@ -63,7 +63,7 @@ def samples(store: SampleStore, n: int) -> Iterator[dict]:
         if videos:
             sample["videos"] = [
                 dict(source=m.source if isinstance(m.source, str) else list(m.source), width=m.width, height=m.height,
-                     frames=m.frames)
+                     frames=m.frames, **({"fps": m.fps} if m.fps else {}))
                 for m in videos
             ]  # fmt: skip
         yield sample
@@ -88,7 +88,8 @@ def _describe(kind: str, entry: dict) -> str:
         return f"{entry['file']} {entry['width']}x{entry['height']}"
     source = entry["source"]
     name = source if isinstance(source, str) else f"{source[0]} ... ({len(source)} files)"
-    return f"{name} {entry['frames']} frames {entry['width']}x{entry['height']}"
+    rate = f" at {entry['fps']:g} fps" if entry.get("fps") else ""
+    return f"{name} {entry['frames']} frames{rate} {entry['width']}x{entry['height']}"
 
 
 def render(

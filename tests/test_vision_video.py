@@ -219,9 +219,17 @@ def _bad(root: Path) -> None:
          r"|cannot be read)"),
         ({"messages": chat([{"type": "video", "video": []}, {"type": "text", "text": "hi"}], "x")},
          r"d.jsonl:2: messages\[0\].content\[0\] is a video part without a file"),
+        ({"messages": chat([{"type": "video", "video": "clip", "fps": "2"}, {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: messages\[0\].content\[0\]: a video part's fps must be a positive number .*'2'"),
+        ({"messages": chat([{"type": "video", "video": "clip", "fps": 0}, {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: messages\[0\].content\[0\]: a video part's fps must be a positive number .*got 0"),
+        ({"messages": chat([{"type": "video", "video": "v.mp4", "fps": 2}, {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: video .*v.mp4 is a video file, which has a frame rate of its own: 'fps' is the rate of frames"),
+        ({"messages": chat([{"type": "image", "image": "img/a.png", "fps": 2}, {"type": "text", "text": "hi"}], "x")},
+         r"d.jsonl:2: messages\[0\].content\[0\]: an image part's \['fps'\] is not read"),
     ],
     ids=["missing", "empty-folder", "sizes-differ", "missing-frame", "markers", "bare-token", "video-file",
-         "no-frames"],
+         "no-frames", "fps-text", "fps-zero", "fps-of-a-file", "fps-of-an-image"],
 )  # fmt: skip
 def test_a_bad_video_record_stops_with_its_file_and_line(video_data, tmp_path, record, error):
     root, folder = video_data
@@ -248,6 +256,56 @@ def test_a_video_whose_frames_changed_since_tokenizing_is_refused_in_the_loader(
     with pytest.raises(DataError, match=r"d.jsonl:1: video .*clip is 32x24, 5 frames now, 32x24, 4 frames when the "
                                          r"source was tokenized: remove the token cache"):  # fmt: skip
         list(dm.train_dataloader())
+
+
+def test_a_video_part_gives_its_frames_their_rate(video_data, tmp_path):
+    """``{"type": "video", "video": <frames>, "fps": 2}``: the frames at 2 a second, as the processor encodes
+    frames a decoder reports at that rate (Qwen2.5-VL's seconds per temporal patch, Qwen3-VL's timestamps
+    in the text), against the same frames with no rate (the processor's default); kept in the cache and
+    shown by the preview."""
+    from transformers.video_utils import VideoMetadata
+
+    from lit_hbp.preview import preview
+
+    root, folder = video_data
+    processor = AutoProcessor.from_pretrained(folder)
+    clip = [Image.open(root / "clip" / n).convert("RGB") for n in CLIP]
+    msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what happens?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[0]}]}]  # fmt: skip
+    text = processor.apply_chat_template(msgs, tokenize=False)
+    meta = VideoMetadata(total_num_frames=4, fps=2.0, duration=2.0, frames_indices=[0, 1, 2, 3], height=24, width=32)
+    with_rate = processor(text=[text], videos=[clip], video_metadata=[meta], return_tensors="pt")
+    without = processor(text=[text], videos=[clip], return_tensors="pt")
+    got = {}
+    for fps in (2, None):
+        d = tmp_path / f"fps{fps}"
+        d.mkdir()
+        frames(d)
+        part = {"type": "video", "video": "clip", **({"fps": fps} if fps else {})}
+        write(d / "d.jsonl", [{"messages": chat([part, {"type": "text", "text": "what happens?"}], ANSWERS[0])}])
+        dm = HBPDataModule(sources=[str(d / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                           cache_dir=str(tmp_path / "cache"))  # fmt: skip
+        dm.setup("fit")
+        (batch,) = list(dm.train_dataloader())
+        got[fps] = (batch, dm.store.media(0)[0], dm)
+    for fps, ref in ((2, with_rate), (None, without)):
+        batch, entry, _ = got[fps]
+        n = ref["input_ids"].shape[1]
+        assert batch.input_ids[0, :n].tolist() == ref["input_ids"][0].tolist() and int(batch.n_tokens) == n
+        assert torch.equal(batch.mm["pixel_values_videos"], ref["pixel_values_videos"])
+        if "second_per_grid_ts" in ref:
+            assert torch.allclose(batch.mm["second_per_grid_ts"].float(), ref["second_per_grid_ts"].float())
+        assert entry.fps == (2.0 if fps else 0.0)
+    if "second_per_grid_ts" in with_rate:  # Qwen2.5-VL: two frames a temporal patch at 2 fps: one second
+        assert with_rate["second_per_grid_ts"].tolist() == [1.0] != without["second_per_grid_ts"].tolist()
+    if folder.name == "qwen3_vl":  # the timestamps in its text follow the rate
+        assert with_rate["input_ids"].tolist() != without["input_ids"].tolist()
+    out = io.StringIO()
+    preview(got[2][2], 1, as_json=True, out=out)
+    assert json.loads(out.getvalue().splitlines()[0])["videos"][0]["fps"] == 2.0
+    out = io.StringIO()
+    preview(got[2][2], 1, as_json=False, out=out)
+    assert f"[video 1: {tmp_path / 'fps2' / 'clip'} 4 frames at 2 fps 32x24 -> " in out.getvalue()
 
 
 def check_video_file(folder: Path, d: Path, clip, meta, tmp_path: Path) -> list:

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from lit_hbp.data.records import Frames
 from lit_hbp.errors import DataError
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.vision_load import VisionLoad
@@ -39,7 +40,8 @@ class Image(NamedTuple):
 
 class Video(NamedTuple):
     """A video of a sample, as the token cache keeps it: its frames' folder, list or video file, one
-    frame's size, the pixels its encoder sees (every frame) and in how many tiles, and its frame count."""
+    frame's size, the pixels its encoder sees (every frame) and in how many tiles, its frame count, and
+    the rate its record gave its frames (0: none given, the processor's default; a video file its own)."""
 
     source: str | tuple[str, ...]
     width: int
@@ -47,13 +49,14 @@ class Video(NamedTuple):
     pixels: int
     tiles: int
     frames: int
+    fps: float = 0.0
 
 
 def media_entry(row: Sequence) -> Image | Video:
-    """A token cache row (``media.json``) as the entry it is: a video's has its frame count too."""
+    """A token cache row (``media.json``) as the entry it is: a video's has its frame count and rate too."""
     if len(row) == len(Video._fields):
         source = row[0] if isinstance(row[0], str) else tuple(row[0])
-        return Video(source, *(int(x) for x in row[1:]))
+        return Video(source, *(int(x) for x in row[1:-1]), float(row[-1]))
     return Image(row[0], *(int(x) for x in row[1:]))
 
 
@@ -100,10 +103,13 @@ class Clip(NamedTuple):
     count: int
 
 
-def load_video(source: str | Sequence[str], where: str, processor) -> Clip:
-    """A video's frames: a folder of frame images, a list of frame files, or a video file decoded by the
-    processor's own loader (transformers' ``fetch_videos``; a DataError naming the missing decoder when
-    it cannot). Frames must share one size."""
+def load_video(source: str | Sequence[str] | Frames, where: str, processor) -> Clip:
+    """A video's frames: a folder of frame images, a list of frame files (at a rate of their record's:
+    ``Frames``, else none, so the processor takes its default), or a video file decoded by the processor's own
+    loader (transformers' ``fetch_videos``; a DataError naming the missing decoder when it cannot). Frames
+    must share one size."""
+    fps = source.fps if isinstance(source, Frames) else None
+    source = source.source if isinstance(source, Frames) else source
     if not isinstance(source, str) or os.path.isdir(source):
         files = frame_files(source, where) if isinstance(source, str) else list(source)
         frames = [load_image(f, f"{where}: video frame {k}") for k, f in enumerate(files)]
@@ -113,9 +119,18 @@ def load_video(source: str | Sequence[str], where: str, processor) -> Clip:
                 f"{where}: video {source}'s frames differ in size ({sorted(sizes)}): give frames of one size"
             )
         ((width, height),) = sizes
-        return Clip(frames, None, width, height, len(frames))
+        n = len(frames)
+        metadata = None if fps is None else dict(  # what a decoder reports of a file, for frames at their rate
+            total_num_frames=n, fps=fps, duration=n / fps, frames_indices=list(range(n)), height=height, width=width
+        )
+        return Clip(frames, metadata, width, height, n)
     if not os.path.exists(source):
         raise DataError(f"{where}: video {source} does not exist")
+    if fps is not None:
+        raise DataError(
+            f"{where}: video {source} is a video file, which has a frame rate of its own: 'fps' is the rate of "
+            "frames given as a folder or a list; remove it"
+        )
     try:
         array, metadata = processor.video_processor.fetch_videos(source)
     except ImportError as e:
@@ -230,6 +245,8 @@ class MediaExpander:
             self._placed(ids, "video", self.video_id, len(videos), where)
         loaded = [load_image(p, where) for p in images]
         clips = [load_video(v, where, self.processor) for v in videos]
+        rates = [v.fps if isinstance(v, Frames) else 0.0 for v in videos]
+        videos = [v.source if isinstance(v, Frames) else v for v in videos]
         try:
             enc = self.processor(
                 text=[text], images=loaded or None, **processor_inputs(clips), add_special_tokens=False,
@@ -246,7 +263,7 @@ class MediaExpander:
         ]
         out: list[Image | Video] = [Image(p, *im.size, *s) for p, im, s in zip(images, loaded, seen)]
         seen = encoded_of_record(enc, "video", len(clips)) or [encoded_video_pixels(self.processor, c) for c in clips]
-        out += [Video(v, c.width, c.height, *s, c.count) for v, c, s in zip(videos, clips, seen)]
+        out += [Video(v, c.width, c.height, *s, c.count, r) for v, c, s, r in zip(videos, clips, seen, rates)]
         return expanded, out_target, out
 
 
@@ -382,7 +399,7 @@ class WorkerMedia:
             _same(f"image {path}", im.size, (width, height), where)
             loaded.append(im)
         for v in videos:
-            clip = load_video(v.source, where, self.processor)
+            clip = load_video(Frames(v.source, v.fps) if v.fps else v.source, where, self.processor)
             _same(f"video {v.source}", (clip.width, clip.height, clip.count), (v.width, v.height, v.frames), where)
             clips.append(clip)
         # The processor itself, on the media's placeholders alone: its own fields, as it returns them for

@@ -27,7 +27,7 @@ import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from lit_hbp.errors import ConfigError, DataError
 
@@ -90,8 +90,8 @@ class Conversation:
     weights: per message, 0 or 1 when the record says whether it trains, None where ``train_on`` decides.
     images: the files of its image parts, in the order they stand (paths as the source's folder resolves
         them): loaded with the model's processor, never stored in the token cache.
-    videos: its videos in the order they stand, each a folder of frames, a list of frame files or a
-        video file (``lit_hbp.data.media.load_video``).
+    videos: its videos in the order they stand, each a folder of frames, a list of frame files (either as
+        ``Frames`` with the rate a video part gave them, ``fps``) or a video file (``media.load_video``).
     """
 
     messages: list[dict] | None
@@ -265,7 +265,7 @@ class RecordReader:
             listed = [(key, record[self.name(key)]) for key in (plural, single) if record.get(self.name(key))]
             parts = [p for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == kind]
             if not listed:
-                out[kind] = tuple(self._source(p.pop("path"), p.pop("at")) for p in parts)
+                out[kind] = tuple(self._part_source(p) for p in parts)
                 continue
             if parts:
                 raise DataError(f"{where}: the record has both {kind} parts and a {listed[0][0]!r} field: give one")
@@ -293,6 +293,11 @@ class RecordReader:
                         {"type": markers[p]} if p in markers else {"type": "text", "text": p} for p in pieces if p
                     ]
         return out
+
+    def _part_source(self, part: dict) -> str | tuple[str, ...] | Frames:
+        """A part's file (its rate with it where the record gave one), taken out of the part the template renders."""
+        source = self._source(part.pop("path"), part.pop("at"))
+        return Frames(source, part.pop("fps")) if "fps" in part else source
 
     def _source(self, source: str | list[str], at: str) -> str | tuple[str, ...]:
         """An image's or video's file, or a video's frame files: local paths, relative to the data file's folder."""
@@ -473,6 +478,8 @@ def text_of(content: Any, at: str, may_be_empty: bool = False) -> str | list[dic
         if kind in IMAGE_PARTS or kind in VIDEO_PARTS:
             media = "image" if kind in IMAGE_PARTS else "video"
             parts.append({"type": media, "path": media_file(part, kind, media, f"{at}[{j}]"), "at": f"{at}[{j}]"})
+            if "fps" in part and kind == "video":
+                parts[-1]["fps"] = frame_rate(part["fps"], f"{at}[{j}]")
             continue
         if kind in MEDIA_PARTS:
             raise DataError(f"{at}[{j}] is a {kind!r} part: not supported (lit-hbp trains on text, images and videos)")
@@ -485,6 +492,13 @@ def text_of(content: Any, at: str, may_be_empty: bool = False) -> str | list[dic
     return "".join(texts)
 
 
+class Frames(NamedTuple):
+    """A video given as frames (a folder or a list of files) at the rate its record states, ``fps``."""
+
+    source: str | tuple[str, ...]
+    fps: float
+
+
 IMAGE_PARTS = ("image", "image_url", "input_image")
 VIDEO_PARTS = ("video", "video_url")
 
@@ -495,6 +509,8 @@ def media_file(part: Mapping, kind: str, media: str, at: str) -> str | list[str]
     {"url": ...}}`` (``video_url`` alike) or ``{"type": "input_image", "image_url": ...}``."""
     direct = kind == media
     known = {"type", media, "path", "url"} if direct else {"type", f"{media}_url"}
+    if direct and media == "video":
+        known.add("fps")  # the rate of a video given as frames (``frame_rate``)
     unknown = sorted(set(part) - known)
     article = "an" if media == "image" else "a"
     if unknown:
@@ -506,6 +522,14 @@ def media_file(part: Mapping, kind: str, media: str, at: str) -> str | list[str]
         example = '"image": "path/to/file.png"' if media == "image" else '"video": "path/to/frames/" or a list of them'
         raise DataError(f"{at} is {article} {media} part without a file (give {example}), got {part!r:.80}")
     return value
+
+
+def frame_rate(value: Any, at: str) -> float:
+    """A video part's ``fps``: the frames a second of a video given as frames, a positive number (the
+    processor reads time from it: Qwen2.5-VL's seconds per temporal patch, Qwen3-VL's timestamps)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise DataError(f"{at}: a video part's fps must be a positive number of frames a second, got {value!r:.40}")
+    return float(value)
 
 
 def _is_source(value: Any, frames: bool) -> bool:

@@ -53,7 +53,8 @@ TRAIN_ON = ("assistant", "last_assistant", "all")
 # 7: record formats and tools, a token supervised when it overlaps a trained turn, table rows from 1,
 #    metadata fields counted.
 # 8: an assistant turn of a template with {% generation %} blocks trains what the blocks mark.
-CACHE_VERSION = 8
+# 9: a video's row carries the frame rate its record gave its frames.
+CACHE_VERSION = 9
 # Below this much of a source, worker processes cost more to start than they save (num_proc=None).
 PARALLEL_MIN_BYTES = 8 << 20
 PARALLEL_MIN_ROWS = 8192
