@@ -370,6 +370,10 @@ def test_num_proc_is_checked_and_small_sources_stay_in_process(tmp_path, toy_tok
         HBPDataModule(sources=[str(path)], tokenizer=toy_tokenizer, levels=["256:1"], num_proc=0)
     assert tokenize_module.worker_count(Source(str(path)), None) == 1
     assert tokenize_module.worker_count(Source(str(path)), 3) == 3
+    size = path.stat().st_size  # with a processor (records with images) a source this size has workers
+    monkeypatch.setattr(tokenize_module, "PARALLEL_MIN_BYTES", size * tokenize_module.MEDIA_COST)
+    assert tokenize_module.worker_count(Source(str(path)), None) == 1
+    assert tokenize_module.worker_count(Source(str(path)), None, media=True) == len(os.sched_getaffinity(0))
     monkeypatch.setattr(tokenize_module, "PARALLEL_MIN_BYTES", 10)
     assert tokenize_module.worker_count(Source(str(path)), None) == len(os.sched_getaffinity(0))
 

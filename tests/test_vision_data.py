@@ -735,3 +735,36 @@ def test_a_measured_level_search_packs_the_runs_own_images_into_its_probes(tmp_p
     )  # fmt: skip
     assert tool.returncode == 0, tool.stderr[-3000:]
     assert "measured on 1 x CPU" in tool.stdout and "levels:\n  - {pack_len: " in tool.stdout, tool.stdout
+
+
+def test_image_records_tokenized_by_workers_in_small_chunks_give_the_same_cache(tmp_path):
+    """Records with images are tokenized in chunks 64 times smaller than text's (so a source of a few MB
+    keeps every worker busy): the image-chat demo's records through two worker processes give the ids,
+    supervised tokens, rows and images of the main process alone."""
+    from lit_hbp.data import sources as sources_module
+    from lit_hbp.demo_vlm import ensure_vlm_demo
+
+    demo = tmp_path / "demo"
+    ensure_vlm_demo(demo, n=200)  # about 40 KB: three chunks
+    processor = AutoProcessor.from_pretrained(demo / "model")
+    chunks = []
+    real = sources_module.iter_chunks
+
+    def counted(*args, **kwargs):
+        for chunk in real(*args, **kwargs):
+            chunks.append(chunk)
+            yield chunk
+
+    got = {}
+    for n in (1, 2):
+        kwargs = dict(cache_dir=tmp_path / f"c{n}", progress=False, num_proc=n, processor=processor)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("lit_hbp.data.tokenize.iter_chunks", counted)
+            got[n] = tokenize_source(Source(str(demo / "chat.jsonl")), processor.tokenizer, **kwargs)
+    assert len(chunks) >= 2 * 3  # a 1 MB text chunk would hold the whole source: one worker's work
+    one, two = got[1], got[2]
+    assert np.array_equal(one.ids, two.ids) and np.array_equal(one.offsets, two.offsets)
+    assert np.array_equal(one.supervised, two.supervised) and np.array_equal(one.rows, two.rows)
+    assert [one.sample_media(i) for i in range(len(one))] == [two.sample_media(i) for i in range(len(two))]
+    assert len(one) == 200 and any(one.sample_media(i) for i in range(len(one)))
+

@@ -42,7 +42,16 @@ import numpy as np
 from lit_hbp.data.cache import CacheWriter, cache_lock, is_complete, mask_spans, read_cache, spans_mask
 from lit_hbp.data.media import Image, MediaExpander, Video, media_entry, processor_fingerprint
 from lit_hbp.data.records import RENDERED, Conversation, TokenRecord
-from lit_hbp.data.sources import Chunk, Source, check_source, chunk_records, iter_chunks, source_units
+from lit_hbp.data.sources import (
+    CHUNK_BYTES,
+    CHUNK_ROWS,
+    Chunk,
+    Source,
+    check_source,
+    chunk_records,
+    iter_chunks,
+    source_units,
+)
 from lit_hbp.errors import ConfigError, DataError
 
 # Which turns of a chat train: every assistant turn, the last one only, or every token; a message's
@@ -58,6 +67,9 @@ CACHE_VERSION = 9
 # Below this much of a source, worker processes cost more to start than they save (num_proc=None).
 PARALLEL_MIN_BYTES = 8 << 20
 PARALLEL_MIN_ROWS = 8192
+# A record with images or videos costs their decoding and encoding beside its bytes (about 6 ms for a 480 x 320
+# image against 0.1 ms for a text record): with a checkpoint's processor, workers repay on a source this much smaller.
+MEDIA_COST = 64
 # Built-in chat templates (``data.chat_template: NAME``). Each closes an assistant turn with the
 # tokenizer's EOS, one token of every vocabulary, so the model learns to stop and generation stops
 # there without new tokens; each is prefix-stable (the first k turns render to a prefix of them all).
@@ -676,14 +688,15 @@ def check_num_proc(num_proc: int | None) -> None:
         raise ConfigError(f"data.num_proc must be >= 1 (or null: every core), got {num_proc}")
 
 
-def worker_count(source: Source, num_proc: int | None) -> int:
+def worker_count(source: Source, num_proc: int | None, media: bool = False) -> int:
     """Worker processes for ``source``: ``num_proc`` when given (1: the main process tokenizes), else
-    every core, except for a source too small to repay starting them."""
+    every core, except for a source too small to repay starting them (``media``: records read with a
+    vision-language checkpoint's processor, whose images make each record ``MEDIA_COST`` times dearer)."""
     check_num_proc(num_proc)
     if num_proc is not None:
         return num_proc
     total, unit = source_units(source)
-    small = total < (PARALLEL_MIN_BYTES if unit == "B" else PARALLEL_MIN_ROWS)
+    small = total < (PARALLEL_MIN_BYTES if unit == "B" else PARALLEL_MIN_ROWS) // (MEDIA_COST if media else 1)
     return 1 if small else cores()
 
 
@@ -718,7 +731,8 @@ def tokenize_source(
     with cache_lock(folder, say=_say if progress else None):
         if is_complete(folder):  # the process we waited for wrote it
             return _load(folder, source)
-        _write(folder, source, tokenizer, train_on, progress, worker_count(source, num_proc), processor)
+        workers = worker_count(source, num_proc, media=processor is not None)
+        _write(folder, source, tokenizer, train_on, progress, workers, processor)
     return _load(folder, source, from_cache=False)
 
 
@@ -737,6 +751,8 @@ def _write(
     token_types = False
     started = time.perf_counter()
     total, unit = source_units(source)
+    # records with images come in smaller chunks, which keep every worker busy on a source of a few MB
+    chunks = dict(chunk_bytes=CHUNK_BYTES // MEDIA_COST, chunk_rows=CHUNK_ROWS // MEDIA_COST) if processor else {}
     pool = None
     # A context: a bad record closes the bar (ends its line) before its error is printed.
     with tqdm(
@@ -748,9 +764,9 @@ def _write(
                 from concurrent.futures import ProcessPoolExecutor
 
                 pool = ProcessPoolExecutor(workers, _worker_context(), _start_worker, (tokenizer, train_on, processor))
-                results = _in_order(pool, source, 2 * workers)
+                results = _in_order(pool, source, 2 * workers, **chunks)
             else:
-                results = (run(source, chunk) for chunk in iter_chunks(source))
+                results = (run(source, chunk) for chunk in iter_chunks(source, **chunks))
             for result in results:
                 writer.append(result.ids, result.lengths, result.rows, result.spans, result.span_counts, result.media)
                 records += result.records
@@ -784,10 +800,10 @@ def _write(
     )
 
 
-def _in_order(pool, source: Source, window: int):
+def _in_order(pool, source: Source, window: int, **chunks):
     """The chunks' results in source order, with at most ``window`` chunks in flight (bounded memory)."""
     futures: deque = deque()
-    for chunk in iter_chunks(source):
+    for chunk in iter_chunks(source, **chunks):
         futures.append(pool.submit(_work, source, chunk))
         if len(futures) >= window:
             yield futures.popleft().result()
