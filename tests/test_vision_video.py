@@ -415,7 +415,8 @@ def test_a_videos_encoder_work_is_what_torch_counts(video_data):
 
 
 def test_the_guides_example_video_records_read_as_it_says(video_data, tmp_path):
-    """docs/vision.md's second JSON Lines block: each record reads, with its videos where the guide says."""
+    """docs/vision.md's second JSON Lines block: each record reads, with its videos where the guide says
+    (the first at the 2 frames a second its part gives)."""
     import re
 
     root, folder = video_data
@@ -432,6 +433,7 @@ def test_the_guides_example_video_records_read_as_it_says(video_data, tmp_path):
     t = tokenize_source(Source(str(tmp_path / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
     kinds = [[(type(m).__name__, m.frames if isinstance(m, Video) else 1) for m in t.sample_media(r)] for r in range(3)]
     assert kinds == [[("Video", 4)], [("Video", 4)], [("Image", 1), ("Video", 2)]]
+    assert [m.fps for r in range(3) for m in t.sample_media(r) if isinstance(m, Video)] == [2.0, 0.0, 0.0]
     answers = [processor.tokenizer.decode(t.sample(r)[0][t.sample(r)[1]]).strip() for r in range(3)]
     assert answers == ["A cat walks.<|im_end|>", "A cat walks.<|im_end|>", "Yes.<|im_end|>"]
 
