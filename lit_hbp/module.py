@@ -505,7 +505,8 @@ class HBPLitModule(L.LightningModule):
         kind = adamw_kind(decay + no_decay, device)
         why = ""
         if kind == "fused" and self._trainer is not None and clips_before_the_step(self.trainer):
-            kind, why = "foreach", ": the fused kernel unscales inside its step, where Lightning's mixed precision cannot clip"
+            kind = "foreach"
+            why = ": the fused kernel unscales inside its step, where Lightning's mixed precision cannot clip"
         rank_zero_info(f"optimizer: AdamW ({kind}{why})")
         fused = True if kind == "fused" else None  # None: torch chooses (a for-loop off CUDA)
         foreach = True if kind == "foreach" else None

@@ -169,11 +169,8 @@ def run_self_check(
     worst = _agree(np.array([results[sp] for sp in results], dtype=np.float64), device)
     for (loss_err, grad_err, leak, _, rerouted), sp in zip(worst, results):
         if loss_err > loss_tol or grad_err > grad_tol or leak > LEAK_TOLERANCE:
-            raise SelfCheckError(
-                _explain(
-                    module, len(docs), sp, loss_err, grad_err, leak, loss_tol, grad_tol, dtype, int(rerouted), wheres[sp]
-                )
-            )
+            errors = (loss_err, grad_err, leak, loss_tol, grad_tol)
+            raise SelfCheckError(_explain(module, len(docs), sp, *errors, dtype, int(rerouted), wheres[sp]))
     return {sp: LayoutResult(*e[:3], int(e[3])) for sp, e in zip(results, worst.tolist())}
 
 

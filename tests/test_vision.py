@@ -489,13 +489,15 @@ def test_pack_inputs_give_each_records_logits_prepared_or_not(folders, family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", ["auto", "flex"])
-@pytest.mark.parametrize("family", EXACT)
+@pytest.mark.parametrize(
+    ("family", "backend"), [(f, "auto") for f in EXACT] + [("qwen2_vl", "flex"), ("llava_next", "flex")]
+)
 def test_a_pack_of_image_records_on_cuda_in_bf16_matches_each_record_alone(folders, family, backend):
     """On a GPU, fp32 weights under bf16 autocast with the backend chosen there and with Flex (the vision
     tower on the same kernel: transformers' flash beside flash-attn 2/3, lit-hbp's tower attention beside
-    torch's varlen and Flex, its images in one call a layer): the packed loss and every gradient as close to the records alone through the
-    unprepared model with eager attention in fp32 as that model's own bf16 run of them is (1% or twice
+    torch's varlen and Flex, its images in one call a layer): the packed loss and every gradient as close to
+    the records alone through the unprepared model with eager attention in fp32 as that model's own bf16
+    run of them is (1% or twice
     its error for the loss, 5% or twice for each gradient). On transformers before 5.18 (the GPU image's
     5.17) a pack with images is refused, naming the version to install."""
     import transformers

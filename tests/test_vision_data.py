@@ -767,4 +767,3 @@ def test_image_records_tokenized_by_workers_in_small_chunks_give_the_same_cache(
     assert np.array_equal(one.supervised, two.supervised) and np.array_equal(one.rows, two.rows)
     assert [one.sample_media(i) for i in range(len(one))] == [two.sample_media(i) for i in range(len(two))]
     assert len(one) == 200 and any(one.sample_media(i) for i in range(len(one)))
-

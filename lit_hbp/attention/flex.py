@@ -77,9 +77,7 @@ def block_mask(partial: torch.Tensor, full: torch.Tensor, block: int, mask_mod, 
     )  # fmt: skip
 
 
-def document_block_mask(
-    cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK, causal: bool = True
-):
+def document_block_mask(cu: torch.Tensor, total: int, window: int | None, block: int = BLOCK, causal: bool = True):
     """The BlockMask of a pack with documents ``cu`` (global cu_seqlens) over ``total`` positions, built
     on its first use per window and kept on ``cu`` itself: every layer of the pack's forward and
     backward shares it, and it goes when the pack's tensors go (no module state holds a pack)."""

@@ -120,8 +120,12 @@ def load_video(source: str | Sequence[str] | Frames, where: str, processor) -> C
             )
         ((width, height),) = sizes
         n = len(frames)
-        metadata = None if fps is None else dict(  # what a decoder reports of a file, for frames at their rate
-            total_num_frames=n, fps=fps, duration=n / fps, frames_indices=list(range(n)), height=height, width=width
+        metadata = (
+            None
+            if fps is None
+            else dict(  # what a decoder reports of a file, for frames at their rate
+                total_num_frames=n, fps=fps, duration=n / fps, frames_indices=list(range(n)), height=height, width=width
+            )
         )
         return Clip(frames, metadata, width, height, n)
     if not os.path.exists(source):
