@@ -332,8 +332,8 @@ def trained(rec: dict, config) -> dict:
 # Families built from transformers' own default config, shrunk (``build_default``): their records are made
 # by counting what the tower gives for an image (``counted_records``), as their processor expands it.
 DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", "got_ocr2", "internvl",
-                 "lighton_ocr", "llava_next_video", "mistral3", "pp_chart2table", "qwen3_vl_moe", "video_llava",
-                 "vipllava")  # fmt: skip
+                 "lighton_ocr", "llava_next_video", "mistral3", "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe",
+                 "video_llava", "vipllava")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=512, max_position_embeddings=512, moe_intermediate_size=32, num_experts=4,
@@ -379,6 +379,10 @@ def build_default(path: Path, family: str) -> Path:
             setattr(config, key, 501)
     if getattr(config, "image_grid_pinpoints", None):  # anyres: one 32-pixel tile beside the base image
         config.image_grid_pinpoints = [[32, 32]]
+    for holder in (config, text, config.vision_config):  # the reference runs in eval mode, the pack in train mode
+        for key, value in list(vars(holder).items()):
+            if ("dropout" in key or "drop_path" in key) and isinstance(value, float):
+                setattr(holder, key, 0.0)
     _FIXES.get(family, lambda c: None)(config)
     return _save(path, config)
 
