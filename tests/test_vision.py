@@ -165,6 +165,24 @@ def stand_in_flash(calls_seen: list):
     return attend
 
 
+def exact_with_tower_calls(model, reference, records, seen: list):
+    """On a level without and with checkpointing, the pack's loss and every gradient against the records alone
+    (the vision tower's included); per level (ckpt, the tower calls ``seen`` noted in the forward, all of them)."""
+    want = alone_ce(reference, records)
+    want.backward()
+    out = []
+    for ckpt in (0, 1):
+        model.zero_grad(set_to_none=True)
+        seen.clear()
+        result = packed_loss(model, pack_samples(records, model=model).replace(ckpt_layers=ckpt), "sum")
+        forwards = len(seen)
+        result.loss.backward()
+        assert float(result.ce_sum) == pytest.approx(float(want), rel=1e-5)
+        assert assert_same_grads(model, reference) > 0
+        out.append((ckpt, forwards, list(seen)))
+    return out
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava_next"])
 def test_a_tower_encodes_a_packs_images_with_the_calls_flash_attention_where_chosen(folders, family, monkeypatch):
     """Where the language model's packed calls run a flash kernel (a CUDA GPU, half precision), the tower's
@@ -181,22 +199,12 @@ def test_a_tower_encodes_a_packs_images_with_the_calls_flash_attention_where_cho
     monkeypatch.setattr(backends, "tower_attention", lambda backend, device, dtype: "flash_stand_in")
     reference, model = pair(folders[family])
     records = [trained(r, reference.config) for r in three_records(folders[family])]
-    want = alone_ce(reference, records)
-    want.backward()
     assert not seen
-    for ckpt in (0, 1):
-        model.zero_grad(set_to_none=True)
-        seen.clear()
-        out = packed_loss(model, pack_samples(records, model=model).replace(ckpt_layers=ckpt), "sum")
-        forwards = len(seen)
-        out.loss.backward()
-        assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
-        assert assert_same_grads(model, reference) > 0
-        layers = len(record_of(model).blocks)
+    for ckpt, forwards, calls in exact_with_tower_calls(model, reference, records, seen):
         # one call a layer (LLaVA's tiles in one batch), again in the recomputation
-        assert forwards == layers and len(seen) == (2 if ckpt else 1) * forwards
+        assert forwards == len(record_of(model).blocks) and len(calls) == (2 if ckpt else 1) * forwards
         if family == "qwen2_vl":  # the pack's three images (one record of one, one of two) in one call a layer
-            assert all(cu is not None and len(cu) == 4 for cu in seen), seen
+            assert all(cu is not None and len(cu) == 4 for cu in calls), calls
     seen.clear()
     with torch.no_grad():
         model(**{k: v for k, v in records[0].items() if k != "labels"}, use_cache=False)
@@ -256,22 +264,13 @@ def test_lit_hbps_tower_attention_encodes_all_of_a_packs_images_in_one_kernel_ca
     model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float(), attn_backend=backend)
     model.load_state_dict(reference.state_dict())
     records = [trained(r, reference.config) for r in three_records(folder)]
-    want = alone_ce(reference, records)
-    want.backward()
     layers = len(record_of(model).blocks)
-    for ckpt in (0, 1):
-        model.zero_grad(set_to_none=True)
-        seen.clear()
-        out = packed_loss(model, pack_samples(records, model=model).replace(ckpt_layers=ckpt), "sum")
-        forwards = len(seen)
-        out.loss.backward()
-        assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
-        assert assert_same_grads(model, reference) > 0
-        assert forwards == layers and len(seen) == (2 if ckpt else 1) * forwards, (forwards, layers, len(seen))
+    for ckpt, forwards, calls in exact_with_tower_calls(model, reference, records, seen):
+        assert forwards == layers and len(calls) == (2 if ckpt else 1) * forwards, (forwards, layers, len(calls))
         if family.startswith("qwen"):  # the pack's three images in one call (windows: at least as many)
-            assert any(len(cu) == 4 for cu in seen) and all(len(cu) >= 4 for cu in seen), seen
+            assert any(len(cu) == 4 for cu in calls) and all(len(cu) >= 4 for cu in calls), calls
         else:  # LLaVA(-NeXT): every image (tile) of the pack, one document each
-            assert len(set(map(len, seen))) == 1 and len(seen[0]) >= 4, seen
+            assert len(set(map(len, calls))) == 1 and len(calls[0]) >= 4, calls
     seen.clear()
     with torch.no_grad():
         model(**{k: v for k, v in records[0].items() if k != "labels"}, use_cache=False)
