@@ -332,8 +332,8 @@ def trained(rec: dict, config) -> dict:
 # Families built from transformers' own default config, shrunk (``build_default``): their records are made
 # by counting what the tower gives for an image (``counted_records``), as their processor expands it.
 DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", "got_ocr2", "internvl",
-                 "lighton_ocr", "llava_next_video", "mistral3", "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe",
-                 "video_llava", "vipllava")  # fmt: skip
+                 "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "lighton_ocr", "llava_next_video", "mistral3",
+                 "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe", "video_llava", "vipllava")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=512, max_position_embeddings=512, moe_intermediate_size=32, num_experts=4,
@@ -342,9 +342,18 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_at
                out_hidden_size=64, image_size=32, patch_size=8, head_dim=16)  # fmt: skip
 _FIXES = {  # what a family's default needs beyond the sizes above
     "vipllava": lambda c: setattr(c, "vision_feature_layers", [-1, -2]),
-    "internvl": lambda c: (setattr(c.vision_config, "image_size", [32, 32]),
-                           setattr(c.vision_config, "patch_size", [8, 8])),
+    **{f: lambda c: (setattr(c.vision_config, "image_size", [32, 32]), setattr(c.vision_config, "patch_size", [8, 8]))
+       for f in ("internvl", "qianfan_ocr")},
+    **{glm: lambda c: _mrope(c.get_text_config()) for glm in ("glm4v", "glm46v", "glm4v_moe", "glm_ocr", "glmga")},
 }  # fmt: skip
+
+
+def _mrope(text) -> None:
+    """Multimodal RoPE sections that fit the shrunk heads (a family reading them with a default for its full size)."""
+    rope = dict(text.rope_parameters)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    half = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+    text.rope_parameters = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
 
 
 def _shrink(config, sizes: dict) -> None:
