@@ -25,6 +25,7 @@ each other both ways (``BIDIRECTIONAL``): one causal kernel per document is not 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -202,16 +203,35 @@ class MRopePositions:
 def check_encoder_outputs(inner: torch.nn.Module) -> None:
     """Refuse a model whose forward cannot take the images' encodings computed apart
     (``mm_encoder_outputs``, transformers 5.18 on, not every family): its packed call would run the
-    vision tower inside and hand the language model's attention the pack's keywords."""
+    vision tower inside and hand the language model's attention the pack's keywords. Refuse too a model
+    whose image encoder lit-hbp cannot call (``encoder_outputs``): none, or one that needs a field lit-hbp
+    does not pack."""
     if not _takes_encoder_outputs(type(inner)):
         _refuse_encoder_outputs(inner)
+    problem = unpacked_image_args(type(inner))
+    if problem:
+        raise ValueError(f"{type(inner).__name__}: {problem}, so lit-hbp cannot train it on images (packs without "
+                         "images train)")  # fmt: skip
+
+
+@functools.cache
+def unpacked_image_args(cls: type) -> str:
+    """Why lit-hbp cannot encode a pack's images with ``cls``'s own ``get_image_features`` (it has none, or it
+    needs an argument outside the fields lit-hbp packs, ``IMAGE_ARGS``); empty when it can."""
+    fn = getattr(cls, "get_image_features", None)
+    if fn is None:
+        return "it has no get_image_features to encode images apart from the packed call"
+    params = inspect.signature(fn).parameters.items()
+    needs = [n for n, p in params if n != "self" and p.default is p.empty and p.kind in NAMED and n not in IMAGE_ARGS]
+    return f"its get_image_features needs {needs}, which lit-hbp does not pack" if needs else ""
+
+
+NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 @functools.cache
 def _takes_encoder_outputs(cls: type) -> bool:
     """Whether ``cls.forward`` takes ``mm_encoder_outputs`` (read once per class: packed_loss asks per pack)."""
-    import inspect
-
     return "mm_encoder_outputs" in inspect.signature(cls.forward).parameters
 
 
@@ -236,8 +256,6 @@ def encoder_outputs(inner: torch.nn.Module, mm: Mapping[str, torch.Tensor]) -> d
     ``get_video_features`` with the arguments they take), as ``mm_encoder_outputs``: computed apart
     from the decoder's call, so the tower runs with its own attention and sees none of the pack's keywords
     (``packed_loss`` runs it in the packed call's scope with every config's own attention)."""
-    import inspect
-
     out = {}
     for name, args, method in (
         ("image", IMAGE_ARGS, "get_image_features"),

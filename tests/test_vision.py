@@ -378,7 +378,7 @@ def vlm_families() -> dict[str, tuple[str, str]]:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
-    from lit_hbp.vision import BIDIRECTIONAL
+    from lit_hbp.vision import BIDIRECTIONAL, unpacked_image_args
 
     out = {}
     for family in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
@@ -390,6 +390,8 @@ def vlm_families() -> dict[str, tuple[str, str]]:
             out[family] = ("refused", BIDIRECTIONAL[family])
         elif base is not None and "mm_encoder_outputs" not in forward:
             out[family] = ("refused", "its forward takes no image features computed apart (mm_encoder_outputs)")
+        elif base is not None and unpacked_image_args(base):
+            out[family] = ("refused", unpacked_image_args(base))
         else:
             out[family] = ("self-check", "")
     return out
@@ -444,6 +446,28 @@ def test_a_model_whose_forward_takes_no_encoder_outputs_is_refused_with_images()
     )
     with pytest.raises(ValueError, match=r"Kosmos2Model.forward takes no mm_encoder_outputs .*cannot train on images"):
         check_encoder_outputs(Kosmos2Model(config))
+
+
+def test_a_model_whose_image_encoder_lit_hbp_cannot_call_is_refused_with_images():
+    """lit-hbp encodes a pack's images with the model's own ``get_image_features`` and the fields it packs:
+    a model without one, or whose one needs another field (MiniCPM-V's ``target_sizes`` here), is refused
+    by name, as the set-up of a run with images refuses it (``check_encoder_outputs``)."""
+    from lit_hbp.vision import check_encoder_outputs
+
+    class Needs(torch.nn.Module):
+        def forward(self, input_ids, mm_encoder_outputs=None):
+            return input_ids
+
+        def get_image_features(self, pixel_values, target_sizes, image_sizes=None, **kwargs):
+            return pixel_values
+
+    class Without(Needs):
+        get_image_features = None
+
+    with pytest.raises(ValueError, match=r"Needs: its get_image_features needs \['target_sizes'\], which lit-hbp"):
+        check_encoder_outputs(Needs())
+    with pytest.raises(ValueError, match=r"Without: it has no get_image_features to encode images apart"):
+        check_encoder_outputs(Without())
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
