@@ -686,6 +686,7 @@ def test_a_measured_level_search_packs_the_runs_own_images_into_its_probes(tmp_p
     from conftest import quiet_trainer
 
     from lit_hbp.autoselect import MeasuredSelector, measured
+    from lit_hbp.autoselect.measured import densest_members
     from lit_hbp.demo_vlm import ensure_vlm_demo
     from lit_hbp.errors import ConfigError
     from lit_hbp.module import HBPLitModule
@@ -712,8 +713,8 @@ def test_a_measured_level_search_packs_the_runs_own_images_into_its_probes(tmp_p
     assert {pack_len for pack_len, _, _ in seen} == {256, 512}
     for pack_len in (256, 512):
         probes = [(members, batch) for n, members, batch in seen if n == pack_len]
-        totals = [int(patches[members].sum()) for members, _ in probes]
-        assert totals[0] == max(totals) > 0, totals  # each probe's first pack: the densest
+        first = probes[0][0]  # each probe's first pack: the densest in patches the level can hold
+        assert first.tolist() == densest_members(store.lengths, patches, pack_len).tolist() and patches[first].sum() > 0
         for members, batch in probes:
             assert store.lengths[members].sum() <= pack_len and (store.lengths[members] <= pack_len).all()
             sizes = []
