@@ -29,7 +29,7 @@ def config_samples(config: dict) -> tuple[np.ndarray, int, VisionLoad | None, An
     """``config_lengths`` and, for data with images or videos, the samples themselves as a measured level
     search packs them into its probes (``lit_hbp.data.datamodule.StoreSamples``, their images read by the
     checkpoint's processor); None for text."""
-    from lit_hbp.data.datamodule import MediaInputs, StoreSamples, load_renderers
+    from lit_hbp.data.datamodule import StoreSamples, load_renderers, media_inputs
     from lit_hbp.data.media import vision_load
     from lit_hbp.data.sources import Source
     from lit_hbp.data.store import SampleStore
@@ -49,10 +49,10 @@ def config_samples(config: dict) -> tuple[np.ndarray, int, VisionLoad | None, An
         for i, s in enumerate(sources)
     ]
     store = SampleStore.build(tokenized, max_len=None, seed=data.get("seed", 0))
-    media = store.has_media and vlm_config is not None
-    vision = vision_load(store.media_pixels(), vlm_config) if media else None
-    inputs = MediaInputs(processor, vlm_config, any(s.token_types for s in store.sources)) if media else None
-    return store.lengths, len(tok), vision, StoreSamples(store, inputs) if media else None
+    if not store.has_media or vlm_config is None:
+        return store.lengths, len(tok), None, None
+    samples = StoreSamples(store, media_inputs(store, processor, vlm_config))
+    return store.lengths, len(tok), vision_load(store.media_pixels(), vlm_config), samples
 
 
 def model_config(config: dict, vocab: int | None) -> dict | str:

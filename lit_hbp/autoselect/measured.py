@@ -90,11 +90,7 @@ def sample_batch(samples, members: np.ndarray, level: Level, sp_rank: int) -> Pa
     images and videos as the processor makes them), cut as ``level`` cuts it."""
     members = np.asarray(members, np.int64)
     supervised = sum(int(samples.tokens(int(i))[1].sum()) for i in members)
-    batch = collate_packs(
-        [members], samples.tokens, sp=level.sp, sp_kind=level.sp_kind, cp=level.layout[1],
-        loss_norm=float(max(supervised, 1)), ckpt_layers=level.ckpt_layers, **samples.collate_args(),
-    )  # fmt: skip
-    return resolve_sp_kind(level.sp_kind).shard(batch, level.sp, sp_rank) if level.sp > 1 else batch
+    return samples.batch([members], level, sp_rank, loss_norm=float(max(supervised, 1)), ckpt_layers=level.ckpt_layers)
 
 
 def probe_strategy_args(strategy) -> dict:

@@ -344,6 +344,9 @@ class MeasuredSelector(Selector):
         if not run.in_world:
             cuda = run.trainer_args.get("accelerator") == "cuda"
             return launch(self.select, (lengths, replace(run, in_world=True), vision, samples), run.world, cuda)
+        patches = None  # per sample, what the probes' densest pack is chosen by (a text run's samples: none)
+        if samples is not None:
+            patches = vision.patches if vision is not None else np.zeros(len(lengths))
         profiler = MeasuredProfiler(
             run.make_module,
             lengths,
@@ -355,7 +358,7 @@ class MeasuredSelector(Selector):
             estimate=cost.memory_bytes,
             sp_kind=self.sp_kind,
             samples=samples,
-            patches=None if samples is None else vision.patches if vision is not None else np.zeros(len(lengths)),
+            patches=patches,
         )
         selection = self._search(profiler, lengths, run, cost)
         self.sp_groups = profiler.sp_groups

@@ -75,9 +75,22 @@ class StoreSamples:
         media = self.store.media(i)
         return self.inputs.media(self.store.tokens(i)[0], media, self.store.where(i)) if media else {}
 
-    def collate_args(self) -> dict:
-        """``collate_packs``'s media keywords: none for text."""
-        return {} if self.inputs is None else dict(media=self.media, rope=self.inputs.rope)
+    def batch(self, packs: list[np.ndarray], lv: Level, sp_rank: int, pad_id: int = 0, **plan) -> PackedBatch:
+        """This SP rank's shard of the micro-batch of ``packs`` (arrays of sample ids), cut as the level ``lv``
+        cuts it; ``plan``: the plan's fields (``collate_packs``: the level's index, its checkpointing, ...)."""
+        media = {} if self.inputs is None else dict(media=self.media, rope=self.inputs.rope)
+        batch = collate_packs(
+            packs, self.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=pad_id, **plan, **media
+        )
+        return resolve_sp_kind(lv.sp_kind).shard(batch, lv.sp, sp_rank) if lv.sp > 1 else batch
+
+
+def media_inputs(store: SampleStore, processor, config) -> MediaInputs | None:
+    """The media inputs of a vision-language checkpoint's ``processor`` and ``config`` for ``store``: None when
+    its samples have no images or videos, or the checkpoint no processor."""
+    if processor is None or not store.has_media:
+        return None
+    return MediaInputs(processor, config, any(s.token_types for s in store.sources))
 
 
 class MicroBatchDataset(Dataset):
@@ -103,11 +116,7 @@ class MicroBatchDataset(Dataset):
             micro_index=k,
             epoch=epoch,
         )
-        batch = collate_packs(
-            mb.packs, self.samples.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=self.pad_id, **plan,
-            **self.samples.collate_args(),
-        )  # fmt: skip
-        return resolve_sp_kind(lv.sp_kind).shard(batch, lv.sp, sp_coords(self.rank, lv.sp)[1]) if lv.sp > 1 else batch
+        return self.samples.batch(mb.packs, lv, sp_coords(self.rank, lv.sp)[1], self.pad_id, **plan)
 
 
 class PlanSampler(Sampler[tuple[int, int, MicroBatch]]):
@@ -401,10 +410,7 @@ class HBPDataModule(L.LightningDataModule):
 
     def _media_inputs(self, store: SampleStore) -> MediaInputs | None:
         """The loader's media inputs when ``store`` has samples with images or videos."""
-        if self.processor is None or not store.has_media:
-            return None
-        token_types = any(s.token_types for s in store.sources)
-        return MediaInputs(self.processor, self.model_config, token_types)
+        return media_inputs(store, self.processor, self.model_config)
 
     def self_check_samples(self, n: int = 2) -> list[tuple[np.ndarray, dict]]:
         """The ``n`` shortest training samples with images or videos, as (ids, the processor's tensors):

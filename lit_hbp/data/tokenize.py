@@ -752,7 +752,9 @@ def _write(
     started = time.perf_counter()
     total, unit = source_units(source)
     # records with images come in smaller chunks, which keep every worker busy on a source of a few MB
-    chunks = dict(chunk_bytes=CHUNK_BYTES // MEDIA_COST, chunk_rows=CHUNK_ROWS // MEDIA_COST) if processor else {}
+    chunks = {}
+    if processor is not None:
+        chunks = dict(chunk_bytes=CHUNK_BYTES // MEDIA_COST, chunk_rows=CHUNK_ROWS // MEDIA_COST)
     pool = None
     # A context: a bad record closes the bar (ends its line) before its error is printed.
     with tqdm(
