@@ -23,17 +23,20 @@ import functools
 import importlib.util
 import inspect
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_hbp import attention, calls
-from lit_hbp.checks import check_model_config, local_checkpoint
+from lit_hbp.checks import check_model_config, local_checkpoint, model_config
 from lit_hbp.data.batch import PackedBatch
+from lit_hbp.errors import ConfigError
 from lit_hbp.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
+from lit_hbp.mixers import refusal, refuse_stateful_mixers, stateful_mixers
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.offload import OFFLOADER, HostOffload
 from lit_hbp.packed_call import (
@@ -120,6 +123,26 @@ def _auto_class(model_type: str):
     return AutoModelForCausalLM, {"attn_implementation": attention.ATTN_NAME}
 
 
+def check_token_mixers(model: Any, key: str = "model.model") -> None:
+    """A ``model`` argument (checkpoint folder or config mapping) holding a token mixer that carries state
+    across documents (``lit_hbp.mixers``) is refused before the data is read: the model is built from its
+    config on the meta device (no weights, no memory) and its decoder looked at as ``prepare_model`` will
+    look at the real one. A config that cannot be built here is left to where it is built."""
+    config = model_config(model)
+    if config is None:
+        return
+    auto, _ = _auto_class(config.model_type)
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        try:
+            decoder = decoder_of(auto.from_config(config))
+        except Exception:  # noqa: BLE001
+            return
+    mixers = stateful_mixers(decoder)
+    if mixers:
+        raise ConfigError(f"{key}: {refusal(config.model_type, mixers)}")
+
+
 @contextlib.contextmanager
 def zero3_loading(strategy) -> Iterator[None]:
     """Under a DeepSpeed strategy at ZeRO-3, ``from_pretrained`` inside this block loads the checkpoint
@@ -162,6 +185,11 @@ def _refusing_other_attention(what: str):
         raise
 
 
+def family_of(net: torch.nn.Module) -> str:
+    """The model's family as transformers names it (``config.model_type``), else its class name."""
+    return getattr(getattr(net, "config", None), "model_type", None) or type(net).__name__
+
+
 def base_of(net: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model itself (under peft: the model the adapters wrap; under
     ``torch.compile``: the compiled module)."""
@@ -180,7 +208,9 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     train without dropout and without checkpointing). A call of a pack's token ids without its
     boundaries, and ``labels=`` of a pack (pre-shifted: its loss would shift them again) are refused.
     A family whose attention does not go through transformers' AttentionInterface is refused: its
-    documents would attend to each other. ``attn_backend``: the kernel of its packed calls (``auto``:
+    documents would attend to each other; so is one holding a token mixer that carries state across
+    documents (Mamba, the gated delta rule, a short convolution, ...: ``lit_hbp.mixers``), before
+    anything else is done to it. ``attn_backend``: the kernel of its packed calls (``auto``:
     the fastest that runs each kind of call; ``lit_hbp.attention.backends``), the model's own: another
     model keeps its own. ``unprepare_model`` (or ``with prepared(model):``) undoes it."""
     net = base_of(model)
@@ -193,6 +223,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         model.train()
         return model
     decoder = decoder_of(net)
+    refuse_stateful_mixers(decoder, family_of(net))
     configs = model_configs(decoder)  # a vision-language model's vision tower keeps its own attention
     for config in configs:
         calls.install(type(config))

@@ -268,7 +268,7 @@ def world_size_of(trainer: Mapping[str, Any]) -> int | None:
     return n * nodes
 
 
-def _model_config(model: Any):
+def model_config(model: Any):
     """The Hugging Face config a ``model`` argument describes (mapping or local checkpoint), or None."""
     from transformers import AutoConfig
 
@@ -291,7 +291,7 @@ def check_sp_setup(levels: Sequence[Any], world_size: int, model: Any) -> None:
     levels = validate_levels([as_level(x, f"data.levels[{i}]") for i, x in enumerate(levels)], world_size)
     if all(lv.sp == 1 for lv in levels):
         return
-    config = _model_config(model)
+    config = model_config(model)
     heads = getattr(config, "num_attention_heads", None)
     layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(heads, int) or not isinstance(layers, int):

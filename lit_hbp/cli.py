@@ -42,6 +42,7 @@ from lit_hbp.callbacks.defaults import with_default_callbacks
 from lit_hbp.callbacks.interrupt import InterruptCheckpoint
 from lit_hbp.callbacks.lost_rank import LostRankReport
 from lit_hbp.callbacks.summary import HBPModelSummary
+from lit_hbp.causal_lm import check_token_mixers
 from lit_hbp.checkpoints import (
     TRUST_HINT,
     AtomicCheckpointIO,
@@ -279,6 +280,7 @@ class HBPCLI(LightningCLI):
         section = self.config.get(self.subcommand) if self.subcommand else self.config
         try:
             check_run_config(section.as_dict())
+            check_token_mixers((section.as_dict().get("model") or {}).get("model"))
         except ValueError as e:
             if _debug() or not self.parser.exit_on_error:
                 raise

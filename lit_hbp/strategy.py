@@ -38,10 +38,12 @@ from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
-from lit_hbp.causal_lm import zero3_loading  # noqa: E402
+from lit_hbp.causal_lm import family_of, zero3_loading  # noqa: E402
 from lit_hbp.checkpoints import is_complete, save_deepspeed  # noqa: E402
 from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
 from lit_hbp.errors import ConfigError  # noqa: E402
+from lit_hbp.mixers import refusal as mixer_refusal  # noqa: E402
+from lit_hbp.mixers import stateful_mixers  # noqa: E402
 from lit_hbp.packed_call import record_of  # noqa: E402
 from lit_hbp.packing.levels import Level, as_level  # noqa: E402
 from lit_hbp.parallel.context import SPCall  # noqa: E402
@@ -121,8 +123,10 @@ def guard_frozen(module) -> list:
     that refuse, naming the attribute, a packed call it would compute wrong: one under sequence
     parallelism (it would attend within one rank's shard), one with the boundaries but its KV cache on
     (transformers would let the documents attend to each other), a pack's token ids without
-    boundaries or positions. Outside a pack, and on ``pack_inputs`` at sp 1 (transformers' own packed
-    path, the cache off), such a model runs as it always did."""
+    boundaries or positions, and any packed call of one holding a token mixer that carries state across
+    documents (``lit_hbp.mixers``: transformers' own packed path keeps only attention within documents).
+    Outside a pack, and on ``pack_inputs`` at sp 1 (transformers' own packed path, the cache off), such
+    a model runs as it always did."""
     from transformers import PreTrainedModel
 
     handles = []
@@ -131,15 +135,19 @@ def guard_frozen(module) -> list:
             continue
         if any(p.requires_grad for p in net.parameters()):
             continue
-        handles.append(net.register_forward_pre_hook(partial(_refuse_pack, _path(name)), with_kwargs=True))
+        mixers = stateful_mixers(net)
+        hook = partial(_refuse_pack, _path(name), mixer_refusal(family_of(net), mixers) if mixers else None)
+        handles.append(net.register_forward_pre_hook(hook, with_kwargs=True))
     return handles
 
 
-def _refuse_pack(path: str, net, args: tuple, kwargs: dict):
+def _refuse_pack(path: str, stateful: str | None, net, args: tuple, kwargs: dict):
     ids = kwargs.get("input_ids", args[0] if args else None)
     marked = isinstance(ids, torch.Tensor) and ids.__dict__.get(PACK_MARK, 0) > 1
     boundaries = kwargs.get("cu_seq_lens_q") is not None
     why = None
+    if stateful is not None and (marked or boundaries):
+        raise ValueError(f"{path} is called on a packed micro-batch, but {stateful}")
     if kwargs.get("hbp_sp") is not None or kwargs.get("hbp_cp_shard") is not None:
         why = "under sequence parallelism its ranks' shards would attend only to themselves"
     elif boundaries and kwargs.get("use_cache", net.config.use_cache) is not False:

@@ -56,6 +56,17 @@ OVERRIDES = {
     **{f: MLA for f in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "minicpm3", "youtu", "axk1", "axk2")},
     **{f: MLA for f in ("glm4_moe_lite", "glm_moe_dsa", "deepseek_v4", "sarvam_mla")},
 }
+# Hybrids built with the stateful mixer they are known for (the generic shape gives LFM2 two attention
+# layers, and leaves Mamba2, Zamba2 and ZAYA unbuildable).
+HYBRIDS = {
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "mamba2": dict(num_heads=8, n_groups=1),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
+    "zaya": dict(num_experts_per_tok=1),
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
+}
+OVERRIDES.update(HYBRIDS)
 MAX_PARAMS = 5_000_000  # larger after shrinking: a multimodal wrapper whose sub-models keep their size
 # The families of the issue that asked for this matrix; the table of docs/families.md is checked against them.
 NAMED = (

@@ -369,10 +369,30 @@ VLM_TESTED = {
 }
 
 
+def stateful_mixer_kind(family: str) -> str | None:
+    """The kind of the first token mixer carrying state across documents in the family's language model
+    (its default config, built on the meta device), or None (none, or the config cannot be built)."""
+    import warnings
+
+    from transformers import AutoModelForImageTextToText
+
+    from lit_hbp.causal_lm import decoder_of
+    from lit_hbp.mixers import stateful_mixers
+
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        try:
+            mixers = stateful_mixers(decoder_of(AutoModelForImageTextToText.from_config(AutoConfig.for_model(family))))
+        except Exception:  # noqa: BLE001 (left to the self-check, as the table says)
+            return None
+    return mixers[0].kind if mixers else None
+
+
 def vlm_families() -> dict[str, tuple[str, str]]:
     """Every image-text-to-text family transformers registers, with what lit-hbp does with a pack of its
-    images: exact (tested here), refused (by ``refuse_bidirectional`` or ``check_encoder_outputs``, the
-    reason), or decided by the start-of-fit self-check on the run's own images (not built here)."""
+    images: exact (tested here), refused (by ``prepare_model`` for a stateful token mixer in its language
+    model, by ``refuse_bidirectional`` or ``check_encoder_outputs``, the reason), or decided by the
+    start-of-fit self-check on the run's own images (not built here)."""
     import inspect
 
     import transformers
@@ -386,6 +406,9 @@ def vlm_families() -> dict[str, tuple[str, str]]:
         forward = inspect.signature(base.forward).parameters if base is not None else {}
         if family in VLM_TESTED:
             out[family] = ("exact", VLM_TESTED[family])
+        elif kind := stateful_mixer_kind(family):
+            why = f"its language model holds {kind}, carrying state across documents (prepare_model)"
+            out[family] = ("refused", why)
         elif family in BIDIRECTIONAL:
             out[family] = ("refused", BIDIRECTIONAL[family])
         elif base is not None and "mm_encoder_outputs" not in forward:
