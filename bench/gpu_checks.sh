@@ -4,8 +4,9 @@
 # from .whl/vlm/ where the image's is older than 5.18), then the 1B throughput alone (lit-hbp beside HF
 # Trainer, the memory model) and a profile of its 4K level.
 # Here first: bash bench/gpu_wheels.sh. Device run: carry [".whl", "demo_data"], `bash bench/gpu_checks.sh`.
-# Ten files come back in $OUT: env.txt (the timeline), t_attn.log, t_other.log, t_vis.log, vlm/proof.*, throughput.log,
-# profile.log and profile_auto.log (Lightning's per-hook host times of the 4K level, with and without DeepSpeed).
+# Eleven files come back in $OUT: env.txt (the timeline), t_attn.log, t_other.log, t_vis.log, vlm/proof.*, throughput.log,
+# profile.log and profile_zero2.log (Lightning's per-hook host times of the 4K level, the config's HBPDDPStrategy and
+# HBPStrategy ZeRO-2), step_overhead.log (the run's optimizer step beside a bare loop, on the GPU).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_checks}; mkdir -p "$OUT"
@@ -35,9 +36,12 @@ timeout 90 python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml -
     --data.demo_dir=demo_data '--data.levels=[{pack_len: 4096}]' --data.over_length=truncate --trainer.profiler=simple \
     > $OUT/profile.log 2>&1
 at "profile exit $?"
-# The same level without DeepSpeed (one GPU: ZeRO-2 shards nothing, its hooks and step are host time only).
+# The same level under DeepSpeed's ZeRO-2 (one GPU: it shards nothing, its hooks and step are host time only).
 timeout 90 python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml --steps 12 --warmup 4 --modes hbp \
     --data.demo_dir=demo_data '--data.levels=[{pack_len: 4096}]' --data.over_length=truncate --trainer.profiler=simple \
-    --trainer.strategy=auto > $OUT/profile_auto.log 2>&1
-at "profile without DeepSpeed exit $?"
+    --trainer.strategy=hbp > $OUT/profile_zero2.log 2>&1
+at "profile under ZeRO-2 exit $?"
+# The fixed cost per optimizer step on the GPU: Trainer.fit's step beside a bare loop (bf16), 16 layers at width 64.
+timeout 60 python3 bench/step_overhead.py --device cuda --layers 16 --rounds 2 > $OUT/step_overhead.log 2>&1
+at "step overhead exit $?"
 cat $OUT/env.txt

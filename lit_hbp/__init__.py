@@ -1,6 +1,6 @@
 """lit-hbp: Hierarchical Balance Packing for long-context SFT with PyTorch Lightning.
 
-    from lit_hbp import HBPDataModule, HBPLitModule, HBPStrategy, Level, PackedBatch, plan_hbp
+    from lit_hbp import HBPDataModule, HBPLitModule, HBPStrategy, HBPDDPStrategy, Level, PackedBatch, plan_hbp
     from lit_hbp import prepare_model, packed_loss, pack_samples   # inside your own LightningModule
     from lit_hbp import pack_inputs, prepared, unprepare_model     # the model's other calls, a teacher
 
@@ -16,6 +16,7 @@ _LAZY = {
     "HBPDataModule": "lit_hbp.data.datamodule",
     "HBPLitModule": "lit_hbp.module",
     "HBPStrategy": "lit_hbp.strategy",
+    "HBPDDPStrategy": "lit_hbp.strategy",
     "PackedBatch": "lit_hbp.data.batch",
     "PackedLoss": "lit_hbp.causal_lm",
     "prepare_model": "lit_hbp.causal_lm",

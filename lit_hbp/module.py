@@ -48,13 +48,14 @@ RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degr
 
 def adamw_kind(params: list[torch.Tensor], device: torch.device | None = None) -> str:
     """``fused`` when every trainable parameter is a floating tensor stepped on a CUDA device, else
-    ``for-loop`` (torch's own choice off CUDA). ``device`` is where the optimizer steps them (the
-    strategy's: a model built before ``fit`` is on the host until DeepSpeed moves it, and DeepSpeed
-    steps its fp32 master copies there); without it, where the parameters are. The fused kernel
-    updates every parameter in one pass over memory; the unfused AdamW makes about ten."""
+    ``foreach`` (torch's multi-tensor kernels: a handful of calls per step, not a Python loop over the
+    parameters). ``device`` is where the optimizer steps them (the strategy's: a model built before
+    ``fit`` is on the host until DeepSpeed moves it, and DeepSpeed steps its fp32 master copies there);
+    without it, where the parameters are. The fused kernel updates every parameter in one pass over
+    memory; the unfused AdamW makes about ten."""
     on_cuda = device.type == "cuda" if device is not None else all(p.is_cuda for p in params)
     fused = bool(params) and on_cuda and all(p.is_floating_point() for p in params)
-    return "fused" if fused else "for-loop"
+    return "fused" if fused else "foreach"
 
 
 def device_memory(device: torch.device) -> float | None:
@@ -65,14 +66,13 @@ def device_memory(device: torch.device) -> float | None:
     return float(torch.cuda.get_device_properties(device).total_memory)
 
 
-def clips_before_the_step(trainer) -> bool:
-    """Whether Lightning clips the gradients before the optimizer's step under its mixed-precision plugin,
-    which refuses an optimizer that unscales inside its step (fused AdamW: "does not allow for gradient
-    clipping"), bf16 included. DeepSpeed clips inside its own step and takes the fused kernel."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
+def clips_scaled_gradients(trainer) -> bool:
+    """Whether Lightning clips the gradients before the optimizer's step with fp16's loss scaler, which it
+    unscales first and so refuses an optimizer that unscales inside its step (fused AdamW: "does not allow
+    for gradient clipping"). Without a scaler (fp32, bf16) ``HBPLitModule.configure_gradient_clipping``
+    clips itself and the fused kernel runs; DeepSpeed clips inside its own step."""
     clip = getattr(trainer, "gradient_clip_val", None)
-    return bool(clip) and isinstance(getattr(trainer, "precision_plugin", None), MixedPrecision)
+    return bool(clip) and getattr(getattr(trainer, "precision_plugin", None), "scaler", None) is not None
 
 
 def optimizer_device(strategy) -> torch.device:
@@ -382,15 +382,6 @@ class HBPLitModule(L.LightningModule):
     def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
         loss, ce_sum, n = self(batch)
         self._meter.add_loss(ce_sum, n)
-        # Host values logged as host tensors: Lightning would copy a Python number to the device.
-        for key, value in (
-            ("level", batch.level),
-            ("sp", batch.sp),
-            ("ckpt_layers", batch.ckpt_layers),
-            ("supervised_tokens", batch.n_targets),
-            ("tokens", batch.n_tokens),
-        ):
-            self.log(f"train/{key}", torch.tensor(float(value)), batch_size=1)
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -435,6 +426,17 @@ class HBPLitModule(L.LightningModule):
         self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # this rank's share of real tokens
         if not logs_now(self.trainer):
             return
+        # The micro-batch's plan fields, at the steps the loggers write (a value logged at another step
+        # would never be written: Lightning's self.log costs the host time all the same). Host values
+        # logged as host tensors: Lightning would copy a Python number to the device.
+        for key, value in (
+            ("level", batch.level),
+            ("sp", batch.sp),
+            ("ckpt_layers", batch.ckpt_layers),
+            ("supervised_tokens", batch.n_targets),
+            ("tokens", batch.n_tokens),
+        ):
+            self.log(f"train/{key}", torch.tensor(float(value)), batch_size=1)
         # train/loss: token-mean CE over every rank and micro-step since the last logged step.
         reduce = None
         if self.trainer.world_size > 1:
@@ -492,6 +494,24 @@ class HBPLitModule(L.LightningModule):
             self.trainer, self._spec, hp.liger, hp.ce_chunk_size, dtype_bytes, capacity, trainable, trained
         )
 
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Clipping by norm where nothing scales the gradients (fp32, bf16; not under DeepSpeed, which
+        clips in its own step): ``clip_grad_norm_`` with torch's multi-tensor kernels, the norm left on
+        the device (Lightning's own clips tensor by tensor off CUDA, and refuses the fused AdamW under
+        bf16 though bf16 has no loss scale to undo). Otherwise Lightning's."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        trainer = self.trainer
+        by_norm = str(gradient_clip_algorithm or "norm") == "norm"
+        unscaled = getattr(trainer.precision_plugin, "scaler", None) is None
+        if gradient_clip_val and by_norm and unscaled and not isinstance(trainer.strategy, DeepSpeedStrategy):
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val, foreach=True)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def configure_optimizers(self):
         hp = self.hparams
         decay, no_decay = [], []
@@ -504,12 +524,11 @@ class HBPLitModule(L.LightningModule):
         device = optimizer_device(self.trainer.strategy) if self._trainer is not None else None
         kind = adamw_kind(decay + no_decay, device)
         why = ""
-        if kind == "fused" and self._trainer is not None and clips_before_the_step(self.trainer):
+        if kind == "fused" and self._trainer is not None and clips_scaled_gradients(self.trainer):
             kind = "foreach"
-            why = ": the fused kernel unscales inside its step, where Lightning's mixed precision cannot clip"
+            why = ": the fused kernel unscales inside its step, where Lightning's fp16 loss scaling cannot clip"
         rank_zero_info(f"optimizer: AdamW ({kind}{why})")
-        fused = True if kind == "fused" else None  # None: torch chooses (a for-loop off CUDA)
-        foreach = True if kind == "foreach" else None
+        fused, foreach = (True, None) if kind == "fused" else (None, True)
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), fused=fused, foreach=foreach)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = min(hp.warmup_steps, total)

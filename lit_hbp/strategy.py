@@ -1,12 +1,15 @@
-"""HBPStrategy: DeepSpeed with a sequence-parallel degree per HBP level, switched batch by batch.
+"""lit-hbp's strategies: a sequence-parallel degree per HBP level, switched batch by batch, over
+DeepSpeed (``HBPStrategy``, ZeRO 0-3) or over torch's DDP (``HBPDDPStrategy``: no sharding, nothing in the
+step that a step on one device does not need).
 
 Every SP group of every degree the levels use is built once at setup; each micro-batch is then handed
 over with its level's group (``PackedBatch.sp_group``, which its packed calls carry), at zero cost:
-nothing is activated in the process, so nothing outlives the micro-batch. DeepSpeed itself never hears of SP: its
-data-parallel group stays the whole world (no ``mpu``, whose ZeRO partitioning would freeze one sp),
-and the Ave-Token loss carries all SP accounting (docs/design.md sections 5-7).
+nothing is activated in the process, so nothing outlives the micro-batch (``LevelGroups``, what both
+strategies share). DeepSpeed and DDP never hear of SP: their data-parallel group stays the whole world
+(no ``mpu``, whose ZeRO partitioning would freeze one sp), and the Ave-Token loss carries all SP
+accounting (docs/design.md sections 5-7).
 
-Also fixed here:
+Also fixed here, for DeepSpeed:
 - Lightning divides the loss by accumulate_grad_batches and DeepSpeed divides gradients by its
   accumulation steps again; DeepSpeed's division is cancelled (``scale_wrt_gas=False``).
 - Lightning saves every DeepSpeed checkpoint over the previous one's files (tag ``checkpoint``); here
@@ -205,7 +208,84 @@ def _check_deepspeed_device(device: torch.device) -> None:
         )
 
 
-class HBPStrategy(DeepSpeedStrategy):
+class LevelGroups:
+    """What a lit-hbp strategy adds to its Lightning parent, whatever that is: the levels (the data
+    module's, checked against the model and the world), every SP group they need built once at set-up,
+    each micro-batch handed over with its level's group and kind, frozen models guarded. A subclass
+    lists it before its Lightning strategy, calls ``init_levels`` in ``__init__`` and ``prepare_levels``
+    in ``setup``."""
+
+    levels: tuple[Level, ...] | None
+    sp_groups: SPGroups | None
+
+    def init_levels(self, levels: list[Level | dict | str | int] | None) -> None:
+        self.levels = None if levels is None else tuple(as_level(x) for x in levels)
+        self.sp_groups = None
+        self._sp_calls: dict[tuple, SPCall] = {}  # (sp, cp, kind) -> the level's SPCall, built on first use
+        self._frozen_guards: list = []
+
+    def prepare_levels(self, trainer) -> tuple[Level, ...]:
+        """The run's levels laid out for its model and world (the data module's, or this strategy's if
+        they agree), the SP groups they need, and the guards on frozen models."""
+        data_levels = getattr(trainer.datamodule, "levels", None)
+        if self.levels and data_levels and _plan_fields(data_levels) != _plan_fields(self.levels):
+            raise ValueError(
+                f"{type(self).__name__} levels {list(self.levels)} differ from the data module's {list(data_levels)}: "
+                "the batches carry the data module's sp; give the levels once (the strategy reads the data module's)"
+            )
+        levels = self.levels or data_levels
+        if not levels:
+            raise ValueError(f"{type(self).__name__} needs levels: pass levels=... or use a data module with .levels")
+        module = trainer.lightning_module
+        net = trained_model(module, [as_level(x) for x in levels])
+        self._frozen_guards = guard_frozen(module)
+        cfg = net.config
+        node_size = trainer.num_devices
+        validate_sp_setup(
+            levels,
+            self.world_size,
+            *model_heads(cfg),
+            getattr(module, "num_layers", None) or cfg.get_text_config().num_hidden_layers,
+            node_size,
+        )
+        laid_out = tuple(layout_levels([as_level(x) for x in levels], cfg, node_size))
+        degrees = [(lv.sp, lv.layout[1]) for lv in laid_out]
+        if self.sp_groups is None:
+            self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank)
+        else:  # groups handed over from an earlier run of the same world (the measured level search)
+            if (self.sp_groups.world_size, self.sp_groups.rank) != (self.world_size, self.global_rank):
+                raise ValueError(
+                    f"the SP groups handed to {type(self).__name__} were built for rank {self.sp_groups.rank} of "
+                    f"{self.sp_groups.world_size}, not rank {self.global_rank} of {self.world_size}"
+                )
+            self.sp_groups.ensure(degrees)
+        return laid_out
+
+    def describe_levels(self) -> str:
+        return ", ".join(
+            f"{lv.pack_len} tokens sp {lv.sp}{lv.layout_note} ckpt {lv.ckpt_layers}{lv.memory_note}"
+            for lv in self.levels or ()
+        )
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch, with its level's SP group and kind (its packed calls carry them)."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if isinstance(batch, PackedBatch) and batch.sp > 1:
+            key = (batch.sp, batch.cp, batch.sp_kind)
+            if key not in self._sp_calls:
+                self._sp_calls[key] = SPCall.of(self.sp_groups[(batch.sp, batch.cp)], batch.sp_kind)
+            batch = batch.replace(sp_group=self._sp_calls[key])
+        return batch
+
+    def teardown(self) -> None:
+        self._sp_calls = {}
+        for handle in self._frozen_guards:
+            handle.remove()
+        self._frozen_guards = []
+        super().teardown()
+
+
+class HBPStrategy(LevelGroups, DeepSpeedStrategy):
     """DeepSpeed (ZeRO 0-3) with per-level sequence parallelism (Ulysses x context parallelism).
 
     Args:
@@ -256,10 +336,7 @@ class HBPStrategy(DeepSpeedStrategy):
             if zero["optimizer_offload"]:
                 # DeepSpeed refuses a torch optimizer (HBPLitModule's AdamW) to offload unless told
                 self.config.setdefault("zero_force_ds_cpu_optimizer", False)
-        self.levels = None if levels is None else tuple(as_level(x) for x in levels)
-        self.sp_groups: SPGroups | None = None
-        self._sp_calls: dict[tuple, SPCall] = {}  # (sp, cp, kind) -> the level's SPCall, built on first use
-        self._frozen_guards: list = []
+        self.init_levels(levels)
 
     def _format_config(self) -> None:
         super()._format_config()  # adds the precision's section (bf16) to the config
@@ -319,63 +396,15 @@ class HBPStrategy(DeepSpeedStrategy):
         return engine, ds_optimizer
 
     def setup(self, trainer) -> None:
-        data_levels = getattr(trainer.datamodule, "levels", None)
-        if self.levels and data_levels and _plan_fields(data_levels) != _plan_fields(self.levels):
-            raise ValueError(
-                f"HBPStrategy levels {list(self.levels)} differ from the data module's {list(data_levels)}: the "
-                "batches carry the data module's sp; give the levels once (the strategy reads the data module's)"
-            )
-        levels = self.levels or data_levels
-        if not levels:
-            raise ValueError("HBPStrategy needs levels: pass levels=... or use a data module with .levels")
-        module = trainer.lightning_module
-        net = trained_model(module, [as_level(x) for x in levels])
-        self._frozen_guards = guard_frozen(module)
-        cfg = net.config
-        node_size = trainer.num_devices
-        validate_sp_setup(
-            levels,
-            self.world_size,
-            *model_heads(cfg),
-            getattr(module, "num_layers", None) or cfg.get_text_config().num_hidden_layers,
-            node_size,
-        )
-        self.levels = layout_levels([as_level(x) for x in levels], cfg, node_size)
+        self.levels = self.prepare_levels(trainer)
         zero = Settings(**deepspeed_zero(self.config))
         for i, lv in enumerate(self.levels):
             if lv.mlp_tiles > 1 and (why := refusal("mlp_tiles", zero, value=lv.mlp_tiles)):
                 raise ValueError(f"level {i} (pack_len {lv.pack_len}): {why}")
-        degrees = [(lv.sp, lv.layout[1]) for lv in self.levels]
-        if self.sp_groups is None:
-            self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank)
-        else:  # groups handed over from an earlier run of the same world (the measured level search)
-            if (self.sp_groups.world_size, self.sp_groups.rank) != (self.world_size, self.global_rank):
-                raise ValueError(
-                    f"the SP groups handed to HBPStrategy were built for rank {self.sp_groups.rank} of "
-                    f"{self.sp_groups.world_size}, not rank {self.global_rank} of {self.world_size}"
-                )
-            self.sp_groups.ensure(degrees)
         self.config = without_idle_overlap(self.config, self.world_size, self._overlap_comm_asked)
-        rank_zero_info(
-            "HBPStrategy levels: "
-            + ", ".join(
-                f"{lv.pack_len} tokens sp {lv.sp}{lv.layout_note} ckpt {lv.ckpt_layers}{lv.memory_note}"
-                for lv in self.levels
-            )
-            + f"; ZeRO stage {zero.zero_stage}"
-        )
+        rank_zero_info(f"HBPStrategy levels: {self.describe_levels()}; ZeRO stage {zero.zero_stage}")
         _check_deepspeed_device(self.root_device)
         super().setup(trainer)
-
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Move the batch, with its level's SP group and kind (its packed calls carry them)."""
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        if isinstance(batch, PackedBatch) and batch.sp > 1:
-            key = (batch.sp, batch.cp, batch.sp_kind)
-            if key not in self._sp_calls:
-                self._sp_calls[key] = SPCall.of(self.sp_groups[(batch.sp, batch.cp)], batch.sp_kind)
-            batch = batch.replace(sp_group=self._sp_calls[key])
-        return batch
 
     @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -403,13 +432,6 @@ class HBPStrategy(DeepSpeedStrategy):
         with mock.patch("lightning.pytorch.strategies.deepspeed._validate_checkpoint_directory", _whole_folder):
             return super().load_checkpoint(checkpoint_path, weights_only)
 
-    def teardown(self) -> None:
-        self._sp_calls = {}
-        for handle in self._frozen_guards:
-            handle.remove()
-        self._frozen_guards = []
-        super().teardown()
-
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         """``--trainer.strategy hbp`` (ZeRO-2), ``hbp_stage_1`` ... ``hbp_stage_3``, like DeepSpeed's names."""
@@ -425,3 +447,60 @@ class HBPStrategy(DeepSpeedStrategy):
 
 
 HBPStrategy.register_strategies(StrategyRegistry)
+
+
+class HBPDDPStrategy(LevelGroups, DDPStrategy):
+    """torch's DDP with per-level sequence parallelism (Ulysses x context parallelism): every rank holds
+    the whole model, its gradients and its optimizer states; the gradients are all-reduced over the world
+    in DDP's buckets, overlapped with the backward.
+
+    The fast path where ZeRO would shard nothing: on one device no DDP wrapper at all (no gradient hooks,
+    no buckets), the module's own fused AdamW and foreach clipping (``HBPLitModule``), so the optimizer
+    step runs what a bare PyTorch loop runs (``bench/step_overhead.py``); DeepSpeed's one-process ZeRO-2
+    adds per-parameter hooks, flat copies of the gradients and host reads (docs/gpu.md). Use it when the
+    model's weights, gradients and fp32 Adam states fit on each device (16 bytes per parameter under
+    bf16-mixed); ``HBPStrategy`` shards them.
+
+    Args:
+        levels: the HBP levels; by default those of the trainer's data module (HBPDataModule).
+        timeout: how long a collective waits for the other ranks (10 minutes; see ``HBPStrategy``).
+        Other arguments are DDPStrategy's (``find_unused_parameters=True`` for a model that leaves some
+        trainable weights unused in a step: mixture-of-experts, a vision tower on a text-only pack).
+    """
+
+    strategy_name = "hbp_ddp"
+
+    def __init__(
+        self,
+        levels: list[Level | dict | str | int] | None = None,
+        timeout: timedelta = COLLECTIVE_TIMEOUT,
+        **kwargs: Any,
+    ):
+        super().__init__(timeout=timeout, **kwargs)
+        self.init_levels(levels)
+
+    def setup_distributed(self) -> None:
+        _LIVE.add(self)  # its SP groups and process group released at exit (release_process_groups)
+        super().setup_distributed()
+
+    def setup(self, trainer) -> None:
+        self.levels = self.prepare_levels(trainer)
+        how = f"DDP over {self.world_size} processes" if self.world_size > 1 else "one device, no DDP wrapper"
+        rank_zero_info(f"HBPDDPStrategy levels: {self.describe_levels()}; {how}")
+        super().setup(trainer)
+
+    def configure_ddp(self) -> None:
+        """One process reduces nothing: the module stays unwrapped (DDP would hook every parameter's
+        gradient and copy it into buckets for an all-reduce of one)."""
+        if self.world_size > 1:
+            super().configure_ddp()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """``--trainer.strategy hbp_ddp``."""
+        strategy_registry.register(
+            "hbp_ddp", cls, description="HBP: DDP (no sharding) with per-level SP", override=True
+        )
+
+
+HBPDDPStrategy.register_strategies(StrategyRegistry)

@@ -337,13 +337,13 @@ def test_adamw_is_fused_when_every_trainable_parameter_is_a_cuda_float():
     from lit_hbp.module import adamw_kind
 
     assert adamw_kind([FakeParam(True), FakeParam(True)]) == "fused"
-    assert adamw_kind([FakeParam(True), FakeParam(False)]) == "for-loop"  # one on the host
-    assert adamw_kind([FakeParam(True), FakeParam(True, floating=False)]) == "for-loop"
-    assert adamw_kind([]) == "for-loop"
-    assert adamw_kind([torch.nn.Parameter(torch.ones(2))]) == "for-loop"
+    assert adamw_kind([FakeParam(True), FakeParam(False)]) == "foreach"  # one on the host
+    assert adamw_kind([FakeParam(True), FakeParam(True, floating=False)]) == "foreach"
+    assert adamw_kind([]) == "foreach"
+    assert adamw_kind([torch.nn.Parameter(torch.ones(2))]) == "foreach"
     # Where the strategy steps them decides: parameters still on the host go to the GPU with DeepSpeed.
     assert adamw_kind([FakeParam(False)], torch.device("cuda", 0)) == "fused"
-    assert adamw_kind([FakeParam(True)], torch.device("cpu")) == "for-loop"
+    assert adamw_kind([FakeParam(True)], torch.device("cpu")) == "foreach"
 
 
 def test_a_model_built_on_the_host_before_fit_gets_the_fused_adamw_of_its_gpu_strategy():
@@ -365,13 +365,14 @@ def test_a_model_built_on_the_host_before_fit_gets_the_fused_adamw_of_its_gpu_st
         assert next(module.parameters()).device.type == "cpu"
 
 
-def test_a_fused_adamw_is_not_handed_to_lightnings_mixed_precision_when_it_clips(
+def test_a_fused_adamw_steps_under_bf16_mixed_precision_with_clipping(
     chat_data, toy_tokenizer, tmp_path, monkeypatch, caplog
 ):
     """On an H100 the VLM demo (bf16-mixed, gradient_clip_val 1.0, no DeepSpeed) stopped at its first step:
-    Lightning's mixed precision refuses to clip an optimizer that unscales inside its step (fused AdamW).
-    There the multi-tensor AdamW steps instead. Here the strategy's device is said to be CUDA, so the fused
-    kernel (CPU-capable in torch >= 2.4) would be chosen: fit runs and the run's optimizer is not fused."""
+    Lightning's mixed precision refuses to clip an optimizer that unscales inside its step (fused AdamW),
+    though bf16 has no loss scale to undo. The module clips itself there (``configure_gradient_clipping``),
+    so the fused kernel steps. Here the strategy's device is said to be CUDA, so the fused kernel
+    (CPU-capable in torch >= 2.4) is chosen: fit runs with it, clipping or not, in bf16 or fp32."""
     import lit_hbp.module as module_file
 
     monkeypatch.setattr(module_file, "optimizer_device", lambda strategy: torch.device("cuda", 0))
@@ -379,23 +380,53 @@ def test_a_fused_adamw_is_not_handed_to_lightnings_mixed_precision_when_it_clips
         sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=[{"pack_len": 128}],
         cache_dir=str(tmp_path / "cache"),
     )  # fmt: skip
-    module = make_module(vocab=dm.vocab_size)
-    trainer = quiet_trainer(devices=1, max_steps=2, precision="bf16-mixed", gradient_clip_val=1.0)
-    with caplog.at_level("INFO"):
-        trainer.fit(module, dm)
-    assert trainer.global_step == 2
-    optimizer = trainer.optimizers[0]
-    assert not optimizer.defaults["fused"] and optimizer.defaults["foreach"]
-    assert "optimizer: AdamW (foreach: the fused kernel unscales inside its step" in caplog.text
-    # Without clipping, or in full precision, the fused kernel is kept.
-    for kwargs in ({"precision": "bf16-mixed"}, {"precision": "32-true", "gradient_clip_val": 1.0}):
+    for kwargs in (
+        {"precision": "bf16-mixed", "gradient_clip_val": 1.0},
+        {"precision": "bf16-mixed"},
+        {"precision": "32-true", "gradient_clip_val": 1.0},
+    ):
         module = make_module(vocab=dm.vocab_size)
-        trainer = quiet_trainer(devices=1, max_steps=1, **kwargs)
-        trainer.fit(module, dm)
+        trainer = quiet_trainer(devices=1, max_steps=2, **kwargs)
+        with caplog.at_level("INFO"):
+            trainer.fit(module, dm)
+        assert trainer.global_step == 2
         assert trainer.optimizers[0].defaults["fused"], kwargs
+    assert "optimizer: AdamW (fused)" in caplog.text
 
 
-@pytest.mark.parametrize("kind", ["fused", "for-loop"])
+def test_the_modules_clipping_is_torchs_clipping_by_the_global_norm():
+    """``configure_gradient_clipping`` where nothing scales the gradients: every gradient times
+    max_norm / (global L2 norm + 1e-6) when the norm exceeds max_norm, computed here by hand; under
+    the norm, untouched; with fp16's loss scaler (or by value) Lightning's own clipping is called."""
+    import types
+
+    module = make_module()
+    params = [p for p in module.model.parameters() if p.requires_grad]
+    torch.manual_seed(0)
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    want = [p.grad.clone() for p in params]
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in want))
+    plugin = types.SimpleNamespace(scaler=None)
+    strategy = torch.nn.Module()  # not a DeepSpeed strategy
+    module._trainer = types.SimpleNamespace(precision_plugin=plugin, strategy=strategy)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    module.configure_gradient_clipping(optimizer, 1.0, "norm")
+    for p, g in zip(params, want):
+        torch.testing.assert_close(p.grad.double(), g.double() * (1.0 / (norm + 1e-6)), rtol=1e-5, atol=1e-7)
+    module.configure_gradient_clipping(optimizer, 1e9, "norm")  # under the norm: untouched
+    for p, g in zip(params, want):
+        torch.testing.assert_close(p.grad.double(), g.double() * (1.0 / (norm + 1e-6)), rtol=1e-5, atol=1e-7)
+    called = []
+    module.clip_gradients = lambda *a: called.append(a)
+    plugin.scaler = object()
+    module.configure_gradient_clipping(optimizer, 1.0, "norm")
+    plugin.scaler = None
+    module.configure_gradient_clipping(optimizer, 0.5, "value")
+    assert [a[1:] for a in called] == [(1.0, "norm"), (0.5, "value")]
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
 def test_configure_optimizers_uses_and_logs_the_chosen_adamw(kind, monkeypatch, caplog):
     import types
 

@@ -159,12 +159,13 @@ def gathered_params(module) -> dict:
         return {n: p.detach().clone() for n, p in params}
 
 
-def train_with_strategy(stage: int, data: str, tokenizer: str, cache: str, loss: str = "ave_token") -> dict:
+def train_with_strategy(stage: int | str, data: str, tokenizer: str, cache: str, loss: str = "ave_token") -> dict:
+    """``stage``: HBPStrategy's ZeRO stage, or "ddp" for HBPDDPStrategy."""
     import lightning as L
     import torch.distributed as dist
 
     from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.strategy import HBPDDPStrategy, HBPStrategy
 
     class Trace(L.Callback):
         def __init__(self):
@@ -195,7 +196,7 @@ def train_with_strategy(stage: int, data: str, tokenizer: str, cache: str, loss:
     trace = Trace()
     trainer = quiet_trainer(
         devices=WORLD,
-        strategy=HBPStrategy(stage=stage),
+        strategy=HBPDDPStrategy() if stage == "ddp" else HBPStrategy(stage=stage),
         max_steps=STEPS,
         accumulate_grad_batches=ACCUMULATE,
         callbacks=[trace],
@@ -266,6 +267,7 @@ def reference_update(result: dict, tokens, vocab: int, loss: str = "ave_token", 
         (1, "ave_token"),
         (2, "ave_token"),
         (3, "ave_token"),
+        ("ddp", "ave_token"),
         (2, "token_mean"),
         (2, "sample_mean"),
         (2, "sum"),

@@ -1,7 +1,9 @@
-"""Sync audit: a training micro-step that the logger does not write waits for nothing on a GPU.
+"""Sync audit: a training micro-step that the logger does not write waits for nothing on a GPU,
+accumulation micro-steps and optimizer steps alike.
 
 ``Trainer.fit`` on CPU with the trainer settings and callbacks of ``configs/llama_1b_1gpu.yaml``
-(its strategy, precision and callback list, read from the file), plus the callbacks the CLI adds
+(its strategy, ``HBPDDPStrategy``, precision and callback list, read from the file), and again with
+``HBPStrategy`` at ZeRO-2 (DeepSpeed), plus the callbacks the CLI adds
 (``with_default_callbacks``: FinalCheckpoint, InterruptCheckpoint, LevelSummary,
 DiscardEmptyRunDir, HBPProgressBar), with ``accumulate_grad_batches=2`` and ``log_every_n_steps=3``:
 accumulation micro-steps, optimizer steps that log and optimizer steps that do not.
@@ -16,6 +18,11 @@ micro-step except the last micro-step of an optimizer step whose metrics the log
   ``bool``/``int``/``float``/``index`` of a tensor, ``torch.equal``/``allclose`` and the
   data-dependent shapes (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing), seen by a
   torch-function mode. On a GPU each of these waits for the device;
+- every host value copied to the device by a blocking copy: a ``torch.tensor``/``as_tensor`` made on
+  the device (``torch.tensor(-1.0, device=...)``), a host tensor's ``.to(<device>)`` or ``.cuda()``
+  without ``non_blocking=True``. torch's blocking host-to-device copy synchronizes its stream, so on a
+  GPU each waits for the queued work too. (The batch's own copy is non-blocking from pinned memory on a
+  GPU, ``PackedBatch.to``: made non-blocking here too, as it is there;)
 - every ``LightningModule.log`` of a Python number (Lightning copies it to the device) or of a
   tensor that would live on the GPU.
 
@@ -31,9 +38,12 @@ device=module.device)``) makes a device tensor: on a GPU that is a host-to-devic
 DeepSpeed's accelerator is swapped for one that, like CUDA's, does not order its work itself, so
 DeepSpeed takes the branches it takes on a GPU where it can, and AdamW is the fused one, as on a GPU.
 Reads are attributed to the first frame outside torch. The bar: nothing at all in accumulation
-micro-steps; at optimizer steps that do not log, only DeepSpeed's clipping check of the gradient
-norm (``is_invalid_grad_norm``, which DeepSpeed 0.19 runs whenever gradient_clip_val > 0). HBPStrategy
-turns DeepSpeed's bf16 overflow check off, which otherwise reads an overflow flag and the norm too.
+micro-steps, nor, with ``HBPDDPStrategy``, at optimizer steps that do not log (fused AdamW, the
+module's foreach clipping). Under DeepSpeed, at optimizer steps that do not log, only its clipping
+check of the gradient norm (``is_invalid_grad_norm``, which DeepSpeed 0.19 runs whenever
+gradient_clip_val > 0) and the device scalar it masks a non-finite norm with
+(``mask_nan_or_inf_with_val_inplace``). HBPStrategy turns DeepSpeed's bf16 overflow check off, which
+otherwise reads an overflow flag and the norm too.
 
 Not seen on CPU: branches taken only on a CUDA device (``StepMeter``'s CUDA events,
 ``HBPThroughputMonitor``'s synchronize at logging steps), which the GPU test of
@@ -107,6 +117,12 @@ def origin() -> str:
     return "other: unknown"
 
 
+def logged_metric_state() -> bool:
+    """Whether Lightning's result collection is moving a logged metric's state to the logged value's
+    device: the host for a host value (no copy on a GPU); a device value's logging is counted apart."""
+    return any(f.filename.endswith(("logger_connector/result.py",)) for f in traceback.extract_stack())
+
+
 class DeviceReads(TorchFunctionMode):
     """Records host reads of tensors that would be on the GPU, while ``watching``."""
 
@@ -145,6 +161,12 @@ class DeviceReads(TorchFunctionMode):
                 read = any(torch.is_tensor(i) and i.dtype == torch.bool for i in index)
             if read:
                 (self.reads if on_device else self.host_reads).append(f"{name} ({origin()})")
+            elif name in ("tensor", "as_tensor") and kwargs.get("device") is not None and not on_device:
+                self.reads.append(f"{name}(device=...) ({origin()})")
+            elif name in ("to", "cuda") and inputs and not on_device and not kwargs.get("non_blocking"):
+                if name == "cuda" or _moves_to_device(args, kwargs):
+                    if not logged_metric_state():
+                        self.reads.append(f"blocking copy {name} ({origin()})")
         out = func(*args, **kwargs)
         if name in FACTORIES:
             host = kwargs.get("device") is None
@@ -218,13 +240,17 @@ def config_callbacks() -> list[L.Callback]:
     return out
 
 
-def config_trainer_settings() -> dict:
-    """The config's strategy (with its init_args) and precision, on CPU."""
+def config_trainer_settings(strategy: str) -> dict:
+    """The config's precision and its strategy (with its init_args), or ``HBPStrategy`` at ZeRO-2, on CPU."""
+    from lit_hbp.strategy import HBPDDPStrategy, HBPStrategy
+
     trainer = yaml.safe_load(CONFIG.read_text())["trainer"]
-    strategy = trainer["strategy"]
-    module, name = strategy["class_path"].rsplit(".", 1)
+    entry = trainer["strategy"]
+    module, name = entry["class_path"].rsplit(".", 1)
     cls = getattr(importlib.import_module(module), name)
-    return dict(strategy=cls(**strategy.get("init_args", {})), precision=trainer["precision"])
+    assert cls is HBPDDPStrategy  # the config's fast path on one device
+    built = cls(**entry.get("init_args", {})) if strategy == "config" else HBPStrategy(stage=2)
+    return dict(strategy=built, precision=trainer["precision"])
 
 
 def test_the_recorder_tells_device_reads_from_host_reads():
@@ -239,12 +265,21 @@ def test_the_recorder_tells_device_reads_from_host_reads():
         host = torch.tensor([1.0, 2.0])
         (host * 2).sum().item()  # host from its factory to its read
         float(torch.tensor(1.5).clone().detach().squeeze())  # how Lightning handles a logged host tensor
-    assert [r.split(" ")[0] for r in mode.reads] == ["item", "tolist", "cpu"], mode.reads
+        torch.ones(2).to("cpu", non_blocking=True)  # pinned and without blocking, as a GPU batch is copied
+        torch.zeros(2, device=torch.device("cpu"))  # made on the device by a kernel: no copy
+    # a blocking copy of a host value to the device (a factory given one, or ``.to``) waits too
+    want = ["item", "tensor(device=...)", "tolist", "blocking copy to", "cpu"]
+    assert [r.split(" (")[0] for r in mode.reads] == want, mode.reads
 
 
-def test_no_sync_outside_logging_steps(tmp_path, toy_tokenizer, small_demo, monkeypatch):
+@pytest.mark.parametrize("strategy", ["config", "hbp_zero2"])
+def test_no_sync_outside_logging_steps(strategy, tmp_path, toy_tokenizer, small_demo, monkeypatch):
     pytest.importorskip("deepspeed", reason="deepspeed is not installed")
-    settings = config_trainer_settings()
+    settings = config_trainer_settings(strategy)
+    from lit_hbp.data.batch import PackedBatch
+
+    # On a GPU the batch is pinned by the loader and copied without blocking (``PackedBatch.to``).
+    monkeypatch.setattr(PackedBatch, "to", lambda self, device: self._map(lambda t: t.to(device, non_blocking=True)))
     mode = DeviceReads()
     audit = Audit(mode)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: audit.note("torch.cuda.synchronize"))
@@ -282,7 +317,7 @@ def test_no_sync_outside_logging_steps(tmp_path, toy_tokenizer, small_demo, monk
 
     monkeypatch.setitem(backends.REGISTRY, "opaque", opaque_kernel(mode))
     # On a GPU every trainable parameter is a CUDA float, so AdamW is fused (``adamw_kind``): it keeps
-    # its step counts on the device and never reads them; the for-loop AdamW chosen on CPU reads them.
+    # its step counts on the device and never reads them (off CUDA AdamW keeps them on the host).
     monkeypatch.setattr(module_module, "adamw_kind", lambda params, device=None: "fused")
     dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache")
     torch.manual_seed(0)
@@ -305,7 +340,6 @@ def test_no_sync_outside_logging_steps(tmp_path, toy_tokenizer, small_demo, monk
     with mode:
         trainer.fit(module, dm)
 
-    assert trainer.strategy.deepspeed_engine.zero_overlap_comm() is False  # one process: nothing to overlap
     names = {type(c).__name__ for c in trainer.callbacks}
     assert {"PackingMetrics", "HBPThroughputMonitor", "InterruptCheckpoint"} <= names
     assert {"FinalCheckpoint", "LevelSummary", "DiscardEmptyRunDir", "HBPProgressBar"} <= names
@@ -316,14 +350,23 @@ def test_no_sync_outside_logging_steps(tmp_path, toy_tokenizer, small_demo, monk
     accumulating = [c for _, stepping, counted in audit.windows if not stepping for c in counted]
     assert not accumulating, "\n".join(f"{n} x {c}" for c, n in Counter(accumulating).most_common())
     quiet = [c for logging, _, counted in audit.windows if not logging for c in counted]
-    # DeepSpeed's clipping (``unscale_and_clip_grads``) checks the norm's finiteness on the host when
-    # gradient_clip_val > 0, whatever the config: its only read left, at optimizer steps alone.
-    others = Counter(
-        c for c in quiet if not c.startswith("__bool__ (deepspeed: utils.py") or "is_invalid_grad_norm" not in c
-    )
-    assert not others, "\n".join(f"{n} x {c}" for c, n in others.most_common())
-    assert len(quiet) <= 2 * 4, quiet  # at most 2 a step over the 4 optimizer steps that do not log
-    assert trainer.strategy.config["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    if strategy == "config":  # fused AdamW and the module's foreach clipping: nothing at all
+        assert trainer.optimizers[0].defaults["fused"]
+        assert not quiet, "\n".join(f"{n} x {c}" for c, n in Counter(quiet).most_common())
+    else:
+        assert trainer.strategy.deepspeed_engine.zero_overlap_comm() is False  # one process: nothing to overlap
+        assert trainer.strategy.config["bf16"] == {"enabled": True, "check_grad_overflow": False}
+        # DeepSpeed's clipping (``unscale_and_clip_grads``) checks the norm's finiteness on the host when
+        # gradient_clip_val > 0, whatever the config, and masks a non-finite norm with a scalar it makes on
+        # the device: its reads left, at optimizer steps alone.
+        known = ("__bool__ (deepspeed: utils.py", "tensor(device=...) (deepspeed: utils.py")
+        others = Counter(
+            c for c in quiet if not c.startswith(known) or not any(f in c for f in ("is_invalid_grad_norm", "mask_nan"))
+        )
+        assert not others, "\n".join(f"{n} x {c}" for c, n in others.most_common())
+        # Each twice an optimizer step (DeepSpeed 0.19 checks and masks the norm in its step and again in
+        # its clipping): 4 waits for the device at every step that does not log, the DDP path's none.
+        assert len(quiet) <= 4 * 4, Counter(quiet)
     # The recorder does see device reads: the logging steps read the loss...
     assert any(c.startswith("tolist (lit_hbp: meter.py") for logging, _, w in audit.windows if logging for c in w)
     # ...while InterruptCheckpoint's Ctrl-C flag, read on the host at each optimizer step, is not counted.

@@ -65,7 +65,10 @@ class Selection:
             memory = (", offload: true" if lv.offload else "") + (
                 f", mlp_tiles: {lv.mlp_tiles}" if lv.mlp_tiles > 1 else ""
             )
-            lines.append(f"  - {{pack_len: {lv.pack_len}, sp: {lv.sp}, ckpt_layers: {lv.ckpt_layers}{memory}{kind}}}")
+            batch = f", packs_per_rank: {lv.packs_per_rank}" if lv.packs_per_rank > 1 else ""
+            lines.append(
+                f"  - {{pack_len: {lv.pack_len}, sp: {lv.sp}, ckpt_layers: {lv.ckpt_layers}{batch}{memory}{kind}}}"
+            )
         return "\n".join(lines) + "\n"
 
 
@@ -259,7 +262,38 @@ def select_levels(
             raise
         raise no_level_fits(question, cands[-1], lengths) from None
     selection.notes = beyond_notes(lengths, selection.levels[-1].pack_len)
+    if cost is not None:
+        selection.levels = fill_token_budget(selection.levels, cost, profiler.capacity, margin)
     return selection
+
+
+def fill_token_budget(levels: list[Level], cost: CostModel, capacity: float, margin: float = 0.0) -> list[Level]:
+    """Each level's micro-step filled toward the longest level's tokens per rank with ``packs_per_rank``
+    (B packs side by side in one varlen row, each document still alone): the most packs, a power of two,
+    whose tokens per rank stay within that budget and whose peak memory (the cost model's, with the
+    level's checkpointing, offload and tiles) leaves ``margin`` of ``capacity`` free. A short level then
+    does as much work per micro-step as the longest: the step's fixed costs (kernel launches, the
+    optimizer's share, the loop's host work) spread over as many tokens, as the paper's larger local
+    batch for short lengths does. Exactness is unchanged (the packs' documents attend to themselves
+    only); a level given B > 1 keeps it."""
+    if not levels:
+        return levels
+    budget = max(lv.pack_len * lv.packs_per_rank / lv.sp for lv in levels)
+    out = []
+    for lv in levels:
+        b = lv.packs_per_rank
+        if b == 1:
+            per_pack = lv.pack_len / lv.sp
+            b = 1 << max(int(budget // per_pack).bit_length() - 1, 0)
+            cp = lv.layout[1]
+            while b > 1:
+                memory = cost.memory_bytes(lv.pack_len, lv.sp, lv.ckpt_layers, b, lv.offload, lv.mlp_tiles, cp)
+                host = not lv.offload or cost.host_fits(lv.pack_len, lv.sp, lv.ckpt_layers, b)
+                if memory <= capacity - margin and host:
+                    break
+                b //= 2
+        out.append(replace(lv, packs_per_rank=b))
+    return out
 
 
 def with_vision(cost: CostModel, lengths, vision: VisionLoad | None) -> CostModel:
