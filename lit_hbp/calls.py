@@ -36,7 +36,9 @@ class PackCall:
     keywords attention needs: ``cu_seq_lens_q``, ``max_length_q``, ``hbp_cp_shard``, ``hbp_sp``),
     the level's ``ckpt_layers`` (None: the layers the project checkpoints itself), ``offload`` (the
     model's ``HostOffload`` or None) and MLP ``tiles``; ``tower``: the attention a vision tower's configs
-    name while it encodes the call's images (config id -> transformers' implementation; the others their own)."""
+    name while it encodes the call's images (config id -> transformers' implementation; the others their own);
+    ``host``: what its modules read back from the device once for the call (``lit_hbp.mixers``: the pack's
+    document boundaries), kept for its recomputations."""
 
     prepared: Any
     pack: dict
@@ -44,6 +46,7 @@ class PackCall:
     offload: Any = None
     tiles: int = 1
     tower: dict = field(default_factory=dict)
+    host: dict = field(default_factory=dict)
 
 
 def current(prepared) -> PackCall | None:

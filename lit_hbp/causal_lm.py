@@ -36,7 +36,14 @@ from lit_hbp.checks import check_model_config, local_checkpoint, model_config
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
 from lit_hbp.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
-from lit_hbp.mixers import refusal, refuse_stateful_mixers, stateful_mixers
+from lit_hbp.mixers import (
+    install_per_document,
+    refusal,
+    refuse_stateful_mixers,
+    sp_refusal,
+    stateful_mixers,
+    uninstall_per_document,
+)
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.offload import OFFLOADER, HostOffload
 from lit_hbp.packed_call import (
@@ -123,11 +130,13 @@ def _auto_class(model_type: str):
     return AutoModelForCausalLM, {"attn_implementation": attention.ATTN_NAME}
 
 
-def check_token_mixers(model: Any, key: str = "model.model") -> None:
+def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model") -> None:
     """A ``model`` argument (checkpoint folder or config mapping) holding a token mixer that carries state
-    across documents (``lit_hbp.mixers``) is refused before the data is read: the model is built from its
-    config on the meta device (no weights, no memory) and its decoder looked at as ``prepare_model`` will
-    look at the real one. A config that cannot be built here is left to where it is built."""
+    across documents (``lit_hbp.mixers``) and that lit-hbp cannot run document by document, or one that
+    it can, at a level of ``levels`` (a config's list) with sequence parallelism, is refused before the
+    data is read: the model is built from its config on the meta device (no weights, no memory) and its
+    decoder looked at as ``prepare_model`` will look at the real one. A config that cannot be built here
+    is left to where it is built."""
     config = model_config(model)
     if config is None:
         return
@@ -139,8 +148,20 @@ def check_token_mixers(model: Any, key: str = "model.model") -> None:
         except Exception:  # noqa: BLE001
             return
     mixers = stateful_mixers(decoder)
-    if mixers:
-        raise ConfigError(f"{key}: {refusal(config.model_type, mixers)}")
+    refused = [m for m in mixers if not m.per_document]
+    if refused:
+        raise ConfigError(f"{key}: {refusal(config.model_type, refused)}")
+    if mixers and isinstance(levels, (list, tuple)):
+        from lit_hbp.packing.levels import as_level
+
+        for i, entry in enumerate(levels):
+            try:
+                lv = as_level(entry, f"data.levels[{i}]")
+            except (ValueError, TypeError):
+                continue  # the level's own error comes where the levels are checked
+            if lv.sp > 1:
+                where = f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp})"
+                raise ConfigError(sp_refusal(config.model_type, mixers, where))
 
 
 @contextlib.contextmanager
@@ -208,9 +229,10 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     train without dropout and without checkpointing). A call of a pack's token ids without its
     boundaries, and ``labels=`` of a pack (pre-shifted: its loss would shift them again) are refused.
     A family whose attention does not go through transformers' AttentionInterface is refused: its
-    documents would attend to each other; so is one holding a token mixer that carries state across
-    documents (Mamba, the gated delta rule, a short convolution, ...: ``lit_hbp.mixers``), before
-    anything else is done to it. ``attn_backend``: the kernel of its packed calls (``auto``:
+    documents would attend to each other. Token mixers that carry state along the sequence (Mamba, the
+    gated delta rule, a short convolution, ...: ``lit_hbp.mixers``) run document by document in packed
+    calls; a model holding one lit-hbp cannot run so is refused before anything is done to it.
+    ``attn_backend``: the kernel of its packed calls (``auto``:
     the fastest that runs each kind of call; ``lit_hbp.attention.backends``), the model's own: another
     model keeps its own. ``unprepare_model`` (or ``with prepared(model):``) undoes it."""
     net = base_of(model)
@@ -223,7 +245,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         model.train()
         return model
     decoder = decoder_of(net)
-    refuse_stateful_mixers(decoder, family_of(net))
+    mixers = refuse_stateful_mixers(decoder, family_of(net))
     configs = model_configs(decoder)  # a vision-language model's vision tower keeps its own attention
     for config in configs:
         calls.install(type(config))
@@ -253,11 +275,14 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         tower_configs=tower_configs(net, configs),
         mlps=[mlp_of(layer) for layer in layers],
         attends=[[m for m in layer.modules() if hasattr(m, "config")] for layer in layers],
+        mixers=[decoder.get_submodule(m.path) for m in mixers],
         backend=attn_backend,
     )
     for mlp in record.mlps:
         if mlp is not None:
             install_tiling(mlp, record.tiles_of)
+    for mixer in record.mixers:
+        install_per_document(mixer, functools.partial(calls.current, record))
     for module in {id(m): m for m in (net, decoder, record.runner, *(m for ms in record.attends for m in ms))}.values():
         module.__dict__[PREPARED] = record  # plain attributes: not in the state dict
     net.__dict__.setdefault(OFFLOADER, HostOffload())
@@ -282,6 +307,8 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
     for mlp in record.mlps:
         if mlp is not None:
             uninstall_tiling(mlp)
+    for mixer in record.mixers:
+        uninstall_per_document(mixer)
     net.__dict__.pop(OFFLOADER, None)
     for module in (net, record.decoder, record.runner, *(m for ms in record.attends for m in ms)):
         module.__dict__.pop(PREPARED, None)
@@ -525,10 +552,10 @@ def output_head(net: torch.nn.Module) -> OutputHead:
         scale *= float(config.logit_scale)
     if getattr(config, "logits_scaling", None) and applies("logits_scaling"):  # Granite
         scale /= float(config.logits_scaling)
-    softcap = getattr(config, "final_logit_softcapping", None) or None
-    return OutputHead(
-        net.get_output_embeddings(), scale, softcap if softcap and applies("final_logit_softcapping") else None
-    )
+    # Gemma 2/3's name, xLSTM's and RecurrentGemma's: cap * tanh(logits / cap) in each family's forward
+    caps = ("final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap")
+    softcap = next((float(getattr(config, n)) for n in caps if getattr(config, n, None) and applies(n)), None)
+    return OutputHead(net.get_output_embeddings(), scale, softcap)
 
 
 @functools.cache

@@ -280,7 +280,8 @@ class HBPCLI(LightningCLI):
         section = self.config.get(self.subcommand) if self.subcommand else self.config
         try:
             check_run_config(section.as_dict())
-            check_token_mixers((section.as_dict().get("model") or {}).get("model"))
+            config = section.as_dict()
+            check_token_mixers((config.get("model") or {}).get("model"), (config.get("data") or {}).get("levels"))
         except ValueError as e:
             if _debug() or not self.parser.exit_on_error:
                 raise

@@ -1,14 +1,24 @@
-"""Token mixers other than attention: the layers a pack cannot hold yet, found by module and refused.
+"""Token mixers other than attention: found by module, run document by document in a packed call, or
+refused.
 
 Attention keeps the documents of a pack apart through lit-hbp's varlen call (the boundaries travel
 with the call). A layer that mixes tokens by a recurrence or a convolution along the sequence (Mamba's
 selective scan, the gated delta rule, lightning/linear attention, RG-LRU, xLSTM, RWKV's token shift, a
 short causal convolution) carries its state from the end of one document into the start of the next:
-a packed call through it trains every document after the first on its neighbours' tokens, silently.
-Until a kind has a packed implementation whose state restarts at every boundary of the call,
-``prepare_model`` refuses any model holding one, before anything else happens, naming the family, the
-layer, the module and the kind (design record, section 12). A model whose mixer this module does not
-recognise is still caught by the self-check, the second line.
+called once over a pack, it trains every document after the first on its neighbours' tokens, silently.
+
+A mixer this module knows by its class (``KINDS``) whose forward takes the hidden states first, as
+transformers' mixers do, runs in a packed call once per document of the call's pack
+(``install_per_document``): its state starts from zero at every boundary, as each document alone, so
+the call is exact by construction (the family tests check each family against each document alone).
+This is the pure-PyTorch path: a loop over the pack's documents in every mixer layer, one host read
+of the boundaries per call; the GPU kernels that take the boundaries themselves are not wired yet.
+Under sequence parallelism a document's tokens are split over ranks and its state would have to cross
+them: refused, per level, at set-up and in the call. Any other mixer (one found only by an ``A_log``
+decay or a ``torch.nn.Conv1d`` inside a decoder layer, RWKV's, xLSTM's) makes ``prepare_model`` refuse
+the model before anything else happens, naming the family, the layer, the module and the kind (design
+record, section 12). A mixer this module does not recognise at all is still caught by the self-check,
+the second line.
 
 Found on the built model (the modules it runs) rather than from config fields, whose names differ by
 family (``layer_types``, ``layers_block_type``, ``hybrid_override_pattern``, ...); the command line finds
@@ -17,18 +27,25 @@ the same on a model built from the checkpoint's config on the meta device, befor
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from lit_hbp import calls
 
 
 @dataclass(frozen=True)
 class MixerKind:
-    """A kind of stateful token mixer: what the refusal calls it, and the class names that are one."""
+    """A kind of stateful token mixer: what the refusal calls it, the class names that are one, and
+    whether a packed call may run it document by document (its module holds everything it mixes)."""
 
     name: str
     classes: re.Pattern
+    per_document: bool = True
 
 
 KINDS = (
@@ -37,14 +54,16 @@ KINDS = (
     MixerKind("lightning/linear attention (a running key-value state)", re.compile(r"Lightning|LinearAttention")),
     MixerKind("an RG-LRU recurrence", re.compile(r"Rglru|RecurrentBlock")),
     MixerKind("an xLSTM recurrence", re.compile(r"xLSTMLayer|[ms]LSTM")),
-    MixerKind("RWKV's token shift and recurrence", re.compile(r"^Rwkv(SelfAttention|FeedForward)$")),
+    MixerKind("RWKV's token shift and recurrence", re.compile(r"^Rwkv(SelfAttention|FeedForward)$"), False),
     MixerKind("a short causal convolution", re.compile(r"ShortConv")),
 )
 DECAY = "a state-space decay (its A_log parameter)"
 CONVOLUTION = "a convolution along the sequence (torch.nn.Conv1d)"
+HIDDEN = ("hidden_states", "input_states", "x")  # what transformers' mixers call the [batch, tokens, width] input
 SUPPORTED = (
-    "lit-hbp trains models whose every token mixer is attention through transformers' AttentionInterface "
-    "(llama, qwen2/3, mistral, gemma, phi3, olmo2, mixtral, deepseek_v3, ...: docs/families.md)"
+    "lit-hbp trains models whose token mixers are attention through transformers' AttentionInterface, or "
+    "mixers it runs document by document (Mamba, Mamba2, the gated delta rule, lightning attention, RG-LRU, "
+    "short convolutions: docs/families.md)"
 )
 
 
@@ -56,23 +75,34 @@ class StatefulMixer:
     cls: str  # its class name
     kind: str  # what it is (``MixerKind.name``, DECAY or CONVOLUTION)
     layer: int | None  # the decoder layer that holds it (None: outside the layers)
+    per_document: bool = False  # whether a packed call runs it document by document (else: refused)
 
 
-def kind_of(module: torch.nn.Module, in_layer: bool) -> str | None:
-    """The stateful mixer ``module`` is, or None: by its class name, else, inside a decoder layer, by
-    what it holds itself (an ``A_log`` decay parameter, or a ``torch.nn.Conv1d``: transformers'
-    projections are Linear or GPT-2's ``Conv1D``; outside the layers a convolution is an audio or
-    image encoder's, over its own input, not the pack)."""
+def _hidden_first(module: torch.nn.Module) -> bool:
+    """Whether the module's forward takes the hidden states ([batch, tokens, width]) first."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(params) > 1 and params[1] in HIDDEN
+
+
+def kind_of(module: torch.nn.Module, in_layer: bool) -> tuple[str, bool] | None:
+    """(the stateful mixer ``module`` is, whether a packed call runs it document by document), or None:
+    by its class name, else, inside a decoder layer, by what it holds itself (an ``A_log`` decay
+    parameter, or a ``torch.nn.Conv1d``: transformers' projections are Linear or GPT-2's ``Conv1D``;
+    outside the layers a convolution is an audio or image encoder's, over its own input, not the pack).
+    Those found by what they hold are refused: their calling convention is unknown."""
     name = type(module).__name__
     for kind in KINDS:
         if kind.classes.search(name):
-            return kind.name
+            return kind.name, kind.per_document and _hidden_first(module)
     if not in_layer:
         return None
     if "A_log" in module._parameters:
-        return DECAY
+        return DECAY, False
     if isinstance(module, torch.nn.Conv1d):
-        return CONVOLUTION
+        return CONVOLUTION, False
     return None
 
 
@@ -93,16 +123,17 @@ def stateful_mixers(decoder: torch.nn.Module) -> list[StatefulMixer]:
         if any(path.startswith(t + ".") for t in taken):
             continue
         layer = next((i for p, i in layer_of.items() if path.startswith(p + ".")), None)
-        kind = kind_of(module, layer is not None)
-        if kind is None:
+        found_kind = kind_of(module, layer is not None)
+        if found_kind is None:
             continue
         taken.append(path)
-        found.append(StatefulMixer(path, type(module).__name__, kind, layer))
+        found.append(StatefulMixer(path, type(module).__name__, *found_kind[:1], layer, found_kind[1]))
     return found
 
 
 def refusal(family: str, mixers: list[StatefulMixer]) -> str:
-    """The one-paragraph refusal of a model holding ``mixers``: the first by name, the rest counted."""
+    """The one-paragraph refusal of a model holding ``mixers`` that no packed call can run: the first by
+    name, the rest counted."""
     first = mixers[0]
     where = f"layer {first.layer}'s" if first.layer is not None else "its"
     layers = len({m.layer for m in mixers})
@@ -111,13 +142,135 @@ def refusal(family: str, mixers: list[StatefulMixer]) -> str:
     more = f" ({len(mixers)} such modules in {layers} layers{also})" if mixers[1:] else ""
     return (
         f"{family}: {where} `{first.path}` ({first.cls}) is {first.kind}{more}. It carries its state from one "
-        "document of a pack into the next, which lit-hbp cannot stop yet, so it refuses to train this model "
-        f"rather than train it wrong. {SUPPORTED}"
+        "document of a pack into the next, and lit-hbp cannot run it document by document, so it refuses to "
+        f"train this model rather than train it wrong. {SUPPORTED}"
     )
 
 
-def refuse_stateful_mixers(decoder: torch.nn.Module, family: str) -> None:
-    """Raise ``ValueError`` (the ``refusal``) when the decoder holds a stateful token mixer."""
+def refuse_stateful_mixers(decoder: torch.nn.Module, family: str) -> list[StatefulMixer]:
+    """The decoder's stateful mixers, every one of which a packed call runs document by document; raises
+    ``ValueError`` (the ``refusal``) when any cannot be."""
     mixers = stateful_mixers(decoder)
-    if mixers:
-        raise ValueError(refusal(family, mixers))
+    refused = [m for m in mixers if not m.per_document]
+    if refused:
+        raise ValueError(refusal(family, refused))
+    return mixers
+
+
+def sp_refusal(family: str, mixers: list[StatefulMixer], where: str) -> str:
+    """Why a level with sequence parallelism cannot train a model holding ``mixers``."""
+    first = mixers[0]
+    return (
+        f"{where}: {family}'s `{first.path}` ({first.cls}) is {first.kind}, which lit-hbp runs document by "
+        "document; sequence parallelism splits a document's tokens over ranks, and its state would have to "
+        "cross them, which is not built yet: train this model at sp 1 (levels without sp)"
+    )
+
+
+# ---- document by document, in a packed call --------------------------------------------------------------
+
+CALL_OF = "_hbp_mixer_call"  # on a mixer instance: the function giving its model's packed call on this thread
+OWN = "_hbp_mixer_own"  # on the class's per-document forward: the class's own forward
+PACK_ONLY = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "hbp_sp", "hbp_cp_shard"})
+
+
+def install_per_document(mixer: torch.nn.Module, call_of) -> None:
+    """Make ``mixer`` run document by document in its model's packed calls (``call_of()``: that call on
+    this thread, or None): its class's forward becomes the per-document one (once per class; the class
+    keeps it, other models share it), which runs the class's own forward for any other call."""
+    cls = type(mixer)
+    if getattr(cls.forward, OWN, None) is None:
+        cls.forward = _per_document_forward(cls.forward)
+    mixer.__dict__[CALL_OF] = call_of
+
+
+def uninstall_per_document(mixer: torch.nn.Module) -> None:
+    mixer.__dict__.pop(CALL_OF, None)
+
+
+def _per_document_forward(own):
+    @functools.wraps(own)
+    def forward(self, *args, **kwargs):
+        call_of = self.__dict__.get(CALL_OF)
+        call = call_of() if call_of is not None else None
+        if call is None:
+            return own(self, *args, **kwargs)
+        return by_document(functools.partial(own, self), call, type(self).__name__, args, kwargs)
+
+    setattr(forward, OWN, own)
+    return forward
+
+
+@torch.compiler.disable  # a loop over the pack's documents, from host numbers: no graph to trace
+def by_document(run, call: calls.PackCall, name: str, args: tuple, kwargs: dict) -> Any:
+    """``run`` (a mixer's own forward) once per document of ``call``'s pack, each on that document's
+    slice of every per-token input, the outputs joined along the tokens: the mixer's state starts from
+    nothing at every document, as the document alone."""
+    pack = call.pack
+    if pack.get("hbp_sp") is not None or pack.get("hbp_cp_shard") is not None:
+        raise ValueError(
+            f"{name}: a packed call under sequence parallelism reached a token mixer that lit-hbp runs document by "
+            "document, whose state would have to cross the ranks' shards: train this model at sp 1"
+        )
+    hidden = args[0] if args else next((kwargs[k] for k in HIDDEN if k in kwargs), None)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        raise ValueError(f"{name}: a packed call gave this token mixer no [batch, tokens, width] hidden states")
+    bounds = _bounds(call, hidden.shape[1], name)
+    if hidden.shape[0] != 1:
+        raise ValueError(f"{name}: a packed call has one row, this one has {hidden.shape[0]}")
+    kwargs = {k: v for k, v in kwargs.items() if k not in PACK_ONLY}
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        raise ValueError(f"{name}: a packed call with an attention mask of shape {tuple(mask.shape)}: drop it")
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        cut = functools.partial(_cut, start=start, end=end, tokens=hidden.shape[1])
+        outs.append(run(*map(cut, args), **{k: cut(v) for k, v in kwargs.items()}))
+    return _join(outs, [end - start for start, end in zip(bounds[:-1], bounds[1:])], name)
+
+
+def _bounds(call: calls.PackCall, tokens: int, name: str) -> list[int]:
+    """The pack's document boundaries as host numbers, read from the device once per call."""
+    bounds = call.host.get("bounds")
+    if bounds is None:
+        cu = call.pack.get("cu_seq_lens_q")
+        if cu is None:
+            raise ValueError(f"{name}: a packed call without its documents' boundaries (cu_seq_lens_q)")
+        bounds = call.host["bounds"] = [int(b) for b in cu.tolist()]
+    if bounds[0] != 0 or bounds[-1] != tokens:
+        raise ValueError(f"{name}: the pack's boundaries end at {bounds[-1]}, its hidden states hold {tokens} tokens")
+    return bounds
+
+
+def _cut(value: Any, start: int, end: int, tokens: int) -> Any:
+    """A per-token input's slice of one document: tensors [batch, tokens, ...] or [batch, tokens] along
+    the tokens, tuples and lists of them each; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == tokens:
+        return value[:, start:end]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cut(v, start, end, tokens) for v in value)
+    return value
+
+
+def _join(outs: list, lengths: list[int], name: str) -> Any:
+    """The per-document outputs as one: the hidden states (the output, or a tuple's first element)
+    joined along the tokens; a tuple's other elements joined where they are per token, else None (a
+    mixer's final state or attention weights, which a packed call, without a cache, has no use for: a
+    caller that reads one fails loudly on None instead of using one document's)."""
+    first = outs[0]
+    if isinstance(first, tuple) and all(isinstance(o, tuple) and len(o) == len(first) for o in outs):
+        head = _per_token([o[0] for o in outs], lengths)
+        if head is None:
+            raise ValueError(f"{name}: its forward's first output is not per token, which a packed call cannot join")
+        return (head, *(_per_token(list(parts), lengths) for parts in list(zip(*outs))[1:]))
+    joined = _per_token(outs, lengths)
+    if joined is None:
+        raise ValueError(f"{name}: its forward's output ({type(first).__name__}) is not per token: it cannot be joined")
+    return joined
+
+
+def _per_token(parts: list, lengths: list[int]) -> torch.Tensor | None:
+    """Tensors [batch, tokens, ...] of each document joined along the tokens, or None when they are not."""
+    if all(isinstance(p, torch.Tensor) and p.dim() >= 2 and p.shape[1] == n for p, n in zip(parts, lengths)):
+        return torch.cat(parts, dim=1)
+    return None

@@ -70,6 +70,7 @@ class Prepared:
     tower_configs: list  # configs only the vision tower reads (their packed-call attention: causal_lm.tower_names)
     mlps: list[torch.nn.Module | None]  # each layer's tileable MLP (None where it has none)
     attends: list[list[torch.nn.Module]]  # each layer's modules that may call the attention function
+    mixers: list[torch.nn.Module] = field(default_factory=list)  # stateful token mixers run document by document
     backend: str = "auto"  # the attention backend of its packed calls (``lit_hbp.attention.backends``)
     owner: int = field(default_factory=lambda: next(_owners))  # names its calls in ``attention.choices``
     hooks: list = field(default_factory=list)

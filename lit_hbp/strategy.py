@@ -45,8 +45,7 @@ from lit_hbp.causal_lm import family_of, zero3_loading  # noqa: E402
 from lit_hbp.checkpoints import is_complete, save_deepspeed  # noqa: E402
 from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
 from lit_hbp.errors import ConfigError  # noqa: E402
-from lit_hbp.mixers import refusal as mixer_refusal  # noqa: E402
-from lit_hbp.mixers import stateful_mixers  # noqa: E402
+from lit_hbp.mixers import sp_refusal, stateful_mixers  # noqa: E402
 from lit_hbp.packed_call import record_of  # noqa: E402
 from lit_hbp.packing.levels import Level, as_level  # noqa: E402
 from lit_hbp.parallel.context import SPCall  # noqa: E402
@@ -116,6 +115,19 @@ def trained_model(module, levels: list[Level]):
     return (trainable or nets)[0][1]
 
 
+def refuse_sp_over_mixers(net, levels) -> None:
+    """A level with sequence parallelism for a model whose token mixers run document by document
+    (``lit_hbp.mixers``) is refused at set-up, naming the level: its documents' state would have to cross
+    the ranks' shards."""
+    record = record_of(net)
+    if record is None or not record.mixers:
+        return
+    for i, lv in enumerate(as_level(x) for x in levels):
+        if lv.sp > 1:
+            where = f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp})"
+            raise ConfigError(sp_refusal(family_of(net), stateful_mixers(record.decoder), where))
+
+
 def _path(name: str) -> str:
     """A submodule's attribute path as the module's own code names it."""
     return f"self.{name}" if name else "the module"
@@ -139,7 +151,15 @@ def guard_frozen(module) -> list:
         if any(p.requires_grad for p in net.parameters()):
             continue
         mixers = stateful_mixers(net)
-        hook = partial(_refuse_pack, _path(name), mixer_refusal(family_of(net), mixers) if mixers else None)
+        stateful = None
+        if mixers:
+            m = mixers[0]
+            stateful = (
+                f"{family_of(net)}'s `{m.path}` ({m.cls}) is {m.kind}, whose state transformers' packed path carries "
+                f"from one document into the next: call lit_hbp.prepare_model({_path(name)}), whose packed calls run "
+                "it document by document"
+            )
+        hook = partial(_refuse_pack, _path(name), stateful)
         handles.append(net.register_forward_pre_hook(hook, with_kwargs=True))
     return handles
 
@@ -238,6 +258,7 @@ class LevelGroups:
             raise ValueError(f"{type(self).__name__} needs levels: pass levels=... or use a data module with .levels")
         module = trainer.lightning_module
         net = trained_model(module, [as_level(x) for x in levels])
+        refuse_sp_over_mixers(net, levels)
         self._frozen_guards = guard_frozen(module)
         cfg = net.config
         node_size = trainer.num_devices

@@ -1,9 +1,13 @@
-"""Models whose token mixers carry state from one document of a pack into the next (Mamba's scans, the
-gated delta rule, lightning attention, RG-LRU, short convolutions, ...) are refused by ``prepare_model``
-itself, before anything is done to the model, and by the command line before the data is read; a
-leaking mixer of a kind nobody named is still stopped by the self-check. Each family is built tiny
-from its default config with the mixer it is known for (``families.HYBRIDS``)."""
+"""Hybrid models: token mixers that carry state along the sequence (Mamba's scans, the gated delta rule,
+lightning attention, RG-LRU, xLSTM, short convolutions) run document by document in a packed call, so a
+pack trains like each document alone, through the public core (``prepare_model`` + ``packed_loss``)
+and the command line; a mixer lit-hbp cannot run so is refused by ``prepare_model`` before anything is
+done to the model and by the command line before the data is read; sequence parallelism over such a
+mixer is refused per level; a leaking mixer of a kind nobody named is still stopped by the self-check.
+Each family is built tiny from its default config with the mixer it is known for (``families.HYBRIDS``).
+The reference is always each document alone through the unprepared model (eager attention)."""
 
+import copy
 import json
 import warnings
 from pathlib import Path
@@ -11,16 +15,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import separate_loss
 from families import small_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lit_hbp import pack_samples, packed_loss, prepare_model
 from lit_hbp.cli import main
-from lit_hbp.mixers import stateful_mixers
+from lit_hbp.errors import ConfigError
 from lit_hbp.packed_call import record_of
+from lit_hbp.packing.levels import Level
 
 ROOT = Path(__file__).resolve().parents[1]
-# family -> the class of the mixer that must be named (the issue's ten, Qwen3-Next and Qwen3.5 text, the rest
-# transformers 5.24 registers as causal LMs).
+# family -> the class of its stateful mixer (the issue's ten, Qwen3-Next and Qwen3.5 text, the rest
+# transformers 5.24 registers as causal LMs and builds small).
 HYBRIDS = {
     "mamba": "MambaMixer",
     "mamba2": "Mamba2Mixer",
@@ -57,61 +65,150 @@ def tiny(family: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
 
 
-def three_documents(vocab: int) -> list:
+def reference_of(net: torch.nn.Module) -> torch.nn.Module:
+    """An unprepared copy with eager attention (a fresh model with the same weights where a family keeps a
+    forward's result on a module, which deepcopy refuses: RecurrentGemma)."""
+    try:
+        ref = copy.deepcopy(net)
+    except RuntimeError:
+        ref = type(net)(copy.deepcopy(net.config))
+        ref.load_state_dict(net.state_dict())
+    try:
+        ref.set_attn_implementation("eager")
+    except (ValueError, KeyError):
+        pass  # no attention to set (xLSTM)
+    return ref.eval()
+
+
+def three_documents(vocab: int, lengths=(37, 5, 70)) -> list:
     """Documents of 37, 5 and 70 tokens (one shorter than any short convolution's kernel after the first)."""
     rng = np.random.default_rng(0)
-    return [(rng.integers(3, vocab, n), np.ones(n, bool)) for n in (37, 5, 70)]
+    return [(rng.integers(3, vocab, n), np.ones(n, bool)) for n in lengths]
+
+
+def gradient_error(net, ref) -> tuple[float, str]:
+    """The worst gradient difference over every parameter, relative to its own scale floored at 1% of the
+    largest gradient (a gradient zero in exact arithmetic is rounding noise in both runs)."""
+    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(net.named_parameters(), ref.parameters())]
+    scale = max(g.abs().max().item() for _, _, g in pairs if g is not None)
+    worst, where = 0.0, ""
+    for name, got, want in pairs:
+        if got is None and want is None:
+            continue
+        assert got is not None and want is not None, f"{name} has a gradient in only one run"
+        err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-2 * scale)
+        if err > worst:
+            worst, where = err, name
+    return worst, where
 
 
 @pytest.mark.parametrize("family", sorted(HYBRIDS))
-def test_prepare_model_refuses_a_stateful_mixer_before_touching_the_model(family):
-    net = tiny(family)
-    attn = [getattr(m.config, "_attn_implementation", None) for m in net.modules() if hasattr(m, "config")]
-    net.eval()
-    with pytest.raises(ValueError) as refused:
-        prepare_model(net)
-    message = str(refused.value)
-    assert message.startswith(f"{family}: ") and f"({HYBRIDS[family]})" in message, message
-    assert "carries its state from one document of a pack into the next" in message
-    assert "docs/families.md" in message  # ... and says what is supported
-    # nothing was done to it: no record, its attention and mode as they were, and no packed call can run
-    assert record_of(net) is None and not net.training
-    assert [getattr(m.config, "_attn_implementation", None) for m in net.modules() if hasattr(m, "config")] == attn
-    batch = pack_samples(three_documents(net.config.vocab_size))
-    with pytest.raises(ValueError, match="not prepared for packs"):
-        packed_loss(net, batch)
+def test_a_pack_trains_like_each_document_alone_through_the_public_core(family):
+    """CE sum to 1e-5 and every gradient (A_log, dt_bias, the convolutions, norms, attention) to 1e-4,
+    each mixer run once per document of the pack."""
+    net = tiny(family).eval()
+    ref = reference_of(net)
+    prepare_model(net)
+    net.eval()  # dropout off in both runs
+    record = record_of(net)
+    assert {type(m).__name__ for m in record.mixers} == {HYBRIDS[family]}
+    seen = []  # the token counts each mixer's first linear layer saw
+    linears = [next(x for x in m.modules() if isinstance(x, torch.nn.Linear)) for m in record.mixers]
+    hooks = [x.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[-2])) for x in linears]
+    docs = three_documents(net.config.vocab_size)
+    batch = pack_samples(docs)
+    out = packed_loss(net, batch, "sum")
+    for h in hooks:
+        h.remove()
+    padding = batch.input_ids.shape[1] - sum(len(d[0]) for d in docs)  # the pack's padding segment
+    per_mixer = [len(d[0]) for d in docs] + ([padding] if padding else [])
+    assert seen == per_mixer * len(record.mixers), seen  # each mixer once per document, never the whole pack
+    out.loss.backward()
+    want = separate_loss(ref, dict(enumerate(docs)))
+    want.backward()
+    assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
+    worst, where = gradient_error(net, ref)
+    assert worst < 1e-4, f"{family}: gradient of {where} off by {worst:.1e}"
 
 
-def test_the_refused_families_are_the_ones_whose_packed_call_leaks():
-    """Independent of the class names: a document after another in one sequence with each document's own
-    positions, through the unprepared model (its own forward, eager attention where it has attention,
-    the documents' positions restarted) differs from that document alone in every refused family; and a
-    family that is not refused (llama) gives the last document what it computes alone once its attention
-    is kept within documents (its 4-D block mask)."""
+def test_unprepared_hybrids_carry_state_across_documents_and_llama_does_not():
+    """Why the mixers run document by document: a document after another in one sequence with its own
+    positions (and, for attention, transformers' own packed-sequence masking), through the unprepared
+    model, differs from that document alone in every hybrid; a Llama's last document is what it is alone."""
 
-    def last_alone_and_packed(net, docs):
+    def last_alone_and_after(net, docs):
         ids = [torch.as_tensor(d[0])[None] for d in docs]
         with torch.no_grad():
             alone = net(input_ids=ids[-1], use_cache=False).logits[0]
-            whole = torch.cat(ids, 1)
             pos = torch.cat([torch.arange(i.shape[1]) for i in ids])[None]
-            n = whole.shape[1]
-            bounds = np.r_[0, np.cumsum([i.shape[1] for i in ids])]
-            doc = torch.as_tensor(np.repeat(np.arange(len(ids)), np.diff(bounds)))
-            allowed = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
-            mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
-            kwargs = {"attention_mask": mask} if not stateful_mixers(net) else {}
-            packed = net(input_ids=whole, position_ids=pos, use_cache=False, **kwargs).logits[0, bounds[-2] :]
-        return alone, packed
+            after = net(input_ids=torch.cat(ids, 1), position_ids=pos, use_cache=False).logits[0, -ids[-1].shape[1] :]
+        return alone, after
 
     for family in ("bamba", "qwen3_next", "lfm2", "mamba"):
         net = tiny(family).eval()
-        alone, packed = last_alone_and_packed(net, three_documents(net.config.vocab_size))
-        assert (alone - packed).abs().max() > 1e-4, family  # rounding here is about 1e-6 (llama below: 1e-5)
+        alone, after = last_alone_and_after(net, three_documents(net.config.vocab_size))
+        assert (alone - after).abs().max() > 1e-4, family  # rounding here is about 1e-6 (llama below: 1e-5)
     net = tiny("llama").eval()
     net.set_attn_implementation("eager")
-    alone, packed = last_alone_and_packed(net, three_documents(net.config.vocab_size))
-    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    alone, after = last_alone_and_after(net, three_documents(net.config.vocab_size))
+    torch.testing.assert_close(after, alone, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    family=st.sampled_from(["lfm2", "mamba2", "qwen3_next"]),
+    lengths=st.lists(st.integers(1, 24), min_size=1, max_size=6),
+)
+def test_each_documents_logits_are_its_own_over_random_lengths(family, lengths):
+    """A property over random document lengths, length 1 included: every document's logits in a packed
+    call equal that document alone through the unprepared model."""
+    net, ref = MODELS[family]
+    docs = three_documents(net.config.vocab_size, lengths)
+    batch = pack_samples(docs)
+    from lit_hbp import pack_inputs
+
+    with torch.no_grad():  # the decoder's packed call (Mamba2's model drops the boundaries it is given)
+        packed = net.get_output_embeddings()(net.get_decoder()(**pack_inputs(batch)).last_hidden_state)[0]
+        start = 0
+        for ids, _ in docs:
+            alone = ref(input_ids=torch.as_tensor(ids)[None], use_cache=False).logits[0]
+            torch.testing.assert_close(packed[start : start + len(ids)], alone, rtol=1e-4, atol=1e-5)
+            start += len(ids)
+
+
+MODELS = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _property_models():
+    for family in ("lfm2", "mamba2", "qwen3_next"):
+        net = tiny(family).eval()
+        ref = reference_of(net)
+        prepare_model(net)
+        MODELS[family] = (net.eval(), ref)
+    yield
+    MODELS.clear()
+
+
+@pytest.mark.parametrize("family", ["lfm2", "falcon_h1", "mamba2"])
+def test_generation_and_padded_batches_are_the_unprepared_models(family):
+    """Outside a pack the mixers run as before: greedy generation with the mixer's cache and a padded
+    batch's logits equal the unprepared model's (its own attention, as the prepared model keeps outside
+    packs)."""
+    net = tiny(family).eval()
+    ref = copy.deepcopy(net)
+    prepare_model(net)
+    net.eval()
+    prompt = torch.as_tensor(three_documents(net.config.vocab_size, (9,))[0][0])[None]
+    with torch.no_grad():
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(net.generate(prompt, **kw), ref.generate(prompt, **kw))
+        ids = torch.zeros(2, 9, dtype=torch.long)
+        ids[0], ids[1, 3:] = prompt[0], prompt[0, :6]
+        mask = torch.ones(2, 9, dtype=torch.long)
+        mask[1, :3] = 0  # the second row left-padded
+        got = net(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(got, ref(input_ids=ids, attention_mask=mask, use_cache=False).logits)
 
 
 class Decaying(torch.nn.Module):
@@ -159,11 +256,16 @@ class Leaking(torch.nn.Module):
     ("mixer", "named"),
     [(Decaying, r"`layers\.1\.mlp` \(Decaying\) is .*A_log"), (Convolving, r"`layers\.1\.mlp\.conv` \(Conv1d\)")],
 )
-def test_an_unnamed_mixer_with_a_decay_or_a_convolution_is_refused_by_what_it_holds(mixer, named):
+def test_a_mixer_known_only_by_a_decay_or_a_convolution_is_refused_before_anything_is_done(mixer, named):
+    """Found by what it holds, its calling convention unknown: refused, the model left as it was."""
     net = tiny("llama")
     net.model.layers[1].mlp = mixer(net.model.layers[1].mlp, net.config.hidden_size)
-    with pytest.raises(ValueError, match=rf"^llama: layer 1's {named}"):
+    attn = net.config._attn_implementation
+    with pytest.raises(ValueError, match=rf"^llama: layer 1's {named}.*cannot run it document by document"):
         prepare_model(net)
+    assert record_of(net) is None and net.config._attn_implementation == attn
+    with pytest.raises(ValueError, match="not prepared for packs"):
+        packed_loss(net, pack_samples(three_documents(net.config.vocab_size)))
 
 
 def test_a_leaking_mixer_nobody_can_name_is_stopped_by_the_self_check():
@@ -182,39 +284,26 @@ def test_a_leaking_mixer_nobody_can_name_is_stopped_by_the_self_check():
         run_self_check(module, [1], max_len=256)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "bamba"])
-def test_the_cli_refuses_a_stateful_model_folder_in_one_line_before_reading_the_data(
-    family, tmp_path, small_demo, monkeypatch, capsys
-):
-    from transformers import AutoTokenizer
+def test_sequence_parallelism_over_a_document_by_document_mixer_is_refused_per_level_and_per_call():
+    from lit_hbp import pack_inputs
+    from lit_hbp.strategy import refuse_sp_over_mixers
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("LIT_HBP_DEBUG", raising=False)
-    tok = AutoTokenizer.from_pretrained(small_demo / "tokenizer")
-    folder = tmp_path / family
-    net = tiny(family)
-    net.resize_token_embeddings(len(tok))
-    net.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    data = tmp_path / "chats.jsonl"
-    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-    data.write_text(json.dumps(chat) + "\n")
-    args = ["fit", "--config", str(ROOT / "configs/own_model_cpu.yaml"), "--model.model", str(folder),
-            "--data.sources", f"[{{path: {data}}}]", "--trainer.max_steps", "2"]  # fmt: skip
-    with pytest.raises(SystemExit) as stop:
-        main(args)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2, err
-    lines = [line for line in err.splitlines() if line.startswith(("error:", "tip:"))]
-    assert len(lines) == 2 and "Traceback" not in err, err
-    assert f"model.model: {family}: layer 0's" in lines[0] and HYBRIDS[family] in lines[0], lines[0]
-    assert not list(tmp_path.glob("**/data_cache*")) and not (tmp_path / "runs").exists()  # no data read
+    net = prepare_model(tiny("qwen3_next"))
+    with pytest.raises(
+        ConfigError, match=r"^data\.levels\[1\] \(pack_len 256, sp 2\): qwen3_next's .*Qwen3NextGatedDeltaNet"
+    ):
+        refuse_sp_over_mixers(net, [Level(128), Level(256, 2)])
+    refuse_sp_over_mixers(net, [Level(128), Level(256)])  # sp 1 everywhere: nothing to refuse
+    refuse_sp_over_mixers(prepare_model(tiny("llama")), [Level(128), Level(256, 2)])  # attention only
+    batch = pack_samples(three_documents(net.config.vocab_size))
+    with pytest.raises(ValueError, match="Qwen3NextGatedDeltaNet: a packed call under sequence parallelism"):
+        net(**pack_inputs(batch), hbp_sp=object())
 
 
-def test_a_frozen_stateful_model_a_module_holds_is_refused_on_a_pack_and_runs_outside_one():
+def test_a_frozen_stateful_model_a_module_holds_is_refused_on_a_pack_unless_prepared():
     """A teacher or judge left unprepared: transformers' own packed path (``pack_inputs``) keeps its
-    attention within documents but not its Mamba state, so ``HBPStrategy``'s guard refuses it on a pack,
-    naming the attribute and the mixer; on an ordinary batch it runs as before."""
+    attention within documents but not its Mamba state, so the strategies' guard refuses it on a pack,
+    naming the attribute, the mixer and the fix; on an ordinary batch it runs as before."""
     from lit_hbp import pack_inputs
     from lit_hbp.strategy import guard_frozen
 
@@ -226,10 +315,86 @@ def test_a_frozen_stateful_model_a_module_holds_is_refused_on_a_pack_and_runs_ou
         batch = pack_samples(three_documents(holder.judge.config.vocab_size))
         with torch.no_grad():
             holder.judge(input_ids=batch.input_ids[:, :20], use_cache=False)  # an ordinary call
-            with pytest.raises(
-                ValueError, match=r"^self\.judge is called on a packed micro-batch, but bamba: .*BambaMixer"
-            ):
+            refused = r"^self\.judge is called on a packed micro-batch, but bamba's .*BambaMixer"
+            refused += r".*prepare_model\(self\.judge\)"
+            with pytest.raises(ValueError, match=refused):
                 holder.judge(**pack_inputs(batch))
     finally:
         for handle in handles:
             handle.remove()
+
+
+def save_folder(family: str, folder: Path, tokenizer: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    net = tiny(family)
+    net.resize_token_embeddings(len(tok))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(net.config, key, getattr(tok, key))
+    net.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def chats(path: Path, n: int = 60) -> Path:
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "packs", "state", "scan", "conv"]
+    with path.open("w") as f:
+        for _ in range(n):
+            q, a = (" ".join(rng.choice(words, rng.integers(2, 30))) for _ in range(2))
+            f.write(
+                json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+            )
+    return path
+
+
+def run_cli(args, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    return stop.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("family", "extra", "says"),
+    [
+        ("zaya", [], "zaya: layer 0's `layers.0.self_attn.qkv_proj.conv_qk_depthwise` (Conv1d)"),
+        ("qwen3_next", ["--data.levels", "[{pack_len: 512, sp: 2}]", "--trainer.devices", "2"],
+         "data.levels[0] (pack_len 512, sp 2): qwen3_next's"),
+    ],
+)  # fmt: skip
+def test_the_cli_refuses_what_it_cannot_train_in_one_line_before_reading_the_data(
+    family, extra, says, tmp_path, small_demo, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LIT_HBP_DEBUG", raising=False)
+    folder = save_folder(family, tmp_path / family, small_demo / "tokenizer")
+    data = chats(tmp_path / "chats.jsonl")
+    args = ["fit", "--config", str(ROOT / "configs/own_model_cpu.yaml"), "--model.model", str(folder),
+            "--data.sources", f"[{{path: {data}}}]", "--trainer.max_steps", "2", *extra]  # fmt: skip
+    code, err = run_cli(args, capsys)
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith(("error:", "tip:"))]
+    assert len(lines) == 2 and "Traceback" not in err, err
+    assert says in lines[0], lines[0]
+    assert not list(tmp_path.glob("**/data_cache*")) and not (tmp_path / "runs").exists()  # no data read
+
+
+@pytest.mark.slow
+def test_a_hybrid_folder_fine_tunes_through_the_cli_with_its_self_check_passed(
+    tmp_path, small_demo, monkeypatch, capsys, caplog
+):
+    """Qwen3-Next (the gated delta rule beside attention) from a ``save_pretrained`` folder through
+    ``lit-hbp fit``: the self-check packs documents against each alone and passes, and it trains."""
+    monkeypatch.chdir(tmp_path)
+    folder = save_folder("qwen3_next", tmp_path / "qwen3_next", small_demo / "tokenizer")
+    data = chats(tmp_path / "chats.jsonl")
+    args = ["fit", "--config", str(ROOT / "configs/own_model_cpu.yaml"), "--model.model", str(folder),
+            "--data.sources", f"[{{path: {data}}}]", "--data.levels", "[{pack_len: 256}, {pack_len: 1024}]",
+            "--trainer.max_steps", "4", "--trainer.val_check_interval", "null", "--data.val_fraction", "0",
+            "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    with caplog.at_level("INFO"):
+        cli = main(args)
+    assert cli.trainer.global_step == 4
+    assert "self-check passed" in caplog.text
+    assert {type(m).__name__ for m in record_of(cli.model.model).mixers} == {"Qwen3NextGatedDeltaNet"}

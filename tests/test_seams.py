@@ -214,13 +214,9 @@ def test_the_analytic_selector_is_algorithm_1_on_the_cost_model():
     lengths = np.random.default_rng(0).integers(50, 3000, 500)
     run = RunSetting(spec=spec, world=4)
     selection = AnalyticSelector(gpu="a100", candidates=[1024, 4096], margin_gib=1).select(lengths, run)
+    cost = CostModel(spec, HARDWARE["a100"], 4)
     reference = select_levels(
-        AnalyticProfiler(CostModel(spec, HARDWARE["a100"], 4), lengths),
-        lengths,
-        spec,
-        4,
-        candidates=[1024, 4096],
-        margin=2**30,
+        AnalyticProfiler(cost, lengths), lengths, spec, 4, candidates=[1024, 4096], margin=2**30, cost=cost
     )
     assert isinstance(selection, Selection) and selection.levels == reference.levels
     assert [c.measurement for c in selection.candidates] == [c.measurement for c in reference.candidates]

@@ -370,8 +370,9 @@ VLM_TESTED = {
 
 
 def stateful_mixer_kind(family: str) -> str | None:
-    """The kind of the first token mixer carrying state across documents in the family's language model
-    (its default config, built on the meta device), or None (none, or the config cannot be built)."""
+    """The kind of the first token mixer in the family's language model (its default config, built on the
+    meta device) that carries state across documents and that lit-hbp cannot run document by document,
+    or None (none, or the config cannot be built)."""
     import warnings
 
     from transformers import AutoModelForImageTextToText
@@ -385,7 +386,8 @@ def stateful_mixer_kind(family: str) -> str | None:
             mixers = stateful_mixers(decoder_of(AutoModelForImageTextToText.from_config(AutoConfig.for_model(family))))
         except Exception:  # noqa: BLE001 (left to the self-check, as the table says)
             return None
-    return mixers[0].kind if mixers else None
+    refused = [m for m in mixers if not m.per_document]
+    return refused[0].kind if refused else None
 
 
 def vlm_families() -> dict[str, tuple[str, str]]:
