@@ -244,9 +244,13 @@ def _bounds(call: calls.PackCall, tokens: int, name: str) -> list[int]:
 
 def _cut(value: Any, start: int, end: int, tokens: int) -> Any:
     """A per-token input's slice of one document: tensors [batch, tokens, ...] or [batch, tokens] along
-    the tokens, tuples and lists of them each; anything else as it is."""
+    the tokens, positions with the tokens last ([rows, batch, tokens]: multimodal RoPE) along them, tuples
+    and lists of them each; anything else as it is."""
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == tokens:
         return value[:, start:end]
+    positions = isinstance(value, torch.Tensor) and value.dim() == 3 and not value.is_floating_point()
+    if positions and value.shape[-1] == tokens:
+        return value[..., start:end]
     if isinstance(value, (tuple, list)):
         return type(value)(_cut(v, start, end, tokens) for v in value)
     return value

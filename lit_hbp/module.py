@@ -7,6 +7,7 @@ checkpointing follows each batch's level: decoder layer i is checkpointed iff i 
 
 from __future__ import annotations
 
+import logging
 import math
 from functools import partial
 from typing import Any
@@ -119,6 +120,26 @@ def set_recompile_limit(limit: int) -> int:
     return before
 
 
+class RecompileLimitWatch(logging.Filter):
+    """Says, in lit-hbp's words, when dynamo stops compiling a code object of a compiled run: at its
+    recompile limit (levels x SP degrees x train/eval exceeded it, or a measured search's probes used it
+    up) that code runs uncompiled for the rest of the run, slower, where torch says so in a line a
+    progress bar scrolls away. A filter on dynamo's logger: its record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("torch._dynamo hit config.") and len(record.args or ()) >= 3:
+            limit, value, where = record.args[:3]
+            rank_zero_warn(
+                f"compile: dynamo hit its {limit} ({value}) at {where}, which runs uncompiled (slower) from now on; "
+                f"raise torch._dynamo.config.{limit}, or train fewer distinct levels (TORCH_LOGS=recompiles says "
+                "what each recompilation was for)"
+            )
+        return True
+
+
+DYNAMO_LOG = "torch._dynamo.convert_frame"
+
+
 def _require_packed(batch: Any) -> None:
     if not isinstance(batch, PackedBatch):
         raise TypeError(
@@ -145,7 +166,8 @@ class HBPLitModule(L.LightningModule):
             ``flash_attn``, ``torch_varlen``, ``flex``, ``sdpa``, ``eager``.
         compile: ``torch.compile`` each decoder layer, dynamic over pack lengths (off by default:
             the first steps of each level pay the compilation). Recompilations are logged and
-            bounded (``RECOMPILE_LIMIT``); per-document attention loops stay uncompiled.
+            bounded (``RECOMPILE_LIMIT``): a layer that reaches the bound runs uncompiled from then on,
+            and the run says so (``RecompileLimitWatch``); per-document attention loops stay uncompiled.
         self_check: at the start of fit, check that this model trains a pack of short documents
             exactly as it trains them one by one, at every level's SP degree (``lit_hbp.selfcheck``;
             a few forward/backward passes); refuse to train otherwise. On by default.
@@ -196,6 +218,7 @@ class HBPLitModule(L.LightningModule):
         self._grad_norm: torch.Tensor | None = None  # this optimizer step's, on logging steps (not ZeRO)
         self.flops_per_batch: float | None = None  # this rank's model FLOPs of the micro-batch (ThroughputMonitor)
         self._recompile_limit: int | None = None  # dynamo's, before configure_model raised it for compile
+        self._recompile_watch: RecompileLimitWatch | None = None
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -221,15 +244,20 @@ class HBPLitModule(L.LightningModule):
             self.model = apply_lora(self.model, dict(self.hparams.lora))
         if self.hparams.compile:
             self._recompile_limit = set_recompile_limit(RECOMPILE_LIMIT)
+            self._recompile_watch = RecompileLimitWatch()
+            logging.getLogger(DYNAMO_LOG).addFilter(self._recompile_watch)
             for layer in self._layers:
                 layer.compile(dynamic=True)
 
     def teardown(self, stage: str) -> None:
         """Dynamo's recompile limit as it was before this module's compiled run (a later run in the process
-        starts from torch's own)."""
+        starts from torch's own), its logger without this run's watch."""
         if self._recompile_limit is not None:
             torch._dynamo.config.recompile_limit = self._recompile_limit
             self._recompile_limit = None
+        if self._recompile_watch is not None:
+            logging.getLogger(DYNAMO_LOG).removeFilter(self._recompile_watch)
+            self._recompile_watch = None
 
     def _tokenizer(self):
         """The data module's tokenizer, when the trainer has one: a model built from a config mapping

@@ -57,14 +57,24 @@ OVERRIDES = {
     **{f: MLA for f in ("glm4_moe_lite", "glm_moe_dsa", "deepseek_v4", "sarvam_mla")},
 }
 # Hybrids built with the stateful mixer they are known for (the generic shape gives LFM2 two attention
-# layers, and leaves Mamba2, Zamba2 and ZAYA unbuildable).
+# layers, and leaves Mamba2, Zamba, Zamba2 and ZAYA unbuildable).
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)  # 8 x 16 = 2 x 64
+GATED_DELTA = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=4, linear_num_value_heads=4)
 HYBRIDS = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
-    "mamba2": dict(num_heads=8, n_groups=1),
-    "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
-    "zaya": dict(num_experts_per_tok=1),
+    "mamba2": dict(num_heads=8, n_groups=1, state_size=16, chunk_size=16),
     "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], mamba_d_state=16, chunk_size=16),
+    "zaya": dict(num_experts_per_tok=1),
+    # the defaults' state widths and scan chunks (128-256) are slow on a CPU: small ones, a chunk shorter
+    # than the test documents (a scan's chunk boundaries fall inside them)
+    "bamba": MAMBA2,
+    "granitemoehybrid": MAMBA2,
+    "falcon_h1": dict(MAMBA2, mamba_d_ssm=128),
+    "nemotron_h": dict(ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, chunk_size=16),
+    "kimi_linear": dict(linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}),
+    **{f: GATED_DELTA for f in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text")},
 }
 OVERRIDES.update(HYBRIDS)
 MAX_PARAMS = 5_000_000  # larger after shrinking: a multimodal wrapper whose sub-models keep their size

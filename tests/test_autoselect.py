@@ -675,3 +675,36 @@ def test_the_autoselect_modules_import_each_other_in_no_circle():
     circles = sorted(name for name in names if name in below(name, set()))
     assert circles == [], {name: sorted(graph[name]) for name in circles}
     assert "selector" not in graph["launch"] and "search" not in graph["levers"]
+
+
+def test_a_compiled_probe_leaves_no_graph_for_the_run_to_inherit(monkeypatch):
+    """A measured probe of a compiled module compiles the decoder layers' code; its graphs, counted toward
+    dynamo's recompile limit on that same code, would be the run's to inherit (many probes: the limit
+    hit, the run uncompiled). After the probe the layer's code holds no cache entry."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from lit_hbp.autoselect.measured import MeasuredProfiler
+    from lit_hbp.module import HBPLitModule
+
+    code = LlamaDecoderLayer.forward.__code__
+    torch._dynamo.reset()
+    compiled = []
+    real_reset = torch._dynamo.reset
+    monkeypatch.setattr(
+        torch._dynamo, "reset", lambda: compiled.append(len(_debug_get_cache_entry_list(code))) or real_reset()
+    )
+
+    def factory():
+        torch.manual_seed(0)
+        return HBPLitModule(model=PROBE_MODEL, compile=True)
+
+    lengths = np.random.default_rng(0).integers(8, 120, 200)
+    profiler = MeasuredProfiler(
+        factory, lengths, 16 * 2**30, dict(accelerator="cpu", devices=1), dict(stage=0), steps=1
+    )
+    assert profiler.probe(256, 1, 0).fits
+    assert compiled and compiled[0] > 0  # the probe did compile the layers ...
+    assert _debug_get_cache_entry_list(code) == []  # ... and left nothing of it

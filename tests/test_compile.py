@@ -117,6 +117,36 @@ def test_the_recompile_limit_is_raised_never_lowered_and_said_what_it_was():
         config.recompile_limit = before
 
 
+def test_a_compiled_run_says_when_a_layer_falls_back_to_eager():
+    """At dynamo's recompile limit a compiled layer runs uncompiled for the rest of the run: the module says
+    so in lit-hbp's words (here the limit lowered to 1 and the layers called in train then eval mode, which
+    recompiles them); the watch leaves with the run (teardown)."""
+    import logging
+
+    from lit_hbp.module import DYNAMO_LOG, RecompileLimitWatch
+
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    torch._dynamo.reset()
+    try:
+        module = make_module(compile=True)
+        config.recompile_limit = 1
+        batch = packs(1)[0]
+        module(batch)
+        module.eval()
+        with (
+            torch.no_grad(),
+            pytest.warns(UserWarning, match=r"compile: dynamo hit its recompile_limit \(1\) at '\w+'"),
+        ):
+            module(batch)
+        assert any(isinstance(f, RecompileLimitWatch) for f in logging.getLogger(DYNAMO_LOG).filters)
+        module.teardown("fit")
+        assert not any(isinstance(f, RecompileLimitWatch) for f in logging.getLogger(DYNAMO_LOG).filters)
+    finally:
+        config.recompile_limit = before
+        torch._dynamo.reset()
+
+
 def test_flex_block_masks_are_held_by_the_pack_being_trained():
     """Built once per pack and window (every layer shares it), kept on the pack's cu_seqlens and gone
     with it: nothing else holds a pack's masks."""

@@ -225,6 +225,7 @@ class MeasuredProfiler:
             module = self.module_factory()
             if "self_check" in getattr(module, "hparams", {}):
                 module.hparams.self_check = False  # the run itself checks the model once, not every probe
+            compiled = bool(getattr(module, "hparams", {}).get("compile"))
             try:
                 trainer.fit(module, datamodule=data)
             except torch.OutOfMemoryError:
@@ -234,6 +235,11 @@ class MeasuredProfiler:
                 data.trainer = None
                 del trainer, strategy, module
                 gc.collect()
+                if compiled:
+                    # The probe's graphs, and their count toward dynamo's recompile limit, which the run's
+                    # layers (the same code) would inherit: a run after many probes would hit the limit
+                    # and train uncompiled. Every compiled code of the process starts over.
+                    torch._dynamo.reset()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         seconds, memory = (math.inf, math.inf) if oom else (timer.seconds, timer.peak)
