@@ -341,6 +341,32 @@ def check_model_source(model: Any, key: str = "model.model") -> None:
     )
 
 
+def check_curriculum(levels: Sequence[Any], callbacks: Any) -> None:
+    """An ``HBPCurriculum`` among the trainer's callbacks whose ``short_levels`` name a pack length the
+    levels do not have (``--data.levels`` given without it) is refused now, naming both."""
+    from lit_hbp.packing.levels import as_level
+
+    try:
+        lengths = sorted(as_level(x, f"data.levels[{i}]").pack_len for i, x in enumerate(levels))
+    except (ValueError, TypeError):
+        return  # the levels' own error comes where they are checked
+    for i, entry in enumerate(callbacks if isinstance(callbacks, list) else []):
+        if not isinstance(entry, Mapping) or not str(entry.get("class_path", "")).endswith("HBPCurriculum"):
+            continue
+        short = (entry.get("init_args") or {}).get("short_levels")
+        for x in short if isinstance(short, list) else []:
+            try:
+                length = as_level(x).pack_len
+            except (ValueError, TypeError):
+                continue
+            if length not in lengths:
+                raise ConfigError(
+                    f"trainer.callbacks[{i}] (HBPCurriculum) short_levels: {x!r} is not the pack_len of a level of "
+                    f"data.levels ({lengths}): name levels the data has, or leave short_levels out (every level "
+                    "without sp but the largest)"
+                )
+
+
 def check_run_config(config: Mapping[str, Any]) -> None:
     """What a LightningCLI config (the subcommand's section, as plain data) shows wrong before any
     process spawns: the model (its folder, or the mapping's keys), the levels against the world size
@@ -357,6 +383,7 @@ def check_run_config(config: Mapping[str, Any]) -> None:
     levels = (config.get("data") or {}).get("levels")
     if not isinstance(levels, list) or not levels:  # a LevelSelector: chosen at setup
         return
+    check_curriculum(levels, (config.get("trainer") or {}).get("callbacks"))
     world = world_size_of(config.get("trainer") or {})
     if world is not None:
         check_sp_setup(levels, world, model)

@@ -21,6 +21,7 @@ import pickle
 import re
 import sys
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 from unittest import mock
@@ -30,6 +31,7 @@ from jsonargparse import set_parsing_settings
 from jsonargparse._actions import previous_config  # set while a config file is applied over earlier values
 from jsonargparse._typehints import ActionTypeHint  # jsonargparse exports no public name for it
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -116,10 +118,67 @@ def _option_keys(parser: argparse.ArgumentParser) -> set[str]:
     return keys
 
 
+ALIASES = {  # what users of other trainers type, and lit-hbp's key for it
+    "learning_rate": "lr",
+    "lr_rate": "lr",
+    "weight_decay_rate": "weight_decay",
+    "model_name_or_path": "model",
+    "model_path": "model",
+    "checkpoint": "model",
+    "max_seq_length": "levels",
+    "max_length": "levels",
+    "seq_len": "levels",
+    "gradient_accumulation_steps": "accumulate_grad_batches",
+    "grad_accum": "accumulate_grad_batches",
+    "max_grad_norm": "gradient_clip_val",
+    "num_train_epochs": "max_epochs",
+    "epochs": "max_epochs",
+    "seed": "seed_everything",
+    "warmup_ratio": "warmup_steps",
+    "bf16": "precision",
+    "fp16": "precision",
+    "gpus": "devices",
+    "num_gpus": "devices",
+}
+
+
+def alias_of(option: str, keys: Iterable[str]) -> str:
+    """`` (did you mean 'model.lr'?)`` for an option another trainer names otherwise (``learning_rate``),
+    when the key it stands for is a valid one next to it; else the nearest valid key."""
+    section, _, name = option.lstrip("-").rpartition(".")
+    keys = set(keys)
+    wanted = ALIASES.get(name)
+    if wanted is not None:
+        near = [k for k in keys if k.rsplit(".", 1)[-1] == wanted]
+        same = [k for k in near if k.rpartition(".")[0] == section] or sorted(near, key=len)
+        if same:
+            return f" (did you mean {same[0]!r}?)"
+    return did_you_mean(option, keys)
+
+
+def config_file_error(message: str, args: list[str] | None) -> str:
+    """A YAML error of a config file names the file (jsonargparse says ``<unicode string>``): the first
+    ``--config`` file of the command line that does not parse as YAML."""
+    if "<unicode string>" not in message:
+        return message
+    argv = sys.argv[1:] if args is None else list(args)
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    files += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in files:
+        try:
+            yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError:
+            return message.replace('"<unicode string>"', str(path)).replace("<unicode string>", str(path))
+        except OSError:
+            continue
+    return message
+
+
 def short_error(message: str, parser: argparse.ArgumentParser) -> str:
     """jsonargparse's error report cut to what says what is wrong: an unknown init argument of a class
-    (with the class, the nearest valid argument and the valid ones), a missing required one, or an
-    unknown option with the nearest valid one; any other message as it is."""
+    (with the class, the nearest valid argument and the valid ones), a missing required one, an unknown
+    option with the nearest valid one (or the key it stands for, ``ALIASES``), a config file's YAML
+    error with the file; any other message as it is."""
     found = CLASS_OPTION.search(message)
     if found:
         class_path, option = found.groups()
@@ -135,8 +194,8 @@ def short_error(message: str, parser: argparse.ArgumentParser) -> str:
     found = UNKNOWN_OPTION.search(message)
     if found:
         option = next(g for g in found.groups() if g)
-        return message.splitlines()[0] + did_you_mean(option, _option_keys(parser))
-    return message
+        return message.splitlines()[0] + alias_of(option, _option_keys(parser))
+    return config_file_error(message, getattr(parser, "_hbp_args", None))
 
 
 class HBPArgumentParser(LightningArgumentParser):
@@ -198,7 +257,13 @@ class HBPCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Lightning's parsing; an interpolation the merged config cannot resolve (``${data.levels.2...}``
-        after ``--data.levels`` gave two levels) is a short error naming the key, not a traceback."""
+        after ``--data.levels`` gave two levels) is a short error naming the key, not a traceback. The
+        parsers keep the command line they parse, whose config files an error may need to name."""
+        stack = [parser]
+        while stack:
+            p = stack.pop()
+            p._hbp_args = None if args is None else list(args)
+            stack += [c for a in p._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices.values()]
         try:
             super().parse_arguments(parser, args)
         except OmegaConfBaseException as e:
@@ -269,14 +334,14 @@ class HBPCLI(LightningCLI):
             report_user_error(e)
 
     def _set_seed(self) -> None:
-        """Seeded after the config's checks (``before_instantiate_classes``): an error is the first line a
-        refused config prints, not after Lightning's "Seed set to ..."."""
+        """Seeded after the config's checks (``before_instantiate_classes``), as LightningCLI seeds, without
+        its "Seed set to ..." line: the resolved config printed after set-up names the seed, and an error
+        is the first line a refused run prints."""
 
     def before_instantiate_classes(self) -> None:
         """Before anything is built or spawned: the config's own checks, the trainer's values Lightning
         would refuse (``check_trainer_values``) and the checkpoint ``--ckpt_path auto`` found
-        (``check_resume``), each a short error and exit 2; then the seed and the resolved config, once
-        (rank 0)."""
+        (``check_resume``), each a short error and exit 2; then the seed."""
         section = self.config.get(self.subcommand) if self.subcommand else self.config
         try:
             check_run_config(section.as_dict())
@@ -289,7 +354,16 @@ class HBPCLI(LightningCLI):
         self._guard(check_trainer_values, section)
         self._guard(resolve_auto_resume, section)
         resume_in_run_folder(section)
-        super()._set_seed()
+        seed = self._get(self.config, "seed_everything")
+        if seed is not False:
+            seed = seed_everything(None if seed is True else seed, workers=True, verbose=False)
+            (self.config[self.subcommand] if self.subcommand else self.config)["seed_everything"] = seed
+
+    def after_instantiate_classes(self) -> None:
+        """The resolved config, once (rank 0), once model, data module and trainer are built: a mistake
+        their set-up finds (a data source that is not there, a tokenizer folder without a tokenizer) is
+        the first thing a refused run prints, not the last after 50 lines of config."""
+        super().after_instantiate_classes()
         rank_zero_info(self.config_summary())
 
     def config_summary(self) -> str:
@@ -456,15 +530,25 @@ def check_trainer_values(section: Any) -> None:
     given = trainer.get("logger")
     values["logger"] = False if given in (None, False, []) else True  # barebones refuses any logger
     values["profiler"] = None if trainer.get("profiler") is None else "simple"
+    # The devices on the accelerator the config names (an Accelerator object is taken as given): what
+    # Lightning's accelerator connector refuses (``devices: 0``, more CPU processes than it can count ...).
+    accelerator = trainer.get("accelerator") or "auto"
+    hardware = {"accelerator": accelerator, "devices": trainer.get("devices", "auto")}
+    probes = [dict(accelerator="cpu", devices=1, strategy="auto", **values)]
+    if isinstance(accelerator, str):
+        probes.append(dict(hardware, strategy="auto", logger=False, num_nodes=values.get("num_nodes", 1)))
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)  # no "GPU available" banner from the probe: the run prints its own
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            Trainer(accelerator="cpu", devices=1, strategy="auto", **values)
-    except (MisconfigurationException, ValueError, TypeError) as e:
+        for probe in probes:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                Trainer(**probe)
+    except (MisconfigurationException, ValueError, TypeError, RuntimeError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        named = [k for k in re.findall(r"`(\w+)(?:=[^`]*)?`", message) if k in values]
+        named = [k for k in re.findall(r"`(?:Trainer\()?(\w+)(?:=[^`]*)?`", message) if k in {**values, **hardware}]
+        if not named and any(w in message.lower() for w in ("accelerator", "backend")):
+            named = ["accelerator"]  # "No supported gpu backend found!"
         key = f"trainer.{named[0]}" if named else "trainer"
         raise ConfigError(f"{key}: {message}") from None
     finally:
@@ -495,9 +579,36 @@ def resume_in_run_folder(section: Any) -> None:
         rank_zero_info(f"resuming in the run folder {run_dir} (logs continue there)")
 
 
+class PreviewArgumentParser(HBPArgumentParser):
+    """``lit-hbp preview``'s parser: it parses every section of the config as ``fit`` does, and its help
+    lists what preview uses: its own options and the data module's (the trainer's, the model's and the
+    optimizer's sections, read but unused, are left out: 470 lines before the data options otherwise)."""
+
+    SHOWN = ("data", "help", "config", "print_config", "n", "json")
+
+    def format_help(self) -> str:
+        groups = self._action_groups
+        self._action_groups = [
+            g
+            for g in groups
+            if not g._group_actions or any(a.dest.split(".")[0] in self.SHOWN for a in g._group_actions)
+        ]
+        try:
+            return super().format_help()
+        finally:
+            self._action_groups = groups
+
+
 class PreviewCLI(HBPCLI):
     """``lit-hbp preview``: the config parsed as ``fit`` parses it (files, command line, interpolations),
     only the data module built, and its first samples printed (``lit_hbp.preview``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", PreviewArgumentParser)
+        super().__init__(*args, **kwargs)
+
+    def after_instantiate_classes(self) -> None:
+        """Nothing: the samples are what preview prints, not the config."""
 
     def add_arguments_to_parser(self, parser) -> None:
         super().add_arguments_to_parser(parser)
@@ -521,8 +632,8 @@ PREVIEW_USAGE = "lit-hbp preview --config CONFIG [--data.KEY VALUE ...] [--n N] 
 PREVIEW_HELP = (
     "The config's first training samples as they train: the chat template's rendering, each supervised "
     "token marked (lit_hbp.preview). The config is read as fit reads it (files, command line, "
-    "interpolations); only its data section is built. Its own options come first below; the data "
-    "module's (--data.*) follow the trainer's and the model's, which preview reads but does not use."
+    "interpolations); only its data section is built. Its own options and the data module's (--data.*) "
+    "follow; the trainer's and the model's sections are read but not used."
 )
 
 

@@ -28,7 +28,19 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
     empty.write_text("")
     long_text = json.dumps({"text": "word " * 20000})
     too_long = write(tmp / "long.jsonl", good, long_text)
+    broken = write(tmp / "broken.yaml", "trainer:", "  max_steps: 3", "   devices: 1")
     return {
+        "missing data file": (["--data.sources", f"[{{path: {tmp / 'chats.jsonl'}}}]"], "data source not found"),
+        "no devices": (
+            ["--trainer.devices", "0"],
+            "trainer.devices: `Trainer(devices='0')` value is not a valid input",
+        ),
+        "another trainer's option name": (["--model.learning_rate", "0.1"], "(did you mean 'model.lr'?)"),
+        "a config file that is no YAML": (["--config", broken], f"in {broken}, line 3, column 11"),
+        "levels without the curriculum's": (
+            ["--data.levels", "[1024, 8192]"],
+            "trainer.callbacks[0] (HBPCurriculum) short_levels: 4096 is not the pack_len of a level of data.levels",
+        ),
         "malformed JSON": (["--data.sources", f"[{{path: {malformed}}}]"], f"{malformed}:2: malformed JSON"),
         "record without messages": (
             ["--data.sources", f"[{{path: {no_messages}}}]"],
@@ -69,11 +81,16 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
 
 CASES = ["malformed JSON", "record without messages", "empty file", "over-length", "misspelled source field",
          "misspelled model key", "missing model folder", "abbreviated option", "missing tokenizer",
-         "misspelled record format", "bad level count"]  # fmt: skip
+         "misspelled record format", "bad level count", "no devices", "another trainer's option name",
+         "a config file that is no YAML", "levels without the curriculum's", "missing data file"]  # fmt: skip
+# Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
+# others (a record's content) when the data is tokenized, after it.
+AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length"}
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_users_mistake_is_one_short_error_with_exit_status_2(case, tmp_path, small_demo, monkeypatch, capsys):
+def test_a_users_mistake_is_one_short_error_with_exit_status_2(case, tmp_path, small_demo, monkeypatch, capsys, caplog):
+    caplog.set_level("INFO")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LIT_HBP_DEBUG", raising=False)
     args, says = bad_inputs(tmp_path, small_demo)[case]
@@ -87,6 +104,9 @@ def test_a_users_mistake_is_one_short_error_with_exit_status_2(case, tmp_path, s
     lines = [line for line in err.splitlines() if line.startswith(("error:", "tip:"))]
     assert len(lines) == 2 and "Traceback" not in err, err
     assert not (tmp_path / "runs" / "tiny_cpu").exists()  # no run folder left behind
+    printed = err + caplog.text
+    assert ("resolved config" in printed) == (case in AFTER_THE_CONFIG), printed  # the error first where it can be
+    assert "Seed set" not in printed
 
 
 def test_the_debug_variable_brings_the_traceback_back(tmp_path, small_demo, monkeypatch):

@@ -270,7 +270,7 @@ def test_zero_length_and_zero_loss_samples_are_reported():
         (dict(loss_tokens=[4, 0, 0]), "index 0: 4 > 3"),
         (dict(accumulate=0), "accumulate must be a positive int"),
         (dict(warmup_steps=-1), "warmup_steps must be an int >= 0"),
-        (dict(short_levels=[7]), "short_levels entry 7 is not the pack_len of a level"),
+        (dict(short_levels=[7]), "HBPCurriculum short_levels: 7 is not the pack_len of a level"),
         (dict(packer="nope"), "unknown packer"),
         (dict(lengths=[0, 40], over_length="drop"), "nothing to pack: all 2 samples are zero-length (1)"),
     ],

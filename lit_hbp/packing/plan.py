@@ -12,7 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
-from lit_hbp.errors import DataError
+from lit_hbp.errors import ConfigError, DataError
 from lit_hbp.packing.bins import Bins, check_lengths, describe_indices
 from lit_hbp.packing.levels import Level, as_level, validate_levels
 from lit_hbp.packing.metrics import plan_metrics
@@ -404,7 +404,10 @@ def _short_level_ids(levels: tuple[Level, ...], short_levels) -> list[int]:
     for x in short_levels:
         key = as_level(x).pack_len if not isinstance(x, (int, np.integer)) else int(x)
         if key not in by_len:
-            raise ValueError(f"short_levels entry {x!r} is not the pack_len of a level {sorted(by_len)}")
+            raise ConfigError(
+                f"HBPCurriculum short_levels: {x!r} is not the pack_len of a level ({sorted(by_len)}): name levels "
+                "the data has, or leave short_levels out (every level without sp but the largest)"
+            )
         out.append(by_len[key])
     return sorted(set(out))
 
