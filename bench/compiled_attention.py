@@ -30,7 +30,7 @@ from cp_attention import pack_lengths
 
 def timed_way(backend, args, q, k, v, w, kw) -> tuple[list[tuple[float, float]], list[torch.Tensor], int]:
     """(forward, backward) seconds per round, the gradients, the number of compiled graphs."""
-    from lit_hbp.attention import backends, varlen_attention
+    from lit_hbp.model.attention import backends, varlen_attention
 
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from lit_hbp.attention import backends
+    from lit_hbp.model.attention import backends
 
     assert backends.choose("cpu", torch.float32, frozenset())[0] == "sdpa"  # what these calls run (auto, CPU)
     lengths = pack_lengths(args.pack_len, args.seed)

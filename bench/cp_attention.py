@@ -52,7 +52,7 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from types import SimpleNamespace
 
-    from lit_hbp.attention import backends, varlen_attention
+    from lit_hbp.model.attention import backends, varlen_attention
     from lit_hbp.packing.context_split import split_pack
     from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.context_parallel import cp_shard_of

@@ -6,11 +6,11 @@ For each --records size it writes (once, cached in --work) a JSONL file of that 
 ({"messages": [user, assistant]}) with lognormal lengths in words (median 200, sigma 1.9, capped at
 20K words, split at random between the two turns), the words drawn by their frequency in a fixed set
 of Python standard-library modules (seeded; streamed to disk in chunks, so 2M records need no more
-memory than 20K). The tokenizer is the demo tokenizer (``lit_hbp.demo``, built in --work).
+memory than 20K). The tokenizer is the demo tokenizer (``lit_hbp.demo.text``, built in --work).
 
 Every measurement runs in a fresh process (this script with --child), on the same records:
 
-- import: peak RSS of a process that imports lit_hbp.data.datamodule and transformers and loads the
+- import: peak RSS of a process that imports lit_hbp.lightning.datamodule and transformers and loads the
   tokenizer, what every set-up pays anyway; the RSS columns are peaks above it;
 - tokenizer alone (the baseline of the same run): stream the JSONL, render each record with
   ``tok.apply_chat_template(messages, tokenize=False)`` and encode batches of 512 with
@@ -142,7 +142,7 @@ def ensure_records(work: Path, n: int, seed: int) -> Path:
 
 
 def ensure_tokenizer(work: Path) -> str:
-    from lit_hbp.demo import ensure_demo
+    from lit_hbp.demo.text import ensure_demo
 
     return str(ensure_demo(work / "demo")["paths"]["tokenizer"])
 
@@ -165,7 +165,7 @@ def peak_rss(who=resource.RUSAGE_SELF) -> int:
 def child_import(args) -> dict:
     import transformers  # noqa: F401
 
-    from lit_hbp.data.datamodule import load_tokenizer
+    from lit_hbp.lightning.datamodule import load_tokenizer
 
     load_tokenizer(args.tokenizer)
     return dict(rss=peak_rss())
@@ -175,7 +175,7 @@ def child_tokenizer(args) -> dict:
     """The tokenizer alone on the same records: render + batch encode, streaming the file."""
     import transformers  # noqa: F401
 
-    from lit_hbp.data.datamodule import load_tokenizer
+    from lit_hbp.lightning.datamodule import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
     records = tokens = 0
@@ -196,7 +196,7 @@ def child_setup(args) -> dict:
     """One HBPDataModule.setup("fit"), cold (cache removed first) or warm."""
     import transformers  # noqa: F401
 
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     cold = args.child == "cold"
     if cold:
@@ -291,7 +291,7 @@ COLUMNS = [
 
 def measure(args, tokenizer: str) -> tuple[list[dict], list[str]]:
     imported = run_child("import", tokenizer=tokenizer)["rss"]
-    notes = [f"import only (lit_hbp.data.datamodule + transformers + tokenizer): peak RSS {imported / GB:.2f} GB"]
+    notes = [f"import only (lit_hbp.lightning.datamodule + transformers + tokenizer): peak RSS {imported / GB:.2f} GB"]
     rows = []
     for n in args.records:
         say(f"{n:,} records")

@@ -64,7 +64,7 @@ def env_part(_: argparse.Namespace, work: Path) -> dict:
 
 def demo_part(args: argparse.Namespace, work: Path) -> dict:
     small = "n_short=400, n_long=8, vocab_size=2048" if args.dry_run else ""
-    code = f"from lit_hbp.demo import ensure_demo; ensure_demo({str(args.demo_dir)!r}, {small})"
+    code = f"from lit_hbp.demo.text import ensure_demo; ensure_demo({str(args.demo_dir)!r}, {small})"
     return {"cmd": [sys.executable, "-c", code]}
 
 

@@ -38,13 +38,13 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_hbp import attention
 from lit_hbp.callbacks import HBPCurriculum
-from lit_hbp.cli import main as cli_main
-from lit_hbp.costmodel import MEMORY_RESERVE_BYTES
+from lit_hbp.cli.app import main as cli_main
+from lit_hbp.cost.costmodel import MEMORY_RESERVE_BYTES
+from lit_hbp.cost.gpu_peaks import peak_flops as gpu_peak_flops
+from lit_hbp.cost.memory import GIB, level_memory
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.gpu_peaks import peak_flops as gpu_peak_flops
-from lit_hbp.memory import GIB, level_memory
+from lit_hbp.model import attention
 from lit_hbp.report import format_table
 
 OOM = (torch.OutOfMemoryError,)
@@ -56,7 +56,7 @@ def sync(device: torch.device) -> None:
 
 
 def peak_flops(device: torch.device, override: float | None) -> float | None:
-    """Dense bf16 peak of the device (``lit_hbp.gpu_peaks``, by GPU variant), or --peak-tflops."""
+    """Dense bf16 peak of the device (``lit_hbp.cost.gpu_peaks``, by GPU variant), or --peak-tflops."""
     if override:
         return override * 1e12
     return gpu_peak_flops(device, torch.bfloat16)

@@ -10,7 +10,7 @@ trained) and one ``save_pretrained`` folder, each trained for one pass with Adam
 weight decay), --lr with --warmup steps of warm-up and a cosine to 10%, gradient clipping 1.0, seed 0,
 fp32 on a CPU and bf16 on a GPU (DeepSpeed's bf16 for lit-hbp, autocast over fp32 weights for the others):
 
-- lit-hbp: the CLI's ``fit`` (``lit_hbp.cli.main``) of a config written for the data: levels 1K and
+- lit-hbp: the CLI's ``fit`` (``lit_hbp.cli.app.main``) of a config written for the data: levels 1K and
   --max-len, bfd packing, one pack per optimizer step; on a GPU, HBPStrategy ZeRO-2 with compiled layers;
 - trl-bfd: TRL's ``SFTTrainer``, ``packing=True, packing_strategy="bfd"`` (padding-free), --max-len, one
   pack per step;
@@ -80,7 +80,7 @@ def build_data(out: Path, demo_dir: Path, samples: int, long: int, max_len: int,
 
     from transformers import AutoTokenizer
 
-    from lit_hbp.demo import ensure_demo
+    from lit_hbp.demo.text import ensure_demo
 
     paths = ensure_demo(demo_dir)["paths"]
     tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
@@ -327,7 +327,7 @@ def lit_hbp_config(spec: dict, out: Path) -> Path:
         "use_distributed_sampler": False, "num_sanity_val_steps": 0,
     }  # fmt: skip
     if cuda:
-        trainer["strategy"] = {"class_path": "lit_hbp.strategy.HBPStrategy", "init_args": {"stage": 2}}
+        trainer["strategy"] = {"class_path": "lit_hbp.lightning.strategy.HBPStrategy", "init_args": {"stage": 2}}
     config = {
         "seed_everything": spec["seed"],
         "trainer": trainer,
@@ -365,8 +365,8 @@ def lit_hbp_check(spec: dict, check: list[dict]) -> tuple[float, list[float]]:
 def worker_lit_hbp(spec: dict) -> dict:
     import lightning as L
 
-    from lit_hbp import attention
-    from lit_hbp.cli import main as cli_main
+    from lit_hbp.cli.app import main as cli_main
+    from lit_hbp.model import attention
 
     result: dict = {}
     if spec["check_now"]:
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model = Path(args.model).resolve()
     else:
-        from lit_hbp.demo import ensure_demo
+        from lit_hbp.demo.text import ensure_demo
 
         tokenizer = ensure_demo(args.demo_dir)["paths"]["tokenizer"]
         model = build_model(work / f"model_{args.size}", args.size, tokenizer, args.max_len)

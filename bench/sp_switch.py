@@ -49,8 +49,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.module import HBPLitModule
-from lit_hbp.packed_call import pack_scope
+from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.model.packed_call import pack_scope
 from lit_hbp.packing import Level
 from lit_hbp.packing.context_split import padded_length
 from lit_hbp.parallel.context import SPCall

@@ -39,7 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_hbp import pack_samples, packed_loss, prepare_model
-from lit_hbp.causal_lm import build_causal_lm
+from lit_hbp.model.causal_lm import build_causal_lm
 from lit_hbp.report import format_table
 
 MODES = ("bare", "hbp_ddp", "hbp_zero2", "single")
@@ -159,7 +159,7 @@ def run_fit(mode: str, config: dict, packs: list, args, device: torch.device) ->
 
     from lit_hbp import strategy as hbp
     from lit_hbp.callbacks import HBPThroughputMonitor
-    from lit_hbp.module import HBPLitModule
+    from lit_hbp.lightning.module import HBPLitModule
     from lit_hbp.packing.levels import Level
 
     levels = [Level(packs[0].input_ids.shape[1])]

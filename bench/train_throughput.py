@@ -31,15 +31,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lit_hbp.cost.gpu_peaks import peak_flops
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.data.datamodule import load_tokenizer
 from lit_hbp.data.sources import Source
 from lit_hbp.data.store import SampleStore
 from lit_hbp.data.tokenize import tokenize_source
-from lit_hbp.demo import ensure_demo
-from lit_hbp.gpu_peaks import peak_flops
+from lit_hbp.demo.text import ensure_demo
+from lit_hbp.lightning.datamodule import load_tokenizer
+from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model_spec import ModelSpec
-from lit_hbp.module import HBPLitModule
 from lit_hbp.packing import Level, plan_hbp
 from lit_hbp.report import format_table
 
@@ -225,7 +225,7 @@ def run_hbp(base, store, chosen, args, device, pad_id):
 
 
 def _peak_flops(device) -> float | None:
-    """bf16 dense peak of the GPU (for MFU), by GPU variant (``lit_hbp.gpu_peaks``)."""
+    """bf16 dense peak of the GPU (for MFU), by GPU variant (``lit_hbp.cost.gpu_peaks``)."""
     return peak_flops(device, torch.bfloat16)
 
 

@@ -2,7 +2,7 @@
 
     python bench/vlm_cache.py [--records 10000 100000] [--scale 1 8] [--work /tmp/lit_hbp_vlm_cache]
 
-The records are the tiny VLM demo's (``lit_hbp.demo_vlm``: LLaMA-Factory style, 1-2 drawn images each,
+The records are the tiny VLM demo's (``lit_hbp.demo.vision``: LLaMA-Factory style, 1-2 drawn images each,
 relative paths), cycled to --records lines; --scale redraws every image that many times larger on each
 side (the same shapes; the LLaVA-NeXT processor cuts a larger image into more tiles, so its samples get
 somewhat more image tokens). For each size
@@ -36,7 +36,7 @@ def ensure_inputs(work: Path, n: int, scale: int) -> Path:
     """The demo (built once), its images redrawn ``scale`` times larger, and ``n`` records cycling over it."""
     from PIL import Image
 
-    from lit_hbp.demo_vlm import ensure_vlm_demo
+    from lit_hbp.demo.vision import ensure_vlm_demo
 
     demo = work / "demo_vlm"
     ensure_vlm_demo(demo)
@@ -62,7 +62,7 @@ def child(args) -> dict:
     from PIL import Image
 
     from lit_hbp import HBPDataModule
-    from lit_hbp.data.datamodule import load_processor
+    from lit_hbp.lightning.datamodule import load_processor
 
     load_processor(args.model)
     base = peak_rss()

@@ -3,7 +3,7 @@ model, each plan's packs really run (forward and backward) and timed.
 
     python bench/vlm_train.py [--records 300] [--world 4] [--work /tmp/lit_hbp_vlm_train]
 
-Records: the VLM demo's image chats (``lit_hbp.demo_vlm``: 17-68 tokens an image) joined into
+Records: the VLM demo's image chats (``lit_hbp.demo.vision``: 17-68 tokens an image) joined into
 conversations of 1 to --max-turns turns, most short and a few long (a seeded power law), so lengths
 spread from ~30 to ~6K tokens and a long conversation holds up to ~80 images: the spread of
 vision-language data, at the tiny model's scale (no videos: the demo's LLaVA-NeXT has no video tower).
@@ -36,7 +36,7 @@ import torch
 
 from lit_hbp import HBPDataModule, packed_loss, prepare_model
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.demo_vlm import DATA_FILE, MODEL_DIR, ensure_vlm_demo
+from lit_hbp.demo.vision import DATA_FILE, MODEL_DIR, ensure_vlm_demo
 from lit_hbp.packing import plan_hbp
 
 

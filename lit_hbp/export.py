@@ -20,7 +20,7 @@ the Hub) and is a valid ``model:`` of a new lit-hbp run. A LoRA run writes its a
 ``--merge-lora`` the merged full model.
 
 The checkpoint is opened with ``torch.load(weights_only=True)`` and lit-hbp's allow-list of what its runs
-write (``lit_hbp.checkpoints``): a file whose pickle names anything else is refused, naming it, and
+write (``lit_hbp.lightning.checkpoints``): a file whose pickle names anything else is refused, naming it, and
 nothing in it runs. ``--trust-checkpoint`` opens any pickle: only for a file you made or trust.
 """
 
@@ -42,8 +42,8 @@ SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def load_checkpoint(path: str | Path, trust: bool = False) -> dict:
     """The checkpoint as one dict with a full fp32 ``state_dict``, whatever wrote it. Read with the
-    weights-only allow-list (``lit_hbp.checkpoints.check_checkpoint``) unless ``trust``."""
-    from lit_hbp.checkpoints import TRUST_HINT, check_checkpoint, safe_load, trusted_load
+    weights-only allow-list (``lit_hbp.lightning.checkpoints.check_checkpoint``) unless ``trust``."""
+    from lit_hbp.lightning.checkpoints import TRUST_HINT, check_checkpoint, safe_load, trusted_load
 
     path = Path(path)
     opt_in = TRUST_HINT["export"]
@@ -107,7 +107,7 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     """The trained network (peft-wrapped under LoRA), fp32, built from the checkpoint alone: its config,
     the base model's generation config when it had one of its own (``generation_config_of``), its LoRA
     settings and its weights (never ``from_pretrained`` of the folder the run started from)."""
-    from lit_hbp.causal_lm import _auto_class, apply_lora
+    from lit_hbp.model.causal_lm import _auto_class, apply_lora
 
     hparams = _hparams(ckpt)
     config = hf_config_of(ckpt)
@@ -131,7 +131,7 @@ def run_tokenizer(ckpt: dict, folder: str | Path, fallback: str | None = None):
     """The tokenizer the run trained with, written into ``folder``: the files the checkpoint holds
     (``HBPDataModule.state_dict``); for older checkpoints ``fallback`` (``--tokenizer``), else the path
     in the data module's hyper-parameters. None when there is none."""
-    from lit_hbp.data.datamodule import load_tokenizer, tokenizer_from_files
+    from lit_hbp.lightning.datamodule import load_tokenizer, tokenizer_from_files
 
     files = next((v["tokenizer_files"] for v in ckpt.values() if isinstance(v, dict) and "tokenizer_files" in v), None)
     if files is not None:

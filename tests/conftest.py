@@ -230,8 +230,8 @@ class ProcessState:
                 changed.append("transformers progress bars")
                 (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
         self.forget_warnings_said_once()
-        if "lit_hbp.attention.backends" in sys.modules:  # a test may fake a kernel's install or a GPU
-            sys.modules["lit_hbp.attention.backends"].reset_probes()
+        if "lit_hbp.model.attention.backends" in sys.modules:  # a test may fake a kernel's install or a GPU
+            sys.modules["lit_hbp.model.attention.backends"].reset_probes()
         return changed
 
     def _restore_torch_logs(self, changed: list[str]) -> None:
@@ -375,7 +375,7 @@ def no_leftover_process_group(monkeypatch):
     if dist.is_available() and dist.is_initialized():
         # As at a run's exit: DeepSpeed's cached groups too (an in-process DeepSpeed fit caches a clone of
         # the world group, which a later test's engine would otherwise try to use after it was destroyed).
-        from lit_hbp.strategy import release_process_groups
+        from lit_hbp.lightning.strategy import release_process_groups
 
         release_process_groups()
 
@@ -400,7 +400,7 @@ def pretrained_qwen2(tmp_path_factory, toy_tokenizer) -> str:
 @pytest.fixture(scope="session")
 def small_demo(tmp_path_factory) -> Path:
     """The embedded demo data set, built small (a few hundred chats, a few long samples)."""
-    from lit_hbp.demo import build_demo
+    from lit_hbp.demo.text import build_demo
 
     out = tmp_path_factory.mktemp("demo")
     build_demo(out, n_short=400, n_long=8, vocab_size=2048)
@@ -446,7 +446,7 @@ def separate_loss(model, samples, device="cpu"):
 
 def chat_datamodule(demo, tokenizer, cache, **kw):
     """The demo chats in 256- and 1024-token levels: the data of the short training runs."""
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     return HBPDataModule(
         sources=[{"path": str(demo / "short.jsonl")}],

@@ -11,11 +11,12 @@ import pytest
 import torch
 from packaging.version import Version
 
-from lit_hbp import attention, prepare_model
-from lit_hbp.attention import backends, flex
-from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose
-from lit_hbp.attention.flex import tile_masks
-from lit_hbp.packed_call import record_of
+from lit_hbp import prepare_model
+from lit_hbp.model import attention
+from lit_hbp.model.attention import backends, flex
+from lit_hbp.model.attention.backends import REGISTRY, AttnArgs, choose
+from lit_hbp.model.attention.flex import tile_masks
+from lit_hbp.model.packed_call import record_of
 
 
 def dense_reference(q, k, v, cu, scale, window=None, softcap=None, sinks=None, causal=True):
@@ -307,7 +308,7 @@ BOTH_WAYS = ["sdpa", "eager", "flex", "torch_varlen 2.10", "torch_varlen 2.11", 
 
 @pytest.mark.parametrize("kernel", BOTH_WAYS)
 def test_every_backend_attends_both_ways_inside_each_document_when_asked(monkeypatch, kernel):
-    """``AttnArgs(causal=False)`` (a vision tower's images, ``lit_hbp.attention.tower``): each backend's run,
+    """``AttnArgs(causal=False)`` (a vision tower's images, ``lit_hbp.model.attention.tower``): each backend's run,
     the GPU kernels as their upstream signatures on CPU (flex: its CPU forward), gives the dense reference
     with every key of the document seen, the output's gradients too where CPU differentiates it."""
     from torch.nn.attention.flex_attention import flex_attention

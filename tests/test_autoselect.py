@@ -12,7 +12,7 @@ from distributed import Pool
 
 from lit_hbp.autoselect import AnalyticProfiler, Measurement, auto_select, find_best_sp_ckpt, greedy_profile_ckpt
 from lit_hbp.autoselect.__main__ import main as autoselect_main
-from lit_hbp.costmodel import HARDWARE, PAPER_ACTIVATION_OVERHEAD, CostModel
+from lit_hbp.cost.costmodel import HARDWARE, PAPER_ACTIVATION_OVERHEAD, CostModel
 from lit_hbp.model_spec import MODELS, ModelSpec
 from lit_hbp.packing import Level
 
@@ -216,7 +216,7 @@ def pool_measured_selection(lengths):
     import torch.distributed as dist
 
     from lit_hbp.autoselect import MeasuredProfiler, select_levels
-    from lit_hbp.module import HBPLitModule
+    from lit_hbp.lightning.module import HBPLitModule
     from lit_hbp.parallel.context import SPCall
 
     spec = ModelSpec.from_config(PROBE_MODEL)
@@ -307,7 +307,7 @@ def pool_measure_once(stage, accumulate):
     import torch.distributed as dist
 
     from lit_hbp.autoselect import MeasuredProfiler
-    from lit_hbp.module import HBPLitModule
+    from lit_hbp.lightning.module import HBPLitModule
 
     trainer_args = dict(accelerator="cpu", devices=dist.get_world_size(), accumulate_grad_batches=accumulate)
     capacity = 2**30 * (1 + dist.get_rank())  # ranks disagree: the smallest device decides
@@ -329,9 +329,9 @@ def pool_levels_auto_measured(data, tokenizer, cache):
     """A 2-process HBPStrategy run whose data module measures its levels at setup."""
 
     from lit_hbp.autoselect import MeasuredSelector
-    from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.module import HBPLitModule
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     dm = HBPDataModule(
         sources=[{"path": data}],
@@ -387,8 +387,8 @@ def test_launch_hands_back_rank_zeros_answer_or_the_refusal_of_the_processes_it_
 
 def test_run_setting_of_a_config_reuses_its_model_precision_and_zero_settings():
     from lit_hbp.autoselect import RunSetting
-    from lit_hbp.config import read_config
-    from lit_hbp.module import HBPLitModule
+    from lit_hbp.cost.config import read_config
+    from lit_hbp.lightning.module import HBPLitModule
 
     config = read_config(Path(__file__).parents[1] / "configs" / "tiny_cpu_sp.yaml")
     run = RunSetting.from_config(config, vocab=300, world=2)
@@ -425,8 +425,8 @@ def write_chat(path, prompt_words):
 def test_levels_auto_in_a_training_run(tmp_path, toy_tokenizer):
 
     from lit_hbp.autoselect import AnalyticSelector
-    from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.module import HBPLitModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.module import HBPLitModule
 
     data = tmp_path / "d.jsonl"
     write_chat(data, [20] * 60 + [300] * 3)
@@ -501,8 +501,8 @@ def test_probes_reproduce_the_runs_deepspeed_settings():
     from lightning.pytorch.strategies import DDPStrategy
 
     from lit_hbp.autoselect.measured import probe_strategy_args
-    from lit_hbp.run_settings import deepspeed_zero, strategy_config
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.cost.run_settings import deepspeed_zero, strategy_config
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     run = HBPStrategy(stage=3, offload_optimizer=True, loss_scale=128, remote_device="cpu")
     run.config["gradient_accumulation_steps"] = 4  # what Lightning adds to the run's config at setup
@@ -614,7 +614,7 @@ def test_a_length_beyond_every_lever_on_8_gpus_is_refused_naming_what_is_left():
 
     from lit_hbp.autoselect.levers import FitQuestion, NoLevelFits, every_layout
     from lit_hbp.autoselect.search import analytic_levels
-    from lit_hbp.run_settings import Settings, cost_model
+    from lit_hbp.cost.run_settings import Settings, cost_model
 
     lengths = np.r_[np.full(100, 2000), 64 << 20]
     cost = cost_model(MODELS["llama3.1-8b"], Settings(8, HARDWARE["h100"], liger=True, optimizer_offload=True))
@@ -687,7 +687,7 @@ def test_a_compiled_probe_leaves_no_graph_for_the_run_to_inherit(monkeypatch):
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from lit_hbp.autoselect.measured import MeasuredProfiler
-    from lit_hbp.module import HBPLitModule
+    from lit_hbp.lightning.module import HBPLitModule
 
     code = LlamaDecoderLayer.forward.__code__
     torch._dynamo.reset()

@@ -17,10 +17,11 @@ from conftest import TINY_LLAMA
 from flash_installs import INSTALLS, install
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_hbp import attention, prepare_model
-from lit_hbp.attention import backends
-from lit_hbp.attention.backends import REGISTRY, AttnArgs, choose
-from lit_hbp.packed_call import record_of
+from lit_hbp import prepare_model
+from lit_hbp.model import attention
+from lit_hbp.model.attention import backends
+from lit_hbp.model.attention.backends import REGISTRY, AttnArgs, choose
+from lit_hbp.model.packed_call import record_of
 
 FAKE_TOPS = ("flash_attn", "flash_attn_interface", "cutlass")
 UNDEFINED_SYMBOL = "flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEi"
@@ -354,7 +355,7 @@ def test_importing_lit_hbp_imports_no_flash_attn(site):
         f"""
         import sys
         sys.path.insert(0, {str(site)!r})
-        import lit_hbp, lit_hbp.attention, lit_hbp.attention.backends
+        import lit_hbp, lit_hbp.model.attention, lit_hbp.model.attention.backends
         print(sorted(m for m in sys.modules if m.split(".")[0] in {FAKE_TOPS!r}))
         """
     )

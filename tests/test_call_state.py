@@ -19,8 +19,9 @@ from conftest import TINY_LLAMA
 from test_packed_loss import samples, tiny_model
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
-from lit_hbp import HBPLitModule, attention, pack_inputs, pack_samples, packed_loss, prepare_model
-from lit_hbp.packed_call import record_of
+from lit_hbp import HBPLitModule, pack_inputs, pack_samples, packed_loss, prepare_model
+from lit_hbp.model import attention
+from lit_hbp.model.packed_call import record_of
 
 TIMEOUT = 120  # seconds a forced interleaving may wait for the other thread before the test fails
 
@@ -413,7 +414,7 @@ def test_the_public_names_are_the_functions():
     import lit_hbp
     from lit_hbp import pack_scope
 
-    assert callable(pack_scope) and pack_scope is lit_hbp.packed_call.pack_scope
+    assert callable(pack_scope) and pack_scope is lit_hbp.model.packed_call.pack_scope
 
 
 def test_a_prefix_that_attends_both_ways_is_refused_in_a_pack():

@@ -12,7 +12,7 @@ from conftest import quiet_trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
-from lit_hbp.cli import main
+from lit_hbp.cli.app import main
 from lit_hbp.packing import Level, plan_hbp
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ from conftest import chat_datamodule, quiet_trainer
 from families import small_config
 
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.module import HBPLitModule
-from lit_hbp.selfcheck import SelfCheckError
+from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.model.selfcheck import SelfCheckError
 
 
 def built(family: str, **overrides) -> HBPLitModule:

@@ -16,12 +16,12 @@ from chat_formats import build_qwen_tokenizer, reference
 from conftest import TINY_LLAMA, console_script, quiet_trainer
 from transformers import AutoTokenizer
 
-from lit_hbp.cli import main
-from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.cli.app import main
 from lit_hbp.data.sources import Source
 from lit_hbp.data.tokenize import tokenize_source
 from lit_hbp.errors import DataError
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.datamodule import HBPDataModule
+from lit_hbp.lightning.module import HBPLitModule
 
 WEATHER = {
     "name": "get_weather",

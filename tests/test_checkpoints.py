@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonargparse import Namespace
 
-from lit_hbp.checkpoints import (
+from lit_hbp.cli.app import checkpoint_folders
+from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.checkpoints import (
     LATEST,
     AtomicCheckpointIO,
     is_complete,
@@ -23,8 +25,6 @@ from lit_hbp.checkpoints import (
     save_deepspeed,
     write_atomically,
 )
-from lit_hbp.cli import checkpoint_folders
-from lit_hbp.errors import ConfigError
 
 FORK = multiprocessing.get_context("fork")
 
@@ -137,7 +137,7 @@ def _ds_save_cut(folder: str, step: int, cut: int) -> None:
 
 def _ds_save_then_die(folder: str, step: int) -> None:
     """Killed after every rank wrote its files, before ``latest`` is replaced."""
-    import lit_hbp.checkpoints as ck
+    import lit_hbp.lightning.checkpoints as ck
 
     real = ck.write_atomically
     ck.write_atomically = lambda path, write: (

@@ -12,9 +12,9 @@ import pytest
 import torch
 from jsonargparse import Namespace
 
-from lit_hbp.checkpoints import find_resumable, why_incomplete
-from lit_hbp.cli import check_trainer_values, main, resolve_auto_resume
+from lit_hbp.cli.app import check_trainer_values, main, resolve_auto_resume
 from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.checkpoints import find_resumable, why_incomplete
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,10 +181,10 @@ def test_auto_names_each_checkpoint_it_passed_over_and_why(tmp_path, caplog):
 
 def test_a_zero3_run_that_loads_full_weights_may_resume_from_a_file(tmp_path):
     """DeepSpeed's ``load_full_weights`` loads a consolidated file: the kind check leaves it to Lightning."""
-    from lit_hbp.cli import check_resume
+    from lit_hbp.cli.app import check_resume
 
     strategy = Namespace(
-        class_path="lit_hbp.strategy.HBPStrategy", init_args=Namespace(stage=3, load_full_weights=True)
+        class_path="lit_hbp.lightning.strategy.HBPStrategy", init_args=Namespace(stage=3, load_full_weights=True)
     )
     section = Namespace(ckpt_path=str(whole(tmp_path / "full.ckpt")), weights_only=None,
                         trainer=Namespace(strategy=strategy))  # fmt: skip

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_hbp.cli import main
+from lit_hbp.cli.app import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

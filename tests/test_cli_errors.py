@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_hbp.cli import main
+from lit_hbp.cli.app import main
 from lit_hbp.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]

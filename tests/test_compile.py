@@ -12,11 +12,11 @@ import torch._dynamo.testing
 from conftest import TINY_LLAMA
 from test_attention import dense_reference, random_pack
 
-from lit_hbp import attention
-from lit_hbp.attention import flex
-from lit_hbp.attention.backends import AttnArgs
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.module import HBPLitModule, set_recompile_limit
+from lit_hbp.lightning.module import HBPLitModule, set_recompile_limit
+from lit_hbp.model import attention
+from lit_hbp.model.attention import flex
+from lit_hbp.model.attention.backends import AttnArgs
 
 MICRO_BATCHES = 13
 
@@ -123,7 +123,7 @@ def test_a_compiled_run_says_when_a_layer_falls_back_to_eager():
     recompiles them); the watch leaves with the run (teardown)."""
     import logging
 
-    from lit_hbp.module import DYNAMO_LOG, RecompileLimitWatch
+    from lit_hbp.lightning.module import DYNAMO_LOG, RecompileLimitWatch
 
     config = torch._dynamo.config
     before = config.recompile_limit
@@ -139,9 +139,10 @@ def test_a_compiled_run_says_when_a_layer_falls_back_to_eager():
             pytest.warns(UserWarning, match=r"compile: dynamo hit its recompile_limit \(1\) at '\w+'"),
         ):
             module(batch)
-        assert any(isinstance(f, RecompileLimitWatch) for f in logging.getLogger(DYNAMO_LOG).filters)
+        watch = module._recompile_watch
+        assert isinstance(watch, RecompileLimitWatch) and watch in logging.getLogger(DYNAMO_LOG).filters
         module.teardown("fit")
-        assert not any(isinstance(f, RecompileLimitWatch) for f in logging.getLogger(DYNAMO_LOG).filters)
+        assert watch not in logging.getLogger(DYNAMO_LOG).filters
     finally:
         config.recompile_limit = before
         torch._dynamo.reset()
@@ -275,7 +276,7 @@ def test_compiled_attention_on_the_gpu_matches_the_kernels_own_autograd(monkeypa
     """Inductor, bf16, GQA, several documents: the op's output and gradients against the same kernel
     differentiated by its own autograd; backends with a backward kernel run it and no second forward
     (Flex recomputes). A backend not installed here is skipped with the reason."""
-    from lit_hbp.attention import backends
+    from lit_hbp.model.attention import backends
 
     reason = backends.why_not(name, "cuda", torch.bfloat16, frozenset())
     if reason:

@@ -11,9 +11,10 @@ import pytest
 import yaml
 from conftest import TINY_LLAMA
 
-from lit_hbp.checks import check_model_config, check_positions, valid_config_keys, world_size_of
-from lit_hbp.cli import main
-from lit_hbp.module import HBPLitModule
+from lit_hbp.cli.app import main
+from lit_hbp.cli.checks import world_size_of
+from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.model.checks import check_model_config, check_positions, valid_config_keys
 from lit_hbp.packing import Level
 
 ROOT = Path(__file__).resolve().parents[1]

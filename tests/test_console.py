@@ -24,8 +24,8 @@ from lit_hbp.callbacks import (
     HBPThroughputMonitor,
     LevelSummary,
 )
-from lit_hbp.cli import main
-from lit_hbp.module import HBPLitModule
+from lit_hbp.cli.app import main
+from lit_hbp.lightning.module import HBPLitModule
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS = 5  # with a checkpoint every 2 steps: 2, 4, and the final 5 only from FinalCheckpoint

@@ -150,7 +150,7 @@ def cp_attention_parity(
     import torch._dynamo
     import torch.distributed as dist
 
-    from lit_hbp.attention import varlen_attention
+    from lit_hbp.model.attention import varlen_attention
     from lit_hbp.packing.context_split import split_pack
     from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.context_parallel import cp_shard_of
@@ -231,7 +231,7 @@ def cp_kernel_calls(sp: int, cp: int, kv_heads: int, split: bool) -> dict:
     as for Flex) the backward recomputes each slice's forward."""
     import dataclasses
 
-    from lit_hbp.attention import backends
+    from lit_hbp.model.attention import backends
     from lit_hbp.parallel import context_parallel as cpm
 
     events: list[str] = []
@@ -318,7 +318,7 @@ def cp_model_parity(sp: int, cp: int, lengths: list[int], model: dict, lora: boo
     import torch.distributed as dist
 
     from lit_hbp.data.collate import collate_packs
-    from lit_hbp.module import HBPLitModule
+    from lit_hbp.lightning.module import HBPLitModule
     from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.groups import SPGroups
 
@@ -393,8 +393,8 @@ def train_cp(stage: int, data: str, tokenizer: str, cache: str) -> dict:
     import torch.distributed as dist
     from conftest import quiet_trainer
 
-    from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     class Trace(L.Callback):
         def __init__(self):
@@ -437,7 +437,7 @@ def train_cp(stage: int, data: str, tokenizer: str, cache: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_two_head_model_trains_at_sp_4_like_one_process(pool4, sp_data, toy_tokenizer, tmp_path, stage):
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     results = pool4.run(train_cp, stage, str(sp_data), toy_tokenizer, str(tmp_path / "cache"))
     rank0 = results[0]
@@ -463,8 +463,8 @@ def validate_with(levels: list, data: str, tokenizer: str, cache: str) -> tuple[
     the levels of the validation plan's steps."""
     from conftest import quiet_trainer
 
-    from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     torch.manual_seed(0)
     dm = HBPDataModule(sources=[{"path": data}], tokenizer=tokenizer, levels=levels, cache_dir=cache, val_fraction=0.3)
@@ -492,8 +492,8 @@ def run_cp(data: str, tokenizer: str, root: str, max_steps: int, ckpt_path: str 
     import lightning as L
     from conftest import quiet_trainer
 
-    from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     class Record(L.Callback):
         def __init__(self):
@@ -541,9 +541,9 @@ def cp_device_reads(sp: int, cp: int) -> list[str]:
     import torch.distributed as dist
     from test_sync_audit import DeviceReads, opaque_kernel
 
-    from lit_hbp.attention import backends
     from lit_hbp.data.collate import collate_packs
-    from lit_hbp.module import HBPLitModule
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.model.attention import backends
     from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.groups import SPGroups
 
@@ -582,7 +582,7 @@ def cp_dropout_directional_derivative(sp: int, cp: int) -> tuple[float, float]:
     difference of two forwards with the same seed (fp64)."""
     import torch.distributed as dist
 
-    from lit_hbp.attention import varlen_attention
+    from lit_hbp.model.attention import varlen_attention
     from lit_hbp.packing.context_split import split_pack
     from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.context_parallel import cp_shard_of
@@ -656,7 +656,7 @@ def cp_bf16_gradients_twice(sp: int, cp: int, lengths: list[int]) -> dict:
     input gradient is the same bits, and the dtypes the dK/dV reduce-scatters ran in."""
     import torch.distributed as dist
 
-    from lit_hbp.attention import varlen_attention
+    from lit_hbp.model.attention import varlen_attention
     from lit_hbp.packing.context_split import split_pack
     from lit_hbp.parallel import context_parallel as cpm
     from lit_hbp.parallel.context import SPCall

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lit_hbp.autoselect import sp_candidates
-from lit_hbp.costmodel import CostModel, Hardware
+from lit_hbp.cost.costmodel import CostModel, Hardware
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.parallel.context_parallel import ContextParallel
 from lit_hbp.parallel.ulysses import Ulysses
@@ -64,7 +64,7 @@ def test_cp_levels_pay_no_attention_recompute_and_cp_1_is_unchanged():
 def test_a_pipelined_transfer_exposes_its_first_piece_and_what_compute_does_not_cover(pieces):
     """Brute force: piece j's transfer starts when piece j - 1's transfer ends and may overlap piece
     j - 1's compute; piece j computes after its transfer and after piece j - 1's compute."""
-    from lit_hbp.costmodel import exposed
+    from lit_hbp.cost.costmodel import exposed
 
     rng = np.random.default_rng(pieces)
     for comm, compute in rng.uniform(0, 10, size=(50, 2)):
@@ -162,7 +162,7 @@ def test_simulator_prices_a_cp_groups_attention_at_its_busiest_rank():
 def test_the_analytic_search_prices_cp_candidates_at_the_busiest_cp_rank(paper_shaped_mix):
     """Brute force over the same synthetic packs: each pack's sum of squares times its max / mean
     CP area under ``split_pack``; cp 1 is the plain mean."""
-    from lit_hbp.costmodel import pack_stats, synthetic_pack
+    from lit_hbp.cost.costmodel import pack_stats, synthetic_pack
     from lit_hbp.packing.context_split import split_pack
 
     lengths, pack_len = paper_shaped_mix[:20_000], 65536

@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_hbp.attention import backends
-from lit_hbp.attention.backends import REGISTRY, AttnArgs
-from lit_hbp.attention.flex import cross_block_mask
+from lit_hbp.model.attention import backends
+from lit_hbp.model.attention.backends import REGISTRY, AttnArgs
+from lit_hbp.model.attention.flex import cross_block_mask
 
 
 def ranges_case(draw_lengths, draw_cuts, seed: int):

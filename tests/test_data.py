@@ -121,7 +121,7 @@ def test_text_prompt_response_and_skips(tmp_path, toy_tokenizer):
 def test_a_chat_without_any_template_is_an_error_naming_its_line_and_the_fix(tmp_path):
     from conftest import build_toy_tokenizer
 
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     tok = build_toy_tokenizer(tmp_path / "tok", chat_template=None)
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": "the lazy dog"}])
@@ -143,8 +143,8 @@ TAGS = "<|user|>\nhello<|endoftext|><|assistant|>\nworld<|endoftext|>"  # what t
 
 @pytest.mark.parametrize("kind", ["name", "string", "file"])
 def test_chat_template_option_overrides_the_tokenizers_and_is_saved_with_it(tmp_path, toy_tokenizer, kind):
-    from lit_hbp.data.datamodule import HBPDataModule
     from lit_hbp.data.tokenize import CHAT_TEMPLATES
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     (tmp_path / "t.jinja").write_text(CHAT_TEMPLATES["tags"])
     option = {"name": "tags", "string": CHAT_TEMPLATES["tags"], "file": str(tmp_path / "t.jinja")}[kind]
@@ -163,8 +163,8 @@ def test_chat_template_option_overrides_the_tokenizers_and_is_saved_with_it(tmp_
 
 
 def test_unknown_chat_template_is_a_short_config_error(tmp_path, toy_tokenizer):
-    from lit_hbp.data.datamodule import HBPDataModule
     from lit_hbp.errors import ConfigError
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     path = str(write_jsonl(tmp_path / "c.jsonl", [chat("hello", "world")]))
     for option in ("chatml", str(tmp_path / "missing.jinja")):
@@ -197,7 +197,7 @@ def test_built_in_templates_are_prefix_stable_and_end_the_answer_with_eos(toy_to
 
 
 def test_cache_follows_the_chat_template_option(tmp_path, toy_tokenizer):
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     path = write_jsonl(tmp_path / "c.jsonl", [chat("hello", "world")])
     decoded = []
@@ -312,7 +312,7 @@ def test_over_length_error_drop_truncate_name_the_samples(tmp_path, toy_tokenize
 
 
 def test_data_report_lists_every_sample_it_did_not_train(tmp_path, toy_tokenizer):
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     records = [chat("a", "b")] * 3 + [{"messages": []}] * 7 + [chat("hello", "the quick brown fox " * 40)] * 6
     path = write_jsonl(tmp_path / "d.jsonl", records)
@@ -330,7 +330,7 @@ def test_data_report_lists_every_sample_it_did_not_train(tmp_path, toy_tokenizer
 
 
 def test_per_source_counts_are_those_left_after_the_hold_out_and_over_length(tmp_path, toy_tokenizer):
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     short = [chat(f"hello {i}", "world") for i in range(20)]
     mixed = [chat("fox", "dog " * (3 if i % 3 else 120)) for i in range(9)]  # every third is longer than 96

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from lit_hbp import demo
+from lit_hbp.demo import text as demo
 
 SMALL = {"n_short": 200, "n_long": 6, "vocab_size": 2048, "seed": 0}
-CORPUS = Path(demo.__file__).parent / "demo_corpus" / demo.CORPUS
+CORPUS = Path(demo.__file__).parent / "corpus" / demo.CORPUS
 HEADER = re.compile(r"^### Module `([\w.]+)` \(file `([\w./-]+)`\)$", re.M)
 
 
@@ -129,7 +129,7 @@ def test_long_samples_are_long_and_spread(small: dict, tok) -> None:
 
 @functools.cache
 def corpus_sources() -> dict[str, str]:
-    """relpath -> source of every module of the committed corpus, read here without lit_hbp.demo."""
+    """relpath -> source of every module of the committed corpus, read here without lit_hbp.demo.text."""
     return {m["relpath"]: m["source"] for m in json.loads(gzip.decompress(CORPUS.read_bytes()))["modules"]}
 
 

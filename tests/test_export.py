@@ -14,7 +14,7 @@ from distributed import Pool
 
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.export import export_checkpoint, load_checkpoint
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.module import HBPLitModule
 
 TINY = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2}
 LORA = {"rank": 4, "alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}
@@ -74,8 +74,8 @@ def train_and_save(
     import deepspeed
 
     from lit_hbp.callbacks import HBPExport
-    from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     dm = HBPDataModule(sources=[{"path": data}], tokenizer=tokenizer, levels=["96:1", "384:2"], cache_dir=cache)
     torch.manual_seed(0)
@@ -251,7 +251,7 @@ class Force:
 
 def one_step_checkpoint(model: str, chats, root) -> str:
     """One optimizer step of ``model`` (a folder with its tokenizer) on one process, saved."""
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     dm = HBPDataModule(sources=[{"path": str(chats)}], tokenizer=model, levels=["96:1", "384:1"], cache_dir=str(root))
     module = HBPLitModule(model=model, vocab_size=dm.vocab_size, self_check=False)
@@ -322,7 +322,7 @@ def test_unknown_lora_settings_are_named():
 def test_strategy_name_works_on_the_command_line(tmp_path, small_demo, monkeypatch):
     from pathlib import Path
 
-    from lit_hbp.cli import main
+    from lit_hbp.cli.app import main
 
     monkeypatch.chdir(tmp_path)
     root = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ from conftest import separate_loss
 from families import NAMED, all_families, small_config, too_large
 
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.module import HBPLitModule
-from lit_hbp.selfcheck import SelfCheckError, _documents, _vocab, run_self_check
+from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.model.selfcheck import SelfCheckError, _documents, _vocab, run_self_check
 
 FAMILIES = Path(__file__).resolve().parents[1] / "docs" / "families.md"
 LONGEST_PACK = 256  # the self-check's longest pack: sliding windows below it are exercised
@@ -123,7 +123,7 @@ def rerouted(module, rows):
     """While active, the first experts module sends the tokens at ``rows`` of the pack to the next experts,
     in the packed pass only (more rows than any document alone). What a rounding tie does to one token, or
     a packing error to a whole document."""
-    from lit_hbp.selfcheck import _experts_calls
+    from lit_hbp.model.selfcheck import _experts_calls
 
     experts, arg, pos = _experts_calls(module.model)[0]
     longest = max(len(ids) for ids, _ in _documents(_vocab(module.model), module.model.config, LONGEST_PACK).values())
@@ -196,7 +196,7 @@ def test_rerouting_beyond_a_tie_is_compared_not_excused():
 def rerouted_samples(module, ref, samples, device="cuda") -> set[int]:
     """The samples one of whose tokens chooses other experts packed under bf16 autocast than alone through
     ``ref`` in fp32 (none for a dense model)."""
-    from lit_hbp.selfcheck import _routes
+    from lit_hbp.model.selfcheck import _routes
 
     batch = collate_packs([np.arange(len(samples))], samples.__getitem__, loss_norm=1.0).to(device)
     with torch.no_grad(), _routes(module.model) as packed, torch.autocast(device, dtype=torch.bfloat16):

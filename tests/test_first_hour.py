@@ -16,7 +16,7 @@ import torch
 from conftest import console_script
 
 from lit_hbp.callbacks.summary import HBPModelSummary
-from lit_hbp.cli import main, quiet_what_a_user_cannot_act_on
+from lit_hbp.cli.app import main, quiet_what_a_user_cannot_act_on
 
 ROOT = Path(__file__).resolve().parents[1]
 

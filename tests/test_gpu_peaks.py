@@ -14,7 +14,7 @@ from lightning.pytorch.plugins.precision import DeepSpeedPrecision, HalfPrecisio
 from lightning.pytorch.trainer.states import RunningStage
 
 from lit_hbp.callbacks import HBPThroughputMonitor
-from lit_hbp.gpu_peaks import peak_flops
+from lit_hbp.cost.gpu_peaks import peak_flops
 
 CUDA = torch.device("cuda", 0)
 

@@ -102,7 +102,7 @@ def test_pytest_counts_read_a_cut_off_verbose_log():
 
 def test_the_sp2_part_runs_train_py_on_every_gpu_and_reads_the_level_table(tmp_path):
     """The sp2 part cannot run here (it needs 2 GPUs); its command is train.py's (``python -m
-    lit_hbp.command`` did nothing before it had a main guard) and its check reads the table a fit prints."""
+    lit_hbp.cli.command`` did nothing before it had a main guard) and its check reads the table a fit prints."""
     import argparse
 
     args = argparse.Namespace(gpus=2, demo_dir=tmp_path)

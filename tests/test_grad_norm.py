@@ -22,8 +22,8 @@ from conftest import TINY_LLAMA
 from distributed import Pool
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_hbp.meter import logs_now
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.meter import logs_now
+from lit_hbp.lightning.module import HBPLitModule
 
 TINY = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2}
 LORA = {"rank": 4, "alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}
@@ -113,7 +113,7 @@ def recomputed_norms(steps, lora, accumulate, world: int = 1) -> list[float]:
 
 
 def fit(data, tokenizer, root, strategy="auto", lora=None, devices=1, logger=True) -> tuple[L.Trainer, Record]:
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     dm = HBPDataModule(
         sources=[{"path": str(data)}], tokenizer=tokenizer, levels=["64:1", "160:1"], cache_dir=str(root / "cache")
@@ -175,7 +175,7 @@ def test_plain_lightning_logs_the_norm_before_clipping_at_logging_steps(chats, t
 def test_zero2_logs_deepspeeds_norm_before_clipping_at_logging_steps(
     chats, toy_tokenizer, tmp_path, lora, in_process_deepspeed
 ):
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     trainer, record = fit(chats, toy_tokenizer, tmp_path, HBPStrategy(stage=2), lora=lora)
     assert all(s["pre"] == 0 for s in record.steps)  # ZeRO keeps the gradients in its partitions, not in .grad
@@ -184,7 +184,7 @@ def test_zero2_logs_deepspeeds_norm_before_clipping_at_logging_steps(
 
 
 def _zero2_two_ranks(data, tokenizer, root):
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     rank = torch.distributed.get_rank()
     _, record = fit(data, tokenizer, Path(root) / f"rank{rank}", HBPStrategy(stage=2), devices=2, logger=False)

@@ -18,11 +18,11 @@ from lightning.pytorch.loggers import Logger
 from torch.overrides import TorchFunctionMode
 
 from lit_hbp import prepare_model
-from lit_hbp.attention import backends
 from lit_hbp.callbacks import HBPThroughputMonitor
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.data.datamodule import HBPDataModule
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.datamodule import HBPDataModule
+from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.model.attention import backends
 
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "masked_select", "unique"}
 READS |= {"numpy", "argwhere"}
@@ -186,8 +186,8 @@ def sync_counting_fit(strategy: str, tmp_path) -> tuple[int, list[str], int]:
     nor log (from one micro-step's start to the next's)."""
     from test_sync_audit import config_callbacks
 
-    from lit_hbp.demo import build_demo
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.demo.text import build_demo
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     demo = build_demo(tmp_path / "demo", n_short=300, n_long=4, vocab_size=2048)
     dm = HBPDataModule(

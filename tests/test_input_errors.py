@@ -11,14 +11,14 @@ from conftest import TINY_LLAMA, flat_tokens
 from transformers import AutoTokenizer
 
 from lit_hbp.callbacks import PackingMetrics
-from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import HARDWARE, CostModel
 from lit_hbp.data import sources as sources_module
-from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.data.records import RecordReader
 from lit_hbp.data.sources import DataError, Source
 from lit_hbp.data.store import SampleStore
 from lit_hbp.data.tokenize import tokenize_source
 from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing import Level, plan_hbp
 from lit_hbp.simulate import simulate

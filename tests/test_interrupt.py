@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lit_hbp.callbacks import FinalCheckpoint, HBPExport, InterruptCheckpoint, ignore_sigint
 from lit_hbp.callbacks.interrupt import FIRST_PRESS, resume_command, torchrun_argv
 from lit_hbp.errors import ConfigError
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.module import HBPLitModule
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS = 6

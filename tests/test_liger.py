@@ -16,7 +16,7 @@ import torch
 from conftest import TINY_LLAMA
 
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.module import HBPLitModule
 
 # liger_fused_linear_cross_entropy as liger-kernel 0.6.2+ declares it (accum_dtype since 0.6.2),
 # computed with torch so it runs on CPU, recording what it is given.
@@ -145,7 +145,7 @@ def test_a_liger_without_accum_dtype_is_refused(liger):
 
 def test_the_gpu_extra_requires_the_liger_that_apply_liger_accepts():
     tomllib = pytest.importorskip("tomllib")
-    from lit_hbp.causal_lm import LIGER_FLOOR
+    from lit_hbp.model.causal_lm import LIGER_FLOOR
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert LIGER_FLOOR in project["optional-dependencies"]["gpu"]

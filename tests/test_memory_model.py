@@ -11,9 +11,9 @@ from live_bytes import LiveBytes
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_hbp import pack_samples, packed_loss, prepare_model
-from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import HARDWARE, CostModel
+from lit_hbp.model.offload import host_offload
 from lit_hbp.model_spec import MODELS, ModelSpec
-from lit_hbp.offload import host_offload
 
 SHAPES = {
     "gqa": dict(hidden_size=128, intermediate_size=344, num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
@@ -136,7 +136,10 @@ def write_config(path, levels, strategy_init=None):
             "devices": 8,
             "num_nodes": 1,
             "precision": "bf16-mixed",
-            "strategy": {"class_path": "lit_hbp.strategy.HBPStrategy", "init_args": strategy_init or {"stage": 2}},
+            "strategy": {
+                "class_path": "lit_hbp.lightning.strategy.HBPStrategy",
+                "init_args": strategy_init or {"stage": 2},
+            },
         },
         "data": {"levels": levels},
         "model": {"model": LLAMA_8B},
@@ -146,7 +149,7 @@ def write_config(path, levels, strategy_init=None):
 
 
 def test_memory_command_prints_each_level_and_fails_on_one_that_does_not_fit(tmp_path, capsys):
-    from lit_hbp.memory import main
+    from lit_hbp.cost.memory import main
 
     levels = [{"pack_len": "16K", "ckpt_layers": 24}, {"pack_len": "1M", "sp": 8, "ckpt_layers": 32, "offload": True}]
     assert main(["--config", write_config(tmp_path / "ok.yaml", levels)]) == 0

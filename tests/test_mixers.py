@@ -21,9 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lit_hbp import pack_samples, packed_loss, prepare_model
-from lit_hbp.cli import main
+from lit_hbp.cli.app import main
 from lit_hbp.errors import ConfigError
-from lit_hbp.packed_call import record_of
+from lit_hbp.model.packed_call import record_of
 from lit_hbp.packing.levels import Level
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,8 +271,8 @@ def test_a_mixer_known_only_by_a_decay_or_a_convolution_is_refused_before_anythi
 def test_a_leaking_mixer_nobody_can_name_is_stopped_by_the_self_check():
     """The second line: a mixer with neither a known name nor a decay or convolution passes
     ``prepare_model``, and the self-check at the start of fit refuses it."""
-    from lit_hbp.module import HBPLitModule
-    from lit_hbp.selfcheck import SelfCheckError, run_self_check
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.model.selfcheck import SelfCheckError, run_self_check
 
     torch.manual_seed(0)
     module = HBPLitModule(model=small_config("llama"), loss="sum")
@@ -286,7 +286,7 @@ def test_a_leaking_mixer_nobody_can_name_is_stopped_by_the_self_check():
 
 def test_sequence_parallelism_over_a_document_by_document_mixer_is_refused_per_level_and_per_call():
     from lit_hbp import pack_inputs
-    from lit_hbp.strategy import refuse_sp_over_mixers
+    from lit_hbp.lightning.strategy import refuse_sp_over_mixers
 
     net = prepare_model(tiny("qwen3_next"))
     with pytest.raises(
@@ -305,7 +305,7 @@ def test_a_frozen_stateful_model_a_module_holds_is_refused_on_a_pack_unless_prep
     attention within documents but not its Mamba state, so the strategies' guard refuses it on a pack,
     naming the attribute, the mixer and the fix; on an ordinary batch it runs as before."""
     from lit_hbp import pack_inputs
-    from lit_hbp.strategy import guard_frozen
+    from lit_hbp.lightning.strategy import guard_frozen
 
     holder = torch.nn.Module()
     holder.judge = tiny("bamba").requires_grad_(False).eval()

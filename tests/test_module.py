@@ -14,11 +14,11 @@ from conftest import quiet_trainer, separate_loss
 
 from lit_hbp import prepare_model
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.data.datamodule import HBPDataModule
-from lit_hbp.loss import chunked_cross_entropy
-from lit_hbp.module import HBPLitModule
-from lit_hbp.packed_call import pack_scope
-from lit_hbp.tiling import TiledMLP
+from lit_hbp.lightning.datamodule import HBPDataModule
+from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.model.loss import chunked_cross_entropy
+from lit_hbp.model.packed_call import pack_scope
+from lit_hbp.model.tiling import TiledMLP
 
 TINY = {
     "model_type": "llama",
@@ -63,7 +63,7 @@ def random_samples(rng, n, vocab=300, lo=3, hi=60):
 def test_packed_loss_and_gradients_equal_separate_forwards_cuda(backend, arch):
     """fp32 weights under bf16 autocast (how training runs) against HF's own sdpa attention on each
     document alone in fp32: loss within 1%, gradients within 5% of the largest entry (bf16 noise)."""
-    from lit_hbp.attention.backends import why_not
+    from lit_hbp.model.attention.backends import why_not
 
     needs = frozenset({"window"}) if "sliding_window" in ARCHS[arch] else frozenset()
     reason = why_not(backend, "cuda", torch.bfloat16, needs)
@@ -334,7 +334,7 @@ class FakeParam:
 
 
 def test_adamw_is_fused_when_every_trainable_parameter_is_a_cuda_float():
-    from lit_hbp.module import adamw_kind
+    from lit_hbp.lightning.module import adamw_kind
 
     assert adamw_kind([FakeParam(True), FakeParam(True)]) == "fused"
     assert adamw_kind([FakeParam(True), FakeParam(False)]) == "foreach"  # one on the host
@@ -373,7 +373,7 @@ def test_a_fused_adamw_steps_under_bf16_mixed_precision_with_clipping(
     though bf16 has no loss scale to undo. The module clips itself there (``configure_gradient_clipping``),
     so the fused kernel steps. Here the strategy's device is said to be CUDA, so the fused kernel
     (CPU-capable in torch >= 2.4) is chosen: fit runs with it, clipping or not, in bf16 or fp32."""
-    import lit_hbp.module as module_file
+    import lit_hbp.lightning.module as module_file
 
     monkeypatch.setattr(module_file, "optimizer_device", lambda strategy: torch.device("cuda", 0))
     dm = HBPDataModule(
@@ -407,8 +407,10 @@ def test_the_modules_clipping_is_torchs_clipping_by_the_global_norm():
         p.grad = torch.randn_like(p) * 3
     want = [p.grad.clone() for p in params]
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in want))
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
     plugin = types.SimpleNamespace(scaler=None)
-    strategy = torch.nn.Module()  # not a DeepSpeed strategy
+    strategy = SingleDeviceStrategy(torch.device("cpu"))
     module._trainer = types.SimpleNamespace(precision_plugin=plugin, strategy=strategy)
     optimizer = torch.optim.SGD(params, lr=0.1)
     module.configure_gradient_clipping(optimizer, 1.0, "norm")
@@ -423,14 +425,16 @@ def test_the_modules_clipping_is_torchs_clipping_by_the_global_norm():
     module.configure_gradient_clipping(optimizer, 1.0, "norm")
     plugin.scaler = None
     module.configure_gradient_clipping(optimizer, 0.5, "value")
-    assert [a[1:] for a in called] == [(1.0, "norm"), (0.5, "value")]
+    module._trainer.strategy = types.SimpleNamespace()  # a sharding strategy's norm is over shards: Lightning's
+    module.configure_gradient_clipping(optimizer, 1.0, "norm")
+    assert [a[1:] for a in called] == [(1.0, "norm"), (0.5, "value"), (1.0, "norm")]
 
 
 @pytest.mark.parametrize("kind", ["fused", "foreach"])
 def test_configure_optimizers_uses_and_logs_the_chosen_adamw(kind, monkeypatch, caplog):
     import types
 
-    import lit_hbp.module as module_file
+    import lit_hbp.lightning.module as module_file
 
     seen = []
     monkeypatch.setattr(module_file, "adamw_kind", lambda params, device: seen.append(len(params)) or kind)
@@ -450,7 +454,7 @@ def test_fit_trains_offloaded_tiled_levels_and_warns_of_one_that_will_not_fit(
     """A level's offload and mlp_tiles reach the model at every micro-step; on a GPU whose memory a level's
     predicted peak exceeds, fit warns naming the level (the GPU's memory faked: 1.5 GiB, less than the
     2 GB the cost model reserves for a CUDA context)."""
-    import lit_hbp.module as module_mod
+    import lit_hbp.lightning.module as module_mod
     from lit_hbp import offload as offload_mod
 
     monkeypatch.setattr(module_mod, "device_memory", lambda device: 1.5 * 2**30)

@@ -9,8 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_hbp import pack_samples, packed_loss, prepare_model
 from lit_hbp.errors import ConfigError
-from lit_hbp.offload import host_offload
-from lit_hbp.packed_call import pack_scope
+from lit_hbp.model.offload import host_offload
+from lit_hbp.model.packed_call import pack_scope
 from lit_hbp.packing import Level
 from lit_hbp.packing.levels import as_level
 

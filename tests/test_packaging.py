@@ -22,12 +22,13 @@ def test_wheel_ships_callbacks_as_lit_hbp_callbacks(tmp_path):
     (wheel,) = dist.glob("lit_hbp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "lit_hbp/callbacks/__init__.py" in names
-    modules = ("packing/plan.py", "autoselect/search.py", "simulate/plots.py", "strategy.py", "costmodel.py")
-    modules += ("attention/backends.py", "selfcheck.py", "causal_lm.py", "model_spec.py", "export.py", "meter.py")
+    modules = ("packing/plan.py", "autoselect/search.py", "simulate/plots.py", "lightning/strategy.py")
+    modules += ("cost/costmodel.py", "model/attention/backends.py", "model/selfcheck.py", "model/causal_lm.py")
+    modules += ("model_spec.py", "export.py", "lightning/meter.py", "cli/app.py", "demo/text.py", "data/batch.py")
     for module in modules:
         assert f"lit_hbp/{module}" in names, module
     assert not any(n.startswith("callbacks/") for n in names), "callbacks must live under lit_hbp/"
-    assert "lit_hbp/demo_corpus/stdlib.json.gz" in names  # the demo's corpus (package data)
+    assert "lit_hbp/demo/corpus/stdlib.json.gz" in names  # the demo's corpus (package data)
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = "import lit_hbp.callbacks, lit_hbp.packing; print(lit_hbp.callbacks.__file__)"
@@ -36,10 +37,10 @@ def test_wheel_ships_callbacks_as_lit_hbp_callbacks(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith(str(site)), out.stdout
     # The installed package reads the demo's corpus from its own folder.
-    code = "from lit_hbp import demo; print(len(demo._load_modules()), demo._corpus_file())"
+    code = "from lit_hbp.demo import text; print(len(text._load_modules()), text._corpus_file())"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["448", str(site / "lit_hbp/demo_corpus/stdlib.json.gz")], out.stdout
+    assert out.stdout.split() == ["448", str(site / "lit_hbp/demo/corpus/stdlib.json.gz")], out.stdout
     # A plain install used from the checkout's root (train.py's folder), whose lit_hbp/ comes first.
     code = "from lit_hbp.callbacks import HBPCurriculum, HBPExport, HBPThroughputMonitor, PackingMetrics"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -70,15 +71,15 @@ def test_the_help_imports_nothing_heavy():
     """``lit-hbp --help`` answers without importing torch, Lightning or transformers (seconds on a busy
     machine); a subcommand's own ``--help`` is LightningCLI's."""
     code = (
-        "import sys\nfrom lit_hbp.command import entry_point\ntry:\n    entry_point(['--help'])\n"
+        "import sys\nfrom lit_hbp.cli.command import entry_point\ntry:\n    entry_point(['--help'])\n"
         "except SystemExit as e:\n    assert e.code == 0, e.code\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'transformers', 'numpy'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("[]"), out.stdout[-300:]
-    # python -m lit_hbp.command is the console script too (it returned at once, doing nothing, before)
-    out = subprocess.run([sys.executable, "-m", "lit_hbp.command"], capture_output=True, text=True, cwd=ROOT)
+    # python -m lit_hbp.cli.command is the console script too (it returned at once, doing nothing, before)
+    out = subprocess.run([sys.executable, "-m", "lit_hbp.cli.command"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and "preview" in out.stderr, out.stderr[-500:]
 
 

@@ -11,11 +11,11 @@ import torch
 from conftest import TINY_LLAMA, quiet_trainer, separate_loss
 
 from lit_hbp.autoselect.search import analytic_levels, fill_token_budget
-from lit_hbp.costmodel import GIB, HARDWARE, CostModel
+from lit_hbp.cost.costmodel import GIB, HARDWARE, CostModel
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.lightning.datamodule import HBPDataModule
+from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model_spec import MODELS
-from lit_hbp.module import HBPLitModule
 from lit_hbp.packing.levels import Level
 
 

@@ -13,10 +13,10 @@ from matplotlib.container import BarContainer
 from matplotlib.image import imread
 
 from lit_hbp.callbacks import PackingMetrics
-from lit_hbp.costmodel import HARDWARE, CostModel
-from lit_hbp.data.datamodule import HBPDataModule
+from lit_hbp.cost.costmodel import HARDWARE, CostModel
+from lit_hbp.lightning.datamodule import HBPDataModule
+from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model_spec import ModelSpec
-from lit_hbp.module import HBPLitModule
 from lit_hbp.packing import Level, plan_hbp, plan_single_level
 from lit_hbp.simulate import simulate
 from lit_hbp.simulate.plots import (

@@ -21,9 +21,9 @@ from packaging.requirements import Requirement
 
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.loss import token_weights
+from lit_hbp.lightning.strategy import HBPStrategy
+from lit_hbp.model.loss import token_weights
 from lit_hbp.parallel.groups import SPGroups
-from lit_hbp.strategy import HBPStrategy
 
 TARGETS = (265, 1023, 4097)  # none of them is a bf16 (or, for 4097, an fp16) number
 
@@ -133,7 +133,7 @@ def test_deepspeed_floor_excludes_the_releases_that_cast_rope_buffers_to_bf16():
 def test_the_strategy_turns_deepspeeds_synchronizing_throughput_timer_off_unless_asked():
     from deepspeed.utils.config import get_timers_config
 
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     timers = get_timers_config(HBPStrategy(stage=2).config)  # DeepSpeed's own reading of the config
     assert not timers.enabled and not timers.synchronized
@@ -172,7 +172,7 @@ def test_the_strategy_turns_deepspeeds_bf16_overflow_check_off_unless_asked(conf
 def test_the_strategy_turns_zero_overlap_comm_off_on_a_single_process_unless_asked(kwargs, world, overlap):
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    from lit_hbp.strategy import HBPStrategy, without_idle_overlap
+    from lit_hbp.lightning.strategy import HBPStrategy, without_idle_overlap
 
     strategy = HBPStrategy(**kwargs)
     config = without_idle_overlap(strategy.config, world, strategy._overlap_comm_asked)
@@ -184,9 +184,12 @@ def test_a_config_file_strategy_leaves_overlap_comm_to_the_world_size():
     """LightningCLI (jsonargparse) instantiates the strategy with every argument, defaults included."""
     from jsonargparse import ArgumentParser
 
-    from lit_hbp.strategy import HBPStrategy, without_idle_overlap
+    from lit_hbp.lightning.strategy import HBPStrategy, without_idle_overlap
 
-    entry = {"class_path": "lit_hbp.strategy.HBPStrategy", "init_args": {"stage": 2}}  # as a config file gives it
+    entry = {
+        "class_path": "lit_hbp.lightning.strategy.HBPStrategy",
+        "init_args": {"stage": 2},
+    }  # as a config file gives it
     parser = ArgumentParser()
     parser.add_argument("--strategy", type=HBPStrategy)
     cfg = parser.parse_object({"strategy": entry})

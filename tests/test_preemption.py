@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import HANG_S
 
-from lit_hbp.checkpoints import newest_checkpoint
+from lit_hbp.lightning.checkpoints import newest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_SHOWN = re.compile(r"Epoch \d+: +\d+%\|[^|]*\| *[1-9]\d*/\d+ steps")  # the bar after an optimizer step

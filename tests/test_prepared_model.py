@@ -34,8 +34,8 @@ from lit_hbp import (
     unprepare_model,
 )
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.packed_call import PREPARED, current_tiles, record_of
-from lit_hbp.strategy import guard_frozen, trained_model
+from lit_hbp.lightning.strategy import guard_frozen, trained_model
+from lit_hbp.model.packed_call import PREPARED, current_tiles, record_of
 
 PAD = 0
 

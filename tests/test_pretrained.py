@@ -9,8 +9,8 @@ import pytest
 from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
 from transformers import AutoTokenizer
 
-from lit_hbp.data.datamodule import HBPDataModule
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.datamodule import HBPDataModule
+from lit_hbp.lightning.module import HBPLitModule
 
 
 class CountLayerCalls(L.Callback):
@@ -106,7 +106,7 @@ def test_the_cli_fine_tunes_a_folder_with_the_tiny_config_in_train_mode(
     demo is built from the host's standard library)."""
     from pathlib import Path
 
-    from lit_hbp.cli import main
+    from lit_hbp.cli.app import main
 
     monkeypatch.chdir(tmp_path)
     config = Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu.yaml"
@@ -156,7 +156,7 @@ def test_the_own_model_line_fine_tunes_a_4k_context_folder(pretrained_llama, tmp
     import re
     from pathlib import Path
 
-    from lit_hbp.cli import main
+    from lit_hbp.cli.app import main
 
     root = Path(__file__).resolve().parents[1]
     line = (

@@ -11,16 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from lit_hbp import costmodel
 from lit_hbp.autoselect.levers import NoLevelFits
 from lit_hbp.autoselect.memory_fit import TILE_STEPS, greedy_profile_ckpt
 from lit_hbp.autoselect.profiler import MemoryProfiler
 from lit_hbp.autoselect.search import analytic_levels, covering_length
-from lit_hbp.costmodel import HARDWARE
-from lit_hbp.model_spec import MODELS
-from lit_hbp.packing.levels import Level
-from lit_hbp.parallel.context_parallel import ContextParallel
-from lit_hbp.run_settings import (
+from lit_hbp.cost import costmodel
+from lit_hbp.cost.costmodel import HARDWARE
+from lit_hbp.cost.run_settings import (
     ANALYTIC,
     CONFIG,
     MEASURED,
@@ -34,6 +31,9 @@ from lit_hbp.run_settings import (
     strategy_config,
     with_zero,
 )
+from lit_hbp.model_spec import MODELS
+from lit_hbp.packing.levels import Level
+from lit_hbp.parallel.context_parallel import ContextParallel
 
 MIB = 2**20
 LLAMA_8B = MODELS["llama3.1-8b"]
@@ -80,15 +80,18 @@ def deepspeed_reads(config: dict) -> tuple[int, bool, bool]:
         "deepspeed_stage_1",
         "deepspeed_stage_2_offload",
         "deepspeed_stage_3_offload",
-        {"class_path": "lit_hbp.strategy.HBPStrategy", "init_args": {"stage": 1, "offload_optimizer": True}},
+        {"class_path": "lit_hbp.lightning.strategy.HBPStrategy", "init_args": {"stage": 1, "offload_optimizer": True}},
         {
-            "class_path": "lit_hbp.strategy.HBPStrategy",
+            "class_path": "lit_hbp.lightning.strategy.HBPStrategy",
             "init_args": {
                 "stage": 3,
                 "config": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
             },
         },
-        {"class_path": "lit_hbp.strategy.HBPStrategy", "init_args": {"stage": 3, "config": {"zero_optimization": {}}}},
+        {
+            "class_path": "lit_hbp.lightning.strategy.HBPStrategy",
+            "init_args": {"stage": 3, "config": {"zero_optimization": {}}},
+        },
     ],
     ids=lambda s: s if isinstance(s, str) else str(s["init_args"]),
 )
@@ -98,7 +101,7 @@ def test_a_configs_strategy_is_read_as_lightning_and_deepspeed_read_it(strategy)
     config without a stage is stage 0)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    import lit_hbp.strategy as strategy_module
+    import lit_hbp.lightning.strategy as strategy_module
 
     if isinstance(strategy, str):
         built = StrategyRegistry.get(strategy)
@@ -126,7 +129,7 @@ def test_a_config_without_deepspeed_trains_without_zero_in_fp32():
 def test_levers_written_into_a_strategys_arguments_reach_the_strategy():
     """``--zero-stage`` and ``--offload-optimizer`` of the measured selector reach the probes' HBPStrategy,
     also when it has a DeepSpeed config of its own (where Lightning reads no stage argument)."""
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     for args in ({"stage": 0}, {"config": {"zero_optimization": {"stage": 0}}}):
         changed = with_zero(args, 2, True)
@@ -147,7 +150,7 @@ def test_setup_refuses_an_offload_exactly_where_deepspeed_would_ignore_it(stage,
     the table agrees."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     ds = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}})
     read = ds.zero_enabled if setting == "optimizer_offload" else ds.zero_optimization_stage == 3
@@ -173,8 +176,8 @@ def test_an_offloaded_optimizer_is_accepted_by_setup_and_trains():
     from conftest import QUIET, TINY_LLAMA
 
     from lit_hbp.autoselect.measured import ProbeData
-    from lit_hbp.module import HBPLitModule
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     module = HBPLitModule(model={**TINY_LLAMA, "vocab_size": 300}, self_check=False)
     trainer = L.Trainer(**{**QUIET, "max_steps": 2, "strategy": HBPStrategy(stage=2, offload_optimizer=True)})
@@ -201,9 +204,9 @@ def test_liger_and_mlp_tiles_under_zero3_are_refused_by_setup_as_the_table_says(
     ``apply_liger`` itself refuses it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lit_hbp.causal_lm import apply_liger
-    from lit_hbp.module import HBPLitModule
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.lightning.strategy import HBPStrategy
+    from lit_hbp.model.causal_lm import apply_liger
 
     module = HBPLitModule(model={"model_type": "llama", **TINY_SHAPE}, liger=True, self_check=False)
     module._trainer = fake_trainer(stage, [Level(64)])
@@ -252,7 +255,7 @@ def fits_somewhere(cost, pack_len: int) -> bool:
 def setup_accepts(run) -> bool:
     """The reference for 'accepted': HBPStrategy builds with the run's ZeRO stage and optimizer offload and
     DeepSpeed reads them back; Liger only below ZeRO-3 (its fused loss reads the LM head's weight whole)."""
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     try:
         strategy = HBPStrategy(stage=run.zero_stage, offload_optimizer=run.optimizer_offload)
@@ -362,7 +365,7 @@ def test_deepspeed_on_another_device_than_the_trainers_is_refused_naming_ds_acce
     from deepspeed.accelerator import get_accelerator
 
     from lit_hbp.errors import ConfigError
-    from lit_hbp.strategy import _check_deepspeed_device
+    from lit_hbp.lightning.strategy import _check_deepspeed_device
 
     assert get_accelerator().device_name() == "cpu"
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")

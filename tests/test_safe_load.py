@@ -14,7 +14,10 @@ import pytest
 import torch
 from jsonargparse import Namespace
 
-from lit_hbp.checkpoints import (
+from lit_hbp.cli.app import check_resume
+from lit_hbp.export import load_checkpoint
+from lit_hbp.export import main as export_main
+from lit_hbp.lightning.checkpoints import (
     SAFE_GLOBALS,
     UnsafeCheckpoint,
     check_checkpoint,
@@ -23,9 +26,6 @@ from lit_hbp.checkpoints import (
     safe_load,
     unsafe_globals,
 )
-from lit_hbp.cli import check_resume
-from lit_hbp.export import load_checkpoint
-from lit_hbp.export import main as export_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -228,7 +228,7 @@ def test_a_plain_checkpoint_loads_without_importing_deepspeed(tmp_path):
     torch.save({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, plain)
     torch.save({"zero_stage": ZeroStageEnum.gradients}, ds)
     code = (
-        "import sys\nfrom lit_hbp.checkpoints import safe_load\n"
+        "import sys\nfrom lit_hbp.lightning.checkpoints import safe_load\n"
         f"assert safe_load({str(plain)!r})['epoch'] == 1\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))\n"
         f"print(safe_load({str(ds)!r})['zero_stage'].name)\n"

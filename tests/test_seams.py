@@ -11,7 +11,7 @@ import torch
 from conftest import TINY_LLAMA, quiet_trainer
 
 from lit_hbp.autoselect import AnalyticSelector, RunSetting, Selection, sp_candidates
-from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import HARDWARE, CostModel
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.model_spec import ModelSpec
@@ -77,7 +77,7 @@ def test_the_cost_model_prices_each_kinds_own_traffic():
 
 
 def test_the_data_module_shards_with_the_levels_kind_and_the_batch_carries_it():
-    from lit_hbp.data.datamodule import MicroBatchDataset
+    from lit_hbp.lightning.datamodule import MicroBatchDataset
     from lit_hbp.packing.plan import MicroBatch
 
     class Store:
@@ -100,8 +100,8 @@ def test_the_data_module_shards_with_the_levels_kind_and_the_batch_carries_it():
 def test_the_strategy_hands_the_batch_over_with_its_kind_and_group():
     """batch_to_device gives the micro-batch its level's group and kind (which its packed calls carry),
     one SPCall per level, and activates nothing: the next batch of another level gets its own."""
+    from lit_hbp.lightning.strategy import HBPStrategy
     from lit_hbp.parallel.groups import SPContext, SPGroups
-    from lit_hbp.strategy import HBPStrategy
 
     strategy = HBPStrategy.__new__(HBPStrategy)  # only batch_to_device's own work is exercised
     strategy._sp_calls = {}
@@ -162,7 +162,7 @@ def test_packed_batch_pins_its_tensors():
 
 
 def test_the_ave_token_loss_refuses_an_unplanned_batch():
-    from lit_hbp.loss import token_scale
+    from lit_hbp.model.loss import token_scale
 
     batch = collate_packs([np.arange(5)], samples(5).__getitem__)
     assert batch.loss_norm is None
@@ -187,8 +187,8 @@ class FixedSelector(LevelSelector):
 
 def test_a_data_module_takes_any_level_selector(small_demo, toy_tokenizer, tmp_path):
 
-    from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.module import HBPLitModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.module import HBPLitModule
 
     selector = FixedSelector()
     dm = HBPDataModule(

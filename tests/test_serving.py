@@ -11,10 +11,10 @@ import torch
 from conftest import CHAT_TEMPLATE, TINY_LLAMA, build_toy_tokenizer, quiet_trainer, save_pretrained_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
-from lit_hbp.data.datamodule import HBPDataModule, tokenizer_from_files
 from lit_hbp.data.tokenize import CHAT_TEMPLATES, tokenizer_fingerprint
 from lit_hbp.export import end_of_turn_id, export_checkpoint, main, serving_token_ids
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.datamodule import HBPDataModule, tokenizer_from_files
+from lit_hbp.lightning.module import HBPLitModule
 
 ANSWER = "the lazy dog"
 QUESTIONS = ["hello world", "what is packing?", "the quick brown fox", "def f(x): return x", "jumps over"]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from lit_hbp.autoselect.search import analytic_levels
-from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import HARDWARE, CostModel
 from lit_hbp.model_spec import MODELS, ModelSpec
 from lit_hbp.packing import Level, plan_hbp
 from lit_hbp.simulate import compare, compare_auto, fill_checkpointing, simulate

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import quiet_trainer
 from distributed import Pool
 
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.packing import Level
 from lit_hbp.parallel.kind import validate_sp_setup
 
@@ -45,7 +45,7 @@ def attention_parity(sp: int, kv_heads: int, kind: str = "ulysses", compiled: bo
     import torch._dynamo
     import torch.distributed as dist
 
-    from lit_hbp.attention import varlen_attention
+    from lit_hbp.model.attention import varlen_attention
     from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.groups import SPGroups
 
@@ -164,8 +164,8 @@ def train_with_strategy(stage: int | str, data: str, tokenizer: str, cache: str,
     import lightning as L
     import torch.distributed as dist
 
-    from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.strategy import HBPDDPStrategy, HBPStrategy
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.strategy import HBPDDPStrategy, HBPStrategy
 
     class Trace(L.Callback):
         def __init__(self):
@@ -274,7 +274,7 @@ def reference_update(result: dict, tokens, vocab: int, loss: str = "ave_token", 
     ],
 )
 def test_sp_levels_train_like_a_single_process_reference(pool, sp_data, toy_tokenizer, tmp_path, stage, loss):
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     results = pool.run(train_with_strategy, stage, str(sp_data), toy_tokenizer, str(tmp_path / "cache"), loss)
     rank0 = results[0]
@@ -309,8 +309,8 @@ def zero3_from_pretrained(checkpoint: str, data: str, tokenizer: str, cache: str
     and the module's own AdamW groups and schedule must work on partitioned parameters."""
     import lightning as L
 
-    from lit_hbp.data.datamodule import HBPDataModule
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     class Grab(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -329,7 +329,7 @@ def zero3_from_pretrained(checkpoint: str, data: str, tokenizer: str, cache: str
 
 @pytest.mark.slow
 def test_zero3_loads_a_local_checkpoint_exactly(pool, sp_data, toy_tokenizer, tmp_path):
-    from lit_hbp.data.datamodule import load_tokenizer
+    from lit_hbp.lightning.datamodule import load_tokenizer
 
     torch.manual_seed(3)
     module = HBPLitModule(model=TINY, vocab_size=len(load_tokenizer(toy_tokenizer)))
@@ -383,8 +383,8 @@ def self_check_on_world(config: dict, broken: bool) -> dict:
     import torch.distributed as dist
 
     import lit_hbp.parallel.ulysses as ulysses_module
+    from lit_hbp.model.selfcheck import SelfCheckError, run_self_check
     from lit_hbp.parallel.groups import SPGroups
-    from lit_hbp.selfcheck import SelfCheckError, run_self_check
 
     torch.manual_seed(0)
     module = HBPLitModule(model=config, vocab_size=300)
@@ -435,7 +435,7 @@ def test_self_check_refuses_a_sequence_parallel_bug(pool):
 
 def fit_ddp_with_sp_level(data: str, tokenizer: str, cache: str) -> str:
 
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     dm = HBPDataModule(sources=[{"path": data}], tokenizer=tokenizer, levels=["96:1", "384:2"], cache_dir=cache)
     trainer = quiet_trainer(devices=WORLD, strategy="ddp", max_steps=1)

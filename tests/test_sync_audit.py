@@ -11,7 +11,7 @@ accumulation micro-steps, optimizer steps that log and optimizer steps that do n
 What is counted, from a micro-step's ``on_train_batch_start`` to the end of the training loop's
 work for it (``on_advance_end``: LR schedulers, loggers, Lightning's step-metric logging), in every
 micro-step except the last micro-step of an optimizer step whose metrics the loggers write
-(``lit_hbp.meter.logs_now``):
+(``lit_hbp.lightning.meter.logs_now``):
 
 - every ``torch.cuda.synchronize()`` and DeepSpeed accelerator ``synchronize()`` (patched);
 - every host read of a tensor that would live on the GPU: ``item``, ``tolist``, ``cpu``, ``numpy``,
@@ -76,11 +76,11 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from torch.overrides import TorchFunctionMode
 
 import lit_hbp.callbacks.interrupt as interrupt_module
-import lit_hbp.module as module_module
-from lit_hbp.attention import backends
+import lit_hbp.lightning.module as module_module
 from lit_hbp.callbacks import InterruptCheckpoint, with_default_callbacks
-from lit_hbp.meter import logs_now
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.meter import logs_now
+from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.model.attention import backends
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "llama_1b_1gpu.yaml"
 READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "equal", "allclose"}
@@ -242,7 +242,7 @@ def config_callbacks() -> list[L.Callback]:
 
 def config_trainer_settings(strategy: str) -> dict:
     """The config's precision and its strategy (with its init_args), or ``HBPStrategy`` at ZeRO-2, on CPU."""
-    from lit_hbp.strategy import HBPDDPStrategy, HBPStrategy
+    from lit_hbp.lightning.strategy import HBPDDPStrategy, HBPStrategy
 
     trainer = yaml.safe_load(CONFIG.read_text())["trainer"]
     entry = trainer["strategy"]

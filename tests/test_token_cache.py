@@ -363,7 +363,7 @@ def test_bad_pre_tokenized_records_name_the_row_and_the_problem(tmp_path, toy_to
 
 
 def test_num_proc_is_checked_and_small_sources_stay_in_process(tmp_path, toy_tokenizer, monkeypatch):
-    from lit_hbp.data.datamodule import HBPDataModule
+    from lit_hbp.lightning.datamodule import HBPDataModule
 
     path = write_jsonl(tmp_path / "d.jsonl", records(20))
     with pytest.raises(ConfigError, match="data.num_proc must be >= 1"):

@@ -12,9 +12,9 @@ import torch
 from conftest import HANG_S, TINY_LLAMA, quiet_trainer
 
 from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
-from lit_hbp.cli import main
-from lit_hbp.data.datamodule import HBPDataModule
-from lit_hbp.module import HBPLitModule
+from lit_hbp.cli.app import main
+from lit_hbp.lightning.datamodule import HBPDataModule
+from lit_hbp.lightning.module import HBPLitModule
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -227,7 +227,7 @@ def test_llama3_8b_recipe_parses(capsys):
     assert e.value.code == 0
     printed = capsys.readouterr().out
     for expected in (
-        "class_path: lit_hbp.strategy.HBPStrategy",
+        "class_path: lit_hbp.lightning.strategy.HBPStrategy",
         "num_nodes: 4",
         "precision: bf16-mixed",
         "pack_len: 131072",

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from conftest import TINY_LLAMA, quiet_trainer
 from distributed import Pool
 
-from lit_hbp.data.datamodule import HBPDataModule
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.datamodule import HBPDataModule
+from lit_hbp.lightning.module import HBPLitModule
 
 TINY = {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -71,7 +71,7 @@ def validate_on_world(chats: str, tokenizer: str, cache: str) -> dict:
 
     import deepspeed
 
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     seen = []
 

@@ -27,7 +27,7 @@ from vision_models import (
 )
 
 from lit_hbp import pack_inputs, pack_samples, packed_loss, prepare_model
-from lit_hbp.packed_call import record_of
+from lit_hbp.model.packed_call import record_of
 
 EXACT = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next"]
 RECORDS = {"images": three_records, "videos": video_records}
@@ -89,7 +89,7 @@ def test_a_level_that_checkpoints_checkpoints_the_vision_tower_too_and_stays_exa
     call the blocks' own flags are back."""
     from live_bytes import LiveBytes
 
-    from lit_hbp.vision import vision_tower
+    from lit_hbp.model.vision import vision_tower
 
     reference, model = pair(folders[family])
     records = [trained(r, reference.config) for r in three_records(folders[family])]
@@ -127,13 +127,13 @@ def test_the_tower_keeps_its_own_attention_in_a_packed_call_even_on_a_config_the
     recomputation, with every config naming its own attention: a family whose tower read a config the
     decoder reads too (made so here by listing the tower's among the decoder's) still encodes with its
     own non-causal attention, the loss and every gradient the records alone's."""
-    from lit_hbp.vision import vision_tower
+    from lit_hbp.model.vision import vision_tower
 
     reference, model = pair(folders["qwen2_vl"])
     records = [trained(r, reference.config) for r in three_records(folders["qwen2_vl"])]
     want = alone_ce(reference, records)
     want.backward()
-    from lit_hbp import calls
+    from lit_hbp.model import calls
 
     record = record_of(model)
     tower = vision_tower(model).config
@@ -192,7 +192,7 @@ def test_a_tower_encodes_a_packs_images_with_the_calls_flash_attention_where_cho
     here (``backends.tower_attention`` chooses it); outside a packed call the tower's own attention runs."""
     from transformers import AttentionInterface
 
-    from lit_hbp.attention import backends
+    from lit_hbp.model.attention import backends
 
     seen: list = []
     AttentionInterface.register("flash_stand_in", stand_in_flash(seen))
@@ -215,8 +215,8 @@ def test_the_tower_runs_the_language_models_varlen_kernel_where_its_packed_calls
     """``tower_attention``: on a CUDA device, transformers' flash implementation of flash-attn 2 and 3 and
     lit-hbp's tower attention for the other one-kernel backends (flash-attn 4, torch's varlen, Flex: fp32
     too); the tower's own attention on a CPU and beside the per-document loops (sdpa, eager)."""
-    from lit_hbp.attention import backends
-    from lit_hbp.calls import TOWER_NAME
+    from lit_hbp.model.attention import backends
+    from lit_hbp.model.calls import TOWER_NAME
 
     for chosen, want in [("flash_attn", "flash_attention_2"), ("flash_attn_3", "flash_attention_3"),
                          ("flash_attn_4", TOWER_NAME), ("torch_varlen", TOWER_NAME), ("flex", TOWER_NAME),
@@ -230,7 +230,7 @@ def counted_tower_calls(monkeypatch, backend: str) -> list:
     """The document offsets of every both-ways (tower) call of ``backend``'s kernel, noted as it runs."""
     import dataclasses
 
-    from lit_hbp.attention import backends
+    from lit_hbp.model.attention import backends
 
     seen: list = []
     kernel = backends.REGISTRY[backend]
@@ -254,8 +254,8 @@ def test_lit_hbps_tower_attention_encodes_all_of_a_packs_images_in_one_kernel_ca
     in one call of that backend's kernel, both ways inside each image (Qwen's by their ``cu_seqlens``,
     Qwen2.5-VL's windowed layers by their windows; LLaVA-NeXT's tiles one document each), again in the
     checkpoint's recomputation, and the loss and every gradient stay the records alone's."""
-    from lit_hbp.attention import backends
-    from lit_hbp.calls import TOWER_NAME
+    from lit_hbp.model.attention import backends
+    from lit_hbp.model.calls import TOWER_NAME
 
     monkeypatch.setattr(backends, "tower_attention", lambda *a: TOWER_NAME)
     seen = counted_tower_calls(monkeypatch, backend)
@@ -281,7 +281,7 @@ def test_the_tower_attention_takes_a_padding_mask_as_flash_does_and_refuses_what
     """Called as a tower calls a flash implementation: rows of patches, a [batch, patches] padding mask
     (each row's kept patches attend both ways among themselves, padded rows give zeros), against sdpa per
     row; a 4-D mask, weights asked back or an unknown keyword are refused by name."""
-    from lit_hbp.attention.tower import tower_attention
+    from lit_hbp.model.attention.tower import tower_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 2, 7, 8, generator=g) for _ in range(3))
@@ -317,8 +317,8 @@ def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone
     model's logit_scale unapplied, and so does the pack's loss."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    from lit_hbp.attention import backends
-    from lit_hbp.calls import TOWER_NAME
+    from lit_hbp.model.attention import backends
+    from lit_hbp.model.calls import TOWER_NAME
 
     if tower == "lit-hbp":
         monkeypatch.setattr(backends, "tower_attention", lambda *a: TOWER_NAME)
@@ -377,8 +377,8 @@ def stateful_mixer_kind(family: str) -> str | None:
 
     from transformers import AutoModelForImageTextToText
 
-    from lit_hbp.causal_lm import decoder_of
-    from lit_hbp.mixers import stateful_mixers
+    from lit_hbp.model.causal_lm import decoder_of
+    from lit_hbp.model.mixers import stateful_mixers
 
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
@@ -400,7 +400,7 @@ def vlm_families() -> dict[str, tuple[str, str]]:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
-    from lit_hbp.vision import BIDIRECTIONAL, unpacked_image_args
+    from lit_hbp.model.vision import BIDIRECTIONAL, unpacked_image_args
 
     out = {}
     for family in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
@@ -462,7 +462,7 @@ def test_a_model_whose_forward_takes_no_encoder_outputs_is_refused_with_images()
     transformers 5.17, the GPU image's) would run the tower inside the packed call: refused, naming it."""
     from transformers import Kosmos2Config, Kosmos2Model
 
-    from lit_hbp.vision import check_encoder_outputs
+    from lit_hbp.model.vision import check_encoder_outputs
 
     config = Kosmos2Config(
         text_config={"embed_dim": 32, "layers": 1, "attention_heads": 2, "ffn_dim": 64, "vocab_size": 100},
@@ -477,7 +477,7 @@ def test_a_model_whose_image_encoder_lit_hbp_cannot_call_is_refused_with_images(
     """lit-hbp encodes a pack's images with the model's own ``get_image_features`` and the fields it packs:
     a model without one, or whose one needs another field (MiniCPM-V's ``target_sizes`` here), is refused
     by name, as the set-up of a run with images refuses it (``check_encoder_outputs``)."""
-    from lit_hbp.vision import check_encoder_outputs
+    from lit_hbp.model.vision import check_encoder_outputs
 
     class Needs(torch.nn.Module):
         def forward(self, input_ids, mm_encoder_outputs=None):
@@ -551,7 +551,7 @@ def test_a_pack_of_image_records_on_cuda_in_bf16_matches_each_record_alone(folde
     import transformers
     from packaging.version import Version
 
-    from lit_hbp.attention import backends
+    from lit_hbp.model.attention import backends
 
     assert backends.tower_attention(backend, "cuda", torch.bfloat16) is not None, "the tower on the call's kernel"
     reference, model = pair(folders[family], backend)

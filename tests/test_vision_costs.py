@@ -12,7 +12,7 @@ from live_bytes import LiveBytes
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from lit_hbp.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import HARDWARE, CostModel
 from lit_hbp.model_spec import ModelSpec
 
 WIDTH, MLP = 128, 512  # the measured towers' width and MLP size
@@ -97,7 +97,7 @@ def test_the_towers_parameters_are_what_transformers_builds(family):
 def test_a_frozen_tower_keeps_nothing_and_trains_no_states():
     """A run's settings say whether the tower trains (not under freeze_vision or LoRA); a frozen tower holds
     no gradients, Adam states or saved activations and runs its forward only."""
-    from lit_hbp.run_settings import settings_of
+    from lit_hbp.cost.run_settings import settings_of
 
     for module_args, trains in [({}, True), ({"freeze_vision": True}, False), ({"lora": {"r": 8}}, False)]:
         assert settings_of(HARDWARE["h100"], 8, None, module_args).vision_trained is trains
@@ -144,7 +144,7 @@ def test_levels_chosen_for_image_data_fit_with_the_towers_memory_where_text_only
     candidate's time counts the tower's encoding of the mean pack's images."""
     from lit_hbp.autoselect.profiler import AnalyticProfiler
     from lit_hbp.autoselect.search import analytic_levels, with_vision
-    from lit_hbp.costmodel import pack_stats
+    from lit_hbp.cost.costmodel import pack_stats
 
     lengths, vision = image_mix()
     assert vision.patches_per_token(lengths) == pytest.approx(4 * 4095 / (4095 + 100), rel=0.02)

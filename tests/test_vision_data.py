@@ -25,10 +25,10 @@ from vision_models import assert_same_grads, build_llava, build_qwen, image, nee
 
 from lit_hbp import HBPDataModule, packed_loss, prepare_model
 from lit_hbp.data.media import image_token_id, rope_stand_in
+from lit_hbp.data.media_batch import MRopePositions, media_of
 from lit_hbp.data.sources import Source
 from lit_hbp.data.tokenize import tokenize_source
 from lit_hbp.errors import DataError
-from lit_hbp.vision import MRopePositions, media_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"a.png": (30, 20), "b.png": (24, 40), "c.png": (16, 16)}  # (width, height)
@@ -205,9 +205,9 @@ def test_the_self_check_packs_the_runs_own_images_and_catches_a_leak_between_the
     encodes them alone; packed beside the text documents they pass (loss, embedding and pixel gradients,
     no leak); an encoder that lets one image see another (a thousandth of the pack's mean pixel added to
     each image) leaks only through the pixels, and the self-check refuses it."""
-    from lit_hbp import causal_lm
-    from lit_hbp.module import HBPLitModule
-    from lit_hbp.selfcheck import SelfCheckError, run_self_check
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.model import causal_lm
+    from lit_hbp.model.selfcheck import SelfCheckError, run_self_check
 
     root, folder = data
     dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
@@ -349,7 +349,7 @@ def test_the_cli_stops_on_a_missing_image_with_exit_2(data, tmp_path):
 def test_preview_shows_where_each_image_stands_and_its_tokens(data, tmp_path):
     import io
 
-    from lit_hbp.preview import preview
+    from lit_hbp.cli.preview import preview
 
     root, folder = data
     dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
@@ -480,7 +480,7 @@ def test_the_vision_tower_trains_or_stays_as_the_config_says_and_lora_targets_th
     assert adapted and all(".language_model." in n for n in adapted), sorted(adapted)[:5]
     text = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=1, num_attention_heads=2, vocab_size=64))  # fmt: skip
-    from lit_hbp.causal_lm import freeze_vision
+    from lit_hbp.model.causal_lm import freeze_vision
 
     with pytest.raises(ValueError, match="freeze_vision: LlamaForCausalLM has no vision tower"):
         freeze_vision(text)
@@ -552,7 +552,7 @@ def test_level_selection_at_fit_start_counts_the_runs_images(data, tmp_path):
 
     from lit_hbp.autoselect import AnalyticSelector
     from lit_hbp.errors import ConfigError
-    from lit_hbp.module import HBPLitModule
+    from lit_hbp.lightning.module import HBPLitModule
     from lit_hbp.packing.levels import LevelSelector
 
     class Recording(AnalyticSelector):
@@ -598,7 +598,7 @@ def test_the_tiny_vlm_config_trains_its_images_on_sp_2_levels_under_hbp_strategy
     run = subprocess.run(
         [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs" / "tiny_vlm_cpu.yaml"),
          "--trainer.devices", "2",
-         "--trainer.strategy", "{class_path: lit_hbp.strategy.HBPStrategy, init_args: {stage: 2}}",
+         "--trainer.strategy", "{class_path: lit_hbp.lightning.strategy.HBPStrategy, init_args: {stage: 2}}",
          "--data.levels", "[{pack_len: 1024, sp: 2}, {pack_len: 2048, sp: 2}]", "--trainer.max_steps", "2",
          "--trainer.val_check_interval", "2", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
@@ -615,8 +615,8 @@ def test_zero_3_with_image_samples_is_refused_before_the_first_step(data, tmp_pa
     a rank left waiting): refused at the start of fit, naming what to use."""
     from conftest import quiet_trainer
 
-    from lit_hbp.module import HBPLitModule
-    from lit_hbp.strategy import HBPStrategy
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     root, folder = data
     dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
@@ -687,9 +687,9 @@ def test_a_measured_level_search_packs_the_runs_own_images_into_its_probes(tmp_p
 
     from lit_hbp.autoselect import MeasuredSelector, measured
     from lit_hbp.autoselect.measured import densest_members
-    from lit_hbp.demo_vlm import ensure_vlm_demo
+    from lit_hbp.demo.vision import ensure_vlm_demo
     from lit_hbp.errors import ConfigError
-    from lit_hbp.module import HBPLitModule
+    from lit_hbp.lightning.module import HBPLitModule
 
     demo = tmp_path / "demo"
     ensure_vlm_demo(demo, n=160)
@@ -743,7 +743,7 @@ def test_image_records_tokenized_by_workers_in_small_chunks_give_the_same_cache(
     keeps every worker busy): the image-chat demo's records through two worker processes give the ids,
     supervised tokens, rows and images of the main process alone."""
     from lit_hbp.data import sources as sources_module
-    from lit_hbp.demo_vlm import ensure_vlm_demo
+    from lit_hbp.demo.vision import ensure_vlm_demo
 
     demo = tmp_path / "demo"
     ensure_vlm_demo(demo, n=200)  # about 40 KB: three chunks

@@ -15,7 +15,7 @@ from distributed import Pool
 from transformers import AutoModelForImageTextToText
 from vision_models import BUILDERS, build_llava, needs_torchvision, three_records, trained, video_records
 
-from lit_hbp.parallel.media import Route, owners
+from lit_hbp.model.sp_media import Route, owners
 
 EXACT = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next"]
 RECORDS = {"images": three_records, "videos": video_records}
@@ -38,7 +38,7 @@ def folders(tmp_path_factory):
 def collate(records, model, sp: int, cp: int, kind: str):
     """The whole pack of ``records`` (processor-style, with labels) padded for the layout."""
     from lit_hbp.data.collate import collate_packs
-    from lit_hbp.vision import MRopePositions, media_of
+    from lit_hbp.data.media_batch import MRopePositions, media_of
 
     tokens = [(r["input_ids"][0].numpy(), (r["labels"][0] != -100).numpy()) for r in records]
     media = [media_of(r, i, len(t[0])) for i, (r, t) in enumerate(zip(records, tokens))]

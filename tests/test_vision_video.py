@@ -172,7 +172,7 @@ def test_the_plan_weighs_each_videos_encoding(video_data, tmp_path):
 
 
 def test_preview_shows_where_each_video_stands_and_its_tokens(video_data, tmp_path):
-    from lit_hbp.preview import preview
+    from lit_hbp.cli.preview import preview
 
     root, folder = video_data
     dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
@@ -265,7 +265,7 @@ def test_a_video_part_gives_its_frames_their_rate(video_data, tmp_path):
     shown by the preview."""
     from transformers.video_utils import VideoMetadata
 
-    from lit_hbp.preview import preview
+    from lit_hbp.cli.preview import preview
 
     root, folder = video_data
     processor = AutoProcessor.from_pretrained(folder)
@@ -442,8 +442,8 @@ def test_the_self_check_packs_the_runs_own_videos(video_data, tmp_path):
     """The start-of-fit self-check gets the run's two shortest samples with media as the processor
     encodes them alone (a video among them) and passes with them: loss, embedding and pixel gradients
     (the videos' included) equal each alone, and no leak between them."""
-    from lit_hbp.module import HBPLitModule
-    from lit_hbp.selfcheck import run_self_check
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.model.selfcheck import run_self_check
 
     root, folder = video_data
     dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
@@ -552,7 +552,7 @@ def test_the_cli_trains_video_records_on_an_sp_2_level(video_data, tmp_path):
     cmd = [console_script("lit-hbp"), "fit", "--model.model", str(folder), "--data.tokenizer", str(folder),
            "--data.sources", json.dumps([str(root / "sp.jsonl")]), "--data.levels", '[{"pack_len": 512, "sp": 2}]',
            "--trainer.devices", "2", "--trainer.accelerator", "cpu",
-           "--trainer.strategy", "{class_path: lit_hbp.strategy.HBPStrategy, init_args: {stage: 2}}",
+           "--trainer.strategy", "{class_path: lit_hbp.lightning.strategy.HBPStrategy, init_args: {stage: 2}}",
            "--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
            "--data.cache_dir", str(tmp_path / "cache")]  # fmt: skip
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)

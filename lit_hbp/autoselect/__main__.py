@@ -29,10 +29,11 @@ from pathlib import Path
 import numpy as np
 
 from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunSetting
-from lit_hbp.config import config_samples, read_config
-from lit_hbp.costmodel import HARDWARE
+from lit_hbp.cost.config import read_config
+from lit_hbp.cost.costmodel import HARDWARE
+from lit_hbp.cost.run_settings import ANALYTIC, MEASURED
+from lit_hbp.lightning.datamodule import config_samples
 from lit_hbp.model_spec import load_model_spec
-from lit_hbp.run_settings import ANALYTIC, MEASURED
 
 
 def main(argv: list[str] | None = None) -> int:

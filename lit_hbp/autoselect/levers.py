@@ -20,10 +20,10 @@ import numpy as np
 
 from lit_hbp.autoselect.memory_fit import TILE_STEPS, Placement, fit_anywhere
 from lit_hbp.autoselect.profiler import MemoryProfiler
-from lit_hbp.costmodel import GIB, CostModel
+from lit_hbp.cost.costmodel import GIB, CostModel
+from lit_hbp.cost.run_settings import CONFIG, SIMULATE, SWITCHES, Tool, problems, refusal
 from lit_hbp.packing.levels import Level
 from lit_hbp.parallel.context_parallel import ContextParallel
-from lit_hbp.run_settings import CONFIG, SIMULATE, SWITCHES, Tool, problems, refusal
 
 MAX_LEVER_GPUS = 4096
 """The most GPUs a refusal looks for (doubling the run's world)."""

@@ -31,14 +31,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lit_hbp.autoselect.profiler import Measurement
-from lit_hbp.costmodel import synthetic_members, synthetic_pack
+from lit_hbp.cost.costmodel import synthetic_members, synthetic_pack
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
+from lit_hbp.lightning.strategy import HBPStrategy
 from lit_hbp.packing.levels import Level
 from lit_hbp.parallel.groups import SPGroups
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import sp_coords
-from lit_hbp.strategy import HBPStrategy
 
 
 def synthetic_batch(

@@ -14,9 +14,9 @@ from typing import Protocol
 
 import numpy as np
 
-from lit_hbp.costmodel import CostModel, pack_stats
+from lit_hbp.cost.costmodel import CostModel, pack_stats
+from lit_hbp.cost.run_settings import refusal
 from lit_hbp.packing.vision_load import VisionLoad
-from lit_hbp.run_settings import refusal
 
 
 @dataclass(frozen=True)

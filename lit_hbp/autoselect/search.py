@@ -21,14 +21,14 @@ from lit_hbp.autoselect.levers import FitQuestion, no_level_fits
 from lit_hbp.autoselect.memory_fit import TILE_STEPS as TILE_STEPS  # the tile counts, where bench/ reads them
 from lit_hbp.autoselect.memory_fit import fit_memory
 from lit_hbp.autoselect.profiler import AnalyticProfiler, Candidate, Profiler
-from lit_hbp.costmodel import GIB, CostModel
+from lit_hbp.cost.costmodel import GIB, CostModel
+from lit_hbp.cost.run_settings import CONFIG, Tool
 from lit_hbp.packing.levels import LAYOUT_KINDS, Level
 from lit_hbp.packing.vision_load import VisionLoad
 from lit_hbp.parallel.context_parallel import ContextParallel
 from lit_hbp.parallel.groups import as_layout
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import default_layout
-from lit_hbp.run_settings import CONFIG, Tool
 
 
 @dataclass

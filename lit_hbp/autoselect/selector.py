@@ -25,15 +25,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_hbp.autoselect.launch import launch
 from lit_hbp.autoselect.measured import MeasuredProfiler, probe_strategy_args
 from lit_hbp.autoselect.search import Selection, analytic_levels, select_levels, with_vision
-from lit_hbp.checks import position_range
-from lit_hbp.config import model_config, spec_of
-from lit_hbp.costmodel import GIB, HARDWARE, CostModel, Hardware
-from lit_hbp.errors import ConfigError
-from lit_hbp.model_spec import ModelSpec
-from lit_hbp.module import HBPLitModule
-from lit_hbp.packing.levels import Level, LevelSelector
-from lit_hbp.packing.vision_load import VisionLoad
-from lit_hbp.run_settings import (
+from lit_hbp.cost.config import model_config, spec_of
+from lit_hbp.cost.costmodel import GIB, HARDWARE, CostModel, Hardware
+from lit_hbp.cost.run_settings import (
     CONFIG,
     Settings,
     Tool,
@@ -45,6 +39,12 @@ from lit_hbp.run_settings import (
     settings_of,
     with_zero,
 )
+from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.model.checks import position_range
+from lit_hbp.model_spec import ModelSpec
+from lit_hbp.packing.levels import Level, LevelSelector
+from lit_hbp.packing.vision_load import VisionLoad
 
 
 @dataclass
@@ -140,7 +140,7 @@ class RunSetting:
 
     @classmethod
     def from_config(cls, config: dict, vocab: int | None, world: int, spec: ModelSpec | None = None) -> RunSetting:
-        """A training config (``lit_hbp.config.read_config``) to be run on ``world`` local processes:
+        """A training config (``lit_hbp.cost.config.read_config``) to be run on ``world`` local processes:
         its model and loss settings, precision (Lightning's 32-true when it names none), accumulation,
         clipping and its DeepSpeed strategy's settings (``run_settings.config_strategy``; HBPStrategy's
         defaults when it names none: the search plans levels with sp > 1, which need HBPStrategy)."""
@@ -256,7 +256,7 @@ class AnalyticSelector(Selector):
     """Prices every candidate with the cost model of ``gpu`` GPUs (h100, h200, a100): instant, and
     usable before the cluster exists. ``margin_gib`` defaults to 0: the cost model already keeps a
     2 GB reserve (CUDA context, NCCL, allocator), as ``python -m lit_hbp.simulate`` and
-    ``python -m lit_hbp.memory`` count it."""
+    ``python -m lit_hbp.cost.memory`` count it."""
 
     def __init__(
         self,
@@ -322,7 +322,7 @@ class MeasuredSelector(Selector):
         self, lengths: np.ndarray, trainer, vision: VisionLoad | None = None, samples=None
     ) -> tuple[Level, ...]:
         """The levels for the run ``trainer`` sets up; ``samples``: its samples with images or videos
-        (``lit_hbp.data.datamodule.StoreSamples``, indexed as ``lengths``), which the probes pack."""
+        (``lit_hbp.lightning.datamodule.StoreSamples``, indexed as ``lengths``), which the probes pack."""
         run = self.run_of(trainer)
         return self.chosen(self.select(lengths, run, vision, samples), run)
 

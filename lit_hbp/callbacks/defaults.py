@@ -1,4 +1,4 @@
-"""The callbacks every CLI run gets, added to those its config lists (``lit_hbp.cli``)."""
+"""The callbacks every CLI run gets, added to those its config lists (``lit_hbp.cli.app``)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ class HBPExport(L.Callback):
         self.dirpath, self.dtype, self.merge_lora = Path(dirpath), dtype, merge_lora
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        from lit_hbp.module import HBPLitModule
+        from lit_hbp.lightning.module import HBPLitModule
 
         if not isinstance(pl_module, HBPLitModule):
             raise TypeError(

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.callbacks.checkpoint import FinalCheckpoint, StepEndCallback
 from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.datamodule import ignore_sigint  # noqa: F401  (public here too)
 
 FIRST_PRESS = (
     "Ctrl-C: training stops after the current optimizer step and saves a checkpoint; "
@@ -327,10 +328,3 @@ def resume_command(path: str, argv: Sequence[str] | None = None) -> str:
         elif not arg.startswith("--ckpt_path="):
             kept.append(arg)
     return shlex.join([*kept, "--ckpt_path", path])
-
-
-def ignore_sigint(worker_id: int) -> None:
-    """A DataLoader ``worker_init_fn``: the worker ignores SIGINT. A terminal's Ctrl-C reaches the
-    workers too; one that died of it would fail the step InterruptCheckpoint lets finish. The
-    workers still end with the main process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)

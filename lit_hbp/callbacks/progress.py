@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.store import count_phrase, distinct
-from lit_hbp.meter import StepMeter
+from lit_hbp.lightning.meter import StepMeter
 
 
 def planned_steps(trainer: L.Trainer) -> int | None:
@@ -87,7 +87,7 @@ class LevelSummary(L.Callback):
     per rank (every rank trains the same number). Seconds are each level's micro-batches from
     ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, and the optimizer step
     that closes an accumulation; data loading and validation are not in them), measured with
-    ``lit_hbp.meter.StepMeter`` (CUDA events on a GPU, the host clock on CPU) and taken from the
+    ``lit_hbp.lightning.meter.StepMeter`` (CUDA events on a GPU, the host clock on CPU) and taken from the
     slowest rank; tokens/s is the world's tokens over those seconds. The epoch's wall clock (host,
     validation excluded) is printed beside them. After a mid-epoch resume the summary counts the
     micro-batches this run trained and says where it started.

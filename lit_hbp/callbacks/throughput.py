@@ -13,9 +13,9 @@ from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dt
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
+from lit_hbp.cost.gpu_peaks import peak_flops
 from lit_hbp.data.batch import PackedBatch
-from lit_hbp.gpu_peaks import peak_flops
-from lit_hbp.meter import logs_now
+from lit_hbp.lightning.meter import logs_now
 
 
 def samples_in_batch(batch: PackedBatch) -> float:
@@ -53,7 +53,7 @@ class ShareThroughput(Throughput):
 
 
 class HBPThroughputMonitor(ThroughputMonitor):
-    """Logs samples/s, tokens/s, FLOP/s and (on GPUs whose peak ``lit_hbp.gpu_peaks`` knows) MFU,
+    """Logs samples/s, tokens/s, FLOP/s and (on GPUs whose peak ``lit_hbp.cost.gpu_peaks`` knows) MFU,
     where tokens are real sample tokens, never padding, and an SP group's ranks each count their 1/sp
     share, so the world totals are right.
 
@@ -104,7 +104,7 @@ class HBPThroughputMonitor(ThroughputMonitor):
         super()._update(trainer, pl_module, batch, iter_num)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        """Lightning's setup with the peak of the exact GPU variant (``lit_hbp.gpu_peaks``) and
+        """Lightning's setup with the peak of the exact GPU variant (``lit_hbp.cost.gpu_peaks``) and
         throughputs that count shares of samples."""
         self.available_flops = peak_flops(
             trainer.strategy.root_device, _plugin_to_compute_dtype(trainer.precision_plugin)

@@ -102,11 +102,11 @@ class PackedBatch:
     ckpt_layers: int = 0
     """Decoder layers to run with activation checkpointing at this level."""
     offload: bool = False
-    """Keep the checkpointed layers' inputs in host memory until their recompute (``lit_hbp.offload``)."""
+    """Keep the checkpointed layers' inputs in host memory until their recompute (``lit_hbp.model.offload``)."""
     mlp_tiles: int = 1
-    """Tiles each decoder layer's MLP runs this shard's tokens in (``lit_hbp.tiling``; 1: untiled)."""
+    """Tiles each decoder layer's MLP runs this shard's tokens in (``lit_hbp.model.tiling``; 1: untiled)."""
     mm: dict[str, torch.Tensor] | None = None
-    """A vision-language pack's images and videos (``lit_hbp.vision``): the family's processor fields,
+    """A vision-language pack's images and videos (``lit_hbp.model.vision``): the family's processor fields,
     records concatenated in pack order (``pixel_values``, ``image_grid_thw``, ``image_sizes``, video fields;
     per-token ``mm_token_type_ids`` / ``token_type_ids`` as [1, T]) and, for multimodal RoPE,
     ``position_ids`` [3, 1, T] (each record's rows computed alone). None for text."""

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from lit_hbp.data.batch import PackedBatch
+from lit_hbp.data.media_batch import MM_KEYS, MRopePositions, collate_media, media_of
 from lit_hbp.packing.context_split import padded_length
-from lit_hbp.vision import MM_KEYS, MRopePositions, collate_media, media_of
 
 
 def collate_packs(
@@ -39,7 +39,7 @@ def collate_packs(
 ) -> PackedBatch:
     """The whole (unsharded) micro-batch of ``packs`` (arrays of sample ids), padded for ``sp``;
     ``tokens(i)`` gives (ids, supervised mask) of sample i; ``media(i)`` its images and videos (a
-    vision-language record, ``lit_hbp.vision``), ``rope`` numbers a record's positions when the family's
+    vision-language record, ``lit_hbp.model.vision``), ``rope`` numbers a record's positions when the family's
     depend on its images; the rest are the plan's fields."""
     sample_ids = np.concatenate(packs) if packs else np.zeros(0, np.int64)
     parts = [tokens(int(i)) for i in sample_ids]
@@ -123,7 +123,7 @@ def pack_samples(
     with those keys (as ``lit-hbp preview --json`` prints them), or Hugging Face style records
     (``input_ids`` and ``labels``, -100 where a token is not trained, ``attention_mask`` all ones), also a
     vision-language processor's (its ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, video
-    fields, ...: ``lit_hbp.vision``). Each sample keeps its own positions and attends only to itself;
+    fields, ...: ``lit_hbp.model.vision``). Each sample keeps its own positions and attends only to itself;
     ``model`` (the model the batch is for) numbers a record's positions when its family's depend on its
     images (multimodal RoPE: Qwen2-VL and kin). ``ckpt_layers``, ``offload`` and ``mlp_tiles`` are the
     level settings ``packed_loss`` applies for the call. Without ``loss_norm`` (the optimizer step's

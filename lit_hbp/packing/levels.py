@@ -222,3 +222,8 @@ def validate_levels(levels: Sequence[Level | dict | str | int], world_size: int)
                 f"world_size {world_size} is not divisible by sp {lv.sp} of level {i} (pack_len {lv.pack_len})"
             )
     return out
+
+
+def sp_coords(rank: int, sp: int) -> tuple[int, int]:
+    """(SP group index, rank inside the group) of a global rank under degree ``sp``."""
+    return rank // sp, rank % sp

@@ -14,10 +14,9 @@ import numpy as np
 
 from lit_hbp.errors import ConfigError, DataError
 from lit_hbp.packing.bins import Bins, check_lengths, describe_indices
-from lit_hbp.packing.levels import Level, as_level, validate_levels
+from lit_hbp.packing.levels import Level, as_level, sp_coords, validate_levels
 from lit_hbp.packing.metrics import plan_metrics
 from lit_hbp.packing.packers import DEFAULT_PACKER, fit_decreasing, run_packer
-from lit_hbp.parallel.topology import sp_coords
 
 OVER_LENGTH = ("error", "drop", "truncate")
 

@@ -30,7 +30,7 @@ BUILTIN = {"ulysses": "lit_hbp.parallel.ulysses.Ulysses", "cp": "lit_hbp.paralle
 
 
 class Attend(Protocol):
-    """The layer's attention kernel as a kind receives it (``lit_hbp.attention.Attend``)."""
+    """The layer's attention kernel as a kind receives it (``lit_hbp.model.attention.Attend``)."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
         """The single-device varlen kernel over the whole pack's documents (differentiable)."""

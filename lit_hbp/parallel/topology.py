@@ -6,17 +6,14 @@ these, so data placement and process groups can never disagree.
 
 from __future__ import annotations
 
+from lit_hbp.packing.levels import sp_coords  # noqa: F401  (the planner's: ranks of an SP group)
+
 
 def sp_group_ranks(world_size: int, sp: int) -> list[list[int]]:
     """Ranks of every SP group of degree ``sp``: group g = [g*sp, (g+1)*sp)."""
     if sp < 1 or world_size % sp:
         raise ValueError(f"sp {sp} must be >= 1 and divide world_size {world_size}")
     return [list(range(g * sp, (g + 1) * sp)) for g in range(world_size // sp)]
-
-
-def sp_coords(rank: int, sp: int) -> tuple[int, int]:
-    """(SP group index, rank inside the group) of a global rank under degree ``sp``."""
-    return rank // sp, rank % sp
 
 
 def layout_coords(sp_rank: int, ulysses: int) -> tuple[int, int]:
@@ -66,7 +63,7 @@ def cp_slices(num_kv_heads: int, ulysses: int, cp: int) -> int:
 def default_layout(sp: int, num_heads: int, num_kv_heads: int, node_size: int | None = None) -> tuple[int, int]:
     """(ulysses, cp) for ``sp``: Ulysses on the largest divisor of sp the heads allow and, given the
     ranks per node ``node_size``, no larger than a node (its all-to-all moves the least inside a
-    node, while across nodes CP's all-gather is cheaper: ``lit_hbp.costmodel``), context
+    node, while across nodes CP's all-gather is cheaper: ``lit_hbp.cost.costmodel``), context
     parallelism on the rest, across the nodes."""
     most = sp if node_size is None else max(1, min(sp, node_size))
     u = max(d for d in range(1, most + 1) if sp % d == 0 and heads_problem(num_heads, num_kv_heads, d) is None)

@@ -33,13 +33,13 @@ import sys
 import numpy as np
 
 from lit_hbp.autoselect.search import Selection, analytic_levels
-from lit_hbp.costmodel import GIB, HARDWARE
+from lit_hbp.cost.costmodel import GIB, HARDWARE
+from lit_hbp.cost.run_settings import SIMULATE, Settings, check, cost_model, describe
 from lit_hbp.model_spec import load_model_spec
 from lit_hbp.packing import Level
 from lit_hbp.packing.bins import load_lengths
 from lit_hbp.parallel.topology import resolve_layout
 from lit_hbp.report import format_table
-from lit_hbp.run_settings import SIMULATE, Settings, check, cost_model, describe
 from lit_hbp.simulate.simulator import COMM_PARTS, Simulation, compare, compare_auto, fill_checkpointing
 
 COLUMNS = [("hours", ".2f"), ("gpu_hours", ".1f"), ("speedup", ".2f"), ("abr", ".3f"), ("cp_abr", ".3f"), ("cr", ".3f")]

@@ -20,7 +20,7 @@ from lit_hbp.autoselect.levers import why_not_fits
 from lit_hbp.autoselect.memory_fit import fit_memory
 from lit_hbp.autoselect.profiler import AnalyticProfiler
 from lit_hbp.autoselect.search import Selection
-from lit_hbp.costmodel import CostModel
+from lit_hbp.cost.costmodel import CostModel
 from lit_hbp.packing import DEFAULT_PACKER, Level, Plan, plan_hbp, plan_single_level
 from lit_hbp.packing.context_split import split_micro_batch
 from lit_hbp.packing.metrics import group_index

@@ -1,7 +1,7 @@
 """A run's settings, read once: the cost model they price, and which of them set-up accepts together.
 
 Every tool that plans a run or refuses one reads it here: the level search and its refusals
-(``autoselect.levers``), ``python -m lit_hbp.memory``, both selectors, the simulator, ``PackingMetrics``'
+(``autoselect.levers``), ``python -m lit_hbp.cost.memory``, both selectors, the simulator, ``PackingMetrics``'
 timeline and the set-up checks of ``HBPLitModule`` and ``HBPStrategy``. ``Settings`` is what a run's memory
 depends on beyond its model; ``cost_model`` prices it; ``RULES`` says which settings set-up refuses and
 with what; a ``Tool`` spells a setting the way one command line (or a training config) takes it. So what a
@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from lit_hbp.costmodel import HARDWARE, CostModel, Hardware
+from lit_hbp.cost.costmodel import HARDWARE, CostModel, Hardware
 from lit_hbp.model_spec import ModelSpec
 
 
@@ -159,7 +159,7 @@ def settings_of(
 
 
 def config_settings(config: dict, hardware: Hardware, world: int) -> Settings:
-    """The run a training config (``lit_hbp.config.read_config``) describes, on ``world`` GPUs of ``hardware``:
+    """The run a training config (``lit_hbp.cost.config.read_config``) describes, on ``world`` GPUs of ``hardware``:
     its strategy, its model's liger, lora and ce_chunk_size, and its precision (Lightning's 32-true if none)."""
     trainer = config.get("trainer") or {}
     strategy = config_strategy(trainer.get("strategy"))

@@ -1,6 +1,6 @@
 """The packed calls a thread is running: the only place a call's state lives while it runs.
 
-A packed call of a prepared model (``lit_hbp.packed_call``) needs its modules to see, for exactly
+A packed call of a prepared model (``lit_hbp.model.packed_call``) needs its modules to see, for exactly
 its duration and nowhere else, lit-hbp's varlen attention in place of the model's own, its level's
 settings (checkpointed layers, host offload, MLP tiles) and, for families whose layers drop the
 attention keywords, its pack. Setting any of that on the model (its config, its layers) would show
@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ATTN_NAME = "hbp_varlen"
-TOWER_NAME = "hbp_tower_flash_varlen"  # a vision tower's (``lit_hbp.attention.tower``): "flash" gets its images' bounds
+TOWER_NAME = (
+    "hbp_tower_flash_varlen"  # a vision tower's (``lit_hbp.model.attention.tower``): "flash" gets its images' bounds
+)
 _local = threading.local()
 
 
@@ -37,7 +39,7 @@ class PackCall:
     the level's ``ckpt_layers`` (None: the layers the project checkpoints itself), ``offload`` (the
     model's ``HostOffload`` or None) and MLP ``tiles``; ``tower``: the attention a vision tower's configs
     name while it encodes the call's images (config id -> transformers' implementation; the others their own);
-    ``host``: what its modules read back from the device once for the call (``lit_hbp.mixers``: the pack's
+    ``host``: what its modules read back from the device once for the call (``lit_hbp.model.mixers``: the pack's
     document boundaries), kept for its recomputations."""
 
     prepared: Any

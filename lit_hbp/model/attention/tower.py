@@ -10,7 +10,7 @@ in one call a layer. ``backends.tower_attention`` names it for the tower's confi
 encodes on a GPU whose language model runs one of those kernels; nothing else ever names it.
 
 The backend travels with the call: the model's setting (``prepare_model(attn_backend=...)``) and the
-device and dtype of the call's query, read from the packed call this thread runs (``lit_hbp.calls``).
+device and dtype of the call's query, read from the packed call this thread runs (``lit_hbp.model.calls``).
 Like transformers' flash implementation it takes a tower's padding mask as [batch, patches] (each row's
 kept patches one document, padded rows zero) and refuses a mask of any other shape, weights asked back
 or a keyword it does not implement.
@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from lit_hbp import calls
-from lit_hbp.attention import backend_for, compute_dtype
-from lit_hbp.attention.backends import REGISTRY, AttnArgs
-from lit_hbp.calls import TOWER_NAME
+from lit_hbp.model import calls
+from lit_hbp.model.attention import backend_for, compute_dtype
+from lit_hbp.model.attention.backends import REGISTRY, AttnArgs
+from lit_hbp.model.calls import TOWER_NAME
 
 # what towers pass that the boundaries or this function's own arguments already say, or that asks the tower,
 # not its attention, for something (LLaVA's CLIP layers pass the model's output_hidden_states on)

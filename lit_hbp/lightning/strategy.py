@@ -13,7 +13,7 @@ Also fixed here, for DeepSpeed:
 - Lightning divides the loss by accumulate_grad_batches and DeepSpeed divides gradients by its
   accumulation steps again; DeepSpeed's division is cancelled (``scale_wrt_gas=False``).
 - Lightning saves every DeepSpeed checkpoint over the previous one's files (tag ``checkpoint``); here
-  each save is a new tag and ``latest`` is written last (``lit_hbp.checkpoints``).
+  each save is a new tag and ``latest`` is written last (``lit_hbp.lightning.checkpoints``).
 - Lightning's DeepSpeedStrategy refuses CPU accelerators; on CPU this strategy initializes
   DeepSpeed with gloo and ``device_rank=local_rank``, so the whole path runs and is tested on CPU.
 """
@@ -41,18 +41,18 @@ from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
-from lit_hbp.causal_lm import family_of, zero3_loading  # noqa: E402
-from lit_hbp.checkpoints import is_complete, save_deepspeed  # noqa: E402
+from lit_hbp.cost.run_settings import Settings, check, deepspeed_zero, refusal  # noqa: E402
 from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
 from lit_hbp.errors import ConfigError  # noqa: E402
-from lit_hbp.mixers import sp_refusal, stateful_mixers  # noqa: E402
-from lit_hbp.packed_call import record_of  # noqa: E402
+from lit_hbp.lightning.checkpoints import is_complete, save_deepspeed  # noqa: E402
+from lit_hbp.model.causal_lm import family_of, zero3_loading  # noqa: E402
+from lit_hbp.model.mixers import sp_refusal, stateful_mixers  # noqa: E402
+from lit_hbp.model.packed_call import record_of  # noqa: E402
 from lit_hbp.packing.levels import Level, as_level  # noqa: E402
 from lit_hbp.parallel.context import SPCall  # noqa: E402
 from lit_hbp.parallel.groups import SPGroups  # noqa: E402
 from lit_hbp.parallel.kind import validate_sp_setup  # noqa: E402
 from lit_hbp.parallel.topology import layout_levels, model_heads  # noqa: E402
-from lit_hbp.run_settings import Settings, check, deepspeed_zero, refusal  # noqa: E402
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
@@ -117,7 +117,7 @@ def trained_model(module, levels: list[Level]):
 
 def refuse_sp_over_mixers(net, levels) -> None:
     """A level with sequence parallelism for a model whose token mixers run document by document
-    (``lit_hbp.mixers``) is refused at set-up, naming the level: its documents' state would have to cross
+    (``lit_hbp.model.mixers``) is refused at set-up, naming the level: its documents' state would have to cross
     the ranks' shards."""
     record = record_of(net)
     if record is None or not record.mixers:
@@ -139,7 +139,7 @@ def guard_frozen(module) -> list:
     parallelism (it would attend within one rank's shard), one with the boundaries but its KV cache on
     (transformers would let the documents attend to each other), a pack's token ids without
     boundaries or positions, and any packed call of one holding a token mixer that carries state across
-    documents (``lit_hbp.mixers``: transformers' own packed path keeps only attention within documents).
+    documents (``lit_hbp.model.mixers``: transformers' own packed path keeps only attention within documents).
     Outside a pack, and on ``pack_inputs`` at sp 1 (transformers' own packed path, the cache off), such
     a model runs as it always did."""
     from transformers import PreTrainedModel
@@ -442,7 +442,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
         """DeepSpeed's checkpoint folder, written so that a kill at any moment leaves the previous save
-        loadable (``lit_hbp.checkpoints.save_deepspeed``: a tag folder per save, ``latest`` last)."""
+        loadable (``lit_hbp.lightning.checkpoints.save_deepspeed``: a tag folder per save, ``latest`` last)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (no CheckpointIO is used)")
         save_deepspeed(self, checkpoint, filepath, exclude=("state_dict", "optimizer_states"))

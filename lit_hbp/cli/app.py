@@ -9,7 +9,7 @@ No silent surprises (issue 14): a list given whole on the command line (``--data
 replaces the config's list (``--data.sources+=...`` appends); a parser error is a few lines naming
 the bad key and the nearest valid one (``JSONARGPARSE_DEBUG=true`` for jsonargparse's full report);
 the model mapping's keys and the levels against the world size and the model's heads are checked
-before any process spawns (``lit_hbp.checks``); the resolved config is printed once, compact.
+before any process spawns (``lit_hbp.cli.checks``); the resolved config is printed once, compact.
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf.errors import OmegaConfBaseException
 
-from lit_hbp import strategy  # noqa: F401  (registers --trainer.strategy hbp, hbp_stage_0 ... hbp_stage_3)
 from lit_hbp.callbacks.defaults import with_default_callbacks
 from lit_hbp.callbacks.interrupt import InterruptCheckpoint
 from lit_hbp.callbacks.lost_rank import LostRankReport
 from lit_hbp.callbacks.summary import HBPModelSummary
-from lit_hbp.causal_lm import check_token_mixers
-from lit_hbp.checkpoints import (
+from lit_hbp.cli.checks import check_run_config, class_arguments, compact_config, compact_yaml, dataclass_defaults
+from lit_hbp.errors import ConfigError, UserInputError, did_you_mean
+from lit_hbp.lightning import strategy  # noqa: F401  (registers --trainer.strategy hbp, hbp_stage_0 ... hbp_stage_3)
+from lit_hbp.lightning.checkpoints import (
     TRUST_HINT,
     AtomicCheckpointIO,
     UnsafeCheckpoint,
@@ -55,17 +56,9 @@ from lit_hbp.checkpoints import (
     safe_load,
     trusted_load,
 )
-from lit_hbp.checks import (
-    check_run_config,
-    class_arguments,
-    compact_config,
-    compact_yaml,
-    dataclass_defaults,
-    did_you_mean,
-)
-from lit_hbp.data.datamodule import HBPDataModule
-from lit_hbp.errors import ConfigError, UserInputError
-from lit_hbp.module import HBPLitModule
+from lit_hbp.lightning.datamodule import HBPDataModule
+from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.model.causal_lm import check_token_mixers
 
 TERMINATED = 128 + 15  # a shell's status for a program ended by SIGTERM
 RUNS = "runs"  # the run folder's root (default_root_dir), relative to the working directory
@@ -344,7 +337,8 @@ class HBPCLI(LightningCLI):
         (``check_resume``), each a short error and exit 2; then the seed."""
         section = self.config.get(self.subcommand) if self.subcommand else self.config
         try:
-            check_run_config(section.as_dict())
+            # A subcommand trains with the config's callbacks; a tool that parses without one may drop them.
+            check_run_config(section.as_dict(), trains=bool(self.subcommand))
             config = section.as_dict()
             check_token_mixers((config.get("model") or {}).get("model"), (config.get("data") or {}).get("levels"))
         except ValueError as e:
@@ -429,7 +423,7 @@ def _is_model_checkpoint(callback: Any) -> bool:
 
 def resolve_auto_resume(section: Any) -> None:
     """``--ckpt_path auto``: the newest complete checkpoint of the run's folders
-    (``checkpoint_folders``, ``lit_hbp.checkpoints.find_resumable``), or none (training starts from
+    (``checkpoint_folders``, ``lit_hbp.lightning.checkpoints.find_resumable``), or none (training starts from
     the beginning); said in the log either way, with each checkpoint it passed over and why (a
     truncated ``last.ckpt``, a save cut short). A requeued or restarted job resumes with the same
     command line."""
@@ -467,7 +461,7 @@ def check_resume(section: Any) -> None:
     before anything is built: there, a whole checkpoint (not truncated, not some other file), of the kind
     the run's strategy loads (a DeepSpeed folder for ``hbp``, a file otherwise) and, unless
     ``--weights_only false``, read by torch's weights-only unpickler with lit-hbp's allow-list
-    (``lit_hbp.checkpoints``). Lightning then loads it with ``weights_only=True`` and the same allow-list
+    (``lit_hbp.lightning.checkpoints``). Lightning then loads it with ``weights_only=True`` and the same allow-list
     (``main``)."""
     ckpt = section.get("ckpt_path")
     if "weights_only" in section and section.get("weights_only") is None:
@@ -601,7 +595,7 @@ class PreviewArgumentParser(HBPArgumentParser):
 
 class PreviewCLI(HBPCLI):
     """``lit-hbp preview``: the config parsed as ``fit`` parses it (files, command line, interpolations),
-    only the data module built, and its first samples printed (``lit_hbp.preview``)."""
+    only the data module built, and its first samples printed (``lit_hbp.cli.preview``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("parser_class", PreviewArgumentParser)
@@ -631,7 +625,7 @@ class PreviewCLI(HBPCLI):
 PREVIEW_USAGE = "lit-hbp preview --config CONFIG [--data.KEY VALUE ...] [--n N] [--json]"
 PREVIEW_HELP = (
     "The config's first training samples as they train: the chat template's rendering, each supervised "
-    "token marked (lit_hbp.preview). The config is read as fit reads it (files, command line, "
+    "token marked (lit_hbp.cli.preview). The config is read as fit reads it (files, command line, "
     "interpolations); only its data section is built. Its own options and the data module's (--data.*) "
     "follow; the trainer's and the model's sections are read but not used."
 )
@@ -640,7 +634,7 @@ PREVIEW_HELP = (
 def preview_main(args: list[str]) -> PreviewCLI:
     """``lit-hbp preview --config CONFIG [--data.* ...] [--n N] [--json]``; its ``--help`` starts with its
     own usage and options (not LightningCLI's 70-line usage of every trainer option)."""
-    from lit_hbp.preview import preview
+    from lit_hbp.cli.preview import preview
 
     parser_kwargs = {"parser_mode": "omegaconf+", "prog": "lit-hbp preview", "usage": PREVIEW_USAGE,
                      "description": PREVIEW_HELP}  # fmt: skip
@@ -687,7 +681,7 @@ def quiet_what_a_user_cannot_act_on() -> None:
 def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     """Parse the command line (or ``args``), build trainer, model and data; fit unless ``run=False``.
     A mistake in the config or the data (``UserInputError``) ends it with a short error and exit status 2.
-    ``preview`` shows the data's first samples as they train (``lit_hbp.preview``)."""
+    ``preview`` shows the data's first samples as they train (``lit_hbp.cli.preview``)."""
     # Configs write ${data.x} whether or not a subcommand (fit.) prefixes the parsed tree.
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     quiet_what_a_user_cannot_act_on()

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from lit_hbp import calls
+from lit_hbp.model import calls
 
 
 @dataclass(frozen=True)

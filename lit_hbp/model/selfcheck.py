@@ -17,7 +17,7 @@ precision, a handful of short documents (the same on every rank) runs
 
 A vision-language run adds the shortest samples with images from its own data (``media_docs``: the
 run's processor, images and vision tower) to the pack of every layout (at sp > 1 the SP group splits
-their encoding, ``lit_hbp.parallel.media``), and compares the gradient with respect to their pixels
+their encoding, ``lit_hbp.model.sp_media``), and compares the gradient with respect to their pixels
 too (it reaches the vision tower and the projector).
 
 A mixture-of-experts model in bf16 or fp16 may send a token to other experts packed than alone: its
@@ -51,10 +51,10 @@ import torch
 import torch.nn.functional as F
 
 from lit_hbp.data.collate import collate_packs
+from lit_hbp.data.media_batch import TOKEN_KEYS, MRopePositions, collate_media
+from lit_hbp.model.sp_media import KINDS
 from lit_hbp.parallel.context import SPCall
 from lit_hbp.parallel.kind import resolve_sp_kind
-from lit_hbp.parallel.media import KINDS
-from lit_hbp.vision import TOKEN_KEYS, MRopePositions, collate_media
 
 DOC_LENGTHS = (9, 23, 5, 100, 31, 14)  # about 200 tokens in all: block-wise mechanisms (compression) engage
 # (loss, input-gradient) tolerances, relative: bf16/fp16 noise against cross-document leakage,
@@ -241,7 +241,7 @@ def _alone(net, embed, docs, media, device) -> dict[int, dict]:
     pixels) and the trainable weights it used, through the family's own forward, output head and
     masks, with transformers' eager attention (its vision tower's too); a document with images
     gets the model's own positions for them."""
-    from lit_hbp.causal_lm import model_configs
+    from lit_hbp.model.causal_lm import model_configs
 
     out = {}
     own = [(config, config._attn_implementation_internal) for config in model_configs(net)]

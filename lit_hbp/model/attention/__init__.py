@@ -1,10 +1,10 @@
 """Varlen (packed) causal attention, registered in transformers' ``AttentionInterface``.
 
 A model that ``lit_hbp.prepare_model`` prepared runs ``varlen_attention`` only inside a packed call
-(``lit_hbp.packed_call``): the call's ``cu_seq_lens_q`` / ``max_length_q`` (and a context-parallel
+(``lit_hbp.model.packed_call``): the call's ``cu_seq_lens_q`` / ``max_length_q`` (and a context-parallel
 shard, ``hbp_cp_shard``, and the level's SP group, ``hbp_sp``) arrive as forward keywords and travel
 with it, through checkpointed layers' recomputation too (for a family whose layers drop the keywords,
-StableLM, they come from the model's packed call on this thread, ``lit_hbp.calls``); nothing of a pack
+StableLM, they come from the model's packed call on this thread, ``lit_hbp.model.calls``); nothing of a pack
 is kept in this module. Outside a pack the model runs the attention it had before. No mask function
 is registered under the name, so transformers builds no mask and runs no packed-sequence detection
 (which would read a device value back every forward). When the call carries an SP group, the level's
@@ -12,7 +12,7 @@ SP kind wraps the kernel (Ulysses: all-to-all to head shards, attention over the
 all-to-all back). A call without the boundaries, an explicit mask or a keyword this function does not
 implement raises instead of being ignored: ignoring one trains a different model.
 
-The kernel comes from ``lit_hbp.attention.backends``: per device, the dtype the kernel runs in
+The kernel comes from ``lit_hbp.model.attention.backends``: per device, the dtype the kernel runs in
 (the autocast dtype under autocast) and the features the layer needs (sliding window, soft-capping,
 sinks, dropout), the fastest backend that can run it, or the one the model was prepared with
 (``prepare_model(model, attn_backend=...)``: a setting of the model, not of the process). Each
@@ -38,11 +38,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch._C import DispatchKey
 from transformers import AttentionInterface
 
-from lit_hbp import calls
-from lit_hbp.attention.backends import REGISTRY, AttnArgs, decide, lse_dtype, lse_why_not
-from lit_hbp.calls import ATTN_NAME
 from lit_hbp.data.batch import CPShard
-from lit_hbp.packed_call import PREPARED, record_by_owner, record_of
+from lit_hbp.model import calls
+from lit_hbp.model.attention.backends import REGISTRY, AttnArgs, decide, lse_dtype, lse_why_not
+from lit_hbp.model.calls import ATTN_NAME
+from lit_hbp.model.packed_call import PREPARED, record_by_owner, record_of
 
 # Keywords transformers passes that carry nothing this function needs: cu_seq_lens_k/max_length_k
 # equal the q ones for self-attention, position_ids were used for the rotary embedding.
@@ -453,4 +453,4 @@ def varlen_attention(
 
 
 AttentionInterface.register(ATTN_NAME, varlen_attention)
-from lit_hbp.attention import tower  # noqa: E402,F401  (registers a vision tower's attention, calls.TOWER_NAME)
+from lit_hbp.model.attention import tower  # noqa: E402,F401  (registers a vision tower's attention, calls.TOWER_NAME)

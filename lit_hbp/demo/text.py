@@ -2,7 +2,7 @@
 
 Why: CPU training runs, tests and benchmarks need a realistic long-context SFT mix (thousands of
 short chats plus a few 2K-64K+ token long-context tasks) and a tokenizer, without network access.
-Both are generated from the standard library modules of one Python release (``demo_corpus/`` in this
+Both are generated from the standard library modules of one Python release (``corpus/`` beside this
 package: each module's source and what ``ast`` found in it), the same files on every machine, so the
 demo's samples, tokenizer and counts do not depend on the Python that builds them:
 
@@ -26,9 +26,9 @@ In transformers 5.23, ``tok.apply_chat_template(messages, tokenize=True)`` retur
 
 The build is deterministic (a fixed corpus, seeded ``random.Random``, deterministic BPE training): same
 arguments give byte-identical files on every machine with the same ``tokenizers`` release. Run
-``python -m lit_hbp.demo OUT_DIR [--n-short N] [--n-long M] [--vocab-size V] [--seed S]``.
-``python -m lit_hbp.demo --freeze-corpus FILE`` writes the corpus anew from the running Python's
-standard library (how ``demo_corpus/`` was made; building from another corpus changes every count).
+``python -m lit_hbp.demo.text OUT_DIR [--n-short N] [--n-long M] [--vocab-size V] [--seed S]``.
+``python -m lit_hbp.demo.text --freeze-corpus FILE`` writes the corpus anew from the running Python's
+standard library (how ``corpus/`` was made; building from another corpus changes every count).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 SHORT_FILE, LONG_FILE, TOKENIZER_DIR, MANIFEST_FILE = "short.jsonl", "long.jsonl", "tokenizer", "manifest.json"
-CORPUS = "stdlib.json.gz"  # in lit_hbp/demo_corpus/ (package data)
+CORPUS = "stdlib.json.gz"  # in lit_hbp/demo/corpus/ (package data)
 LONG_TOKENS = (2048, 70_000)  # log-uniform target range of long samples; the top target is always the max
 _LONG_OVERHEAD = 160  # tokens of intro, question, answer and template around the module sources
 _SKIP_DIRS = frozenset(
@@ -125,7 +125,7 @@ def _stdlib_files(root: Path) -> list[Path]:
 def _corpus_file() -> Any:
     from importlib.resources import files
 
-    return files("lit_hbp") / "demo_corpus" / CORPUS
+    return files("lit_hbp.demo") / "corpus" / CORPUS
 
 
 @functools.cache
@@ -328,7 +328,7 @@ def _module_from_record(r: dict[str, Any]) -> _Module:
 def freeze_corpus(path: str | os.PathLike[str], stdlib: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Write the corpus the demo is built from: the modules of ``stdlib`` (the running Python's
     standard library by default) that can serve as demo text, as gzipped JSON; returns its summary.
-    The committed ``demo_corpus/stdlib.json.gz`` was written by it; the demo reads nothing else."""
+    The committed ``corpus/stdlib.json.gz`` was written by it; the demo reads nothing else."""
     root = Path(stdlib or sysconfig.get_paths()["stdlib"])
     files = _stdlib_files(root)
     records = [r for p in tqdm(files, desc="parse stdlib", unit="file", disable=None) if (r := _module_record(root, p))]
@@ -736,7 +736,7 @@ def build_demo(
 
     short_len, long_len = _token_lengths(tok, short), _token_lengths(tok, long)
     manifest: dict[str, Any] = {
-        "generator": "lit_hbp.demo",
+        "generator": "lit_hbp.demo.text",
         "generator_version": GENERATOR_VERSION,
         "args": {"n_short": n_short, "n_long": n_long, "vocab_size": vocab_size, "seed": seed},
         "corpus": {"file": CORPUS, "python_version": _corpus()["python_version"], "modules": len(modules)},
@@ -825,7 +825,7 @@ def _table(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: build the demo data and print a per-file token length summary."""
-    parser = argparse.ArgumentParser(prog="python -m lit_hbp.demo", description=__doc__.split("\n\n", 1)[0])
+    parser = argparse.ArgumentParser(prog="python -m lit_hbp.demo.text", description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("out_dir", type=Path, nargs="?")
     parser.add_argument("--n-short", type=int, default=4000)
     parser.add_argument("--n-long", type=int, default=48)

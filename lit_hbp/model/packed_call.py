@@ -10,7 +10,7 @@ a pack called with its positions): the boundaries are then read from the positio
 own packed-sequence detection reads them.
 
 For exactly the duration of such a call (``pack_scope``) the call is this thread's ``PackCall``
-(``lit_hbp.calls``): the model's configs name lit-hbp's varlen attention on this thread only, its
+(``lit_hbp.model.calls``): the model's configs name lit-hbp's varlen attention on this thread only, its
 decoder layers are checkpointed as the batch's level says (inputs on the host with ``offload``), a
 vision-language model's tower blocks all of them when the level checkpoints any (a block keeps per
 image patch what a decoder layer keeps per token), and its MLPs run in the level's tiles. A
@@ -44,12 +44,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.checkpoint import checkpoint
 
-from lit_hbp import calls
 from lit_hbp.data.batch import PACK_MARK, PackedBatch
-from lit_hbp.offload import host_offload, offloaded_checkpoint
+from lit_hbp.data.media_batch import TOKEN_KEYS
+from lit_hbp.model import calls
+from lit_hbp.model.offload import host_offload, offloaded_checkpoint
+from lit_hbp.model.tiling import install_tiling
+from lit_hbp.model.vision import attends_both_ways, refuse_bidirectional
 from lit_hbp.parallel.context import sp_call
-from lit_hbp.tiling import install_tiling
-from lit_hbp.vision import TOKEN_KEYS, attends_both_ways, refuse_bidirectional
 
 PREPARED = "_hbp_prepared"  # the Prepared record, on the model, its decoder, its attention modules and MLPs
 PACK_KEYS = ("cu_seq_lens_q", "max_length_q", "hbp_cp_shard", "hbp_sp")  # what attention needs of a packed call
@@ -71,7 +72,7 @@ class Prepared:
     mlps: list[torch.nn.Module | None]  # each layer's tileable MLP (None where it has none)
     attends: list[list[torch.nn.Module]]  # each layer's modules that may call the attention function
     mixers: list[torch.nn.Module] = field(default_factory=list)  # stateful token mixers run document by document
-    backend: str = "auto"  # the attention backend of its packed calls (``lit_hbp.attention.backends``)
+    backend: str = "auto"  # the attention backend of its packed calls (``lit_hbp.model.attention.backends``)
     owner: int = field(default_factory=lambda: next(_owners))  # names its calls in ``attention.choices``
     hooks: list = field(default_factory=list)
     own: list | None = None  # layers' and blocks' own (checkpointing flag, function, dict flag) while packed calls run
@@ -387,7 +388,7 @@ def _leave_call(decoder: torch.nn.Module, args: tuple, kwargs: dict, output):
 
 def _check_model_call(net: torch.nn.Module, args: tuple, kwargs: dict):
     """A packed call of the model as a whole: images or a prefix where its family attends both ways among
-    them (``lit_hbp.vision.attends_both_ways``) are refused, and so is its own loss where it would be wrong."""
+    them (``lit_hbp.model.vision.attends_both_ways``) are refused, and so is its own loss where it would be wrong."""
     if attends_both_ways(net) is not None:
         if kwargs.get("hbp_sp") is not None or _packed_keywords(kwargs) is not None:
             refuse_bidirectional(net, kwargs)

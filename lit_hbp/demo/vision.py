@@ -4,7 +4,7 @@ colour, kind and count the answers name, so the loss can fall only by looking at
 sizes vary, so an image becomes 17 to 68 tokens (anyres tiles), and some records hold two images or
 none: packs mix lengths as real vision-language data does.
 
-    python -m lit_hbp.demo_vlm demo_vlm      # what configs/tiny_vlm_cpu.yaml reads (built when missing)
+    python -m lit_hbp.demo.vision demo_vlm      # what configs/tiny_vlm_cpu.yaml reads (built when missing)
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_hbp.demo import byte_level_bpe, ensure_demo
+from lit_hbp.demo.text import byte_level_bpe, ensure_demo
 
-VERSION = "2"  # 2: the text demo's BPE settings (lit_hbp.demo.byte_level_bpe)
+VERSION = "2"  # 2: the text demo's BPE settings (lit_hbp.demo.text.byte_level_bpe)
 MODEL_DIR, DATA_FILE, IMAGE_DIR = "model", "chat.jsonl", "images"
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 205, 30),
           "purple": (140, 60, 190), "orange": (245, 135, 25)}  # fmt: skip
@@ -183,7 +183,7 @@ def ensure_vlm_demo(out_dir: str | os.PathLike[str], n: int = 1200, seed: int = 
         return complete() or build(out, n, seed)
 
 
-DEMOS = ("text", "vision")  # HBPDataModule's ``demo``: lit_hbp.demo's, or this module's
+DEMOS = ("text", "vision")  # HBPDataModule's ``demo``: lit_hbp.demo.text's, or this module's
 
 
 def ensure_kind(out_dir: str | os.PathLike[str], kind: str = "text") -> None:
@@ -195,7 +195,7 @@ def ensure_kind(out_dir: str | os.PathLike[str], kind: str = "text") -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lit_hbp.demo_vlm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lit_hbp.demo.vision", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="folder to write (model/, chat.jsonl, images/)")
     parser.add_argument("--n", type=int, default=1200, help="records (default 1200)")
     parser.add_argument("--seed", type=int, default=0)

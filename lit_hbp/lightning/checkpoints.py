@@ -348,7 +348,7 @@ def check_checkpoint(path: str | os.PathLike, trust: bool = False, opt_in: str =
     option that trusts a file, named in the refusal."""
     path = Path(path)
     if not path.exists():
-        from lit_hbp.checks import did_you_mean
+        from lit_hbp.errors import did_you_mean
 
         near = did_you_mean(path.name, (p.name for p in path.parent.iterdir())) if path.parent.is_dir() else ""
         raise UserInputError(f"checkpoint not found: {path}{near}")

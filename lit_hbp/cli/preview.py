@@ -17,9 +17,9 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-from lit_hbp.data.datamodule import HBPDataModule
 from lit_hbp.data.media import Image, Video, image_token_id, video_token_id
 from lit_hbp.data.store import SampleStore
+from lit_hbp.lightning.datamodule import HBPDataModule
 
 OPEN, CLOSE = "⟦", "⟧"
 GREEN, RESET = "\x1b[1;32m", "\x1b[0m"

@@ -1,6 +1,6 @@
 """Each level's predicted peak memory per GPU, before anything launches.
 
-    python -m lit_hbp.memory --config configs/llama3_8b_32gpu.yaml [--gpu h100] [--gpus 32]
+    python -m lit_hbp.cost.memory --config configs/llama3_8b_32gpu.yaml [--gpu h100] [--gpus 32]
 
 Reads the training YAML (its model, levels, precision, world, strategy's ZeRO stage and offloads,
 ``liger``, LoRA: ``run_settings.config_settings``; a setting set-up would refuse is refused here, exit 2)
@@ -20,11 +20,8 @@ import argparse
 import sys
 from dataclasses import replace
 
-from lit_hbp.costmodel import GIB, HARDWARE, CostModel
-from lit_hbp.model_spec import ModelSpec
-from lit_hbp.packing.levels import Level, as_level
-from lit_hbp.parallel.topology import resolve_layout
-from lit_hbp.run_settings import (
+from lit_hbp.cost.costmodel import GIB, HARDWARE, CostModel
+from lit_hbp.cost.run_settings import (
     CONFIG,
     SWITCHES,
     check,
@@ -35,6 +32,9 @@ from lit_hbp.run_settings import (
     problems,
     trainer_settings,
 )
+from lit_hbp.model_spec import ModelSpec
+from lit_hbp.packing.levels import Level, as_level
+from lit_hbp.parallel.topology import resolve_layout
 
 SHOWN = ("params", "grads", "optimizer", "layers", "checkpointed", "recompute", "working", "head", "vision")
 
@@ -142,11 +142,11 @@ def table(cost: CostModel, levels) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lit_hbp.config import model_config, read_config, spec_of
+    from lit_hbp.cost.config import model_config, read_config, spec_of
     from lit_hbp.model_spec import load_model_spec
 
     p = argparse.ArgumentParser(
-        prog="python -m lit_hbp.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m lit_hbp.cost.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", required=True, help="a lit-hbp training YAML")
     p.add_argument("--gpu", default="h100", choices=sorted(HARDWARE))

@@ -13,7 +13,7 @@ positions only), so whatever the family's ``ForCausalLM.forward`` does after the
 reproduced here: logit scaling (Cohere multiplies by ``logit_scale``, Granite divides by
 ``logits_scaling``), final soft-capping (Gemma 2/3), the router's load-balancing loss of
 mixture-of-experts models. What is not known here is caught by the self-check at the start of fit
-(``lit_hbp.selfcheck``), which compares against the family's own forward.
+(``lit_hbp.model.selfcheck``), which compares against the family's own forward.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from typing import Any, NamedTuple
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_hbp import attention, calls
-from lit_hbp.checks import check_model_config, local_checkpoint, model_config
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
-from lit_hbp.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
-from lit_hbp.mixers import (
+from lit_hbp.model import attention, calls
+from lit_hbp.model.checks import check_model_config, local_checkpoint, model_config
+from lit_hbp.model.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
+from lit_hbp.model.mixers import (
     install_per_document,
     refusal,
     refuse_stateful_mixers,
@@ -44,9 +44,8 @@ from lit_hbp.mixers import (
     stateful_mixers,
     uninstall_per_document,
 )
-from lit_hbp.model_spec import ModelSpec
-from lit_hbp.offload import OFFLOADER, HostOffload
-from lit_hbp.packed_call import (
+from lit_hbp.model.offload import OFFLOADER, HostOffload
+from lit_hbp.model.packed_call import (
     PREPARED,
     Prepared,
     install_call_hooks,
@@ -55,9 +54,9 @@ from lit_hbp.packed_call import (
     record_of,
     unwrapped,
 )
-from lit_hbp.parallel.media import split_encoder_outputs
-from lit_hbp.tiling import install_tiling, mlp_of, uninstall_tiling
-from lit_hbp.vision import (
+from lit_hbp.model.sp_media import split_encoder_outputs
+from lit_hbp.model.tiling import install_tiling, mlp_of, uninstall_tiling
+from lit_hbp.model.vision import (
     check_encoder_outputs,
     encoder_outputs,
     is_multimodal,
@@ -65,6 +64,7 @@ from lit_hbp.vision import (
     refuse_bidirectional,
     vision_tower,
 )
+from lit_hbp.model_spec import ModelSpec
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
@@ -132,7 +132,7 @@ def _auto_class(model_type: str):
 
 def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model") -> None:
     """A ``model`` argument (checkpoint folder or config mapping) holding a token mixer that carries state
-    across documents (``lit_hbp.mixers``) and that lit-hbp cannot run document by document, or one that
+    across documents (``lit_hbp.model.mixers``) and that lit-hbp cannot run document by document, or one that
     it can, at a level of ``levels`` (a config's list) with sequence parallelism, is refused before the
     data is read: the model is built from its config on the meta device (no weights, no memory) and its
     decoder looked at as ``prepare_model`` will look at the real one. A config that cannot be built here
@@ -223,17 +223,17 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     Only packed calls change: those that carry a pack's document boundaries (``packed_loss``, or
     ``model(**pack_inputs(batch))``) run lit-hbp's varlen attention (every document attends only to
     itself, a level's sequence parallelism inside it) with the level's checkpointing, offload and MLP
-    tiles, for the duration of the call (``lit_hbp.packed_call``). Every other call (padded batches
+    tiles, for the duration of the call (``lit_hbp.model.packed_call``). Every other call (padded batches
     with a mask, ordinary ``labels=``, the KV cache, ``generate()``) computes what the model computed
     before. The model is put in train mode (``from_pretrained`` returns it in eval mode, which would
     train without dropout and without checkpointing). A call of a pack's token ids without its
     boundaries, and ``labels=`` of a pack (pre-shifted: its loss would shift them again) are refused.
     A family whose attention does not go through transformers' AttentionInterface is refused: its
     documents would attend to each other. Token mixers that carry state along the sequence (Mamba, the
-    gated delta rule, a short convolution, ...: ``lit_hbp.mixers``) run document by document in packed
+    gated delta rule, a short convolution, ...: ``lit_hbp.model.mixers``) run document by document in packed
     calls; a model holding one lit-hbp cannot run so is refused before anything is done to it.
     ``attn_backend``: the kernel of its packed calls (``auto``:
-    the fastest that runs each kind of call; ``lit_hbp.attention.backends``), the model's own: another
+    the fastest that runs each kind of call; ``lit_hbp.model.attention.backends``), the model's own: another
     model keeps its own. ``unprepare_model`` (or ``with prepared(model):``) undoes it."""
     net = base_of(model)
     if not hasattr(net, "set_attn_implementation") or not hasattr(net, "config"):
@@ -405,7 +405,7 @@ def packed_loss(
     is the active one, passes the document boundaries and per-document positions to the model's decoder,
     and runs the chunked cross-entropy over the supervised positions only (the labels are pre-shifted:
     position t predicts t + 1), weighted by the normalizer ``loss`` (``ave_token`` (default) |
-    ``token_mean`` | ``sample_mean`` | ``sum``, ``lit_hbp.loss``) or by ``weights``. The family's router
+    ``token_mean`` | ``sample_mean`` | ``sum``, ``lit_hbp.model.loss``) or by ``weights``. The family's router
     loss is added when its config asks for it (and ``router_loss``). ``liger``: Liger's fused linear
     cross-entropy on a CUDA GPU; ``recompute=False`` keeps each chunk's logits for the backward."""
     if not isinstance(batch, PackedBatch):

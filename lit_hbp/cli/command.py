@@ -2,7 +2,7 @@
 
 Lightning, transformers and DeepSpeed take seconds to import on a busy machine; every subcommand needs
 them, the list of subcommands does not. ``lit-hbp SUBCOMMAND --help`` is the subcommand's own full help
-(LightningCLI's, ``lit_hbp.cli``).
+(LightningCLI's, ``lit_hbp.cli.app``).
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ def usage() -> str:
 
 def entry_point(argv: list[str] | None = None) -> None:
     """``lit-hbp [SUBCOMMAND] ...``: the short help without a subcommand (exit 0 when asked for, 2 when
-    none was given), else the subcommand through ``lit_hbp.cli.main``."""
+    none was given), else the subcommand through ``lit_hbp.cli.app.main``."""
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help"):
         print(usage(), file=sys.stdout if args else sys.stderr)
         sys.exit(0 if args else 2)
-    from lit_hbp.cli import main
+    from lit_hbp.cli.app import main
 
     main(None if argv is None else args)
 
 
-if __name__ == "__main__":  # python -m lit_hbp.command, as the console script
+if __name__ == "__main__":  # python -m lit_hbp.cli.command, as the console script
     entry_point()

@@ -16,8 +16,14 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_hbp import attention
-from lit_hbp.causal_lm import (
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.memory import not_fitting, trainer_cost
+from lit_hbp.cost.run_settings import check, deepspeed_zero, local_hardware, trainer_settings
+from lit_hbp.data.batch import PackedBatch
+from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.meter import StepMeter, logs_now
+from lit_hbp.model import attention
+from lit_hbp.model.causal_lm import (
     PackedLoss,
     apply_liger,
     apply_lora,
@@ -31,18 +37,12 @@ from lit_hbp.causal_lm import (
     prepare_model,
     zero3_loading,
 )
-from lit_hbp.checks import check_model_source, check_module_positions
-from lit_hbp.costmodel import CostModel
-from lit_hbp.data.batch import PackedBatch
-from lit_hbp.errors import ConfigError
-from lit_hbp.loss import NORMALIZERS
-from lit_hbp.memory import not_fitting, trainer_cost
-from lit_hbp.meter import StepMeter, logs_now
+from lit_hbp.model.checks import check_model_source, check_module_positions
+from lit_hbp.model.loss import NORMALIZERS
+from lit_hbp.model.packed_call import pack_scope
+from lit_hbp.model.vision import vision_tower
 from lit_hbp.model_spec import ModelSpec
-from lit_hbp.packed_call import pack_scope
 from lit_hbp.packing.levels import Level
-from lit_hbp.run_settings import check, deepspeed_zero, local_hardware, trainer_settings
-from lit_hbp.vision import vision_tower
 
 RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
 
@@ -162,14 +162,14 @@ class HBPLitModule(L.LightningModule):
             at the last optimizer step of the run.
         ce_chunk_size: supervised tokens per LM-head chunk of the cross-entropy.
         attn_backend: ``auto`` (the fastest that runs, per device, dtype and feature) or a name of
-            ``lit_hbp.attention.backends.REGISTRY``: ``flash_attn_3``, ``flash_attn_4``,
+            ``lit_hbp.model.attention.backends.REGISTRY``: ``flash_attn_3``, ``flash_attn_4``,
             ``flash_attn``, ``torch_varlen``, ``flex``, ``sdpa``, ``eager``.
         compile: ``torch.compile`` each decoder layer, dynamic over pack lengths (off by default:
             the first steps of each level pay the compilation). Recompilations are logged and
             bounded (``RECOMPILE_LIMIT``): a layer that reaches the bound runs uncompiled from then on,
             and the run says so (``RecompileLimitWatch``); per-document attention loops stay uncompiled.
         self_check: at the start of fit, check that this model trains a pack of short documents
-            exactly as it trains them one by one, at every level's SP degree (``lit_hbp.selfcheck``;
+            exactly as it trains them one by one, at every level's SP degree (``lit_hbp.model.selfcheck``;
             a few forward/backward passes); refuse to train otherwise. On by default.
         lora: train LoRA adapters (peft) instead of the full model: ``{rank: 16, alpha: 32,
             dropout: 0.05, target_modules: all-linear, modules_to_save: [lm_head]}`` (other
@@ -304,7 +304,7 @@ class HBPLitModule(L.LightningModule):
             if lv.sp > 1 and groups is None:
                 raise ConfigError(
                     f"data.levels: level {i} (pack_len {lv.pack_len}) uses sequence parallelism {lv.sp}, which "
-                    f"{type(strategy).__name__} cannot run: train with lit_hbp.strategy.HBPStrategy"
+                    f"{type(strategy).__name__} cannot run: train with lit_hbp.lightning.strategy.HBPStrategy"
                 )
         if getattr(getattr(dm, "store", None), "has_media", False):
             self._check_media_family()
@@ -323,9 +323,9 @@ class HBPLitModule(L.LightningModule):
         capacity = device_memory(self.device)
         if capacity and levels and self._spec is not None:
             for line in not_fitting(*self.cost_model(capacity)):
-                rank_zero_warn(f"{line} (python -m lit_hbp.memory prints every level's parts)")
+                rank_zero_warn(f"{line} (python -m lit_hbp.cost.memory prints every level's parts)")
         if self.hparams.self_check:
-            from lit_hbp.selfcheck import layout_name, run_self_check
+            from lit_hbp.model.selfcheck import layout_name, run_self_check
 
             layouts = getattr(strategy, "levels", None) or levels  # the strategy's carry resolved layouts
             degrees = sorted({(lv.sp, lv.layout[1]) for lv in layouts} | {(1, 1)})
@@ -357,8 +357,8 @@ class HBPLitModule(L.LightningModule):
     def _check_media_family(self) -> None:
         """A run whose data has images or videos, on a family that cannot pack them, stops here (exit 2)
         with the family's reason, not at its first step with images."""
-        from lit_hbp.packed_call import record_of
-        from lit_hbp.vision import check_encoder_outputs, refuse_bidirectional
+        from lit_hbp.model.packed_call import record_of
+        from lit_hbp.model.vision import check_encoder_outputs, refuse_bidirectional
 
         net = self.base_model
         try:
@@ -509,7 +509,7 @@ class HBPLitModule(L.LightningModule):
 
     def cost_model(self, capacity: float) -> tuple[CostModel, list[Level]]:
         """The memory model of this run as its trainer set it up, on devices of ``capacity`` bytes:
-        ``(CostModel, levels as laid out)``; ``lit_hbp.memory.level_memory`` gives each level's parts."""
+        ``(CostModel, levels as laid out)``; ``lit_hbp.cost.memory.level_memory`` gives each level's parts."""
         half = any(p in str(self.trainer.precision) for p in ("16", "bf16"))
         dtype_bytes = 2 if half else next(self.model.parameters()).element_size()
         tower = vision_tower(base_of(self.model))
@@ -525,16 +525,21 @@ class HBPLitModule(L.LightningModule):
     def configure_gradient_clipping(
         self, optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
     ) -> None:
-        """Clipping by norm where nothing scales the gradients (fp32, bf16; not under DeepSpeed, which
-        clips in its own step): ``clip_grad_norm_`` with torch's multi-tensor kernels, the norm left on
-        the device (Lightning's own clips tensor by tensor off CUDA, and refuses the fused AdamW under
+        """Clipping by norm where nothing scales the gradients (fp32, bf16) and every rank holds whole
+        gradients (one device, DDP; not DeepSpeed, which clips in its own step, nor a sharding strategy,
+        whose norm is over shards): ``clip_grad_norm_`` with torch's multi-tensor kernels, the norm left
+        on the device (Lightning's own clips tensor by tensor off CUDA, and refuses the fused AdamW under
         bf16 though bf16 has no loss scale to undo). Otherwise Lightning's."""
-        from lightning.pytorch.strategies import DeepSpeedStrategy
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
         trainer = self.trainer
         by_norm = str(gradient_clip_algorithm or "norm") == "norm"
         unscaled = getattr(trainer.precision_plugin, "scaler", None) is None
-        if gradient_clip_val and by_norm and unscaled and not isinstance(trainer.strategy, DeepSpeedStrategy):
+        strategy = trainer.strategy  # whole gradients on every rank: one device, DDP (not DeepSpeed's, not FSDP's)
+        whole = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(
+            strategy, DeepSpeedStrategy
+        )
+        if gradient_clip_val and by_norm and unscaled and whole:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, gradient_clip_val, foreach=True)
             return

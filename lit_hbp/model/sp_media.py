@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lit_hbp.model.vision import encoder_outputs
 from lit_hbp.parallel.context import SPCall
-from lit_hbp.vision import encoder_outputs
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def split_encoder_outputs(
     sp: SPCall,
 ) -> dict:
     """``mm_encoder_outputs`` for this rank's shard of a pack at sp > 1: this rank encodes its share
-    of the pack's items (``owners``) with the model's own encoders (``lit_hbp.vision.encoder_outputs``),
+    of the pack's items (``owners``) with the model's own encoders (``lit_hbp.model.vision.encoder_outputs``),
     and receives the feature rows of the placeholder tokens its shard holds (``input_ids``, at the
     pack's positions ``part`` of ``total``), in their order."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling

@@ -15,15 +15,16 @@ import hashlib
 import inspect
 import json
 import math
+import signal
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lit_hbp.checks import did_you_mean, local_checkpoint
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.sources import Source, check_sources
@@ -36,9 +37,11 @@ from lit_hbp.data.tokenize import (
     tokenize_source,
     tokenizer_fingerprint,
 )
-from lit_hbp.errors import ConfigError, DataError
+from lit_hbp.errors import ConfigError, DataError, did_you_mean
+from lit_hbp.model.checks import local_checkpoint
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, MicroBatch, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LevelSelector, as_level
+from lit_hbp.packing.vision_load import VisionLoad
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import layout_levels, sp_coords
 
@@ -50,7 +53,7 @@ class MediaInputs:
 
     def __init__(self, processor, config, token_types: bool):
         from lit_hbp.data.media import WorkerMedia, rope_stand_in
-        from lit_hbp.vision import MRopePositions
+        from lit_hbp.data.media_batch import MRopePositions
 
         self.media = WorkerMedia(processor, token_types)
         inner = rope_stand_in(config) if config is not None else None
@@ -245,9 +248,9 @@ class HBPDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes for collation; None (default): 2 when training on
             a GPU, where batches are also pinned and prefetched so the copy overlaps the step, else 0.
         demo_dir: build the embedded demo data set and tokenizer here if missing
-            (``python -m lit_hbp.demo``); the tiny configs point their sources at it.
+            (``python -m lit_hbp.demo.text``); the tiny configs point their sources at it.
         demo: which demo ``demo_dir`` holds: text (default) | vision (a tiny vision-language checkpoint
-            folder and an image-chat data set, ``python -m lit_hbp.demo_vlm``).
+            folder and an image-chat data set, ``python -m lit_hbp.demo.vision``).
         val_sources: validation data (the same forms as ``sources``), every record once.
         val_fraction: also hold out this seeded fraction of the training records (every repeat of
             a held-out record leaves training) for validation.
@@ -310,7 +313,7 @@ class HBPDataModule(L.LightningDataModule):
         self.cache_dir, self.num_workers = cache_dir, num_workers
         check_num_proc(num_proc)
         self.num_proc = num_proc
-        from lit_hbp.demo_vlm import DEMOS, ensure_kind
+        from lit_hbp.demo.vision import DEMOS, ensure_kind
 
         if demo not in DEMOS:
             raise ConfigError(f"data.demo must be one of {', '.join(DEMOS)}, got {demo!r}")
@@ -590,8 +593,6 @@ class HBPDataModule(L.LightningDataModule):
     def _worker_settings(workers: int) -> dict:
         """Worker processes that ignore Ctrl-C: the terminal's SIGINT reaches them too, and the main
         process finishes the running optimizer step (InterruptCheckpoint) with their batches."""
-        from lit_hbp.callbacks.interrupt import ignore_sigint
-
         return dict(num_workers=workers, worker_init_fn=ignore_sigint if workers else None)
 
     def train_dataloader(self) -> PlanLoader:
@@ -687,3 +688,42 @@ def tokenizer_from_files(files: dict[str, bytes | str], folder: str | Path):
     for name, data in files.items():
         (folder / Path(name).name).write_bytes(data if isinstance(data, bytes) else data.encode())
     return AutoTokenizer.from_pretrained(folder)
+
+
+def ignore_sigint(worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn``: the worker ignores SIGINT. A terminal's Ctrl-C reaches the
+    workers too; one that died of it would fail the step InterruptCheckpoint lets finish. The
+    workers still end with the main process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def config_lengths(config: dict) -> tuple[np.ndarray, int, VisionLoad | None]:
+    """Sample lengths of the config's data sources, the tokenizer's vocabulary size and, for a
+    vision-language checkpoint's data with images or videos, what they give its tower (``VisionLoad``)."""
+    return config_samples(config)[:3]
+
+
+def config_samples(config: dict) -> tuple[np.ndarray, int, VisionLoad | None, Any]:
+    """``config_lengths`` and, for data with images or videos, the samples themselves as a measured level
+    search packs them into its probes (``StoreSamples``, their images read by the
+    checkpoint's processor); None for text."""
+    from lit_hbp.data.media import vision_load
+
+    data = config.get("data") or {}
+    if data.get("demo_dir"):
+        from lit_hbp.demo.vision import ensure_kind
+
+        ensure_kind(data["demo_dir"], data.get("demo", "text"))
+    tok, processor, vlm_config = load_renderers(data["tokenizer"], data.get("chat_template"))
+    sources = [Source.of(s, f"data.sources[{i}]") for i, s in enumerate(data["sources"])]
+    train_on, cache = data.get("train_on", "assistant"), data.get("cache_dir")
+    num_proc = data.get("num_proc")
+    tokenized = [
+        tokenize_source(s, tok, train_on, cache, label=f"data.sources[{i}]", num_proc=num_proc, processor=processor)
+        for i, s in enumerate(sources)
+    ]
+    store = SampleStore.build(tokenized, max_len=None, seed=data.get("seed", 0))
+    if not store.has_media or vlm_config is None:
+        return store.lengths, len(tok), None, None
+    samples = StoreSamples(store, media_inputs(store, processor, vlm_config))
+    return store.lengths, len(tok), vision_load(store.media_pixels(), vlm_config), samples

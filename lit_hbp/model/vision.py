@@ -1,5 +1,5 @@
-"""Vision-language packs: the images and videos of several records in one packed call, each record
-computed as it alone would be.
+"""Vision-language packs in a model: the images and videos of several records in one packed call, each
+record computed as it alone would be (how a pack's media are batched: ``lit_hbp.data.media_batch``).
 
 A record of a vision-language model is its token ids, each image or video already expanded into its
 placeholder tokens by the family's processor, the pixels the processor made of its images and videos,
@@ -15,7 +15,7 @@ per-token media types. Packing keeps each record's computation its own:
   alone with its own ``get_rope_index`` (``MRopePositions``), the rows stacked under the pack's text
   row ([4, 1, T]: what transformers' own packed path reads);
 - the vision tower keeps its own attention: a packed call routes only the language model's configs
-  to lit-hbp's varlen attention (``lit_hbp.causal_lm.prepare_model``), and ``packed_loss`` encodes the
+  to lit-hbp's varlen attention (``lit_hbp.model.causal_lm.prepare_model``), and ``packed_loss`` encodes the
   images outside the packed call (``mm_encoder_outputs``).
 
 Refused rather than trained wrong: families whose language model lets an image's tokens attend to
@@ -26,22 +26,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-import numpy as np
 import torch
 
-from lit_hbp.errors import DataError
+from lit_hbp.data.media_batch import IMAGE_ARGS, VIDEO_ARGS, has_media
 
-# Concatenated along their first dimension, in record order.
-CONCAT_KEYS = (
-    "pixel_values", "image_grid_thw", "image_sizes", "batch_num_images",
-    "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
-)  # fmt: skip
-TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")  # one value per token, concatenated like the ids
-MM_KEYS = CONCAT_KEYS + TOKEN_KEYS
-IMAGE_ARGS = ("pixel_values", "image_grid_thw", "image_sizes", "batch_num_images")
-VIDEO_ARGS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 # model_type -> why a causal kernel per document cannot be its language model's attention over images
 BIDIRECTIONAL = {
     "gemma3": "an image's tokens attend to each other both ways (token_type_ids)",
@@ -82,15 +72,6 @@ def language_linears(net: torch.nn.Module, decoder: torch.nn.Module) -> list[str
     return [n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear) and id(m) in inside]
 
 
-def has_media(mm: Mapping | None) -> bool:
-    """Whether a pack's multimodal inputs hold any image or video."""
-    if not mm:
-        return False
-    if any(mm.get(k) is not None and mm[k].numel() for k in ("pixel_values", "pixel_values_videos")):
-        return True
-    return any(mm.get(k) is not None and bool((mm[k] != 0).any()) for k in TOKEN_KEYS)
-
-
 def attends_both_ways(net: torch.nn.Module) -> str | None:
     """Why some of ``net``'s tokens may attend to later ones when a call marks them (images, a prefix), or
     None: a family in ``BIDIRECTIONAL``, or a config with ``prefix_lm`` (its ``token_type_ids`` 1 mark a
@@ -113,91 +94,6 @@ def refuse_bidirectional(net: torch.nn.Module, mm: Mapping | None) -> None:
             "does not compute, so this pack would train wrong; train it on packs without them (text only), or "
             "another family (docs/vision.md)"
         )
-
-
-def media_of(record: Mapping, i: int, length: int) -> dict[str, torch.Tensor]:
-    """The multimodal fields of ``record`` (sample ``i`` of ``length`` tokens) as tensors, per-token
-    fields checked for their length."""
-    out = {}
-    for key in MM_KEYS:
-        if record.get(key) is None:
-            continue
-        value = torch.as_tensor(np.asarray(record[key])) if not torch.is_tensor(record[key]) else record[key]
-        if key in TOKEN_KEYS:
-            value = value.reshape(-1)
-            if value.numel() != length:
-                raise ValueError(f"sample {i}: {key} must hold one value per token ({value.numel()} for {length})")
-        out[key] = value
-    return out
-
-
-def collate_media(parts: Sequence[Mapping[str, torch.Tensor]], lengths: Sequence[int], total: int) -> dict:
-    """The pack's multimodal inputs from each record's (``media_of``) in pack order; per-token fields
-    padded with 0 to the pack's ``total`` tokens; the same keys present in every record or refused."""
-    keys = {k for p in parts for k in p}
-    out: dict[str, torch.Tensor] = {}
-    for key in TOKEN_KEYS:
-        if key in keys:
-            row = torch.zeros(total, dtype=torch.long)
-            at = 0
-            for part, n in zip(parts, lengths):
-                if key in part:
-                    row[at : at + n] = part[key].long()
-                at += n
-            out[key] = row[None]
-    for key in CONCAT_KEYS:
-        values = [p[key] for p in parts if key in p]
-        if not values:
-            continue
-        if key == "pixel_values" and values[0].dim() == 5:  # anyres: [images, tiles, C, H, W]
-            tiles = max(v.shape[1] for v in values)
-            values = [torch.nn.functional.pad(v, (0, 0, 0, 0, 0, 0, 0, tiles - v.shape[1])) for v in values]
-        values = [v.reshape(1) if v.dim() == 0 else v for v in values]
-        if len({v.shape[1:] for v in values}) > 1:
-            shapes = sorted({tuple(v.shape[1:]) for v in values})
-            hint = (
-                ": the family's forward takes a pack's videos as one [videos, frames, ...] tensor (LLaVA-OneVision's), "
-                "so they need one frame count; set its video processor's num_frames with do_sample_frames: true, or "
-                "give videos of one length"
-                if key == "pixel_values_videos" else ""
-            )  # fmt: skip
-            raise DataError(f"a pack's records give {key} of different shapes {shapes} that cannot be joined{hint}")
-        out[key] = torch.cat(values, dim=0)
-    return out
-
-
-class MRopePositions:
-    """Each record's multimodal-RoPE positions from the family's own ``get_rope_index``, computed on
-    the record alone (so a pack gives each record what it gets alone), on the host."""
-
-    def __init__(self, inner: torch.nn.Module):
-        self.inner = inner
-
-    @classmethod
-    def of(cls, model: torch.nn.Module | None) -> MRopePositions | None:
-        if model is None:
-            return None
-        net = getattr(model, "_orig_mod", model)  # torch.compile's wrapper, then peft's
-        net = net.get_base_model() if hasattr(net, "get_base_model") else net
-        inner = getattr(net, "model", None)
-        return cls(inner) if callable(getattr(inner, "get_rope_index", None)) else None
-
-    def rows(self, ids: np.ndarray, media: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """[3, L] positions of one record."""
-        ids_t = torch.tensor(np.asarray(ids), dtype=torch.long)[None]  # a copy: the cache's ids are read-only
-        kw = {k: media[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in media}
-        types = media.get("mm_token_type_ids")
-        kw["mm_token_type_ids"] = (types if types is not None else torch.zeros(len(ids), dtype=torch.long))[None]
-        with torch.no_grad():
-            positions, _ = self.inner.get_rope_index(ids_t, **kw)
-        return positions[:, 0].cpu()
-
-    def pack(self, ids: Sequence[np.ndarray], media: Sequence[Mapping], total: int) -> torch.Tensor:
-        """[3, 1, total] rows of the pack: each record's, then an arange over the padding."""
-        rows = [self.rows(i, m) for i, m in zip(ids, media)]
-        n = sum(r.shape[1] for r in rows)
-        rows.append(torch.arange(total - n).expand(3, -1))
-        return torch.cat(rows, dim=1)[:, None]
 
 
 def check_encoder_outputs(inner: torch.nn.Module) -> None:

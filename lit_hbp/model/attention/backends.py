@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from packaging.version import InvalidVersion, Version
 
-from lit_hbp.attention.flex import cross_block_mask, document_block_mask
-from lit_hbp.calls import TOWER_NAME
+from lit_hbp.model.attention.flex import cross_block_mask, document_block_mask
+from lit_hbp.model.calls import TOWER_NAME
 
 FEATURES = ("window", "softcap", "sinks", "dropout")
 HALF = (torch.float16, torch.bfloat16)
@@ -65,7 +65,7 @@ class AttnArgs:
     cu_k: torch.Tensor | None = None
     max_len_k: int | None = None
     causal: bool = True
-    """False: each document attends both ways (a vision tower's images, ``lit_hbp.attention.tower``), taken
+    """False: each document attends both ways (a vision tower's images, ``lit_hbp.model.attention.tower``), taken
     by every backend's ``run``; the LSE pairs serve the language model's causal calls only."""
 
     def __post_init__(self) -> None:
@@ -1089,7 +1089,7 @@ def tower_attention(backend: str, device_type: str, dtype: torch.dtype) -> str |
     """The attention a vision tower runs in a packed call: where the language model's packed calls run a
     varlen kernel on ``device_type`` in ``dtype``, that kernel over all of a pack's images in one call a
     layer (Qwen's towers by their ``cu_seqlens``): transformers' flash implementation of flash-attn 2 and 3,
-    lit-hbp's tower attention (``lit_hbp.attention.tower``) for the others. None (the tower's own
+    lit-hbp's tower attention (``lit_hbp.model.attention.tower``) for the others. None (the tower's own
     attention) where the packed calls loop over documents (a CPU, sdpa, eager): the tower's own is as fast."""
     if device_type != "cuda":
         return None

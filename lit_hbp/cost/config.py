@@ -1,0 +1,40 @@
+"""A training YAML read outside LightningCLI: its model, for the tools that price or probe a run before
+it starts (level auto-selection, the memory report, benchmarks). Its data's lengths and samples, which
+the data module's set-up computes: ``lit_hbp.lightning.datamodule.config_samples``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lit_hbp.model_spec import ModelSpec
+
+
+def read_config(path: str | Path) -> dict:
+    """A training YAML with its ${...} interpolations resolved."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
+def model_config(config: dict, vocab: int | None) -> dict | str:
+    model = (config.get("model") or {}).get("model")
+    if model is None:
+        raise ValueError("the config has no model.model entry (a checkpoint path or a config mapping)")
+    if isinstance(model, dict) and vocab is not None:
+        model = {**model, "vocab_size": vocab}
+    return model
+
+
+def spec_of(model: dict | str) -> ModelSpec:
+    """The shape of the config's model: its mapping, or its checkpoint folder's config.json; a folder
+    that is not on this machine (pricing a cluster's run on a laptop) names the way round it."""
+    if isinstance(model, dict):
+        return ModelSpec.from_config(model)
+    if not Path(model).exists():
+        from lit_hbp.model_spec import MODELS
+
+        raise ValueError(
+            f"model.model {model} is not on this machine: give the model's shape with --model, a preset "
+            f"({', '.join(sorted(MODELS))}) or a config.json"
+        )
+    return ModelSpec.from_config(Path(model))

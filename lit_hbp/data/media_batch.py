@@ -1,0 +1,126 @@
+"""A pack's images and videos as the model's inputs: each record's fields as tensors (``media_of``),
+joined in pack order (``collate_media``), and the multimodal-RoPE positions of families whose positions
+depend on the images (``MRopePositions``). How the model then encodes them: ``lit_hbp.model.vision``.
+
+- pixels and per-image metadata concatenate along their first dimension in record order (the model
+  scatters image features into the placeholders in order); anyres tiles ([images, tiles, C, H, W])
+  are zero-padded to the pack's widest, as the family's own batching pads them (the model reads only
+  each image's own tiles); per-record counts (``batch_num_images``) stay per record;
+- per-token fields (``mm_token_type_ids``, ``token_type_ids``) concatenate like the ids;
+- positions restart per record; a family whose positions depend on the images numbers each record
+  alone with its own ``get_rope_index``, the rows stacked under the pack's text row ([4, 1, T]: what
+  transformers' own packed path reads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from lit_hbp.errors import DataError
+
+# Concatenated along their first dimension, in record order.
+CONCAT_KEYS = (
+    "pixel_values", "image_grid_thw", "image_sizes", "batch_num_images",
+    "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+)  # fmt: skip
+TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")  # one value per token, concatenated like the ids
+MM_KEYS = CONCAT_KEYS + TOKEN_KEYS
+IMAGE_ARGS = ("pixel_values", "image_grid_thw", "image_sizes", "batch_num_images")
+VIDEO_ARGS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def has_media(mm: Mapping | None) -> bool:
+    """Whether a pack's multimodal inputs hold any image or video."""
+    if not mm:
+        return False
+    if any(mm.get(k) is not None and mm[k].numel() for k in ("pixel_values", "pixel_values_videos")):
+        return True
+    return any(mm.get(k) is not None and bool((mm[k] != 0).any()) for k in TOKEN_KEYS)
+
+
+def media_of(record: Mapping, i: int, length: int) -> dict[str, torch.Tensor]:
+    """The multimodal fields of ``record`` (sample ``i`` of ``length`` tokens) as tensors, per-token
+    fields checked for their length."""
+    out = {}
+    for key in MM_KEYS:
+        if record.get(key) is None:
+            continue
+        value = torch.as_tensor(np.asarray(record[key])) if not torch.is_tensor(record[key]) else record[key]
+        if key in TOKEN_KEYS:
+            value = value.reshape(-1)
+            if value.numel() != length:
+                raise ValueError(f"sample {i}: {key} must hold one value per token ({value.numel()} for {length})")
+        out[key] = value
+    return out
+
+
+def collate_media(parts: Sequence[Mapping[str, torch.Tensor]], lengths: Sequence[int], total: int) -> dict:
+    """The pack's multimodal inputs from each record's (``media_of``) in pack order; per-token fields
+    padded with 0 to the pack's ``total`` tokens; the same keys present in every record or refused."""
+    keys = {k for p in parts for k in p}
+    out: dict[str, torch.Tensor] = {}
+    for key in TOKEN_KEYS:
+        if key in keys:
+            row = torch.zeros(total, dtype=torch.long)
+            at = 0
+            for part, n in zip(parts, lengths):
+                if key in part:
+                    row[at : at + n] = part[key].long()
+                at += n
+            out[key] = row[None]
+    for key in CONCAT_KEYS:
+        values = [p[key] for p in parts if key in p]
+        if not values:
+            continue
+        if key == "pixel_values" and values[0].dim() == 5:  # anyres: [images, tiles, C, H, W]
+            tiles = max(v.shape[1] for v in values)
+            values = [torch.nn.functional.pad(v, (0, 0, 0, 0, 0, 0, 0, tiles - v.shape[1])) for v in values]
+        values = [v.reshape(1) if v.dim() == 0 else v for v in values]
+        if len({v.shape[1:] for v in values}) > 1:
+            shapes = sorted({tuple(v.shape[1:]) for v in values})
+            hint = (
+                ": the family's forward takes a pack's videos as one [videos, frames, ...] tensor (LLaVA-OneVision's), "
+                "so they need one frame count; set its video processor's num_frames with do_sample_frames: true, or "
+                "give videos of one length"
+                if key == "pixel_values_videos" else ""
+            )  # fmt: skip
+            raise DataError(f"a pack's records give {key} of different shapes {shapes} that cannot be joined{hint}")
+        out[key] = torch.cat(values, dim=0)
+    return out
+
+
+class MRopePositions:
+    """Each record's multimodal-RoPE positions from the family's own ``get_rope_index``, computed on
+    the record alone (so a pack gives each record what it gets alone), on the host."""
+
+    def __init__(self, inner: torch.nn.Module):
+        self.inner = inner
+
+    @classmethod
+    def of(cls, model: torch.nn.Module | None) -> MRopePositions | None:
+        if model is None:
+            return None
+        net = getattr(model, "_orig_mod", model)  # torch.compile's wrapper, then peft's
+        net = net.get_base_model() if hasattr(net, "get_base_model") else net
+        inner = getattr(net, "model", None)
+        return cls(inner) if callable(getattr(inner, "get_rope_index", None)) else None
+
+    def rows(self, ids: np.ndarray, media: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """[3, L] positions of one record."""
+        ids_t = torch.tensor(np.asarray(ids), dtype=torch.long)[None]  # a copy: the cache's ids are read-only
+        kw = {k: media[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in media}
+        types = media.get("mm_token_type_ids")
+        kw["mm_token_type_ids"] = (types if types is not None else torch.zeros(len(ids), dtype=torch.long))[None]
+        with torch.no_grad():
+            positions, _ = self.inner.get_rope_index(ids_t, **kw)
+        return positions[:, 0].cpu()
+
+    def pack(self, ids: Sequence[np.ndarray], media: Sequence[Mapping], total: int) -> torch.Tensor:
+        """[3, 1, total] rows of the pack: each record's, then an arange over the padding."""
+        rows = [self.rows(i, m) for i, m in zip(ids, media)]
+        n = sum(r.shape[1] for r in rows)
+        rows.append(torch.arange(total - n).expand(3, -1))
+        return torch.cat(rows, dim=1)[:, None]

@@ -1,0 +1,18 @@
+"""The embedded demo data sets, built offline on first use: short chats and long documents about the
+Python standard library (``text``: ``python -m lit_hbp.demo``), and drawn-shape image chats with a tiny
+LLaVA-NeXT folder (``vision``: ``python -m lit_hbp.demo.vision``)."""
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """What ``lit_hbp.demo`` held before it was a folder (0.1: ``ensure_demo``, ``build_demo``, ...: the
+    module ``text`` now), imported on use."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    import importlib
+
+    try:
+        return getattr(importlib.import_module("lit_hbp.demo.text"), name)
+    except AttributeError:
+        raise AttributeError(f"module 'lit_hbp.demo' has no attribute {name!r}") from None
