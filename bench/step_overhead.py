@@ -39,7 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_hbp import pack_samples, packed_loss, prepare_model
-from lit_hbp.model.causal_lm import build_causal_lm
+from lit_hbp.model.build import build_causal_lm
 from lit_hbp.report import format_table
 
 MODES = ("bare", "hbp_ddp", "hbp_zero2", "single")

@@ -36,7 +36,7 @@ _LAZY = {
     "packed_loss": "lit_hbp.model.causal_lm",
     "unprepare_model": "lit_hbp.model.causal_lm",
     "prepared": "lit_hbp.model.causal_lm",
-    "zero3_loading": "lit_hbp.model.causal_lm",
+    "zero3_loading": "lit_hbp.model.build",
     "pack_inputs": "lit_hbp.model.packed_call",
     "pack_scope": "lit_hbp.model.packed_call",
     "pack_samples": "lit_hbp.data.collate",

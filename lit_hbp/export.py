@@ -107,7 +107,7 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     """The trained network (peft-wrapped under LoRA), fp32, built from the checkpoint alone: its config,
     the base model's generation config when it had one of its own (``generation_config_of``), its LoRA
     settings and its weights (never ``from_pretrained`` of the folder the run started from)."""
-    from lit_hbp.model.causal_lm import _auto_class, apply_lora
+    from lit_hbp.model.build import _auto_class, apply_lora
 
     hparams = _hparams(ckpt)
     config = hf_config_of(ckpt)

@@ -145,7 +145,7 @@ def test_a_liger_without_accum_dtype_is_refused(liger):
 
 def test_the_gpu_extra_requires_the_liger_that_apply_liger_accepts():
     tomllib = pytest.importorskip("tomllib")
-    from lit_hbp.model.causal_lm import LIGER_FLOOR
+    from lit_hbp.model.build import LIGER_FLOOR
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert LIGER_FLOOR in project["optional-dependencies"]["gpu"]

@@ -206,7 +206,7 @@ def test_liger_and_mlp_tiles_under_zero3_are_refused_by_setup_as_the_table_says(
 
     from lit_hbp.lightning.module import HBPLitModule
     from lit_hbp.lightning.strategy import HBPStrategy
-    from lit_hbp.model.causal_lm import apply_liger
+    from lit_hbp.model.build import apply_liger
 
     module = HBPLitModule(model={"model_type": "llama", **TINY_SHAPE}, liger=True, self_check=False)
     module._trainer = fake_trainer(stage, [Level(64)])

@@ -377,7 +377,7 @@ def stateful_mixer_kind(family: str) -> str | None:
 
     from transformers import AutoModelForImageTextToText
 
-    from lit_hbp.model.causal_lm import decoder_of
+    from lit_hbp.model.build import decoder_of
     from lit_hbp.model.mixers import stateful_mixers
 
     with warnings.catch_warnings(), torch.device("meta"):

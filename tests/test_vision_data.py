@@ -480,7 +480,7 @@ def test_the_vision_tower_trains_or_stays_as_the_config_says_and_lora_targets_th
     assert adapted and all(".language_model." in n for n in adapted), sorted(adapted)[:5]
     text = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=1, num_attention_heads=2, vocab_size=64))  # fmt: skip
-    from lit_hbp.model.causal_lm import freeze_vision
+    from lit_hbp.model.build import freeze_vision
 
     with pytest.raises(ValueError, match="freeze_vision: LlamaForCausalLM has no vision tower"):
         freeze_vision(text)

@@ -58,7 +58,7 @@ from lit_hbp.lightning.checkpoints import (
 )
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
-from lit_hbp.model.causal_lm import check_token_mixers
+from lit_hbp.model.build import check_token_mixers
 
 TERMINATED = 128 + 15  # a shell's status for a program ended by SIGTERM
 RUNS = "runs"  # the run folder's root (default_root_dir), relative to the working directory

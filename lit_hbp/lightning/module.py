@@ -23,19 +23,14 @@ from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.meter import StepMeter, logs_now
 from lit_hbp.model import attention
+from lit_hbp.model.build import apply_liger, apply_lora, base_of, build_causal_lm, freeze_vision, zero3_loading
 from lit_hbp.model.causal_lm import (
     PackedLoss,
-    apply_liger,
-    apply_lora,
-    base_of,
-    build_causal_lm,
     check_router_loss,
     decoder_layers,
-    freeze_vision,
     model_spec,
     packed_loss,
     prepare_model,
-    zero3_loading,
 )
 from lit_hbp.model.checks import check_model_source, check_module_positions
 from lit_hbp.model.loss import NORMALIZERS

@@ -45,7 +45,7 @@ from lit_hbp.cost.run_settings import Settings, check, deepspeed_zero, refusal  
 from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
 from lit_hbp.errors import ConfigError  # noqa: E402
 from lit_hbp.lightning.checkpoints import is_complete, save_deepspeed  # noqa: E402
-from lit_hbp.model.causal_lm import family_of, zero3_loading  # noqa: E402
+from lit_hbp.model.build import family_of, zero3_loading  # noqa: E402
 from lit_hbp.model.mixers import sp_refusal, stateful_mixers  # noqa: E402
 from lit_hbp.model.packed_call import record_of  # noqa: E402
 from lit_hbp.packing.levels import Level, as_level  # noqa: E402

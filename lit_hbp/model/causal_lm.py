@@ -1,6 +1,6 @@
-"""A Hugging Face causal LM as lit-hbp trains it: built with the varlen attention, its decoder,
-its output head exactly as the family's own forward applies it, its router loss, its FLOPs; and
-the two functions a Lightning module of one's own calls to train any such model on packs:
+"""A Hugging Face causal LM as lit-hbp trains it (built by ``lit_hbp.model.build``): its output head
+exactly as the family's own forward applies it, its router loss, its FLOPs; and the two functions a
+Lightning module of one's own calls to train any such model on packs:
 
     from lit_hbp import prepare_model, packed_loss
     model = prepare_model(hf_model)   # varlen attention, per-level checkpointing; returns the model
@@ -20,28 +20,30 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import inspect
 import sys
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.data.batch import PackedBatch
-from lit_hbp.errors import ConfigError
 from lit_hbp.model import attention, calls
-from lit_hbp.model.checks import check_model_config, local_checkpoint, model_config
+from lit_hbp.model.build import (
+    _refusing_other_attention,
+    base_of,
+    checkpoint_layers,
+    decoder_of,
+    family_of,
+    model_configs,
+    tower_configs,
+)
 from lit_hbp.model.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
 from lit_hbp.model.mixers import (
     install_per_document,
-    refusal,
     refuse_stateful_mixers,
-    sp_refusal,
-    stateful_mixers,
     uninstall_per_document,
 )
 from lit_hbp.model.offload import OFFLOADER, HostOffload
@@ -52,7 +54,6 @@ from lit_hbp.model.packed_call import (
     pack_inputs,
     pack_scope,
     record_of,
-    unwrapped,
 )
 from lit_hbp.model.sp_media import split_encoder_outputs
 from lit_hbp.model.tiling import install_tiling, mlp_of, uninstall_tiling
@@ -60,7 +61,6 @@ from lit_hbp.model.vision import (
     check_encoder_outputs,
     encoder_outputs,
     is_multimodal,
-    language_linears,
     refuse_bidirectional,
     vision_tower,
 )
@@ -68,153 +68,6 @@ from lit_hbp.model_spec import ModelSpec
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
-
-
-SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def special_token_ids(tokenizer) -> dict[str, int]:
-    """The tokenizer's BOS, EOS and padding ids (those it has): what a model config must say so that
-    generation stops and pads where the training data did."""
-    ids = {name: getattr(tokenizer, name, None) for name in SPECIAL_TOKEN_IDS}
-    return {k: int(v) for k, v in ids.items() if isinstance(v, int)}
-
-
-def build_causal_lm(model: str | dict, vocab_size: int | None = None, tokenizer=None):
-    """A causal LM from a local checkpoint folder, or randomly initialized from a config mapping
-    (``{"model_type": "llama", "hidden_size": ...}``), whose BOS/EOS/padding ids, unless the mapping
-    sets them, are the ``tokenizer``'s (a family's defaults name other tokens of another vocabulary).
-    Uses the varlen attention and no KV cache. A family that does not run its attention through
-    transformers' AttentionInterface is refused."""
-    from transformers import AutoConfig
-
-    if isinstance(model, dict):
-        check_model_config(model)  # a typo'd key would otherwise be ignored and the default trained
-        cfg = dict(model)
-        model_type = cfg.pop("model_type")
-        if vocab_size is not None:
-            cfg["vocab_size"] = vocab_size
-        if tokenizer is not None:
-            cfg = {**special_token_ids(tokenizer), **cfg}
-        config = AutoConfig.for_model(model_type, **cfg)
-        config.use_cache = False
-        auto, attn = _auto_class(model_type)
-        with _refusing_other_attention(model_type):
-            net = auto.from_config(config, **attn)
-    else:
-        folder = local_checkpoint(model)
-        auto, attn = _auto_class(AutoConfig.from_pretrained(folder, local_files_only=True).model_type)
-        with _refusing_other_attention(str(model)):
-            net = auto.from_pretrained(folder, dtype=torch.get_default_dtype(), local_files_only=True, **attn)
-        net.config.use_cache = False
-        if vocab_size is not None and vocab_size > net.get_input_embeddings().num_embeddings:
-            raise ValueError(
-                f"the tokenizer has {vocab_size} tokens but {model} embeds only "
-                f"{net.get_input_embeddings().num_embeddings}: use the checkpoint's tokenizer"
-            )
-    return net
-
-
-def _auto_class(model_type: str):
-    """(the Auto class that loads a checkpoint of ``model_type``, its attention argument): a causal LM
-    with lit-hbp's attention (refused at load when the family cannot take it); a vision-language model
-    as an image-text-to-text model with its own attention, whose language model ``prepare_model`` checks."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-    )
-
-    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return AutoModelForImageTextToText, {}
-    return AutoModelForCausalLM, {"attn_implementation": attention.ATTN_NAME}
-
-
-def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model") -> None:
-    """A ``model`` argument (checkpoint folder or config mapping) holding a token mixer that carries state
-    across documents (``lit_hbp.model.mixers``) and that lit-hbp cannot run document by document, or one that
-    it can, at a level of ``levels`` (a config's list) with sequence parallelism, is refused before the
-    data is read: the model is built from its config on the meta device (no weights, no memory) and its
-    decoder looked at as ``prepare_model`` will look at the real one. A config that cannot be built here
-    is left to where it is built."""
-    config = model_config(model)
-    if config is None:
-        return
-    auto, _ = _auto_class(config.model_type)
-    with warnings.catch_warnings(), torch.device("meta"):
-        warnings.simplefilter("ignore")
-        try:
-            decoder = decoder_of(auto.from_config(config))
-        except Exception:  # noqa: BLE001
-            return
-    mixers = stateful_mixers(decoder)
-    refused = [m for m in mixers if not m.per_document]
-    if refused:
-        raise ConfigError(f"{key}: {refusal(config.model_type, refused)}")
-    if mixers and isinstance(levels, (list, tuple)):
-        from lit_hbp.packing.levels import as_level
-
-        for i, entry in enumerate(levels):
-            try:
-                lv = as_level(entry, f"data.levels[{i}]")
-            except (ValueError, TypeError):
-                continue  # the level's own error comes where the levels are checked
-            if lv.sp > 1:
-                where = f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp})"
-                raise ConfigError(sp_refusal(config.model_type, mixers, where))
-
-
-@contextlib.contextmanager
-def zero3_loading(strategy) -> Iterator[None]:
-    """Under a DeepSpeed strategy at ZeRO-3, ``from_pretrained`` inside this block loads the checkpoint
-    into the partitioned parameters (DeepSpeed's config registered for transformers, as its own Trainer
-    does); elsewhere it does nothing. ``HBPStrategy`` runs ``configure_model`` inside it: call it
-    yourself around ``from_pretrained`` under Lightning's ``DeepSpeedStrategy``."""
-    if not getattr(strategy, "zero_stage_3", False):
-        yield
-        return
-    from transformers.integrations.deepspeed import (
-        HfDeepSpeedConfig,
-        is_deepspeed_zero3_enabled,
-        unset_hf_deepspeed_config,
-    )
-
-    if is_deepspeed_zero3_enabled():  # already registered (HBPStrategy's, around HBPLitModule's)
-        yield
-        return
-    registered = HfDeepSpeedConfig(strategy.config)  # noqa: F841  (kept alive: transformers holds a weakref)
-    try:
-        yield
-    finally:
-        unset_hf_deepspeed_config()
-
-
-@contextlib.contextmanager
-def _refusing_other_attention(what: str):
-    """transformers raises KeyError(attn name) for a model that does not dispatch through the
-    AttentionInterface: say so, and what would work."""
-    try:
-        yield
-    except KeyError as e:
-        if e.args and e.args[0] == attention.ATTN_NAME:
-            raise ValueError(
-                f"{what}: this model does not run its attention through transformers' AttentionInterface, so "
-                f"lit-hbp cannot give it packed (varlen) attention and refuses to train it rather than let the "
-                "documents of a pack attend to each other. Families that work: llama, qwen2/3, mistral, gemma, "
-                "phi3, olmo2, mixtral, ... (docs/families.md)"
-            ) from None
-        raise
-
-
-def family_of(net: torch.nn.Module) -> str:
-    """The model's family as transformers names it (``config.model_type``), else its class name."""
-    return getattr(getattr(net, "config", None), "model_type", None) or type(net).__name__
-
-
-def base_of(net: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face model itself (under peft: the model the adapters wrap; under
-    ``torch.compile``: the compiled module)."""
-    return unwrapped(net)
 
 
 def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.nn.Module:
@@ -328,29 +181,6 @@ def prepared(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         if not was_prepared:
             unprepare_model(model)
         model.train(training)
-
-
-def tower_configs(net: torch.nn.Module, decoder_configs: list) -> list:
-    """The configs a vision-language model's vision tower reads and its decoder does not (routed to the
-    packed call's tower attention, ``packed_call.tower_names``); none for a text-only model."""
-    tower = vision_tower(net)
-    seen = {id(c) for c in decoder_configs}
-    out = [] if tower is None else [c for c in model_configs(tower) if id(c) not in seen]
-    for config in out:
-        calls.install(type(config))
-    return out
-
-
-def model_configs(net: torch.nn.Module) -> list:
-    """Every model config the model's modules read (the top one and sub-configs), once each."""
-    from transformers import PretrainedConfig
-
-    seen: dict[int, object] = {}
-    for module in net.modules():
-        config = getattr(module, "config", None)
-        if isinstance(config, PretrainedConfig):
-            seen.setdefault(id(config), config)
-    return list(seen.values())
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -505,25 +335,6 @@ def _compile_context(compiled) -> object:
     return True
 
 
-def decoder_of(net: torch.nn.Module) -> torch.nn.Module:
-    """The module that maps token ids to the final hidden states (final norm included)."""
-    from transformers import PreTrainedModel
-
-    dec = net.get_decoder()
-    if dec is net or not isinstance(dec, PreTrainedModel):  # ModernBERT's ``decoder`` is its output projection
-        dec = getattr(net, "model", None)
-    if not isinstance(dec, PreTrainedModel) or dec is net:
-        raise ValueError(f"{type(net).__name__}: cannot find its decoder (get_decoder() returns the model itself)")
-    return dec
-
-
-def checkpoint_layers(net: torch.nn.Module) -> list[torch.nn.Module]:
-    """The module's layers that support activation checkpointing, in order (a decoder's, a vision tower's)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in net.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
 @dataclass(frozen=True)
 class OutputHead:
     """logits = softcap(scale * linear(hidden)), as the family's forward computes them."""
@@ -615,71 +426,3 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module]) -> ModelSpec
             routed = experts and top_k and "experts" in name.split(".") and "shared" not in name
             active += n * top_k / experts if routed else n
     return replace(spec, active_layer_params=active / len(layers), total_layer_params=total / len(layers))
-
-
-LIGER_FLOOR = "liger-kernel>=0.6.2"  # the first release whose fused linear cross-entropy takes accum_dtype
-
-
-def apply_liger(net) -> None:
-    """Liger's RMSNorm, RoPE and SwiGLU kernels on ``net``, the Hugging Face model itself (not a peft
-    wrapper), where Liger has them for its family (the cross-entropy is the module's own fused one,
-    so Liger's loss patches stay off). Refuses a Liger whose fused linear cross-entropy cannot
-    accumulate the LM head's gradient in fp32 (``accum_dtype``)."""
-    if not torch.cuda.is_available():
-        raise ValueError("liger=True needs a CUDA GPU: Liger's kernels are Triton kernels")
-    if importlib.util.find_spec("liger_kernel") is None:
-        raise ValueError("liger=True needs liger-kernel: pip install 'lit-hbp[gpu]'")
-    import inspect
-
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
-
-    if "accum_dtype" not in inspect.signature(liger_fused_linear_cross_entropy).parameters:
-        raise ValueError(
-            "liger=True: this liger-kernel's fused linear cross-entropy has no accum_dtype, so the LM head's "
-            f"gradient would accumulate in bf16; pip install '{LIGER_FLOOR}'"
-        )
-
-    model_type = net.config.model_type
-    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        rank_zero_warn(f"liger-kernel has no kernels for {model_type!r}: only the fused cross-entropy is used")
-        return
-    _apply_liger_kernel_to_instance(model=net, cross_entropy=False, fused_linear_cross_entropy=False)
-
-
-LORA_NAMES = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout"}
-
-
-def freeze_vision(net: torch.nn.Module) -> int:
-    """Keep a vision-language model's image encoder as it is (its projector and language model train);
-    returns how many parameters stopped training. A ValueError for a model without one."""
-    tower = vision_tower(net)
-    if tower is None:
-        raise ValueError(f"freeze_vision: {type(net).__name__} has no vision tower (a text-only model)")
-    params = list(tower.parameters())
-    for p in params:
-        p.requires_grad_(False)
-    return len(params)
-
-
-def apply_lora(net, lora: dict):
-    """Wrap ``net`` with peft LoRA adapters: only the adapters (and ``modules_to_save``) train.
-    ``lora`` takes rank, alpha, dropout, target_modules (default "all-linear"; on a vision-language
-    model every linear layer of its language model), modules_to_save, and any other
-    ``peft.LoraConfig`` field by its own name."""
-    import inspect
-
-    from peft import LoraConfig, get_peft_model
-
-    fields = set(inspect.signature(LoraConfig).parameters)
-    kw = {LORA_NAMES.get(k, k): v for k, v in lora.items()}
-    unknown = sorted(k for k in kw if k not in fields)
-    if unknown:
-        raise ValueError(
-            f"lora: unknown setting(s) {unknown}; use rank, alpha, dropout, target_modules, modules_to_save "
-            "or a peft.LoraConfig field"
-        )
-    if "target_modules" not in kw and is_multimodal(net):  # the language model's layers, not the vision tower's
-        kw["target_modules"] = language_linears(net, decoder_of(net))
-    kw.setdefault("target_modules", "all-linear")
-    return get_peft_model(net, LoraConfig(task_type="CAUSAL_LM", **kw))

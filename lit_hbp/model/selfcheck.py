@@ -241,7 +241,7 @@ def _alone(net, embed, docs, media, device) -> dict[int, dict]:
     pixels) and the trainable weights it used, through the family's own forward, output head and
     masks, with transformers' eager attention (its vision tower's too); a document with images
     gets the model's own positions for them."""
-    from lit_hbp.model.causal_lm import model_configs
+    from lit_hbp.model.build import model_configs
 
     out = {}
     own = [(config, config._attn_implementation_internal) for config in model_configs(net)]
