@@ -247,8 +247,8 @@ def cp_kernel_calls(sp: int, cp: int, kv_heads: int, split: bool) -> dict:
     lse = dataclasses.replace(sdpa.lse, forward=logged("forward", sdpa.lse.forward),
                               backward=logged("backward", sdpa.lse.backward)) if split else None  # fmt: skip
     patched = {
-        "_all_gather": logged("gather", cpm._all_gather),
-        "_reduce_scatter": logged("scatter", cpm._reduce_scatter),
+        "all_gather_flat": logged("gather", cpm.all_gather_flat),
+        "reduce_scatter_flat": logged("scatter", cpm.reduce_scatter_flat),
     }
     saved = {name: getattr(cpm, name) for name in patched}
     backends.REGISTRY["sdpa"] = dataclasses.replace(sdpa, run=logged("run", sdpa.run), lse=lse)
@@ -674,13 +674,13 @@ def cp_bf16_gradients_twice(sp: int, cp: int, lengths: list[int]) -> dict:
     kw = dict(scaling=dim**-0.5, cu_seq_lens_q=torch.tensor(np.r_[0, np.cumsum(lengths)], dtype=torch.int32),
               max_length_q=max(lengths))  # fmt: skip
     scattered = []
-    reduce_scatter = cpm._reduce_scatter
+    reduce_scatter = cpm.reduce_scatter_flat
 
     def recorded(out, src, **kwargs):
         scattered.append(str(src.dtype))
         return reduce_scatter(out, src, **kwargs)
 
-    cpm._reduce_scatter = recorded
+    cpm.reduce_scatter_flat = recorded
     shard, sp_group = cpm.cp_shard_of(split, cp_rank), SPCall.of(ctx, "cp")
     runs = []
     try:
@@ -692,7 +692,7 @@ def cp_bf16_gradients_twice(sp: int, cp: int, lengths: list[int]) -> dict:
             (out * w[:, index]).sum().backward()
             runs.append([x.grad for x in inputs])
     finally:
-        cpm._reduce_scatter = reduce_scatter
+        cpm.reduce_scatter_flat = reduce_scatter
     same = all(torch.equal(a, b) and a.dtype == torch.bfloat16 for a, b in zip(*runs))
     return dict(same=same, scattered=sorted(set(scattered)), rounds=len(cpm.cp_shard_of(split, cp_rank).key_rounds))
 

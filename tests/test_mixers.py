@@ -2,8 +2,9 @@
 lightning attention, RG-LRU, xLSTM, short convolutions) run document by document in a packed call, so a
 pack trains like each document alone, through the public core (``prepare_model`` + ``packed_loss``)
 and the command line; a mixer lit-hbp cannot run so is refused by ``prepare_model`` before anything is
-done to the model and by the command line before the data is read; sequence parallelism over such a
-mixer is refused per level; a leaking mixer of a kind nobody named is still stopped by the self-check.
+done to the model and by the command line before the data is read; at Ulysses sp 2 each rank's mixers
+see the documents whole, context parallelism over them is refused per level; a leaking mixer of a kind
+nobody named is still stopped by the self-check.
 Each family is built tiny from its default config with the mixer it is known for (``families.HYBRIDS``).
 The reference is always each document alone through the unprepared model (eager attention)."""
 
@@ -284,20 +285,81 @@ def test_a_leaking_mixer_nobody_can_name_is_stopped_by_the_self_check():
         run_self_check(module, [1], max_len=256)
 
 
-def test_sequence_parallelism_over_a_document_by_document_mixer_is_refused_per_level_and_per_call():
+def test_context_parallelism_over_a_document_by_document_mixer_is_refused_per_level_and_per_call():
+    """Ulysses levels gather a mixer's documents whole (``test_ulysses_sp_2_...``); CP levels split a pack by
+    attention area into ranges a mixer's state would have to cross: refused at set-up naming the level, and
+    in a call that gets there anyway."""
     from lit_hbp import pack_inputs
     from lit_hbp.lightning.strategy import refuse_sp_over_mixers
+    from lit_hbp.parallel.context import SPCall
+    from lit_hbp.parallel.groups import SPContext
 
     net = prepare_model(tiny("qwen3_next"))
+    cp = Level(256, 4, ulysses=2, cp=2)
     with pytest.raises(
-        ConfigError, match=r"^data\.levels\[1\] \(pack_len 256, sp 2\): qwen3_next's .*Qwen3NextGatedDeltaNet"
+        ConfigError, match=r"^data\.levels\[1\] \(pack_len 256, sp 4\): qwen3_next's .*Qwen3NextGatedDeltaNet.*cp: 1"
     ):
-        refuse_sp_over_mixers(net, [Level(128), Level(256, 2)])
-    refuse_sp_over_mixers(net, [Level(128), Level(256)])  # sp 1 everywhere: nothing to refuse
-    refuse_sp_over_mixers(prepare_model(tiny("llama")), [Level(128), Level(256, 2)])  # attention only
+        refuse_sp_over_mixers(net, [Level(128), cp])
+    refuse_sp_over_mixers(net, [Level(128), Level(256, 2, ulysses=2, cp=1)])  # Ulysses: gathered whole
+    refuse_sp_over_mixers(prepare_model(tiny("llama")), [Level(128), cp])  # attention only
     batch = pack_samples(three_documents(net.config.vocab_size))
-    with pytest.raises(ValueError, match="Qwen3NextGatedDeltaNet: a packed call under sequence parallelism"):
-        net(**pack_inputs(batch), hbp_sp=object())
+    group = SPCall.of(SPContext(None, 4, 0, (0, 1, 2, 3), cp=SPContext(None, 2, 0, (0, 2))), "cp")
+    with pytest.raises(ValueError, match=r"Qwen3NextGatedDeltaNet: .* cannot run on this level: context parallelism"):
+        net(**pack_inputs(batch), hbp_sp=group)
+
+
+def ulysses_ranks(families: list[str]) -> dict:
+    """On each of 2 gloo ranks, for each family: the three documents' pack split by Ulysses at sp 2, its
+    summed cross-entropy through ``packed_loss`` (weights 1) with every layer checkpointed, the gradients summed over
+    the ranks (the shards' parts of the pack's gradient)."""
+    import torch.distributed as dist
+
+    from lit_hbp.data.collate import collate_packs
+    from lit_hbp.parallel.context import SPCall
+    from lit_hbp.parallel.groups import SPGroups
+    from lit_hbp.parallel.ulysses import Ulysses
+
+    ctx = SPGroups([(2, 1)], 2, dist.get_rank())[(2, 1)]
+    out = {}
+    for family in families:
+        net = prepare_model(tiny(family)).eval()
+        docs = three_documents(net.config.vocab_size)
+        whole = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=2, loss_norm=1.0)
+        shard = Ulysses().shard(whole, 2, ctx.rank).replace(sp_group=SPCall.of(ctx, "ulysses"))
+        loss = packed_loss(net, shard.replace(ckpt_layers=len(record_of(net).layers)), weights=1.0)
+        loss.loss.backward()
+        ce = loss.ce_sum.detach().clone()
+        dist.all_reduce(ce)
+        grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+        for g in grads.values():
+            dist.all_reduce(g)
+        out[family] = (float(ce), grads)
+    return out
+
+
+@pytest.mark.slow
+def test_ulysses_sp_2_trains_a_hybrid_pack_like_each_document_alone():
+    """A pack split over 2 ranks (the 70-token document across both): each rank's mixers see every document
+    whole, the summed cross-entropy and every gradient equal each document alone in one process."""
+    from distributed import Pool
+
+    families = ["bamba", "lfm2", "mamba2", "qwen3_next"]
+    pool = Pool(2)
+    try:
+        results = pool.run(ulysses_ranks, families)
+    finally:
+        pool.close()
+    for family in families:
+        ref = reference_of(tiny(family))
+        want = separate_loss(ref, dict(enumerate(three_documents(ref.config.vocab_size))))
+        want.backward()
+        for ce, grads in (r[family] for r in results):
+            assert ce == pytest.approx(want.item(), rel=1e-5), family
+            net = tiny(family)
+            for name, p in net.named_parameters():
+                p.grad = grads.get(name)
+            worst, where = gradient_error(net, ref)
+            assert worst < 1e-4, f"{family}: gradient of {where} off by {worst:.1e}"
 
 
 def test_a_frozen_stateful_model_a_module_holds_is_refused_on_a_pack_unless_prepared():
@@ -337,12 +399,12 @@ def save_folder(family: str, folder: Path, tokenizer: Path) -> Path:
     return folder
 
 
-def chats(path: Path, n: int = 60) -> Path:
+def chats(path: Path, n: int = 60, longest: int = 30) -> Path:
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "packs", "state", "scan", "conv"]
     with path.open("w") as f:
         for _ in range(n):
-            q, a = (" ".join(rng.choice(words, rng.integers(2, 30))) for _ in range(2))
+            q, a = (" ".join(rng.choice(words, rng.integers(2, longest))) for _ in range(2))
             f.write(
                 json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
             )
@@ -359,7 +421,7 @@ def run_cli(args, capsys) -> tuple[int, str]:
     ("family", "extra", "says"),
     [
         ("zaya", [], "zaya: layer 0's `layers.0.self_attn.qkv_proj.conv_qk_depthwise` (Conv1d)"),
-        ("qwen3_next", ["--data.levels", "[{pack_len: 512, sp: 2}]", "--trainer.devices", "2"],
+        ("qwen3_next", ["--data.levels", "[{pack_len: 512, sp: 2, cp: 2}]", "--trainer.devices", "2"],
          "data.levels[0] (pack_len 512, sp 2): qwen3_next's"),
     ],
 )  # fmt: skip
@@ -381,20 +443,31 @@ def test_the_cli_refuses_what_it_cannot_train_in_one_line_before_reading_the_dat
 
 
 @pytest.mark.slow
-def test_a_hybrid_folder_fine_tunes_through_the_cli_with_its_self_check_passed(
-    tmp_path, small_demo, monkeypatch, capsys, caplog
+def test_a_hybrid_folder_fine_tunes_through_the_cli_on_two_processes_at_sp_2_with_its_self_check_passed(
+    tmp_path, small_demo
 ):
     """Qwen3-Next (the gated delta rule beside attention) from a ``save_pretrained`` folder through
-    ``lit-hbp fit``: the self-check packs documents against each alone and passes, and it trains."""
-    monkeypatch.chdir(tmp_path)
+    ``lit-hbp fit`` on 2 processes, its long chats on a Ulysses sp 2 level: the self-check packs documents
+    against each alone and passes, and both levels train."""
+    import os
+    import subprocess
+
+    from conftest import HANG_S, console_script
+    from test_train import scalars
+
     folder = save_folder("qwen3_next", tmp_path / "qwen3_next", small_demo / "tokenizer")
-    data = chats(tmp_path / "chats.jsonl")
-    args = ["fit", "--config", str(ROOT / "configs/own_model_cpu.yaml"), "--model.model", str(folder),
-            "--data.sources", f"[{{path: {data}}}]", "--data.levels", "[{pack_len: 256}, {pack_len: 1024}]",
-            "--trainer.max_steps", "4", "--trainer.val_check_interval", "null", "--data.val_fraction", "0",
+    data = chats(tmp_path / "chats.jsonl", longest=110)
+    args = [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs/own_model_cpu.yaml"),
+            "--model.model", str(folder), "--data.sources", f"[{{path: {data}}}]",
+            "--data.levels", "[{pack_len: 256}, {pack_len: 1024, sp: 2}]", "--trainer.devices", "2",
+            "--trainer.strategy", "hbp_ddp", "--trainer.max_steps", "6", "--trainer.log_every_n_steps", "1",
+            "--trainer.val_check_interval", "null", "--data.val_fraction", "0",
             "--trainer.enable_progress_bar", "false"]  # fmt: skip
-    with caplog.at_level("INFO"):
-        cli = main(args)
-    assert cli.trainer.global_step == 4
-    assert "self-check passed" in caplog.text
-    assert {type(m).__name__ for m in record_of(cli.model.model).mixers} == {"Qwen3NextGatedDeltaNet"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "self-check passed" in out.stdout + out.stderr
+    assert "levels: 256 tokens sp 1 ckpt 0, 1024 tokens sp 2 ckpt 0" in out.stdout + out.stderr
+    logged = scalars(tmp_path / "runs")
+    assert {v for _, v in logged["train/sp"]} == {1.0, 2.0}
+    assert all(v > 0 for _, v in logged["train/loss"])

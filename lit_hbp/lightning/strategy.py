@@ -116,16 +116,16 @@ def trained_model(module, levels: list[Level]):
 
 
 def refuse_sp_over_mixers(net, levels) -> None:
-    """A level with sequence parallelism for a model whose token mixers run document by document
-    (``lit_hbp.model.mixers``) is refused at set-up, naming the level: its documents' state would have to cross
-    the ranks' shards."""
+    """A level (laid out) whose SP kind cannot give a model's document-by-document token mixers
+    (``lit_hbp.model.mixers``) each document whole is refused at set-up, naming the level."""
     record = record_of(net)
     if record is None or not record.mixers:
         return
-    for i, lv in enumerate(as_level(x) for x in levels):
-        if lv.sp > 1:
-            where = f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp})"
-            raise ConfigError(sp_refusal(family_of(net), stateful_mixers(record.decoder), where))
+    mixers = stateful_mixers(record.decoder)
+    for i, lv in enumerate(levels):
+        problem = sp_refusal(family_of(net), mixers, lv, f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp})")
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 def _path(name: str) -> str:
@@ -258,7 +258,6 @@ class LevelGroups:
             raise ValueError(f"{type(self).__name__} needs levels: pass levels=... or use a data module with .levels")
         module = trainer.lightning_module
         net = trained_model(module, [as_level(x) for x in levels])
-        refuse_sp_over_mixers(net, levels)
         self._frozen_guards = guard_frozen(module)
         cfg = net.config
         node_size = trainer.num_devices
@@ -270,6 +269,7 @@ class LevelGroups:
             node_size,
         )
         laid_out = tuple(layout_levels([as_level(x) for x in levels], cfg, node_size))
+        refuse_sp_over_mixers(net, laid_out)
         degrees = [(lv.sp, lv.layout[1]) for lv in laid_out]
         if self.sp_groups is None:
             self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank)

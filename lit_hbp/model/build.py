@@ -24,6 +24,8 @@ from lit_hbp.model.checks import check_model_config, local_checkpoint, model_con
 from lit_hbp.model.mixers import refusal, sp_refusal, stateful_mixers
 from lit_hbp.model.packed_call import unwrapped
 from lit_hbp.model.vision import is_multimodal, language_linears, vision_tower
+from lit_hbp.packing.levels import as_level
+from lit_hbp.parallel.topology import model_heads, resolve_layout
 
 LIGER_FLOOR = "liger-kernel>=0.6.2"  # the first release whose fused linear cross-entropy takes accum_dtype
 
@@ -94,7 +96,8 @@ def _auto_class(model_type: str):
 def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model") -> None:
     """A ``model`` argument (checkpoint folder or config mapping) holding a token mixer that carries state
     across documents (``lit_hbp.model.mixers``) and that lit-hbp cannot run document by document, or one that
-    it can, at a level of ``levels`` (a config's list) with sequence parallelism, is refused before the
+    it can, at a level of ``levels`` (a config's list) whose SP layout cannot give it documents whole (context
+    parallelism: ``SPKind.mixer_problem``), is refused before the
     data is read: the model is built from its config on the meta device (no weights, no memory) and its
     decoder looked at as ``prepare_model`` will look at the real one. A config that cannot be built here
     is left to where it is built."""
@@ -113,16 +116,15 @@ def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model")
     if refused:
         raise ConfigError(f"{key}: {refusal(config.model_type, refused)}")
     if mixers and isinstance(levels, (list, tuple)):
-        from lit_hbp.packing.levels import as_level
-
         for i, entry in enumerate(levels):
             try:
-                lv = as_level(entry, f"data.levels[{i}]")
-            except (ValueError, TypeError):
+                lv = resolve_layout(as_level(entry, f"data.levels[{i}]"), *model_heads(config))
+            except (ValueError, TypeError, AttributeError):
                 continue  # the level's own error comes where the levels are checked
-            if lv.sp > 1:
-                where = f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp})"
-                raise ConfigError(sp_refusal(config.model_type, mixers, where))
+            where = f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp})"
+            problem = sp_refusal(config.model_type, mixers, lv, where)
+            if problem is not None:
+                raise ConfigError(problem)
 
 
 @contextlib.contextmanager

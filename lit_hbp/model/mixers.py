@@ -13,9 +13,11 @@ transformers' mixers do, runs in a packed call once per document of the call's p
 the call is exact by construction (the family tests check each family against each document alone).
 This is the pure-PyTorch path: a loop over the pack's documents in every mixer layer, one host read
 of the boundaries per call; the GPU kernels that take the boundaries themselves are not wired yet.
-Under sequence parallelism a document's tokens are split over ranks and its state would have to cross
-them: refused, per level, at set-up and in the call. Any other mixer (one found only by an ``A_log``
-decay or a ``torch.nn.Conv1d`` inside a decoder layer, RWKV's, xLSTM's) makes ``prepare_model`` refuse
+On a Ulysses level (sp > 1) the SP kind gathers the whole pack's inputs of the mixer
+(``SPKind.gather_tokens``), each rank runs every document whole and keeps its shard of the output (the
+mixer's work done on every rank); a context-parallel level, whose ranges a document's state would have
+to cross, is refused per level at set-up and in the call. Any other mixer (one found only by an
+``A_log`` decay or a ``torch.nn.Conv1d`` inside a decoder layer, RWKV's) makes ``prepare_model`` refuse
 the model before anything else happens, naming the family, the layer, the module and the kind (design
 record, section 12). A mixer this module does not recognise at all is still caught by the self-check,
 the second line.
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 
 from lit_hbp.model import calls
+from lit_hbp.parallel.kind import resolve_sp_kind
 
 
 @dataclass(frozen=True)
@@ -157,14 +160,17 @@ def refuse_stateful_mixers(decoder: torch.nn.Module, family: str) -> list[Statef
     return mixers
 
 
-def sp_refusal(family: str, mixers: list[StatefulMixer], where: str) -> str:
-    """Why a level with sequence parallelism cannot train a model holding ``mixers``."""
+def sp_refusal(family: str, mixers: list[StatefulMixer], level: Any, where: str) -> str | None:
+    """Why ``level`` (laid out: ``Level.layout`` filled in) cannot train a model holding ``mixers``, or
+    None: a level with sequence parallelism needs an SP kind that gives a mixer each document whole
+    (``SPKind.gather_tokens``: Ulysses)."""
+    if not mixers or level.sp == 1:
+        return None
+    problem = resolve_sp_kind(level.sp_kind).mixer_problem(level.layout[1])
+    if problem is None:
+        return None
     first = mixers[0]
-    return (
-        f"{where}: {family}'s `{first.path}` ({first.cls}) is {first.kind}, which lit-hbp runs document by "
-        "document; sequence parallelism splits a document's tokens over ranks, and its state would have to "
-        "cross them, which is not built yet: train this model at sp 1 (levels without sp)"
-    )
+    return f"{where}: {family}'s `{first.path}` ({first.cls}) is {first.kind}, run document by document: {problem}"
 
 
 # ---- document by document, in a packed call --------------------------------------------------------------
@@ -205,28 +211,43 @@ def _per_document_forward(own):
 def by_document(run, call: calls.PackCall, name: str, args: tuple, kwargs: dict) -> Any:
     """``run`` (a mixer's own forward) once per document of ``call``'s pack, each on that document's
     slice of every per-token input, the outputs joined along the tokens: the mixer's state starts from
-    nothing at every document, as the document alone."""
+    nothing at every document, as the document alone. Under sequence parallelism each rank holds a
+    shard of the pack: its SP kind gathers the whole pack's inputs (``SPKind.gather_tokens``), the rank
+    runs every document and keeps its shard of the output (the mixer's work done on every rank)."""
     pack = call.pack
-    if pack.get("hbp_sp") is not None or pack.get("hbp_cp_shard") is not None:
-        raise ValueError(
-            f"{name}: a packed call under sequence parallelism reached a token mixer that lit-hbp runs document by "
-            "document, whose state would have to cross the ranks' shards: train this model at sp 1"
-        )
     hidden = args[0] if args else next((kwargs[k] for k in HIDDEN if k in kwargs), None)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"{name}: a packed call gave this token mixer no [batch, tokens, width] hidden states")
-    bounds = _bounds(call, hidden.shape[1], name)
     if hidden.shape[0] != 1:
         raise ValueError(f"{name}: a packed call has one row, this one has {hidden.shape[0]}")
     kwargs = {k: v for k, v in kwargs.items() if k not in PACK_ONLY}
     mask = kwargs.get("attention_mask")
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
         raise ValueError(f"{name}: a packed call with an attention mask of shape {tuple(mask.shape)}: drop it")
+    sp = pack.get("hbp_sp")
+    if sp is None and pack.get("hbp_cp_shard") is None:
+        return _each_document(run, _bounds(call, hidden.shape[1], name), args, kwargs, name)
+    problem = "a context-parallel shard without its SP group" if sp is None else sp.kind.mixer_problem(sp.ctx.cp_size)
+    if problem is not None:
+        raise ValueError(f"{name}: a token mixer lit-hbp runs document by document cannot run on this level: {problem}")
+    local, total = hidden.shape[1], hidden.shape[1] * sp.size
+    whole = functools.partial(_tokens, along=lambda x, dim: sp.kind.gather_tokens(x, sp.ctx, dim), tokens=local)
+    args, kwargs = tuple(map(whole, args)), {k: whole(v) for k, v in kwargs.items()}
+    out = _each_document(run, _bounds(call, total, name), args, kwargs, name)
+    return _tokens(out, lambda x, dim: sp.kind.own_tokens(x, sp.ctx, dim), total)
+
+
+def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str) -> Any:
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        cut = functools.partial(_cut, start=start, end=end, tokens=hidden.shape[1])
+        along = functools.partial(_narrow, start=start, length=end - start)
+        cut = functools.partial(_tokens, along=along, tokens=bounds[-1])
         outs.append(run(*map(cut, args), **{k: cut(v) for k, v in kwargs.items()}))
     return _join(outs, [end - start for start, end in zip(bounds[:-1], bounds[1:])], name)
+
+
+def _narrow(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    return x.narrow(dim, start, length)
 
 
 def _bounds(call: calls.PackCall, tokens: int, name: str) -> list[int]:
@@ -242,17 +263,17 @@ def _bounds(call: calls.PackCall, tokens: int, name: str) -> list[int]:
     return bounds
 
 
-def _cut(value: Any, start: int, end: int, tokens: int) -> Any:
-    """A per-token input's slice of one document: tensors [batch, tokens, ...] or [batch, tokens] along
-    the tokens, positions with the tokens last ([rows, batch, tokens]: multimodal RoPE) along them, tuples
-    and lists of them each; anything else as it is."""
+def _tokens(value: Any, along, tokens: int) -> Any:
+    """``along(tensor, dim)`` applied to a per-token value of ``tokens`` tokens, along its tokens: tensors
+    [batch, tokens, ...] or [batch, tokens] along dim 1, positions with the tokens last ([rows, batch,
+    tokens]: multimodal RoPE) along them, tuples and lists of them each; anything else as it is."""
     if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == tokens:
-        return value[:, start:end]
+        return along(value, 1)
     positions = isinstance(value, torch.Tensor) and value.dim() == 3 and not value.is_floating_point()
     if positions and value.shape[-1] == tokens:
-        return value[..., start:end]
+        return along(value, value.dim() - 1)
     if isinstance(value, (tuple, list)):
-        return type(value)(_cut(v, start, end, tokens) for v in value)
+        return type(value)(_tokens(v, along, tokens) for v in value)
     return value
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from lit_hbp.data.batch import CPShard, PackedBatch
 from lit_hbp.data.collate import target_index
@@ -40,10 +39,16 @@ from lit_hbp.packing.context_split import ContextSplit, split_pack
 from lit_hbp.parallel.groups import SPContext
 from lit_hbp.parallel.kind import Attend, SPKind
 from lit_hbp.parallel.topology import heads_problem, kv_slice, layout_coords
-from lit_hbp.parallel.ulysses import Ulysses, heads_to_seq, replicate_kv, seq_to_heads
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from lit_hbp.parallel.ulysses import (
+    Ulysses,
+    all_gather_flat,
+    gather_tokens,
+    heads_to_seq,
+    own_tokens,
+    reduce_scatter_flat,
+    replicate_kv,
+    seq_to_heads,
+)
 
 
 def cp_shard_of(split: ContextSplit, rank: int) -> CPShard:
@@ -87,7 +92,7 @@ class _Gathered:
         self.shapes = [x.shape for x in tensors]
         self.srcs = [x.permute(1, 0, 2, 3).contiguous().flatten() for x in tensors]  # [1, h] -> rank-major
         self.bufs = [x.new_empty(ctx.size * x.numel()) for x in tensors]
-        self.works = [_all_gather(b, x, group=ctx.group, async_op=True) for b, x in zip(self.bufs, self.srcs)]
+        self.works = [all_gather_flat(b, x, group=ctx.group, async_op=True) for b, x in zip(self.bufs, self.srcs)]
         self.size = ctx.size
 
     def wait(self) -> list[torch.Tensor]:
@@ -108,7 +113,7 @@ class _Scattered:
         t = total // ctx.size
         self.src = x.view(h, ctx.size, t, d).permute(1, 0, 2, 3).contiguous().flatten()
         self.out = x.new_empty(h * t * d)
-        self.work = _reduce_scatter(self.out, self.src, group=ctx.group, async_op=True)
+        self.work = reduce_scatter_flat(self.out, self.src, group=ctx.group, async_op=True)
         self.shape = (1, h, t, d)
 
     def wait(self) -> torch.Tensor:
@@ -259,6 +264,24 @@ class ContextParallel(SPKind):
         query = seq_to_heads(query, u)
         key, value = (seq_to_heads(replicate_kv(x, u.size), u) for x in (key, value))
         return heads_to_seq(cp_attention(query, key, value, sinks, ctx.cp, shard, attend), u)
+
+    def mixer_problem(self, cp: int = 1) -> str | None:
+        """Context parallelism splits a pack by attention area into document ranges per CP rank; a token
+        mixer there is not built (its state would have to cross the CP ranks): refused."""
+        if cp == 1:
+            return None
+        return (
+            f"context parallelism (cp {cp}) splits a pack by attention area, and a token mixer's documents over "
+            "it are not built: give the level cp: 1 (Ulysses alone, as many ranks as the attention heads allow)"
+        )
+
+    def gather_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+        if ctx.cp is not None:
+            raise ValueError(self.mixer_problem(ctx.cp.size))
+        return gather_tokens(x, ctx, dim)
+
+    def own_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+        return own_tokens(x, ctx, dim)
 
     def check(self, num_heads: int, num_kv_heads: int, sp: int, cp: int = 1) -> int:
         if cp < 1 or sp % cp:

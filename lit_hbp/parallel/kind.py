@@ -76,6 +76,21 @@ class SPKind(ABC):
         """Bytes one rank sends over the SP group in one layer's forward for ``tokens`` tokens of
         its shard (the cost model prices the passes: forward, backward, recomputation)."""
 
+    def mixer_problem(self, cp: int = 1) -> str | None:
+        """Why this kind cannot run a token mixer that carries state along a document
+        (``lit_hbp.model.mixers``) at a layout with ``cp``, or None when ``gather_tokens`` can."""
+        return f"the {self.name} kind cannot give a token mixer its documents whole (SPKind.gather_tokens)"
+
+    def gather_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+        """This rank's shard of a per-token tensor -> the whole pack's, in the pack's order along ``dim``,
+        differentiable (a rank's gradient: the sum of every rank's gradient of its shard), so a token
+        mixer runs each document whole."""
+        raise ValueError(self.mixer_problem())
+
+    def own_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+        """This rank's shard of a whole pack's per-token tensor (the inverse of ``gather_tokens``)."""
+        raise ValueError(self.mixer_problem())
+
     def comm_breakdown(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> dict[str, float]:
         """``comm_bytes_per_layer`` by collective family (reports print them side by side)."""
         return {self.name: self.comm_bytes_per_layer(model, tokens, sp, cp)}

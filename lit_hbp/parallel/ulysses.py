@@ -4,6 +4,11 @@ Each rank of an SP group of size sp holds a contiguous 1/sp of the pack's tokens
 ``seq_to_heads`` gives every rank 1/sp of the heads over the whole pack, so attention runs on the
 full varlen sequence with the pack's global cu_seqlens; ``heads_to_seq`` turns the output back.
 Each is the other's gradient. Heads must split over sp; kv heads fewer than sp are replicated.
+
+A token mixer that carries state along a document (``lit_hbp.model.mixers``) has no heads to split
+here: ``gather_tokens`` gives every rank the whole pack's inputs of the layer (its gradient: the sum
+over the group of each rank's, reduce-scattered), each rank runs the mixer over every document, and
+``own_tokens`` keeps its shard of the output. Exact, at the price of the mixer's work done sp times.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from lit_hbp.model_spec import ModelSpec
 from lit_hbp.parallel.groups import SPContext
 from lit_hbp.parallel.kind import Attend, SPKind
 from lit_hbp.parallel.topology import heads_problem
+
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _a2a(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
@@ -73,6 +81,48 @@ def heads_to_seq(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
     return _HeadsToSeq.apply(x, ctx)
 
 
+def _gather(x: torch.Tensor, ctx: SPContext, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` joined along ``dim`` in rank order."""
+    lead = x.movedim(dim, 0).contiguous()
+    out = lead.new_empty((ctx.size * lead.shape[0], *lead.shape[1:]))
+    all_gather_flat(out, lead, group=ctx.group)
+    return out.movedim(0, dim)
+
+
+def _scatter(x: torch.Tensor, ctx: SPContext, dim: int) -> torch.Tensor:
+    """``x`` summed over the ranks, each keeping its 1/size along ``dim``."""
+    lead = x.movedim(dim, 0).contiguous()
+    out = lead.new_empty((lead.shape[0] // ctx.size, *lead.shape[1:]))
+    reduce_scatter_flat(out, lead, group=ctx.group)
+    return out.movedim(0, dim)
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x, ctx, dim):
+        fctx.sp, fctx.dim = ctx, dim
+        return _gather(x, ctx, dim)
+
+    @staticmethod
+    def backward(fctx, grad):
+        return _scatter(grad, fctx.sp, fctx.dim), None, None
+
+
+@torch.compiler.disable
+def gather_tokens(x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+    """This rank's contiguous shard of a per-token tensor -> the whole pack's, along ``dim``; the
+    gradient of a rank's shard is the sum of every rank's gradient of it."""
+    if x.is_floating_point() and x.requires_grad:
+        return _GatherTokens.apply(x, ctx, dim)
+    return _gather(x, ctx, dim)
+
+
+def own_tokens(x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+    """This rank's contiguous shard of a whole pack's per-token tensor."""
+    size = x.shape[dim] // ctx.size
+    return x.narrow(dim, ctx.rank * size, size)
+
+
 def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> int:
     """Raise unless heads split evenly over sp (kv heads may be replicated up to sp); return how
     many times each kv head is replicated (1: none)."""
@@ -121,6 +171,15 @@ class Ulysses(SPKind):
         query = seq_to_heads(query, ctx)
         key, value = (seq_to_heads(replicate_kv(x, sp), ctx) for x in (key, value))
         return heads_to_seq(attend(query, key, value, sinks), ctx)
+
+    def mixer_problem(self, cp: int = 1) -> str | None:
+        return None if cp == 1 else f"the ulysses kind has no context parallelism (cp {cp})"
+
+    def gather_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+        return gather_tokens(x, ctx, dim)
+
+    def own_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+        return own_tokens(x, ctx, dim)
 
     def check(self, num_heads: int, num_kv_heads: int, sp: int, cp: int = 1) -> int:
         if cp != 1:
