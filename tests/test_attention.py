@@ -13,9 +13,10 @@ from packaging.version import Version
 
 from lit_hbp import prepare_model
 from lit_hbp.model import attention
-from lit_hbp.model.attention import backends, flex
-from lit_hbp.model.attention.backends import REGISTRY, AttnArgs, choose
+from lit_hbp.model.attention import backends, dispatch, flash, flex, loops, torch_varlen
+from lit_hbp.model.attention.backends import REGISTRY, choose
 from lit_hbp.model.attention.flex import tile_masks
+from lit_hbp.model.attention.kernel import AttnArgs
 from lit_hbp.model.packed_call import record_of
 
 
@@ -93,7 +94,7 @@ def test_flex_forward_matches_the_dense_reference_on_cpu(case):
     q, k, v, cu = random_pack(2, total=300)
     args = AttnArgs(torch.tensor(cu, dtype=torch.int32), max(np.diff(cu)), 0.4, **feats)
     with torch.no_grad():
-        out = backends.flex_run(q, k, v, args, fn=flex_attention)
+        out = flex.flex_run(q, k, v, args, fn=flex_attention)
     torch.testing.assert_close(out.double(), dense_reference(q, k, v, cu, 0.4, **feats), atol=1e-5, rtol=1e-5)
 
 
@@ -109,7 +110,7 @@ def test_compiled_flex_lowers_the_windowed_mask_on_cpu(feats):
     q, k, v, cu = random_pack(2, total=300)
     args = AttnArgs(torch.tensor(cu, dtype=torch.int32), max(np.diff(cu)), 0.4, **feats)
     with torch.no_grad():
-        out = backends.flex_run(q, k, v, args, fn=torch.compile(flex_attention))
+        out = flex.flex_run(q, k, v, args, fn=torch.compile(flex_attention))
     torch.testing.assert_close(out.double(), dense_reference(q, k, v, cu, 0.4, **feats), atol=1e-5, rtol=1e-5)
 
 
@@ -236,10 +237,16 @@ def varlen_213(
 TORCH_VARLEN = {"2.10": varlen_210, "2.11": varlen_211, "2.13": varlen_213}
 
 
+def fake_installed(monkeypatch, installed) -> None:
+    """``installed(module)`` as what each backend family asks before its probe."""
+    for family in (flash, torch_varlen, flex):
+        monkeypatch.setattr(family, "installed", installed)
+
+
 @pytest.fixture
 def no_flash(monkeypatch):
     """A machine with torch but no flash-attn of any version."""
-    monkeypatch.setattr(backends, "_installed", lambda m: m.startswith("torch."))
+    fake_installed(monkeypatch, lambda m: m.startswith("torch."))
 
 
 @pytest.mark.parametrize("version", sorted(TORCH_VARLEN))
@@ -326,7 +333,7 @@ def test_every_backend_attends_both_ways_inside_each_document_when_asked(monkeyp
     grads = name in ("sdpa", "eager")  # the GPU kernels' backward is theirs (flex has none on CPU)
     ins = [x.clone().requires_grad_(grads) for x in (q, k, v)]
     args = AttnArgs(torch.tensor(cu, dtype=torch.int32), max(np.diff(cu)), 0.31, causal=False)
-    run = (lambda *a: backends.flex_run(*a, fn=flex_attention)) if name == "flex" else REGISTRY[name].run
+    run = (lambda *a: flex.flex_run(*a, fn=flex_attention)) if name == "flex" else REGISTRY[name].run
     out = run(*ins, args)
     ref_in = [x.clone().double().requires_grad_() for x in (q, k, v)]
     ref = dense_reference(*ref_in, cu, 0.31, causal=False)
@@ -343,11 +350,11 @@ def test_every_backend_attends_both_ways_inside_each_document_when_asked(monkeyp
 
 
 def test_flash_attn_versions_are_preferred_and_adapted(monkeypatch):
-    monkeypatch.setattr(backends, "_installed", lambda m: m in sys.modules or m.startswith("torch"))
+    fake_installed(monkeypatch, lambda m: m in sys.modules or m.startswith("torch"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100: all three run
     backends.reset_probes()
     # The fakes come without dist-info: flash-attn 4 as its newest release (installs: test_backend_install.py).
-    monkeypatch.setattr(backends, "_flash4_version", lambda: Version("4.0.0b27"))
+    monkeypatch.setattr(flash, "_flash4_version", lambda: Version("4.0.0b27"))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     install_fake(monkeypatch, "flash_attn", flash2)
     assert choose("cuda", torch.bfloat16, frozenset({"window", "softcap", "dropout"}))[0] == "flash_attn"
@@ -380,7 +387,7 @@ def test_each_models_choice_is_logged_once_with_the_reasons_and_a_forced_backend
     from test_packed_loss import tiny_model
 
     lines = []
-    monkeypatch.setattr(attention, "rank_zero_info", lines.append)
+    monkeypatch.setattr(dispatch, "rank_zero_info", lines.append)
     first, second = prepare_model(tiny_model()), prepare_model(tiny_model(), attn_backend="eager")
     owner = record_of(first).owner
     assert attention.backend_for("cpu", torch.float32, frozenset({"softcap"}), "auto", owner) == "eager"
@@ -476,7 +483,7 @@ def test_cuda_backends_match_the_fp32_definition_with_gradients(name, case, dtyp
     ref_args = AttnArgs(
         cu_t, int(lengths.max()), dim**-0.5, **{k: (v.double() if torch.is_tensor(v) else v) for k, v in feats.items()}
     )
-    ref = backends.eager_run(*ref_in, ref_args)
+    ref = loops.eager_run(*ref_in, ref_args)
     w = torch.randn_like(ref)
     (out.double() * w).sum().backward()
     (ref * w).sum().backward()

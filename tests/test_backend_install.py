@@ -19,8 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_hbp import prepare_model
 from lit_hbp.model import attention
-from lit_hbp.model.attention import backends
-from lit_hbp.model.attention.backends import REGISTRY, AttnArgs, choose
+from lit_hbp.model.attention import backends, dispatch, flash, kernel, torch_varlen
+from lit_hbp.model.attention.backends import REGISTRY, choose
+from lit_hbp.model.attention.kernel import AttnArgs
 from lit_hbp.model.packed_call import record_of
 
 FAKE_TOPS = ("flash_attn", "flash_attn_interface", "cutlass")
@@ -254,14 +255,14 @@ def test_a_flash_attn_3_build_whose_required_arguments_are_unknown_is_refused(mo
         "flash_attn_interface.flash_attn_varlen_func requires seqused_q, seqused_k, which lit-hbp does not pass"
     )
     # Its private pair predates the names lit-hbp calls: context parallelism recomputes instead.
-    assert "takes no" in backends._flash_lse_problem("flash_attn_3")
+    assert "takes no" in flash._flash_lse_problem("flash_attn_3")
 
 
 def test_each_refusal_is_logged_once_with_its_reason(monkeypatch, site):
     install(site, "flash-attn 2.8.3", "nvidia-cutlass-dsl", "flash-attn-4 4.0.0b20")
     fake_gpu(monkeypatch, (9, 0))
     lines = []
-    monkeypatch.setattr(attention, "rank_zero_info", lines.append)
+    monkeypatch.setattr(dispatch, "rank_zero_info", lines.append)
     model = prepared_model()
     owner = record_of(model).owner  # what the model's packed calls carry
     for _ in range(2):
@@ -335,7 +336,7 @@ def test_a_broken_install_is_rejected_with_its_error_and_probed_once(
     install(site, *installed, installs=ALL)
     fake_gpu(monkeypatch, (9, 0))
     lines = []
-    monkeypatch.setattr(attention, "rank_zero_info", lines.append)
+    monkeypatch.setattr(dispatch, "rank_zero_info", lines.append)
     model = prepared_model()  # kept: the choices live on it
     owner = record_of(model).owner
     for _ in range(2):
@@ -393,7 +394,7 @@ def test_required_parameters_that_accept_none_are_told_apart_however_annotated()
         " g: int = 0, *, h: Optional[int]): ...",
         namespace,
     )
-    none, other = backends.unsupplied(namespace["kernel"], 3, {"f"})
+    none, other = kernel.unsupplied(namespace["kernel"], 3, {"f"})
     assert none == ["a", "b", "c", "d", "h"] and other == ["e"]
 
 
@@ -456,18 +457,18 @@ def test_torch_214_runs_cudnn_only_for_full_windows_so_lit_hbps_causal_calls_run
     assert chooser(q, kv, kv, 4096, [-1, -1]), "eligible: a full window, equal heads, bf16, long documents"
     for window in ([-1, 0], [511, 0], [0, 0]):
         assert not chooser(q, kv, kv, 4096, window), window
-    assert backends._torch_varlen_cudnn_problem() is None
-    assert backends._torch_varlen_lse_problem() is None, "this torch's varlen LSE pair is usable as it is"
+    assert torch_varlen._torch_varlen_cudnn_problem() is None
+    assert torch_varlen._torch_varlen_lse_problem() is None, "this torch's varlen LSE pair is usable as it is"
 
 
 def test_a_torch_that_could_run_cudnn_for_causal_calls_unpinned_is_refused_for_the_lse_pair(monkeypatch):
     import torch.nn.attention.varlen as varlen_module
 
     monkeypatch.setattr(varlen_module, "_can_use_cudnn", lambda query, key, value, max_q: True, raising=False)
-    monkeypatch.setattr(backends, "_torch_varlen_picks_backend", lambda: False)
-    why = backends._torch_varlen_lse_problem()
+    monkeypatch.setattr(torch_varlen, "_torch_varlen_picks_backend", lambda: False)
+    why = torch_varlen._torch_varlen_lse_problem()
     assert (
         why == f"torch {torch.__version__}'s varlen_attn may run cuDNN's kernel for causal calls and cannot be pinned"
     )
-    monkeypatch.setattr(backends, "_torch_varlen_picks_backend", lambda: True)  # the op takes ``backend``: pinned
-    assert backends._torch_varlen_cudnn_problem() is None
+    monkeypatch.setattr(torch_varlen, "_torch_varlen_picks_backend", lambda: True)  # the op takes ``backend``: pinned
+    assert torch_varlen._torch_varlen_cudnn_problem() is None

@@ -15,8 +15,8 @@ from test_attention import dense_reference, random_pack
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.lightning.module import HBPLitModule, set_recompile_limit
 from lit_hbp.model import attention
-from lit_hbp.model.attention import flex
-from lit_hbp.model.attention.backends import AttnArgs
+from lit_hbp.model.attention import flex, op
+from lit_hbp.model.attention.kernel import AttnArgs
 
 MICRO_BATCHES = 13
 
@@ -240,7 +240,7 @@ def test_compiled_attention_with_dropout_recomputes_the_forward(monkeypatch):
     q, k, v, cu = random_pack(0)
     cu_t, max_len = torch.tensor(cu, dtype=torch.int32), int(max(np.diff(cu)))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out, lse, seed = attention._varlen_op(*leaves, cu_t, None, max_len, 0.3, None, None, 0.4, "auto", 0)
+    out, lse, seed = op._varlen_op(*leaves, cu_t, None, max_len, 0.3, None, None, 0.4, "auto", 0)
     out = out.transpose(1, 2)  # the op's [1, T, H, D]
     assert lse.numel() == 0 and calls == {"run": 1, "lse.forward": 0, "lse.backward": 0}
     w = torch.randn_like(out)
@@ -264,7 +264,7 @@ def test_attention_op_passes_torchs_opcheck(case):
     leaves = [x.clone().requires_grad_() for x in (q, k, v, *([sinks] if sinks is not None else []))]
     args = (*leaves[:3], torch.tensor(cu, dtype=torch.int32), leaves[3] if sinks is not None else None)
     torch.library.opcheck(
-        attention._varlen_op,
+        op._varlen_op,
         (*args, int(max(np.diff(cu))), 0.3, feats.get("window"), feats.get("softcap"), 0.0, "auto", 0),
     )
 
@@ -324,9 +324,9 @@ def test_the_backward_op_returns_the_kernels_own_gradients(monkeypatch, case):
     sinks = feats.get("sinks")
     cu_t, max_len = torch.tensor(cu, dtype=torch.int32), int(max(np.diff(cu)))
     host = (max_len, 0.3, feats.get("window"), feats.get("softcap"), 0.0, "auto", 0)
-    out, lse, seed = attention._varlen_op(q, k, v, cu_t, sinks, *host)
+    out, lse, seed = op._varlen_op(q, k, v, cu_t, sinks, *host)
     grad = torch.randn_like(out)
-    grads = attention._varlen_backward_op(grad, q, k, v, cu_t, sinks, out, lse, seed, *host)
+    grads = op._varlen_backward_op(grad, q, k, v, cu_t, sinks, out, lse, seed, *host)
     assert [g.untyped_storage().data_ptr() for g in grads[:3]] == written
-    assert [g.stride() for g in grads[:3]] == [attention.kernel_layout(x).stride() for x in (q, k, v)]
-    torch.library.opcheck(attention._varlen_backward_op, (grad, q, k, v, cu_t, sinks, out, lse, seed, *host))
+    assert [g.stride() for g in grads[:3]] == [op.kernel_layout(x).stride() for x in (q, k, v)]
+    torch.library.opcheck(op._varlen_backward_op, (grad, q, k, v, cu_t, sinks, out, lse, seed, *host))

@@ -13,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_hbp.model.attention import backends
-from lit_hbp.model.attention.backends import REGISTRY, AttnArgs
+from lit_hbp.model.attention import backends, flash, flex, kernel, loops, torch_varlen
+from lit_hbp.model.attention.backends import REGISTRY
 from lit_hbp.model.attention.flex import cross_block_mask
+from lit_hbp.model.attention.kernel import AttnArgs
 
 
 def ranges_case(draw_lengths, draw_cuts, seed: int):
@@ -102,7 +103,7 @@ def test_cpu_kernels_compute_bottom_right_causal_ranges(lengths, cuts, seed, fea
         if backends.lse_why_not(name, "cpu", args.needs) is None:
             out, lse = REGISTRY[name].lse.forward(q, k, v, args)
             torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10, msg=name)
-            assert lse.shape == q.shape[1:3] and lse.dtype == backends.lse_dtype(q.dtype), name  # the op's fake
+            assert lse.shape == q.shape[1:3] and lse.dtype == kernel.lse_dtype(q.dtype), name  # the op's fake
             sink_leaf = [feats["sinks"].clone().requires_grad_()] if "sinks" in feats else []
             ref_out = reference(*ref_leaves, q_rows, [len(r) for r in k_rows], 0.4,
                                 **{**feats, **({"sinks": sink_leaf[0]} if sink_leaf else {})})  # fmt: skip
@@ -245,7 +246,7 @@ def test_flex_runs_cross_ranges_on_cpu_forward():
     q_rows, k_rows = [np.arange(40, 70), np.arange(0, 20)], [np.arange(70), np.arange(20)]
     q, k, v, cu_q, cu_k = inputs(q_rows, k_rows, hq=2, hkv=2)
     q, k, v = (x.float() for x in (q, k, v))
-    out = backends.flex_run(q, k, v, AttnArgs(cu_q, 30, 0.3, cu_k=cu_k, max_len_k=70), fn=flex_attention)
+    out = flex.flex_run(q, k, v, AttnArgs(cu_q, 30, 0.3, cu_k=cu_k, max_len_k=70), fn=flex_attention)
     want = reference(q, k, v, q_rows, [70, 20], 0.3)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
@@ -267,13 +268,13 @@ def _lse_args(cu_q, cu_k, max_q, max_k, scale, left=-1, softcap=None, sinks=None
 
 def _fake_forward(q, k, v, args, **seen):
     LSE_CALLS.append(("forward", seen))
-    out, lse = backends._eager_forward(*(backends._unflat(x) for x in (q, k, v)), args)
-    return backends._flat(out), lse
+    out, lse = loops._eager_forward(*(kernel.unflat(x) for x in (q, k, v)), args)
+    return kernel.flat(out), lse
 
 
 def _fake_backward(dout, q, k, v, out, lse, args, **seen):
     LSE_CALLS.append(("backward", seen))
-    return backends._eager_backward(*(backends._unflat(x) for x in (dout, q, k, v, out)), lse, args)
+    return loops._eager_backward(*(kernel.unflat(x) for x in (dout, q, k, v, out)), lse, args)
 
 
 def flash2_8_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
@@ -292,7 +293,7 @@ def flash2_8_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_s
     args = _lse_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_size_left, softcap)
     grads = _fake_backward(dout, q, k, v, out, softmax_lse, args, window=(window_size_left, window_size_right))
     for buf, g in zip((dq, dk, dv), grads):
-        buf.copy_(backends._flat(g))
+        buf.copy_(kernel.flat(g))
     return torch.empty(0)  # softmax_d
 
 
@@ -331,7 +332,7 @@ def flash3_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=
     args = _lse_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_size_left, softcap)
     grads = _fake_backward(dout, q, k, v, out, softmax_lse, args, window=(window_size_left, window_size_right))
     for buf, g in zip((dq, dk, dv), grads):
-        buf.copy_(backends._flat(g))
+        buf.copy_(kernel.flat(g))
     return torch.empty(0)
 
 
@@ -362,7 +363,7 @@ def flash4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softca
     args = _lse_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_size_left, softcap,
                      learnable_sink)  # fmt: skip
     dq, dk, dv, dsink = _fake_backward(dout, q, k, v, out, lse, args, window=(window_size_left, window_size_right))
-    grads = tuple(backends._flat(g) for g in (dq, dk, dv))
+    grads = tuple(kernel.flat(g) for g in (dq, dk, dv))
     return grads if learnable_sink is None else (*grads, dsink)
 
 
@@ -395,7 +396,7 @@ def varlen_213_backward(
     assert rng_state.dtype == torch.uint64 and is_causal == (window_size[0] == -1) and window_size[1] == 0
     args = _lse_args(cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size[0])
     dq, dk, dv, _ = _fake_backward(grad_out, query, key, value, out, lse, args, window=tuple(window_size))
-    return tuple(backends._flat(g).contiguous() for g in (dq, dk, dv))
+    return tuple(kernel.flat(g).contiguous() for g in (dq, dk, dv))
 
 
 VARLEN_KERNELS: list[str] = []  # the kernel each fake torch > 2.13 varlen pass ran: "flash" or "cudnn"
@@ -435,8 +436,8 @@ def install_lse_fake(monkeypatch, name: str, fwd, bwd) -> None:
     from packaging.version import Version
 
     if name == "flash_attn_4":
-        monkeypatch.setattr(backends, "_flash4_version", lambda: Version("4.0.0b27"))
-    module, fwd_name, bwd_name = backends.FLASH_LSE[name]
+        monkeypatch.setattr(flash, "_flash4_version", lambda: Version("4.0.0b27"))
+    module, fwd_name, bwd_name = flash.FLASH_LSE[name]
     parts = module.split(".")
     for i in range(1, len(parts) + 1):
         path = ".".join(parts[:i])
@@ -453,7 +454,7 @@ def install_torch_varlen_fake(monkeypatch) -> None:
     import torch.nn.attention.varlen as varlen_module
 
     monkeypatch.setattr(varlen_module, "varlen_attn", varlen_213_aux)
-    monkeypatch.setattr(backends, "_torch_varlen_backward_op", lambda: torch.ops.hbp_test._varlen_attn_backward)
+    monkeypatch.setattr(torch_varlen, "_torch_varlen_backward_op", lambda: torch.ops.hbp_test._varlen_attn_backward)
 
 
 def test_torch_varlen_with_a_backend_argument_runs_the_forwards_kernel_backward(monkeypatch):
@@ -463,14 +464,14 @@ def test_torch_varlen_with_a_backend_argument_runs_the_forwards_kernel_backward(
     import torch.nn.attention.varlen as varlen_module
 
     monkeypatch.setattr(varlen_module, "varlen_attn", varlen_215_aux)
-    monkeypatch.setattr(backends, "_torch_varlen_backward_op", lambda: torch.ops.hbp_test._varlen_attn_backward_215)
+    monkeypatch.setattr(torch_varlen, "_torch_varlen_backward_op", lambda: torch.ops.hbp_test._varlen_attn_backward_215)
     rows = [np.arange(6), np.arange(5)]
     q, k, v, cu, _ = inputs(rows, rows, dim=8)
     args = AttnArgs(cu, 6, 0.35)  # self-attention: the key documents are the query documents
     assert args.keys_cu is args.cu and backends.lse_why_not("torch_varlen", "cuda", args.needs) is None
     torch.backends.cuda.enable_cudnn_sdp(True)
     VARLEN_KERNELS.clear()
-    flat = [backends._flat(x) for x in (q, k, v)]
+    flat = [kernel.flat(x) for x in (q, k, v)]
     varlen_215_aux(*flat, args.cu, args.keys_cu, 6, 6, scale=0.35, window_size=(-1, 0), enable_gqa=True)
     assert VARLEN_KERNELS == ["cudnn"], "unpinned, the fake prefers cuDNN as torch does"
     VARLEN_KERNELS.clear()
@@ -487,9 +488,9 @@ def test_torch_varlen_with_a_backend_argument_runs_the_forwards_kernel_backward(
 
 @pytest.fixture(autouse=True)
 def _fresh_lse_probe():
-    backends._flash_lse_problem.cache_clear()
+    flash._flash_lse_problem.cache_clear()
     yield
-    backends._flash_lse_problem.cache_clear()
+    flash._flash_lse_problem.cache_clear()
 
 
 SINKS = torch.tensor([0.5, 1.0, -1.0, 0.0], dtype=torch.float64)
@@ -542,18 +543,18 @@ def test_lse_pairs_say_what_they_cannot_take(monkeypatch):
     install_lse_fake(monkeypatch, "flash_attn_4", flash4_fwd, flash4_bwd_without_sinks)
     assert "does not take sinks" in backends.lse_why_not("flash_attn_4", "cuda", frozenset({"sinks"}))
     assert backends.lse_why_not("flash_attn_4", "cuda", frozenset({"window"})) is None
-    assert backends.lse_why_not("flash_attn_4", "cuda", frozenset({"dropout"})) == backends.NO_DROPOUT
+    assert backends.lse_why_not("flash_attn_4", "cuda", frozenset({"dropout"})) == kernel.NO_DROPOUT
 
     def old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
                      rng_state=None):  # fmt: skip
         """flash-attn 2.5: no soft-capping."""
 
-    backends._flash_lse_problem.cache_clear()
+    flash._flash_lse_problem.cache_clear()
     install_lse_fake(monkeypatch, "flash_attn", flash2_8_fwd, old_backward)
     reason = backends.lse_why_not("flash_attn", "cuda", frozenset())
     assert "flash_attn.flash_attn_interface._flash_attn_varlen_backward takes no softcap" in reason
-    backends._flash_lse_problem.cache_clear()
+    flash._flash_lse_problem.cache_clear()
     monkeypatch.delitem(sys.modules, "flash_attn.flash_attn_interface")
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     assert "has no _flash_attn_varlen_forward" in backends.lse_why_not("flash_attn", "cuda", frozenset())

@@ -22,7 +22,7 @@ from lit_hbp.callbacks import HBPThroughputMonitor
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
-from lit_hbp.model.attention import backends
+from lit_hbp.model.attention import backends, kernel, loops
 
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "masked_select", "unique"}
 READS |= {"numpy", "argwhere"}
@@ -61,14 +61,14 @@ def opaque_kernel(monkeypatch):
         mode = mode_box[0]
         mode.paused = True
         try:
-            return backends.eager_run(q, k, v, args)
+            return loops.eager_run(q, k, v, args)
         finally:
             mode.paused = False
 
     monkeypatch.setitem(
         backends.REGISTRY,
         "opaque",
-        backends.Backend("opaque", backends._anywhere, lambda: frozenset(backends.FEATURES), run),
+        kernel.Backend("opaque", loops._anywhere, lambda: frozenset(kernel.FEATURES), run),
     )
     yield mode_box
 

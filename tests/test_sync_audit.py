@@ -80,7 +80,7 @@ import lit_hbp.lightning.module as module_module
 from lit_hbp.callbacks import InterruptCheckpoint, with_default_callbacks
 from lit_hbp.lightning.meter import logs_now
 from lit_hbp.lightning.module import HBPLitModule
-from lit_hbp.model.attention import backends
+from lit_hbp.model.attention import backends, kernel, loops
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "llama_1b_1gpu.yaml"
 READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "equal", "allclose"}
@@ -181,18 +181,18 @@ class DeviceReads(TorchFunctionMode):
         return out
 
 
-def opaque_kernel(mode: DeviceReads) -> backends.Backend:
+def opaque_kernel(mode: DeviceReads) -> kernel.Backend:
     """An attention backend the recorder does not watch inside: a varlen kernel is one device call;
     its CPU stand-in (the eager loop) reads document bounds on the host."""
 
     def opaque(q, k, v, args):
         watching, mode.watching = mode.watching, False
         try:
-            return backends.eager_run(q, k, v, args)
+            return loops.eager_run(q, k, v, args)
         finally:
             mode.watching = watching
 
-    return backends.Backend("opaque", backends._anywhere, lambda: frozenset(backends.FEATURES), opaque)
+    return kernel.Backend("opaque", loops._anywhere, lambda: frozenset(kernel.FEATURES), opaque)
 
 
 class Audit(L.Callback):

@@ -23,7 +23,8 @@ from transformers import AttentionInterface
 
 from lit_hbp.model import calls
 from lit_hbp.model.attention import backend_for, compute_dtype
-from lit_hbp.model.attention.backends import REGISTRY, AttnArgs
+from lit_hbp.model.attention.backends import REGISTRY
+from lit_hbp.model.attention.kernel import AttnArgs
 from lit_hbp.model.calls import TOWER_NAME
 
 # what towers pass that the boundaries or this function's own arguments already say, or that asks the tower,
@@ -31,7 +32,7 @@ from lit_hbp.model.calls import TOWER_NAME
 IGNORED = frozenset({"cu_seq_lens_k", "max_length_k", "position_ids", "output_attentions", "output_hidden_states"})
 
 
-def _documents(query: torch.Tensor, mask: torch.Tensor | None, cu: torch.Tensor | None, longest: int | None):
+def documents(query: torch.Tensor, mask: torch.Tensor | None, cu: torch.Tensor | None, longest: int | None):
     """(the rows' tokens kept, as indices into the batch's flattened rows or None for all, cu_seqlens, the
     longest document) of a tower's call: its own boundaries, each row one document, or each row's kept
     patches one document under a [batch, patches] mask."""
@@ -80,7 +81,7 @@ def tower_attention(
     backend, owner = (call.prepared.backend, call.prepared.owner) if call is not None else ("auto", 0)
     dtype = compute_dtype(query)
     batch, heads, length, dim = query.shape
-    kept, cu, longest = _documents(query, attention_mask, cu_seq_lens_q, max_length_q)
+    kept, cu, longest = documents(query, attention_mask, cu_seq_lens_q, max_length_q)
 
     def row(x: torch.Tensor) -> torch.Tensor:  # [B, H, S, D] -> [1, H, N, D]: the kept patches in one row
         x = x.to(dtype).transpose(1, 2).reshape(batch * length, x.shape[1], x.shape[-1])
