@@ -10,6 +10,7 @@ a mixture-of-experts layer counts its routed experts at top-k / experts).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,47 @@ VISION_ALIASES = {
     "intermediate": ("intermediate_size",),
     "heads": ("num_heads", "num_attention_heads"),
 }
+# The per-layer lists hybrids name their layers' kinds by (Qwen3-Next's ``layer_types``, Nemotron-H's and
+# Zamba's ``layers_block_type``, RecurrentGemma's ``block_types``); Jamba's every ``attn_layer_period``-th layer
+# from ``attn_layer_offset``. A layer attends unless its kind is linear attention, a scan, a recurrence, a
+# convolution or a block without a token mixer (Nemotron-H's ``mlp`` and ``moe`` layers).
+LAYER_KINDS = ("layer_types", "layers_block_type", "block_types")
+NOT_ATTENTION = re.compile(r"linear|mamba|ssm|recurrent|conv|rwkv|lstm|^m$|^mlp$|^moe$|^-$")
+STATE_SIZES = ("state_size", "ssm_state_size", "d_state", "mamba_d_state")
+ATTENTION_HEADS = ("num_attention_heads", "n_head", "n_heads")
+
+
+def layer_kinds(config: dict) -> list[str] | None:
+    """Each layer's kind, where the config lists them (a shorter list repeats: RecurrentGemma's
+    ``block_types``), or None."""
+    for key in LAYER_KINDS:
+        kinds = config.get(key)
+        if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
+            layers = int(_field(config, "layers") or len(kinds))
+            return [kinds[i % len(kinds)] for i in range(layers)]
+    return None
+
+
+def attention_layers(config: dict) -> int | None:
+    """How many of a config's layers attend over their tokens (their work grows with the square of a
+    document's length; a hybrid's other layers carry a state, linear in it), from the lists or period its
+    family names them by; None when the config says nothing (every layer attends), 0 for a state-space
+    model (a state size and no attention heads)."""
+    kinds = layer_kinds(config)
+    if kinds is not None:
+        return sum(not NOT_ATTENTION.search(k.lower()) for k in kinds)
+    indices = config.get("attn_layer_indices", config.get("full_attn_idxs"))
+    if isinstance(indices, (list, tuple)):
+        return len(indices)
+    period, offset = config.get("attn_layer_period"), config.get("attn_layer_offset")
+    layers = _field(config, "layers")
+    if isinstance(period, int) and isinstance(offset, int) and period > 0 and layers:
+        return sum(i % period == offset for i in range(int(layers)))
+    if not any(config.get(k) for k in ATTENTION_HEADS) and any(config.get(k) for k in STATE_SIZES):
+        return 0  # Mamba's, Mamba2's (whose num_heads are its scan's)
+    return None
+
+
 GATED_ACTS = ("silu", "swish")  # a gated MLP (Qwen2.5-VL's): gate, up and down matrices
 SIGMOID_ACTS = ("quick_gelu",)  # x * sigmoid(1.702 x): keeps its input and the sigmoid
 
@@ -145,6 +187,15 @@ class ModelSpec:
     total_layer_params: float | None = None
     vision: VisionSpec | None = None
     """A vision-language model's image encoder (None: a text-only model)."""
+    attention_layers: int | None = None
+    """Layers whose work grows with the square of a document's length (None: every layer); a hybrid's others
+    (Mamba, the gated delta rule, short convolutions: ``lit_hbp.model.mixers``) are linear in it, their
+    projections counted in ``layer_params``."""
+
+    @property
+    def attending(self) -> int:
+        """The layers that attend (``attention_layers``, or every layer)."""
+        return self.layers if self.attention_layers is None else self.attention_layers
 
     @property
     def dim(self) -> int:
@@ -163,7 +214,7 @@ class ModelSpec:
     def pair_flops(self) -> float:
         """Forward FLOPs of one token pair's causal attention through every layer: the planner's unit of work
         (``plan_hbp(extra_work=...)`` counts a vision tower's in it)."""
-        return 2.0 * self.layers * self.hidden
+        return 2.0 * self.attending * self.hidden
 
     @property
     def params(self) -> float:
@@ -179,8 +230,9 @@ class ModelSpec:
         The backward of a matmul costs two forwards: the input's gradient and the weight's; with
         frozen weights (LoRA) only the first is run (``weight_grads=False``)."""
         matmul = 3.0 if weight_grads else 2.0
-        dense = 2.0 * self.layer_params * tokens * matmul + 2.0 * self.heads * self.dim * sum_sq * 3.0
-        return self.layers * dense + 2.0 * self.hidden * self.vocab * head_tokens * matmul
+        dense = self.layers * 2.0 * self.layer_params * tokens * matmul
+        attention = self.attending * 2.0 * self.heads * self.dim * sum_sq * 3.0
+        return dense + attention + 2.0 * self.hidden * self.vocab * head_tokens * matmul
 
     @classmethod
     def from_config(cls, config: dict | str | Path, name: str | None = None) -> ModelSpec:
@@ -196,6 +248,11 @@ class ModelSpec:
         if isinstance(text, dict) and _field(c, "layers") is None:
             c = {**text, **{k: v for k, v in c.items() if k not in text and k != "text_config"}}
         values = {f: _field(c, f) for f in ALIASES}
+        if values["layers"] is None and layer_kinds(c) is not None:
+            values["layers"] = len(layer_kinds(c))  # Nemotron-H's: as many as it lists
+        attending = attention_layers(c)
+        if attending == 0:
+            values["heads"] = values["heads"] or 1  # a state-space model: no attention to price
         missing = [f"{f} ({' / '.join(ALIASES[f])})" for f in ("layers", "hidden", "heads") if values[f] is None]
         if missing:
             raise ValueError(f"the {c.get('model_type', 'model')} config has no {', '.join(missing)}")
@@ -214,6 +271,7 @@ class ModelSpec:
             head_dim=c.get("head_dim"),
             tied_embeddings=bool(c.get("tie_word_embeddings", False)),
             vision=VisionSpec.from_config(vision) if isinstance(vision, dict) else None,
+            attention_layers=attending,
         )
 
 

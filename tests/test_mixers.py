@@ -132,6 +132,37 @@ def test_a_pack_trains_like_each_document_alone_through_the_public_core(family):
     assert worst < 1e-4, f"{family}: gradient of {where} off by {worst:.1e}"
 
 
+@pytest.mark.parametrize("family", sorted(HYBRIDS))
+def test_the_cost_model_prices_attention_in_the_layers_that_attend(family, monkeypatch):
+    """A hybrid's quadratic work is its attention layers' only (the mixers' is linear): the layers that ran
+    lit-hbp's attention in a packed call, seen by a spy on the attention function, are the layers the
+    model's spec (MFU, the cost model) counts, and those its config lists, where it lists them."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from lit_hbp.model.causal_lm import model_spec
+    from lit_hbp.model.calls import ATTN_NAME
+    from lit_hbp.model_spec import ModelSpec
+
+    net = prepare_model(tiny(family)).eval()
+    layers = record_of(net).layers
+    real, attended = ALL_ATTENTION_FUNCTIONS[ATTN_NAME], set()
+
+    def spy(module, *args, **kwargs):
+        attended.add(next(i for i, layer in enumerate(layers) if any(m is module for m in layer.modules())))
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, ATTN_NAME, spy)
+    with torch.no_grad():
+        packed_loss(net, pack_samples(three_documents(net.config.vocab_size)), "sum")
+    spec = model_spec(net, layers)
+    assert spec.attention_layers == len(attended), (family, sorted(attended))
+    listed = ModelSpec.from_config(net.config.to_dict()).attention_layers
+    assert listed in (len(attended), None), (family, listed, sorted(attended))  # None: the config does not say
+    tokens, sum_sq = 112.0, 37.0**2 + 5**2 + 70**2
+    quadratic = spec.train_flops(tokens, sum_sq, 0) - spec.train_flops(tokens, 0, 0)
+    assert quadratic == pytest.approx(len(attended) * 6 * spec.heads * spec.dim * sum_sq)
+
+
 def test_unprepared_hybrids_carry_state_across_documents_and_llama_does_not():
     """Why the mixers run document by document: a document after another in one sequence with its own
     positions (and, for attention, transformers' own packed-sequence masking), through the unprepared

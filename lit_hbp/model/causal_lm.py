@@ -425,4 +425,18 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module]) -> ModelSpec
             total += n
             routed = experts and top_k and "experts" in name.split(".") and "shared" not in name
             active += n * top_k / experts if routed else n
-    return replace(spec, active_layer_params=active / len(layers), total_layer_params=total / len(layers))
+    spec = replace(spec, active_layer_params=active / len(layers), total_layer_params=total / len(layers))
+    record = record_of(net)
+    if record is not None and record.mixers:  # a hybrid: its attention counted where its layers hold one
+        spec = replace(spec, attention_layers=attending_layers(layers, record.mixers))
+    return spec
+
+
+def attending_layers(layers: list[torch.nn.Module], mixers: list[torch.nn.Module]) -> int:
+    """How many of ``layers`` hold an attention module (a class named ``...Attention`` that is not one of the
+    stateful ``mixers``, MiniMax's lightning attention or Kimi's delta attention)."""
+    stateful = {id(m) for m in mixers}
+    return sum(
+        any(type(m).__name__.endswith("Attention") and id(m) not in stateful for m in layer.modules())
+        for layer in layers
+    )
