@@ -3,6 +3,7 @@ their own field names), the router's load-balancing loss, unknown shapes degradi
 and the self-check wired into fit."""
 
 import copy
+import re
 
 import lightning as L
 import numpy as np
@@ -73,12 +74,33 @@ def test_a_router_loss_for_a_family_without_one_is_refused():
         built("llama", output_router_logits=True)
 
 
-def test_an_unknown_model_shape_only_turns_flops_off():
-    # Mamba: no attention heads (its FLOPs, a scan's, are not counted yet)
-    with pytest.warns(UserWarning, match="model FLOPs unknown, MFU and FLOP/s are not logged: the mamba config has no"):
-        module = built("mamba")
+def test_an_unknown_model_shape_only_turns_flops_off(monkeypatch):
+    """A config that does not say its shape (BART's: an encoder and a decoder, no layers or heads of its
+    own) leaves MFU and FLOP/s unlogged, saying why; the model still trains."""
+    from transformers import AutoConfig
+
+    from lit_hbp.lightning import module as module_file
+    from lit_hbp.model_spec import ModelSpec
+
+    bart = AutoConfig.for_model("bart").to_dict()
+    with pytest.raises(ValueError, match="the bart config has no layers") as why:
+        ModelSpec.from_config(bart)
+    monkeypatch.setattr(module_file, "model_spec", lambda net, layers: ModelSpec.from_config(bart))
+    with pytest.warns(UserWarning, match=re.escape(f"model FLOPs unknown, MFU and FLOP/s are not logged: {why.value}")):
+        module = built("llama")
     batch = collate_packs([np.arange(1)], lambda i: (np.arange(10), np.ones(10, bool)), loss_norm=1.0)
     assert module.micro_batch_flops(batch) is None
+
+
+def test_a_state_space_models_flops_have_no_attention_term():
+    """Mamba (no attention heads, a scan in every layer): its FLOPs are its matmuls', linear in the tokens,
+    the same for one document of 12 tokens as for three of 4 (the same supervised tokens)."""
+    module = built("mamba")
+    batch = collate_packs([np.arange(1)], lambda i: (np.arange(12), np.ones(12, bool)), loss_norm=1.0)
+    assert module.micro_batch_flops(batch) > 0
+    spec = module._spec
+    assert spec.attention_layers == 0
+    assert spec.train_flops(12, 12**2, 11) == spec.train_flops(12, 3 * 4**2, 11) == spec.train_flops(12, 0, 11)
 
 
 def fit(module, tmp_path, toy_tokenizer, small_demo):
