@@ -27,6 +27,7 @@ nothing in it runs. ``--trust-checkpoint`` opens any pickle: only for a file you
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import warnings
@@ -34,7 +35,10 @@ from pathlib import Path
 
 import torch
 
-from lit_hbp.errors import UserInputError
+if not torch.cuda.is_available():  # transformers imports DeepSpeed where installed, which warns on a CPU
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from lit_hbp.errors import UserInputError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")

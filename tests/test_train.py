@@ -378,13 +378,16 @@ def test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes(tmp_path, small_de
 
     ckpt = tmp_path / "runs" / "tiny_cpu_2d" / "version_0" / "checkpoints" / "last.ckpt"
     assert logged["val/loss"] and logged["val/loss"][-1][1] > 0  # validated on the 4 processes, CP included
+    as_typed = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # a shell without the suite's setting
     exported = subprocess.run(
         [sys.executable, "-m", "lit_hbp.export", str(ckpt), str(tmp_path / "hf")],
         capture_output=True,
         text=True,
         timeout=HANG_S,
+        env=as_typed,
     )
     assert exported.returncode == 0, exported.stderr[-2000:]
+    assert "Setting accelerator" not in exported.stderr  # DeepSpeed's warning, which transformers' import set off
     net = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert net.config.num_attention_heads == 2
     out = net.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
