@@ -139,8 +139,8 @@ def test_the_cost_model_prices_attention_in_the_layers_that_attend(family, monke
     model's spec (MFU, the cost model) counts, and those its config lists, where it lists them."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from lit_hbp.model.causal_lm import model_spec
     from lit_hbp.model.calls import ATTN_NAME
+    from lit_hbp.model.causal_lm import model_spec
     from lit_hbp.model_spec import ModelSpec
 
     net = prepare_model(tiny(family)).eval()
@@ -370,11 +370,12 @@ def ulysses_ranks(families: list[str]) -> dict:
 
 @pytest.mark.slow
 def test_ulysses_sp_2_trains_a_hybrid_pack_like_each_document_alone():
-    """A pack split over 2 ranks (the 70-token document across both): each rank's mixers see every document
-    whole, the summed cross-entropy and every gradient equal each document alone in one process."""
+    """Every hybrid family, a pack split over 2 ranks (the 70-token document across both): each rank's mixers
+    see every document whole, the summed cross-entropy and every gradient equal each document alone in one
+    process."""
     from distributed import Pool
 
-    families = ["bamba", "lfm2", "mamba2", "qwen3_next"]
+    families = sorted(HYBRIDS)
     pool = Pool(2)
     try:
         results = pool.run(ulysses_ranks, families)
