@@ -97,3 +97,68 @@ def test_a_config_naming_an_old_class_path_gets_the_same_class_and_python_m_runs
         [sys.executable, "-m", "lit_hbp.memory", "--help"], capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0 and "lit_hbp.cost.memory" in run.stdout, run.stdout + run.stderr
+
+
+def _room_of_file(filename: str) -> str | None:
+    """The room (folder, ``model/attention`` apart from ``model``) of a lit_hbp source file, else None."""
+    path = Path(filename)
+    if PACKAGE not in path.parents:
+        return None
+    parts = path.relative_to(PACKAGE).parts
+    return "/".join(parts[:-1]) or parts[0].removesuffix(".py")
+
+
+def _rank_of_room(room: str) -> float:
+    return RANK["parallel"] + 0.5 if room == "model/attention" else RANK[room.split("/")[0]]
+
+
+def walk(step) -> tuple[list[str], list[str]]:
+    """The rooms a call of ``step()`` passes through, in the order first entered, and the calls that climb
+    from a room to one above it (caller -> callee, each once), traced with ``sys.setprofile``."""
+    rooms, climbs = [], []
+
+    def trace(frame, event, arg):
+        if event != "call" or (callee := _room_of_file(frame.f_code.co_filename)) is None:
+            return
+        if callee not in rooms:
+            rooms.append(callee)
+        caller = frame.f_back
+        while caller is not None and _room_of_file(caller.f_code.co_filename) is None:
+            caller = caller.f_back  # through torch and transformers, to the lit_hbp code that called them
+        if caller is not None and _rank_of_room(callee) > _rank_of_room(_room_of_file(caller.f_code.co_filename)):
+            edge = f"{caller.f_code.co_name} -> {frame.f_code.co_name}"
+            if edge not in climbs:
+                climbs.append(edge)
+
+    sys.setprofile(trace)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return rooms, climbs
+
+
+def test_a_micro_batch_walks_from_packed_loss_to_the_loss_through_few_rooms_downward(tmp_path):
+    """issue 56's walk: ``packed_loss`` of a text pack and of an image pack (forward and backward) passes
+    through at most 5 rooms and climbs back up a layer at most twice."""
+    import torch
+    from transformers import AutoModelForImageTextToText, LlamaConfig, LlamaForCausalLM
+    from vision_models import build_llava, three_records, trained
+
+    from lit_hbp import pack_samples, packed_loss, prepare_model
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    text = prepare_model(LlamaForCausalLM(config))
+    samples = [{"input_ids": list(range(1, n + 1)), "labels": list(range(1, n + 1))} for n in (7, 5, 9)]
+    pack = pack_samples(samples).replace(ckpt_layers=1)
+    vlm = prepare_model(AutoModelForImageTextToText.from_pretrained(build_llava(tmp_path / "llava")).float())
+    records = [trained(r, vlm.config) for r in three_records(tmp_path / "llava")]
+    images = pack_samples(records, model=vlm)
+    assert images.mm is not None  # the image path: the pack carries pixels the call encodes
+    for model, batch in ((text, pack), (vlm, images)):
+        packed_loss(model, batch, "sum").loss.backward()  # the first call decides and logs the backend
+        rooms, climbs = walk(lambda m=model, b=batch: packed_loss(m, b, "sum").loss.backward())
+        assert rooms[0] == "model" and len(rooms) <= 5, rooms
+        assert len(climbs) <= 2, climbs

@@ -42,6 +42,25 @@ def run(cmd: list[str], cwd: Path, timeout: float = HANG_S) -> subprocess.Comple
     return subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
+class Reference:
+    """The uninterrupted run a test compares with, started at once and awaited when needed: it runs
+    beside the interrupted one (on its own folder and cache), which the test watches step by step."""
+
+    def __init__(self, cmd: list[str], cwd: Path):
+        cwd.mkdir(parents=True, exist_ok=True)
+        self.cmd, self.log = cmd, cwd / "reference.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self, timeout: float = HANG_S) -> subprocess.CompletedProcess:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.proc.kill()
+        out = self.log.read_text(errors="replace")
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, out)
+
+
 def ranks_of(proc: subprocess.Popen) -> list[int]:
     """The pids of a run's rank processes: the one started, and the ranks Lightning's launcher started
     (its children running train.py; DataLoader workers are children too and are left out)."""
@@ -128,8 +147,8 @@ def assert_same_weights(a: dict, b: dict) -> None:
 def test_sigterm_saves_the_step_exits_143_and_the_printed_command_resumes_exactly(tmp_path, small_demo):
     max_steps = 12
     cmd = command("tiny_cpu.yaml", small_demo, tmp_path / "cache", max_steps)
-    reference = run(cmd, tmp_path / "reference")
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    reference = Reference(command("tiny_cpu.yaml", small_demo, tmp_path / "reference_cache", max_steps),
+                          tmp_path / "reference")  # fmt: skip
 
     job = Job(cmd, tmp_path / "run")
     job.wait_for(STEP_SHOWN)
@@ -149,6 +168,8 @@ def test_sigterm_saves_the_step_exits_143_and_the_printed_command_resumes_exactl
     assert f"resuming at optimizer step {step}, epoch 0, micro-batch {2 * int(step)} of" in resumed.stderr
     assert sorted(p.name for p in (tmp_path / "run/runs/tiny_cpu").iterdir()) == ["version_0"]  # logs continue there
     final = "runs/tiny_cpu/version_0/checkpoints/last.ckpt"
+    done = reference.result()
+    assert done.returncode == 0, done.stderr[-3000:]
     assert_same_weights(weights(tmp_path / "run" / final), weights(tmp_path / "reference" / final))
 
 
@@ -157,9 +178,8 @@ def test_sigterm_to_every_rank_of_a_deepspeed_run_and_ckpt_path_auto_resume_exac
     """2 processes (Lightning's launcher, gloo, ZeRO-2, a level with sp 2): SIGTERM to every rank, as
     SLURM sends it; the requeued job's command is the same, with ``--ckpt_path auto``."""
     cmd = command("tiny_cpu_sp.yaml", small_demo, tmp_path / "cache", 6, "--ckpt_path", "auto")
-    reference = run(cmd, tmp_path / "reference")
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    assert "--ckpt_path auto: no checkpoint in" in reference.stderr
+    reference = Reference(command("tiny_cpu_sp.yaml", small_demo, tmp_path / "reference_cache", 6, "--ckpt_path",
+                                  "auto"), tmp_path / "reference")  # fmt: skip
 
     job = Job(cmd, tmp_path / "run")
     job.wait_for(STEP_SHOWN)
@@ -177,6 +197,9 @@ def test_sigterm_to_every_rank_of_a_deepspeed_run_and_ckpt_path_auto_resume_exac
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"--ckpt_path auto: resuming from {path}" in resumed.stderr
     final = "runs/tiny_cpu_sp/version_0/checkpoints/epoch=0-step=6.ckpt"
+    done = reference.result()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--ckpt_path auto: no checkpoint in" in done.stderr
     assert_same_weights(weights(tmp_path / "run" / final), weights(tmp_path / "reference" / final))
 
 

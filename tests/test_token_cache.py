@@ -202,7 +202,8 @@ def test_set_up_memory_grows_with_samples_not_tokens(tmp_path):
 def best_window(mask: np.ndarray, max_len: int) -> tuple[int, int]:
     """(start, supervised targets kept) of the earliest window of ``max_len`` tokens keeping the most
     targets, by trying every start (a window's first token is no target)."""
-    counts = [int(mask[s + 1 : s + max_len].sum()) for s in range(max(mask.size - max_len, 0) + 1)]
+    c = np.r_[0, np.cumsum(mask, dtype=np.int64)]  # c[j]: targets before j, so a window's count is a difference
+    counts = [int(c[min(s + max_len, mask.size)] - c[s + 1]) for s in range(max(mask.size - max_len, 0) + 1)]
     start = int(np.argmax(counts))
     return start, counts[start] if mask.size > max_len else int(mask[1:].sum())
 

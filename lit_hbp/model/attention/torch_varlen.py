@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from functools import cache
 
 import torch
 
@@ -123,8 +124,20 @@ def _torch_varlen_picks_backend() -> bool:
     """Whether this torch's varlen backward op takes ``backend`` (2.13's and 2.14.1's take none; a later
     torch that adds it is pinned): its forward then runs cuDNN's kernel where eligible (SM90/SM100, causal with
     ``cu_seq_q is cu_seq_k``) unless pinned, and the op's backward runs flash's unless told otherwise."""
-    op = _torch_varlen_backward_op()
+    return _takes_backend(_torch_varlen_backward_op())
+
+
+@cache
+def _takes_backend(op) -> bool:
+    """Read once per op: its schema does not change, and every attention call of a step asks (6 us each)."""
     return op is not None and any(x.name == "backend" for x in op.default._schema.arguments)
+
+
+@cache
+def _zero_rng_state(device: torch.device) -> torch.Tensor:
+    """The RNG state the backward op reads for a forward without dropout (never written): one per device,
+    not an allocation and a fill on every backward call."""
+    return torch.zeros(2, dtype=torch.uint64, device=device)
 
 
 def _torch_varlen_forward(q, k, v, a: AttnArgs):
@@ -153,7 +166,7 @@ def _torch_varlen_backward(dout, q, k, v, out, lse, a: AttnArgs):
         from torch.nn.attention import SDPBackend
 
         kw["backend"] = SDPBackend.FLASH_ATTENTION.value  # the kernel ``_torch_varlen_forward`` pinned
-    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    rng = _zero_rng_state(q.device)
     dq, dk, dv = _torch_varlen_backward_op()(
         flat(dout), flat(q), flat(k_), flat(v_), flat(out), lse, a.cu, a.keys_cu, a.max_len, a.keys_max_len,
         left == -1, rng, **kw,
