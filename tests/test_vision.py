@@ -18,6 +18,7 @@ from vision_models import (
     BUILDERS,
     DEFAULT_BUILT,
     DEFAULT_BUILT_VIDEOS,
+    HYBRID_VLMS,
     assert_same_grads,
     build_default,
     counted_records,
@@ -307,7 +308,7 @@ def test_the_tower_attention_takes_a_padding_mask_as_flash_does_and_refuses_what
 
 
 @pytest.mark.parametrize("tower", ["own", "lit-hbp"])
-@pytest.mark.parametrize("family", DEFAULT_BUILT)
+@pytest.mark.parametrize("family", DEFAULT_BUILT + HYBRID_VLMS)
 def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone(tmp_path, family, tower, monkeypatch):
     """Families built from transformers' default config (shrunk): two records with an image each and a
     text-only record (and a 4-frame video's record, for the video families), packed, give the records
@@ -366,7 +367,9 @@ VLM_TESTED = {
     "llava_onevision": "images, sp 1 and 2 (a record's images encoded together); videos of one frame count",
     **{family: "images, sp 1 (its default config, shrunk)" for family in DEFAULT_BUILT},
     **{family: "images and videos, sp 1 (its default config, shrunk)" for family in DEFAULT_BUILT_VIDEOS},
-}
+    **{family: "images, sp 1 and Ulysses sp 2; its Gated DeltaNet layers run document by document beside full "
+               "attention (its default config, shrunk)" for family in HYBRID_VLMS},
+}  # fmt: skip
 
 
 def stateful_mixer_kind(family: str) -> str | None:

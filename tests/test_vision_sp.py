@@ -11,14 +11,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 from distributed import Pool
 from transformers import AutoModelForImageTextToText
-from vision_models import BUILDERS, build_llava, needs_torchvision, three_records, trained, video_records
+from vision_models import (
+    BUILDERS,
+    HYBRID_VLMS,
+    build_default,
+    build_llava,
+    counted_records,
+    needs_torchvision,
+    three_records,
+    trained,
+    video_records,
+)
 
 from lit_hbp.model.sp_media import Route, owners
 
 EXACT = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next"]
-RECORDS = {"images": three_records, "videos": video_records}
+RECORDS = {"images": three_records, "videos": video_records, "counted": counted_records}
 LAYOUTS = {"ulysses": (2, 1), "cp": (2, 2)}
 
 
@@ -128,6 +139,31 @@ def test_an_image_pack_on_an_sp_level_trains_like_each_record_alone(pool, folder
             assert np.abs(r["grads"][name] - ref).max() <= bound, name
     # the three images were encoded once in all, split over the two ranks (two on one, one on the other)
     assert sorted(sum(r["encoded"], 0) for r in results) == [1, 2] and all(len(r["encoded"]) == 1 for r in results)
+
+
+@pytest.mark.parametrize("family", HYBRID_VLMS)
+def test_a_hybrid_vlms_image_pack_at_ulysses_sp_2_trains_like_each_record_alone(pool, tmp_path, family):
+    """Qwen3.5 (a Gated DeltaNet layer beside a full attention layer): a pack of two image records and a
+    text-only one at Ulysses sp 2 (each rank runs every document of the linear-attention layer whole, from
+    inputs gathered over the group, and encodes its share of the images), against each record alone in one
+    process (loss 1e-5, every gradient 1e-4, the tower's and the Gated DeltaNet's ``A_log`` included)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if family not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    folder = build_default(tmp_path / family, family)
+    want_ce, want = reference(folder, tmp_path / "weights.pt", "counted")
+    assert any("A_log" in n for n in want) and any("self_attn" in n for n in want)  # both kinds of layer
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), 2, 1, "counted")
+    scale = max(np.abs(g).max() for g in want.values())
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert r["ce"] == pytest.approx(want_ce, rel=1e-5)
+        assert set(r["grads"]) == set(want)
+        for name, ref in want.items():
+            bound = 1e-4 * max(np.abs(ref).max(), 1e-3 * scale)
+            assert np.abs(r["grads"][name] - ref).max() <= bound, name
+    assert sum(sum(r["encoded"], 0) for r in results) == 2  # the pack's two images, each encoded once
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -335,6 +335,9 @@ DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", 
                  "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "lighton_ocr", "llava_next_video", "mistral3",
                  "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe", "video_llava", "vipllava")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
+# Hybrid language models among them: Qwen3.5's Gated DeltaNet layer (run document by document) beside its full
+# attention layer (``_keep_layer_kinds`` keeps one of each).
+HYBRID_VLMS = ("qwen3_5", "qwen3_5_moe")
 _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=512, max_position_embeddings=512, moe_intermediate_size=32, num_experts=4,
              num_experts_per_tok=2)  # fmt: skip
@@ -356,6 +359,22 @@ def _mrope(text) -> None:
     text.rope_parameters = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
 
 
+def _keep_layer_kinds(config) -> None:
+    """Per-layer lists (``layer_types``, MiniMax's ``mlp_layer_types``) cut to the shrunk layer count, keeping
+    the first layer of each kind (a hybrid's linear attention or convolution beside its full attention),
+    the same layers in every list."""
+    n = getattr(config, "num_hidden_layers", None)
+    lists = {k: v for k, v in vars(config).items() if k.endswith("layer_types") and isinstance(v, list)}
+    if not n or "layer_types" not in lists or len(lists["layer_types"]) <= n:
+        return
+    kinds = lists["layer_types"]
+    firsts = sorted({kinds.index(kind) for kind in kinds})[:n]
+    keep = sorted(firsts + [i for i in range(len(kinds)) if i not in firsts][: n - len(firsts)])
+    for key, value in lists.items():
+        if len(value) == len(kinds):
+            setattr(config, key, [value[i] for i in keep])
+
+
 def _shrink(config, sizes: dict) -> None:
     for key, value in sizes.items():
         if isinstance(getattr(config, key, None), (int, float)) and not isinstance(getattr(config, key), bool):
@@ -370,8 +389,8 @@ def build_default(path: Path, family: str) -> Path:
     config = AutoConfig.for_model(family)
     text = config.get_text_config()
     _shrink(text, _TEXT)
-    if getattr(text, "layer_types", None):
-        text.layer_types = text.layer_types[: text.num_hidden_layers]
+    for holder in (text, config.vision_config):
+        _keep_layer_kinds(holder)
     for key, value in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0)):
         for holder in {id(text): text, id(config): config}.values():
             if getattr(holder, key, None) is not None:
