@@ -48,6 +48,7 @@ LAYER_KINDS = ("layer_types", "layers_block_type", "block_types")
 NOT_ATTENTION = re.compile(r"linear|mamba|ssm|recurrent|conv|rwkv|lstm|^m$|^mlp$|^moe$|^-$")
 STATE_SIZES = ("state_size", "ssm_state_size", "d_state", "mamba_d_state")
 ATTENTION_HEADS = ("num_attention_heads", "n_head", "n_heads")
+NO_ATTENTION_FAMILIES = frozenset({"xlstm"})  # every layer a recurrent block; its config names no layer kind
 
 
 def layer_kinds(config: dict) -> list[str] | None:
@@ -72,6 +73,10 @@ def attention_layers(config: dict) -> int | None:
     indices = config.get("attn_layer_indices", config.get("full_attn_idxs"))
     if isinstance(indices, (list, tuple)):
         return len(indices)
+    if "attn_layer_indices" in config and indices is None:
+        return 0  # Bamba's: attention only at the layers listed, none listed
+    if config.get("model_type") in NO_ATTENTION_FAMILIES:
+        return 0
     period, offset = config.get("attn_layer_period"), config.get("attn_layer_offset")
     layers = _field(config, "layers")
     if isinstance(period, int) and isinstance(offset, int) and period > 0 and layers:

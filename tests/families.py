@@ -56,10 +56,12 @@ OVERRIDES = {
     **{f: MLA for f in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "minicpm3", "youtu", "axk1", "axk2")},
     **{f: MLA for f in ("glm4_moe_lite", "glm_moe_dsa", "deepseek_v4", "sarvam_mla")},
 }
-# Hybrids built with the stateful mixer they are known for (the generic shape gives LFM2 two attention
-# layers, and leaves Mamba2, Zamba, Zamba2 and ZAYA unbuildable).
+# Hybrids built with the stateful mixer they are known for, beside an attention layer where the family has
+# one (the generic shape gives LFM2 two attention layers and Qwen3-Next two Gated DeltaNet layers, and leaves
+# Mamba2, Zamba, Zamba2 and ZAYA unbuildable).
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)  # 8 x 16 = 2 x 64
 GATED_DELTA = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=4, linear_num_value_heads=4)
+BESIDE_ATTENTION = dict(layer_types=["linear_attention", "full_attention"])  # the mixer, then an attention layer
 HYBRIDS = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
@@ -69,12 +71,15 @@ HYBRIDS = {
     "zaya": dict(num_experts_per_tok=1),
     # the defaults' state widths and scan chunks (128-256) are slow on a CPU: small ones, a chunk shorter
     # than the test documents (a scan's chunk boundaries fall inside them)
-    "bamba": MAMBA2,
-    "granitemoehybrid": MAMBA2,
+    "bamba": dict(MAMBA2, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(MAMBA2, **BESIDE_ATTENTION),
     "falcon_h1": dict(MAMBA2, mamba_d_ssm=128),
     "nemotron_h": dict(ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, chunk_size=16),
-    "kimi_linear": dict(linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}),
-    **{f: GATED_DELTA for f in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text")},
+    "kimi_linear": dict(  # its full attention is MLA
+        linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}, **BESIDE_ATTENTION, **MLA
+    ),
+    **{f: dict(GATED_DELTA, **BESIDE_ATTENTION) for f in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    "qwen4_exp_text": GATED_DELTA,  # its indexed attention needs settings its default config leaves unset
 }
 OVERRIDES.update(HYBRIDS)
 MAX_PARAMS = 5_000_000  # larger after shrinking: a multimodal wrapper whose sub-models keep their size

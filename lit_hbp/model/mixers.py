@@ -97,6 +97,8 @@ def kind_of(module: torch.nn.Module, in_layer: bool) -> tuple[str, bool] | None:
     outside the layers a convolution is an audio or image encoder's, over its own input, not the pack).
     Those found by what they hold are refused: their calling convention is unknown."""
     name = type(module).__name__
+    if _through_attention_interface(type(module)):
+        return None  # softmax attention named after its family (Kimi Linear's MLA): lit-hbp's varlen attention runs it
     for kind in KINDS:
         if kind.classes.search(name):
             return kind.name, kind.per_document and _hidden_first(module)
@@ -107,6 +109,16 @@ def kind_of(module: torch.nn.Module, in_layer: bool) -> tuple[str, bool] | None:
     if isinstance(module, torch.nn.Conv1d):
         return CONVOLUTION, False
     return None
+
+
+@functools.cache
+def _through_attention_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` calls transformers' attention functions (``ALL_ATTENTION_FUNCTIONS``): softmax
+    attention, whatever its class is called (Kimi Linear's ``KimiLinearAttention`` is MLA)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
 
 
 def stateful_mixers(decoder: torch.nn.Module) -> list[StatefulMixer]:
