@@ -358,15 +358,36 @@ def ulysses_ranks(families: list[str]) -> dict:
         docs = three_documents(net.config.vocab_size)
         whole = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=2, loss_norm=1.0)
         shard = Ulysses().shard(whole, 2, ctx.rank).replace(sp_group=SPCall.of(ctx, "ulysses"))
+        seen = set()  # the token counts this rank's mixers ran (each mixer's first linear layer's input)
+        linears = [next(x for x in m.modules() if isinstance(x, torch.nn.Linear)) for m in record_of(net).mixers]
+        hooks = [x.register_forward_pre_hook(lambda mod, args, seen=seen: seen.add(args[0].shape[-2])) for x in linears]
         loss = packed_loss(net, shard.replace(ckpt_layers=len(record_of(net).layers)), weights=1.0)
+        loss.loss.backward()
+        for h in hooks:
+            h.remove()
+        ce = loss.ce_sum.detach().clone()
+        dist.all_reduce(ce)
+        grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+        for g in grads.values():
+            dist.all_reduce(g)
+        out[family] = (float(ce), grads, sorted(seen))
+    for family in LONE:  # a pack of one document (72 tokens, no padding): fewer documents than ranks
+        net = prepare_model(tiny(family)).eval()
+        whole = collate_packs([np.arange(1)], three_documents(net.config.vocab_size, (72,)).__getitem__, sp=2,
+                              loss_norm=1.0)  # fmt: skip
+        shard = Ulysses().shard(whole, 2, ctx.rank).replace(sp_group=SPCall.of(ctx, "ulysses"))
+        loss = packed_loss(net, shard, weights=1.0)
         loss.loss.backward()
         ce = loss.ce_sum.detach().clone()
         dist.all_reduce(ce)
         grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
         for g in grads.values():
             dist.all_reduce(g)
-        out[family] = (float(ce), grads)
+        out[f"{family} alone"] = (float(ce), grads)
     return out
+
+
+LONE = ("qwen3_next", "bamba")  # a gated delta rule, a Mamba2 scan
 
 
 @pytest.mark.slow
@@ -386,13 +407,45 @@ def test_ulysses_sp_2_trains_a_hybrid_pack_like_each_document_alone():
         ref = reference_of(tiny(family))
         want = separate_loss(ref, dict(enumerate(three_documents(ref.config.vocab_size))))
         want.backward()
-        for ce, grads in (r[family] for r in results):
+        # the ranks share the documents (37, 5, 70: 112 tokens, no padding): the 70 on one, the others on the
+        # other, each run whole by one rank
+        assert [r[family][2] for r in results] == [[70], [5, 37]], family
+        for ce, grads, _ in (r[family] for r in results):
             assert ce == pytest.approx(want.item(), rel=1e-5), family
             net = tiny(family)
             for name, p in net.named_parameters():
                 p.grad = grads.get(name)
             worst, where = gradient_error(net, ref)
             assert worst < 1e-4, f"{family}: gradient of {where} off by {worst:.1e}"
+    for family in LONE:  # one document across both ranks: each runs it whole, keeping its half
+        ref = reference_of(tiny(family))
+        want = separate_loss(ref, dict(enumerate(three_documents(ref.config.vocab_size, (72,)))))
+        want.backward()
+        for ce, grads in (r[f"{family} alone"] for r in results):
+            assert ce == pytest.approx(want.item(), rel=1e-5), family
+            net = tiny(family)
+            for name, p in net.named_parameters():
+                p.grad = grads.get(name)
+            worst, where = gradient_error(net, ref)
+            assert worst < 1e-4, f"{family} alone: gradient of {where} off by {worst:.1e}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.sampled_from([2, 4, 8]))
+def test_the_ranks_of_an_sp_level_share_a_packs_documents_for_its_mixers(lengths, ranks):
+    """Every document to exactly one rank, every rank at least one, no rank over an even share by more than
+    the longest document (a greedy fill's bound); fewer documents than ranks: every rank runs them all."""
+    from lit_hbp.model.mixers import document_owners
+
+    bounds = np.r_[0, np.cumsum(lengths)].tolist()
+    owners = document_owners(bounds, ranks)
+    if len(lengths) < ranks:
+        assert owners is None
+        return
+    assert len(owners) == len(lengths) and set(owners) == set(range(ranks))
+    load = np.bincount(owners, weights=lengths, minlength=ranks)
+    assert load.max() <= sum(lengths) / ranks + max(lengths)
+    assert owners == document_owners(bounds, ranks)  # the same on every rank: from the pack alone
 
 
 def test_a_frozen_stateful_model_a_module_holds_is_refused_on_a_pack_unless_prepared():

@@ -14,8 +14,10 @@ the call is exact by construction (the family tests check each family against ea
 This is the pure-PyTorch path: a loop over the pack's documents in every mixer layer, one host read
 of the boundaries per call; the GPU kernels that take the boundaries themselves are not wired yet.
 On a Ulysses level (sp > 1) the SP kind gathers the whole pack's inputs of the mixer
-(``SPKind.gather_tokens``), each rank runs every document whole and keeps its shard of the output (the
-mixer's work done on every rank); a context-parallel level, whose ranges a document's state would have
+(``SPKind.gather_tokens``) and the ranks share the pack's documents, each run whole by one rank
+(``document_owners``, balanced by length); the ranks' outputs, zeros at the others' documents, are summed
+into each rank's shard (``SPKind.sum_own_tokens``). A pack of fewer documents than ranks is run whole by
+every rank, each keeping its shard. A context-parallel level, whose ranges a document's state would have
 to cross, is refused per level at set-up and in the call. Any other mixer (one found only by an
 ``A_log`` decay or a ``torch.nn.Conv1d`` inside a decoder layer, RWKV's) makes ``prepare_model`` refuse
 the model before anything else happens, naming the family, the layer, the module and the kind (design
@@ -225,7 +227,8 @@ def by_document(run, call: calls.PackCall, name: str, args: tuple, kwargs: dict)
     slice of every per-token input, the outputs joined along the tokens: the mixer's state starts from
     nothing at every document, as the document alone. Under sequence parallelism each rank holds a
     shard of the pack: its SP kind gathers the whole pack's inputs (``SPKind.gather_tokens``), the rank
-    runs every document and keeps its shard of the output (the mixer's work done on every rank)."""
+    runs its share of the documents (``document_owners``) and the ranks' outputs are summed into each
+    rank's shard (``SPKind.sum_own_tokens``); with fewer documents than ranks each runs them all."""
     pack = call.pack
     hidden = args[0] if args else next((kwargs[k] for k in HIDDEN if k in kwargs), None)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
@@ -245,17 +248,59 @@ def by_document(run, call: calls.PackCall, name: str, args: tuple, kwargs: dict)
     local, total = hidden.shape[1], hidden.shape[1] * sp.size
     whole = functools.partial(_tokens, along=lambda x, dim: sp.kind.gather_tokens(x, sp.ctx, dim), tokens=local)
     args, kwargs = tuple(map(whole, args)), {k: whole(v) for k, v in kwargs.items()}
-    out = _each_document(run, _bounds(call, total, name), args, kwargs, name)
-    return _tokens(out, lambda x, dim: sp.kind.own_tokens(x, sp.ctx, dim), total)
+    bounds = _bounds(call, total, name)
+    owners = call.host.get("owners")
+    if owners is None:
+        owners = call.host["owners"] = document_owners(bounds, sp.size)
+    if owners is None:  # fewer documents than ranks: every rank runs them all, keeps its shard
+        out = _each_document(run, bounds, args, kwargs, name)
+        return _tokens(out, lambda x, dim: sp.kind.own_tokens(x, sp.ctx, dim), total)
+    mine = [i for i, rank in enumerate(owners) if rank == sp.ctx.rank]
+    out = _each_document(run, bounds, args, kwargs, name, only=mine)
+    return _tokens(out, lambda x, dim: sp.kind.sum_own_tokens(x, sp.ctx, dim), total)
 
 
-def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str) -> Any:
-    outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+def document_owners(bounds: list[int], ranks: int) -> list[int] | None:
+    """The rank that runs each document of a pack (``bounds``: its boundaries) in a mixer on an SP level:
+    longest first, each to the rank with the fewest tokens so far (ties: the lowest rank), so the ranks
+    share the mixer's work (linear in a document's length) instead of each doing all of it. None when
+    there are fewer documents than ranks (a rank without one would leave the mixer's weights out of its
+    step)."""
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    if len(lengths) < ranks:
+        return None
+    load, owners = [0] * ranks, [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        owners[i], load[rank] = rank, load[rank] + lengths[i]
+    return owners
+
+
+def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str, only: list[int] | None = None):
+    """``run`` on each document's slice of the per-token inputs (``only``: those documents, the others'
+    outputs zeros shaped as a run document's), the outputs joined along the tokens."""
+    outs, lengths = {}, [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if only is not None and i not in only:
+            continue
         along = functools.partial(_narrow, start=start, length=end - start)
         cut = functools.partial(_tokens, along=along, tokens=bounds[-1])
-        outs.append(run(*map(cut, args), **{k: cut(v) for k, v in kwargs.items()}))
-    return _join(outs, [end - start for start, end in zip(bounds[:-1], bounds[1:])], name)
+        outs[i] = run(*map(cut, args), **{k: cut(v) for k, v in kwargs.items()})
+    if only is not None:
+        shown, length = next(iter(outs.values())), lengths[only[0]]
+        outs = {i: outs[i] if i in outs else _zeros_for(shown, length, lengths[i]) for i in range(len(lengths))}
+    return _join([outs[i] for i in range(len(lengths))], lengths, name)
+
+
+def _zeros_for(out: Any, length: int, tokens: int) -> Any:
+    """Zeros standing for a document of ``tokens`` tokens that another rank runs, shaped as ``out`` (a run
+    document's output of ``length`` tokens): its per-token tensors' shapes with ``tokens``, None for the rest
+    (what ``_join`` drops anyway)."""
+    if isinstance(out, torch.Tensor) and out.dim() >= 2 and out.shape[1] == length:
+        return out.new_zeros((out.shape[0], tokens, *out.shape[2:]))
+    if isinstance(out, tuple):
+        return tuple(_zeros_for(o, length, tokens) for o in out)
+    return None
 
 
 def _narrow(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:

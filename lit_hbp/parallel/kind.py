@@ -91,6 +91,12 @@ class SPKind(ABC):
         """This rank's shard of a whole pack's per-token tensor (the inverse of ``gather_tokens``)."""
         raise ValueError(self.mixer_problem())
 
+    def sum_own_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+        """Every rank's whole-pack per-token tensor summed, this rank keeping its shard, differentiable (a
+        rank's gradient: every rank's shard of it, gathered): the ranks' parts of a mixer's output, each
+        rank having run some of the pack's documents (zeros at the others')."""
+        raise ValueError(self.mixer_problem())
+
     def comm_breakdown(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> dict[str, float]:
         """``comm_bytes_per_layer`` by collective family (reports print them side by side)."""
         return {self.name: self.comm_bytes_per_layer(model, tokens, sp, cp)}

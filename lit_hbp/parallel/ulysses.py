@@ -117,6 +117,26 @@ def gather_tokens(x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor
     return _gather(x, ctx, dim)
 
 
+class _SumOwnTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x, ctx, dim):
+        fctx.sp, fctx.dim = ctx, dim
+        return _scatter(x, ctx, dim)
+
+    @staticmethod
+    def backward(fctx, grad):
+        return _gather(grad.contiguous(), fctx.sp, fctx.dim), None, None
+
+
+@torch.compiler.disable
+def sum_own_tokens(x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+    """Every rank's whole-pack per-token tensor summed, this rank keeping its contiguous shard along ``dim``;
+    the gradient of a rank's tensor is every rank's gradient of its shard, gathered."""
+    if x.is_floating_point() and x.requires_grad:
+        return _SumOwnTokens.apply(x, ctx, dim)
+    return _scatter(x, ctx, dim)
+
+
 def own_tokens(x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
     """This rank's contiguous shard of a whole pack's per-token tensor."""
     size = x.shape[dim] // ctx.size
@@ -180,6 +200,9 @@ class Ulysses(SPKind):
 
     def own_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
         return own_tokens(x, ctx, dim)
+
+    def sum_own_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+        return sum_own_tokens(x, ctx, dim)
 
     def check(self, num_heads: int, num_kv_heads: int, sp: int, cp: int = 1) -> int:
         if cp != 1:

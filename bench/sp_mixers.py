@@ -1,0 +1,149 @@
+"""A hybrid's token mixers on a Ulysses level: the ranks sharing the pack's documents beside every rank
+running them all.
+
+    python bench/sp_mixers.py [--family qwen3_next] [--width 256] [--layers 4] [--pack-len 2048] [--docs 8]
+                              [--steps 6] [--warmup 2] [--rounds 3]
+
+A mixer that carries state along a document (the gated delta rule, a Mamba scan) runs each document whole.
+On an sp 2 level every rank gathers the pack's mixer inputs; then either the ranks share the documents
+(``share``: ``lit_hbp.model.mixers.document_owners``, each document on one rank, the outputs summed into
+each rank's shard: what lit-hbp does) or every rank runs every document and keeps its shard (``all``: what
+it did before, and still does for a pack of fewer documents than ranks). Both on 2 CPU processes (gloo,
+one thread each), the same tiny hybrid (``--family``'s default layer kinds cut to ``--layers``, its mixer
+beside attention), the same packs (``--docs`` documents of random lengths filling ``--pack-len``), from
+the same weights. A step: ``packed_loss`` forward and backward of the rank's shard (no optimizer). Timed
+alike: each round runs ``--steps`` steps of each mode after ``--warmup`` untimed ones, barriers around
+the window, the slower rank's time; the median round per mode. Also checked: both modes give the same
+loss (the summed cross-entropy over the ranks) on every pack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+MODES = ("all", "share")
+
+
+def tiny_hybrid(family: str, width: int, layers: int):
+    """``family``'s default config at ``width`` with ``layers`` layers of its own kinds (its mixer first)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family)
+    heads = max(width // 64, 2)
+    sizes = dict(hidden_size=width, intermediate_size=2 * width, num_attention_heads=heads, num_key_value_heads=heads,
+                 head_dim=64, vocab_size=1024, linear_key_head_dim=64, linear_value_head_dim=64,
+                 linear_num_key_heads=heads, linear_num_value_heads=heads, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=width, shared_expert_intermediate_size=width, mamba_n_heads=2 * width // 64,
+                 mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64)  # fmt: skip
+    for key, value in sizes.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if hasattr(config, "attn_layer_indices"):  # Bamba: its layer kinds follow from where attention is
+        config.attn_layer_indices = [layers - 1]
+    elif kinds:
+        config.layer_types = [kinds[i % len(kinds)] for i in range(len(kinds))][:layers]
+        if len(set(config.layer_types)) < 2:  # keep an attention layer beside the mixer
+            config.layer_types[-1] = next(k for k in kinds if k != config.layer_types[0])
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float().train()
+
+
+def packs(args: argparse.Namespace) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """``--warmup + --steps`` packs of ``--docs`` documents of random lengths, ``--pack-len`` tokens each."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(args.warmup + args.steps):
+        cuts = np.sort(rng.choice(np.arange(8, args.pack_len - 8), args.docs - 1, replace=False))
+        lengths = np.diff(np.r_[0, cuts, args.pack_len])
+        out.append([(rng.integers(3, 1000, n), np.ones(n, bool)) for n in lengths])
+    return out
+
+
+def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from lit_hbp import packed_loss, prepare_model
+    from lit_hbp.data.collate import collate_packs
+    from lit_hbp.model import mixers
+    from lit_hbp.parallel.context import SPCall
+    from lit_hbp.parallel.groups import SPGroups
+    from lit_hbp.parallel.ulysses import Ulysses
+
+    ctx = SPGroups([(2, 1)], 2, rank)[(2, 1)]
+    net = prepare_model(tiny_hybrid(args.family, args.width, args.layers))
+    shards = []
+    for docs in packs(args):
+        whole = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=2, loss_norm=1.0)
+        shards.append(Ulysses().shard(whole, 2, rank).replace(sp_group=SPCall.of(ctx, "ulysses")))
+    owners = mixers.document_owners
+
+    def step(batch) -> float:
+        out = packed_loss(net, batch, weights=1.0)
+        out.loss.backward()
+        net.zero_grad(set_to_none=True)
+        ce = out.ce_sum.detach().clone()
+        dist.all_reduce(ce)
+        return float(ce)
+
+    times, losses = {m: [] for m in MODES}, {m: [] for m in MODES}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            mixers.document_owners = owners if mode == "share" else (lambda bounds, ranks: None)
+            for batch in shards[: args.warmup]:
+                step(batch)
+            dist.barrier()
+            start = time.perf_counter()
+            losses[mode] = [step(batch) for batch in shards[args.warmup :]]
+            dist.barrier()
+            elapsed = torch.tensor(time.perf_counter() - start)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[mode].append(float(elapsed) / args.steps)
+    mixers.document_owners = owners
+    if rank == 0:
+        results.put({"times": times, "losses": losses, "mixers": len(mixers.stateful_mixers(net.model))})
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", default="qwen3_next")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--pack-len", type=int, default=2048)
+    p.add_argument("--docs", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    from lit_hbp.autoselect.launch import free_port
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(free_port(), args, results), nprocs=2, join=True)
+    r = results.get()
+    same = np.allclose(r["losses"]["all"], r["losses"]["share"], rtol=1e-5)
+    median = {m: statistics.median(r["times"][m]) * 1e3 for m in MODES}
+    print(f"{args.family}, width {args.width}, {args.layers} layers ({r['mixers']} stateful mixers), sp 2 on 2 CPU "
+          f"processes, packs of {args.pack_len} tokens in {args.docs} documents")  # fmt: skip
+    print("| mode | ms/step (median of rounds) | rounds | vs all |")
+    print("|---|---|---|---|")
+    for m in MODES:
+        rounds = ", ".join(f"{t * 1e3:.0f}" for t in r["times"][m])
+        print(f"| {m} | {median[m]:.0f} | {rounds} | {median[m] / median['all']:.2f} |")
+    print(f"same loss on every pack: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
