@@ -453,6 +453,7 @@ RUN_CONFIG = (
 """A bf16 HBPStrategy (ZeRO-2) run of a model that is not on this machine (--model gives its shape)."""
 
 
+@pytest.mark.slow
 def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shaped_mix, monkeypatch):
     """The chosen levels block is printed, and written to --out only: nothing lands where the command
     runs unasked (a checkout's `git status` stays clean)."""
@@ -553,6 +554,7 @@ def both_tools(tmp_path, capsys, lengths, *flags):
     return (sim_code, sim), (auto_code, auto), chosen
 
 
+@pytest.mark.slow
 def test_simulate_and_autoselect_keep_the_4m_sample_with_liger_and_optimizer_offload(tmp_path, capsys):
     """The issue's bar, small: with --liger --offload-optimizer both tools run the one search, whose
     largest level holds the 4M sample (sp 8, every layer checkpointed and offloaded, MLP tiles), name
@@ -577,6 +579,7 @@ def test_simulate_and_autoselect_keep_the_4m_sample_with_liger_and_optimizer_off
     assert plan.dropped.size == 0
 
 
+@pytest.mark.slow
 def test_without_the_flags_both_tools_refuse_naming_the_levers_that_fit(tmp_path, capsys):
     """As the model comes, 4M tokens fit no layout of 8 H100s (79.6 GiB as the device reports it): both
     tools exit 2 with the same one-line refusal, which names the levers the search found in their own flags

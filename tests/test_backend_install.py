@@ -350,6 +350,7 @@ def test_a_broken_install_is_rejected_with_its_error_and_probed_once(
     assert imports(site).count(module) == 1
 
 
+@pytest.mark.slow
 def test_importing_lit_hbp_imports_no_flash_attn(site):
     install(site, "counted flash-attn 2.8.3", "counted flash-attn 3", installs=ALL)
     code = textwrap.dedent(

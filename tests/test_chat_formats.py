@@ -550,6 +550,7 @@ def test_json_arrays_read_record_by_record_with_row_and_line(tmp_path, qwen):
     assert [r for r, _ in iter_records(Source(str(lines)))] == records[:3]
 
 
+@pytest.mark.slow
 def test_the_console_script_previews_and_refuses_like_fit(qwen, tmp_path):
     """``lit-hbp preview`` as a user runs it: JSON lines on stdout (logs and progress on stderr)."""
     import subprocess

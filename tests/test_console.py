@@ -387,6 +387,7 @@ def tensorboard_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_cli_fine_tunes_a_folder_and_resumes_into_the_same_run_folder(
     tmp_path, small_demo, demo_pretrained, monkeypatch
 ):

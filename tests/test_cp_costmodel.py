@@ -101,6 +101,7 @@ def test_the_search_reaches_past_the_heads_through_cp():
     assert sp_candidates(64, 28, 4, every_layout=False)[:5] == [(1, 1), (2, 1), (4, 1), (8, 2), (16, 4)]
 
 
+@pytest.mark.slow
 def test_simulate_reports_cp_beside_ulysses_for_llama_8b_on_64_h100(tmp_path, capsys, paper_shaped_mix):
     path = tmp_path / "lengths.npy"
     np.save(path, paper_shaped_mix[:40_000])

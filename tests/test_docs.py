@@ -85,6 +85,7 @@ def test_the_readme_is_short_and_every_link_resolves():
                 assert (doc.parent / target).exists(), f"{doc.name}: link to {target} goes nowhere"
 
 
+@pytest.mark.slow
 def test_the_preview_command_of_the_guide(tmp_path, small_demo):
     """``lit-hbp preview --config configs/tiny_cpu.yaml --n 2`` as docs/data.md shows it."""
     (tmp_path / "demo_data").symlink_to(small_demo)

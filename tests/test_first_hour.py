@@ -35,6 +35,7 @@ def test_preview_help_shows_its_own_usage_and_what_preview_uses(monkeypatch, cap
     assert "--data.sources" in text and "--data.levels" in text and len(lines) < 200, len(lines)
 
 
+@pytest.mark.slow
 def test_a_plain_run_prints_no_warning_nobody_can_act_on_nor_uncounted_flops(tmp_path, small_demo):
     """``lit-hbp fit`` of the tiny config, as a person runs it: the model summary is there, without a
     FLOPs column of zeros; no LeafSpec deprecation, no litlogger advertisement, no Python warning."""

@@ -7,11 +7,13 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 from conftest import console_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_wheel_ships_callbacks_as_lit_hbp_callbacks(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run(
@@ -47,6 +49,7 @@ def test_wheel_ships_callbacks_as_lit_hbp_callbacks(tmp_path):
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.slow
 def test_console_script_runs_the_cli(tmp_path):
     """``pip install`` puts ``lit-hbp`` in the environment's scripts folder (declared in the wheel's entry points);
     it is the CLI: its help lists the subcommands, and a user's mistake ends with exit status 2."""

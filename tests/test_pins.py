@@ -106,6 +106,7 @@ def test_the_gpu_proof_installs_nothing_that_replaces_the_images_torch(tmp_path,
     assert f".whl/{wheel} would replace the image's torch or its CUDA libraries" in run.stderr
 
 
+@pytest.mark.slow
 def test_the_gpu_proof_names_an_installed_package_outside_the_pins(tmp_path):
     text = (ROOT / "pyproject.toml").read_text().replace('"lightning>=2.6.6,<2.7"', '"lightning>=99"')
     run = run_proof(proof_copy(tmp_path, text))

@@ -218,6 +218,7 @@ def test_an_enum_member_pickled_as_getattr_loads_and_no_other_getattr_does(tmp_p
             safe_load(tmp_path / "bad.pt")
 
 
+@pytest.mark.slow
 def test_a_plain_checkpoint_loads_without_importing_deepspeed(tmp_path):
     """Only a file that names DeepSpeed's classes imports DeepSpeed (slow, and it prints its accelerator
     warning): exporting a plain run's checkpoint does not. In a fresh interpreter, so nothing imported

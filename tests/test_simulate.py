@@ -45,6 +45,7 @@ def test_simulation_equals_a_loop_over_micro_steps_and_groups(images):
     assert (shares["vision"] > 0) is images
 
 
+@pytest.mark.slow
 def test_hbp_speedup_over_naive_isf_on_a_paper_shaped_mix(paper_shaped_mix):
     cost = CostModel(MODELS["llama3.1-8b"], HARDWARE["h100"], 32)
     levels = fill_checkpointing([Level(16384, 1), Level(131072, 8)], cost, paper_shaped_mix)
@@ -98,6 +99,7 @@ def test_simulate_command_prints_the_table_and_writes_pictures(tmp_path, capsys,
     assert "neither a preset" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_vlm_balance_bench_runs_and_hbp_with_the_vision_work_leads(capsys, monkeypatch):
     """bench/vlm_balance.py on a smaller mix: HBP with the vision work in its balance is the fastest
     plan on 32 GPUs, ahead of attention-only HBP and naive packing (the same work priced in each)."""

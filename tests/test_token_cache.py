@@ -265,6 +265,7 @@ def test_two_concurrent_set_ups_tokenize_once(tmp_path, toy_tokenizer):
     assert len(caches(tmp_path / "cache")) == 1 and not list((tmp_path / "cache").glob(".d-*"))
 
 
+@pytest.mark.slow
 def test_a_killed_writer_leaves_no_cache_and_no_stuck_lock(tmp_path, toy_tokenizer):
     """SIGKILL a process midway through writing a cache: no cache a later run accepts is left, the
     next run is not blocked by the dead writer's lock, removes its half-written folder and

@@ -425,6 +425,7 @@ def vlm_families() -> dict[str, tuple[str, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_the_vision_language_family_table_is_what_the_code_decides():
     """docs/families.md's table of image-text families is, row for row, what ``vlm_families`` finds in
     this transformers (a new family shows up as a missing row)."""

@@ -627,6 +627,7 @@ def test_zero_3_with_image_samples_is_refused_before_the_first_step(data, tmp_pa
         trainer.fit(HBPLitModule(model=str(folder)), datamodule=dm)
 
 
+@pytest.mark.slow
 def test_gemma3_records_render_as_its_processor_does_and_fit_stops_naming_its_attention(tmp_path):
     """Gemma 3's processor replaces its rendered <start_of_image> with the image's whole sequence (its
     own newlines and soft tokens): the record reads as apply_chat_template gives it, answer trained; fit
