@@ -12,9 +12,16 @@ packs HBP trains, curriculum off, one device):
   time, from the previous step's end to its own (the device synchronized there, data loading and
   the optimizer included), goes to its level;
 - hf_sdpa / hf_flash_attention_2: Hugging Face ``Trainer`` with ``DataCollatorWithFlattening``
-  (one pack per batch, position_ids restarting per sample, bf16 autocast on a GPU), the same
-  initial weights, AdamW; flash_attention_2 only when flash-attn is installed;
-- fwd_bwd: HBPLitModule forward and backward only (weights in the compute dtype, no optimizer).
+  (one micro-batch's samples per batch: the same tokens per optimizer step as hbp, position_ids
+  restarting per sample, bf16 autocast on a GPU), the same initial weights, AdamW, ``torch_compile``
+  when the config compiles; flash_attention_2 only when flash-attn is installed;
+- fwd_bwd: HBPLitModule forward and backward only (weights in the compute dtype, no optimizer), its
+  decoder layers compiled as the run's are when the config compiles.
+
+Every mode is timed alike: the device synchronized at the end of every optimizer step, each step's
+wall time (from the previous step's end) added to its level's after the level's ``--warmup`` steps.
+hbp trains the levels mixed as HBP runs them (the plan's order); the others run each level's packs
+alone. Each mode's ``all`` row is its levels together: their tokens over their summed seconds.
 
 Tokens are real sample tokens; MFU is ``ModelSpec.train_flops`` (the module's definition: dense
 layers on real tokens, causal attention per document, LM head on supervised tokens, no
@@ -146,8 +153,11 @@ def pack_flops(module, store, packs) -> tuple[float, float]:
     return batch.n_tokens, module.micro_batch_flops(batch)
 
 
-def run_hf(base_model, attn: str, store, micro, device, warmup: int, module) -> tuple[float, float, float]:
-    """HF Trainer + DataCollatorWithFlattening over the same micro-batches (one pack each)."""
+def run_hf(
+    base_model, attn: str, store, micro, device, warmup: int, module, compiled: bool
+) -> tuple[float, float, float]:
+    """HF Trainer + DataCollatorWithFlattening over the same micro-batches (one micro-batch's samples a
+    step), ``torch_compile`` when ``compiled``."""
     from train_throughput import hf_training_args  # the same baseline settings as the other bench
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback
 
@@ -165,49 +175,53 @@ def run_hf(base_model, attn: str, store, micro, device, warmup: int, module) -> 
             feats.append({"input_ids": ids.tolist(), "labels": np.where(target, ids, -100).tolist()})
         items.append(feats)
     stats = [pack_flops(module, store, packs) for packs in micro]
-    marks: dict[str, float] = {}
+    seconds: list[float] = []  # each optimizer step's, as StepClock times hbp's
 
     class Clock(TrainerCallback):
-        def on_step_begin(self, targs, state, control, **kw):
-            if state.global_step == warmup:
-                sync(device)
-                marks["start"] = time.perf_counter()
+        def on_train_begin(self, targs, state, control, **kw):
+            sync(device)
+            seconds.append(time.perf_counter())
 
         def on_step_end(self, targs, state, control, **kw):
-            if state.global_step == len(items):
-                sync(device)
-                marks["end"] = time.perf_counter()
+            sync(device)
+            seconds.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as out:
-        targs = hf_training_args(out, 1, len(items), cuda)
+        targs = hf_training_args(out, 1, len(items), cuda, torch_compile=compiled)
         trainer = Trainer(
             model=net, args=targs, train_dataset=items, data_collator=lambda b: flatten(b[0]), callbacks=[Clock()]
         )
         trainer.train()
     tokens = sum(t for t, _ in stats[warmup:])
     flops = sum(f for _, f in stats[warmup:])
-    return marks["end"] - marks["start"], tokens, flops
+    return float(np.diff(seconds)[warmup:].sum()), tokens, flops
 
 
 def run_fwd_bwd(module, store, micro, device, dtype, warmup: int) -> tuple[float, float, float]:
-    """Forward and backward of the module only, weights in ``dtype``, no optimizer."""
+    """Forward and backward of the module only, weights in ``dtype``, no optimizer; its decoder layers
+    compiled as the run compiles them (a deep copy keeps no compiled layer)."""
     net = copy.deepcopy(module).to(device=device, dtype=dtype).train()
+    if module.hparams.compile:
+        for layer in net._layers:
+            layer.compile(dynamic=True)
     batches = []
     for packs in micro:
         b = collate_packs(packs, store.tokens, loss_norm=1.0, level=0)
         batches.append(b.to(device))
     tokens = flops = 0.0
+    sync(device)
+    last, seconds = time.perf_counter(), 0.0
     for i, b in enumerate(batches):
-        if i == warmup:
-            sync(device)
-            start = time.perf_counter()
         net(b)[0].backward()
         net.zero_grad(set_to_none=True)
+        sync(device)  # each step timed as StepClock times hbp's
+        now = time.perf_counter()
         if i >= warmup:
+            seconds += now - last
             tokens += b.n_tokens
             flops += net.micro_batch_flops(b)
-    sync(device)
-    return time.perf_counter() - start, tokens, flops
+        last = now
+    return seconds, tokens, flops
 
 
 def guarded(name: str, fn, device):
@@ -273,7 +287,9 @@ def main() -> int:
         results[name] = {
             lv: guarded(
                 name,
-                lambda lv=lv, attn=attn: run_hf(base_model, attn, dm.store, micro[lv], device, args.warmup, module),
+                lambda lv=lv, attn=attn: run_hf(
+                    base_model, attn, dm.store, micro[lv], device, args.warmup, module, bool(module.hparams.compile)
+                ),
                 device,
             )
             for lv in range(n_levels)
@@ -305,6 +321,7 @@ def main() -> int:
                 row.update(tokens_per_s=f"{tokens / seconds:.0f}", mfu=f"{flops / seconds / peak:.3f}" if peak else "")
                 row["vs_hf_sdpa"] = f"{tokens / seconds / base_tps:.2f}" if base_tps else ""
             rows.append(row)
+    rows += overall(results, peak)
     print(format_table(rows, [("tokens_per_s", "s"), ("mfu", "s"), ("vs_hf_sdpa", "s")]))
     mem_rows = []
     for lv, m in sorted(memory.items()):
@@ -326,6 +343,23 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def overall(results: dict[str, dict[int, object]], peak: float | None) -> list[dict]:
+    """Each mode's levels together (``all``): their tokens over their summed seconds, beside hf_sdpa's."""
+    totals = {}
+    for name, res in results.items():
+        done = [r for r in res.values() if isinstance(r, tuple)]
+        if done and len(done) == len(res):
+            totals[name] = tuple(sum(r[i] for r in done) for i in range(3))
+    base = totals.get("hf_sdpa")
+    rows = []
+    for name, (seconds, tokens, flops) in totals.items():
+        row = dict(name=f"all {name}", tokens_per_s=f"{tokens / seconds:.0f}")
+        row["mfu"] = f"{flops / seconds / peak:.3f}" if peak else ""
+        row["vs_hf_sdpa"] = f"{tokens / seconds / (base[1] / base[0]):.2f}" if base else ""
+        rows.append(row)
+    return rows
 
 
 def device_name(device: torch.device) -> str:

@@ -47,7 +47,9 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path):
     assert tests["skipped"] > 0 and tests["passed"] == tests["failed"] == tests["error"] == 0
 
     thr = parts["throughput"]["result"]
-    assert [r["name"] for r in thr["throughput"]] == ["256:1 hbp", "256:1 hf_sdpa", "1024:1 hbp", "1024:1 hf_sdpa"]
+    names = ["256:1 hbp", "256:1 hf_sdpa", "1024:1 hbp", "1024:1 hf_sdpa", "all hbp", "all hf_sdpa"]
+    assert [r["name"] for r in thr["throughput"]] == names
+    assert thr["throughput"][-1]["vs_hf_sdpa"] == "1.00"  # the levels together, against hf_sdpa's
     assert all(float(r["tokens_per_s"]) > 0 for r in thr["throughput"])
     assert [m["name"] for m in thr["memory"]] == ["256:1", "1024:1"]
     assert all(m["measured_gib"] is None and m["error"] == "n/a (no CUDA)" for m in thr["memory"])
