@@ -430,6 +430,33 @@ def test_ulysses_sp_2_trains_a_hybrid_pack_like_each_document_alone():
             assert worst < 1e-4, f"{family} alone: gradient of {where} off by {worst:.1e}"
 
 
+def test_packed_loss_hands_the_mixers_the_boundaries_without_reading_the_device(monkeypatch):
+    """``packed_loss`` gives a hybrid's per-document runs the pack's boundaries from the batch (host ints,
+    ``PackedBatch.bounds``): nothing read back from the device (on a GPU, a wait for it every micro-step). A
+    call on ``pack_inputs`` (a project's own forward) has them on the device only: read once for the call."""
+    import inspect
+
+    from lit_hbp import pack_inputs
+
+    net = prepare_model(tiny("qwen3_next")).eval()
+    batch = pack_samples(three_documents(net.config.vocab_size))
+    assert batch.bounds == tuple(batch.cu_seqlens.tolist())
+    reads = []
+    real = torch.Tensor.tolist
+
+    def spy(self):
+        reads.append(inspect.stack()[1].function)
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spy)
+    packed_loss(net, batch.replace(ckpt_layers=2), "sum").loss.backward()  # the recomputations too
+    assert "_bounds" not in reads
+    reads.clear()
+    with torch.no_grad():
+        net(**pack_inputs(batch))
+    assert reads.count("_bounds") == 1
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.sampled_from([2, 4, 8]))
 def test_the_ranks_of_an_sp_level_share_a_packs_documents_for_its_mixers(lengths, ranks):

@@ -117,6 +117,9 @@ class PackedBatch:
     epoch: int = 0
     micro_index: int = 0
     """Micro-step of the epoch's plan (for resume and debugging)."""
+    bounds: tuple[int, ...] | None = None
+    """The whole pack's document boundaries on the host (``cu_seqlens`` as ints, the padding segment's
+    included): a stateful token mixer's per-document run reads them here, not back from the device."""
 
     TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("input_ids", "labels", "position_ids", "sample_targets")
 

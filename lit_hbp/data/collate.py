@@ -97,6 +97,7 @@ def collate_packs(
         epoch=epoch,
         micro_index=micro_index,
         mm=mm,
+        bounds=tuple(cu.tolist()),
     )
 
 

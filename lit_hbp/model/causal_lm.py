@@ -250,7 +250,7 @@ def packed_loss(
     inputs = pack_inputs(batch)  # checks the level's SP group came with the batch
     aux = router_loss and getattr(net.config.get_text_config(), "output_router_logits", False)
     level = (int(batch.ckpt_layers), bool(batch.offload), int(batch.mlp_tiles))
-    with pack_scope(net, *level, inputs, tower_names(record) if batch.mm else None):
+    with pack_scope(net, *level, inputs, tower_names(record) if batch.mm else None, batch.bounds):
         if batch.mm:  # images encoded apart, by the vision tower's own attention (split over the SP group), in
             inputs = _encoded(record, batch, inputs)  # the call: its blocks checkpointed as the level says
         out = _decoder_call(model, record)(**inputs, **({"output_router_logits": True} if aux else {}))

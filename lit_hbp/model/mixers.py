@@ -11,8 +11,10 @@ A mixer this module knows by its class (``KINDS``) whose forward takes the hidde
 transformers' mixers do, runs in a packed call once per document of the call's pack
 (``install_per_document``): its state starts from zero at every boundary, as each document alone, so
 the call is exact by construction (the family tests check each family against each document alone).
-This is the pure-PyTorch path: a loop over the pack's documents in every mixer layer, one host read
-of the boundaries per call; the GPU kernels that take the boundaries themselves are not wired yet.
+This is the pure-PyTorch path: a loop over the pack's documents in every mixer layer, over the
+boundaries the batch carries on the host (``PackedBatch.bounds``, handed over by ``packed_loss``; a call
+without them reads them back from the device once); the GPU kernels that take the boundaries themselves
+are not wired yet.
 On a Ulysses level (sp > 1) the SP kind gathers the whole pack's inputs of the mixer
 (``SPKind.gather_tokens``) and the ranks share the pack's documents, each run whole by one rank
 (``document_owners``, balanced by length); the ranks' outputs, zeros at the others' documents, are summed
@@ -308,7 +310,8 @@ def _narrow(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 
 
 def _bounds(call: calls.PackCall, tokens: int, name: str) -> list[int]:
-    """The pack's document boundaries as host numbers, read from the device once per call."""
+    """The pack's document boundaries as host numbers: the call's (``packed_loss`` hands over the batch's),
+    else read from the device once per call."""
     bounds = call.host.get("bounds")
     if bounds is None:
         cu = call.pack.get("cu_seq_lens_q")

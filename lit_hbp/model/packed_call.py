@@ -219,13 +219,15 @@ def pack_scope(
     tiles: int = 1,
     pack: dict | None = None,
     tower: dict | None = None,
+    bounds: tuple[int, ...] | None = None,
 ) -> Iterator[None]:
     """The duration of one packed call of a prepared model (``pack``: its keywords, ``pack_inputs``):
     varlen attention, the first ``ckpt_layers`` decoder layers checkpointed (None: as the project set
     them; a project's own ``gradient_checkpointing_enable()`` keeps every layer checkpointed), their
     inputs on the host with ``offload``, the MLPs in ``tiles``, a vision tower's configs naming ``tower``'s
-    attention while it encodes the call's images (``causal_lm.tower_names``; none: their own); on this
-    thread, for this call only."""
+    attention while it encodes the call's images (``causal_lm.tower_names``; none: their own), the pack's
+    document ``bounds`` on the host where the caller has them (``PackedBatch.bounds``: a stateful mixer then
+    reads nothing back from the device); on this thread, for this call only."""
     prepared = record_of(model)
     if prepared is None:
         raise ValueError("pack_scope: call lit_hbp.prepare_model(model) first")
@@ -255,7 +257,8 @@ def pack_scope(
             )
     pack = {} if pack is None else {k: pack[k] for k in PACK_KEYS if pack.get(k) is not None}
     offloader = host_offload(unwrapped(model)) if offload else None
-    call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, dict(tower or {}))
+    host = {"bounds": list(bounds)} if bounds is not None else {}
+    call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, dict(tower or {}), host)
     with _layer_flags(prepared, ckpt_layers), calls.entered(call):
         yield
 
