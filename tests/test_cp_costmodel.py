@@ -176,3 +176,28 @@ def test_the_analytic_search_prices_cp_candidates_at_the_busiest_cp_rank(paper_s
         want = np.mean([(p.astype(float) ** 2).sum() * split_pack(d, cp).imbalance() for p, d in zip(packs, padded)])
         got_tokens, got, _ = pack_stats(lengths, pack_len, seed=3, max_packs=16, sp=2 * cp, cp=cp)
         assert got_tokens == tokens and got == pytest.approx(want) and plain <= got <= 1.05 * plain
+
+
+def test_a_hybrids_attention_and_sp_traffic_are_its_attending_layers_and_its_mixers_gathers():
+    """A hybrid (1 of 4 layers attends): attention time and the all-to-alls are the attending layer's, the
+    checkpointed layers' recompute in proportion; each mixer layer on a Ulysses level gathers the pack's hidden
+    states and reduce-scatters its output (bf16, whole-pack width, (sp - 1) / sp of it), forward, recompute and
+    backward alike. A model whose every layer attends is priced as before."""
+    from dataclasses import replace
+
+    from lit_hbp.cost.costmodel import mixer_comm_bytes
+
+    hybrid = replace(SPEC, attention_layers=1)
+    plain, mixed = CostModel(SPEC, NODE, world=8), CostModel(hybrid, NODE, world=8)
+    forward = plain.attention_forward_seconds(1e9, 4)
+    assert plain.attention_seconds(1e9, 4, 2) == pytest.approx(forward * (3.5 * 4 + 2))
+    assert mixed.attention_seconds(1e9, 4, 2) == pytest.approx(forward * (3.5 * 1 + 2 * 1 / 4))
+    tokens, sp, ckpt = 1000.0, 4, 2
+    a2a = Ulysses().comm_bytes_per_layer(SPEC, tokens, sp) / NODE.intra_node_bw / NODE.eff_link
+    assert plain.comm_parts(tokens, sp, ckpt)["ulysses_comm"] == pytest.approx((2 * 4 + ckpt) * a2a)
+    gathers = 2 * (tokens * sp) * SPEC.hidden * 2 * (sp - 1) / sp  # the all-gather in, the reduce-scatter out
+    assert mixer_comm_bytes(hybrid, tokens, sp) == pytest.approx(gathers)
+    mixer = gathers / NODE.intra_node_bw / NODE.eff_link
+    want = (2 * 1 + ckpt / 4) * a2a + (2 * 3 + ckpt * 3 / 4) * mixer
+    assert mixed.comm_parts(tokens, sp, ckpt)["ulysses_comm"] == pytest.approx(want)
+    assert mixed.comm_parts(tokens, 1, ckpt)["ulysses_comm"] == 0

@@ -11,14 +11,17 @@ constant is written here with where it comes from.
 
 Time of a rank for a micro-step (seconds):
     dense        = tokens * 2 * (layer_params * (3 + c / L) + lm_head_params * 3) / (peak * eff_dense)
-    attention    = 2 * hidden * sum(len^2) / sp * (3.5 * L + c) / (peak * eff_attn)
-    ulysses_comm = all-to-all bytes per layer * (2 * L + c) / link bandwidth      (ulysses > 1)
+    attention    = 2 * hidden * sum(len^2) / sp * (3.5 * A + c A / L) / (peak * eff_attn)
+    ulysses_comm = all-to-all bytes per layer * (2 * A + c A / L) / link bandwidth (ulysses > 1)
+                 + a hybrid's mixer gathers * (2 * (L - A) + c (L - A) / L) / link bandwidth
     cp_comm      = what the K/V all-gathers and dK/dV reduce-scatters add to attention (cp > 1)
     sp_comm      = ulysses_comm + cp_comm
     offload      = the host copies of the c checkpointed inputs (t b h bytes each, each way over
                    ``host_bw``) not hidden behind a layer's forward (going) or recompute and backward
                    (coming back), ``exposed`` in c pieces                       (offload levels)
-with tokens = the rank's share of its SP group's packs, c = checkpointed layers, sp = ulysses x cp.
+with tokens = the rank's share of its SP group's packs, c = checkpointed layers, sp = ulysses x cp, A the
+layers that attend (``ModelSpec.attending``: all but a hybrid's stateful mixers, whose work is dense; on a
+Ulysses level they gather the pack's inputs and reduce-scatter their outputs, ``mixer_comm_bytes``).
 Backward costs twice the forward for matmuls and 2.5 times for flash attention; a checkpointed
 layer runs its forward once more, collectives included. The Ulysses all-to-alls sit on the critical
 path of their layer and are priced in full. Context parallelism moves a layer's K/V in S kv-head
@@ -205,8 +208,13 @@ class CostModel:
         )
 
     def attention_seconds(self, sum_sq: float, sp: int, ckpt: int) -> float:
-        layers = self.model.layers
-        return self.attention_forward_seconds(sum_sq, sp) * ((1 + FLASH_BACKWARD) * layers + ckpt)
+        """The attention of the layers that attend (a hybrid's mixers are dense work), its checkpointed
+        layers' recompute in their proportion."""
+        m = self.model
+        attending = m.attending
+        return self.attention_forward_seconds(sum_sq, sp) * (
+            (1 + FLASH_BACKWARD) * attending + ckpt * attending / m.layers
+        )
 
     def vision_seconds(self, work, sp: int, ckpt: int):
         """The vision tower's part of a micro-step: its forward over the images of ``work`` (the planner's
@@ -238,9 +246,15 @@ class CostModel:
         kind = resolve_sp_kind("cp" if cp > 1 else self.sp_kind)
         u = sp // cp
         if cp == 1:
-            per_layer = kind.comm_bytes_per_layer(self.model, tokens, sp)
-            ulysses = self._link_seconds(per_layer, sp, min(sp, hw.gpus_per_node))
-            return dict(ulysses_comm=(2 * layers + ckpt) * (ulysses + 4 * hw.link_latency_s), cp_comm=zero)
+            m, local = self.model, min(sp, hw.gpus_per_node)
+            per_layer = kind.comm_bytes_per_layer(m, tokens, sp)
+            ulysses = self._link_seconds(per_layer, sp, local)
+            attending, mixing = m.attending, layers - m.attending
+            comm = (2 * attending + ckpt * attending / layers) * (ulysses + 4 * hw.link_latency_s)
+            if mixing:  # a hybrid's mixers: the pack's inputs gathered, the ranks' outputs reduce-scattered
+                mixer = self._link_seconds(mixer_comm_bytes(m, tokens, sp), sp, local)
+                comm = comm + (2 * mixing + ckpt * mixing / layers) * (mixer + 2 * hw.link_latency_s)
+            return dict(ulysses_comm=comm, cp_comm=zero)
         parts = kind.comm_breakdown(self.model, tokens, sp, cp)
         out = dict(ulysses_comm=zero)
         if u > 1:
@@ -454,6 +468,14 @@ class CostModel:
         if sum_sq is not None:
             forward = forward + self.attention_forward_seconds(sum_sq, sp)
         return exposed(ckpt * copy, ckpt * forward, ckpt) + exposed(ckpt * copy, ckpt * 3 * forward, ckpt)
+
+
+def mixer_comm_bytes(model: ModelSpec, tokens, sp: int):
+    """Bytes a rank moves for one pass of a stateful mixer layer on a Ulysses level of ``sp`` holding
+    ``tokens`` of the pack: the all-gather of the pack's hidden states (``SPKind.gather_tokens``) and the
+    reduce-scatter of the ranks' outputs (``sum_own_tokens``), each of the whole pack's width in bf16,
+    (sp - 1) / sp of it from or to the others; the backward moves the same, its duals."""
+    return 2 * tokens * sp * model.hidden * 2 * (sp - 1) / sp
 
 
 def exposed(comm, compute, pieces: int):
