@@ -217,6 +217,13 @@ def sp_candidates(
     return sorted({(sp, default_layout(sp, heads, kv_heads, node_size)[1]) for sp, _ in layouts})
 
 
+def _without_cp(layouts_of, world: int) -> list[tuple[int, int]]:
+    """The layouts of ``layouts_of(world)`` without context parallelism: a model with stateful token mixers
+    (``ModelSpec.attention_layers`` below its layers) runs them document by document, which a CP shard
+    cannot (``SPKind.mixer_problem``)."""
+    return [(sp, cp) for sp, cp in layouts_of(world) if cp == 1]
+
+
 def select_levels(
     profiler: Profiler,
     lengths,
@@ -251,6 +258,8 @@ def select_levels(
         every_layout=every_layout,
         node_size=node_size,
     )
+    if model.attention_layers is not None and model.attention_layers < model.layers:
+        layouts_of = partial(_without_cp, layouts_of)  # a hybrid's mixers: the strategy refuses CP levels
     analytic = getattr(profiler, "memory_settings", False)
     question = None if cost is None else FitQuestion(cost, layouts_of, margin, profiler.capacity, analytic, tool)
     if question is not None and analytic and question.where(cands[-1]) is None:
