@@ -584,3 +584,15 @@ def test_a_hybrid_folder_fine_tunes_through_the_cli_on_two_processes_at_sp_2_wit
     logged = scalars(tmp_path / "runs")
     assert {v for _, v in logged["train/sp"]} == {1.0, 2.0}
     assert all(v > 0 for _, v in logged["train/loss"])
+
+
+def test_a_batch_whose_boundaries_change_without_their_host_copy_is_refused():
+    """``PackedBatch.bounds`` is what a hybrid's mixers run by: a batch given other ``cu_seqlens`` without
+    new bounds stops at once, naming both, instead of running its mixers by the old ones."""
+    batch = pack_samples(three_documents(100))
+    moved = batch.cu_seqlens.clone()
+    moved[1] += 1
+    with pytest.raises(ValueError, match=r"bounds \(the host copy of cu_seqlens\) no longer match"):
+        batch.replace(cu_seqlens=moved)
+    assert batch.replace(cu_seqlens=moved, bounds=tuple(moved.tolist())).bounds[1] == 38
+    assert batch.replace(cu_seqlens=moved, bounds=None).bounds is None

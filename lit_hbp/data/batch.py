@@ -127,6 +127,15 @@ class PackedBatch:
         # The pack's segment count on its token ids (a host int): a prepared model called on them
         # without the document boundaries refuses instead of running the pack as one document.
         self.input_ids.__dict__[PACK_MARK] = int(self.cu_seqlens.shape[0]) - 1
+        if self.bounds is not None:  # the host copy of the boundaries stays the boundaries (on the host: read)
+            same = len(self.bounds) == self.cu_seqlens.shape[0] and (
+                self.cu_seqlens.device.type != "cpu" or list(self.bounds) == self.cu_seqlens.tolist()
+            )
+            if not same:
+                raise ValueError(
+                    "PackedBatch: bounds (the host copy of cu_seqlens) no longer match cu_seqlens: replace both, or "
+                    "set bounds=None (a stateful mixer then reads them from cu_seqlens)"
+                )
 
     @property
     def shard_len(self) -> int:
