@@ -596,3 +596,43 @@ def test_a_batch_whose_boundaries_change_without_their_host_copy_is_refused():
         batch.replace(cu_seqlens=moved)
     assert batch.replace(cu_seqlens=moved, bounds=tuple(moved.tolist())).bounds[1] == 38
     assert batch.replace(cu_seqlens=moved, bounds=None).bounds is None
+
+
+def zero3_step(family: str) -> str:
+    """A hybrid under DeepSpeed ZeRO-3 on this rank (every weight partitioned), one packed step: the error."""
+    import deepspeed
+
+    net = prepare_model(tiny(family))
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0}
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=net, config=config, model_parameters=net.parameters())
+    try:
+        packed_loss(engine.module, pack_samples(three_documents(net.config.vocab_size)), weights=1.0)
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.slow
+def test_a_hybrid_under_zero3_is_refused_by_name_at_set_up_and_in_the_call():
+    """ZeRO-3 gathers a module's weights only where it is called as a module; transformers' mixers read their
+    convolution's weight directly (an IndexError on the partitioned, empty weight) and lit-hbp runs each mixer
+    once per document: refused with the fix, by HBPStrategy at set-up and by the packed call under any DeepSpeed
+    (here: 2 gloo processes, every weight partitioned)."""
+    from distributed import Pool
+
+    from lit_hbp.lightning.strategy import refuse_mixers_under_zero3
+
+    with pytest.raises(ConfigError, match=r"HBPStrategy stage 3: qwen3_next holds a stateful token mixer under"):
+        refuse_mixers_under_zero3(prepare_model(tiny("qwen3_next")), 3)
+    refuse_mixers_under_zero3(prepare_model(tiny("qwen3_next")), 2)
+    refuse_mixers_under_zero3(prepare_model(tiny("llama")), 3)
+    pool = Pool(2)
+    try:
+        errors = pool.run(zero3_step, "qwen3_next")
+    finally:
+        pool.close()
+    for error in errors:
+        assert error.startswith("Qwen3NextGatedDeltaNet: a stateful token mixer under DeepSpeed ZeRO-3"), error
+        assert "ZeRO stage 0-2 (HBPStrategy stage: 2)" in error

@@ -46,7 +46,7 @@ from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
 from lit_hbp.errors import ConfigError  # noqa: E402
 from lit_hbp.lightning.checkpoints import is_complete, save_deepspeed  # noqa: E402
 from lit_hbp.model.build import family_of, zero3_loading  # noqa: E402
-from lit_hbp.model.mixers import sp_refusal, stateful_mixers  # noqa: E402
+from lit_hbp.model.mixers import ZERO3_REFUSAL, sp_refusal, stateful_mixers  # noqa: E402
 from lit_hbp.model.packed_call import record_of  # noqa: E402
 from lit_hbp.packing.levels import Level, as_level  # noqa: E402
 from lit_hbp.parallel.context import SPCall  # noqa: E402
@@ -126,6 +126,14 @@ def refuse_sp_over_mixers(net, levels) -> None:
         problem = sp_refusal(family_of(net), mixers, lv, f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp})")
         if problem is not None:
             raise ConfigError(problem)
+
+
+def refuse_mixers_under_zero3(net, stage: int) -> None:
+    """A model with stateful token mixers under ZeRO stage 3 is refused at set-up (``mixers.ZERO3_REFUSAL``),
+    before DeepSpeed partitions it; packed calls refuse it too, on every path."""
+    record = record_of(net)
+    if stage == 3 and record is not None and record.mixers:
+        raise ConfigError(f"HBPStrategy stage 3: {family_of(net)} holds {ZERO3_REFUSAL}")
 
 
 def _path(name: str) -> str:
@@ -419,6 +427,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
     def setup(self, trainer) -> None:
         self.levels = self.prepare_levels(trainer)
         zero = Settings(**deepspeed_zero(self.config))
+        refuse_mixers_under_zero3(trained_model(trainer.lightning_module, self.levels), zero.zero_stage)
         for i, lv in enumerate(self.levels):
             if lv.mlp_tiles > 1 and (why := refusal("mlp_tiles", zero, value=lv.mlp_tiles)):
                 raise ValueError(f"level {i} (pack_len {lv.pack_len}): {why}")

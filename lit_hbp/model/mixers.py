@@ -238,6 +238,10 @@ def by_document(run, call: calls.PackCall, name: str, args: tuple, kwargs: dict)
     if hidden.shape[0] != 1:
         raise ValueError(f"{name}: a packed call has one row, this one has {hidden.shape[0]}")
     kwargs = {k: v for k, v in kwargs.items() if k not in PACK_ONLY}
+    if call.host.get("zero3") is None:  # looked at once a call
+        call.host["zero3"] = zero3_partitioned(call.prepared.mixers)
+    if call.host["zero3"]:
+        raise ValueError(f"{name}: {ZERO3_REFUSAL}")
     mask = kwargs.get("attention_mask")
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
         raise ValueError(f"{name}: a packed call with an attention mask of shape {tuple(mask.shape)}: drop it")
@@ -260,6 +264,18 @@ def by_document(run, call: calls.PackCall, name: str, args: tuple, kwargs: dict)
     mine = [i for i, rank in enumerate(owners) if rank == sp.ctx.rank]
     out = _each_document(run, bounds, args, kwargs, name, only=mine)
     return _tokens(out, lambda x, dim: sp.kind.sum_own_tokens(x, sp.ctx, dim), total)
+
+
+ZERO3_REFUSAL = (
+    "a stateful token mixer under DeepSpeed ZeRO-3, which gathers a module's weights only where it is called as a "
+    "module: transformers' mixers read their convolution's weight directly (partitioned, empty), and lit-hbp runs "
+    "each mixer once per document; train a hybrid with ZeRO stage 0-2 (HBPStrategy stage: 2)"
+)
+
+
+def zero3_partitioned(mixers: list[torch.nn.Module]) -> bool:
+    """Whether any of ``mixers`` holds a weight DeepSpeed ZeRO-3 partitions (its ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for m in mixers for p in m.parameters())
 
 
 def document_owners(bounds: list[int], ranks: int) -> list[int] | None:
