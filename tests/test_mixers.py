@@ -390,6 +390,17 @@ def ulysses_ranks(families: list[str]) -> dict:
 LONE = ("qwen3_next", "bamba")  # a gated delta rule, a Mamba2 scan
 
 
+def assert_like_alone(family: str, ce: float, grads: dict, want: torch.Tensor, ref) -> None:
+    """A rank's summed CE to 1e-5 and its all-reduced gradients to 1e-4 (``gradient_error``) of the documents
+    alone through ``ref`` (whose gradients ``want.backward()`` filled)."""
+    assert ce == pytest.approx(want.item(), rel=1e-5), family
+    net = tiny(family)
+    for name, p in net.named_parameters():
+        p.grad = grads.get(name)
+    worst, where = gradient_error(net, ref)
+    assert worst < 1e-4, f"{family}: gradient of {where} off by {worst:.1e}"
+
+
 @pytest.mark.slow
 def test_ulysses_sp_2_trains_a_hybrid_pack_like_each_document_alone():
     """Every hybrid family, a pack split over 2 ranks (the 70-token document across both): each rank's mixers
@@ -411,23 +422,13 @@ def test_ulysses_sp_2_trains_a_hybrid_pack_like_each_document_alone():
         # other, each run whole by one rank
         assert [r[family][2] for r in results] == [[70], [5, 37]], family
         for ce, grads, _ in (r[family] for r in results):
-            assert ce == pytest.approx(want.item(), rel=1e-5), family
-            net = tiny(family)
-            for name, p in net.named_parameters():
-                p.grad = grads.get(name)
-            worst, where = gradient_error(net, ref)
-            assert worst < 1e-4, f"{family}: gradient of {where} off by {worst:.1e}"
+            assert_like_alone(family, ce, grads, want, ref)
     for family in LONE:  # one document across both ranks: each runs it whole, keeping its half
         ref = reference_of(tiny(family))
         want = separate_loss(ref, dict(enumerate(three_documents(ref.config.vocab_size, (72,)))))
         want.backward()
         for ce, grads in (r[f"{family} alone"] for r in results):
-            assert ce == pytest.approx(want.item(), rel=1e-5), family
-            net = tiny(family)
-            for name, p in net.named_parameters():
-                p.grad = grads.get(name)
-            worst, where = gradient_error(net, ref)
-            assert worst < 1e-4, f"{family} alone: gradient of {where} off by {worst:.1e}"
+            assert_like_alone(family, ce, grads, want, ref)
 
 
 def test_packed_loss_hands_the_mixers_the_boundaries_without_reading_the_device(monkeypatch):

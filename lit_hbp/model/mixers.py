@@ -298,8 +298,9 @@ def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str,
     """``run`` on each document's slice of the per-token inputs (``only``: those documents, the others'
     outputs zeros shaped as a run document's), the outputs joined along the tokens."""
     outs, lengths = {}, [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    runs = None if only is None else set(only)
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if only is not None and i not in only:
+        if runs is not None and i not in runs:
             continue
         along = functools.partial(_narrow, start=start, length=end - start)
         cut = functools.partial(_tokens, along=along, tokens=bounds[-1])
