@@ -537,6 +537,7 @@ def run_cli(args, capsys) -> tuple[int, str]:
         ("zaya", [], "zaya: layer 0's `layers.0.self_attn.qkv_proj.conv_qk_depthwise` (Conv1d)"),
         ("qwen3_next", ["--data.levels", "[{pack_len: 512, sp: 2, cp: 2}]", "--trainer.devices", "2"],
          "data.levels[0] (pack_len 512, sp 2): qwen3_next's"),
+        ("bamba", ["--trainer.strategy", "hbp_stage_3"], "trainer.strategy (ZeRO stage 3): bamba holds a stateful"),
     ],
 )  # fmt: skip
 def test_the_cli_refuses_what_it_cannot_train_in_one_line_before_reading_the_data(
@@ -637,3 +638,32 @@ def test_a_hybrid_under_zero3_is_refused_by_name_at_set_up_and_in_the_call():
     for error in errors:
         assert error.startswith("Qwen3NextGatedDeltaNet: a stateful token mixer under DeepSpeed ZeRO-3"), error
         assert "ZeRO stage 0-2 (HBPStrategy stage: 2)" in error
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "hbp", "hbp_stage_3", "hbp_stage_0", "deepspeed_stage_3_offload", "deepspeed", "ddp", "hbp_ddp", "auto",
+        {"class_path": "lit_hbp.lightning.strategy.HBPStrategy", "init_args": {"stage": 3}},
+        {"class_path": "lit_hbp.lightning.strategy.HBPStrategy"},
+        {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy",
+         "init_args": {"config": {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}}},
+        {"class_path": "lit_hbp.lightning.strategy.HBPDDPStrategy"},
+    ],
+)  # fmt: skip
+def test_the_zero_stage_a_config_asks_for_is_the_one_its_strategy_runs(strategy):
+    """``config_zero_stage`` reads the stage from the config alone, before anything is built (the CLI refuses a
+    hybrid under ZeRO-3 before reading the data); the reference is the strategy Lightning builds from it."""
+    import importlib
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+
+    from lit_hbp.lightning.strategy import config_zero_stage
+
+    if isinstance(strategy, str):
+        built = StrategyRegistry.get(strategy) if strategy in StrategyRegistry else None
+    else:
+        module, _, name = strategy["class_path"].rpartition(".")
+        built = getattr(importlib.import_module(module), name)(**strategy.get("init_args", {}))
+    expected = built.config["zero_optimization"]["stage"] if isinstance(built, DeepSpeedStrategy) else None
+    assert config_zero_stage(strategy) == expected

@@ -45,7 +45,6 @@ from lit_hbp.callbacks.lost_rank import LostRankReport
 from lit_hbp.callbacks.summary import HBPModelSummary
 from lit_hbp.cli.checks import check_run_config, class_arguments, compact_config, compact_yaml, dataclass_defaults
 from lit_hbp.errors import ConfigError, UserInputError, did_you_mean
-from lit_hbp.lightning import strategy  # noqa: F401  (registers --trainer.strategy hbp, hbp_stage_0 ... hbp_stage_3)
 from lit_hbp.lightning.checkpoints import (
     TRUST_HINT,
     AtomicCheckpointIO,
@@ -58,6 +57,7 @@ from lit_hbp.lightning.checkpoints import (
 )
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.lightning.strategy import config_zero_stage  # (registers --trainer.strategy hbp, hbp_stage_N)
 from lit_hbp.model.build import check_token_mixers
 
 TERMINATED = 128 + 15  # a shell's status for a program ended by SIGTERM
@@ -340,7 +340,11 @@ class HBPCLI(LightningCLI):
             # A subcommand trains with the config's callbacks; a tool that parses without one may drop them.
             check_run_config(section.as_dict(), trains=bool(self.subcommand))
             config = section.as_dict()
-            check_token_mixers((config.get("model") or {}).get("model"), (config.get("data") or {}).get("levels"))
+            check_token_mixers(
+                (config.get("model") or {}).get("model"),
+                (config.get("data") or {}).get("levels"),
+                zero_stage=config_zero_stage((config.get("trainer") or {}).get("strategy")),
+            )
         except ValueError as e:
             if _debug() or not self.parser.exit_on_error:
                 raise

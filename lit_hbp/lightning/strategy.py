@@ -136,6 +136,32 @@ def refuse_mixers_under_zero3(net, stage: int) -> None:
         raise ConfigError(f"HBPStrategy stage 3: {family_of(net)} holds {ZERO3_REFUSAL}")
 
 
+def config_zero_stage(strategy: Any) -> int | None:
+    """The DeepSpeed ZeRO stage a config's ``trainer.strategy`` asks for (a registered name such as ``hbp`` or
+    ``deepspeed_stage_3``, or ``{class_path, init_args}`` of a DeepSpeed strategy, ``config`` included), read
+    before anything is built; None where it names no DeepSpeed strategy or is given some other way."""
+    if isinstance(strategy, str):
+        if strategy not in StrategyRegistry:
+            return None
+        entry = StrategyRegistry[strategy]
+        cls, args = entry["strategy"], dict(entry["init_params"])
+    elif isinstance(strategy, dict) and isinstance(strategy.get("class_path"), str):
+        try:
+            module, _, name = strategy["class_path"].rpartition(".")
+            cls = getattr(sys.modules.get(module) or __import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError, ValueError):
+            return None
+        args = dict(strategy.get("init_args") or {})
+    else:
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, DeepSpeedStrategy)):
+        return None
+    config = args.get("config")
+    if isinstance(config, dict) and "stage" in (config.get("zero_optimization") or {}):
+        return int(config["zero_optimization"]["stage"])
+    return int(args.get("stage", 2))
+
+
 def _path(name: str) -> str:
     """A submodule's attribute path as the module's own code names it."""
     return f"self.{name}" if name else "the module"

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_hbp.errors import ConfigError
 from lit_hbp.model import attention, calls
 from lit_hbp.model.checks import check_model_config, local_checkpoint, model_config
-from lit_hbp.model.mixers import refusal, sp_refusal, stateful_mixers
+from lit_hbp.model.mixers import ZERO3_REFUSAL, refusal, sp_refusal, stateful_mixers
 from lit_hbp.model.packed_call import unwrapped
 from lit_hbp.model.vision import is_multimodal, language_linears, vision_tower
 from lit_hbp.packing.levels import as_level
@@ -93,11 +93,11 @@ def _auto_class(model_type: str):
     return AutoModelForCausalLM, {"attn_implementation": attention.ATTN_NAME}
 
 
-def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model") -> None:
+def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model", zero_stage: int | None = None) -> None:
     """A ``model`` argument (checkpoint folder or config mapping) holding a token mixer that carries state
     across documents (``lit_hbp.model.mixers``) and that lit-hbp cannot run document by document, or one that
     it can, at a level of ``levels`` (a config's list) whose SP layout cannot give it documents whole (context
-    parallelism: ``SPKind.mixer_problem``), is refused before the
+    parallelism: ``SPKind.mixer_problem``) or under DeepSpeed ZeRO stage 3 (``zero_stage``), is refused before the
     data is read: the model is built from its config on the meta device (no weights, no memory) and its
     decoder looked at as ``prepare_model`` will look at the real one. A config that cannot be built here
     is left to where it is built."""
@@ -115,6 +115,8 @@ def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model")
     refused = [m for m in mixers if not m.per_document]
     if refused:
         raise ConfigError(f"{key}: {refusal(config.model_type, refused)}")
+    if mixers and zero_stage == 3:
+        raise ConfigError(f"trainer.strategy (ZeRO stage 3): {config.model_type} holds {ZERO3_REFUSAL}")
     if mixers and isinstance(levels, (list, tuple)):
         for i, entry in enumerate(levels):
             try:
