@@ -4,9 +4,9 @@
 # from .whl/vlm/ where the image's is older than 5.18), then the 1B throughput alone (lit-hbp beside HF
 # Trainer, the memory model) and a profile of its 4K level.
 # Here first: bash bench/gpu_wheels.sh. Device run: carry [".whl", "demo_data"], `bash bench/gpu_checks.sh`.
-# Eleven files come back in $OUT: env.txt (the timeline), t_attn.log, t_other.log, t_vis.log, vlm/proof.*, throughput.log,
-# profile.log and profile_zero2.log (Lightning's per-hook host times of the 4K level, the config's HBPDDPStrategy and
-# HBPStrategy ZeRO-2), step_overhead.log (the run's optimizer step beside a bare loop, on the GPU).
+# Ten files come back in $OUT: env.txt (the timeline), t_attn.log, t_other.log, t_vis.log, vlm/proof.*, throughput.log,
+# profile.log (Lightning's per-hook host times of the 4K level under the config's HBPDDPStrategy), step_overhead.log
+# (the run's optimizer step beside a bare loop, on the GPU, HBPStrategy ZeRO-2 among its modes).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_checks}; mkdir -p "$OUT"
@@ -28,8 +28,9 @@ PYT="python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider"
   timeout 150 python3 bench/gpu_proof.py --parts vlm --out $OUT/vlm > /dev/null 2>&1; at "vlm part exit $?"
 ) &
 wait
-# HF Trainer compiled as the config compiles lit-hbp's layers (torch_compile): a longer box than before
-timeout 210 python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml --steps 12 --warmup 4 --modes hbp,hf_sdpa --data.demo_dir=demo_data > $OUT/throughput.log 2>&1
+# Each level alone in every mode, timed alike (one device synchronization per level's window), HF Trainer and
+# TRL's BFD compiled as the config compiles lit-hbp's layers (torch_compile)
+timeout 300 python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml --steps 12 --warmup 4 --modes hbp_alone,hf_sdpa,trl_bfd --data.demo_dir=demo_data > $OUT/throughput.log 2>&1
 at "throughput exit $?"
 # Where a 4K step's time goes outside its forward and backward (82 of 306 ms on the H100, 2026-11-27):
 # Lightning's per-hook host times, the 4K level only.
@@ -37,11 +38,6 @@ timeout 90 python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml -
     --data.demo_dir=demo_data '--data.levels=[{pack_len: 4096}]' --data.over_length=truncate --trainer.profiler=simple \
     > $OUT/profile.log 2>&1
 at "profile exit $?"
-# The same level under DeepSpeed's ZeRO-2 (one GPU: it shards nothing, its hooks and step are host time only).
-timeout 90 python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml --steps 12 --warmup 4 --modes hbp \
-    --data.demo_dir=demo_data '--data.levels=[{pack_len: 4096}]' --data.over_length=truncate --trainer.profiler=simple \
-    --trainer.strategy=hbp > $OUT/profile_zero2.log 2>&1
-at "profile under ZeRO-2 exit $?"
 # The fixed cost per optimizer step on the GPU: Trainer.fit's step beside a bare loop (bf16), 16 layers at width 64.
 timeout 60 python3 bench/step_overhead.py --device cuda --layers 16 --rounds 2 > $OUT/step_overhead.log 2>&1
 at "step overhead exit $?"

@@ -79,10 +79,11 @@ def throughput_part(args: argparse.Namespace, work: Path) -> dict:
     out = work / "throughput.json"
     demo = f"--data.demo_dir={args.demo_dir}"
     if args.dry_run:
-        config = ["--config", "configs/tiny_cpu.yaml", "--steps", "2", "--warmup", "1", "--modes", "hbp,hf_sdpa"]
-        config += ["--data.levels=[256, 1024]"]  # the small demo has packs enough of both
+        config = ["--config", "configs/tiny_cpu.yaml", "--steps", "2", "--warmup", "1"]
+        config += ["--modes", "hbp,hbp_alone,hf_sdpa,trl_bfd", "--data.levels=[256, 1024]"]  # packs enough of both
     else:
         config = ["--config", "configs/llama_1b_1gpu.yaml", "--steps", "12", "--warmup", "4"]
+        config += ["--modes", "hbp_alone,hf_sdpa,hf_flash_attention_2"]  # each level alone, timed alike
     return {"cmd": [sys.executable, str(HERE / "gpu_throughput.py"), *config, demo, "--json", str(out)], "json": out}
 
 

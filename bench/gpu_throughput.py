@@ -4,30 +4,35 @@
     python bench/gpu_throughput.py --config configs/tiny_cpu.yaml --steps 4 --warmup 2   # a CPU smoke run
     Other arguments are LightningCLI overrides of the config, e.g. --model.compile=false
 
-Modes, each timed over the same optimizer steps of each level of the config's epoch plan (the
-packs HBP trains, curriculum off, one device):
+Modes, each over the same optimizer steps of each level of the config's epoch plan (the packs HBP
+trains, curriculum off, validation off, one device, the same initial weights):
 
 - hbp: ``Trainer.fit`` of the config (model, strategy, precision, compile, logger, callbacks, ...)
-  as ``python train.py fit`` runs it, checkpointing and curriculum off; every optimizer step's wall
-  time, from the previous step's end to its own (the device synchronized there, data loading and
-  the optimizer included), goes to its level;
+  as ``python train.py fit`` runs it, checkpointing off, the levels mixed as HBP trains them (the plan's
+  order): the device synchronized at every optimizer step's end, each step's wall time (from the previous
+  step's end: data loading and the optimizer included) added to its level's;
+- hbp_alone: the same ``Trainer.fit``, one level at a time (the plan's steps of that level only);
 - hf_sdpa / hf_flash_attention_2: Hugging Face ``Trainer`` with ``DataCollatorWithFlattening``
   (one micro-batch's samples per batch: the same tokens per optimizer step as hbp, position_ids
-  restarting per sample, bf16 autocast on a GPU), the same initial weights, AdamW, ``torch_compile``
-  when the config compiles; flash_attention_2 only when flash-attn is installed;
+  restarting per sample, bf16 autocast on a GPU), AdamW, ``torch_compile`` when the config compiles;
+  flash_attention_2 only when flash-attn is installed;
+- trl_bfd: TRL's ``SFTTrainer`` on the level's samples, ``packing=True, packing_strategy="bfd"``
+  (padding-free rows of the level's pack length, TRL's own packing), one row per step, the same steps,
+  flash_attention_2 where flash-attn installs, else sdpa (the row says which), ``torch_compile`` as above;
 - fwd_bwd: HBPLitModule forward and backward only (weights in the compute dtype, no optimizer), its
   decoder layers compiled as the run's are when the config compiles.
 
-Every mode is timed alike: the device synchronized at the end of every optimizer step, each step's
-wall time (from the previous step's end) added to its level's after the level's ``--warmup`` steps.
-hbp trains the levels mixed as HBP runs them (the plan's order); the others run each level's packs
-alone. Each mode's ``all`` row is its levels together: their tokens over their summed seconds.
+Timing: every mode but hbp runs each level alone and is timed alike, one window a level: the device
+synchronized after the level's ``--warmup`` steps and after its last, the steps between summed (the
+host runs ahead of the device as it does in training). hbp, whose levels alternate, is timed per
+step (the only way to tell its levels apart); its ``all`` row is the fair one to set beside HF's.
+Each mode's ``all`` row is its levels together: their tokens over their summed seconds.
 
 Tokens are real sample tokens; MFU is ``ModelSpec.train_flops`` (the module's definition: dense
 layers on real tokens, causal attention per document, LM head on supervised tokens, no
-recomputation) over the device's dense peak. A mode that runs out of memory is reported as OOM
-and the others still run. Bars (one H100): hbp MFU >= 0.45 at 16K and >= 0.35 at 4K, hbp >= 3x
-hf_sdpa in tokens/s.
+recomputation) over the device's dense peak (TRL's rows: their documents from the rows' positions).
+A mode that runs out of memory is reported as OOM and the others still run. Bars (one H100): hbp MFU
+>= 0.45 at 16K and >= 0.40 at 4K, hbp >= 1.5x hf_sdpa and >= 1.2x trl_bfd at every level.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import lightning as L
 import numpy as np
@@ -52,6 +58,7 @@ from lit_hbp.cost.gpu_peaks import peak_flops as gpu_peak_flops
 from lit_hbp.cost.memory import GIB, level_memory
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.model import attention
+from lit_hbp.packing.plan import Plan
 from lit_hbp.report import format_table
 
 OOM = (torch.OutOfMemoryError,)
@@ -101,11 +108,49 @@ class StepClock(L.Callback):
         self._last, self._tokens, self._flops = now, 0.0, 0.0
 
 
+class WindowClock(L.Callback):
+    """One level trained alone, timed as one window: the device synchronized after ``warmup`` optimizer
+    steps and after the ``total``-th, the steps between summed with their real tokens and model FLOPs;
+    on a GPU the level's peak of allocated bytes."""
+
+    def __init__(self, warmup: int, total: int):
+        self.warmup, self.total, self.steps = warmup, total, 0
+        self.tokens = self.flops = 0.0
+        self.start: float | None = None
+        self.seconds: float | None = None
+        self.peak = 0
+
+    def on_train_start(self, trainer, pl_module):
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        if self.warmup == 0:
+            sync(pl_module.device)
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.steps >= self.warmup:
+            self.tokens += batch.n_tokens / batch.sp
+            self.flops += pl_module.flops_per_batch
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        self.steps += 1
+        if self.steps == self.warmup:
+            sync(pl_module.device)
+            self.start = time.perf_counter()
+        elif self.steps == self.total:
+            sync(pl_module.device)
+            self.seconds = time.perf_counter() - self.start
+            if pl_module.device.type == "cuda":
+                self.peak = torch.cuda.max_memory_allocated(pl_module.device)
+
+
 def build(config: str, overrides: list[str], steps: int):
     """The config's trainer, module and data for ``steps`` optimizer steps, as ``train.py fit`` builds
     them: its logger and callbacks (their per-step costs are the run's) and the CLI's own, with no
-    progress bar, no checkpoint written and the curriculum off (the timed steps are the plan's)."""
+    progress bar, no checkpoint written, no validation and the curriculum off (the timed steps are the
+    plan's)."""
     args = ["--config", config, "--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false"]
+    args += ["--trainer.limit_val_batches", "0"]  # the timed steps are training's alone
     cli = cli_main(args + overrides, run=False)
     dropped = (HBPCurriculum, ModelCheckpoint)  # a 1B model's checkpoint is gigabytes of disk, not speed
     cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, dropped)]
@@ -147,6 +192,43 @@ def run_hbp(cli, device, warmup: int, memory: dict) -> dict[int, tuple[float, fl
     return {level: tuple(r) for level, r in per_level.items()}
 
 
+def only_level(plan: Plan, level: int) -> Plan:
+    """``plan`` with the steps of ``level`` only, in their order (their packs, normalizers and counts)."""
+    keep = np.flatnonzero(plan.step_level == level)
+    starts, ends = plan.step_offsets[keep], plan.step_offsets[keep + 1]
+    packs = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)])
+    sizes = plan.offsets[packs + 1] - plan.offsets[packs]
+    members = np.concatenate([plan.members[plan.offsets[p] : plan.offsets[p + 1]] for p in packs])
+    return replace(
+        plan,
+        members=members,
+        offsets=np.r_[0, np.cumsum(sizes)].astype(plan.offsets.dtype),
+        pack_capacity=plan.pack_capacity[packs],
+        step_level=plan.step_level[keep],
+        step_offsets=np.r_[0, np.cumsum(ends - starts)].astype(plan.step_offsets.dtype),
+        step_loss_tokens=plan.step_loss_tokens[keep],
+    )
+
+
+def run_hbp_alone(config, overrides, level: int, steps: int, warmup: int, weights, device, memory: dict):
+    """``Trainer.fit`` of the config on the first ``steps`` steps of ``level`` alone, timed as one window
+    after ``warmup`` steps: (seconds, tokens, FLOPs); ``memory`` gets the level's prediction and peak."""
+    fit = build(config, overrides, steps)
+    fit.model.configure_model()
+    fit.model.model.load_state_dict(weights)
+    dm, plans = fit.datamodule, {}
+    whole = dm.plan_for_epoch
+    dm.plan_for_epoch = lambda epoch: plans.setdefault(epoch, only_level(whole(epoch), level))
+    clock = WindowClock(warmup, steps)
+    fit.trainer.callbacks.append(clock)
+    fit.trainer.fit(fit.model, dm)
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0.0
+    cost, layouts = fit.model.cost_model(capacity)
+    predicted = level_memory(cost, layouts[level])["total"] - MEMORY_RESERVE_BYTES / GIB
+    memory[level] = {"predicted_gib": predicted, "measured_gib": clock.peak / GIB if clock.peak else None}
+    return clock.seconds, clock.tokens, clock.flops
+
+
 def pack_flops(module, store, packs) -> tuple[float, float]:
     """(real tokens, model FLOPs) of one micro-batch of ``packs``, by the module's definition."""
     batch = collate_packs(packs, store.tokens)
@@ -159,7 +241,7 @@ def run_hf(
     """HF Trainer + DataCollatorWithFlattening over the same micro-batches (one micro-batch's samples a
     step), ``torch_compile`` when ``compiled``."""
     from train_throughput import hf_training_args  # the same baseline settings as the other bench
-    from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback
+    from transformers import DataCollatorWithFlattening, Trainer
 
     cuda = device.type == "cuda"
     net = copy.deepcopy(base_model).to(device=device, dtype=torch.float32).train()
@@ -175,26 +257,98 @@ def run_hf(
             feats.append({"input_ids": ids.tolist(), "labels": np.where(target, ids, -100).tolist()})
         items.append(feats)
     stats = [pack_flops(module, store, packs) for packs in micro]
-    seconds: list[float] = []  # each optimizer step's, as StepClock times hbp's
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, targs, state, control, **kw):
-            sync(device)
-            seconds.append(time.perf_counter())
-
-        def on_step_end(self, targs, state, control, **kw):
-            sync(device)
-            seconds.append(time.perf_counter())
-
+    clock = hf_window(device, warmup, len(items))
     with tempfile.TemporaryDirectory() as out:
         targs = hf_training_args(out, 1, len(items), cuda, torch_compile=compiled)
         trainer = Trainer(
-            model=net, args=targs, train_dataset=items, data_collator=lambda b: flatten(b[0]), callbacks=[Clock()]
+            model=net, args=targs, train_dataset=items, data_collator=lambda b: flatten(b[0]), callbacks=[clock]
         )
         trainer.train()
     tokens = sum(t for t, _ in stats[warmup:])
     flops = sum(f for _, f in stats[warmup:])
-    return float(np.diff(seconds)[warmup:].sum()), tokens, flops
+    return clock.seconds, tokens, flops
+
+
+def hf_window(device, warmup: int, total: int):
+    """A Hugging Face ``TrainerCallback`` that times steps ``warmup`` + 1 .. ``total`` as one window (the
+    device synchronized twice, as ``WindowClock`` times lit-hbp's): its ``seconds``."""
+    from transformers import TrainerCallback
+
+    class Window(TrainerCallback):
+        seconds: float | None = None
+        start: float | None = None
+
+        def on_train_begin(self, targs, state, control, **kw):
+            if warmup == 0:
+                sync(device)
+                self.start = time.perf_counter()
+
+        def on_step_end(self, targs, state, control, **kw):
+            if state.global_step == warmup:
+                sync(device)
+                self.start = time.perf_counter()
+            elif state.global_step == total:
+                sync(device)
+                self.seconds = time.perf_counter() - self.start
+
+    return Window()
+
+
+def run_trl(
+    base_model, tokenizer, store, micro, pack_len: int, device, warmup: int, module, compiled: bool
+) -> tuple[float, float, float, str]:
+    """TRL's ``SFTTrainer`` with BFD packing (padding-free rows of ``pack_len``) over the samples of
+    ``micro``, one row a step for as many steps: (seconds, tokens, FLOPs, attention)."""
+    import importlib.util
+
+    from datasets import Dataset
+    from train_throughput import hf_training_args
+    from trl import SFTConfig, SFTTrainer
+
+    cuda = device.type == "cuda"
+    attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
+    net = copy.deepcopy(base_model).to(device=device, dtype=torch.float32).train()
+    net.set_attn_implementation(attn)
+    net.config.use_cache = False
+    records = []
+    for i in np.concatenate([np.concatenate(packs) for packs in micro]):
+        ids, target = store.tokens(int(i))
+        ids = ids.astype(np.int64)
+        records.append({"input_ids": ids.tolist(), "labels": np.where(target, ids, -100).tolist()})
+    rows: list[tuple[float, float]] = []  # each collated row's (real tokens, model FLOPs)
+
+    def counted(collate):
+        def collate_and_count(features):
+            batch = collate(features)
+            rows.append(row_flops(module, batch["position_ids"][0], batch["labels"][0]))
+            return batch
+
+        return collate_and_count
+
+    clock = hf_window(device, warmup, len(micro))
+    with tempfile.TemporaryDirectory() as out:
+        targs = hf_training_args(
+            out, 1, len(micro), cuda, args_class=SFTConfig, packing=True, packing_strategy="bfd",
+            max_length=pack_len, dataset_num_proc=None, gradient_checkpointing=False, torch_compile=compiled,
+        )  # fmt: skip
+        data = Dataset.from_list(records)
+        trainer = SFTTrainer(model=net, args=targs, train_dataset=data, processing_class=tokenizer, callbacks=[clock])
+        trainer.data_collator = counted(trainer.data_collator)
+        trainer.train()
+    timed = rows[warmup : len(micro)]
+    return clock.seconds, sum(t for t, _ in timed), sum(f for _, f in timed), attn
+
+
+def row_flops(module, positions: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+    """(real tokens, model FLOPs) of one padding-free row, its documents where its positions restart, by
+    the module's definition (``HBPLitModule.micro_batch_flops``)."""
+    pos = positions.cpu().numpy()
+    starts = np.flatnonzero(pos == 0)
+    lens = np.diff(np.r_[starts, pos.size]).astype(np.float64)
+    spec, full = module._spec, not module.hparams.lora
+    head = int((labels[1:] != -100).sum())  # the shifted targets the LM head trains
+    dense = spec.train_flops(pos.size, float((lens**2).sum()), 0, full)
+    return float(pos.size), dense + spec.train_flops(0, 0, head, full)
 
 
 def run_fwd_bwd(module, store, micro, device, dtype, warmup: int) -> tuple[float, float, float]:
@@ -210,18 +364,18 @@ def run_fwd_bwd(module, store, micro, device, dtype, warmup: int) -> tuple[float
         batches.append(b.to(device))
     tokens = flops = 0.0
     sync(device)
-    last, seconds = time.perf_counter(), 0.0
+    start = time.perf_counter()
     for i, b in enumerate(batches):
+        if i == warmup:  # one window after the warm-up, as WindowClock times hbp_alone's
+            sync(device)
+            start = time.perf_counter()
         net(b)[0].backward()
         net.zero_grad(set_to_none=True)
-        sync(device)  # each step timed as StepClock times hbp's
-        now = time.perf_counter()
         if i >= warmup:
-            seconds += now - last
             tokens += b.n_tokens
             flops += net.micro_batch_flops(b)
-        last = now
-    return seconds, tokens, flops
+    sync(device)
+    return time.perf_counter() - start, tokens, flops
 
 
 def guarded(name: str, fn, device):
@@ -242,7 +396,7 @@ def main() -> int:
     p.add_argument("--config", default="configs/llama_1b_1gpu.yaml")
     p.add_argument("--steps", type=int, default=40, help="timed optimizer steps per level (plus --warmup)")
     p.add_argument("--warmup", type=int, default=8, help="steps per level left out of the timing (compilation)")
-    p.add_argument("--modes", default="hbp,hf_sdpa,hf_flash_attention_2,fwd_bwd")
+    p.add_argument("--modes", default="hbp,hbp_alone,hf_sdpa,hf_flash_attention_2,trl_bfd,fwd_bwd")
     p.add_argument("--peak-tflops", type=float, help="the device's dense peak, for MFU (GPUs: looked up)")
     p.add_argument("--json", help="write the table, the memory per level and the attention backends here")
     args, overrides = p.parse_known_args()  # the rest are LightningCLI overrides, e.g. --model.compile=false
@@ -256,6 +410,8 @@ def main() -> int:
     plan = dm.plan_for_epoch(0)
     counts = np.bincount(plan.step_level, minlength=n_levels)
     take = int(min(per_level, counts.min()))
+    if take <= args.warmup:
+        p.error(f"a level of this plan has {counts.min()} steps: fewer than --warmup {args.warmup} + 1")
     # Steps enough that every level trains ``take`` of its steps (levels are shuffled in the plan).
     order = plan.step_level
     need = max(int(np.flatnonzero(order == lv)[take - 1]) + 1 for lv in range(n_levels))
@@ -276,6 +432,16 @@ def main() -> int:
         results["hbp"] = {lv: "OOM" for lv in range(n_levels)} if out == "OOM" else out
         chosen += attention.choices(fit.model.model)
         del fit
+    if "hbp_alone" in modes:
+        weights = base_model.state_dict()
+        results["hbp_alone"] = {
+            lv: guarded(
+                "hbp_alone",
+                lambda lv=lv: run_hbp_alone(args.config, overrides, lv, take, args.warmup, weights, device, memory),
+                device,
+            )
+            for lv in range(n_levels)
+        }
     micro = {lv: level_packs(dm, lv, take) for lv in range(n_levels)}
     for attn in ("sdpa", "flash_attention_2"):
         name = f"hf_{attn}"
@@ -294,6 +460,29 @@ def main() -> int:
             )
             for lv in range(n_levels)
         }
+    if "trl_bfd" in modes:
+        compiled = bool(module.hparams.compile)
+        trl = {
+            lv: guarded(
+                "trl_bfd",
+                lambda lv=lv: run_trl(
+                    base_model,
+                    dm.tokenizer,
+                    dm.store,
+                    micro[lv],
+                    levels[lv].pack_len,
+                    device,
+                    args.warmup,
+                    module,
+                    compiled,
+                ),
+                device,
+            )
+            for lv in range(n_levels)
+        }
+        results["trl_bfd"] = {lv: r if r == "OOM" else r[:3] for lv, r in trl.items()}
+        trl_attention = sorted({r[3] for r in trl.values() if r != "OOM"})
+        print(f"trl_bfd: attention {', '.join(trl_attention) or 'none (out of memory)'}", file=sys.stderr)
     if "fwd_bwd" in modes:
         results["fwd_bwd"] = {
             lv: guarded(

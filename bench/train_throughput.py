@@ -175,11 +175,12 @@ def run_hf_trainer(base, store, chosen, args, device):
     return time.perf_counter() - marks["start"], tokens, tokens
 
 
-def hf_training_args(out: str, batch_size: int, steps: int, cuda: bool, **extra):
-    """The HF Trainer baseline's settings: AdamW at 1e-4, bf16 autocast on a GPU, no logging, no saving."""
+def hf_training_args(out: str, batch_size: int, steps: int, cuda: bool, args_class=None, **extra):
+    """The HF Trainer baseline's settings: AdamW at 1e-4, bf16 autocast on a GPU, no logging, no saving
+    (``args_class``: a ``TrainingArguments`` subclass, e.g. TRL's ``SFTConfig``)."""
     from transformers import TrainingArguments
 
-    return TrainingArguments(
+    return (args_class or TrainingArguments)(
         output_dir=out,
         per_device_train_batch_size=batch_size,
         max_steps=steps,

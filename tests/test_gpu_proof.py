@@ -47,9 +47,10 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path):
     assert tests["skipped"] > 0 and tests["passed"] == tests["failed"] == tests["error"] == 0
 
     thr = parts["throughput"]["result"]
-    names = ["256:1 hbp", "256:1 hf_sdpa", "1024:1 hbp", "1024:1 hf_sdpa", "all hbp", "all hf_sdpa"]
+    modes = ["hbp", "hbp_alone", "hf_sdpa", "trl_bfd"]
+    names = [f"{level} {mode}" for level in ("256:1", "1024:1", "all") for mode in modes]
     assert [r["name"] for r in thr["throughput"]] == names
-    assert thr["throughput"][-1]["vs_hf_sdpa"] == "1.00"  # the levels together, against hf_sdpa's
+    assert thr["throughput"][-2]["vs_hf_sdpa"] == "1.00"  # the levels together, against hf_sdpa's
     assert all(float(r["tokens_per_s"]) > 0 for r in thr["throughput"])
     assert [m["name"] for m in thr["memory"]] == ["256:1", "1024:1"]
     assert all(m["measured_gib"] is None and m["error"] == "n/a (no CUDA)" for m in thr["memory"])
@@ -81,6 +82,27 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path):
         "## Peers",
     ):
         assert head in md
+
+
+def test_a_level_alone_is_the_plans_steps_of_that_level_in_their_order():
+    """``gpu_throughput.only_level``: what hbp_alone trains of a level is what the whole plan trains of it."""
+    import numpy as np
+    from gpu_throughput import only_level
+
+    from lit_hbp.packing.levels import Level
+    from lit_hbp.packing.plan import plan_hbp
+
+    rng = np.random.default_rng(0)
+    lengths = np.r_[rng.integers(20, 250, 300), rng.integers(300, 1000, 40)]
+    plan = plan_hbp(lengths, (Level(256), Level(1024, packs_per_rank=2)), 2, 3, seed=1)
+    for level in (0, 1):
+        alone = only_level(plan, level)
+        want = [mb for rank in (0, 1) for mb in plan.micro_batches(rank) if mb.level == level]
+        got = [mb for rank in (0, 1) for mb in alone.micro_batches(rank)]
+        assert len(got) == len(want) > 0
+        for a, b in zip(got, want):
+            assert (a.level, a.micro, a.loss_norm) == (b.level, b.micro, b.loss_norm)
+            assert [p.tolist() for p in a.packs] == [p.tolist() for p in b.packs]
 
 
 def test_the_check_samples_fit_one_pack_and_are_supervised():
