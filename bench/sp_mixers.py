@@ -1,20 +1,23 @@
-"""A hybrid's token mixers on a Ulysses level: the ranks sharing the pack's documents beside every rank
-running them all.
+"""A hybrid's token mixers on a Ulysses level: the ranks splitting the mixer's heads, or sharing the pack's
+documents, beside every rank running them all.
 
     python bench/sp_mixers.py [--family qwen3_next] [--width 256] [--layers 4] [--pack-len 2048] [--docs 8]
                               [--steps 6] [--warmup 2] [--rounds 3]
 
 A mixer that carries state along a document (the gated delta rule, a Mamba scan) runs each document whole.
-On an sp 2 level every rank gathers the pack's mixer inputs; then either the ranks share the documents
-(``share``: ``lit_hbp.model.mixers.document_owners``, each document on one rank, the outputs summed into
-each rank's shard: what lit-hbp does) or every rank runs every document and keeps its shard (``all``: what
-it did before, and still does for a pack of fewer documents than ranks). Both on 2 CPU processes (gloo,
-one thread each), the same tiny hybrid (``--family``'s default layer kinds cut to ``--layers``, its mixer
-beside attention), the same packs (``--docs`` documents of random lengths filling ``--pack-len``), from
-the same weights. A step: ``packed_loss`` forward and backward of the rank's shard (no optimizer). Timed
-alike: each round runs ``--steps`` steps of each mode after ``--warmup`` untimed ones, barriers around
-the window, the slower rank's time; the median round per mode. Also checked: both modes give the same
-loss (the summed cross-entropy over the ranks) on every pack.
+On an sp 2 level every rank gathers the pack's mixer inputs; then either each rank runs every document on
+its half of the mixer's heads (``heads``: ``lit_hbp.model.mixers.HEAD_SPLITS``, the outputs partial sums
+reduce-scattered into each rank's shard: what lit-hbp does for a mixer class it splits), or the ranks share
+the documents (``share``: ``document_owners``, each document on one rank, the outputs summed into each
+rank's shard: what it does for the others), or every rank runs every document and keeps its shard (``all``:
+what it did before, and still does for a mixer that does not split on a pack of fewer documents than
+ranks). All on 2 CPU processes (gloo, one thread each), the same tiny hybrid (``--family``'s default layer
+kinds cut to ``--layers``, its mixer beside attention), the same packs (``--docs`` documents of random
+lengths filling ``--pack-len``), from the same weights. A step: ``packed_loss`` forward and backward of the
+rank's shard (no optimizer). Timed alike: each round runs ``--steps`` steps of each mode after
+``--warmup`` untimed ones, barriers around the window, the slower rank's time; the median round per mode.
+Also checked: every mode gives the same loss (the summed cross-entropy over the ranks) on every pack. A
+family whose mixer does not split by heads has no ``heads`` row.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODES = ("all", "share")
+MODES = ("all", "share", "heads")
 
 
 def tiny_hybrid(family: str, width: int, layers: int):
@@ -70,6 +73,13 @@ def packs(args: argparse.Namespace) -> list[list[tuple[np.ndarray, np.ndarray]]]
     return out
 
 
+def mixers_of(net) -> list[torch.nn.Module]:
+    """The prepared model's stateful mixers (its record's)."""
+    from lit_hbp.model.packed_call import record_of
+
+    return record_of(net).mixers
+
+
 def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -87,7 +97,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
     for docs in packs(args):
         whole = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=2, loss_norm=1.0)
         shards.append(Ulysses().shard(whole, 2, rank).replace(sp_group=SPCall.of(ctx, "ulysses")))
-    owners = mixers.document_owners
+    owners, heads = mixers.document_owners, mixers.heads_part
+    splits = heads(mixers_of(net)[0], rank, 2) is not None
 
     def step(batch) -> float:
         out = packed_loss(net, batch, weights=1.0)
@@ -97,10 +108,12 @@ def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
         dist.all_reduce(ce)
         return float(ce)
 
-    times, losses = {m: [] for m in MODES}, {m: [] for m in MODES}
+    modes = MODES if splits else MODES[:2]
+    times, losses = {m: [] for m in modes}, {m: [] for m in modes}
     for _ in range(args.rounds):
-        for mode in MODES:
+        for mode in modes:
             mixers.document_owners = owners if mode == "share" else (lambda bounds, ranks: None)
+            mixers.heads_part = heads if mode == "heads" else (lambda mixer, part, parts: None)
             for batch in shards[: args.warmup]:
                 step(batch)
             dist.barrier()
@@ -110,7 +123,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
             elapsed = torch.tensor(time.perf_counter() - start)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[mode].append(float(elapsed) / args.steps)
-    mixers.document_owners = owners
+    mixers.document_owners, mixers.heads_part = owners, heads
     if rank == 0:
         results.put({"times": times, "losses": losses, "mixers": len(mixers.stateful_mixers(net.model))})
     dist.destroy_process_group()
@@ -132,13 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(worker, args=(free_port(), args, results), nprocs=2, join=True)
     r = results.get()
-    same = np.allclose(r["losses"]["all"], r["losses"]["share"], rtol=1e-5)
-    median = {m: statistics.median(r["times"][m]) * 1e3 for m in MODES}
+    modes = list(r["times"])
+    same = all(np.allclose(r["losses"]["all"], r["losses"][m], rtol=1e-5) for m in modes)
+    median = {m: statistics.median(r["times"][m]) * 1e3 for m in modes}
     print(f"{args.family}, width {args.width}, {args.layers} layers ({r['mixers']} stateful mixers), sp 2 on 2 CPU "
           f"processes, packs of {args.pack_len} tokens in {args.docs} documents")  # fmt: skip
     print("| mode | ms/step (median of rounds) | rounds | vs all |")
     print("|---|---|---|---|")
-    for m in MODES:
+    for m in modes:
         rounds = ", ".join(f"{t * 1e3:.0f}" for t in r["times"][m])
         print(f"| {m} | {median[m]:.0f} | {rounds} | {median[m] / median['all']:.2f} |")
     print(f"same loss on every pack: {same}")

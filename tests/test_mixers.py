@@ -55,10 +55,10 @@ HYBRIDS = {
 }
 
 
-def tiny(family: str) -> torch.nn.Module:
+def tiny(family: str, **overrides) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = small_config(family)
+    cfg = {**small_config(family), **overrides}
     model_type = cfg.pop("model_type")
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -347,20 +347,37 @@ def ulysses_ranks(families: list[str]) -> dict:
     import torch.distributed as dist
 
     from lit_hbp.data.collate import collate_packs
+    from lit_hbp.model import mixers
     from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.groups import SPGroups
     from lit_hbp.parallel.ulysses import Ulysses
 
     ctx = SPGroups([(2, 1)], 2, dist.get_rank())[(2, 1)]
     out = {}
+    seen = set()  # the token counts this rank's mixers ran: ("heads", n) on a share of the heads, else ("whole", n)
+    real = mixers.heads_part
+
+    def heads_part(mixer, part, parts):
+        run = real(mixer, part, parts)
+        if run is None:
+            return None
+        assert (part, parts) == (ctx.rank, 2)
+
+        def counted(*args, **kwargs):
+            seen.add(("heads", (args[0] if args else kwargs["hidden_states"]).shape[-2]))
+            return run(*args, **kwargs)
+
+        return counted
+
+    mixers.heads_part = heads_part
     for family in families:
         net = prepare_model(tiny(family)).eval()
         docs = three_documents(net.config.vocab_size)
         whole = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=2, loss_norm=1.0)
         shard = Ulysses().shard(whole, 2, ctx.rank).replace(sp_group=SPCall.of(ctx, "ulysses"))
-        seen = set()  # the token counts this rank's mixers ran (each mixer's first linear layer's input)
+        seen.clear()  # each mixer's first linear layer's input (the head-split runs call other modules' linears)
         linears = [next(x for x in m.modules() if isinstance(x, torch.nn.Linear)) for m in record_of(net).mixers]
-        hooks = [x.register_forward_pre_hook(lambda mod, args, seen=seen: seen.add(args[0].shape[-2])) for x in linears]
+        hooks = [x.register_forward_pre_hook(lambda mod, args: seen.add(("whole", args[0].shape[-2]))) for x in linears]
         loss = packed_loss(net, shard.replace(ckpt_layers=len(record_of(net).layers)), weights=1.0)
         loss.loss.backward()
         for h in hooks:
@@ -371,30 +388,47 @@ def ulysses_ranks(families: list[str]) -> dict:
         for g in grads.values():
             dist.all_reduce(g)
         out[family] = (float(ce), grads, sorted(seen))
-    for family in LONE:  # a pack of one document (72 tokens, no padding): fewer documents than ranks
-        net = prepare_model(tiny(family)).eval()
-        whole = collate_packs([np.arange(1)], three_documents(net.config.vocab_size, (72,)).__getitem__, sp=2,
-                              loss_norm=1.0)  # fmt: skip
+    for case, (family, lengths, overrides) in LONE.items():  # fewer documents than ranks; documents that share
+        net = prepare_model(tiny(family, **overrides)).eval()
+        docs = three_documents(net.config.vocab_size, lengths)
+        whole = collate_packs([np.arange(len(lengths))], docs.__getitem__, sp=2, loss_norm=1.0)
         shard = Ulysses().shard(whole, 2, ctx.rank).replace(sp_group=SPCall.of(ctx, "ulysses"))
+        seen.clear()
+        linears = [next(x for x in m.modules() if isinstance(x, torch.nn.Linear)) for m in record_of(net).mixers]
+        hooks = [x.register_forward_pre_hook(lambda mod, args: seen.add(("whole", args[0].shape[-2]))) for x in linears]
         loss = packed_loss(net, shard, weights=1.0)
         loss.loss.backward()
+        for h in hooks:
+            h.remove()
         ce = loss.ce_sum.detach().clone()
         dist.all_reduce(ce)
         grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
         for g in grads.values():
             dist.all_reduce(g)
-        out[f"{family} alone"] = (float(ce), grads)
+        out[case] = (float(ce), grads, sorted(seen))
+    mixers.heads_part = real
     return out
 
 
-LONE = ("qwen3_next", "bamba")  # a gated delta rule, a Mamba2 scan
+TWO_PER_KEY = dict(linear_num_value_heads=8)  # a gated delta rule of two value heads per key head
+LONE = {  # packs of one document (72 tokens, no padding: split by heads, each layout, or run whole), and two
+    "qwen3_next alone": ("qwen3_next", (72,), TWO_PER_KEY),  # documents that share evenly (each run by one rank)
+    "qwen3_5_text alone": ("qwen3_5_text", (72,), TWO_PER_KEY),
+    "bamba alone": ("bamba", (72,), {}),
+    "qwen3_next even": ("qwen3_next", (36, 36), {}),
+}
+RAN = {  # what each rank's mixers ran of each LONE pack
+    "qwen3_next alone": [[("heads", 72)]] * 2, "qwen3_5_text alone": [[("heads", 72)]] * 2,
+    "bamba alone": [[("whole", 72)]] * 2, "qwen3_next even": [[("whole", 36)]] * 2,
+}  # fmt: skip
+SPLIT_BY_HEADS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text")  # mixers.HEAD_SPLITS
 
 
-def assert_like_alone(family: str, ce: float, grads: dict, want: torch.Tensor, ref) -> None:
+def assert_like_alone(family: str, ce: float, grads: dict, want: torch.Tensor, ref, **overrides) -> None:
     """A rank's summed CE to 1e-5 and its all-reduced gradients to 1e-4 (``gradient_error``) of the documents
-    alone through ``ref`` (whose gradients ``want.backward()`` filled)."""
+    alone through ``ref`` (whose gradients ``want.backward()`` filled; ``tiny(family, **overrides)``)."""
     assert ce == pytest.approx(want.item(), rel=1e-5), family
-    net = tiny(family)
+    net = tiny(family, **overrides)
     for name, p in net.named_parameters():
         p.grad = grads.get(name)
     worst, where = gradient_error(net, ref)
@@ -418,17 +452,21 @@ def test_ulysses_sp_2_trains_a_hybrid_pack_like_each_document_alone():
         ref = reference_of(tiny(family))
         want = separate_loss(ref, dict(enumerate(three_documents(ref.config.vocab_size))))
         want.backward()
-        # the ranks share the documents (37, 5, 70: 112 tokens, no padding): the 70 on one, the others on the
-        # other, each run whole by one rank
-        assert [r[family][2] for r in results] == [[70], [5, 37]], family
+        # the ranks share the mixer's heads, each running every document (37, 5, 70: 112 tokens, no padding) on
+        # its half; or the documents: the 70 on one, the others on the other, each run whole by one rank
+        ran = [[("heads", 5), ("heads", 37), ("heads", 70)]] * 2 if family in SPLIT_BY_HEADS else [
+            [("whole", 70)], [("whole", 5), ("whole", 37)]
+        ]  # fmt: skip
+        assert [r[family][2] for r in results] == ran, family
         for ce, grads, _ in (r[family] for r in results):
             assert_like_alone(family, ce, grads, want, ref)
-    for family in LONE:  # one document across both ranks: each runs it whole, keeping its half
-        ref = reference_of(tiny(family))
-        want = separate_loss(ref, dict(enumerate(three_documents(ref.config.vocab_size, (72,)))))
+    for case, (family, lengths, overrides) in LONE.items():
+        ref = reference_of(tiny(family, **overrides))
+        want = separate_loss(ref, dict(enumerate(three_documents(ref.config.vocab_size, lengths))))
         want.backward()
-        for ce, grads in (r[f"{family} alone"] for r in results):
-            assert_like_alone(family, ce, grads, want, ref)
+        assert [r[case][2] for r in results] == RAN[case], case
+        for ce, grads, _ in (r[case] for r in results):
+            assert_like_alone(family, ce, grads, want, ref, **overrides)
 
 
 def test_packed_loss_hands_the_mixers_the_boundaries_without_reading_the_device(monkeypatch):
@@ -562,10 +600,12 @@ def test_a_hybrid_folder_fine_tunes_through_the_cli_on_two_processes_at_sp_2_wit
     tmp_path, small_demo
 ):
     """Qwen3-Next (the gated delta rule beside attention) from a ``save_pretrained`` folder through
-    ``lit-hbp fit`` on 2 processes, its long chats on a Ulysses sp 2 level: the self-check packs documents
-    against each alone and passes, and both levels train."""
+    ``lit-hbp fit`` on 2 processes, its long chats on a Ulysses sp 2 level (its mixer split by heads): the
+    self-check packs documents against each alone and passes, both levels train, and ``python -m
+    lit_hbp.export`` writes a folder that loads and generates."""
     import os
     import subprocess
+    import sys
 
     from conftest import HANG_S, console_script
     from test_train import scalars
@@ -586,6 +626,23 @@ def test_a_hybrid_folder_fine_tunes_through_the_cli_on_two_processes_at_sp_2_wit
     logged = scalars(tmp_path / "runs")
     assert {v for _, v in logged["train/sp"]} == {1.0, 2.0}
     assert all(v > 0 for _, v in logged["train/loss"])
+    # exported as a user does, the folder loads in transformers with the trained weights, and serves: its
+    # greedy generation with the mixer's and attention's caches is the one that recomputes every step
+    from transformers import AutoModelForCausalLM
+
+    from lit_hbp.export import load_checkpoint
+
+    (ckpt,) = tmp_path.glob("runs/**/last.ckpt")
+    exported = subprocess.run([sys.executable, "-m", "lit_hbp.export", str(ckpt), str(tmp_path / "hf")],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    net = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    trained = {k.removeprefix("model."): v for k, v in load_checkpoint(str(ckpt))["state_dict"].items()}
+    for name, w in net.state_dict().items():
+        assert torch.equal(w, trained[name]), name
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(net.generate(prompt, use_cache=True, **kw), net.generate(prompt, use_cache=False, **kw))
 
 
 def test_a_batch_whose_boundaries_change_without_their_host_copy_is_refused():

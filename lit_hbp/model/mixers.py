@@ -16,10 +16,13 @@ boundaries the batch carries on the host (``PackedBatch.bounds``, handed over by
 without them reads them back from the device once); the GPU kernels that take the boundaries themselves
 are not wired yet.
 On a Ulysses level (sp > 1) the SP kind gathers the whole pack's inputs of the mixer
-(``SPKind.gather_tokens``) and the ranks share the pack's documents, each run whole by one rank
-(``document_owners``, balanced by length); the ranks' outputs, zeros at the others' documents, are summed
-into each rank's shard (``SPKind.sum_own_tokens``). A pack of fewer documents than ranks is run whole by
-every rank, each keeping its shard. A context-parallel level, whose ranges a document's state would have
+(``SPKind.gather_tokens``); the ranks share the pack's documents, each run whole by one rank
+(``document_owners``, balanced by length), where that shares the work evenly (``shares_evenly``); else a
+mixer class that splits by heads (``HEAD_SPLITS``: the gated delta rule) runs every document on the rank's
+share of its heads; the ranks' outputs (partial sums over the
+heads, or zeros at the others' documents) are summed into each rank's shard (``SPKind.sum_own_tokens``).
+A pack of fewer documents than ranks is run whole by every rank for a mixer that does not split, each
+keeping its shard. A context-parallel level, whose ranges a document's state would have
 to cross, is refused per level at set-up and in the call. Any other mixer (one found only by an
 ``A_log`` decay or a ``torch.nn.Conv1d`` inside a decoder layer, RWKV's) makes ``prepare_model`` refuse
 the model before anything else happens, naming the family, the layer, the module and the kind (design
@@ -36,7 +39,9 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -217,20 +222,22 @@ def _per_document_forward(own):
         call = call_of() if call_of is not None else None
         if call is None:
             return own(self, *args, **kwargs)
-        return by_document(functools.partial(own, self), call, type(self).__name__, args, kwargs)
+        return by_document(self, functools.partial(own, self), call, type(self).__name__, args, kwargs)
 
     setattr(forward, OWN, own)
     return forward
 
 
 @torch.compiler.disable  # a loop over the pack's documents, from host numbers: no graph to trace
-def by_document(run, call: calls.PackCall, name: str, args: tuple, kwargs: dict) -> Any:
-    """``run`` (a mixer's own forward) once per document of ``call``'s pack, each on that document's
+def by_document(mixer: torch.nn.Module, run, call: calls.PackCall, name: str, args: tuple, kwargs: dict) -> Any:
+    """``run`` (``mixer``'s own forward) once per document of ``call``'s pack, each on that document's
     slice of every per-token input, the outputs joined along the tokens: the mixer's state starts from
     nothing at every document, as the document alone. Under sequence parallelism each rank holds a
     shard of the pack: its SP kind gathers the whole pack's inputs (``SPKind.gather_tokens``), the rank
-    runs its share of the documents (``document_owners``) and the ranks' outputs are summed into each
-    rank's shard (``SPKind.sum_own_tokens``); with fewer documents than ranks each runs them all."""
+    runs its share of the documents (``document_owners``) where they share evenly (``shares_evenly``), else
+    every document on its share of the mixer's heads (``HEAD_SPLITS``), and the ranks' outputs are summed
+    into each rank's shard (``SPKind.sum_own_tokens``); a mixer that does not split runs unevenly shared
+    documents as they fall, and with fewer documents than ranks runs them all on every rank."""
     pack = call.pack
     hidden = args[0] if args else next((kwargs[k] for k in HIDDEN if k in kwargs), None)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
@@ -255,9 +262,13 @@ def by_document(run, call: calls.PackCall, name: str, args: tuple, kwargs: dict)
     whole = functools.partial(_tokens, along=lambda x, dim: sp.kind.gather_tokens(x, sp.ctx, dim), tokens=local)
     args, kwargs = tuple(map(whole, args)), {k: whole(v) for k, v in kwargs.items()}
     bounds = _bounds(call, total, name)
-    owners = call.host.get("owners")
-    if owners is None:
-        owners = call.host["owners"] = document_owners(bounds, sp.size)
+    if "owners" not in call.host:
+        call.host["owners"] = document_owners(bounds, sp.size)
+    owners = call.host["owners"]
+    part = None if shares_evenly(bounds, owners, sp.size) else heads_part(mixer, sp.ctx.rank, sp.size)
+    if part is not None:  # every document on this rank's heads: the ranks' outputs are partial sums
+        out = _each_document(part, bounds, args, kwargs, name)
+        return _tokens(out, lambda x, dim: sp.kind.sum_own_tokens(x, sp.ctx, dim), total)
     if owners is None:  # fewer documents than ranks: every rank runs them all, keeps its shard
         out = _each_document(run, bounds, args, kwargs, name)
         return _tokens(out, lambda x, dim: sp.kind.own_tokens(x, sp.ctx, dim), total)
@@ -276,6 +287,134 @@ ZERO3_REFUSAL = (
 def zero3_partitioned(mixers: list[torch.nn.Module]) -> bool:
     """Whether any of ``mixers`` holds a weight DeepSpeed ZeRO-3 partitions (its ``ds_id``)."""
     return any(hasattr(p, "ds_id") for m in mixers for p in m.parameters())
+
+
+# ---- split by heads, on a Ulysses level -----------------------------------------------------------------
+
+
+def _span(n: int, part: int, parts: int) -> slice:
+    """Part ``part`` of ``parts`` equal, contiguous shares of ``n`` rows."""
+    return slice(part * n // parts, (part + 1) * n // parts)
+
+
+def _rows(x: torch.Tensor, *spans: slice, dim: int = 0) -> torch.Tensor:
+    """``x``'s rows (or ``dim``'s entries) in ``spans``, joined: a view when there is one."""
+    pieces = [x.narrow(dim, s.start, s.stop - s.start) for s in spans]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def _gated_delta_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
+    """The config a gated-delta-rule mixer of 1/``parts`` of ``m``'s heads is built from (its own fields)."""
+    return SimpleNamespace(
+        hidden_size=m.hidden_size, linear_num_value_heads=m.num_v_heads // parts,
+        linear_num_key_heads=m.num_k_heads // parts, linear_key_head_dim=m.head_k_dim,
+        linear_value_head_dim=m.head_v_dim, linear_conv_kernel_dim=m.conv_kernel_size, hidden_act=m.activation,
+        rms_norm_eps=m.layer_norm_epsilon, layer_types={m.layer_idx: m.layer_type},
+    )  # fmt: skip
+
+
+def _gated_delta_common(m: torch.nn.Module, part: int, parts: int) -> tuple[dict, slice, slice]:
+    """The weights every gated-delta-rule layout splits alike: the convolution's q, k and v channels of the
+    part's key heads and their value heads, the per-value-head decay and step, the output projection's
+    columns of those value heads, and the gated norm (shared by every head, whole)."""
+    k, v = _span(m.num_k_heads, part, parts), _span(m.num_v_heads, part, parts)
+    dk, dv = m.head_k_dim, m.head_v_dim
+    q_ch = slice(k.start * dk, k.stop * dk)
+    k_ch = slice(m.key_dim + k.start * dk, m.key_dim + k.stop * dk)
+    v_ch = slice(2 * m.key_dim + v.start * dv, 2 * m.key_dim + v.stop * dv)
+    weights = {
+        "conv1d.weight": _rows(m.conv1d.weight, q_ch, k_ch, v_ch),
+        "A_log": m.A_log[v],
+        "dt_bias": m.dt_bias[v],
+        "norm.weight": m.norm.weight,
+        "out_proj.weight": _rows(m.out_proj.weight, slice(v.start * dv, v.stop * dv), dim=1),
+    }
+    return weights, k, v
+
+
+def _qwen3_next_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
+    """Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba`` hold each key head's group of rows together."""
+    weights, k, _ = _gated_delta_common(m, part, parts)
+    per_v = m.num_v_heads // m.num_k_heads
+    qkvz = 2 * m.head_k_dim + 2 * m.head_v_dim * per_v
+    weights["in_proj_qkvz.weight"] = _rows(m.in_proj_qkvz.weight, slice(k.start * qkvz, k.stop * qkvz))
+    weights["in_proj_ba.weight"] = _rows(m.in_proj_ba.weight, slice(k.start * 2 * per_v, k.stop * 2 * per_v))
+    return weights
+
+
+def _qwen3_5_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
+    """Qwen3.5: ``in_proj_qkv`` holds all queries, then all keys, then all values (the convolution's
+    channels); ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` a block per value head."""
+    weights, k, v = _gated_delta_common(m, part, parts)
+    dk, dv = m.head_k_dim, m.head_v_dim
+    weights["in_proj_qkv.weight"] = _rows(
+        m.in_proj_qkv.weight, slice(k.start * dk, k.stop * dk),
+        slice(m.key_dim + k.start * dk, m.key_dim + k.stop * dk),
+        slice(2 * m.key_dim + v.start * dv, 2 * m.key_dim + v.stop * dv),
+    )  # fmt: skip
+    weights["in_proj_z.weight"] = _rows(m.in_proj_z.weight, slice(v.start * dv, v.stop * dv))
+    weights["in_proj_b.weight"] = m.in_proj_b.weight[v]
+    weights["in_proj_a.weight"] = m.in_proj_a.weight[v]
+    return weights
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """How a mixer class runs on a share of its heads: ``heads(m)`` the count that the SP degree must
+    divide, ``shape(m, parts)`` the config of a mixer of 1/parts of them (built from ``m``'s own
+    fields), ``part(m, part, parts)`` the slices of ``m``'s weights that one holds (by parameter name:
+    views where they can be, so their gradients reach ``m``'s weights). Each part's output is that part's
+    heads' share of the output projection: the parts' outputs sum to the whole mixer's."""
+
+    heads: Callable[[torch.nn.Module], int]
+    shape: Callable[[torch.nn.Module, int], Any]
+    part: Callable[[torch.nn.Module, int, int], dict[str, torch.Tensor]]
+
+
+HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, each at sp 2
+    "Qwen3NextGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_next_part),
+    "Qwen3_5GatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
+    "Qwen3_5MoeGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
+    "Qwen4ExpTextGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
+}
+SHAPES = "_hbp_head_shapes"  # on a mixer instance: its 1/parts-of-the-heads twin per degree (meta, no weights)
+
+
+def heads_part(mixer: torch.nn.Module, part: int, parts: int):
+    """A function running ``mixer`` on part ``part`` of ``parts`` equal shares of its heads (its own forward,
+    on its twin of that shape with the share's weights), or None where it does not split so: its class has
+    no ``HEAD_SPLITS`` entry, ``parts`` does not divide its heads, or a projection has a bias (a share of a
+    bias is not a partial sum)."""
+    split = HEAD_SPLITS.get(type(mixer).__name__)
+    if (
+        split is None
+        or split.heads(mixer) % parts
+        or any(getattr(sub, "bias", None) is not None for sub in mixer.modules() if isinstance(sub, torch.nn.Linear))
+    ):
+        return None
+    shapes = mixer.__dict__.setdefault(SHAPES, {})
+    if parts not in shapes:
+        with torch.device("meta"):
+            shapes[parts] = type(mixer)(split.shape(mixer, parts), mixer.layer_idx)
+    twin, weights = shapes[parts], split.part(mixer, part, parts)
+    return lambda *args, **kwargs: torch.func.functional_call(twin, weights, args, kwargs, strict=True)
+
+
+EVENLY = 1.1
+"""A pack's documents are shared rather than the heads split when the busiest rank's tokens are at most this
+times an even share: with 2 ranks, a split costs more per step than sharing evenly (sharing 0.73 of every rank
+running every document, the split 0.78, 8 documents) and less than sharing one document (0.69 against 0.99):
+``bench/sp_mixers.py``."""
+
+
+def shares_evenly(bounds: list[int], owners: list[int] | None, ranks: int) -> bool:
+    """Whether ``owners`` (``document_owners``) give no rank more than ``EVENLY`` times an even share."""
+    if owners is None:
+        return False
+    load = [0] * ranks
+    for rank, start, end in zip(owners, bounds[:-1], bounds[1:]):
+        load[rank] += end - start
+    return max(load) <= EVENLY * bounds[-1] / ranks
 
 
 def document_owners(bounds: list[int], ranks: int) -> list[int] | None:
