@@ -198,6 +198,7 @@ def sp_refusal(family: str, mixers: list[StatefulMixer], level: Any, where: str)
 
 CALL_OF = "_hbp_mixer_call"  # on a mixer instance: the function giving its model's packed call on this thread
 OWN = "_hbp_mixer_own"  # on the class's per-document forward: the class's own forward
+SHAPES = "_hbp_head_shapes"  # on a mixer instance: its 1/parts-of-the-heads twin per degree (meta, no weights)
 PACK_ONLY = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "hbp_sp", "hbp_cp_shard"})
 
 
@@ -213,6 +214,7 @@ def install_per_document(mixer: torch.nn.Module, call_of) -> None:
 
 def uninstall_per_document(mixer: torch.nn.Module) -> None:
     mixer.__dict__.pop(CALL_OF, None)
+    mixer.__dict__.pop(SHAPES, None)
 
 
 def _per_document_forward(own):
@@ -377,7 +379,6 @@ HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, 
     "Qwen3_5MoeGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
     "Qwen4ExpTextGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
 }
-SHAPES = "_hbp_head_shapes"  # on a mixer instance: its 1/parts-of-the-heads twin per degree (meta, no weights)
 
 
 def heads_part(mixer: torch.nn.Module, part: int, parts: int):
