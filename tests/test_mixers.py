@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from lit_hbp import pack_samples, packed_loss, prepare_model
 from lit_hbp.cli.app import main
 from lit_hbp.errors import ConfigError
+from lit_hbp.model.mixers import HEAD_SPLITS
 from lit_hbp.model.packed_call import record_of
 from lit_hbp.packing.levels import Level
 
@@ -421,7 +422,7 @@ RAN = {  # what each rank's mixers ran of each LONE pack
     "qwen3_next alone": [[("heads", 72)]] * 2, "qwen3_5_text alone": [[("heads", 72)]] * 2,
     "bamba alone": [[("whole", 72)]] * 2, "qwen3_next even": [[("whole", 36)]] * 2,
 }  # fmt: skip
-SPLIT_BY_HEADS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text")  # mixers.HEAD_SPLITS
+SPLIT_BY_HEADS = [family for family, cls in HYBRIDS.items() if cls in HEAD_SPLITS]  # every class tested
 
 
 def assert_like_alone(family: str, ce: float, grads: dict, want: torch.Tensor, ref, **overrides) -> None:
@@ -724,3 +725,35 @@ def test_the_zero_stage_a_config_asks_for_is_the_one_its_strategy_runs(strategy)
         built = getattr(importlib.import_module(module), name)(**strategy.get("init_args", {}))
     expected = built.config["zero_optimization"]["stage"] if isinstance(built, DeepSpeedStrategy) else None
     assert config_zero_stage(strategy) == expected
+
+
+@pytest.mark.parametrize("family", SPLIT_BY_HEADS)
+def test_a_mixers_heads_split_sum_to_the_mixer_and_leave_no_weight_out(family):
+    """On one process: each share of the heads (``mixers.heads_part``, 2 and 4 shares, two value heads per key
+    head) through the mixer's own forward on its twin, summed, is the mixer's output on a document, with the
+    same gradients of every weight; a mixer holding a weight the split does not know (LoRA's adapters on a
+    projection) or a degree that does not divide its heads is not split. Every class that splits is tested."""
+    assert {HYBRIDS[f] for f in SPLIT_BY_HEADS} == set(HEAD_SPLITS)
+    from peft import LoraConfig, get_peft_model
+
+    from lit_hbp.model.mixers import OWN, heads_part
+
+    net = prepare_model(tiny(family, **TWO_PER_KEY))
+    mixer = record_of(net).mixers[0]
+    own = getattr(type(mixer).forward, OWN)
+    x = torch.randn(1, 45, net.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = own(mixer, x)
+    want.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in mixer.named_parameters()}
+    for parts in (2, 4):
+        mixer.zero_grad()
+        got = sum(heads_part(mixer, part, parts)(x) for part in range(parts))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got.square().sum().backward()
+        for name, p in mixer.named_parameters():
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-5, msg=f"{parts} parts: {name}")
+    assert heads_part(mixer, 0, 3) is None  # 4 key heads
+    path = next(n for n, m in tiny(family).named_modules() if m is not None and n.endswith("in_proj_qkvz")
+                or n.endswith("in_proj_qkv"))  # fmt: skip
+    adapted = prepare_model(get_peft_model(tiny(family), LoraConfig(r=2, target_modules=[path.split(".")[-1]])))
+    assert heads_part(record_of(adapted).mixers[0], 0, 2) is None

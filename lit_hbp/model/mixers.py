@@ -377,28 +377,25 @@ HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, 
     "Qwen3NextGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_next_part),
     "Qwen3_5GatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
     "Qwen3_5MoeGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
-    "Qwen4ExpTextGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
 }
 
 
 def heads_part(mixer: torch.nn.Module, part: int, parts: int):
     """A function running ``mixer`` on part ``part`` of ``parts`` equal shares of its heads (its own forward,
     on its twin of that shape with the share's weights), or None where it does not split so: its class has
-    no ``HEAD_SPLITS`` entry, ``parts`` does not divide its heads, or a projection has a bias (a share of a
-    bias is not a partial sum)."""
+    no ``HEAD_SPLITS`` entry, ``parts`` does not divide its heads, or it holds a weight or buffer the split
+    does not know (a bias, whose share is not a partial sum; LoRA's adapters), which the twin would leave out."""
     split = HEAD_SPLITS.get(type(mixer).__name__)
-    if (
-        split is None
-        or split.heads(mixer) % parts
-        or any(getattr(sub, "bias", None) is not None for sub in mixer.modules() if isinstance(sub, torch.nn.Linear))
-    ):
+    if split is None or split.heads(mixer) % parts:
         return None
+    weights = split.part(mixer, part, parts)
+    if set(weights) != {name for name, _ in mixer.named_parameters()} or next(mixer.buffers(), None) is not None:
+        return None  # weights the split does not know (a bias, LoRA's adapters): they would be left out
     shapes = mixer.__dict__.setdefault(SHAPES, {})
     if parts not in shapes:
         with torch.device("meta"):
             shapes[parts] = type(mixer)(split.shape(mixer, parts), mixer.layer_idx)
-    twin, weights = shapes[parts], split.part(mixer, part, parts)
-    return lambda *args, **kwargs: torch.func.functional_call(twin, weights, args, kwargs, strict=True)
+    return lambda *args, **kwargs: torch.func.functional_call(shapes[parts], weights, args, kwargs, strict=True)
 
 
 EVENLY = 1.1
