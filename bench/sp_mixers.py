@@ -46,7 +46,8 @@ def tiny_hybrid(family: str, width: int, layers: int):
                  head_dim=64, vocab_size=1024, linear_key_head_dim=64, linear_value_head_dim=64,
                  linear_num_key_heads=heads, linear_num_value_heads=heads, num_experts=4, num_experts_per_tok=2,
                  moe_intermediate_size=width, shared_expert_intermediate_size=width, mamba_n_heads=2 * width // 64,
-                 mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64)  # fmt: skip
+                 mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64, mamba_num_heads=2 * width // 64,
+                 mamba_head_dim=64, ssm_state_size=64, chunk_size=64, n_groups=2)  # fmt: skip
     for key, value in sizes.items():
         if hasattr(config, key):
             setattr(config, key, value)

@@ -753,7 +753,8 @@ def test_a_mixers_heads_split_sum_to_the_mixer_and_leave_no_weight_out(family):
         for name, p in mixer.named_parameters():
             torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-5, msg=f"{parts} parts: {name}")
     assert heads_part(mixer, 0, 3) is None  # 4 key heads
-    path = next(n for n, m in tiny(family).named_modules() if m is not None and n.endswith("in_proj_qkvz")
-                or n.endswith("in_proj_qkv"))  # fmt: skip
-    adapted = prepare_model(get_peft_model(tiny(family), LoraConfig(r=2, target_modules=[path.split(".")[-1]])))
+    plain = tiny(family)
+    first = next(m for m in plain.modules() if type(m).__name__ == HYBRIDS[family])
+    path = next(n for n, x in first.named_modules() if isinstance(x, torch.nn.Linear))  # its first projection
+    adapted = prepare_model(get_peft_model(plain, LoraConfig(r=2, target_modules=[path])))
     assert heads_part(record_of(adapted).mixers[0], 0, 2) is None

@@ -18,9 +18,9 @@ are not wired yet.
 On a Ulysses level (sp > 1) the SP kind gathers the whole pack's inputs of the mixer
 (``SPKind.gather_tokens``); the ranks share the pack's documents, each run whole by one rank
 (``document_owners``, balanced by length), where that shares the work evenly (``shares_evenly``); else a
-mixer class that splits by heads (``HEAD_SPLITS``: the gated delta rule) runs every document on the rank's
-share of its heads; the ranks' outputs (partial sums over the
-heads, or zeros at the others' documents) are summed into each rank's shard (``SPKind.sum_own_tokens``).
+mixer class that splits by heads (``HEAD_SPLITS``: the gated delta rule, Nemotron-H's Mamba2) runs every
+document on the rank's share of its heads; the ranks' outputs (partial sums over the heads, or zeros at the
+others' documents) are summed into each rank's shard (``SPKind.sum_own_tokens``).
 A pack of fewer documents than ranks is run whole by every rank for a mixer that does not split, each
 keeping its shard. A context-parallel level, whose ranges a document's state would have
 to cross, is refused per level at set-up and in the call. Any other mixer (one found only by an
@@ -36,6 +36,7 @@ the same on a model built from the checkpoint's config on the meta device, befor
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import re
@@ -360,6 +361,40 @@ def _qwen3_5_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.
     return weights
 
 
+def _mamba2_shape(m: torch.nn.Module, parts: int) -> Any:
+    """The config a Mamba2 mixer of 1/``parts`` of ``m``'s heads and groups is built from (a copy of its own)."""
+    config = copy.copy(m.config)
+    config.mamba_num_heads, config.n_groups = m.num_heads // parts, m.n_groups // parts
+    return config
+
+
+def _mamba2_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
+    """A Mamba2 mixer (Nemotron-H's): ``in_proj`` gives the gate, the convolution's input (x, then B and C
+    per group of heads) and the step per head; a share is whole groups with their heads, so the gated norm,
+    per group, stays within it."""
+    h, g = _span(m.num_heads, part, parts), _span(m.n_groups, part, parts)
+    inner, state, conv = m.intermediate_size, m.ssm_state_size, m.conv_dim
+    x = slice(h.start * m.head_dim, h.stop * m.head_dim)
+    b = slice(inner + g.start * state, inner + g.stop * state)
+    c = slice(inner + m.n_groups * state + g.start * state, inner + m.n_groups * state + g.stop * state)
+    shifted = [slice(inner + s.start, inner + s.stop) for s in (x, b, c)]  # in in_proj: after the gate
+    rows = (x, *shifted, slice(inner + conv + h.start, inner + conv + h.stop))
+    weights = {
+        "in_proj.weight": _rows(m.in_proj.weight, *rows),
+        "conv1d.weight": _rows(m.conv1d.weight, x, b, c),
+        "dt_bias": m.dt_bias[h],
+        "A_log": m.A_log[h],
+        "D": m.D[h],
+        "norm.weight": m.norm.weight[x],
+        "out_proj.weight": _rows(m.out_proj.weight, x, dim=1),
+    }
+    if m.in_proj.bias is not None:
+        weights["in_proj.bias"] = _rows(m.in_proj.bias, *rows)
+    if m.conv1d.bias is not None:
+        weights["conv1d.bias"] = _rows(m.conv1d.bias, x, b, c)
+    return weights
+
+
 @dataclass(frozen=True)
 class HeadSplit:
     """How a mixer class runs on a share of its heads: ``heads(m)`` the count that the SP degree must
@@ -377,6 +412,7 @@ HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, 
     "Qwen3NextGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_next_part),
     "Qwen3_5GatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
     "Qwen3_5MoeGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
+    "NemotronHMamba2Mixer": HeadSplit(lambda m: m.n_groups, _mamba2_shape, _mamba2_part),
 }
 
 
