@@ -707,9 +707,10 @@ def test_a_hybrid_under_zero3_is_refused_by_name_at_set_up_and_in_the_call():
         {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy",
          "init_args": {"config": {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}}},
         {"class_path": "lit_hbp.lightning.strategy.HBPDDPStrategy"},
+        {"class_path": "lit_hbp.lightning.strategy.HBPStrategy", "init_args": {"config": "ZERO3_JSON"}},
     ],
 )  # fmt: skip
-def test_the_zero_stage_a_config_asks_for_is_the_one_its_strategy_runs(strategy):
+def test_the_zero_stage_a_config_asks_for_is_the_one_its_strategy_runs(strategy, tmp_path):
     """``config_zero_stage`` reads the stage from the config alone, before anything is built (the CLI refuses a
     hybrid under ZeRO-3 before reading the data); the reference is the strategy Lightning builds from it."""
     import importlib
@@ -718,6 +719,10 @@ def test_the_zero_stage_a_config_asks_for_is_the_one_its_strategy_runs(strategy)
 
     from lit_hbp.lightning.strategy import config_zero_stage
 
+    if isinstance(strategy, dict) and (strategy.get("init_args") or {}).get("config") == "ZERO3_JSON":
+        path = tmp_path / "ds.json"  # a DeepSpeed config file, as users pass one
+        path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}))
+        strategy = {**strategy, "init_args": {"config": str(path)}}
     if isinstance(strategy, str):
         built = StrategyRegistry.get(strategy) if strategy in StrategyRegistry else None
     else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import importlib
 import os
 import sys
 import weakref
@@ -41,7 +42,7 @@ from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
-from lit_hbp.cost.run_settings import Settings, check, deepspeed_zero, refusal  # noqa: E402
+from lit_hbp.cost.run_settings import Settings, check, deepspeed_zero, refusal, strategy_config  # noqa: E402
 from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
 from lit_hbp.errors import ConfigError  # noqa: E402
 from lit_hbp.lightning.checkpoints import is_complete, save_deepspeed  # noqa: E402
@@ -138,17 +139,18 @@ def refuse_mixers_under_zero3(net, stage: int) -> None:
 
 def config_zero_stage(strategy: Any) -> int | None:
     """The DeepSpeed ZeRO stage a config's ``trainer.strategy`` asks for (a registered name such as ``hbp`` or
-    ``deepspeed_stage_3``, or ``{class_path, init_args}`` of a DeepSpeed strategy, ``config`` included), read
-    before anything is built; None where it names no DeepSpeed strategy or is given some other way."""
+    ``deepspeed_stage_3``, or ``{class_path, init_args}`` of a DeepSpeed strategy, its ``config`` a mapping or a
+    JSON file), read before anything is built as the strategy will read it (``run_settings.strategy_config``);
+    None where it names no DeepSpeed strategy, or a config file that cannot be read here."""
     if isinstance(strategy, str):
         if strategy not in StrategyRegistry:
             return None
         entry = StrategyRegistry[strategy]
         cls, args = entry["strategy"], dict(entry["init_params"])
     elif isinstance(strategy, dict) and isinstance(strategy.get("class_path"), str):
+        module, _, name = strategy["class_path"].rpartition(".")
         try:
-            module, _, name = strategy["class_path"].rpartition(".")
-            cls = getattr(sys.modules.get(module) or __import__(module, fromlist=[name]), name)
+            cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError):
             return None
         args = dict(strategy.get("init_args") or {})
@@ -156,10 +158,12 @@ def config_zero_stage(strategy: Any) -> int | None:
         return None
     if not (isinstance(cls, type) and issubclass(cls, DeepSpeedStrategy)):
         return None
-    config = args.get("config")
-    if isinstance(config, dict) and "stage" in (config.get("zero_optimization") or {}):
-        return int(config["zero_optimization"]["stage"])
-    return int(args.get("stage", 2))
+    if args.get("config") is None and DeepSpeedStrategy.DEEPSPEED_ENV_VAR in os.environ:
+        args["config"] = os.environ[DeepSpeedStrategy.DEEPSPEED_ENV_VAR]  # as DeepSpeedStrategy reads it
+    try:
+        return deepspeed_zero(strategy_config(args))["zero_stage"]
+    except (OSError, ValueError):
+        return None
 
 
 def _path(name: str) -> str:
