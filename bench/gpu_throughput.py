@@ -174,10 +174,7 @@ def run_hbp(cli, device, warmup: int, memory: dict) -> dict[int, tuple[float, fl
     clock = StepClock()
     cli.trainer.callbacks.append(clock)
     cli.trainer.fit(cli.model, cli.datamodule)
-    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0.0
-    cost, layouts = cli.model.cost_model(capacity)
-    for level, lv in enumerate(layouts):
-        predicted = level_memory(cost, lv)["total"] - MEMORY_RESERVE_BYTES / GIB
+    for level, predicted in enumerate(predicted_gib(cli.model, device)):
         measured = clock.peak[level] / GIB if level in clock.peak else None
         memory[level] = {"predicted_gib": predicted, "measured_gib": measured}
     per_level: dict[int, list] = {}
@@ -190,6 +187,13 @@ def run_hbp(cli, device, warmup: int, memory: dict) -> dict[int, tuple[float, fl
             row[1] += tokens
             row[2] += flops
     return {level: tuple(r) for level, r in per_level.items()}
+
+
+def predicted_gib(module, device) -> list[float]:
+    """Each level's bytes (GiB) by the memory model of ``module``'s run, without its CUDA reserve."""
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0.0
+    cost, layouts = module.cost_model(capacity)
+    return [level_memory(cost, lv)["total"] - MEMORY_RESERVE_BYTES / GIB for lv in layouts]
 
 
 def only_level(plan: Plan, level: int) -> Plan:
@@ -222,9 +226,7 @@ def run_hbp_alone(config, overrides, level: int, steps: int, warmup: int, weight
     clock = WindowClock(warmup, steps)
     fit.trainer.callbacks.append(clock)
     fit.trainer.fit(fit.model, dm)
-    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0.0
-    cost, layouts = fit.model.cost_model(capacity)
-    predicted = level_memory(cost, layouts[level])["total"] - MEMORY_RESERVE_BYTES / GIB
+    predicted = predicted_gib(fit.model, device)[level]
     memory[level] = {"predicted_gib": predicted, "measured_gib": clock.peak / GIB if clock.peak else None}
     return clock.seconds, clock.tokens, clock.flops
 
