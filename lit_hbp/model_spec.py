@@ -86,6 +86,44 @@ def attention_layers(config: dict) -> int | None:
     return None
 
 
+BLOCK_ONLY = re.compile(r"^mlp$|^moe$|^-$")  # a layer kind without a token mixer (Nemotron-H's)
+MIXER_HEADS = {  # the config field a family's stateful mixers split by on a Ulysses level (mixers.HEAD_SPLITS)
+    "qwen3_next": "linear_num_key_heads",
+    "qwen3_5_text": "linear_num_key_heads",
+    "qwen3_5_moe_text": "linear_num_key_heads",
+    "nemotron_h": "n_groups",
+}
+MIXER_BIASES = ("use_bias",)  # a bias on a mixer's projections: its share would not be a partial sum
+
+
+BOTH = re.compile(r"^hybrid$")  # a layer kind holding a mixer beside attention (Zamba's)
+MIXER_BESIDE_ATTENTION = frozenset({"falcon_h1"})  # every layer a scan beside attention; no layer kinds listed
+
+
+def mixer_layers(config: dict) -> int:
+    """How many of a config's layers hold a stateful token mixer (a hybrid's Mamba, gated delta rule, short
+    convolution): the layers that neither attend nor are a block without a mixer, and those that hold one
+    beside attention."""
+    kinds = layer_kinds(config)
+    if kinds is not None:
+        kinds = [k.lower() for k in kinds]
+        return sum(bool(NOT_ATTENTION.search(k)) and not BLOCK_ONLY.search(k) or bool(BOTH.search(k)) for k in kinds)
+    if config.get("model_type") in MIXER_BESIDE_ATTENTION:
+        return int(_field(config, "layers"))
+    attending = attention_layers(config)
+    layers = _field(config, "layers")
+    return 0 if attending is None or layers is None else int(layers) - attending
+
+
+def mixer_heads(config: dict) -> int | None:
+    """The heads a hybrid's mixers split by on a Ulysses level (the SP degree must divide them), from the
+    family's config (``MIXER_HEADS``), or None: they do not split (the ranks share the documents)."""
+    field = MIXER_HEADS.get(config.get("model_type"))
+    if field is None or config.get(field) is None or any(config.get(b) for b in MIXER_BIASES):
+        return None
+    return int(config[field])
+
+
 GATED_ACTS = ("silu", "swish")  # a gated MLP (Qwen2.5-VL's): gate, up and down matrices
 SIGMOID_ACTS = ("quick_gelu",)  # x * sigmoid(1.702 x): keeps its input and the sigmoid
 
@@ -196,11 +234,32 @@ class ModelSpec:
     """Layers whose work grows with the square of a document's length (None: every layer); a hybrid's others
     (Mamba, the gated delta rule, short convolutions: ``lit_hbp.model.mixers``) are linear in it, their
     projections counted in ``layer_params``."""
+    mixer_layers: int | None = None
+    """Layers holding a stateful token mixer (None: every layer that does not attend)."""
+    mixer_params: float | None = None
+    """Matmul parameters of one stateful mixer (its projections and convolution), when known from the model;
+    else priced as an attention block's (``mixer_matmul_params``)."""
+    mixer_heads: int | None = None
+    """The heads its mixers split by on a Ulysses level (``lit_hbp.packing.mixer_share``); None: they do
+    not split, the ranks share a pack's documents."""
 
     @property
     def attending(self) -> int:
         """The layers that attend (``attention_layers``, or every layer)."""
         return self.layers if self.attention_layers is None else self.attention_layers
+
+    @property
+    def mixing(self) -> int:
+        """The layers holding a stateful token mixer (``mixer_layers``, or those that do not attend)."""
+        return self.layers - self.attending if self.mixer_layers is None else self.mixer_layers
+
+    @property
+    def mixer_matmul_params(self) -> float:
+        """Matmul parameters a token passes through in one stateful mixer (``mixer_params``, else an attention
+        block's q, k, v and o projections)."""
+        if self.mixer_params is not None:
+            return self.mixer_params
+        return self.hidden * self.heads * self.dim * 2 + self.hidden * self.kv_heads * self.dim * 2
 
     @property
     def dim(self) -> int:
@@ -277,6 +336,8 @@ class ModelSpec:
             tied_embeddings=bool(c.get("tie_word_embeddings", False)),
             vision=VisionSpec.from_config(vision) if isinstance(vision, dict) else None,
             attention_layers=attending,
+            mixer_layers=mixer_layers(c),
+            mixer_heads=mixer_heads(c),
         )
 
 

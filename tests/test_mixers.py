@@ -153,13 +153,23 @@ def test_the_cost_model_prices_attention_in_the_layers_that_attend(family, monke
         return real(module, *args, **kwargs)
 
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, ATTN_NAME, spy)
+    mixed = set()
+    hooks = [m.register_forward_pre_hook(lambda m, args: mixed.add(id(m))) for m in record_of(net).mixers]
     with torch.no_grad():
         packed_loss(net, pack_samples(three_documents(net.config.vocab_size)), "sum")
+    for h in hooks:
+        h.remove()
     spec = model_spec(net, layers)
     assert spec.attention_layers == len(attended), (family, sorted(attended))
-    listed = ModelSpec.from_config(net.config.to_dict()).attention_layers
+    configured = ModelSpec.from_config(net.config.to_dict())
+    listed = configured.attention_layers
     # None: the config names no layer kind, so every layer attends (Falcon-H1's attention beside its scan in each)
     assert listed == len(attended) or (listed is None and len(attended) == len(layers)), (family, listed, attended)
+    # the mixers that ran are those the spec prices (their gathers and work on SP levels), the config's too
+    assert spec.mixing == configured.mixing == len(mixed), (family, spec.mixing, configured.mixing, len(mixed))
+    split = HEAD_SPLITS.get(HYBRIDS[family])
+    heads = None if split is None else split.heads(record_of(net).mixers[0])
+    assert spec.mixer_heads == configured.mixer_heads == heads, family
     tokens, sum_sq = 112.0, 37.0**2 + 5**2 + 70**2
     quadratic = spec.train_flops(tokens, sum_sq, 0) - spec.train_flops(tokens, 0, 0)
     assert quadratic == pytest.approx(len(attended) * 6 * spec.heads * spec.dim * sum_sq)
@@ -436,6 +446,17 @@ def assert_like_alone(family: str, ce: float, grads: dict, want: torch.Tensor, r
     assert worst < 1e-4, f"{family}: gradient of {where} off by {worst:.1e}"
 
 
+def assert_priced_as_run(ref, lengths, ran: list) -> None:
+    """The cost model's mixer work on the busiest rank (``mixer_share.mixer_tokens`` with the config's
+    ``ModelSpec.mixer_heads``) is what the ranks' mixers ran: a document on half the heads counts half."""
+    from lit_hbp.model_spec import ModelSpec
+    from lit_hbp.packing.mixer_share import mixer_tokens
+
+    heads = ModelSpec.from_config(ref.config.to_dict()).mixer_heads
+    busiest = max(sum(n / 2 if how == "heads" else n for how, n in rank) for rank in ran)
+    assert mixer_tokens(list(lengths), 2, heads) == busiest, (ref.config.model_type, lengths, ran)
+
+
 @pytest.mark.slow
 def test_ulysses_sp_2_trains_a_hybrid_pack_like_each_document_alone():
     """Every hybrid family, a pack split over 2 ranks (the 70-token document across both): each rank's mixers
@@ -459,6 +480,7 @@ def test_ulysses_sp_2_trains_a_hybrid_pack_like_each_document_alone():
             [("whole", 70)], [("whole", 5), ("whole", 37)]
         ]  # fmt: skip
         assert [r[family][2] for r in results] == ran, family
+        assert_priced_as_run(ref, (37, 5, 70), [r[family][2] for r in results])
         for ce, grads, _ in (r[family] for r in results):
             assert_like_alone(family, ce, grads, want, ref)
     for case, (family, lengths, overrides) in LONE.items():
@@ -466,6 +488,7 @@ def test_ulysses_sp_2_trains_a_hybrid_pack_like_each_document_alone():
         want = separate_loss(ref, dict(enumerate(three_documents(ref.config.vocab_size, lengths))))
         want.backward()
         assert [r[case][2] for r in results] == RAN[case], case
+        assert_priced_as_run(ref, lengths, [r[case][2] for r in results])
         for ce, grads, _ in (r[case] for r in results):
             assert_like_alone(family, ce, grads, want, ref, **overrides)
 
@@ -502,17 +525,16 @@ def test_packed_loss_hands_the_mixers_the_boundaries_without_reading_the_device(
 def test_the_ranks_of_an_sp_level_share_a_packs_documents_for_its_mixers(lengths, ranks):
     """Every document to exactly one rank, every rank at least one, no rank over an even share by more than
     the longest document (a greedy fill's bound); fewer documents than ranks: every rank runs them all."""
-    from lit_hbp.model.mixers import document_owners
+    from lit_hbp.packing.mixer_share import document_owners
 
-    bounds = np.r_[0, np.cumsum(lengths)].tolist()
-    owners = document_owners(bounds, ranks)
+    owners = document_owners(lengths, ranks)
     if len(lengths) < ranks:
         assert owners is None
         return
     assert len(owners) == len(lengths) and set(owners) == set(range(ranks))
     load = np.bincount(owners, weights=lengths, minlength=ranks)
     assert load.max() <= sum(lengths) / ranks + max(lengths)
-    assert owners == document_owners(bounds, ranks)  # the same on every rank: from the pack alone
+    assert owners == document_owners(lengths, ranks)  # the same on every rank: from the pack alone
 
 
 def test_a_frozen_stateful_model_a_module_holds_is_refused_on_a_pack_unless_prepared():

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from lit_hbp.cost.costmodel import CostModel, pack_stats
+from lit_hbp.cost.costmodel import CostModel, pack_mixer_tokens, pack_stats
 from lit_hbp.cost.run_settings import refusal
 from lit_hbp.packing.vision_load import VisionLoad
 
@@ -110,6 +110,7 @@ class AnalyticProfiler:
         self.capacity = self.memory.capacity
         self.tiles_allowed = self.memory.tiles_allowed
         self._stats: dict[tuple[int, int, int], tuple[float, float, float]] = {}
+        self._mixers: dict[tuple[int, int], float] = {}
 
     memory_settings = True
     """It prices offload and MLP tiles too (``search.fit_memory`` tries them)."""
@@ -127,6 +128,12 @@ class AnalyticProfiler:
             work = None if self.vision is None else self.vision.work
             self._stats[key] = pack_stats(self.lengths, pack_len, self.seed, sp=key[1], cp=key[2], extra_work=work)
         tokens, sum_sq, vision = self._stats[key]
-        step = self.cost.micro_step(tokens / sp, sum_sq, sp, ckpt_layers, cp, offload, tiles, vision)
+        mixer = None
+        if self.cost.model.mixing and sp > 1:  # a hybrid's mixers: what the busiest rank runs of each pack
+            if (pack_len, sp) not in self._mixers:
+                heads = self.cost.model.mixer_heads
+                self._mixers[pack_len, sp] = pack_mixer_tokens(self.lengths, pack_len, sp, heads, self.seed)
+            mixer = self._mixers[pack_len, sp]
+        step = self.cost.micro_step(tokens / sp, sum_sq, sp, ckpt_layers, cp, offload, tiles, vision, mixer)
         seconds = step["total"]
         return Measurement(seconds, m.memory, tokens / sp, True)

@@ -11,6 +11,7 @@ constant is written here with where it comes from.
 
 Time of a rank for a micro-step (seconds):
     dense        = tokens * 2 * (layer_params * (3 + c / L) + lm_head_params * 3) / (peak * eff_dense)
+                 + a hybrid's mixers: (mixer_tokens - tokens) * 2 * mixer_params * M * (3 + c / L) / (peak * eff_dense)
     attention    = 2 * hidden * sum(len^2) / sp * (3.5 * A + c A / L) / (peak * eff_attn)
     ulysses_comm = all-to-all bytes per layer * (2 * A + c A / L) / link bandwidth (ulysses > 1)
                  + a hybrid's mixer gathers * (2 * (L - A) + c (L - A) / L) / link bandwidth
@@ -21,7 +22,9 @@ Time of a rank for a micro-step (seconds):
                    (coming back), ``exposed`` in c pieces                       (offload levels)
 with tokens = the rank's share of its SP group's packs, c = checkpointed layers, sp = ulysses x cp, A the
 layers that attend (``ModelSpec.attending``: all but a hybrid's stateful mixers, whose work is dense; on a
-Ulysses level they gather the pack's inputs and reduce-scatter their outputs, ``mixer_comm_bytes``).
+Ulysses level they gather the pack's inputs and reduce-scatter their outputs, ``mixer_comm_bytes``), M the layers
+holding one (``ModelSpec.mixing``), mixer_tokens what the busiest rank runs through each at full width
+(``mixer_share.mixer_tokens``: its documents, 1/sp of every document's heads, or every document).
 Backward costs twice the forward for matmuls and 2.5 times for flash attention; a checkpointed
 layer runs its forward once more, collectives included. The Ulysses all-to-alls sit on the critical
 path of their layer and are priced in full. Context parallelism moves a layer's K/V in S kv-head
@@ -42,6 +45,7 @@ import numpy as np
 
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.context_split import split_micro_batch
+from lit_hbp.packing.mixer_share import mixer_tokens, splits
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import cp_slices
 
@@ -193,12 +197,17 @@ class CostModel:
 
     # ----------------------------------------------------------------------------- time
 
-    def dense_seconds(self, tokens: float, ckpt: int, tiles: int = 1) -> float:
+    def dense_seconds(self, tokens: float, ckpt: int, tiles: int = 1, mixer_tokens=None) -> float:
+        """The matmuls of a rank holding ``tokens`` of its SP group's packs; a hybrid's stateful mixers run
+        ``mixer_tokens`` at their full width instead (``mixer_share.mixer_tokens``: on a Ulysses level, the
+        busiest rank's documents, or every document on every rank; None: ``tokens``)."""
         m = self.model
         recompute = ckpt * 2.0 * m.layer_params * tokens  # the checkpointed layers' second forward
         if tiles > 1:  # a tiled MLP runs its forward once more in the backward, tile by tile
             recompute = recompute + m.layers * 2.0 * 3 * m.hidden * m.intermediate * tokens
         flops = m.train_flops(tokens, 0.0, tokens) + recompute
+        if mixer_tokens is not None and m.mixing:  # beyond the rank's share, forward, backward and recompute
+            flops = flops + (mixer_tokens - tokens) * 2.0 * m.mixer_matmul_params * m.mixing * (3 + ckpt / m.layers)
         return flops / (self.hardware.peak_flops * self.hardware.eff_dense)
 
     def attention_forward_seconds(self, sum_sq, sp: int):
@@ -249,7 +258,7 @@ class CostModel:
             m, local = self.model, min(sp, hw.gpus_per_node)
             per_layer = kind.comm_bytes_per_layer(m, tokens, sp)
             ulysses = self._link_seconds(per_layer, sp, local)
-            attending, mixing = m.attending, layers - m.attending
+            attending, mixing = m.attending, m.mixing
             comm = (2 * attending + ckpt * attending / layers) * (ulysses + 4 * hw.link_latency_s)
             if mixing:  # a hybrid's mixers: the pack's inputs gathered, the ranks' outputs reduce-scattered
                 mixer = self._link_seconds(mixer_comm_bytes(m, tokens, sp), sp, local)
@@ -282,14 +291,16 @@ class CostModel:
         offload: bool = False,
         tiles: int = 1,
         vision_work=0.0,
+        mixer_tokens=None,
     ) -> dict:
         """Seconds of one rank for a micro-step: dense, attention, vision (the tower's images of
         ``vision_work``), sp_comm (with its parts ulysses_comm and cp_comm), offload (the host copies'
-        exposed part) and the total. ``tokens``, ``sum_sq`` and ``vision_work`` may be numpy arrays (one
-        entry per rank or SP group); ``cp`` is the level's context-parallel degree."""
+        exposed part) and the total. ``tokens``, ``sum_sq``, ``vision_work`` and ``mixer_tokens`` (a
+        hybrid's: ``dense_seconds``) may be numpy arrays (one entry per rank or SP group); ``cp`` is the
+        level's context-parallel degree."""
         comm = self.comm_parts(tokens, sp, ckpt, cp, sum_sq)
         parts = dict(
-            dense=self.dense_seconds(tokens, ckpt, tiles),
+            dense=self.dense_seconds(tokens, ckpt, tiles, mixer_tokens),
             attention=self.attention_seconds(sum_sq, sp, ckpt),
             vision=self.vision_seconds(vision_work, sp, ckpt) + 0.0 * tokens,
             sp_comm=comm["ulysses_comm"] + comm["cp_comm"],
@@ -330,11 +341,29 @@ class CostModel:
     def layer_saved_bytes(self, tiles: int = 1) -> float:
         """Bytes per token a decoder layer keeps for its backward (the table above)."""
         m, b = self.model, self.dtype_bytes
-        q, kv = m.heads * m.dim, m.kv_heads * m.dim
         norms = 2 * (self._norm_input() + 2 * b * m.hidden)
-        attention = b * (q + 2 * kv) + b * q * ATTENTION_OUTPUT_COPIES[self.attention] + 4 * m.heads
         mlp = (2 if self.liger else 4) * b * m.intermediate if tiles == 1 else 0
-        return self.activation_overhead * (norms + attention + mlp)
+        return self.activation_overhead * (norms + self._attention_saved() + mlp)
+
+    def _attention_saved(self) -> float:
+        """Bytes per token attention keeps for its backward: q, k, v, the output's copies, the LSE."""
+        m, b = self.model, self.dtype_bytes
+        q, kv = m.heads * m.dim, m.kv_heads * m.dim
+        return b * (q + 2 * kv) + b * q * ATTENTION_OUTPUT_COPIES[self.attention] + 4 * m.heads
+
+    def mixer_saved_bytes(self, pack_len: int, sp: int, packs_per_rank: int = 1) -> float:
+        """Bytes one stateful mixer layer of a hybrid keeps on a Ulysses level beyond a layer's saved set of
+        the rank's tokens: the pack's gathered hidden states (its input projection's input) and, for a mixer
+        that does not split by heads (``mixer_share.splits``), the saved set of the whole pack, the worst case
+        (one document, run by every rank); a mixer's own set per token priced as attention's."""
+        m = self.model
+        if sp == 1 or not m.mixing:
+            return 0.0
+        tokens = pack_len * packs_per_rank / sp
+        whole = tokens * sp
+        run = tokens if splits(m.mixer_heads, sp) else whole
+        gathered = (whole - tokens) * self.dtype_bytes * m.hidden
+        return self.activation_overhead * (gathered + (run - tokens) * self._attention_saved())
 
     def _norm_input(self) -> float:
         """Bytes per token an RMSNorm keeps beyond two model-dtype rows: Hugging Face's keeps an fp32
@@ -396,7 +425,8 @@ class CostModel:
         cp: int = 1,
     ) -> dict:
         """Peak bytes per rank of a level, by part: ``params``, ``grads``, ``optimizer`` (ZeRO),
-        ``layers`` (what the layers run without checkpointing keep), ``checkpointed`` (checkpointed
+        ``layers`` (what the layers run without checkpointing keep), ``mixers`` (what a hybrid's mixers keep
+        beyond that on a Ulysses level, ``mixer_saved_bytes``), ``checkpointed`` (checkpointed
         layers' inputs on the device: all of them, or with ``offload`` the one being recomputed and the
         one prefetched behind it), ``recompute`` (a checkpointed layer's set, rebuilt in its backward),
         ``working`` (the running layer's transients), ``head``, ``vision`` (a trained vision tower's saved
@@ -408,9 +438,11 @@ class CostModel:
         saved = tokens * self.layer_saved_bytes(tiles)
         plain = m.layers - ckpt
         on_device = min(ckpt, 2 if self.prefetch else 1) if offload else ckpt
+        mixer = self.mixer_saved_bytes(pack_len, sp, packs_per_rank)  # the recomputed layer may be a mixer
         parts = dict(self.static_parts())
         parts.update(
             layers=plain * saved,
+            mixers=mixer * (m.mixing * plain / m.layers + (1 if ckpt and plain == 0 else 0)),
             checkpointed=on_device * tokens * b * m.hidden,
             recompute=saved if ckpt and plain == 0 else 0.0,
             working=self.working_bytes(tokens, sp, cp, tiles),
@@ -434,7 +466,7 @@ class CostModel:
         """Peak bytes per rank training packs of ``pack_len`` tokens at this sp, checkpointing, offload and tiles."""
         p = self.memory_parts(pack_len, sp, ckpt, packs_per_rank, offload, tiles, cp)
         phases = max(p["head"], p["recompute"] + p["working"])  # the LM head's backward runs before the layers'
-        held = p["params"] + p["grads"] + p["optimizer"] + p["layers"] + p["checkpointed"] + p["vision"]
+        held = p["params"] + p["grads"] + p["optimizer"] + p["layers"] + p["mixers"] + p["checkpointed"] + p["vision"]
         return held + phases + p["reserve"]
 
     def host_fits(self, pack_len: int, sp: int, ckpt: int, packs_per_rank: int = 1) -> bool:
@@ -519,6 +551,22 @@ def synthetic_members(lengths: np.ndarray, pack_len: int, rng: np.random.Generat
     return np.concatenate(take) if take else np.zeros(0, np.int64)
 
 
+def _synthetic_packs(lengths, pack_len: int, seed: int, max_packs: int) -> tuple[np.ndarray, list, list]:
+    """The lengths cut to ``pack_len``, and ``max_packs`` synthetic packs' members and lengths (``seed``)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), pack_len)
+    members = [synthetic_members(lengths, pack_len, rng) for _ in range(max_packs)]
+    return lengths, members, [lengths[m] for m in members]
+
+
+def pack_mixer_tokens(lengths, pack_len: int, sp: int, heads: int | None, seed: int = 0, max_packs: int = 64) -> float:
+    """Mean over the packs ``pack_stats`` draws (same ``seed``) of the tokens the busiest of ``sp`` ranks runs
+    through each of a hybrid's stateful mixers (``mixer_share.mixer_tokens``; ``heads``:
+    ``ModelSpec.mixer_heads``)."""
+    _, _, packs = _synthetic_packs(lengths, pack_len, seed, max_packs)
+    return float(np.mean([mixer_tokens(p.tolist(), sp, heads) for p in packs]))
+
+
 def pack_stats(
     lengths, pack_len: int, seed: int = 0, max_packs: int = 64, sp: int = 1, cp: int = 1, extra_work=None
 ) -> tuple[float, float, float]:
@@ -527,10 +575,7 @@ def pack_stats(
     filled from the data's length distribution: what a level's packs hold. With ``cp`` > 1 the sum of
     squares is priced at the busiest CP rank (times its max / mean area under the split training uses at
     degree ``sp``, ``split_micro_batch``), as the simulator prices CP groups."""
-    rng = np.random.default_rng(seed)
-    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), pack_len)
-    members = [synthetic_members(lengths, pack_len, rng) for _ in range(max_packs)]
-    packs = [lengths[m] for m in members]
+    lengths, members, packs = _synthetic_packs(lengths, pack_len, seed, max_packs)
     busiest = [split_micro_batch(p, sp, cp).imbalance() if cp > 1 else 1.0 for p in packs]
     sum_sq = [(p.astype(np.float64) ** 2).sum() * b for p, b in zip(packs, busiest)]
     work = None if extra_work is None else np.asarray(extra_work, dtype=np.float64)

@@ -44,6 +44,7 @@ from lit_hbp.model.loss import chunked_cross_entropy, fused_linear_cross_entropy
 from lit_hbp.model.mixers import (
     install_per_document,
     refuse_stateful_mixers,
+    split_heads,
     uninstall_per_document,
 )
 from lit_hbp.model.offload import OFFLOADER, HostOffload
@@ -427,9 +428,22 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module]) -> ModelSpec
             active += n * top_k / experts if routed else n
     spec = replace(spec, active_layer_params=active / len(layers), total_layer_params=total / len(layers))
     record = record_of(net)
-    if record is not None and record.mixers:  # a hybrid: its attention counted where its layers hold one
-        spec = replace(spec, attention_layers=attending_layers(layers, record.mixers))
+    if record is not None and record.mixers:  # a hybrid: its attention where its layers hold one, its mixers
+        heads = {split_heads(m) for m in record.mixers}
+        spec = replace(
+            spec,
+            attention_layers=attending_layers(layers, record.mixers),
+            mixer_layers=len(record.mixers),
+            mixer_params=sum(map(_matmul_params, record.mixers)) / len(record.mixers),
+            mixer_heads=heads.pop() if len(heads) == 1 else None,
+        )
     return spec
+
+
+def _matmul_params(module: torch.nn.Module) -> float:
+    """Parameters of ``module``'s matrices and convolutions (ZeRO-3's full shapes)."""
+    shapes = (tuple(getattr(p, "ds_shape", p.shape)) for p in module.parameters())
+    return float(sum(torch.Size(s).numel() for s in shapes if len(s) >= 2))
 
 
 def attending_layers(layers: list[torch.nn.Module], mixers: list[torch.nn.Module]) -> int:

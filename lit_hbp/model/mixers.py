@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from lit_hbp.model import calls
+from lit_hbp.packing.mixer_share import document_owners, shares_evenly, splits
 from lit_hbp.parallel.kind import resolve_sp_kind
 
 
@@ -265,10 +266,11 @@ def by_document(mixer: torch.nn.Module, run, call: calls.PackCall, name: str, ar
     whole = functools.partial(_tokens, along=lambda x, dim: sp.kind.gather_tokens(x, sp.ctx, dim), tokens=local)
     args, kwargs = tuple(map(whole, args)), {k: whole(v) for k, v in kwargs.items()}
     bounds = _bounds(call, total, name)
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     if "owners" not in call.host:
-        call.host["owners"] = document_owners(bounds, sp.size)
+        call.host["owners"] = document_owners(lengths, sp.size)
     owners = call.host["owners"]
-    part = None if shares_evenly(bounds, owners, sp.size) else heads_part(mixer, sp.ctx.rank, sp.size)
+    part = None if shares_evenly(lengths, owners, sp.size) else heads_part(mixer, sp.ctx.rank, sp.size)
     if part is not None:  # every document on this rank's heads: the ranks' outputs are partial sums
         out = _each_document(part, bounds, args, kwargs, name)
         return _tokens(out, lambda x, dim: sp.kind.sum_own_tokens(x, sp.ctx, dim), total)
@@ -416,55 +418,32 @@ HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, 
 }
 
 
+def split_heads(mixer: torch.nn.Module) -> int | None:
+    """The heads ``mixer`` splits by on a Ulysses level (an SP degree must divide them), or None where it does
+    not split: its class has no ``HEAD_SPLITS`` entry, or it holds a weight or buffer the split does not know
+    (a bias, whose share is not a partial sum; LoRA's adapters), which a share would leave out."""
+    split = HEAD_SPLITS.get(type(mixer).__name__)
+    if split is None:
+        return None
+    named = set(split.part(mixer, 0, 1))
+    if named != {n for n, _ in mixer.named_parameters()} or next(mixer.buffers(), None) is not None:
+        return None
+    return split.heads(mixer)
+
+
 def heads_part(mixer: torch.nn.Module, part: int, parts: int):
     """A function running ``mixer`` on part ``part`` of ``parts`` equal shares of its heads (its own forward,
-    on its twin of that shape with the share's weights), or None where it does not split so: its class has
-    no ``HEAD_SPLITS`` entry, ``parts`` does not divide its heads, or it holds a weight or buffer the split
-    does not know (a bias, whose share is not a partial sum; LoRA's adapters), which the twin would leave out."""
-    split = HEAD_SPLITS.get(type(mixer).__name__)
-    if split is None or split.heads(mixer) % parts:
+    on its twin of that shape with the share's weights), or None where it does not split so
+    (``split_heads``, ``mixer_share.splits``)."""
+    if not splits(split_heads(mixer), parts):
         return None
+    split = HEAD_SPLITS[type(mixer).__name__]
     weights = split.part(mixer, part, parts)
-    if set(weights) != {name for name, _ in mixer.named_parameters()} or next(mixer.buffers(), None) is not None:
-        return None  # weights the split does not know (a bias, LoRA's adapters): they would be left out
     shapes = mixer.__dict__.setdefault(SHAPES, {})
     if parts not in shapes:
         with torch.device("meta"):
             shapes[parts] = type(mixer)(split.shape(mixer, parts), mixer.layer_idx)
     return lambda *args, **kwargs: torch.func.functional_call(shapes[parts], weights, args, kwargs, strict=True)
-
-
-EVENLY = 1.1
-"""A pack's documents are shared rather than the heads split when the busiest rank's tokens are at most this
-times an even share: with 2 ranks, a split costs more per step than sharing evenly (sharing 0.73 of every rank
-running every document, the split 0.78, 8 documents) and less than sharing one document (0.69 against 0.99):
-``bench/sp_mixers.py``."""
-
-
-def shares_evenly(bounds: list[int], owners: list[int] | None, ranks: int) -> bool:
-    """Whether ``owners`` (``document_owners``) give no rank more than ``EVENLY`` times an even share."""
-    if owners is None:
-        return False
-    load = [0] * ranks
-    for rank, start, end in zip(owners, bounds[:-1], bounds[1:]):
-        load[rank] += end - start
-    return max(load) <= EVENLY * bounds[-1] / ranks
-
-
-def document_owners(bounds: list[int], ranks: int) -> list[int] | None:
-    """The rank that runs each document of a pack (``bounds``: its boundaries) in a mixer on an SP level:
-    longest first, each to the rank with the fewest tokens so far (ties: the lowest rank), so the ranks
-    share the mixer's work (linear in a document's length) instead of each doing all of it. None when
-    there are fewer documents than ranks (a rank without one would leave the mixer's weights out of its
-    step)."""
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
-    if len(lengths) < ranks:
-        return None
-    load, owners = [0] * ranks, [0] * len(lengths)
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        rank = min(range(ranks), key=lambda r: (load[r], r))
-        owners[i], load[rank] = rank, load[rank] + lengths[i]
-    return owners
 
 
 def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str, only: list[int] | None = None):

@@ -24,6 +24,7 @@ from lit_hbp.cost.costmodel import CostModel
 from lit_hbp.packing import DEFAULT_PACKER, Level, Plan, plan_hbp, plan_single_level
 from lit_hbp.packing.context_split import split_micro_batch
 from lit_hbp.packing.metrics import group_index
+from lit_hbp.packing.mixer_share import mixer_tokens
 
 PARTS = ("dense", "attention", "vision", "sp_comm", "offload")
 COMM_PARTS = ("ulysses_comm", "cp_comm")
@@ -109,12 +110,14 @@ def simulate(
     vision = np.zeros(n)
     if extra_work is not None:
         vision = np.bincount(g["group_of_pack"], weights=pack_extra(plan, extra_work), minlength=n)
+    mixing = mixer_loads(plan, g, cost.model.mixer_heads) if cost.model.mixing else tokens
     parts = {p: np.zeros(n) for p in (*PARTS, *COMM_PARTS, "total")}
     for i, lv in enumerate(plan.levels):
         sel = g["group_level"] == i
         step = cost.micro_step(
-            tokens[sel], sum_sq[sel], lv.sp, lv.ckpt_layers, lv.layout[1], lv.offload, lv.mlp_tiles, vision[sel]
-        )
+            tokens[sel], sum_sq[sel], lv.sp, lv.ckpt_layers, lv.layout[1], lv.offload, lv.mlp_tiles, vision[sel],
+            mixing[sel],
+        )  # fmt: skip
         for key, value in step.items():
             parts[key][sel] = value
     micro = np.zeros(g["n_micro"])
@@ -137,6 +140,27 @@ def simulate(
     )
 
 
+def _group_packs(g: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The packs of every SP group (``order[first[i]:first[i + 1]]``: group i's, in plan order)."""
+    order = np.argsort(g["group_of_pack"], kind="stable")
+    first = np.r_[0, np.cumsum(np.bincount(g["group_of_pack"], minlength=g["n_groups"]))]
+    return order, first
+
+
+def mixer_loads(plan: Plan, g: dict, heads: int | None) -> np.ndarray:
+    """Per SP group: the tokens, at full width, its busiest rank runs through each of a hybrid's stateful
+    mixers (``mixer_share.mixer_tokens`` of the micro-batch's documents: those the packed call shares, splits
+    by ``heads`` or runs on every rank); a group of one rank, its tokens."""
+    out = plan.pack_tokens.astype(np.float64)
+    out = np.bincount(g["group_of_pack"], weights=out, minlength=g["n_groups"]) / g["group_sp"]
+    order, first = _group_packs(g)
+    for grp in np.flatnonzero(g["group_sp"] > 1).tolist():
+        packs = order[first[grp] : first[grp + 1]]
+        docs = plan.lengths[np.concatenate([plan.pack(p) for p in packs])]
+        out[grp] = mixer_tokens(docs.tolist(), int(g["group_sp"][grp]), heads)
+    return out
+
+
 def cp_imbalance(plan: Plan, g: dict, group_cp: np.ndarray) -> np.ndarray:
     """Per SP group: max / mean causal attention area over its CP ranks, 1 for groups without CP.
 
@@ -147,8 +171,7 @@ def cp_imbalance(plan: Plan, g: dict, group_cp: np.ndarray) -> np.ndarray:
     cp_groups = np.flatnonzero(group_cp > 1)
     if not cp_groups.size:
         return out
-    order = np.argsort(g["group_of_pack"], kind="stable")
-    first = np.r_[0, np.cumsum(np.bincount(g["group_of_pack"], minlength=g["n_groups"]))]
+    order, first = _group_packs(g)
     for grp in cp_groups.tolist():
         packs = order[first[grp] : first[grp + 1]]
         docs = plan.lengths[np.concatenate([plan.pack(p) for p in packs])]

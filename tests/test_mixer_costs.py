@@ -1,0 +1,115 @@
+"""A hybrid's stateful mixers priced as the packed call runs them on a Ulysses level: the busiest rank's
+documents, 1/sp of every document's heads, or every document on every rank (``mixer_share``; what the ranks
+really ran is checked against it in tests/test_mixers.py's sp 2 test)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from lit_hbp.cost.costmodel import CostModel, Hardware
+from lit_hbp.model_spec import ModelSpec
+from lit_hbp.packing.mixer_share import mixer_tokens
+
+NODE = Hardware("test", 1e15, 80e9, intra_node_bw=400e9, inter_node_bw=50e9, gpus_per_node=8, link_latency_s=0.0)
+SPEC = ModelSpec("tiny", 4, 256, 8, 4, 512, 1000)
+# 1 layer attends, 2 hold a mixer, 1 is an MLP block (Nemotron-H's kinds)
+HYBRID = replace(SPEC, attention_layers=1, mixer_layers=2, mixer_params=3.0 * 256 * 256)
+
+
+def test_a_mixer_run_whole_on_every_rank_costs_what_one_rank_holding_the_pack_costs():
+    """A model whose every matmul is a mixer that runs the whole pack on each of 2 ranks (no LM head): its
+    dense time is one rank's with the whole pack, checkpointed layers' recompute included; at the rank's own
+    tokens nothing is added; a model without mixers ignores the argument."""
+    every = replace(SPEC, vocab=0, attention_layers=0, mixer_layers=4, mixer_params=SPEC.layer_params)
+    cost = CostModel(every, NODE, world=2)
+    for ckpt in range(5):
+        assert cost.dense_seconds(500.0, ckpt, mixer_tokens=1000.0) == pytest.approx(cost.dense_seconds(1000.0, ckpt))
+        assert cost.dense_seconds(500.0, ckpt, mixer_tokens=500.0) == pytest.approx(cost.dense_seconds(500.0, ckpt))
+    plain = CostModel(SPEC, NODE, world=2)
+    assert plain.dense_seconds(500.0, 2, mixer_tokens=1000.0) == plain.dense_seconds(500.0, 2)
+
+
+def test_an_mlp_block_of_a_hybrid_gathers_nothing_on_a_ulysses_level():
+    """The mixers' gathers are counted per layer holding one (``ModelSpec.mixing``): Nemotron-H's MLP blocks
+    neither attend nor gather; the attending layer's all-to-alls as before."""
+    from lit_hbp.cost.costmodel import mixer_comm_bytes
+    from lit_hbp.parallel.ulysses import Ulysses
+
+    tokens, sp = 1000.0, 2
+    a2a = Ulysses().comm_bytes_per_layer(HYBRID, tokens, sp) / NODE.intra_node_bw / NODE.eff_link
+    gather = mixer_comm_bytes(HYBRID, tokens, sp) / NODE.intra_node_bw / NODE.eff_link
+    want = 2 * 1 * a2a + 2 * 2 * gather  # forward and backward: 1 attending layer, 2 mixers, the MLP block nothing
+    assert CostModel(HYBRID, NODE, 2).comm_parts(tokens, sp, 0)["ulysses_comm"] == pytest.approx(want)
+
+
+@pytest.mark.parametrize("heads", [None, 2, 3])
+def test_the_simulator_prices_each_sp_groups_mixers_at_what_its_busiest_rank_runs(heads):
+    """Brute force over the plan's micro-batches: each SP group's documents (its packs together, as one row)
+    give the busiest rank's mixer tokens; heads 2 split at sp 2, 3 do not (nor None); the packs of one long
+    document, run whole on both ranks where the mixer does not split, make a non-splitting hybrid slower."""
+    from lit_hbp.packing import Level, plan_hbp
+    from lit_hbp.simulate import simulate
+
+    rng = np.random.default_rng(2)
+    lengths = np.r_[rng.integers(10, 500, 1500), rng.integers(2000, 4096, 40)]
+    plan = plan_hbp(lengths, [Level(512, 1, 1, 2), Level(4096, 2, 2, ulysses=2)], 8, accumulate=2)
+    cost = CostModel(replace(HYBRID, mixer_heads=heads), NODE, 8)
+    sim = simulate(plan, cost, "hbp")
+    total = 0.0
+    for step in plan.steps:
+        lv = plan.levels[step.level]
+        for micro in step.micro:
+            times = []
+            for group in micro:
+                docs = lengths[np.concatenate(group).astype(int)]
+                mixer = mixer_tokens(docs.tolist(), lv.sp, heads) if lv.sp > 1 else None
+                sum_sq = float((docs.astype(float) ** 2).sum())
+                part = cost.micro_step(docs.sum() / lv.sp, sum_sq, lv.sp, lv.ckpt_layers, mixer_tokens=mixer)
+                times.append(part["total"])
+            total += max(times)
+        total += cost.grad_sync_seconds()
+    assert sim.seconds == pytest.approx(total, rel=1e-9)
+    split = simulate(plan, CostModel(replace(HYBRID, mixer_heads=2), NODE, 8), "hbp")
+    assert sim.seconds > split.seconds if heads != 2 else sim.seconds == split.seconds
+
+
+def test_the_analytic_search_prices_a_hybrids_mixers_over_the_same_synthetic_packs():
+    """The analytic profiler's micro-step at sp 2 is the cost model's with the mean busiest-rank mixer tokens
+    of the packs ``pack_stats`` draws; a pack of one document each costs a non-splitting hybrid every
+    document on both ranks and a splitting one half of it."""
+    from lit_hbp.autoselect.profiler import AnalyticProfiler
+    from lit_hbp.cost.costmodel import pack_stats, synthetic_pack
+
+    lengths, pack_len = np.full(100, 4096), 4096
+    for heads, want in ((None, 4096.0), (2, 2048.0)):
+        cost = CostModel(replace(HYBRID, mixer_heads=heads), NODE, 8)
+        tokens, sum_sq, _ = pack_stats(lengths, pack_len, seed=0)
+        step = cost.micro_step(tokens / 2, sum_sq, 2, 1, mixer_tokens=want)["total"]
+        assert AnalyticProfiler(cost, lengths).measure(pack_len, 2, 1).seconds == pytest.approx(step)
+    mixed = np.random.default_rng(4).integers(100, 3000, 5000)
+    cost = CostModel(HYBRID, NODE, 8)
+    rng = np.random.default_rng(0)
+    want = np.mean([mixer_tokens(synthetic_pack(mixed, pack_len, rng).tolist(), 4, None) for _ in range(64)])
+    tokens, sum_sq, _ = pack_stats(mixed, pack_len, seed=0)
+    step = cost.micro_step(tokens / 4, sum_sq, 4, 0, mixer_tokens=want)["total"]
+    assert AnalyticProfiler(cost, mixed).measure(pack_len, 4, 0).seconds == pytest.approx(step)
+
+
+def test_a_hybrid_on_a_ulysses_level_holds_the_gathered_pack_and_a_non_splitting_mixers_whole_run():
+    """Each mixer layer run without checkpointing keeps the pack's gathered hidden states beyond its rank's
+    share (bf16, the whole width); one that does not split by heads keeps, at worst (one document), the whole
+    pack's saved set; with every layer checkpointed, the one being recomputed; nothing at sp 1 or without
+    mixers."""
+    pack_len, sp, b = 8192, 2, 2
+    split, whole = CostModel(replace(HYBRID, mixer_heads=2), NODE, 8), CostModel(HYBRID, NODE, 8)
+    gathered = (pack_len - pack_len / sp) * b * HYBRID.hidden * split.activation_overhead
+    assert split.memory_parts(pack_len, sp, 0)["mixers"] == pytest.approx(HYBRID.mixing * gathered)
+    assert split.memory_parts(pack_len, sp, 4)["mixers"] == pytest.approx(gathered)  # the recomputed layer
+    assert split.memory_parts(pack_len, sp, 2)["mixers"] == pytest.approx(HYBRID.mixing * 2 / 4 * gathered)
+    more = whole.memory_parts(pack_len, sp, 0)["mixers"] - split.memory_parts(pack_len, sp, 0)["mixers"]
+    assert more > 0 and whole.memory_bytes(pack_len, sp, 0) - split.memory_bytes(pack_len, sp, 0) == pytest.approx(more)
+    assert split.memory_parts(pack_len, 1, 0)["mixers"] == 0
+    assert CostModel(SPEC, NODE, 8).memory_parts(pack_len, sp, 0)["mixers"] == 0
