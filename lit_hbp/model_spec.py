@@ -124,6 +124,38 @@ def mixer_heads(config: dict) -> int | None:
     return int(config[field])
 
 
+MAMBA2_FAMILIES = frozenset({"mamba2", "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1"})
+MAMBA2_ALIASES = {  # a Mamba2 mixer's fields, as each family names them, first match wins
+    "heads": ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads"),
+    "head_dim": ("mamba_d_head", "mamba_head_dim", "mamba_headdim", "head_dim"),
+    "groups": ("mamba_n_groups", "mamba_ngroups", "n_groups"),
+    "state": ("mamba_d_state", "ssm_state_size", "state_size"),
+    "kernel": ("mamba_d_conv", "conv_kernel"),
+}
+GATED_DELTA_FAMILIES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+GATED_DELTA_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+
+
+def mixer_params(config: dict) -> float | None:
+    """Matmul parameters of one of a hybrid's stateful mixers, from its family's config: a Mamba2 mixer's input
+    projection (gate, x, B and C per group, a step per head), depthwise convolution and output projection; a
+    gated delta rule's (q, k, v, z, b, a projections, convolution over q, k and v, output projection); None
+    for other families (priced as an attention block's)."""
+    family, hidden = config.get("model_type"), _field(config, "hidden")
+    if family in MAMBA2_FAMILIES:
+        f = {k: _field(config, k, MAMBA2_ALIASES) for k in MAMBA2_ALIASES}
+        if None in f.values() or hidden is None:
+            return None
+        inner = f["heads"] * f["head_dim"]
+        conv = inner + 2 * f["groups"] * f["state"]
+        return float(hidden * (inner + conv + f["heads"]) + conv * f["kernel"] + inner * hidden)
+    if family in GATED_DELTA_FAMILIES and all(config.get(k) for k in GATED_DELTA_FIELDS):
+        nk, nv, dk, dv = (int(config[k]) for k in GATED_DELTA_FIELDS)
+        key, value, kernel = nk * dk, nv * dv, int(config.get("linear_conv_kernel_dim") or 4)
+        return float(hidden * (2 * key + 2 * value + 2 * nv) + (2 * key + value) * kernel + value * hidden)
+    return None
+
+
 GATED_ACTS = ("silu", "swish")  # a gated MLP (Qwen2.5-VL's): gate, up and down matrices
 SIGMOID_ACTS = ("quick_gelu",)  # x * sigmoid(1.702 x): keeps its input and the sigmoid
 
@@ -337,6 +369,7 @@ class ModelSpec:
             vision=VisionSpec.from_config(vision) if isinstance(vision, dict) else None,
             attention_layers=attending,
             mixer_layers=mixer_layers(c),
+            mixer_params=mixer_params(c),
             mixer_heads=mixer_heads(c),
         )
 

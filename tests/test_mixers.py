@@ -170,6 +170,8 @@ def test_the_cost_model_prices_attention_in_the_layers_that_attend(family, monke
     split = HEAD_SPLITS.get(HYBRIDS[family])
     heads = None if split is None else split.heads(record_of(net).mixers[0])
     assert spec.mixer_heads == configured.mixer_heads == heads, family
+    if configured.mixer_params is not None:  # the config's count of a mixer's matrices: the built mixer's
+        assert configured.mixer_params == spec.mixer_params, family
     tokens, sum_sq = 112.0, 37.0**2 + 5**2 + 70**2
     quadratic = spec.train_flops(tokens, sum_sq, 0) - spec.train_flops(tokens, 0, 0)
     assert quadratic == pytest.approx(len(attended) * 6 * spec.heads * spec.dim * sum_sq)
