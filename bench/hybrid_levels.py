@@ -6,9 +6,10 @@ A stateful mixer (Mamba2, the gated delta rule) runs each document whole. On an 
 pack's documents, or, where the mixer splits by heads, run every document on 1/sp of its heads; a mixer that
 does not split runs a pack of one long document on every rank (``lit_hbp.packing.mixer_share``). This prices
 an 8B-class hybrid of each kind on the paper-shaped mix (``tests/conftest.py``'s recipe) with the analytic
-cost model: Nemotron-H-8B's shape (Mamba2 with 8 groups: splits at sp 2, 4, 8) and Bamba-9B's (Mamba2 with
-one group: does not split), each also as the other would be (``mixer_heads`` set or cleared), so the gap is
-what splitting a mixer's heads is worth on those levels. Per model and mixer: the epoch's simulated seconds
+cost model: Nemotron-H-8B's shape (Mamba2 with 8 groups: split by whole groups) and Bamba-9B's (Mamba2 with
+one group: split by its 128 heads, the gated norm summed over the ranks), each also as a mixer that does not
+split (``mixer_heads`` cleared: the ranks share a pack's documents, one long document run whole by each), so
+the gap is what splitting a mixer's heads is worth on those levels. Per model and mixer: the epoch's simulated seconds
 with fixed levels (checkpointing the fewest layers that fit), the dense share of the SP levels' time, and the
 levels the analytic search picks.
 Simulated, not measured.
@@ -93,7 +94,7 @@ def main() -> None:
             mixer = mamba2_params(4096, 128, 64, 1, 128)
             kinds = {"m": mixer + 3 * 4096 * 14336, "a": attention + 3 * 4096 * 14336}
             spec = shaped(spec, mixer, kinds, ["a" if i in config["attn_layer_indices"] else "m" for i in range(32)])
-        for mixer, heads in (("splits (8 groups)", 8), ("does not split", None)):
+        for mixer, heads in ((f"split by {spec.mixer_heads}", spec.mixer_heads), ("not split", None)):
             cost = cost_model(replace(spec, mixer_heads=heads), settings)
             start = time.perf_counter()
             levels = fill_checkpointing(LEVELS, cost, lengths)

@@ -99,7 +99,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
         whole = collate_packs([np.arange(len(docs))], docs.__getitem__, sp=2, loss_norm=1.0)
         shards.append(Ulysses().shard(whole, 2, rank).replace(sp_group=SPCall.of(ctx, "ulysses")))
     owners, heads = mixers.document_owners, mixers.heads_part
-    splits = heads(mixers_of(net)[0], rank, 2) is not None
+    splits = heads(mixers_of(net)[0], rank, 2, SPCall.of(ctx, "ulysses")) is not None
 
     def step(batch) -> float:
         out = packed_loss(net, batch, weights=1.0)
@@ -114,7 +114,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
     for _ in range(args.rounds):
         for mode in modes:
             mixers.document_owners = owners if mode == "share" else (lambda bounds, ranks: None)
-            mixers.heads_part = heads if mode == "heads" else (lambda mixer, part, parts: None)
+            mixers.heads_part = heads if mode == "heads" else (lambda mixer, part, parts, sp=None: None)
             for batch in shards[: args.warmup]:
                 step(batch)
             dist.barrier()

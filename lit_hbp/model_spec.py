@@ -87,13 +87,15 @@ def attention_layers(config: dict) -> int | None:
 
 
 BLOCK_ONLY = re.compile(r"^mlp$|^moe$|^-$")  # a layer kind without a token mixer (Nemotron-H's)
-MIXER_HEADS = {  # the config field a family's stateful mixers split by on a Ulysses level (mixers.HEAD_SPLITS)
-    "qwen3_next": "linear_num_key_heads",
-    "qwen3_5_text": "linear_num_key_heads",
-    "qwen3_5_moe_text": "linear_num_key_heads",
-    "nemotron_h": "n_groups",
+MIXER_HEADS = {  # a family's fields its stateful mixers split by on a Ulysses level (mixers.HEAD_SPLITS): the
+    # groups, else (one group) the heads; and the field of a bias on its projections (a share's is no partial sum)
+    "qwen3_next": (("linear_num_key_heads",), None),
+    "qwen3_5_text": (("linear_num_key_heads",), None),
+    "qwen3_5_moe_text": (("linear_num_key_heads",), None),
+    "nemotron_h": (("n_groups", "mamba_num_heads"), "use_bias"),
+    "bamba": (("mamba_n_groups", "mamba_n_heads"), "mamba_proj_bias"),
+    "granitemoehybrid": (("mamba_n_groups", "mamba_n_heads"), "mamba_proj_bias"),
 }
-MIXER_BIASES = ("use_bias",)  # a bias on a mixer's projections: its share would not be a partial sum
 
 
 BOTH = re.compile(r"^hybrid$")  # a layer kind holding a mixer beside attention (Zamba's)
@@ -118,10 +120,11 @@ def mixer_layers(config: dict) -> int:
 def mixer_heads(config: dict) -> int | None:
     """The heads a hybrid's mixers split by on a Ulysses level (the SP degree must divide them), from the
     family's config (``MIXER_HEADS``), or None: they do not split (the ranks share the documents)."""
-    field = MIXER_HEADS.get(config.get("model_type"))
-    if field is None or config.get(field) is None or any(config.get(b) for b in MIXER_BIASES):
+    fields, bias = MIXER_HEADS.get(config.get("model_type"), ((), None))
+    counts = [config.get(f) for f in fields]
+    if not counts or None in counts or (bias is not None and config.get(bias)):
         return None
-    return int(config[field])
+    return int(counts[0] if counts[0] > 1 or len(counts) == 1 else counts[1])
 
 
 MAMBA2_FAMILIES = frozenset({"mamba2", "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1"})

@@ -370,8 +370,8 @@ def ulysses_ranks(families: list[str]) -> dict:
     seen = set()  # the token counts this rank's mixers ran: ("heads", n) on a share of the heads, else ("whole", n)
     real = mixers.heads_part
 
-    def heads_part(mixer, part, parts):
-        run = real(mixer, part, parts)
+    def heads_part(mixer, part, parts, sp=None):
+        run = real(mixer, part, parts, sp)
         if run is None:
             return None
         assert (part, parts) == (ctx.rank, 2)
@@ -427,12 +427,14 @@ TWO_PER_KEY = dict(linear_num_value_heads=8)  # a gated delta rule of two value 
 LONE = {  # packs of one document (72 tokens, no padding: split by heads, each layout, or run whole), and two
     "qwen3_next alone": ("qwen3_next", (72,), TWO_PER_KEY),  # documents that share evenly (each run by one rank)
     "qwen3_5_text alone": ("qwen3_5_text", (72,), TWO_PER_KEY),
-    "bamba alone": ("bamba", (72,), {}),
+    "bamba alone": ("bamba", (72,), {}),  # one group: the gated norm spans both ranks' heads
+    "mamba2 alone": ("mamba2", (72,), {}),  # a mixer that does not split: run whole by both ranks
     "qwen3_next even": ("qwen3_next", (36, 36), {}),
 }
 RAN = {  # what each rank's mixers ran of each LONE pack
     "qwen3_next alone": [[("heads", 72)]] * 2, "qwen3_5_text alone": [[("heads", 72)]] * 2,
-    "bamba alone": [[("whole", 72)]] * 2, "qwen3_next even": [[("whole", 36)]] * 2,
+    "bamba alone": [[("heads", 72)]] * 2, "mamba2 alone": [[("whole", 72)]] * 2,
+    "qwen3_next even": [[("whole", 36)]] * 2,
 }  # fmt: skip
 SPLIT_BY_HEADS = [family for family, cls in HYBRIDS.items() if cls in HEAD_SPLITS]  # every class tested
 
@@ -756,6 +758,31 @@ def test_the_zero_stage_a_config_asks_for_is_the_one_its_strategy_runs(strategy,
     assert config_zero_stage(strategy) == expected
 
 
+GROUPS = {"bamba": dict(mamba_n_groups=4), "granitemoehybrid": dict(mamba_n_groups=4)}  # shares of whole groups
+
+
+def test_a_one_group_mamba2_share_normalizes_over_the_ranks_and_never_calls_the_fused_kernel(monkeypatch):
+    """With mamba_ssm installed (on a GPU) a Mamba2 mixer in training runs its fused kernel, whose gated norm
+    would span only the share's heads: a share of a one-group mixer runs the unfused path, its norm's sum of
+    squares handed to the call's SP kind (``sum_ranks``; the 2-process test checks the numbers)."""
+    from types import SimpleNamespace
+
+    import transformers.models.bamba.modeling_bamba as bamba
+
+    from lit_hbp.model.mixers import heads_part
+
+    fused, summed = [], []
+    monkeypatch.setattr(bamba, "mamba2_split_conv1d_scan_combined", lambda *a, **k: fused.append(1))
+    mixer = record_of(prepare_model(tiny("bamba"))).mixers[0].train()
+    x = torch.randn(1, 20, mixer.hidden_size)
+    mixer(x)
+    assert fused  # the patch reaches the mixer's forward: the whole mixer in training calls the fused kernel
+    fused.clear()
+    sp = SimpleNamespace(kind=SimpleNamespace(sum_ranks=lambda t, ctx: summed.append(t.shape) or 2 * t), ctx=None)
+    heads_part(mixer, 0, 2, sp)(x)
+    assert not fused and summed == [torch.Size([1, 20, 1])]
+
+
 @pytest.mark.parametrize("family", SPLIT_BY_HEADS)
 def test_a_mixers_heads_split_sum_to_the_mixer_and_leave_no_weight_out(family):
     """On one process: each share of the heads (``mixers.heads_part``, 2 and 4 shares, two value heads per key
@@ -765,9 +792,9 @@ def test_a_mixers_heads_split_sum_to_the_mixer_and_leave_no_weight_out(family):
     assert {HYBRIDS[f] for f in SPLIT_BY_HEADS} == set(HEAD_SPLITS)
     from peft import LoraConfig, get_peft_model
 
-    from lit_hbp.model.mixers import OWN, heads_part
+    from lit_hbp.model.mixers import OWN, heads_part, split_heads
 
-    net = prepare_model(tiny(family, **TWO_PER_KEY))
+    net = prepare_model(tiny(family, **TWO_PER_KEY, **GROUPS.get(family, {})))
     mixer = record_of(net).mixers[0]
     own = getattr(type(mixer).forward, OWN)
     x = torch.randn(1, 45, net.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -781,7 +808,10 @@ def test_a_mixers_heads_split_sum_to_the_mixer_and_leave_no_weight_out(family):
         got.square().sum().backward()
         for name, p in mixer.named_parameters():
             torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-5, msg=f"{parts} parts: {name}")
-    assert heads_part(mixer, 0, 3) is None  # 4 key heads
+    assert heads_part(mixer, 0, 3) is None  # 4 key heads (groups)
+    if family in GROUPS:  # one group: its norm spans the shares, which one process cannot sum (2 processes do)
+        one = record_of(prepare_model(tiny(family))).mixers[0]
+        assert split_heads(one) == one.num_heads and heads_part(one, 0, 2) is None
     plain = tiny(family)
     first = next(m for m in plain.modules() if type(m).__name__ == HYBRIDS[family])
     path = next(n for n, x in first.named_modules() if isinstance(x, torch.nn.Linear))  # its first projection

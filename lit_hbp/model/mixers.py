@@ -42,6 +42,7 @@ import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from types import SimpleNamespace
 from typing import Any
 
@@ -270,7 +271,7 @@ def by_document(mixer: torch.nn.Module, run, call: calls.PackCall, name: str, ar
     if "owners" not in call.host:
         call.host["owners"] = document_owners(lengths, sp.size)
     owners = call.host["owners"]
-    part = None if shares_evenly(lengths, owners, sp.size) else heads_part(mixer, sp.ctx.rank, sp.size)
+    part = None if shares_evenly(lengths, owners, sp.size) else heads_part(mixer, sp.ctx.rank, sp.size, sp)
     if part is not None:  # every document on this rank's heads: the ranks' outputs are partial sums
         out = _each_document(part, bounds, args, kwargs, name)
         return _tokens(out, lambda x, dim: sp.kind.sum_own_tokens(x, sp.ctx, dim), total)
@@ -363,18 +364,44 @@ def _qwen3_5_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.
     return weights
 
 
+def _mamba2_heads(m: torch.nn.Module) -> int:
+    """What an SP degree must divide for a Mamba2 mixer to split: its groups (a share is whole groups with their
+    heads, the gated norm per group within it), or, with one group, its heads (every share reads the group's
+    B and C, and the norm spans the shares: ``_SharedGatedNorm``)."""
+    return m.n_groups if m.n_groups > 1 else m.num_heads
+
+
+def _mamba2_groups(m: torch.nn.Module, parts: int) -> int:
+    """The groups a Mamba2 mixer of 1/``parts`` of ``m``'s heads holds (see ``_mamba2_heads``)."""
+    return m.n_groups // parts if m.n_groups > 1 else 1
+
+
 def _mamba2_shape(m: torch.nn.Module, parts: int) -> Any:
-    """The config a Mamba2 mixer of 1/``parts`` of ``m``'s heads and groups is built from (a copy of its own)."""
+    """The config a Mamba2 mixer of 1/``parts`` of ``m``'s heads is built from (Nemotron-H's: a copy of its own)."""
     config = copy.copy(m.config)
-    config.mamba_num_heads, config.n_groups = m.num_heads // parts, m.n_groups // parts
+    config.mamba_num_heads, config.n_groups = m.num_heads // parts, _mamba2_groups(m, parts)
     return config
 
 
+def _bamba_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
+    """The config a Bamba or Granite 4.0-H mixer of 1/``parts`` of ``m``'s heads is built from (its own fields:
+    it keeps no config; its width is ``int(mamba_expand * hidden_size)``, exact through a fraction)."""
+    return SimpleNamespace(
+        mamba_proj_bias=m.use_bias, mamba_n_heads=m.num_heads // parts, hidden_size=m.hidden_size,
+        mamba_d_state=m.ssm_state_size, mamba_d_conv=m.conv_kernel_size,
+        mamba_expand=Fraction(m.intermediate_size // parts, m.hidden_size), mamba_conv_bias=m.use_conv_bias,
+        hidden_act=m.activation, rms_norm_eps=m.layer_norm_epsilon, mamba_n_groups=_mamba2_groups(m, parts),
+        mamba_d_head=m.head_dim, mamba_chunk_size=m.chunk_size, time_step_limit=m.time_step_limit,
+        layer_types={m.layer_idx: m.layer_type},
+    )  # fmt: skip
+
+
 def _mamba2_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
-    """A Mamba2 mixer (Nemotron-H's): ``in_proj`` gives the gate, the convolution's input (x, then B and C
-    per group of heads) and the step per head; a share is whole groups with their heads, so the gated norm,
-    per group, stays within it."""
-    h, g = _span(m.num_heads, part, parts), _span(m.n_groups, part, parts)
+    """A Mamba2 mixer (Nemotron-H's, Bamba's, Granite 4.0-H's): ``in_proj`` gives the gate, the convolution's
+    input (x, then B and C per group of heads) and the step per head; a share is its heads with their groups
+    (whole groups, or the one group every share reads)."""
+    h = _span(m.num_heads, part, parts)
+    g = _span(m.n_groups, part, parts) if m.n_groups > 1 else slice(0, 1)
     inner, state, conv = m.intermediate_size, m.ssm_state_size, m.conv_dim
     x = slice(h.start * m.head_dim, h.stop * m.head_dim)
     b = slice(inner + g.start * state, inner + g.stop * state)
@@ -397,6 +424,27 @@ def _mamba2_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.T
     return weights
 
 
+class _SharedGatedNorm(torch.nn.Module):
+    """A Mamba2 mixer's gated RMSNorm (transformers' ``...RMSNormGated`` of one group: ``weight * y *
+    rsqrt(mean(y^2) + eps)``, ``y = x * silu(gate)``) over the whole width, on a rank holding a share of the
+    heads: each rank's sum of squares summed over the SP group (``SPKind.sum_ranks``), divided by the whole
+    width. Built for one call (it holds the call's SP group); its weight, on the meta device, is the share's
+    through ``functional_call``."""
+
+    def __init__(self, norm: torch.nn.Module, width: int, sp: Any):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty_like(norm.weight, device="meta"))
+        self.eps, self.width, self.sp = norm.variance_epsilon, width, sp
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        y = hidden_states.to(torch.float32)
+        if gate is not None:
+            y = y * torch.nn.functional.silu(gate.to(torch.float32))
+        squares = self.sp.kind.sum_ranks(y.pow(2).sum(-1, keepdim=True), self.sp.ctx)
+        return self.weight * (y * torch.rsqrt(squares / self.width + self.eps)).to(dtype)
+
+
 @dataclass(frozen=True)
 class HeadSplit:
     """How a mixer class runs on a share of its heads: ``heads(m)`` the count that the SP degree must
@@ -408,13 +456,23 @@ class HeadSplit:
     heads: Callable[[torch.nn.Module], int]
     shape: Callable[[torch.nn.Module, int], Any]
     part: Callable[[torch.nn.Module, int, int], dict[str, torch.Tensor]]
+    shared_norm: Callable[[torch.nn.Module], bool] = lambda m: False
+    """Whether the mixer's gated norm spans the shares (a Mamba2 mixer of one group): its twin then normalizes
+    over the ranks (``_SharedGatedNorm``) and runs its unfused path (a fused kernel would normalize within
+    the share)."""
+
+
+def _one_group(m: torch.nn.Module) -> bool:
+    return m.n_groups == 1
 
 
 HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, each at sp 2
     "Qwen3NextGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_next_part),
     "Qwen3_5GatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
     "Qwen3_5MoeGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
-    "NemotronHMamba2Mixer": HeadSplit(lambda m: m.n_groups, _mamba2_shape, _mamba2_part),
+    "NemotronHMamba2Mixer": HeadSplit(_mamba2_heads, _mamba2_shape, _mamba2_part, _one_group),
+    "BambaMixer": HeadSplit(_mamba2_heads, _bamba_shape, _mamba2_part, _one_group),
+    "GraniteMoeHybridMambaLayer": HeadSplit(_mamba2_heads, _bamba_shape, _mamba2_part, _one_group),
 }
 
 
@@ -431,19 +489,28 @@ def split_heads(mixer: torch.nn.Module) -> int | None:
     return split.heads(mixer)
 
 
-def heads_part(mixer: torch.nn.Module, part: int, parts: int):
+def heads_part(mixer: torch.nn.Module, part: int, parts: int, sp: Any = None):
     """A function running ``mixer`` on part ``part`` of ``parts`` equal shares of its heads (its own forward,
     on its twin of that shape with the share's weights), or None where it does not split so
-    (``split_heads``, ``mixer_share.splits``)."""
+    (``split_heads``, ``mixer_share.splits``; a mixer whose norm spans the shares without ``sp``, the call's
+    SP group, to sum it over)."""
     if not splits(split_heads(mixer), parts):
         return None
     split = HEAD_SPLITS[type(mixer).__name__]
+    shared = parts > 1 and split.shared_norm(mixer)
+    if shared and sp is None:
+        return None
     weights = split.part(mixer, part, parts)
     shapes = mixer.__dict__.setdefault(SHAPES, {})
     if parts not in shapes:
         with torch.device("meta"):
             shapes[parts] = type(mixer)(split.shape(mixer, parts), mixer.layer_idx)
-    return lambda *args, **kwargs: torch.func.functional_call(shapes[parts], weights, args, kwargs, strict=True)
+    twin = shapes[parts]
+    if shared:  # this call's twin: the cached one's modules, its norm summed over the call's SP group
+        twin = copy.copy(twin)
+        twin._modules = {**twin._modules, "norm": _SharedGatedNorm(twin.norm, mixer.intermediate_size, sp)}
+        twin.training = False
+    return lambda *args, **kwargs: torch.func.functional_call(twin, weights, args, kwargs, strict=True)
 
 
 def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str, only: list[int] | None = None):

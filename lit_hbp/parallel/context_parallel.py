@@ -48,6 +48,8 @@ from lit_hbp.parallel.ulysses import (
     reduce_scatter_flat,
     replicate_kv,
     seq_to_heads,
+    sum_own_tokens,
+    sum_ranks,
 )
 
 
@@ -282,6 +284,16 @@ class ContextParallel(SPKind):
 
     def own_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
         return own_tokens(x, ctx, dim)
+
+    def sum_own_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
+        if ctx.cp is not None:
+            raise ValueError(self.mixer_problem(ctx.cp.size))
+        return sum_own_tokens(x, ctx, dim)
+
+    def sum_ranks(self, x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+        if ctx.cp is not None:
+            raise ValueError(self.mixer_problem(ctx.cp.size))
+        return sum_ranks(x, ctx)
 
     def check(self, num_heads: int, num_kv_heads: int, sp: int, cp: int = 1) -> int:
         if cp < 1 or sp % cp:

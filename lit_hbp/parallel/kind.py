@@ -97,6 +97,11 @@ class SPKind(ABC):
         rank having run some of the pack's documents (zeros at the others')."""
         raise ValueError(self.mixer_problem())
 
+    def sum_ranks(self, x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+        """``x`` summed over the ranks, every rank keeping the sum, differentiable: a reduction over a mixer's
+        heads that the ranks share (a gated norm spanning them)."""
+        raise ValueError(self.mixer_problem())
+
     def comm_breakdown(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> dict[str, float]:
         """``comm_bytes_per_layer`` by collective family (reports print them side by side)."""
         return {self.name: self.comm_bytes_per_layer(model, tokens, sp, cp)}

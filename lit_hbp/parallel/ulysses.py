@@ -137,6 +137,32 @@ def sum_own_tokens(x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tenso
     return _scatter(x, ctx, dim)
 
 
+class _SumRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x, ctx):
+        fctx.sp = ctx
+        out = x.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out
+
+    @staticmethod
+    def backward(fctx, grad):
+        out = grad.contiguous().clone()
+        dist.all_reduce(out, group=fctx.sp.group)
+        return out, None
+
+
+@torch.compiler.disable
+def sum_ranks(x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+    """``x`` summed over the ranks, every rank keeping the sum; the gradient of a rank's ``x`` is every
+    rank's gradient of the sum, summed (each rank's loss uses it)."""
+    if x.is_floating_point() and x.requires_grad:
+        return _SumRanks.apply(x, ctx)
+    out = x.clone()
+    dist.all_reduce(out, group=ctx.group)
+    return out
+
+
 def own_tokens(x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
     """This rank's contiguous shard of a whole pack's per-token tensor."""
     size = x.shape[dim] // ctx.size
@@ -203,6 +229,9 @@ class Ulysses(SPKind):
 
     def sum_own_tokens(self, x: torch.Tensor, ctx: SPContext, dim: int = 1) -> torch.Tensor:
         return sum_own_tokens(x, ctx, dim)
+
+    def sum_ranks(self, x: torch.Tensor, ctx: SPContext) -> torch.Tensor:
+        return sum_ranks(x, ctx)
 
     def check(self, num_heads: int, num_kv_heads: int, sp: int, cp: int = 1) -> int:
         if cp != 1:
