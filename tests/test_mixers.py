@@ -428,12 +428,14 @@ LONE = {  # packs of one document (72 tokens, no padding: split by heads, each l
     "qwen3_next alone": ("qwen3_next", (72,), TWO_PER_KEY),  # documents that share evenly (each run by one rank)
     "qwen3_5_text alone": ("qwen3_5_text", (72,), TWO_PER_KEY),
     "bamba alone": ("bamba", (72,), {}),  # one group: the gated norm spans both ranks' heads
+    "nemotron_h one group": ("nemotron_h", (72,), dict(n_groups=1)),
     "mamba2 alone": ("mamba2", (72,), {}),  # a mixer that does not split: run whole by both ranks
     "qwen3_next even": ("qwen3_next", (36, 36), {}),
 }
 RAN = {  # what each rank's mixers ran of each LONE pack
     "qwen3_next alone": [[("heads", 72)]] * 2, "qwen3_5_text alone": [[("heads", 72)]] * 2,
-    "bamba alone": [[("heads", 72)]] * 2, "mamba2 alone": [[("whole", 72)]] * 2,
+    "bamba alone": [[("heads", 72)]] * 2, "nemotron_h one group": [[("heads", 72)]] * 2,
+    "mamba2 alone": [[("whole", 72)]] * 2,
     "qwen3_next even": [[("whole", 36)]] * 2,
 }  # fmt: skip
 SPLIT_BY_HEADS = [family for family, cls in HYBRIDS.items() if cls in HEAD_SPLITS]  # every class tested
