@@ -26,41 +26,23 @@ import numpy as np
 from lit_hbp.autoselect.search import analytic_levels
 from lit_hbp.cost.costmodel import HARDWARE
 from lit_hbp.cost.run_settings import Settings, cost_model
-from lit_hbp.model_spec import ModelSpec
+from lit_hbp.model.causal_lm import configured_spec
 from lit_hbp.packing import Level
 from lit_hbp.report import format_table
 from lit_hbp.simulate.simulator import compare, fill_checkpointing
 
 # config.json fields of the published checkpoints (nvidia/Nemotron-H-8B-Base-8K, ibm-ai-platform/Bamba-9B),
-# the layer pattern of Nemotron-H-8B: 24 Mamba2, 4 attention, 24 MLP blocks
+# the layer pattern of Nemotron-H-8B: 24 Mamba2, 4 attention, 24 MLP blocks; each priced as a run prices it
+# (``configured_spec``: the model built on the meta device, its layers' matrices counted by kind)
 NEMOTRON_H_8B = dict(
     model_type="nemotron_h", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
     intermediate_size=21504, vocab_size=131072, n_groups=8, mamba_num_heads=128,
     hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
-    layers_block_type=[
-        {"M": "mamba", "-": "mlp", "*": "attention"}[c]
-        for c in "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
-    ],
 )  # fmt: skip
 BAMBA_9B = dict(
     model_type="bamba", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
     intermediate_size=14336, vocab_size=128256, mamba_n_groups=1, mamba_n_heads=128, attn_layer_indices=[9, 18, 27],
 )  # fmt: skip
-
-
-def mamba2_params(hidden: int, heads: int, head_dim: int, groups: int, state: int, kernel: int = 4) -> float:
-    """A Mamba2 mixer's matrices: ``in_proj`` (gate, x, B and C per group, a step per head), the depthwise
-    convolution over x, B and C, ``out_proj``."""
-    inner = heads * head_dim
-    conv = inner + 2 * groups * state
-    return hidden * (inner + conv + heads) + conv * kernel + inner * hidden
-
-
-def shaped(spec: ModelSpec, mixer: float, per_kind: dict[str, float], kinds: list[str]) -> ModelSpec:
-    """``spec`` with its layers' matmul parameters counted by kind (the config path prices every layer as
-    attention and a gated MLP), as ``causal_lm.model_spec`` counts a built model's."""
-    per_layer = sum(per_kind[k] for k in kinds) / len(kinds)
-    return replace(spec, active_layer_params=per_layer, total_layer_params=per_layer, mixer_params=mixer)
 
 
 LEVELS = [Level(8192), Level(32768, 2, 0, ulysses=2), Level(65536, 4, 0, ulysses=4), Level(131072, 8, 0, ulysses=8)]
@@ -84,16 +66,7 @@ def main() -> None:
     settings = Settings(args.gpus, HARDWARE[args.gpu], 2, False)
     rows = []
     for name, config in (("nemotron_h 8B", NEMOTRON_H_8B), ("bamba 9B", BAMBA_9B)):
-        spec = ModelSpec.from_config(config, name)
-        attention = 4096 * (32 * 128 * 2 + 8 * 128 * 2)
-        if config["model_type"] == "nemotron_h":  # Mamba2 (128 heads of 64 over 8 groups), attention, relu^2 MLP
-            mixer = mamba2_params(4096, 128, 64, 8, 128)
-            kinds = {"mamba": mixer, "attention": attention, "mlp": 2 * 4096 * 21504}
-            spec = shaped(spec, mixer, kinds, config["layers_block_type"])
-        else:  # Bamba: every layer a Mamba2 (128 heads of 64, one group) or attention, then a gated MLP
-            mixer = mamba2_params(4096, 128, 64, 1, 128)
-            kinds = {"m": mixer + 3 * 4096 * 14336, "a": attention + 3 * 4096 * 14336}
-            spec = shaped(spec, mixer, kinds, ["a" if i in config["attn_layer_indices"] else "m" for i in range(32)])
+        spec = replace(configured_spec(config), name=name)  # its layers' matrices counted on the meta device
         for mixer, heads in ((f"split by {spec.mixer_heads}", spec.mixer_heads), ("not split", None)):
             cost = cost_model(replace(spec, mixer_heads=heads), settings)
             start = time.perf_counter()

@@ -113,3 +113,25 @@ def test_a_hybrid_on_a_ulysses_level_holds_the_gathered_pack_and_a_non_splitting
     assert more > 0 and whole.memory_bytes(pack_len, sp, 0) - split.memory_bytes(pack_len, sp, 0) == pytest.approx(more)
     assert split.memory_parts(pack_len, 1, 0)["mixers"] == 0
     assert CostModel(SPEC, NODE, 8).memory_parts(pack_len, sp, 0)["mixers"] == 0
+
+
+def test_the_tools_price_a_hybrid_as_its_model_built_on_the_meta_device(tmp_path):
+    """A config's formula prices every layer as attention and a gated MLP; for a hybrid the level search and
+    the tools count the layers' matrices by kind on the model built from the config on the meta device
+    (``configured_spec``, equal to a prepared model's spec in tests/test_mixers.py), from a mapping or a
+    folder; a model without stateful mixers keeps the formula."""
+    import json
+
+    from families import small_config
+
+    from lit_hbp.cost.config import spec_of
+    from lit_hbp.model.causal_lm import configured_spec
+
+    config = small_config("nemotron_h")  # Mamba2, attention and MoE blocks: no layer holds two
+    built = configured_spec(config)
+    assert built is not None and spec_of(config) == built
+    assert built.layer_params != ModelSpec.from_config(config).layer_params  # its MoE block, its Mamba2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert spec_of(str(tmp_path)).layer_params == built.layer_params
+    assert configured_spec(small_config("llama")) is None
+    assert spec_of(small_config("llama")) == ModelSpec.from_config(small_config("llama"))

@@ -141,7 +141,7 @@ def test_the_cost_model_prices_attention_in_the_layers_that_attend(family, monke
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from lit_hbp.model.calls import ATTN_NAME
-    from lit_hbp.model.causal_lm import model_spec
+    from lit_hbp.model.causal_lm import configured_spec, model_spec
     from lit_hbp.model_spec import ModelSpec
 
     net = prepare_model(tiny(family)).eval()
@@ -172,6 +172,8 @@ def test_the_cost_model_prices_attention_in_the_layers_that_attend(family, monke
     assert spec.mixer_heads == configured.mixer_heads == heads, family
     if configured.mixer_params is not None:  # the config's count of a mixer's matrices: the built mixer's
         assert configured.mixer_params == spec.mixer_params, family
+    # what a run's level search prices before the model exists: the same spec, counted on the meta device
+    assert configured_spec(small_config(family)) == spec, family
     tokens, sum_sq = 112.0, 37.0**2 + 5**2 + 70**2
     quadratic = spec.train_flops(tokens, sum_sq, 0) - spec.train_flops(tokens, 0, 0)
     assert quadratic == pytest.approx(len(attended) * 6 * spec.heads * spec.dim * sum_sq)

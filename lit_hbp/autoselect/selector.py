@@ -41,6 +41,7 @@ from lit_hbp.cost.run_settings import (
 )
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.model.causal_lm import configured_spec
 from lit_hbp.model.checks import position_range
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level, LevelSelector
@@ -118,7 +119,7 @@ class RunSetting:
         device = trainer.strategy.root_device
         init = inspect.signature(type(module)).parameters  # hparams also hold LightningCLI's entries
         return cls(
-            spec=ModelSpec.from_config(model if isinstance(model, dict) else Path(model)),
+            spec=configured_spec(model) or ModelSpec.from_config(model if isinstance(model, dict) else Path(model)),
             world=trainer.world_size,
             seed=seed,
             module_class=type(module),

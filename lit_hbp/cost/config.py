@@ -26,10 +26,13 @@ def model_config(config: dict, vocab: int | None) -> dict | str:
 
 
 def spec_of(model: dict | str) -> ModelSpec:
-    """The shape of the config's model: its mapping, or its checkpoint folder's config.json; a folder
-    that is not on this machine (pricing a cluster's run on a laptop) names the way round it."""
+    """The shape of the config's model: its mapping, or its checkpoint folder's config.json (a hybrid's
+    counted on the model built on the meta device: ``configured_spec``); a folder that is not on this machine
+    (pricing a cluster's run on a laptop) names the way round it."""
+    from lit_hbp.model.causal_lm import configured_spec
+
     if isinstance(model, dict):
-        return ModelSpec.from_config(model)
+        return configured_spec(model) or ModelSpec.from_config(model)
     if not Path(model).exists():
         from lit_hbp.model_spec import MODELS
 
@@ -37,4 +40,4 @@ def spec_of(model: dict | str) -> ModelSpec:
             f"model.model {model} is not on this machine: give the model's shape with --model, a preset "
             f"({', '.join(sorted(MODELS))}) or a config.json"
         )
-    return ModelSpec.from_config(Path(model))
+    return configured_spec(model) or ModelSpec.from_config(Path(model))

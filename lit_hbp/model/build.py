@@ -93,6 +93,20 @@ def _auto_class(model_type: str):
     return AutoModelForCausalLM, {"attn_implementation": attention.ATTN_NAME}
 
 
+def build_on_meta(config: Any) -> torch.nn.Module | None:
+    """The model a Hugging Face ``config`` describes, built on the meta device (no weights, no memory) as the run
+    will build it, or None where it cannot be built here (left to where it is built: its own error there)."""
+    auto, _ = _auto_class(config.model_type)
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        try:
+            net = auto.from_config(config)
+            decoder_of(net)
+        except Exception:  # noqa: BLE001
+            return None
+    return net
+
+
 def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model", zero_stage: int | None = None) -> None:
     """A ``model`` argument (checkpoint folder or config mapping) holding a token mixer that carries state
     across documents (``lit_hbp.model.mixers``) and that lit-hbp cannot run document by document, or one that
@@ -102,15 +116,10 @@ def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model",
     decoder looked at as ``prepare_model`` will look at the real one. A config that cannot be built here
     is left to where it is built."""
     config = model_config(model)
-    if config is None:
+    net = None if config is None else build_on_meta(config)
+    if net is None:
         return
-    auto, _ = _auto_class(config.model_type)
-    with warnings.catch_warnings(), torch.device("meta"):
-        warnings.simplefilter("ignore")
-        try:
-            decoder = decoder_of(auto.from_config(config))
-        except Exception:  # noqa: BLE001
-            return
+    decoder = decoder_of(net)
     mixers = stateful_mixers(decoder)
     refused = [m for m in mixers if not m.per_document]
     if refused:

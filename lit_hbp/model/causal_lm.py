@@ -24,7 +24,7 @@ import inspect
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -34,17 +34,20 @@ from lit_hbp.model import attention, calls
 from lit_hbp.model.build import (
     _refusing_other_attention,
     base_of,
+    build_on_meta,
     checkpoint_layers,
     decoder_of,
     family_of,
     model_configs,
     tower_configs,
 )
+from lit_hbp.model.checks import model_config
 from lit_hbp.model.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
 from lit_hbp.model.mixers import (
     install_per_document,
     refuse_stateful_mixers,
     split_heads,
+    stateful_mixers,
     uninstall_per_document,
 )
 from lit_hbp.model.offload import OFFLOADER, HostOffload
@@ -404,11 +407,28 @@ def check_router_loss(net: torch.nn.Module) -> None:
         )
 
 
-def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module]) -> ModelSpec:
+def configured_spec(model: Any) -> ModelSpec | None:
+    """A hybrid's shape (``model``: a checkpoint folder or config mapping) counted as ``model_spec`` counts a
+    prepared model's, on the model built from its config on the meta device: its layers' matrices by kind, its
+    mixers' (found as ``prepare_model`` finds them). None for a model whose config names no stateful mixer (the
+    config's formula prices it: ``ModelSpec.from_config``) or one that cannot be built here."""
+    config = model_config(model)
+    if config is None or not ModelSpec.from_config(config.to_dict()).mixing:
+        return None
+    net = build_on_meta(config)
+    if net is None:
+        return None
+    decoder = decoder_of(net)
+    mixers = [decoder.get_submodule(m.path) for m in stateful_mixers(decoder)]
+    return model_spec(net, checkpoint_layers(decoder), mixers)
+
+
+def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module], mixers: list | None = None) -> ModelSpec:
     """The model's shape for FLOP counting, with the matmul parameters a token really passes through
     in a decoder layer counted from the layers' weights: every matrix once, routed experts at
-    top-k / experts (shared experts and the router in full). Raises ValueError when the config
-    does not say the shape; a vision-language model's carries its tower's (``ModelSpec.vision``)."""
+    top-k / experts (shared experts and the router in full). A hybrid's stateful ``mixers`` (default: those
+    ``prepare_model`` found) priced by what they hold. Raises ValueError when the config does not say the
+    shape; a vision-language model's carries its tower's (``ModelSpec.vision``)."""
     config = net.config.get_text_config()  # a vision-language model's: its language model's
     vision = getattr(net.config, "vision_config", None)
     spec = ModelSpec.from_config({**config.to_dict(), **({"vision_config": vision.to_dict()} if vision else {})})
@@ -427,14 +447,16 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module]) -> ModelSpec
             routed = experts and top_k and "experts" in name.split(".") and "shared" not in name
             active += n * top_k / experts if routed else n
     spec = replace(spec, active_layer_params=active / len(layers), total_layer_params=total / len(layers))
-    record = record_of(net)
-    if record is not None and record.mixers:  # a hybrid: its attention where its layers hold one, its mixers
-        heads = {split_heads(m) for m in record.mixers}
+    if mixers is None:
+        record = record_of(net)
+        mixers = [] if record is None else record.mixers
+    if mixers:  # a hybrid: its attention where its layers hold one, its mixers
+        heads = {split_heads(m) for m in mixers}
         spec = replace(
             spec,
-            attention_layers=attending_layers(layers, record.mixers),
-            mixer_layers=len(record.mixers),
-            mixer_params=sum(map(_matmul_params, record.mixers)) / len(record.mixers),
+            attention_layers=attending_layers(layers, mixers),
+            mixer_layers=len(mixers),
+            mixer_params=sum(map(_matmul_params, mixers)) / len(mixers),
             mixer_heads=heads.pop() if len(heads) == 1 else None,
         )
     return spec
