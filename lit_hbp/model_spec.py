@@ -95,6 +95,8 @@ MIXER_HEADS = {  # a family's fields its stateful mixers split by on a Ulysses l
     "nemotron_h": (("n_groups", "mamba_num_heads"), "use_bias"),
     "bamba": (("mamba_n_groups", "mamba_n_heads"), "mamba_proj_bias"),
     "granitemoehybrid": (("mamba_n_groups", "mamba_n_heads"), "mamba_proj_bias"),
+    "zamba2": (("mamba_ngroups", "n_mamba_heads"), "add_bias_linear"),
+    "mamba2": (("n_groups", "num_heads"), "use_bias"),
 }
 
 

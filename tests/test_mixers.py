@@ -431,13 +431,13 @@ LONE = {  # packs of one document (72 tokens, no padding: split by heads, each l
     "qwen3_5_text alone": ("qwen3_5_text", (72,), TWO_PER_KEY),
     "bamba alone": ("bamba", (72,), {}),  # one group: the gated norm spans both ranks' heads
     "nemotron_h one group": ("nemotron_h", (72,), dict(n_groups=1)),
-    "mamba2 alone": ("mamba2", (72,), {}),  # a mixer that does not split: run whole by both ranks
+    "jamba alone": ("jamba", (72,), {}),  # a mixer that does not split (Mamba1): run whole by both ranks
     "qwen3_next even": ("qwen3_next", (36, 36), {}),
 }
 RAN = {  # what each rank's mixers ran of each LONE pack
     "qwen3_next alone": [[("heads", 72)]] * 2, "qwen3_5_text alone": [[("heads", 72)]] * 2,
     "bamba alone": [[("heads", 72)]] * 2, "nemotron_h one group": [[("heads", 72)]] * 2,
-    "mamba2 alone": [[("whole", 72)]] * 2,
+    "jamba alone": [[("whole", 72)]] * 2,
     "qwen3_next even": [[("whole", 36)]] * 2,
 }  # fmt: skip
 SPLIT_BY_HEADS = [family for family, cls in HYBRIDS.items() if cls in HEAD_SPLITS]  # every class tested
@@ -762,7 +762,10 @@ def test_the_zero_stage_a_config_asks_for_is_the_one_its_strategy_runs(strategy,
     assert config_zero_stage(strategy) == expected
 
 
-GROUPS = {"bamba": dict(mamba_n_groups=4), "granitemoehybrid": dict(mamba_n_groups=4)}  # shares of whole groups
+GROUPS = {  # shares of whole groups
+    "bamba": dict(mamba_n_groups=4), "granitemoehybrid": dict(mamba_n_groups=4), "zamba2": dict(mamba_ngroups=4),
+    "mamba2": dict(n_groups=4),
+}  # fmt: skip
 
 
 def test_a_one_group_mamba2_share_normalizes_over_the_ranks_and_never_calls_the_fused_kernel(monkeypatch):

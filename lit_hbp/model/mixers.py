@@ -396,10 +396,36 @@ def _bamba_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
     )  # fmt: skip
 
 
+def _zamba2_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
+    """The config a Zamba2 Mamba2 mixer of 1/``parts`` of ``m``'s heads is built from: its config's fields (a
+    strict dataclass, whose integer ``mamba_expand`` cannot say half the width), the width's through a fraction."""
+    c = m.config
+    return SimpleNamespace(
+        n_mamba_heads=m.num_heads // parts, hidden_size=m.hidden_size, mamba_d_state=m.ssm_state_size,
+        mamba_d_conv=m.conv_kernel_size, mamba_expand=Fraction(m.intermediate_size // parts, m.hidden_size),
+        use_conv_bias=m.use_conv_bias, mamba_ngroups=_mamba2_groups(m, parts), mamba_headdim=m.head_dim,
+        chunk_size=m.chunk_size, time_step_min=c.time_step_min, add_bias_linear=c.add_bias_linear,
+        layer_types={m.layer_idx: m.layer_type}, use_mamba_kernels=True,
+    )  # fmt: skip
+
+
+def _plain_mamba2_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
+    """The config a Mamba2 model's mixer of 1/``parts`` of ``m``'s heads is built from (its own fields)."""
+    return SimpleNamespace(
+        num_heads=m.num_heads // parts, hidden_size=m.hidden_size, state_size=m.ssm_state_size,
+        conv_kernel=m.conv_kernel_size, expand=Fraction(m.intermediate_size // parts, m.hidden_size),
+        time_step_rank=m.time_step_rank, use_conv_bias=m.use_conv_bias, hidden_act=m.activation,
+        layer_norm_epsilon=m.layer_norm_epsilon, n_groups=_mamba2_groups(m, parts), head_dim=m.head_dim,
+        chunk_size=m.chunk_size, time_step_limit=m.time_step_limit, time_step_min=m.time_step_min,
+        time_step_max=m.time_step_max, time_step_floor=m.time_step_floor, use_bias=m.use_bias,
+        layer_types={m.layer_idx: m.layer_type},
+    )  # fmt: skip
+
+
 def _mamba2_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
-    """A Mamba2 mixer (Nemotron-H's, Bamba's, Granite 4.0-H's): ``in_proj`` gives the gate, the convolution's
-    input (x, then B and C per group of heads) and the step per head; a share is its heads with their groups
-    (whole groups, or the one group every share reads)."""
+    """A Mamba2 mixer (Nemotron-H's, Bamba's, Granite 4.0-H's, Zamba2's, Mamba2's): ``in_proj`` gives the gate,
+    the convolution's input (x, then B and C per group of heads) and the step per head; a share is its heads
+    with their groups (whole groups, or the one group every share reads)."""
     h = _span(m.num_heads, part, parts)
     g = _span(m.n_groups, part, parts) if m.n_groups > 1 else slice(0, 1)
     inner, state, conv = m.intermediate_size, m.ssm_state_size, m.conv_dim
@@ -473,6 +499,8 @@ HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, 
     "NemotronHMamba2Mixer": HeadSplit(_mamba2_heads, _mamba2_shape, _mamba2_part, _one_group),
     "BambaMixer": HeadSplit(_mamba2_heads, _bamba_shape, _mamba2_part, _one_group),
     "GraniteMoeHybridMambaLayer": HeadSplit(_mamba2_heads, _bamba_shape, _mamba2_part, _one_group),
+    "Zamba2MambaMixer": HeadSplit(_mamba2_heads, _zamba2_shape, _mamba2_part, _one_group),
+    "Mamba2Mixer": HeadSplit(_mamba2_heads, _plain_mamba2_shape, _mamba2_part, _one_group),
 }
 
 
