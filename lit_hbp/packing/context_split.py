@@ -219,11 +219,11 @@ def _build(cp: int, lengths: np.ndarray, rank, doc, start, end) -> ContextSplit:
         return ContextSplit(cp, lengths, np.zeros(cp + 1, dtype=np.int64), rank, start, end)
     order = np.lexsort((start, doc, rank))
     rank, doc, start, end = rank[order], doc[order], start[order], end[order]
-    new = np.r_[True, (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (start[1:] != end[:-1])]
+    new = np.concatenate(([True], (rank[1:] != rank[:-1]) | (doc[1:] != doc[:-1]) | (start[1:] != end[:-1])))
     head = np.flatnonzero(new)
-    last = np.r_[head[1:], rank.size] - 1
+    last = np.append(head[1:], rank.size) - 1
     rank, doc, start, end = rank[head], doc[head], start[head], end[last]
-    offsets = np.r_[0, np.cumsum(np.bincount(rank, minlength=cp))].astype(np.int64)
+    offsets = np.concatenate(([0], np.cumsum(np.bincount(rank, minlength=cp)))).astype(np.int64)
     return ContextSplit(cp, lengths, offsets, doc, start, end)
 
 
@@ -290,33 +290,35 @@ def split_micro_batch(doc_lengths, sp: int, cp: int) -> ContextSplit:
     (``padded_length``) with a padding segment of its own, which costs attention like a document."""
     docs = np.asarray(doc_lengths, dtype=np.int64)
     pad = padded_length(int(docs.sum()), sp) - int(docs.sum())
-    return split_pack(np.r_[docs, pad] if pad else docs, cp)
+    return split_pack(np.append(docs, pad) if pad else docs, cp)
 
 
 def _whole_first(lengths: np.ndarray, cp: int, shard: int) -> ContextSplit:
-    """Documents whole, longest first on the least-loaded rank with room; the rest filled in."""
+    """Documents whole, longest first on the least-loaded rank with room (ties: the most room, then
+    the lowest rank); the rest filled in. Python ints in the loop: numpy calls per document cost more."""
     ranks, docs, ends = [], [], []
-    room = np.full(cp, shard, dtype=np.int64)
-    area = np.zeros(cp, dtype=np.int64)
+    room, area = [shard] * cp, [0] * cp
     spill = []
-    for d in np.argsort(-lengths, kind="stable"):
-        length = int(lengths[d])
+    sizes = lengths.tolist()
+    for d in np.argsort(-lengths, kind="stable").tolist():
+        length = sizes[d]
         if length == 0:
             continue
-        fits = np.flatnonzero(room >= length)
-        if fits.size == 0:
+        best = min(((area[r], -room[r], r) for r in range(cp) if room[r] >= length), default=None)
+        if best is None:
             spill.append(d)
             continue
-        r = int(fits[np.lexsort((-room[fits], area[fits]))[0]])
+        r = best[2]
         room[r] -= length
         area[r] += length * (length + 1) // 2
         ranks.append(r), docs.append(d), ends.append(length)
     rank, doc, start, end = np.array(ranks), np.array(docs), np.zeros(len(ranks)), np.array(ends)
     if spill:
         # Fill the ranks' remaining room with the spilled documents, lowest area first.
-        fill = np.argsort(area, kind="stable")
-        fill = fill[room[fill] > 0]
-        sr, sd, ss, se = _fill(lengths[spill], np.asarray(spill), fill, room[fill])
+        room_left = np.array(room, dtype=np.int64)
+        fill = np.argsort(np.array(area, dtype=np.int64), kind="stable")
+        fill = fill[room_left[fill] > 0]
+        sr, sd, ss, se = _fill(lengths[spill], np.asarray(spill), fill, room_left[fill])
         rank, doc, start, end = np.r_[rank, sr], np.r_[doc, sd], np.r_[start, ss], np.r_[end, se]
     return _build(cp, lengths, rank, doc, start, end)
 
@@ -325,12 +327,12 @@ def _solve(area, target: float, top: int) -> int:
     """The integer x in [0, top] whose (non-decreasing) area(x) is closest to target: a coarse grid
     of about sqrt(top) points, then every point of the bracketing cell."""
     step = max(1, int(np.sqrt(top)))
-    grid = np.r_[np.arange(0, top, step), top]
-    i = int(np.searchsorted(area(grid), target))
+    grid = np.append(np.arange(0, top, step), top)
+    i = int(area(grid).searchsorted(target))
     lo, hi = grid[max(i - 1, 0)], grid[min(i, grid.size - 1)]
     xs = np.arange(lo, hi + 1)
     a = area(xs)
-    j = int(np.searchsorted(a, target))
+    j = int(a.searchsorted(target))
     if j >= xs.size or (j > 0 and target - a[j - 1] <= a[j] - target):
         j -= 1
     return int(xs[j])
@@ -338,9 +340,9 @@ def _solve(area, target: float, top: int) -> int:
 
 def _fill(lengths: np.ndarray, docs: np.ndarray, ranks: np.ndarray, room: np.ndarray):
     """Cut the documents, back to back, into the ranks' room in the order given (sums match)."""
-    ds = np.r_[0, np.cumsum(lengths)]
-    rs = np.r_[0, np.cumsum(room)]
-    cuts = np.unique(np.r_[ds, rs])
+    ds = np.concatenate(([0], np.cumsum(lengths)))
+    rs = np.concatenate(([0], np.cumsum(room)))
+    cuts = np.unique(np.concatenate((ds, rs)))
     a, b = cuts[:-1], cuts[1:]
     which_doc = np.searchsorted(ds, a, side="right") - 1
     which_rank = np.searchsorted(rs, a, side="right") - 1
@@ -358,35 +360,38 @@ def _stream_split(lengths: np.ndarray, cp: int, shard: int) -> ContextSplit:
     order = order[lengths[order] > 0]
     L = lengths[order]
     w = (L + 1) / 2.0
-    ctok = np.r_[0, np.cumsum(L)]
-    carea = np.r_[0.0, np.cumsum(L * w)]
+    ctok = np.concatenate(([0], np.cumsum(L)))
+    carea = np.concatenate(([0.0], np.cumsum(L * w)))
     last = L.size - 1
 
     def F(t):
-        i = np.minimum(np.searchsorted(ctok, t, side="right") - 1, last)
+        i = np.minimum(ctok.searchsorted(t, side="right") - 1, last)
         return carea[i] + (t - ctok[i]) * w[i]
 
     lo, hi = 0, int(ctok[-1])
     pieces = []
     for r in range(cp - 1):
-        target = (F(hi) - F(lo)) / (cp - r)
-        x = _solve(lambda x, lo=lo, hi=hi: F(lo + x) - F(lo) + F(hi) - F(hi - shard + x), target, shard)
+        f_lo, f_hi = F(lo), F(hi)
+        target = (f_hi - f_lo) / (cp - r)
+        x = _solve(
+            lambda x, lo=lo, hi=hi, f_lo=f_lo, f_hi=f_hi: F(lo + x) - f_lo + f_hi - F(hi - shard + x), target, shard
+        )
         pieces += [(lo, lo + x, r), (hi - (shard - x), hi, r)]
         lo, hi = lo + x, hi - (shard - x)
     pieces.append((lo, hi, cp - 1))  # the last rank takes the middle: exactly shard tokens are left
-    ranks, docs, shares = [], [], []
-    for s, e, r in pieces:
-        if e <= s:
-            continue
-        bounds = np.unique(np.r_[s, ctok[(ctok > s) & (ctok < e)], e])
-        d = np.searchsorted(ctok, bounds[:-1], side="right") - 1
-        ranks.append(np.full(d.size, r)), docs.append(d), shares.append(np.diff(bounds))
-    rank, doc, share = (np.concatenate(x).astype(np.int64) for x in (ranks, docs, shares))
-    seq = np.argsort(doc, kind="stable")
-    rank, doc, share = rank[seq], doc[seq], share[seq]
+    # The pieces tile the stream: cut them at the documents' ends, each cut in the piece holding it.
+    s, e, r = (np.array(x, dtype=np.int64) for x in zip(*pieces))
+    k = np.flatnonzero(e > s)  # the pieces' places in the list (a document's shares keep their order) ...
+    k = k[np.argsort(s[k], kind="stable")]  # ... in stream order
+    bounds = np.unique(np.concatenate([s, e, ctok]))
+    a = bounds[:-1]
+    piece = k[np.searchsorted(s[k], a, side="right") - 1]
+    doc = np.searchsorted(ctok, a, side="right") - 1
+    seq = np.lexsort((a, piece, doc))
+    rank, doc, share = r[piece][seq], doc[seq], np.diff(bounds)[seq]
     head = share // 2
     tail = share - head
-    first = np.r_[True, doc[1:] != doc[:-1]]
+    first = np.concatenate(([True], doc[1:] != doc[:-1]))
     grp = np.cumsum(first) - 1
     h0 = np.cumsum(head) - head
     h0 -= h0[np.flatnonzero(first)][grp]
@@ -397,8 +402,8 @@ def _stream_split(lengths: np.ndarray, cp: int, shard: int) -> ContextSplit:
     return _build(
         cp,
         lengths,
-        np.r_[rank, rank],
-        np.r_[real, real],
-        np.r_[h0, tail_end - tail],
-        np.r_[h0 + head, tail_end],
+        np.concatenate((rank, rank)),
+        np.concatenate((real, real)),
+        np.concatenate((h0, tail_end - tail)),
+        np.concatenate((h0 + head, tail_end)),
     )
