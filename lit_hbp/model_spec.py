@@ -97,6 +97,7 @@ MIXER_HEADS = {  # a family's fields its stateful mixers split by on a Ulysses l
     "granitemoehybrid": (("mamba_n_groups", "mamba_n_heads"), "mamba_proj_bias"),
     "zamba2": (("mamba_ngroups", "n_mamba_heads"), "add_bias_linear"),
     "mamba2": (("n_groups", "num_heads"), "use_bias"),
+    "falcon_h1": (("mamba_n_groups", "mamba_n_heads"), "projectors_bias"),
 }
 
 
@@ -125,6 +126,8 @@ def mixer_heads(config: dict) -> int | None:
     fields, bias = MIXER_HEADS.get(config.get("model_type"), ((), None))
     counts = [config.get(f) for f in fields]
     if not counts or None in counts or (bias is not None and config.get(bias)):
+        return None
+    if config.get("mamba_rms_norm") and counts[0] == 1:  # Falcon-H1's optional norm over one group's heads
         return None
     return int(counts[0] if counts[0] > 1 or len(counts) == 1 else counts[1])
 

@@ -73,7 +73,7 @@ HYBRIDS = {
     # than the test documents (a scan's chunk boundaries fall inside them)
     "bamba": dict(MAMBA2, attn_layer_indices=[1]),
     "granitemoehybrid": dict(MAMBA2, **BESIDE_ATTENTION),
-    "falcon_h1": dict(MAMBA2, mamba_d_ssm=128),
+    "falcon_h1": dict(MAMBA2, mamba_d_ssm=128, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9]),  # distinct muP rows
     "nemotron_h": dict(ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=16, chunk_size=16),
     "kimi_linear": dict(  # its full attention is MLA
         linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}, **BESIDE_ATTENTION, **MLA

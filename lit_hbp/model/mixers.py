@@ -422,6 +422,25 @@ def _plain_mamba2_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
     )  # fmt: skip
 
 
+def _falcon_h1_heads(m: torch.nn.Module) -> int | None:
+    """Falcon-H1's Mamba2 splits as the others (``_mamba2_heads``) unless its optional gated norm spans the heads
+    of one group: that norm may normalize before the gate, which ``_SharedGatedNorm`` does not do."""
+    return None if m.n_groups == 1 and m.mamba_rms_norm else _mamba2_heads(m)
+
+
+def _falcon_h1_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
+    """The config a Falcon-H1 Mamba2 mixer of 1/``parts`` of ``m``'s heads is built from (its own fields)."""
+    return SimpleNamespace(
+        hidden_act=m.activation, hidden_size=m.hidden_size, layer_types={m.layer_idx: m.layer_type},
+        mamba_chunk_size=m.chunk_size, mamba_conv_bias=m.use_conv_bias, mamba_d_conv=m.conv_kernel_size,
+        mamba_d_head=m.head_dim, mamba_d_ssm=m.intermediate_size // parts, mamba_d_state=m.ssm_state_size,
+        mamba_expand=None, mamba_n_groups=_mamba2_groups(m, parts), mamba_n_heads=m.num_heads // parts,
+        mamba_norm_before_gate=getattr(m.norm, "norm_before_gate", True), mamba_proj_bias=m.use_bias,
+        mamba_rms_norm=m.mamba_rms_norm, projectors_bias=m.out_proj.bias is not None,
+        rms_norm_eps=m.layer_norm_epsilon, ssm_in_multiplier=m.ssm_in_multiplier, time_step_limit=m.time_step_limit,
+    )  # fmt: skip
+
+
 def _mamba2_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
     """A Mamba2 mixer (Nemotron-H's, Bamba's, Granite 4.0-H's, Zamba2's, Mamba2's): ``in_proj`` gives the gate,
     the convolution's input (x, then B and C per group of heads) and the step per head; a share is its heads
@@ -440,9 +459,12 @@ def _mamba2_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.T
         "dt_bias": m.dt_bias[h],
         "A_log": m.A_log[h],
         "D": m.D[h],
-        "norm.weight": m.norm.weight[x],
         "out_proj.weight": _rows(m.out_proj.weight, x, dim=1),
     }
+    if isinstance(getattr(m.norm, "weight", None), torch.Tensor):  # Falcon-H1's is optional
+        weights["norm.weight"] = m.norm.weight[x]
+    if isinstance(getattr(m, "mup_vector", None), torch.Tensor):  # Falcon-H1's muP multipliers of in_proj's rows
+        weights["mup_vector"] = _rows(m.mup_vector, *rows, dim=2)
     if m.in_proj.bias is not None:
         weights["in_proj.bias"] = _rows(m.in_proj.bias, *rows)
     if m.conv1d.bias is not None:
@@ -479,7 +501,7 @@ class HeadSplit:
     views where they can be, so their gradients reach ``m``'s weights). Each part's output is that part's
     heads' share of the output projection: the parts' outputs sum to the whole mixer's."""
 
-    heads: Callable[[torch.nn.Module], int]
+    heads: Callable[[torch.nn.Module], int | None]
     shape: Callable[[torch.nn.Module, int], Any]
     part: Callable[[torch.nn.Module, int, int], dict[str, torch.Tensor]]
     shared_norm: Callable[[torch.nn.Module], bool] = lambda m: False
@@ -501,6 +523,7 @@ HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, 
     "GraniteMoeHybridMambaLayer": HeadSplit(_mamba2_heads, _bamba_shape, _mamba2_part, _one_group),
     "Zamba2MambaMixer": HeadSplit(_mamba2_heads, _zamba2_shape, _mamba2_part, _one_group),
     "Mamba2Mixer": HeadSplit(_mamba2_heads, _plain_mamba2_shape, _mamba2_part, _one_group),
+    "FalconH1Mixer": HeadSplit(_falcon_h1_heads, _falcon_h1_shape, _mamba2_part),
 }
 
 
@@ -512,7 +535,7 @@ def split_heads(mixer: torch.nn.Module) -> int | None:
     if split is None:
         return None
     named = set(split.part(mixer, 0, 1))
-    if named != {n for n, _ in mixer.named_parameters()} or next(mixer.buffers(), None) is not None:
+    if named != {n for n, _ in mixer.named_parameters()} | {n for n, _ in mixer.named_buffers()}:
         return None
     return split.heads(mixer)
 
@@ -532,7 +555,9 @@ def heads_part(mixer: torch.nn.Module, part: int, parts: int, sp: Any = None):
     shapes = mixer.__dict__.setdefault(SHAPES, {})
     if parts not in shapes:
         with torch.device("meta"):
-            shapes[parts] = type(mixer)(split.shape(mixer, parts), mixer.layer_idx)
+            shapes[parts] = twin = type(mixer)(split.shape(mixer, parts), mixer.layer_idx)
+        for name in weights.keys() - dict(twin.named_parameters()).keys() - dict(twin.named_buffers()).keys():
+            twin.register_buffer(name, weights[name].to("meta"), persistent=False)  # one its model registers
     twin = shapes[parts]
     if shared:  # this call's twin: the cached one's modules, its norm summed over the call's SP group
         twin = copy.copy(twin)
