@@ -6,7 +6,7 @@ documents, beside every rank running them all.
 
 A mixer that carries state along a document (the gated delta rule, a Mamba scan) runs each document whole.
 On an sp 2 level every rank gathers the pack's mixer inputs; then either each rank runs every document on
-its half of the mixer's heads (``heads``: ``lit_hbp.model.mixers.HEAD_SPLITS``, the outputs partial sums
+its half of the mixer's heads (``heads``: ``lit_hbp.model.mixer_heads.HEAD_SPLITS``, the outputs partial sums
 reduce-scattered into each rank's shard: what lit-hbp does for a mixer class it splits), or the ranks share
 the documents (``share``: ``document_owners``, each document on one rank, the outputs summed into each
 rank's shard: what it does for the others), or every rank runs every document and keeps its shard (``all``:

@@ -87,7 +87,7 @@ def attention_layers(config: dict) -> int | None:
 
 
 BLOCK_ONLY = re.compile(r"^mlp$|^moe$|^-$")  # a layer kind without a token mixer (Nemotron-H's)
-MIXER_HEADS = {  # a family's fields its stateful mixers split by on a Ulysses level (mixers.HEAD_SPLITS): the
+MIXER_HEADS = {  # a family's fields its stateful mixers split by on a Ulysses level (mixer_heads.HEAD_SPLITS): the
     # groups, else (one group) the heads; and the field of a bias on its projections (a share's is no partial sum)
     "qwen3_next": (("linear_num_key_heads",), None),
     "qwen3_5_text": (("linear_num_key_heads",), None),

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from lit_hbp import pack_samples, packed_loss, prepare_model
 from lit_hbp.cli.app import main
 from lit_hbp.errors import ConfigError
-from lit_hbp.model.mixers import HEAD_SPLITS
+from lit_hbp.model.mixer_heads import HEAD_SPLITS
 from lit_hbp.model.packed_call import record_of
 from lit_hbp.packing.levels import Level
 
@@ -776,7 +776,7 @@ def test_a_one_group_mamba2_share_normalizes_over_the_ranks_and_never_calls_the_
 
     import transformers.models.bamba.modeling_bamba as bamba
 
-    from lit_hbp.model.mixers import heads_part
+    from lit_hbp.model.mixer_heads import heads_part
 
     fused, summed = [], []
     monkeypatch.setattr(bamba, "mamba2_split_conv1d_scan_combined", lambda *a, **k: fused.append(1))
@@ -792,14 +792,15 @@ def test_a_one_group_mamba2_share_normalizes_over_the_ranks_and_never_calls_the_
 
 @pytest.mark.parametrize("family", SPLIT_BY_HEADS)
 def test_a_mixers_heads_split_sum_to_the_mixer_and_leave_no_weight_out(family):
-    """On one process: each share of the heads (``mixers.heads_part``, 2 and 4 shares, two value heads per key
+    """On one process: each share of the heads (``mixer_heads.heads_part``, 2 and 4 shares, two value heads per key
     head) through the mixer's own forward on its twin, summed, is the mixer's output on a document, with the
     same gradients of every weight; a mixer holding a weight the split does not know (LoRA's adapters on a
     projection) or a degree that does not divide its heads is not split. Every class that splits is tested."""
     assert {HYBRIDS[f] for f in SPLIT_BY_HEADS} == set(HEAD_SPLITS)
     from peft import LoraConfig, get_peft_model
 
-    from lit_hbp.model.mixers import OWN, heads_part, split_heads
+    from lit_hbp.model.mixer_heads import heads_part, split_heads
+    from lit_hbp.model.mixers import OWN
 
     net = prepare_model(tiny(family, **TWO_PER_KEY, **GROUPS.get(family, {})))
     mixer = record_of(net).mixers[0]

@@ -43,10 +43,10 @@ from lit_hbp.model.build import (
 )
 from lit_hbp.model.checks import model_config
 from lit_hbp.model.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
+from lit_hbp.model.mixer_heads import split_heads
 from lit_hbp.model.mixers import (
     install_per_document,
     refuse_stateful_mixers,
-    split_heads,
     stateful_mixers,
     uninstall_per_document,
 )

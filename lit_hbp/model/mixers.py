@@ -18,7 +18,7 @@ are not wired yet.
 On a Ulysses level (sp > 1) the SP kind gathers the whole pack's inputs of the mixer
 (``SPKind.gather_tokens``); the ranks share the pack's documents, each run whole by one rank
 (``document_owners``, balanced by length), where that shares the work evenly (``shares_evenly``); else a
-mixer class that splits by heads (``HEAD_SPLITS``: the gated delta rule, Nemotron-H's Mamba2) runs every
+mixer class that splits by heads (``mixer_heads.HEAD_SPLITS``: the gated delta rule, Mamba2) runs every
 document on the rank's share of its heads; the ranks' outputs (partial sums over the heads, or zeros at the
 others' documents) are summed into each rank's shard (``SPKind.sum_own_tokens``).
 A pack of fewer documents than ranks is run whole by every rank for a mixer that does not split, each
@@ -36,20 +36,17 @@ the same on a model built from the checkpoint's config on the meta device, befor
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from fractions import Fraction
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from lit_hbp.model import calls
-from lit_hbp.packing.mixer_share import document_owners, shares_evenly, splits
+from lit_hbp.model.mixer_heads import SHAPES, heads_part
+from lit_hbp.packing.mixer_share import document_owners, shares_evenly
 from lit_hbp.parallel.kind import resolve_sp_kind
 
 
@@ -201,7 +198,6 @@ def sp_refusal(family: str, mixers: list[StatefulMixer], level: Any, where: str)
 
 CALL_OF = "_hbp_mixer_call"  # on a mixer instance: the function giving its model's packed call on this thread
 OWN = "_hbp_mixer_own"  # on the class's per-document forward: the class's own forward
-SHAPES = "_hbp_head_shapes"  # on a mixer instance: its 1/parts-of-the-heads twin per degree (meta, no weights)
 PACK_ONLY = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "hbp_sp", "hbp_cp_shard"})
 
 
@@ -240,7 +236,7 @@ def by_document(mixer: torch.nn.Module, run, call: calls.PackCall, name: str, ar
     nothing at every document, as the document alone. Under sequence parallelism each rank holds a
     shard of the pack: its SP kind gathers the whole pack's inputs (``SPKind.gather_tokens``), the rank
     runs its share of the documents (``document_owners``) where they share evenly (``shares_evenly``), else
-    every document on its share of the mixer's heads (``HEAD_SPLITS``), and the ranks' outputs are summed
+    every document on its share of the mixer's heads (``mixer_heads``), and the ranks' outputs are summed
     into each rank's shard (``SPKind.sum_own_tokens``); a mixer that does not split runs unevenly shared
     documents as they fall, and with fewer documents than ranks runs them all on every rank."""
     pack = call.pack
@@ -293,277 +289,6 @@ ZERO3_REFUSAL = (
 def zero3_partitioned(mixers: list[torch.nn.Module]) -> bool:
     """Whether any of ``mixers`` holds a weight DeepSpeed ZeRO-3 partitions (its ``ds_id``)."""
     return any(hasattr(p, "ds_id") for m in mixers for p in m.parameters())
-
-
-# ---- split by heads, on a Ulysses level -----------------------------------------------------------------
-
-
-def _span(n: int, part: int, parts: int) -> slice:
-    """Part ``part`` of ``parts`` equal, contiguous shares of ``n`` rows."""
-    return slice(part * n // parts, (part + 1) * n // parts)
-
-
-def _rows(x: torch.Tensor, *spans: slice, dim: int = 0) -> torch.Tensor:
-    """``x``'s rows (or ``dim``'s entries) in ``spans``, joined: a view when there is one."""
-    pieces = [x.narrow(dim, s.start, s.stop - s.start) for s in spans]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
-
-
-def _gated_delta_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
-    """The config a gated-delta-rule mixer of 1/``parts`` of ``m``'s heads is built from (its own fields)."""
-    return SimpleNamespace(
-        hidden_size=m.hidden_size, linear_num_value_heads=m.num_v_heads // parts,
-        linear_num_key_heads=m.num_k_heads // parts, linear_key_head_dim=m.head_k_dim,
-        linear_value_head_dim=m.head_v_dim, linear_conv_kernel_dim=m.conv_kernel_size, hidden_act=m.activation,
-        rms_norm_eps=m.layer_norm_epsilon, layer_types={m.layer_idx: m.layer_type},
-    )  # fmt: skip
-
-
-def _gated_delta_common(m: torch.nn.Module, part: int, parts: int) -> tuple[dict, slice, slice]:
-    """The weights every gated-delta-rule layout splits alike: the convolution's q, k and v channels of the
-    part's key heads and their value heads, the per-value-head decay and step, the output projection's
-    columns of those value heads, and the gated norm (shared by every head, whole)."""
-    k, v = _span(m.num_k_heads, part, parts), _span(m.num_v_heads, part, parts)
-    dk, dv = m.head_k_dim, m.head_v_dim
-    q_ch = slice(k.start * dk, k.stop * dk)
-    k_ch = slice(m.key_dim + k.start * dk, m.key_dim + k.stop * dk)
-    v_ch = slice(2 * m.key_dim + v.start * dv, 2 * m.key_dim + v.stop * dv)
-    weights = {
-        "conv1d.weight": _rows(m.conv1d.weight, q_ch, k_ch, v_ch),
-        "A_log": m.A_log[v],
-        "dt_bias": m.dt_bias[v],
-        "norm.weight": m.norm.weight,
-        "out_proj.weight": _rows(m.out_proj.weight, slice(v.start * dv, v.stop * dv), dim=1),
-    }
-    return weights, k, v
-
-
-def _qwen3_next_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
-    """Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba`` hold each key head's group of rows together."""
-    weights, k, _ = _gated_delta_common(m, part, parts)
-    per_v = m.num_v_heads // m.num_k_heads
-    qkvz = 2 * m.head_k_dim + 2 * m.head_v_dim * per_v
-    weights["in_proj_qkvz.weight"] = _rows(m.in_proj_qkvz.weight, slice(k.start * qkvz, k.stop * qkvz))
-    weights["in_proj_ba.weight"] = _rows(m.in_proj_ba.weight, slice(k.start * 2 * per_v, k.stop * 2 * per_v))
-    return weights
-
-
-def _qwen3_5_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
-    """Qwen3.5: ``in_proj_qkv`` holds all queries, then all keys, then all values (the convolution's
-    channels); ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` a block per value head."""
-    weights, k, v = _gated_delta_common(m, part, parts)
-    dk, dv = m.head_k_dim, m.head_v_dim
-    weights["in_proj_qkv.weight"] = _rows(
-        m.in_proj_qkv.weight, slice(k.start * dk, k.stop * dk),
-        slice(m.key_dim + k.start * dk, m.key_dim + k.stop * dk),
-        slice(2 * m.key_dim + v.start * dv, 2 * m.key_dim + v.stop * dv),
-    )  # fmt: skip
-    weights["in_proj_z.weight"] = _rows(m.in_proj_z.weight, slice(v.start * dv, v.stop * dv))
-    weights["in_proj_b.weight"] = m.in_proj_b.weight[v]
-    weights["in_proj_a.weight"] = m.in_proj_a.weight[v]
-    return weights
-
-
-def _mamba2_heads(m: torch.nn.Module) -> int:
-    """What an SP degree must divide for a Mamba2 mixer to split: its groups (a share is whole groups with their
-    heads, the gated norm per group within it), or, with one group, its heads (every share reads the group's
-    B and C, and the norm spans the shares: ``_SharedGatedNorm``)."""
-    return m.n_groups if m.n_groups > 1 else m.num_heads
-
-
-def _mamba2_groups(m: torch.nn.Module, parts: int) -> int:
-    """The groups a Mamba2 mixer of 1/``parts`` of ``m``'s heads holds (see ``_mamba2_heads``)."""
-    return m.n_groups // parts if m.n_groups > 1 else 1
-
-
-def _mamba2_shape(m: torch.nn.Module, parts: int) -> Any:
-    """The config a Mamba2 mixer of 1/``parts`` of ``m``'s heads is built from (Nemotron-H's: a copy of its own)."""
-    config = copy.copy(m.config)
-    config.mamba_num_heads, config.n_groups = m.num_heads // parts, _mamba2_groups(m, parts)
-    return config
-
-
-def _bamba_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
-    """The config a Bamba or Granite 4.0-H mixer of 1/``parts`` of ``m``'s heads is built from (its own fields:
-    it keeps no config; its width is ``int(mamba_expand * hidden_size)``, exact through a fraction)."""
-    return SimpleNamespace(
-        mamba_proj_bias=m.use_bias, mamba_n_heads=m.num_heads // parts, hidden_size=m.hidden_size,
-        mamba_d_state=m.ssm_state_size, mamba_d_conv=m.conv_kernel_size,
-        mamba_expand=Fraction(m.intermediate_size // parts, m.hidden_size), mamba_conv_bias=m.use_conv_bias,
-        hidden_act=m.activation, rms_norm_eps=m.layer_norm_epsilon, mamba_n_groups=_mamba2_groups(m, parts),
-        mamba_d_head=m.head_dim, mamba_chunk_size=m.chunk_size, time_step_limit=m.time_step_limit,
-        layer_types={m.layer_idx: m.layer_type},
-    )  # fmt: skip
-
-
-def _zamba2_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
-    """The config a Zamba2 Mamba2 mixer of 1/``parts`` of ``m``'s heads is built from: its config's fields (a
-    strict dataclass, whose integer ``mamba_expand`` cannot say half the width), the width's through a fraction."""
-    c = m.config
-    return SimpleNamespace(
-        n_mamba_heads=m.num_heads // parts, hidden_size=m.hidden_size, mamba_d_state=m.ssm_state_size,
-        mamba_d_conv=m.conv_kernel_size, mamba_expand=Fraction(m.intermediate_size // parts, m.hidden_size),
-        use_conv_bias=m.use_conv_bias, mamba_ngroups=_mamba2_groups(m, parts), mamba_headdim=m.head_dim,
-        chunk_size=m.chunk_size, time_step_min=c.time_step_min, add_bias_linear=c.add_bias_linear,
-        layer_types={m.layer_idx: m.layer_type}, use_mamba_kernels=True,
-    )  # fmt: skip
-
-
-def _plain_mamba2_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
-    """The config a Mamba2 model's mixer of 1/``parts`` of ``m``'s heads is built from (its own fields)."""
-    return SimpleNamespace(
-        num_heads=m.num_heads // parts, hidden_size=m.hidden_size, state_size=m.ssm_state_size,
-        conv_kernel=m.conv_kernel_size, expand=Fraction(m.intermediate_size // parts, m.hidden_size),
-        time_step_rank=m.time_step_rank, use_conv_bias=m.use_conv_bias, hidden_act=m.activation,
-        layer_norm_epsilon=m.layer_norm_epsilon, n_groups=_mamba2_groups(m, parts), head_dim=m.head_dim,
-        chunk_size=m.chunk_size, time_step_limit=m.time_step_limit, time_step_min=m.time_step_min,
-        time_step_max=m.time_step_max, time_step_floor=m.time_step_floor, use_bias=m.use_bias,
-        layer_types={m.layer_idx: m.layer_type},
-    )  # fmt: skip
-
-
-def _falcon_h1_heads(m: torch.nn.Module) -> int | None:
-    """Falcon-H1's Mamba2 splits as the others (``_mamba2_heads``) unless its optional gated norm spans the heads
-    of one group: that norm may normalize before the gate, which ``_SharedGatedNorm`` does not do."""
-    return None if m.n_groups == 1 and m.mamba_rms_norm else _mamba2_heads(m)
-
-
-def _falcon_h1_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
-    """The config a Falcon-H1 Mamba2 mixer of 1/``parts`` of ``m``'s heads is built from (its own fields)."""
-    return SimpleNamespace(
-        hidden_act=m.activation, hidden_size=m.hidden_size, layer_types={m.layer_idx: m.layer_type},
-        mamba_chunk_size=m.chunk_size, mamba_conv_bias=m.use_conv_bias, mamba_d_conv=m.conv_kernel_size,
-        mamba_d_head=m.head_dim, mamba_d_ssm=m.intermediate_size // parts, mamba_d_state=m.ssm_state_size,
-        mamba_expand=None, mamba_n_groups=_mamba2_groups(m, parts), mamba_n_heads=m.num_heads // parts,
-        mamba_norm_before_gate=getattr(m.norm, "norm_before_gate", True), mamba_proj_bias=m.use_bias,
-        mamba_rms_norm=m.mamba_rms_norm, projectors_bias=m.out_proj.bias is not None,
-        rms_norm_eps=m.layer_norm_epsilon, ssm_in_multiplier=m.ssm_in_multiplier, time_step_limit=m.time_step_limit,
-    )  # fmt: skip
-
-
-def _mamba2_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
-    """A Mamba2 mixer (Nemotron-H's, Bamba's, Granite 4.0-H's, Zamba2's, Mamba2's): ``in_proj`` gives the gate,
-    the convolution's input (x, then B and C per group of heads) and the step per head; a share is its heads
-    with their groups (whole groups, or the one group every share reads)."""
-    h = _span(m.num_heads, part, parts)
-    g = _span(m.n_groups, part, parts) if m.n_groups > 1 else slice(0, 1)
-    inner, state, conv = m.intermediate_size, m.ssm_state_size, m.conv_dim
-    x = slice(h.start * m.head_dim, h.stop * m.head_dim)
-    b = slice(inner + g.start * state, inner + g.stop * state)
-    c = slice(inner + m.n_groups * state + g.start * state, inner + m.n_groups * state + g.stop * state)
-    shifted = [slice(inner + s.start, inner + s.stop) for s in (x, b, c)]  # in in_proj: after the gate
-    rows = (x, *shifted, slice(inner + conv + h.start, inner + conv + h.stop))
-    weights = {
-        "in_proj.weight": _rows(m.in_proj.weight, *rows),
-        "conv1d.weight": _rows(m.conv1d.weight, x, b, c),
-        "dt_bias": m.dt_bias[h],
-        "A_log": m.A_log[h],
-        "D": m.D[h],
-        "out_proj.weight": _rows(m.out_proj.weight, x, dim=1),
-    }
-    if isinstance(getattr(m.norm, "weight", None), torch.Tensor):  # Falcon-H1's is optional
-        weights["norm.weight"] = m.norm.weight[x]
-    if isinstance(getattr(m, "mup_vector", None), torch.Tensor):  # Falcon-H1's muP multipliers of in_proj's rows
-        weights["mup_vector"] = _rows(m.mup_vector, *rows, dim=2)
-    if m.in_proj.bias is not None:
-        weights["in_proj.bias"] = _rows(m.in_proj.bias, *rows)
-    if m.conv1d.bias is not None:
-        weights["conv1d.bias"] = _rows(m.conv1d.bias, x, b, c)
-    return weights
-
-
-class _SharedGatedNorm(torch.nn.Module):
-    """A Mamba2 mixer's gated RMSNorm (transformers' ``...RMSNormGated`` of one group: ``weight * y *
-    rsqrt(mean(y^2) + eps)``, ``y = x * silu(gate)``) over the whole width, on a rank holding a share of the
-    heads: each rank's sum of squares summed over the SP group (``SPKind.sum_ranks``), divided by the whole
-    width. Built for one call (it holds the call's SP group); its weight, on the meta device, is the share's
-    through ``functional_call``."""
-
-    def __init__(self, norm: torch.nn.Module, width: int, sp: Any):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty_like(norm.weight, device="meta"))
-        self.eps, self.width, self.sp = norm.variance_epsilon, width, sp
-
-    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        dtype = hidden_states.dtype
-        y = hidden_states.to(torch.float32)
-        if gate is not None:
-            y = y * torch.nn.functional.silu(gate.to(torch.float32))
-        squares = self.sp.kind.sum_ranks(y.pow(2).sum(-1, keepdim=True), self.sp.ctx)
-        return self.weight * (y * torch.rsqrt(squares / self.width + self.eps)).to(dtype)
-
-
-@dataclass(frozen=True)
-class HeadSplit:
-    """How a mixer class runs on a share of its heads: ``heads(m)`` the count that the SP degree must
-    divide, ``shape(m, parts)`` the config of a mixer of 1/parts of them (built from ``m``'s own
-    fields), ``part(m, part, parts)`` the slices of ``m``'s weights that one holds (by parameter name:
-    views where they can be, so their gradients reach ``m``'s weights). Each part's output is that part's
-    heads' share of the output projection: the parts' outputs sum to the whole mixer's."""
-
-    heads: Callable[[torch.nn.Module], int | None]
-    shape: Callable[[torch.nn.Module, int], Any]
-    part: Callable[[torch.nn.Module, int, int], dict[str, torch.Tensor]]
-    shared_norm: Callable[[torch.nn.Module], bool] = lambda m: False
-    """Whether the mixer's gated norm spans the shares (a Mamba2 mixer of one group): its twin then normalizes
-    over the ranks (``_SharedGatedNorm``) and runs its unfused path (a fused kernel would normalize within
-    the share)."""
-
-
-def _one_group(m: torch.nn.Module) -> bool:
-    return m.n_groups == 1
-
-
-HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, each at sp 2
-    "Qwen3NextGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_next_part),
-    "Qwen3_5GatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
-    "Qwen3_5MoeGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _gated_delta_shape, _qwen3_5_part),
-    "NemotronHMamba2Mixer": HeadSplit(_mamba2_heads, _mamba2_shape, _mamba2_part, _one_group),
-    "BambaMixer": HeadSplit(_mamba2_heads, _bamba_shape, _mamba2_part, _one_group),
-    "GraniteMoeHybridMambaLayer": HeadSplit(_mamba2_heads, _bamba_shape, _mamba2_part, _one_group),
-    "Zamba2MambaMixer": HeadSplit(_mamba2_heads, _zamba2_shape, _mamba2_part, _one_group),
-    "Mamba2Mixer": HeadSplit(_mamba2_heads, _plain_mamba2_shape, _mamba2_part, _one_group),
-    "FalconH1Mixer": HeadSplit(_falcon_h1_heads, _falcon_h1_shape, _mamba2_part),
-}
-
-
-def split_heads(mixer: torch.nn.Module) -> int | None:
-    """The heads ``mixer`` splits by on a Ulysses level (an SP degree must divide them), or None where it does
-    not split: its class has no ``HEAD_SPLITS`` entry, or it holds a weight or buffer the split does not know
-    (a bias, whose share is not a partial sum; LoRA's adapters), which a share would leave out."""
-    split = HEAD_SPLITS.get(type(mixer).__name__)
-    if split is None:
-        return None
-    named = set(split.part(mixer, 0, 1))
-    if named != {n for n, _ in mixer.named_parameters()} | {n for n, _ in mixer.named_buffers()}:
-        return None
-    return split.heads(mixer)
-
-
-def heads_part(mixer: torch.nn.Module, part: int, parts: int, sp: Any = None):
-    """A function running ``mixer`` on part ``part`` of ``parts`` equal shares of its heads (its own forward,
-    on its twin of that shape with the share's weights), or None where it does not split so
-    (``split_heads``, ``mixer_share.splits``; a mixer whose norm spans the shares without ``sp``, the call's
-    SP group, to sum it over)."""
-    if not splits(split_heads(mixer), parts):
-        return None
-    split = HEAD_SPLITS[type(mixer).__name__]
-    shared = parts > 1 and split.shared_norm(mixer)
-    if shared and sp is None:
-        return None
-    weights = split.part(mixer, part, parts)
-    shapes = mixer.__dict__.setdefault(SHAPES, {})
-    if parts not in shapes:
-        with torch.device("meta"):
-            shapes[parts] = twin = type(mixer)(split.shape(mixer, parts), mixer.layer_idx)
-        for name in weights.keys() - dict(twin.named_parameters()).keys() - dict(twin.named_buffers()).keys():
-            twin.register_buffer(name, weights[name].to("meta"), persistent=False)  # one its model registers
-    twin = shapes[parts]
-    if shared:  # this call's twin: the cached one's modules, its norm summed over the call's SP group
-        twin = copy.copy(twin)
-        twin._modules = {**twin._modules, "norm": _SharedGatedNorm(twin.norm, mixer.intermediate_size, sp)}
-        twin.training = False
-    return lambda *args, **kwargs: torch.func.functional_call(twin, weights, args, kwargs, strict=True)
 
 
 def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str, only: list[int] | None = None):
