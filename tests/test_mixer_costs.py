@@ -135,3 +135,34 @@ def test_the_tools_price_a_hybrid_as_its_model_built_on_the_meta_device(tmp_path
     assert spec_of(str(tmp_path)).layer_params == built.layer_params
     assert configured_spec(small_config("llama")) is None
     assert spec_of(small_config("llama")) == ModelSpec.from_config(small_config("llama"))
+
+
+def test_a_tools_model_option_prices_a_hybrid_as_its_model_built_on_the_meta_device(tmp_path, capsys):
+    """``--model`` of the simulator, the level search and the memory report (``cost.config.load_spec``): a hybrid's
+    config.json, checkpoint folder or training YAML is counted on its meta-built model, named as given; a preset
+    and a model without mixers keep ``load_model_spec``'s. The simulator runs on it."""
+    import json
+
+    import yaml
+    from families import small_config
+
+    from lit_hbp.cost.config import load_spec
+    from lit_hbp.model.causal_lm import configured_spec
+    from lit_hbp.model_spec import MODELS, load_model_spec
+    from lit_hbp.simulate.__main__ import main as simulate_main
+
+    config = small_config("nemotron_h")
+    built = configured_spec(config)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"model": {"model": config}}))
+    for given in (tmp_path / "folder", tmp_path / "folder" / "config.json", tmp_path / "run.yaml"):
+        spec = load_spec(str(given))
+        assert spec == replace(built, name=load_model_spec(str(given)).name), given
+    assert load_spec("llama3.1-8b") == MODELS["llama3.1-8b"]
+    (tmp_path / "llama.json").write_text(json.dumps(small_config("llama")))
+    assert load_spec(str(tmp_path / "llama.json")) == load_model_spec(str(tmp_path / "llama.json"))
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in np.random.default_rng(0).integers(10, 200, 400)))
+    args = [str(lengths), "--model", str(tmp_path / "folder"), "--gpus", "2", "--levels", "256:1", "--no-auto"]
+    assert simulate_main(args) == 0, capsys.readouterr().err

@@ -29,11 +29,10 @@ from pathlib import Path
 import numpy as np
 
 from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunSetting
-from lit_hbp.cost.config import read_config
+from lit_hbp.cost.config import load_spec, read_config
 from lit_hbp.cost.costmodel import HARDWARE
 from lit_hbp.cost.run_settings import ANALYTIC, MEASURED
 from lit_hbp.lightning.datamodule import config_samples
-from lit_hbp.model_spec import load_model_spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             lengths, vocab, vision, samples = load_lengths(args.lengths), None, None, None
         else:
             lengths, vocab, vision, samples = config_samples(config)
-        spec = load_model_spec(args.model) if args.model and not args.measured else None
+        spec = load_spec(args.model) if args.model and not args.measured else None
         margin = {} if args.margin_gib is None else {"margin_gib": args.margin_gib}
         if args.measured:
             selector = MeasuredSelector(args.candidates, memory_gib=args.memory_gib, max_len=args.max_len, **margin)

@@ -4,9 +4,11 @@ the data module's set-up computes: ``lit_hbp.lightning.datamodule.config_samples
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
-from lit_hbp.model_spec import ModelSpec
+from lit_hbp.model_spec import ModelSpec, load_model_spec
 
 
 def read_config(path: str | Path) -> dict:
@@ -41,3 +43,20 @@ def spec_of(model: dict | str) -> ModelSpec:
             f"({', '.join(sorted(MODELS))}) or a config.json"
         )
     return configured_spec(model) or ModelSpec.from_config(Path(model))
+
+
+def load_spec(spec: str) -> ModelSpec:
+    """A tool's ``--model``: ``load_model_spec``'s (a preset, a config.json or checkpoint folder, a training YAML's
+    model), a hybrid's counted on its model built on the meta device (``configured_spec``), as a run prices it."""
+    from lit_hbp.model.causal_lm import configured_spec
+
+    base = load_model_spec(spec)
+    if not base.mixing:
+        return base
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml"):
+        model = model_config(read_config(path), None)
+    else:
+        model = str(path) if path.is_dir() else json.loads(path.read_text())
+    built = configured_spec(model)
+    return base if built is None else replace(built, name=base.name)

@@ -142,8 +142,7 @@ def table(cost: CostModel, levels) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lit_hbp.cost.config import model_config, read_config, spec_of
-    from lit_hbp.model_spec import load_model_spec
+    from lit_hbp.cost.config import load_spec, model_config, read_config, spec_of
 
     p = argparse.ArgumentParser(
         prog="python -m lit_hbp.cost.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         config = read_config(args.config)
-        spec = load_model_spec(args.model) if args.model else spec_of(model_config(config, None))
+        spec = load_spec(args.model) if args.model else spec_of(model_config(config, None))
         trainer = config.get("trainer") or {}
         devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
         counted = isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0

@@ -33,9 +33,9 @@ import sys
 import numpy as np
 
 from lit_hbp.autoselect.search import Selection, analytic_levels
+from lit_hbp.cost.config import load_spec
 from lit_hbp.cost.costmodel import GIB, HARDWARE
 from lit_hbp.cost.run_settings import SIMULATE, Settings, check, cost_model, describe
-from lit_hbp.model_spec import load_model_spec
 from lit_hbp.packing import Level
 from lit_hbp.packing.bins import load_lengths
 from lit_hbp.parallel.topology import resolve_layout
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         lengths = load_lengths(args.lengths)
-        spec = load_model_spec(args.model)
+        spec = load_spec(args.model)
         settings = Settings(args.gpus, HARDWARE[args.gpu], args.zero_stage, args.offload_optimizer, liger=args.liger)
         check(settings, SIMULATE)
         cost = cost_model(spec, settings)
