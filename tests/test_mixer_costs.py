@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from plan_walk import epoch_seconds
 
 from lit_hbp.cost.costmodel import CostModel, Hardware
 from lit_hbp.model_spec import ModelSpec
@@ -58,20 +59,14 @@ def test_the_simulator_prices_each_sp_groups_mixers_at_what_its_busiest_rank_run
     plan = plan_hbp(lengths, [Level(512, 1, 1, 2), Level(4096, 2, 2, ulysses=2)], 8, accumulate=2)
     cost = CostModel(replace(HYBRID, mixer_heads=heads), NODE, 8)
     sim = simulate(plan, cost, "hbp")
-    total = 0.0
-    for step in plan.steps:
-        lv = plan.levels[step.level]
-        for micro in step.micro:
-            times = []
-            for group in micro:
-                docs = lengths[np.concatenate(group).astype(int)]
-                mixer = mixer_tokens(docs.tolist(), lv.sp, heads) if lv.sp > 1 else None
-                sum_sq = float((docs.astype(float) ** 2).sum())
-                part = cost.micro_step(docs.sum() / lv.sp, sum_sq, lv.sp, lv.ckpt_layers, mixer_tokens=mixer)
-                times.append(part["total"])
-            total += max(times)
-        total += cost.grad_sync_seconds()
-    assert sim.seconds == pytest.approx(total, rel=1e-9)
+
+    def group_seconds(lv, members) -> float:
+        docs = lengths[members]
+        mixer = mixer_tokens(docs.tolist(), lv.sp, heads) if lv.sp > 1 else None
+        sum_sq = float((docs.astype(float) ** 2).sum())
+        return cost.micro_step(docs.sum() / lv.sp, sum_sq, lv.sp, lv.ckpt_layers, mixer_tokens=mixer)["total"]
+
+    assert sim.seconds == pytest.approx(epoch_seconds(plan, cost, group_seconds), rel=1e-9)
     split = simulate(plan, CostModel(replace(HYBRID, mixer_heads=2), NODE, 8), "hbp")
     assert sim.seconds > split.seconds if heads != 2 else sim.seconds == split.seconds
 

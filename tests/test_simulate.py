@@ -3,6 +3,7 @@ paper-shaped mix, and the command line with its pictures."""
 
 import numpy as np
 import pytest
+from plan_walk import epoch_seconds
 
 from lit_hbp.autoselect.search import analytic_levels
 from lit_hbp.cost.costmodel import HARDWARE, CostModel
@@ -25,18 +26,12 @@ def test_simulation_equals_a_loop_over_micro_steps_and_groups(images):
     cost = CostModel(TINY, HARDWARE["h100"], 8)
     sim = simulate(plan, cost, "hbp", extra_work=extra)
     work = extra if images else np.zeros(lengths.size)
-    total = 0.0
-    for step in plan.steps:
-        lv = plan.levels[step.level]
-        for micro in step.micro:
-            times = []
-            for group in micro:
-                members = np.concatenate(group).astype(int)
-                tokens, sum_sq = lengths[members].sum() / lv.sp, float((lengths[members].astype(float) ** 2).sum())
-                step_parts = cost.micro_step(tokens, sum_sq, lv.sp, lv.ckpt_layers, vision_work=work[members].sum())
-                times.append(step_parts["total"])
-            total += max(times)
-        total += cost.grad_sync_seconds()
+
+    def group_seconds(lv, members) -> float:
+        tokens, sum_sq = lengths[members].sum() / lv.sp, float((lengths[members].astype(float) ** 2).sum())
+        return cost.micro_step(tokens, sum_sq, lv.sp, lv.ckpt_layers, vision_work=work[members].sum())["total"]
+
+    total = epoch_seconds(plan, cost, group_seconds)
     assert sim.seconds == pytest.approx(total, rel=1e-9)
     assert sim.gpu_hours == pytest.approx(total * 8 / 3600)
     shares = sim.breakdown()
