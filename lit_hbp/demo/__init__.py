@@ -1,6 +1,7 @@
 """The embedded demo data sets, built offline on first use: short chats and long documents about the
-Python standard library (``text``: ``python -m lit_hbp.demo``), and drawn-shape image chats with a tiny
-LLaVA-NeXT folder (``vision``: ``python -m lit_hbp.demo.vision``)."""
+Python standard library (``text``: ``python -m lit_hbp.demo``), drawn-shape image chats with a tiny
+LLaVA-NeXT folder (``vision``: ``python -m lit_hbp.demo.vision``), and chats with short drawn videos and
+pictures with a tiny Qwen2-VL folder (``video``: ``python -m lit_hbp.demo.video``; torchvision needed)."""
 
 from typing import Any
 

@@ -15,7 +15,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +48,20 @@ def draw(rng: random.Random, shapes: list[tuple[str, str]], size: tuple[int, int
     slot = width // len(shapes)
     for k, (color, shape) in enumerate(shapes):
         r = max(4, min(slot, height) // 2 - rng.randint(1, 3))
-        cx, cy = slot * k + slot // 2, height // 2 + rng.randint(-2, 2)
-        box = (cx - r, cy - r, cx + r, cy + r)
-        if shape == "square":
-            pen.rectangle(box, fill=COLORS[color])
-        elif shape == "circle":
-            pen.ellipse(box, fill=COLORS[color])
-        else:
-            pen.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[color])
+        paint(pen, color, shape, (slot * k + slot // 2, height // 2 + rng.randint(-2, 2)), r)
     return im
+
+
+def paint(pen, color: str, shape: str, center: tuple[int, int], r: int) -> None:
+    """One filled ``shape`` of radius ``r`` at ``center`` (the image and the video demos' pen)."""
+    cx, cy = center
+    box = (cx - r, cy - r, cx + r, cy + r)
+    if shape == "square":
+        pen.rectangle(box, fill=COLORS[color])
+    elif shape == "circle":
+        pen.ellipse(box, fill=COLORS[color])
+    else:
+        pen.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[color])
 
 
 def _chat(user: str, answer: str, images: list[str]) -> dict[str, Any]:
@@ -138,32 +143,39 @@ def _model(folder: Path, tok, seed: int) -> None:
     processor.save_pretrained(folder)
 
 
-def build(out: Path, n: int, seed: int) -> dict[str, Any]:
-    """Write the demo into ``out`` (its lock held): built in a hidden folder inside it, moved into place
-    part by part, the manifest last (what says the demo is complete)."""
+def write_demo(tmp: Path, n: int, seed: int) -> dict[str, Any]:
+    """The demo's files written into ``tmp``; what the manifest counts."""
+    (tmp / IMAGE_DIR).mkdir()
+    recs = records(random.Random(seed), n, tmp / IMAGE_DIR)
+    (tmp / DATA_FILE).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    texts = [m["content"] for r in recs for m in r["messages"]] * 4
+    _model(tmp / MODEL_DIR, _tokenizer(texts), seed)
+    return {"records": len(recs), "images": sum(len(r.get("images", [])) for r in recs)}
+
+
+def build(out: Path, version: str, args: dict[str, Any], write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """Write a demo into ``out`` (its lock held): ``write`` fills a hidden folder inside it, whose parts
+    move into place one by one, the manifest last (what says the demo is complete)."""
     (out / "manifest.json").unlink(missing_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=".build-"))
     try:
-        (tmp / IMAGE_DIR).mkdir()
-        recs = records(random.Random(seed), n, tmp / IMAGE_DIR)
-        (tmp / DATA_FILE).write_text("".join(json.dumps(r) + "\n" for r in recs))
-        texts = [m["content"] for r in recs for m in r["messages"]] * 4
-        _model(tmp / MODEL_DIR, _tokenizer(texts), seed)
-        for name in (IMAGE_DIR, DATA_FILE, MODEL_DIR):
-            if (out / name).is_dir():
-                shutil.rmtree(out / name)
-            os.replace(tmp / name, out / name)
-        manifest = {"version": VERSION, "args": {"n": n, "seed": seed}, "records": len(recs),
-                    "images": sum(len(r.get("images", [])) for r in recs)}  # fmt: skip
+        counts = write(tmp)
+        for part in sorted(tmp.iterdir()):
+            if (out / part.name).is_dir():
+                shutil.rmtree(out / part.name)
+            os.replace(part, out / part.name)
+        manifest = {"version": version, "args": args, **counts}
         (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
 
 
-def ensure_vlm_demo(out_dir: str | os.PathLike[str], n: int = 1200, seed: int = 0) -> dict[str, Any]:
-    """The demo in ``out_dir``, built only when missing or built with other arguments; concurrent
-    callers (ranks, nodes) wait for one build on a file lock."""
+def ensure_built(
+    out_dir: str | os.PathLike[str], version: str, args: dict[str, Any], write: Callable[[Path], dict[str, Any]]
+) -> dict[str, Any]:
+    """The demo ``write`` makes in ``out_dir``, built only when missing or built by another version or with
+    other arguments; concurrent callers (ranks, nodes) wait for one build on a file lock."""
     from filelock import FileLock
 
     out = Path(out_dir)
@@ -173,23 +185,33 @@ def ensure_vlm_demo(out_dir: str | os.PathLike[str], n: int = 1200, seed: int = 
             manifest = json.loads((out / "manifest.json").read_text())
         except (OSError, ValueError):
             return None
-        ok = manifest.get("version") == VERSION and manifest.get("args") == {"n": n, "seed": seed}
+        ok = manifest.get("version") == version and manifest.get("args") == args
         return manifest if ok and (out / MODEL_DIR / "config.json").exists() else None
 
     if (manifest := complete()) is not None:
         return manifest
     out.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out / ".demo.lock")):
-        return complete() or build(out, n, seed)
+        return complete() or build(out, version, args, write)
 
 
-DEMOS = ("text", "vision")  # HBPDataModule's ``demo``: lit_hbp.demo.text's, or this module's
+def ensure_vlm_demo(out_dir: str | os.PathLike[str], n: int = 1200, seed: int = 0) -> dict[str, Any]:
+    """The image demo in ``out_dir``, built when missing (``ensure_built``)."""
+    return ensure_built(out_dir, VERSION, {"n": n, "seed": seed}, lambda tmp: write_demo(tmp, n, seed))
+
+
+# HBPDataModule's ``demo``: lit_hbp.demo.text's, this module's, or lit_hbp.demo.video's (torchvision needed)
+DEMOS = ("text", "vision", "video")
 
 
 def ensure_kind(out_dir: str | os.PathLike[str], kind: str = "text") -> None:
     """Build the demo ``kind`` in ``out_dir`` when missing (the data module's ``demo_dir``)."""
     if kind == "vision":
         ensure_vlm_demo(out_dir)
+    elif kind == "video":
+        from lit_hbp.demo.video import ensure_video_demo
+
+        ensure_video_demo(out_dir)
     else:
         ensure_demo(out_dir)
 
