@@ -81,6 +81,19 @@ def ctrl_c_as_in_a_terminal():
     signal.signal(signal.SIGINT, before)
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_demo):
+    """The uninterrupted run (``fit`` with no callback of its own) the stopped and resumed runs are compared
+    with: one fit for the module, the process left as it found it (``seed_everything`` sets PL_GLOBAL_SEED)."""
+    from conftest import ProcessState
+
+    state = ProcessState()
+    try:
+        return fit(tmp_path_factory.mktemp("interrupt") / "reference", small_demo, [])
+    finally:
+        state.restore()
+
+
 @pytest.fixture
 def lightning_log():
     """The messages of Lightning's logger (rank_zero_info) during a test."""
@@ -93,8 +106,9 @@ def lightning_log():
     logger.removeHandler(handler)
 
 
-def test_ctrl_c_saves_the_running_step_and_a_resume_continues_exactly(tmp_path, small_demo, capfd, lightning_log):
-    reference = fit(tmp_path / "reference", small_demo, [])
+def test_ctrl_c_saves_the_running_step_and_a_resume_continues_exactly(
+    tmp_path, small_demo, capfd, lightning_log, reference
+):
     # Ranked by a metric, last.ckpt, and saving at epoch ends: after a stop Lightning closes the epoch
     # and this callback's epoch-end hook would save last.ckpt again (a resume would skip to epoch 1).
     ckpt = ModelCheckpoint(tmp_path / "ckpt", monitor="train/loss", save_last=True, save_on_train_epoch_end=True)
@@ -144,11 +158,10 @@ def test_the_signals_handled_are_checked():
         InterruptCheckpoint(["SIGFOO"])
 
 
-def test_a_slurm_job_is_requeued_at_the_step_and_resumes_by_itself(tmp_path, small_demo, monkeypatch):
+def test_a_slurm_job_is_requeued_at_the_step_and_resumes_by_itself(tmp_path, small_demo, monkeypatch, reference):
     """``sbatch --signal=USR1@90 --requeue``: Lightning's SLURMEnvironment requeues on USR1. The save
     waits for the step boundary; Lightning's own handler writes hpc_ckpt_<n>.ckpt and runs
     ``scontrol requeue <job>``; the requeued job, same command, resumes from it by itself."""
-    reference = fit(tmp_path / "reference", small_demo, [])
     bin_dir, called = tmp_path / "bin", tmp_path / "scontrol.args"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {called}\n')
