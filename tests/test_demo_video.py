@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +97,26 @@ def test_without_torchvision_the_video_demo_says_so_in_one_line(tmp_path, monkey
         ensure_kind(tmp_path / "demo_video", "video")
 
 
+@pytest.mark.slow
+def test_the_video_config_without_torchvision_stops_in_one_line_before_building_anything(tmp_path):
+    """``lit-hbp fit --config configs/tiny_video_cpu.yaml`` in a fresh folder without torchvision: exit 2, the
+    reason in one line (and the CLI's debug tip), no traceback, no demo folder (with torchvision the config
+    trains: the compatibility part's test below)."""
+    import transformers.utils
+    from conftest import HANG_S, console_script
+
+    if transformers.utils.is_torchvision_available():
+        pytest.skip("torchvision is installed here: the config trains (the end-to-end test)")
+    run = subprocess.run([console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs" / "tiny_video_cpu.yaml")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
+    assert run.returncode == 2, run.stderr[-3000:]
+    lines = run.stderr.splitlines()
+    assert lines[0].startswith("error: the video demo needs torchvision") and lines[1:] == [
+        "tip: LIT_HBP_DEBUG=1 prints the traceback"
+    ], run.stderr
+    assert not (tmp_path / "demo_video").exists()
+
+
 def test_the_video_demos_records_render_as_its_processor_renders_them(tmp_path):
     """The built folder as users' folders look (AutoProcessor loads its Qwen2-VL processor with the video
     processor it was saved with), and every record through lit-hbp's data path equal, token for token,
@@ -138,16 +157,12 @@ def test_the_video_demos_records_render_as_its_processor_renders_them(tmp_path):
 
 @pytest.mark.slow
 def test_the_tiny_video_config_trains_on_the_demo_as_a_new_user_runs_it(tmp_path):
-    """``python -m lit_hbp.demo.video demo_video`` and ``lit-hbp fit --config configs/tiny_video_cpu.yaml``
-    in a fresh folder (fewer steps): exit 0, the self-check passed with the run's media, the loss falls."""
+    """``lit-hbp fit --config configs/tiny_video_cpu.yaml`` in a fresh folder (fewer steps), building the demo
+    itself: exit 0, the self-check passed with the run's media, the loss falls."""
     needs_torchvision("qwen2_vl")
     from conftest import HANG_S, console_script
     from test_train import scalars
 
-    build = subprocess.run([sys.executable, "-m", "lit_hbp.demo.video", "demo_video"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
-    assert build.returncode == 0, build.stderr[-3000:]
-    assert build.stdout.startswith("demo_video: 400 records, ")
     run = subprocess.run(
         [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs" / "tiny_video_cpu.yaml"),
          "--trainer.max_steps", "16", "--trainer.val_check_interval", "8", "--trainer.enable_progress_bar", "false"],

@@ -118,10 +118,10 @@ def check_run_config(config: Mapping[str, Any], trains: bool = True) -> None:
     process spawns: the model (its folder, or the mapping's keys), the levels against the world size
     and the model's heads."""
     data = config.get("data") or {}
-    if data.get("demo_dir") and data.get("demo") == "vision":  # the demo's checkpoint folder is the model
+    if data.get("demo_dir") and data.get("demo", "text") != "text":  # the demo's checkpoint folder is the model
         from lit_hbp.demo.vision import ensure_kind
 
-        ensure_kind(data["demo_dir"], "vision")
+        ensure_kind(data["demo_dir"], data["demo"])
     model = (config.get("model") or {}).get("model")
     check_model_source(model)
     if isinstance(model, Mapping):

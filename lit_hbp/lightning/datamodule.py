@@ -250,7 +250,8 @@ class HBPDataModule(L.LightningDataModule):
         demo_dir: build the embedded demo data set and tokenizer here if missing
             (``python -m lit_hbp.demo.text``); the tiny configs point their sources at it.
         demo: which demo ``demo_dir`` holds: text (default) | vision (a tiny vision-language checkpoint
-            folder and an image-chat data set, ``python -m lit_hbp.demo.vision``).
+            folder and an image-chat data set, ``python -m lit_hbp.demo.vision``) | video (a tiny Qwen2-VL
+            folder and chats with short videos, ``python -m lit_hbp.demo.video``; needs torchvision).
         val_sources: validation data (the same forms as ``sources``), every record once.
         val_fraction: also hold out this seeded fraction of the training records (every repeat of
             a held-out record leaves training) for validation.
