@@ -54,6 +54,10 @@ def tiny_hybrid(family: str, width: int, layers: int):
     kinds = list(getattr(config, "layer_types", None) or [])
     if hasattr(config, "attn_layer_indices"):  # Bamba: its layer kinds follow from where attention is
         config.attn_layer_indices = [layers - 1]
+    elif hasattr(config, "attn_layer_period"):  # Jamba: from the attention layers' period
+        config.attn_layer_offset, config.attn_layer_period = layers - 1, layers
+    elif family.startswith("lfm"):  # LFM2's default config attends in every layer: its convolutions first
+        config.layer_types = ["conv"] * (layers - 1) + ["full_attention"]
     elif kinds:
         config.layer_types = [kinds[i % len(kinds)] for i in range(len(kinds))][:layers]
         if len(set(config.layer_types)) < 2:  # keep an attention layer beside the mixer

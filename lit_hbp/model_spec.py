@@ -10,6 +10,7 @@ a mixture-of-experts layer counts its routed experts at top-k / experts).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,12 +93,25 @@ MIXER_HEADS = {  # a family's fields its stateful mixers split by on a Ulysses l
     "qwen3_next": (("linear_num_key_heads",), None),
     "qwen3_5_text": (("linear_num_key_heads",), None),
     "qwen3_5_moe_text": (("linear_num_key_heads",), None),
+    "olmo_hybrid": (("linear_num_key_heads",), None),
+    "kimi_linear": (("linear_num_heads",), None),
+    "bailing_hybrid": (("linear_num_heads",), None),
+    "minimax": (("num_attention_heads",), None),
     "nemotron_h": (("n_groups", "mamba_num_heads"), "use_bias"),
     "bamba": (("mamba_n_groups", "mamba_n_heads"), "mamba_proj_bias"),
     "granitemoehybrid": (("mamba_n_groups", "mamba_n_heads"), "mamba_proj_bias"),
     "zamba2": (("mamba_ngroups", "n_mamba_heads"), "add_bias_linear"),
     "mamba2": (("n_groups", "num_heads"), "use_bias"),
     "falcon_h1": (("mamba_n_groups", "mamba_n_heads"), "projectors_bias"),
+}
+MIXER_CHANNELS = {  # a family whose mixers split by channels (a Mamba1 scan, a short convolution): the fields whose
+    # product is the channels, and the field of a bias on its projections
+    "mamba": (("intermediate_size",), "use_bias"),
+    "falcon_mamba": (("intermediate_size",), "use_bias"),
+    "jamba": (("mamba_expand", "hidden_size"), "mamba_proj_bias"),
+    "lfm2": (("hidden_size",), "conv_bias"),
+    "lfm2_moe": (("hidden_size",), "conv_bias"),
+    "lfm3": (("hidden_size",), "conv_bias"),
 }
 
 
@@ -122,7 +136,12 @@ def mixer_layers(config: dict) -> int:
 
 def mixer_heads(config: dict) -> int | None:
     """The heads a hybrid's mixers split by on a Ulysses level (the SP degree must divide them), from the
-    family's config (``MIXER_HEADS``), or None: they do not split (the ranks share the documents)."""
+    family's config (``MIXER_HEADS``; channels: ``MIXER_CHANNELS``), or None: they do not split (the ranks share
+    the documents)."""
+    fields, bias = MIXER_CHANNELS.get(config.get("model_type"), ((), None))
+    counts = [config.get(f) for f in fields]
+    if counts and None not in counts:
+        return None if bias is not None and config.get(bias) else int(math.prod(counts))
     fields, bias = MIXER_HEADS.get(config.get("model_type"), ((), None))
     counts = [config.get(f) for f in fields]
     if not counts or None in counts or (bias is not None and config.get(bias)):

@@ -431,13 +431,15 @@ LONE = {  # packs of one document (72 tokens, no padding: split by heads, each l
     "qwen3_5_text alone": ("qwen3_5_text", (72,), TWO_PER_KEY),
     "bamba alone": ("bamba", (72,), {}),  # one group: the gated norm spans both ranks' heads
     "nemotron_h one group": ("nemotron_h", (72,), dict(n_groups=1)),
-    "jamba alone": ("jamba", (72,), {}),  # a mixer that does not split (Mamba1): run whole by both ranks
+    "jamba alone": ("jamba", (72,), {}),  # Mamba1 by channels: x_proj's partial sums summed over both ranks
+    "minimax alone": ("minimax", (72,), {}),  # by heads: its norm summed over both ranks
+    "xlstm alone": ("xlstm", (72,), {}),  # a mixer that does not split: run whole by both ranks
     "qwen3_next even": ("qwen3_next", (36, 36), {}),
 }
 RAN = {  # what each rank's mixers ran of each LONE pack
     "qwen3_next alone": [[("heads", 72)]] * 2, "qwen3_5_text alone": [[("heads", 72)]] * 2,
     "bamba alone": [[("heads", 72)]] * 2, "nemotron_h one group": [[("heads", 72)]] * 2,
-    "jamba alone": [[("whole", 72)]] * 2,
+    "jamba alone": [[("heads", 72)]] * 2, "minimax alone": [[("heads", 72)]] * 2, "xlstm alone": [[("whole", 72)]] * 2,
     "qwen3_next even": [[("whole", 36)]] * 2,
 }  # fmt: skip
 SPLIT_BY_HEADS = [family for family, cls in HYBRIDS.items() if cls in HEAD_SPLITS]  # every class tested
@@ -768,44 +770,45 @@ GROUPS = {  # shares of whole groups
 }  # fmt: skip
 
 
-def test_a_one_group_mamba2_share_normalizes_over_the_ranks_and_never_calls_the_fused_kernel(monkeypatch):
-    """With mamba_ssm installed (on a GPU) a Mamba2 mixer in training runs its fused kernel, whose gated norm
-    would span only the share's heads: a share of a one-group mixer runs the unfused path, its norm's sum of
-    squares handed to the call's SP kind (``sum_ranks``; the 2-process test checks the numbers)."""
-    from types import SimpleNamespace
+FUSED = {  # a family whose mixer in training takes a fused mamba_ssm kernel on a GPU: the kernel's name in its module
+    "bamba": "mamba2_split_conv1d_scan_combined", "mamba": "mamba_inner_fn", "falcon_mamba": "mamba_inner_fn",
+}  # fmt: skip
+ACROSS = {"mamba", "falcon_mamba", "jamba", "minimax"}  # every split sums over the ranks (one process cannot): Mamba1's
+# x_proj, MiniMax's norm
 
-    import transformers.models.bamba.modeling_bamba as bamba
+
+@pytest.mark.parametrize("family", sorted(FUSED))
+def test_a_share_that_spans_the_ranks_sums_over_them_and_never_calls_the_fused_kernel(family, monkeypatch):
+    """With mamba_ssm installed (on a GPU) a Mamba2 or Mamba1 mixer in training runs its fused kernel, which takes
+    the gated norm (one group) or x_proj's weights itself, within the share: a share whose work spans the ranks
+    runs the unfused path, that work handed to the call's SP kind (``sum_ranks``; the 2-process test checks the
+    numbers)."""
+    import importlib
+    from types import SimpleNamespace
 
     from lit_hbp.model.mixer_heads import heads_part
 
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     fused, summed = [], []
-    monkeypatch.setattr(bamba, "mamba2_split_conv1d_scan_combined", lambda *a, **k: fused.append(1))
-    mixer = record_of(prepare_model(tiny("bamba"))).mixers[0].train()
+    monkeypatch.setattr(module, FUSED[family], lambda *a, **k: fused.append(1))
+    mixer = record_of(prepare_model(tiny(family))).mixers[0].train()
     x = torch.randn(1, 20, mixer.hidden_size)
     mixer(x)
     assert fused  # the patch reaches the mixer's forward: the whole mixer in training calls the fused kernel
     fused.clear()
     sp = SimpleNamespace(kind=SimpleNamespace(sum_ranks=lambda t, ctx: summed.append(t.shape) or 2 * t), ctx=None)
     heads_part(mixer, 0, 2, sp)(x)
-    assert not fused and summed == [torch.Size([1, 20, 1])]
+    width = 1 if family == "bamba" else mixer.time_step_rank + 2 * mixer.ssm_state_size  # norm: a sum; x_proj: all
+    assert not fused and summed == [torch.Size([1, 20, width])]
 
 
-@pytest.mark.parametrize("family", SPLIT_BY_HEADS)
-def test_a_mixers_heads_split_sum_to_the_mixer_and_leave_no_weight_out(family):
-    """On one process: each share of the heads (``mixer_heads.heads_part``, 2 and 4 shares, two value heads per key
-    head) through the mixer's own forward on its twin, summed, is the mixer's output on a document, with the
-    same gradients of every weight; a mixer holding a weight the split does not know (LoRA's adapters on a
-    projection) or a degree that does not divide its heads is not split. Every class that splits is tested."""
-    assert {HYBRIDS[f] for f in SPLIT_BY_HEADS} == set(HEAD_SPLITS)
-    from peft import LoraConfig, get_peft_model
-
-    from lit_hbp.model.mixer_heads import heads_part, split_heads
+def assert_shares_sum_to_the_mixer(mixer: torch.nn.Module, hidden: int) -> None:
+    """2 and 4 shares of ``mixer``'s heads summed: its output on a document and its every weight's gradient."""
+    from lit_hbp.model.mixer_heads import heads_part
     from lit_hbp.model.mixers import OWN
 
-    net = prepare_model(tiny(family, **TWO_PER_KEY, **GROUPS.get(family, {})))
-    mixer = record_of(net).mixers[0]
     own = getattr(type(mixer).forward, OWN)
-    x = torch.randn(1, 45, net.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, 45, hidden, generator=torch.Generator().manual_seed(0))
     want = own(mixer, x)
     want.square().sum().backward()
     grads = {n: p.grad.clone() for n, p in mixer.named_parameters()}
@@ -816,7 +819,28 @@ def test_a_mixers_heads_split_sum_to_the_mixer_and_leave_no_weight_out(family):
         got.square().sum().backward()
         for name, p in mixer.named_parameters():
             torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-5, msg=f"{parts} parts: {name}")
-    assert heads_part(mixer, 0, 3) is None  # 4 key heads (groups)
+
+
+@pytest.mark.parametrize("family", SPLIT_BY_HEADS)
+def test_a_mixers_heads_split_sum_to_the_mixer_and_leave_no_weight_out(family):
+    """On one process: each share of the heads (``mixer_heads.heads_part``, 2 and 4 shares, two value heads per key
+    head; a short convolution's channels) through the mixer's own forward on its twin, summed, is the mixer's
+    output on a document, with the same gradients of every weight (a Mamba1 scan's shares need an SP group to sum
+    x_proj over: without one it is not split); a mixer holding a weight the split does not know (LoRA's adapters on a
+    projection) or a degree that does not divide its heads is not split. Every class that splits is tested."""
+    assert {HYBRIDS[f] for f in SPLIT_BY_HEADS} == set(HEAD_SPLITS)
+    from peft import LoraConfig, get_peft_model
+
+    from lit_hbp.model.mixer_heads import heads_part, split_heads
+
+    net = prepare_model(tiny(family, **TWO_PER_KEY, **GROUPS.get(family, {})))
+    mixer = record_of(net).mixers[0]
+    if family in ACROSS:  # its shares' work spans the ranks, which one process cannot sum (2 processes do)
+        assert split_heads(mixer) and heads_part(mixer, 0, 2) is None
+        assert heads_part(mixer, 0, 2, sp=object()) is not None
+    else:
+        assert_shares_sum_to_the_mixer(mixer, net.config.hidden_size)
+        assert heads_part(mixer, 0, 3) is None  # 4 key heads (groups); 64 channels
     if family in GROUPS:  # one group: its norm spans the shares, which one process cannot sum (2 processes do)
         one = record_of(prepare_model(tiny(family))).mixers[0]
         assert split_heads(one) == one.num_heads and heads_part(one, 0, 2) is None

@@ -5,8 +5,10 @@ usual case), a mixer whose heads are independent runs every document on 1/sp of 
 (transformers' code, whatever kernel it picks) on a twin of that shape, built once per degree on the meta
 device, holding the share's weights through ``torch.func.functional_call`` (views or gathers of the real ones,
 so the gradients reach them). The output projection makes each rank's output a partial sum, which the SP kind
-reduce-scatters. ``HEAD_SPLITS`` names the classes and how each splits: the gated delta rule by key heads, a
-Mamba2 mixer by whole groups, or, with one group, by heads with its gated norm summed over the ranks.
+reduce-scatters. ``HEAD_SPLITS`` names the classes and how each splits: the gated delta rule (and Kimi's delta
+attention) by key heads, a
+Mamba2 mixer by whole groups, or, with one group, by heads with its gated norm summed over the ranks, a Mamba1
+scan by channels with its selective projection summed over the ranks, a short convolution by channels.
 """
 
 from __future__ import annotations
@@ -46,6 +48,16 @@ def _gated_delta_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
     )  # fmt: skip
 
 
+def _qkv_channels(key_dim: int, k_ch: slice, v_ch: slice) -> tuple[slice, slice, slice]:
+    """A delta rule's convolution channels of a share (queries, then keys, then values): its heads' query and key
+    channels ``k_ch`` (of ``key_dim`` each) and value channels ``v_ch``."""
+    return (
+        k_ch,
+        slice(key_dim + k_ch.start, key_dim + k_ch.stop),
+        slice(2 * key_dim + v_ch.start, 2 * key_dim + v_ch.stop),
+    )
+
+
 def _gated_delta_common(m: torch.nn.Module, part: int, parts: int) -> tuple[dict, slice, slice]:
     """The weights every gated-delta-rule layout splits alike: the convolution's q, k and v channels of the
     part's key heads and their value heads, the per-value-head decay and step, the output projection's
@@ -53,10 +65,8 @@ def _gated_delta_common(m: torch.nn.Module, part: int, parts: int) -> tuple[dict
     k, v = _span(m.num_k_heads, part, parts), _span(m.num_v_heads, part, parts)
     dk, dv = m.head_k_dim, m.head_v_dim
     q_ch = slice(k.start * dk, k.stop * dk)
-    k_ch = slice(m.key_dim + k.start * dk, m.key_dim + k.stop * dk)
-    v_ch = slice(2 * m.key_dim + v.start * dv, 2 * m.key_dim + v.stop * dv)
     weights = {
-        "conv1d.weight": _rows(m.conv1d.weight, q_ch, k_ch, v_ch),
+        "conv1d.weight": _rows(m.conv1d.weight, *_qkv_channels(m.key_dim, q_ch, slice(v.start * dv, v.stop * dv))),
         "A_log": m.A_log[v],
         "dt_bias": m.dt_bias[v],
         "norm.weight": m.norm.weight,
@@ -80,15 +90,117 @@ def _qwen3_5_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.
     channels); ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` a block per value head."""
     weights, k, v = _gated_delta_common(m, part, parts)
     dk, dv = m.head_k_dim, m.head_v_dim
+    v_ch = slice(v.start * dv, v.stop * dv)
     weights["in_proj_qkv.weight"] = _rows(
-        m.in_proj_qkv.weight, slice(k.start * dk, k.stop * dk),
-        slice(m.key_dim + k.start * dk, m.key_dim + k.stop * dk),
-        slice(2 * m.key_dim + v.start * dv, 2 * m.key_dim + v.stop * dv),
-    )  # fmt: skip
-    weights["in_proj_z.weight"] = _rows(m.in_proj_z.weight, slice(v.start * dv, v.stop * dv))
+        m.in_proj_qkv.weight, *_qkv_channels(m.key_dim, slice(k.start * dk, k.stop * dk), v_ch)
+    )
+    weights["in_proj_z.weight"] = _rows(m.in_proj_z.weight, v_ch)
     weights["in_proj_b.weight"] = m.in_proj_b.weight[v]
     weights["in_proj_a.weight"] = m.in_proj_a.weight[v]
     return weights
+
+
+def _olmo_hybrid_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
+    """The config an OLMo Hybrid gated delta rule of 1/``parts`` of ``m``'s heads is built from (its own fields;
+    the decay's and step's initial ranges only shape weights a twin never holds)."""
+    return SimpleNamespace(
+        hidden_size=m.hidden_size, linear_num_value_heads=m.num_v_heads // parts,
+        linear_num_key_heads=m.num_k_heads // parts, linear_key_head_dim=m.head_k_dim,
+        linear_value_head_dim=m.head_v_dim, linear_conv_kernel_dim=m.conv_kernel_size,
+        linear_allow_neg_eigval=m.allow_neg_eigval, rms_norm_eps=m.eps, hidden_act=m.activation,
+        linear_a_log_min=0.0, linear_a_log_max=16.0, linear_dt_min=1e-3, linear_dt_max=0.1,
+        linear_dt_init_floor=1e-4, layer_types={m.layer_idx: m.layer_type},
+    )  # fmt: skip
+
+
+def _olmo_hybrid_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
+    """OLMo Hybrid: separate q, k, v, a, b and g projections, a row (block) per head; its norm per head, whole."""
+    k, v = _span(m.num_k_heads, part, parts), _span(m.num_v_heads, part, parts)
+    dk, dv = m.head_k_dim, m.head_v_dim
+    q_ch, v_ch = slice(k.start * dk, k.stop * dk), slice(v.start * dv, v.stop * dv)
+    return {
+        "q_proj.weight": m.q_proj.weight[q_ch],
+        "k_proj.weight": m.k_proj.weight[q_ch],
+        "v_proj.weight": m.v_proj.weight[v_ch],
+        "a_proj.weight": m.a_proj.weight[v],
+        "b_proj.weight": m.b_proj.weight[v],
+        "g_proj.weight": m.g_proj.weight[v_ch],
+        "conv1d.weight": _rows(m.conv1d.weight, *_qkv_channels(m.key_dim, q_ch, v_ch)),
+        "A_log": m.A_log[v],
+        "dt_bias": m.dt_bias[v],
+        "o_norm.weight": m.o_norm.weight,
+        "o_proj.weight": _rows(m.o_proj.weight, v_ch, dim=1),
+    }
+
+
+def _delta_attention_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
+    """The config a Kimi (or Bailing) delta attention of 1/``parts`` of ``m``'s heads is built from (its own
+    fields and its forget gate's)."""
+    gate = m.forget_gate
+    return SimpleNamespace(
+        hidden_size=m.hidden_size, linear_num_heads=m.num_heads // parts, linear_head_dim=m.head_dim,
+        linear_conv_kernel_dim=m.conv_kernel_size, hidden_act=m.activation, rms_norm_eps=m.o_norm.variance_epsilon,
+        kda_safe_gate=getattr(gate, "safe_gate", None), kda_lower_bound=getattr(gate, "lower_bound", None),
+        layer_types={m.layer_idx: getattr(m, "layer_type", None)},  # Bailing's keeps none
+    )  # fmt: skip
+
+
+def _delta_attention_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
+    """Kimi Linear's delta attention (KDA) and Bailing's: q, k, v projections and a per-channel decay, a row
+    (block) per head; the gate's and decay's low-rank down projections (Kimi's) whole, their up projections
+    by head; the norm per head, whole."""
+    h = _span(m.num_heads, part, parts)
+    ch = slice(h.start * m.head_dim, h.stop * m.head_dim)
+    gate = m.forget_gate
+    weights = {
+        "q_proj.weight": m.q_proj.weight[ch],
+        "k_proj.weight": m.k_proj.weight[ch],
+        "v_proj.weight": m.v_proj.weight[ch],
+        "conv1d.weight": _rows(m.conv1d.weight, *_qkv_channels(m.qkv_dim, ch, ch)),
+        "forget_gate.dt_bias": gate.dt_bias[ch],
+        "forget_gate.A_log": gate.A_log[h] if gate.A_log.dim() == 1 else gate.A_log[:, :, h],
+        "b_proj.weight": m.b_proj.weight[h],
+        "o_norm.weight": m.o_norm.weight,
+        "o_proj.weight": _rows(m.o_proj.weight, ch, dim=1),
+    }
+    for name, proj in (("forget_gate.f_proj", "f_proj"), ("forget_gate.f_b_proj", "f_b_proj")):
+        if hasattr(gate, proj):
+            weights[f"{name}.weight"] = getattr(gate, proj).weight[ch]
+    if hasattr(gate, "f_a_proj"):
+        weights["forget_gate.f_a_proj.weight"] = gate.f_a_proj.weight
+    if hasattr(m, "g_proj"):
+        weights["g_proj.weight"] = m.g_proj.weight[ch]
+    else:
+        weights["g_a_proj.weight"], weights["g_b_proj.weight"] = m.g_a_proj.weight, m.g_b_proj.weight[ch]
+    return weights
+
+
+def _lightning_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
+    """The config MiniMax's lightning attention of 1/``parts`` of ``m``'s heads is built from (its own fields; its
+    activation is the mixer's own module, ``HeadSplit.own``)."""
+    return SimpleNamespace(
+        head_dim=m.head_dim, num_attention_heads=m.num_attention_heads // parts, hidden_size=m.qkv_proj.in_features,
+        num_hidden_layers=m.num_hidden_layers, block_size=m.block_size, hidden_act="silu",
+        layer_types={m.layer_idx: m.layer_type},
+    )  # fmt: skip
+
+
+def _lightning_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
+    """MiniMax's lightning attention: ``qkv_proj`` a block of q, k and v rows per head, the output gate, the norm
+    and the output projection a block per head, the decays (buffers) per head; its norm spans every head
+    (``_SharedGatedNorm`` without a gate)."""
+    h = _span(m.num_attention_heads, part, parts)
+    ch = slice(h.start * m.head_dim, h.stop * m.head_dim)
+    return {
+        "qkv_proj.weight": m.qkv_proj.weight[3 * ch.start : 3 * ch.stop],
+        "output_gate.weight": m.output_gate.weight[ch],
+        "norm.weight": m.norm.weight[ch],
+        "out_proj.weight": _rows(m.out_proj.weight, ch, dim=1),
+        "slope_rate": m.slope_rate[h],
+        "query_decay": m.query_decay[h],
+        "key_decay": m.key_decay[h],
+        "diagonal_decay": m.diagonal_decay[:, h],
+    }
 
 
 def _mamba2_heads(m: torch.nn.Module) -> int:
@@ -168,6 +280,59 @@ def _falcon_h1_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
     )  # fmt: skip
 
 
+def _whole_shape(m: torch.nn.Module, parts: int) -> Any:
+    """The config of a twin shaped as ``m`` itself: a mixer whose forward takes every width from its weights (a
+    Mamba1 scan, a short convolution) runs a share of its channels on such a twin (Jamba's config could not say
+    a share's width: ``mamba_expand * hidden_size``)."""
+    return m.config
+
+
+def _short_conv_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
+    """A short convolution (LFM2's ``ShortConv``): ``in_proj`` gives B, C and x per channel, the depthwise
+    convolution runs each channel alone, ``out_proj`` reads them: a share is its channels' rows and columns."""
+    width = m.conv.weight.shape[0]
+    ch = _span(width, part, parts)
+    rows = (ch, slice(width + ch.start, width + ch.stop), slice(2 * width + ch.start, 2 * width + ch.stop))
+    weights = {
+        "in_proj.weight": _rows(m.in_proj.weight, *rows),
+        "conv.weight": m.conv.weight[ch],
+        "out_proj.weight": _rows(m.out_proj.weight, ch, dim=1),
+    }
+    if m.in_proj.bias is not None:
+        weights["in_proj.bias"] = _rows(m.in_proj.bias, *rows)
+    if m.conv.bias is not None:
+        weights["conv.bias"] = m.conv.bias[ch]
+    return weights
+
+
+def _mamba1_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
+    """A Mamba1 scan (Mamba's, FalconMamba's, Jamba's): ``in_proj`` gives x and the gate per channel, the
+    convolution, step, decay and skip are per channel, ``x_proj`` reads every channel for the step's low rank,
+    B and C (a share's columns give a partial sum, summed over the ranks: ``_SharedProjection``), and Jamba's
+    norms of those (and FalconMamba's weightless ones) are whole."""
+    inner = m.intermediate_size
+    ch = _span(inner, part, parts)
+    weights = {
+        "in_proj.weight": _rows(m.in_proj.weight, ch, slice(inner + ch.start, inner + ch.stop)),
+        "conv1d.weight": m.conv1d.weight[ch],
+        "x_proj.weight": _rows(m.x_proj.weight, ch, dim=1),
+        "dt_proj.weight": m.dt_proj.weight[ch],
+        "dt_proj.bias": m.dt_proj.bias[ch],
+        "A_log": m.A_log[ch],
+        "D": m.D[ch],
+        "out_proj.weight": _rows(m.out_proj.weight, ch, dim=1),
+    }
+    if m.in_proj.bias is not None:
+        weights["in_proj.bias"] = _rows(m.in_proj.bias, ch, slice(inner + ch.start, inner + ch.stop))
+    if m.conv1d.bias is not None:
+        weights["conv1d.bias"] = m.conv1d.bias[ch]
+    for norm in ("dt_layernorm", "b_layernorm", "c_layernorm"):
+        weight = getattr(getattr(m, norm, None), "weight", None)
+        if isinstance(weight, torch.Tensor):
+            weights[f"{norm}.weight"] = weight
+    return weights
+
+
 def _mamba2_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
     """A Mamba2 mixer (Nemotron-H's, Bamba's, Granite 4.0-H's, Zamba2's, Mamba2's): ``in_proj`` gives the gate,
     the convolution's input (x, then B and C per group of heads) and the step per head; a share is its heads
@@ -201,15 +366,15 @@ def _mamba2_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.T
 
 class _SharedGatedNorm(torch.nn.Module):
     """A Mamba2 mixer's gated RMSNorm (transformers' ``...RMSNormGated`` of one group: ``weight * y *
-    rsqrt(mean(y^2) + eps)``, ``y = x * silu(gate)``) over the whole width, on a rank holding a share of the
-    heads: each rank's sum of squares summed over the SP group (``SPKind.sum_ranks``), divided by the whole
-    width. Built for one call (it holds the call's SP group); its weight, on the meta device, is the share's
-    through ``functional_call``."""
+    rsqrt(mean(y^2) + eps)``, ``y = x * silu(gate)``; MiniMax's plain one: no gate) over the whole width, on a
+    rank holding a share of the heads: each rank's sum of squares summed over the SP group
+    (``SPKind.sum_ranks``), divided by the whole width. Built for one call (it holds the call's SP group); its
+    weight, on the meta device, is the share's through ``functional_call``."""
 
-    def __init__(self, norm: torch.nn.Module, width: int, sp: Any):
+    def __init__(self, norm: torch.nn.Module, mixer: torch.nn.Module, sp: Any):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty_like(norm.weight, device="meta"))
-        self.eps, self.width, self.sp = norm.variance_epsilon, width, sp
+        self.eps, self.width, self.sp = norm.variance_epsilon, mixer.norm.weight.numel(), sp
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         dtype = hidden_states.dtype
@@ -218,6 +383,23 @@ class _SharedGatedNorm(torch.nn.Module):
             y = y * torch.nn.functional.silu(gate.to(torch.float32))
         squares = self.sp.kind.sum_ranks(y.pow(2).sum(-1, keepdim=True), self.sp.ctx)
         return self.weight * (y * torch.rsqrt(squares / self.width + self.eps)).to(dtype)
+
+
+class _SharedProjection(torch.nn.Module):
+    """A Mamba1 scan's ``x_proj`` (no bias) on a rank holding a share of the channels: its columns of them give a
+    partial sum of the step's low rank, B and C, summed over the SP group (``SPKind.sum_ranks``), so every rank
+    scans its channels with the whole mixer's B, C and steps. Built for one call, like ``_SharedGatedNorm``."""
+
+    def __init__(self, linear: torch.nn.Module, mixer: torch.nn.Module, sp: Any):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty_like(linear.weight, device="meta"))
+        self.sp = sp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sp.kind.sum_ranks(torch.nn.functional.linear(x, self.weight), self.sp.ctx)
+
+
+SPANNING = {"norm": _SharedGatedNorm, "x_proj": _SharedProjection}  # a twin's module that spans the shares
 
 
 @dataclass(frozen=True)
@@ -231,14 +413,25 @@ class HeadSplit:
     heads: Callable[[torch.nn.Module], int | None]
     shape: Callable[[torch.nn.Module, int], Any]
     part: Callable[[torch.nn.Module, int, int], dict[str, torch.Tensor]]
-    shared_norm: Callable[[torch.nn.Module], bool] = lambda m: False
-    """Whether the mixer's gated norm spans the shares (a Mamba2 mixer of one group): its twin then normalizes
-    over the ranks (``_SharedGatedNorm``) and runs its unfused path (a fused kernel would normalize within
-    the share)."""
+    spanning: Callable[[torch.nn.Module], tuple[str, ...]] = lambda m: ()
+    """The twin's modules whose work spans the shares (``SPANNING``: a one-group Mamba2's gated norm, a Mamba1
+    scan's ``x_proj``): on a split they run summed over the call's SP group, and the twin runs its unfused path
+    (eval mode: a fused training kernel would take those weights itself, within the share)."""
+    own: tuple[str, ...] = ()
+    """The twin's modules taken from the mixer itself (no weights; one its config cannot name: an activation)."""
 
 
-def _one_group(m: torch.nn.Module) -> bool:
-    return m.n_groups == 1
+def _one_group(m: torch.nn.Module) -> tuple[str, ...]:
+    return ("norm",) if m.n_groups == 1 else ()
+
+
+def _channels(m: torch.nn.Module) -> int:
+    """What an SP degree must divide for a mixer that splits by channels (a Mamba1 scan, a short convolution)."""
+    return (m.conv1d if hasattr(m, "conv1d") else m.conv).weight.shape[0]
+
+
+_MAMBA1 = HeadSplit(_channels, _whole_shape, _mamba1_part, lambda m: ("x_proj",))
+_SHORT_CONV = HeadSplit(_channels, _whole_shape, _short_conv_part)
 
 
 HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, each at sp 2
@@ -251,6 +444,18 @@ HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, 
     "Zamba2MambaMixer": HeadSplit(_mamba2_heads, _zamba2_shape, _mamba2_part, _one_group),
     "Mamba2Mixer": HeadSplit(_mamba2_heads, _plain_mamba2_shape, _mamba2_part, _one_group),
     "FalconH1Mixer": HeadSplit(_falcon_h1_heads, _falcon_h1_shape, _mamba2_part),
+    "OlmoHybridGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _olmo_hybrid_shape, _olmo_hybrid_part),
+    "KimiLinearDeltaAttention": HeadSplit(lambda m: m.num_heads, _delta_attention_shape, _delta_attention_part),
+    "BailingHybridDeltaAttention": HeadSplit(lambda m: m.num_heads, _delta_attention_shape, _delta_attention_part),
+    "MiniMaxLightningAttention": HeadSplit(
+        lambda m: m.num_attention_heads, _lightning_shape, _lightning_part, lambda m: ("norm",), ("act_fn",)
+    ),
+    "MambaMixer": _MAMBA1,
+    "FalconMambaMixer": _MAMBA1,
+    "JambaMambaMixer": _MAMBA1,
+    "Lfm2ShortConv": _SHORT_CONV,
+    "Lfm2MoeShortConv": _SHORT_CONV,
+    "Lfm3ShortConv": _SHORT_CONV,
 }
 
 
@@ -270,13 +475,13 @@ def split_heads(mixer: torch.nn.Module) -> int | None:
 def heads_part(mixer: torch.nn.Module, part: int, parts: int, sp: Any = None):
     """A function running ``mixer`` on part ``part`` of ``parts`` equal shares of its heads (its own forward,
     on its twin of that shape with the share's weights), or None where it does not split so
-    (``split_heads``, ``mixer_share.splits``; a mixer whose norm spans the shares without ``sp``, the call's
+    (``split_heads``, ``mixer_share.splits``; a mixer with work spanning the shares without ``sp``, the call's
     SP group, to sum it over)."""
     if not splits(split_heads(mixer), parts):
         return None
     split = HEAD_SPLITS[type(mixer).__name__]
-    shared = parts > 1 and split.shared_norm(mixer)
-    if shared and sp is None:
+    spanning = split.spanning(mixer) if parts > 1 else ()
+    if spanning and sp is None:
         return None
     weights = split.part(mixer, part, parts)
     shapes = mixer.__dict__.setdefault(SHAPES, {})
@@ -285,9 +490,11 @@ def heads_part(mixer: torch.nn.Module, part: int, parts: int, sp: Any = None):
             shapes[parts] = twin = type(mixer)(split.shape(mixer, parts), mixer.layer_idx)
         for name in weights.keys() - dict(twin.named_parameters()).keys() - dict(twin.named_buffers()).keys():
             twin.register_buffer(name, weights[name].to("meta"), persistent=False)  # one its model registers
+        for name in split.own:
+            setattr(twin, name, getattr(mixer, name))
     twin = shapes[parts]
-    if shared:  # this call's twin: the cached one's modules, its norm summed over the call's SP group
+    if spanning:  # this call's twin: the cached one's modules, those spanning the shares summed over its SP group
         twin = copy.copy(twin)
-        twin._modules = {**twin._modules, "norm": _SharedGatedNorm(twin.norm, mixer.intermediate_size, sp)}
+        twin._modules = {**twin._modules, **{name: SPANNING[name](twin._modules[name], mixer, sp) for name in spanning}}
         twin.training = False
     return lambda *args, **kwargs: torch.func.functional_call(twin, weights, args, kwargs, strict=True)
