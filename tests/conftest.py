@@ -381,6 +381,23 @@ def no_leftover_process_group(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def _shared_pools():
+    from distributed import SharedPool
+
+    shared = SharedPool(2)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def shared_pool2(_shared_pools):
+    """Two gloo worker processes (tests/distributed.py) shared by the 2-process tests of several modules:
+    a pool's start imports torch, Lightning, transformers and DeepSpeed in each worker (seconds). Each call
+    leaves the workers' process-wide settings as it found them; a pool a failed call stopped is replaced."""
+    return _shared_pools.get()
+
+
+@pytest.fixture(scope="session")
 def toy_tokenizer(tmp_path_factory) -> str:
     return str(build_toy_tokenizer(tmp_path_factory.mktemp("tok")))
 

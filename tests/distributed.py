@@ -18,7 +18,7 @@ from conftest import HANG_S
 from lit_hbp.autoselect.launch import free_port, set_launch_env
 
 
-def _worker(rank: int, world: int, port: int, tasks, results, backend: str) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, backend: str, isolate: bool = False) -> None:
     set_launch_env(rank, world, port)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -33,10 +33,18 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str) -> N
         if task is None:
             break
         fn, args = task
+        state = None
+        if isolate:  # a pool shared by tests of several modules: each task leaves the worker as it found it
+            from conftest import ProcessState
+
+            state = ProcessState()
         try:
             results.put((rank, True, fn(*args)))
         except BaseException:  # report everything, keep serving
             results.put((rank, False, traceback.format_exc()))
+        finally:
+            if state is not None:
+                state.restore()
     dist.destroy_process_group()
     # Every result is read: end without the interpreter's teardown of torch, DeepSpeed and gloo (C code,
     # ~2 s a worker on 2 cores, paid by every pool's close).
@@ -45,9 +53,11 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str) -> N
 
 
 class Pool:
-    """``world`` worker processes; ``run(fn, *args)`` calls fn on every rank, returns results by rank."""
+    """``world`` worker processes; ``run(fn, *args)`` calls fn on every rank, returns results by rank.
+    ``isolate``: every call leaves each worker's process-wide settings as it found them (conftest's
+    ProcessState), for a pool the tests of several modules share (``shared_pool2``)."""
 
-    def __init__(self, world: int, backend: str = "gloo"):
+    def __init__(self, world: int, backend: str = "gloo", isolate: bool = False):
         ctx = mp.get_context("spawn")
         self.world = world
         self.broken = ""  # the traceback that stopped the pool
@@ -55,7 +65,9 @@ class Pool:
         self.results = ctx.Queue()
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, backend), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, world, port, self.tasks[r], self.results, backend, isolate), daemon=True
+            )
             for r in range(world)
         ]
         for p in self.procs:
@@ -94,3 +106,21 @@ class Pool:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+class SharedPool:
+    """A pool of ``world`` isolating workers (``Pool(isolate=True)``) kept for the whole session: the
+    tests of several modules that each started a pool of their own pay one start. A pool a failed call
+    stopped is replaced at the next ``get``."""
+
+    def __init__(self, world: int):
+        self.world, self.pool = world, None
+
+    def get(self) -> Pool:
+        if self.pool is None or self.pool.broken:
+            self.pool = Pool(self.world, isolate=True)
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()

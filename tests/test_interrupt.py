@@ -15,7 +15,6 @@ import lightning as L
 import pytest
 import torch
 from conftest import HANG_S, TINY_LLAMA, chat_datamodule, console_script, quiet_trainer
-from distributed import Pool
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_hbp.callbacks import FinalCheckpoint, HBPExport, InterruptCheckpoint, ignore_sigint
@@ -318,12 +317,8 @@ def ddp_fit(root: str, demo: str, press_on_rank: int) -> dict:
 
 
 @pytest.mark.slow
-def test_ranks_stop_together_when_one_of_them_gets_ctrl_c(tmp_path, small_demo):
-    pool = Pool(2)
-    try:
-        ranks = pool.run(ddp_fit, str(tmp_path / "run"), str(small_demo), 1)
-    finally:
-        pool.close()
+def test_ranks_stop_together_when_one_of_them_gets_ctrl_c(tmp_path, small_demo, shared_pool2):
+    ranks = shared_pool2.run(ddp_fit, str(tmp_path / "run"), str(small_demo), 1)
     # Rank 1 asked after micro-batch 4 (inside optimizer step 3): both ranks finish step 3 and stop.
     assert [r["step"] for r in ranks] == [3, 3]
     assert [len(r["rows"]) for r in ranks] == [6, 6]

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import quiet_trainer
-from distributed import Pool
 from test_packed_loss import alone, samples, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -368,15 +367,11 @@ def two_ranks(docs, sp_docs):
 
 
 @pytest.mark.slow
-def test_two_processes_give_one_processs_update_and_refuse_what_sp_cannot_do():
+def test_two_processes_give_one_processs_update_and_refuse_what_sp_cannot_do(shared_pool2):
     rng = np.random.default_rng(5)
     docs = {r: [(rng.integers(0, 64, n), rng.random(n) < 0.6) for n in rng.integers(4, 30, 4)] for r in (0, 1)}
     sp_docs = {i: (rng.integers(0, 64, n), np.ones(n, bool)) for i, n in enumerate([9, 14, 5, 4])}
-    pool = Pool(2)
-    try:
-        results = pool.run(two_ranks, docs, sp_docs)
-    finally:
-        pool.close()
+    results = shared_pool2.run(two_ranks, docs, sp_docs)
     reference = tiny_model("eager").float()
     torch.manual_seed(0)
     reference.load_state_dict(prepare_model(tiny_model()).float().state_dict())

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY_LLAMA, quiet_trainer
-from distributed import Pool
 
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
@@ -103,12 +102,8 @@ def validate_on_world(chats: str, tokenizer: str, cache: str) -> dict:
 
 
 @pytest.mark.slow
-def test_validation_loss_on_two_ranks_with_sp_equals_one_process(chats, toy_tokenizer, tmp_path):
-    pool = Pool(2)
-    try:
-        results = pool.run(validate_on_world, str(chats), toy_tokenizer, str(tmp_path / "cache"))
-    finally:
-        pool.close()
+def test_validation_loss_on_two_ranks_with_sp_equals_one_process(chats, toy_tokenizer, tmp_path, shared_pool2):
+    results = shared_pool2.run(validate_on_world, str(chats), toy_tokenizer, str(tmp_path / "cache"))
     dm = datamodule(chats, toy_tokenizer, tmp_path / "cache", val_fraction=0.25)  # the same split on one process
     dm.setup("fit")
     # Every validation sample evaluated once: by one SP group (both of its ranks hold it), or one rank at sp 1.
