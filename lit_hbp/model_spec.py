@@ -97,6 +97,7 @@ MIXER_HEADS = {  # a family's fields its stateful mixers split by on a Ulysses l
     "kimi_linear": (("linear_num_heads",), None),
     "bailing_hybrid": (("linear_num_heads",), None),
     "minimax": (("num_attention_heads",), None),
+    "recurrent_gemma": (("num_attention_heads",), None),
     "nemotron_h": (("n_groups", "mamba_num_heads"), "use_bias"),
     "bamba": (("mamba_n_groups", "mamba_n_heads"), "mamba_proj_bias"),
     "granitemoehybrid": (("mamba_n_groups", "mamba_n_heads"), "mamba_proj_bias"),

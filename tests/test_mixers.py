@@ -9,6 +9,7 @@ Each family is built tiny from its default config with the mixer it is known for
 The reference is always each document alone through the unprepared model (eager attention)."""
 
 import copy
+import inspect
 import json
 import warnings
 from pathlib import Path
@@ -433,7 +434,7 @@ LONE = {  # packs of one document (72 tokens, no padding: split by heads, each l
     "nemotron_h one group": ("nemotron_h", (72,), dict(n_groups=1)),
     "jamba alone": ("jamba", (72,), {}),  # Mamba1 by channels: x_proj's partial sums summed over both ranks
     "minimax alone": ("minimax", (72,), {}),  # by heads: its norm summed over both ranks
-    "xlstm alone": ("xlstm", (72,), {}),  # a mixer that does not split: run whole by both ranks
+    "xlstm alone": ("xlstm", (72,), {}),  # the mixer that does not split: run whole by both ranks
     "qwen3_next even": ("qwen3_next", (36, 36), {}),
 }
 RAN = {  # what each rank's mixers ran of each LONE pack
@@ -809,12 +810,17 @@ def assert_shares_sum_to_the_mixer(mixer: torch.nn.Module, hidden: int) -> None:
 
     own = getattr(type(mixer).forward, OWN)
     x = torch.randn(1, 45, hidden, generator=torch.Generator().manual_seed(0))
-    want = own(mixer, x)
+    args = (x, torch.arange(45)[None], None) if "position_ids" in inspect.signature(own).parameters else (x,)
+
+    def first(out):  # RecurrentGemma's block returns (hidden states, None)
+        return out[0] if isinstance(out, tuple) else out
+
+    want = first(own(mixer, *args))
     want.square().sum().backward()
     grads = {n: p.grad.clone() for n, p in mixer.named_parameters()}
     for parts in (2, 4):
         mixer.zero_grad()
-        got = sum(heads_part(mixer, part, parts)(x) for part in range(parts))
+        got = sum(first(heads_part(mixer, part, parts)(*args)) for part in range(parts))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         got.square().sum().backward()
         for name, p in mixer.named_parameters():

@@ -203,6 +203,41 @@ def _lightning_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torc
     }
 
 
+def _rglru_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
+    """The config a RecurrentGemma recurrent block of 1/``parts`` of ``m``'s heads is built from (its own fields;
+    its activation is the block's own module, ``HeadSplit.own``)."""
+    return SimpleNamespace(
+        lru_width=m.lru_width // parts, hidden_size=m.hidden_size, conv1d_width=m.conv1d_width,
+        num_attention_heads=m.rg_lru.num_attention_heads // parts, hidden_activation="gelu_pytorch_tanh",
+    )  # fmt: skip
+
+
+def _rglru_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
+    """RecurrentGemma's recurrent block: its two input branches, convolution and RG-LRU per channel (the gates
+    block-diagonal, a block per head), the output projection's columns of them; the output projection's bias
+    added by the first share alone (the shares' outputs sum to the block's; the others' zeros keep its gradient a
+    tensor, 0, on every rank, as data-parallel reductions expect)."""
+    lru = m.rg_lru
+    h = _span(lru.num_attention_heads, part, parts)
+    ch = slice(h.start * lru.block_width, h.stop * lru.block_width)
+    bias = m.linear_out.bias
+    return {
+        "linear_y.weight": m.linear_y.weight[ch],
+        "linear_y.bias": m.linear_y.bias[ch],
+        "linear_x.weight": m.linear_x.weight[ch],
+        "linear_x.bias": m.linear_x.bias[ch],
+        "conv_1d.weight": m.conv_1d.weight[ch],
+        "conv_1d.bias": m.conv_1d.bias[ch],
+        "rg_lru.recurrent_param": lru.recurrent_param[ch],
+        "rg_lru.input_gate_weight": lru.input_gate_weight[h],
+        "rg_lru.input_gate_bias": lru.input_gate_bias[h],
+        "rg_lru.recurrent_gate_weight": lru.recurrent_gate_weight[h],
+        "rg_lru.recurrent_gate_bias": lru.recurrent_gate_bias[h],
+        "linear_out.weight": _rows(m.linear_out.weight, ch, dim=1),
+        "linear_out.bias": bias * float(part == 0),
+    }
+
+
 def _mamba2_heads(m: torch.nn.Module) -> int:
     """What an SP degree must divide for a Mamba2 mixer to split: its groups (a share is whole groups with their
     heads, the gated norm per group within it), or, with one group, its heads (every share reads the group's
@@ -450,6 +485,9 @@ HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, 
     "MiniMaxLightningAttention": HeadSplit(
         lambda m: m.num_attention_heads, _lightning_shape, _lightning_part, lambda m: ("norm",), ("act_fn",)
     ),
+    "RecurrentGemmaRecurrentBlock": HeadSplit(
+        lambda m: m.rg_lru.num_attention_heads, _rglru_shape, _rglru_part, own=("act_fn",)
+    ),
     "MambaMixer": _MAMBA1,
     "FalconMambaMixer": _MAMBA1,
     "JambaMambaMixer": _MAMBA1,
@@ -487,7 +525,7 @@ def heads_part(mixer: torch.nn.Module, part: int, parts: int, sp: Any = None):
     shapes = mixer.__dict__.setdefault(SHAPES, {})
     if parts not in shapes:
         with torch.device("meta"):
-            shapes[parts] = twin = type(mixer)(split.shape(mixer, parts), mixer.layer_idx)
+            shapes[parts] = twin = type(mixer)(split.shape(mixer, parts), getattr(mixer, "layer_idx", None))
         for name in weights.keys() - dict(twin.named_parameters()).keys() - dict(twin.named_buffers()).keys():
             twin.register_buffer(name, weights[name].to("meta"), persistent=False)  # one its model registers
         for name in split.own:

@@ -19,7 +19,7 @@ On a Ulysses level (sp > 1) the SP kind gathers the whole pack's inputs of the m
 (``SPKind.gather_tokens``); the ranks share the pack's documents, each run whole by one rank
 (``document_owners``, balanced by length), where that shares the work evenly (``shares_evenly``); else a
 mixer class that splits by heads (``mixer_heads.HEAD_SPLITS``: the gated delta rule, Kimi's delta attention, Mamba2,
-lightning attention; Mamba1 and short convolutions by channels) runs every
+lightning attention, RG-LRU; Mamba1 and short convolutions by channels) runs every
 document on the rank's share of its heads; the ranks' outputs (partial sums over the heads, or zeros at the
 others' documents) are summed into each rank's shard (``SPKind.sum_own_tokens``).
 A pack of fewer documents than ranks is run whole by every rank for a mixer that does not split, each
