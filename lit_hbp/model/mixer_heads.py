@@ -5,10 +5,10 @@ usual case), a mixer whose heads are independent runs every document on 1/sp of 
 (transformers' code, whatever kernel it picks) on a twin of that shape, built once per degree on the meta
 device, holding the share's weights through ``torch.func.functional_call`` (views or gathers of the real ones,
 so the gradients reach them). The output projection makes each rank's output a partial sum, which the SP kind
-reduce-scatters. ``HEAD_SPLITS`` names the classes and how each splits: the gated delta rule (and Kimi's delta
-attention) by key heads, a
-Mamba2 mixer by whole groups, or, with one group, by heads with its gated norm summed over the ranks, a Mamba1
-scan by channels with its selective projection summed over the ranks, a short convolution by channels.
+reduce-scatters. ``HEAD_SPLITS`` names the classes and how each splits: the gated delta rule and Kimi's delta
+attention by key heads; a Mamba2 mixer by whole groups, or, with one group, by heads with its gated norm summed
+over the ranks (``SPANNING``); MiniMax's lightning attention by heads, its norm summed so too; RG-LRU by heads;
+a Mamba1 scan by channels with its selective projection summed over the ranks; a short convolution by channels.
 """
 
 from __future__ import annotations
