@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import CHAT_TEMPLATE, TINY_LLAMA, quiet_trainer, separate_loss
-from distributed import Pool
 
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.export import export_checkpoint, load_checkpoint
@@ -58,11 +57,10 @@ def tiny_folder(tmp_path_factory, toy_tokenizer) -> str:
     return str(with_generation_config(folder))
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = Pool(2)
-    yield p
-    p.close()
+@pytest.fixture
+def pool(shared_pool2):
+    """The session's two gloo workers (conftest's shared_pool2): starting a pool costs more than most runs."""
+    return shared_pool2
 
 
 def train_and_save(

@@ -307,9 +307,12 @@ def test_a_forked_worker_told_to_end_ends():
 
 
 def ddp_fit(root: str, demo: str, press_on_rank: int) -> dict:
-    """One rank of a 2-process DDP fit; only ``press_on_rank`` gets a Ctrl-C (after micro-batch 4)."""
+    """One rank of a 2-process DDP fit; only ``press_on_rank`` gets a Ctrl-C (after micro-batch 4). Python's
+    own Ctrl-C handler, as ``ctrl_c_as_in_a_terminal`` sets it in the test's process (a worker of the shared
+    pool may have started while SIGINT was ignored; the pool puts the worker's handler back)."""
     import torch.distributed as dist
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupt = InterruptCheckpoint()
     press = [CtrlC(4)] if dist.get_rank() == press_on_rank else []
     run = fit(Path(root), Path(demo), [*press, interrupt], devices=2, strategy="ddp")

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from distributed import Pool
 from transformers import AutoModelForImageTextToText
 from vision_models import (
     BUILDERS,
@@ -33,11 +32,10 @@ RECORDS = {"images": three_records, "videos": video_records, "counted": counted_
 LAYOUTS = {"ulysses": (2, 1), "cp": (2, 2)}
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = Pool(2)
-    yield p
-    p.close()
+@pytest.fixture
+def pool(shared_pool2):
+    """The session's two gloo workers (conftest's shared_pool2): starting a pool costs more than most runs."""
+    return shared_pool2
 
 
 @pytest.fixture(scope="module")
