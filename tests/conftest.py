@@ -425,6 +425,17 @@ def small_demo(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm_demo(tmp_path_factory) -> Path:
+    """configs/tiny_vlm_cpu.yaml's image demo (``lit_hbp.demo.vision``, its default size) built once, for
+    the runs of the config that do not test its build on first use (a symlink ``demo_vlm`` to it)."""
+    from lit_hbp.demo.vision import ensure_vlm_demo
+
+    out = tmp_path_factory.mktemp("demo_vlm")
+    ensure_vlm_demo(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def demo_pretrained(tmp_path_factory, small_demo) -> str:
     """A 4-layer Llama checkpoint folder with the small demo's tokenizer, covering the tiny configs'
     16K level: what ``--model.model <folder>`` of configs/tiny_cpu.yaml fine-tunes."""

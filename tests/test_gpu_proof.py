@@ -21,11 +21,15 @@ from peers import check_indices, max_diff, read_records  # noqa: E402
 
 
 @pytest.mark.slow
-def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path):
+def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path, small_demo, vlm_demo):
+    """The demos the parts train on are the suite's, built once (the dry run's own, the same sizes): the
+    demo part finds its demo complete, and the vlm part its image demo in the work folder."""
     out, work = tmp_path / "out", tmp_path / "work"
+    work.mkdir()
+    (work / "demo_vlm").symlink_to(vlm_demo)
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     proc = subprocess.run(
-        ["bash", "bench/gpu_proof.sh", "--dry-run", "--work", str(work)],
+        ["bash", "bench/gpu_proof.sh", "--dry-run", "--work", str(work), "--demo-dir", str(small_demo)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -591,10 +591,12 @@ def test_level_selection_at_fit_start_counts_the_runs_images(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_tiny_vlm_config_trains_its_images_on_sp_2_levels_under_hbp_strategy(tmp_path):
+def test_the_tiny_vlm_config_trains_its_images_on_sp_2_levels_under_hbp_strategy(tmp_path, vlm_demo):
     """configs/tiny_vlm_cpu.yaml on 2 processes with both levels at sp 2 (HBPStrategy, ZeRO 2): the
     self-check passes at sp 2 with the run's own images (each against the records alone, eager), the
-    SP group splits their encoding, and training and validation run."""
+    SP group splits their encoding, and training and validation run. Its demo is the suite's, built once
+    (the build on first use is the one-process test's)."""
+    (tmp_path / "demo_vlm").symlink_to(vlm_demo)
     run = subprocess.run(
         [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs" / "tiny_vlm_cpu.yaml"),
          "--trainer.devices", "2",
