@@ -283,7 +283,9 @@ def test_the_demo_reads_only_the_committed_corpus(small: dict, tmp_path: Path, m
     def no_listing(root):
         raise AssertionError(f"the demo listed {root}")
 
-    monkeypatch.setattr(demo, "_stdlib_files", no_listing)
+    from lit_hbp.demo import stdlib
+
+    monkeypatch.setattr(stdlib, "_stdlib_files", no_listing)
     demo._load_modules.cache_clear()
     demo._corpus.cache_clear()
     rebuilt = demo.build_demo(tmp_path / "demo", **SMALL)

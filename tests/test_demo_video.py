@@ -91,7 +91,7 @@ def test_without_torchvision_the_video_demo_says_so_in_one_line(tmp_path, monkey
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: the video demo needs torchvision"), err
     assert "Traceback" not in err and not (tmp_path / "demo_video").exists()
-    from lit_hbp.demo.vision import ensure_kind
+    from lit_hbp.demo import ensure_kind
 
     with pytest.raises(ConfigError, match="needs torchvision"):
         ensure_kind(tmp_path / "demo_video", "video")

@@ -134,7 +134,7 @@ class MeasuredProfiler:
             keeps the probes that are sure to fail (Algorithm 4 starts at no checkpointing) off the
             device.
         sp_kind: how probes with sp > 1 split their packs (``lit_hbp.parallel.kind``).
-        samples: the run's samples with images or videos (``data.datamodule.StoreSamples``, indexed as
+        samples: the run's samples with images or videos (``lit_hbp.lightning.loader.StoreSamples``, indexed as
             ``lengths``) and ``patches`` their patches per sample (``VisionLoad.patches``): the probes pack
             them, the first micro-batch the densest in patches. None: random tokens (a text run).
     """

@@ -323,7 +323,7 @@ class MeasuredSelector(Selector):
         self, lengths: np.ndarray, trainer, vision: VisionLoad | None = None, samples=None
     ) -> tuple[Level, ...]:
         """The levels for the run ``trainer`` sets up; ``samples``: its samples with images or videos
-        (``lit_hbp.lightning.datamodule.StoreSamples``, indexed as ``lengths``), which the probes pack."""
+        (``lit_hbp.lightning.loader.StoreSamples``, indexed as ``lengths``), which the probes pack."""
         run = self.run_of(trainer)
         return self.chosen(self.select(lengths, run, vision, samples), run)
 

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.callbacks.checkpoint import FinalCheckpoint, StepEndCallback
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.datamodule import ignore_sigint  # noqa: F401  (public here too)
+from lit_hbp.lightning.loader import ignore_sigint  # noqa: F401  (public here too)
 
 FIRST_PRESS = (
     "Ctrl-C: training stops after the current optimizer step and saves a checkpoint; "

@@ -36,22 +36,34 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
-from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf.errors import OmegaConfBaseException
 
 from lit_hbp.callbacks.defaults import with_default_callbacks
 from lit_hbp.callbacks.interrupt import InterruptCheckpoint
 from lit_hbp.callbacks.lost_rank import LostRankReport
 from lit_hbp.callbacks.summary import HBPModelSummary
-from lit_hbp.cli.checks import check_run_config, class_arguments, compact_config, compact_yaml, dataclass_defaults
+from lit_hbp.cli.checks import (
+    check_run_config,
+    check_trainer_values,
+    class_arguments,
+    compact_config,
+    compact_yaml,
+    dataclass_defaults,
+)
+from lit_hbp.cli.resume import (  # noqa: F401  (public here too: their first home)
+    AUTO,
+    check_resume,
+    checkpoint_folders,
+    resolve_auto_resume,
+    resume_in_run_folder,
+)
 from lit_hbp.errors import ConfigError, UserInputError, did_you_mean
 from lit_hbp.lightning.checkpoints import (
     TRUST_HINT,
     AtomicCheckpointIO,
     UnsafeCheckpoint,
     allow_listed,
-    check_checkpoint,
-    find_resumable,
     safe_load,
     trusted_load,
 )
@@ -374,207 +386,6 @@ class HBPCLI(LightningCLI):
         entries = {a.dest: dataclass_defaults(a._typehint) for a in parser._actions if isinstance(a, ActionTypeHint)}
         compact = compact_config(config, defaults, {k: v for k, v in entries.items() if v})
         return f"resolved config (what differs from the defaults):\n{compact_yaml(compact)}"
-
-
-AUTO = "auto"  # --ckpt_path auto: the newest complete checkpoint of the run's folders, if there is one
-NAMED_LOGGERS = {  # logger class -> (its init argument that names the run folder, that argument's default)
-    "lightning.pytorch.loggers.TensorBoardLogger": ("name", "lightning_logs"),
-    "lightning.pytorch.loggers.tensorboard.TensorBoardLogger": ("name", "lightning_logs"),
-    "lightning.pytorch.loggers.CSVLogger": ("name", "lightning_logs"),
-    "lightning.pytorch.loggers.csv_logs.CSVLogger": ("name", "lightning_logs"),
-    "lightning.pytorch.loggers.WandbLogger": ("project", "lightning_logs"),
-    "lightning.pytorch.loggers.wandb.WandbLogger": ("project", "lightning_logs"),
-}
-
-
-def checkpoint_folders(section: Any) -> list[Path]:
-    """The folders a run of this config writes checkpoints into, over all its versions: each
-    ``ModelCheckpoint``'s ``dirpath``; ``<save_dir>/<name>/<version>/checkpoints`` of the first logger
-    (where Lightning's checkpoint callbacks and ``interrupted.ckpt`` go), or
-    ``<default_root_dir>/checkpoints`` without a logger; ``default_root_dir`` (SLURM's
-    ``hpc_ckpt_<n>.ckpt``). A logger whose folders are not known here is refused unless every
-    checkpoint callback has a ``dirpath``."""
-    root = Path(section.get("trainer.default_root_dir") or ".")
-    folders = [root]
-    callbacks = section.get("trainer.callbacks") or []
-    dirpaths = [cb.get("init_args", {}).get("dirpath") for cb in callbacks if _is_model_checkpoint(cb)]
-    folders += [Path(d) for d in dirpaths if d]
-    logger = section.get("trainer.logger")
-    logger = logger[0] if isinstance(logger, list) and logger else logger
-    if logger in (None, False, True, []):
-        return folders + [root / "checkpoints"]
-    class_path, args = logger.get("class_path"), logger.get("init_args") or {}
-    if class_path not in NAMED_LOGGERS:
-        if dirpaths and all(dirpaths):
-            return folders
-        raise ConfigError(
-            f"--ckpt_path {AUTO}: where {class_path} puts checkpoints is not known here; give each "
-            "ModelCheckpoint a dirpath (trainer.callbacks), or resume with --ckpt_path <file>"
-        )
-    key, default = NAMED_LOGGERS[class_path]
-    base = Path(args.get("save_dir") or root) / str(args.get(key) or default)
-    version = args.get("version")
-    versions = [base / (version if isinstance(version, str) else f"version_{version}")] if version is not None else (
-        sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
-    )  # fmt: skip
-    return folders + [v / "checkpoints" for v in versions]
-
-
-def _is_model_checkpoint(callback: Any) -> bool:
-    class_path = callback.get("class_path", "") if hasattr(callback, "get") else ""
-    return class_path.rsplit(".", 1)[-1] == "ModelCheckpoint"
-
-
-def resolve_auto_resume(section: Any) -> None:
-    """``--ckpt_path auto``: the newest complete checkpoint of the run's folders
-    (``checkpoint_folders``, ``lit_hbp.lightning.checkpoints.find_resumable``), or none (training starts from
-    the beginning); said in the log either way, with each checkpoint it passed over and why (a
-    truncated ``last.ckpt``, a save cut short). A requeued or restarted job resumes with the same
-    command line."""
-    if section.get("ckpt_path") != AUTO:
-        return
-    folders = checkpoint_folders(section)
-    found, skipped = find_resumable(folders)
-    section.ckpt_path = found
-    for path, why in skipped:
-        rank_zero_info(f"--ckpt_path {AUTO}: skipped {path}: {why}")
-    if found:
-        check_resume(section)
-        rank_zero_info(f"--ckpt_path {AUTO}: resuming from {found}, the newest complete checkpoint of the run")
-    else:
-        where = ", ".join(str(f) for f in dict.fromkeys(folders))
-        none = "no complete checkpoint" if skipped else "no checkpoint"
-        rank_zero_info(f"--ckpt_path {AUTO}: {none} in {where}: training starts from the beginning")
-
-
-KEYWORDS = ("last", "best", "hpc", "registry")  # --ckpt_path values Lightning resolves itself
-DEEPSPEED_STRATEGIES = ("hbp", "deepspeed")  # strategy names (and class names) that save a checkpoint folder
-
-
-def _saves_folders(value: Any) -> bool:
-    """Whether ``trainer.strategy`` (a name or a class_path mapping) is DeepSpeed's, which saves and loads
-    a checkpoint folder (lit-hbp's HBPStrategy is one)."""
-    if hasattr(value, "get"):
-        value = value.get("class_path") or ""
-    name = str(value or "").rsplit(".", 1)[-1].lower()
-    return any(name.startswith(s) for s in DEEPSPEED_STRATEGIES) or name.endswith("deepspeedstrategy")
-
-
-def check_resume(section: Any) -> None:
-    """``--ckpt_path`` (a local file or folder; Lightning's keywords and remote URLs are left to it) checked
-    before anything is built: there, a whole checkpoint (not truncated, not some other file), of the kind
-    the run's strategy loads (a DeepSpeed folder for ``hbp``, a file otherwise) and, unless
-    ``--weights_only false``, read by torch's weights-only unpickler with lit-hbp's allow-list
-    (``lit_hbp.lightning.checkpoints``). Lightning then loads it with ``weights_only=True`` and the same allow-list
-    (``main``)."""
-    ckpt = section.get("ckpt_path")
-    if "weights_only" in section and section.get("weights_only") is None:
-        section.weights_only = True  # torch's default since 2.6, said here for every torch and environment
-    if not ckpt or str(ckpt) in (AUTO, *KEYWORDS) or "://" in str(ckpt):
-        return  # auto: checked once resolve_auto_resume found the checkpoint
-    path = Path(ckpt)
-    trust = section.get("weights_only") is False
-    check_checkpoint(path, trust=trust)
-    chosen = section.get("trainer.strategy")
-    if hasattr(chosen, "get") and (chosen.get("init_args") or {}).get("load_full_weights"):
-        return  # DeepSpeed's load_full_weights: a ZeRO-3 run that loads a file; Lightning decides
-    deepspeed = _saves_folders(chosen)
-    if path.is_dir() and not deepspeed:
-        raise ConfigError(
-            f"--ckpt_path {path} is a DeepSpeed checkpoint folder: resume it with the strategy that saved it "
-            "(--trainer.strategy hbp, or its hbp_stage_N)"
-        )
-    if path.is_file() and deepspeed:
-        raise ConfigError(
-            f"--ckpt_path {path} is a checkpoint file, and DeepSpeed (trainer.strategy "
-            f"{chosen}) resumes from the checkpoint folder it saved: give that folder"
-        )
-
-
-# Trainer arguments whose values need this machine's hardware or a built object to check: the probe in
-# check_trainer_values leaves them to the trainer the run builds.
-UNPROBED = ("accelerator", "devices", "strategy", "precision", "plugins", "callbacks", "logger", "profiler")
-# Values Lightning's Trainer takes but a run cannot: key -> (accepted?, what is accepted, what happens otherwise).
-RUN_RULES = {
-    "accumulate_grad_batches": (
-        lambda v: isinstance(v, int) and v >= 1,
-        "a whole number >= 1",
-        "the plan of micro-batches per optimizer step needs at least one",
-    ),
-    "gradient_clip_val": (
-        lambda v: v is None or v >= 0,
-        "a number >= 0, or null for no clipping",
-        "a negative norm would flip the sign of every gradient it clips",
-    ),
-}
-
-
-def check_trainer_values(section: Any) -> None:
-    """Every trainer value Lightning's ``Trainer`` would refuse (``max_steps: -5``, ``max_epochs: -3``,
-    ``limit_val_batches: 1.5``, ...), refused now as a ``ConfigError`` naming the key, before the data
-    are tokenized: a ``Trainer`` is built from the config's values on the CPU, quietly, and its refusal is
-    the error. Lightning's own checks are the reference, so each release's rules are the ones applied;
-    ``RUN_RULES`` adds the values it takes but a run cannot use (``accumulate_grad_batches: 0``)."""
-
-    from lightning.pytorch import Trainer
-
-    trainer = section.get("trainer")
-    if trainer is None:
-        return
-    for key, (accepted, what, why) in RUN_RULES.items():
-        if key in trainer and not accepted(trainer.get(key)):
-            raise ConfigError(f"trainer.{key} must be {what}, got {trainer.get(key)!r}: {why}")
-    values = {k: v for k, v in trainer.as_dict().items() if k not in UNPROBED}
-    given = trainer.get("logger")
-    values["logger"] = False if given in (None, False, []) else True  # barebones refuses any logger
-    values["profiler"] = None if trainer.get("profiler") is None else "simple"
-    # The devices on the accelerator the config names (an Accelerator object is taken as given): what
-    # Lightning's accelerator connector refuses (``devices: 0``, more CPU processes than it can count ...).
-    accelerator = trainer.get("accelerator") or "auto"
-    hardware = {"accelerator": accelerator, "devices": trainer.get("devices", "auto")}
-    probes = [dict(accelerator="cpu", devices=1, strategy="auto", **values)]
-    if isinstance(accelerator, str):
-        probes.append(dict(hardware, strategy="auto", logger=False, num_nodes=values.get("num_nodes", 1)))
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)  # no "GPU available" banner from the probe: the run prints its own
-    try:
-        for probe in probes:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                Trainer(**probe)
-    except (MisconfigurationException, ValueError, TypeError, RuntimeError) as e:
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        named = [k for k in re.findall(r"`(?:Trainer\()?(\w+)(?:=[^`]*)?`", message) if k in {**values, **hardware}]
-        if not named and any(w in message.lower() for w in ("accelerator", "backend")):
-            named = ["accelerator"]  # "No supported gpu backend found!"
-        key = f"trainer.{named[0]}" if named else "trainer"
-        raise ConfigError(f"{key}: {message}") from None
-    finally:
-        logging.disable(previous)
-
-
-def resume_in_run_folder(section: Any) -> None:
-    """A run resumed with ``--ckpt_path <save_dir>/<name>/<version>/checkpoints/x.ckpt`` logs into that
-    ``<version>`` folder (its curves continue where they stopped) rather than a new ``version_N+1``,
-    when the config's logger writes to ``<save_dir>/<name>`` and pins no version of its own."""
-    ckpt = section.get("ckpt_path")
-    logger = section.get("trainer.logger")
-    if not ckpt or ckpt in ("last", "best", "hpc", "registry") or not logger or isinstance(logger, (bool, list)):
-        return
-    args = logger.get("init_args")
-    if args is None or args.get("version") is not None or args.get("save_dir") is None:
-        return
-    run_dir = Path(ckpt).resolve().parent
-    if run_dir.name == "checkpoints":
-        run_dir = run_dir.parent
-    name = args.get("name")
-    expected = Path(args.save_dir) / name if name else Path(args.save_dir)
-    if run_dir.parent == expected.resolve():
-        # version_N as the number N: the loggers name its folder the same, and the progress bar shows
-        # v_num=N (a string version shows its last 4 characters there: "on_0").
-        number = re.fullmatch(r"version_(\d+)", run_dir.name)
-        args.version = int(number.group(1)) if number else run_dir.name
-        rank_zero_info(f"resuming in the run folder {run_dir} (logs continue there)")
 
 
 class PreviewArgumentParser(HBPArgumentParser):

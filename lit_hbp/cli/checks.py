@@ -9,11 +9,15 @@ import argparse
 import dataclasses
 import functools
 import importlib
+import logging
+import re
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lit_hbp.errors import ConfigError
 from lit_hbp.model.checks import check_model_config, check_model_source, model_config
@@ -119,7 +123,7 @@ def check_run_config(config: Mapping[str, Any], trains: bool = True) -> None:
     and the model's heads."""
     data = config.get("data") or {}
     if data.get("demo_dir") and data.get("demo", "text") != "text":  # the demo's checkpoint folder is the model
-        from lit_hbp.demo.vision import ensure_kind
+        from lit_hbp.demo import ensure_kind
 
         ensure_kind(data["demo_dir"], data["demo"])
     model = (config.get("model") or {}).get("model")
@@ -230,3 +234,65 @@ _CompactDumper.add_representer(list, _represent_compact)
 def compact_yaml(data: Mapping[str, Any]) -> str:
     """``data`` as block YAML in its own key order, short leaf lists and mappings inline."""
     return yaml.dump(dict(data), Dumper=_CompactDumper, sort_keys=False, width=120).rstrip()
+
+
+# Trainer arguments whose values need this machine's hardware or a built object to check: the probe in
+# check_trainer_values leaves them to the trainer the run builds.
+UNPROBED = ("accelerator", "devices", "strategy", "precision", "plugins", "callbacks", "logger", "profiler")
+# Values Lightning's Trainer takes but a run cannot: key -> (accepted?, what is accepted, what happens otherwise).
+RUN_RULES = {
+    "accumulate_grad_batches": (
+        lambda v: isinstance(v, int) and v >= 1,
+        "a whole number >= 1",
+        "the plan of micro-batches per optimizer step needs at least one",
+    ),
+    "gradient_clip_val": (
+        lambda v: v is None or v >= 0,
+        "a number >= 0, or null for no clipping",
+        "a negative norm would flip the sign of every gradient it clips",
+    ),
+}
+
+
+def check_trainer_values(section: Any) -> None:
+    """Every trainer value Lightning's ``Trainer`` would refuse (``max_steps: -5``, ``max_epochs: -3``,
+    ``limit_val_batches: 1.5``, ...), refused now as a ``ConfigError`` naming the key, before the data
+    are tokenized: a ``Trainer`` is built from the config's values on the CPU, quietly, and its refusal is
+    the error. Lightning's own checks are the reference, so each release's rules are the ones applied;
+    ``RUN_RULES`` adds the values it takes but a run cannot use (``accumulate_grad_batches: 0``)."""
+
+    from lightning.pytorch import Trainer
+
+    trainer = section.get("trainer")
+    if trainer is None:
+        return
+    for key, (accepted, what, why) in RUN_RULES.items():
+        if key in trainer and not accepted(trainer.get(key)):
+            raise ConfigError(f"trainer.{key} must be {what}, got {trainer.get(key)!r}: {why}")
+    values = {k: v for k, v in trainer.as_dict().items() if k not in UNPROBED}
+    given = trainer.get("logger")
+    values["logger"] = False if given in (None, False, []) else True  # barebones refuses any logger
+    values["profiler"] = None if trainer.get("profiler") is None else "simple"
+    # The devices on the accelerator the config names (an Accelerator object is taken as given): what
+    # Lightning's accelerator connector refuses (``devices: 0``, more CPU processes than it can count ...).
+    accelerator = trainer.get("accelerator") or "auto"
+    hardware = {"accelerator": accelerator, "devices": trainer.get("devices", "auto")}
+    probes = [dict(accelerator="cpu", devices=1, strategy="auto", **values)]
+    if isinstance(accelerator, str):
+        probes.append(dict(hardware, strategy="auto", logger=False, num_nodes=values.get("num_nodes", 1)))
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # no "GPU available" banner from the probe: the run prints its own
+    try:
+        for probe in probes:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                Trainer(**probe)
+    except (MisconfigurationException, ValueError, TypeError, RuntimeError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        named = [k for k in re.findall(r"`(?:Trainer\()?(\w+)(?:=[^`]*)?`", message) if k in {**values, **hardware}]
+        if not named and any(w in message.lower() for w in ("accelerator", "backend")):
+            named = ["accelerator"]  # "No supported gpu backend found!"
+        key = f"trainer.{named[0]}" if named else "trainer"
+        raise ConfigError(f"{key}: {message}") from None
+    finally:
+        logging.disable(previous)

@@ -3,7 +3,26 @@ Python standard library (``text``: ``python -m lit_hbp.demo``), drawn-shape imag
 LLaVA-NeXT folder (``vision``: ``python -m lit_hbp.demo.vision``), and chats with short drawn videos and
 pictures with a tiny Qwen2-VL folder (``video``: ``python -m lit_hbp.demo.video``; torchvision needed)."""
 
+import os
 from typing import Any
+
+DEMOS = ("text", "vision", "video")  # the kinds ``data.demo`` names
+
+
+def ensure_kind(out_dir: str | os.PathLike[str], kind: str = "text") -> None:
+    """Build the demo ``kind`` in ``out_dir`` when missing (the data module's ``demo_dir``)."""
+    if kind == "vision":
+        from lit_hbp.demo.vision import ensure_vlm_demo
+
+        ensure_vlm_demo(out_dir)
+    elif kind == "video":
+        from lit_hbp.demo.video import ensure_video_demo
+
+        ensure_video_demo(out_dir)
+    else:
+        from lit_hbp.demo.text import ensure_demo
+
+        ensure_demo(out_dir)
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_hbp.demo.text import byte_level_bpe, ensure_demo
+from lit_hbp.demo.text import byte_level_bpe
 
 VERSION = "2"  # 2: the text demo's BPE settings (lit_hbp.demo.text.byte_level_bpe)
 MODEL_DIR, DATA_FILE, IMAGE_DIR = "model", "chat.jsonl", "images"
@@ -201,21 +201,6 @@ def ensure_vlm_demo(out_dir: str | os.PathLike[str], n: int = 1200, seed: int = 
 
 
 # HBPDataModule's ``demo``: lit_hbp.demo.text's, this module's, or lit_hbp.demo.video's (torchvision needed)
-DEMOS = ("text", "vision", "video")
-
-
-def ensure_kind(out_dir: str | os.PathLike[str], kind: str = "text") -> None:
-    """Build the demo ``kind`` in ``out_dir`` when missing (the data module's ``demo_dir``)."""
-    if kind == "vision":
-        ensure_vlm_demo(out_dir)
-    elif kind == "video":
-        from lit_hbp.demo.video import ensure_video_demo
-
-        ensure_video_demo(out_dir)
-    else:
-        ensure_demo(out_dir)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lit_hbp.demo.vision", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="folder to write (model/, chat.jsonl, images/)")

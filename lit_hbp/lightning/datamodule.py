@@ -15,7 +15,6 @@ import hashlib
 import inspect
 import json
 import math
-import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,8 @@ from typing import Any
 import lightning as L
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader
 
-from lit_hbp.data.batch import PackedBatch
-from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.sources import Source, check_sources
 from lit_hbp.data.store import SampleStore
 from lit_hbp.data.tokenize import (
@@ -38,174 +35,21 @@ from lit_hbp.data.tokenize import (
     tokenizer_fingerprint,
 )
 from lit_hbp.errors import ConfigError, DataError, did_you_mean
+from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their first home)
+    FixedPlanSampler,
+    MediaInputs,
+    MicroBatchDataset,
+    PlanLoader,
+    PlanSampler,
+    StoreSamples,
+    ignore_sigint,
+    media_inputs,
+)
 from lit_hbp.model.checks import local_checkpoint
-from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, MicroBatch, Plan, plan_hbp, validate_levels
+from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LevelSelector, as_level
 from lit_hbp.packing.vision_load import VisionLoad
-from lit_hbp.parallel.kind import resolve_sp_kind
-from lit_hbp.parallel.topology import layout_levels, sp_coords
-
-
-class MediaInputs:
-    """What a loader worker needs to turn a sample's image and video files into the model's inputs: the
-    checkpoint's processor (pixels, grids) and, for a family whose positions depend on its media,
-    the positions' function on the checkpoint's config (``lit_hbp.data.media``)."""
-
-    def __init__(self, processor, config, token_types: bool):
-        from lit_hbp.data.media import WorkerMedia, rope_stand_in
-        from lit_hbp.data.media_batch import MRopePositions
-
-        self.media = WorkerMedia(processor, token_types)
-        inner = rope_stand_in(config) if config is not None else None
-        self.rope = MRopePositions(inner) if inner is not None else None
-
-
-class StoreSamples:
-    """A store's samples as ``collate_packs`` reads them: ids and supervised mask, and with ``inputs`` their
-    images and videos as the processor's tensors (decoded at each call, in the process that collates) and the
-    family's positions. The loader's dataset collates from it, and a measured level search packs its probes
-    with the run's own samples through it (``lit_hbp.autoselect.measured``)."""
-
-    def __init__(self, store: SampleStore, inputs: MediaInputs | None = None):
-        self.store = store
-        self.inputs = inputs if inputs is not None and store.has_media else None
-
-    def tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.store.tokens(i)
-
-    def media(self, i: int) -> dict:
-        """Sample i's images and videos as the processor's tensors (none for a text sample)."""
-        media = self.store.media(i)
-        return self.inputs.media(self.store.tokens(i)[0], media, self.store.where(i)) if media else {}
-
-    def batch(self, packs: list[np.ndarray], lv: Level, sp_rank: int, pad_id: int = 0, **plan) -> PackedBatch:
-        """This SP rank's shard of the micro-batch of ``packs`` (arrays of sample ids), cut as the level ``lv``
-        cuts it; ``plan``: the plan's fields (``collate_packs``: the level's index, its checkpointing, ...)."""
-        media = {} if self.inputs is None else dict(media=self.media, rope=self.inputs.rope)
-        batch = collate_packs(
-            packs, self.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=pad_id, **plan, **media
-        )
-        return resolve_sp_kind(lv.sp_kind).shard(batch, lv.sp, sp_rank) if lv.sp > 1 else batch
-
-
-def media_inputs(store: SampleStore, processor, config) -> MediaInputs | None:
-    """The media inputs of a vision-language checkpoint's ``processor`` and ``config`` for ``store``: None when
-    its samples have no images or videos, or the checkpoint no processor."""
-    if processor is None or not store.has_media:
-        return None
-    return MediaInputs(processor, config, any(s.token_types for s in store.sources))
-
-
-class MicroBatchDataset(Dataset):
-    """Collates (and SP-shards) the micro-batch its sampler names. It holds no plan: the sampler, in
-    the main process, reads the epoch's plan and hands each item over, so worker processes (started
-    with a copy of this dataset) can never collate from a stale epoch's plan."""
-
-    def __init__(
-        self, store: SampleStore, levels: tuple[Level, ...], rank: int, pad_id: int, media: MediaInputs | None = None
-    ):
-        self.samples = StoreSamples(store, media)  # images decoded here, in the loader's worker
-        self.levels, self.rank, self.pad_id = levels, rank, pad_id
-
-    def __getitem__(self, item: tuple[int, int, MicroBatch]) -> PackedBatch:
-        epoch, k, mb = item
-        lv = self.levels[mb.level]
-        plan = dict(
-            level=mb.level,
-            ckpt_layers=lv.ckpt_layers,
-            offload=lv.offload,
-            mlp_tiles=lv.mlp_tiles,
-            loss_norm=mb.loss_norm,
-            micro_index=k,
-            epoch=epoch,
-        )
-        return self.samples.batch(mb.packs, lv, sp_coords(self.rank, lv.sp)[1], self.pad_id, **plan)
-
-
-class PlanSampler(Sampler[tuple[int, int, MicroBatch]]):
-    """This rank's micro-batches of the epoch, as (epoch, micro-step, MicroBatch); ``set_epoch``
-    switches to that epoch's plan. Its length is always the whole epoch, and after a resume it
-    starts at the first micro-step not yet trained."""
-
-    def __init__(self, datamodule: HBPDataModule, epoch: int, rank: int):
-        self.dm, self.epoch, self.rank = datamodule, epoch, rank
-        self.plan = datamodule.plan_for_epoch(epoch)
-        self.start = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            plan = self.dm.plan_for_epoch(epoch)
-            if plan.n_micro_steps != len(self) and self.dm.trainer_setting("reload_dataloaders_every_n_epochs") != 1:
-                raise RuntimeError(
-                    f"the plan of epoch {epoch} has {plan.n_micro_steps} micro-steps but the loader was built for "
-                    f"{len(self)}; with the randomized packer {self.dm.packer!r} set "
-                    "Trainer(reload_dataloaders_every_n_epochs=1) so the epoch length is re-read"
-                )
-            self.plan, self.epoch = plan, epoch
-            self.start = 0
-        pending = self.dm.resume_from
-        if pending is not None and pending["epoch"] == epoch:
-            self.start = pending["micro_step"]
-            self.dm.resume_from = None
-
-    def __len__(self) -> int:
-        return self.plan.n_micro_steps
-
-    def __iter__(self):
-        # A generator: Lightning may create the iterator before it calls set_epoch (on a restart),
-        # so the epoch's plan and start are read when the first index is drawn, not here.
-        start, self.start = self.start, 0
-        for k in range(start, len(self)):
-            yield self.epoch, k, self.plan.micro_batch(self.rank, k)
-
-
-class PlanLoader(DataLoader):
-    """A DataLoader Lightning recognizes as resumable (it has state_dict / load_state_dict)."""
-
-    def __init__(self, datamodule: HBPDataModule, dataset: MicroBatchDataset, sampler: PlanSampler, **kwargs):
-        self.dm = datamodule
-        super().__init__(dataset, sampler=sampler, batch_size=None, **kwargs)
-
-    def state_dict(self) -> dict:
-        trained = self.dm.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": self.sampler.epoch, "micro_step": int(trained), "plan": self.dm.plan_key()}
-
-    def load_state_dict(self, state: dict) -> None:
-        saved, now = state.get("plan"), self.dm.plan_key()
-        if saved is not None and saved != now:
-            changed = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in now if saved.get(k) != now.get(k))
-            raise ConfigError(
-                f"cannot resume mid-epoch: the checkpoint's plan was made with other settings ({changed}); "
-                "its micro-step would point into a different plan and train samples twice or never. Resume "
-                "with the same data, levels, world size, accumulate_grad_batches and seed, or from an "
-                "end-of-epoch checkpoint."
-            )
-        rank_zero_info(self.resume_message(state, now))
-        if state["micro_step"] >= self.dm.plan_for_epoch(state["epoch"]).n_micro_steps:
-            return  # saved at the end of its epoch: the next epoch starts from its beginning
-        self.dm.resume_from = dict(state)
-        self.sampler.set_epoch(self.sampler.epoch)
-
-    def resume_message(self, state: dict, key: dict) -> str:
-        """Where a resumed run continues and the plan it re-creates, so a resume is never silent."""
-        epoch, micro = state["epoch"], state["micro_step"]
-        plan = self.dm.plan_for_epoch(epoch)
-        trainer = self.dm.trainer
-        step = trainer.global_step if trainer is not None else micro // key["accumulate"]
-        levels = ", ".join(f"{p}:{sp}" + (f":{ck}" if ck else "") for p, sp, ck, *_ in key["levels"])
-        recreated = (
-            f"levels {levels}; world {key['world_size']}, accumulate {key['accumulate']}, "
-            f"seed {key['seed']} + epoch {epoch}, packer {key['packer']}"
-        )
-        if micro >= plan.n_micro_steps:
-            return (
-                f"resuming at optimizer step {step}: epoch {epoch} was trained to its end ({plan.n_micro_steps} "
-                f"micro-batches of its plan); the next epoch starts from its first micro-batch ({recreated})"
-            )
-        return (
-            f"resuming at optimizer step {step}, epoch {epoch}, micro-batch {micro} of {plan.n_micro_steps} of the "
-            f"epoch's plan ({recreated}); the {micro} micro-batches before it are not trained again"
-        )
+from lit_hbp.parallel.topology import layout_levels
 
 
 class HBPDataModule(L.LightningDataModule):
@@ -314,7 +158,7 @@ class HBPDataModule(L.LightningDataModule):
         self.cache_dir, self.num_workers = cache_dir, num_workers
         check_num_proc(num_proc)
         self.num_proc = num_proc
-        from lit_hbp.demo.vision import DEMOS, ensure_kind
+        from lit_hbp.demo import DEMOS, ensure_kind
 
         if demo not in DEMOS:
             raise ConfigError(f"data.demo must be one of {', '.join(DEMOS)}, got {demo!r}")
@@ -606,20 +450,6 @@ class HBPDataModule(L.LightningDataModule):
         return PlanLoader(self, dataset, sampler, **self._worker_settings(workers), pin_memory=pin)
 
 
-class FixedPlanSampler(Sampler[tuple[int, int, MicroBatch]]):
-    """Every micro-batch of a fixed plan for one rank (validation: the same plan every run)."""
-
-    def __init__(self, plan: Plan, rank: int):
-        self.plan, self.rank = plan, rank
-
-    def __len__(self) -> int:
-        return self.plan.n_micro_steps
-
-    def __iter__(self):
-        for k in range(len(self)):
-            yield 0, k, self.plan.micro_batch(self.rank, k)
-
-
 def load_tokenizer(path: str):
     """A local Hugging Face tokenizer (hub downloads are off in training jobs: give a path)."""
     from transformers import AutoTokenizer
@@ -691,13 +521,6 @@ def tokenizer_from_files(files: dict[str, bytes | str], folder: str | Path):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def ignore_sigint(worker_id: int) -> None:
-    """A DataLoader ``worker_init_fn``: the worker ignores SIGINT. A terminal's Ctrl-C reaches the
-    workers too; one that died of it would fail the step InterruptCheckpoint lets finish. The
-    workers still end with the main process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def config_lengths(config: dict) -> tuple[np.ndarray, int, VisionLoad | None]:
     """Sample lengths of the config's data sources, the tokenizer's vocabulary size and, for a
     vision-language checkpoint's data with images or videos, what they give its tower (``VisionLoad``)."""
@@ -712,7 +535,7 @@ def config_samples(config: dict) -> tuple[np.ndarray, int, VisionLoad | None, An
 
     data = config.get("data") or {}
     if data.get("demo_dir"):
-        from lit_hbp.demo.vision import ensure_kind
+        from lit_hbp.demo import ensure_kind
 
         ensure_kind(data["demo_dir"], data.get("demo", "text"))
     tok, processor, vlm_config = load_renderers(data["tokenizer"], data.get("chat_template"))

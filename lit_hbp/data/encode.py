@@ -1,0 +1,391 @@
+"""A record's tokens and supervised mask: a chat rendered with the tokenizer's chat template (``data.chat_template``:
+a built-in, a file or a Jinja string, ``resolve_chat_template``), its trained turns located by rendering
+prefixes of the conversation (``{% generation %}`` blocks where the template has them), or a pre-tokenized
+record checked against the vocabulary (``pretokenized``). ``lit_hbp.data.tokenize`` runs it over a source,
+in worker processes, into the token cache.
+
+Pre-tokenized records (``input_ids`` with ``labels`` or ``assistant_masks``, or alone: every token
+supervised) are validated against the tokenizer's vocabulary and taken as they are.
+
+Label mask: ``target[t]`` is True when token t is a supervised prediction (the model learns to
+produce token t from the tokens before it). Chat samples supervise the trained turns, found by
+rendering the chat template for each prefix of the conversation and mapping those character spans
+onto the tokens of the full rendering (one tokenization per sample). A template with
+``{% generation %}`` blocks says itself what an assistant turn trains: there a trained assistant
+turn supervises the template's own assistant mask within the turn (``apply_chat_template(...,
+return_assistant_tokens_mask=True)``; a turn ``train_on`` or a weight leaves out stays out). The
+template is the tokenizer's own, which the data module replaces with ``data.chat_template``
+(``resolve_chat_template``) when given; a chat record without any template is an error, never a
+silent default (the served model would be prompted in a format it was not trained on).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from lit_hbp.data.records import RENDERED, Conversation, TokenRecord
+from lit_hbp.errors import ConfigError, DataError
+
+# Which turns of a chat train: every assistant turn, the last one only, or every token; a message's
+# ``weight`` (0 or 1) decides for its own turn.
+TRAIN_ON = ("assistant", "last_assistant", "all")
+# Built-in chat templates (``data.chat_template: NAME``). Each closes an assistant turn with the
+# tokenizer's EOS, one token of every vocabulary, so the model learns to stop and generation stops
+# there without new tokens; each is prefix-stable (the first k turns render to a prefix of them all).
+CHAT_TEMPLATES = {
+    "tags": (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    ),
+    "plain": (
+        "{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant:\n{% endif %}"
+    ),
+}
+CHAT_TEMPLATE_FIX = (
+    f"set data.chat_template to a Jinja template string, a template file, or a built-in ({', '.join(CHAT_TEMPLATES)})"
+)
+# A template marking assistant output (transformers' tag; a loose match, whitespace control included).
+GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
+IGNORE_INDEX = -100
+
+
+class _PrefixFailed(Exception):
+    """The template cannot render the first messages of a conversation on their own."""
+
+
+def resolve_chat_template(option: str, tokenizer) -> str:
+    """The template ``data.chat_template`` names: a built-in name, a template file or a Jinja string
+    (told apart by its ``{{`` / ``{%``); a short error naming the option for anything else."""
+    if option in CHAT_TEMPLATES:
+        if tokenizer.eos_token is None:
+            raise ConfigError(
+                f"data.chat_template {option!r} ends assistant turns with the tokenizer's EOS token, and this "
+                "tokenizer has none: give a template of your own"
+            )
+        return CHAT_TEMPLATES[option]
+    if "{{" in option or "{%" in option:
+        return option
+    if Path(option).expanduser().is_file():
+        return Path(option).expanduser().read_text()
+    raise ConfigError(
+        f"data.chat_template {option!r} is no built-in template ({', '.join(CHAT_TEMPLATES)}), no existing file "
+        "and no Jinja template string"
+    )
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
+
+
+def _has_content(message: dict) -> bool:
+    """A message with text, images or tool calls (an empty string alone is nothing to train on)."""
+    content = message["content"]
+    return not isinstance(content, str) or bool(content.strip()) or bool(message.get("tool_calls"))
+
+
+def _marked(content: str | list[dict]) -> str | list[dict]:
+    """A message's content with a character in front that no template adds (where its turn departs)."""
+    if isinstance(content, str):
+        return "\x01" + content
+    return [{"type": "text", "text": "\x01"}, *content]
+
+
+def _complement(spans: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The parts of [0, n) outside ``spans``."""
+    out, at = [], 0
+    for a, b in sorted(spans):
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    return out + ([(at, n)] if at < n else [])
+
+
+class _Encoder:
+    """Turns conversations into (ids, target) with the tokenizer's chat template (the data module sets
+    it from ``data.chat_template``): the template renders every message, the record's tools and tool
+    calls; the trained turns are located by rendering prefixes of the conversation."""
+
+    def __init__(self, tokenizer, train_on: str):
+        if train_on not in TRAIN_ON:
+            raise ConfigError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+        if not getattr(tokenizer, "is_fast", False):
+            raise ConfigError(
+                f"{type(tokenizer).__name__} is a slow tokenizer: lit-hbp needs a fast one (offset mapping) to "
+                "locate assistant turns; load it with use_fast=True or convert it with the tokenizers library"
+            )
+        self.tok = tokenizer
+        self.train_on = train_on
+        self.template = getattr(tokenizer, "chat_template", None) or None
+        self.eos = tokenizer.eos_token_id
+
+    def _render(self, conv: Conversation, upto: int | None, generation_prompt: bool = False, tools=True, messages=None):
+        """The template's text of the first ``upto`` messages (all: None) of ``conv`` (or ``messages``).
+        The tokenizer's own template: a tokenizer with named templates (``{"default", "tool_use"}``)
+        lets transformers pick the one for the call, as it does at inference."""
+        msgs = (conv.messages if messages is None else messages)[:upto]
+        try:
+            return self.tok.apply_chat_template(
+                msgs, tools=conv.tools if tools else None, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as e:  # the template's raise_exception, or a value it cannot handle
+            if upto is not None and upto < len(conv.messages):
+                raise _PrefixFailed(str(e)) from None
+            raise DataError(f"{conv.where}: the chat template cannot render this record: {e}") from None
+
+    def _prefix(self, conv: Conversation, i: int, generation_prompt: bool) -> str | None:
+        """The rendering of the messages before message i; None before the first one when the template
+        cannot render an empty conversation (transformers refuses to)."""
+        try:
+            return self._render(conv, i, generation_prompt)
+        except _PrefixFailed as e:
+            if i == 0:
+                return None
+            raise DataError(
+                f"{conv.where}: messages[{i}]: the chat template cannot render the conversation before this message "
+                f"({e}), so the turn cannot be located"
+            ) from None
+
+    def _trained(self, conv: Conversation) -> list[bool]:
+        """Per message: does it train? ``train_on`` decides, a message's weight overrides it."""
+        roles = [m["role"] for m in conv.messages]
+        if self.train_on == "all":
+            out = [True] * len(roles)
+        elif self.train_on == "assistant":
+            out = [r == "assistant" for r in roles]
+        else:
+            last = max((i for i, r in enumerate(roles) if r == "assistant"), default=-1)
+            out = [i == last for i in range(len(roles))]
+        return [bool(w) if w is not None else t for t, w in zip(out, conv.weights or [None] * len(roles))]
+
+    def _check_rendered(self, conv: Conversation, full: str) -> None:
+        """Refuse what the template would drop: the record's tools, a message's content, tool calls or
+        reasoning. (A template that cannot render without the tools needs them: it renders them.)"""
+        if conv.tools:
+            try:
+                dropped = self._render(conv, None, tools=False) == full
+            except DataError:
+                dropped = False
+            if dropped:
+                raise DataError(
+                    f"{conv.where}: tools: the chat template does not render tools, so the model would never see the "
+                    "tool definitions: use a chat template that renders them (data.chat_template), or drop the field"
+                )
+        for i, m in enumerate(conv.messages):
+            content = m["content"]
+            texts = [content] if isinstance(content, str) else [p["text"] for p in content if "text" in p]
+            if any(t.strip() and t.strip() not in full for t in texts):
+                raise DataError(
+                    f"{conv.where}: messages[{i}] ({m['role']}): the chat template does not render its content, so "
+                    "the model would never see it: use a chat template that renders the role, or drop the message"
+                )
+            # A tool result's name and call id link it to its call: the template may leave them out.
+            for key in RENDERED + (("name",) if m["role"] != "tool" else ()):
+                if key in m:
+                    without = [*conv.messages[:i], {k: v for k, v in m.items() if k != key}]
+                    if self._render(conv, i + 1) == self._render(conv, None, messages=without):
+                        raise DataError(
+                            f"{conv.where}: messages[{i}].{key}: the chat template does not render it, so the model "
+                            "would learn the turn without it: use a chat template that renders it (data.chat_template)"
+                        )
+
+    def _turn(self, conv: Conversation, i: int, full: str) -> tuple[str | None, str]:
+        """The renderings of the messages before message i (None: see ``_prefix``) and up to its end. The
+        conversation must render the same when cut there (prefix-stable): otherwise the turn's
+        characters in the whole are not the ones located."""
+        try:
+            upto = self._render(conv, i + 1)
+        except _PrefixFailed as e:
+            raise DataError(
+                f"{conv.where}: messages[{i}]: the chat template cannot render the conversation up to this message "
+                f"({e}), so the turn cannot be located"
+            ) from None
+        before = self._prefix(conv, i, False)
+        if not (full.startswith(upto) and upto.startswith(before or "")):
+            raise DataError(
+                f"{conv.where}: the chat template is not prefix-stable at message {i} (the conversation cut before "
+                "or after it does not render as the start of the whole), so its turns cannot be located: use "
+                "train_on: last_assistant (only the last turn is located) or a template that renders "
+                "earlier turns unchanged"
+            )
+        return before, upto
+
+    def _span(self, conv: Conversation, i: int, full: str, whole: bool) -> tuple[int, int]:
+        """The characters of message i: from where its rendering departs from the prefix before it (for
+        an assistant turn, the prefix with the generation prompt: its header is the prompt's, not
+        trained) to its end."""
+        before, upto = self._turn(conv, i, full)
+        generation = conv.messages[i]["role"] == "assistant" and not whole
+        if before is None:
+            return self._first_start(conv, upto, generation), len(upto)
+        head = self._prefix(conv, i, True) if generation else before
+        return max(_common_prefix(head, upto), len(before)), len(upto)
+
+    def _first_start(self, conv: Conversation, upto: str, generation: bool) -> int:
+        """Where the first message's turn starts in ``upto`` (its rendering alone), the template's preamble
+        (a default system prompt, the tools) excluded: an assistant turn's content starts where the
+        rendering with other content departs; a whole message is what a second copy of it adds."""
+        first = conv.messages[0]
+        try:
+            if generation:
+                other = self._render(conv, None, messages=[{**first, "content": _marked(first["content"])}])
+                return _common_prefix(upto, other)
+            twice = self._render(conv, None, messages=[first, first])
+        except DataError:
+            twice = ""
+        own = len(twice) - len(upto)
+        if not (twice.startswith(upto) and 0 < own <= len(upto) and twice[len(upto) :] == upto[len(upto) - own :]):
+            raise DataError(
+                f"{conv.where}: messages[0]: the chat template renders the first message with a preamble that cannot "
+                "be told apart from it, so its turn cannot be located: leave its weight unset"
+            )
+        return len(upto) - own
+
+    def prepare(self, conv: Conversation) -> tuple[str, list[tuple[int, int]] | None, bool] | str:
+        """Rendered text, supervised character spans (None = all), and whether it is plain text;
+        or a skip reason."""
+        if conv.text is not None:
+            return (conv.text, None, True) if conv.text.strip() else "empty conversation"
+        msgs = conv.messages
+        if not msgs or not any(_has_content(m) for m in msgs):
+            return "empty conversation"
+        if self.template is None:
+            raise DataError(
+                f"{conv.where}: this chat record needs a chat template and the tokenizer has none: {CHAT_TEMPLATE_FIX}"
+            )
+        full = self._render(conv, None)
+        self._check_rendered(conv, full)
+        trained = self._trained(conv)
+        if self.train_on == "all":
+            if all(trained):
+                return full, None, False
+            left_out = [self._span(conv, i, full, whole=True) for i, t in enumerate(trained) if not t]
+            return full, _complement(left_out, len(full)), False
+        blocks = self._generation_blocks(conv, full)
+        spans = []
+        for i, t in enumerate(trained):
+            if not t:
+                continue
+            if blocks is None or conv.messages[i]["role"] != "assistant":
+                spans.append(self._span(conv, i, full, whole=False))
+                continue
+            before, upto = self._turn(conv, i, full)
+            a, b = len(before or ""), len(upto)  # the turn, its header and separators included
+            # A block is cut to the turn; an empty one still marks a token it falls inside, as transformers does.
+            spans += [(max(s, a), min(e, b)) for s, e in blocks if max(s, a) < min(e, b) or a <= s == e < b]
+        return full, spans, False
+
+    def _generation_blocks(self, conv: Conversation, full: str) -> list[tuple[int, int]] | None:
+        """The characters the template's ``{% generation %}`` blocks mark in ``full``, as
+        ``apply_chat_template(..., return_assistant_tokens_mask=True)`` finds them (the same call of
+        transformers' renderer, its text checked equal to ``full``); None for a template without them,
+        whose turns are located by renderings."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        template = self.tok.get_chat_template(None, conv.tools)
+        if not GENERATION_TAG.search(template):
+            return None
+        # apply_chat_template drops None-valued message fields and hands the template the special tokens.
+        messages = [{k: v for k, v in m.items() if v is not None} for m in conv.messages]
+        (text,), (blocks,) = render_jinja_template(
+            [messages],
+            tools=conv.tools,
+            chat_template=template,
+            return_assistant_tokens_mask=True,
+            **self.tok.special_tokens_map,
+        )
+        if text != full:
+            raise DataError(
+                f"{conv.where}: the chat template renders this record otherwise when its {{% generation %}} blocks "
+                f"are tracked (at character {_common_prefix(text, full)}), so its assistant mask cannot be located"
+            )
+        return [tuple(block) for block in blocks]
+
+    def encode_batch(self, prepared: list[tuple[str, list | None, bool]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Tokenize a batch in one call per kind (the fast tokenizer parallelizes it)."""
+        out: list = [None] * len(prepared)
+        for is_text in (False, True):
+            idx = [i for i, p in enumerate(prepared) if p[2] is is_text]
+            if not idx:
+                continue
+            # Rendered chats already carry the template's special tokens; plain text gets the
+            # tokenizer's own (e.g. BOS) plus an EOS so the model learns to stop.
+            enc = self.tok(
+                [prepared[i][0] for i in idx], add_special_tokens=is_text, return_offsets_mapping=not is_text
+            )
+            for j, i in enumerate(idx):
+                ids = np.asarray(enc["input_ids"][j], dtype=np.int32)
+                spans = prepared[i][1]
+                if is_text and self.eos is not None and (ids.size == 0 or ids[-1] != self.eos):
+                    ids = np.r_[ids, np.int32(self.eos)]
+                target = np.ones(ids.size, dtype=bool)
+                if spans is not None:  # a token trains when it overlaps a trained turn (as char_to_token maps)
+                    offsets = np.asarray(enc["offset_mapping"][j], dtype=np.int64).reshape(-1, 2)
+                    target[:] = False
+                    for a, b in spans:
+                        target |= (offsets[:, 1] > a) & (offsets[:, 0] < b)
+                target[:1] = False
+                out[i] = (ids, target)
+        return out
+
+
+def _integers(value, name: str, where: str, bools: bool = False) -> np.ndarray:
+    """A flat list of integers (and booleans where ``bools``) as an int64 array, or a DataError."""
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError):
+        array = None
+    kinds = "iub" if bools else "iu"
+    if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in kinds):
+        raise DataError(f"{where}: {name} must be a flat list of integers, got {str(value)[:60]}")
+    return array.astype(np.int64)
+
+
+def pretokenized(record: TokenRecord, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, supervised mask) of a pre-tokenized record, checked against the vocabulary: ``labels``
+    unshifted with -100 on unsupervised tokens (the Hugging Face convention), or ``assistant_masks``
+    (1 on supervised tokens), or neither (every token supervised)."""
+    where = record.where
+    ids = _integers(record.input_ids, "input_ids", where)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
+        raise DataError(
+            f"{where}: input_ids holds token id {bad}, outside the tokenizer's vocabulary (0..{vocab_size - 1}): "
+            "was it tokenized with another tokenizer?"
+        )
+    target = np.ones(ids.size, dtype=bool)
+    if record.labels is not None:
+        labels = _integers(record.labels, "labels", where)
+        if labels.shape != ids.shape:
+            raise DataError(f"{where}: labels has {labels.size} entries for {ids.size} input_ids")
+        target = labels != IGNORE_INDEX
+        wrong = np.flatnonzero(target & (labels != ids))
+        if wrong.size:
+            t = int(wrong[0])
+            raise DataError(
+                f"{where}: labels[{t}] = {labels[t]} is neither {IGNORE_INDEX} nor input_ids[{t}] = {ids[t]}: labels "
+                "are read unshifted, equal to input_ids where supervised (the Hugging Face convention)"
+            )
+    if record.assistant_masks is not None:
+        mask = _integers(record.assistant_masks, "assistant_masks", where, bools=True)
+        if mask.shape != ids.shape:
+            raise DataError(f"{where}: assistant_masks has {mask.size} entries for {ids.size} input_ids")
+        if not np.isin(mask, (0, 1)).all():
+            raise DataError(f"{where}: assistant_masks must hold 0 and 1 only")
+        if record.labels is not None and not np.array_equal(mask.astype(bool)[1:], target[1:]):
+            t = 1 + int(np.flatnonzero(mask.astype(bool)[1:] != target[1:])[0])
+            raise DataError(f"{where}: labels and assistant_masks disagree at token {t}: give one of them")
+        target = mask.astype(bool)
+    target[:1] = False
+    return ids, target
