@@ -89,30 +89,31 @@ def attention_layers(config: dict) -> int | None:
 
 BLOCK_ONLY = re.compile(r"^mlp$|^moe$|^-$")  # a layer kind without a token mixer (Nemotron-H's)
 MIXER_HEADS = {  # a family's fields its stateful mixers split by on a Ulysses level (mixer_heads.HEAD_SPLITS): the
-    # groups, else (one group) the heads; and the field of a bias on its projections (a share's is no partial sum)
-    "qwen3_next": (("linear_num_key_heads",), None),
-    "qwen3_5_text": (("linear_num_key_heads",), None),
-    "qwen3_5_moe_text": (("linear_num_key_heads",), None),
-    "olmo_hybrid": (("linear_num_key_heads",), None),
-    "kimi_linear": (("linear_num_heads",), None),
-    "bailing_hybrid": (("linear_num_heads",), None),
-    "minimax": (("num_attention_heads",), None),
-    "recurrent_gemma": (("num_attention_heads",), None),
-    "nemotron_h": (("n_groups", "mamba_num_heads"), "use_bias"),
-    "bamba": (("mamba_n_groups", "mamba_n_heads"), "mamba_proj_bias"),
-    "granitemoehybrid": (("mamba_n_groups", "mamba_n_heads"), "mamba_proj_bias"),
-    "zamba2": (("mamba_ngroups", "n_mamba_heads"), "add_bias_linear"),
-    "mamba2": (("n_groups", "num_heads"), "use_bias"),
-    "falcon_h1": (("mamba_n_groups", "mamba_n_heads"), "projectors_bias"),
+    # groups, else (one group) the heads (a bias on their projections splits too: the output projection's is added by
+    # the first share, mixer_heads._first_share)
+    "qwen3_next": ("linear_num_key_heads",),
+    "qwen3_5_text": ("linear_num_key_heads",),
+    "qwen3_5_moe_text": ("linear_num_key_heads",),
+    "olmo_hybrid": ("linear_num_key_heads",),
+    "kimi_linear": ("linear_num_heads",),
+    "bailing_hybrid": ("linear_num_heads",),
+    "minimax": ("num_attention_heads",),
+    "recurrent_gemma": ("num_attention_heads",),
+    "nemotron_h": ("n_groups", "mamba_num_heads"),
+    "bamba": ("mamba_n_groups", "mamba_n_heads"),
+    "granitemoehybrid": ("mamba_n_groups", "mamba_n_heads"),
+    "zamba2": ("mamba_ngroups", "n_mamba_heads"),
+    "mamba2": ("n_groups", "num_heads"),
+    "falcon_h1": ("mamba_n_groups", "mamba_n_heads"),
 }
 MIXER_CHANNELS = {  # a family whose mixers split by channels (a Mamba1 scan, a short convolution): the fields whose
-    # product is the channels, and the field of a bias on its projections
-    "mamba": (("intermediate_size",), "use_bias"),
-    "falcon_mamba": (("intermediate_size",), "use_bias"),
-    "jamba": (("mamba_expand", "hidden_size"), "mamba_proj_bias"),
-    "lfm2": (("hidden_size",), "conv_bias"),
-    "lfm2_moe": (("hidden_size",), "conv_bias"),
-    "lfm3": (("hidden_size",), "conv_bias"),
+    # product is the channels
+    "mamba": ("intermediate_size",),
+    "falcon_mamba": ("intermediate_size",),
+    "jamba": ("mamba_expand", "hidden_size"),
+    "lfm2": ("hidden_size",),
+    "lfm2_moe": ("hidden_size",),
+    "lfm3": ("hidden_size",),
 }
 
 
@@ -139,13 +140,11 @@ def mixer_heads(config: dict) -> int | None:
     """The heads a hybrid's mixers split by on a Ulysses level (the SP degree must divide them), from the
     family's config (``MIXER_HEADS``; channels: ``MIXER_CHANNELS``), or None: they do not split (the ranks share
     the documents)."""
-    fields, bias = MIXER_CHANNELS.get(config.get("model_type"), ((), None))
-    counts = [config.get(f) for f in fields]
+    counts = [config.get(f) for f in MIXER_CHANNELS.get(config.get("model_type"), ())]
     if counts and None not in counts:
-        return None if bias is not None and config.get(bias) else int(math.prod(counts))
-    fields, bias = MIXER_HEADS.get(config.get("model_type"), ((), None))
-    counts = [config.get(f) for f in fields]
-    if not counts or None in counts or (bias is not None and config.get(bias)):
+        return int(math.prod(counts))
+    counts = [config.get(f) for f in MIXER_HEADS.get(config.get("model_type"), ())]
+    if not counts or None in counts:
         return None
     if config.get("mamba_rms_norm") and counts[0] == 1:  # Falcon-H1's optional norm over one group's heads
         return None

@@ -57,7 +57,9 @@ HYBRIDS = {
 }
 
 
-def tiny(family: str, **overrides) -> torch.nn.Module:
+def tiny(family: str, nonzero_biases: bool = False, **overrides) -> torch.nn.Module:
+    """``family`` built small (``families.small_config`` and ``overrides``), seeded; ``nonzero_biases``: every bias
+    drawn at random too (transformers' init zeroes a linear's bias, which a share adding it twice would sum right)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = {**small_config(family), **overrides}
@@ -65,7 +67,13 @@ def tiny(family: str, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
+        net = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
+    if nonzero_biases:
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(std=0.1)
+    return net
 
 
 def reference_of(net: torch.nn.Module) -> torch.nn.Module:
@@ -437,11 +445,21 @@ LONE = {  # packs of one document (72 tokens, no padding: split by heads, each l
     "xlstm alone": ("xlstm", (72,), {}),  # the mixer that does not split: run whole by both ranks
     "qwen3_next even": ("qwen3_next", (36, 36), {}),
 }
+BIASED = {  # a family's flags that give its mixer's projections biases (the output projection's too: the first share's)
+    "mamba": dict(use_bias=True), "falcon_mamba": dict(use_bias=True), "jamba": dict(mamba_proj_bias=True),
+    "mamba2": dict(use_bias=True), "bamba": dict(mamba_proj_bias=True), "nemotron_h": dict(use_bias=True),
+    "granitemoehybrid": dict(mamba_proj_bias=True), "zamba2": dict(add_bias_linear=True),
+    "falcon_h1": dict(mamba_proj_bias=True, projectors_bias=True), "lfm2": dict(conv_bias=True),
+    "lfm2_moe": dict(conv_bias=True), "lfm3": dict(conv_bias=True),
+}  # fmt: skip
+LONE.update(  # and each with its biases, drawn non-zero: a pack of one document, split by heads or channels
+    {f"{family} biased": (family, (72,), {**flags, "nonzero_biases": True}) for family, flags in BIASED.items()}
+)
 RAN = {  # what each rank's mixers ran of each LONE pack
     "qwen3_next alone": [[("heads", 72)]] * 2, "qwen3_5_text alone": [[("heads", 72)]] * 2,
     "bamba alone": [[("heads", 72)]] * 2, "nemotron_h one group": [[("heads", 72)]] * 2,
     "jamba alone": [[("heads", 72)]] * 2, "minimax alone": [[("heads", 72)]] * 2, "xlstm alone": [[("whole", 72)]] * 2,
-    "qwen3_next even": [[("whole", 36)]] * 2,
+    "qwen3_next even": [[("whole", 36)]] * 2, **{f"{family} biased": [[("heads", 72)]] * 2 for family in BIASED},
 }  # fmt: skip
 SPLIT_BY_HEADS = [family for family, cls in HYBRIDS.items() if cls in HEAD_SPLITS]  # every class tested
 
@@ -803,8 +821,8 @@ def test_a_share_that_spans_the_ranks_sums_over_them_and_never_calls_the_fused_k
     assert not fused and summed == [torch.Size([1, 20, width])]
 
 
-def assert_shares_sum_to_the_mixer(mixer: torch.nn.Module, hidden: int) -> None:
-    """2 and 4 shares of ``mixer``'s heads summed: its output on a document and its every weight's gradient."""
+def assert_shares_sum_to_the_mixer(mixer: torch.nn.Module, hidden: int, shares=(2, 4)) -> None:
+    """``shares`` shares of ``mixer``'s heads summed: its output on a document and its every weight's gradient."""
     from lit_hbp.model.mixer_heads import heads_part
     from lit_hbp.model.mixers import OWN
 
@@ -818,7 +836,7 @@ def assert_shares_sum_to_the_mixer(mixer: torch.nn.Module, hidden: int) -> None:
     want = first(own(mixer, *args))
     want.square().sum().backward()
     grads = {n: p.grad.clone() for n, p in mixer.named_parameters()}
-    for parts in (2, 4):
+    for parts in shares:
         mixer.zero_grad()
         got = sum(first(heads_part(mixer, part, parts)(*args)) for part in range(parts))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -855,3 +873,26 @@ def test_a_mixers_heads_split_sum_to_the_mixer_and_leave_no_weight_out(family):
     path = next(n for n, x in first.named_modules() if isinstance(x, torch.nn.Linear))  # its first projection
     adapted = prepare_model(get_peft_model(plain, LoraConfig(r=2, target_modules=[path])))
     assert heads_part(record_of(adapted).mixers[0], 0, 2) is None
+
+
+@pytest.mark.parametrize("family", sorted(BIASED))
+def test_a_mixer_with_biased_projections_splits_and_its_shares_sum_to_it(family):
+    """A mixer built with its family's bias flags (``BIASED``) splits by heads or channels, not falling back to the
+    ranks sharing the documents: the input projection's and the convolution's biases go with their rows, the output
+    projection's is added by the first share alone (``mixer_heads._first_share``); its shares sum to the mixer with
+    every gradient on one process (2 shares: each other share would add it once more), and the config prices the
+    split (``ModelSpec.mixer_heads``).
+    A Mamba1 scan's shares sum its ``x_proj`` over the ranks: the sp 2 test runs them (``LONE``, on 2 processes)."""
+    from lit_hbp.model.mixer_heads import heads_part, split_heads
+    from lit_hbp.model_spec import ModelSpec
+
+    net = prepare_model(tiny(family, True, **TWO_PER_KEY, **GROUPS.get(family, {}), **BIASED[family]))
+    mixer = record_of(net).mixers[0]
+    biases = {n for n, _ in mixer.named_parameters() if n.endswith(".bias")}
+    assert {"in_proj.bias", "out_proj.bias"} <= biases, biases  # the flags give both projections a bias
+    heads = split_heads(mixer)
+    assert heads is not None and heads == ModelSpec.from_config(net.config.to_dict()).mixer_heads
+    if family in ACROSS:
+        assert heads_part(mixer, 0, 2, sp=object()) is not None
+    else:
+        assert_shares_sum_to_the_mixer(mixer, net.config.hidden_size, shares=(2,))

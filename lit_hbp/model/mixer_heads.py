@@ -5,10 +5,11 @@ usual case), a mixer whose heads are independent runs every document on 1/sp of 
 (transformers' code, whatever kernel it picks) on a twin of that shape, built once per degree on the meta
 device, holding the share's weights through ``torch.func.functional_call`` (views or gathers of the real ones,
 so the gradients reach them). The output projection makes each rank's output a partial sum, which the SP kind
-reduce-scatters. ``HEAD_SPLITS`` names the classes and how each splits: the gated delta rule and Kimi's delta
-attention by key heads; a Mamba2 mixer by whole groups, or, with one group, by heads with its gated norm summed
-over the ranks (``SPANNING``); MiniMax's lightning attention by heads, its norm summed so too; RG-LRU by heads;
-a Mamba1 scan by channels with its selective projection summed over the ranks; a short convolution by channels.
+reduce-scatters; its bias, where it has one, is added by the first share alone (``_first_share``).
+``HEAD_SPLITS`` names the classes and how each splits: the gated delta rule and Kimi's delta attention by key
+heads; a Mamba2 mixer by whole groups, or, with one group, by heads with its gated norm summed over the ranks
+(``SPANNING``); MiniMax's lightning attention by heads, its norm summed so too; RG-LRU by heads; a Mamba1 scan
+by channels with its selective projection summed over the ranks; a short convolution by channels.
 """
 
 from __future__ import annotations
@@ -203,6 +204,14 @@ def _lightning_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torc
     }
 
 
+def _first_share(bias: torch.Tensor, part: int) -> torch.Tensor:
+    """An output projection's bias on share ``part``: the whole bias on the first share, its zeros on the others.
+    The shares' outputs sum to the mixer's, which adds the bias once (added by every share it would count ``parts``
+    times); the zeros keep its gradient a tensor, 0, on every rank, as data-parallel reductions expect (a share
+    without it, None, fails the gradients' all-reduce)."""
+    return bias * float(part == 0)
+
+
 def _rglru_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
     """The config a RecurrentGemma recurrent block of 1/``parts`` of ``m``'s heads is built from (its own fields;
     its activation is the block's own module, ``HeadSplit.own``)."""
@@ -215,12 +224,10 @@ def _rglru_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
 def _rglru_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
     """RecurrentGemma's recurrent block: its two input branches, convolution and RG-LRU per channel (the gates
     block-diagonal, a block per head), the output projection's columns of them; the output projection's bias
-    added by the first share alone (the shares' outputs sum to the block's; the others' zeros keep its gradient a
-    tensor, 0, on every rank, as data-parallel reductions expect)."""
+    added by the first share alone (``_first_share``)."""
     lru = m.rg_lru
     h = _span(lru.num_attention_heads, part, parts)
     ch = slice(h.start * lru.block_width, h.stop * lru.block_width)
-    bias = m.linear_out.bias
     return {
         "linear_y.weight": m.linear_y.weight[ch],
         "linear_y.bias": m.linear_y.bias[ch],
@@ -234,7 +241,7 @@ def _rglru_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Te
         "rg_lru.recurrent_gate_weight": lru.recurrent_gate_weight[h],
         "rg_lru.recurrent_gate_bias": lru.recurrent_gate_bias[h],
         "linear_out.weight": _rows(m.linear_out.weight, ch, dim=1),
-        "linear_out.bias": bias * float(part == 0),
+        "linear_out.bias": _first_share(m.linear_out.bias, part),
     }
 
 
@@ -324,7 +331,9 @@ def _whole_shape(m: torch.nn.Module, parts: int) -> Any:
 
 def _short_conv_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
     """A short convolution (LFM2's ``ShortConv``): ``in_proj`` gives B, C and x per channel, the depthwise
-    convolution runs each channel alone, ``out_proj`` reads them: a share is its channels' rows and columns."""
+    convolution runs each channel alone, ``out_proj`` reads them: a share is its channels' rows and columns
+    (``conv_bias``: the input projection's and the convolution's biases with their channels, the output
+    projection's added by the first share, ``_first_share``)."""
     width = m.conv.weight.shape[0]
     ch = _span(width, part, parts)
     rows = (ch, slice(width + ch.start, width + ch.stop), slice(2 * width + ch.start, 2 * width + ch.stop))
@@ -337,6 +346,8 @@ def _short_conv_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, tor
         weights["in_proj.bias"] = _rows(m.in_proj.bias, *rows)
     if m.conv.bias is not None:
         weights["conv.bias"] = m.conv.bias[ch]
+    if m.out_proj.bias is not None:
+        weights["out_proj.bias"] = _first_share(m.out_proj.bias, part)
     return weights
 
 
@@ -344,7 +355,9 @@ def _mamba1_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.T
     """A Mamba1 scan (Mamba's, FalconMamba's, Jamba's): ``in_proj`` gives x and the gate per channel, the
     convolution, step, decay and skip are per channel, ``x_proj`` reads every channel for the step's low rank,
     B and C (a share's columns give a partial sum, summed over the ranks: ``_SharedProjection``), and Jamba's
-    norms of those (and FalconMamba's weightless ones) are whole."""
+    norms of those (and FalconMamba's weightless ones) are whole; with ``use_bias`` (Jamba's
+    ``mamba_proj_bias``) ``in_proj``'s bias goes with its rows, ``out_proj``'s to the first share
+    (``_first_share``)."""
     inner = m.intermediate_size
     ch = _span(inner, part, parts)
     weights = {
@@ -361,6 +374,8 @@ def _mamba1_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.T
         weights["in_proj.bias"] = _rows(m.in_proj.bias, ch, slice(inner + ch.start, inner + ch.stop))
     if m.conv1d.bias is not None:
         weights["conv1d.bias"] = m.conv1d.bias[ch]
+    if m.out_proj.bias is not None:
+        weights["out_proj.bias"] = _first_share(m.out_proj.bias, part)
     for norm in ("dt_layernorm", "b_layernorm", "c_layernorm"):
         weight = getattr(getattr(m, norm, None), "weight", None)
         if isinstance(weight, torch.Tensor):
@@ -371,7 +386,10 @@ def _mamba1_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.T
 def _mamba2_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
     """A Mamba2 mixer (Nemotron-H's, Bamba's, Granite 4.0-H's, Zamba2's, Mamba2's): ``in_proj`` gives the gate,
     the convolution's input (x, then B and C per group of heads) and the step per head; a share is its heads
-    with their groups (whole groups, or the one group every share reads)."""
+    with their groups (whole groups, or the one group every share reads); the input projection's and the
+    convolution's biases go with their rows, the output projection's (``use_bias``, Bamba's and Granite's
+    ``mamba_proj_bias``, Zamba2's ``add_bias_linear``, Falcon-H1's ``projectors_bias``) to the first share
+    (``_first_share``)."""
     h = _span(m.num_heads, part, parts)
     g = _span(m.n_groups, part, parts) if m.n_groups > 1 else slice(0, 1)
     inner, state, conv = m.intermediate_size, m.ssm_state_size, m.conv_dim
@@ -396,6 +414,8 @@ def _mamba2_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.T
         weights["in_proj.bias"] = _rows(m.in_proj.bias, *rows)
     if m.conv1d.bias is not None:
         weights["conv1d.bias"] = _rows(m.conv1d.bias, x, b, c)
+    if m.out_proj.bias is not None:
+        weights["out_proj.bias"] = _first_share(m.out_proj.bias, part)
     return weights
 
 
@@ -443,7 +463,8 @@ class HeadSplit:
     divide, ``shape(m, parts)`` the config of a mixer of 1/parts of them (built from ``m``'s own
     fields), ``part(m, part, parts)`` the slices of ``m``'s weights that one holds (by parameter name:
     views where they can be, so their gradients reach ``m``'s weights). Each part's output is that part's
-    heads' share of the output projection: the parts' outputs sum to the whole mixer's."""
+    heads' share of the output projection (its bias the first part's): the parts' outputs sum to the whole
+    mixer's."""
 
     heads: Callable[[torch.nn.Module], int | None]
     shape: Callable[[torch.nn.Module, int], Any]
@@ -500,7 +521,7 @@ HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, 
 def split_heads(mixer: torch.nn.Module) -> int | None:
     """The heads ``mixer`` splits by on a Ulysses level (an SP degree must divide them), or None where it does
     not split: its class has no ``HEAD_SPLITS`` entry, or it holds a weight or buffer the split does not know
-    (a bias, whose share is not a partial sum; LoRA's adapters), which a share would leave out."""
+    (LoRA's adapters), which a share would leave out."""
     split = HEAD_SPLITS.get(type(mixer).__name__)
     if split is None:
         return None
