@@ -146,8 +146,6 @@ def mixer_heads(config: dict) -> int | None:
     counts = [config.get(f) for f in MIXER_HEADS.get(config.get("model_type"), ())]
     if not counts or None in counts:
         return None
-    if config.get("mamba_rms_norm") and counts[0] == 1:  # Falcon-H1's optional norm over one group's heads
-        return None
     return int(counts[0] if counts[0] > 1 or len(counts) == 1 else counts[1])
 
 

@@ -445,6 +445,7 @@ LONE = {  # packs of one document (72 tokens, no padding: split by heads, each l
     "xlstm alone": ("xlstm", (72,), {}),  # the mixer that does not split: run whole by both ranks
     "qwen3_next even": ("qwen3_next", (36, 36), {}),
 }
+FALCON_NORM = dict(mamba_rms_norm=True)  # Falcon-H1's optional gated norm (one group: it spans the shares)
 BIASED = {  # a family's flags that give its mixer's projections biases (the output projection's too: the first share's)
     "mamba": dict(use_bias=True), "falcon_mamba": dict(use_bias=True), "jamba": dict(mamba_proj_bias=True),
     "mamba2": dict(use_bias=True), "bamba": dict(mamba_proj_bias=True), "nemotron_h": dict(use_bias=True),
@@ -452,6 +453,10 @@ BIASED = {  # a family's flags that give its mixer's projections biases (the out
     "falcon_h1": dict(mamba_proj_bias=True, projectors_bias=True), "lfm2": dict(conv_bias=True),
     "lfm2_moe": dict(conv_bias=True), "lfm3": dict(conv_bias=True),
 }  # fmt: skip
+LONE.update(  # one-group Falcon-H1 with its gated norm, normalizing before the gate (its default) and after it
+    {"falcon_h1 norm": ("falcon_h1", (72,), FALCON_NORM),
+     "falcon_h1 norm after gate": ("falcon_h1", (72,), {**FALCON_NORM, "mamba_norm_before_gate": False})}
+)  # fmt: skip
 LONE.update(  # and each with its biases, drawn non-zero: a pack of one document, split by heads or channels
     {f"{family} biased": (family, (72,), {**flags, "nonzero_biases": True}) for family, flags in BIASED.items()}
 )
@@ -460,6 +465,7 @@ RAN = {  # what each rank's mixers ran of each LONE pack
     "bamba alone": [[("heads", 72)]] * 2, "nemotron_h one group": [[("heads", 72)]] * 2,
     "jamba alone": [[("heads", 72)]] * 2, "minimax alone": [[("heads", 72)]] * 2, "xlstm alone": [[("whole", 72)]] * 2,
     "qwen3_next even": [[("whole", 36)]] * 2, **{f"{family} biased": [[("heads", 72)]] * 2 for family in BIASED},
+    "falcon_h1 norm": [[("heads", 72)]] * 2, "falcon_h1 norm after gate": [[("heads", 72)]] * 2,
 }  # fmt: skip
 SPLIT_BY_HEADS = [family for family, cls in HYBRIDS.items() if cls in HEAD_SPLITS]  # every class tested
 
@@ -791,6 +797,7 @@ GROUPS = {  # shares of whole groups
 
 FUSED = {  # a family whose mixer in training takes a fused mamba_ssm kernel on a GPU: the kernel's name in its module
     "bamba": "mamba2_split_conv1d_scan_combined", "mamba": "mamba_inner_fn", "falcon_mamba": "mamba_inner_fn",
+    "falcon_h1": "mamba2_split_conv1d_scan_combined",
 }  # fmt: skip
 ACROSS = {"mamba", "falcon_mamba", "jamba", "minimax"}  # every split sums over the ranks (one process cannot): Mamba1's
 # x_proj, MiniMax's norm
@@ -810,14 +817,14 @@ def test_a_share_that_spans_the_ranks_sums_over_them_and_never_calls_the_fused_k
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     fused, summed = [], []
     monkeypatch.setattr(module, FUSED[family], lambda *a, **k: fused.append(1))
-    mixer = record_of(prepare_model(tiny(family))).mixers[0].train()
+    mixer = record_of(prepare_model(tiny(family, **(FALCON_NORM if family == "falcon_h1" else {})))).mixers[0].train()
     x = torch.randn(1, 20, mixer.hidden_size)
     mixer(x)
     assert fused  # the patch reaches the mixer's forward: the whole mixer in training calls the fused kernel
     fused.clear()
     sp = SimpleNamespace(kind=SimpleNamespace(sum_ranks=lambda t, ctx: summed.append(t.shape) or 2 * t), ctx=None)
     heads_part(mixer, 0, 2, sp)(x)
-    width = 1 if family == "bamba" else mixer.time_step_rank + 2 * mixer.ssm_state_size  # norm: a sum; x_proj: all
+    width = 1 if family in ("bamba", "falcon_h1") else mixer.time_step_rank + 2 * mixer.ssm_state_size  # norm: a sum
     assert not fused and summed == [torch.Size([1, 20, width])]
 
 

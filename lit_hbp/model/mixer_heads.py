@@ -303,12 +303,6 @@ def _plain_mamba2_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
     )  # fmt: skip
 
 
-def _falcon_h1_heads(m: torch.nn.Module) -> int | None:
-    """Falcon-H1's Mamba2 splits as the others (``_mamba2_heads``) unless its optional gated norm spans the heads
-    of one group: that norm may normalize before the gate, which ``_SharedGatedNorm`` does not do."""
-    return None if m.n_groups == 1 and m.mamba_rms_norm else _mamba2_heads(m)
-
-
 def _falcon_h1_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
     """The config a Falcon-H1 Mamba2 mixer of 1/``parts`` of ``m``'s heads is built from (its own fields)."""
     return SimpleNamespace(
@@ -454,7 +448,36 @@ class _SharedProjection(torch.nn.Module):
         return self.sp.kind.sum_ranks(torch.nn.functional.linear(x, self.weight), self.sp.ctx)
 
 
-SPANNING = {"norm": _SharedGatedNorm, "x_proj": _SharedProjection}  # a twin's module that spans the shares
+class _SharedFalconNorm(_SharedGatedNorm):
+    """Falcon-H1's optional gated RMSNorm (``FalconH1RMSNormGated`` of one group) over the whole width, on a rank
+    holding a share of the heads, as ``_SharedGatedNorm`` (each rank's sum of squares summed over the SP group), in
+    its own order: the gate before the norm or, with ``norm_before_gate`` (its config's default), after it, and the
+    weight applied in float32 before the cast back."""
+
+    def __init__(self, norm: torch.nn.Module, mixer: torch.nn.Module, sp: Any):
+        super().__init__(norm, mixer, sp)
+        self.before_gate = norm.norm_before_gate
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        gated = None if gate is None else torch.nn.functional.silu(gate.to(torch.float32))
+        if gated is not None and not self.before_gate:
+            hidden_states = hidden_states * gated
+        y = hidden_states.to(torch.float32)
+        squares = self.sp.kind.sum_ranks(y.pow(2).sum(-1, keepdim=True), self.sp.ctx)
+        y = self.weight * (y * torch.rsqrt(squares / self.width + self.eps))
+        if gated is not None and self.before_gate:
+            y = y * gated
+        return y.to(dtype)
+
+
+def _shared_norm(norm: torch.nn.Module, mixer: torch.nn.Module, sp: Any) -> torch.nn.Module:
+    """A twin's norm spanning the shares: Falcon-H1's (which may normalize before its gate) or the others'."""
+    cls = _SharedFalconNorm if hasattr(norm, "norm_before_gate") else _SharedGatedNorm
+    return cls(norm, mixer, sp)
+
+
+SPANNING = {"norm": _shared_norm, "x_proj": _SharedProjection}  # a twin's module that spans the shares
 
 
 @dataclass(frozen=True)
@@ -470,7 +493,8 @@ class HeadSplit:
     shape: Callable[[torch.nn.Module, int], Any]
     part: Callable[[torch.nn.Module, int, int], dict[str, torch.Tensor]]
     spanning: Callable[[torch.nn.Module], tuple[str, ...]] = lambda m: ()
-    """The twin's modules whose work spans the shares (``SPANNING``: a one-group Mamba2's gated norm, a Mamba1
+    """The twin's modules whose work spans the shares (``SPANNING``: a one-group Mamba2's gated norm, Falcon-H1's
+    too, a Mamba1
     scan's ``x_proj``): on a split they run summed over the call's SP group, and the twin runs its unfused path
     (eval mode: a fused training kernel would take those weights itself, within the share)."""
     own: tuple[str, ...] = ()
@@ -479,6 +503,11 @@ class HeadSplit:
 
 def _one_group(m: torch.nn.Module) -> tuple[str, ...]:
     return ("norm",) if m.n_groups == 1 else ()
+
+
+def _falcon_h1_one_group(m: torch.nn.Module) -> tuple[str, ...]:
+    """Falcon-H1's gated norm is optional (``mamba_rms_norm``; else an identity, the gate applied by the mixer)."""
+    return _one_group(m) if m.mamba_rms_norm else ()
 
 
 def _channels(m: torch.nn.Module) -> int:
@@ -499,7 +528,7 @@ HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, 
     "GraniteMoeHybridMambaLayer": HeadSplit(_mamba2_heads, _bamba_shape, _mamba2_part, _one_group),
     "Zamba2MambaMixer": HeadSplit(_mamba2_heads, _zamba2_shape, _mamba2_part, _one_group),
     "Mamba2Mixer": HeadSplit(_mamba2_heads, _plain_mamba2_shape, _mamba2_part, _one_group),
-    "FalconH1Mixer": HeadSplit(_falcon_h1_heads, _falcon_h1_shape, _mamba2_part),
+    "FalconH1Mixer": HeadSplit(_mamba2_heads, _falcon_h1_shape, _mamba2_part, _falcon_h1_one_group),
     "OlmoHybridGatedDeltaNet": HeadSplit(lambda m: m.num_k_heads, _olmo_hybrid_shape, _olmo_hybrid_part),
     "KimiLinearDeltaAttention": HeadSplit(lambda m: m.num_heads, _delta_attention_shape, _delta_attention_part),
     "BailingHybridDeltaAttention": HeadSplit(lambda m: m.num_heads, _delta_attention_shape, _delta_attention_part),
