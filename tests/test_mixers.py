@@ -116,24 +116,24 @@ def gradient_error(net, ref) -> tuple[float, str]:
 @pytest.mark.parametrize("family", sorted(HYBRIDS))
 def test_a_pack_trains_like_each_document_alone_through_the_public_core(family):
     """CE sum to 1e-5 and every gradient (A_log, dt_bias, the convolutions, norms, attention) to 1e-4,
-    each mixer run once per document of the pack."""
+    each document run by each mixer once, from its first token, as a row of a batch (``mixers.length_batches``:
+    the 70 and 37 tokens alone, the short ones and the padding segment together), never the whole pack."""
     net = tiny(family).eval()
     ref = reference_of(net)
     prepare_model(net)
     net.eval()  # dropout off in both runs
     record = record_of(net)
     assert {type(m).__name__ for m in record.mixers} == {HYBRIDS[family]}
-    seen = []  # the token counts each mixer's first linear layer saw
+    seen = []  # the (rows, tokens) of each call of each mixer's first linear layer
     linears = [next(x for x in m.modules() if isinstance(x, torch.nn.Linear)) for m in record.mixers]
-    hooks = [x.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[-2])) for x in linears]
-    docs = three_documents(net.config.vocab_size)
+    hooks = [x.register_forward_pre_hook(lambda mod, args: seen.append(tuple(args[0].shape[:-1]))) for x in linears]
+    docs = three_documents(net.config.vocab_size, (37, 5, 70, 9, 9, 8))  # padded to 144: a segment of 6
     batch = pack_samples(docs)
     out = packed_loss(net, batch, "sum")
     for h in hooks:
         h.remove()
-    padding = batch.input_ids.shape[1] - sum(len(d[0]) for d in docs)  # the pack's padding segment
-    per_mixer = [len(d[0]) for d in docs] + ([padding] if padding else [])
-    assert seen == per_mixer * len(record.mixers), seen  # each mixer once per document, never the whole pack
+    assert batch.input_ids.shape[1] == 144
+    assert seen == [(1, 70), (1, 37), (5, 9)] * len(record.mixers), seen  # 9, 9, 8, 6, 5 padded to 9: 45 of 37
     out.loss.backward()
     want = separate_loss(ref, dict(enumerate(docs)))
     want.backward()

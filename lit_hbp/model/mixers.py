@@ -8,11 +8,12 @@ short causal convolution) carries its state from the end of one document into th
 called once over a pack, it trains every document after the first on its neighbours' tokens, silently.
 
 A mixer this module knows by its class (``KINDS``) whose forward takes the hidden states first, as
-transformers' mixers do, runs in a packed call once per document of the call's pack
-(``install_per_document``): its state starts from zero at every boundary, as each document alone, so
-the call is exact by construction (the family tests check each family against each document alone).
-This is the pure-PyTorch path: a loop over the pack's documents in every mixer layer, over the
-boundaries the batch carries on the host (``PackedBatch.bounds``, handed over by ``packed_loss``; a call
+transformers' mixers do, runs in a packed call each document of the call's pack from its first token
+(``install_per_document``), the documents as the rows of a few right-padded batches (``length_batches``):
+its state starts from zero at every boundary, as each document alone, so the call is exact by construction
+(the family tests check each family against each document alone). This is the pure-PyTorch path: a loop
+over those batches in every mixer layer, over the boundaries the batch carries on the host
+(``PackedBatch.bounds``, handed over by ``packed_loss``; a call
 without them reads them back from the device once); the GPU kernels that take the boundaries themselves
 are not wired yet.
 On a Ulysses level (sp > 1) the SP kind gathers the whole pack's inputs of the mixer
@@ -292,21 +293,69 @@ def zero3_partitioned(mixers: list[torch.nn.Module]) -> bool:
     return any(hasattr(p, "ds_id") for m in mixers for p in m.parameters())
 
 
+# How much padding a batch of documents may add to their tokens: a mixer runs the documents of a pack as
+# rows of batches, each row one document right-padded to its batch's longest, a batch padded by at most this.
+PAD_SLACK = 0.25
+
+
+def length_batches(lengths: list[int], slack: float = PAD_SLACK) -> list[list[int]]:
+    """The documents (indices into ``lengths``) grouped into batches, longest first: a batch takes the next
+    document while its rows, each as long as its longest, hold at most ``1 + slack`` times their tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    tokens = 0
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= (1 + slack) * (tokens + lengths[i]):
+            batches[-1].append(i)
+            tokens += lengths[i]
+        else:
+            batches.append([i])
+            tokens = lengths[i]
+    return batches
+
+
 def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str, only: list[int] | None = None):
     """``run`` on each document's slice of the per-token inputs (``only``: those documents, the others'
-    outputs zeros shaped as a run document's), the outputs joined along the tokens."""
-    outs, lengths = {}, [end - start for start, end in zip(bounds[:-1], bounds[1:])]
-    runs = None if only is None else set(only)
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if runs is not None and i not in runs:
-            continue
-        along = functools.partial(_narrow, start=start, length=end - start)
+    outputs zeros shaped as a run document's), the outputs joined along the tokens. The documents run as the
+    rows of a few batches (``length_batches``), each row one document from its first token, right-padded with
+    copies of its last: a mixer is causal, so a row's padding changes nothing of the document before it, and
+    the padded positions' outputs are dropped (as the document alone, in a handful of calls, not one a
+    document)."""
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    docs = list(range(len(lengths))) if only is None else list(only)
+    outs = {}
+    for batch in length_batches([lengths[i] for i in docs], PAD_SLACK):
+        rows = [docs[j] for j in batch]
+        longest = lengths[rows[0]]
+        starts, ends = torch.tensor([bounds[i] for i in rows]), torch.tensor([bounds[i + 1] - 1 for i in rows])
+        index = torch.minimum(starts[:, None] + torch.arange(longest), ends[:, None]).flatten()
+        along = functools.partial(_rows, index=index, longest=longest)
         cut = functools.partial(_tokens, along=along, tokens=bounds[-1])
-        outs[i] = run(*map(cut, args), **{k: cut(v) for k, v in kwargs.items()})
+        out = run(*map(cut, args), **{k: cut(v) for k, v in kwargs.items()})
+        for r, i in enumerate(rows):
+            outs[i] = _row_of(out, r, len(rows), longest, lengths[i])
     if only is not None:
-        shown, length = next(iter(outs.values())), lengths[only[0]]
+        shown, length = outs[only[0]], lengths[only[0]]
         outs = {i: outs[i] if i in outs else _zeros_for(shown, length, lengths[i]) for i in range(len(lengths))}
     return _join([outs[i] for i in range(len(lengths))], lengths, name)
+
+
+def _rows(x: torch.Tensor, dim: int, index: torch.Tensor, longest: int) -> torch.Tensor:
+    """The per-token tensor ``x`` (one row, tokens along ``dim``) as rows of ``longest`` tokens: ``index``'s
+    tokens, its batch dimension (the one before ``dim``) the rows."""
+    one = x.select(dim - 1, 0)
+    return one.index_select(dim - 1, index.to(x.device)).unflatten(dim - 1, (-1, longest))
+
+
+def _row_of(out: Any, row: int, rows: int, longest: int, length: int) -> Any:
+    """Row ``row``'s document of a batch's output: its per-token tensors ([rows, longest, ...]) cut to the
+    document's ``length`` tokens as one row; anything else (a final state: none of a packed call's) None."""
+    if isinstance(out, torch.Tensor):
+        per_token = out.dim() >= 2 and out.shape[0] == rows and out.shape[1] == longest
+        return out[row : row + 1, :length] if per_token else None
+    if isinstance(out, tuple):
+        return tuple(_row_of(o, row, rows, longest, length) for o in out)
+    return None
 
 
 def _zeros_for(out: Any, length: int, tokens: int) -> Any:
@@ -318,10 +367,6 @@ def _zeros_for(out: Any, length: int, tokens: int) -> Any:
     if isinstance(out, tuple):
         return tuple(_zeros_for(o, length, tokens) for o in out)
     return None
-
-
-def _narrow(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
-    return x.narrow(dim, start, length)
 
 
 def _bounds(call: calls.PackCall, tokens: int, name: str) -> list[int]:

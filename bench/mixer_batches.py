@@ -1,0 +1,94 @@
+"""A hybrid's token mixers over a pack of many documents: one call a document, or the documents as the rows
+of a few batches (``lit_hbp.model.mixers.length_batches``), beside the model called once over the pack as if
+it were one document (the unprepared model's speed, whose documents leak into each other: no mode to train).
+
+    python bench/mixer_batches.py [--family qwen3_next] [--width 256] [--layers 4] [--pack-len 2048]
+                                  [--docs 32] [--steps 6] [--warmup 2] [--rounds 3] [--threads 1]
+
+SFT packs hold many short documents: a mixer run once per document makes tens of calls a layer. The same tiny
+hybrid (``bench/sp_mixers.py``'s: the family's mixer beside attention, cut to ``--layers``), the same packs
+(``--docs`` documents of random lengths filling ``--pack-len``), the same weights, one process. A step:
+``packed_loss`` forward and backward (no optimizer). Timed alike: each round runs ``--steps`` steps of each
+mode after ``--warmup`` untimed ones; the median round per mode. Also checked: ``loop`` and ``batches`` give
+the same loss on every pack. ``mixer calls/step``: the calls of the mixers' own forward a step (counted on
+their first projection).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sp_mixers import packs, tiny_hybrid  # noqa: E402
+
+MODES = ("loop", "batches", "one_document")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", default="qwen3_next")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--pack-len", type=int, default=2048)
+    p.add_argument("--docs", type=int, default=32)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from lit_hbp import pack_samples, packed_loss, prepare_model
+    from lit_hbp.model import mixers
+    from lit_hbp.model.packed_call import record_of
+
+    net = prepare_model(tiny_hybrid(args.family, args.width, args.layers))
+    batches = [pack_samples(docs, loss_norm=1.0) for docs in packs(args)]
+    whole = [dict(cu_seqlens=b.cu_seqlens[[0, -1]], bounds=(0, b.bounds[-1]), max_seqlen=b.bounds[-1]) for b in batches]
+    one = [b.replace(**w) for b, w in zip(batches, whole)]
+    calls = [0]
+    firsts = [next(x for x in m.modules() if isinstance(x, torch.nn.Linear)) for m in record_of(net).mixers]
+    hooks = [x.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for x in firsts]
+    slack = mixers.PAD_SLACK
+
+    def step(batch) -> float:
+        out = packed_loss(net, batch, weights=1.0)
+        out.loss.backward()
+        net.zero_grad(set_to_none=True)
+        return float(out.ce_sum)
+
+    times, losses, per_step = {m: [] for m in MODES}, {m: [] for m in MODES}, {}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            mixers.PAD_SLACK = -1.0 if mode == "loop" else slack  # below 0: every document a batch of its own
+            run = one if mode == "one_document" else batches
+            for batch in run[: args.warmup]:
+                step(batch)
+            calls[0] = 0
+            start = time.perf_counter()
+            losses[mode] = [step(batch) for batch in run[args.warmup :]]
+            times[mode].append((time.perf_counter() - start) / args.steps)
+            per_step[mode] = calls[0] / args.steps
+    mixers.PAD_SLACK = slack
+    for h in hooks:
+        h.remove()
+    np.testing.assert_allclose(losses["batches"], losses["loop"], rtol=1e-5)
+    base = statistics.median(times["loop"])
+    print(f"{args.family}: {args.layers} layers at width {args.width}, {args.docs} documents in {args.pack_len} tokens")
+    print("| mode | ms/step | spread | vs loop | mixer calls/step |")
+    print("|---|---|---|---|---|")
+    for mode in MODES:
+        t = statistics.median(times[mode])
+        spread = f"{min(times[mode]) * 1e3:.1f}-{max(times[mode]) * 1e3:.1f}"
+        print(f"| {mode} | {t * 1e3:.1f} | {spread} | {t / base:.2f} | {per_step[mode]:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
