@@ -4,9 +4,10 @@
 # from .whl/vlm/ where the image's is older than 5.18), then the 1B throughput alone (lit-hbp beside HF
 # Trainer, the memory model) and a profile of its 4K level.
 # Here first: bash bench/gpu_wheels.sh. Device run: carry [".whl", "demo_data"], `bash bench/gpu_checks.sh`.
-# Ten files come back in $OUT: env.txt (the timeline), t_attn.log, t_other.log, t_vis.log, vlm/proof.*, throughput.log,
+# Eleven files come back in $OUT: env.txt (the timeline), t_attn.log, t_other.log, t_vis.log, vlm/proof.*, throughput.log,
 # profile.log (Lightning's per-hook host times of the 4K level under the config's HBPDDPStrategy), step_overhead.log
-# (the run's optimizer step beside a bare loop, on the GPU, HBPStrategy ZeRO-2 among its modes).
+# (the run's optimizer step beside a bare loop, on the GPU, HBPStrategy ZeRO-2 among its modes), mixer_batches.log
+# (a hybrid's mixers over a pack of 64 documents: one call a document, or the documents as a few batches' rows).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_checks}; mkdir -p "$OUT"
@@ -41,4 +42,8 @@ at "profile exit $?"
 # The fixed cost per optimizer step on the GPU: Trainer.fit's step beside a bare loop (bf16), 16 layers at width 64.
 timeout 60 python3 bench/step_overhead.py --device cuda --layers 16 --rounds 2 > $OUT/step_overhead.log 2>&1
 at "step overhead exit $?"
+# A hybrid's Mamba2 mixers (Bamba) over SFT-like packs: the documents as a few batches' rows beside one call each.
+timeout 60 python3 bench/mixer_batches.py --device cuda --family bamba --docs 64 --pack-len 4096 --steps 4 --warmup 1 \
+    --rounds 2 > $OUT/mixer_batches.log 2>&1
+at "mixer batches exit $?"
 cat $OUT/env.txt

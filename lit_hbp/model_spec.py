@@ -99,6 +99,7 @@ MIXER_HEADS = {  # a family's fields its stateful mixers split by on a Ulysses l
     "bailing_hybrid": ("linear_num_heads",),
     "minimax": ("num_attention_heads",),
     "recurrent_gemma": ("num_attention_heads",),
+    "xlstm": ("num_heads",),
     "nemotron_h": ("n_groups", "mamba_num_heads"),
     "bamba": ("mamba_n_groups", "mamba_n_heads"),
     "granitemoehybrid": ("mamba_n_groups", "mamba_n_heads"),

@@ -8,8 +8,9 @@ so the gradients reach them). The output projection makes each rank's output a p
 reduce-scatters; its bias, where it has one, is added by the first share alone (``_first_share``).
 ``HEAD_SPLITS`` names the classes and how each splits: the gated delta rule and Kimi's delta attention by key
 heads; a Mamba2 mixer by whole groups, or, with one group, by heads with its gated norm summed over the ranks
-(``SPANNING``); MiniMax's lightning attention by heads, its norm summed so too; RG-LRU by heads; a Mamba1 scan
-by channels with its selective projection summed over the ranks; a short convolution by channels.
+(``SPANNING``); MiniMax's lightning attention by heads, its norm summed so too; RG-LRU and xLSTM's mLSTM by
+heads; a Mamba1 scan by channels with its selective projection summed over the ranks; a short convolution by
+channels.
 """
 
 from __future__ import annotations
@@ -316,6 +317,50 @@ def _falcon_h1_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
     )  # fmt: skip
 
 
+def _xlstm_shape(m: torch.nn.Module, parts: int) -> SimpleNamespace:
+    """The config an xLSTM layer (mLSTM) of 1/``parts`` of ``m``'s heads is built from: its config's fields (a
+    strict dataclass, whose float width factors cannot say a share's widths exactly), the widths through fractions
+    (``int(hidden_size * factor)``)."""
+    c = m.config
+    return SimpleNamespace(
+        **{**vars(c), "num_heads": c.num_heads // parts,
+           "qk_dim_factor": Fraction(m.qk_dim // parts, c.hidden_size),
+           "v_dim_factor": Fraction(m.v_dim // parts, c.hidden_size)}
+    )  # fmt: skip
+
+
+def _xlstm_part(m: torch.nn.Module, part: int, parts: int) -> dict[str, torch.Tensor]:
+    """An xLSTM layer (mLSTM): q, k, v and the output gate a block of rows per head, the input and forget gates
+    a row per head, the multi-head norm per head (its weight and bias a block per head), the output projection's
+    columns of them; with ``use_bias`` the rows' biases go with them, the output projection's to the first share
+    (``_first_share``). ``weight_mode`` "fused" holds q, k, v and the output gate in one projection (each whole
+    in turn), the input and forget gates in another."""
+    heads = m.config.num_heads
+    h = _span(heads, part, parts)
+    dk, dv = m.qk_dim // heads, m.v_dim // heads
+    qk, v = slice(h.start * dk, h.stop * dk), slice(h.start * dv, h.stop * dv)
+    weights = {
+        "multihead_norm.weight": m.multihead_norm.weight[v],
+        "out_proj.weight": _rows(m.out_proj.weight, v, dim=1),
+    }
+    if m.config.weight_mode == "fused":
+        shift = [0, m.qk_dim, 2 * m.qk_dim, 2 * m.qk_dim + m.v_dim]
+        rows = [slice(s + r.start, s + r.stop) for s, r in zip(shift, (qk, qk, v, v))]
+        layout = {"qkv_opreact": rows, "ifgate_preact": [h, slice(heads + h.start, heads + h.stop)]}
+    else:
+        layout = {"q": [qk], "k": [qk], "v": [v], "ogate_preact": [v], "igate_preact": [h], "fgate_preact": [h]}
+    for name, rows in layout.items():
+        linear = getattr(m, name)
+        weights[f"{name}.weight"] = _rows(linear.weight, *rows)
+        if linear.bias is not None:
+            weights[f"{name}.bias"] = _rows(linear.bias, *rows)
+    if m.multihead_norm.bias is not None:
+        weights["multihead_norm.bias"] = m.multihead_norm.bias[v]
+    if m.out_proj.bias is not None:
+        weights["out_proj.bias"] = _first_share(m.out_proj.bias, part)
+    return weights
+
+
 def _whole_shape(m: torch.nn.Module, parts: int) -> Any:
     """The config of a twin shaped as ``m`` itself: a mixer whose forward takes every width from its weights (a
     Mamba1 scan, a short convolution) runs a share of its channels on such a twin (Jamba's config could not say
@@ -499,6 +544,8 @@ class HeadSplit:
     (eval mode: a fused training kernel would take those weights itself, within the share)."""
     own: tuple[str, ...] = ()
     """The twin's modules taken from the mixer itself (no weights; one its config cannot name: an activation)."""
+    layer_idx: bool = True
+    """Whether the class is built from its config and a layer index (xLSTM's layer: its config alone)."""
 
 
 def _one_group(m: torch.nn.Module) -> tuple[str, ...]:
@@ -541,6 +588,7 @@ HEAD_SPLITS = {  # by class: exact against one process in tests/test_mixers.py, 
     "MambaMixer": _MAMBA1,
     "FalconMambaMixer": _MAMBA1,
     "JambaMambaMixer": _MAMBA1,
+    "xLSTMLayer": HeadSplit(lambda m: m.config.num_heads, _xlstm_shape, _xlstm_part, layer_idx=False),
     "Lfm2ShortConv": _SHORT_CONV,
     "Lfm2MoeShortConv": _SHORT_CONV,
     "Lfm3ShortConv": _SHORT_CONV,
@@ -575,7 +623,8 @@ def heads_part(mixer: torch.nn.Module, part: int, parts: int, sp: Any = None):
     shapes = mixer.__dict__.setdefault(SHAPES, {})
     if parts not in shapes:
         with torch.device("meta"):
-            shapes[parts] = twin = type(mixer)(split.shape(mixer, parts), getattr(mixer, "layer_idx", None))
+            built = (getattr(mixer, "layer_idx", None),) if split.layer_idx else ()
+            shapes[parts] = twin = type(mixer)(split.shape(mixer, parts), *built)
         for name in weights.keys() - dict(twin.named_parameters()).keys() - dict(twin.named_buffers()).keys():
             twin.register_buffer(name, weights[name].to("meta"), persistent=False)  # one its model registers
         for name in split.own:
