@@ -3,7 +3,8 @@
 # where pip reaches an index: run it in the checkout's root, then carry .whl/ to the GPU machine.
 #   bash bench/gpu_wheels.sh [PYTHON_VERSION] [EXTRA_PACKAGE ...]     (default 3.12)
 # Fetched as binary wheels for manylinux x86-64 without their dependencies: DeepSpeed's and the CLI's needs,
-# datasets and TRL (bench/peers.py), Liger's kernels, and jinja2 >= 3.1.6 (lit-hbp's pin: advisories below it),
+# datasets and TRL (bench/peers.py), Liger's kernels, flash-linear-attention (pure Python over Triton: the gated
+# delta rule's kernels, which tests/test_mixers_gpu.py runs), and jinja2 >= 3.1.6 (lit-hbp's pin: advisories below it),
 # which an image may predate (the GPU image lent here has pyarrow 25.0.1 and pillow 13.0.0, within lit-hbp's pins;
 # pyarrow's wheel alone, 55 MB, would take the carried tree over the device's 64 MiB). In .whl/vlm/, transformers
 # 5.24 and its huggingface-hub: vision-language packs need transformers >= 5.18 (mm_encoder_outputs), so the
@@ -24,7 +25,7 @@ PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp $PLAT -d .whl \
     hjson pydantic pydantic-core annotated-types typing-inspection omegaconf jsonargparse docstring-parser \
     typeshed-client importlib-resources datasets==5.2.0 dill multiprocess trl==1.16.0 "liger-kernel>=0.6.2" \
-    "jinja2>=3.1.6" "$@"
+    "jinja2>=3.1.6" flash-linear-attention==0.6.0 fla-core==0.6.0 "$@"
 mkdir -p .whl/vlm
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp $PLAT -d .whl/vlm \
     transformers==5.24.0 huggingface-hub==1.33.0
