@@ -158,11 +158,19 @@ def test_the_video_demos_records_render_as_its_processor_renders_them(tmp_path):
 @pytest.mark.slow
 def test_the_tiny_video_config_trains_on_the_demo_as_a_new_user_runs_it(tmp_path):
     """``lit-hbp fit --config configs/tiny_video_cpu.yaml`` in a fresh folder (fewer steps), building the demo
-    itself: exit 0, the self-check passed with the run's media, the loss falls."""
+    itself: exit 0, the self-check passed with the run's media, the loss falls, and the folder (a checkout
+    with the repo's .gitignore) keeps ``git status`` clean: the demo, its cache and the run are ignored."""
     needs_torchvision("qwen2_vl")
+    import shutil
+
     from conftest import HANG_S, console_script
     from test_train import scalars
 
+    shutil.copy(ROOT / ".gitignore", tmp_path / ".gitignore")  # a checkout: the run leaves git status clean
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "add", ".gitignore"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-q", "-m", "checkout"],
+                   cwd=tmp_path, check=True)  # fmt: skip
     run = subprocess.run(
         [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs" / "tiny_video_cpu.yaml"),
          "--trainer.max_steps", "16", "--trainer.val_check_interval", "8", "--trainer.enable_progress_bar", "false"],
@@ -170,6 +178,9 @@ def test_the_tiny_video_config_trains_on_the_demo_as_a_new_user_runs_it(tmp_path
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "self-check passed (a pack equals its documents alone, 2 of them with videos)" in run.stderr
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=tmp_path,
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert status == "", status
     losses = [v for _, v in scalars(tmp_path / "runs")["train/loss"]]
     assert len(losses) >= 6 and np.mean(losses[-3:]) < 0.75 * np.mean(losses[:3]), losses
     assert (tmp_path / "runs" / "tiny_video_cpu" / "version_0" / "checkpoints" / "last.ckpt").is_file()
