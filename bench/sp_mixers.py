@@ -47,7 +47,7 @@ def tiny_hybrid(family: str, width: int, layers: int):
                  linear_num_key_heads=heads, linear_num_value_heads=heads, num_experts=4, num_experts_per_tok=2,
                  moe_intermediate_size=width, shared_expert_intermediate_size=width, mamba_n_heads=2 * width // 64,
                  mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=64, mamba_num_heads=2 * width // 64,
-                 mamba_head_dim=64, ssm_state_size=64, chunk_size=64, n_groups=2)  # fmt: skip
+                 mamba_head_dim=64, ssm_state_size=64, chunk_size=64, n_groups=2, embedding_dim=width)  # fmt: skip
     for key, value in sizes.items():
         if hasattr(config, key):
             setattr(config, key, value)
@@ -63,6 +63,8 @@ def tiny_hybrid(family: str, width: int, layers: int):
         if len(set(config.layer_types)) < 2:  # keep an attention layer beside the mixer
             config.layer_types[-1] = next(k for k in kinds if k != config.layer_types[0])
     config.num_hidden_layers = layers
+    if hasattr(config, "num_blocks"):  # xLSTM counts its layers so
+        config.num_blocks = layers
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).float().train()
 
@@ -130,7 +132,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
             times[mode].append(float(elapsed) / args.steps)
     mixers.document_owners, mixers.heads_part = owners, heads
     if rank == 0:
-        results.put({"times": times, "losses": losses, "mixers": len(mixers.stateful_mixers(net.model))})
+        results.put({"times": times, "losses": losses, "mixers": len(mixers.stateful_mixers(net.base_model))})
     dist.destroy_process_group()
 
 
