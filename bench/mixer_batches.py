@@ -1,5 +1,5 @@
 """A hybrid's token mixers over a pack of many documents: one call a document, or the documents as the rows
-of a few batches (``lit_hbp.model.mixers.length_batches``), beside the model called once over the pack as if
+of a few batches (``lit_hbp.packing.mixer_share.length_batches``), beside the model called once over the pack as if
 it were one document (the unprepared model's speed, whose documents leak into each other: no mode to train).
 
     python bench/mixer_batches.py [--family qwen3_next] [--width 256] [--layers 4] [--pack-len 2048]
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from lit_hbp import pack_samples, packed_loss, prepare_model
-    from lit_hbp.model import mixers
     from lit_hbp.model.packed_call import record_of
+    from lit_hbp.packing import mixer_share
 
     device = torch.device(args.device)
     net = prepare_model(tiny_hybrid(args.family, args.width, args.layers).to(device))
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     calls = [0]
     firsts = [next(x for x in m.modules() if isinstance(x, torch.nn.Linear)) for m in record_of(net).mixers]
     hooks = [x.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for x in firsts]
-    slack = mixers.PAD_SLACK
+    slack = mixer_share.PAD_SLACK
 
     autocast = torch.autocast(device.type, getattr(torch, args.dtype), enabled=device.type == "cuda")
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     times, losses, per_step = {m: [] for m in MODES}, {m: [] for m in MODES}, {}
     for _ in range(args.rounds):
         for mode in MODES:
-            mixers.PAD_SLACK = -1.0 if mode == "loop" else slack  # below 0: every document a batch of its own
+            mixer_share.PAD_SLACK = -1.0 if mode == "loop" else slack  # below 0: every document a batch of its own
             run = one if mode == "one_document" else batches
             for batch in run[: args.warmup]:
                 step(batch)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             times[mode].append((time.perf_counter() - start) / args.steps)
             losses[mode] = [float(x) for x in ce]
             per_step[mode] = calls[0] / args.steps
-    mixers.PAD_SLACK = slack
+    mixer_share.PAD_SLACK = slack
     for h in hooks:
         h.remove()
     np.testing.assert_allclose(losses["batches"], losses["loop"], rtol=1e-5 if device.type == "cpu" else 2e-2)

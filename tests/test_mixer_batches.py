@@ -1,5 +1,5 @@
 """A pack's documents run through a stateful mixer as the rows of a few right-padded batches
-(``lit_hbp.model.mixers.length_batches``), not one call a document: the batches hold every document once, each
+(``lit_hbp.packing.mixer_share.length_batches``), not one call a document: the batches hold every document once, each
 padded within the slack, the next batch's first document one that would not fit. That such a pack trains like
 each document alone, in every hybrid family, is tests/test_mixers.py's public-core test (its short documents
 and the padding segment run as one batch)."""
@@ -7,7 +7,7 @@ and the padding segment run as one batch)."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_hbp.model.mixers import PAD_SLACK, length_batches
+from lit_hbp.packing.mixer_share import PAD_SLACK, length_batches
 
 
 @settings(max_examples=200, deadline=None)

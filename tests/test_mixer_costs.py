@@ -12,7 +12,7 @@ from plan_walk import epoch_seconds
 
 from lit_hbp.cost.costmodel import CostModel, Hardware
 from lit_hbp.model_spec import ModelSpec
-from lit_hbp.packing.mixer_share import mixer_tokens
+from lit_hbp.packing.mixer_share import mixer_tokens, padded_tokens
 
 NODE = Hardware("test", 1e15, 80e9, intra_node_bw=400e9, inter_node_bw=50e9, gpus_per_node=8, link_latency_s=0.0)
 SPEC = ModelSpec("tiny", 4, 256, 8, 4, 512, 1000)
@@ -49,7 +49,8 @@ def test_an_mlp_block_of_a_hybrid_gathers_nothing_on_a_ulysses_level():
 @pytest.mark.parametrize("heads", [None, 2, 3])
 def test_the_simulator_prices_each_sp_groups_mixers_at_what_its_busiest_rank_runs(heads):
     """Brute force over the plan's micro-batches: each SP group's documents (its packs together, as one row)
-    give the busiest rank's mixer tokens; heads 2 split at sp 2, 3 do not (nor None); the packs of one long
+    give the busiest rank's mixer tokens (a rank of its own too: its documents' batches' padding); heads 2 split
+    at sp 2, 3 do not (nor None); the packs of one long
     document, run whole on both ranks where the mixer does not split, make a non-splitting hybrid slower."""
     from lit_hbp.packing import Level, plan_hbp
     from lit_hbp.simulate import simulate
@@ -62,13 +63,26 @@ def test_the_simulator_prices_each_sp_groups_mixers_at_what_its_busiest_rank_run
 
     def group_seconds(lv, members) -> float:
         docs = lengths[members]
-        mixer = mixer_tokens(docs.tolist(), lv.sp, heads) if lv.sp > 1 else None
+        mixer = mixer_tokens(docs.tolist(), lv.sp, heads)  # at sp 1 too: the batches' padding
         sum_sq = float((docs.astype(float) ** 2).sum())
         return cost.micro_step(docs.sum() / lv.sp, sum_sq, lv.sp, lv.ckpt_layers, mixer_tokens=mixer)["total"]
 
     assert sim.seconds == pytest.approx(epoch_seconds(plan, cost, group_seconds), rel=1e-9)
     split = simulate(plan, CostModel(replace(HYBRID, mixer_heads=2), NODE, 8), "hbp")
     assert sim.seconds > split.seconds if heads != 2 else sim.seconds == split.seconds
+
+
+def test_a_mixer_runs_its_batches_padding_and_that_is_what_it_costs():
+    """By hand: documents of 70, 37, 9, 9, 8, 6 and 5 tokens run as [70], [37] and five rows of 9 (45 tokens
+    for 37: within a quarter), 152 tokens. At sp 2 the ranks share them evenly (70 | 37 + 9 + 9 + 8 + 6 + 5 =
+    74, at most 1.1 x 72): the busiest runs 37 and five rows of 9, 82; documents of one length pad nothing."""
+    lengths = [9, 70, 5, 9, 37, 8, 6]
+    assert padded_tokens(lengths) == 152
+    assert mixer_tokens(lengths, 1, None) == 152.0
+    assert mixer_tokens(lengths, 2, 2) == mixer_tokens(lengths, 2, None) == 82.0
+    assert mixer_tokens([64] * 5, 1, None) == 320.0
+    cost = CostModel(HYBRID, NODE, 8)
+    assert cost.micro_step(144.0, 1e4, 1, 0, mixer_tokens=152.0)["total"] > cost.micro_step(144.0, 1e4, 1, 0)["total"]
 
 
 def test_the_analytic_search_prices_a_hybrids_mixers_over_the_same_synthetic_packs():

@@ -116,7 +116,7 @@ def gradient_error(net, ref) -> tuple[float, str]:
 @pytest.mark.parametrize("family", sorted(HYBRIDS))
 def test_a_pack_trains_like_each_document_alone_through_the_public_core(family):
     """CE sum to 1e-5 and every gradient (A_log, dt_bias, the convolutions, norms, attention) to 1e-4,
-    each document run by each mixer once, from its first token, as a row of a batch (``mixers.length_batches``:
+    each document run by each mixer once, from its first token, as a row of a batch (``mixer_share.length_batches``:
     the 70 and 37 tokens alone, the short ones and the padding segment together), never the whole pack."""
     net = tiny(family).eval()
     ref = reference_of(net)

@@ -129,7 +129,7 @@ class AnalyticProfiler:
             self._stats[key] = pack_stats(self.lengths, pack_len, self.seed, sp=key[1], cp=key[2], extra_work=work)
         tokens, sum_sq, vision = self._stats[key]
         mixer = None
-        if self.cost.model.mixing and sp > 1:  # a hybrid's mixers: what the busiest rank runs of each pack
+        if self.cost.model.mixing:  # a hybrid's mixers: what the busiest rank runs of each pack, padding included
             if (pack_len, sp) not in self._mixers:
                 heads = self.cost.model.mixer_heads
                 self._mixers[pack_len, sp] = pack_mixer_tokens(self.lengths, pack_len, sp, heads, self.seed)

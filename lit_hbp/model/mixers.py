@@ -14,13 +14,16 @@ its state starts from zero at every boundary, as each document alone, so the cal
 (the family tests check each family against each document alone). This is the pure-PyTorch path: a loop
 over those batches in every mixer layer, over the boundaries the batch carries on the host
 (``PackedBatch.bounds``, handed over by ``packed_loss``; a call
-without them reads them back from the device once); the GPU kernels that take the boundaries themselves
-are not wired yet.
+without them reads them back from the device once). On a GPU each batch takes the kernels the mixer's own
+forward takes there (mamba_ssm, causal-conv1d, flash-linear-attention where installed): no kernel needs
+the boundaries, a batch's rows are its documents. The cost model prices the batches' padding
+(``mixer_share.mixer_tokens``).
 On a Ulysses level (sp > 1) the SP kind gathers the whole pack's inputs of the mixer
 (``SPKind.gather_tokens``); the ranks share the pack's documents, each run whole by one rank
 (``document_owners``, balanced by length), where that shares the work evenly (``shares_evenly``); else a
 mixer class that splits by heads (``mixer_heads.HEAD_SPLITS``: the gated delta rule, Kimi's delta attention, Mamba2,
-lightning attention, RG-LRU; Mamba1 and short convolutions by channels) runs every
+lightning attention, RG-LRU, xLSTM's mLSTM; Mamba1 and short convolutions by channels; biased projections
+too, the output's bias added by one share) runs every
 document on the rank's share of its heads; the ranks' outputs (partial sums over the heads, or zeros at the
 others' documents) are summed into each rank's shard (``SPKind.sum_own_tokens``).
 A pack of fewer documents than ranks is run whole by every rank for a mixer that does not split, each
@@ -48,7 +51,8 @@ import torch
 
 from lit_hbp.model import calls
 from lit_hbp.model.mixer_heads import SHAPES, heads_part
-from lit_hbp.packing.mixer_share import document_owners, shares_evenly
+from lit_hbp.packing import mixer_share
+from lit_hbp.packing.mixer_share import document_owners, length_batches, shares_evenly
 from lit_hbp.parallel.kind import resolve_sp_kind
 
 
@@ -293,27 +297,6 @@ def zero3_partitioned(mixers: list[torch.nn.Module]) -> bool:
     return any(hasattr(p, "ds_id") for m in mixers for p in m.parameters())
 
 
-# How much padding a batch of documents may add to their tokens: a mixer runs the documents of a pack as
-# rows of batches, each row one document right-padded to its batch's longest, a batch padded by at most this.
-PAD_SLACK = 0.25
-
-
-def length_batches(lengths: list[int], slack: float = PAD_SLACK) -> list[list[int]]:
-    """The documents (indices into ``lengths``) grouped into batches, longest first: a batch takes the next
-    document while its rows, each as long as its longest, hold at most ``1 + slack`` times their tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    tokens = 0
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= (1 + slack) * (tokens + lengths[i]):
-            batches[-1].append(i)
-            tokens += lengths[i]
-        else:
-            batches.append([i])
-            tokens = lengths[i]
-    return batches
-
-
 def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str, only: list[int] | None = None):
     """``run`` on each document's slice of the per-token inputs (``only``: those documents, the others'
     outputs zeros shaped as a run document's), the outputs joined along the tokens. The documents run as the
@@ -324,7 +307,7 @@ def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str,
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     docs = list(range(len(lengths))) if only is None else list(only)
     outs = {}
-    for batch in length_batches([lengths[i] for i in docs], PAD_SLACK):
+    for batch in length_batches([lengths[i] for i in docs], mixer_share.PAD_SLACK):
         rows = [docs[j] for j in batch]
         longest = lengths[rows[0]]
         starts, ends = torch.tensor([bounds[i] for i in rows]), torch.tensor([bounds[i + 1] - 1 for i in rows])

@@ -19,6 +19,34 @@ running every document, the split 0.78, 8 documents) and less than sharing one d
 ``bench/sp_mixers.py``."""
 
 
+PAD_SLACK = 0.25
+"""How much padding a batch of documents may add to their tokens: a mixer runs the documents of a pack as the
+rows of a few batches (``lit_hbp.model.mixers``), each row one document right-padded to its batch's longest,
+a batch padded by at most this much of its tokens (``bench/mixer_batches.py``)."""
+
+
+def length_batches(lengths: Sequence[int], slack: float = PAD_SLACK) -> list[list[int]]:
+    """The documents (indices into ``lengths``) grouped into batches, longest first: a batch takes the next
+    document while its rows, each as long as its longest, hold at most ``1 + slack`` times their tokens (below
+    0: every document a batch of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    tokens = 0
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= (1 + slack) * (tokens + lengths[i]):
+            batches[-1].append(i)
+            tokens += lengths[i]
+        else:
+            batches.append([i])
+            tokens = lengths[i]
+    return batches
+
+
+def padded_tokens(lengths: Sequence[int]) -> int:
+    """Tokens a mixer runs for documents of ``lengths``, their batches' padding included (``length_batches``)."""
+    return sum(len(b) * lengths[b[0]] for b in length_batches(lengths, PAD_SLACK))
+
+
 def document_owners(lengths: Sequence[int], ranks: int) -> list[int] | None:
     """The rank that runs each document (of ``lengths`` tokens) of a pack in a mixer on an SP level: longest
     first, each to the rank with the fewest tokens so far (ties: the lowest rank), so the ranks share the
@@ -55,13 +83,15 @@ def splits(heads: int | None, ranks: int) -> bool:
 
 def mixer_tokens(lengths: Sequence[int], ranks: int, heads: int | None) -> float:
     """Tokens, at the mixer's full width, that the busiest of ``ranks`` ranks runs through one stateful mixer
-    layer for a pack of documents of ``lengths`` tokens, as the packed call decides it: the busiest owner's
-    documents where they share evenly; else 1/ranks of every document's heads where the mixer splits by
-    ``heads`` (``splits``); else the busiest owner's documents, or every document (fewer than ``ranks``)."""
-    total = sum(lengths)
+    layer for a pack of documents of ``lengths`` tokens, as the packed call decides it, its batches' padding
+    included (``padded_tokens``): the busiest owner's documents where they share evenly; else 1/ranks of every
+    document's heads where the mixer splits by ``heads`` (``splits``); else the busiest owner's documents, or
+    every document (fewer than ``ranks``)."""
+    total = padded_tokens(lengths)
     if ranks == 1:
         return float(total)
     owners = document_owners(lengths, ranks)
     if shares_evenly(lengths, owners, ranks) or (owners is not None and not splits(heads, ranks)):
-        return float(max(owner_loads(lengths, owners, ranks)))
+        mine = [[n for n, rank in zip(lengths, owners) if rank == r] for r in range(ranks)]
+        return float(max(padded_tokens(docs) for docs in mine))
     return total / ranks if splits(heads, ranks) else float(total)

@@ -150,10 +150,10 @@ def _group_packs(g: dict) -> tuple[np.ndarray, np.ndarray]:
 def mixer_loads(plan: Plan, g: dict, heads: int | None, tokens: np.ndarray) -> np.ndarray:
     """Per SP group: the tokens, at full width, its busiest rank runs through each of a hybrid's stateful
     mixers (``mixer_share.mixer_tokens`` of the micro-batch's documents: those the packed call shares, splits
-    by ``heads`` or runs on every rank); a group of one rank, its ``tokens``."""
+    by ``heads`` or runs on every rank, its batches' padding included; a group of one rank, its documents)."""
     out = np.array(tokens, dtype=np.float64)
     order, first = _group_packs(g)
-    for grp in np.flatnonzero(g["group_sp"] > 1).tolist():
+    for grp in range(g["n_groups"]):
         packs = order[first[grp] : first[grp + 1]]
         docs = plan.lengths[np.concatenate([plan.pack(p) for p in packs])]
         out[grp] = mixer_tokens(docs.tolist(), int(g["group_sp"][grp]), heads)
