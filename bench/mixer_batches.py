@@ -11,10 +11,11 @@ hybrid (``bench/sp_mixers.py``'s: the family's mixer beside attention, cut to ``
 (``--docs`` documents of random lengths filling ``--pack-len``), the same weights, one process. A step:
 ``packed_loss`` forward and backward (no optimizer). Timed alike: each round runs ``--steps`` steps of each
 mode after ``--warmup`` untimed ones, the device synchronized at each end of the window; the median round
-per mode. On a GPU the model runs under ``--dtype`` autocast (fp32 weights) and each batch takes the mixer's
-installed kernels (mamba_ssm, causal-conv1d, flash-linear-attention) or transformers' PyTorch path. Also
-checked: ``loop`` and ``batches`` give the same loss on every pack. ``mixer calls/step``: the calls of the
-mixers' own forward a step (counted on their first projection).
+per mode; wall time, but the process's CPU time on one CPU thread (the default there), which other processes
+on a busy machine do not change. On a GPU the model runs under ``--dtype`` autocast (fp32 weights) and each
+batch takes the mixer's installed kernels (mamba_ssm, causal-conv1d, flash-linear-attention) or transformers'
+PyTorch path. Also checked: ``loop`` and ``batches`` give the same loss on every pack. ``mixer calls/step``:
+the calls of the mixers' own forward a step (counted on their first projection).
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         net.zero_grad(set_to_none=True)
         return out.ce_sum.detach()
 
+    # one CPU thread: the process's CPU time (what a busy machine's other processes take does not count)
+    clock = time.process_time if device.type == "cpu" and args.threads == 1 else time.perf_counter
+
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -85,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
                 step(batch)
             calls[0] = 0
             sync()
-            start = time.perf_counter()
+            start = clock()
             ce = [step(batch) for batch in run[args.warmup :]]
             sync()
-            times[mode].append((time.perf_counter() - start) / args.steps)
+            times[mode].append((clock() - start) / args.steps)
             losses[mode] = [float(x) for x in ce]
             per_step[mode] = calls[0] / args.steps
     mixer_share.PAD_SLACK = slack
