@@ -310,9 +310,12 @@ def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str,
     for batch in length_batches([lengths[i] for i in docs], mixer_share.PAD_SLACK):
         rows = [docs[j] for j in batch]
         longest = lengths[rows[0]]
-        starts, ends = torch.tensor([bounds[i] for i in rows]), torch.tensor([bounds[i + 1] - 1 for i in rows])
-        index = torch.minimum(starts[:, None] + torch.arange(longest), ends[:, None]).flatten()
-        along = functools.partial(_rows, index=index, longest=longest)
+        if len(rows) == 1:  # a document alone: its slice, a view (a long level's one document is never copied)
+            along = functools.partial(_narrow, start=bounds[rows[0]], length=longest)
+        else:
+            starts, ends = torch.tensor([bounds[i] for i in rows]), torch.tensor([bounds[i + 1] - 1 for i in rows])
+            index = torch.minimum(starts[:, None] + torch.arange(longest), ends[:, None]).flatten()
+            along = functools.partial(_rows, index=index, longest=longest)
         cut = functools.partial(_tokens, along=along, tokens=bounds[-1])
         out = run(*map(cut, args), **{k: cut(v) for k, v in kwargs.items()})
         for r, i in enumerate(rows):
@@ -321,6 +324,10 @@ def _each_document(run, bounds: list[int], args: tuple, kwargs: dict, name: str,
         shown, length = outs[only[0]], lengths[only[0]]
         outs = {i: outs[i] if i in outs else _zeros_for(shown, length, lengths[i]) for i in range(len(lengths))}
     return _join([outs[i] for i in range(len(lengths))], lengths, name)
+
+
+def _narrow(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    return x.narrow(dim, start, length)
 
 
 def _rows(x: torch.Tensor, dim: int, index: torch.Tensor, longest: int) -> torch.Tensor:
