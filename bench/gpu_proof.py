@@ -79,8 +79,11 @@ def throughput_part(args: argparse.Namespace, work: Path) -> dict:
     out = work / "throughput.json"
     demo = f"--data.demo_dir={args.demo_dir}"
     if args.dry_run:
-        config = ["--config", "configs/tiny_cpu.yaml", "--steps", "2", "--warmup", "1"]
+        # One timed step after one warm-up step a level; no accumulation, as the 1B config's: the hbp mode
+        # trains the plan's mixed steps until each level had its two (a 1024 step is one in nine of them).
+        config = ["--config", "configs/tiny_cpu.yaml", "--steps", "1", "--warmup", "1"]
         config += ["--modes", "hbp,hbp_alone,hf_sdpa,trl_bfd", "--data.levels=[256, 1024]"]  # packs enough of both
+        config += ["--trainer.accumulate_grad_batches=1"]
     else:
         config = ["--config", "configs/llama_1b_1gpu.yaml", "--steps", "12", "--warmup", "4"]
         config += ["--modes", "hbp_alone,hf_sdpa,hf_flash_attention_2"]  # each level alone, timed alike
