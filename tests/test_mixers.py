@@ -11,6 +11,7 @@ The reference is always each document alone through the unprepared model (eager 
 import copy
 import inspect
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -379,6 +380,7 @@ def ulysses_ranks(families: list[str]) -> dict:
     ctx = SPGroups([(2, 1)], 2, dist.get_rank())[(2, 1)]
     out = {}
     seen = set()  # the token counts this rank's mixers ran: ("heads", n) on a share of the heads, else ("whole", n)
+    tokens_of = lambda x: math.prod(x.shape[:-1])  # noqa: E731  (a batch's rows each as long as its longest)
     real = mixers.heads_part
 
     def heads_part(mixer, part, parts, sp=None):
@@ -388,7 +390,7 @@ def ulysses_ranks(families: list[str]) -> dict:
         assert (part, parts) == (ctx.rank, 2)
 
         def counted(*args, **kwargs):
-            seen.add(("heads", (args[0] if args else kwargs["hidden_states"]).shape[-2]))
+            seen.add(("heads", tokens_of(args[0] if args else kwargs["hidden_states"])))
             return run(*args, **kwargs)
 
         return counted
@@ -401,7 +403,7 @@ def ulysses_ranks(families: list[str]) -> dict:
         shard = Ulysses().shard(whole, 2, ctx.rank).replace(sp_group=SPCall.of(ctx, "ulysses"))
         seen.clear()  # each mixer's first linear layer's input (the head-split runs call other modules' linears)
         linears = [next(x for x in m.modules() if isinstance(x, torch.nn.Linear)) for m in record_of(net).mixers]
-        hooks = [x.register_forward_pre_hook(lambda mod, args: seen.add(("whole", args[0].shape[-2]))) for x in linears]
+        hooks = [x.register_forward_pre_hook(lambda mod, a: seen.add(("whole", tokens_of(a[0])))) for x in linears]
         loss = packed_loss(net, shard.replace(ckpt_layers=len(record_of(net).layers)), weights=1.0)
         loss.loss.backward()
         for h in hooks:
@@ -419,7 +421,7 @@ def ulysses_ranks(families: list[str]) -> dict:
         shard = Ulysses().shard(whole, 2, ctx.rank).replace(sp_group=SPCall.of(ctx, "ulysses"))
         seen.clear()
         linears = [next(x for x in m.modules() if isinstance(x, torch.nn.Linear)) for m in record_of(net).mixers]
-        hooks = [x.register_forward_pre_hook(lambda mod, args: seen.add(("whole", args[0].shape[-2]))) for x in linears]
+        hooks = [x.register_forward_pre_hook(lambda mod, a: seen.add(("whole", tokens_of(a[0])))) for x in linears]
         loss = packed_loss(net, shard, weights=1.0)
         loss.loss.backward()
         for h in hooks:
@@ -434,6 +436,7 @@ def ulysses_ranks(families: list[str]) -> dict:
     return out
 
 
+BATCHED = ("jamba", "minimax", "bamba", "qwen3_next")  # Mamba1's x_proj, two spanning norms, the gated delta rule
 TWO_PER_KEY = dict(linear_num_value_heads=8)  # a gated delta rule of two value heads per key head
 LONE = {  # packs of one document (72 tokens, no padding: split by heads, each layout, or run whole), and two
     "qwen3_next alone": ("qwen3_next", (72,), TWO_PER_KEY),  # documents that share evenly (each run by one rank)
@@ -444,6 +447,10 @@ LONE = {  # packs of one document (72 tokens, no padding: split by heads, each l
     "minimax alone": ("minimax", (72,), {}),  # by heads: its norm summed over both ranks
     "xlstm one head": ("xlstm", (72,), dict(num_heads=1)),  # a mixer that does not split: run whole by both ranks
     "qwen3_next even": ("qwen3_next", (36, 36), {}),
+    # short documents that run as one batch of rows: on the ranks' shares of the heads (uneven: 72 | 24), the
+    # spanning sums over a batch (Jamba's x_proj, MiniMax's and Bamba's norms); or on the rank owning them (even)
+    **{f"{family} batched": (family, (72, 9, 9, 6), {}) for family in BATCHED},
+    "lfm2 batched even": ("lfm2", (40, 9, 9, 8, 8, 6), {}),
 }
 FALCON_NORM = dict(mamba_rms_norm=True)  # Falcon-H1's optional gated norm (one group: it spans the shares)
 BIASED = {  # a family's flags that give its mixer's projections biases (the output projection's too: the first share's)
@@ -467,6 +474,8 @@ RAN = {  # what each rank's mixers ran of each LONE pack
     "xlstm one head": [[("whole", 72)]] * 2,
     "qwen3_next even": [[("whole", 36)]] * 2, **{f"{family} biased": [[("heads", 72)]] * 2 for family in BIASED},
     "falcon_h1 norm": [[("heads", 72)]] * 2, "falcon_h1 norm after gate": [[("heads", 72)]] * 2,
+    **{f"{family} batched": [[("heads", 27), ("heads", 72)]] * 2 for family in BATCHED},
+    "lfm2 batched even": [[("whole", 40)], [("whole", 45)]],  # 9, 9, 8, 8 and 6 as five rows of 9
 }  # fmt: skip
 SPLIT_BY_HEADS = [family for family, cls in HYBRIDS.items() if cls in HEAD_SPLITS]  # every class tested
 
