@@ -150,6 +150,25 @@ def mixer_heads(config: dict) -> int | None:
     return int(counts[0] if counts[0] > 1 or len(counts) == 1 else counts[1])
 
 
+def mixer_spanning(config: dict) -> int:
+    """Values a token that a hybrid's mixers, split by heads, sum over the SP group in each pass, from the family's
+    config (``ModelSpec.mixer_spanning``): a Mamba1 scan's ``x_proj`` output (its step's rank and B and C), the
+    sum of squares of a norm over every head (one group: a Mamba2's gated norm, Falcon-H1's when it has one,
+    MiniMax's); 0 for the others or where the fields are missing."""
+    family = config.get("model_type")
+    rank, state = {"mamba": ("time_step_rank", "state_size"), "falcon_mamba": ("time_step_rank", "state_size"),
+                   "jamba": ("mamba_dt_rank", "mamba_d_state")}.get(family, (None, None))  # fmt: skip
+    if rank is not None:
+        values = [config.get(rank), config.get(state)]
+        return 0 if None in values else int(values[0]) + 2 * int(values[1])
+    if family == "minimax":
+        return 1
+    if family in MAMBA2_FAMILIES and (family != "falcon_h1" or config.get("mamba_rms_norm")):
+        groups = next((config[f] for f in MAMBA2_ALIASES["groups"] if config.get(f) is not None), None)
+        return int(groups == 1)
+    return 0
+
+
 MAMBA2_FAMILIES = frozenset({"mamba2", "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1"})
 MAMBA2_ALIASES = {  # a Mamba2 mixer's fields, as each family names them, first match wins
     "heads": ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads"),
@@ -300,6 +319,9 @@ class ModelSpec:
     mixer_heads: int | None = None
     """The heads its mixers split by on a Ulysses level (``lit_hbp.packing.mixer_share``); None: they do
     not split, the ranks share a pack's documents."""
+    mixer_spanning: int = 0
+    """Values a token that a mixer split by heads sums over its SP group in each pass (a Mamba1 scan's ``x_proj``
+    output, a one-group norm's sum of squares: ``mixer_heads.spanning_values``); 0: nothing spans the shares."""
 
     @property
     def attending(self) -> int:
@@ -397,6 +419,7 @@ class ModelSpec:
             mixer_layers=mixer_layers(c),
             mixer_params=mixer_params(c),
             mixer_heads=mixer_heads(c),
+            mixer_spanning=mixer_spanning(c),
         )
 
 

@@ -46,6 +46,21 @@ def test_an_mlp_block_of_a_hybrid_gathers_nothing_on_a_ulysses_level():
     assert CostModel(HYBRID, NODE, 2).comm_parts(tokens, sp, 0)["ulysses_comm"] == pytest.approx(want)
 
 
+def test_what_a_split_mixer_sums_over_the_ranks_is_priced_where_it_splits():
+    """By hand, 1000 tokens a rank at sp 2 (the pack 2000): the gather and the reduce-scatter move half the pack's
+    width in bf16 each, 2 x 2000 x 256 x 2 / 2 bytes; a mixer split by heads whose shares sum 36 values a token
+    (a Mamba1 scan's x_proj) all-reduces half of them in float32 too, 2 x 2000 x 36 x 4 / 2; not where it does
+    not split (heads 3, or none)."""
+    from lit_hbp.cost.costmodel import mixer_comm_bytes
+
+    plain = 2 * 2000 * 256 * 2 / 2
+    spanning = 2 * 2000 * 36 * 4 / 2
+    assert mixer_comm_bytes(replace(HYBRID, mixer_heads=2, mixer_spanning=36), 1000.0, 2) == plain + spanning
+    for heads in (3, None):
+        assert mixer_comm_bytes(replace(HYBRID, mixer_heads=heads, mixer_spanning=36), 1000.0, 2) == plain
+    assert mixer_comm_bytes(replace(HYBRID, mixer_heads=2), 1000.0, 2) == plain
+
+
 @pytest.mark.parametrize("heads", [None, 2, 3])
 def test_the_simulator_prices_each_sp_groups_mixers_at_what_its_busiest_rank_runs(heads):
     """Brute force over the plan's micro-batches: each SP group's documents (its packs together, as one row)

@@ -148,10 +148,13 @@ def test_the_cost_model_prices_attention_in_the_layers_that_attend(family, monke
     """A hybrid's quadratic work is its attention layers' only (the mixers' is linear): the layers that ran
     lit-hbp's attention in a packed call, seen by a spy on the attention function, are the layers the
     model's spec (MFU, the cost model) counts, and those its config lists, where it lists them."""
+    from types import SimpleNamespace
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from lit_hbp.model.calls import ATTN_NAME
     from lit_hbp.model.causal_lm import configured_spec, model_spec
+    from lit_hbp.model.mixer_heads import heads_part
     from lit_hbp.model_spec import ModelSpec
 
     net = prepare_model(tiny(family)).eval()
@@ -180,6 +183,16 @@ def test_the_cost_model_prices_attention_in_the_layers_that_attend(family, monke
     split = HEAD_SPLITS.get(HYBRIDS[family])
     heads = None if split is None else split.heads(record_of(net).mixers[0])
     assert spec.mixer_heads == configured.mixer_heads == heads, family
+    # what a split sums over the ranks, measured on a share's run (a spy for the SP kind): the values a token priced
+    summed = []
+    sp = SimpleNamespace(kind=SimpleNamespace(sum_ranks=lambda t, ctx: summed.append(t.shape[-1]) or t), ctx=None)
+    mixer = record_of(net).mixers[0]
+    if split is not None and split.spanning(mixer):
+        params = list(inspect.signature(type(mixer).forward).parameters.values())[2:]
+        needed = {p.name: None for p in params if p.default is inspect.Parameter.empty and p.kind != p.VAR_KEYWORD}
+        with torch.no_grad():  # (MiniMax's forward requires its positions' embeddings and mask, None in a pack)
+            heads_part(mixer, 0, 2, sp)(torch.randn(1, 20, net.config.hidden_size), **needed)
+    assert spec.mixer_spanning == configured.mixer_spanning == sum(summed), (family, sum(summed))
     if configured.mixer_params is not None:  # the config's count of a mixer's matrices: the built mixer's
         assert configured.mixer_params == spec.mixer_params, family
     # what a run's level search prices before the model exists: the same spec, counted on the meta device

@@ -502,12 +502,18 @@ class CostModel:
         return exposed(ckpt * copy, ckpt * forward, ckpt) + exposed(ckpt * copy, ckpt * 3 * forward, ckpt)
 
 
+SPANNING_BYTES = 4  # a value a split mixer sums over the ranks, as float32 (a norm's squares; x_proj's bf16: less)
+
+
 def mixer_comm_bytes(model: ModelSpec, tokens, sp: int):
     """Bytes a rank moves for one pass of a stateful mixer layer on a Ulysses level of ``sp`` holding
     ``tokens`` of the pack: the all-gather of the pack's hidden states (``SPKind.gather_tokens``) and the
     reduce-scatter of the ranks' outputs (``sum_own_tokens``), each of the whole pack's width in bf16,
-    (sp - 1) / sp of it from or to the others; the backward moves the same, its duals."""
-    return 2 * tokens * sp * model.hidden * 2 * (sp - 1) / sp
+    (sp - 1) / sp of it from or to the others; where the mixer splits by heads, the all-reduce (a reduce-scatter
+    and an all-gather) of what spans the shares (``ModelSpec.mixer_spanning`` values a token of the whole pack);
+    the backward moves the same, its duals."""
+    spanning = model.mixer_spanning * SPANNING_BYTES if splits(model.mixer_heads, sp) else 0
+    return 2 * tokens * sp * (model.hidden * 2 + spanning) * (sp - 1) / sp
 
 
 def exposed(comm, compute, pieces: int):

@@ -43,7 +43,7 @@ from lit_hbp.model.build import (
 )
 from lit_hbp.model.checks import model_config
 from lit_hbp.model.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
-from lit_hbp.model.mixer_heads import split_heads
+from lit_hbp.model.mixer_heads import spanning_values, split_heads
 from lit_hbp.model.mixers import (
     install_per_document,
     refuse_stateful_mixers,
@@ -458,6 +458,7 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module], mixers: list
             mixer_layers=len(mixers),
             mixer_params=sum(map(_matmul_params, mixers)) / len(mixers),
             mixer_heads=heads.pop() if len(heads) == 1 else None,
+            mixer_spanning=max(map(spanning_values, mixers)),
         )
     return spec
 

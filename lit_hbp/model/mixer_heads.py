@@ -523,6 +523,8 @@ def _shared_norm(norm: torch.nn.Module, mixer: torch.nn.Module, sp: Any) -> torc
 
 
 SPANNING = {"norm": _shared_norm, "x_proj": _SharedProjection}  # a twin's module that spans the shares
+# the values a token that each sums over the SP group: a norm's sum of squares (one group), x_proj's output
+SPANNING_VALUES = {"norm": lambda module: 1, "x_proj": lambda module: module.out_features}
 
 
 @dataclass(frozen=True)
@@ -606,6 +608,16 @@ def split_heads(mixer: torch.nn.Module) -> int | None:
     if named != {n for n, _ in mixer.named_parameters()} | {n for n, _ in mixer.named_buffers()}:
         return None
     return split.heads(mixer)
+
+
+def spanning_values(mixer: torch.nn.Module) -> int:
+    """Values a token that ``mixer``, split by heads, sums over its SP group in each pass (an all-reduce, its
+    gradient another in the backward): a one-group norm's sum of squares, a Mamba1 scan's ``x_proj`` output; 0
+    where nothing spans the shares or it does not split."""
+    split = HEAD_SPLITS.get(type(mixer).__name__)
+    if split is None or split_heads(mixer) is None:
+        return 0
+    return sum(SPANNING_VALUES[name](mixer.get_submodule(name)) for name in split.spanning(mixer))
 
 
 def heads_part(mixer: torch.nn.Module, part: int, parts: int, sp: Any = None):
