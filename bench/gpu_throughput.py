@@ -406,6 +406,7 @@ def main() -> int:
     per_level = args.steps + args.warmup
     cli = build(args.config, overrides, 1)
     dm, module = cli.datamodule, cli.model
+    dm.trainer = cli.trainer  # the plan counts the run's world and gradient accumulation, as Trainer.fit's would
     dm.setup("fit")
     levels = dm.levels
     n_levels = len(levels)
