@@ -30,21 +30,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sp_mixers import packs, tiny_hybrid  # noqa: E402
+from sp_mixers import hybrid_arguments, packs, tiny_hybrid  # noqa: E402
 
 MODES = ("loop", "batches", "one_document")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="qwen3_next")
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--pack-len", type=int, default=2048)
-    p.add_argument("--docs", type=int, default=32)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    hybrid_arguments(p, docs=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bfloat16", help="the autocast dtype on a GPU")

@@ -136,16 +136,21 @@ def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def hybrid_arguments(p: argparse.ArgumentParser, docs: int) -> None:
+    """The tiny hybrid, its packs and the timing (``tiny_hybrid``, ``packs``): the options of the hybrid benches."""
     p.add_argument("--family", default="qwen3_next")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--pack-len", type=int, default=2048)
-    p.add_argument("--docs", type=int, default=8)
+    p.add_argument("--docs", type=int, default=docs)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hybrid_arguments(p, docs=8)
     args = p.parse_args(argv)
     from lit_hbp.autoselect.launch import free_port
 
