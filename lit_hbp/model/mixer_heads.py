@@ -10,7 +10,9 @@ reduce-scatters; its bias, where it has one, is added by the first share alone (
 heads; a Mamba2 mixer by whole groups, or, with one group, by heads with its gated norm summed over the ranks
 (``SPANNING``); MiniMax's lightning attention by heads, its norm summed so too; RG-LRU and xLSTM's mLSTM by
 heads; a Mamba1 scan by channels with its selective projection summed over the ranks; a short convolution by
-channels.
+channels. One module over 600 lines on purpose: each class's slices (``_*_part``, ``_*_shape``, a few lines a
+family, 21 classes) beside the twin and the spanning modules they all rely on, read together when a family's
+upstream source changes.
 """
 
 from __future__ import annotations
