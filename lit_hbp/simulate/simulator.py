@@ -110,7 +110,7 @@ def simulate(
     vision = np.zeros(n)
     if extra_work is not None:
         vision = np.bincount(g["group_of_pack"], weights=pack_extra(plan, extra_work), minlength=n)
-    mixing = mixer_loads(plan, g, cost.model.mixer_heads, tokens) if cost.model.mixing else tokens
+    mixing = mixer_loads(plan, g, cost.model.mixer_heads) if cost.model.mixing else tokens
     parts = {p: np.zeros(n) for p in (*PARTS, *COMM_PARTS, "total")}
     for i, lv in enumerate(plan.levels):
         sel = g["group_level"] == i
@@ -147,11 +147,11 @@ def _group_packs(g: dict) -> tuple[np.ndarray, np.ndarray]:
     return order, first
 
 
-def mixer_loads(plan: Plan, g: dict, heads: int | None, tokens: np.ndarray) -> np.ndarray:
+def mixer_loads(plan: Plan, g: dict, heads: int | None) -> np.ndarray:
     """Per SP group: the tokens, at full width, its busiest rank runs through each of a hybrid's stateful
     mixers (``mixer_share.mixer_tokens`` of the micro-batch's documents: those the packed call shares, splits
     by ``heads`` or runs on every rank, its batches' padding included; a group of one rank, its documents)."""
-    out = np.array(tokens, dtype=np.float64)
+    out = np.zeros(g["n_groups"])
     order, first = _group_packs(g)
     for grp in range(g["n_groups"]):
         packs = order[first[grp] : first[grp + 1]]
