@@ -27,6 +27,8 @@ nothing in it runs. ``--trust-checkpoint`` opens any pickle: only for a file you
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import sys
 import tempfile
@@ -298,4 +300,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    atexit.register(gc.freeze)  # as lit-hbp's entry point: a process of its own exits without walking its heap
     sys.exit(main())

@@ -8,6 +8,7 @@ starts no processes of its own, and DeepSpeed reuses the initialized process gro
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -19,6 +20,9 @@ from lit_hbp.autoselect.launch import free_port, set_launch_env
 
 
 def _worker(rank: int, world: int, port: int, tasks, results, backend: str, isolate: bool = False) -> None:
+    # As lit-hbp's command line imports (``cli.command.heap_left_alone``): the first task imports the
+    # library, Lightning and transformers without the cyclic collector walking them, frozen after it.
+    gc.disable()
     set_launch_env(rank, world, port)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -45,6 +49,9 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str, isol
         finally:
             if state is not None:
                 state.restore()
+            if not gc.isenabled():
+                gc.freeze()
+                gc.enable()
     dist.destroy_process_group()
     # Every result is read: end without the interpreter's teardown of torch, DeepSpeed and gloo (C code,
     # ~2 s a worker on 2 cores, paid by every pool's close).

@@ -86,6 +86,33 @@ def test_the_help_imports_nothing_heavy():
     assert out.returncode == 2 and "preview" in out.stderr, out.stderr[-500:]
 
 
+HEAP = """
+import gc
+from lit_hbp.cli.command import heap_left_alone
+
+before = gc.get_freeze_count()
+with heap_left_alone():
+    off = not gc.isenabled()
+    import lit_hbp.cli.app
+frozen = gc.get_freeze_count()
+cycle = []
+cycle.append(cycle)
+del cycle
+print(off, gc.isenabled(), before, frozen, gc.collect())
+"""
+
+
+def test_the_entry_imports_with_the_collector_off_and_leaves_what_they_built_frozen():
+    """``cli.command.heap_left_alone`` (every rank's ``lit-hbp`` process): the imports run without the cyclic
+    collector, whose walks over their objects took about 2 s of a process (bench/RESULTS.md); after them it is
+    on again, for the run's own garbage, and never walks the frozen import heap."""
+    out = subprocess.run([sys.executable, "-c", HEAP], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    off, on, before, frozen, collected = out.stdout.split()
+    assert off == on == "True" and before == "0" and int(frozen) > 100_000, out.stdout
+    assert int(collected) >= 1, "a cycle made after the imports is collected"
+
+
 def test_public_names_import():
     import lit_hbp
 
