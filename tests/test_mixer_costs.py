@@ -122,20 +122,35 @@ def test_the_analytic_search_prices_a_hybrids_mixers_over_the_same_synthetic_pac
     assert AnalyticProfiler(cost, mixed).measure(pack_len, 4, 0).seconds == pytest.approx(step)
 
 
-def test_a_hybrid_on_a_ulysses_level_holds_the_gathered_pack_and_a_non_splitting_mixers_whole_run():
+def test_a_hybrid_on_a_ulysses_level_holds_the_gathered_pack_and_a_non_splitting_mixers_whole_run(monkeypatch):
     """Each mixer layer run without checkpointing keeps the pack's gathered hidden states beyond its rank's
     share (bf16, the whole width); one that does not split by heads keeps, at worst (one document), the whole
-    pack's saved set; with every layer checkpointed, the one being recomputed; nothing at sp 1 or without
-    mixers."""
+    pack's saved set; with every layer checkpointed, the one being recomputed; nothing without mixers. On top,
+    at every sp, the worst padding of the batches its documents run in (a third of the tokens it runs, a
+    quarter of a batch's): the mixer's set on the padding and its copy of the pack's input rows."""
+    import lit_hbp.cost.costmodel as costmodel
+
     pack_len, sp, b = 8192, 2, 2
     split, whole = CostModel(replace(HYBRID, mixer_heads=2), NODE, 8), CostModel(HYBRID, NODE, 8)
-    gathered = (pack_len - pack_len / sp) * b * HYBRID.hidden * split.activation_overhead
+    overhead = split.activation_overhead
+    gathered = (pack_len - pack_len / sp) * b * HYBRID.hidden * overhead
+    monkeypatch.setattr(costmodel, "PAD_SLACK", 0.0)  # no batch padded
     assert split.memory_parts(pack_len, sp, 0)["mixers"] == pytest.approx(HYBRID.mixing * gathered)
     assert split.memory_parts(pack_len, sp, 4)["mixers"] == pytest.approx(gathered)  # the recomputed layer
     assert split.memory_parts(pack_len, sp, 2)["mixers"] == pytest.approx(HYBRID.mixing * 2 / 4 * gathered)
+    assert split.memory_parts(pack_len, 1, 0)["mixers"] == 0
     more = whole.memory_parts(pack_len, sp, 0)["mixers"] - split.memory_parts(pack_len, sp, 0)["mixers"]
     assert more > 0 and whole.memory_bytes(pack_len, sp, 0) - split.memory_bytes(pack_len, sp, 0) == pytest.approx(more)
-    assert split.memory_parts(pack_len, 1, 0)["mixers"] == 0
+    mixer_set = more / HYBRID.mixing / (pack_len - pack_len / sp)  # a token's set in a mixer layer, overhead in
+    unpadded = {m: m.mixer_saved_bytes(pack_len, sp) for m in (split, whole)}
+
+    monkeypatch.setattr(costmodel, "PAD_SLACK", 0.25)
+    rows = pack_len * b * HYBRID.hidden * overhead / 3  # the padding's copy of the gathered pack's input rows
+    padded = {split: rows + pack_len / sp * mixer_set / 3, whole: rows + pack_len * mixer_set / 3}  # the runs' third
+    for m, want in padded.items():
+        assert m.mixer_saved_bytes(pack_len, sp) - unpadded[m] == pytest.approx(want)
+    at_sp1 = HYBRID.mixing * (rows + pack_len * mixer_set / 3)
+    assert split.memory_parts(pack_len, 1, 0)["mixers"] == pytest.approx(at_sp1)
     assert CostModel(SPEC, NODE, 8).memory_parts(pack_len, sp, 0)["mixers"] == 0
 
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.context_split import split_micro_batch
-from lit_hbp.packing.mixer_share import mixer_tokens, splits
+from lit_hbp.packing.mixer_share import PAD_SLACK, mixer_tokens, splits
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import cp_slices
 
@@ -352,18 +352,24 @@ class CostModel:
         return b * (q + 2 * kv) + b * q * ATTENTION_OUTPUT_COPIES[self.attention] + 4 * m.heads
 
     def mixer_saved_bytes(self, pack_len: int, sp: int, packs_per_rank: int = 1) -> float:
-        """Bytes one stateful mixer layer of a hybrid keeps on a Ulysses level beyond a layer's saved set of
-        the rank's tokens: the pack's gathered hidden states (its input projection's input) and, for a mixer
-        that does not split by heads (``mixer_share.splits``), the saved set of the whole pack, the worst case
-        (one document, run by every rank); a mixer's own set per token priced as attention's."""
+        """Bytes one stateful mixer layer of a hybrid keeps beyond a layer's saved set of the rank's tokens: on a
+        Ulysses level the pack's gathered hidden states (its input projection's input) and, for a mixer that
+        does not split by heads (``mixer_share.splits``), the saved set of the whole pack, the worst case (one
+        document, run by every rank); at every sp the padding of the batches its documents run in as rows
+        (``mixer_share.length_batches``: at most ``PAD_SLACK`` of a batch's tokens, so at most
+        ``PAD_SLACK / (1 - PAD_SLACK)`` of the tokens run, the worst case: many short documents), each padded
+        token holding the mixer's set and its copy of an input row (the batches are copies of the pack's rows,
+        all of the gathered pack's on a Ulysses level). A mixer's own set per token priced as attention's."""
         m = self.model
-        if sp == 1 or not m.mixing:
+        if not m.mixing:
             return 0.0
         tokens = pack_len * packs_per_rank / sp
         whole = tokens * sp
         run = tokens if splits(m.mixer_heads, sp) else whole
         gathered = (whole - tokens) * self.dtype_bytes * m.hidden
-        return self.activation_overhead * (gathered + (run - tokens) * self._attention_saved())
+        per_token, pad = self._attention_saved(), PAD_SLACK / (1 - PAD_SLACK)
+        padded = pad * (run * per_token + whole * self.dtype_bytes * m.hidden)  # rows of the whole pack's inputs
+        return self.activation_overhead * (gathered + (run - tokens) * per_token + padded)
 
     def _norm_input(self) -> float:
         """Bytes per token an RMSNorm keeps beyond two model-dtype rows: Hugging Face's keeps an fp32
