@@ -58,7 +58,7 @@ def entry_point(argv: list[str] | None = None) -> None:
 @contextlib.contextmanager
 def heap_left_alone() -> Iterator[None]:
     """The imports inside without the cyclic garbage collector, and what they built frozen after: the
-    collector then never walks those ~400,000 long-lived objects again, neither in the run nor at exit
+    collector then never walks those ~430,000 long-lived objects again, neither in the run nor at exit
     (``gc.freeze`` registered first, so it runs after every other exit handler). Python's collector
     walked them about seven times while Lightning, transformers and torch imported (0.9 s) and again at
     shutdown (1.1 s): about 2 s of every process's start and end (bench/RESULTS.md)."""

@@ -432,9 +432,10 @@ class CostModel:
     ) -> dict:
         """Peak bytes per rank of a level, by part: ``params``, ``grads``, ``optimizer`` (ZeRO),
         ``layers`` (what the layers run without checkpointing keep), ``mixers`` (what a hybrid's mixers keep
-        beyond that on a Ulysses level, ``mixer_saved_bytes``), ``checkpointed`` (checkpointed
-        layers' inputs on the device: all of them, or with ``offload`` the one being recomputed and the
-        one prefetched behind it), ``recompute`` (a checkpointed layer's set, rebuilt in its backward),
+        beyond that: their batches' padding, on a Ulysses level the gathered pack, ``mixer_saved_bytes``),
+        ``checkpointed`` (checkpointed layers' inputs on the device: all of them, or with ``offload`` the one
+        being recomputed and the one prefetched behind it), ``recompute`` (a checkpointed layer's set, rebuilt
+        in its backward),
         ``working`` (the running layer's transients), ``head``, ``vision`` (a trained vision tower's saved
         set, ``vision_bytes``) and ``reserve``; and ``host`` (the
         offloaded inputs, in host memory: not part of the device total). ``memory_bytes`` adds them up,
