@@ -14,16 +14,27 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_extensions"))
+# Under pytest-xdist (the README's ``-n 2``) two workers share the cores: one thread each, for torch here
+# and every process a test starts (torch's default, a thread per core, would have each worker's threads
+# spin while the other's run).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
     """``LIT_HBP_TEST_ORDER=reverse`` runs the collected tests last to first: a test that passes only
-    after (or before) another shows up (no plugin needed)."""
+    after (or before) another shows up (no plugin needed). Under pytest-xdist the slow tests go first."""
     order = os.environ.get("LIT_HBP_TEST_ORDER", "")
     if order == "reverse":
         items.reverse()
     elif order:
         raise pytest.UsageError(f"LIT_HBP_TEST_ORDER={order!r}: the only order is 'reverse'")
+    if hasattr(config, "workerinput"):  # a worker of pytest-xdist (not a pytest a test starts inside one)
+        # The slow tests first (in their order), then the rest: the two workers of ``-n 2 --dist worksteal``
+        # start with the long runs and steal the short tests from each other at the end, not a long one
+        # that leaves the other worker idle. A module's tests stay together (what one computes for the next).
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 # How long a test waits for a process, a line or a file before it calls it a hang: a bound on hangs,

@@ -20,7 +20,7 @@ STARTS = ("python", "lit-hbp", "torchrun", "srun", "pip", "tensorboard", "bash")
 RUN_BY = {
     "python3 -m venv .venv": ".ci/run",  # CI installs from nothing, as the README's set-up says
     "pip install torch==2.13.0": ".ci/run",
-    "python -m pytest -q": ".ci/run",
+    "python -m pytest -q -n 2 --dist worksteal": ".ci/run",
     "python train.py fit --config configs/tiny_cpu.yaml": "tests/test_train.py::test_tiny_config_trains_and_logs",
     "python -m lit_hbp.export runs/": "tests/test_train.py::test_tiny_2d_config_trains_ulysses_x_cp_on_four_processes",
     "python -c": "tests/test_serving.py::test_a_fine_tuned_folder_exports_from_the_checkpoint_alone_and_stops_at_the_end_of_its_turn",
@@ -71,6 +71,8 @@ def test_every_command_of_the_docs_is_run_by_a_test_or_says_why_not():
             assert owner, f"{doc.name}: no test runs `{command}` (add it to RUN_BY, or say why not: # needs ...)"
             seen.update(owner)
     assert seen == set(RUN_BY), f"RUN_BY lists commands no document shows: {sorted(set(RUN_BY) - seen)}"
+    tests = next(key for key in RUN_BY if key.startswith("python -m pytest"))
+    assert f"\n{tests}\n" in (ROOT / ".ci/run").read_text(), f"CI runs the README's tests as it shows them: {tests}"
     for where in set(RUN_BY.values()):
         path, _, name = where.partition("::")
         assert (ROOT / path).is_file(), where

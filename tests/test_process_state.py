@@ -2,6 +2,7 @@
 module) puts back every process-wide setting a test changes, and ``LIT_HBP_TEST_ORDER=reverse`` runs
 the suite last test first. Checked here against the values read before the changes, without it."""
 
+import json
 import logging
 import os
 import random
@@ -108,9 +109,62 @@ def test_the_reverse_order_runs_the_last_test_first(monkeypatch):
     assert out.returncode == 0, out.stdout + out.stderr
     collected = [line.split("::")[1] for line in out.stdout.splitlines() if "::" in line]
     assert collected == [
+        "test_two_workers_run_the_slow_tests_first_on_one_thread_each",
         "test_the_reverse_order_runs_the_last_test_first",
         "test_every_process_wide_setting_a_test_changes_is_put_back",
     ]
     monkeypatch.setenv("LIT_HBP_TEST_ORDER", "random")
     with pytest.raises(pytest.UsageError, match="LIT_HBP_TEST_ORDER='random': the only order is 'reverse'"):
         pytest_collection_modifyitems(None, [1, 2])
+
+
+LANES = """
+import json, os
+import pytest, torch
+
+def record(request):
+    with open(os.environ["LANES_LOG"], "a") as f:
+        f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER"), "threads": torch.get_num_threads(),
+                            "omp": os.environ.get("OMP_NUM_THREADS"),
+                            "order": [item.name for item in request.session.items]}) + "\\n")
+
+def test_a(request): record(request)
+@pytest.mark.slow
+def test_b(request): record(request)
+def test_c(request): record(request)
+@pytest.mark.slow
+def test_d(request): record(request)
+"""
+
+# The suite's conftest (its module-level settings and its collection hook), loaded under another name.
+SUITE_HOOK = """
+import importlib.util, sys
+sys.path.insert(0, {tests!r})
+spec = importlib.util.spec_from_file_location("suite_conftest", {tests!r} + "/conftest.py")
+suite = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(suite)
+pytest_collection_modifyitems = suite.pytest_collection_modifyitems
+"""
+
+
+def test_two_workers_run_the_slow_tests_first_on_one_thread_each(tmp_path):
+    """The README's ``-n 2 --dist worksteal``: each worker collects the slow tests first (in their order),
+    and torch in it, and every process its tests start, take one thread; a plain run keeps the files'
+    order and leaves the thread count to torch."""
+    (tmp_path / "conftest.py").write_text(SUITE_HOOK.format(tests=str(ROOT / "tests")))
+    (tmp_path / "test_lanes.py").write_text(LANES)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
+    log = tmp_path / "lanes.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "OMP_NUM_THREADS"))}
+    for args in (["-n", "2", "--dist", "worksteal"], []):
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_lanes.py"],
+            cwd=tmp_path, env={**env, "LANES_LOG": str(log)}, capture_output=True, text=True,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    workers, plain = runs[:4], runs[4:]
+    assert {r["worker"] for r in workers} == {"gw0", "gw1"}
+    assert all(r["order"] == ["test_b", "test_d", "test_a", "test_c"] for r in workers), workers
+    assert all(r["threads"] == 1 and r["omp"] == "1" for r in workers), workers
+    assert all(r["order"] == ["test_a", "test_b", "test_c", "test_d"] and r["omp"] is None for r in plain), plain
