@@ -16,6 +16,9 @@ A source's ``format`` names the shape of its records (``auto``: decided per reco
 a data set's role names onto chat roles (``{bot: assistant}``). Used or refused: a field of a message
 is rendered or the record is refused with its file and line; a record's other fields are metadata,
 counted per source in the data report.
+
+One module of about 600 lines on purpose: every format's reader beside the field and role mapping and the
+refusals they share, read together when a format or a field is added (``auto`` decides between them).
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ arguments give byte-identical files on every machine with the same ``tokenizers`
 ``python -m lit_hbp.demo.text OUT_DIR [--n-short N] [--n-long M] [--vocab-size V] [--seed S]``.
 ``python -m lit_hbp.demo.text --freeze-corpus FILE`` writes the corpus anew from the running Python's
 standard library (how ``corpus/`` was made; building from another corpus changes every count).
+
+One module of about 600 lines on purpose: the chat and long-task generators, the tokenizer trained on
+their output and the build that seeds them all change together, and any change to one is a new
+``GENERATOR_VERSION`` (which tells ``ensure_demo`` to rebuild a folder built by the old code).
 """
 
 from __future__ import annotations
