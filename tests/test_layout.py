@@ -72,6 +72,16 @@ def test_every_import_runs_down_the_stack():
     assert not up, "imports running up the stack:\n" + "\n".join(sorted(up))
 
 
+def test_a_module_over_600_lines_says_why_in_its_docstring():
+    """A library module holds one concept; one over about 600 lines says why it is one module ("on purpose")."""
+    long = {}
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 600:
+            long[str(path.relative_to(PACKAGE))] = "on purpose" in (ast.get_docstring(ast.parse(text)) or "")
+    assert all(long.values()), long
+
+
 def test_the_public_names_import_from_lit_hbp():
     for name in lit_hbp.__all__:
         assert getattr(lit_hbp, name) is not None, name
