@@ -87,7 +87,8 @@ def throughput_part(args: argparse.Namespace, work: Path) -> dict:
     else:
         config = ["--config", "configs/llama_1b_1gpu.yaml", "--steps", "12", "--warmup", "4"]
         config += ["--modes", "hbp_alone,hf_sdpa,hf_flash_attention_2"]  # each level alone, timed alike
-    return {"cmd": [sys.executable, str(HERE / "gpu_throughput.py"), *config, demo, "--json", str(out)], "json": out}
+    config += [demo, f"--trainer.logger.init_args.save_dir={work / 'runs'}"]  # the config's logger, in the work folder
+    return {"cmd": [sys.executable, str(HERE / "gpu_throughput.py"), *config, "--json", str(out)], "json": out}
 
 
 def peers_part(args: argparse.Namespace, work: Path) -> dict:

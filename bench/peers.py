@@ -427,7 +427,9 @@ def run_worker(spec: dict, mode: str, log: Path, timeout: float) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as out:
         try:
-            code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+            code = subprocess.run(  # in the work folder: what a mode writes by a relative path lands there
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=spec["work"]
+            ).returncode
         except subprocess.TimeoutExpired:
             return {"error": f"over {timeout:.0f} s (log: {log})"}
     if code or not Path(spec["result"]).exists():

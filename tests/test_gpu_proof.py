@@ -56,6 +56,7 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path, 
     assert [r["name"] for r in thr["throughput"]] == names
     assert thr["throughput"][-2]["vs_hf_sdpa"] == "1.00"  # the levels together, against hf_sdpa's
     assert all(float(r["tokens_per_s"]) > 0 for r in thr["throughput"])
+    assert (work / "runs" / "tiny_cpu").is_dir()  # the config's logger writes to the work folder, not the checkout
     assert [m["name"] for m in thr["memory"]] == ["256:1", "1024:1"]
     assert all(m["measured_gib"] is None and m["error"] == "n/a (no CUDA)" for m in thr["memory"])
     # the 1K level holds 4x the 256 level's activations: the memory model's prediction grows with it
@@ -67,6 +68,7 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path, 
     assert vlm["tower"] == "vision tower attention in packed calls: its own for torch.float32 on cpu", vlm["tower"]
 
     peers = parts["peers"]["result"]
+    assert (work / "peers" / "runs" / "config.yaml").is_file()  # its lit-hbp mode ran in the work folder
     records = [json.loads(line) for line in (work / "peers" / "data.jsonl").read_text().splitlines()]
     tokens = sum(len(r["input_ids"]) for r in records)
     assert peers["data"]["tokens"] == tokens and peers["data"]["samples"] == len(records) == 12
