@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -173,11 +174,15 @@ def test_plain_lightning_logs_the_norm_before_clipping_at_logging_steps(chats, t
 
 @pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
 def test_zero2_logs_deepspeeds_norm_before_clipping_at_logging_steps(
-    chats, toy_tokenizer, tmp_path, lora, in_process_deepspeed
+    chats, toy_tokenizer, tmp_path, lora, in_process_deepspeed, caplog
 ):
     from lit_hbp.lightning.strategy import HBPStrategy
 
+    caplog.set_level(logging.INFO)
     trainer, record = fit(chats, toy_tokenizer, tmp_path, HBPStrategy(stage=2), lora=lora)
+    (setup,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HBPStrategy levels:")]
+    assert setup.endswith("ZeRO stage 2 (one process: nothing sharded; --trainer.strategy hbp_ddp trains the same "
+                          "levels with a lighter step, docs/gpu.md)")  # fmt: skip
     assert all(s["pre"] == 0 for s in record.steps)  # ZeRO keeps the gradients in its partitions, not in .grad
     reference = recomputed_norms(record.steps, lora, ACCUMULATE)
     check([s["logs"] for s in record.steps], record.logged, reference, logged_norms(trainer))

@@ -169,6 +169,24 @@ def test_setup_refuses_an_offload_exactly_where_deepspeed_would_ignore_it(stage,
     HBPStrategy(stage=fixed.zero_stage, **{argument: True})
 
 
+@pytest.mark.parametrize(
+    "world, stage, offload, said",
+    [(1, 2, False, "one process"), (1, 3, False, "one process"), (4, 0, False, "stage 0"), (4, 2, False, None),
+     (1, 2, True, None), (4, 0, True, None)],
+)  # fmt: skip
+def test_hbp_strategy_says_where_it_shards_nothing(world, stage, offload, said):
+    """HBPStrategy over one process, or at ZeRO stage 0, shards nothing and costs the step more than
+    HBPDDPStrategy: its set-up line says so and names the lighter strategy; not where DeepSpeed shards, nor
+    where it offloads (which only DeepSpeed does)."""
+    from lit_hbp.lightning.strategy import _sharding
+
+    text = _sharding(SimpleNamespace(world_size=world), Settings(zero_stage=stage, optimizer_offload=offload))
+    if said is None:
+        assert text == ""
+    else:
+        assert f"({said}: nothing sharded; --trainer.strategy hbp_ddp " in text
+
+
 def test_an_offloaded_optimizer_is_accepted_by_setup_and_trains():
     """The lever a refusal names most (the Adam states on the host) trains an HBPLitModule: DeepSpeed refuses
     a torch optimizer beside ZeRO-Offload unless told, and HBPStrategy tells it."""

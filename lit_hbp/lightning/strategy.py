@@ -462,7 +462,8 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
             if lv.mlp_tiles > 1 and (why := refusal("mlp_tiles", zero, value=lv.mlp_tiles)):
                 raise ValueError(f"level {i} (pack_len {lv.pack_len}): {why}")
         self.config = without_idle_overlap(self.config, self.world_size, self._overlap_comm_asked)
-        rank_zero_info(f"HBPStrategy levels: {self.describe_levels()}; ZeRO stage {zero.zero_stage}")
+        shards = _sharding(self, zero)
+        rank_zero_info(f"HBPStrategy levels: {self.describe_levels()}; ZeRO stage {zero.zero_stage}{shards}")
         _check_deepspeed_device(self.root_device)
         super().setup(trainer)
 
@@ -507,6 +508,19 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
 
 
 HBPStrategy.register_strategies(StrategyRegistry)
+
+
+def _sharding(strategy: HBPStrategy, zero: Settings) -> str:
+    """What DeepSpeed shards here, said where it shards nothing: its step then only costs the host more than
+    HBPDDPStrategy's (per-parameter hooks, flat gradient copies, waits for the device: docs/gpu.md), unless it
+    offloads to the host, which only DeepSpeed does."""
+    if zero.optimizer_offload or zero.param_offload or (strategy.world_size > 1 and zero.zero_stage > 0):
+        return ""
+    where = "one process" if strategy.world_size == 1 else "stage 0"
+    return (
+        f" ({where}: nothing sharded; --trainer.strategy hbp_ddp trains the same levels with a lighter step, "
+        "docs/gpu.md)"
+    )
 
 
 class HBPDDPStrategy(LevelGroups, DDPStrategy):
