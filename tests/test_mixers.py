@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import separate_loss
+from conftest import TINY_LLAMA, separate_loss
 from families import small_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -280,6 +280,73 @@ def test_generation_and_padded_batches_are_the_unprepared_models(family):
         mask[1, :3] = 0  # the second row left-padded
         got = net(input_ids=ids, attention_mask=mask, use_cache=False).logits
         torch.testing.assert_close(got, ref(input_ids=ids, attention_mask=mask, use_cache=False).logits)
+
+
+@pytest.mark.parametrize(
+    "family", ["bamba", "nemotron_h", "qwen3_next", "jamba", "falcon_h1", "lfm2", "mamba", "mamba2", "falcon_mamba"]
+)
+def test_the_models_own_call_on_a_pack_gives_each_document_alone_with_or_without_its_cache(family):
+    """The model called on a pack as Hugging Face's DataCollatorWithFlattening calls it (a copy of the ids and
+    their restarting positions, the cache left to the model's default: on in eval), and on ``pack_inputs`` with
+    the cache asked for: each document's logits are its own alone, a 1-token document's too (with a cache made
+    of the pack the family's decode path read the previous document's state), and the call leaves no cache of
+    the pack. Mamba's, Mamba2's and FalconMamba's forwards pass their backbone neither positions nor
+    boundaries: the model's hook hands them over."""
+    from lit_hbp import pack_inputs
+
+    net = tiny(family).eval()
+    ref = reference_of(net)
+    prepare_model(net)
+    net.eval()
+    docs = three_documents(net.config.vocab_size, (37, 1, 5))
+    batch = pack_samples(docs)
+    calls = {
+        "flattening": dict(input_ids=batch.input_ids.clone(), position_ids=batch.position_ids),
+        "pack_inputs, cache on": {**pack_inputs(batch), "use_cache": True},
+    }
+    with torch.no_grad():
+        alone = [ref(input_ids=torch.as_tensor(ids)[None], use_cache=False).logits[0] for ids, _ in docs]
+        for name, kw in calls.items():
+            out = net(**kw)
+            assert getattr(out, "past_key_values", None) is None and getattr(out, "cache_params", None) is None, name
+            got = out.logits[0, : batch.n_tokens]  # the pack's padding segment after its documents
+            torch.testing.assert_close(got, torch.cat(alone), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_models_forward_that_keeps_a_packs_positions_from_its_decoder_is_refused():
+    """A forward that drops the positions before a decoder that takes them would number the pack as one
+    sequence (rotary positions running on across documents): refused, naming both."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class Dropping(LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, **kwargs):
+            return self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    net = prepare_model(Dropping(LlamaConfig(vocab_size=64, **cfg)))
+    batch = pack_samples(three_documents(64, (7, 5)))
+    with pytest.raises(ValueError, match="Dropping was called on a pack .* passed LlamaModel neither"):
+        net(input_ids=batch.input_ids.clone(), position_ids=batch.position_ids)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
+def test_a_whole_model_its_user_compiles_runs_plain_and_packed_calls_as_before(family):
+    """``model.compile()`` of a prepared model (its call hooks stay outside the graph): a plain call equals the
+    unprepared model's, a packed call each document alone."""
+    from lit_hbp import pack_inputs
+
+    net = tiny(family).eval()
+    ref = reference_of(net)
+    prepare_model(net)
+    net.eval().compile(backend="eager", dynamic=True)
+    docs = three_documents(net.config.vocab_size, (9, 1, 6))
+    batch = pack_samples(docs)
+    with torch.no_grad():
+        plain = torch.as_tensor(docs[0][0])[None]
+        torch.testing.assert_close(net(input_ids=plain, use_cache=False).logits, ref(input_ids=plain).logits)
+        alone = [ref(input_ids=torch.as_tensor(ids)[None], use_cache=False).logits[0] for ids, _ in docs]
+        got = net(**pack_inputs(batch)).logits[0, : batch.n_tokens]
+        torch.testing.assert_close(got, torch.cat(alone), rtol=1e-4, atol=1e-5)
 
 
 class Decaying(torch.nn.Module):

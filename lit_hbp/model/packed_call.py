@@ -22,16 +22,23 @@ layers' checkpointing flags, while any packed call of the model runs (counted ov
 call of the model on another thread meanwhile finds the call-aware checkpoint function, which runs it
 as the model's own flags say.
 
+A packed call makes no cache (``use_cache`` off for it: a cache made of a pack would carry one
+document's state into the next, and a pack cannot be continued as one row), and a model whose forward
+drops the boundaries before its decoder (Mamba's, Mamba2's, FalconMamba's) has them handed over by its hook.
+
 Refused instead of trained wrong: a pack's token ids (``PackedBatch.input_ids``, which carry the
 pack's segment count, ``PACK_MARK``) called with neither boundaries nor positions; an attention mask
 with zeros, or a KV cache, in a packed call; the model's own loss (``labels=``) on a pack whose labels
 are lit-hbp's pre-shifted ones, whose documents' first labels are not -100 (the loss's shift would
-train one document's last token on the next one's first), or under sequence parallelism.
+train one document's last token on the next one's first), or under sequence parallelism; a model whose
+forward drops a pack's positions before a decoder that takes them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import itertools
 import threading
 import weakref
@@ -346,14 +353,37 @@ def _check_packed_call(where: str, kwargs: dict) -> None:
 def install_call_hooks(prepared: Prepared) -> None:
     """The model's hooks: the decoder runs a call that carries a pack in a ``pack_scope`` (unless
     ``packed_loss`` opened one), and refuses a pack's token ids without boundaries or positions; the
-    model refuses its own loss on a pack it would compute wrong."""
+    model refuses its own loss on a pack it would compute wrong, and hands a packed call's boundaries to its
+    decoder where its forward does not (``_model_pack``)."""
     prepared.hooks = [
         prepared.decoder.register_forward_pre_hook(_enter_call, with_kwargs=True),
         prepared.decoder.register_forward_hook(_leave_call, with_kwargs=True, always_call=True),
         prepared.net.register_forward_pre_hook(_check_model_call, with_kwargs=True),
+        prepared.net.register_forward_hook(_leave_model_call, with_kwargs=True, always_call=True),
     ]
 
 
+def _takes(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward has a parameter ``name`` (not only ``**kwargs``)."""
+    return name in _parameters(type(module).forward)[0]
+
+
+@functools.cache
+def _parameters(forward) -> tuple[frozenset[str], bool]:
+    """A forward's named parameters, and whether it takes ``**kwargs``."""
+    params = inspect.signature(forward).parameters.values()
+    return frozenset(p.name for p in params), any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _model_pack(prepared: Prepared) -> dict | None:
+    """The boundaries of the packed call of the whole model this thread is running, if any: what its decoder
+    gets when the model's forward drops them (Mamba's, Mamba2's and FalconMamba's pass their backbone neither
+    positions nor boundaries)."""
+    pending = getattr(calls._local, "model_packs", None)
+    return pending[-1][1] if pending and pending[-1] is not None and pending[-1][0] is prepared else None
+
+
+@torch.compiler.disable  # host bookkeeping on real tensors, also inside a whole-model compile
 def _enter_call(decoder: torch.nn.Module, args: tuple, kwargs: dict):
     prepared: Prepared = decoder.__dict__[PREPARED]
     entered = getattr(calls._local, "hooked", None)
@@ -363,6 +393,13 @@ def _enter_call(decoder: torch.nn.Module, args: tuple, kwargs: dict):
     if calls.current(prepared) is not None:  # packed_loss's scope, or a recomputation inside it
         return None
     packed = _packed_keywords(kwargs)
+    if packed is None and (packed := _model_pack(prepared)) is not None:
+        if _takes(decoder, "position_ids"):
+            raise ValueError(
+                f"{type(prepared.net).__name__} was called on a pack (restarting positions or document boundaries) "
+                f"but its forward passed {type(decoder).__name__} neither, which would number the pack as one "
+                "sequence: compute the loss with lit_hbp.packed_loss(model, batch)"
+            )
     if packed is None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         segments = ids.__dict__.get(PACK_MARK, 0) if isinstance(ids, torch.Tensor) else 0
@@ -374,14 +411,19 @@ def _enter_call(decoder: torch.nn.Module, args: tuple, kwargs: dict):
             )
         return None
     _check_packed_call(type(decoder).__name__, kwargs)
-    kwargs = {**kwargs, **packed}
+    pack = {**kwargs, **packed}
+    names, open_ended = _parameters(type(decoder).forward)
+    kwargs = {**kwargs, **{k: v for k, v in packed.items() if open_ended or k in names}}
     kwargs.pop("attention_mask", None)
-    scope = pack_scope(decoder, pack=kwargs)
+    if "use_cache" in names:  # a pack's documents cannot be continued as one row: no cache is made of it
+        kwargs["use_cache"] = False
+    scope = pack_scope(decoder, pack=pack)
     scope.__enter__()
     entered[-1] = scope
     return args, kwargs
 
 
+@torch.compiler.disable  # host bookkeeping on real tensors, also inside a whole-model compile
 def _leave_call(decoder: torch.nn.Module, args: tuple, kwargs: dict, output):
     scope = calls._local.hooked.pop()
     if scope is not None:
@@ -389,13 +431,34 @@ def _leave_call(decoder: torch.nn.Module, args: tuple, kwargs: dict, output):
     return None
 
 
+@torch.compiler.disable  # host bookkeeping on real tensors, also inside a whole-model compile
 def _check_model_call(net: torch.nn.Module, args: tuple, kwargs: dict):
     """A packed call of the model as a whole: images or a prefix where its family attends both ways among
-    them (``lit_hbp.model.vision.attends_both_ways``) are refused, and so is its own loss where it would be wrong."""
+    them (``lit_hbp.model.vision.attends_both_ways``) are refused, and so is its own loss where it would be wrong;
+    its boundaries are kept for its decoder's call (``_model_pack``) and no cache is made of it."""
+    pending = getattr(calls._local, "model_packs", None)
+    if pending is None:
+        pending = calls._local.model_packs = []
+    pending.append(None)  # what _leave_model_call takes off, also when this hook raises
     if attends_both_ways(net) is not None:
         if kwargs.get("hbp_sp") is not None or _packed_keywords(kwargs) is not None:
             refuse_bidirectional(net, kwargs)
     _check_own_loss(net, args, kwargs)
+    prepared = net.__dict__[PREPARED]
+    if calls.current(prepared) is not None:
+        return None
+    packed = _packed_keywords(kwargs)
+    if packed is None:
+        return None
+    pending[-1] = (prepared, packed)
+    if _takes(net, "use_cache"):
+        return args, {**kwargs, "use_cache": False}
+    return None
+
+
+@torch.compiler.disable  # host bookkeeping on real tensors, also inside a whole-model compile
+def _leave_model_call(net: torch.nn.Module, args: tuple, kwargs: dict, output):
+    calls._local.model_packs.pop()
     return None
 
 
