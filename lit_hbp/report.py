@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 
-def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """Plain-text table: columns are (key, format) pairs; the first column is the row name."""
-    head = ["plan"] + [k for k, _ in columns]
+def format_table(rows: list[dict], columns: list[tuple[str, str]], name: str = "plan") -> str:
+    """Plain-text table: columns are (key, format) pairs; the first column is the row ``name``."""
+    head = [name] + [k for k, _ in columns]
     body = [[r["name"]] + [format(r[k], f) for k, f in columns] for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
 

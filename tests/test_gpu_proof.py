@@ -168,3 +168,17 @@ def test_peers_refuses_a_record_the_modes_would_read_differently(tmp_path, recor
         read_records(data)
     data.write_text(json.dumps({"input_ids": [5, 6], "labels": [-100, 6], "attention_mask": [1, 1]}) + "\n")
     assert read_records(data) == [{"input_ids": [5, 6], "labels": [-100, 6]}]
+
+
+def test_the_gpu_checks_bring_back_at_most_the_eight_files_the_device_returns():
+    """The device tool returns at most 8 files from $OUT: bench/gpu_checks.sh writes there no more (its scratch
+    logs go to a temporary folder and are gathered at the end), step_profile.py's two included, and every
+    script it runs exists."""
+    script = (ROOT / "bench" / "gpu_checks.sh").read_text()
+    names = set(re.findall(r"\$OUT/([\w.\-]+)", script))
+    if re.search(r"step_profile\.py[^\n]*(\\\n[^\n]*)*--out \$OUT\b", script):
+        names |= {"profile.txt", "trace.json.gz"}
+    assert len(names) <= 8, sorted(names)
+    assert {"env.txt", "tests.log", "throughput.log", "profile.txt", "bench.log"} <= names
+    for used in set(re.findall(r"python3 (bench/[\w]+\.py)", script)):
+        assert (ROOT / used).is_file(), used
