@@ -5,6 +5,7 @@ import json
 import math
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 from conftest import TINY_LLAMA, quiet_trainer
@@ -359,6 +360,66 @@ def test_levels_auto_measured_inside_a_distributed_run(pool, tmp_path, toy_token
     assert sorted(groups) == [(1, 1), (2, 1)], "the run reuses the SP groups its probes built (sp 2 was probed)"
 
 
+@pytest.mark.slow
+def test_a_compiled_run_after_its_measured_level_search_runs_every_layer_compiled(tmp_path, toy_tokenizer, monkeypatch):
+    """The data module measures its levels with compiled probes at set-up, then the run trains: every micro-step
+    of the run runs each decoder layer as a compiled graph (a backend that counts its graphs' calls), no layer
+    hits dynamo's recompile limit, and the limit is the user's again after the fit."""
+    import warnings
+
+    import torch
+    import torch._dynamo
+
+    from lit_hbp.autoselect import MeasuredSelector
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.lightning.strategy import HBPDDPStrategy
+
+    runs = {"graphs": 0, "probe_graphs": 0}
+
+    def counting(gm, example_inputs):
+        def run(*args):
+            runs["graphs"] += 1
+            return gm.forward(*args)
+
+        return run
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kw: compile_module(self, **{**kw, "backend": counting})
+    )
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 5)
+    data = tmp_path / "d.jsonl"
+    write_chat(data, [20] * 60 + [300] * 3)
+    dm = HBPDataModule(
+        sources=[{"path": str(data)}],
+        tokenizer=toy_tokenizer,
+        levels=MeasuredSelector(candidates=[256, 2048], memory_gib=16, steps=1),
+        cache_dir=str(tmp_path / "cache"),
+    )
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, compile=True)
+    per_step = []
+
+    class Count(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            runs["probe_graphs"] = runs["graphs"]
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.before = runs["graphs"]
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            per_step.append(runs["graphs"] - self.before)
+
+    trainer = quiet_trainer(strategy=HBPDDPStrategy(), max_steps=6, callbacks=[Count()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, dm)
+    assert runs["probe_graphs"] > 0  # the probes ran compiled layers before the run
+    assert len(per_step) == 6 and all(n >= len(module._layers) for n in per_step), per_step
+    assert not [w for w in caught if "recompile_limit" in str(w.message)]
+    assert torch._dynamo.config.recompile_limit == 5
+
+
 def rank_and_scaled_world(scale: int) -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -682,34 +743,71 @@ def test_the_autoselect_modules_import_each_other_in_no_circle():
     assert "selector" not in graph["launch"] and "search" not in graph["levers"]
 
 
-def test_a_compiled_probe_leaves_no_graph_for_the_run_to_inherit(monkeypatch):
+def test_a_compiled_probe_leaves_no_graph_for_the_run_to_inherit_and_a_users_own_graphs_alone(monkeypatch):
     """A measured probe of a compiled module compiles the decoder layers' code; its graphs, counted toward
     dynamo's recompile limit on that same code, would be the run's to inherit (many probes: the limit
-    hit, the run uncompiled). After the probe the layer's code holds no cache entry."""
+    hit, the run uncompiled). After the probe the layer's code holds no cache entry, and a function the user
+    compiled before keeps its graph (a reset of all of dynamo dropped it)."""
     import torch
     import torch._dynamo
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from lit_hbp.autoselect.measured import MeasuredProfiler
+    from lit_hbp.autoselect import measured
     from lit_hbp.lightning.module import HBPLitModule
 
     code = LlamaDecoderLayer.forward.__code__
     torch._dynamo.reset()
+    own = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    own(torch.ones(3))
+    own_code = own._torchdynamo_orig_callable.__code__
     compiled = []
-    real_reset = torch._dynamo.reset
-    monkeypatch.setattr(
-        torch._dynamo, "reset", lambda: compiled.append(len(_debug_get_cache_entry_list(code))) or real_reset()
-    )
+    forget = measured._forget_compiled
+
+    def counted(before):
+        compiled.append(len(_debug_get_cache_entry_list(code)))
+        forget(before)
+
+    monkeypatch.setattr(measured, "_forget_compiled", counted)
 
     def factory():
         torch.manual_seed(0)
         return HBPLitModule(model=PROBE_MODEL, compile=True)
 
     lengths = np.random.default_rng(0).integers(8, 120, 200)
-    profiler = MeasuredProfiler(
+    profiler = measured.MeasuredProfiler(
         factory, lengths, 16 * 2**30, dict(accelerator="cpu", devices=1), dict(stage=0), steps=1
     )
     assert profiler.probe(256, 1, 0).fits
     assert compiled and compiled[0] > 0  # the probe did compile the layers ...
     assert _debug_get_cache_entry_list(code) == []  # ... and left nothing of it
+    assert len(_debug_get_cache_entry_list(own_code)) == 1  # the user's graph is still there
+
+
+def test_a_probe_that_fails_leaves_dynamos_recompile_limit_and_logger_as_they_were():
+    """A compiled probe raises dynamo's recompile limit and watches its logger for the run; Lightning tears a
+    module down only after a fit that ended, so a probe that ran out of memory left both changed (and the next
+    probe then kept the raised limit as the one to restore)."""
+    import logging
+
+    import torch
+    import torch._dynamo
+
+    from lit_hbp.autoselect.measured import MeasuredProfiler
+    from lit_hbp.lightning.module import DYNAMO_LOG, HBPLitModule
+
+    def factory():
+        module = HBPLitModule(model=PROBE_MODEL, compile=True)
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("a probe over the device's memory")
+
+        module.training_step = out_of_memory
+        return module
+
+    limit, filters = torch._dynamo.config.recompile_limit, list(logging.getLogger(DYNAMO_LOG).filters)
+    lengths = np.random.default_rng(0).integers(8, 120, 200)
+    profiler = MeasuredProfiler(factory, lengths, 16 * 2**30, dict(accelerator="cpu", devices=1), dict(stage=0))
+    assert not profiler.probe(256, 1, 0).fits
+    assert torch._dynamo.config.recompile_limit == limit
+    assert logging.getLogger(DYNAMO_LOG).filters == filters

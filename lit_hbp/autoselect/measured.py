@@ -226,20 +226,22 @@ class MeasuredProfiler:
             if "self_check" in getattr(module, "hparams", {}):
                 module.hparams.self_check = False  # the run itself checks the model once, not every probe
             compiled = bool(getattr(module, "hparams", {}).get("compile"))
+            graphs = _compiled_codes() if compiled else {}
+            finished = False
             try:
                 trainer.fit(module, datamodule=data)
+                finished = True
             except torch.OutOfMemoryError:
                 oom = True
             finally:
+                if not finished and hasattr(module, "teardown"):
+                    module.teardown("fit")  # Lightning tears a module down only after a fit that ended
                 _release(trainer)
                 data.trainer = None
                 del trainer, strategy, module
                 gc.collect()
                 if compiled:
-                    # The probe's graphs, and their count toward dynamo's recompile limit, which the run's
-                    # layers (the same code) would inherit: a run after many probes would hit the limit
-                    # and train uncompiled. Every compiled code of the process starts over.
-                    torch._dynamo.reset()
+                    _forget_compiled(graphs)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         seconds, memory = (math.inf, math.inf) if oom else (timer.seconds, timer.peak)
@@ -258,6 +260,24 @@ def _reduce_max(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def _compiled_codes() -> dict:
+    """Every code object dynamo compiled in this process, with its count of graphs (cache entries)."""
+    from torch._dynamo import convert_frame
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    codes = (ref() for ref in convert_frame.input_codes.seen + convert_frame.output_codes.seen)
+    return {code: len(_debug_get_cache_entry_list(code)) for code in codes if code is not None}
+
+
+def _forget_compiled(before: dict) -> None:
+    """The graphs of the codes a probe compiled, dropped: counted toward dynamo's recompile limit on the same
+    code the run's layers run, they would be the run's to inherit (a run after many probes would hit the limit
+    and train uncompiled). Code the probe did not compile keeps its graphs (a user's own compiled functions)."""
+    for code, graphs in _compiled_codes().items():
+        if graphs > before.get(code, 0):
+            torch._dynamo.reset_code(code)
 
 
 def _release(trainer: L.Trainer) -> None:
