@@ -359,7 +359,8 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
             which other ranks wait on. Other arguments are DeepSpeedStrategy's.
 
     DeepSpeed's throughput timer and its bf16 gradient-overflow check are off unless a DeepSpeed
-    ``config`` turns them on: both synchronize the device (``without_overflow_check``).
+    ``config`` turns them on: both synchronize the device (``without_overflow_check``). At stage 0 under bf16
+    DeepSpeed's fp16 optimizer checks every gradient for overflow whatever the config says (docs/gpu.md).
     """
 
     strategy_name = "hbp"
