@@ -1,7 +1,9 @@
 """Short levels that fill the device: a level's micro-step carries B packs side by side
 (``packs_per_rank``), each document still alone; the self-check passes and the run trains at B 4; the
 level search fills each level toward the longest level's tokens per rank where memory allows.
-Exactness at B > 1 and sp 2 on 2 processes: ``tests/test_sp.py`` (its sp 2 level holds two packs)."""
+Exactness at B > 1: at sp 1 here against each sample alone, at Ulysses sp 2 on 2 processes here (the loss and
+every gradient of one four-pack micro-batch) and through training in ``tests/test_sp.py`` (its sp 2 level
+holds two packs)."""
 
 import copy
 
@@ -77,6 +79,82 @@ def test_a_micro_batch_of_four_packs_trains_like_each_document_alone(small_demo,
     torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(module.model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def four_packs(vocab: int = 128, pack_len: int = 64) -> tuple[dict, list[np.ndarray]]:
+    """Four packs of two or three documents of 5-24 tokens, about 70% of their tokens supervised."""
+    rng = np.random.default_rng(0)
+    samples, packs = {}, []
+    for _ in range(4):
+        lengths = [int(n) for n in rng.integers(5, 25, 3)]
+        lengths = lengths if sum(lengths) <= pack_len else lengths[:2]
+        ids = []
+        for n in lengths:
+            ids.append(len(samples))
+            samples[len(samples)] = (rng.integers(3, vocab, n), rng.random(n) < 0.7)
+        packs.append(np.array(ids))
+    return samples, packs
+
+
+def four_packs_at_ulysses_sp2(loss: str) -> dict:
+    """On each of two ranks: its Ulysses sp 2 shard of a four-pack micro-batch through HBPLitModule (the run's
+    packed call), the gradients averaged over the world as DDP and DeepSpeed average them; the CE summed over
+    the ranks. ``ave_token`` with the plan's normalizer (the step's targets over the world)."""
+    import torch.distributed as dist
+
+    from lit_hbp.parallel.context import SPCall
+    from lit_hbp.parallel.groups import SPGroups
+    from lit_hbp.parallel.kind import resolve_sp_kind
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    samples, packs = four_packs()
+    torch.manual_seed(0)
+    module = HBPLitModule(model={**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2}, vocab_size=128,
+                          loss=loss, self_check=False)  # fmt: skip
+    module.configure_model()
+    initial = {k: v.clone() for k, v in module.model.state_dict().items()}
+    whole = collate_packs(packs, samples.__getitem__, sp=2)
+    whole = whole.replace(loss_norm=whole.n_targets / world if loss == "ave_token" else None)
+    kind = resolve_sp_kind("ulysses")
+    ctx = SPGroups([2], world, rank)[2]
+    out = module(kind.shard(whole, 2, ctx.rank).replace(sp_group=SPCall.of(ctx, kind)))
+    out.loss.backward()
+    ce = out.ce_sum.detach().reshape(())
+    dist.all_reduce(ce)
+    grads = {}
+    for name, p in module.model.named_parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad
+        dist.all_reduce(g)
+        grads[name] = g / world
+    return dict(initial=initial, ce=ce, grads=grads, targets=whole.n_targets, packs=len(packs))
+
+
+@pytest.mark.parametrize("loss", ["sum", "ave_token"])
+def test_four_packs_at_ulysses_sp_2_train_like_each_document_alone(shared_pool2, loss):
+    """B = 4 at sp 2 on two processes: the summed CE and every parameter's gradient against each document
+    alone through the unprepared model with eager attention, in this process."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    results = shared_pool2.run(four_packs_at_ulysses_sp2, loss)
+    got = results[0]
+    assert got["packs"] == 4
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    cfg.update(num_attention_heads=4, num_key_value_heads=2)
+    reference = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("llama", vocab_size=128, **cfg), attn_implementation="eager"
+    )
+    reference.load_state_dict(got["initial"])
+    samples, _ = four_packs()
+    want = separate_loss(reference, samples)
+    (want / (got["targets"] if loss == "ave_token" else 1.0)).backward()
+    torch.testing.assert_close(got["ce"], want.detach(), rtol=1e-5, atol=1e-5)
+    for r in results:
+        torch.testing.assert_close(r["ce"], got["ce"])
+    for name, q in reference.named_parameters():
+        for r in results:
+            torch.testing.assert_close(
+                r["grads"][name], q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
 
 def cost_8b(capacity_gib: float | None = None) -> CostModel:
