@@ -9,8 +9,8 @@ trains, curriculum off, validation off, one device, the same initial weights):
 
 - hbp: ``Trainer.fit`` of the config (model, strategy, precision, compile, logger, callbacks, ...)
   as ``python train.py fit`` runs it, checkpointing off, the levels mixed as HBP trains them (the plan's
-  order): the device synchronized at every optimizer step's end, each step's wall time (from the previous
-  step's end: data loading and the optimizer included) added to its level's;
+  order), timed as one window from the step by which every level had its ``--warmup`` steps: its row is
+  ``all hbp`` only (a window of mixed levels cannot be split by level without a synchronization a step);
 - hbp_alone: the same ``Trainer.fit``, one level at a time (the plan's steps of that level only);
 - hf_sdpa / hf_flash_attention_2: Hugging Face ``Trainer`` with ``DataCollatorWithFlattening``
   (one micro-batch's samples per batch: the same tokens per optimizer step as hbp, position_ids
@@ -22,11 +22,10 @@ trains, curriculum off, validation off, one device, the same initial weights):
 - fwd_bwd: HBPLitModule forward and backward only (weights in the compute dtype, no optimizer), its
   decoder layers compiled as the run's are when the config compiles.
 
-Timing: every mode but hbp runs each level alone and is timed alike, one window a level: the device
-synchronized after the level's ``--warmup`` steps and after its last, the steps between summed (the
-host runs ahead of the device as it does in training). hbp, whose levels alternate, is timed per
-step (the only way to tell its levels apart); its ``all`` row is the fair one to set beside HF's.
-Each mode's ``all`` row is its levels together: their tokens over their summed seconds.
+Timing: every mode is timed alike, one device synchronization at each end of a window, the steps between
+summed (the host runs ahead of the device as it does in training): every mode but hbp one window a level
+(after the level's ``--warmup`` steps), hbp one window over its mixed levels. Each mode's ``all`` row is
+its levels together: their tokens over their summed seconds (hbp's: its one window).
 
 Tokens are real sample tokens; MFU is ``ModelSpec.train_flops`` (the module's definition: dense
 layers on real tokens, causal attention per document, LM head on supervised tokens, no
@@ -76,38 +75,6 @@ def peak_flops(device: torch.device, override: float | None) -> float | None:
     return gpu_peak_flops(device, torch.bfloat16)
 
 
-class StepClock(L.Callback):
-    """Wall time of every optimizer step (device synchronized at step ends), its level, its real
-    tokens and model FLOPs; on a GPU each level's peak of allocated bytes over its micro-steps (the
-    optimizer step included: Lightning runs it inside the training step)."""
-
-    def __init__(self):
-        self.rows: list[tuple[int, float, float, float]] = []
-        self.peak: dict[int, int] = {}
-        self._tokens = self._flops = 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if pl_module.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
-
-    def on_train_start(self, trainer, pl_module):
-        sync(pl_module.device)
-        self._last = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self._tokens += batch.n_tokens / batch.sp
-        self._flops += pl_module.flops_per_batch
-        if pl_module.device.type == "cuda":
-            level = int(batch.level)
-            self.peak[level] = max(self.peak.get(level, 0), torch.cuda.max_memory_allocated(pl_module.device))
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
-            return
-        sync(pl_module.device)
-        now = time.perf_counter()
-        self.rows.append((int(batch.level), now - self._last, self._tokens, self._flops))
-        self._last, self._tokens, self._flops = now, 0.0, 0.0
-
-
 class WindowClock(L.Callback):
     """One level trained alone, timed as one window: the device synchronized after ``warmup`` optimizer
     steps and after the ``total``-th, the steps between summed with their real tokens and model FLOPs;
@@ -144,6 +111,26 @@ class WindowClock(L.Callback):
                 self.peak = torch.cuda.max_memory_allocated(pl_module.device)
 
 
+class MixedClock(WindowClock):
+    """The levels mixed as HBP trains them, timed as one window (``WindowClock``); on a GPU each level's peak
+    of allocated bytes over its micro-steps (the optimizer step included: Lightning runs it inside the training
+    step), read from the allocator's counters on the host, which waits for nothing."""
+
+    def __init__(self, warmup: int, total: int):
+        super().__init__(warmup, total)
+        self.levels: dict[int, int] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.device.type == "cuda":
+            level = int(batch.level)
+            self.levels[level] = max(self.levels.get(level, 0), torch.cuda.max_memory_allocated(pl_module.device))
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
 def build(config: str, overrides: list[str], steps: int):
     """The config's trainer, module and data for ``steps`` optimizer steps, as ``train.py fit`` builds
     them: its logger and callbacks (their per-step costs are the run's) and the CLI's own, with no
@@ -168,25 +155,16 @@ def level_packs(dm, level: int, count: int) -> list[list[np.ndarray]]:
     return out
 
 
-def run_hbp(cli, device, warmup: int, memory: dict) -> dict[int, tuple[float, float, float]]:
-    """Each level's (seconds, tokens, FLOPs) after ``warmup`` steps; ``memory`` gets each level's
-    predicted bytes (the memory model of this run, without its CUDA reserve) and the measured peak."""
-    clock = StepClock()
+def run_hbp(cli, device, start: int, total: int, memory: dict) -> tuple[float, float, float]:
+    """(seconds, tokens, FLOPs) of the mixed optimizer steps ``start + 1`` to ``total``, one window; ``memory``
+    gets each level's predicted bytes (the memory model of this run, without its CUDA reserve) and its peak."""
+    clock = MixedClock(start, total)
     cli.trainer.callbacks.append(clock)
     cli.trainer.fit(cli.model, cli.datamodule)
     for level, predicted in enumerate(predicted_gib(cli.model, device)):
-        measured = clock.peak[level] / GIB if level in clock.peak else None
+        measured = clock.levels[level] / GIB if level in clock.levels else None
         memory[level] = {"predicted_gib": predicted, "measured_gib": measured}
-    per_level: dict[int, list] = {}
-    seen: dict[int, int] = {}
-    for level, seconds, tokens, flops in clock.rows:
-        seen[level] = seen.get(level, 0) + 1
-        if seen[level] > warmup:
-            row = per_level.setdefault(level, [0.0, 0.0, 0.0])
-            row[0] += seconds
-            row[1] += tokens
-            row[2] += flops
-    return {level: tuple(r) for level, r in per_level.items()}
+    return clock.seconds, clock.tokens, clock.flops
 
 
 def predicted_gib(module, device) -> list[float]:
@@ -418,6 +396,7 @@ def main() -> int:
     # Steps enough that every level trains ``take`` of its steps (levels are shuffled in the plan).
     order = plan.step_level
     need = max(int(np.flatnonzero(order == lv)[take - 1]) + 1 for lv in range(n_levels))
+    warm = max(int(np.flatnonzero(order == lv)[args.warmup - 1]) + 1 for lv in range(n_levels)) if args.warmup else 0
     device = cli.trainer.strategy.root_device
     peak = peak_flops(device, args.peak_tflops)
     module.configure_model()
@@ -425,14 +404,13 @@ def main() -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     memory: dict[int, dict] = {}
-    results: dict[str, dict[int, object]] = {}  # mode -> level -> (seconds, tokens, flops) | "OOM"
+    results: dict[str, dict[int | str, object]] = {}  # mode -> level (hbp: "all") -> (seconds, tokens, flops) | "OOM"
     chosen = []  # the attention backends lit-hbp's packed calls ran on, per kind of call
     if "hbp" in modes:
         fit = build(args.config, overrides, need)
         fit.model.configure_model()
         fit.model.model.load_state_dict(base_model.state_dict())
-        out = guarded("hbp", lambda: run_hbp(fit, device, args.warmup, memory), device)
-        results["hbp"] = {lv: "OOM" for lv in range(n_levels)} if out == "OOM" else out
+        results["hbp"] = {"all": guarded("hbp", lambda: run_hbp(fit, device, warm, need, memory), device)}
         chosen += attention.choices(fit.model.model)
         del fit
     if "hbp_alone" in modes:
@@ -537,15 +515,17 @@ def main() -> int:
     return 0
 
 
-def overall(results: dict[str, dict[int, object]], peak: float | None) -> list[dict]:
-    """Each mode's levels together (``all``): their tokens over their summed seconds, beside hf_sdpa's."""
+def overall(results: dict[str, dict[int | str, object]], peak: float | None) -> list[dict]:
+    """Each mode's levels together (``all``): their tokens over their summed seconds (a mode timed over its
+    mixed levels: its one window), beside hf_sdpa's."""
     totals = {}
     for name, res in results.items():
         done = [r for r in res.values() if isinstance(r, tuple)]
         if done and len(done) == len(res):
             totals[name] = tuple(sum(r[i] for r in done) for i in range(3))
     base = totals.get("hf_sdpa")
-    rows = []
+    rows = [dict(name=f"all {name}", tokens_per_s="OOM", mfu="", vs_hf_sdpa="") for name, res in results.items()
+            if res.get("all") == "OOM"]  # fmt: skip
     for name, (seconds, tokens, flops) in totals.items():
         row = dict(name=f"all {name}", tokens_per_s=f"{tokens / seconds:.0f}")
         row["mfu"] = f"{flops / seconds / peak:.3f}" if peak else ""

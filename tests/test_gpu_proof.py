@@ -51,8 +51,10 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path, 
     assert tests["skipped"] > 0 and tests["passed"] == tests["failed"] == tests["error"] == 0
 
     thr = parts["throughput"]["result"]
-    modes = ["hbp", "hbp_alone", "hf_sdpa", "trl_bfd"]
-    names = [f"{level} {mode}" for level in ("256:1", "1024:1", "all") for mode in modes]
+    modes = ["hbp_alone", "hf_sdpa", "trl_bfd"]  # each level alone; hbp, its levels mixed in one window: all only
+    names = [f"{level} {mode}" for level in ("256:1", "1024:1") for mode in modes] + [
+        f"all {mode}" for mode in ["hbp", *modes]
+    ]
     assert [r["name"] for r in thr["throughput"]] == names
     assert thr["throughput"][-2]["vs_hf_sdpa"] == "1.00"  # the levels together, against hf_sdpa's
     assert all(float(r["tokens_per_s"]) > 0 for r in thr["throughput"])
