@@ -174,7 +174,9 @@ class CostModel:
     vision_trained: a vision-language model's tower trains (its gradients, Adam states and activations);
         False under ``freeze_vision`` and LoRA (it runs forward only).
     vision_patches_per_token: the most image patches the tower encodes per token of a pack, from the data
-        (``VisionLoad.patches_per_token``; 0: no images): a pack of L tokens holds up to L times it."""
+        (``VisionLoad.patches_per_token``; 0: no images): a pack of L tokens holds up to L times it.
+    compiled: the decoder layers run compiled (``HBPLitModule(compile=True)``): inductor's partitioner keeps
+        fewer of a layer's tensors for its backward than eager does (``layer_saved_bytes``)."""
 
     model: ModelSpec
     hardware: Hardware
@@ -194,6 +196,7 @@ class CostModel:
     prefetch: bool = True
     vision_trained: bool = True
     vision_patches_per_token: float = 0.0
+    compiled: bool = False
 
     # ----------------------------------------------------------------------------- time
 
@@ -339,8 +342,16 @@ class CostModel:
         return sum(self.static_parts().values())
 
     def layer_saved_bytes(self, tiles: int = 1) -> float:
-        """Bytes per token a decoder layer keeps for its backward (the table above)."""
+        """Bytes per token a decoder layer keeps for its backward (the table above). A compiled layer (without
+        Liger's kernels or MLP tiles, which break its graph) keeps what inductor's min-cut partitioner saves,
+        measured by saved-tensor hooks (``tests/test_memory_model.py``): four rows of the hidden width, the
+        norms' fp32 rstd, q, k, v, one attention output, the LSE and three rows of the MLP's width; it recomputes
+        the norms' fp32 copies and the MLP's activation that eager keeps."""
         m, b = self.model, self.dtype_bytes
+        if self.compiled and tiles == 1 and not self.liger:
+            q, kv = m.heads * m.dim, m.kv_heads * m.dim
+            kept = b * (4 * m.hidden + 2 * q + 2 * kv + 3 * m.intermediate) + 4 * m.heads + 2 * 4
+            return self.activation_overhead * kept
         norms = 2 * (self._norm_input() + 2 * b * m.hidden)
         mlp = (2 if self.liger else 4) * b * m.intermediate if tiles == 1 else 0
         return self.activation_overhead * (norms + self._attention_saved() + mlp)

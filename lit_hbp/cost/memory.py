@@ -102,12 +102,13 @@ def trainer_cost(
     capacity: float,
     trainable: float = 1.0,
     vision_trained: bool = True,
+    compiled: bool = False,
 ) -> tuple[CostModel, list[Level]]:
     """The cost model of a run being set up on devices of ``capacity`` bytes, and its levels as laid out:
     world, precision, ZeRO stage and offloads read from the trainer (``run_settings.trainer_settings``), a
     vision-language run's tower with its data's images (the data module's ``vision_load``)."""
     hardware = local_hardware(trainer.strategy.root_device, capacity, trainer.num_devices)
-    known = dict(liger=liger, ce_chunk=ce_chunk, dtype_bytes=dtype_bytes, trainable=trainable)
+    known = dict(liger=liger, ce_chunk=ce_chunk, dtype_bytes=dtype_bytes, trainable=trainable, compiled=compiled)
     cost = cost_model(spec, trainer_settings(trainer, hardware, vision_trained=vision_trained, **known))
     dm = trainer.datamodule
     store = getattr(dm, "store", None)

@@ -33,7 +33,8 @@ class Settings:
     liger: Liger's RMSNorm, SwiGLU and fused loss (``model.liger``). trainable: the share of the parameters
     trained (1; ~0 under LoRA). dtype_bytes: the precision's bytes per parameter and activation (bf16 where
     no precision is known). ce_chunk: the loss's chunk (``HBPLitModule``'s ``ce_chunk_size``). vision_trained: a
-    vision-language model's tower trains (not under ``freeze_vision`` or LoRA)."""
+    vision-language model's tower trains (not under ``freeze_vision`` or LoRA). compiled: its decoder layers run
+    compiled (``HBPLitModule(compile=True)``)."""
 
     world: int = 1
     hardware: Hardware = HARDWARE["h100"]
@@ -45,6 +46,7 @@ class Settings:
     dtype_bytes: int = 2
     ce_chunk: int = 1024
     vision_trained: bool = True
+    compiled: bool = False
 
 
 def cost_model(spec: ModelSpec, settings: Settings, sp_kind: str = "ulysses") -> CostModel:
@@ -144,7 +146,7 @@ def settings_of(
     hardware: Hardware, world: int, strategy_args: dict | None, model_args: dict, precision: Any = None
 ) -> Settings:
     """A run from its parts: ``HBPStrategy`` arguments (None: no DeepSpeed), the module's arguments (liger,
-    lora, ce_chunk_size, freeze_vision) and its Lightning precision (None: bf16)."""
+    lora, ce_chunk_size, freeze_vision, compile) and its Lightning precision (None: bf16)."""
     zero = deepspeed_zero(None if strategy_args is None else strategy_config(strategy_args))
     return Settings(
         world,
@@ -155,6 +157,7 @@ def settings_of(
         dtype_bytes=Settings.dtype_bytes if precision is None else precision_bytes(precision),
         ce_chunk=int(model_args.get("ce_chunk_size", Settings.ce_chunk)),
         vision_trained=not (model_args.get("freeze_vision") or model_args.get("lora")),
+        compiled=bool(model_args.get("compile", False)),
     )
 
 

@@ -514,8 +514,9 @@ class HBPLitModule(L.LightningModule):
         trainable = sum(p.numel() for p in params if p.requires_grad) / max(sum(p.numel() for p in params), 1)
         hp = self.hparams
         return trainer_cost(
-            self.trainer, self._spec, hp.liger, hp.ce_chunk_size, dtype_bytes, capacity, trainable, trained
-        )
+            self.trainer, self._spec, hp.liger, hp.ce_chunk_size, dtype_bytes, capacity, trainable, trained,
+            compiled=bool(hp.compile),
+        )  # fmt: skip
 
     def configure_gradient_clipping(
         self, optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
