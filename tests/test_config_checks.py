@@ -178,8 +178,10 @@ def test_a_command_line_list_replaces_the_configs_list(tmp_path, small_demo, mon
     )
     assert [(s.path, s.repeat) for s in cli.datamodule.sources] == [(a, None), (b, None)]
     assert [lv.ckpt_layers for lv in cli.datamodule.levels] == [0, 0, 0]
-    # Appending keeps the config's list.
-    cli = main(args + ["--data.sources+", f"{{path: {a}}}"], run=False)
+    # Appending keeps the config's list (a third file: a source twice is refused, tests/test_data.py).
+    extra = tmp_path / "more.jsonl"
+    extra.write_text(Path(a).read_text())
+    cli = main(args + ["--data.sources+", f"{{path: {extra}}}"], run=False)
     assert [s.repeat for s in cli.datamodule.sources] == [None, 2.0, None]
     # So does a second config file: its list replaces the first's.
     second = tmp_path / "second.yaml"

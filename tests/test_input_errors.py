@@ -305,3 +305,72 @@ def test_a_misspelled_source_field_names_the_entry_the_field_and_the_nearest_one
         Source.of({"repeat": 2}, "val_sources[0]")
     assert Source.of("a.jsonl", "sources[0]") == Source("a.jsonl")
     assert Source.of({"path": "a.jsonl", "repeat": 2}, "sources[0]").repeat == 2
+
+
+def test_a_source_given_twice_or_validated_on_what_trains_is_refused(tmp_path, toy_tokenizer):
+    """The same file twice (or through a link) would enter an epoch twice and train the records held out of
+    one copy for validation through the other; a validation source reading a training source's file would
+    measure what trains. Both refused when the data module is configured, naming the two entries."""
+    from lit_hbp.data.sources import check_sources
+
+    data = write_jsonl(tmp_path / "d.jsonl", [chat(f"q{i}", "a") for i in range(20)])
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(data)
+    other = write_jsonl(tmp_path / "e.jsonl", [chat(f"r{i}", "b") for i in range(20)])
+    for twice in ([data, data], [data, link]):
+        with pytest.raises(DataError, match=r"sources\[1\] reads the same data as sources\[0\] .*\(repeat: 2"):
+            HBPDataModule(sources=[str(p) for p in twice], tokenizer=toy_tokenizer, levels=[256], val_fraction=0.2)
+    with pytest.raises(DataError, match=r"val_sources\[0\] reads the data of sources\[0\] .*, which trains"):
+        HBPDataModule(sources=[str(data)], val_sources=[str(link)], tokenizer=toy_tokenizer, levels=[256])
+    check_sources([Source(str(data)), Source(str(other))])  # two files: two sources
+    check_sources([Source(str(other))], "val_sources", apart=[Source(str(data))])
+
+
+def test_a_split_of_a_saved_data_set_without_splits_is_refused(tmp_path):
+    import datasets
+
+    from lit_hbp.data.sources import iter_records
+
+    datasets.Dataset.from_list([chat("q", "a")]).save_to_disk(str(tmp_path / "one"))
+    with pytest.raises(DataError, match=r"split 'test', but this folder holds one data set .*: drop split"):
+        list(iter_records(Source(str(tmp_path / "one"), split="test")))
+    assert len(list(iter_records(Source(str(tmp_path / "one"))))) == 1
+
+
+def test_fields_that_would_change_training_are_refused_not_kept_as_metadata():
+    """Pre-tokenized records' loss masks and positions (pre-packed documents), an instruction's history in a
+    format without one, and a record holding two formats' training fields under ``auto``: refused with the fix.
+    A record's other fields stay its metadata (``prompt`` beside ``messages``, as UltraChat has it), and a
+    format the source names makes the other format's fields metadata."""
+    reader = RecordReader()
+    tokens = {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}
+    for field in ("loss_mask", "label_mask", "position_ids"):
+        with pytest.raises(DataError, match=rf"p.jsonl:1: record field '{field}' is not supported"):
+            reader.read({**tokens, field: [0, 1, 1]}, "p.jsonl:1")
+    with pytest.raises(DataError, match=r"record field 'history' is not supported \(format prompt_response"):
+        reader.read({"prompt": "q", "response": "a", "history": [["q0", "a0"]]}, "p.jsonl:2")
+    both = {**chat("q", "a"), "prompt": "q2", "response": "a2"}
+    with pytest.raises(DataError, match=r"p.jsonl:3: record holds what two formats train on: openai \(messages\) "
+                                        r"and prompt_response \(prompt, response\); .*format: openai"):  # fmt: skip
+        reader.read(both, "p.jsonl:3")
+    with pytest.raises(DataError, match=r"two formats train on: openai \(messages\) and text \(text\)"):
+        reader.read({**chat("q", "a"), "text": "q a"}, "p.jsonl:4")
+    _, metadata = reader.read({**chat("q", "a"), "prompt": "q", "prompt_id": "x1"}, "p.jsonl:5")
+    assert metadata == ["prompt", "prompt_id"]
+    conversation, metadata = RecordReader("openai").read(both, "p.jsonl:3")
+    assert conversation.messages[1]["content"] == "a" and metadata == ["prompt", "response"]
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"repeat": "two"}, r"repeat must be a finite number >= 0, got 'two'"),
+        ({"repeat": float("inf")}, r"repeat must be a finite number >= 0, got inf"),
+        ({"weight": True}, r"weight must be a finite number >= 0, got True"),
+        ({"format": "openai", "fields": "dialog"}, r"fields maps the data set's names .* got 'dialog'"),
+        ({"format": "text", "roles": {"bot": "assistant"}}, r"format text has none: drop roles"),
+    ],
+)
+def test_source_options_of_the_wrong_kind_are_refused_by_name(entry, message):
+    with pytest.raises(ConfigError, match=message):
+        Source.of({"path": "a.jsonl", **entry}, "sources[0]")

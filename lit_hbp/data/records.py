@@ -62,7 +62,8 @@ MESSAGE_FIELDS = {
 # Fields of OpenAI API responses that carry nothing when empty: taken when null or empty, else refused.
 EMPTY_ONLY = ("refusal", "annotations", "audio")
 # Record fields that would change what trains if they were read, and are not: refused, never metadata.
-NOT_READ = ("weight", "weights", "loss_weight", "training", "images", "image", "audios", "videos", "video")
+NOT_READ = ("weight", "weights", "loss_weight", "training", "images", "image", "audios", "videos", "video",
+            "history", "loss_mask", "label_mask", "position_ids")  # fmt: skip
 # Fields a message passes to the chat template besides role and content; each must change the rendering.
 RENDERED = ("tool_calls", "reasoning_content", "thinking")
 # Chat roles a record may use. A role outside these is a typo far more often than a real role, and
@@ -141,17 +142,37 @@ def check_role(role: str, where: str, said: set[str]) -> None:
         )
 
 
+# The fields that tell a record's format (``auto``), in the order they are looked for.
+FORMAT_KEYS = (
+    ("tokens", ("input_ids",)),
+    ("openai", ("messages",)),
+    ("sharegpt", ("conversations",)),
+    ("alpaca", ("instruction",)),
+    ("prompt_response", ("prompt", "response")),
+    ("text", ("text",)),
+)
+# What trains in each format: a record that holds two formats' is ambiguous under ``auto``.
+TRAINED_KEYS = {**dict(FORMAT_KEYS), "alpaca": ("instruction", "output")}
+
+
 def detect_format(record: Mapping, where: str) -> str:
-    """The format of a record by its fields (``auto``): pre-tokenized ids first, then the chat shapes."""
-    for fmt, keys in (
-        ("tokens", ("input_ids",)),
-        ("openai", ("messages",)),
-        ("sharegpt", ("conversations",)),
-        ("alpaca", ("instruction",)),
-        ("prompt_response", ("prompt", "response")),
-        ("text", ("text",)),
-    ):
+    """The format of a record by its fields (``auto``): pre-tokenized ids first, then the chat shapes. A record
+    holding what two formats train on (``messages`` and ``prompt``/``response``, ``messages`` and ``text``) is
+    refused: which one trains is the user's to say (the source's ``format``; the other's fields are then
+    metadata)."""
+    for fmt, keys in FORMAT_KEYS:
         if any(k in record for k in keys):
+            others = [
+                f"{other} ({', '.join(trained)})"
+                for other, trained in TRAINED_KEYS.items()
+                if other != fmt and all(record.get(k) not in (None, "", []) for k in trained)
+            ]
+            if others:
+                raise DataError(
+                    f"{where}: record holds what two formats train on: {fmt} ({', '.join(keys)}) and "
+                    f"{' and '.join(others)}; set the source's format to the one to train on (format: {fmt}; the "
+                    "other fields are then the record's metadata)"
+                )
             return fmt
     raise DataError(
         f"{where}: record has none of the fields 'messages', 'conversations', 'instruction', 'prompt'/'response', "
@@ -178,6 +199,12 @@ class RecordReader:
             raise ConfigError(
                 f"{label}: format {format!r} is not a record format{hint}; formats: {', '.join(RECORD_FORMATS)}"
             )
+        for option, value in (("fields", fields), ("roles", roles)):
+            if value is not None and not isinstance(value, Mapping):
+                raise ConfigError(
+                    f"{label}: {option} maps the data set's names to the format's, e.g. "
+                    f"{'{messages: dialog}' if option == 'fields' else '{bot: assistant}'}; got {value!r}"
+                )
         self.format = format
         self.fields = dict(fields or {})
         if self.fields:
@@ -194,6 +221,8 @@ class RecordReader:
                 if not isinstance(value, str) or not value:
                     raise ConfigError(f"{label}: fields: {key!r} must name a field (a string), got {value!r}")
         self.roles = dict(roles or {})
+        if self.roles and format not in ("auto", "openai", "sharegpt"):
+            raise ConfigError(f"{label}: roles renames the roles of chat records; format {format} has none: drop roles")
         self.roles_said: set[str] = set()  # the unknown roles this reader warned of, each once
         self.root = root  # the folder image paths are relative to (the data file's)
         targets = KNOWN_ROLES + (FUNCTION_CALL,)

@@ -13,6 +13,7 @@ import codecs
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -107,8 +108,9 @@ class Source:
             raise ConfigError(f"source {self.path}: give repeat or weight, not both")
         for name in ("repeat", "weight"):
             value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise ConfigError(f"source {self.path}: {name} must be >= 0, got {value}")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if value is not None and not (number and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"source {self.path}: {name} must be a finite number >= 0, got {value!r}")
 
     def __hash__(self) -> int:
         return hash((self.path, self.format, self.file_type, self.split, self.subset))
@@ -281,11 +283,37 @@ def _check_table_options(source: Source, who: str) -> None:
         )
 
 
-def check_sources(sources: Sequence[Source], field: str = "sources") -> None:
+def check_sources(sources: Sequence[Source], field: str = "sources", apart: Sequence[Source] = ()) -> None:
     """``check_source`` of every source, named by its place in the list (``sources[i]``): lets a
-    data module reject a bad path when it is configured, before any tokenizer loads."""
+    data module reject a bad path when it is configured, before any tokenizer loads. Two sources reading the
+    same data are refused (an epoch would hold its records twice, and records held out of one for validation
+    would train through the other), and so is a source reading the data of one in ``apart`` (the training
+    sources, for ``val_sources``: validation would measure records the run trains on)."""
+    seen: dict[tuple, str] = {}
     for i, source in enumerate(sources):
-        check_source(source, f"{field}[{i}]")
+        label = f"{field}[{i}]"
+        check_source(source, label)
+        key = _data_key(source)
+        if key in seen:
+            raise DataError(
+                f"{label} reads the same data as {seen[key]} ({source.path}): an epoch would hold its records twice, "
+                "and records held out of one for validation would train through the other; give it once (repeat: 2 "
+                "enters it twice)"
+            )
+        seen[key] = label
+    for i, source in enumerate(apart):
+        if (key := _data_key(source)) in seen:
+            raise DataError(
+                f"{seen[key]} reads the data of sources[{i}] ({source.path}), which trains: validation would measure "
+                "records the run trains on; give validation data of its own, or val_fraction"
+            )
+
+
+def _data_key(source: Source) -> tuple:
+    """What a source reads: its file or folder (links followed) or Hub name, split and subset."""
+    path = Path(source.path)
+    where = str(path.resolve()) if path.exists() else source.path
+    return where, source.split, source.subset
 
 
 @dataclass(frozen=True)
@@ -341,6 +369,11 @@ def _table(source: Source):
         if split not in data:
             raise DataError(f"{path}: split {split!r} not found; splits are {sorted(data)}")
         data = data[split]
+    elif source.split is not None:
+        raise DataError(
+            f"{path}: split {source.split!r}, but this folder holds one data set (save_to_disk of a Dataset, not a "
+            "DatasetDict), which has no splits: drop split"
+        )
     return data
 
 

@@ -165,7 +165,7 @@ class HBPDataModule(L.LightningDataModule):
         if demo_dir is not None:
             ensure_kind(demo_dir, demo)
         check_sources(self.sources, "sources")
-        check_sources(self.val_sources, "val_sources")
+        check_sources(self.val_sources, "val_sources", apart=self.sources)
         self.tokenizer, self.processor, self.model_config = load_renderers(tokenizer, chat_template)
         self.pad_id = next(x for x in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if x is not None)
         self.store: SampleStore | None = None
