@@ -40,7 +40,7 @@ import torch
 if not torch.cuda.is_available():  # transformers imports DeepSpeed where installed, which warns on a CPU
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from lit_hbp.errors import UserInputError  # noqa: E402
+from lit_hbp.errors import ConfigError, UserInputError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -133,19 +133,34 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     return net
 
 
+def held_tokenizer(ckpt: dict) -> dict | None:
+    """The files of the tokenizer the run trained with, as the checkpoint holds them (``HBPDataModule.state_dict``),
+    or None for a checkpoint written before lit-hbp kept them."""
+    return next((v["tokenizer_files"] for v in ckpt.values() if isinstance(v, dict) and "tokenizer_files" in v), None)
+
+
+def check_export_folder(out: Path, name: str) -> None:
+    """An export goes into a new or empty folder: files of an earlier one left beside it (a LoRA adapter's
+    ``adapter_config.json`` beside a full model's weights) are what a Hugging Face loader would read."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{name} {out} is a file: give a folder to write the model into")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise ConfigError(
+            f"{name} {out} already holds {shown}: a loader would read them beside the export; give a new or empty "
+            "folder (or remove it)"
+        )
+
+
 def run_tokenizer(ckpt: dict, folder: str | Path, fallback: str | None = None):
     """The tokenizer the run trained with, written into ``folder``: the files the checkpoint holds
     (``HBPDataModule.state_dict``); for older checkpoints ``fallback`` (``--tokenizer``), else the path
     in the data module's hyper-parameters. None when there is none."""
     from lit_hbp.lightning.datamodule import load_tokenizer, tokenizer_from_files
 
-    files = next((v["tokenizer_files"] for v in ckpt.values() if isinstance(v, dict) and "tokenizer_files" in v), None)
+    files = held_tokenizer(ckpt)
     if files is not None:
-        if fallback:
-            warnings.warn(
-                f"--tokenizer {fallback} is ignored: the checkpoint holds the tokenizer the run trained with",
-                stacklevel=2,
-            )
         return tokenizer_from_files(files, folder)
     path = fallback or (ckpt.get("datamodule_hyper_parameters") or {}).get("tokenizer")
     if not path:
@@ -243,9 +258,17 @@ def export_checkpoint(
     checkpoint whose pickle names more than lit-hbp's runs write (``--trust-checkpoint``)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    out = Path(out_dir)
+    check_export_folder(out, "OUT_DIR")
     ckpt = load_checkpoint(checkpoint, trust=trust)
     net = model_from_checkpoint(ckpt)
-    out = Path(out_dir)
+    if merge_lora and not hasattr(net, "peft_config"):
+        raise ConfigError("--merge-lora: the checkpoint's run trained no LoRA adapters (its model is whole): drop it")
+    if tokenizer and held_tokenizer(ckpt) is not None:
+        raise ConfigError(
+            f"--tokenizer {tokenizer}: the checkpoint holds the tokenizer the run trained with, which the export "
+            "writes; --tokenizer is for checkpoints written before lit-hbp kept it: drop it"
+        )
     out.mkdir(parents=True, exist_ok=True)
     tok = run_tokenizer(ckpt, out, tokenizer)
     run_processor(ckpt, out)

@@ -212,3 +212,61 @@ def test_auto_on_the_command_line_skips_a_truncated_last_and_refuses_a_crafted_o
     assert f"--ckpt_path auto: skipped {last}: truncated" in caplog.text, caplog.text
     assert f"error: refused to open {folder / 'step=1.ckpt'}: its pickle names __builtin__.exec" in err, err
     assert not (tmp_path / "ran").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_resume_with_model_settings_other_than_its_checkpoints_is_refused_at_parse_time(
+    tmp_path, small_demo, monkeypatch, capfd
+):
+    """Lightning reads the module's arguments from the checkpoint over the config's: ``--model.lr`` and
+    ``--model.loss`` given on a resume were dropped without a word. Refused, each named beside the checkpoint's
+    value; the config's own values (the checkpoint's) pass."""
+    monkeypatch.chdir(tmp_path)
+    config = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
+    hparams = dict(main(config, run=False).model.hparams)
+    hparams.pop("_instantiator", None)
+    torch.save({"global_step": 1, "state_dict": {}, "hyper_parameters": hparams}, tmp_path / "run.ckpt")
+    code, _, err = run_cli(
+        ["--ckpt_path", str(tmp_path / "run.ckpt"), "--model.lr", "1e-4", "--model.loss", "sum"],
+        tmp_path, small_demo, capfd,
+    )  # fmt: skip
+    assert code == 2 and err.startswith("error: --ckpt_path resumes the run as its checkpoint saved it"), err
+    assert f"model.lr: 0.0001 (the checkpoint's {hparams['lr']!r})" in err
+    assert "model.loss: 'sum' (the checkpoint's 'ave_token')" in err
+    assert "model.weight_decay" not in err and "tokenizing" not in err
+
+
+@pytest.mark.parametrize("strategy", ["auto", "deepspeed"])
+def test_a_resume_on_another_learning_rate_schedule_is_refused(strategy, tmp_path, small_demo, toy_tokenizer):
+    """A run resumed with another max_steps follows another cosine: its learning rate jumped where it resumed
+    (from the end of a 2-step schedule back up a 4-step one). Refused whether Lightning loads the checkpoint
+    before the optimizer is configured or, under DeepSpeed, after; the run's own max_steps resumes."""
+    from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
+
+    from lit_hbp.lightning.module import LR_SCHEDULE, HBPLitModule
+    from lit_hbp.lightning.strategy import HBPStrategy
+
+    ckpt = str(tmp_path / ("run" if strategy == "deepspeed" else "run.ckpt"))
+
+    def run(steps: int, resume: bool = True):
+        dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache")
+        module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, self_check=False, warmup_steps=1)
+        how = HBPStrategy(stage=2) if strategy == "deepspeed" else "auto"
+        trainer = quiet_trainer(max_steps=steps, strategy=how, enable_checkpointing=True, default_root_dir=tmp_path)
+        try:
+            trainer.fit(module, dm, ckpt_path=ckpt if resume else None)
+            if not resume:
+                trainer.save_checkpoint(ckpt)
+        finally:
+            if strategy == "deepspeed" and torch.distributed.is_initialized():
+                import deepspeed
+
+                deepspeed.comm.destroy_process_group()
+        return trainer
+
+    run(2, resume=False)
+    if strategy != "deepspeed":
+        assert torch.load(ckpt, weights_only=False)[LR_SCHEDULE] == {"total": 2, "warmup": 1}
+    with pytest.raises(ConfigError, match=r"a learning-rate schedule of 2 optimizer steps \(1 of warm-up\), this one "
+                                          r"would follow 4 \(1\): the learning rate would jump"):  # fmt: skip
+        run(4)
+    assert run(2).global_step == 2

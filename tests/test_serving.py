@@ -161,3 +161,38 @@ def test_export_of_an_older_checkpoint_without_config_names_the_missing_folder(t
     net = AutoModelForCausalLM.from_pretrained(out)
     assert all(torch.equal(p, module.model.state_dict()[n]) for n, p in net.state_dict().items())
     assert net.generation_config.eos_token_id == [1, 5]  # not llama's default 2: the mapping named no EOS
+
+
+def test_an_export_is_refused_where_it_would_mix_with_other_files_or_drop_an_option(tmp_path, toy_tokenizer, capsys):
+    """Into a folder holding an earlier export (a LoRA adapter's files beside full weights load as the base
+    model plus the old adapter); ``--tokenizer`` for a checkpoint holding the run's own; ``--merge-lora`` for a
+    run without LoRA: each one line, status 2, nothing written. An empty folder is written."""
+    dm = HBPDataModule(
+        sources=[{"path": str(fixed_answer_chats(tmp_path / "chats.jsonl", 12))}],
+        tokenizer=toy_tokenizer,
+        levels=["96:1"],
+        cache_dir=str(tmp_path / "cache"),
+    )
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, self_check=False)
+    trainer = quiet_trainer(max_steps=1)
+    trainer.fit(module, dm)
+    ckpt = str(tmp_path / "run.ckpt")
+    trainer.save_checkpoint(ckpt)
+    capsys.readouterr()  # the run's own output
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "adapter_config.json").write_text("{}")
+    cases = {
+        "held": ([ckpt, str(held)], f"OUT_DIR {held} already holds adapter_config.json: a loader would read them"),
+        "tokenizer": ([ckpt, str(tmp_path / "a"), "--tokenizer", toy_tokenizer], "the checkpoint holds the tokenizer"),
+        "merge": ([ckpt, str(tmp_path / "b"), "--merge-lora"], "--merge-lora: the checkpoint's run trained no LoRA"),
+    }
+    for name, (argv, said) in cases.items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and said in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in held.iterdir()) == ["adapter_config.json"]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    (tmp_path / "empty").mkdir()
+    assert main([ckpt, str(tmp_path / "empty")]) == 0
+    assert (tmp_path / "empty" / "config.json").is_file()

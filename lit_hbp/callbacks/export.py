@@ -9,6 +9,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.callbacks.interrupt import InterruptCheckpoint
+from lit_hbp.errors import ConfigError
 
 
 class HBPExport(L.Callback):
@@ -26,6 +27,7 @@ class HBPExport(L.Callback):
         self.dirpath, self.dtype, self.merge_lora = Path(dirpath), dtype, merge_lora
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lit_hbp.export import check_export_folder
         from lit_hbp.lightning.module import HBPLitModule
 
         if not isinstance(pl_module, HBPLitModule):
@@ -33,6 +35,10 @@ class HBPExport(L.Callback):
                 f"HBPExport exports the model of an HBPLitModule run, not of a {type(pl_module).__name__}: save your "
                 "own module's Hugging Face model with model.save_pretrained(folder) (and the tokenizer beside it)"
             )
+        if stage == "fit":  # refused before training, not after it
+            check_export_folder(self.dirpath, "HBPExport dirpath")
+            if self.merge_lora and not pl_module.hparams.get("lora"):
+                raise ConfigError("HBPExport merge_lora: true, but the run trains no LoRA adapters: drop it")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lit_hbp.export import export_checkpoint

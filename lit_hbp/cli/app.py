@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 from unittest import mock
 
 import yaml
-from jsonargparse import set_parsing_settings
+from jsonargparse import Namespace, set_parsing_settings
 from jsonargparse._actions import previous_config  # set while a config file is applied over earlier values
 from jsonargparse._typehints import ActionTypeHint  # jsonargparse exports no public name for it
 from lightning.fabric.plugins.environments import LightningEnvironment
@@ -83,6 +83,37 @@ CLASS_REQUIRED = re.compile(
 PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 UNKNOWN_OPTION = re.compile(r"does not accept option '([^']+)'|Option '([^']+)' is not accepted|"
                             r"unrecognized arguments: -*([^\s=]+)")  # fmt: skip
+
+
+def check_resumed_model(given: Any, saved: dict) -> None:
+    """A resume continues the run as its checkpoint saved it: Lightning reads the module's arguments from the
+    checkpoint over the config's, so a ``model.*`` value the config or command line changed would be dropped
+    without a word (``--model.lr 1e-4`` trained on at the checkpoint's 3e-3). Refused, naming each one."""
+    if not isinstance(given, (dict, Namespace)):
+        return
+    given = _plain(given)
+    changed = [
+        f"model.{key}: {given[key]!r} (the checkpoint's {_plain(value)!r})"
+        for key, value in saved.items()
+        if not key.startswith("_") and key in given and given[key] != _plain(value)
+    ]
+    if changed:
+        raise ConfigError(
+            f"--ckpt_path resumes the run as its checkpoint saved it, with its model settings, not these: "
+            f"{'; '.join(changed)}; give the run's own values (or drop them), or start a new run from the exported "
+            "model (python -m lit_hbp.export CKPT OUT, then model.model: OUT)"
+        )
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain data: namespaces as dicts, tuples as lists."""
+    if isinstance(value, Namespace):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _debug() -> bool:
@@ -320,6 +351,7 @@ class HBPCLI(LightningCLI):
         hparams.pop("_instantiator", None)
         if not hparams:
             return
+        self._guard(check_resumed_model, section.get("model"), hparams)
         if "_class_path" in hparams:
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         try:

@@ -133,6 +133,7 @@ class RecompileLimitWatch(logging.Filter):
 
 
 DYNAMO_LOG = "torch._dynamo.convert_frame"
+LR_SCHEDULE = "hbp_lr_schedule"  # the checkpoint's key of the run's learning-rate schedule
 
 
 def _require_packed(batch: Any) -> None:
@@ -214,6 +215,8 @@ class HBPLitModule(L.LightningModule):
         self.flops_per_batch: float | None = None  # this rank's model FLOPs of the micro-batch (ThroughputMonitor)
         self._recompile_limit: int | None = None  # dynamo's, before configure_model raised it for compile
         self._recompile_watch: RecompileLimitWatch | None = None
+        self._schedule: dict | None = None  # this run's learning-rate schedule (optimizer steps, warm-up)
+        self._resumed_schedule: dict | None = None  # the one the checkpoint a run resumes from followed
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -273,9 +276,32 @@ class HBPLitModule(L.LightningModule):
         written before lit-hbp stored it): the export then rebuilds it from the config and tokenizer."""
         net = self.base_model
         checkpoint["hf_config"] = net.config.to_dict()
+        if self._schedule is not None:
+            checkpoint[LR_SCHEDULE] = dict(self._schedule)
         generation = getattr(net, "generation_config", None)
         if generation is not None and not getattr(generation, "_from_model_config", False):
             checkpoint["hf_generation_config"] = generation.to_diff_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The learning-rate schedule the checkpoint's run followed, which the resumed run must follow (a
+        checkpoint written before lit-hbp saved it holds none)."""
+        self._resumed_schedule = checkpoint.get(LR_SCHEDULE)
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """A resumed run whose schedule (from max_steps, max_epochs or the data) is not its checkpoint's is
+        refused: its learning rate would jump where it resumes. Checked when both are known: Lightning loads
+        the checkpoint before ``configure_optimizers``, or after it under DeepSpeed."""
+        resumed, now = self._resumed_schedule, self._schedule
+        if resumed is None or now is None or resumed == now:
+            return
+        raise ConfigError(
+            f"--ckpt_path: the checkpoint's run follows a learning-rate schedule of {resumed['total']} optimizer "
+            f"steps ({resumed['warmup']} of warm-up), this one would follow {now['total']} ({now['warmup']}): the "
+            "learning rate would jump where the run resumes; resume with the run's own max_steps (max_epochs, "
+            "data), or start a new run from the exported model (python -m lit_hbp.export CKPT OUT, then "
+            "model.model: OUT)"
+        )
 
     @property
     def num_layers(self) -> int:
@@ -561,6 +587,8 @@ class HBPLitModule(L.LightningModule):
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), fused=fused, foreach=foreach)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = min(hp.warmup_steps, total)
+        self._schedule = {"total": total, "warmup": warmup}
+        self._check_schedule()
 
         def schedule(step: int) -> float:
             if step < warmup:
