@@ -388,7 +388,6 @@ def test_a_compiled_run_after_its_measured_level_search_runs_every_layer_compile
     monkeypatch.setattr(
         torch.nn.Module, "compile", lambda self, **kw: compile_module(self, **{**kw, "backend": counting})
     )
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 5)
     data = tmp_path / "d.jsonl"
     write_chat(data, [20] * 60 + [300] * 3)
     dm = HBPDataModule(
@@ -411,13 +410,14 @@ def test_a_compiled_run_after_its_measured_level_search_runs_every_layer_compile
             per_step.append(runs["graphs"] - self.before)
 
     trainer = quiet_trainer(strategy=HBPDDPStrategy(), max_steps=6, callbacks=[Count()])
-    with warnings.catch_warnings(record=True) as caught:
+    # a user's own limit (torch's config patch: monkeypatch would leave torch's config module without the key)
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=5):
         warnings.simplefilter("always")
         trainer.fit(module, dm)
+        assert torch._dynamo.config.recompile_limit == 5
     assert runs["probe_graphs"] > 0  # the probes ran compiled layers before the run
     assert len(per_step) == 6 and all(n >= len(module._layers) for n in per_step), per_step
     assert not [w for w in caught if "recompile_limit" in str(w.message)]
-    assert torch._dynamo.config.recompile_limit == 5
 
 
 def rank_and_scaled_world(scale: int) -> tuple[int, int]:

@@ -236,13 +236,19 @@ def test_a_resume_with_model_settings_other_than_its_checkpoints_is_refused_at_p
 
 
 @pytest.mark.parametrize("strategy", ["auto", "deepspeed"])
-def test_a_resume_on_another_learning_rate_schedule_is_refused(strategy, tmp_path, small_demo, toy_tokenizer):
-    """A run resumed with another max_steps follows another cosine: its learning rate jumped where it resumed
-    (from the end of a 2-step schedule back up a 4-step one). Refused whether Lightning loads the checkpoint
-    before the optimizer is configured or, under DeepSpeed, after; the run's own max_steps resumes."""
+def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
+    strategy, tmp_path, small_demo, toy_tokenizer
+):
+    """A run resumed with more max_steps follows the longer cosine, as Lightning would, but not silently: at
+    step 2 of a 2-step schedule the rate was at its floor (2e-6 of 2e-5), on a 4-step one it is 1.55e-5; the
+    warning says both, whether Lightning loads the checkpoint before the optimizer is configured or, under
+    DeepSpeed, after; the run's own max_steps resumes without a word."""
+    import warnings
+
     from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
 
-    from lit_hbp.lightning.module import LR_SCHEDULE, HBPLitModule
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.lightning.schedule import LR_SCHEDULE
     from lit_hbp.lightning.strategy import HBPStrategy
 
     ckpt = str(tmp_path / ("run" if strategy == "deepspeed" else "run.ckpt"))
@@ -253,7 +259,9 @@ def test_a_resume_on_another_learning_rate_schedule_is_refused(strategy, tmp_pat
         how = HBPStrategy(stage=2) if strategy == "deepspeed" else "auto"
         trainer = quiet_trainer(max_steps=steps, strategy=how, enable_checkpointing=True, default_root_dir=tmp_path)
         try:
-            trainer.fit(module, dm, ckpt_path=ckpt if resume else None)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.fit(module, dm, ckpt_path=ckpt if resume else None)
             if not resume:
                 trainer.save_checkpoint(ckpt)
         finally:
@@ -261,12 +269,18 @@ def test_a_resume_on_another_learning_rate_schedule_is_refused(strategy, tmp_pat
                 import deepspeed
 
                 deepspeed.comm.destroy_process_group()
-        return trainer
+        said = [str(w.message) for w in caught if "learning-rate schedule" in str(w.message)]
+        return trainer, said
 
     run(2, resume=False)
     if strategy != "deepspeed":
         assert torch.load(ckpt, weights_only=False)[LR_SCHEDULE] == {"total": 2, "warmup": 1}
-    with pytest.raises(ConfigError, match=r"a learning-rate schedule of 2 optimizer steps \(1 of warm-up\), this one "
-                                          r"would follow 4 \(1\): the learning rate would jump"):  # fmt: skip
-        run(4)
-    assert run(2).global_step == 2
+    trainer, said = run(4)
+    assert trainer.global_step == 4
+    assert said == [
+        "resumed at step 2 on a learning-rate schedule of 4 optimizer steps (1 of warm-up); the checkpoint's run "
+        "followed 2 (1): the learning rate moves from 2e-06 to 1.55e-05 here and follows the new schedule (resume "
+        "with the run's own max_steps to keep its)"
+    ]
+    trainer, said = run(2)
+    assert trainer.global_step == 2 and not said

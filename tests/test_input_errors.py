@@ -374,3 +374,16 @@ def test_fields_that_would_change_training_are_refused_not_kept_as_metadata():
 def test_source_options_of_the_wrong_kind_are_refused_by_name(entry, message):
     with pytest.raises(ConfigError, match=message):
         Source.of({"path": "a.jsonl", **entry}, "sources[0]")
+
+
+def test_a_source_of_blank_lines_is_refused_as_an_empty_file_is(tmp_path, tok):
+    path = tmp_path / "blank.jsonl"
+    path.write_text("\n   \n\n")
+    with pytest.raises(DataError, match=r"data source .*blank.jsonl holds no records \(blank lines or no rows\)"):
+        tokenize_source(Source(str(path)), tok, progress=False)
+
+
+def test_a_demo_kind_without_its_folder_is_refused(toy_tokenizer, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [chat("q", "a")])
+    with pytest.raises(ConfigError, match=r"data.demo: video names the demo data.demo_dir builds, and no demo_dir"):
+        HBPDataModule(sources=[str(data)], tokenizer=toy_tokenizer, levels=[256], demo="video")

@@ -7,7 +7,8 @@ InfiniBand, the recomputation of checkpointed layers, a tiled MLP's second forwa
 copies of offloaded layer inputs; and what it holds: ZeRO-partitioned parameters, gradients and Adam
 states, the activations of the layers run whole, the checkpointed inputs (on the device or the host),
 a layer's recompute and backward working set and the LM head's chunk (``memory_parts``). Every
-constant is written here with where it comes from.
+constant is written here with where it comes from. One module on purpose (over 600 lines): the time and
+the memory of a level price the same layout with the same constants, and the level search reads both.
 
 Time of a rank for a micro-step (seconds):
     dense        = tokens * 2 * (layer_params * (3 + c / L) + lm_head_params * 3) / (peak * eff_dense)

@@ -281,6 +281,10 @@ class RecordReader:
         self, messages: list[tuple[dict, int | None]], where: str, tools, system=None, record: Mapping | None = None
     ) -> Conversation:
         if system is not None:
+            if any(m["role"] == "system" for m, _ in messages):  # two system prompts: which one is meant?
+                raise DataError(
+                    f"{where}: the record has a {self.name('system')!r} field and a system message: give one"
+                )
             messages = [({"role": "system", "content": system}, None), *messages]
         msgs = [m for m, _ in messages]
         media = self._media(msgs, record or {}, where)
@@ -354,8 +358,6 @@ class RecordReader:
         messages = self._required(record, "messages", where, list)
         out = [self._openai_message(m, i, where) for i, m in enumerate(messages)]
         system = self._optional_text(record, "system", where)
-        if system is not None and out and out[0][0]["role"] == "system":
-            raise DataError(f"{where}: the record has a {self.name('system')!r} field and a system message: give one")
         return self._conversation(out, where, self._tools(record, where), system, record)
 
     def _openai_message(self, m: Any, i: int, where: str) -> tuple[dict, int | None]:

@@ -423,6 +423,12 @@ def _write(
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+    if records == 0:  # as a 0-byte file is refused: a source of blank lines or no rows is a wrong file
+        writer.abort()
+        raise DataError(
+            f"data source {source.path} holds no records (blank lines or no rows): remove it from the list or give "
+            "the right file"
+        )
     writer.commit(
         dict(
             version=CACHE_VERSION,

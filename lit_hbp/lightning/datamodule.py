@@ -164,6 +164,8 @@ class HBPDataModule(L.LightningDataModule):
             raise ConfigError(f"data.demo must be one of {', '.join(DEMOS)}, got {demo!r}")
         if demo_dir is not None:
             ensure_kind(demo_dir, demo)
+        elif demo != "text":  # the kind of a demo nothing builds
+            raise ConfigError(f"data.demo: {demo} names the demo data.demo_dir builds, and no demo_dir is given")
         check_sources(self.sources, "sources")
         check_sources(self.val_sources, "val_sources", apart=self.sources)
         self.tokenizer, self.processor, self.model_config = load_renderers(tokenizer, chat_template)

@@ -22,6 +22,7 @@ from lit_hbp.cost.run_settings import check, deepspeed_zero, local_hardware, tra
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.meter import StepMeter, logs_now
+from lit_hbp.lightning.schedule import LR_SCHEDULE, lr_factor, schedule_moved
 from lit_hbp.model import attention
 from lit_hbp.model.build import apply_liger, apply_lora, base_of, build_causal_lm, freeze_vision, zero3_loading
 from lit_hbp.model.causal_lm import (
@@ -133,7 +134,6 @@ class RecompileLimitWatch(logging.Filter):
 
 
 DYNAMO_LOG = "torch._dynamo.convert_frame"
-LR_SCHEDULE = "hbp_lr_schedule"  # the checkpoint's key of the run's learning-rate schedule
 
 
 def _require_packed(batch: Any) -> None:
@@ -217,6 +217,7 @@ class HBPLitModule(L.LightningModule):
         self._recompile_watch: RecompileLimitWatch | None = None
         self._schedule: dict | None = None  # this run's learning-rate schedule (optimizer steps, warm-up)
         self._resumed_schedule: dict | None = None  # the one the checkpoint a run resumes from followed
+        self._resumed_step = 0
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -286,22 +287,16 @@ class HBPLitModule(L.LightningModule):
         """The learning-rate schedule the checkpoint's run followed, which the resumed run must follow (a
         checkpoint written before lit-hbp saved it holds none)."""
         self._resumed_schedule = checkpoint.get(LR_SCHEDULE)
-        self._check_schedule()
+        self._resumed_step = int(checkpoint.get("global_step", 0))
+        self._say_schedule()
 
-    def _check_schedule(self) -> None:
-        """A resumed run whose schedule (from max_steps, max_epochs or the data) is not its checkpoint's is
-        refused: its learning rate would jump where it resumes. Checked when both are known: Lightning loads
-        the checkpoint before ``configure_optimizers``, or after it under DeepSpeed."""
-        resumed, now = self._resumed_schedule, self._schedule
-        if resumed is None or now is None or resumed == now:
-            return
-        raise ConfigError(
-            f"--ckpt_path: the checkpoint's run follows a learning-rate schedule of {resumed['total']} optimizer "
-            f"steps ({resumed['warmup']} of warm-up), this one would follow {now['total']} ({now['warmup']}): the "
-            "learning rate would jump where the run resumes; resume with the run's own max_steps (max_epochs, "
-            "data), or start a new run from the exported model (python -m lit_hbp.export CKPT OUT, then "
-            "model.model: OUT)"
-        )
+    def _say_schedule(self) -> None:
+        """Said once both schedules are known: Lightning loads the checkpoint before ``configure_optimizers``, or
+        after it under DeepSpeed (``schedule_moved``)."""
+        hp = self.hparams
+        said = schedule_moved(self._resumed_schedule, self._schedule, self._resumed_step, hp.lr, hp.min_lr_ratio)
+        if said is not None:
+            rank_zero_warn(said)
 
     @property
     def num_layers(self) -> int:
@@ -588,13 +583,7 @@ class HBPLitModule(L.LightningModule):
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = min(hp.warmup_steps, total)
         self._schedule = {"total": total, "warmup": warmup}
-        self._check_schedule()
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            progress = (step - warmup) / max(total - warmup, 1)
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
+        self._say_schedule()
+        schedule = partial(lr_factor, total=total, warmup=warmup, min_ratio=hp.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

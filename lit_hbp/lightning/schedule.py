@@ -1,0 +1,33 @@
+"""The learning-rate schedule of an ``HBPLitModule`` run: linear warm-up, then a cosine to a floor, over the
+run's optimizer steps; and what a resumed run whose schedule is not its checkpoint's says."""
+
+from __future__ import annotations
+
+import math
+
+LR_SCHEDULE = "hbp_lr_schedule"  # the checkpoint's key of the run's schedule: {"total": steps, "warmup": steps}
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """The learning rate's share of ``lr`` at optimizer ``step``: linear warm-up over ``warmup`` steps, then a
+    cosine to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(total - warmup, 1)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def schedule_moved(resumed: dict | None, now: dict | None, step: int, lr: float, min_ratio: float) -> str | None:
+    """What a run resumed at ``step`` on schedule ``now`` says when its checkpoint's run followed ``resumed`` (a run
+    extended with more max_steps): it follows the new one, as Lightning would, not silently. None when both are
+    the same or one is unknown (a checkpoint written before lit-hbp kept it)."""
+    if resumed is None or now is None or resumed == now:
+        return None
+    was = lr * lr_factor(step, resumed["total"], resumed["warmup"], min_ratio)
+    will = lr * lr_factor(step, now["total"], now["warmup"], min_ratio)
+    return (
+        f"resumed at step {step} on a learning-rate schedule of {now['total']} optimizer steps ({now['warmup']} of "
+        f"warm-up); the checkpoint's run followed {resumed['total']} ({resumed['warmup']}): the learning rate "
+        f"moves from {was:.3g} to {will:.3g} here and follows the new schedule (resume with the run's own "
+        "max_steps to keep its)"
+    )
