@@ -306,9 +306,7 @@ def saved_bytes(shape: str, dtype, layers: int, compiled: bool, tokens: int = 10
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "shape, dtype", [("gqa", torch.bfloat16), ("wide-mlp", torch.float32)], ids=["gqa-bf16", "wide-mlp-fp32"]
-)
+@pytest.mark.parametrize("shape, dtype", [("gqa", torch.bfloat16)], ids=["gqa-bf16"])  # fp32: bench/RESULTS.md
 def test_a_layers_saved_set_eager_and_compiled_is_the_memory_models(shape, dtype):
     """What a decoder layer keeps for its backward, per token: the layers' share of a micro-step's saved tensors
     (a 4-layer model's less a 2-layer one's, halved), eager and with the layers compiled by inductor, against
