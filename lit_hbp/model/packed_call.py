@@ -375,12 +375,16 @@ def _parameters(forward) -> tuple[frozenset[str], bool]:
     return frozenset(p.name for p in params), any(p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _model_pack(prepared: Prepared) -> dict | None:
+def _model_pack(prepared: Prepared, positions: Any = None) -> dict | None:
     """The boundaries of the packed call of the whole model this thread is running, if any: what its decoder
     gets when the model's forward drops them (Mamba's, Mamba2's and FalconMamba's pass their backbone neither
-    positions nor boundaries)."""
+    positions nor boundaries), or, given the ``positions`` the model was called with, what they were read as
+    (read from the device once a call, not again by the decoder)."""
     pending = getattr(calls._local, "model_packs", None)
-    return pending[-1][1] if pending and pending[-1] is not None and pending[-1][0] is prepared else None
+    if not pending or pending[-1] is None or pending[-1][0] is not prepared:
+        return None
+    _, packed, called_with = pending[-1]
+    return packed if positions is None or positions is called_with else None
 
 
 @torch.compiler.disable  # host bookkeeping on real tensors, also inside a whole-model compile
@@ -392,7 +396,9 @@ def _enter_call(decoder: torch.nn.Module, args: tuple, kwargs: dict):
     entered.append(None)  # what the forward hook closes, also when this hook raises
     if calls.current(prepared) is not None:  # packed_loss's scope, or a recomputation inside it
         return None
-    packed = _packed_keywords(kwargs)
+    positions = kwargs.get("position_ids")
+    packed = _model_pack(prepared, positions) if isinstance(positions, torch.Tensor) else None
+    packed = packed or _packed_keywords(kwargs)
     if packed is None and (packed := _model_pack(prepared)) is not None:
         if _takes(decoder, "position_ids"):
             raise ValueError(
@@ -450,7 +456,7 @@ def _check_model_call(net: torch.nn.Module, args: tuple, kwargs: dict):
     packed = _packed_keywords(kwargs)
     if packed is None:
         return None
-    pending[-1] = (prepared, packed)
+    pending[-1] = (prepared, packed, kwargs.get("position_ids"))
     if _takes(net, "use_cache"):
         return args, {**kwargs, "use_cache": False}
     return None
