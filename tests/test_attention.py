@@ -16,7 +16,7 @@ from lit_hbp.model import attention
 from lit_hbp.model.attention import backends, dispatch, flash, flex, loops, torch_varlen
 from lit_hbp.model.attention.backends import REGISTRY, choose
 from lit_hbp.model.attention.flex import tile_masks
-from lit_hbp.model.attention.kernel import AttnArgs
+from lit_hbp.model.attention.kernel import AttnArgs, call_needs
 from lit_hbp.model.packed_call import record_of
 
 
@@ -491,3 +491,26 @@ def test_cuda_backends_match_the_fp32_definition_with_gradients(name, case, dtyp
     for got, want in [(out, ref), *((a.grad, b.grad) for a, b in zip(ins, ref_in))]:
         err = (got.double() - want).abs().max().item() / want.abs().max().item()
         assert err < tol, (name, case, dtype, err)
+
+
+@pytest.mark.parametrize(
+    "head_dim, want", [(4, "sdpa"), (12, "sdpa"), (64, "torch_varlen"), (256, "torch_varlen"), (512, "sdpa")]
+)
+def test_a_head_dim_the_flash_kernels_cannot_run_takes_a_loop_on_cuda(head_dim, want):
+    """torch's varlen kernel (and flash-attn's) run head dims that are multiples of 8 up to 256 and stop
+    with "head_size must be a multiple of 8" otherwise (seen on an H200 with a 4-wide head): such a call
+    takes the next backend that runs it, and a model prepared with torch_varlen is refused by name."""
+    if backends.why_not("torch_varlen", "cuda", torch.bfloat16, frozenset()) is not None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    q = torch.empty(1, 2, 5, head_dim, device="meta")
+    needs = call_needs(q, AttnArgs(torch.zeros(2), 1, 1.0))
+    name, why = backends.decide("auto", "cuda", torch.bfloat16, needs)
+    flash = {n for n in backends.REGISTRY if n.startswith("flash")}
+    assert name == want or (name in flash and want == "torch_varlen"), (name, why)
+    if want == "sdpa":
+        assert "not torch_varlen: does not support a head dim" in why and "not flex: does not support a head dim" in why
+        with pytest.raises(ValueError, match="attention backend 'torch_varlen' cannot run .* a head dim"):
+            backends.decide("torch_varlen", "cuda", torch.bfloat16, needs)
+    # on CPU the loops keep their LSE kernels whatever the head dim: nothing recomputed
+    assert backends.lse_why_not("sdpa", "cpu", needs) is None
+    assert backends.lse_why_not("eager", "cpu", needs) is None

@@ -48,7 +48,7 @@ from lit_hbp.model.attention.dispatch import (
     lse_kernels,
     replay_rng,
 )
-from lit_hbp.model.attention.kernel import AttnArgs
+from lit_hbp.model.attention.kernel import AttnArgs, call_needs
 from lit_hbp.model.attention.op import _varlen_op
 from lit_hbp.model.calls import ATTN_NAME
 from lit_hbp.model.packed_call import PREPARED
@@ -142,7 +142,7 @@ class Attend:
         lse is None when the backend has no backward kernel for the call (``backward`` then
         recomputes the forward, its dropout replayed from ``seed``)."""
         args = self.ranges(q, sinks, **geometry)
-        kernels = lse_kernels(q.device.type, q.dtype, args.needs, self.backend, self.owner)
+        kernels = lse_kernels(q.device.type, q.dtype, call_needs(q, args), self.backend, self.owner)
         with torch.no_grad():
             if kernels is not None:
                 return kernels.forward(q, k, v, args)
@@ -153,7 +153,7 @@ class Attend:
         """(dq, dk, dv, dsinks or None) of ``forward``'s output for the upstream gradient ``grad``."""
         args = self.ranges(q, sinks, **geometry)
         if lse is not None:
-            kernels = lse_kernels(q.device.type, q.dtype, args.needs, self.backend, self.owner)
+            kernels = lse_kernels(q.device.type, q.dtype, call_needs(q, args), self.backend, self.owner)
             return kernels.backward(grad, q, k, v, out, lse, args)
         with torch.enable_grad(), replay_rng(q.device, seed, active=bool(args.dropout)):
             leaves = [x.detach().requires_grad_() if x is not None else None for x in (q, k, v, sinks)]

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.model.attention.backends import REGISTRY, decide, lse_why_not
-from lit_hbp.model.attention.kernel import AttnArgs
+from lit_hbp.model.attention.kernel import AttnArgs, call_needs
 from lit_hbp.model.calls import ATTN_NAME
 from lit_hbp.model.packed_call import record_by_owner, record_of
 
@@ -78,7 +78,7 @@ def _on_device(args: AttnArgs, q: torch.Tensor) -> AttnArgs:
 
 
 def _attend(q, k, v, args: AttnArgs, backend: str = "auto", owner: int = 0) -> torch.Tensor:
-    name = backend_for(q.device.type, q.dtype, args.needs, backend, owner)
+    name = backend_for(q.device.type, q.dtype, call_needs(q, args), backend, owner)
     return REGISTRY[name].run(q, k, v, _on_device(args, q))
 
 

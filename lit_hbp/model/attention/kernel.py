@@ -22,6 +22,17 @@ import torch
 
 FEATURES = ("window", "softcap", "sinks", "dropout")
 HALF = (torch.float16, torch.bfloat16)
+# What a head dim asks of a kernel: flash kernels (flash-attn's, torch's varlen) run head dims that are multiples
+# of 8 up to 256 (torch's varlen_attn: "head_size must be a multiple of 8"); the loops run any.
+HEAD_DIM_NEEDS = ("a head dim not a multiple of 8", "a head dim over 256")
+
+
+def call_needs(q: torch.Tensor, args: AttnArgs) -> frozenset[str]:
+    """What a call on ``q`` [1, H, T, D] with ``args`` needs of a kernel: ``args.needs`` and its head dim's."""
+    d = q.shape[-1]
+    if d % 8 == 0 and d <= 256:
+        return args.needs
+    return args.needs | frozenset(need for need, off in zip(HEAD_DIM_NEEDS, (d % 8 != 0, d > 256)) if off)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from lit_hbp.model.attention.kernel import (
     FEATURES,
+    HEAD_DIM_NEEDS,
     NO_DROPOUT,
     AttnArgs,
     Backend,
@@ -109,8 +110,9 @@ def _sdpa_lse_unusable(device_type: str, needs: frozenset[str]) -> str | None:
         return NO_DROPOUT
     if device_type != "cpu":
         return f"its LSE kernel is torch's CPU flash kernel, not on {device_type}"
-    if needs - {"window"}:
-        return f"its backward kernel does not take {', '.join(sorted(needs - {'window'}))}"
+    missing = needs - {"window", *HEAD_DIM_NEEDS}
+    if missing:
+        return f"its backward kernel does not take {', '.join(sorted(missing))}"
     return None
 
 
@@ -219,7 +221,7 @@ def sdpa_backend() -> Backend:
     return Backend(
         "sdpa",
         _anywhere,
-        lambda: frozenset({"window", "dropout"}),
+        lambda: frozenset({"window", "dropout", *HEAD_DIM_NEEDS}),
         _sdpa_run,
         LseKernels(_sdpa_lse_unusable, _sdpa_forward, _sdpa_backward),
     )
@@ -229,10 +231,10 @@ def eager_backend() -> Backend:
     return Backend(
         "eager",
         _anywhere,
-        lambda: frozenset(FEATURES),
+        lambda: frozenset({*FEATURES, *HEAD_DIM_NEEDS}),
         eager_run,
         LseKernels(
-            lse_unusable(lambda: frozenset({"window", "softcap", "sinks"}), lambda: None),
+            lse_unusable(lambda: frozenset({"window", "softcap", "sinks", *HEAD_DIM_NEEDS}), lambda: None),
             _eager_forward,
             _eager_backward,
         ),

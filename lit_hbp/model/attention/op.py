@@ -12,7 +12,7 @@ import torch
 from torch._C import DispatchKey
 
 from lit_hbp.model.attention.dispatch import _on_device, _run_op, lse_kernels
-from lit_hbp.model.attention.kernel import AttnArgs, lse_dtype
+from lit_hbp.model.attention.kernel import AttnArgs, call_needs, lse_dtype
 
 # Compiled graphs are cached on disk keyed by the ops they call, not by those ops' schemas or kernels
 # (torch's AOTAutograd cache): the names carry the contract's version, so a graph cached by an older
@@ -26,9 +26,9 @@ def _op_args(q, cu, sinks, max_len: int, scale: float, window, softcap, dropout:
 
 def _op_lse_kernels(q, args: AttnArgs, backend: str, owner: int):
     """The backend's LSE pair for the op's call, or None (its backward then recomputes the forward,
-    and the op's LSE is empty). Decided from the backend setting, device, dtype and features alone,
-    so the fake and the kernel agree."""
-    return lse_kernels(q.device.type, q.dtype, args.needs, backend, owner)
+    and the op's LSE is empty). Decided from the backend setting, device, dtype, features and head dim
+    alone, so the fake and the kernel agree."""
+    return lse_kernels(q.device.type, q.dtype, call_needs(q, args), backend, owner)
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -121,7 +121,7 @@ def _varlen_backward_op(
     grad = grad.contiguous().transpose(1, 2)  # [1, Hq, T, D], the kernels' view (flash-attn: stride 1 last)
     if lse.numel():
         args = _op_args(q, cu, sinks, max_len, scale, window, softcap, dropout)
-        kernels = lse_kernels(q.device.type, q.dtype, args.needs, backend, owner)
+        kernels = lse_kernels(q.device.type, q.dtype, call_needs(q, args), backend, owner)
         grads = kernels.backward(grad, q, k, v, out.transpose(1, 2), lse, args)
     else:
         run = (max_len, scale, window, softcap, dropout, backend, owner)

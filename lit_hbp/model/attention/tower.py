@@ -24,7 +24,7 @@ from transformers import AttentionInterface
 from lit_hbp.model import calls
 from lit_hbp.model.attention import backend_for, compute_dtype
 from lit_hbp.model.attention.backends import REGISTRY
-from lit_hbp.model.attention.kernel import AttnArgs
+from lit_hbp.model.attention.kernel import AttnArgs, call_needs
 from lit_hbp.model.calls import TOWER_NAME
 
 # what towers pass that the boundaries or this function's own arguments already say, or that asks the tower,
@@ -94,8 +94,9 @@ def tower_attention(
         dropout=float(dropout),  # the tower's: 0 outside training
         causal=causal,
     )
-    name = backend_for(query.device.type, dtype, args.needs, backend, owner)
-    out = REGISTRY[name].run(row(query), row(key), row(value), args)[0].transpose(0, 1)  # [N, H, D]
+    q, k, v = row(query), row(key), row(value)
+    name = backend_for(query.device.type, dtype, call_needs(q, args), backend, owner)
+    out = REGISTRY[name].run(q, k, v, args)[0].transpose(0, 1)  # [N, H, D]
     if kept is not None:
         out = out.new_zeros(batch * length, *out.shape[1:]).index_copy(0, kept, out)
     return out.reshape(batch, length, heads, -1), None
