@@ -43,6 +43,7 @@ from lit_hbp.report import format_table  # noqa: E402
 
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 READ = "aten::_local_scalar_dense"
+COMPILE = "_compile.compile_inner"  # dynamo's range around one frame's compilation
 
 
 class HookRanges(Profiler):
@@ -96,12 +97,19 @@ class ProfileWindow(L.Callback):
             self.prof.__exit__(None, None, None)
 
 
+def on_device(e) -> bool:
+    """A kernel, copy or memset the device ran; not a ``record_function`` range the profiler mirrors on the
+    device's timeline (a user annotation spans its whole range, busy or not: the H200's first profile read
+    99.9% busy from Lightning's training_step range)."""
+    return e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+
+
 def busy_share(events, start: float, end: float) -> float:
     """The share of [start, end] (us) in which the device ran anything: the union of its events' intervals."""
     spans = sorted(
         (max(e.time_range.start, start), min(e.time_range.end, end))
         for e in events
-        if e.device_type == DeviceType.CUDA and e.time_range.end > start and e.time_range.start < end
+        if on_device(e) and e.time_range.end > start and e.time_range.start < end
     )
     busy, reach = 0.0, start
     for a, b in spans:
@@ -118,13 +126,23 @@ def summary(prof: profile, seconds: float, steps: int, cuda: bool, hook_names: f
     host = [e for e in events if e.device_type == DeviceType.CPU]
     start = min(e.time_range.start for e in host)
     end = max(e.time_range.end for e in events)
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in events if on_device(e)]
     reads = sum(e.name == READ for e in host)
     waits = sum(e.name in WAITS for e in host)
     to_host = sum("DtoH" in e.name for e in kernels)
+    compiles = [e for e in host if e.name.startswith(COMPILE)]
+    batches = sorted((e for e in host if e.name == "run_training_batch"), key=lambda e: e.time_range.start)
     lines = [
         f"window: {steps} optimizer steps, {seconds * 1e3 / steps:.1f} ms a step (wall, device synchronized at "
         "the window's ends only)",
+        "host ms of each micro-batch (Lightning's run_training_batch): "
+        + (", ".join(f"{e.cpu_time_total / 1e3:.1f}" for e in batches) or "n/a (no hook ranges)"),
+        f"compilations in the window: {len(compiles)}"
+        + (
+            f" ({sum(e.cpu_time_total for e in compiles) / 1e6:.2f} s of host time, in the step times above)"
+            if compiles
+            else ""
+        ),
         f"device busy: {busy_share(events, start, end):.1%} of the window" if cuda else "device busy: n/a (CPU)",
         f"per step: {len(kernels) / steps:.0f} device kernels and copies, {waits / steps:.1f} waits for the device "
         f"({', '.join(WAITS)}), {to_host / steps:.1f} device-to-host copies, {reads / steps:.1f} reads of a "

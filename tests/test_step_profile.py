@@ -22,8 +22,10 @@ from lit_hbp.lightning.module import HBPLitModule  # noqa: E402
 from lit_hbp.packing.levels import Level  # noqa: E402
 
 
-def event(device: DeviceType, start: float, end: float) -> SimpleNamespace:
-    return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start, end=end))
+def event(device: DeviceType, start: float, end: float, annotation: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(
+        device_type=device, time_range=SimpleNamespace(start=start, end=end), is_user_annotation=annotation
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -34,6 +36,8 @@ def event(device: DeviceType, start: float, end: float) -> SimpleNamespace:
 def test_the_busy_share_is_the_union_of_the_devices_intervals_in_the_window(spans, window):
     start, end = window[0], window[0] + window[1]
     events = [event(DeviceType.CUDA if on_device else DeviceType.CPU, a, a + n) for a, n, on_device in spans]
+    # a record_function range the profiler mirrors on the device's timeline: no work of the device's
+    events.append(event(DeviceType.CUDA, 0, 200, annotation=True))
     busy = np.zeros(200, dtype=bool)  # unit cells [t, t + 1) of the timeline
     for a, n, on_device in spans:
         if on_device:
@@ -58,6 +62,9 @@ def test_the_window_records_the_steps_after_the_warm_up_and_only_those(tmp_path)
     assert not any(hooks._open.values())  # every action Lightning started was closed
     text = summary(window.prof, window.seconds, 2, cuda=False, hook_names=frozenset(hooks._open))
     assert text.startswith("window: 2 optimizer steps, ") and "device busy: n/a (CPU)" in text
+    each = text.split("host ms of each micro-batch (Lightning's run_training_batch): ")[1].split("\n")[0]
+    assert len(each.split(", ")) == 4  # the window's four micro-batches
+    assert "compilations in the window: 0" in text  # nothing compiled in this run
     table = text.split("host time by Lightning action, per step")[1].split("by self host time")[0]
     rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[3:] if line.strip()}
     assert rows["[LightningModule]HBPLitModule.optimizer_step"][0] == "1"  # one optimizer step a step
