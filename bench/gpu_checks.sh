@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# The GPU checks in one device call (~8 minutes on an H100; 2026-11-27 ran this plan, less the profile, in
-# 294 s): the two halves of `pytest -m gpu` beside the image tests and the proof's vlm part (transformers 5.24
-# from .whl/vlm/ where the image's is older than 5.18), then the 1B throughput alone (lit-hbp beside HF
-# Trainer and TRL's BFD, the memory model), a torch.profiler trace of its 4K level, the step's fixed cost and
-# a hybrid's mixers.
-# Here first: bash bench/gpu_wheels.sh. Device run: carry [".whl", "demo_data"], `bash bench/gpu_checks.sh`.
-# Eight files come back in $OUT (the device tool returns at most 8); the logs are gathered from a scratch
-# folder at the end:
-#   env.txt         the timeline (each part's exit status and when it ended)
-#   tests.log       pytest -m gpu (attention; the other files; the image tests with the image's transformers
-#                   and with 5.24), each part under a header
-#   vlm_proof.md    the proof's vlm part (its proof.log appended to tests.log)
-#   vlm_proof.json
-#   throughput.log  bench/gpu_throughput.py: each level alone in every mode, timed alike
-#   profile.txt     bench/step_profile.py on the 4K level: wall ms a step, the device's busy share, waits for
-#                   the device, Lightning's actions' host time, the top operations by device and host time
+# The GPU checks, by part, for one device call or two (a session has 900 s of device time; the H200 run of
+# 2026-11-29 took 556 s for all of them at once and still cut three test parts and HF Trainer at their limits):
+#   bash bench/gpu_checks.sh [PART ...]        (default: speed tests bench; `profile` on demand)
+#   speed    ~330 s  bench/gpu_throughput.py, the 1B config: lit-hbp (each level alone) beside HF Trainer
+#                    padding-free, compiled alike (HF's torch_compile of the whole model takes ~100 s a level)
+#   tests    ~240 s  pytest -m gpu in two parts at once: attention and the hybrids' mixers; the rest
+#   bench    ~80 s   bench/step_overhead.py (the run's step beside a bare loop) and bench/mixer_batches.py
+#   trl      ~250 s  TRL's BFD on the same levels (bench/gpu_throughput.py --modes trl_bfd)
+#   vision   ~150 s  the image tests on transformers 5.24 (.whl/vlm/): passed on the H200, 2026-11-29
+#   profile  ~100 s  bench/step_profile.py on the 4K level with one pack a step (taken on the H200, 2026-11-29)
+# Here first: bash bench/gpu_wheels.sh. Device run: carry [".whl", "demo_data"], timeout_s = the parts' sum
+# + 40, e.g. `bash bench/gpu_checks.sh speed bench` (timeout_s 450) and `bash bench/gpu_checks.sh tests trl`.
+# At most eight files come back in $OUT (the device tool returns no more):
+#   env.txt         the device, the versions, the timeline (each part's exit status and when it ended)
+#   throughput.log  speed and trl: every mode and level, each result printed as it is measured
+#   throughput.json speed's table, the memory per level and the attention backends
+#   tests.log       tests and vision: pytest -m gpu, each part under a header
+#   bench.log       bench's two benchmarks
+#   profile.txt     profile: wall ms a step, each micro-batch's host ms, the device's busy share, waits, compilations
 #   trace.json.gz   that profile's trace (Perfetto)
-#   bench.log       bench/step_overhead.py (the run's optimizer step beside a bare loop, HBPStrategy ZeRO-2
-#                   among its modes) and bench/mixer_batches.py (a hybrid's mixers over 64-document packs)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_checks}; mkdir -p "$OUT"
@@ -25,44 +26,53 @@ TMP=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 at() { echo "$1 at $(( $(date +%s) - T0 )) s" >> $OUT/env.txt; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_vlm .whl/vlm/*.whl || exit 3
-export PYTHONPATH=/tmp/site:$PWD
-at install
-PYT="python3 -m pytest -m gpu -v --tb=short -rfE -p no:cacheprovider"
-( timeout 240 $PYT tests/test_attention.py > $TMP/t_attn.log 2>&1; at "attention exit $?" ) &
-( timeout 260 $PYT tests --ignore=tests/test_attention.py --ignore=tests/test_vision.py > $TMP/t_other.log 2>&1; at "other exit $?" ) &
-(
-  timeout 60 $PYT tests/test_vision.py > $TMP/t_vis.log 2>&1; at "vision (image transformers) exit $?"
-  # 5.24: the five exact families on the chosen backend and two on Flex, each tower on lit-hbp's tower attention
-  # beside torch's varlen kernel and Flex (transformers' flash beside flash-attn 2/3)
-  PYTHONPATH=/tmp/site_vlm:$PYTHONPATH timeout 150 $PYT tests/test_vision.py > $TMP/t_vis524.log 2>&1; at "vision (5.24) exit $?"
-  timeout 150 python3 bench/gpu_proof.py --parts vlm --out $TMP/vlm > /dev/null 2>&1; at "vlm part exit $?"
-) &
-wait
-for part in t_attn t_other t_vis t_vis524 vlm/proof; do
-  [ -f $TMP/$part.log ] && { echo "===== $part.log"; cat $TMP/$part.log; } >> $OUT/tests.log
+PARTS=${*:-speed tests bench}
+for part in $PARTS; do
+  case $part in speed|trl|tests|vision|bench|profile) ;; *) echo "unknown part $part (speed, trl, tests, vision, bench, profile)" >&2; exit 2 ;; esac
 done
-[ -f $TMP/vlm/proof.md ] && cp $TMP/vlm/proof.md $OUT/vlm_proof.md
-[ -f $TMP/vlm/proof.json ] && cp $TMP/vlm/proof.json $OUT/vlm_proof.json
-# Each level alone in every mode, timed alike (one device synchronization per level's window), HF Trainer and
-# TRL's BFD compiled as the config compiles lit-hbp's layers (torch_compile)
-timeout 300 python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml --steps 12 --warmup 4 --modes hbp_alone,hf_sdpa,trl_bfd --data.demo_dir=demo_data > $OUT/throughput.log 2>&1
-at "throughput exit $?"
-# Where a 4K step's time goes (82 of 306 ms were its forward and backward on the H100, 2026-11-27): three steps
-# of the config's 4K level after four, traced (kernels, the device's idle time, Lightning's hooks on the host).
-timeout 120 python3 bench/step_profile.py --config configs/llama_1b_1gpu.yaml --level 4096 --steps 3 --warmup 4 \
-    --out $OUT --data.demo_dir=demo_data > $TMP/profile_run.log 2>&1
-at "profile exit $?"
-[ -f $OUT/profile.txt ] || tail -40 $TMP/profile_run.log > $OUT/profile.txt
-# The fixed cost per optimizer step on the GPU: Trainer.fit's step beside a bare loop (bf16), 16 layers at width 64.
-echo "===== step_overhead" >> $OUT/bench.log
-timeout 60 python3 bench/step_overhead.py --device cuda --layers 16 --rounds 2 >> $OUT/bench.log 2>&1
-at "step overhead exit $?"
-# A hybrid's Mamba2 mixers (Bamba) over SFT-like packs: the documents as a few batches' rows beside one call each.
-echo "===== mixer_batches" >> $OUT/bench.log
-timeout 60 python3 bench/mixer_batches.py --device cuda --family bamba --docs 64 --pack-len 4096 --steps 4 --warmup 1 \
-    --rounds 2 >> $OUT/bench.log 2>&1
-at "mixer batches exit $?"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+export PYTHONPATH=/tmp/site:$PWD
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+  python3 -c 'import sys, torch, transformers, lightning, deepspeed; print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, "lightning", lightning.__version__, "deepspeed", deepspeed.__version__)'
+} >> $OUT/env.txt 2>&1
+at "install (parts: $PARTS)"
+PYT="python3 -m pytest -m gpu -v --tb=short -rfEs -p no:cacheprovider"
+THROUGHPUT="python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml --steps 8 --warmup 4 --data.demo_dir=demo_data"
+for part in $PARTS; do
+  case $part in
+  speed)
+    timeout 330 $THROUGHPUT --modes hbp_alone,hf_sdpa --json $OUT/throughput.json >> $OUT/throughput.log 2>&1
+    at "speed exit $?" ;;
+  trl)
+    timeout 250 $THROUGHPUT --modes trl_bfd >> $OUT/throughput.log 2>&1
+    at "trl exit $?" ;;
+  tests)
+    ( timeout 240 $PYT tests/test_attention.py tests/test_mixers_gpu.py > $TMP/t_attn.log 2>&1; at "attention and mixers exit $?" ) &
+    ( timeout 240 $PYT tests --ignore=tests/test_attention.py --ignore=tests/test_vision.py \
+        --ignore=tests/test_mixers_gpu.py > $TMP/t_other.log 2>&1; at "other exit $?" ) &
+    wait
+    for log in t_attn t_other; do { echo "===== $log.log"; cat $TMP/$log.log; } >> $OUT/tests.log; done ;;
+  vision)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_vlm .whl/vlm/*.whl || exit 3
+    PYTHONPATH=/tmp/site_vlm:$PYTHONPATH timeout 150 $PYT tests/test_vision.py > $TMP/t_vis524.log 2>&1
+    at "vision (5.24) exit $?"
+    { echo "===== t_vis524.log"; cat $TMP/t_vis524.log; } >> $OUT/tests.log ;;
+  bench)
+    echo "===== step_overhead" >> $OUT/bench.log
+    timeout 40 python3 bench/step_overhead.py --device cuda --layers 16 --rounds 2 >> $OUT/bench.log 2>&1
+    at "step overhead exit $?"
+    echo "===== mixer_batches" >> $OUT/bench.log
+    timeout 40 python3 bench/mixer_batches.py --device cuda --family bamba --docs 64 --pack-len 4096 --steps 4 \
+        --warmup 1 --rounds 2 >> $OUT/bench.log 2>&1
+    at "mixer batches exit $?" ;;
+  profile)
+    timeout 100 python3 bench/step_profile.py --config configs/llama_1b_1gpu.yaml --level 4096 --steps 3 --warmup 4 \
+        --out $OUT --data.demo_dir=demo_data '--data.levels=[{pack_len: 4096, sp: 1}, {pack_len: 16384, sp: 1}]' \
+        > $TMP/profile_run.log 2>&1
+    at "profile exit $?"
+    [ -f $OUT/profile.txt ] || tail -40 $TMP/profile_run.log > $OUT/profile.txt ;;
+  esac
+done
 rm -rf "$TMP"
 cat $OUT/env.txt
+grep -h "^measured\|^memory of" $OUT/throughput.log 2>/dev/null

@@ -206,6 +206,8 @@ def run_hbp_alone(config, overrides, level: int, steps: int, warmup: int, weight
     fit.trainer.fit(fit.model, dm)
     predicted = predicted_gib(fit.model, device)[level]
     memory[level] = {"predicted_gib": predicted, "measured_gib": clock.peak / GIB if clock.peak else None}
+    measured = f"{clock.peak / GIB:.2f}" if clock.peak else "n/a"
+    print(f"memory of level {level}: {predicted:.2f} GiB predicted, {measured} GiB measured", file=sys.stderr)
     return clock.seconds, clock.tokens, clock.flops
 
 
@@ -358,10 +360,16 @@ def run_fwd_bwd(module, store, micro, device, dtype, warmup: int) -> tuple[float
     return time.perf_counter() - start, tokens, flops
 
 
-def guarded(name: str, fn, device):
-    """Run one mode; an out-of-memory error is reported, not raised."""
+def guarded(name: str, fn, device, where: str = ""):
+    """Run one mode; an out-of-memory error is reported, not raised. Each result is printed as it comes (a run
+    stopped at its time limit keeps what it measured)."""
     try:
-        return fn()
+        result = fn()
+        if isinstance(result, tuple) and result[0] > 0:
+            seconds, tokens, flops = result[:3]
+            print(f"measured {name} {where}: {tokens / seconds:.0f} tokens/s, {flops / seconds / 1e12:.1f} TFLOP/s "
+                  f"({tokens:.0f} tokens in {seconds:.3f} s)", file=sys.stderr, flush=True)  # fmt: skip
+        return result
     except OOM:
         print(f"{name}: out of memory", file=sys.stderr)
         return "OOM"
@@ -410,7 +418,7 @@ def main() -> int:
         fit = build(args.config, overrides, need)
         fit.model.configure_model()
         fit.model.model.load_state_dict(base_model.state_dict())
-        results["hbp"] = {"all": guarded("hbp", lambda: run_hbp(fit, device, warm, need, memory), device)}
+        results["hbp"] = {"all": guarded("hbp", lambda: run_hbp(fit, device, warm, need, memory), device, "all levels")}
         chosen += attention.choices(fit.model.model)
         del fit
     if "hbp_alone" in modes:
@@ -420,6 +428,7 @@ def main() -> int:
                 "hbp_alone",
                 lambda lv=lv: run_hbp_alone(args.config, overrides, lv, take, args.warmup, weights, device, memory),
                 device,
+                f"level {levels[lv].pack_len}",
             )
             for lv in range(n_levels)
         }
@@ -438,6 +447,7 @@ def main() -> int:
                     base_model, attn, dm.store, micro[lv], device, args.warmup, module, bool(module.hparams.compile)
                 ),
                 device,
+                f"level {levels[lv].pack_len}",
             )
             for lv in range(n_levels)
         }
@@ -458,6 +468,7 @@ def main() -> int:
                     compiled,
                 ),
                 device,
+                f"level {levels[lv].pack_len}",
             )
             for lv in range(n_levels)
         }
@@ -467,7 +478,10 @@ def main() -> int:
     if "fwd_bwd" in modes:
         results["fwd_bwd"] = {
             lv: guarded(
-                "fwd_bwd", lambda lv=lv: run_fwd_bwd(module, dm.store, micro[lv], device, dtype, args.warmup), device
+                "fwd_bwd",
+                lambda lv=lv: run_fwd_bwd(module, dm.store, micro[lv], device, dtype, args.warmup),
+                device,
+                f"level {levels[lv].pack_len}",
             )
             for lv in range(n_levels)
         }

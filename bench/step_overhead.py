@@ -47,7 +47,8 @@ COUNTED_STEPS = 3  # optimizer steps whose dispatched operations are counted, af
 
 
 def model_config(layers: int, width: int, vocab: int) -> dict:
-    """The 1B config's Llama at ``width``: 16 heads over 8 KV heads, its MLP ratio (5632 / 2048)."""
+    """The 1B config's Llama at ``width``: 16 heads over 8 KV heads, its MLP ratio (5632 / 2048); heads at least 8
+    wide, the narrowest the GPU's varlen kernels run, so a GPU's step takes the 1B config's attention path."""
     return dict(
         model_type="llama",
         hidden_size=width,
@@ -55,7 +56,7 @@ def model_config(layers: int, width: int, vocab: int) -> dict:
         num_hidden_layers=layers,
         num_attention_heads=16,
         num_key_value_heads=8,
-        head_dim=max(width // 16, 2),
+        head_dim=max(width // 16, 8),
         vocab_size=vocab,
         max_position_embeddings=4096,
     )
