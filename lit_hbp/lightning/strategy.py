@@ -323,6 +323,7 @@ class LevelGroups:
     def describe_levels(self) -> str:
         return ", ".join(
             f"{lv.pack_len} tokens sp {lv.sp}{lv.layout_note} ckpt {lv.ckpt_layers}{lv.memory_note}"
+            + (f" B {lv.packs_per_rank}" if lv.packs_per_rank > 1 else "")
             for lv in self.levels or ()
         )
 
