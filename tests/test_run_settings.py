@@ -29,6 +29,7 @@ from lit_hbp.cost.run_settings import (
     cost_model,
     problems,
     strategy_config,
+    trainer_settings,
     with_zero,
 )
 from lit_hbp.model_spec import MODELS
@@ -124,6 +125,45 @@ def test_a_config_without_deepspeed_trains_without_zero_in_fp32():
     read = config_settings({"trainer": {"precision": "bf16-mixed"}, "model": model}, HARDWARE["h200"], 16)
     assert (read.liger, read.trainable, read.ce_chunk, read.dtype_bytes, read.world) == (True, 0.0, 4096, 2, 16)
     assert read.hardware is HARDWARE["h200"]
+
+
+@pytest.mark.parametrize(
+    "strategy, precision, autocast",
+    [
+        ({"class_path": "lit_hbp.lightning.strategy.HBPDDPStrategy"}, "bf16-mixed", True),
+        ("ddp", "16-mixed", True),
+        (None, "bf16-true", False),
+        (None, "32-true", False),
+        ({"class_path": "lit_hbp.lightning.strategy.HBPStrategy", "init_args": {"stage": 0}}, "bf16-mixed", False),
+        ("deepspeed_stage_2", "bf16-mixed", False),
+    ],
+)
+def test_a_mixed_precision_without_deepspeed_is_priced_with_fp32_parameters_and_autocasts_copies(
+    strategy, precision, autocast
+):
+    """Lightning's ``*-mixed`` keeps the parameters in fp32 and autocasts the layers (the memory model's
+    ``casts``); DeepSpeed's bf16 holds them in bf16, and ``*-true`` casts nothing. The config's reading and the
+    trainer's agree."""
+
+    import lit_hbp.lightning.strategy  # noqa: F401  (registers the hbp strategies)
+
+    read = config_settings({"trainer": {"strategy": strategy, "precision": precision}}, HARDWARE["h100"], 1)
+    assert read.autocast is autocast
+    cost = cost_model(MODELS["llama3.1-8b"], read)
+    assert (cost.static_parts()["casts"] > 0) is autocast
+    if not isinstance(strategy, dict) or strategy["class_path"].endswith("HBPDDPStrategy"):
+        built = strategy_config_free_trainer(strategy, precision)
+        assert trainer_settings(built, HARDWARE["h100"]).autocast is autocast
+
+
+def strategy_config_free_trainer(strategy, precision: str):
+    """A CPU trainer with ``strategy`` (a registered name, or HBPDDPStrategy) at ``precision``, as set-up reads it."""
+    from lightning.pytorch import Trainer
+
+    from lit_hbp.lightning.strategy import HBPDDPStrategy
+
+    built = HBPDDPStrategy() if isinstance(strategy, dict) else (strategy or "auto")
+    return Trainer(accelerator="cpu", devices=1, strategy=built, precision=precision, logger=False)
 
 
 def test_levers_written_into_a_strategys_arguments_reach_the_strategy():

@@ -204,7 +204,8 @@ def static_note(q: FitQuestion) -> str:
     """Why nothing fits at all: what the parameters, gradients and Adam states take before any token."""
     static = q.cost.static_bytes()
     return (
-        f"the parameters, gradients and Adam states alone take {static / GIB:.1f} GiB per GPU under "
+        f"the parameters, gradients and Adam states{' (and autocast weight copies)' if q.cost.autocast else ''} "
+        f"alone take {static / GIB:.1f} GiB per GPU under "
         f"ZeRO-{q.cost.zero_stage} on {q.cost.world} GPUs, {q.device_bytes / GIB:.1f} GiB to use: a smaller model"
     )
 

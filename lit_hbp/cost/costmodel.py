@@ -177,7 +177,12 @@ class CostModel:
     vision_patches_per_token: the most image patches the tower encodes per token of a pack, from the data
         (``VisionLoad.patches_per_token``; 0: no images): a pack of L tokens holds up to L times it.
     compiled: the decoder layers run compiled (``HBPLitModule(compile=True)``): inductor's partitioner keeps
-        fewer of a layer's tensors for its backward than eager does (``layer_saved_bytes``)."""
+        fewer of a layer's tensors for its backward than eager does (``layer_saved_bytes``).
+    autocast: the parameters stay in fp32 and the layers compute in ``dtype_bytes`` under autocast (Lightning's
+        ``*-mixed`` precision without DeepSpeed, ``HBPDDPStrategy``): fp32 parameters and gradients, no master
+        copy, and the low-precision copy of every layer's matmul weights, which autocast casts in the forward
+        and the backward keeps (``static_parts``' ``casts``; the LM head's checkpointed loss chunks cast its weight
+        again each time). DeepSpeed's bf16 holds the parameters in bf16 instead."""
 
     model: ModelSpec
     hardware: Hardware
@@ -198,6 +203,7 @@ class CostModel:
     vision_trained: bool = True
     vision_patches_per_token: float = 0.0
     compiled: bool = False
+    autocast: bool = False
 
     # ----------------------------------------------------------------------------- time
 
@@ -326,17 +332,22 @@ class CostModel:
     # --------------------------------------------------------------------------- memory
 
     def static_parts(self) -> dict:
-        """Parameters and gradients (model dtype) and Adam states (fp32 master, m, v) per rank, as ZeRO
-        partitions them over the world (none of what is offloaded to the host)."""
-        n, z, b = self.world, self.zero_stage, self.dtype_bytes
-        vision = 0.0 if self.model.vision is None else self.model.vision.params(self.model.hidden)
-        p = self.model.params + vision
-        master = 4 if b < 4 else 0  # fp32 training keeps no master copy
-        trained = (self.model.params + (vision if self.vision_trained else 0.0)) * self.trainable
+        """Parameters and gradients (model dtype; fp32 under ``autocast``) and Adam states (fp32 master, m, v)
+        per rank, as ZeRO partitions them over the world (none of what is offloaded to the host); under
+        ``autocast`` the matmuls' low-precision weight copies (``casts``) too."""
+        n, z, b, m = self.world, self.zero_stage, self.dtype_bytes, self.model
+        vision = 0.0 if m.vision is None else m.vision.params(m.hidden)
+        p = m.params + vision
+        held = 4 if self.autocast else b  # autocast: fp32 parameters and gradients, and they are the master
+        master = 4 if held < 4 else 0  # fp32 training keeps no master copy
+        trained = (m.params + (vision if self.vision_trained else 0.0)) * self.trainable
+        per_layer = m.total_layer_params if m.total_layer_params is not None else m.layer_params
+        matmuls = m.layers * per_layer + vision  # the LM head's copy: made again by each checkpointed loss chunk
         return dict(
-            params=0.0 if self.param_offload else b * p / (n if z >= 3 else 1),
-            grads=b * trained / (n if z >= 2 else 1),
+            params=0.0 if self.param_offload else held * p / (n if z >= 3 else 1),
+            grads=held * trained / (n if z >= 2 else 1),
             optimizer=0.0 if self.optimizer_offload else (master + 8) * trained / (n if z >= 1 else 1),
+            casts=b * matmuls if self.autocast and b < 4 else 0.0,
         )
 
     def static_bytes(self) -> float:
@@ -485,7 +496,8 @@ class CostModel:
         """Peak bytes per rank training packs of ``pack_len`` tokens at this sp, checkpointing, offload and tiles."""
         p = self.memory_parts(pack_len, sp, ckpt, packs_per_rank, offload, tiles, cp)
         phases = max(p["head"], p["recompute"] + p["working"])  # the LM head's backward runs before the layers'
-        held = p["params"] + p["grads"] + p["optimizer"] + p["layers"] + p["mixers"] + p["checkpointed"] + p["vision"]
+        held = p["params"] + p["grads"] + p["optimizer"] + p["casts"] + p["layers"] + p["mixers"] + p["checkpointed"]
+        held += p["vision"]
         return held + phases + p["reserve"]
 
     def host_fits(self, pack_len: int, sp: int, ckpt: int, packs_per_rank: int = 1) -> bool:

@@ -36,7 +36,10 @@ from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level, as_level
 from lit_hbp.parallel.topology import resolve_layout
 
-SHOWN = ("params", "grads", "optimizer", "layers", "mixers", "checkpointed", "recompute", "working", "head", "vision")
+SHOWN = (
+    *("params", "grads", "optimizer", "casts", "layers", "mixers", "checkpointed", "recompute", "working", "head"),
+    "vision",
+)
 
 
 def level_memory(cost: CostModel, lv: Level) -> dict:

@@ -34,7 +34,8 @@ class Settings:
     trained (1; ~0 under LoRA). dtype_bytes: the precision's bytes per parameter and activation (bf16 where
     no precision is known). ce_chunk: the loss's chunk (``HBPLitModule``'s ``ce_chunk_size``). vision_trained: a
     vision-language model's tower trains (not under ``freeze_vision`` or LoRA). compiled: its decoder layers run
-    compiled (``HBPLitModule(compile=True)``)."""
+    compiled (``HBPLitModule(compile=True)``). autocast: a ``*-mixed`` precision without DeepSpeed (fp32
+    parameters, the layers under autocast: ``CostModel.autocast``)."""
 
     world: int = 1
     hardware: Hardware = HARDWARE["h100"]
@@ -47,6 +48,7 @@ class Settings:
     ce_chunk: int = 1024
     vision_trained: bool = True
     compiled: bool = False
+    autocast: bool = False
 
 
 def cost_model(spec: ModelSpec, settings: Settings, sp_kind: str = "ulysses") -> CostModel:
@@ -142,6 +144,12 @@ def precision_bytes(precision: Any) -> int:
     return 8 if name.startswith("64") else 4 if name.startswith("32") else 2
 
 
+def autocast_of(precision: Any, deepspeed: bool) -> bool:
+    """Whether a Lightning precision keeps fp32 parameters under autocast: ``*-mixed`` without DeepSpeed (whose
+    bf16 holds the parameters in bf16)."""
+    return str(precision).endswith("-mixed") and precision_bytes(precision) < 4 and not deepspeed
+
+
 def settings_of(
     hardware: Hardware, world: int, strategy_args: dict | None, model_args: dict, precision: Any = None
 ) -> Settings:
@@ -158,6 +166,7 @@ def settings_of(
         ce_chunk=int(model_args.get("ce_chunk_size", Settings.ce_chunk)),
         vision_trained=not (model_args.get("freeze_vision") or model_args.get("lora")),
         compiled=bool(model_args.get("compile", False)),
+        autocast=precision is not None and autocast_of(precision, strategy_args is not None),
     )
 
 
@@ -172,8 +181,10 @@ def config_settings(config: dict, hardware: Hardware, world: int) -> Settings:
 def trainer_settings(trainer: Any, hardware: Hardware, **given: Any) -> Settings:
     """The run a Lightning trainer sets up: its world, precision and strategy's DeepSpeed config (none:
     ZeRO stage 0), and what the caller knows better (``given``: liger, trainable, dtype_bytes, ce_chunk...)."""
-    zero = deepspeed_zero(getattr(trainer.strategy, "config", None))
+    config = getattr(trainer.strategy, "config", None)
+    zero = deepspeed_zero(config)
     read = dict(world=trainer.world_size, hardware=hardware, dtype_bytes=precision_bytes(trainer.precision), **zero)
+    read["autocast"] = autocast_of(trainer.precision, config is not None)
     return Settings(**{**read, **given})
 
 
@@ -196,12 +207,15 @@ def local_hardware(device: Any, capacity: float | None = None, devices: int = 1)
 
 
 def describe(run: Settings | CostModel) -> str:
-    """``ZeRO-2 + optimizer offload, Liger, bf16``: a run's settings in a header line."""
+    """``ZeRO-2 + optimizer offload, Liger, bf16`` (``bf16 autocast over fp32 parameters`` under a ``*-mixed``
+    precision without DeepSpeed): a run's settings in a header line."""
     offloads = (" + optimizer offload" if run.optimizer_offload else "") + (
         " + parameter offload" if run.param_offload else ""
     )
     extras = (", Liger" if run.liger else "") + (", LoRA" if run.trainable < 1 else "")
     dtype = {2: "bf16", 4: "fp32", 8: "fp64"}.get(run.dtype_bytes, f"{run.dtype_bytes}-byte")
+    if run.autocast:
+        dtype += " autocast over fp32 parameters"
     return f"ZeRO-{run.zero_stage}{offloads}{extras}, {dtype}"
 
 
