@@ -66,11 +66,14 @@ for part in $PARTS; do
         --warmup 1 --rounds 2 >> $OUT/bench.log 2>&1
     at "mixer batches exit $?" ;;
   profile)
-    timeout 100 python3 bench/step_profile.py --config configs/llama_1b_1gpu.yaml --level 4096 --steps 3 --warmup 4 \
-        --out $OUT --data.demo_dir=demo_data '--data.levels=[{pack_len: 4096, sp: 1}, {pack_len: 16384, sp: 1}]' \
-        > $TMP/profile_run.log 2>&1
+    # TORCH_LOGS=recompiles: why the H200's third profiled step compiled the decoder layer again (2026-11-29)
+    TORCH_LOGS=recompiles timeout 100 python3 bench/step_profile.py --config configs/llama_1b_1gpu.yaml --level 4096 \
+        --steps 3 --warmup 4 --out $OUT --data.demo_dir=demo_data \
+        '--data.levels=[{pack_len: 4096, sp: 1}, {pack_len: 16384, sp: 1}]' > $TMP/profile_run.log 2>&1
     at "profile exit $?"
-    [ -f $OUT/profile.txt ] || tail -40 $TMP/profile_run.log > $OUT/profile.txt ;;
+    [ -f $OUT/profile.txt ] || tail -40 $TMP/profile_run.log > $OUT/profile.txt
+    { echo; echo "recompilations (TORCH_LOGS=recompiles):"; grep -A4 "Recompiling" $TMP/profile_run.log | head -60; } \
+        >> $OUT/profile.txt ;;
   esac
 done
 rm -rf "$TMP"

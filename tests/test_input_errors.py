@@ -97,6 +97,13 @@ def test_directory_broken_link_and_unreadable_sources_say_what_is_wrong(tmp_path
     )
     with pytest.raises(DataError, match="is a file, but file_type hf reads a folder"):
         tokenize_source(Source(str(folder / "chats.jsonl"), file_type="hf"), tok, progress=False)
+    # JSON Lines read as a JSON array: the fix named (file_type jsonl, or auto, which reads the first character)
+    with pytest.raises(DataError, match=r"file_type json reads a JSON array of records; it starts with '\{': JSON "
+                       r"Lines\? set file_type: jsonl"):  # fmt: skip
+        tokenize_source(Source(str(folder / "chats.jsonl"), file_type="json"), tok, progress=False)
+    json_named = folder / "chats.json"
+    json_named.write_text((folder / "chats.jsonl").read_text())
+    assert Source(str(json_named)).resolved_file_type == "jsonl"
 
     link = tmp_path / "gone.jsonl"
     link.symlink_to(tmp_path / "deleted.jsonl")

@@ -462,9 +462,10 @@ def _array_chunks(path: Path, chunk_bytes: int, chunk_rows: int) -> Iterator[Chu
         r = _ArrayReader(f, path, chunk_bytes)
         if r.next_char() != "[":
             first = r.next_char()
-            raise DataError(
-                f"{path}: a .json source holds a JSON array of records (or JSON Lines); it starts with {first!r}"
+            fix = (
+                ": JSON Lines? set file_type: jsonl (or auto, which reads the first character)" if first == "{" else ""
             )
+            raise DataError(f"{path}: file_type json reads a JSON array of records; it starts with {first!r}{fix}")
         r.pos += 1
         records, lines, row, reported = [], [], 1, 0
         while True:
