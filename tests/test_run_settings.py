@@ -151,18 +151,18 @@ def test_a_mixed_precision_without_deepspeed_is_priced_with_fp32_parameters_and_
     assert read.autocast is autocast
     cost = cost_model(MODELS["llama3.1-8b"], read)
     assert (cost.static_parts()["casts"] > 0) is autocast
-    if not isinstance(strategy, dict) or strategy["class_path"].endswith("HBPDDPStrategy"):
-        built = strategy_config_free_trainer(strategy, precision)
-        assert trainer_settings(built, HARDWARE["h100"]).autocast is autocast
+    assert trainer_settings(cpu_trainer(strategy, precision), HARDWARE["h100"]).autocast is autocast
 
 
-def strategy_config_free_trainer(strategy, precision: str):
-    """A CPU trainer with ``strategy`` (a registered name, or HBPDDPStrategy) at ``precision``, as set-up reads it."""
+def cpu_trainer(strategy, precision: str):
+    """A CPU trainer with ``strategy`` (a registered name, or a config's class_path entry) at ``precision``."""
     from lightning.pytorch import Trainer
 
-    from lit_hbp.lightning.strategy import HBPDDPStrategy
+    from lit_hbp.lightning import strategy as strategies
 
-    built = HBPDDPStrategy() if isinstance(strategy, dict) else (strategy or "auto")
+    built = strategy or "auto"
+    if isinstance(strategy, dict):
+        built = getattr(strategies, strategy["class_path"].rsplit(".", 1)[1])(**strategy.get("init_args", {}))
     return Trainer(accelerator="cpu", devices=1, strategy=built, precision=precision, logger=False)
 
 
