@@ -2,7 +2,7 @@
 
     python bench/compiled_attention.py [--pack-len 8192] [--heads 8] [--kv-heads 4] [--rounds 5]
 
-Under torch.compile attention is the custom op ``hbp::varlen_attention_v2``. Where the backend has a
+Under torch.compile attention is the custom op ``hbp::varlen_attention_v4``. Where the backend has a
 backward kernel for the call (flash-attn 2/3/4, torch's varlen, the CPU flash kernel, eager) the op
 keeps the kernel's LSE and its backward runs that kernel; without one (Flex, attention dropout) the
 backward recomputes the forward first. This benchmark times one attention layer's forward and

@@ -5,18 +5,19 @@
 #   speed    ~330 s  bench/gpu_throughput.py, the 1B config: lit-hbp (each level alone) beside HF Trainer
 #                    padding-free, compiled alike (HF's torch_compile of the whole model takes ~100 s a level)
 #   tests    ~240 s  pytest -m gpu in two parts at once: attention and the hybrids' mixers; the rest
-#   bench    ~80 s   bench/step_overhead.py (the run's step beside a bare loop) and bench/mixer_batches.py
+#   bench    ~110 s  bench/step_overhead.py (the run's step beside a bare loop), bench/op_overhead.py (the attention
+#                    op's host time around torch's varlen kernel) and bench/mixer_batches.py
 #   trl      ~250 s  TRL's BFD on the same levels (bench/gpu_throughput.py --modes trl_bfd)
 #   vision   ~150 s  the image tests on transformers 5.24 (.whl/vlm/): passed on the H200, 2026-11-29
 #   profile  ~100 s  bench/step_profile.py on the 4K level with one pack a step (taken on the H200, 2026-11-29)
 # Here first: bash bench/gpu_wheels.sh. Device run: carry [".whl", "demo_data"], timeout_s = the parts' sum
-# + 40, e.g. `bash bench/gpu_checks.sh speed bench` (timeout_s 450) and `bash bench/gpu_checks.sh tests trl`.
+# + 40, e.g. `bash bench/gpu_checks.sh speed bench` (timeout_s 480) and `bash bench/gpu_checks.sh tests trl`.
 # At most eight files come back in $OUT (the device tool returns no more):
 #   env.txt         the device, the versions, the timeline (each part's exit status and when it ended)
 #   throughput.log  speed and trl: every mode and level, each result printed as it is measured
 #   throughput.json speed's table, the memory per level and the attention backends
 #   tests.log       tests and vision: pytest -m gpu, each part under a header
-#   bench.log       bench's two benchmarks
+#   bench.log       bench's three benchmarks
 #   profile.txt     profile: wall ms a step, each micro-batch's host ms, the device's busy share, waits, compilations
 #   trace.json.gz   that profile's trace (Perfetto)
 set -u
@@ -61,6 +62,9 @@ for part in $PARTS; do
     echo "===== step_overhead" >> $OUT/bench.log
     timeout 40 python3 bench/step_overhead.py --device cuda --layers 16 --rounds 2 >> $OUT/bench.log 2>&1
     at "step overhead exit $?"
+    echo "===== op_overhead" >> $OUT/bench.log
+    timeout 30 python3 bench/op_overhead.py --device cuda --backend torch_varlen --tokens 4096 --calls 500 \
+        --rounds 5 >> $OUT/bench.log 2>&1
     echo "===== mixer_batches" >> $OUT/bench.log
     timeout 40 python3 bench/mixer_batches.py --device cuda --family bamba --docs 64 --pack-len 4096 --steps 4 \
         --warmup 1 --rounds 2 >> $OUT/bench.log 2>&1

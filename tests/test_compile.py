@@ -1,4 +1,4 @@
-"""compile=True: each decoder layer compiles to one graph (attention is the opaque ``hbp::varlen_attention_v3``
+"""compile=True: each decoder layer compiles to one graph (attention is the opaque ``hbp::varlen_attention_v4``
 custom op, on every backend), packs of other lengths and document counts reuse it (dynamic shapes, no
 guard on the pack), and the compiled module trains like the eager one."""
 
@@ -72,6 +72,29 @@ def test_compiled_layers_are_one_graph_and_train_like_eager(monkeypatch):
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert backend.frame_count - graphs_after_first <= 2, "recompiled for other packs"
+
+
+@pytest.mark.parametrize("first", [32, 64, 16], ids=["hidden", "intermediate", "kv_width"])
+def test_a_first_pack_as_long_as_a_layer_width_compiles_a_graph_for_every_length(first):
+    """A level's first micro-batch of exactly as many tokens as one of the layer's widths (an 8B model's 4096
+    hidden, a 1K level and 1024-wide K/V): dynamo gave the pack's length and that width one symbol (duck
+    shaping), the weight's fixed width pinned it, and every later length compiled again. The packed call
+    compiles with a symbol per size: the first graph serves the later packs, and they train like eager."""
+    torch._dynamo.reset()
+    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    eager, compiled = make_module(), make_module(compile=True)
+    for layer in compiled._layers:
+        layer.compile(backend=backend, dynamic=True)
+    rng = np.random.default_rng(3)
+    for i, lengths in enumerate([[first // 2, first - first // 2], [40], [3, 21, 24], [first]]):
+        samples = {j: (rng.integers(0, 300, n), rng.random(n) < 0.7) for j, n in enumerate(lengths)}
+        batch = collate_packs([np.arange(len(lengths))], samples.__getitem__, loss_norm=20.0)
+        assert batch.input_ids.shape[1] == sum(lengths)  # no padding: the first pack is as long as the width
+        for a, b in zip(grads(eager, batch), grads(compiled, batch)):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        if i == 0:
+            graphs = backend.frame_count
+    assert backend.frame_count == graphs, "a later pack length compiled again"
 
 
 @pytest.mark.parametrize(("tiles", "most"), [(1, 2), (2, 6)])

@@ -488,9 +488,9 @@ def test_torch_varlen_with_a_backend_argument_runs_the_forwards_kernel_backward(
 
 @pytest.fixture(autouse=True)
 def _fresh_lse_probe():
-    flash._flash_lse_problem.cache_clear()
+    backends.reset_probes()  # what was probed of the (faked) installs, and the answers read from it
     yield
-    flash._flash_lse_problem.cache_clear()
+    backends.reset_probes()
 
 
 SINKS = torch.tensor([0.5, 1.0, -1.0, 0.0], dtype=torch.float64)
@@ -550,11 +550,11 @@ def test_lse_pairs_say_what_they_cannot_take(monkeypatch):
                      rng_state=None):  # fmt: skip
         """flash-attn 2.5: no soft-capping."""
 
-    flash._flash_lse_problem.cache_clear()
+    backends.reset_probes()
     install_lse_fake(monkeypatch, "flash_attn", flash2_8_fwd, old_backward)
     reason = backends.lse_why_not("flash_attn", "cuda", frozenset())
     assert "flash_attn.flash_attn_interface._flash_attn_varlen_backward takes no softcap" in reason
-    flash._flash_lse_problem.cache_clear()
+    backends.reset_probes()
     monkeypatch.delitem(sys.modules, "flash_attn.flash_attn_interface")
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     assert "has no _flash_attn_varlen_forward" in backends.lse_why_not("flash_attn", "cuda", frozenset())

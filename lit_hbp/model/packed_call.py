@@ -266,8 +266,17 @@ def pack_scope(
     offloader = host_offload(unwrapped(model)) if offload else None
     host = {"bounds": list(bounds)} if bounds is not None else {}
     call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, dict(tower or {}), host)
-    with _layer_flags(prepared, ckpt_layers), calls.entered(call):
+    with _layer_flags(prepared, ckpt_layers), calls.entered(call), sizes_apart():
         yield
+
+
+def sizes_apart() -> contextlib.AbstractContextManager:
+    """Compilations inside give each size its own symbol. By default dynamo gives sizes of equal value one
+    symbol (duck shaping): a level's first pack exactly as long as one of a layer's widths (a 4K pack and an 8B
+    model's 4096 hidden units, a 1K pack and 1024-wide K/V heads) tied the pack's length to that width, the
+    weight's fixed width then pinned it, and every later length compiled the layers again
+    (tests/test_compile.py). Compiled layers see the length change every call; widths never do."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False)
 
 
 def pack_inputs(batch: PackedBatch) -> dict:

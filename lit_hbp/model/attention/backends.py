@@ -24,7 +24,7 @@ import torch
 
 from lit_hbp.model.attention.flash import FLASH_MODULES, _flash4_version, _flash_lse_problem, _probe, flash_backend
 from lit_hbp.model.attention.flex import flex_backend
-from lit_hbp.model.attention.kernel import Backend
+from lit_hbp.model.attention.kernel import Backend, LseKernels
 from lit_hbp.model.attention.loops import eager_backend, sdpa_backend
 from lit_hbp.model.attention.torch_varlen import torch_varlen_backend
 from lit_hbp.model.calls import TOWER_NAME
@@ -41,14 +41,21 @@ REGISTRY: dict[str, Backend] = {
 def reset_probes() -> None:
     """Forget what was probed of the installed kernels, and the choices made from it (after installing
     or removing one)."""
-    for fn in (_probe, _flash4_version, _flash_lse_problem, decide):
+    for fn in (_probe, _flash4_version, _flash_lse_problem, decide, _lse_reason):
         fn.cache_clear()
 
 
 def lse_why_not(name: str, device_type: str, needs: frozenset[str]) -> str | None:
     """None when backend ``name`` runs this call as a forward keeping the LSE and a backward kernel
     from it, else the reason (the caller then recomputes the forward in the backward)."""
-    lse = REGISTRY[name].lse
+    return _lse_reason(REGISTRY[name].lse, device_type, needs)
+
+
+@cache
+def _lse_reason(lse: LseKernels | None, device_type: str, needs: frozenset[str]) -> str | None:
+    """``lse_why_not`` of a registry entry's LSE pair (keyed by the pair itself, so a replaced entry is asked
+    again): read once per device and needs, not on each of a step's attention calls (torch's varlen pair
+    reads its backward op's schema to answer: 17 us a call). Cached until ``reset_probes``."""
     return "the library exposes no backward kernel" if lse is None else lse.unusable(device_type, needs)
 
 

@@ -59,11 +59,11 @@ def _varlen_op(
             lse = lse.to(lse_dtype(q.dtype)).reshape(q.shape[1:3]).contiguous()
         else:
             run = (max_len, scale, window, softcap, dropout, backend, owner)
-            out, lse = _run_op(q, k, v, cu, sinks, seed, *run), q.new_empty(0)
+            out, lse = _run_op(q, k, v, cu, sinks, seed, *run), q.new_empty(0, dtype=lse_dtype(q.dtype))
     out = out.transpose(1, 2).contiguous()
-    if any(out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in (q, k, v)):
+    if out.untyped_storage().data_ptr() in {x.untyped_storage().data_ptr() for x in (q, k, v)}:
         out = out.clone()  # a custom op's output never aliases an input
-    return out, lse.to(lse_dtype(q.dtype)), seed
+    return out, lse, seed
 
 
 @_varlen_op.register_fake
@@ -127,8 +127,8 @@ def _varlen_backward_op(
         run = (max_len, scale, window, softcap, dropout, backend, owner)
         grads = _recomputed_grads(grad, q, k, v, cu, sinks, seed, *run)
     dsinks = grads[3] if sinks is not None else q.new_empty(0)
-    inputs = (grad, q, k, v, cu, sinks, out, lse, seed)
-    return (*(_in_kernel_layout(g, x, inputs) for g, x in zip(grads[:3], (q, k, v))), dsinks.contiguous())
+    taken = {x.untyped_storage().data_ptr() for x in (grad, q, k, v, cu, sinks, out, lse, seed) if x is not None}
+    return (*(_in_kernel_layout(g, x, taken) for g, x in zip(grads[:3], (q, k, v))), dsinks.contiguous())
 
 
 def kernel_layout(x: torch.Tensor) -> torch.Tensor:
@@ -137,16 +137,17 @@ def kernel_layout(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
 
 
-def _in_kernel_layout(g: torch.Tensor, like: torch.Tensor, inputs) -> torch.Tensor:
+def _in_kernel_layout(g: torch.Tensor, like: torch.Tensor, taken: set[int]) -> torch.Tensor:
     """``g`` as the backward op returns it (its fake's strides): the kernel's own tensor where its layout
-    is already that (the flash-attn kernels, torch's varlen, the CPU kernels on the model's layout), a
-    copy only otherwise (a head dim padded for flash-attn 2, repeated K/V heads summed)."""
+    is already that (the flash-attn kernels, torch's varlen, the CPU kernels on the model's layout) and its
+    memory is none of the op's inputs' (``taken``: their storages' addresses, read once a call), a copy only
+    otherwise (a head dim padded for flash-attn 2, repeated K/V heads summed)."""
     b, h, t, d = like.shape
     strides = (t * h * d, d, h * d, 1)  # kernel_layout's
-    same = g.shape == like.shape and all(a == s for a, s, n in zip(g.stride(), strides, g.shape) if n > 1)
-    fresh = all(g.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for x in inputs if x is not None)
-    if same and fresh and g.dtype == like.dtype and g.storage_offset() == 0:
-        return g.as_strided(like.shape, strides)
+    same = g.shape == like.shape and g.dtype == like.dtype and g.storage_offset() == 0
+    if same and all(a == s for a, s, n in zip(g.stride(), strides, g.shape) if n > 1):
+        if g.untyped_storage().data_ptr() not in taken:
+            return g.as_strided(like.shape, strides)
     return kernel_layout(like).copy_(g)
 
 
