@@ -14,11 +14,13 @@ trains, curriculum off, validation off, one device, the same initial weights):
 - hbp_alone: the same ``Trainer.fit``, one level at a time (the plan's steps of that level only);
 - hf_sdpa / hf_flash_attention_2: Hugging Face ``Trainer`` with ``DataCollatorWithFlattening``
   (one micro-batch's samples per batch: the same tokens per optimizer step as hbp, position_ids
-  restarting per sample, bf16 autocast on a GPU), AdamW, ``torch_compile`` when the config compiles;
+  restarting per sample, bf16 autocast on a GPU), AdamW; when the config compiles, each decoder layer
+  compiled as the run's (``--peer-compile model``: the Trainer's own ``torch_compile`` of the whole
+  model instead); the model the family's own, lit-hbp's preparation undone (``baseline_copy``);
   flash_attention_2 only when flash-attn is installed;
 - trl_bfd: TRL's ``SFTTrainer`` on the level's samples, ``packing=True, packing_strategy="bfd"``
   (padding-free rows of the level's pack length, TRL's own packing), one row per step, the same steps,
-  flash_attention_2 where flash-attn installs, else sdpa (the row says which), ``torch_compile`` as above;
+  flash_attention_2 where flash-attn installs, else sdpa (the row says which), compiled as above;
 - fwd_bwd: HBPLitModule forward and backward only (weights in the compute dtype, no optimizer), its
   decoder layers compiled as the run's are when the config compiles.
 
@@ -218,17 +220,16 @@ def pack_flops(module, store, packs) -> tuple[float, float]:
 
 
 def run_hf(
-    base_model, attn: str, store, micro, device, warmup: int, module, compiled: bool
+    base_model, attn: str, store, micro, device, warmup: int, module, compiled: str
 ) -> tuple[float, float, float]:
     """HF Trainer + DataCollatorWithFlattening over the same micro-batches (one micro-batch's samples a
-    step), ``torch_compile`` when ``compiled``."""
-    from train_throughput import hf_training_args  # the same baseline settings as the other bench
+    step); ``compiled``: ``layers`` (each decoder layer, as the run's), ``model`` (the Trainer's own
+    ``torch_compile``) or ``none``."""
+    from train_throughput import baseline_copy, hf_training_args  # the same baseline settings as the other bench
     from transformers import DataCollatorWithFlattening, Trainer
 
     cuda = device.type == "cuda"
-    net = copy.deepcopy(base_model).to(device=device, dtype=torch.float32).train()
-    net.set_attn_implementation(attn)
-    net.config.use_cache = False  # with a cache, transformers does not split a padding-free row into its samples
+    net = baseline_copy(base_model, attn, compiled == "layers").to(device=device, dtype=torch.float32).train()
     flatten = DataCollatorWithFlattening(return_position_ids=True)
     items = []
     for packs in micro:
@@ -241,7 +242,7 @@ def run_hf(
     stats = [pack_flops(module, store, packs) for packs in micro]
     clock = hf_window(device, warmup, len(items))
     with tempfile.TemporaryDirectory() as out:
-        targs = hf_training_args(out, 1, len(items), cuda, torch_compile=compiled)
+        targs = hf_training_args(out, 1, len(items), cuda, torch_compile=compiled == "model")
         trainer = Trainer(
             model=net, args=targs, train_dataset=items, data_collator=lambda b: flatten(b[0]), callbacks=[clock]
         )
@@ -277,21 +278,19 @@ def hf_window(device, warmup: int, total: int):
 
 
 def run_trl(
-    base_model, tokenizer, store, micro, pack_len: int, device, warmup: int, module, compiled: bool
+    base_model, tokenizer, store, micro, pack_len: int, device, warmup: int, module, compiled: str
 ) -> tuple[float, float, float, str]:
     """TRL's ``SFTTrainer`` with BFD packing (padding-free rows of ``pack_len``) over the samples of
-    ``micro``, one row a step for as many steps: (seconds, tokens, FLOPs, attention)."""
+    ``micro``, one row a step for as many steps, compiled as ``run_hf``: (seconds, tokens, FLOPs, attention)."""
     import importlib.util
 
     from datasets import Dataset
-    from train_throughput import hf_training_args
+    from train_throughput import baseline_copy, hf_training_args
     from trl import SFTConfig, SFTTrainer
 
     cuda = device.type == "cuda"
     attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
-    net = copy.deepcopy(base_model).to(device=device, dtype=torch.float32).train()
-    net.set_attn_implementation(attn)
-    net.config.use_cache = False
+    net = baseline_copy(base_model, attn, compiled == "layers").to(device=device, dtype=torch.float32).train()
     records = []
     for i in np.concatenate([np.concatenate(packs) for packs in micro]):
         ids, target = store.tokens(int(i))
@@ -311,7 +310,7 @@ def run_trl(
     with tempfile.TemporaryDirectory() as out:
         targs = hf_training_args(
             out, 1, len(micro), cuda, args_class=SFTConfig, packing=True, packing_strategy="bfd",
-            max_length=pack_len, dataset_num_proc=None, gradient_checkpointing=False, torch_compile=compiled,
+            max_length=pack_len, dataset_num_proc=None, gradient_checkpointing=False, torch_compile=compiled == "model",
         )  # fmt: skip
         data = Dataset.from_list(records)
         trainer = SFTTrainer(model=net, args=targs, train_dataset=data, processing_class=tokenizer, callbacks=[clock])
@@ -387,6 +386,13 @@ def main() -> int:
     p.add_argument("--modes", default="hbp,hbp_alone,hf_sdpa,hf_flash_attention_2,trl_bfd,fwd_bwd")
     p.add_argument("--peak-tflops", type=float, help="the device's dense peak, for MFU (GPUs: looked up)")
     p.add_argument("--json", help="write the table, the memory per level and the attention backends here")
+    p.add_argument(
+        "--peer-compile",
+        choices=("layers", "model"),
+        default="layers",
+        help="when the config compiles, how HF Trainer's and TRL's models are: each decoder layer as the run's "
+        "(default), or the Trainer's own torch_compile of the whole model (~100 s of compilation a level on an H200)",
+    )
     args, overrides = p.parse_known_args()  # the rest are LightningCLI overrides, e.g. --model.compile=false
     modes = args.modes.split(",")
     per_level = args.steps + args.warmup
@@ -433,6 +439,7 @@ def main() -> int:
             for lv in range(n_levels)
         }
     micro = {lv: level_packs(dm, lv, take) for lv in range(n_levels)}
+    peers = args.peer_compile if module.hparams.compile else "none"  # HF's and TRL's: compiled when the run is
     for attn in ("sdpa", "flash_attention_2"):
         name = f"hf_{attn}"
         if name not in modes:
@@ -444,7 +451,7 @@ def main() -> int:
             lv: guarded(
                 name,
                 lambda lv=lv, attn=attn: run_hf(
-                    base_model, attn, dm.store, micro[lv], device, args.warmup, module, bool(module.hparams.compile)
+                    base_model, attn, dm.store, micro[lv], device, args.warmup, module, peers
                 ),
                 device,
                 f"level {levels[lv].pack_len}",
@@ -452,7 +459,6 @@ def main() -> int:
             for lv in range(n_levels)
         }
     if "trl_bfd" in modes:
-        compiled = bool(module.hparams.compile)
         trl = {
             lv: guarded(
                 "trl_bfd",
@@ -465,7 +471,7 @@ def main() -> int:
                     device,
                     args.warmup,
                     module,
-                    compiled,
+                    peers,
                 ),
                 device,
                 f"level {levels[lv].pack_len}",

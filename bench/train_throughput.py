@@ -39,6 +39,7 @@ from lit_hbp.data.tokenize import tokenize_source
 from lit_hbp.demo.text import ensure_demo
 from lit_hbp.lightning.datamodule import load_tokenizer
 from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.model.causal_lm import decoder_layers, unprepare_model
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing import Level, plan_hbp
 from lit_hbp.report import format_table
@@ -99,11 +100,25 @@ def autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def hf_model(base: HBPLitModule, attn: str, device, dtype=torch.float32):
-    net = copy.deepcopy(base.model)
+def baseline_copy(model: torch.nn.Module, attn: str, compile_layers: bool = False) -> torch.nn.Module:
+    """A peer's model (HF Trainer's, TRL's, a plain loop's): a copy of the prepared ``model`` with lit-hbp's
+    preparation undone (``unprepare_model``) and the family's own ``attn``. A prepared copy recognises a
+    padding-free batch's restarting positions as a pack and runs lit-hbp's varlen attention inside the peer's
+    step (the HF and TRL rows did so until 2026-11-30). With ``compile_layers`` its decoder layers are compiled
+    as ``HBPLitModule(compile=True)`` compiles the run's: each layer, dynamic over lengths, the same regions."""
+    names = {id(layer) for layer in decoder_layers(model)}
+    names = [name for name, module in model.named_modules() if id(module) in names]
+    net = unprepare_model(copy.deepcopy(model))
     net.set_attn_implementation(attn)
     net.config.use_cache = False  # with a cache, transformers does not split a padding-free row into its samples
-    return net.to(device=device, dtype=dtype).train()
+    if compile_layers:
+        for name in names:
+            net.get_submodule(name).compile(dynamic=True)
+    return net
+
+
+def hf_model(base: HBPLitModule, attn: str, device, dtype=torch.float32):
+    return baseline_copy(base.model, attn).to(device=device, dtype=dtype).train()
 
 
 def run_padded(base, store, chosen, args, device, pad_id):

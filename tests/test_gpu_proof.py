@@ -184,3 +184,44 @@ def test_the_gpu_checks_bring_back_at_most_the_eight_files_the_device_returns():
     assert {"env.txt", "tests.log", "throughput.log", "profile.txt", "bench.log"} <= names
     for used in set(re.findall(r"python3 (bench/[\w]+\.py)", script)):
         assert (ROOT / used).is_file(), used
+
+
+@pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "layers_compiled"])
+def test_the_peers_models_run_their_own_attention_and_the_run_keeps_lit_hbps(monkeypatch, compile_layers):
+    """HF Trainer's and TRL's rows train a copy of the run's prepared model. A prepared copy took a
+    padding-free batch (DataCollatorWithFlattening's restarting positions) for a pack and ran lit-hbp's
+    varlen attention inside the peer's step: ``baseline_copy`` undoes the preparation on the copy only. Its
+    loss is the family's own (each document alone through the model's eager attention, summed), and its decoder
+    layers are compiled as the run's when asked."""
+    import copy
+
+    import torch
+    from conftest import TINY_LLAMA
+    from train_throughput import baseline_copy
+    from transformers import DataCollatorWithFlattening
+
+    import lit_hbp.model.attention as attention
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.model.packed_call import record_of
+
+    torch.manual_seed(0)
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=300)
+    module.configure_model()
+    reference = copy.deepcopy(module.model)  # outside a pack, a prepared model runs its own attention
+    reference.set_attn_implementation("eager")
+    ran = []
+    real = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda *a, **k: (ran.append(1), real(*a, **k))[1])
+    peer = baseline_copy(module.model, "sdpa", compile_layers)
+    assert record_of(peer) is None and record_of(module.model) is not None
+    compiled = [type(layer).__name__ for layer in peer.model.layers if layer._compiled_call_impl is not None]
+    assert len(compiled) == (len(peer.model.layers) if compile_layers else 0)
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (7, 12, 5)]
+    batch = DataCollatorWithFlattening(return_position_ids=True)([{"input_ids": d, "labels": d} for d in docs])
+    loss = peer(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss
+    assert not ran, "the peer's padding-free call ran lit-hbp's attention"
+    alone = sum(reference(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss * (len(d) - 1) for d in docs)
+    torch.testing.assert_close(loss * sum(len(d) - 1 for d in docs), alone, atol=1e-5, rtol=1e-5)
+    module.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
+    assert ran, "the run's model lost its preparation"
