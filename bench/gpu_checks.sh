@@ -3,8 +3,8 @@
 # 2026-11-29 took 556 s for all of them at once and still cut three test parts and HF Trainer at their limits):
 #   bash bench/gpu_checks.sh [PART ...]        (default: speed tests bench; `profile` on demand)
 #   speed    ~330 s  bench/gpu_throughput.py, the 1B config: lit-hbp (each level alone) beside HF Trainer
-#                    padding-free, each with its decoder layers compiled (HF's own whole-model torch_compile took
-#                    ~100 s a level on the H200: --peer-compile model)
+#                    padding-free on SDPA and on FlexAttention, decoder layers compiled as lit-hbp's (HF's own
+#                    whole-model torch_compile took ~100 s a level on the H200: --peer-compile model)
 #   tests    ~240 s  pytest -m gpu in two parts at once: attention and the hybrids' mixers; the rest
 #   bench    ~110 s  bench/step_overhead.py (the run's step beside a bare loop), bench/op_overhead.py (the attention
 #                    op's host time around torch's varlen kernel) and bench/mixer_batches.py
@@ -43,7 +43,7 @@ THROUGHPUT="python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml 
 for part in $PARTS; do
   case $part in
   speed)
-    timeout 330 $THROUGHPUT --modes hbp_alone,hf_sdpa --json $OUT/throughput.json >> $OUT/throughput.log 2>&1
+    timeout 330 $THROUGHPUT --modes hbp_alone,hf_sdpa,hf_flex_attention --json $OUT/throughput.json >> $OUT/throughput.log 2>&1
     at "speed exit $?" ;;
   trl)
     timeout 250 $THROUGHPUT --modes trl_bfd >> $OUT/throughput.log 2>&1

@@ -12,11 +12,12 @@ trains, curriculum off, validation off, one device, the same initial weights):
   order), timed as one window from the step by which every level had its ``--warmup`` steps: its row is
   ``all hbp`` only (a window of mixed levels cannot be split by level without a synchronization a step);
 - hbp_alone: the same ``Trainer.fit``, one level at a time (the plan's steps of that level only);
-- hf_sdpa / hf_flash_attention_2: Hugging Face ``Trainer`` with ``DataCollatorWithFlattening``
+- hf_sdpa / hf_flex_attention / hf_flash_attention_2: Hugging Face ``Trainer`` with ``DataCollatorWithFlattening``
   (one micro-batch's samples per batch: the same tokens per optimizer step as hbp, position_ids
   restarting per sample, bf16 autocast on a GPU), AdamW; when the config compiles, each decoder layer
   compiled as the run's (``--peer-compile model``: the Trainer's own ``torch_compile`` of the whole
   model instead); the model the family's own, lit-hbp's preparation undone (``baseline_copy``);
+  flex_attention (transformers' FlexAttention with its packed-sequence block mask) on a GPU only,
   flash_attention_2 only when flash-attn is installed;
 - trl_bfd: TRL's ``SFTTrainer`` on the level's samples, ``packing=True, packing_strategy="bfd"``
   (padding-free rows of the level's pack length, TRL's own packing), one row per step, the same steps,
@@ -32,8 +33,9 @@ its levels together: their tokens over their summed seconds (hbp's: its one wind
 Tokens are real sample tokens; MFU is ``ModelSpec.train_flops`` (the module's definition: dense
 layers on real tokens, causal attention per document, LM head on supervised tokens, no
 recomputation) over the device's dense peak (TRL's rows: their documents from the rows' positions).
-A mode that runs out of memory is reported as OOM and the others still run. Bars (one H100): hbp MFU
->= 0.45 at 16K and >= 0.40 at 4K, hbp >= 1.5x hf_sdpa and >= 1.2x trl_bfd at every level.
+A mode that runs out of memory is reported as OOM, one that fails as failed (its traceback on stderr),
+and the others still run. Bars (one H100): hbp MFU >= 0.45 at 16K and >= 0.40 at 4K, hbp >= 1.5x HF
+Trainer's fastest padding-free mode and >= 1.2x trl_bfd at every level.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import replace
 
 import lightning as L
@@ -360,8 +363,9 @@ def run_fwd_bwd(module, store, micro, device, dtype, warmup: int) -> tuple[float
 
 
 def guarded(name: str, fn, device, where: str = ""):
-    """Run one mode; an out-of-memory error is reported, not raised. Each result is printed as it comes (a run
-    stopped at its time limit keeps what it measured)."""
+    """Run one mode; an out-of-memory error or any other failure is reported (its row says OOM or failed, the
+    traceback goes to stderr), not raised. Each result is printed as it comes (a run stopped at its time limit
+    keeps what it measured)."""
     try:
         result = fn()
         if isinstance(result, tuple) and result[0] > 0:
@@ -372,6 +376,10 @@ def guarded(name: str, fn, device, where: str = ""):
     except OOM:
         print(f"{name}: out of memory", file=sys.stderr)
         return "OOM"
+    except Exception:  # one mode's failure is its row's, not the run's: the others still measure
+        print(f"{name} {where}: failed", file=sys.stderr)
+        traceback.print_exc()
+        return "failed"
     finally:
         gc.collect()
         if device.type == "cuda":
@@ -383,7 +391,7 @@ def main() -> int:
     p.add_argument("--config", default="configs/llama_1b_1gpu.yaml")
     p.add_argument("--steps", type=int, default=40, help="timed optimizer steps per level (plus --warmup)")
     p.add_argument("--warmup", type=int, default=8, help="steps per level left out of the timing (compilation)")
-    p.add_argument("--modes", default="hbp,hbp_alone,hf_sdpa,hf_flash_attention_2,trl_bfd,fwd_bwd")
+    p.add_argument("--modes", default="hbp,hbp_alone,hf_sdpa,hf_flex_attention,hf_flash_attention_2,trl_bfd,fwd_bwd")
     p.add_argument("--peak-tflops", type=float, help="the device's dense peak, for MFU (GPUs: looked up)")
     p.add_argument("--json", help="write the table, the memory per level and the attention backends here")
     p.add_argument(
@@ -440,12 +448,15 @@ def main() -> int:
         }
     micro = {lv: level_packs(dm, lv, take) for lv in range(n_levels)}
     peers = args.peer_compile if module.hparams.compile else "none"  # HF's and TRL's: compiled when the run is
-    for attn in ("sdpa", "flash_attention_2"):
+    for attn in ("sdpa", "flex_attention", "flash_attention_2"):
         name = f"hf_{attn}"
         if name not in modes:
             continue
         if attn == "flash_attention_2" and not _has_flash_attn():
             print(f"{name}: skipped, flash-attn is not installed", file=sys.stderr)
+            continue
+        if attn == "flex_attention" and device.type != "cuda":
+            print(f"{name}: skipped, torch's FlexAttention has no backward on {device.type}", file=sys.stderr)
             continue
         results[name] = {
             lv: guarded(
@@ -505,8 +516,8 @@ def main() -> int:
             r = res.get(lv)
             if r is None:
                 continue
-            row = dict(name=f"{levels[lv].pack_len}:{levels[lv].sp} {name}", tokens_per_s="OOM", mfu="", vs_hf_sdpa="")
-            if r != "OOM":
+            row = dict(name=f"{levels[lv].pack_len}:{levels[lv].sp} {name}", tokens_per_s=r, mfu="", vs_hf_sdpa="")
+            if isinstance(r, tuple):
                 seconds, tokens, flops = r
                 row.update(tokens_per_s=f"{tokens / seconds:.0f}", mfu=f"{flops / seconds / peak:.3f}" if peak else "")
                 row["vs_hf_sdpa"] = f"{tokens / seconds / base_tps:.2f}" if base_tps else ""
@@ -544,8 +555,8 @@ def overall(results: dict[str, dict[int | str, object]], peak: float | None) -> 
         if done and len(done) == len(res):
             totals[name] = tuple(sum(r[i] for r in done) for i in range(3))
     base = totals.get("hf_sdpa")
-    rows = [dict(name=f"all {name}", tokens_per_s="OOM", mfu="", vs_hf_sdpa="") for name, res in results.items()
-            if res.get("all") == "OOM"]  # fmt: skip
+    rows = [dict(name=f"all {name}", tokens_per_s=res["all"], mfu="", vs_hf_sdpa="") for name, res in results.items()
+            if isinstance(res.get("all"), str)]  # fmt: skip
     for name, (seconds, tokens, flops) in totals.items():
         row = dict(name=f"all {name}", tokens_per_s=f"{tokens / seconds:.0f}")
         row["mfu"] = f"{flops / seconds / peak:.3f}" if peak else ""

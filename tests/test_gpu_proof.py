@@ -225,3 +225,20 @@ def test_the_peers_models_run_their_own_attention_and_the_run_keeps_lit_hbps(mon
     torch.testing.assert_close(loss * sum(len(d) - 1 for d in docs), alone, atol=1e-5, rtol=1e-5)
     module.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
     assert ran, "the run's model lost its preparation"
+
+
+def test_a_mode_that_fails_is_its_rows_and_the_others_still_measure(capsys):
+    """``gpu_throughput.guarded``: a peer mode that cannot run on the machine (a kernel missing, a version
+    mismatch) says so in its rows and on stderr, with its traceback; the run goes on."""
+    import torch
+    from gpu_throughput import guarded, overall
+
+    def broken():
+        raise RuntimeError("no kernel for this call")
+
+    assert guarded("hf_flex_attention", broken, torch.device("cpu"), "level 4096") == "failed"
+    err = capsys.readouterr().err
+    assert "hf_flex_attention level 4096: failed" in err and "RuntimeError: no kernel for this call" in err
+    rows = overall({"hbp": {"all": "failed"}, "hf_sdpa": {0: (2.0, 100.0, 1e3)}}, None)
+    assert {"name": "all hbp", "tokens_per_s": "failed", "mfu": "", "vs_hf_sdpa": ""} in rows
+    assert any(r["name"] == "all hf_sdpa" and r["tokens_per_s"] == "50" for r in rows)
