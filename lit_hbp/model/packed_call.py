@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch.fx.experimental import _config as fx_config
 from torch.utils.checkpoint import checkpoint
 
 from lit_hbp.data.batch import PACK_MARK, PackedBatch
@@ -234,7 +235,8 @@ def pack_scope(
     inputs on the host with ``offload``, the MLPs in ``tiles``, a vision tower's configs naming ``tower``'s
     attention while it encodes the call's images (``causal_lm.tower_names``; none: their own), the pack's
     document ``bounds`` on the host where the caller has them (``PackedBatch.bounds``: a stateful mixer then
-    reads nothing back from the device); on this thread, for this call only."""
+    reads nothing back from the device); on this thread, for this call only. Graphs compiled during the call
+    give each size a symbol of its own (``sizes_apart``: torch's setting, process-wide for the call's duration)."""
     prepared = record_of(model)
     if prepared is None:
         raise ValueError("pack_scope: call lit_hbp.prepare_model(model) first")
@@ -276,7 +278,7 @@ def sizes_apart() -> contextlib.AbstractContextManager:
     model's 4096 hidden units, a 1K pack and 1024-wide K/V heads) tied the pack's length to that width, the
     weight's fixed width then pinned it, and every later length compiled the layers again
     (tests/test_compile.py). Compiled layers see the length change every call; widths never do."""
-    return torch.fx.experimental._config.patch(use_duck_shape=False)
+    return fx_config.patch(use_duck_shape=False)
 
 
 def pack_inputs(batch: PackedBatch) -> dict:
