@@ -86,7 +86,7 @@ def throughput_part(args: argparse.Namespace, work: Path) -> dict:
         config += ["--trainer.accumulate_grad_batches=1"]
     else:
         config = ["--config", "configs/llama_1b_1gpu.yaml", "--steps", "12", "--warmup", "4"]
-        config += ["--modes", "hbp_alone,hf_sdpa,hf_flash_attention_2"]  # each level alone, timed alike
+        config += ["--modes", "hbp_alone,hf_sdpa,hf_flex_attention,hf_flash_attention_2"]  # each level alone
     config += [demo, f"--trainer.logger.init_args.save_dir={work / 'runs'}"]  # the config's logger, in the work folder
     return {"cmd": [sys.executable, str(HERE / "gpu_throughput.py"), *config, "--json", str(out)], "json": out}
 
