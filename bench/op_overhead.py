@@ -2,9 +2,9 @@
 
     python bench/op_overhead.py [--device cpu] [--backend null] [--tokens 64] [--calls 2000] [--rounds 9]
 
-A compiled decoder layer calls the custom op ``hbp::varlen_attention_v4`` in its forward graph and the op's
-backward op in its backward graph, through torch's dispatcher, grad off; the op picks the kernel, lays out
-its tensors and calls the backend's LSE pair (``lit_hbp.model.attention.op``). On a small call the host
+A compiled decoder layer calls lit-hbp's custom attention op (``lit_hbp.model.attention.op.OP``) in its forward
+graph and the op's backward op in its backward graph, through torch's dispatcher, grad off; the op picks the
+kernel, lays out its tensors and calls the backend's LSE pair. On a small call the host
 dominates, so this times, per call, on the same tensors and in the same way (one synchronization per window):
 
 - ``op``: the two ops as a compiled graph calls them;
@@ -54,49 +54,30 @@ def null_backend():
 
 @cache
 def floor_ops():
-    """Ops of the attention op's and its backward op's signatures whose bodies return fresh outputs only
-    (defined once a process: torch refuses a second definition of an op's name)."""
-    lib = "hbp_bench::floor"
+    """Ops with the attention op's and its backward op's schemas (read from them) whose bodies return fresh
+    outputs only (defined once a process: torch refuses a second definition of an op's name)."""
 
-    @torch.library.custom_op(lib, mutates_args=())
-    def floor(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu: torch.Tensor,
-        sinks: torch.Tensor | None,
-        max_len: int,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-        dropout: float,
-        backend: str,
-        owner: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def floor(q, k, v, *rest):
         return q.new_empty(q.shape), q.new_empty(q.shape[1:3]), torch.zeros((), dtype=torch.int64)
 
-    @torch.library.custom_op(f"{lib}_backward", mutates_args=())
-    def floor_backward(
-        grad: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu: torch.Tensor,
-        sinks: torch.Tensor | None,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        seed: torch.Tensor,
-        max_len: int,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-        dropout: float,
-        backend: str,
-        owner: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def floor_backward(grad, q, k, v, *rest):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(0)
 
-    return torch.ops.hbp_bench.floor.default, torch.ops.hbp_bench.floor_backward.default
+    ops = []
+    for fn, real in zip((floor, floor_backward), attention_ops()):
+        schema = str(real._schema)
+        torch.library.custom_op(f"hbp_bench::{fn.__name__}", fn, mutates_args=(), schema=schema[schema.index("(") :])
+        ops.append(getattr(torch.ops.hbp_bench, fn.__name__).default)
+    return tuple(ops)
+
+
+def attention_ops():
+    """lit-hbp's attention op and its backward op, by the name ``lit_hbp.model.attention.op.OP`` gives them."""
+    from lit_hbp.model.attention.op import OP
+
+    namespace, name = OP.split("::")
+    ops = getattr(torch.ops, namespace)
+    return getattr(ops, name).default, getattr(ops, f"{name}_backward").default
 
 
 def per_call_us(fn: Callable[[], object], device: torch.device, calls: int, rounds: int) -> float:
@@ -148,7 +129,7 @@ def measure(device: torch.device, backend: str, tokens: int, calls: int, rounds:
     if added:
         backends.REGISTRY[NULL] = null_backend()
     try:
-        op, op_backward = torch.ops.hbp.varlen_attention_v4.default, torch.ops.hbp.varlen_attention_v4_backward.default
+        op, op_backward = attention_ops()
         floor, floor_backward = floor_ops()
         host = (max_len, scale, None, None, 0.0, backend, 0)
         pair = backends.REGISTRY[backend].lse
