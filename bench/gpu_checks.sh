@@ -11,6 +11,8 @@
 #   trl      ~250 s  TRL's BFD on the same levels (bench/gpu_throughput.py --modes trl_bfd)
 #   vision   ~150 s  the image tests on transformers 5.24 (.whl/vlm/): passed on the H200, 2026-11-29
 #   profile  ~100 s  bench/step_profile.py on the 4K level with one pack a step (taken on the H200, 2026-11-29)
+#   graphs   ~120 s  bench/graph_modes.py: the 1B config's layers at its 4K level, one pack a step, compiled
+#                    dynamic (the run's), static and under CUDA graphs: whether one graph per level pays
 # Here first: bash bench/gpu_wheels.sh. Device run: carry [".whl", "demo_data"], timeout_s = the parts' sum
 # + 40, e.g. `bash bench/gpu_checks.sh speed bench` (timeout_s 480) and `bash bench/gpu_checks.sh tests trl`.
 # At most eight files come back in $OUT (the device tool returns no more):
@@ -20,6 +22,7 @@
 #   tests.log       tests and vision: pytest -m gpu, each part under a header
 #   bench.log       bench's three benchmarks
 #   profile.txt     profile: wall ms a step, each micro-batch's host ms, the device's busy share, waits, compilations
+#                   (graphs: its table is appended to bench.log)
 #   trace.json.gz   that profile's trace (Perfetto)
 set -u
 cd "$(dirname "$0")/.."
@@ -30,7 +33,7 @@ T0=$(date +%s)
 at() { echo "$1 at $(( $(date +%s) - T0 )) s" >> $OUT/env.txt; }
 PARTS=${*:-speed tests bench}
 for part in $PARTS; do
-  case $part in speed|trl|tests|vision|bench|profile) ;; *) echo "unknown part $part (speed, trl, tests, vision, bench, profile)" >&2; exit 2 ;; esac
+  case $part in speed|trl|tests|vision|bench|profile|graphs) ;; *) echo "unknown part $part (speed, trl, tests, vision, bench, profile, graphs)" >&2; exit 2 ;; esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site:$PWD
@@ -70,6 +73,11 @@ for part in $PARTS; do
     timeout 40 python3 bench/mixer_batches.py --device cuda --family bamba --docs 64 --pack-len 4096 --steps 4 \
         --warmup 1 --rounds 2 >> $OUT/bench.log 2>&1
     at "mixer batches exit $?" ;;
+  graphs)
+    echo "===== graph_modes" >> $OUT/bench.log
+    timeout 120 python3 bench/graph_modes.py --device cuda --layers 16 --width 2048 --pack-len 4096 --docs 8 \
+        --steps 15 --warmup 5 --rounds 2 >> $OUT/bench.log 2>&1
+    at "graph modes exit $?" ;;
   profile)
     # TORCH_LOGS=recompiles: why the H200's third profiled step compiled the decoder layer again (2026-11-29)
     TORCH_LOGS=recompiles timeout 100 python3 bench/step_profile.py --config configs/llama_1b_1gpu.yaml --level 4096 \

@@ -15,8 +15,9 @@ trains, curriculum off, validation off, one device, the same initial weights):
 - hf_sdpa / hf_flex_attention / hf_flash_attention_2: Hugging Face ``Trainer`` with ``DataCollatorWithFlattening``
   (one micro-batch's samples per batch: the same tokens per optimizer step as hbp, position_ids
   restarting per sample, bf16 autocast on a GPU), AdamW; when the config compiles, each decoder layer
-  compiled as the run's (``--peer-compile model``: the Trainer's own ``torch_compile`` of the whole
-  model instead); the model the family's own, lit-hbp's preparation undone (``baseline_copy``);
+  compiled as the run's, a symbol per size as in lit-hbp's packed calls (``sizes_apart``; ``--peer-compile
+  model``: the Trainer's own ``torch_compile`` of the whole model instead); the model the family's own,
+  lit-hbp's preparation undone (``baseline_copy``);
   flex_attention (transformers' FlexAttention with its packed-sequence block mask) on a GPU only,
   flash_attention_2 only when flash-attn is installed;
 - trl_bfd: TRL's ``SFTTrainer`` on the level's samples, ``packing=True, packing_strategy="bfd"``
@@ -62,6 +63,7 @@ from lit_hbp.cost.gpu_peaks import peak_flops as gpu_peak_flops
 from lit_hbp.cost.memory import GIB, level_memory
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.model import attention
+from lit_hbp.model.packed_call import sizes_apart
 from lit_hbp.packing.plan import Plan
 from lit_hbp.report import format_table
 
@@ -244,7 +246,7 @@ def run_hf(
         items.append(feats)
     stats = [pack_flops(module, store, packs) for packs in micro]
     clock = hf_window(device, warmup, len(items))
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, sizes_apart():  # compiled as lit-hbp's packed calls compile
         targs = hf_training_args(out, 1, len(items), cuda, torch_compile=compiled == "model")
         trainer = Trainer(
             model=net, args=targs, train_dataset=items, data_collator=lambda b: flatten(b[0]), callbacks=[clock]
@@ -310,7 +312,7 @@ def run_trl(
         return collate_and_count
 
     clock = hf_window(device, warmup, len(micro))
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, sizes_apart():
         targs = hf_training_args(
             out, 1, len(micro), cuda, args_class=SFTConfig, packing=True, packing_strategy="bfd",
             max_length=pack_len, dataset_num_proc=None, gradient_checkpointing=False, torch_compile=compiled == "model",

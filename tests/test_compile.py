@@ -97,6 +97,31 @@ def test_a_first_pack_as_long_as_a_layer_width_compiles_a_graph_for_every_length
     assert backend.frame_count == graphs, "a later pack length compiled again"
 
 
+def test_a_static_graph_takes_each_packs_boundaries_and_a_new_longest_document_compiles_again():
+    """What bench/graph_modes.py's static and CUDA-graph modes rest on: a layer compiled ``dynamic=False``
+    serves every pack of its shape whose documents come in another order (the boundaries are the op's tensor
+    input, read at each call, never a constant of the graph) and trains like eager; the longest document is a
+    constant of a static graph (the kernels' grid), so a pack of the same shape with another longest document
+    compiles a graph of its own rather than run with the old one."""
+    torch._dynamo.reset()
+    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    eager, compiled = make_module(), make_module(compile=True)
+    for layer in compiled._layers:
+        layer.compile(backend=backend, dynamic=False)
+    rng = np.random.default_rng(5)
+    orders = [[5, 19, 24], [24, 5, 19], [19, 24, 5], [5, 24, 19], [20, 20, 8]]  # the last: another longest
+    for i, lengths in enumerate(orders):
+        samples = {j: (rng.integers(0, 300, n), rng.random(n) < 0.7) for j, n in enumerate(lengths)}
+        batch = collate_packs([np.arange(len(lengths))], samples.__getitem__, loss_norm=20.0)
+        for a, b in zip(grads(eager, batch), grads(compiled, batch)):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        if i == 0:
+            graphs = backend.frame_count
+        if i == len(orders) - 2:
+            assert backend.frame_count == graphs, "a pack of the same shape and longest document compiled again"
+    assert backend.frame_count > graphs, "a new longest document ran a graph built for another"
+
+
 @pytest.mark.parametrize(("tiles", "most"), [(1, 2), (2, 6)])
 def test_checkpointed_and_tiled_layers_share_their_graphs(tiles, most):
     """A level that checkpoints 3 of 6 layers (and tiles the MLPs): as many graphs as kinds of layer, not
