@@ -127,10 +127,20 @@ def test_fit_runs_the_self_check_and_trains(tmp_path, toy_tokenizer, small_demo,
     assert "self-check passed (a pack equals its documents alone): sp 1: loss" in caplog.text
 
 
-def test_fit_refuses_a_family_the_self_check_rejects_before_any_step(tmp_path, toy_tokenizer, small_demo):
+def test_fit_refuses_a_family_before_any_step_and_the_self_check_catches_what_prepare_model_misses(
+    tmp_path, toy_tokenizer, small_demo, monkeypatch
+):
+    """Bloom computes its ALiBi attention in its own code: ``prepare_model`` refuses it (the public core too);
+    were that check to miss it (a family's code read wrong), the self-check at the start of fit is the second line."""
+    from lit_hbp.model import causal_lm
+
     config = small_config("bloom")
     config.pop("vocab_size")
     steps = []
-    with pytest.raises(SelfCheckError, match="self-check failed for model family 'bloom'"):
+    with pytest.raises(ValueError, match="^bloom: its `h.0.self_attention` .* computes attention in its own code"):
         steps = fit(HBPLitModule(model=config), tmp_path, toy_tokenizer, small_demo)
+    assert steps == []
+    monkeypatch.setattr(causal_lm, "refuse_unseen", lambda *a: None)
+    with pytest.raises(SelfCheckError, match="self-check failed for model family 'bloom'"):
+        steps = fit(HBPLitModule(model=config), tmp_path / "second", toy_tokenizer, small_demo)
     assert steps == []

@@ -96,6 +96,38 @@ def test_family_trains_exactly_or_is_refused_at_setup(family):
         assert family in detail, detail  # the refusal names the family ...
         ours = ("self-check", f"{family}: this model does not run", f"{family}: layer ", f"{family}: its `")
         assert detail.startswith(ours), detail  # ... and is ours
+        # A family that trains differently is refused by prepare_model itself, not only by the self-check at the
+        # start of fit: a project's own prepare_model + packed_loss runs no self-check (it fails on a pack below)
+        assert not detail.startswith("self-check failed"), f"refused by the self-check alone: {detail[:400]}"
+
+
+UNSEEN = {
+    "bloom": "computes attention in its own code, not through transformers' AttentionInterface",
+    "xglm": "computes attention in its own code",
+    "phimoe": r"applies the config's sliding_window \(24\) through the attention mask only",
+    "blenderbot-small": r"its `BlenderbotSmallDecoder` numbers a call's positions itself \(torch.arange over the row\)",
+    "modernbert-decoder": r"its `lm_head` \(ModernBertDecoderPredictionHead\) holds weights its forward runs between",
+    "deepseek_v4": "is a compressor pooling keys over blocks of positions",
+}
+
+
+@pytest.mark.parametrize("family", list(UNSEEN))
+def test_prepare_model_refuses_what_a_packed_call_cannot_see_before_touching_the_model(family):
+    """Families the self-check found training differently, each refused by ``prepare_model`` on the public core
+    with its reason, the model left as it was; the same families as the packed call sees them: a pack through the
+    unprepared-then-refused model would have let its documents see each other or renumbered their positions."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_hbp import prepare_model
+
+    config = dict(small_config(family), **({"sliding_window": 24} if family == "phimoe" else {}))
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    before = net.config._attn_implementation
+    with pytest.raises(ValueError, match=f"^{family}: .*{UNSEEN[family]}") as refused:
+        prepare_model(net)
+    assert "refused (docs/families.md)" in str(refused.value) or "lit-hbp trains models" in str(refused.value)
+    assert net.config._attn_implementation == before and not hasattr(net, "_hbp_prepared")
 
 
 def readme_table() -> dict[str, str]:

@@ -724,6 +724,7 @@ def run_cli(args, capsys) -> tuple[int, str]:
         ("qwen3_next", ["--data.levels", "[{pack_len: 512, sp: 2, cp: 2}]", "--trainer.devices", "2"],
          "data.levels[0] (pack_len 512, sp 2): qwen3_next's"),
         ("bamba", ["--trainer.strategy", "hbp_stage_3"], "trainer.strategy (ZeRO stage 3): bamba holds a stateful"),
+        ("bloom", [], "model.model: bloom: its `h.0.self_attention` (BloomAttention) computes attention in its own"),
     ],
 )  # fmt: skip
 def test_the_cli_refuses_what_it_cannot_train_in_one_line_before_reading_the_data(

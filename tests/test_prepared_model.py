@@ -211,6 +211,13 @@ def test_pack_samples_takes_hugging_face_records_and_level_settings():
     bad = dict(records[1], labels=[7] + records[1]["labels"][1:])
     with pytest.raises(ValueError, match=r"sample 1: labels\[0\] is 7, not -100 and not the token"):
         pack_samples([records[0], bad])
+    with pytest.raises(ValueError, match="sample 1 has no tokens: an empty sample trains nothing"):
+        pack_samples([pairs[0], ([], []), pairs[1]])  # its loss would count a document that is not there
+    with pytest.raises(ValueError, match="sample 2 has no tokens"):
+        pack_samples([pairs[0], pairs[1], {"input_ids": [], "labels": []}])
+    ids, mask = (torch.as_tensor(x)[None] for x in pairs[0])  # [1, L], as a tokenizer returns them
+    for given in ((ids, mask), {"input_ids": ids, "supervised": mask}):
+        assert torch.equal(pack_samples([given]).labels, pack_samples([pairs[0]]).labels)
     with pytest.raises(ValueError, match="sample 0: its attention_mask has zeros"):
         pack_samples([dict(records[0], attention_mask=[1] * (len(records[0]["input_ids"]) - 1) + [0])])
     with pytest.raises(ValueError, match=r"sample 0: pack_samples does not use \['cross_attention_mask'\]"):

@@ -70,7 +70,7 @@ from lit_hbp.lightning.checkpoints import (
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.lightning.strategy import config_zero_stage  # (registers --trainer.strategy hbp, hbp_stage_N)
-from lit_hbp.model.build import check_token_mixers
+from lit_hbp.model.build import check_model_before_data
 
 TERMINATED = 128 + 15  # a shell's status for a program ended by SIGTERM
 RUNS = "runs"  # the run folder's root (default_root_dir), relative to the working directory
@@ -384,7 +384,7 @@ class HBPCLI(LightningCLI):
             # A subcommand trains with the config's callbacks; a tool that parses without one may drop them.
             check_run_config(section.as_dict(), trains=bool(self.subcommand))
             config = section.as_dict()
-            check_token_mixers(
+            check_model_before_data(
                 (config.get("model") or {}).get("model"),
                 (config.get("data") or {}).get("levels"),
                 zero_stage=config_zero_stage((config.get("trainer") or {}).get("strategy")),

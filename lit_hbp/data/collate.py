@@ -44,6 +44,9 @@ def collate_packs(
     sample_ids = np.concatenate(packs) if packs else np.zeros(0, np.int64)
     parts = [tokens(int(i)) for i in sample_ids]
     lens = np.array([p[0].size for p in parts], dtype=np.int64)
+    if lens.size and not lens.all():
+        empty = int(sample_ids[np.flatnonzero(lens == 0)[0]])
+        raise ValueError(f"sample {empty} has no tokens: an empty sample trains nothing, leave it out of the pack")
     n = int(lens.sum())
     total = padded_length(n, sp)
     pad = total - n
@@ -157,7 +160,7 @@ def _sample(i: int, sample: Any) -> tuple[np.ndarray, np.ndarray, dict]:
     ValueError naming it."""
     media: dict = {}
     if not isinstance(sample, Mapping):
-        ids, mask = sample
+        ids, mask = (_row(x) for x in sample)
     else:
         known = {"input_ids", "supervised", "labels", "attention_mask", *MM_KEYS}
         unknown = sorted(set(sample) - known - SAMPLE_INFO)
@@ -188,7 +191,7 @@ def _sample(i: int, sample: Any) -> tuple[np.ndarray, np.ndarray, dict]:
                 )
             mask = trained.astype(np.int64)
         else:
-            mask = sample["supervised"]
+            mask = _row(sample["supervised"])
         media = media_of(sample, i, ids.size)
     ids, mask = np.asarray(ids), np.asarray(mask)
     if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):

@@ -1,9 +1,9 @@
 """Building a Hugging Face causal LM for lit-hbp, and the parts of it lit-hbp works with: built from a
 checkpoint folder or a config mapping with the varlen attention (``build_causal_lm``; a family that
 does not run its attention through transformers' AttentionInterface is refused), its decoder and its
-checkpointable layers, the configs its modules read, a checkpoint's token mixers checked before the
-data is read (``check_token_mixers``), ZeRO-3 loading, and what a run adds to the model before it
-trains: Liger's kernels, a frozen vision tower, LoRA adapters. How the built model then trains on
+checkpointable layers, the configs its modules read, a checkpoint's family checked before the data is read
+as ``prepare_model`` will check it (``check_model_before_data``), ZeRO-3 loading, and what a run adds to the
+model before it trains: Liger's kernels, a frozen vision tower, LoRA adapters. How the built model then trains on
 packs: ``lit_hbp.model.causal_lm``.
 """
 
@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_hbp.errors import ConfigError
 from lit_hbp.model import attention, calls
 from lit_hbp.model.checks import check_model_config, local_checkpoint, model_config
+from lit_hbp.model.family_checks import refuse_unseen
 from lit_hbp.model.mixers import ZERO3_REFUSAL, refusal, sp_refusal, stateful_mixers
 from lit_hbp.model.packed_call import unwrapped
 from lit_hbp.model.vision import is_multimodal, language_linears, vision_tower
@@ -107,14 +108,17 @@ def build_on_meta(config: Any) -> torch.nn.Module | None:
     return net
 
 
-def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model", zero_stage: int | None = None) -> None:
+def check_model_before_data(
+    model: Any, levels: Any = None, key: str = "model.model", zero_stage: int | None = None
+) -> None:
     """A ``model`` argument (checkpoint folder or config mapping) holding a token mixer that carries state
     across documents (``lit_hbp.model.mixers``) and that lit-hbp cannot run document by document, or one that
     it can, at a level of ``levels`` (a config's list) whose SP layout cannot give it documents whole (context
-    parallelism: ``SPKind.mixer_problem``) or under DeepSpeed ZeRO stage 3 (``zero_stage``), is refused before the
-    data is read: the model is built from its config on the meta device (no weights, no memory) and its
-    decoder looked at as ``prepare_model`` will look at the real one. A config that cannot be built here
-    is left to where it is built."""
+    parallelism: ``SPKind.mixer_problem``) or under DeepSpeed ZeRO stage 3 (``zero_stage``), or a family whose
+    own code does what a packed call cannot see (``lit_hbp.model.family_checks``), is refused before the data is
+    read: the model is built from its config on the meta device (no weights, no memory) and looked at as
+    ``prepare_model`` will look at the real one. A config that cannot be built here is left to where it is
+    built."""
     config = model_config(model)
     net = None if config is None else build_on_meta(config)
     if net is None:
@@ -124,6 +128,10 @@ def check_token_mixers(model: Any, levels: Any = None, key: str = "model.model",
     refused = [m for m in mixers if not m.per_document]
     if refused:
         raise ConfigError(f"{key}: {refusal(config.model_type, refused)}")
+    try:
+        refuse_unseen(net, decoder, config.model_type, {m.path for m in mixers}, not is_multimodal(net))
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
     if mixers and zero_stage == 3:
         raise ConfigError(f"trainer.strategy (ZeRO stage 3): {config.model_type} holds {ZERO3_REFUSAL}")
     if mixers and isinstance(levels, (list, tuple)):

@@ -42,6 +42,7 @@ from lit_hbp.model.build import (
     tower_configs,
 )
 from lit_hbp.model.checks import model_config
+from lit_hbp.model.family_checks import refuse_unseen
 from lit_hbp.model.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
 from lit_hbp.model.mixer_heads import spanning_values, split_heads
 from lit_hbp.model.mixers import (
@@ -103,6 +104,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         return model
     decoder = decoder_of(net)
     mixers = refuse_stateful_mixers(decoder, family_of(net))
+    refuse_unseen(net, decoder, family_of(net), {m.path for m in mixers}, not is_multimodal(net))
     configs = model_configs(decoder)  # a vision-language model's vision tower keeps its own attention
     for config in configs:
         calls.install(type(config))

@@ -29,7 +29,8 @@ others' documents) are summed into each rank's shard (``SPKind.sum_own_tokens``)
 A pack of fewer documents than ranks is run whole by every rank for a mixer that does not split, each
 keeping its shard. A context-parallel level, whose ranges a document's state would have
 to cross, is refused per level at set-up and in the call. Any other mixer (one found only by an
-``A_log`` decay or a ``torch.nn.Conv1d`` inside a decoder layer, RWKV's) makes ``prepare_model`` refuse
+``A_log`` decay or a ``torch.nn.Conv1d`` inside a decoder layer, RWKV's, DeepSeek V4's compressors and
+sparse-attention indexers, which mix keys over blocks or the whole row) makes ``prepare_model`` refuse
 the model before anything else happens, naming the family, the layer, the module and the kind (design
 record, section 12). A mixer this module does not recognise at all is still caught by the self-check,
 the second line.
@@ -73,6 +74,8 @@ KINDS = (
     MixerKind("an RG-LRU recurrence", re.compile(r"Rglru|RecurrentBlock")),
     MixerKind("an xLSTM recurrence", re.compile(r"xLSTMLayer|[ms]LSTM")),
     MixerKind("RWKV's token shift and recurrence", re.compile(r"^Rwkv(SelfAttention|FeedForward)$"), False),
+    MixerKind("a compressor pooling keys over blocks of positions", re.compile(r"Compressor$"), False),
+    MixerKind("a sparse-attention indexer choosing keys over the whole row", re.compile(r"Indexer$"), False),
     MixerKind("a short causal convolution", re.compile(r"ShortConv")),
 )
 DECAY = "a state-space decay (its A_log parameter)"

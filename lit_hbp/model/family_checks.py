@@ -1,0 +1,145 @@
+"""What a family's own code does that a packed call cannot see, refused by ``prepare_model`` before anything is
+done to the model.
+
+A packed call keeps documents apart through three things only: transformers' AttentionInterface (lit-hbp's
+varlen attention, given the window, sinks and soft-cap the attention call passes), each document's own positions
+handed to the decoder, and the output layer the packed loss runs on the decoder's hidden states. A family that
+computes attention in its own module, applies its sliding window through the mask alone, numbers positions
+itself or runs weights between its decoder and output layer would train silently wrong through ``prepare_model``
++ ``packed_loss`` (the self-check at the start of ``fit`` caught it there, but nothing on the public core did).
+These are read from the family's source code and the built model, as transformers' own code is written; a source
+that cannot be read counts as fine, and the self-check stays the second line.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+
+import torch
+
+INTERFACE = ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "eager_attention_forward")
+"""What a module's code names when its attention goes through transformers' AttentionInterface."""
+RENUMBERED = re.compile(r"^(?P<indent>\s*)position_ids\s*=\s*torch\.arange\(", re.M)
+
+
+@functools.cache
+def _source(cls: type) -> str | None:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return None
+
+
+def _names(cls: type, words: tuple[str, ...]) -> bool:
+    """Whether the code of ``cls`` or of a class it inherits from names any of ``words``: the family's classes,
+    not transformers' machinery (``PreTrainedModel`` names everything) nor torch's; an unreadable source counts
+    as naming them."""
+    for klass in cls.__mro__:
+        where = klass.__module__
+        if where.startswith(("torch.", "builtins")) or (
+            where.startswith("transformers.") and not where.startswith("transformers.models.")
+        ):
+            continue
+        src = _source(klass)
+        if src is None or any(w in src for w in words):
+            return True
+    return False
+
+
+def _attention_modules(decoder: torch.nn.Module, mixers: set[str]) -> list[tuple[str, torch.nn.Module]]:
+    """The decoder's modules named as attention (``...Attention``), outside its stateful mixers."""
+    out = []
+    for path, module in decoder.named_modules():
+        if not type(module).__name__.endswith("Attention"):
+            continue
+        if any(path == m or path.startswith(m + ".") for m in mixers):
+            continue
+        out.append((path, module))
+    return out
+
+
+def _own_attention(module: torch.nn.Module) -> bool:
+    """Whether neither ``module`` nor any module inside it goes through the AttentionInterface."""
+    return not any(_names(type(m), INTERFACE) for m in module.modules())
+
+
+def _window_in_mask_only(module: torch.nn.Module, decoder: torch.nn.Module, config) -> int | None:
+    """The config's sliding window when it can bind (narrower than the positions), the decoder's code builds a mask
+    with it and ``module``'s code never names it: the window is then the mask's alone, which a packed call does not
+    build (a config field neither names is not used at all)."""
+    window = getattr(config, "sliding_window", None)
+    longest = getattr(config, "max_position_embeddings", None)
+    if not isinstance(window, int) or isinstance(window, bool) or (longest is not None and window >= longest):
+        return None
+    if not _names(type(decoder), ("sliding_window",)):
+        return None
+    return None if any(_names(type(m), ("sliding_window",)) for m in module.modules()) else window
+
+
+def _renumbers_positions(decoder: torch.nn.Module) -> bool:
+    """Whether the decoder's forward sets ``position_ids`` to ``torch.arange`` over the row outside an ``if
+    position_ids is None:`` block (the BART family's decoders), so a packed call's positions would count on across
+    its documents."""
+    try:
+        src = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return False
+    lines = src.splitlines()
+    for match in RENUMBERED.finditer(src):
+        at, indent = src.count("\n", 0, match.start()), len(match["indent"])
+        opener = next((line for line in reversed(lines[:at]) if line.strip() and _indent(line) < indent), "")
+        if "position_ids is None" not in opener:  # not inside ``if position_ids is None:``
+            return True
+    return False
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _outside_weights(net: torch.nn.Module, decoder: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's own modules beside its decoder and output layer that hold weights: its forward runs them
+    (ModernBERT decoder's prediction head before its output layer) and the packed loss does not."""
+    head = net.get_output_embeddings()
+    ran = {id(p) for m in (decoder, head) if m is not None for p in m.parameters()}
+    out = []
+    for name, child in net.named_children():
+        if any(m is decoder for m in child.modules()):
+            continue
+        if any(id(p) not in ran for p in child.parameters()):  # frozen too: packed_loss's logits would skip them
+            out.append((name, child))
+    return out
+
+
+def refuse_unseen(net: torch.nn.Module, decoder: torch.nn.Module, family: str, mixers: set[str], text: bool) -> None:
+    """Raise ``ValueError`` naming the first thing of ``net``'s family a packed call cannot reproduce (see the
+    module's docstring); ``mixers``: the paths of the decoder's stateful mixers (run document by document);
+    ``text``: a text-only model (a vision-language model's tower and projector sit beside its decoder)."""
+    end = "so a pack's documents would train differently than each alone: refused (docs/families.md)"
+    config = net.config.get_text_config()
+    for path, module in _attention_modules(decoder, mixers):
+        where = f"{family}: its `{path}` ({type(module).__name__})"
+        if _own_attention(module):
+            raise ValueError(
+                f"{where} computes attention in its own code, not through transformers' AttentionInterface, where "
+                f"lit-hbp's varlen attention would keep each document to itself, {end}"
+            )
+        window = _window_in_mask_only(module, decoder, config)
+        if window is not None:
+            raise ValueError(
+                f"{where} applies the config's sliding_window ({window}) through the attention mask only, which a "
+                f"packed call does not build, {end}"
+            )
+    if _renumbers_positions(decoder):
+        raise ValueError(
+            f"{family}: its `{type(decoder).__name__}` numbers a call's positions itself (torch.arange over the row) "
+            f"instead of taking each document's own, {end}"
+        )
+    if text:
+        for name, child in _outside_weights(net, decoder):
+            raise ValueError(
+                f"{family}: its `{name}` ({type(child).__name__}) holds weights its forward runs between the decoder "
+                f"and the output layer, which lit-hbp's packed loss does not, {end}"
+            )
