@@ -29,18 +29,16 @@ for another's would show here, far above the compiled modes' rounding).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
-import time
 import warnings
 
 import numpy as np
 import torch
 from op_overhead import python_calls  # counted, not timed
-from step_overhead import model_config, sync  # the 1B config's parameter tensors at a width; one sync
+from step_overhead import bare_step, model_config, timed_window  # the same step, timed alike
 
-from lit_hbp import pack_samples, packed_loss, prepare_model
+from lit_hbp import pack_samples, prepare_model
 from lit_hbp.model.build import build_causal_lm
 from lit_hbp.model.packed_call import record_of
 from lit_hbp.report import format_table
@@ -74,34 +72,17 @@ def run(mode: str, config: dict, packs: list, args, device: torch.device) -> tup
     net = prepare_model(build_causal_lm(config).to(device))
     for layer in record_of(net).layers if mode in COMPILE else ():
         layer.compile(**COMPILE[mode])
-    params = [p for p in net.parameters() if p.requires_grad]
-    fused = device.type == "cuda"
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused or None, foreach=None if fused else True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if fused else contextlib.nullcontext()
-    graphs = mode == "cudagraphs"
+    optimizer_step = bare_step(net, device)
     losses: list[torch.Tensor] = []
 
     def step(batch) -> None:
-        if graphs:
+        if mode == "cudagraphs":
             torch.compiler.cudagraph_mark_step_begin()
-        with autocast:
-            loss = packed_loss(net, batch.to(device), "ave_token").loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(optimizer_step(batch).detach())
 
-    for batch in packs[: args.warmup]:
-        step(batch)
-    sync(device)
-    start = time.perf_counter()
-    for batch in packs[args.warmup : args.warmup + args.steps]:
-        step(batch)
-    sync(device)
-    seconds = time.perf_counter() - start
+    seconds = timed_window(step, packs, args.warmup, args.steps, device)
     calls = python_calls(lambda: step(packs[args.warmup + args.steps]))
-    return seconds / args.steps, [float(x) for x in losses], calls
+    return seconds, [float(x) for x in losses], calls
 
 
 def main() -> int:

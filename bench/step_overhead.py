@@ -92,36 +92,48 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_bare(config: dict, packs: list, args, device: torch.device) -> tuple[float, int]:
-    """(seconds per optimizer step over the timed window, aten operations per step)."""
-    torch.manual_seed(args.seed)
-    net = prepare_model(build_causal_lm(config).to(device))
+def bare_step(net: torch.nn.Module, device: torch.device):
+    """The bare loop's optimizer step on the prepared ``net``: ``packed_loss`` (bf16 autocast on CUDA), backward,
+    foreach clipping, AdamW (fused on CUDA, multi-tensor on CPU); it returns the step's loss, read by nobody."""
     params = [p for p in net.parameters() if p.requires_grad]
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(params, lr=1e-4, fused=fused or None, foreach=None if fused else True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if fused else contextlib.nullcontext()
 
-    def step(batch) -> None:
+    def step(batch) -> torch.Tensor:
         with autocast:
             loss = packed_loss(net, batch.to(device), "ave_token").loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
 
-    for batch in packs[: args.warmup]:
+    return step
+
+
+def timed_window(step, packs: list, warmup: int, steps: int, device: torch.device) -> float:
+    """Seconds per step of ``steps`` steps after ``warmup``, one device synchronization at each end."""
+    for batch in packs[:warmup]:
         step(batch)
     sync(device)
     start = time.perf_counter()
-    for batch in packs[args.warmup : args.warmup + args.steps]:
+    for batch in packs[warmup : warmup + steps]:
         step(batch)
     sync(device)
-    seconds = time.perf_counter() - start
+    return (time.perf_counter() - start) / steps
+
+
+def run_bare(config: dict, packs: list, args, device: torch.device) -> tuple[float, int]:
+    """(seconds per optimizer step over the timed window, aten operations per step)."""
+    torch.manual_seed(args.seed)
+    step = bare_step(prepare_model(build_causal_lm(config).to(device)), device)
+    seconds = timed_window(step, packs, args.warmup, args.steps, device)
     counter = Counting()
     with counter:
         for batch in packs[:COUNTED_STEPS]:
             step(batch)
-    return seconds / args.steps, counter.ops // COUNTED_STEPS
+    return seconds, counter.ops // COUNTED_STEPS
 
 
 class Window:
