@@ -86,10 +86,12 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     before. The model is put in train mode (``from_pretrained`` returns it in eval mode, which would
     train without dropout and without checkpointing). A call of a pack's token ids without its
     boundaries, and ``labels=`` of a pack (pre-shifted: its loss would shift them again) are refused.
-    A family whose attention does not go through transformers' AttentionInterface is refused: its
-    documents would attend to each other. Token mixers that carry state along the sequence (Mamba, the
-    gated delta rule, a short convolution, ...: ``lit_hbp.model.mixers``) run document by document in packed
-    calls; a model holding one lit-hbp cannot run so is refused before anything is done to it.
+    A family whose own code does what a packed call cannot see is refused before anything is done to it
+    (``lit_hbp.model.family_checks``: attention outside transformers' AttentionInterface, a window in the mask
+    alone, positions its decoder numbers itself, weights between decoder and output layer). Token mixers that
+    carry state along the sequence (Mamba, the gated delta rule, a short convolution, ...:
+    ``lit_hbp.model.mixers``) run document by document in packed calls; a model holding one lit-hbp cannot run
+    so is refused before anything is done to it.
     ``attn_backend``: the kernel of its packed calls (``auto``:
     the fastest that runs each kind of call; ``lit_hbp.model.attention.backends``), the model's own: another
     model keeps its own. ``unprepare_model`` (or ``with prepared(model):``) undoes it."""
@@ -103,8 +105,9 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         model.train()
         return model
     decoder = decoder_of(net)
-    mixers = refuse_stateful_mixers(decoder, family_of(net))
-    refuse_unseen(net, decoder, family_of(net), {m.path for m in mixers}, not is_multimodal(net))
+    family = family_of(net)
+    mixers = refuse_stateful_mixers(decoder, family)
+    refuse_unseen(net, decoder, family, {m.path for m in mixers}, not is_multimodal(net))
     configs = model_configs(decoder)  # a vision-language model's vision tower keeps its own attention
     for config in configs:
         calls.install(type(config))
