@@ -108,6 +108,7 @@ UNSEEN = {
     "blenderbot-small": r"its `BlenderbotSmallDecoder` numbers a call's positions itself \(torch.arange over the row\)",
     "modernbert-decoder": r"its `lm_head` \(ModernBertDecoderPredictionHead\) holds weights its forward runs between",
     "deepseek_v4": "is a compressor pooling keys over blocks of positions",
+    "bert-generation": r"is not causal \(is_causal=False: each token sees the later ones",  # without is_decoder
 }
 
 
@@ -128,6 +129,26 @@ def test_prepare_model_refuses_what_a_packed_call_cannot_see_before_touching_the
         prepare_model(net)
     assert "refused (docs/families.md)" in str(refused.value) or "lit-hbp trains models" in str(refused.value)
     assert net.config._attn_implementation == before and not hasattr(net, "_hbp_prepared")
+
+
+def test_an_encoder_family_built_as_a_decoder_passes_its_self_check_and_trains_exactly():
+    """``bert-generation`` is refused while its attention sees later tokens (above); with ``is_decoder: true`` its
+    attention is causal and a pack equals each sample alone. Its own loss scales nothing in place, but CTRL's
+    embedding does (``inputs_embeds *= sqrt(d)``): the self-check's embedding leaves must take that too (ctrl is
+    in the exact list of docs/families.md, checked by the table test)."""
+    torch.manual_seed(0)
+    module = HBPLitModule(model=dict(small_config("bert-generation"), is_decoder=True), loss="sum")
+    module.configure_model()
+    run_self_check(module, [1], max_len=LONGEST_PACK)
+    loss_err, grad_err, where = parity_errors(module)
+    assert loss_err < 1e-5 and grad_err < 1e-4, (loss_err, grad_err, where)
+
+
+def test_the_self_check_runs_a_family_that_scales_its_embeddings_in_place():
+    torch.manual_seed(0)
+    module = HBPLitModule(model=small_config("ctrl"), loss="sum")
+    module.configure_model()
+    run_self_check(module, [1], max_len=LONGEST_PACK)  # raised "a leaf Variable ... in-place operation" before
 
 
 def readme_table() -> dict[str, str]:

@@ -218,6 +218,9 @@ def test_pack_samples_takes_hugging_face_records_and_level_settings():
     ids, mask = (torch.as_tensor(x)[None] for x in pairs[0])  # [1, L], as a tokenizer returns them
     for given in ((ids, mask), {"input_ids": ids, "supervised": mask}):
         assert torch.equal(pack_samples([given]).labels, pack_samples([pairs[0]]).labels)
+    for flat in (ids[0], ids[0].tolist(), (ids[0], mask[0], mask[0])):  # token ids alone, or a triple
+        with pytest.raises(ValueError, match=r"sample 1: pack_samples takes \(input_ids, supervised\) pairs, mapp"):
+            pack_samples([pairs[0], flat])
     with pytest.raises(ValueError, match="sample 0: its attention_mask has zeros"):
         pack_samples([dict(records[0], attention_mask=[1] * (len(records[0]["input_ids"]) - 1) + [0])])
     with pytest.raises(ValueError, match=r"sample 0: pack_samples does not use \['cross_attention_mask'\]"):

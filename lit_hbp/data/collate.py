@@ -155,12 +155,25 @@ def _row(value: Any) -> np.ndarray:
     return value[0] if value.ndim == 2 and value.shape[0] == 1 else value
 
 
+def _pair(i: int, sample: Any) -> tuple[np.ndarray, np.ndarray]:
+    """An ``(input_ids, supervised)`` pair's two rows, or a ValueError naming the sample."""
+    flat = (torch.is_tensor(sample) or isinstance(sample, np.ndarray)) and sample.ndim < 2
+    if flat or not isinstance(sample, Sequence | torch.Tensor | np.ndarray) or len(sample) != 2:
+        got = f"a {type(sample).__name__}" + (f" of shape {tuple(sample.shape)}" if hasattr(sample, "shape") else "")
+        raise ValueError(
+            f"sample {i}: pack_samples takes (input_ids, supervised) pairs, mappings with input_ids and supervised or "
+            f"labels, or processor records; got {got}: pair each sample's token ids with its supervised mask (1 per "
+            "trained token)"
+        )
+    return _row(sample[0]), _row(sample[1])
+
+
 def _sample(i: int, sample: Any) -> tuple[np.ndarray, np.ndarray, dict]:
     """(token ids, supervised mask, images and videos) of one of ``pack_samples``' samples, or a
     ValueError naming it."""
     media: dict = {}
     if not isinstance(sample, Mapping):
-        ids, mask = (_row(x) for x in sample)
+        ids, mask = _pair(i, sample)
     else:
         known = {"input_ids", "supervised", "labels", "attention_mask", *MM_KEYS}
         unknown = sorted(set(sample) - known - SAMPLE_INFO)

@@ -65,6 +65,14 @@ def _own_attention(module: torch.nn.Module) -> bool:
     return not any(_names(type(m), INTERFACE) for m in module.modules())
 
 
+def _bidirectional(path: str, module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a self-attention that lets a token see later ones (``is_causal=False``: an encoder's,
+    BERT's without ``is_decoder``); cross-attention over an encoder's states, which a packed call never runs, is
+    not one."""
+    cross = any(w in part for part in path.split(".") for w in ("encoder_attn", "cross"))
+    return getattr(module, "is_causal", True) is False and not cross and "Cross" not in type(module).__name__
+
+
 def _window_in_mask_only(module: torch.nn.Module, decoder: torch.nn.Module, config) -> int | None:
     """The config's sliding window when it can bind (narrower than the positions), the decoder's code builds a mask
     with it and ``module``'s code never names it: the window is then the mask's alone, which a packed call does not
@@ -125,6 +133,12 @@ def refuse_unseen(net: torch.nn.Module, decoder: torch.nn.Module, family: str, m
             raise ValueError(
                 f"{where} computes attention in its own code, not through transformers' AttentionInterface, where "
                 f"lit-hbp's varlen attention would keep each document to itself, {end}"
+            )
+        if _bidirectional(path, module):
+            raise ValueError(
+                f"{where} is not causal (is_causal=False: each token sees the later ones, an encoder's attention), "
+                "while lit-hbp's attends causally within each document; a decoder built from an encoder family "
+                f"needs is_decoder=True in its config, {end}"
             )
         window = _window_in_mask_only(module, decoder, config)
         if window is not None:

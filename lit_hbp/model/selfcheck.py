@@ -213,12 +213,13 @@ def _check_same_weights(net, used_alone: set[int], used_packed: set[int], sp) ->
 def _embedding_leaves(embed):
     """While active, every output of the input embedding is replaced by a leaf tensor (collected),
     so gradients are taken with respect to it. The embedding runs inside the model's own forward,
-    where ZeRO-3 gathers and releases its weight."""
+    where ZeRO-3 gathers and releases its weight. The forward goes on with a copy of the leaf: a family
+    that scales its embeddings in place (CTRL's ``inputs_embeds *= sqrt(d)``) cannot write into a leaf."""
     leaves = []
 
     def hook(module, args, out):
         leaves.append(out.detach().requires_grad_())
-        return leaves[-1]
+        return leaves[-1].clone()
 
     handle = embed.register_forward_hook(hook)
     try:
