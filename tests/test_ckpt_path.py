@@ -284,3 +284,73 @@ def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
     ]
     trainer, said = run(2)
     assert trainer.global_step == 2 and not said
+
+
+@pytest.mark.slow
+def test_an_hbp_ddp_run_resumes_from_its_checkpoint_file_as_it_would_have_run_on(
+    tmp_path, small_demo, monkeypatch, capfd
+):
+    """HBPDDPStrategy saves a file, as DDP does (``hbp_ddp`` was taken for DeepSpeed by its name, and every resume
+    of it refused); a resume with a CSVLogger logs into a new version folder (Lightning's CSVLogger would erase the
+    stopped run's metrics.csv in its own). The resumed run ends where the run that went on ends."""
+    import csv
+
+    steps = ["--trainer.max_steps", "4", "--trainer.strategy", "hbp_ddp", "--trainer.enable_progress_bar", "false",
+             "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", "runs",
+             "--trainer.logger.name", "tiny_cpu", "--trainer.log_every_n_steps", "1",
+             "--trainer.callbacks+=ModelCheckpoint",
+             "--trainer.callbacks.dirpath", "runs/tiny_cpu/version_0/checkpoints",
+             "--trainer.callbacks.every_n_train_steps", "2", "--trainer.callbacks.save_top_k", "-1",
+             "--trainer.callbacks.filename", "{step}"]  # fmt: skip
+
+    def fit(args):
+        base = ["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
+                "--data.cache_dir", str(tmp_path / "cache")]  # fmt: skip
+        main(base + steps + args)
+
+    monkeypatch.chdir(tmp_path)
+    fit([])
+    run = Path("runs/tiny_cpu/version_0")
+    whole_run = torch.load(run / "checkpoints/step=4.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    (run / "checkpoints/step=4.ckpt").unlink()
+    logged = [r["step"] for r in csv.DictReader(open(run / "metrics.csv")) if r.get("train/loss")]
+    fit(["--ckpt_path", str(run / "checkpoints/step=2.ckpt")])
+    _, err = capfd.readouterr()
+    assert "resumes from the checkpoint folder" not in err
+    assert [r["step"] for r in csv.DictReader(open(run / "metrics.csv")) if r.get("train/loss")] == logged  # kept
+    resumed_log = [
+        r["step"] for r in csv.DictReader(open("runs/tiny_cpu/version_1/metrics.csv")) if r.get("train/loss")
+    ]
+    assert resumed_log == logged[2:], (resumed_log, logged)
+    resumed = torch.load(run / "checkpoints/step=4.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    for name, value in whole_run.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "strategy, saves",
+    [
+        ("hbp", "folder"),
+        ("hbp_stage_3", "folder"),
+        ("deepspeed", "folder"),
+        ("hbp_ddp", "file"),
+        ("ddp", "file"),
+        (Namespace(class_path="lit_hbp.lightning.strategy.HBPDDPStrategy"), "file"),
+        (Namespace(class_path="lit_hbp.lightning.strategy.HBPStrategy"), "folder"),
+    ],
+)
+def test_the_checkpoint_kind_a_strategy_resumes_is_its_class_not_its_name(strategy, saves, tmp_path):
+    from lit_hbp.cli.app import check_resume
+
+    folder = tmp_path / "ds.ckpt"
+    (folder / "global_step2").mkdir(parents=True)
+    (folder / "latest").write_text("global_step2")
+    whole(folder / "global_step2" / "mp_rank_00_model_states.pt")
+    file = whole(tmp_path / "one.ckpt")
+    for given in (folder, file):
+        section = Namespace(ckpt_path=str(given), weights_only=None, trainer=Namespace(strategy=strategy))
+        if (given == folder) == (saves == "folder"):
+            check_resume(section)
+        else:
+            with pytest.raises(ConfigError):
+                check_resume(section)

@@ -64,6 +64,40 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             f"model.model: '{tmp / 'checkpoint'}' is neither a checkpoint folder",
         ),
         "abbreviated option": (["--trainer.max_step", "3"], "(did you mean 'trainer.max_steps'?)"),
+        "LightningCLI's optimizer": (
+            ["--lr_scheduler", "torch.optim.lr_scheduler.ConstantLR"],
+            "unrecognized arguments: --lr_scheduler torch.optim.lr_scheduler.ConstantLR: HBPLitModule configures its "
+            "own AdamW with a linear warm-up and a cosine schedule; set model.lr",
+        ),
+        "a misspelled strategy": (
+            ["--trainer.strategy", "hbp_dp"],
+            "trainer.strategy: 'hbp_dp' is not a strategy Lightning knows (did you mean 'hbp_ddp'?)",
+        ),
+        "a strategy class given as a name": (
+            ["--trainer.strategy", "lit_hbp.lightning.strategy.HBPDDPStrategy"],
+            "a class is given as {class_path: lit_hbp.lightning.strategy.HBPDDPStrategy}",
+        ),
+        "clipping by value under DeepSpeed": (
+            ["--trainer.strategy", "hbp", "--trainer.gradient_clip_algorithm", "value"],
+            "trainer.gradient_clip_algorithm: 'value' with DeepSpeed (trainer.strategy), which clips by the global",
+        ),
+        "negative collate workers": (
+            ["--data.num_workers", "-2"],
+            "data.num_workers must be a whole number >= 0 (0: collate in the training process), got -2",
+        ),
+        "a ZeRO stage DeepSpeed has not": (
+            ["--trainer.strategy.class_path", "lit_hbp.lightning.strategy.HBPStrategy"]
+            + ["--trainer.strategy.stage", "5"],
+            "trainer.strategy (HBPStrategy): stage is DeepSpeed's ZeRO stage, 0-3; got 5",
+        ),
+        "Lightning's overfit loader": (
+            ["--trainer.overfit_batches", "2"],
+            "trainer.overfit_batches must be 0 (use limit_train_batches to train on a few batches), got 2",
+        ),
+        "a negative learning-rate floor": (
+            ["--model.min_lr_ratio", "-1"],
+            "model.min_lr_ratio (the cosine's floor, a share of lr) must be in [0, 1], got -1.0",
+        ),
         "misspelled record format": (
             ["--data.sources", f"[{{path: {demo / 'short.jsonl'}, format: sharegtp}}]"],
             "format 'sharegtp' is not a record format (did you mean 'sharegpt'?); formats: auto, openai, sharegpt",
@@ -82,7 +116,10 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
 CASES = ["malformed JSON", "record without messages", "empty file", "over-length", "misspelled source field",
          "misspelled model key", "missing model folder", "abbreviated option", "missing tokenizer",
          "misspelled record format", "bad level count", "no devices", "another trainer's option name",
-         "a config file that is no YAML", "levels without the curriculum's", "missing data file"]  # fmt: skip
+         "a config file that is no YAML", "levels without the curriculum's", "missing data file",
+         "LightningCLI's optimizer", "a negative learning-rate floor", "Lightning's overfit loader",
+         "a misspelled strategy", "a strategy class given as a name", "clipping by value under DeepSpeed",
+         "negative collate workers", "a ZeRO stage DeepSpeed has not"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length"}

@@ -67,6 +67,24 @@ def test_the_cli_refuses_a_model_config_typo_before_building_anything(tmp_path, 
     assert len(err) <= 3, err
 
 
+def test_the_attention_lit_hbp_sets_is_refused_in_a_model_mapping_and_a_ddp_argument_typo_on_one_device(
+    tmp_path, capsys, monkeypatch
+):
+    """``attn_implementation`` in a mapping was dropped without a word (prepare_model sets lit-hbp's); a DDP
+    argument that no DDP wrapper takes on one device would pass there and stop the same config on two GPUs."""
+    from lit_hbp.lightning.strategy import HBPDDPStrategy
+
+    monkeypatch.chdir(tmp_path)
+    err = cli_error(capsys, ["--config", TINY, "--model.model.attn_implementation", "eager"])
+    assert "attn_implementation: 'eager' is lit-hbp's to set" in err[0] and "set model.attn_backend" in err[0], err
+    with pytest.raises(ValueError, match="_attn_implementation: 'sdpa' is lit-hbp's to set"):
+        check_model_config({"model_type": "llama", "_attn_implementation": "sdpa"})
+    with pytest.raises(ValueError, match=r"'find_unused_paramters' is not an argument of torch's Distributed"
+                       r"DataParallel \(did you mean 'find_unused_parameters'\?\)"):  # fmt: skip
+        HBPDDPStrategy(find_unused_paramters=True)
+    assert HBPDDPStrategy(find_unused_parameters=True)._ddp_kwargs == {"find_unused_parameters": True}
+
+
 def test_every_key_of_every_causal_lm_default_config_is_valid():
     """The property the typo check must keep: nothing a family's own config writes is refused."""
     from transformers import AutoConfig

@@ -277,6 +277,12 @@ def test_mixing_by_repeat_and_weight(tmp_path, toy_tokenizer):
     assert store.lengths.size == 10 + 10
     assert np.bincount(store.row_of[store.source_of == 1], minlength=4).tolist().count(3) == 2  # 2 of 4 thrice
     assert store.report["sources"][1]["in_epoch"] == 10
+    # A repeat that rounds to no sample drops the source from every epoch: refused, naming it (it read "no
+    # training samples: every source is empty or was skipped" when it was the only one, nothing otherwise)
+    c = tokenized(tmp_path, tok, "c.jsonl", [chat("fox", "dog")] * 4, repeat=0.1)
+    with pytest.raises(ValueError, match=r"sources\[1\] \(.*c.jsonl\): its repeat 0.1 takes 0.4 of its 4 samples .* "
+                       r"rounds to none: it needs a repeat of at least 0.125"):  # fmt: skip
+        SampleStore.build([a, c], max_len=10_000)
 
 
 def test_over_length_error_drop_truncate_name_the_samples(tmp_path, toy_tokenizer):

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from conftest import quiet_trainer, separate_loss
 
-from lit_hbp import prepare_model
+from lit_hbp import pack_samples, packed_loss, prepare_model
 from lit_hbp.data.collate import collate_packs
+from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model.loss import chunked_cross_entropy
@@ -211,6 +212,82 @@ def test_other_normalizers_match_their_definitions(chat_data, toy_tokenizer, tmp
         torch.testing.assert_close(g, expected[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+class RatesTaken(L.Callback):
+    """The learning rate of every optimizer step as the optimizer takes it, and each micro-batch's plan."""
+
+    def __init__(self):
+        self.rates, self.batches = [], []
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.optimizers[0].register_step_pre_hook(lambda opt, *_: self.rates.append(opt.param_groups[0]["lr"]))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append((trainer.current_epoch, trainer.accumulate_grad_batches, batch.n_targets, batch.loss_norm))
+
+
+def test_train_lr_is_the_rate_each_logged_step_took(chat_data, toy_tokenizer, tmp_path):
+    """Lightning steps the scheduler before on_train_batch_end: ``train/lr`` read there was the next step's."""
+    import csv
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    dm = HBPDataModule(sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=["96:1", "256:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    module = make_module(vocab=dm.vocab_size, lr=1e-3, warmup_steps=2, self_check=False)
+    taken, logger = RatesTaken(), CSVLogger(tmp_path, name="lr")
+    trainer = quiet_trainer(devices=1, max_steps=4, log_every_n_steps=1, logger=logger,
+                            callbacks=[taken, LearningRateMonitor("step")])  # fmt: skip
+    trainer.fit(module, dm)
+    rows = list(csv.DictReader(open(f"{logger.log_dir}/metrics.csv")))
+    logged = [float(r["train/lr"]) for r in rows if r.get("train/lr")]
+    monitor = [float(r["lr-AdamW/pg1"]) for r in rows if r.get("lr-AdamW/pg1")]  # the first of two groups
+    assert len(taken.rates) == 4 and len(set(taken.rates)) == 4  # warm-up, then the cosine: four rates
+    assert logged == pytest.approx(taken.rates, rel=1e-6) and monitor == pytest.approx(taken.rates, rel=1e-6)
+
+
+def test_a_gradient_accumulation_schedule_plans_each_epoch_with_its_accumulation(chat_data, toy_tokenizer, tmp_path):
+    """Lightning's GradientAccumulationScheduler sets the trainer's accumulation when an epoch starts, after the
+    epoch's loader was planned: the ave_token normalizer of each micro-batch is its optimizer step's supervised
+    tokens over the step's micro-batches, counted here from the batches themselves."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    dm = HBPDataModule(sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=["96:1", "256:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    module = make_module(vocab=dm.vocab_size, self_check=False)
+    taken = RatesTaken()
+    trainer = quiet_trainer(devices=1, max_epochs=2, limit_train_batches=4, reload_dataloaders_every_n_epochs=1,
+                            callbacks=[taken, GradientAccumulationScheduler({0: 1, 1: 2})])  # fmt: skip
+    trainer.fit(module, dm)
+    assert [(e, a) for e, a, *_ in taken.batches] == [(0, 1)] * 4 + [(1, 2)] * 4
+    assert [norm for *_, norm in taken.batches[:4]] == [n for _, _, n, _ in taken.batches[:4]]
+    second = taken.batches[4:]
+    for step in (second[:2], second[2:]):
+        assert [norm for *_, norm in step] == [sum(n for _, _, n, _ in step) / 2] * 2
+    assert len(taken.rates) == 4 + 2
+
+
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        (dict(lr=-1.0), "model.lr must be a number >= 0, got -1.0"),
+        (dict(weight_decay=-0.1), "model.weight_decay must be a number >= 0"),
+        (dict(betas=(0.9, 1.0)), r"model.betas must be two numbers in \[0, 1\), got \[0.9, 1.0\]"),
+        (dict(warmup_steps=-5), "model.warmup_steps must be a whole number of optimizer steps >= 0, got -5"),
+        (dict(min_lr_ratio=-1.0), r"model.min_lr_ratio \(the cosine's floor, a share of lr\) must be in \[0, 1\]"),
+        (dict(min_lr_ratio=2.0), r"must be in \[0, 1\], got 2.0"),
+        (dict(ce_chunk_size=0), "model.ce_chunk_size .* must be a whole number >= 1, got 0"),
+    ],
+)
+def test_a_setting_torch_would_train_wrongly_on_is_refused_by_name(setting, says):
+    """A negative floor is a negative learning rate (gradient ascent) from the middle of the run on; a negative
+    warm-up starts the cosine part-way down; a chunk of 0 tokens never computes the loss."""
+    with pytest.raises(ConfigError, match=says):
+        HBPLitModule(model=TINY, **setting)
+    with pytest.raises(ValueError, match="ce_chunk_size .* must be >= 1, got -4"):
+        packed_loss(make_module(), pack_samples([(np.arange(3, 9), np.ones(6))]), "sum", ce_chunk_size=-4)
+
+
 def test_checkpointed_layers_follow_the_level(chat_data):
     """A level's checkpointing holds for its packed call only: inside ``pack_scope`` the first k layers,
     after it the layers as they were."""
@@ -334,7 +411,7 @@ class FakeParam:
 
 
 def test_adamw_is_fused_when_every_trainable_parameter_is_a_cuda_float():
-    from lit_hbp.lightning.module import adamw_kind
+    from lit_hbp.lightning.optimizer import adamw_kind
 
     assert adamw_kind([FakeParam(True), FakeParam(True)]) == "fused"
     assert adamw_kind([FakeParam(True), FakeParam(False)]) == "foreach"  # one on the host

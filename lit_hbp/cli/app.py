@@ -16,26 +16,22 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import pickle
-import re
 import sys
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 from unittest import mock
 
 import yaml
-from jsonargparse import Namespace, set_parsing_settings
-from jsonargparse._actions import previous_config  # set while a config file is applied over earlier values
+from jsonargparse import set_parsing_settings
 from jsonargparse._typehints import ActionTypeHint  # jsonargparse exports no public name for it
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf.errors import OmegaConfBaseException
 
@@ -46,19 +42,27 @@ from lit_hbp.callbacks.summary import HBPModelSummary
 from lit_hbp.cli.checks import (
     check_run_config,
     check_trainer_values,
-    class_arguments,
     compact_config,
     compact_yaml,
     dataclass_defaults,
 )
+from lit_hbp.cli.parser import (
+    DEBUG_ENV,
+    HBPArgumentParser,
+    debugging,
+    replace_lists_from_command_line,
+    report_user_error,
+    user_error_in,
+)
 from lit_hbp.cli.resume import (  # noqa: F401  (public here too: their first home)
     AUTO,
     check_resume,
+    check_resumed_model,
     checkpoint_folders,
     resolve_auto_resume,
     resume_in_run_folder,
 )
-from lit_hbp.errors import ConfigError, UserInputError, did_you_mean
+from lit_hbp.errors import ConfigError, UserInputError
 from lit_hbp.lightning.checkpoints import (
     TRUST_HINT,
     AtomicCheckpointIO,
@@ -74,213 +78,6 @@ from lit_hbp.model.build import check_model_before_data
 
 TERMINATED = 128 + 15  # a shell's status for a program ended by SIGTERM
 RUNS = "runs"  # the run folder's root (default_root_dir), relative to the working directory
-DEBUG_ENV = "LIT_HBP_DEBUG"  # the full traceback instead of the short error
-PARSER_DEBUG_ENV = "JSONARGPARSE_DEBUG"  # jsonargparse's own switch: raise with its full report instead of exiting
-CLASS_OPTION = re.compile(r"Problem with given class_path '([^']+)':\s*(?:- )?(?:Option|Key) '([^']+)' is not")
-CLASS_REQUIRED = re.compile(
-    r"Problem with given class_path '([^']+)':\s*(?:- )?the following arguments are required: (.+)"
-)
-PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
-UNKNOWN_OPTION = re.compile(r"does not accept option '([^']+)'|Option '([^']+)' is not accepted|"
-                            r"unrecognized arguments: -*([^\s=]+)")  # fmt: skip
-
-
-def check_resumed_model(given: Any, saved: dict) -> None:
-    """A resume continues the run as its checkpoint saved it: Lightning reads the module's arguments from the
-    checkpoint over the config's, so a ``model.*`` value the config or command line changed would be dropped
-    without a word (``--model.lr 1e-4`` trained on at the checkpoint's 3e-3). Refused, naming each one."""
-    if not isinstance(given, (dict, Namespace)):
-        return
-    given = _plain(given)
-    changed = [
-        f"model.{key}: {given[key]!r} (the checkpoint's {_plain(value)!r})"
-        for key, value in saved.items()
-        if not key.startswith("_") and key in given and given[key] != _plain(value)
-    ]
-    if changed:
-        raise ConfigError(
-            f"--ckpt_path resumes the run as its checkpoint saved it, with its model settings, not these: "
-            f"{'; '.join(changed)}; give the run's own values (or drop them), or start a new run from the exported "
-            "model (python -m lit_hbp.export CKPT OUT, then model.model: OUT)"
-        )
-
-
-def _plain(value: Any) -> Any:
-    """A config value as plain data: namespaces as dicts, tuples as lists."""
-    if isinstance(value, Namespace):
-        value = value.as_dict()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _debug() -> bool:
-    return any(os.environ.get(name, "").lower() in ("1", "true") for name in (DEBUG_ENV, PARSER_DEBUG_ENV))
-
-
-def user_error_in(error: BaseException) -> UserInputError | None:
-    """The user's mistake behind ``error``: itself, or the ``UserInputError`` it was raised from (a config
-    value checked while jsonargparse instantiates a class, e.g. a data source, surfaces wrapped in its
-    ValueError)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, UserInputError):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def report_user_error(error: Exception) -> NoReturn:
-    """A user's mistake (``lit_hbp.errors.UserInputError``: config, data, paths) as one short paragraph
-    on stderr and exit status 2, printed once (rank 0); the traceback is for bugs, or ``LIT_HBP_DEBUG=1``."""
-    if rank_zero_only.rank == 0:
-        sys.stderr.write(f"error: {error}\ntip: {DEBUG_ENV}=1 prints the traceback\n")
-    sys.exit(2)
-
-
-def _option_keys(parser: argparse.ArgumentParser) -> set[str]:
-    """Every option key of ``parser`` and of its subcommands' parsers (``trainer.max_steps``, ...)."""
-    keys, stack = set(), [parser]
-    while stack:
-        p = stack.pop()
-        for action in p._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                stack += list(action.choices.values())
-            elif action.dest not in (argparse.SUPPRESS, "help"):
-                keys.add(action.dest)
-    return keys
-
-
-ALIASES = {  # what users of other trainers type, and lit-hbp's key for it
-    "learning_rate": "lr",
-    "lr_rate": "lr",
-    "weight_decay_rate": "weight_decay",
-    "model_name_or_path": "model",
-    "model_path": "model",
-    "checkpoint": "model",
-    "max_seq_length": "levels",
-    "max_length": "levels",
-    "seq_len": "levels",
-    "gradient_accumulation_steps": "accumulate_grad_batches",
-    "grad_accum": "accumulate_grad_batches",
-    "max_grad_norm": "gradient_clip_val",
-    "num_train_epochs": "max_epochs",
-    "epochs": "max_epochs",
-    "seed": "seed_everything",
-    "warmup_ratio": "warmup_steps",
-    "bf16": "precision",
-    "fp16": "precision",
-    "gpus": "devices",
-    "num_gpus": "devices",
-}
-
-
-def alias_of(option: str, keys: Iterable[str]) -> str:
-    """`` (did you mean 'model.lr'?)`` for an option another trainer names otherwise (``learning_rate``),
-    when the key it stands for is a valid one next to it; else the nearest valid key."""
-    section, _, name = option.lstrip("-").rpartition(".")
-    keys = set(keys)
-    wanted = ALIASES.get(name)
-    if wanted is not None:
-        near = [k for k in keys if k.rsplit(".", 1)[-1] == wanted]
-        same = [k for k in near if k.rpartition(".")[0] == section] or sorted(near, key=len)
-        if same:
-            return f" (did you mean {same[0]!r}?)"
-    return did_you_mean(option, keys)
-
-
-def config_file_error(message: str, args: list[str] | None) -> str:
-    """A YAML error of a config file names the file (jsonargparse says ``<unicode string>``): the first
-    ``--config`` file of the command line that does not parse as YAML."""
-    if "<unicode string>" not in message:
-        return message
-    argv = sys.argv[1:] if args is None else list(args)
-    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
-    files += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    for path in files:
-        try:
-            yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError:
-            return message.replace('"<unicode string>"', str(path)).replace("<unicode string>", str(path))
-        except OSError:
-            continue
-    return message
-
-
-def short_error(message: str, parser: argparse.ArgumentParser) -> str:
-    """jsonargparse's error report cut to what says what is wrong: an unknown init argument of a class
-    (with the class, the nearest valid argument and the valid ones), a missing required one, an unknown
-    option with the nearest valid one (or the key it stands for, ``ALIASES``), a config file's YAML
-    error with the file; any other message as it is."""
-    found = CLASS_OPTION.search(message)
-    if found:
-        class_path, option = found.groups()
-        arg = option.removeprefix("init_args.").split(".")[0]
-        key = PARSER_KEY.search(message)
-        valid = list(class_arguments(class_path))
-        text = f"{key.group(1) + ': ' if key else ''}{class_path} has no argument {arg!r}{did_you_mean(arg, valid)}"
-        return text + (f"\n  {class_path.rsplit('.', 1)[-1]} takes: {', '.join(valid)}" if valid else "")
-    found = CLASS_REQUIRED.search(message)
-    if found:
-        key = PARSER_KEY.search(message)
-        return f"{key.group(1) + ': ' if key else ''}{found.group(1)} needs {found.group(2).strip()}"
-    found = UNKNOWN_OPTION.search(message)
-    if found:
-        option = next(g for g in found.groups() if g)
-        return message.splitlines()[0] + alias_of(option, _option_keys(parser))
-    return config_file_error(message, getattr(parser, "_hbp_args", None))
-
-
-class HBPArgumentParser(LightningArgumentParser):
-    """LightningArgumentParser with short errors: the bad key, the class it belongs to and the nearest
-    valid key come first, without the 70-line usage listing that buried them (``JSONARGPARSE_DEBUG=true``
-    restores jsonargparse's behaviour: an exception carrying the full report)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # argparse would take --trainer.max_step as --trainer.max_steps: a prefix is an unknown option here.
-        kwargs["allow_abbrev"] = False
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str, ex: Exception | None = None):
-        if _debug() or not self.exit_on_error or callable(getattr(self, "_error_handler", None)):
-            return super().error(message, ex)
-        self._logger.error(message)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        prog = parser.prog.replace(" [options]", "")
-        sys.stderr.write(f"error: {short_error(message, parser)}\n")
-        sys.stderr.write(f"tip: `{prog} --help` lists the options; {PARSER_DEBUG_ENV}=true prints the full report\n")
-        self.exit(2)
-
-
-class _ListReplacingAction(ActionTypeHint):
-    """A list-typed option whose value, given as a whole list on the command line or in a later config
-    file, replaces the list set before. jsonargparse merges two lists of the same length entry by entry
-    (entry i of ``--data.sources '[...]'`` would inherit the ``repeat`` of the config's entry i);
-    ``--key+=...`` (``key+:`` in a config file) still appends."""
-
-    def __call__(self, *args: Any, **kwargs: Any):
-        if len(args) == 4:  # parser, cfg, value, option string: the option on the command line
-            _, cfg, value, option = args
-            whole_list = isinstance(value, list) or (isinstance(value, str) and value.lstrip().startswith("["))
-            if option in self.option_strings and whole_list:
-                cfg[self.dest] = None
-        return super().__call__(*args, **kwargs)
-
-    def _check_type(self, value, append=False, cfg=None, mode=None):
-        if cfg and not append and isinstance(value, list) and previous_config.get() is not None:
-            cfg = cfg.clone()  # a config file given after another: its list does not see the earlier one
-            cfg[self.dest] = None
-        return super()._check_type(value, append=append, cfg=cfg, mode=mode)
-
-
-def replace_lists_from_command_line(parser: argparse.ArgumentParser) -> None:
-    """Make every list-typed option of ``parser`` replace, not merge, when given a whole list."""
-    for action in parser._actions:
-        if type(action) is ActionTypeHint and ActionTypeHint.supports_append(action):
-            action.__class__ = _ListReplacingAction
 
 
 class HBPCLI(LightningCLI):
@@ -289,6 +86,10 @@ class HBPCLI(LightningCLI):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("parser_class", HBPArgumentParser)
+        # HBPLitModule configures its own AdamW and schedule (model.lr, betas, warmup_steps, ...): LightningCLI's
+        # --optimizer / --lr_scheduler would be dropped (a scheduler without an optimizer) or fail on a model
+        # configure_model has not built yet, so they are not offered; given, the parser names them.
+        kwargs.setdefault("auto_configure_optimizers", False)
         super().__init__(*args, **kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -303,7 +104,7 @@ class HBPCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except OmegaConfBaseException as e:
-            if _debug() or not parser.exit_on_error:
+            if debugging() or not parser.exit_on_error:
                 raise
             where = f" (in {e.full_key})" if getattr(e, "full_key", None) else ""
             sys.stderr.write(f"error: {str(e).splitlines()[0]}{where}\n")
@@ -366,7 +167,7 @@ class HBPCLI(LightningCLI):
         try:
             check(*args)
         except UserInputError as e:
-            if _debug() or not self.parser.exit_on_error:
+            if debugging() or not self.parser.exit_on_error:
                 raise
             report_user_error(e)
 
@@ -390,7 +191,7 @@ class HBPCLI(LightningCLI):
                 zero_stage=config_zero_stage((config.get("trainer") or {}).get("strategy")),
             )
         except ValueError as e:
-            if _debug() or not self.parser.exit_on_error:
+            if debugging() or not self.parser.exit_on_error:
                 raise
             report_user_error(e)
         self._guard(check_trainer_values, section)
@@ -494,7 +295,7 @@ def preview_main(args: list[str]) -> PreviewCLI:
             )  # fmt: skip
         preview(cli.datamodule, cli.config.n, cli.config.json)
     except ValueError as e:
-        if _debug() or user_error_in(e) is None:
+        if debugging() or user_error_in(e) is None:
             raise
         report_user_error(user_error_in(e))
     return cli
@@ -553,11 +354,11 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
                 run=run,
             )
     except ValueError as e:  # UserInputError is a ValueError
-        if _debug() or user_error_in(e) is None:
+        if debugging() or user_error_in(e) is None:
             raise
         report_user_error(user_error_in(e))
     except pickle.UnpicklingError as e:  # a checkpoint Lightning found itself (--ckpt_path last, hpc, ...)
-        if _debug():
+        if debugging():
             raise
         detail = next((line for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
         report_user_error(
@@ -568,7 +369,7 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
         )
     except Exception as e:
         # said which rank is gone: its traceback adds nothing
-        if getattr(e, LostRankReport.MARK, None) and not _debug():
+        if getattr(e, LostRankReport.MARK, None) and not debugging():
             sys.stderr.write(f"tip: {DEBUG_ENV}=1 prints the traceback\n")
             sys.exit(1)
         raise

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lit_hbp.errors import ConfigError
+from lit_hbp.errors import ConfigError, did_you_mean
 from lit_hbp.model.checks import check_model_config, check_model_source, model_config
 
 # (field names, field defaults) of the dataclasses a list option's entries may be.
@@ -246,12 +246,60 @@ RUN_RULES = {
         "a whole number >= 1",
         "the plan of micro-batches per optimizer step needs at least one",
     ),
+    "overfit_batches": (
+        lambda v: v == 0,
+        "0 (use limit_train_batches to train on a few batches)",
+        "Lightning would swap HBPDataModule's planned loader for a sequential one of the first batches, which the "
+        "plan of packs, levels and ranks cannot be",
+    ),
     "gradient_clip_val": (
         lambda v: v is None or v >= 0,
         "a number >= 0, or null for no clipping",
         "a negative norm would flip the sign of every gradient it clips",
     ),
 }
+
+
+def is_deepspeed(value: Any) -> bool:
+    """Whether ``trainer.strategy`` (a registered name or a class_path mapping) is a DeepSpeed strategy, which
+    saves and loads a checkpoint folder (lit-hbp's HBPStrategy is one, HBPDDPStrategy is not): the class
+    itself is asked, not its name."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+
+    import lit_hbp.lightning.strategy  # noqa: F401  (registers hbp, hbp_stage_N, hbp_ddp)
+
+    if hasattr(value, "get"):
+        module, _, name = str(value.get("class_path") or "").rpartition(".")
+        try:
+            chosen = getattr(importlib.import_module(module), name) if module else None
+        except (ImportError, AttributeError):
+            chosen = None  # Lightning names the class it cannot import when it builds the trainer
+    else:
+        entry = dict.get(StrategyRegistry, str(value))  # (the registry's own get() builds the strategy)
+        chosen = entry["strategy"] if entry else None
+    return isinstance(chosen, type) and issubclass(chosen, DeepSpeedStrategy)
+
+
+def check_strategy_name(strategy: Any) -> None:
+    """A ``trainer.strategy`` given as a name must be one Lightning knows (``auto`` or registered: ``ddp``,
+    ``hbp``, ``hbp_ddp``, ...); a class is given as ``{class_path: ...}``. Lightning would refuse an unknown one
+    with a traceback after the data is tokenized."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lit_hbp.lightning.strategy  # noqa: F401  (registers hbp, hbp_stage_N, hbp_ddp)
+
+    if not isinstance(strategy, str) or strategy == "auto" or strategy in StrategyRegistry:
+        return
+    names = ["auto", *StrategyRegistry.available_strategies()]
+    if "." in strategy:
+        raise ConfigError(
+            f"trainer.strategy: {strategy!r} is not a strategy name; a class is given as "
+            f"{{class_path: {strategy}}} (on the command line: --trainer.strategy.class_path {strategy})"
+        )
+    raise ConfigError(
+        f"trainer.strategy: {strategy!r} is not a strategy Lightning knows{did_you_mean(strategy, names)}; lit-hbp's "
+        "are hbp (DeepSpeed, ZeRO stage 2), hbp_stage_N and hbp_ddp (docs/gpu.md)"
+    )
 
 
 def check_trainer_values(section: Any) -> None:
@@ -266,6 +314,12 @@ def check_trainer_values(section: Any) -> None:
     trainer = section.get("trainer")
     if trainer is None:
         return
+    check_strategy_name(trainer.get("strategy"))
+    if trainer.get("gradient_clip_algorithm") == "value" and is_deepspeed(trainer.get("strategy")):
+        raise ConfigError(
+            "trainer.gradient_clip_algorithm: 'value' with DeepSpeed (trainer.strategy), which clips by the global "
+            "norm only: use 'norm', or trainer.strategy hbp_ddp"
+        )
     for key, (accepted, what, why) in RUN_RULES.items():
         if key in trainer and not accepted(trainer.get(key)):
             raise ConfigError(f"trainer.{key} must be {what}, got {trainer.get(key)!r}: {why}")

@@ -10,8 +10,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_hbp.cli.checks import is_deepspeed
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.checkpoints import check_checkpoint, find_resumable
 
@@ -87,16 +89,6 @@ def resolve_auto_resume(section: Any) -> None:
 
 
 KEYWORDS = ("last", "best", "hpc", "registry")  # --ckpt_path values Lightning resolves itself
-DEEPSPEED_STRATEGIES = ("hbp", "deepspeed")  # strategy names (and class names) that save a checkpoint folder
-
-
-def _saves_folders(value: Any) -> bool:
-    """Whether ``trainer.strategy`` (a name or a class_path mapping) is DeepSpeed's, which saves and loads
-    a checkpoint folder (lit-hbp's HBPStrategy is one)."""
-    if hasattr(value, "get"):
-        value = value.get("class_path") or ""
-    name = str(value or "").rsplit(".", 1)[-1].lower()
-    return any(name.startswith(s) for s in DEEPSPEED_STRATEGIES) or name.endswith("deepspeedstrategy")
 
 
 def check_resume(section: Any) -> None:
@@ -117,7 +109,7 @@ def check_resume(section: Any) -> None:
     chosen = section.get("trainer.strategy")
     if hasattr(chosen, "get") and (chosen.get("init_args") or {}).get("load_full_weights"):
         return  # DeepSpeed's load_full_weights: a ZeRO-3 run that loads a file; Lightning decides
-    deepspeed = _saves_folders(chosen)
+    deepspeed = is_deepspeed(chosen)
     if path.is_dir() and not deepspeed:
         raise ConfigError(
             f"--ckpt_path {path} is a DeepSpeed checkpoint folder: resume it with the strategy that saved it "
@@ -147,8 +139,44 @@ def resume_in_run_folder(section: Any) -> None:
     name = args.get("name")
     expected = Path(args.save_dir) / name if name else Path(args.save_dir)
     if run_dir.parent == expected.resolve():
+        if str(logger.get("class_path") or "").endswith("CSVLogger"):
+            # Lightning's CSVLogger deletes the metrics.csv of a version folder it opens again
+            rank_zero_info(f"resuming {run_dir}: the CSVLogger logs (and checkpoints without a dirpath) go into a "
+                           "new version folder: it would erase this one's metrics.csv")  # fmt: skip
+            return
         # version_N as the number N: the loggers name its folder the same, and the progress bar shows
         # v_num=N (a string version shows its last 4 characters there: "on_0").
         number = re.fullmatch(r"version_(\d+)", run_dir.name)
         args.version = int(number.group(1)) if number else run_dir.name
         rank_zero_info(f"resuming in the run folder {run_dir} (logs continue there)")
+
+
+def check_resumed_model(given: Any, saved: dict) -> None:
+    """A resume continues the run as its checkpoint saved it: Lightning reads the module's arguments from the
+    checkpoint over the config's, so a ``model.*`` value the config or command line changed would be dropped
+    without a word (``--model.lr 1e-4`` trained on at the checkpoint's 3e-3). Refused, naming each one."""
+    if not isinstance(given, (dict, Namespace)):
+        return
+    given = _plain(given)
+    changed = [
+        f"model.{key}: {given[key]!r} (the checkpoint's {_plain(value)!r})"
+        for key, value in saved.items()
+        if not key.startswith("_") and key in given and given[key] != _plain(value)
+    ]
+    if changed:
+        raise ConfigError(
+            f"--ckpt_path resumes the run as its checkpoint saved it, with its model settings, not these: "
+            f"{'; '.join(changed)}; give the run's own values (or drop them), or start a new run from the exported "
+            "model (python -m lit_hbp.export CKPT OUT, then model.model: OUT)"
+        )
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain data: namespaces as dicts, tuples as lists."""
+    if isinstance(value, Namespace):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -128,6 +128,12 @@ class SampleStore:
             whole, frac = int(r), r - int(r)
             part = np.sort(rng.permutation(n)[: int(round(frac * n))])
             chosen = np.r_[np.tile(np.arange(n), whole), part].astype(np.int64)
+            if r > 0 and n > 0 and chosen.size == 0:
+                given = f"repeat {s.source.repeat}" if s.source.repeat is not None else f"weight {s.source.weight}"
+                raise ConfigError(
+                    f"sources[{k}] ({s.source.path}): its {given} takes {r * n:.3g} of its {n} samples into an epoch, "
+                    f"which rounds to none: it needs a repeat of at least {0.5 / n:.3g}, or remove the source"
+                )
             src.append(np.full(chosen.size, k, dtype=np.int64))
             rows.append(chosen)
             mixed.append(

@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -155,6 +156,9 @@ class HBPDataModule(L.LightningDataModule):
             # Checked against the real world size at setup; here only what needs no world.
             validate_levels(self.levels, math.lcm(*(lv.sp for lv in self.levels)) if self.levels else 1)
         self.packer, self.over_length, self.train_on, self.seed = packer, over_length, train_on, seed
+        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
+            raise ConfigError(f"data.num_workers must be a whole number >= 0 (0: collate in the training process), "
+                              f"got {num_workers!r}")  # fmt: skip
         self.cache_dir, self.num_workers = cache_dir, num_workers
         check_num_proc(num_proc)
         self.num_proc = num_proc
@@ -248,9 +252,17 @@ class HBPDataModule(L.LightningDataModule):
     def trainer_setting(self, name: str):
         return getattr(self.trainer, name, None) if self.trainer is not None else None
 
-    def _world(self) -> tuple[int, int, int]:
+    def _world(self, epoch: int | None = None) -> tuple[int, int, int]:
+        """(world size, rank, micro-batches an optimizer step accumulates in ``epoch``, the current one by default):
+        a ``GradientAccumulationScheduler`` sets the trainer's at the epoch's start, after its loader planned it."""
         t = self.trainer
-        return (t.world_size, t.global_rank, t.accumulate_grad_batches) if t is not None else (1, 0, 1)
+        if t is None:
+            return 1, 0, 1
+        accumulate = t.accumulate_grad_batches
+        for callback in t.callbacks:
+            if isinstance(callback, GradientAccumulationScheduler):
+                accumulate = callback.get_accumulate_grad_batches(t.current_epoch if epoch is None else epoch)
+        return t.world_size, t.global_rank, accumulate
 
     def _tokenize(self, source: Source, label: str, progress: bool = True) -> TokenizedSource:
         return tokenize_source(
@@ -296,6 +308,12 @@ class HBPDataModule(L.LightningDataModule):
             if self.trainer._accelerator_connector.use_distributed_sampler:
                 raise ConfigError(
                     "HBPDataModule assigns data to ranks itself: set Trainer(use_distributed_sampler=False)"
+                )
+            if self.trainer.overfit_batches:
+                raise ConfigError(
+                    f"trainer.overfit_batches must be 0 with HBPDataModule, got {self.trainer.overfit_batches!r}: "
+                    "its loader plans packs, levels and ranks, which Lightning's sequential overfit loader would "
+                    "replace; use limit_train_batches to train on a few batches"
                 )
         if stage == "validate" and not (self.val_fraction or self.val_sources):
             raise ConfigError(
@@ -374,7 +392,7 @@ class HBPDataModule(L.LightningDataModule):
         if epoch not in self._plans:
             if self.store is None:
                 raise RuntimeError("HBPDataModule.setup() must run before planning")
-            world, _, accumulate = self._world()
+            world, _, accumulate = self._world(epoch)
             plan = plan_hbp(
                 self.store.lengths,
                 self.levels,

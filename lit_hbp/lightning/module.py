@@ -18,10 +18,18 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_hbp.cost.costmodel import CostModel
 from lit_hbp.cost.memory import not_fitting, trainer_cost
-from lit_hbp.cost.run_settings import check, deepspeed_zero, local_hardware, trainer_settings
+from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.meter import StepMeter, logs_now
+from lit_hbp.lightning.optimizer import (
+    adamw_kind,
+    check_optimizer_settings,
+    clips_scaled_gradients,
+    grad_norm,
+    optimizer_device,
+    zero_engine,
+)
 from lit_hbp.lightning.schedule import LR_SCHEDULE, lr_factor, schedule_moved
 from lit_hbp.model import attention
 from lit_hbp.model.build import apply_liger, apply_lora, base_of, build_causal_lm, freeze_vision, zero3_loading
@@ -43,68 +51,12 @@ from lit_hbp.packing.levels import Level
 RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
 
 
-def adamw_kind(params: list[torch.Tensor], device: torch.device | None = None) -> str:
-    """``fused`` when every trainable parameter is a floating tensor stepped on a CUDA device, else
-    ``foreach`` (torch's multi-tensor kernels: a handful of calls per step, not a Python loop over the
-    parameters). ``device`` is where the optimizer steps them (the strategy's: a model built before
-    ``fit`` is on the host until DeepSpeed moves it, and DeepSpeed steps its fp32 master copies there);
-    without it, where the parameters are. The fused kernel updates every parameter in one pass over
-    memory; the unfused AdamW makes about ten."""
-    on_cuda = device.type == "cuda" if device is not None else all(p.is_cuda for p in params)
-    fused = bool(params) and on_cuda and all(p.is_floating_point() for p in params)
-    return "fused" if fused else "foreach"
-
-
 def device_memory(device: torch.device) -> float | None:
     """Bytes of a GPU's memory, what ``fit`` checks each level's predicted peak against (None off GPUs:
     a CPU run shares the host's memory with everything else)."""
     if device.type != "cuda":
         return None
     return float(torch.cuda.get_device_properties(device).total_memory)
-
-
-def clips_scaled_gradients(trainer) -> bool:
-    """Whether Lightning clips the gradients before the optimizer's step with fp16's loss scaler, which it
-    unscales first and so refuses an optimizer that unscales inside its step (fused AdamW: "does not allow
-    for gradient clipping"). Without a scaler (fp32, bf16) ``HBPLitModule.configure_gradient_clipping``
-    clips itself and the fused kernel runs; DeepSpeed clips inside its own step."""
-    clip = getattr(trainer, "gradient_clip_val", None)
-    return bool(clip) and getattr(getattr(trainer, "precision_plugin", None), "scaler", None) is not None
-
-
-def optimizer_device(strategy) -> torch.device:
-    """Where ``strategy`` steps the optimizer: its root device, the host under ZeRO-Offload."""
-    offloaded = deepspeed_zero(getattr(strategy, "config", None))["optimizer_offload"]
-    return torch.device("cpu") if offloaded else strategy.root_device
-
-
-def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
-    """The L2 norm of ``grads`` taken as one vector, accumulated in fp32, as a tensor on the first
-    gradient's device (nothing is read on the host); None without a gradient."""
-    if not grads:
-        return None
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g.detach())
-    device = grads[0].device
-    norms = [n.to(device) for group in by_device.values() for n in torch._foreach_norm(group, 2, dtype=torch.float32)]
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
-def zero_engine(strategy):
-    """The DeepSpeed engine of a strategy (DeepSpeedStrategy, HBPStrategy) whose optimizer is one of
-    ZeRO's (stages 1-3, and DeepSpeed's BF16 optimizer): it computes the global gradient norm itself,
-    over the gradient partitions of every rank, before clipping (``get_global_grad_norm()`` after the
-    step). None for other strategies and for ZeRO stage 0, whose gradients are whole on each rank in
-    the parameters' ``.grad``."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    if not isinstance(strategy, DeepSpeedStrategy):
-        return None
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
-
-    engine = strategy.model  # the engine, once the strategy has set it up
-    return engine if isinstance(getattr(engine, "optimizer", None), ZeROOptimizer) else None
 
 
 def set_recompile_limit(limit: int) -> int:
@@ -203,7 +155,8 @@ class HBPLitModule(L.LightningModule):
     ):
         super().__init__()
         if loss not in NORMALIZERS:
-            raise ValueError(f"loss must be one of {NORMALIZERS}, got {loss!r}")
+            raise ConfigError(f"model.loss must be one of {NORMALIZERS}, got {loss!r}")
+        check_optimizer_settings(lr, weight_decay, betas, warmup_steps, min_lr_ratio, ce_chunk_size)
         check_model_source(model, "model")
         attention.check_backend(attn_backend)
         self.save_hyperparameters()
@@ -212,6 +165,7 @@ class HBPLitModule(L.LightningModule):
         self._spec: ModelSpec | None = None
         self._meter = StepMeter()
         self._grad_norm: torch.Tensor | None = None  # this optimizer step's, on logging steps (not ZeRO)
+        self._step_lr: float | None = None  # the learning rate this optimizer step took, on logging steps
         self.flops_per_batch: float | None = None  # this rank's model FLOPs of the micro-batch (ThroughputMonitor)
         self._recompile_limit: int | None = None  # dynamo's, before configure_model raised it for compile
         self._recompile_watch: RecompileLimitWatch | None = None
@@ -436,7 +390,12 @@ class HBPLitModule(L.LightningModule):
         Under ZeRO (stages 1-3) the gradients are partitioned: the engine's own norm is read after
         its step instead (``on_train_batch_end``). Nothing at the other steps."""
         self._grad_norm = None
-        if not logs_now(self.trainer) or zero_engine(self.trainer.strategy) is not None:
+        self._step_lr = None
+        if not logs_now(self.trainer):
+            return
+        # The learning rate this step takes: Lightning steps the scheduler before on_train_batch_end.
+        self._step_lr = float(optimizer.param_groups[0]["lr"])
+        if zero_engine(self.trainer.strategy) is not None:
             return
         # The model's own gradients: under DeepSpeed's stage-0 fp16/bf16 optimizers the optimizer's
         # parameters are fp32 master copies whose gradients are set only inside its step.
@@ -492,10 +451,13 @@ class HBPLitModule(L.LightningModule):
         norm = self._logged_grad_norm()
         if norm is not None:
             self.log("train/grad_norm", norm, batch_size=1)
-        # The learning rate of the step (a host value: the optimizer's), whether or not a logger runs.
-        optimizer = self.optimizers(use_pl_optimizer=False)
-        optimizer = optimizer[0] if isinstance(optimizer, list) else optimizer
-        self.log("train/lr", torch.tensor(float(optimizer.param_groups[0]["lr"])), batch_size=1)
+        # The learning rate the step took (a host value, read before the scheduler stepped), as Lightning's
+        # LearningRateMonitor reports it; the optimizer's own when no step ran.
+        lr = self._step_lr
+        if lr is None:
+            optimizer = self.optimizers(use_pl_optimizer=False)
+            lr = (optimizer[0] if isinstance(optimizer, list) else optimizer).param_groups[0]["lr"]
+        self.log("train/lr", torch.tensor(float(lr)), batch_size=1)
         for level, (seconds, tokens, count) in self._meter.read_times().items():
             self.log(f"time/level{level}_micro_step_s", torch.tensor(seconds / count), batch_size=1)
             self.log(f"time/level{level}_tokens_per_s_per_device", torch.tensor(tokens / seconds), batch_size=1)

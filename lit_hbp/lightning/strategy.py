@@ -24,6 +24,7 @@ import argparse
 import atexit
 import contextlib
 import importlib
+import inspect
 import os
 import sys
 import weakref
@@ -44,7 +45,7 @@ from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
 from lit_hbp.cost.run_settings import Settings, check, deepspeed_zero, refusal, strategy_config  # noqa: E402
 from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
-from lit_hbp.errors import ConfigError  # noqa: E402
+from lit_hbp.errors import ConfigError, did_you_mean  # noqa: E402
 from lit_hbp.lightning.checkpoints import is_complete, save_deepspeed  # noqa: E402
 from lit_hbp.model.build import family_of, zero3_loading  # noqa: E402
 from lit_hbp.model.mixers import ZERO3_REFUSAL, sp_refusal, stateful_mixers  # noqa: E402
@@ -375,6 +376,8 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         timeout: timedelta = COLLECTIVE_TIMEOUT,
         **kwargs: Any,
     ):
+        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+            raise ConfigError(f"trainer.strategy (HBPStrategy): stage is DeepSpeed's ZeRO stage, 0-3; got {stage!r}")
         if overlap_comm is not None:
             kwargs["overlap_comm"] = overlap_comm
         super().__init__(
@@ -554,6 +557,16 @@ class HBPDDPStrategy(LevelGroups, DDPStrategy):
     ):
         super().__init__(timeout=timeout, **kwargs)
         self.init_levels(levels)
+        # On one device no DDP wrapper takes them: a misspelled one would pass here and stop the same config on two
+        # GPUs. Checked against DistributedDataParallel's own arguments now, as DDP would on many.
+        accepted = set(inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters)
+        accepted -= {"self", "module"}
+        unknown = sorted(set(self._ddp_kwargs) - accepted)
+        if unknown:
+            raise ConfigError(
+                f"trainer.strategy (HBPDDPStrategy): {', '.join(map(repr, unknown))} is not an argument of torch's "
+                f"DistributedDataParallel{did_you_mean(unknown[0], accepted)}"
+            )
 
     def setup_distributed(self) -> None:
         _LIVE.add(self)  # its SP groups and process group released at exit (release_process_groups)

@@ -252,6 +252,8 @@ def packed_loss(
             f"packed_loss takes a PackedBatch (HBPDataModule's micro-batches, or lit_hbp.pack_samples over your own "
             f"samples), got {type(batch).__name__}"
         )
+    if not isinstance(ce_chunk_size, int) or isinstance(ce_chunk_size, bool) or ce_chunk_size < 1:
+        raise ValueError(f"packed_loss's ce_chunk_size (a loss chunk's tokens) must be >= 1, got {ce_chunk_size!r}")
     net = base_of(model)
     record = record_of(net)
     if record is None:

@@ -102,6 +102,13 @@ def check_model_config(model: Mapping[str, Any]) -> None:
     model_type = model.get("model_type")
     if model_type is None:
         raise ConfigError("a model config mapping needs a 'model_type' (e.g. 'llama', 'qwen2', 'mistral')")
+    for key in ("attn_implementation", "_attn_implementation"):
+        if key in model:
+            raise ConfigError(
+                f"model config ({model_type}): {key}: {model[key]!r} is lit-hbp's to set: packed calls run its varlen "
+                "attention, with the kernel model.attn_backend names (auto, eager, sdpa, flex, torch_varlen, "
+                "flash_attn, ...), and other calls the family's sdpa or eager; remove it and set model.attn_backend"
+            )
     valid = valid_config_keys(str(model_type))
     unknown = [k for k in model if k not in valid]
     if not unknown:

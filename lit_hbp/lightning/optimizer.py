@@ -1,0 +1,94 @@
+"""The optimizer step of an ``HBPLitModule`` run: its settings checked, which AdamW steps the parameters (fused
+where it can, else foreach: never a Python loop over them), and the global gradient norm it logs, read from the
+device only at the steps the loggers write.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lit_hbp.cost.run_settings import deepspeed_zero
+from lit_hbp.errors import ConfigError
+
+
+def adamw_kind(params: list[torch.Tensor], device: torch.device | None = None) -> str:
+    """``fused`` when every trainable parameter is a floating tensor stepped on a CUDA device, else
+    ``foreach`` (torch's multi-tensor kernels: a handful of calls per step, not a Python loop over the
+    parameters). ``device`` is where the optimizer steps them (the strategy's: a model built before
+    ``fit`` is on the host until DeepSpeed moves it, and DeepSpeed steps its fp32 master copies there);
+    without it, where the parameters are. The fused kernel updates every parameter in one pass over
+    memory; the unfused AdamW makes about ten."""
+    on_cuda = device.type == "cuda" if device is not None else all(p.is_cuda for p in params)
+    fused = bool(params) and on_cuda and all(p.is_floating_point() for p in params)
+    return "fused" if fused else "foreach"
+
+
+def clips_scaled_gradients(trainer) -> bool:
+    """Whether Lightning clips the gradients before the optimizer's step with fp16's loss scaler, which it
+    unscales first and so refuses an optimizer that unscales inside its step (fused AdamW: "does not allow
+    for gradient clipping"). Without a scaler (fp32, bf16) ``HBPLitModule.configure_gradient_clipping``
+    clips itself and the fused kernel runs; DeepSpeed clips inside its own step."""
+    clip = getattr(trainer, "gradient_clip_val", None)
+    return bool(clip) and getattr(getattr(trainer, "precision_plugin", None), "scaler", None) is not None
+
+
+def optimizer_device(strategy) -> torch.device:
+    """Where ``strategy`` steps the optimizer: its root device, the host under ZeRO-Offload."""
+    offloaded = deepspeed_zero(getattr(strategy, "config", None))["optimizer_offload"]
+    return torch.device("cpu") if offloaded else strategy.root_device
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The L2 norm of ``grads`` taken as one vector, accumulated in fp32, as a tensor on the first
+    gradient's device (nothing is read on the host); None without a gradient."""
+    if not grads:
+        return None
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g.detach())
+    device = grads[0].device
+    norms = [n.to(device) for group in by_device.values() for n in torch._foreach_norm(group, 2, dtype=torch.float32)]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def zero_engine(strategy):
+    """The DeepSpeed engine of a strategy (DeepSpeedStrategy, HBPStrategy) whose optimizer is one of
+    ZeRO's (stages 1-3, and DeepSpeed's BF16 optimizer): it computes the global gradient norm itself,
+    over the gradient partitions of every rank, before clipping (``get_global_grad_norm()`` after the
+    step). None for other strategies and for ZeRO stage 0, whose gradients are whole on each rank in
+    the parameters' ``.grad``."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if not isinstance(strategy, DeepSpeedStrategy):
+        return None
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    engine = strategy.model  # the engine, once the strategy has set it up
+    return engine if isinstance(getattr(engine, "optimizer", None), ZeROOptimizer) else None
+
+
+def check_optimizer_settings(
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    warmup_steps: int,
+    min_lr_ratio: float,
+    ce_chunk_size: int,
+) -> None:
+    """Refuse, naming the config key, a value that torch would take and train on wrongly (a negative floor is a
+    negative learning rate: gradient ascent) or refuse only at the first step with its own words."""
+    bad = []
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0:
+        bad.append(f"model.lr must be a number >= 0, got {lr!r}")
+    if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or not weight_decay >= 0:
+        bad.append(f"model.weight_decay must be a number >= 0, got {weight_decay!r}")
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        bad.append(f"model.betas must be two numbers in [0, 1), got {list(betas)!r}")
+    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+        bad.append(f"model.warmup_steps must be a whole number of optimizer steps >= 0, got {warmup_steps!r}")
+    if not isinstance(min_lr_ratio, (int, float)) or not 0 <= min_lr_ratio <= 1:
+        bad.append(f"model.min_lr_ratio (the cosine's floor, a share of lr) must be in [0, 1], got {min_lr_ratio!r}")
+    if not isinstance(ce_chunk_size, int) or isinstance(ce_chunk_size, bool) or ce_chunk_size < 1:
+        bad.append(f"model.ce_chunk_size (a loss chunk's tokens) must be a whole number >= 1, got {ce_chunk_size!r}")
+    if bad:
+        raise ConfigError("; ".join(bad))
