@@ -43,6 +43,11 @@ def test_levels_name_their_kind_and_unknown_kinds_are_refused():
         resolve_sp_kind("torch.nn.Linear")  # importable, but not an SPKind
     with pytest.raises(TypeError, match="sp_kind must be a non-empty string"):
         Level(64, 2, sp_kind="")
+    # A level of sp 1 runs no SP kind, but a misspelled one is refused there too (a config's levels gain sp later)
+    from lit_hbp import HBPDataModule
+
+    with pytest.raises(ValueError, match=r"data.levels\[1\]: unknown sp_kind 'ulyses' \(did you mean 'ulysses'\?\)"):
+        HBPDataModule(sources=["d.jsonl"], tokenizer="t", levels=[64, {"pack_len": 128, "sp": 1, "sp_kind": "ulyses"}])
 
 
 def test_the_strategy_checks_and_the_level_search_ask_the_levels_kind():

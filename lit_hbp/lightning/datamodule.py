@@ -50,6 +50,7 @@ from lit_hbp.model.checks import local_checkpoint
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LevelSelector, as_level
 from lit_hbp.packing.vision_load import VisionLoad
+from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import layout_levels
 
 
@@ -155,6 +156,11 @@ class HBPDataModule(L.LightningDataModule):
             self.levels = tuple(as_level(x, f"data.levels[{i}]") for i, x in enumerate(levels))
             # Checked against the real world size at setup; here only what needs no world.
             validate_levels(self.levels, math.lcm(*(lv.sp for lv in self.levels)) if self.levels else 1)
+            for i, lv in enumerate(self.levels):  # a level of sp 1 too: a misspelled kind would pass unseen
+                try:
+                    resolve_sp_kind(lv.sp_kind)
+                except ValueError as e:
+                    raise ConfigError(f"data.levels[{i}]: {e}") from None
         self.packer, self.over_length, self.train_on, self.seed = packer, over_length, train_on, seed
         if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
             raise ConfigError(f"data.num_workers must be a whole number >= 0 (0: collate in the training process), "

@@ -16,6 +16,7 @@ from functools import cache
 from importlib import import_module
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from lit_hbp.errors import did_you_mean
 from lit_hbp.packing.levels import validate_levels
 from lit_hbp.parallel.topology import resolve_layout
 
@@ -136,8 +137,8 @@ def resolve_sp_kind(name: str) -> SPKind:
         raise ValueError(f"sp_kind {name!r}: cannot import {module!r} ({e})") from None
     if not (isinstance(kind, type) and issubclass(kind, SPKind)):
         raise ValueError(
-            f"unknown sp_kind {name!r}: use one of {sorted(BUILTIN)} or the class path of an "
-            "lit_hbp.parallel.kind.SPKind subclass"
+            f"unknown sp_kind {name!r}{did_you_mean(name, BUILTIN)}: use one of {sorted(BUILTIN)} or the class path "
+            "of an lit_hbp.parallel.kind.SPKind subclass"
         )
     return kind()
 
