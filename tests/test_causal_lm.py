@@ -69,6 +69,59 @@ def test_router_loss_is_added_when_the_config_asks_for_it():
     torch.testing.assert_close(plain(batch)[0], ce_sum, rtol=1e-6, atol=1e-6)
 
 
+def router_pack(module):
+    rng = np.random.default_rng(1)
+    samples = {i: (rng.integers(0, 300, n), np.ones(n, bool)) for i, n in enumerate([20, 13, 25])}  # 58: padded
+    return collate_packs([np.arange(3)], samples.__getitem__, loss_norm=1.0, sp=2)
+
+
+def router_loss_at_sp_2() -> tuple[float, dict]:
+    """On each of 2 gloo ranks: a Mixtral pack (the padding segment included) split by Ulysses, its ``sum`` loss
+    with the router loss through ``packed_loss``, and the gradients averaged over the ranks, as DDP averages them."""
+    import torch.distributed as dist
+
+    from lit_hbp import packed_loss
+    from lit_hbp.parallel.context import SPCall
+    from lit_hbp.parallel.groups import SPGroups
+    from lit_hbp.parallel.ulysses import Ulysses
+
+    module = built("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
+    module.model.eval()
+    ctx = SPGroups([(2, 1)], 2, dist.get_rank())[(2, 1)]
+    shard = Ulysses().shard(router_pack(module), 2, ctx.rank).replace(sp_group=SPCall.of(ctx, "ulysses"))
+    loss = packed_loss(module.model, shard, "sum").loss
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
+    for g in grads.values():
+        dist.all_reduce(g)
+        g /= 2
+    return float(total) / 2, grads
+
+
+@pytest.mark.slow
+def test_the_router_loss_of_a_sequence_parallel_pack_is_the_packs(shared_pool2):
+    """The load-balancing loss is a product of two means over a micro-batch's tokens: each Ulysses rank computed
+    it over its own shard, and the group trained on the mean of the shards' losses. Every rank now takes it over
+    the whole pack's router logits; the ranks' mean loss and gradients are the pack's in one process."""
+    from lit_hbp import packed_loss
+
+    ranks = shared_pool2.run(router_loss_at_sp_2)
+    module = built("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
+    module.model.eval()
+    whole = router_pack(module).replace(sp=1, sp_kind="ulysses")
+    assert whole.n_tokens < whole.input_ids.shape[1]  # a padding segment, left out of the router loss
+    want = packed_loss(module.model, whole, "sum").loss
+    want.backward()
+    no_aux = packed_loss(module.model, whole, "sum", router_loss=False).loss
+    assert want.item() - no_aux.item() > 0.1  # the router loss is there to be compared
+    for total, grads in ranks:
+        assert total == pytest.approx(want.item(), rel=1e-5)
+        for name, p in module.model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_router_loss_for_a_family_without_one_is_refused():
     with pytest.raises(ValueError, match="llama: output_router_logits is set but lit-hbp does not know"):
         built("llama", output_router_logits=True)

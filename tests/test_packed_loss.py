@@ -3,6 +3,8 @@ and the guards that refuse what would train wrong without them: a model called o
 document boundaries or positions, transformers' loss shifting lit-hbp's pre-shifted labels again, a batch
 that is no PackedBatch."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -134,3 +136,71 @@ def test_transformers_loss_takes_the_labels_pre_shifted_or_refuses():
         **pack_inputs(batch), labels=batch.labels, shift_labels=batch.labels, num_items_in_batch=torch.tensor(n)
     )
     assert float(out.loss) == pytest.approx(float(ce) / n, rel=1e-5)
+
+
+def test_what_packed_loss_cannot_use_is_refused_by_name():
+    """Each of these trained something else without a word (or stopped on a message about something else): a
+    loss_norm of 0, a negative or NaN one; weights of another length than the pack; a loss name beside weights;
+    labels replaced without their targets' positions; checkpointing a negative or fractional number of layers;
+    liger on a machine without CUDA."""
+    model = prepare_model(tiny_model())
+    batch = pack_samples(samples())
+    for norm in (0.0, -10.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"loss_norm must be a finite number > 0 .* got"):
+            packed_loss(model, batch.replace(loss_norm=norm))
+    assert float(packed_loss(model, batch.replace(loss_norm=np.float32(4.0))).loss) > 0  # numpy numbers are numbers
+    length = batch.input_ids.shape[1]
+    for shape in ((length + 1,), (length - 1,), (), (2, length)):
+        with pytest.raises(
+            ValueError, match=rf"weights: one per position of the pack .*got shape {re.escape(str(shape))}"
+        ):
+            packed_loss(model, batch, weights=torch.ones(shape))
+    one_per = packed_loss(model, batch, weights=torch.ones(length)).loss
+    torch.testing.assert_close(packed_loss(model, batch, weights=torch.ones(1, length)).loss, one_per)  # labels'
+    with pytest.raises(ValueError, match="packed_loss's loss must be one of"):
+        packed_loss(model, batch, "tokenmean", weights=1.0)
+    with pytest.raises(ValueError, match=r"replace\(labels=...\) without target_index"):
+        batch.replace(labels=torch.full_like(batch.labels, -100))
+    for ckpt in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="ckpt_layers must be a whole number of decoder layers >= 0"):
+            packed_loss(model, batch.replace(ckpt_layers=ckpt), "sum")
+    assert float(packed_loss(model, batch.replace(ckpt_layers=np.int64(1)), "sum").loss) > 0  # the plan's numbers
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="liger=True needs a CUDA GPU"):
+            packed_loss(model, batch, "sum", liger=True)
+
+
+def test_a_text_models_token_type_ids_reach_its_decoder_in_a_packed_loss():
+    """GPT-2 embeds token_type_ids (segments): a pack of records with them equals each record alone with its own,
+    through packed_loss as through ``model(**pack_inputs(batch))`` (the image path refused them before)."""
+    config = AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model = prepare_model(AutoModelForCausalLM.from_config(config)).eval()
+    model.load_state_dict(reference.state_dict())
+    records = [
+        {"input_ids": ids, "supervised": mask, "token_type_ids": np.arange(len(ids)) % 2} for ids, mask in samples()
+    ]
+    want = 0.0
+    for r in records:
+        ids = torch.as_tensor(r["input_ids"])
+        logits = reference(input_ids=ids[None], token_type_ids=torch.as_tensor(r["token_type_ids"])[None]).logits[0]
+        labels = torch.where(torch.as_tensor(r["supervised"][1:]), ids[1:], -100)
+        want = want + F.cross_entropy(logits[:-1], labels, reduction="sum")
+    got = packed_loss(model, pack_samples(records), "sum")
+    assert float(got.ce_sum) == pytest.approx(float(want), rel=1e-5)
+    assert float(got.ce_sum) != pytest.approx(
+        float(packed_loss(model, pack_samples(samples()), "sum").ce_sum), rel=1e-3
+    )
+
+
+def test_a_router_loss_prepare_model_cannot_compute_is_refused_there():
+    """A mixture-of-experts family whose modeling code has no load-balancing loss (afmoe) asked for one: refused
+    by prepare_model on a project's own path too (its first packed call raised an AttributeError)."""
+    config = AutoConfig.for_model("afmoe", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1,
+                                  num_shared_experts=1, layer_types=["full_attention"] * 2,
+                                  output_router_logits=True)  # fmt: skip
+    with pytest.raises(ValueError, match="afmoe: output_router_logits is set but lit-hbp does not know"):
+        prepare_model(AutoModelForCausalLM.from_config(config))

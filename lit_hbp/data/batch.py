@@ -148,6 +148,15 @@ class PackedBatch:
         return self.input_ids.shape[1] * self.sp
 
     def replace(self, **changes) -> PackedBatch:
+        """The batch with ``changes``. New ``labels`` come with their ``target_index`` (an SP kind's shard gives
+        both): the loss runs the LM head on the positions ``target_index`` names and counts the pack's targets
+        from the collation, so labels alone would train the old targets and count the old number."""
+        if "labels" in changes and "target_index" not in changes:
+            raise ValueError(
+                "PackedBatch.replace(labels=...) without target_index (and the counts n_targets, sample_targets, "
+                "n_loss_samples the collation derived from the labels): pack the samples with lit_hbp.pack_samples "
+                "and their new supervised masks, or weigh tokens with packed_loss's weights="
+            )
         return dataclasses.replace(self, **changes)
 
     def to(self, device: torch.device | str) -> PackedBatch:
@@ -176,4 +185,4 @@ class PackedBatch:
             changes["cp_shard"] = self.cp_shard.apply(fn)
         if self.mm is not None:
             changes["mm"] = {k: fn(v) for k, v in self.mm.items()}
-        return self.replace(**changes)
+        return dataclasses.replace(self, **changes)  # the same values elsewhere: nothing derived goes stale

@@ -148,6 +148,16 @@ def is_complete(path: str | os.PathLike) -> bool:
     return path.is_file() and _whole_zip(path)
 
 
+def saved_by_zero3(path: str | os.PathLike) -> bool:
+    """Whether a DeepSpeed checkpoint folder's latest tag was written by ZeRO stage 3 (each rank's partition of
+    the model states, ``zero_pp_rank_N_mp_rank_00_model_states.pt``; stages 0-2 write one ``mp_rank_00_...``)."""
+    tag = _latest_tag(Path(path))
+    folder = Path(path) / tag if tag is not None else None
+    if folder is None or not folder.is_dir():
+        return False
+    return any(f.name.startswith("zero_pp_rank_") and f.name.endswith("_model_states.pt") for f in folder.iterdir())
+
+
 def _whole_zip(path: Path) -> bool:
     try:
         with zipfile.ZipFile(path) as z:

@@ -35,7 +35,6 @@ from lit_hbp.model import attention
 from lit_hbp.model.build import apply_liger, apply_lora, base_of, build_causal_lm, freeze_vision, zero3_loading
 from lit_hbp.model.causal_lm import (
     PackedLoss,
-    check_router_loss,
     decoder_layers,
     model_spec,
     packed_loss,
@@ -184,7 +183,6 @@ class HBPLitModule(L.LightningModule):
         self.model.train()
         check_module_positions(self)  # max_position_embeddings vs the largest level
         self._layers = decoder_layers(prepare_model(self.model, attn_backend=self.hparams.attn_backend))
-        check_router_loss(self.model)
         try:
             self._spec = model_spec(self.model, self._layers)
         except ValueError as e:

@@ -241,15 +241,20 @@ def checkpoint_layers(net: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in net.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def check_liger() -> None:
+    """Refuse ``liger=True`` where Liger cannot run: without a CUDA GPU or without liger-kernel."""
+    if not torch.cuda.is_available():
+        raise ValueError("liger=True needs a CUDA GPU: Liger's kernels are Triton kernels")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ValueError("liger=True needs liger-kernel: pip install 'lit-hbp[gpu]'")
+
+
 def apply_liger(net) -> None:
     """Liger's RMSNorm, RoPE and SwiGLU kernels on ``net``, the Hugging Face model itself (not a peft
     wrapper), where Liger has them for its family (the cross-entropy is the module's own fused one,
     so Liger's loss patches stay off). Refuses a Liger whose fused linear cross-entropy cannot
     accumulate the LM head's gradient in fp32 (``accum_dtype``)."""
-    if not torch.cuda.is_available():
-        raise ValueError("liger=True needs a CUDA GPU: Liger's kernels are Triton kernels")
-    if importlib.util.find_spec("liger_kernel") is None:
-        raise ValueError("liger=True needs liger-kernel: pip install 'lit-hbp[gpu]'")
+    check_liger()
     import inspect
 
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy

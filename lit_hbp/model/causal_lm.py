@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -35,6 +36,7 @@ from lit_hbp.model.build import (
     _refusing_other_attention,
     base_of,
     build_on_meta,
+    check_liger,
     checkpoint_layers,
     decoder_of,
     family_of,
@@ -43,7 +45,13 @@ from lit_hbp.model.build import (
 )
 from lit_hbp.model.checks import model_config
 from lit_hbp.model.family_checks import refuse_unseen
-from lit_hbp.model.loss import chunked_cross_entropy, fused_linear_cross_entropy, token_scale, token_weights
+from lit_hbp.model.loss import (
+    NORMALIZERS,
+    chunked_cross_entropy,
+    fused_linear_cross_entropy,
+    token_scale,
+    token_weights,
+)
 from lit_hbp.model.mixer_heads import spanning_values, split_heads
 from lit_hbp.model.mixers import (
     install_per_document,
@@ -70,6 +78,7 @@ from lit_hbp.model.vision import (
     vision_tower,
 )
 from lit_hbp.model_spec import ModelSpec
+from lit_hbp.parallel.context import SPCall, sp_call
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
@@ -108,6 +117,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     family = family_of(net)
     mixers = refuse_stateful_mixers(decoder, family)
     refuse_unseen(net, decoder, family, {m.path for m in mixers}, not is_multimodal(net))
+    check_router_loss(net)
     configs = model_configs(decoder)  # a vision-language model's vision tower keeps its own attention
     for config in configs:
         calls.install(type(config))
@@ -252,6 +262,15 @@ def packed_loss(
             f"packed_loss takes a PackedBatch (HBPDataModule's micro-batches, or lit_hbp.pack_samples over your own "
             f"samples), got {type(batch).__name__}"
         )
+    if loss not in NORMALIZERS:
+        raise ValueError(f"packed_loss's loss must be one of {NORMALIZERS}, got {loss!r}")
+    if isinstance(weights, torch.Tensor):
+        weights = weights[0] if weights.dim() == 2 and weights.shape[0] == 1 else weights  # labels' [1, T]
+        if tuple(weights.shape) != (batch.input_ids.shape[1],):
+            raise ValueError(
+                f"packed_loss's weights: one per position of the pack (this rank's shard: {batch.input_ids.shape[1]}), "
+                f"as [T] or the labels' [1, T], got shape {tuple(weights.shape)}"
+            )
     if not isinstance(ce_chunk_size, int) or isinstance(ce_chunk_size, bool) or ce_chunk_size < 1:
         raise ValueError(f"packed_loss's ce_chunk_size (a loss chunk's tokens) must be >= 1, got {ce_chunk_size!r}")
     net = base_of(model)
@@ -260,10 +279,11 @@ def packed_loss(
         raise ValueError(_not_prepared(model))
     inputs = pack_inputs(batch)  # checks the level's SP group came with the batch
     aux = router_loss and getattr(net.config.get_text_config(), "output_router_logits", False)
-    level = (int(batch.ckpt_layers), bool(batch.offload), int(batch.mlp_tiles))
+    level = (batch.ckpt_layers, bool(batch.offload), batch.mlp_tiles)  # checked by pack_scope
     with pack_scope(net, *level, inputs, tower_names(record) if batch.mm else None, batch.bounds):
-        if batch.mm:  # images encoded apart, by the vision tower's own attention (split over the SP group), in
-            inputs = _encoded(record, batch, inputs)  # the call: its blocks checkpointed as the level says
+        if batch.mm and is_multimodal(net):  # images encoded apart, by the vision tower's own attention (split
+            inputs = _encoded(record, batch, inputs)  # over the SP group), its blocks checkpointed as the level says
+        # (a text model's token_type_ids, its segment embedding, go to the decoder with the ids)
         out = _decoder_call(model, record)(**inputs, **({"output_router_logits": True} if aux else {}))
     hidden = out.last_hidden_state
     head = output_head(model)
@@ -271,6 +291,8 @@ def packed_loss(
     labels = batch.labels[0]
     plain_head = type(head.linear) is torch.nn.Linear  # not wrapped by an adapter
     fusable = plain_head and isinstance(scale, float) and (head.scale == 1.0 or head.linear.bias is None)
+    if liger:
+        check_liger()
     if liger and fusable:
         total, ce_sum, n = fused_linear_cross_entropy(hidden[0], head, labels, scale, batch.target_index)
     else:
@@ -279,8 +301,7 @@ def packed_loss(
             hidden[0], head.logits, labels, w, batch.target_index, ce_chunk_size, recompute
         )
     if aux:
-        real = (batch.positions_in_pack() < batch.n_tokens)[None]  # not the padding segment
-        total = total + router_aux_loss(net, out.router_logits, real)
+        total = total + router_aux_loss(net, out.router_logits, batch)
     return PackedLoss(total, ce_sum, n)
 
 
@@ -393,21 +414,48 @@ def _first(config, names):
     return next((getattr(config, n) for n in names if getattr(config, n, None)), None)
 
 
-def router_aux_loss(net: torch.nn.Module, router_logits, real: torch.Tensor) -> torch.Tensor:
-    """The load-balancing loss the family's forward adds when ``output_router_logits`` is set
-    (its own ``load_balancing_loss_func``), over this micro-batch's real tokens (``real``: [1, T] mask)."""
-    config = net.config
+def router_aux_loss(net: torch.nn.Module, router_logits, batch: PackedBatch) -> torch.Tensor:
+    """The load-balancing loss the family's forward adds when ``output_router_logits`` is set (its own
+    ``load_balancing_loss_func``), over the real tokens of ``batch``'s whole pack (not its padding segment). The
+    loss is a product of two means over the tokens, so on a sequence-parallel level every rank computes it over
+    the whole pack's router logits, gathered by the level's SP kind (differentiable: a rank's shard gets the sum
+    of every rank's gradient of it, and the group's ranks average to the pack's own gradient)."""
+    config = net.config.get_text_config()
     fn = sys.modules[type(net).__module__].load_balancing_loss_func
+    sp = sp_call(batch)
+    local = int(batch.input_ids.shape[1])
+    if sp is not None:
+        router_logits = tuple(_whole_pack(x, local, sp, config.model_type) for x in router_logits)
+    positions = torch.arange(local * (sp.size if sp is not None else 1), device=batch.input_ids.device)
+    if sp is None:
+        positions = batch.positions_in_pack()
+    real = (positions < batch.n_tokens)[None]
     aux = fn(router_logits, _first(config, EXPERT_COUNT), _first(config, EXPERTS_PER_TOKEN), real)
     return config.router_aux_loss_coef * aux
 
 
+def _whole_pack(logits: torch.Tensor, local: int, sp: SPCall, family: str) -> torch.Tensor:
+    """A layer's router logits of this rank's ``local`` tokens -> the whole pack's, in its order."""
+    dim = next((d for d, n in enumerate(logits.shape[:-1]) if n == local), None)
+    if dim is None or math.prod(logits.shape[:-1]) != local:
+        raise ValueError(f"{family}: router logits of shape {tuple(logits.shape)} for a shard of {local} tokens")
+    try:
+        return sp.kind.gather_tokens(logits, sp.ctx, dim)
+    except ValueError as e:
+        raise ValueError(
+            f"{family}: its router loss (output_router_logits) is a mean over the whole pack, which this level's "
+            f"SP kind cannot gather: {e}"
+        ) from None
+
+
 def check_router_loss(net: torch.nn.Module) -> None:
-    """A config asking for the router loss trains with it, or is refused here."""
-    if not getattr(net.config, "output_router_logits", False):
+    """A config asking for the router loss (a packed call's, its language model's) trains with it, or is refused
+    here (``prepare_model``)."""
+    config = net.config.get_text_config()
+    if not getattr(config, "output_router_logits", False):
         return
     module = sys.modules[type(net).__module__]
-    if not hasattr(module, "load_balancing_loss_func") or not _first(net.config, EXPERT_COUNT):
+    if not hasattr(module, "load_balancing_loss_func") or not _first(config, EXPERT_COUNT):
         raise ValueError(
             f"{net.config.model_type}: output_router_logits is set but lit-hbp does not know this family's router "
             "loss (no load_balancing_loss_func in its modeling module); set output_router_logits: false"

@@ -18,6 +18,7 @@ after averaging over all N ranks, each SP group counts as one data-parallel repl
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,7 +41,13 @@ def token_scale(batch: PackedBatch, normalizer: str) -> float | None:
                 "micro-batches, which HBPDataModule's plan knows before the step; this micro-batch has no loss_norm "
                 "(your own DataLoader): use the token_mean or sum loss, or pass loss_norm to pack_samples"
             )
-        return 1.0 / batch.loss_norm
+        norm = batch.loss_norm
+        if isinstance(norm, bool) or not isinstance(norm, numbers.Real) or not 0 < norm < float("inf"):
+            raise ValueError(
+                f"loss_norm must be a finite number > 0 (the step's supervised tokens per rank and micro-batch: "
+                f"step_loss_norm), got {norm!r}: 0, negative or NaN would divide by nothing or ascend the loss"
+            )
+        return 1.0 / norm
     if normalizer == "token_mean":
         return sp / max(batch.n_targets, 1)
     if normalizer == "sum":

@@ -40,6 +40,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import numbers
 import threading
 import weakref
 from collections.abc import Iterator
@@ -241,12 +242,17 @@ def pack_scope(
     if prepared is None:
         raise ValueError("pack_scope: call lit_hbp.prepare_model(model) first")
     layers, mlps = prepared.layers, prepared.mlps
-    if ckpt_layers is not None and ckpt_layers > len(layers):
-        raise ValueError(f"ckpt_layers {ckpt_layers} exceeds the model's {len(layers)} decoder layers")
+    if ckpt_layers is not None:
+        if isinstance(ckpt_layers, bool) or not isinstance(ckpt_layers, numbers.Integral) or ckpt_layers < 0:
+            raise ValueError(f"ckpt_layers must be a whole number of decoder layers >= 0, got {ckpt_layers!r}")
+        if ckpt_layers > len(layers):
+            raise ValueError(f"ckpt_layers {ckpt_layers} exceeds the model's {len(layers)} decoder layers")
+        ckpt_layers = int(ckpt_layers)
     if offload and not ckpt_layers:
         raise ValueError("offload keeps the checkpointed layers' inputs on the host: it needs ckpt_layers > 0")
-    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+    if isinstance(tiles, bool) or not isinstance(tiles, numbers.Integral) or tiles < 1:
         raise ValueError(f"mlp_tiles must be a positive int, got {tiles!r}")
+    tiles = int(tiles)
     if tiles > 1:
         for i, (layer, mlp) in enumerate(zip(layers, mlps)):
             if mlp is None:
