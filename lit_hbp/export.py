@@ -33,6 +33,7 @@ import os
 import sys
 import tempfile
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -127,10 +128,31 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
         net = apply_lora(net, dict(hparams["lora"]))
     # HBPLitModule holds the network as ``model``: its state dict keys are ``model.<name>``.
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}
-    missing, unexpected = net.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = net.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # weights of other shapes: another model's checkpoint, or its config changed
+        said = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e).splitlines()[0])
+        raise UserInputError(
+            f"the checkpoint's weights do not fit its model config ({config.model_type}): {said}"
+        ) from None
     if missing or unexpected:
-        raise ValueError(f"the checkpoint does not match its model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise UserInputError(
+            f"the checkpoint's weights do not fit its model config ({config.model_type}): missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     return net
+
+
+def check_adapter_servable(hparams: dict, merge_lora: bool) -> None:
+    """A LoRA adapter names the base model it was trained on; a run whose base was built from a config mapping
+    (random weights, held only in the checkpoint) has none a server can load: refused, the merged model is the
+    export."""
+    if hparams.get("lora") and not merge_lora and isinstance(hparams.get("model"), Mapping):
+        raise ConfigError(
+            "the run's LoRA adapters were trained on a model built from a config mapping, whose base weights live "
+            "only in this checkpoint: an adapter alone could not be loaded; export with --merge-lora (HBPExport: "
+            "merge_lora: true)"
+        )
 
 
 def held_tokenizer(ckpt: dict) -> dict | None:
@@ -261,6 +283,7 @@ def export_checkpoint(
     out = Path(out_dir)
     check_export_folder(out, "OUT_DIR")
     ckpt = load_checkpoint(checkpoint, trust=trust)
+    check_adapter_servable(_hparams(ckpt), merge_lora)
     net = model_from_checkpoint(ckpt)
     if merge_lora and not hasattr(net, "peft_config"):
         raise ConfigError("--merge-lora: the checkpoint's run trained no LoRA adapters (its model is whole): drop it")

@@ -41,6 +41,7 @@ SMALL = dict(
     n_head=4,
     n_inner=96,
     ffn_dim=96,
+    dff=96,  # CTRL's: its default 8,192 ReLU units put one within 1e-9 of its kink, where rounding picks a side
     word_embed_proj_dim=64,
     rotary_dim=8,
     partial_rotary_factor=0.5,

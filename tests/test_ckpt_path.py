@@ -354,3 +354,28 @@ def test_the_checkpoint_kind_a_strategy_resumes_is_its_class_not_its_name(strate
         else:
             with pytest.raises(ConfigError):
                 check_resume(section)
+
+
+@pytest.mark.slow
+def test_a_zero3_folder_loads_under_stage_3_to_train_and_says_how_to_validate_it(
+    tmp_path, small_demo, monkeypatch, capfd
+):
+    """DeepSpeed restores a ZeRO-3 folder's partitioned weights through its optimizer: ``validate`` of one crashed
+    in DeepSpeed (no optimizer there), and a stage-2 run given it stopped on a bare AssertionError. Both are one
+    line naming the way (the stage that saved it; an export to validate)."""
+    monkeypatch.chdir(tmp_path)
+    run = ["--trainer.strategy", "hbp_stage_3", "--trainer.enable_progress_bar", "false"]
+    main(["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
+          "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "2", *run])  # fmt: skip
+    folder = tmp_path / "runs/tiny_cpu/version_0/checkpoints/last.ckpt"
+    assert folder.is_dir()
+    base = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
+            "--data.cache_dir", str(tmp_path / "cache"), "--ckpt_path", str(folder)]  # fmt: skip
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main(["validate", *base, *run])
+    err = capfd.readouterr().err
+    assert stop.value.code == 2 and "a ZeRO-3 checkpoint folder resumes training but does not load to validate" in err
+    code, _, err = run_cli(["--trainer.strategy", "hbp", "--ckpt_path", str(folder), "--trainer.max_steps", "3"],
+                           tmp_path, small_demo, capfd)  # fmt: skip
+    assert code == 2 and "DeepSpeed's ZeRO stage 3 saved it, and this run's strategy is stage 2" in err, err

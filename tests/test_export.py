@@ -86,9 +86,9 @@ def train_and_save(
             with deepspeed.zero.GatheredParameters([p for _, p in params]):
                 initial.update({n: p.detach().clone() for n, p in params})
 
-    trainer = quiet_trainer(
-        devices=2, strategy=HBPStrategy(stage=stage), max_steps=4, callbacks=[Initial(), HBPExport(out + "_callback")]
-    )
+    merge = bool(lora) and isinstance(model, dict)  # an adapter of a mapping's model has no base to load beside it
+    export = HBPExport(out + "_callback", merge_lora=merge)
+    trainer = quiet_trainer(devices=2, strategy=HBPStrategy(stage=stage), max_steps=4, callbacks=[Initial(), export])
     trainer.fit(module, dm)
     trainer.save_checkpoint(out)
     params = list(module.model.named_parameters())
@@ -214,12 +214,17 @@ def test_lora_trains_only_adapters_under_zero_and_sp_and_exports(
     merged.eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=torch.tensor([PROBE])).logits[0], r["logits"], atol=1e-5, rtol=1e-5)
+    if model == TINY:  # the base was built from a config mapping: its weights are in the checkpoint alone
+        with pytest.raises(ValueError, match="an adapter alone could not be loaded; export with --merge-lora"):
+            export_checkpoint(ckpt, tmp_path / "adapter")
+        assert not (tmp_path / "adapter").exists()
+        return
     adapter = export_checkpoint(ckpt, tmp_path / "adapter")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
     assert {"generation_config.json", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in adapter.iterdir()}
     served = json.loads((adapter / "generation_config.json").read_text())
-    assert served["eos_token_id"] == (SERVED_STOPS if stage == 3 else [1, 5])  # the base's own kept (stage 3)
-    assert served.get("temperature") == (BASE_GENERATION["temperature"] if stage == 3 else None)
+    assert served["eos_token_id"] == SERVED_STOPS  # the base's own kept
+    assert served.get("temperature") == BASE_GENERATION["temperature"]
     # The frozen base the run started from (peft names: base_model.model.<name>, wrapped layers' .base_layer).
     base = copy.deepcopy(merged)
     start = {
@@ -328,3 +333,33 @@ def test_strategy_name_works_on_the_command_line(tmp_path, small_demo, monkeypat
     cli = main(args + ["--trainer.strategy", "hbp_stage_2"], run=False)
     assert type(cli.trainer.strategy).__name__ == "HBPStrategy"
     assert cli.trainer.strategy.config["zero_optimization"]["stage"] == 2
+
+
+def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_one_error_line(chats, tiny_folder, tmp_path, capsys):
+    """Another model's weights under a checkpoint's config (or a config edited after the run) ended in a 39-line
+    load_state_dict traceback; it is one line naming the mismatch, status 2, nothing written."""
+    from lit_hbp.export import main
+
+    ckpt = torch.load(one_step_checkpoint(tiny_folder, chats, tmp_path), map_location="cpu", weights_only=False)
+    capsys.readouterr()
+    for name, change in (("wider", {"hidden_size": 2 * TINY["hidden_size"]}), ("deeper", {"num_hidden_layers": 3})):
+        bad = dict(ckpt, hf_config={**ckpt["hf_config"], **change})
+        torch.save(bad, tmp_path / f"{name}.ckpt")
+        assert main([str(tmp_path / f"{name}.ckpt"), str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: the checkpoint's weights do not fit its model config (llama): ") and (
+            "size mismatch" in err if name == "wider" else "missing ['model.layers.2." in err
+        ), err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / name).exists()
+
+
+def test_an_adapter_export_of_a_mappings_model_is_refused_before_training(tmp_path):
+    """HBPExport of a LoRA run whose base model was built from a config mapping: refused when fit sets up (after
+    training, the adapter alone could not be loaded anywhere); with merge_lora it exports the merged model."""
+    from lit_hbp.callbacks import HBPExport
+    from lit_hbp.errors import ConfigError
+
+    module = HBPLitModule(model=TINY, vocab_size=300, lora={"rank": 4})
+    with pytest.raises(ConfigError, match="export with --merge-lora \\(HBPExport: merge_lora: true\\)"):
+        HBPExport(str(tmp_path / "out")).setup(None, module, "fit")
+    HBPExport(str(tmp_path / "out"), merge_lora=True).setup(None, module, "fit")

@@ -27,7 +27,7 @@ class HBPExport(L.Callback):
         self.dirpath, self.dtype, self.merge_lora = Path(dirpath), dtype, merge_lora
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        from lit_hbp.export import check_export_folder
+        from lit_hbp.export import check_adapter_servable, check_export_folder
         from lit_hbp.lightning.module import HBPLitModule
 
         if not isinstance(pl_module, HBPLitModule):
@@ -39,6 +39,7 @@ class HBPExport(L.Callback):
             check_export_folder(self.dirpath, "HBPExport dirpath")
             if self.merge_lora and not pl_module.hparams.get("lora"):
                 raise ConfigError("HBPExport merge_lora: true, but the run trains no LoRA adapters: drop it")
+            check_adapter_servable(dict(pl_module.hparams), self.merge_lora)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lit_hbp.export import export_checkpoint
