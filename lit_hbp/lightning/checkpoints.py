@@ -42,7 +42,7 @@ import torch
 from fsspec.utils import get_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lit_hbp.errors import UserInputError
+from lit_hbp.errors import ConfigError, UserInputError
 
 LATEST = "latest"  # DeepSpeed's file naming the tag folder a load reads
 PARTIAL = ".partial"
@@ -156,6 +156,25 @@ def saved_by_zero3(path: str | os.PathLike) -> bool:
     if folder is None or not folder.is_dir():
         return False
     return any(f.name.startswith("zero_pp_rank_") and f.name.endswith("_model_states.pt") for f in folder.iterdir())
+
+
+def check_zero_folder(path: str | os.PathLike, stage: int, doing: str) -> None:
+    """A DeepSpeed folder is loaded under the ZeRO stage that saved it (3, or 0-2: their files differ), and a
+    ZeRO-3 folder to train on only (``doing``: the trainer's ``fit``, ``validate``, ...): DeepSpeed restores its
+    partitioned weights through the optimizer, which a validation has not (its own load fails there)."""
+    saved3 = saved_by_zero3(path)
+    if saved3 != (stage == 3):
+        raise ConfigError(
+            f"--ckpt_path {path}: DeepSpeed's ZeRO stage {'3' if saved3 else '0-2'} saved it, and this run's strategy "
+            f"is stage {stage}: load it with the stage that saved it (trainer.strategy "
+            f"{'hbp_stage_3' if saved3 else 'hbp'})"
+        )
+    if saved3 and doing != "fit":
+        raise ConfigError(
+            f"--ckpt_path {path}: a ZeRO-3 checkpoint folder resumes training but does not load to {doing} (DeepSpeed "
+            "restores its partitioned weights through the optimizer): export it (python -m lit_hbp.export CKPT OUT) "
+            "and give OUT as model.model, without --ckpt_path"
+        )
 
 
 def _whole_zip(path: Path) -> bool:

@@ -41,13 +41,12 @@ if not torch.cuda.is_available():
 
 from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry  # noqa: E402
-from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
 from lit_hbp.cost.run_settings import Settings, check, deepspeed_zero, refusal, strategy_config  # noqa: E402
 from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
 from lit_hbp.errors import ConfigError, did_you_mean  # noqa: E402
-from lit_hbp.lightning.checkpoints import is_complete, save_deepspeed, saved_by_zero3  # noqa: E402
+from lit_hbp.lightning.checkpoints import check_zero_folder, is_complete, save_deepspeed  # noqa: E402
 from lit_hbp.model.build import family_of, zero3_loading  # noqa: E402
 from lit_hbp.model.mixers import ZERO3_REFUSAL, sp_refusal, stateful_mixers  # noqa: E402
 from lit_hbp.model.packed_call import record_of  # noqa: E402
@@ -498,20 +497,8 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         check wants its fixed tag folder ``checkpoint``): ``latest`` naming a complete tag folder, saved by the
         ZeRO stage (3, or 0-2) loading it. A ZeRO-3 folder is loaded to train on only: DeepSpeed restores its
         partitioned weights through the optimizer, which a validation has not (its own load fails there)."""
-        saved3 = saved_by_zero3(checkpoint_path)
-        if saved3 != self.zero_stage_3:
-            raise ConfigError(
-                f"--ckpt_path {checkpoint_path}: DeepSpeed's ZeRO stage {'3' if saved3 else '0-2'} saved it, and this "
-                f"run's strategy is stage {self.config['zero_optimization'].get('stage')}: load it with the stage that "
-                f"saved it (trainer.strategy {'hbp_stage_3' if saved3 else 'hbp'})"
-            )
-        if saved3 and self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            raise ConfigError(
-                f"--ckpt_path {checkpoint_path}: a ZeRO-3 checkpoint folder resumes training but does not load to "
-                f"{self.lightning_module.trainer.state.fn.value} (DeepSpeed restores its partitioned weights through "
-                "the optimizer): export it (python -m lit_hbp.export CKPT OUT) and give OUT as model.model, without "
-                "--ckpt_path"
-            )
+        stage = self.config["zero_optimization"].get("stage")
+        check_zero_folder(checkpoint_path, stage, self.lightning_module.trainer.state.fn.value)
         with mock.patch("lightning.pytorch.strategies.deepspeed._validate_checkpoint_directory", _whole_folder):
             return super().load_checkpoint(checkpoint_path, weights_only)
 
