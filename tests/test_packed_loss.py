@@ -204,3 +204,20 @@ def test_a_router_loss_prepare_model_cannot_compute_is_refused_there():
                                   output_router_logits=True)  # fmt: skip
     with pytest.raises(ValueError, match="afmoe: output_router_logits is set but lit-hbp does not know"):
         prepare_model(AutoModelForCausalLM.from_config(config))
+
+
+def test_a_packed_call_gives_each_documents_hidden_states_as_it_alone():
+    """``output_hidden_states=True`` in a packed call (a distillation's or a probe's): every layer's states of each
+    document equal its own forward's (transformers records them itself; the attention was refusing the keyword)."""
+    reference = tiny_model("eager").float().eval()
+    model = prepare_model(tiny_model()).eval()
+    model.load_state_dict(reference.state_dict())
+    pairs = samples()
+    states = model(**pack_inputs(pack_samples(pairs)), output_hidden_states=True).hidden_states
+    start = 0
+    for ids, _ in pairs:
+        alone = reference(input_ids=torch.as_tensor(ids)[None], output_hidden_states=True).hidden_states
+        assert len(alone) == len(states)
+        for packed, own in zip(states, alone):
+            torch.testing.assert_close(packed[0, start : start + len(ids)], own[0], rtol=1e-5, atol=1e-5)
+        start += len(ids)
