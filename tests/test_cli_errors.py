@@ -2,6 +2,7 @@
 paragraph naming the problem and where (file:line, config key), exit status 2, no traceback, and
 nothing expensive done first; ``LIT_HBP_DEBUG=1`` brings the traceback back."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -90,6 +91,10 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             + ["--trainer.strategy.stage", "5"],
             "trainer.strategy (HBPStrategy): stage is DeepSpeed's ZeRO stage, 0-3; got 5",
         ),
+        "a precision plugin not installed": (
+            ["--trainer.precision", "transformer-engine"],
+            "trainer.precision: 'transformer-engine' needs NVIDIA's transformer-engine, which is not installed here",
+        ),
         "Lightning's overfit loader": (
             ["--trainer.overfit_batches", "2"],
             "trainer.overfit_batches must be 0 (use limit_train_batches to train on a few batches), got 2",
@@ -119,7 +124,7 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a config file that is no YAML", "levels without the curriculum's", "missing data file",
          "LightningCLI's optimizer", "a negative learning-rate floor", "Lightning's overfit loader",
          "a misspelled strategy", "a strategy class given as a name", "clipping by value under DeepSpeed",
-         "negative collate workers", "a ZeRO stage DeepSpeed has not"]  # fmt: skip
+         "negative collate workers", "a ZeRO stage DeepSpeed has not", "a precision plugin not installed"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length"}
@@ -127,6 +132,8 @@ AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length"}
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_users_mistake_is_one_short_error_with_exit_status_2(case, tmp_path, small_demo, monkeypatch, capsys, caplog):
+    if case == "a precision plugin not installed" and importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("transformer-engine is installed here: the precision trains")
     caplog.set_level("INFO")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LIT_HBP_DEBUG", raising=False)

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import logging
 import re
 import typing
@@ -315,6 +316,12 @@ def check_trainer_values(section: Any) -> None:
     if trainer is None:
         return
     check_strategy_name(trainer.get("strategy"))
+    precision = str(trainer.get("precision") or "")
+    if precision.startswith("transformer-engine") and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(
+            f"trainer.precision: {precision!r} needs NVIDIA's transformer-engine, which is not installed here: "
+            "install it, or train with bf16-mixed"
+        )
     if trainer.get("gradient_clip_algorithm") == "value" and is_deepspeed(trainer.get("strategy")):
         raise ConfigError(
             "trainer.gradient_clip_algorithm: 'value' with DeepSpeed (trainer.strategy), which clips by the global "
