@@ -426,9 +426,8 @@ def router_aux_loss(net: torch.nn.Module, router_logits, batch: PackedBatch) -> 
     local = int(batch.input_ids.shape[1])
     if sp is not None:
         router_logits = tuple(_whole_pack(x, local, sp, config.model_type) for x in router_logits)
-    positions = torch.arange(local * (sp.size if sp is not None else 1), device=batch.input_ids.device)
-    if sp is None:
-        positions = batch.positions_in_pack()
+    whole = sp is not None  # the gathered logits are the whole pack's, in its order
+    positions = torch.arange(local * sp.size, device=batch.input_ids.device) if whole else batch.positions_in_pack()
     real = (positions < batch.n_tokens)[None]
     aux = fn(router_logits, _first(config, EXPERT_COUNT), _first(config, EXPERTS_PER_TOKEN), real)
     return config.router_aux_loss_coef * aux
