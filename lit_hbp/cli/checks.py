@@ -261,14 +261,22 @@ RUN_RULES = {
 }
 
 
+def strategy_registry():
+    """Lightning's strategy registry, lit-hbp's names (hbp, hbp_stage_N, hbp_ddp) registered in it."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lit_hbp.lightning.strategy  # noqa: F401  (registers them)
+
+    return StrategyRegistry
+
+
 def is_deepspeed(value: Any) -> bool:
     """Whether ``trainer.strategy`` (a registered name or a class_path mapping) is a DeepSpeed strategy, which
     saves and loads a checkpoint folder (lit-hbp's HBPStrategy is one, HBPDDPStrategy is not): the class
     itself is asked, not its name."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+    from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    import lit_hbp.lightning.strategy  # noqa: F401  (registers hbp, hbp_stage_N, hbp_ddp)
-
+    registry = strategy_registry()
     if hasattr(value, "get"):
         module, _, name = str(value.get("class_path") or "").rpartition(".")
         try:
@@ -276,7 +284,7 @@ def is_deepspeed(value: Any) -> bool:
         except (ImportError, AttributeError):
             chosen = None  # Lightning names the class it cannot import when it builds the trainer
     else:
-        entry = dict.get(StrategyRegistry, str(value))  # (the registry's own get() builds the strategy)
+        entry = dict.get(registry, str(value))  # (the registry's own get() builds the strategy)
         chosen = entry["strategy"] if entry else None
     return isinstance(chosen, type) and issubclass(chosen, DeepSpeedStrategy)
 
@@ -285,13 +293,10 @@ def check_strategy_name(strategy: Any) -> None:
     """A ``trainer.strategy`` given as a name must be one Lightning knows (``auto`` or registered: ``ddp``,
     ``hbp``, ``hbp_ddp``, ...); a class is given as ``{class_path: ...}``. Lightning would refuse an unknown one
     with a traceback after the data is tokenized."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    import lit_hbp.lightning.strategy  # noqa: F401  (registers hbp, hbp_stage_N, hbp_ddp)
-
-    if not isinstance(strategy, str) or strategy == "auto" or strategy in StrategyRegistry:
+    registry = strategy_registry()
+    if not isinstance(strategy, str) or strategy == "auto" or strategy in registry:
         return
-    names = ["auto", *StrategyRegistry.available_strategies()]
+    names = ["auto", *registry.available_strategies()]
     if "." in strategy:
         raise ConfigError(
             f"trainer.strategy: {strategy!r} is not a strategy name; a class is given as "
