@@ -83,6 +83,15 @@ HYBRIDS = {
     "qwen4_exp_text": GATED_DELTA,  # its indexed attention needs settings its default config leaves unset
 }
 OVERRIDES.update(HYBRIDS)
+BLT_PART = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=48, num_hidden_layers=1)
+OVERRIDES["blt"] = dict(  # its sub-models keep their own (billion-parameter) sizes unless given
+    encoder_hash_byte_group_vocab=97,
+    local_attention_window_len=None,
+    patcher_config=BLT_PART,
+    global_config=BLT_PART,
+    encoder_config=dict(BLT_PART, hidden_size_global=32),
+    decoder_config=dict(BLT_PART, hidden_size_global=32),
+)
 MAX_PARAMS = 5_000_000  # larger after shrinking: a multimodal wrapper whose sub-models keep their size
 # The families of the issue that asked for this matrix; the table of docs/families.md is checked against them.
 NAMED = (

@@ -109,6 +109,9 @@ UNSEEN = {
     "modernbert-decoder": r"its `lm_head` \(ModernBertDecoderPredictionHead\) holds weights its forward runs between",
     "deepseek_v4": "is a compressor pooling keys over blocks of positions",
     "bert-generation": r"is not causal \(is_causal=False: each token sees the later ones",  # without is_decoder
+    "blt": r"`local_encoder.cross_attn_layers.0` \(BltCrossAttention\) is not causal .* between positions of its own",
+    "inkling_text": r"\(InklingAttention\) hands its attention function 'position_bias', which lit-hbp's varlen",
+    "inkling2_text": r"hands its attention function 'position_bias', 'sinks', which lit-hbp's varlen attention",
 }
 
 

@@ -13,9 +13,11 @@ that cannot be read counts as fine, and the self-check stays the second line.
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import re
+import textwrap
 
 import torch
 
@@ -65,12 +67,61 @@ def _own_attention(module: torch.nn.Module) -> bool:
     return not any(_names(type(m), INTERFACE) for m in module.modules())
 
 
-def _bidirectional(path: str, module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a self-attention that lets a token see later ones (``is_causal=False``: an encoder's,
-    BERT's without ``is_decoder``); cross-attention over an encoder's states, which a packed call never runs, is
-    not one."""
-    cross = any(w in part for part in path.split(".") for w in ("encoder_attn", "cross"))
-    return getattr(module, "is_causal", True) is False and not cross and "Cross" not in type(module).__name__
+def _passed_keywords(cls: type) -> dict[str, bool]:
+    """The keywords the family's own ``forward`` of ``cls`` passes to its attention function by name (``keyword:
+    whether the code may pass None``: the name it passes is assigned None somewhere in that forward, as MiniMax-M3's
+    ``block_indices`` without an indexer), read from the source; empty when it cannot be read."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers.models.") or "forward" not in vars(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass.forward)))
+        except (OSError, TypeError, SyntaxError):
+            return {}
+        nones = {
+            t.id
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and n.value.value is None
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+        out = {}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "attention_interface":
+                for k in n.keywords:
+                    if k.arg is not None:
+                        out[k.arg] = (isinstance(k.value, ast.Constant) and k.value.value is None) or (
+                            isinstance(k.value, ast.Name) and k.value.id in nones
+                        )
+        return out
+    return {}
+
+
+def _unimplemented_keywords(module: torch.nn.Module) -> list[str]:
+    """The keywords ``module``'s code always hands its attention function (a relative position bias, sinks of
+    another name) that lit-hbp's varlen attention does not implement; its call refuses them at run time, this
+    before the model is touched."""
+    from lit_hbp.model.attention import CHECKED, IGNORED, varlen_attention
+
+    known = set(inspect.signature(varlen_attention).parameters) | IGNORED | CHECKED
+    return sorted(k for k, maybe_none in _passed_keywords(type(module)).items() if k not in known and not maybe_none)
+
+
+ENCODER_STATES = ("encoder_attn", "crossattention")
+"""What an encoder-decoder family's decoder calls its attention over the encoder's states, which runs only when a
+call passes them (a packed call never does)."""
+
+
+def _bidirectional(path: str, module: torch.nn.Module, text: bool) -> bool:
+    """Whether ``module`` lets a token see later ones (``is_causal=False``): an encoder's self-attention (BERT's
+    without ``is_decoder``), or a text model's cross-attention between positions of its own row (BLT's between
+    bytes and patches). Not one: attention over an encoder's states, nor a vision-language model's over its
+    images."""
+    parts = path.split(".")
+    if getattr(module, "is_causal", True) is not False or any(p in ENCODER_STATES for p in parts):
+        return False
+    cross = "Cross" in type(module).__name__ or any("cross" in p for p in parts)
+    return text or not cross
 
 
 def _window_in_mask_only(module: torch.nn.Module, decoder: torch.nn.Module, config) -> int | None:
@@ -134,11 +185,22 @@ def refuse_unseen(net: torch.nn.Module, decoder: torch.nn.Module, family: str, m
                 f"{where} computes attention in its own code, not through transformers' AttentionInterface, where "
                 f"lit-hbp's varlen attention would keep each document to itself, {end}"
             )
-        if _bidirectional(path, module):
+        unknown = _unimplemented_keywords(module)
+        if unknown:
             raise ValueError(
-                f"{where} is not causal (is_causal=False: each token sees the later ones, an encoder's attention), "
-                "while lit-hbp's attends causally within each document; a decoder built from an encoder family "
-                f"needs is_decoder=True in its config, {end}"
+                f"{where} hands its attention function {', '.join(map(repr, unknown))}, which lit-hbp's varlen "
+                f"attention does not implement, {end}"
+            )
+        if _bidirectional(path, module, text):
+            kind = (
+                "a cross-attention between positions of its own row"
+                if "Cross" in type(module).__name__
+                else "an encoder's attention; a decoder built from an encoder family needs is_decoder=True in its "
+                "config"
+            )
+            raise ValueError(
+                f"{where} is not causal (is_causal=False: each token sees the later ones: {kind}), while lit-hbp's "
+                f"attends causally within each document, {end}"
             )
         window = _window_in_mask_only(module, decoder, config)
         if window is not None:
