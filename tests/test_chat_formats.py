@@ -439,11 +439,39 @@ REFUSED = {
                           {"type": "function", "function": {"name": "f", "arguments": "{city: Paris}"}}]}]},
         r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON",
     ),
+    "legacy function definitions": (  # OpenAI's functions beside a function_call: the call would train without them
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+         "functions": [{"name": "f", "parameters": {"type": "object", "properties": {}}}]},
+        r"record field 'functions' is not supported .*give the definitions as tools",
+    ),
+    "a mask of trained tokens under TRL's name": (  # every token, the prompt too, would train
+        {"input_ids": [5, 6, 7, 8], "completion_mask": [0, 0, 1, 1]},
+        r"record field 'completion_mask' has a value per token, .*fields: \{assistant_masks: completion_mask\}",
+    ),
     "unknown ShareGPT role": (
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "chatgpt", "value": "yo"}]},
         r"conversations\[1\] is from 'chatgpt', which is no ShareGPT role .*roles: \{chatgpt: assistant\}",
     ),
 }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fields, record, field",
+    [
+        ({"tools": "functions"}, {"messages": [], "tools": TOOLS}, "tools"),
+        ({"system": "sys_prompt"}, {"messages": [], "system": "Be brief."}, "system"),
+    ],
+)
+def test_a_field_renamed_to_a_name_the_record_lacks_is_refused_not_filed_as_metadata(fields, record, field):
+    """``fields`` renames a field to a name this record has not, while it holds the field under its own name: the
+    mapping would do nothing and the record's tools or system prompt would go untrained, as metadata."""
+    from lit_hbp.data.records import RecordReader
+
+    with pytest.raises(DataError, match=f"d.jsonl:1: record field '{field}' is not read: fields renames {field} to"):
+        RecordReader("openai", fields).read(record, "d.jsonl:1")
+    renamed = {fields[field]: record[field], "messages": [{"role": "user", "content": "hi"}]}
+    conversation, metadata = RecordReader("openai", fields).read(renamed, "d.jsonl:1")
+    assert metadata == [] and (conversation.tools or conversation.messages[0]["role"] == "system")
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -632,6 +660,19 @@ ROLES_ONLY = (  # user and assistant turns only: any other role vanishes
             {"messages": [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": "21 degrees"},
                           {"role": "assistant", "content": "It is 21."}]},
             r"messages\[1\] \(tool\): the chat template does not render its content",
+        ),
+        (
+            ROLES_ONLY,  # the dropped tool result's text stands in the answer: its own turn is still missing
+            {"messages": [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": "sunny"},
+                          {"role": "assistant", "content": "It is sunny in Paris."}]},
+            r"messages\[1\] \(tool\): the chat template does not render its content",
+        ),
+        (
+            ROLES_ONLY,  # a system prompt the user repeats
+            {"messages": [{"role": "system", "content": "Answer in French."},
+                          {"role": "user", "content": "Answer in French. Weather?"},
+                          {"role": "assistant", "content": "Il fait beau."}]},
+            r"messages\[0\] \(system\): the chat template does not render its content",
         ),
     ],
 )  # fmt: skip

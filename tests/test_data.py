@@ -12,6 +12,7 @@ from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.sources import DataError, Source, iter_records
 from lit_hbp.data.store import SampleStore, mixture_repeats
 from lit_hbp.data.tokenize import tokenize_source
+from lit_hbp.errors import ConfigError
 from lit_hbp.parallel.ulysses import Ulysses
 
 
@@ -270,6 +271,10 @@ def tokenized(tmp_path, tok, name, records, **source_kw):
 def test_mixing_by_repeat_and_weight(tmp_path, toy_tokenizer):
     assert mixture_repeats([100, 10], [None, 3.0], [None, None]) == [1.0, 3.0]
     assert mixture_repeats([100, 10], [None, None], [1.0, 1.0]) == pytest.approx([0.55, 5.5])
+    # a weighted source all of whose records were skipped would leave half of the other out of every epoch
+    with pytest.raises(ConfigError, match=r"data.sources\[1\] has weight 0.5 but no sample"):
+        mixture_repeats([10, 0], [None, None], [0.5, 0.5])
+    assert mixture_repeats([10, 0], [None, None], [1.0, 0.0]) == [1.0, 0.0]  # weight 0: left out, as asked
     tok = AutoTokenizer.from_pretrained(toy_tokenizer)
     a = tokenized(tmp_path, tok, "a.jsonl", [chat(f"hello {i}", "world") for i in range(10)])
     b = tokenized(tmp_path, tok, "b.jsonl", [chat("fox", "dog " * i) for i in range(1, 5)], repeat=2.5)

@@ -267,6 +267,29 @@ def test_a_gradient_accumulation_schedule_plans_each_epoch_with_its_accumulation
     assert len(taken.rates) == 4 + 2
 
 
+@pytest.mark.parametrize("varies", ["random packer", "accumulation schedule"])
+def test_epochs_of_another_length_without_reloaded_loaders_are_refused_before_the_data_is_read(
+    varies, chat_data, toy_tokenizer, tmp_path
+):
+    """Lightning reads the loader's length once unless it reloads it each epoch: an epoch planned with another
+    number of micro-steps would be cut or run short, so the run stops before its first step, naming the setting."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    packer, callbacks = (
+        ("random", []) if varies == "random packer" else ("bfd", [GradientAccumulationScheduler({1: 2})])
+    )
+    dm = HBPDataModule(sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=["96:1", "256:1"],
+                       cache_dir=str(tmp_path / "cache"), packer=packer)  # fmt: skip
+    module = make_module(vocab=dm.vocab_size, self_check=False)
+    trainer = quiet_trainer(devices=1, max_epochs=2, limit_train_batches=2, callbacks=callbacks)
+    with pytest.raises(ConfigError, match="reload_dataloaders_every_n_epochs is 0 but .*set Trainer"):
+        trainer.fit(module, dm)
+    assert trainer.global_step == 0 and dm.store is None
+    one_epoch = quiet_trainer(devices=1, max_epochs=1, limit_train_batches=2, callbacks=callbacks)
+    one_epoch.fit(module, dm)
+    assert one_epoch.global_step == 2
+
+
 @pytest.mark.parametrize(
     "setting, says",
     [

@@ -4,6 +4,7 @@ source, narrow ids and supervised spans, pre-tokenized sources, and set-up memor
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -392,3 +393,53 @@ def test_a_pickled_source_maps_its_tokens_again_instead_of_copying_them(tmp_path
     copy = pickle.loads(blob)
     assert isinstance(copy.ids, np.memmap) and isinstance(copy.spans, np.memmap)
     same(t, copy)
+
+
+def _qwen_folder_with(tmp_path: Path, name: str, edit) -> Path:
+    """A copy of the toy Qwen tokenizer folder with ``edit(tokenizer_json, tokenizer_config)`` applied."""
+    from chat_formats import build_qwen_tokenizer
+
+    base = tmp_path / "qwen"
+    if not (base / "tokenizer.json").exists():
+        build_qwen_tokenizer(base)
+    folder = tmp_path / name
+    shutil.copytree(base, folder)
+    files = {f: json.loads((base / f).read_text()) for f in ("tokenizer.json", "tokenizer_config.json")}
+    edit(*files.values())
+    for f, content in files.items():
+        (folder / f).write_text(json.dumps(content))
+    return folder
+
+
+CHAT = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+
+
+def test_ids_past_the_tokenizers_length_are_cached_as_they_are(tmp_path):
+    """A vocabulary with a gap in its ids (an added token numbered 70,000 in a 470-token vocabulary): the cache's
+    ids are the chat template's own, not wrapped to 16 bits by a width chosen from ``len(tokenizer)``."""
+
+    def renumber(tj, _):
+        end = next(t for t in tj["added_tokens"] if t["content"] == "<|im_end|>")
+        old, end["id"] = end["id"], 70_000
+        tj["model"]["vocab"] = {k: (70_000 if v == old else v) for k, v in tj["model"]["vocab"].items()}
+
+    tok = AutoTokenizer.from_pretrained(_qwen_folder_with(tmp_path, "gap", renumber))
+    assert len(tok) < 1 << 16 and tok.convert_tokens_to_ids("<|im_end|>") == 70_000
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    t = tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "cache", progress=False)
+    assert t.sample(0)[0].tolist() == list(tok.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"])
+
+
+def test_a_tokenizer_that_splits_special_tokens_gets_its_own_cache(tmp_path):
+    """``split_special_tokens`` changes the ids of every chat (its special tokens read as text): a folder that
+    differs only there must not take the other's cached ids."""
+    plain = _qwen_folder_with(tmp_path, "plain", lambda tj, cfg: None)
+    split = _qwen_folder_with(tmp_path, "split", lambda tj, cfg: cfg.update(split_special_tokens=True))
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    cache = tmp_path / "cache"
+    first = tokenize_source(Source(str(path)), AutoTokenizer.from_pretrained(plain), cache_dir=cache, progress=False)
+    tok = AutoTokenizer.from_pretrained(split)
+    second = tokenize_source(Source(str(path)), tok, cache_dir=cache, progress=False)
+    fresh = tokenize_source(Source(str(path)), tok, progress=False)
+    assert not second.from_cache and first.sample(0)[0].tolist() != fresh.sample(0)[0].tolist()
+    assert second.sample(0)[0].tolist() == fresh.sample(0)[0].tolist()

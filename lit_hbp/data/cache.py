@@ -102,6 +102,8 @@ class CacheWriter:
         and per sample its images and videos (files and sizes, never pixels)."""
         self._media_counts.append(np.asarray([len(m) for m in media] if media else np.zeros(len(lengths)), np.int64))
         self._media += [m for ms in media or () for m in ms]
+        if len(ids) and int(np.max(ids)) > np.iinfo(self.dtype).max:
+            raise DataError(f"token id {int(np.max(ids))} does not fit the cache's {self.dtype.name} ids")
         self._ids.write(np.ascontiguousarray(ids, self.dtype).tobytes())
         self._spans.write(np.ascontiguousarray(spans, np.int32).tobytes())
         self.tokens += int(ids.size)

@@ -95,11 +95,16 @@ def _has_content(message: dict) -> bool:
     return not isinstance(content, str) or bool(content.strip()) or bool(message.get("tool_calls"))
 
 
-def _marked(content: str | list[dict]) -> str | list[dict]:
-    """A message's content with a character in front that no template adds (where its turn departs)."""
+def _marked(content: str | list[dict], mark: str = "\x01") -> str | list[dict]:
+    """A message's content with characters in front that no template adds (where its turn departs)."""
     if isinstance(content, str):
-        return "\x01" + content
-    return [{"type": "text", "text": "\x01"}, *content]
+        return mark + content
+    return [{"type": "text", "text": mark}, *content]
+
+
+def _texts(content: str | list[dict]) -> list[str]:
+    """The texts of a message's content (a string, or its text parts)."""
+    return [content] if isinstance(content, str) else [p["text"] for p in content if "text" in p]
 
 
 def _complement(spans: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
@@ -182,10 +187,9 @@ class _Encoder:
                     f"{conv.where}: tools: the chat template does not render tools, so the model would never see the "
                     "tool definitions: use a chat template that renders them (data.chat_template), or drop the field"
                 )
+        dropped = self._unrendered(conv)
         for i, m in enumerate(conv.messages):
-            content = m["content"]
-            texts = [content] if isinstance(content, str) else [p["text"] for p in content if "text" in p]
-            if any(t.strip() and t.strip() not in full for t in texts):
+            if i == dropped or any(t.strip() and t.strip() not in full for t in _texts(m["content"])):
                 raise DataError(
                     f"{conv.where}: messages[{i}] ({m['role']}): the chat template does not render its content, so "
                     "the model would never see it: use a chat template that renders the role, or drop the message"
@@ -199,6 +203,21 @@ class _Encoder:
                             f"{conv.where}: messages[{i}].{key}: the chat template does not render it, so the model "
                             "would learn the turn without it: use a chat template that renders it (data.chat_template)"
                         )
+
+    def _unrendered(self, conv: Conversation) -> int | None:
+        """The first message with text that the template leaves out, found by one rendering with every such
+        message's content marked (its text may stand elsewhere: a tool result the answer repeats); None when all
+        are rendered, or when the marked conversation does not render (the check by text stands)."""
+        msgs, marks = list(conv.messages), {}
+        for i, m in enumerate(msgs):
+            if any(t.strip() for t in _texts(m["content"])):
+                marks[i] = f"\x01{i}\x02"
+                msgs[i] = {**m, "content": _marked(m["content"], marks[i])}
+        try:
+            text = self._render(conv, None, messages=msgs)
+        except DataError:
+            return None
+        return next((i for i, mark in marks.items() if mark not in text), None)
 
     def _turn(self, conv: Conversation, i: int, full: str) -> tuple[str | None, str]:
         """The renderings of the messages before message i (None: see ``_prefix``) and up to its end. The

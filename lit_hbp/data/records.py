@@ -63,7 +63,9 @@ MESSAGE_FIELDS = {
 EMPTY_ONLY = ("refusal", "annotations", "audio")
 # Record fields that would change what trains if they were read, and are not: refused, never metadata.
 NOT_READ = ("weight", "weights", "loss_weight", "training", "images", "image", "audios", "videos", "video",
-            "history", "loss_mask", "label_mask", "position_ids")  # fmt: skip
+            "history", "loss_mask", "label_mask", "position_ids", "functions")  # fmt: skip
+# What to do instead, for the NOT_READ fields that are not a per-message weight.
+NOT_READ_FIX = {"functions": "give the definitions as tools: [{type: function, function: ...}]"}
 # Fields a message passes to the chat template besides role and content; each must change the rendering.
 RENDERED = ("tool_calls", "reasoning_content", "thinking")
 # Chat roles a record may use. A role outside these is a typo far more often than a real role, and
@@ -248,10 +250,21 @@ class RecordReader:
             close = _near(key, sorted(used))
             if close is not None and close not in record:
                 raise DataError(f"{where}: record field {key!r} is not read by format {fmt}: did you mean {close!r}?")
+            if key in RECORD_FIELDS[fmt] and self.name(key) not in record:
+                raise DataError(
+                    f"{where}: record field {key!r} is not read: fields renames {key} to {self.name(key)!r}, "
+                    "which this record has not; fix fields, or the record"
+                )
             if key in NOT_READ and record[key] not in (None, [], ""):
                 raise DataError(
                     f"{where}: record field {key!r} is not supported (format {fmt} reads {', '.join(sorted(used))}): "
-                    "remove it, or set weight per message"
+                    f"{NOT_READ_FIX.get(key, 'remove it, or set weight per message')}"
+                )
+            if fmt == "tokens" and _per_token(record[key], record.get(self.name("input_ids"))):
+                raise DataError(
+                    f"{where}: record field {key!r} has a value per token, which format tokens does not read "
+                    "(it reads labels, assistant_masks: 1 where a token trains); a mask of trained tokens (TRL's "
+                    f"completion_mask) is read with fields: {{assistant_masks: {key}}}, else remove it"
                 )
         return getattr(self, f"_{fmt}")(record, where), extra
 
@@ -491,6 +504,11 @@ class RecordReader:
 
 
 # ------------------------------------------------------------------------------------------- pieces
+
+
+def _per_token(value: Any, ids: Any) -> bool:
+    """Whether a pre-tokenized record's field holds one value per token of ``ids`` (a mask or weights)."""
+    return isinstance(value, (list, tuple)) and isinstance(ids, (list, tuple)) and len(value) == len(ids) > 1
 
 
 def text_of(content: Any, at: str, may_be_empty: bool = False) -> str | list[dict]:

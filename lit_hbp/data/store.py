@@ -77,6 +77,12 @@ def mixture_repeats(sizes: list[int], repeats: list[float | None], weights: list
         total_w, total_n = sum(weights), sum(sizes)
         if total_w <= 0:
             raise ConfigError(f"source weights must not all be zero: {weights}")
+        for i, (w, n) in enumerate(zip(weights, sizes)):
+            if w > 0 and n == 0:  # its share would be left out of the epoch, the others' shares kept as they are
+                raise ConfigError(
+                    f"data.sources[{i}] has weight {w} but no sample (every record skipped: see the data report); "
+                    "fix the source or drop it from the mix"
+                )
         return [w / total_w * total_n / n if n else 0.0 for w, n in zip(weights, sizes)]
     return [1.0 if r is None else float(r) for r in repeats]
 

@@ -153,6 +153,17 @@ class TokenizedSource:
         return f"{self.source.path}:row {row}" if self.source.is_table else f"{self.source.path}:{row}"
 
 
+# The tokenizer's settings that change the ids of the same text (``split_special_tokens``: a chat's special
+# tokens as text), each part of the cache key.
+ENCODING_FLAGS = ("add_bos_token", "add_eos_token", "add_prefix_space", "split_special_tokens")
+
+
+def id_bound(tokenizer) -> int:
+    """One past the largest token id: ``len(tokenizer)`` counts tokens, and a vocabulary with a gap in its ids
+    (added tokens numbered past the rest) has ids at or above it, which the cache and the embedding must hold."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """Hash of everything about a tokenizer that changes the token ids we produce: its whole
     pipeline (normalizer, pre-tokenizer, model and merges, post-processor), special tokens and
@@ -166,7 +177,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     specials = {str(t): tokenizer.convert_tokens_to_ids(str(t)) for t in tokenizer.all_special_tokens}
     h.update(json.dumps(sorted(specials.items())).encode())
     h.update(json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]).encode())
-    flags = {k: tokenizer.init_kwargs.get(k) for k in ("add_bos_token", "add_eos_token", "add_prefix_space")}
+    flags = {k: tokenizer.init_kwargs.get(k, getattr(tokenizer, k, None)) for k in ENCODING_FLAGS}
     h.update(json.dumps(flags, sort_keys=True, default=str).encode())
     h.update(str(getattr(tokenizer, "chat_template", None)).encode())
     return h.hexdigest()
@@ -224,7 +235,7 @@ class ChunkTokenizer:
 
     def __init__(self, tokenizer, train_on: str, processor=None):
         self.encoder = _Encoder(tokenizer, train_on)
-        self.vocab_size = len(tokenizer)
+        self.vocab_size = id_bound(tokenizer)
         self.expander = MediaExpander(processor) if processor is not None else None
 
     def __call__(self, source: Source, chunk: Chunk) -> ChunkResult:
@@ -380,7 +391,7 @@ def _write(
     from tqdm.auto import tqdm
 
     run = ChunkTokenizer(tokenizer, train_on, processor)  # checks the settings before any worker starts
-    writer = CacheWriter(folder, len(tokenizer))
+    writer = CacheWriter(folder, id_bound(tokenizer))
     skipped = dict.fromkeys(SKIP_REASONS, 0)
     skipped_where: dict[str, list[str]] = {r: [] for r in SKIP_REASONS}
     metadata: dict[str, int] = {}

@@ -31,6 +31,7 @@ from lit_hbp.data.tokenize import (
     TRAIN_ON,
     TokenizedSource,
     check_num_proc,
+    id_bound,
     resolve_chat_template,
     tokenize_source,
     tokenizer_fingerprint,
@@ -43,6 +44,7 @@ from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their fi
     PlanLoader,
     PlanSampler,
     StoreSamples,
+    check_epoch_lengths,
     ignore_sigint,
     media_inputs,
 )
@@ -190,7 +192,7 @@ class HBPDataModule(L.LightningDataModule):
     @property
     def vocab_size(self) -> int:
         """Tokens the model's embedding must cover (linked to the model in the CLI)."""
-        return len(self.tokenizer)
+        return id_bound(self.tokenizer)
 
     def state_dict(self) -> dict:
         """The tokenizer's files, chat template included, and a vision-language checkpoint's processor
@@ -321,6 +323,8 @@ class HBPDataModule(L.LightningDataModule):
                     "its loader plans packs, levels and ranks, which Lightning's sequential overfit loader would "
                     "replace; use limit_train_batches to train on a few batches"
                 )
+            if stage == "fit":
+                check_epoch_lengths(self.trainer, self.packer)
         if stage == "validate" and not (self.val_fraction or self.val_sources):
             raise ConfigError(
                 "nothing to validate: the data has no validation split; set data.val_fraction (a share of the "
@@ -498,16 +502,19 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 def load_renderers(path: str, chat_template: str | None = None) -> tuple:
     """(tokenizer, processor, model config) of ``data.tokenizer``: a vision-language checkpoint's processor
-    shares the tokenizer and its chat template (None, None for a text checkpoint); ``chat_template``
-    replaces the template."""
+    shares the tokenizer and the processor's chat template, which its ``apply_chat_template`` renders (a folder
+    may carry another one for the tokenizer alone), (None, None) for a text checkpoint; ``chat_template``
+    replaces the template of both."""
     tokenizer = load_tokenizer(path)
     processor, config = load_processor(path)
     if processor is not None:  # one tokenizer and chat template for text and images
         processor.tokenizer = tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            tokenizer.chat_template = getattr(processor, "chat_template", None)
+        if getattr(processor, "chat_template", None):
+            tokenizer.chat_template = processor.chat_template
     if chat_template is not None:
         tokenizer.chat_template = resolve_chat_template(chat_template, tokenizer)
+        if processor is not None:
+            processor.chat_template = tokenizer.chat_template
     return tokenizer, processor, config
 
 
@@ -574,6 +581,6 @@ def config_samples(config: dict) -> tuple[np.ndarray, int, VisionLoad | None, An
     ]
     store = SampleStore.build(tokenized, max_len=None, seed=data.get("seed", 0))
     if not store.has_media or vlm_config is None:
-        return store.lengths, len(tok), None, None
+        return store.lengths, id_bound(tok), None, None
     samples = StoreSamples(store, media_inputs(store, processor, vlm_config))
-    return store.lengths, len(tok), vision_load(store.media_pixels(), vlm_config), samples
+    return store.lengths, id_bound(tok), vision_load(store.media_pixels(), vlm_config), samples

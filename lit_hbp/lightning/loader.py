@@ -99,6 +99,29 @@ class MicroBatchDataset(Dataset):
         return self.samples.batch(mb.packs, lv, sp_coords(self.rank, lv.sp)[1], self.pad_id, **plan)
 
 
+def check_epoch_lengths(trainer: Any, packer: str) -> None:
+    """Before the data is read: an epoch whose plan may have another number of micro-steps than the first's
+    (the random packer's draw, an accumulation scheduled by epoch) needs its loader rebuilt, which Lightning
+    does only with ``reload_dataloaders_every_n_epochs=1``; else the loader's length is the first epoch's."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    t = trainer
+    if t.reload_dataloaders_every_n_epochs == 1 or t.max_epochs == 1:
+        return
+    why = []
+    if packer == "random":
+        why.append("data.packer 'random' draws each epoch's packs anew")
+    schedules = [c for c in t.callbacks if isinstance(c, GradientAccumulationScheduler)]
+    if any(len(set(c.scheduling.values()) | {t.accumulate_grad_batches}) > 1 for c in schedules):
+        why.append("a GradientAccumulationScheduler changes the micro-steps per optimizer step")
+    if why:
+        raise ConfigError(
+            f"trainer.reload_dataloaders_every_n_epochs is {t.reload_dataloaders_every_n_epochs} but "
+            f"{' and '.join(why)}, so an epoch after the first may have another length than its loader: set "
+            "Trainer(reload_dataloaders_every_n_epochs=1) (the CLI's default)"
+        )
+
+
 class PlanSampler(Sampler[tuple[int, int, MicroBatch]]):
     """This rank's micro-batches of the epoch, as (epoch, micro-step, MicroBatch); ``set_epoch``
     switches to that epoch's plan. Its length is always the whole epoch, and after a resume it
