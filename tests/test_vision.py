@@ -336,6 +336,39 @@ def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone
     assert assert_same_grads(model, reference) > 0
 
 
+PROJECTOR = {"qwen2_vl": "visual.merger.", "qwen2_5_vl": "visual.merger.", "qwen3_vl": "visual.merger.",
+             "llava": "multi_modal_projector.", "llava_next": "multi_modal_projector."}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(PROJECTOR))
+def test_freeze_vision_keeps_the_encoder_and_trains_the_projector_wherever_the_family_keeps_it(folders, family):
+    """Qwen-VL keeps its projector (``merger``, Qwen3-VL's deepstack mergers too) inside its vision tower, LLaVA
+    beside it: either way the projector trains, as docs/vision.md says, and the encoder is frozen."""
+    from lit_hbp.model.build import freeze_vision
+
+    net = AutoModelForImageTextToText.from_pretrained(folders[family])
+    freeze_vision(net)
+    trains = {n: p.requires_grad for n, p in net.named_parameters()}
+    projector = [n for n in trains if PROJECTOR[family] in n or "deepstack_merger_list" in n]
+    encoder = [n for n in trains if (".visual." in n or ".vision_tower." in n) and n not in projector]
+    assert projector and encoder
+    assert all(trains[n] for n in projector) and not any(trains[n] for n in encoder)
+
+
+def test_a_qwen_record_with_images_but_no_token_types_is_refused_as_the_model_alone_refuses_it(folders):
+    """Records saved by an older processor lack ``mm_token_type_ids``: the unprepared model refuses such a
+    record, and a pack must not number its image tokens as text positions instead."""
+    reference, model = pair(folders["qwen2_vl"])
+    records = [trained(r, reference.config) for r in three_records(folders["qwen2_vl"])]
+    stripped = [{k: v for k, v in r.items() if k != "mm_token_type_ids"} for r in records]
+    with pytest.raises(ValueError, match="mm_token_type_ids"):
+        reference(**{k: v for k, v in stripped[0].items() if k != "labels"}, use_cache=False)
+    with pytest.raises(ValueError, match="record 0 of the pack has images or videos but no mm_token_type_ids"):
+        pack_samples(stripped, model=model)
+    text_only = pack_samples(stripped[2:], model=model)  # a record without media needs none
+    assert text_only.mm is None or "pixel_values" not in text_only.mm
+
+
 def test_a_pack_of_llava_onevision_records_trains_like_each_record_alone(tmp_path):
     """LLaVA-OneVision (anyres tiles for a record's single image, the base tile of each image of a record
     of several: ``batch_num_images`` kept per record in the pack): the loss to 1e-5 and every gradient to

@@ -102,8 +102,22 @@ def qwen_data(tmp_path_factory):
     return root, folder
 
 
-FAMILY_DATA = {"llava_next": "data", "qwen2_vl": "qwen_data"}
-TURN_END = {"llava_next": "<|end|>", "qwen2_vl": "<|im_end|>"}  # what each toy chat template closes a turn with
+@pytest.fixture(scope="module")
+def onevision_data(tmp_path_factory):
+    """The same images and records beside a tiny LLaVA-OneVision folder, whose processor reads a record's images
+    together (anyres tiles for a record's one image, the base tile of each of several); it needs torchvision."""
+    needs_torchvision("llava_onevision")
+    root = tmp_path_factory.mktemp("onevision_data")
+    folder = build_llava(root / "llava_onevision", "llava_onevision")
+    (root / "img").mkdir()
+    for k, (name, (w, h)) in enumerate(SIZES.items()):
+        image(k, h, w).save(root / "img" / name)
+    write(root / "d.jsonl", [r for r, _ in records(root)])
+    return root, folder
+
+
+FAMILY_DATA = {"llava_next": "data", "qwen2_vl": "qwen_data", "llava_onevision": "onevision_data"}
+TURN_END = {"llava_next": "<|end|>", "qwen2_vl": "<|im_end|>", "llava_onevision": "<|end|>"}  # each toy template's
 
 
 def write(path: Path, recs: list[dict]) -> Path:
@@ -126,6 +140,8 @@ def test_records_with_images_render_and_expand_as_the_processor_does(family, req
         # overlaps the turn trains, as for text records)
         assert processor.tokenizer.decode(ids[mask]).strip() == ANSWERS[row] + TURN_END[family]
         assert not mask[ids == image_id].any()
+    if family == "llava_onevision":
+        return  # the pixels of a record of several images are the base tiles, not each image's alone as below
 
     # The cache holds each image's file, size and the pixels its encoder sees, in order, never pixels themselves.
     def seen(name):  # the image processor's pixels of the image alone (each pixel once a frame), its tiles
@@ -184,6 +200,8 @@ def test_a_data_module_pack_of_image_records_trains_like_each_record_alone(famil
     (batch,) = list(dm.train_dataloader())
     per_image = "image_grid_thw" if family == "qwen2_vl" else "image_sizes"
     assert batch.mm is not None and batch.mm[per_image].shape[0] == 4  # four images in the pack
+    if family == "llava_onevision":  # each record's images read together, as its processor does: 1, 1, 2, none
+        assert batch.mm["batch_num_images"].tolist() == [1, 1, 2]
     reference = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
     model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float())
     processor = AutoProcessor.from_pretrained(folder)
@@ -307,6 +325,29 @@ def test_a_bad_image_record_stops_with_its_file_and_line(data, tmp_path, record,
     processor = AutoProcessor.from_pretrained(folder)
     with pytest.raises(DataError, match=error):
         tokenize_source(Source(str(d / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
+
+
+def test_a_folder_whose_tokenizer_has_another_template_renders_as_its_processor_does(data, tmp_path):
+    """A checkpoint folder may carry one chat template for its processor (chat_template.json) and another for its
+    tokenizer (tokenizer_config.json): what trains is what the processor's own ``apply_chat_template`` renders."""
+    import shutil
+
+    from lit_hbp.lightning.datamodule import load_renderers
+
+    root, folder = data
+    copy = tmp_path / "two_templates"
+    shutil.copytree(folder, copy)
+    template = (copy / "chat_template.jinja").read_text()
+    (copy / "chat_template.jinja").unlink()
+    (copy / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    processor = AutoProcessor.from_pretrained(copy)
+    assert processor.tokenizer.chat_template != processor.chat_template  # the folder as described
+    msgs = records(root)[3][1]
+    tokenizer, *_ = load_renderers(str(copy))
+    assert tokenizer.apply_chat_template(msgs, tokenize=False) == processor.apply_chat_template(msgs, tokenize=False)
 
 
 def test_records_with_images_need_the_checkpoints_processor(data, tmp_path):

@@ -253,7 +253,7 @@ class MediaExpander:
         videos = [v.source if isinstance(v, Frames) else v for v in videos]
         try:
             enc = self.processor(
-                text=[text], images=loaded or None, **processor_inputs(clips), add_special_tokens=False,
+                text=[text], images=[loaded] if loaded else None, **processor_inputs(clips), add_special_tokens=False,
                 return_text_replacement_offsets=True, return_offsets_mapping=self.processor.tokenizer.is_fast,
             )  # fmt: skip
         except (ValueError, TypeError) as e:
@@ -412,7 +412,8 @@ class WorkerMedia:
         text = self._placeholder("image", self.image_id) * len(loaded)
         if clips:
             text += self._placeholder("video", self.video_id) * len(clips)
-        enc = self.processor(text=[text], images=loaded or None, **processor_inputs(clips), return_tensors="pt")
+        images = [loaded] if loaded else None  # nested: the record's images read together, as its processor does
+        enc = self.processor(text=[text], images=images, **processor_inputs(clips), return_tensors="pt")
         out = {k: v for k, v in enc.items() if k not in PER_TEXT}
         unknown = sorted(set(out) - set(MM_KEYS))
         if unknown:

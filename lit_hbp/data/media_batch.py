@@ -108,11 +108,17 @@ class MRopePositions:
         inner = getattr(net, "model", None)
         return cls(inner) if callable(getattr(inner, "get_rope_index", None)) else None
 
-    def rows(self, ids: np.ndarray, media: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """[3, L] positions of one record."""
+    def rows(self, ids: np.ndarray, media: Mapping[str, torch.Tensor], where: str = "a record") -> torch.Tensor:
+        """[3, L] positions of one record; its token types (``mm_token_type_ids``) are needed where it has media:
+        without them the family's own model refuses the record, and its image tokens would be numbered as text."""
         ids_t = torch.tensor(np.asarray(ids), dtype=torch.long)[None]  # a copy: the cache's ids are read-only
         kw = {k: media[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in media}
         types = media.get("mm_token_type_ids")
+        if types is None and ("image_grid_thw" in kw or "video_grid_thw" in kw):
+            raise DataError(
+                f"{where} has images or videos but no mm_token_type_ids, which the model's multimodal positions "
+                "need: pass the processor's (transformers >= 5 returns them; older saved records lack them)"
+            )
         kw["mm_token_type_ids"] = (types if types is not None else torch.zeros(len(ids), dtype=torch.long))[None]
         with torch.no_grad():
             positions, _ = self.inner.get_rope_index(ids_t, **kw)
@@ -120,7 +126,7 @@ class MRopePositions:
 
     def pack(self, ids: Sequence[np.ndarray], media: Sequence[Mapping], total: int) -> torch.Tensor:
         """[3, 1, total] rows of the pack: each record's, then an arange over the padding."""
-        rows = [self.rows(i, m) for i, m in zip(ids, media)]
+        rows = [self.rows(i, m, f"record {k} of the pack") for k, (i, m) in enumerate(zip(ids, media))]
         n = sum(r.shape[1] for r in rows)
         rows.append(torch.arange(total - n).expand(3, -1))
         return torch.cat(rows, dim=1)[:, None]

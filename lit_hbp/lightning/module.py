@@ -43,7 +43,7 @@ from lit_hbp.model.causal_lm import (
 from lit_hbp.model.checks import check_model_source, check_module_positions
 from lit_hbp.model.loss import NORMALIZERS
 from lit_hbp.model.packed_call import pack_scope
-from lit_hbp.model.vision import vision_tower
+from lit_hbp.model.vision import encoder_parameters, vision_tower
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level
 
@@ -490,7 +490,7 @@ class HBPLitModule(L.LightningModule):
         dtype_bytes = 2 if half else next(self.model.parameters()).element_size()
         tower = vision_tower(base_of(self.model))
         in_tower = set() if tower is None else {id(p) for p in tower.parameters()}
-        trained = tower is not None and any(p.requires_grad for p in tower.parameters())
+        trained = tower is not None and any(p.requires_grad for p in encoder_parameters(tower))
         params = [p for p in self.model.parameters() if id(p) not in in_tower]  # the tower's: ``trained``
         trainable = sum(p.numel() for p in params if p.requires_grad) / max(sum(p.numel() for p in params), 1)
         hp = self.hparams

@@ -24,7 +24,7 @@ from lit_hbp.model.checks import check_model_config, local_checkpoint, model_con
 from lit_hbp.model.family_checks import refuse_unseen
 from lit_hbp.model.mixers import ZERO3_REFUSAL, refusal, sp_refusal, stateful_mixers
 from lit_hbp.model.packed_call import unwrapped
-from lit_hbp.model.vision import is_multimodal, language_linears, vision_tower
+from lit_hbp.model.vision import encoder_parameters, is_multimodal, language_linears, vision_tower
 from lit_hbp.packing.levels import as_level
 from lit_hbp.parallel.topology import model_heads, resolve_layout
 
@@ -279,7 +279,7 @@ def freeze_vision(net: torch.nn.Module) -> int:
     tower = vision_tower(net)
     if tower is None:
         raise ValueError(f"freeze_vision: {type(net).__name__} has no vision tower (a text-only model)")
-    params = list(tower.parameters())
+    params = encoder_parameters(tower)
     for p in params:
         p.requires_grad_(False)
     return len(params)

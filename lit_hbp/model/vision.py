@@ -58,11 +58,21 @@ VISION_TOWERS = ("vision_tower", "visual", "vision_model")  # the inner model's 
 
 
 def vision_tower(net: torch.nn.Module) -> torch.nn.Module | None:
-    """The image encoder of a vision-language model (LLaVA's ``vision_tower``, Qwen's ``visual``, ...),
-    without its projector; None for a text-only model."""
+    """The image encoder of a vision-language model (LLaVA's ``vision_tower``, Qwen's ``visual``, ...), which
+    for some families holds their projector too (Qwen's ``visual.merger``); None for a text-only model."""
     inner = getattr(net, "model", None)
     towers = (getattr(inner, n, None) for n in VISION_TOWERS)
     return next((t for t in towers if isinstance(t, torch.nn.Module)), None)
+
+
+# The projector of a family that keeps it inside its vision tower (Qwen-VL's ``visual.merger``, Qwen3-VL's
+# deepstack mergers too): it trains with freeze_vision, as a projector beside the tower does.
+PROJECTORS_IN_TOWER = frozenset({"merger", "deepstack_merger_list"})
+
+
+def encoder_parameters(tower: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of a vision tower's encoder: all of them but a projector inside it."""
+    return [p for n, p in tower.named_parameters() if not PROJECTORS_IN_TOWER & set(n.split("."))]
 
 
 def language_linears(net: torch.nn.Module, decoder: torch.nn.Module) -> list[str]:
