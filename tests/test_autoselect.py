@@ -468,6 +468,33 @@ def test_run_setting_of_a_config_reuses_its_model_precision_and_zero_settings():
     assert isinstance(made, HBPLitModule) and made.hparams.vocab_size == 300
 
 
+def test_a_run_without_deepspeed_is_priced_and_probed_without_it():
+    """An ``HBPDDPStrategy`` run shards nothing and keeps fp32 weights under bf16 autocast: the level search prices
+    it so (as ``fit``'s memory check and ``python -m lit_hbp.cost.memory`` read it), not as HBPStrategy's ZeRO-2,
+    and its measured probes run under HBPDDPStrategy; a config naming no strategy keeps HBPStrategy's defaults."""
+    from lit_hbp.autoselect import RunSetting
+    from lit_hbp.autoselect.measured import probe_strategy_args
+    from lit_hbp.cost.config import read_config
+    from lit_hbp.cost.run_settings import config_settings, describe, trainer_settings
+    from lit_hbp.lightning.strategy import HBPDDPStrategy
+
+    h100 = HARDWARE["h100"]
+    config = read_config(Path(__file__).parents[1] / "configs" / "llama_1b_1gpu.yaml")
+    run = RunSetting.from_config(config, None, 8, MODELS["llama3.1-8b"])
+    assert run.strategy_args is None
+    assert describe(run.settings(h100)) == describe(config_settings(config, h100, 8))
+    assert describe(run.settings(h100)).startswith("ZeRO-0, bf16 autocast over fp32")
+    assert run.with_flags(liger=True).strategy_args is None  # no lever asked for DeepSpeed
+    assert run.with_flags(zero_stage=2).strategy_args == {"stage": 2}
+    unnamed = dict(config, trainer={k: v for k, v in config["trainer"].items() if k != "strategy"})
+    assert RunSetting.from_config(unnamed, None, 8, MODELS["llama3.1-8b"]).strategy_args == {}
+
+    trainer = quiet_trainer(devices=1, strategy=HBPDDPStrategy(), precision="bf16-mixed")
+    assert probe_strategy_args(trainer.strategy) is None
+    priced = RunSetting(MODELS["llama3.1-8b"], 1, strategy_args=None, trainer_args={"precision": "bf16-mixed"})
+    assert describe(priced.settings(h100)) == describe(trainer_settings(trainer, h100))
+
+
 def write_chat(path, prompt_words):
     rng = np.random.default_rng(0)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]

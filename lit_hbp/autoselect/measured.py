@@ -34,7 +34,7 @@ from lit_hbp.autoselect.profiler import Measurement
 from lit_hbp.cost.costmodel import synthetic_members, synthetic_pack
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.lightning.strategy import HBPStrategy
+from lit_hbp.lightning.strategy import HBPDDPStrategy, HBPStrategy
 from lit_hbp.packing.levels import Level
 from lit_hbp.parallel.groups import SPGroups
 from lit_hbp.parallel.kind import resolve_sp_kind
@@ -93,13 +93,16 @@ def sample_batch(samples, members: np.ndarray, level: Level, sp_rank: int) -> Pa
     return samples.batch([members], level, sp_rank, loss_norm=float(max(supervised, 1)), ckpt_layers=level.ckpt_layers)
 
 
-def probe_strategy_args(strategy) -> dict:
+def probe_strategy_args(strategy) -> dict | None:
     """HBPStrategy arguments that reproduce a run's strategy in a probe: when it is a DeepSpeed
     strategy, its DeepSpeed config (less what Lightning sets per run), ZeRO-3 parameter placement
-    and fp16 loss scaling; else HBPStrategy's defaults."""
+    and fp16 loss scaling (HBPStrategy's defaults before its config is built); None for a strategy without
+    DeepSpeed, whose probes run under ``HBPDDPStrategy`` (nothing sharded, as the run)."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    if not isinstance(strategy, DeepSpeedStrategy) or strategy.config is None:
+    if not isinstance(strategy, DeepSpeedStrategy):
+        return None
+    if strategy.config is None:
         return {}
     config = copy.deepcopy(strategy.config)
     config.pop("gradient_accumulation_steps", None)
@@ -127,7 +130,8 @@ class MeasuredProfiler:
         capacity: device memory a probe may use, bytes.
         trainer_args: ``lightning.Trainer`` arguments of the run: accelerator, devices, num_nodes,
             precision, accumulate_grad_batches.
-        strategy_args: ``HBPStrategy`` arguments of the run (stage, config, ...), levels excluded.
+        strategy_args: ``HBPStrategy`` arguments of the run (stage, config, ...), levels excluded; None: a run
+            without DeepSpeed, probed under ``HBPDDPStrategy``.
         estimate: expected peak bytes of a probe, e.g. the cost model's ``memory_bytes``; a probe
             estimated over twice ``capacity`` is not run and does not fit. A real out-of-memory
             that strikes one rank before the others inside a collective leaves them waiting; this
@@ -158,7 +162,9 @@ class MeasuredProfiler:
         self.lengths = np.asarray(lengths)
         self.capacity = capacity
         self.trainer_args = dict(trainer_args or {})
-        self.strategy_args = {k: v for k, v in (strategy_args or {}).items() if k != "levels"}
+        self.strategy_args = strategy_args  # None: the run has no DeepSpeed, its probes run under HBPDDPStrategy
+        if strategy_args is not None:
+            self.strategy_args = {k: v for k, v in strategy_args.items() if k != "levels"}
         self.steps, self.warmup, self.seed = steps, warmup, seed
         self.estimate = estimate
         self.sp_kind = sp_kind
@@ -197,7 +203,10 @@ class MeasuredProfiler:
                     f"{expected / 2**30:.1f} GiB per device, over twice the {self.capacity / 2**30:.1f} GiB available"
                 )
                 return Measurement(math.inf, None, pack_len / sp, False)
-        strategy = HBPStrategy(**copy.deepcopy(self.strategy_args))
+        if self.strategy_args is None:
+            strategy = HBPDDPStrategy()
+        else:
+            strategy = HBPStrategy(**copy.deepcopy(self.strategy_args))
         strategy.sp_groups = self._groups(sp, cp)
         accumulate = self.trainer_args.get("accumulate_grad_batches", 1)
         layout = dict(ulysses=sp // cp, cp=cp) if cp > 1 else dict(sp_kind=self.sp_kind)

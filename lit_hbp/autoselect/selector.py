@@ -55,7 +55,8 @@ class RunSetting:
     spec: the model's shape. world: ranks of the run. module_class/module_args: how to build a
     fresh copy of the run's LightningModule (measured probes). trainer_args: the run's Trainer
     settings a probe reuses (accelerator, devices, precision, accumulation, clipping).
-    strategy_args: its HBPStrategy settings (ZeRO stage, DeepSpeed config). in_world: True when
+    strategy_args: its HBPStrategy settings (ZeRO stage, DeepSpeed config); None for a run without DeepSpeed
+    (HBPDDPStrategy, Lightning's DDP: nothing sharded, bf16 autocast over fp32 weights). in_world: True when
     called inside the run's own processes (probes run there); False from a tool (the measured
     selector starts ``world`` local processes). strategy: the run's strategy, which receives the
     SP groups the probes built. node_size: ranks per node (the default layouts keep Ulysses inside one).
@@ -71,7 +72,7 @@ class RunSetting:
     module_class: type | None = None
     module_args: dict = field(default_factory=dict)
     trainer_args: dict = field(default_factory=dict)
-    strategy_args: dict = field(default_factory=dict)
+    strategy_args: dict | None = field(default_factory=dict)
     in_world: bool = False
     strategy: Any = None
     node_size: int | None = None
@@ -144,14 +145,14 @@ class RunSetting:
         """A training config (``lit_hbp.cost.config.read_config``) to be run on ``world`` local processes:
         its model and loss settings, precision (Lightning's 32-true when it names none), accumulation,
         clipping and its DeepSpeed strategy's settings (``run_settings.config_strategy``; HBPStrategy's
-        defaults when it names none: the search plans levels with sp > 1, which need HBPStrategy)."""
+        defaults when it names none; None, priced without DeepSpeed, when it names one without)."""
         module_args = dict(config.get("model") or {})
         if vocab is not None:
             module_args["vocab_size"] = vocab
         trainer = config.get("trainer") or {}
         kept = {k: trainer[k] for k in ("accumulate_grad_batches", "gradient_clip_val") if k in trainer}
         trainer_args = {"precision": trainer.get("precision", "32-true"), **kept}
-        strategy_args = config_strategy(trainer.get("strategy")) or {}
+        strategy_args = {} if trainer.get("strategy") is None else config_strategy(trainer["strategy"])
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
         model = None if spec else model_config(config, vocab)
         return cls(

@@ -94,10 +94,13 @@ def strategy_config(args: dict) -> dict:
     return {"zero_optimization": zero}
 
 
-def with_zero(args: dict, zero_stage: int | None = None, optimizer_offload: bool = False) -> dict:
+def with_zero(args: dict | None, zero_stage: int | None = None, optimizer_offload: bool = False) -> dict | None:
     """``HBPStrategy`` arguments ``args`` at ``zero_stage`` and/or with the Adam states on the host, written
-    into their DeepSpeed ``config`` where they have one (Lightning reads nothing else then)."""
-    args = copy.deepcopy(args)
+    into their DeepSpeed ``config`` where they have one (Lightning reads nothing else then); a run without
+    DeepSpeed (``args`` None) stays one unless a lever asks for DeepSpeed's."""
+    if args is None and zero_stage is None and not optimizer_offload:
+        return None
+    args = copy.deepcopy(args or {})
     if args.get("config") is None:
         if zero_stage is not None:
             args["stage"] = zero_stage
