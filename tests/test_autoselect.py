@@ -40,7 +40,7 @@ def test_algorithm4_interpolates_the_smallest_fitting_count():
     ckpt, trace = greedy_profile_ckpt(prof, 32768, 4, 0, 32, margin=2 * GIB)
     assert ckpt == 13
     assert prof.calls[:2] == [0, 32], "memory is profiled at c_min and c_max first"
-    assert len(trace) <= 3
+    assert len(trace) <= 4  # c_min, c_max, the interpolated count, the one below it (which must not fit)
     # Everything fits without checkpointing: c_min, after one probe.
     assert greedy_profile_ckpt(LinearMemory(10 * GIB, 1 * GIB), 8192, 1, 0, 32)[0] == 0
     # Nothing fits even fully checkpointed: None.
@@ -63,6 +63,27 @@ def test_algorithm4_steps_up_when_the_interpolation_falls_short():
     fits = [c for c in range(33) if 20 * GIB + 3 * GIB * math.sqrt((32 - c) * 32) <= 80 * GIB]
     interpolated = math.ceil(32 - (80 - 20) / (3 * 32 / 32))  # the straight line's answer
     assert interpolated < min(fits) == ckpt
+
+
+def test_algorithm4_steps_down_where_the_line_through_the_fully_checkpointed_count_overshoots():
+    """The cost model's memory falls linearly with each checkpointed layer and drops again at the last (its
+    recompute buffers): the line through c_max lands a layer above the fewest that fit; the search steps down, and
+    equals brute force over the cost model's cases."""
+    from lit_hbp.autoselect.profiler import MemoryProfiler
+
+    checked = 0
+    for name in ("llama3.1-8b", "qwen2.5-32b"):
+        for world, zero in ((8, 2), (32, 3)):
+            cost = CostModel(MODELS[name], HARDWARE["h100"], world, zero_stage=zero)
+            prof = MemoryProfiler(cost)
+            for pack_len in (16384, 32768, 65536, 131072):
+                for sp in (1, 2, 4, 8):
+                    got, _ = greedy_profile_ckpt(prof, pack_len, sp, 0, MODELS[name].layers)
+                    layers = range(MODELS[name].layers + 1)
+                    fewest = next((c for c in layers if cost.memory_bytes(pack_len, sp, c) <= prof.capacity), None)
+                    assert got == fewest, (name, world, pack_len, sp)
+                    checked += got is not None
+    assert checked > 10
 
 
 class PaperProfiler:
@@ -588,6 +609,26 @@ def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shap
     assert "/nowhere/llama" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        (["--analytic", "--devices", "3", "--memory-gib", "0.5"], "--devices, --memory-gib are the other mode's"),
+        (["--measured", "--gpus", "8", "--model", "llama3.1-8b"], "--gpus, --model are the other mode's"),
+        (["--candidates", "0", "4096"], "--candidates: must be a whole number >= 1, got 0"),
+        (["--max-len", "0"], "--max-len: must be a whole number >= 1, got 0"),
+        (["--margin-gib", "-20"], "--margin-gib: must be a number >= 0, got -20"),
+    ],
+)
+def test_autoselect_refuses_flags_it_would_not_read_or_could_not_use(tmp_path, capsys, flags, refused):
+    """A flag of the other mode, or a value the selectors refuse, stops the command in one line (exit 2) before
+    the data is read, instead of being ignored (identical output) or failing deep in numpy."""
+    config = tmp_path / "train.yaml"
+    config.write_text(RUN_CONFIG)
+    with pytest.raises(SystemExit) as stop:
+        autoselect_main(["--config", str(config), "--lengths", str(tmp_path / "none.npy"), *flags])
+    assert stop.value.code == 2 and refused in capsys.readouterr().err
+
+
 def test_probes_reproduce_the_runs_deepspeed_settings():
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -603,7 +644,7 @@ def test_probes_reproduce_the_runs_deepspeed_settings():
     assert deepspeed_zero(strategy_config(args)) == dict(zero_stage=3, optimizer_offload=True, param_offload=False)
     assert probe.loss_scale == 128 and probe.remote_device == "cpu"
     assert "gradient_accumulation_steps" not in probe.config
-    assert probe_strategy_args(DDPStrategy()) == {}
+    assert probe_strategy_args(DDPStrategy()) is None  # no DeepSpeed: probed under HBPDDPStrategy
     assert deepspeed_zero(strategy_config({}))["zero_stage"] == 2  # HBPStrategy's default, as the probes run it
 
 

@@ -185,7 +185,9 @@ def test_lora_adapter_gradients_equal_hf_and_peft_on_each_sample_alone():
     for (name, p), q in zip(module.model.named_parameters(), ref.parameters()):
         if "lora_" in name:
             adapters += 1
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=name)
+            # relative to the gradient's own scale (a summed loss of ~500 puts float32's rounding at ~1e-5 of
+            # an entry of 5): an elementwise tolerance flips with the thread count's summation order
+            assert (p.grad - q.grad).abs().max() <= 1e-5 * q.grad.abs().max(), name
         else:
             assert not p.requires_grad and p.grad is None, name
     assert adapters == 2 * 7 * TINY["num_hidden_layers"]  # A and B of q, k, v, o, gate, up, down

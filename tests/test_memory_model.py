@@ -195,6 +195,33 @@ def test_memory_command_prints_each_level_and_fails_on_one_that_does_not_fit(tmp
     assert main(["--config", str(root / "configs/llama3_8b_32gpu.yaml"), "--model", "llama3.1-8b"]) in (0, 1)
 
 
+def test_the_memory_command_refuses_levels_set_up_refuses_and_lays_them_out_over_the_configs_devices(tmp_path, capsys):
+    """Levels set-up would refuse (an sp the world cannot hold, more checkpointed layers than the model has, no GPU)
+    are refused, never priced as fitting; an sp 8 level of a 4-device, 2-node run is laid out as training lays it
+    out (Ulysses 4 inside a node x context parallelism 2), not over the preset's 8-GPU nodes."""
+    import yaml
+
+    from lit_hbp.cost.memory import main
+
+    levels = [{"pack_len": "16K", "ckpt_layers": 24}, {"pack_len": "256K", "sp": 8, "ckpt_layers": 32}]
+    path = write_config(tmp_path / "c.yaml", levels)
+    assert main(["--config", path, "--gpus", "4"]) == 2
+    assert "level 1 (pack_len 262144) has sp 8 > world_size 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", path, "--gpus", "0"])
+    assert stop.value.code == 2 and "--gpus: must be a whole number >= 1, got 0" in capsys.readouterr().err
+    levels[0]["ckpt_layers"] = 99
+    assert main(["--config", write_config(tmp_path / "ckpt.yaml", levels)]) == 2
+    assert "level 0 (16384 tokens) checkpoints 99 layers; the model has 32" in capsys.readouterr().err
+    levels[0]["ckpt_layers"] = 24
+    config = yaml.safe_load(Path(path).read_text())
+    config["trainer"].update(devices=4, num_nodes=2)
+    (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(config))
+    main(["--config", str(tmp_path / "nodes.yaml")])
+    row = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:2] == ["1", "262144"]][0]
+    assert "8=4x2" in row, row
+
+
 SP_POINTS = [(4096, 0, False, 1), (4096, 4, False, 1), (4096, 4, True, 1), (4096, 4, True, 4)]
 
 

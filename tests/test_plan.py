@@ -270,6 +270,8 @@ def test_zero_length_and_zero_loss_samples_are_reported():
         (dict(loss_tokens=[4, 0, 0]), "index 0: 4 > 3"),
         (dict(accumulate=0), "accumulate must be a positive int"),
         (dict(warmup_steps=-1), "warmup_steps must be an int >= 0"),
+        (dict(seed=-1), "seed must be an int >= 0, got -1"),
+        (dict(world_size=0), "world_size must be a positive int, got 0"),
         (dict(short_levels=[7]), "HBPCurriculum short_levels: 7 is not the pack_len of a level"),
         (dict(packer="nope"), "unknown packer"),
         (dict(lengths=[0, 40], over_length="drop"), "nothing to pack: all 2 samples are zero-length (1)"),
@@ -281,6 +283,15 @@ def test_bad_input(kwargs, message):
     with pytest.raises((ValueError, TypeError)) as e:
         plan_hbp(**args)
     assert message in str(e.value)
+
+
+def test_numpy_integers_are_taken_for_the_world_as_for_the_seed_and_accumulation():
+    plan = plan_hbp([4, 9, 16], [Level(32)], world_size=np.int64(2), accumulate=np.int64(1), seed=np.int64(3))
+    same = plan_hbp([4, 9, 16], [Level(32)], world_size=2, accumulate=1, seed=3)
+    assert plan.summary() == same.summary() and plan.n_micro_steps == same.n_micro_steps
+    for k in range(plan.n_micro_steps):
+        for r in (0, 1):
+            assert [list(p) for p in plan.micro_batch(r, k).packs] == [list(p) for p in same.micro_batch(r, k).packs]
 
 
 def test_level_validation_and_parsing():

@@ -40,6 +40,26 @@ def test_simulation_equals_a_loop_over_micro_steps_and_groups(images):
     assert (shares["vision"] > 0) is images
 
 
+def test_simulate_refuses_levels_that_do_not_fit_and_inputs_it_cannot_use(tmp_path, capsys):
+    """A given level the cost model says does not fit is refused with the memory tool's line (it was priced as if it
+    fit); no GPUs, more checkpointed layers than the model has, and the search's flags beside --no-auto likewise."""
+    path = tmp_path / "mix.npy"
+    np.save(path, np.random.default_rng(0).integers(100, 30000, 500))
+    base = [str(path), "--model", "llama3.1-8b", "--gpus", "8", "--no-auto"]
+    assert simulate_main([*base, "--levels", "4096:1:0", "32768:1:0"]) == 2
+    err = capsys.readouterr().err
+    assert "level 1 (32768 tokens, sp 1, ckpt 0) will not fit:" in err and "checkpoint more layers" in err
+    assert simulate_main([*base, "--levels", "4096:1:99", "32768:8:32"]) == 2
+    assert "level 0 (4096 tokens) checkpoints 99 layers; the model has 32" in capsys.readouterr().err
+    for flags, refused in [
+        (["--gpus", "0"], "--gpus: must be a whole number >= 1, got 0"),
+        (["--max-len", "8192"], "--max-len and --margin-gib steer (d)"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            simulate_main([*base, *flags])
+        assert stop.value.code == 2 and refused in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_hbp_speedup_over_naive_isf_on_a_paper_shaped_mix(paper_shaped_mix):
     cost = CostModel(MODELS["llama3.1-8b"], HARDWARE["h100"], 32)

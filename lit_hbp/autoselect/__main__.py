@@ -29,10 +29,13 @@ from pathlib import Path
 import numpy as np
 
 from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunSetting
-from lit_hbp.cost.config import load_spec, read_config
+from lit_hbp.cost.config import load_spec, nonnegative_float, positive_int, read_config
 from lit_hbp.cost.costmodel import HARDWARE
 from lit_hbp.cost.run_settings import ANALYTIC, MEASURED
 from lit_hbp.lightning.datamodule import config_samples
+
+ANALYTIC_ONLY = ("gpus", "gpu", "model")  # the cluster the cost model prices
+MEASURED_ONLY = ("devices", "memory_gib")  # the local processes the probes run on
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,19 +46,23 @@ def main(argv: list[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--analytic", action="store_true", help="price candidates with the cost model (default)")
     mode.add_argument("--measured", action="store_true", help="run real micro-steps on --devices local processes")
-    p.add_argument("--gpus", type=int, default=32, help="analytic: GPUs of the cluster")
-    p.add_argument("--gpu", default="h100", choices=sorted(HARDWARE), help="analytic: GPU kind")
-    p.add_argument("--devices", type=int, default=1, help="measured: local processes (GPUs, or CPU processes)")
-    p.add_argument("--memory-gib", type=float, help="measured: memory per device (default: the GPU's, else 16)")
+    p.add_argument("--gpus", type=positive_int, help="analytic: GPUs of the cluster (default 32)")
+    p.add_argument("--gpu", choices=sorted(HARDWARE), help="analytic: GPU kind (default h100)")
+    p.add_argument("--devices", type=positive_int, help="measured: local processes (GPUs, or CPU processes; default 1)")
+    p.add_argument(
+        "--memory-gib", type=nonnegative_float, help="measured: memory per device (default: the GPU's, else 16)"
+    )
     p.add_argument("--lengths", help="sample lengths (.npy or text) instead of tokenizing the config's data")
     p.add_argument("--model", help="analytic: a model preset or config.json instead of the config's model")
-    p.add_argument("--candidates", nargs="+", type=int, help="pack lengths to try (default: powers of two)")
+    p.add_argument("--candidates", nargs="+", type=positive_int, help="pack lengths to try (default: powers of two)")
     p.add_argument(
         "--margin-gib",
-        type=float,
+        type=nonnegative_float,
         help="memory left free per device (default: 0 analytic, the cost model keeps a 2 GB reserve; 2 measured)",
     )
-    p.add_argument("--max-len", type=int, help="the longest level to choose (longer samples follow data.over_length)")
+    p.add_argument(
+        "--max-len", type=positive_int, help="the longest level to choose (longer samples follow data.over_length)"
+    )
     p.add_argument("--liger", action="store_true", help="the model runs Liger's RMSNorm and SwiGLU (model.liger: true)")
     p.add_argument(
         "--offload-optimizer", action="store_true", help="DeepSpeed offload_optimizer: the Adam states on the host"
@@ -63,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="the ZeRO stage (default: the config's)")
     p.add_argument("--out", help="also write the chosen levels block to this file (it is always printed)")
     args = p.parse_args(argv)
+    other = MEASURED_ONLY if not args.measured else ANALYTIC_ONLY
+    given = [f"--{k.replace('_', '-')}" for k in other if getattr(args, k) is not None]
+    if given:
+        mode = "--measured" if args.measured else "--analytic (the default)"
+        p.error(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} the other mode's, which {mode} does not read")
     try:
         config = read_config(args.config)
         if args.lengths:
@@ -71,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
             lengths, vocab, vision, samples = load_lengths(args.lengths), None, None, None
         else:
             lengths, vocab, vision, samples = config_samples(config)
-        spec = load_spec(args.model) if args.model and not args.measured else None
+        spec = load_spec(args.model) if args.model else None
         margin = {} if args.margin_gib is None else {"margin_gib": args.margin_gib}
         if args.measured:
             selector = MeasuredSelector(args.candidates, memory_gib=args.memory_gib, max_len=args.max_len, **margin)
-            run = replace(RunSetting.from_config(config, vocab, args.devices), tool=MEASURED)
+            run = replace(RunSetting.from_config(config, vocab, args.devices or 1), tool=MEASURED)
         else:
-            selector = AnalyticSelector(args.gpu, args.candidates, max_len=args.max_len, **margin)
-            run = replace(RunSetting.from_config(config, vocab, args.gpus, spec), tool=ANALYTIC)
+            selector = AnalyticSelector(args.gpu or "h100", args.candidates, max_len=args.max_len, **margin)
+            run = replace(RunSetting.from_config(config, vocab, args.gpus or 32, spec), tool=ANALYTIC)
         run = run.with_flags(args.liger, args.offload_optimizer, args.zero_stage)
         extra = {"samples": samples} if args.measured else {}  # measured probes pack a run's images (None: text)
         selection = selector.select(lengths, run, vision, **extra)

@@ -46,11 +46,14 @@ def greedy_profile_ckpt(
         return hi, trace
     slope = (r_high - r_low) / (c_max - c_min)
     c = min(max(math.ceil(c_max - (r_high - margin) / slope), c_min), c_max)
-    while c < c_max:  # the interpolation is linear; confirm it and step up if it fell short
-        m = probe(c)
-        if m.fits and remaining(m) >= margin:
-            break
+    fits = lambda m: m.fits and remaining(m) >= margin  # noqa: E731
+    guess = c
+    while c < c_max and not fits(probe(c)):  # the interpolation is linear; confirm it, step up if it fell short
         c += 1
+    # ... or down where it overshot: memory falls linearly with each layer checkpointed until all are, where
+    # the last one's recompute buffers jump it, so the line through c_max can land a layer too high.
+    while c == guess and c > c_min and fits(probe(c - 1)):
+        c = guess = c - 1
     return c, trace
 
 

@@ -4,11 +4,41 @@ the data module's set-up computes: ``lit_hbp.lightning.datamodule.config_samples
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
 
 from lit_hbp.model_spec import ModelSpec, load_model_spec
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (GPUs, lengths, steps), refused in one line otherwise."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """An argparse type: a number >= 0 (a memory margin)."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def check_levels(levels: list, world: int, layers: int) -> None:
+    """Refuse levels set-up refuses: pack lengths increasing, each sp dividing the world (``validate_levels``),
+    no more checkpointed layers than the model has."""
+    from lit_hbp.packing import validate_levels
+
+    validate_levels(levels, world)
+    for i, lv in enumerate(levels):
+        if lv.ckpt_layers > layers:
+            raise ValueError(
+                f"level {i} ({lv.pack_len} tokens) checkpoints {lv.ckpt_layers} layers; the model has {layers}"
+            )
 
 
 def read_config(path: str | Path) -> dict:

@@ -20,6 +20,7 @@ import argparse
 import sys
 from dataclasses import replace
 
+from lit_hbp.cost.config import check_levels, load_spec, model_config, positive_int, read_config, spec_of
 from lit_hbp.cost.costmodel import GIB, HARDWARE, CostModel
 from lit_hbp.cost.run_settings import (
     CONFIG,
@@ -133,7 +134,7 @@ def table(cost: CostModel, levels) -> str:
             [
                 str(i),
                 str(lv.pack_len),
-                str(lv.sp),
+                f"{lv.sp}={lv.layout[0]}x{lv.layout[1]}" if lv.layout[1] > 1 else str(lv.sp),  # Ulysses x CP
                 str(lv.ckpt_layers),
                 "yes" if lv.offload else "no",
                 str(lv.mlp_tiles),
@@ -146,14 +147,12 @@ def table(cost: CostModel, levels) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lit_hbp.cost.config import load_spec, model_config, read_config, spec_of
-
     p = argparse.ArgumentParser(
         prog="python -m lit_hbp.cost.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", required=True, help="a lit-hbp training YAML")
     p.add_argument("--gpu", default="h100", choices=sorted(HARDWARE))
-    p.add_argument("--gpus", type=int, help="GPUs of the run (default: the config's devices x num_nodes)")
+    p.add_argument("--gpus", type=positive_int, help="GPUs of the run (default: the config's devices x num_nodes)")
     p.add_argument("--model", help="a model preset or config.json instead of the config's model")
     args = p.parse_args(argv)
     try:
@@ -162,17 +161,18 @@ def main(argv: list[str] | None = None) -> int:
         trainer = config.get("trainer") or {}
         devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
         counted = isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0
-        world = args.gpus or (devices * nodes if counted else None)
+        world = args.gpus if args.gpus is not None else (devices * nodes if counted else None)
         if not world:
             raise ValueError(f"trainer.devices is {devices!r}: give the run's GPUs with --gpus")
         raw = (config.get("data") or {}).get("levels")
         if not isinstance(raw, list):
             raise ValueError("data.levels: the config chooses its levels at set-up; give them as a list to price them")
         hw = HARDWARE[args.gpu]
+        node = devices if counted else hw.gpus_per_node  # training lays the levels out over its devices
         levels = [
-            resolve_layout(as_level(x, f"data.levels[{i}]"), spec.heads, spec.kv_heads, hw.gpus_per_node)
-            for i, x in enumerate(raw)
+            resolve_layout(as_level(x, f"data.levels[{i}]"), spec.heads, spec.kv_heads, node) for i, x in enumerate(raw)
         ]
+        check_levels(levels, world, spec.layers)
         settings = config_settings(config, hw, world)
         check(settings, CONFIG, max((lv.mlp_tiles for lv in levels), default=1))
         cost = cost_model(spec, settings)

@@ -202,7 +202,7 @@ def validate_levels(levels: Sequence[Level | dict | str | int], world_size: int)
     Levels must be strictly increasing in pack_len (a config typo otherwise silently reorders data),
     and every sp must divide the world size so the SP groups tile the ranks.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
     out = tuple(as_level(x, f"levels[{i}]") for i, x in enumerate(levels))
     if not out:

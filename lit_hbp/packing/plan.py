@@ -246,7 +246,9 @@ def _prepare(lengths, loss_tokens, max_len: int, over_length: str, extra_work=No
     return _Inputs(arr, loss, keep, dropped, truncated, zero_length, zero_loss, work)
 
 
-def _check_common(accumulate: int, warmup_steps: int) -> None:
+def _check_common(accumulate: int, warmup_steps: int, seed: int = 0) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     if isinstance(accumulate, bool) or not isinstance(accumulate, (int, np.integer)) or accumulate < 1:
         raise ValueError(f"accumulate must be a positive int, got {accumulate!r}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
@@ -506,7 +508,7 @@ def plan_hbp(
     encoding, ``lit_hbp.data.media.vision_work``): the balance weighs each pack's squared lengths plus it.
     """
     levels = validate_levels(levels, world_size)
-    _check_common(accumulate, warmup_steps)
+    _check_common(accumulate, warmup_steps, seed)
     inputs = _prepare(lengths, loss_tokens, levels[-1].pack_len, over_length, extra_work)
     lens = inputs.lengths
     bounds = np.array([lv.pack_len for lv in levels])
@@ -560,7 +562,7 @@ def plan_single_level(
 ) -> Plan:
     """Naive packing: every sample in packs of one pack_len and sp (the paper's ISF baseline)."""
     levels = validate_levels([level], world_size)
-    _check_common(accumulate, 0)
+    _check_common(accumulate, 0, seed)
     inputs = _prepare(lengths, loss_tokens, levels[0].pack_len, over_length)
     own = np.flatnonzero(inputs.keep)
     bins = run_packer(inputs.lengths[own], levels[0].pack_len, packer, seed)
@@ -582,7 +584,7 @@ def plan_sorted_batching(
     ``batch_size`` neighbours padded to the longest of them. A "pack" here is one sample and its
     capacity is the padded length, so PR measures padding."""
     levels = validate_levels([Level(max_len, 1, 0, batch_size)], world_size)
-    _check_common(accumulate, 0)
+    _check_common(accumulate, 0, seed)
     inputs = _prepare(lengths, loss_tokens, max_len, over_length)
     lens = inputs.lengths
     own = np.flatnonzero(inputs.keep)

@@ -33,8 +33,9 @@ import sys
 import numpy as np
 
 from lit_hbp.autoselect.search import Selection, analytic_levels
-from lit_hbp.cost.config import load_spec
+from lit_hbp.cost.config import check_levels, load_spec, nonnegative_float, positive_int
 from lit_hbp.cost.costmodel import GIB, HARDWARE
+from lit_hbp.cost.memory import not_fitting
 from lit_hbp.cost.run_settings import SIMULATE, Settings, check, cost_model, describe
 from lit_hbp.packing import Level
 from lit_hbp.packing.bins import load_lengths
@@ -146,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("lengths", help=".npy array of sample lengths, or a text file with one per line")
     p.add_argument("--model", default="llama3.1-8b", help="preset, HF config/checkpoint, or training YAML")
-    p.add_argument("--gpus", type=int, default=32)
+    p.add_argument("--gpus", type=positive_int, default=32)
     p.add_argument("--gpu", default="h100", choices=sorted(HARDWARE))
     p.add_argument("--levels", nargs="+", default=["16384:1", "131072:8"], help="HBP levels PACK_LEN:SP[:CKPT]")
-    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--accumulate", type=positive_int, default=1)
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3], help="DeepSpeed's ZeRO stage")
     p.add_argument("--liger", action="store_true", help="the model runs Liger's RMSNorm and SwiGLU (liger: true)")
     p.add_argument(
@@ -157,10 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-auto", action="store_true", help="skip (d), the auto-selected levels")
-    p.add_argument("--max-len", type=int, help="(d): the longest level the search may choose (default: no cap)")
-    p.add_argument("--margin-gib", type=float, default=0.0, help="memory left free per GPU beyond the 2 GB reserve")
+    p.add_argument(
+        "--max-len", type=positive_int, help="(d): the longest level the search may choose (default: no cap)"
+    )
+    p.add_argument(
+        "--margin-gib", type=nonnegative_float, default=0.0, help="memory left free per GPU beyond the 2 GB reserve"
+    )
     p.add_argument("--plot", help="write the rank timelines to this PNG (and a length histogram beside it)")
     args = p.parse_args(argv)
+    if args.no_auto and (args.max_len is not None or args.margin_gib):
+        p.error("--max-len and --margin-gib steer (d), the auto-selected levels, which --no-auto skips")
     try:
         lengths = load_lengths(args.lengths)
         spec = load_spec(args.model)
@@ -178,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         levels = [resolve_layout(lv, spec.heads, spec.kv_heads, cost.hardware.gpus_per_node) for lv in levels]
         chosen = fill_checkpointing([lv for lv, a in zip(levels, auto_ckpt) if a], cost, lengths, margin)
         levels = [chosen.pop(0) if a else lv for lv, a in zip(levels, auto_ckpt)]
+        check_levels(levels, args.gpus, spec.layers)
+        unfit = not_fitting(cost, levels)  # a given level priced as if it fit would say nothing true
+        if unfit:
+            raise ValueError(unfit[0])
         sims = compare(lengths, cost, levels, args.accumulate, args.seed)
         auto = [] if selection is None else compare_auto(lengths, cost, selection, args.accumulate, args.seed)
     except (ValueError, TypeError, FileNotFoundError) as e:
