@@ -169,3 +169,22 @@ def test_export_of_a_missing_checkpoint_is_a_short_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == f"error: checkpoint not found: {tmp_path / 'lats.ckpt'} (did you mean 'last.ckpt'?)"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_loader_workers_error_is_reported_by_its_own_message():
+    """A DataLoader worker's error reaches the main process re-raised by torch with the worker's whole traceback as
+    its message: the report prints the error's own line, as for the same error in the main process."""
+    from torch._utils import ExceptionWrapper
+
+    from lit_hbp.cli.parser import own_message
+    from lit_hbp.errors import DataError
+
+    try:
+        raise DataError("d.jsonl:4: image img/big.png does not exist")
+    except DataError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(DataError) as caught:
+        wrapped.reraise()
+    assert "Original Traceback" in str(caught.value)
+    assert own_message(caught.value) == "d.jsonl:4: image img/big.png does not exist"
+    assert own_message(DataError("a: b")) == "a: b"

@@ -350,6 +350,31 @@ def test_a_folder_whose_tokenizer_has_another_template_renders_as_its_processor_
     assert tokenizer.apply_chat_template(msgs, tokenize=False) == processor.apply_chat_template(msgs, tokenize=False)
 
 
+def test_a_photo_turned_by_its_exif_orientation_is_read_upright_as_transformers_loads_it(data, tmp_path):
+    """A phone's JPEG stored 40x24 with EXIF orientation 6 shows 24x40: transformers' ``load_image`` (what the
+    processor's ``apply_chat_template`` reads a path with) turns it upright, and so does the data path."""
+    from transformers.image_utils import load_image
+
+    root, folder = data
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to show
+    image(7, 24, 40).save(tmp_path / "p.jpg", exif=exif.tobytes(), quality=95)
+    msgs = [{"role": "user", "content": [{"type": "image", "image": "p.jpg"}, {"type": "text", "text": "what?"}]},
+            {"role": "assistant", "content": "a cat"}]  # fmt: skip
+    write(tmp_path / "d.jsonl", [{"messages": msgs}])
+    processor = AutoProcessor.from_pretrained(folder)
+    upright = [{"role": "user", "content": [{"type": "image", "image": load_image(str(tmp_path / "p.jpg"))},
+                                            {"type": "text", "text": "what?"}]},
+               {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]}]  # fmt: skip
+    ref = processor.apply_chat_template(upright, tokenize=True, return_dict=True, return_tensors="pt")
+    dm = HBPDataModule(sources=[str(tmp_path / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    (batch,) = list(dm.train_dataloader())
+    assert dm.store.sources[0].sample(0)[0].tolist() == ref["input_ids"][0].tolist()
+    assert batch.mm["image_sizes"].tolist() == ref["image_sizes"].tolist() == [[40, 24]]  # height 40, width 24
+
+
 def test_records_with_images_need_the_checkpoints_processor(data, tmp_path):
     root, folder = data
     from transformers import AutoTokenizer

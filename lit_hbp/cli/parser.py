@@ -64,8 +64,19 @@ def report_user_error(error: Exception) -> NoReturn:
     """A user's mistake (``lit_hbp.errors.UserInputError``: config, data, paths) as one short paragraph
     on stderr and exit status 2, printed once (rank 0); the traceback is for bugs, or ``LIT_HBP_DEBUG=1``."""
     if rank_zero_only.rank == 0:
-        sys.stderr.write(f"error: {error}\ntip: {DEBUG_ENV}=1 prints the traceback\n")
+        sys.stderr.write(f"error: {own_message(error)}\ntip: {DEBUG_ENV}=1 prints the traceback\n")
     sys.exit(2)
+
+
+def own_message(error: Exception) -> str:
+    """The error's own message: a DataLoader worker's error reaches the main process with the worker's traceback
+    as its message (torch's ``ExceptionWrapper``), whose last line is ``module.Class: message``."""
+    text = str(error)
+    if not (text.startswith("Caught ") and "Original Traceback" in text):
+        return text
+    head = f"{type(error).__module__}.{type(error).__qualname__}: "
+    last = next((line for line in reversed(text.splitlines()) if line.startswith(head)), None)
+    return text if last is None else last[len(head) :]
 
 
 def _option_keys(parser: argparse.ArgumentParser) -> set[str]:

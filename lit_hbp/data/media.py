@@ -61,15 +61,16 @@ def media_entry(row: Sequence) -> Image | Video:
 
 
 def load_image(path: str, where: str):
-    """The RGB image in ``path``, fully decoded; a DataError naming the record for a missing, unreadable
-    or truncated file."""
+    """The RGB image in ``path``, fully decoded and turned upright as its EXIF orientation says (a phone's photo,
+    as transformers' own ``load_image`` gives the processor); a DataError naming the record for a missing,
+    unreadable or truncated file."""
     from PIL import Image as PILImage
-    from PIL import UnidentifiedImageError
+    from PIL import ImageOps, UnidentifiedImageError
 
     try:
         with PILImage.open(path) as im:
             im.load()
-            return im.convert("RGB")
+            return ImageOps.exif_transpose(im).convert("RGB")
     except FileNotFoundError:
         raise DataError(f"{where}: image {path} does not exist") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
