@@ -74,17 +74,22 @@ def records(folder: Path) -> list[tuple[dict, list]]:
     ]  # fmt: skip
 
 
+def with_images_and_records(root: Path) -> Path:
+    """``root`` with the images on disk and a JSON Lines file of records in three formats (``records``)."""
+    (root / "img").mkdir()
+    for k, (name, (w, h)) in enumerate(SIZES.items()):
+        image(k, h, w).save(root / "img" / name)
+    write(root / "d.jsonl", [r for r, _ in records(root)])
+    return root
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """A tiny LLaVA-NeXT checkpoint folder (anyres: image sizes change the token count), images on disk
     and a JSON Lines file of records in three formats."""
     root = tmp_path_factory.mktemp("vlm_data")
     folder = build_llava(root / "llava_next", "llava_next")
-    (root / "img").mkdir()
-    for k, (name, (w, h)) in enumerate(SIZES.items()):
-        image(k, h, w).save(root / "img" / name)
-    write(root / "d.jsonl", [r for r, _ in records(root)])
-    return root, folder
+    return with_images_and_records(root), folder
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +100,7 @@ def qwen_data(tmp_path_factory):
     needs_torchvision("qwen2_vl")
     root = tmp_path_factory.mktemp("qwen_data")
     folder = build_qwen(root / "qwen2_vl")
-    (root / "img").mkdir()
-    for k, (name, (w, h)) in enumerate(SIZES.items()):
-        image(k, h, w).save(root / "img" / name)
-    write(root / "d.jsonl", [r for r, _ in records(root)])
-    return root, folder
+    return with_images_and_records(root), folder
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +110,7 @@ def onevision_data(tmp_path_factory):
     needs_torchvision("llava_onevision")
     root = tmp_path_factory.mktemp("onevision_data")
     folder = build_llava(root / "llava_onevision", "llava_onevision")
-    (root / "img").mkdir()
-    for k, (name, (w, h)) in enumerate(SIZES.items()):
-        image(k, h, w).save(root / "img" / name)
-    write(root / "d.jsonl", [r for r, _ in records(root)])
-    return root, folder
+    return with_images_and_records(root), folder
 
 
 FAMILY_DATA = {"llava_next": "data", "qwen2_vl": "qwen_data", "llava_onevision": "onevision_data"}
