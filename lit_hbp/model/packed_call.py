@@ -256,11 +256,16 @@ def pack_scope(
     if tiles > 1:
         for i, (layer, mlp) in enumerate(zip(layers, mlps)):
             if mlp is None:
+                own = getattr(layer, "mlp", None)
+                why = (
+                    f"its mlp is a {type(own).__name__}: mixture-of-experts blocks route tokens and feed the router "
+                    "loss, some families' MLPs take more than the hidden states"
+                    if own is not None
+                    else "it names its feed-forward block otherwise than mlp"
+                )
                 raise ValueError(
                     f"mlp_tiles {tiles}: decoder layer {i} ({type(layer).__name__}) has no token-wise MLP lit-hbp can "
-                    f"tile ({type(getattr(layer, 'mlp', None)).__name__}: mixture-of-experts blocks route tokens and "
-                    "feed the router loss, some families' MLPs take more than the hidden states); use mlp_tiles 1 "
-                    "for this model"
+                    f"tile ({why}); use mlp_tiles 1 for this model"
                 )
             install_tiling(mlp, prepared.tiles_of)  # again if an integration (Liger) rebound it
     if ckpt_layers is not None and ckpt_layers < len(layers) and not prepared.said_own_ckpt:
