@@ -67,16 +67,20 @@ def _own_attention(module: torch.nn.Module) -> bool:
     return not any(_names(type(m), INTERFACE) for m in module.modules())
 
 
+@functools.cache
 def _passed_keywords(cls: type) -> dict[str, bool]:
     """The keywords the family's own ``forward`` of ``cls`` passes to its attention function by name (``keyword:
-    whether the code may pass None``: the name it passes is assigned None somewhere in that forward, as MiniMax-M3's
-    ``block_indices`` without an indexer), read from the source; empty when it cannot be read."""
+    whether the code may pass None``: the name it passes is assigned None somewhere in its class, as MiniMax-M3's
+    ``block_indices`` without an indexer), read from the source once per class; empty when it cannot be read."""
     for klass in cls.__mro__:
         if not klass.__module__.startswith("transformers.models.") or "forward" not in vars(klass):
             continue
+        src = _source(klass)
         try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass.forward)))
-        except (OSError, TypeError, SyntaxError):
+            tree = ast.parse(textwrap.dedent(src)) if src is not None else None
+        except SyntaxError:
+            tree = None
+        if tree is None:
             return {}
         nones = {
             t.id
