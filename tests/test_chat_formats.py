@@ -520,6 +520,7 @@ def test_config_mistakes_in_a_source_are_short_errors(qwen, tmp_path, capsys):
             "fields: 'conversation' is no field of format sharegpt (did you mean 'conversations'?)",
         ),
         "role target": ({"roles": {"bot": "assistent"}}, "roles: 'bot' maps to 'assistent', which is no chat role"),
+        "role no record has": ({"roles": {"bot": "assistant"}}, "roles maps 'bot', a role no record has"),
     }
     for name, (source, message) in cases.items():
         with pytest.raises(SystemExit) as stop:
@@ -576,6 +577,21 @@ def test_json_arrays_read_record_by_record_with_row_and_line(tmp_path, qwen):
     lines = tmp_path / "lines.json"  # a .json file of JSON Lines reads as JSONL
     lines.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
     assert [r for r, _ in iter_records(Source(str(lines)))] == records[:3]
+
+
+def test_a_config_of_only_the_data_section_previews(qwen, tmp_path, capsys):
+    """Preview builds no model: a config without a model section (a data-only file, or the run's before its
+    checkpoint is chosen) shows the chat template's own tokens as a full config does."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([r for r, _ in ALPACA]))
+    config = write_config(tmp_path, qwen, [{"path": str(path)}])
+    data_only = tmp_path / "data_only.yaml"
+    data_only.write_text(yaml.safe_dump({"data": yaml.safe_load(config.read_text())["data"]}))
+    got = preview_json(capsys, data_only)
+    tok = AutoTokenizer.from_pretrained(qwen)
+    assert [(g["line"], g["input_ids"], g["supervised"]) for g in got] == [
+        (i + 1, *reference(tok, *ref)) for i, (_, ref) in enumerate(ALPACA)
+    ]
 
 
 @pytest.mark.slow

@@ -443,3 +443,40 @@ def test_a_tokenizer_that_splits_special_tokens_gets_its_own_cache(tmp_path):
     fresh = tokenize_source(Source(str(path)), tok, progress=False)
     assert not second.from_cache and first.sample(0)[0].tolist() != fresh.sample(0)[0].tolist()
     assert second.sample(0)[0].tolist() == fresh.sample(0)[0].tolist()
+
+
+def test_an_upgrade_of_the_rendering_libraries_tokenizes_again(tmp_path, monkeypatch):
+    """The chat template's jinja, transformers' rendering and the tokenizers pipeline decide the ids of a record:
+    after an upgrade the cache is not read (it may hold what the old versions rendered); with the same ones it is."""
+    folder = _qwen_folder_with(tmp_path, "plain", lambda tj, cfg: None)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": CHAT}])
+    cache = tmp_path / "cache"
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert not tokenize_source(Source(str(path)), tok, cache_dir=cache, progress=False).from_cache
+    assert tokenize_source(Source(str(path)), tok, cache_dir=cache, progress=False).from_cache
+    real = tokenize_module.version
+    for library in ("jinja2", "tokenizers", "transformers"):
+        monkeypatch.setattr(tokenize_module, "version", lambda name, new=library: "99.0" if name == new else real(name))
+        again = tokenize_source(Source(str(path)), tok, cache_dir=cache, progress=False)
+        assert not again.from_cache, library
+        monkeypatch.undo()
+
+
+def test_a_roles_mapping_is_used_by_some_record_in_some_worker_or_refused(tmp_path, toy_tokenizer, monkeypatch):
+    """``roles`` keys are met across all the workers' chunks (one record alone uses ``agent``); a key no record
+    has (a typo, another data set's name) would rename nothing: refused, naming it and the roles the records use,
+    with no cache left behind."""
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    turns = [{"from": "customer", "value": "hi"}, {"from": "bot", "value": "hello there"}]
+    rows = [{"conversations": turns}] * 30 + [{"conversations": [turns[0], {"from": "agent", "value": "hey"}]}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    monkeypatch.setattr(sources_module, "CHUNK_BYTES", 1)  # every line its own chunk
+    roles = {"customer": "user", "bot": "assistant", "agent": "assistant"}
+    fine = tokenize_source(Source(str(path), format="sharegpt", roles=roles), tok, progress=False, num_proc=2)
+    assert len(fine) == 31
+    cache = tmp_path / "cache"
+    source = Source(str(path), format="sharegpt", roles={**roles, "robot": "assistant"})
+    with pytest.raises(ConfigError) as e:
+        tokenize_source(source, tok, cache_dir=cache, progress=False, num_proc=2)
+    assert "roles maps 'robot', a role no record has (its records' roles: agent, bot, customer)" in str(e.value)
+    assert not caches(cache)

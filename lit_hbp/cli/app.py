@@ -254,6 +254,8 @@ class PreviewCLI(HBPCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         super().add_arguments_to_parser(parser)
+        # The model is not built: a config of only the data section (and the run's, without its model) previews.
+        parser.set_defaults({"model.model": ""})
         parser.add_argument("--n", type=int, default=3, help="how many samples to show")
         parser.add_argument(
             "--json", action="store_true",

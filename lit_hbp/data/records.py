@@ -226,6 +226,7 @@ class RecordReader:
         if self.roles and format not in ("auto", "openai", "sharegpt"):
             raise ConfigError(f"{label}: roles renames the roles of chat records; format {format} has none: drop roles")
         self.roles_said: set[str] = set()  # the unknown roles this reader warned of, each once
+        self.roles_met: set[str] = set()  # the data set's role names read so far (a ``roles`` key none has: refused)
         self.root = root  # the folder image paths are relative to (the data file's)
         targets = KNOWN_ROLES + (FUNCTION_CALL,)
         for key, value in self.roles.items():
@@ -415,6 +416,7 @@ class RecordReader:
         return message, weight_of(fields.pop("weight", None), f"{at}.{self.name('weight')}")
 
     def _role(self, raw: str, at: str) -> str:
+        self.roles_met.add(raw)
         role = self.roles.get(raw) or SHAREGPT_ROLES.get(raw, raw)
         if role != FUNCTION_CALL:
             check_role(role, at, self.roles_said)
@@ -441,6 +443,7 @@ class RecordReader:
             raw = t[self.name("from")]
             if not isinstance(raw, str):
                 raise DataError(f"{at}.{self.name('from')} must be str, got {type(raw).__name__}")
+            self.roles_met.add(raw)
             role = self.roles.get(raw) or SHAREGPT_ROLES.get(raw, raw)
             if role not in KNOWN_ROLES and role != FUNCTION_CALL:
                 known_from = sorted({*KNOWN_ROLES, *SHAREGPT_ROLES} - {"developer", "function", "ipython"})

@@ -56,7 +56,8 @@ class Source:
         subset: the configuration (subset) of a Hub data set that has several.
         fields: the data set's names of the format's fields, e.g. ``{messages: dialog, role: speaker,
             content: text}`` (needs a format other than ``auto``).
-        roles: the data set's role names mapped onto chat roles, e.g. ``{bot: assistant, customer: user}``.
+        roles: the data set's role names mapped onto chat roles, e.g. ``{bot: assistant, customer: user}``;
+            each name must occur in some record (one that occurs nowhere is refused after tokenizing).
     """
 
     path: str

@@ -2,11 +2,12 @@
 
 The cache of a source lives in ``cache_dir/<name>-<key>/`` (``lit_hbp.data.cache``) where the key
 hashes the source file (path, size, mtime), the tokenizer (vocabulary, special tokens, chat
-template) and the settings, so any change re-tokenizes and a re-run with the same inputs only
-memory-maps the arrays. One process tokenizes a cache, whatever the number of ranks and nodes; the
-others wait on its lock and read it. The source streams from disk in chunks (``iter_chunks``), which
-``num_proc`` worker processes tokenize while the main process appends their results, in order, to
-the cache: memory is a few chunks, whatever the size of the source.
+template), the versions of the libraries that render and split it, and the settings, so any change
+re-tokenizes and a re-run with the same inputs only memory-maps the arrays. One process tokenizes a
+cache, whatever the number of ranks and nodes; the others wait on its lock and read it. The source
+streams from disk in chunks (``iter_chunks``), which ``num_proc`` worker processes tokenize while the
+main process appends their results, in order, to the cache: memory is a few chunks, whatever the size
+of the source.
 
 Each record's tokens and supervised mask come from ``lit_hbp.data.encode`` (chats through the chat template,
 pre-tokenized records checked against the vocabulary).
@@ -23,6 +24,7 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -183,6 +185,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
+def renderer_versions() -> dict[str, str]:
+    """The versions of the libraries that turn a record into ids (the chat template's jinja, transformers'
+    rendering and processors, the tokenizers pipeline): an upgrade may render or split the same record
+    otherwise, so it re-tokenizes rather than reading the ids the old versions gave (part of the cache key)."""
+    return {name: version(name) for name in ("jinja2", "tokenizers", "transformers")}
+
+
 def _source_stat(path: Path) -> list:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
@@ -190,8 +199,8 @@ def _source_stat(path: Path) -> list:
 
 def cache_key(source: Source, tokenizer, train_on: str, label: str | None = None, processor=None) -> str:
     """Hash of the source's files (path, size, mtime), how they are read (file type, record format,
-    field and role names, split, subset), the tokenizer and the settings; raises a DataError naming
-    the source (``label``) if its path cannot be read."""
+    field and role names, split, subset), the tokenizer, the rendering libraries' versions and the
+    settings; raises a DataError naming the source (``label``) if its path cannot be read."""
     check_source(source, label)
     path = source.local_path.resolve()
     payload = dict(
@@ -204,6 +213,7 @@ def cache_key(source: Source, tokenizer, train_on: str, label: str | None = None
         split=source.split,
         subset=source.subset,
         tokenizer=tokenizer_fingerprint(tokenizer),
+        libraries=renderer_versions(),
         train_on=train_on,
     )
     if processor is not None:  # how many tokens an image becomes
@@ -227,6 +237,7 @@ class ChunkResult:
     size: int
     media: list[list[Image | Video]] = field(default_factory=list)  # per kept sample
     token_types: bool = False  # the processor returned mm_token_type_ids for its images and videos
+    roles: set[str] = field(default_factory=set)  # the role names the chunk's records use
 
 
 class ChunkTokenizer:
@@ -297,6 +308,7 @@ class ChunkTokenizer:
             size=chunk.size,
             media=out_media,
             token_types=self.expander is not None and self.expander.token_types,
+            roles=reader.roles_met,
         )
 
 
@@ -397,6 +409,7 @@ def _write(
     metadata: dict[str, int] = {}
     records = 0
     token_types = False
+    roles: set[str] = set()
     started = time.perf_counter()
     total, unit = source_units(source)
     # records with images come in smaller chunks, which keep every worker busy on a source of a few MB
@@ -421,6 +434,7 @@ def _write(
                 writer.append(result.ids, result.lengths, result.rows, result.spans, result.span_counts, result.media)
                 records += result.records
                 token_types |= result.token_types
+                roles |= result.roles
                 for reason, where in result.skipped:
                     skipped[reason] += 1
                     skipped_where[reason].append(where)
@@ -439,6 +453,14 @@ def _write(
         raise DataError(
             f"data source {source.path} holds no records (blank lines or no rows): remove it from the list or give "
             "the right file"
+        )
+    unmet = sorted(set(source.roles or ()) - roles)
+    if unmet:  # a mapping that renames nothing is a typo or another data set's: it would do nothing
+        writer.abort()
+        used = ", ".join(sorted(roles)) or "none (its records have no roles)"
+        raise ConfigError(
+            f"data source {source.path}: roles maps {', '.join(map(repr, unmet))}, a role no record has (its "
+            f"records' roles: {used}): fix the name or drop it from roles"
         )
     writer.commit(
         dict(
