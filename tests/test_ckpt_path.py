@@ -3,6 +3,7 @@ text, crafted, of the other strategy's kind) and a trainer value Lightning would
 parse time, before any data is tokenized, with one ``error:`` line first and exit status 2;
 ``--ckpt_path auto`` says which checkpoints it passed over and why."""
 
+import importlib
 import logging
 import os
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lit_hbp.cli.app import check_trainer_values, main, resolve_auto_resume
 from lit_hbp.errors import ConfigError
@@ -106,6 +109,11 @@ def test_a_checkpoint_folder_for_a_run_that_saves_files_and_the_reverse(tmp_path
         ("limit_val_batches", "1.5", "invalid value 1.5 for limit_val_batches"),
         ("accumulate_grad_batches", "0", "trainer.accumulate_grad_batches must be a whole number >= 1, got 0"),
         ("gradient_clip_val", "-1.0", "trainer.gradient_clip_val must be a number >= 0"),
+        (
+            "enable_checkpointing",
+            "false",
+            "trainer.enable_checkpointing: false beside trainer.callbacks[3] (ModelCheckpoint)",
+        ),  # the config's own ModelCheckpoint
     ],
 )
 def test_a_trainer_value_lightning_would_refuse_is_refused_at_parse_time(
@@ -147,6 +155,48 @@ def test_the_trainer_check_refuses_exactly_what_lightning_refuses(key, value):
             check_trainer_values(section)
     else:
         check_trainer_values(section)
+
+
+class _Saves(ModelCheckpoint):
+    """A user's own checkpoint callback."""
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize(
+    "callbacks, saves", [([], False), ([ModelCheckpoint()], True), ([_Saves()], True), ([LearningRateMonitor()], False),
+                         ([LearningRateMonitor(), f"{__name__}._Saves"], True),
+                         ("lightning.pytorch.callbacks.ModelCheckpoint", True)],
+)  # fmt: skip
+def test_checkpointing_off_beside_a_checkpoint_callback_is_refused_exactly_when_lightning_refuses_it(
+    enabled, callbacks, saves
+):
+    """Lightning's Trainer is the reference for ``enable_checkpointing`` and the callbacks (objects, or the config's
+    ``class_path`` entries, one or a list); lit-hbp refuses the same pairs before the data is read."""
+    from lightning.pytorch import Trainer
+
+    def entry(c):
+        return Namespace(class_path=c, init_args=Namespace()) if isinstance(c, str) else c
+
+    def built(c):
+        if not isinstance(c, str):
+            return c
+        module, _, name = c.rpartition(".")
+        return getattr(importlib.import_module(module), name)()
+
+    given = [entry(c) for c in callbacks] if isinstance(callbacks, list) else entry(callbacks)
+    objects = [built(c) for c in callbacks] if isinstance(callbacks, list) else built(callbacks)
+    try:
+        Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=enabled, callbacks=objects)
+        lightning_refuses = False
+    except MisconfigurationException:
+        lightning_refuses = True
+    section = Namespace(trainer=Namespace(enable_checkpointing=enabled, callbacks=given))
+    if lightning_refuses:
+        with pytest.raises(ConfigError, match=r"^trainer.enable_checkpointing: false beside trainer.callbacks\["):
+            check_trainer_values(section)
+    else:
+        check_trainer_values(section)
+    assert lightning_refuses == (saves and not enabled)  # the reference refuses what it should
 
 
 def test_auto_names_each_checkpoint_it_passed_over_and_why(tmp_path, caplog):

@@ -308,6 +308,35 @@ def check_strategy_name(strategy: Any) -> None:
     )
 
 
+def _callback_class(entry: Any) -> type | None:
+    """The class of a config's callback entry (``class_path`` and ``init_args``, or an object); None when the
+    path does not import (the run's own parse names it)."""
+    path = entry.get("class_path") if isinstance(entry, (Mapping, argparse.Namespace)) else None
+    if path is None:
+        return type(entry)
+    module, _, name = str(path).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def check_no_checkpoint_callback(callbacks: Any) -> None:
+    """``enable_checkpointing: false`` beside a ``ModelCheckpoint`` among the callbacks (a config's, turned off on
+    the command line): Lightning refuses the pair when it builds the trainer, after the data is read; refused
+    now, naming the callback."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    entries = callbacks if isinstance(callbacks, list) else [callbacks] if callbacks else []
+    for i, entry in enumerate(entries):
+        kind = _callback_class(entry)
+        if isinstance(kind, type) and issubclass(kind, ModelCheckpoint):
+            raise ConfigError(
+                f"trainer.enable_checkpointing: false beside trainer.callbacks[{i}] ({kind.__name__}), which saves "
+                "checkpoints: drop that callback to save none, or leave enable_checkpointing on"
+            )
+
+
 def check_trainer_values(section: Any) -> None:
     """Every trainer value Lightning's ``Trainer`` would refuse (``max_steps: -5``, ``max_epochs: -3``,
     ``limit_val_batches: 1.5``, ...), refused now as a ``ConfigError`` naming the key, before the data
@@ -332,6 +361,8 @@ def check_trainer_values(section: Any) -> None:
             "trainer.gradient_clip_algorithm: 'value' with DeepSpeed (trainer.strategy), which clips by the global "
             "norm only: use 'norm', or trainer.strategy hbp_ddp"
         )
+    if trainer.get("enable_checkpointing") is False:
+        check_no_checkpoint_callback(trainer.get("callbacks"))
     for key, (accepted, what, why) in RUN_RULES.items():
         if key in trainer and not accepted(trainer.get(key)):
             raise ConfigError(f"trainer.{key} must be {what}, got {trainer.get(key)!r}: {why}")
