@@ -344,7 +344,7 @@ def test_per_source_counts_are_those_left_after_the_hold_out_and_over_length(tmp
     from lit_hbp.lightning.datamodule import HBPDataModule
 
     short = [chat(f"hello {i}", "world") for i in range(20)]
-    mixed = [chat("fox", "dog " * (3 if i % 3 else 120)) for i in range(9)]  # every third is longer than 96
+    mixed = [chat(f"fox {i}", "dog " * (3 if i % 3 else 120)) for i in range(9)]  # every third is longer than 96
     a, b = write_jsonl(tmp_path / "a.jsonl", short), write_jsonl(tmp_path / "b.jsonl", mixed)
     dm = HBPDataModule(
         sources=[{"path": str(a)}, {"path": str(b), "repeat": 2}], tokenizer=toy_tokenizer, levels=["96"],

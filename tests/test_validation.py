@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY_LLAMA, quiet_trainer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
@@ -188,3 +190,48 @@ def test_validate_without_a_validation_split_is_a_config_error(chats, toy_tokeni
     with pytest.raises(ConfigError, match="nothing to validate: .* set data.val_fraction .* or data.val_sources"):
         dm.setup("validate")
     dm.setup("fit")  # training without validation is fine
+
+
+@pytest.fixture(scope="module")
+def duplicated(tmp_path_factory, toy_tokenizer):
+    """Two sources whose records repeat on other lines and in the other source (as scraped chat sets do):
+    each source's tokens and its records' raw lines."""
+    from transformers import AutoTokenizer
+
+    from lit_hbp.data.sources import Source
+    from lit_hbp.data.tokenize import tokenize_source
+
+    rng = np.random.default_rng(3)
+    pool = [{"prompt": f"question {i}", "response": " ".join(["fox"] * int(rng.integers(1, 6)))} for i in range(12)]
+    folder = tmp_path_factory.mktemp("dups")
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    out = []
+    for name, n in (("a.jsonl", 40), ("b.jsonl", 15)):
+        lines = [json.dumps(pool[int(i)]) for i in rng.integers(0, len(pool), n)]
+        (folder / name).write_text("\n".join(lines) + "\n")
+        out.append((tokenize_source(Source(str(folder / name)), tok, progress=False), lines))
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(fraction=st.floats(0.02, 0.3), seed=st.integers(0, 2**31), repeat=st.sampled_from([1, 2]))
+def test_no_copy_of_a_held_out_record_trains(duplicated, fraction, seed, repeat):
+    """The hold-out takes every copy of a chosen record (its line repeated elsewhere, in either source) with it:
+    no raw record validates and trains; the rest of the records all train; at least the fraction asked is held."""
+    from dataclasses import replace as with_repeat
+
+    from lit_hbp.data.store import SampleStore
+
+    sources = [with_repeat(t, source=with_repeat(t.source, repeat=repeat)) for t, _ in duplicated]
+    store = SampleStore.build(sources, None)
+    rest, held_source, held_row = store.hold_out(fraction, seed)
+
+    def line(k, row):
+        return duplicated[k][1][int(sources[k].rows[row]) - 1]
+
+    val = {line(k, r) for k, r in zip(held_source, held_row)}
+    train = {line(k, r) for k, r in zip(rest.source_of, rest.row_of)}
+    every = {line(k, r) for k in range(2) for r in range(len(sources[k]))}
+    assert not val & train and val | train == every
+    assert len(held_source) >= max(1, round(fraction * sum(len(s) for s in sources)))
+    assert rest.lengths.size == repeat * (sum(len(s) for s in sources) - len(held_source))

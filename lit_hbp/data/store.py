@@ -10,6 +10,7 @@ billion tokens costs tens of bytes a sample, not bytes a token.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -179,9 +180,10 @@ class SampleStore:
         return cls(list(sources), source_of, row_of, lengths, loss, report)
 
     def hold_out(self, fraction: float, seed: int) -> tuple[SampleStore, np.ndarray, np.ndarray]:
-        """Move a seeded ``fraction`` of the records (source, row), every repeat of them, out of this
-        store: (the rest, held-out source ids, held-out row ids, each record once). Training and
-        validation never share a record, whatever the repeats."""
+        """Move a seeded ``fraction`` of the records (source, row), every repeat of them and every copy (a
+        record whose tokens, supervision and media equal a chosen one's, on another line or in another
+        source), out of this store: (the rest, held-out source ids, held-out row ids, each record once).
+        Training and validation never share a sample, whatever the repeats and duplicates."""
         if not 0 < fraction < 1:
             raise ConfigError(f"val_fraction must be between 0 and 1, got {fraction}")
         records = np.unique(np.stack([self.source_of, self.row_of], axis=1), axis=0)
@@ -189,6 +191,12 @@ class SampleStore:
         if n_val >= len(records):
             raise DataError(f"val_fraction {fraction} leaves no training record of {len(records)}")
         chosen = records[np.sort(np.random.default_rng(seed).permutation(len(records))[:n_val])]
+        chosen, copies = self._with_copies(records, chosen)
+        if len(chosen) >= len(records):
+            raise DataError(
+                f"val_fraction {fraction} leaves no training record of {len(records)}: with their copies "
+                f"({copies} records equal to a held-out one) every record is held out"
+            )
         key = self.source_of * (int(self.row_of.max()) + 1) + self.row_of
         held = np.isin(key, chosen[:, 0] * (int(self.row_of.max()) + 1) + chosen[:, 1])
         keep = ~held
@@ -197,9 +205,40 @@ class SampleStore:
         rest = replace(
             self,
             **{name: getattr(self, name)[keep] for name in self.PER_SAMPLE},
-            report={**self.report, "sources": sources, "held_out_for_validation": int(n_val)},
-        )
+            report={
+                **self.report, "sources": sources, "held_out_for_validation": int(len(chosen)),
+                "held_out_copies": int(copies),
+            },
+        )  # fmt: skip
         return rest, chosen[:, 0], chosen[:, 1]
+
+    def _with_copies(self, records: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, int]:
+        """``chosen`` records plus every other record of ``records`` equal to one of them (ids, supervised
+        mask, media), and how many were added. Only records of a chosen one's length and supervised count
+        are read and hashed."""
+        lengths, loss = _per_sample(self.sources, records[:, 0], records[:, 1])
+        shape = lengths * (int(loss.max()) + 1) + loss
+        is_chosen = np.zeros(len(records), bool)
+        is_chosen[np.searchsorted(records[:, 0] * (int(records[:, 1].max()) + 1) + records[:, 1],
+                                  chosen[:, 0] * (int(records[:, 1].max()) + 1) + chosen[:, 1])] = True  # fmt: skip
+        candidates = np.flatnonzero(np.isin(shape, shape[is_chosen]) & ~is_chosen)
+        if not candidates.size:
+            return chosen, 0
+
+        def digest(i: int) -> bytes:
+            source, row = self.sources[int(records[i, 0])], int(records[i, 1])
+            ids, mask = source.sample(row)
+            h = hashlib.blake2b(np.asarray(ids, np.int64).tobytes(), digest_size=16)
+            h.update(np.packbits(mask).tobytes())
+            h.update(repr(source.sample_media(row)).encode())
+            return h.digest()
+
+        held = {digest(int(i)) for i in np.flatnonzero(is_chosen & np.isin(shape, shape[candidates]))}
+        copies = [i for i in candidates if digest(int(i)) in held]
+        if not copies:
+            return chosen, 0
+        is_chosen[copies] = True
+        return records[is_chosen], len(copies)
 
     def where(self, i: int) -> str:
         return self.sources[self.source_of[i]].where(int(self.row_of[i]))
@@ -346,6 +385,11 @@ class SampleStore:
                 fields = ", ".join(f"{k} ({n})" for k, n in m["metadata_fields"].items())
                 lines.append(f"    record fields read as metadata, not trained on: {fields}")
         r = self.report
+        if r.get("held_out_copies"):
+            lines.append(
+                f"  validation holds {r['held_out_for_validation']} records, {r['held_out_copies']} of them copies of "
+                "another held-out record (the same tokens on another line): no copy of a validation record trains"
+            )
         for key, what in (
             ("dropped", "dropped as longer than"),
             ("truncated", "truncated to"),

@@ -101,8 +101,8 @@ class HBPDataModule(L.LightningDataModule):
             folder and an image-chat data set, ``python -m lit_hbp.demo.vision``) | video (a tiny Qwen2-VL
             folder and chats with short videos, ``python -m lit_hbp.demo.video``; needs torchvision).
         val_sources: validation data (the same forms as ``sources``), every record once.
-        val_fraction: also hold out this seeded fraction of the training records (every repeat of
-            a held-out record leaves training) for validation.
+        val_fraction: also hold out this seeded fraction of the training records (every repeat and
+            every copy of a held-out record, the same tokens on another line, leaves training) for validation.
         chat_template: the chat template to render chat records with, instead of the tokenizer's own: a
             Jinja string, a path to a template file, or a built-in name: tags | plain (each ends an
             assistant turn with the tokenizer's EOS). It is set on the tokenizer, which checkpoints and
