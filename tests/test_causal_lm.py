@@ -44,6 +44,34 @@ def test_model_flops_match_a_flop_counter(family):
     assert counter.get_total_flops() == pytest.approx(expected, rel=0.02), family
 
 
+def test_a_lora_runs_dense_time_is_priced_at_its_frozen_backwards_flops():
+    """Under LoRA (``trainable`` 0) the weights take no gradient: the cost model's dense time is torch's FLOP
+    count of a forward and backward with every weight frozen (input gradients only, attention's counted apart),
+    and the gradient sync moves nothing; full fine-tuning's at its own count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lit_hbp.cost.costmodel import CostModel, Hardware
+
+    module = built("llama")
+    net = copy.deepcopy(module.model)
+    net.set_attn_implementation("eager")
+    n = 48
+    ids = torch.as_tensor(np.random.default_rng(0).integers(0, 300, n))[None]
+    spec = module._spec
+    attention = spec.train_flops(n, 2.0 * n * n, n) - spec.train_flops(n, 0.0, n)  # eager: the full score matrix
+    hardware = Hardware("test", 1e15, 80e9, intra_node_bw=400e9, inter_node_bw=50e9, gpus_per_node=8)
+    per_flop = hardware.peak_flops * hardware.eff_dense
+    for trainable in (1.0, 0.0):
+        net.requires_grad_(bool(trainable))
+        embeds = net.get_input_embeddings()(ids).detach().requires_grad_()
+        with FlopCounterMode(display=False) as counter:
+            net(inputs_embeds=embeds, use_cache=False).logits.sum().backward()
+        cost = CostModel(spec, hardware, world=8, trainable=trainable)
+        # the first layer's input gradient: counted by both (the embedding's output takes one here)
+        assert cost.dense_seconds(n, 0) * per_flop == pytest.approx(counter.get_total_flops() - attention, rel=0.02)
+        assert (cost.grad_sync_seconds() > 0) == bool(trainable)
+
+
 def test_router_loss_is_added_when_the_config_asks_for_it():
     module = built("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
     rng = np.random.default_rng(0)

@@ -168,8 +168,8 @@ class CostModel:
         only, so not measured on CPU.
     optimizer_offload: DeepSpeed's ``offload_optimizer`` to the host: the Adam states leave the GPU (ZeRO 1-3).
     param_offload: DeepSpeed's ``offload_param`` to the host: ZeRO-3's parameter partitions leave the GPU.
-    trainable: share of the parameters trained (gradients, Adam states, a tiled MLP's gradient sums):
-        1 for full fine-tuning, ~0 under LoRA.
+    trainable: share of the parameters trained (gradients, Adam states, a tiled MLP's gradient sums, the
+        backward's weight-gradient matmuls, the gradient sync): 1 for full fine-tuning, ~0 under LoRA.
     prefetch: offload brings the next input back while a layer recomputes (a CUDA side stream: two
         inputs on the device then); False where the copy back is synchronous (CPU, other devices).
     vision_trained: a vision-language model's tower trains (its gradients, Adam states and activations);
@@ -215,9 +215,12 @@ class CostModel:
         recompute = ckpt * 2.0 * m.layer_params * tokens  # the checkpointed layers' second forward
         if tiles > 1:  # a tiled MLP runs its forward once more in the backward, tile by tile
             recompute = recompute + m.layers * 2.0 * 3 * m.hidden * m.intermediate * tokens
-        flops = m.train_flops(tokens, 0.0, tokens) + recompute
+        # Frozen weights (LoRA: ``trainable`` 0) run no weight gradient: a matmul's backward is one forward, not two.
+        frozen = m.train_flops(tokens, 0.0, tokens, weight_grads=False)
+        flops = frozen + self.trainable * (m.train_flops(tokens, 0.0, tokens) - frozen) + recompute
         if mixer_tokens is not None and m.mixing:  # beyond the rank's share, forward, backward and recompute
-            flops = flops + (mixer_tokens - tokens) * 2.0 * m.mixer_matmul_params * m.mixing * (3 + ckpt / m.layers)
+            passes = 2 + self.trainable + ckpt / m.layers
+            flops = flops + (mixer_tokens - tokens) * 2.0 * m.mixer_matmul_params * m.mixing * passes
         return flops / (self.hardware.peak_flops * self.hardware.eff_dense)
 
     def attention_forward_seconds(self, sum_sq, sp: int):
@@ -321,12 +324,13 @@ class CostModel:
 
     def grad_sync_seconds(self) -> float:
         """Per optimizer step: reduce-scatter of bf16 gradients and all-gather of bf16 parameters
-        over the world (ring), on the slowest link, minus the part overlapped with backward."""
+        over the world (ring), on the slowest link, minus the part overlapped with backward; of the trained
+        parameters only (LoRA's frozen weights have no gradient and no partition to gather)."""
         if self.world == 1:
             return 0.0
         hw = self.hardware
         bw = hw.inter_node_bw if self.world > hw.gpus_per_node else hw.intra_node_bw
-        per_collective = 2.0 * self.model.params * (self.world - 1) / self.world
+        per_collective = 2.0 * self.model.params * self.trainable * (self.world - 1) / self.world
         return 2 * per_collective / (bw * hw.eff_link) * (1 - self.grad_sync_overlap)
 
     # --------------------------------------------------------------------------- memory
