@@ -6,6 +6,11 @@ minus ``host_bytes()`` (what an offloader holds in "host" memory, which on a CPU
 memory), keeping the peak. Tensors that exist before the mode starts (parameters) are registered
 with ``track``. It measures tensors as torch's allocator sees them, not the allocator's own caching
 or fragmentation: what a memory model of tensors must predict.
+
+A bf16 matmul on a CPU without bf16 instructions runs torch's reference kernel, 20 times slower than
+fp32 (40 s a micro-step of the memory tests' wide model): the mode computes it in fp32 and rounds the
+result, an output of the op's own dtype, shape and bytes (the fp32 copies live and die inside the
+handler, below what it counts), so the bytes measured are the same in a fraction of the time.
 """
 
 from __future__ import annotations
@@ -16,6 +21,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+aten = torch.ops.aten
+MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+
+
+def _bf16_on_cpu(args) -> bool:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return bool(tensors) and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -36,7 +49,11 @@ class LiveBytes(TorchDispatchMode):
         return sum(self.live.values()) - self.host_bytes()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if func in MATMULS and _bf16_on_cpu(args):
+            up = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+            out = func(*up, **(kwargs or {})).to(torch.bfloat16)
+        else:
+            out = func(*args, **(kwargs or {}))
         self.track(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type != "meta")
         now = self.now()
         self.trace.append(now)
