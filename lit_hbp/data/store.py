@@ -186,7 +186,9 @@ class SampleStore:
         Training and validation never share a sample, whatever the repeats and duplicates."""
         if not 0 < fraction < 1:
             raise ConfigError(f"val_fraction must be between 0 and 1, got {fraction}")
-        records = np.unique(np.stack([self.source_of, self.row_of], axis=1), axis=0)
+        width = int(self.row_of.max()) + 1  # (source, row) as one sortable key: the records in (source, row) order
+        unique = np.unique(self.source_of * width + self.row_of)
+        records = np.stack([unique // width, unique % width], axis=1)
         n_val = max(1, int(round(fraction * len(records))))
         if n_val >= len(records):
             raise DataError(f"val_fraction {fraction} leaves no training record of {len(records)}")
@@ -197,8 +199,7 @@ class SampleStore:
                 f"val_fraction {fraction} leaves no training record of {len(records)}: with their copies "
                 f"({copies} records equal to a held-out one) every record is held out"
             )
-        key = self.source_of * (int(self.row_of.max()) + 1) + self.row_of
-        held = np.isin(key, chosen[:, 0] * (int(self.row_of.max()) + 1) + chosen[:, 1])
+        held = np.isin(self.source_of * width + self.row_of, chosen[:, 0] * width + chosen[:, 1])
         keep = ~held
         per_source = np.bincount(self.source_of[held], minlength=len(self.sources))
         sources = [{**m, "held_out": int(n)} for m, n in zip(self.report["sources"], per_source)]
@@ -214,14 +215,14 @@ class SampleStore:
 
     def _with_copies(self, records: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, int]:
         """``chosen`` records plus every other record of ``records`` equal to one of them (ids, supervised
-        mask, media), and how many were added. Only records of a chosen one's length and supervised count
-        are read and hashed."""
-        lengths, loss = _per_sample(self.sources, records[:, 0], records[:, 1])
-        shape = lengths * (int(loss.max()) + 1) + loss
+        mask, media), and how many were added. A record is read whole and hashed only when its length,
+        supervised count and tokens at a few spread positions (``_probe``, vectorised) match a chosen one's:
+        a corpus of equal-length chunks reads a few tokens a record, not all of them."""
+        sig = self._probe(records)
         is_chosen = np.zeros(len(records), bool)
-        is_chosen[np.searchsorted(records[:, 0] * (int(records[:, 1].max()) + 1) + records[:, 1],
-                                  chosen[:, 0] * (int(records[:, 1].max()) + 1) + chosen[:, 1])] = True  # fmt: skip
-        candidates = np.flatnonzero(np.isin(shape, shape[is_chosen]) & ~is_chosen)
+        width = int(records[:, 1].max()) + 1
+        is_chosen[np.searchsorted(records[:, 0] * width + records[:, 1], chosen[:, 0] * width + chosen[:, 1])] = True
+        candidates = np.flatnonzero(np.isin(sig, sig[is_chosen]) & ~is_chosen)
         if not candidates.size:
             return chosen, 0
 
@@ -233,12 +234,30 @@ class SampleStore:
             h.update(repr(source.sample_media(row)).encode())
             return h.digest()
 
-        held = {digest(int(i)) for i in np.flatnonzero(is_chosen & np.isin(shape, shape[candidates]))}
+        held = {digest(int(i)) for i in np.flatnonzero(is_chosen & np.isin(sig, sig[candidates]))}
         copies = [i for i in candidates if digest(int(i)) in held]
         if not copies:
             return chosen, 0
         is_chosen[copies] = True
         return records[is_chosen], len(copies)
+
+    def _probe(self, records: np.ndarray, points: int = 8) -> np.ndarray:
+        """Per record (source, row), a 64-bit mix of its length, supervised count and its tokens at ``points``
+        spread positions: equal records have equal probes (unequal ones rarely do)."""
+        lengths, loss = _per_sample(self.sources, records[:, 0], records[:, 1])
+        mix = np.uint64(0x9E3779B97F4A7C15)
+        out = (lengths.astype(np.uint64) * mix) ^ (loss.astype(np.uint64) + np.uint64(1))
+        for k, s in enumerate(self.sources):
+            sel = np.flatnonzero(records[:, 0] == k)
+            if not sel.size:
+                continue
+            start, last = s.offsets[records[sel, 1]], s.lengths[records[sel, 1]] - 1
+            h = out[sel]
+            for j in range(points):  # a point at a time: a few arrays of one entry a record alive, whatever points
+                tokens = np.asarray(s.ids[start + last * j // (points - 1)], np.uint64)
+                h = (h ^ tokens) * mix
+            out[sel] = h
+        return out
 
     def where(self, i: int) -> str:
         return self.sources[self.source_of[i]].where(int(self.row_of[i]))
