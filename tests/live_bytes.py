@@ -7,9 +7,9 @@ memory), keeping the peak. Tensors that exist before the mode starts (parameters
 with ``track``. It measures tensors as torch's allocator sees them, not the allocator's own caching
 or fragmentation: what a memory model of tensors must predict.
 
-A bf16 matmul on a CPU without bf16 instructions runs torch's reference kernel, 20 times slower than
-fp32 (40 s a micro-step of the memory tests' wide model): the mode computes it in fp32 and rounds the
-result, an output of the op's own dtype, shape and bytes (the fp32 copies live and die inside the
+A bf16 matmul or attention on a CPU without bf16 instructions runs torch's reference kernel, 20 times
+slower than fp32 (40 s a micro-step of the memory tests' wide model): the mode computes it in fp32 and
+rounds the result, outputs of the op's own dtypes, shapes and bytes (the fp32 copies live and die inside the
 handler, below what it counts), so the bytes measured are the same in a fraction of the time.
 """
 
@@ -23,12 +23,29 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
-MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+# The ops computed in fp32 when given bf16 on a CPU: each with the outputs that are bf16 then (the attention's
+# log-sum-exp is fp32 either way).
+IN_FP32 = {
+    aten.mm.default: None, aten.bmm.default: None, aten.addmm.default: None, aten.baddbmm.default: None,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (0,),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1, 2),
+}  # fmt: skip
 
 
 def _bf16_on_cpu(args) -> bool:
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    return bool(tensors) and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+    return any(t.dtype == torch.bfloat16 for t in tensors) and all(t.device.type == "cpu" for t in tensors)
+
+
+def in_fp32(func, args, kwargs):
+    """``func`` of bf16 arguments computed in fp32, its bf16 outputs rounded back: the same dtypes, shapes and
+    bytes as ``func`` itself returns."""
+    up = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+    out = func(*up, **kwargs)
+    bf16 = IN_FP32[func]
+    if bf16 is None:
+        return out.to(torch.bfloat16)
+    return tuple(o.to(torch.bfloat16) if i in bf16 else o for i, o in enumerate(out))
 
 
 class LiveBytes(TorchDispatchMode):
@@ -49,9 +66,8 @@ class LiveBytes(TorchDispatchMode):
         return sum(self.live.values()) - self.host_bytes()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in MATMULS and _bf16_on_cpu(args):
-            up = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
-            out = func(*up, **(kwargs or {})).to(torch.bfloat16)
+        if func in IN_FP32 and _bf16_on_cpu(args):
+            out = in_fp32(func, args, kwargs or {})
         else:
             out = func(*args, **(kwargs or {}))
         self.track(t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type != "meta")
