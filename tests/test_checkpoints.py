@@ -14,6 +14,8 @@ from conftest import HANG_S
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_hbp.cli.app import checkpoint_folders
 from lit_hbp.errors import ConfigError
@@ -217,3 +219,28 @@ def test_the_folders_of_a_run(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="--ckpt_path auto: where my.Logger puts checkpoints is not known"):
         checkpoint_folders(section(logger=other))
     assert checkpoint_folders(section(logger=other, callbacks=[ckpt])) == [Path("runs"), Path("mine")]
+
+
+class OwnCheckpoint(ModelCheckpoint):
+    """A user's own checkpoint callback: it saves where ModelCheckpoint does."""
+
+
+class OwnLogger(TensorBoardLogger):
+    """A user's own logger: its run folder is TensorBoard's."""
+
+
+def test_the_folders_of_a_run_with_a_users_own_checkpoint_callback_and_logger(tmp_path, monkeypatch):
+    """Subclasses are asked by class, not name: a user's ModelCheckpoint with a dirpath is searched (missed, a
+    preempted job would start over), a TensorBoardLogger subclass's folders are TensorBoard's."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs/exp/version_0").mkdir(parents=True)
+    own = Namespace(class_path=f"{__name__}.OwnCheckpoint", init_args=Namespace(dirpath="mine"))
+    other = Namespace(class_path="my.Logger", init_args=Namespace())
+    assert checkpoint_folders(section(logger=other, callbacks=[own])) == [Path("runs"), Path("mine")]
+    logger = Namespace(class_path=f"{__name__}.OwnLogger", init_args=Namespace(save_dir="logs", name="exp"))
+    folders = checkpoint_folders(section(logger=logger, callbacks=[own]))
+    assert folders == [Path("runs"), Path("mine"), Path("logs/exp/version_0/checkpoints")]
+    # A checkpoint in the subclass's folder is the one --ckpt_path auto resumes.
+    (tmp_path / "mine").mkdir()
+    torch.save({"state_dict": {}}, tmp_path / "mine" / "last.ckpt")
+    assert newest_checkpoint(folders) == str(Path("mine") / "last.ckpt")

@@ -101,8 +101,10 @@ def check_curriculum(levels: Sequence[Any], callbacks: Any) -> None:
         lengths = sorted(as_level(x, f"data.levels[{i}]").pack_len for i, x in enumerate(levels))
     except (ValueError, TypeError):
         return  # the levels' own error comes where they are checked
+    from lit_hbp.callbacks.curriculum import HBPCurriculum
+
     for i, entry in enumerate(callbacks if isinstance(callbacks, list) else []):
-        if not isinstance(entry, Mapping) or not str(entry.get("class_path", "")).endswith("HBPCurriculum"):
+        if not isinstance(entry, Mapping) or not is_instance_entry(entry, HBPCurriculum):
             continue
         short = (entry.get("init_args") or {}).get("short_levels")
         for x in short if isinstance(short, list) else []:
@@ -276,16 +278,10 @@ def is_deepspeed(value: Any) -> bool:
     itself is asked, not its name."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    registry = strategy_registry()
     if hasattr(value, "get"):
-        module, _, name = str(value.get("class_path") or "").rpartition(".")
-        try:
-            chosen = getattr(importlib.import_module(module), name) if module else None
-        except (ImportError, AttributeError):
-            chosen = None  # Lightning names the class it cannot import when it builds the trainer
-    else:
-        entry = dict.get(registry, str(value))  # (the registry's own get() builds the strategy)
-        chosen = entry["strategy"] if entry else None
+        return is_instance_entry(value, DeepSpeedStrategy)  # a class that does not import: Lightning names it
+    entry = dict.get(strategy_registry(), str(value))  # (the registry's own get() builds the strategy)
+    chosen = entry["strategy"] if entry else None
     return isinstance(chosen, type) and issubclass(chosen, DeepSpeedStrategy)
 
 
@@ -308,17 +304,24 @@ def check_strategy_name(strategy: Any) -> None:
     )
 
 
-def _callback_class(entry: Any) -> type | None:
-    """The class of a config's callback entry (``class_path`` and ``init_args``, or an object); None when the
-    path does not import (the run's own parse names it)."""
+def class_of(entry: Any) -> type | None:
+    """The class a config entry names (``class_path``, in a mapping or a parsed namespace), or an object's own
+    type; None when the path does not import (the run's own parse names it). Entries are asked by class, so a
+    subclass (a user's own ``ModelCheckpoint``) counts as what it extends."""
     path = entry.get("class_path") if isinstance(entry, (Mapping, argparse.Namespace)) else None
     if path is None:
-        return type(entry)
+        return None if isinstance(entry, (Mapping, argparse.Namespace)) else type(entry)
     module, _, name = str(path).rpartition(".")
     try:
-        return getattr(importlib.import_module(module), name)
+        return getattr(importlib.import_module(module), name) if module else None
     except (ImportError, AttributeError, ValueError):
         return None
+
+
+def is_instance_entry(entry: Any, base: type) -> bool:
+    """Whether a config entry (``class_path`` or an object) is ``base`` or a subclass of it."""
+    kind = class_of(entry)
+    return isinstance(kind, type) and issubclass(kind, base)
 
 
 def check_no_checkpoint_callback(callbacks: Any) -> None:
@@ -329,8 +332,8 @@ def check_no_checkpoint_callback(callbacks: Any) -> None:
 
     entries = callbacks if isinstance(callbacks, list) else [callbacks] if callbacks else []
     for i, entry in enumerate(entries):
-        kind = _callback_class(entry)
-        if isinstance(kind, type) and issubclass(kind, ModelCheckpoint):
+        if is_instance_entry(entry, ModelCheckpoint):
+            kind = class_of(entry)
             raise ConfigError(
                 f"trainer.enable_checkpointing: false beside trainer.callbacks[{i}] ({kind.__name__}), which saves "
                 "checkpoints: drop that callback to save none, or leave enable_checkpointing on"

@@ -13,19 +13,25 @@ from typing import Any
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_hbp.cli.checks import is_deepspeed
+from lit_hbp.cli.checks import is_deepspeed, is_instance_entry
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.checkpoints import check_checkpoint, find_resumable
 
 AUTO = "auto"  # --ckpt_path auto: the newest complete checkpoint of the run's folders, if there is one
-NAMED_LOGGERS = {  # logger class -> (its init argument that names the run folder, that argument's default)
-    "lightning.pytorch.loggers.TensorBoardLogger": ("name", "lightning_logs"),
-    "lightning.pytorch.loggers.tensorboard.TensorBoardLogger": ("name", "lightning_logs"),
-    "lightning.pytorch.loggers.CSVLogger": ("name", "lightning_logs"),
-    "lightning.pytorch.loggers.csv_logs.CSVLogger": ("name", "lightning_logs"),
-    "lightning.pytorch.loggers.WandbLogger": ("project", "lightning_logs"),
-    "lightning.pytorch.loggers.wandb.WandbLogger": ("project", "lightning_logs"),
-}
+# Loggers whose run folder is known from the config: class (or a subclass) -> (the init argument that names
+# the run folder, that argument's default).
+NAMED_LOGGERS = {"TensorBoardLogger": ("name", "lightning_logs"), "CSVLogger": ("name", "lightning_logs"),
+                 "WandbLogger": ("project", "lightning_logs")}  # fmt: skip
+
+
+def _run_folder_argument(logger: Any) -> tuple[str, str] | None:
+    """``NAMED_LOGGERS``' entry for a config's logger, asked by class (a subclass keeps its base's folders)."""
+    from lightning.pytorch import loggers
+
+    for name, entry in NAMED_LOGGERS.items():
+        if is_instance_entry(logger, getattr(loggers, name)):
+            return entry
+    return None
 
 
 def checkpoint_folders(section: Any) -> list[Path]:
@@ -45,14 +51,15 @@ def checkpoint_folders(section: Any) -> list[Path]:
     if logger in (None, False, True, []):
         return folders + [root / "checkpoints"]
     class_path, args = logger.get("class_path"), logger.get("init_args") or {}
-    if class_path not in NAMED_LOGGERS:
+    named = _run_folder_argument(logger)
+    if named is None:
         if dirpaths and all(dirpaths):
             return folders
         raise ConfigError(
             f"--ckpt_path {AUTO}: where {class_path} puts checkpoints is not known here; give each "
             "ModelCheckpoint a dirpath (trainer.callbacks), or resume with --ckpt_path <file>"
         )
-    key, default = NAMED_LOGGERS[class_path]
+    key, default = named
     base = Path(args.get("save_dir") or root) / str(args.get(key) or default)
     version = args.get("version")
     versions = [base / (version if isinstance(version, str) else f"version_{version}")] if version is not None else (
@@ -62,8 +69,9 @@ def checkpoint_folders(section: Any) -> list[Path]:
 
 
 def _is_model_checkpoint(callback: Any) -> bool:
-    class_path = callback.get("class_path", "") if hasattr(callback, "get") else ""
-    return class_path.rsplit(".", 1)[-1] == "ModelCheckpoint"
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return hasattr(callback, "get") and is_instance_entry(callback, ModelCheckpoint)
 
 
 def resolve_auto_resume(section: Any) -> None:
