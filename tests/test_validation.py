@@ -235,3 +235,33 @@ def test_no_copy_of_a_held_out_record_trains(duplicated, fraction, seed, repeat)
     assert not val & train and val | train == every
     assert len(held_source) >= max(1, round(fraction * sum(len(s) for s in sources)))
     assert rest.lengths.size == repeat * (sum(len(s) for s in sources) - len(held_source))
+
+
+@pytest.mark.parametrize("val_fraction", [0.0, 0.1])
+def test_val_sources_records_that_train_are_counted_and_named(chats, toy_tokenizer, tmp_path, val_fraction):
+    """A val_sources line equal to a training line that trains (copied, even twice) is counted in the report and
+    the summary; lines held out of training (val_fraction) or new ones are not. Reference: the raw lines."""
+    train_lines = (chats / "train.jsonl").read_text().splitlines()
+    extra_lines = (chats / "extra.jsonl").read_text().splitlines()
+    val_lines = [train_lines[3], extra_lines[0], train_lines[40], train_lines[40], *extra_lines[1:4], train_lines[99]]
+    (tmp_path / "val.jsonl").write_text("\n".join(val_lines) + "\n")
+    dm = datamodule(
+        chats, toy_tokenizer, tmp_path / "cache", val_fraction=val_fraction, val_sources=[str(tmp_path / "val.jsonl")]
+    )
+    dm.setup("fit")
+
+    def line_of(where: str) -> int:
+        return int(where.rsplit(":", 1)[1])
+
+    trains = {train_lines[line_of(dm.store.where(i)) - 1] for i in range(dm.store.lengths.size)}
+    assert len(trains) == (120 if not val_fraction else 108)
+    expected = [k for k, line in enumerate(val_lines) if line in trains]
+    report = dm.val_store.report
+    assert report["records_that_train"] == len(expected) > 0
+    assert all(w.startswith(str(tmp_path / "val.jsonl")) for w in report["records_that_train_where"])
+    assert [line_of(w) - 1 for w in report["records_that_train_where"]] == expected[:3]
+    assert f"{len(expected)} record(s) of val_sources equal a training record" in dm.val_store.summary()
+    without = datamodule(chats, toy_tokenizer, tmp_path / "cache", val_sources=[str(chats / "extra.jsonl")])
+    without.setup("fit")
+    assert without.val_store.report["records_that_train"] == 0
+    assert "equal a training record" not in without.val_store.summary()

@@ -214,17 +214,25 @@ class SampleStore:
         return rest, chosen[:, 0], chosen[:, 1]
 
     def _with_copies(self, records: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, int]:
-        """``chosen`` records plus every other record of ``records`` equal to one of them (ids, supervised
-        mask, media), and how many were added. A record is read whole and hashed only when its length,
-        supervised count and tokens at a few spread positions (``_probe``, vectorised) match a chosen one's:
-        a corpus of equal-length chunks reads a few tokens a record, not all of them."""
-        sig = self._probe(records)
+        """``chosen`` records plus every other record of ``records`` equal to one of them (``_copies``), and how
+        many were added."""
         is_chosen = np.zeros(len(records), bool)
         width = int(records[:, 1].max()) + 1
         is_chosen[np.searchsorted(records[:, 0] * width + records[:, 1], chosen[:, 0] * width + chosen[:, 1])] = True
-        candidates = np.flatnonzero(np.isin(sig, sig[is_chosen]) & ~is_chosen)
+        copies = self._copies(records, is_chosen)
+        is_chosen |= copies
+        return records[is_chosen], int(copies.sum())
+
+    def _copies(self, records: np.ndarray, reference: np.ndarray) -> np.ndarray:
+        """Which of ``records`` (source, row), outside the ``reference`` mask, equal a reference record (ids,
+        supervised mask, media). A record is read whole and hashed only when its length, supervised count and
+        tokens at a few spread positions (``_probe``, vectorised) match a reference one's: a corpus of
+        equal-length chunks reads a few tokens a record, not all of them."""
+        sig = self._probe(records)
+        out = np.zeros(len(records), bool)
+        candidates = np.flatnonzero(np.isin(sig, sig[reference]) & ~reference)
         if not candidates.size:
-            return chosen, 0
+            return out
 
         def digest(i: int) -> bytes:
             source, row = self.sources[int(records[i, 0])], int(records[i, 1])
@@ -234,12 +242,24 @@ class SampleStore:
             h.update(repr(source.sample_media(row)).encode())
             return h.digest()
 
-        held = {digest(int(i)) for i in np.flatnonzero(is_chosen & np.isin(sig, sig[candidates]))}
-        copies = [i for i in candidates if digest(int(i)) in held]
-        if not copies:
-            return chosen, 0
-        is_chosen[copies] = True
-        return records[is_chosen], len(copies)
+        held = {digest(int(i)) for i in np.flatnonzero(reference & np.isin(sig, sig[candidates]))}
+        out[[i for i in candidates if digest(int(i)) in held]] = True
+        return out
+
+    def count_training_copies(self, training: SampleStore, first: int) -> None:
+        """Count (and name a few of) this validation set's records from sources ``first`` on (``val_sources``)
+        that equal a record of ``training``, whose sources this store's first ones are: val/loss would partly
+        measure records the run trains on. Reported in the summary and data_report.json, not dropped (the
+        user's validation data is theirs)."""
+        assert all(a is b for a, b in zip(self.sources[:first], training.sources, strict=True))
+        width = int(max(self.row_of.max(initial=0), training.row_of.max(initial=0))) + 1
+        trains = np.unique(training.source_of * width + training.row_of)
+        validates = np.unique(self.source_of[self.source_of >= first] * width + self.row_of[self.source_of >= first])
+        keys = np.concatenate([trains, validates])
+        records = np.stack([keys // width, keys % width], axis=1)
+        copies = records[self._copies(records, np.arange(len(keys)) < len(trains))]
+        self.report["records_that_train"] = int(len(copies))
+        self.report["records_that_train_where"] = [self.sources[s].where(int(r)) for s, r in copies[:3]]
 
     def _probe(self, records: np.ndarray, points: int = 8) -> np.ndarray:
         """Per record (source, row), a 64-bit mix of its length, supervised count and its tokens at ``points``
@@ -408,6 +428,12 @@ class SampleStore:
             lines.append(
                 f"  validation holds {r['held_out_for_validation']} records, {r['held_out_copies']} of them copies of "
                 "another held-out record (the same tokens on another line): no copy of a validation record trains"
+            )
+        if r.get("records_that_train"):
+            lines.append(
+                f"  {r['records_that_train']} record(s) of val_sources equal a training record (the same tokens, "
+                f"supervision and media; e.g. {', '.join(r['records_that_train_where'])}): val/loss partly measures "
+                "records the run trains on"
             )
         for key, what in (
             ("dropped", "dropped as longer than"),

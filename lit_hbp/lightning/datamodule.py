@@ -341,6 +341,8 @@ class HBPDataModule(L.LightningDataModule):
         if self.val_fraction:
             store, *held = store.hold_out(self.val_fraction, self.seed)
         self.val_store = self._validation_store(tokenized, *held, rank)
+        if self.val_sources and self.val_store is not None:
+            self.val_store.count_training_copies(store, len(tokenized))
         store.apply_over_length(self.levels[-1].pack_len, self.over_length)
         self.store = store
         summary = self.store.summary()
