@@ -30,7 +30,14 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
     long_text = json.dumps({"text": "word " * 20000})
     too_long = write(tmp / "long.jsonl", good, long_text)
     broken = write(tmp / "broken.yaml", "trainer:", "  max_steps: 3", "   devices: 1")
+    dangling = tmp / "demo_link"
+    dangling.symlink_to(tmp / "moved_away")
     return {
+        "a demo_dir link to nothing": (
+            ["--data.demo_dir", str(dangling)],
+            f"data.demo_dir: {dangling} is a link to {tmp / 'moved_away'}, which does not exist",
+        ),
+        "a demo_dir that is a file": (["--data.demo_dir", broken], f"data.demo_dir: {broken} is a file, not a folder"),
         "missing data file": (["--data.sources", f"[{{path: {tmp / 'chats.jsonl'}}}]"], "data source not found"),
         "no devices": (
             ["--trainer.devices", "0"],
@@ -124,7 +131,8 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a config file that is no YAML", "levels without the curriculum's", "missing data file",
          "LightningCLI's optimizer", "a negative learning-rate floor", "Lightning's overfit loader",
          "a misspelled strategy", "a strategy class given as a name", "clipping by value under DeepSpeed",
-         "negative collate workers", "a ZeRO stage DeepSpeed has not", "a precision plugin not installed"]  # fmt: skip
+         "negative collate workers", "a ZeRO stage DeepSpeed has not", "a precision plugin not installed",
+         "a demo_dir link to nothing", "a demo_dir that is a file"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length"}

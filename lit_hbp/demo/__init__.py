@@ -4,13 +4,25 @@ LLaVA-NeXT folder (``vision``: ``python -m lit_hbp.demo.vision``), and chats wit
 pictures with a tiny Qwen2-VL folder (``video``: ``python -m lit_hbp.demo.video``; torchvision needed)."""
 
 import os
+from pathlib import Path
 from typing import Any
 
 DEMOS = ("text", "vision", "video")  # the kinds ``data.demo`` names
 
 
 def ensure_kind(out_dir: str | os.PathLike[str], kind: str = "text") -> None:
-    """Build the demo ``kind`` in ``out_dir`` when missing (the data module's ``demo_dir``)."""
+    """Build the demo ``kind`` in ``out_dir`` when missing (the data module's ``demo_dir``). A ``demo_dir``
+    that is a file, or a link to nothing, is refused by name (the build would stop on it with a traceback)."""
+    from lit_hbp.errors import ConfigError
+
+    path = Path(out_dir)
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(
+            f"data.demo_dir: {out_dir} is a link to {os.readlink(path)}, which does not exist: point the link at the "
+            "demo's folder, or remove it and the demo is built there"
+        )
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"data.demo_dir: {out_dir} is a file, not a folder: give a folder (the demo is built there)")
     if kind == "vision":
         from lit_hbp.demo.vision import ensure_vlm_demo
 
