@@ -446,3 +446,82 @@ def test_a_ddp_run_exits_cleanly(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Exception ignored" not in out.stderr and "atexit" not in out.stderr, out.stderr[-2000:]
     assert "max_steps=1` reached" in out.stderr + out.stdout
+
+
+def rope_model(kind: str, attn: str):
+    """A tiny model whose rotary embedding is ``kind``, rescaling past 16 positions where it does."""
+    from transformers import AutoConfig
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    if kind == "longrope":  # Phi-3's: short factors within 16 positions, long ones past them
+        rope = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.0, 2.0, 4.0, 9.0]}
+        config = AutoConfig.for_model(
+            "phi3", original_max_position_embeddings=16, rope_scaling=rope, pad_token_id=0, **shape
+        )
+    else:
+        shape["max_position_embeddings"] = 16
+        config = AutoConfig.for_model("llama", rope_scaling={"rope_type": kind, "factor": 4.0}, **shape)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
+
+
+def doc_pairs(lengths: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(len(lengths))
+    return [(rng.integers(0, 64, n), np.arange(n) >= 1) for n in lengths]
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope", "linear"])
+@pytest.mark.parametrize("lengths", [[12, 10, 15], [30], [12, 30]], ids=["within", "one-long", "mixed"])
+def test_a_rotary_embedding_scaled_by_the_calls_longest_position_packs_exactly_or_is_refused(kind, lengths):
+    """transformers' dynamic and longrope rotary embeddings choose their frequencies from the call's longest
+    position: a pack trains as each document alone (a fresh unprepared model, eager) while its documents stay
+    within the rescaling length or it holds one; a pack mixing a longer document with others is refused through
+    packed_loss and the model's own packed call. A static rope type (linear) packs any mix."""
+    pairs = doc_pairs(lengths)
+    refs = [rope_model(kind, "eager") for _ in pairs]  # each alone from a fresh model: dynamic's state is per call
+    ce = sum(alone(ref, [p])[0] for ref, p in zip(refs, pairs))
+    model = prepare_model(rope_model(kind, "sdpa"))
+    batch = pack_samples(pairs)
+    if kind != "linear" and lengths == [12, 30]:
+        with pytest.raises(ValueError, match=rf"rope_type '{kind}': a pack of 2 documents whose longest is 30 tokens"):
+            packed_loss(model, batch, "sum")
+        with pytest.raises(ValueError, match=rf"rope_type '{kind}'.* at pack_len <= 16"):
+            model(**pack_inputs(batch))
+        return
+    ce.backward()
+    out = packed_loss(model, batch, "sum")
+    out.loss.backward()
+    assert float(out.ce_sum) == pytest.approx(float(ce), rel=1e-5)
+    for name, p in model.named_parameters():
+        want = sum(dict(ref.named_parameters())[name].grad for ref in refs)
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_packed_call_refuses_a_mask_of_its_own_and_attention_weights_asked_by_the_config():
+    """A 4-D (or per-layer) attention_mask beside a pack's boundaries, and ``config.output_attentions`` (which
+    transformers reads without passing it to the attention), would be ignored by lit-hbp's attention: refused.
+    An all-ones 2-D mask is what the unprepared model computes without one, and is taken."""
+    reference = tiny_model("eager").float().eval()
+    model = prepare_model(tiny_model("eager")).eval()  # eager outside a pack: its config may ask for weights
+    batch = pack_samples(pairs := samples(3))
+    kw = pack_inputs(batch)
+    total = int(batch.input_ids.shape[1])
+    block = torch.zeros(1, 1, total, total, dtype=torch.bool)
+    cu = batch.cu_seqlens.tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        block[0, 0, a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    for mask, said in ((block, "a 4-D tensor"), ({"full_attention": block}, "a dict")):
+        with pytest.raises(ValueError, match=f"attention_mask of its own \\({said}\\)"):
+            model(**kw, attention_mask=mask)
+    with torch.no_grad():
+        ones = model(**kw, attention_mask=torch.ones(1, total, dtype=torch.long)).logits
+        close(ones, model(**kw).logits)
+    model.config.output_attentions = True
+    with pytest.raises(NotImplementedError, match="asks for attention weights"):
+        packed_loss(model, batch, "sum")
+    with pytest.raises(NotImplementedError, match="asks for attention weights"):
+        model(**kw)
+    model.config.output_attentions = False
+    reference.config.output_attentions = True  # outside a pack the prepared model gives what the unprepared does
+    assert len(reference(input_ids=torch.as_tensor(pairs[0][0])[None]).attentions) == 2

@@ -47,6 +47,7 @@ class CPShard:
 
 
 PACK_MARK = "_hbp_pack_segments"  # on a PackedBatch's input_ids: how many segments the pack holds
+DOCS_MARK = "_hbp_pack_documents"  # ... and how many of them are documents (the padding segment not counted)
 
 
 @dataclass
@@ -126,7 +127,10 @@ class PackedBatch:
     def __post_init__(self) -> None:
         # The pack's segment count on its token ids (a host int): a prepared model called on them
         # without the document boundaries refuses instead of running the pack as one document.
-        self.input_ids.__dict__[PACK_MARK] = int(self.cu_seqlens.shape[0]) - 1
+        segments = int(self.cu_seqlens.shape[0]) - 1
+        self.input_ids.__dict__[PACK_MARK] = segments
+        padded = self.n_tokens < int(self.input_ids.shape[1]) * int(self.sp)  # the whole pack's length, on the host
+        self.input_ids.__dict__[DOCS_MARK] = segments - int(padded)
         if self.bounds is not None:  # the host copy of the boundaries stays the boundaries (on the host: read)
             same = len(self.bounds) == self.cu_seqlens.shape[0] and (
                 self.cu_seqlens.device.type != "cpu" or list(self.bounds) == self.cu_seqlens.tolist()

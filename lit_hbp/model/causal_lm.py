@@ -67,6 +67,7 @@ from lit_hbp.model.packed_call import (
     pack_inputs,
     pack_scope,
     record_of,
+    rope_limit,
 )
 from lit_hbp.model.sp_media import split_encoder_outputs
 from lit_hbp.model.tiling import install_tiling, mlp_of, uninstall_tiling
@@ -149,6 +150,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         attends=[[m for m in layer.modules() if hasattr(m, "config")] for layer in layers],
         mixers=[decoder.get_submodule(m.path) for m in mixers],
         backend=attn_backend,
+        rope_limit=rope_limit(decoder),
     )
     for mlp in record.mlps:
         if mlp is not None:

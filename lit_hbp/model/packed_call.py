@@ -53,7 +53,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.fx.experimental import _config as fx_config
 from torch.utils.checkpoint import checkpoint
 
-from lit_hbp.data.batch import PACK_MARK, PackedBatch
+from lit_hbp.data.batch import DOCS_MARK, PACK_MARK, PackedBatch
 from lit_hbp.data.media_batch import TOKEN_KEYS
 from lit_hbp.model import calls
 from lit_hbp.model.offload import host_offload, offloaded_checkpoint
@@ -96,6 +96,8 @@ class Prepared:
     # layers' checkpoint function while packed calls run
     tiles_of: Any = None
     checkpoint: Any = None
+    # (rope type, length) of a rotary embedding that rescales with the call's longest position (``rope_limit``)
+    rope_limit: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         _by_owner[self.owner] = self
@@ -275,12 +277,58 @@ def pack_scope(
                 f"the model's own gradient checkpointing is on (gradient_checkpointing_enable): packed calls "
                 f"checkpoint the layers it checkpoints, not only the level's first {ckpt_layers}"
             )
+    ids = (pack or {}).get("input_ids")
+    documents = ids.__dict__.get(DOCS_MARK) if isinstance(ids, torch.Tensor) else None
     pack = {} if pack is None else {k: pack[k] for k in PACK_KEYS if pack.get(k) is not None}
+    check_rope(prepared, pack, documents)
     offloader = host_offload(unwrapped(model)) if offload else None
     host = {"bounds": list(bounds)} if bounds is not None else {}
     call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, dict(tower or {}), host)
     with _layer_flags(prepared, ckpt_layers), calls.entered(call), sizes_apart():
         yield
+
+
+def rope_limit(decoder: torch.nn.Module) -> tuple[str, int] | None:
+    """(rope type, length) of the decoder's rotary embedding whose frequencies follow the call's longest position
+    (transformers' ``dynamic_rope_update``: ``dynamic`` rescales past ``max_position_embeddings``, ``longrope``
+    takes its long factors past ``original_max_position_embeddings``), the smallest such length; None when its
+    rotary embeddings are static (default, linear, yarn, llama3, ...)."""
+    found = []
+    for module in decoder.modules():
+        kinds = getattr(module, "rope_type", None)
+        if not hasattr(module, "original_inv_freq") or kinds is None:
+            continue
+        params = getattr(getattr(module, "config", None), "rope_parameters", None) or {}
+        for layer_type, kind in kinds.items() if isinstance(kinds, dict) else [(None, kinds)]:
+            if "dynamic" in str(kind):
+                found.append((str(kind), int(module.original_max_seq_len)))
+            elif kind == "longrope":
+                own = params.get(layer_type, params) if layer_type is not None else params
+                found.append((kind, int(own["original_max_position_embeddings"])))
+    return min(found, key=lambda x: x[1]) if found else None
+
+
+def check_rope(prepared: Prepared, pack: dict, documents: int | None = None) -> None:
+    """A packed call whose rotary frequencies the call's longest position would choose for every document
+    (``rope_limit``) is refused: past the limit the longest document's scaling (dynamic) or long factors
+    (longrope) would apply to its shorter neighbours, and on an SP level each rank's shard would choose its own.
+    One document per pack, or every document within the limit, trains as it alone would. ``documents``: the
+    pack's documents where its token ids say (``DOCS_MARK``: a padding segment not counted), else its segments."""
+    if prepared.rope_limit is None or "max_length_q" not in pack:
+        return
+    kind, limit = prepared.rope_limit
+    longest, cu = int(pack["max_length_q"]), pack.get("cu_seq_lens_q")
+    if documents is None:
+        documents = int(cu.numel()) - 1 if isinstance(cu, torch.Tensor) else 1
+    sharded = pack.get("hbp_sp") is not None or pack.get("hbp_cp_shard") is not None
+    if longest > limit and (documents > 1 or sharded):
+        where = f"{documents} documents" if documents > 1 else "a document split over an SP group"
+        raise ValueError(
+            f"rope_parameters rope_type {kind!r}: a pack of {where} whose longest is {longest} tokens, past the "
+            f"{limit} at which this rotary embedding rescales by the call's longest position: its other documents "
+            f"(or shards) would take that scaling, unlike each alone. Keep levels with more than one document (or "
+            f"sp > 1) at pack_len <= {limit}, or give the model a static rope_type (linear, yarn, llama3)"
+        )
 
 
 def sizes_apart() -> contextlib.AbstractContextManager:
@@ -357,7 +405,8 @@ def _cache_of(kwargs: dict):
 
 
 def _check_packed_call(where: str, kwargs: dict) -> None:
-    """What a packed call cannot honour: a KV cache, an attention mask that pads inside the pack."""
+    """What a packed call cannot honour: a KV cache, an attention mask other than all ones (one that pads
+    inside the pack, a 4-D or per-layer mask of the caller's own: the boundaries decide what attends)."""
     cache = _cache_of(kwargs)
     if cache is not None and (not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0):
         raise ValueError(
@@ -369,6 +418,12 @@ def _check_packed_call(where: str, kwargs: dict) -> None:
         raise ValueError(
             f"{where}: a packed call with an attention_mask that has zeros: the boundaries (cu_seq_lens_q) say where "
             "documents end, and a mask cannot pad inside a pack; drop the attention_mask"
+        )
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        shape = f"a {mask.dim()}-D tensor" if isinstance(mask, torch.Tensor) else f"a {type(mask).__name__}"
+        raise ValueError(
+            f"{where}: a packed call with an attention_mask of its own ({shape}): lit-hbp's attention takes each "
+            "document causally from the boundaries (cu_seq_lens_q) and would ignore it; drop the attention_mask"
         )
 
 

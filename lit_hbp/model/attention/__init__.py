@@ -88,7 +88,8 @@ def _unsupported(module, attention_mask, kwargs: dict) -> None:
             f"{where} passes its own attention mask to {ATTN_NAME}, which attends causally inside each document "
             "and would ignore it"
         )
-    if kwargs.get("output_attentions"):
+    asked = kwargs.get("output_attentions")  # else the config's, which transformers reads without passing it on
+    if asked if asked is not None else getattr(getattr(module, "config", None), "output_attentions", False):
         raise NotImplementedError(f"{where} asks for attention weights, which {ATTN_NAME} does not compute")
     if kwargs.get("is_causal") is False:
         raise NotImplementedError(f"{where} asks for non-causal attention; {ATTN_NAME} is causal")
