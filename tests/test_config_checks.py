@@ -155,6 +155,29 @@ def test_rope_scaling_that_covers_the_levels_is_stated():
     assert note is not None and "32768" in note and "2048" in note and "yarn" in note
 
 
+def test_levels_past_where_a_dynamic_or_longrope_rotary_embedding_rescales_are_refused():
+    """transformers rescales dynamic and longrope rotary frequencies by a call's longest position: levels past
+    that length would pack a long document's scaling onto its neighbours (the packed call refuses such a pack;
+    tests/test_prepared_model.py); refused from the config, and the level search stops there."""
+    from transformers import AutoConfig
+
+    from lit_hbp.autoselect.selector import position_limit
+
+    dynamic = llama(max_position_embeddings=2048, rope_parameters={"rope_type": "dynamic", "factor": 16.0})
+    with pytest.raises(ValueError, match=r"pack_len 32768 passes 2048, past which the model's rope_type 'dynamic'"):
+        check_positions(dynamic, LEVELS)
+    assert check_positions(dynamic, [Level(1024), Level(2048)]) is None
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [4.0] * 32}
+    shape = dict(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072, pad_token_id=0)
+    phi3 = AutoConfig.for_model("phi3", original_max_position_embeddings=4096, rope_scaling=rope, **shape)
+    with pytest.raises(ValueError, match=r"pack_len 32768 passes 4096, past which the model's rope_type 'longrope'"):
+        check_positions(phi3, LEVELS)
+    assert check_positions(phi3, [Level(4096)]) is None
+    assert position_limit(phi3.to_dict()) == 4096 and position_limit(dynamic.to_dict()) == 2048
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048}
+    assert position_limit(llama(max_position_embeddings=2048, rope_parameters=yarn).to_dict()) == 32768
+
+
 def test_the_module_checks_positions_against_the_data_modules_levels(tmp_path, small_demo, monkeypatch):
     """CLI and Python alike: the model is built at fit, against the levels the data module holds."""
     monkeypatch.chdir(tmp_path)

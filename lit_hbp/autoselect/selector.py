@@ -42,7 +42,7 @@ from lit_hbp.cost.run_settings import (
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model.causal_lm import configured_spec
-from lit_hbp.model.checks import position_range
+from lit_hbp.model.checks import position_range, rescaling_limit
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level, LevelSelector
 from lit_hbp.packing.vision_load import VisionLoad
@@ -170,7 +170,8 @@ class RunSetting:
 def position_limit(model) -> int | None:
     """The longest position a model config (a mapping, a config.json or a checkpoint folder) covers,
     None when it does not say or cannot be read here: the fit refuses levels past it
-    (``checks.check_positions``), so the search does not choose them."""
+    (``checks.check_positions``: past ``max_position_embeddings`` uncovered, or past the length at which a
+    dynamic or longrope rotary embedding rescales), so the search does not choose them."""
     if not isinstance(model, dict):
         path = Path(str(model))
         path = path / "config.json" if path.is_dir() else path
@@ -180,7 +181,9 @@ def position_limit(model) -> int | None:
             model = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-    return position_range(SimpleNamespace(**model))[1]
+    config = SimpleNamespace(**model)
+    rescaled = rescaling_limit(config)  # a dynamic or longrope rotary embedding: no pack past it (check_positions)
+    return position_range(config)[1] if rescaled is None else min(rescaled[1], position_range(config)[1] or rescaled[1])
 
 
 class Selector(LevelSelector):

@@ -43,7 +43,7 @@ from lit_hbp.model.build import (
     model_configs,
     tower_configs,
 )
-from lit_hbp.model.checks import model_config
+from lit_hbp.model.checks import model_config, rescaling_limit
 from lit_hbp.model.family_checks import refuse_unseen
 from lit_hbp.model.loss import (
     NORMALIZERS,
@@ -67,7 +67,6 @@ from lit_hbp.model.packed_call import (
     pack_inputs,
     pack_scope,
     record_of,
-    rope_limit,
 )
 from lit_hbp.model.sp_media import split_encoder_outputs
 from lit_hbp.model.tiling import install_tiling, mlp_of, uninstall_tiling
@@ -150,7 +149,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         attends=[[m for m in layer.modules() if hasattr(m, "config")] for layer in layers],
         mixers=[decoder.get_submodule(m.path) for m in mixers],
         backend=attn_backend,
-        rope_limit=rope_limit(decoder),
+        rope_limit=rescaling_limit(decoder.config),
     )
     for mlp in record.mlps:
         if mlp is not None:

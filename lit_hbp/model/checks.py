@@ -140,6 +140,37 @@ def check_model_config(model: Mapping[str, Any]) -> None:
     )
 
 
+def _rope_sets(config: Any) -> list[Mapping]:
+    """The config's RoPE parameter sets: one, or one per layer type (full / sliding attention)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(rope, Mapping) and rope and all(isinstance(v, Mapping) for v in rope.values()):
+        return list(rope.values())
+    return [rope] if isinstance(rope, Mapping) else []
+
+
+def rescaling_limit(config: Any) -> tuple[str, int] | None:
+    """(rope type, length) of a rotary embedding whose frequencies transformers chooses from a call's longest
+    position (``dynamic_rope_update``: ``dynamic`` rescales past ``max_position_embeddings``, ``longrope`` takes
+    its long factors past ``original_max_position_embeddings``), the smallest such length; None for static
+    rope types (default, linear, yarn, llama3, ...). A pack is one call: past that length its longest document
+    would choose for the others."""
+    max_pos = getattr(config, "max_position_embeddings", None)
+    found = []
+    for params in _rope_sets(config):
+        kind = str(params.get("rope_type") or params.get("type") or "default")
+        if "dynamic" in kind and isinstance(max_pos, int):
+            found.append((kind, max_pos))
+        elif kind == "longrope":
+            original = (
+                params.get("original_max_position_embeddings")
+                or getattr(config, "original_max_position_embeddings", None)
+                or max_pos
+            )
+            if isinstance(original, int):
+                found.append((kind, original))
+    return min(found, key=lambda x: x[1]) if found else None
+
+
 def position_range(config: Any) -> tuple[int | None, int | None, str]:
     """(max_position_embeddings, the longest position the model covers with its RoPE scaling, how it is
     scaled). A scaling with a ``factor`` extends ``original_max_position_embeddings`` (or
@@ -148,13 +179,8 @@ def position_range(config: Any) -> tuple[int | None, int | None, str]:
     max_pos = getattr(config, "max_position_embeddings", None)
     if isinstance(max_pos, bool) or not isinstance(max_pos, int):
         return None, None, ""
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if isinstance(rope, Mapping) and rope and all(isinstance(v, Mapping) for v in rope.values()):
-        sets = list(rope.values())  # one per layer type (full / sliding attention)
-    else:
-        sets = [rope] if isinstance(rope, Mapping) else []
     limit, how = max_pos, ""
-    for params in sets:
+    for params in _rope_sets(config):
         kind = params.get("rope_type") or params.get("type") or "default"
         factor = params.get("factor")
         if kind == "default" or isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 1:
@@ -173,10 +199,20 @@ def position_range(config: Any) -> tuple[int | None, int | None, str]:
 def check_positions(config: Any, levels: Sequence[Any] | None) -> str | None:
     """A document as long as the largest level's pack_len uses positions up to pack_len - 1 (positions
     restart per document): refuse levels past the model's max_position_embeddings unless its RoPE
-    scaling covers them, in which case the extension is returned (for the caller to log)."""
+    scaling covers them, in which case the extension is returned (for the caller to log), and levels past
+    the length at which a dynamic or longrope rotary embedding rescales (``rescaling_limit``)."""
     if not levels:
         return None
     longest = max(int(getattr(lv, "pack_len", lv)) for lv in levels)
+    rescaled = rescaling_limit(config)
+    if rescaled is not None and longest > rescaled[1]:
+        kind, at = rescaled
+        raise ConfigError(
+            f"the largest level's pack_len {longest} passes {at}, past which the model's rope_type {kind!r} "
+            "rescales its rotary frequencies by a call's longest position: a pack holding a document that long "
+            "beside others would give them its scaling, unlike each alone. Keep every level at pack_len <= "
+            f"{at}, or give the model a static rope_type (linear, yarn, llama3)"
+        )
     max_pos, limit, how = position_range(config)
     if max_pos is None or longest <= max_pos:
         return None

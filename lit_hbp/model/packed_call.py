@@ -96,7 +96,7 @@ class Prepared:
     # layers' checkpoint function while packed calls run
     tiles_of: Any = None
     checkpoint: Any = None
-    # (rope type, length) of a rotary embedding that rescales with the call's longest position (``rope_limit``)
+    # (rope type, length) of a rotary embedding that rescales by the call's longest position (``rescaling_limit``)
     rope_limit: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
@@ -288,29 +288,9 @@ def pack_scope(
         yield
 
 
-def rope_limit(decoder: torch.nn.Module) -> tuple[str, int] | None:
-    """(rope type, length) of the decoder's rotary embedding whose frequencies follow the call's longest position
-    (transformers' ``dynamic_rope_update``: ``dynamic`` rescales past ``max_position_embeddings``, ``longrope``
-    takes its long factors past ``original_max_position_embeddings``), the smallest such length; None when its
-    rotary embeddings are static (default, linear, yarn, llama3, ...)."""
-    found = []
-    for module in decoder.modules():
-        kinds = getattr(module, "rope_type", None)
-        if not hasattr(module, "original_inv_freq") or kinds is None:
-            continue
-        params = getattr(getattr(module, "config", None), "rope_parameters", None) or {}
-        for layer_type, kind in kinds.items() if isinstance(kinds, dict) else [(None, kinds)]:
-            if "dynamic" in str(kind):
-                found.append((str(kind), int(module.original_max_seq_len)))
-            elif kind == "longrope":
-                own = params.get(layer_type, params) if layer_type is not None else params
-                found.append((kind, int(own["original_max_position_embeddings"])))
-    return min(found, key=lambda x: x[1]) if found else None
-
-
 def check_rope(prepared: Prepared, pack: dict, documents: int | None = None) -> None:
     """A packed call whose rotary frequencies the call's longest position would choose for every document
-    (``rope_limit``) is refused: past the limit the longest document's scaling (dynamic) or long factors
+    (``checks.rescaling_limit``) is refused: past the limit the longest document's scaling (dynamic) or long factors
     (longrope) would apply to its shorter neighbours, and on an SP level each rank's shard would choose its own.
     One document per pack, or every document within the limit, trains as it alone would. ``documents``: the
     pack's documents where its token ids say (``DOCS_MARK``: a padding segment not counted), else its segments."""
