@@ -215,6 +215,20 @@ def test_the_default_checkpoint_is_not_rewritten_after_lightning_closes_the_epoc
     # processed == 0: Lightning resumes inside epoch 0 (1 would make it start epoch 1).
 
 
+@pytest.mark.parametrize("save_last", [None, True])
+def test_a_fast_dev_run_saves_what_lightning_alone_saves(tmp_path, save_last):
+    """Lightning suppresses checkpointing in a fast_dev_run (but for its own save_last at the end of fit);
+    FinalCheckpoint adds nothing to it: a debug run's checkpoint would be what ``--ckpt_path auto`` resumes a
+    real run from. Reference: Lightning alone, the same checkpoint callback (the default one, or save_last)."""
+
+    def saved(folder: Path, final: bool) -> list[str]:
+        own = [ModelCheckpoint(dirpath=folder / "ckpt", save_last=True)] if save_last else []
+        plain_fit(folder, [*own, *([FinalCheckpoint()] if final else [])], fast_dev_run=3)
+        return sorted(str(p.relative_to(folder)) for p in folder.rglob("*.ckpt"))
+
+    assert saved(tmp_path / "lit_hbp", final=True) == saved(tmp_path / "lightning", final=False)
+
+
 # ---- 2. a resume says where it continues --------------------------------------------------------
 
 

@@ -73,7 +73,7 @@ class FinalCheckpoint(StepEndCallback):
         collective)."""
         step = trainer.global_step
         written: list[str] = []
-        if step == 0:
+        if step == 0 or trainer.fast_dev_run:  # a dev run: Lightning suppresses checkpointing, so does this
             return written
         # ModelCheckpoint has no public "save now": these are the methods its own hooks call.
         for cb in trainer.checkpoint_callbacks:

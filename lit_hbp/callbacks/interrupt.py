@@ -119,7 +119,7 @@ class InterruptCheckpoint(StepEndCallback):
     def exit_status(self) -> int | None:
         """``128 + signal`` once training stopped for a signal (a shell's status for a process the
         signal ended), else None."""
-        return None if self.signal is None or self.checkpoint is None else 128 + int(self.signal)
+        return None if self.signal is None else 128 + int(self.signal)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.received, self.signal, self.checkpoint, self.requeued = None, None, None, False
@@ -175,7 +175,9 @@ class InterruptCheckpoint(StepEndCallback):
     def _save_and_stop(self, trainer: L.Trainer, signum: int) -> None:
         step = trainer.global_step
         checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
-        if signum == _requeue_signal(trainer):
+        if trainer.fast_dev_run:  # Lightning suppresses checkpointing in a dev run: stop, save nothing
+            path = None
+        elif signum == _requeue_signal(trainer):
             path = self._requeue(trainer, signum)
         else:
             written = self._final.save_final(trainer)
@@ -199,7 +201,9 @@ class InterruptCheckpoint(StepEndCallback):
         trainer.fit_loop.epoch_loop._skip_next_val = True  # Lightning's own flag: no validation after this step
         self.signal, self.checkpoint = signum, path
         text = f"{signal_label(signum)}: stopped after optimizer step {step}, saved to {path}\n"
-        if self.requeued:
+        if path is None:
+            text = f"{signal_label(signum)}: stopped after optimizer step {step}; fast_dev_run saves no checkpoint"
+        elif self.requeued:
             text += "the SLURM job is requeued and resumes from there by itself"
         else:
             text += f"resume with: {resume_command(path)}"
