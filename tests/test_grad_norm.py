@@ -113,14 +113,16 @@ def recomputed_norms(steps, lora, accumulate, world: int = 1) -> list[float]:
     return norms
 
 
-def fit(data, tokenizer, root, strategy="auto", lora=None, devices=1, logger=True) -> tuple[L.Trainer, Record]:
+def fit(
+    data, tokenizer, root, strategy="auto", lora=None, devices=1, logger=True, precision="32-true", self_check=False
+) -> tuple[L.Trainer, Record]:
     from lit_hbp.lightning.datamodule import HBPDataModule
 
     dm = HBPDataModule(
         sources=[{"path": str(data)}], tokenizer=tokenizer, levels=["64:1", "160:1"], cache_dir=str(root / "cache")
     )
     torch.manual_seed(0)
-    module = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, lr=1e-2, lora=lora, self_check=False)
+    module = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, lr=1e-2, lora=lora, self_check=self_check)
     record = Record()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -136,6 +138,7 @@ def fit(data, tokenizer, root, strategy="auto", lora=None, devices=1, logger=Tru
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[record],
+        precision=precision,
     )
     trainer.fit(module, dm)
     return trainer, record
@@ -159,6 +162,18 @@ def check(logs: list[bool], logged: dict[int, float], reference: list[float], cs
     if csv_values is not None:  # what the logger wrote
         np.testing.assert_allclose(csv_values, expected, rtol=1e-6)
     assert all(value > 100 * CLIP for value in logged)  # before clipping
+
+
+def test_a_float64_run_passes_its_self_check_and_logs_the_float64_norm(chats, toy_tokenizer, tmp_path):
+    """``precision: 64-true``: the loss, the self-check's reference and the gradient norm stay in float64 (they
+    were taken in fp32: the self-check failed at float64's tolerances, the norm raised). Reference: the brute
+    force fp64 norm of ``.grad`` (the logger keeps fp32)."""
+    trainer, record = fit(chats, toy_tokenizer, tmp_path, precision="64-true", self_check=True)
+    steps = record.steps
+    assert all(p.dtype == torch.float64 for p in trainer.lightning_module.parameters())
+    logged = [record.logged[k] for k in sorted(record.logged)]
+    np.testing.assert_allclose(logged, [s["pre"] for s in steps if s["logs"]], rtol=1e-7)  # logged as fp32
+    assert trainer.callback_metrics["train/loss"] > 0
 
 
 @pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])

@@ -45,6 +45,22 @@ def alone(model, pairs) -> tuple[torch.Tensor, int]:
     return ce, n
 
 
+def test_a_float64_model_computes_its_packed_loss_in_float64():
+    """The loss is taken in fp32 at least, never narrowed: a float64 model's loss and CE sum are float64 and
+    equal each sample alone (eager, float64) far below fp32's precision."""
+    reference = tiny_model("eager").double()
+    ce = 0.0
+    for ids, mask in (pairs := samples()):  # each alone, its cross-entropy in float64
+        ids = torch.as_tensor(ids)
+        labels = torch.where(torch.as_tensor(mask[1:]), ids[1:], -100)
+        ce += float(F.cross_entropy(reference(input_ids=ids[None]).logits[0, :-1], labels, reduction="sum"))
+    model = prepare_model(tiny_model().double())
+    model.load_state_dict(reference.state_dict())
+    out = packed_loss(model, pack_samples(pairs), "token_mean")
+    assert out.loss.dtype == out.ce_sum.dtype == torch.float64
+    assert float(out.ce_sum) == pytest.approx(ce, rel=1e-9)
+
+
 def test_packed_loss_of_your_own_samples_equals_each_sample_alone():
     reference = tiny_model("eager").float()
     ce, n = alone(reference, pairs := samples())

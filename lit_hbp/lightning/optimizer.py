@@ -39,15 +39,15 @@ def optimizer_device(strategy) -> torch.device:
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
-    """The L2 norm of ``grads`` taken as one vector, accumulated in fp32, as a tensor on the first
-    gradient's device (nothing is read on the host); None without a gradient."""
+    """The L2 norm of ``grads`` taken as one vector, accumulated in fp32 (float64 gradients in float64), as a
+    tensor on the first gradient's device (nothing is read on the host); None without a gradient."""
     if not grads:
         return None
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
-        by_device.setdefault(g.device, []).append(g.detach())
-    device = grads[0].device
-    norms = [n.to(device) for group in by_device.values() for n in torch._foreach_norm(group, 2, dtype=torch.float32)]
+        groups.setdefault((g.device, torch.promote_types(g.dtype, torch.float32)), []).append(g.detach())
+    device, dtype = grads[0].device, max((d for _, d in groups), key=lambda d: torch.finfo(d).bits)
+    norms = [n.to(device, dtype) for (_, d), group in groups.items() for n in torch._foreach_norm(group, 2, dtype=d)]
     return torch.linalg.vector_norm(torch.stack(norms))
 
 

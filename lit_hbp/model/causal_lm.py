@@ -377,7 +377,8 @@ class OutputHead:
     softcap: float | None = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.linear(hidden).float()
+        out = self.linear(hidden)
+        out = out.to(torch.promote_types(out.dtype, torch.float32))  # fp32 at least: float64 stays float64
         if self.scale != 1.0:
             out = out * self.scale
         if self.softcap:

@@ -108,7 +108,7 @@ def chunked_cross_entropy(
     recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(sum of weight * CE, sum of CE (detached), number of supervised tokens) over ``hidden`` [T, H];
-    ``head`` maps hidden states to fp32 logits (``lit_hbp.model.causal_lm.OutputHead.logits``).
+    ``head`` maps hidden states to logits of fp32 at least (``lit_hbp.model.causal_lm.OutputHead.logits``).
 
     Only supervised positions go through the LM head: ``index`` lists them (the collate step
     computes it on the host, so nothing is read back from the device here); found from ``labels``
@@ -120,20 +120,21 @@ def chunked_cross_entropy(
         index = torch.nonzero(labels != -100).flatten()
     n = index.shape[0]
     h, target = _supervised(hidden, labels, index)
+    acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 at least; a float64 run's loss stays float64
     if n == 0:
-        weight = torch.zeros(1, dtype=torch.float32, device=hidden.device)
+        weight = torch.zeros(1, dtype=acc, device=hidden.device)
     elif torch.is_tensor(weights):
-        weight = weights.index_select(0, index).float()
+        weight = weights.index_select(0, index).to(acc)
     else:
-        weight = torch.full((n,), float(weights), dtype=torch.float32, device=hidden.device)
+        weight = torch.full((n,), float(weights), dtype=acc, device=hidden.device)
 
     def chunk_loss(h_chunk, y_chunk, w_chunk):
-        logits = head(h_chunk).float()
+        logits = head(h_chunk).to(acc)
         ce = F.cross_entropy(logits, y_chunk, reduction="none")
         return (ce * w_chunk).sum(), ce.detach().sum()
 
-    total = hidden.new_zeros((), dtype=torch.float32)
-    ce_sum = hidden.new_zeros((), dtype=torch.float32)
+    total = hidden.new_zeros((), dtype=acc)
+    ce_sum = hidden.new_zeros((), dtype=acc)
     for start in range(0, h.shape[0], chunk_size):
         part = slice(start, start + chunk_size)
         args = (h[part], target[part], weight[part])
