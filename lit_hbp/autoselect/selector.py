@@ -182,8 +182,9 @@ def position_limit(model) -> int | None:
         except (OSError, ValueError):
             return None
     config = SimpleNamespace(**model)
+    covered = position_range(config)[1]
     rescaled = rescaling_limit(config)  # a dynamic or longrope rotary embedding: no pack past it (check_positions)
-    return position_range(config)[1] if rescaled is None else min(rescaled[1], position_range(config)[1] or rescaled[1])
+    return covered if rescaled is None else min(rescaled[1], covered or rescaled[1])
 
 
 class Selector(LevelSelector):

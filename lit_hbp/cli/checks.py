@@ -332,8 +332,8 @@ def check_no_checkpoint_callback(callbacks: Any) -> None:
 
     entries = callbacks if isinstance(callbacks, list) else [callbacks] if callbacks else []
     for i, entry in enumerate(entries):
-        if is_instance_entry(entry, ModelCheckpoint):
-            kind = class_of(entry)
+        kind = class_of(entry)
+        if isinstance(kind, type) and issubclass(kind, ModelCheckpoint):
             raise ConfigError(
                 f"trainer.enable_checkpointing: false beside trainer.callbacks[{i}] ({kind.__name__}), which saves "
                 "checkpoints: drop that callback to save none, or leave enable_checkpointing on"
