@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
-# The GPU checks, by part, for one device call or two (a session has 900 s of device time; the H200 run of
-# 2026-11-29 took 556 s for all of them at once and still cut three test parts and HF Trainer at their limits):
+# The GPU checks, by part, for one device call or two (a session has 900 s of device time, a machine's start
+# about 30 s of it; on the H200 of 2026-11-30 `speed tests+graphs,bench` took 593 s):
 #   bash bench/gpu_checks.sh [PART ...]        (default: speed tests bench; `profile` on demand)
-#   speed    ~330 s  bench/gpu_throughput.py, the 1B config: lit-hbp (each level alone) beside HF Trainer
+#   PARTs joined by + run at once, by , one after the other (`speed tests+graphs,bench`: speed alone, then the
+#   tests beside graphs followed by bench; say so beside any figure a part timed while another ran)
+#   speed    ~340 s  bench/gpu_throughput.py, the 1B config: lit-hbp (each level alone) beside HF Trainer
 #                    padding-free on SDPA and on FlexAttention, decoder layers compiled as lit-hbp's (HF's own
 #                    whole-model torch_compile took ~100 s a level on the H200: --peer-compile model)
 #   tests    ~240 s  pytest -m gpu in two parts at once: attention and the hybrids' mixers; the rest
-#   bench    ~110 s  bench/step_overhead.py (the run's step beside a bare loop), bench/op_overhead.py (the attention
+#   bench    ~160 s  bench/step_overhead.py (the run's step beside a bare loop), bench/op_overhead.py (the attention
 #                    op's host time around torch's varlen kernel) and bench/mixer_batches.py
 #   trl      ~250 s  TRL's BFD on the same levels (bench/gpu_throughput.py --modes trl_bfd)
 #   vision   ~150 s  the image tests on transformers 5.24 (.whl/vlm/): passed on the H200, 2026-11-29
 #   profile  ~100 s  bench/step_profile.py on the 4K level with one pack a step (taken on the H200, 2026-11-29)
-#   graphs   ~120 s  bench/graph_modes.py: the 1B config's layers at its 4K level, one pack a step, compiled
-#                    dynamic (the run's), static and under CUDA graphs: whether one graph per level pays
+#   graphs   ~200 s  bench/graph_modes.py: the 1B config's layers at its 4K level, one pack a step, compiled
+#                    dynamic (the run's), static and under CUDA graphs (with inductor's graph partitions, which
+#                    stopped on the H200 of 2026-11-30, and without): whether one graph per level pays
 # Here first: bash bench/gpu_wheels.sh. Device run: carry [".whl", "demo_data"], timeout_s = the parts' sum
-# + 40, e.g. `bash bench/gpu_checks.sh speed bench` (timeout_s 480) and `bash bench/gpu_checks.sh tests trl`.
+# + 40, e.g. `bash bench/gpu_checks.sh trl graphs` (timeout_s 500), then `bash bench/gpu_checks.sh bench`.
 # At most eight files come back in $OUT (the device tool returns no more):
 #   env.txt         the device, the versions, the timeline (each part's exit status and when it ended)
 #   throughput.log  speed and trl: every mode and level, each result printed as it is measured
 #   throughput.json speed's table, the memory per level and the attention backends
 #   tests.log       tests and vision: pytest -m gpu, each part under a header
 #   bench.log       bench's three benchmarks
+#   graphs.log      graphs: bench/graph_modes.py's table
 #   profile.txt     profile: wall ms a step, each micro-batch's host ms, the device's busy share, waits, compilations
-#                   (graphs: its table is appended to bench.log)
 #   trace.json.gz   that profile's trace (Perfetto)
 set -u
 cd "$(dirname "$0")/.."
@@ -32,7 +35,7 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 at() { echo "$1 at $(( $(date +%s) - T0 )) s" >> $OUT/env.txt; }
 PARTS=${*:-speed tests bench}
-for part in $PARTS; do
+for part in ${PARTS//[+,]/ }; do
   case $part in speed|trl|tests|vision|bench|profile|graphs) ;; *) echo "unknown part $part (speed, trl, tests, vision, bench, profile, graphs)" >&2; exit 2 ;; esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
@@ -43,10 +46,11 @@ export PYTHONPATH=/tmp/site:$PWD
 at "install (parts: $PARTS)"
 PYT="python3 -m pytest -m gpu -v --tb=short -rfEs -p no:cacheprovider"
 THROUGHPUT="python3 bench/gpu_throughput.py --config configs/llama_1b_1gpu.yaml --steps 8 --warmup 4 --data.demo_dir=demo_data"
-for part in $PARTS; do
+run_part() {
+  local part=$1
   case $part in
   speed)
-    timeout 330 $THROUGHPUT --modes hbp_alone,hf_sdpa,hf_flex_attention --json $OUT/throughput.json >> $OUT/throughput.log 2>&1
+    timeout 360 $THROUGHPUT --modes hbp_alone,hf_sdpa,hf_flex_attention --json $OUT/throughput.json >> $OUT/throughput.log 2>&1
     at "speed exit $?" ;;
   trl)
     timeout 250 $THROUGHPUT --modes trl_bfd >> $OUT/throughput.log 2>&1
@@ -64,7 +68,7 @@ for part in $PARTS; do
     { echo "===== t_vis524.log"; cat $TMP/t_vis524.log; } >> $OUT/tests.log ;;
   bench)
     echo "===== step_overhead" >> $OUT/bench.log
-    timeout 40 python3 bench/step_overhead.py --device cuda --layers 16 --rounds 2 >> $OUT/bench.log 2>&1
+    timeout 90 python3 bench/step_overhead.py --device cuda --layers 16 --rounds 2 >> $OUT/bench.log 2>&1
     at "step overhead exit $?"
     echo "===== op_overhead" >> $OUT/bench.log
     timeout 30 python3 bench/op_overhead.py --device cuda --backend torch_varlen --tokens 4096 --calls 500 \
@@ -74,9 +78,8 @@ for part in $PARTS; do
         --warmup 1 --rounds 2 >> $OUT/bench.log 2>&1
     at "mixer batches exit $?" ;;
   graphs)
-    echo "===== graph_modes" >> $OUT/bench.log
-    timeout 120 python3 bench/graph_modes.py --device cuda --layers 16 --width 2048 --pack-len 4096 --docs 8 \
-        --steps 15 --warmup 5 --rounds 2 >> $OUT/bench.log 2>&1
+    timeout 200 python3 bench/graph_modes.py --device cuda --layers 16 --width 2048 --pack-len 4096 --docs 8 \
+        --steps 10 --warmup 4 --rounds 2 >> $OUT/graphs.log 2>&1
     at "graph modes exit $?" ;;
   profile)
     # TORCH_LOGS=recompiles: why the H200's third profiled step compiled the decoder layer again (2026-11-29)
@@ -88,6 +91,10 @@ for part in $PARTS; do
     { echo; echo "recompilations (TORCH_LOGS=recompiles):"; grep -A4 "Recompiling" $TMP/profile_run.log | head -60; } \
         >> $OUT/profile.txt ;;
   esac
+}
+for group in $PARTS; do
+  for member in ${group//+/ }; do ( for part in ${member//,/ }; do run_part $part; done ) & done
+  wait
 done
 rm -rf "$TMP"
 cat $OUT/env.txt

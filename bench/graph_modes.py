@@ -16,7 +16,10 @@ bare loop: ``prepare_model`` + ``packed_loss`` + AdamW (fused on CUDA, multi-ten
 - ``dynamic``: each decoder layer ``compile(dynamic=True)`` (the run's);
 - ``static``: each decoder layer ``compile(dynamic=False)``;
 - ``cudagraphs``: ``compile(dynamic=False, mode="reduce-overhead")``, the step begun with
-  ``torch.compiler.cudagraph_mark_step_begin()`` (CUDA only: on a CPU its row says so).
+  ``torch.compiler.cudagraph_mark_step_begin()`` (CUDA only: on a CPU its row says so);
+- ``cudagraphs_whole``: the same with inductor's graph partitions off (torch 2.11's partitions stopped on the
+  H200 in ``CUDAGraphNode``: "AssertionError: <class 'tuple'>"): each layer's graph captured whole, or
+  skipped, which its row counts (``cudagraph_skips``).
 
 Every mode is timed alike: from the first step after ``--warmup`` to the end of the last, one device
 synchronization at each end and nothing in between; each round runs every mode once, in turn, and a mode's
@@ -31,24 +34,28 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import traceback
 import warnings
 
 import numpy as np
 import torch
 from op_overhead import python_calls  # counted, not timed
 from step_overhead import bare_step, model_config, timed_window  # the same step, timed alike
+from torch._dynamo.utils import counters
 
 from lit_hbp import pack_samples, prepare_model
 from lit_hbp.model.build import build_causal_lm
 from lit_hbp.model.packed_call import record_of
 from lit_hbp.report import format_table
 
-MODES = ("eager", "dynamic", "static", "cudagraphs")
+MODES = ("eager", "dynamic", "static", "cudagraphs", "cudagraphs_whole")
 COMPILE = {
     "dynamic": dict(dynamic=True),
     "static": dict(dynamic=False),
     "cudagraphs": dict(dynamic=False, mode="reduce-overhead"),
+    "cudagraphs_whole": dict(dynamic=False, mode="reduce-overhead"),
 }
+INDUCTOR = {"cudagraphs_whole": dict(graph_partition=False)}  # one graph a layer, or none (a skip, counted)
 
 
 def same_shape_packs(n: int, pack_len: int, docs: int, vocab: int, seed: int = 0) -> list:
@@ -67,7 +74,13 @@ def same_shape_packs(n: int, pack_len: int, docs: int, vocab: int, seed: int = 0
 
 def run(mode: str, config: dict, packs: list, args, device: torch.device) -> tuple[float, list[float], int]:
     """(seconds per optimizer step over the timed window, every step's loss, Python calls of one step)."""
+    with torch._inductor.config.patch(**INDUCTOR.get(mode, {})):
+        return _run(mode, config, packs, args, device)
+
+
+def _run(mode: str, config: dict, packs: list, args, device: torch.device) -> tuple[float, list[float], int]:
     torch._dynamo.reset()
+    counters["inductor"].clear()
     torch.manual_seed(args.seed)
     net = prepare_model(build_causal_lm(config).to(device))
     for layer in record_of(net).layers if mode in COMPILE else ():
@@ -76,7 +89,7 @@ def run(mode: str, config: dict, packs: list, args, device: torch.device) -> tup
     losses: list[torch.Tensor] = []
 
     def step(batch) -> None:
-        if mode == "cudagraphs":
+        if mode.startswith("cudagraphs"):
             torch.compiler.cudagraph_mark_step_begin()
         losses.append(optimizer_step(batch).detach())
 
@@ -104,7 +117,8 @@ def main() -> int:
     if args.docs < 1 or args.pack_len < 8 * args.docs:
         p.error("--pack-len must be at least 8 tokens a document")
     device = torch.device(args.device)
-    skipped = {"cudagraphs": "CUDA graphs: CUDA only"} if device.type != "cuda" else {}
+    cpu_only = device.type != "cuda"
+    skipped = {m: "CUDA graphs: CUDA only" for m in MODES if m.startswith("cudagraphs") and cpu_only}
     measured = [m for m in modes if m not in skipped]
     vocab = 256 if args.width < 512 else 32000
     config = model_config(args.layers, args.width, vocab)
@@ -112,13 +126,23 @@ def main() -> int:
     times: dict[str, list[float]] = {m: [] for m in measured}
     losses: dict[str, list[float]] = {}
     calls: dict[str, int] = {}
+    graph_skips: dict[str, int] = {}
     for _ in range(args.rounds):
         for mode in measured:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                seconds, losses[mode], calls[mode] = run(mode, config, packs, args, device)
+            if mode in skipped:
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    seconds, losses[mode], calls[mode] = run(mode, config, packs, args, device)
+            except Exception as e:  # a mode that fails is reported in its row; the others still measure
+                traceback.print_exc()
+                skipped[mode] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+                continue
+            graph_skips[mode] = int(counters["inductor"]["cudagraph_skips"])
             times[mode].append(seconds)
-    base = statistics.median(times["dynamic"]) if "dynamic" in times else None
+            print(f"measured {mode}: {seconds * 1e3:.2f} ms a step, {graph_skips[mode]} cudagraph skips", flush=True)
+    base = statistics.median(times["dynamic"]) if times.get("dynamic") else None
     ref = np.array(losses["eager"]) if "eager" in losses else None
     rows = []
     for mode in modes:
@@ -135,6 +159,7 @@ def main() -> int:
                 vs_dynamic=f"{ms / (base * 1e3):.2f}" if base else "",
                 python_calls=str(calls[mode]),
                 loss_vs_eager=f"{gap:.1e}",
+                cudagraph_skips=str(graph_skips[mode]) if mode.startswith("cudagraphs") else "",
             )
         )
     print(
@@ -142,7 +167,7 @@ def main() -> int:
         f"packs of {args.docs} documents in one shape, {args.steps} timed steps after {args.warmup}, median of "
         f"{args.rounds} rounds\n"
     )
-    cols = ["ms_per_step", "spread", "vs_dynamic", "python_calls", "loss_vs_eager"]
+    cols = ["ms_per_step", "spread", "vs_dynamic", "python_calls", "loss_vs_eager", "cudagraph_skips"]
     table = [{"name": r.pop("mode"), **dict.fromkeys(cols, ""), **r} for r in rows]
     print(format_table(table, [(c, "s") for c in cols], name="mode"))
     return 0

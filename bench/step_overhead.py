@@ -170,8 +170,8 @@ def run_fit(mode: str, config: dict, packs: list, args, device: torch.device) ->
     import lightning as L
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    from lit_hbp import strategy as hbp
     from lit_hbp.callbacks import HBPThroughputMonitor
+    from lit_hbp.lightning import strategy as hbp
     from lit_hbp.lightning.module import HBPLitModule
     from lit_hbp.packing.levels import Level
 
@@ -224,6 +224,8 @@ def main() -> int:
     if unknown := set(modes) - set(MODES):
         p.error(f"unknown modes {sorted(unknown)}; modes: {', '.join(MODES)}")
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # Lightning's single-device strategy needs the index
+        device = torch.device("cuda", torch.cuda.current_device())
     vocab = 256
     packs = make_packs(args.warmup + args.steps + COUNTED_STEPS, args.pack_len, vocab, args.seed)
     rows, ok = [], True
@@ -237,6 +239,7 @@ def main() -> int:
                 run = run_bare if mode == "bare" else lambda *a, m=mode: run_fit(m, *a)
                 seconds, ops[mode] = run(config, packs, args, device)
                 times[mode].append(seconds)
+                print(f"measured {layers} layers {mode}: {seconds * 1e3:.2f} ms a step", flush=True)
         bare = statistics.median(times["bare"]) if "bare" in times else None
         for mode in modes:
             ms = statistics.median(times[mode]) * 1e3

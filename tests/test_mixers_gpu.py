@@ -5,6 +5,7 @@ unprepared model on the same device and kernels. CPU exactness of every family i
 
 import importlib
 import importlib.util
+import inspect
 import re
 
 import pytest
@@ -21,13 +22,14 @@ KERNELS = {"qwen3_next": "fla", "bamba": "mamba_ssm", "mamba": "mamba_ssm", "lfm
 
 
 def assert_pack_like_each_alone(
-    family: str, device: str, ce_rel: float, grad_rel: float, torch_path: bool = False
+    family: str, device: str, ce_rel: float, grad_rel: float, torch_path: pytest.MonkeyPatch | None = None
 ) -> None:
     """The public-core check on ``device`` in fp32: CE sum and every gradient against each document alone;
-    ``torch_path``: the gated delta rule on transformers' PyTorch kernel where a kernel package is installed."""
+    ``torch_path`` (a monkeypatch): the gated delta rule on transformers' PyTorch kernel where a kernel package is
+    installed."""
     net = tiny(family).to(device).eval()
-    if torch_path:
-        on_torch(net)
+    if torch_path is not None:
+        on_torch(net, torch_path)
     ref = reference_of(net)
     prepare_model(net)
     net.eval()
@@ -51,15 +53,22 @@ def assert_pack_like_each_alone(
     assert worst < grad_rel, f"{family} on {device}: gradient of {where} off by {worst:.1e}"
 
 
-def on_torch(net: torch.nn.Module) -> None:
-    """Every gated delta rule mixer of ``net`` on transformers' PyTorch chunk kernel (transformers keeps the
-    kernel it picked as the mixer's ``chunk_gated_delta_rule``; a version that picks inside the call: skipped)."""
-    mixers = [m for m in net.modules() if hasattr(m, "chunk_gated_delta_rule")]
-    if not mixers:
-        pytest.skip("this transformers picks the gated delta rule's kernel inside the call")
-    kernel = importlib.import_module(type(mixers[0]).__module__).torch_chunk_gated_delta_rule
-    for m in mixers:
-        m.chunk_gated_delta_rule = kernel
+def on_torch(net: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every gated delta rule mixer of ``net`` on transformers' PyTorch chunk kernel. Transformers 5.x before 5.17
+    kept the kernel it picked as the mixer's ``chunk_gated_delta_rule``; 5.17-5.24 pick it when the module is
+    imported (``use_kernel_func_from_hub_with_fallback`` over ``torch_chunk_gated_delta_rule``, the PyTorch
+    function kept as its ``__wrapped__``), so the module's name is pointed at the PyTorch function for the test."""
+    mixers = [m for m in net.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    assert mixers, "no gated delta rule mixer in the model"
+    module = importlib.import_module(type(mixers[0]).__module__)
+    picked = module.torch_chunk_gated_delta_rule
+    if all(hasattr(m, "chunk_gated_delta_rule") for m in mixers):
+        for m in mixers:
+            m.chunk_gated_delta_rule = picked
+    elif hasattr(picked, "__wrapped__"):
+        monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", inspect.unwrap(picked))
+    else:
+        pytest.fail(f"{module.__name__}: no way found to put its gated delta rule on the PyTorch kernel")
 
 
 def fp32_on_cuda(check) -> None:
@@ -85,7 +94,21 @@ def test_a_hybrid_pack_on_the_gpu_trains_like_each_document_alone(family):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_gated_delta_rule_pack_on_transformers_pytorch_kernel_on_the_gpu_trains_like_each_document_alone():
+def test_a_gated_delta_rule_pack_on_transformers_pytorch_kernel_on_the_gpu_trains_like_each_document_alone(
+    monkeypatch,
+):
     """Qwen3-Next's mixers on transformers' PyTorch kernel on the GPU, where flash-linear-attention is installed
     too (on an H200 with Triton 3.6 that package refuses its backward: this is the path that trains there)."""
-    fp32_on_cuda(lambda: assert_pack_like_each_alone("qwen3_next", "cuda", 1e-4, 1e-3, torch_path=True))
+    fp32_on_cuda(lambda: assert_pack_like_each_alone("qwen3_next", "cuda", 1e-4, 1e-3, torch_path=monkeypatch))
+
+
+def test_the_gpu_tests_can_put_the_gated_delta_rule_on_transformers_pytorch_kernel(monkeypatch):
+    """On CPU: ``on_torch`` finds the installed transformers' PyTorch chunk kernel and puts every mixer of a tiny
+    Qwen3-Next on it (the GPU test above skipped on the H200 of 2026-11-30: transformers 5.17 picks the kernel when
+    the module is imported, where the test looked for it on the mixer)."""
+    net = tiny("qwen3_next")
+    module = importlib.import_module(type(next(m for m in net.modules() if hasattr(m, "A_log"))).__module__)
+    on_torch(net, monkeypatch)
+    kernel = inspect.unwrap(module.torch_chunk_gated_delta_rule)
+    assert module.torch_chunk_gated_delta_rule is kernel and kernel.__module__ == module.__name__
+    assert all(getattr(m, "chunk_gated_delta_rule", kernel) is kernel for m in net.modules())
