@@ -118,6 +118,15 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             ["--data.levels", "[{pack_len: 4x}]", "--model.model.max_position_embeddings", "4096"],
             "data.levels[0]: pack_len must be a whole number (e.g. 4096, or 4K = 4096, 1M = 1048576), got '4x'",
         ),
+        "a validation interval past limit_train_batches": (
+            ["--trainer.check_val_every_n_epoch", "1", "--trainer.val_check_interval", "20"]
+            + ["--trainer.limit_train_batches", "5"],
+            "trainer.val_check_interval is 20 batches but trainer.limit_train_batches is 5",
+        ),
+        "a validation interval past the epoch": (
+            ["--trainer.check_val_every_n_epoch", "1", "--trainer.val_check_interval", "100000"],
+            "trainer.val_check_interval is 100000 batches but this epoch's plan has",
+        ),
         "missing tokenizer": (
             ["--data.tokenizer", str(demo.parent / "tokenzer")],
             f"data.tokenizer: '{demo.parent / 'tokenzer'}' is neither a local folder",
@@ -132,10 +141,11 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "LightningCLI's optimizer", "a negative learning-rate floor", "Lightning's overfit loader",
          "a misspelled strategy", "a strategy class given as a name", "clipping by value under DeepSpeed",
          "negative collate workers", "a ZeRO stage DeepSpeed has not", "a precision plugin not installed",
-         "a demo_dir link to nothing", "a demo_dir that is a file"]  # fmt: skip
+         "a demo_dir link to nothing", "a demo_dir that is a file", "a validation interval past limit_train_batches",
+         "a validation interval past the epoch"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
-AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length"}
+AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch"}
 
 
 @pytest.mark.parametrize("case", CASES)

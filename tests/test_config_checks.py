@@ -7,12 +7,16 @@ import logging
 import warnings
 from pathlib import Path
 
+import lightning as L
 import pytest
+import torch
 import yaml
 from conftest import TINY_LLAMA
 
 from lit_hbp.cli.app import main
 from lit_hbp.cli.checks import world_size_of
+from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.loader import check_validation_interval
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model.checks import check_model_config, check_positions, valid_config_keys
 from lit_hbp.packing import Level
@@ -342,3 +346,53 @@ def test_an_interpolation_the_command_line_broke_is_a_short_error(small_demo, tm
     err = capsys.readouterr().err
     assert err.startswith("error: Interpolation key") and "data.levels[2].pack_len" in err
     assert "model.model.max_position_embeddings" in err and "Traceback" not in err
+
+
+class OneWeight(L.LightningModule):
+    """A plain LightningModule of one weight: Lightning's fit loop is the reference, not lit-hbp's module."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, _):
+        return (self.w * batch).sum()
+
+    def validation_step(self, batch, _):
+        return None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "interval,every,limit,limit_val,batches",
+    [(20, 1, 1.0, 1.0, 8), (8, 1, 1.0, 1.0, 8), (9, 1, 1.0, 1.0, 8), (9, None, 1.0, 1.0, 8), (9, 1, 1.0, 0, 8),
+     (5, 1, 4, 1.0, 8), (4, 1, 4, 1.0, 8), (5, 1, 0.5, 1.0, 8), (4, 1, 0.5, 1.0, 8), (0.5, 1, 3, 1.0, 8)],
+)  # fmt: skip
+def test_a_validation_interval_is_refused_where_lightnings_fit_loop_stops(interval, every, limit, limit_val, batches):
+    """``check_validation_interval`` against Lightning's own fit loop on a plain module and loader of ``batches``:
+    refused (before the data, from the limit, or from the plan's length) exactly where Lightning stops."""
+    settings = dict(val_check_interval=interval, check_val_every_n_epoch=every, limit_train_batches=limit,
+                    limit_val_batches=limit_val, max_steps=1)  # fmt: skip
+    common = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False)  # fmt: skip
+    loader = torch.utils.data.DataLoader(torch.ones(batches, 1), batch_size=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            L.Trainer(**common, **settings).fit(OneWeight(), loader, torch.utils.data.DataLoader(torch.ones(2, 1)))
+            lightning_stops = False
+        except ValueError as e:
+            assert "val_check_interval" in str(e)
+            lightning_stops = True
+        trainer = L.Trainer(**common, **settings)
+    refused = []
+    for steps in (None, batches):  # before the data is read, then with the plan's length
+        try:
+            check_validation_interval(trainer, steps)
+        except ConfigError as e:
+            refused.append(str(e))
+    assert bool(refused) == lightning_stops, refused
+    if refused and isinstance(limit, int) and interval > limit:
+        assert "limit_train_batches is" in refused[0]  # said before the data is read

@@ -349,6 +349,8 @@ def check_trainer_values(section: Any) -> None:
 
     from lightning.pytorch import Trainer
 
+    from lit_hbp.lightning.loader import check_validation_interval
+
     trainer = section.get("trainer")
     if trainer is None:
         return
@@ -382,11 +384,12 @@ def check_trainer_values(section: Any) -> None:
         probes.append(dict(hardware, strategy="auto", logger=False, num_nodes=values.get("num_nodes", 1)))
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)  # no "GPU available" banner from the probe: the run prints its own
+    built = []
     try:
         for probe in probes:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                Trainer(**probe)
+                built.append(Trainer(**probe))
     except (MisconfigurationException, ValueError, TypeError, RuntimeError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         named = [k for k in re.findall(r"`(?:Trainer\()?(\w+)(?:=[^`]*)?`", message) if k in {**values, **hardware}]
@@ -396,3 +399,4 @@ def check_trainer_values(section: Any) -> None:
         raise ConfigError(f"{key}: {message}") from None
     finally:
         logging.disable(previous)
+    check_validation_interval(built[0])  # the config's values as Lightning parsed them

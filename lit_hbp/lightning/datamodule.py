@@ -45,6 +45,7 @@ from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their fi
     PlanSampler,
     StoreSamples,
     check_epoch_lengths,
+    check_validation_interval,
     ignore_sigint,
     media_inputs,
 )
@@ -325,6 +326,7 @@ class HBPDataModule(L.LightningDataModule):
                 )
             if stage == "fit":
                 check_epoch_lengths(self.trainer, self.packer)
+                check_validation_interval(self.trainer)
         if stage == "validate" and not (self.val_fraction or self.val_sources):
             raise ConfigError(
                 "nothing to validate: the data has no validation split; set data.val_fraction (a share of the "
@@ -479,6 +481,8 @@ class HBPDataModule(L.LightningDataModule):
         media = self._media_inputs(self.store)
         dataset = MicroBatchDataset(self.store, self.sharding_levels(), rank, self.pad_id, media)
         sampler = PlanSampler(self, epoch, rank)
+        if self.trainer is not None:
+            check_validation_interval(self.trainer, len(sampler))
         return PlanLoader(self, dataset, sampler, **self._worker_settings(workers), pin_memory=pin)
 
 

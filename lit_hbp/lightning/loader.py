@@ -122,6 +122,34 @@ def check_epoch_lengths(trainer: Any, packer: str) -> None:
         )
 
 
+def check_validation_interval(trainer: Any, micro_steps: int | None = None) -> None:
+    """An int ``val_check_interval`` larger than the epoch's training batches, with validation by epoch: Lightning
+    stops with a traceback once the loader is built, after the data is tokenized. Refused by name before the data
+    is read when ``limit_train_batches`` (an int) already says so, else once the plan's ``micro_steps`` are
+    known, on the condition Lightning's fit loop checks (``limit_train_batches`` applied as it applies it)."""
+    t, interval = trainer, getattr(trainer, "val_check_interval", None)  # a stand-in trainer: not asked
+    if not isinstance(interval, int) or isinstance(interval, bool) or t.check_val_every_n_epoch is None:
+        return
+    if getattr(t, "_val_check_time_interval", None) is not None or not t.limit_val_batches > 0:
+        return
+    limit = t.limit_train_batches
+    if micro_steps is None:
+        if not isinstance(limit, int) or interval <= limit:
+            return
+        batches, why = limit, f"trainer.limit_train_batches is {limit}"
+    else:
+        batches = min(micro_steps, limit) if isinstance(limit, int) else int(micro_steps * limit)
+        if interval <= batches or batches == 0:
+            return
+        limited = f" ({micro_steps} before limit_train_batches {limit})" if batches != micro_steps else ""
+        why = f"this epoch's plan has {batches} micro-batches a rank{limited}"
+    raise ConfigError(
+        f"trainer.val_check_interval is {interval} batches but {why}, so validation would never run within an "
+        "epoch (Lightning stops on it): give a smaller val_check_interval, a float (a share of the epoch), or "
+        "check_val_every_n_epoch: null to count batches across epochs"
+    )
+
+
 class PlanSampler(Sampler[tuple[int, int, MicroBatch]]):
     """This rank's micro-batches of the epoch, as (epoch, micro-step, MicroBatch); ``set_epoch``
     switches to that epoch's plan. Its length is always the whole epoch, and after a resume it
