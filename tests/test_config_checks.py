@@ -162,7 +162,8 @@ def test_rope_scaling_that_covers_the_levels_is_stated():
 def test_levels_past_where_a_dynamic_or_longrope_rotary_embedding_rescales_are_refused():
     """transformers rescales dynamic and longrope rotary frequencies by a call's longest position: levels past
     that length would pack a long document's scaling onto its neighbours (the packed call refuses such a pack;
-    tests/test_prepared_model.py); refused from the config, and the level search stops there."""
+    tests/test_prepared_model.py); refused from the config, and the level search stops there. A longrope pack at
+    sp 1 gives each document its own factors: only its SP levels past the length are refused."""
     from transformers import AutoConfig
 
     from lit_hbp.autoselect.selector import position_limit
@@ -174,9 +175,10 @@ def test_levels_past_where_a_dynamic_or_longrope_rotary_embedding_rescales_are_r
     rope = {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [4.0] * 32}
     shape = dict(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072, pad_token_id=0)
     phi3 = AutoConfig.for_model("phi3", original_max_position_embeddings=4096, rope_scaling=rope, **shape)
-    with pytest.raises(ValueError, match=r"pack_len 32768 passes 4096, past which the model's rope_type 'longrope'"):
-        check_positions(phi3, LEVELS)
-    assert check_positions(phi3, [Level(4096)]) is None
+    assert check_positions(phi3, LEVELS) is None  # sp 1
+    with pytest.raises(ValueError, match=r"pack_len 32768 at sp 2 passes 4096, past which the model's rope_type 'lo"):
+        check_positions(phi3, [Level(2048), Level(32768, 2)])
+    assert check_positions(phi3, [Level(4096, 2), Level(32768)]) is None
     assert position_limit(phi3.to_dict()) == 4096 and position_limit(dynamic.to_dict()) == 2048
     yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048}
     assert position_limit(llama(max_position_embeddings=2048, rope_parameters=yarn).to_dict()) == 32768

@@ -472,19 +472,22 @@ def doc_pairs(lengths: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "longrope", "linear"])
-@pytest.mark.parametrize("lengths", [[12, 10, 15], [30], [12, 30]], ids=["within", "one-long", "mixed"])
+@pytest.mark.parametrize(
+    "lengths", [[12, 10, 15], [30], [12, 30], [20, 5, 17, 16, 33]], ids=["within", "one-long", "mixed", "mixed-many"]
+)
 def test_a_rotary_embedding_scaled_by_the_calls_longest_position_packs_exactly_or_is_refused(kind, lengths):
     """transformers' dynamic and longrope rotary embeddings choose their frequencies from the call's longest
     position: a pack trains as each document alone (a fresh unprepared model, eager) while its documents stay
-    within the rescaling length or it holds one; a pack mixing a longer document with others is refused through
-    packed_loss and the model's own packed call. A static rope type (linear) packs any mix."""
+    within the rescaling length or it holds one. A longrope pack mixing longer documents with others gives each
+    token its own document's factors (``rope.per_document_longrope``: 17 and 33 long, 16 and 5 short); a dynamic
+    one is refused through packed_loss and the model's own packed call. A static rope type (linear) packs any mix."""
     pairs = doc_pairs(lengths)
     refs = [rope_model(kind, "eager") for _ in pairs]  # each alone from a fresh model: dynamic's state is per call
     ce = sum(alone(ref, [p])[0] for ref, p in zip(refs, pairs))
     model = prepare_model(rope_model(kind, "sdpa"))
     batch = pack_samples(pairs)
-    if kind != "linear" and lengths == [12, 30]:
-        with pytest.raises(ValueError, match=rf"rope_type '{kind}': a pack of 2 documents whose longest is 30 tokens"):
+    if kind == "dynamic" and len(lengths) > 1 and max(lengths) > 16:
+        with pytest.raises(ValueError, match=rf"rope_type '{kind}': a pack of {len(lengths)} documents whose longest"):
             packed_loss(model, batch, "sum")
         with pytest.raises(ValueError, match=rf"rope_type '{kind}'.* at pack_len <= 16"):
             model(**pack_inputs(batch))
@@ -496,6 +499,24 @@ def test_a_rotary_embedding_scaled_by_the_calls_longest_position_packs_exactly_o
     for name, p in model.named_parameters():
         want = sum(dict(ref.named_parameters())[name].grad for ref in refs)
         torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():  # the model's own packed call: each document's logits as it alone gives them
+        logits = model(**pack_inputs(batch)).logits[0]
+        cu = batch.cu_seqlens.tolist()
+        for i, (ref, (ids, _)) in enumerate(zip(refs, pairs)):
+            alone_logits = ref(input_ids=torch.as_tensor(ids)[None]).logits[0]
+            close(logits[cu[i] : cu[i + 1]], alone_logits)
+
+
+def test_a_longrope_pack_split_over_an_sp_group_past_its_length_is_refused():
+    """On an SP level each rank's shard would choose the long or short factors by its own longest position: a
+    longrope pack past the length there is refused by name (sp 1 packs it exactly, the test above)."""
+    from lit_hbp.model.rope import rope_scope
+
+    model = prepare_model(rope_model("longrope", "sdpa"))
+    batch = pack_samples(doc_pairs([12, 30]))
+    pack = {**pack_inputs(batch), "hbp_sp": object()}
+    with pytest.raises(ValueError, match="rope_type 'longrope': a pack of a document split over an SP group.*at sp 1"):
+        rope_scope(model.model, record_of(model).rope_limit, pack)
 
 
 def test_a_packed_call_refuses_a_mask_of_its_own_and_attention_weights_asked_by_the_config():

@@ -171,7 +171,8 @@ def position_limit(model) -> int | None:
     """The longest position a model config (a mapping, a config.json or a checkpoint folder) covers,
     None when it does not say or cannot be read here: the fit refuses levels past it
     (``checks.check_positions``: past ``max_position_embeddings`` uncovered, or past the length at which a
-    dynamic or longrope rotary embedding rescales), so the search does not choose them."""
+    dynamic or longrope rotary embedding rescales; a longrope one trains past it at sp 1 only, and the search may
+    choose sp > 1), so the search does not choose them."""
     if not isinstance(model, dict):
         path = Path(str(model))
         path = path / "config.json" if path.is_dir() else path

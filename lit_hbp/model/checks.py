@@ -200,12 +200,22 @@ def check_positions(config: Any, levels: Sequence[Any] | None) -> str | None:
     """A document as long as the largest level's pack_len uses positions up to pack_len - 1 (positions
     restart per document): refuse levels past the model's max_position_embeddings unless its RoPE
     scaling covers them, in which case the extension is returned (for the caller to log), and levels past
-    the length at which a dynamic or longrope rotary embedding rescales (``rescaling_limit``)."""
+    the length at which a dynamic rotary embedding rescales (``rescaling_limit``; a longrope one: levels past it
+    at sp > 1)."""
     if not levels:
         return None
     longest = max(int(getattr(lv, "pack_len", lv)) for lv in levels)
     rescaled = rescaling_limit(config)
-    if rescaled is not None and longest > rescaled[1]:
+    if rescaled is not None and rescaled[0] == "longrope":  # packs exactly at sp 1 (rope.per_document_longrope)
+        split = [lv for lv in levels if getattr(lv, "sp", 1) > 1 and int(getattr(lv, "pack_len", lv)) > rescaled[1]]
+        if split:
+            raise ConfigError(
+                f"the level of pack_len {split[0].pack_len} at sp {split[0].sp} passes {rescaled[1]}, past which the "
+                "model's rope_type 'longrope' takes its long factors by a call's longest position: the ranks of "
+                f"an SP group would each choose for their share of a document. Keep levels past {rescaled[1]} "
+                "tokens at sp 1, where a longrope pack gives each document its own factors"
+            )
+    elif rescaled is not None and longest > rescaled[1]:
         kind, at = rescaled
         raise ConfigError(
             f"the largest level's pack_len {longest} passes {at}, past which the model's rope_type {kind!r} "

@@ -57,6 +57,7 @@ from lit_hbp.data.batch import DOCS_MARK, PACK_MARK, PackedBatch
 from lit_hbp.data.media_batch import TOKEN_KEYS
 from lit_hbp.model import calls
 from lit_hbp.model.offload import host_offload, offloaded_checkpoint
+from lit_hbp.model.rope import rope_scope
 from lit_hbp.model.tiling import install_tiling
 from lit_hbp.model.vision import attends_both_ways, refuse_bidirectional
 from lit_hbp.parallel.context import sp_call
@@ -96,7 +97,8 @@ class Prepared:
     # layers' checkpoint function while packed calls run
     tiles_of: Any = None
     checkpoint: Any = None
-    # (rope type, length) of a rotary embedding that rescales by the call's longest position (``rescaling_limit``)
+    # (rope type, length) of a rotary embedding that rescales by the call's longest position (``rescaling_limit``,
+    # ``rope.rope_scope``)
     rope_limit: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
@@ -280,35 +282,12 @@ def pack_scope(
     ids = (pack or {}).get("input_ids")
     documents = ids.__dict__.get(DOCS_MARK) if isinstance(ids, torch.Tensor) else None
     pack = {} if pack is None else {k: pack[k] for k in PACK_KEYS if pack.get(k) is not None}
-    check_rope(prepared, pack, documents)
+    rope = rope_scope(model, prepared.rope_limit, pack, documents)  # refused here, before the call
     offloader = host_offload(unwrapped(model)) if offload else None
     host = {"bounds": list(bounds)} if bounds is not None else {}
     call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, dict(tower or {}), host)
-    with _layer_flags(prepared, ckpt_layers), calls.entered(call), sizes_apart():
+    with _layer_flags(prepared, ckpt_layers), calls.entered(call), sizes_apart(), rope:
         yield
-
-
-def check_rope(prepared: Prepared, pack: dict, documents: int | None = None) -> None:
-    """A packed call whose rotary frequencies the call's longest position would choose for every document
-    (``checks.rescaling_limit``) is refused: past the limit the longest document's scaling (dynamic) or long factors
-    (longrope) would apply to its shorter neighbours, and on an SP level each rank's shard would choose its own.
-    One document per pack, or every document within the limit, trains as it alone would. ``documents``: the
-    pack's documents where its token ids say (``DOCS_MARK``: a padding segment not counted), else its segments."""
-    if prepared.rope_limit is None or "max_length_q" not in pack:
-        return
-    kind, limit = prepared.rope_limit
-    longest, cu = int(pack["max_length_q"]), pack.get("cu_seq_lens_q")
-    if documents is None:
-        documents = int(cu.numel()) - 1 if isinstance(cu, torch.Tensor) else 1
-    sharded = pack.get("hbp_sp") is not None or pack.get("hbp_cp_shard") is not None
-    if longest > limit and (documents > 1 or sharded):
-        where = f"{documents} documents" if documents > 1 else "a document split over an SP group"
-        raise ValueError(
-            f"rope_parameters rope_type {kind!r}: a pack of {where} whose longest is {longest} tokens, past the "
-            f"{limit} at which this rotary embedding rescales by the call's longest position: its other documents "
-            f"(or shards) would take that scaling, unlike each alone. Keep levels with more than one document (or "
-            f"sp > 1) at pack_len <= {limit}, or give the model a static rope_type (linear, yarn, llama3)"
-        )
 
 
 def sizes_apart() -> contextlib.AbstractContextManager:
