@@ -26,6 +26,7 @@ def longrope_module(model: torch.nn.Module) -> torch.nn.Module | None:
             getattr(module, "rope_type", None) == "longrope"
             and isinstance(getattr(module, "original_inv_freq", None), torch.Tensor)
             and isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+            and getattr(module, "config", None) is not None
             and hasattr(type(module).forward, "__wrapped__")
         ):
             return module
