@@ -519,6 +519,30 @@ def test_a_longrope_pack_split_over_an_sp_group_past_its_length_is_refused():
         rope_scope(model.model, record_of(model).rope_limit, pack)
 
 
+def test_per_document_longrope_changes_only_the_calling_threads_rotary_calls():
+    """The longrope hook sits on the rotary module for the duration of one packed call: a call of the same module
+    from another thread meanwhile (another length, no pack) gets what the module alone gives."""
+    import threading
+
+    from lit_hbp.model.rope import per_document_longrope
+
+    model = rope_model("longrope", "eager")
+    rotary = model.model.rotary_emb
+    x, positions = torch.zeros(1, 40, 8), torch.arange(40)[None]
+    want = rotary(x, positions)
+    got = {}
+    cu = torch.tensor([0, 12, 42])
+    with per_document_longrope(rotary, cu, 16):
+        worker = threading.Thread(target=lambda: got.update(out=rotary(x, positions)))
+        worker.start()
+        worker.join()
+        mine = rotary(torch.zeros(1, 42, 8), torch.cat([torch.arange(12), torch.arange(30)])[None])
+    for a, b in zip(got["out"], want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    short = rotary(torch.zeros(1, 12, 8), torch.arange(12)[None])  # the 12-token document alone: short factors
+    torch.testing.assert_close(mine[0][:, :12], short[0], rtol=1e-6, atol=1e-6)
+
+
 def test_a_packed_call_refuses_a_mask_of_its_own_and_attention_weights_asked_by_the_config():
     """A 4-D (or per-layer) attention_mask beside a pack's boundaries, and ``config.output_attentions`` (which
     transformers reads without passing it to the attention), would be ignored by lit-hbp's attention: refused.

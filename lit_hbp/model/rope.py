@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,10 +47,14 @@ def _long_inv_freq(rotary: torch.nn.Module, limit: int, device: torch.device) ->
 def per_document_longrope(rotary: torch.nn.Module, cu_seqlens: torch.Tensor, limit: int) -> Iterator[None]:
     """For this call, ``rotary`` gives each token of a pack (documents at ``cu_seqlens``) the cosines and sines
     its document alone would get: the long factors' where the document is longer than ``limit``, the short
-    ones' elsewhere (both from the rotary's own undecorated forward; the attention scaling is one for both)."""
+    ones' elsewhere (both from the rotary's own undecorated forward; the attention scaling is one for both). Only
+    this thread's calls: another thread calling the same module meanwhile gets its own output."""
     plain = inspect.unwrap(type(rotary).forward)
+    owner = threading.get_ident()  # the hook sits on the module: another thread's call keeps its own output
 
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple[torch.Tensor, ...] | None:
+        if threading.get_ident() != owner:
+            return None
         x = args[0] if args else kwargs["x"]
         positions = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
         total = int(positions.shape[-1])
