@@ -780,6 +780,63 @@ def test_a_cap_keeps_the_largest_level_and_says_what_it_leaves_to_over_length():
     assert note.startswith("1 sample (4,194,304 tokens, the longest 4,194,304) is longer than the largest level")
 
 
+def phi3_folder(tmp_path, rope, **shape) -> str:
+    """A Phi-3-mini-128k-shaped checkpoint's config.json in a folder, as ``save_pretrained`` writes it."""
+    from transformers import AutoConfig
+
+    dims = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32)
+    dims.update(max_position_embeddings=131072, vocab_size=32064)
+    dims.update(shape)
+    config = AutoConfig.for_model("phi3", original_max_position_embeddings=4096, rope_scaling=rope, **dims)
+    folder = tmp_path / f"phi3_{len(list(tmp_path.iterdir()))}"
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_longrope_models_levels_past_its_original_positions_stay_at_sp_1():
+    """Phi-3's longrope packs exactly past ``original_max_position_embeddings`` at sp 1 only (the fit refuses an
+    SP level there): the search keeps every sample up to the positions the model covers, choosing sp 1 for every
+    level past 4,096 tokens, where the same model with a static rotary embedding takes sp > 1; a largest level
+    no single rank holds is refused saying so, and the levers it names are sp 1 ones."""
+    import tempfile
+
+    from lit_hbp.autoselect import AnalyticSelector, RunSetting
+    from lit_hbp.autoselect.levers import NoLevelFits
+    from lit_hbp.autoselect.selector import position_limit, whole_past
+    from lit_hbp.model.checks import check_positions
+
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48}
+    rng = np.random.default_rng(0)
+    lengths = np.r_[rng.integers(200, 4000, 3000), rng.integers(4000, 30000, 300), rng.integers(30000, 120000, 20)]
+    with tempfile.TemporaryDirectory() as tmp:
+        longrope, static = phi3_folder(Path(tmp), rope), phi3_folder(Path(tmp), None)
+        assert (position_limit(longrope), whole_past(longrope)) == (131072, 4096)
+        assert (position_limit(static), whole_past(static)) == (131072, None)
+        chosen = {}
+        for name, folder in (("longrope", longrope), ("static", static)):
+            run = RunSetting.from_config({"model": {"model": folder}, "trainer": {"precision": "bf16-mixed"}}, None, 8)
+            chosen[name] = AnalyticSelector("h100").select(lengths, run)
+        levels = chosen["longrope"].levels
+        assert levels[-1].pack_len == 131072  # every sample kept, not capped at 4,096
+        assert all(lv.sp == 1 for lv in levels if lv.pack_len > 4096), chosen["longrope"].yaml()
+        from transformers import AutoConfig
+
+        assert check_positions(AutoConfig.from_pretrained(longrope), levels) is None  # what the fit accepts
+        assert any(lv.sp > 1 for lv in chosen["static"].levels if lv.pack_len > 4096), chosen["static"].yaml()
+        assert chosen["longrope"].notes[-1].startswith("levels past 4,096 tokens stay at sp 1")
+
+        rope64 = {"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [4.0] * 64}
+        wide = dict(hidden_size=5120, intermediate_size=17920, num_attention_heads=40, num_key_value_heads=10)
+        wide.update(num_hidden_layers=40, head_dim=128, max_position_embeddings=1 << 20)
+        big = phi3_folder(Path(tmp), rope64, **wide)
+        run = RunSetting.from_config({"model": {"model": big}, "trainer": {"precision": "bf16-mixed"}}, None, 8)
+        with pytest.raises(NoLevelFits) as refused:
+            AnalyticSelector("h100").select(np.r_[np.full(100, 2000), 1 << 20], run)
+    err = str(refused.value)
+    assert "1,048,576-token level, which past the model's longrope positions (4,096) runs at sp 1 only" in err
+    assert "GPUs (trainer.devices" not in err  # more GPUs would not help a level that stays on one
+
+
 def test_the_autoselect_modules_import_each_other_in_no_circle():
     """Each module of lit_hbp/autoselect imports only modules below it: no circle, also through imports made
     inside functions or for type checking only (the package's __init__ hands names on and is left out)."""

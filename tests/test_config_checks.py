@@ -163,10 +163,11 @@ def test_levels_past_where_a_dynamic_or_longrope_rotary_embedding_rescales_are_r
     """transformers rescales dynamic and longrope rotary frequencies by a call's longest position: levels past
     that length would pack a long document's scaling onto its neighbours (the packed call refuses such a pack;
     tests/test_prepared_model.py); refused from the config, and the level search stops there. A longrope pack at
-    sp 1 gives each document its own factors: only its SP levels past the length are refused."""
+    sp 1 gives each document its own factors: only its SP levels past the length are refused (and the search
+    keeps them at sp 1)."""
     from transformers import AutoConfig
 
-    from lit_hbp.autoselect.selector import position_limit
+    from lit_hbp.autoselect.selector import position_limit, whole_past
 
     dynamic = llama(max_position_embeddings=2048, rope_parameters={"rope_type": "dynamic", "factor": 16.0})
     with pytest.raises(ValueError, match=r"pack_len 32768 passes 2048, past which the model's rope_type 'dynamic'"):
@@ -179,7 +180,8 @@ def test_levels_past_where_a_dynamic_or_longrope_rotary_embedding_rescales_are_r
     with pytest.raises(ValueError, match=r"pack_len 32768 at sp 2 passes 4096, past which the model's rope_type 'lo"):
         check_positions(phi3, [Level(2048), Level(32768, 2)])
     assert check_positions(phi3, [Level(4096, 2), Level(32768)]) is None
-    assert position_limit(phi3.to_dict()) == 4096 and position_limit(dynamic.to_dict()) == 2048
+    assert position_limit(phi3.to_dict()) == 131072 and position_limit(dynamic.to_dict()) == 2048
+    assert whole_past(phi3.to_dict()) == 4096 and whole_past(dynamic.to_dict()) is None  # longrope: sp 1 past it
     yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048}
     assert position_limit(llama(max_position_embeddings=2048, rope_parameters=yarn).to_dict()) == 32768
 

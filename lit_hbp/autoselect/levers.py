@@ -18,12 +18,13 @@ from itertools import combinations
 
 import numpy as np
 
-from lit_hbp.autoselect.memory_fit import TILE_STEPS, Placement, fit_anywhere
+from lit_hbp.autoselect.memory_fit import TILE_STEPS, Placement, fit_anywhere, layouts_at
 from lit_hbp.autoselect.profiler import MemoryProfiler
 from lit_hbp.cost.costmodel import GIB, CostModel
 from lit_hbp.cost.run_settings import CONFIG, SIMULATE, SWITCHES, Tool, problems, refusal
 from lit_hbp.packing.levels import Level
 from lit_hbp.parallel.context_parallel import ContextParallel
+from lit_hbp.parallel.groups import as_layout
 
 MAX_LEVER_GPUS = 4096
 """The most GPUs a refusal looks for (doubling the run's world)."""
@@ -87,6 +88,7 @@ class FitQuestion:
     capacity: float | None = None
     memory_settings: bool = True
     tool: Tool = CONFIG
+    whole_past: int | None = None  # past it only sp 1 (a longrope model's original positions)
 
     @property
     def device_bytes(self) -> float:
@@ -99,7 +101,11 @@ class FitQuestion:
         cost = cost or self.cost
         settings = self.memory_settings if memory_settings is None else memory_settings
         profiler = MemoryProfiler(cost, self.device_bytes, settings)
-        return fit_anywhere(profiler, pack_len, self.layouts_of(cost.world), cost.model.layers, self.margin)
+        return fit_anywhere(profiler, pack_len, self.layouts(pack_len, cost.world), cost.model.layers, self.margin)
+
+    def layouts(self, pack_len: int, world: int) -> list:
+        """The (sp, cp) layouts ``world`` offers a level of ``pack_len`` (only sp 1 past ``whole_past``)."""
+        return [as_layout(x) for x in layouts_at(self.layouts_of(world), pack_len, self.whole_past)]
 
 
 def settings_lever(q: FitQuestion, pack_len: int) -> list[Lever]:
@@ -180,7 +186,7 @@ def closest(q: FitQuestion, pack_len: int) -> str:
     checkpointed (offloaded, in the most tiles, where the search may)."""
     cost, layers = q.cost, q.cost.model.layers
     rows = []
-    for sp, cp in q.layouts_of(cost.world):
+    for sp, cp in q.layouts(pack_len, cost.world):
         if pack_len % sp:
             continue
         tiles = most_tiles(cost, pack_len, sp) if q.memory_settings else 1
@@ -237,7 +243,10 @@ def no_level_fits(q: FitQuestion, pack_len: int, lengths=None) -> NoLevelFits:
     found = levers(q, pack_len, lengths)
     fix = "it fits with " + "; or ".join(map(str, found)) if found else f"no lever makes it fit: {static_note(q)}"
     where = f"{world} x {hw.name} at ZeRO-{q.cost.zero_stage}{run_flags(q)} ({closest(q, pack_len)})"
-    return NoLevelFits(f"{longest}a {pack_len:,}-token level, which fits no sp of {where}: {fix}", pack_len, found)
+    fits = f"fits no sp of {where}"
+    if q.whole_past is not None and pack_len > q.whole_past:  # a longrope model: sp 1 only past its positions
+        fits = f"past the model's longrope positions ({q.whole_past:,}) runs at sp 1 only, and fits on none of {where}"
+    return NoLevelFits(f"{longest}a {pack_len:,}-token level, which {fits}: {fix}", pack_len, found)
 
 
 def why_not_fits(cost: CostModel, level: Level) -> str:

@@ -110,6 +110,15 @@ class Placement:
         return f"{self.memory / GIB:.1f} of {capacity / GIB:.1f} GiB at {layout}, {how}"
 
 
+def layouts_at(layouts, pack_len: int, whole_past: int | None = None) -> list:
+    """The ``layouts`` a level of ``pack_len`` may take: past ``whole_past`` only sp 1 (a longrope rotary
+    embedding's original positions, past which each document's factors depend on its own length: a pack at
+    sp 1 gives each its own, an SP group's ranks could not; ``checks.check_positions``)."""
+    if whole_past is None or pack_len <= whole_past:
+        return list(layouts)
+    return [x for x in layouts if as_layout(x)[0] == 1]
+
+
 def fit_anywhere(profiler, pack_len: int, layouts, layers: int, margin: float = 0.0) -> Placement | None:
     """The first layout, fewest ranks first, in which ``pack_len`` fits (``fit_memory``: checkpointing,
     then offload, then MLP tiles), or None: the search's question for its largest level, asked of

@@ -19,7 +19,7 @@ import numpy as np
 
 from lit_hbp.autoselect.levers import FitQuestion, no_level_fits
 from lit_hbp.autoselect.memory_fit import TILE_STEPS as TILE_STEPS  # the tile counts, where bench/ reads them
-from lit_hbp.autoselect.memory_fit import fit_memory
+from lit_hbp.autoselect.memory_fit import fit_memory, layouts_at
 from lit_hbp.autoselect.profiler import AnalyticProfiler, Candidate, Profiler
 from lit_hbp.cost.costmodel import GIB, CostModel
 from lit_hbp.cost.run_settings import CONFIG, Tool
@@ -77,13 +77,19 @@ class LargestDoesNotFit(ValueError):
 
 
 def find_best_sp_ckpt(
-    profiler: Profiler, pack_len: int, sp_candidates, c_min: int, c_max: int, margin: float = 0.0
+    profiler: Profiler,
+    pack_len: int,
+    sp_candidates,
+    c_min: int,
+    c_max: int,
+    margin: float = 0.0,
+    whole_past: int | None = None,
 ) -> tuple[Candidate | None, list[Candidate]]:
     """Algorithm 3: the (sp, cp, ckpt) with the most tokens per second per device at ``pack_len``;
-    ``sp_candidates`` are degrees (Ulysses) or (sp, cp) layouts."""
+    ``sp_candidates`` are degrees (Ulysses) or (sp, cp) layouts, only sp 1 past ``whole_past``."""
     rows = []
     best = None
-    for layout in sp_candidates:
+    for layout in layouts_at(sp_candidates, pack_len, whole_past):
         sp, cp = as_layout(layout)
         if pack_len % sp:
             continue
@@ -113,20 +119,22 @@ def auto_select(
     c_min: int = 0,
     margin: float = 0.0,
     sp_kind: str = "ulysses",
+    whole_past: int | None = None,
 ) -> Selection:
     """Algorithm 1: levels (pack_len, sp, ckpt_layers) for the data, model and hardware; levels with
-    sp > 1 split their packs the ``sp_kind`` way."""
+    sp > 1 split their packs the ``sp_kind`` way; levels past ``whole_past`` tokens stay at sp 1."""
     pack_lens = sorted(set(int(x) for x in pack_lens))
     candidates, results = [], {}
     for length in pack_lens:
-        best, rows = find_best_sp_ckpt(profiler, length, sp_candidates, c_min, num_layers, margin)
+        best, rows = find_best_sp_ckpt(profiler, length, sp_candidates, c_min, num_layers, margin, whole_past)
         candidates += rows
         results[length] = best
     largest = results[pack_lens[-1]]
     if largest is None:
         raise LargestDoesNotFit(
-            f"the largest pack length {pack_lens[-1]} fits with no sp in {list(sp_candidates)}: more GPUs per "
-            "SP group or a smaller largest level are needed"
+            f"the largest pack length {pack_lens[-1]} fits with no sp in "
+            f"{layouts_at(sp_candidates, pack_lens[-1], whole_past)}: more GPUs per SP group or a smaller largest "
+            "level are needed"
         )
     feasible = {k: v for k, v in results.items() if v is not None}
     best = max(feasible.values(), key=lambda c: c.tokens_per_second)
@@ -148,7 +156,7 @@ def auto_select(
             note = "stage 2: l1 = l_best / sp_best"
             lengths[l1] = Candidate(l1, 1, fit.ckpt, m, note, 1, fit.offload, fit.tiles)
         else:
-            cand, rows = find_best_sp_ckpt(profiler, length, sp_candidates, c_min, num_layers, margin)
+            cand, rows = find_best_sp_ckpt(profiler, length, sp_candidates, c_min, num_layers, margin, whole_past)
             candidates += rows
             if cand is not None:
                 lengths[length] = cand
@@ -237,6 +245,7 @@ def select_levels(
     node_size: int | None = None,
     cost: CostModel | None = None,
     tool: Tool = CONFIG,
+    whole_past: int | None = None,
 ) -> Selection:
     """The level search every tool runs (``simulate``, ``autoselect``, the selectors of a fit):
     Algorithm 1 over pack lengths up to the one that holds the longest sample (``covering_length``,
@@ -247,7 +256,8 @@ def select_levels(
     ``levers.NoLevelFits`` naming what would make it fit in ``tool``'s words (with ``cost``, the run's cost
     model, ``run_settings.cost_model``: each lever found by running the memory search with it), before
     pricing anything where the profiler answers memory analytically. Samples above ``max_len`` are the
-    caller's to truncate or drop (``Selection.notes`` counts them)."""
+    caller's to truncate or drop (``Selection.notes`` counts them). Levels past ``whole_past`` tokens (a
+    longrope model's original positions, ``selector.whole_past``) stay at sp 1."""
     top = covering_length(lengths, max_len)
     cands = level_candidates(lengths, top, candidates, max_len)
     layouts_of = partial(
@@ -261,16 +271,23 @@ def select_levels(
     if model.attention_layers is not None and model.attention_layers < model.layers:
         layouts_of = partial(_without_cp, layouts_of)  # a hybrid's mixers: the strategy refuses CP levels
     analytic = getattr(profiler, "memory_settings", False)
-    question = None if cost is None else FitQuestion(cost, layouts_of, margin, profiler.capacity, analytic, tool)
+    question = None
+    if cost is not None:
+        question = FitQuestion(cost, layouts_of, margin, profiler.capacity, analytic, tool, whole_past)
     if question is not None and analytic and question.where(cands[-1]) is None:
         raise no_level_fits(question, cands[-1], lengths)
     try:
-        selection = auto_select(profiler, cands, layouts_of(world), model.layers, 0, margin, sp_kind)
+        selection = auto_select(profiler, cands, layouts_of(world), model.layers, 0, margin, sp_kind, whole_past)
     except LargestDoesNotFit:
         if question is None:
             raise
         raise no_level_fits(question, cands[-1], lengths) from None
     selection.notes = beyond_notes(lengths, selection.levels[-1].pack_len)
+    if whole_past is not None and selection.levels[-1].pack_len > whole_past:
+        selection.notes.append(
+            f"levels past {whole_past:,} tokens stay at sp 1: past them the model's longrope rotary embedding "
+            "takes each document's factors by its own length, which only a whole pack on one rank can give"
+        )
     if cost is not None:
         selection.levels = fill_token_budget(selection.levels, cost, profiler.capacity, margin)
     return selection
@@ -343,6 +360,7 @@ def analytic_levels(
     node_size: int | None = None,
     tool: Tool = CONFIG,
     vision: VisionLoad | None = None,
+    whole_past: int | None = None,
 ) -> Selection:
     """``select_levels`` priced by the cost model of the run (``AnalyticProfiler``): what
     ``python -m lit_hbp.simulate`` auto-selects and ``AnalyticSelector`` (``python -m
@@ -352,5 +370,17 @@ def analytic_levels(
     cost = with_vision(cost, lengths, vision)
     profiler = AnalyticProfiler(cost, lengths, seed, vision)
     return select_levels(
-        profiler, lengths, cost.model, cost.world, max_len, candidates, margin, sp_kind, True, node_size, cost, tool
+        profiler,
+        lengths,
+        cost.model,
+        cost.world,
+        max_len,
+        candidates,
+        margin,
+        sp_kind,
+        True,
+        node_size,
+        cost,
+        tool,
+        whole_past,
     )

@@ -62,6 +62,8 @@ class RunSetting:
     SP groups the probes built. node_size: ranks per node (the default layouts keep Ulysses inside one).
     max_len: the longest position the model covers (``checks.position_range``: max_position_embeddings
     or what its RoPE scaling extends it to), None when unknown: the largest level the fit accepts.
+    whole_past: the longest level sp > 1 may take (a longrope model's original positions, ``whole_past``),
+    None when any may.
     tool: whose words a refusal speaks (``run_settings.Tool``): a training config's inside a fit, the
     command line's from ``python -m lit_hbp.autoselect``.
     """
@@ -77,6 +79,7 @@ class RunSetting:
     strategy: Any = None
     node_size: int | None = None
     max_len: int | None = None
+    whole_past: int | None = None
     tool: Tool = CONFIG
 
     def with_flags(
@@ -138,6 +141,7 @@ class RunSetting:
             strategy=trainer.strategy,
             node_size=trainer.num_devices,
             max_len=position_limit(model),
+            whole_past=whole_past(model),
         )
 
     @classmethod
@@ -164,15 +168,13 @@ class RunSetting:
             trainer_args={"accelerator": accelerator, "devices": world, **trainer_args},
             strategy_args=strategy_args,
             max_len=None if model is None else position_limit(model),
+            whole_past=None if model is None else whole_past(model),
         )
 
 
-def position_limit(model) -> int | None:
-    """The longest position a model config (a mapping, a config.json or a checkpoint folder) covers,
-    None when it does not say or cannot be read here: the fit refuses levels past it
-    (``checks.check_positions``: past ``max_position_embeddings`` uncovered, or past the length at which a
-    dynamic or longrope rotary embedding rescales; a longrope one trains past it at sp 1 only, and the search may
-    choose sp > 1), so the search does not choose them."""
+def _config_of(model) -> SimpleNamespace | None:
+    """A model config (a mapping, a config.json or a checkpoint folder) as attributes, None when it cannot be
+    read here."""
     if not isinstance(model, dict):
         path = Path(str(model))
         path = path / "config.json" if path.is_dir() else path
@@ -182,10 +184,31 @@ def position_limit(model) -> int | None:
             model = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-    config = SimpleNamespace(**model)
+    return SimpleNamespace(**model)
+
+
+def position_limit(model) -> int | None:
+    """The longest position a model config (a mapping, a config.json or a checkpoint folder) covers,
+    None when it does not say or cannot be read here: the fit refuses levels past it
+    (``checks.check_positions``: past ``max_position_embeddings`` uncovered, or past the length at which a
+    dynamic rotary embedding rescales), so the search does not choose them."""
+    config = _config_of(model)
+    if config is None:
+        return None
     covered = position_range(config)[1]
-    rescaled = rescaling_limit(config)  # a dynamic or longrope rotary embedding: no pack past it (check_positions)
-    return covered if rescaled is None else min(rescaled[1], covered or rescaled[1])
+    rescaled = rescaling_limit(config)
+    if rescaled is None or rescaled[0] == "longrope":  # longrope: past it at sp 1 (``whole_past``)
+        return covered
+    return min(rescaled[1], covered or rescaled[1])  # dynamic: no pack past it
+
+
+def whole_past(model) -> int | None:
+    """The longest level a model config lets sp > 1 take, None when any: a longrope rotary embedding's original
+    positions, past which a pack gives each document the factors of its own length at sp 1 only
+    (``rope.per_document_longrope``; ``checks.check_positions`` refuses an SP level past it)."""
+    config = _config_of(model)
+    rescaled = None if config is None else rescaling_limit(config)
+    return rescaled[1] if rescaled is not None and rescaled[0] == "longrope" else None
 
 
 class Selector(LevelSelector):
@@ -256,6 +279,7 @@ class Selector(LevelSelector):
             node_size=run.node_size,
             cost=cost,
             tool=run.tool,
+            whole_past=run.whole_past,
         )
 
 
@@ -285,7 +309,7 @@ class AnalyticSelector(Selector):
         cost = self.cost_model(run)
         check(cost, run.tool)
         margin = self.margin_gib * GIB
-        args = (self.cap(run), self.candidates, margin, self.sp_kind, run.node_size, run.tool, vision)
+        args = (self.cap(run), self.candidates, margin, self.sp_kind, run.node_size, run.tool, vision, run.whole_past)
         return analytic_levels(cost, lengths, run.seed, *args)
 
     def where(self, run: RunSetting) -> str:
