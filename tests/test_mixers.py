@@ -390,14 +390,47 @@ class Leaking(torch.nn.Module):
         return self.mlp(x) + 0.5 * x.cumsum(1) / steps
 
 
+class HybridHeads(torch.nn.Module):
+    """Attention heads through transformers' interface beside decaying state-space heads in one module (Hymba's
+    layout): the varlen call keeps the attention heads' documents apart, not the scan's."""
+
+    def __init__(self, attn, width):
+        super().__init__()
+        self.attn, self.config = attn, attn.config
+        self.A_log = torch.nn.Parameter(torch.zeros(width))
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        a = self.attn
+        shape = (*hidden_states.shape[:-1], -1, a.head_dim)
+        q, k, v = (p(hidden_states).view(shape).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        attend = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        out, weights = attend(a, q, k, v, attention_mask, scaling=a.scaling, dropout=0.0, **kwargs)
+        decay = torch.exp(-self.A_log.exp())
+        state, scan = torch.zeros_like(hidden_states[:, 0]), []
+        for t in range(hidden_states.shape[1]):
+            state = decay * state + hidden_states[:, t]
+            scan.append(state)
+        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)) + 0.1 * torch.stack(scan, 1), weights
+
+
 @pytest.mark.parametrize(
-    ("mixer", "named"),
-    [(Decaying, r"`layers\.1\.mlp` \(Decaying\) is .*A_log"), (Convolving, r"`layers\.1\.mlp\.conv` \(Conv1d\)")],
+    ("mixer", "where", "named"),
+    [
+        (Decaying, "mlp", r"`layers\.1\.mlp` \(Decaying\) is .*A_log"),
+        (Convolving, "mlp", r"`layers\.1\.mlp\.conv` \(Conv1d\)"),
+        (HybridHeads, "self_attn", r"`layers\.1\.self_attn` \(HybridHeads\) is .*A_log"),
+    ],
 )
-def test_a_mixer_known_only_by_a_decay_or_a_convolution_is_refused_before_anything_is_done(mixer, named):
-    """Found by what it holds, its calling convention unknown: refused, the model left as it was."""
+def test_a_mixer_known_only_by_a_decay_or_a_convolution_is_refused_before_anything_is_done(mixer, where, named):
+    """Found by what it holds, its calling convention unknown: refused, the model left as it was. Attention heads
+    beside a scan in one module too (their attention through transformers' interface, which alone marks
+    softmax attention)."""
     net = tiny("llama")
-    net.model.layers[1].mlp = mixer(net.model.layers[1].mlp, net.config.hidden_size)
+    setattr(net.model.layers[1], where, mixer(getattr(net.model.layers[1], where), net.config.hidden_size))
     attn = net.config._attn_implementation
     with pytest.raises(ValueError, match=rf"^llama: layer 1's {named}.*cannot run it document by document"):
         prepare_model(net)

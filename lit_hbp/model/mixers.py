@@ -113,9 +113,11 @@ def kind_of(module: torch.nn.Module, in_layer: bool) -> tuple[str, bool] | None:
     by its class name, else, inside a decoder layer, by what it holds itself (an ``A_log`` decay
     parameter, or a ``torch.nn.Conv1d``: transformers' projections are Linear or GPT-2's ``Conv1D``;
     outside the layers a convolution is an audio or image encoder's, over its own input, not the pack).
-    Those found by what they hold are refused: their calling convention is unknown."""
+    Those found by what they hold are refused: their calling convention is unknown. A module whose attention
+    goes through transformers' interface is attention, unless it holds a decay too (attention heads beside
+    state-space heads, Hymba's layout: the varlen call keeps only the attention heads apart)."""
     name = type(module).__name__
-    if _through_attention_interface(type(module)):
+    if _through_attention_interface(type(module)) and "A_log" not in module._parameters:
         return None  # softmax attention named after its family (Kimi Linear's MLA): lit-hbp's varlen attention runs it
     for kind in KINDS:
         if kind.classes.search(name):
