@@ -155,7 +155,8 @@ def test_two_workers_run_the_slow_tests_first_on_one_thread_each(tmp_path):
     (tmp_path / "test_lanes.py").write_text(LANES)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
     log = tmp_path / "lanes.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "OMP_NUM_THREADS"))}
+    # The suite's own settings stay out of the inner runs (a suite run in reverse order must not reverse them).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "OMP_NUM_THREADS", "LIT_HBP_TEST"))}
     for args in (["-n", "2", "--dist", "worksteal"], []):
         out = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_lanes.py"],
