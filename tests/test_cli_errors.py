@@ -120,8 +120,13 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "a validation interval past limit_train_batches": (
             ["--trainer.check_val_every_n_epoch", "1", "--trainer.val_check_interval", "20"]
-            + ["--trainer.limit_train_batches", "5"],
-            "trainer.val_check_interval is 20 batches but trainer.limit_train_batches is 5",
+            + ["--trainer.limit_train_batches", "6"],
+            "trainer.val_check_interval is 20 batches but trainer.limit_train_batches is 6",
+        ),
+        "an epoch cut inside an optimizer step": (
+            ["--trainer.limit_train_batches", "5"],
+            "trainer.limit_train_batches is 5, but an optimizer step accumulates 2 micro-batches "
+            "(trainer.accumulate_grad_batches): the epoch would end inside a step",
         ),
         "a validation interval past the epoch": (
             ["--trainer.check_val_every_n_epoch", "1", "--trainer.val_check_interval", "100000"],
@@ -142,7 +147,7 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a misspelled strategy", "a strategy class given as a name", "clipping by value under DeepSpeed",
          "negative collate workers", "a ZeRO stage DeepSpeed has not", "a precision plugin not installed",
          "a demo_dir link to nothing", "a demo_dir that is a file", "a validation interval past limit_train_batches",
-         "a validation interval past the epoch"]  # fmt: skip
+         "a validation interval past the epoch", "an epoch cut inside an optimizer step"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch"}

@@ -16,7 +16,7 @@ from conftest import TINY_LLAMA
 from lit_hbp.cli.app import main
 from lit_hbp.cli.checks import world_size_of
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.loader import check_validation_interval
+from lit_hbp.lightning.loader import check_accumulation_windows, check_validation_interval
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model.checks import check_model_config, check_positions, valid_config_keys
 from lit_hbp.packing import Level
@@ -400,3 +400,74 @@ def test_a_validation_interval_is_refused_where_lightnings_fit_loop_stops(interv
     assert bool(refused) == lightning_stops, refused
     if refused and isinstance(limit, int) and interval > limit:
         assert "limit_train_batches is" in refused[0]  # said before the data is read
+
+
+class CountsStepWindows(OneWeight):
+    """Records how many micro-batches each optimizer step of Lightning's own fit loop took."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.windows = 0, []
+
+    def training_step(self, batch, _):
+        self.seen += 1
+        return super().training_step(batch, _)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.windows.append(self.seen)
+        self.seen = 0
+
+
+@pytest.mark.parametrize(
+    "limit,accumulate,batches",
+    [(5, 2, 8), (4, 2, 8), (6, 4, 8), (8, 4, 8), (9, 2, 8), (12, 4, 8), (3, 1, 8), (0.5, 2, 8), (0.5, 4, 8),
+     (0.75, 4, 8), (0.3, 2, 10), (0.9, 2, 10), (1.0, 2, 8)],
+)  # fmt: skip
+def test_an_epoch_cut_inside_an_optimizer_step_is_refused_where_lightning_steps_on_part_of_one(
+    limit, accumulate, batches
+):
+    """Lightning's own fit loop on a plain module is the reference: where it steps the optimizer on fewer
+    micro-batches than ``accumulate`` (the epoch cut by ``limit_train_batches``), the planned step's
+    normalizer would be wrong, so the check refuses exactly there once the epoch's length is known, and
+    before the data is read whenever an int limit is no multiple of the accumulation (every cut among them)."""
+    settings = dict(limit_train_batches=limit, accumulate_grad_batches=accumulate, max_epochs=1, accelerator="cpu",
+                    devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)  # fmt: skip
+    module = CountsStepWindows()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.Trainer(**settings).fit(module, torch.utils.data.DataLoader(torch.ones(batches, 1), batch_size=1))
+        trainer = L.Trainer(**settings)
+    assert sum(module.windows) == (min(batches, limit) if isinstance(limit, int) else int(batches * limit))
+    lightning_cuts = any(n != accumulate for n in module.windows)
+
+    def refused(*args) -> str:
+        try:
+            check_accumulation_windows(trainer, *args)
+        except ConfigError as e:
+            return str(e)
+        return ""
+
+    with_length = refused(batches, accumulate)
+    assert bool(with_length) == lightning_cuts, (module.windows, with_length)
+    early = refused()
+    assert bool(early) == (isinstance(limit, int) and limit % accumulate != 0), early
+    if lightning_cuts and isinstance(limit, int):
+        assert early.startswith(f"trainer.limit_train_batches is {limit}, but an optimizer step accumulates")
+    if with_length:
+        assert f"give a multiple of {accumulate}" in with_length
+
+
+def test_an_accumulation_schedule_needs_a_limit_that_each_of_its_accumulations_divides():
+    """A GradientAccumulationScheduler's later accumulation counts too: 6 micro-batches are 3 steps of 2 but
+    1.5 steps of 4."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(limit_train_batches=6, accelerator="cpu", devices=1, logger=False,
+                            callbacks=[GradientAccumulationScheduler({0: 2, 1: 4})])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"accumulates 4 micro-batches .* give a multiple of 4 \(4 or 8\)"):
+        check_accumulation_windows(trainer)
+    trainer.limit_train_batches = 8
+    check_accumulation_windows(trainer)

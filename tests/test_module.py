@@ -267,6 +267,29 @@ def test_a_gradient_accumulation_schedule_plans_each_epoch_with_its_accumulation
     assert len(taken.rates) == 4 + 2
 
 
+def test_a_float_limit_that_ends_the_epoch_inside_an_optimizer_step_is_refused_before_the_first_step(
+    chat_data, toy_tokenizer, tmp_path
+):
+    """A float ``limit_train_batches`` is resolved against the plan's length: one that leaves the epoch's last
+    optimizer step one micro-batch of two (which Lightning would step on, normalized by both) is refused when
+    the loader is built, naming the limit and a multiple that fits; one that ends on a step trains."""
+    dm = HBPDataModule(sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=["96:1", "256:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    module = make_module(vocab=dm.vocab_size, self_check=False)
+    quiet_trainer(devices=1, max_steps=1, accumulate_grad_batches=2).fit(module, dm)
+    n = dm.plan_for_epoch(0).n_micro_steps
+    assert n % 2 == 0 and n >= 4
+    odd, even = (n - 0.5) / n, (n - 1.5) / n  # Lightning's int(n * limit): n - 1 and n - 2 micro-batches
+    trainer = quiet_trainer(devices=1, max_epochs=1, accumulate_grad_batches=2, limit_train_batches=odd)
+    with pytest.raises(ConfigError, match=rf"cuts the epoch's {n} micro-batches a rank at {n - 1}, but an optimizer "
+                       rf"step accumulates 2 .* give a multiple of 2 \({n - 2} or {n}\)"):  # fmt: skip
+        trainer.fit(module, dm)
+    assert trainer.global_step == 0
+    fits = quiet_trainer(devices=1, max_epochs=1, accumulate_grad_batches=2, limit_train_batches=even)
+    fits.fit(module, dm)
+    assert fits.global_step == (n - 2) // 2
+
+
 @pytest.mark.parametrize("varies", ["random packer", "accumulation schedule"])
 def test_epochs_of_another_length_without_reloaded_loaders_are_refused_before_the_data_is_read(
     varies, chat_data, toy_tokenizer, tmp_path

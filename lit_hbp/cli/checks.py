@@ -349,7 +349,7 @@ def check_trainer_values(section: Any) -> None:
 
     from lightning.pytorch import Trainer
 
-    from lit_hbp.lightning.loader import check_validation_interval
+    from lit_hbp.lightning.loader import check_accumulation_windows, check_validation_interval
 
     trainer = section.get("trainer")
     if trainer is None:
@@ -400,3 +400,4 @@ def check_trainer_values(section: Any) -> None:
     finally:
         logging.disable(previous)
     check_validation_interval(built[0])  # the config's values as Lightning parsed them
+    check_accumulation_windows(built[0])

@@ -44,6 +44,7 @@ from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their fi
     PlanLoader,
     PlanSampler,
     StoreSamples,
+    check_accumulation_windows,
     check_epoch_lengths,
     check_validation_interval,
     ignore_sigint,
@@ -327,6 +328,7 @@ class HBPDataModule(L.LightningDataModule):
             if stage == "fit":
                 check_epoch_lengths(self.trainer, self.packer)
                 check_validation_interval(self.trainer)
+                check_accumulation_windows(self.trainer)
         if stage == "validate" and not (self.val_fraction or self.val_sources):
             raise ConfigError(
                 "nothing to validate: the data has no validation split; set data.val_fraction (a share of the "
@@ -483,6 +485,7 @@ class HBPDataModule(L.LightningDataModule):
         sampler = PlanSampler(self, epoch, rank)
         if self.trainer is not None:
             check_validation_interval(self.trainer, len(sampler))
+            check_accumulation_windows(self.trainer, len(sampler), self._world(epoch)[2])
         return PlanLoader(self, dataset, sampler, **self._worker_settings(workers), pin_memory=pin)
 
 

@@ -7,6 +7,7 @@ Lightning checkpoints (``HBPDataModule`` builds them; a measured level search pa
 
 from __future__ import annotations
 
+import math
 import signal
 from typing import Any
 
@@ -147,6 +148,41 @@ def check_validation_interval(trainer: Any, micro_steps: int | None = None) -> N
         f"trainer.val_check_interval is {interval} batches but {why}, so validation would never run within an "
         "epoch (Lightning stops on it): give a smaller val_check_interval, a float (a share of the epoch), or "
         "check_val_every_n_epoch: null to count batches across epochs"
+    )
+
+
+def check_accumulation_windows(trainer: Any, micro_steps: int | None = None, accumulate: int | None = None) -> None:
+    """An epoch that ``limit_train_batches`` ends inside an optimizer step: Lightning steps on the cut window (or,
+    under DeepSpeed, carries it into the next epoch's step), whose micro-batches are normalized by the tokens of
+    the whole planned step, so that step trains on a silently smaller (or mixed) loss. Refused by name: an int
+    limit that is not a multiple of every accumulation of the fit (a ``GradientAccumulationScheduler``'s too)
+    before the data is read, a float one once the plan's ``micro_steps`` (of an epoch accumulating
+    ``accumulate``) are known, ``limit_train_batches`` applied as Lightning's fit loop applies it."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    limit = getattr(trainer, "limit_train_batches", None)  # a stand-in trainer: not asked
+    if limit is None or isinstance(limit, bool):
+        return
+    if micro_steps is None:
+        if not isinstance(limit, int):
+            return
+        batches, why = limit, f"trainer.limit_train_batches is {limit}"
+    else:
+        batches = min(micro_steps, limit) if isinstance(limit, int) else int(micro_steps * limit)
+        why = f"trainer.limit_train_batches {limit} cuts the epoch's {micro_steps} micro-batches a rank at {batches}"
+    accumulations = {trainer.accumulate_grad_batches} if accumulate is None else {accumulate}
+    if accumulate is None:
+        for c in getattr(trainer, "callbacks", []):
+            accumulations |= set(c.scheduling.values()) if isinstance(c, GradientAccumulationScheduler) else set()
+    cut = sorted(a for a in accumulations if batches % a)
+    if not cut:
+        return
+    m = math.lcm(*accumulations)
+    fits = sorted({max(batches // m * m, m), batches // m * m + m})
+    raise ConfigError(
+        f"{why}, but an optimizer step accumulates {cut[-1]} micro-batches (trainer.accumulate_grad_batches): the "
+        "epoch would end inside a step, whose loss is normalized by the tokens of micro-batches it never trains; "
+        f"give a multiple of {m} ({' or '.join(map(str, fits))})"
     )
 
 
