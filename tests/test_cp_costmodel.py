@@ -225,3 +225,16 @@ def test_the_level_search_offers_a_hybrid_no_context_parallel_layout(monkeypatch
             search.select_levels(object(), lengths, spec, 64)
         offered[name] = e.value.args[0]
     assert (8, 2) in offered["plain"] and offered["hybrid"] == [(sp, 1) for sp, cp in offered["plain"] if cp == 1]
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_the_gradient_sync_moves_the_gradients_in_their_own_dtype(world):
+    """Reduce-scatter of the gradients and all-gather of the parameters on a ring, each (n - 1) / n of the
+    trained bytes per rank, on the slowest link the world spans, half hidden behind the backward: bf16 (DeepSpeed's
+    bf16) moves 2 bytes a parameter, fp32 (32-true) and autocast's fp32 gradients (``*-mixed`` under DDP) 4."""
+    bw = NODE.intra_node_bw if world <= NODE.gpus_per_node else NODE.inter_node_bw
+    for dtype_bytes, autocast, moved in ((2, False, 2), (4, False, 4), (2, True, 4)):
+        cost = CostModel(SPEC, NODE, world=world, dtype_bytes=dtype_bytes, autocast=autocast)
+        hand = 2 * moved * SPEC.params * (world - 1) / world / (bw * NODE.eff_link) * (1 - cost.grad_sync_overlap)
+        assert cost.grad_sync_seconds() == pytest.approx(hand, rel=1e-12), (dtype_bytes, autocast)
+    assert CostModel(SPEC, NODE, world=1, dtype_bytes=4).grad_sync_seconds() == 0.0

@@ -323,14 +323,16 @@ class CostModel:
         return {**parts, **comm}
 
     def grad_sync_seconds(self) -> float:
-        """Per optimizer step: reduce-scatter of bf16 gradients and all-gather of bf16 parameters
-        over the world (ring), on the slowest link, minus the part overlapped with backward; of the trained
+        """Per optimizer step: reduce-scatter of the gradients and all-gather of the parameters (or DDP's
+        all-reduce, the same bytes on a ring) over the world, on the slowest link, minus the part overlapped
+        with backward; in the parameters' dtype (``dtype_bytes``; fp32 under ``autocast``), of the trained
         parameters only (LoRA's frozen weights have no gradient and no partition to gather)."""
         if self.world == 1:
             return 0.0
         hw = self.hardware
         bw = hw.inter_node_bw if self.world > hw.gpus_per_node else hw.intra_node_bw
-        per_collective = 2.0 * self.model.params * self.trainable * (self.world - 1) / self.world
+        bytes_per = 4 if self.autocast else self.dtype_bytes
+        per_collective = bytes_per * self.model.params * self.trainable * (self.world - 1) / self.world
         return 2 * per_collective / (bw * hw.eff_link) * (1 - self.grad_sync_overlap)
 
     # --------------------------------------------------------------------------- memory
