@@ -130,3 +130,50 @@ def test_the_vlm_balance_bench_runs_and_hbp_with_the_vision_work_leads(capsys, m
     rows = {line[:28].strip(): float(line.split()[-1].rstrip("x")) for line in capsys.readouterr().out.splitlines()[2:]}
     assert rows["naive ISF at 128K"] == 1.0
     assert rows["HBP with the vision work"] >= rows["HBP, attention only"] > 1.2, rows
+
+
+def test_simulate_applies_a_checkpoints_positions_as_the_fit_does(tmp_path, capsys):
+    """A --model folder (as ``save_pretrained`` writes it) brings its positions: a given level past them is refused
+    with the fit's own words (``check_positions``, the gate before a fit), and (d) chooses no level past them.
+    A Phi-3-mini-128k-shaped longrope model: an SP level past its 4,096 original positions is refused, and (d)'s
+    levels past them are sp 1 where the same model with a static rotary embedding takes sp > 1."""
+    from transformers import AutoConfig
+
+    path = tmp_path / "mix.npy"
+    rng = np.random.default_rng(0)
+    np.save(path, np.r_[rng.integers(200, 4000, 3000), rng.integers(4000, 30000, 300), rng.integers(30000, 60000, 30)])
+    llama = tmp_path / "llama"
+    AutoConfig.for_model("llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                         max_position_embeddings=8192).save_pretrained(llama)  # fmt: skip
+    base = [str(path), "--gpus", "8"]
+    assert simulate_main([*base, "--model", str(llama), "--no-auto", "--levels", "4096:1", "16384:2"]) == 2
+    assert "the largest level's pack_len 16384 exceeds the model's max_position_embeddings 8192" in (
+        capsys.readouterr().err
+    )
+    assert simulate_main([*base, "--model", str(llama), "--levels", "2048:1", "8192:1"]) == 0
+    out = capsys.readouterr().out
+    (auto,) = [line for line in out.splitlines() if line.startswith("auto-selected levels (d), ")]
+    chosen = [int(level.split()[0]) for level in auto.split(", ", 1)[1].rstrip(":").split(", ")]
+    assert max(chosen) == 8192, auto  # the samples past 8,192 tokens are over the model's positions
+
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48}
+    phi3 = {}
+    for name, scaling in (("longrope", rope), ("static", None)):
+        phi3[name] = tmp_path / name
+        config = AutoConfig.for_model("phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                                      num_attention_heads=32, max_position_embeddings=131072, vocab_size=32064,
+                                      original_max_position_embeddings=4096, rope_scaling=scaling)  # fmt: skip
+        config.save_pretrained(phi3[name])
+    assert simulate_main([*base, "--model", str(phi3["longrope"]), "--no-auto", "--levels", "4096:1", "65536:8"]) == 2
+    assert "the level of pack_len 65536 at sp 8 passes 4096" in capsys.readouterr().err
+    sps = {}
+    for name, folder in phi3.items():
+        assert simulate_main([*base, "--model", str(folder), "--levels", "4096:1", "65536:1"]) == 0
+        (auto,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("auto-selected levels")]
+        sps[name] = {
+            int(lv.split()[0]): int(lv.split()[1][2:].split("=")[0])
+            for lv in auto.split(", ", 1)[1].rstrip(":").split(", ")  # "65536 sp8=8x1 ckpt20": at sp 8
+        }
+    assert all(sp == 1 for length, sp in sps["longrope"].items() if length > 4096), sps
+    assert any(sp > 1 for sp in sps["static"].values()), sps

@@ -172,7 +172,7 @@ class RunSetting:
         )
 
 
-def _config_of(model) -> SimpleNamespace | None:
+def config_of(model) -> SimpleNamespace | None:
     """A model config (a mapping, a config.json or a checkpoint folder) as attributes, None when it cannot be
     read here."""
     if not isinstance(model, dict):
@@ -192,7 +192,7 @@ def position_limit(model) -> int | None:
     None when it does not say or cannot be read here: the fit refuses levels past it
     (``checks.check_positions``: past ``max_position_embeddings`` uncovered, or past the length at which a
     dynamic rotary embedding rescales), so the search does not choose them."""
-    config = _config_of(model)
+    config = config_of(model)
     if config is None:
         return None
     covered = position_range(config)[1]
@@ -206,7 +206,7 @@ def whole_past(model) -> int | None:
     """The longest level a model config lets sp > 1 take, None when any: a longrope rotary embedding's original
     positions, past which a pack gives each document the factors of its own length at sp 1 only
     (``rope.per_document_longrope``; ``checks.check_positions`` refuses an SP level past it)."""
-    config = _config_of(model)
+    config = config_of(model)
     rescaled = None if config is None else rescaling_limit(config)
     return rescaled[1] if rescaled is not None and rescaled[0] == "longrope" else None
 

@@ -23,20 +23,28 @@ The auto-selected levels are the level search's (``search.select_levels``, the o
 --offload-optimizer when given; a longest sample that fits nothing is refused (exit 2) naming the
 levers that would make it fit, each found by running the search with it. --no-auto skips (d).
 Every time is simulated with the analytic cost model of --gpu, not measured.
+
+A --model that is a config.json, a checkpoint folder or a training YAML brings its positions, as a fit
+applies them: (d) chooses no level past them (a longrope model's levels past its original positions stay
+at sp 1), and a given level the fit would refuse there is refused (exit 2) with the fit's words. A preset
+names no positions.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from lit_hbp.autoselect.search import Selection, analytic_levels
-from lit_hbp.cost.config import check_levels, load_spec, nonnegative_float, positive_int
+from lit_hbp.autoselect.selector import config_of, position_limit, whole_past
+from lit_hbp.cost.config import check_levels, load_spec, model_config, nonnegative_float, positive_int, read_config
 from lit_hbp.cost.costmodel import GIB, HARDWARE
 from lit_hbp.cost.memory import not_fitting
 from lit_hbp.cost.run_settings import SIMULATE, Settings, check, cost_model, describe
+from lit_hbp.model.checks import check_positions
 from lit_hbp.packing import Level
 from lit_hbp.packing.bins import load_lengths
 from lit_hbp.parallel.topology import resolve_layout
@@ -45,6 +53,17 @@ from lit_hbp.simulate.simulator import COMM_PARTS, Simulation, compare, compare_
 
 COLUMNS = [("hours", ".2f"), ("gpu_hours", ".1f"), ("speedup", ".2f"), ("abr", ".3f"), ("cp_abr", ".3f"), ("cr", ".3f")]
 COLUMNS += [(k, ".3f") for k in ("dense", "attention", "vision", *COMM_PARTS, "offload", "idle", "grad_sync")]
+
+
+def positions_of(model: str) -> tuple[dict | str | None, int | None, int | None]:
+    """--model's config (a mapping or a config.json / checkpoint path; None for a preset), the longest position
+    it covers and the longest level it lets sp > 1 take (``selector.position_limit`` and ``whole_past``: what
+    a fit applies), each None where it says nothing."""
+    path = Path(model)
+    config = model_config(read_config(path), None) if path.suffix in (".yaml", ".yml") else model
+    if config_of(config) is None:
+        return None, None, None
+    return config, position_limit(config), whole_past(config)
 
 
 def parse_levels(specs: list[str]) -> tuple[list[Level], list[bool]]:
@@ -175,14 +194,18 @@ def main(argv: list[str] | None = None) -> int:
         check(settings, SIMULATE)
         cost = cost_model(spec, settings)
         margin = args.margin_gib * GIB
+        config, covered, past = positions_of(args.model)
+        max_len = min((n for n in (args.max_len, covered) if n is not None), default=None)
         # the search first: a longest sample that fits nothing is refused before anything is priced
         selection = (
             None
             if args.no_auto
-            else analytic_levels(cost, lengths, args.seed, args.max_len, margin=margin, tool=SIMULATE)
+            else analytic_levels(cost, lengths, args.seed, max_len, margin=margin, tool=SIMULATE, whole_past=past)
         )
         levels, auto_ckpt = parse_levels(args.levels)
         levels = [resolve_layout(lv, spec.heads, spec.kv_heads, cost.hardware.gpus_per_node) for lv in levels]
+        if config is not None:
+            check_positions(config_of(config), levels)  # the fit's gate: a level it refuses is priced for nothing
         chosen = fill_checkpointing([lv for lv, a in zip(levels, auto_ckpt) if a], cost, lengths, margin)
         levels = [chosen.pop(0) if a else lv for lv, a in zip(levels, auto_ckpt)]
         check_levels(levels, args.gpus, spec.layers)
