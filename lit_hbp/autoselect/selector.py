@@ -140,8 +140,8 @@ class RunSetting:
             in_world=True,
             strategy=trainer.strategy,
             node_size=trainer.num_devices,
-            max_len=position_limit(model),
-            whole_past=whole_past(model),
+            max_len=position_limit(config := config_of(model)),
+            whole_past=whole_past(config),
         )
 
     @classmethod
@@ -167,14 +167,16 @@ class RunSetting:
             module_args=module_args,
             trainer_args={"accelerator": accelerator, "devices": world, **trainer_args},
             strategy_args=strategy_args,
-            max_len=None if model is None else position_limit(model),
-            whole_past=None if model is None else whole_past(model),
+            max_len=position_limit(config := config_of(model)),
+            whole_past=whole_past(config),
         )
 
 
 def config_of(model) -> SimpleNamespace | None:
     """A model config (a mapping, a config.json or a checkpoint folder) as attributes, None when it cannot be
-    read here."""
+    read here; one already read is returned as it is (so the file is read once for several questions)."""
+    if isinstance(model, SimpleNamespace) or model is None:
+        return model
     if not isinstance(model, dict):
         path = Path(str(model))
         path = path / "config.json" if path.is_dir() else path
@@ -188,7 +190,7 @@ def config_of(model) -> SimpleNamespace | None:
 
 
 def position_limit(model) -> int | None:
-    """The longest position a model config (a mapping, a config.json or a checkpoint folder) covers,
+    """The longest position a model config (a mapping, a config.json, a checkpoint folder or ``config_of``'s) covers,
     None when it does not say or cannot be read here: the fit refuses levels past it
     (``checks.check_positions``: past ``max_position_embeddings`` uncovered, or past the length at which a
     dynamic rotary embedding rescales), so the search does not choose them."""

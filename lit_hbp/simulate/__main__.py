@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -55,14 +56,11 @@ COLUMNS = [("hours", ".2f"), ("gpu_hours", ".1f"), ("speedup", ".2f"), ("abr", "
 COLUMNS += [(k, ".3f") for k in ("dense", "attention", "vision", *COMM_PARTS, "offload", "idle", "grad_sync")]
 
 
-def positions_of(model: str) -> tuple[dict | str | None, int | None, int | None]:
-    """--model's config (a mapping or a config.json / checkpoint path; None for a preset), the longest position
-    it covers and the longest level it lets sp > 1 take (``selector.position_limit`` and ``whole_past``: what
-    a fit applies), each None where it says nothing."""
+def positions_of(model: str) -> tuple[SimpleNamespace | None, int | None, int | None]:
+    """--model's config (None for a preset), the longest position it covers and the longest level it lets sp > 1
+    take (``selector.position_limit`` and ``whole_past``: what a fit applies), each None where it says nothing."""
     path = Path(model)
-    config = model_config(read_config(path), None) if path.suffix in (".yaml", ".yml") else model
-    if config_of(config) is None:
-        return None, None, None
+    config = config_of(model_config(read_config(path), None) if path.suffix in (".yaml", ".yml") else model)
     return config, position_limit(config), whole_past(config)
 
 
@@ -205,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         levels, auto_ckpt = parse_levels(args.levels)
         levels = [resolve_layout(lv, spec.heads, spec.kv_heads, cost.hardware.gpus_per_node) for lv in levels]
         if config is not None:
-            check_positions(config_of(config), levels)  # the fit's gate: a level it refuses is priced for nothing
+            check_positions(config, levels)  # the fit's gate: a level it refuses is priced for nothing
         chosen = fill_checkpointing([lv for lv, a in zip(levels, auto_ckpt) if a], cost, lengths, margin)
         levels = [chosen.pop(0) if a else lv for lv, a in zip(levels, auto_ckpt)]
         check_levels(levels, args.gpus, spec.layers)
