@@ -124,7 +124,7 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             "trainer.val_check_interval is 20 batches but trainer.limit_train_batches is 6",
         ),
         "an epoch cut inside an optimizer step": (
-            ["--trainer.limit_train_batches", "5"],
+            ["--trainer.limit_train_batches", "5", "--trainer.max_steps", "3"],
             "trainer.limit_train_batches is 5, but an optimizer step accumulates 2 micro-batches "
             "(trainer.accumulate_grad_batches): the epoch would end inside a step",
         ),

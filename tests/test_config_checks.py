@@ -419,26 +419,29 @@ class CountsStepWindows(OneWeight):
 
 
 @pytest.mark.parametrize(
-    "limit,accumulate,batches",
-    [(5, 2, 8), (4, 2, 8), (6, 4, 8), (8, 4, 8), (9, 2, 8), (12, 4, 8), (3, 1, 8), (0.5, 2, 8), (0.5, 4, 8),
-     (0.75, 4, 8), (0.3, 2, 10), (0.9, 2, 10), (1.0, 2, 8)],
+    "limit,accumulate,batches,max_steps",
+    [(5, 2, 8, -1), (4, 2, 8, -1), (6, 4, 8, -1), (8, 4, 8, -1), (9, 2, 8, -1), (12, 4, 8, -1), (3, 1, 8, -1),
+     (0.5, 2, 8, -1), (0.5, 4, 8, -1), (0.75, 4, 8, -1), (0.3, 2, 10, -1), (0.9, 2, 10, -1), (1.0, 2, 8, -1),
+     (5, 2, 8, 2), (5, 2, 8, 3), (0.9, 2, 10, 4), (0.9, 2, 10, 5)],
 )  # fmt: skip
 def test_an_epoch_cut_inside_an_optimizer_step_is_refused_where_lightning_steps_on_part_of_one(
-    limit, accumulate, batches
+    limit, accumulate, batches, max_steps
 ):
     """Lightning's own fit loop on a plain module is the reference: where it steps the optimizer on fewer
-    micro-batches than ``accumulate`` (the epoch cut by ``limit_train_batches``), the planned step's
-    normalizer would be wrong, so the check refuses exactly there once the epoch's length is known, and
-    before the data is read whenever an int limit is no multiple of the accumulation (every cut among them)."""
+    micro-batches than ``accumulate`` (the epoch cut by ``limit_train_batches``, before ``max_steps`` ends the
+    run), the planned step's normalizer would be wrong, so the check refuses exactly there once the epoch's
+    length is known, and before the data is read whenever an int limit is no multiple of the accumulation
+    and the run reaches it (every cut among them)."""
     settings = dict(limit_train_batches=limit, accumulate_grad_batches=accumulate, max_epochs=1, accelerator="cpu",
                     devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False)  # fmt: skip
+                    enable_model_summary=False, max_steps=max_steps)  # fmt: skip
     module = CountsStepWindows()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         L.Trainer(**settings).fit(module, torch.utils.data.DataLoader(torch.ones(batches, 1), batch_size=1))
         trainer = L.Trainer(**settings)
-    assert sum(module.windows) == (min(batches, limit) if isinstance(limit, int) else int(batches * limit))
+    epoch = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+    assert sum(module.windows) == (epoch if max_steps < 0 else min(epoch, max_steps * accumulate))
     lightning_cuts = any(n != accumulate for n in module.windows)
 
     def refused(*args) -> str:
@@ -451,7 +454,8 @@ def test_an_epoch_cut_inside_an_optimizer_step_is_refused_where_lightning_steps_
     with_length = refused(batches, accumulate)
     assert bool(with_length) == lightning_cuts, (module.windows, with_length)
     early = refused()
-    assert bool(early) == (isinstance(limit, int) and limit % accumulate != 0), early
+    reached = max_steps < 0 or max_steps * accumulate > limit
+    assert bool(early) == (isinstance(limit, int) and limit % accumulate != 0 and reached), early
     if lightning_cuts and isinstance(limit, int):
         assert early.startswith(f"trainer.limit_train_batches is {limit}, but an optimizer step accumulates")
     if with_length:

@@ -154,10 +154,11 @@ def check_validation_interval(trainer: Any, micro_steps: int | None = None) -> N
 def check_accumulation_windows(trainer: Any, micro_steps: int | None = None, accumulate: int | None = None) -> None:
     """An epoch that ``limit_train_batches`` ends inside an optimizer step: Lightning steps on the cut window (or,
     under DeepSpeed, carries it into the next epoch's step), whose micro-batches are normalized by the tokens of
-    the whole planned step, so that step trains on a silently smaller (or mixed) loss. Refused by name: an int
-    limit that is not a multiple of every accumulation of the fit (a ``GradientAccumulationScheduler``'s too)
-    before the data is read, a float one once the plan's ``micro_steps`` (of an epoch accumulating
-    ``accumulate``) are known, ``limit_train_batches`` applied as Lightning's fit loop applies it."""
+    the whole planned step, so that step trains on a silently smaller (or mixed) loss. Refused by name, unless
+    ``max_steps`` ends the run first: an int limit that is not a multiple of every accumulation of the fit (a
+    ``GradientAccumulationScheduler``'s too) before the data is read, a float one once the plan's ``micro_steps``
+    (of an epoch accumulating ``accumulate``) are known, ``limit_train_batches`` applied as Lightning's fit loop
+    applies it."""
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     limit = getattr(trainer, "limit_train_batches", None)  # a stand-in trainer: not asked
@@ -175,7 +176,8 @@ def check_accumulation_windows(trainer: Any, micro_steps: int | None = None, acc
         for c in getattr(trainer, "callbacks", []):
             accumulations |= set(c.scheduling.values()) if isinstance(c, GradientAccumulationScheduler) else set()
     cut = sorted(a for a in accumulations if batches % a)
-    if not cut:
+    steps = getattr(trainer, "max_steps", -1)
+    if not cut or (steps >= 0 and steps * max(accumulations) <= batches):  # or the run ends before the cut
         return
     m = math.lcm(*accumulations)
     fits = sorted({max(batches // m * m, m), batches // m * m + m})
