@@ -471,7 +471,26 @@ def test_an_accumulation_schedule_needs_a_limit_that_each_of_its_accumulations_d
         warnings.simplefilter("ignore")
         trainer = L.Trainer(limit_train_batches=6, accelerator="cpu", devices=1, logger=False,
                             callbacks=[GradientAccumulationScheduler({0: 2, 1: 4})])  # fmt: skip
-    with pytest.raises(ConfigError, match=r"accumulates 4 micro-batches .* give a multiple of 4 \(4 or 8\)"):
+    with pytest.raises(ConfigError, match=r"accumulates 4 micro-batches \(its GradientAccumulationScheduler\): .* "
+                       r"give a multiple of 4 \(4 or 8\)"):  # fmt: skip
         check_accumulation_windows(trainer)
     trainer.limit_train_batches = 8
     check_accumulation_windows(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one_epoch = L.Trainer(limit_train_batches=6, max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                              callbacks=[GradientAccumulationScheduler({0: 2, 1: 4})])  # fmt: skip
+    check_accumulation_windows(one_epoch)  # the epoch that would accumulate 4 is never reached
+
+
+def test_a_smoke_run_with_accumulation_is_not_refused_and_a_true_limit_is_one_batch():
+    """``fast_dev_run`` (Lightning sets limit_train_batches and max_steps to its N) keeps nothing it trains: not
+    refused. A limit of True is Lightning's one batch: a cut of a two-batch step, refused."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        smoke = L.Trainer(fast_dev_run=True, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False)
+        one = L.Trainer(limit_train_batches=True, accumulate_grad_batches=2, accelerator="cpu", devices=1)
+    check_accumulation_windows(smoke)
+    check_accumulation_windows(smoke, 8, 2)
+    with pytest.raises(ConfigError, match="trainer.limit_train_batches is 1, but an optimizer step accumulates 2"):
+        check_accumulation_windows(one)

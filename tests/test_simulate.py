@@ -156,6 +156,12 @@ def test_simulate_applies_a_checkpoints_positions_as_the_fit_does(tmp_path, caps
     (auto,) = [line for line in out.splitlines() if line.startswith("auto-selected levels (d), ")]
     chosen = [int(level.split()[0]) for level in auto.split(", ", 1)[1].rstrip(":").split(", ")]
     assert max(chosen) == 8192, auto  # the samples past 8,192 tokens are over the model's positions
+    # a training YAML whose model mapping names no positions: the family's default, as the fit builds it (2,048)
+    run = tmp_path / "run.yaml"
+    shape = "hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, num_attention_heads: 4, vocab_size: 99"
+    run.write_text(f"model:\n  model: {{model_type: llama, {shape}}}\n")
+    assert simulate_main([*base, "--model", str(run), "--no-auto", "--levels", "1024:1", "8192:1"]) == 2
+    assert "pack_len 8192 exceeds the model's max_position_embeddings 2048" in capsys.readouterr().err
 
     rope = {"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48}
     phi3 = {}

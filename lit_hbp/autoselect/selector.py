@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from transformers import PretrainedConfig
 
 from lit_hbp.autoselect.launch import launch
 from lit_hbp.autoselect.measured import MeasuredProfiler, probe_strategy_args
@@ -42,6 +43,7 @@ from lit_hbp.cost.run_settings import (
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model.causal_lm import configured_spec
+from lit_hbp.model.checks import model_config as hf_config
 from lit_hbp.model.checks import position_range, rescaling_limit
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level, LevelSelector
@@ -172,11 +174,18 @@ class RunSetting:
         )
 
 
-def config_of(model) -> SimpleNamespace | None:
+def config_of(model) -> Any:
     """A model config (a mapping, a config.json or a checkpoint folder) as attributes, None when it cannot be
-    read here; one already read is returned as it is (so the file is read once for several questions)."""
-    if isinstance(model, SimpleNamespace) or model is None:
+    read here; one already read is returned as it is (so the file is read once for several questions). A
+    mapping is the Hugging Face config it builds, with the family's defaults, as the fit checks it (a Llama
+    mapping without ``max_position_embeddings`` covers 2,048 positions there)."""
+    if isinstance(model, (SimpleNamespace, PretrainedConfig)) or model is None:
         return model
+    if isinstance(model, dict) and "model_type" in model:
+        try:
+            return hf_config(model)
+        except (ValueError, TypeError, KeyError):  # a family transformers does not know: the mapping as it is
+            pass
     if not isinstance(model, dict):
         path = Path(str(model))
         path = path / "config.json" if path.is_dir() else path

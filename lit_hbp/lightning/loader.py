@@ -162,8 +162,9 @@ def check_accumulation_windows(trainer: Any, micro_steps: int | None = None, acc
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     limit = getattr(trainer, "limit_train_batches", None)  # a stand-in trainer: not asked
-    if limit is None or isinstance(limit, bool):
+    if limit is None or getattr(trainer, "fast_dev_run", False):  # a smoke run: nothing it trains is kept
         return
+    limit = int(limit) if isinstance(limit, bool) else limit  # Lightning reads True as 1 batch
     if micro_steps is None:
         if not isinstance(limit, int):
             return
@@ -171,20 +172,23 @@ def check_accumulation_windows(trainer: Any, micro_steps: int | None = None, acc
     else:
         batches = min(micro_steps, limit) if isinstance(limit, int) else int(micro_steps * limit)
         why = f"trainer.limit_train_batches {limit} cuts the epoch's {micro_steps} micro-batches a rank at {batches}"
-    accumulations = {trainer.accumulate_grad_batches} if accumulate is None else {accumulate}
-    if accumulate is None:
-        for c in getattr(trainer, "callbacks", []):
-            accumulations |= set(c.scheduling.values()) if isinstance(c, GradientAccumulationScheduler) else set()
+    accumulations, scheduled = {trainer.accumulate_grad_batches} if accumulate is None else {accumulate}, set()
+    epochs = getattr(trainer, "max_epochs", None)
+    for c in getattr(trainer, "callbacks", []) if accumulate is None else []:
+        if isinstance(c, GradientAccumulationScheduler):  # the epochs the run reaches
+            scheduled |= {a for e, a in c.scheduling.items() if epochs is None or epochs < 0 or e < epochs}
+    accumulations |= scheduled
     cut = sorted(a for a in accumulations if batches % a)
     steps = getattr(trainer, "max_steps", -1)
     if not cut or (steps >= 0 and steps * max(accumulations) <= batches):  # or the run ends before the cut
         return
     m = math.lcm(*accumulations)
     fits = sorted({max(batches // m * m, m), batches // m * m + m})
+    by = "its GradientAccumulationScheduler" if cut[-1] in scheduled else "trainer.accumulate_grad_batches"
     raise ConfigError(
-        f"{why}, but an optimizer step accumulates {cut[-1]} micro-batches (trainer.accumulate_grad_batches): the "
-        "epoch would end inside a step, whose loss is normalized by the tokens of micro-batches it never trains; "
-        f"give a multiple of {m} ({' or '.join(map(str, fits))})"
+        f"{why}, but an optimizer step accumulates {cut[-1]} micro-batches ({by}): the epoch would end inside a "
+        "step, whose loss is normalized by the tokens of micro-batches it never trains; give a multiple of "
+        f"{m} ({' or '.join(map(str, fits))})"
     )
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +56,7 @@ COLUMNS = [("hours", ".2f"), ("gpu_hours", ".1f"), ("speedup", ".2f"), ("abr", "
 COLUMNS += [(k, ".3f") for k in ("dense", "attention", "vision", *COMM_PARTS, "offload", "idle", "grad_sync")]
 
 
-def positions_of(model: str) -> tuple[SimpleNamespace | None, int | None, int | None]:
+def positions_of(model: str) -> tuple[Any, int | None, int | None]:
     """--model's config (None for a preset), the longest position it covers and the longest level it lets sp > 1
     take (``selector.position_limit`` and ``whole_past``: what a fit applies), each None where it says nothing."""
     path = Path(model)
