@@ -21,7 +21,6 @@ from typing import Any
 
 import lightning as L
 import numpy as np
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -44,6 +43,7 @@ from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their fi
     PlanLoader,
     PlanSampler,
     StoreSamples,
+    accumulation_at,
     check_accumulation_windows,
     check_epoch_lengths,
     check_validation_interval,
@@ -268,11 +268,7 @@ class HBPDataModule(L.LightningDataModule):
         t = self.trainer
         if t is None:
             return 1, 0, 1
-        accumulate = t.accumulate_grad_batches
-        for callback in t.callbacks:
-            if isinstance(callback, GradientAccumulationScheduler):
-                accumulate = callback.get_accumulate_grad_batches(t.current_epoch if epoch is None else epoch)
-        return t.world_size, t.global_rank, accumulate
+        return t.world_size, t.global_rank, accumulation_at(t, t.current_epoch if epoch is None else epoch)
 
     def _tokenize(self, source: Source, label: str, progress: bool = True) -> TokenizedSource:
         return tokenize_source(

@@ -100,20 +100,43 @@ class MicroBatchDataset(Dataset):
         return self.samples.batch(mb.packs, lv, sp_coords(self.rank, lv.sp)[1], self.pad_id, **plan)
 
 
+def accumulation_schedule(trainer: Any) -> tuple[dict[int, int], bool]:
+    """({first epoch: micro-batches an optimizer step accumulates from it}, whether a
+    ``GradientAccumulationScheduler`` set them): the trainer's from epoch 0, else the scheduler's, which sets the
+    trainer's at each epoch's start (after that epoch's loader planned it)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    schedule, scheduled = {0: trainer.accumulate_grad_batches}, False
+    for c in getattr(trainer, "callbacks", []):  # a stand-in trainer may have none
+        if isinstance(c, GradientAccumulationScheduler):
+            schedule, scheduled = {**schedule, **c.scheduling}, True
+    return schedule, scheduled
+
+
+def accumulation_at(trainer: Any, epoch: int) -> int:
+    """The micro-batches an optimizer step of ``epoch`` accumulates."""
+    schedule = accumulation_schedule(trainer)[0]
+    return schedule[max(e for e in schedule if e <= epoch)]
+
+
+def epoch_batches(limit: int | float, micro_steps: int) -> int:
+    """The training batches of an epoch of ``micro_steps`` a rank that Lightning's fit loop runs under
+    ``limit_train_batches`` (an int counts batches, a float is a share, ``True`` one batch)."""
+    limit = int(limit) if isinstance(limit, bool) else limit
+    return min(micro_steps, limit) if isinstance(limit, int) else int(micro_steps * limit)
+
+
 def check_epoch_lengths(trainer: Any, packer: str) -> None:
     """Before the data is read: an epoch whose plan may have another number of micro-steps than the first's
     (the random packer's draw, an accumulation scheduled by epoch) needs its loader rebuilt, which Lightning
     does only with ``reload_dataloaders_every_n_epochs=1``; else the loader's length is the first epoch's."""
-    from lightning.pytorch.callbacks import GradientAccumulationScheduler
-
     t = trainer
     if t.reload_dataloaders_every_n_epochs == 1 or t.max_epochs == 1:
         return
     why = []
     if packer == "random":
         why.append("data.packer 'random' draws each epoch's packs anew")
-    schedules = [c for c in t.callbacks if isinstance(c, GradientAccumulationScheduler)]
-    if any(len(set(c.scheduling.values()) | {t.accumulate_grad_batches}) > 1 for c in schedules):
+    if len(set(accumulation_schedule(t)[0].values())) > 1:
         why.append("a GradientAccumulationScheduler changes the micro-steps per optimizer step")
     if why:
         raise ConfigError(
@@ -139,7 +162,7 @@ def check_validation_interval(trainer: Any, micro_steps: int | None = None) -> N
             return
         batches, why = limit, f"trainer.limit_train_batches is {limit}"
     else:
-        batches = min(micro_steps, limit) if isinstance(limit, int) else int(micro_steps * limit)
+        batches = epoch_batches(limit, micro_steps)
         if interval <= batches or batches == 0:
             return
         limited = f" ({micro_steps} before limit_train_batches {limit})" if batches != micro_steps else ""
@@ -159,8 +182,6 @@ def check_accumulation_windows(trainer: Any, micro_steps: int | None = None, acc
     ``GradientAccumulationScheduler``'s too) before the data is read, a float one once the plan's ``micro_steps``
     (of an epoch accumulating ``accumulate``) are known, ``limit_train_batches`` applied as Lightning's fit loop
     applies it."""
-    from lightning.pytorch.callbacks import GradientAccumulationScheduler
-
     limit = getattr(trainer, "limit_train_batches", None)  # a stand-in trainer: not asked
     if limit is None or getattr(trainer, "fast_dev_run", False):  # a smoke run: nothing it trains is kept
         return
@@ -170,21 +191,21 @@ def check_accumulation_windows(trainer: Any, micro_steps: int | None = None, acc
             return
         batches, why = limit, f"trainer.limit_train_batches is {limit}"
     else:
-        batches = min(micro_steps, limit) if isinstance(limit, int) else int(micro_steps * limit)
+        batches = epoch_batches(limit, micro_steps)
         why = f"trainer.limit_train_batches {limit} cuts the epoch's {micro_steps} micro-batches a rank at {batches}"
-    accumulations, scheduled = {trainer.accumulate_grad_batches} if accumulate is None else {accumulate}, set()
-    epochs = getattr(trainer, "max_epochs", None)
-    for c in getattr(trainer, "callbacks", []) if accumulate is None else []:
-        if isinstance(c, GradientAccumulationScheduler):  # the epochs the run reaches
-            scheduled |= {a for e, a in c.scheduling.items() if epochs is None or epochs < 0 or e < epochs}
-    accumulations |= scheduled
+    if accumulate is None:  # every accumulation of the epochs the run reaches
+        schedule, scheduled = accumulation_schedule(trainer)
+        epochs = getattr(trainer, "max_epochs", None)
+        accumulations = {a for e, a in schedule.items() if epochs is None or epochs < 0 or e < max(epochs, 1)}
+    else:
+        accumulations, scheduled = {accumulate}, accumulation_schedule(trainer)[1]
     cut = sorted(a for a in accumulations if batches % a)
     steps = getattr(trainer, "max_steps", -1)
     if not cut or (steps >= 0 and steps * max(accumulations) <= batches):  # or the run ends before the cut
         return
     m = math.lcm(*accumulations)
     fits = sorted({max(batches // m * m, m), batches // m * m + m})
-    by = "its GradientAccumulationScheduler" if cut[-1] in scheduled else "trainer.accumulate_grad_batches"
+    by = "its GradientAccumulationScheduler" if scheduled else "trainer.accumulate_grad_batches"
     raise ConfigError(
         f"{why}, but an optimizer step accumulates {cut[-1]} micro-batches ({by}): the epoch would end inside a "
         "step, whose loss is normalized by the tokens of micro-batches it never trains; give a multiple of "
