@@ -1,7 +1,8 @@
 """A pool of CPU processes with one gloo process group, reused by many tests.
 
-Starting a process and importing torch, transformers, lightning and deepspeed costs seconds; a
-module-scoped pool pays it once. Each worker sets the environment a launcher would (RANK,
+Importing torch, transformers, Lightning and DeepSpeed costs a process seconds: a fork server imports them
+once per test process and every worker is forked from it; a module-scoped pool also starts its workers once.
+Each worker sets the environment a launcher would (RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), so Lightning inside a worker sees an external launch and
 starts no processes of its own, and DeepSpeed reuses the initialized process group.
 """
@@ -17,6 +18,9 @@ import torch.multiprocessing as mp
 from conftest import HANG_S
 
 from lit_hbp.autoselect.launch import free_port, set_launch_env
+
+# By name from the installed package (Python 3.11's fork server does not take this process's sys.path).
+PRELOAD = ["lit_hbp.autoselect.launch", "lit_hbp.lightning.strategy", "lit_hbp.lightning.module", "deepspeed"]
 
 
 def _worker(rank: int, world: int, port: int, tasks, results, backend: str, isolate: bool = False) -> None:
@@ -65,7 +69,11 @@ class Pool:
     ProcessState), for a pool the tests of several modules share (``shared_pool2``)."""
 
     def __init__(self, world: int, backend: str = "gloo", isolate: bool = False):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        # Forked from one server that imported torch, transformers, Lightning, DeepSpeed and lit-hbp once: a
+        # worker starts in well under a second, where a spawned one imports for seconds. The server is a fresh
+        # process (not this test process, whose state a fork would copy), started at the first pool.
+        ctx.set_forkserver_preload(PRELOAD)
         self.world = world
         self.broken = ""  # the traceback that stopped the pool
         self.tasks = [ctx.Queue() for _ in range(world)]
