@@ -23,7 +23,11 @@ from lit_hbp.autoselect.launch import free_port, set_launch_env
 PRELOAD = ["lit_hbp.autoselect.launch", "lit_hbp.lightning.strategy", "lit_hbp.lightning.module", "deepspeed"]
 
 
-def _worker(rank: int, world: int, port: int, tasks, results, backend: str, isolate: bool = False) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, backend: str, isolate: bool, env: dict[str, str]) -> None:
+    # The environment of the test process at the pool's start, as a spawned worker's (a fork server's child
+    # has the server's, from its own start).
+    os.environ.clear()
+    os.environ.update(env)
     # As lit-hbp's command line imports (``cli.command.heap_left_alone``): the first task imports the
     # library, Lightning and transformers without the cyclic collector walking them, frozen after it.
     gc.disable()
@@ -81,7 +85,9 @@ class Pool:
         port = free_port()
         self.procs = [
             ctx.Process(
-                target=_worker, args=(r, world, port, self.tasks[r], self.results, backend, isolate), daemon=True
+                target=_worker,
+                args=(r, world, port, self.tasks[r], self.results, backend, isolate, dict(os.environ)),
+                daemon=True,
             )
             for r in range(world)
         ]

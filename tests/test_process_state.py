@@ -169,3 +169,30 @@ def test_two_workers_run_the_slow_tests_first_on_one_thread_each(tmp_path):
     assert all(r["order"] == ["test_b", "test_d", "test_a", "test_c"] for r in workers), workers
     assert all(r["threads"] == 1 and r["omp"] == "1" for r in workers), workers
     assert all(r["order"] == ["test_a", "test_b", "test_c", "test_d"] and r["omp"] is None for r in plain), plain
+
+
+def _environment_and_threads(name: str) -> tuple[str | None, int]:
+    import torch
+
+    return os.environ.get(name), torch.get_num_threads()
+
+
+def test_a_pools_workers_start_in_the_environment_of_the_pool_not_of_the_first_pool(monkeypatch):
+    """tests/distributed.py forks its workers from a server started at the first pool of the process: a later
+    pool's workers still see the environment of the test that started them (as spawned workers would), on one
+    thread each."""
+    from distributed import Pool
+
+    for value in ("first", "second"):
+        monkeypatch.setenv("LIT_HBP_POOL_PROBE", value)
+        pool = Pool(2)
+        try:
+            assert pool.run(_environment_and_threads, "LIT_HBP_POOL_PROBE") == [(value, 1), (value, 1)]
+        finally:
+            pool.close()
+    monkeypatch.delenv("LIT_HBP_POOL_PROBE")
+    pool = Pool(2)
+    try:
+        assert pool.run(_environment_and_threads, "LIT_HBP_POOL_PROBE") == [(None, 1), (None, 1)]
+    finally:
+        pool.close()
