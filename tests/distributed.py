@@ -28,6 +28,9 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str, isol
     # has the server's, from its own start).
     os.environ.clear()
     os.environ.update(env)
+    import numpy as np
+
+    np.random.seed()  # each worker its own global numpy draws, as a spawned one (a fork copies the server's)
     # As lit-hbp's command line imports (``cli.command.heap_left_alone``): the first task imports the
     # library, Lightning and transformers without the cyclic collector walking them, frozen after it.
     gc.disable()

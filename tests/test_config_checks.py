@@ -16,7 +16,7 @@ from conftest import TINY_LLAMA
 from lit_hbp.cli.app import main
 from lit_hbp.cli.checks import world_size_of
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.loader import check_accumulation_windows, check_validation_interval
+from lit_hbp.lightning.loader import accumulation_at, check_accumulation_windows, check_validation_interval
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model.checks import check_model_config, check_positions, valid_config_keys
 from lit_hbp.packing import Level
@@ -494,3 +494,38 @@ def test_a_smoke_run_with_accumulation_is_not_refused_and_a_true_limit_is_one_ba
     check_accumulation_windows(smoke, 8, 2)
     with pytest.raises(ConfigError, match="trainer.limit_train_batches is 1, but an optimizer step accumulates 2"):
         check_accumulation_windows(one)
+
+
+class CountsEpochWindows(CountsStepWindows):
+    """Records the micro-batches of each optimizer step by epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_epoch = {}
+
+    def on_before_optimizer_step(self, optimizer):
+        self.by_epoch.setdefault(self.trainer.current_epoch, []).append(self.seen)
+        self.seen = 0
+
+
+@pytest.mark.parametrize(
+    "schedules",
+    [[{0: 1, 2: 4}, {0: 2}], [{0: 2}, {0: 1, 2: 4}], [{1: 2}], [{0: 4}]],
+    ids=["two", "two-swapped", "late", "one"],
+)
+def test_each_epochs_accumulation_is_the_one_lightnings_fit_loop_steps_with(schedules):
+    """The accumulation the data module plans an epoch with (``accumulation_at``) is the one Lightning's own fit
+    loop steps with in that epoch: with two GradientAccumulationSchedulers the last sets the trainer's last."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    def trainer():
+        callbacks = [GradientAccumulationScheduler(dict(s)) for s in schedules]
+        return L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+
+    module = CountsEpochWindows()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer().fit(module, torch.utils.data.DataLoader(torch.ones(8, 1), batch_size=1))
+        planned = trainer()
+    assert {e: set(w) for e, w in module.by_epoch.items()} == {e: {accumulation_at(planned, e)} for e in range(3)}

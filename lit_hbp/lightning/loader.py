@@ -108,8 +108,8 @@ def accumulation_schedule(trainer: Any) -> tuple[dict[int, int], bool]:
 
     schedule, scheduled = {0: trainer.accumulate_grad_batches}, False
     for c in getattr(trainer, "callbacks", []):  # a stand-in trainer may have none
-        if isinstance(c, GradientAccumulationScheduler):
-            schedule, scheduled = {**schedule, **c.scheduling}, True
+        if isinstance(c, GradientAccumulationScheduler):  # the last one sets the trainer's last: it decides
+            schedule, scheduled = dict(c.scheduling), True  # from epoch 0 (Lightning's callback adds {0: 1})
     return schedule, scheduled
 
 
