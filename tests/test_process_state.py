@@ -109,6 +109,7 @@ def test_the_reverse_order_runs_the_last_test_first(monkeypatch):
     assert out.returncode == 0, out.stdout + out.stderr
     collected = [line.split("::")[1] for line in out.stdout.splitlines() if "::" in line]
     assert collected == [
+        "test_a_pools_workers_start_in_the_environment_of_the_pool_not_of_the_first_pool",
         "test_two_workers_run_the_slow_tests_first_on_one_thread_each",
         "test_the_reverse_order_runs_the_last_test_first",
         "test_every_process_wide_setting_a_test_changes_is_put_back",
