@@ -84,13 +84,28 @@ def eager_run(q, k, v, a: AttnArgs) -> torch.Tensor:
     return torch.cat(outs, dim=2)
 
 
-def _cpu_doc_mask(n: int, m: int, window: int | None, like: torch.Tensor) -> dict:
-    """Arguments of torch's CPU flash kernel for n queries that are the last n of m keys: its own
-    causal flag where that is the mask, else the band as an additive mask of the query's dtype."""
+def _cpu_doc_parts(n: int, m: int, window: int | None, like: torch.Tensor) -> list[tuple[slice, bool, object]]:
+    """How torch's CPU flash kernel runs n queries that are the last n of m keys: (key rows of the
+    document, causal flag, additive mask) per kernel call. Self-attention is its own causal call; a
+    query chunk of a longer document (context parallelism) is two calls without a mask, the keys
+    before the chunk seen whole and the chunk's own causally, merged by their LSEs: a dense [n, m]
+    mask costs more to build than the attention it masks. Only a window shorter than the keys
+    needs the band as an additive mask of the query's dtype."""
     if n == m and (window is None or n <= window):
-        return dict(is_causal=True, attn_mask=None)
+        return [(slice(0, m), True, None)]
+    if window is None or m <= window:
+        return [(slice(0, m - n), False, None), (slice(m - n, m), True, None)]
     band = _band(n, window, like.device, m)
-    return dict(is_causal=False, attn_mask=torch.zeros(n, m, dtype=like.dtype).masked_fill(~band, float("-inf")))
+    return [(slice(0, m), False, torch.zeros(n, m, dtype=like.dtype).masked_fill(~band, float("-inf")))]
+
+
+def _within(rows: slice, part: slice) -> slice:
+    return slice(rows.start + part.start, rows.start + part.stop)
+
+
+def _heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Key or value heads repeated for their query heads where the kernel does not take fewer."""
+    return x if group == 1 else x.repeat_interleave(group, 1)
 
 
 @cache
@@ -125,12 +140,24 @@ def _sdpa_forward(q, k, v, a: AttnArgs):
     lse = q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
     for qs, ks in documents(a):
         n, m = qs.stop - qs.start, ks.stop - ks.start
-        if n:
-            kd, vd = (x[:, :, ks] if group == 1 else x[:, :, ks].repeat_interleave(group, 1) for x in (k, v))
-            mask = _cpu_doc_mask(n, m, a.window, q)
-            out[:, :, qs], lse[:, :, qs] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[:, :, qs], kd, vd, 0.0, mask["is_causal"], attn_mask=mask["attn_mask"], scale=a.scale
+        if not n:
+            continue
+        runs = []
+        for part, causal, mask in _cpu_doc_parts(n, m, a.window, q):
+            kd, vd = (_heads(x[:, :, _within(ks, part)], group) for x in (k, v))
+            runs.append(
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q[:, :, qs], kd, vd, 0.0, causal, attn_mask=mask, scale=a.scale
+                )[:2]
             )
+        if len(runs) == 1:
+            out[:, :, qs], lse[:, :, qs] = runs[0]
+        else:  # the softmax over both key ranges: each part's output weighted by its share of the total
+            (o1, l1), (o2, l2) = runs
+            total = torch.logaddexp(l1, l2)
+            w1, w2 = (torch.exp(x - total)[..., None] for x in (l1, l2))
+            out[:, :, qs] = (w1 * o1.to(w1.dtype) + w2 * o2.to(w2.dtype)).to(out.dtype)
+            lse[:, :, qs] = total
     return out, lse[0]
 
 
@@ -142,16 +169,19 @@ def _sdpa_backward(dout, q, k, v, out, lse, a: AttnArgs):
     lse = lse[None]
     for qs, ks in documents(a):
         n, m = qs.stop - qs.start, ks.stop - ks.start
-        if n:
-            kd, vd = (x[:, :, ks] if group == 1 else x[:, :, ks].repeat_interleave(group, 1) for x in (k, v))
-            mask = _cpu_doc_mask(n, m, a.window, q)
+        if not n:
+            continue
+        # Each part's backward from the document's whole output and LSE: its exact share of the gradients.
+        rows = [x[:, :, qs].contiguous() for x in (dout, q, out, lse)]
+        for part, causal, mask in _cpu_doc_parts(n, m, a.window, q):
+            keys = _within(ks, part)
+            kd, vd = (_heads(x[:, :, keys], group) for x in (k, v))
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                *(x[:, :, qs].contiguous() for x in (dout, q)), kd, vd, out[:, :, qs].contiguous(),
-                lse[:, :, qs].contiguous(), 0.0, mask["is_causal"], attn_mask=mask["attn_mask"], scale=a.scale,
-            )  # fmt: skip
-            dq[:, :, qs] = gq
-            dk[:, :, ks] += gk.unflatten(1, (hkv, group)).sum(2)
-            dv[:, :, ks] += gv.unflatten(1, (hkv, group)).sum(2)
+                rows[0], rows[1], kd, vd, rows[2], rows[3], 0.0, causal, attn_mask=mask, scale=a.scale
+            )
+            dq[:, :, qs] += gq
+            dk[:, :, keys] += gk.unflatten(1, (hkv, group)).sum(2)
+            dv[:, :, keys] += gv.unflatten(1, (hkv, group)).sum(2)
     return dq, dk, dv, None
 
 
