@@ -455,6 +455,98 @@ def test_a_leaking_mixer_nobody_can_name_is_stopped_by_the_self_check():
         run_self_check(module, [1], max_len=256)
 
 
+def test_the_self_checks_leak_is_each_documents_own_forward_and_backward(monkeypatch):
+    """One forward serves every document's leak measure (``selfcheck._document_losses``): each document's
+    gradient on the pack's embeddings equals a forward and backward of the pack through the public
+    ``packed_loss`` weighted to that document, on the model as built and on a mixer that leaks; so does the
+    leak measure (the largest gradient on the others' embeddings over its own)."""
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.model import selfcheck
+
+    torch.manual_seed(0)
+    module = HBPLitModule(model=small_config("llama"), loss="sum")
+    module.configure_model()
+    net = module.model
+    embed = net.get_input_embeddings()
+    rng = np.random.default_rng(3)
+    docs = {i: (rng.integers(0, net.config.vocab_size, n), np.ones(n, bool)) for i, n in enumerate([9, 23, 1, 40, 7])}
+    cpu = torch.device("cpu")
+    pack = selfcheck._pack(docs, {}, 1, None, cpu, None)
+
+    def per_document() -> list[torch.Tensor]:
+        grads = []
+        for j in range(len(docs)):
+            leaf = []
+
+            def as_leaf(module, args, out, leaf=leaf):  # the forward goes on from a copy of the leaf
+                leaf.append(out.detach().requires_grad_())
+                return leaf[-1].clone()
+
+            hook = embed.register_forward_hook(as_leaf)
+            try:
+                mine = (pack["doc_of"] == j).float()
+                grads.append(torch.autograd.grad(packed_loss(net, pack["batch"], weights=mine).loss, leaf)[0])
+            finally:
+                hook.remove()
+        return grads
+
+    def self_check(module) -> list[torch.Tensor]:
+        got = {}
+        for j, _, loss, leaf, retain in selfcheck._document_losses(module, embed, pack["batch"], pack, cpu):
+            got[j] = torch.autograd.grad(loss, leaf, retain_graph=retain)[0]
+        return [got[j] for j in range(len(docs))]
+
+    def leak(grads: list[torch.Tensor]) -> float:
+        mine = [(pack["doc_of"] == j).float()[:, None] for j in range(len(docs))]
+        return max(float((g[0] * (1 - m)).abs().max() / (g[0] * m).abs().max()) for g, m in zip(grads, mine))
+
+    monkeypatch.setattr(selfcheck, "LEAK_TOLERANCE", math.inf)  # every document, no stop at the first leak
+    want = per_document()
+    for got, ref in zip(self_check(module), want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
+    assert selfcheck._leak(module, embed, pack, cpu) == leak(want) == 0.0
+    unsupervised = {i: (ids, np.zeros(len(ids), bool)) for i, (ids, _) in docs.items()}  # a shard with no target
+    assert selfcheck._leak(module, embed, selfcheck._pack(unsupervised, {}, 1, None, cpu, None), cpu) == 0.0
+    layer = net.model.layers[0]
+    layer.mlp = Leaking(layer.mlp)
+    want = per_document()
+    for got, ref in zip(self_check(module), want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
+    assert leak(want) > 0.1 and selfcheck._leak(module, embed, pack, cpu) == pytest.approx(leak(want), rel=1e-5)
+    # A kernel whose backward writes into what it saved (Liger's SwiGLU) cannot run a second backward over
+    # one graph: with Liger's kernels on, each document runs its own forward.
+    layer.mlp = Overwrites(layer.mlp)
+
+    class WithLiger:  # HBPLitModule(liger=True)'s flag; its loss as on a CPU
+        model, hparams, packed_loss = net, {"liger": True}, module.packed_loss
+
+    for got, ref in zip(self_check(WithLiger), per_document()):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-8)
+
+
+class _SquareSavedInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        dx = 2 * x * grad
+        x.data.copy_(dx)  # as Liger's SwiGLU kernel writes its gradients over its saved inputs
+        return dx
+
+
+class Overwrites(torch.nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return _SquareSavedInPlace.apply(self.mlp(x))
+
+
 def test_context_parallelism_over_a_document_by_document_mixer_is_refused_per_level_and_per_call():
     """Ulysses levels gather a mixer's documents whole (``test_ulysses_sp_2_...``); CP levels split a pack by
     attention area into ranges a mixer's state would have to cross: refused at set-up naming the level, and

@@ -313,13 +313,10 @@ def _leak(module, embed, pack, device) -> float:
     """Largest gradient of one document's loss on the other documents' embeddings, relative to its
     own, over the SP group; documents from the last (which sees every earlier one) back, stopping
     at the first leak (the ranks agree after each one, so they run the same passes)."""
+    batch, pixels = _with_pixel_leaves(pack["batch"])
     embed_grad_max = 0.0
-    for j in reversed(range(len(pack["bounds"]) - 1)):
-        mine = (pack["doc_of"] == j).float()
-        batch, pixels = _with_pixel_leaves(pack["batch"])
-        with _embedding_leaves(embed) as leaves:
-            loss_j, _, _ = module.packed_loss(batch, weights=mine, router_loss=False, recompute=False)
-        g, *gp = torch.autograd.grad(loss_j, [leaves[-1], *pixels.values()])
+    for j, mine, loss_j, leaf, retain in _document_losses(module, embed, batch, pack, device):
+        g, *gp = torch.autograd.grad(loss_j, [leaf, *pixels.values()], retain_graph=retain)
         outside = [(g[0] * (1 - mine[:, None])).abs().max().item()]
         inside = [(g[0] * mine[:, None]).abs().max().item()]
         for key, grad in zip(pixels, gp):  # another document's pixels: exactly no gradient either
@@ -331,6 +328,39 @@ def _leak(module, embed, pack, device) -> float:
         if embed_grad_max > LEAK_TOLERANCE:
             break
     return float(embed_grad_max)
+
+
+def _document_losses(module, embed, batch, pack, device):
+    """(document, its positions, its loss, the embedding leaf, whether the graph is kept) from the last
+    document back. One forward serves them all: the loss's gradient on per-position weights of 1 is each
+    position's cross-entropy, still a function of the inputs, and a document's loss is its positions'
+    share. Where a backward cannot run twice over one graph, each document runs a forward of its own."""
+    order = reversed(range(len(pack["bounds"]) - 1))
+    if not _graph_serves_twice(module):
+        for j in order:
+            mine = (pack["doc_of"] == j).float()
+            with _embedding_leaves(embed) as leaves:
+                loss_j, _, _ = module.packed_loss(batch, weights=mine, router_loss=False, recompute=False)
+            yield j, mine, loss_j, leaves[-1], False
+        return
+    weight = torch.ones(pack["doc_of"].shape[0], device=device, requires_grad=True)
+    with _embedding_leaves(embed) as leaves:
+        total, _, _ = module.packed_loss(batch, weights=weight, router_loss=False, recompute=False)
+    (token_ce,) = torch.autograd.grad(total, weight, create_graph=True, allow_unused=True)
+    if token_ce is None:  # a shard without a supervised position: its loss (0) still runs the backward's collectives
+        token_ce = total * weight.detach()
+    for j in order:
+        mine = (pack["doc_of"] == j).float()
+        yield j, mine, (token_ce * mine).sum(), leaves[-1], True
+
+
+def _graph_serves_twice(module) -> bool:
+    """Whether a second backward over the forward's graph is exact: not under ZeRO-3, which frees the
+    weights it gathered for a layer's backward, nor with Liger's kernels, whose SwiGLU backward writes its
+    gradients into the tensors it saved."""
+    if any(hasattr(p, "ds_id") for p in module.model.parameters()):
+        return False
+    return not (getattr(module, "hparams", None) or {}).get("liger", False)
 
 
 def _packed_errors(
