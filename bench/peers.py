@@ -251,8 +251,6 @@ def hf_check(trainer, collator, check: list[dict]) -> tuple[float, list[float]]:
 
 
 def worker_hf(spec: dict, mode: str) -> dict:
-    import tempfile
-
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
@@ -270,7 +268,7 @@ def worker_hf(spec: dict, mode: str) -> dict:
     records = read_records(spec["data"])
     data = Dataset.from_list(records)
     common = dict(
-        output_dir=tempfile.mkdtemp(prefix="peers-"), num_train_epochs=1, learning_rate=spec["lr"],
+        output_dir=str(Path(spec["result"]).with_suffix(".trainer")), num_train_epochs=1, learning_rate=spec["lr"],
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
         warmup_steps=spec["warmup"], adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0,
         bf16=cuda, use_cpu=not cuda, seed=spec["seed"], report_to=[], logging_strategy="no", save_strategy="no",
