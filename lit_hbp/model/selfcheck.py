@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.media_batch import TOKEN_KEYS, MRopePositions, collate_media
+from lit_hbp.model.mixers import zero3_partitioned
 from lit_hbp.model.sp_media import KINDS
 from lit_hbp.parallel.context import SPCall
 from lit_hbp.parallel.kind import resolve_sp_kind
@@ -358,7 +359,7 @@ def _graph_serves_twice(module) -> bool:
     """Whether a second backward over the forward's graph is exact: not under ZeRO-3, which frees the
     weights it gathered for a layer's backward, nor with Liger's kernels, whose SwiGLU backward writes its
     gradients into the tensors it saved."""
-    if any(hasattr(p, "ds_id") for p in module.model.parameters()):
+    if zero3_partitioned([module.model]):
         return False
     return not (getattr(module, "hparams", None) or {}).get("liger", False)
 
