@@ -174,7 +174,9 @@ def test_what_packed_loss_cannot_use_is_refused_by_name():
     one_per = packed_loss(model, batch, weights=torch.ones(length)).loss
     torch.testing.assert_close(packed_loss(model, batch, weights=torch.ones(1, length)).loss, one_per)  # labels'
     with pytest.raises(ValueError, match="packed_loss's loss must be one of"):
-        packed_loss(model, batch, "tokenmean", weights=1.0)
+        packed_loss(model, batch, "tokenmean")
+    with pytest.raises(ValueError, match="a normalizer \\(loss='sum'\\) or weights, not both"):
+        packed_loss(model, batch, "sum", weights=1.0)
     with pytest.raises(ValueError, match=r"replace\(labels=...\) without target_index"):
         batch.replace(labels=torch.full_like(batch.labels, -100))
     for ckpt in (-1, 1.5, True):

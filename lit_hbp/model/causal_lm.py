@@ -24,7 +24,7 @@ import inspect
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -45,6 +45,7 @@ from lit_hbp.model.build import (
 )
 from lit_hbp.model.checks import model_config, rescaling_limit
 from lit_hbp.model.family_checks import refuse_unseen
+from lit_hbp.model.head import check_output_head, output_head
 from lit_hbp.model.loss import (
     NORMALIZERS,
     chunked_cross_entropy,
@@ -68,6 +69,7 @@ from lit_hbp.model.packed_call import (
     pack_scope,
     record_of,
 )
+from lit_hbp.model.position_limits import position_limits
 from lit_hbp.model.sp_media import split_encoder_outputs
 from lit_hbp.model.tiling import install_tiling, mlp_of, uninstall_tiling
 from lit_hbp.model.vision import (
@@ -118,6 +120,8 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     mixers = refuse_stateful_mixers(decoder, family)
     refuse_unseen(net, decoder, family, {m.path for m in mixers}, not is_multimodal(net))
     check_router_loss(net)
+    runner = net.model if is_multimodal(net) else decoder
+    check_output_head(net, runner)
     configs = model_configs(decoder)  # a vision-language model's vision tower keeps its own attention
     for config in configs:
         calls.install(type(config))
@@ -140,7 +144,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     record = Prepared(
         net=net,
         decoder=decoder,
-        runner=net.model if is_multimodal(net) else decoder,
+        runner=runner,
         configs=[(c, c._attn_implementation_internal) for c in configs],
         layers=layers,
         blocks=[] if vision_tower(net) is None else checkpoint_layers(vision_tower(net)),
@@ -150,6 +154,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         mixers=[decoder.get_submodule(m.path) for m in mixers],
         backend=attn_backend,
         rope_limit=rescaling_limit(decoder.config),
+        position_limits=position_limits(decoder.config),
     )
     for mlp in record.mlps:
         if mlp is not None:
@@ -240,7 +245,7 @@ class PackedLoss(NamedTuple):
 def packed_loss(
     model: torch.nn.Module,
     batch: PackedBatch,
-    loss: str = "ave_token",
+    loss: str | None = None,
     *,
     weights: float | torch.Tensor | None = None,
     ce_chunk_size: int = 1024,
@@ -255,14 +260,19 @@ def packed_loss(
     is the active one, passes the document boundaries and per-document positions to the model's decoder,
     and runs the chunked cross-entropy over the supervised positions only (the labels are pre-shifted:
     position t predicts t + 1), weighted by the normalizer ``loss`` (``ave_token`` (default) |
-    ``token_mean`` | ``sample_mean`` | ``sum``, ``lit_hbp.model.loss``) or by ``weights``. The family's router
-    loss is added when its config asks for it (and ``router_loss``). ``liger``: Liger's fused linear
+    ``token_mean`` | ``sample_mean`` | ``sum``, ``lit_hbp.model.loss``) or by ``weights`` (not both). The
+    family's router loss is added when its config asks for it (and ``router_loss``). ``liger``: Liger's fused linear
     cross-entropy on a CUDA GPU; ``recompute=False`` keeps each chunk's logits for the backward."""
     if not isinstance(batch, PackedBatch):
         raise TypeError(
             f"packed_loss takes a PackedBatch (HBPDataModule's micro-batches, or lit_hbp.pack_samples over your own "
             f"samples), got {type(batch).__name__}"
         )
+    if loss is not None and weights is not None:
+        raise ValueError(
+            f"packed_loss takes a normalizer (loss={loss!r}) or weights, not both: weights replace the normalizer"
+        )
+    loss = "ave_token" if loss is None else loss
     if loss not in NORMALIZERS:
         raise ValueError(f"packed_loss's loss must be one of {NORMALIZERS}, got {loss!r}")
     if isinstance(weights, torch.Tensor):
@@ -285,7 +295,8 @@ def packed_loss(
         if batch.mm and is_multimodal(net):  # images encoded apart, by the vision tower's own attention (split
             inputs = _encoded(record, batch, inputs)  # over the SP group), its blocks checkpointed as the level says
         # (a text model's token_type_ids, its segment embedding, go to the decoder with the ids)
-        out = _decoder_call(model, record)(**inputs, **({"output_router_logits": True} if aux else {}))
+        kw = {"output_router_logits": True} if aux else {}
+        out = _decoder_call(model, record)(**inputs, **kw, **_as_dict(record.runner))
     hidden = out.last_hidden_state
     head = output_head(model)
     scale = weights if weights is not None else token_scale(batch, loss)
@@ -341,6 +352,18 @@ def _encoded(record: Prepared, batch: PackedBatch, inputs: dict) -> dict:
     return {**kept, "mm_encoder_outputs": encoded}
 
 
+def _as_dict(runner: torch.nn.Module) -> dict:
+    """``return_dict=True`` where the decoder's forward takes it: its outputs by name whatever the config's
+    ``return_dict`` says (the model's own forward reads them by name too)."""
+    return {"return_dict": True} if _takes_return_dict(type(runner)) else {}
+
+
+@functools.cache
+def _takes_return_dict(cls: type) -> bool:
+    takes = inspect.signature(cls.forward).parameters
+    return "return_dict" in takes or any(p.kind is p.VAR_KEYWORD for p in takes.values())
+
+
 def _decoder_call(model: torch.nn.Module, record: Prepared):
     """The decoder as ``packed_loss`` runs it: compiled as the model was (``torch.compile(model)``:
     through the same compile settings; ``model.compile()``: its settings where torch keeps them
@@ -368,50 +391,6 @@ def _compile_context(compiled) -> object:
     return True
 
 
-@dataclass(frozen=True)
-class OutputHead:
-    """logits = softcap(scale * linear(hidden)), as the family's forward computes them."""
-
-    linear: torch.nn.Module
-    scale: float = 1.0
-    softcap: float | None = None
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.linear(hidden)
-        out = out.to(torch.promote_types(out.dtype, torch.float32))  # fp32 at least: float64 stays float64
-        if self.scale != 1.0:
-            out = out * self.scale
-        if self.softcap:
-            out = self.softcap * torch.tanh(out / self.softcap)
-        return out
-
-
-def output_head(net: torch.nn.Module) -> OutputHead:
-    """The head as the model's own forward applies it: a setting of its (language model's) config counts
-    only where the forward reads it (Aya Vision's forward leaves its Cohere 2 language model's
-    ``logit_scale`` unapplied)."""
-    config = net.config.get_text_config()  # a vision-language model's head settings are its language model's
-    applies = functools.partial(_forward_reads, type(net))
-    scale = 1.0
-    if getattr(config, "logit_scale", None) is not None and applies("logit_scale"):  # Cohere
-        scale *= float(config.logit_scale)
-    if getattr(config, "logits_scaling", None) and applies("logits_scaling"):  # Granite
-        scale /= float(config.logits_scaling)
-    # Gemma 2/3's name, xLSTM's and RecurrentGemma's: cap * tanh(logits / cap) in each family's forward
-    caps = ("final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap")
-    softcap = next((float(getattr(config, n)) for n in caps if getattr(config, n, None) and applies(n)), None)
-    return OutputHead(net.get_output_embeddings(), scale, softcap)
-
-
-@functools.cache
-def _forward_reads(cls: type, name: str) -> bool:
-    """Whether ``cls.forward`` names ``name`` (its source unreadable: assumed to, as its config says)."""
-    try:
-        return name in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return True
-
-
 def _first(config, names):
     return next((getattr(config, n) for n in names if getattr(config, n, None)), None)
 
@@ -432,7 +411,17 @@ def router_aux_loss(net: torch.nn.Module, router_logits, batch: PackedBatch) -> 
     positions = torch.arange(local * sp.size, device=batch.input_ids.device) if whole else batch.positions_in_pack()
     real = (positions < batch.n_tokens)[None]
     aux = fn(router_logits, _first(config, EXPERT_COUNT), _first(config, EXPERTS_PER_TOKEN), real)
-    return config.router_aux_loss_coef * aux
+    return _router_coefficient(net) * aux
+
+
+def _router_coefficient(net: torch.nn.Module) -> float | None:
+    """The router loss's weight as the family's forward takes it: the model's own attribute where its
+    ``__init__`` sets one (DBRX's from ``ffn_config.moe_loss_weight``, JetMoE's ``aux_loss_coef``), else its
+    config's."""
+    for name in ("router_aux_loss_coef", "aux_loss_coef"):
+        if isinstance(getattr(net, name, None), (int, float)):
+            return getattr(net, name)
+    return getattr(net.config.get_text_config(), "router_aux_loss_coef", None)
 
 
 def _whole_pack(logits: torch.Tensor, local: int, sp: SPCall, family: str) -> torch.Tensor:
@@ -460,6 +449,11 @@ def check_router_loss(net: torch.nn.Module) -> None:
         raise ValueError(
             f"{net.config.model_type}: output_router_logits is set but lit-hbp does not know this family's router "
             "loss (no load_balancing_loss_func in its modeling module); set output_router_logits: false"
+        )
+    if _router_coefficient(net) is None:
+        raise ValueError(
+            f"{net.config.model_type}: output_router_logits is set but lit-hbp finds no weight of its router loss "
+            "(router_aux_loss_coef or aux_loss_coef on the model or its config); set output_router_logits: false"
         )
 
 

@@ -108,7 +108,7 @@ def chunked_cross_entropy(
     recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(sum of weight * CE, sum of CE (detached), number of supervised tokens) over ``hidden`` [T, H];
-    ``head`` maps hidden states to logits of fp32 at least (``lit_hbp.model.causal_lm.OutputHead.logits``).
+    ``head`` maps hidden states to logits of fp32 at least (``lit_hbp.model.head.OutputHead.logits``).
 
     Only supervised positions go through the LM head: ``index`` lists them (the collate step
     computes it on the host, so nothing is read back from the device here); found from ``labels``

@@ -57,6 +57,7 @@ from lit_hbp.data.batch import DOCS_MARK, PACK_MARK, PackedBatch
 from lit_hbp.data.media_batch import TOKEN_KEYS
 from lit_hbp.model import calls
 from lit_hbp.model.offload import host_offload, offloaded_checkpoint
+from lit_hbp.model.position_limits import check_position_limits
 from lit_hbp.model.rope import rope_scope
 from lit_hbp.model.tiling import install_tiling
 from lit_hbp.model.vision import attends_both_ways, refuse_bidirectional
@@ -100,6 +101,8 @@ class Prepared:
     # (rope type, length) of a rotary embedding that rescales by the call's longest position (``rescaling_limit``,
     # ``rope.rope_scope``)
     rope_limit: tuple[str, int] | None = None
+    # lengths past which its attention takes positions from the call's row (``position_limits``)
+    position_limits: tuple = ()
 
     def __post_init__(self) -> None:
         _by_owner[self.owner] = self
@@ -283,6 +286,7 @@ def pack_scope(
     documents = ids.__dict__.get(DOCS_MARK) if isinstance(ids, torch.Tensor) else None
     pack = {} if pack is None else {k: pack[k] for k in PACK_KEYS if pack.get(k) is not None}
     rope = rope_scope(model, prepared.rope_limit, pack, documents)  # refused here, before the call
+    check_position_limits(prepared.position_limits, pack, bounds, documents)
     offloader = host_offload(unwrapped(model)) if offload else None
     host = {"bounds": list(bounds)} if bounds is not None else {}
     call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, dict(tower or {}), host)
@@ -349,13 +353,19 @@ def boundaries_from_positions(position_ids: torch.Tensor) -> dict | None:
     return dict(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=max(b - a for a, b in zip(cu, cu[1:])))
 
 
-def _packed_keywords(kwargs: dict) -> dict | None:
-    """The boundary keywords of a call, given or read from restarting positions; None for a plain call."""
+def _packed_keywords(kwargs: dict, args: tuple = ()) -> dict | None:
+    """The boundary keywords of a call, given or read from restarting positions; None for a plain call (a
+    batch of several rows whose positions restart as transformers broadcasts them: each row attends as one)."""
     if kwargs.get("cu_seq_lens_q") is not None:
         return {k: kwargs[k] for k in ("cu_seq_lens_q", "max_length_q") if k in kwargs}
     if kwargs.get("attention_mask") is not None or _cache_of(kwargs) is not None:
         return None  # a padded batch or a decoding step: transformers' own masks and cache
     pos = kwargs.get("position_ids")
+    rows = kwargs.get("input_ids")
+    rows = rows if rows is not None else kwargs.get("inputs_embeds")  # a VLM's language model: input_ids=None
+    rows = rows if rows is not None else next((a for a in args[:1] if isinstance(a, torch.Tensor)), None)
+    if isinstance(rows, torch.Tensor) and rows.dim() >= 2 and rows.shape[0] > 1:
+        return None
     return boundaries_from_positions(pos) if isinstance(pos, torch.Tensor) else None
 
 
@@ -434,7 +444,7 @@ def _enter_call(decoder: torch.nn.Module, args: tuple, kwargs: dict):
         return None
     positions = kwargs.get("position_ids")
     packed = _model_pack(prepared, positions) if isinstance(positions, torch.Tensor) else None
-    packed = packed or _packed_keywords(kwargs)
+    packed = packed or _packed_keywords(kwargs, args)
     if packed is None and (packed := _model_pack(prepared)) is not None:
         if _takes(decoder, "position_ids"):
             raise ValueError(
@@ -483,13 +493,13 @@ def _check_model_call(net: torch.nn.Module, args: tuple, kwargs: dict):
         pending = calls._local.model_packs = []
     pending.append(None)  # what _leave_model_call takes off, also when this hook raises
     if attends_both_ways(net) is not None:
-        if kwargs.get("hbp_sp") is not None or _packed_keywords(kwargs) is not None:
+        if kwargs.get("hbp_sp") is not None or _packed_keywords(kwargs, args) is not None:
             refuse_bidirectional(net, kwargs)
     _check_own_loss(net, args, kwargs)
     prepared = net.__dict__[PREPARED]
     if calls.current(prepared) is not None:
         return None
-    packed = _packed_keywords(kwargs)
+    packed = _packed_keywords(kwargs, args)
     if packed is None:
         return None
     pending[-1] = (prepared, packed, kwargs.get("position_ids"))
@@ -514,7 +524,7 @@ def _check_own_loss(net: torch.nn.Module, args: tuple, kwargs: dict):
     if not isinstance(labels, torch.Tensor):
         return None
     sp = kwargs.get("hbp_sp")
-    packed = _packed_keywords(kwargs) if sp is None else {}
+    packed = _packed_keywords(kwargs, args) if sp is None else {}
     if packed is None:
         return None
     if sp is not None:

@@ -1,0 +1,154 @@
+"""The output layer as each family's own forward applies it (``lit_hbp.model.head``), the router loss's weight by
+the family's own name for it, and the public ``packed_loss``'s keywords: a pack trains on the model's own
+logits and loss, or the model is refused by ``prepare_model``."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lit_hbp import pack_inputs, pack_samples, packed_loss, prepare_model
+from lit_hbp.model import head
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)  # fmt: skip
+FALCON_H1 = dict(SMALL, hidden_size=64, intermediate_size=96, head_dim=16, mamba_n_heads=8, mamba_d_head=16,
+                 mamba_d_state=16, mamba_chunk_size=16, mamba_d_ssm=128, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2)  # fmt: skip
+JETMOE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, kv_channels=8,
+              num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+
+
+def pair(model_type: str, **kw):
+    """The unprepared model (eager attention) and a prepared copy of it, both in eval mode (no dropout)."""
+    config = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    model = AutoModelForCausalLM.from_config(config).float()
+    model.load_state_dict(reference.state_dict())
+    return reference, prepare_model(model).eval()
+
+
+def documents(vocab: int, lengths=(9, 3, 6, 12), seed: int = 3):
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        mask = np.zeros(n, bool)
+        mask[n // 2 :] = True
+        out.append((rng.integers(3, vocab, n), mask))
+    return out
+
+
+def assert_trains_like_each_document_alone(reference, model, pairs) -> None:
+    """CE sum (1e-5) and every parameter's gradient (1e-4 of its largest) against each document alone."""
+    want = 0.0
+    for ids, mask in pairs:
+        ids = torch.as_tensor(ids)
+        labels = torch.where(torch.as_tensor(mask[1:]), ids[1:], -100)
+        want = want + F.cross_entropy(reference(input_ids=ids[None]).logits[0, :-1].float(), labels, reduction="sum")
+    want.backward()
+    got = packed_loss(model, pack_samples(pairs), "sum")
+    got.loss.backward()
+    assert float(got.ce_sum.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * float(q.grad.abs().max()), msg=name)
+
+
+@pytest.mark.parametrize(
+    "model_type, kw",
+    [
+        ("falcon_h1", dict(FALCON_H1, lm_head_multiplier=0.25)),  # logits * self.model.lm_head_multiplier
+        ("hyperclovax", dict(SMALL, logits_scaling=4.0)),  # logits * logits_scaling
+        ("granite", dict(SMALL, logits_scaling=4.0)),  # logits / logits_scaling
+        ("cohere", dict(SMALL, logit_scale=0.5)),
+    ],
+)
+def test_a_pack_trains_on_the_logits_the_familys_forward_computes(model_type, kw):
+    """Falcon-H1's multiplier was left out and HyperCLOVAX's scaling divided by where its forward multiplies."""
+    reference, model = pair(model_type, **kw)
+    assert_trains_like_each_document_alone(reference, model, documents(kw["vocab_size"]))
+
+
+def test_a_forward_scaling_its_logits_by_a_field_lit_hbp_does_not_know_is_refused(monkeypatch):
+    """The stand-in decoder's probe: with Falcon-H1's multiplier unknown to lit-hbp, prepare_model refuses the
+    model instead of training it on logits 4 times the model's; at a multiplier of 1 there is nothing to refuse."""
+    monkeypatch.setattr(head, "SCALES", tuple(n for n in head.SCALES if n != "lm_head_multiplier"))
+    with pytest.raises(ValueError, match=r"falcon_h1: its forward computes other logits .* largest difference"):
+        pair("falcon_h1", **dict(FALCON_H1, lm_head_multiplier=0.25))
+    reference, model = pair("falcon_h1", **dict(FALCON_H1, lm_head_multiplier=1.0))
+    assert_trains_like_each_document_alone(reference, model, documents(96))
+
+
+def test_the_router_loss_is_weighted_by_the_familys_own_coefficient():
+    """JetMoE names its weight ``aux_loss_coef`` (packed_loss read ``router_aux_loss_coef`` and raised): the
+    pack's loss is its CE sum plus that weight times the load-balancing loss the model's own forward computes."""
+    _, model = pair("jetmoe", **dict(JETMOE, output_router_logits=True, aux_loss_coef=0.7))
+    pack = pack_samples([(ids, np.ones(len(ids), bool)) for ids, _ in documents(96, lengths=(9, 3, 6, 14))])
+    assert pack.n_tokens == pack.input_ids.shape[1]  # no padding: the model's own call sees the same tokens
+    got = packed_loss(model, pack, "sum")
+    own = model(**pack_inputs(pack), output_router_logits=True)
+    assert float(own.aux_loss) > 0
+    assert float(got.loss) == pytest.approx(float(got.ce_sum) + 0.7 * float(own.aux_loss), rel=1e-6)
+
+
+def test_packed_loss_takes_a_normalizer_or_weights_not_both():
+    """``weights`` replace the normalizer: one named beside them was dropped without a word."""
+    _, model = pair("llama", **SMALL)
+    pack = pack_samples(documents(96))
+    with pytest.raises(ValueError, match="a normalizer \\(loss='token_mean'\\) or weights, not both"):
+        packed_loss(model, pack, "token_mean", weights=1.0)
+    assert float(packed_loss(model, pack, weights=1.0).loss) == pytest.approx(
+        float(packed_loss(model, pack, "sum").loss)
+    )
+
+
+def test_a_config_returning_tuples_trains_a_pack_as_one_returning_outputs():
+    """``return_dict: false`` in a checkpoint's config: the decoder's outputs are read by name all the same."""
+    reference, model = pair("llama", **SMALL)
+    pairs = documents(96)
+    want = float(packed_loss(model, pack_samples(pairs), "sum").ce_sum)
+    model.config.return_dict = False
+    assert float(packed_loss(model, pack_samples(pairs), "sum").ce_sum) == want
+
+
+def test_a_batch_of_rows_with_broadcast_restarting_positions_is_a_plain_call_as_unprepared():
+    """Positions of shape [1, T] restarting mid-row for a batch of 3 rows: transformers broadcasts them and
+    runs a plain batch; the prepared model read them as one row's pack and raised. One row stays a pack."""
+    reference, model = pair("llama", **SMALL)
+    reference.config._attn_implementation = "sdpa"
+    ids = torch.randint(3, 96, (3, 10), generator=torch.Generator().manual_seed(0))
+    restart = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    with torch.no_grad():
+        want = reference(input_ids=ids, position_ids=restart, use_cache=False).logits
+        torch.testing.assert_close(model(input_ids=ids, position_ids=restart, use_cache=False).logits, want)
+        embeds = model.get_input_embeddings()(ids)  # as a vision-language model calls its language model
+        torch.testing.assert_close(
+            model(input_ids=None, inputs_embeds=embeds, position_ids=restart, use_cache=False).logits, want
+        )
+        one = model(input_ids=ids[:1], position_ids=restart, use_cache=False).logits
+        alone = [reference(input_ids=ids[:1, a:b]).logits for a, b in ((0, 4), (4, 7), (7, 10))]
+    torch.testing.assert_close(one, torch.cat(alone, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_head_check_runs_without_dropout_and_leaves_each_modules_mode():
+    """A LoRA adapter on the output layer with dropout: the check's two sides drew different dropout masks in
+    train mode and refused a model that trains exactly. It runs in eval mode now, every module's mode restored."""
+    from peft import LoraConfig, get_peft_model
+
+    config = AutoConfig.for_model("llama", **SMALL)
+    torch.manual_seed(0)
+    net = get_peft_model(
+        AutoModelForCausalLM.from_config(config),
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["lm_head", "q_proj"]),
+    )
+    net.train()
+    base = net.base_model.model
+    base.model.layers[0].eval()  # a mode of a project's own
+    before = {name: m.training for name, m in base.named_modules()}
+    state = torch.random.get_rng_state()
+    head.check_output_head(base, base.model)  # not refused
+    assert torch.equal(torch.random.get_rng_state(), state)  # no dropout mask drawn
+    assert {name: m.training for name, m in base.named_modules()} == before
+    prepare_model(net)
