@@ -132,6 +132,42 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             ["--trainer.check_val_every_n_epoch", "1", "--trainer.val_check_interval", "100000"],
             "trainer.val_check_interval is 100000 batches but this epoch's plan has",
         ),
+        "stochastic weight averaging": (
+            ["--trainer.callbacks+=lightning.pytorch.callbacks.StochasticWeightAveraging"]
+            + ["--trainer.callbacks.swa_lrs", "0.001"],
+            "(StochasticWeightAveraging): it averages a copy of the module made before HBPLitModule builds its model",
+        ),
+        "a run without an end": (
+            ["--trainer.max_steps", "-1", "--trainer.max_epochs", "-1"],
+            "trainer.max_steps: -1 with trainer.max_epochs: -1 trains without an end",
+        ),
+        "barebones beside a checkpoint callback": (
+            ["--trainer.barebones", "true"],
+            "trainer.barebones: true beside trainer.callbacks[3] (ModelCheckpoint), which saves checkpoints",
+        ),
+        "a misspelled over_length": (
+            ["--data.over_length", "trunc"],
+            "data.over_length must be one of error, drop, truncate, got 'trunc'",
+        ),
+        "a null cache folder": (["--data.cache_dir", "null"], "data.cache_dir must be a folder for the tokenized data"),
+        "a misspelled attention backend": (
+            ["--model.attn_backend", "flsh"],
+            "model.attn_backend: attention backend must be one of",
+        ),
+        "a misspelled LoRA setting": (
+            ["--model.lora", "{rank: 4, alpah: 8}"],
+            "model.lora: unknown setting(s) ['alpah']",
+        ),
+        "an accumulation schedule under DeepSpeed": (
+            [
+                "--trainer.strategy",
+                "hbp",
+                "--trainer.callbacks+=lightning.pytorch.callbacks.GradientAccumulationScheduler",
+                "--trainer.callbacks.scheduling",
+                "{0: 2, 1: 4}",
+            ],
+            "(GradientAccumulationScheduler) under DeepSpeed (trainer.strategy), whose engine takes one",
+        ),  # fmt: skip
         "missing tokenizer": (
             ["--data.tokenizer", str(demo.parent / "tokenzer")],
             f"data.tokenizer: '{demo.parent / 'tokenzer'}' is neither a local folder",
@@ -147,7 +183,10 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a misspelled strategy", "a strategy class given as a name", "clipping by value under DeepSpeed",
          "negative collate workers", "a ZeRO stage DeepSpeed has not", "a precision plugin not installed",
          "a demo_dir link to nothing", "a demo_dir that is a file", "a validation interval past limit_train_batches",
-         "a validation interval past the epoch", "an epoch cut inside an optimizer step"]  # fmt: skip
+         "a validation interval past the epoch", "an epoch cut inside an optimizer step",
+         "stochastic weight averaging", "a run without an end", "barebones beside a checkpoint callback",
+         "a misspelled over_length", "a null cache folder", "a misspelled attention backend",
+         "a misspelled LoRA setting", "an accumulation schedule under DeepSpeed"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch"}

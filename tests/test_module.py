@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import quiet_trainer, separate_loss
+from conftest import TINY_LLAMA, quiet_trainer, separate_loss
 
 from lit_hbp import pack_samples, packed_loss, prepare_model
 from lit_hbp.data.collate import collate_packs
@@ -505,6 +505,8 @@ def test_a_fused_adamw_steps_under_bf16_mixed_precision_with_clipping(
     )  # fmt: skip
     for kwargs in (
         {"precision": "bf16-mixed", "gradient_clip_val": 1.0},
+        # named: the Trainer hands the module Lightning's enum of it, whose str() is not "norm"
+        {"precision": "bf16-mixed", "gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"},
         {"precision": "bf16-mixed"},
         {"precision": "32-true", "gradient_clip_val": 1.0},
     ):
@@ -515,6 +517,36 @@ def test_a_fused_adamw_steps_under_bf16_mixed_precision_with_clipping(
         assert trainer.global_step == 2
         assert trainer.optimizers[0].defaults["fused"], kwargs
     assert "optimizer: AdamW (fused)" in caplog.text
+
+
+def test_a_fit_the_modules_schedule_or_model_cannot_follow_is_refused(chat_data, toy_tokenizer, tmp_path):
+    """Lightning's StochasticWeightAveraging copied the module before its model was built and averaged nothing (the
+    run ended on its last step's weights, its learning rates in place of the schedule); a run with neither
+    max_steps nor max_epochs stopped on an OverflowError: both refused with what to do instead."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from lit_hbp.errors import ConfigError
+
+    dm = HBPDataModule(
+        sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=[{"pack_len": 128}],
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    swa = quiet_trainer(max_steps=2, callbacks=[StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)])
+    with pytest.raises(ConfigError, match="StochasticWeightAveraging: it averages a copy of the module made before"):
+        swa.fit(make_module(vocab=dm.vocab_size), dm)
+    endless = quiet_trainer(max_steps=-1, max_epochs=-1, max_time="00:00:00:30")
+    with pytest.raises(ConfigError, match="max_epochs: -1 trains without an end"):
+        endless.fit(make_module(vocab=dm.vocab_size), dm)
+
+
+def test_a_setting_the_model_cannot_take_is_a_config_error_naming_it():
+    """freeze_vision on a text-only model stopped with a plain ValueError (a traceback from the command line):
+    a ConfigError naming model.freeze_vision now (the CLI's short error, exit 2)."""
+    from lit_hbp.errors import ConfigError
+
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=300, freeze_vision=True, self_check=False)
+    with pytest.raises(ConfigError, match="^model.freeze_vision: freeze_vision: LlamaForCausalLM has no vision tower"):
+        module.configure_model()
 
 
 def test_the_modules_clipping_is_torchs_clipping_by_the_global_norm():

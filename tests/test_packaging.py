@@ -56,9 +56,12 @@ def test_console_script_runs_the_cli(tmp_path):
     script = console_script("lit-hbp")  # pip install -e . installs it
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert all(f"  {name} " in out.stdout for name in ("fit", "validate", "test", "predict", "preview")), out.stdout
+    assert all(f"  {name} " in out.stdout for name in ("fit", "validate", "preview")), out.stdout
+    assert not any(f"  {name} " in out.stdout for name in ("test", "predict")), out.stdout  # HBPLitModule has neither
     out = subprocess.run([str(script)], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 2 and "usage: lit-hbp SUBCOMMAND" in out.stderr, out.stderr
+    out = subprocess.run([str(script), "test", "--config", "x.yaml"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: no 'test' subcommand: HBPLitModule has no test loop")
     missing = tmp_path / "my_modle"
     (tmp_path / "my_model").mkdir()
     config = ROOT / "configs" / "tiny_cpu.yaml"

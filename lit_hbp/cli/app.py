@@ -110,6 +110,11 @@ class HBPCLI(LightningCLI):
             sys.stderr.write(f"error: {str(e).splitlines()[0]}{where}\n")
             parser.exit(2)
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's fit and validate: HBPLitModule has no test or predict loop (``command.NOT_OFFERED``)."""
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         replace_lists_from_command_line(parser)
@@ -251,6 +256,11 @@ class PreviewCLI(HBPCLI):
 
     def after_instantiate_classes(self) -> None:
         """Nothing: the samples are what preview prints, not the config."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's fit and validate: HBPLitModule has no test or predict loop (``command.NOT_OFFERED``)."""
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name in ("fit", "validate")}
 
     def add_arguments_to_parser(self, parser) -> None:
         super().add_arguments_to_parser(parser)

@@ -324,20 +324,51 @@ def is_instance_entry(entry: Any, base: type) -> bool:
     return isinstance(kind, type) and issubclass(kind, base)
 
 
-def check_no_checkpoint_callback(callbacks: Any) -> None:
-    """``enable_checkpointing: false`` beside a ``ModelCheckpoint`` among the callbacks (a config's, turned off on
-    the command line): Lightning refuses the pair when it builds the trainer, after the data is read; refused
-    now, naming the callback."""
+def check_no_checkpoint_callback(callbacks: Any, switch: str = "") -> None:
+    """``enable_checkpointing: false`` (or ``barebones: true``, ``switch``) beside a ``ModelCheckpoint`` among the
+    callbacks (a config's, turned off on the command line): Lightning refuses the pair when it builds the trainer,
+    after the data is read; refused now, naming the callback."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    entries = callbacks if isinstance(callbacks, list) else [callbacks] if callbacks else []
-    for i, entry in enumerate(entries):
+    switch = switch or "enable_checkpointing: false"
+    for i, entry in enumerate(_entries(callbacks)):
         kind = class_of(entry)
         if isinstance(kind, type) and issubclass(kind, ModelCheckpoint):
             raise ConfigError(
-                f"trainer.enable_checkpointing: false beside trainer.callbacks[{i}] ({kind.__name__}), which saves "
-                "checkpoints: drop that callback to save none, or leave enable_checkpointing on"
+                f"trainer.{switch} beside trainer.callbacks[{i}] ({kind.__name__}), which saves checkpoints: drop "
+                f"that callback to save none, or leave checkpointing on"
             )
+
+
+def _entries(callbacks: Any) -> list:
+    return callbacks if isinstance(callbacks, list) else [callbacks] if callbacks else []
+
+
+def check_fixed_accumulation(callbacks: Any) -> None:
+    """A ``GradientAccumulationScheduler`` under DeepSpeed, whose engine takes one accumulation for the run:
+    Lightning refuses it when training starts, after the data is read; refused now."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    for i, entry in enumerate(_entries(callbacks)):
+        kind = class_of(entry)
+        if isinstance(kind, type) and issubclass(kind, GradientAccumulationScheduler):
+            raise ConfigError(
+                f"trainer.callbacks[{i}] ({kind.__name__}) under DeepSpeed (trainer.strategy), whose engine takes one "
+                "accumulate_grad_batches for the whole run: set trainer.accumulate_grad_batches, or train with "
+                "trainer.strategy hbp_ddp"
+            )
+
+
+def check_no_swa(callbacks: Any) -> None:
+    """Lightning's ``StochasticWeightAveraging`` among the callbacks: refused (``module.SWA_REFUSED``)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from lit_hbp.lightning.module import SWA_REFUSED
+
+    for i, entry in enumerate(_entries(callbacks)):
+        kind = class_of(entry)
+        if isinstance(kind, type) and issubclass(kind, StochasticWeightAveraging):
+            raise ConfigError(f"trainer.callbacks[{i}] ({kind.__name__}): {SWA_REFUSED}")
 
 
 def check_trainer_values(section: Any) -> None:
@@ -366,8 +397,15 @@ def check_trainer_values(section: Any) -> None:
             "trainer.gradient_clip_algorithm: 'value' with DeepSpeed (trainer.strategy), which clips by the global "
             "norm only: use 'norm', or trainer.strategy hbp_ddp"
         )
-    if trainer.get("enable_checkpointing") is False:
-        check_no_checkpoint_callback(trainer.get("callbacks"))
+    if trainer.get("enable_checkpointing") is False or trainer.get("barebones") is True:
+        check_no_checkpoint_callback(trainer.get("callbacks"), "barebones: true" if trainer.get("barebones") else "")
+    check_no_swa(trainer.get("callbacks"))
+    if is_deepspeed(trainer.get("strategy")):
+        check_fixed_accumulation(trainer.get("callbacks"))
+    if trainer.get("max_steps") == -1 and trainer.get("max_epochs") == -1:
+        from lit_hbp.lightning.module import NO_END
+
+        raise ConfigError(NO_END)
     for key, (accepted, what, why) in RUN_RULES.items():
         if key in trainer and not accepted(trainer.get(key)):
             raise ConfigError(f"trainer.{key} must be {what}, got {trainer.get(key)!r}: {why}")

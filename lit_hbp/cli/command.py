@@ -13,11 +13,14 @@ import gc
 import sys
 from collections.abc import Iterator
 
+# Lightning's other loops, which HBPLitModule has not: what to run instead.
+NOT_OFFERED = {
+    "test": "HBPLitModule has no test loop: `validate --ckpt_path CKPT` gives the loss on the config's validation data",
+    "predict": "HBPLitModule has no predict loop: export the checkpoint (python -m lit_hbp.export) and generate",
+}
 SUBCOMMANDS = {
     "fit": "train on the config's data (and validate), save checkpoints; Ctrl-C saves and prints the resume line",
     "validate": "the validation loss of a checkpoint (--ckpt_path) on the config's validation data",
-    "test": "run the module's test loop (HBPLitModule has none: use validate)",
-    "predict": "run the module's predict loop (HBPLitModule has none: export and generate instead)",
     "preview": "the config's first training samples as they train: tokens, supervised ones marked (--json)",
 }
 
@@ -46,6 +49,9 @@ def entry_point(argv: list[str] | None = None) -> None:
     if not args or args[0] in ("-h", "--help"):
         print(usage(), file=sys.stdout if args else sys.stderr)
         sys.exit(0 if args else 2)
+    if args[0] in NOT_OFFERED:
+        print(f"error: no {args[0]!r} subcommand: {NOT_OFFERED[args[0]]}", file=sys.stderr)
+        sys.exit(2)
     if argv is None:  # a process of its own (each rank's)
         with heap_left_alone():
             from lit_hbp.cli.app import main

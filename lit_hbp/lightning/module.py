@@ -32,7 +32,15 @@ from lit_hbp.lightning.optimizer import (
 )
 from lit_hbp.lightning.schedule import LR_SCHEDULE, lr_factor, schedule_moved
 from lit_hbp.model import attention
-from lit_hbp.model.build import apply_liger, apply_lora, base_of, build_causal_lm, freeze_vision, zero3_loading
+from lit_hbp.model.build import (
+    apply_liger,
+    apply_lora,
+    base_of,
+    build_causal_lm,
+    check_lora,
+    freeze_vision,
+    zero3_loading,
+)
 from lit_hbp.model.causal_lm import (
     PackedLoss,
     decoder_layers,
@@ -93,6 +101,30 @@ def _require_packed(batch: Any) -> None:
             f"HBPLitModule trains on PackedBatch micro-batches (HBPDataModule's, or lit_hbp.pack_samples as the "
             f"collate_fn of your own DataLoader), got {type(batch).__name__}"
         )
+
+
+# Lightning's StochasticWeightAveraging copies the module at setup, before ``configure_model`` builds the model:
+# its average holds no weights, the run ends on its last step's, and its learning rates replace the schedule.
+SWA_REFUSED = (
+    "it averages a copy of the module made before HBPLitModule builds its model (configure_model), so it would "
+    "average nothing and replace the learning-rate schedule; use lightning.pytorch.callbacks.WeightAveraging "
+    "(an EMA of the weights), which builds the model first"
+)
+NO_END = (
+    "trainer.max_steps: -1 with trainer.max_epochs: -1 trains without an end, which the learning-rate schedule "
+    "(warm-up, then cosine to the run's last step) needs: set max_steps or max_epochs (max_time still stops a run "
+    "earlier, saving it)"
+)
+
+
+def _setting(key: str, apply, *args):
+    """``apply(*args)``, its refusal (what this model or machine cannot do) a ``ConfigError`` naming ``key``."""
+    try:
+        return apply(*args)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 class HBPLitModule(L.LightningModule):
@@ -157,7 +189,12 @@ class HBPLitModule(L.LightningModule):
             raise ConfigError(f"model.loss must be one of {NORMALIZERS}, got {loss!r}")
         check_optimizer_settings(lr, weight_decay, betas, warmup_steps, min_lr_ratio, ce_chunk_size)
         check_model_source(model, "model")
-        attention.check_backend(attn_backend)
+        try:
+            attention.check_backend(attn_backend)
+        except ValueError as e:
+            raise ConfigError(f"model.attn_backend: {e}") from None
+        if lora:
+            check_lora(lora, "model.lora")
         self.save_hyperparameters()
         self.model = None
         self._layers: list[torch.nn.Module] = []
@@ -188,9 +225,9 @@ class HBPLitModule(L.LightningModule):
         except ValueError as e:
             rank_zero_warn(f"model FLOPs unknown, MFU and FLOP/s are not logged: {e}")
         if self.hparams.liger:  # before peft wraps the model: Liger resolves the family's own modules
-            apply_liger(self.model)
+            _setting("model.liger", apply_liger, self.model)
         if self.hparams.freeze_vision:
-            freeze_vision(self.model)
+            _setting("model.freeze_vision", freeze_vision, self.model)
         if self.hparams.lora:
             self.model = apply_lora(self.model, dict(self.hparams.lora))
         if self.hparams.compile:
@@ -258,6 +295,11 @@ class HBPLitModule(L.LightningModule):
         self.model.train()  # whatever ran before (a user's callback, a validation) left it in
 
     def on_fit_start(self) -> None:
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        for callback in getattr(self.trainer, "callbacks", ()):
+            if isinstance(callback, StochasticWeightAveraging):
+                raise ConfigError(f"trainer callback {type(callback).__name__}: {SWA_REFUSED}")
         dm = getattr(self.trainer, "datamodule", None)
         levels = tuple(getattr(dm, "levels", None) or ())
         for i, lv in enumerate(levels):
@@ -353,8 +395,8 @@ class HBPLitModule(L.LightningModule):
         _require_packed(batch)
         hp = self.hparams
         return packed_loss(
-            self.model, batch, hp.loss, weights=weights, ce_chunk_size=hp.ce_chunk_size, liger=hp.liger,
-            router_loss=router_loss, recompute=recompute,
+            self.model, batch, hp.loss if weights is None else None, weights=weights,
+            ce_chunk_size=hp.ce_chunk_size, liger=hp.liger, router_loss=router_loss, recompute=recompute,
         )  # fmt: skip
 
     def micro_batch_flops(self, batch: PackedBatch) -> float | None:
@@ -510,7 +552,7 @@ class HBPLitModule(L.LightningModule):
         from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
         trainer = self.trainer
-        by_norm = str(gradient_clip_algorithm or "norm") == "norm"
+        by_norm = gradient_clip_algorithm is None or gradient_clip_algorithm == "norm"  # a str or Lightning's str enum
         unscaled = getattr(trainer.precision_plugin, "scaler", None) is None
         strategy = trainer.strategy  # whole gradients on every rank: one device, DDP (not DeepSpeed's, not FSDP's)
         whole = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(
@@ -540,6 +582,8 @@ class HBPLitModule(L.LightningModule):
         rank_zero_info(f"optimizer: AdamW ({kind}{why})")
         fused, foreach = (True, None) if kind == "fused" else (None, True)
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), fused=fused, foreach=foreach)
+        if not math.isfinite(self.trainer.estimated_stepping_batches):
+            raise ConfigError(NO_END)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = min(hp.warmup_steps, total)
         self._schedule = {"total": total, "warmup": warmup}

@@ -285,23 +285,30 @@ def freeze_vision(net: torch.nn.Module) -> int:
     return len(params)
 
 
+def check_lora(lora: dict, key: str = "lora") -> None:
+    """Refuse a LoRA setting peft's ``LoraConfig`` has no field for (``key``: where the settings were given)."""
+    import inspect
+
+    from peft import LoraConfig
+
+    fields = set(inspect.signature(LoraConfig).parameters)
+    unknown = sorted(k for k in (LORA_NAMES.get(k, k) for k in lora) if k not in fields)
+    if unknown:
+        raise ConfigError(
+            f"{key}: unknown setting(s) {unknown}; use rank, alpha, dropout, target_modules, modules_to_save "
+            "or a peft.LoraConfig field"
+        )
+
+
 def apply_lora(net, lora: dict):
     """Wrap ``net`` with peft LoRA adapters: only the adapters (and ``modules_to_save``) train.
     ``lora`` takes rank, alpha, dropout, target_modules (default "all-linear"; on a vision-language
     model every linear layer of its language model), modules_to_save, and any other
     ``peft.LoraConfig`` field by its own name."""
-    import inspect
-
     from peft import LoraConfig, get_peft_model
 
-    fields = set(inspect.signature(LoraConfig).parameters)
+    check_lora(lora)
     kw = {LORA_NAMES.get(k, k): v for k, v in lora.items()}
-    unknown = sorted(k for k in kw if k not in fields)
-    if unknown:
-        raise ValueError(
-            f"lora: unknown setting(s) {unknown}; use rank, alpha, dropout, target_modules, modules_to_save "
-            "or a peft.LoraConfig field"
-        )
     if "target_modules" not in kw and is_multimodal(net):  # the language model's layers, not the vision tower's
         kw["target_modules"] = language_linears(net, decoder_of(net))
     kw.setdefault("target_modules", "all-linear")
