@@ -17,6 +17,7 @@ from conftest import TINY_LLAMA, console_script, quiet_trainer
 from transformers import AutoTokenizer
 
 from lit_hbp.cli.app import main
+from lit_hbp.data.records import RecordReader
 from lit_hbp.data.sources import Source
 from lit_hbp.data.tokenize import tokenize_source
 from lit_hbp.errors import DataError
@@ -899,3 +900,120 @@ def test_a_slow_tokenizer_is_refused_for_a_generation_template(tmp_path):
     )
     with pytest.raises(ConfigError, match="ByT5Tokenizer is a slow tokenizer: lit-hbp needs a fast one"):
         tokenize_source(Source(str(path)), tok, progress=False)
+
+
+def test_tool_records_in_a_table_render_as_written_not_with_the_other_rows_keys(qwen, tmp_path):
+    """Arrow stores a column's rows in one shape, the union of their keys: a parquet file or a ``save_to_disk``
+    folder of these records read back every tool's parameters and call's arguments with the other rows' keys
+    as null, and trained on those nulls in the prompt, silently. Each row now renders as the template renders
+    its record (tools and calls of different shapes in every row)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def tool(name, params):
+        props = {p: {"type": "string"} for p in params}
+        return {"type": "function", "function": {"name": name, "description": name, "parameters": {
+            "type": "object", "properties": props, "required": list(params)}}}  # fmt: skip
+
+    def record(question, name, arguments, answer):
+        call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        return {"messages": [{"role": "user", "content": question},
+                             {"role": "assistant", "content": "", "tool_calls": [call]},
+                             {"role": "tool", "content": answer},
+                             {"role": "assistant", "content": f"it is {answer}"}],
+                "tools": [tool(name, list(arguments))]}  # fmt: skip
+
+    records = [record("Weather in Paris?", "weather", {"city": "Paris"}, "sunny"),
+               record("Add 1 and 2", "add", {"a": "1", "b": "2"}, "3"),
+               record("Convert 3 m", "convert", {"value": "3", "unit": "m", "to": "ft"}, "9.8")]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "calls.parquet")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    tok = AutoTokenizer.from_pretrained(qwen)
+    for path in (tmp_path / "calls.parquet", tmp_path / "saved"):
+        tokens = tokenize_source(Source(str(path)), tok, progress=False)
+        for i, r in enumerate(records):
+            ids, supervised = reference(tok, r["messages"], tools=r["tools"])
+            got, mask = tokens.sample(i)
+            assert got.tolist() == ids, (path.name, i, tok.decode(got.tolist()))
+            assert mask.astype(int).tolist() == supervised, (path.name, i)
+
+
+CONTENT = (  # as Gemma 3's and Llama 4's: a string's content trimmed, or each text part trimmed
+    "{%- if m.content is string -%}{{ m.content | trim }}"
+    "{%- else -%}{%- for item in m.content -%}{%- if item.type == 'text' -%}{{ item.text | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+)
+PARTS_TEMPLATE = (
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n{%- if m.role == 'assistant' -%}{% generation %}"
+    + CONTENT
+    + "<|im_end|>\n{% endgeneration %}{%- else -%}"
+    + CONTENT
+    + "<|im_end|>\n{%- endif -%}{%- endfor -%}"
+)
+
+
+def test_text_parts_reach_a_template_that_renders_parts_as_written(qwen, tmp_path):
+    """A record's text parts were joined before the template saw them: a template that renders each part
+    itself (trimming it) rendered "Translate:\\nbonjour" where ``apply_chat_template`` of the record, as at
+    inference, renders "Translate:bonjour". They now reach such a template as written; a template that renders
+    string content only (the Qwen one here) gets them joined, as the record wrote them."""
+    tok = AutoTokenizer.from_pretrained(qwen)
+    tok.chat_template = PARTS_TEMPLATE
+    tok.save_pretrained(tmp_path / "parts_tok")
+    parts = AutoTokenizer.from_pretrained(tmp_path / "parts_tok")
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Translate:\n"}, {"type": "text", "text": " bonjour"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]},
+    ]
+    path = tmp_path / "parts.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    for tokenizer, given in ((parts, messages), (AutoTokenizer.from_pretrained(qwen), None)):
+        if given is None:  # the string template: the parts joined as written
+            given = [{**m, "content": "".join(p["text"] for p in m["content"])} for m in messages]
+        ids, supervised = reference(tokenizer, given)
+        got, mask = tokenize_source(Source(str(path)), tokenizer, progress=False).sample(0)
+        assert got.tolist() == ids, tokenizer.decode(got.tolist())
+        assert mask.astype(int).tolist() == supervised
+    assert "Translate:bonjour" in parts.decode(tokenize_source(Source(str(path)), parts, progress=False).sample(0)[0])
+
+
+ROLE_TEMPLATE = (  # as Mistral 3.1's: a user's parts rendered one by one, other roles' content concatenated
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}[INST]"
+    "{%- if m.content is string -%}{{ m.content }}"
+    "{%- else -%}{%- for item in m.content -%}{{ item.text }}{%- endfor -%}{%- endif -%}[/INST]"
+    "{%- elif m.role == 'system' -%}{{ '[SYS]' + m.content + '[/SYS]' }}"
+    "{%- else -%}{% generation %}{{ m.content + '<|im_end|>' }}{% endgeneration %}{%- endif -%}{%- endfor -%}"
+)
+
+
+def test_a_roles_text_parts_are_joined_where_the_template_renders_that_roles_content_as_a_string(qwen, tmp_path):
+    """The template renders parts for users and concatenates the system's and assistant's content (a list would
+    fail there): each role's parts go as that role's template takes them, what ``apply_chat_template`` of
+    the record renders where it can, the joined text where it cannot."""
+    tok = AutoTokenizer.from_pretrained(qwen)
+    tok.chat_template = ROLE_TEMPLATE
+    tok.save_pretrained(tmp_path / "role_tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "role_tok")
+    two = [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]
+    messages = [{"role": "system", "content": two}, {"role": "user", "content": two},
+                {"role": "assistant", "content": two}]  # fmt: skip
+    path = tmp_path / "roles.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    as_taken = [{**messages[0], "content": "be brief"}, messages[1], {**messages[2], "content": "be brief"}]
+    ids, supervised = reference(tok, as_taken)
+    got, mask = tokenize_source(Source(str(path)), tok, progress=False).sample(0)
+    assert got.tolist() == ids, tok.decode(got.tolist())
+    assert mask.astype(int).tolist() == supervised
+    with pytest.raises(TypeError):  # the record as written: the template cannot concatenate a list
+        tok.apply_chat_template(messages, tokenize=False)
+
+
+def test_image_markers_in_a_content_of_text_parts_stand_where_written():
+    """An ``images`` list placed at ``<image>`` markers that stand in text parts (not a string content)."""
+    record = {"messages": [{"role": "user", "content": [{"type": "text", "text": "<image>\nWhat is it?"}]},
+                           {"role": "assistant", "content": "a cat"}], "images": ["cat.png"]}  # fmt: skip
+    conversation, _ = RecordReader("openai", root="/data").read(record, "d.jsonl:1")
+    assert conversation.images == ("/data/cat.png",)
+    assert conversation.messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "\nWhat is it?"}]

@@ -147,6 +147,21 @@ def test_unknown_role_names_role_file_line_known_roles_and_closest(tmp_path, tok
     assert len(t) == 1 and tok.decode(ids[target].tolist()) == "world<|end|>\n"
 
 
+def test_a_key_given_twice_in_a_record_is_refused_with_its_file_line_and_key(tmp_path, tok):
+    """JSON keeps a duplicated key's last value: the record's first ``messages`` (or a message's first content)
+    was dropped without a word. Refused in JSON Lines and in a JSON array, at any depth."""
+    twice = '{"messages": [{"role": "user", "content": "a"}], "messages": [{"role": "user", "content": "b"}]}'
+    lines = tmp_path / "twice.jsonl"
+    lines.write_text(json.dumps(SHORT) + "\n" + twice + "\n")
+    with pytest.raises(DataError, match=f"^{lines}:2: the key 'messages' appears twice in one object"):
+        tokenize_source(Source(str(lines)), tok, progress=False)
+    inner = '{"messages": [{"role": "user", "content": "a", "content": "b"}, {"role": "assistant", "content": "c"}]}'
+    array = tmp_path / "twice.json"
+    array.write_text("[\n" + json.dumps(SHORT) + ",\n" + inner + "\n]\n")
+    with pytest.raises(DataError, match=f"^{array}:row 2 \\(line 3\\): the key 'content' appears twice"):
+        tokenize_source(Source(str(array)), tok, progress=False)
+
+
 def test_a_role_of_a_templates_own_is_said_once_per_role_by_each_reader():
     """A role of some templates' own, far from every known one: kept, said once per role by each reader
     (a source's), whatever another reader said before, not supervised."""

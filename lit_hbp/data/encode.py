@@ -22,6 +22,7 @@ silent default (the served model would be prompted in a format it was not traine
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +93,37 @@ def _common_prefix(a: str, b: str) -> int:
 def _has_content(message: dict) -> bool:
     """A message with text, images or tool calls (an empty string alone is nothing to train on)."""
     content = message["content"]
-    return not isinstance(content, str) or bool(content.strip()) or bool(message.get("tool_calls"))
+    media = not isinstance(content, str) and any(p["type"] != "text" for p in content)
+    return media or any(t.strip() for t in _texts(content)) or bool(message.get("tool_calls"))
+
+
+def _joined(conv: Conversation, renders_parts) -> Conversation:
+    """``conv`` with each content of text parts alone joined into one string, as written, where the template
+    renders that role's content from a string only (``renders_parts(role)`` false)."""
+    messages = [
+        {**m, "content": "".join(p["text"] for p in m["content"])}
+        if not isinstance(m["content"], str)
+        and all(p["type"] == "text" for p in m["content"])
+        and not renders_parts(m["role"])
+        else m
+        for m in conv.messages
+    ]
+    return replace(conv, messages=messages)
+
+
+PROBE_TEXTS = ("\x02first part of a probe", "\x02second part")
+
+
+def _parts_probe(role: str) -> list[dict]:
+    """A conversation whose ``role`` message holds two text parts, after the turns a template may need first."""
+    parts = {"role": role, "content": [{"type": "text", "text": t} for t in PROBE_TEXTS]}
+    if role == "system":
+        return [parts, {"role": "user", "content": "hi"}]
+    if role == "user":
+        return [parts]
+    if role == "assistant":
+        return [{"role": "user", "content": "hi"}, parts]
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, parts]
 
 
 def _marked(content: str | list[dict], mark: str = "\x01") -> str | list[dict]:
@@ -134,6 +165,22 @@ class _Encoder:
         self.train_on = train_on
         self.template = getattr(tokenizer, "chat_template", None) or None
         self.eos = tokenizer.eos_token_id
+        self._parts: dict[str, bool] = {}  # per role: whether the template renders its text parts
+
+    def renders_parts(self, role: str) -> bool:
+        """Whether the chat template renders a ``role`` message's content given as text parts (Gemma 3's,
+        Llama 4's, Qwen2-VL's users: each part as the template writes it), probed once per role on a message
+        of two parts: it renders both texts and none of the parts' keys. A record's text parts go to such a
+        template as written, as ``apply_chat_template`` hands them at inference; where the template renders
+        that role's content from a string only (many do for system or assistant turns) they are joined as
+        written (it would print the list, or fail)."""
+        if role not in self._parts:
+            try:
+                out = self.tok.apply_chat_template(_parts_probe(role), tokenize=False)
+            except Exception:  # a template that cannot render parts (or this probe): the joined string
+                out = ""
+            self._parts[role] = all(t in out for t in PROBE_TEXTS) and "'type'" not in out and '"type"' not in out
+        return self._parts[role]
 
     def _render(self, conv: Conversation, upto: int | None, generation_prompt: bool = False, tools=True, messages=None):
         """The template's text of the first ``upto`` messages (all: None) of ``conv`` (or ``messages``).
@@ -283,6 +330,7 @@ class _Encoder:
             raise DataError(
                 f"{conv.where}: this chat record needs a chat template and the tokenizer has none: {CHAT_TEMPLATE_FIX}"
             )
+        conv = _joined(conv, self.renders_parts)
         full = self._render(conv, None)
         self._check_rendered(conv, full)
         trained = self._trained(conv)

@@ -326,6 +326,9 @@ class RecordReader:
             if not isinstance(items, list) or not all(_is_source(x, frames=kind == "video") for x in items):
                 what = "a path or a list of paths" if kind == "image" else "a list of videos (paths or lists of frames)"
                 raise DataError(f"{where}: field {self.name(key)!r} must be {what}, got {value!r:.80}")
+            for m in messages:  # markers stand in the text as written: a content of text parts alone, joined
+                if isinstance(m["content"], list) and all(p["type"] == "text" for p in m["content"]):
+                    m["content"] = "".join(p["text"] for p in m["content"])
             found = sum(m["content"].count(marker) for m in messages if isinstance(m["content"], str))
             if found != len(items):
                 raise DataError(
@@ -515,9 +518,10 @@ def _per_token(value: Any, ids: Any) -> bool:
 
 
 def text_of(content: Any, at: str, may_be_empty: bool = False) -> str | list[dict]:
-    """A message's content as one string: a string, the text parts of a list in order (joined as
-    written), or null beside tool calls (``may_be_empty``); with image or video parts, the text, image and
-    video parts in order (each one's file kept under ``path`` for the reader). Audio and files are refused."""
+    """A message's content: a string, a list's text parts in order (``{"type": "text", "text": ...}``: the
+    encoder hands them to a template that renders parts, and joins them as written for one that does not), or
+    null beside tool calls (``may_be_empty``); with image or video parts, the text, image and video parts in
+    order (each one's file kept under ``path`` for the reader). Audio and files are refused."""
     if content is None:
         if may_be_empty:
             return ""
@@ -526,7 +530,6 @@ def text_of(content: Any, at: str, may_be_empty: bool = False) -> str | list[dic
         return content
     if not isinstance(content, list):
         raise DataError(f"{at} must be str or a list of text parts, got {type(content).__name__}")
-    texts: list[str] = []
     parts: list[dict] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -540,11 +543,8 @@ def text_of(content: Any, at: str, may_be_empty: bool = False) -> str | list[dic
             raise DataError(f"{at}[{j}] is a {kind!r} part: not supported (lit-hbp trains on text, images and videos)")
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
             raise DataError(f'{at}[{j}] must be a text part {{"type": "text", "text": ...}}, got {part!r:.80}')
-        texts.append(part["text"])
         parts.append({"type": "text", "text": part["text"]})
-    if any(p["type"] != "text" for p in parts):
-        return parts
-    return "".join(texts)
+    return parts
 
 
 class Frames(NamedTuple):

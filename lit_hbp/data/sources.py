@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from lit_hbp.data.records import RECORD_FORMATS, RecordReader
 from lit_hbp.errors import ConfigError, DataError
@@ -406,14 +407,46 @@ def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int 
 
         row = 1
         for batch in pq.ParquetFile(path).iter_batches(batch_size=chunk_rows):
-            yield Chunk(first=row, records=batch.to_pylist(), size=batch.num_rows)
+            yield Chunk(first=row, records=[without_nulls(r) for r in batch.to_pylist()], size=batch.num_rows)
             row += batch.num_rows
     else:
         table = _table(source)
         for row in range(0, len(table), chunk_rows):
             part = table.slice(row, chunk_rows) if kind == "arrow" else table[row : row + chunk_rows]
             records = part.to_pylist() if kind == "arrow" else [dict(zip(part, v)) for v in zip(*part.values())]
-            yield Chunk(first=row + 1, records=records, size=len(records))
+            yield Chunk(first=row + 1, records=[without_nulls(r) for r in records], size=len(records))
+
+
+class DuplicateKey(ValueError):
+    """A JSON object naming one key twice."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice: ``json`` keeps the last value and drops the
+    first without a word (a record's first ``messages``, a message's first ``content``)."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(
+                    f"the key {key!r} appears twice in one object; JSON keeps the last and would drop the first "
+                    "without a word: keep one"
+                )
+            seen.add(key)
+    return record
+
+
+def without_nulls(value: Any) -> Any:
+    """A table row as its record was written: Arrow stores rows of one column in one shape, the union of every
+    row's keys, so a row reads back with the keys of the others set to null (a tool's parameters, a call's
+    arguments, a content part's ``image`` beside its ``text``). Every null-valued key of a mapping is dropped,
+    at any depth (a table cannot tell a null written from a key absent)."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
 
 
 class _ArrayReader:
@@ -458,7 +491,7 @@ class _ArrayReader:
 def _array_chunks(path: Path, chunk_bytes: int, chunk_rows: int) -> Iterator[Chunk]:
     """The records of a JSON array file, ``chunk_rows`` at a time, each with the line it starts on;
     read ``chunk_bytes`` at a time (more while one record is longer), never the whole file."""
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(object_pairs_hook=unique_keys)
     with path.open("rb") as f:
         r = _ArrayReader(f, path, chunk_bytes)
         if r.next_char() != "[":
@@ -492,6 +525,8 @@ def _array_chunks(path: Path, chunk_bytes: int, chunk_rows: int) -> Iterator[Chu
                 except json.JSONDecodeError as e:
                     if r.done:
                         raise DataError(f"{path}:row {row} (line {start}): malformed JSON: {e.msg}") from None
+                except DuplicateKey as e:
+                    raise DataError(f"{path}:row {row} (line {start}): {e}") from None
                 r.more(want)  # the record goes on past what was read: read more, twice as much each time
                 want *= 2
             if not isinstance(record, dict):
@@ -527,9 +562,11 @@ def chunk_records(source: Source, chunk: Chunk) -> Iterator[tuple[dict, str, int
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
+        except DuplicateKey as e:
+            raise DataError(f"{path}:{lineno}: {e}") from None
         if not isinstance(record, dict):
             raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
         yield record, f"{path}:{lineno}", lineno

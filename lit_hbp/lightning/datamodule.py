@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import math
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their fi
 from lit_hbp.model.checks import local_checkpoint
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LevelSelector, as_level
+from lit_hbp.packing.plan import OVER_LENGTH
 from lit_hbp.packing.vision_load import VisionLoad
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import layout_levels
@@ -123,7 +125,7 @@ class HBPDataModule(L.LightningDataModule):
         over_length: str = "error",
         train_on: str = "assistant",
         seed: int = 0,
-        cache_dir: str = "data_cache",
+        cache_dir: str | None = "data_cache",
         num_workers: int | None = None,
         demo_dir: str | None = None,
         val_sources: list[str | dict | Source] | None = None,
@@ -138,6 +140,13 @@ class HBPDataModule(L.LightningDataModule):
             raise ConfigError(f"unknown packer {packer!r}; choose one of {sorted(PACKERS)}")
         if train_on not in TRAIN_ON:
             raise ConfigError(f"data.train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+        if over_length not in OVER_LENGTH:  # before the data is tokenized, not after
+            raise ConfigError(f"data.over_length must be one of {', '.join(OVER_LENGTH)}, got {over_length!r}")
+        if not isinstance(cache_dir, (str, os.PathLike)) or not str(cache_dir).strip():  # null: not a temporary one
+            raise ConfigError(
+                f"data.cache_dir must be a folder for the tokenized data (it is read again by later runs), got "
+                f"{cache_dir!r}"
+            )
         if not sources:
             raise ConfigError("no data sources given")
         self.sources = [Source.of(s, f"sources[{i}]") for i, s in enumerate(sources)]
