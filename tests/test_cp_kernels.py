@@ -6,6 +6,7 @@ varlen) with fakes of their real signatures, Flex's block mask against the eleme
 import importlib.machinery
 import sys
 import types
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -72,15 +73,24 @@ lengths = st.lists(st.integers(1, 12), min_size=1, max_size=4)
 
 @settings(max_examples=25, deadline=None)
 @given(lengths=lengths, cuts=st.lists(st.lists(st.integers(0, 20), max_size=3), min_size=4, max_size=4),
-       seed=st.integers(0, 10**6), feature=st.sampled_from(["plain", "window", "softcap", "sinks"]))  # fmt: skip
-def test_cpu_kernels_compute_bottom_right_causal_ranges(lengths, cuts, seed, feature):
+       seed=st.integers(0, 10**6), feature=st.sampled_from(["plain", "window", "wide window", "softcap", "sinks"]),
+       repeat_kv=st.booleans())  # fmt: skip
+def test_cpu_kernels_compute_bottom_right_causal_ranges(lengths, cuts, seed, feature, repeat_kv):
+    """``repeat_kv``: as a torch whose CPU flash kernel takes no fewer key/value heads than query heads (K/V
+    repeated per document). A wide window (9) is often at least a document's keys: the unmasked split."""
     q_rows, k_rows, _ = ranges_case(lengths, cuts, seed)
     if not q_rows:
         return
+    with mock.patch.object(loops, "_cpu_flash_takes_gqa", lambda: not repeat_kv):
+        check_cpu_kernels(q_rows, k_rows, seed, feature)
+
+
+def check_cpu_kernels(q_rows, k_rows, seed, feature):
     q, k, v, cu_q, cu_k = inputs(q_rows, k_rows, seed=seed)
     feats = {
         "plain": {},
         "window": {"window": 3},
+        "wide window": {"window": 9},
         "softcap": {"softcap": 1.5},
         "sinks": {"sinks": torch.tensor([0.3, -1.0, 2.0, 0.0], dtype=torch.float64)},
     }[feature]
