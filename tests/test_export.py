@@ -12,6 +12,7 @@ import torch
 from conftest import CHAT_TEMPLATE, TINY_LLAMA, quiet_trainer, separate_loss
 
 from lit_hbp.data.collate import collate_packs
+from lit_hbp.errors import ConfigError
 from lit_hbp.export import export_checkpoint, load_checkpoint
 from lit_hbp.lightning.module import HBPLitModule
 
@@ -319,9 +320,9 @@ def test_strategy_names_are_registered_with_lightning():
 
 
 def test_unknown_lora_settings_are_named():
-    module = HBPLitModule(model=TINY, vocab_size=300, lora={"rank": 4, "alfa": 8})
-    with pytest.raises(ValueError, match=r"lora: unknown setting\(s\) \['alfa'\]"):
-        module.configure_model()
+    """Refused when the module is built (before the data is read), naming the config key."""
+    with pytest.raises(ConfigError, match=r"^model.lora: unknown setting\(s\) \['alfa'\]"):
+        HBPLitModule(model=TINY, vocab_size=300, lora={"rank": 4, "alfa": 8})
 
 
 def test_strategy_name_works_on_the_command_line(tmp_path, small_demo, monkeypatch):
