@@ -257,11 +257,6 @@ class PreviewCLI(HBPCLI):
     def after_instantiate_classes(self) -> None:
         """Nothing: the samples are what preview prints, not the config."""
 
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
-        """Lightning's fit and validate: HBPLitModule has no test or predict loop (``command.NOT_OFFERED``)."""
-        return {name: keys for name, keys in LightningCLI.subcommands().items() if name in ("fit", "validate")}
-
     def add_arguments_to_parser(self, parser) -> None:
         super().add_arguments_to_parser(parser)
         # The model is not built: a config of only the data section (and the run's, without its model) previews.

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lit_hbp.data.records import RENDERED, Conversation, TokenRecord
+from lit_hbp.data.records import RENDERED, Conversation, TokenRecord, joined_text
 from lit_hbp.errors import ConfigError, DataError
 
 # Which turns of a chat train: every assistant turn, the last one only, or every token; a message's
@@ -101,11 +101,7 @@ def _joined(conv: Conversation, renders_parts) -> Conversation:
     """``conv`` with each content of text parts alone joined into one string, as written, where the template
     renders that role's content from a string only (``renders_parts(role)`` false)."""
     messages = [
-        {**m, "content": "".join(p["text"] for p in m["content"])}
-        if not isinstance(m["content"], str)
-        and all(p["type"] == "text" for p in m["content"])
-        and not renders_parts(m["role"])
-        else m
+        m if isinstance(m["content"], str) or renders_parts(m["role"]) else {**m, "content": joined_text(m["content"])}
         for m in conv.messages
     ]
     return replace(conv, messages=messages)

@@ -327,8 +327,7 @@ class RecordReader:
                 what = "a path or a list of paths" if kind == "image" else "a list of videos (paths or lists of frames)"
                 raise DataError(f"{where}: field {self.name(key)!r} must be {what}, got {value!r:.80}")
             for m in messages:  # markers stand in the text as written: a content of text parts alone, joined
-                if isinstance(m["content"], list) and all(p["type"] == "text" for p in m["content"]):
-                    m["content"] = "".join(p["text"] for p in m["content"])
+                m["content"] = joined_text(m["content"])
             found = sum(m["content"].count(marker) for m in messages if isinstance(m["content"], str))
             if found != len(items):
                 raise DataError(
@@ -515,6 +514,13 @@ class RecordReader:
 def _per_token(value: Any, ids: Any) -> bool:
     """Whether a pre-tokenized record's field holds one value per token of ``ids`` (a mask or weights)."""
     return isinstance(value, (list, tuple)) and isinstance(ids, (list, tuple)) and len(value) == len(ids) > 1
+
+
+def joined_text(content: str | list[dict]) -> str | list[dict]:
+    """A content of text parts alone as one string, joined as written; any other content as it is."""
+    if isinstance(content, list) and all(p["type"] == "text" for p in content):
+        return "".join(p["text"] for p in content)
+    return content
 
 
 def text_of(content: Any, at: str, may_be_empty: bool = False) -> str | list[dict]:
