@@ -168,6 +168,18 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             ],
             "(GradientAccumulationScheduler) under DeepSpeed (trainer.strategy), whose engine takes one",
         ),  # fmt: skip
+        "a precision DeepSpeed has not": (
+            ["--trainer.strategy", "hbp", "--trainer.precision", "64-true"],
+            "trainer.precision: '64-true' is not one DeepSpeed trains in (trainer.strategy)",
+        ),
+        "a CUDA-only attention backend on a CPU": (
+            ["--model.attn_backend", "flex", "--trainer.accelerator", "cpu"],
+            "model.attn_backend: 'flex' cannot run on cpu (CUDA only",
+        ),
+        "a data file as the list of sources": (
+            ["--data.sources", str(demo / "short.jsonl")],
+            "sources[0]: '{",  # jsonargparse read the file's records as the list
+        ),
         "missing tokenizer": (
             ["--data.tokenizer", str(demo.parent / "tokenzer")],
             f"data.tokenizer: '{demo.parent / 'tokenzer'}' is neither a local folder",
@@ -186,7 +198,8 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a validation interval past the epoch", "an epoch cut inside an optimizer step",
          "stochastic weight averaging", "a run without an end", "barebones beside a checkpoint callback",
          "a misspelled over_length", "a null cache folder", "a misspelled attention backend",
-         "a misspelled LoRA setting", "an accumulation schedule under DeepSpeed"]  # fmt: skip
+         "a misspelled LoRA setting", "an accumulation schedule under DeepSpeed", "a precision DeepSpeed has not",
+         "a CUDA-only attention backend on a CPU", "a data file as the list of sources"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch"}

@@ -439,3 +439,44 @@ def check_trainer_values(section: Any) -> None:
         logging.disable(previous)
     check_validation_interval(built[0])  # the config's values as Lightning parsed them
     check_accumulation_windows(built[0])
+    if is_deepspeed(trainer.get("strategy")):
+        check_deepspeed_precision(str(trainer.get("precision") or "32-true"))
+    if len(built) > 1:
+        check_backend_device((section.get("model") or {}).get("attn_backend") or "auto", built[1])
+
+
+# Lightning's short precision names and what it takes them for.
+PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+def check_deepspeed_precision(precision: str) -> None:
+    """A precision DeepSpeed cannot train in (``64-true``), refused by Lightning's DeepSpeed plugin itself
+    (the probe trainer is not DeepSpeed's, so it took it), now rather than as a traceback."""
+    from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
+
+    try:
+        DeepSpeedPrecision(PRECISION_ALIASES.get(precision, precision))
+    except ValueError:
+        raise ConfigError(
+            f"trainer.precision: {precision!r} is not one DeepSpeed trains in (trainer.strategy): use 32-true or "
+            "bf16-mixed, or trainer.strategy hbp_ddp"
+        ) from None
+
+
+def check_backend_device(backend: str, trainer: Any) -> None:
+    """A ``model.attn_backend`` that cannot run on the device the run resolves to (``flex`` or a flash
+    kernel on a CPU), refused before the data is read, not at the self-check's first packed call."""
+    import torch
+
+    from lit_hbp.model.attention import REGISTRY
+
+    if backend not in REGISTRY:  # auto, or a misspelled name the module refuses by name
+        return
+
+    device = trainer.strategy.root_device.type
+    reasons = {REGISTRY[backend].unusable(device, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+    if None not in reasons:
+        raise ConfigError(
+            f"model.attn_backend: {backend!r} cannot run on {device} ({sorted(reasons)[0]}): use auto, which "
+            "takes the fastest backend the device runs"
+        )

@@ -79,6 +79,11 @@ class Source:
         if isinstance(entry, Source):
             return entry
         if isinstance(entry, str):
+            if entry.lstrip()[:1] in ("{", "[") and not Path(entry).exists():
+                raise DataError(
+                    f"{label}: {entry[:60]!r}... is a record, not a path: a file given to a list option on the "
+                    "command line is read as the list itself; write --data.sources '[chats.jsonl]'"
+                )
             return cls(entry)
         if not isinstance(entry, dict):
             raise DataError(f"{label}: a source is a path or a mapping with a path, got {entry!r}")
