@@ -9,8 +9,9 @@ gathered into one fp32 state dict with Lightning's ``convert_zero_checkpoint_to_
 config the run saved in it (``hf_config``) and loaded with its weights, and the tokenizer is the one
 the run trained with, chat template included (saved by ``HBPDataModule``); the folder the run started
 from and the tokenizer folder may be gone. The folder holds config, safetensors weights in the dtype
-asked for and the tokenizer, with the special ids a server needs: BOS/EOS/padding of the tokenizer in
-config.json and generation_config.json, generation stopping at the tokenizer's EOS, at the chat
+asked for (what the family keeps in fp32 in that dtype kept so) and the tokenizer, with the special ids a
+server needs: BOS/EOS of the tokenizer in config.json and generation_config.json, its padding in
+generation_config.json (config.json keeps the model's), generation stopping at the tokenizer's EOS, at the chat
 template's end-of-turn token and at every EOS of the base model, and the KV cache on. The base model's
 own generation_config.json (a run started from a folder that has one; saved in the checkpoint as
 ``hf_generation_config``) is kept: its sampling defaults (do_sample, temperature, top_p, ...) stay as
@@ -50,9 +51,11 @@ SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 def load_checkpoint(path: str | Path, trust: bool = False) -> dict:
     """The checkpoint as one dict with a full fp32 ``state_dict``, whatever wrote it. Read with the
     weights-only allow-list (``lit_hbp.lightning.checkpoints.check_checkpoint``) unless ``trust``."""
-    from lit_hbp.lightning.checkpoints import TRUST_HINT, check_checkpoint, safe_load, trusted_load
+    from lit_hbp.lightning.checkpoints import MODEL_STATES, TRUST_HINT, check_checkpoint, safe_load, trusted_load
 
     path = Path(path)
+    if path.is_file() and MODEL_STATES.match(path.name):
+        raise UserInputError(f"{path} is one file of the DeepSpeed checkpoint {path.parent.parent}: give that folder")
     opt_in = TRUST_HINT["export"]
     check_checkpoint(path, trust=trust, opt_in=opt_in)  # every file DeepSpeed's conversion reads, too
     load = trusted_load if trust else (lambda p: safe_load(p, opt_in=opt_in))
@@ -127,6 +130,8 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     if hparams.get("lora"):
         net = apply_lora(net, dict(hparams["lora"]))
     # HBPLitModule holds the network as ``model``: its state dict keys are ``model.<name>``.
+    if "state_dict" not in ckpt:
+        raise UserInputError("the checkpoint holds no state_dict: it is not one a Lightning run saved")
     state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}
     try:
         missing, unexpected = net.load_state_dict(state, strict=False)
@@ -230,7 +235,7 @@ def _ids(value) -> list:
 
 
 def serving_token_ids(tokenizer, config, generation=None) -> tuple[dict[str, int | None], list[int]]:
-    """(BOS/EOS/padding ids for config.json and generation_config.json, the ids generation stops at).
+    """(BOS/EOS/padding ids for generation_config.json, the ids generation stops at).
     The ids are the tokenizer's (padding: its pad, else EOS), the config's where the tokenizer has
     none; generation stops at the tokenizer's EOS, the chat template's end-of-turn token and any EOS
     the config or the base model's ``generation`` config already named (e.g. Llama-3 instruct's three),
@@ -254,7 +259,9 @@ def serving_token_ids(tokenizer, config, generation=None) -> tuple[dict[str, int
 def prepare_for_serving(net: torch.nn.Module, tokenizer) -> None:
     """Set the special ids (``serving_token_ids``) and the KV cache on the model's config and
     generation config; the rest of the generation config (the base model's sampling defaults, when
-    ``model_from_checkpoint`` restored its own) is left as it is."""
+    ``model_from_checkpoint`` restored its own) is left as it is. config.json keeps the padding id the
+    model trained with: a family's embedding never trains that row (``padding_idx``), so an EOS written
+    there would freeze the EOS embedding of every run fine-tuned from the export."""
     config, generation = net.config, net.generation_config
     config.use_cache = generation.use_cache = True
     generation._from_model_config = False  # set on purpose: no library may rebuild it from config.json
@@ -262,9 +269,57 @@ def prepare_for_serving(net: torch.nn.Module, tokenizer) -> None:
         return
     ids, stop = serving_token_ids(tokenizer, config, generation)
     for name in SPECIAL_IDS:
-        setattr(config, name, ids[name])
+        if name != "pad_token_id":
+            setattr(config, name, ids[name])
         setattr(generation, name, ids[name])
     generation.eos_token_id = stop
+
+
+def kept_in_fp32(net: torch.nn.Module, dtype: torch.dtype) -> set[str]:
+    """The parameters and buffers ``from_pretrained(dtype=dtype)`` keeps in fp32 (a MoE router's gate and
+    score bias under bf16: ``_keep_in_fp32_modules_strict``), by transformers' own rule for the dtype."""
+    import re
+
+    plan = net._get_dtype_plan(dtype) if hasattr(net, "_get_dtype_plan") else {}
+    if not plan:
+        return set()
+    pattern = re.compile("|".join(f"(?:{name.replace('*', '.*')})" for name in plan))
+    names = [n for n, _ in net.named_parameters()] + [n for n, _ in net.named_buffers()]
+    return {n for n in names if pattern.search(n)}
+
+
+def cast_for_saving(net: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``net`` in ``dtype``, but for what the family keeps in fp32 (``kept_in_fp32``), from the fp32 values:
+    as the family's own model saves in that dtype, not rounded through it."""
+    base = net.get_base_model() if hasattr(net, "peft_config") else net
+    kept = {name: t.detach().clone() for name, t in base.state_dict(keep_vars=True).items()
+            if name in kept_in_fp32(base, dtype)}  # fmt: skip
+    net = net.to(dtype)
+    for name, value in kept.items():
+        owner, _, leaf = name.rpartition(".")
+        target = getattr(base.get_submodule(owner), leaf)
+        target.data = value.to(torch.float32)
+    return net
+
+
+def untie_adapted_embeddings(net: torch.nn.Module) -> None:
+    """Before LoRA is merged into a model whose output head shares the input embedding's weight: give the head
+    its own copy when an adapter sits on either side. The run trained ``E + dE`` for the input and the shared
+    ``E`` (or ``E + dH``) for the output; merged into one shared tensor, the adapter of one would reach both.
+    The export then stores both matrices and says they are no longer tied."""
+    base = net.get_base_model()
+    inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
+    if inputs is None or outputs is None:
+        return
+    shared_in = getattr(inputs, "base_layer", inputs).weight
+    head = getattr(outputs, "base_layer", outputs)
+    adapted = hasattr(inputs, "base_layer") or hasattr(outputs, "base_layer")
+    if head.weight is not shared_in or not adapted:
+        return
+    head.weight = torch.nn.Parameter(shared_in.detach().clone(), requires_grad=head.weight.requires_grad)
+    for config in {id(c): c for c in (base.config, base.config.get_text_config())}.values():
+        if getattr(config, "tie_word_embeddings", False):
+            config.tie_word_embeddings = False
 
 
 def export_checkpoint(
@@ -302,8 +357,9 @@ def export_checkpoint(
             stacklevel=2,
         )
     if hasattr(net, "peft_config") and merge_lora:
+        untie_adapted_embeddings(net)
         net = net.merge_and_unload()
-    net = net.to(DTYPES[dtype])
+    net = cast_for_saving(net, DTYPES[dtype])
     base = net.get_base_model() if hasattr(net, "peft_config") else net
     prepare_for_serving(base, tok)
     net.save_pretrained(out, safe_serialization=True)

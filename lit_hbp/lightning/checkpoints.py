@@ -208,6 +208,10 @@ def why_incomplete(path: str | os.PathLike) -> str | None:
     if path.is_dir():
         tag = _latest_tag(path)
         if not (path / LATEST).is_file():
+            if (path.parent / LATEST).is_file() and any(MODEL_STATES.match(f.name) for f in path.iterdir()):
+                return f"a tag folder of the DeepSpeed checkpoint {path.parent}: give that folder"
+            if (path / "config.json").is_file():
+                return "a Hugging Face model folder (an export, or a base model), not a checkpoint of a run"
             return "a folder without DeepSpeed's `latest` file (a save that was cut short, or not a checkpoint folder)"
         if tag is None or not (path / tag).is_dir():
             return f"its `latest` names the tag folder {tag!r}, which is not there"

@@ -39,6 +39,7 @@ from lit_hbp.model.build import (
     build_causal_lm,
     check_lora,
     freeze_vision,
+    own_generation_config,
     zero3_loading,
 )
 from lit_hbp.model.causal_lm import (
@@ -269,7 +270,7 @@ class HBPLitModule(L.LightningModule):
         if self._schedule is not None:
             checkpoint[LR_SCHEDULE] = dict(self._schedule)
         generation = getattr(net, "generation_config", None)
-        if generation is not None and not getattr(generation, "_from_model_config", False):
+        if generation is not None and own_generation_config(generation, net.config):
             checkpoint["hf_generation_config"] = generation.to_diff_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -313,3 +313,20 @@ def apply_lora(net, lora: dict):
         kw["target_modules"] = language_linears(net, decoder_of(net))
     kw.setdefault("target_modules", "all-linear")
     return get_peft_model(net, LoraConfig(task_type="CAUSAL_LM", **kw))
+
+
+# What a generation config carries that no model folder's file decides: the version, the mark, what the config's
+# run-time switches derive.
+NOT_SAID = ("_from_model_config", "transformers_version", "use_cache", "output_attentions", "output_hidden_states")
+
+
+def own_generation_config(generation: Any, config: Any) -> bool:
+    """Whether ``generation`` says more than what transformers derives from ``config``: a folder's own
+    generation_config.json, even one marked ``_from_model_config`` (Mistral's and Gemma 2's carry sampling
+    defaults and more EOS ids beside that mark, and transformers uses them)."""
+    from transformers import GenerationConfig
+
+    def said(g) -> dict:  # a training run turns the cache off in the config; the export turns it on again
+        return {k: v for k, v in g.to_diff_dict().items() if k not in NOT_SAID}
+
+    return said(generation) != said(GenerationConfig.from_model_config(config))

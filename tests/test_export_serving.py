@@ -1,0 +1,144 @@
+"""What an export serves is what the run trained, as the family's own model would save and load it: a LoRA
+merged over tied embeddings, a base folder's generation config marked ``_from_model_config``, the padding id
+config.json keeps, the weights a family keeps in fp32 under bf16; and a path that is not a run's checkpoint
+named for what it is."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import quiet_trainer, save_pretrained_checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from lit_hbp.export import cast_for_saving, export_checkpoint, main
+from lit_hbp.lightning.datamodule import HBPDataModule
+from lit_hbp.lightning.module import HBPLitModule
+
+PROBE = [5, 17, 3, 44, 9, 28, 11, 2, 60, 31]
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    rng = np.random.default_rng(5)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world"]
+    path = tmp_path_factory.mktemp("serving") / "d.jsonl"
+    with path.open("w") as f:
+        for _ in range(40):
+            q, a = " ".join(rng.choice(words, rng.integers(2, 25))), " ".join(rng.choice(words, rng.integers(2, 20)))
+            f.write(json.dumps({"prompt": q, "response": a}) + "\n")
+    return path
+
+
+def run(folder, chats, root, steps=1, **module_kw):
+    """``steps`` optimizer steps of the model folder (its tokenizer beside it), saved; the module and the checkpoint."""
+    dm = HBPDataModule(sources=[{"path": str(chats)}], tokenizer=str(folder), levels=["128:1"], cache_dir=str(root))
+    torch.manual_seed(0)
+    module = HBPLitModule(model=str(folder), vocab_size=dm.vocab_size, self_check=False, lr=1e-2, **module_kw)
+    trainer = quiet_trainer(max_steps=steps)
+    trainer.fit(module, dm)
+    trainer.save_checkpoint(root / "run.ckpt")
+    return module, str(root / "run.ckpt")
+
+
+def trained_logits(module) -> torch.Tensor:
+    """The trained network run as the family's own model: unprepared, eager attention (a copy)."""
+    from lit_hbp import unprepare_model
+
+    net = unprepare_model(copy.deepcopy(module.model))
+    base = net.get_base_model() if hasattr(net, "peft_config") else net
+    base.set_attn_implementation("eager")
+    with torch.no_grad():
+        return net.eval()(input_ids=torch.tensor([PROBE]), use_cache=False).logits[0]
+
+
+def served_logits(folder) -> torch.Tensor:
+    net = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return net(input_ids=torch.tensor([PROBE]), use_cache=False).logits[0]
+
+
+@pytest.mark.parametrize("targets", [["embed_tokens", "q_proj"], ["embed_tokens", "lm_head", "v_proj"]])
+def test_lora_merged_over_tied_embeddings_serves_what_the_run_trained(chats, toy_tokenizer, tmp_path, targets):
+    """Training runs ``E + dE`` into the layers and the shared ``E`` (or ``E + dH``) out of them; merged into the one
+    shared tensor, the input's adapter reached the output head too (logits 4.7 off, no argmax agreeing)."""
+    base = save_pretrained_checkpoint(tmp_path / "base", toy_tokenizer, "llama", tie_word_embeddings=True, **SHAPE)
+    lora = {"rank": 4, "alpha": 8, "target_modules": targets}
+    module, ckpt = run(base, chats, tmp_path, steps=3, lora=lora)
+    out = export_checkpoint(ckpt, tmp_path / "merged", merge_lora=True)
+    torch.testing.assert_close(served_logits(out), trained_logits(module), atol=2e-5, rtol=1e-5)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_a_generation_config_marked_from_the_model_config_is_served_as_the_base_model_uses_it(
+    chats, toy_tokenizer, tmp_path
+):
+    """Mistral-7B-v0.1's and Gemma-2-it's generation_config.json say ``_from_model_config: true`` beside their
+    sampling defaults and EOS ids, which transformers uses: the export kept none of them."""
+    base = save_pretrained_checkpoint(tmp_path / "base", toy_tokenizer, "llama", **SHAPE)
+    marked = {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": [1, 7], "do_sample": True,
+              "temperature": 0.3, "top_k": 5, "repetition_penalty": 1.3}  # fmt: skip
+    (base / "generation_config.json").write_text(json.dumps(marked))
+    own = AutoModelForCausalLM.from_pretrained(base).generation_config  # what the base model generates with
+    _, ckpt = run(base, chats, tmp_path)
+    served = json.loads((export_checkpoint(ckpt, tmp_path / "served") / "generation_config.json").read_text())
+    for key in ("do_sample", "temperature", "top_k", "repetition_penalty"):
+        assert served[key] == getattr(own, key), key
+    assert set(served["eos_token_id"]) >= set(own.eos_token_id)
+
+
+def test_config_json_keeps_the_padding_id_the_model_trained_with(chats, toy_tokenizer, tmp_path):
+    """A tokenizer without a padding token (Llama 3's, Mistral's): generation pads with EOS, but config.json's
+    padding id stays the base model's, or the embedding of the EOS would never train when the export is fine-tuned
+    (``padding_idx``)."""
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path / "tok")
+    base = save_pretrained_checkpoint(tmp_path / "base", tmp_path / "tok", "llama", **SHAPE)
+    assert AutoConfig.from_pretrained(base).pad_token_id is None
+    _, ckpt = run(base, chats, tmp_path)
+    out = export_checkpoint(ckpt, tmp_path / "served")
+    assert json.loads((out / "config.json").read_text()).get("pad_token_id") is None
+    assert json.loads((out / "generation_config.json").read_text())["pad_token_id"] == tok.eos_token_id
+    served, own = (AutoModelForCausalLM.from_pretrained(f) for f in (out, base))
+    assert served.model.embed_tokens.padding_idx == own.model.embed_tokens.padding_idx is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cast_export_keeps_in_fp32_what_the_family_keeps(tmp_path, dtype):
+    """A MoE router's gate and score bias stay fp32 when transformers loads the family in bf16 or fp16
+    (``_keep_in_fp32_modules_strict``); the export's cast rounded them. The reference: the family's own model
+    loaded from the same fp32 folder in that dtype."""
+    config = AutoConfig.for_model("glm4_moe", vocab_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=16, first_k_dense_replace=0, head_dim=8, **SHAPE)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "fp32")
+    own = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=dtype).state_dict()
+    ours = cast_for_saving(AutoModelForCausalLM.from_pretrained(tmp_path / "fp32"), dtype).state_dict()
+    assert {k: v.dtype for k, v in ours.items()} == {k: v.dtype for k, v in own.items()}
+    assert any(v.dtype == torch.float32 for v in own.values()), "the family keeps something in fp32"
+    for name, value in own.items():
+        assert torch.equal(ours[name], value), name
+
+
+def test_a_path_that_is_not_a_runs_checkpoint_is_named_for_what_it_is(toy_tokenizer, tmp_path, capsys):
+    """DeepSpeed's tag folder or one of its files given for the checkpoint folder, and an exported (or base) model
+    folder: one line saying what was given and what to give (a KeyError traceback, or "cut short", before)."""
+    run_dir = tmp_path / "last.ckpt"  # DeepSpeed's layout: <checkpoint>/latest names <checkpoint>/<tag>/
+    (run_dir / "global_step4").mkdir(parents=True)
+    (run_dir / "latest").write_text("global_step4")
+    states = run_dir / "global_step4" / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}}, states)
+    hf = save_pretrained_checkpoint(tmp_path / "hf", toy_tokenizer, "llama", **SHAPE)
+    capsys.readouterr()
+    for given, says in (
+        (run_dir / "global_step4", f"a tag folder of the DeepSpeed checkpoint {run_dir}: give that folder"),
+        (states, f"is one file of the DeepSpeed checkpoint {run_dir}: give that folder"),
+        (hf, "a Hugging Face model folder (an export, or a base model), not a checkpoint of a run"),
+    ):
+        assert main([str(given), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "out").exists()
