@@ -154,7 +154,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         mixers=[decoder.get_submodule(m.path) for m in mixers],
         backend=attn_backend,
         rope_limit=rescaling_limit(decoder.config),
-        position_limits=position_limits(decoder.config),
+        position_limits=position_limits(decoder.config, decoder),
     )
     for mlp in record.mlps:
         if mlp is not None:

@@ -284,9 +284,10 @@ def pack_scope(
             )
     ids = (pack or {}).get("input_ids")
     documents = ids.__dict__.get(DOCS_MARK) if isinstance(ids, torch.Tensor) else None
+    positions = (pack or {}).get("position_ids")
     pack = {} if pack is None else {k: pack[k] for k in PACK_KEYS if pack.get(k) is not None}
     rope = rope_scope(model, prepared.rope_limit, pack, documents)  # refused here, before the call
-    check_position_limits(prepared.position_limits, pack, bounds, documents)
+    pack.update(check_position_limits(prepared.position_limits, pack, bounds, documents, positions))
     offloader = host_offload(unwrapped(model)) if offload else None
     host = {"bounds": list(bounds)} if bounds is not None else {}
     call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, dict(tower or {}), host)

@@ -52,6 +52,7 @@ from lit_hbp.model.attention.kernel import AttnArgs, call_needs
 from lit_hbp.model.attention.op import _varlen_op
 from lit_hbp.model.calls import ATTN_NAME
 from lit_hbp.model.packed_call import PREPARED
+from lit_hbp.model.position_limits import chunked_layer, scaled_layer
 
 __all__ = [
     "ATTN_NAME",
@@ -166,6 +167,21 @@ class Attend:
         return (*grads[:3], grads[3] if sinks is not None else None)
 
 
+def _own_positions(module, record, query, cu, max_len):
+    """What a layer that takes positions from the call's row gets in a packed call so that each document has its
+    own (``lit_hbp.model.position_limits``): a chunked layer the pack's boundaries cut into chunks, a layer that
+    scales its queries by row position the ratio to its document's scale."""
+    call = calls.current(record)
+    if call is None:
+        return query, cu, max_len
+    chunks, scale = call.pack.get("hbp_chunks"), call.pack.get("hbp_query_scale")
+    if chunks is not None and chunked_layer(module):
+        cu, max_len = chunks
+    if scale is not None and scaled_layer(module):
+        query = (query * scale.to(query.device).view(1, 1, -1, 1)).to(query.dtype)
+    return query, cu, max_len
+
+
 def varlen_attention(
     module,
     query: torch.Tensor,
@@ -201,6 +217,8 @@ def varlen_attention(
             "attention keywords on, and lit-hbp cannot train it packed (docs/families.md). A model built with "
             f"attn_implementation={ATTN_NAME!r}: build it with its own attention and call lit_hbp.prepare_model"
         )
+    if record is not None and record.position_limits:  # layers that take positions from the row (Llama 4)
+        query, cu_seq_lens_q, max_length_q = _own_positions(module, record, query, cu_seq_lens_q, max_length_q)
     sp = kwargs.get("hbp_sp")
     dtype = compute_dtype(query)
     query, key, value = (x.to(dtype) for x in (query, key, value))
