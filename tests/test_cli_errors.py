@@ -132,6 +132,11 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             ["--trainer.check_val_every_n_epoch", "1", "--trainer.val_check_interval", "100000"],
             "trainer.val_check_interval is 100000 batches but this epoch's plan has",
         ),
+        "a monitor a separator away from a logged metric": (
+            ["--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping"]
+            + ["--trainer.callbacks.monitor", "val_loss"],
+            "(EarlyStopping): monitor 'val_loss' is logged by nothing; lit-hbp logs 'val/loss'",
+        ),
         "stochastic weight averaging": (
             ["--trainer.callbacks+=lightning.pytorch.callbacks.StochasticWeightAveraging"]
             + ["--trainer.callbacks.swa_lrs", "0.001"],
@@ -199,7 +204,8 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "stochastic weight averaging", "a run without an end", "barebones beside a checkpoint callback",
          "a misspelled over_length", "a null cache folder", "a misspelled attention backend",
          "a misspelled LoRA setting", "an accumulation schedule under DeepSpeed", "a precision DeepSpeed has not",
-         "a CUDA-only attention backend on a CPU", "a data file as the list of sources"]  # fmt: skip
+         "a CUDA-only attention backend on a CPU", "a data file as the list of sources",
+         "a monitor a separator away from a logged metric"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch"}

@@ -371,6 +371,31 @@ def check_no_swa(callbacks: Any) -> None:
             raise ConfigError(f"trainer.callbacks[{i}] ({kind.__name__}): {SWA_REFUSED}")
 
 
+# What HBPLitModule and lit-hbp's callbacks log under a fixed name: a monitor a letter or a separator away from one
+# is a typo Lightning finds only when the first validation (or epoch) ends.
+LOGGED = ("train/loss", "train/grad_norm", "train/lr", "val/loss", "val/ppl", "packing/level",
+          "packing/cp_area_imbalance", "curriculum/warmup")  # fmt: skip
+
+
+def check_monitors(callbacks: Any) -> None:
+    """A callback's ``monitor`` (ModelCheckpoint, EarlyStopping, ...) that is nearly, not exactly, a metric
+    lit-hbp logs (``val_loss`` for ``val/loss``): refused now, naming it. One near none is left to Lightning."""
+    import difflib
+
+    for i, entry in enumerate(_entries(callbacks)):
+        args = entry.get("init_args") if isinstance(entry, (Mapping, argparse.Namespace)) else vars(entry)
+        monitor = args.get("monitor") if isinstance(args, (Mapping, argparse.Namespace)) else None
+        if not isinstance(monitor, str) or monitor in LOGGED:
+            continue
+        near = difflib.get_close_matches(monitor, LOGGED, n=1, cutoff=0.85)
+        if near:
+            kind = class_of(entry)
+            raise ConfigError(
+                f"trainer.callbacks[{i}] ({getattr(kind, '__name__', 'callback')}): monitor {monitor!r} is logged by "
+                f"nothing; lit-hbp logs {near[0]!r}"
+            )
+
+
 def check_trainer_values(section: Any) -> None:
     """Every trainer value Lightning's ``Trainer`` would refuse (``max_steps: -5``, ``max_epochs: -3``,
     ``limit_val_batches: 1.5``, ...), refused now as a ``ConfigError`` naming the key, before the data
@@ -400,6 +425,7 @@ def check_trainer_values(section: Any) -> None:
     if trainer.get("enable_checkpointing") is False or trainer.get("barebones") is True:
         check_no_checkpoint_callback(trainer.get("callbacks"), "barebones: true" if trainer.get("barebones") else "")
     check_no_swa(trainer.get("callbacks"))
+    check_monitors(trainer.get("callbacks"))
     if is_deepspeed(trainer.get("strategy")):
         check_fixed_accumulation(trainer.get("callbacks"))
     if trainer.get("max_steps") == -1 and trainer.get("max_epochs") == -1:
