@@ -135,7 +135,8 @@ def run_padded(base, store, chosen, args, device, pad_id):
             for r, (x, target) in enumerate(group):
                 ids[r, : x.size] = torch.as_tensor(x)
                 mask[r, : x.size] = 1
-                labels[r, : x.size] = torch.where(torch.as_tensor(target), torch.as_tensor(x), -100)
+                x = torch.as_tensor(x).long()  # ids stored as uint16 (small vocabularies), where -100 is not one
+                labels[r, : x.size(0)] = torch.where(torch.as_tensor(target), x, -100)
             n_real = int(mask.sum())
             yield (ids.to(device), mask.to(device), labels.to(device)), n_real, ids.numel()
 
@@ -284,11 +285,12 @@ def main() -> int:
     )
     peak = args.peak_tflops * 1e12 if args.peak_tflops else _peak_flops(device)
     spec = ModelSpec.from_config(base.model.config.to_dict())
-    # Model FLOPs per real token (the module's definition, ModelSpec.train_flops): dense layers, the
-    # causal attention of its sample and the LM head, forward and backward, averaged over the data.
-    # The LM head is charged at every token here, as the baselines compute it.
+    # Model FLOPs per real token, the module's definition (HBPLitModule.micro_batch_flops): dense layers on every
+    # real token, each sample's causal attention and the LM head on its supervised tokens, forward and backward,
+    # averaged over the data: the same for every mode, each of which trains every chosen sample once.
     tokens = lengths.astype(np.float64)
-    flops_per_token = spec.train_flops(tokens.sum(), (tokens**2).sum(), tokens.sum()) / tokens.sum()
+    supervised = sum(int(np.count_nonzero(store.tokens(int(i))[1][1:])) for i in chosen)
+    flops_per_token = spec.train_flops(tokens.sum(), (tokens**2).sum(), supervised) / tokens.sum()
     rows = []
     for name, fn in runs:
         try:

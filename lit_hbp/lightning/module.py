@@ -400,18 +400,19 @@ class HBPLitModule(L.LightningModule):
             ce_chunk_size=hp.ce_chunk_size, liger=hp.liger, router_loss=router_loss, recompute=recompute,
         )  # fmt: skip
 
-    def micro_batch_flops(self, batch: PackedBatch) -> float | None:
+    def micro_batch_flops(self, batch: PackedBatch, forward_only: bool = False) -> float | None:
         """This rank's model FLOPs for ``batch`` (forward and backward, recomputation not counted,
-        so FLOPs/s over peak is MFU): under SP a rank runs 1/sp of the pack's tokens through the dense
-        layers and 1/sp of the heads over the whole pack; the LM head runs on its supervised tokens.
-        From the host-side counts of the collate step: nothing is read from the device. None when
-        the model's shape is unknown."""
+        so FLOPs/s over peak is MFU; ``forward_only``: a validation batch's, a third of a fully trained
+        one's): under SP a rank runs 1/sp of the pack's tokens through the dense layers and 1/sp of the
+        heads over the whole pack; the LM head runs on its supervised tokens. From the host-side counts of
+        the collate step: nothing is read from the device. None when the model's shape is unknown."""
         if self._spec is None:
             return None
         head = batch.target_index.shape[0]
-        full = not self.hparams.lora  # LoRA runs no weight gradients of the frozen matmuls
+        full = forward_only or not self.hparams.lora  # LoRA runs no weight gradients of the frozen matmuls
         dense = self._spec.train_flops(batch.n_tokens, batch.doc_sq, 0, full)
-        return dense / int(batch.sp) + self._spec.train_flops(0, 0, head, full)
+        flops = dense / int(batch.sp) + self._spec.train_flops(0, 0, head, full)
+        return flops / 3.0 if forward_only else flops
 
     def on_train_batch_start(self, batch: PackedBatch, batch_idx: int) -> None:
         _require_packed(batch)
@@ -506,6 +507,9 @@ class HBPLitModule(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self._val_ce: torch.Tensor | float = 0.0
         self._val_targets = 0
+
+    def on_validation_batch_start(self, batch: PackedBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.flops_per_batch = self.micro_batch_flops(batch, forward_only=True)  # the throughput monitor's
 
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
         _, ce_sum, n = self(batch)

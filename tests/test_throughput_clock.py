@@ -1,0 +1,88 @@
+"""HBPThroughputMonitor's rates against a clock the test drives: every training micro-batch takes 1 s, every
+validation batch 100 s. The training rate logged at each logging step is the window's tokens over its micro-batches'
+seconds whatever validation ran inside the window, and a validation batch's FLOPs are its own forward's."""
+
+import time
+
+import lightning as L
+import pytest
+from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
+from lightning.pytorch.loggers.logger import Logger
+
+from lit_hbp.callbacks import HBPThroughputMonitor
+from lit_hbp.lightning.module import HBPLitModule
+
+
+class Clock:
+    """time.perf_counter for the run: it moves only when ``Tick`` moves it."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Tick(L.Callback):
+    """First among the callbacks: a training micro-batch 1 s, a validation batch 100 s, before anyone else reads
+    the clock at its end (the module's own hooks run after the callbacks'). Records each micro-batch's real tokens
+    and each validation batch's FLOPs as the module set them."""
+
+    def __init__(self, clock: Clock):
+        self.clock, self.tokens, self.val_flops, self.val_forward = clock, [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.clock.now += 1.0
+        self.tokens.append(batch.n_tokens / int(batch.sp))
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if trainer.sanity_checking:
+            return
+        self.clock.now += 100.0
+        spec = pl_module._spec  # forward only: a third of the fully trained FLOPs (the backward runs two forwards)
+        head = batch.target_index.shape[0]
+        self.val_forward.append((spec.train_flops(batch.n_tokens, batch.doc_sq, 0) + spec.train_flops(0, 0, head)) / 3)
+        self.val_flops.append(pl_module.flops_per_batch)
+
+
+class Rows(Logger):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    name = "rows"
+    version = 0
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append(dict(metrics))
+
+
+def test_training_rates_pass_over_validation_and_validation_flops_are_its_own(
+    tmp_path, toy_tokenizer, small_demo, monkeypatch
+):
+    clock = Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    tick, rows = Tick(clock), Rows()
+    dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache", val_fraction=0.05)
+    module = HBPLitModule(model=TINY_LLAMA, self_check=False)
+    trainer = quiet_trainer(
+        max_steps=12, log_every_n_steps=4, val_check_interval=7, limit_val_batches=4, num_sanity_val_steps=0,
+        callbacks=[tick, HBPThroughputMonitor()], logger=rows,
+    )  # fmt: skip
+    trainer.fit(module, dm)
+
+    logged = [r for r in rows.rows if "train/lengths" in r]
+    assert len(logged) == 3 and any("validate/device/flops_per_sec" in r for r in rows.rows)
+    ends = [tick_index(tick.tokens, r["train/lengths"]) for r in logged]
+    for later, start, end in zip(logged[1:], ends, ends[1:]):  # the rate over the last logging interval
+        want = sum(tick.tokens[start:end]) / (end - start)  # tokens over their micro-batches' seconds
+        assert later["train/device/items_per_sec"] == pytest.approx(want, rel=1e-9), (later, want)
+    assert tick.val_flops == pytest.approx(tick.val_forward) and all(f > 0 for f in tick.val_flops)
+
+
+def tick_index(tokens: list, total: float) -> int:
+    """How many micro-batches the monitor had counted when it logged ``total`` tokens."""
+    return next(i for i in range(len(tokens) + 1) if sum(tokens[:i]) == pytest.approx(total))
