@@ -76,6 +76,7 @@ from lit_hbp.model.vision import (
     check_encoder_outputs,
     encoder_outputs,
     is_multimodal,
+    refuse_batch_statistics,
     refuse_bidirectional,
     vision_tower,
 )
@@ -339,6 +340,7 @@ def _encoded(record: Prepared, batch: PackedBatch, inputs: dict) -> dict:
     their pixels: each rank its share of them under SP (``split_encoder_outputs``). Inside the packed
     call (its tower blocks checkpoint as its level says), every config naming its own attention."""
     refuse_bidirectional(record.net, batch.mm)
+    refuse_batch_statistics(record.net, batch.mm)
     check_encoder_outputs(record.runner)
     with calls.entered(calls.current(record), route=False):
         if int(batch.sp) > 1:

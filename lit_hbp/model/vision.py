@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -104,6 +105,32 @@ def refuse_bidirectional(net: torch.nn.Module, mm: Mapping | None) -> None:
             "does not compute, so this pack would train wrong; train it on packs without them (text only), or "
             "another family (docs/vision.md)"
         )
+
+
+def refuse_batch_statistics(net: torch.nn.Module, mm: Mapping | None) -> None:
+    """Raise when the pack holds images and a module of ``net`` normalizes by its batch's statistics (a BatchNorm
+    in training mode, or one keeping no running statistics): the pack's images encoded together would change each
+    other's features, which each record alone does not see (Emu3's VQ tokenizer, frozen in eval by transformers,
+    which ``train()`` switches back)."""
+    if not has_media(mm):
+        return
+    for name, module in _batch_norms(net):
+        if module.training or not module.track_running_stats:
+            raise ValueError(
+                f"{type(net).__name__} ({net.config.model_type}): its {name} ({type(module).__name__}) normalizes by "
+                "the batch's statistics, so a pack's images would change each other's encodings; keep it in eval "
+                f"mode (net.get_submodule({name!r}).eval() after train()), or train on packs without images"
+            )
+
+
+_norms_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _batch_norms(net: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    if net not in _norms_of:
+        kind = torch.nn.modules.batchnorm._BatchNorm
+        _norms_of[net] = [(n, m) for n, m in net.named_modules() if isinstance(m, kind)]
+    return _norms_of[net]
 
 
 def check_encoder_outputs(inner: torch.nn.Module) -> None:
