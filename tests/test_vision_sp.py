@@ -170,6 +170,18 @@ def test_a_hybrid_vlms_image_pack_at_ulysses_sp_2_trains_like_each_record_alone(
     assert sum(sum(r["encoded"], 0) for r in results) == 2  # the pack's two images, each encoded once
 
 
+@pytest.mark.parametrize("family", ["internvl", "video_llava"])
+def test_a_family_whose_encoder_hands_back_one_tensor_gets_one_on_an_sp_level(pool, tmp_path, family):
+    """InternVL, Video-LLaVA (and 7 more) read their image encoder's ``pooler_output`` as one tensor (``.to``,
+    ``.reshape``): at sp 2 the rows a shard's placeholders take came back as a tuple (an AttributeError in the
+    family's forward). One tensor, as the family's own encoder gives, trains like each record alone."""
+    folder = build_default(tmp_path / family, family)
+    want_ce, want = reference(folder, tmp_path / "weights.pt", "counted")
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), 2, 1, "counted")
+    assert_like_one_process(results, want_ce, want)
+    assert sum(sum(r["encoded"], 0) for r in results) == 2
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_a_videos_frames_are_split_over_the_sp_group_and_train_like_each_record_alone(

@@ -207,8 +207,10 @@ def split_encoder_outputs(
         owner = owners(items.weight, items.groups, size)
         mine = owner == me
         problem, blocks, per_row = None, [], {}
+        tensor = torch.zeros(1, device=device)  # 1: the family's encoder hands back one tensor, not one per item
         if mine.any():
             encoded = encoder_outputs(inner, _subset(mm, kind, items, mine))[kind.name]
+            tensor.fill_(float(isinstance(encoded.pooler_output, torch.Tensor)))
             extra = [f for f, v in encoded.items() if v is not None and f not in PLAIN_OUTPUT + PER_ROW]
             blocks = list(encoded.pooler_output) if encoded.pooler_output is not None else []
             per_row = {f: [list(layer) for layer in getattr(encoded, f)] for f in PER_ROW if getattr(encoded, f, None)}
@@ -252,7 +254,11 @@ def split_encoder_outputs(
         route = Route.of(np.repeat(owner, item_rows), needer, me, size)
         anchor = torch.zeros((), device=device, requires_grad=trains)
         moved = partial(_moved, route=route, anchor=anchor, group=group, like=torch.zeros(0, hidden, dtype=dtype))
-        out[kind.name] = BaseModelOutputWithPooling(pooler_output=(moved(blocks),))
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)  # what a rank without items cannot see itself
+        # Its placeholders' rows as the family's forward reads its encoder's output: one [items, rows, hidden]
+        # tensor (here one item of all the rows), or one block per item.
+        mine_rows = moved(blocks)
+        out[kind.name] = BaseModelOutputWithPooling(pooler_output=mine_rows[None] if tensor.item() else (mine_rows,))
         for field, layers in _per_row_layers(per_row, device, group).items():
             setattr(out[kind.name], field, [(moved(rows),) for rows in layers])
     return out
