@@ -302,6 +302,9 @@ class ModelSpec:
     intermediate: int
     vocab: int
     head_dim: int | None = None
+    attention_width: int | None = None
+    """Per head, the query-key width plus the value width of the attention (None: twice ``dim``; multi-head latent
+    attention's differ: DeepSeek-V3's 192 and 128)."""
     tied_embeddings: bool = False
     active_layer_params: float | None = None
     total_layer_params: float | None = None
@@ -375,7 +378,7 @@ class ModelSpec:
         frozen weights (LoRA) only the first is run (``weight_grads=False``)."""
         matmul = 3.0 if weight_grads else 2.0
         dense = self.layers * 2.0 * self.layer_params * tokens * matmul
-        attention = self.attending * 2.0 * self.heads * self.dim * sum_sq * 3.0
+        attention = self.attending * self.heads * (self.attention_width or 2 * self.dim) * sum_sq * 3.0
         return dense + attention + 2.0 * self.hidden * self.vocab * head_tokens * matmul
 
     @classmethod
@@ -413,6 +416,7 @@ class ModelSpec:
             intermediate=int(values["intermediate"] or 4 * hidden),
             vocab=int(values["vocab"] or 32000),
             head_dim=c.get("head_dim"),
+            attention_width=latent_attention_width(c),
             tied_embeddings=bool(c.get("tie_word_embeddings", False)),
             vision=VisionSpec.from_config(vision) if isinstance(vision, dict) else None,
             attention_layers=attending,
@@ -421,6 +425,13 @@ class ModelSpec:
             mixer_heads=mixer_heads(c),
             mixer_spanning=mixer_spanning(c),
         )
+
+
+def latent_attention_width(c: dict) -> int | None:
+    """Multi-head latent attention's query-key plus value width per head (DeepSeek-V2/V3, Kimi K2: the queries and
+    keys carry a rotary and a plain part, the values their own width); None for other attention."""
+    parts = [c.get(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")]
+    return sum(parts) if all(isinstance(p, int) and p > 0 for p in parts) else None
 
 
 # Published architectures (config.json of each model on the Hugging Face hub).

@@ -225,3 +225,25 @@ def test_fit_refuses_a_family_before_any_step_and_the_self_check_catches_what_pr
     with pytest.raises(SelfCheckError, match="self-check failed for model family 'bloom'"):
         steps = fit(HBPLitModule(model=config), tmp_path / "second", toy_tokenizer, small_demo)
     assert steps == []
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "minicpm3"])
+def test_the_attention_flops_are_what_the_familys_eager_attention_computes(family):
+    """The model FLOPs' attention term against ``FlopCounterMode`` around the family's own eager attention on one
+    document: its two batched matmuls compute the whole score matrix, twice the causal half the spec counts. Multi-
+    head latent attention (DeepSeek-V3, MiniCPM3) takes its query-key width (rotary and plain parts) and its value
+    width, not ``head_dim`` twice (its attention was counted at half)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_hbp.model_spec import ModelSpec
+
+    config = small_config(family)
+    net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="eager").eval()
+    n = 24
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        net(input_ids=torch.arange(3, 3 + n)[None], use_cache=False)
+    eager = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "bmm" in str(op))
+    spec = ModelSpec.from_config(net.config.to_dict())
+    assert eager > 0 and spec.train_flops(0, n**2, 0) / 3 == pytest.approx(eager / 2, rel=1e-9)
