@@ -292,8 +292,8 @@ def cast_for_saving(net: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module
     """``net`` in ``dtype``, but for what the family keeps in fp32 (``kept_in_fp32``), from the fp32 values:
     as the family's own model saves in that dtype, not rounded through it."""
     base = net.get_base_model() if hasattr(net, "peft_config") else net
-    kept = {name: t.detach().clone() for name, t in base.state_dict(keep_vars=True).items()
-            if name in kept_in_fp32(base, dtype)}  # fmt: skip
+    keep = kept_in_fp32(base, dtype)
+    kept = {name: t.detach().clone() for name, t in base.state_dict(keep_vars=True).items() if name in keep}
     net = net.to(dtype)
     for name, value in kept.items():
         owner, _, leaf = name.rpartition(".")

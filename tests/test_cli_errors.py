@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lit_hbp.cli.app import main
-from lit_hbp.errors import DataError
+from lit_hbp.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
@@ -269,3 +269,17 @@ def test_a_loader_workers_error_is_reported_by_its_own_message():
     assert "Original Traceback" in str(caught.value)
     assert own_message(caught.value) == "d.jsonl:4: image img/big.png does not exist"
     assert own_message(DataError("a: b")) == "a: b"
+
+
+def test_a_monitor_that_is_a_projects_own_metric_is_left_to_lightning():
+    """Only a logged name but for its separators or case is refused: a project's own ``val/losses`` is not."""
+    from lit_hbp.cli.checks import check_monitors
+
+    def entry(monitor: str) -> dict:
+        return {"class_path": "lightning.pytorch.callbacks.EarlyStopping", "init_args": {"monitor": monitor}}
+
+    for own in ("val/losses", "train/gradnorm2", "val/acc", "packing/levels", "val/loss"):
+        check_monitors([entry(own)])
+    for typo in ("val_loss", "Val/Loss", "train.grad_norm"):
+        with pytest.raises(ConfigError, match=f"monitor {typo!r} is logged by nothing"):
+            check_monitors([entry(typo)])

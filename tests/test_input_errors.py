@@ -409,3 +409,11 @@ def test_a_demo_kind_without_its_folder_is_refused(toy_tokenizer, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [chat("q", "a")])
     with pytest.raises(ConfigError, match=r"data.demo: video names the demo data.demo_dir builds, and no demo_dir"):
         HBPDataModule(sources=[str(data)], tokenizer=toy_tokenizer, levels=[256], demo="video")
+
+
+def test_a_data_file_read_as_the_list_of_sources_is_named_whatever_its_records_length():
+    """The command line reads a file given to ``--data.sources`` as the list itself: each entry a record's JSON,
+    longer than any file name may be (an OSError from the file system asked whether it exists)."""
+    record = json.dumps({"messages": [{"role": "user", "content": "word " * 200}]})
+    with pytest.raises(DataError, match=r"sources\[0\]: .* is a record, not a path"):
+        Source.of(record, "sources[0]")

@@ -107,6 +107,8 @@ def test_an_unprepared_model_or_a_foreign_batch_is_refused():
 
     with pytest.raises(TypeError, match="HBPLitModule trains on PackedBatch micro-batches .* got dict"):
         quiet_trainer(max_steps=1).fit(module, torch.utils.data.DataLoader(Padded(), batch_size=2))
+    with pytest.raises(TypeError, match="HBPLitModule trains on PackedBatch micro-batches .* got dict"):
+        quiet_trainer().validate(module, torch.utils.data.DataLoader(Padded(), batch_size=2))
 
 
 def test_a_pack_is_recognised_by_its_boundaries_or_its_positions():

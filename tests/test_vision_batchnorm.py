@@ -81,3 +81,16 @@ def test_a_pack_of_images_is_refused_while_a_batch_norm_trains_and_exact_in_eval
     # A text-only pack never meets the tokenizer: it trains with the batch norms as they are.
     model.model.vqmodel.train()
     packed_loss(model, pack_samples([record(reference, 4, 0)], model=model), "sum")
+
+
+def test_at_set_up_a_batch_norm_in_eval_is_refused_as_the_run_will_train_it():
+    """``HBPLitModule``'s set-up asks as the run will train (Lightning calls ``train()`` at the start of fit): a
+    BatchNorm frozen in eval now is refused all the same (exit 2 from the CLI), before the first step with images."""
+    from lit_hbp.model.vision import refuse_batch_statistics
+
+    net = emu3()
+    assert not net.model.vqmodel.training
+    refuse_batch_statistics(net, {"pixel_values": torch.ones(1)})  # eval now: a pack now encodes each image alone
+    with pytest.raises(ValueError, match=r"the batch's statistics in training, .*; train it on text only"):
+        refuse_batch_statistics(net, {"pixel_values": torch.ones(1)}, trained=True)
+    refuse_batch_statistics(net, {"input_ids": torch.ones(1)}, trained=True)  # text only: nothing to refuse

@@ -371,23 +371,26 @@ def check_no_swa(callbacks: Any) -> None:
             raise ConfigError(f"trainer.callbacks[{i}] ({kind.__name__}): {SWA_REFUSED}")
 
 
-# What HBPLitModule and lit-hbp's callbacks log under a fixed name: a monitor a letter or a separator away from one
-# is a typo Lightning finds only when the first validation (or epoch) ends.
+# What HBPLitModule and lit-hbp's callbacks log under a fixed name: a monitor a separator away from one is a typo
+# Lightning finds only when the first validation (or epoch) ends.
 LOGGED = ("train/loss", "train/grad_norm", "train/lr", "val/loss", "val/ppl", "packing/level",
           "packing/cp_area_imbalance", "curriculum/warmup")  # fmt: skip
 
 
 def check_monitors(callbacks: Any) -> None:
-    """A callback's ``monitor`` (ModelCheckpoint, EarlyStopping, ...) that is nearly, not exactly, a metric
-    lit-hbp logs (``val_loss`` for ``val/loss``): refused now, naming it. One near none is left to Lightning."""
-    import difflib
+    """A callback's ``monitor`` (ModelCheckpoint, EarlyStopping, ...) that is a metric lit-hbp logs but for its
+    separators or case (``val_loss`` for ``val/loss``): refused now, naming it. Any other name is left to Lightning
+    (a project's own metric)."""
+
+    def bare(name: str) -> str:
+        return re.sub(r"[/_.\-\s]", "", name).lower()
 
     for i, entry in enumerate(_entries(callbacks)):
         args = entry.get("init_args") if isinstance(entry, (Mapping, argparse.Namespace)) else vars(entry)
         monitor = args.get("monitor") if isinstance(args, (Mapping, argparse.Namespace)) else None
         if not isinstance(monitor, str) or monitor in LOGGED:
             continue
-        near = difflib.get_close_matches(monitor, LOGGED, n=1, cutoff=0.85)
+        near = [name for name in LOGGED if bare(name) == bare(monitor)]
         if near:
             kind = class_of(entry)
             raise ConfigError(
@@ -500,6 +503,8 @@ def check_backend_device(backend: str, trainer: Any) -> None:
         return
 
     device = trainer.strategy.root_device.type
+    if device == "cuda":  # asking a flash kernel about the GPU initializes CUDA here, before a fork launches the run
+        return
     reasons = {REGISTRY[backend].unusable(device, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
     if None not in reasons:
         raise ConfigError(

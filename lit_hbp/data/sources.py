@@ -37,6 +37,14 @@ CHUNK_BYTES = 1 << 20
 CHUNK_ROWS = 1024
 
 
+def _is_path(text: str) -> bool:
+    """Whether ``text`` names something on disk (a record's JSON is longer than a file name may be)."""
+    try:
+        return Path(text).exists()
+    except OSError:
+        return False
+
+
 @dataclass(frozen=True)
 class Source:
     """One training data source.
@@ -79,7 +87,7 @@ class Source:
         if isinstance(entry, Source):
             return entry
         if isinstance(entry, str):
-            if entry.lstrip()[:1] in ("{", "[") and not Path(entry).exists():
+            if entry.lstrip()[:1] in ("{", "[") and not _is_path(entry):
                 raise DataError(
                     f"{label}: {entry[:60]!r}... is a record, not a path: a file given to a list option on the "
                     "command line is read as the list itself; write --data.sources '[chats.jsonl]'"

@@ -369,11 +369,12 @@ class HBPLitModule(L.LightningModule):
         """A run whose data has images or videos, on a family that cannot pack them, stops here (exit 2)
         with the family's reason, not at its first step with images."""
         from lit_hbp.model.packed_call import record_of
-        from lit_hbp.model.vision import check_encoder_outputs, refuse_bidirectional
+        from lit_hbp.model.vision import check_encoder_outputs, refuse_batch_statistics, refuse_bidirectional
 
         net = self.base_model
         try:
             refuse_bidirectional(net, {"pixel_values": torch.ones(1)})
+            refuse_batch_statistics(net, {"pixel_values": torch.ones(1)}, trained=True)
             check_encoder_outputs(record_of(net).runner)
         except ValueError as e:
             raise ConfigError(f"model.model: the data has images or videos, and {e}") from None
@@ -509,6 +510,7 @@ class HBPLitModule(L.LightningModule):
         self._val_targets = 0
 
     def on_validation_batch_start(self, batch: PackedBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        _require_packed(batch)
         self.flops_per_batch = self.micro_batch_flops(batch, forward_only=True)  # the throughput monitor's
 
     def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:

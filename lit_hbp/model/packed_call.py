@@ -496,7 +496,7 @@ def _check_model_call(net: torch.nn.Module, args: tuple, kwargs: dict):
     if attends_both_ways(net) is not None:
         if kwargs.get("hbp_sp") is not None or _packed_keywords(kwargs, args) is not None:
             refuse_bidirectional(net, kwargs)
-    if has_media(kwargs) and (kwargs.get("hbp_sp") is not None or _packed_keywords(kwargs, args) is not None):
+    if (kwargs.get("hbp_sp") is not None or _packed_keywords(kwargs, args) is not None) and has_media(kwargs):
         refuse_batch_statistics(net, kwargs)
     _check_own_loss(net, args, kwargs)
     prepared = net.__dict__[PREPARED]

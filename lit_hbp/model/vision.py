@@ -107,19 +107,20 @@ def refuse_bidirectional(net: torch.nn.Module, mm: Mapping | None) -> None:
         )
 
 
-def refuse_batch_statistics(net: torch.nn.Module, mm: Mapping | None) -> None:
+def refuse_batch_statistics(net: torch.nn.Module, mm: Mapping | None, trained: bool = False) -> None:
     """Raise when the pack holds images and a module of ``net`` normalizes by its batch's statistics (a BatchNorm
     in training mode, or one keeping no running statistics): the pack's images encoded together would change each
     other's features, which each record alone does not see (Emu3's VQ tokenizer, frozen in eval by transformers,
-    which ``train()`` switches back)."""
+    which ``train()`` switches back). ``trained``: as a run will train it (Lightning calls ``train()``), at set-up."""
     if not has_media(mm):
         return
     for name, module in _batch_norms(net):
-        if module.training or not module.track_running_stats:
+        if trained or module.training or not module.track_running_stats:
+            how = "" if trained else f"keep it in eval mode (net.get_submodule({name!r}).eval() after train()), or "
             raise ValueError(
                 f"{type(net).__name__} ({net.config.model_type}): its {name} ({type(module).__name__}) normalizes by "
-                "the batch's statistics, so a pack's images would change each other's encodings; keep it in eval "
-                f"mode (net.get_submodule({name!r}).eval() after train()), or train on packs without images"
+                f"the batch's statistics in training, so a pack's images would change each other's encodings; {how}"
+                "train it on text only"
             )
 
 
