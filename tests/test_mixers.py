@@ -199,7 +199,9 @@ def test_the_cost_model_prices_attention_in_the_layers_that_attend(family, monke
     assert configured_spec(small_config(family)) == spec, family
     tokens, sum_sq = 112.0, 37.0**2 + 5**2 + 70**2
     quadratic = spec.train_flops(tokens, sum_sq, 0) - spec.train_flops(tokens, 0, 0)
-    assert quadratic == pytest.approx(len(attended) * 6 * spec.heads * spec.dim * sum_sq)
+    mla = [getattr(net.config, k, None) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")]
+    width = sum(mla) if all(mla) else 2 * spec.dim  # multi-head latent attention (Kimi Linear's): its own widths
+    assert quadratic == pytest.approx(len(attended) * 3 * spec.heads * width * sum_sq)
 
 
 def test_unprepared_hybrids_carry_state_across_documents_and_llama_does_not():
