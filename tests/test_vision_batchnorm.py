@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from lit_hbp import pack_samples, packed_loss, prepare_model
+from lit_hbp import pack_inputs, pack_samples, packed_loss, prepare_model
 
 IMAGE_TOKEN = 401
 VOCAB = {**{f"<|visual token {i:06d}|>": 300 + i for i in range(64)}, "<|extra_200|>": 400, "<image>": IMAGE_TOKEN}
@@ -65,6 +65,8 @@ def test_a_pack_of_images_is_refused_while_a_batch_norm_trains_and_exact_in_eval
     refusal = r"its model\.vqmodel\..* \(BatchNorm3d\) normalizes by the batch's statistics"
     with pytest.raises(ValueError, match=refusal):
         packed_loss(model, pack_samples(records, model=model), "sum")
+    with pytest.raises(ValueError, match=refusal):  # a project's own call of the pack
+        model(**pack_inputs(pack_samples(records, model=model)))
     model.model.vqmodel.eval()
     out = packed_loss(model, pack_samples(records, model=model), "sum")
     out.loss.backward()

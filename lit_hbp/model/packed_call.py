@@ -54,13 +54,13 @@ from torch.fx.experimental import _config as fx_config
 from torch.utils.checkpoint import checkpoint
 
 from lit_hbp.data.batch import DOCS_MARK, PACK_MARK, PackedBatch
-from lit_hbp.data.media_batch import TOKEN_KEYS, has_media
+from lit_hbp.data.media_batch import TOKEN_KEYS
 from lit_hbp.model import calls
 from lit_hbp.model.offload import host_offload, offloaded_checkpoint
 from lit_hbp.model.position_limits import check_position_limits
 from lit_hbp.model.rope import rope_scope
 from lit_hbp.model.tiling import install_tiling
-from lit_hbp.model.vision import attends_both_ways, refuse_batch_statistics, refuse_bidirectional
+from lit_hbp.model.vision import attends_both_ways, has_batch_norms, refuse_batch_statistics, refuse_bidirectional
 from lit_hbp.parallel.context import sp_call
 
 PREPARED = "_hbp_prepared"  # the Prepared record, on the model, its decoder, its attention modules and MLPs
@@ -496,8 +496,8 @@ def _check_model_call(net: torch.nn.Module, args: tuple, kwargs: dict):
     if attends_both_ways(net) is not None:
         if kwargs.get("hbp_sp") is not None or _packed_keywords(kwargs, args) is not None:
             refuse_bidirectional(net, kwargs)
-    if (kwargs.get("hbp_sp") is not None or _packed_keywords(kwargs, args) is not None) and has_media(kwargs):
-        refuse_batch_statistics(net, kwargs)
+    if has_batch_norms(net) and (kwargs.get("hbp_sp") is not None or _packed_keywords(kwargs, args) is not None):
+        refuse_batch_statistics(net, kwargs)  # asked only of a model that has one: no read for any other
     _check_own_loss(net, args, kwargs)
     prepared = net.__dict__[PREPARED]
     if calls.current(prepared) is not None:

@@ -127,6 +127,11 @@ def refuse_batch_statistics(net: torch.nn.Module, mm: Mapping | None, trained: b
 _norms_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def has_batch_norms(net: torch.nn.Module) -> bool:
+    """Whether ``net`` has a BatchNorm anywhere (found once per model)."""
+    return bool(_batch_norms(net))
+
+
 def _batch_norms(net: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     if net not in _norms_of:
         kind = torch.nn.modules.batchnorm._BatchNorm
