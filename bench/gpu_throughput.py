@@ -333,7 +333,7 @@ def row_flops(module, positions: torch.Tensor, labels: torch.Tensor) -> tuple[fl
     lens = np.diff(np.r_[starts, pos.size]).astype(np.float64)
     spec, full = module._spec, not module.hparams.lora
     head = int((labels[1:] != -100).sum())  # the shifted targets the LM head trains
-    dense = spec.train_flops(pos.size, float((lens**2).sum()), 0, full)
+    dense = spec.train_flops(pos.size, spec.attention_sq(lens), 0, full)
     return float(pos.size), dense + spec.train_flops(0, 0, head, full)
 
 

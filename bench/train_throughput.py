@@ -290,7 +290,7 @@ def main() -> int:
     # averaged over the data: the same for every mode, each of which trains every chosen sample once.
     tokens = lengths.astype(np.float64)
     supervised = sum(int(np.count_nonzero(store.tokens(int(i))[1][1:])) for i in chosen)
-    flops_per_token = spec.train_flops(tokens.sum(), (tokens**2).sum(), supervised) / tokens.sum()
+    flops_per_token = spec.train_flops(tokens.sum(), spec.attention_sq(tokens), supervised) / tokens.sum()
     rows = []
     for name, fn in runs:
         try:

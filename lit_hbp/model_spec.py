@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 # What families call each field, first match wins.
 ALIASES = {
@@ -325,6 +328,9 @@ class ModelSpec:
     mixer_spanning: int = 0
     """Values a token that a mixer split by heads sums over its SP group in each pass (a Mamba1 scan's ``x_proj``
     output, a one-group norm's sum of squares: ``mixer_heads.spanning_values``); 0: nothing spans the shares."""
+    attention_windows: tuple[tuple[str, int], ...] = ()
+    """Each attending layer's reach, where any layer's is bounded (``attention_windows``): ``("sliding", w)``,
+    ``("chunked", c)`` or ``("full", 0)``; empty: every layer attends to its document's whole causal prefix."""
 
     @property
     def attending(self) -> int:
@@ -369,6 +375,31 @@ class ModelSpec:
         embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         per_layer = self.total_layer_params if self.total_layer_params is not None else self.layer_params
         return self.layers * (per_layer + 2 * self.hidden) + embed + self.hidden
+
+    def attention_sq(self, lengths) -> float:
+        """What the attending layers' causal attention over documents of these ``lengths`` weighs, per layer on
+        average, in the unit of ``train_flops``' ``sum_sq``: the sum of ``document_sq``."""
+        return float(self.document_sq(lengths).sum())
+
+    def document_sq(self, lengths) -> np.ndarray:
+        """Each document's attention weight, per attending layer on average: its squared length where every layer
+        reaches its whole causal prefix; a sliding window of ``w`` keys bounds a longer document's at
+        ``2wL - w^2 + w - L`` (twice its query-key pairs less the diagonal's half, as ``L^2`` is a full layer's), a
+        chunked layer's is its chunks' squares."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        if not self.attention_windows:
+            return lengths**2
+        total = np.zeros_like(lengths)
+        for (kind, size), layers in Counter(self.attention_windows).items():
+            if kind == "sliding":
+                bounded = 2 * size * lengths - size * size + size - lengths
+                total += layers * np.where(lengths <= size, lengths**2, bounded)
+            elif kind == "chunked":
+                whole, rest = np.divmod(lengths, size)
+                total += layers * (whole * size * size + rest**2)
+            else:
+                total += layers * lengths**2
+        return total / len(self.attention_windows)
 
     def train_flops(self, tokens: float, sum_sq: float, head_tokens: float, weight_grads: bool = True) -> float:
         """Model FLOPs (forward and backward, no recomputation) of training on ``tokens`` tokens
@@ -424,7 +455,36 @@ class ModelSpec:
             mixer_params=mixer_params(c),
             mixer_heads=mixer_heads(c),
             mixer_spanning=mixer_spanning(c),
+            attention_windows=attention_windows(c),
         )
+
+
+BOUNDED_KINDS = {
+    "sliding_attention": ("sliding", "sliding_window"),
+    "chunked_attention": ("chunked", "attention_chunk_size"),
+}
+
+
+def attention_windows(config: dict) -> tuple[tuple[str, int], ...]:
+    """Each attending layer's reach (``ModelSpec.attention_windows``) as the family's code sets it: by
+    ``layer_types`` where the config lists them (Gemma 2/3's, GPT-OSS's ``sliding_attention`` layers take
+    ``sliding_window``, Llama 4's ``chunked_attention`` ones ``attention_chunk_size``), else Mistral's, Mixtral's,
+    Phi-3's and Starcoder2's ``sliding_window`` at every layer; () when no layer's is bounded."""
+    kinds = layer_kinds(config)
+    if kinds is None:
+        window = config.get("sliding_window")
+        layers = attention_layers(config)
+        layers = int(_field(config, "layers") or 0) if layers is None else layers
+        bounded = isinstance(window, int) and not isinstance(window, bool) and window > 0
+        return (("sliding", window),) * layers if bounded and config.get("use_sliding_window") is not False else ()
+    reach = []
+    for kind in kinds:
+        if NOT_ATTENTION.search(kind.lower()):
+            continue
+        name, field = BOUNDED_KINDS.get(kind, ("full", None))
+        size = config.get(field) if field else None
+        reach.append((name, size) if isinstance(size, int) and size > 0 else ("full", 0))
+    return tuple(reach) if any(name != "full" for name, _ in reach) else ()
 
 
 def latent_attention_width(c: dict) -> int | None:

@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import chat_datamodule, quiet_trainer
 from families import small_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.lightning.module import HBPLitModule
@@ -247,3 +249,79 @@ def test_the_attention_flops_are_what_the_familys_eager_attention_computes(famil
     eager = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "bmm" in str(op))
     spec = ModelSpec.from_config(net.config.to_dict())
     assert eager > 0 and spec.train_flops(0, n**2, 0) / 3 == pytest.approx(eager / 2, rel=1e-9)
+
+
+LLAMA4 = dict(vocab_size=96, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+              no_rope_layer_interval=2, attention_chunk_size=16, pad_token_id=0)  # fmt: skip
+BOUNDED = {  # each family's layers whose keys a window or a chunk bounds, small enough for the documents below
+    "mistral": lambda: {**small_config("mistral"), "sliding_window": 8},
+    "gemma3_text": lambda: {**small_config("gemma3_text"), "sliding_window": 8, "num_hidden_layers": 3,
+                            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    "gpt_oss": lambda: {**small_config("gpt_oss"), "sliding_window": 8},
+    "llama4_text": lambda: {"model_type": "llama4_text", **LLAMA4},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(BOUNDED))
+def test_windowed_and_chunked_layers_are_priced_at_the_query_key_pairs_their_masks_allow(family):
+    """A sliding window or a chunk bounds a layer's attention work: the FLOPs a run reports (``micro_batch_flops``,
+    through ``PackedBatch.attention_sq``) count, in every layer, the query-key pairs the family's own mask allows
+    (transformers builds it per layer kind, each document run alone: a full layer's ``L^2`` is twice its pairs less
+    the diagonal's half). Before, Gemma 3's MFU at 64K read twice what it was."""
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    from lit_hbp.model_spec import ModelSpec
+
+    areas: list[float] = []
+
+    def counting(module, query, key, value, attention_mask, **kw):
+        n = query.shape[-2]
+        areas.append(2.0 * float((attention_mask[0, 0] == 0).sum()) - n)  # eager_mask: 0 where a key is seen
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("hbp_count", counting)
+    AttentionMaskInterface.register("hbp_count", eager_mask)
+    config = dict(BOUNDED[family]())
+    net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="hbp_count").eval()
+    spec = ModelSpec.from_config(net.config.to_dict())
+    assert spec.attention_windows, "the config bounds some layer's keys"
+    lengths = [40, 5, 23, 1]  # longer than the window and two chunks, shorter than both, one token
+    with torch.no_grad():
+        for n in lengths:
+            net(input_ids=torch.arange(3, 3 + n)[None] % 90 + 3, use_cache=False)
+    assert len(areas) == spec.attending * len(lengths)
+    assert spec.attending * spec.attention_sq(lengths) == pytest.approx(sum(areas), rel=1e-12)
+
+    rng = np.random.default_rng(0)
+    samples = {i: (rng.integers(3, 90, n), np.ones(n, bool)) for i, n in enumerate(lengths)}
+    batch = collate_packs([np.arange(len(lengths))], samples.__getitem__, sp=2, loss_norm=1.0)
+    assert batch.pack_len > sum(lengths), "the pack ends in padding, which attends to nothing"
+    assert batch.attention_sq(spec) == pytest.approx(sum(areas) / spec.attending, rel=1e-12)
+    assert batch.attention_sq(spec) < batch.doc_sq
+
+
+@given(
+    lengths=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    reach=st.lists(st.tuples(st.sampled_from(["sliding", "chunked", "full"]), st.integers(1, 30)), min_size=1),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_documents_attention_weight_is_its_allowed_query_key_pairs_counted_one_by_one(lengths, reach):
+    """``ModelSpec.document_sq`` against the pairs counted one query at a time (a sliding window of w keys: the
+    last w positions; a chunk: the positions of its own chunk so far), twice less the diagonal's half, averaged
+    over the layers; the simulator and the level search price packs with it."""
+    from lit_hbp.model_spec import ModelSpec
+
+    windows = tuple((kind, 0 if kind == "full" else size) for kind, size in reach)
+    spec = ModelSpec("m", len(windows), 64, 4, 4, 128, 100, attention_windows=windows)
+    want = []
+    for n in lengths:
+        pairs = 0
+        for kind, size in windows:
+            for q in range(n):
+                first = max(0, q - size + 1) if kind == "sliding" else q - q % size if kind == "chunked" else 0
+                pairs += 2 * (q - first + 1) - 1
+        want.append(pairs / len(windows))
+    assert spec.document_sq(lengths).tolist() == pytest.approx(want, rel=1e-12)

@@ -126,7 +126,9 @@ class AnalyticProfiler:
         key = (pack_len, sp, cp) if cp > 1 else (pack_len, 1, 1)  # only CP splits depend on the layout
         if key not in self._stats:
             work = None if self.vision is None else self.vision.work
-            self._stats[key] = pack_stats(self.lengths, pack_len, self.seed, sp=key[1], cp=key[2], extra_work=work)
+            self._stats[key] = pack_stats(
+                self.lengths, pack_len, self.seed, sp=key[1], cp=key[2], extra_work=work, model=self.cost.model
+            )
         tokens, sum_sq, vision = self._stats[key]
         mixer = None
         if self.cost.model.mixing:  # a hybrid's mixers: what the busiest rank runs of each pack, padding included

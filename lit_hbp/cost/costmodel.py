@@ -611,16 +611,25 @@ def pack_mixer_tokens(lengths, pack_len: int, sp: int, heads: int | None, seed: 
 
 
 def pack_stats(
-    lengths, pack_len: int, seed: int = 0, max_packs: int = 64, sp: int = 1, cp: int = 1, extra_work=None
+    lengths,
+    pack_len: int,
+    seed: int = 0,
+    max_packs: int = 64,
+    sp: int = 1,
+    cp: int = 1,
+    extra_work=None,
+    model: ModelSpec | None = None,
 ) -> tuple[float, float, float]:
     """Mean tokens, mean sum of squared lengths and mean extra work (per sample ``extra_work``: a
     vision-language sample's image encoding, ``VisionLoad.work``; 0 without it) of a pack of ``pack_len``
     filled from the data's length distribution: what a level's packs hold. With ``cp`` > 1 the sum of
     squares is priced at the busiest CP rank (times its max / mean area under the split training uses at
-    degree ``sp``, ``split_micro_batch``), as the simulator prices CP groups."""
+    degree ``sp``, ``split_micro_batch``), as the simulator prices CP groups. ``model``: its sliding windows and
+    chunks bound a long document's weight (``ModelSpec.attention_sq``)."""
     lengths, members, packs = _synthetic_packs(lengths, pack_len, seed, max_packs)
     busiest = [split_micro_batch(p, sp, cp).imbalance() if cp > 1 else 1.0 for p in packs]
-    sum_sq = [(p.astype(np.float64) ** 2).sum() * b for p, b in zip(packs, busiest)]
+    weigh = (lambda p: (p.astype(np.float64) ** 2).sum()) if model is None else model.attention_sq
+    sum_sq = [weigh(p) * b for p, b in zip(packs, busiest)]
     work = None if extra_work is None else np.asarray(extra_work, dtype=np.float64)
     extra = 0.0 if work is None else float(np.mean([work[m].sum() for m in members]))
     return float(np.mean([p.sum() for p in packs])), float(np.mean(sum_sq)), extra

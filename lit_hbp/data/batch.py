@@ -151,6 +151,15 @@ class PackedBatch:
         """Positions of the whole pack, padding included (T)."""
         return self.input_ids.shape[1] * self.sp
 
+    def attention_sq(self, spec) -> float:
+        """``doc_sq`` as the attending layers of ``spec`` (a ``ModelSpec``) see the pack's documents: a sliding
+        window or a chunk bounds a longer one's (``ModelSpec.attention_sq``), read from the host copy of the
+        boundaries (``bounds``, the padding segment left out); ``doc_sq`` without that copy."""
+        if self.bounds is None or not spec.attention_windows:
+            return self.doc_sq
+        lengths = [b - a for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+        return spec.attention_sq(lengths[:-1] if self.n_tokens < self.bounds[-1] else lengths)
+
     def replace(self, **changes) -> PackedBatch:
         """The batch with ``changes``. New ``labels`` come with their ``target_index`` (an SP kind's shard gives
         both): the loss runs the LM head on the positions ``target_index`` names and counts the pack's targets

@@ -411,7 +411,7 @@ class HBPLitModule(L.LightningModule):
             return None
         head = batch.target_index.shape[0]
         full = forward_only or not self.hparams.lora  # LoRA runs no weight gradients of the frozen matmuls
-        dense = self._spec.train_flops(batch.n_tokens, batch.doc_sq, 0, full)
+        dense = self._spec.train_flops(batch.n_tokens, batch.attention_sq(self._spec), 0, full)
         flops = dense / int(batch.sp) + self._spec.train_flops(0, 0, head, full)
         return flops / 3.0 if forward_only else flops
 

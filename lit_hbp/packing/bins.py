@@ -23,8 +23,8 @@ class Bins:
         return np.diff(self.offsets)
 
     def loads(self, lengths: np.ndarray) -> np.ndarray:
-        """Tokens per bin."""
-        out = np.zeros(len(self), dtype=np.int64)
+        """Tokens per bin (or any per-member weight's sum: floats stay floats)."""
+        out = np.zeros(len(self), dtype=np.result_type(np.asarray(lengths).dtype, np.int64))
         nonempty = self.sizes() > 0
         if self.members.size:
             out[nonempty] = np.add.reduceat(lengths[self.members], self.offsets[:-1][nonempty])

@@ -22,6 +22,7 @@ from lit_hbp.autoselect.profiler import AnalyticProfiler
 from lit_hbp.autoselect.search import Selection
 from lit_hbp.cost.costmodel import CostModel
 from lit_hbp.packing import DEFAULT_PACKER, Level, Plan, plan_hbp, plan_single_level
+from lit_hbp.packing.bins import Bins
 from lit_hbp.packing.context_split import split_micro_batch
 from lit_hbp.packing.metrics import group_index
 from lit_hbp.packing.mixer_share import mixer_tokens
@@ -106,7 +107,10 @@ def simulate(
     group_cp = np.array([lv.layout[1] for lv in plan.levels], dtype=np.int64)[g["group_level"]]
     imbalance = cp_imbalance(plan, g, group_cp)
     tokens = np.bincount(g["group_of_pack"], weights=plan.pack_tokens, minlength=n) / g["group_sp"]
-    sum_sq = np.bincount(g["group_of_pack"], weights=plan.pack_attention, minlength=n) * imbalance
+    attention = plan.pack_attention  # a model's sliding windows and chunks bound a long document's (document_sq)
+    if cost.model.attention_windows:
+        attention = Bins(plan.members, plan.offsets).loads(cost.model.document_sq(plan.lengths))
+    sum_sq = np.bincount(g["group_of_pack"], weights=attention, minlength=n) * imbalance
     vision = np.zeros(n)
     if extra_work is not None:
         vision = np.bincount(g["group_of_pack"], weights=pack_extra(plan, extra_work), minlength=n)
