@@ -111,7 +111,7 @@ def test_algorithm1_stage2_on_the_papers_example():
     assert (sel.best.pack_len, sel.best.sp, sel.best.ckpt_layers) == (16384, 1, 28)
     assert (sel.largest.pack_len, sel.largest.sp) == (131072, 8)
     # l1 = 16K / 1 = l_best; l2 = 128K / 8 = 16K, not above l_best: levels [16K, 128K].
-    assert sel.levels == [Level(16384, 1, 28), Level(131072, 8, 28)]
+    assert sel.levels == [Level(16384, 1, 28), Level(131072, 8, 28, ulysses=8, cp=1)]  # the layout priced
     assert "levels:\n  - {pack_len: 16384, sp: 1, ckpt_layers: 28}" in sel.yaml()
 
 
@@ -158,7 +158,11 @@ def test_algorithm1_stage2_adds_l2_when_it_exceeds_l_best():
     sel = auto_select(Profiler(), [8192, 262144], [1, 2, 4, 8], 32)
     # l_best = 8K at sp 1 -> l1 = 8K (already there); l2 = 256K / 4 = 64K > 8K -> a 64K level,
     # with its own best (sp, ckpt) from Algorithm 3.
-    assert sel.levels == [Level(8192, 1, 24), Level(65536, 2, 28), Level(262144, 4, 30)]
+    assert sel.levels == [
+        Level(8192, 1, 24),
+        Level(65536, 2, 28, ulysses=2, cp=1),
+        Level(262144, 4, 30, ulysses=4, cp=1),
+    ]
 
 
 def cost_8b(world=32, **kw):
@@ -936,3 +940,79 @@ def test_a_probe_that_fails_leaves_dynamos_recompile_limit_and_logger_as_they_we
     assert not profiler.probe(256, 1, 0).fits
     assert torch._dynamo.config.recompile_limit == limit
     assert logging.getLogger(DYNAMO_LOG).filters == filters
+
+
+# ------------------------------------------------------------- what the search chooses is what the run trains
+
+
+def test_a_chosen_level_trains_at_the_layout_the_search_priced_on_the_runs_nodes():
+    """An MHA model on 8 H100s in nodes of 4: the search prices its layouts on the run's nodes and writes the one
+    it chose into the level, so the strategy's layout (``resolve_layout`` on nodes of 4) is that one, whose
+    memory fits (before, a level written without its layout resolved to Ulysses 4 x CP 2, which the search
+    itself had found out of memory: 93.9 of 79.6 GiB)."""
+    from dataclasses import replace
+
+    from lit_hbp.autoselect.selector import AnalyticSelector, RunSetting
+    from lit_hbp.parallel.topology import resolve_layout
+
+    rng = np.random.default_rng(0)
+    chats = np.clip(np.rint(rng.lognormal(np.log(1500), 1.0, 3000)), 32, 32768)
+    lengths = np.r_[chats, np.rint(np.exp(rng.uniform(np.log(2**18), np.log(2**21), 30)))].astype(np.int64)
+    spec = ModelSpec("mha-7b", 32, 4096, 32, 32, 11008, 32000)
+    run = replace(RunSetting(spec=spec, world=8, strategy_args={"stage": 2}), node_size=4)
+    selector = AnalyticSelector("h100")
+    cost = selector.cost_model(run)
+    assert cost.hardware.gpus_per_node == 4
+    selection = selector.select(lengths, run)
+    assert any(lv.sp > 1 for lv in selection.levels)
+    for lv in selection.levels:
+        trained = resolve_layout(lv, spec.heads, spec.kv_heads, 4)
+        assert trained.layout == lv.layout and (lv.sp == 1 or lv.cp is not None), lv
+        need = cost.memory_bytes(lv.pack_len, lv.sp, lv.ckpt_layers, lv.packs_per_rank, lv.offload, lv.mlp_tiles,
+                                 trained.layout[1])  # fmt: skip
+        assert need <= cost.hardware.memory_bytes, lv
+    assert all(
+        f"ulysses: {lv.layout[0]}, cp: {lv.layout[1]}" in selection.yaml() for lv in selection.levels if lv.sp > 1
+    )
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "opt"])
+def test_the_level_search_counts_a_models_parameters_as_built(family):
+    """Routed experts and two-matrix MLPs: the spec the level search and the tools price (``spec_of``, the model
+    built on the meta device) holds the parameters the built model holds (the config's formula counted one
+    expert, or three MLP matrices: Mixtral-8x7B's 46.7B as 7.2B, whose chosen levels ran out of memory)."""
+    from families import small_config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_hbp.cost.config import spec_of
+
+    config = small_config(family)
+    net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    matrices = sum(p.numel() for n, p in net.named_parameters() if p.dim() >= 2 and ".layers." in n)
+    spec = spec_of(config)
+    assert spec.layers * spec.total_layer_params == matrices
+    assert ModelSpec.from_config(config).params != pytest.approx(spec.params, rel=0.05)
+
+
+def test_autoselect_prices_the_configs_world_and_the_positions_of_its_model_option(tmp_path, capsys):
+    """Without --gpus the analytic search prices the config's trainer.devices x num_nodes (it priced 32 GPUs
+    whatever the config said), and refuses a config that names no count; a --model's own positions cap the
+    largest level (they were dropped: a 131,072-token level for a model of 8,192 positions, refused by the fit)."""
+    import yaml
+
+    lengths = tmp_path / "lengths.npy"
+    np.save(lengths, np.r_[np.full(400, 1000), np.full(4, 20000)])
+    llama = {**TINY_LLAMA, "model_type": "llama", "max_position_embeddings": 8192}
+    (tmp_path / "llama8k.json").write_text(json.dumps(llama))
+    config = tmp_path / "train.yaml"
+    config.write_text(RUN_CONFIG.replace("trainer:\n", "trainer:\n  devices: 4\n  num_nodes: 2\n"))
+    base = ["--config", str(config), "--lengths", str(lengths), "--model"]
+    assert autoselect_main([*base, "llama3.1-8b"]) == 0
+    assert "analytic, 8 x H100" in capsys.readouterr().out
+    assert autoselect_main([*base, str(tmp_path / "llama8k.json"), "--out", str(tmp_path / "out.yaml")]) == 0
+    printed = capsys.readouterr().out
+    assert max(lv["pack_len"] for lv in yaml.safe_load((tmp_path / "out.yaml").read_text())["levels"]) == 8192
+    assert "4 samples" in printed and "longer than the largest level (8,192 tokens" in printed
+    config.write_text(RUN_CONFIG)
+    assert autoselect_main([*base, "llama3.1-8b"]) == 2
+    assert "names no count of GPUs to price: give --gpus" in capsys.readouterr().err

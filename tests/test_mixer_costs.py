@@ -158,7 +158,7 @@ def test_the_tools_price_a_hybrid_as_its_model_built_on_the_meta_device(tmp_path
     """A config's formula prices every layer as attention and a gated MLP; for a hybrid the level search and
     the tools count the layers' matrices by kind on the model built from the config on the meta device
     (``configured_spec``, equal to a prepared model's spec in tests/test_mixers.py), from a mapping or a
-    folder; a model without stateful mixers keeps the formula."""
+    folder; a dense model's too (its formula's count where the formula is right)."""
     import json
 
     from families import small_config
@@ -172,14 +172,14 @@ def test_the_tools_price_a_hybrid_as_its_model_built_on_the_meta_device(tmp_path
     assert built.layer_params != ModelSpec.from_config(config).layer_params  # its MoE block, its Mamba2
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert spec_of(str(tmp_path)).layer_params == built.layer_params
-    assert configured_spec(small_config("llama")) is None
-    assert spec_of(small_config("llama")) == ModelSpec.from_config(small_config("llama"))
+    llama = small_config("llama")
+    assert spec_of(llama) == configured_spec(llama) and spec_of(llama).params == ModelSpec.from_config(llama).params
 
 
 def test_a_tools_model_option_prices_a_hybrid_as_its_model_built_on_the_meta_device(tmp_path, capsys):
     """``--model`` of the simulator, the level search and the memory report (``cost.config.load_spec``): a hybrid's
     config.json, checkpoint folder or training YAML is counted on its meta-built model, named as given; a preset
-    and a model without mixers keep ``load_model_spec``'s. The simulator runs on it."""
+    keeps ``load_model_spec``'s, a dense model's count is its formula's. The simulator runs on it."""
     import json
 
     import yaml
@@ -200,7 +200,7 @@ def test_a_tools_model_option_prices_a_hybrid_as_its_model_built_on_the_meta_dev
         assert spec == replace(built, name=load_model_spec(str(given)).name), given
     assert load_spec("llama3.1-8b") == MODELS["llama3.1-8b"]
     (tmp_path / "llama.json").write_text(json.dumps(small_config("llama")))
-    assert load_spec(str(tmp_path / "llama.json")) == load_model_spec(str(tmp_path / "llama.json"))
+    assert load_spec(str(tmp_path / "llama.json")).params == load_model_spec(str(tmp_path / "llama.json")).params
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(n) for n in np.random.default_rng(0).integers(10, 200, 400)))
     args = [str(lengths), "--model", str(tmp_path / "folder"), "--gpus", "2", "--levels", "256:1", "--no-auto"]

@@ -5,9 +5,10 @@
 
 The sample lengths come from the config's data section (tokenized and cached like training does),
 or from --lengths. ``--analytic`` (default) prices candidates with the cost model for --gpus GPUs of
-kind --gpu; ``--measured`` trains a few real steps of the config's model per candidate through
-HBPStrategy (the config's precision, accumulation and ZeRO settings) on --devices local processes
-(CUDA when available, else CPU with gloo). Prints every candidate measured and the chosen ``levels:``
+kind --gpu (default: the config's trainer.devices x num_nodes, on nodes of trainer.devices);
+``--measured`` trains a few real steps of the config's model per candidate through HBPStrategy (the
+config's precision, accumulation and ZeRO settings) on --devices local processes (CUDA when available,
+else CPU with gloo). Prints every candidate measured and the chosen ``levels:``
 block (also written to --out when given).
 
 The search is the one ``python -m lit_hbp.simulate`` auto-selects with (``search.select_levels``): its
@@ -28,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunSetting
-from lit_hbp.cost.config import load_spec, nonnegative_float, positive_int, read_config
+from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunSetting, positions_of
+from lit_hbp.cost.config import config_world, load_spec, nonnegative_float, positive_int, read_config
 from lit_hbp.cost.costmodel import HARDWARE
 from lit_hbp.cost.run_settings import ANALYTIC, MEASURED
 from lit_hbp.lightning.datamodule import config_samples
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--analytic", action="store_true", help="price candidates with the cost model (default)")
     mode.add_argument("--measured", action="store_true", help="run real micro-steps on --devices local processes")
-    p.add_argument("--gpus", type=positive_int, help="analytic: GPUs of the cluster (default 32)")
+    p.add_argument(
+        "--gpus", type=positive_int, help="analytic: GPUs of the cluster (default: the config's devices x num_nodes)"
+    )
     p.add_argument("--gpu", choices=sorted(HARDWARE), help="analytic: GPU kind (default h100)")
     p.add_argument("--devices", type=positive_int, help="measured: local processes (GPUs, or CPU processes; default 1)")
     p.add_argument(
@@ -90,7 +93,16 @@ def main(argv: list[str] | None = None) -> int:
             run = replace(RunSetting.from_config(config, vocab, args.devices or 1), tool=MEASURED)
         else:
             selector = AnalyticSelector(args.gpu or "h100", args.candidates, max_len=args.max_len, **margin)
-            run = replace(RunSetting.from_config(config, vocab, args.gpus or 32, spec), tool=ANALYTIC)
+            world = config_world(config)
+            if args.gpus is None and world is None:
+                raise ValueError(
+                    f"{args.config}: trainer.devices x num_nodes names no count of GPUs to price: give --gpus"
+                )
+            gpus, node = (args.gpus, None) if args.gpus is not None else world
+            run = replace(RunSetting.from_config(config, vocab, gpus, spec), tool=ANALYTIC, node_size=node)
+            if args.model:  # the positions of the model priced, not of the config's
+                _, covered, past = positions_of(args.model)
+                run = replace(run, max_len=covered, whole_past=past)
         run = run.with_flags(args.liger, args.offload_optimizer, args.zero_stage)
         extra = {"samples": samples} if args.measured else {}  # measured probes pack a run's images (None: text)
         selection = selector.select(lengths, run, vision, **extra)

@@ -59,7 +59,7 @@ class Selection:
         for lv in self.levels:
             if lv.sp_kind in LAYOUT_KINDS:
                 u, cp = lv.layout
-                kind = f", ulysses: {u}, cp: {cp}" if cp > 1 else ""
+                kind = f", ulysses: {u}, cp: {cp}" if lv.sp > 1 and lv.cp is not None else ""  # the layout priced
             else:
                 kind = f", sp_kind: {lv.sp_kind}" if lv.sp > 1 else ""
             memory = (", offload: true" if lv.offload else "") + (
@@ -165,10 +165,11 @@ def auto_select(
 
 
 def candidate_level(c: Candidate, sp_kind: str) -> Level:
-    """The level of a chosen candidate, with its (ulysses, cp) layout when it has CP (plain Ulysses
-    is what a level without a layout resolves to wherever the heads allow it)."""
+    """The level of a chosen candidate, with the (ulysses, cp) layout it was priced at whenever it has SP: a level
+    without one resolves to the run's default layout on its nodes, which may be another (one the search found out
+    of memory)."""
     memory = dict(offload=c.offload, mlp_tiles=c.tiles)
-    if sp_kind in LAYOUT_KINDS and c.cp > 1:
+    if sp_kind in LAYOUT_KINDS and c.sp > 1:
         return Level(c.pack_len, c.sp, c.ckpt_layers, ulysses=c.sp // c.cp, cp=c.cp, **memory)
     if sp_kind in LAYOUT_KINDS:
         return Level(c.pack_len, c.sp, c.ckpt_layers, **memory)

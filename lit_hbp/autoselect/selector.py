@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 from lit_hbp.autoselect.launch import launch
 from lit_hbp.autoselect.measured import MeasuredProfiler, probe_strategy_args
 from lit_hbp.autoselect.search import Selection, analytic_levels, select_levels, with_vision
-from lit_hbp.cost.config import model_config, spec_of
+from lit_hbp.cost.config import model_config, read_config, spec_of
 from lit_hbp.cost.costmodel import GIB, HARDWARE, CostModel, Hardware
 from lit_hbp.cost.run_settings import (
     CONFIG,
@@ -222,12 +222,22 @@ def whole_past(model) -> int | None:
     return rescaled[1] if rescaled is not None and rescaled[0] == "longrope" else None
 
 
+def positions_of(model: str) -> tuple[Any, int | None, int | None]:
+    """--model's config (None for a preset), the longest position it covers and the longest level it lets sp > 1
+    take (``selector.position_limit`` and ``whole_past``: what a fit applies), each None where it says nothing."""
+    path = Path(model)
+    config = config_of(model_config(read_config(path), None) if path.suffix in (".yaml", ".yml") else model)
+    return config, position_limit(config), whole_past(config)
+
+
 class Selector(LevelSelector):
     """The level search (``search.select_levels``) over ``candidates`` pack lengths (default: powers of
-    two up to the one holding the longest sample), leaving ``margin_gib`` of device memory free;
-    levels with sp > 1 use ``sp_kind``. The largest level holds the longest sample, up to ``max_len``
-    and the model's positions (longer samples follow ``data.over_length``); when it fits nowhere the
-    search refuses, naming the levers that would make it fit (``levers.NoLevelFits``)."""
+    two up to the one holding the longest sample), leaving ``margin_gib`` of device memory free. Levels
+    with sp > 1: the built-in kinds (``ulysses``, ``cp``) search every (ulysses, cp) layout the heads
+    allow and write the one chosen into the level; a kind of one's own (``sp_kind``) its ``layouts``.
+    The largest level holds the longest sample, up to ``max_len`` and the model's positions (longer
+    samples follow ``data.over_length``); when it fits nowhere the search refuses, naming the levers
+    that would make it fit (``levers.NoLevelFits``)."""
 
     def __init__(
         self,
@@ -236,6 +246,9 @@ class Selector(LevelSelector):
         sp_kind: str = "ulysses",
         max_len: int | None = None,
     ):
+        bad = [c for c in candidates or () if isinstance(c, bool) or not float(c).is_integer() or c < 1]
+        if bad:
+            raise ValueError(f"candidates must be pack lengths in whole tokens >= 1, got {bad}")
         self.candidates = sorted(int(c) for c in candidates) if candidates else None
         if margin_gib < 0:
             raise ValueError(f"margin_gib must be >= 0, got {margin_gib}")
@@ -314,7 +327,12 @@ class AnalyticSelector(Selector):
         self.gpu = gpu
 
     def cost_model(self, run: RunSetting) -> CostModel:
-        return run.cost_model(HARDWARE[self.gpu], self.sp_kind)
+        """The run's cost model on ``gpu``, its links priced on the run's nodes (``node_size`` devices, where the run
+        says it) rather than the preset's."""
+        hardware = HARDWARE[self.gpu]
+        if run.node_size:
+            hardware = replace(hardware, gpus_per_node=int(run.node_size))
+        return run.cost_model(hardware, self.sp_kind)
 
     def select(self, lengths: np.ndarray, run: RunSetting, vision: VisionLoad | None = None) -> Selection:
         cost = self.cost_model(run)

@@ -48,6 +48,18 @@ def read_config(path: str | Path) -> dict:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
 
+def config_world(config: dict) -> tuple[int, int] | None:
+    """(processes, processes per node) a training config runs on: its ``trainer.devices`` x ``trainer.num_nodes``;
+    None when it names no count (``auto``, a device list: the machine decides)."""
+    trainer = config.get("trainer") or {}
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1 or not isinstance(nodes, int):
+        return None
+    return devices * max(nodes, 1), devices
+
+
 def model_config(config: dict, vocab: int | None) -> dict | str:
     model = (config.get("model") or {}).get("model")
     if model is None:
@@ -58,8 +70,8 @@ def model_config(config: dict, vocab: int | None) -> dict | str:
 
 
 def spec_of(model: dict | str) -> ModelSpec:
-    """The shape of the config's model: its mapping, or its checkpoint folder's config.json (a hybrid's
-    counted on the model built on the meta device: ``configured_spec``); a folder that is not on this machine
+    """The shape of the config's model: its mapping, or its checkpoint folder's config.json (counted on the model
+    built on the meta device: ``configured_spec``); a folder that is not on this machine
     (pricing a cluster's run on a laptop) names the way round it."""
     from lit_hbp.model.causal_lm import configured_spec
 
@@ -77,11 +89,12 @@ def spec_of(model: dict | str) -> ModelSpec:
 
 def load_spec(spec: str) -> ModelSpec:
     """A tool's ``--model``: ``load_model_spec``'s (a preset, a config.json or checkpoint folder, a training YAML's
-    model), a hybrid's counted on its model built on the meta device (``configured_spec``), as a run prices it."""
+    model), counted on its model built on the meta device (``configured_spec``), as a run prices it."""
     from lit_hbp.model.causal_lm import configured_spec
+    from lit_hbp.model_spec import MODELS
 
     base = load_model_spec(spec)
-    if not base.mixing:
+    if spec.lower() in MODELS:
         return base
     path = Path(spec)
     if path.suffix in (".yaml", ".yml"):

@@ -460,12 +460,13 @@ def check_router_loss(net: torch.nn.Module) -> None:
 
 
 def configured_spec(model: Any) -> ModelSpec | None:
-    """A hybrid's shape (``model``: a checkpoint folder or config mapping) counted as ``model_spec`` counts a
-    prepared model's, on the model built from its config on the meta device: its layers' matrices by kind, its
-    mixers' (found as ``prepare_model`` finds them). None for a model whose config names no stateful mixer (the
-    config's formula prices it: ``ModelSpec.from_config``) or one that cannot be built here."""
+    """A model's shape (``model``: a checkpoint folder or config mapping) counted as ``model_spec`` counts a
+    prepared model's, on the model built from its config on the meta device: its layers' matrices as they are
+    (a mixture of experts' routed experts at top-k of all, an MLP of two matrices or three), a hybrid's mixers
+    (found as ``prepare_model`` finds them), so the level search prices what the run trains. None for one that
+    cannot be built here (the config's formula prices it: ``ModelSpec.from_config``)."""
     config = model_config(model)
-    if config is None or not ModelSpec.from_config(config.to_dict()).mixing:
+    if config is None:
         return None
     net = build_on_meta(config)
     if net is None:

@@ -34,14 +34,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from lit_hbp.autoselect.search import Selection, analytic_levels
-from lit_hbp.autoselect.selector import config_of, position_limit, whole_past
-from lit_hbp.cost.config import check_levels, load_spec, model_config, nonnegative_float, positive_int, read_config
+from lit_hbp.autoselect.selector import positions_of
+from lit_hbp.cost.config import check_levels, load_spec, nonnegative_float, positive_int
 from lit_hbp.cost.costmodel import GIB, HARDWARE
 from lit_hbp.cost.memory import not_fitting
 from lit_hbp.cost.run_settings import SIMULATE, Settings, check, cost_model, describe
@@ -54,14 +52,6 @@ from lit_hbp.simulate.simulator import COMM_PARTS, Simulation, compare, compare_
 
 COLUMNS = [("hours", ".2f"), ("gpu_hours", ".1f"), ("speedup", ".2f"), ("abr", ".3f"), ("cp_abr", ".3f"), ("cr", ".3f")]
 COLUMNS += [(k, ".3f") for k in ("dense", "attention", "vision", *COMM_PARTS, "offload", "idle", "grad_sync")]
-
-
-def positions_of(model: str) -> tuple[Any, int | None, int | None]:
-    """--model's config (None for a preset), the longest position it covers and the longest level it lets sp > 1
-    take (``selector.position_limit`` and ``whole_past``: what a fit applies), each None where it says nothing."""
-    path = Path(model)
-    config = config_of(model_config(read_config(path), None) if path.suffix in (".yaml", ".yml") else model)
-    return config, position_limit(config), whole_past(config)
 
 
 def parse_levels(specs: list[str]) -> tuple[list[Level], list[bool]]:
