@@ -274,15 +274,17 @@ def test_a_resume_with_model_settings_other_than_its_checkpoints_is_refused_at_p
     config = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
     hparams = dict(main(config, run=False).model.hparams)
     hparams.pop("_instantiator", None)
-    torch.save({"global_step": 1, "state_dict": {}, "hyper_parameters": hparams}, tmp_path / "run.ckpt")
-    code, _, err = run_cli(
-        ["--ckpt_path", str(tmp_path / "run.ckpt"), "--model.lr", "1e-4", "--model.loss", "sum"],
-        tmp_path, small_demo, capfd,
-    )  # fmt: skip
-    assert code == 2 and err.startswith("error: --ckpt_path resumes the run as its checkpoint saved it"), err
-    assert f"model.lr: 0.0001 (the checkpoint's {hparams['lr']!r})" in err
-    assert "model.loss: 'sum' (the checkpoint's 'ave_token')" in err
-    assert "model.weight_decay" not in err and "tokenizing" not in err
+    folder = Path("runs/tiny_cpu/version_0/checkpoints")  # where --ckpt_path auto finds the run's newest
+    folder.mkdir(parents=True)
+    torch.save({"global_step": 1, "state_dict": {}, "hyper_parameters": hparams}, folder / "last.ckpt")
+    for given in (str(folder / "last.ckpt"), "auto"):  # auto: its checkpoint was resumed with the new settings
+        code, _, err = run_cli(
+            ["--ckpt_path", given, "--model.lr", "1e-4", "--model.loss", "sum"], tmp_path, small_demo, capfd
+        )
+        assert code == 2 and err.startswith("error: --ckpt_path resumes the run as its checkpoint saved it"), err
+        assert f"model.lr: 0.0001 (the checkpoint's {hparams['lr']!r})" in err
+        assert "model.loss: 'sum' (the checkpoint's 'ave_token')" in err
+        assert "model.weight_decay" not in err and "tokenizing" not in err
 
 
 @pytest.mark.parametrize("strategy", ["auto", "deepspeed"])
@@ -296,24 +298,32 @@ def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
     import warnings
 
     from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lit_hbp.lightning.module import HBPLitModule
     from lit_hbp.lightning.schedule import LR_SCHEDULE
     from lit_hbp.lightning.strategy import HBPStrategy
 
-    ckpt = str(tmp_path / ("run" if strategy == "deepspeed" else "run.ckpt"))
+    ckpt = str(tmp_path / "run.ckpt")  # a file, or DeepSpeed's folder
 
     def run(steps: int, resume: bool = True):
         dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache")
         module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, self_check=False, warmup_steps=1)
         how = HBPStrategy(stage=2) if strategy == "deepspeed" else "auto"
-        trainer = quiet_trainer(max_steps=steps, strategy=how, enable_checkpointing=True, default_root_dir=tmp_path)
+        # saved at the final step, as FinalCheckpoint saves it (one written after fit is refused: Lightning has
+        # closed the epoch by then, so a resume would skip the rest of it)
+        saves = (
+            []
+            if resume
+            else [ModelCheckpoint(tmp_path, "run", every_n_train_steps=steps, enable_version_counter=False)]
+        )
+        trainer = quiet_trainer(
+            max_steps=steps, strategy=how, enable_checkpointing=True, default_root_dir=tmp_path, callbacks=saves
+        )
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 trainer.fit(module, dm, ckpt_path=ckpt if resume else None)
-            if not resume:
-                trainer.save_checkpoint(ckpt)
         finally:
             if strategy == "deepspeed" and torch.distributed.is_initialized():
                 import deepspeed

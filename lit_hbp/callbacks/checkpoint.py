@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
 
 class StepEndCallback(L.Callback):
@@ -45,11 +46,13 @@ class FinalCheckpoint(StepEndCallback):
     checkpoints by a monitored metric and keeps no last one is left alone: the final step has no
     fresh value of that metric to rank it by.
 
-    When ``max_steps`` ends the run the save happens right after the final optimizer step (in
-    ``on_train_batch_end``, after the checkpoint callbacks' own hooks), as a scheduled
-    ``every_n_train_steps`` save would: a checkpoint written later, after Lightning has closed the
-    epoch, would resume at the next epoch and skip the rest of this one. A run that ends with its
-    last epoch (``max_epochs``) or is stopped (``trainer.should_stop``) is saved in ``on_train_end``.
+    When ``max_steps`` ends the run, or it is stopped (``trainer.should_stop``: ``max_time``, early stopping,
+    a callback) at a step's end or in a validation there, the save happens right then (in
+    ``on_train_batch_end`` / ``on_validation_end``, after the checkpoint callbacks' own hooks), as a
+    scheduled ``every_n_train_steps`` save would: a checkpoint written later, after Lightning has closed the
+    epoch, would resume at the next epoch and skip the rest of this one (a resume refuses one).
+    A run that ends with its last epoch (``max_epochs``) is saved in ``on_train_end``, as is one stopped
+    inside an optimizer step (its weights at the last step, for export; a resume refuses its position).
     A resume from this checkpoint with the same ``max_steps`` trains nothing more.
 
     The CLI adds this callback; in a plain Lightning project add it to ``Trainer(callbacks=...)``.
@@ -61,7 +64,14 @@ class FinalCheckpoint(StepEndCallback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.stepped(trainer) and trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
+        ends = trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step
+        if self.stepped(trainer) and (ends or trainer.should_stop):
+            self.save_final(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trained = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        in_fit = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+        if trainer.should_stop and in_fit and trained % trainer.accumulate_grad_batches == 0:  # at a step's end
             self.save_final(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -149,6 +149,11 @@ class HBPCLI(LightningCLI):
             return
         section = self.config[subcommand]
         self._guard(check_resume, section)
+        self._read_checkpoint_model(subcommand, section)
+
+    def _read_checkpoint_model(self, subcommand: str, section: Any) -> None:
+        """The model settings of the checkpoint ``--ckpt_path`` names (a file; ``auto``'s once found), checked
+        against the config's and read into it, as LightningCLI reads them."""
         ckpt = section.get("ckpt_path")
         if not (ckpt and str(ckpt) != AUTO and Path(ckpt).is_file()):
             return
@@ -200,7 +205,11 @@ class HBPCLI(LightningCLI):
                 raise
             report_user_error(e)
         self._guard(check_trainer_values, section)
+        auto = section.get("ckpt_path") == AUTO
         self._guard(resolve_auto_resume, section)
+        if auto and self.subcommand:  # the checkpoint found: its model settings, as an explicit --ckpt_path's
+            self._read_checkpoint_model(self.subcommand, section)
+            section = self.config[self.subcommand]
         resume_in_run_folder(section)
         seed = self._get(self.config, "seed_everything")
         if seed is not False:

@@ -432,7 +432,7 @@ def check_trainer_values(section: Any) -> None:
     if is_deepspeed(trainer.get("strategy")):
         check_fixed_accumulation(trainer.get("callbacks"))
     if trainer.get("max_steps") == -1 and trainer.get("max_epochs") == -1:
-        from lit_hbp.lightning.module import NO_END
+        from lit_hbp.lightning.schedule import NO_END
 
         raise ConfigError(NO_END)
     for key, (accepted, what, why) in RUN_RULES.items():

@@ -252,9 +252,9 @@ class HBPDataModule(L.LightningDataModule):
         config = getattr(getattr(module, "model", None), "config", None)
         return self.levels if config is None else layout_levels(self.levels, config, self.trainer.num_devices)
 
-    def plan_key(self) -> dict:
-        """What the epoch plans depend on: a resumed run must plan the same epochs."""
-        world, _, accumulate = self._world()
+    def plan_key(self, epoch: int | None = None) -> dict:
+        """What the plan of ``epoch`` (the current one by default) depends on: a resumed run must plan the same."""
+        world, _, accumulate = self._world(epoch)
         data = hashlib.sha1(self.store.lengths.tobytes() + self.store.loss_tokens.tobytes()).hexdigest()[:16]
         return dict(
             world_size=world,

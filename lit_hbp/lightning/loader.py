@@ -213,6 +213,42 @@ def check_accumulation_windows(trainer: Any, micro_steps: int | None = None, acc
     )
 
 
+def check_resumed_position(epoch: int, micro: int, batches: int, current_epoch: int, accumulate: int) -> None:
+    """Refuse a checkpoint whose saved position a resume cannot continue exactly: one saved inside an optimizer
+    step (the gradient its first micro-batches accumulated is in no checkpoint: a validation's save off the step
+    boundary, ``train_time_interval``), or one saved after its run stopped mid-epoch and Lightning had closed the
+    epoch (a resume would start the next epoch and never train the rest of this one)."""
+    where = f"epoch {epoch}, micro-batch {micro} of {batches}"
+    if micro % accumulate:
+        raise ConfigError(
+            f"cannot resume exactly from this checkpoint: it was saved inside an optimizer step ({where}, "
+            f"accumulate_grad_batches {accumulate}), and the gradient of the step's first {micro % accumulate} "
+            "micro-batch(es) is in no checkpoint. Resume from one saved at a step boundary (every_n_train_steps, a "
+            "validation every multiple of accumulate_grad_batches micro-batches, the end of fit)"
+        )
+    if current_epoch != epoch:
+        raise ConfigError(
+            f"cannot resume exactly from this checkpoint: its run stopped in {where} and the checkpoint was written "
+            f"after Lightning closed the epoch, so a resume would start epoch {current_epoch} and never train the "
+            f"rest of epoch {epoch}. Resume from a checkpoint saved at the stopping step (FinalCheckpoint saves "
+            "one there)"
+        )
+
+
+def check_unloaded_positions(datamodule: Any) -> None:
+    """A checkpoint's loader position Lightning never handed the loader: it hands it only when it counts the saved
+    epoch unfinished, and a run stopped inside an epoch (``should_stop``) closes it first, so the resume started
+    the next epoch without a word. Checked at the epoch's first micro-batch (``check_resumed_position``)."""
+    trainer = datamodule.trainer
+    states = getattr(getattr(trainer, "fit_loop", None), "_combined_loader_states_to_load", None) or []
+    for state in states:
+        if isinstance(state, dict) and {"epoch", "micro_step"} <= state.keys():
+            epoch, micro = state["epoch"], state["micro_step"]
+            batches = epoch_batches(trainer.limit_train_batches, datamodule.plan_for_epoch(epoch).n_micro_steps)
+            if micro < batches:
+                check_resumed_position(epoch, micro, batches, trainer.current_epoch, accumulation_at(trainer, epoch))
+
+
 class PlanSampler(Sampler[tuple[int, int, MicroBatch]]):
     """This rank's micro-batches of the epoch, as (epoch, micro-step, MicroBatch); ``set_epoch``
     switches to that epoch's plan. Its length is always the whole epoch, and after a resume it
@@ -246,6 +282,7 @@ class PlanSampler(Sampler[tuple[int, int, MicroBatch]]):
         # A generator: Lightning may create the iterator before it calls set_epoch (on a restart),
         # so the epoch's plan and start are read when the first index is drawn, not here.
         start, self.start = self.start, 0
+        check_unloaded_positions(self.dm)
         for k in range(start, len(self)):
             yield self.epoch, k, self.plan.micro_batch(self.rank, k)
 
@@ -259,10 +296,11 @@ class PlanLoader(DataLoader):
 
     def state_dict(self) -> dict:
         trained = self.dm.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": self.sampler.epoch, "micro_step": int(trained), "plan": self.dm.plan_key()}
+        epoch = self.sampler.epoch
+        return {"epoch": epoch, "micro_step": int(trained), "plan": self.dm.plan_key(epoch)}
 
     def load_state_dict(self, state: dict) -> None:
-        saved, now = state.get("plan"), self.dm.plan_key()
+        saved, now = state.get("plan"), self.dm.plan_key(state["epoch"])
         if saved is not None and saved != now:
             changed = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in now if saved.get(k) != now.get(k))
             raise ConfigError(
@@ -271,8 +309,12 @@ class PlanLoader(DataLoader):
                 "with the same data, levels, world size, accumulate_grad_batches and seed, or from an "
                 "end-of-epoch checkpoint."
             )
+        trainer, epoch, micro = self.dm.trainer, state["epoch"], state["micro_step"]
+        batches = epoch_batches(trainer.limit_train_batches, self.dm.plan_for_epoch(epoch).n_micro_steps)
+        if micro < batches:
+            check_resumed_position(epoch, micro, batches, trainer.current_epoch, accumulation_at(trainer, epoch))
         rank_zero_info(self.resume_message(state, now))
-        if state["micro_step"] >= self.dm.plan_for_epoch(state["epoch"]).n_micro_steps:
+        if micro >= batches:
             return  # saved at the end of its epoch: the next epoch starts from its beginning
         self.dm.resume_from = dict(state)
         self.sampler.set_epoch(self.sampler.epoch)
@@ -288,9 +330,10 @@ class PlanLoader(DataLoader):
             f"levels {levels}; world {key['world_size']}, accumulate {key['accumulate']}, "
             f"seed {key['seed']} + epoch {epoch}, packer {key['packer']}"
         )
-        if micro >= plan.n_micro_steps:
+        end = plan.n_micro_steps if trainer is None else epoch_batches(trainer.limit_train_batches, plan.n_micro_steps)
+        if micro >= end:
             return (
-                f"resuming at optimizer step {step}: epoch {epoch} was trained to its end ({plan.n_micro_steps} "
+                f"resuming at optimizer step {step}: epoch {epoch} was trained to its end ({end} "
                 f"micro-batches of its plan); the next epoch starts from its first micro-batch ({recreated})"
             )
         return (

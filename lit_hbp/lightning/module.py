@@ -21,6 +21,7 @@ from lit_hbp.cost.memory import not_fitting, trainer_cost
 from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.loader import accumulation_at
 from lit_hbp.lightning.meter import StepMeter, logs_now
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
@@ -30,7 +31,7 @@ from lit_hbp.lightning.optimizer import (
     optimizer_device,
     zero_engine,
 )
-from lit_hbp.lightning.schedule import LR_SCHEDULE, lr_factor, schedule_moved
+from lit_hbp.lightning.schedule import LR_SCHEDULE, lr_factor, run_steps, schedule_moved
 from lit_hbp.model import attention
 from lit_hbp.model.build import (
     apply_liger,
@@ -110,11 +111,6 @@ SWA_REFUSED = (
     "it averages a copy of the module made before HBPLitModule builds its model (configure_model), so it would "
     "average nothing and replace the learning-rate schedule; use lightning.pytorch.callbacks.WeightAveraging "
     "(an EMA of the weights), which builds the model first"
-)
-NO_END = (
-    "trainer.max_steps: -1 with trainer.max_epochs: -1 trains without an end, which the learning-rate schedule "
-    "(warm-up, then cosine to the run's last step) needs: set max_steps or max_epochs (max_time still stops a run "
-    "earlier, saving it)"
 )
 
 
@@ -294,6 +290,8 @@ class HBPLitModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.model.train()  # whatever ran before (a user's callback, a validation) left it in
+        if hasattr(getattr(self.trainer, "datamodule", None), "plan_for_epoch"):  # a restart skips the epoch start
+            self.trainer.accumulate_grad_batches = accumulation_at(self.trainer, self.trainer.current_epoch)
 
     def on_fit_start(self) -> None:
         from lightning.pytorch.callbacks import StochasticWeightAveraging
@@ -589,9 +587,7 @@ class HBPLitModule(L.LightningModule):
         rank_zero_info(f"optimizer: AdamW ({kind}{why})")
         fused, foreach = (True, None) if kind == "fused" else (None, True)
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), fused=fused, foreach=foreach)
-        if not math.isfinite(self.trainer.estimated_stepping_batches):
-            raise ConfigError(NO_END)
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        total = max(int(run_steps(self.trainer)), 1)
         warmup = min(hp.warmup_steps, total)
         self._schedule = {"total": total, "warmup": warmup}
         self._say_schedule()

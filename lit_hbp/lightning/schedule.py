@@ -5,7 +5,28 @@ from __future__ import annotations
 
 import math
 
+from lit_hbp.errors import ConfigError
+
 LR_SCHEDULE = "hbp_lr_schedule"  # the checkpoint's key of the run's schedule: {"total": steps, "warmup": steps}
+NO_END = (
+    "trainer.max_steps: -1 with trainer.max_epochs: -1 trains without an end, which the learning-rate schedule "
+    "(warm-up, then cosine to the run's last step) needs: set max_steps or max_epochs (max_time still stops a run "
+    "earlier, saving it)"
+)
+
+
+def run_steps(trainer) -> float:
+    """The run's optimizer steps (Lightning's ``estimated_stepping_batches``, what the schedule spans). For a run
+    bounded by ``max_epochs`` Lightning builds the train loader to count them, before the checkpoint being
+    resumed is restored; that loader would never be given its saved position (the epoch trained again from its
+    first micro-batch, without a word), so on a resume it is let go and built again after the restore, which
+    hands it the position."""
+    steps = trainer.estimated_stepping_batches
+    if getattr(trainer, "ckpt_path", None) is not None:
+        trainer.fit_loop._combined_loader = None  # Lightning's fit loop builds it again in setup_data
+    if not math.isfinite(steps):
+        raise ConfigError(NO_END)
+    return steps
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:

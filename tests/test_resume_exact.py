@@ -1,0 +1,123 @@
+"""A resumed run trains what the uninterrupted one trains (the same micro-batches at the same optimizer steps, the
+same weights), or its checkpoint is refused by name: an epoch-bounded run resumed mid-epoch, a run stopped
+mid-epoch (``max_time``, early stopping, a callback), a stop inside an optimizer step, an accumulation scheduled
+by epoch. Each case trained otherwise before without a word (the epoch again from its first micro-batch; the rest
+of an epoch skipped; a step on one micro-batch)."""
+
+import types
+
+import lightning as L
+import pytest
+import torch
+from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+
+from lit_hbp.callbacks import FinalCheckpoint
+from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.module import HBPLitModule
+
+EPOCHS = dict(max_steps=-1, max_epochs=2, limit_train_batches=6)  # 3 optimizer steps an epoch, accumulate 2
+
+
+class Trained(L.Callback):
+    """The micro-batches trained: (epoch, micro-batch of the epoch's plan, global step after it)."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append((batch.epoch, batch.micro_index, trainer.global_step))
+
+
+class StopAt(L.Callback):
+    """Sets ``should_stop`` after micro-batch ``at`` of the first epoch, as Lightning's Timer does at max_time."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == 0 and batch_idx == self.at:
+            trainer.should_stop = True
+
+
+def fit(root, demo, callbacks=(), ckpt_path=None, **trainer_kw):
+    L.seed_everything(0)
+    dm = chat_datamodule(demo, str(demo / "tokenizer"), root.parent / "cache")
+    torch.manual_seed(0)
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+    trained = Trained()
+    kw = {"accumulate_grad_batches": 2, "default_root_dir": root, **EPOCHS, **trainer_kw}
+    trainer = quiet_trainer(callbacks=[*callbacks, trained], **kw)
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return types.SimpleNamespace(rows=trained.rows, weights=module.state_dict())
+
+
+def assert_same_weights(got, want):
+    assert got.keys() == want.keys()
+    for name, value in got.items():
+        assert torch.equal(value, want[name]), name
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_demo):
+    """The uninterrupted run, with a checkpoint at every optimizer step."""
+    from conftest import ProcessState
+
+    root = tmp_path_factory.mktemp("resume") / "reference"
+    every = ModelCheckpoint(root / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    state = ProcessState()
+    try:
+        run = fit(root, small_demo, [every], enable_checkpointing=True)
+    finally:
+        state.restore()
+    run.ckpt = root / "ckpt"
+    return run
+
+
+def test_an_epoch_bounded_run_resumed_mid_epoch_continues_where_it_stopped(tmp_path, small_demo, reference):
+    """``max_epochs`` without ``max_steps``: Lightning built the train loader to count the schedule's steps before
+    the checkpoint was restored, and that loader never got its position: epoch 0 trained again from micro-batch 0."""
+    assert [r[:2] for r in reference.rows] == [(e, k) for e in (0, 1) for k in range(6)]
+    resumed = fit(tmp_path / "resumed", small_demo, ckpt_path=str(reference.ckpt / "step=2.ckpt"))
+    assert resumed.rows == reference.rows[4:]
+    assert_same_weights(resumed.weights, reference.weights)
+
+
+def test_a_run_stopped_mid_epoch_at_a_steps_end_resumes_the_rest_of_that_epoch(tmp_path, small_demo, reference):
+    """A stop at a step's end (``should_stop``): FinalCheckpoint saves there, before Lightning closes the epoch; a
+    save after it resumed at the next epoch, the rest of this one never trained."""
+    last = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    stopped = fit(tmp_path / "stopped", small_demo, [StopAt(3), last, FinalCheckpoint()], enable_checkpointing=True)
+    assert stopped.rows == reference.rows[:4]
+    resumed = fit(tmp_path / "resumed", small_demo, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert resumed.rows == reference.rows[4:]
+    assert_same_weights(resumed.weights, reference.weights)
+
+
+def test_a_checkpoint_saved_inside_an_optimizer_step_is_refused(tmp_path, small_demo):
+    """A stop after the first micro-batch of a step: its gradient is in no checkpoint (a resume stepped on the
+    second micro-batch alone, normalized as if both had run)."""
+    last = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    fit(tmp_path / "stopped", small_demo, [StopAt(2), last, FinalCheckpoint()], enable_checkpointing=True)
+    with pytest.raises(ConfigError, match=r"saved inside an optimizer step \(epoch 0, micro-batch 3 of 6"):
+        fit(tmp_path / "resumed", small_demo, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+
+
+def test_an_accumulation_scheduled_by_epoch_resumes_with_the_epochs_accumulation(tmp_path, small_demo):
+    """A GradientAccumulationScheduler sets the accumulation at an epoch's start, which Lightning skips on a
+    restart: resumed mid-epoch 1 (4 a step) it stepped on every micro-batch; resumed at epoch 0's end it was refused
+    (its plan compared with epoch 1's accumulation)."""
+    schedule = dict(accumulate_grad_batches=1, limit_train_batches=8, reload_dataloaders_every_n_epochs=1)
+    every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")
+    reference = fit(
+        tmp_path / "reference", small_demo, [every, GradientAccumulationScheduler({0: 2, 1: 4})],
+        enable_checkpointing=True, **schedule,
+    )  # fmt: skip
+    assert [r[2] for r in reference.rows] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6]
+    for name, rest in (("epoch=0-step=4.ckpt", 8), ("epoch=1-step=5.ckpt", 12)):
+        resumed = fit(
+            tmp_path / name, small_demo, [GradientAccumulationScheduler({0: 2, 1: 4})],
+            ckpt_path=str(tmp_path / "ckpt" / name), **schedule,
+        )  # fmt: skip
+        assert resumed.rows == reference.rows[rest:], name
+        assert_same_weights(resumed.weights, reference.weights)
