@@ -609,7 +609,7 @@ def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shap
     assert autoselect_main(args) == 0
     assert list((tmp_path / "cwd").iterdir()) == []
     # A missing model is a clear error, not a traceback.
-    assert autoselect_main(["--config", str(config), "--lengths", str(lengths), "--out", str(out)]) == 2
+    assert autoselect_main(["--config", str(config), "--lengths", str(lengths), "--gpus", "8", "--out", str(out)]) == 2
     assert "/nowhere/llama" in capsys.readouterr().err
 
 

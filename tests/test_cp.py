@@ -81,6 +81,10 @@ def test_level_layout_fields_are_checked():
         Level(64, 4, cp=3)
     with pytest.raises(ValueError, match="needs sp_kind 'cp'"):
         Level(64, 4, cp=2, sp_kind="sp_kinds.GatherAll")
+    # sp_kind cp without a degree trained the default layout, Ulysses at sp 4 on a 4-head model, renamed
+    with pytest.raises(ValueError, match="sp_kind 'cp' without its layout would train the default one"):
+        Level(64, 4, sp_kind="cp")
+    assert Level(64, 4, sp_kind="cp", cp=4).layout == (1, 4) and Level(64, 1, sp_kind="cp").sp == 1
 
 
 def test_cp_groups_are_strided_across_contiguous_ulysses_groups():

@@ -84,22 +84,16 @@ def deepspeed_reads(config: dict) -> tuple[int, bool, bool]:
         {"class_path": "lit_hbp.lightning.strategy.HBPStrategy", "init_args": {"stage": 1, "offload_optimizer": True}},
         {
             "class_path": "lit_hbp.lightning.strategy.HBPStrategy",
-            "init_args": {
-                "stage": 3,
-                "config": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
-            },
+            "init_args": {"config": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}},
         },
-        {
-            "class_path": "lit_hbp.lightning.strategy.HBPStrategy",
-            "init_args": {"stage": 3, "config": {"zero_optimization": {}}},
-        },
+        {"class_path": "lit_hbp.lightning.strategy.HBPStrategy", "init_args": {"config": {"zero_optimization": {}}}},
     ],
     ids=lambda s: s if isinstance(s, str) else str(s["init_args"]),
 )
 def test_a_configs_strategy_is_read_as_lightning_and_deepspeed_read_it(strategy):
     """The ZeRO stage and offloads a config's strategy trains with are what the strategy Lightning builds
-    from it holds, as DeepSpeed reads that (a DeepSpeed config wins over stage and offload arguments, and a
-    config without a stage is stage 0)."""
+    from it holds, as DeepSpeed reads that (a DeepSpeed config decides, a stage or offload argument beside it is
+    refused unless it says the same: tests/test_deepspeed_config.py; a config without a stage is stage 0)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     import lit_hbp.lightning.strategy as strategy_module

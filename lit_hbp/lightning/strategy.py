@@ -40,6 +40,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
+from lightning.pytorch import LightningModule  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
@@ -47,6 +48,14 @@ from lit_hbp.cost.run_settings import Settings, check, deepspeed_zero, refusal, 
 from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
 from lit_hbp.errors import ConfigError, did_you_mean  # noqa: E402
 from lit_hbp.lightning.checkpoints import check_zero_folder, is_complete, save_deepspeed  # noqa: E402
+from lit_hbp.lightning.deepspeed_config import (  # noqa: E402
+    check_arguments,
+    check_clipping,
+    check_config_sections,
+    check_half_precision_stage,
+    without_idle_overlap,
+    without_overflow_check,
+)
 from lit_hbp.model.build import family_of, zero3_loading  # noqa: E402
 from lit_hbp.model.mixers import ZERO3_REFUSAL, sp_refusal, stateful_mixers  # noqa: E402
 from lit_hbp.model.packed_call import record_of  # noqa: E402
@@ -57,34 +66,14 @@ from lit_hbp.parallel.kind import validate_sp_setup  # noqa: E402
 from lit_hbp.parallel.topology import layout_levels, model_heads  # noqa: E402
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-
-
-def without_idle_overlap(config: dict[str, Any], world_size: int, asked: bool) -> dict[str, Any]:
-    """``config`` with ZeRO's ``overlap_comm`` off in a world of one process, unless ``asked``: it
-    overlaps the gradient reduction with the backward, and one process reduces nothing, while ZeRO's
-    gradient epilogue still synchronizes the device for it (after every backward under ZeRO-2)."""
-    zero = config.get("zero_optimization")
-    if asked or world_size > 1 or not isinstance(zero, dict):
-        return config
-    return {**config, "zero_optimization": {**zero, "overlap_comm": False}}
-
-
-def without_overflow_check(config: dict[str, Any], asked: bool) -> dict[str, Any]:
-    """``config`` with DeepSpeed's bf16 gradient-overflow check off, unless ``asked``: bf16 has no loss
-    scale to adjust, and the check reads an overflow flag and the gradient norm's finiteness on the
-    host at every optimizer step (two device syncs). Without it a non-finite gradient is not skipped
-    but shows in the logged loss, as in torch's, Megatron's and Hugging Face Trainer's bf16 training."""
-    bf16 = config.get("bf16")
-    if asked or not isinstance(bf16, dict) or not bf16.get("enabled"):
-        return config
-    return {**config, "bf16": {**bf16, "check_grad_overflow": False}}
+OWN_OPTIMIZERS = LightningModule.configure_optimizers  # a module that keeps it configures none
 
 
 def _plan_fields(levels) -> list[tuple]:
-    """What the data module's plan and the strategy's groups must agree on (a layout left to the
-    default on one side is filled in the same way on the other)."""
+    """What the data module's plan and the strategy's groups must agree on, each side laid out (a layout left to
+    the default on one side is filled in the same way on the other)."""
     return [
-        (lv.pack_len, lv.sp, lv.ckpt_layers, lv.packs_per_rank, lv.offload, lv.mlp_tiles)
+        (lv.pack_len, lv.sp, lv.ckpt_layers, lv.packs_per_rank, lv.offload, lv.mlp_tiles, lv.sp_kind, lv.layout)
         for lv in map(as_level, levels)
     ]
 
@@ -287,11 +276,6 @@ class LevelGroups:
         """The run's levels laid out for its model and world (the data module's, or this strategy's if
         they agree), the SP groups they need, and the guards on frozen models."""
         data_levels = getattr(trainer.datamodule, "levels", None)
-        if self.levels and data_levels and _plan_fields(data_levels) != _plan_fields(self.levels):
-            raise ValueError(
-                f"{type(self).__name__} levels {list(self.levels)} differ from the data module's {list(data_levels)}: "
-                "the batches carry the data module's sp; give the levels once (the strategy reads the data module's)"
-            )
         levels = self.levels or data_levels
         if not levels:
             raise ValueError(f"{type(self).__name__} needs levels: pass levels=... or use a data module with .levels")
@@ -308,6 +292,12 @@ class LevelGroups:
             node_size,
         )
         laid_out = tuple(layout_levels([as_level(x) for x in levels], cfg, node_size))
+        theirs = data_levels and layout_levels([as_level(x) for x in data_levels], cfg, node_size)
+        if self.levels and theirs and _plan_fields(theirs) != _plan_fields(laid_out):
+            raise ValueError(
+                f"{type(self).__name__} levels {list(laid_out)} differ from the data module's {list(theirs)}: the "
+                "batches carry the data module's sp and layout; give the levels once (the strategy reads the data's)"
+            )
         refuse_sp_over_mixers(net, laid_out)
         degrees = [(lv.sp, lv.layout[1]) for lv in laid_out]
         if self.sp_groups is None:
@@ -351,7 +341,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
 
     Args:
         levels: the HBP levels; by default those of the trainer's data module (HBPDataModule).
-        stage: ZeRO stage.
+        stage: ZeRO stage (default 2; beside a DeepSpeed ``config``, what its ``zero_optimization`` says).
         overlap_comm: ZeRO's overlap of the gradient reduction with the backward; by default (None)
             on with several processes and off with one, which reduces nothing (a DeepSpeed
             ``config`` that sets it decides instead).
@@ -361,8 +351,9 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
             which other ranks wait on. Other arguments are DeepSpeedStrategy's.
 
     DeepSpeed's throughput timer and its bf16 gradient-overflow check are off unless a DeepSpeed
-    ``config`` turns them on: both synchronize the device (``without_overflow_check``). At stage 0 under bf16
-    DeepSpeed's fp16 optimizer checks every gradient for overflow whatever the config says (docs/gpu.md).
+    ``config`` turns them on: both synchronize the device (``without_overflow_check``). A config's settings
+    DeepSpeed or Lightning would apply other than asked are refused (``deepspeed_config``: stage 0 under half
+    precision, its optimizer or scheduler beside the module's, clipping beside the trainer's, arguments beside it).
     """
 
     strategy_name = "hbp"
@@ -370,20 +361,24 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
     def __init__(
         self,
         levels: list[Level | dict | str | int] | None = None,
-        stage: int = 2,
+        stage: int | None = None,
         logging_batch_size_per_gpu: int = 1,
         overlap_comm: bool | None = None,
         timeout: timedelta = COLLECTIVE_TIMEOUT,
         **kwargs: Any,
     ):
-        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        if stage not in (None, 0, 1, 2, 3) or isinstance(stage, bool):
             raise ConfigError(f"trainer.strategy (HBPStrategy): stage is DeepSpeed's ZeRO stage, 0-3; got {stage!r}")
+        given = {k: v for k, v in dict(kwargs, stage=stage, overlap_comm=overlap_comm).items() if v is not None}
         if overlap_comm is not None:
             kwargs["overlap_comm"] = overlap_comm
         super().__init__(
-            stage=stage, logging_batch_size_per_gpu=logging_batch_size_per_gpu, timeout=timeout, **kwargs
+            stage=2 if stage is None else stage, logging_batch_size_per_gpu=logging_batch_size_per_gpu,
+            timeout=timeout, **kwargs,
         )  # fmt: skip
         user_config = kwargs.get("config") is not None or self.DEEPSPEED_ENV_VAR in os.environ
+        check_arguments(self.config if user_config else None, given)
+        self._user_clip = (self.config or {}).get("gradient_clipping") if user_config else None
         zero = (self.config or {}).get("zero_optimization") or {}
         self._overlap_comm_asked = overlap_comm is not None or (user_config and "overlap_comm" in zero)
         bf16 = (self.config or {}).get("bf16") or {}
@@ -404,6 +399,9 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
 
     def _format_config(self) -> None:
         super()._format_config()  # adds the precision's section (bf16) to the config
+        check_half_precision_stage(self.config)
+        module = self.lightning_module
+        check_clipping(self._user_clip, None if module is None else module.trainer.gradient_clip_val)
         self.config = without_overflow_check(self.config, self._overflow_check_asked)
 
     @property
@@ -461,6 +459,8 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
 
     def setup(self, trainer) -> None:
         self.levels = self.prepare_levels(trainer)
+        own = getattr(type(trainer.lightning_module), "configure_optimizers", OWN_OPTIMIZERS)
+        check_config_sections(self.config, own is not OWN_OPTIMIZERS)
         zero = Settings(**deepspeed_zero(self.config))
         refuse_mixers_under_zero3(trained_model(trainer.lightning_module, self.levels), zero.zero_stage)
         for i, lv in enumerate(self.levels):

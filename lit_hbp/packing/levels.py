@@ -95,6 +95,12 @@ class Level:
             u = self.sp // cp
         if u is not None and u * cp != self.sp:
             raise ConfigError(f"Level.ulysses ({u}) x Level.cp ({cp}) must equal sp ({self.sp})")
+        if u is None and self.sp_kind == LAYOUT_KINDS[1] and self.sp > 1:  # the default layout may have no CP
+            raise ConfigError(
+                f"Level(pack_len {self.pack_len}, sp {self.sp}): sp_kind 'cp' without its layout would train the "
+                "default one, Ulysses first, maybe without context parallelism: give cp (and ulysses), e.g. "
+                f"cp: {self.sp}"
+            )
         if cp is not None and cp > 1 and self.sp_kind not in LAYOUT_KINDS:
             raise ConfigError(f"Level.cp ({cp}) needs sp_kind {LAYOUT_KINDS[1]!r}, not {self.sp_kind!r}")
         kind = LAYOUT_KINDS[1] if cp is not None and cp > 1 else self.sp_kind

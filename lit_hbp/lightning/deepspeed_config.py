@@ -1,0 +1,121 @@
+"""A DeepSpeed config as ``HBPStrategy`` runs it: what it turns off that synchronizes the device for nothing, and
+what it refuses before it trains (settings DeepSpeed or Lightning would drop or apply other than asked, each named
+with its fix: a run that trains otherwise than its config says is the one outcome lit-hbp does not allow)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from lightning.pytorch.strategies import DeepSpeedStrategy
+
+from lit_hbp.cost.run_settings import deepspeed_zero
+from lit_hbp.errors import ConfigError
+
+WHERE = "trainer.strategy (HBPStrategy)"
+ARGUMENTS = {  # HBPStrategy's own arguments Lightning reads only without a config: what each is in a config
+    "stage": lambda c: deepspeed_zero(c)["zero_stage"],
+    "offload_optimizer": lambda c: deepspeed_zero(c)["optimizer_offload"],
+    "offload_parameters": lambda c: deepspeed_zero(c)["param_offload"],
+    "overlap_comm": lambda c: bool(((c or {}).get("zero_optimization") or {}).get("overlap_comm", False)),
+}
+
+
+BUILD_CONFIG = (  # DeepSpeedStrategy's arguments it builds a config from when given none (_create_default_config)
+    *ARGUMENTS, "zero_optimization", "zero_allow_untested_optimizer", "nvme_path", "offload_params_device",
+    "params_buffer_count", "params_buffer_size", "max_in_cpu", "offload_optimizer_device", "optimizer_buffer_count",
+    "pin_memory", "block_size", "queue_depth", "single_submit", "overlap_events", "thread_count", "sub_group_size",
+    "contiguous_gradients", "allgather_partitions", "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size",
+)  # fmt: skip
+ACTIVATION_CHECKPOINTING = (  # DeepSpeed's activation checkpointing, which lit-hbp's layers never call
+    "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
+)  # fmt: skip
+
+
+def check_arguments(config: dict | None, given: dict[str, Any]) -> None:
+    """The arguments ``given`` to ``HBPStrategy`` (those its caller set), each used or refused: with a DeepSpeed
+    ``config`` Lightning builds nothing from ``stage``, the offloads, ``overlap_comm``, the bucket sizes, ...
+    (``HBPStrategy(stage=3, config={...})`` trained at the config's stage, 0 without a ``zero_optimization``
+    section), so each must say what the config says; DeepSpeed's activation checkpointing is never called (a
+    level's ``ckpt_layers`` and ``offload`` checkpoint)."""
+    unused = [k for k in ACTIVATION_CHECKPOINTING if given.get(k)]
+    if unused:
+        raise ConfigError(
+            f"{WHERE}: {', '.join(unused)} configure DeepSpeed's activation checkpointing, which lit-hbp's layers do "
+            "not use: a level's ckpt_layers and offload (data.levels) checkpoint and offload its layers; leave them out"
+        )
+    if config is None:
+        return
+    defaults = {k: p.default for k, p in inspect.signature(DeepSpeedStrategy.__init__).parameters.items()}
+    defaults.update(stage=None, overlap_comm=None)  # HBPStrategy's own: any value given was asked for
+    for name, value in given.items():
+        if name not in BUILD_CONFIG or value == defaults.get(name):  # a parser passes every default: not asked
+            continue
+        said = ARGUMENTS[name](config) if name in ARGUMENTS else None
+        if name not in ARGUMENTS or value != said:
+            where = f"whose zero_optimization says {said!r}" if name in ARGUMENTS else "(nothing is built from it)"
+            raise ConfigError(
+                f"{WHERE}: {name}={value!r} beside a DeepSpeed config {where}; DeepSpeed trains the config's, so set "
+                f"it there (or leave {name} out)"
+            )
+
+
+def check_config_sections(config: dict | None, module_optimizes: bool) -> None:
+    """A DeepSpeed config's ``optimizer`` section replaces the module's own optimizer and schedule (Lightning
+    hands DeepSpeed none: ``model.lr``, ``warmup_steps``, the no-decay group were dropped); its ``scheduler``
+    section is ignored beside the module's schedule. Refused where the module configures its optimizers."""
+    sections = [k for k in ("optimizer", "scheduler") if k in (config or {})]
+    if sections and module_optimizes:
+        raise ConfigError(
+            f"{WHERE}: the DeepSpeed config's {' and '.join(repr(s) for s in sections)} section would "
+            f"{'replace' if 'optimizer' in sections else 'be ignored beside'} the module's own optimizer and "
+            "learning-rate schedule (configure_optimizers: model.lr, weight_decay, betas, warmup_steps, "
+            f"min_lr_ratio): remove {'it' if len(sections) == 1 else 'them'} and set those instead"
+        )
+
+
+def check_half_precision_stage(config: dict) -> None:
+    """At ZeRO stage 0 DeepSpeed wraps a half-precision run's optimizer in its fp16/bf16 optimizer, which takes
+    one AdamW step on zero gradients as it is built: the step count starts at 1 (every bias correction a step
+    off) and the weights decay once before training (a bf16 run's weights 0.032 off a stage-1 run's after 4
+    steps). Refused; stage 1 shards nothing on one device, HBPDDPStrategy runs no DeepSpeed."""
+    half = [k for k in ("bf16", "fp16") if ((config or {}).get(k) or {}).get("enabled")]
+    if half and deepspeed_zero(config)["zero_stage"] == 0:
+        raise ConfigError(
+            f"{WHERE}: ZeRO stage 0 with {half[0]} precision: DeepSpeed's {half[0]} optimizer wrapper steps AdamW "
+            "once on zero gradients as it is built (the weights decay and the step count starts at 1 before "
+            "training), so the run would not train as the module's optimizer says. Use stage 1 or 2, or "
+            "strategy: hbp_ddp"
+        )
+
+
+def check_clipping(user_clip: float | None, trainer_clip: float | None) -> None:
+    """A DeepSpeed config's ``gradient_clipping`` wins over ``Trainer(gradient_clip_val)`` (Lightning fills it
+    only when the config has none): both given and different is refused."""
+    if user_clip is None or trainer_clip is None or float(user_clip) == float(trainer_clip):
+        return
+    raise ConfigError(
+        f"{WHERE}: the DeepSpeed config's gradient_clipping {user_clip} and trainer.gradient_clip_val "
+        f"{trainer_clip} differ, and DeepSpeed clips at the config's: give one of them"
+    )
+
+
+def without_idle_overlap(config: dict[str, Any], world_size: int, asked: bool) -> dict[str, Any]:
+    """``config`` with ZeRO's ``overlap_comm`` off in a world of one process, unless ``asked``: it
+    overlaps the gradient reduction with the backward, and one process reduces nothing, while ZeRO's
+    gradient epilogue still synchronizes the device for it (after every backward under ZeRO-2)."""
+    zero = config.get("zero_optimization")
+    if asked or world_size > 1 or not isinstance(zero, dict):
+        return config
+    return {**config, "zero_optimization": {**zero, "overlap_comm": False}}
+
+
+def without_overflow_check(config: dict[str, Any], asked: bool) -> dict[str, Any]:
+    """``config`` with DeepSpeed's bf16 gradient-overflow check off, unless ``asked``: bf16 has no loss
+    scale to adjust, and the check reads an overflow flag and the gradient norm's finiteness on the
+    host at every optimizer step (two device syncs). Without it a non-finite gradient is not skipped
+    but shows in the logged loss, as in torch's, Megatron's and Hugging Face Trainer's bf16 training."""
+    bf16 = config.get("bf16")
+    if asked or not isinstance(bf16, dict) or not bf16.get("enabled"):
+        return config
+    return {**config, "bf16": {**bf16, "check_grad_overflow": False}}
