@@ -26,7 +26,9 @@ def built(family: str, **overrides) -> HBPLitModule:
     return module
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "phi", "opt", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["llama", "gpt2", "phi", "opt", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "jetmoe"]
+)
 def test_model_flops_match_a_flop_counter(family):
     """ModelSpec.train_flops with the layer's matmul parameters counted from the model (routed
     experts at top-k) against torch's FLOP counter on the family's eager forward and backward of one

@@ -83,24 +83,85 @@ def test_an_epoch_bounded_run_resumed_mid_epoch_continues_where_it_stopped(tmp_p
     assert_same_weights(resumed.weights, reference.weights)
 
 
-def test_a_run_stopped_mid_epoch_at_a_steps_end_resumes_the_rest_of_that_epoch(tmp_path, small_demo, reference):
-    """A stop at a step's end (``should_stop``): FinalCheckpoint saves there, before Lightning closes the epoch; a
-    save after it resumed at the next epoch, the rest of this one never trained."""
-    last = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
-    stopped = fit(tmp_path / "stopped", small_demo, [StopAt(3), last, FinalCheckpoint()], enable_checkpointing=True)
-    assert stopped.rows == reference.rows[:4]
+def test_an_epoch_bounded_deepspeed_run_resumed_mid_epoch_continues_where_it_stopped(tmp_path, small_demo):
+    """The same under HBPStrategy, whose checkpoint DeepSpeed restores after its set-up: the schedule's steps are
+    counted while the run names no checkpoint yet."""
+    from lit_hbp.lightning.strategy import HBPStrategy
+
+    every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    try:
+        run = fit(tmp_path / "reference", small_demo, [every], strategy=HBPStrategy(stage=2), enable_checkpointing=True)
+        resumed = fit(
+            tmp_path / "resumed",
+            small_demo,
+            strategy=HBPStrategy(stage=2),
+            ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"),
+        )
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert resumed.rows == run.rows[4:]
+    assert_same_weights(resumed.weights, run.weights)
+
+
+class Saves(FinalCheckpoint):
+    """FinalCheckpoint, noting the optimizer steps it wrote a checkpoint at."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def save_final(self, trainer):
+        written = super().save_final(trainer)
+        self.steps += [trainer.global_step] if written else []
+        return written
+
+
+@pytest.mark.parametrize("at", [3, 2], ids=["at_a_steps_end", "inside_a_step"])
+def test_a_run_stopped_mid_epoch_resumes_the_rest_of_that_epoch(tmp_path, small_demo, reference, at):
+    """A stop (``should_stop``, as max_time's Timer sets it at any micro-batch): FinalCheckpoint saves it at the
+    step's end, before Lightning closes the epoch, holding a stop asked inside a step until its end. A save after
+    the epoch closed resumed at the next epoch (the rest of this one never trained); one inside a step lacked the
+    gradient of its first micro-batch."""
+    last, saves = ModelCheckpoint(tmp_path / "ckpt", save_last=True), Saves()
+    stopped = fit(tmp_path / "stopped", small_demo, [StopAt(at), last, saves], enable_checkpointing=True)
+    assert stopped.rows == reference.rows[:4] and saves.steps == [2]
     resumed = fit(tmp_path / "resumed", small_demo, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed.rows == reference.rows[4:]
     assert_same_weights(resumed.weights, reference.weights)
 
 
-def test_a_checkpoint_saved_inside_an_optimizer_step_is_refused(tmp_path, small_demo):
-    """A stop after the first micro-batch of a step: its gradient is in no checkpoint (a resume stepped on the
-    second micro-batch alone, normalized as if both had run)."""
+@pytest.mark.parametrize(
+    "at, refused",
+    [
+        (2, r"saved inside an optimizer step \(epoch 0, micro-batch 3 of 6"),
+        (3, r"stopped in epoch 0, micro-batch 4 of 6 and the checkpoint was written after Lightning closed the epoch"),
+    ],
+)
+def test_a_checkpoint_no_resume_can_continue_exactly_is_refused(tmp_path, small_demo, at, refused):
+    """Without FinalCheckpoint, Lightning's own ``last.ckpt`` after a stop is written once the epoch is closed: a
+    resume started the next epoch, stepping at once on a micro-batch inside a step."""
     last = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
-    fit(tmp_path / "stopped", small_demo, [StopAt(2), last, FinalCheckpoint()], enable_checkpointing=True)
-    with pytest.raises(ConfigError, match=r"saved inside an optimizer step \(epoch 0, micro-batch 3 of 6"):
+    fit(tmp_path / "stopped", small_demo, [StopAt(at), last], enable_checkpointing=True)
+    with pytest.raises(ConfigError, match=refused):
         fit(tmp_path / "resumed", small_demo, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+
+
+def test_a_stop_held_by_min_steps_is_saved_once_when_it_stops(tmp_path, small_demo):
+    """Lightning trains on past ``should_stop`` until ``min_steps``: nothing is saved before then (a checkpoint at
+    every step, under ZeRO a full one each), the final step once."""
+    saves = Saves()
+    ckpt = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    fit(
+        tmp_path / "run",
+        small_demo,
+        [StopAt(1), ckpt, saves],
+        enable_checkpointing=True,
+        min_steps=4,
+        min_epochs=0,
+        limit_train_batches=12,
+    )
+    assert saves.steps == [4]
 
 
 def test_an_accumulation_scheduled_by_epoch_resumes_with_the_epochs_accumulation(tmp_path, small_demo):

@@ -87,6 +87,7 @@ def deepspeed_reads(config: dict) -> tuple[int, bool, bool]:
             "init_args": {"config": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}},
         },
         {"class_path": "lit_hbp.lightning.strategy.HBPStrategy", "init_args": {"config": {"zero_optimization": {}}}},
+        {"class_path": "lit_hbp.lightning.strategy.HBPStrategy", "init_args": {"stage": None}},  # as a parser writes it
     ],
     ids=lambda s: s if isinstance(s, str) else str(s["init_args"]),
 )

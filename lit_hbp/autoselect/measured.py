@@ -35,7 +35,7 @@ from lit_hbp.cost.costmodel import synthetic_members, synthetic_pack
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.lightning.strategy import HBPDDPStrategy, HBPStrategy
-from lit_hbp.packing.levels import Level
+from lit_hbp.packing.levels import LAYOUT_KINDS, Level
 from lit_hbp.parallel.groups import SPGroups
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import sp_coords
@@ -209,7 +209,8 @@ class MeasuredProfiler:
             strategy = HBPStrategy(**copy.deepcopy(self.strategy_args))
         strategy.sp_groups = self._groups(sp, cp)
         accumulate = self.trainer_args.get("accumulate_grad_batches", 1)
-        layout = dict(ulysses=sp // cp, cp=cp) if cp > 1 else dict(sp_kind=self.sp_kind)
+        builtin = self.sp_kind in LAYOUT_KINDS  # the layout probed, written (a level without one takes the default)
+        layout = dict(ulysses=sp // cp, cp=cp) if builtin and sp > 1 else {} if builtin else dict(sp_kind=self.sp_kind)
         level = Level(pack_len, sp, ckpt_layers, **layout)
         n = (self.warmup + self.steps) * accumulate
         data = ProbeData(level, self.lengths, n, self.seed, self.samples, self.patches)

@@ -47,12 +47,11 @@ class FinalCheckpoint(StepEndCallback):
     fresh value of that metric to rank it by.
 
     When ``max_steps`` ends the run, or it is stopped (``trainer.should_stop``: ``max_time``, early stopping,
-    a callback) at a step's end or in a validation there, the save happens right then (in
-    ``on_train_batch_end`` / ``on_validation_end``, after the checkpoint callbacks' own hooks), as a
-    scheduled ``every_n_train_steps`` save would: a checkpoint written later, after Lightning has closed the
-    epoch, would resume at the next epoch and skip the rest of this one (a resume refuses one).
-    A run that ends with its last epoch (``max_epochs``) is saved in ``on_train_end``, as is one stopped
-    inside an optimizer step (its weights at the last step, for export; a resume refuses its position).
+    a callback; a stop asked inside an optimizer step is held until the step's end), the save happens at that
+    step's end (in ``on_train_batch_end`` / ``on_validation_end``, after the checkpoint callbacks' own hooks),
+    as a scheduled ``every_n_train_steps`` save would: a checkpoint written later, after Lightning has closed
+    the epoch, would resume at the next epoch and skip the rest of this one (a resume refuses one). A run
+    that ends with its last epoch (``max_epochs``) is saved in ``on_train_end``.
     A resume from this checkpoint with the same ``max_steps`` trains nothing more.
 
     The CLI adds this callback; in a plain Lightning project add it to ``Trainer(callbacks=...)``.
@@ -60,19 +59,34 @@ class FinalCheckpoint(StepEndCallback):
 
     def __init__(self) -> None:
         self._saved_at: dict[int, int] = {}  # id(ModelCheckpoint) -> global step this callback saved it at
+        self._held = False  # a stop asked inside an optimizer step, held until the step's end
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        stopping = (trainer.should_stop or self._held) and trainer.fit_loop._can_stop_early  # min_steps/epochs met
+        if stopping and not self.stepped(trainer):
+            self._hold(trainer)  # max_time's Timer asks at any micro-batch: stop at the step's end instead
+            return
+        if stopping:
+            trainer.should_stop, self._held = True, False
         ends = trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step
-        if self.stepped(trainer) and (ends or trainer.should_stop):
+        if self.stepped(trainer) and (ends or stopping):
             self.save_final(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trained = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         in_fit = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
-        if trainer.should_stop and in_fit and trained % trainer.accumulate_grad_batches == 0:  # at a step's end
+        if not (trainer.should_stop and in_fit and trainer.fit_loop._can_stop_early):  # early stopping, at last
+            return
+        if trainer.fit_loop.epoch_loop.batch_progress.current.processed % trainer.accumulate_grad_batches:
+            self._hold(trainer)  # a validation inside an optimizer step
+        else:
             self.save_final(trainer)
+
+    def _hold(self, trainer: L.Trainer) -> None:
+        """Hold a stop asked inside an optimizer step until the step's end, where it is saved: a checkpoint
+        written inside it lacks the gradient its first micro-batches accumulated (a resume refuses it)."""
+        trainer.should_stop, self._held = False, True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.save_final(trainer)

@@ -86,7 +86,8 @@ def strategy_config(args: dict) -> dict:
         return json.loads(Path(config).read_text())
     if config is not None:
         return config
-    zero: dict[str, Any] = {"stage": int(args.get("stage", 2))}
+    stage = args.get("stage")  # None: HBPStrategy's default
+    zero: dict[str, Any] = {"stage": 2 if stage is None else int(stage)}
     if args.get("offload_optimizer"):
         zero["offload_optimizer"] = {"device": args.get("offload_optimizer_device", "cpu")}
     if args.get("offload_parameters"):
@@ -126,7 +127,7 @@ def config_strategy(strategy: Any) -> dict | None:
     if isinstance(strategy, dict):
         if not str(strategy.get("class_path", "")).endswith(("HBPStrategy", "DeepSpeedStrategy")):
             return None
-        return {k: v for k, v in (strategy.get("init_args") or {}).items() if k != "levels"}
+        return {k: v for k, v in (strategy.get("init_args") or {}).items() if k != "levels" and v is not None}
     match = REGISTERED.fullmatch(str(strategy))
     if match is None:
         return None

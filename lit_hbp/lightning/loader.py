@@ -247,6 +247,12 @@ def check_unloaded_positions(datamodule: Any) -> None:
             batches = epoch_batches(trainer.limit_train_batches, datamodule.plan_for_epoch(epoch).n_micro_steps)
             if micro < batches:
                 check_resumed_position(epoch, micro, batches, trainer.current_epoch, accumulation_at(trainer, epoch))
+                raise ConfigError(
+                    f"the checkpoint's loader position (epoch {epoch}, micro-batch {micro} of {batches}) was never "
+                    "handed to the loader, which would train the epoch from its first micro-batch: resume with "
+                    "lit-hbp's HBPLitModule, or call lit_hbp.lightning.schedule.run_steps(trainer) where your "
+                    "configure_optimizers reads trainer.estimated_stepping_batches"
+                )
 
 
 class PlanSampler(Sampler[tuple[int, int, MicroBatch]]):

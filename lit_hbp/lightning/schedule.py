@@ -19,11 +19,12 @@ def run_steps(trainer) -> float:
     """The run's optimizer steps (Lightning's ``estimated_stepping_batches``, what the schedule spans). For a run
     bounded by ``max_epochs`` Lightning builds the train loader to count them, before the checkpoint being
     resumed is restored; that loader would never be given its saved position (the epoch trained again from its
-    first micro-batch, without a word), so on a resume it is let go and built again after the restore, which
-    hands it the position."""
+    first micro-batch, without a word), so it is let go and built again after the restore, which hands it the
+    position (on every fit: a strategy that restores after its set-up, DeepSpeed, names no checkpoint yet)."""
     steps = trainer.estimated_stepping_batches
-    if getattr(trainer, "ckpt_path", None) is not None:
-        trainer.fit_loop._combined_loader = None  # Lightning's fit loop builds it again in setup_data
+    loop = getattr(trainer, "fit_loop", None)
+    if loop is not None:
+        loop._combined_loader = None  # Lightning's fit loop builds it again in setup_data
     if not math.isfinite(steps):
         raise ConfigError(NO_END)
     return steps

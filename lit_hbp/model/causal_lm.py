@@ -497,7 +497,8 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module], mixers: list
                 continue
             n = float(torch.Size(shape).numel())
             total += n
-            routed = experts and top_k and "experts" in name.split(".") and "shared" not in name
+            fused = len(shape) == 3 and shape[0] == experts  # one matrix per expert (JetMoE's input_linear)
+            routed = experts and top_k and ("experts" in name.split(".") or fused) and "shared" not in name
             active += n * top_k / experts if routed else n
     spec = replace(spec, active_layer_params=active / len(layers), total_layer_params=total / len(layers))
     if mixers is None:
