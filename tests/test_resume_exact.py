@@ -86,20 +86,17 @@ def test_an_epoch_bounded_run_resumed_mid_epoch_continues_where_it_stopped(tmp_p
 def test_an_epoch_bounded_deepspeed_run_resumed_mid_epoch_continues_where_it_stopped(tmp_path, small_demo):
     """The same under HBPStrategy, whose checkpoint DeepSpeed restores after its set-up: the schedule's steps are
     counted while the run names no checkpoint yet."""
-    from lit_hbp.lightning.strategy import HBPStrategy
+    from lit_hbp.lightning.strategy import HBPStrategy, release_process_groups
 
     every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    try:
-        run = fit(tmp_path / "reference", small_demo, [every], strategy=HBPStrategy(stage=2), enable_checkpointing=True)
-        resumed = fit(
-            tmp_path / "resumed",
-            small_demo,
-            strategy=HBPStrategy(stage=2),
-            ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"),
-        )
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    run = fit(tmp_path / "reference", small_demo, [every], strategy=HBPStrategy(stage=2), enable_checkpointing=True)
+    release_process_groups()  # as at a run's exit (DeepSpeed's cached groups too); the suite's fixture does the rest
+    resumed = fit(
+        tmp_path / "resumed",
+        small_demo,
+        strategy=HBPStrategy(stage=2),
+        ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"),
+    )
     assert resumed.rows == run.rows[4:]
     assert_same_weights(resumed.weights, run.weights)
 
