@@ -307,7 +307,9 @@ def test_torchrun_restarts_a_killed_worker_then_a_sigterm_saves_and_torchrun_exi
     job.proc.send_signal(signal.SIGTERM)
     assert job.end() == 1, job.out[-3000:]
     out = job.out
-    step, path = re.search(r"SIGTERM: stopped after optimizer step (\d+), saved to (\S+)", out).groups()
+    stopped = re.search(r"SIGTERM: stopped after optimizer step (\d+), saved to (\S+)", out)
+    assert stopped, out[-4000:]  # what the worker said instead
+    step, path = stopped.groups()
     assert torch.load(tmp_path / "run" / path, weights_only=False)["global_step"] == int(step) < max_steps
     assert re.search(r"resume with: .*torch\.distributed\.run .*--ckpt_path " + re.escape(path), out), out[-3000:]
     assert "SignalException" in out and "got signal: 15" in out
