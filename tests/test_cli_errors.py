@@ -128,6 +128,17 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             "trainer.limit_train_batches is 5, but an optimizer step accumulates 2 micro-batches "
             "(trainer.accumulate_grad_batches): the epoch would end inside a step",
         ),
+        "a validation inside an optimizer step": (  # the config's ModelCheckpoint saves after each validation
+            ["--trainer.val_check_interval", "7"],
+            "ModelCheckpoint saves after each validation, which runs every 7 micro-batches "
+            "(trainer.val_check_interval), but an optimizer step accumulates 2 micro-batches",
+        ),
+        "a checkpoint by time inside an optimizer step": (
+            ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+             "--trainer.callbacks.train_time_interval", "0:30:00"],  # fmt: skip
+            "ModelCheckpoint saves every train_time_interval 0:30:00, at whatever micro-batch it falls, but an "
+            "optimizer step accumulates 2 micro-batches",
+        ),
         "a validation interval past the epoch": (
             ["--trainer.check_val_every_n_epoch", "1", "--trainer.val_check_interval", "100000"],
             "trainer.val_check_interval is 100000 batches but this epoch's plan has",
@@ -205,7 +216,8 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a misspelled over_length", "a null cache folder", "a misspelled attention backend",
          "a misspelled LoRA setting", "an accumulation schedule under DeepSpeed", "a precision DeepSpeed has not",
          "a CUDA-only attention backend on a CPU", "a data file as the list of sources",
-         "a monitor a separator away from a logged metric"]  # fmt: skip
+         "a monitor a separator away from a logged metric", "a validation inside an optimizer step",
+         "a checkpoint by time inside an optimizer step"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch"}

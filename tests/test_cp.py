@@ -491,7 +491,7 @@ def test_validation_under_cp_equals_validation_without_sp(pool4, sp_data, toy_to
     assert with_cp[0][0] == pytest.approx(without[0][0], rel=1e-5)
 
 
-def run_cp(data: str, tokenizer: str, root: str, max_steps: int, ckpt_path: str | None) -> list:
+def run_cp(data: str, tokenizer: str, root: str, max_steps: int, ckpt_path: str | None, dropout: float = 0.0) -> list:
     """(micro-step, layout, samples, loss) of every micro-batch a rank trains, checkpointing every step."""
     import lightning as L
     from conftest import quiet_trainer
@@ -510,7 +510,7 @@ def run_cp(data: str, tokenizer: str, root: str, max_steps: int, ckpt_path: str 
 
     L.seed_everything(0)
     dm = HBPDataModule(sources=[{"path": data}], tokenizer=tokenizer, levels=CP_LEVELS, cache_dir=f"{root}/cache")
-    module = SGDModule(model=TINY2, vocab_size=dm.vocab_size, lr=0.05)
+    module = SGDModule(model={**TINY2, "attention_dropout": dropout}, vocab_size=dm.vocab_size, lr=0.05)
     record = Record()
     save = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=f"{root}/ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}"
@@ -529,9 +529,11 @@ def run_cp(data: str, tokenizer: str, root: str, max_steps: int, ckpt_path: str 
 
 @pytest.mark.slow
 def test_a_cp_run_resumes_exactly(pool4, sp_data, toy_tokenizer, tmp_path):
-    full = pool4.run(run_cp, str(sp_data), toy_tokenizer, str(tmp_path / "full"), 5, None)
+    """With attention dropout: each of the 4 ranks draws its masks after the resume from its own generators as
+    they were at the checkpoint (gathered into it), as the uninterrupted run drew them."""
+    full = pool4.run(run_cp, str(sp_data), toy_tokenizer, str(tmp_path / "full"), 5, None, 0.3)
     ckpt = str(tmp_path / "full" / "ckpt" / "step=2.ckpt")
-    resumed = pool4.run(run_cp, str(sp_data), toy_tokenizer, str(tmp_path / "resumed"), 5, ckpt)
+    resumed = pool4.run(run_cp, str(sp_data), toy_tokenizer, str(tmp_path / "resumed"), 5, ckpt, 0.3)
     for whole, rest in zip(full, resumed):
         assert any(cp > 1 for _, _, cp, _, _ in rest), "the resumed part must train CP micro-batches"
         expected = whole[2 * ACCUMULATE :]

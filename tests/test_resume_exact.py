@@ -40,11 +40,35 @@ class StopAt(L.Callback):
             trainer.should_stop = True
 
 
-def fit(root, demo, callbacks=(), ckpt_path=None, **trainer_kw):
+class OwnModule(L.LightningModule):
+    """A project's own module (docs/lightning.md): ``prepare_model`` + ``packed_loss``, its own optimizer."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from lit_hbp import prepare_model
+
+        config = AutoConfig.for_model(**TINY_LLAMA, vocab_size=vocab_size)
+        self.model = prepare_model(AutoModelForCausalLM.from_config(config))
+
+    def training_step(self, batch, batch_idx):
+        from lit_hbp import packed_loss
+
+        return packed_loss(self.model, batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+
+def fit(root, demo, callbacks=(), ckpt_path=None, own_module=False, model=TINY_LLAMA, data=None, **trainer_kw):
     L.seed_everything(0)
-    dm = chat_datamodule(demo, str(demo / "tokenizer"), root.parent / "cache")
+    dm = chat_datamodule(demo, str(demo / "tokenizer"), root.parent / "cache", **(data or {}))
     torch.manual_seed(0)
-    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+    if own_module:
+        module = OwnModule(dm.vocab_size)
+    else:
+        module = HBPLitModule(model=model, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
     trained = Trained()
     kw = {"accumulate_grad_batches": 2, "default_root_dir": root, **EPOCHS, **trainer_kw}
     trainer = quiet_trainer(callbacks=[*callbacks, trained], **kw)
@@ -161,11 +185,13 @@ def test_a_stop_held_by_min_steps_is_saved_once_when_it_stops(tmp_path, small_de
     assert saves.steps == [4]
 
 
-def test_an_accumulation_scheduled_by_epoch_resumes_with_the_epochs_accumulation(tmp_path, small_demo):
+@pytest.mark.parametrize("own_module", [False, True], ids=["hbp_module", "own_module"])
+def test_an_accumulation_scheduled_by_epoch_resumes_with_the_epochs_accumulation(tmp_path, small_demo, own_module):
     """A GradientAccumulationScheduler sets the accumulation at an epoch's start, which Lightning skips on a
     restart: resumed mid-epoch 1 (4 a step) it stepped on every micro-batch; resumed at epoch 0's end it was refused
-    (its plan compared with epoch 1's accumulation)."""
+    (its plan compared with epoch 1's accumulation). The loader sets it, so a project's own module resumes so too."""
     schedule = dict(accumulate_grad_batches=1, limit_train_batches=8, reload_dataloaders_every_n_epochs=1)
+    schedule.update(own_module=own_module)
     every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")
     reference = fit(
         tmp_path / "reference", small_demo, [every, GradientAccumulationScheduler({0: 2, 1: 4})],
@@ -179,3 +205,17 @@ def test_an_accumulation_scheduled_by_epoch_resumes_with_the_epochs_accumulation
         )  # fmt: skip
         assert resumed.rows == reference.rows[rest:], name
         assert_same_weights(resumed.weights, reference.weights)
+
+
+@pytest.mark.parametrize("at_step", [2, 3])
+def test_dropout_draws_after_a_resume_the_masks_of_the_uninterrupted_run(tmp_path, small_demo, at_step):
+    """Lightning's checkpoints hold no random state: a resumed run drew its seed's dropout masks again (weights off
+    the uninterrupted run's). Each rank's generators are saved with the loader's position; a validation between
+    the save and the next step (after step 2) no longer moves them (the loaders draw from their own generator)."""
+    dropout = {**TINY_LLAMA, "attention_dropout": 0.5}
+    every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    run = dict(model=dropout, data=dict(val_fraction=0.1), val_check_interval=4, limit_val_batches=1)
+    reference = fit(tmp_path / "reference", small_demo, [every], enable_checkpointing=True, **run)
+    resumed = fit(tmp_path / "resumed", small_demo, ckpt_path=str(tmp_path / "ckpt" / f"step={at_step}.ckpt"), **run)
+    assert resumed.rows == reference.rows[2 * at_step :]
+    assert_same_weights(resumed.weights, reference.weights)

@@ -344,6 +344,28 @@ def _entries(callbacks: Any) -> list:
     return callbacks if isinstance(callbacks, list) else [callbacks] if callbacks else []
 
 
+def step_callbacks(callbacks: Any) -> list:
+    """The config's ``ModelCheckpoint`` and ``GradientAccumulationScheduler`` entries built (those whose
+    arguments do not build are left to the run's own parse): what the probe ``Trainer`` needs to say where a
+    run's checkpoints fall against its optimizer steps (``loader.check_checkpoint_positions``)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+
+    built = []
+    for entry in _entries(callbacks):
+        kind = class_of(entry)
+        if not (isinstance(kind, type) and issubclass(kind, (ModelCheckpoint, GradientAccumulationScheduler))):
+            continue
+        if not isinstance(entry, (Mapping, argparse.Namespace)):
+            built.append(entry)
+            continue
+        args = entry.get("init_args") or {}
+        try:
+            built.append(kind(**(vars(args) if isinstance(args, argparse.Namespace) else dict(args))))
+        except (TypeError, ValueError, MisconfigurationException):
+            continue
+    return built
+
+
 def check_fixed_accumulation(callbacks: Any) -> None:
     """A ``GradientAccumulationScheduler`` under DeepSpeed, whose engine takes one accumulation for the run:
     Lightning refuses it when training starts, after the data is read; refused now."""
@@ -408,7 +430,11 @@ def check_trainer_values(section: Any) -> None:
 
     from lightning.pytorch import Trainer
 
-    from lit_hbp.lightning.loader import check_accumulation_windows, check_validation_interval
+    from lit_hbp.lightning.loader import (
+        check_accumulation_windows,
+        check_checkpoint_positions,
+        check_validation_interval,
+    )
 
     trainer = section.get("trainer")
     if trainer is None:
@@ -446,7 +472,11 @@ def check_trainer_values(section: Any) -> None:
     # Lightning's accelerator connector refuses (``devices: 0``, more CPU processes than it can count ...).
     accelerator = trainer.get("accelerator") or "auto"
     hardware = {"accelerator": accelerator, "devices": trainer.get("devices", "auto")}
-    probes = [dict(accelerator="cpu", devices=1, strategy="auto", **values)]
+    probes = [
+        dict(
+            accelerator="cpu", devices=1, strategy="auto", callbacks=step_callbacks(trainer.get("callbacks")), **values
+        )
+    ]
     if isinstance(accelerator, str):
         probes.append(dict(hardware, strategy="auto", logger=False, num_nodes=values.get("num_nodes", 1)))
     previous = logging.root.manager.disable
@@ -468,6 +498,7 @@ def check_trainer_values(section: Any) -> None:
         logging.disable(previous)
     check_validation_interval(built[0])  # the config's values as Lightning parsed them
     check_accumulation_windows(built[0])
+    check_checkpoint_positions(built[0])
     if is_deepspeed(trainer.get("strategy")):
         check_deepspeed_precision(str(trainer.get("precision") or "32-true"))
     if len(built) > 1:

@@ -22,6 +22,7 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -46,6 +47,7 @@ from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their fi
     StoreSamples,
     accumulation_at,
     check_accumulation_windows,
+    check_checkpoint_positions,
     check_epoch_lengths,
     check_validation_interval,
     ignore_sigint,
@@ -198,6 +200,7 @@ class HBPDataModule(L.LightningDataModule):
         self._val_plan: Plan | None = None
         self.warmup_steps, self.short_levels = 0, None
         self.resume_from: dict | None = None
+        self.resume_rng: dict | None = None  # this rank's generators at the checkpoint (``lightning.rng``)
         self._plans: dict[int, Plan] = {}
 
     @property
@@ -334,6 +337,7 @@ class HBPDataModule(L.LightningDataModule):
                 check_epoch_lengths(self.trainer, self.packer)
                 check_validation_interval(self.trainer)
                 check_accumulation_windows(self.trainer)
+                check_checkpoint_positions(self.trainer)
         if stage == "validate" and not (self.val_fraction or self.val_sources):
             raise ConfigError(
                 "nothing to validate: the data has no validation split; set data.val_fraction (a share of the "
@@ -467,7 +471,8 @@ class HBPDataModule(L.LightningDataModule):
             self.val_store, self.sharding_levels(), rank, self.pad_id, self._media_inputs(self.val_store)
         )
         sampler = FixedPlanSampler(self.val_plan(), rank)
-        return DataLoader(dataset, sampler=sampler, batch_size=None, **self._worker_settings(workers), pin_memory=pin)
+        settings = self._worker_settings(workers, self.seed)
+        return DataLoader(dataset, sampler=sampler, batch_size=None, **settings, pin_memory=pin)
 
     def _loader_settings(self) -> tuple[int, bool]:
         """(worker processes, pinned memory): on a GPU 2 workers collate into pinned memory."""
@@ -476,10 +481,13 @@ class HBPDataModule(L.LightningDataModule):
         return workers, on_gpu
 
     @staticmethod
-    def _worker_settings(workers: int) -> dict:
+    def _worker_settings(workers: int, seed: int) -> dict:
         """Worker processes that ignore Ctrl-C: the terminal's SIGINT reaches them too, and the main
-        process finishes the running optimizer step (InterruptCheckpoint) with their batches."""
-        return dict(num_workers=workers, worker_init_fn=ignore_sigint if workers else None)
+        process finishes the running optimizer step (InterruptCheckpoint) with their batches. The loader's own
+        generator seeds them: a loader drawing from torch's global one at each epoch and validation would move
+        the dropout masks a resumed run must draw as the uninterrupted one did (``lightning.rng``)."""
+        generator = torch.Generator().manual_seed(seed)
+        return dict(num_workers=workers, worker_init_fn=ignore_sigint if workers else None, generator=generator)
 
     def train_dataloader(self) -> PlanLoader:
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
@@ -491,7 +499,7 @@ class HBPDataModule(L.LightningDataModule):
         if self.trainer is not None:
             check_validation_interval(self.trainer, len(sampler))
             check_accumulation_windows(self.trainer, len(sampler), self._world(epoch)[2])
-        return PlanLoader(self, dataset, sampler, **self._worker_settings(workers), pin_memory=pin)
+        return PlanLoader(self, dataset, sampler, **self._worker_settings(workers, self.seed + epoch), pin_memory=pin)
 
 
 def load_tokenizer(path: str):

@@ -19,6 +19,7 @@ from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.store import SampleStore
 from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.rng import every_rank_state, set_rank_state, state_of_rank
 from lit_hbp.packing import Level, MicroBatch, Plan
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import sp_coords
@@ -213,6 +214,46 @@ def check_accumulation_windows(trainer: Any, micro_steps: int | None = None, acc
     )
 
 
+def check_checkpoint_positions(trainer: Any) -> None:
+    """Before the data is read: a ``ModelCheckpoint`` that would save inside an optimizer step writes checkpoints
+    no resume can continue exactly (``check_resumed_position`` refuses them, after the run that wrote them): one
+    with ``train_time_interval`` (it saves at any micro-batch), or one saving after each validation with
+    validations inside a step (an int ``val_check_interval`` not a multiple of the accumulation, or one by time)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    schedule, scheduled = accumulation_schedule(trainer)
+    accumulations = sorted(set(schedule.values()))
+    if accumulations[-1] == 1:
+        return
+    by = "its GradientAccumulationScheduler" if scheduled else "trainer.accumulate_grad_batches"
+    step = f"an optimizer step accumulates {accumulations[-1]} micro-batches ({by})"
+    interval = getattr(trainer, "val_check_interval", 1.0)
+    by_batches = isinstance(interval, int) and not isinstance(interval, bool)
+    by_time = getattr(trainer, "_val_check_time_interval", None) is not None
+    inside = by_time or (by_batches and any(interval % a for a in accumulations))
+    for cb in getattr(trainer, "callbacks", []):
+        if not isinstance(cb, ModelCheckpoint):
+            continue
+        name = f"trainer callback {type(cb).__name__}"
+        if cb._train_time_interval is not None:
+            raise ConfigError(
+                f"{name} saves every train_time_interval {cb._train_time_interval}, at whatever micro-batch it "
+                f"falls, but {step}: a checkpoint saved inside a step cannot be resumed exactly (the gradient of "
+                "its first micro-batches is in none). Save every_n_train_steps instead"
+            )
+        on_epoch_end = cb._save_on_train_epoch_end
+        at_validation = on_epoch_end is False or (
+            on_epoch_end is None and not (interval == 1.0 and trainer.check_val_every_n_epoch == 1)
+        )
+        if at_validation and inside:
+            every = "by time" if by_time else f"every {interval} micro-batches"
+            raise ConfigError(
+                f"{name} saves after each validation, which runs {every} (trainer.val_check_interval), but {step}: "
+                "a checkpoint saved inside a step cannot be resumed exactly. Give a val_check_interval that is a "
+                f"multiple of {math.lcm(*accumulations)}, or save_on_train_epoch_end: true"
+            )
+
+
 def check_resumed_position(epoch: int, micro: int, batches: int, current_epoch: int, accumulate: int) -> None:
     """Refuse a checkpoint whose saved position a resume cannot continue exactly: one saved inside an optimizer
     step (the gradient its first micro-batches accumulated is in no checkpoint: a validation's save off the step
@@ -289,6 +330,12 @@ class PlanSampler(Sampler[tuple[int, int, MicroBatch]]):
         # so the epoch's plan and start are read when the first index is drawn, not here.
         start, self.start = self.start, 0
         check_unloaded_positions(self.dm)
+        rng, self.dm.resume_rng = self.dm.resume_rng, None
+        if rng is not None:  # a resumed run: the generators as they were after the checkpoint's step
+            set_rank_state(rng)
+        trainer = self.dm.trainer
+        if trainer is not None:  # a restart skips its first epoch's start, where a GradientAccumulationScheduler
+            trainer.accumulate_grad_batches = accumulation_at(trainer, self.epoch)  # sets it (after its check)
         for k in range(start, len(self)):
             yield self.epoch, k, self.plan.micro_batch(self.rank, k)
 
@@ -303,7 +350,7 @@ class PlanLoader(DataLoader):
     def state_dict(self) -> dict:
         trained = self.dm.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         epoch = self.sampler.epoch
-        return {"epoch": epoch, "micro_step": int(trained), "plan": self.dm.plan_key(epoch)}
+        return {"epoch": epoch, "micro_step": int(trained), "plan": self.dm.plan_key(epoch), "rng": every_rank_state()}
 
     def load_state_dict(self, state: dict) -> None:
         saved, now = state.get("plan"), self.dm.plan_key(state["epoch"])
@@ -320,6 +367,13 @@ class PlanLoader(DataLoader):
         if micro < batches:
             check_resumed_position(epoch, micro, batches, trainer.current_epoch, accumulation_at(trainer, epoch))
         rank_zero_info(self.resume_message(state, now))
+        if "rng" in state:  # set just before the first micro-batch the resumed run trains (``PlanSampler``)
+            self.dm.resume_rng = state_of_rank(state["rng"], trainer.global_rank, trainer.world_size)
+        else:
+            rank_zero_info(
+                "the checkpoint holds no random state (saved by an older lit-hbp): dropout draws other masks from "
+                "here than the run it continues"
+            )
         if micro >= batches:
             return  # saved at the end of its epoch: the next epoch starts from its beginning
         self.dm.resume_from = dict(state)

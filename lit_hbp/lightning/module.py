@@ -21,7 +21,6 @@ from lit_hbp.cost.memory import not_fitting, trainer_cost
 from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.loader import accumulation_at
 from lit_hbp.lightning.meter import StepMeter, logs_now
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
@@ -290,8 +289,6 @@ class HBPLitModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.model.train()  # whatever ran before (a user's callback, a validation) left it in
-        if hasattr(getattr(self.trainer, "datamodule", None), "plan_for_epoch"):  # a restart skips the epoch start
-            self.trainer.accumulate_grad_batches = accumulation_at(self.trainer, self.trainer.current_epoch)
 
     def on_fit_start(self) -> None:
         from lightning.pytorch.callbacks import StochasticWeightAveraging
