@@ -97,3 +97,30 @@ def test_the_strategys_levels_must_lay_out_as_the_data_modules():
     data = [as_level("64:1"), as_level("256:2")]
     assert _plan_fields(layout_levels(strategy, Config(), 2)) != _plan_fields(layout_levels(data, Config(), 2))
     assert _plan_fields(layout_levels(data, Config(), 2)) == _plan_fields(layout_levels(list(data), Config(), 2))
+
+
+OFFLOADS = [None, {"device": "none"}, {"device": "cpu"}, {"device": "nvme", "nvme_path": "/tmp"}]
+
+
+@pytest.mark.parametrize("older", [None, False, True])
+@pytest.mark.parametrize("offload", OFFLOADS)
+@pytest.mark.parametrize("stage", [None, 1, 3])
+def test_offloads_are_read_as_deepspeeds_own_config_reads_them(stage, offload, older):
+    """``deepspeed_zero`` against DeepSpeed's ``DeepSpeedZeroConfig``, the older keys (``cpu_offload``,
+    ``cpu_offload_param``) included: an optimizer offloaded by one was trained with the module's AdamW on the
+    device (``optimizer_device``) and priced on the GPU."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from lit_hbp.cost.run_settings import deepspeed_zero
+
+    for new, old in (("offload_optimizer", "cpu_offload"), ("offload_param", "cpu_offload_param")):
+        zero = {k: v for k, v in (("stage", stage), (new, offload), (old, older)) if v is not None}
+        if offload is not None and older is not None:
+            with pytest.raises(AssertionError):  # DeepSpeed refuses both: lit-hbp need not read them
+                DeepSpeedZeroConfig(**zero)
+            continue
+        parsed = getattr(DeepSpeedZeroConfig(**zero), new)
+        want = parsed is not None and parsed.device != "none"
+        ours = deepspeed_zero({"zero_optimization": zero})
+        assert ours["optimizer_offload" if new == "offload_optimizer" else "param_offload"] == want, zero
+        assert ours["zero_stage"] == int(DeepSpeedZeroConfig(**zero).stage)

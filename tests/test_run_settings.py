@@ -222,9 +222,15 @@ def test_hbp_strategy_says_where_it_shards_nothing(world, stage, offload, said):
         assert f"({said}: nothing sharded; --trainer.strategy hbp_ddp " in text
 
 
-def test_an_offloaded_optimizer_is_accepted_by_setup_and_trains():
+@pytest.mark.parametrize(
+    "strategy",
+    [dict(stage=2, offload_optimizer=True), dict(config={"zero_optimization": {"stage": 2, "cpu_offload": True}})],
+    ids=["argument", "older_config_key"],
+)
+def test_an_offloaded_optimizer_is_accepted_by_setup_and_trains(strategy):
     """The lever a refusal names most (the Adam states on the host) trains an HBPLitModule: DeepSpeed refuses
-    a torch optimizer beside ZeRO-Offload unless told, and HBPStrategy tells it."""
+    a torch optimizer beside ZeRO-Offload unless told, and HBPStrategy tells it (also for DeepSpeed's older
+    ``cpu_offload`` key, which it read as no offload)."""
     import lightning as L
     from conftest import QUIET, TINY_LLAMA
 
@@ -233,7 +239,7 @@ def test_an_offloaded_optimizer_is_accepted_by_setup_and_trains():
     from lit_hbp.lightning.strategy import HBPStrategy
 
     module = HBPLitModule(model={**TINY_LLAMA, "vocab_size": 300}, self_check=False)
-    trainer = L.Trainer(**{**QUIET, "max_steps": 2, "strategy": HBPStrategy(stage=2, offload_optimizer=True)})
+    trainer = L.Trainer(**{**QUIET, "max_steps": 2, "strategy": HBPStrategy(**strategy)})
     trainer.fit(module, datamodule=ProbeData(Level(256), np.full(50, 40), 2, 0))
     engine = trainer.strategy.model
     assert trainer.global_step == 2 and engine.zero_cpu_offload() and engine.zero_optimization_stage() == 2

@@ -63,17 +63,19 @@ def cost_model(spec: ModelSpec, settings: Settings, sp_kind: str = "ulysses") ->
 def deepspeed_zero(config: dict | None) -> dict:
     """``zero_stage``, ``optimizer_offload`` and ``param_offload`` of a DeepSpeed config as DeepSpeed reads
     it: no ``zero_optimization`` section, or one without a stage, is stage 0; an offload counts where its
-    device is not ``none``."""
+    device is not ``none``, or where DeepSpeed's older key (``cpu_offload``, ``cpu_offload_param``) is true."""
     zero = (config or {}).get("zero_optimization")
     zero = zero if isinstance(zero, dict) else {}
 
-    def offloaded(key: str) -> bool:
+    def offloaded(key: str, older: str) -> bool:
+        if zero.get(older) is not None:  # DeepSpeed reads it as an offload to the CPU (both given: it refuses)
+            return bool(zero[older])
         return str((zero.get(key) or {}).get("device") or "none") != "none"
 
     return dict(
         zero_stage=int(zero.get("stage", 0)),
-        optimizer_offload=offloaded("offload_optimizer"),
-        param_offload=offloaded("offload_param"),
+        optimizer_offload=offloaded("offload_optimizer", "cpu_offload"),
+        param_offload=offloaded("offload_param", "cpu_offload_param"),
     )
 
 
