@@ -134,8 +134,11 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             "(trainer.val_check_interval), but an optimizer step accumulates 2 micro-batches",
         ),
         "a checkpoint by time inside an optimizer step": (
-            ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-             "--trainer.callbacks.train_time_interval", "0:30:00"],  # fmt: skip
+            [
+                "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                "--trainer.callbacks.train_time_interval",
+                "0:30:00",
+            ],  # fmt: skip
             "ModelCheckpoint saves every train_time_interval 0:30:00, at whatever micro-batch it falls, but an "
             "optimizer step accumulates 2 micro-batches",
         ),
