@@ -185,13 +185,19 @@ def test_a_stop_held_by_min_steps_is_saved_once_when_it_stops(tmp_path, small_de
     assert saves.steps == [4]
 
 
-@pytest.mark.parametrize("own_module", [False, True], ids=["hbp_module", "own_module"])
-def test_an_accumulation_scheduled_by_epoch_resumes_with_the_epochs_accumulation(tmp_path, small_demo, own_module):
+@pytest.mark.parametrize(
+    "own_module, workers", [(False, 0), (True, 0), (False, 2)], ids=["hbp_module", "own_module", "loader_workers"]
+)
+def test_an_accumulation_scheduled_by_epoch_resumes_with_the_epochs_accumulation(
+    tmp_path, small_demo, own_module, workers
+):
     """A GradientAccumulationScheduler sets the accumulation at an epoch's start, which Lightning skips on a
     restart: resumed mid-epoch 1 (4 a step) it stepped on every micro-batch; resumed at epoch 0's end it was refused
-    (its plan compared with epoch 1's accumulation). The loader sets it, so a project's own module resumes so too."""
+    (its plan compared with epoch 1's accumulation). The loader sets it as its first batch is fetched (after the
+    scheduler's own check at the fit's start: a loader with workers draws its first indices before that), so a
+    project's own module resumes so too."""
     schedule = dict(accumulate_grad_batches=1, limit_train_batches=8, reload_dataloaders_every_n_epochs=1)
-    schedule.update(own_module=own_module)
+    schedule.update(own_module=own_module, data=dict(num_workers=workers))
     every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")
     reference = fit(
         tmp_path / "reference", small_demo, [every, GradientAccumulationScheduler({0: 2, 1: 4})],
@@ -207,15 +213,89 @@ def test_an_accumulation_scheduled_by_epoch_resumes_with_the_epochs_accumulation
         assert_same_weights(resumed.weights, reference.weights)
 
 
+class DrawsAtStart(L.Callback):
+    """Draws from torch's global generator when the fit starts, as a project's callback may."""
+
+    def on_train_start(self, trainer, pl_module):
+        torch.rand(3)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("at_step", [2, 3])
-def test_dropout_draws_after_a_resume_the_masks_of_the_uninterrupted_run(tmp_path, small_demo, at_step):
+def test_dropout_draws_after_a_resume_the_masks_of_the_uninterrupted_run(tmp_path, small_demo, at_step, workers):
     """Lightning's checkpoints hold no random state: a resumed run drew its seed's dropout masks again (weights off
-    the uninterrupted run's). Each rank's generators are saved with the loader's position; a validation between
-    the save and the next step (after step 2) no longer moves them (the loaders draw from their own generator)."""
+    the uninterrupted run's). Each rank's generators are saved with the loader's position and set as the first
+    micro-batch is fetched (after the fit's start, whose callbacks may draw; with loader workers too); a
+    validation between the save and the next step (after step 2) no longer moves them (the loaders draw from
+    their own generator). Step 3 ends epoch 0: with workers and no reload the loader drew epoch 0's indices
+    again (its sampler's epoch was set after the workers drew)."""
     dropout = {**TINY_LLAMA, "attention_dropout": 0.5}
     every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    run = dict(model=dropout, data=dict(val_fraction=0.1), val_check_interval=4, limit_val_batches=1)
-    reference = fit(tmp_path / "reference", small_demo, [every], enable_checkpointing=True, **run)
+    run = dict(model=dropout, data=dict(val_fraction=0.1, num_workers=workers), val_check_interval=4)
+    run.update(limit_val_batches=1, callbacks=[DrawsAtStart()])
+    reference = fit(tmp_path / "reference", small_demo, [every, *run["callbacks"]], enable_checkpointing=True,
+                    **{k: v for k, v in run.items() if k != "callbacks"})  # fmt: skip
     resumed = fit(tmp_path / "resumed", small_demo, ckpt_path=str(tmp_path / "ckpt" / f"step={at_step}.ckpt"), **run)
     assert resumed.rows == reference.rows[2 * at_step :]
     assert_same_weights(resumed.weights, reference.weights)
+
+
+class SavedAt(L.Callback):
+    """The epoch's micro-batches trained at each checkpoint Lightning writes (the trainer's ``save_checkpoint``)."""
+
+    def setup(self, trainer, pl_module, stage):
+        self.at, save = [], trainer.save_checkpoint
+
+        def recorded(*args, **kwargs):
+            self.at.append(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+            return save(*args, **kwargs)
+
+        trainer.save_checkpoint = recorded
+
+
+SAVES = {
+    "steps": (dict(every_n_train_steps=1), {}),
+    "steps_and_last": (dict(every_n_train_steps=1, save_last=True), {}),
+    "steps_monitored": (dict(every_n_train_steps=1, monitor="val/loss"), {}),
+    "after_validation": ({}, {}),
+    "after_validation_by_share": ({}, dict(val_check_interval=0.5)),
+    "after_validation_on_steps": ({}, dict(val_check_interval=4)),
+    "no_validation_batches": ({}, dict(limit_val_batches=0)),
+    "no_validation_data": ({}, dict(val_fraction=0.0)),
+    "at_epoch_end": (dict(save_on_train_epoch_end=True), {}),
+}
+
+
+@pytest.mark.parametrize("case", SAVES)
+def test_a_checkpoint_callback_is_refused_at_set_up_exactly_when_lightning_would_save_inside_a_step(
+    tmp_path, small_demo, case, monkeypatch
+):
+    """``check_checkpoint_positions`` against where Lightning's ModelCheckpoint really saves (the check bypassed
+    for the run): refused (before the data is read, or once the plan's length is known for a share of the epoch)
+    exactly when a save falls inside an optimizer step. Validations every 3 micro-batches unless the case says."""
+    import lit_hbp.lightning.datamodule as datamodule
+    from lit_hbp.lightning.loader import check_checkpoint_positions
+
+    checkpoint, run = SAVES[case]
+    val_fraction = run.pop("val_fraction", 0.1)
+    monkeypatch.setattr(datamodule, "check_checkpoint_positions", lambda *a, **k: None)
+    L.seed_everything(0)
+    dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache", val_fraction=val_fraction)
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+    saved = SavedAt()
+    kw = dict(accumulate_grad_batches=2, val_check_interval=3, limit_val_batches=1, **EPOCHS)
+    kw.update(max_epochs=1, **run)
+    callbacks = [ModelCheckpoint(tmp_path / "ckpt", **checkpoint), saved]
+    trainer = quiet_trainer(callbacks=callbacks, enable_checkpointing=True, default_root_dir=tmp_path, **kw)
+    trainer.fit(module, dm)
+    assert saved.at, "the case saves something"
+    inside = any(at % 2 for at in saved.at)
+    validates = val_fraction > 0
+    micro_steps = dm.plan_for_epoch(0).n_micro_steps
+    refused = []
+    for args in ((trainer, validates), (trainer, validates, micro_steps, 2)):
+        try:
+            check_checkpoint_positions(*args)
+        except ConfigError:
+            refused.append(args)
+    assert bool(refused) == inside, (saved.at, refused)

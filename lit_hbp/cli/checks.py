@@ -498,7 +498,9 @@ def check_trainer_values(section: Any) -> None:
         logging.disable(previous)
     check_validation_interval(built[0])  # the config's values as Lightning parsed them
     check_accumulation_windows(built[0])
-    check_checkpoint_positions(built[0])
+    data = section.get("data")
+    validates = data is None or bool(data.get("val_fraction") or data.get("val_sources"))
+    check_checkpoint_positions(built[0], validates)
     if is_deepspeed(trainer.get("strategy")):
         check_deepspeed_precision(str(trainer.get("precision") or "32-true"))
     if len(built) > 1:

@@ -337,7 +337,7 @@ class HBPDataModule(L.LightningDataModule):
                 check_epoch_lengths(self.trainer, self.packer)
                 check_validation_interval(self.trainer)
                 check_accumulation_windows(self.trainer)
-                check_checkpoint_positions(self.trainer)
+                check_checkpoint_positions(self.trainer, bool(self.val_fraction or self.val_sources))
         if stage == "validate" and not (self.val_fraction or self.val_sources):
             raise ConfigError(
                 "nothing to validate: the data has no validation split; set data.val_fraction (a share of the "
@@ -499,6 +499,7 @@ class HBPDataModule(L.LightningDataModule):
         if self.trainer is not None:
             check_validation_interval(self.trainer, len(sampler))
             check_accumulation_windows(self.trainer, len(sampler), self._world(epoch)[2])
+            check_checkpoint_positions(self.trainer, self.val_store is not None, len(sampler), self._world(epoch)[2])
         return PlanLoader(self, dataset, sampler, **self._worker_settings(workers, self.seed + epoch), pin_memory=pin)
 
 

@@ -214,23 +214,40 @@ def check_accumulation_windows(trainer: Any, micro_steps: int | None = None, acc
     )
 
 
-def check_checkpoint_positions(trainer: Any) -> None:
-    """Before the data is read: a ``ModelCheckpoint`` that would save inside an optimizer step writes checkpoints
-    no resume can continue exactly (``check_resumed_position`` refuses them, after the run that wrote them): one
-    with ``train_time_interval`` (it saves at any micro-batch), or one saving after each validation with
-    validations inside a step (an int ``val_check_interval`` not a multiple of the accumulation, or one by time)."""
+def check_checkpoint_positions(
+    trainer: Any, validates: bool = True, micro_steps: int | None = None, accumulate: int | None = None
+) -> None:
+    """A ``ModelCheckpoint`` that would save inside an optimizer step writes checkpoints no resume can continue
+    exactly (``check_resumed_position`` refuses them, after the run that wrote them): one with
+    ``train_time_interval`` (it saves at any micro-batch), or one saving at the end of validations that fall
+    inside a step (an int ``val_check_interval`` not a multiple of the accumulation, one by time; a float one
+    once the plan's ``micro_steps`` of an epoch accumulating ``accumulate`` are known), as Lightning's
+    ``on_validation_end`` decides to save. ``validates``: whether the run has validation data."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    schedule, scheduled = accumulation_schedule(trainer)
-    accumulations = sorted(set(schedule.values()))
+    if getattr(trainer, "fast_dev_run", False):  # a smoke run saves nothing
+        return
+    if accumulate is None:
+        schedule, scheduled = accumulation_schedule(trainer)
+        accumulations = sorted(set(schedule.values()))
+    else:
+        accumulations, scheduled = [accumulate], accumulation_schedule(trainer)[1]
     if accumulations[-1] == 1:
         return
     by = "its GradientAccumulationScheduler" if scheduled else "trainer.accumulate_grad_batches"
     step = f"an optimizer step accumulates {accumulations[-1]} micro-batches ({by})"
+    validates = validates and getattr(trainer, "limit_val_batches", 1) != 0
     interval = getattr(trainer, "val_check_interval", 1.0)
-    by_batches = isinstance(interval, int) and not isinstance(interval, bool)
     by_time = getattr(trainer, "_val_check_time_interval", None) is not None
-    inside = by_time or (by_batches and any(interval % a for a in accumulations))
+    if by_time:
+        inside, every = True, "by time"
+    elif isinstance(interval, int) and not isinstance(interval, bool):
+        inside, every = any(interval % a for a in accumulations), f"every {interval} micro-batches"
+    elif isinstance(interval, float) and interval < 1.0 and micro_steps is not None:
+        batches = max(1, int(epoch_batches(trainer.limit_train_batches, micro_steps) * interval))
+        inside, every = any(batches % a for a in accumulations), f"every {batches} micro-batches ({interval})"
+    else:
+        inside = False
     for cb in getattr(trainer, "callbacks", []):
         if not isinstance(cb, ModelCheckpoint):
             continue
@@ -241,12 +258,15 @@ def check_checkpoint_positions(trainer: Any) -> None:
                 f"falls, but {step}: a checkpoint saved inside a step cannot be resumed exactly (the gradient of "
                 "its first micro-batches is in none). Save every_n_train_steps instead"
             )
+        if not (inside and validates):
+            continue
         on_epoch_end = cb._save_on_train_epoch_end
-        at_validation = on_epoch_end is False or (
-            on_epoch_end is None and not (interval == 1.0 and trainer.check_val_every_n_epoch == 1)
-        )
-        if at_validation and inside:
-            every = "by time" if by_time else f"every {interval} micro-batches"
+        if on_epoch_end is None:  # Lightning's default: after validations run more often than once an epoch
+            on_epoch_end = not by_time and trainer.check_val_every_n_epoch == 1 and interval == 1.0
+        # what on_validation_end saves: the top-k of an epoch trigger, or a step trigger's save deferred until
+        # its monitored metric is logged
+        saves = cb._every_n_epochs >= 1 or (cb.monitor is not None and bool(cb._every_n_train_steps))
+        if saves and not on_epoch_end:
             raise ConfigError(
                 f"{name} saves after each validation, which runs {every} (trainer.val_check_interval), but {step}: "
                 "a checkpoint saved inside a step cannot be resumed exactly. Give a val_check_interval that is a "
@@ -330,12 +350,6 @@ class PlanSampler(Sampler[tuple[int, int, MicroBatch]]):
         # so the epoch's plan and start are read when the first index is drawn, not here.
         start, self.start = self.start, 0
         check_unloaded_positions(self.dm)
-        rng, self.dm.resume_rng = self.dm.resume_rng, None
-        if rng is not None:  # a resumed run: the generators as they were after the checkpoint's step
-            set_rank_state(rng)
-        trainer = self.dm.trainer
-        if trainer is not None:  # a restart skips its first epoch's start, where a GradientAccumulationScheduler
-            trainer.accumulate_grad_batches = accumulation_at(trainer, self.epoch)  # sets it (after its check)
         for k in range(start, len(self)):
             yield self.epoch, k, self.plan.micro_batch(self.rank, k)
 
@@ -346,6 +360,23 @@ class PlanLoader(DataLoader):
     def __init__(self, datamodule: Any, dataset: MicroBatchDataset, sampler: PlanSampler, **kwargs):  # an HBPDataModule
         self.dm = datamodule
         super().__init__(dataset, sampler=sampler, batch_size=None, **kwargs)
+
+    def __iter__(self):
+        return self._batches(super().__iter__())
+
+    def _batches(self, batches):
+        """The loader's batches, after setting what the epoch's first micro-batch needs, in the main process when
+        the fit loop fetches it (after ``on_train_start`` and the epoch's start; the sampler runs earlier, when
+        the iterator is built, with worker processes): the epoch's accumulation, which a restart never hands a
+        ``GradientAccumulationScheduler`` (it skips its first epoch's start), and a resumed run's generators as
+        they were after the checkpoint's step."""
+        trainer = self.dm.trainer
+        if trainer is not None:
+            trainer.accumulate_grad_batches = accumulation_at(trainer, self.sampler.epoch)
+        rng, self.dm.resume_rng = self.dm.resume_rng, None
+        if rng is not None:
+            set_rank_state(rng)
+        yield from batches
 
     def state_dict(self) -> dict:
         trained = self.dm.trainer.fit_loop.epoch_loop.batch_progress.current.processed
@@ -374,8 +405,11 @@ class PlanLoader(DataLoader):
                 "the checkpoint holds no random state (saved by an older lit-hbp): dropout draws other masks from "
                 "here than the run it continues"
             )
-        if micro >= batches:
-            return  # saved at the end of its epoch: the next epoch starts from its beginning
+        if micro >= batches:  # saved at the end of its epoch: the next epoch starts from its beginning
+            epochs = trainer.max_epochs
+            if epochs is None or epochs < 0 or epoch + 1 < epochs:  # the next epoch's plan before the fit loop
+                self.sampler.set_epoch(epoch + 1)  # builds the iterator, whose workers draw their first indices
+            return
         self.dm.resume_from = dict(state)
         self.sampler.set_epoch(self.sampler.epoch)
 
