@@ -5,6 +5,7 @@ synchronizations of whole training micro-steps. Also: the logged loss is the exa
 what was trained since the previous log, and the loader's worker processes give the same batches."""
 
 import copy
+import multiprocessing
 import os
 import signal
 import warnings
@@ -167,10 +168,12 @@ def test_loader_workers_give_the_batches_of_the_main_process(tmp_path, toy_token
         loader = dm.train_dataloader()
         for epoch in (0, 1):
             loader.sampler.set_epoch(epoch)
-            it = iter(loader)
-            for k, b in enumerate(it):
+            before = {p.pid for p in multiprocessing.active_children()}  # a pool's processes of this worker
+            for k, b in enumerate(loader):
                 if k == 1 and workers:  # a terminal's Ctrl-C reaches the workers too: they carry on
-                    for process in it._workers:
+                    started = [p for p in multiprocessing.active_children() if p.pid not in before]
+                    assert len(started) == workers
+                    for process in started:
                         os.kill(process.pid, signal.SIGINT)
                 out.append((b.epoch, b.micro_index, b.sample_index.tolist(), b.input_ids.sum().item()))
         return out

@@ -263,6 +263,11 @@ SAVES = {
     "no_validation_batches": ({}, dict(limit_val_batches=0)),
     "no_validation_data": ({}, dict(val_fraction=0.0)),
     "at_epoch_end": (dict(save_on_train_epoch_end=True), {}),
+    "last_linked_without_top_k": (
+        dict(every_n_train_steps=2, save_top_k=0, save_last="link"),
+        dict(val_check_interval=7, limit_train_batches=12),
+    ),
+    "last_without_top_k": (dict(save_top_k=0, save_last=True), {}),
 }
 
 
@@ -299,3 +304,42 @@ def test_a_checkpoint_callback_is_refused_at_set_up_exactly_when_lightning_would
         except ConfigError:
             refused.append(args)
     assert bool(refused) == inside, (saved.at, refused)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_checkpoint_of_an_epochs_end_resumes_the_next_epoch_with_its_random_state(tmp_path, small_demo, workers):
+    """Written in ``on_train_epoch_end`` (an epoch-end ModelCheckpoint) of a run bounded by ``max_epochs``:
+    Lightning restores no loader position then (it never calls the loader's ``load_state_dict``) and builds the
+    iterator before it sets the sampler's epoch: with workers they drew epoch 0's micro-batches again, and the
+    random state (once the loader's) was never set. Built lazily, with the generators in the data module's state."""
+    dropout = {**TINY_LLAMA, "attention_dropout": 0.5}
+    ends = ModelCheckpoint(tmp_path / "ckpt", save_on_train_epoch_end=True, save_top_k=-1, filename="{epoch}")
+    run = dict(model=dropout, data=dict(num_workers=workers))
+    reference = fit(tmp_path / "reference", small_demo, [ends], enable_checkpointing=True, **run)
+    resumed = fit(tmp_path / "resumed", small_demo, ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"), **run)
+    assert resumed.rows == reference.rows[6:]
+    assert_same_weights(resumed.weights, reference.weights)
+
+
+def test_a_checkpoint_of_an_epochs_end_in_a_run_bounded_by_steps_is_refused(tmp_path, small_demo):
+    """Lightning resumes it by training one more micro-batch as the finished epoch's (plain Lightning too)."""
+    ends = ModelCheckpoint(tmp_path / "ckpt", save_on_train_epoch_end=True, save_top_k=-1, filename="{epoch}")
+    fit(tmp_path / "reference", small_demo, [ends], enable_checkpointing=True, max_steps=5)
+    with pytest.raises(ConfigError, match=r"written at the end of epoch 0 \(on_train_epoch_end\) of a run bounded"):
+        fit(tmp_path / "resumed", small_demo, ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"), max_steps=5)
+
+
+def test_a_resumed_run_does_not_save_its_checkpoints_step_again_inside_the_next_step(tmp_path, small_demo):
+    """A ModelCheckpoint keeps no record of the step it saved last: resumed at step 2 with ``every_n_train_steps``
+    it saved step 2 again after the first micro-batch, inside step 3, over the very file resumed from (which a
+    later resume then refused)."""
+    every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    reference = fit(tmp_path / "reference", small_demo, [every], enable_checkpointing=True)
+    saved = SavedAt()
+    again = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    step2 = str(tmp_path / "ckpt" / "step=2.ckpt")
+    resumed = fit(tmp_path / "resumed", small_demo, [again, saved], step2, enable_checkpointing=True)
+    assert saved.at and not any(at % 2 for at in saved.at), saved.at
+    assert resumed.rows == reference.rows[4:]
+    again_from_it = fit(tmp_path / "again", small_demo, ckpt_path=step2)
+    assert again_from_it.rows == reference.rows[4:]

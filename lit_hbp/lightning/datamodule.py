@@ -23,6 +23,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -53,6 +54,7 @@ from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their fi
     ignore_sigint,
     media_inputs,
 )
+from lit_hbp.lightning.rng import every_rank_state
 from lit_hbp.model.checks import local_checkpoint
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LevelSelector, as_level
@@ -200,7 +202,7 @@ class HBPDataModule(L.LightningDataModule):
         self._val_plan: Plan | None = None
         self.warmup_steps, self.short_levels = 0, None
         self.resume_from: dict | None = None
-        self.resume_rng: dict | None = None  # this rank's generators at the checkpoint (``lightning.rng``)
+        self.resume_rng: dict | None = None  # this rank's generators at the checkpoint ({} none), until fetched
         self._plans: dict[int, Plan] = {}
 
     @property
@@ -210,15 +212,31 @@ class HBPDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict:
         """The tokenizer's files, chat template included, and a vision-language checkpoint's processor
-        files: a checkpoint is then all an export needs."""
-        state = {"tokenizer_files": tokenizer_files(self.tokenizer)}
+        files: a checkpoint is then all an export needs. Every rank's generators (``lightning.rng``; a collective:
+        a checkpoint is dumped on every rank), which a resumed fit sets as it fetches its first micro-batch."""
+        state = {"tokenizer_files": tokenizer_files(self.tokenizer), "rng": every_rank_state()}
         if self.processor is not None:
             state["processor_files"] = tokenizer_files(self.processor)
         return state
 
     def load_state_dict(self, state: dict) -> None:
         """A resumed run keeps the tokenizer it was given (its data are tokenized with it); one that
-        differs from the checkpoint's is said, since the ids and the chat format would change mid-run."""
+        differs from the checkpoint's is said, since the ids and the chat format would change mid-run. A fit
+        takes this rank's generators of the checkpoint (``PlanLoader`` sets them)."""
+        trainer = self.trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            states = state.get("rng")
+            self.resume_rng = states[trainer.global_rank] if len(states or ()) == trainer.world_size else {}
+            if states is None or len(states) != trainer.world_size:
+                why = (
+                    "by an older lit-hbp"
+                    if states is None
+                    else f"by {len(states)} rank(s), this run has {trainer.world_size}"
+                )
+                rank_zero_info(
+                    f"the checkpoint holds no random state of this run's ranks (saved {why}): dropout draws other "
+                    "masks from here than the run it continues"
+                )
         files = state.get("tokenizer_files")
         if not files:
             return

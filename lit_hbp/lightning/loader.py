@@ -19,7 +19,7 @@ from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.store import SampleStore
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.rng import every_rank_state, set_rank_state, state_of_rank
+from lit_hbp.lightning.rng import set_rank_state
 from lit_hbp.packing import Level, MicroBatch, Plan
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import sp_coords
@@ -227,9 +227,11 @@ def check_checkpoint_positions(
 
     if getattr(trainer, "fast_dev_run", False):  # a smoke run saves nothing
         return
-    if accumulate is None:
+    if accumulate is None:  # every accumulation of the epochs the run reaches
         schedule, scheduled = accumulation_schedule(trainer)
-        accumulations = sorted(set(schedule.values()))
+        epochs = getattr(trainer, "max_epochs", None)
+        reached = [a for e, a in schedule.items() if epochs is None or epochs < 0 or e < max(epochs, 1)]
+        accumulations = sorted(set(reached))
     else:
         accumulations, scheduled = [accumulate], accumulation_schedule(trainer)[1]
     if accumulations[-1] == 1:
@@ -263,9 +265,12 @@ def check_checkpoint_positions(
         on_epoch_end = cb._save_on_train_epoch_end
         if on_epoch_end is None:  # Lightning's default: after validations run more often than once an epoch
             on_epoch_end = not by_time and trainer.check_val_every_n_epoch == 1 and interval == 1.0
-        # what on_validation_end saves: the top-k of an epoch trigger, or a step trigger's save deferred until
-        # its monitored metric is logged
-        saves = cb._every_n_epochs >= 1 or (cb.monitor is not None and bool(cb._every_n_train_steps))
+        # what on_validation_end saves: the top-k of an epoch trigger, a step trigger's save deferred until its
+        # monitored metric is logged, a last checkpoint linked without a top-k to link to (written anew)
+        saves = (cb._every_n_epochs >= 1 and cb.save_top_k != 0) or (
+            cb.monitor is not None and bool(cb._every_n_train_steps)
+        )
+        saves = saves or (cb.save_last == "link" and cb.save_top_k == 0)
         if saves and not on_epoch_end:
             raise ConfigError(
                 f"{name} saves after each validation, which runs {every} (trainer.val_check_interval), but {step}: "
@@ -293,6 +298,21 @@ def check_resumed_position(epoch: int, micro: int, batches: int, current_epoch: 
             f"after Lightning closed the epoch, so a resume would start epoch {current_epoch} and never train the "
             f"rest of epoch {epoch}. Resume from a checkpoint saved at the stopping step (FinalCheckpoint saves "
             "one there)"
+        )
+
+
+def check_epoch_end_restart(trainer: Any, epoch: int) -> None:
+    """A checkpoint written in ``on_train_epoch_end`` (an epoch-end ModelCheckpoint) of a run bounded by
+    ``max_steps``: Lightning's fit loop resumes it by training one more micro-batch as the finished epoch's, and
+    every later epoch one plan ahead of its own (plain Lightning does so too). Refused by name."""
+    loop = trainer.fit_loop
+    done = loop.epoch_progress.total
+    if loop._iteration_based_training() and done.processed == done.started == done.completed + 1:
+        raise ConfigError(
+            f"cannot resume exactly from this checkpoint: it was written at the end of epoch {epoch} "
+            "(on_train_epoch_end) of a run bounded by trainer.max_steps, which Lightning resumes by training one "
+            "more micro-batch as that epoch's. Resume from one saved at the epoch's last step (every_n_train_steps, "
+            "a validation's save, FinalCheckpoint)"
         )
 
 
@@ -362,26 +382,35 @@ class PlanLoader(DataLoader):
         super().__init__(dataset, sampler=sampler, batch_size=None, **kwargs)
 
     def __iter__(self):
-        return self._batches(super().__iter__())
+        return self._batches()
 
-    def _batches(self, batches):
-        """The loader's batches, after setting what the epoch's first micro-batch needs, in the main process when
-        the fit loop fetches it (after ``on_train_start`` and the epoch's start; the sampler runs earlier, when
-        the iterator is built, with worker processes): the epoch's accumulation, which a restart never hands a
+    def _batches(self):
+        """The loader's batches, built when the fit loop fetches the first (after ``on_train_start``, the epoch's
+        start and its ``set_epoch``; Lightning builds a restarted fit's iterator before those, and its workers
+        would draw the indices of the epoch the loader was built for), after setting what that micro-batch
+        needs, in the main process: the epoch's accumulation, which a restart never hands a
         ``GradientAccumulationScheduler`` (it skips its first epoch's start), and a resumed run's generators as
-        they were after the checkpoint's step."""
+        they were after the checkpoint's step (``HBPDataModule.load_state_dict``), its checkpoint callbacks told
+        that step is saved (a ``ModelCheckpoint`` holds no such state: it saved the step again at the first
+        micro-batch, inside a step, over the file resumed from)."""
         trainer = self.dm.trainer
         if trainer is not None:
             trainer.accumulate_grad_batches = accumulation_at(trainer, self.sampler.epoch)
         rng, self.dm.resume_rng = self.dm.resume_rng, None
-        if rng is not None:
-            set_rank_state(rng)
-        yield from batches
+        if rng is not None and trainer is not None:
+            if rng:
+                set_rank_state(rng)
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            for cb in trainer.callbacks:
+                if isinstance(cb, ModelCheckpoint):
+                    cb._last_global_step_saved = max(cb._last_global_step_saved, trainer.global_step)
+        yield from super().__iter__()
 
     def state_dict(self) -> dict:
         trained = self.dm.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         epoch = self.sampler.epoch
-        return {"epoch": epoch, "micro_step": int(trained), "plan": self.dm.plan_key(epoch), "rng": every_rank_state()}
+        return {"epoch": epoch, "micro_step": int(trained), "plan": self.dm.plan_key(epoch)}
 
     def load_state_dict(self, state: dict) -> None:
         saved, now = state.get("plan"), self.dm.plan_key(state["epoch"])
@@ -398,17 +427,8 @@ class PlanLoader(DataLoader):
         if micro < batches:
             check_resumed_position(epoch, micro, batches, trainer.current_epoch, accumulation_at(trainer, epoch))
         rank_zero_info(self.resume_message(state, now))
-        if "rng" in state:  # set just before the first micro-batch the resumed run trains (``PlanSampler``)
-            self.dm.resume_rng = state_of_rank(state["rng"], trainer.global_rank, trainer.world_size)
-        else:
-            rank_zero_info(
-                "the checkpoint holds no random state (saved by an older lit-hbp): dropout draws other masks from "
-                "here than the run it continues"
-            )
         if micro >= batches:  # saved at the end of its epoch: the next epoch starts from its beginning
-            epochs = trainer.max_epochs
-            if epochs is None or epochs < 0 or epoch + 1 < epochs:  # the next epoch's plan before the fit loop
-                self.sampler.set_epoch(epoch + 1)  # builds the iterator, whose workers draw their first indices
+            check_epoch_end_restart(trainer, epoch)
             return
         self.dm.resume_from = dict(state)
         self.sampler.set_epoch(self.sampler.epoch)

@@ -1,7 +1,7 @@
 """The random state a resumed run continues from. Lightning's checkpoints hold none, so a resumed run drew the
 dropout masks (attention's, the hidden states', LoRA's) of its seed again, not those the uninterrupted run drew
-at that step. Each rank's generators (torch's CPU one and its CUDA device's, numpy's, Python's) are saved with
-the loader's position and set again just before the first micro-batch the resumed run trains."""
+at that step. Each rank's generators (torch's CPU one and its CUDA device's, numpy's, Python's) are saved in the
+data module's state and set again as the resumed run fetches its first micro-batch (``PlanLoader``)."""
 
 from __future__ import annotations
 
@@ -44,15 +44,3 @@ def every_rank_state() -> list[dict[str, Any]]:
     states: list = [None] * dist.get_world_size()
     dist.all_gather_object(states, state)
     return states
-
-
-def state_of_rank(states: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
-    """This rank's saved state; a checkpoint of another world size is refused (its plan is, before this)."""
-    from lit_hbp.errors import ConfigError
-
-    if len(states) != world:
-        raise ConfigError(
-            f"the checkpoint holds the random state of {len(states)} rank(s) and this run has {world}: resume on "
-            "the world size it was saved with"
-        )
-    return states[rank]
