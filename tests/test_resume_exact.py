@@ -322,11 +322,20 @@ def test_a_checkpoint_of_an_epochs_end_resumes_the_next_epoch_with_its_random_st
 
 
 def test_a_checkpoint_of_an_epochs_end_in_a_run_bounded_by_steps_is_refused(tmp_path, small_demo):
-    """Lightning resumes it by training one more micro-batch as the finished epoch's (plain Lightning too)."""
+    """Lightning resumes it with the next epoch's micro-batches as the finished epoch's (plain Lightning too): at
+    the epoch's end (epoch=0.ckpt, step 3) and after max_steps stopped inside an epoch (epoch=1.ckpt, step 5 of 6;
+    it trained epoch 2's first micro-batches as epoch 1's rest). A resume with nothing left to train is no error."""
     ends = ModelCheckpoint(tmp_path / "ckpt", save_on_train_epoch_end=True, save_top_k=-1, filename="{epoch}")
-    fit(tmp_path / "reference", small_demo, [ends], enable_checkpointing=True, max_steps=5)
-    with pytest.raises(ConfigError, match=r"written at the end of epoch 0 \(on_train_epoch_end\) of a run bounded"):
-        fit(tmp_path / "resumed", small_demo, ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"), max_steps=5)
+    fit(tmp_path / "reference", small_demo, [ends], enable_checkpointing=True, max_steps=5, max_epochs=-1)
+    refused = {
+        "epoch=0.ckpt": r"written at the end of epoch 0 \(on_train_epoch_end\) of a run bounded",
+        "epoch=1.ckpt": r"written after its run stopped in epoch 1 at micro-batch 4 of 6 and Lightning closed it",
+    }
+    for name, says in refused.items():
+        with pytest.raises(ConfigError, match=says):
+            fit(tmp_path / name, small_demo, ckpt_path=str(tmp_path / "ckpt" / name), max_steps=6, max_epochs=-1)
+    done = fit(tmp_path / "done", small_demo, ckpt_path=str(tmp_path / "ckpt" / "epoch=1.ckpt"), max_steps=5)
+    assert done.rows == []
 
 
 def test_a_resumed_run_does_not_save_its_checkpoints_step_again_inside_the_next_step(tmp_path, small_demo):

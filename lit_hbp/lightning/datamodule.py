@@ -337,6 +337,7 @@ class HBPDataModule(L.LightningDataModule):
                 self._tokenize(s, f"{field}[{i}]")
 
     def setup(self, stage: str) -> None:
+        self.resume_rng = None  # a checkpoint's generators are restored after this, for this fit only
         if self.store is not None:
             return
         world, rank, _ = self._world()

@@ -301,19 +301,30 @@ def check_resumed_position(epoch: int, micro: int, batches: int, current_epoch: 
         )
 
 
-def check_epoch_end_restart(trainer: Any, epoch: int) -> None:
+def check_epoch_end_restart(trainer: Any, epoch: int, micro: int, batches: int) -> None:
     """A checkpoint written in ``on_train_epoch_end`` (an epoch-end ModelCheckpoint) of a run bounded by
-    ``max_steps``: Lightning's fit loop resumes it by training one more micro-batch as the finished epoch's, and
-    every later epoch one plan ahead of its own (plain Lightning does so too). Refused by name."""
+    ``max_steps``, at the epoch's end or after the run stopped inside it (``max_steps``, ``max_time``): Lightning's
+    fit loop resumes it with the next epoch's plan from the saved micro-batch on (plain Lightning does so too),
+    training the next epoch's first micro-batches as the finished one's and every later epoch one plan ahead.
+    Refused by name, unless nothing is left to train (Lightning then skips the fit)."""
     loop = trainer.fit_loop
-    done = loop.epoch_progress.total
-    if loop._iteration_based_training() and done.processed == done.started == done.completed + 1:
-        raise ConfigError(
-            f"cannot resume exactly from this checkpoint: it was written at the end of epoch {epoch} "
-            "(on_train_epoch_end) of a run bounded by trainer.max_steps, which Lightning resumes by training one "
-            "more micro-batch as that epoch's. Resume from one saved at the epoch's last step (every_n_train_steps, "
-            "a validation's save, FinalCheckpoint)"
-        )
+    done = loop.epoch_progress.current
+    if not (loop._iteration_based_training() and done.processed == done.started == done.completed + 1):
+        return
+    steps, epochs = trainer.max_steps, trainer.max_epochs
+    if 0 <= steps <= trainer.global_step or (epochs is not None and 0 <= epochs <= done.processed):
+        return
+    where = (
+        f"at the end of epoch {epoch}"
+        if micro >= batches
+        else f"after its run stopped in epoch {epoch} at micro-batch {micro} of {batches} and Lightning closed it"
+    )
+    raise ConfigError(
+        f"cannot resume exactly from this checkpoint: it was written {where} (on_train_epoch_end) of a run bounded "
+        "by trainer.max_steps, which Lightning resumes with the next epoch's micro-batches as that epoch's. Resume "
+        "from one saved at the step (every_n_train_steps, a validation's save, FinalCheckpoint), or bound the run by "
+        "max_epochs"
+    )
 
 
 def check_unloaded_positions(datamodule: Any) -> None:
@@ -424,11 +435,11 @@ class PlanLoader(DataLoader):
             )
         trainer, epoch, micro = self.dm.trainer, state["epoch"], state["micro_step"]
         batches = epoch_batches(trainer.limit_train_batches, self.dm.plan_for_epoch(epoch).n_micro_steps)
+        check_epoch_end_restart(trainer, epoch, micro, batches)
         if micro < batches:
             check_resumed_position(epoch, micro, batches, trainer.current_epoch, accumulation_at(trainer, epoch))
         rank_zero_info(self.resume_message(state, now))
         if micro >= batches:  # saved at the end of its epoch: the next epoch starts from its beginning
-            check_epoch_end_restart(trainer, epoch)
             return
         self.dm.resume_from = dict(state)
         self.sampler.set_epoch(self.sampler.epoch)
