@@ -184,7 +184,7 @@ def run_tokenizer(ckpt: dict, folder: str | Path, fallback: str | None = None):
     """The tokenizer the run trained with, written into ``folder``: the files the checkpoint holds
     (``HBPDataModule.state_dict``); for older checkpoints ``fallback`` (``--tokenizer``), else the path
     in the data module's hyper-parameters. None when there is none."""
-    from lit_hbp.lightning.datamodule import load_tokenizer, tokenizer_from_files
+    from lit_hbp.lightning.renderers import load_tokenizer, tokenizer_from_files
 
     files = held_tokenizer(ckpt)
     if files is not None:

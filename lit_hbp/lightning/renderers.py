@@ -1,0 +1,86 @@
+"""The checkpoint's renderers of chat records: its tokenizer and, for a vision-language checkpoint, its processor,
+loaded from ``data.tokenizer`` (a local folder or the Hugging Face cache: no downloads in a training job) and
+carried in a run's checkpoint as their files, so a checkpoint is all an export needs."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from lit_hbp.data.tokenize import resolve_chat_template
+from lit_hbp.errors import ConfigError, did_you_mean
+from lit_hbp.model.checks import local_checkpoint
+
+
+def load_tokenizer(path: str):
+    """A local Hugging Face tokenizer (hub downloads are off in training jobs: give a path)."""
+    from transformers import AutoTokenizer
+
+    if not Path(path).exists():
+        try:
+            return AutoTokenizer.from_pretrained(local_checkpoint(path), local_files_only=True)
+        except OSError:
+            parent = Path(path).parent
+            folders = [p.name for p in parent.iterdir() if p.is_dir()] if parent.is_dir() else []
+            near = did_you_mean(Path(path).name, folders)
+            raise ConfigError(
+                f"data.tokenizer: {path!r} is neither a local folder{near} nor a tokenizer in the Hugging Face cache"
+            ) from None
+    return AutoTokenizer.from_pretrained(path)
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def load_renderers(path: str, chat_template: str | None = None) -> tuple:
+    """(tokenizer, processor, model config) of ``data.tokenizer``: a vision-language checkpoint's processor
+    shares the tokenizer and the processor's chat template, which its ``apply_chat_template`` renders (a folder
+    may carry another one for the tokenizer alone), (None, None) for a text checkpoint; ``chat_template``
+    replaces the template of both."""
+    tokenizer = load_tokenizer(path)
+    processor, config = load_processor(path)
+    if processor is not None:  # one tokenizer and chat template for text and images
+        processor.tokenizer = tokenizer
+        if getattr(processor, "chat_template", None):
+            tokenizer.chat_template = processor.chat_template
+    if chat_template is not None:
+        tokenizer.chat_template = resolve_chat_template(chat_template, tokenizer)
+        if processor is not None:
+            processor.chat_template = tokenizer.chat_template
+    return tokenizer, processor, config
+
+
+def load_processor(path: str):
+    """(processor, config) of a vision-language checkpoint folder (one with an image processor's
+    files), else (None, None): its processor expands and encodes the images of chat records."""
+    folder = Path(path) if Path(path).exists() else None
+    if folder is None or not any((folder / name).exists() for name in PROCESSOR_FILES):
+        return None, None
+    from transformers import AutoConfig, AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(folder)
+    except (ImportError, OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer: the processor of {path} does not load: {e}") from None
+    if not hasattr(processor, "image_processor"):
+        return None, None
+    config = AutoConfig.from_pretrained(folder) if (folder / "config.json").exists() else None
+    return processor, config
+
+
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The files ``save_pretrained`` writes for ``tokenizer`` (or a processor; a few MB at most), by name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+def tokenizer_from_files(files: dict[str, bytes | str], folder: str | Path):
+    """Write ``files`` (``tokenizer_files``) into ``folder`` and load the tokenizer from there."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (folder / Path(name).name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    return AutoTokenizer.from_pretrained(folder)
