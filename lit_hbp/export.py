@@ -261,18 +261,22 @@ def prepare_for_serving(net: torch.nn.Module, tokenizer) -> None:
     generation config; the rest of the generation config (the base model's sampling defaults, when
     ``model_from_checkpoint`` restored its own) is left as it is. config.json keeps the padding id the
     model trained with: a family's embedding never trains that row (``padding_idx``), so an EOS written
-    there would freeze the EOS embedding of every run fine-tuned from the export."""
+    there would freeze the EOS embedding of every run fine-tuned from the export. A base config that lists
+    several EOS ids keeps them all (a server reading config.json stops where the base model stopped)."""
     config, generation = net.config, net.generation_config
     config.use_cache = generation.use_cache = True
     generation._from_model_config = False  # set on purpose: no library may rebuild it from config.json
     if tokenizer is None:
         return
+    base_eos = _ids(getattr(config, "eos_token_id", None))
     ids, stop = serving_token_ids(tokenizer, config, generation)
     for name in SPECIAL_IDS:
         if name != "pad_token_id":
             setattr(config, name, ids[name])
         setattr(generation, name, ids[name])
     generation.eos_token_id = stop
+    if len(base_eos) > 1:  # the base's several EOS ids (Llama 3.1's three) stay in config.json, the tokenizer's first
+        config.eos_token_id = base_eos if ids["eos_token_id"] in base_eos else [ids["eos_token_id"], *base_eos]
 
 
 def kept_in_fp32(net: torch.nn.Module, dtype: torch.dtype) -> set[str]:

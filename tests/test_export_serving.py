@@ -106,6 +106,21 @@ def test_config_json_keeps_the_padding_id_the_model_trained_with(chats, toy_toke
     assert served.model.embed_tokens.padding_idx == own.model.embed_tokens.padding_idx is None
 
 
+def test_config_json_keeps_every_eos_id_the_base_config_lists(chats, toy_tokenizer, tmp_path):
+    """Llama-3.1-Instruct's config.json lists three EOS ids; the export wrote the tokenizer's one alone, so a server
+    that reads config.json ran past the end-of-turn ids the base model stopped at."""
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    base = save_pretrained_checkpoint(tmp_path / "base", toy_tokenizer, "llama", **SHAPE)
+    config = json.loads((base / "config.json").read_text())
+    listed = [5, tok.eos_token_id, 9]
+    (base / "config.json").write_text(json.dumps({**config, "eos_token_id": listed}))
+    assert AutoConfig.from_pretrained(base).eos_token_id == listed
+    _, ckpt = run(base, chats, tmp_path)
+    out = export_checkpoint(ckpt, tmp_path / "served")
+    assert AutoConfig.from_pretrained(out).eos_token_id == listed
+    assert set(json.loads((out / "generation_config.json").read_text())["eos_token_id"]) >= set(listed)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_cast_export_keeps_in_fp32_what_the_family_keeps(tmp_path, dtype):
     """A MoE router's gate and score bias stay fp32 when transformers loads the family in bf16 or fp16
