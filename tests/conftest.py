@@ -22,47 +22,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-@pytest.hookimpl(trylast=True)  # after ``-k``/``-m`` deselected: the list the scheduler splits
 def pytest_collection_modifyitems(config, items):
     """``LIT_HBP_TEST_ORDER=reverse`` runs the collected tests last to first: a test that passes only
-    after (or before) another shows up (no plugin needed). Under pytest-xdist every worker starts with
-    slow tests (``lanes``)."""
+    after (or before) another shows up (no plugin needed). Under pytest-xdist the slow tests go first."""
     order = os.environ.get("LIT_HBP_TEST_ORDER", "")
     if order == "reverse":
         items.reverse()
     elif order:
         raise pytest.UsageError(f"LIT_HBP_TEST_ORDER={order!r}: the only order is 'reverse'")
     if hasattr(config, "workerinput"):  # a worker of pytest-xdist (not a pytest a test starts inside one)
-        items[:] = lanes(items, config.workerinput["workercount"])
-
-
-def lanes(items: list, workers: int) -> list:
-    """The collection ordered for ``--dist worksteal``, which hands worker i the i-th of ``workers`` contiguous
-    slices and later lets an idle worker take the tail of another's: each slice starts with its share of the slow
-    tests (a module's together: what one computes for the next), then the short ones, which are what moves at the
-    end. With every slow test in the first slice, one worker ran them all in a row and the last of them (the
-    2D config's four processes) ran alone at the end while the other worker had nothing left."""
-    slow, fast = [], []
-    for item in items:
-        (slow if item.get_closest_marker("slow") else fast).append(item)
-    modules: dict[str, list] = {}
-    for item in slow:
-        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-
-    def weight(tests: list) -> int:  # a test function's cases count once: a long family table is one quick test each
-        return len({item.nodeid.split("[")[0] for item in tests})
-
-    shares: list[list] = [[] for _ in range(workers)]
-    for group in sorted(modules.values(), key=weight, reverse=True):
-        min(shares, key=weight).extend(group)
-    out, left = [], len(items)
-    for i, share in enumerate(sorted(shares, key=len, reverse=True)):
-        size = left // (workers - i)  # what worksteal's first split sends worker i
-        take = max(size - len(share), 0)
-        out += share + fast[:take]
-        del fast[:take]
-        left -= size
-    return out + fast
+        # The slow tests first (in their order), then the rest: the two workers of ``-n 2 --dist worksteal``
+        # start with the long runs and steal the short tests from each other at the end, not a long one
+        # that leaves the other worker idle. A module's tests stay together (what one computes for the next).
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 # How long a test waits for a process, a line or a file before it calls it a hang: a bound on hangs,

@@ -110,7 +110,7 @@ def test_the_reverse_order_runs_the_last_test_first(monkeypatch):
     collected = [line.split("::")[1] for line in out.stdout.splitlines() if "::" in line]
     assert collected == [
         "test_a_pools_workers_start_in_the_environment_of_the_pool_not_of_the_first_pool",
-        "test_two_workers_each_start_with_slow_tests_on_one_thread_each",
+        "test_two_workers_run_the_slow_tests_first_on_one_thread_each",
         "test_the_reverse_order_runs_the_last_test_first",
         "test_every_process_wide_setting_a_test_changes_is_put_back",
     ]
@@ -126,7 +126,7 @@ import pytest, torch
 def record(request):
     with open(os.environ["LANES_LOG"], "a") as f:
         f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER"), "threads": torch.get_num_threads(),
-                            "omp": os.environ.get("OMP_NUM_THREADS"), "test": request.node.name,
+                            "omp": os.environ.get("OMP_NUM_THREADS"),
                             "order": [item.name for item in request.session.items]}) + "\\n")
 
 def test_a(request): record(request)
@@ -135,14 +135,6 @@ def test_b(request): record(request)
 def test_c(request): record(request)
 @pytest.mark.slow
 def test_d(request): record(request)
-"""
-MORE_LANES = """
-import pytest
-from test_lanes import record
-
-@pytest.mark.slow
-def test_e(request): record(request)
-def test_f(request): record(request)
 """
 
 # The suite's conftest (its module-level settings and its collection hook), loaded under another name.
@@ -156,33 +148,28 @@ pytest_collection_modifyitems = suite.pytest_collection_modifyitems
 """
 
 
-def test_two_workers_each_start_with_slow_tests_on_one_thread_each(tmp_path):
-    """The README's ``-n 2 --dist worksteal``: each worker's slice of the collection starts with its share of the
-    slow tests (a module's together), so both start on long runs and only short tests move between them at the
-    end; torch in each worker, and every process its tests start, take one thread. A plain run keeps the files'
+def test_two_workers_run_the_slow_tests_first_on_one_thread_each(tmp_path):
+    """The README's ``-n 2 --dist worksteal``: each worker collects the slow tests first (in their order),
+    and torch in it, and every process its tests start, take one thread; a plain run keeps the files'
     order and leaves the thread count to torch."""
     (tmp_path / "conftest.py").write_text(SUITE_HOOK.format(tests=str(ROOT / "tests")))
     (tmp_path / "test_lanes.py").write_text(LANES)
-    (tmp_path / "test_more.py").write_text(MORE_LANES)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
     log = tmp_path / "lanes.jsonl"
     # The suite's own settings stay out of the inner runs (a suite run in reverse order must not reverse them).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "OMP_NUM_THREADS", "LIT_HBP_TEST"))}
     for args in (["-n", "2", "--dist", "worksteal"], []):
         out = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_lanes.py", "test_more.py"],
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_lanes.py"],
             cwd=tmp_path, env={**env, "LANES_LOG": str(log)}, capture_output=True, text=True,
         )  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
     runs = [json.loads(line) for line in log.read_text().splitlines()]
-    workers, plain = runs[:6], runs[6:]
+    workers, plain = runs[:4], runs[4:]
     assert {r["worker"] for r in workers} == {"gw0", "gw1"}
-    assert all(r["order"] == ["test_b", "test_d", "test_a", "test_e", "test_c", "test_f"] for r in workers), workers
-    first = {w: next(r["test"] for r in workers if r["worker"] == w) for w in ("gw0", "gw1")}
-    assert sorted(first.values()) == ["test_b", "test_e"], workers  # each worker's first test: a slow one
+    assert all(r["order"] == ["test_b", "test_d", "test_a", "test_c"] for r in workers), workers
     assert all(r["threads"] == 1 and r["omp"] == "1" for r in workers), workers
-    names = ["test_a", "test_b", "test_c", "test_d", "test_e", "test_f"]
-    assert all(r["order"] == names and r["omp"] is None for r in plain), plain
+    assert all(r["order"] == ["test_a", "test_b", "test_c", "test_d"] and r["omp"] is None for r in plain), plain
 
 
 def _environment_and_threads(name: str) -> tuple[str | None, int]:

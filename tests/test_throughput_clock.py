@@ -7,6 +7,7 @@ import time
 import lightning as L
 import pytest
 from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.logger import Logger
 
 from lit_hbp.callbacks import HBPThroughputMonitor
@@ -24,15 +25,17 @@ class Clock:
 
 
 class Tick(L.Callback):
-    """First among the callbacks: a training micro-batch 1 s, a validation batch 100 s, before anyone else reads
-    the clock at its end (the module's own hooks run after the callbacks'). Records each micro-batch's real tokens
+    """A training micro-batch 1 s (inside it: after its backward), a validation batch 100 s (first among the
+    callbacks at its end: the module's own hooks run after the callbacks'). Records each micro-batch's real tokens
     and each validation batch's FLOPs as the module set them."""
 
     def __init__(self, clock: Clock):
         self.clock, self.tokens, self.val_flops, self.val_forward = clock, [], [], []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_after_backward(self, trainer, pl_module):
         self.clock.now += 1.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.tokens.append(batch.n_tokens / int(batch.sp))
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
@@ -86,3 +89,37 @@ def test_training_rates_pass_over_validation_and_validation_flops_are_its_own(
 def tick_index(tokens: list, total: float) -> int:
     """How many micro-batches the monitor had counted when it logged ``total`` tokens."""
     return next(i for i in range(len(tokens) + 1) if sum(tokens[:i]) == pytest.approx(total))
+
+
+class SlowSave(ModelCheckpoint):
+    """A checkpoint whose every save takes 1000 s of the test's clock (a large model's, written to slow storage)."""
+
+    def __init__(self, clock: Clock, **kwargs):
+        super().__init__(**kwargs)
+        self.clock, self.saves = clock, 0
+
+    def _save_checkpoint(self, trainer, filepath):
+        self.clock.now += 1000.0
+        self.saves += 1
+        super()._save_checkpoint(trainer, filepath)
+
+
+def test_a_checkpoint_saved_at_a_step_is_not_the_levels_training_time(tmp_path, toy_tokenizer, small_demo, monkeypatch):
+    """``time/level*_micro_step_s`` is a micro-batch's time (1 s here), and tokens per second its tokens over it: a
+    checkpoint saved at the step (1000 s here) ran in the callbacks' ``on_train_batch_end``, before the module's own
+    hook, which stopped the clock after it."""
+    clock = Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    tick, rows = Tick(clock), Rows()
+    save = SlowSave(clock, dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache", val_fraction=0.0)
+    trainer = quiet_trainer(
+        max_steps=4, log_every_n_steps=1, callbacks=[tick, save], logger=rows, enable_checkpointing=True
+    )
+    trainer.fit(HBPLitModule(model=TINY_LLAMA, self_check=False), dm)
+    assert save.saves == 4
+    times = {k: v for r in rows.rows for k, v in r.items() if k.startswith("time/")}
+    steps = [v for r in rows.rows for k, v in r.items() if k.endswith("_micro_step_s")]
+    assert len(steps) == 4 and all(v == pytest.approx(1.0) for v in steps), rows.rows
+    rates = [v for r in rows.rows for k, v in r.items() if k.endswith("_tokens_per_s_per_device")]
+    assert rates == pytest.approx(tick.tokens), times

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+import lightning as L
 import torch
 
 
@@ -81,3 +82,17 @@ class StepMeter:
             row[2] += 1
         self._spans = []
         return {level: tuple(row) for level, row in out.items()}
+
+
+class MicroStepEnd(L.Callback):
+    """Ends ``HBPLitModule``'s micro-step clock first among the callbacks' ``on_train_batch_end`` (the module adds it,
+    ``configure_callbacks``): the module's own hook runs after every callback's, so a checkpoint saved at that step
+    (seconds, for a large model) counted as the level's training time, and its tokens per second fell at every save."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        trainer.callbacks = [self] + [c for c in trainer.callbacks if c is not self]
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        meter = getattr(pl_module, "_meter", None)
+        if meter is not None:
+            meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # this rank's share of real tokens

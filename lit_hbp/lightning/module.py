@@ -21,7 +21,7 @@ from lit_hbp.cost.memory import not_fitting, trainer_cost
 from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.meter import StepMeter, logs_now
+from lit_hbp.lightning.meter import MicroStepEnd, StepMeter, logs_now
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
     check_optimizer_settings,
@@ -463,8 +463,11 @@ class HBPLitModule(L.LightningModule):
                 norm = torch.tensor(float(norm))
         return None if norm is None else norm.detach().float()
 
+    def configure_callbacks(self) -> list[L.Callback]:
+        return [MicroStepEnd()]  # the micro-step clock stops before the other callbacks' work (a checkpoint's save)
+
     def on_train_batch_end(self, outputs, batch: PackedBatch, batch_idx: int) -> None:
-        self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # this rank's share of real tokens
+        self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # unless MicroStepEnd did (a subclass's own)
         if not logs_now(self.trainer):
             return
         # The micro-batch's plan fields, at the steps the loggers write (a value logged at another step
@@ -498,7 +501,8 @@ class HBPLitModule(L.LightningModule):
         self.log("train/lr", torch.tensor(float(lr)), batch_size=1)
         for level, (seconds, tokens, count) in self._meter.read_times().items():
             self.log(f"time/level{level}_micro_step_s", torch.tensor(seconds / count), batch_size=1)
-            self.log(f"time/level{level}_tokens_per_s_per_device", torch.tensor(tokens / seconds), batch_size=1)
+            if seconds > 0:
+                self.log(f"time/level{level}_tokens_per_s_per_device", torch.tensor(tokens / seconds), batch_size=1)
 
     def on_validation_epoch_start(self) -> None:
         self._val_ce: torch.Tensor | float = 0.0
