@@ -275,7 +275,7 @@ def prepare_for_serving(net: torch.nn.Module, tokenizer) -> None:
             setattr(config, name, ids[name])
         setattr(generation, name, ids[name])
     generation.eos_token_id = stop
-    if len(base_eos) > 1:  # the base's several EOS ids (Llama 3.1's three) stay in config.json, the tokenizer's first
+    if len(base_eos) > 1:  # the base's several EOS ids (Llama 3.1's three) stay in config.json, in the base's order
         config.eos_token_id = base_eos if ids["eos_token_id"] in base_eos else [ids["eos_token_id"], *base_eos]
 
 

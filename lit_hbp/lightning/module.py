@@ -464,7 +464,9 @@ class HBPLitModule(L.LightningModule):
         return None if norm is None else norm.detach().float()
 
     def configure_callbacks(self) -> list[L.Callback]:
-        return [MicroStepEnd()]  # the micro-step clock stops before the other callbacks' work (a checkpoint's save)
+        """``MicroStepEnd``: the micro-step clock stops before the other callbacks' work (a checkpoint's save). A
+        subclass's own ``configure_callbacks`` keeps it with ``super().configure_callbacks()``."""
+        return [MicroStepEnd()]
 
     def on_train_batch_end(self, outputs, batch: PackedBatch, batch_idx: int) -> None:
         self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # unless MicroStepEnd did (a subclass's own)
