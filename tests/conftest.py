@@ -89,6 +89,12 @@ def _settings() -> list[tuple[str, object, object]]:
         put = lambda v, n=name: setattr(b.cudnn, n, v)  # noqa: E731
         out.append((f"torch.backends.cudnn.{name}", get, put))
     out.append(("torch.backends.mkldnn.enabled", lambda: b.mkldnn.enabled, lambda v: setattr(b.mkldnn, "enabled", v)))
+    # what DeepSpeed's zero.Init replaces for the process (its linear "will persist unless manually reset"): under
+    # autocast every later model would keep fp32 weights for its backward (tests/test_memory_model.py measured none)
+    for owner, name in ((torch.nn.functional, "linear"), (torch.nn.Module, "apply")):
+        get = lambda o=owner, n=name: getattr(o, n)  # noqa: E731
+        put = lambda v, o=owner, n=name: setattr(o, n, v)  # noqa: E731
+        out.append((f"{owner.__name__}.{name}", get, put))
     return out
 
 
@@ -140,7 +146,8 @@ def _set_precision(value) -> None:
 
 class ProcessState:
     """A snapshot of every process-wide setting a test may change, and its restore: torch's default
-    dtype, deterministic and backend flags, thread count and grad mode; the configs of dynamo and
+    dtype, deterministic and backend flags, thread count and grad mode; the torch functions DeepSpeed
+    replaces; the configs of dynamo and
     inductor (their recompile limit); torch._logging's settings; the environment; the working
     directory; signal handlers; the random generators of random, numpy and torch; transformers'
     verbosity, progress bars and ``warning_once`` records; the levels of every named logger; and

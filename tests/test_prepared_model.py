@@ -252,6 +252,7 @@ class Distill(L.LightningModule):
             ids, mask, labels = padded([8, 5], 8)
             judged = self.judge(ids, attention_mask=mask, labels=labels).loss
         self.seen.append((float(out.ce_sum), teacher.float(), float(judged)))
+        self.linear = torch.nn.functional.linear
         return out.loss
 
     def configure_optimizers(self):
@@ -262,13 +263,16 @@ class Distill(L.LightningModule):
 def test_zero3_loads_an_own_modules_models_from_a_folder_with_a_frozen_teacher(pretrained_llama, tmp_path):
     """HBPStrategy at ZeRO-3 and a module that calls from_pretrained in configure_model (no helper): the
     first step's loss is the checkpoint's (each sample alone, eager), the frozen teacher's logits on the
-    pack are each document's alone, the unprepared judge runs its own padded batch."""
+    pack are each document's alone, the unprepared judge runs its own padded batch. DeepSpeed's linear, which its
+    ``zero.Init`` puts in torch for the whole process, trains the run and is torch's own again after it."""
     rng = np.random.default_rng(0)
     docs = [(rng.integers(3, 60, n), rng.random(n) < 0.7) for n in (11, 23, 6, 17)]
     loader = torch.utils.data.DataLoader(docs, batch_size=4, collate_fn=pack_samples)
     module = Distill(pretrained_llama)
     trainer = quiet_trainer(strategy=HBPStrategy(stage=3, levels=[Level(64)]), max_steps=1, devices=1)
+    linear = torch.nn.functional.linear
     trainer.fit(module, loader)
+    assert module.linear.__module__ == "deepspeed.runtime.zero.linear" and torch.nn.functional.linear is linear
     reference = AutoModelForCausalLM.from_pretrained(pretrained_llama, attn_implementation="eager").float().eval()
     with torch.no_grad():
         ce, _ = alone(reference, docs)

@@ -46,6 +46,7 @@ def test_every_process_wide_setting_a_test_changes_is_put_back(tmp_path):
         verbosity=hf_logging.get_verbosity(),
         bars=hf_logging.is_progress_bar_enabled(),
         level=logger.level,
+        linear=torch.nn.functional.linear,
     )
     debug = logger.isEnabledFor(logging.DEBUG)  # (cached by the logger from here on)
     state = ProcessState()
@@ -72,6 +73,7 @@ def test_every_process_wide_setting_a_test_changes_is_put_back(tmp_path):
     hf_logging.get_logger("transformers.test_process_state").warning_once("said once")
     assert hf_logging.warning_once.cache_info().currsize > 0
     random.random(), np.random.rand(), torch.rand(1)
+    torch.nn.functional.linear = lambda x, w, b=None: x  # as DeepSpeed's zero.Init leaves it (its own linear)
 
     changed = state.restore()
 
@@ -89,11 +91,12 @@ def test_every_process_wide_setting_a_test_changes_is_put_back(tmp_path):
     assert hf_logging.is_progress_bar_enabled() == before["bars"]
     assert hf_logging.warning_once.cache_info().currsize == 0  # said again by the next test
     assert logger.level == before["level"] and logger.isEnabledFor(logging.DEBUG) == debug
+    assert torch.nn.functional.linear is before["linear"]
     # The random generators are where they were at the snapshot: the same draws again.
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == after_snapshot
     for name in ("default dtype", "environment", "working directory", "torch._logging", "SIGUSR1 handler"):
         assert name in changed, changed
-    assert "torch._dynamo.config.recompile_limit" in changed
+    assert "torch._dynamo.config.recompile_limit" in changed and "torch.nn.functional.linear" in changed
 
 
 def test_the_reverse_order_runs_the_last_test_first(monkeypatch):

@@ -213,9 +213,9 @@ def test_hbp_strategy_says_where_it_shards_nothing(world, stage, offload, said):
     """HBPStrategy over one process, or at ZeRO stage 0, shards nothing and costs the step more than
     HBPDDPStrategy: its set-up line says so and names the lighter strategy; not where DeepSpeed shards, nor
     where it offloads (which only DeepSpeed does)."""
-    from lit_hbp.lightning.strategy import _sharding
+    from lit_hbp.lightning.deepspeed_config import sharding_note
 
-    text = _sharding(SimpleNamespace(world_size=world), Settings(zero_stage=stage, optimizer_offload=offload))
+    text = sharding_note(world, Settings(zero_stage=stage, optimizer_offload=offload))
     if said is None:
         assert text == ""
     else:

@@ -1,15 +1,18 @@
 """A DeepSpeed config as ``HBPStrategy`` runs it: what it turns off that synchronizes the device for nothing, and
 what it refuses before it trains (settings DeepSpeed or Lightning would drop or apply other than asked, each named
-with its fix: a run that trains otherwise than its config says is the one outcome lit-hbp does not allow)."""
+with its fix: a run that trains otherwise than its config says is the one outcome lit-hbp does not allow), and what
+DeepSpeed leaves changed in torch after the run that it puts back."""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
-from lit_hbp.cost.run_settings import deepspeed_zero
+from lit_hbp.cost.run_settings import Settings, deepspeed_zero
 from lit_hbp.errors import ConfigError
 
 WHERE = "trainer.strategy (HBPStrategy)"
@@ -119,3 +122,27 @@ def without_overflow_check(config: dict[str, Any], asked: bool) -> dict[str, Any
     if asked or not isinstance(bf16, dict) or not bf16.get("enabled"):
         return config
     return {**config, "bf16": {**bf16, "check_grad_overflow": False}}
+
+
+def sharding_note(world_size: int, zero: Settings) -> str:
+    """What DeepSpeed shards here, said where it shards nothing: its step then only costs the host more than
+    HBPDDPStrategy's (per-parameter hooks, flat gradient copies, waits for the device: docs/gpu.md), unless it
+    offloads to the host, which only DeepSpeed does."""
+    if zero.optimizer_offload or zero.param_offload or (world_size > 1 and zero.zero_stage > 0):
+        return ""
+    where = "one process" if world_size == 1 else "stage 0"
+    return (
+        f" ({where}: nothing sharded; --trainer.strategy hbp_ddp trains the same levels with a lighter step, "
+        "docs/gpu.md)"
+    )
+
+
+def put_back_torch_linear(before: Callable | None) -> None:
+    """DeepSpeed's ``zero.Init`` (a ZeRO-3 run's model construction, and transformers' ``from_pretrained`` under it)
+    replaces ``torch.nn.functional.linear`` for the whole process with its memory-efficient one, which the run needs,
+    and never puts it back ("This will persist unless manually reset"): every model the process ran after the run
+    went through DeepSpeed's linear (under autocast it keeps the fp32 weights for the backward, where torch keeps a
+    bf16 copy: other memory, another graph). Put back to what the run found, unless another hand replaced it."""
+    now = torch.nn.functional.linear
+    if before is not None and now is not before and getattr(now, "__module__", "").startswith("deepspeed"):
+        torch.nn.functional.linear = before

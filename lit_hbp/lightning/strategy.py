@@ -53,6 +53,8 @@ from lit_hbp.lightning.deepspeed_config import (  # noqa: E402
     check_clipping,
     check_config_sections,
     check_half_precision_stage,
+    put_back_torch_linear,
+    sharding_note,
     without_idle_overlap,
     without_overflow_check,
 )
@@ -467,7 +469,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
             if lv.mlp_tiles > 1 and (why := refusal("mlp_tiles", zero, value=lv.mlp_tiles)):
                 raise ValueError(f"level {i} (pack_len {lv.pack_len}): {why}")
         self.config = without_idle_overlap(self.config, self.world_size, self._overlap_comm_asked)
-        shards = _sharding(self, zero)
+        shards = sharding_note(self.world_size, zero)
         rank_zero_info(f"HBPStrategy levels: {self.describe_levels()}; ZeRO stage {zero.zero_stage}{shards}")
         _check_deepspeed_device(self.root_device)
         super().setup(trainer)
@@ -476,9 +478,15 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """DeepSpeed's ``zero.Init`` under ZeRO-3, with DeepSpeed's config registered for transformers:
         ``from_pretrained`` inside a module's ``configure_model`` then loads the checkpoint into the
-        partitioned parameters (without it transformers fails, or loads nothing)."""
+        partitioned parameters (without it transformers fails, or loads nothing). DeepSpeed's linear, which
+        ``zero.Init`` puts in torch for the process, is torch's own again at ``teardown``."""
+        self._torch_linear = getattr(self, "_torch_linear", None) or torch.nn.functional.linear
         with super().model_sharded_context(), zero3_loading(self):
             yield
+
+    def teardown(self) -> None:
+        super().teardown()
+        put_back_torch_linear(self.__dict__.pop("_torch_linear", None))
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning already divided the loss by accumulate_grad_batches.
@@ -517,19 +525,6 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
 
 
 HBPStrategy.register_strategies(StrategyRegistry)
-
-
-def _sharding(strategy: HBPStrategy, zero: Settings) -> str:
-    """What DeepSpeed shards here, said where it shards nothing: its step then only costs the host more than
-    HBPDDPStrategy's (per-parameter hooks, flat gradient copies, waits for the device: docs/gpu.md), unless it
-    offloads to the host, which only DeepSpeed does."""
-    if zero.optimizer_offload or zero.param_offload or (strategy.world_size > 1 and zero.zero_stage > 0):
-        return ""
-    where = "one process" if strategy.world_size == 1 else "stage 0"
-    return (
-        f" ({where}: nothing sharded; --trainer.strategy hbp_ddp trains the same levels with a lighter step, "
-        "docs/gpu.md)"
-    )
 
 
 class HBPDDPStrategy(LevelGroups, DDPStrategy):
