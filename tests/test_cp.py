@@ -491,10 +491,12 @@ def test_validation_under_cp_equals_validation_without_sp(pool4, sp_data, toy_to
     assert with_cp[0][0] == pytest.approx(without[0][0], rel=1e-5)
 
 
-def run_cp(data: str, tokenizer: str, root: str, max_steps: int, ckpt_path: str | None, dropout: float = 0.0) -> list:
-    """(micro-step, layout, samples, loss) of every micro-batch a rank trains, checkpointing every step."""
+def run_cp(data: str, tokenizer: str, root: str, max_steps: int, ckpt_path: str | None, dropout: float = 0.0) -> tuple:
+    """(micro-step, layout, samples, loss) of every micro-batch a rank trains, checkpointing every step, and the
+    ``train/loss`` logged every third step, by the logger's step."""
     import lightning as L
     from conftest import quiet_trainer
+    from test_hot_path import MemoryLogger
 
     from lit_hbp.lightning.datamodule import HBPDataModule
     from lit_hbp.lightning.strategy import HBPStrategy
@@ -511,7 +513,7 @@ def run_cp(data: str, tokenizer: str, root: str, max_steps: int, ckpt_path: str 
     L.seed_everything(0)
     dm = HBPDataModule(sources=[{"path": data}], tokenizer=tokenizer, levels=CP_LEVELS, cache_dir=f"{root}/cache")
     module = SGDModule(model={**TINY2, "attention_dropout": dropout}, vocab_size=dm.vocab_size, lr=0.05)
-    record = Record()
+    record, logger = Record(), MemoryLogger()
     save = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=f"{root}/ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}"
     )
@@ -522,18 +524,24 @@ def run_cp(data: str, tokenizer: str, root: str, max_steps: int, ckpt_path: str 
         accumulate_grad_batches=ACCUMULATE,
         callbacks=[record, save],
         enable_checkpointing=True,
+        logger=logger,
+        log_every_n_steps=3,
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
-    return record.rows
+    return record.rows, {step: m["train/loss"] for step, m in logger.rows if "train/loss" in m}
 
 
 @pytest.mark.slow
 def test_a_cp_run_resumes_exactly(pool4, sp_data, toy_tokenizer, tmp_path):
     """With attention dropout: each of the 4 ranks draws its masks after the resume from its own generators as
-    they were at the checkpoint (gathered into it), as the uninterrupted run drew them."""
+    they were at the checkpoint (gathered into it), as the uninterrupted run drew them. The first ``train/loss``
+    logged after the resume (step 3) averages steps 1-3 of every rank, as the uninterrupted run's."""
     full = pool4.run(run_cp, str(sp_data), toy_tokenizer, str(tmp_path / "full"), 5, None, 0.3)
     ckpt = str(tmp_path / "full" / "ckpt" / "step=2.ckpt")
     resumed = pool4.run(run_cp, str(sp_data), toy_tokenizer, str(tmp_path / "resumed"), 5, ckpt, 0.3)
+    logged = {rank: losses for rank, (_, losses) in enumerate(full)}
+    assert list(logged[0]) == [2] and resumed[0][1] == pytest.approx(logged[0], rel=1e-6)  # logger step: step - 1
+    full, resumed = [rows for rows, _ in full], [rows for rows, _ in resumed]
     for whole, rest in zip(full, resumed):
         assert any(cp > 1 for _, _, cp, _, _ in rest), "the resumed part must train CP micro-batches"
         expected = whole[2 * ACCUMULATE :]

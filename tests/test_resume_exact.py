@@ -352,3 +352,23 @@ def test_a_resumed_run_does_not_save_its_checkpoints_step_again_inside_the_next_
     assert resumed.rows == reference.rows[4:]
     again_from_it = fit(tmp_path / "again", small_demo, ckpt_path=step2)
     assert again_from_it.rows == reference.rows[4:]
+
+
+@pytest.mark.parametrize("at", [1, 2], ids=["between_logged_steps", "at_a_logged_step"])
+def test_the_first_train_loss_after_a_resume_is_the_uninterrupted_runs(tmp_path, small_demo, at):
+    """``train/loss`` averages every micro-step since the last logged step (here every second step): a checkpoint
+    between two logged steps carries the loss of its steps since (a resumed run's first ``train/loss`` averaged
+    only the steps after the resume); one saved at a logged step's end, read right after the save, carries none."""
+    from test_hot_path import MemoryLogger
+
+    def losses(logger):
+        return {step: m["train/loss"] for step, m in logger.rows if "train/loss" in m}
+
+    every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    whole, resumed = MemoryLogger(), MemoryLogger()
+    fit(tmp_path / "whole", small_demo, [every], enable_checkpointing=True, logger=whole, log_every_n_steps=2)
+    ckpt = str(tmp_path / "ckpt" / f"step={at}.ckpt")
+    fit(tmp_path / "resumed", small_demo, logger=resumed, log_every_n_steps=2, ckpt_path=ckpt)
+    assert sorted(losses(whole)) == [1, 3, 5]  # the logger's step: global_step - 1
+    assert sorted(losses(resumed)) == [step for step in (1, 3, 5) if step >= at]
+    assert losses(resumed) == pytest.approx({step: losses(whole)[step] for step in losses(resumed)}, rel=1e-6)

@@ -26,12 +26,16 @@ def logs_now(trainer) -> bool:
     return not trainer.fit_loop._should_accumulate() and connector.should_update_logs
 
 
+PENDING_LOSS = "lit_hbp_pending_loss"  # the checkpoint's key: the loss since the last logged step (MicroStepEnd)
+
+
 class StepMeter:
     """Cross-entropy and tokens since the last read, and each level's micro-step times."""
 
     def __init__(self) -> None:
         self.ce: torch.Tensor | None = None
         self.targets = 0
+        self.due = False  # the module reads the loss once this micro-batch's callbacks ran (a logging step's end)
         self._spans: list[tuple[int, float, object, object]] = []
         self._start: object = None
 
@@ -66,7 +70,7 @@ class StepMeter:
         local = torch.stack([self.ce, torch.tensor(float(self.targets), device=self.ce.device)])
         total = reduce(local) if reduce is not None else local
         ce, targets = total.tolist()
-        self.ce, self.targets = None, 0
+        self.ce, self.targets, self.due = None, 0, False
         return ce / targets if targets > 0 else None
 
     def read_times(self) -> dict[int, tuple[float, float, int]]:
@@ -87,7 +91,9 @@ class StepMeter:
 class MicroStepEnd(L.Callback):
     """Ends ``HBPLitModule``'s micro-step clock first among the callbacks' ``on_train_batch_end`` (the module adds it,
     ``configure_callbacks``): the module's own hook runs after every callback's, so a checkpoint saved at that step
-    (seconds, for a large model) counted as the level's training time, and its tokens per second fell at every save."""
+    (seconds, for a large model) counted as the level's training time, and its tokens per second fell at every save.
+    A checkpoint carries the loss since the last logged step: a resumed run's first ``train/loss`` averages the
+    micro-steps the uninterrupted run's did (it averaged only those after the resume)."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         trainer.callbacks = [self] + [c for c in trainer.callbacks if c is not self]
@@ -96,3 +102,27 @@ class MicroStepEnd(L.Callback):
         meter = getattr(pl_module, "_meter", None)
         if meter is not None:
             meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # this rank's share of real tokens
+            meter.due = logs_now(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        """Every rank's loss since the last logged step, summed (each rank's save runs this), unless the module reads
+        it right after this save (a checkpoint of a logging step's ``on_train_batch_end``)."""
+        meter = getattr(pl_module, "_meter", None)
+        if meter is None:
+            return
+        pending = (0.0, 0) if meter.due or meter.ce is None else (float(meter.ce), meter.targets)
+        total = torch.tensor(pending, dtype=torch.float64, device=pl_module.device)
+        if trainer.world_size > 1:
+            total = trainer.strategy.reduce(total, reduce_op="sum")
+        ce_sum, targets = total.tolist()
+        if targets > 0:
+            checkpoint[PENDING_LOSS] = {"ce_sum": ce_sum, "targets": int(targets)}
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        meter = getattr(pl_module, "_meter", None)
+        if meter is None:
+            return
+        meter.ce, meter.targets, meter.due = None, 0, False
+        pending = checkpoint.get(PENDING_LOSS)
+        if pending and trainer.global_rank == 0:  # summed over the world when the loss is read: counted once
+            meter.add_loss(torch.tensor(pending["ce_sum"]), pending["targets"])
