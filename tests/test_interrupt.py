@@ -328,3 +328,23 @@ def test_ranks_stop_together_when_one_of_them_gets_ctrl_c(tmp_path, small_demo, 
     path = str(tmp_path / "run" / "interrupted.ckpt")
     assert [r["checkpoint"] for r in ranks] == [path, path]
     assert torch.load(path, weights_only=False)["global_step"] == 3
+
+
+def test_the_loss_logged_at_a_stop_is_not_logged_again_after_the_resume(tmp_path, small_demo):
+    """Lightning logs at the step a run stops at, whatever ``log_every_n_steps`` says, after the callbacks' saves:
+    the checkpoint of a Ctrl-C carried that step's loss as not yet logged, and the resumed run's first ``train/loss``
+    averaged it again. Against the uninterrupted run's loss of each step (logged every step)."""
+    from test_hot_path import MemoryLogger
+
+    def losses(logger):
+        return {step: m["train/loss"] for step, m in logger.rows if "train/loss" in m}
+
+    each, stopped, resumed = MemoryLogger(), MemoryLogger(), MemoryLogger()
+    fit(tmp_path / "each", small_demo, [], logger=each, log_every_n_steps=1)
+    last = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    every2 = dict(log_every_n_steps=2, enable_checkpointing=True)
+    fit(tmp_path / "stopped", small_demo, [CtrlC(4), InterruptCheckpoint(), last], logger=stopped, **every2)
+    fit(tmp_path / "resumed", small_demo, [], str(tmp_path / "ckpt" / "last.ckpt"), logger=resumed, **every2)
+    step = losses(each)  # the logger's step: global_step - 1
+    assert sorted(losses(stopped)) == [1, 2] and losses(stopped)[2] == pytest.approx(step[2], rel=1e-6)  # step 3
+    assert sorted(losses(resumed)) == [3, 5] and losses(resumed)[3] == pytest.approx(step[3], rel=1e-6)  # step 4

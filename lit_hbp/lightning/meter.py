@@ -35,7 +35,7 @@ class StepMeter:
     def __init__(self) -> None:
         self.ce: torch.Tensor | None = None
         self.targets = 0
-        self.due = False  # the module reads the loss once this micro-batch's callbacks ran (a logging step's end)
+        self.ending = False  # in a micro-batch's callbacks' on_train_batch_end, before the module's own hook
         self._spans: list[tuple[int, float, object, object]] = []
         self._start: object = None
 
@@ -52,6 +52,7 @@ class StepMeter:
             self._start = time.perf_counter()
 
     def stop(self, level: int, tokens: float) -> None:
+        self.ending = False
         if self._start is None:
             return
         if isinstance(self._start, float):
@@ -70,7 +71,7 @@ class StepMeter:
         local = torch.stack([self.ce, torch.tensor(float(self.targets), device=self.ce.device)])
         total = reduce(local) if reduce is not None else local
         ce, targets = total.tolist()
-        self.ce, self.targets, self.due = None, 0, False
+        self.ce, self.targets = None, 0
         return ce / targets if targets > 0 else None
 
     def read_times(self) -> dict[int, tuple[float, float, int]]:
@@ -102,16 +103,19 @@ class MicroStepEnd(L.Callback):
         meter = getattr(pl_module, "_meter", None)
         if meter is not None:
             meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # this rank's share of real tokens
-            meter.due = logs_now(trainer)
+            meter.ending = True  # until the module's own hook, which reads the loss at a logging step
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         """Every rank's loss since the last logged step, summed (each rank's save runs this), unless the module reads
-        it right after this save (a checkpoint of a logging step's ``on_train_batch_end``)."""
+        it right after this save: a save in the callbacks' ``on_train_batch_end`` of a step that logs, or stops
+        (Lightning then logs whatever ``log_every_n_steps`` says; a stop is set before the save)."""
         meter = getattr(pl_module, "_meter", None)
         if meter is None:
             return
-        pending = (0.0, 0) if meter.due or meter.ce is None else (float(meter.ce), meter.targets)
-        total = torch.tensor(pending, dtype=torch.float64, device=pl_module.device)
+        read_next = meter.ending and logs_now(trainer)
+        pending = (0.0, 0) if read_next or meter.ce is None else (float(meter.ce), meter.targets)
+        # the strategy's device: after fit's teardown (an export's save at on_fit_end) the module is on the host
+        total = torch.tensor(pending, dtype=torch.float64, device=trainer.strategy.root_device)
         if trainer.world_size > 1:
             total = trainer.strategy.reduce(total, reduce_op="sum")
         ce_sum, targets = total.tolist()
@@ -122,7 +126,7 @@ class MicroStepEnd(L.Callback):
         meter = getattr(pl_module, "_meter", None)
         if meter is None:
             return
-        meter.ce, meter.targets, meter.due = None, 0, False
+        meter.ce, meter.targets, meter.ending = None, 0, False
         pending = checkpoint.get(PENDING_LOSS)
         if pending and trainer.global_rank == 0:  # summed over the world when the loss is read: counted once
             meter.add_loss(torch.tensor(pending["ce_sum"]), pending["targets"])

@@ -485,8 +485,10 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
             yield
 
     def teardown(self) -> None:
-        super().teardown()
-        put_back_torch_linear(self.__dict__.pop("_torch_linear", None))
+        try:
+            super().teardown()
+        finally:
+            put_back_torch_linear(self.__dict__.pop("_torch_linear", None))
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         # Lightning already divided the loss by accumulate_grad_batches.
