@@ -330,21 +330,31 @@ def test_ranks_stop_together_when_one_of_them_gets_ctrl_c(tmp_path, small_demo, 
     assert torch.load(path, weights_only=False)["global_step"] == 3
 
 
-def test_the_loss_logged_at_a_stop_is_not_logged_again_after_the_resume(tmp_path, small_demo):
-    """Lightning logs at the step a run stops at, whatever ``log_every_n_steps`` says, after the callbacks' saves:
-    the checkpoint of a Ctrl-C carried that step's loss as not yet logged, and the resumed run's first ``train/loss``
-    averaged it again. Against the uninterrupted run's loss of each step (logged every step)."""
+@pytest.mark.parametrize("scheduled", [False, True], ids=["last_ckpt", "a_scheduled_save_at_that_step"])
+def test_a_run_resumed_after_a_stop_logs_the_loss_the_uninterrupted_run_logs(tmp_path, small_demo, scheduled):
+    """Lightning logs at the step a run stops at, whatever ``log_every_n_steps`` says (here every second step):
+    the stopped run logs its loss since the last logged step there (that step's alone, not the last value again),
+    and the run resumed from the stop's checkpoint logs what the uninterrupted run logs (a checkpoint of the stop
+    carried nothing, the resumed run's first ``train/loss`` averaged only the steps after the resume); also from a
+    scheduled ``ModelCheckpoint`` save of that step, made before the stop was asked."""
     from test_hot_path import MemoryLogger
 
     def losses(logger):
         return {step: m["train/loss"] for step, m in logger.rows if "train/loss" in m}
 
-    each, stopped, resumed = MemoryLogger(), MemoryLogger(), MemoryLogger()
+    each, whole, stopped, resumed = MemoryLogger(), MemoryLogger(), MemoryLogger(), MemoryLogger()
     fit(tmp_path / "each", small_demo, [], logger=each, log_every_n_steps=1)
-    last = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
     every2 = dict(log_every_n_steps=2, enable_checkpointing=True)
-    fit(tmp_path / "stopped", small_demo, [CtrlC(4), InterruptCheckpoint(), last], logger=stopped, **every2)
-    fit(tmp_path / "resumed", small_demo, [], str(tmp_path / "ckpt" / "last.ckpt"), logger=resumed, **every2)
-    step = losses(each)  # the logger's step: global_step - 1
-    assert sorted(losses(stopped)) == [1, 2] and losses(stopped)[2] == pytest.approx(step[2], rel=1e-6)  # step 3
-    assert sorted(losses(resumed)) == [3, 5] and losses(resumed)[3] == pytest.approx(step[3], rel=1e-6)  # step 4
+    fit(tmp_path / "whole", small_demo, [], logger=whole, **every2)
+    saves = [ModelCheckpoint(tmp_path / "ckpt", save_last=True)]
+    if scheduled:
+        saves.append(ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}"))
+    interrupt = InterruptCheckpoint()
+    fit(tmp_path / "stopped", small_demo, [*saves, CtrlC(4), interrupt], logger=stopped, **every2)
+    # the scheduled save of step 3 ran before the stop was asked (the interrupt is a step-end callback, after it)
+    ckpt = str(tmp_path / "ckpt" / "step=3.ckpt") if scheduled else interrupt.checkpoint
+    fit(tmp_path / "resumed", small_demo, [], ckpt, logger=resumed, **every2)
+    logged = losses(whole)  # the logger's step: global_step - 1
+    assert sorted(logged) == [1, 3, 5]
+    assert losses(stopped) == pytest.approx({1: logged[1], 2: losses(each)[2]}, rel=1e-6)  # step 3's alone
+    assert losses(resumed) == pytest.approx({3: logged[3], 5: logged[5]}, rel=1e-6)

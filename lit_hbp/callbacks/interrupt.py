@@ -174,7 +174,6 @@ class InterruptCheckpoint(StepEndCallback):
 
     def _save_and_stop(self, trainer: L.Trainer, signum: int) -> None:
         step = trainer.global_step
-        trainer.should_stop = True  # before the save: the module logs this step's loss after it (not carried too)
         checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
         if trainer.fast_dev_run:  # Lightning suppresses checkpointing in a dev run: stop, save nothing
             path = None
@@ -194,6 +193,7 @@ class InterruptCheckpoint(StepEndCallback):
                 trainer.save_checkpoint(path)
         for cb in checkpoints:
             cb._last_global_step_saved = step
+        trainer.should_stop = True
         # Lightning keeps training past should_stop until min_steps / min_epochs are met: a signal
         # overrides them for this fit (the resumed run gets them back from its command line).
         trainer.fit_loop.min_epochs = None

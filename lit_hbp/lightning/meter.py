@@ -26,6 +26,13 @@ def logs_now(trainer) -> bool:
     return not trainer.fit_loop._should_accumulate() and connector.should_update_logs
 
 
+def logs_by_schedule(trainer) -> bool:
+    """``logs_now`` but for a stop: the step is one of every ``log_every_n_steps`` (Lightning also logs at the step a
+    run stops at, which an uninterrupted run does not)."""
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1  # as Lightning's should_update_logs counts
+    return not trainer.fit_loop._should_accumulate() and step % trainer.log_every_n_steps == 0
+
+
 PENDING_LOSS = "lit_hbp_pending_loss"  # the checkpoint's key: the loss since the last logged step (MicroStepEnd)
 
 
@@ -94,7 +101,8 @@ class MicroStepEnd(L.Callback):
     ``configure_callbacks``): the module's own hook runs after every callback's, so a checkpoint saved at that step
     (seconds, for a large model) counted as the level's training time, and its tokens per second fell at every save.
     A checkpoint carries the loss since the last logged step: a resumed run's first ``train/loss`` averages the
-    micro-steps the uninterrupted run's did (it averaged only those after the resume)."""
+    micro-steps the uninterrupted run's did (it averaged only those after the resume). A run stopped between two
+    logged steps also logs them at its stop, as Lightning logs there: a point the uninterrupted run does not have."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         trainer.callbacks = [self] + [c for c in trainer.callbacks if c is not self]
@@ -107,12 +115,13 @@ class MicroStepEnd(L.Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         """Every rank's loss since the last logged step, summed (each rank's save runs this), unless the module reads
-        it right after this save: a save in the callbacks' ``on_train_batch_end`` of a step that logs, or stops
-        (Lightning then logs whatever ``log_every_n_steps`` says; a stop is set before the save)."""
+        it right after this save at a step of the logging schedule (a save in the callbacks' ``on_train_batch_end``):
+        the uninterrupted run logs it there too. A stop's own log (Lightning logs at the step a run stops at) is
+        extra: what the resumed run logs is still the uninterrupted run's."""
         meter = getattr(pl_module, "_meter", None)
         if meter is None:
             return
-        read_next = meter.ending and logs_now(trainer)
+        read_next = meter.ending and logs_by_schedule(trainer)
         pending = (0.0, 0) if read_next or meter.ce is None else (float(meter.ce), meter.targets)
         # the strategy's device: after fit's teardown (an export's save at on_fit_end) the module is on the host
         total = torch.tensor(pending, dtype=torch.float64, device=trainer.strategy.root_device)
