@@ -372,3 +372,14 @@ def test_the_first_train_loss_after_a_resume_is_the_uninterrupted_runs(tmp_path,
     assert sorted(losses(whole)) == [1, 3, 5]  # the logger's step: global_step - 1
     assert sorted(losses(resumed)) == [step for step in (1, 3, 5) if step >= at]
     assert losses(resumed) == pytest.approx({step: losses(whole)[step] for step in losses(resumed)}, rel=1e-6)
+
+
+def test_a_run_that_never_logs_saves_its_checkpoints_with_the_loss_since_its_start(tmp_path, small_demo):
+    """``log_every_n_steps=0`` (Lightning then never logs; ``barebones=True`` sets it): a save inside the step's end
+    asked the logging schedule ``step % 0`` and failed; the checkpoint carries every micro-step's loss."""
+    from lit_hbp.lightning.meter import PENDING_LOSS
+
+    every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    fit(tmp_path / "run", small_demo, [every], enable_checkpointing=True, log_every_n_steps=0, max_steps=2)
+    carried = [torch.load(tmp_path / "ckpt" / f"step={s}.ckpt", weights_only=False)[PENDING_LOSS] for s in (1, 2)]
+    assert 0 < carried[0]["targets"] < carried[1]["targets"] and carried[0]["ce_sum"] < carried[1]["ce_sum"]

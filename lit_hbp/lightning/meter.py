@@ -29,8 +29,9 @@ def logs_now(trainer) -> bool:
 def logs_by_schedule(trainer) -> bool:
     """``logs_now`` but for a stop: the step is one of every ``log_every_n_steps`` (Lightning also logs at the step a
     run stops at, which an uninterrupted run does not)."""
+    every = trainer.log_every_n_steps  # 0: Lightning never logs
     step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1  # as Lightning's should_update_logs counts
-    return not trainer.fit_loop._should_accumulate() and step % trainer.log_every_n_steps == 0
+    return every > 0 and not trainer.fit_loop._should_accumulate() and step % every == 0
 
 
 PENDING_LOSS = "lit_hbp_pending_loss"  # the checkpoint's key: the loss since the last logged step (MicroStepEnd)
@@ -112,6 +113,11 @@ class MicroStepEnd(L.Callback):
         if meter is not None:
             meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # this rank's share of real tokens
             meter.ending = True  # until the module's own hook, which reads the loss at a logging step
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        meter = getattr(pl_module, "_meter", None)
+        if meter is not None:
+            meter.ending = False  # the module's read will not come: a save on the exception carries the loss
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         """Every rank's loss since the last logged step, summed (each rank's save runs this), unless the module reads
