@@ -147,11 +147,10 @@ def _set_precision(value) -> None:
 class ProcessState:
     """A snapshot of every process-wide setting a test may change, and its restore: torch's default
     dtype, deterministic and backend flags, thread count and grad mode; the torch functions DeepSpeed
-    replaces; the configs of dynamo and
-    inductor (their recompile limit); torch._logging's settings; the environment; the working
-    directory; signal handlers; the random generators of random, numpy and torch; transformers'
-    verbosity, progress bars and ``warning_once`` records; the levels of every named logger; and
-    lit-hbp's memo of the installed attention kernels."""
+    replaces; the configs of dynamo and inductor (their recompile limit); torch._logging's settings;
+    the environment; the working directory; signal handlers; the random generators of random, numpy
+    and torch; transformers' verbosity, progress bars and ``warning_once`` records; the levels of every
+    named logger; and lit-hbp's memo of the installed attention kernels."""
 
     def __init__(self) -> None:
         import importlib

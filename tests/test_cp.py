@@ -528,7 +528,7 @@ def run_cp(data: str, tokenizer: str, root: str, max_steps: int, ckpt_path: str 
         log_every_n_steps=3,
     )
     trainer.fit(module, dm, ckpt_path=ckpt_path)
-    return record.rows, {step: m["train/loss"] for step, m in logger.rows if "train/loss" in m}
+    return record.rows, logger.values("train/loss")
 
 
 @pytest.mark.slow

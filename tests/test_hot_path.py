@@ -117,6 +117,10 @@ class MemoryLogger(Logger):
     def log_metrics(self, metrics, step=None):
         self.rows.append((step, dict(metrics)))
 
+    def values(self, key: str) -> dict:
+        """What was logged under ``key``, by the logger's step."""
+        return {step: m[key] for step, m in self.rows if key in m}
+
 
 class RecordLoss(L.Callback):
     """Each micro-batch's summed cross-entropy and supervised tokens, from the module's own forward."""

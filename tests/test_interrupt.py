@@ -339,9 +339,6 @@ def test_a_run_resumed_after_a_stop_logs_the_loss_the_uninterrupted_run_logs(tmp
     scheduled ``ModelCheckpoint`` save of that step, made before the stop was asked."""
     from test_hot_path import MemoryLogger
 
-    def losses(logger):
-        return {step: m["train/loss"] for step, m in logger.rows if "train/loss" in m}
-
     each, whole, stopped, resumed = MemoryLogger(), MemoryLogger(), MemoryLogger(), MemoryLogger()
     fit(tmp_path / "each", small_demo, [], logger=each, log_every_n_steps=1)
     every2 = dict(log_every_n_steps=2, enable_checkpointing=True)
@@ -354,7 +351,7 @@ def test_a_run_resumed_after_a_stop_logs_the_loss_the_uninterrupted_run_logs(tmp
     # the scheduled save of step 3 ran before the stop was asked (the interrupt is a step-end callback, after it)
     ckpt = str(tmp_path / "ckpt" / "step=3.ckpt") if scheduled else interrupt.checkpoint
     fit(tmp_path / "resumed", small_demo, [], ckpt, logger=resumed, **every2)
-    logged = losses(whole)  # the logger's step: global_step - 1
+    logged, step_3 = whole.values("train/loss"), each.values("train/loss")[2]  # the logger's step: global_step - 1
     assert sorted(logged) == [1, 3, 5]
-    assert losses(stopped) == pytest.approx({1: logged[1], 2: losses(each)[2]}, rel=1e-6)  # step 3's alone
-    assert losses(resumed) == pytest.approx({3: logged[3], 5: logged[5]}, rel=1e-6)
+    assert stopped.values("train/loss") == pytest.approx({1: logged[1], 2: step_3}, rel=1e-6)  # step 3's alone
+    assert resumed.values("train/loss") == pytest.approx({3: logged[3], 5: logged[5]}, rel=1e-6)

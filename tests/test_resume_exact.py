@@ -361,17 +361,15 @@ def test_the_first_train_loss_after_a_resume_is_the_uninterrupted_runs(tmp_path,
     only the steps after the resume); one saved at a logged step's end, read right after the save, carries none."""
     from test_hot_path import MemoryLogger
 
-    def losses(logger):
-        return {step: m["train/loss"] for step, m in logger.rows if "train/loss" in m}
-
     every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     whole, resumed = MemoryLogger(), MemoryLogger()
     fit(tmp_path / "whole", small_demo, [every], enable_checkpointing=True, logger=whole, log_every_n_steps=2)
     ckpt = str(tmp_path / "ckpt" / f"step={at}.ckpt")
     fit(tmp_path / "resumed", small_demo, logger=resumed, log_every_n_steps=2, ckpt_path=ckpt)
-    assert sorted(losses(whole)) == [1, 3, 5]  # the logger's step: global_step - 1
-    assert sorted(losses(resumed)) == [step for step in (1, 3, 5) if step >= at]
-    assert losses(resumed) == pytest.approx({step: losses(whole)[step] for step in losses(resumed)}, rel=1e-6)
+    want, got = whole.values("train/loss"), resumed.values("train/loss")
+    assert sorted(want) == [1, 3, 5]  # the logger's step: global_step - 1
+    assert sorted(got) == [step for step in (1, 3, 5) if step >= at]
+    assert got == pytest.approx({step: want[step] for step in got}, rel=1e-6)
 
 
 def test_a_run_that_never_logs_saves_its_checkpoints_with_the_loss_since_its_start(tmp_path, small_demo):
