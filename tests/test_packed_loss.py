@@ -114,8 +114,9 @@ def test_an_unprepared_model_or_a_foreign_batch_is_refused():
 def test_a_pack_is_recognised_by_its_boundaries_or_its_positions():
     """The model called on a pack's token ids with its positions but no boundaries (``cu_seq_lens``):
     the positions restart at each document, which says where the documents are, so each gets its
-    logits alone. Without positions too, its documents would attend to each other: refused, for
-    pack_samples' batches as for the data module's; a row of other token ids runs as always."""
+    logits alone. Without positions too, or with an attention mask and no boundaries, its documents would
+    attend to each other: refused, for pack_samples' batches as for the data module's; a row of other token ids
+    runs as always."""
     reference = tiny_model("eager").float()
     model = prepare_model(tiny_model())
     model.load_state_dict(reference.state_dict())
@@ -135,6 +136,12 @@ def test_a_pack_is_recognised_by_its_boundaries_or_its_positions():
     moved = batch.to("cpu").replace(level=1)  # a batch Lightning moved: still marked
     with pytest.raises(ValueError, match="without their document boundaries"):
         model(input_ids=moved.input_ids)
+    # An attention mask (all ones) beside the positions: transformers reads the masked row as one sequence.
+    ones = torch.ones_like(batch.input_ids)
+    with pytest.raises(ValueError, match=r"segments with an attention_mask but without their document boundaries"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=ones)
+    with_mask = model(**pack_inputs(batch), attention_mask=ones).logits[0]  # the boundaries decide
+    torch.testing.assert_close(with_mask, logits, rtol=0, atol=0)
 
 
 def test_transformers_loss_takes_the_labels_pre_shifted_or_refuses():
@@ -224,6 +231,45 @@ def test_a_router_loss_prepare_model_cannot_compute_is_refused_there():
                                   output_router_logits=True)  # fmt: skip
     with pytest.raises(ValueError, match="afmoe: output_router_logits is set but lit-hbp does not know"):
         prepare_model(AutoModelForCausalLM.from_config(config))
+
+
+def test_a_z_loss_the_models_own_loss_adds_is_refused_by_prepare_model():
+    """Bamba's own loss adds ``z_loss_coefficient`` times the mean square log-sum-exp of every position's logits:
+    packed_loss computes the supervised cross-entropy only, so a prepared Bamba with a coefficient trained without
+    it, without a word. The model's own ``labels=`` loss shows the term is there to lose."""
+    from families import small_config
+
+    config = small_config("bamba")
+    config = AutoConfig.for_model(config.pop("model_type"), **{**config, "z_loss_coefficient": 0.5})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ids = torch.as_tensor(samples(1)[0][0])[None]
+    with torch.no_grad():
+        with_z = model(input_ids=ids, labels=ids).loss.item()
+        model.z_loss_coefficient = 0.0
+        assert with_z > model(input_ids=ids, labels=ids).loss.item() + 1.0
+    model.z_loss_coefficient = 0.5
+    with pytest.raises(ValueError, match="^bamba: z_loss_coefficient 0.5 adds a z-loss of every position's logits"):
+        prepare_model(model)
+    model.z_loss_coefficient = config.z_loss_coefficient = 0.0
+    prepare_model(model)
+
+
+@pytest.mark.parametrize("kind", ["PromptTuningConfig", "PrefixTuningConfig"])
+def test_a_peft_prompt_learning_adapter_is_refused_before_or_after_prepare_model(kind):
+    """peft's prompt, prefix and p-tuning adapters add their virtual tokens in the wrapper's own forward, which a
+    packed call (of the model inside) never runs: packed_loss trained the bare model, the prompt never trained."""
+    import peft
+
+    config = getattr(peft, kind)(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    says = f"^PeftModelForCausalLM: peft's {config.peft_type.value} adds virtual tokens in the wrapper's own forward"
+    with pytest.raises(ValueError, match=says):
+        prepare_model(peft.get_peft_model(tiny_model(), config))
+    wrapped = peft.get_peft_model(prepare_model(tiny_model()), config)
+    with pytest.raises(ValueError, match=says):
+        packed_loss(wrapped, pack_samples(samples()), "sum")
+    lora = peft.get_peft_model(prepare_model(tiny_model()), peft.LoraConfig(task_type="CAUSAL_LM", r=2))
+    assert packed_loss(lora, pack_samples(samples()), "sum").ce_sum > 0
 
 
 def test_a_packed_call_gives_each_documents_hidden_states_as_it_alone():

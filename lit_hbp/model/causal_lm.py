@@ -121,6 +121,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     mixers = refuse_stateful_mixers(decoder, family)
     refuse_unseen(net, decoder, family, {m.path for m in mixers}, not is_multimodal(net))
     check_router_loss(net)
+    check_z_loss(net)
     runner = net.model if is_multimodal(net) else decoder
     check_output_head(net, runner)
     configs = model_configs(decoder)  # a vision-language model's vision tower keeps its own attention
@@ -456,6 +457,19 @@ def check_router_loss(net: torch.nn.Module) -> None:
         raise ValueError(
             f"{net.config.model_type}: output_router_logits is set but lit-hbp finds no weight of its router loss "
             "(router_aux_loss_coef or aux_loss_coef on the model or its config); set output_router_logits: false"
+        )
+
+
+def check_z_loss(net: torch.nn.Module) -> None:
+    """A model whose own loss adds a z-loss of its logits (Bamba's ``z_loss_coefficient``: the mean square
+    log-sum-exp over every position) is refused here (``prepare_model``): ``packed_loss`` computes the
+    supervised tokens' cross-entropy only, so it would train without it."""
+    config = net.config.get_text_config()
+    coefficient = getattr(net, "z_loss_coefficient", None) or getattr(config, "z_loss_coefficient", 0)
+    if coefficient:
+        raise ValueError(
+            f"{net.config.model_type}: z_loss_coefficient {coefficient} adds a z-loss of every position's logits to "
+            "the model's own loss, which packed_loss does not compute: set z_loss_coefficient: 0"
         )
 
 

@@ -27,7 +27,8 @@ document's state into the next, and a pack cannot be continued as one row), and 
 drops the boundaries before its decoder (Mamba's, Mamba2's, FalconMamba's) has them handed over by its hook.
 
 Refused instead of trained wrong: a pack's token ids (``PackedBatch.input_ids``, which carry the
-pack's segment count, ``PACK_MARK``) called with neither boundaries nor positions; an attention mask
+pack's segment count, ``PACK_MARK``) called with neither boundaries nor positions, or with an attention
+mask and no boundaries (transformers reads a masked row as one sequence); an attention mask
 with zeros, or a KV cache, in a packed call; the model's own loss (``labels=``) on a pack whose labels
 are lit-hbp's pre-shifted ones, whose documents' first labels are not -100 (the loss's shift would
 train one document's last token on the next one's first), or under sequence parallelism; a model whose
@@ -132,9 +133,20 @@ def record_by_owner(owner: int) -> Prepared | None:
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face model inside ``torch.compile``'s and peft's wrappers."""
+    """The Hugging Face model inside ``torch.compile``'s and peft's wrappers. A peft prompt-learning adapter
+    (prompt, prefix, p-tuning) is refused: its virtual tokens are added in the wrapper's own forward, which a
+    packed call of the model inside never runs (its prompt would neither act nor train)."""
     model = getattr(model, "_orig_mod", model)
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(model, "get_base_model"):
+        return model
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        kind = getattr(config.peft_type, "value", config.peft_type)
+        raise ValueError(
+            f"{type(model).__name__}: peft's {kind} adds virtual tokens in the wrapper's own forward, which a packed "
+            "call never runs: its prompt would not train; use LoRA or another adapter on the model's layers"
+        )
+    return model.get_base_model()
 
 
 def record_of(model: torch.nn.Module) -> Prepared | None:
@@ -456,10 +468,13 @@ def _enter_call(decoder: torch.nn.Module, args: tuple, kwargs: dict):
     if packed is None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         segments = ids.__dict__.get(PACK_MARK, 0) if isinstance(ids, torch.Tensor) else 0
-        if segments > 1 and kwargs.get("position_ids") is None:
+        masked = kwargs.get("attention_mask") is not None  # transformers then attends over the row as one
+        if segments > 1 and (kwargs.get("position_ids") is None or masked):
+            without = "with an attention_mask but without their document boundaries"
+            without = without if masked else "without their document boundaries or positions"
             raise ValueError(
-                f"{type(decoder).__name__} was called on a packed micro-batch of {segments} segments without their "
-                "document boundaries or positions, so they would attend to each other: compute the loss with "
+                f"{type(decoder).__name__} was called on a packed micro-batch of {segments} segments {without}, so "
+                "they would attend to each other: compute the loss with "
                 "lit_hbp.packed_loss(model, batch), or call the model with **lit_hbp.pack_inputs(batch)"
             )
         return None
