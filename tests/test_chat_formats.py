@@ -656,10 +656,34 @@ ROLES_ONLY = (  # user and assistant turns only: any other role vanishes
     "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+NO_STOP = (  # GLM-4.5's turns: an answer ends where the next turn's role token starts, outside the answer
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+STOP_OUTSIDE = (  # a generation block that leaves the turn's end token out
+    "{%- for m in messages %}{%- if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ m['content'] }}{% endgeneration %}{{ '<|im_end|>' }}{%- else %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+NEVER_STOPS = r"messages\[1\] \(assistant\): the chat template ends the trained turn with no special token \('{}'\), "
+NEVER_STOPS += "so the model would never learn to stop"
+
 
 @pytest.mark.parametrize(
     "template, record, message",
     [
+        (
+            NO_STOP,
+            {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+                          {"role": "user", "content": "A joke?"}, {"role": "assistant", "content": "No."}]},
+            NEVER_STOPS.format("Hello!"),
+        ),
+        (
+            STOP_OUTSIDE,
+            {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]},
+            NEVER_STOPS.format("Hello!"),
+        ),
         (
             MISTRAL_LIKE,
             {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"},
@@ -695,12 +719,67 @@ ROLES_ONLY = (  # user and assistant turns only: any other role vanishes
 )  # fmt: skip
 def test_a_template_that_would_mis_mask_or_drop_a_message_is_refused(template, record, message, qwen, tmp_path):
     """What real templates do (Mistral v0.3 puts the system prompt in the last user turn only; Zephyr
-    has no branch for tool results): refused with the record's line, never trained as rendered."""
+    has no branch for tool results; GLM-4.5 ends an answer with the next turn's role token, or with nothing
+    after the last one): refused with the record's line, never trained as rendered."""
     tok = qwen_with(tmp_path, qwen, template)
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(record) + "\n")
     with pytest.raises(DataError, match=f"{path}:1: {message}"):
         tokenize_source(Source(str(path)), tok, progress=False)
+
+
+R1_LIKE = (  # DeepSeek-R1-Distill's: the generation prompt opens a thought the rendered answer does not have
+    "{%- for m in messages %}{%- if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{%- else %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("answer", ["<div>hi</div>", "<thin ice", "Sure."])
+def test_an_answer_opening_as_the_generation_prompt_goes_on_trains_from_its_first_character(answer, qwen, tmp_path):
+    """A located turn starts where its rendering departs from the conversation with the generation prompt; where
+    the prompt goes on past the turn's header (R1's ``<think>\\n``) and the answer opens with the same characters,
+    those characters were left untrained. The reference: the template's own ``{% generation %}`` mask."""
+    marked = qwen_with(tmp_path / "marked", qwen, R1_LIKE)
+    plain = qwen_with(tmp_path / "plain", qwen, without_generation_tags(R1_LIKE))
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And now?"}, {"role": "assistant", "content": answer}]  # fmt: skip
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    ids, mask = tokenize_source(Source(str(path)), plain, progress=False).sample(0)
+    assert (ids.tolist(), mask.astype(int).tolist()) == reference(marked, messages)
+
+
+QWEN3_LIKE = (  # Qwen3's: an answer's reasoning rendered only after the last user turn
+    "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{%- if m.reasoning_content and loop.index0 > ns.last %}"
+    "{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}{{ m['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_reasoning_the_template_renders_only_in_the_last_turn_is_refused_on_an_earlier_one(qwen, tmp_path):
+    """Under ``train_on: last_assistant`` an earlier answer's reasoning was dropped from the context without a word
+    (its turn is not located, so no prefix of it was checked); the last answer's reasoning trains, as the
+    template's own mask says."""
+    tok = qwen_with(tmp_path, qwen, QWEN3_LIKE)
+    first = {"role": "assistant", "content": "Sunny.", "reasoning_content": "Look outside."}
+    last = {"role": "assistant", "content": "Rain.", "reasoning_content": "Clouds came."}
+    question = [{"role": "user", "content": "Weather?"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [*question, first, *question, last]}) + "\n")
+    with pytest.raises(DataError, match=rf"{path}:1: messages\[1\].reasoning_content: the chat template renders it "
+                       "only while the turn is the last"):  # fmt: skip
+        tokenize_source(Source(str(path)), tok, progress=False, train_on="last_assistant")
+    kept = [*question, {**first, "reasoning_content": None}, *question, last]
+    path.write_text(json.dumps({"messages": [*question, {"role": "assistant", "content": "Sunny."}, *question, last]}))
+    ids, mask = tokenize_source(Source(str(path)), tok, progress=False, train_on="last_assistant").sample(0)
+    assert "Clouds came." in tok.decode(ids[mask.astype(bool)].tolist())
+    assert ids.tolist() == tok.apply_chat_template(kept, tokenize=True, return_dict=True)["input_ids"]
 
 
 FIRST_TURNS = [  # the first message trains: the template's preamble (its default system prompt) must not

@@ -346,6 +346,17 @@ def test_a_source_given_twice_or_validated_on_what_trains_is_refused(tmp_path, t
         HBPDataModule(sources=[str(data)], val_sources=[str(link)], tokenizer=toy_tokenizer, levels=[256])
     check_sources([Source(str(data)), Source(str(other))])  # two files: two sources
     check_sources([Source(str(other))], "val_sources", apart=[Source(str(data))])
+    # A saved DatasetDict read without a split reads its train split: given again with split train, twice.
+    import datasets
+
+    saved = tmp_path / "saved"
+    rows = {name: datasets.Dataset.from_list([chat(f"{name}{i}", "a") for i in range(3)]) for name in ("train", "test")}
+    datasets.DatasetDict(rows).save_to_disk(str(saved))
+    with pytest.raises(DataError, match=r"sources\[1\] reads the same data as sources\[0\] "):
+        check_sources([Source(str(saved)), Source(str(saved), split="train")])
+    with pytest.raises(DataError, match=r"val_sources\[0\] reads the data of sources\[0\] .*, which trains"):
+        check_sources([Source(str(saved), split="train")], "val_sources", apart=[Source(str(saved))])
+    check_sources([Source(str(saved)), Source(str(saved), split="test")])  # two splits: two sources
 
 
 def test_a_split_of_a_saved_data_set_without_splits_is_refused(tmp_path):

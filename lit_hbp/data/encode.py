@@ -161,6 +161,8 @@ class _Encoder:
         self.train_on = train_on
         self.template = getattr(tokenizer, "chat_template", None) or None
         self.eos = tokenizer.eos_token_id
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        self._stops = {t for t in (*tokenizer.all_special_tokens, *(a.content for a in added if a.special)) if t}
         self._parts: dict[str, bool] = {}  # per role: whether the template renders its text parts
 
     def renders_parts(self, role: str) -> bool:
@@ -246,6 +248,19 @@ class _Encoder:
                             f"{conv.where}: messages[{i}].{key}: the chat template does not render it, so the model "
                             "would learn the turn without it: use a chat template that renders it (data.chat_template)"
                         )
+                    if i + 1 < len(conv.messages) and self._renders_as(conv, without + conv.messages[i + 1 :], full):
+                        raise DataError(
+                            f"{conv.where}: messages[{i}].{key}: the chat template renders it only while the turn is "
+                            "the last (Qwen3 drops an earlier turn's reasoning), so the model would never see it: drop "
+                            "it from this turn, or give the conversation up to this turn as a record of its own"
+                        )
+
+    def _renders_as(self, conv: Conversation, messages: list[dict], full: str) -> bool:
+        """Whether ``messages`` (``conv``'s, one changed) render as ``full``: the change is not rendered."""
+        try:
+            return self._render(conv, None, messages=messages) == full
+        except DataError:
+            return False
 
     def _unrendered(self, conv: Conversation) -> int | None:
         """The first message with text that the template leaves out, found by one rendering with every such
@@ -292,7 +307,20 @@ class _Encoder:
         if before is None:
             return self._first_start(conv, upto, generation), len(upto)
         head = self._prefix(conv, i, True) if generation else before
-        return max(_common_prefix(head, upto), len(before)), len(upto)
+        start = _common_prefix(head, upto)
+        if start < len(head):  # a prompt the turn does not start with (R1's "<think>\n"): not into the answer
+            start = min(start, self._content_start(conv, i, upto))
+        return max(start, len(before)), len(upto)
+
+    def _content_start(self, conv: Conversation, i: int, upto: str) -> int:
+        """Where message i's content starts in ``upto`` (the rendering up to its end): where the rendering with
+        its content marked departs (the end when the template does not render the mark)."""
+        msgs = list(conv.messages)
+        msgs[i] = {**msgs[i], "content": _marked(msgs[i]["content"])}
+        try:
+            return _common_prefix(upto, self._render(conv, i + 1, messages=msgs))
+        except (_PrefixFailed, DataError):
+            return len(upto)
 
     def _first_start(self, conv: Conversation, upto: str, generation: bool) -> int:
         """Where the first message's turn starts in ``upto`` (its rendering alone), the template's preamble
@@ -340,14 +368,34 @@ class _Encoder:
         for i, t in enumerate(trained):
             if not t:
                 continue
-            if blocks is None or conv.messages[i]["role"] != "assistant":
+            if conv.messages[i]["role"] != "assistant":
                 spans.append(self._span(conv, i, full, whole=False))
                 continue
-            before, upto = self._turn(conv, i, full)
-            a, b = len(before or ""), len(upto)  # the turn, its header and separators included
-            # A block is cut to the turn; an empty one still marks a token it falls inside, as transformers does.
-            spans += [(max(s, a), min(e, b)) for s, e in blocks if max(s, a) < min(e, b) or a <= s == e < b]
+            if blocks is None:
+                turn = [self._span(conv, i, full, whole=False)]
+            else:
+                before, upto = self._turn(conv, i, full)
+                a, b = len(before or ""), len(upto)  # the turn, its header and separators included
+                # A block is cut to the turn; an empty one still marks a token it falls inside, as transformers does.
+                turn = [(max(s, a), min(e, b)) for s, e in blocks if max(s, a) < min(e, b) or a <= s == e < b]
+            self._check_stop(conv, i, full, turn)
+            spans += turn
         return full, spans, False
+
+    def _check_stop(self, conv: Conversation, i: int, full: str, turn: list[tuple[int, int]]) -> None:
+        """Refuse a trained assistant turn whose last trained characters end in no special token: the model would
+        never learn to stop (GLM-4.5's template ends a turn with the next turn's role token, outside it)."""
+        turn = [span for span in turn if span[1] > span[0]]
+        if not turn:
+            return  # nothing trains in this turn
+        start, end = max(turn, key=lambda span: span[1])
+        trained = full[start:end].rstrip()
+        if not any(trained.endswith(stop) for stop in self._stops):
+            raise DataError(
+                f"{conv.where}: messages[{i}] (assistant): the chat template ends the trained turn with no special "
+                f"token ({trained[-24:]!r}), so the model would never learn to stop: use a template whose assistant "
+                "turns end with one, or whose {% generation %} blocks take the stop token in (data.chat_template)"
+            )
 
     def _generation_blocks(self, conv: Conversation, full: str) -> list[tuple[int, int]] | None:
         """The characters the template's ``{% generation %}`` blocks mark in ``full``, as

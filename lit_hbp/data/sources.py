@@ -325,10 +325,11 @@ def check_sources(sources: Sequence[Source], field: str = "sources", apart: Sequ
 
 
 def _data_key(source: Source) -> tuple:
-    """What a source reads: its file or folder (links followed) or Hub name, split and subset."""
+    """What a source reads: its file or folder (links followed) or Hub name, split (none given: train, as read) and
+    subset."""
     path = Path(source.path)
     where = str(path.resolve()) if path.exists() else source.path
-    return where, source.split, source.subset
+    return where, source.split or "train", source.subset
 
 
 @dataclass(frozen=True)
