@@ -164,6 +164,11 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             ["--trainer.barebones", "true"],
             "trainer.barebones: true beside trainer.callbacks[3] (ModelCheckpoint), which saves checkpoints",
         ),
+        "an option the tokenizer sets": (
+            ["--model.vocab_size", "9000"],
+            "model.vocab_size is set from data.vocab_size, not on its own: the tokenizer's size; a vocabulary with "
+            "more rows is model.model.vocab_size in a config mapping",
+        ),
         "a misspelled over_length": (
             ["--data.over_length", "trunc"],
             "data.over_length must be one of error, drop, truncate, got 'trunc'",
@@ -216,7 +221,8 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a demo_dir link to nothing", "a demo_dir that is a file", "a validation interval past limit_train_batches",
          "a validation interval past the epoch", "an epoch cut inside an optimizer step",
          "stochastic weight averaging", "a run without an end", "barebones beside a checkpoint callback",
-         "a misspelled over_length", "a null cache folder", "a misspelled attention backend",
+         "an option the tokenizer sets", "a misspelled over_length", "a null cache folder",
+         "a misspelled attention backend",
          "a misspelled LoRA setting", "an accumulation schedule under DeepSpeed", "a precision DeepSpeed has not",
          "a CUDA-only attention backend on a CPU", "a data file as the list of sources",
          "a monitor a separator away from a logged metric", "a validation inside an optimizer step",

@@ -313,6 +313,10 @@ def test_export_keeps_the_base_models_generation_config_and_stops_at_all_its_end
 
 
 def test_strategy_names_are_registered_with_lightning():
+    """Importing the strategies (``from lit_hbp import HBPStrategy``; the command line does) registers their names;
+    this test alone in a process failed, as it had relied on another test's import."""
+    import lit_hbp.lightning.strategy  # noqa: F401
+
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="hbp_stage_3", logger=False)
     assert type(trainer.strategy).__name__ == "HBPStrategy" and trainer.strategy.zero_stage_3
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="hbp", logger=False)
@@ -323,6 +327,9 @@ def test_unknown_lora_settings_are_named():
     """Refused when the module is built (before the data is read), naming the config key."""
     with pytest.raises(ConfigError, match=r"^model.lora: unknown setting\(s\) \['alfa'\]"):
         HBPLitModule(model=TINY, vocab_size=300, lora={"rank": 4, "alfa": 8})
+    # Two names of one peft field: the one given last won.
+    with pytest.raises(ConfigError, match=r"^model.lora: rank \(16\) and r \(4\) are the same setting \(peft's r\)"):
+        HBPLitModule(model=TINY, vocab_size=300, lora={"rank": 16, "r": 4})
 
 
 def test_strategy_name_works_on_the_command_line(tmp_path, small_demo, monkeypatch):

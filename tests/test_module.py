@@ -246,6 +246,28 @@ def test_train_lr_is_the_rate_each_logged_step_took(chat_data, toy_tokenizer, tm
     assert logged == pytest.approx(taken.rates, rel=1e-6) and monitor == pytest.approx(taken.rates, rel=1e-6)
 
 
+def test_a_warm_up_longer_than_the_run_rises_all_run_as_set_and_says_so(chat_data, toy_tokenizer, tmp_path):
+    """``warmup_steps`` 5 in a run of 3 optimizer steps was cut to 3 (the peak rate reached at the last step,
+    sooner than asked) without a word; now the rate rises as the setting says (HF's schedules too) and is said."""
+    dm = HBPDataModule(sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=["96:1", "256:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    module = make_module(vocab=dm.vocab_size, lr=1e-3, warmup_steps=5, self_check=False)
+    taken = RatesTaken()
+    with pytest.warns(UserWarning, match=r"model.warmup_steps 5 is longer than the run's 3 optimizer steps: the "
+                      r"learning rate rises toward model.lr for the whole run and ends at 0.0005"):  # fmt: skip
+        quiet_trainer(devices=1, max_steps=3, callbacks=[taken]).fit(module, dm)
+    assert taken.rates == pytest.approx([1e-3 * k / 6 for k in (1, 2, 3)], rel=1e-9)
+
+
+def test_a_config_mappings_vocabulary_is_kept_when_the_tokenizer_fits_in_it():
+    """``vocab_size`` in the model mapping was replaced by the tokenizer's (a vocabulary padded to a multiple of 64
+    silently lost its rows); it is kept when the tokenizer's tokens fit, refused when they do not."""
+    assert make_module({**TINY, "vocab_size": 320}).model.get_input_embeddings().num_embeddings == 320
+    assert make_module(TINY).model.get_input_embeddings().num_embeddings == 300  # the tokenizer's, when unset
+    with pytest.raises(ConfigError, match=r"model.model.vocab_size: 200 rows embed fewer than the tokenizer's 300"):
+        make_module({**TINY, "vocab_size": 200})
+
+
 def test_a_gradient_accumulation_schedule_plans_each_epoch_with_its_accumulation(chat_data, toy_tokenizer, tmp_path):
     """Lightning's GradientAccumulationScheduler sets the trainer's accumulation when an epoch starts, after the
     epoch's loader was planned: the ave_token normalizer of each micro-batch is its optimizer step's supervised

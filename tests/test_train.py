@@ -228,6 +228,21 @@ def test_cli_links_vocab_size_and_interpolates(tmp_path, small_demo, monkeypatch
     ]
 
 
+def test_a_barebones_run_trains_without_the_progress_bar(tmp_path, small_demo, monkeypatch):
+    """``trainer.barebones: true`` (Lightning's least host work: no bar, no logger, no summary) ended in Lightning's
+    refusal of lit-hbp's own progress bar, which barebones turns off: a run the plain Lightning CLI trains."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo), "--trainer.barebones",
+            "true", "--trainer.callbacks", "[]", "--trainer.logger", "false", "--trainer.log_every_n_steps", "0",
+            "--trainer.max_steps", "1", "--model.self_check", "false", *NARROW]  # fmt: skip
+    cli = main(args, run=False)
+    assert cli.trainer.barebones and not any(isinstance(c, ProgressBar) for c in cli.trainer.callbacks)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 1
+
+
 def test_llama3_8b_recipe_parses(capsys):
     with pytest.raises(SystemExit) as e:
         main(["fit", "--config", str(ROOT / "configs/llama3_8b_32gpu.yaml"), "--print_config"])

@@ -125,9 +125,9 @@ class HBPCLI(LightningCLI):
         checkpointed, the step progress bar, the per-level epoch summary, no log folder left by a run
         that failed before its first step; checkpoint files written atomically (``AtomicCheckpointIO``)."""
         config = self._get(self.config_init, "trainer", default={})
-        kwargs.setdefault(
-            "callbacks", with_default_callbacks(config.get("callbacks"), config.get("enable_progress_bar", True))
-        )
+        bar = config.get("enable_progress_bar")
+        bar = not config.get("barebones") if bar is None else bar  # barebones: none (Lightning refuses one then)
+        kwargs.setdefault("callbacks", with_default_callbacks(config.get("callbacks"), bar))
         summary = config.get("enable_model_summary") is not False and not config.get("barebones")
         if summary and not any(isinstance(c, ModelSummary) for c in kwargs["callbacks"]):
             # Lightning's default summary prints FLOPs it never counted (lit_hbp.callbacks.summary); with

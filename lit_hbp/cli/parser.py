@@ -34,6 +34,12 @@ PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 UNION_ERROR = re.compile(
     r"Does not validate against any of the Union subtypes[\s\S]*?^\s*- ((?:trainer|data|model)\.\S.*)$", re.M
 )
+# An option another one sets (``link_arguments``), given on its own; what to set instead, per option.
+LINKED = re.compile(r"argument (\S+) --> (\S+):")
+LINKED_FIX = {
+    "model.vocab_size": "the tokenizer's size; a vocabulary with more rows is model.model.vocab_size in a config "
+    "mapping"
+}
 UNKNOWN_OPTION = re.compile(r"does not accept option '([^']+)'|Option '([^']+)' is not accepted|"
                             r"unrecognized arguments: -*([^\s=]+)")  # fmt: skip
 
@@ -155,7 +161,8 @@ def config_file_error(message: str, args: list[str] | None) -> str:
 def short_error(message: str, parser: argparse.ArgumentParser) -> str:
     """jsonargparse's error report cut to what says what is wrong: an unknown init argument of a class
     (with the class, the nearest valid argument and the valid ones), a missing required one, an unknown
-    option with the nearest valid one (or the key it stands for, ``ALIASES``), a config file's YAML
+    option with the nearest valid one (or the key it stands for, ``ALIASES``), an option another one sets, a
+    config file's YAML
     error with the file; any other message as it is."""
     found = CLASS_OPTION.search(message)
     if found:
@@ -169,6 +176,12 @@ def short_error(message: str, parser: argparse.ArgumentParser) -> str:
     if found:
         key = PARSER_KEY.search(message)
         return f"{key.group(1) + ': ' if key else ''}{found.group(1)} needs {found.group(2).strip()}"
+    found = LINKED.search(message)
+    if found:
+        source, target = found.groups()
+        return f"{target} is set from {source}, not on its own" + (
+            f": {LINKED_FIX[target]}" if target in LINKED_FIX else ""
+        )
     found = UNKNOWN_OPTION.search(message)
     if found:
         option = next(g for g in found.groups() if g)

@@ -30,7 +30,7 @@ from lit_hbp.lightning.optimizer import (
     optimizer_device,
     zero_engine,
 )
-from lit_hbp.lightning.schedule import LR_SCHEDULE, lr_factor, run_steps, schedule_moved
+from lit_hbp.lightning.schedule import LR_SCHEDULE, long_warmup, lr_factor, run_steps, schedule_moved
 from lit_hbp.model import attention
 from lit_hbp.model.build import (
     apply_liger,
@@ -128,13 +128,12 @@ class HBPLitModule(L.LightningModule):
 
     Args:
         model: local checkpoint path, or a config mapping with ``model_type`` (random init).
-        vocab_size: tokenizer size (linked from the data module); overrides a config's vocab_size.
+        vocab_size: tokenizer size (linked from the data module): a config mapping's own is kept if not fewer.
         loss: ``ave_token`` (default) | ``token_mean`` | ``sample_mean`` | ``sum``.
         lr, weight_decay, betas: AdamW, torch's fused kernel when every trainable parameter is on
             CUDA (``adamw_kind``; its multi-tensor one where Lightning's mixed precision clips the
             gradients, which the fused kernel refuses). Bias and norm weights are not decayed.
-        warmup_steps: linear warm-up of the learning rate, then cosine decay to ``min_lr_ratio * lr``
-            at the last optimizer step of the run.
+        warmup_steps: linear warm-up of the learning rate, then cosine to ``min_lr_ratio * lr`` at the run's end.
         ce_chunk_size: supervised tokens per LM-head chunk of the cross-entropy.
         attn_backend: ``auto`` (the fastest that runs, per device, dtype and feature) or a name of
             ``lit_hbp.model.attention.backends.REGISTRY``: ``flash_attn_3``, ``flash_attn_4``,
@@ -591,7 +590,9 @@ class HBPLitModule(L.LightningModule):
         fused, foreach = (True, None) if kind == "fused" else (None, True)
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), fused=fused, foreach=foreach)
         total = max(int(run_steps(self.trainer)), 1)
-        warmup = min(hp.warmup_steps, total)
+        warmup = hp.warmup_steps  # longer than the run: the rate rises all run, as the setting says
+        if (said := long_warmup(warmup, total, hp.lr)) is not None:
+            rank_zero_warn(said)
         self._schedule = {"total": total, "warmup": warmup}
         self._say_schedule()
         schedule = partial(lr_factor, total=total, warmup=warmup, min_ratio=hp.min_lr_ratio)

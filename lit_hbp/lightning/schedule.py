@@ -39,6 +39,17 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def long_warmup(warmup: int, total: int, lr: float) -> str | None:
+    """What a run whose warm-up is longer than the run says: its rate rises all run (as the setting says; not cut
+    to the run, which would reach ``lr`` sooner than asked). None otherwise."""
+    if warmup <= total:
+        return None
+    return (
+        f"model.warmup_steps {warmup} is longer than the run's {total} optimizer steps: the learning rate rises "
+        f"toward model.lr for the whole run and ends at {lr * lr_factor(total - 1, total, warmup, 0.0):.3g}"
+    )
+
+
 def schedule_moved(resumed: dict | None, now: dict | None, step: int, lr: float, min_ratio: float) -> str | None:
     """What a run resumed at ``step`` on schedule ``now`` says when its checkpoint's run followed ``resumed`` (a run
     extended with more max_steps): it follows the new one, as Lightning would, not silently. None when both are

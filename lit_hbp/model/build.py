@@ -57,7 +57,12 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None, tokenizer=
         cfg = dict(model)
         model_type = cfg.pop("model_type")
         if vocab_size is not None:
-            cfg["vocab_size"] = vocab_size
+            if cfg.get("vocab_size", vocab_size) < vocab_size:
+                raise ConfigError(
+                    f"model.model.vocab_size: {cfg['vocab_size']} rows embed fewer than the tokenizer's {vocab_size} "
+                    f"tokens: set it to {vocab_size} or more, or leave it out (the tokenizer's size is taken)"
+                )
+            cfg.setdefault("vocab_size", vocab_size)  # more rows than tokens (a vocabulary padded to 64) as asked
         if tokenizer is not None:
             cfg = {**special_token_ids(tokenizer), **cfg}
         config = AutoConfig.for_model(model_type, **cfg)
@@ -293,6 +298,13 @@ def check_lora(lora: dict, key: str = "lora") -> None:
 
     fields = set(inspect.signature(LoraConfig).parameters)
     unknown = sorted(k for k in (LORA_NAMES.get(k, k) for k in lora) if k not in fields)
+    both = [(short, peft) for short, peft in LORA_NAMES.items() if short in lora and peft in lora]
+    if both:  # one would be dropped by whichever came last
+        short, peft = both[0]
+        raise ConfigError(
+            f"{key}: {short} ({lora[short]!r}) and {peft} ({lora[peft]!r}) are the same setting (peft's {peft}): "
+            "give one"
+        )
     if unknown:
         raise ConfigError(
             f"{key}: unknown setting(s) {unknown}; use rank, alpha, dropout, target_modules, modules_to_save "
