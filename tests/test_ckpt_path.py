@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from jsonargparse import Namespace
@@ -285,6 +286,17 @@ def test_a_resume_with_model_settings_other_than_its_checkpoints_is_refused_at_p
         assert f"model.lr: 0.0001 (the checkpoint's {hparams['lr']!r})" in err
         assert "model.loss: 'sum' (the checkpoint's 'ave_token')" in err
         assert "model.weight_decay" not in err and "tokenizing" not in err
+    # A DeepSpeed folder (HBPStrategy's): its settings are in its model-states file, where DeepSpeed keeps Lightning's.
+    states = folder / "step=1.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt"
+    states.parent.mkdir(parents=True)
+    torch.save({"global_step": 1, "module": {}, "hyper_parameters": hparams}, states)
+    (folder / "step=1.ckpt" / "latest").write_text("checkpoint")
+    code, _, err = run_cli(
+        ["--ckpt_path", str(folder / "step=1.ckpt"), "--trainer.strategy", "hbp", "--model.lr", "1e-4"],
+        tmp_path, small_demo, capfd,
+    )  # fmt: skip
+    assert code == 2 and err.startswith("error: --ckpt_path resumes the run as its checkpoint saved it"), err
+    assert f"model.lr: 0.0001 (the checkpoint's {hparams['lr']!r})" in err and "tokenizing" not in err
 
 
 @pytest.mark.parametrize("strategy", ["auto", "deepspeed"])
@@ -294,7 +306,8 @@ def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
     """A run resumed with more max_steps follows the longer cosine, as Lightning would, but not silently: at
     step 2 of a 2-step schedule the rate was at its floor (2e-6 of 2e-5), on a 4-step one it is 1.55e-5; the
     warning says both, whether Lightning loads the checkpoint before the optimizer is configured or, under
-    DeepSpeed, after; the run's own max_steps resumes without a word."""
+    DeepSpeed, after, and step 2 takes it; the run's own max_steps resumes without a word, another learning rate
+    is refused."""
     import warnings
 
     from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
@@ -306,17 +319,24 @@ def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
 
     ckpt = str(tmp_path / "run.ckpt")  # a file, or DeepSpeed's folder
 
-    def run(steps: int, resume: bool = True):
+    class Rates(L.Callback):  # the learning rate each optimizer step takes
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.taken.append(optimizer.param_groups[0]["lr"])
+
+    rates = Rates()
+
+    def run(steps: int, resume: bool = True, lr: float = 2e-5):
         dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache")
-        module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, self_check=False, warmup_steps=1)
+        module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, self_check=False, warmup_steps=1, lr=lr)
         how = HBPStrategy(stage=2) if strategy == "deepspeed" else "auto"
         # saved at the final step, as FinalCheckpoint saves it (one written after fit is refused: Lightning has
         # closed the epoch by then, so a resume would skip the rest of it)
         saves = (
-            []
+            [rates]
             if resume
             else [ModelCheckpoint(tmp_path, "run", every_n_train_steps=steps, enable_version_counter=False)]
         )
+        rates.taken = []
         trainer = quiet_trainer(
             max_steps=steps, strategy=how, enable_checkpointing=True, default_root_dir=tmp_path, callbacks=saves
         )
@@ -342,8 +362,14 @@ def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
         "followed 2 (1): the learning rate moves from 2e-06 to 1.55e-05 here and follows the new schedule (resume "
         "with the run's own max_steps to keep its)"
     ]
+    assert rates.taken == pytest.approx([1.55e-5, 6.5e-6], rel=1e-6)  # step 2 took the old schedule's 2e-6
     trainer, said = run(2)
     assert trainer.global_step == 2 and not said
+    # Another learning rate: the restored schedule kept the checkpoint's while the module said the new one (the
+    # command line reads a file's settings first; a DeepSpeed folder, Lightning's `last` or a fit of one's own not)
+    says = r"^ckpt_path resumes the run as its checkpoint saved it, with its model settings, not these: model.lr: "
+    with pytest.raises(ConfigError, match=says + r"0.0001 \(the checkpoint's 2e-05\); give the run's own"):
+        run(4, lr=1e-4)
 
 
 @pytest.mark.slow

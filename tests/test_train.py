@@ -195,7 +195,9 @@ def test_curriculum_puts_short_steps_first_and_trains_every_sample_once(tmp_path
 def test_resume_refuses_a_different_plan(tmp_path, resume_data, toy_tokenizer):
     run(tmp_path / "full", resume_data, toy_tokenizer, max_steps=3, every=3)
     ckpt = tmp_path / "full" / "ckpt" / "step=3.ckpt"
-    with pytest.raises(ValueError, match=r"cannot resume mid-epoch.*accumulate: 2 -> 1"):
+    with pytest.raises(
+        ValueError, match=r"cannot resume from this checkpoint: the plan of its epoch 0 .*accumulate: 2 -> 1"
+    ):
         run(tmp_path / "other", resume_data, toy_tokenizer, max_steps=6, ckpt_path=ckpt, accumulate=1)
 
 

@@ -68,6 +68,7 @@ from lit_hbp.lightning.checkpoints import (
     AtomicCheckpointIO,
     UnsafeCheckpoint,
     allow_listed,
+    client_state_file,
     safe_load,
     trusted_load,
 )
@@ -152,13 +153,14 @@ class HBPCLI(LightningCLI):
         self._read_checkpoint_model(subcommand, section)
 
     def _read_checkpoint_model(self, subcommand: str, section: Any) -> None:
-        """The model settings of the checkpoint ``--ckpt_path`` names (a file; ``auto``'s once found), checked
-        against the config's and read into it, as LightningCLI reads them."""
+        """The model settings of the checkpoint ``--ckpt_path`` names (a file or a DeepSpeed folder; ``auto``'s once
+        found), checked against the config's and read into it, as LightningCLI reads a file's. (Lightning's keywords,
+        ``last``, are found by the trainer: the module checks them when the checkpoint loads.)"""
         ckpt = section.get("ckpt_path")
-        if not (ckpt and str(ckpt) != AUTO and Path(ckpt).is_file()):
+        if not (ckpt and str(ckpt) != AUTO and Path(ckpt).exists()):
             return
         load = trusted_load if section.get("weights_only") is False else safe_load
-        hparams = load(ckpt, mmap=True).get("hyper_parameters", {})
+        hparams = load(client_state_file(ckpt), mmap=True).get("hyper_parameters", {})
         hparams.pop("_instantiator", None)
         if not hparams:
             return

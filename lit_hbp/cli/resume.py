@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.cli.checks import is_deepspeed, is_instance_entry
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.checkpoints import check_checkpoint, find_resumable
+from lit_hbp.lightning.checkpoints import check_checkpoint, check_resumed_settings, find_resumable
 
 AUTO = "auto"  # --ckpt_path auto: the newest complete checkpoint of the run's folders, if there is one
 # Loggers whose run folder is known from the config: class (or a subclass) -> (the init argument that names
@@ -163,20 +163,8 @@ def check_resumed_model(given: Any, saved: dict) -> None:
     """A resume continues the run as its checkpoint saved it: Lightning reads the module's arguments from the
     checkpoint over the config's, so a ``model.*`` value the config or command line changed would be dropped
     without a word (``--model.lr 1e-4`` trained on at the checkpoint's 3e-3). Refused, naming each one."""
-    if not isinstance(given, (dict, Namespace)):
-        return
-    given = _plain(given)
-    changed = [
-        f"model.{key}: {given[key]!r} (the checkpoint's {_plain(value)!r})"
-        for key, value in saved.items()
-        if not key.startswith("_") and key in given and given[key] != _plain(value)
-    ]
-    if changed:
-        raise ConfigError(
-            f"--ckpt_path resumes the run as its checkpoint saved it, with its model settings, not these: "
-            f"{'; '.join(changed)}; give the run's own values (or drop them), or start a new run from the exported "
-            "model (python -m lit_hbp.export CKPT OUT, then model.model: OUT)"
-        )
+    if isinstance(given, (dict, Namespace)):
+        check_resumed_settings(_plain(given), saved)
 
 
 def _plain(value: Any) -> Any:

@@ -134,6 +134,39 @@ def _tag_folders(folder: str | Path) -> list[Path]:
     return [p for p in Path(folder).iterdir() if p.is_dir() and any(MODEL_STATES.match(f.name) for f in p.iterdir())]
 
 
+def client_state_file(path: str | os.PathLike) -> Path:
+    """The file of checkpoint ``path`` holding Lightning's own entries (hyper-parameters, loops, callbacks): the
+    file, or the first model-states file of the tag a DeepSpeed folder's ``latest`` names (DeepSpeed keeps the
+    client state Lightning gives it there)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    return min(f for f in (path / (_latest_tag(path) or "")).iterdir() if MODEL_STATES.match(f.name))
+
+
+def check_resumed_settings(given: dict, saved: dict, option: str = "--ckpt_path") -> None:
+    """A resume continues the run as its checkpoint saved it (its optimizer and schedule restored): a module
+    argument given otherwise than the checkpoint's run did (``lr`` trained on at the checkpoint's rate, ``loss``
+    taken) would be half applied without a word. Refused, naming each one (tuples and lists alike)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+    changed = [
+        f"model.{key}: {plain(given[key])!r} (the checkpoint's {plain(value)!r})"
+        for key, value in saved.items()
+        if not key.startswith("_") and key in given and plain(given[key]) != plain(value)
+    ]
+    if changed:
+        raise ConfigError(
+            f"{option} resumes the run as its checkpoint saved it, with its model settings, not these: "
+            f"{'; '.join(changed)}; give the run's own values (or drop them), or start a new run from the exported "
+            "model (python -m lit_hbp.export CKPT OUT, then model.model: OUT)"
+        )
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a whole checkpoint: a ``torch.save`` file whose zip directory (written last)
     reads, or a DeepSpeed folder whose ``latest`` names a tag folder with whole model-states files.

@@ -428,10 +428,11 @@ class PlanLoader(DataLoader):
         if saved is not None and saved != now:
             changed = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in now if saved.get(k) != now.get(k))
             raise ConfigError(
-                f"cannot resume mid-epoch: the checkpoint's plan was made with other settings ({changed}); "
-                "its micro-step would point into a different plan and train samples twice or never. Resume "
-                "with the same data, levels, world size, accumulate_grad_batches and seed, or from an "
-                "end-of-epoch checkpoint."
+                f"cannot resume from this checkpoint: the plan of its epoch {state['epoch']} was made with other "
+                f"settings ({changed}); its micro-step would point into a different plan and train samples twice or "
+                "never (a resume plans that epoch again to find where it stopped, also after its last step). Resume "
+                "with the same data, levels, world size, accumulate_grad_batches and seed, or start a new run from "
+                "the exported model."
             )
         trainer, epoch, micro = self.dm.trainer, state["epoch"], state["micro_step"]
         batches = epoch_batches(trainer.limit_train_batches, self.dm.plan_for_epoch(epoch).n_micro_steps)

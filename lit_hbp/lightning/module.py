@@ -21,6 +21,7 @@ from lit_hbp.cost.memory import not_fitting, trainer_cost
 from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.checkpoints import check_resumed_settings
 from lit_hbp.lightning.meter import MicroStepEnd, StepMeter, logs_now
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
@@ -30,7 +31,7 @@ from lit_hbp.lightning.optimizer import (
     optimizer_device,
     zero_engine,
 )
-from lit_hbp.lightning.schedule import LR_SCHEDULE, long_warmup, lr_factor, run_steps, schedule_moved
+from lit_hbp.lightning.schedule import LR_SCHEDULE, long_warmup, lr_factor, run_steps, schedule_moved, take_schedule_now
 from lit_hbp.model import attention
 from lit_hbp.model.build import (
     apply_liger,
@@ -209,9 +210,8 @@ class HBPLitModule(L.LightningModule):
             return
         with zero3_loading(getattr(self._trainer, "strategy", None) if self._trainer is not None else None):
             self.model = build_causal_lm(self.hparams.model, self.hparams.vocab_size, self._tokenizer())
-        # from_pretrained returns a model in eval mode, and Lightning keeps each module's mode: without
-        # this a checkpoint folder would train without dropout and without activation checkpointing
-        # (transformers checkpoints a layer only in training mode).
+        # from_pretrained returns a model in eval mode, which Lightning keeps: a checkpoint folder would train
+        # without dropout and activation checkpointing (transformers checkpoints a layer only in training mode).
         self.model.train()
         check_module_positions(self)  # max_position_embeddings vs the largest level
         self._layers = decoder_layers(prepare_model(self.model, attn_backend=self.hparams.attn_backend))
@@ -253,12 +253,10 @@ class HBPLitModule(L.LightningModule):
         return base_of(self.model)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The model's config travels with its weights, so export needs nothing but the checkpoint
-        (the folder the run started from may be gone or changed): ``hf_config``, and, when the model
-        folder has a generation config of its own (its generation_config.json: sampling defaults, every
-        EOS id), ``hf_generation_config`` (its non-default fields), which the export keeps. A model
-        built from a config mapping, or from a folder without one, stores none (nor did checkpoints
-        written before lit-hbp stored it): the export then rebuilds it from the config and tokenizer."""
+        """The model's config travels with its weights, so export needs nothing but the checkpoint (the run's folder
+        may be gone): ``hf_config``, and the model folder's own generation config (sampling defaults, every EOS id)
+        as ``hf_generation_config`` (its non-default fields); without one (a config mapping's model, an older
+        checkpoint) the export rebuilds it from the config and tokenizer."""
         net = self.base_model
         checkpoint["hf_config"] = net.config.to_dict()
         if self._schedule is not None:
@@ -269,7 +267,10 @@ class HBPLitModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The learning-rate schedule the checkpoint's run followed, which the resumed run must follow (a
-        checkpoint written before lit-hbp saved it holds none)."""
+        checkpoint written before lit-hbp saved it holds none). A fit resumed with other module arguments
+        (a DeepSpeed folder, ``last``: what the command line does not read first) is refused."""
+        if self._trainer is not None and self.trainer.state.fn == "fit":
+            check_resumed_settings(self.hparams, checkpoint.get("hyper_parameters") or {}, "ckpt_path")
         self._resumed_schedule = checkpoint.get(LR_SCHEDULE)
         self._resumed_step = int(checkpoint.get("global_step", 0))
         self._say_schedule()
@@ -288,6 +289,8 @@ class HBPLitModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.model.train()  # whatever ran before (a user's callback, a validation) left it in
+        if self._resumed_schedule not in (None, self._schedule):  # the new schedule's rate from the resumed step on
+            take_schedule_now(self.lr_schedulers())
 
     def on_fit_start(self) -> None:
         from lightning.pytorch.callbacks import StochasticWeightAveraging
@@ -396,11 +399,10 @@ class HBPLitModule(L.LightningModule):
         )  # fmt: skip
 
     def micro_batch_flops(self, batch: PackedBatch, forward_only: bool = False) -> float | None:
-        """This rank's model FLOPs for ``batch`` (forward and backward, recomputation not counted,
-        so FLOPs/s over peak is MFU; ``forward_only``: a validation batch's, a third of a fully trained
-        one's): under SP a rank runs 1/sp of the pack's tokens through the dense layers and 1/sp of the
-        heads over the whole pack; the LM head runs on its supervised tokens. From the host-side counts of
-        the collate step: nothing is read from the device. None when the model's shape is unknown."""
+        """This rank's model FLOPs for ``batch`` (forward and backward, recomputation not counted, so FLOPs/s over
+        peak is MFU; ``forward_only``: a validation batch's, a third): under SP a rank runs 1/sp of the pack's tokens
+        through the dense layers and 1/sp of the heads over the whole pack; the LM head runs on its supervised
+        tokens. From the collate step's host counts (nothing read from the device); None for an unknown shape."""
         if self._spec is None:
             return None
         head = batch.target_index.shape[0]
@@ -420,12 +422,10 @@ class HBPLitModule(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """At the optimizer steps whose metrics the loggers write, the global L2 norm of the gradients
-        before clipping (Lightning clips after this hook), from the trainable parameters' ``.grad``
-        (on one device; under DDP after its all-reduce; under DeepSpeed ZeRO stage 0 after the
-        engine's all-reduce, its loss scale divided out), kept on the device for ``train/grad_norm``.
-        Under ZeRO (stages 1-3) the gradients are partitioned: the engine's own norm is read after
-        its step instead (``on_train_batch_end``). Nothing at the other steps."""
+        """At the optimizer steps whose metrics the loggers write, the global L2 norm of the gradients before
+        clipping (Lightning clips after this hook), from the trainable parameters' ``.grad`` (under DDP or ZeRO
+        stage 0 after the all-reduce, a loss scale divided out), kept on the device for ``train/grad_norm``.
+        Under ZeRO 1-3 (partitioned gradients) the engine's own norm is read after its step. Nothing elsewhere."""
         self._grad_norm = None
         self._step_lr = None
         if not logs_now(self.trainer):

@@ -39,6 +39,16 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def take_schedule_now(scheduler) -> None:
+    """The optimizer's rates set to ``scheduler``'s (its ``LambdaLR``) at the step it was restored to: a run resumed on
+    another schedule holds the rate the checkpoint's schedule gave that step, and trained it once more before the new
+    schedule's first step."""
+    rates = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = lr
+    scheduler._last_lr = rates
+
+
 def long_warmup(warmup: int, total: int, lr: float) -> str | None:
     """What a run whose warm-up is longer than the run says: its rate rises all run (as the setting says; not cut
     to the run, which would reach ``lr`` sooner than asked). None otherwise."""
