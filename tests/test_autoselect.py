@@ -496,7 +496,7 @@ def test_run_setting_of_a_config_reuses_its_model_precision_and_zero_settings():
 def test_a_run_without_deepspeed_is_priced_and_probed_without_it():
     """An ``HBPDDPStrategy`` run shards nothing and keeps fp32 weights under bf16 autocast: the level search prices
     it so (as ``fit``'s memory check and ``python -m lit_hbp.cost.memory`` read it), not as HBPStrategy's ZeRO-2,
-    and its measured probes run under HBPDDPStrategy; a config naming no strategy keeps HBPStrategy's defaults."""
+    and its measured probes run under HBPDDPStrategy; a config naming no strategy is priced as Lightning's own."""
     from lit_hbp.autoselect import RunSetting
     from lit_hbp.autoselect.measured import probe_strategy_args
     from lit_hbp.cost.config import read_config
@@ -511,8 +511,11 @@ def test_a_run_without_deepspeed_is_priced_and_probed_without_it():
     assert describe(run.settings(h100)).startswith("ZeRO-0, bf16 autocast over fp32")
     assert run.with_flags(liger=True).strategy_args is None  # no lever asked for DeepSpeed
     assert run.with_flags(zero_stage=2).strategy_args == {"stage": 2}
+    # A config naming no strategy trains under Lightning's own (no DeepSpeed): it was priced as HBPStrategy's ZeRO-2,
+    # whose levels then did not fit the run fit trains (cost.memory said so of the same config).
     unnamed = dict(config, trainer={k: v for k, v in config["trainer"].items() if k != "strategy"})
-    assert RunSetting.from_config(unnamed, None, 8, MODELS["llama3.1-8b"]).strategy_args == {}
+    run = RunSetting.from_config(unnamed, None, 8, MODELS["llama3.1-8b"])
+    assert run.strategy_args is None and describe(run.settings(h100)) == describe(config_settings(unnamed, h100, 8))
 
     trainer = quiet_trainer(devices=1, strategy=HBPDDPStrategy(), precision="bf16-mixed")
     assert probe_strategy_args(trainer.strategy) is None
@@ -818,7 +821,8 @@ def test_a_longrope_models_levels_past_its_original_positions_stay_at_sp_1():
         assert (position_limit(static), whole_past(static)) == (131072, None)
         chosen = {}
         for name, folder in (("longrope", longrope), ("static", static)):
-            run = RunSetting.from_config({"model": {"model": folder}, "trainer": {"precision": "bf16-mixed"}}, None, 8)
+            trainer = {"precision": "bf16-mixed", "strategy": "hbp"}  # HBPStrategy's ZeRO-2
+            run = RunSetting.from_config({"model": {"model": folder}, "trainer": trainer}, None, 8)
             chosen[name] = AnalyticSelector("h100").select(lengths, run)
         levels = chosen["longrope"].levels
         assert levels[-1].pack_len == 131072  # every sample kept, not capped at 4,096
@@ -833,7 +837,9 @@ def test_a_longrope_models_levels_past_its_original_positions_stay_at_sp_1():
         wide = dict(hidden_size=5120, intermediate_size=17920, num_attention_heads=40, num_key_value_heads=10)
         wide.update(num_hidden_layers=40, head_dim=128, max_position_embeddings=1 << 20)
         big = phi3_folder(Path(tmp), rope64, **wide)
-        run = RunSetting.from_config({"model": {"model": big}, "trainer": {"precision": "bf16-mixed"}}, None, 8)
+        run = RunSetting.from_config(
+            {"model": {"model": big}, "trainer": {"precision": "bf16-mixed", "strategy": "hbp"}}, None, 8
+        )
         with pytest.raises(NoLevelFits) as refused:
             AnalyticSelector("h100").select(np.r_[np.full(100, 2000), 1 << 20], run)
     err = str(refused.value)

@@ -110,6 +110,8 @@ def router_pack(module):
 def router_loss_at_sp_2() -> tuple[float, dict]:
     """On each of 2 gloo ranks: a Mixtral pack (the padding segment included) split by Ulysses, its ``sum`` loss
     with the router loss through ``packed_loss``, and the gradients averaged over the ranks, as DDP averages them."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from lit_hbp import packed_loss
@@ -119,7 +121,9 @@ def router_loss_at_sp_2() -> tuple[float, dict]:
 
     module = built("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
     module.model.eval()
-    ctx = SPGroups([(2, 1)], 2, dist.get_rank())[(2, 1)]
+    ctx = SPGroups([(2, 1)], 2, dist.get_rank(), timedelta(seconds=91))[(2, 1)]
+    # the strategy's timeout reaches the SP groups, where the Ulysses and CP collectives wait (torch's 30 min before)
+    assert ctx.group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=91)
     shard = Ulysses().shard(router_pack(module), 2, ctx.rank).replace(sp_group=SPCall.of(ctx, "ulysses"))
     loss = packed_loss(module.model, shard, "sum").loss
     loss.backward()

@@ -58,3 +58,34 @@ def test_module_entry_point_runs(tmp_path):
         check=True,
     )
     assert "naive isf 512 sp1" in out.stdout
+
+
+def test_every_tool_refuses_a_lengths_file_it_cannot_plan_with_one_line(tmp_path, capsys):
+    """The level search read a lengths ``.npy`` unchecked: a negative or fractional length chose levels (exit 0,
+    "longest 5,000 tokens" for 5000.9), a 2-D array ended in an IndexError traceback, an empty file in numpy's
+    "zero-size array" words. Each tool now says what is wrong with which file, exit status 2."""
+    from lit_hbp.autoselect.__main__ import main as autoselect_main
+    from lit_hbp.simulate.__main__ import main as simulate_main
+
+    config = tmp_path / "train.yaml"
+    config.write_text("model:\n  model:\n    model_type: llama\n    hidden_size: 64\n    num_hidden_layers: 2\n")
+    bad = {"neg.npy": np.array([100, -5]), "frac.npy": np.array([100.0, 5000.9]), "flat.npy": np.ones((2, 3))}
+    for name, value in bad.items():
+        np.save(tmp_path / name, value)
+    (tmp_path / "empty.txt").write_text("\n")
+    says = {
+        "neg.npy": "must be >= 0: negative at index 1 = -5",
+        "frac.npy": "must be integers: index 1 = 5000.9",
+        "flat.npy": "must be a 1-D array of token counts, got shape (2, 3)",
+        "empty.txt": "holds no sample lengths",
+    }
+    tools = {
+        "packing": lambda path: main([path, "--levels", "1024", "--world", "1"]),
+        "simulate": lambda path: simulate_main([path, "--no-auto", "--levels", "1024:1", "--gpus", "1"]),
+        "autoselect": lambda path: autoselect_main(["--config", str(config), "--lengths", path, "--analytic"]),
+    }
+    for tool, run in tools.items():
+        for name, said in says.items():
+            assert run(str(tmp_path / name)) == 2, (tool, name)
+            err = capsys.readouterr().err
+            assert f"{tmp_path / name}" in err and said in err and "Traceback" not in err, (tool, name, err)

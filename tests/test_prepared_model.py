@@ -35,6 +35,7 @@ from lit_hbp import (
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.lightning.strategy import guard_frozen, trained_model
 from lit_hbp.model.packed_call import PREPARED, current_tiles, record_of
+from lit_hbp.parallel.ulysses import Ulysses
 
 PAD = 0
 
@@ -289,11 +290,11 @@ def test_zero3_loads_an_own_modules_models_from_a_folder_with_a_frozen_teacher(p
 
 
 def test_frozen_models_that_see_a_pack_must_be_prepared():
-    """The strategy's check: a frozen model held unprepared may run outside packs, and on
-    ``pack_inputs`` at sp 1 (transformers' own packed path: each document's logits alone); called on a
-    pack it would compute wrong (the ids without boundaries or positions, the boundaries with its cache
-    on) it is refused naming its attribute; an unprepared trainable model at a level with sp > 1 is
-    refused at set-up naming its attribute; the trained model is the trainable one."""
+    """The strategy's check: a frozen model held unprepared may run outside packs, and on ``pack_inputs`` at sp 1
+    (transformers' own packed path: each document's logits alone); called on a pack it would compute wrong (the
+    ids without boundaries or positions, the boundaries or positions with its cache on, a rank's shard without its
+    SP group: prepared or not) it is refused naming its attribute; an unprepared trainable model at a level with
+    sp > 1 is refused at set-up naming its attribute; the trained model is the trainable one."""
 
     class Holder(torch.nn.Module):
         def __init__(self):
@@ -320,6 +321,18 @@ def test_frozen_models_that_see_a_pack_must_be_prepared():
             holder.judge(input_ids=batch.input_ids)
         with pytest.raises(ValueError, match="with its KV cache on"):
             holder.judge(**{**pack_inputs(batch), "use_cache": True})
+        # The ids and positions alone: transformers reads the documents from the positions only with the cache off
+        with pytest.raises(ValueError, match="with its KV cache on"):
+            holder.judge(input_ids=batch.input_ids, position_ids=batch.position_ids)
+        with torch.no_grad():
+            alone = holder.judge(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        close(alone[0], logits)
+        # One rank's shard of an sp 2 pack, called without its SP group: it would attend within the shard alone
+        shard = Ulysses().shard(collate_packs([np.arange(len(pairs))], pairs.__getitem__, sp=2, loss_norm=1.0), 2, 1)
+        with pytest.raises(ValueError, match=r"self\.judge .* under sequence parallelism its ranks' shards would"):
+            holder.judge(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False)
+        with pytest.raises(ValueError, match="called on one rank's shard of a pack of sequence parallelism 2 without"):
+            holder.student(input_ids=shard.input_ids, position_ids=shard.position_ids)
     finally:
         for h in handles:
             h.remove()

@@ -150,15 +150,16 @@ class RunSetting:
     def from_config(cls, config: dict, vocab: int | None, world: int, spec: ModelSpec | None = None) -> RunSetting:
         """A training config (``lit_hbp.cost.config.read_config``) to be run on ``world`` local processes:
         its model and loss settings, precision (Lightning's 32-true when it names none), accumulation,
-        clipping and its DeepSpeed strategy's settings (``run_settings.config_strategy``; HBPStrategy's
-        defaults when it names none; None, priced without DeepSpeed, when it names one without)."""
+        clipping and its DeepSpeed strategy's settings (``run_settings.config_strategy``; None, priced without
+        DeepSpeed, when it names one without or none: Lightning's own strategy then trains it, as ``fit`` and
+        ``python -m lit_hbp.cost.memory`` read it)."""
         module_args = dict(config.get("model") or {})
         if vocab is not None:
             module_args["vocab_size"] = vocab
         trainer = config.get("trainer") or {}
         kept = {k: trainer[k] for k in ("accumulate_grad_batches", "gradient_clip_val") if k in trainer}
         trainer_args = {"precision": trainer.get("precision", "32-true"), **kept}
-        strategy_args = {} if trainer.get("strategy") is None else config_strategy(trainer["strategy"])
+        strategy_args = config_strategy(trainer.get("strategy"))
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
         model = None if spec else model_config(config, vocab)
         return cls(

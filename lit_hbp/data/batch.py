@@ -48,6 +48,7 @@ class CPShard:
 
 PACK_MARK = "_hbp_pack_segments"  # on a PackedBatch's input_ids: how many segments the pack holds
 DOCS_MARK = "_hbp_pack_documents"  # ... and how many of them are documents (the padding segment not counted)
+SP_MARK = "_hbp_pack_sp"  # ... and the level's SP degree: above 1, the ids are one rank's shard of the pack
 
 
 @dataclass
@@ -131,6 +132,7 @@ class PackedBatch:
         self.input_ids.__dict__[PACK_MARK] = segments
         padded = self.n_tokens < int(self.input_ids.shape[1]) * int(self.sp)  # the whole pack's length, on the host
         self.input_ids.__dict__[DOCS_MARK] = segments - int(padded)
+        self.input_ids.__dict__[SP_MARK] = int(self.sp)
         if self.bounds is not None:  # the host copy of the boundaries stays the boundaries (on the host: read)
             same = len(self.bounds) == self.cu_seqlens.shape[0] and (
                 self.cu_seqlens.device.type != "cpu" or list(self.bounds) == self.cu_seqlens.tolist()

@@ -45,7 +45,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, Strateg
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
 from lit_hbp.cost.run_settings import Settings, check, deepspeed_zero, refusal, strategy_config  # noqa: E402
-from lit_hbp.data.batch import PACK_MARK, PackedBatch  # noqa: E402
+from lit_hbp.data.batch import PACK_MARK, SP_MARK, PackedBatch  # noqa: E402
 from lit_hbp.errors import ConfigError, did_you_mean  # noqa: E402
 from lit_hbp.lightning.checkpoints import check_zero_folder, is_complete, save_deepspeed  # noqa: E402
 from lit_hbp.lightning.deepspeed_config import (  # noqa: E402
@@ -197,13 +197,15 @@ def guard_frozen(module) -> list:
 def _refuse_pack(path: str, stateful: str | None, net, args: tuple, kwargs: dict):
     ids = kwargs.get("input_ids", args[0] if args else None)
     marked = isinstance(ids, torch.Tensor) and ids.__dict__.get(PACK_MARK, 0) > 1
+    sharded = isinstance(ids, torch.Tensor) and ids.__dict__.get(SP_MARK, 1) > 1  # a rank's shard of the pack
     boundaries = kwargs.get("cu_seq_lens_q") is not None
+    positions = marked and kwargs.get("position_ids") is not None  # transformers reads them as the documents
     why = None
     if stateful is not None and (marked or boundaries):
         raise ValueError(f"{path} is called on a packed micro-batch, but {stateful}")
-    if kwargs.get("hbp_sp") is not None or kwargs.get("hbp_cp_shard") is not None:
+    if kwargs.get("hbp_sp") is not None or kwargs.get("hbp_cp_shard") is not None or sharded:
         why = "under sequence parallelism its ranks' shards would attend only to themselves"
-    elif boundaries and kwargs.get("use_cache", net.config.use_cache) is not False:
+    elif (boundaries or positions) and kwargs.get("use_cache", net.config.use_cache) is not False:
         why = "with its KV cache on, transformers lets the documents of the pack attend to each other"
     elif marked and not boundaries and kwargs.get("position_ids") is None:
         why = "without boundaries or positions its documents would attend to each other"
@@ -303,7 +305,7 @@ class LevelGroups:
         refuse_sp_over_mixers(net, laid_out)
         degrees = [(lv.sp, lv.layout[1]) for lv in laid_out]
         if self.sp_groups is None:
-            self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank)
+            self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank, self._timeout)
         else:  # groups handed over from an earlier run of the same world (the measured level search)
             if (self.sp_groups.world_size, self.sp_groups.rank) != (self.world_size, self.global_rank):
                 raise ValueError(

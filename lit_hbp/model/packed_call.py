@@ -54,7 +54,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.fx.experimental import _config as fx_config
 from torch.utils.checkpoint import checkpoint
 
-from lit_hbp.data.batch import DOCS_MARK, PACK_MARK, PackedBatch
+from lit_hbp.data.batch import DOCS_MARK, PACK_MARK, SP_MARK, PackedBatch
 from lit_hbp.data.media_batch import TOKEN_KEYS
 from lit_hbp.model import calls
 from lit_hbp.model.offload import host_offload, offloaded_checkpoint
@@ -465,8 +465,14 @@ def _enter_call(decoder: torch.nn.Module, args: tuple, kwargs: dict):
                 f"but its forward passed {type(decoder).__name__} neither, which would number the pack as one "
                 "sequence: compute the loss with lit_hbp.packed_loss(model, batch)"
             )
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    sp = ids.__dict__.get(SP_MARK, 1) if isinstance(ids, torch.Tensor) else 1  # a rank's shard of the pack
+    if packed is not None and sp > 1 and kwargs.get("hbp_sp") is None and kwargs.get("hbp_cp_shard") is None:
+        raise ValueError(
+            f"{type(decoder).__name__} was called on one rank's shard of a pack of sequence parallelism {sp} without "
+            "its SP group, so the shard would attend only to itself: call the model with **lit_hbp.pack_inputs(batch)"
+        )
     if packed is None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
         segments = ids.__dict__.get(PACK_MARK, 0) if isinstance(ids, torch.Tensor) else 0
         masked = kwargs.get("attention_mask") is not None  # transformers then attends over the row as one
         if segments > 1 and (kwargs.get("position_ids") is None or masked):

@@ -74,12 +74,18 @@ def describe_indices(bad: np.ndarray, arr: np.ndarray, limit: int = 5) -> str:
 
 
 def load_lengths(path: str | Path) -> np.ndarray:
-    """Read lengths from .npy or from a text file with one integer per line (errors name the line)."""
+    """Read lengths from .npy or from a text file with one integer per line (errors name the line), checked
+    (``check_lengths``: one row of whole token counts >= 0, errors naming the file), at least one."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"lengths file not found: {path}")
-    if path.suffix == ".npy":
-        return np.load(path, allow_pickle=False)
+    lengths = np.load(path, allow_pickle=False) if path.suffix == ".npy" else _text_lengths(path)
+    if not np.asarray(lengths).size:
+        raise ValueError(f"{path} holds no sample lengths")
+    return check_lengths(lengths, what=str(path))
+
+
+def _text_lengths(path: Path) -> np.ndarray:
     values = []
     with path.open() as f:
         for lineno, line in enumerate(f, 1):

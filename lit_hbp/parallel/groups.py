@@ -11,6 +11,7 @@ strided across them (``lit_hbp.parallel.topology``). Degree d of Ulysses alone i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -46,8 +47,8 @@ class SPGroups:
     """All SP contexts of a run, keyed by layout (sp, cp); a bare degree d means (d, 1). Degree 1
     needs no group."""
 
-    def __init__(self, layouts, world_size: int, rank: int):
-        self.world_size, self.rank = world_size, rank
+    def __init__(self, layouts, world_size: int, rank: int, timeout: timedelta | None = None):
+        self.world_size, self.rank, self.timeout = world_size, rank, timeout  # the strategy's, as its world's
         self.contexts: dict[Layout, SPContext] = {(1, 1): SPContext(None, 1, 0, (rank,))}
         self.ensure(layouts)
 
@@ -74,7 +75,7 @@ class SPGroups:
         """One group per rank list (a collective: every rank creates every group); this rank's."""
         mine = None
         for ranks in all_ranks:
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            group = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
             if self.rank in ranks:
                 mine = SPContext(group, len(ranks), rank_in_group, tuple(ranks))
         return mine
