@@ -611,6 +611,10 @@ def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shap
     args = ["--config", str(config), "--analytic", "--gpus", "32", "--lengths", str(few), "--model", "llama3.1-8b"]
     assert autoselect_main(args) == 0
     assert list((tmp_path / "cwd").iterdir()) == []
+    # Chosen under levers the config does not set: the block says them (pasted alone, the levels might not fit).
+    assert autoselect_main([*args, "--liger", "--offload-optimizer", "--out", str(out)]) == 0
+    said = "# chosen with model.liger: true, HBPStrategy offload_optimizer: true: set them in the config too, or these"
+    assert out.read_text().startswith(said) and said in capsys.readouterr().out
     # A missing model is a clear error, not a traceback.
     assert autoselect_main(["--config", str(config), "--lengths", str(lengths), "--gpus", "8", "--out", str(out)]) == 2
     assert "/nowhere/llama" in capsys.readouterr().err

@@ -183,3 +183,21 @@ def test_simulate_applies_a_checkpoints_positions_as_the_fit_does(tmp_path, caps
         }
     assert all(sp == 1 for length, sp in sps["longrope"].items() if length > 4096), sps
     assert any(sp > 1 for sp in sps["static"].values()), sps
+
+
+def test_simulate_prices_a_training_yamls_own_run_with_the_flags_over_it(tmp_path, capsys):
+    """``--model`` a training YAML: its LoRA, Liger, strategy and precision were dropped (a full-weights ZeRO-2 run
+    priced, whatever the YAML trains: other levels than the level search chose for the same config); now the
+    YAML's own run is priced, and a flag given sets its setting over it."""
+    path = tmp_path / "l.npy"
+    np.save(path, np.random.default_rng(0).integers(100, 4000, 500))
+    shape = "hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, num_attention_heads: 4, vocab_size: 99"
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        "trainer:\n  precision: bf16-mixed\n  strategy: hbp_stage_1\nmodel:\n  lora: {rank: 16}\n  liger: true\n"
+        f"  model: {{model_type: llama, {shape}, max_position_embeddings: 8192}}\n"
+    )
+    base = [str(path), "--model", str(run), "--gpus", "8", "--no-auto", "--levels", "4096:1"]
+    for flags, said in (([], "ZeRO-1, Liger, LoRA, bf16;"), (["--zero-stage", "2"], "ZeRO-2, Liger, LoRA, bf16;")):
+        assert simulate_main([*base, *flags]) == 0
+        assert f"(simulated with the cost model), {said}" in capsys.readouterr().out, flags

@@ -118,11 +118,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     for note in selection.notes:
         print(note + "\n")
-    print(selection.yaml())
+    block = levers_said(args) + selection.yaml()
+    print(block)
     if args.out:  # nothing is written where the command runs unless asked
-        Path(args.out).write_text(selection.yaml())
+        Path(args.out).write_text(block)
         print(f"wrote {args.out}")
     return 0
+
+
+def levers_said(args: argparse.Namespace) -> str:
+    """The levers the levels were chosen under (``--liger``, ``--zero-stage``, ``--offload-optimizer``), as a comment
+    heading the levels block: pasted without them into the config, the levels may not fit the run it trains."""
+    levers = [
+        *(["model.liger: true"] if args.liger else []),
+        *([f"HBPStrategy stage: {args.zero_stage}"] if args.zero_stage is not None else []),
+        *(["HBPStrategy offload_optimizer: true"] if args.offload_optimizer else []),
+    ]
+    if not levers:
+        return ""
+    return f"# chosen with {', '.join(levers)}: set them in the config too, or these levels may not fit\n"
 
 
 if __name__ == "__main__":

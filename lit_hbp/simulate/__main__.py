@@ -34,15 +34,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
 from lit_hbp.autoselect.search import Selection, analytic_levels
 from lit_hbp.autoselect.selector import positions_of
-from lit_hbp.cost.config import check_levels, load_spec, nonnegative_float, positive_int
+from lit_hbp.cost.config import check_levels, load_spec, nonnegative_float, positive_int, read_config
 from lit_hbp.cost.costmodel import GIB, HARDWARE
 from lit_hbp.cost.memory import not_fitting
-from lit_hbp.cost.run_settings import SIMULATE, Settings, check, cost_model, describe
+from lit_hbp.cost.run_settings import SIMULATE, Settings, check, config_settings, cost_model, describe
 from lit_hbp.model.checks import check_positions
 from lit_hbp.packing import Level
 from lit_hbp.packing.bins import load_lengths
@@ -148,6 +150,24 @@ def describe_levels(levels) -> str:
     return ", ".join(f"{lv.pack_len} sp{lv.sp}{layout_note(lv)} ckpt{lv.ckpt_layers}{lv.memory_note}" for lv in levels)
 
 
+def run_of(args: argparse.Namespace) -> Settings:
+    """The run priced: a training YAML's ``--model`` brings its own (strategy, LoRA, liger, loss chunk, precision:
+    ``config_settings``), else HBPStrategy's ZeRO-2 in bf16; the flags given set theirs over it."""
+    hardware = HARDWARE[args.gpu]
+    path = Path(args.model)
+    base = (
+        config_settings(read_config(path), hardware, args.gpus)
+        if path.suffix in (".yaml", ".yml")
+        else Settings(args.gpus, hardware, 2)
+    )
+    flags = {
+        "zero_stage": args.zero_stage,
+        "optimizer_offload": args.offload_optimizer or None,
+        "liger": args.liger or None,
+    }
+    return replace(base, **{k: v for k, v in flags.items() if v is not None})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m lit_hbp.simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", default="h100", choices=sorted(HARDWARE))
     p.add_argument("--levels", nargs="+", default=["16384:1", "131072:8"], help="HBP levels PACK_LEN:SP[:CKPT]")
     p.add_argument("--accumulate", type=positive_int, default=1)
-    p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3], help="DeepSpeed's ZeRO stage")
+    p.add_argument(
+        "--zero-stage", type=int, choices=[0, 1, 2, 3], help="DeepSpeed's ZeRO stage (default: a YAML's, else 2)"
+    )
     p.add_argument("--liger", action="store_true", help="the model runs Liger's RMSNorm and SwiGLU (liger: true)")
     p.add_argument(
         "--offload-optimizer", action="store_true", help="DeepSpeed offload_optimizer: Adam states on the host"
@@ -178,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lengths = load_lengths(args.lengths)
         spec = load_spec(args.model)
-        settings = Settings(args.gpus, HARDWARE[args.gpu], args.zero_stage, args.offload_optimizer, liger=args.liger)
+        settings = run_of(args)
         check(settings, SIMULATE)
         cost = cost_model(spec, settings)
         margin = args.margin_gib * GIB
