@@ -772,8 +772,8 @@ def test_reasoning_the_template_renders_only_in_the_last_turn_is_refused_on_an_e
     question = [{"role": "user", "content": "Weather?"}]
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"messages": [*question, first, *question, last]}) + "\n")
-    with pytest.raises(DataError, match=rf"{path}:1: messages\[1\].reasoning_content: the chat template renders it "
-                       "only while the turn is the last"):  # fmt: skip
+    with pytest.raises(DataError, match=rf"{path}:1: messages\[1\].reasoning_content: the chat template drops it "
+                       "once the conversation goes on"):  # fmt: skip
         tokenize_source(Source(str(path)), tok, progress=False, train_on="last_assistant")
     kept = [*question, {**first, "reasoning_content": None}, *question, last]
     path.write_text(json.dumps({"messages": [*question, {"role": "assistant", "content": "Sunny."}, *question, last]}))

@@ -325,9 +325,9 @@ def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
 
     rates = Rates()
 
-    def run(steps: int, resume: bool = True, lr: float = 2e-5):
+    def run(steps: int, resume: bool = True, lr: float = 2e-5, **kw):
         dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache")
-        module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, self_check=False, warmup_steps=1, lr=lr)
+        module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, self_check=False, warmup_steps=1, lr=lr, **kw)
         how = HBPStrategy(stage=2) if strategy == "deepspeed" else "auto"
         # saved at the final step, as FinalCheckpoint saves it (one written after fit is refused: Lightning has
         # closed the epoch by then, so a resume would skip the rest of it)
@@ -363,7 +363,7 @@ def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
         "with the run's own max_steps to keep its)"
     ]
     assert rates.taken == pytest.approx([1.55e-5, 6.5e-6], rel=1e-6)  # step 2 took the old schedule's 2e-6
-    trainer, said = run(2)
+    trainer, said = run(2, ce_chunk_size=7)  # a setting of the run alone (the loss's chunk) is taken as given
     assert trainer.global_step == 2 and not said
     # Another learning rate: the restored schedule kept the checkpoint's while the module said the new one (the
     # command line reads a file's settings first; a DeepSpeed folder, Lightning's `last` or a fit of one's own not)

@@ -266,6 +266,10 @@ def test_a_config_mappings_vocabulary_is_kept_when_the_tokenizer_fits_in_it():
     assert make_module(TINY).model.get_input_embeddings().num_embeddings == 300  # the tokenizer's, when unset
     with pytest.raises(ConfigError, match=r"model.model.vocab_size: 200 rows embed fewer than the tokenizer's 300"):
         make_module({**TINY, "vocab_size": 200})
+    from lit_hbp.cost.config import model_config  # what the level search and the simulator price: the same rows
+
+    assert model_config({"model": {"model": {**TINY, "vocab_size": 320}}}, 300)["vocab_size"] == 320
+    assert model_config({"model": {"model": TINY}}, 300)["vocab_size"] == 300
 
 
 def test_a_gradient_accumulation_schedule_plans_each_epoch_with_its_accumulation(chat_data, toy_tokenizer, tmp_path):

@@ -333,6 +333,16 @@ def test_frozen_models_that_see_a_pack_must_be_prepared():
             holder.judge(input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False)
         with pytest.raises(ValueError, match="called on one rank's shard of a pack of sequence parallelism 2 without"):
             holder.student(input_ids=shard.input_ids, position_ids=shard.position_ids)
+        # ... also a shard inside one document, whose positions do not restart
+        long = [(np.arange(30) % 64, np.ones(30, bool)), (np.arange(10), np.ones(10, bool))]
+        inside = Ulysses().shard(collate_packs([np.arange(2)], long.__getitem__, sp=2, loss_norm=1.0), 2, 0)
+        assert bool((inside.position_ids[0].diff() == 1).all())
+        with pytest.raises(ValueError, match="called on one rank's shard of a pack of sequence parallelism 2 without"):
+            holder.student(input_ids=inside.input_ids, position_ids=inside.position_ids)
+        # An attention mask beside the positions: transformers attends over the masked row as one sequence
+        with pytest.raises(ValueError, match=r"self\.judge .* with an attention mask and no boundaries"):
+            holder.judge(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                         attention_mask=torch.ones_like(batch.input_ids), use_cache=False)  # fmt: skip
     finally:
         for h in handles:
             h.remove()
@@ -412,7 +422,7 @@ def test_two_processes_give_one_processs_update_and_refuse_what_sp_cannot_do(sha
     for messages in (refusals, refusals1):
         assert len(messages) == 2
         assert "would average each rank's shard" in messages[0] and "packed_loss" in messages[0]
-        assert "without their document boundaries" in messages[1]
+        assert "one rank's shard of a pack of sequence parallelism 2 without its SP group" in messages[1]
     with torch.no_grad():
         start = 0
         for ids, _ in sp_docs.values():

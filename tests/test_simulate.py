@@ -201,3 +201,17 @@ def test_simulate_prices_a_training_yamls_own_run_with_the_flags_over_it(tmp_pat
     for flags, said in (([], "ZeRO-1, Liger, LoRA, bf16;"), (["--zero-stage", "2"], "ZeRO-2, Liger, LoRA, bf16;")):
         assert simulate_main([*base, *flags]) == 0
         assert f"(simulated with the cost model), {said}" in capsys.readouterr().out, flags
+    # A run without DeepSpeed, and a lever asking for it: priced as the level search prices the same config and flag.
+    from lit_hbp.autoselect import RunSetting
+    from lit_hbp.cost.config import read_config
+    from lit_hbp.cost.costmodel import HARDWARE
+    from lit_hbp.cost.run_settings import describe
+
+    ddp = tmp_path / "ddp.yaml"
+    ddp.write_text(run.read_text().replace("hbp_stage_1", "ddp"))
+    for flags, stage in (([], None), (["--zero-stage", "2"], 2)):
+        assert simulate_main([str(path), "--model", str(ddp), *base[3:], *flags]) == 0
+        searched = RunSetting.from_config(read_config(ddp), None, 8).with_flags(zero_stage=stage)
+        said = describe(searched.settings(HARDWARE["h100"]))
+        assert f"(simulated with the cost model), {said};" in capsys.readouterr().out, flags
+    assert said == "ZeRO-2, Liger, LoRA, bf16"  # DeepSpeed's bf16 weights, not autocast over fp32 ones

@@ -120,8 +120,8 @@ class RunSetting:
             raise ValueError("level selection needs the model: train an HBPLitModule (its `model` describes it)")
         model = hparams["model"]
         vocab = hparams.get("vocab_size") or getattr(trainer.datamodule, "vocab_size", None)
-        if isinstance(model, dict) and vocab is not None:
-            model = {**model, "vocab_size": vocab}
+        if isinstance(model, dict) and vocab is not None:  # as the fit builds it: the mapping's own if not fewer
+            model = {**model, "vocab_size": max(vocab, model.get("vocab_size") or vocab)}
         device = trainer.strategy.root_device
         init = inspect.signature(type(module)).parameters  # hparams also hold LightningCLI's entries
         return cls(

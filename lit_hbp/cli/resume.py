@@ -164,7 +164,7 @@ def check_resumed_model(given: Any, saved: dict) -> None:
     checkpoint over the config's, so a ``model.*`` value the config or command line changed would be dropped
     without a word (``--model.lr 1e-4`` trained on at the checkpoint's 3e-3). Refused, naming each one."""
     if isinstance(given, (dict, Namespace)):
-        check_resumed_settings(_plain(given), saved)
+        check_resumed_settings(_plain(given), _plain(saved))
 
 
 def _plain(value: Any) -> Any:

@@ -64,8 +64,8 @@ def model_config(config: dict, vocab: int | None) -> dict | str:
     model = (config.get("model") or {}).get("model")
     if model is None:
         raise ValueError("the config has no model.model entry (a checkpoint path or a config mapping)")
-    if isinstance(model, dict) and vocab is not None:
-        model = {**model, "vocab_size": vocab}
+    if isinstance(model, dict) and vocab is not None:  # as the fit builds it: the mapping's own if not fewer
+        model = {**model, "vocab_size": max(vocab, model.get("vocab_size") or vocab)}
     return model
 
 

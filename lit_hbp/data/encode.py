@@ -250,9 +250,9 @@ class _Encoder:
                         )
                     if i + 1 < len(conv.messages) and self._renders_as(conv, without + conv.messages[i + 1 :], full):
                         raise DataError(
-                            f"{conv.where}: messages[{i}].{key}: the chat template renders it only while the turn is "
-                            "the last (Qwen3 drops an earlier turn's reasoning), so the model would never see it: drop "
-                            "it from this turn, or give the conversation up to this turn as a record of its own"
+                            f"{conv.where}: messages[{i}].{key}: the chat template drops it once the conversation goes "
+                            "on (Qwen3 renders reasoning only after the last user turn), so the model would never see "
+                            "it: drop it from this turn, or give the conversation up to this turn as a record"
                         )
 
     def _renders_as(self, conv: Conversation, messages: list[dict], full: str) -> bool:

@@ -144,10 +144,13 @@ def client_state_file(path: str | os.PathLike) -> Path:
     return min(f for f in (path / (_latest_tag(path) or "")).iterdir() if MODEL_STATES.match(f.name))
 
 
-def check_resumed_settings(given: dict, saved: dict, option: str = "--ckpt_path") -> None:
-    """A resume continues the run as its checkpoint saved it (its optimizer and schedule restored): a module
-    argument given otherwise than the checkpoint's run did (``lr`` trained on at the checkpoint's rate, ``loss``
-    taken) would be half applied without a word. Refused, naming each one (tuples and lists alike)."""
+RESTORED = ("lr", "betas", "weight_decay")  # module arguments a resume's restored optimizer state sets over
+
+
+def check_resumed_settings(given: dict, saved: dict, option: str = "--ckpt_path", keys: tuple | None = None) -> None:
+    """A resume continues the run as its checkpoint saved it: a module argument given otherwise than the checkpoint's
+    run did (``keys``, all by default) would be dropped without a word (``lr``: the restored optimizer and schedule
+    train on at the checkpoint's rate). Refused, naming each one (tuples and lists alike)."""
 
     def plain(value: Any) -> Any:
         if isinstance(value, dict):
@@ -157,7 +160,10 @@ def check_resumed_settings(given: dict, saved: dict, option: str = "--ckpt_path"
     changed = [
         f"model.{key}: {plain(given[key])!r} (the checkpoint's {plain(value)!r})"
         for key, value in saved.items()
-        if not key.startswith("_") and key in given and plain(given[key]) != plain(value)
+        if not key.startswith("_")
+        and key in given
+        and (keys is None or key in keys)
+        and plain(given[key]) != plain(value)
     ]
     if changed:
         raise ConfigError(

@@ -21,7 +21,7 @@ from lit_hbp.cost.memory import not_fitting, trainer_cost
 from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.checkpoints import check_resumed_settings
+from lit_hbp.lightning.checkpoints import RESTORED, check_resumed_settings
 from lit_hbp.lightning.meter import MicroStepEnd, StepMeter, logs_now
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
@@ -267,10 +267,10 @@ class HBPLitModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The learning-rate schedule the checkpoint's run followed, which the resumed run must follow (a
-        checkpoint written before lit-hbp saved it holds none). A fit resumed with other module arguments
-        (a DeepSpeed folder, ``last``: what the command line does not read first) is refused."""
+        checkpoint written before lit-hbp saved it holds none). A fit resumed with optimizer arguments other than its
+        restored optimizer's (a DeepSpeed folder, ``last``: what the command line does not read first) is refused."""
         if self._trainer is not None and self.trainer.state.fn == "fit":
-            check_resumed_settings(self.hparams, checkpoint.get("hyper_parameters") or {}, "ckpt_path")
+            check_resumed_settings(self.hparams, checkpoint.get("hyper_parameters") or {}, "ckpt_path", RESTORED)
         self._resumed_schedule = checkpoint.get(LR_SCHEDULE)
         self._resumed_step = int(checkpoint.get("global_step", 0))
         self._say_schedule()
@@ -289,8 +289,8 @@ class HBPLitModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.model.train()  # whatever ran before (a user's callback, a validation) left it in
-        if self._resumed_schedule not in (None, self._schedule):  # the new schedule's rate from the resumed step on
-            take_schedule_now(self.lr_schedulers())
+        if self._schedule is not None and self._resumed_schedule not in (None, self._schedule):
+            take_schedule_now(self.lr_schedulers())  # the new schedule's rate from the resumed step on
 
     def on_fit_start(self) -> None:
         from lightning.pytorch.callbacks import StochasticWeightAveraging

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from lit_hbp.errors import ConfigError
 
 LR_SCHEDULE = "hbp_lr_schedule"  # the checkpoint's key of the run's schedule: {"total": steps, "warmup": steps}
@@ -42,7 +44,9 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
 def take_schedule_now(scheduler) -> None:
     """The optimizer's rates set to ``scheduler``'s (its ``LambdaLR``) at the step it was restored to: a run resumed on
     another schedule holds the rate the checkpoint's schedule gave that step, and trained it once more before the new
-    schedule's first step."""
+    schedule's first step. A scheduler of another kind (a subclass's own) is left as it is."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return
     rates = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(scheduler.optimizer.param_groups, rates):
         group["lr"] = lr

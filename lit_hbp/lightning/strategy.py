@@ -209,6 +209,8 @@ def _refuse_pack(path: str, stateful: str | None, net, args: tuple, kwargs: dict
         why = "with its KV cache on, transformers lets the documents of the pack attend to each other"
     elif marked and not boundaries and kwargs.get("position_ids") is None:
         why = "without boundaries or positions its documents would attend to each other"
+    elif marked and not boundaries and kwargs.get("attention_mask") is not None:
+        why = "with an attention mask and no boundaries transformers attends over the pack as one sequence"
     if why is not None:
         raise ValueError(
             f"{path} ({type(net).__name__}) is called on a packed micro-batch but is not prepared for packs: {why}; "

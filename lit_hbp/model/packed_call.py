@@ -467,7 +467,7 @@ def _enter_call(decoder: torch.nn.Module, args: tuple, kwargs: dict):
             )
     ids = kwargs.get("input_ids", args[0] if args else None)
     sp = ids.__dict__.get(SP_MARK, 1) if isinstance(ids, torch.Tensor) else 1  # a rank's shard of the pack
-    if packed is not None and sp > 1 and kwargs.get("hbp_sp") is None and kwargs.get("hbp_cp_shard") is None:
+    if sp > 1 and kwargs.get("hbp_sp") is None and kwargs.get("hbp_cp_shard") is None:  # restarting or not
         raise ValueError(
             f"{type(decoder).__name__} was called on one rank's shard of a pack of sequence parallelism {sp} without "
             "its SP group, so the shard would attend only to itself: call the model with **lit_hbp.pack_inputs(batch)"

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +43,16 @@ from lit_hbp.autoselect.selector import positions_of
 from lit_hbp.cost.config import check_levels, load_spec, nonnegative_float, positive_int, read_config
 from lit_hbp.cost.costmodel import GIB, HARDWARE
 from lit_hbp.cost.memory import not_fitting
-from lit_hbp.cost.run_settings import SIMULATE, Settings, check, config_settings, cost_model, describe
+from lit_hbp.cost.run_settings import (
+    SIMULATE,
+    Settings,
+    check,
+    config_strategy,
+    cost_model,
+    describe,
+    settings_of,
+    with_zero,
+)
 from lit_hbp.model.checks import check_positions
 from lit_hbp.packing import Level
 from lit_hbp.packing.bins import load_lengths
@@ -151,21 +159,17 @@ def describe_levels(levels) -> str:
 
 
 def run_of(args: argparse.Namespace) -> Settings:
-    """The run priced: a training YAML's ``--model`` brings its own (strategy, LoRA, liger, loss chunk, precision:
-    ``config_settings``), else HBPStrategy's ZeRO-2 in bf16; the flags given set theirs over it."""
-    hardware = HARDWARE[args.gpu]
+    """The run priced, as the level search reads it (``RunSetting.with_flags``): a training YAML's ``--model`` brings
+    its own (strategy, LoRA, liger, loss chunk, precision), else HBPStrategy's ZeRO-2 in bf16; the levers given
+    (``--zero-stage``, ``--offload-optimizer``, ``--liger``) set theirs over it."""
     path = Path(args.model)
-    base = (
-        config_settings(read_config(path), hardware, args.gpus)
-        if path.suffix in (".yaml", ".yml")
-        else Settings(args.gpus, hardware, 2)
-    )
-    flags = {
-        "zero_stage": args.zero_stage,
-        "optimizer_offload": args.offload_optimizer or None,
-        "liger": args.liger or None,
-    }
-    return replace(base, **{k: v for k, v in flags.items() if v is not None})
+    config = read_config(path) if path.suffix in (".yaml", ".yml") else {}
+    trainer, model = config.get("trainer") or {}, dict(config.get("model") or {})
+    strategy = config_strategy(trainer.get("strategy")) if config else {}
+    precision = trainer.get("precision", "32-true") if config else None
+    model["liger"] = bool(model.get("liger")) or args.liger
+    strategy = with_zero(strategy, args.zero_stage, args.offload_optimizer)
+    return settings_of(HARDWARE[args.gpu], args.gpus, strategy, model, precision)
 
 
 def main(argv: list[str] | None = None) -> int:
