@@ -251,7 +251,7 @@ def test_a_z_loss_the_models_own_loss_adds_is_refused_by_prepare_model():
     model.z_loss_coefficient = 0.5
     with pytest.raises(ValueError, match="^bamba: z_loss_coefficient 0.5 adds a z-loss of every position's logits"):
         prepare_model(model)
-    model.z_loss_coefficient = config.z_loss_coefficient = 0.0
+    model.z_loss_coefficient = 0.0  # the forward reads the model's own (its config still says 0.5)
     prepare_model(model)
 
 

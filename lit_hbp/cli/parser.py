@@ -161,9 +161,8 @@ def config_file_error(message: str, args: list[str] | None) -> str:
 def short_error(message: str, parser: argparse.ArgumentParser) -> str:
     """jsonargparse's error report cut to what says what is wrong: an unknown init argument of a class
     (with the class, the nearest valid argument and the valid ones), a missing required one, an unknown
-    option with the nearest valid one (or the key it stands for, ``ALIASES``), an option another one sets, a
-    config file's YAML
-    error with the file; any other message as it is."""
+    option with the nearest valid one (or the key it stands for, ``ALIASES``), an option another one sets
+    (``LINKED``), a config file's YAML error with the file; any other message as it is."""
     found = CLASS_OPTION.search(message)
     if found:
         class_path, option = found.groups()

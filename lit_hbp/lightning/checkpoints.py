@@ -138,10 +138,8 @@ def client_state_file(path: str | os.PathLike) -> Path:
     """The file of checkpoint ``path`` holding Lightning's own entries (hyper-parameters, loops, callbacks): the
     file, or the first model-states file of the tag a DeepSpeed folder's ``latest`` names (DeepSpeed keeps the
     client state Lightning gives it there)."""
-    path = Path(path)
-    if not path.is_dir():
-        return path
-    return min(f for f in (path / (_latest_tag(path) or "")).iterdir() if MODEL_STATES.match(f.name))
+    files = checkpoint_files(path)
+    return min(f for f in files if MODEL_STATES.match(f.name)) if Path(path).is_dir() else files[0]
 
 
 RESTORED = ("lr", "betas", "weight_decay")  # module arguments a resume's restored optimizer state sets over

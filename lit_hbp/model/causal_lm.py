@@ -465,7 +465,7 @@ def check_z_loss(net: torch.nn.Module) -> None:
     log-sum-exp over every position) is refused here (``prepare_model``): ``packed_loss`` computes the
     supervised tokens' cross-entropy only, so it would train without it."""
     config = net.config.get_text_config()
-    coefficient = getattr(net, "z_loss_coefficient", None) or getattr(config, "z_loss_coefficient", 0)
+    coefficient = getattr(net, "z_loss_coefficient", getattr(config, "z_loss_coefficient", 0))  # the forward's own
     if coefficient:
         raise ValueError(
             f"{net.config.model_type}: z_loss_coefficient {coefficient} adds a z-loss of every position's logits to "
