@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, quiet_trainer
 
 from lit_hbp.cli.app import main
 from lit_hbp.cli.checks import world_size_of
@@ -87,6 +87,21 @@ def test_the_attention_lit_hbp_sets_is_refused_in_a_model_mapping_and_a_ddp_argu
                        r"DataParallel \(did you mean 'find_unused_parameters'\?\)"):  # fmt: skip
         HBPDDPStrategy(find_unused_paramters=True)
     assert HBPDDPStrategy(find_unused_parameters=True)._ddp_kwargs == {"find_unused_parameters": True}
+
+
+def test_a_ddp_communication_hook_on_one_cpu_device_is_refused_not_dropped(tmp_path, sp_data, toy_tokenizer):
+    """On one device HBPDDPStrategy wraps nothing, and Lightning registers a DDP hook on CUDA only: an fp16
+    compression hook (which rounds every gradient) was dropped without a word; on one CUDA device DDP runs it."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.strategy import HBPDDPStrategy
+
+    dm = HBPDataModule(sources=[{"path": str(sp_data)}], tokenizer=toy_tokenizer, levels=[256], cache_dir=str(tmp_path))
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size)
+    trainer = quiet_trainer(strategy=HBPDDPStrategy(ddp_comm_hook=fp16_compress_hook), max_steps=1)
+    with pytest.raises(ConfigError, match=r"ddp_comm_hook runs on CUDA devices only .* not on cpu: remove it"):
+        trainer.fit(module, dm)
 
 
 def test_every_key_of_every_causal_lm_default_config_is_valid():

@@ -164,14 +164,12 @@ def _path(name: str) -> str:
 
 
 def guard_frozen(module) -> list:
-    """Hooks on each frozen Hugging Face model ``module`` holds unprepared (a teacher, a reference)
-    that refuse, naming the attribute, a packed call it would compute wrong: one under sequence
-    parallelism (it would attend within one rank's shard), one with the boundaries but its KV cache on
-    (transformers would let the documents attend to each other), a pack's token ids without
-    boundaries or positions, and any packed call of one holding a token mixer that carries state across
-    documents (``lit_hbp.model.mixers``: transformers' own packed path keeps only attention within documents).
-    Outside a pack, and on ``pack_inputs`` at sp 1 (transformers' own packed path, the cache off), such
-    a model runs as it always did."""
+    """Hooks on each frozen Hugging Face model ``module`` holds unprepared (a teacher, a reference) that
+    refuse, naming the attribute, a packed call it would compute wrong: under SP (it would attend within one
+    rank's shard), with boundaries and its KV cache on (documents would attend to each other), a pack's ids
+    without boundaries or positions, any packed call of a model with a stateful token mixer
+    (``lit_hbp.model.mixers``). Outside a pack, and on ``pack_inputs`` at sp 1 with the cache off
+    (transformers' own packed path), such a model runs as it always did."""
     from transformers import PreTrainedModel
 
     handles = []
@@ -225,10 +223,9 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()  # the strategies that set up a world
 @atexit.register
 def release_process_groups() -> None:
     """At exit, while the interpreter is whole: drop the SP groups of every HBPStrategy still alive and
-    destroy every process group (DeepSpeed's cached references included). A gloo worker thread left
-    to end during interpreter shutdown can free a tensor, take the GIL and abort the process
-    (``terminate called without an active exception``) after a successful run. A world already
-    destroyed (the measured level search destroys its own) is left alone."""
+    destroy every process group (DeepSpeed's cached references included). A gloo worker thread left to end
+    during interpreter shutdown can abort a successful run (``terminate called without an active
+    exception``). A world already destroyed (the measured level search destroys its own) is left alone."""
     for strategy in list(_LIVE):
         strategy.sp_groups = None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -538,12 +535,10 @@ class HBPDDPStrategy(LevelGroups, DDPStrategy):
     the whole model, its gradients and its optimizer states; the gradients are all-reduced over the world
     in DDP's buckets, overlapped with the backward.
 
-    The fast path where ZeRO would shard nothing: on one device no DDP wrapper at all (no gradient hooks,
-    no buckets), the module's own fused AdamW and foreach clipping (``HBPLitModule``), so the optimizer
-    step runs what a bare PyTorch loop runs (``bench/step_overhead.py``); DeepSpeed's one-process ZeRO-2
-    adds per-parameter hooks, flat copies of the gradients and host reads (docs/gpu.md). Use it when the
-    model's weights, gradients and fp32 Adam states fit on each device (16 bytes per parameter under
-    bf16-mixed); ``HBPStrategy`` shards them.
+    The fast path where ZeRO would shard nothing: on one device no DDP wrapper (no gradient hooks, no
+    buckets), the module's fused AdamW and foreach clipping, so the optimizer step runs what a bare PyTorch
+    loop runs (``bench/step_overhead.py``; docs/gpu.md). Use it when weights, gradients and fp32 Adam states
+    fit on each device (16 bytes per parameter under bf16-mixed); ``HBPStrategy`` shards them.
 
     Args:
         levels: the HBP levels; by default those of the trainer's data module (HBPDataModule).
@@ -562,8 +557,7 @@ class HBPDDPStrategy(LevelGroups, DDPStrategy):
     ):
         super().__init__(timeout=timeout, **kwargs)
         self.init_levels(levels)
-        # On one device no DDP wrapper takes them: a misspelled one would pass here and stop the same config on two
-        # GPUs. Checked against DistributedDataParallel's own arguments now, as DDP would on many.
+        # On one device no DDP wrapper takes them: checked now, as DDP would on many.
         accepted = set(inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters)
         accepted -= {"self", "module"}
         unknown = sorted(set(self._ddp_kwargs) - accepted)
@@ -579,14 +573,20 @@ class HBPDDPStrategy(LevelGroups, DDPStrategy):
 
     def setup(self, trainer) -> None:
         self.levels = self.prepare_levels(trainer)
-        how = f"DDP over {self.world_size} processes" if self.world_size > 1 else "one device, no DDP wrapper"
+        how = f"DDP over {self.world_size} processes" if self.world_size > 1 else "one device"
         rank_zero_info(f"HBPDDPStrategy levels: {self.describe_levels()}; {how}")
         super().setup(trainer)
 
     def configure_ddp(self) -> None:
-        """One process reduces nothing: the module stays unwrapped (DDP would hook every parameter's
-        gradient and copy it into buckets for an all-reduce of one)."""
-        if self.world_size > 1:
+        """One process reduces nothing: the module stays unwrapped (no DDP hooks nor buckets), unless a
+        communication hook is given: it changes the gradients (fp16 compression rounds them)."""
+        hooked = self._ddp_comm_hook is not None or self._ddp_comm_wrapper is not None
+        if hooked and self.root_device.type != "cuda":
+            raise ConfigError(
+                f"trainer.strategy (HBPDDPStrategy): ddp_comm_hook runs on CUDA devices only (Lightning registers it "
+                f"only there), not on {self.root_device.type}: remove it"
+            )
+        if self.world_size > 1 or hooked:
             super().configure_ddp()
 
     @classmethod
