@@ -21,6 +21,7 @@ from packaging.requirements import Requirement
 
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
+from lit_hbp.lightning.deepspeed_config import overflow_note
 from lit_hbp.lightning.strategy import HBPStrategy
 from lit_hbp.model.loss import token_weights
 from lit_hbp.parallel.groups import SPGroups
@@ -156,6 +157,10 @@ def test_the_strategy_turns_deepspeeds_bf16_overflow_check_off_unless_asked(conf
     strategy._format_config()  # what setup does once the precision is known
     bf16 = get_bfloat16_config(strategy.config)  # DeepSpeed's own reading of the config
     assert bf16.enabled and bf16.check_grad_overflow is check
+    # said at set-up whenever DeepSpeed's reading is off: its default (a plain DeepSpeedStrategy's) skips such steps
+    note = overflow_note(strategy.config, strategy._overflow_check_asked)
+    assert bool(note) is not bf16.check_grad_overflow
+    assert not check and "non-finite gradients are applied, not skipped" in note or check and note == ""
 
 
 @pytest.mark.parametrize(

@@ -124,6 +124,18 @@ def without_overflow_check(config: dict[str, Any], asked: bool) -> dict[str, Any
     return {**config, "bf16": {**bf16, "check_grad_overflow": False}}
 
 
+def overflow_note(config: dict[str, Any], asked: bool) -> str:
+    """Said at set-up where ``without_overflow_check`` turned DeepSpeed's default off: a plain
+    DeepSpeedStrategy run would skip a step whose gradients are not finite; this one applies it."""
+    bf16 = config.get("bf16")
+    if asked or not isinstance(bf16, dict) or not bf16.get("enabled"):
+        return ""
+    return (
+        "; bf16 steps with non-finite gradients are applied, not skipped (DeepSpeed's check_grad_overflow off: "
+        "it reads the device twice a step; a DeepSpeed config with bf16.check_grad_overflow: true turns it on)"
+    )
+
+
 def sharding_note(world_size: int, zero: Settings) -> str:
     """What DeepSpeed shards here, said where it shards nothing: its step then only costs the host more than
     HBPDDPStrategy's (per-parameter hooks, flat gradient copies, waits for the device: docs/gpu.md), unless it

@@ -53,6 +53,7 @@ from lit_hbp.lightning.deepspeed_config import (  # noqa: E402
     check_clipping,
     check_config_sections,
     check_half_precision_stage,
+    overflow_note,
     put_back_torch_linear,
     sharding_note,
     without_idle_overlap,
@@ -387,8 +388,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         bf16 = (self.config or {}).get("bf16") or {}
         self._overflow_check_asked = bool(user_config and "check_grad_overflow" in bf16)
         if self.config is not None:
-            # A micro-batch is one packed row; without this Lightning would infer it from a
-            # dataloader before the model exists.
+            # A micro-batch is one packed row; else Lightning infers it from a dataloader before the model exists.
             self.config.setdefault("train_micro_batch_size_per_gpu", 1)
             # DeepSpeed's throughput timer (on by default) synchronizes the device in every forward and
             # optimizer step; lit-hbp's monitors time the steps without waiting (HBPThroughputMonitor).
@@ -470,7 +470,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
             if lv.mlp_tiles > 1 and (why := refusal("mlp_tiles", zero, value=lv.mlp_tiles)):
                 raise ValueError(f"level {i} (pack_len {lv.pack_len}): {why}")
         self.config = without_idle_overlap(self.config, self.world_size, self._overlap_comm_asked)
-        shards = sharding_note(self.world_size, zero)
+        shards = sharding_note(self.world_size, zero) + overflow_note(self.config, self._overflow_check_asked)
         rank_zero_info(f"HBPStrategy levels: {self.describe_levels()}; ZeRO stage {zero.zero_stage}{shards}")
         _check_deepspeed_device(self.root_device)
         super().setup(trainer)
