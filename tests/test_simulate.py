@@ -215,3 +215,33 @@ def test_simulate_prices_a_training_yamls_own_run_with_the_flags_over_it(tmp_pat
         said = describe(searched.settings(HARDWARE["h100"]))
         assert f"(simulated with the cost model), {said};" in capsys.readouterr().out, flags
     assert said == "ZeRO-2, Liger, LoRA, bf16"  # DeepSpeed's bf16 weights, not autocast over fp32 ones
+
+
+@pytest.mark.parametrize("tool", ["simulate", "autoselect"])
+def test_a_switch_a_yaml_turned_on_is_refused_in_the_yamls_words(tmp_path, capsys, tool):
+    """Liger (or the optimizer's offload) a YAML turned on, at a ZeRO stage that refuses it, was named as the flag
+    (``--liger``), with the fix "without --liger": a flag the user never gave, and no flag turns it off. Named as
+    the YAML names it; the flag given names itself; the stage's own fix stays a flag (it overrides the YAML)."""
+    from lit_hbp.autoselect.__main__ import main as autoselect_main
+
+    path = tmp_path / "l.npy"
+    np.save(path, np.random.default_rng(0).integers(100, 4000, 200))
+    shape = "hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, num_attention_heads: 4, vocab_size: 99"
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        "trainer:\n  precision: bf16-mixed\n  strategy: hbp_stage_3\nmodel:\n  liger: true\n"
+        f"  model: {{model_type: llama, {shape}, max_position_embeddings: 8192}}\n"
+    )
+    if tool == "simulate":
+        argv, main = [str(path), "--model", str(run), "--gpus", "8", "--no-auto", "--levels", "4096:1"], simulate_main
+    else:
+        argv, main = ["--config", str(run), "--lengths", str(path), "--gpus", "8"], autoselect_main
+    said = (([], "model.liger: true", "model.liger: false"), (["--liger"], "--liger", "without --liger"))
+    for flags, name, off in said:
+        assert main([*argv, *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"error: {name} needs ZeRO stage 0-2, not 3 (Liger's fused linear cross-entropy reads the LM head's weight "
+            f"whole, which ZeRO-3 partitions): use --zero-stage 2 or {off}"
+        ), flags
+    assert main([*argv, "--zero-stage", "2"]) == 0  # the fix named

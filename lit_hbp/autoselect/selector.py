@@ -34,6 +34,7 @@ from lit_hbp.cost.run_settings import (
     Tool,
     check,
     config_strategy,
+    config_switches,
     cost_model,
     describe,
     local_hardware,
@@ -89,9 +90,11 @@ class RunSetting:
     ) -> RunSetting:
         """This run with Liger's RMSNorm/SwiGLU, the Adam states on the host and/or another ZeRO stage (the
         levers ``--liger``, ``--offload-optimizer`` and ``--zero-stage`` of the command line tools)."""
+        flags = {"liger": liger, "optimizer_offload": offload_optimizer}
+        tool = self.tool.with_config_words(config_switches(self.strategy_args, self.module_args, flags))
         module_args = {**self.module_args, **({"liger": True} if liger else {})}
         strategy_args = with_zero(self.strategy_args, zero_stage, offload_optimizer)
-        return replace(self, module_args=module_args, strategy_args=strategy_args)
+        return replace(self, module_args=module_args, strategy_args=strategy_args, tool=tool)
 
     def settings(self, hardware: Hardware) -> Settings:
         """The run's settings on ``hardware`` (``run_settings.settings_of``): its HBPStrategy's ZeRO stage and

@@ -312,6 +312,11 @@ class Tool:
             return template.format(str(value).lower() if isinstance(value, bool) else value)
         return template if value else f"without {template}"
 
+    def with_config_words(self, settings: list[str]) -> Tool:
+        """This tool, spelling ``settings`` as a training config does: switches a config turned on, which the
+        tool's flags (that only turn them on) can neither name nor turn off."""
+        return Tool({k: v for k, v in self.flags.items() if k not in settings})
+
     def spell_all(self, changes: dict[str, Any]) -> str:
         """Several settings: flags side by side (``--liger --zero-stage 2``), config keys in a list."""
         spelled = [self.spell(s, v) for s, v in changes.items()]
@@ -343,6 +348,13 @@ MEASURED = Tool({**_COMMAND, "world": "--devices {}", "max_len": "--max-len {}",
 
 SWITCHES = ("liger", "optimizer_offload")
 """The run's switches a refusal may advise turning on (beside a higher ZeRO stage, more GPUs, a shorter level)."""
+
+
+def config_switches(strategy_args: dict | None, model_args: dict, flags: dict[str, bool]) -> list[str]:
+    """The switches (``SWITCHES``) a training config turns on itself, of those its tool's ``flags`` do not."""
+    zero = deepspeed_zero(None if strategy_args is None else strategy_config(strategy_args))
+    on = {"liger": bool(model_args.get("liger")), "optimizer_offload": bool(zero["optimizer_offload"])}
+    return [s for s in SWITCHES if on[s] and not flags.get(s)]
 
 
 def refusal(setting: str, run: Run, tool: Tool = CONFIG, value: Any = True) -> str | None:

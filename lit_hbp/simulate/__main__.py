@@ -46,8 +46,10 @@ from lit_hbp.cost.memory import not_fitting
 from lit_hbp.cost.run_settings import (
     SIMULATE,
     Settings,
+    Tool,
     check,
     config_strategy,
+    config_switches,
     cost_model,
     describe,
     settings_of,
@@ -158,18 +160,21 @@ def describe_levels(levels) -> str:
     return ", ".join(f"{lv.pack_len} sp{lv.sp}{layout_note(lv)} ckpt{lv.ckpt_layers}{lv.memory_note}" for lv in levels)
 
 
-def run_of(args: argparse.Namespace) -> Settings:
+def run_of(args: argparse.Namespace) -> tuple[Settings, Tool]:
     """The run priced, as the level search reads it (``RunSetting.with_flags``): a training YAML's ``--model`` brings
     its own (strategy, LoRA, liger, loss chunk, precision), else HBPStrategy's ZeRO-2 in bf16; the levers given
-    (``--zero-stage``, ``--offload-optimizer``, ``--liger``) set theirs over it."""
+    (``--zero-stage``, ``--offload-optimizer``, ``--liger``) set theirs over it. With the words its refusals speak:
+    a switch the YAML turned on is named as the YAML names it."""
     path = Path(args.model)
     config = read_config(path) if path.suffix in (".yaml", ".yml") else {}
     trainer, model = config.get("trainer") or {}, dict(config.get("model") or {})
     strategy = config_strategy(trainer.get("strategy")) if config else {}
     precision = trainer.get("precision", "32-true") if config else None
+    flags = {"liger": args.liger, "optimizer_offload": args.offload_optimizer}
+    tool = SIMULATE.with_config_words(config_switches(strategy, model, flags) if config else [])
     model["liger"] = bool(model.get("liger")) or args.liger
     strategy = with_zero(strategy, args.zero_stage, args.offload_optimizer)
-    return settings_of(HARDWARE[args.gpu], args.gpus, strategy, model, precision)
+    return settings_of(HARDWARE[args.gpu], args.gpus, strategy, model, precision), tool
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lengths = load_lengths(args.lengths)
         spec = load_spec(args.model)
-        settings = run_of(args)
-        check(settings, SIMULATE)
+        settings, tool = run_of(args)
+        check(settings, tool)
         cost = cost_model(spec, settings)
         margin = args.margin_gib * GIB
         config, covered, past = positions_of(args.model)
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         selection = (
             None
             if args.no_auto
-            else analytic_levels(cost, lengths, args.seed, max_len, margin=margin, tool=SIMULATE, whole_past=past)
+            else analytic_levels(cost, lengths, args.seed, max_len, margin=margin, tool=tool, whole_past=past)
         )
         levels, auto_ckpt = parse_levels(args.levels)
         levels = [resolve_layout(lv, spec.heads, spec.kv_heads, cost.hardware.gpus_per_node) for lv in levels]
