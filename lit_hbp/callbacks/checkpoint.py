@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 
 
 class StepEndCallback(L.Callback):
@@ -44,7 +45,8 @@ class FinalCheckpoint(StepEndCallback):
     and ``save_top_k == 1`` (the checkpoint callback Lightning adds by default, which keeps the
     latest checkpoint): its checkpoint is written at the final step. A callback that ranks
     checkpoints by a monitored metric and keeps no last one is left alone: the final step has no
-    fresh value of that metric to rank it by.
+    fresh value of that metric to rank it by. One with a last one that ranks at the epoch's end (no
+    validation between) ranks the final step at its end, as its epoch-end hook would have.
 
     When ``max_steps`` ends the run, or it is stopped (``trainer.should_stop``: ``max_time``, early stopping,
     a callback; a stop asked inside an optimizer step is held until the step's end), the save happens at that
@@ -96,6 +98,8 @@ class FinalCheckpoint(StepEndCallback):
         has not saved this step; return the paths written (every rank calls it: ZeRO saves are
         collective)."""
         step = trainer.global_step
+        epoch = trainer.fit_loop.epoch_progress.current
+        open_epoch = epoch.processed < epoch.started  # at a step's end: Lightning has not closed the epoch yet
         written: list[str] = []
         if step == 0 or trainer.fast_dev_run:  # a dev run: Lightning suppresses checkpointing, so does this
             return written
@@ -110,6 +114,17 @@ class FinalCheckpoint(StepEndCallback):
                 continue
             previous = cb._last_global_step_saved
             candidates = cb._monitor_candidates(trainer)
+            # One that ranks at the epoch's end ranks this step now: its epoch-end save would come after Lightning
+            # closed the epoch and write last.ckpt again, where no resume continues the rest of the epoch.
+            ranks_now = open_epoch and cb.monitor is not None and cb._should_save_on_train_epoch_end(trainer)
+            if ranks_now and cb._every_n_epochs >= 1 and (trainer.current_epoch + 1) % cb._every_n_epochs == 0:
+                if cb.monitor in candidates:
+                    cb._save_topk_checkpoint(trainer, candidates)
+                else:
+                    rank_zero_warn(
+                        f"ModelCheckpoint(monitor={cb.monitor!r}): the run ends inside epoch {trainer.current_epoch} "
+                        f"at step {step}, where {cb.monitor} is not logged yet: saved as last, not ranked"
+                    )
             if cb.save_last:
                 if cb.save_last == "link":
                     # A link would point at the latest scheduled checkpoint, an older step: write the file.
@@ -120,11 +135,11 @@ class FinalCheckpoint(StepEndCallback):
             else:
                 cb._save_topk_checkpoint(trainer, candidates)
                 written.append(cb.best_model_path)
-            if cb.monitor is not None:
-                # A callback that ranks by a metric keeps its schedule: a validation right after this
-                # step may still save (and rank) this step by the metric it brings. One without a
-                # metric has this step saved: its epoch-end hook must not write it again after
-                # Lightning closed the epoch (a resume would then skip the rest of the epoch).
+            if cb.monitor is not None and not ranks_now:
+                # A callback that ranks by a metric at validation keeps its schedule: a validation right after this
+                # step may still save (and rank) this step by the metric it brings. The others have this step
+                # saved: their epoch-end hook must not write it again after Lightning closed the epoch (a resume
+                # would then skip the rest of the epoch).
                 cb._last_global_step_saved = previous
             self._saved_at[id(cb)] = step
         return written
