@@ -204,6 +204,23 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             ["--data.sources", str(demo / "short.jsonl")],
             "sources[0]: '{",  # jsonargparse read the file's records as the list
         ),
+        "a negative curriculum warm-up": (
+            ["--trainer.callbacks+=lit_hbp.callbacks.HBPCurriculum", "--trainer.callbacks.warmup_steps", "-1"],
+            "HBPCurriculum warmup_steps: must be >= 0, got -1",
+        ),
+        "a timeline hardware lit-hbp has not": (
+            ["--trainer.callbacks+=lit_hbp.callbacks.PackingMetrics", "--trainer.callbacks.hardware", "h1000"],
+            "PackingMetrics hardware: unknown 'h1000' (did you mean 'h100'?)",
+        ),
+        "an export dtype misspelled": (
+            ["--trainer.callbacks+=lit_hbp.callbacks.HBPExport", "--trainer.callbacks.dirpath", "out"]
+            + ["--trainer.callbacks.dtype", "bf16"],
+            "HBPExport dtype: 'bf16' (did you mean 'bfloat16'?) is not one of",
+        ),
+        "a throughput window of one log": (
+            ["--trainer.callbacks+=lit_hbp.callbacks.HBPThroughputMonitor", "--trainer.callbacks.window_size", "1"],
+            "HBPThroughputMonitor window_size: must be >= 2 (rates between logs), got 1",
+        ),
         "missing tokenizer": (
             ["--data.tokenizer", str(demo.parent / "tokenzer")],
             f"data.tokenizer: '{demo.parent / 'tokenzer'}' is neither a local folder",
@@ -226,7 +243,9 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a misspelled LoRA setting", "an accumulation schedule under DeepSpeed", "a precision DeepSpeed has not",
          "a CUDA-only attention backend on a CPU", "a data file as the list of sources",
          "a monitor a separator away from a logged metric", "a validation inside an optimizer step",
-         "a checkpoint by time inside an optimizer step"]  # fmt: skip
+         "a checkpoint by time inside an optimizer step", "a negative curriculum warm-up",
+         "a timeline hardware lit-hbp has not", "an export dtype misspelled",
+         "a throughput window of one log"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch"}

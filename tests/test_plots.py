@@ -171,7 +171,7 @@ def test_packing_metrics_logs_figures_to_tensorboard(tmp_path, chats, toy_tokeni
 
 
 def test_packing_metrics_rejects_unknown_hardware():
-    with pytest.raises(ValueError, match="unknown hardware"):
+    with pytest.raises(ValueError, match="PackingMetrics hardware: unknown 'tpu'"):
         PackingMetrics(figures=True, hardware="tpu")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_hbp.errors import ConfigError
+
 
 class HBPCurriculum(L.Callback):
     """Put ``warmup_steps`` optimizer steps of the short levels at the start of training.
@@ -18,7 +20,7 @@ class HBPCurriculum(L.Callback):
 
     def __init__(self, warmup_steps: int, short_levels: list[int] | None = None):
         if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+            raise ConfigError(f"HBPCurriculum warmup_steps: must be >= 0, got {warmup_steps}")
         self.warmup_steps = warmup_steps
         self.short_levels = short_levels
         self._announced = False

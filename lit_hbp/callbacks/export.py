@@ -9,7 +9,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.callbacks.interrupt import InterruptCheckpoint
-from lit_hbp.errors import ConfigError
+from lit_hbp.errors import ConfigError, did_you_mean
 
 
 class HBPExport(L.Callback):
@@ -23,7 +23,7 @@ class HBPExport(L.Callback):
         from lit_hbp.export import DTYPES
 
         if dtype not in DTYPES:
-            raise ValueError(f"HBPExport: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+            raise ConfigError(f"HBPExport dtype: {dtype!r}{did_you_mean(dtype, DTYPES)} is not one of {sorted(DTYPES)}")
         self.dirpath, self.dtype, self.merge_lora = Path(dirpath), dtype, merge_lora
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

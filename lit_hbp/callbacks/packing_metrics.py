@@ -10,6 +10,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lit_hbp.cost.costmodel import HARDWARE
 from lit_hbp.cost.run_settings import Settings, cost_model, trainer_settings
+from lit_hbp.errors import ConfigError, did_you_mean
 from lit_hbp.model_spec import ModelSpec
 
 
@@ -43,7 +44,10 @@ class PackingMetrics(L.Callback):
 
     def __init__(self, figures: bool = False, hardware: str = "h100") -> None:
         if hardware not in HARDWARE:
-            raise ValueError(f"PackingMetrics: unknown hardware {hardware!r}, choose one of {sorted(HARDWARE)}")
+            raise ConfigError(
+                f"PackingMetrics hardware: unknown {hardware!r}{did_you_mean(hardware, HARDWARE)}, choose one of "
+                f"{sorted(HARDWARE)}"
+            )
         self.figures = figures
         self.hardware = hardware
 

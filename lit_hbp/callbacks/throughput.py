@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lit_hbp.cost.gpu_peaks import peak_flops
 from lit_hbp.data.batch import PackedBatch
+from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.meter import logs_now
 
 
@@ -79,7 +80,9 @@ class HBPThroughputMonitor(ThroughputMonitor):
         **kwargs: Any,
     ):
         if batch_size_fn is None and length_fn is not None:
-            raise ValueError("HBPThroughputMonitor: a length_fn needs its batch_size_fn (samples in a batch)")
+            raise ConfigError("HBPThroughputMonitor length_fn: needs its batch_size_fn (samples in a batch)")
+        if window_size < 2:  # Lightning's Throughput asserts it at set-up, without a word
+            raise ConfigError(f"HBPThroughputMonitor window_size: must be >= 2 (rates between logs), got {window_size}")
         packed = batch_size_fn is None
         super().__init__(
             batch_size_fn=batch_size_fn or samples_in_batch,
