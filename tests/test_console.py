@@ -270,6 +270,16 @@ def test_progress_bar_over_epochs_in_a_plain_project(tmp_path):
     assert ("epoch start", 4, 8, "Epoch 1/1") in probe.shown
 
 
+def test_progress_bar_total_is_the_steps_the_run_trains_when_epochs_end_it_before_max_steps(tmp_path):
+    """``max_steps: 1000`` beside ``max_epochs: 1`` of 3 steps: the bar ended at 3/1000 (its time left wrong); the
+    run trains 3, which its LR schedule spans too."""
+    probe = BarProbe()
+    trainer = plain_fit(tmp_path, [HBPProgressBar(), probe], max_steps=1000, max_epochs=1, limit_train_batches=6,
+                        accumulate_grad_batches=2, enable_progress_bar=True)  # fmt: skip
+    assert trainer.global_step == 3
+    assert probe.shown[-1] == ("batch end", 3, 3, "Epoch 0/0")
+
+
 # ---- 4. the per-level summary of each epoch ------------------------------------------------------
 
 

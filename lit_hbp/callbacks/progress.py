@@ -24,11 +24,9 @@ from lit_hbp.lightning.meter import StepMeter
 
 
 def planned_steps(trainer: L.Trainer) -> int | None:
-    """The run's optimizer steps: ``max_steps`` when set, else the steps of ``max_epochs`` epochs of the
-    current epoch's length (Lightning's ``estimated_stepping_batches``, what the LR schedule uses);
+    """The run's optimizer steps: the fewer of ``max_steps`` and the steps of ``max_epochs`` epochs of the
+    current epoch's length (Lightning's ``estimated_stepping_batches``, what the LR schedule spans);
     None when neither bounds the run."""
-    if trainer.max_steps is not None and trainer.max_steps >= 0:
-        return int(trainer.max_steps)
     estimate = trainer.estimated_stepping_batches
     return None if math.isinf(estimate) or math.isnan(estimate) else int(estimate)
 
