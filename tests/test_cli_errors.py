@@ -221,6 +221,10 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             ["--trainer.callbacks+=lit_hbp.callbacks.HBPThroughputMonitor", "--trainer.callbacks.window_size", "1"],
             "HBPThroughputMonitor window_size: must be >= 2 (rates between logs), got 1",
         ),
+        "weight averaging under DeepSpeed": (
+            ["--trainer.strategy", "hbp", "--trainer.callbacks+=lightning.pytorch.callbacks.EMAWeightAveraging"],
+            "(EMAWeightAveraging) under DeepSpeed (trainer.strategy) the averaged weights reach no checkpoint",
+        ),
         "missing tokenizer": (
             ["--data.tokenizer", str(demo.parent / "tokenzer")],
             f"data.tokenizer: '{demo.parent / 'tokenzer'}' is neither a local folder",
@@ -245,7 +249,7 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a monitor a separator away from a logged metric", "a validation inside an optimizer step",
          "a checkpoint by time inside an optimizer step", "a negative curriculum warm-up",
          "a timeline hardware lit-hbp has not", "an export dtype misspelled",
-         "a throughput window of one log"]  # fmt: skip
+         "a throughput window of one log", "weight averaging under DeepSpeed"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch"}

@@ -565,6 +565,31 @@ def test_a_fit_the_modules_schedule_or_model_cannot_follow_is_refused(chat_data,
         endless.fit(make_module(vocab=dm.vocab_size), dm)
 
 
+def test_weight_averaging_under_deepspeed_is_refused_where_no_checkpoint_would_hold_the_average(
+    chat_data, toy_tokenizer, tmp_path
+):
+    """Lightning's EMAWeightAveraging puts its average in a checkpoint's state_dict, which a DeepSpeed save leaves
+    out (its folder holds the engine's weights): the export of a DeepSpeed run held the current weights, 4.3e-3 off
+    the average, without a word. Refused before the first step."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from lit_hbp.lightning.strategy import HBPStrategy, release_process_groups
+
+    dm = HBPDataModule(
+        sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=[{"pack_len": 128}],
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    steps = []
+    count = type("Count", (L.Callback,), {"on_train_batch_start": lambda self, *a: steps.append(1)})()
+    trainer = quiet_trainer(max_steps=2, strategy=HBPStrategy(stage=2), callbacks=[EMAWeightAveraging(), count])
+    try:
+        with pytest.raises(ConfigError, match="EMAWeightAveraging: under DeepSpeed .* the averaged weights reach no"):
+            trainer.fit(make_module(vocab=dm.vocab_size), dm)
+    finally:
+        release_process_groups()
+    assert steps == []
+
+
 def test_a_setting_the_model_cannot_take_is_a_config_error_naming_it():
     """freeze_vision on a text-only model stopped with a plain ValueError (a traceback from the command line):
     a ConfigError naming model.freeze_vision now (the CLI's short error, exit 2)."""

@@ -368,8 +368,11 @@ def step_callbacks(callbacks: Any) -> list:
 
 def check_fixed_accumulation(callbacks: Any) -> None:
     """A ``GradientAccumulationScheduler`` under DeepSpeed, whose engine takes one accumulation for the run:
-    Lightning refuses it when training starts, after the data is read; refused now."""
-    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+    Lightning refuses it when training starts, after the data is read; refused now. So is a ``WeightAveraging``,
+    whose average a DeepSpeed checkpoint never holds (``checkpoints.AVERAGED_UNDER_DEEPSPEED``)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler, WeightAveraging
+
+    from lit_hbp.lightning.checkpoints import AVERAGED_UNDER_DEEPSPEED
 
     for i, entry in enumerate(_entries(callbacks)):
         kind = class_of(entry)
@@ -379,6 +382,8 @@ def check_fixed_accumulation(callbacks: Any) -> None:
                 "accumulate_grad_batches for the whole run: set trainer.accumulate_grad_batches, or train with "
                 "trainer.strategy hbp_ddp"
             )
+        if isinstance(kind, type) and issubclass(kind, WeightAveraging):
+            raise ConfigError(f"trainer.callbacks[{i}] ({kind.__name__}) {AVERAGED_UNDER_DEEPSPEED}")
 
 
 def check_no_swa(callbacks: Any) -> None:

@@ -142,6 +142,12 @@ def client_state_file(path: str | os.PathLike) -> Path:
     return min(f for f in files if MODEL_STATES.match(f.name)) if Path(path).is_dir() else files[0]
 
 
+# Lightning's WeightAveraging puts the average in a checkpoint's state_dict, which a DeepSpeed save leaves out (its
+# folder holds the engine's own weights), and DeepSpeed's fp32 partitions are the current weights, not the average.
+AVERAGED_UNDER_DEEPSPEED = (
+    "under DeepSpeed (trainer.strategy) the averaged weights reach no checkpoint and no export (DeepSpeed saves its "
+    "engine's own, the current weights): train with trainer.strategy hbp_ddp, or without the averaging"
+)
 RESTORED = ("lr", "betas", "weight_decay")  # module arguments a resume's restored optimizer state sets over
 
 

@@ -21,7 +21,7 @@ from lit_hbp.cost.memory import not_fitting, trainer_cost
 from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.checkpoints import RESTORED, check_resumed_settings
+from lit_hbp.lightning.checkpoints import AVERAGED_UNDER_DEEPSPEED, RESTORED, check_resumed_settings
 from lit_hbp.lightning.meter import MicroStepEnd, StepMeter, logs_now
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
@@ -43,13 +43,7 @@ from lit_hbp.model.build import (
     own_generation_config,
     zero3_loading,
 )
-from lit_hbp.model.causal_lm import (
-    PackedLoss,
-    decoder_layers,
-    model_spec,
-    packed_loss,
-    prepare_model,
-)
+from lit_hbp.model.causal_lm import PackedLoss, decoder_layers, model_spec, packed_loss, prepare_model
 from lit_hbp.model.checks import check_model_source, check_module_positions
 from lit_hbp.model.loss import NORMALIZERS
 from lit_hbp.model.packed_call import pack_scope
@@ -293,11 +287,14 @@ class HBPLitModule(L.LightningModule):
             take_schedule_now(self.lr_schedulers())  # the new schedule's rate from the resumed step on
 
     def on_fit_start(self) -> None:
-        from lightning.pytorch.callbacks import StochasticWeightAveraging
+        from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+        from lightning.pytorch.strategies import DeepSpeedStrategy
 
         for callback in getattr(self.trainer, "callbacks", ()):
             if isinstance(callback, StochasticWeightAveraging):
                 raise ConfigError(f"trainer callback {type(callback).__name__}: {SWA_REFUSED}")
+            if isinstance(callback, WeightAveraging) and isinstance(self.trainer.strategy, DeepSpeedStrategy):
+                raise ConfigError(f"trainer callback {type(callback).__name__}: {AVERAGED_UNDER_DEEPSPEED}")
         dm = getattr(self.trainer, "datamodule", None)
         levels = tuple(getattr(dm, "levels", None) or ())
         for i, lv in enumerate(levels):
