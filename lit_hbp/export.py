@@ -51,7 +51,15 @@ SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 def load_checkpoint(path: str | Path, trust: bool = False) -> dict:
     """The checkpoint as one dict with a full fp32 ``state_dict``, whatever wrote it. Read with the
     weights-only allow-list (``lit_hbp.lightning.checkpoints.check_checkpoint``) unless ``trust``."""
-    from lit_hbp.lightning.checkpoints import MODEL_STATES, TRUST_HINT, check_checkpoint, safe_load, trusted_load
+    from lit_hbp.lightning.checkpoints import (
+        MODEL_STATES,
+        TRUST_HINT,
+        check_checkpoint,
+        checkpoint_files,
+        client_state_file,
+        safe_load,
+        trusted_load,
+    )
 
     path = Path(path)
     if path.is_file() and MODEL_STATES.match(path.name):
@@ -62,11 +70,35 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> dict:
     if path.is_dir():  # DeepSpeed: one shard per rank (ZeRO) under <dir>/<tag>
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
+        if not any(f.name.endswith("optim_states.pt") for f in checkpoint_files(path)):
+            return _unsharded(load(client_state_file(path)), path)
+
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "consolidated.ckpt"
             convert_zero_checkpoint_to_fp32_state_dict(str(path), str(out))
             return load(out)
     return load(path)
+
+
+# What DeepSpeed keeps in a model-states file beside Lightning's client state (as Lightning's conversion drops them).
+DEEPSPEED_STATES = ("module", "optimizer", "lr_scheduler", "csr_tensor_module_names", "skipped_steps", "global_steps",
+                    "dp_world_size", "mp_world_size")  # fmt: skip
+
+
+def _unsharded(states: dict, path: Path) -> dict:
+    """A DeepSpeed folder without optimizer-states files: ZeRO stage 0 shards nothing and keeps the whole weights
+    in its model states (fp32: lit-hbp refuses stage 0 in half precision), which DeepSpeed's zero_to_fp32 does not
+    read; any other stage keeps its fp32 weights in the optimizer-states files, which are then missing."""
+    stage = ((states.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0)
+    module = states.get("module") or {}
+    if stage != 0 or not module or any(v.is_floating_point() and v.dtype != torch.float32 for v in module.values()):
+        raise UserInputError(
+            f"not a checkpoint that can be exported: {path}: its tag folder has no optimizer-states files "
+            f"(*_optim_states.pt), where DeepSpeed's ZeRO stage {stage} keeps the fp32 weights: copy the whole folder"
+        )
+    client = {k: v for k, v in states.items() if k not in DEEPSPEED_STATES}
+    client["state_dict"] = {k.removeprefix("_forward_module."): v for k, v in module.items()}
+    return client
 
 
 def _hparams(ckpt: dict) -> dict:

@@ -161,6 +161,48 @@ def test_export_of_a_zero_checkpoint_is_exact_and_loads_in_transformers(
     assert torch.isfinite(loss) and again.model.model.embed_tokens.weight.grad is not None
 
 
+def test_export_of_a_zero_stage_0_folder_is_exact_and_one_missing_its_optimizer_states_is_named(
+    chats, toy_tokenizer, tmp_path, capsys
+):
+    """ZeRO stage 0 shards nothing and writes no optimizer-states file: DeepSpeed's zero_to_fp32 crashed on its folder
+    (a 26-line traceback; HBPExport after the whole run). Its model states hold the whole fp32 weights: exported
+    bit-exact. A stage-2 folder whose optimizer-states files were lost is named in one line, exit 2."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_hbp.export import main as export_main
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.strategy import HBPStrategy, release_process_groups
+
+    data = [{"path": str(chats)}]
+    dm = HBPDataModule(sources=data, tokenizer=toy_tokenizer, levels=["384:1"], cache_dir=str(tmp_path))
+    for stage in (0, 2):
+        torch.manual_seed(0)
+        module = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, lr=1e-2, self_check=False)
+        trainer = quiet_trainer(max_steps=2, strategy=HBPStrategy(stage=stage))
+        try:
+            trainer.fit(module, dm)
+            trainer.save_checkpoint(tmp_path / f"s{stage}.ckpt")
+        finally:
+            release_process_groups()
+        if stage == 0:
+            out = export_checkpoint(tmp_path / "s0.ckpt", tmp_path / "hf")
+            exported = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
+            trained = dict(module.model.named_parameters())
+            assert set(exported) == set(trained)
+            assert all(torch.equal(exported[n], w.detach()) for n, w in trained.items())
+    for lost in (tmp_path / "s2.ckpt").rglob("*optim_states.pt"):
+        lost.unlink()
+    assert export_main([str(tmp_path / "s2.ckpt"), str(tmp_path / "hf2")]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "its tag folder has no optimizer-states files (*_optim_states.pt), where DeepSpeed's ZeRO stage 2 keeps the "
+            "fp32 weights: copy the whole folder"
+        )
+    )
+
+
 @pytest.mark.slow
 def test_zero2_on_two_ranks_logs_the_grad_norm_of_the_gradient_over_both(pool, toy_tokenizer, tmp_path):
     """train/grad_norm on two ranks (tests/test_grad_norm.py has the one-process checks), here to share
