@@ -74,6 +74,22 @@ def test_compiled_layers_are_one_graph_and_train_like_eager(monkeypatch):
     assert backend.frame_count - graphs_after_first <= 2, "recompiled for other packs"
 
 
+def test_the_self_check_runs_through_compiled_layers():
+    """``compile: true`` stopped every fit at its self-check ("compiled with non-empty donated buffers which requires
+    create_graph=False and retain_graph=False"): AOTAutograd's backward (inductor's, as aot_eager's here) runs once
+    per forward. Each document runs a forward of its own there, through the compiled layers."""
+    from lit_hbp.model.selfcheck import run_self_check
+
+    torch._dynamo.reset()
+    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    module = make_module(compile=True)
+    for layer in module._layers:
+        layer.compile(backend=backend, dynamic=True)
+    (result,) = run_self_check(module, [1]).values()
+    assert backend.frame_count >= 1  # what the check ran: the compiled layers
+    assert result.loss < 1e-5 and result.grads < 1e-4 and result.leak == 0
+
+
 @pytest.mark.parametrize("first", [32, 64, 16], ids=["hidden", "intermediate", "kv_width"])
 def test_a_first_pack_as_long_as_a_layer_width_compiles_a_graph_for_every_length(first):
     """A level's first micro-batch of exactly as many tokens as one of the layer's widths (an 8B model's 4096

@@ -358,8 +358,11 @@ def _document_losses(module, embed, batch, pack, device):
 def _graph_serves_twice(module) -> bool:
     """Whether a second backward over the forward's graph is exact: not under ZeRO-3, which frees the
     weights it gathered for a layer's backward, nor with Liger's kernels, whose SwiGLU backward writes its
-    gradients into the tensors it saved."""
+    gradients into the tensors it saved, nor through compiled modules (``compile``), whose backward donates
+    the buffers it saved and runs once, never under ``create_graph``."""
     if zero3_partitioned([module.model]):
+        return False
+    if any(getattr(m, "_compiled_call_impl", None) is not None for m in module.model.modules()):
         return False
     return not (getattr(module, "hparams", None) or {}).get("liger", False)
 
