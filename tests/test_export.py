@@ -193,13 +193,10 @@ def test_export_of_a_zero_stage_0_folder_is_exact_and_one_missing_its_optimizer_
     for lost in (tmp_path / "s2.ckpt").rglob("*optim_states.pt"):
         lost.unlink()
     assert export_main([str(tmp_path / "s2.ckpt"), str(tmp_path / "hf2")]) == 2
-    assert (
-        capsys.readouterr()
-        .err.strip()
-        .endswith(
-            "its tag folder has no optimizer-states files (*_optim_states.pt), where DeepSpeed's ZeRO stage 2 keeps the "
-            "fp32 weights: copy the whole folder"
-        )
+    said = capsys.readouterr().err.strip()
+    assert said.endswith(
+        "its tag folder has no optimizer-states files (*_optim_states.pt), where DeepSpeed's ZeRO stage 2 keeps "
+        "the fp32 weights: copy the whole folder"
     )
 
 
