@@ -31,6 +31,7 @@ import argparse
 import atexit
 import gc
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -296,10 +297,27 @@ def prepare_for_serving(net: torch.nn.Module, tokenizer) -> None:
     there would freeze the EOS embedding of every run fine-tuned from the export. A base config that lists
     several EOS ids keeps them all (a server reading config.json stops where the base model stopped)."""
     config, generation = net.config, net.generation_config
+    published = not _strictly_valid(generation)  # the base's own flags: Llama 2's temperature without do_sample
     config.use_cache = generation.use_cache = True
     generation._from_model_config = False  # set on purpose: no library may rebuild it from config.json
-    if tokenizer is None:
-        return
+    if tokenizer is not None:
+        _set_serving_ids(config, generation, tokenizer)
+    if published:  # saved with its flags, as transformers saves a published config it loaded (with a warning)
+        generation._original_object_hash = hash(generation)
+
+
+def _strictly_valid(generation) -> bool:
+    """Whether transformers' save would take ``generation`` as modified (its strict validation)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            generation.validate(strict=True)
+    except ValueError:
+        return False
+    return True
+
+
+def _set_serving_ids(config, generation, tokenizer) -> None:
     base_eos = _ids(getattr(config, "eos_token_id", None))
     ids, stop = serving_token_ids(tokenizer, config, generation)
     for name in SPECIAL_IDS:
@@ -365,14 +383,16 @@ def export_checkpoint(
     merge_lora: bool = False,
     tokenizer: str | None = None,
     trust: bool = False,
+    option: str = "OUT_DIR",
 ) -> Path:
     """Write ``out_dir`` (see the module docstring); returns it. ``tokenizer``: only for checkpoints
     that do not hold the run's tokenizer (written before lit-hbp saved it in them). ``trust``: open a
-    checkpoint whose pickle names more than lit-hbp's runs write (``--trust-checkpoint``)."""
+    checkpoint whose pickle names more than lit-hbp's runs write (``--trust-checkpoint``). ``option``: what
+    names ``out_dir`` in a refusal."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
-    check_export_folder(out, "OUT_DIR")
+    check_export_folder(out, option)
     ckpt = load_checkpoint(checkpoint, trust=trust)
     check_adapter_servable(_hparams(ckpt), merge_lora)
     net = model_from_checkpoint(ckpt)
@@ -383,24 +403,31 @@ def export_checkpoint(
             f"--tokenizer {tokenizer}: the checkpoint holds the tokenizer the run trained with, which the export "
             "writes; --tokenizer is for checkpoints written before lit-hbp kept it: drop it"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    tok = run_tokenizer(ckpt, out, tokenizer)
-    run_processor(ckpt, out)
-    if tok is None:
-        warnings.warn(
-            "no tokenizer written: the checkpoint holds none and none was given (--tokenizer); the special "
-            "ids of the config are left as they were",
-            stacklevel=2,
-        )
     if hasattr(net, "peft_config") and merge_lora:
         untie_adapted_embeddings(net)
         net = net.merge_and_unload()
     net = cast_for_saving(net, DTYPES[dtype])
     base = net.get_base_model() if hasattr(net, "peft_config") else net
-    prepare_for_serving(base, tok)
-    net.save_pretrained(out, safe_serialization=True)
-    if base is not net:  # an adapter: the server reads the base model's config, but our stop ids from here
-        base.generation_config.save_pretrained(out)
+    # Written beside OUT_DIR and moved there whole: a failure leaves nothing a second export would refuse.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        tok = run_tokenizer(ckpt, staging, tokenizer)
+        run_processor(ckpt, staging)
+        if tok is None:
+            warnings.warn(
+                "no tokenizer written: the checkpoint holds none and none was given (--tokenizer); the special "
+                "ids of the config are left as they were",
+                stacklevel=2,
+            )
+        prepare_for_serving(base, tok)
+        net.save_pretrained(staging, safe_serialization=True)
+        if base is not net:  # an adapter: the server reads the base model's config, but our stop ids from here
+            base.generation_config.save_pretrained(staging)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return out
 
 

@@ -351,6 +351,40 @@ def test_export_keeps_the_base_models_generation_config_and_stops_at_all_its_end
         assert new.shape[1] == len(PROBE) + 6  # no end: it runs to the limit
 
 
+def test_a_base_generation_config_with_sampling_flags_but_no_do_sample_exports_as_transformers_saves_it(
+    chats, toy_tokenizer, tmp_path, monkeypatch
+):
+    """Llama 2's generation_config.json sets temperature and top_p without do_sample: transformers saves such a
+    published config back (with a warning), but the export stopped on its strict check after writing the tokenizer,
+    leaving a half folder a second export refused. The flags are kept as transformers' own save keeps them; an export
+    that fails leaves nothing behind."""
+    from conftest import save_pretrained_checkpoint
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+    shape = {k: v for k, v in TINY.items() if k != "model_type"}
+    base = save_pretrained_checkpoint(tmp_path / "base", toy_tokenizer, "llama", **shape)
+    (base / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "temperature": 0.6, "top_p": 0.9}))
+    AutoModelForCausalLM.from_pretrained(base).generation_config.save_pretrained(tmp_path / "reference")
+    reference = json.loads((tmp_path / "reference" / "generation_config.json").read_text())
+    ckpt = one_step_checkpoint(str(base), chats, tmp_path)
+
+    def fails(*args, **kwargs):
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PreTrainedModel, "save_pretrained", fails)
+        with pytest.raises(OSError, match="disk full"):
+            export_checkpoint(ckpt, tmp_path / "served")
+    assert sorted(p.name for p in tmp_path.iterdir() if "served" in p.name) == []  # nothing half-written
+    out = export_checkpoint(ckpt, tmp_path / "served")
+    served = json.loads((out / "generation_config.json").read_text())
+    flags = ("do_sample", "temperature", "top_p")
+    assert {k: served.get(k) for k in flags} == {k: reference.get(k) for k in flags} == {
+        "do_sample": None, "temperature": 0.6, "top_p": 0.9
+    }  # fmt: skip
+    assert GenerationConfig.from_pretrained(out).eos_token_id == [1, 5]  # the served stops, as for any base
+
+
 def test_strategy_names_are_registered_with_lightning():
     """Importing the strategies (``from lit_hbp import HBPStrategy``; the command line does) registers their names;
     this test alone in a process failed, as it had relied on another test's import."""
@@ -409,6 +443,31 @@ def test_an_adapter_export_of_a_mappings_model_is_refused_before_training(tmp_pa
     from lit_hbp.errors import ConfigError
 
     module = HBPLitModule(model=TINY, vocab_size=300, lora={"rank": 4})
+    trainer = L.Trainer(logger=False, default_root_dir=tmp_path / "run")
     with pytest.raises(ConfigError, match="export with --merge-lora \\(HBPExport: merge_lora: true\\)"):
-        HBPExport(str(tmp_path / "out")).setup(None, module, "fit")
-    HBPExport(str(tmp_path / "out"), merge_lora=True).setup(None, module, "fit")
+        HBPExport(str(tmp_path / "out")).setup(trainer, module, "fit")
+    HBPExport(str(tmp_path / "out"), merge_lora=True).setup(trainer, module, "fit")
+
+
+def test_an_export_folder_that_holds_what_the_run_writes_is_refused_before_training(tmp_path):
+    """HBPExport's dirpath where a ModelCheckpoint saves (or a folder above it, or the logger's) trained the whole
+    run, then stopped on "OUT_DIR ... already holds epoch=0-step=2.ckpt" (the export command's name, not the
+    callback's). Refused when fit sets up; a folder inside one, of its own, is taken."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_hbp.callbacks import HBPExport
+
+    module = HBPLitModule(model=TINY, vocab_size=300)
+    logger = CSVLogger(tmp_path / "logs")
+    trainer = L.Trainer(callbacks=[ModelCheckpoint(tmp_path / "ckpt")], logger=logger, default_root_dir=tmp_path)
+    default = L.Trainer(logger=False, default_root_dir=tmp_path / "plain")  # Lightning's own ModelCheckpoint
+    for run, folder in (
+        (trainer, "ckpt"),
+        (trainer, "."),
+        (trainer, "logs/lightning_logs/version_0"),
+        (default, "plain"),
+    ):
+        with pytest.raises(ConfigError, match=f"^HBPExport dirpath {tmp_path / folder} holds .* where this run writes"):
+            HBPExport(str(tmp_path / folder)).setup(run, module, "fit")
+    HBPExport(str(tmp_path / "ckpt" / "hf")).setup(trainer, module, "fit")

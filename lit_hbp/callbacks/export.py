@@ -12,6 +12,17 @@ from lit_hbp.callbacks.interrupt import InterruptCheckpoint
 from lit_hbp.errors import ConfigError, did_you_mean
 
 
+def run_folders(trainer: L.Trainer) -> list[Path]:
+    """The folders a run writes into: each ModelCheckpoint's (resolved as it resolves one it was not given)
+    and the loggers'."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    logs = [Path(lg.log_dir) for lg in trainer.loggers if getattr(lg, "log_dir", None)]
+    default = Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
+    saves = [Path(c.dirpath) if c.dirpath else default for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]
+    return [p.resolve() for p in (*saves, *logs)]
+
+
 class HBPExport(L.Callback):
     """At the end of fit, save a checkpoint (every rank takes part, as ZeRO needs) and turn it into a
     ``save_pretrained`` folder in ``dirpath`` with ``lit_hbp.export`` (rank zero): config,
@@ -37,6 +48,12 @@ class HBPExport(L.Callback):
             )
         if stage == "fit":  # refused before training, not after it
             check_export_folder(self.dirpath, "HBPExport dirpath")
+            for written in run_folders(trainer):
+                if self.dirpath.resolve() in (written, *written.parents):
+                    raise ConfigError(
+                        f"HBPExport dirpath {self.dirpath} holds {written}, where this run writes its checkpoints or "
+                        "logs (the export would find them there when fit ends): give a folder of its own"
+                    )
             if self.merge_lora and not pl_module.hparams.get("lora"):
                 raise ConfigError("HBPExport merge_lora: true, but the run trains no LoRA adapters: drop it")
             check_adapter_servable(dict(pl_module.hparams), self.merge_lora)
@@ -55,7 +72,7 @@ class HBPExport(L.Callback):
         trainer.save_checkpoint(staging)
         trainer.strategy.barrier("hbp_export_saved")
         if trainer.is_global_zero:
-            export_checkpoint(staging, self.dirpath, self.dtype, self.merge_lora)
+            export_checkpoint(staging, self.dirpath, self.dtype, self.merge_lora, option="HBPExport dirpath")
             if staging.is_dir():
                 shutil.rmtree(staging)
             else:
