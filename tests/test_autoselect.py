@@ -3,6 +3,7 @@ profiler on 2 gloo processes, the selectors choosing levels in training, and the
 
 import json
 import math
+import re
 from pathlib import Path
 
 import lightning as L
@@ -11,7 +12,15 @@ import pytest
 from conftest import TINY_LLAMA, quiet_trainer
 from distributed import Pool
 
-from lit_hbp.autoselect import AnalyticProfiler, Measurement, auto_select, find_best_sp_ckpt, greedy_profile_ckpt
+from lit_hbp.autoselect import (
+    AnalyticProfiler,
+    AnalyticSelector,
+    MeasuredSelector,
+    Measurement,
+    auto_select,
+    find_best_sp_ckpt,
+    greedy_profile_ckpt,
+)
 from lit_hbp.autoselect.__main__ import main as autoselect_main
 from lit_hbp.cost.costmodel import HARDWARE, PAPER_ACTIVATION_OVERHEAD, CostModel
 from lit_hbp.model_spec import MODELS, ModelSpec
@@ -628,6 +637,9 @@ def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shap
         (["--candidates", "0", "4096"], "--candidates: must be a whole number >= 1, got 0"),
         (["--max-len", "0"], "--max-len: must be a whole number >= 1, got 0"),
         (["--margin-gib", "-20"], "--margin-gib: must be a number >= 0, got -20"),
+        (["--margin-gib", "100"], "--margin-gib 100.0 leaves nothing of the 79.6 GiB per device (a h100's)"),
+        (["--measured", "--memory-gib", "0"], "--memory-gib must be more than 0 (GiB per device)"),
+        (["--out", "/nonexistent_dir/levels.yaml"], "--out /nonexistent_dir/levels.yaml: its folder"),
     ],
 )
 def test_autoselect_refuses_flags_it_would_not_read_or_could_not_use(tmp_path, capsys, flags, refused):
@@ -638,6 +650,71 @@ def test_autoselect_refuses_flags_it_would_not_read_or_could_not_use(tmp_path, c
     with pytest.raises(SystemExit) as stop:
         autoselect_main(["--config", str(config), "--lengths", str(tmp_path / "none.npy"), *flags])
     assert stop.value.code == 2 and refused in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "make, refused",
+    [
+        (
+            lambda: MeasuredSelector(steps=0),
+            "MeasuredSelector steps: must be a whole number of timed steps >= 1, got 0",
+        ),
+        (lambda: MeasuredSelector(steps=-1), "MeasuredSelector steps: must be a whole number of timed steps >= 1"),
+        (lambda: MeasuredSelector(memory_gib=0), "MeasuredSelector memory_gib: must be > 0 (GiB per device), got 0"),
+        (lambda: MeasuredSelector(memory_gib=4, margin_gib=4), "MeasuredSelector margin_gib: 4 leaves nothing of"),
+        (lambda: AnalyticSelector(margin_gib=100), "AnalyticSelector margin_gib: 100 leaves nothing of a h100's 79.6"),
+    ],
+)
+def test_a_selector_refuses_settings_that_would_choose_levels_without_measuring_them(make, refused):
+    """``steps: 0`` timed no step: every probe read 0 tokens/s and the first candidate was chosen, levels written; a
+    memory or margin that leaves nothing to train in was answered with "a smaller model"."""
+    from lit_hbp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(refused)):
+        make()
+
+
+def test_a_candidate_above_the_cap_is_refused_not_dropped():
+    """``candidates: [256, 8192]`` on a model of 4096 positions priced 256 and 512 (the cap's cover), never 8192,
+    without a word."""
+    from lit_hbp.autoselect.search import level_candidates
+    from lit_hbp.errors import ConfigError
+
+    lengths = np.array([100, 300, 3000])
+    assert level_candidates(lengths, 4096, [256, 4096], max_len=4096) == [256, 4096]
+    with pytest.raises(ConfigError, match=re.escape("candidates [8192] are longer than the longest level this search")):
+        level_candidates(lengths, 4096, [256, 8192], max_len=4096)
+
+
+def test_autoselect_with_lengths_prices_the_model_fit_builds_and_names_a_config_without_data(
+    tmp_path, capsys, toy_tokenizer
+):
+    """``--lengths`` skipped the tokenizer, so a config mapping's model was priced (and probed) with its family's
+    default vocabulary (Llama's 32000; fit builds the tokenizer's): the same lengths given as a file or read from the
+    config's data now price alike. A YAML that does not parse, or names no data, is one line, exit 2."""
+    data = tmp_path / "d.jsonl"
+    write_chat(data, [20] * 40 + [300] * 3)
+    shape = "hidden_size: 1024, intermediate_size: 2048, num_hidden_layers: 2, num_attention_heads: 8"
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        f"trainer:\n  devices: 1\nmodel:\n  model: {{model_type: llama, {shape}}}\n"
+        f"data:\n  tokenizer: {toy_tokenizer}\n  sources: [{{path: {data}}}]\n  cache_dir: {tmp_path / 'cache'}\n"
+    )
+    from lit_hbp.cost.config import read_config
+    from lit_hbp.lightning.datamodule import config_samples
+
+    np.save(tmp_path / "lengths.npy", config_samples(read_config(config))[0])
+    base = ["--config", str(config), "--candidates", "256", "2048"]
+    assert autoselect_main(base) == 0
+    from_data = capsys.readouterr().out
+    assert autoselect_main([*base, "--lengths", str(tmp_path / "lengths.npy")]) == 0
+    assert capsys.readouterr().out == from_data
+    (tmp_path / "bad.yaml").write_text("trainer: [\n  devices: 1\n")
+    (tmp_path / "nodata.yaml").write_text(f"trainer:\n  devices: 1\nmodel:\n  model: {{model_type: llama, {shape}}}\n")
+    for name, said in (("bad.yaml", "line 3, column 1"), ("nodata.yaml", "the config has no data.tokenizer or data")):
+        assert autoselect_main(["--config", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err
 
 
 def test_probes_reproduce_the_runs_deepspeed_settings():

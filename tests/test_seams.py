@@ -225,7 +225,7 @@ def test_the_analytic_selector_is_algorithm_1_on_the_cost_model():
     )
     assert isinstance(selection, Selection) and selection.levels == reference.levels
     assert [c.measurement for c in selection.candidates] == [c.measurement for c in reference.candidates]
-    with pytest.raises(ValueError, match="unknown gpu 'b200'"):
+    with pytest.raises(ValueError, match="AnalyticSelector gpu: unknown 'b200'"):
         AnalyticSelector(gpu="b200")
 
 

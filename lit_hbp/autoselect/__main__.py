@@ -28,12 +28,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunSetting, positions_of
 from lit_hbp.cost.config import config_world, load_spec, nonnegative_float, positive_int, read_config
-from lit_hbp.cost.costmodel import HARDWARE
+from lit_hbp.cost.costmodel import GIB, HARDWARE
 from lit_hbp.cost.run_settings import ANALYTIC, MEASURED
-from lit_hbp.lightning.datamodule import config_samples
+from lit_hbp.lightning.datamodule import config_samples, config_vocab
 
 ANALYTIC_ONLY = ("gpus", "gpu", "model")  # the cluster the cost model prices
 MEASURED_ONLY = ("devices", "memory_gib")  # the local processes the probes run on
@@ -78,12 +79,25 @@ def main(argv: list[str] | None = None) -> int:
     if given:
         mode = "--measured" if args.measured else "--analytic (the default)"
         p.error(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} the other mode's, which {mode} does not read")
+    if args.measured and args.memory_gib == 0:
+        p.error("--memory-gib must be more than 0 (GiB per device)")
+    capacity = args.memory_gib if args.measured else HARDWARE[args.gpu or "h100"].memory_bytes / GIB
+    if args.margin_gib is not None and capacity is not None and args.margin_gib >= capacity:
+        said = "--memory-gib" if args.measured else f"a {args.gpu or 'h100'}'s"
+        p.error(f"--margin-gib {args.margin_gib} leaves nothing of the {capacity:.1f} GiB per device ({said})")
+    if args.out and not Path(args.out).parent.is_dir():  # found now, not after the search
+        p.error(f"--out {args.out}: its folder {Path(args.out).parent} does not exist")
+    if args.out and Path(args.out).is_dir():
+        p.error(f"--out {args.out} is a folder: give the file to write the levels block into")
     try:
         config = read_config(args.config)
         if args.lengths:
             from lit_hbp.packing.bins import load_lengths
 
-            lengths, vocab, vision, samples = load_lengths(args.lengths), None, None, None
+            # a mapping's model priced as fit builds it: the tokenizer's vocabulary, not its family's default
+            mapping = args.model is None and isinstance((config.get("model") or {}).get("model"), dict)
+            vocab = config_vocab(config) if mapping else None
+            lengths, vision, samples = load_lengths(args.lengths), None, None
         else:
             lengths, vocab, vision, samples = config_samples(config)
         spec = load_spec(args.model) if args.model else None
@@ -106,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         run = run.with_flags(args.liger, args.offload_optimizer, args.zero_stage)
         extra = {"samples": samples} if args.measured else {}  # measured probes pack a run's images (None: text)
         selection = selector.select(lengths, run, vision, **extra)
-    except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
+    except (ValueError, TypeError, OSError, KeyError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     where = selector.where(run)

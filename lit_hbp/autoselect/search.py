@@ -23,6 +23,7 @@ from lit_hbp.autoselect.memory_fit import fit_memory, layouts_at
 from lit_hbp.autoselect.profiler import AnalyticProfiler, Candidate, Profiler
 from lit_hbp.cost.costmodel import GIB, CostModel
 from lit_hbp.cost.run_settings import CONFIG, Tool
+from lit_hbp.errors import ConfigError
 from lit_hbp.packing.levels import LAYOUT_KINDS, Level
 from lit_hbp.packing.vision_load import VisionLoad
 from lit_hbp.parallel.context_parallel import ContextParallel
@@ -195,11 +196,18 @@ def default_candidates(lengths, largest: int | None = None) -> list[int]:
 
 
 def level_candidates(lengths, top: int, candidates=None, max_len: int | None = None) -> list[int]:
-    """The pack lengths Algorithm 1 prices: the user's ``candidates`` (none above ``max_len``), with
-    ``top`` added when none of them holds the longest sample up to the cap; else the defaults."""
+    """The pack lengths Algorithm 1 prices: the user's ``candidates`` (one above ``max_len`` refused: it was
+    dropped without a word), with ``top`` added when none of them holds the longest sample up to the cap; else
+    the defaults."""
     if not candidates:
         return default_candidates(lengths, top)
-    out = sorted({int(c) for c in candidates if max_len is None or c <= max_len})
+    over = sorted({int(c) for c in candidates if max_len is not None and c > max_len})
+    if over:
+        raise ConfigError(
+            f"candidates {over} are longer than the longest level this search may choose, {max_len} tokens (the "
+            "selector's max_len, or the model's positions): drop them, or raise max_len"
+        )
+    out = sorted({int(c) for c in candidates})
     if not out or out[-1] < min(int(np.max(lengths)), top):
         out = sorted({*out, top})
     return out

@@ -250,14 +250,15 @@ class Selector(LevelSelector):
         sp_kind: str = "ulysses",
         max_len: int | None = None,
     ):
+        name = type(self).__name__
         bad = [c for c in candidates or () if isinstance(c, bool) or not float(c).is_integer() or c < 1]
         if bad:
-            raise ValueError(f"candidates must be pack lengths in whole tokens >= 1, got {bad}")
+            raise ConfigError(f"{name} candidates: must be pack lengths in whole tokens >= 1, got {bad}")
         self.candidates = sorted(int(c) for c in candidates) if candidates else None
         if margin_gib < 0:
-            raise ValueError(f"margin_gib must be >= 0, got {margin_gib}")
+            raise ConfigError(f"{name} margin_gib: must be >= 0, got {margin_gib}")
         if max_len is not None and int(max_len) < 1:
-            raise ValueError(f"max_len must be a positive number of tokens, got {max_len}")
+            raise ConfigError(f"{name} max_len: must be a positive number of tokens, got {max_len}")
         self.margin_gib, self.sp_kind = float(margin_gib), sp_kind
         self.max_len = None if max_len is None else int(max_len)
 
@@ -327,7 +328,12 @@ class AnalyticSelector(Selector):
     ):
         super().__init__(candidates, margin_gib, sp_kind, max_len)
         if gpu not in HARDWARE:
-            raise ValueError(f"unknown gpu {gpu!r}; choose one of {sorted(HARDWARE)}")
+            raise ConfigError(f"AnalyticSelector gpu: unknown {gpu!r}; choose one of {sorted(HARDWARE)}")
+        if margin_gib * GIB >= HARDWARE[gpu].memory_bytes:
+            raise ConfigError(
+                f"AnalyticSelector margin_gib: {margin_gib} leaves nothing of a {gpu}'s "
+                f"{HARDWARE[gpu].memory_bytes / GIB:.1f} GiB to train in"
+            )
         self.gpu = gpu
 
     def cost_model(self, run: RunSetting) -> CostModel:
@@ -368,7 +374,15 @@ class MeasuredSelector(Selector):
         max_len: int | None = None,
     ):
         super().__init__(candidates, margin_gib, sp_kind, max_len)
-        self.memory_gib, self.steps = memory_gib, steps
+        if isinstance(steps, bool) or int(steps) != steps or steps < 1:  # 0: no step timed, the first candidate won
+            raise ConfigError(f"MeasuredSelector steps: must be a whole number of timed steps >= 1, got {steps}")
+        if memory_gib is not None and memory_gib <= 0:
+            raise ConfigError(f"MeasuredSelector memory_gib: must be > 0 (GiB per device), got {memory_gib}")
+        if memory_gib is not None and margin_gib >= memory_gib:
+            raise ConfigError(
+                f"MeasuredSelector margin_gib: {margin_gib} leaves nothing of memory_gib {memory_gib} to train in"
+            )
+        self.memory_gib, self.steps = memory_gib, int(steps)
         self.sp_groups = None
 
     def cost_model(self, run: RunSetting) -> CostModel:

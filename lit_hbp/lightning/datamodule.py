@@ -534,17 +534,33 @@ def config_lengths(config: dict) -> tuple[np.ndarray, int, VisionLoad | None]:
     return config_samples(config)[:3]
 
 
+def config_vocab(config: dict) -> int:
+    """The id bound of a training config's tokenizer: the ``model.vocab_size`` fit builds its model with (a
+    mapping's own where larger), read without tokenizing the data."""
+    data = _data_section(config)
+    return id_bound(load_renderers(data["tokenizer"], data.get("chat_template"))[0])
+
+
+def _data_section(config: dict, *keys: str) -> dict:
+    """The config's ``data`` section with its tokenizer (and ``keys``), the demo data built where it names it."""
+    data = config.get("data") or {}
+    missing = [f"data.{k}" for k in ("tokenizer", *keys) if not data.get(k)]
+    if missing:
+        raise ConfigError(f"the config has no {' or '.join(missing)}: give {'them' if len(missing) > 1 else 'it'}")
+    if data.get("demo_dir"):
+        from lit_hbp.demo import ensure_kind
+
+        ensure_kind(data["demo_dir"], data.get("demo", "text"))
+    return data
+
+
 def config_samples(config: dict) -> tuple[np.ndarray, int, VisionLoad | None, Any]:
     """``config_lengths`` and, for data with images or videos, the samples themselves as a measured level
     search packs them into its probes (``StoreSamples``, their images read by the
     checkpoint's processor); None for text."""
     from lit_hbp.data.media import vision_load
 
-    data = config.get("data") or {}
-    if data.get("demo_dir"):
-        from lit_hbp.demo import ensure_kind
-
-        ensure_kind(data["demo_dir"], data.get("demo", "text"))
+    data = _data_section(config, "sources")
     tok, processor, vlm_config = load_renderers(data["tokenizer"], data.get("chat_template"))
     sources = [Source.of(s, f"data.sources[{i}]") for i, s in enumerate(data["sources"])]
     train_on, cache = data.get("train_on", "assistant"), data.get("cache_dir")
