@@ -270,6 +270,36 @@ def test_ensure_demo_concurrent_callers_build_once_and_seed_matters(small: dict,
     assert demo._complete(tmp_path / "shared", {"n_short": SMALL["n_short"]}) is not None
 
 
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["{out}", "--n-short", "-1"], "argument --n-short: must be a whole number >= 0, got -1"),
+        (["{out}", "--n-long", "-1"], "argument --n-long: must be a whole number >= 0, got -1"),
+        (["{out}", "--vocab-size", "100"], "argument --vocab-size: must be a whole number >= 512, got 100"),
+        (["{file}"], "argument out_dir: {file} is a file: give a folder"),
+        (["{file}/sub"], "argument out_dir: {file} is a file: give a folder"),
+        (
+            ["{out}", "--freeze-corpus", "{corpus}"],
+            "--freeze-corpus writes the corpus and builds nothing: drop OUT_DIR",
+        ),
+        (["--freeze-corpus", "{corpus}", "--n-short", "5"], "builds nothing: drop --n-short"),
+    ],
+)
+def test_the_cli_refuses_what_it_cannot_build_in_one_line(tmp_path: Path, capsys, args: list[str], reason: str) -> None:
+    """``python -m lit_hbp.demo`` with a count or a vocabulary the build refuses, a file as the output folder, or
+    ``--freeze-corpus`` (a maintainer's mode that writes the corpus and builds nothing) with build options: exit 2,
+    the reason on the last line naming the option, no traceback, nothing written."""
+    (tmp_path / "file").write_text("x")
+    paths = {"out": tmp_path / "out", "file": tmp_path / "file", "corpus": tmp_path / "c.json.gz"}
+    with pytest.raises(SystemExit) as stop:
+        demo.main([a.format(**paths) for a in args])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("python -m lit_hbp.demo.text: error: ")
+    assert reason.format(**paths) in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 def test_the_demo_reads_only_the_committed_corpus(small: dict, tmp_path: Path, monkeypatch) -> None:
     """Another Python's standard library (here: a folder with one module, and no way to list files)
     changes nothing: the build reads the corpus committed to the package, so every machine gets the

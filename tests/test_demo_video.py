@@ -97,6 +97,36 @@ def test_without_torchvision_the_video_demo_says_so_in_one_line(tmp_path, monkey
         ensure_kind(tmp_path / "demo_video", "video")
 
 
+def test_a_video_demo_the_user_built_is_kept_and_a_bad_count_refused(tmp_path, monkeypatch, capsys):
+    """The video demo built at another size than the default (``--n 3``) is what the data module's ``demo_dir``
+    finds and keeps (built "when missing", as the text and image demos keep theirs); a seed asked for by name
+    rebuilds; ``--n 0`` stops in one line (exit 2). The build stands in for the real one (no torchvision needed)."""
+    from lit_hbp.demo import ensure_kind
+
+    builds = []
+
+    def write(tmp, n, seed):
+        builds.append((n, seed))
+        (tmp / "model").mkdir()
+        (tmp / "model" / "config.json").write_text("{}")
+        return {"records": n, "images": 0, "videos": n}
+
+    monkeypatch.setattr(video, "require_torchvision", lambda: None)
+    monkeypatch.setattr(video, "write_demo", write)
+    out = tmp_path / "demo_video"
+    assert video.main([str(out), "--n", "3"]) == 0
+    ensure_kind(out, "video")
+    assert video.ensure_video_demo(out)["records"] == 3 and builds == [(3, 0)]
+    assert video.ensure_video_demo(out, n=3, seed=0)["records"] == 3 and len(builds) == 1
+    # Arguments asked for by name and not as built rebuild; those not asked for take their defaults (400, 0).
+    assert video.ensure_video_demo(out, seed=1)["args"] == {"n": 400, "seed": 1} and builds[1:] == [(400, 1)]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        video.main([str(tmp_path / "other"), "--n", "0"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "argument --n: must be a whole number >= 1, got 0" in err.splitlines()[-1]
+
+
 @pytest.mark.slow
 def test_the_video_config_without_torchvision_stops_in_one_line_before_building_anything(tmp_path):
     """``lit-hbp fit --config configs/tiny_video_cpu.yaml`` in a fresh folder without torchvision: exit 2, the

@@ -452,6 +452,27 @@ def test_the_guides_example_records_read_as_it_says(data, tmp_path):
     ]  # fmt: skip
 
 
+def test_a_vision_demo_the_user_built_is_kept_and_a_bad_count_refused(tmp_path, capsys):
+    """``python -m lit_hbp.demo.vision D --n 3`` builds 3 records; the data module's ``demo_dir: D`` then finds the
+    demo built (docs/vision.md: built "when it is missing", as the text demo's ``ensure_demo(d)`` keeps any complete
+    build) and rebuilds nothing; a size asked for by name still rebuilds; ``--n -4`` stops in one line (exit 2)."""
+    from lit_hbp.demo import ensure_kind, vision
+
+    out = tmp_path / "demo_vlm"
+    assert vision.main([str(out), "--n", "3"]) == 0
+    stamp = (out / "model" / "config.json").stat().st_mtime_ns
+    ensure_kind(out, "vision")
+    assert len((out / "chat.jsonl").read_text().splitlines()) == 3
+    assert (out / "model" / "config.json").stat().st_mtime_ns == stamp
+    assert vision.ensure_vlm_demo(out, n=2)["records"] == len((out / "chat.jsonl").read_text().splitlines()) == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        vision.main([str(tmp_path / "other"), "--n", "-4"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "argument --n: must be a whole number >= 1, got -4" in err.splitlines()[-1]
+    assert not (tmp_path / "other").exists()
+
+
 @pytest.mark.slow
 def test_the_tiny_vlm_config_trains_and_exports_a_folder_that_answers_from_an_image(tmp_path):
     """configs/tiny_vlm_cpu.yaml as a new user runs it (the demo built on first use): the loss falls,

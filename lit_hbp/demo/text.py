@@ -593,30 +593,72 @@ def _table(result: dict[str, Any]) -> str:
     )
 
 
+BUILD_DEFAULTS = {
+    "n_short": 4000,
+    "n_long": 48,
+    "vocab_size": 8192,
+    "seed": 0,
+}  # build_demo's: what the CLI builds with where an option is not given
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number >= ``low``, refused in one line naming the option otherwise
+    (the demos' counts and sizes; a build would stop on it with a traceback, or build nothing)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text}")
+        return value
+
+    return parse
+
+
+def out_folder(text: str) -> Path:
+    """An argparse ``type``: a folder to build a demo in, refused in one line where it, or the nearest
+    part of it that exists, is a file (the build would stop there with a traceback)."""
+    path = Path(text)
+    there = next(p for p in (path, *path.parents) if p.exists())
+    if not there.is_dir():
+        raise argparse.ArgumentTypeError(f"{there} is a file: give a folder (the demo is built there)")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: build the demo data and print a per-file token length summary."""
     parser = argparse.ArgumentParser(prog="python -m lit_hbp.demo.text", description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("out_dir", type=Path, nargs="?")
-    parser.add_argument("--n-short", type=int, default=4000)
-    parser.add_argument("--n-long", type=int, default=48)
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("out_dir", type=out_folder, nargs="?")
+    parser.add_argument("--n-short", type=at_least(0), help="short chats (default 4000)")
+    parser.add_argument("--n-long", type=at_least(0), help="long-context tasks (default 48)")
+    parser.add_argument("--vocab-size", type=at_least(512), help="tokenizer vocabulary (default 8192)")
+    parser.add_argument("--seed", type=int, help="default 0")  # no argparse defaults: --freeze-corpus refuses them
     parser.add_argument("--if-missing", action="store_true", help="keep an existing complete build (ensure_demo)")
     parser.add_argument(
         "--freeze-corpus",
         type=Path,
         metavar="FILE",
-        help="write the corpus from this Python's standard library instead",
+        help="write the corpus from this Python's standard library instead (maintainers: how corpus/ was made)",
     )
     args = parser.parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if k in BUILD_DEFAULTS and v is not None}
     if args.freeze_corpus is not None:
+        build = (
+            [f"--{k.replace('_', '-')}" for k in given]
+            + ["OUT_DIR"] * bool(args.out_dir)
+            + ["--if-missing"] * args.if_missing
+        )
+        if build:
+            parser.error(f"--freeze-corpus writes the corpus and builds nothing: drop {', '.join(build)}")
         frozen = freeze_corpus(args.freeze_corpus)
         what = f"{frozen['modules']} modules of Python {frozen['python_version']}, {frozen['bytes']} bytes"
         print(f"{args.freeze_corpus}: {what}")
         return 0
     if args.out_dir is None:
         parser.error("the output folder is required (or --freeze-corpus FILE)")
-    kwargs = {"n_short": args.n_short, "n_long": args.n_long, "vocab_size": args.vocab_size, "seed": args.seed}
+    kwargs = {**BUILD_DEFAULTS, **given}
     start = time.perf_counter()
     result = ensure_demo(args.out_dir, **kwargs) if args.if_missing else build_demo(args.out_dir, **kwargs)
     print(_table(result))

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_hbp.demo.text import byte_level_bpe
-from lit_hbp.demo.vision import COLORS, DATA_FILE, IMAGE_DIR, MODEL_DIR, SHAPES, ensure_built, paint
+from lit_hbp.demo.text import at_least, byte_level_bpe, out_folder
+from lit_hbp.demo.vision import COLORS, DATA_FILE, IMAGE_DIR, MODEL_DIR, SHAPES, ensure_built, paint, passed
 from lit_hbp.errors import ConfigError
 
 VERSION = "1"
@@ -179,17 +179,18 @@ def write_demo(tmp: Path, n: int, seed: int) -> dict[str, Any]:
             "videos": sum(len(r.get("videos", [])) for r in recs)}  # fmt: skip
 
 
-def ensure_video_demo(out_dir: str | os.PathLike[str], n: int = 400, seed: int = 0) -> dict[str, Any]:
-    """The video demo in ``out_dir``, built when missing (``lit_hbp.demo.vision.ensure_built``); a
-    ``ConfigError`` naming torchvision where it is missing."""
+def ensure_video_demo(out_dir: str | os.PathLike[str], n: int | None = None, seed: int | None = None) -> dict[str, Any]:
+    """The video demo in ``out_dir``, built when missing (``lit_hbp.demo.vision.ensure_built``): ``n``
+    records (default 400) from ``seed`` (default 0), ``n`` or ``seed`` not given accepting any complete
+    build; a ``ConfigError`` naming torchvision where it is missing."""
     require_torchvision()
-    return ensure_built(out_dir, VERSION, {"n": n, "seed": seed}, lambda tmp: write_demo(tmp, n, seed))
+    return ensure_built(out_dir, VERSION, passed(n=n, seed=seed), {"n": 400, "seed": 0}, write_demo)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lit_hbp.demo.video", description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir", help="folder to write (model/, chat.jsonl, images/, videos/)")
-    parser.add_argument("--n", type=int, default=400, help="records (default 400)")
+    parser.add_argument("out_dir", type=out_folder, help="folder to write (model/, chat.jsonl, images/, videos/)")
+    parser.add_argument("--n", type=at_least(1), default=400, help="records (default 400)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:

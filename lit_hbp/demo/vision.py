@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_hbp.demo.text import byte_level_bpe
+from lit_hbp.demo.text import at_least, byte_level_bpe, out_folder
 
 VERSION = "2"  # 2: the text demo's BPE settings (lit_hbp.demo.text.byte_level_bpe)
 MODEL_DIR, DATA_FILE, IMAGE_DIR = "model", "chat.jsonl", "images"
@@ -172,10 +172,17 @@ def build(out: Path, version: str, args: dict[str, Any], write: Callable[[Path],
 
 
 def ensure_built(
-    out_dir: str | os.PathLike[str], version: str, args: dict[str, Any], write: Callable[[Path], dict[str, Any]]
+    out_dir: str | os.PathLike[str],
+    version: str,
+    requested: dict[str, Any],
+    defaults: dict[str, Any],
+    write: Callable[..., dict[str, Any]],
 ) -> dict[str, Any]:
-    """The demo ``write`` makes in ``out_dir``, built only when missing or built by another version or with
-    other arguments; concurrent callers (ranks, nodes) wait for one build on a file lock."""
+    """The demo ``write(tmp, **args)`` makes in ``out_dir``, built only when missing, built by another
+    version, or built with other values of the ``requested`` arguments; arguments not requested are not
+    compared (a folder the user built at another size is kept, as the text demo's ``ensure_demo`` keeps
+    it) and a build takes them from ``defaults``. Concurrent callers (ranks, nodes) wait for one build on a
+    file lock."""
     from filelock import FileLock
 
     out = Path(out_dir)
@@ -185,26 +192,34 @@ def ensure_built(
             manifest = json.loads((out / "manifest.json").read_text())
         except (OSError, ValueError):
             return None
-        ok = manifest.get("version") == version and manifest.get("args") == args
+        built = manifest.get("args") or {}
+        ok = manifest.get("version") == version and all(built.get(k) == v for k, v in requested.items())
         return manifest if ok and (out / MODEL_DIR / "config.json").exists() else None
 
     if (manifest := complete()) is not None:
         return manifest
     out.mkdir(parents=True, exist_ok=True)
+    args = {**defaults, **requested}
     with FileLock(str(out / ".demo.lock")):
-        return complete() or build(out, version, args, write)
+        return complete() or build(out, version, args, lambda tmp: write(tmp, **args))
 
 
-def ensure_vlm_demo(out_dir: str | os.PathLike[str], n: int = 1200, seed: int = 0) -> dict[str, Any]:
-    """The image demo in ``out_dir``, built when missing (``ensure_built``)."""
-    return ensure_built(out_dir, VERSION, {"n": n, "seed": seed}, lambda tmp: write_demo(tmp, n, seed))
+def passed(**kwargs: Any) -> dict[str, Any]:
+    """The arguments given a value (not None): those ``ensure_built`` compares with a folder's build."""
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def ensure_vlm_demo(out_dir: str | os.PathLike[str], n: int | None = None, seed: int | None = None) -> dict[str, Any]:
+    """The image demo in ``out_dir``, built when missing (``ensure_built``): ``n`` records (default 1200)
+    from ``seed`` (default 0); ``n`` or ``seed`` not given accepts any complete build."""
+    return ensure_built(out_dir, VERSION, passed(n=n, seed=seed), {"n": 1200, "seed": 0}, write_demo)
 
 
 # HBPDataModule's ``demo``: lit_hbp.demo.text's, this module's, or lit_hbp.demo.video's (torchvision needed)
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lit_hbp.demo.vision", description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir", help="folder to write (model/, chat.jsonl, images/)")
-    parser.add_argument("--n", type=int, default=1200, help="records (default 1200)")
+    parser.add_argument("out_dir", type=out_folder, help="folder to write (model/, chat.jsonl, images/)")
+    parser.add_argument("--n", type=at_least(1), default=1200, help="records (default 1200)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     manifest = ensure_vlm_demo(args.out_dir, args.n, args.seed)
