@@ -89,3 +89,32 @@ def test_every_tool_refuses_a_lengths_file_it_cannot_plan_with_one_line(tmp_path
             assert run(str(tmp_path / name)) == 2, (tool, name)
             err = capsys.readouterr().err
             assert f"{tmp_path / name}" in err and said in err and "Traceback" not in err, (tool, name, err)
+
+
+def test_every_tool_refuses_a_folder_or_a_file_of_neither_lengths_form_naming_it(tmp_path, capsys):
+    """A folder as the lengths file ended in an IsADirectoryError traceback (exit 1); an .npz or a text file not
+    in UTF-8 in ``error: 'utf-8' codec can't decode byte ...``, naming neither the file nor what it should be; an
+    .npy numpy cannot read in numpy's words (no file, and advice to unpickle it). Each tool now names the path and
+    the two forms a lengths file takes, exit status 2."""
+    from lit_hbp.simulate.__main__ import main as simulate_main
+
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "latin.txt").write_bytes(b"12\n\xff\xfe\n")
+    np.savez(tmp_path / "z.npz", a=np.arange(3))
+    (tmp_path / "text.npy").write_text("12\n")
+    says = {
+        "adir": " is a folder, not a lengths file (.npy, or one integer a line)",
+        "latin.txt": ": not a text file of lengths (.npy, or one integer a line)",
+        "z.npz": ": not a text file of lengths (.npy, or one integer a line)",
+        "text.npy": ": not a .npy array of lengths that numpy reads without pickle",
+    }
+    tools = {
+        "packing": lambda path: main([path, "--levels", "1024", "--world", "1"]),
+        "simulate": lambda path: simulate_main([path, "--no-auto", "--levels", "1024:1", "--gpus", "1"]),
+    }
+    for tool, run in tools.items():
+        for name, said in says.items():
+            assert run(str(tmp_path / name)) == 2, (tool, name)
+            err = capsys.readouterr().err
+            assert err == f"error: {tmp_path / name}{said}\n", (tool, name, err)
+

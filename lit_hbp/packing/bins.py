@@ -73,13 +73,25 @@ def describe_indices(bad: np.ndarray, arr: np.ndarray, limit: int = 5) -> str:
     return shown + (f" and {bad.size - limit} more" if bad.size > limit else "")
 
 
+LENGTHS_FORMS = ".npy, or one integer a line"  # what a lengths file may be (errors name them)
+
+
 def load_lengths(path: str | Path) -> np.ndarray:
     """Read lengths from .npy or from a text file with one integer per line (errors name the line), checked
-    (``check_lengths``: one row of whole token counts >= 0, errors naming the file), at least one."""
+    (``check_lengths``: one row of whole token counts >= 0, errors naming the file), at least one. A folder,
+    or a file of neither form, is refused naming the path (numpy's and Python's own errors name neither)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"lengths file not found: {path}")
-    lengths = np.load(path, allow_pickle=False) if path.suffix == ".npy" else _text_lengths(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a lengths file ({LENGTHS_FORMS})")
+    if path.suffix == ".npy":
+        try:
+            lengths = np.load(path, allow_pickle=False)
+        except ValueError:  # numpy's words name no file (and advise unpickling it)
+            raise ValueError(f"{path}: not a .npy array of lengths that numpy reads without pickle") from None
+    else:
+        lengths = _text_lengths(path)
     if not np.asarray(lengths).size:
         raise ValueError(f"{path} holds no sample lengths")
     return check_lengths(lengths, what=str(path))
@@ -87,13 +99,16 @@ def load_lengths(path: str | Path) -> np.ndarray:
 
 def _text_lengths(path: Path) -> np.ndarray:
     values = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            text = line.strip()
-            if not text:
-                continue
-            try:
-                values.append(int(text))
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: not an integer length: {text!r}") from None
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                text = line.strip()
+                if not text:
+                    continue
+                try:
+                    values.append(int(text))
+                except ValueError:
+                    raise ValueError(f"{path}:{lineno}: not an integer length: {text!r}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file of lengths ({LENGTHS_FORMS})") from None
     return np.asarray(values, dtype=np.int64)
