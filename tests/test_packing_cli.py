@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from lit_hbp.packing.__main__ import main
 
@@ -118,3 +119,18 @@ def test_every_tool_refuses_a_folder_or_a_file_of_neither_lengths_form_naming_it
             err = capsys.readouterr().err
             assert err == f"error: {tmp_path / name}{said}\n", (tool, name, err)
 
+
+def test_a_bad_level_spec_is_refused_with_its_reason(tmp_path, capsys):
+    """``--levels 1024:1:0:0`` said only ``invalid parse value: '1024:1:0:0'`` (argparse drops a ``type``'s
+    ValueError message); it now says what ``Level`` says, as ``python -m lit_hbp.simulate`` does for the same spec."""
+    path = tmp_path / "l.npy"
+    np.save(path, np.arange(1, 200))
+    for spec, reason in {
+        "1024:1:0:0": "Level.packs_per_rank must be >= 1, got 0",
+        "1024:x": "bad level spec '1024:x': 'x' is not a non-negative integer",
+    }.items():
+        with pytest.raises(SystemExit) as stop:
+            main([str(path), "--levels", spec, "--world", "1"])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == f"python -m lit_hbp.packing: error: argument --levels: {reason}", err

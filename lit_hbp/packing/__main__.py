@@ -48,12 +48,21 @@ def compare(
     return rows, hbp
 
 
+def level_arg(spec: str) -> Level:
+    """``Level.parse`` for argparse, which keeps a ``type``'s message only from an ArgumentTypeError (for a
+    ValueError it prints "invalid parse value", dropping which field is wrong and why)."""
+    try:
+        return Level.parse(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m lit_hbp.packing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("lengths", help=".npy array of sample lengths, or a text file with one per line")
-    p.add_argument("--levels", nargs="+", required=True, type=Level.parse, help="e.g. 16384:1 131072:8")
+    p.add_argument("--levels", nargs="+", required=True, type=level_arg, help="e.g. 16384:1 131072:8")
     p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
     p.add_argument("--accumulate", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--seed", type=int, default=0)
