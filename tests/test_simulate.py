@@ -114,6 +114,38 @@ def test_simulate_command_prints_the_table_and_writes_pictures(tmp_path, capsys,
     assert "neither a preset" in capsys.readouterr().err
 
 
+def test_simulate_refuses_a_plot_path_it_cannot_write_before_simulating_and_names_the_files_it_wrote(
+    tmp_path, capsys, monkeypatch
+):
+    """``--plot t.xyz`` (a suffix matplotlib writes nothing for), a folder, or a path under a file ended in
+    savefig's traceback after the whole simulation; each is now refused first (exit 2, one line naming --plot, no
+    simulation run). ``--plot NAME`` without a suffix printed ``wrote NAME`` while matplotlib wrote NAME.png:
+    the printed paths are now the files on disk, and the only ones."""
+    import lit_hbp.simulate.__main__ as command
+
+    path = tmp_path / "l.npy"
+    np.save(path, np.arange(1, 4000))
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    run = [str(path), "--gpus", "8", "--levels", "4096:1", "8192:8", "--no-auto", "--plot"]
+    monkeypatch.setattr(command, "compare", lambda *a, **k: pytest.fail("simulated before refusing --plot"))
+    for plot, said in {
+        "t.xyz": "t.xyz: matplotlib writes no .xyz pictures: end it in one of ",
+        "adir": "adir is a folder: give a picture file's name",
+        "afile/t.png": "afile is a file, so no picture can be written under it",
+    }.items():
+        with pytest.raises(SystemExit) as stop:
+            simulate_main([*run, str(tmp_path / plot)])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and err.startswith("python -m lit_hbp.simulate: error: --plot: ") and said in err
+    monkeypatch.undo()
+    before = set(tmp_path.iterdir())
+    assert simulate_main([*run, str(tmp_path / "noext")]) == 0
+    wrote = [line.removeprefix("wrote ") for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+    assert set(map(str, set(tmp_path.iterdir()) - before)) == set(wrote) and len(wrote) == 2
+    assert wrote == [str(tmp_path / "noext.png"), str(tmp_path / "noext_lengths.png")]
+
+
 @pytest.mark.slow
 def test_the_vlm_balance_bench_runs_and_hbp_with_the_vision_work_leads(capsys, monkeypatch):
     """bench/vlm_balance.py on a smaller mix: HBP with the vision work in its balance is the fastest

@@ -202,10 +202,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--margin-gib", type=nonnegative_float, default=0.0, help="memory left free per GPU beyond the 2 GB reserve"
     )
-    p.add_argument("--plot", help="write the rank timelines to this PNG (and a length histogram beside it)")
+    p.add_argument(
+        "--plot",
+        help="write the rank timelines to this picture (.png added to a name without a suffix; any suffix matplotlib "
+        "writes) and a length histogram beside it (STEM_lengths.SUFFIX)",
+    )
     args = p.parse_args(argv)
     if args.no_auto and (args.max_len is not None or args.margin_gib):
         p.error("--max-len and --margin-gib steer (d), the auto-selected levels, which --no-auto skips")
+    if args.plot:  # before the simulation: savefig would refuse a bad path only after it
+        from lit_hbp.simulate.plots import figure_paths
+
+        try:
+            figure_paths(args.plot)
+        except ValueError as e:
+            p.error(f"--plot: {e}")
     try:
         lengths = load_lengths(args.lengths)
         spec = load_spec(args.model)
@@ -269,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             print(note + "\n")
         print(layouts_tried(selection, auto_top))
     if args.plot:
-        from lit_hbp.simulate.plots import save_figures
+        from lit_hbp.simulate.plots import save_figures  # the paths it wrote (.png added to a name without a suffix)
 
         for path in save_figures(args.plot, [sims[0], sims[2]], sims[2].plan):
             print(f"wrote {path}")

@@ -23,6 +23,7 @@ pyplot, so a training run that logs them every epoch keeps no global figure stat
 from __future__ import annotations
 
 import math
+import os
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -411,16 +412,37 @@ def length_histogram_figure(plan: Plan, lengths=None) -> Figure:
 # --------------------------------------------------------------------------------------------
 
 
-def save_figures(path, sims: Sequence[Simulation], plan: Plan) -> list[Path]:
-    """Write the timeline of ``sims`` to ``path`` and the length histogram of ``plan`` next to it
-    as ``<stem>_lengths<suffix>``; returns both paths."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def figure_paths(path: str | os.PathLike[str]) -> list[Path]:
+    """Where ``save_figures`` writes: ``path``, with ``.png`` added when it has no suffix (as matplotlib adds
+    it), and ``<stem>_lengths<suffix>`` beside it. A ValueError, before anything is simulated, for a suffix
+    matplotlib cannot write or a path that is a folder or lies inside a file (savefig would stop on it with a
+    traceback after the whole run)."""
+    given = Path(path)
+    path = given if given.suffix else given.with_suffix(".png")
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise ValueError(
+            f"{path}: matplotlib writes no {path.suffix} pictures: end it in one of {', '.join(sorted(formats))}"
+        )
     hist = path.with_name(f"{path.stem}_lengths{path.suffix}")
-    for fig, out in ((timeline_figure(sims), path), (length_histogram_figure(plan), hist)):
+    for out in (given, path, hist):
+        if out.is_dir():
+            raise ValueError(f"{out} is a folder: give a picture file's name, e.g. {out / 'timeline.png'}")
+    there = next(p for p in path.parents if p.exists())
+    if not there.is_dir():
+        raise ValueError(f"{path}: {there} is a file, so no picture can be written under it")
+    return [path, hist]
+
+
+def save_figures(path: str | os.PathLike[str], sims: Sequence[Simulation], plan: Plan) -> list[Path]:
+    """Write the timeline of ``sims`` and the length histogram of ``plan`` where ``figure_paths`` says;
+    returns both paths (those written, so a caller names the files that exist)."""
+    paths = figure_paths(path)
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
+    for fig, out in zip((timeline_figure(sims), length_histogram_figure(plan)), paths):
         fig.savefig(out)
         fig.clear()
-    return [path, hist]
+    return paths
 
 
 def cp_balance_figure(packs: dict[str, np.ndarray], cps: Sequence[int] = (4, 8)) -> Figure:
