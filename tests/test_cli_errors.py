@@ -30,6 +30,11 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
     long_text = json.dumps({"text": "word " * 20000})
     too_long = write(tmp / "long.jsonl", good, long_text)
     broken = write(tmp / "broken.yaml", "trainer:", "  max_steps: 3", "   devices: 1")
+    empty_folder = tmp / "tokenizer"
+    empty_folder.mkdir()
+    broken_tokenizer = tmp / "broken_tokenizer"
+    broken_tokenizer.mkdir()
+    (broken_tokenizer / "tokenizer_config.json").write_text("{not json")
     dangling = tmp / "demo_link"
     dangling.symlink_to(tmp / "moved_away")
     return {
@@ -229,6 +234,18 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             ["--data.tokenizer", str(demo.parent / "tokenzer")],
             f"data.tokenizer: '{demo.parent / 'tokenzer'}' is neither a local folder",
         ),
+        "a tokenizer folder without a tokenizer": (
+            ["--data.tokenizer", str(empty_folder)],
+            f"data.tokenizer: {empty_folder} is a folder without a tokenizer (none of tokenizer.json,",
+        ),
+        "a file as the tokenizer": (
+            ["--data.tokenizer", str(demo / "short.jsonl")],
+            f"data.tokenizer: {demo / 'short.jsonl'} is a file: give the folder that holds the tokenizer's files",
+        ),
+        "a tokenizer folder whose tokenizer does not load": (
+            ["--data.tokenizer", str(broken_tokenizer)],
+            f"data.tokenizer: the tokenizer in {broken_tokenizer} does not load: ",
+        ),
     }
 
 
@@ -249,7 +266,8 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a monitor a separator away from a logged metric", "a validation inside an optimizer step",
          "a checkpoint by time inside an optimizer step", "a negative curriculum warm-up",
          "a timeline hardware lit-hbp has not", "an export dtype misspelled",
-         "a throughput window of one log", "weight averaging under DeepSpeed"]  # fmt: skip
+         "a throughput window of one log", "weight averaging under DeepSpeed", "a tokenizer folder without a tokenizer",
+         "a file as the tokenizer", "a tokenizer folder whose tokenizer does not load"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch"}
@@ -327,3 +345,16 @@ def test_a_monitor_that_is_a_projects_own_metric_is_left_to_lightning():
     for typo in ("val_loss", "Val/Loss", "train.grad_norm"):
         with pytest.raises(ConfigError, match=f"monitor {typo!r} is logged by nothing"):
             check_monitors([entry(typo)])
+
+
+def test_preview_stops_on_a_tokenizer_folder_without_a_tokenizer_in_one_line(tmp_path, small_demo, capsys):
+    """``preview`` reads ``data.tokenizer`` as ``fit`` does: an empty folder ended in transformers' traceback
+    (exit 1); it is the same short error naming data.tokenizer and the folder (exit 2)."""
+    (tmp_path / "tok").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        main(["preview", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
+              "--data.tokenizer", str(tmp_path / "tok")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    assert err.startswith(f"error: data.tokenizer: {tmp_path / 'tok'} is a folder without a tokenizer"), err
+

@@ -11,9 +11,13 @@ from lit_hbp.data.tokenize import resolve_chat_template
 from lit_hbp.errors import ConfigError, did_you_mean
 from lit_hbp.model.checks import local_checkpoint
 
+# The files a tokenizer folder holds (its own, a slow tokenizer's vocabulary): a folder with none holds no tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
 
 def load_tokenizer(path: str):
-    """A local Hugging Face tokenizer (hub downloads are off in training jobs: give a path)."""
+    """A local Hugging Face tokenizer (hub downloads are off in training jobs: give a path). A path that holds no
+    tokenizer (a file, a folder without one) is a ConfigError naming it, not transformers' traceback."""
     from transformers import AutoTokenizer
 
     if not Path(path).exists():
@@ -26,7 +30,19 @@ def load_tokenizer(path: str):
             raise ConfigError(
                 f"data.tokenizer: {path!r} is neither a local folder{near} nor a tokenizer in the Hugging Face cache"
             ) from None
-    return AutoTokenizer.from_pretrained(path)
+    if Path(path).is_file():
+        raise ConfigError(f"data.tokenizer: {path} is a file: give the folder that holds the tokenizer's files")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):  # transformers' words say not that
+            raise ConfigError(
+                f"data.tokenizer: {path} is a folder without a tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                "give the checkpoint's folder, or one a tokenizer's save_pretrained wrote"
+            ) from None
+        raise ConfigError(
+            f"data.tokenizer: the tokenizer in {path} does not load: {' '.join(str(e).split())}"
+        ) from None
 
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
