@@ -358,3 +358,23 @@ def test_preview_stops_on_a_tokenizer_folder_without_a_tokenizer_in_one_line(tmp
     assert stop.value.code == 2 and "Traceback" not in err, err
     assert err.startswith(f"error: data.tokenizer: {tmp_path / 'tok'} is a folder without a tokenizer"), err
 
+
+def test_the_subcommand_after_the_config_option_and_an_unknown_one(tmp_path, small_demo, capsys):
+    """``--config X preview`` said ``invalid choice: 'preview' (choose from 'fit', 'validate')``, and so did an
+    unknown word, for a subcommand ``lit-hbp --help`` lists: preview after ``--config`` runs as ``preview
+    --config`` does (the same samples), and an unknown word's error lists preview among the choices."""
+    config = ["--config", str(ROOT / "configs/tiny_cpu.yaml")]
+    rest = ["--data.demo_dir", str(small_demo), "--n", "2", "--json"]
+    main(["preview", *config, *rest])
+    first = capsys.readouterr().out
+    main([*config, "preview", *rest])
+    assert capsys.readouterr().out == first and first.count("\n") == 2
+    for argv in (["bogus"], [*config, "bogus"]):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2, err
+        assert (
+            err.splitlines()[0] == "error: argument subcommand: invalid choice: 'bogus' (choose from 'fit', "
+            "'validate', 'preview')"
+        ), err

@@ -344,6 +344,24 @@ def quiet_what_a_user_cannot_act_on() -> None:
         rank_zero.addFilter(_DropAdvert())
 
 
+SUBCOMMANDS = ("fit", "validate", "preview")
+
+
+def subcommand_at(argv: list[str]) -> int | None:
+    """Where the subcommand stands in ``argv``: the first word past the options the top level takes before it
+    (``--config FILE``), so ``--config FILE preview`` runs preview as ``preview --config FILE`` does; None
+    where another option comes first (Lightning's parser then reads the line)."""
+    i = 0
+    while i < len(argv):
+        if argv[i] in ("-c", "--config"):
+            i += 2
+        elif argv[i].startswith("--config="):
+            i += 1
+        else:
+            return None if argv[i].startswith("-") else i
+    return None
+
+
 def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     """Parse the command line (or ``args``), build trainer, model and data; fit unless ``run=False``.
     A mistake in the config or the data (``UserInputError``) ends it with a short error and exit status 2.
@@ -352,8 +370,14 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     quiet_what_a_user_cannot_act_on()
     argv = sys.argv[1:] if args is None else list(args)
-    if argv[:1] == ["preview"]:
-        return preview_main(argv[1:])
+    at = subcommand_at(argv)
+    if at is not None and argv[at] == "preview":
+        return preview_main(argv[:at] + argv[at + 1 :])
+    if at is not None and argv[at] not in SUBCOMMANDS:  # Lightning's parser would list fit and validate alone
+        choices = ", ".join(map(repr, SUBCOMMANDS))
+        sys.stderr.write(f"error: argument subcommand: invalid choice: {argv[at]!r} (choose from {choices})\n")
+        sys.stderr.write(f"tip: `{Path(sys.argv[0]).name} --help` lists the subcommands\n")
+        sys.exit(2)
     try:
         with allow_listed():  # Lightning's resume loads with weights_only=True (check_resume): lit-hbp's allow-list
             cli = HBPCLI(
