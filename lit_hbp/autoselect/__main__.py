@@ -94,10 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.lengths:
             from lit_hbp.packing.bins import load_lengths
 
-            # a mapping's model priced as fit builds it: the tokenizer's vocabulary, not its family's default
-            mapping = args.model is None and isinstance((config.get("model") or {}).get("model"), dict)
-            vocab = config_vocab(config) if mapping else None
             lengths, vision, samples = load_lengths(args.lengths), None, None
+            # a mapping's model priced as fit builds it (the tokenizer's vocabulary, the mapping's where larger),
+            # not with its family's default vocabulary
+            mapping = (config.get("model") or {}).get("model") if args.model is None else None
+            own = isinstance(mapping, dict) and mapping.get("vocab_size")
+            tokenizer = (config.get("data") or {}).get("tokenizer")
+            vocab = config_vocab(config) if isinstance(mapping, dict) and (tokenizer or not own) else None
         else:
             lengths, vocab, vision, samples = config_samples(config)
         spec = load_spec(args.model) if args.model else None
