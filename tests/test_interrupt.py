@@ -330,6 +330,45 @@ def test_ranks_stop_together_when_one_of_them_gets_ctrl_c(tmp_path, small_demo, 
     assert torch.load(path, weights_only=False)["global_step"] == 3
 
 
+class SigtermInSanityCheck(L.Callback):
+    """SIGTERM to this process ``times`` times after the sanity check's first validation batch (Lightning's launcher
+    forwards a SIGTERM its own process got to the other ranks: those get it twice)."""
+
+    def __init__(self, times: int):
+        self.times = times
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if trainer.sanity_checking and batch_idx == 0:
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
+def sanity_sigterm_fit(root: str, demo: str) -> str:
+    """One rank of a 2-process DDP fit signalled in its sanity check: once on rank 0, twice on rank 1."""
+    import torch.distributed as dist
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    L.seed_everything(0)
+    dm = chat_datamodule(Path(demo), str(Path(demo) / "tokenizer"), Path(root) / "cache", val_fraction=0.2)
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, self_check=False)
+    send = SigtermInSanityCheck(1 + dist.get_rank())
+    trainer = quiet_trainer(max_steps=2, devices=2, strategy="ddp", callbacks=[send, InterruptCheckpoint()])
+    try:
+        trainer.fit(module, dm)
+    except SIGTERMException:
+        return f"stopped at step {trainer.global_step}"
+    return "trained"
+
+
+@pytest.mark.slow
+def test_a_sigterm_in_the_sanity_check_stops_every_rank_with_nothing_to_save(tmp_path, small_demo, shared_pool2):
+    """Before training Lightning's own SIGTERM handler broadcast from inside the handler: a rank that got the signal
+    twice (forwarded by Lightning's launcher) broadcast into whatever collective the other was in, gloo aborted it
+    ("collective mismatch") and the other reported it lost, exit 1. Every rank now stops as the docs say."""
+    ranks = shared_pool2.run(sanity_sigterm_fit, str(tmp_path), str(small_demo), timeout=600)  # it hung, or aborted
+    assert ranks == ["stopped at step 0", "stopped at step 0"]
+
+
 @pytest.mark.parametrize("scheduled", [False, True], ids=["last_ckpt", "a_scheduled_save_at_that_step"])
 def test_a_run_resumed_after_a_stop_logs_the_loss_the_uninterrupted_run_logs(tmp_path, small_demo, scheduled):
     """Lightning logs at the step a run stops at, whatever ``log_every_n_steps`` says (here every second step):

@@ -10,6 +10,7 @@ a step, from inside the signal handler.
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import signal
@@ -120,6 +121,13 @@ class InterruptCheckpoint(StepEndCallback):
         """``128 + signal`` once training stopped for a signal (a shell's status for a process the
         signal ended), else None."""
         return None if self.signal is None else 128 + int(self.signal)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning's SIGTERM handler, in place until on_train_start (the sanity check's validation), broadcasts
+        # from inside the handler, amid whatever collective the ranks are in: gloo aborts the process ("collective
+        # mismatch") and the others report it lost. This one records the signal, as Lightning's loops read it.
+        connector = trainer._signal_connector
+        connector._sigterm_notifier_fn = functools.partial(_note_sigterm, connector)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.received, self.signal, self.checkpoint, self.requeued = None, None, None, False
@@ -262,6 +270,15 @@ class InterruptCheckpoint(StepEndCallback):
                 signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         self._installed = {}
         trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
+def _note_sigterm(connector: Any, signum: int, frame: Any) -> None:
+    """Lightning's ``_sigterm_notifier_fn`` without its broadcast: the launcher's processes told once, the signal
+    recorded for the loops, which stop at their next check (``SIGTERMException``)."""
+    launcher = connector.trainer.strategy.launcher
+    if not connector.received_sigterm and launcher is not None:
+        launcher.kill(signum)
+    connector.received_sigterm = True
 
 
 def _nothing() -> None:
