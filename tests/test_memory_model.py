@@ -222,6 +222,41 @@ def test_the_memory_command_refuses_levels_set_up_refuses_and_lays_them_out_over
     assert "8=4x2" in row, row
 
 
+def test_the_memory_command_prices_the_tokenizers_vocabulary_where_the_model_mapping_names_none(
+    tmp_path, capsys, toy_tokenizer
+):
+    """A model mapping without vocab_size embeds the tokenizer's rows in the fit (the data module's vocab_size linked
+    to the module): the memory command prices that model, counted here on the model fit builds, not the family's
+    default 32000 rows; without a tokenizer it cannot know the rows and says so."""
+    import yaml
+
+    from lit_hbp.cost.memory import main
+    from lit_hbp.data.tokenize import id_bound
+    from lit_hbp.lightning.renderers import load_tokenizer
+    from lit_hbp.model.build import build_causal_lm
+
+    mapping = {k: v for k, v in LLAMA_8B.items() if k != "vocab_size"}
+    path = write_config(tmp_path / "c.yaml", [{"pack_len": "16K", "ckpt_layers": 24}])
+    config = yaml.safe_load(Path(path).read_text())
+    config["model"]["model"] = mapping
+    config["data"]["tokenizer"] = toy_tokenizer
+    (tmp_path / "tok.yaml").write_text(yaml.safe_dump(config))
+    rows = id_bound(load_tokenizer(toy_tokenizer))
+    with torch.device("meta"):
+        net = build_causal_lm(mapping, rows)
+    built = sum(p.numel() for p in net.parameters())
+    assert net.get_input_embeddings().num_embeddings == rows < 32000
+    main(["--config", str(tmp_path / "tok.yaml")])
+    out = capsys.readouterr().out
+    assert out.startswith(f"llama ({built / 1e9:.1f}B) on 8 x H100-80GB"), out
+    params = [line.split() for line in out.splitlines() if line.split()[:2] == ["0", "16384"]][0][6]
+    assert float(params) == pytest.approx(2 * built / 1024**3, abs=0.05)  # bf16 parameters, ZeRO-2 keeps them whole
+    del config["data"]["tokenizer"]
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump(config))
+    assert main(["--config", str(tmp_path / "none.yaml")]) == 2
+    assert "model.model names no vocab_size and data.tokenizer is not given" in capsys.readouterr().err
+
+
 SP_POINTS = [(4096, 0, False, 1), (4096, 4, False, 1), (4096, 4, True, 1), (4096, 4, True, 4)]
 
 

@@ -9,6 +9,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from lit_hbp.errors import ConfigError
 from lit_hbp.model_spec import ModelSpec, load_model_spec
 
 
@@ -67,6 +68,39 @@ def model_config(config: dict, vocab: int | None) -> dict | str:
     if isinstance(model, dict) and vocab is not None:  # as the fit builds it: the mapping's own if not fewer
         model = {**model, "vocab_size": max(vocab, model.get("vocab_size") or vocab)}
     return model
+
+
+def config_vocab(config: dict) -> int | None:
+    """The vocabulary a fit gives the config's model where its size depends on it (a model mapping without
+    ``vocab_size``: the embedding then has the tokenizer's rows, the data module's ``vocab_size`` linked to the
+    module), read as the level search reads it: ``id_bound`` of ``data.tokenizer`` (a local folder or the Hugging
+    Face cache, as ``lightning.renderers.load_tokenizer`` loads it; a demo built first, as the data module builds it);
+    None where the model names its own (a mapping's ``vocab_size``, a checkpoint's)."""
+    model = (config.get("model") or {}).get("model")
+    if not isinstance(model, dict) or model.get("vocab_size") is not None:
+        return None
+    data = config.get("data") or {}
+    if not data.get("tokenizer"):
+        raise ConfigError(
+            "model.model names no vocab_size and data.tokenizer is not given: the embedding has the tokenizer's "
+            "rows; give data.tokenizer, or model.model.vocab_size"
+        )
+    from transformers import AutoTokenizer
+
+    from lit_hbp.data.tokenize import id_bound
+    from lit_hbp.model.checks import local_checkpoint
+
+    if data.get("demo_dir"):
+        from lit_hbp.demo import ensure_kind
+
+        ensure_kind(data["demo_dir"], data.get("demo", "text"))
+    try:  # as the data module loads it: a local folder or the Hugging Face cache, no download
+        tokenizer = AutoTokenizer.from_pretrained(local_checkpoint(str(data["tokenizer"])), local_files_only=True)
+    except OSError:
+        raise ConfigError(
+            f"data.tokenizer: {data['tokenizer']!r} is neither a local folder nor a tokenizer in the Hugging Face cache"
+        ) from None
+    return id_bound(tokenizer)
 
 
 def spec_of(model: dict | str) -> ModelSpec:

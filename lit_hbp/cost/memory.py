@@ -2,8 +2,9 @@
 
     python -m lit_hbp.cost.memory --config configs/llama3_8b_32gpu.yaml [--gpu h100] [--gpus 32]
 
-Reads the training YAML (its model, levels, precision, world, strategy's ZeRO stage and offloads,
-``liger``, LoRA: ``run_settings.config_settings``; a setting set-up would refuse is refused here, exit 2)
+Reads the training YAML (its model, with ``data.tokenizer``'s vocabulary where the model mapping names none, its
+levels, precision, world, strategy's ZeRO stage and offloads, ``liger``, LoRA: ``run_settings.config_settings``; a
+setting set-up would refuse is refused here, exit 2)
 and prints, per level, the cost model's parts (``CostModel.memory_parts``: parameters, gradients and
 Adam states as ZeRO partitions them, the activations of the layers run whole, the checkpointed inputs
 on the device or on the host with ``offload``, a layer's recompute and backward working set, the LM
@@ -20,7 +21,15 @@ import argparse
 import sys
 from dataclasses import replace
 
-from lit_hbp.cost.config import check_levels, load_spec, model_config, positive_int, read_config, spec_of
+from lit_hbp.cost.config import (
+    check_levels,
+    config_vocab,
+    load_spec,
+    model_config,
+    positive_int,
+    read_config,
+    spec_of,
+)
 from lit_hbp.cost.costmodel import GIB, HARDWARE, CostModel
 from lit_hbp.cost.run_settings import (
     CONFIG,
@@ -157,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         config = read_config(args.config)
-        spec = load_spec(args.model) if args.model else spec_of(model_config(config, None))
+        spec = load_spec(args.model) if args.model else spec_of(model_config(config, config_vocab(config)))
         trainer = config.get("trainer") or {}
         devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
         counted = isinstance(devices, int) and devices > 0 and isinstance(nodes, int) and nodes > 0
