@@ -149,6 +149,38 @@ def test_a_mixed_precision_without_deepspeed_is_priced_with_fp32_parameters_and_
     assert trainer_settings(cpu_trainer(strategy, precision), HARDWARE["h100"]).autocast is autocast
 
 
+@pytest.mark.parametrize(
+    "precision, dtype",
+    [
+        ("bf16-true", torch.bfloat16),
+        ("16-true", torch.float16),
+        ("bf16-mixed", torch.float32),
+        ("32-true", torch.float32),
+        ("64-true", torch.float64),
+    ],
+)
+def test_without_deepspeed_the_adam_states_are_torchs_in_the_parameters_dtype(precision, dtype):
+    """Without DeepSpeed the module's torch AdamW steps the parameters themselves: m and v in their dtype, no fp32
+    master (bf16-true: 4 bytes a parameter, not DeepSpeed's 12), as measured on its states; DeepSpeed's below fp32
+    keeps an fp32 master and fp32 m and v (12 bytes), 8 in fp32."""
+    import lit_hbp.lightning.strategy  # noqa: F401  (registers the hbp strategies)
+
+    layer = torch.nn.Linear(64, 64, bias=False).to(dtype)
+    adam = torch.optim.AdamW(layer.parameters(), foreach=True)
+    layer(torch.ones(2, 64, dtype=dtype)).sum().backward()
+    adam.step()
+    states = [t for state in adam.state.values() for t in state.values() if t.dim() > 0]  # not the step count
+    measured = sum(t.numel() * t.element_size() for t in states) / layer.weight.numel()
+    for strategy in (None, "ddp", {"class_path": "lit_hbp.lightning.strategy.HBPDDPStrategy"}):
+        read = config_settings({"trainer": {"strategy": strategy, "precision": precision}}, HARDWARE["h100"], 1)
+        for run in (read, trainer_settings(cpu_trainer(strategy, precision), HARDWARE["h100"])):
+            assert cost_model(LLAMA_8B, run).static_parts()["optimizer"] == pytest.approx(measured * LLAMA_8B.params)
+    if dtype != torch.float64:  # DeepSpeed refuses fp64
+        read = config_settings({"trainer": {"strategy": "hbp", "precision": precision}}, HARDWARE["h100"], 1)
+        deepspeed = 8 if dtype == torch.float32 and precision.endswith("-true") else 12
+        assert cost_model(LLAMA_8B, read).static_parts()["optimizer"] == pytest.approx(deepspeed * LLAMA_8B.params)
+
+
 def cpu_trainer(strategy, precision: str):
     """A CPU trainer with ``strategy`` (a registered name, or a config's class_path entry) at ``precision``."""
     from lightning.pytorch import Trainer

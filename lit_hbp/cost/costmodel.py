@@ -152,7 +152,7 @@ ATTENTION_OUTPUT_COPIES = {"flash": 1, "sdpa": 2}
 @dataclass(frozen=True)
 class CostModel:
     """Prices micro-steps of a model on a cluster. ``world`` ranks, ZeRO ``zero_stage`` over the
-    whole world (HBP never gives DeepSpeed an SP mpu), bf16 compute, Adam with fp32 states.
+    whole world (HBP never gives DeepSpeed an SP mpu), bf16 compute, Adam's states as ``deepspeed`` says.
 
     logits: "chunked" (lit-hbp: the LM head runs in chunks of ``ce_chunk`` tokens) or "full"
     (the whole [tokens, vocab] logits in fp32, as the paper's framework held them).
@@ -182,7 +182,10 @@ class CostModel:
         ``*-mixed`` precision without DeepSpeed, ``HBPDDPStrategy``): fp32 parameters and gradients, no master
         copy, and the low-precision copy of every layer's matmul weights, which autocast casts in the forward
         and the backward keeps (``static_parts``' ``casts``; the LM head's checkpointed loss chunks cast its weight
-        again each time). DeepSpeed's bf16 holds the parameters in bf16 instead."""
+        again each time). DeepSpeed's bf16 holds the parameters in bf16 instead.
+    deepspeed: DeepSpeed steps the optimizer (``HBPStrategy``, any ZeRO stage): below fp32 an fp32 master copy and fp32
+        Adam states; False (DDP, one device: ZeRO stage 0 without DeepSpeed) torch's AdamW steps the parameters
+        themselves, its m and v in their dtype (a ``*-true`` half precision: 4 bytes a parameter, no master)."""
 
     model: ModelSpec
     hardware: Hardware
@@ -204,6 +207,7 @@ class CostModel:
     vision_patches_per_token: float = 0.0
     compiled: bool = False
     autocast: bool = False
+    deepspeed: bool = True
 
     # ----------------------------------------------------------------------------- time
 
@@ -338,21 +342,25 @@ class CostModel:
     # --------------------------------------------------------------------------- memory
 
     def static_parts(self) -> dict:
-        """Parameters and gradients (model dtype; fp32 under ``autocast``) and Adam states (fp32 master, m, v)
-        per rank, as ZeRO partitions them over the world (none of what is offloaded to the host); under
-        ``autocast`` the matmuls' low-precision weight copies (``casts``) too."""
+        """Parameters and gradients (model dtype; fp32 under ``autocast``) and Adam states (DeepSpeed's: an fp32
+        master below fp32, fp32 m and v; torch's without DeepSpeed: m and v in the parameters' dtype) per rank, as
+        ZeRO partitions them over the world (none of what is offloaded to the host); under ``autocast`` the matmuls'
+        low-precision weight copies (``casts``) too."""
         n, z, b, m = self.world, self.zero_stage, self.dtype_bytes, self.model
         vision = 0.0 if m.vision is None else m.vision.params(m.hidden)
         p = m.params + vision
         held = 4 if self.autocast else b  # autocast: fp32 parameters and gradients, and they are the master
-        master = 4 if held < 4 else 0  # fp32 training keeps no master copy
+        if self.deepspeed or z >= 1:  # a ZeRO stage is DeepSpeed's (a lever may raise one on a run without it)
+            states = (4 if held < 4 else 0) + 8  # fp32 training keeps no master copy
+        else:
+            states = 2 * held  # torch.optim.AdamW: exp_avg and exp_avg_sq like the parameter
         trained = (m.params + (vision if self.vision_trained else 0.0)) * self.trainable
         per_layer = m.total_layer_params if m.total_layer_params is not None else m.layer_params
         matmuls = m.layers * per_layer + vision  # the LM head's copy: made again by each checkpointed loss chunk
         return dict(
             params=0.0 if self.param_offload else held * p / (n if z >= 3 else 1),
             grads=held * trained / (n if z >= 2 else 1),
-            optimizer=0.0 if self.optimizer_offload else (master + 8) * trained / (n if z >= 1 else 1),
+            optimizer=0.0 if self.optimizer_offload else states * trained / (n if z >= 1 else 1),
             casts=b * matmuls if self.autocast and b < 4 else 0.0,
         )
 

@@ -35,7 +35,8 @@ class Settings:
     no precision is known). ce_chunk: the loss's chunk (``HBPLitModule``'s ``ce_chunk_size``). vision_trained: a
     vision-language model's tower trains (not under ``freeze_vision`` or LoRA). compiled: its decoder layers run
     compiled (``HBPLitModule(compile=True)``). autocast: a ``*-mixed`` precision without DeepSpeed (fp32
-    parameters, the layers under autocast: ``CostModel.autocast``)."""
+    parameters, the layers under autocast: ``CostModel.autocast``). deepspeed: DeepSpeed steps the optimizer (False:
+    torch's AdamW over the parameters, ``CostModel.deepspeed``)."""
 
     world: int = 1
     hardware: Hardware = HARDWARE["h100"]
@@ -49,6 +50,7 @@ class Settings:
     vision_trained: bool = True
     compiled: bool = False
     autocast: bool = False
+    deepspeed: bool = True
 
 
 def cost_model(spec: ModelSpec, settings: Settings, sp_kind: str = "ulysses") -> CostModel:
@@ -173,6 +175,7 @@ def settings_of(
         vision_trained=not (model_args.get("freeze_vision") or model_args.get("lora")),
         compiled=bool(model_args.get("compile", False)),
         autocast=precision is not None and autocast_of(precision, strategy_args is not None),
+        deepspeed=strategy_args is not None,
     )
 
 
@@ -191,6 +194,7 @@ def trainer_settings(trainer: Any, hardware: Hardware, **given: Any) -> Settings
     zero = deepspeed_zero(config)
     read = dict(world=trainer.world_size, hardware=hardware, dtype_bytes=precision_bytes(trainer.precision), **zero)
     read["autocast"] = autocast_of(trainer.precision, config is not None)
+    read["deepspeed"] = config is not None
     return Settings(**{**read, **given})
 
 
