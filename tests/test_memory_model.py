@@ -222,6 +222,30 @@ def test_the_memory_command_refuses_levels_set_up_refuses_and_lays_them_out_over
     assert "8=4x2" in row, row
 
 
+def test_the_memory_command_refuses_a_precision_deepspeed_refuses_as_the_fit_does(tmp_path, capsys):
+    """fp64 under DeepSpeed: the fit's set-up refuses it (``check_trainer_values``' DeepSpeed precision check), so
+    the memory command exits 2 with the fit's words instead of pricing it; without DeepSpeed fp64 trains, and is
+    priced."""
+    import yaml
+
+    from lit_hbp.cli.checks import check_deepspeed_precision
+    from lit_hbp.cost.memory import main
+    from lit_hbp.errors import ConfigError
+
+    path = write_config(tmp_path / "c.yaml", [{"pack_len": "16K", "ckpt_layers": 24}])
+    config = yaml.safe_load(Path(path).read_text())
+    config["trainer"]["precision"] = "64-true"
+    with pytest.raises(ConfigError) as refused:
+        check_deepspeed_precision("64-true")
+    (tmp_path / "fp64.yaml").write_text(yaml.safe_dump(config))
+    assert main(["--config", str(tmp_path / "fp64.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {refused.value}"
+    config["trainer"]["strategy"] = "ddp"
+    (tmp_path / "ddp.yaml").write_text(yaml.safe_dump(config))
+    assert main(["--config", str(tmp_path / "ddp.yaml")]) in (0, 1)
+    assert "fp64" in capsys.readouterr().out
+
+
 def test_the_memory_command_prices_the_tokenizers_vocabulary_where_the_model_mapping_names_none(
     tmp_path, capsys, toy_tokenizer
 ):

@@ -33,15 +33,18 @@ from lit_hbp.cost.config import (
 from lit_hbp.cost.costmodel import GIB, HARDWARE, CostModel
 from lit_hbp.cost.run_settings import (
     CONFIG,
+    PRECISION_ALIASES,
     SWITCHES,
     check,
     config_settings,
+    config_strategy,
     cost_model,
     describe,
     local_hardware,
     problems,
     trainer_settings,
 )
+from lit_hbp.errors import ConfigError
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level, as_level
 from lit_hbp.parallel.topology import resolve_layout
@@ -155,6 +158,24 @@ def table(cost: CostModel, levels) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
 
+def check_precision(trainer: dict) -> None:
+    """Refuse a precision DeepSpeed does not train in (``64-true``) under the config's DeepSpeed strategy, as the
+    fit's set-up refuses it (``cli.checks.check_deepspeed_precision``: Lightning's DeepSpeed plugin is asked),
+    rather than price a run that never starts."""
+    if config_strategy(trainer.get("strategy")) is None:
+        return
+    from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
+
+    precision = str(trainer.get("precision") or "32-true")
+    try:
+        DeepSpeedPrecision(PRECISION_ALIASES.get(precision, precision))
+    except ValueError:
+        raise ConfigError(
+            f"trainer.precision: {precision!r} is not one DeepSpeed trains in (trainer.strategy): use 32-true or "
+            "bf16-mixed, or trainer.strategy hbp_ddp"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m lit_hbp.cost.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -184,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         check_levels(levels, world, spec.layers)
         settings = config_settings(config, hw, world)
         check(settings, CONFIG, max((lv.mlp_tiles for lv in levels), default=1))
+        check_precision(trainer)
         cost = cost_model(spec, settings)
     except (ValueError, TypeError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

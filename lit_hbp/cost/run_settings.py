@@ -146,6 +146,10 @@ def config_strategy(strategy: Any) -> dict | None:
     return args
 
 
+PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+"""Lightning's short precision names and what it takes them for."""
+
+
 def precision_bytes(precision: Any) -> int:
     """Bytes per parameter and activation of a Lightning precision (``64-true``, ``32-true``, ``bf16-mixed``...)."""
     name = str(precision)
