@@ -4,7 +4,9 @@ Pure Python: the analytic cost model and the planner's tools read it without tor
 from a preset, a Hugging Face config (whatever its family calls the fields: ``n_embd`` or
 ``hidden_size``, ``n_layer`` or ``num_hidden_layers``, ...), or is refined from an instantiated
 model, whose parameters say exactly which matmuls a token passes through (``active_layer_params``:
-a mixture-of-experts layer counts its routed experts at top-k / experts).
+a mixture-of-experts layer counts its routed experts at top-k / experts). One module on purpose (over 600
+lines): what a layer keeps for its backward (a mixture of experts', latent attention's, dropout's) is read from
+the same config fields, under the same aliases, as the shape.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ ALIASES = {
     "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
     "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
     "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
-    "intermediate": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
+    "intermediate": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "dff"),
     "vocab": ("vocab_size", "padded_vocab_size"),
 }
 
@@ -204,6 +206,11 @@ def mixer_params(config: dict) -> float | None:
     return None
 
 
+TWO_MATRIX_MLPS = frozenset(
+    {"ctrl", "gpt2", "gpt-sw3", "gpt_bigcode", "gptj", "codegen", "gpt_neo", "gpt_neox", "opt", "bloom", "falcon",
+     "phi", "starcoder2", "biogpt", "xglm", "persimmon", "openai-gpt", "mpt"}
+)  # fmt: skip
+"""Families whose MLP is two matrices (up, activation, down), not a gated MLP's three: their formula's parameters."""
 GATED_ACTS = ("silu", "swish")  # a gated MLP (Qwen2.5-VL's): gate, up and down matrices
 SIGMOID_ACTS = ("quick_gelu",)  # x * sigmoid(1.702 x): keeps its input and the sigmoid
 
@@ -331,6 +338,21 @@ class ModelSpec:
     attention_windows: tuple[tuple[str, int], ...] = ()
     """Each attending layer's reach, where any layer's is bounded (``attention_windows``): ``("sliding", w)``,
     ``("chunked", c)`` or ``("full", 0)``; empty: every layer attends to its document's whole causal prefix."""
+    mlp_values: float | None = None
+    """Values per token (the model's dtype) one layer's MLP keeps for its backward, averaged over the layers, where
+    it is not a gated MLP's four rows of ``intermediate``: a mixture of experts' (``cost.mlp_saved``)."""
+    mlp_bytes: float = 0.0
+    """Bytes per token of a layer's routing beside ``mlp_values`` (fp32 probabilities, expert indices)."""
+    value_dim: int | None = None
+    """Multi-head latent attention's value width per head (``attention_width`` less it: the query-key width)."""
+    latent: tuple[int, int, int] | None = None
+    """Multi-head latent attention's query and key-value ranks and rotary width (``latent_ranks``)."""
+    dropout_values: int = 0
+    """Values per token a layer's dropout masks cover (``dropout_rows``); 0: no dropout."""
+    attention_dropout: bool = False
+    """Its attention drops probabilities (a flash kernel keeps no mask; the CPU's sdpa keeps each document's)."""
+    mlp_matrices: int = 3
+    """Matrices of its MLP in the formula's parameters (3: gated; 2: ``TWO_MATRIX_MLPS``)."""
 
     @property
     def attending(self) -> int:
@@ -357,11 +379,11 @@ class ModelSpec:
     @property
     def layer_params(self) -> float:
         """Matmul parameters one token passes through in a decoder layer: q, k, v, o projections
-        and a gated MLP, unless measured from the model."""
+        and a gated MLP (two matrices: ``mlp_matrices``), unless measured from the model."""
         if self.active_layer_params is not None:
             return self.active_layer_params
         attn = self.hidden * self.heads * self.dim * 2 + self.hidden * self.kv_heads * self.dim * 2
-        return attn + 3 * self.hidden * self.intermediate
+        return attn + self.mlp_matrices * self.hidden * self.intermediate
 
     @property
     def pair_flops(self) -> float:
@@ -438,13 +460,19 @@ class ModelSpec:
         kv = values["kv_heads"]
         if kv is None and c.get("multi_query"):
             kv = 1
+        layers = int(values["layers"])
+        dense = dense_width(c, ALIASES["intermediate"], hidden)
+        moe = mlp_saved(c, hidden, dense or 4 * hidden, layers)
+        width = dense or (moe[0] / 4 if moe else 4 * hidden)  # a mixture of experts naming no dense width: its active
+        masked, attention_dropout = dropout_rows(c, hidden, width)
+        latent = latent_ranks(c)
         return cls(
             name=name or top.get("_name_or_path") or top.get("model_type") or c.get("model_type", "model"),
-            layers=int(values["layers"]),
+            layers=layers,
             hidden=hidden,
             heads=heads,
             kv_heads=int(kv or heads),
-            intermediate=int(values["intermediate"] or 4 * hidden),
+            intermediate=int(width),
             vocab=int(values["vocab"] or 32000),
             head_dim=c.get("head_dim"),
             attention_width=latent_attention_width(c),
@@ -456,6 +484,13 @@ class ModelSpec:
             mixer_heads=mixer_heads(c),
             mixer_spanning=mixer_spanning(c),
             attention_windows=attention_windows(c),
+            mlp_values=moe[0] if moe else None,
+            mlp_bytes=moe[1] if moe else 0.0,
+            value_dim=c.get("v_head_dim") if latent else None,
+            latent=latent,
+            dropout_values=masked,
+            attention_dropout=attention_dropout,
+            mlp_matrices=2 if c.get("model_type") in TWO_MATRIX_MLPS else 3,
         )
 
 
@@ -492,6 +527,116 @@ def latent_attention_width(c: dict) -> int | None:
     keys carry a rotary and a plain part, the values their own width); None for other attention."""
     parts = [c.get(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")]
     return sum(parts) if all(isinstance(p, int) and p > 0 for p in parts) else None
+
+
+# What a decoder layer keeps for its backward beyond a Llama layer's, read from the config's fields: the MLP's width
+# where a family names it otherwise, a mixture of experts' routed and shared experts, multi-head latent attention's
+# low-rank projections, dropout. Counted from the tensors transformers 5.24's layers save (saved-tensor hooks on CPU,
+# tests/test_memory_model.py): a routed expert keeps, per token it is given, its copy of the token's row, its gate
+# and up projections, the activation, their product and its output (2 h + 4 i); the router keeps the block's input
+# row, its fp32 probabilities and top-k indices and weights; a shared expert is a gated MLP.
+EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
+EXPERT_WIDTH = ("moe_intermediate_size", "expert_ffn_hidden_size")
+SHARED_WIDTH = ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "shared_intermediate_size")
+ROUTING_BYTES_PER_EXPERT = 4  # the router's fp32 probabilities, per expert
+ROUTING_BYTES_PER_CHOICE = 40  # per expert a token is sent to: int64 indices (three), fp32 weights (two)
+
+RESIDUAL_DROPOUT = ("resid_pdrop", "hidden_dropout", "hidden_dropout_prob", "residual_dropout", "dropout")
+ACTIVATION_DROPOUT = ("activation_dropout",)
+ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob", "attn_dropout")
+
+UNREAD_WIDTHS = ("dim_ff", "d_inner", "ffn_config", "encoder_ffn_dim", "decoder_ffn_dim")
+"""MLP width fields of transformers' configs whose families the cost model does not read: refused by name."""
+
+
+def _first_of(config: dict, names: tuple[str, ...]):
+    return next((config[k] for k in names if config.get(k) is not None), None)
+
+
+def dense_width(config: dict, aliases: tuple[str, ...], hidden: int) -> int | None:
+    """A dense MLP's width: the first of ``aliases`` the config sets (``intermediate_size``, CTRL's ``dff``...),
+    MPT's ``expansion_ratio``, xLSTM's ``ffn_proj_factor`` (rounded up as its layer rounds it), GPT-NeoX-Japanese's
+    ``intermediate_multiple_size``; None where none is set (GPT-2's ``n_inner: null``: four times the width).
+    Raises ValueError for a field naming it that is not read."""
+    width = _first_of(config, aliases)
+    if isinstance(width, (list, tuple)):  # Gemma 3n's per layer: their mean
+        return int(sum(width) / len(width))
+    if width is not None:
+        return int(width)
+    if config.get("expansion_ratio") is not None:
+        return int(config["expansion_ratio"] * hidden)
+    if config.get("ffn_proj_factor") is not None:
+        multiple = int(config.get("ffn_round_up_to_multiple_of") or 1)
+        return int(math.ceil(config["ffn_proj_factor"] * hidden / multiple) * multiple)
+    if config.get("intermediate_multiple_size") is not None:
+        return int(config["intermediate_multiple_size"] * hidden)
+    unread = [k for k in UNREAD_WIDTHS if config.get(k) is not None]
+    if unread:
+        raise ValueError(
+            f"the {config.get('model_type', 'model')} config names its MLP width by {unread[0]}, which lit-hbp's cost "
+            "model does not read"
+        )
+    return None
+
+
+def moe_layers(config: dict, layers: int) -> int:
+    """How many of the layers route their tokens to experts: all but Deepseek's first ``first_k_dense_replace``,
+    Qwen-MoE's ``mlp_only_layers`` and those off its ``decoder_sparse_step``, Deepseek-V2's off ``moe_layer_freq``,
+    Llama 4's off ``moe_layers`` / ``interleave_moe_layer_step``."""
+    if isinstance(config.get("moe_layers"), (list, tuple)):
+        return sum(0 <= i < layers for i in config["moe_layers"])
+    first = int(config.get("first_k_dense_replace") or 0)
+    dense = set(config.get("mlp_only_layers") or ())
+    step = int(config.get("decoder_sparse_step") or config.get("interleave_moe_layer_step") or 1)
+    freq = int(config.get("moe_layer_freq") or 1) if isinstance(config.get("moe_layer_freq"), int) else 1
+    return sum(i >= first and i not in dense and (i + 1) % step == 0 and (i - first) % freq == 0 for i in range(layers))
+
+
+def mlp_saved(config: dict, hidden: int, dense: int, layers: int) -> tuple[float, float] | None:
+    """(values in the model's dtype, bytes) per token one layer's MLP keeps for its backward, averaged over the
+    layers, for a mixture of experts: a routed layer's router (its input row, ``ROUTING_BYTES_*``), top-k experts of
+    ``2 h + 4 i`` values each and its shared experts (a gated MLP's ``4 i``: Deepseek's ``n_shared_experts`` of the
+    experts' width, Qwen-MoE's ``shared_expert_intermediate_size`` and its gate's row, Llama 4's one); a dense layer's
+    gated MLP (``dense``, Llama 4's ``intermediate_size_mlp``). None for a dense model."""
+    experts, top_k = _first_of(config, EXPERT_COUNT), _first_of(config, EXPERTS_PER_TOKEN)
+    if not isinstance(experts, int) or experts < 2 or not top_k:
+        return None
+    width = int(_first_of(config, EXPERT_WIDTH) or dense)
+    shared = 4 * float(_first_of(config, SHARED_WIDTH) or 0)
+    if config.get("shared_expert_intermediate_size"):
+        shared += 1  # Qwen-MoE's sigmoid gate of the shared expert
+    shared += 4 * width * int(config.get("n_shared_experts") or 0)
+    if config.get("model_type") in ("llama4", "llama4_text"):
+        shared += 4 * width  # its one shared expert, of the experts' width
+        dense = int(config.get("intermediate_size_mlp") or dense)
+    routed = moe_layers(config, layers)
+    values = hidden + top_k * (2 * hidden + 4 * width) + shared
+    routing = ROUTING_BYTES_PER_EXPERT * experts + ROUTING_BYTES_PER_CHOICE * top_k
+    return (routed * values + (layers - routed) * 4 * dense) / layers, routed * routing / layers
+
+
+def latent_ranks(config: dict) -> tuple[int, int, int] | None:
+    """Multi-head latent attention's (``q_lora_rank`` (0: a full-rank query), ``kv_lora_rank``, ``qk_rope_head_dim``),
+    whose projections' normed rows its layer keeps; None for other attention."""
+    kv, rope = config.get("kv_lora_rank"), config.get("qk_rope_head_dim")
+    if not (isinstance(kv, int) and kv > 0 and isinstance(rope, int) and rope > 0):
+        return None
+    return int(config.get("q_lora_rank") or 0), kv, rope
+
+
+def dropout_rows(config: dict, hidden: int, width: int) -> tuple[int, bool]:
+    """(values per token a layer's dropout masks cover, whether its attention drops probabilities), where the
+    config's probabilities are above 0: a residual dropout after the attention and after the MLP (two rows of the
+    width), an activation dropout in the MLP (a row of its width)."""
+    residual = any(_positive(config.get(k)) for k in RESIDUAL_DROPOUT)
+    activation = any(_positive(config.get(k)) for k in ACTIVATION_DROPOUT)
+    attention = any(_positive(config.get(k)) for k in ATTENTION_DROPOUT)
+    return (2 * hidden if residual else 0) + (width if activation else 0), attention
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 # Published architectures (config.json of each model on the Hugging Face hub).

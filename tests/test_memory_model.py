@@ -446,3 +446,69 @@ def test_autocast_over_fp32_parameters_keeps_a_bf16_copy_of_every_matmuls_weight
     # the same 16 bytes a parameter of state either way (fp32 parameters and gradients here, no master copy)
     state = ("params", "grads", "optimizer")
     assert sum(mixed[k] for k in state) == pytest.approx(sum(deepspeed[k] for k in state)) == 16 * spec.params
+
+
+def saved_per_layer(family: str, **fields) -> tuple[float, float]:
+    """Bytes per token the last two of four decoder layers keep for their backward, measured as saved-tensor hooks
+    see them (each storage once, the parameters left out) through prepare_model and packed_loss in fp32 on the CPU's
+    sdpa: a 4-layer model's less a 2-layer one's, halved; and the cost model's for them (``layer_saved_bytes`` of the
+    spec a run prices, ``configured_spec``: its average over the layers, 4 of them less 2)."""
+    from families import small_config
+
+    from lit_hbp.model.causal_lm import configured_spec
+
+    kept, predicted = [], []
+    for layers in (4, 2):
+        config = {**small_config(family), **fields, "num_hidden_layers": layers}
+        config.pop("sliding_window", None)
+        config.pop("layer_types", None)
+        hf = AutoConfig.for_model(family, **{k: v for k, v in config.items() if k != "model_type"})
+        torch.manual_seed(0)
+        net = prepare_model(AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa").float().train())
+        params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+        rng = np.random.default_rng(0)
+        docs = [(rng.integers(3, hf.vocab_size, 128), np.ones(128, bool)) for _ in range(4)]
+        storages = {}
+
+        def pack(t, storages=storages, params=params):
+            if t.untyped_storage().data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = packed_loss(net, pack_samples(docs), "token_mean").loss
+        loss.backward()
+        kept.append(sum(storages.values()))
+        cost = CostModel(configured_spec(config), HARDWARE["h100"], 1, dtype_bytes=4, attention="sdpa")
+        predicted.append(layers * cost.layer_saved_bytes())
+    return (kept[0] - kept[1]) / 2 / 512, (predicted[0] - predicted[1]) / 2
+
+
+@pytest.mark.parametrize(
+    "family, fields, within",
+    [
+        ("llama", {}, 0.05),
+        ("mixtral", {}, 0.05),  # top-2 of 4 experts, each as wide as the config's intermediate_size
+        ("qwen3_moe", {}, 0.12),  # top-2 experts of moe_intermediate_size (its q and k norms are not counted)
+        ("deepseek_v3", {"first_k_dense_replace": 0}, 0.05),  # latent attention, routed and shared experts
+        ("deepseek_v3", {"first_k_dense_replace": 4}, 0.05),  # latent attention, every layer a dense MLP
+        ("glm4_moe", {}, 0.05),  # a dense first layer, then routed and shared experts
+        ("glm4_moe", {"first_k_dense_replace": 3}, 0.05),  # three dense layers: the last two are one of each
+        ("gpt2", {"attn_pdrop": 0.0}, 0.05),  # residual dropout masks (a non-gated MLP, LayerNorms)
+    ],
+)
+def test_a_layers_saved_bytes_are_its_familys(family, fields, within):
+    """The cost model's saved bytes of a layer (``layer_saved_bytes`` of the spec a run prices, ``configured_spec``)
+    against the tensors the layer's autograd saves: a mixture of experts keeps its top-k experts' rows (not a dense
+    MLP's of the config's intermediate_size), latent attention its own widths, dropout its masks."""
+    measured, predicted = saved_per_layer(family, **fields)
+    assert predicted == pytest.approx(measured, rel=within), (family, predicted, measured)
+
+
+def test_attention_dropout_is_priced_on_flash_kernels_and_refused_on_the_cpus_sdpa():
+    """A flash kernel drops attention probabilities from its RNG state (nothing kept per token); the CPU's sdpa keeps
+    each document's probabilities, growing with its square: the per-token model refuses it by name."""
+    spec = ModelSpec.from_config({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "attn_pdrop": 0.1})
+    assert CostModel(spec, HARDWARE["h100"], 1).layer_saved_bytes() > 0
+    with pytest.raises(ValueError, match="gpt2: attention dropout on the CPU's sdpa"):
+        CostModel(spec, HARDWARE["h100"], 1, attention="sdpa").layer_saved_bytes()

@@ -132,6 +132,11 @@ HARDWARE: dict[str, Hardware] = {
 #     it; the CPU sdpa backend keeps each document's output and their concatenation: 2 copies) and
 #     its fp32 log-sum-exp                                        b(q + 2kv) + b q copies + 4 heads
 #   gated MLP: gate, act(gate), up, act * up                                                 4 b i
+#   a mixture of experts instead: the router's input row, fp32 probabilities and top-k indices, and per routed
+#     expert its copy of the row, gate, up, activation, product and output (2h + 4i_e each), shared experts
+#     as a gated MLP (``model_spec.mlp_saved``); multi-head latent attention at its own query-key and value
+#     widths with its low-rank projections' normed rows; dropout's masks (a bool a value on CUDA, a value of
+#     the dtype on CPU); attention dropout on the CPU's sdpa (each document's probabilities) is refused
 # checked against measured bytes on CPU (tests/test_memory_model.py: within 10% at 4096-8192 tokens,
 # sp 1 and Ulysses 2, 0-4 of 4 layers checkpointed, offload, 1-8 MLP tiles, fp32 and bf16). A
 # checkpointed layer keeps its input (b h), on the host with offload; its recompute holds one layer's
@@ -374,19 +379,41 @@ class CostModel:
         norms' fp32 rstd, q, k, v, one attention output, the LSE and three rows of the MLP's width; it recomputes
         the norms' fp32 copies and the MLP's activation that eager keeps."""
         m, b = self.model, self.dtype_bytes
+        if m.attention_dropout and self.attention == "sdpa":
+            raise ValueError(
+                f"{m.name}: attention dropout on the CPU's sdpa keeps each document's attention probabilities (growing "
+                "with its square), which the cost model does not price: set the config's attention dropout to 0"
+            )
+        masks = m.dropout_values * (b if self.attention == "sdpa" else 1)
         if self.compiled and tiles == 1 and not self.liger:
             q, kv = m.heads * m.dim, m.kv_heads * m.dim
-            kept = b * (4 * m.hidden + 2 * q + 2 * kv + 3 * m.intermediate) + 4 * m.heads + 2 * 4
-            return self.activation_overhead * kept
+            kept = b * (4 * m.hidden + 2 * q + 2 * kv + 3 * self._mlp_width()) + 4 * m.heads + 2 * 4
+            return self.activation_overhead * (kept + m.mlp_bytes + masks)
         norms = 2 * (self._norm_input() + 2 * b * m.hidden)
-        mlp = (2 if self.liger else 4) * b * m.intermediate if tiles == 1 else 0
-        return self.activation_overhead * (norms + self._attention_saved() + mlp)
+        if m.mlp_values is not None:  # a mixture of experts (Liger's SwiGLU replaces a dense gated MLP only)
+            mlp = b * m.mlp_values + m.mlp_bytes if tiles == 1 else 0
+        else:
+            mlp = (2 if self.liger else 4) * b * m.intermediate if tiles == 1 else 0
+        return self.activation_overhead * (norms + self._attention_saved() + mlp + masks)
+
+    def _mlp_width(self) -> float:
+        """The MLP width a token passes through: ``intermediate``, a mixture of experts' top-k and shared experts'."""
+        m = self.model
+        return m.intermediate if m.mlp_values is None else m.mlp_values / 4
 
     def _attention_saved(self) -> float:
-        """Bytes per token attention keeps for its backward: q, k, v, the output's copies, the LSE."""
+        """Bytes per token attention keeps for its backward: q, k, v, the output's copies, the LSE; multi-head latent
+        attention's at its query-key and value widths (v a view of the key-value projection's output, whose query-key
+        part it keeps), and its low-rank projections' normed rows and rotary key."""
         m, b = self.model, self.dtype_bytes
         q, kv = m.heads * m.dim, m.kv_heads * m.dim
-        return b * (q + 2 * kv) + b * q * ATTENTION_OUTPUT_COPIES[self.attention] + 4 * m.heads
+        if m.latent is None or m.value_dim is None or m.attention_width is None:
+            return b * (q + 2 * kv) + b * q * ATTENTION_OUTPUT_COPIES[self.attention] + 4 * m.heads
+        q_rank, kv_rank, rope = m.latent
+        qk, v = m.attention_width - m.value_dim, m.value_dim
+        kept = b * m.heads * (2 * qk + (qk - rope + v) + v * ATTENTION_OUTPUT_COPIES[self.attention]) + 4 * m.heads
+        norm = 4 + 2 * b  # an RMSNorm's fp32 copy, its normed row, the next projection's input
+        return kept + norm * (q_rank + kv_rank) + b * rope
 
     def mixer_saved_bytes(self, pack_len: int, sp: int, packs_per_rank: int = 1) -> float:
         """Bytes one stateful mixer layer of a hybrid keeps beyond a layer's saved set of the rank's tokens: on a
@@ -427,7 +454,7 @@ class CostModel:
         # whole), an upcast RMSNorm's fp32 backward (8h) with attention's input gradients alive, and
         # attention's: dq, dk, dv, the all-to-all's other copy of them (Ulysses), the K/V gathered
         # from the CP group and their fp32 gradients (CP).
-        mlp = 1.5 * b * m.intermediate if tiles == 1 else 2.5 * b * m.intermediate / tiles + b * m.hidden
+        mlp = 1.5 * b * self._mlp_width() if tiles == 1 else 2.5 * b * m.intermediate / tiles + b * m.hidden
         norm = self._upcast() + b * (q + 2 * kv) if self._upcast() else 0
         attention = b * (q + 2 * kv) * (2 if sp // cp > 1 else 1) + (2 * kv * (b + 4) * cp if cp > 1 else 0)
         per_token = 2 * b * m.hidden + max(mlp, norm, attention)
