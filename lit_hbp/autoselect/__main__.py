@@ -31,10 +31,10 @@ import numpy as np
 import yaml
 
 from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunSetting, positions_of
-from lit_hbp.cost.config import config_world, load_spec, nonnegative_float, positive_int, read_config
+from lit_hbp.cost.config import config_vocab, config_world, load_spec, nonnegative_float, positive_int, read_config
 from lit_hbp.cost.costmodel import GIB, HARDWARE
 from lit_hbp.cost.run_settings import ANALYTIC, MEASURED
-from lit_hbp.lightning.datamodule import config_samples, config_vocab
+from lit_hbp.lightning.datamodule import config_samples
 
 ANALYTIC_ONLY = ("gpus", "gpu", "model")  # the cluster the cost model prices
 MEASURED_ONLY = ("devices", "memory_gib")  # the local processes the probes run on
@@ -94,13 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.lengths:
             from lit_hbp.packing.bins import load_lengths
 
+            # a mapping's model priced as fit builds it: the tokenizer's vocabulary, not its family's default
             lengths, vision, samples = load_lengths(args.lengths), None, None
-            # a mapping's model priced as fit builds it (the tokenizer's vocabulary, the mapping's where larger),
-            # not with its family's default vocabulary
-            mapping = (config.get("model") or {}).get("model") if args.model is None else None
-            own = isinstance(mapping, dict) and mapping.get("vocab_size")
-            tokenizer = (config.get("data") or {}).get("tokenizer")
-            vocab = config_vocab(config) if isinstance(mapping, dict) and (tokenizer or not own) else None
+            vocab = config_vocab(config) if args.model is None else None
         else:
             lengths, vocab, vision, samples = config_samples(config)
         spec = load_spec(args.model) if args.model else None

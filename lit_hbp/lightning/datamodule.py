@@ -534,13 +534,6 @@ def config_lengths(config: dict) -> tuple[np.ndarray, int, VisionLoad | None]:
     return config_samples(config)[:3]
 
 
-def config_vocab(config: dict) -> int:
-    """The id bound of a training config's tokenizer: the ``model.vocab_size`` fit builds its model with (a
-    mapping's own where larger), read without tokenizing the data."""
-    data = _data_section(config)
-    return id_bound(load_renderers(data["tokenizer"], data.get("chat_template"))[0])
-
-
 def _data_section(config: dict, *keys: str) -> dict:
     """The config's ``data`` section with its tokenizer (and ``keys``), the demo data built where it names it."""
     data = config.get("data") or {}
