@@ -101,6 +101,25 @@ def test_a_checkpoint_folder_for_a_run_that_saves_files_and_the_reverse(tmp_path
     assert code == 2 and "resumes from the checkpoint folder it saved" in err, err
 
 
+def test_a_deepspeed_folder_resumed_on_another_number_of_processes_is_one_line(
+    tmp_path, small_demo, monkeypatch, capfd
+):
+    """A DeepSpeed run saved on 2 processes and resumed on 1 ended in DeepSpeed's ZeRORuntimeException ("used a DP
+    world size of 2 but the current world size is 1"), a 43-line traceback, exit 1, after the data was tokenized (the
+    same change under DDP is refused in one line). Refused at parse time, from the folder's own dp_world_size."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "ds.ckpt"
+    (folder / "global_step2").mkdir(parents=True)
+    (folder / "latest").write_text("global_step2")
+    torch.save({"dp_world_size": 2, "global_step": 2}, folder / "global_step2" / "mp_rank_00_model_states.pt")
+    code, _, err = run_cli(["--ckpt_path", str(folder), "--trainer.strategy", "hbp"], tmp_path, small_demo, capfd)
+    assert code == 2 and err.startswith(
+        f"error: --ckpt_path {folder}: its run trained on 2 processes and this one has 1 (trainer.devices x "
+        "trainer.num_nodes)"
+    ), err
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize(
     "option, value, says",
     [

@@ -89,6 +89,30 @@ def test_the_attention_lit_hbp_sets_is_refused_in_a_model_mapping_and_a_ddp_argu
     assert HBPDDPStrategy(find_unused_parameters=True)._ddp_kwargs == {"find_unused_parameters": True}
 
 
+@pytest.mark.parametrize(
+    "env, said",
+    [
+        ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"}, "but torchrun started 2 (--nnodes x --nproc_per_node)"),
+        ({"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"}, "but SLURM started 2 (--nodes x --ntasks-per-node)"),
+    ],
+    ids=["torchrun", "slurm"],
+)
+def test_a_launcher_that_started_another_count_of_processes_is_refused(tmp_path, capsys, monkeypatch, env, said):
+    """``torchrun --nproc_per_node 2`` (or srun with 2 tasks) of a config with ``devices: 1`` trained two separate
+    copies of the run, each planned for world 1, into one run folder, exit 0 (Lightning checks only several
+    devices against the launcher): refused before anything is built. A launch that matches runs as before."""
+    monkeypatch.chdir(tmp_path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    err = cli_error(capsys, ["fit", "--config", TINY])
+    assert err[0] == f"error: the config trains on 1 process (trainer.devices x trainer.num_nodes), {said}: launch " \
+        "as many as it trains on, or set trainer.devices (docs/cluster.md)", err  # fmt: skip
+    monkeypatch.setenv(*next((k, "1") for k in ("WORLD_SIZE", "SLURM_NTASKS") if k in env))
+    from lit_hbp.cli.checks import check_launcher
+
+    check_launcher({"devices": 1})
+
+
 def test_a_ddp_communication_hook_on_one_cpu_device_is_refused_not_dropped(tmp_path, sp_data, toy_tokenizer):
     """On one device HBPDDPStrategy wraps nothing, and Lightning registers a DDP hook on CUDA only: an fp16
     compression hook (which rounds every gradient) was dropped without a word; on one CUDA device DDP runs it."""

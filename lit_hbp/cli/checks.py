@@ -120,6 +120,31 @@ def check_curriculum(levels: Sequence[Any], callbacks: Any) -> None:
                 )
 
 
+def check_launcher(trainer: Mapping[str, Any]) -> None:
+    """A launcher (torchrun, SLURM's srun) that started another count of processes than the config's
+    ``trainer.devices x trainer.num_nodes``: Lightning checks the two only for several devices, so one device
+    under two processes trained two separate copies of the run, each saying "world 1", into one run folder."""
+    import os
+
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.fabric.plugins.environments.slurm import _is_srun_used
+
+    world = world_size_of(trainer)
+    if world is None:
+        return
+    if TorchElasticEnvironment.detect():
+        started, how = int(os.environ["WORLD_SIZE"]), "torchrun started {} (--nnodes x --nproc_per_node)"
+    elif _is_srun_used():
+        started, how = int(os.environ["SLURM_NTASKS"]), "SLURM started {} (--nodes x --ntasks-per-node)"
+    else:
+        return
+    if started != world:
+        raise ConfigError(
+            f"the config trains on {world} process{'es' if world > 1 else ''} (trainer.devices x trainer.num_nodes), "
+            f"but {how.format(started)}: launch as many as it trains on, or set trainer.devices (docs/cluster.md)"
+        )
+
+
 def check_run_config(config: Mapping[str, Any], trains: bool = True) -> None:
     """What a LightningCLI config (the subcommand's section, as plain data) shows wrong before any
     process spawns: the model (its folder, or the mapping's keys), the levels against the world size
@@ -129,6 +154,7 @@ def check_run_config(config: Mapping[str, Any], trains: bool = True) -> None:
         from lit_hbp.demo import ensure_kind
 
         ensure_kind(data["demo_dir"], data["demo"])
+    check_launcher(config.get("trainer") or {})
     model = (config.get("model") or {}).get("model")
     check_model_source(model)
     if isinstance(model, Mapping):

@@ -13,9 +13,15 @@ from typing import Any
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_hbp.cli.checks import is_deepspeed, is_instance_entry
+from lit_hbp.cli.checks import is_deepspeed, is_instance_entry, world_size_of
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.checkpoints import check_checkpoint, check_resumed_settings, find_resumable
+from lit_hbp.lightning.checkpoints import (
+    check_checkpoint,
+    check_resumed_settings,
+    client_state_file,
+    find_resumable,
+    safe_load,
+)
 
 AUTO = "auto"  # --ckpt_path auto: the newest complete checkpoint of the run's folders, if there is one
 # Loggers whose run folder is known from the config: class (or a subclass) -> (the init argument that names
@@ -127,6 +133,21 @@ def check_resume(section: Any) -> None:
         raise ConfigError(
             f"--ckpt_path {path} is a checkpoint file, and DeepSpeed (trainer.strategy "
             f"{chosen}) resumes from the checkpoint folder it saved: give that folder"
+        )
+    if path.is_dir() and not trust:
+        check_resumed_world(path, world_size_of(section.get("trainer") or {}))
+
+
+def check_resumed_world(path: Path, world: int | None) -> None:
+    """A DeepSpeed folder resumed on another number of processes: DeepSpeed's load stopped in a traceback
+    ("used a DP world size of 2 but the current world size is 1"); the plan of a run on another world differs
+    anyway (``loader``'s refusal of a file saved so). Refused before anything is built."""
+    saved = safe_load(client_state_file(path), mmap=True).get("dp_world_size")
+    if world is not None and isinstance(saved, int) and saved != world:
+        raise ConfigError(
+            f"--ckpt_path {path}: its run trained on {saved} processes and this one has {world} (trainer.devices x "
+            "trainer.num_nodes): DeepSpeed's partitions and the epoch's plan are per process; resume on "
+            f"{saved}, or start a new run from the exported model (python -m lit_hbp.export CKPT OUT)"
         )
 
 
