@@ -192,6 +192,7 @@ def test_memory_command_prints_each_level_and_fails_on_one_that_does_not_fit(tmp
     assert main(["--config", str(root / "configs/llama3_8b_32gpu.yaml")]) == 2
     err = capsys.readouterr().err
     assert "is not on this machine: give the model's shape with --model, a preset (" in err and "llama3.1-8b" in err
+    assert "a measured search trains the model itself: put its folder here" in err  # where --model is not read
     assert main(["--config", str(root / "configs/llama3_8b_32gpu.yaml"), "--model", "llama3.1-8b"]) in (0, 1)
 
 

@@ -116,7 +116,8 @@ def spec_of(model: dict | str) -> ModelSpec:
 
         raise ValueError(
             f"model.model {model} is not on this machine: give the model's shape with --model, a preset "
-            f"({', '.join(sorted(MODELS))}) or a config.json"
+            f"({', '.join(sorted(MODELS))}) or a config.json (the cost tools; a measured search trains the model "
+            "itself: put its folder here)"
         )
     return configured_spec(model) or ModelSpec.from_config(Path(model))
 
