@@ -184,6 +184,49 @@ def plain_fit(tmp_path, callbacks, **kw):
     return trainer
 
 
+class Scored(PlainModel):
+    """``val_loss`` 1.0, 0.5, 0.2 by epoch; ``m`` its step's number, logged on step and epoch (``on``)."""
+
+    def __init__(self, on: dict):
+        super().__init__()
+        self.on = on
+
+    def training_step(self, batch, batch_idx):
+        self.log("m", float(self.global_step + 1), **self.on)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", [1.0, 0.5, 0.2][self.current_epoch])
+
+
+@pytest.mark.parametrize(
+    "monitor, on, stop",
+    [
+        ("val_loss", {}, dict(max_steps=16, max_epochs=5)),  # ends with epoch 1: its validation ranks it
+        ("m", dict(on_step=True, on_epoch=True), dict(max_steps=3)),  # the epoch's mean ranks, not the step's value
+        ("m", dict(on_step=False, on_epoch=True), dict(max_steps=3)),  # logged for the epoch only
+    ],
+    ids=["fresh_validation", "epoch_mean", "epoch_only"],
+)
+def test_final_checkpoint_leaves_the_ranking_to_lightning(tmp_path, monitor, on, stop):
+    """A ModelCheckpoint that ranks at the epoch's end ranks a run's final step as plain Lightning does (the best
+    file and score equal), with FinalCheckpoint beside it; its last.ckpt holds the final step."""
+    kept = {}
+    for final in (False, True):
+        ckpt = ModelCheckpoint(dirpath=tmp_path / str(final), monitor=monitor, mode="min", save_last=True)
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path, callbacks=[ckpt, *([FinalCheckpoint()] if final else [])],
+                            num_sanity_val_steps=0, **stop)  # fmt: skip
+        trainer.fit(Scored(on), plain_loader(), plain_loader(16))
+        kept[final] = (Path(ckpt.best_model_path).name, float(ckpt.best_model_score), dict(ckpt.best_k_models))
+        assert ckpt.save_last is True
+        assert torch.load(tmp_path / str(final) / "last.ckpt", weights_only=False)["global_step"] == stop["max_steps"]
+    assert kept[True][:2] == kept[False][:2]
+    assert {Path(k).name: float(v) for k, v in kept[True][2].items()} == {
+        Path(k).name: float(v) for k, v in kept[False][2].items()
+    }
+
+
 def test_final_step_with_the_default_checkpoint_and_with_save_last_link(tmp_path):
     # The default checkpoint callback saves at validation only (validation every 3 batches): step 3.
     plain_fit(tmp_path / "default", [FinalCheckpoint()], max_steps=5, val_check_interval=3,

@@ -14,7 +14,6 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 
 
 class StepEndCallback(L.Callback):
@@ -45,8 +44,8 @@ class FinalCheckpoint(StepEndCallback):
     and ``save_top_k == 1`` (the checkpoint callback Lightning adds by default, which keeps the
     latest checkpoint): its checkpoint is written at the final step. A callback that ranks
     checkpoints by a monitored metric and keeps no last one is left alone: the final step has no
-    fresh value of that metric to rank it by. One with a last one that ranks at the epoch's end (no
-    validation between) ranks the final step at its end, as its epoch-end hook would have.
+    fresh value of that metric to rank it by. One with a last one that ranks at the epoch's end still ranks
+    the final step there, as Lightning does, but does not write ``last.ckpt`` again after the epoch closed.
 
     When ``max_steps`` ends the run, or it is stopped (``trainer.should_stop``: ``max_time``, early stopping,
     a callback; a stop asked inside an optimizer step is held until the step's end), the save happens at that
@@ -62,6 +61,7 @@ class FinalCheckpoint(StepEndCallback):
     def __init__(self) -> None:
         self._saved_at: dict[int, int] = {}  # id(ModelCheckpoint) -> global step this callback saved it at
         self._held = False  # a stop asked inside an optimizer step, held until the step's end
+        self._last_held: dict[int, tuple[ModelCheckpoint, Any]] = {}  # id -> (callback, its save_last), until the end
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -90,7 +90,17 @@ class FinalCheckpoint(StepEndCallback):
         written inside it lacks the gradient its first micro-batches accumulated (a resume refuses it)."""
         trainer.should_stop, self._held = False, True
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.give_back_last()
+
+    def give_back_last(self) -> None:
+        """Each ModelCheckpoint's ``save_last`` as it was, where ``save_final`` held it back until the epoch's end."""
+        for cb, save_last in self._last_held.values():
+            cb.save_last = save_last
+        self._last_held = {}
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.give_back_last()  # the run's last epoch-end hooks ran (Lightning calls checkpoint callbacks' last)
         self.save_final(trainer)
 
     def save_final(self, trainer: L.Trainer) -> list[str]:
@@ -114,17 +124,6 @@ class FinalCheckpoint(StepEndCallback):
                 continue
             previous = cb._last_global_step_saved
             candidates = cb._monitor_candidates(trainer)
-            # One that ranks at the epoch's end ranks this step now: its epoch-end save would come after Lightning
-            # closed the epoch and write last.ckpt again, where no resume continues the rest of the epoch.
-            ranks_now = open_epoch and cb.monitor is not None and cb._should_save_on_train_epoch_end(trainer)
-            if ranks_now and cb._every_n_epochs >= 1 and (trainer.current_epoch + 1) % cb._every_n_epochs == 0:
-                if cb.monitor in candidates:
-                    cb._save_topk_checkpoint(trainer, candidates)
-                else:
-                    rank_zero_warn(
-                        f"ModelCheckpoint(monitor={cb.monitor!r}): the run ends inside epoch {trainer.current_epoch} "
-                        f"at step {step}, where {cb.monitor} is not logged yet: saved as last, not ranked"
-                    )
             if cb.save_last:
                 if cb.save_last == "link":
                     # A link would point at the latest scheduled checkpoint, an older step: write the file.
@@ -135,12 +134,17 @@ class FinalCheckpoint(StepEndCallback):
             else:
                 cb._save_topk_checkpoint(trainer, candidates)
                 written.append(cb.best_model_path)
-            if cb.monitor is not None and not ranks_now:
-                # A callback that ranks by a metric at validation keeps its schedule: a validation right after this
-                # step may still save (and rank) this step by the metric it brings. The others have this step
-                # saved: their epoch-end hook must not write it again after Lightning closed the epoch (a resume
-                # would then skip the rest of the epoch).
+            if cb.monitor is not None:
+                # A callback that ranks by a metric keeps its schedule: a validation right after this step, or the
+                # epoch's end, still ranks this step by the metric it brings (the epoch's mean, a fresh val/loss).
+                # One without a metric has this step saved: its epoch-end hook must not write it again after
+                # Lightning closed the epoch (a resume would then skip the rest of the epoch).
                 cb._last_global_step_saved = previous
+                if cb.save_last and open_epoch and cb._should_save_on_train_epoch_end(trainer):
+                    # its epoch-end ranking would also write last.ckpt again, after the epoch closed: held back
+                    # until the run's end (this is its final step)
+                    self._last_held[id(cb)] = (cb, cb.save_last)
+                    cb.save_last = False
             self._saved_at[id(cb)] = step
         return written
 

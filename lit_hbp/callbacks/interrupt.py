@@ -201,6 +201,7 @@ class InterruptCheckpoint(StepEndCallback):
                 trainer.save_checkpoint(path)
         for cb in checkpoints:
             cb._last_global_step_saved = step
+        self._final.give_back_last()  # nothing saves at this epoch's end now
         trainer.should_stop = True
         # Lightning keeps training past should_stop until min_steps / min_epochs are met: a signal
         # overrides them for this fit (the resumed run gets them back from its command line).
