@@ -408,9 +408,11 @@ def export_checkpoint(
         net = net.merge_and_unload()
     net = cast_for_saving(net, DTYPES[dtype])
     base = net.get_base_model() if hasattr(net, "peft_config") else net
-    # Written beside OUT_DIR and moved there whole: a failure leaves nothing a second export would refuse.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    # Written beside OUT_DIR (an empty folder, or a link to one, is kept: the files move into it), then moved there:
+    # a failure leaves nothing a second export would refuse.
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.resolve().parent, prefix=f".{out.resolve().name}."))
     try:
         tok = run_tokenizer(ckpt, staging, tokenizer)
         run_processor(ckpt, staging)
@@ -424,10 +426,14 @@ def export_checkpoint(
         net.save_pretrained(staging, safe_serialization=True)
         if base is not net:  # an adapter: the server reads the base model's config, but our stop ids from here
             base.generation_config.save_pretrained(staging)
-        os.replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if made:
+            out.rmdir()
         raise
+    for entry in staging.iterdir():
+        os.replace(entry, out / entry.name)
+    staging.rmdir()
     return out
 
 

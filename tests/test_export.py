@@ -4,6 +4,7 @@ peft, only adapters train under ZeRO and SP), the export callback and the strate
 
 import copy
 import json
+import stat
 
 import lightning as L
 import numpy as np
@@ -383,6 +384,15 @@ def test_a_base_generation_config_with_sampling_flags_but_no_do_sample_exports_a
         "do_sample": None, "temperature": 0.6, "top_p": 0.9
     }  # fmt: skip
     assert GenerationConfig.from_pretrained(out).eos_token_id == [1, 5]  # the served stops, as for any base
+    (tmp_path / "made").mkdir()  # the folder's mode as the user's umask makes it (a staging folder's was 0700)
+    assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE((tmp_path / "made").stat().st_mode)
+    # An empty folder, or a link to one (the current directory, a mount point), is written into, as before.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "linked")
+    for given, held in (("empty", "empty"), ("link", "linked")):
+        export_checkpoint(ckpt, tmp_path / given)
+        assert sorted(p.name for p in (tmp_path / held).iterdir()) == sorted(p.name for p in out.iterdir())
 
 
 def test_strategy_names_are_registered_with_lightning():

@@ -103,7 +103,9 @@ def test_every_tool_refuses_a_folder_or_a_file_of_neither_lengths_form_naming_it
     (tmp_path / "latin.txt").write_bytes(b"12\n\xff\xfe\n")
     np.savez(tmp_path / "z.npz", a=np.arange(3))
     (tmp_path / "text.npy").write_text("12\n")
+    (tmp_path / "empty.npy").write_bytes(b"")  # numpy's EOFError: a traceback
     says = {
+        "empty.npy": ": not a .npy array of lengths that numpy reads without pickle",
         "adir": " is a folder, not a lengths file (.npy, or one integer a line)",
         "latin.txt": ": not a text file of lengths (.npy, or one integer a line)",
         "z.npz": ": not a text file of lengths (.npy, or one integer a line)",

@@ -88,7 +88,7 @@ def load_lengths(path: str | Path) -> np.ndarray:
     if path.suffix == ".npy":
         try:
             lengths = np.load(path, allow_pickle=False)
-        except ValueError:  # numpy's words name no file (and advise unpickling it)
+        except (ValueError, EOFError):  # numpy's words name no file (and advise unpickling it); an empty file
             raise ValueError(f"{path}: not a .npy array of lengths that numpy reads without pickle") from None
     else:
         lengths = _text_lengths(path)
