@@ -229,8 +229,8 @@ def test_the_memory_command_refuses_a_precision_deepspeed_refuses_as_the_fit_doe
     priced."""
     import yaml
 
-    from lit_hbp.cli.checks import check_deepspeed_precision
     from lit_hbp.cost.memory import main
+    from lit_hbp.cost.run_settings import check_deepspeed_precision
     from lit_hbp.errors import ConfigError
 
     path = write_config(tmp_path / "c.yaml", [{"pack_len": "16K", "ckpt_layers": 24}])

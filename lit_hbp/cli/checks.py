@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lit_hbp.cost.run_settings import check_deepspeed_precision
 from lit_hbp.errors import ConfigError, did_you_mean
 from lit_hbp.model.checks import check_model_config, check_model_source, model_config
 
@@ -536,24 +537,6 @@ def check_trainer_values(section: Any) -> None:
         check_deepspeed_precision(str(trainer.get("precision") or "32-true"))
     if len(built) > 1:
         check_backend_device((section.get("model") or {}).get("attn_backend") or "auto", built[1])
-
-
-# Lightning's short precision names and what it takes them for.
-PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
-
-
-def check_deepspeed_precision(precision: str) -> None:
-    """A precision DeepSpeed cannot train in (``64-true``), refused by Lightning's DeepSpeed plugin itself
-    (the probe trainer is not DeepSpeed's, so it took it), now rather than as a traceback."""
-    from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
-
-    try:
-        DeepSpeedPrecision(PRECISION_ALIASES.get(precision, precision))
-    except ValueError:
-        raise ConfigError(
-            f"trainer.precision: {precision!r} is not one DeepSpeed trains in (trainer.strategy): use 32-true or "
-            "bf16-mixed, or trainer.strategy hbp_ddp"
-        ) from None
 
 
 def check_backend_device(backend: str, trainer: Any) -> None:

@@ -33,9 +33,9 @@ from lit_hbp.cost.config import (
 from lit_hbp.cost.costmodel import GIB, HARDWARE, CostModel
 from lit_hbp.cost.run_settings import (
     CONFIG,
-    PRECISION_ALIASES,
     SWITCHES,
     check,
+    check_deepspeed_precision,
     config_settings,
     config_strategy,
     cost_model,
@@ -44,7 +44,6 @@ from lit_hbp.cost.run_settings import (
     problems,
     trainer_settings,
 )
-from lit_hbp.errors import ConfigError
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level, as_level
 from lit_hbp.parallel.topology import resolve_layout
@@ -159,21 +158,9 @@ def table(cost: CostModel, levels) -> str:
 
 
 def check_precision(trainer: dict) -> None:
-    """Refuse a precision DeepSpeed does not train in (``64-true``) under the config's DeepSpeed strategy, as the
-    fit's set-up refuses it (``cli.checks.check_deepspeed_precision``: Lightning's DeepSpeed plugin is asked),
-    rather than price a run that never starts."""
-    if config_strategy(trainer.get("strategy")) is None:
-        return
-    from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
-
-    precision = str(trainer.get("precision") or "32-true")
-    try:
-        DeepSpeedPrecision(PRECISION_ALIASES.get(precision, precision))
-    except ValueError:
-        raise ConfigError(
-            f"trainer.precision: {precision!r} is not one DeepSpeed trains in (trainer.strategy): use 32-true or "
-            "bf16-mixed, or trainer.strategy hbp_ddp"
-        ) from None
+    """Refuse a precision DeepSpeed does not train in under the config's DeepSpeed strategy, as fit does."""
+    if config_strategy(trainer.get("strategy")) is not None:
+        check_deepspeed_precision(str(trainer.get("precision") or "32-true"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lit_hbp.cost.costmodel import HARDWARE, CostModel, Hardware
+from lit_hbp.errors import ConfigError
 from lit_hbp.model_spec import ModelSpec
 
 
@@ -148,6 +149,21 @@ def config_strategy(strategy: Any) -> dict | None:
 
 PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
 """Lightning's short precision names and what it takes them for."""
+
+
+def check_deepspeed_precision(precision: str) -> None:
+    """A precision DeepSpeed cannot train in (``64-true``), refused by Lightning's DeepSpeed plugin itself, as
+    the fit's set-up refuses it (the command line before anything spawns; the memory command rather than price a
+    run that never starts)."""
+    from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
+
+    try:
+        DeepSpeedPrecision(PRECISION_ALIASES.get(precision, precision))
+    except ValueError:
+        raise ConfigError(
+            f"trainer.precision: {precision!r} is not one DeepSpeed trains in (trainer.strategy): use 32-true or "
+            "bf16-mixed, or trainer.strategy hbp_ddp"
+        ) from None
 
 
 def precision_bytes(precision: Any) -> int:
