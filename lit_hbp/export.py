@@ -307,7 +307,7 @@ def prepare_for_serving(net: torch.nn.Module, tokenizer) -> None:
 
 
 def _strictly_valid(generation) -> bool:
-    """Whether transformers' save would take ``generation`` as modified (its strict validation)."""
+    """Whether ``generation`` passes the strict check transformers' save runs on a config it takes as modified."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -94,7 +94,7 @@ class FinalCheckpoint(StepEndCallback):
         self.give_back_last()
 
     def give_back_last(self) -> None:
-        """Each ModelCheckpoint's ``save_last`` as it was, where ``save_final`` held it back until the epoch's end."""
+        """Each ModelCheckpoint's ``save_last`` as it was, where ``save_final`` held it back until the run's end."""
         for cb, save_last in self._last_held.values():
             cb.save_last = save_last
         self._last_held = {}
