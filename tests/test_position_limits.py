@@ -137,3 +137,20 @@ def test_ulysses_sp_2_trains_a_llama4_pack_past_its_limits_like_each_document_al
             p.grad = grads[name]
         assert_like_alone(model, reference, documents(LENGTHS), None, ce)
         reference.zero_grad()
+
+
+@pytest.mark.parametrize("sp", [1, 2, 4])
+@pytest.mark.parametrize("lens", [(8, 8), (5, 8), (16,), (3, 4, 1)])
+def test_a_collated_pack_counts_its_documents_on_its_token_ids_whatever_its_sp(sp, lens):
+    """The document count a packed call's checks read on the token ids (the position limits check every
+    document but a padding segment) is the pack's, also on the whole pack of an SP level before its shards
+    are cut, padded or not."""
+    from lit_hbp.data.batch import DOCS_MARK
+    from lit_hbp.data.collate import collate_packs
+
+    tokens = [(np.arange(1, n + 1), np.ones(n, bool)) for n in lens]
+    batch = collate_packs([np.arange(len(lens))], lambda i: tokens[i], sp=sp)
+    assert batch.input_ids.__dict__[DOCS_MARK] == len(lens)
+    if sp > 1:
+        shard = batch.replace(input_ids=batch.input_ids[:, : batch.input_ids.shape[1] // sp])
+        assert shard.input_ids.__dict__[DOCS_MARK] == len(lens)

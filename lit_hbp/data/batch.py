@@ -130,7 +130,10 @@ class PackedBatch:
         # without the document boundaries refuses instead of running the pack as one document.
         segments = int(self.cu_seqlens.shape[0]) - 1
         self.input_ids.__dict__[PACK_MARK] = segments
-        padded = self.n_tokens < int(self.input_ids.shape[1]) * int(self.sp)  # the whole pack's length, on the host
+        # The whole pack's length on the host: its boundaries' end where they travel (an SP kind's shard or the
+        # collated pack alike), else a shard's length times sp.
+        whole = self.bounds[-1] if self.bounds else int(self.input_ids.shape[1]) * int(self.sp)
+        padded = self.n_tokens < whole
         self.input_ids.__dict__[DOCS_MARK] = segments - int(padded)
         self.input_ids.__dict__[SP_MARK] = int(self.sp)
         if self.bounds is not None:  # the host copy of the boundaries stays the boundaries (on the host: read)
