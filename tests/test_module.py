@@ -697,3 +697,43 @@ def test_fit_trains_offloaded_tiled_levels_and_warns_of_one_that_will_not_fit(
     level1 = sum(1 for level, _, _ in seen if level == 1)
     assert len(packed) == 3 * level1 and all(shape[-1] == hidden for shape in packed)  # 3 inputs per step, to the host
     assert tiled and set(tiled) == {4}  # only the 256-token level's MLPs ran tiled
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "gpt_oss", "mamba2", "zamba"])
+def test_configure_optimizers_decays_what_hf_trainer_decays_but_vectors(family):
+    """The decay groups are Hugging Face Trainer's (no decay for any name with a bias or a norm: a MoE's 2-D
+    expert biases, a state-space layer's dt bias) but for parameters of fewer than two dimensions, which are
+    never decayed (A_log, D, scales: nanoGPT's and Mamba's rule): every parameter in exactly one group."""
+    import types
+
+    from families import small_config
+    from transformers import Trainer
+
+    module = make_module(small_config(family), weight_decay=0.1)
+    module._trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cpu")))
+    module._trainer.estimated_stepping_batches = 10
+    groups = module.configure_optimizers()["optimizer"].param_groups
+    decayed = {id(p) for g in groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    plain = {id(p) for g in groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    hf = set(Trainer.get_decay_parameter_names(None, module.model))
+    params = dict(module.model.named_parameters())
+    expected = {id(p) for name, p in params.items() if name in hf and p.dim() >= 2}
+    assert decayed == expected
+    assert plain == {id(p) for p in params.values()} - expected
+
+
+def test_a_training_step_taking_lightnings_dataloader_iter_is_refused_at_fit_start(chat_data, toy_tokenizer, tmp_path):
+    """Lightning hands a ``training_step(dataloader_iter)`` module's batch hooks no batch and moves none to the
+    device: the run died at its first micro-batch saying it got no PackedBatch; it stops before, naming the hook."""
+
+    class IterModule(HBPLitModule):
+        def training_step(self, dataloader_iter):
+            batch, batch_idx, _ = next(dataloader_iter)
+            return super().training_step(batch, batch_idx)
+
+    dm = HBPDataModule(sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=["96:1", "256:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    torch.manual_seed(0)
+    module = IterModule(model=TINY, vocab_size=dm.vocab_size, self_check=False)
+    with pytest.raises(ConfigError, match=r"IterModule.training_step\(dataloader_iter\): .*batch argument"):
+        quiet_trainer(devices=1, max_steps=2).fit(module, dm)

@@ -27,6 +27,7 @@ from lit_hbp.lightning.optimizer import (
     adamw_kind,
     check_optimizer_settings,
     clips_scaled_gradients,
+    decay_groups,
     grad_norm,
     optimizer_device,
     zero_engine,
@@ -99,6 +100,9 @@ def _require_packed(batch: Any) -> None:
         )
 
 
+ITER_REFUSED = (  # Lightning then hands the hooks no batch and moves none to the device (nor its SP group)
+    "HBPLitModule's micro-batch hooks need each batch; take the batch argument (training_step(self, batch, batch_idx))"
+)
 # Lightning's StochasticWeightAveraging copies the module at setup, before ``configure_model`` builds the model:
 # its average holds no weights, the run ends on its last step's, and its learning rates replace the schedule.
 SWA_REFUSED = (
@@ -127,7 +131,8 @@ class HBPLitModule(L.LightningModule):
         loss: ``ave_token`` (default) | ``token_mean`` | ``sample_mean`` | ``sum``.
         lr, weight_decay, betas: AdamW, torch's fused kernel when every trainable parameter is on
             CUDA (``adamw_kind``; its multi-tensor one where Lightning's mixed precision clips the
-            gradients, which the fused kernel refuses). Bias and norm weights are not decayed.
+            gradients, which the fused kernel refuses). Biases, norm weights and parameters of fewer than two
+            dimensions are not decayed (``lit_hbp.lightning.optimizer.decay_groups``).
         warmup_steps: linear warm-up of the learning rate, then cosine to ``min_lr_ratio * lr`` at the run's end.
         ce_chunk_size: supervised tokens per LM-head chunk of the cross-entropy.
         attn_backend: ``auto`` (the fastest that runs, per device, dtype and feature) or a name of
@@ -289,7 +294,11 @@ class HBPLitModule(L.LightningModule):
     def on_fit_start(self) -> None:
         from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
         from lightning.pytorch.strategies import DeepSpeedStrategy
+        from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
+        for hook in ("training_step", "validation_step"):
+            if is_param_in_hook_signature(getattr(self, hook), "dataloader_iter", explicit=True):
+                raise ConfigError(f"{type(self).__name__}.{hook}(dataloader_iter): {ITER_REFUSED}")
         for callback in getattr(self.trainer, "callbacks", ()):
             if isinstance(callback, StochasticWeightAveraging):
                 raise ConfigError(f"trainer callback {type(callback).__name__}: {SWA_REFUSED}")
@@ -570,15 +579,9 @@ class HBPLitModule(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                shape = getattr(p, "ds_shape", p.shape)  # ZeRO-3 partitions parameters into 1-D shards
-                (no_decay if len(shape) < 2 or "norm" in name.lower() else decay).append(p)
-        groups = [dict(params=decay, weight_decay=hp.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-        groups = [g for g in groups if g["params"]]
+        groups = decay_groups(self.model, hp.weight_decay)
         device = optimizer_device(self.trainer.strategy) if self._trainer is not None else None
-        kind = adamw_kind(decay + no_decay, device)
+        kind = adamw_kind([p for g in groups for p in g["params"]], device)
         why = ""
         if kind == "fused" and self._trainer is not None and clips_scaled_gradients(self.trainer):
             kind = "foreach"

@@ -23,6 +23,22 @@ def adamw_kind(params: list[torch.Tensor], device: torch.device | None = None) -
     return "fused" if fused else "foreach"
 
 
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups of ``model``'s trainable parameters: decayed by ``weight_decay``, or not.
+    Not decayed: every parameter whose name holds ``bias`` or ``norm`` (Hugging Face Trainer's rule, a MoE's
+    2-D expert biases included) and every one with fewer than two dimensions (scales, gates, a state-space
+    layer's ``A_log`` and ``D``: the convention of nanoGPT and Mamba's own training code, which HF Trainer
+    decays). Empty groups are left out."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            shape = getattr(p, "ds_shape", p.shape)  # ZeRO-3 partitions parameters into 1-D shards
+            lowered = name.lower()
+            (no_decay if len(shape) < 2 or "bias" in lowered or "norm" in lowered else decay).append(p)
+    groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    return [g for g in groups if g["params"]]
+
+
 def clips_scaled_gradients(trainer) -> bool:
     """Whether Lightning clips the gradients before the optimizer's step with fp16's loss scaler, which it
     unscales first and so refuses an optimizer that unscales inside its step (fused AdamW: "does not allow

@@ -33,8 +33,9 @@ def run_steps(trainer) -> float:
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """The learning rate's share of ``lr`` at optimizer ``step``: linear warm-up over ``warmup`` steps, then a
-    cosine to ``min_ratio`` at ``total``."""
+    """The learning rate's share of ``lr`` at optimizer ``step``: linear warm-up over ``warmup`` steps from
+    ``1 / (warmup + 1)`` (no step at rate 0), then a cosine to ``min_ratio`` at ``total``, the step after the run's
+    last (as transformers' ``cosine_with_min_lr``)."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
     progress = (step - warmup) / max(total - warmup, 1)
