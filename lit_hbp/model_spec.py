@@ -302,7 +302,8 @@ class VisionSpec:
 class ModelSpec:
     """A decoder-only transformer's shape. ``active_layer_params`` / ``total_layer_params``, when
     known from the model itself, replace the gated-MLP formula: matmul parameters a token passes
-    through in one decoder layer (averaged over layers) and parameters a layer holds."""
+    through in one decoder layer (averaged over layers, each use of a shared layer counted) and the layers'
+    matrices (each once) per layer."""
 
     name: str
     layers: int
@@ -353,6 +354,9 @@ class ModelSpec:
     """Its attention drops probabilities (a flash kernel keeps no mask; the CPU's sdpa keeps each document's)."""
     mlp_matrices: int = 3
     """Matrices of its MLP in the formula's parameters (3: gated; 2: ``TWO_MATRIX_MLPS``)."""
+    counted_params: float | None = None
+    """The language model's parameters counted on the built model, each tensor once (a layer shared, looped or
+    nested counts once: ``param_counts.language_params``); None: the formula's (``params``)."""
 
     @property
     def attending(self) -> int:
@@ -393,7 +397,10 @@ class ModelSpec:
 
     @property
     def params(self) -> float:
-        """The language model's parameters (a vision tower's: ``vision.params``)."""
+        """The language model's parameters (a vision tower's: ``vision.params``): counted where known, else the
+        formula's (a layer's norms two rows of the width)."""
+        if self.counted_params is not None:
+            return self.counted_params
         embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         per_layer = self.total_layer_params if self.total_layer_params is not None else self.layer_params
         return self.layers * (per_layer + 2 * self.hidden) + embed + self.hidden

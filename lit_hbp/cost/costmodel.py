@@ -350,7 +350,8 @@ class CostModel:
         """Parameters and gradients (model dtype; fp32 under ``autocast``) and Adam states (DeepSpeed's: an fp32
         master below fp32, fp32 m and v; torch's without DeepSpeed: m and v in the parameters' dtype) per rank, as
         ZeRO partitions them over the world (none of what is offloaded to the host); under ``autocast`` the matmuls'
-        low-precision weight copies (``casts``) too."""
+        low-precision weight copies (``casts``) too. The model's parameters each once (a shared layer's:
+        ``ModelSpec.params``)."""
         n, z, b, m = self.world, self.zero_stage, self.dtype_bytes, self.model
         vision = 0.0 if m.vision is None else m.vision.params(m.hidden)
         p = m.params + vision

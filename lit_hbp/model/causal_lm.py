@@ -69,6 +69,7 @@ from lit_hbp.model.packed_call import (
     pack_scope,
     record_of,
 )
+from lit_hbp.model.param_counts import language_params
 from lit_hbp.model.position_limits import position_limits
 from lit_hbp.model.sp_media import split_encoder_outputs
 from lit_hbp.model.tiling import install_tiling, mlp_of, uninstall_tiling
@@ -493,28 +494,34 @@ def configured_spec(model: Any) -> ModelSpec | None:
 def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module], mixers: list | None = None) -> ModelSpec:
     """The model's shape for FLOP counting, with the matmul parameters a token really passes through
     in a decoder layer counted from the layers' weights: every matrix once, routed experts at
-    top-k / experts (shared experts and the router in full). A hybrid's stateful ``mixers`` (default: those
-    ``prepare_model`` found) priced by what they hold. Raises ValueError when the config does not say the
-    shape; a vision-language model's carries its tower's (``ModelSpec.vision``)."""
+    top-k / experts (shared experts and the router in full), a layer used twice (shared, looped) twice. Its
+    parameters (``ModelSpec.counted_params``, ``total_layer_params``) count each tensor once, as
+    ``net.parameters()`` does. A hybrid's stateful ``mixers`` (default: those ``prepare_model`` found) priced
+    by what they hold. Raises ValueError when the config does not say the shape; a vision-language model's
+    carries its tower's (``ModelSpec.vision``)."""
     config = net.config.get_text_config()  # a vision-language model's: its language model's
     vision = getattr(net.config, "vision_config", None)
     spec = ModelSpec.from_config({**config.to_dict(), **({"vision_config": vision.to_dict()} if vision else {})})
+    tower = 0.0 if spec.vision is None else spec.vision.params(spec.hidden)  # priced apart: ``static_parts``
+    spec = replace(spec, counted_params=language_params(net, tower))
     if not layers:
         return spec
     experts = _first(config, EXPERT_COUNT)
     top_k = _first(config, EXPERTS_PER_TOKEN)
     active = total = 0.0
+    held: set[int] = set()  # a tensor of a layer shared, looped or nested in another: its matrices counted once
     for layer in layers:
         for name, p in layer.named_parameters():
             shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 keeps the full shape here
             if len(shape) < 2:
                 continue
             n = float(torch.Size(shape).numel())
-            total += n
+            total += 0.0 if id(p) in held else n
+            held.add(id(p))
             fused = len(shape) == 3 and shape[0] == experts  # one matrix per expert (JetMoE's input_linear)
             routed = experts and top_k and ("experts" in name.split(".") or fused) and "shared" not in name
             active += n * top_k / experts if routed else n
-    spec = replace(spec, active_layer_params=active / len(layers), total_layer_params=total / len(layers))
+    spec = replace(spec, active_layer_params=active / len(layers), total_layer_params=total / spec.layers)
     if mixers is None:
         record = record_of(net)
         mixers = [] if record is None else record.mixers
