@@ -15,8 +15,9 @@ import json
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -357,6 +358,9 @@ class ModelSpec:
     counted_params: float | None = None
     """The language model's parameters counted on the built model, each tensor once (a layer shared, looped or
     nested counts once: ``param_counts.language_params``); None: the formula's (``params``)."""
+    source: Any = field(default=None, compare=False, repr=False)
+    """The model argument it was counted on (a config mapping or checkpoint folder), for what a run adds to it
+    (LoRA's adapters: ``param_counts.lora_settings``); None: a preset or a config's formula."""
 
     @property
     def attending(self) -> int:

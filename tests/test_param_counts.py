@@ -1,16 +1,19 @@
 """The parameters the memory model prices as weights, gradients and Adam states, against the model itself: a
-shared, looped or nested layer's held once (``model.parameters()``'s count of a tiny model of the family)."""
+shared, looped or nested layer's held once (``model.parameters()``'s count of a tiny model of the family), a LoRA
+run's adapters and ``modules_to_save`` copies as the run's own ``apply_lora`` makes them (what takes a gradient)."""
 
 import warnings
 
 import pytest
 import torch
+from conftest import TINY_LLAMA
 from families import small_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_hbp.cost.config import spec_of
 from lit_hbp.cost.costmodel import HARDWARE
 from lit_hbp.cost.run_settings import config_settings, cost_model
+from lit_hbp.model.build import apply_lora, build_causal_lm
 
 # Zamba's shared attention block (used by every hybrid layer) and Mamba layer nested in its hybrid layer, Zamba2's
 # shared blocks, HRM's and Dory's layers looped over several cycles; Llama's, counted once each already; GPT-2's
@@ -49,3 +52,108 @@ def test_the_layers_matrices_count_once():
     layers = [m for n, m in net.named_modules() if type(m).__name__ == "HrmTextDecoderLayer"]
     held = sum(p.numel() for layer in layers for p in layer.parameters() if p.dim() >= 2)
     assert spec.layers * spec.total_layer_params == pytest.approx(held)
+
+
+LORAS = [
+    {"rank": 8},
+    {"rank": 64, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    {"rank": 4, "modules_to_save": ["lm_head"]},
+    {"r": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"], "use_dora": True},
+    {"rank": 2, "bias": "lora_only", "target_modules": "all-linear"},
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "zamba2"])
+@pytest.mark.parametrize("lora", LORAS, ids=lambda lora: "-".join(f"{k}={v}" for k, v in lora.items()))
+def test_a_lora_run_prices_the_gradients_and_states_of_what_it_trains(family, lora):
+    """The LoRA run's own ``apply_lora`` on the real model: its parameters that take a gradient (adapters of
+    ``rank`` x (inputs + outputs) on every target, DoRA's magnitudes, ``modules_to_save``' copies, the biases
+    ``lora_only`` trains) are what the memory model prices gradients and Adam states for (0 before: the level
+    search chose levels a rank-256 8B run's 9 GiB of gradients and states did not fit); it holds all of them."""
+    config = small_config(family)
+    torch.manual_seed(0)
+    net = apply_lora(build_causal_lm(config), dict(lora))
+    trained = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    held = sum(p.numel() for p in net.parameters())
+    spec = spec_of(config)
+    for strategy, precision, grad, state, weight in (("hbp", "bf16-mixed", 2, 12, 2), ("ddp", "32-true", 4, 8, 4)):
+        train = {"trainer": {"strategy": strategy, "precision": precision}, "model": {"model": config, "lora": lora}}
+        parts = cost_model(spec, config_settings(train, HARDWARE["h100"], 1, spec)).static_parts()
+        assert parts["grads"] == pytest.approx(grad * trained) and parts["optimizer"] == pytest.approx(state * trained)
+        assert parts["params"] == pytest.approx(weight * held)
+
+
+def test_a_vision_language_models_lora_is_counted_on_its_checkpoint_folder(tmp_path):
+    """A Qwen2-VL folder: LoRA on its language model's linear layers (``apply_lora``'s default there), counted on
+    the folder's model; its tower frozen, its parameters and the language model's held."""
+    from vision_models import build_qwen
+
+    folder = str(build_qwen(tmp_path / "qwen"))
+    lora = {"rank": 8}
+    net = apply_lora(build_causal_lm(folder), dict(lora))
+    trained = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    held = sum(p.numel() for p in net.parameters())
+    spec = spec_of(folder)
+    train = {"trainer": {"strategy": "hbp", "precision": "bf16-mixed"}, "model": {"model": folder, "lora": lora}}
+    cost = cost_model(spec, config_settings(train, HARDWARE["h100"], 1, spec))
+    parts = cost.static_parts()
+    assert not cost.vision_trained and parts["grads"] == pytest.approx(2 * trained)
+    assert parts["optimizer"] == pytest.approx(12 * trained) and parts["params"] == pytest.approx(2 * held)
+
+
+def test_the_level_search_and_the_memory_command_count_lora_on_the_model_they_price(tmp_path, capsys):
+    """A config's LoRA counted on the model the tool prices (its --model, a preset: the published Llama's
+    shape): rank 256 on Llama-3.1-8B trains 0.67B parameters, whose bf16 gradients and fp32 master and Adam
+    states the table shows (they were 0)."""
+    import yaml
+
+    from lit_hbp.autoselect.selector import RunSetting
+    from lit_hbp.cost.memory import main
+    from lit_hbp.model_spec import MODELS
+
+    lora = {"rank": 256}
+    mapping = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}  # fmt: skip
+    with torch.device("meta"):
+        net = apply_lora(build_causal_lm(mapping), lora)
+    trained = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    assert trained == pytest.approx(0.671e9, rel=1e-3)
+    config = {"trainer": {"strategy": "hbp", "precision": "bf16-mixed", "devices": 8},
+              "model": {"model": {**TINY_LLAMA, "vocab_size": 300}, "lora": lora},
+              "data": {"levels": [{"pack_len": 4096, "ckpt_layers": 32}]}}  # fmt: skip
+    run = RunSetting.from_config(config, None, 8, spec=MODELS["llama3.1-8b"])
+    parts = run.cost_model(HARDWARE["h100"]).static_parts()
+    assert parts["grads"] == pytest.approx(2 * trained / 8) and parts["optimizer"] == pytest.approx(12 * trained / 8)
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["--config", str(path), "--model", "llama3.1-8b"]) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:2] == ["0", "4096"])
+    assert float(row[8]) == pytest.approx(12 * trained / 8 / 2**30, abs=0.05)  # optimizer, ZeRO-2 over 8
+
+
+def test_the_fit_time_memory_check_counts_what_the_module_trains():
+    """``HBPLitModule.cost_model`` (the fit-start check on a GPU) prices the module's own LoRA model: its trained
+    parameters' gradients and states, and the adapters beside the weights."""
+    import lightning as L
+
+    from lit_hbp.lightning.module import HBPLitModule
+
+    module = HBPLitModule(model={**TINY_LLAMA, "vocab_size": 300}, lora={"rank": 8, "modules_to_save": ["lm_head"]})
+    module.configure_model()
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, precision="32-true")
+    trained = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
+    held = sum(p.numel() for p in module.model.parameters())
+    cost, _ = module.cost_model(80 * 2**30)
+    parts = cost.static_parts()
+    assert parts["grads"] == pytest.approx(4 * trained) and parts["optimizer"] == pytest.approx(8 * trained)
+    assert parts["params"] == pytest.approx(4 * held)
+
+
+def test_a_lora_run_of_a_model_that_cannot_be_built_here_is_refused_by_name():
+    from lit_hbp.cost.run_settings import settings_of
+    from lit_hbp.errors import ConfigError
+    from lit_hbp.model_spec import ModelSpec
+
+    spec = ModelSpec("custom", 2, 64, 4, 4, 128, 300)
+    with pytest.raises(ConfigError, match="model.lora: the cost model counts LoRA's trained parameters"):
+        settings_of(HARDWARE["h100"], 1, None, {"lora": {"rank": 8}}, spec=spec)

@@ -109,7 +109,8 @@ def test_a_configs_strategy_is_read_as_lightning_and_deepspeed_read_it(strategy)
 
 
 def test_a_config_without_deepspeed_trains_without_zero_in_fp32():
-    """No strategy, or DDP: no ZeRO; no precision: Lightning's 32-true; the model's Liger, LoRA and loss chunk."""
+    """No strategy, or DDP: no ZeRO; no precision: Lightning's 32-true; the model's Liger, LoRA (rank 8 on every
+    linear layer of the Llama priced: 8 x (inputs + outputs) of its q, k, v, o, gate, up, down) and loss chunk."""
     from lightning.pytorch import Trainer
 
     assert Trainer(accelerator="cpu", logger=False).precision == "32-true"  # the default a config leaves
@@ -117,8 +118,10 @@ def test_a_config_without_deepspeed_trains_without_zero_in_fp32():
         read = config_settings({"trainer": {"strategy": strategy}}, HARDWARE["h100"], 8)
         assert (read.zero_stage, read.optimizer_offload, read.dtype_bytes) == (0, False, 4)
     model = {"liger": True, "lora": {"rank": 8}, "ce_chunk_size": 4096}
-    read = config_settings({"trainer": {"precision": "bf16-mixed"}, "model": model}, HARDWARE["h200"], 16)
-    assert (read.liger, read.trainable, read.ce_chunk, read.dtype_bytes, read.world) == (True, 0.0, 4096, 2, 16)
+    read = config_settings({"trainer": {"precision": "bf16-mixed"}, "model": model}, HARDWARE["h200"], 16, LLAMA_8B)
+    assert (read.liger, read.ce_chunk, read.dtype_bytes, read.world) == (True, 4096, 2, 16)
+    adapters = 8 * 32 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+    assert read.trainable * LLAMA_8B.params == pytest.approx(adapters) == read.added_params
     assert read.hardware is HARDWARE["h200"]
 
 

@@ -98,9 +98,11 @@ def test_a_frozen_tower_keeps_nothing_and_trains_no_states():
     """A run's settings say whether the tower trains (not under freeze_vision or LoRA); a frozen tower holds
     no gradients, Adam states or saved activations and runs its forward only."""
     from lit_hbp.cost.run_settings import settings_of
+    from lit_hbp.model_spec import MODELS
 
     for module_args, trains in [({}, True), ({"freeze_vision": True}, False), ({"lora": {"r": 8}}, False)]:
-        assert settings_of(HARDWARE["h100"], 8, None, module_args).vision_trained is trains
+        read = settings_of(HARDWARE["h100"], 8, None, module_args, spec=MODELS["llama3.1-8b"])
+        assert read.vision_trained is trains
     spec = ModelSpec.from_config(AutoConfig.for_model("qwen2_vl").to_dict())
     trained = CostModel(spec, HARDWARE["h100"], 8, vision_patches_per_token=4.0)
     frozen = CostModel(spec, HARDWARE["h100"], 8, vision_patches_per_token=4.0, vision_trained=False)

@@ -98,9 +98,10 @@ class RunSetting:
 
     def settings(self, hardware: Hardware) -> Settings:
         """The run's settings on ``hardware`` (``run_settings.settings_of``): its HBPStrategy's ZeRO stage and
-        offloads, the module's Liger, LoRA and loss chunk, the precision."""
+        offloads, the module's Liger, LoRA (its adapters counted on the model priced, ``spec``) and loss chunk, the
+        precision."""
         precision = self.trainer_args.get("precision")
-        return settings_of(hardware, self.world, self.strategy_args, self.module_args, precision)
+        return settings_of(hardware, self.world, self.strategy_args, self.module_args, precision, self.spec)
 
     def cost_model(self, hardware: Hardware, sp_kind: str = "ulysses") -> CostModel:
         """The run's cost model on ``hardware`` (``run_settings.cost_model`` of ``settings``)."""

@@ -174,7 +174,9 @@ class CostModel:
     optimizer_offload: DeepSpeed's ``offload_optimizer`` to the host: the Adam states leave the GPU (ZeRO 1-3).
     param_offload: DeepSpeed's ``offload_param`` to the host: ZeRO-3's parameter partitions leave the GPU.
     trainable: share of the parameters trained (gradients, Adam states, a tiled MLP's gradient sums, the
-        backward's weight-gradient matmuls, the gradient sync): 1 for full fine-tuning, ~0 under LoRA.
+        backward's weight-gradient matmuls, the gradient sync): 1 for full fine-tuning; under LoRA its adapters'
+        and ``modules_to_save``' parameters over the model's, counted on the model (``param_counts.lora_settings``).
+    added_params: parameters the run holds beside the model's (LoRA's adapters and trained copies), in its dtype.
     prefetch: offload brings the next input back while a layer recomputes (a CUDA side stream: two
         inputs on the device then); False where the copy back is synchronous (CPU, other devices).
     vision_trained: a vision-language model's tower trains (its gradients, Adam states and activations);
@@ -207,6 +209,7 @@ class CostModel:
     optimizer_offload: bool = False
     param_offload: bool = False
     trainable: float = 1.0
+    added_params: float = 0.0
     prefetch: bool = True
     vision_trained: bool = True
     vision_patches_per_token: float = 0.0
@@ -351,10 +354,10 @@ class CostModel:
         master below fp32, fp32 m and v; torch's without DeepSpeed: m and v in the parameters' dtype) per rank, as
         ZeRO partitions them over the world (none of what is offloaded to the host); under ``autocast`` the matmuls'
         low-precision weight copies (``casts``) too. The model's parameters each once (a shared layer's:
-        ``ModelSpec.params``)."""
+        ``ModelSpec.params``), with those the run adds (``added_params``: LoRA's)."""
         n, z, b, m = self.world, self.zero_stage, self.dtype_bytes, self.model
         vision = 0.0 if m.vision is None else m.vision.params(m.hidden)
-        p = m.params + vision
+        p = m.params + self.added_params + vision
         held = 4 if self.autocast else b  # autocast: fp32 parameters and gradients, and they are the master
         if self.deepspeed or z >= 1:  # a ZeRO stage is DeepSpeed's (a lever may raise one on a run without it)
             states = (4 if held < 4 else 0) + 8  # fp32 training keeps no master copy
@@ -362,7 +365,8 @@ class CostModel:
             states = 2 * held  # torch.optim.AdamW: exp_avg and exp_avg_sq like the parameter
         trained = (m.params + (vision if self.vision_trained else 0.0)) * self.trainable
         per_layer = m.total_layer_params if m.total_layer_params is not None else m.layer_params
-        matmuls = m.layers * per_layer + vision  # the LM head's copy: made again by each checkpointed loss chunk
+        # the layers' matrices, LoRA's adapters; the LM head's copy is made again by each checkpointed loss chunk
+        matmuls = m.layers * per_layer + vision + self.added_params
         return dict(
             params=0.0 if self.param_offload else held * p / (n if z >= 3 else 1),
             grads=held * trained / (n if z >= 2 else 1),

@@ -118,12 +118,15 @@ def trainer_cost(
     trainable: float = 1.0,
     vision_trained: bool = True,
     compiled: bool = False,
+    added_params: float = 0.0,
 ) -> tuple[CostModel, list[Level]]:
     """The cost model of a run being set up on devices of ``capacity`` bytes, and its levels as laid out:
     world, precision, ZeRO stage and offloads read from the trainer (``run_settings.trainer_settings``), a
-    vision-language run's tower with its data's images (the data module's ``vision_load``)."""
+    vision-language run's tower with its data's images (the data module's ``vision_load``); ``trainable`` and
+    ``added_params`` as the module counts them (LoRA's: ``HBPLitModule.cost_model``)."""
     hardware = local_hardware(trainer.strategy.root_device, capacity, trainer.num_devices)
     known = dict(liger=liger, ce_chunk=ce_chunk, dtype_bytes=dtype_bytes, trainable=trainable, compiled=compiled)
+    known["added_params"] = added_params
     cost = cost_model(spec, trainer_settings(trainer, hardware, vision_trained=vision_trained, **known))
     dm = trainer.datamodule
     store = getattr(dm, "store", None)
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             resolve_layout(as_level(x, f"data.levels[{i}]"), spec.heads, spec.kv_heads, node) for i, x in enumerate(raw)
         ]
         check_levels(levels, world, spec.layers)
-        settings = config_settings(config, hw, world)
+        settings = config_settings(config, hw, world, spec)
         check(settings, CONFIG, max((lv.mlp_tiles for lv in levels), default=1))
         check_precision(trainer)
         cost = cost_model(spec, settings)

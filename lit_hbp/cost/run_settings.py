@@ -32,12 +32,13 @@ class Settings:
     zero_stage: DeepSpeed's ZeRO stage (``HBPStrategy``'s default 2; 0 without DeepSpeed: DDP, one device).
     optimizer_offload / param_offload: DeepSpeed's ``offload_optimizer`` / ``offload_param`` to the host.
     liger: Liger's RMSNorm, SwiGLU and fused loss (``model.liger``). trainable: the share of the parameters
-    trained (1; ~0 under LoRA). dtype_bytes: the precision's bytes per parameter and activation (bf16 where
-    no precision is known). ce_chunk: the loss's chunk (``HBPLitModule``'s ``ce_chunk_size``). vision_trained: a
-    vision-language model's tower trains (not under ``freeze_vision`` or LoRA). compiled: its decoder layers run
-    compiled (``HBPLitModule(compile=True)``). autocast: a ``*-mixed`` precision without DeepSpeed (fp32
-    parameters, the layers under autocast: ``CostModel.autocast``). deepspeed: DeepSpeed steps the optimizer (False:
-    torch's AdamW over the parameters, ``CostModel.deepspeed``)."""
+    trained (1; under LoRA its adapters' and copies' share, counted: ``param_counts.lora_settings``). added_params:
+    the parameters the run adds to the model's (LoRA's). dtype_bytes: the precision's bytes per parameter and
+    activation (bf16 where no precision is known). ce_chunk: the loss's chunk (``HBPLitModule``'s
+    ``ce_chunk_size``). vision_trained: a vision-language model's tower trains (not under ``freeze_vision`` or
+    LoRA). compiled: its decoder layers run compiled (``HBPLitModule(compile=True)``). autocast: a ``*-mixed``
+    precision without DeepSpeed (fp32 parameters, the layers under autocast: ``CostModel.autocast``). deepspeed:
+    DeepSpeed steps the optimizer (False: torch's AdamW over the parameters, ``CostModel.deepspeed``)."""
 
     world: int = 1
     hardware: Hardware = HARDWARE["h100"]
@@ -46,6 +47,7 @@ class Settings:
     param_offload: bool = False
     liger: bool = False
     trainable: float = 1.0
+    added_params: float = 0.0
     dtype_bytes: int = 2
     ce_chunk: int = 1024
     vision_trained: bool = True
@@ -179,17 +181,32 @@ def autocast_of(precision: Any, deepspeed: bool) -> bool:
 
 
 def settings_of(
-    hardware: Hardware, world: int, strategy_args: dict | None, model_args: dict, precision: Any = None
+    hardware: Hardware,
+    world: int,
+    strategy_args: dict | None,
+    model_args: dict,
+    precision: Any = None,
+    spec: ModelSpec | None = None,
 ) -> Settings:
     """A run from its parts: ``HBPStrategy`` arguments (None: no DeepSpeed), the module's arguments (liger,
-    lora, ce_chunk_size, freeze_vision, compile) and its Lightning precision (None: bf16)."""
+    lora, ce_chunk_size, freeze_vision, compile), its Lightning precision (None: bf16) and the model priced
+    (``spec``: a LoRA run's adapters are counted on it, ``param_counts.lora_settings``; a ConfigError where
+    they cannot be)."""
     zero = deepspeed_zero(None if strategy_args is None else strategy_config(strategy_args))
+    lora = model_args.get("lora")
+    trained: dict[str, float] = {}
+    if lora:
+        from lit_hbp.model.param_counts import lora_settings
+
+        if spec is None:
+            raise ValueError("settings_of: a LoRA run's trained parameters are counted on its model: give spec")
+        trained = lora_settings(spec, lora)
     return Settings(
         world,
         hardware,
         **zero,
         liger=bool(model_args.get("liger", False)),
-        trainable=0.0 if model_args.get("lora") else 1.0,  # LoRA's adapters: a share too small to count
+        **trained,
         dtype_bytes=Settings.dtype_bytes if precision is None else precision_bytes(precision),
         ce_chunk=int(model_args.get("ce_chunk_size", Settings.ce_chunk)),
         vision_trained=not (model_args.get("freeze_vision") or model_args.get("lora")),
@@ -199,12 +216,14 @@ def settings_of(
     )
 
 
-def config_settings(config: dict, hardware: Hardware, world: int) -> Settings:
+def config_settings(config: dict, hardware: Hardware, world: int, spec: ModelSpec | None = None) -> Settings:
     """The run a training config (``lit_hbp.cost.config.read_config``) describes, on ``world`` GPUs of ``hardware``:
-    its strategy, its model's liger, lora and ce_chunk_size, and its precision (Lightning's 32-true if none)."""
+    its strategy, its model's liger, lora (counted on ``spec``, the model priced) and ce_chunk_size, and its
+    precision (Lightning's 32-true if none)."""
     trainer = config.get("trainer") or {}
     strategy = config_strategy(trainer.get("strategy"))
-    return settings_of(hardware, world, strategy, config.get("model") or {}, trainer.get("precision", "32-true"))
+    model = config.get("model") or {}
+    return settings_of(hardware, world, strategy, model, trainer.get("precision", "32-true"), spec)
 
 
 def trainer_settings(trainer: Any, hardware: Hardware, **given: Any) -> Settings:
@@ -242,7 +261,7 @@ def describe(run: Settings | CostModel) -> str:
     offloads = (" + optimizer offload" if run.optimizer_offload else "") + (
         " + parameter offload" if run.param_offload else ""
     )
-    extras = (", Liger" if run.liger else "") + (", LoRA" if run.trainable < 1 else "")
+    extras = (", Liger" if run.liger else "") + (", LoRA" if run.added_params or run.trainable < 1 else "")
     dtype = {2: "bf16", 4: "fp32", 8: "fp64"}.get(run.dtype_bytes, f"{run.dtype_bytes}-byte")
     if run.autocast:
         dtype += " autocast over fp32 parameters"

@@ -48,6 +48,7 @@ from lit_hbp.model.causal_lm import PackedLoss, decoder_layers, model_spec, pack
 from lit_hbp.model.checks import check_model_source, check_module_positions
 from lit_hbp.model.loss import NORMALIZERS
 from lit_hbp.model.packed_call import pack_scope
+from lit_hbp.model.param_counts import wrapped_lora
 from lit_hbp.model.vision import encoder_parameters, vision_tower
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level
@@ -549,9 +550,10 @@ class HBPLitModule(L.LightningModule):
         params = [p for p in self.model.parameters() if id(p) not in in_tower]  # the tower's: ``trained``
         trainable = sum(p.numel() for p in params if p.requires_grad) / max(sum(p.numel() for p in params), 1)
         hp = self.hparams
+        counted = wrapped_lora(self.model, self._spec) if hp.lora else dict(trainable=trainable, added_params=0.0)
         return trainer_cost(
-            self.trainer, self._spec, hp.liger, hp.ce_chunk_size, dtype_bytes, capacity, trainable, trained,
-            compiled=bool(hp.compile),
+            self.trainer, self._spec, hp.liger, hp.ce_chunk_size, dtype_bytes, capacity, vision_trained=trained,
+            compiled=bool(hp.compile), **counted,
         )  # fmt: skip
 
     def configure_gradient_clipping(

@@ -479,7 +479,8 @@ def configured_spec(model: Any) -> ModelSpec | None:
     prepared model's, on the model built from its config on the meta device: its layers' matrices as they are
     (a mixture of experts' routed experts at top-k of all, an MLP of two matrices or three), a hybrid's mixers
     (found as ``prepare_model`` finds them), so the level search prices what the run trains. None for one that
-    cannot be built here (the config's formula prices it: ``ModelSpec.from_config``)."""
+    cannot be built here (the config's formula prices it: ``ModelSpec.from_config``). Its ``source`` is ``model``,
+    on which a run's LoRA is counted (``param_counts.lora_settings``)."""
     config = model_config(model)
     if config is None:
         return None
@@ -488,7 +489,7 @@ def configured_spec(model: Any) -> ModelSpec | None:
         return None
     decoder = decoder_of(net)
     mixers = [decoder.get_submodule(m.path) for m in stateful_mixers(decoder)]
-    return model_spec(net, checkpoint_layers(decoder), mixers)
+    return replace(model_spec(net, checkpoint_layers(decoder), mixers), source=model)
 
 
 def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module], mixers: list | None = None) -> ModelSpec:

@@ -56,6 +56,7 @@ from lit_hbp.cost.run_settings import (
     with_zero,
 )
 from lit_hbp.model.checks import check_positions
+from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing import Level
 from lit_hbp.packing.bins import load_lengths
 from lit_hbp.parallel.topology import resolve_layout
@@ -160,11 +161,11 @@ def describe_levels(levels) -> str:
     return ", ".join(f"{lv.pack_len} sp{lv.sp}{layout_note(lv)} ckpt{lv.ckpt_layers}{lv.memory_note}" for lv in levels)
 
 
-def run_of(args: argparse.Namespace) -> tuple[Settings, Tool]:
+def run_of(args: argparse.Namespace, spec: ModelSpec) -> tuple[Settings, Tool]:
     """The run priced, as the level search reads it (``RunSetting.with_flags``): a training YAML's ``--model`` brings
-    its own (strategy, LoRA, liger, loss chunk, precision), else HBPStrategy's ZeRO-2 in bf16; the levers given
-    (``--zero-stage``, ``--offload-optimizer``, ``--liger``) set theirs over it. With the words its refusals speak:
-    a switch the YAML turned on is named as the YAML names it."""
+    its own (strategy, LoRA counted on ``spec``, liger, loss chunk, precision), else HBPStrategy's ZeRO-2 in bf16;
+    the levers given (``--zero-stage``, ``--offload-optimizer``, ``--liger``) set theirs over it. With the words its
+    refusals speak: a switch the YAML turned on is named as the YAML names it."""
     path = Path(args.model)
     config = read_config(path) if path.suffix in (".yaml", ".yml") else {}
     trainer, model = config.get("trainer") or {}, dict(config.get("model") or {})
@@ -174,7 +175,7 @@ def run_of(args: argparse.Namespace) -> tuple[Settings, Tool]:
     tool = SIMULATE.with_config_words(config_switches(strategy, model, flags) if config else [])
     model["liger"] = bool(model.get("liger")) or args.liger
     strategy = with_zero(strategy, args.zero_stage, args.offload_optimizer)
-    return settings_of(HARDWARE[args.gpu], args.gpus, strategy, model, precision), tool
+    return settings_of(HARDWARE[args.gpu], args.gpus, strategy, model, precision, spec), tool
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lengths = load_lengths(args.lengths)
         spec = load_spec(args.model)
-        settings, tool = run_of(args)
+        settings, tool = run_of(args, spec)
         check(settings, tool)
         cost = cost_model(spec, settings)
         margin = args.margin_gib * GIB
