@@ -735,5 +735,5 @@ def test_a_training_step_taking_lightnings_dataloader_iter_is_refused_at_fit_sta
                        cache_dir=str(tmp_path / "cache"))  # fmt: skip
     torch.manual_seed(0)
     module = IterModule(model=TINY, vocab_size=dm.vocab_size, self_check=False)
-    with pytest.raises(ConfigError, match=r"IterModule.training_step\(dataloader_iter\): .*batch argument"):
+    with pytest.raises(ConfigError, match=r"IterModule.training_step\(dataloader_iter\): .*take it"):
         quiet_trainer(devices=1, max_steps=2).fit(module, dm)

@@ -101,9 +101,7 @@ def _require_packed(batch: Any) -> None:
         )
 
 
-ITER_REFUSED = (  # Lightning then hands the hooks no batch and moves none to the device (nor its SP group)
-    "HBPLitModule's micro-batch hooks need each batch; take the batch argument (training_step(self, batch, batch_idx))"
-)
+ITER_REFUSED = "Lightning then hands the batch hooks no batch: take it (training_step(self, batch, batch_idx))"
 # Lightning's StochasticWeightAveraging copies the module at setup, before ``configure_model`` builds the model:
 # its average holds no weights, the run ends on its last step's, and its learning rates replace the schedule.
 SWA_REFUSED = (
