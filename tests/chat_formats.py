@@ -108,3 +108,75 @@ def reference(tokenizer, messages: list[dict], tools=None, train_on: str = "assi
     supervised = list(out["assistant_masks"])
     supervised[0] = 0
     return list(out["input_ids"]), supervised
+
+
+# ------------------------------------------------------------------------- real chat templates
+
+# The official chat templates of tests/chat_templates (README.md there says where each comes from): per family,
+# its file, the special tokens its template writes, BOS and EOS.
+TEMPLATES = Path(__file__).parent / "chat_templates"
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN3 = [*CHATML, "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+LLAMA = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+         "<|eom_id|>", "<|python_tag|>"]  # fmt: skip
+DEEPSEEK = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>",
+            "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+            "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+            "<think>", "</think>"]  # fmt: skip
+FAMILIES = {
+    "qwen2.5": ("Qwen-Qwen2.5-7B-Instruct.jinja", CHATML, None, "<|im_end|>"),
+    "qwen3": ("Qwen-Qwen3-0.6B.jinja", QWEN3, None, "<|im_end|>"),
+    "hermes3": ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", [*CHATML, "<|begin_of_text|>"],
+                "<|begin_of_text|>", "<|im_end|>"),
+    "llama3.1": ("meta-llama-Llama-3.1-8B-Instruct.jinja", LLAMA, "<|begin_of_text|>", "<|eot_id|>"),
+    "llama3.2": ("meta-llama-Llama-3.2-3B-Instruct.jinja", LLAMA, "<|begin_of_text|>", "<|eot_id|>"),
+    "deepseek3.1": ("deepseek-ai-DeepSeek-V3.1.jinja", DEEPSEEK, DEEPSEEK[0], DEEPSEEK[1]),
+}  # fmt: skip
+WORDS = (
+    "the quick brown fox jumps over the lazy dog. What is the weather in Paris? It is 21 degrees and sunny. "
+    "You are a helpful assistant. get_weather city Rome temperature Let me check. Hello there! think reason "
+    "Cutting Knowledge Date: December 2023 Today Date: 26 Jul 2024 Environment: ipython tools function"
+)
+
+
+def build_tokenizer(path: Path, family: str):
+    """A byte-level BPE tokenizer folder with ``family``'s special tokens, BOS, EOS and official chat template,
+    saved and loaded back as a user's checkpoint folder is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    name, specials, bos, eos = FAMILIES[family]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=700, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([WORDS] * 30, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=eos)
+    fast.chat_template = (TEMPLATES / name).read_text()
+    fast.save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def brute_force(tokenizer, messages: list[dict], tools=None, trained=None) -> tuple[list[int], list[int]]:
+    """(input_ids, supervised) of a chat by rendering it cut at each trained assistant message i (``trained``:
+    their indices, None: every assistant's): the turn is what ``messages[:i + 1]`` adds to ``messages[:i]`` with
+    the generation prompt, asserted to be a prefix of the whole; a token trains when it overlaps a turn."""
+    import numpy as np
+
+    def render(ms, prompt=False):
+        return tokenizer.apply_chat_template(ms, tools=tools, tokenize=False, add_generation_prompt=prompt)
+
+    full = render(messages)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = np.asarray(enc["offset_mapping"]).reshape(-1, 2)
+    supervised = np.zeros(len(offsets), int)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or (trained is not None and i not in trained):
+            continue
+        before, upto = render(messages[:i], True) if i else "", render(messages[: i + 1])
+        assert full.startswith(upto) and upto.startswith(before), i
+        supervised |= (offsets[:, 1] > len(before)) & (offsets[:, 0] < len(upto))
+    supervised[:1] = 0
+    return list(enc["input_ids"]), supervised.tolist()

@@ -33,7 +33,7 @@ TOOLS = [{"type": "function", "function": WEATHER}]
 
 
 def call(name, arguments, **extra):
-    """A tool call as chat templates take it (arguments a JSON object)."""
+    """A tool call as chat templates take it (arguments a JSON object, or OpenAI's JSON string as given)."""
     return {"type": "function", "function": {"name": name, "arguments": arguments}, **extra}
 
 
@@ -84,14 +84,14 @@ OPENAI = [
             [
                 {"role": "system", "content": "You are a weather bot."},
                 {"role": "user", "content": "What is the weather in Paris?"},
-                {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Paris"}, id="c1")]},
+                {"role": "assistant", "content": "", "tool_calls": [call("get_weather", '{"city": "Paris"}', id="c1")]},
                 {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "c1", "name": "get_weather"},
                 {"role": "assistant", "content": "It is 21 degrees and sunny.", "weight": 0},
                 {"role": "user", "content": "And in Rome?"},
                 {
                     "role": "assistant",
                     "content": "Let me check.",
-                    "tool_calls": [call("get_weather", {"city": "Rome"}, id="c2")],
+                    "tool_calls": [call("get_weather", '{"city": "Rome"}', id="c2")],
                 },
                 {"role": "tool", "content": '{"temperature": 25}', "tool_call_id": "c2"},
                 {"role": "assistant", "content": "It is 25 degrees in Rome."},
@@ -125,7 +125,7 @@ OPENAI = [
                 {
                     "role": "assistant",
                     "content": "",
-                    "tool_calls": [call("get_weather", {"city": "Paris"}), call("get_weather", {"city": "Rome"})],
+                    "tool_calls": [call("get_weather", '{"city": "Paris"}'), call("get_weather", {"city": "Rome"})],
                 },
                 {"role": "tool", "content": '{"temperature": 21}'},
                 {"role": "tool", "content": '{"temperature": 25}'},
@@ -325,7 +325,8 @@ def test_preview_gives_the_templates_own_tokens_and_trained_turns_for_every_form
     if train_on == "assistant":  # a tool call is trained as the assistant's output, its result is not
         first = got[0]
         trained = tok.decode([i for i, s in zip(first["input_ids"], first["supervised"]) if s])
-        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in trained
+        # OpenAI's string arguments as apply_chat_template renders them: this template's tojson quotes a string
+        assert '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}\n</tool_call>' in trained
         assert "temperature" not in trained and "21 degrees and sunny" not in trained
 
 

@@ -22,6 +22,7 @@ silent default (the served model would be prompted in a format it was not traine
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -164,6 +165,7 @@ class _Encoder:
         added = getattr(tokenizer, "added_tokens_decoder", {}).values()
         self._stops = {t for t in (*tokenizer.all_special_tokens, *(a.content for a in added if a.special)) if t}
         self._parts: dict[str, bool] = {}  # per role: whether the template renders its text parts
+        self._quoted_said = False  # whether string tool-call arguments the template quotes were said
 
     def renders_parts(self, role: str) -> bool:
         """Whether the chat template renders a ``role`` message's content given as text parts (Gemma 3's,
@@ -357,6 +359,7 @@ class _Encoder:
         conv = _joined(conv, self.renders_parts)
         full = self._render(conv, None)
         self._check_rendered(conv, full)
+        self._say_quoted_arguments(conv, full)
         trained = self._trained(conv)
         if self.train_on == "all":
             if all(trained):
@@ -381,6 +384,23 @@ class _Encoder:
             self._check_stop(conv, i, full, turn)
             spans += turn
         return full, spans, False
+
+    def _say_quoted_arguments(self, conv: Conversation, full: str) -> None:
+        """Say once when the template writes tool-call arguments given as a JSON string otherwise than as given
+        (Qwen2.5's and Llama 3.1's ``tojson`` quote it, as ``apply_chat_template`` of the record does): the model
+        then learns to answer with a quoted string where the template's own calls hold an object."""
+        calls = [c for m in conv.messages for c in m.get("tool_calls", ())]
+        quoted = [
+            c for c in calls if isinstance(c["function"]["arguments"], str) and c["function"]["arguments"] not in full
+        ]
+        if quoted and not self._quoted_said:
+            self._quoted_said = True
+            warnings.warn(
+                f"{conv.where}: the chat template writes the tool-call arguments given as a JSON string quoted, as "
+                "apply_chat_template does with this record, so the model learns to call tools with a string: give "
+                "arguments as JSON objects where the template expects objects (Qwen2.5, Llama 3.1)",
+                stacklevel=2,
+            )
 
     def _check_stop(self, conv: Conversation, i: int, full: str, turn: list[tuple[int, int]]) -> None:
         """Refuse a trained assistant turn whose last trained characters end in no special token: the model would

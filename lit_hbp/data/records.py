@@ -90,7 +90,7 @@ class Conversation:
     """A chat record as its template renders it, or plain text (``messages`` is None).
 
     messages: role, content (a string, or text, image and video parts where the message has media) and the
-        optional fields the template reads (``tool_calls`` with JSON objects as arguments,
+        optional fields the template reads (``tool_calls`` with their arguments as the record gives them,
         ``tool_call_id``, ``name``, ``reasoning_content``, ``thinking``).
     tools: the tool definitions handed to the template (OpenAI's ``{"type": "function", ...}`` form).
     weights: per message, 0 or 1 when the record says whether it trains, None where ``train_on`` decides.
@@ -637,9 +637,9 @@ def tools_of(value: Any, at: str) -> list[dict] | None:
 
 
 def tool_calls_of(value: Any, at: str) -> list[dict]:
-    """Tool calls as chat templates read them: ``{"type": "function", "function": {"name", "arguments"}}``
-    with the arguments a JSON object (OpenAI writes them as a JSON string, which a template's ``tojson``
-    would quote), keeping the call's ``id``."""
+    """Tool calls as chat templates read them, ``{"type": "function", "function": {"name", "arguments"}}`` and the
+    call's ``id``; the arguments as given, as ``apply_chat_template`` takes them: OpenAI's JSON string stays a string
+    (checked to be JSON; Qwen3 and Hermes print it as written, a ``tojson`` quotes it), an object an object."""
     if not isinstance(value, list) or not value:
         raise DataError(f"{at} must be a non-empty list of calls")
     out = []
@@ -658,11 +658,9 @@ def tool_calls_of(value: Any, at: str) -> list[dict]:
             raise DataError(
                 f"{at}[{j}].function has fields {sorted(set(fn) - {'name', 'arguments'})}; a call has name, arguments"
             )
-        arguments = _json(fn.get("arguments", {}), f"{at}[{j}].function.arguments")
-        entry = {
-            "type": "function",
-            "function": {"name": fn["name"], "arguments": arguments if arguments is not None else {}},
-        }
+        arguments = {} if fn.get("arguments") is None else fn["arguments"]
+        _json(arguments, f"{at}[{j}].function.arguments")  # a malformed string is refused, never rendered
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
         if call.get("id") is not None:
             entry["id"] = call["id"]
         out.append(entry)

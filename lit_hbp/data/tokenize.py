@@ -59,7 +59,8 @@ from lit_hbp.errors import ConfigError, DataError
 # 8: an assistant turn of a template with {% generation %} blocks trains what the blocks mark.
 # 9: a video's row carries the frame rate its record gave its frames.
 # 10: a table's rows without the other rows' null keys; text parts to a template that renders parts, as written.
-CACHE_VERSION = 10
+# 11: tool-call arguments given as a JSON string go to the template as that string (they were parsed).
+CACHE_VERSION = 11
 # Below this much of a source, worker processes cost more to start than they save (num_proc=None).
 PARALLEL_MIN_BYTES = 8 << 20
 PARALLEL_MIN_ROWS = 8192

@@ -1,0 +1,119 @@
+"""Records through the official chat templates of real checkpoints (``tests/chat_templates``: Qwen2.5, Qwen3,
+Hermes 3, Llama 3.1 and 3.2, DeepSeek-V3.1) on a small tokenizer with each family's special tokens. The reference
+is the same tokenizer's ``apply_chat_template(messages, tools=..., tokenize=True)`` of the record as given, and for
+the mask the brute-force rendering of the conversation cut before and after each trained turn
+(``chat_formats.brute_force``)."""
+
+import json
+import warnings
+
+import pytest
+from chat_formats import brute_force, build_tokenizer
+
+from lit_hbp.data.sources import Source
+from lit_hbp.data.tokenize import tokenize_source
+from lit_hbp.errors import DataError
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+TOOLS = [{"type": "function", "function": WEATHER}]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """The tokenizer of a family (``chat_formats.FAMILIES``), built once per module."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_tokenizer(tmp_path_factory.mktemp(name.replace(".", "_")), name)
+        return built[name]
+
+    return get
+
+
+def tool_chat(arguments, answered: bool) -> list[dict]:
+    """A question, a call of get_weather with ``arguments`` (as OpenAI's API writes them: a JSON string), and with
+    ``answered`` the call's result and the answer."""
+    call = {"id": "call1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}]  # fmt: skip
+    if answered:
+        messages += [{"role": "tool", "tool_call_id": "call1", "content": '{"temperature": 21}'},
+                     {"role": "assistant", "content": "It is 21 degrees and sunny."}]  # fmt: skip
+    return messages
+
+
+def lit_hbp(tok, record: dict, tmp_path, train_on: str = "assistant") -> tuple[list[int], list[int]]:
+    """lit-hbp's (input_ids, supervised) of one record."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    ids, mask = tokenize_source(Source(str(path)), tok, train_on=train_on, progress=False, num_proc=1).sample(0)
+    return ids.tolist(), mask.astype(int).tolist()
+
+
+def reference(tok, messages, tools, train_on: str) -> tuple[list[int], list[int]]:
+    """``apply_chat_template``'s ids, and the brute-force mask of the turns ``train_on`` trains."""
+    ids = list(tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"])
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    brute_ids, supervised = brute_force(tok, messages, tools, None if train_on == "assistant" else [last])
+    assert brute_ids == ids
+    return ids, supervised
+
+
+ARGUMENTS = ['{"city":"Paris"}', '{"city": "Paris"}', {"city": "Paris"}]
+
+
+@pytest.mark.parametrize("arguments", ARGUMENTS, ids=["compact string", "spaced string", "object"])
+@pytest.mark.parametrize(
+    "name, answered, train_on",
+    [
+        ("qwen3", False, "assistant"),
+        ("qwen3", True, "last_assistant"),
+        ("hermes3", False, "assistant"),
+        ("llama3.1", False, "assistant"),
+        ("qwen2.5", False, "assistant"),
+        ("qwen2.5", True, "assistant"),
+    ],
+)
+def test_tool_call_arguments_render_as_apply_chat_template_renders_the_record(
+    name, answered, train_on, arguments, family, tmp_path
+):
+    """OpenAI's tool-call arguments, a JSON string, were parsed and written back by the template's ``tojson``:
+    Qwen3 and Hermes 3 print a string as written (``arguments is string``), so ``{"city":"Paris"}`` trained as
+    ``{"city": "Paris"}``; Qwen2.5 and Llama 3.1 quote a string, and trained an object. The record now renders
+    as ``apply_chat_template`` renders it, its arguments as given."""
+    tok = family(name)
+    messages = tool_chat(arguments, answered)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the quoted string is said (test below)
+        got = lit_hbp(tok, {"messages": messages, "tools": TOOLS}, tmp_path, train_on)
+    assert got == reference(tok, messages, TOOLS, train_on), tok.decode(got[0])
+
+
+def test_a_template_that_concatenates_string_arguments_renders_them(family, tmp_path):
+    """DeepSeek-V3.1 writes ``arguments`` by string concatenation: the record with OpenAI's string arguments was
+    refused (lit-hbp handed it an object); with an object, ``apply_chat_template`` fails as lit-hbp refuses."""
+    tok = family("deepseek3.1")
+    messages = tool_chat('{"city":"Paris"}', answered=False)
+    assert lit_hbp(tok, {"messages": messages}, tmp_path) == reference(tok, messages, None, "assistant")
+    with pytest.raises(TypeError):
+        tok.apply_chat_template(tool_chat({"city": "Paris"}, answered=False), tokenize=False)
+    with pytest.raises(DataError, match="d.jsonl:1: the chat template cannot render this record: can only concatenate"):
+        lit_hbp(tok, {"messages": tool_chat({"city": "Paris"}, answered=False)}, tmp_path)
+
+
+def test_string_arguments_a_template_quotes_are_said(family, tmp_path):
+    """Qwen2.5's ``tojson`` quotes a string argument (as ``apply_chat_template`` of the record does): the model
+    learns to call with a string, which the run says; an object, or a template printing the string, says nothing."""
+    cases = [("qwen2.5", '{"city": "Paris"}', True), ("qwen2.5", {"city": "Paris"}, False),
+             ("qwen3", '{"city": "Paris"}', False)]  # fmt: skip
+    for name, arguments, said in cases:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lit_hbp(family(name), {"messages": tool_chat(arguments, False), "tools": TOOLS}, tmp_path)
+        quoted = [w for w in caught if "writes the tool-call arguments given as a JSON string quoted" in str(w.message)]
+        assert len(quoted) == said, (name, arguments, [str(w.message) for w in caught])
