@@ -117,3 +117,32 @@ def test_string_arguments_a_template_quotes_are_said(family, tmp_path):
             lit_hbp(family(name), {"messages": tool_chat(arguments, False), "tools": TOOLS}, tmp_path)
         quoted = [w for w in caught if "writes the tool-call arguments given as a JSON string quoted" in str(w.message)]
         assert len(quoted) == said, (name, arguments, [str(w.message) for w in caught])
+
+
+def test_a_template_that_prints_todays_date_is_tokenized_again_the_next_day(family, tmp_path, monkeypatch):
+    """Llama 3.2's template writes today's date (``strftime_now``): the token cache of one day was read the next,
+    with the old date, where ``apply_chat_template`` that day writes the new one. A template without the date
+    (Llama 3.1's fixed "26 Jul 2024") still reads its cache. The clock is transformers' own, set per day."""
+    import datetime
+
+    from transformers.utils import chat_template_utils
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": "It is sunny."}]  # fmt: skip
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    for name, dated in (("llama3.2", True), ("llama3.1", False)):
+        tok = family(name)
+        for day in (1, 2):
+
+            class Day(datetime.datetime):
+                @classmethod
+                def now(cls, tz=None, day=day):
+                    return datetime.datetime(2025, 1, day, 12)
+
+            monkeypatch.setattr(chat_template_utils, "datetime", Day)
+            tokens = tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / name, progress=False)
+            ids = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+            assert tokens.sample(0)[0].tolist() == list(ids), (name, day)
+            assert tokens.from_cache == (day == 2 and not dated), (name, day)
+        assert ("Today Date: 02 Jan 2025" in tok.decode(ids)) == dated

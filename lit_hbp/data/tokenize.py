@@ -1,13 +1,13 @@
 """Tokenize a source once, with the label mask of supervised tokens, and cache it on disk.
 
-The cache of a source lives in ``cache_dir/<name>-<key>/`` (``lit_hbp.data.cache``) where the key
-hashes the source file (path, size, mtime), the tokenizer (vocabulary, special tokens, chat
-template), the versions of the libraries that render and split it, and the settings, so any change
+The cache of a source lives in ``cache_dir/<name>-<key>/`` (``lit_hbp.data.cache``) where the key hashes
+the source file (path, size, mtime), the tokenizer (vocabulary, special tokens, chat template, the date a
+template prints), the versions of the libraries that render and split it, and the settings, so any change
 re-tokenizes and a re-run with the same inputs only memory-maps the arrays. One process tokenizes a
 cache, whatever the number of ranks and nodes; the others wait on its lock and read it. The source
 streams from disk in chunks (``iter_chunks``), which ``num_proc`` worker processes tokenize while the
-main process appends their results, in order, to the cache: memory is a few chunks, whatever the size
-of the source.
+main process appends their results, in order, to the cache: memory is a few chunks, whatever the size of
+the source.
 
 Each record's tokens and supervised mask come from ``lit_hbp.data.encode`` (chats through the chat template,
 pre-tokenized records checked against the vocabulary).
@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -194,6 +195,28 @@ def renderer_versions() -> dict[str, str]:
     return {name: version(name) for name in ("jinja2", "tokenizers", "transformers")}
 
 
+# A chat template's call of transformers' ``strftime_now`` with a literal format (Llama 3.2's "%d %b %Y").
+STRFTIME_NOW = re.compile(r"""strftime_now\s*\(\s*(['"])(.*?)\1\s*\)""")
+
+
+def template_dates(tokenizer) -> list[str]:
+    """What the chat template's ``strftime_now`` calls print now (Llama 3.2/3.3, Mistral Small 3, Granite 3,
+    SmolLM3, gpt-oss write today's date), by the clock transformers renders with: part of the cache key, so a
+    later day re-tokenizes rather than reading the tokens of the day they were rendered (a format that is no
+    literal: the time to the second)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = "\n".join(template.values()) if isinstance(template, dict) else template  # named templates
+    if "strftime_now" not in template:
+        return []
+    from transformers.utils import chat_template_utils
+
+    now = chat_template_utils.datetime.now()
+    formats = [m.group(2) for m in STRFTIME_NOW.finditer(template)]
+    if len(re.findall(r"strftime_now\s*\(", template)) > len(formats):
+        formats.append("%Y-%m-%dT%H:%M:%S")
+    return [now.strftime(f) for f in formats]
+
+
 def _source_stat(path: Path) -> list:
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
@@ -201,8 +224,9 @@ def _source_stat(path: Path) -> list:
 
 def cache_key(source: Source, tokenizer, train_on: str, label: str | None = None, processor=None) -> str:
     """Hash of the source's files (path, size, mtime), how they are read (file type, record format,
-    field and role names, split, subset), the tokenizer, the rendering libraries' versions and the
-    settings; raises a DataError naming the source (``label``) if its path cannot be read."""
+    field and role names, split, subset), the tokenizer, the dates its chat template prints, the rendering
+    libraries' versions and the settings; raises a DataError naming the source (``label``) if its path cannot be
+    read."""
     check_source(source, label)
     path = source.local_path.resolve()
     payload = dict(
@@ -215,6 +239,7 @@ def cache_key(source: Source, tokenizer, train_on: str, label: str | None = None
         split=source.split,
         subset=source.subset,
         tokenizer=tokenizer_fingerprint(tokenizer),
+        dates=template_dates(tokenizer),
         libraries=renderer_versions(),
         train_on=train_on,
     )
