@@ -123,6 +123,8 @@ DEEPSEEK = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<�
             "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
             "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
             "<think>", "</think>"]  # fmt: skip
+GPT_OSS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
+           "<|call|>", "<|constrain|>"]  # fmt: skip
 FAMILIES = {
     "qwen2.5": ("Qwen-Qwen2.5-7B-Instruct.jinja", CHATML, None, "<|im_end|>"),
     "qwen3": ("Qwen-Qwen3-0.6B.jinja", QWEN3, None, "<|im_end|>"),
@@ -131,6 +133,7 @@ FAMILIES = {
     "llama3.1": ("meta-llama-Llama-3.1-8B-Instruct.jinja", LLAMA, "<|begin_of_text|>", "<|eot_id|>"),
     "llama3.2": ("meta-llama-Llama-3.2-3B-Instruct.jinja", LLAMA, "<|begin_of_text|>", "<|eot_id|>"),
     "deepseek3.1": ("deepseek-ai-DeepSeek-V3.1.jinja", DEEPSEEK, DEEPSEEK[0], DEEPSEEK[1]),
+    "gpt-oss": ("openai-gpt-oss-120b.jinja", GPT_OSS, "<|startoftext|>", "<|return|>"),
 }  # fmt: skip
 WORDS = (
     "the quick brown fox jumps over the lazy dog. What is the weather in Paris? It is 21 degrees and sunny. "

@@ -75,6 +75,7 @@ ARGUMENTS = ['{"city":"Paris"}', '{"city": "Paris"}', {"city": "Paris"}]
         ("qwen3", True, "last_assistant"),
         ("hermes3", False, "assistant"),
         ("llama3.1", False, "assistant"),
+        ("llama3.1", True, "assistant"),
         ("qwen2.5", False, "assistant"),
         ("qwen2.5", True, "assistant"),
     ],
@@ -146,3 +147,18 @@ def test_a_template_that_prints_todays_date_is_tokenized_again_the_next_day(fami
             assert tokens.sample(0)[0].tolist() == list(ids), (name, day)
             assert tokens.from_cache == (day == 2 and not dated), (name, day)
         assert ("Today Date: 02 Jan 2025" in tok.decode(ids)) == dated
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "last_assistant"])
+@pytest.mark.parametrize("result", ["21 degrees, sunny", '{"temperature": 21}', 'line\nbreak "q" é'])
+@pytest.mark.parametrize("name", ["llama3.1", "llama3.2", "gpt-oss"])
+def test_a_tool_result_the_template_writes_as_json_is_rendered(name, result, train_on, family, tmp_path):
+    """Llama 3.x and gpt-oss write a tool result as ``content | tojson``: quoted, its quotes and control characters
+    escaped, so lit-hbp's check (the text, or a control-character mark, as written) found neither and refused every
+    tool record of those templates as "does not render its content"."""
+    tok = family(name)
+    messages = tool_chat({"city": "Paris"}, answered=True)
+    messages[2]["content"] = result
+    assert json.dumps(result, ensure_ascii=False) in tok.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+    got = lit_hbp(tok, {"messages": messages, "tools": TOOLS}, tmp_path, train_on)
+    assert got == reference(tok, messages, TOOLS, train_on), tok.decode(got[0])

@@ -21,6 +21,7 @@ silent default (the served model would be prompted in a format it was not traine
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from dataclasses import replace
@@ -135,6 +136,12 @@ def _texts(content: str | list[dict]) -> list[str]:
     return [content] if isinstance(content, str) else [p["text"] for p in content if "text" in p]
 
 
+def _rendered(text: str, full: str) -> bool:
+    """Whether ``text`` stands in the rendering ``full`` as written or as a JSON string's inside (a template's
+    ``content | tojson``: Llama 3.x's and gpt-oss's tool results, quoted, their control characters escaped)."""
+    return text in full or json.dumps(text, ensure_ascii=False)[1:-1] in full
+
+
 def _complement(spans: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
     """The parts of [0, n) outside ``spans``."""
     out, at = [], 0
@@ -236,7 +243,7 @@ class _Encoder:
                 )
         dropped = self._unrendered(conv)
         for i, m in enumerate(conv.messages):
-            if i == dropped or any(t.strip() and t.strip() not in full for t in _texts(m["content"])):
+            if i == dropped or any(t.strip() and not _rendered(t.strip(), full) for t in _texts(m["content"])):
                 raise DataError(
                     f"{conv.where}: messages[{i}] ({m['role']}): the chat template does not render its content, so "
                     "the model would never see it: use a chat template that renders the role, or drop the message"
@@ -266,8 +273,9 @@ class _Encoder:
 
     def _unrendered(self, conv: Conversation) -> int | None:
         """The first message with text that the template leaves out, found by one rendering with every such
-        message's content marked (its text may stand elsewhere: a tool result the answer repeats); None when all
-        are rendered, or when the marked conversation does not render (the check by text stands)."""
+        message's content marked (its text may stand elsewhere: a tool result the answer repeats), as written or
+        JSON-escaped (``_rendered``); None when all are rendered, or when the marked conversation does not render
+        (the check by text stands)."""
         msgs, marks = list(conv.messages), {}
         for i, m in enumerate(msgs):
             if any(t.strip() for t in _texts(m["content"])):
@@ -277,7 +285,7 @@ class _Encoder:
             text = self._render(conv, None, messages=msgs)
         except DataError:
             return None
-        return next((i for i, mark in marks.items() if mark not in text), None)
+        return next((i for i, mark in marks.items() if not _rendered(mark, text)), None)
 
     def _turn(self, conv: Conversation, i: int, full: str) -> tuple[str | None, str]:
         """The renderings of the messages before message i (None: see ``_prefix``) and up to its end. The
