@@ -125,6 +125,7 @@ DEEPSEEK = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<�
             "<think>", "</think>"]  # fmt: skip
 GPT_OSS = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
            "<|call|>", "<|constrain|>"]  # fmt: skip
+PHI3 = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 FAMILIES = {
     "qwen2.5": ("Qwen-Qwen2.5-7B-Instruct.jinja", CHATML, None, "<|im_end|>"),
     "qwen3": ("Qwen-Qwen3-0.6B.jinja", QWEN3, None, "<|im_end|>"),
@@ -134,6 +135,10 @@ FAMILIES = {
     "llama3.2": ("meta-llama-Llama-3.2-3B-Instruct.jinja", LLAMA, "<|begin_of_text|>", "<|eot_id|>"),
     "deepseek3.1": ("deepseek-ai-DeepSeek-V3.1.jinja", DEEPSEEK, DEEPSEEK[0], DEEPSEEK[1]),
     "gpt-oss": ("openai-gpt-oss-120b.jinja", GPT_OSS, "<|startoftext|>", "<|return|>"),
+    "gpt-oss-training": ("trl-gptoss_training.jinja", GPT_OSS, "<|startoftext|>", "<|return|>"),
+    "phi3.5": ("microsoft-Phi-3.5-mini-instruct.jinja", PHI3, None, "<|endoftext|>"),
+    "phi3.5-training": ("trl-phi3_5_training.jinja", PHI3, None, "<|endoftext|>"),
+    "qwen3-training": ("trl-qwen3_training.jinja", QWEN3, None, "<|im_end|>"),
 }  # fmt: skip
 WORDS = (
     "the quick brown fox jumps over the lazy dog. What is the weather in Paris? It is 21 degrees and sunny. "
@@ -183,3 +188,35 @@ def brute_force(tokenizer, messages: list[dict], tools=None, trained=None) -> tu
         supervised |= (offsets[:, 1] > len(before)) & (offsets[:, 0] < len(upto))
     supervised[:1] = 0
     return list(enc["input_ids"]), supervised.tolist()
+
+
+def blocks_reference(tokenizer, messages: list[dict], tools=None, trained=None) -> tuple[list[int], list[int]]:
+    """(input_ids, supervised) of a chat by its template's ``{% generation %}`` blocks: transformers' assistant mask
+    (``return_assistant_tokens_mask``), kept, where ``trained`` names the assistant messages that train, on the
+    tokens between the content of the message before each of those and the content of the one after (each found
+    in the text in order, a tool result as JSON where the template writes it so)."""
+    import json
+
+    import numpy as np
+
+    out = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids, supervised = list(out["input_ids"]), np.array(out["assistant_masks"])
+    if trained is not None:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        starts = np.asarray(tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"])
+        spans, at = {}, 0  # per message but the assistant's: where its content stands in the text
+        for j, m in enumerate(messages):
+            if m["role"] != "assistant" and m["content"]:
+                content = m["content"] if m["content"] in text[at:] else json.dumps(m["content"])[1:-1]
+                start = text.index(content, at)
+                spans[j] = (start, at := start + len(content))
+        keep = np.zeros(len(ids), bool)
+        for i in trained:
+            after = max((end for j, (_, end) in spans.items() if j < i), default=0)
+            before = min((start for j, (start, _) in spans.items() if j > i), default=len(text))
+            keep |= (starts[:, 0] >= after) & (starts[:, 0] < before)
+        supervised &= keep
+    supervised[:1] = 0
+    return ids, supervised.astype(int).tolist()

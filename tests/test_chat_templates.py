@@ -8,7 +8,7 @@ import json
 import warnings
 
 import pytest
-from chat_formats import brute_force, build_tokenizer
+from chat_formats import blocks_reference, brute_force, build_tokenizer
 
 from lit_hbp.data.sources import Source
 from lit_hbp.data.tokenize import tokenize_source
@@ -162,3 +162,76 @@ def test_a_tool_result_the_template_writes_as_json_is_rendered(name, result, tra
     assert json.dumps(result, ensure_ascii=False) in tok.apply_chat_template(messages, tools=TOOLS, tokenize=False)
     got = lit_hbp(tok, {"messages": messages, "tools": TOOLS}, tmp_path, train_on)
     assert got == reference(tok, messages, TOOLS, train_on), tok.decode(got[0])
+
+
+SYSTEM = {"role": "system", "content": "You are a weather bot."}
+Q1, Q2 = {"role": "user", "content": "What is the weather in Paris?"}, {"role": "user", "content": "And in Rome?"}
+A1, A2 = {"role": "assistant", "content": "It is 21 degrees and sunny."}, {"role": "assistant", "content": "25 here."}
+CHATS = {
+    "one turn": [Q1, A1],
+    "two turns": [Q1, A1, Q2, A2],
+    "system": [SYSTEM, Q1, A1, Q2, A2],
+    "empty answer": [Q1, {"role": "assistant", "content": ""}, Q2, A2],
+    "weight 0": [Q1, {**A1, "weight": 0}, Q2, A2],
+    "tools": [*tool_chat({"city": "Paris"}, answered=True), Q2, A2],
+}
+
+
+# A template, and the training template of the same text whose blocks are the reference.
+UNSTABLE = [
+    ("phi3.5", "phi3.5-training"),
+    ("phi3.5-training", "phi3.5-training"),
+    ("gpt-oss-training", "gpt-oss-training"),
+]
+
+
+def trained_turns(messages: list[dict], train_on: str) -> list[int]:
+    """The assistant messages ``train_on`` and the weights train."""
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    picked = answers if train_on == "assistant" else answers[-1:]
+    return [i for i in picked if messages[i].get("weight", 1)]
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "last_assistant"])
+@pytest.mark.parametrize(
+    "name, training, chat",
+    [(name, training, chat) for name, training in UNSTABLE for chat in CHATS
+     if not (chat == "tools" and name.startswith("phi"))],  # Phi-3.5 renders no tools
+)  # fmt: skip
+def test_turns_that_render_otherwise_at_the_conversations_end_are_located(
+    name, training, chat, train_on, family, tmp_path
+):
+    """Phi-3.5 ends a conversation with EOS where no generation prompt follows, so no shorter conversation renders
+    as the start of the whole: even one question and answer was refused as not prefix-stable. gpt-oss's training
+    template ends the last answer with <|return|>, the others with <|end|>. The EOS is now cut off the shorter
+    renderings, and a template's ``{% generation %}`` blocks go to the answer whose content they hold. The
+    reference: ``apply_chat_template`` of the original, and the blocks of TRL's training template of the same
+    text (``return_assistant_tokens_mask``) on the turns that train."""
+    messages = CHATS[chat]
+    tok, reference_tok = family(name), family(training)
+    record = {"messages": messages, **({"tools": TOOLS} if chat == "tools" else {})}
+    got = lit_hbp(tok, record, tmp_path, train_on)
+    given = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
+    tools = record.get("tools")
+    ids, supervised = blocks_reference(reference_tok, given, tools, trained_turns(messages, train_on))
+    assert ids == list(tok.apply_chat_template(given, tools=tools, tokenize=True, return_dict=True)["input_ids"])
+    assert got == (ids, supervised), show(tok, *got)
+    assert sum(supervised) > 3
+
+
+def show(tok, ids: list[int], supervised: list[int]) -> str:
+    """The text with its supervised tokens between ⟦ and ⟧."""
+    return "".join(f"⟦{tok.decode([i])}⟧" if s else tok.decode([i]) for i, s in zip(ids, supervised))
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "qwen3"])
+def test_turns_that_render_otherwise_once_the_conversation_goes_on_stay_refused(name, family, tmp_path):
+    """Without blocks, gpt-oss's earlier answers end otherwise than the conversation cut after them (<|end|>, not
+    <|return|>) and Qwen3's lose the empty thought the cut gives them: not located, refused; the last answer is
+    located, and ``train_on: last_assistant`` gives the reference's tokens."""
+    tok = family(name)
+    messages = CHATS["two turns"]
+    with pytest.raises(DataError, match="not prefix-stable at message 1 .*use train_on: last_assistant"):
+        lit_hbp(tok, {"messages": messages}, tmp_path)
+    ids, supervised = brute_force(tok, messages, None, [3])
+    assert lit_hbp(tok, {"messages": messages}, tmp_path, "last_assistant") == (ids, supervised)

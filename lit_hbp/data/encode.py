@@ -1,11 +1,8 @@
-"""A record's tokens and supervised mask: a chat rendered with the tokenizer's chat template (``data.chat_template``:
+"""A chat record's tokens and supervised mask: rendered with the tokenizer's chat template (``data.chat_template``:
 a built-in, a file or a Jinja string, ``resolve_chat_template``), its trained turns located by rendering
-prefixes of the conversation (``{% generation %}`` blocks where the template has them), or a pre-tokenized
-record checked against the vocabulary (``pretokenized``). ``lit_hbp.data.tokenize`` runs it over a source,
-in worker processes, into the token cache.
-
-Pre-tokenized records (``input_ids`` with ``labels`` or ``assistant_masks``, or alone: every token
-supervised) are validated against the tokenizer's vocabulary and taken as they are.
+prefixes of the conversation (``{% generation %}`` blocks where the template has them). Pre-tokenized records
+are checked against the vocabulary in ``lit_hbp.data.pretokenized``. ``lit_hbp.data.tokenize`` runs both over a
+source, in worker processes, into the token cache.
 
 Label mask: ``target[t]`` is True when token t is a supervised prediction (the model learns to
 produce token t from the tokens before it). Chat samples supervise the trained turns, found by
@@ -29,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lit_hbp.data.records import RENDERED, Conversation, TokenRecord, joined_text
+from lit_hbp.data.records import RENDERED, Conversation, joined_text
 from lit_hbp.errors import ConfigError, DataError
 
 # Which turns of a chat train: every assistant turn, the last one only, or every token; a message's
@@ -53,11 +50,18 @@ CHAT_TEMPLATE_FIX = (
 )
 # A template marking assistant output (transformers' tag; a loose match, whitespace control included).
 GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
-IGNORE_INDEX = -100
 
 
 class _PrefixFailed(Exception):
     """The template cannot render the first messages of a conversation on their own."""
+
+
+class _NotPrefixStable(Exception):
+    """Message ``i``'s turn renders otherwise once the conversation goes on (``prepare`` says what would pass)."""
+
+    def __init__(self, i: int):
+        super().__init__(i)
+        self.i = i
 
 
 def resolve_chat_template(option: str, tokenizer) -> str:
@@ -140,6 +144,18 @@ def _rendered(text: str, full: str) -> bool:
     """Whether ``text`` stands in the rendering ``full`` as written or as a JSON string's inside (a template's
     ``content | tojson``: Llama 3.x's and gpt-oss's tool results, quoted, their control characters escaped)."""
     return text in full or json.dumps(text, ensure_ascii=False)[1:-1] in full
+
+
+def _without_tail(text: str, tail: str | None) -> str:
+    """``text`` without the conversation's tail (``_Encoder._conversation_tail``) where it ends with it."""
+    return text[: -len(tail)] if tail and text.endswith(tail) else text
+
+
+def _without_marks(text: str, marks) -> str:
+    """``text`` with every mark taken out."""
+    for mark in marks:
+        text = text.replace(mark, "")
+    return text
 
 
 def _complement(spans: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
@@ -289,8 +305,9 @@ class _Encoder:
 
     def _turn(self, conv: Conversation, i: int, full: str) -> tuple[str | None, str]:
         """The renderings of the messages before message i (None: see ``_prefix``) and up to its end. The
-        conversation must render the same when cut there (prefix-stable): otherwise the turn's
-        characters in the whole are not the ones located."""
+        conversation must render the same when cut there (prefix-stable), but for what the template writes at
+        the conversation's end only (``_conversation_tail``), cut off the shorter renderings: otherwise the turn's
+        characters in the whole are not the ones located (``_NotPrefixStable``)."""
         try:
             upto = self._render(conv, i + 1)
         except _PrefixFailed as e:
@@ -300,13 +317,35 @@ class _Encoder:
             ) from None
         before = self._prefix(conv, i, False)
         if not (full.startswith(upto) and upto.startswith(before or "")):
-            raise DataError(
-                f"{conv.where}: the chat template is not prefix-stable at message {i} (the conversation cut before "
-                "or after it does not render as the start of the whole), so its turns cannot be located: use "
-                "train_on: last_assistant (only the last turn is located) or a template that renders "
-                "earlier turns unchanged"
-            )
+            if self._tail is None:
+                self._tail = self._conversation_tail(conv, full)
+            if i + 1 < len(conv.messages):
+                upto = _without_tail(upto, self._tail)
+            before = before if before is None else _without_tail(before, self._tail)
+        if not (full.startswith(upto) and upto.startswith(before or "")):
+            raise _NotPrefixStable(i)
         return before, upto
+
+    def _conversation_tail(self, conv: Conversation, full: str) -> str:
+        """What the template writes at the conversation's end only (Phi-3 its EOS where no generation prompt
+        follows): the shortest end of ``full``, from one of its tokens on, that the rendering of every shorter
+        conversation (the first k messages) ends with and without which that rendering is the start of ``full``,
+        up to one of its tokens; "" where there is none (a turn that renders otherwise is not a tail)."""
+        cuts = []
+        for k in range(1, len(conv.messages)):
+            try:
+                cuts.append(self._render(conv, k))
+            except _PrefixFailed:
+                return ""
+        offsets = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        starts = {a for a, _ in offsets}
+        for j in range(1, min(map(len, cuts), default=0) + 1):
+            tail = full[len(full) - j :]
+            if not all(c.endswith(tail) for c in cuts):
+                break  # no longer end is common either
+            if len(full) - j in starts and all(full.startswith(c[:-j]) and len(c) - j in starts for c in cuts):
+                return tail
+        return ""
 
     def _span(self, conv: Conversation, i: int, full: str, whole: bool) -> tuple[int, int]:
         """The characters of message i: from where its rendering departs from the prefix before it (for
@@ -335,15 +374,17 @@ class _Encoder:
     def _first_start(self, conv: Conversation, upto: str, generation: bool) -> int:
         """Where the first message's turn starts in ``upto`` (its rendering alone), the template's preamble
         (a default system prompt, the tools) excluded: an assistant turn's content starts where the
-        rendering with other content departs; a whole message is what a second copy of it adds."""
+        rendering with other content departs; a whole message is what a second copy of it adds (the
+        conversation's tail, ``_conversation_tail``, cut off both)."""
         first = conv.messages[0]
         try:
             if generation:
                 other = self._render(conv, None, messages=[{**first, "content": _marked(first["content"])}])
                 return _common_prefix(upto, other)
-            twice = self._render(conv, None, messages=[first, first])
+            twice = _without_tail(self._render(conv, None, messages=[first, first]), self._tail)
         except DataError:
             twice = ""
+        upto = _without_tail(upto, self._tail)
         own = len(twice) - len(upto)
         if not (twice.startswith(upto) and 0 < own <= len(upto) and twice[len(upto) :] == upto[len(upto) - own :]):
             raise DataError(
@@ -368,6 +409,20 @@ class _Encoder:
         full = self._render(conv, None)
         self._check_rendered(conv, full)
         self._say_quoted_arguments(conv, full)
+        self._tail: str | None = None  # this conversation's (``_conversation_tail``), found where needed
+        self._owners: list[int] | None = None  # which message each generation block marks (``_block_owners``)
+        try:
+            return self._spans(conv, full)
+        except _NotPrefixStable as e:
+            raise DataError(
+                f"{conv.where}: the chat template is not prefix-stable at message {e.i} (the conversation cut before "
+                "or after it does not render as the start of the whole), so its turns cannot be located: use "
+                "train_on: last_assistant (only the last turn is located) or a template that renders "
+                "earlier turns unchanged"
+            ) from None
+
+    def _spans(self, conv: Conversation, full: str) -> tuple[str, list[tuple[int, int]] | None, bool] | str:
+        """``prepare``'s result for a chat rendered as ``full``."""
         trained = self._trained(conv)
         if self.train_on == "all":
             if all(trained):
@@ -382,13 +437,9 @@ class _Encoder:
             if conv.messages[i]["role"] != "assistant":
                 spans.append(self._span(conv, i, full, whole=False))
                 continue
-            if blocks is None:
-                turn = [self._span(conv, i, full, whole=False)]
-            else:
-                before, upto = self._turn(conv, i, full)
-                a, b = len(before or ""), len(upto)  # the turn, its header and separators included
-                # A block is cut to the turn; an empty one still marks a token it falls inside, as transformers does.
-                turn = [(max(s, a), min(e, b)) for s, e in blocks if max(s, a) < min(e, b) or a <= s == e < b]
+            turn = (
+                [self._span(conv, i, full, whole=False)] if blocks is None else self._blocks_of(conv, i, full, blocks)
+            )
             self._check_stop(conv, i, full, turn)
             spans += turn
         return full, spans, False
@@ -425,31 +476,91 @@ class _Encoder:
                 "turns end with one, or whose {% generation %} blocks take the stop token in (data.chat_template)"
             )
 
+    def _blocks_of(self, conv: Conversation, i: int, full: str, blocks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The characters the template's blocks mark in assistant message i's turn: the blocks cut to the turn
+        where renderings locate it, else (the turn renders otherwise once the conversation goes on: phi3_5's and
+        gpt-oss's training templates) the blocks message i owns (``_block_owners``), taken as they are."""
+        try:
+            before, upto = self._turn(conv, i, full)
+        except _NotPrefixStable:
+            if self._owners is None:
+                self._owners = self._block_owners(conv, full, blocks) or []
+            if not self._owners:
+                raise
+            return [block for block, owner in zip(blocks, self._owners) if owner == i]
+        a, b = len(before or ""), len(upto)  # the turn, its header and separators included
+        # A block is cut to the turn; an empty one still marks a token it falls inside, as transformers does.
+        return [(max(s, a), min(e, b)) for s, e in blocks if max(s, a) < min(e, b) or a <= s == e < b]
+
+    def _block_owners(self, conv: Conversation, full: str, blocks: list[tuple[int, int]]) -> list[int] | None:
+        """Per generation block of ``full``, the assistant message it marks, from one tracked rendering with a mark
+        in front of each assistant's content (``_marked``): a block holding message i's mark is i's. A block with no
+        mark (a call whose content the template leaves out) lies between the marks of assistants a and b: it is
+        one of theirs or of those between, which must all train or all not (the mask is then exact whichever it
+        is), and is given, for the stop check, to the one between whose mark is not rendered, else to b. None
+        unless the marked rendering is ``full`` with the marks added and its blocks ``blocks`` moved by them."""
+        msgs, marks = list(conv.messages), {}
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                marks[i] = f"\x01{i}\x02"
+                msgs[i] = {**m, "content": _marked(m["content"], marks[i])}
+        try:
+            text, tracked = self._tracked(conv, msgs)
+        except Exception:  # the marks broke the template: no owners
+            return None
+        if any(text.count(mark) > 1 for mark in marks.values()) or _without_marks(text, marks.values()) != full:
+            return None
+        at = sorted((text.find(mark), i) for i, mark in marks.items() if mark in text)
+        moved = [(s - sum(len(marks[i]) for p, i in at if p < s), e - sum(len(marks[i]) for p, i in at if p < e))
+                 for s, e in tracked]  # fmt: skip
+        if moved != blocks:
+            return None
+        trained, owners = self._trained(conv), []
+        for s, e in tracked:
+            inside = [i for p, i in at if s <= p < e]
+            if len(inside) > 1:
+                return None
+            if not inside:  # between the marks of assistants a and b (the first and last where there is none)
+                a = max((i for p, i in at if p < s), default=min(marks))
+                b = min((i for p, i in at if p >= e), default=max(marks))
+                around = [i for i in marks if a <= i <= b]
+                unseen = [i for i in around if marks[i] not in text]
+                if len({trained[i] for i in around}) > 1:
+                    return None
+                inside = unseen if len(unseen) == 1 else [b]
+            owners.append(inside[0])
+        return owners
+
+    def _tracked(self, conv: Conversation, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The text of ``messages`` and the characters its ``{% generation %}`` blocks mark, by the call of
+        transformers' renderer that ``apply_chat_template(..., return_assistant_tokens_mask=True)`` makes."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        # apply_chat_template drops None-valued message fields and hands the template the special tokens.
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        (text,), (blocks,) = render_jinja_template(
+            [messages],
+            tools=conv.tools,
+            chat_template=self.tok.get_chat_template(None, conv.tools),
+            return_assistant_tokens_mask=True,
+            **self.tok.special_tokens_map,
+        )
+        return text, [tuple(block) for block in blocks]
+
     def _generation_blocks(self, conv: Conversation, full: str) -> list[tuple[int, int]] | None:
         """The characters the template's ``{% generation %}`` blocks mark in ``full``, as
         ``apply_chat_template(..., return_assistant_tokens_mask=True)`` finds them (the same call of
         transformers' renderer, its text checked equal to ``full``); None for a template without them,
         whose turns are located by renderings."""
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        template = self.tok.get_chat_template(None, conv.tools)
-        if not GENERATION_TAG.search(template):
+        if not GENERATION_TAG.search(self.tok.get_chat_template(None, conv.tools)):
             return None
-        # apply_chat_template drops None-valued message fields and hands the template the special tokens.
-        messages = [{k: v for k, v in m.items() if v is not None} for m in conv.messages]
-        (text,), (blocks,) = render_jinja_template(
-            [messages],
-            tools=conv.tools,
-            chat_template=template,
-            return_assistant_tokens_mask=True,
-            **self.tok.special_tokens_map,
-        )
+        text, blocks = self._tracked(conv, conv.messages)
         if text != full:
             raise DataError(
                 f"{conv.where}: the chat template renders this record otherwise when its {{% generation %}} blocks "
                 f"are tracked (at character {_common_prefix(text, full)}), so its assistant mask cannot be located"
             )
-        return [tuple(block) for block in blocks]
+        return blocks
 
     def encode_batch(self, prepared: list[tuple[str, list | None, bool]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Tokenize a batch in one call per kind (the fast tokenizer parallelizes it)."""
@@ -477,54 +588,3 @@ class _Encoder:
                 target[:1] = False
                 out[i] = (ids, target)
         return out
-
-
-def _integers(value, name: str, where: str, bools: bool = False) -> np.ndarray:
-    """A flat list of integers (and booleans where ``bools``) as an int64 array, or a DataError."""
-    try:
-        array = np.asarray(value)
-    except (TypeError, ValueError):
-        array = None
-    kinds = "iub" if bools else "iu"
-    if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in kinds):
-        raise DataError(f"{where}: {name} must be a flat list of integers, got {str(value)[:60]}")
-    return array.astype(np.int64)
-
-
-def pretokenized(record: TokenRecord, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, supervised mask) of a pre-tokenized record, checked against the vocabulary: ``labels``
-    unshifted with -100 on unsupervised tokens (the Hugging Face convention), or ``assistant_masks``
-    (1 on supervised tokens), or neither (every token supervised)."""
-    where = record.where
-    ids = _integers(record.input_ids, "input_ids", where)
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
-        raise DataError(
-            f"{where}: input_ids holds token id {bad}, outside the tokenizer's vocabulary (0..{vocab_size - 1}): "
-            "was it tokenized with another tokenizer?"
-        )
-    target = np.ones(ids.size, dtype=bool)
-    if record.labels is not None:
-        labels = _integers(record.labels, "labels", where)
-        if labels.shape != ids.shape:
-            raise DataError(f"{where}: labels has {labels.size} entries for {ids.size} input_ids")
-        target = labels != IGNORE_INDEX
-        wrong = np.flatnonzero(target & (labels != ids))
-        if wrong.size:
-            t = int(wrong[0])
-            raise DataError(
-                f"{where}: labels[{t}] = {labels[t]} is neither {IGNORE_INDEX} nor input_ids[{t}] = {ids[t]}: labels "
-                "are read unshifted, equal to input_ids where supervised (the Hugging Face convention)"
-            )
-    if record.assistant_masks is not None:
-        mask = _integers(record.assistant_masks, "assistant_masks", where, bools=True)
-        if mask.shape != ids.shape:
-            raise DataError(f"{where}: assistant_masks has {mask.size} entries for {ids.size} input_ids")
-        if not np.isin(mask, (0, 1)).all():
-            raise DataError(f"{where}: assistant_masks must hold 0 and 1 only")
-        if record.labels is not None and not np.array_equal(mask.astype(bool)[1:], target[1:]):
-            t = 1 + int(np.flatnonzero(mask.astype(bool)[1:] != target[1:])[0])
-            raise DataError(f"{where}: labels and assistant_masks disagree at token {t}: give one of them")
-        target = mask.astype(bool)
-    target[:1] = False
-    return ids, target

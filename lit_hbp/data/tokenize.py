@@ -33,13 +33,12 @@ import numpy as np
 from lit_hbp.data.cache import CacheWriter, cache_lock, is_complete, mask_spans, read_cache, spans_mask
 from lit_hbp.data.encode import (  # noqa: F401  (public here too: their first home)
     CHAT_TEMPLATES,
-    IGNORE_INDEX,
     TRAIN_ON,
     _Encoder,
-    pretokenized,
     resolve_chat_template,
 )
 from lit_hbp.data.media import Image, MediaExpander, Video, media_entry, processor_fingerprint
+from lit_hbp.data.pretokenized import IGNORE_INDEX, pretokenized  # noqa: F401  (IGNORE_INDEX: public here too)
 from lit_hbp.data.records import TokenRecord
 from lit_hbp.data.sources import (
     CHUNK_BYTES,
