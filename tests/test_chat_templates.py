@@ -235,3 +235,31 @@ def test_turns_that_render_otherwise_once_the_conversation_goes_on_stay_refused(
         lit_hbp(tok, {"messages": messages}, tmp_path)
     ids, supervised = brute_force(tok, messages, None, [3])
     assert lit_hbp(tok, {"messages": messages}, tmp_path, "last_assistant") == (ids, supervised)
+
+
+THOUGHT = "<think>\nadd them\n</think>\n\n4"
+
+
+@pytest.mark.parametrize("turns, train_on", [(1, "assistant"), (1, "last_assistant"), (2, "last_assistant")])
+@pytest.mark.parametrize("name", ["qwen3", "qwq"])
+def test_reasoning_written_inline_in_the_answer_is_rendered(name, turns, train_on, family, tmp_path):
+    """Qwen3 and QwQ take an answer's ``<think>...</think>`` part out of its content and render it back in front:
+    the content stands in the text as written, but the check's mark in front of it went with the thought, and the
+    record was refused as "does not render its content". The mark behind the content stands. (Two turns train
+    the last: Qwen3's earlier answers render otherwise once the conversation goes on.)"""
+    tok = family(name)
+    messages = [Q1, A1, Q2][: 2 * turns - 1] + [{"role": "assistant", "content": THOUGHT}]
+    assert THOUGHT in tok.apply_chat_template(messages, tokenize=False)
+    got = lit_hbp(tok, {"messages": messages}, tmp_path, train_on)
+    assert got == brute_force(tok, messages, None, [len(messages) - 1]), show(tok, *got)
+
+
+def test_reasoning_a_template_drops_from_the_answer_stays_refused(family, tmp_path):
+    """DeepSeek-R1-Distill keeps only what follows ``</think>`` of an earlier or final answer: the thought would
+    never be seen, so the record is refused; so is Qwen3's thought in an answer before the last question."""
+    cases = [("r1-distill", [Q1, {"role": "assistant", "content": THOUGHT}], 1),
+             ("qwen3", [Q1, {"role": "assistant", "content": THOUGHT}, Q2, A2], 1)]  # fmt: skip
+    for name, messages, i in cases:
+        assert THOUGHT not in family(name).apply_chat_template(messages, tokenize=False)
+        with pytest.raises(DataError, match=rf"messages\[{i}\] \(assistant\): the chat template does not render its"):
+            lit_hbp(family(name), {"messages": messages}, tmp_path, "last_assistant")

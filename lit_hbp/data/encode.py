@@ -128,11 +128,12 @@ def _parts_probe(role: str) -> list[dict]:
     return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}, parts]
 
 
-def _marked(content: str | list[dict], mark: str = "\x01") -> str | list[dict]:
-    """A message's content with characters in front that no template adds (where its turn departs)."""
+def _marked(content: str | list[dict], mark: str = "\x01", behind: str = "") -> str | list[dict]:
+    """A message's content with characters in front that no template adds (where its turn departs), and
+    ``behind`` it."""
     if isinstance(content, str):
-        return mark + content
-    return [{"type": "text", "text": mark}, *content]
+        return mark + content + behind
+    return [{"type": "text", "text": mark}, *content, *([{"type": "text", "text": behind}] if behind else [])]
 
 
 def _texts(content: str | list[dict]) -> list[str]:
@@ -289,19 +290,20 @@ class _Encoder:
 
     def _unrendered(self, conv: Conversation) -> int | None:
         """The first message with text that the template leaves out, found by one rendering with every such
-        message's content marked (its text may stand elsewhere: a tool result the answer repeats), as written or
-        JSON-escaped (``_rendered``); None when all are rendered, or when the marked conversation does not render
-        (the check by text stands)."""
+        message's content marked in front and behind (its text may stand elsewhere: a tool result the answer
+        repeats): rendered where either mark stands in it, as written or JSON-escaped (``_rendered``; Qwen3 moves
+        an answer's inline ``<think>`` part, the front mark with it, out of the content). None when all are
+        rendered, or when the marked conversation does not render (the check by text stands)."""
         msgs, marks = list(conv.messages), {}
         for i, m in enumerate(msgs):
             if any(t.strip() for t in _texts(m["content"])):
-                marks[i] = f"\x01{i}\x02"
-                msgs[i] = {**m, "content": _marked(m["content"], marks[i])}
+                marks[i] = (f"\x01{i}\x02", f"\x01{i}.\x02")
+                msgs[i] = {**m, "content": _marked(m["content"], *marks[i])}
         try:
             text = self._render(conv, None, messages=msgs)
         except DataError:
             return None
-        return next((i for i, mark in marks.items() if not _rendered(mark, text)), None)
+        return next((i for i, pair in marks.items() if not any(_rendered(mark, text) for mark in pair)), None)
 
     def _turn(self, conv: Conversation, i: int, full: str) -> tuple[str | None, str]:
         """The renderings of the messages before message i (None: see ``_prefix``) and up to its end. The
