@@ -692,10 +692,12 @@ NEVER_STOPS += "so the model would never learn to stop"
             r"messages\[0\] \(system\): the chat template does not render its content",
         ),
         (
-            MISTRAL_LIKE,  # the user turn before an answer renders otherwise in the whole conversation
+            MISTRAL_LIKE,  # the user turn before an answer renders otherwise in the whole conversation; so does the
+            # last answer's, so train_on: last_assistant, which would not pass, is not advised
             {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi there"},
                           {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "A joke?"}]},
-            r"the chat template is not prefix-stable at message 2 .* train_on: last_assistant",
+            r"the chat template is not prefix-stable at message 2 .* located: use a chat template "
+            r"\(data.chat_template\) that renders earlier turns unchanged or has {% generation %} blocks$",
         ),
         (
             ROLES_ONLY,

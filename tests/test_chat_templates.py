@@ -231,10 +231,23 @@ def test_turns_that_render_otherwise_once_the_conversation_goes_on_stay_refused(
     located, and ``train_on: last_assistant`` gives the reference's tokens."""
     tok = family(name)
     messages = CHATS["two turns"]
-    with pytest.raises(DataError, match="not prefix-stable at message 1 .*use train_on: last_assistant"):
+    with pytest.raises(DataError, match="not prefix-stable at message 1 .*use train_on: last_assistant .*passes"):
         lit_hbp(tok, {"messages": messages}, tmp_path)
     ids, supervised = brute_force(tok, messages, None, [3])
     assert lit_hbp(tok, {"messages": messages}, tmp_path, "last_assistant") == (ids, supervised)
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "last_assistant"])
+def test_last_assistant_is_advised_only_where_the_record_passes_with_it(train_on, family, tmp_path):
+    """A weight-1 earlier answer trains under ``train_on: last_assistant`` too, and gpt-oss cannot locate it: that
+    advice would fail the same way, and the error, which gave it always, now names the templates that would do."""
+    messages = [Q1, {**A1, "weight": 1}, Q2, A2]
+    with pytest.raises(DataError, match="not prefix-stable at message 1") as refused:
+        lit_hbp(family("gpt-oss"), {"messages": messages}, tmp_path, train_on)
+    assert "last_assistant" not in str(refused.value).split("d.jsonl:1:")[1]
+    assert str(refused.value).endswith(
+        "use a chat template (data.chat_template) that renders earlier turns unchanged or has {% generation %} blocks"
+    )
 
 
 THOUGHT = "<think>\nadd them\n</think>\n\n4"

@@ -18,6 +18,7 @@ silent default (the served model would be prompted in a format it was not traine
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import warnings
@@ -48,6 +49,8 @@ CHAT_TEMPLATES = {
 CHAT_TEMPLATE_FIX = (
     f"set data.chat_template to a Jinja template string, a template file, or a built-in ({', '.join(CHAT_TEMPLATES)})"
 )
+# What locates the turns of a template that renders them otherwise once the conversation goes on.
+UNSTABLE = "a chat template (data.chat_template) that renders earlier turns unchanged or has {% generation %} blocks"
 # A template marking assistant output (transformers' tag; a loose match, whitespace control included).
 GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 
@@ -57,11 +60,7 @@ class _PrefixFailed(Exception):
 
 
 class _NotPrefixStable(Exception):
-    """Message ``i``'s turn renders otherwise once the conversation goes on (``prepare`` says what would pass)."""
-
-    def __init__(self, i: int):
-        super().__init__(i)
-        self.i = i
+    """The turn of message ``args[0]`` renders otherwise once the conversation goes on (``_unstable_fix``)."""
 
 
 def resolve_chat_template(option: str, tokenizer) -> str:
@@ -417,11 +416,26 @@ class _Encoder:
             return self._spans(conv, full)
         except _NotPrefixStable as e:
             raise DataError(
-                f"{conv.where}: the chat template is not prefix-stable at message {e.i} (the conversation cut before "
-                "or after it does not render as the start of the whole), so its turns cannot be located: use "
-                "train_on: last_assistant (only the last turn is located) or a template that renders "
-                "earlier turns unchanged"
+                f"{conv.where}: the chat template is not prefix-stable at message {e.args[0]} (the conversation cut "
+                "before or after it does not render as the start of the whole), so its turns cannot be located: "
+                f"{self._unstable_fix(conv)}"
             ) from None
+
+    def _unstable_fix(self, conv: Conversation) -> str:
+        """What to do about a template whose turns cannot be located: ``train_on: last_assistant`` where this
+        record would pass with it and train (only the last turn is located), else another template."""
+        if self.train_on != "last_assistant":
+            other = copy.copy(self)
+            other.train_on, other._quoted_said = "last_assistant", True
+            try:
+                passes = any(b > a for a, b in other.prepare(conv)[1])  # and trains a token
+            except DataError:
+                passes = False
+            if passes:
+                return (
+                    f"use train_on: last_assistant (only the last turn is located: this record passes), or {UNSTABLE}"
+                )
+        return f"use {UNSTABLE}"
 
     def _spans(self, conv: Conversation, full: str) -> tuple[str, list[tuple[int, int]] | None, bool] | str:
         """``prepare``'s result for a chat rendered as ``full``."""
@@ -450,11 +464,8 @@ class _Encoder:
         """Say once when the template writes tool-call arguments given as a JSON string otherwise than as given
         (Qwen2.5's and Llama 3.1's ``tojson`` quote it, as ``apply_chat_template`` of the record does): the model
         then learns to answer with a quoted string where the template's own calls hold an object."""
-        calls = [c for m in conv.messages for c in m.get("tool_calls", ())]
-        quoted = [
-            c for c in calls if isinstance(c["function"]["arguments"], str) and c["function"]["arguments"] not in full
-        ]
-        if quoted and not self._quoted_said:
+        arguments = [c["function"]["arguments"] for m in conv.messages for c in m.get("tool_calls", ())]
+        if not self._quoted_said and any(isinstance(a, str) and a not in full for a in arguments):
             self._quoted_said = True
             warnings.warn(
                 f"{conv.where}: the chat template writes the tool-call arguments given as a JSON string quoted, as "
