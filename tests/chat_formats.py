@@ -138,7 +138,6 @@ FAMILIES = {
     "gpt-oss-training": ("trl-gptoss_training.jinja", GPT_OSS, "<|startoftext|>", "<|return|>"),
     "phi3.5": ("microsoft-Phi-3.5-mini-instruct.jinja", PHI3, None, "<|endoftext|>"),
     "phi3.5-training": ("trl-phi3_5_training.jinja", PHI3, None, "<|endoftext|>"),
-    "qwen3-training": ("trl-qwen3_training.jinja", QWEN3, None, "<|im_end|>"),
     "qwq": ("Qwen-QwQ-32B.jinja", QWEN3, None, "<|im_end|>"),
     "r1-distill": ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", DEEPSEEK, DEEPSEEK[0], DEEPSEEK[1]),
 }  # fmt: skip
