@@ -1,19 +1,16 @@
 """A chat record's tokens and supervised mask: rendered with the tokenizer's chat template (``data.chat_template``:
-a built-in, a file or a Jinja string, ``resolve_chat_template``), its trained turns located by rendering
-prefixes of the conversation (``{% generation %}`` blocks where the template has them). Pre-tokenized records
-are checked against the vocabulary in ``lit_hbp.data.pretokenized``. ``lit_hbp.data.tokenize`` runs both over a
-source, in worker processes, into the token cache.
+a built-in, a file or a Jinja string, ``resolve_chat_template``), its trained turns located by rendering prefixes
+of the conversation (``{% generation %}`` blocks where the template has them). Pre-tokenized records are checked in
+``lit_hbp.data.pretokenized``; ``lit_hbp.data.tokenize`` runs both over a source, in workers, into the token cache.
 
-Label mask: ``target[t]`` is True when token t is a supervised prediction (the model learns to
-produce token t from the tokens before it). Chat samples supervise the trained turns, found by
-rendering the chat template for each prefix of the conversation and mapping those character spans
-onto the tokens of the full rendering (one tokenization per sample). A template with
-``{% generation %}`` blocks says itself what an assistant turn trains: there a trained assistant
-turn supervises the template's own assistant mask within the turn (``apply_chat_template(...,
-return_assistant_tokens_mask=True)``; a turn ``train_on`` or a weight leaves out stays out). The
-template is the tokenizer's own, which the data module replaces with ``data.chat_template``
-(``resolve_chat_template``) when given; a chat record without any template is an error, never a
-silent default (the served model would be prompted in a format it was not trained on).
+Label mask: ``target[t]`` is True when token t is a supervised prediction (learned from the tokens before it).
+Chat samples supervise the trained turns, found by rendering the chat template for each prefix of the conversation
+and mapping those character spans onto the tokens of the full rendering (one tokenization per sample). A template
+with ``{% generation %}`` blocks says itself what an assistant turn trains: there a trained assistant turn
+supervises the template's own assistant mask within the turn (``apply_chat_template(...,
+return_assistant_tokens_mask=True)``; a turn ``train_on`` or a weight leaves out stays out). The template is the
+tokenizer's own, or ``data.chat_template`` (``resolve_chat_template``); a chat record without any template is an
+error, never a silent default (the served model would be prompted in a format it was not trained on).
 """
 
 from __future__ import annotations
