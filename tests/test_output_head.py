@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_hbp import pack_inputs, pack_samples, packed_loss, prepare_model
+from lit_hbp import pack_inputs, pack_samples, packed_loss, prepare_model, unprepare_model
 from lit_hbp.model import head
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -152,3 +152,40 @@ def test_the_head_check_runs_without_dropout_and_leaves_each_modules_mode():
     assert torch.equal(torch.random.get_rng_state(), state)  # no dropout mask drawn
     assert {name: m.training for name, m in base.named_modules()} == before
     prepare_model(net)
+
+
+@pytest.mark.parametrize("wrapper", ["torch.compile", "peft LoRA"])
+@pytest.mark.parametrize(
+    "model_type, kw",
+    [
+        ("gemma2", dict(SMALL, head_dim=8, final_logit_softcapping=30.0)),
+        ("cohere", dict(SMALL, logit_scale=0.0625)),
+        ("granite", dict(SMALL, logits_scaling=8.0)),
+    ],
+)
+def test_a_wrapped_model_trains_on_the_logits_its_own_forward_computes(model_type, kw, wrapper):
+    """packed_loss read the scale and cap off the model as passed: under ``torch.compile(model)`` or a peft wrapper
+    that is the wrapper's forward, which names neither, and Gemma 2's soft cap, Cohere's and Granite's scaling were
+    dropped without a word (Gemma 2: a loss of 50.5 for the model's own 28.9). The output layer is scaled up (x40) to
+    logits of a trained model's size, where the cap and the scale change the loss."""
+    from peft import LoraConfig, get_peft_model
+
+    reference, model = pair(model_type, **kw)
+    with torch.no_grad():
+        for net in (reference, model):
+            net.get_output_embeddings().weight.mul_(40.0)
+    if wrapper == "torch.compile":
+        torch._dynamo.reset()
+        model = torch.compile(model, backend="aot_eager")
+    else:  # the same adapters on both (B starts at zero: the model's own function), the reference unprepared
+        lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+        torch.manual_seed(1)
+        reference = get_peft_model(reference, LoraConfig(**lora))
+        torch.manual_seed(1)
+        model = prepare_model(get_peft_model(unprepare_model(model), LoraConfig(**lora))).eval()
+    pairs = documents(kw["vocab_size"])
+    with torch.no_grad():  # the cap or scale matters: the output layer alone gives logits far from the model's
+        out = reference(input_ids=torch.as_tensor(pairs[0][0])[None], output_hidden_states=True)
+        plain = reference.get_output_embeddings()(out.hidden_states[-1])
+    assert float((plain - out.logits).abs().max()) > 1.0
+    assert_trains_like_each_document_alone(reference, model, pairs)

@@ -301,7 +301,7 @@ def packed_loss(
         kw = {"output_router_logits": True} if aux else {}
         out = _decoder_call(model, record)(**inputs, **kw, **_as_dict(record.runner))
     hidden = out.last_hidden_state
-    head = output_head(model)
+    head = output_head(net)  # the model's own forward's scale and cap, not a compile or peft wrapper's
     scale = weights if weights is not None else token_scale(batch, loss)
     labels = batch.labels[0]
     plain_head = type(head.linear) is torch.nn.Linear  # not wrapped by an adapter
