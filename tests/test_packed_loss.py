@@ -255,6 +255,41 @@ def test_a_z_loss_the_models_own_loss_adds_is_refused_by_prepare_model():
     prepare_model(model)
 
 
+def summed_loss(logits, labels, vocab_size, **kwargs):
+    """A project's own loss (summed over the targets, label smoothing) put on with transformers' setter."""
+    logits = logits[:, :-1].float().reshape(-1, vocab_size)
+    return F.cross_entropy(logits, labels[:, 1:].reshape(-1), reduction="sum", label_smoothing=0.1)
+
+
+def test_a_model_whose_own_loss_was_replaced_is_refused():
+    """``model.loss_function = fn`` (or a ``loss_type`` of another task) changes the model's own loss; packed_loss
+    computes the cross-entropy and trained such a model on it without a word. Refused by prepare_model, and by
+    packed_loss when replaced after it; the model's own loss restored, the pack trains on the model's own loss."""
+    reference = tiny_model("eager").float().eval()
+    ids = torch.as_tensor(samples(1)[0][0])[None]
+    with torch.no_grad():
+        plain = reference(input_ids=ids, labels=ids).loss.item()
+        reference.loss_function = summed_loss
+        assert abs(reference(input_ids=ids, labels=ids).loss.item() - plain) > 1.0  # a loss of its own to lose
+    model = tiny_model()
+    model.loss_function = summed_loss
+    says = r"^LlamaForCausalLM: its own loss is replaced \(loss_function = summed_loss\)"
+    with pytest.raises(ValueError, match=says):
+        prepare_model(model)
+    del model._loss_function
+    model.loss_type = "ForMaskedLM"
+    with pytest.raises(ValueError, match=r"its own loss is replaced \(loss_type 'ForMaskedLM'\)"):
+        prepare_model(model)
+    model.loss_type = "ForCausalLM"
+    prepare_model(model).eval()
+    one = [(ids[0].numpy(), np.ones(ids.shape[1], bool))]
+    with torch.no_grad():
+        assert packed_loss(model, pack_samples(one), "token_mean").loss.item() == pytest.approx(plain, rel=1e-5)
+        model.loss_function = summed_loss
+        with pytest.raises(ValueError, match=says):
+            packed_loss(model, pack_samples(one), "token_mean")
+
+
 @pytest.mark.parametrize("kind", ["PromptTuningConfig", "PrefixTuningConfig"])
 def test_a_peft_prompt_learning_adapter_is_refused_before_or_after_prepare_model(kind):
     """peft's prompt, prefix and p-tuning adapters add their virtual tokens in the wrapper's own forward, which a

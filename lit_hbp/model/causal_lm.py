@@ -48,6 +48,7 @@ from lit_hbp.model.family_checks import refuse_unseen
 from lit_hbp.model.head import check_output_head, output_head
 from lit_hbp.model.loss import (
     NORMALIZERS,
+    check_loss_function,
     chunked_cross_entropy,
     fused_linear_cross_entropy,
     token_scale,
@@ -123,6 +124,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     refuse_unseen(net, decoder, family, {m.path for m in mixers}, not is_multimodal(net))
     check_router_loss(net)
     check_z_loss(net)
+    check_loss_function(net)
     runner = net.model if is_multimodal(net) else decoder
     check_output_head(net, runner)
     configs = model_configs(decoder)  # a vision-language model's vision tower keeps its own attention
@@ -291,6 +293,7 @@ def packed_loss(
     record = record_of(net)
     if record is None:
         raise ValueError(_not_prepared(model))
+    check_loss_function(net)  # also one replaced after prepare_model
     inputs = pack_inputs(batch)  # checks the level's SP group came with the batch
     aux = router_loss and getattr(net.config.get_text_config(), "output_router_logits", False)
     level = (batch.ckpt_layers, bool(batch.offload), batch.mlp_tiles)  # checked by pack_scope

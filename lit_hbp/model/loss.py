@@ -180,3 +180,31 @@ def fused_linear_cross_entropy(
         accum_dtype=torch.float32,  # the LM head's gradient summed over chunks in fp32, not bf16
     )
     return ce * weight, ce.detach(), index.shape[0]
+
+
+def check_loss_function(net: torch.nn.Module) -> None:
+    """Refuse a model whose own loss is not transformers' causal-LM cross-entropy (``model.loss_function = fn``,
+    or a ``loss_type`` naming another): ``packed_loss`` computes that cross-entropy from the hidden states and
+    would train without the replacement (``prepare_model``, and ``packed_loss`` for one made after it). A forward
+    that never calls ``loss_function`` is not changed by it."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    from lit_hbp.model.head import _forward_source
+
+    causal = LOSS_MAPPING["ForCausalLM"]
+    own = net.__dict__.get("_loss_function")  # what transformers' loss_function setter stores
+    loss_type = getattr(net, "loss_type", None)
+    if (own if own is not None else LOSS_MAPPING.get(loss_type, causal)) is causal:
+        return
+    source = _forward_source(type(net))
+    if source is not None and "loss_function" not in source:
+        return
+    what, fix = (
+        (f"loss_function = {getattr(own, '__qualname__', type(own).__name__)}", "del model._loss_function")
+        if own is not None
+        else (f"loss_type {loss_type!r}", "model.loss_type = 'ForCausalLM'")
+    )
+    raise ValueError(
+        f"{type(net).__name__}: its own loss is replaced ({what}), which packed_loss does not compute (it trains "
+        f"the supervised tokens' cross-entropy): restore the model's own ({fix}), or compute that loss yourself"
+    )
