@@ -170,6 +170,77 @@ def test_checkpointed_and_tiled_layers_share_their_graphs(tiles, most):
     assert all("gradient_checkpointing" not in layer.__dict__ for layer in compiled._layers)
 
 
+def each_document_alone(reference, pairs, coefficient: float | None) -> torch.Tensor:
+    """The unprepared model (eager) on each document alone: its summed cross-entropy, plus ``coefficient`` times
+    the family's own load-balancing loss over every document's router logits (the pack's tokens) when given."""
+    import sys
+
+    import torch.nn.functional as F
+
+    total, routed = 0.0, []
+    for ids, mask in pairs:
+        ids = torch.as_tensor(ids)[None]
+        out = reference(input_ids=ids, output_router_logits=coefficient is not None, use_cache=False)
+        labels = torch.where(torch.as_tensor(mask[1:]), ids[0, 1:], -100)
+        total = total + F.cross_entropy(out.logits[0, :-1].float(), labels, reduction="sum")
+        routed.append(out.router_logits if coefficient is not None else ())
+    if coefficient is None:
+        return total
+    config = reference.config
+    balance = sys.modules[type(reference).__module__].load_balancing_loss_func
+    layers = tuple(torch.cat(per_layer, 0) for per_layer in zip(*routed))
+    return total + coefficient * balance(layers, config.num_experts, config.num_experts_per_tok)
+
+
+@pytest.mark.parametrize("way", ["torch.compile(model)", "compile=True"])
+@pytest.mark.parametrize(
+    ("family", "overrides", "coefficient"),
+    [
+        ("qwen3_moe", dict(output_router_logits=True, router_aux_loss_coef=0.5), 0.5),  # the router logits break
+        ("lfm2", dict(layer_types=["conv", "full_attention"]), None),  # the per-document convolution breaks
+    ],
+)
+def test_a_checkpointed_layer_with_a_graph_break_recomputes_inside_its_packed_call(family, overrides, coefficient, way):
+    """A compiled layer that breaks its graph runs its checkpoint eagerly, and the recomputation in the backward,
+    outside the packed call, ran it as a plain call (another attention): CheckpointError at the first backward of
+    a level checkpointing layers, through ``torch.compile(model)`` and ``HBPLitModule(compile=True)``. It enters
+    the call again now, and the pack trains as the unprepared model on each document alone."""
+    import copy
+
+    from families import small_config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_hbp import pack_samples, packed_loss, prepare_model
+
+    config = dict(small_config(family), **overrides)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="eager").float()
+    rng = np.random.default_rng(0)
+    pairs = [(rng.integers(3, 320, n), rng.random(n) < 0.7) for n in (21, 9, 34, 6)]
+    torch._dynamo.reset()
+    if way == "torch.compile(model)":
+        model = torch.compile(prepare_model(copy.deepcopy(reference)), backend="aot_eager")
+        got = packed_loss(model, pack_samples(pairs, ckpt_layers=2), "sum")
+        params = dict(model._orig_mod.named_parameters())
+    else:
+        module = HBPLitModule(model=config, loss="sum", compile=True)
+        module.configure_model()
+        module.model.load_state_dict(reference.state_dict())
+        for layer in module._layers:
+            layer.compile(backend="aot_eager", dynamic=True)
+        samples = dict(enumerate(pairs))
+        got = module(collate_packs([np.arange(len(pairs))], samples.__getitem__).replace(ckpt_layers=2))
+        params = dict(module.model.named_parameters())
+    got.loss.backward()
+    want = each_document_alone(reference.train(), pairs, coefficient)
+    want.backward()
+    assert got.loss.item() == pytest.approx(want.item(), rel=1e-5)
+    for name, q in reference.named_parameters():
+        if q.grad is not None:
+            scale = float(q.grad.abs().max())
+            torch.testing.assert_close(params[name].grad, q.grad, rtol=1e-4, atol=1e-4 * scale, msg=name)
+
+
 def test_the_recompile_limit_is_raised_never_lowered_and_said_what_it_was():
     config = torch._dynamo.config
     before = config.recompile_limit  # (monkeypatch would delete the key from torch's config on undo)

@@ -186,13 +186,13 @@ def _checkpoint(prepared: Prepared, fn, *args):
         own_flag, own_func = _own_flags(prepared, fn)
         return own_func(fn, *args) if own_flag and own_func is not None else fn(*args)
     block = any(_layer_of(fn) is b for b in prepared.blocks)  # a tower block: its own attention, its input kept
-    if torch.compiler.is_compiling() and call.tiles == 1 and not block:  # compiled backward recomputes without
-        run = fn  # Python (tiled MLPs break the graph, so their layer's checkpoint runs eagerly: it enters the call)
-    else:
 
-        def run(*inputs):
-            with calls.entered(call, route=not block):
-                return fn(*inputs)
+    def run(*inputs):  # decided as it runs: a layer whose graph breaks (router logits, a per-document convolution)
+        # checkpoints eagerly from compiled code, and its recomputation in the backward runs outside the call
+        if torch.compiler.is_compiling() and call.tiles == 1 and not block:
+            return fn(*inputs)  # traced into the graph: its compiled backward recomputes without Python
+        with calls.entered(call, route=not block):  # eager (tiled MLPs break the graph): it enters the call
+            return fn(*inputs)
 
     if call.offload is None or block:
         return checkpoint(run, *args, use_reentrant=False)
