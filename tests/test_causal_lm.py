@@ -163,6 +163,34 @@ def test_a_router_loss_for_a_family_without_one_is_refused():
         built("llama", output_router_logits=True)
 
 
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "mixtral"])
+def test_a_router_flag_set_after_prepare_model_is_used_exactly_or_refused(family):
+    """``config.output_router_logits = True`` after prepare_model: packed_loss died of an AttributeError (a family
+    without a router loss lit-hbp knows: no router logits, no load_balancing_loss_func). It is refused as
+    prepare_model refuses it, or, where lit-hbp knows the loss, the pack's loss is the model's own."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_hbp import pack_samples, packed_loss, prepare_model
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**{**small_config(family), "router_aux_loss_coef": 0.5})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ids = np.arange(3, 40)
+    model.config.output_router_logits = True
+    with torch.no_grad():
+        own = model(input_ids=torch.as_tensor(ids)[None], labels=torch.as_tensor(ids)[None], use_cache=False).loss
+    model.config.output_router_logits = False
+    prepare_model(model).eval()
+    model.config.output_router_logits = True
+    pack = pack_samples([(ids, np.ones(len(ids), bool))])
+    if family == "mixtral":
+        assert packed_loss(model, pack, "token_mean").loss.item() == pytest.approx(own.item(), rel=1e-5)
+        assert packed_loss(model, pack, "token_mean", router_loss=False).loss.item() < own.item() - 0.1
+        return
+    with pytest.raises(ValueError, match=f"^{family}: output_router_logits is set but lit-hbp does not know"):
+        packed_loss(model, pack, "token_mean")
+
+
 def test_an_unknown_model_shape_only_turns_flops_off(monkeypatch):
     """A config that does not say its shape (BART's: an encoder and a decoder, no layers or heads of its
     own) leaves MFU and FLOP/s unlogged, saying why; the model still trains."""

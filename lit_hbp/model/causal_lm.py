@@ -296,6 +296,8 @@ def packed_loss(
     check_loss_function(net)  # also one replaced after prepare_model
     inputs = pack_inputs(batch)  # checks the level's SP group came with the batch
     aux = router_loss and getattr(net.config.get_text_config(), "output_router_logits", False)
+    if aux:
+        check_router_loss(net)  # also a flag set after prepare_model: its router loss known, or refused here
     level = (batch.ckpt_layers, bool(batch.offload), batch.mlp_tiles)  # checked by pack_scope
     with pack_scope(net, *level, inputs, tower_names(record) if batch.mm else None, batch.bounds):
         if batch.mm and is_multimodal(net):  # images encoded apart, by the vision tower's own attention (split
@@ -447,7 +449,7 @@ def _whole_pack(logits: torch.Tensor, local: int, sp: SPCall, family: str) -> to
 
 def check_router_loss(net: torch.nn.Module) -> None:
     """A config asking for the router loss (a packed call's, its language model's) trains with it, or is refused
-    here (``prepare_model``)."""
+    here (``prepare_model``, and ``packed_loss`` for a flag set after it)."""
     config = net.config.get_text_config()
     if not getattr(config, "output_router_logits", False):
         return
