@@ -93,6 +93,26 @@ def test_the_router_loss_is_weighted_by_the_familys_own_coefficient():
     assert float(got.loss) == pytest.approx(float(got.ce_sum) + 0.7 * float(own.aux_loss), rel=1e-6)
 
 
+def test_dbrx_trains_with_its_router_loss_as_its_own_forward_computes_it():
+    """DBRX keeps its expert count and top-k in ``ffn_config`` (its forward reads them off the model, set by its
+    ``__init__``): prepare_model refused its router loss, saying its module had no load-balancing loss. The loss and
+    every gradient of a pack of one document are the unprepared model's own (``labels=``, eager)."""
+    reference, model = pair(
+        "dbrx", d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=96, output_router_logits=True,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2, moe_loss_weight=0.37),
+    )  # fmt: skip
+    ids = torch.as_tensor(documents(96, lengths=(23,))[0][0])[None]
+    own = reference(input_ids=ids, labels=ids, use_cache=False)
+    assert 0.37 * float(own.aux_loss) > 0.1  # the router loss is there to be lost
+    own.loss.backward()
+    got = packed_loss(model, pack_samples([(ids[0].numpy(), np.ones(ids.shape[1], bool))]), "token_mean")
+    got.loss.backward()
+    assert got.loss.item() == pytest.approx(own.loss.item(), rel=1e-5)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * float(q.grad.abs().max()), msg=name)
+
+
 def test_packed_loss_takes_a_normalizer_or_weights_not_both():
     """``weights`` replace the normalizer: one named beside them was dropped without a word."""
     _, model = pair("llama", **SMALL)

@@ -404,6 +404,16 @@ def _first(config, names):
     return next((getattr(config, n) for n in names if getattr(config, n, None)), None)
 
 
+def _experts(net: torch.nn.Module) -> tuple[int | None, int | None]:
+    """(experts, experts per token) as the family's forward passes them to its router loss: the model's own
+    ``num_experts`` / ``num_experts_per_tok`` where its ``__init__`` sets them (DBRX's from ``ffn_config``), else
+    its config's."""
+    config = net.config.get_text_config()
+    own = [getattr(net, n, None) for n in ("num_experts", "num_experts_per_tok")]
+    found = [_first(config, EXPERT_COUNT), _first(config, EXPERTS_PER_TOKEN)]
+    return tuple(v if isinstance(v, int) and not isinstance(v, bool) else f for v, f in zip(own, found))
+
+
 def router_aux_loss(net: torch.nn.Module, router_logits, batch: PackedBatch) -> torch.Tensor:
     """The load-balancing loss the family's forward adds when ``output_router_logits`` is set (its own
     ``load_balancing_loss_func``), over the real tokens of ``batch``'s whole pack (not its padding segment). The
@@ -419,7 +429,7 @@ def router_aux_loss(net: torch.nn.Module, router_logits, batch: PackedBatch) -> 
     whole = sp is not None  # the gathered logits are the whole pack's, in its order
     positions = torch.arange(local * sp.size, device=batch.input_ids.device) if whole else batch.positions_in_pack()
     real = (positions < batch.n_tokens)[None]
-    aux = fn(router_logits, _first(config, EXPERT_COUNT), _first(config, EXPERTS_PER_TOKEN), real)
+    aux = fn(router_logits, *_experts(net), real)
     return _router_coefficient(net) * aux
 
 
@@ -454,10 +464,13 @@ def check_router_loss(net: torch.nn.Module) -> None:
     if not getattr(config, "output_router_logits", False):
         return
     module = sys.modules[type(net).__module__]
-    if not hasattr(module, "load_balancing_loss_func") or not _first(config, EXPERT_COUNT):
+    has = hasattr(module, "load_balancing_loss_func")
+    experts, top_k = _experts(net)
+    if not (has and experts and top_k):
+        why = "no load_balancing_loss_func in its modeling module" if not has else "no expert count found"
         raise ValueError(
             f"{net.config.model_type}: output_router_logits is set but lit-hbp does not know this family's router "
-            "loss (no load_balancing_loss_func in its modeling module); set output_router_logits: false"
+            f"loss ({why}); set output_router_logits: false"
         )
     if _router_coefficient(net) is None:
         raise ValueError(
