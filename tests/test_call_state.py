@@ -302,8 +302,32 @@ def test_labels_a_packed_call_would_train_wrong_are_refused_and_the_advice_works
     bad = hf["labels"].clone()
     second = int(hf["cu_seq_lens_q"][1])
     bad[0, second] = hf["input_ids"][0, second]
-    with pytest.raises(ValueError, match="a document's first label is not -100"):
+    with pytest.raises(ValueError, match="a document's first label is not the ignore index -100"):
         model(**{**hf, "labels": bad})
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["positions", "flash_kwargs"])
+def test_the_models_own_loss_with_another_ignore_index_trains_a_flattened_batch_exactly(flash):
+    """transformers' loss takes ``ignore_index=``: a flattened batch whose first labels are that index (the collator's
+    ``separator_id``) was refused, the check reading -100 as the only index a document's first label may have. It
+    trains as each document alone now, and a first label that is a target is refused naming the index."""
+    reference, model = pair()
+    pairs = samples(seed=9)
+    features = [{"input_ids": ids.tolist(), "labels": np.where(m, ids, -1).tolist()} for ids, m in pairs]
+    batch = DataCollatorWithFlattening(separator_id=-1, return_flash_attn_kwargs=flash)(features)
+    with torch.no_grad():
+        ce, count = 0.0, 0
+        for ids, m in pairs:
+            ids = torch.as_tensor(ids)
+            labels = torch.where(torch.as_tensor(m[1:]), ids[1:], -100)
+            ce += float(F.cross_entropy(reference(input_ids=ids[None]).logits[0, :-1], labels, reduction="sum"))
+            count += int((labels != -100).sum())
+        assert float(model(**batch, ignore_index=-1).loss) == pytest.approx(ce / count, rel=1e-5)
+        bad = batch["labels"].clone()
+        second = int(np.cumsum([len(ids) for ids, _ in pairs])[0])
+        bad[0, second] = batch["input_ids"][0, second]
+        with pytest.raises(ValueError, match="a document's first label is not the ignore index -1"):
+            model(**{**batch, "labels": bad}, ignore_index=-1)
 
 
 def test_a_pack_with_a_mask_that_pads_or_a_cache_is_refused():

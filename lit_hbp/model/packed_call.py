@@ -30,7 +30,7 @@ Refused instead of trained wrong: a pack's token ids (``PackedBatch.input_ids``,
 pack's segment count, ``PACK_MARK``) called with neither boundaries nor positions, or with an attention
 mask and no boundaries (transformers reads a masked row as one sequence); an attention mask
 with zeros, or a KV cache, in a packed call; the model's own loss (``labels=``) on a pack whose labels
-are lit-hbp's pre-shifted ones, whose documents' first labels are not -100 (the loss's shift would
+are lit-hbp's pre-shifted ones, whose documents' first labels are not the ignore index (the loss's shift would
 train one document's last token on the next one's first), or under sequence parallelism; a model whose
 forward drops a pack's positions before a decoder that takes them.
 """
@@ -541,7 +541,8 @@ def _leave_model_call(net: torch.nn.Module, args: tuple, kwargs: dict, output):
 def _check_own_loss(net: torch.nn.Module, args: tuple, kwargs: dict):
     """The model's own loss (``labels=``) in a packed call: transformers shifts the labels by one over
     the whole row, which is each document's loss when the labels are ordinary (the token itself) and
-    every document's first label is -100 (as ``DataCollatorWithFlattening`` makes them). lit-hbp's
+    every document's first label is the ignore index (-100, or the call's ``ignore_index``), as
+    ``DataCollatorWithFlattening`` makes them. lit-hbp's
     pre-shifted labels, other first labels, and any such loss under sequence parallelism (each rank would
     average its shard alone) are refused. One read-back from the device per call with labels."""
     labels = kwargs.get("labels")
@@ -559,14 +560,15 @@ def _check_own_loss(net: torch.nn.Module, args: tuple, kwargs: dict):
     if kwargs.get("shift_labels") is not None:
         return None  # the targets of each position, as given
     ids = kwargs.get("input_ids", args[0] if args else None)
+    ignore = kwargs.get("ignore_index", -100)  # transformers' loss takes it as a keyword of the call
     cu = packed.get("cu_seq_lens_q")
     starts = cu[1:-1].long() if cu is not None else labels.new_zeros(0)
     row = labels[0]
-    checks = [(row.index_select(0, starts.to(row.device)) == -100).all()]
+    checks = [(row.index_select(0, starts.to(row.device)) == ignore).all()]
     if isinstance(ids, torch.Tensor) and ids.shape == labels.shape:
         ids = ids[0]
-        checks.append(((row == ids) | (row == -100)).all())
-        checks.append(((row[:-1] == ids[1:]) | (row[:-1] == -100)).all() & (row[-1] == -100))
+        checks.append(((row == ids) | (row == ignore)).all())
+        checks.append(((row[:-1] == ids[1:]) | (row[:-1] == ignore)).all() & (row[-1] == ignore))
     verdict = torch.stack(checks).tolist()
     first_ok, ordinary, pre_shifted = (*verdict, True, False)[:3]
     if pre_shifted and not ordinary:
@@ -577,8 +579,9 @@ def _check_own_loss(net: torch.nn.Module, args: tuple, kwargs: dict):
         )
     if not first_ok:
         raise ValueError(
-            "labels= of this packed call: a document's first label is not -100, so transformers' loss, which shifts "
-            "the labels over the whole row, would train the previous document's last token to predict it; set the "
-            "first label of every document to -100 (DataCollatorWithFlattening does), or pass shift_labels"
+            f"labels= of this packed call: a document's first label is not the ignore index {ignore}, so transformers' "
+            "loss, which shifts the labels over the whole row, would train the previous document's last token to "
+            f"predict it; set the first label of every document to {ignore} (DataCollatorWithFlattening does), or "
+            "pass shift_labels"
         )
     return None

@@ -71,7 +71,7 @@ __all__ = [
 IGNORED = frozenset(
     {"position_ids", "cu_seq_lens_k", "max_length_k", "use_cache", "cache_position", "output_router_logits"}
     | {"output_hidden_states"}  # the model records each layer's output itself: nothing for the attention to do
-    | {"shift_labels", "num_items_in_batch"}  # the loss's keywords, which transformers hands every layer too
+    | {"shift_labels", "num_items_in_batch", "ignore_index"}  # the loss's keywords, handed to every layer too
     | {"hbp_cp_shard", "hbp_sp"}  # read by varlen_attention itself
     | {"seq_idx"}  # DataCollatorWithFlattening's document index: the boundaries say the same
 )
