@@ -480,3 +480,30 @@ def test_a_roles_mapping_is_used_by_some_record_in_some_worker_or_refused(tmp_pa
         tokenize_source(source, tok, cache_dir=cache, progress=False, num_proc=2)
     assert "roles maps 'robot', a role no record has (its records' roles: agent, bot, customer)" in str(e.value)
     assert not caches(cache)
+
+
+def test_a_new_version_with_the_same_size_and_mtime_tokenizes_again(tmp_path, toy_tokenizer):
+    """A new version of a source that keeps the old one's size and mtime (``cp -p``, ``rsync -a``, a tarball with
+    fixed mtimes, rewritten in place or put in place by a rename) is tokenized again: the reference is its records
+    read now with json and rendered by ``apply_chat_template``."""
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    path, cache = tmp_path / "d.jsonl", tmp_path / "cache"
+
+    def chat(answer: str) -> dict:
+        return {"messages": [{"role": "user", "content": "what is 2+2?"}, {"role": "assistant", "content": answer}]}
+
+    def check() -> None:
+        got = tokenize_source(Source(str(path)), tok, cache_dir=cache, progress=False)
+        want = tok.apply_chat_template(json.loads(path.read_text())["messages"], tokenize=True, return_dict=True)
+        assert not got.from_cache and got.sample(0)[0].tolist() == want["input_ids"]
+
+    write_jsonl(path, [chat("four")])
+    check()
+    stamp = (path.stat().st_atime_ns, path.stat().st_mtime_ns)
+    write_jsonl(path, [chat("five")])  # in place: same inode, same size, the old mtime put back
+    os.utime(path, ns=stamp)
+    check()
+    new = write_jsonl(tmp_path / "new.jsonl", [chat("nine")])  # a rename over it: another inode, same size and mtime
+    os.utime(new, ns=stamp)
+    os.replace(new, path)
+    check()

@@ -1,7 +1,7 @@
 """Tokenize a source once, with the label mask of supervised tokens, and cache it on disk.
 
 The cache of a source lives in ``cache_dir/<name>-<key>/`` (``lit_hbp.data.cache``) where the key hashes
-the source file (path, size, mtime), the tokenizer (vocabulary, special tokens, chat template, the date a
+the source file (path, size, mtime, ctime, inode), the tokenizer (vocabulary, special tokens, chat template, the date a
 template prints), the versions of the libraries that render and split it, and the settings, so any change
 re-tokenizes and a re-run with the same inputs only memory-maps the arrays. One process tokenizes a
 cache, whatever the number of ranks and nodes; the others wait on its lock and read it. The source
@@ -217,12 +217,16 @@ def template_dates(tokenizer) -> list[str]:
 
 
 def _source_stat(path: Path) -> list:
+    """Each file's path, size, mtime, ctime and inode: a new version that keeps the size and mtime (``cp -p``,
+    ``rsync -a``, a tarball with fixed mtimes, a rewrite within one timestamp tick) still changes the ctime or
+    the inode, so it re-tokenizes rather than training the old version's tokens (a ``chmod`` re-tokenizes too)."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    stats = [(p, p.stat()) for p in files]
+    return [(str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino) for p, st in stats]
 
 
 def cache_key(source: Source, tokenizer, train_on: str, label: str | None = None, processor=None) -> str:
-    """Hash of the source's files (path, size, mtime), how they are read (file type, record format,
+    """Hash of the source's files (path, size, mtime, ctime, inode), how they are read (file type, record format,
     field and role names, split, subset), the tokenizer, the dates its chat template prints, the rendering
     libraries' versions and the settings; raises a DataError naming the source (``label``) if its path cannot be
     read."""
