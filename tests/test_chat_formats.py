@@ -1099,3 +1099,26 @@ def test_image_markers_in_a_content_of_text_parts_stand_where_written():
     conversation, _ = RecordReader("openai", root="/data").read(record, "d.jsonl:1")
     assert conversation.images == ("/data/cat.png",)
     assert conversation.messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "\nWhat is it?"}]
+
+
+def test_template_arguments_a_record_carries_are_refused_not_filed_as_metadata(toy_tokenizer, tmp_path):
+    """TRL hands a record's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``) and transformers a record's
+    ``documents`` (Command-R's) to ``apply_chat_template``: with a template that reads them, the reference renders
+    otherwise than without them, so rendering the record without them would train what it does not say."""
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    tok.chat_template = (
+        "{% if documents %}<|system|>\n{% for d in documents %}{{ d['text'] }}\n{% endfor %}<|end|>\n{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' and enable_thinking is not false %}"
+        "<think>\n{% endif %}{{ m['content'] }}<|end|>\n{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    for field, value, kwargs in (
+        ("chat_template_kwargs", {"enable_thinking": False}, {"enable_thinking": False}),
+        ("documents", [{"title": "t", "text": "DOC"}], {"documents": [{"title": "t", "text": "DOC"}]}),
+    ):
+        plain = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        assert tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"] != plain
+        path = tmp_path / "d.jsonl"
+        path.write_text(json.dumps({"messages": messages, field: value}) + "\n")
+        with pytest.raises(DataError, match=f"{path}:1: record field '{field}' is not supported .*: remove it, and "):
+            tokenize_source(Source(str(path)), tok, progress=False)

@@ -45,27 +45,18 @@ RECORD_FIELDS = {
     "tokens": ("input_ids", "labels", "assistant_masks", "attention_mask"),
 }
 # The fields of one message of the chat formats.
-MESSAGE_FIELDS = {
-    "openai": (
-        "role",
-        "content",
-        "name",
-        "tool_calls",
-        "tool_call_id",
-        "reasoning_content",
-        "thinking",
-        "weight",
-        "function_call",
-    ),  # fmt: skip
-    "sharegpt": ("from", "value", "weight"),
-}
+MESSAGE_FIELDS = {"openai": ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "thinking",
+                             "weight", "function_call"), "sharegpt": ("from", "value", "weight")}  # fmt: skip
 # Fields of OpenAI API responses that carry nothing when empty: taken when null or empty, else refused.
 EMPTY_ONLY = ("refusal", "annotations", "audio")
 # Record fields that would change what trains if they were read, and are not: refused, never metadata.
-NOT_READ = ("weight", "weights", "loss_weight", "training", "images", "image", "audios", "videos", "video",
-            "history", "loss_mask", "label_mask", "position_ids", "functions")  # fmt: skip
-# What to do instead, for the NOT_READ fields that are not a per-message weight.
-NOT_READ_FIX = {"functions": "give the definitions as tools: [{type: function, function: ...}]"}
+NOT_READ = ("weight", "weights", "loss_weight", "training", "images", "image", "audios", "videos", "video", "history",
+            "loss_mask", "label_mask", "position_ids", "functions", "chat_template_kwargs", "documents")  # fmt: skip
+# What to do instead, for the NOT_READ fields that are not a per-message weight (TRL hands a record's
+# chat_template_kwargs, transformers its documents, to the chat template; here each record renders with neither).
+NOT_READ_FIX = {"functions": "give the definitions as tools: [{type: function, function: ...}]",
+                "chat_template_kwargs": "remove it, and set data.chat_template to a template that sets them itself",
+                "documents": "remove it, and put the documents in a message's content"}  # fmt: skip
 # Fields a message passes to the chat template besides role and content; each must change the rendering.
 RENDERED = ("tool_calls", "reasoning_content", "thinking")
 # Chat roles a record may use. A role outside these is a typo far more often than a real role, and
