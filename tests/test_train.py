@@ -420,3 +420,52 @@ def test_tiny_auto_config_parses(tmp_path, small_demo, monkeypatch):
     selector = cli.datamodule.selector
     assert type(selector).__name__ == "MeasuredSelector" and selector.candidates == [2048, 8192]
     assert selector.memory_gib == 8 and selector.margin_gib == 2.0
+
+
+def test_seed_everything_seeds_the_data_order_unless_data_seed_is_given(tmp_path, small_demo, monkeypatch):
+    """As a shuffled DataLoader follows ``seed_everything`` in plain Lightning, a seed sweep draws other data
+    orders: ``--seed_everything N`` plans as ``--data.seed N`` does, and the config summary names the data seed;
+    a ``data.seed`` given wins."""
+    monkeypatch.chdir(tmp_path)
+    base = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
+
+    def plan(*args: str) -> tuple[int, list]:
+        cli = main([*base, *args], run=False)
+        dm = cli.datamodule
+        assert f"\n  seed: {dm.seed}\n" in cli.config_summary().split("\ndata:\n")[1]
+        dm.setup("fit")
+        return dm.seed, dm.plan_for_epoch(0).members.tolist()
+
+    swept = {s: plan("--seed_everything", str(s)) for s in (0, 1)}
+    assert swept[0][0] == 0 and swept[1][0] == 1 and swept[0][1] != swept[1][1]
+    assert plan("--seed_everything", "0", "--data.seed", "1") == swept[1]  # the data seed given wins
+    assert plan("--seed_everything", "1", "--data.seed", "0") == swept[0]
+
+
+def test_a_resume_of_a_seeded_run_keeps_its_data_seed_and_continues_identically(
+    tmp_path, small_demo, monkeypatch, capfd
+):
+    """A run started with ``--seed_everything 1`` plans its data with seed 1; resumed from its step-4 checkpoint
+    with the config's own seed (0), it takes the checkpoint's data seed and trains steps 5 and 6 with the losses of
+    the uninterrupted run; a ``data.seed`` given that differs is refused by name."""
+
+    def fit(folder: str, *args: str) -> dict:
+        """The run's train/loss by step, from the newest TensorBoard events file of its folder."""
+        (tmp_path / folder).mkdir(exist_ok=True)
+        monkeypatch.chdir(tmp_path / folder)
+        main(["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
+              "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "6",
+              "--trainer.val_check_interval", "8",  # micro-batches: a validation and its checkpoint at step 4
+              "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+              *NARROW, *args])  # fmt: skip
+        events = glob.glob(f"{tmp_path / folder}/runs/**/events.out.tfevents.*", recursive=True)
+        return dict(scalars(Path(max(events, key=os.path.getmtime)).parent)["train/loss"])
+
+    whole = fit("whole", "--seed_everything", "1")
+    (step4,) = (tmp_path / "whole" / "runs" / "tiny_cpu" / "version_0" / "checkpoints").glob("*step=4.ckpt")
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        fit("refused", "--ckpt_path", str(step4), "--data.seed", "0")
+    assert stop.value.code == 2 and "seed: 1 -> 0" in capfd.readouterr().err
+    resumed = fit("resumed", "--ckpt_path", str(step4))  # the config's seed_everything: 0
+    assert {s: resumed[s] for s in (4, 5)} == {s: whole[s] for s in (4, 5)}, (resumed, whole)

@@ -24,7 +24,7 @@ from typing import Any
 from unittest import mock
 
 import yaml
-from jsonargparse import set_parsing_settings
+from jsonargparse import Namespace, set_parsing_settings
 from jsonargparse._typehints import ActionTypeHint  # jsonargparse exports no public name for it
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.seed import seed_everything
@@ -58,6 +58,7 @@ from lit_hbp.cli.resume import (  # noqa: F401  (public here too: their first ho
     AUTO,
     check_resume,
     check_resumed_model,
+    checkpoint_data_seed,
     checkpoint_folders,
     resolve_auto_resume,
     resume_in_run_folder,
@@ -214,9 +215,15 @@ class HBPCLI(LightningCLI):
             section = self.config[self.subcommand]
         resume_in_run_folder(section)
         seed = self._get(self.config, "seed_everything")
+        section = self.config[self.subcommand] if self.subcommand else self.config
         if seed is not False:
             seed = seed_everything(None if seed is True else seed, workers=True, verbose=False)
-            (self.config[self.subcommand] if self.subcommand else self.config)["seed_everything"] = seed
+            section["seed_everything"] = seed
+        # The data order follows the run's seed (a seed sweep draws other orders, as a shuffled DataLoader would)
+        # unless data.seed is given; a resume keeps its checkpoint's, so it re-creates the plan it stopped in.
+        if isinstance(section.get("data"), Namespace) and section.get("data.seed") is None:
+            saved = checkpoint_data_seed(section)
+            section["data.seed"] = saved if saved is not None else (0 if seed is False else seed)
 
     def after_instantiate_classes(self) -> None:
         """The resolved config, once (rank 0), once model, data module and trainer are built: a mistake

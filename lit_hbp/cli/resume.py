@@ -21,6 +21,7 @@ from lit_hbp.lightning.checkpoints import (
     client_state_file,
     find_resumable,
     safe_load,
+    trusted_load,
 )
 
 AUTO = "auto"  # --ckpt_path auto: the newest complete checkpoint of the run's folders, if there is one
@@ -197,3 +198,18 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def checkpoint_data_seed(section: Any) -> int | None:
+    """The data seed the checkpoint ``--ckpt_path`` names planned with (its training loader's plan key): a resume
+    that does not set ``data.seed`` takes it, whatever ``seed_everything`` says now (a run without one drew a
+    random seed), so it re-creates the plan it stopped in. None without such a checkpoint (a fresh start,
+    Lightning's ``last``, a checkpoint saved before its loader's first state)."""
+    ckpt = section.get("ckpt_path")
+    if not (ckpt and str(ckpt) != AUTO and Path(ckpt).exists()):
+        return None
+    load = trusted_load if section.get("weights_only") is False else safe_load
+    loops = load(client_state_file(ckpt), mmap=True).get("loops") or {}
+    states = ((loops.get("fit_loop") or {}).get("state_dict") or {}).get("combined_loader") or []
+    seeds = [s["plan"].get("seed") for s in states if isinstance(s, dict) and isinstance(s.get("plan"), dict)]
+    return seeds[0] if seeds and isinstance(seeds[0], int) else None

@@ -103,7 +103,9 @@ class HBPDataModule(L.LightningDataModule):
         train_on: which turns of a chat train: assistant (default: every assistant turn, tool calls
             included) | last_assistant (the last assistant turn only) | all (every token); a message's
             ``weight`` (0 or 1) decides for its own turn.
-        seed: seed of mixing and of the plan (epoch e plans with seed + e).
+        seed: seed of mixing and of the plan (epoch e plans with seed + e); None (default): the run's
+            ``seed_everything`` (Lightning's ``PL_GLOBAL_SEED`` at construction, 0 without one), so a seed sweep
+            draws other data orders, as a shuffled DataLoader would.
         cache_dir: where tokenized sources are cached (one cache a source, tokenizer and setting,
             written once by one process while every other rank and node waits on its lock: put it
             on a file system they share).
@@ -134,7 +136,7 @@ class HBPDataModule(L.LightningDataModule):
         packer: str = DEFAULT_PACKER,
         over_length: str = "error",
         train_on: str = "assistant",
-        seed: int = 0,
+        seed: int | None = None,
         cache_dir: str | None = "data_cache",
         num_workers: int | None = None,
         demo_dir: str | None = None,
@@ -184,7 +186,7 @@ class HBPDataModule(L.LightningDataModule):
                     resolve_sp_kind(lv.sp_kind)
                 except ValueError as e:
                     raise ConfigError(f"data.levels[{i}]: {e}") from None
-        self.packer, self.over_length, self.train_on, self.seed = packer, over_length, train_on, seed
+        self.packer, self.over_length, self.train_on, self.seed = packer, over_length, train_on, data_seed(seed)
         if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
             raise ConfigError(f"data.num_workers must be a whole number >= 0 (0: collate in the training process), "
                               f"got {num_workers!r}")  # fmt: skip
@@ -528,6 +530,15 @@ class HBPDataModule(L.LightningDataModule):
         return PlanLoader(self, dataset, sampler, **self._worker_settings(workers, self.seed + epoch), pin_memory=pin)
 
 
+def data_seed(seed: int | None, run_seed: Any = None) -> int:
+    """The data's seed: ``data.seed`` where given, else the run's ``seed_everything`` (``run_seed``, else the
+    ``PL_GLOBAL_SEED`` Lightning's ``seed_everything`` sets; False or none: 0)."""
+    if seed is not None:
+        return int(seed)
+    run_seed = os.environ.get("PL_GLOBAL_SEED") if run_seed is None else run_seed
+    return 0 if run_seed is None or isinstance(run_seed, bool) else int(run_seed)
+
+
 def config_lengths(config: dict) -> tuple[np.ndarray, int, VisionLoad | None]:
     """Sample lengths of the config's data sources, the tokenizer's vocabulary size and, for a
     vision-language checkpoint's data with images or videos, what they give its tower (``VisionLoad``)."""
@@ -562,7 +573,7 @@ def config_samples(config: dict) -> tuple[np.ndarray, int, VisionLoad | None, An
         tokenize_source(s, tok, train_on, cache, label=f"data.sources[{i}]", num_proc=num_proc, processor=processor)
         for i, s in enumerate(sources)
     ]
-    store = SampleStore.build(tokenized, max_len=None, seed=data.get("seed", 0))
+    store = SampleStore.build(tokenized, max_len=None, seed=data_seed(data.get("seed"), config.get("seed_everything")))
     if not store.has_media or vlm_config is None:
         return store.lengths, id_bound(tok), None, None
     samples = StoreSamples(store, media_inputs(store, processor, vlm_config))
