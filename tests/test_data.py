@@ -430,3 +430,39 @@ def test_empty_pack_collates_to_a_dummy_without_targets():
     batch = collate_packs([np.zeros(0, np.int64)], lambda i: None, sp=4, pad_id=0)
     assert batch.input_ids.shape == (1, 8) and batch.n_targets == 0 and batch.n_tokens == 0
     assert (batch.labels == -100).all() and batch.cu_seqlens.tolist() == [0, 8]
+
+
+def test_weights_whose_shares_an_over_length_drop_moves_are_warned_with_the_shares(tmp_path, toy_tokenizer):
+    """The weights share the samples before the over-length ones are dropped: 0.5/0.5 with half of one source too
+    long trains 2/3 and 1/3. The warning names the shares asked and those the epoch trains, counted here from the
+    records' lengths alone (each fits or not), and the plan's members count as many; a mix the drop leaves
+    alone warns nothing."""
+    import warnings
+
+    from lit_hbp.lightning.datamodule import HBPDataModule
+
+    a = write_jsonl(tmp_path / "a.jsonl", [chat(f"a{i}", "short") for i in range(40)])
+    b = write_jsonl(tmp_path / "b.jsonl", [chat(f"b{i}", "hello world " * (80 if i % 2 else 2)) for i in range(40)])
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    fits = [int((tokenize_source(Source(str(p)), tok, progress=False).lengths <= 128).sum()) for p in (a, b)]
+    trained = np.array(fits) / sum(fits)  # each source enters once (equal sizes, equal weights), then the drop
+    assert trained[1] < 0.45
+
+    def set_up(b_weight: float, b_path) -> tuple[HBPDataModule, list[str]]:
+        dm = HBPDataModule(sources=[{"path": str(a), "weight": 0.5}, {"path": str(b_path), "weight": b_weight}],
+                           tokenizer=toy_tokenizer, levels=["128"], over_length="drop",
+                           cache_dir=str(tmp_path / "cache"))  # fmt: skip
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            dm.setup("fit")
+        return dm, [str(w.message) for w in said if "mixed by weight" in str(w.message)]
+
+    dm, said = set_up(0.5, b)
+    counted = np.bincount(dm.store.source_of[dm.plan_for_epoch(0).members], minlength=2)
+    assert np.allclose(counted / counted.sum(), trained)
+    assert (
+        len(said) == 1
+        and f"{a}: asked 0.5, trained {trained[0]:.3g}; {b}: asked 0.5, trained {trained[1]:.3g}" in said[0]
+    )
+    fitting = write_jsonl(tmp_path / "c.jsonl", [chat(f"c{i}", "hello world") for i in range(40)])
+    assert set_up(0.5, fitting)[1] == []

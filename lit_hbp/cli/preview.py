@@ -33,8 +33,7 @@ def training_store(dm: HBPDataModule) -> tuple[SampleStore, str | None]:
         store = store.hold_out(dm.val_fraction, dm.seed)[0]
     if dm.levels is None:
         return store, "the levels are chosen when the run sets up: samples longer than them are shown whole"
-    store.apply_over_length(dm.levels[-1].pack_len, dm.over_length)
-    return store, None
+    return store, store.apply_over_length(dm.levels[-1].pack_len, dm.over_length)
 
 
 def samples(store: SampleStore, n: int) -> Iterator[dict]:

@@ -290,12 +290,14 @@ class SampleStore:
         shown = ", ".join(f"{w} ({self.lengths[i]} tokens)" for w, i in list(first.items())[:limit])
         return shown + (f" and {len(first) - limit} more" if len(first) > limit else "")
 
-    def apply_over_length(self, max_len: int, policy: str) -> None:
-        """Drop, truncate or reject (``error``) the samples longer than ``max_len``, and record them."""
+    def apply_over_length(self, max_len: int, policy: str) -> str | None:
+        """Drop, truncate or reject (``error``) the samples longer than ``max_len``, and record them; returns a
+        warning where sources mixed by weight lost samples unevenly (``weight_shares_note``)."""
         over = np.flatnonzero(self.lengths > max_len)
         self.report.update(over_length=policy, max_len=max_len)
         if not over.size:
-            return
+            return None
+        before = self._shares()
         if policy == "error":
             n_distinct = len(distinct([self.where(int(i)) for i in over]))
             raise DataError(
@@ -316,6 +318,34 @@ class SampleStore:
             self.report[f"{name}_distinct"] = len(distinct(self.report[name]))
         for name in self.PER_SAMPLE:
             setattr(self, name, getattr(self, name)[keep])
+        return self.weight_shares_note(before, policy)
+
+    def _shares(self) -> np.ndarray:
+        """Each source's share of the samples."""
+        counts = np.bincount(self.source_of, minlength=len(self.sources))
+        return counts / max(int(counts.sum()), 1)
+
+    def weight_shares_note(self, before: np.ndarray, policy: str) -> str | None:
+        """The weights share the samples before the over-length ones go (the largest level is chosen after
+        mixing): where dropping them moved a weighted source's share (by over half a point), say the shares
+        asked and trained, per source, and record them in the report, rather than train another mix silently."""
+        weights = [s.source.weight for s in self.sources]
+        after = self._shares()
+        if any(w is None for w in weights) or "in_epoch" not in self.report["sources"][0]:
+            return None  # mixed by repeat, or a validation set (not mixed)
+        if np.abs(after - before).max() <= 0.005:
+            return None
+        asked = np.asarray(weights, float) / sum(weights)
+        self.report["weight_shares"] = [dict(path=s.source.path, asked=float(a), trained=float(t))
+                                        for s, a, t in zip(self.sources, asked, after)]  # fmt: skip
+        shares = "; ".join(
+            f"{s.source.path}: asked {a:.3g}, trained {t:.3g}" for s, a, t in zip(self.sources, asked, after)
+        )
+        return (
+            f"over_length: {policy} removed long samples after the sources were mixed by weight, so the epoch "
+            f"trains other shares than the weights ask ({shares}): add a larger level, filter the long records out "
+            "of their source, or adjust the weights"
+        )
 
     def _truncate(self, over: np.ndarray, max_len: int) -> None:
         """Cut samples ``over`` to ``max_len`` tokens, keeping the window with the most supervised

@@ -383,7 +383,9 @@ class HBPDataModule(L.LightningDataModule):
         self.val_store = self._validation_store(tokenized, *held, rank)
         if self.val_sources and self.val_store is not None:
             self.val_store.count_training_copies(store, len(tokenized))
-        store.apply_over_length(self.levels[-1].pack_len, self.over_length)
+        shifted = store.apply_over_length(self.levels[-1].pack_len, self.over_length)
+        if shifted:
+            rank_zero_warn(shifted)
         self.store = store
         summary = self.store.summary()
         if self.val_store is not None:
