@@ -1122,3 +1122,48 @@ def test_template_arguments_a_record_carries_are_refused_not_filed_as_metadata(t
         path.write_text(json.dumps({"messages": messages, field: value}) + "\n")
         with pytest.raises(DataError, match=f"{path}:1: record field '{field}' is not supported .*: remove it, and "):
             tokenize_source(Source(str(path)), tok, progress=False)
+
+
+def test_misnamed_records_and_paths_say_the_fix_and_upper_case_suffixes_read(tmp_path, toy_tokenizer):
+    """TRL's prompt/completion records, a JSON array in a .jsonl file and a path with wildcards each name the fix,
+    which then reads them as the reference does (``apply_chat_template`` of the pair, ``json.load``); .JSONL, .JSON
+    and .PARQUET read as their lower-case suffixes (the records ``json``/pyarrow read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lit_hbp.data.sources import iter_records
+
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    pair = tmp_path / "pc.jsonl"
+    pair.write_text(json.dumps({"prompt": "what is 2+2?", "completion": "four"}) + "\n")
+    with pytest.raises(
+        DataError, match=r"no 'response'; set the source's format: prompt_response, fields: \{response: completion\}"
+    ):
+        tokenize_source(Source(str(pair)), tok, progress=False)
+    got = tokenize_source(
+        Source(str(pair), format="prompt_response", fields={"response": "completion"}), tok, progress=False
+    )
+    chat = [{"role": "user", "content": "what is 2+2?"}, {"role": "assistant", "content": "four"}]
+    assert got.sample(0)[0].tolist() == tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+    pair.write_text(json.dumps({"prompt": chat[:1], "completion": chat[1:]}) + "\n")
+    with pytest.raises(DataError, match=r"no 'response'; give its prompt's messages and completion's as messages"):
+        tokenize_source(Source(str(pair)), tok, progress=False)
+
+    records = [{"text": f"record {i}"} for i in range(5)]
+    for indent in (None, 2):
+        array = tmp_path / f"array{indent}.jsonl"
+        array.write_text(json.dumps(records, indent=indent))
+        with pytest.raises(DataError, match=rf"{array}:1: .*; the file is a JSON array, .*: set file_type: json"):
+            list(iter_records(Source(str(array))))
+        assert [r for r, _ in iter_records(Source(str(array), file_type="json"))] == json.loads(array.read_text())
+    (tmp_path / "shards").mkdir()
+    with pytest.raises(DataError, match=r"not found: .*; a path's wildcards are not expanded: give each file as"):
+        list(iter_records(Source(str(tmp_path / "shards" / "*.jsonl"))))
+
+    upper = {"d.JSONL": "".join(json.dumps(r) + "\n" for r in records), "d.JSON": json.dumps(records)}
+    for name, text in upper.items():
+        (tmp_path / name).write_text(text)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "d.PARQUET")
+    for name in (*upper, "d.PARQUET"):
+        reference = pq.read_table(tmp_path / name).to_pylist() if name.endswith("PARQUET") else records
+        assert [r for r, _ in iter_records(Source(str(tmp_path / name)))] == reference, name

@@ -474,7 +474,13 @@ class RecordReader:
     def _prompt_response(self, record: Mapping, where: str) -> Conversation:
         for key, other in (("prompt", "response"), ("response", "prompt")):
             if self.name(key) not in record:
-                raise DataError(f"{where}: record has {self.name(other)!r} but no {self.name(key)!r}")
+                trl = key == "response" and "completion" in record  # TRL's prompt/completion records
+                strings = isinstance(record.get("completion"), str)
+                hint = "set the source's format: prompt_response, fields: {response: completion}" if strings \
+                    else "give its prompt's messages and completion's as messages"  # fmt: skip
+                raise DataError(
+                    f"{where}: record has {self.name(other)!r} but no {self.name(key)!r}" + f"; {hint}" * trl
+                )
         prompt, response = self._required(record, "prompt", where), self._required(record, "response", where)
         turns = [({"role": "user", "content": prompt}, None), ({"role": "assistant", "content": response}, None)]
         return self._conversation(

@@ -144,14 +144,11 @@ class Source:
         p = Path(self.path)
         if p.is_dir():
             return "hf"
-        if p.suffix == ".jsonl":
-            return "jsonl"
-        if p.suffix == ".json":
+        suffix = p.suffix.lower()  # d.JSONL as d.jsonl
+        if suffix in (".jsonl", ".parquet", ".arrow"):
+            return suffix[1:]
+        if suffix == ".json":
             return "json" if _first_char(p) == "[" else "jsonl"
-        if p.suffix == ".parquet":
-            return "parquet"
-        if p.suffix == ".arrow":
-            return "arrow"
         if is_hub_name(self.path):
             return "hub"
         raise DataError(
@@ -177,7 +174,7 @@ class Source:
 def is_hub_name(path: str) -> bool:
     """Whether ``path`` reads as a Hub data set's ``org/name``: two parts, no data file's suffix, and
     nothing of that name here."""
-    return bool(HUB_NAME.match(path)) and Path(path).suffix not in DATA_SUFFIXES and not Path(path).exists()
+    return bool(HUB_NAME.match(path)) and Path(path).suffix.lower() not in DATA_SUFFIXES and not Path(path).exists()
 
 
 def _first_char(path: Path) -> str:
@@ -217,7 +214,7 @@ def _near_names(path: Path) -> str:
 def _data_files_in(folder: Path, limit: int = 5) -> str:
     """The data files directly inside ``folder``, to suggest as paths."""
     try:
-        files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix in DATA_SUFFIXES)
+        files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix.lower() in DATA_SUFFIXES)
     except OSError:
         return ""
     if not files:
@@ -254,6 +251,8 @@ def check_source(source: Source, label: str | None = None) -> None:
             where = f" (looked for {path.resolve()}, relative to the working directory)"
         else:
             where = ""
+        if any(c in source.path for c in "*?["):  # as the shell would, were it given one
+            where += "; a path's wildcards are not expanded: give each file as a source of its own"
         raise DataError(f"{who}data source not found: {path}{where}{_near_names(path)}")
     if path.is_dir():
         if kind in ("jsonl", "json", "parquet", "arrow"):
@@ -575,14 +574,16 @@ def chunk_records(source: Source, chunk: Chunk) -> Iterator[tuple[dict, str, int
             line = line.removeprefix("\ufeff")  # a byte order mark some editors write
         if not line.strip():
             continue
+        is_array = lineno == 1 and line.lstrip().startswith("[")
+        array = "; the file is a JSON array, not one object a line: set file_type: json" * is_array
         try:
             record = json.loads(line, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
+            raise DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno}){array}") from None
         except DuplicateKey as e:
             raise DataError(f"{path}:{lineno}: {e}") from None
         if not isinstance(record, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}{array}")
         yield record, f"{path}:{lineno}", lineno
 
 
