@@ -466,3 +466,26 @@ def test_weights_whose_shares_an_over_length_drop_moves_are_warned_with_the_shar
     )
     fitting = write_jsonl(tmp_path / "c.jsonl", [chat(f"c{i}", "hello world") for i in range(40)])
     assert set_up(0.5, fitting)[1] == []
+
+
+def test_a_fractional_repeat_trains_the_same_subset_every_epoch_and_text_gets_special_tokens(tmp_path, toy_tokenizer):
+    """What docs/data.md says: ``repeat: 0.5`` draws its half once by the data seed, so epochs 0 and 1 train the
+    same records (counted from the plans' members); a ``text`` record is ``tokenizer(text)`` with its special tokens
+    and the EOS appended."""
+    from lit_hbp.lightning.datamodule import HBPDataModule
+
+    a = write_jsonl(tmp_path / "a.jsonl", [chat(f"a{i}", "short") for i in range(10)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"hello {i} world"} for i in range(20)])
+    dm = HBPDataModule(sources=[{"path": str(a)}, {"path": str(b), "repeat": 0.5}], tokenizer=toy_tokenizer,
+                       levels=["256"], cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    drawn = []
+    for epoch in (0, 1):
+        members = dm.plan_for_epoch(epoch).members
+        drawn.append(sorted(dm.store.row_of[members][dm.store.source_of[members] == 1].tolist()))
+    assert drawn[0] == drawn[1] and len(drawn[0]) == 10 == len(set(drawn[0]))
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    text = tokenize_source(Source(str(b)), tok, progress=False)
+    for row in (0, 7):
+        want = tok(f"hello {row} world")["input_ids"] + [tok.eos_token_id]
+        assert text.sample(row)[0].tolist() == want

@@ -58,9 +58,10 @@ class Source:
             ``alpaca``, ``prompt_response``, ``text`` or ``tokens`` (``lit_hbp.data.records``).
         file_type: how the file is read: ``auto`` (by its name), ``jsonl``, ``json``, ``parquet``,
             ``arrow``, ``hf`` (a ``save_to_disk`` folder) or ``hub``.
-        repeat: how many times the source enters an epoch (2.0 = twice, 0.5 = a seeded half).
+        repeat: how many times the source enters an epoch (2.0 = twice, 0.5 = a half drawn once by the data seed,
+            not the epoch: every epoch trains the same half).
         weight: alternatively, the source's share of the epoch's samples relative to the other
-            sources' weights (the epoch keeps the total sample count of all sources).
+            sources' weights (the epoch keeps the total sample count of all sources; a fraction drawn as repeat's).
         split: the split to read from a saved ``DatasetDict`` or a Hub data set (default: train).
         subset: the configuration (subset) of a Hub data set that has several.
         fields: the data set's names of the format's fields, e.g. ``{messages: dialog, role: speaker,
