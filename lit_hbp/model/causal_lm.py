@@ -43,6 +43,7 @@ from lit_hbp.model.build import (
     model_configs,
     tower_configs,
 )
+from lit_hbp.model.checkpoint_wrappers import refuse_checkpoint_wrappers
 from lit_hbp.model.checks import model_config, rescaling_limit
 from lit_hbp.model.family_checks import refuse_unseen
 from lit_hbp.model.head import check_output_head, output_head
@@ -118,6 +119,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         record.backend = attn_backend
         model.train()
         return model
+    refuse_checkpoint_wrappers(net)  # torch's own around decoder layers: it would recompute outside packed calls
     decoder = decoder_of(net)
     family = family_of(net)
     mixers = refuse_stateful_mixers(decoder, family)

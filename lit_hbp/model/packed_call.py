@@ -32,7 +32,8 @@ mask and no boundaries (transformers reads a masked row as one sequence); an att
 with zeros, or a KV cache, in a packed call; the model's own loss (``labels=``) on a pack whose labels
 are lit-hbp's pre-shifted ones, whose documents' first labels are not the ignore index (the loss's shift would
 train one document's last token on the next one's first), or under sequence parallelism; a model whose
-forward drops a pack's positions before a decoder that takes them.
+forward drops a pack's positions before a decoder that takes them; torch's own activation checkpointing of a
+decoder layer, which recomputes it after the call returned (``lit_hbp.model.checkpoint_wrappers``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from torch.utils.checkpoint import checkpoint
 from lit_hbp.data.batch import DOCS_MARK, PACK_MARK, SP_MARK, PackedBatch
 from lit_hbp.data.media_batch import TOKEN_KEYS
 from lit_hbp.model import calls
+from lit_hbp.model.checkpoint_wrappers import refuse_checkpoint_wrappers
 from lit_hbp.model.offload import host_offload, offloaded_checkpoint
 from lit_hbp.model.position_limits import check_position_limits
 from lit_hbp.model.rope import rope_scope
@@ -260,6 +262,7 @@ def pack_scope(
     prepared = record_of(model)
     if prepared is None:
         raise ValueError("pack_scope: call lit_hbp.prepare_model(model) first")
+    refuse_checkpoint_wrappers(prepared.net, prepared.layers)  # torch's own: it would recompute outside the call
     layers, mlps = prepared.layers, prepared.mlps
     if ckpt_layers is not None:
         if isinstance(ckpt_layers, bool) or not isinstance(ckpt_layers, numbers.Integral) or ckpt_layers < 0:

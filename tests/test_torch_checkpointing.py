@@ -1,0 +1,98 @@
+"""torch's own activation checkpointing around decoder layers (``apply_activation_checkpointing`` /
+``checkpoint_wrapper``, as FSDP set-ups apply it, and its composable ``checkpoint(module)``) recomputes a layer in
+the backward after the packed call returned, over the whole pack: reentrant, the gradients were silently wrong;
+non-reentrant, torch's CheckpointError. Refused at the packed call and by ``prepare_model``; outside a pack the
+wrapped model computes what it computed before, and lit-hbp's own checkpointing (the level's ``ckpt_layers``)
+trains the pack exactly. The reference is the unprepared model (eager attention), each document alone."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from conftest import separate_loss
+from test_mixers import reference_of, tiny
+from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+
+from lit_hbp import pack_inputs, pack_samples, packed_loss, prepare_model
+from lit_hbp.model.packed_call import record_of
+
+LENGTHS = (37, 5, 30)
+
+
+def documents(vocab: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return [(rng.integers(3, vocab, n), np.ones(n, bool)) for n in LENGTHS]
+
+
+def wrap(net: torch.nn.Module, impl: CheckpointImpl) -> None:
+    """torch's checkpoint wrapper around every decoder layer, as FSDP users apply it."""
+    layer = type(net.model.layers[0])
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=impl)
+    apply_activation_checkpointing(net, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, layer))
+
+
+def worst_gradient_error(net: torch.nn.Module, reference: torch.nn.Module) -> float:
+    want = dict(reference.named_parameters())
+    worst = 0.0
+    for name, param in net.named_parameters():
+        other = want[name.replace("._checkpoint_wrapped_module", "")].grad
+        worst = max(worst, (param.grad - other).abs().max().item() / max(other.abs().max().item(), 1e-6))
+    return worst
+
+
+@pytest.mark.parametrize("impl", [CheckpointImpl.REENTRANT, CheckpointImpl.NO_REENTRANT])
+@pytest.mark.parametrize("family", ["llama", "bamba"])
+def test_torchs_checkpoint_wrapper_on_decoder_layers_is_refused_in_a_packed_call(family, impl):
+    """Wrapped after ``prepare_model``: a packed call (``packed_loss``, ``model(**pack_inputs(batch))``) refuses
+    in one line naming the wrapper and lit-hbp's checkpointing; a plain call of the same model, each document
+    alone, still gives the unprepared model's gradients (the wrapper is the project's, outside packs)."""
+    net = tiny(family).train()
+    reference = reference_of(net).train()
+    docs = documents(net.config.vocab_size)
+    separate_loss(reference, dict(enumerate(docs))).backward()
+    prepare_model(net)
+    wrap(net, impl)
+    batch = pack_samples(docs)
+    with pytest.raises(ValueError, match=r"`model\.layers\.\d+` is torch's CheckpointWrapper.*ckpt_layers"):
+        packed_loss(net, batch, "sum")
+    with pytest.raises(ValueError, match="CheckpointWrapper"):
+        net(**pack_inputs(batch))
+    separate_loss(net, dict(enumerate(docs))).backward()  # a plain call: transformers' own attention, each alone
+    assert worst_gradient_error(net, reference) < 1e-4
+
+
+def test_prepare_model_refuses_torchs_checkpointing_already_on_the_layers_before_touching_the_model():
+    """Wrapped (or the composable checkpoint applied) before ``prepare_model``: refused there, the model left
+    unprepared; the level's ``ckpt_layers`` on the unwrapped model trains the pack as each document alone."""
+    net = tiny("bamba").train()
+    wrap(net, CheckpointImpl.REENTRANT)
+    with pytest.raises(ValueError, match=r"`model\.layers\.0` is torch's CheckpointWrapper.*gradient_checkpointing"):
+        prepare_model(net)
+    assert record_of(net) is None
+    net = tiny("bamba").train()
+    composable_checkpoint(net.model.layers[1])
+    with pytest.raises(ValueError, match=r"`model\.layers\.1` has torch's composable checkpoint"):
+        prepare_model(net)
+    assert record_of(net) is None
+
+
+def test_torchs_composable_checkpoint_after_prepare_model_is_refused_and_ckpt_layers_is_exact():
+    """The composable ``checkpoint(layer)`` applied after ``prepare_model`` is refused by the packed call; the
+    level's ``ckpt_layers`` (lit-hbp's checkpointing, recomputing inside the call) gives the reference's gradients."""
+    net = tiny("bamba").train()
+    reference = reference_of(net).train()
+    docs = documents(net.config.vocab_size)
+    separate_loss(reference, dict(enumerate(docs))).backward()
+    prepare_model(net)
+    batch = pack_samples(docs)
+    packed_loss(net, batch.replace(ckpt_layers=len(net.model.layers)), "sum").loss.backward()
+    assert worst_gradient_error(net, reference) < 1e-4
+    composable_checkpoint(net.model.layers[0])
+    with pytest.raises(ValueError, match=r"`model\.layers\.0` has torch's composable checkpoint"):
+        packed_loss(net, batch, "sum")
