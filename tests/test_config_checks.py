@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -196,6 +197,63 @@ def test_rope_scaling_that_covers_the_levels_is_stated():
     yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048}
     note = check_positions(llama(max_position_embeddings=2048, rope_parameters=yarn), LEVELS)
     assert note is not None and "32768" in note and "2048" in note and "yarn" in note
+
+
+# Hybrids whose attention takes no positions (NoPE), and models that take them (RoPE, a position table).
+NOPE = [("nemotron_h", {"layers_block_type": ["mamba", "attention"]}), ("jamba", {}), ("granitemoehybrid", {})]
+POSITIONED = [("llama", {}), ("gpt2", {}), ("granitemoehybrid", {"position_embedding_type": "rope"}), ("bamba", {})]
+
+
+@pytest.mark.parametrize(("family", "overrides"), NOPE + POSITIONED)
+def test_a_model_takes_positions_exactly_when_its_logits_depend_on_them(family, overrides):
+    """``takes_positions`` (asked of the built model, and of its config built on the meta device) against the
+    unprepared model itself: a document's logits change when its second half's positions move 300 further
+    (relative distances change; the all-ones mask keeps it one sequence), or they do not. Granite 4.0-H keeps
+    rope_parameters in its config whatever its position_embedding_type says."""
+    from test_mixers import tiny
+
+    from lit_hbp.model.checks import takes_positions
+
+    net = tiny(family, **overrides).eval()
+    ids, mask = torch.arange(3, 40)[None], torch.ones(1, 37, dtype=torch.long)
+    positions = torch.arange(37)[None]
+    with torch.no_grad():
+        first = net(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        moved = positions + 300 * (positions >= 18)
+        later = net(input_ids=ids, attention_mask=mask, position_ids=moved, use_cache=False).logits
+    depends = (first - later).abs().max().item() > 1e-4
+    assert depends is ((family, overrides) in POSITIONED)
+    assert takes_positions(net) is depends
+    assert takes_positions(net.config) is depends
+
+
+@pytest.mark.parametrize(("family", "overrides"), NOPE)
+def test_a_hybrid_without_positions_trains_levels_past_max_position_embeddings(family, overrides):
+    """A NoPE hybrid at max_position_embeddings 64 takes a level of 128 (the fit's check on the built model,
+    the command line's and the simulator's on the config, the level search's limit) and trains a 100-token
+    document in it as that document alone through the unprepared model; a Llama at 64 is still refused."""
+    from conftest import separate_loss
+    from test_mixers import reference_of, tiny
+
+    from lit_hbp import pack_samples, packed_loss, prepare_model
+    from lit_hbp.autoselect.selector import position_limit
+
+    net = tiny(family, max_position_embeddings=64, **overrides).eval()
+    levels = [Level(64), Level(128)]
+    assert check_positions(net.config, levels, net) is None
+    assert check_positions(net.config, levels) is None
+    assert position_limit(net.config) is None
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(3, net.config.vocab_size, n), np.ones(n, bool)) for n in (100, 20)]
+    reference = reference_of(net)
+    with torch.no_grad():
+        want = float(separate_loss(reference, dict(enumerate(docs))))
+        got = float(packed_loss(prepare_model(net).eval(), pack_samples(docs), "sum").ce_sum)
+    assert abs(got - want) <= 1e-5 * abs(want)
+    positioned = tiny("llama", max_position_embeddings=64)
+    with pytest.raises(ValueError, match="pack_len 128 exceeds the model's max_position_embeddings 64"):
+        check_positions(positioned.config, levels, positioned)
+    assert position_limit(positioned.config) == 64
 
 
 def test_levels_past_where_a_dynamic_or_longrope_rotary_embedding_rescales_are_refused():

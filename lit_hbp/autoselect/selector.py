@@ -45,7 +45,7 @@ from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model.causal_lm import configured_spec
 from lit_hbp.model.checks import model_config as hf_config
-from lit_hbp.model.checks import position_range, rescaling_limit
+from lit_hbp.model.checks import position_range, rescaling_limit, takes_positions
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level, LevelSelector
 from lit_hbp.packing.vision_load import VisionLoad
@@ -207,12 +207,15 @@ def position_limit(model) -> int | None:
     """The longest position a model config (a mapping, a config.json, a checkpoint folder or ``config_of``'s) covers,
     None when it does not say or cannot be read here: the fit refuses levels past it
     (``checks.check_positions``: past ``max_position_embeddings`` uncovered, or past the length at which a
-    dynamic rotary embedding rescales), so the search does not choose them."""
+    dynamic rotary embedding rescales), so the search does not choose them; None for a model that takes no
+    positions (``checks.takes_positions``: a hybrid without positional encoding), which the fit does not limit."""
     config = config_of(model)
     if config is None:
         return None
     covered = position_range(config)[1]
     rescaled = rescaling_limit(config)
+    if (covered is None and rescaled is None) or not takes_positions(config):
+        return None
     if rescaled is None or rescaled[0] == "longrope":  # longrope: past it at sp 1 (``whole_past``)
         return covered
     return min(rescaled[1], covered or rescaled[1])  # dynamic: no pack past it
@@ -224,7 +227,8 @@ def whole_past(model) -> int | None:
     (``rope.per_document_longrope``; ``checks.check_positions`` refuses an SP level past it)."""
     config = config_of(model)
     rescaled = None if config is None else rescaling_limit(config)
-    return rescaled[1] if rescaled is not None and rescaled[0] == "longrope" else None
+    longrope = rescaled is not None and rescaled[0] == "longrope"
+    return rescaled[1] if longrope and takes_positions(config) else None
 
 
 def positions_of(model: str) -> tuple[Any, int | None, int | None]:

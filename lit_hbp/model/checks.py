@@ -1,7 +1,8 @@
 """Checks of a model before anything is built from it: typos in a config mapping (``check_model_config``),
 positions the model does not cover (``check_positions``), a checkpoint path that is no checkpoint
 (``check_model_source``). Pure functions of a config (a mapping, a Hugging Face config object, a level
-list), so that the command line (``lit_hbp.cli.checks``, before processes spawn) and plain Python
+list; whether the model takes positions at all is asked of the built model, or of the config built on the meta
+device), so that the command line (``lit_hbp.cli.checks``, before processes spawn) and plain Python
 (``build_causal_lm``, ``HBPLitModule.configure_model``) run the same code.
 """
 
@@ -11,7 +12,9 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import itertools
 import math
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -196,14 +199,75 @@ def position_range(config: Any) -> tuple[int | None, int | None, str]:
     return max_pos, limit, how
 
 
-def check_positions(config: Any, levels: Sequence[Any] | None) -> str | None:
+# What numbers a model's tokens: a rotary embedding's module (transformers names every one ``...RotaryEmbedding``)
+# or its frequencies, a table or buffer of positions (GPT-2's ``wpe``, OPT's ``embed_positions``, cached sin/cos).
+POSITION_MODULES = re.compile(r"Rotary|RoPE|Rope|Position")
+POSITION_TENSORS = re.compile(r"inv_freq|rotary|rope|position|pos_emb|wpe|_cached")
+
+
+def takes_positions(model: Any) -> bool:
+    """Whether a model numbers its tokens, decided on the built model (``model``, or a model config built on the
+    meta device): a rotary embedding, an embedding table beside the token ids', or a weight or buffer named for
+    positions. A hybrid whose attention takes none (NoPE: Nemotron-H, Jamba, Zamba, Granite 4.0-H with
+    ``position_embedding_type`` None, which still carries ``rope_parameters``) has none, so no document is too long
+    for its ``max_position_embeddings``. What cannot be built or read counts as taking positions."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        model = _built_on_meta(model)
+        if model is None:
+            return True
+    try:
+        tokens = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        tokens = None
+    inside_tokens = set() if tokens is None else {id(m) for m in tokens.modules()}
+    for module in model.modules():
+        if POSITION_MODULES.search(type(module).__name__):
+            return True
+        if isinstance(module, torch.nn.Embedding) and id(module) not in inside_tokens:
+            return True
+    named = itertools.chain(model.named_parameters(), model.named_buffers())
+    return any(POSITION_TENSORS.search(name) for name, _ in named)
+
+
+def _built_on_meta(config: Any):
+    """The causal LM ``config`` (a Hugging Face config, or a mapping or namespace naming its ``model_type``)
+    builds, on the meta device (no memory, no weights); None when it cannot be built here."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    try:
+        if not isinstance(config, PretrainedConfig):
+            fields = dict(config if isinstance(config, Mapping) else vars(config))
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - any family or config this transformers cannot build: counted as positioned
+        return None
+
+
+def check_positions(config: Any, levels: Sequence[Any] | None, model: Any = None) -> str | None:
     """A document as long as the largest level's pack_len uses positions up to pack_len - 1 (positions
     restart per document): refuse levels past the model's max_position_embeddings unless its RoPE
     scaling covers them, in which case the extension is returned (for the caller to log), and levels past
     the length at which a dynamic rotary embedding rescales (``rescaling_limit``; a longrope one: levels past it
-    at sp > 1)."""
+    at sp > 1). Nothing of it where the model takes no positions (``takes_positions``, asked of the built
+    ``model``, or of ``config`` built on the meta device, only when a level would be refused or noted)."""
     if not levels:
         return None
+    try:
+        note = _position_check(config, levels)
+    except ConfigError:
+        if takes_positions(config if model is None else model):
+            raise
+        return None
+    return note if note is None or takes_positions(config if model is None else model) else None
+
+
+def _position_check(config: Any, levels: Sequence[Any]) -> str | None:
+    """``check_positions`` read from the config alone (a model that takes positions)."""
     longest = max(int(getattr(lv, "pack_len", lv)) for lv in levels)
     rescaled = rescaling_limit(config)
     if rescaled is not None and rescaled[0] == "longrope":  # packs exactly at sp 1 (rope.per_document_longrope)
@@ -249,7 +313,7 @@ def check_module_positions(module: Any) -> None:
 
     trainer = getattr(module, "_trainer", None)
     levels = getattr(getattr(trainer, "datamodule", None), "levels", None)
-    note = check_positions(module.model.config, levels)
+    note = check_positions(module.model.config, levels, module.model)
     if note:
         rank_zero_info(note)
 
