@@ -42,9 +42,13 @@ the same on a model built from the checkpoint's config on the meta device, befor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
+import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -414,3 +418,42 @@ def _per_token(parts: list, lengths: list[int]) -> torch.Tensor | None:
     if all(isinstance(p, torch.Tensor) and p.dim() >= 2 and p.shape[1] == n for p, n in zip(parts, lengths)):
         return torch.cat(parts, dim=1)
     return None
+
+
+CHUNK_SIZE = "max_inference_chunksize"  # xLSTM's: its eval forward runs a longer row in chunks of that many tokens
+_chunks_lock = threading.Lock()
+_chunks: dict[int, tuple[Any, int, list[int]]] = {}  # id(config) -> (config, its own value, rows of running calls)
+
+
+@contextlib.contextmanager
+def whole_rows(configs: list, *rows: Any) -> Iterator[None]:
+    """For a packed call whose row (the first tensor of ``rows``: its token ids or positions, its last dimension;
+    unknown: any length) is longer than a config's ``max_inference_chunksize``, that chunk size is the row's for
+    the call. xLSTM's forward out of training cuts a longer row into chunks run one after the other (its state
+    carried over, a memory saving), so its mixers would get a slice of the pack instead of its documents; run
+    whole, each document starts from its own first token, as alone. The config's own value comes back after the
+    last call that raised it (counted over threads, under a lock); a shorter row changes nothing."""
+    row = next((r for r in rows if isinstance(r, torch.Tensor)), None)
+    tokens = int(row.shape[-1]) if row is not None else sys.maxsize
+    raised = []
+    with _chunks_lock:
+        for config, _ in configs:
+            own = getattr(config, CHUNK_SIZE, None)
+            if isinstance(own, bool) or not isinstance(own, int):
+                continue
+            entry = _chunks.get(id(config))
+            if tokens <= (own if entry is None else entry[1]):
+                continue
+            entry = _chunks.setdefault(id(config), (config, own, []))
+            entry[2].append(tokens)
+            setattr(config, CHUNK_SIZE, max(entry[2]))
+            raised.append(entry)
+    try:
+        yield
+    finally:
+        with _chunks_lock:
+            for config, own, running in raised:
+                running.remove(tokens)
+                setattr(config, CHUNK_SIZE, max(running, default=own))
+                if not running:
+                    del _chunks[id(config)]

@@ -59,6 +59,7 @@ from lit_hbp.data.batch import DOCS_MARK, PACK_MARK, SP_MARK, PackedBatch
 from lit_hbp.data.media_batch import TOKEN_KEYS
 from lit_hbp.model import calls
 from lit_hbp.model.checkpoint_wrappers import refuse_checkpoint_wrappers
+from lit_hbp.model.mixers import whole_rows
 from lit_hbp.model.offload import host_offload, offloaded_checkpoint
 from lit_hbp.model.position_limits import check_position_limits
 from lit_hbp.model.rope import rope_scope
@@ -306,7 +307,8 @@ def pack_scope(
     offloader = host_offload(unwrapped(model)) if offload else None
     host = {"bounds": list(bounds)} if bounds is not None else {}
     call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, dict(tower or {}), host)
-    with _layer_flags(prepared, ckpt_layers), calls.entered(call), sizes_apart(), rope:
+    rows = whole_rows(prepared.configs, ids, positions)  # xLSTM's eval chunks: the pack whole, for the call
+    with _layer_flags(prepared, ckpt_layers), calls.entered(call), sizes_apart(), rope, rows:
         yield
 
 
