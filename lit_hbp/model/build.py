@@ -22,7 +22,7 @@ from lit_hbp.errors import ConfigError
 from lit_hbp.model import attention, calls
 from lit_hbp.model.checks import check_model_config, local_checkpoint, model_config
 from lit_hbp.model.family_checks import refuse_unseen
-from lit_hbp.model.mixers import ZERO3_REFUSAL, refusal, sp_refusal, stateful_mixers
+from lit_hbp.model.mixers import ZERO3_REFUSAL, mode_refusal, refusal, sp_refusal, stateful_mixers
 from lit_hbp.model.packed_call import unwrapped
 from lit_hbp.model.vision import encoder_parameters, is_multimodal, language_linears, vision_tower
 from lit_hbp.packing.levels import as_level
@@ -133,6 +133,8 @@ def check_model_before_data(
     refused = [m for m in mixers if not m.per_document]
     if refused:
         raise ConfigError(f"{key}: {refusal(config.model_type, refused)}")
+    if (problem := mode_refusal(config.model_type, mixers, decoder.config)) is not None:
+        raise ConfigError(f"{key}: {problem}")
     try:
         refuse_unseen(net, decoder, config.model_type, {m.path for m in mixers}, not is_multimodal(net))
     except ValueError as e:

@@ -71,12 +71,13 @@ class MixerKind:
     per_document: bool = True
 
 
+XLSTM = "an xLSTM recurrence"
 KINDS = (
     MixerKind("the gated delta rule (a recurrent key-value state)", re.compile(r"DeltaNet|DeltaAttention|GatedDelta")),
     MixerKind("a Mamba state-space scan", re.compile(r"Mamba\d*(Mixer|Layer)$|Mixer$")),
     MixerKind("lightning/linear attention (a running key-value state)", re.compile(r"Lightning|LinearAttention")),
     MixerKind("an RG-LRU recurrence", re.compile(r"Rglru|RecurrentBlock")),
-    MixerKind("an xLSTM recurrence", re.compile(r"xLSTMLayer|[ms]LSTM")),
+    MixerKind(XLSTM, re.compile(r"xLSTMLayer|[ms]LSTM")),
     MixerKind("RWKV's token shift and recurrence", re.compile(r"^Rwkv(SelfAttention|FeedForward)$"), False),
     MixerKind("a compressor pooling keys over blocks of positions", re.compile(r"Compressor$"), False),
     MixerKind("a sparse-attention indexer choosing keys over the whole row", re.compile(r"Indexer$"), False),
@@ -188,12 +189,35 @@ def refusal(family: str, mixers: list[StatefulMixer]) -> str:
 
 def refuse_stateful_mixers(decoder: torch.nn.Module, family: str) -> list[StatefulMixer]:
     """The decoder's stateful mixers, every one of which a packed call runs document by document; raises
-    ``ValueError`` (the ``refusal``) when any cannot be."""
+    ``ValueError`` (the ``refusal``) when any cannot be, or when their configured kernel cannot run a pack's
+    documents (``mode_refusal``)."""
     mixers = stateful_mixers(decoder)
     refused = [m for m in mixers if not m.per_document]
     if refused:
         raise ValueError(refusal(family, refused))
+    problem = mode_refusal(family, mixers, decoder.config)
+    if problem is not None:
+        raise ValueError(problem)
     return mixers
+
+
+def mode_refusal(family: str, mixers: list[StatefulMixer], config: Any) -> str | None:
+    """Why the mixers' configured kernel cannot run a pack's documents, or None: xLSTM's ``mode`` "train" takes
+    only rows whose length is a multiple of ``chunk_size`` (the unprepared model refuses any other document alone,
+    and a pack would train or stop by how its documents happen to batch), "train_with_padding" no row at all in
+    transformers' layers (they ask for a last state it does not return); "inference" is the same math at any
+    length."""
+    mode = getattr(config, "mode", None)
+    if not any(m.kind == XLSTM for m in mixers) or not isinstance(mode, str) or "train" not in mode:
+        return None
+    why = (
+        "returns no last state, which transformers' xLSTM layers ask for, so the model runs no document at all"
+        if "padding" in mode
+        else f"takes only rows whose length is a multiple of chunk_size {getattr(config, 'chunk_size', '?')}, so "
+        "the model refuses any other document alone and a pack would train or stop by how its documents batch"
+    )
+    fix = "set mode: inference (the same math, at any length)"
+    return f"{family}: config mode {mode!r} runs xLSTM's chunkwise training kernel, which {why}: {fix}"
 
 
 def sp_refusal(family: str, mixers: list[StatefulMixer], level: Any, where: str) -> str | None:
