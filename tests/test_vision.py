@@ -426,10 +426,31 @@ def stateful_mixer_kind(family: str) -> str | None:
     return refused[0].kind if refused else None
 
 
+SIDE_BY_SIDE = "its vision tower sits beside its language model on the top module, a layout lit-hbp does not run"
+
+
+def tower_beside_language_model(family: str) -> bool:
+    """Whether the family's model (its default config, built on the meta device) holds its vision tower on the
+    top module beside its language model, with no inner model encoding images (False: it cannot be built)."""
+    import warnings
+
+    from transformers import AutoModelForImageTextToText
+
+    from lit_hbp.model.vision import tower_beside_language_model as beside
+
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        try:
+            return beside(AutoModelForImageTextToText.from_config(AutoConfig.for_model(family))) is not None
+        except Exception:  # noqa: BLE001 (left to the self-check, as the table says)
+            return False
+
+
 def vlm_families() -> dict[str, tuple[str, str]]:
     """Every image-text-to-text family transformers registers, with what lit-hbp does with a pack of its
     images: exact (tested here), refused (by ``prepare_model`` for a stateful token mixer in its language
-    model, by ``refuse_bidirectional`` or ``check_encoder_outputs``, the reason), or decided by the
+    model or a vision tower beside it on the top module, by ``refuse_bidirectional`` or ``check_encoder_outputs``,
+    the reason), or decided by the
     start-of-fit self-check on the run's own images (not built here)."""
     import inspect
 
@@ -453,6 +474,8 @@ def vlm_families() -> dict[str, tuple[str, str]]:
             out[family] = ("refused", "its forward takes no image features computed apart (mm_encoder_outputs)")
         elif base is not None and unpacked_image_args(base):
             out[family] = ("refused", unpacked_image_args(base))
+        elif tower_beside_language_model(family):
+            out[family] = ("refused", f"{SIDE_BY_SIDE} (prepare_model)")
         else:
             out[family] = ("self-check", "")
     return out
@@ -508,6 +531,51 @@ def test_a_model_whose_forward_takes_no_encoder_outputs_is_refused_with_images()
     )
     with pytest.raises(ValueError, match=r"Kosmos2Model.forward takes no mm_encoder_outputs .*cannot train on images"):
         check_encoder_outputs(Kosmos2Model(config))
+
+
+@pytest.mark.parametrize(("family", "text_forward"), [("nemotron_h_omni", True), ("llama4", False)])
+def test_a_vision_tower_beside_the_language_model_is_refused_for_that_layout_and_its_language_model_trains(
+    family, text_forward
+):
+    """Nemotron-H Omni and Llama 4 hold ``language_model`` and ``vision_model`` on the top module (no inner
+    ``model`` encoding images). ``prepare_model`` refuses that layout by name, the model left as it was; it used to
+    say the tower ran between the decoder and the output layer, which Nemotron-H Omni's own text-only forward never
+    does (a hook counts its calls; Llama 4's raises in transformers 5.24). Its language model, prepared alone as the
+    refusal says, trains a pack as each document alone through the unprepared language model (Nemotron-H's
+    Mamba2 run document by document)."""
+    import numpy as np
+    from conftest import separate_loss
+    from vision_models import _TEXT, _VISION, _keep_layer_kinds, _shrink
+
+    config = AutoConfig.for_model(family)
+    text = config.get_text_config()
+    _shrink(text, _TEXT)
+    _keep_layer_kinds(text)
+    for sub in (config.vision_config, getattr(config, "audio_config", None)):
+        if sub is not None:
+            _shrink(sub, _VISION)
+    torch.manual_seed(0)
+    net = AutoModelForImageTextToText.from_config(config).eval()
+    calls = []
+    net.vision_model.register_forward_hook(lambda *_: calls.append(1))
+    if text_forward:
+        with torch.no_grad():
+            net(input_ids=torch.arange(3, 40)[None], use_cache=False)
+    assert calls == []
+    with pytest.raises(ValueError, match=rf"^{family}: its `vision_model` \(\w+\) sits beside its language model"):
+        prepare_model(net)
+    assert record_of(net) is None and not hasattr(net.language_model, "_hbp_prepared")
+    message = str(pytest.raises(ValueError, prepare_model, net).value)
+    assert "a vision-language layout lit-hbp does not run" in message and "prepare its `language_model`" in message
+    language = net.language_model
+    reference = copy.deepcopy(language)
+    reference.set_attn_implementation("eager")
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(3, text.vocab_size, n), np.ones(n, bool)) for n in (37, 5, 30)]
+    with torch.no_grad():
+        want = float(separate_loss(reference, dict(enumerate(docs))))
+        got = float(packed_loss(prepare_model(language).eval(), pack_samples(docs), "sum").ce_sum)
+    assert abs(got - want) <= 1e-5 * abs(want)
 
 
 def test_a_model_whose_image_encoder_lit_hbp_cannot_call_is_refused_with_images():

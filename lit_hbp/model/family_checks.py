@@ -21,6 +21,8 @@ import textwrap
 
 import torch
 
+from lit_hbp.model.vision import tower_beside_language_model
+
 INTERFACE = ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "eager_attention_forward")
 """What a module's code names when its attention goes through transformers' AttentionInterface."""
 RENUMBERED = re.compile(r"^(?P<indent>\s*)position_ids\s*=\s*torch\.arange\(", re.M)
@@ -217,9 +219,28 @@ def refuse_unseen(net: torch.nn.Module, decoder: torch.nn.Module, family: str, m
             f"{family}: its `{type(decoder).__name__}` numbers a call's positions itself (torch.arange over the row) "
             f"instead of taking each document's own, {end}"
         )
+    if text and (beside := tower_beside_language_model(net)) is not None:
+        raise ValueError(_layout_refusal(net, decoder, family, *beside))
     if text:
         for name, child in _outside_weights(net, decoder):
             raise ValueError(
                 f"{family}: its `{name}` ({type(child).__name__}) holds weights its forward runs between the decoder "
                 f"and the output layer, which lit-hbp's packed loss does not, {end}"
             )
+
+
+def _layout_refusal(net: torch.nn.Module, decoder: torch.nn.Module, family: str, name: str, tower) -> str:
+    """Why a model holding its vision tower beside its language model on the top module is refused, and what of
+    it lit-hbp can train: that language model, prepared alone, where it is a causal LM of its own."""
+    holder = next((n for n, c in net.named_children() if any(m is decoder for m in c.modules())), None)
+    lm = net.get_submodule(holder) if holder is not None else None
+    alone = (
+        f"; to train its text, prepare its `{holder}` ({type(lm).__name__}) alone"
+        if lm is not None and lm is not net and getattr(lm, "get_output_embeddings", lambda: None)() is not None
+        else ""
+    )
+    return (
+        f"{family}: its `{name}` ({type(tower).__name__}) sits beside its language model on the top module, "
+        "with no inner `model` that encodes images (get_image_features): a vision-language layout lit-hbp does "
+        f"not run, for images or text: refused (docs/families.md){alone}"
+    )

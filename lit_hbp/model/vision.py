@@ -58,6 +58,15 @@ def is_multimodal(net: torch.nn.Module) -> bool:
 VISION_TOWERS = ("vision_tower", "visual", "vision_model")  # the inner model's image encoder, by family
 
 
+def tower_beside_language_model(net: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """(name, module) of a vision tower the top module holds itself, beside its language model, with no inner
+    ``model`` that encodes images (Llama 4's and Nemotron-H Omni's ``vision_model``): a vision-language layout
+    lit-hbp's packed calls do not run (``is_multimodal`` is False); None otherwise."""
+    if is_multimodal(net):
+        return None
+    return next(((name, child) for name, child in net.named_children() if name in VISION_TOWERS), None)
+
+
 def vision_tower(net: torch.nn.Module) -> torch.nn.Module | None:
     """The image encoder of a vision-language model (LLaVA's ``vision_tower``, Qwen's ``visual``, ...), which
     for some families holds their projector too (Qwen's ``visual.merger``); None for a text-only model."""
