@@ -626,3 +626,19 @@ def test_each_epochs_accumulation_is_the_one_lightnings_fit_loop_steps_with(sche
         trainer().fit(module, torch.utils.data.DataLoader(torch.ones(8, 1), batch_size=1))
         planned = trainer()
     assert {e: set(w) for e, w in module.by_epoch.items()} == {e: {accumulation_at(planned, e)} for e in range(3)}
+
+
+def test_a_transformer_whose_positions_sit_in_a_buffer_named_otherwise_keeps_its_limit():
+    """CTRL numbers its tokens by a sinusoid buffer (``pos_encoding``) that its forward indexes by the position
+    ids: the plain model fails on a document past ``n_positions``, so such levels stay refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_hbp.model.checks import takes_positions
+
+    config = AutoConfig.for_model("ctrl", n_embd=32, n_layer=1, n_head=2, dff=64, n_positions=64, vocab_size=100)
+    net = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(IndexError):
+        net(input_ids=torch.arange(70)[None] % 100)
+    assert takes_positions(net) and takes_positions(config)
+    with pytest.raises(ValueError, match="max_position_embeddings 64"):
+        check_positions(config, [Level(128, 1)])

@@ -210,13 +210,19 @@ def takes_positions(model: Any) -> bool:
     meta device): a rotary embedding, an embedding table beside the token ids', or a weight or buffer named for
     positions. A hybrid whose attention takes none (NoPE: Nemotron-H, Jamba, Zamba, Granite 4.0-H with
     ``position_embedding_type`` None, which still carries ``rope_parameters``) has none, so no document is too long
-    for its ``max_position_embeddings``. What cannot be built or read counts as taking positions."""
+    for its ``max_position_embeddings``. Only a model with a stateful token mixer is asked (a transformer's
+    positions may sit in a buffer named otherwise: CTRL's ``pos_encoding``); what cannot be built or read, and
+    every other model, counts as taking positions."""
     import torch
+
+    from lit_hbp.model.mixers import stateful_mixers
 
     if not isinstance(model, torch.nn.Module):
         model = _built_on_meta(model)
         if model is None:
             return True
+    if not stateful_mixers(model):
+        return True
     try:
         tokens = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
