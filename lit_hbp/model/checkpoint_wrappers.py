@@ -37,10 +37,16 @@ def _composable(module: torch.nn.Module) -> bool:
     return "checkpoint" in (_get_registry(module) or {})
 
 
-def checkpoint_wrapper_over(net: torch.nn.Module, layers: list[torch.nn.Module]) -> str | None:
+def _wraps(module: torch.nn.Module, wrapper: type | None) -> bool:
+    """Whether ``module`` is torch's ``CheckpointWrapper`` or carries its composable ``checkpoint``."""
+    return (wrapper is not None and isinstance(module, wrapper)) or _composable(module)
+
+
+def checkpoint_wrapper_over(net: torch.nn.Module, layers: list[torch.nn.Module], inside: bool = True) -> str | None:
     """The path in ``net`` of torch's own checkpointing of one of ``layers`` or of a module holding one (a
-    ``CheckpointWrapper``, or the composable ``checkpoint`` on the module), with what it is; None when there is
-    none. Walks the modules around the layers, not inside them (a packed call asks this each time)."""
+    ``CheckpointWrapper``, or the composable ``checkpoint`` on the module) or, ``inside``, of a module inside one
+    (its attention, its mixer; False: around the layers only, a packed call's cheap walk), with what it is; None
+    when there is none."""
     wrapper = _wrapper_class()
     targets = {id(layer) for layer in layers}
     stack: list[tuple[str, torch.nn.Module]] = [("", net)]
@@ -49,7 +55,10 @@ def checkpoint_wrapper_over(net: torch.nn.Module, layers: list[torch.nn.Module])
         name = path or type(net).__name__
         if _composable(module) and (id(module) in targets or any(id(m) in targets for m in module.modules())):
             return f"`{name}` has torch's composable checkpoint(module)"
-        if id(module) in targets:
+        if id(module) in targets:  # inside a layer: a wrapped attention or mixer recomputes outside the call too
+            inner = inside and next((p for p, m in module.named_modules(prefix=name) if _wraps(m, wrapper)), None)
+            if inner:
+                return f"`{inner}` inside a decoder layer is torch's own checkpointing (CheckpointWrapper, checkpoint)"
             continue
         if wrapper is not None and isinstance(module, wrapper):
             if any(id(m) in targets for m in module.modules()):
@@ -62,7 +71,9 @@ def checkpoint_wrapper_over(net: torch.nn.Module, layers: list[torch.nn.Module])
 
 def refuse_checkpoint_wrappers(net: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> None:
     """Raise ``ValueError`` when torch's own activation checkpointing wraps one of ``net``'s decoder ``layers``
-    (None: its checkpointable layers outside a vision tower, before ``prepare_model`` found them)."""
+    (None: its checkpointable layers outside a vision tower, before ``prepare_model`` found them, their insides
+    walked too; given: a packed call's check, around the layers only, as a whole walk costs ~1 ms a call)."""
+    inside = layers is None
     if layers is None:
         from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -71,7 +82,7 @@ def refuse_checkpoint_wrappers(net: torch.nn.Module, layers: list[torch.nn.Modul
         tower = vision_tower(net)
         skip = set() if tower is None else {id(m) for m in tower.modules()}
         layers = [m for m in net.modules() if isinstance(m, GradientCheckpointingLayer) and id(m) not in skip]
-    found = checkpoint_wrapper_over(net, layers)
+    found = checkpoint_wrapper_over(net, layers, inside)
     if found is not None:
         raise ValueError(
             f"{type(net).__name__}: {found}, which recomputes a decoder layer in the backward after the packed call "
