@@ -737,3 +737,44 @@ def test_a_training_step_taking_lightnings_dataloader_iter_is_refused_at_fit_sta
     module = IterModule(model=TINY, vocab_size=dm.vocab_size, self_check=False)
     with pytest.raises(ConfigError, match=r"IterModule.training_step\(dataloader_iter\): .*take it"):
         quiet_trainer(devices=1, max_steps=2).fit(module, dm)
+
+
+def test_a_checkpoint_whose_groups_decayed_2d_biases_resumes_on_its_own_groups(chat_data, toy_tokenizer, tmp_path):
+    """A run saved when the AdamW groups decayed every parameter of two or more dimensions not named norm (gpt-oss's
+    2-D expert biases among them) resumes: torch's optimizer refused the saved state ("a parameter group that
+    doesn't match the size"); the run keeps the checkpoint's groups and says so. Reference: the old rule, written
+    here by hand."""
+    from families import small_config
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lit_hbp.lightning.module as module_file
+
+    def old_rule(model, weight_decay, saved=None):
+        decay, plain = [], []
+        for name, p in model.named_parameters():
+            (plain if p.dim() < 2 or "norm" in name.lower() else decay).append(p)
+        return [dict(params=decay, weight_decay=weight_decay), dict(params=plain, weight_decay=0.0)]
+
+    def data():
+        return HBPDataModule(sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=["96:1", "256:1"],
+                             cache_dir=str(tmp_path / "cache"))  # fmt: skip
+
+    config = {k: v for k, v in small_config("gpt_oss").items() if k != "vocab_size"}  # the tokenizer's
+    dm = data()
+    module = make_module(config, vocab=dm.vocab_size, weight_decay=0.1, self_check=False)
+    real = module_file.decay_groups
+    module_file.decay_groups = old_rule
+    try:
+        saving = ModelCheckpoint(dirpath=tmp_path, filename="old", every_n_train_steps=2)  # at the step, in the epoch
+        trainer = quiet_trainer(devices=1, max_steps=2, enable_checkpointing=True, callbacks=[saving])
+        trainer.fit(module, dm)
+        saved = [len(g["params"]) for g in trainer.optimizers[0].param_groups]
+    finally:
+        module_file.decay_groups = real
+    assert saved != [len(g["params"]) for g in real(module.model, 0.1)]  # the two rules differ on this model
+    module = make_module(config, vocab=dm.vocab_size, weight_decay=0.1, self_check=False)
+    trainer = quiet_trainer(devices=1, max_steps=3)
+    with pytest.warns(UserWarning, match="the resumed run keeps its groups"):
+        trainer.fit(module, data(), ckpt_path=str(tmp_path / "old.ckpt"))
+    assert trainer.global_step == 3
+    assert [len(g["params"]) for g in trainer.optimizers[0].param_groups] == saved

@@ -30,6 +30,7 @@ from lit_hbp.lightning.optimizer import (
     decay_groups,
     grad_norm,
     optimizer_device,
+    saved_group_sizes,
     zero_engine,
 )
 from lit_hbp.lightning.schedule import LR_SCHEDULE, long_warmup, lr_factor, run_steps, schedule_moved, take_schedule_now
@@ -128,10 +129,9 @@ class HBPLitModule(L.LightningModule):
         model: local checkpoint path, or a config mapping with ``model_type`` (random init).
         vocab_size: tokenizer size (linked from the data module): a config mapping's own is kept if not fewer.
         loss: ``ave_token`` (default) | ``token_mean`` | ``sample_mean`` | ``sum``.
-        lr, weight_decay, betas: AdamW, torch's fused kernel when every trainable parameter is on
-            CUDA (``adamw_kind``; its multi-tensor one where Lightning's mixed precision clips the
-            gradients, which the fused kernel refuses). Biases, norm weights and parameters of fewer than two
-            dimensions are not decayed (``lit_hbp.lightning.optimizer.decay_groups``).
+        lr, weight_decay, betas: AdamW, torch's fused kernel when every trainable parameter is on CUDA
+            (``adamw_kind``; its multi-tensor one where Lightning's mixed precision clips the gradients, which the
+            fused kernel refuses). Biases, norm weights and vectors are not decayed (``optimizer.decay_groups``).
         warmup_steps: linear warm-up of the learning rate, then cosine to ``min_lr_ratio * lr`` at the run's end.
         ce_chunk_size: supervised tokens per LM-head chunk of the cross-entropy.
         attn_backend: ``auto`` (the fastest that runs, per device, dtype and feature) or a name of
@@ -579,7 +579,7 @@ class HBPLitModule(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        groups = decay_groups(self.model, hp.weight_decay)
+        groups = decay_groups(self.model, hp.weight_decay, saved_group_sizes(self._trainer))
         device = optimizer_device(self.trainer.strategy) if self._trainer is not None else None
         kind = adamw_kind([p for g in groups for p in g["params"]], device)
         why = ""

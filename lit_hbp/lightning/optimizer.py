@@ -23,20 +23,49 @@ def adamw_kind(params: list[torch.Tensor], device: torch.device | None = None) -
     return "fused" if fused else "foreach"
 
 
-def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def decay_groups(model: torch.nn.Module, weight_decay: float, saved: list[int] | None = None) -> list[dict]:
     """AdamW's parameter groups of ``model``'s trainable parameters: decayed by ``weight_decay``, or not.
     Not decayed: every parameter whose name holds ``bias`` or ``norm`` (Hugging Face Trainer's rule, a MoE's
     2-D expert biases included) and every one with fewer than two dimensions (scales, gates, a state-space
     layer's ``A_log`` and ``D``: the convention of nanoGPT and Mamba's own training code, which HF Trainer
-    decays). Empty groups are left out."""
+    decays). Empty groups are left out. ``saved``: the group sizes of the checkpoint a run resumes
+    (``saved_group_sizes``): one written before 2-D biases left the decayed group resumes on its own groups, said."""
+    groups = _groups(model, weight_decay, ("bias", "norm"))
+    if saved is None or [len(g["params"]) for g in groups] == saved:
+        return groups
+    old = _groups(model, weight_decay, ("norm",))
+    if [len(g["params"]) for g in old] != saved:
+        raise ConfigError(
+            f"the checkpoint's AdamW groups hold {saved} parameters, this run's {[len(g['params']) for g in groups]}: "
+            "resume the model it was written for (its lora and trainable parameters as they were)"
+        )
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(
+        "the checkpoint's AdamW groups decay 2-D biases (written before lit-hbp left every parameter named bias "
+        "undecayed): the resumed run keeps its groups"
+    )
+    return old
+
+
+def _groups(model: torch.nn.Module, weight_decay: float, undecayed: tuple[str, ...]) -> list[dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             shape = getattr(p, "ds_shape", p.shape)  # ZeRO-3 partitions parameters into 1-D shards
             lowered = name.lower()
-            (no_decay if len(shape) < 2 or "bias" in lowered or "norm" in lowered else decay).append(p)
+            (no_decay if len(shape) < 2 or any(w in lowered for w in undecayed) else decay).append(p)
     groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
     return [g for g in groups if g["params"]]
+
+
+def saved_group_sizes(trainer) -> list[int] | None:
+    """The parameters of each optimizer group in the checkpoint ``trainer`` resumes, which Lightning holds loaded
+    while the optimizer is built (None otherwise, and under DeepSpeed, which restores after)."""
+    loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None) or {}
+    states = loaded.get("optimizer_states") or [{}]
+    groups = states[0].get("param_groups") if isinstance(states[0], dict) else None
+    return [len(g["params"]) for g in groups] if groups else None
 
 
 def clips_scaled_gradients(trainer) -> bool:
