@@ -111,8 +111,8 @@ class Record(L.Callback):
         )
 
 
-def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None, accumulate=2):
-    L.seed_everything(0)
+def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None, accumulate=2, seed=0):
+    L.seed_everything(seed)  # the data's seed too (HBPDataModule without a seed takes the run's)
     dm = HBPDataModule(
         sources=[{"path": str(data)}], tokenizer=tokenizer, levels=["128:1", "512:1"], cache_dir=str(tmp_path / "cache")
     )
@@ -199,6 +199,9 @@ def test_resume_refuses_a_different_plan(tmp_path, resume_data, toy_tokenizer):
         ValueError, match=r"cannot resume from this checkpoint: the plan of its epoch 0 .*accumulate: 2 -> 1"
     ):
         run(tmp_path / "other", resume_data, toy_tokenizer, max_steps=6, ckpt_path=ckpt, accumulate=1)
+    # A resume under another seed_everything (the data module given no seed): the seed to set is named.
+    with pytest.raises(ValueError, match=r"seed: 0 -> 1.* Its data seed was 0: set data.seed 0"):
+        run(tmp_path / "seeded", resume_data, toy_tokenizer, max_steps=6, ckpt_path=ckpt, seed=1)
 
 
 def test_cli_links_vocab_size_and_interpolates(tmp_path, small_demo, monkeypatch):

@@ -433,6 +433,12 @@ class PlanLoader(DataLoader):
                 "never (a resume plans that epoch again to find where it stopped, also after its last step). Resume "
                 "with the same data, levels, world size, accumulate_grad_batches and seed, or start a new run from "
                 "the exported model."
+                + (
+                    f" Its data seed was {saved.get('seed')}: set data.seed {saved.get('seed')} (without it a run "
+                    "takes seed_everything's, and the command line a checkpoint path's)"
+                    if saved.get("seed") != now.get("seed")
+                    else ""
+                )
             )
         trainer, epoch, micro = self.dm.trainer, state["epoch"], state["micro_step"]
         batches = epoch_batches(trainer.limit_train_batches, self.dm.plan_for_epoch(epoch).n_micro_steps)
