@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from lit_hbp.data.media_batch import MM_KEYS
-from lit_hbp.data.records import Frames
+from lit_hbp.data.message_fields import Frames
 from lit_hbp.errors import DataError
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.vision_load import VisionLoad

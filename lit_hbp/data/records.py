@@ -17,21 +17,31 @@ a data set's role names onto chat roles (``{bot: assistant}``). Used or refused:
 is rendered or the record is refused with its file and line; a record's other fields are metadata,
 counted per source in the data report.
 
-One module of about 600 lines on purpose: every format's reader beside the field and role mapping and the
-refusals they share, read together when a format or a field is added (``auto`` decides between them).
+Every format's reader beside the field and role mapping and the refusals they share, read together when a format
+or a field is added (``auto`` decides between them); what one field's value means (a content's parts, a weight, tool
+calls) is ``lit_hbp.data.message_fields``.
 """
 
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
+from lit_hbp.data.message_fields import (
+    Frames,
+    calls_of_json,
+    is_media_source,
+    joined_text,
+    text_of,
+    tool_calls_of,
+    tools_of,
+    weight_of,
+)
 from lit_hbp.errors import ConfigError, DataError
 
 RECORD_FORMATS = ("auto", "openai", "sharegpt", "alpaca", "prompt_response", "text", "tokens")
@@ -68,8 +78,6 @@ FUNCTION_CALL = "function_call"
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "observation": "tool", FUNCTION_CALL: FUNCTION_CALL}
 ROLE_TYPO_CUTOFF = 0.7  # assitant / assistant 0.94, usr / user 0.86; model / developer 0.43
 FIELD_TYPO_CUTOFF = 0.8  # tool / tools 0.89, conversation / conversations 0.96
-TEXT_PARTS = ("text", "input_text", "output_text")
-MEDIA_PARTS = ("image_url", "image", "input_image", "input_audio", "audio", "video", "video_url", "file", "input_file")
 # LLaVA's and LLaMA-Factory's record fields of each media kind (its list, its one-item form) and the
 # marker that stands in the text where each of them goes.
 MEDIA_FIELDS = {"image": ("images", "image", "<image>"), "video": ("videos", "video", "<video>")}
@@ -314,7 +322,7 @@ class RecordReader:
                 raise DataError(f"{where}: the record has both {plural!r} and {single!r}: give one")
             key, value = listed[0]
             items = [value] if isinstance(value, str) or (kind == "video" and key == single) else value
-            if not isinstance(items, list) or not all(_is_source(x, frames=kind == "video") for x in items):
+            if not isinstance(items, list) or not all(is_media_source(x, frames=kind == "video") for x in items):
                 what = "a path or a list of paths" if kind == "image" else "a list of videos (paths or lists of frames)"
                 raise DataError(f"{where}: field {self.name(key)!r} must be {what}, got {value!r:.80}")
             for m in messages:  # markers stand in the text as written: a content of text parts alone, joined
@@ -511,160 +519,3 @@ class RecordReader:
 def _per_token(value: Any, ids: Any) -> bool:
     """Whether a pre-tokenized record's field holds one value per token of ``ids`` (a mask or weights)."""
     return isinstance(value, (list, tuple)) and isinstance(ids, (list, tuple)) and len(value) == len(ids) > 1
-
-
-def joined_text(content: str | list[dict]) -> str | list[dict]:
-    """A content of text parts alone as one string, joined as written; any other content as it is."""
-    if isinstance(content, list) and all(p["type"] == "text" for p in content):
-        return "".join(p["text"] for p in content)
-    return content
-
-
-def text_of(content: Any, at: str, may_be_empty: bool = False) -> str | list[dict]:
-    """A message's content: a string, a list's text parts in order (``{"type": "text", "text": ...}``: the
-    encoder hands them to a template that renders parts, and joins them as written for one that does not), or
-    null beside tool calls (``may_be_empty``); with image or video parts, the text, image and video parts in
-    order (each one's file kept under ``path`` for the reader). Audio and files are refused."""
-    if content is None:
-        if may_be_empty:
-            return ""
-        raise DataError(f"{at} is null; only an assistant message with tool_calls may have no content")
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise DataError(f"{at} must be str or a list of text parts, got {type(content).__name__}")
-    parts: list[dict] = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in IMAGE_PARTS or kind in VIDEO_PARTS:
-            media = "image" if kind in IMAGE_PARTS else "video"
-            parts.append({"type": media, "path": media_file(part, kind, media, f"{at}[{j}]"), "at": f"{at}[{j}]"})
-            if "fps" in part and kind == "video":
-                parts[-1]["fps"] = frame_rate(part["fps"], f"{at}[{j}]")
-            continue
-        if kind in MEDIA_PARTS:
-            raise DataError(f"{at}[{j}] is a {kind!r} part: not supported (lit-hbp trains on text, images and videos)")
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
-            raise DataError(f'{at}[{j}] must be a text part {{"type": "text", "text": ...}}, got {part!r:.80}')
-        parts.append({"type": "text", "text": part["text"]})
-    return parts
-
-
-class Frames(NamedTuple):
-    """A video given as frames (a folder or a list of files) at the rate its record states, ``fps``."""
-
-    source: str | tuple[str, ...]
-    fps: float
-
-
-IMAGE_PARTS = ("image", "image_url", "input_image")
-VIDEO_PARTS = ("video", "video_url")
-
-
-def media_file(part: Mapping, kind: str, media: str, at: str) -> str | list[str]:
-    """The file of an image or video part: ``{"type": "image" | "video", "image" | "video" | "path" |
-    "url": ...}`` (a video's may be a list of frame files), OpenAI's ``{"type": "image_url", "image_url":
-    {"url": ...}}`` (``video_url`` alike) or ``{"type": "input_image", "image_url": ...}``."""
-    direct = kind == media
-    known = {"type", media, "path", "url"} if direct else {"type", f"{media}_url"}
-    if direct and media == "video":
-        known.add("fps")  # the rate of a video given as frames (``frame_rate``)
-    unknown = sorted(set(part) - known)
-    article = "an" if media == "image" else "a"
-    if unknown:
-        raise DataError(f"{at}: {article} {media} part's {unknown} is not read (it has {', '.join(sorted(known))})")
-    value = part.get(media, part.get("path", part.get("url"))) if direct else part.get(f"{media}_url")
-    if isinstance(value, Mapping):
-        value = value.get("url")
-    if not _is_source(value, frames=media == "video"):
-        example = '"image": "path/to/file.png"' if media == "image" else '"video": "path/to/frames/" or a list of them'
-        raise DataError(f"{at} is {article} {media} part without a file (give {example}), got {part!r:.80}")
-    return value
-
-
-def frame_rate(value: Any, at: str) -> float:
-    """A video part's ``fps``: the frames a second of a video given as frames, a positive number (the
-    processor reads time from it: Qwen2.5-VL's seconds per temporal patch, Qwen3-VL's timestamps)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise DataError(f"{at}: a video part's fps must be a positive number of frames a second, got {value!r:.40}")
-    return float(value)
-
-
-def _is_source(value: Any, frames: bool) -> bool:
-    """A non-empty path, or (``frames``: a video's) a non-empty list of them."""
-    if frames and isinstance(value, list):
-        return bool(value) and all(isinstance(x, str) and x for x in value)
-    return isinstance(value, str) and bool(value)
-
-
-def weight_of(value: Any, at: str) -> int | None:
-    """A message's ``weight``: 0 (the turn does not train) or 1 (it trains), or None when absent."""
-    if value is None:
-        return None
-    if isinstance(value, (bool, int, float)) and value in (0, 1):
-        return int(value)
-    raise DataError(f"{at} must be 0 or 1 (whether the turn trains), got {value!r}")
-
-
-def _json(value: Any, at: str) -> Any:
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{at} is not valid JSON: {e.msg} (column {e.colno})") from None
-
-
-def tools_of(value: Any, at: str) -> list[dict] | None:
-    """Tool definitions in OpenAI's form ``{"type": "function", "function": {name, description,
-    parameters}}``: a list (or its JSON string); a bare function description is wrapped."""
-    value = _json(value, at)
-    if value is None or value == []:
-        return None
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise DataError(f"{at} must be a list of tool definitions (objects)")
-    out = []
-    for j, tool in enumerate(value):
-        if "type" not in tool and "function" not in tool:
-            if not isinstance(tool.get("name"), str):
-                raise DataError(f"{at}[{j}] has neither a type nor a name: not a tool definition")
-            tool = {"type": "function", "function": tool}
-        out.append(tool)
-    return out
-
-
-def tool_calls_of(value: Any, at: str) -> list[dict]:
-    """Tool calls as chat templates read them, ``{"type": "function", "function": {"name", "arguments"}}`` and the
-    call's ``id``; the arguments as given, as ``apply_chat_template`` takes them: OpenAI's JSON string stays a string
-    (checked to be JSON; Qwen3 and Hermes print it as written, a ``tojson`` quotes it), an object an object."""
-    if not isinstance(value, list) or not value:
-        raise DataError(f"{at} must be a non-empty list of calls")
-    out = []
-    for j, call in enumerate(value):
-        if not isinstance(call, dict):
-            raise DataError(f"{at}[{j}] must be an object")
-        if call.get("type", "function") != "function":
-            raise DataError(f"{at}[{j}] is a {call['type']!r} call: only function calls are read")
-        fn = call.get("function", call)
-        unknown = set(call) - (
-            {"id", "type", "function"} if "function" in call else {"id", "type", "name", "arguments"}
-        )
-        if unknown or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise DataError(f'{at}[{j}] must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}')
-        if set(fn) - {"name", "arguments"}:
-            raise DataError(
-                f"{at}[{j}].function has fields {sorted(set(fn) - {'name', 'arguments'})}; a call has name, arguments"
-            )
-        arguments = {} if fn.get("arguments") is None else fn["arguments"]
-        _json(arguments, f"{at}[{j}].function.arguments")  # a malformed string is refused, never rendered
-        entry = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
-        if call.get("id") is not None:
-            entry["id"] = call["id"]
-        out.append(entry)
-    return out
-
-
-def calls_of_json(value: Any, at: str) -> list[dict]:
-    """ShareGPT's ``function_call`` turn: the JSON of one call ``{"name", "arguments"}`` or a list of them."""
-    calls = _json(value, at)
-    return tool_calls_of(calls if isinstance(calls, list) else [calls], at)
