@@ -110,3 +110,24 @@ def test_torchs_checkpoint_wrapper_inside_decoder_layers_is_refused_by_prepare_m
     with pytest.raises(ValueError, match=r"`model\.layers\.0\.\w+` inside a decoder layer is torch's own"):
         prepare_model(net)
     assert record_of(net) is None
+
+
+@pytest.mark.parametrize("how", ["wrapper", "composable"])
+def test_torchs_checkpointing_inside_a_layer_after_prepare_model_is_refused_by_the_packed_call(how):
+    """A wrapper on a module inside a decoder layer applied after ``prepare_model`` (its attention: reentrant, a
+    llama's self_attn gradients were 1.24 off each document alone, unsaid) is seen by the next packed call, which
+    walks inside the layers too."""
+    net = tiny("llama").train()
+    prepare_model(net)
+    batch = pack_samples(documents(net.config.vocab_size))
+    packed_loss(net, batch, "sum").loss.backward()  # prepared, unwrapped: trains
+    if how == "wrapper":
+        wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT)
+        inner = type(net.model.layers[0].self_attn)
+        apply_activation_checkpointing(net, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, inner))
+        match = r"`model\.layers\.0\.self_attn` inside a decoder layer is torch's own"
+    else:
+        composable_checkpoint(net.model.layers[1].mlp)
+        match = r"`model\.layers\.1\.mlp` inside a decoder layer is torch's own"
+    with pytest.raises(ValueError, match=match):
+        packed_loss(net, batch, "sum")

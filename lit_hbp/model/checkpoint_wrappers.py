@@ -12,68 +12,69 @@ are silently wrong; without it torch stops with a ``CheckpointError``. The packe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FIX = (
     "remove it and let lit-hbp checkpoint the layers inside the call: the level's ckpt_layers, or "
     "model.gradient_checkpointing_enable(), whose checkpointing lit-hbp runs inside packed calls"
 )
+TORCHS = "torch's own checkpointing (CheckpointWrapper, checkpoint)"
+WRAPPER = "torch's CheckpointWrapper (apply_activation_checkpointing / checkpoint_wrapper)"
 
 
-def _wrapper_class() -> type | None:
+@functools.cache
+def _torch_checks() -> tuple[type | None, str | None]:
+    """torch's ``CheckpointWrapper`` and the attribute under which its composable APIs (``checkpoint(module)``)
+    register on a module (None in a torch built without torch.distributed), looked up once: a packed call walks
+    every module of the model with them. The registry sits in the module's ``__dict__`` (``contract`` puts it
+    there), read so rather than through ``Module.__getattr__``, whose miss raises an error per module."""
     try:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    except ImportError:  # a torch built without torch.distributed has neither wrapper
-        return None
-    return CheckpointWrapper
-
-
-def _composable(module: torch.nn.Module) -> bool:
-    """Whether torch's composable ``checkpoint(module)`` (``torch.distributed._composable``) is on ``module``."""
-    try:
-        from torch.distributed._composable.contract import _get_registry
     except ImportError:
-        return False
-    return "checkpoint" in (_get_registry(module) or {})
+        CheckpointWrapper = None  # noqa: N806
+    try:
+        from torch.distributed._composable.contract import REGISTRY_KEY
+    except ImportError:
+        REGISTRY_KEY = None  # noqa: N806
+    return CheckpointWrapper, REGISTRY_KEY
 
 
-def _wraps(module: torch.nn.Module, wrapper: type | None) -> bool:
-    """Whether ``module`` is torch's ``CheckpointWrapper`` or carries its composable ``checkpoint``."""
-    return (wrapper is not None and isinstance(module, wrapper)) or _composable(module)
-
-
-def checkpoint_wrapper_over(net: torch.nn.Module, layers: list[torch.nn.Module], inside: bool = True) -> str | None:
-    """The path in ``net`` of torch's own checkpointing of one of ``layers`` or of a module holding one (a
-    ``CheckpointWrapper``, or the composable ``checkpoint`` on the module) or, ``inside``, of a module inside one
-    (its attention, its mixer; False: around the layers only, a packed call's cheap walk), with what it is; None
-    when there is none."""
-    wrapper = _wrapper_class()
+def checkpoint_wrapper_over(net: torch.nn.Module, layers: list[torch.nn.Module]) -> str | None:
+    """The path in ``net`` of torch's own checkpointing of one of ``layers``, of a module holding one (a
+    ``CheckpointWrapper``, or the composable ``checkpoint`` on the module) or of a module inside one (its
+    attention, its mixer), with what it is; None when there is none. Every module is visited once (~0.3 ms for
+    a 16-layer model): packed calls walk it, so a wrapper applied after ``prepare_model`` is seen too."""
+    wrapper, key = _torch_checks()
     targets = {id(layer) for layer in layers}
-    stack: list[tuple[str, torch.nn.Module]] = [("", net)]
+    stack: list[tuple[torch.nn.Module, bool]] = [(net, False)]  # (module, inside a layer); paths only once found
     while stack:
-        path, module = stack.pop()
-        name = path or type(net).__name__
-        if _composable(module) and (id(module) in targets or any(id(m) in targets for m in module.modules())):
-            return f"`{name}` has torch's composable checkpoint(module)"
-        if id(module) in targets:  # inside a layer: a wrapped attention or mixer recomputes outside the call too
-            inner = inside and next((p for p, m in module.named_modules(prefix=name) if _wraps(m, wrapper)), None)
-            if inner:
-                return f"`{inner}` inside a decoder layer is torch's own checkpointing (CheckpointWrapper, checkpoint)"
-            continue
-        if wrapper is not None and isinstance(module, wrapper):
+        module, inside = stack.pop()
+        wrapped = wrapper is not None and isinstance(module, wrapper)
+        composable = key is not None and "checkpoint" in (module.__dict__.get(key) or {})
+        if inside and (wrapped or composable):  # a wrapped attention or mixer recomputes outside the call too
+            return f"`{_path(net, module)}` inside a decoder layer is {TORCHS}"
+        if composable and (id(module) in targets or any(id(m) in targets for m in module.modules())):
+            return f"`{_path(net, module)}` has torch's composable checkpoint(module)"
+        if wrapped:
             if any(id(m) in targets for m in module.modules()):
-                return f"`{name}` is torch's CheckpointWrapper (apply_activation_checkpointing / checkpoint_wrapper)"
+                return f"`{_path(net, module)}` is {WRAPPER}"
             continue
-        children = [(f"{path}.{key}" if path else key, c) for key, c in module._modules.items() if c is not None]
-        stack.extend(reversed(children))  # the first in the model's order first
+        inside = inside or id(module) in targets
+        stack.extend((c, inside) for c in reversed(module._modules.values()) if c is not None)  # the model's order
     return None
+
+
+def _path(net: torch.nn.Module, module: torch.nn.Module) -> str:
+    """``module``'s path in ``net`` (the model's class name for ``net`` itself)."""
+    return next(p for p, m in net.named_modules() if m is module) or type(net).__name__
 
 
 def refuse_checkpoint_wrappers(net: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> None:
     """Raise ``ValueError`` when torch's own activation checkpointing wraps one of ``net``'s decoder ``layers``
     (None: its checkpointable layers outside a vision tower, before ``prepare_model`` found them, their insides
-    walked too; given: a packed call's check, around the layers only, as a whole walk costs ~1 ms a call)."""
-    inside = layers is None
+    walked too; given: a packed call's check, the same walk)."""
     if layers is None:
         from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -82,7 +83,7 @@ def refuse_checkpoint_wrappers(net: torch.nn.Module, layers: list[torch.nn.Modul
         tower = vision_tower(net)
         skip = set() if tower is None else {id(m) for m in tower.modules()}
         layers = [m for m in net.modules() if isinstance(m, GradientCheckpointingLayer) and id(m) not in skip]
-    found = checkpoint_wrapper_over(net, layers, inside)
+    found = checkpoint_wrapper_over(net, layers)
     if found is not None:
         raise ValueError(
             f"{type(net).__name__}: {found}, which recomputes a decoder layer in the backward after the packed call "
