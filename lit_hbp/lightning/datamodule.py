@@ -126,6 +126,9 @@ class HBPDataModule(L.LightningDataModule):
             ``{"text"}`` and pre-tokenized records.
         num_proc: processes that tokenize a source; None (default): every core of the node for a
             source over 8 MB (or 8,192 rows), the main process for a smaller one.
+        processor_kwargs: a vision-language checkpoint's image (and video) processor settings instead of its
+            folder's (``max_pixels``, ``size``, ``image_grid_pinpoints``: how many tokens an image becomes), each
+            checked to be one the processor holds; checkpoints and the export carry the processor so set.
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class HBPDataModule(L.LightningDataModule):
         chat_template: str | None = None,
         num_proc: int | None = None,
         demo: str = "text",
+        processor_kwargs: dict | None = None,
     ):
         super().__init__()
         self.save_hyperparameters("tokenizer")  # in checkpoints: export writes the run's tokenizer
@@ -203,7 +207,7 @@ class HBPDataModule(L.LightningDataModule):
             raise ConfigError(f"data.demo: {demo} names the demo data.demo_dir builds, and no demo_dir is given")
         check_sources(self.sources, "sources")
         check_sources(self.val_sources, "val_sources", apart=self.sources)
-        self.tokenizer, self.processor, self.model_config = load_renderers(tokenizer, chat_template)
+        self.tokenizer, self.processor, self.model_config = load_renderers(tokenizer, chat_template, processor_kwargs)
         self.pad_id = next(x for x in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0) if x is not None)
         self.store: SampleStore | None = None
         self.val_store: SampleStore | None = None
@@ -245,6 +249,12 @@ class HBPDataModule(L.LightningDataModule):
                     f"the checkpoint holds no random state of this run's ranks (saved {why}): dropout draws other "
                     "masks from here than the run it continues"
                 )
+        images = state.get("processor_files")
+        if images and self.processor is not None and images != tokenizer_files(self.processor):
+            rank_zero_warn(
+                "the checkpoint was trained with other processor settings than data.tokenizer / "
+                "data.processor_kwargs give now (images may become other token counts); this run goes on with these"
+            )
         files = state.get("tokenizer_files")
         if not files:
             return
@@ -567,7 +577,9 @@ def config_samples(config: dict) -> tuple[np.ndarray, int, VisionLoad | None, An
     from lit_hbp.data.media import vision_load
 
     data = _data_section(config, "sources")
-    tok, processor, vlm_config = load_renderers(data["tokenizer"], data.get("chat_template"))
+    tok, processor, vlm_config = load_renderers(
+        data["tokenizer"], data.get("chat_template"), data.get("processor_kwargs")
+    )
     sources = [Source.of(s, f"data.sources[{i}]") for i, s in enumerate(data["sources"])]
     train_on, cache = data.get("train_on", "assistant"), data.get("cache_dir")
     num_proc = data.get("num_proc")

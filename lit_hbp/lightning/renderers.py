@@ -4,6 +4,7 @@ carried in a run's checkpoint as their files, so a checkpoint is all an export n
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -48,13 +49,13 @@ def load_tokenizer(path: str):
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
-def load_renderers(path: str, chat_template: str | None = None) -> tuple:
+def load_renderers(path: str, chat_template: str | None = None, processor_kwargs: dict | None = None) -> tuple:
     """(tokenizer, processor, model config) of ``data.tokenizer``: a vision-language checkpoint's processor
     shares the tokenizer and the processor's chat template, which its ``apply_chat_template`` renders (a folder
     may carry another one for the tokenizer alone), (None, None) for a text checkpoint; ``chat_template``
-    replaces the template of both."""
+    replaces the template of both; ``processor_kwargs`` overrides the image and video processor's settings."""
     tokenizer = load_tokenizer(path)
-    processor, config = load_processor(path)
+    processor, config = load_processor(path, processor_kwargs)
     if processor is not None:  # one tokenizer and chat template for text and images
         processor.tokenizer = tokenizer
         if getattr(processor, "chat_template", None):
@@ -66,22 +67,74 @@ def load_renderers(path: str, chat_template: str | None = None) -> tuple:
     return tokenizer, processor, config
 
 
-def load_processor(path: str):
+def load_processor(path: str, processor_kwargs: dict | None = None):
     """(processor, config) of a vision-language checkpoint folder (one with an image processor's
-    files), else (None, None): its processor expands and encodes the images of chat records."""
+    files), else (None, None): its processor expands and encodes the images of chat records.
+    ``processor_kwargs`` (``data.processor_kwargs``: ``max_pixels``, ``size``, ``image_grid_pinpoints``...) is
+    passed to ``AutoProcessor.from_pretrained``, which drops a setting no part of the processor has: each is
+    checked to be held by its image or video processor."""
+    if processor_kwargs is not None and not isinstance(processor_kwargs, dict):
+        raise ConfigError(f"data.processor_kwargs must be a mapping of processor settings, got {processor_kwargs!r}")
     folder = Path(path) if Path(path).exists() else None
     if folder is None or not any((folder / name).exists() for name in PROCESSOR_FILES):
+        if processor_kwargs:
+            raise ConfigError(
+                f"data.processor_kwargs: {path} has no image processor (a text checkpoint): remove processor_kwargs"
+            )
         return None, None
     from transformers import AutoConfig, AutoProcessor
 
     try:
-        processor = AutoProcessor.from_pretrained(folder)
-    except (ImportError, OSError, ValueError) as e:
+        processor = AutoProcessor.from_pretrained(folder, **(processor_kwargs or {}))
+    except (ImportError, OSError, ValueError, TypeError) as e:
         raise ConfigError(f"data.tokenizer: the processor of {path} does not load: {e}") from None
     if not hasattr(processor, "image_processor"):
+        if processor_kwargs:
+            raise ConfigError(f"data.processor_kwargs: {path}'s processor has no image processor to set them on")
         return None, None
+    _check_settings(processor, processor_kwargs or {}, folder)
     config = AutoConfig.from_pretrained(folder) if (folder / "config.json").exists() else None
     return processor, config
+
+
+def _settings(processor) -> list[dict]:
+    """The image and video processor's settings (``to_dict``) and what each takes at construction (its
+    ``valid_kwargs``: Qwen2-VL's ``max_pixels`` becomes ``size["longest_edge"]``)."""
+    parts = [part for part in (processor.image_processor, getattr(processor, "video_processor", None)) if part]
+    return [
+        {"held": part.to_dict(), "takes": getattr(type(part), "valid_kwargs", dict).__annotations__} for part in parts
+    ]
+
+
+def _check_settings(processor, kwargs: dict, folder: Path) -> None:
+    """Each of ``kwargs`` held as given by the image or video processor, or taken by one and changing its settings
+    (transformers drops what none has: LLaVA-NeXT's ``max_pixels`` changed nothing, unsaid); a processor's own
+    settings (its patch size, feature strategy) must match the model's config and are not set here."""
+    from transformers import AutoProcessor
+
+    parts = _settings(processor)
+    plain: list[dict] | None = None
+    for key, value in kwargs.items():
+        held = [part["held"][key] for part in parts if key in part["held"]]
+        if held and any(_json(h) != _json(value) for h in held):
+            raise ConfigError(
+                f"data.processor_kwargs.{key}: {folder}'s processor holds {held[0]!r} after loading with {value!r}: "
+                "give the value in the form its own config writes it (processor_config.json)"
+            )
+        if held:
+            continue
+        if plain is None:
+            plain = [part["held"] for part in _settings(AutoProcessor.from_pretrained(folder))]
+        if not any(key in part["takes"] for part in parts) or [part["held"] for part in parts] == plain:
+            names = sorted({k for part in parts for k in (*part["held"], *part["takes"]) if not k.startswith("_")})
+            raise ConfigError(
+                f"data.processor_kwargs.{key}: {folder}'s image processor does not hold it (loading with it changed "
+                f"none of its settings); it has {', '.join(names)}"
+            )
+
+
+def _json(value) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def tokenizer_files(tokenizer) -> dict[str, bytes]:
