@@ -3,18 +3,21 @@ tokens an image becomes), as ``AutoProcessor.from_pretrained(folder, **kwargs)``
 setting no part of the processor has (LLaVA-NeXT's ``max_pixels`` changed nothing, unsaid): lit-hbp refuses it.
 The reference is the processor transformers loads with the same settings, applied to each record alone."""
 
-import json
 import warnings
 
 import pytest
 from test_vision_data import records, with_images_and_records
 from transformers import AutoProcessor
-from vision_models import build_llava, build_qwen, image_token_id, needs_torchvision
+from vision_models import build_gemma3, build_llava, build_qwen, image_token_id, needs_torchvision
 
 from lit_hbp import HBPDataModule
 from lit_hbp.errors import ConfigError
 
-PINPOINTS = [[32, 32]]  # one anyres shape: images take other token counts than with the folder's four
+PINPOINTS = [[32, 32]]  # one anyres shape instead of the folder's four
+PAN_AND_SCAN = dict(  # Gemma 3's crops: more tokens for a wide image (taken at load, read by its processor's call)
+    do_pan_and_scan=True, pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=2,
+    pan_and_scan_min_ratio_to_activate=1.0,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -29,27 +32,32 @@ def module(root, folder, tmp_path, **kwargs) -> HBPDataModule:
     )
 
 
-def test_the_settings_decide_the_image_tokens_as_the_processor_loaded_with_them_does(data, tmp_path):
-    root, folder = data
-    reference = AutoProcessor.from_pretrained(folder, image_grid_pinpoints=PINPOINTS)
+def test_the_settings_decide_the_image_tokens_as_the_processor_loaded_with_them_does(tmp_path):
+    """Gemma 3's pan-and-scan: its processor's call reads the settings from the tokenizer it was loaded with, so a
+    run's tokenizer takes them too; the folder a checkpoint's files make (the export's) loads a processor that
+    renders the same ids."""
+    (tmp_path / "data").mkdir()
+    root = with_images_and_records(tmp_path / "data")
+    folder = build_gemma3(root / "gemma3")
+    reference = AutoProcessor.from_pretrained(folder, **PAN_AND_SCAN)
     plain = AutoProcessor.from_pretrained(folder)
-    dm = module(root, folder, tmp_path / "set", processor_kwargs={"image_grid_pinpoints": PINPOINTS})
+    dm = module(root, folder, tmp_path / "set", processor_kwargs=PAN_AND_SCAN)
     dm.setup("fit")
-    before = module(root, folder, tmp_path / "plain")
-    before.setup("fit")
-    image_id = image_token_id(reference)
+    files = dm.state_dict()["processor_files"]
+    exported = tmp_path / "export"
+    exported.mkdir()
+    for name, data in files.items():
+        (exported / name).write_bytes(data)
+    reloaded = AutoProcessor.from_pretrained(exported)
     changed = 0
     for row, (_, msgs) in enumerate(records(root)):
         want = reference.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"][0]
         ids, _ = dm.store.sources[0].sample(row)
         assert ids.tolist() == list(want), row
-        folder_ids = plain.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"][0]
-        assert before.store.sources[0].sample(row)[0].tolist() == list(folder_ids), row
-        changed += (ids == image_id).sum() != (before.store.sources[0].sample(row)[0] == image_id).sum()
-    assert changed > 0, "the setting changed no image's token count: the test would pass without it"
-    # checkpoints (and so the export) carry the processor so set, and a resume with other settings is said
-    files = dm.state_dict()["processor_files"]
-    assert json.loads(files["processor_config.json"])["image_processor"]["image_grid_pinpoints"] == PINPOINTS
+        assert list(reloaded.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"][0]) == list(want)
+        changed += len(want) != len(plain.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"][0])
+    assert changed > 0, "the settings changed no record's tokens: the test would pass without them"
+    before = module(root, folder, tmp_path / "plain")  # a resume with other settings is said
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dm.load_state_dict(dm.state_dict())
@@ -64,6 +72,7 @@ def test_the_settings_decide_the_image_tokens_as_the_processor_loaded_with_them_
         ({"max_pixels": 50_000}, r"processor_kwargs\.max_pixels: .* does not hold it \(loading with it changed none"),
         ({"image_grid_pinpoint": PINPOINTS}, r"pinpoint: .* does not hold it .*; it has .*image_grid_pinpoints"),
         ("max_pixels=5", r"data\.processor_kwargs must be a mapping"),
+        ({"image_grid_pinpoints": PINPOINTS}, r"pinpoints: the model.s config\.json in .* holds \[\[.* forward reads"),
     ],
 )  # fmt: skip
 def test_a_setting_the_processor_does_not_hold_is_refused_naming_it(data, tmp_path, kwargs, says):

@@ -57,6 +57,9 @@ def load_renderers(path: str, chat_template: str | None = None, processor_kwargs
     tokenizer = load_tokenizer(path)
     processor, config = load_processor(path, processor_kwargs)
     if processor is not None:  # one tokenizer and chat template for text and images
+        # as AutoProcessor.from_pretrained(folder, **kwargs) gives its own tokenizer the settings (Gemma 3's
+        # processor reads pan-and-scan from there at each call; its saved config carries them into the export)
+        tokenizer.init_kwargs.update(processor_kwargs or {})
         processor.tokenizer = tokenizer
         if getattr(processor, "chat_template", None):
             tokenizer.chat_template = processor.chat_template
@@ -94,7 +97,18 @@ def load_processor(path: str, processor_kwargs: dict | None = None):
         return None, None
     _check_settings(processor, processor_kwargs or {}, folder)
     config = AutoConfig.from_pretrained(folder) if (folder / "config.json").exists() else None
+    for key, value in (processor_kwargs or {}).items():  # one the model reads too (LLaVA-NeXT's pinpoints)
+        held = [getattr(c, key) for c in (config, *_sub_configs(config)) if c is not None and hasattr(c, key)]
+        if any(_json(h) != _json(value) for h in held):
+            raise ConfigError(
+                f"data.processor_kwargs.{key}: the model's config.json in {folder} holds {held[0]!r}, which its "
+                f"forward reads: the processor's must be the same (remove it, or change both)"
+            )
     return processor, config
+
+
+def _sub_configs(config) -> list:
+    return [getattr(config, name) for name in getattr(config, "sub_configs", {}) if getattr(config, name, None)]
 
 
 def _settings(processor) -> list[dict]:
