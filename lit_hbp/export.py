@@ -9,7 +9,8 @@ gathered into one fp32 state dict with Lightning's ``convert_zero_checkpoint_to_
 config the run saved in it (``hf_config``) and loaded with its weights, and the tokenizer is the one
 the run trained with, chat template included (saved by ``HBPDataModule``); the folder the run started
 from and the tokenizer folder may be gone. The folder holds config, safetensors weights in the dtype
-asked for (what the family keeps in fp32 in that dtype kept so) and the tokenizer, with the special ids a
+asked for, by default the one the base model was saved in (its config.json's ``dtype``; float32 where it said
+none), what the family keeps in fp32 in that dtype kept so, and the tokenizer, with the special ids a
 server needs: BOS/EOS of the tokenizer in config.json and generation_config.json, its padding in
 generation_config.json (config.json keeps the model's), generation stopping at the tokenizer's EOS, at the chat
 template's end-of-turn token and at every EOS of the base model, and the KV cache on. The base model's
@@ -376,24 +377,36 @@ def untie_adapted_embeddings(net: torch.nn.Module) -> None:
             config.tie_word_embeddings = False
 
 
+def export_dtype(ckpt: dict) -> str:
+    """The dtype an export writes when none is asked for: the one the run's base model was saved in (its
+    config.json's ``dtype``, kept in the checkpoint as ``hf_saved_dtype``), float32 where it said none (a model
+    built from a config mapping without one) or the checkpoint was written before lit-hbp kept it."""
+    saved = ckpt.get("hf_saved_dtype")
+    if saved is not None and saved not in DTYPES:
+        said = f"the base model was saved in {saved}, not a dtype the export writes: float32 (--dtype to choose)"
+        warnings.warn(said, stacklevel=3)
+    return saved if saved in DTYPES else "float32"
+
+
 def export_checkpoint(
     checkpoint: str | Path,
     out_dir: str | Path,
-    dtype: str = "float32",
+    dtype: str | None = None,
     merge_lora: bool = False,
     tokenizer: str | None = None,
     trust: bool = False,
     option: str = "OUT_DIR",
 ) -> Path:
-    """Write ``out_dir`` (see the module docstring); returns it. ``tokenizer``: only for checkpoints
-    that do not hold the run's tokenizer (written before lit-hbp saved it in them). ``trust``: open a
-    checkpoint whose pickle names more than lit-hbp's runs write (``--trust-checkpoint``). ``option``: what
-    names ``out_dir`` in a refusal."""
-    if dtype not in DTYPES:
+    """Write ``out_dir`` (see the module docstring); returns it. ``dtype``: the weights' (None: ``export_dtype``,
+    the base model's saved one). ``tokenizer``: only for checkpoints that do not hold the run's tokenizer (written
+    before lit-hbp saved it in them). ``trust``: open a checkpoint whose pickle names more than lit-hbp's runs write
+    (``--trust-checkpoint``). ``option``: what names ``out_dir`` in a refusal."""
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     check_export_folder(out, option)
     ckpt = load_checkpoint(checkpoint, trust=trust)
+    dtype = dtype or export_dtype(ckpt)
     check_adapter_servable(_hparams(ckpt), merge_lora)
     net = model_from_checkpoint(ckpt)
     if merge_lora and not hasattr(net, "peft_config"):
@@ -408,6 +421,9 @@ def export_checkpoint(
         net = net.merge_and_unload()
     net = cast_for_saving(net, DTYPES[dtype])
     base = net.get_base_model() if hasattr(net, "peft_config") else net
+    for key in base.config.sub_configs:  # save_pretrained writes the top level's; sub-configs say the same (as
+        if (sub := getattr(base.config, key, None)) is not None:  # from_pretrained sets them)
+            sub.dtype = DTYPES[dtype]
     # Written beside OUT_DIR (an empty folder, or a link to one, is kept: the files move into it), then moved there:
     # a failure leaves nothing a second export would refuse.
     made = not out.exists()
@@ -446,7 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("checkpoint", help="a Lightning checkpoint file or a DeepSpeed checkpoint folder")
     p.add_argument("out_dir")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="the weights' dtype (default: the one the run's base model was saved in, its config.json's dtype; "
+        "float32 where it said none)",
+    )
     p.add_argument("--merge-lora", action="store_true", help="LoRA runs: write merged full weights, not the adapter")
     p.add_argument(
         "--tokenizer",

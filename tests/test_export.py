@@ -133,6 +133,7 @@ def test_export_of_a_zero_checkpoint_is_exact_and_loads_in_transformers(
     # The model config and the tokenizer survive DeepSpeed's client state and Lightning's ZeRO converter.
     gathered = load_checkpoint(ckpt)
     assert {k: gathered["hf_config"][k] for k in TINY} == TINY
+    assert gathered["hf_saved_dtype"] == ("float32" if stage == 3 else None)  # the folder's; a mapping says none
     assert "tokenizer.json" in gathered["HBPDataModule"]["tokenizer_files"]
     assert AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE
     served = json.loads((out / "generation_config.json").read_text())

@@ -157,3 +157,31 @@ def test_a_path_that_is_not_a_runs_checkpoint_is_named_for_what_it_is(toy_tokeni
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "out").exists()
+
+
+def test_an_export_writes_the_dtype_the_base_was_saved_in_unless_told_another(chats, toy_tokenizer, tmp_path):
+    """A bf16 base folder fine-tuned (in fp32) exported as float32 by default: twice its size, and not what the user
+    started from. The reference: transformers' own ``from_pretrained(dtype="auto")`` of the export against the run's
+    trained weights cast to bf16."""
+    from safetensors import safe_open
+
+    fp32 = save_pretrained_checkpoint(tmp_path / "fp32", toy_tokenizer, "llama", **SHAPE)
+    base = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.bfloat16).save_pretrained(base)
+    AutoTokenizer.from_pretrained(fp32).save_pretrained(base)
+    assert json.loads((base / "config.json").read_text())["dtype"] == "bfloat16"
+    module, ckpt = run(base, chats, tmp_path, steps=2)
+    trained = {k.removeprefix("model."): v.detach().to(torch.bfloat16) for k, v in module.state_dict().items()}
+    assert main([ckpt, str(tmp_path / "served")]) == 0
+    with safe_open(tmp_path / "served" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "served" / "config.json").read_text())["dtype"] == "bfloat16"
+    served = AutoModelForCausalLM.from_pretrained(tmp_path / "served", dtype="auto")
+    assert served.dtype == torch.bfloat16
+    assert served.state_dict().keys() == trained.keys()
+    for name, value in served.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    assert main([ckpt, str(tmp_path / "asked"), "--dtype", "float32"]) == 0  # an explicit dtype still wins
+    asked = AutoModelForCausalLM.from_pretrained(tmp_path / "asked", dtype="auto")
+    assert asked.dtype == torch.float32
+    assert json.loads((tmp_path / "asked" / "config.json").read_text())["dtype"] == "float32"

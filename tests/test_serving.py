@@ -90,6 +90,7 @@ def test_a_mapping_built_run_exports_the_tokenizers_ids_and_its_chat_template(tm
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
         reference.bos_token_id, reference.eos_token_id, reference.pad_token_id,
     )  # fmt: skip
+    assert config["dtype"] == "float32"  # a mapping without a dtype: no saved one to keep
     assert GenerationConfig.from_pretrained(out).eos_token_id == [reference.eos_token_id]  # "tags" ends with EOS
     assert AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATES["tags"]
 

@@ -25,15 +25,16 @@ def run_folders(trainer: L.Trainer) -> list[Path]:
 
 class HBPExport(L.Callback):
     """At the end of fit, save a checkpoint (every rank takes part, as ZeRO needs) and turn it into a
-    ``save_pretrained`` folder in ``dirpath`` with ``lit_hbp.export`` (rank zero): config,
-    safetensors weights in ``dtype``, the run's tokenizer; LoRA runs write the adapter, or the merged
-    model with ``merge_lora``. The intermediate checkpoint is removed afterwards. A run stopped by
-    Ctrl-C (``InterruptCheckpoint``) is not exported: the log says how to export its checkpoint."""
+    ``save_pretrained`` folder in ``dirpath`` with ``lit_hbp.export`` (rank zero): config, safetensors weights in
+    ``dtype`` (default: the one the base model was saved in, float32 where it said none), the run's tokenizer; LoRA
+    runs write the adapter, or the merged model with ``merge_lora``. The intermediate checkpoint is removed
+    afterwards. A run stopped by Ctrl-C (``InterruptCheckpoint``) is not exported: the log says how to export its
+    checkpoint."""
 
-    def __init__(self, dirpath: str, dtype: str = "float32", merge_lora: bool = False):
+    def __init__(self, dirpath: str, dtype: str | None = None, merge_lora: bool = False):
         from lit_hbp.export import DTYPES
 
-        if dtype not in DTYPES:
+        if dtype is not None and dtype not in DTYPES:
             raise ConfigError(f"HBPExport dtype: {dtype!r}{did_you_mean(dtype, DTYPES)} is not one of {sorted(DTYPES)}")
         self.dirpath, self.dtype, self.merge_lora = Path(dirpath), dtype, merge_lora
 

@@ -43,6 +43,7 @@ from lit_hbp.model.build import (
     check_lora,
     freeze_vision,
     own_generation_config,
+    saved_dtype,
     zero3_loading,
 )
 from lit_hbp.model.causal_lm import PackedLoss, decoder_layers, model_spec, packed_loss, prepare_model
@@ -66,9 +67,8 @@ def device_memory(device: torch.device) -> float | None:
 
 
 def set_recompile_limit(limit: int) -> int:
-    """Raise dynamo's per-code recompile limit to at least ``limit`` (a pack length per level, and the
-    last pack of an epoch, each compile a layer once more); returns the limit it had, to put back when
-    the run ends."""
+    """Raise dynamo's per-code recompile limit to at least ``limit`` (a pack length per level, and the last pack
+    of an epoch, each compile a layer once more); returns the limit it had, to put back when the run ends."""
     before = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = max(before, limit)
     return before
@@ -252,11 +252,11 @@ class HBPLitModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The model's config travels with its weights, so export needs nothing but the checkpoint (the run's folder
-        may be gone): ``hf_config``, and the model folder's own generation config (sampling defaults, every EOS id)
-        as ``hf_generation_config`` (its non-default fields); without one (a config mapping's model, an older
-        checkpoint) the export rebuilds it from the config and tokenizer."""
+        may be gone): ``hf_config``, the dtype its base was saved in (``hf_saved_dtype``: the export's), and the
+        model folder's own generation config (sampling defaults, every EOS id) as ``hf_generation_config`` (its
+        non-default fields; without one the export rebuilds it from the config and tokenizer)."""
         net = self.base_model
-        checkpoint["hf_config"] = net.config.to_dict()
+        checkpoint["hf_config"], checkpoint["hf_saved_dtype"] = net.config.to_dict(), saved_dtype(net)
         if self._schedule is not None:
             checkpoint[LR_SCHEDULE] = dict(self._schedule)
         generation = getattr(net, "generation_config", None)

@@ -35,6 +35,18 @@ LORA_NAMES = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout"}
 
 
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+SAVED_DTYPE = "hf_saved_dtype"  # the built model's attribute, and the checkpoint's key, for its base's saved dtype
+
+
+def saved_dtype(net: Any) -> str | None:
+    """The dtype the model's base was saved in, by name (``"bfloat16"``): its folder's config.json ``dtype``
+    (``torch_dtype`` in older folders), a config mapping's ``dtype``; None where it said none, and for a model
+    ``build_causal_lm`` did not build. The export writes that dtype unless told another."""
+    return getattr(net, SAVED_DTYPE, None)
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    return str(dtype).removeprefix("torch.") if isinstance(dtype, (torch.dtype, str)) else None
 
 
 def special_token_ids(tokenizer) -> dict[str, int]:
@@ -70,17 +82,21 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None, tokenizer=
         auto, attn = _auto_class(model_type)
         with _refusing_other_attention(model_type):
             net = auto.from_config(config, **attn)
+        saved = config.dtype
     else:
         folder = local_checkpoint(model)
-        auto, attn = _auto_class(AutoConfig.from_pretrained(folder, local_files_only=True).model_type)
+        saved_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        auto, attn = _auto_class(saved_config.model_type)
         with _refusing_other_attention(str(model)):
             net = auto.from_pretrained(folder, dtype=torch.get_default_dtype(), local_files_only=True, **attn)
+        saved = saved_config.dtype  # from_pretrained set the config's to the loaded one
         net.config.use_cache = False
         if vocab_size is not None and vocab_size > net.get_input_embeddings().num_embeddings:
             raise ValueError(
                 f"the tokenizer has {vocab_size} tokens but {model} embeds only "
                 f"{net.get_input_embeddings().num_embeddings}: use the checkpoint's tokenizer"
             )
+    setattr(net, SAVED_DTYPE, _dtype_name(saved))
     return net
 
 
