@@ -11,7 +11,8 @@ the run trained with, chat template included (saved by ``HBPDataModule``); the f
 from and the tokenizer folder may be gone. The folder holds config, safetensors weights in the dtype
 asked for, by default the one the base model was saved in (its config.json's ``dtype``; float32 where it said
 none), what the family keeps in fp32 in that dtype kept so, and the tokenizer, with the special ids a
-server needs: BOS/EOS of the tokenizer in config.json and generation_config.json, its padding in
+server needs: BOS/EOS of the tokenizer in config.json (a vision-language model's text config too) and
+generation_config.json, its padding in
 generation_config.json (config.json keeps the model's), generation stopping at the tokenizer's EOS, at the chat
 template's end-of-turn token and at every EOS of the base model, and the KV cache on. The base model's
 own generation_config.json (a run started from a folder that has one; saved in the checkpoint as
@@ -268,20 +269,33 @@ def _ids(value) -> list:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+def id_configs(config) -> list:
+    """The configs that say the model's special ids: ``config``, and for a composite one (a vision-language
+    model's) its decoder's ``text_config`` too, which transformers 5 keeps them in (Qwen2-VL's and LLaVA's top
+    level has none)."""
+    text = config.get_text_config(decoder=True)
+    return [config] if text is config else [config, text]
+
+
+def base_ids(config, name: str) -> list:
+    """The ids ``name`` (``eos_token_id``...) the config says, at its top level then in its text config, each once."""
+    return list(dict.fromkeys(i for c in id_configs(config) for i in _ids(getattr(c, name, None))))
+
+
 def serving_token_ids(tokenizer, config, generation=None) -> tuple[dict[str, int | None], list[int]]:
     """(BOS/EOS/padding ids for generation_config.json, the ids generation stops at).
     The ids are the tokenizer's (padding: its pad, else EOS), the config's where the tokenizer has
     none; generation stops at the tokenizer's EOS, the chat template's end-of-turn token and any EOS
-    the config or the base model's ``generation`` config already named (e.g. Llama-3 instruct's three),
-    in that order, each once."""
-    base_eos = _ids(getattr(config, "eos_token_id", None))
+    the config (a composite one's text config too) or the base model's ``generation`` config already named
+    (e.g. Llama-3 instruct's three), in that order, each once."""
+    base_eos = base_ids(config, "eos_token_id")
 
     def first(*ids):
         return next((int(i) for i in ids if i is not None), None)
 
     eos = first(tokenizer.eos_token_id, *base_eos)
     ids = dict(
-        bos_token_id=first(tokenizer.bos_token_id, getattr(config, "bos_token_id", None)),
+        bos_token_id=first(tokenizer.bos_token_id, *base_ids(config, "bos_token_id")),
         eos_token_id=eos,
         pad_token_id=first(tokenizer.pad_token_id, eos),
     )
@@ -319,15 +333,18 @@ def _strictly_valid(generation) -> bool:
 
 
 def _set_serving_ids(config, generation, tokenizer) -> None:
-    base_eos = _ids(getattr(config, "eos_token_id", None))
+    """The serving ids on the generation config, and BOS/EOS on the config: on a composite one's top level and its
+    text config alike (a folder that says two EOS ids stops where a reader of either looks)."""
+    base_eos = base_ids(config, "eos_token_id")
     ids, stop = serving_token_ids(tokenizer, config, generation)
+    eos = ids["eos_token_id"]
+    if len(base_eos) > 1:  # the base's several EOS ids (Llama 3.1's three) stay in config.json, in the base's order
+        eos = base_eos if eos in base_eos else [eos, *base_eos]
+    for each in id_configs(config):
+        each.bos_token_id, each.eos_token_id = ids["bos_token_id"], eos
     for name in SPECIAL_IDS:
-        if name != "pad_token_id":
-            setattr(config, name, ids[name])
         setattr(generation, name, ids[name])
     generation.eos_token_id = stop
-    if len(base_eos) > 1:  # the base's several EOS ids (Llama 3.1's three) stay in config.json, in the base's order
-        config.eos_token_id = base_eos if ids["eos_token_id"] in base_eos else [ids["eos_token_id"], *base_eos]
 
 
 def kept_in_fp32(net: torch.nn.Module, dtype: torch.dtype) -> set[str]:

@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import quiet_trainer, save_pretrained_checkpoint
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 
 from lit_hbp.export import cast_for_saving, export_checkpoint, main
 from lit_hbp.lightning.datamodule import HBPDataModule
@@ -185,3 +193,60 @@ def test_an_export_writes_the_dtype_the_base_was_saved_in_unless_told_another(ch
     asked = AutoModelForCausalLM.from_pretrained(tmp_path / "asked", dtype="auto")
     assert asked.dtype == torch.float32
     assert json.loads((tmp_path / "asked" / "config.json").read_text())["dtype"] == "float32"
+
+
+class Forced(LogitsProcessor):
+    """Generation that emits ``ids`` in turn, whatever the model says: where it stops is the stopping rule's."""
+
+    def __init__(self, ids: list[int]):
+        self.ids, self.step = ids, 0
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, -1e9)
+        forced[:, self.ids[min(self.step, len(self.ids) - 1)]] = 0
+        self.step += 1
+        return forced
+
+
+def test_a_vision_language_export_says_one_eos_at_the_top_level_in_its_text_config_and_to_generate(tmp_path):
+    """LLaVA's config keeps its special ids in ``text_config`` (transformers 5: its top level has none). The export set
+    the tokenizer's EOS at the top level and in the generation config and left the base's in text_config: a folder
+    saying two EOS ids. The reference: transformers' generate, from the folder's generation config and, without that
+    file, from its config.json (``GenerationConfig.from_model_config`` reads the top level, then text_config)."""
+    from vision_models import build_llava
+
+    folder = build_llava(tmp_path / "llava")
+    AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    other = tok.convert_tokens_to_ids("<s>")
+    assert "eos_token_id" not in config and config["text_config"]["eos_token_id"] == tok.eos_token_id != other
+    config["text_config"]["eos_token_id"] = other  # the base model's EOS is not the tokenizer's
+    (folder / "config.json").write_text(json.dumps(config))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"prompt": f"hello world {i}", "response": "a cat on a mat"}) + "\n"
+                             for i in range(4)))  # fmt: skip
+    _, ckpt = run(folder, chats, tmp_path)
+    out = export_checkpoint(ckpt, tmp_path / "served")
+    end = tok.convert_tokens_to_ids("<|end|>")  # the template's end of turn
+    served = AutoConfig.from_pretrained(out)
+    assert served.eos_token_id == served.text_config.eos_token_id == tok.eos_token_id
+    assert served.bos_token_id == served.text_config.bos_token_id == tok.bos_token_id
+    assert served.dtype == served.text_config.dtype == served.vision_config.dtype == torch.bfloat16  # the base's
+    net = AutoModelForImageTextToText.from_pretrained(out, dtype="auto").eval()
+    assert net.dtype == torch.bfloat16 and net.generation_config.eos_token_id[:2] == [tok.eos_token_id, end]
+    prompt = torch.tensor([[tok.bos_token_id, 10, 11, 12]])
+
+    def generated(model, ids):
+        with torch.no_grad():
+            new = model.generate(input_ids=prompt, max_new_tokens=len(ids), do_sample=False,
+                                 logits_processor=LogitsProcessorList([Forced(ids)]))  # fmt: skip
+        return new[0, prompt.shape[1] :].tolist()
+
+    assert generated(net, [20, 21, tok.eos_token_id, 22, 23]) == [20, 21, tok.eos_token_id]
+    assert generated(net, [20, end, 22]) == [20, end]
+    (out / "generation_config.json").unlink()  # a reader of config.json alone
+    alone = AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert alone.generation_config.eos_token_id == tok.eos_token_id
+    assert GenerationConfig.from_model_config(served.text_config).eos_token_id == tok.eos_token_id
+    assert generated(alone, [20, other, 21, tok.eos_token_id, 22]) == [20, other, 21, tok.eos_token_id]

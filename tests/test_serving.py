@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import CHAT_TEMPLATE, TINY_LLAMA, build_toy_tokenizer, quiet_trainer, save_pretrained_checkpoint
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlavaConfig
 
 from lit_hbp.data.tokenize import CHAT_TEMPLATES, tokenizer_fingerprint
 from lit_hbp.export import end_of_turn_id, export_checkpoint, main, serving_token_ids
@@ -120,6 +120,11 @@ def test_serving_ids_come_from_the_tokenizer_and_stop_at_every_end(toy_tokenizer
     ids, stop = serving_token_ids(tok, LlamaConfig(bos_token_id=7, eos_token_id=1))
     assert ids == {"bos_token_id": 7, "eos_token_id": 1, "pad_token_id": 1}  # pad: EOS; BOS: the config's
     assert stop == [1, 5]
+    # A vision-language config keeps its ids in text_config (transformers 5: LLaVA's top level has none).
+    composite = LlavaConfig(text_config={"model_type": "llama", "bos_token_id": 7, "eos_token_id": [8, 9]})
+    assert getattr(composite, "eos_token_id", None) is None
+    ids, stop = serving_token_ids(tok, composite)
+    assert ids == {"bos_token_id": 7, "eos_token_id": 1, "pad_token_id": 1} and stop == [1, 5, 8, 9]
 
 
 def test_the_checkpoint_carries_the_tokenizer_and_a_resume_keeps_its_own(tmp_path, toy_tokenizer, recwarn):
