@@ -415,17 +415,19 @@ def export_checkpoint(
     option: str = "OUT_DIR",
 ) -> Path:
     """Write ``out_dir`` (see the module docstring); returns it. ``dtype``: the weights' (None: ``export_dtype``,
-    the base model's saved one). ``tokenizer``: only for checkpoints that do not hold the run's tokenizer (written
-    before lit-hbp saved it in them). ``trust``: open a checkpoint whose pickle names more than lit-hbp's runs write
-    (``--trust-checkpoint``). ``option``: what names ``out_dir`` in a refusal."""
+    the base model's saved one; LoRA adapters alone: float32, their trained dtype). ``tokenizer``: only for
+    checkpoints that do not hold the run's tokenizer (written before lit-hbp saved it in them). ``trust``: open a
+    checkpoint whose pickle names more than lit-hbp's runs write (``--trust-checkpoint``). ``option``: what names
+    ``out_dir`` in a refusal."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     check_export_folder(out, option)
     ckpt = load_checkpoint(checkpoint, trust=trust)
-    dtype = dtype or export_dtype(ckpt)
     check_adapter_servable(_hparams(ckpt), merge_lora)
     net = model_from_checkpoint(ckpt)
+    adapters_only = hasattr(net, "peft_config") and not merge_lora  # trained in float32, as peft loads them
+    dtype = dtype or ("float32" if adapters_only else export_dtype(ckpt))
     if merge_lora and not hasattr(net, "peft_config"):
         raise ConfigError("--merge-lora: the checkpoint's run trained no LoRA adapters (its model is whole): drop it")
     if tokenizer and held_tokenizer(ckpt) is not None:

@@ -195,6 +195,28 @@ def test_an_export_writes_the_dtype_the_base_was_saved_in_unless_told_another(ch
     assert json.loads((tmp_path / "asked" / "config.json").read_text())["dtype"] == "float32"
 
 
+def test_lora_adapters_exported_alone_stay_float32_and_merged_take_the_bases_dtype(chats, toy_tokenizer, tmp_path):
+    """Adapters trained in fp32 over a bf16 base: alone they are written as trained (peft loads them in fp32; the
+    base's dtype rounded them), merged into the base they take its dtype."""
+    from safetensors import safe_open
+
+    fp32 = save_pretrained_checkpoint(tmp_path / "fp32", toy_tokenizer, "llama", **SHAPE)
+    base = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.bfloat16).save_pretrained(base)
+    AutoTokenizer.from_pretrained(fp32).save_pretrained(base)
+    module, ckpt = run(base, chats, tmp_path, steps=2, lora={"rank": 4, "target_modules": ["q_proj"]})
+    trained = {k: v.detach() for k, v in module.model.named_parameters() if "lora_" in k}
+    assert trained and {v.dtype for v in trained.values()} == {torch.float32}
+    assert main([ckpt, str(tmp_path / "adapter")]) == 0
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    assert {v.dtype for v in saved.values()} == {torch.float32}
+    for name, value in trained.items():  # peft's names drop the adapter's name ("default")
+        assert torch.equal(saved[name.removeprefix("model.").replace(".default", "")], value), name
+    assert main([ckpt, str(tmp_path / "merged"), "--merge-lora"]) == 0
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="auto").dtype == torch.bfloat16
+
+
 class Forced(LogitsProcessor):
     """Generation that emits ``ids`` in turn, whatever the model says: where it stops is the stopping rule's."""
 
