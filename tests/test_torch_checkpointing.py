@@ -131,3 +131,22 @@ def test_torchs_checkpointing_inside_a_layer_after_prepare_model_is_refused_by_t
         match = r"`model\.layers\.1\.mlp` inside a decoder layer is torch's own"
     with pytest.raises(ValueError, match=match):
         packed_loss(net, batch, "sum")
+
+
+def test_a_wrapper_deeper_in_a_layer_after_prepare_model_is_seen_two_levels_in_by_the_call_and_wholly_by_prepare():
+    """A packed call looks two levels inside each layer (an attention's projection: ``self_attn.q_proj``); deeper,
+    the next ``prepare_model`` (a prepared model too) walks the whole model and refuses it."""
+    net = tiny("llama").train()
+    prepare_model(net)
+    batch = pack_samples(documents(net.config.vocab_size))
+    composable_checkpoint(net.model.layers[0].self_attn.q_proj)
+    with pytest.raises(ValueError, match=r"`model\.layers\.0\.self_attn\.q_proj` inside a decoder layer"):
+        packed_loss(net, batch, "sum")
+    deeper = tiny("llama").train()
+    prepare_model(deeper)
+    inner = torch.nn.Sequential(torch.nn.Identity())
+    deeper.model.layers[1].mlp.act_fn = torch.nn.Sequential(inner)  # three levels in: act_fn.0.0
+    composable_checkpoint(inner[0])
+    packed_loss(deeper, pack_samples(documents(deeper.config.vocab_size)), "sum")  # past the call's two levels
+    with pytest.raises(ValueError, match=r"`model\.layers\.1\.mlp\.act_fn\.0\.0` inside a decoder layer"):
+        prepare_model(deeper)

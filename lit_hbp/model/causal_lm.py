@@ -114,12 +114,12 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     if not hasattr(net, "set_attn_implementation") or not hasattr(net, "config"):
         raise TypeError(f"prepare_model takes a Hugging Face causal LM (a PreTrainedModel), got {type(net).__name__}")
     attention.check_backend(attn_backend)
+    refuse_checkpoint_wrappers(net)  # torch's own around decoder layers: it would recompute outside packed calls
     record = record_of(net)
     if record is not None:
         record.backend = attn_backend
         model.train()
         return model
-    refuse_checkpoint_wrappers(net)  # torch's own around decoder layers: it would recompute outside packed calls
     decoder = decoder_of(net)
     family = family_of(net)
     mixers = refuse_stateful_mixers(decoder, family)

@@ -21,6 +21,7 @@ FIX = (
     "model.gradient_checkpointing_enable(), whose checkpointing lit-hbp runs inside packed calls"
 )
 TORCHS = "torch's own checkpointing (CheckpointWrapper, checkpoint)"
+CALL_DEPTH = 2  # levels inside a decoder layer a packed call looks at (prepare_model: all)
 WRAPPER = "torch's CheckpointWrapper (apply_activation_checkpointing / checkpoint_wrapper)"
 
 
@@ -41,19 +42,23 @@ def _torch_checks() -> tuple[type | None, str | None]:
     return CheckpointWrapper, REGISTRY_KEY
 
 
-def checkpoint_wrapper_over(net: torch.nn.Module, layers: list[torch.nn.Module]) -> str | None:
+def checkpoint_wrapper_over(
+    net: torch.nn.Module, layers: list[torch.nn.Module], depth: int | None = None
+) -> str | None:
     """The path in ``net`` of torch's own checkpointing of one of ``layers``, of a module holding one (a
     ``CheckpointWrapper``, or the composable ``checkpoint`` on the module) or of a module inside one (its
-    attention, its mixer), with what it is; None when there is none. Every module is visited once (~0.3 ms for
-    a 16-layer model): packed calls walk it, so a wrapper applied after ``prepare_model`` is seen too."""
+    attention, its mixer), with what it is; None when there is none. ``depth``: how many levels inside a layer
+    to look (None: all, as ``prepare_model`` does). Each module is visited once, its path found only for a
+    refusal."""
     wrapper, key = _torch_checks()
     targets = {id(layer) for layer in layers}
-    stack: list[tuple[torch.nn.Module, bool]] = [(net, False)]  # (module, inside a layer); paths only once found
+    deepest = float("inf") if depth is None else depth
+    stack: list[tuple[torch.nn.Module, float]] = [(net, -1)]  # (module, levels inside a layer: -1 outside)
     while stack:
-        module, inside = stack.pop()
+        module, level = stack.pop()
         wrapped = wrapper is not None and isinstance(module, wrapper)
         composable = key is not None and "checkpoint" in (module.__dict__.get(key) or {})
-        if inside and (wrapped or composable):  # a wrapped attention or mixer recomputes outside the call too
+        if level > 0 and (wrapped or composable):  # a wrapped attention or mixer recomputes outside the call too
             return f"`{_path(net, module)}` inside a decoder layer is {TORCHS}"
         if composable and (id(module) in targets or any(id(m) in targets for m in module.modules())):
             return f"`{_path(net, module)}` has torch's composable checkpoint(module)"
@@ -61,8 +66,9 @@ def checkpoint_wrapper_over(net: torch.nn.Module, layers: list[torch.nn.Module])
             if any(id(m) in targets for m in module.modules()):
                 return f"`{_path(net, module)}` is {WRAPPER}"
             continue
-        inside = inside or id(module) in targets
-        stack.extend((c, inside) for c in reversed(module._modules.values()) if c is not None)  # the model's order
+        child = 1 if level < 0 and id(module) in targets else level + 1 if level > 0 else -1  # a layer's own: 1
+        if child <= deepest:
+            stack.extend((c, child) for c in reversed(module._modules.values()) if c is not None)  # the model's order
     return None
 
 
@@ -72,9 +78,13 @@ def _path(net: torch.nn.Module, module: torch.nn.Module) -> str:
 
 
 def refuse_checkpoint_wrappers(net: torch.nn.Module, layers: list[torch.nn.Module] | None = None) -> None:
-    """Raise ``ValueError`` when torch's own activation checkpointing wraps one of ``net``'s decoder ``layers``
-    (None: its checkpointable layers outside a vision tower, before ``prepare_model`` found them, their insides
-    walked too; given: a packed call's check, the same walk)."""
+    """Raise ``ValueError`` when torch's own activation checkpointing wraps one of ``net``'s decoder ``layers`` or a
+    module inside one. None: its checkpointable layers outside a vision tower, before ``prepare_model`` found them,
+    walked whole. Given: a packed call's check, two levels inside each layer (what reads the call's boundaries, an
+    attention or a mixer, sits there: ``self_attn``, Zamba2's ``shared_transformer.self_attn``; a wrapper applied
+    deeper after ``prepare_model`` is refused by the next one), as a whole walk of a large LoRA model (peft adds
+    seven modules to each adapted projection) costs ~20 ms a call."""
+    depth = None if layers is None else CALL_DEPTH
     if layers is None:
         from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -83,7 +93,7 @@ def refuse_checkpoint_wrappers(net: torch.nn.Module, layers: list[torch.nn.Modul
         tower = vision_tower(net)
         skip = set() if tower is None else {id(m) for m in tower.modules()}
         layers = [m for m in net.modules() if isinstance(m, GradientCheckpointingLayer) and id(m) not in skip]
-    found = checkpoint_wrapper_over(net, layers)
+    found = checkpoint_wrapper_over(net, layers, depth)
     if found is not None:
         raise ValueError(
             f"{type(net).__name__}: {found}, which recomputes a decoder layer in the backward after the packed call "
