@@ -242,6 +242,13 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             ["--data.tokenizer", str(demo / "short.jsonl")],
             f"data.tokenizer: {demo / 'short.jsonl'} is a file: give the folder that holds the tokenizer's files",
         ),
+        "a learning-rate monitor without a logger": (  # (the data file missing too: the logger's error comes first)
+            ["--trainer.logger", "false", "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor"]
+            + ["--data.sources", f"[{{path: {tmp / 'chats.jsonl'}}}]"],
+            "error: trainer.callbacks[4] (LearningRateMonitor) writes to the trainer's logger, and trainer.logger: "
+            "false sets none (Lightning refuses the pair when the fit starts): remove trainer.logger: false or the "
+            "callback\n",
+        ),
         "a tokenizer folder whose tokenizer does not load": (
             ["--data.tokenizer", str(broken_tokenizer)],
             f"data.tokenizer: the tokenizer in {broken_tokenizer} does not load: ",
@@ -267,7 +274,8 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a checkpoint by time inside an optimizer step", "a negative curriculum warm-up",
          "a timeline hardware lit-hbp has not", "an export dtype misspelled",
          "a throughput window of one log", "weight averaging under DeepSpeed", "a tokenizer folder without a tokenizer",
-         "a file as the tokenizer", "a tokenizer folder whose tokenizer does not load"]  # fmt: skip
+         "a file as the tokenizer", "a tokenizer folder whose tokenizer does not load",
+         "a learning-rate monitor without a logger"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch"}

@@ -15,7 +15,7 @@ import yaml
 from conftest import TINY_LLAMA, quiet_trainer
 
 from lit_hbp.cli.app import main
-from lit_hbp.cli.checks import world_size_of
+from lit_hbp.cli.checks import check_logging_callbacks, world_size_of
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.loader import accumulation_at, check_accumulation_windows, check_validation_interval
 from lit_hbp.lightning.module import HBPLitModule
@@ -642,3 +642,53 @@ def test_a_transformer_whose_positions_sit_in_a_buffer_named_otherwise_keeps_its
     assert takes_positions(net) and takes_positions(config)
     with pytest.raises(ValueError, match="max_position_embeddings 64"):
         check_positions(config, [Level(128, 1)])
+
+
+def test_the_callbacks_refused_without_a_logger_are_those_lightnings_fit_refuses(tmp_path):
+    """Every stock Lightning callback that builds without arguments, fitted and validated on Lightning's BoringModel
+    without a logger (``logger=False``, ``[]``, ``barebones=True``): the ones whose fit Lightning refuses for want of
+    a logger are exactly the ones ``check_logging_callbacks`` refuses (a validate never is), and a default logger
+    refuses none."""
+    from lightning.pytorch import callbacks
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    def lightning_refuses(cls: type, stage: str, **no_logger) -> bool:
+        try:  # (checkpointing and the bar off, as barebones has them: a checkpoint callback or a bar is refused)
+            trainer = L.Trainer(callbacks=[cls()], max_steps=1, limit_val_batches=1, enable_progress_bar=False,
+                                enable_checkpointing=False, enable_model_summary=False, accelerator="cpu",
+                                default_root_dir=str(tmp_path), **no_logger)  # fmt: skip
+            getattr(trainer, stage)(BoringModel())
+        except MisconfigurationException as e:
+            return "logger" in str(e)
+        except Exception:  # e.g. BatchSizeFinder's tuning finds no batch_size field: not about the logger
+            return False
+        return False
+
+    def refused(name: str, **no_logger) -> bool:
+        try:
+            check_logging_callbacks({"callbacks": [{"class_path": f"lightning.pytorch.callbacks.{name}"}], **no_logger})
+        except ConfigError:
+            return True
+        return False
+
+    stock = []
+    for name in callbacks.__all__:
+        cls = getattr(callbacks, name)
+        try:
+            cls()
+            stock.append(name)
+        except (TypeError, NotImplementedError):
+            continue
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            for no_logger in ({"logger": False}, {"logger": []}, {"barebones": True}):
+                by_lightning = {n for n in stock if lightning_refuses(getattr(callbacks, n), "fit", **no_logger)}
+                assert by_lightning == {n for n in stock if refused(n, **no_logger)}, no_logger
+                assert by_lightning == {"LearningRateMonitor", "DeviceStatsMonitor"}  # (Lightning 2.6)
+                assert not any(lightning_refuses(getattr(callbacks, n), "validate", **no_logger) for n in by_lightning)
+            assert not any(refused(n, logger=None) for n in stock)
+        finally:
+            logging.disable(logging.NOTSET)

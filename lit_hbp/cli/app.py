@@ -40,6 +40,7 @@ from lit_hbp.callbacks.interrupt import InterruptCheckpoint
 from lit_hbp.callbacks.lost_rank import LostRankReport
 from lit_hbp.callbacks.summary import HBPModelSummary
 from lit_hbp.cli.checks import (
+    check_logging_callbacks,
     check_run_config,
     check_trainer_values,
     compact_config,
@@ -208,6 +209,8 @@ class HBPCLI(LightningCLI):
                 raise
             report_user_error(e)
         self._guard(check_trainer_values, section)
+        if self.subcommand == "fit":  # (Lightning's callbacks that need a logger ask for it in fit alone)
+            self._guard(check_logging_callbacks, section.get("trainer"))
         auto = section.get("ckpt_path") == AUTO
         self._guard(resolve_auto_resume, section)
         if auto and self.subcommand:  # the checkpoint found: its model settings, as an explicit --ckpt_path's

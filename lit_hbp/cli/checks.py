@@ -367,6 +367,25 @@ def check_no_checkpoint_callback(callbacks: Any, switch: str = "") -> None:
             )
 
 
+def check_logging_callbacks(trainer: Any) -> None:
+    """A fit without a logger (``logger: false``, ``logger: []`` or ``barebones: true``) beside a Lightning callback
+    that refuses to run without one (Lightning 2.6: ``LearningRateMonitor`` at the fit's start, ``DeviceStatsMonitor``
+    at its set-up; both run in a validate), raised after the data is read and the model built; refused now."""
+    from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateMonitor
+
+    logger, barebones = (trainer or {}).get("logger"), (trainer or {}).get("barebones") is True
+    if not barebones and logger is not False and not (isinstance(logger, list) and not logger):
+        return
+    switch = "barebones: true" if barebones else f"logger: {'false' if logger is False else '[]'}"
+    for i, entry in enumerate(_entries((trainer or {}).get("callbacks"))):
+        kind = class_of(entry)
+        if isinstance(kind, type) and issubclass(kind, (LearningRateMonitor, DeviceStatsMonitor)):
+            raise ConfigError(
+                f"trainer.callbacks[{i}] ({kind.__name__}) writes to the trainer's logger, and trainer.{switch} sets "
+                f"none (Lightning refuses the pair when the fit starts): remove trainer.{switch} or the callback"
+            )
+
+
 def _entries(callbacks: Any) -> list:
     return callbacks if isinstance(callbacks, list) else [callbacks] if callbacks else []
 
