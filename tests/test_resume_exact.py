@@ -389,3 +389,27 @@ def test_a_run_that_never_logs_saves_its_checkpoints_with_the_loss_since_its_sta
     fit(tmp_path / "run", small_demo, [every], enable_checkpointing=True, log_every_n_steps=0, max_steps=2)
     carried = [torch.load(tmp_path / "ckpt" / f"step={s}.ckpt", weights_only=False)[PENDING_LOSS] for s in (1, 2)]
     assert 0 < carried[0]["targets"] < carried[1]["targets"] and carried[0]["ce_sum"] < carried[1]["ce_sum"]
+
+
+@pytest.mark.parametrize("max_steps", [-1, 100], ids=["bounded_by_epochs", "bounded_by_steps_too"])
+def test_the_final_checkpoint_of_a_run_max_epochs_ends_is_lightnings_checkpoint_of_that_step(
+    tmp_path, small_demo, max_steps
+):
+    """A run that ``max_epochs`` ends: FinalCheckpoint's file of its last step is the one Lightning's own
+    ``every_n_train_steps`` callback writes at that step (its name, ``epoch=0-step=3.ckpt``, its stored epoch and loop
+    state), and it resumes as that one does. Saved once Lightning had closed the epoch it was ``epoch=1-step=3.ckpt``
+    (stored epoch 1), which a run with a ``max_steps`` resumed training nothing of epoch 1."""
+    lightnings = ModelCheckpoint(tmp_path / "every", every_n_train_steps=1, save_top_k=-1)
+    latest = ModelCheckpoint(tmp_path / "latest", every_n_train_steps=2)  # keeps its newest: step 2, then the final
+    run = dict(max_steps=max_steps, data=dict(val_fraction=0.1), limit_val_batches=1)
+    fit(tmp_path / "run", small_demo, [lightnings, latest, FinalCheckpoint()], enable_checkpointing=True,
+        max_epochs=1, **run)  # fmt: skip
+    (final,) = (tmp_path / "latest").iterdir()
+    reference = tmp_path / "every" / final.name
+    assert final.name == "epoch=0-step=3.ckpt" and reference.exists()
+    saved, want = (torch.load(p, weights_only=False) for p in (final, reference))
+    assert (saved["epoch"], saved["global_step"], saved["loops"]) == (want["epoch"], want["global_step"], want["loops"])
+    resumed = fit(tmp_path / "resumed", small_demo, ckpt_path=str(final), max_epochs=2, **run)
+    by_lightning = fit(tmp_path / "by_lightning", small_demo, ckpt_path=str(reference), max_epochs=2, **run)
+    assert resumed.rows == by_lightning.rows and [r[:2] for r in resumed.rows] == [(1, k) for k in range(6)]
+    assert_same_weights(resumed.weights, by_lightning.weights)

@@ -51,8 +51,9 @@ class FinalCheckpoint(StepEndCallback):
     a callback; a stop asked inside an optimizer step is held until the step's end), the save happens at that
     step's end (in ``on_train_batch_end`` / ``on_validation_end``, after the checkpoint callbacks' own hooks),
     as a scheduled ``every_n_train_steps`` save would: a checkpoint written later, after Lightning has closed
-    the epoch, would resume at the next epoch and skip the rest of this one (a resume refuses one). A run
-    that ends with its last epoch (``max_epochs``) is saved in ``on_train_end``.
+    the epoch, would resume at the next epoch and skip the rest of this one (a resume refuses one). So is the
+    last step of a run that ends with its last epoch (``max_epochs``), before Lightning closes the epoch; what
+    ends otherwise at an epoch's end (early stopping there) is saved in ``on_train_end``.
     A resume from this checkpoint with the same ``max_steps`` trains nothing more.
 
     The CLI adds this callback; in a plain Lightning project add it to ``Trainer(callbacks=...)``.
@@ -73,8 +74,18 @@ class FinalCheckpoint(StepEndCallback):
         if stopping:
             trainer.should_stop, self._held = True, False
         ends = trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step
-        if self.stepped(trainer) and (ends or stopping):
+        if self.stepped(trainer) and (ends or stopping or self.last_epoch_ends(trainer)):
             self.save_final(trainer)
+
+    @staticmethod
+    def last_epoch_ends(trainer: L.Trainer) -> bool:
+        """Whether the micro-batch that just ended is the last of the run's last epoch (``max_epochs``): its step is
+        saved at its end, as Lightning's ``every_n_train_steps`` saves it (``epoch=N-1-step=M``, the epoch Lightning
+        stores N-1). Saved after Lightning closed the epoch it was ``epoch=N-step=M`` (the epoch stored N), which a
+        run that also has a ``max_steps`` resumed with no micro-batch of epoch N (Lightning's own ``last.ckpt``
+        written at ``on_train_end`` too)."""
+        last = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
+        return last and trainer.fit_loop.epoch_loop._num_ready_batches_reached()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         in_fit = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
