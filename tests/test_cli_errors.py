@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lit_hbp.cli.app import main
 from lit_hbp.errors import ConfigError, DataError
@@ -386,3 +387,32 @@ def test_the_subcommand_after_the_config_option_and_an_unknown_one(tmp_path, sma
             err.splitlines()[0] == "error: argument subcommand: invalid choice: 'bogus' (choose from 'fit', "
             "'validate', 'preview')"
         ), err
+
+
+def test_print_config_before_the_subcommand_prints_what_it_prints_after(small_demo, capsys):
+    """``--print_config fit ...`` is LightningCLI's: the config ``fit ... --print_config`` prints, under ``fit:`` (as
+    plain LightningCLI prints it); ``--print_config preview ...`` stopped on "invalid choice: 'preview'" (Lightning's
+    parser read the line): it prints what ``preview ... --print_config`` prints."""
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    def printed(run, argv: list[str]) -> dict:
+        with pytest.raises(SystemExit) as stop:
+            run(argv)
+        out, err = capsys.readouterr()
+        assert stop.value.code == 0, err
+        return yaml.safe_load(out)
+
+    def plain(argv: list[str]) -> None:
+        LightningCLI(BoringModel, BoringDataModule, args=argv)
+
+    assert printed(plain, ["--print_config", "fit", "--trainer.max_steps", "7"]) == {
+        "fit": printed(plain, ["fit", "--trainer.max_steps", "7", "--print_config"])
+    }
+    line = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
+    line += ["--trainer.max_steps", "7"]
+    after = printed(main, ["fit", *line, "--print_config"])
+    assert after["trainer"]["max_steps"] == 7 and printed(main, ["--print_config", "fit", *line]) == {"fit": after}
+    for flag in ("--print_config", "--print_config=skip_null"):
+        after = printed(main, ["preview", *line, flag])
+        assert after["data"]["demo_dir"] == str(small_demo) and printed(main, [flag, "preview", *line]) == after

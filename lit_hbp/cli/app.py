@@ -359,13 +359,14 @@ SUBCOMMANDS = ("fit", "validate", "preview")
 
 def subcommand_at(argv: list[str]) -> int | None:
     """Where the subcommand stands in ``argv``: the first word past the options the top level takes before it
-    (``--config FILE``), so ``--config FILE preview`` runs preview as ``preview --config FILE`` does; None
-    where another option comes first (Lightning's parser then reads the line)."""
+    (``--config FILE``, ``--print_config[=FLAGS]``, as LightningCLI's parser takes them), so ``--config FILE
+    preview`` runs preview as ``preview --config FILE`` does and ``--print_config preview`` prints what ``preview
+    --print_config`` prints; None where another option comes first (Lightning's parser then reads the line)."""
     i = 0
     while i < len(argv):
         if argv[i] in ("-c", "--config"):
             i += 2
-        elif argv[i].startswith("--config="):
+        elif argv[i].startswith("--config=") or argv[i] == "--print_config" or argv[i].startswith("--print_config="):
             i += 1
         else:
             return None if argv[i].startswith("-") else i
@@ -382,7 +383,10 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     argv = sys.argv[1:] if args is None else list(args)
     at = subcommand_at(argv)
     if at is not None and argv[at] == "preview":
-        return preview_main(argv[:at] + argv[at + 1 :])
+        # --print_config before the subcommand prints the config all options give (Lightning's `--print_config fit`):
+        # last on preview's line (a --print_config before --config printed the file alone there).
+        printing = [a for a in argv[:at] if a == "--print_config" or a.startswith("--print_config=")]
+        return preview_main([a for a in argv[:at] if a not in printing] + argv[at + 1 :] + printing)
     if at is not None and argv[at] not in SUBCOMMANDS:  # Lightning's parser would list fit and validate alone
         choices = ", ".join(map(repr, SUBCOMMANDS))
         sys.stderr.write(f"error: argument subcommand: invalid choice: {argv[at]!r} (choose from {choices})\n")
