@@ -26,7 +26,7 @@ ALIASES = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
     "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
     "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
-    "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "kv_n_heads"),
     "intermediate": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "dff"),
     "vocab": ("vocab_size", "padded_vocab_size"),
 }
@@ -458,6 +458,9 @@ class ModelSpec:
         text = c.get("text_config")
         if isinstance(text, dict) and _field(c, "layers") is None:
             c = {**text, **{k: v for k, v in c.items() if k not in text and k != "text_config"}}
+        for sub, names in SUB_CONFIG_FIELDS.items():  # DBRX's
+            inner = c.get(sub) if isinstance(c.get(sub), dict) else {}
+            c = {**{k: inner[k] for k in names if inner.get(k) is not None and k not in c}, **c}
         values = {f: _field(c, f) for f in ALIASES}
         if values["layers"] is None and layer_kinds(c) is not None:
             values["layers"] = len(layer_kinds(c))  # Nemotron-H's: as many as it lists
@@ -547,9 +550,11 @@ def latent_attention_width(c: dict) -> int | None:
 # and up projections, the activation, their product and its output (2 h + 4 i); the router keeps the block's input
 # row, its fp32 probabilities and top-k indices and weights; a shared expert is a gated MLP.
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
+EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "moe_top_k", "top_k", "num_selected_experts")
 EXPERT_WIDTH = ("moe_intermediate_size", "expert_ffn_hidden_size")
 SHARED_WIDTH = ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "shared_intermediate_size")
+SUB_CONFIG_FIELDS = {"attn_config": ("kv_n_heads",), "ffn_config": ("ffn_hidden_size", "moe_num_experts", "moe_top_k")}
+"""DBRX's fields kept in its sub-configs, read as if at the top."""
 ROUTING_BYTES_PER_EXPERT = 4  # the router's fp32 probabilities, per expert
 ROUTING_BYTES_PER_CHOICE = 40  # per expert a token is sent to: int64 indices (three), fp32 weights (two)
 

@@ -527,14 +527,13 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module], mixers: list
     spec = replace(spec, counted_params=language_params(net, tower))
     if not layers:
         return spec
-    experts = _first(config, EXPERT_COUNT)
-    top_k = _first(config, EXPERTS_PER_TOKEN)
+    experts, top_k = _experts(net)  # DBRX's from its ffn_config, as its router loss takes them
     active = total = 0.0
     held: set[int] = set()  # a tensor of a layer shared, looped or nested in another: its matrices counted once
     for layer in layers:
         for name, p in layer.named_parameters():
             shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 keeps the full shape here
-            if len(shape) < 2:
+            if len(shape) < 2 or name.endswith("bias"):  # GPT-OSS's experts' biases: one row per expert
                 continue
             n = float(torch.Size(shape).numel())
             total += 0.0 if id(p) in held else n
