@@ -12,7 +12,7 @@ The folders, in the order a micro-batch meets them (each imports only from those
 Ulysses and context parallelism) -> ``model`` (prepare_model, the packed call, attention, the loss, the
 self-check) -> ``cost`` (the cost and memory models) -> ``lightning`` (HBPLitModule, HBPDataModule, the
 strategies) -> ``autoselect`` and ``simulate`` (the level search, the cluster simulator) -> ``callbacks``
--> ``cli``; beside them ``errors``, ``model_spec`` and ``report`` (used by all), ``demo`` and ``export``.
+-> ``cli``; beside them ``errors``, ``model_spec``, ``moe_spec`` and ``report`` (used by all), ``demo`` and ``export``.
 Modules that moved there in 0.2 keep their old import path for one release (``MOVED``), with a
 DeprecationWarning.
 """

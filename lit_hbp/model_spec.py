@@ -4,9 +4,9 @@ Pure Python: the analytic cost model and the planner's tools read it without tor
 from a preset, a Hugging Face config (whatever its family calls the fields: ``n_embd`` or
 ``hidden_size``, ``n_layer`` or ``num_hidden_layers``, ...), or is refined from an instantiated
 model, whose parameters say exactly which matmuls a token passes through (``active_layer_params``:
-a mixture-of-experts layer counts its routed experts at top-k / experts). One module on purpose (over 600
-lines): what a layer keeps for its backward (a mixture of experts', latent attention's, dropout's) is read from
-the same config fields, under the same aliases, as the shape.
+a mixture-of-experts layer counts its routed experts at top-k / experts; from a config: ``moe_spec.Experts``). One
+module on purpose (over 600 lines): what a layer keeps for its backward (latent attention's, dropout's; a mixture of
+experts' in ``moe_spec``, beside its FLOPs) is read from the same config fields, under the same aliases, as the shape.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from lit_hbp.moe_spec import SUB_CONFIG_FIELDS, experts_of
 
 # What families call each field, first match wins.
 ALIASES = {
@@ -342,7 +344,7 @@ class ModelSpec:
     ``("chunked", c)`` or ``("full", 0)``; empty: every layer attends to its document's whole causal prefix."""
     mlp_values: float | None = None
     """Values per token (the model's dtype) one layer's MLP keeps for its backward, averaged over the layers, where
-    it is not a gated MLP's four rows of ``intermediate``: a mixture of experts' (``cost.mlp_saved``)."""
+    it is not a gated MLP's four rows of ``intermediate``: a mixture of experts' (``Experts.saved``)."""
     mlp_bytes: float = 0.0
     """Bytes per token of a layer's routing beside ``mlp_values`` (fp32 probabilities, expert indices)."""
     value_dim: int | None = None
@@ -355,6 +357,10 @@ class ModelSpec:
     """Its attention drops probabilities (a flash kernel keeps no mask; the CPU's sdpa keeps each document's)."""
     mlp_matrices: int = 3
     """Matrices of its MLP in the formula's parameters (3: gated; 2: ``TWO_MATRIX_MLPS``)."""
+    mlp_params: tuple[float, float] | None = None
+    """A mixture of experts' MLP in the formula, per layer averaged over the layers (``Experts.mlp_params``): the matmul
+    parameters a token passes through (router, shared and top-k experts, the dense layers' MLP) and those held; None:
+    ``mlp_matrices`` of ``intermediate``."""
     counted_params: float | None = None
     """The language model's parameters counted on the built model, each tensor once (a layer shared, looped or
     nested counts once: ``param_counts.language_params``); None: the formula's (``params``)."""
@@ -387,11 +393,28 @@ class ModelSpec:
     @property
     def layer_params(self) -> float:
         """Matmul parameters one token passes through in a decoder layer: q, k, v, o projections
-        and a gated MLP (two matrices: ``mlp_matrices``), unless measured from the model."""
+        and a gated MLP (two matrices: ``mlp_matrices``) or a mixture of experts' (``mlp_params``), unless measured
+        from the model."""
         if self.active_layer_params is not None:
             return self.active_layer_params
-        attn = self.hidden * self.heads * self.dim * 2 + self.hidden * self.kv_heads * self.dim * 2
-        return attn + self.mlp_matrices * self.hidden * self.intermediate
+        return self._attention_params + self._mlp_params(0)
+
+    @property
+    def _attention_params(self) -> float:
+        """q, k, v and o projections; multi-head latent attention's: the query's (through its rank where it has one),
+        the keys' and values' down projection (with the shared rotary key) and up projection, the output's."""
+        h, heads = self.hidden, self.heads
+        if self.latent is None or self.attention_width is None or self.value_dim is None:
+            return h * heads * self.dim * 2 + h * self.kv_heads * self.dim * 2
+        (q_rank, kv_rank, rope), qk, v = self.latent, self.attention_width - self.value_dim, self.value_dim
+        query = q_rank * (h + heads * qk) if q_rank else h * heads * qk
+        return query + h * (kv_rank + rope) + kv_rank * heads * (qk - rope + v) + heads * v * h
+
+    def _mlp_params(self, held: int) -> float:
+        """A layer's MLP parameters in the formula: those a token passes through (``held`` 0) or all (1)."""
+        if self.mlp_params is not None:
+            return self.mlp_params[held]
+        return self.mlp_matrices * self.hidden * self.intermediate
 
     @property
     def pair_flops(self) -> float:
@@ -406,8 +429,17 @@ class ModelSpec:
         if self.counted_params is not None:
             return self.counted_params
         embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        per_layer = self.total_layer_params if self.total_layer_params is not None else self.layer_params
-        return self.layers * (per_layer + 2 * self.hidden) + embed + self.hidden
+        return self.layers * (self.held_layer_params + 2 * self.hidden) + embed + self.hidden
+
+    @property
+    def held_layer_params(self) -> float:
+        """Matmul parameters a decoder layer holds, averaged over the layers (a mixture of experts': all its experts):
+        ``total_layer_params`` where counted, else the formula's."""
+        if self.total_layer_params is not None:
+            return self.total_layer_params
+        return (
+            self.layer_params if self.active_layer_params is not None else self._attention_params + self._mlp_params(1)
+        )
 
     def attention_sq(self, lengths) -> float:
         """What the attending layers' causal attention over documents of these ``lengths`` weighs, per layer on
@@ -476,7 +508,9 @@ class ModelSpec:
             kv = 1
         layers = int(values["layers"])
         dense = dense_width(c, ALIASES["intermediate"], hidden)
-        moe = mlp_saved(c, hidden, dense or 4 * hidden, layers)
+        matrices = 2 if c.get("model_type") in TWO_MATRIX_MLPS else 3
+        experts = experts_of(c, dense or 4 * hidden, layers)
+        moe = experts.saved(hidden) if experts else None
         width = dense or (moe[0] / 4 if moe else 4 * hidden)  # a mixture of experts naming no dense width: its active
         masked, attention_dropout = dropout_rows(c, hidden, width)
         latent = latent_ranks(c)
@@ -504,7 +538,8 @@ class ModelSpec:
             latent=latent,
             dropout_values=masked,
             attention_dropout=attention_dropout,
-            mlp_matrices=2 if c.get("model_type") in TWO_MATRIX_MLPS else 3,
+            mlp_matrices=matrices,
+            mlp_params=experts.mlp_params(hidden, matrices) if experts else None,
         )
 
 
@@ -544,20 +579,9 @@ def latent_attention_width(c: dict) -> int | None:
 
 
 # What a decoder layer keeps for its backward beyond a Llama layer's, read from the config's fields: the MLP's width
-# where a family names it otherwise, a mixture of experts' routed and shared experts, multi-head latent attention's
-# low-rank projections, dropout. Counted from the tensors transformers 5.24's layers save (saved-tensor hooks on CPU,
-# tests/test_memory_model.py): a routed expert keeps, per token it is given, its copy of the token's row, its gate
-# and up projections, the activation, their product and its output (2 h + 4 i); the router keeps the block's input
-# row, its fp32 probabilities and top-k indices and weights; a shared expert is a gated MLP.
-EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "moe_top_k", "top_k", "num_selected_experts")
-EXPERT_WIDTH = ("moe_intermediate_size", "expert_ffn_hidden_size")
-SHARED_WIDTH = ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "shared_intermediate_size")
-SUB_CONFIG_FIELDS = {"attn_config": ("kv_n_heads",), "ffn_config": ("ffn_hidden_size", "moe_num_experts", "moe_top_k")}
-"""DBRX's fields kept in its sub-configs, read as if at the top."""
-ROUTING_BYTES_PER_EXPERT = 4  # the router's fp32 probabilities, per expert
-ROUTING_BYTES_PER_CHOICE = 40  # per expert a token is sent to: int64 indices (three), fp32 weights (two)
-
+# where a family names it otherwise, a mixture of experts' routed and shared experts (``moe_spec.Experts.saved``),
+# multi-head latent attention's low-rank projections, dropout. Counted from the tensors transformers 5.24's layers save
+# (saved-tensor hooks on CPU, tests/test_memory_model.py).
 RESIDUAL_DROPOUT = ("resid_pdrop", "hidden_dropout", "hidden_dropout_prob", "residual_dropout", "dropout")
 ACTIVATION_DROPOUT = ("activation_dropout",)
 ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob", "attn_dropout")
@@ -594,42 +618,6 @@ def dense_width(config: dict, aliases: tuple[str, ...], hidden: int) -> int | No
             "model does not read"
         )
     return None
-
-
-def moe_layers(config: dict, layers: int) -> int:
-    """How many of the layers route their tokens to experts: all but Deepseek's first ``first_k_dense_replace``,
-    Qwen-MoE's ``mlp_only_layers`` and those off its ``decoder_sparse_step``, Deepseek-V2's off ``moe_layer_freq``,
-    Llama 4's off ``moe_layers`` / ``interleave_moe_layer_step``."""
-    if isinstance(config.get("moe_layers"), (list, tuple)):
-        return sum(0 <= i < layers for i in config["moe_layers"])
-    first = int(config.get("first_k_dense_replace") or 0)
-    dense = set(config.get("mlp_only_layers") or ())
-    step = int(config.get("decoder_sparse_step") or config.get("interleave_moe_layer_step") or 1)
-    freq = int(config.get("moe_layer_freq") or 1) if isinstance(config.get("moe_layer_freq"), int) else 1
-    return sum(i >= first and i not in dense and (i + 1) % step == 0 and (i - first) % freq == 0 for i in range(layers))
-
-
-def mlp_saved(config: dict, hidden: int, dense: int, layers: int) -> tuple[float, float] | None:
-    """(values in the model's dtype, bytes) per token one layer's MLP keeps for its backward, averaged over the
-    layers, for a mixture of experts: a routed layer's router (its input row, ``ROUTING_BYTES_*``), top-k experts of
-    ``2 h + 4 i`` values each and its shared experts (a gated MLP's ``4 i``: Deepseek's ``n_shared_experts`` of the
-    experts' width, Qwen-MoE's ``shared_expert_intermediate_size`` and its gate's row, Llama 4's one); a dense layer's
-    gated MLP (``dense``, Llama 4's ``intermediate_size_mlp``). None for a dense model."""
-    experts, top_k = _first_of(config, EXPERT_COUNT), _first_of(config, EXPERTS_PER_TOKEN)
-    if not isinstance(experts, int) or experts < 2 or not top_k:
-        return None
-    width = int(_first_of(config, EXPERT_WIDTH) or dense)
-    shared = 4 * float(_first_of(config, SHARED_WIDTH) or 0)
-    if config.get("shared_expert_intermediate_size"):
-        shared += 1  # Qwen-MoE's sigmoid gate of the shared expert
-    shared += 4 * width * int(config.get("n_shared_experts") or 0)
-    if config.get("model_type") in ("llama4", "llama4_text"):
-        shared += 4 * width  # its one shared expert, of the experts' width
-        dense = int(config.get("intermediate_size_mlp") or dense)
-    routed = moe_layers(config, layers)
-    values = hidden + top_k * (2 * hidden + 4 * width) + shared
-    routing = ROUTING_BYTES_PER_EXPERT * experts + ROUTING_BYTES_PER_CHOICE * top_k
-    return (routed * values + (layers - routed) * 4 * dense) / layers, routed * routing / layers
 
 
 def latent_ranks(config: dict) -> tuple[int, int, int] | None:

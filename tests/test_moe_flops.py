@@ -1,15 +1,17 @@
 """Forward FLOPs per token of every mixture-of-experts family transformers 5.24 ships, built small, against torch's
 ``FlopCounterMode`` on a real forward: lit-hbp's model FLOPs count the matmul weights a token passes through (the
 router, top-k routed experts, shared experts, a dense layer's MLP), causal attention as half the score matrix, the LM
-head on every position here, as counted on the built model's matrices (``causal_lm.model_spec``: MFU and the level
-search).
+head on every position here. Both of lit-hbp's counts are checked: the formula read from the config alone
+(``ModelSpec.from_config``: the planner's tools on a config that cannot be built here) and the one counted on the built
+model's matrices (``causal_lm.model_spec``: MFU and the level search).
 
 The reference is what torch counts, less half of what the family's eager attention function counts (it computes the
 whole score matrix), less a sparse-attention indexer's own scores (lit-hbp prices full causal attention there, a
 finding left open), with experts run densely (Llama 4's: every token through every expert, the unchosen weighted 0)
 taken at top-k of all. Hybrids are built with attention layers only: their mixers are checked in
 tests/test_mixer_costs.py; the routing is what is checked here. Equal to the last FLOP, but within 2% where a family's
-attention holds what the count does not follow (``WITHIN_2_PERCENT``).
+attention holds what neither count follows (``WITHIN_2_PERCENT``) and for the formula's families in ``FORMULA_OFF``,
+not compared.
 """
 
 from __future__ import annotations
@@ -71,10 +73,20 @@ NOT_COMPARED = {  # families whose config names experts, not compared here
     "inkling_text": "attention of its own (relative position logits, short convolutions of its keys and values)",
     "qwen4_exp_text": "a hyper-connection mixer outside the decoder layers, which lit-hbp's FLOPs leave out",
 }  # fmt: skip
+FORMULA_OFF = {  # what the config's formula does not price (the built model's count does)
+    "axk2": "its input norms' MLPs", "deepseek_v4": "hyper-connections, a compressor", "hy_v4": "hyper-connections",
+    "deepseek_v32": "the indexer's projections",
+    "glm_moe_dsa": "the indexer's projections", "nemotron_h": "layers holding attention or an MLP, not both",
+    "zaya": "a router of its own MLP", "afmoe": "its attention's output gate", "beam": "its attention's output gate",
+    "qwen3_next": "its attention's output gate", "qwen3_5_moe_text": "its attention's output gate",
+    "mimo_v2_flash": "sliding layers of their own key-value heads",
+}  # fmt: skip
 WITHIN_2_PERCENT = {  # below 0.7%, all of it outside the experts
-    "jetmoe": "its attention's own experts",
+    "jetmoe": "its attention's own experts (the formula: dense q, k, v and o)",
     "zaya": "its attention's convolution and delayed values, a step longer than the tokens",
     "deepseek_v4": "its hyper-connections' mixing", "hy_v4": "its hyper-connections' mixing",
+    "laguna": "its attention's per-head gate (the formula)",
+    "bailing_hybrid": "its attention's per-head gate (the formula)",
 }  # fmt: skip
 DENSE_EXPERTS = {"llama4_text": "Llama4TextExperts"}  # run every token through every expert
 SELECTION = re.compile(r"Indexer$|Compressor$")  # sparse attention's key selection: not in lit-hbp's FLOPs
@@ -140,6 +152,9 @@ def test_moe_forward_flops_are_torchs_count(family, monkeypatch):
     within = 0.02 if family in WITHIN_2_PERCENT else 1e-9
     counted = model_spec(net, checkpoint_layers(decoder_of(net)), mixers=[])
     assert forward_per_token(counted) == pytest.approx(reference, rel=within), "the built model's count"
+    if family not in FORMULA_OFF:
+        formula = ModelSpec.from_config(config)
+        assert forward_per_token(formula) == pytest.approx(reference, rel=within), "the config's formula"
 
 
 def test_every_family_naming_experts_is_compared_or_says_why():
@@ -147,7 +162,7 @@ def test_every_family_naming_experts_is_compared_or_says_why():
     is compared above or named, with why, in ``NOT_COMPARED``: a new release's families are not left out unseen."""
     from families import all_families
 
-    from lit_hbp.model_spec import EXPERT_COUNT
+    from lit_hbp.moe_spec import EXPERT_COUNT
 
     named = set()
     with warnings.catch_warnings():
@@ -162,3 +177,27 @@ def test_every_family_naming_experts_is_compared_or_says_why():
                 named.add(family)
     assert named - set(FAMILIES) - set(NOT_COMPARED) == set()
     assert set(NOT_COMPARED) <= named
+
+
+@pytest.mark.parametrize(
+    "config, published",
+    [
+        (dict(model_type="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+              num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+              vocab_size=32000), (46.7e9, 12.9e9)),
+        (dict(model_type="dbrx", d_model=6144, n_layers=40, n_heads=48, vocab_size=100352,
+              attn_config=dict(kv_n_heads=8), ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4)),
+         (132e9, 36e9)),
+        (dict(model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+              num_key_value_heads=128, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+              num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
+              qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=129280), (671e9, 37e9)),
+    ],
+    ids=["mixtral-8x7b", "dbrx", "deepseek-v3"],
+)  # fmt: skip
+def test_the_formula_gives_published_total_and_active_parameters(config, published):
+    """The config's formula at the published sizes (config.json on the hub): total parameters and those a token passes
+    through (the model cards' "active": its layers' and the LM head's; DeepSeek-V3's 671B without its MTP module)."""
+    spec = ModelSpec.from_config(config)
+    active = spec.layers * spec.layer_params + spec.hidden * spec.vocab
+    assert (spec.params, active) == pytest.approx(published, rel=0.03)

@@ -134,7 +134,7 @@ HARDWARE: dict[str, Hardware] = {
 #   gated MLP: gate, act(gate), up, act * up                                                 4 b i
 #   a mixture of experts instead: the router's input row, fp32 probabilities and top-k indices, and per routed
 #     expert its copy of the row, gate, up, activation, product and output (2h + 4i_e each), shared experts
-#     as a gated MLP (``model_spec.mlp_saved``); multi-head latent attention at its own query-key and value
+#     as a gated MLP (``moe_spec.Experts.saved``); multi-head latent attention at its own query-key and value
 #     widths with its low-rank projections' normed rows; dropout's masks (a bool a value on CUDA, a value of
 #     the dtype on CPU); attention dropout on the CPU's sdpa (each document's probabilities) is refused
 # checked against measured bytes on CPU (tests/test_memory_model.py: within 10% at 4096-8192 tokens,
@@ -364,7 +364,7 @@ class CostModel:
         else:
             states = 2 * held  # torch.optim.AdamW: exp_avg and exp_avg_sq like the parameter
         trained = (m.params + (vision if self.vision_trained else 0.0)) * self.trainable
-        per_layer = m.total_layer_params if m.total_layer_params is not None else m.layer_params
+        per_layer = m.held_layer_params
         # the layers' matrices, LoRA's adapters; the LM head's copy is made again by each checkpointed loss chunk
         matmuls = m.layers * per_layer + vision + self.added_params
         return dict(

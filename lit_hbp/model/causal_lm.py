@@ -84,10 +84,8 @@ from lit_hbp.model.vision import (
     vision_tower,
 )
 from lit_hbp.model_spec import ModelSpec
+from lit_hbp.moe_spec import EXPERT_COUNT, EXPERTS_PER_TOKEN
 from lit_hbp.parallel.context import SPCall, sp_call
-
-EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
 
 
 def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.nn.Module:
