@@ -4,6 +4,7 @@ nothing expensive done first; ``LIT_HBP_DEBUG=1`` brings the traceback back."""
 
 import importlib.util
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -416,3 +417,46 @@ def test_print_config_before_the_subcommand_prints_what_it_prints_after(small_de
     for flag in ("--print_config", "--print_config=skip_null"):
         after = printed(main, ["preview", *line, flag])
         assert after["data"]["demo_dir"] == str(small_demo) and printed(main, [flag, "preview", *line]) == after
+
+
+@pytest.mark.parametrize(
+    "typed, argv, start",
+    [
+        (["python", "-m", "lit_hbp.cli.command", "fit"], ["/x/lit_hbp/cli/command.py", "fit"],
+         "python -m lit_hbp.cli.command"),
+        (["/v/bin/python", "-X", "dev", "train.py", "fit"], ["train.py", "fit"], "/v/bin/python -X dev train.py"),
+        (["python", "my project/train.py", "fit"], ["my project/train.py", "fit"], "python 'my project/train.py'"),
+    ],
+)  # fmt: skip
+@pytest.mark.filterwarnings("ignore:LightningCLI.s args parameter")
+def test_a_tip_names_the_command_as_the_user_typed_it(typed, argv, start, monkeypatch, capsys):
+    """A tip's command runs in a shell: ``python -m lit_hbp.cli.command`` (argparse's prog said ``command.py``,
+    a file name no shell runs), ``python train.py`` with the interpreter's options; the console script by its
+    name where it is the one on the PATH."""
+    from lit_hbp.cli.command import program
+
+    monkeypatch.setattr("sys.orig_argv", typed)
+    monkeypatch.setattr("sys.argv", argv)
+    assert program() == start
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--trainer.max_step", "3"])
+    assert e.value.code == 2
+    assert f"tip: `{start} fit --help` lists the options" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["fitt"])
+    assert e.value.code == 2 and f"tip: `{start} --help` lists the subcommands" in capsys.readouterr().err
+
+
+def test_the_console_script_on_the_path_is_named_alone(monkeypatch, tmp_path):
+    from lit_hbp.cli.command import program
+
+    script = tmp_path / "bin" / "lit-hbp"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setattr("sys.orig_argv", ["/v/bin/python3", str(script), "fit"])
+    monkeypatch.setattr("sys.argv", [str(script), "fit"])
+    monkeypatch.setenv("PATH", str(script.parent))
+    assert program() == "lit-hbp"
+    monkeypatch.setenv("PATH", str(tmp_path))  # another lit-hbp first on the PATH, or none: the path typed
+    assert program() == shlex.join(["/v/bin/python3", str(script)])

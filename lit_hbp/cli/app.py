@@ -47,6 +47,7 @@ from lit_hbp.cli.checks import (
     compact_yaml,
     dataclass_defaults,
 )
+from lit_hbp.cli.command import program
 from lit_hbp.cli.parser import (
     DEBUG_ENV,
     HBPArgumentParser,
@@ -312,7 +313,7 @@ def preview_main(args: list[str]) -> PreviewCLI:
     own usage and options (not LightningCLI's 70-line usage of every trainer option)."""
     from lit_hbp.cli.preview import preview
 
-    parser_kwargs = {"parser_mode": "omegaconf+", "prog": "lit-hbp preview", "usage": PREVIEW_USAGE,
+    parser_kwargs = {"parser_mode": "omegaconf+", "prog": f"{program()} preview", "usage": PREVIEW_USAGE,
                      "description": PREVIEW_HELP}  # fmt: skip
     try:
         # The arguments come in ``args`` alone: LightningCLI warns when it also sees them in sys.argv.
@@ -390,14 +391,14 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     if at is not None and argv[at] not in SUBCOMMANDS:  # Lightning's parser would list fit and validate alone
         choices = ", ".join(map(repr, SUBCOMMANDS))
         sys.stderr.write(f"error: argument subcommand: invalid choice: {argv[at]!r} (choose from {choices})\n")
-        sys.stderr.write(f"tip: `{Path(sys.argv[0]).name} --help` lists the subcommands\n")
+        sys.stderr.write(f"tip: `{program()} --help` lists the subcommands\n")
         sys.exit(2)
     try:
         with allow_listed():  # Lightning's resume loads with weights_only=True (check_resume): lit-hbp's allow-list
             cli = HBPCLI(
                 HBPLitModule,
                 HBPDataModule,
-                parser_kwargs={"parser_mode": "omegaconf+"},
+                parser_kwargs={"parser_mode": "omegaconf+", "prog": program()},
                 # runs/ (git-ignored) holds what a run writes, with a logger or without: the resolved config,
                 # checkpoints, logs; a run from the checkout's root leaves `git status` clean.
                 trainer_defaults={
