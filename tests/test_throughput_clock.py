@@ -123,3 +123,32 @@ def test_a_checkpoint_saved_at_a_step_is_not_the_levels_training_time(tmp_path, 
     assert len(steps) == 4 and all(v == pytest.approx(1.0) for v in steps), rows.rows
     rates = [v for r in rows.rows for k, v in r.items() if k.endswith("_tokens_per_s_per_device")]
     assert rates == pytest.approx(tick.tokens), times
+
+
+class Levels(L.Callback):
+    """Each optimizer step's levels (its micro-batches')."""
+
+    def __init__(self):
+        self.steps: list[set[int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self.steps.append(set())
+        self.steps[-1].add(int(batch.level))
+
+
+def test_a_windows_values_are_written_for_that_window_only(tmp_path, toy_tokenizer, small_demo):
+    """Lightning writes, at each log step, every value logged since the epoch began, logged again or not: a step
+    without the 1K level wrote the 1K level's time of an earlier step, as its own. Each written row holds the times of
+    the levels its step trained (``train/loss`` and ``train/grad_norm`` are forgotten alike: a window without
+    supervised tokens writes none)."""
+    levels, rows = Levels(), Rows()
+    dm = chat_datamodule(small_demo, toy_tokenizer, tmp_path / "cache", val_fraction=0.0)
+    trainer = quiet_trainer(max_steps=12, log_every_n_steps=1, callbacks=[levels], logger=rows)
+    trainer.fit(HBPLitModule(model=TINY_LLAMA, self_check=False), dm)
+    written = [r for r in rows.rows if "train/level" in r]
+    assert len(written) == len(levels.steps) == 12
+    assert len({frozenset(s) for s in levels.steps}) > 1, levels.steps  # the steps train different levels
+    for row, step in zip(written, levels.steps, strict=True):
+        timed = {int(k[len("time/level") :].split("_")[0]) for k in row if k.startswith("time/level")}
+        assert timed == step, (row, step)

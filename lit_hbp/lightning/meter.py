@@ -26,6 +26,21 @@ def logs_now(trainer) -> bool:
     return not trainer.fit_loop._should_accumulate() and connector.should_update_logs
 
 
+WINDOW_METRICS = ("train/loss", "train/grad_norm")  # a value per logging window, when the window has one
+
+
+def forget_last_window(trainer) -> None:
+    """Lightning writes every value logged since the epoch began at each log step, logged again or not: a window
+    without supervised tokens wrote the last window's ``train/loss``, one without a level that level's old
+    ``time/level*``. ``HBPLitModule`` forgets the values that describe a window before it logs this window's
+    (Lightning's result collection has no public way)."""
+    results = getattr(trainer, "_results", None)
+    for metric in (results or {}).values():
+        name = metric.meta.name
+        if metric.meta.fx == "on_train_batch_end" and (name in WINDOW_METRICS or name.startswith("time/level")):
+            metric.reset()
+
+
 def logs_by_schedule(trainer) -> bool:
     """``logs_now`` but for a stop: the step is one of every ``log_every_n_steps`` (Lightning also logs at the step a
     run stops at, which an uninterrupted run does not)."""

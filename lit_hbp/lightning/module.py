@@ -22,7 +22,7 @@ from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.checkpoints import AVERAGED_UNDER_DEEPSPEED, RESTORED, check_resumed_settings
-from lit_hbp.lightning.meter import MicroStepEnd, StepMeter, logs_now
+from lit_hbp.lightning.meter import MicroStepEnd, StepMeter, forget_last_window, logs_now
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
     check_optimizer_settings,
@@ -476,6 +476,7 @@ class HBPLitModule(L.LightningModule):
         self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # unless MicroStepEnd did (a subclass's own)
         if not logs_now(self.trainer):
             return
+        forget_last_window(self.trainer)
         # The micro-batch's plan fields, at the steps the loggers write (a value logged at another step
         # would never be written: Lightning's self.log costs the host time all the same). Host values
         # logged as host tensors: Lightning would copy a Python number to the device.
@@ -488,9 +489,7 @@ class HBPLitModule(L.LightningModule):
         ):
             self.log(f"train/{key}", torch.tensor(float(value)), batch_size=1)
         # train/loss: token-mean CE over every rank and micro-step since the last logged step.
-        reduce = None
-        if self.trainer.world_size > 1:
-            reduce = partial(self.trainer.strategy.reduce, reduce_op="sum")
+        reduce = partial(self.trainer.strategy.reduce, reduce_op="sum") if self.trainer.world_size > 1 else None
         loss = self._meter.read_loss(reduce)
         if loss is not None:
             self.log("train/loss", torch.tensor(loss), prog_bar=True, batch_size=1)
