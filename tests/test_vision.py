@@ -6,7 +6,9 @@ checkpoint folders are written as users' folders look (``tests/vision_models.py`
 """
 
 import copy
+import functools
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -405,21 +407,35 @@ VLM_TESTED = {
 }  # fmt: skip
 
 
+@functools.cache
+def meta_model(family: str):
+    """The family's model of its default config, built on the meta device with no weight initialization (its
+    modules only: what the table reads off it), once per family (``vlm_families`` forgets them when it is done);
+    None where the config or model cannot be built."""
+    from transformers.initialization import no_init_weights
+
+    with warnings.catch_warnings(), no_init_weights(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        try:
+            return AutoModelForImageTextToText.from_config(AutoConfig.for_model(family))
+        except Exception:  # noqa: BLE001 (left to the self-check, as the table says)
+            return None
+
+
 def stateful_mixer_kind(family: str) -> str | None:
     """The kind of the first token mixer in the family's language model (its default config, built on the
     meta device) that carries state across documents and that lit-hbp cannot run document by document,
     or None (none, or the config cannot be built)."""
-    import warnings
-
-    from transformers import AutoModelForImageTextToText
-
     from lit_hbp.model.build import decoder_of
     from lit_hbp.model.mixers import stateful_mixers
 
+    model = meta_model(family)
+    if model is None:
+        return None
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         try:
-            mixers = stateful_mixers(decoder_of(AutoModelForImageTextToText.from_config(AutoConfig.for_model(family))))
+            mixers = stateful_mixers(decoder_of(model))
         except Exception:  # noqa: BLE001 (left to the self-check, as the table says)
             return None
     refused = [m for m in mixers if not m.per_document]
@@ -432,16 +448,13 @@ SIDE_BY_SIDE = "its vision tower sits beside its language model on the top modul
 def tower_beside_language_model(family: str) -> bool:
     """Whether the family's model (its default config, built on the meta device) holds its vision tower on the
     top module beside its language model, with no inner model encoding images (False: it cannot be built)."""
-    import warnings
-
-    from transformers import AutoModelForImageTextToText
-
     from lit_hbp.model.vision import tower_beside_language_model as beside
 
+    model = meta_model(family)
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         try:
-            return beside(AutoModelForImageTextToText.from_config(AutoConfig.for_model(family))) is not None
+            return model is not None and beside(model) is not None
         except Exception:  # noqa: BLE001 (left to the self-check, as the table says)
             return False
 
@@ -478,6 +491,7 @@ def vlm_families() -> dict[str, tuple[str, str]]:
             out[family] = ("refused", f"{SIDE_BY_SIDE} (prepare_model)")
         else:
             out[family] = ("self-check", "")
+    meta_model.cache_clear()
     return out
 
 
