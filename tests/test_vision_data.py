@@ -9,7 +9,6 @@ through the unprepared model with eager attention for the loss and every gradien
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -476,10 +475,14 @@ def test_a_vision_demo_the_user_built_is_kept_and_a_bad_count_refused(tmp_path, 
 @pytest.mark.slow
 def test_the_tiny_vlm_config_trains_and_exports_a_folder_that_answers_from_an_image(tmp_path):
     """configs/tiny_vlm_cpu.yaml as a new user runs it (the demo built on first use): the loss falls,
-    and the export loads with AutoModelForImageTextToText + AutoProcessor and generates from an image."""
+    and the export loads with AutoModelForImageTextToText + AutoProcessor and generates from an image.
+    12 steps, each one's loss logged, one validation of 2 batches at the end; the export is the module's
+    ``main`` in this process (what its command runs)."""
     import shutil
 
     from test_train import scalars
+
+    from lit_hbp import export
 
     shutil.copy(ROOT / ".gitignore", tmp_path / ".gitignore")  # a checkout: the run leaves git status clean
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
@@ -488,7 +491,8 @@ def test_the_tiny_vlm_config_trains_and_exports_a_folder_that_answers_from_an_im
                    cwd=tmp_path, check=True)  # fmt: skip
     run = subprocess.run(
         [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs" / "tiny_vlm_cpu.yaml"),
-         "--trainer.max_steps", "16", "--trainer.val_check_interval", "8", "--trainer.enable_progress_bar", "false"],
+         "--trainer.max_steps", "12", "--trainer.log_every_n_steps", "1", "--trainer.val_check_interval", "12",
+         "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -499,11 +503,7 @@ def test_the_tiny_vlm_config_trains_and_exports_a_folder_that_answers_from_an_im
     losses = [v for _, v in scalars(tmp_path / "runs")["train/loss"]]
     assert len(losses) >= 6 and np.mean(losses[-3:]) < 0.75 * np.mean(losses[:3]), losses
     (ckpt,) = (tmp_path / "runs").glob("tiny_vlm_cpu/version_0/checkpoints/last.ckpt")
-    export = subprocess.run(
-        [sys.executable, "-m", "lit_hbp.export", str(ckpt), str(tmp_path / "hf")],
-        capture_output=True, text=True, timeout=HANG_S,
-    )  # fmt: skip
-    assert export.returncode == 0, export.stderr[-3000:]
+    assert export.main([str(ckpt), str(tmp_path / "hf")]) == 0
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf")
     processor = AutoProcessor.from_pretrained(tmp_path / "hf")
     trained = torch.load(ckpt, weights_only=True, map_location="cpu")["state_dict"]
@@ -675,18 +675,22 @@ def test_level_selection_at_fit_start_counts_the_runs_images(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_tiny_vlm_config_trains_its_images_on_sp_2_levels_under_hbp_strategy(tmp_path, vlm_demo):
+def test_the_tiny_vlm_config_trains_its_images_on_sp_2_levels_under_hbp_strategy(tmp_path):
     """configs/tiny_vlm_cpu.yaml on 2 processes with both levels at sp 2 (HBPStrategy, ZeRO 2): the
     self-check passes at sp 2 with the run's own images (each against the records alone, eager), the
-    SP group splits their encoding, and training and validation run. Its demo is the suite's, built once
-    (the build on first use is the one-process test's)."""
-    (tmp_path / "demo_vlm").symlink_to(vlm_demo)
+    SP group splits their encoding, and training and validation (one batch) run. Its demo is built here
+    at 200 records (the build on first use at the default size is the one-process test's): what sp 2
+    does with images does not depend on how many records the run reads."""
+    from lit_hbp.demo.vision import ensure_vlm_demo
+
+    ensure_vlm_demo(tmp_path / "demo_vlm", n=200)
     run = subprocess.run(
         [console_script("lit-hbp"), "fit", "--config", str(ROOT / "configs" / "tiny_vlm_cpu.yaml"),
          "--trainer.devices", "2",
          "--trainer.strategy", "{class_path: lit_hbp.lightning.strategy.HBPStrategy, init_args: {stage: 2}}",
          "--data.levels", "[{pack_len: 1024, sp: 2}, {pack_len: 2048, sp: 2}]", "--trainer.max_steps", "2",
-         "--trainer.val_check_interval", "2", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"],
+         "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1", "--trainer.logger", "false",
+         "--trainer.enable_progress_bar", "false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -765,7 +769,7 @@ def test_the_densest_probe_pack_holds_whole_samples_and_leaves_no_room_a_sample_
 
 
 @pytest.mark.slow
-def test_a_measured_level_search_packs_the_runs_own_images_into_its_probes(tmp_path, monkeypatch):
+def test_a_measured_level_search_packs_the_runs_own_images_into_its_probes(tmp_path, monkeypatch, capsys):
     """``MeasuredSelector`` on data with images (the image-chat demo, a tiny LLaVA-NeXT): its probes train packs
     of the run's own records, each probe's first the densest in image patches, the others drawn from the
     records the level holds; every probe pack's images are its records' own files (their sizes read off
@@ -817,12 +821,12 @@ def test_a_measured_level_search_packs_the_runs_own_images_into_its_probes(tmp_p
     config.write_text(json.dumps({"data": {"tokenizer": str(demo / "model"), "sources": [str(demo / "chat.jsonl")],
                                            "cache_dir": str(tmp_path / "cache")},
                                   "model": {"model": str(demo / "model")}}))  # fmt: skip
-    tool = subprocess.run(
-        [sys.executable, "-m", "lit_hbp.autoselect", "--config", str(config), "--measured", "--candidates", "256",
-         "512"], capture_output=True, text=True, timeout=HANG_S,
-    )  # fmt: skip
-    assert tool.returncode == 0, tool.stderr[-3000:]
-    assert "measured on 1 x CPU" in tool.stdout and "levels:\n  - {pack_len: " in tool.stdout, tool.stdout
+    from lit_hbp.autoselect.__main__ import main as autoselect  # its main here; its probes in a process it starts
+
+    capsys.readouterr()
+    assert autoselect(["--config", str(config), "--measured", "--candidates", "256", "512"]) == 0
+    stdout = capsys.readouterr().out
+    assert "measured on 1 x CPU" in stdout and "levels:\n  - {pack_len: " in stdout, stdout
 
 
 def test_image_records_tokenized_by_workers_in_small_chunks_give_the_same_cache(tmp_path):
