@@ -878,10 +878,9 @@ def test_a_hybrid_folder_fine_tunes_through_the_cli_on_two_processes_at_sp_2_wit
     """Qwen3-Next (the gated delta rule beside attention) from a ``save_pretrained`` folder through
     ``lit-hbp fit`` on 2 processes, its long chats on a Ulysses sp 2 level (its mixer split by heads): the
     self-check packs documents against each alone and passes, both levels train, and ``python -m
-    lit_hbp.export`` writes a folder that loads and generates."""
+    lit_hbp.export`` (its ``main``, in this process) writes a folder that loads and generates."""
     import os
     import subprocess
-    import sys
 
     from conftest import HANG_S, console_script
     from test_train import scalars
@@ -906,12 +905,11 @@ def test_a_hybrid_folder_fine_tunes_through_the_cli_on_two_processes_at_sp_2_wit
     # greedy generation with the mixer's and attention's caches is the one that recomputes every step
     from transformers import AutoModelForCausalLM
 
+    from lit_hbp import export
     from lit_hbp.export import load_checkpoint
 
     (ckpt,) = tmp_path.glob("runs/**/last.ckpt")
-    exported = subprocess.run([sys.executable, "-m", "lit_hbp.export", str(ckpt), str(tmp_path / "hf")],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
-    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert export.main([str(ckpt), str(tmp_path / "hf")]) == 0  # what ``python -m lit_hbp.export`` runs, here
     net = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     trained = {k.removeprefix("model."): v for k, v in load_checkpoint(str(ckpt))["state_dict"].items()}
     for name, w in net.state_dict().items():
