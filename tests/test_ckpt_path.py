@@ -64,6 +64,11 @@ def bad_checkpoints(tmp: Path) -> dict[str, tuple[Path, str]]:
     }
 
 
+# configs/tiny_cpu.yaml's levels with a 5K long level in place of its 16K one: the demo's 5K-16K samples, seconds of
+# attention per validation pack on CPU (the sanity check's too), are dropped; the checkpoints are the same kinds.
+SHORTER = ("--data.levels", "[{pack_len: 1024}, {pack_len: 4096, ckpt_layers: 2}, {pack_len: 5120, ckpt_layers: 4}]")
+
+
 def run_cli(args, tmp_path, small_demo, capfd):
     """``lit-hbp fit`` of the tiny config with ``args``: (exit status, stdout, stderr)."""
     base = ["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
@@ -410,7 +415,7 @@ def test_an_hbp_ddp_run_resumes_from_its_checkpoint_file_as_it_would_have_run_on
 
     def fit(args):
         base = ["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
-                "--data.cache_dir", str(tmp_path / "cache")]  # fmt: skip
+                "--data.cache_dir", str(tmp_path / "cache"), *SHORTER]  # fmt: skip
         main(base + steps + args)
 
     monkeypatch.chdir(tmp_path)
@@ -471,11 +476,11 @@ def test_a_zero3_folder_loads_under_stage_3_to_train_and_says_how_to_validate_it
     monkeypatch.chdir(tmp_path)
     run = ["--trainer.strategy", "hbp_stage_3", "--trainer.enable_progress_bar", "false"]
     main(["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
-          "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "2", *run])  # fmt: skip
+          "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "2", *SHORTER, *run])  # fmt: skip
     folder = tmp_path / "runs/tiny_cpu/version_0/checkpoints/last.ckpt"
     assert folder.is_dir()
     base = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
-            "--data.cache_dir", str(tmp_path / "cache"), "--ckpt_path", str(folder)]  # fmt: skip
+            "--data.cache_dir", str(tmp_path / "cache"), "--ckpt_path", str(folder), *SHORTER]  # fmt: skip
     capfd.readouterr()
     with pytest.raises(SystemExit) as stop:
         main(["validate", *base, *run])
