@@ -466,7 +466,7 @@ def test_a_resume_of_a_seeded_run_keeps_its_data_seed_and_continues_identically(
               "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "6",
               "--trainer.val_check_interval", "8",  # micro-batches: a validation and its checkpoint at step 4
               "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
-              *NARROW, *SHORTER, *args])  # fmt: skip
+              *NARROW, *args])  # fmt: skip
         events = glob.glob(f"{tmp_path / folder}/runs/**/events.out.tfevents.*", recursive=True)
         return dict(scalars(Path(max(events, key=os.path.getmtime)).parent)["train/loss"])
 
