@@ -22,7 +22,11 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the parts run scripts from bench/: lit_hbp from here
 DRY=0
 for arg in "$@"; do [ "$arg" = --dry-run ] && DRY=1; done
-torch_of() { $PY -c 'import torch; print(torch.__version__, torch.__file__)' 2>/dev/null; }
+# The torch this Python imports, its version and file, read without importing it (seconds a call)
+torch_of() {
+    $PY -c 'import importlib.metadata as m, importlib.util as u; print(m.version("torch"), u.find_spec("torch").origin)' \
+        2>/dev/null
+}
 IMAGE_TORCH=$(torch_of)
 if [ $DRY = 1 ]; then
     echo "gpu_proof: dry run: the wheels in .whl/ (for the GPU machine's Python) are not installed here"
