@@ -42,6 +42,7 @@ Trainer's fastest padding-free mode and >= 1.2x trl_bfd at every level.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -51,21 +52,26 @@ import time
 import traceback
 from dataclasses import replace
 
-import lightning as L
-import numpy as np
-import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lit_hbp.cli.command import heap_left_alone
 
-from lit_hbp.callbacks import HBPCurriculum
-from lit_hbp.cli.app import main as cli_main
-from lit_hbp.cost.costmodel import MEMORY_RESERVE_BYTES
-from lit_hbp.cost.gpu_peaks import peak_flops as gpu_peak_flops
-from lit_hbp.cost.memory import GIB, level_memory
-from lit_hbp.data.collate import collate_packs
-from lit_hbp.model import attention
-from lit_hbp.model.packed_call import sizes_apart
-from lit_hbp.packing.plan import Plan
-from lit_hbp.report import format_table
+# As a script: the imports without the cyclic collector, frozen after (as lit-hbp's command line); imported (by
+# the tests), the importer's collector is left as it is.
+with heap_left_alone() if __name__ == "__main__" else contextlib.nullcontext():
+    import lightning as L
+    import numpy as np
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_hbp.callbacks import HBPCurriculum
+    from lit_hbp.cli.app import main as cli_main
+    from lit_hbp.cost.costmodel import MEMORY_RESERVE_BYTES
+    from lit_hbp.cost.gpu_peaks import peak_flops as gpu_peak_flops
+    from lit_hbp.cost.memory import GIB, level_memory
+    from lit_hbp.data.collate import collate_packs
+    from lit_hbp.model import attention
+    from lit_hbp.model.packed_call import sizes_apart
+    from lit_hbp.packing.plan import Plan
+    from lit_hbp.report import format_table
 
 OOM = (torch.OutOfMemoryError,)
 

@@ -399,7 +399,21 @@ def worker_lit_hbp(spec: dict) -> dict:
     return result
 
 
+# What each mode's worker imports, imported first as lit-hbp's command line imports (``heap_left_alone``).
+WORKER_IMPORTS = {
+    "reference": ("transformers.modeling_utils",),
+    "lit-hbp": ("lit_hbp.cli.app",),
+    "hf-padding": ("datasets", "transformers.trainer"),
+}
+
+
 def worker(spec_path: str, mode: str) -> int:
+    from lit_hbp.cli.command import heap_left_alone
+
+    with heap_left_alone():  # without the cyclic collector's walks over the imports (~2 s a process), frozen after
+        for name in WORKER_IMPORTS.get(mode, (*WORKER_IMPORTS["hf-padding"], "trl.trainer.sft_trainer")):
+            if importlib.util.find_spec(name) is not None:  # a missing TRL is said below
+                importlib.import_module(name)
     spec = json.loads(Path(spec_path).read_text())
     if mode == "reference":
         result = worker_reference(spec)
@@ -536,7 +550,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
     if any(m.startswith("trl") for m in modes) and importlib.util.find_spec("trl") is None:
         p.error("the trl modes need TRL: pip install -e '.[bench]' (or leave them out with --modes)")
-    import torch
+    from lit_hbp.cli.command import heap_left_alone
+
+    with heap_left_alone():  # as the workers' imports (the model and data built here)
+        import torch
+        import transformers.modeling_utils  # noqa: F401
 
     cuda = torch.cuda.is_available()
     tol = args.tol if args.tol is not None else (0.1 if cuda else 1e-3)

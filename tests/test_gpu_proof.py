@@ -46,7 +46,7 @@ def test_the_gpu_proof_dry_run_runs_every_part_and_writes_its_results(tmp_path, 
 
     assert versions["torch"] == torch.__version__ and versions["trl"] == trl.__version__ and versions["gpus"] == []
 
-    # pytest -m gpu on a CPU: every GPU test collected and skipped with its reason, none failed
+    # pytest -m gpu on a CPU (a dry run: the first marked file): its GPU tests collected and skipped, none failed
     tests = parts["tests"]["result"]
     assert tests["skipped"] > 0 and tests["passed"] == tests["failed"] == tests["error"] == 0
 
