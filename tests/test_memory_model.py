@@ -325,14 +325,8 @@ def ulysses_rank(dtype_name: str) -> dict:
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16"])
-def test_ulysses_levels_offload_exactly_and_within_10_percent_of_the_model(dtype_name):
-    from distributed import Pool
-
-    pool = Pool(2)
-    try:
-        results = pool.run(ulysses_rank, dtype_name)
-    finally:
-        pool.close()
+def test_ulysses_levels_offload_exactly_and_within_10_percent_of_the_model(shared_pool2, dtype_name):
+    results = shared_pool2.run(ulysses_rank, dtype_name)  # the 2 processes the suite's 2-rank tests share
     cfg = dict(SHAPES["gqa"], num_hidden_layers=4)
     cost = CostModel(
         ModelSpec.from_config({"model_type": "llama", **cfg}),
