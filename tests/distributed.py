@@ -17,7 +17,7 @@ import traceback
 import torch.multiprocessing as mp
 from conftest import HANG_S
 
-from lit_hbp.autoselect.launch import free_port, set_launch_env
+from lit_hbp.autoselect.launch import host_store, join_group, set_launch_env
 
 # By name from the installed package (Python 3.11's fork server does not take this process's sys.path).
 PRELOAD = ["lit_hbp.autoselect.launch", "lit_hbp.lightning.strategy", "lit_hbp.lightning.module", "deepspeed"]
@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, backend: str, isol
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    join_group(backend, rank, world, port)
     while True:
         task = tasks.get()
         if task is None:
@@ -85,7 +85,8 @@ class Pool:
         self.broken = ""  # the traceback that stopped the pool
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        port = free_port()
+        self.store = host_store()  # served by this process for the pool's life
+        port = self.store.port
         self.procs = [
             ctx.Process(
                 target=_worker,

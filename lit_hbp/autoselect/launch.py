@@ -22,6 +22,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def host_store() -> Any:
+    """The store of a process group whose processes this one starts, served here on a port the system picks
+    and holds for the store's life: a port found free and closed before the workers bind it can be taken
+    meanwhile (by any connection on the machine, another run's gloo ones too), and the group then fails to
+    start. Its ``port`` goes to the workers (``join_group``)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def join_group(backend: str, rank: int, world: int, port: int) -> None:
+    """The process group of ``world`` processes through the store a parent serves on ``port`` (``host_store``)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+
+
 def set_launch_env(rank: int, world: int, port: int) -> None:
     """What a launcher sets for a process of a one-node world: Lightning inside it then sees an
     external launch (starts no processes) and DeepSpeed reuses the process group. Lightning's
@@ -49,7 +67,7 @@ def _worker(rank: int, port: int, world: int, cuda: bool, fn: Callable, args: tu
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    join_group("nccl" if cuda else "gloo", rank, world, port)
     try:
         answer: tuple[bool, Any] = (True, fn(*args))
     except ValueError as e:  # a refusal: every rank took the same decisions and refuses alike
@@ -65,10 +83,10 @@ def launch(fn: Callable[..., T], args: tuple, world: int, cuda: bool) -> T:
     the ``ValueError`` it raised (raised here)."""
     import torch.multiprocessing as mp
 
-    port = free_port()
+    store = host_store()  # served here until every process has ended
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, world, cuda, fn, args, results)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, store.port, world, cuda, fn, args, results)) for r in range(world)]
     for p in procs:
         p.start()
     try:
