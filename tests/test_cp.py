@@ -538,9 +538,10 @@ def test_a_cp_run_resumes_exactly(pool4, sp_data, toy_tokenizer, tmp_path):
     """With attention dropout: each of the 4 ranks draws its masks after the resume from its own generators as
     they were at the checkpoint (gathered into it), as the uninterrupted run drew them. The first ``train/loss``
     logged after the resume (step 3) averages steps 1-3 of every rank, as the uninterrupted run's."""
-    full = pool4.run(run_cp, str(sp_data), toy_tokenizer, str(tmp_path / "full"), 5, None, 0.3)
+    # 4 steps (the plan's levels sp 2, 1, 1, 4): the resumed steps 2-3 hold the sp 4 (Ulysses 2 x CP 2) step.
+    full = pool4.run(run_cp, str(sp_data), toy_tokenizer, str(tmp_path / "full"), 4, None, 0.3)
     ckpt = str(tmp_path / "full" / "ckpt" / "step=2.ckpt")
-    resumed = pool4.run(run_cp, str(sp_data), toy_tokenizer, str(tmp_path / "resumed"), 5, ckpt, 0.3)
+    resumed = pool4.run(run_cp, str(sp_data), toy_tokenizer, str(tmp_path / "resumed"), 4, ckpt, 0.3)
     logged = {rank: losses for rank, (_, losses) in enumerate(full)}
     assert list(logged[0]) == [2] and resumed[0][1] == pytest.approx(logged[0], rel=1e-6)  # logger step: step - 1
     full, resumed = [rows for rows, _ in full], [rows for rows, _ in resumed]
