@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import CHAT_TEMPLATE, TINY_LLAMA, quiet_trainer, separate_loss
+from levels_first import EachLevelFirst
 
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.errors import ConfigError
@@ -90,8 +91,11 @@ def train_and_save(
 
     merge = bool(lora) and isinstance(model, dict)  # an adapter of a mapping's model has no base to load beside it
     export = HBPExport(out + "_callback", merge_lora=merge)
-    trainer = quiet_trainer(devices=2, strategy=HBPStrategy(stage=stage), max_steps=4, callbacks=[Initial(), export])
+    # Each level's first step first: the 4 steps train the sp 2 level too, whatever the plan's shuffle drew.
+    callbacks = [Initial(), export, EachLevelFirst()]
+    trainer = quiet_trainer(devices=2, strategy=HBPStrategy(stage=stage), max_steps=4, callbacks=callbacks)
     trainer.fit(module, dm)
+    sp_trained = {dm.levels[lv].sp for lv in dm.plan_for_epoch(0).step_level[: trainer.global_step].tolist()}
     trainer.save_checkpoint(out)
     params = list(module.model.named_parameters())
     with deepspeed.zero.GatheredParameters([p for _, p in params]):
@@ -101,7 +105,7 @@ def train_and_save(
             logits = module.model(input_ids=torch.tensor([PROBE]), use_cache=False).logits[0]
     states = trainer.optimizers[0].optimizer.state  # the AdamW inside ZeRO: this rank's flat partitions
     trained = sum(s["exp_avg"].numel() for s in states.values())
-    return dict(weights=weights, initial=initial, logits=logits, trained_numel=trained)
+    return dict(weights=weights, initial=initial, logits=logits, trained_numel=trained, sp_trained=sp_trained)
 
 
 @pytest.mark.slow
@@ -247,6 +251,7 @@ def test_lora_trains_only_adapters_under_zero_and_sp_and_exports(
     model, tokenizer = (tiny_folder, tiny_folder) if stage == 3 else (TINY, toy_tokenizer)
     results = pool.run(train_and_save, stage, str(chats), tokenizer, str(tmp_path / "cache"), ckpt, LORA, model)
     r = results[0]
+    assert r["sp_trained"] == {1, 2}  # under ZeRO and SP: micro-batches of both levels trained
     lora = {n for n in r["weights"] if "lora_" in n}
     # Adam states for the adapters only, partitioned over the ranks by ZeRO (flat partitions may be
     # padded for alignment, far below the frozen model's size).
