@@ -111,6 +111,7 @@ class AnalyticProfiler:
         self.tiles_allowed = self.memory.tiles_allowed
         self._stats: dict[tuple[int, int, int], tuple[float, float, float]] = {}
         self._mixers: dict[tuple[int, int], float] = {}
+        self._packs: dict = {}  # pack_stats' packs and splits, drawn once for all layouts of a length
 
     memory_settings = True
     """It prices offload and MLP tiles too (``search.fit_memory`` tries them)."""
@@ -127,7 +128,8 @@ class AnalyticProfiler:
         if key not in self._stats:
             work = None if self.vision is None else self.vision.work
             self._stats[key] = pack_stats(
-                self.lengths, pack_len, self.seed, sp=key[1], cp=key[2], extra_work=work, model=self.cost.model
+                self.lengths, pack_len, self.seed, sp=key[1], cp=key[2], extra_work=work, model=self.cost.model,
+                memo=self._packs,
             )
         tokens, sum_sq, vision = self._stats[key]
         mixer = None

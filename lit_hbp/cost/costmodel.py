@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lit_hbp.model_spec import ModelSpec
-from lit_hbp.packing.context_split import split_micro_batch
+from lit_hbp.packing.context_split import padded_length, split_micro_batch
 from lit_hbp.packing.mixer_share import PAD_SLACK, mixer_tokens, splits
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import cp_slices
@@ -650,6 +650,15 @@ def pack_mixer_tokens(lengths, pack_len: int, sp: int, heads: int | None, seed: 
     return float(np.mean([mixer_tokens(p.tolist(), sp, heads) for p in packs]))
 
 
+def _imbalance(memo: dict, pack: tuple, docs: np.ndarray, sp: int, cp: int) -> float:
+    """``split_micro_batch(docs, sp, cp).imbalance()``, kept in ``memo`` by the pack, its padding and ``cp``."""
+    total = int(docs.sum())
+    key = (pack, padded_length(total, sp) - total, cp)
+    if key not in memo:
+        memo[key] = split_micro_batch(docs, sp, cp).imbalance()
+    return memo[key]
+
+
 def pack_stats(
     lengths,
     pack_len: int,
@@ -659,15 +668,22 @@ def pack_stats(
     cp: int = 1,
     extra_work=None,
     model: ModelSpec | None = None,
+    memo: dict | None = None,
 ) -> tuple[float, float, float]:
     """Mean tokens, mean sum of squared lengths and mean extra work (per sample ``extra_work``: a
     vision-language sample's image encoding, ``VisionLoad.work``; 0 without it) of a pack of ``pack_len``
     filled from the data's length distribution: what a level's packs hold. With ``cp`` > 1 the sum of
     squares is priced at the busiest CP rank (times its max / mean area under the split training uses at
     degree ``sp``, ``split_micro_batch``), as the simulator prices CP groups. ``model``: its sliding windows and
-    chunks bound a long document's weight (``ModelSpec.attention_sq``)."""
-    lengths, members, packs = _synthetic_packs(lengths, pack_len, seed, max_packs)
-    busiest = [split_micro_batch(p, sp, cp).imbalance() if cp > 1 else 1.0 for p in packs]
+    chunks bound a long document's weight (``ModelSpec.attention_sq``). ``memo``: a dict kept across calls on the
+    same ``lengths`` (a search prices every layout of a length): the packs are drawn once per ``pack_len`` and each
+    split once per padding and ``cp`` (what it depends on), with the same results."""
+    memo = {} if memo is None else memo
+    key = (pack_len, seed, max_packs)
+    if key not in memo:
+        memo[key] = _synthetic_packs(lengths, pack_len, seed, max_packs)
+    lengths, members, packs = memo[key]
+    busiest = [_imbalance(memo, (key, i), p, sp, cp) if cp > 1 else 1.0 for i, p in enumerate(packs)]
     weigh = (lambda p: (p.astype(np.float64) ** 2).sum()) if model is None else model.attention_sq
     sum_sq = [weigh(p) * b for p, b in zip(packs, busiest)]
     work = None if extra_work is None else np.asarray(extra_work, dtype=np.float64)

@@ -20,6 +20,7 @@ rank of a CP group computes the same split from the pack's document lengths alon
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -298,19 +299,22 @@ def _whole_first(lengths: np.ndarray, cp: int, shard: int) -> ContextSplit:
     the lowest rank); the rest filled in. Python ints in the loop: numpy calls per document cost more."""
     ranks, docs, ends = [], [], []
     room, area = [shard] * cp, [0] * cp
+    keys = [(0, -shard, r) for r in range(cp)]  # the ranks by (area, -room, rank), kept sorted
     spill = []
     sizes = lengths.tolist()
     for d in np.argsort(-lengths, kind="stable").tolist():
         length = sizes[d]
         if length == 0:
             continue
-        best = min(((area[r], -room[r], r) for r in range(cp) if room[r] >= length), default=None)
-        if best is None:
+        # the least key among the ranks with room: the first with room in key order
+        i = next((i for i, key in enumerate(keys) if -key[1] >= length), None)
+        if i is None:
             spill.append(d)
             continue
-        r = best[2]
+        r = keys.pop(i)[2]
         room[r] -= length
         area[r] += length * (length + 1) // 2
+        bisect.insort(keys, (area[r], -room[r], r))
         ranks.append(r), docs.append(d), ends.append(length)
     rank, doc, start, end = np.array(ranks), np.array(docs), np.zeros(len(ranks)), np.array(ends)
     if spill:
