@@ -256,7 +256,8 @@ def test_two_concurrent_set_ups_tokenize_once(tmp_path, toy_tokenizer):
     one tokenizes, the other waits on the lock and reads its cache."""
     import multiprocessing
 
-    path = write_jsonl(tmp_path / "d.jsonl", records(3000))
+    # 1000 records (~300 KB): a second or so of tokenizing, which the other process, sent its task at once, waits on
+    path = write_jsonl(tmp_path / "d.jsonl", records(1000))
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(2) as pool:
         pool.map(abs, [1, 2])  # both started (imports done) before the race
@@ -271,7 +272,7 @@ def test_a_killed_writer_leaves_no_cache_and_no_stuck_lock(tmp_path, toy_tokeniz
     """SIGKILL a process midway through writing a cache: no cache a later run accepts is left, the
     next run is not blocked by the dead writer's lock, removes its half-written folder and
     tokenizes everything again, exactly."""
-    path = write_jsonl(tmp_path / "d.jsonl", records(6000))
+    path = write_jsonl(tmp_path / "d.jsonl", records(2000))  # ~600 KB: some 300 chunks of 2 KB, killed at the first
     cache = tmp_path / "cache"
     code = (
         "import sys, lit_hbp.data.sources as s; s.CHUNK_BYTES = 2048\n"
