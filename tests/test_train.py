@@ -349,9 +349,10 @@ def test_tiny_sp_config_trains_on_two_processes(tmp_path, small_demo):
     assert len(logged["train/loss"]) >= 4 and all(v > 0 for _, v in logged["train/loss"])
 
 
-# Every step's loss logged, and a validation (CP layouts included) at the last of the 4 steps; the config's
-# layout on a model half as wide (the same 2 heads and 4 layers: what the layout depends on), cheaper to run.
-EVERY_STEP = ("--trainer.log_every_n_steps", "1", "--trainer.val_check_interval", "8",
+# Every step's loss logged, and a validation (CP layouts included) at the last of the 3 steps (one of each level,
+# ``EachLevelFirst``); the config's layout on a model half as wide (the same 2 heads and 4 layers: what the layout
+# depends on), cheaper to run.
+EVERY_STEP = ("--trainer.log_every_n_steps", "1", "--trainer.val_check_interval", "6",
               "--model.model.hidden_size", "64", "--model.model.intermediate_size", "192")  # fmt: skip
 LEVELS_2D = (
     "HBPStrategy levels: 2048 tokens sp 1 ckpt 0, 4096 tokens sp 2 (ulysses 1 x cp 2) ckpt 2, "
@@ -375,7 +376,7 @@ def run_two_nodes(folder: Path, small_demo) -> str:
     for node in (0, 1):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                     "--nproc-per-node", "2", "--rdzv-endpoint", endpoint]  # fmt: skip
-        cmd = config_command(folder, small_demo, "tiny_cpu_2d.yaml", 4, *EVERY_STEP, "--trainer.num_nodes", "2",
+        cmd = config_command(folder, small_demo, "tiny_cpu_2d.yaml", 3, *EVERY_STEP, "--trainer.num_nodes", "2",
                              "--trainer.devices", "2")  # fmt: skip
         nodes.append(subprocess.Popen([*launcher, *cmd[1:]], cwd=folder, env=config_env(), text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))  # fmt: skip
