@@ -10,7 +10,6 @@ import lightning as L
 import numpy as np
 import pytest
 from conftest import TINY_LLAMA, quiet_trainer
-from distributed import Pool
 
 from lit_hbp.autoselect import (
     AnalyticProfiler,
@@ -291,11 +290,11 @@ def pool_measured_selection(lengths):
     return selection.candidates, selection.levels, seen
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = Pool(2)
-    yield p
-    p.close()
+@pytest.fixture
+def pool(shared_pool2):
+    """The suite's two gloo workers (conftest's ``shared_pool2``), shared with other modules' 2-process tests: a
+    pool of its own imported torch, Lightning, transformers and DeepSpeed in two more processes."""
+    return shared_pool2
 
 
 @pytest.mark.slow
