@@ -178,6 +178,18 @@ def test_the_analytic_search_prices_cp_candidates_at_the_busiest_cp_rank(paper_s
         assert got_tokens == tokens and got == pytest.approx(want) and plain <= got <= 1.05 * plain
 
 
+def test_the_search_draws_a_lengths_packs_once_and_prices_every_layout_as_a_fresh_draw(paper_shaped_mix):
+    """The analytic profiler keeps one ``memo`` for all its layouts (packs drawn once per length, each split once
+    per padding and cp): every layout, in any order, is priced exactly as a call of its own prices it."""
+    from lit_hbp.cost.costmodel import pack_stats
+
+    lengths, memo = paper_shaped_mix[:20_000], {}
+    for pack_len, sp, cp in [(32768, 2, 2), (32768, 4, 2), (32768, 8, 4), (32768, 16, 2), (32768, 16, 16),
+                             (32768, 4, 4), (32768, 1, 1), (65536, 8, 2), (32768, 24, 3)]:  # fmt: skip
+        fresh = pack_stats(lengths, pack_len, seed=3, max_packs=8, sp=sp, cp=cp)
+        assert pack_stats(lengths, pack_len, seed=3, max_packs=8, sp=sp, cp=cp, memo=memo) == fresh, (pack_len, sp, cp)
+
+
 def test_a_hybrids_attention_and_sp_traffic_are_its_attending_layers_and_its_mixers_gathers():
     """A hybrid (1 of 4 layers attends): attention time and the all-to-alls are the attending layer's, the
     checkpointed layers' recompute in proportion; each mixer layer on a Ulysses level gathers the pack's hidden
