@@ -101,7 +101,8 @@ def test_the_preview_command_of_the_guide(tmp_path, small_demo):
 @pytest.mark.slow
 def test_the_torchrun_line_of_the_cluster_guide(tmp_path, small_demo):
     """``torchrun --standalone --nproc_per_node 2 train.py fit --config configs/tiny_cpu_sp.yaml``:
-    Lightning inside sees the external launch, the sp 2 level runs on the two processes."""
+    Lightning inside sees the external launch, and the sp 2 level runs on the two processes: in the self-check
+    (the 2 steps trained are the curriculum's warm-up at 2048 tokens, sp 1)."""
     (tmp_path / "demo_data").symlink_to(small_demo)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(
@@ -112,4 +113,7 @@ def test_the_torchrun_line_of_the_cluster_guide(tmp_path, small_demo):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "HBPStrategy levels: 2048 tokens sp 1 ckpt 0, 8192 tokens sp 2 ckpt 2" in out.stderr + out.stdout
+    assert re.search(r"self-check passed \(a pack equals its documents alone\): sp 1: .*, sp 2: loss ", out.stderr), (
+        out.stderr[-3000:]
+    )
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in out.stderr + out.stdout
