@@ -16,6 +16,9 @@ import torch
 from conftest import ProcessState
 
 ROOT = Path(__file__).resolve().parents[1]
+# The lanes' pytest runs load no Hypothesis (a plugin of the environment none of their tests uses, whose
+# import is most of a bare pytest's start): the orders and thread counts checked are the suite's conftest's.
+NO_HYPOTHESIS = ("-p", "no:hypothesispytest")
 
 
 def _ignore(signum, frame):
@@ -163,7 +166,7 @@ def test_two_workers_run_the_slow_tests_first_on_one_thread_each(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "OMP_NUM_THREADS", "LIT_HBP_TEST"))}
     for args in (["-n", "2", "--dist", "worksteal"], []):
         out = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "test_lanes.py"],
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *NO_HYPOTHESIS, *args, "test_lanes.py"],
             cwd=tmp_path, env={**env, "LANES_LOG": str(log)}, capture_output=True, text=True,
         )  # fmt: skip
         assert out.returncode == 0, out.stdout + out.stderr
