@@ -11,6 +11,11 @@ import pytest
 from lit_hbp.cli.app import main
 
 ROOT = Path(__file__).resolve().parents[1]
+# What a run writes, and where, does not depend on the model's width or on the long level's length: the tiny
+# config's model at half its width, and a 5K long level in place of its 16K one (a 16K validation pack is seconds
+# of attention on CPU), as tests/test_train.py runs it.
+NARROW = ("--model.model.hidden_size", "64", "--model.model.intermediate_size", "192")
+SHORTER = ("--data.levels", "[{pack_len: 1024}, {pack_len: 4096, ckpt_layers: 2}, {pack_len: 5120, ckpt_layers: 4}]")
 
 
 def git(repo: Path, *args: str) -> str:
@@ -29,7 +34,7 @@ def test_the_main_job_leaves_git_status_clean(logger, tmp_path, small_demo, monk
     shutil.copytree(small_demo, repo / "demo_data")
     monkeypatch.chdir(repo)
     args = ["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--trainer.max_steps", "2",
-            "--trainer.enable_progress_bar", "false", "--trainer.logger", logger]  # fmt: skip
+            "--trainer.enable_progress_bar", "false", "--trainer.logger", logger, *NARROW, *SHORTER]  # fmt: skip
     main(args)
     if logger == "true":  # the README's export line: its output folder (runs/tiny_hf) is git-ignored too
         from lit_hbp.export import main as export
