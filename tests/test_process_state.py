@@ -16,7 +16,7 @@ import torch
 from conftest import ProcessState
 
 ROOT = Path(__file__).resolve().parents[1]
-# The lanes' pytest runs load no Hypothesis (a plugin of the environment none of their tests uses, whose
+# The pytest runs started here load no Hypothesis (a plugin of the environment none of their tests uses, whose
 # import is most of a bare pytest's start): the orders and thread counts checked are the suite's conftest's.
 NO_HYPOTHESIS = ("-p", "no:hypothesispytest")
 
@@ -109,7 +109,7 @@ def test_the_reverse_order_runs_the_last_test_first(monkeypatch):
     from conftest import pytest_collection_modifyitems
 
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", __file__],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *NO_HYPOTHESIS, __file__],
         cwd=ROOT, env={**os.environ, "LIT_HBP_TEST_ORDER": "reverse"}, capture_output=True, text=True,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
