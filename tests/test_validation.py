@@ -202,7 +202,7 @@ def duplicated(tmp_path_factory, toy_tokenizer):
     from lit_hbp.data.tokenize import tokenize_source
 
     rng = np.random.default_rng(3)
-    pool = [{"prompt": f"question {i}", "response": " ".join(["fox"] * int(rng.integers(1, 6)))} for i in range(12)]
+    pool = [{"prompt": f"question {i}", "response": " ".join(["fox"] * int(rng.integers(1, 6)))} for i in range(30)]
     folder = tmp_path_factory.mktemp("dups")
     tok = AutoTokenizer.from_pretrained(toy_tokenizer)
     out = []
@@ -210,6 +210,9 @@ def duplicated(tmp_path_factory, toy_tokenizer):
         lines = [json.dumps(pool[int(i)]) for i in rng.integers(0, len(pool), n)]
         (folder / name).write_text("\n".join(lines) + "\n")
         out.append((tokenize_source(Source(str(folder / name)), tok, progress=False), lines))
+    # More distinct records than the largest fraction drawn holds out (0.3 of 55 lines): the chosen records and
+    # their copies always leave some to train (else the hold-out refuses, as the next test checks).
+    assert len({line for _, lines in out for line in lines}) > round(0.3 * 55)
     return out
 
 
@@ -235,6 +238,24 @@ def test_no_copy_of_a_held_out_record_trains(duplicated, fraction, seed, repeat)
     assert not val & train and val | train == every
     assert len(held_source) >= max(1, round(fraction * sum(len(s) for s in sources)))
     assert rest.lengths.size == repeat * (sum(len(s) for s in sources) - len(held_source))
+
+
+def test_a_hold_out_whose_copies_take_every_record_is_refused(duplicated):
+    """One record on every line: holding it out holds out all its copies, so nothing would train: refused, naming
+    the fraction and the copies, rather than a run with no training record."""
+    from lit_hbp.data.store import SampleStore
+    from lit_hbp.errors import DataError
+
+    (tokens, lines), _ = duplicated
+    line_of = [lines[int(tokens.rows[r]) - 1] for r in range(len(tokens))]
+    most = max(line_of, key=line_of.count)
+    first = [r for r, line in enumerate(line_of) if line == most]
+    assert len(first) > 1  # the fixture repeats it
+    store = SampleStore.from_rows([tokens], np.zeros(len(first), np.int64), np.asarray(first, np.int64))
+    copies = len(first) - 1
+    with pytest.raises(DataError, match=rf"val_fraction 0.1 leaves no training record of {len(first)}: with their "
+                                        rf"copies \({copies} records equal to a held-out one\)"):  # fmt: skip
+        store.hold_out(0.1, 0)
 
 
 @pytest.mark.parametrize("val_fraction", [0.0, 0.1])
