@@ -7,15 +7,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import NARROW, SHORTER
 
 from lit_hbp.cli.app import main
 
 ROOT = Path(__file__).resolve().parents[1]
-# What a run writes, and where, does not depend on the model's width or on the long level's length: the tiny
-# config's model at half its width, and a 5K long level in place of its 16K one (a 16K validation pack is seconds
-# of attention on CPU), as tests/test_train.py runs it.
-NARROW = ("--model.model.hidden_size", "64", "--model.model.intermediate_size", "192")
-SHORTER = ("--data.levels", "[{pack_len: 1024}, {pack_len: 4096, ckpt_layers: 2}, {pack_len: 5120, ckpt_layers: 4}]")
 
 
 def git(repo: Path, *args: str) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import TINY_LLAMA, chat_datamodule
+from conftest import SHORTER, TINY_LLAMA, chat_datamodule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
@@ -28,9 +28,6 @@ from lit_hbp.cli.app import main
 from lit_hbp.lightning.module import HBPLitModule
 
 ROOT = Path(__file__).resolve().parents[1]
-# The tiny config's three levels with a 5K long level in place of its 16K one (as tests/test_train.py runs it): the
-# 5K-16K demo samples are dropped, no 16K validation pack (seconds of attention on CPU) to run at every validation.
-SHORTER = ("--data.levels", "[{pack_len: 1024}, {pack_len: 4096, ckpt_layers: 2}, {pack_len: 5120, ckpt_layers: 4}]")
 MAX_STEPS = 5  # with a checkpoint every 2 steps: 2, 4, and the final 5 only from FinalCheckpoint
 
 

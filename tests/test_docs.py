@@ -10,13 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HANG_S, console_script
+from conftest import HANG_S, NARROW, console_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_LIMIT = 12_000
-# The launch a doc's line shows does not depend on the model's width: the tiny configs' model at half its width.
-NARROW = ("--model.model.hidden_size", "64", "--model.model.intermediate_size", "192")
 STARTS = ("python", "lit-hbp", "torchrun", "srun", "pip", "tensorboard", "bash")
 # A command shown in the docs (its start) -> the test that runs it (with fewer steps where it trains).
 RUN_BY = {

@@ -17,17 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import HANG_S
+from conftest import SHORTER as TINY_SHORTER
 
 from lit_hbp.lightning.checkpoints import newest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_SHOWN = re.compile(r"Epoch \d+: +\d+%\|[^|]*\| *[1-9]\d*/\d+ steps")  # the bar after an optimizer step
 SMALL = ["--model.model.hidden_size", "32", "--model.model.intermediate_size", "64", "--model.self_check", "false"]
-# configs/tiny_cpu.yaml's levels with a 5K long level in place of its 16K one (the curriculum's 1K and 4K short levels
-# kept): the demo's samples of 5K-16K, seconds of attention per training step or validation pack on CPU, are
-# dropped as over-length; what these tests check (signals, saves, resumes) does not depend on a pack's length.
-SHORTER = {"tiny_cpu.yaml": ["--data.levels", "[{pack_len: 1024}, {pack_len: 4096, ckpt_layers: 2}, "
-                                              "{pack_len: 5120, ckpt_layers: 4}]"]}  # fmt: skip
+# conftest's 5K long level in place of tiny_cpu.yaml's 16K one: what these tests check (signals, saves, resumes)
+# does not depend on a pack's length.
+SHORTER = {"tiny_cpu.yaml": list(TINY_SHORTER)}
 
 
 def command(config: str, demo: Path, cache: Path, max_steps: int, *extra: str) -> list[str]:

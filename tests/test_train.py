@@ -9,7 +9,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import HANG_S, TINY_LLAMA, quiet_trainer
+from conftest import HANG_S, NARROW, SHORTER, TINY_LLAMA, quiet_trainer
 
 from lit_hbp.callbacks import HBPCurriculum, PackingMetrics
 from lit_hbp.cli.app import main
@@ -26,15 +26,6 @@ def scalars(logdir):
     acc = EventAccumulator(events)
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-# The tiny config's model at half its width: the run's every part at less than two thirds of its time (the
-# README's walk trains the config as it is).
-NARROW = ("--model.model.hidden_size", "64", "--model.model.intermediate_size", "192")
-# The config's three levels with a 5K long level in place of its 16K one: its 1K and 4K levels stay the curriculum's
-# short levels and the long level is still deferred past the warm-up, but the demo's long samples of 5K-16K (a
-# training or validation 16K pack is seconds of attention on CPU) are dropped as over-length.
-SHORTER = ("--data.levels", "[{pack_len: 1024}, {pack_len: 4096, ckpt_layers: 2}, {pack_len: 5120, ckpt_layers: 4}]")
 
 
 @pytest.mark.slow
