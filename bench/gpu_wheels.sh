@@ -10,7 +10,7 @@
 # 5.24 and its huggingface-hub: vision-language packs need transformers >= 5.18 (mm_encoder_outputs), so the
 # proof's vlm part and image tests run on them where the image's transformers is older. An image with torch
 # (>= 2.10; the GPU image's 2.11+cu130 is kept: no torch, triton or CUDA wheel is ever fetched, and
-# bench/gpu_proof.sh refuses one), transformers (5.10-5.24; the image's 5.17), Lightning (>= 2.6.6, < 2.7;
+# bench/gpu_proof.sh refuses one), transformers (5.10-5.25; the image's 5.17), Lightning (>= 2.6.6, < 2.7;
 # the image's 2.6.6), accelerate, numpy, pandas, tokenizers, safetensors, pyyaml, psutil, ninja, einops,
 # msgpack, xxhash, py-cpuinfo, pytest, hypothesis and tensorboard has the rest (the GPU image lent to this
 # project has them all: /work/.library/device/KINDS.md); bench/gpu_proof.sh checks every one against the pins.

@@ -211,7 +211,7 @@ def mixer_params(config: dict) -> float | None:
 
 TWO_MATRIX_MLPS = frozenset(
     {"ctrl", "gpt2", "gpt-sw3", "gpt_bigcode", "gptj", "codegen", "gpt_neo", "gpt_neox", "opt", "bloom", "falcon",
-     "phi", "starcoder2", "biogpt", "xglm", "persimmon", "openai-gpt", "mpt"}
+     "phi", "starcoder2", "biogpt", "xglm", "persimmon", "openai-gpt", "mpt", "ergo"}
 )  # fmt: skip
 """Families whose MLP is two matrices (up, activation, down), not a gated MLP's three: their formula's parameters."""
 GATED_ACTS = ("silu", "swish")  # a gated MLP (Qwen2.5-VL's): gate, up and down matrices

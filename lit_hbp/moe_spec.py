@@ -1,6 +1,6 @@
 """A mixture of experts' shape, read from a Hugging Face config (pure Python, beside ``model_spec``): how many experts a
 token is routed to of how many, their width, the shared experts beside them and the layers that route, under the names
-transformers 5.24's families give them. The formula's FLOPs and parameters (``ModelSpec.mlp_params``) and what a layer
+transformers 5.25's families give them. The formula's FLOPs and parameters (``ModelSpec.mlp_params``) and what a layer
 keeps for its backward (``ModelSpec.mlp_values``) read the same fields; a model built from the config counts its own
 matrices instead (``causal_lm.model_spec``), routed experts at top-k of all with the same expert count and top-k.
 Checked against ``FlopCounterMode`` on every MoE family built small (tests/test_moe_flops.py).
@@ -21,9 +21,10 @@ EXPERT_WIDTH = ("moe_intermediate_size", "expert_ffn_hidden_size")
 SHARED_WIDTH = ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", "shared_intermediate_size",
                 "shared_experts_intermediate_size")  # fmt: skip
 SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")  # of the experts' width each
-DENSE_BESIDE_EXPERTS = ("intermediate_size_mlp", "dense_intermediate_size", "prefix_dense_intermediate_size")
+DENSE_BESIDE_EXPERTS = ("intermediate_size_mlp", "dense_intermediate_size", "prefix_dense_intermediate_size",
+                        "mlp_only_intermediate_size", "first_dense_intermediate_size")  # fmt: skip
 ONE_SHARED_EXPERT = frozenset({"llama4", "llama4_text", "hunyuan_v1_moe"})  # a shared expert no field counts
-UNGATED_EXPERTS = frozenset({"nemotron_h"})  # experts of two matrices (up, down)
+UNGATED_EXPERTS = frozenset({"nemotron_h", "ergo"})  # experts of two matrices (up, down)
 SHARED_GATE = ("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_omni_moe", "qwen4_exp")  # a gate row, by prefix
 SPARSE_KINDS = frozenset({"sparse", "moe", "hash_moe"})  # ``mlp_layer_types``' routed layers
 SUB_CONFIG_FIELDS = {"attn_config": ("kv_n_heads",), "ffn_config": ("ffn_hidden_size", "moe_num_experts", "moe_top_k")}

@@ -83,6 +83,25 @@ HYBRIDS = {
     "qwen4_exp_text": GATED_DELTA,  # its indexed attention needs settings its default config leaves unset
 }
 OVERRIDES.update(HYBRIDS)
+OVERRIDES.update(
+    # its sparse-attention indexer sits on the layers layer_types calls indexed (every fifth by default): one here
+    kolibri1_1=dict(
+        layer_types=["sliding_attention", "indexed_attention"],
+        index_layers=[1],
+        index_num_heads=2,
+        index_topk=8,
+        index_pool_size=64,
+        index_compression=4,
+        index_num_local_tokens=4,
+        index_num_sink_tokens=2,
+        mlp_only_layers=[0],
+        mlp_only_intermediate_size=96,  # a dense first layer of its own width (3,584 by default), then experts
+    ),
+    # its dense and shared MLPs' widths have fields of their own (32,768 and 8,192 by default); a full-attention
+    # layer every second one (the default: every fourth)
+    ergo=dict(first_dense_intermediate_size=96, shared_intermediate_size=48, global_attention_every_n_layers=2),
+    longcat_flash=dict(MLA, num_layers=2),  # its layer count's own field (28 by default)
+)
 BLT_PART = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=48, num_hidden_layers=1)
 OVERRIDES["blt"] = dict(  # its sub-models keep their own (billion-parameter) sizes unless given
     encoder_hash_byte_group_vocab=97,

@@ -146,7 +146,9 @@ def test_checkpointed_and_tiled_layers_share_their_graphs(tiles, most):
     without checkpointing, one graph each; tiled MLPs break each layer's graph (their autograd function
     runs eagerly, and the checkpoint around it enters the call again: it crashed before), into 4 graphs
     with torch 2.13 and 5 with 2.11: at most 3 a kind, against 12 or more for one per layer. Trains like eager;
-    after the packs the layers' flags are their class's again (no new guard for a later call)."""
+    after the packs the layers' flags are their class's again (no new guard for a later call). On transformers 5.25
+    the attention's forward sets a context variable (its kernel routing): the checkpointed kind broke its graph and
+    ran eagerly, one graph in all, until packed calls let dynamo skip replaying that write in the recomputation."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")

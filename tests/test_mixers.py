@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 from conftest import TINY_LLAMA, separate_loss
 from families import small_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from packaging.version import Version
 
 from lit_hbp import pack_samples, packed_loss, prepare_model
 from lit_hbp.cli.app import main
@@ -1032,11 +1034,15 @@ def test_a_share_that_spans_the_ranks_sums_over_them_and_never_calls_the_fused_k
 
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     fused, summed = [], []
-    monkeypatch.setattr(module, FUSED[family], lambda *a, **k: fused.append(1))
+    kernel = hasattr(module, FUSED[family])
+    # transformers 5.25 took FalconMamba's fused path away (it normalizes dt before dt_proj, which the kernel cannot)
+    assert kernel or (family == "falcon_mamba" and Version(transformers.__version__) >= Version("5.25")), family
+    if kernel:
+        monkeypatch.setattr(module, FUSED[family], lambda *a, **k: fused.append(1))
     mixer = record_of(prepare_model(tiny(family, **(FALCON_NORM if family == "falcon_h1" else {})))).mixers[0].train()
     x = torch.randn(1, 20, mixer.hidden_size)
     mixer(x)
-    assert fused  # the patch reaches the mixer's forward: the whole mixer in training calls the fused kernel
+    assert bool(fused) == kernel  # the patch reaches the mixer's forward: the whole mixer in training calls the kernel
     fused.clear()
     sp = SimpleNamespace(kind=SimpleNamespace(sum_ranks=lambda t, ctx: summed.append(t.shape) or 2 * t), ctx=None)
     heads_part(mixer, 0, 2, sp)(x)

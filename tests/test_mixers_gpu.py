@@ -57,11 +57,15 @@ def on_torch(net: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every gated delta rule mixer of ``net`` on transformers' PyTorch chunk kernel. Transformers 5.x before 5.17
     kept the kernel it picked as the mixer's ``chunk_gated_delta_rule``; 5.17-5.24 pick it when the module is
     imported (``use_kernel_func_from_hub_with_fallback`` over ``torch_chunk_gated_delta_rule``, the PyTorch
-    function kept as its ``__wrapped__``), so the module's name is pointed at the PyTorch function for the test."""
+    function kept as its ``__wrapped__``), so the module's name is pointed at the PyTorch function for the test.
+    5.25, which installs ``kernels``, keeps that wrapper inside a module of ``kernels`` (``Func``, whose forward
+    calls it): the wrapper is read from its forward's closure."""
     mixers = [m for m in net.modules() if type(m).__name__.endswith("GatedDeltaNet")]
     assert mixers, "no gated delta rule mixer in the model"
     module = importlib.import_module(type(mixers[0]).__module__)
     picked = module.torch_chunk_gated_delta_rule
+    if isinstance(picked, torch.nn.Module):
+        picked = inspect.getclosurevars(type(picked).forward).nonlocals["func"]
     if all(hasattr(m, "chunk_gated_delta_rule") for m in mixers):
         for m in mixers:
             m.chunk_gated_delta_rule = picked

@@ -1,4 +1,4 @@
-"""Forward FLOPs per token of every mixture-of-experts family transformers 5.24 ships, built small, against torch's
+"""Forward FLOPs per token of every mixture-of-experts family transformers 5.25 ships, built small, against torch's
 ``FlopCounterMode`` on a real forward: lit-hbp's model FLOPs count the matmul weights a token passes through (the
 router, top-k routed experts, shared experts, a dense layer's MLP), causal attention as half the score matrix, the LM
 head on every position here. Both of lit-hbp's counts are checked: the formula read from the config alone
@@ -56,10 +56,11 @@ OVERRIDES = {
 }  # fmt: skip
 FAMILIES = sorted(
     """afmoe aria_text axk1 axk2 bailing_hybrid beam cohere2_moe dbrx deepseek_v2 deepseek_v3 deepseek_v32 deepseek_v4
-    dots1 ernie4_5_moe exaone_moe flex_olmo flint glm4_moe glm4_moe_lite glm_moe_dsa gpt_oss granitemoe granitemoe_swa
-    granitemoehybrid granitemoeshared hunyuan_v1_moe hy_v3 hy_v4 jamba jetmoe kimi_linear kolibri1 laguna
-    lara_mini lfm2_moe llama4_text mellum mimo_v2_flash minimax minimax_m2 minimax_m3_vl_text mixtral nemotron_h olmoe
-    phimoe qwen2_moe qwen3_5_moe_text qwen3_moe qwen3_next sarvam_mla sarvam_moe solar_open zaya""".split()
+    dots1 ergo ernie4_5_moe exaone_moe flex_olmo flint glm4_moe glm4_moe_lite glm_moe_dsa gpt_oss granitemoe
+    granitemoe_swa granitemoehybrid granitemoeshared hunyuan_v1_moe hy_v3 hy_v4 jamba jetmoe kimi_linear kolibri1
+    kolibri1_1 laguna lara_mini lfm2_moe llama4_text mellum mimo_v2_flash minicpm5_moe minimax minimax_m2
+    minimax_m3_vl_text mixtral nemotron_h olmoe param2moe phimoe qwen2_moe qwen3_5_moe_text qwen3_moe qwen3_next
+    sarvam_mla sarvam_moe solar_open zaya""".split()
 )
 NOT_COMPARED = {  # families whose config names experts, not compared here
     "dots3_note": "a multimodal wrapper keeping its 280B language model at the small shape",
@@ -79,6 +80,7 @@ FORMULA_OFF = {  # what the config's formula does not price (the built model's c
     "glm_moe_dsa": "the indexer's projections", "nemotron_h": "layers holding attention or an MLP, not both",
     "zaya": "a router of its own MLP", "afmoe": "its attention's output gate", "beam": "its attention's output gate",
     "qwen3_next": "its attention's output gate", "qwen3_5_moe_text": "its attention's output gate",
+    "minicpm5_moe": "its attention's output gate (q_gate_proj)",
     "mimo_v2_flash": "sliding layers of their own key-value heads",
 }  # fmt: skip
 WITHIN_2_PERCENT = {  # below 0.7%, all of it outside the experts

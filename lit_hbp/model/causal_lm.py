@@ -67,6 +67,7 @@ from lit_hbp.model.packed_call import (
     PREPARED,
     Prepared,
     install_call_hooks,
+    kernel_routing,
     pack_inputs,
     pack_scope,
     record_of,
@@ -160,6 +161,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         backend=attn_backend,
         rope_limit=rescaling_limit(decoder.config),
         position_limits=position_limits(decoder.config, decoder),
+        routes_kernels=kernel_routing(layers),
     )
     for mlp in record.mlps:
         if mlp is not None:
@@ -529,7 +531,7 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module], mixers: list
     active = total = 0.0
     held: set[int] = set()  # a tensor of a layer shared, looped or nested in another: its matrices counted once
     for layer in layers:
-        for name, p in layer.named_parameters():
+        for name, p in _matrices(layer):
             shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 keeps the full shape here
             if len(shape) < 2 or name.endswith("bias"):  # GPT-OSS's experts' biases: one row per expert
                 continue
@@ -554,6 +556,18 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module], mixers: list
             mixer_spanning=max(map(spanning_values, mixers)),
         )
     return spec
+
+
+def _matrices(layer: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``layer.named_parameters()`` but a norm's own: a norm's weights scale rows, no token passes them as a matmul,
+    though one per expert is two-dimensional (Ergo's ``post_expert_norm``: experts x hidden)."""
+    seen: set[int] = set()  # a tensor two of its modules hold: once, as named_parameters gives it
+    for owner, module in layer.named_modules():
+        norm = type(module).__name__.endswith("Norm") or isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))
+        for name, p in module.named_parameters(prefix=owner, recurse=False):
+            if id(p) not in seen and not norm:
+                yield name, p
+            seen.add(id(p))
 
 
 def _matmul_params(module: torch.nn.Module) -> float:

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch._dynamo import config as dynamo_config
 from torch.fx.experimental import _config as fx_config
 from torch.utils.checkpoint import checkpoint
 
@@ -107,6 +108,9 @@ class Prepared:
     rope_limit: tuple[str, int] | None = None
     # lengths past which its attention takes positions from the call's row (``position_limits``)
     position_limits: tuple = ()
+    # its layers route functions through ``kernels`` per model, setting a context variable in their forward
+    # (``kernel_routing``): compiled checkpoints then need ``replay_free_checkpoints``
+    routes_kernels: bool = False
 
     def __post_init__(self) -> None:
         _by_owner[self.owner] = self
@@ -308,7 +312,8 @@ def pack_scope(
     host = {"bounds": list(bounds)} if bounds is not None else {}
     call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, dict(tower or {}), host)
     rows = whole_rows(prepared.configs, ids, positions)  # xLSTM's eval chunks: the pack whole, for the call
-    with _layer_flags(prepared, ckpt_layers), calls.entered(call), sizes_apart(), rope, rows:
+    replay_free = replay_free_checkpoints(prepared)
+    with _layer_flags(prepared, ckpt_layers), calls.entered(call), sizes_apart(), replay_free, rope, rows:
         yield
 
 
@@ -319,6 +324,26 @@ def sizes_apart() -> contextlib.AbstractContextManager:
     weight's fixed width then pinned it, and every later length compiled the layers again
     (tests/test_compile.py). Compiled layers see the length change every call; widths never do."""
     return fx_config.patch(use_duck_shape=False)
+
+
+def kernel_routing(layers: list[torch.nn.Module]) -> bool:
+    """Whether a module of ``layers`` routes functions through ``kernels`` per model: transformers 5.25 (which
+    installs ``kernels``) decorates its attention classes with ``use_kernelized_func``, whose forward sets a context
+    variable naming the model's kernel functions and resets it on return; ``kernels`` keeps them in the module's
+    ``_kernel_funcs``."""
+    return any("_kernel_funcs" in m.__dict__ for layer in layers for m in layer.modules())
+
+
+def replay_free_checkpoints(prepared: Prepared) -> contextlib.AbstractContextManager:
+    """Compilations inside trace a checkpointed layer whose forward sets and resets a context variable (its
+    kernel routing, ``kernel_routing``) into the layer's graph. Dynamo refuses a checkpoint whose body writes state
+    from outside it (the recomputation in the backward would write it again): it broke the graph and ran every layer
+    the level checkpoints eagerly, without a word (tests/test_compile.py). The write is undone by the same forward,
+    so not replaying it in the recomputation changes nothing: torch's setting allowing that, process-wide for the
+    call's duration as ``sizes_apart``; a model whose layers route no kernels keeps torch's default."""
+    if not prepared.routes_kernels:
+        return contextlib.nullcontext()
+    return dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def pack_inputs(batch: PackedBatch) -> dict:

@@ -41,6 +41,7 @@ BIDIRECTIONAL = {
     "gemma4_unified": "an image's tokens attend to each other both ways",
     "paligemma": "the image and the prompt attend to each other both ways (a prefix LM)",
     "pi0": "the prefix attends both ways",
+    "pi05": "the prefix attends both ways",
     "git": "the image tokens attend to each other both ways",
     "molmo2": "an image's tokens attend to each other both ways",
     "unlimited_ocr": "its image blocks attend both ways",
