@@ -333,7 +333,8 @@ def trained(rec: dict, config) -> dict:
 # by counting what the tower gives for an image (``counted_records``), as their processor expands it.
 DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", "got_ocr2", "internvl",
                  "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "lighton_ocr", "llava_next_video", "mistral3",
-                 "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe", "video_llava", "vipllava")  # fmt: skip
+                 "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe", "video_llava", "vipllava", "llava_onevision1_5",
+                 "ovis2_5")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 # Hybrid language models among them: Qwen3.5's Gated DeltaNet layer (run document by document) beside its full
 # attention layer (``_keep_layer_kinds`` keeps one of each).
@@ -389,7 +390,8 @@ def build_default(path: Path, family: str) -> Path:
     config = AutoConfig.for_model(family)
     text = config.get_text_config()
     _shrink(text, _TEXT)
-    for holder in (text, config.vision_config):
+    _shrink(config.vision_config, _VISION)
+    for holder in (text, config.vision_config):  # Ovis2.5's tower lists its layers' kinds too
         _keep_layer_kinds(holder)
     for key, value in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0)):
         for holder in {id(text): text, id(config): config}.values():
@@ -398,13 +400,16 @@ def build_default(path: Path, family: str) -> Path:
     rope = getattr(text, "rope_parameters", None)
     if isinstance(rope, dict) and rope.get("mrope_section"):  # Qwen3-VL-MoE: sections of the smaller heads
         text.rope_parameters = {**rope, "mrope_section": [2, 3, 3]}
-    _shrink(config.vision_config, _VISION)
     for key in ("image_token_id", "image_token_index"):
         if getattr(config, key, None) is not None:
             setattr(config, key, 500)
     for key in ("video_token_id", "video_token_index"):
         if getattr(config, key, None) is not None:
             setattr(config, key, 501)
+    boundaries = ("image_start_token_id", "image_end_token_id", "video_start_token_id", "video_end_token_id")
+    for i, key in enumerate(boundaries):
+        if getattr(config, key, None) is not None:  # Ovis2.5's boundaries of an image or a video
+            setattr(config, key, 502 + i)
     if getattr(config, "image_grid_pinpoints", None):  # anyres: one 32-pixel tile beside the base image
         config.image_grid_pinpoints = [[32, 32]]
     for holder in (config, text, config.vision_config):  # the reference runs in eval mode, the pack in train mode
@@ -438,8 +443,10 @@ def counted_records(folder: Path, videos: bool = False) -> list[dict]:
             grid = f"{kind}_grid_thw"
             frames = 1 if kind == "image" else 4
             if grid in takes:  # Qwen-style towers take patch rows and their grid
-                rows = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-                t = max(1, frames // vision.temporal_patch_size)  # an image: one temporal patch
+                temporal = getattr(vision, "temporal_patch_size", 1)  # LLaVA-OneVision-1.5's tower: images only
+                rows = getattr(vision, "in_channels", None) or vision.num_channels
+                rows *= temporal * vision.patch_size**2
+                t = max(1, frames // temporal)  # an image: one temporal patch
                 rec[pixels] = torch.randn(16 * t, rows, generator=g)
                 rec[grid] = torch.tensor([[t, 4, 4]])
             else:
@@ -454,7 +461,11 @@ def counted_records(folder: Path, videos: bool = False) -> list[dict]:
                 features = encode(**rec, return_dict=True).pooler_output
             n = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features)
             token = image_token_id(config) if kind == "image" else video_token_id(config)
-            ids = torch.cat([ids[:, :5], torch.full((1, n), token), ids[:, 5:]], 1)
+            block = torch.full((1, n), token)
+            start, end = getattr(config, f"{kind}_start_token_id", None), getattr(config, f"{kind}_end_token_id", None)
+            if start is not None and end is not None:  # Ovis2.5's: each image between boundary tokens of its own
+                block = torch.cat([torch.tensor([[start]]), block, torch.tensor([[end]])], 1)
+            ids = torch.cat([ids[:, :5], block, ids[:, 5:]], 1)
             if grid in rec:
                 rec["mm_token_type_ids"] = (ids == token).long() * (1 if kind == "image" else 2)
         rec["input_ids"] = ids

@@ -74,6 +74,9 @@ IGNORED = frozenset(
     | {"shift_labels", "num_items_in_batch", "ignore_index"}  # the loss's keywords, handed to every layer too
     | {"hbp_cp_shard", "hbp_sp"}  # read by varlen_attention itself
     | {"seq_idx"}  # DataCollatorWithFlattening's document index: the boundaries say the same
+    # a vision-language model's token types and video timing, read for its positions before the layers; LLaVA-
+    # OneVision-1.5 hands its language model every keyword it got (transformers' attention functions drop them)
+    | {"mm_token_type_ids", "second_per_grid_ts"}
 )
 CHECKED = frozenset({"output_attentions", "is_causal"})
 
