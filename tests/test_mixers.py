@@ -12,6 +12,7 @@ import copy
 import inspect
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -441,6 +442,58 @@ def test_a_mixer_known_only_by_a_decay_or_a_convolution_is_refused_before_anythi
     assert record_of(net) is None and net.config._attn_implementation == attn
     with pytest.raises(ValueError, match="not prepared for packs"):
         packed_loss(net, pack_samples(three_documents(net.config.vocab_size)))
+
+
+def whole_row_kernel(mixer: torch.nn.Module) -> None:
+    """What kernels' ``kernelize`` does to a layer it has a kernel for (``from_pretrained(..., use_kernels=True)``;
+    transformers 5.25 maps Qwen3.5's Gated DeltaNet layer on some GPUs): the kernel layer's forward put on the
+    module itself by kernels' own ``_replace_forward``. The kernel here is the mixer's own forward, over the whole
+    row as a layer kernel runs it. Without kernels installed (transformers < 5.25), the same forward set by hand."""
+    import types
+
+    from lit_hbp.model.mixers import OWN
+
+    own = getattr(type(mixer).forward, OWN, type(mixer).forward)  # the class's, before prepare_model wraps it
+    try:
+        from kernels._internals.layer.layer import _replace_forward
+    except ImportError:
+        mixer.forward = types.MethodType(own, mixer)
+        return
+    _replace_forward(mixer, type("WholeRowKernel", (torch.nn.Module,), {"forward": own}), repo="kernels-community/gdn")
+
+
+@pytest.mark.parametrize("family", ["lfm2", "mamba2"])
+def test_a_mixer_whose_forward_a_kernel_replaced_is_refused_before_and_after_prepare_model(family, monkeypatch):
+    """A stateful mixer whose forward kernels replaced on the module never calls the class's forward, which a packed
+    call runs document by document: its state crossed the documents (the loss off the documents alone, shown with
+    the check taken away), silently. ``prepare_model`` refuses such a model, and a packed call a model kernelized
+    after it was prepared, naming the module."""
+    from lit_hbp.model import packed_call
+
+    net = tiny(family).eval()
+    ref = reference_of(net)
+    path = next(n for n, m in net.named_modules() if type(m).__name__ == HYBRIDS[family])
+    mixer = net.get_submodule(path)
+    whole_row_kernel(mixer)
+    where = rf"`{re.escape(path.split('.', 1)[1])}` \({HYBRIDS[family]}\) is a stateful token mixer"  # in its decoder
+    by = "(kernels put kernels-community/gdn's forward|a forward was set)"  # kernels installed or not
+    with pytest.raises(ValueError, match=rf"^{where} and {by}"):
+        prepare_model(net)
+    assert record_of(net) is None
+    del mixer.forward
+    prepare_model(net)
+    net.eval()
+    docs = three_documents(net.config.vocab_size)
+    want = separate_loss(ref, dict(enumerate(docs)))
+    want.backward()
+    assert float(packed_loss(net, pack_samples(docs), "sum").ce_sum) == pytest.approx(float(want), rel=1e-5)
+    whole_row_kernel(mixer)
+    with pytest.raises(ValueError, match=rf"^{where} .*Load the model without use_kernels"):
+        packed_loss(net, pack_samples(docs), "sum")
+    monkeypatch.setattr(packed_call, "refuse_own_forwards", lambda mixers: None)
+    net.zero_grad()
+    packed_loss(net, pack_samples(docs), "sum").loss.backward()
+    assert gradient_error(net, ref)[0] > 1e-2  # what the refusal keeps from training: the state crossed documents
 
 
 def test_a_leaking_mixer_nobody_can_name_is_stopped_by_the_self_check():

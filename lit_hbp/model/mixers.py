@@ -198,7 +198,25 @@ def refuse_stateful_mixers(decoder: torch.nn.Module, family: str) -> list[Statef
     problem = mode_refusal(family, mixers, decoder.config)
     if problem is not None:
         raise ValueError(problem)
+    refuse_own_forwards({m.path: decoder.get_submodule(m.path) for m in mixers})
     return mixers
+
+
+def refuse_own_forwards(mixers: dict[str, torch.nn.Module]) -> None:
+    """Raise when a mixer (path -> module) holds a forward of its own on the instance: kernels' ``kernelize``
+    (``from_pretrained(..., use_kernels=True)``: Qwen3.5's Gated DeltaNet layer on some GPUs) or a patch sets one,
+    and the module then never calls its class's forward, the one ``install_per_document`` runs once per document:
+    called over the whole pack, its state would cross the documents silently. Checked at ``prepare_model`` and at
+    every packed call (a model kernelized after it was prepared)."""
+    for path, mixer in mixers.items():
+        if "forward" in mixer.__dict__:
+            by = mixer.__dict__.get("_kernel_repo")
+            how = f"kernels put {by}'s forward on it" if by is not None else "a forward was set on the module itself"
+            raise ValueError(
+                f"`{path}` ({type(mixer).__name__}) is a stateful token mixer and {how}: lit-hbp runs the class's "
+                "forward once per document of a pack, which this module no longer calls, so its state would cross "
+                "the documents. Load the model without use_kernels (kernels' kernelize), or remove the patch"
+            )
 
 
 def mode_refusal(family: str, mixers: list[StatefulMixer], config: Any) -> str | None:
