@@ -69,7 +69,7 @@ with heap_left_alone() if __name__ == "__main__" else contextlib.nullcontext():
     from lit_hbp.cost.memory import GIB, level_memory
     from lit_hbp.data.collate import collate_packs
     from lit_hbp.model import attention
-    from lit_hbp.model.packed_call import sizes_apart
+    from lit_hbp.model.compile_scope import sizes_apart
     from lit_hbp.packing.plan import Plan
     from lit_hbp.report import format_table
 

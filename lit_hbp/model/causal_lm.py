@@ -45,6 +45,7 @@ from lit_hbp.model.build import (
 )
 from lit_hbp.model.checkpoint_wrappers import refuse_checkpoint_wrappers
 from lit_hbp.model.checks import model_config, rescaling_limit
+from lit_hbp.model.compile_scope import kernel_routing
 from lit_hbp.model.family_checks import refuse_unseen
 from lit_hbp.model.head import check_output_head, output_head
 from lit_hbp.model.loss import (
@@ -67,7 +68,6 @@ from lit_hbp.model.packed_call import (
     PREPARED,
     Prepared,
     install_call_hooks,
-    kernel_routing,
     pack_inputs,
     pack_scope,
     record_of,

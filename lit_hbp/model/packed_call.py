@@ -52,14 +52,13 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch._dynamo import config as dynamo_config
-from torch.fx.experimental import _config as fx_config
 from torch.utils.checkpoint import checkpoint
 
 from lit_hbp.data.batch import DOCS_MARK, PACK_MARK, SP_MARK, PackedBatch
 from lit_hbp.data.media_batch import TOKEN_KEYS
 from lit_hbp.model import calls
 from lit_hbp.model.checkpoint_wrappers import refuse_checkpoint_wrappers
+from lit_hbp.model.compile_scope import replay_free_checkpoints, sizes_apart
 from lit_hbp.model.mixers import refuse_own_forwards, whole_rows
 from lit_hbp.model.offload import host_offload, offloaded_checkpoint
 from lit_hbp.model.position_limits import check_position_limits
@@ -109,7 +108,7 @@ class Prepared:
     # lengths past which its attention takes positions from the call's row (``position_limits``)
     position_limits: tuple = ()
     # its layers route functions through ``kernels`` per model, setting a context variable in their forward
-    # (``kernel_routing``): compiled checkpoints then need ``replay_free_checkpoints``
+    # (``compile_scope.kernel_routing``): compiled checkpoints then need ``compile_scope.replay_free_checkpoints``
     routes_kernels: bool = False
 
     def __post_init__(self) -> None:
@@ -263,7 +262,8 @@ def pack_scope(
     attention while it encodes the call's images (``causal_lm.tower_names``; none: their own), the pack's
     document ``bounds`` on the host where the caller has them (``PackedBatch.bounds``: a stateful mixer then
     reads nothing back from the device); on this thread, for this call only. Graphs compiled during the call
-    give each size a symbol of its own (``sizes_apart``: torch's setting, process-wide for the call's duration)."""
+    give each size a symbol of its own and, for layers routing kernels, trace their checkpoints whole (torch's
+    settings, process-wide for the call's duration: ``compile_scope``)."""
     prepared = record_of(model)
     if prepared is None:
         raise ValueError("pack_scope: call lit_hbp.prepare_model(model) first")
@@ -315,38 +315,9 @@ def pack_scope(
     host = {"bounds": list(bounds)} if bounds is not None else {}
     call = calls.PackCall(prepared, pack, ckpt_layers, offloader, tiles, dict(tower or {}), host)
     rows = whole_rows(prepared.configs, ids, positions)  # xLSTM's eval chunks: the pack whole, for the call
-    replay_free = replay_free_checkpoints(prepared)
+    replay_free = replay_free_checkpoints(prepared.routes_kernels)
     with _layer_flags(prepared, ckpt_layers), calls.entered(call), sizes_apart(), replay_free, rope, rows:
         yield
-
-
-def sizes_apart() -> contextlib.AbstractContextManager:
-    """Compilations inside give each size its own symbol. By default dynamo gives sizes of equal value one
-    symbol (duck shaping): a level's first pack exactly as long as one of a layer's widths (a 4K pack and an 8B
-    model's 4096 hidden units, a 1K pack and 1024-wide K/V heads) tied the pack's length to that width, the
-    weight's fixed width then pinned it, and every later length compiled the layers again
-    (tests/test_compile.py). Compiled layers see the length change every call; widths never do."""
-    return fx_config.patch(use_duck_shape=False)
-
-
-def kernel_routing(layers: list[torch.nn.Module]) -> bool:
-    """Whether a module of ``layers`` routes functions through ``kernels`` per model: transformers 5.25 (which
-    installs ``kernels``) decorates its attention classes with ``use_kernelized_func``, whose forward sets a context
-    variable naming the model's kernel functions and resets it on return; ``kernels`` keeps them in the module's
-    ``_kernel_funcs``."""
-    return any("_kernel_funcs" in m.__dict__ for layer in layers for m in layer.modules())
-
-
-def replay_free_checkpoints(prepared: Prepared) -> contextlib.AbstractContextManager:
-    """Compilations inside trace a checkpointed layer whose forward sets and resets a context variable (its
-    kernel routing, ``kernel_routing``) into the layer's graph. Dynamo refuses a checkpoint whose body writes state
-    from outside it (the recomputation in the backward would write it again): it broke the graph and ran every layer
-    the level checkpoints eagerly, without a word (tests/test_compile.py). The write is undone by the same forward,
-    so not replaying it in the recomputation changes nothing: torch's setting allowing that, process-wide for the
-    call's duration as ``sizes_apart``; a model whose layers route no kernels keeps torch's default."""
-    if not prepared.routes_kernels:
-        return contextlib.nullcontext()
-    return dynamo_config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 
 
 def pack_inputs(batch: PackedBatch) -> dict:
