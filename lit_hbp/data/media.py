@@ -262,7 +262,8 @@ class MediaExpander:
         self.token_types |= "mm_token_type_ids" in enc
         expanded = np.asarray(enc["input_ids"][0], dtype=ids.dtype)
         media_ids = [t for t in (self.image_id, self.video_id) if t is not None]
-        out_target = carry_mask(ids, target, expanded, expansions(enc, media_ids), media_ids, where)
+        replaced = replaced_tokens(ids, enc, self.processor.tokenizer, media_ids)
+        out_target = carry_mask(ids, target, expanded, expansions(enc, media_ids), replaced, where)
         seen = encoded_of_record(enc, "image", len(loaded)) or [
             encoded_pixels(self.processor.image_processor, im) for im in loaded
         ]
@@ -329,13 +330,36 @@ def expansions(enc, media_ids) -> np.ndarray:
     return inside | np.isin(ids, media_ids)
 
 
+def replaced_tokens(ids: np.ndarray, enc, tokenizer, media_ids) -> np.ndarray:
+    """Which of the rendering's ``ids`` the processor replaced: each image and video token, and the tokens
+    around it that its replacement took in too, the replaced text (``text_replacement_offsets``' ``text``)
+    tokenized and laid over the rendering around its media token: transformers 5.25's Qwen3-VL replaces a video's
+    ``<|vision_start|><|video_pad|><|vision_end|>`` whole (each frame then comes in a pair of its own)."""
+    out = np.isin(ids, media_ids)
+    at = np.flatnonzero(out)
+    replacements = (enc.get("text_replacement_offsets") or [[]])[0]
+    if len(replacements) != len(at):  # one replacement a placeholder, in order; else the media tokens alone
+        return out
+    for i, replacement in zip(at, replacements):
+        text = replacement.get("text")
+        tokens = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else np.zeros(0)
+        own = np.flatnonzero(tokens == ids[i])
+        if tokens.size < 2 or own.size != 1:
+            continue
+        start = i - int(own[0])
+        if start >= 0 and np.array_equal(ids[start : start + tokens.size], tokens):
+            out[start : start + tokens.size] = True
+    return out
+
+
 def carry_mask(
-    ids: np.ndarray, target: np.ndarray, expanded: np.ndarray, inside: np.ndarray, media_ids, where: str
+    ids: np.ndarray, target: np.ndarray, expanded: np.ndarray, inside: np.ndarray, replaced: np.ndarray, where: str
 ) -> np.ndarray:
     """``target`` of the rendering's ``ids`` on the processor's ``expanded`` ids: both hold the same
-    tokens once the rendering's image and video tokens and the processor's expansions of them
-    (``inside``) are removed; an expansion never trains."""
-    mine = ~np.isin(ids, media_ids)
+    tokens once the rendering's tokens the processor replaced (``replaced_tokens``: the image and video tokens,
+    the wrapper a replacement took in) and the processor's expansions of them (``inside``) are removed; an
+    expansion never trains."""
+    mine = ~replaced
     if not np.array_equal(ids[mine], expanded[~inside]):
         raise DataError(
             f"{where}: the processor tokenizes this record otherwise than its tokenizer does beyond expanding the "
