@@ -433,7 +433,7 @@ def test_a_tip_names_the_command_as_the_user_typed_it(typed, argv, start, monkey
     """A tip's command runs in a shell: ``python -m lit_hbp.cli.command`` (argparse's prog said ``command.py``,
     a file name no shell runs), ``python train.py`` with the interpreter's options; the console script by its
     name where it is the one on the PATH."""
-    from lit_hbp.cli.command import program
+    from lit_hbp.cli.program import program
 
     monkeypatch.setattr("sys.orig_argv", typed)
     monkeypatch.setattr("sys.argv", argv)
@@ -448,7 +448,7 @@ def test_a_tip_names_the_command_as_the_user_typed_it(typed, argv, start, monkey
 
 
 def test_the_console_script_on_the_path_is_named_alone(monkeypatch, tmp_path):
-    from lit_hbp.cli.command import program
+    from lit_hbp.cli.program import program
 
     script = tmp_path / "bin" / "lit-hbp"
     script.parent.mkdir()

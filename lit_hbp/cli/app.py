@@ -47,7 +47,6 @@ from lit_hbp.cli.checks import (
     compact_yaml,
     dataclass_defaults,
 )
-from lit_hbp.cli.command import program
 from lit_hbp.cli.parser import (
     DEBUG_ENV,
     HBPArgumentParser,
@@ -56,6 +55,7 @@ from lit_hbp.cli.parser import (
     report_user_error,
     user_error_in,
 )
+from lit_hbp.cli.program import program
 from lit_hbp.cli.resume import (  # noqa: F401  (public here too: their first home)
     AUTO,
     check_resume,
