@@ -3,14 +3,11 @@
 import numpy as np
 import packing_reference as ref
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from lit_hbp.packing import PACKERS, pack
 from lit_hbp.packing.packers import fit_decreasing
-
-settings.register_profile("ci", deadline=None, max_examples=60)
-settings.load_profile("ci")
 
 
 @st.composite

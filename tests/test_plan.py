@@ -6,15 +6,12 @@ import sys
 import numpy as np
 import packing_reference as ref
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from lit_hbp.errors import ConfigError
 from lit_hbp.packing import Level, plan_hbp, plan_single_level, plan_sorted_batching
 from lit_hbp.packing.levels import as_level
-
-settings.register_profile("ci", deadline=None, max_examples=60)
-settings.load_profile("ci")
 
 
 @st.composite
