@@ -5,6 +5,7 @@ forward (a hook on a middle layer waits for it), so the interleaving the test as
 happens. References are independent: the unprepared model with eager attention, each document alone.
 """
 
+import collections
 import copy
 import io
 import pickle
@@ -458,3 +459,85 @@ def test_a_prefix_that_attends_both_ways_is_refused_in_a_pack():
     with pytest.raises(ValueError, match="prefix_lm, so tokens whose token_type_ids are 1 attend"):
         model(**pack_inputs(batch), token_type_ids=prefix)
     model(**pack_inputs(batch), token_type_ids=torch.zeros_like(batch.input_ids))  # no prefix: causal, exact
+
+
+def test_a_mask_given_by_position_is_read_as_a_mask():
+    """``model(ids, mask, position_ids=...)``: the mask given second is the attention mask it is. An all-ones mask
+    with restarting positions attends over the row as one (as the unprepared model, eager), not split at the
+    restarts (read as no mask, it was); a left-padded row with generate's positions is the unprepared model's
+    call, not refused as a pack that pads."""
+    reference, model = pair()
+    ids = torch.randint(1, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    restarting = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2]])
+    ones = torch.ones_like(ids)
+    padded = torch.tensor([[0, 0, 0] + [1] * 9])
+    generating = (padded.cumsum(-1) - 1).masked_fill(padded == 0, 1)
+    with torch.no_grad():
+        for mask, positions, kept in ((ones, restarting, ones), (padded, generating, padded)):
+            want = reference(ids, mask, position_ids=positions).logits[kept.bool()]
+            assert max_diff(model(ids, mask, position_ids=positions).logits[kept.bool()], want) < 1e-5
+            assert max_diff(model(ids, attention_mask=mask, position_ids=positions).logits[kept.bool()], want) < 1e-5
+        split = model(input_ids=ids, position_ids=restarting).logits  # no mask: a pack of three documents
+        assert max_diff(split, reference(ids, ones, position_ids=restarting).logits) > 1e-2
+
+
+def test_lit_hbps_labels_are_refused_without_token_ids_and_through_forward():
+    """A PackedBatch's pre-shifted labels through the model's own loss are refused also where no token ids
+    show them pre-shifted (``inputs_embeds``), and through ``model.forward(...)``, which PyTorch runs without
+    the model's hooks; a flattened batch's ordinary labels through ``model.forward`` still train as each
+    document alone (eager, token mean)."""
+    reference, model = pair()
+    pairs = samples(seed=10)
+    batch = pack_samples(pairs)
+    inputs = pack_inputs(batch)
+    embeds = model.get_input_embeddings()(inputs.pop("input_ids"))
+    with pytest.raises(ValueError, match="pre-shifted"):
+        model(inputs_embeds=embeds, **inputs, labels=batch.labels)
+    with pytest.raises(ValueError, match="pre-shifted"):
+        model(inputs_embeds=embeds, position_ids=batch.position_ids, labels=batch.labels)
+    with pytest.raises(ValueError, match="pre-shifted"):
+        model.forward(**pack_inputs(batch), labels=batch.labels)
+    with torch.no_grad():
+        ce, count = 0.0, 0
+        for ids, m in pairs:
+            ids = torch.as_tensor(ids)
+            labels = torch.where(torch.as_tensor(m[1:]), ids[1:], -100)
+            ce += float(F.cross_entropy(reference(input_ids=ids[None]).logits[0, :-1], labels, reduction="sum"))
+            count += int((labels != -100).sum())
+        assert float(model.forward(**flattened(pairs, flash=True)).loss) == pytest.approx(ce / count, rel=1e-5)
+        hf = flattened(pairs, flash=True)
+        bad = hf["labels"].clone()
+        second = int(hf["cu_seq_lens_q"][1])
+        bad[0, second] = hf["input_ids"][0, second]
+        with pytest.raises(ValueError, match="a document's first label is not the ignore index"):
+            model.forward(**{**hf, "labels": bad})
+
+
+@pytest.mark.parametrize("ckpt_layers, tiles", [(0, 1), (1, 2), (2, 3)])
+def test_a_call_on_pack_inputs_runs_the_batchs_level_as_packed_loss_does(ckpt_layers, tiles):
+    """``model(**pack_inputs(batch))`` with gradients: the batch's level checkpoints (its layers run again in the
+    backward) and tiles (its MLPs' down projections run once a tile) as ``packed_loss`` on the batch does;
+    counted on calls inside each layer (transformers checkpoints a layer's forward, its hooks outside),
+    ``packed_loss`` the reference. The logits are the same either way."""
+    _, model = pair()
+    model.train()
+    batch = pack_samples(samples(seed=11), ckpt_layers=ckpt_layers, mlp_tiles=tiles)
+    layers = record_of(model).layers
+    seen = collections.Counter()
+    watched = {f"layer {i}": layer.input_layernorm for i, layer in enumerate(layers)} | {
+        "down": layers[0].mlp.down_proj
+    }
+    handles = [m.register_forward_pre_hook(lambda *_, name=name: seen.update([name])) for name, m in watched.items()]
+
+    def run(step) -> dict:
+        seen.clear()
+        step()
+        return dict(seen)
+
+    want = run(lambda: packed_loss(model, batch, "sum").loss.backward())
+    got = run(lambda: model(**pack_inputs(batch)).logits.float().pow(2).mean().backward())
+    for h in handles:
+        h.remove()
+    assert got == want
+    assert [want[f"layer {i}"] for i in range(len(layers))] == [2 if i < ckpt_layers else 1 for i in range(len(layers))]
+    assert want["down"] >= tiles * (2 if ckpt_layers else 1)  # a tile a call (and a tiled MLP recomputes a tile)

@@ -49,6 +49,8 @@ class CPShard:
 PACK_MARK = "_hbp_pack_segments"  # on a PackedBatch's input_ids: how many segments the pack holds
 DOCS_MARK = "_hbp_pack_documents"  # ... and how many of them are documents (the padding segment not counted)
 SP_MARK = "_hbp_pack_sp"  # ... and the level's SP degree: above 1, the ids are one rank's shard of the pack
+LEVEL_MARK = "_hbp_pack_level"  # ... and the level's (ckpt_layers, offload, mlp_tiles), for a call of its own
+SHIFTED_MARK = "_hbp_labels_shifted"  # on a PackedBatch's labels: pre-shifted (labels[t] the target of position t)
 
 
 @dataclass
@@ -136,6 +138,8 @@ class PackedBatch:
         padded = self.n_tokens < whole
         self.input_ids.__dict__[DOCS_MARK] = segments - int(padded)
         self.input_ids.__dict__[SP_MARK] = int(self.sp)
+        self.input_ids.__dict__[LEVEL_MARK] = (self.ckpt_layers, bool(self.offload), self.mlp_tiles)
+        self.labels.__dict__[SHIFTED_MARK] = True  # the model's own loss would shift them again: refused
         if self.bounds is not None:  # the host copy of the boundaries stays the boundaries (on the host: read)
             same = len(self.bounds) == self.cu_seqlens.shape[0] and (
                 self.cu_seqlens.device.type != "cpu" or list(self.bounds) == self.cu_seqlens.tolist()

@@ -43,6 +43,7 @@ from lit_hbp.model.build import (
     model_configs,
     tower_configs,
 )
+from lit_hbp.model.call_hooks import install_call_hooks
 from lit_hbp.model.checkpoint_wrappers import refuse_checkpoint_wrappers
 from lit_hbp.model.checks import model_config, rescaling_limit
 from lit_hbp.model.compile_scope import kernel_routing
@@ -67,7 +68,6 @@ from lit_hbp.model.offload import OFFLOADER, HostOffload
 from lit_hbp.model.packed_call import (
     PREPARED,
     Prepared,
-    install_call_hooks,
     pack_inputs,
     pack_scope,
     record_of,
