@@ -323,6 +323,41 @@ def test_a_resume_with_model_settings_other_than_its_checkpoints_is_refused_at_p
     assert f"model.lr: 0.0001 (the checkpoint's {hparams['lr']!r})" in err and "tokenizing" not in err
 
 
+def test_a_resume_at_or_past_its_max_steps_is_refused_and_a_complete_run_found_by_auto_ends_at_once(
+    tmp_path, small_demo, monkeypatch, capfd, caplog
+):
+    """A checkpoint saved at step 2 resumed with ``trainer.max_steps 2`` (and 1): Lightning read the data, built the
+    model and stopped at once, status 0, having trained nothing. Named by the command: one line, exit 2, a file or
+    a DeepSpeed folder. Found by ``--ckpt_path auto`` (a scheduler running a finished job's line again): the run is
+    complete, said in one line, exit 0. Nothing tokenized either way."""
+    monkeypatch.chdir(tmp_path)
+    config = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
+    hparams = dict(main(config, run=False).model.hparams)
+    hparams.pop("_instantiator", None)
+    folder = Path("runs/tiny_cpu/version_0/checkpoints")
+    folder.mkdir(parents=True)
+    torch.save({"global_step": 2, "state_dict": {}, "hyper_parameters": hparams}, folder / "last.ckpt")
+    states = tmp_path / "ds" / "step=2.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt"
+    states.parent.mkdir(parents=True)
+    torch.save({"global_step": 2, "module": {}, "hyper_parameters": hparams, "dp_world_size": 1}, states)
+    (states.parents[1] / "latest").write_text("checkpoint")
+    for given, more in ((folder / "last.ckpt", []), (states.parents[1], ["--trainer.strategy", "hbp"])):
+        for max_steps in ("2", "1"):
+            code, out, err = run_cli(["--ckpt_path", str(given), *more, "--trainer.max_steps", max_steps],
+                                     tmp_path, small_demo, capfd)  # fmt: skip
+            assert code == 2, err
+            assert err.startswith(
+                f"error: --ckpt_path {given} was saved at optimizer step 2 and trainer.max_steps is {max_steps}: "
+                "the resumed run would train nothing; set trainer.max_steps above 2"
+            ), err
+    with caplog.at_level(logging.INFO):
+        code, out, err = run_cli(["--ckpt_path", "auto"], tmp_path, small_demo, capfd)
+    assert code == 0, err
+    said = f"--ckpt_path auto: {folder / 'last.ckpt'} is at optimizer step 2, trainer.max_steps 2: the run is complete"
+    assert said in caplog.text + out + err, caplog.text + out + err
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("strategy", ["auto", "deepspeed"])
 def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
     strategy, tmp_path, small_demo, toy_tokenizer

@@ -60,6 +60,7 @@ from lit_hbp.cli.resume import (  # noqa: F401  (public here too: their first ho
     AUTO,
     check_resume,
     check_resumed_model,
+    check_resumed_steps,
     checkpoint_data_seed,
     checkpoint_folders,
     resolve_auto_resume,
@@ -176,11 +177,11 @@ class HBPCLI(LightningCLI):
             sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
             raise
 
-    def _guard(self, check, *args: Any) -> None:
+    def _guard(self, check, *args: Any) -> Any:
         """Run ``check``; a ``UserInputError`` is a short error and exit 2 (raised under the debug switch
         or a parser that does not exit)."""
         try:
-            check(*args)
+            return check(*args)
         except UserInputError as e:
             if debugging() or not self.parser.exit_on_error:
                 raise
@@ -217,6 +218,9 @@ class HBPCLI(LightningCLI):
         if auto and self.subcommand:  # the checkpoint found: its model settings, as an explicit --ckpt_path's
             self._read_checkpoint_model(self.subcommand, section)
             section = self.config[self.subcommand]
+        if self.subcommand == "fit" and (complete := self._guard(check_resumed_steps, section, auto)):
+            rank_zero_info(complete)
+            sys.exit(0)
         resume_in_run_folder(section)
         seed = self._get(self.config, "seed_everything")
         section = self.config[self.subcommand] if self.subcommand else self.config

@@ -205,11 +205,39 @@ def checkpoint_data_seed(section: Any) -> int | None:
     that does not set ``data.seed`` takes it, whatever ``seed_everything`` says now (a run without one drew a
     random seed), so it re-creates the plan it stopped in. None without such a checkpoint (a fresh start,
     Lightning's ``last``, a checkpoint saved before its loader's first state)."""
-    ckpt = section.get("ckpt_path")
-    if not (ckpt and str(ckpt) != AUTO and Path(ckpt).exists()):
-        return None
-    load = trusted_load if section.get("weights_only") is False else safe_load
-    loops = load(client_state_file(ckpt), mmap=True).get("loops") or {}
+    loops = _saved_state(section).get("loops") or {}
     states = ((loops.get("fit_loop") or {}).get("state_dict") or {}).get("combined_loader") or []
     seeds = [s["plan"].get("seed") for s in states if isinstance(s, dict) and isinstance(s.get("plan"), dict)]
     return seeds[0] if seeds and isinstance(seeds[0], int) else None
+
+
+def check_resumed_steps(section: Any, found: bool = False) -> str | None:
+    """A resume whose ``trainer.max_steps`` the checkpoint has reached already would build the model, read the
+    data and stop at once with status 0, having trained nothing (Lightning's loop ends there). A checkpoint the
+    command named: refused, naming both numbers. One ``--ckpt_path auto`` ``found``: the run is complete, what a
+    scheduler running the same line again meets; the line that says so is returned (the command ends there, 0)."""
+    max_steps = (section.get("trainer") or {}).get("max_steps")
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0:
+        return None  # -1 or unset: bounded by epochs
+    step = _saved_state(section).get("global_step")
+    if not isinstance(step, int) or step < max_steps:
+        return None
+    if found:
+        return (
+            f"--ckpt_path auto: {section.get('ckpt_path')} is at optimizer step {step}, trainer.max_steps "
+            f"{max_steps}: the run is complete, nothing left to train"
+        )
+    raise ConfigError(
+        f"--ckpt_path {section.get('ckpt_path')} was saved at optimizer step {step} and trainer.max_steps is "
+        f"{max_steps}: the resumed run would train nothing; set trainer.max_steps above {step} to train on"
+    )
+
+
+def _saved_state(section: Any) -> dict:
+    """The Lightning state (loops, global step) of the local checkpoint ``--ckpt_path`` names, memory-mapped;
+    empty without one (a fresh start, Lightning's keywords, a remote path)."""
+    ckpt = section.get("ckpt_path")
+    if not (ckpt and str(ckpt) != AUTO and Path(ckpt).exists()):
+        return {}
+    load = trusted_load if section.get("weights_only") is False else safe_load
+    return load(client_state_file(ckpt), mmap=True)
