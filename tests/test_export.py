@@ -4,6 +4,7 @@ peft, only adapters train under ZeRO and SP), the export callback and the strate
 
 import copy
 import json
+import os
 import stat
 
 import lightning as L
@@ -487,3 +488,23 @@ def test_an_export_folder_that_holds_what_the_run_writes_is_refused_before_train
         with pytest.raises(ConfigError, match=f"^HBPExport dirpath {tmp_path / folder} holds .* where this run writes"):
             HBPExport(str(tmp_path / folder)).setup(run, module, "fit")
     HBPExport(str(tmp_path / "ckpt" / "hf")).setup(trainer, module, "fit")
+
+
+def test_exporting_a_runs_checkpoints_folder_names_the_checkpoints_in_it(tmp_path, capsys):
+    """``python -m lit_hbp.export runs/.../checkpoints OUT`` (the folder, not a checkpoint in it) said "a folder
+    without DeepSpeed's `latest` file": it names the checkpoints inside and the one to give (``last.ckpt``, else
+    the newest), status 2, nothing written."""
+    from lit_hbp.export import main
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for age, name in ((100, "step=3.ckpt"), (200, "step=1.ckpt")):  # the newest by time, not by name
+        torch.save({"global_step": 1}, folder / name)
+        os.utime(folder / name, (1e9 - age, 1e9 - age))
+    assert main([str(folder), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "a folder of checkpoints (step=1.ckpt, step=3.ckpt), not one: give one of them" in err, err
+    assert err.strip().endswith(f"e.g. {folder / 'step=3.ckpt'}") and not (tmp_path / "out").exists(), err
+    torch.save({"global_step": 1}, folder / "last.ckpt")
+    assert main([str(folder), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"e.g. {folder / 'last.ckpt'}")

@@ -255,6 +255,11 @@ def why_incomplete(path: str | os.PathLike) -> str | None:
                 return f"a tag folder of the DeepSpeed checkpoint {path.parent}: give that folder"
             if (path / "config.json").is_file():
                 return "a Hugging Face model folder (an export, or a base model), not a checkpoint of a run"
+            inside = sorted(f.name for f in path.iterdir() if f.name.endswith(".ckpt"))
+            if inside:  # a run's checkpoints/ folder: the checkpoints are in it
+                named = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
+                pick = "last.ckpt" if "last.ckpt" in inside else max(inside, key=lambda n: (path / n).stat().st_mtime)
+                return f"a folder of checkpoints ({named}), not one: give one of them, e.g. {path / pick}"
             return "a folder without DeepSpeed's `latest` file (a save that was cut short, or not a checkpoint folder)"
         if tag is None or not (path / tag).is_dir():
             return f"its `latest` names the tag folder {tag!r}, which is not there"
