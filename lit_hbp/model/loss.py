@@ -39,7 +39,8 @@ def token_scale(batch: PackedBatch, normalizer: str) -> float | None:
             raise ValueError(
                 "the ave_token loss weighs a token by the optimizer step's supervised tokens over all ranks and "
                 "micro-batches, which HBPDataModule's plan knows before the step; this micro-batch has no loss_norm "
-                "(your own DataLoader): use the token_mean or sum loss, or pass loss_norm to pack_samples"
+                "(your own DataLoader): use the token_mean or sum loss, or pass loss_norm to pack_samples "
+                "(lit_hbp.step_loss_norm(the_steps_micro_batches) gives it; batch.replace(loss_norm=norm) sets it)"
             )
         norm = batch.loss_norm
         if isinstance(norm, bool) or not isinstance(norm, numbers.Real) or not 0 < norm < float("inf"):
