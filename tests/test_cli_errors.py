@@ -189,6 +189,11 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             ["--model.lora", "{rank: 4, alpah: 8}"],
             "model.lora: unknown setting(s) ['alpah']",
         ),
+        "an empty LoRA mapping": (
+            ["--model.lora", "{}"],
+            "model.lora: {} names no LoRA setting, and the full model would train",
+        ),
+        "an infinite learning rate": (["--model.lr", ".inf"], "model.lr must be a finite number >= 0, got inf"),
         "an accumulation schedule under DeepSpeed": (
             [
                 "--trainer.strategy",
@@ -270,7 +275,8 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "stochastic weight averaging", "a run without an end", "barebones beside a checkpoint callback",
          "an option the tokenizer sets", "a misspelled over_length", "a null cache folder",
          "a misspelled attention backend",
-         "a misspelled LoRA setting", "an accumulation schedule under DeepSpeed", "a precision DeepSpeed has not",
+         "a misspelled LoRA setting", "an empty LoRA mapping", "an infinite learning rate",
+         "an accumulation schedule under DeepSpeed", "a precision DeepSpeed has not",
          "a CUDA-only attention backend on a CPU", "a data file as the list of sources",
          "a monitor a separator away from a logged metric", "a validation inside an optimizer step",
          "a checkpoint by time inside an optimizer step", "a negative curriculum warm-up",

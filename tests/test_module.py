@@ -342,8 +342,16 @@ def test_epochs_of_another_length_without_reloaded_loaders_are_refused_before_th
 @pytest.mark.parametrize(
     "setting, says",
     [
-        (dict(lr=-1.0), "model.lr must be a number >= 0, got -1.0"),
-        (dict(weight_decay=-0.1), "model.weight_decay must be a number >= 0"),
+        (dict(lr=-1.0), "model.lr must be a finite number >= 0, got -1.0"),
+        (dict(lr=float("inf")), "model.lr must be a finite number >= 0, got inf"),
+        (dict(weight_decay=-0.1), "model.weight_decay must be a finite number >= 0"),
+        (dict(weight_decay=float("inf")), "model.weight_decay must be a finite number >= 0, got inf"),
+        (dict(lora={}), r"model.lora: \{\} names no LoRA setting, and the full model would train"),
+        (dict(lora={"rank": 0}), "model.lora.rank must be a whole number >= 1, got 0"),
+        (dict(lora={"rank": 2.5}), "model.lora.rank must be a whole number >= 1, got 2.5"),
+        (dict(lora={"r": 4, "dropout": 2.0}), r"model.lora.dropout must be a probability in \[0, 1\), got 2.0"),
+        (dict(lora={"rank": 4, "alpha": -1}), "model.lora.alpha must be a number > 0, got -1"),
+        (dict(lora={"rank": 4, "task_type": "SEQ_CLS"}), "model.lora.task_type: lit-hbp trains a causal language"),
         (dict(betas=(0.9, 1.0)), r"model.betas must be two numbers in \[0, 1\), got \[0.9, 1.0\]"),
         (dict(warmup_steps=-5), "model.warmup_steps must be a whole number of optimizer steps >= 0, got -5"),
         (dict(min_lr_ratio=-1.0), r"model.min_lr_ratio \(the cosine's floor, a share of lr\) must be in \[0, 1\]"),
@@ -353,7 +361,9 @@ def test_epochs_of_another_length_without_reloaded_loaders_are_refused_before_th
 )
 def test_a_setting_torch_would_train_wrongly_on_is_refused_by_name(setting, says):
     """A negative floor is a negative learning rate (gradient ascent) from the middle of the run on; a negative
-    warm-up starts the cosine part-way down; a chunk of 0 tokens never computes the loss."""
+    warm-up starts the cosine part-way down; a chunk of 0 tokens never computes the loss; an infinite rate or decay
+    makes every weight NaN at the first step; an empty LoRA mapping trained the full model, and LoRA values peft
+    fails on stopped in a traceback after the data was read."""
     with pytest.raises(ConfigError, match=says):
         HBPLitModule(model=TINY, **setting)
     with pytest.raises(ValueError, match="ce_chunk_size .* must be >= 1, got -4"):
@@ -778,3 +788,19 @@ def test_a_checkpoint_whose_groups_decayed_2d_biases_resumes_on_its_own_groups(c
         trainer.fit(module, data(), ckpt_path=str(tmp_path / "old.ckpt"))
     assert trainer.global_step == 3
     assert [len(g["params"]) for g in trainer.optimizers[0].param_groups] == saved
+
+
+def test_lora_settings_that_match_nothing_in_the_model_are_refused():
+    """peft takes ``modules_to_save`` naming no module and ``bias: all`` on a model without biases and trains what it
+    would without them, saying nothing; each is refused naming the setting. What matches trains: ``lm_head`` saved
+    (its weight trains), a model with biases (Qwen2's projections) trains them with ``bias: all``."""
+    with pytest.raises(ConfigError, match="model.lora.modules_to_save: 'nope' is no module of LlamaForCausalLM"):
+        make_module(lora={"rank": 4, "modules_to_save": ["nope"]})
+    with pytest.raises(ConfigError, match="model.lora.bias: 'all' trains the model's biases, and LlamaForCausalLM has"):
+        make_module(lora={"rank": 4, "bias": "all"})
+    saved = make_module(lora={"rank": 4, "modules_to_save": ["lm_head"]})
+    trained = {name for name, p in saved.model.named_parameters() if p.requires_grad}
+    assert any("lm_head" in name and "lora" not in name for name in trained), sorted(trained)
+    qwen2 = make_module({**TINY, "model_type": "qwen2"}, lora={"rank": 4, "bias": "all"})
+    trained = {name for name, p in qwen2.model.named_parameters() if p.requires_grad}
+    assert any(name.endswith("q_proj.base_layer.bias") for name in trained), sorted(trained)

@@ -187,7 +187,7 @@ class HBPLitModule(L.LightningModule):
             attention.check_backend(attn_backend)
         except ValueError as e:
             raise ConfigError(f"model.attn_backend: {e}") from None
-        if lora:
+        if lora is not None:
             check_lora(lora, "model.lora")
         self.save_hyperparameters()
         self.model = None

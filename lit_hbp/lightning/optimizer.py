@@ -121,12 +121,12 @@ def check_optimizer_settings(
     ce_chunk_size: int,
 ) -> None:
     """Refuse, naming the config key, a value that torch would take and train on wrongly (a negative floor is a
-    negative learning rate: gradient ascent) or refuse only at the first step with its own words."""
+    negative learning rate: gradient ascent; an infinite rate or decay, weights of NaN) or refuse only at the first
+    step with its own words."""
     bad = []
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0:
-        bad.append(f"model.lr must be a number >= 0, got {lr!r}")
-    if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or not weight_decay >= 0:
-        bad.append(f"model.weight_decay must be a number >= 0, got {weight_decay!r}")
+    for key, value in (("lr", lr), ("weight_decay", weight_decay)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+            bad.append(f"model.{key} must be a finite number >= 0, got {value!r}")
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
         bad.append(f"model.betas must be two numbers in [0, 1), got {list(betas)!r}")
     if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:

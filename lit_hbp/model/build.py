@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -309,12 +309,29 @@ def freeze_vision(net: torch.nn.Module) -> int:
 
 
 def check_lora(lora: dict, key: str = "lora") -> None:
-    """Refuse a LoRA setting peft's ``LoraConfig`` has no field for (``key``: where the settings were given)."""
+    """Refuse a LoRA setting peft's ``LoraConfig`` has no field for, a value it would fail on after the data was
+    read (or take for something else), and an empty mapping, which reads as no LoRA (``key``: where the settings
+    were given)."""
     import inspect
 
     from peft import LoraConfig
 
+    if not isinstance(lora, Mapping) or not lora:
+        raise ConfigError(
+            f"{key}: {lora!r} names no LoRA setting, and the full model would train: give at least the rank "
+            "({rank: 16}), or leave it out (null) to fine-tune the whole model"
+        )
     fields = set(inspect.signature(LoraConfig).parameters)
+    value = {LORA_NAMES.get(k, k): v for k, v in lora.items()}
+    rank, alpha, dropout = value.get("r", 8), value.get("lora_alpha", 8), value.get("lora_dropout", 0.0)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"{key}.rank must be a whole number >= 1, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf"):
+        raise ConfigError(f"{key}.alpha must be a number > 0, got {alpha!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ConfigError(f"{key}.dropout must be a probability in [0, 1), got {dropout!r}")
+    if "task_type" in value:
+        raise ConfigError(f"{key}.task_type: lit-hbp trains a causal language model (CAUSAL_LM, its own): leave it out")
     unknown = sorted(k for k in (LORA_NAMES.get(k, k) for k in lora) if k not in fields)
     both = [(short, peft) for short, peft in LORA_NAMES.items() if short in lora and peft in lora]
     if both:  # one would be dropped by whichever came last
@@ -342,7 +359,30 @@ def apply_lora(net, lora: dict):
     if "target_modules" not in kw and is_multimodal(net):  # the language model's layers, not the vision tower's
         kw["target_modules"] = language_linears(net, decoder_of(net))
     kw.setdefault("target_modules", "all-linear")
-    return get_peft_model(net, LoraConfig(task_type="CAUSAL_LM", **kw))
+    wrapped = get_peft_model(net, LoraConfig(task_type="CAUSAL_LM", **kw))
+    check_lora_matches(wrapped, kw)
+    return wrapped
+
+
+def check_lora_matches(wrapped, kw: dict) -> None:
+    """Refuse LoRA settings that matched nothing in the model and so change nothing: ``modules_to_save`` names
+    that wrapped no module, a ``bias`` to train on a model without biases (peft says nothing of either)."""
+    from peft.utils import ModulesToSaveWrapper
+
+    saved = [name for name, m in wrapped.named_modules() if isinstance(m, ModulesToSaveWrapper)]
+    for wanted in kw.get("modules_to_save") or []:
+        if not any(name == wanted or name.endswith(f".{wanted}") for name in saved):
+            raise ConfigError(
+                f"model.lora.modules_to_save: {wanted!r} is no module of {type(wrapped.get_base_model()).__name__}, "
+                "so nothing more would train: give a module's name (e.g. lm_head, embed_tokens)"
+            )
+    if kw.get("bias", "none") != "none" and not any(
+        name.endswith(".bias") for name, _ in wrapped.get_base_model().named_parameters()
+    ):
+        raise ConfigError(
+            f"model.lora.bias: {kw['bias']!r} trains the model's biases, and "
+            f"{type(wrapped.get_base_model()).__name__} has none: leave it out"
+        )
 
 
 # What a generation config carries that no model folder's file decides: the version, the mark, what the config's
