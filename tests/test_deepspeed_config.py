@@ -3,12 +3,15 @@ refused before a step, naming it. Each refused case trained otherwise than its c
 plain AdamW loop: stage 0's hidden AdamW step under bf16 0.032 off after 4 steps, a config's clipping 6.7e-3, its
 optimizer 2.7e-2 off, a stage beside a config trained at the config's)."""
 
+import copy
+
 import lightning as L
 import pytest
 import torch
 from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
 
 from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.deepspeed_config import check_precision_sections
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.lightning.strategy import HBPStrategy
 
@@ -31,6 +34,10 @@ def fit(tmp_path, small_demo, strategy, **trainer_kw) -> HBPLitModule:
         (dict(overlap_comm=True, config={"zero_optimization": {"stage": 2}}), "overlap_comm=True beside"),
         (dict(allgather_bucket_size=1000, config={"zero_optimization": {"stage": 2}}), "allgather_bucket_size=1000"),
         (dict(stage=2, partition_activations=True), "partition_activations configure DeepSpeed's activation"),
+        (dict(config={"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}}),
+         "activation_checkpointing.partition_activations, activation_checkpointing.cpu_checkpointing configure"),
+        (dict(config={"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}),
+         r"gradient_accumulation_steps \(4\) is the trainer's to set: .* trainer.accumulate_grad_batches"),
     ],
 )  # fmt: skip
 def test_an_argument_the_strategy_would_not_use_is_refused(kwargs, refused):
@@ -38,6 +45,32 @@ def test_an_argument_the_strategy_would_not_use_is_refused(kwargs, refused):
     bucket sizes (stage=3 trained at the config's stage 0); DeepSpeed's activation checkpointing is never called."""
     with pytest.raises(ConfigError, match=refused):
         HBPStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "section, precision",
+    [({"bf16": {"enabled": True}}, "32-true"), ({"bf16": {"enabled": False}}, "bf16-mixed"),
+     ({"fp16": {"enabled": True}}, "bf16-mixed")],
+)  # fmt: skip
+def test_a_configs_precision_section_must_say_the_trainers_precision(tmp_path, small_demo, section, precision):
+    """Lightning writes ``trainer.precision``'s section only where the DeepSpeed config has none, so the config's
+    decided: ``bf16: {enabled: true}`` under ``32-true`` trained in bf16 (the parameters bfloat16), ``enabled: false``
+    under ``bf16-mixed`` in fp32. Refused before a step; sections that agree (or none) are kept."""
+    says = f"config's {next(iter(section))} section says enabled: .* trainer.precision is '{precision}'"
+    strategy = HBPStrategy(config={"zero_optimization": {"stage": 2}, **section})
+    with pytest.raises(ConfigError, match=says):
+        fit(tmp_path, small_demo, strategy, precision=precision)
+    for config, agrees in (({"bf16": {"enabled": True}}, "bf16-mixed"), ({"fp16": {"enabled": False}}, "32-true"),
+                           ({"fp16": {"enabled": True}}, "16-mixed"), ({}, "bf16-true")):  # fmt: skip
+        check_precision_sections(config, agrees)
+
+
+def test_the_callers_config_is_left_as_it_was():
+    """HBPStrategy wrote its run settings (micro-batch size, timers) into the dict the caller gave it."""
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    before = copy.deepcopy(config)
+    strategy = HBPStrategy(config=config)
+    assert config == before and strategy.config["train_micro_batch_size_per_gpu"] == 1
 
 
 def test_arguments_that_say_what_the_config_says_or_are_defaults_are_kept():

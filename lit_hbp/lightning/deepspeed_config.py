@@ -5,6 +5,7 @@ DeepSpeed leaves changed in torch after the run that it puts back."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,14 @@ ACTIVATION_CHECKPOINTING = (  # DeepSpeed's activation checkpointing, which lit-
 )  # fmt: skip
 
 
+def asked_settings(config: dict | None, overlap_comm: bool | None) -> tuple[Any, bool, bool]:
+    """What a user's DeepSpeed ``config`` (None: none given) and ``HBPStrategy(overlap_comm=)`` decide that lit-hbp
+    sets otherwise: the config's clipping, ZeRO's overlap_comm, bf16's overflow check."""
+    said = config or {}
+    overlap = overlap_comm is not None or "overlap_comm" in (said.get("zero_optimization") or {})
+    return said.get("gradient_clipping"), overlap, "check_grad_overflow" in (said.get("bf16") or {})
+
+
 def check_arguments(config: dict | None, given: dict[str, Any]) -> None:
     """The arguments ``given`` to ``HBPStrategy`` (those its caller set), each used or refused: with a DeepSpeed
     ``config`` Lightning builds nothing from ``stage``, the offloads, ``overlap_comm``, the bucket sizes, ...
@@ -42,6 +51,8 @@ def check_arguments(config: dict | None, given: dict[str, Any]) -> None:
     section), so each must say what the config says; DeepSpeed's activation checkpointing is never called (a
     level's ``ckpt_layers`` and ``offload`` checkpoint)."""
     unused = [k for k in ACTIVATION_CHECKPOINTING if given.get(k)]
+    section = (config or {}).get("activation_checkpointing") or {}
+    unused += [f"activation_checkpointing.{k}" for k in ACTIVATION_CHECKPOINTING if section.get(k)]
     if unused:
         raise ConfigError(
             f"{WHERE}: {', '.join(unused)} configure DeepSpeed's activation checkpointing, which lit-hbp's layers do "
@@ -49,6 +60,11 @@ def check_arguments(config: dict | None, given: dict[str, Any]) -> None:
         )
     if config is None:
         return
+    if "gradient_accumulation_steps" in config:  # Lightning's own refusal came as a traceback once the data was read
+        raise ConfigError(
+            f"{WHERE}: the DeepSpeed config's gradient_accumulation_steps ({config['gradient_accumulation_steps']!r}) "
+            "is the trainer's to set: remove it and set trainer.accumulate_grad_batches"
+        )
     defaults = {k: p.default for k, p in inspect.signature(DeepSpeedStrategy.__init__).parameters.items()}
     defaults.update(stage=None, overlap_comm=None)  # HBPStrategy's own: any value given was asked for
     for name, value in given.items():
@@ -92,6 +108,24 @@ def check_half_precision_stage(config: dict) -> None:
         )
 
 
+def check_precision_sections(config: dict | None, precision: str) -> None:
+    """A DeepSpeed config's ``bf16`` or ``fp16`` section decides the run's precision (Lightning writes the section of
+    ``trainer.precision`` only where the config has none): ``bf16: {enabled: true}`` under ``32-true`` trained in
+    bf16, ``bf16: {enabled: false}`` under ``bf16-mixed`` in fp32. One that says other than the trainer is refused."""
+    wanted = "bf16" if precision.startswith("bf16") else "fp16" if precision.startswith("16") else None
+    for kind in ("bf16", "fp16"):
+        section = (config or {}).get(kind)
+        if not isinstance(section, dict):
+            continue
+        enabled = bool(section.get("enabled", False))  # DeepSpeed's default for both sections
+        if enabled != (kind == wanted):
+            raise ConfigError(
+                f"{WHERE}: the DeepSpeed config's {kind} section says enabled: {str(enabled).lower()} and "
+                f"trainer.precision is {precision!r}, and DeepSpeed trains as the config says: make them agree, or "
+                f"leave the {kind} section out (Lightning writes it from trainer.precision)"
+            )
+
+
 def check_clipping(user_clip: float | None, trainer_clip: float | None) -> None:
     """A DeepSpeed config's ``gradient_clipping`` wins over ``Trainer(gradient_clip_val)`` (Lightning fills it
     only when the config has none): both given and different is refused."""
@@ -101,6 +135,20 @@ def check_clipping(user_clip: float | None, trainer_clip: float | None) -> None:
         f"{WHERE}: the DeepSpeed config's gradient_clipping {user_clip} and trainer.gradient_clip_val "
         f"{trainer_clip} differ, and DeepSpeed clips at the config's: give one of them"
     )
+
+
+def with_run_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``config`` (the caller's dict stays theirs: Lightning writes the run's settings into the one it
+    holds) with what lit-hbp runs unless the config says otherwise: a micro-batch of one packed row (else Lightning
+    infers it from a dataloader before the model exists); DeepSpeed's throughput timer off (it synchronizes the
+    device in every forward and optimizer step; HBPThroughputMonitor times the steps without waiting); with the
+    optimizer offloaded, a torch optimizer allowed (DeepSpeed refuses HBPLitModule's AdamW there unless told)."""
+    config = copy.deepcopy(config)
+    config.setdefault("train_micro_batch_size_per_gpu", 1)
+    config.setdefault("timers", {"throughput": {"enabled": False, "synchronized": False}})
+    if deepspeed_zero(config)["optimizer_offload"]:
+        config.setdefault("zero_force_ds_cpu_optimizer", False)
+    return config
 
 
 def without_idle_overlap(config: dict[str, Any], world_size: int, asked: bool) -> dict[str, Any]:

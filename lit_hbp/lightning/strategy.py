@@ -49,13 +49,16 @@ from lit_hbp.data.batch import PACK_MARK, SP_MARK, PackedBatch  # noqa: E402
 from lit_hbp.errors import ConfigError, did_you_mean  # noqa: E402
 from lit_hbp.lightning.checkpoints import check_zero_folder, is_complete, save_deepspeed  # noqa: E402
 from lit_hbp.lightning.deepspeed_config import (  # noqa: E402
+    asked_settings,
     check_arguments,
     check_clipping,
     check_config_sections,
     check_half_precision_stage,
+    check_precision_sections,
     overflow_note,
     put_back_torch_linear,
     sharding_note,
+    with_run_defaults,
     without_idle_overlap,
     without_overflow_check,
 )
@@ -382,23 +385,20 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         )  # fmt: skip
         user_config = kwargs.get("config") is not None or self.DEEPSPEED_ENV_VAR in os.environ
         check_arguments(self.config if user_config else None, given)
-        self._user_clip = (self.config or {}).get("gradient_clipping") if user_config else None
-        zero = (self.config or {}).get("zero_optimization") or {}
-        self._overlap_comm_asked = overlap_comm is not None or (user_config and "overlap_comm" in zero)
-        bf16 = (self.config or {}).get("bf16") or {}
-        self._overflow_check_asked = bool(user_config and "check_grad_overflow" in bf16)
+        asked = asked_settings(self.config if user_config else None, overlap_comm)
+        self._user_clip, self._overlap_comm_asked, self._overflow_check_asked = asked
         if self.config is not None:
-            # A micro-batch is one packed row; else Lightning infers it from a dataloader before the model exists.
-            self.config.setdefault("train_micro_batch_size_per_gpu", 1)
-            # DeepSpeed's throughput timer (on by default) synchronizes the device in every forward and
-            # optimizer step; lit-hbp's monitors time the steps without waiting (HBPThroughputMonitor).
-            self.config.setdefault("timers", {"throughput": {"enabled": False, "synchronized": False}})
-            zero = deepspeed_zero(self.config)
-            check(Settings(**zero))  # an offload DeepSpeed ignores at this ZeRO stage is refused
-            if zero["optimizer_offload"]:
-                # DeepSpeed refuses a torch optimizer (HBPLitModule's AdamW) to offload unless told
-                self.config.setdefault("zero_force_ds_cpu_optimizer", False)
+            self.config = with_run_defaults(self.config)
+            check(Settings(**deepspeed_zero(self.config)))  # an offload DeepSpeed ignores at this ZeRO stage is refused
         self.init_levels(levels)
+
+    @DeepSpeedStrategy.precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:
+        """Set by the Trainer as it is built: a DeepSpeed config's precision section is checked against it there,
+        before any data is read (``check_precision_sections``; Lightning adds its own section later)."""
+        if plugin is not None and self.config is not None:
+            check_precision_sections(self.config, str(plugin.precision))
+        self._precision_plugin = plugin
 
     def _format_config(self) -> None:
         super()._format_config()  # adds the precision's section (bf16) to the config
