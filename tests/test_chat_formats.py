@@ -823,6 +823,10 @@ def test_a_first_turn_that_trains_leaves_the_templates_preamble_out(train_on, qw
     [
         ({"messages": [{"role": "user", "content": "hi", "name": "Alice"}, {"role": "assistant", "content": "yo"}]},
          r"messages\[0\].name: the chat template does not render it"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "1"}, {"role": "assistant", "content": "y"}]},
+         r"messages\[0\].tool_call_id: the chat template does not render it"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "y", "tool_call_id": "1"}]},
+         r"messages\[1\].tool_call_id: the chat template does not render it"),
         ({"system": "Be brief.", "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]},
          r"the record has a 'system' field and a system message: give one"),
         ({"system": "Be brief.", "conversations": [{"from": "system", "value": "x"}, {"from": "human", "value": "hi"},

@@ -261,8 +261,8 @@ class _Encoder:
                     f"{conv.where}: messages[{i}] ({m['role']}): the chat template does not render its content, so "
                     "the model would never see it: use a chat template that renders the role, or drop the message"
                 )
-            # A tool result's name and call id link it to its call: the template may leave them out.
-            for key in RENDERED + (("name",) if m["role"] != "tool" else ()):
+            # A tool result's name and call id link it to its call: the template may leave them out (elsewhere not).
+            for key in RENDERED + (("name", "tool_call_id") if m["role"] != "tool" else ()):
                 if key in m:
                     without = [*conv.messages[:i], {k: v for k, v in m.items() if k != key}]
                     if self._render(conv, i + 1) == self._render(conv, None, messages=without):

@@ -60,7 +60,8 @@ from lit_hbp.errors import ConfigError, DataError
 # 9: a video's row carries the frame rate its record gave its frames.
 # 10: a table's rows without the other rows' null keys; text parts to a template that renders parts, as written.
 # 11: tool-call arguments given as a JSON string go to the template as that string (they were parsed).
-CACHE_VERSION = 11
+# 12: a tool_call_id the template does not render on a user or assistant message is refused (it was dropped).
+CACHE_VERSION = 12
 # Below this much of a source, worker processes cost more to start than they save (num_proc=None).
 PARALLEL_MIN_BYTES = 8 << 20
 PARALLEL_MIN_ROWS = 8192
