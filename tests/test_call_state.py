@@ -45,6 +45,18 @@ def max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.float() - want.float()).abs().max().item()
 
 
+def alone_token_mean(reference, pairs) -> float:
+    """The token-mean cross-entropy of the documents, each through the reference on its own (no gradients)."""
+    ce, count = 0.0, 0
+    with torch.no_grad():
+        for ids, m in pairs:
+            ids = torch.as_tensor(ids)
+            labels = torch.where(torch.as_tensor(m[1:]), ids[1:], -100)
+            ce += float(F.cross_entropy(reference(input_ids=ids[None]).logits[0, :-1], labels, reduction="sum"))
+            count += int((labels != -100).sum())
+    return ce / count
+
+
 class Held:
     """Holds the packed call inside its forward (at layer 1's attention) until ``other`` ran on another
     thread: ``other``'s calls happen while the packed call is in flight, every time."""
@@ -291,14 +303,7 @@ def test_labels_a_packed_call_would_train_wrong_are_refused_and_the_advice_works
     with pytest.raises(ValueError, match=r"pre-shifted .* pass shift_labels=batch.labels too"):
         model(**pack_inputs(batch), labels=batch.labels)
     out = model(**pack_inputs(batch), labels=batch.labels, shift_labels=batch.labels)
-    ce, count = 0.0, 0
-    with torch.no_grad():
-        for ids, m in pairs:
-            ids = torch.as_tensor(ids)
-            labels = torch.where(torch.as_tensor(m[1:]), ids[1:], -100)
-            ce += float(F.cross_entropy(reference(input_ids=ids[None]).logits[0, :-1], labels, reduction="sum"))
-            count += int((labels != -100).sum())
-    assert float(out.loss) == pytest.approx(ce / count, rel=1e-5)
+    assert float(out.loss) == pytest.approx(alone_token_mean(reference, pairs), rel=1e-5)
     hf = flattened(pairs, flash=True)
     bad = hf["labels"].clone()
     second = int(hf["cu_seq_lens_q"][1])
@@ -317,13 +322,8 @@ def test_the_models_own_loss_with_another_ignore_index_trains_a_flattened_batch_
     features = [{"input_ids": ids.tolist(), "labels": np.where(m, ids, -1).tolist()} for ids, m in pairs]
     batch = DataCollatorWithFlattening(separator_id=-1, return_flash_attn_kwargs=flash)(features)
     with torch.no_grad():
-        ce, count = 0.0, 0
-        for ids, m in pairs:
-            ids = torch.as_tensor(ids)
-            labels = torch.where(torch.as_tensor(m[1:]), ids[1:], -100)
-            ce += float(F.cross_entropy(reference(input_ids=ids[None]).logits[0, :-1], labels, reduction="sum"))
-            count += int((labels != -100).sum())
-        assert float(model(**batch, ignore_index=-1).loss) == pytest.approx(ce / count, rel=1e-5)
+        want = alone_token_mean(reference, pairs)
+        assert float(model(**batch, ignore_index=-1).loss) == pytest.approx(want, rel=1e-5)
         bad = batch["labels"].clone()
         second = int(np.cumsum([len(ids) for ids, _ in pairs])[0])
         bad[0, second] = batch["input_ids"][0, second]
@@ -498,13 +498,8 @@ def test_lit_hbps_labels_are_refused_without_token_ids_and_through_forward():
     with pytest.raises(ValueError, match="pre-shifted"):
         model.forward(**pack_inputs(batch), labels=batch.labels)
     with torch.no_grad():
-        ce, count = 0.0, 0
-        for ids, m in pairs:
-            ids = torch.as_tensor(ids)
-            labels = torch.where(torch.as_tensor(m[1:]), ids[1:], -100)
-            ce += float(F.cross_entropy(reference(input_ids=ids[None]).logits[0, :-1], labels, reduction="sum"))
-            count += int((labels != -100).sum())
-        assert float(model.forward(**flattened(pairs, flash=True)).loss) == pytest.approx(ce / count, rel=1e-5)
+        want = alone_token_mean(reference, pairs)
+        assert float(model.forward(**flattened(pairs, flash=True)).loss) == pytest.approx(want, rel=1e-5)
         hf = flattened(pairs, flash=True)
         bad = hf["labels"].clone()
         second = int(hf["cu_seq_lens_q"][1])
