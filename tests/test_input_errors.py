@@ -325,6 +325,11 @@ def test_a_misspelled_source_field_names_the_entry_the_field_and_the_nearest_one
         [Source.of(e, f"sources[{i}]") for i, e in enumerate([{"path": "a.jsonl"}, {"path": "b.jsonl", "repet": 2}])]
     with pytest.raises(DataError, match=r"val_sources\[0\]: the source has no path"):
         Source.of({"repeat": 2}, "val_sources[0]")
+    import yaml  # what YAML makes of --data.sources '[{path:chats.jsonl}]': one key holding the colon
+
+    entry = yaml.safe_load("[{path:chats.jsonl}]")[0]
+    with pytest.raises(DataError, match=r"'path:chats.jsonl' \(YAML needs a space after the colon: path: chats"):
+        Source.of(entry, "sources[0]")
     assert Source.of("a.jsonl", "sources[0]") == Source("a.jsonl")
     assert Source.of({"path": "a.jsonl", "repeat": 2}, "sources[0]").repeat == 2
 

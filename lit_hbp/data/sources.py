@@ -101,6 +101,9 @@ class Source:
             if key not in fields:
                 close = difflib.get_close_matches(str(key), fields, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
+                field, colon, _ = str(key).partition(":")
+                if colon and field in fields:  # YAML reads {path:x.jsonl} as one key: its colon wants a space
+                    hint = f" (YAML needs a space after the colon: {field}: {str(key)[len(field) + 1 :]})"
                 raise DataError(f"{label}: unknown source field {key!r}{hint}; a source takes {', '.join(fields)}")
         if "path" not in entry:
             raise DataError(f"{label}: the source has no path: {entry!r}")
