@@ -235,11 +235,10 @@ def run_tokenizer(ckpt: dict, folder: str | Path, fallback: str | None = None):
 def run_processor(ckpt: dict, folder: str | Path) -> None:
     """A vision-language run's processor (image processor settings, chat template), written into
     ``folder`` beside the tokenizer: ``AutoProcessor`` loads the export as it loaded the checkpoint."""
+    from lit_hbp.lightning.renderers import write_files
+
     files = next((v["processor_files"] for v in ckpt.values() if isinstance(v, dict) and "processor_files" in v), None)
-    for name, data in (files or {}).items():
-        target = Path(folder) / Path(name).name
-        if not target.exists():  # the tokenizer's own files are written from the tokenizer
-            target.write_bytes(data if isinstance(data, bytes) else data.encode())
+    write_files(files or {}, folder, keep=True)  # the tokenizer's own files are written from the tokenizer
 
 
 def end_of_turn_id(tokenizer) -> int | None:

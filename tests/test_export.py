@@ -508,3 +508,29 @@ def test_exporting_a_runs_checkpoints_folder_names_the_checkpoints_in_it(tmp_pat
     torch.save({"global_step": 1}, folder / "last.ckpt")
     assert main([str(folder), str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.strip().endswith(f"e.g. {folder / 'last.ckpt'}")
+
+
+def test_a_tokenizers_named_chat_templates_reach_the_checkpoint_and_the_export(toy_tokenizer, tmp_path):
+    """A tokenizer whose chat templates are named ({default, tool_use}: transformers renders with ``tool_use`` when
+    tools are given) saves the named ones in a subfolder (``additional_chat_templates/``); the checkpoint's tokenizer
+    files kept only the folder's own files, so the export rendered a tool conversation without its tools, and a
+    resume with the same tokenizer was told it was another. Against the run's own tokenizer: the same render."""
+    from transformers import AutoTokenizer
+
+    from lit_hbp.lightning.renderers import tokenizer_files, tokenizer_from_files, write_files
+
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    tool_use = "TOOLS {{ tools | tojson }}\n" + tok.chat_template
+    tok.chat_template = {"default": tok.chat_template, "tool_use": tool_use}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    files = tokenizer_files(tok)
+    assert any(name.startswith("additional_chat_templates/") for name in files), sorted(files)
+    exported = tokenizer_from_files(files, tmp_path / "export")
+    want = tok.apply_chat_template(chat, tools=tools, tokenize=False)
+    assert want.startswith("TOOLS [")
+    assert exported.apply_chat_template(chat, tools=tools, tokenize=False) == want
+    assert exported.chat_template == tok.chat_template
+    with pytest.raises(ValueError, match="would be written outside"):
+        write_files({"../escaped.jinja": b"x"}, tmp_path / "export")
+    assert not (tmp_path / "escaped.jinja").exists()

@@ -804,3 +804,23 @@ def test_lora_settings_that_match_nothing_in_the_model_are_refused():
     qwen2 = make_module({**TINY, "model_type": "qwen2"}, lora={"rank": 4, "bias": "all"})
     trained = {name for name, p in qwen2.model.named_parameters() if p.requires_grad}
     assert any(name.endswith("q_proj.base_layer.bias") for name in trained), sorted(trained)
+
+
+def test_a_config_mappings_dtype_is_the_exports_and_the_model_trains_in_the_runs_precision():
+    """``model: {..., dtype: bfloat16}``: transformers' ``from_config`` built the weights in bf16 whatever the run's
+    precision, so a ``32-true`` run took AdamW steps on bf16 weights (three quarters of them unchanged by 2 steps at
+    lr 2e-5); a folder whose config says bf16 loads in the run's precision. Now both: the weights in the default
+    dtype the run's precision sets (fp32, or bf16 under ``bf16-true``), the mapping's dtype kept for the export."""
+    from lit_hbp.model.build import SAVED_DTYPE
+
+    mapping = {**TINY, "dtype": "bfloat16"}
+    module = make_module(mapping)
+    assert {p.dtype for p in module.model.parameters()} == {torch.float32}
+    assert getattr(module.model, SAVED_DTYPE) == "bfloat16"
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # what Lightning's bf16-true sets around configure_model
+    try:
+        half = make_module(mapping)
+    finally:
+        torch.set_default_dtype(before)
+    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}

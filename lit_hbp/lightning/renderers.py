@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from lit_hbp.data.tokenize import resolve_chat_template
 from lit_hbp.errors import ConfigError, did_you_mean
@@ -152,18 +152,32 @@ def _json(value) -> str:
 
 
 def tokenizer_files(tokenizer) -> dict[str, bytes]:
-    """The files ``save_pretrained`` writes for ``tokenizer`` (or a processor; a few MB at most), by name."""
+    """The files ``save_pretrained`` writes for ``tokenizer`` (or a processor; a few MB at most), by their paths in
+    its folder: subfolders too (named chat templates go to ``additional_chat_templates/``)."""
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
-        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+        return {p.relative_to(tmp).as_posix(): p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
+
+
+def write_files(files: dict[str, bytes | str], folder: str | Path, keep: bool = False) -> None:
+    """Write ``files`` (``tokenizer_files``) under ``folder`` at their paths, none outside it (a checkpoint's names are
+    data); with ``keep`` a file already there stays."""
+    folder = Path(folder)
+    for name, data in files.items():
+        parts = PurePosixPath(name).parts
+        if not parts or PurePosixPath(name).is_absolute() or ".." in parts:
+            raise ValueError(f"a tokenizer file named {name!r} would be written outside {folder}")
+        target = folder.joinpath(*parts)
+        if keep and target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data if isinstance(data, bytes) else data.encode())
 
 
 def tokenizer_from_files(files: dict[str, bytes | str], folder: str | Path):
     """Write ``files`` (``tokenizer_files``) into ``folder`` and load the tokenizer from there."""
     from transformers import AutoTokenizer
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
-        (folder / Path(name).name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    write_files(files, folder)
     return AutoTokenizer.from_pretrained(folder)

@@ -80,9 +80,9 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None, tokenizer=
         config = AutoConfig.for_model(model_type, **cfg)
         config.use_cache = False
         auto, attn = _auto_class(model_type)
-        with _refusing_other_attention(model_type):
-            net = auto.from_config(config, **attn)
-        saved = config.dtype
+        saved = config.dtype  # the mapping's, what an export writes: the model trains in the run's precision, as a
+        with _refusing_other_attention(model_type):  # folder's does (from_config's default is the config's dtype)
+            net = auto.from_config(config, dtype=torch.get_default_dtype(), **attn)
     else:
         folder = local_checkpoint(model)
         saved_config = AutoConfig.from_pretrained(folder, local_files_only=True)
