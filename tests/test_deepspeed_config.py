@@ -9,6 +9,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.deepspeed_config import check_precision_sections
@@ -57,9 +58,11 @@ def test_a_configs_precision_section_must_say_the_trainers_precision(tmp_path, s
     decided: ``bf16: {enabled: true}`` under ``32-true`` trained in bf16 (the parameters bfloat16), ``enabled: false``
     under ``bf16-mixed`` in fp32. Refused before a step; sections that agree (or none) are kept."""
     says = f"config's {next(iter(section))} section says enabled: .* trainer.precision is '{precision}'"
-    strategy = HBPStrategy(config={"zero_optimization": {"stage": 2}, **section})
+    config = {"zero_optimization": {"stage": 2}, **section}
     with pytest.raises(ConfigError, match=says):
-        fit(tmp_path, small_demo, strategy, precision=precision)
+        fit(tmp_path, small_demo, HBPStrategy(config=config), precision=precision)
+    with pytest.raises(ConfigError, match=says):  # a plugin given to the strategy itself
+        HBPStrategy(config=config, precision_plugin=DeepSpeedPrecision(precision))
     for config, agrees in (({"bf16": {"enabled": True}}, "bf16-mixed"), ({"fp16": {"enabled": False}}, "32-true"),
                            ({"fp16": {"enabled": True}}, "16-mixed"), ({}, "bf16-true")):  # fmt: skip
         check_precision_sections(config, agrees)

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lit_hbp.cost.config import spec_of
 from lit_hbp.cost.costmodel import HARDWARE
 from lit_hbp.cost.run_settings import config_settings, cost_model
+from lit_hbp.errors import ConfigError
 from lit_hbp.model.build import apply_lora, build_causal_lm
 
 # Zamba's shared attention block (used by every hybrid layer) and Mamba layer nested in its hybrid layer, Zamba2's
@@ -72,7 +73,12 @@ def test_a_lora_run_prices_the_gradients_and_states_of_what_it_trains(family, lo
     search chose levels a rank-256 8B run's 9 GiB of gradients and states did not fit); it holds all of them."""
     config = small_config(family)
     torch.manual_seed(0)
-    net = apply_lora(build_causal_lm(config), dict(lora))
+    base = build_causal_lm(config)
+    if lora.get("bias") and not any(name.endswith(".bias") for name, _ in base.named_parameters()):
+        with pytest.raises(ConfigError, match="model.lora.bias: 'lora_only' trains the model's biases"):
+            apply_lora(base, dict(lora))  # it would train nothing more: refused (llama has no biases)
+        return
+    net = apply_lora(base, dict(lora))
     trained = sum(p.numel() for p in net.parameters() if p.requires_grad)
     held = sum(p.numel() for p in net.parameters())
     spec = spec_of(config)

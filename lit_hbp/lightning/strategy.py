@@ -390,13 +390,13 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         if self.config is not None:
             self.config = with_run_defaults(self.config)
             check(Settings(**deepspeed_zero(self.config)))  # an offload DeepSpeed ignores at this ZeRO stage is refused
+            self.precision_plugin = self._precision_plugin  # a plugin given to the constructor: checked now
         self.init_levels(levels)
 
     @DeepSpeedStrategy.precision_plugin.setter
     def precision_plugin(self, plugin) -> None:
-        """Set by the Trainer as it is built: a DeepSpeed config's precision section is checked against it there,
-        before any data is read (``check_precision_sections``; Lightning adds its own section later)."""
-        if plugin is not None and self.config is not None:
+        """Set as the Trainer is built: a DeepSpeed config's precision section checked there, before any data."""
+        if plugin is not None and getattr(self, "config", None) is not None:  # (set after a constructor's plugin)
             check_precision_sections(self.config, str(plugin.precision))
         self._precision_plugin = plugin
 
