@@ -8,6 +8,7 @@
 #                    padding-free on SDPA and on FlexAttention, decoder layers compiled as lit-hbp's (HF's own
 #                    whole-model torch_compile took ~100 s a level on the H200: --peer-compile model)
 #   tests    ~240 s  pytest -m gpu in two parts at once: attention and the hybrids' mixers; the rest
+#   mixers   ~100 s  pytest -m gpu tests/test_mixers_gpu.py alone: the hybrids' packs on the GPU (issue 55)
 #   bench    ~160 s  bench/step_overhead.py (the run's step beside a bare loop), bench/op_overhead.py (the attention
 #                    op's host time around torch's varlen kernel) and bench/mixer_batches.py
 #   trl      ~250 s  TRL's BFD on the same levels (bench/gpu_throughput.py --modes trl_bfd)
@@ -36,7 +37,7 @@ T0=$(date +%s)
 at() { echo "$1 at $(( $(date +%s) - T0 )) s" >> $OUT/env.txt; }
 PARTS=${*:-speed tests bench}
 for part in ${PARTS//[+,]/ }; do
-  case $part in speed|trl|tests|vision|bench|profile|graphs) ;; *) echo "unknown part $part (speed, trl, tests, vision, bench, profile, graphs)" >&2; exit 2 ;; esac
+  case $part in speed|trl|tests|mixers|vision|bench|profile|graphs) ;; *) echo "unknown part $part (speed, trl, tests, mixers, vision, bench, profile, graphs)" >&2; exit 2 ;; esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site:$PWD
@@ -61,6 +62,10 @@ run_part() {
         --ignore=tests/test_mixers_gpu.py > $TMP/t_other.log 2>&1; at "other exit $?" ) &
     wait
     for log in t_attn t_other; do { echo "===== $log.log"; cat $TMP/$log.log; } >> $OUT/tests.log; done ;;
+  mixers)
+    timeout 120 $PYT tests/test_mixers_gpu.py > $TMP/t_mix.log 2>&1
+    at "mixers exit $?"
+    { echo "===== t_mix.log"; cat $TMP/t_mix.log; } >> $OUT/tests.log ;;
   vision)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_vlm .whl/vlm/*.whl || exit 3
     PYTHONPATH=/tmp/site_vlm:$PYTHONPATH timeout 150 $PYT tests/test_vision.py > $TMP/t_vis524.log 2>&1

@@ -21,7 +21,8 @@ trains, curriculum off, validation off, one device, the same initial weights):
   flex_attention (transformers' FlexAttention with its packed-sequence block mask) on a GPU only,
   flash_attention_2 only when flash-attn is installed;
 - trl_bfd: TRL's ``SFTTrainer`` on the level's samples, ``packing=True, packing_strategy="bfd"``
-  (padding-free rows of the level's pack length, TRL's own packing), one row per step, the same steps,
+  (padding-free rows of the level's pack length, TRL's own packing), as many rows a step as the level's
+  micro-batches hold packs (the same tokens a step), the same steps,
   flash_attention_2 where flash-attn installs, else sdpa (the row says which), compiled as above;
 - fwd_bwd: HBPLitModule forward and backward only (weights in the compute dtype, no optimizer), its
   decoder layers compiled as the run's are when the config compiles.
@@ -292,7 +293,9 @@ def run_trl(
     base_model, tokenizer, store, micro, pack_len: int, device, warmup: int, module, compiled: str
 ) -> tuple[float, float, float, str]:
     """TRL's ``SFTTrainer`` with BFD packing (padding-free rows of ``pack_len``) over the samples of
-    ``micro``, one row a step for as many steps, compiled as ``run_hf``: (seconds, tokens, FLOPs, attention)."""
+    ``micro``, as many rows a step as the level's micro-batches hold packs (the same tokens a step: one row a
+    step made TRL's 4K level on the H200 of 2026-12-04 a quarter of lit-hbp's), for as many steps, compiled as
+    ``run_hf``: (seconds, tokens, FLOPs, attention)."""
     import importlib.util
 
     from datasets import Dataset
@@ -320,7 +323,7 @@ def run_trl(
     clock = hf_window(device, warmup, len(micro))
     with tempfile.TemporaryDirectory() as out, sizes_apart():
         targs = hf_training_args(
-            out, 1, len(micro), cuda, args_class=SFTConfig, packing=True, packing_strategy="bfd",
+            out, max(len(packs) for packs in micro), len(micro), cuda, args_class=SFTConfig, packing=True, packing_strategy="bfd",
             max_length=pack_len, dataset_num_proc=None, gradient_checkpointing=False, torch_compile=compiled == "model",
         )  # fmt: skip
         data = Dataset.from_list(records)

@@ -409,6 +409,22 @@ def test_attention_op_passes_torchs_opcheck(case):
     )
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_ops_outputs_stay_on_the_gpu_so_a_layer_can_be_one_cuda_graph(dropout):
+    """Inductor skips a compiled layer's CUDA graph when a node puts out a host tensor, and torch 2.11's graph
+    partitions stopped on it (bench/graph_modes.py on the H200, 2026-11-30 and 2026-12-04: "skipping
+    cudagraphs due to cpu device (varlen_attention_v4)"). Traced as a compiled CUDA layer traces it (fake
+    CUDA tensors, so on any machine): without dropout every output is on the GPU; with dropout the seed that
+    the backward's recomputation reads stays on the host (no device read)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = (torch.empty(1, 4, 16, 8, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        cu = torch.tensor([0, 5, 16], dtype=torch.int32, device="cuda")
+        outs = torch.ops.hbp.varlen_attention_v4(q, k, v, cu, None, 11, 0.3, None, None, dropout, "auto", 0)
+    assert [o.device.type for o in outs] == ["cuda", "cuda", "cpu" if dropout else "cuda"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["flash_attn", "flash_attn_3", "flash_attn_4", "torch_varlen", "flex"])

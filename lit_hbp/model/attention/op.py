@@ -51,7 +51,7 @@ def _varlen_op(
     kernels' own and what the output projection takes: no copy of it on the GPU, and the tensor the
     backward keeps is the one the projection keeps."""
     args = _op_args(q, cu, sinks, max_len, scale, window, softcap, dropout)
-    seed = torch.randint(2**62, (), dtype=torch.int64) if dropout else torch.zeros((), dtype=torch.int64)
+    seed = torch.randint(2**62, (), dtype=torch.int64) if dropout else q.new_zeros((), dtype=torch.int64)
     kernels = _op_lse_kernels(q, args, backend, owner)
     with torch.no_grad():
         if kernels is not None:
@@ -72,7 +72,14 @@ def _(q, k, v, cu, sinks, max_len, scale, window, softcap, dropout, backend, own
     has_lse = _op_lse_kernels(q, args, backend, 0) is not None  # decided here, not run: nothing to record
     out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
     lse = q.new_empty(q.shape[1:3] if has_lse else (0,), dtype=lse_dtype(q.dtype))
-    return out, lse, torch.empty((), dtype=torch.int64)
+    return out, lse, _seed_like(q, dropout)
+
+
+def _seed_like(q: torch.Tensor, dropout: float) -> torch.Tensor:
+    """The seed output's tensor: on the host with dropout (the backward seeds the RNG from it), else on q's
+    device, unread: a host tensor among a CUDA graph's outputs makes inductor skip the layer's graph (and
+    stopped torch 2.11's graph partitions: the H200, 2026-11-30 and 2026-12-04)."""
+    return torch.empty((), dtype=torch.int64, device="cpu" if dropout else q.device)
 
 
 _AUTOGRAD_KEYS = [
