@@ -358,6 +358,44 @@ def test_a_resume_at_or_past_its_max_steps_is_refused_and_a_complete_run_found_b
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_resume_past_its_max_epochs_is_refused_and_a_mid_epoch_one_trains_on(tmp_path, small_demo, monkeypatch, capfd):
+    """``trainer.max_epochs`` bounds a run as ``max_steps`` does: a checkpoint saved at the end of epoch 1 (Lightning's
+    fit loop counts it processed before ``on_train_epoch_end`` saves) resumed with ``max_epochs 1`` trained nothing,
+    exit 0. Refused by name, or complete when ``auto`` finds it; saved within that epoch, it trains on."""
+    from lit_hbp.cli.resume import check_resumed_steps
+
+    monkeypatch.chdir(tmp_path)
+    config = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
+    hparams = dict(main(config, run=False).model.hparams)
+    hparams.pop("_instantiator", None)
+    folder = Path("runs/tiny_cpu/version_0/checkpoints")
+    folder.mkdir(parents=True)
+
+    def saved(processed: int) -> dict:
+        progress = {"ready": 1, "started": 1, "processed": processed, "completed": 0}
+        loops = {"fit_loop": {"epoch_progress": {"total": progress, "current": progress}}}
+        return {"global_step": 3, "epoch": 0, "state_dict": {}, "hyper_parameters": hparams, "loops": loops}
+
+    torch.save(saved(1), folder / "last.ckpt")
+    code, _, err = run_cli(
+        ["--ckpt_path", str(folder / "last.ckpt"), "--trainer.max_steps", "-1", "--trainer.max_epochs", "1"],
+        tmp_path, small_demo, capfd,
+    )  # fmt: skip
+    assert code == 2 and err.startswith(
+        f"error: --ckpt_path {folder / 'last.ckpt'} was saved after 1 epoch(s) and trainer.max_epochs is 1: the "
+        "resumed run would train nothing; set trainer.max_epochs above 1"
+    ), err
+    said = check_resumed_steps({"ckpt_path": str(folder / "last.ckpt"), "trainer": {"max_epochs": 1}}, found=True)
+    assert said == (
+        f"--ckpt_path auto: {folder / 'last.ckpt'} is after 1 epoch(s), trainer.max_epochs 1: the run is complete, "
+        "nothing left to train"
+    )
+    torch.save(saved(0), folder / "last.ckpt")  # within its first epoch: one to go
+    for trainer in ({"max_epochs": 1, "max_steps": -1}, {"max_epochs": -1, "max_steps": 4}, {"max_epochs": None}):
+        assert check_resumed_steps({"ckpt_path": str(folder / "last.ckpt"), "trainer": trainer}) is None, trainer
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("strategy", ["auto", "deepspeed"])
 def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
     strategy, tmp_path, small_demo, toy_tokenizer

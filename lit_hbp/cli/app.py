@@ -19,7 +19,6 @@ import logging
 import pickle
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -65,6 +64,7 @@ from lit_hbp.cli.resume import (  # noqa: F401  (public here too: their first ho
     checkpoint_folders,
     resolve_auto_resume,
     resume_in_run_folder,
+    saved_state,
 )
 from lit_hbp.errors import ConfigError, UserInputError
 from lit_hbp.lightning.checkpoints import (
@@ -72,9 +72,6 @@ from lit_hbp.lightning.checkpoints import (
     AtomicCheckpointIO,
     UnsafeCheckpoint,
     allow_listed,
-    client_state_file,
-    safe_load,
-    trusted_load,
 )
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
@@ -160,11 +157,7 @@ class HBPCLI(LightningCLI):
         """The model settings of the checkpoint ``--ckpt_path`` names (a file or a DeepSpeed folder; ``auto``'s once
         found), checked against the config's and read into it, as LightningCLI reads a file's. (Lightning's keywords,
         ``last``, are found by the trainer: the module checks them when the checkpoint loads.)"""
-        ckpt = section.get("ckpt_path")
-        if not (ckpt and str(ckpt) != AUTO and Path(ckpt).exists()):
-            return
-        load = trusted_load if section.get("weights_only") is False else safe_load
-        hparams = load(client_state_file(ckpt), mmap=True).get("hyper_parameters", {})
+        hparams = saved_state(section).get("hyper_parameters", {})
         hparams.pop("_instantiator", None)
         if not hparams:
             return

@@ -205,35 +205,45 @@ def checkpoint_data_seed(section: Any) -> int | None:
     that does not set ``data.seed`` takes it, whatever ``seed_everything`` says now (a run without one drew a
     random seed), so it re-creates the plan it stopped in. None without such a checkpoint (a fresh start,
     Lightning's ``last``, a checkpoint saved before its loader's first state)."""
-    loops = _saved_state(section).get("loops") or {}
+    loops = saved_state(section).get("loops") or {}
     states = ((loops.get("fit_loop") or {}).get("state_dict") or {}).get("combined_loader") or []
     seeds = [s["plan"].get("seed") for s in states if isinstance(s, dict) and isinstance(s.get("plan"), dict)]
     return seeds[0] if seeds and isinstance(seeds[0], int) else None
 
 
 def check_resumed_steps(section: Any, found: bool = False) -> str | None:
-    """A resume whose ``trainer.max_steps`` the checkpoint has reached already would build the model, read the
-    data and stop at once with status 0, having trained nothing (Lightning's loop ends there). A checkpoint the
-    command named: refused, naming both numbers. One ``--ckpt_path auto`` ``found``: the run is complete, what a
-    scheduler running the same line again meets; the line that says so is returned (the command ends there, 0)."""
-    max_steps = (section.get("trainer") or {}).get("max_steps")
-    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0:
-        return None  # -1 or unset: bounded by epochs
-    step = _saved_state(section).get("global_step")
-    if not isinstance(step, int) or step < max_steps:
-        return None
-    if found:
-        return (
-            f"--ckpt_path auto: {section.get('ckpt_path')} is at optimizer step {step}, trainer.max_steps "
-            f"{max_steps}: the run is complete, nothing left to train"
+    """A resume whose ``trainer.max_steps`` or ``trainer.max_epochs`` the checkpoint has reached already would build
+    the model, read the data and stop at once with status 0, having trained nothing (Lightning's loop ends there). A
+    checkpoint the command named: refused, naming both numbers. One ``--ckpt_path auto`` ``found``: the run is
+    complete, what a scheduler running the same line again meets; the line that says so is returned (the command
+    ends there, 0)."""
+    trainer = section.get("trainer") or {}
+    limits = [(key, trainer.get(key)) for key in ("max_steps", "max_epochs")]
+    limits = [(k, v) for k, v in limits if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    if not limits:
+        return None  # -1 or unset: Lightning's default bound (1,000 epochs) is not a run's own
+    state = saved_state(section)
+    loops = (state.get("loops") or {}).get("fit_loop") or {}
+    epochs = (((loops.get("epoch_progress") or {}).get("current")) or {}).get("processed")
+    done = {"max_steps": state.get("global_step"), "max_epochs": epochs}
+    for key, limit in limits:
+        at = done[key]
+        if not isinstance(at, int) or at < limit:
+            continue
+        where = f"at optimizer step {at}" if key == "max_steps" else f"after {at} epoch(s)"
+        if found:
+            return (
+                f"--ckpt_path auto: {section.get('ckpt_path')} is {where}, trainer.{key} {limit}: the run is "
+                "complete, nothing left to train"
+            )
+        raise ConfigError(
+            f"--ckpt_path {section.get('ckpt_path')} was saved {where} and trainer.{key} is {limit}: the resumed "
+            f"run would train nothing; set trainer.{key} above {at} to train on"
         )
-    raise ConfigError(
-        f"--ckpt_path {section.get('ckpt_path')} was saved at optimizer step {step} and trainer.max_steps is "
-        f"{max_steps}: the resumed run would train nothing; set trainer.max_steps above {step} to train on"
-    )
+    return None
 
 
-def _saved_state(section: Any) -> dict:
+def saved_state(section: Any) -> dict:
     """The Lightning state (loops, global step) of the local checkpoint ``--ckpt_path`` names, memory-mapped;
     empty without one (a fresh start, Lightning's keywords, a remote path)."""
     ckpt = section.get("ckpt_path")
