@@ -14,6 +14,12 @@
 #   trl      ~250 s  TRL's BFD on the same levels (bench/gpu_throughput.py --modes trl_bfd)
 #   vision   ~150 s  the image tests on transformers 5.24 (.whl/vlm/): passed on the H200, 2026-11-29
 #   profile  ~100 s  bench/step_profile.py on the 4K level with one pack a step (taken on the H200, 2026-11-29)
+#   fa4stage  ~10 s  flash-attn 4, first call: keeps .whl_fa4/a/ (bash bench/fa4_wheels.sh here) on the machine in
+#                    .fa4_stage/ (git-ignored, so the next call finds it while the machine is still held); carry
+#                    [".whl_fa4/a"] alone, and call `fa4` right after (a machine idle 30 s is taken back)
+#   fa4     ~400 s  flash-attn 4, second call (carry [".whl", "demo_data", ".whl_fa4/b"]): installed from both halves,
+#                    lit-hbp's reason if it cannot run it, pytest -m gpu of its attention and compiled-op tests, then
+#                    bench/gpu_throughput.py's hbp_alone on flash_attn_4 and on torch_varlen in one call (16K MFU)
 #   graphs   ~200 s  bench/graph_modes.py: the 1B config's layers at its 4K level, one pack a step, compiled
 #                    dynamic (the run's), static and under CUDA graphs (with inductor's graph partitions, which
 #                    stopped on the H200 of 2026-11-30, and without): whether one graph per level pays
@@ -37,8 +43,13 @@ T0=$(date +%s)
 at() { echo "$1 at $(( $(date +%s) - T0 )) s" >> $OUT/env.txt; }
 PARTS=${*:-speed tests bench}
 for part in ${PARTS//[+,]/ }; do
-  case $part in speed|trl|tests|mixers|vision|bench|profile|graphs) ;; *) echo "unknown part $part (speed, trl, tests, mixers, vision, bench, profile, graphs)" >&2; exit 2 ;; esac
+  case $part in speed|trl|tests|mixers|vision|bench|profile|graphs|fa4stage|fa4) ;; *) echo "unknown part $part (speed, trl, tests, mixers, vision, bench, profile, graphs, fa4stage, fa4)" >&2; exit 2 ;; esac
 done
+if [ "$PARTS" = fa4stage ]; then  # the first of flash-attn 4's two calls: nothing to install or run yet
+  mkdir -p .fa4_stage && cp .whl_fa4/a/* .fa4_stage/ || exit 3
+  ls -l .fa4_stage > $OUT/env.txt
+  exit 0
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site:$PWD
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
@@ -82,6 +93,22 @@ run_part() {
     timeout 40 python3 bench/mixer_batches.py --device cuda --family bamba --docs 64 --pack-len 4096 --steps 4 \
         --warmup 1 --rounds 2 >> $OUT/bench.log 2>&1
     at "mixer batches exit $?" ;;
+  fa4)
+    { echo "===== fa4: install"; bash bench/fa4_install.sh /tmp/site_fa4; } >> $OUT/tests.log 2>&1
+    at "fa4 install exit $?"
+    export PYTHONPATH=/tmp/site_fa4:$PYTHONPATH
+    { echo "===== fa4: why_not"; python3 -c 'import torch; from lit_hbp.model.attention.backends import why_not
+for dt in (torch.bfloat16, torch.float16): print(dt, why_not("flash_attn_4", "cuda", dt, frozenset()) or "runs")'
+    } >> $OUT/tests.log 2>&1
+    timeout 200 $PYT tests/test_attention.py tests/test_compile.py -k "flash_attn_4 and not 16 and not softcap and not sinks" \
+        > $TMP/t_fa4.log 2>&1  # each case compiles its own kernels: head dim 64, plain, windowed, all features
+    at "fa4 tests exit $?"
+    { echo "===== t_fa4.log"; cat $TMP/t_fa4.log; } >> $OUT/tests.log
+    for backend in flash_attn_4 torch_varlen; do
+      echo "===== attn_backend $backend" >> $OUT/throughput.log
+      timeout 200 $THROUGHPUT --modes hbp_alone --model.attn_backend=$backend >> $OUT/throughput.log 2>&1
+      at "fa4 speed ($backend) exit $?"
+    done ;;
   graphs)
     timeout 200 python3 bench/graph_modes.py --device cuda --layers 16 --width 2048 --pack-len 4096 --docs 8 \
         --steps 10 --warmup 4 --rounds 2 >> $OUT/graphs.log 2>&1

@@ -321,9 +321,10 @@ def run_trl(
         return collate_and_count
 
     clock = hf_window(device, warmup, len(micro))
+    per_step = max(len(packs) for packs in micro)  # the level's packs a micro-batch: TRL's rows a step
     with tempfile.TemporaryDirectory() as out, sizes_apart():
         targs = hf_training_args(
-            out, max(len(packs) for packs in micro), len(micro), cuda, args_class=SFTConfig, packing=True, packing_strategy="bfd",
+            out, per_step, len(micro), cuda, args_class=SFTConfig, packing=True, packing_strategy="bfd",
             max_length=pack_len, dataset_num_proc=None, gradient_checkpointing=False, torch_compile=compiled == "model",
         )  # fmt: skip
         data = Dataset.from_list(records)

@@ -358,7 +358,9 @@ def test_a_resume_at_or_past_its_max_steps_is_refused_and_a_complete_run_found_b
     assert not (tmp_path / "cache").exists()
 
 
-def test_a_resume_past_its_max_epochs_is_refused_and_a_mid_epoch_one_trains_on(tmp_path, small_demo, monkeypatch, capfd):
+def test_a_resume_past_its_max_epochs_is_refused_and_a_mid_epoch_one_trains_on(
+    tmp_path, small_demo, monkeypatch, capfd
+):
     """``trainer.max_epochs`` bounds a run as ``max_steps`` does: a checkpoint saved at the end of epoch 1 (Lightning's
     fit loop counts it processed before ``on_train_epoch_end`` saves) resumed with ``max_epochs 1`` trained nothing,
     exit 0. Refused by name, or complete when ``auto`` finds it; saved within that epoch, it trains on."""

@@ -242,3 +242,63 @@ def test_a_mode_that_fails_is_its_rows_and_the_others_still_measure(capsys):
     rows = overall({"hbp": {"all": "failed"}, "hf_sdpa": {0: (2.0, 100.0, 1e3)}}, None)
     assert {"name": "all hbp", "tokens_per_s": "failed", "mfu": "", "vs_hf_sdpa": ""} in rows
     assert any(r["name"] == "all hf_sdpa" and r["tokens_per_s"] == "50" for r in rows)
+
+
+def test_flash_attn_4_travels_in_two_calls_and_installs_whole(tmp_path):
+    """flash-attn 4's CuTe DSL library is larger than one device call carries: bench/fa4_wheels.sh cuts its tar.xz
+    in two, the gpu_checks part fa4stage keeps the first half on the machine, bench/fa4_install.sh joins both halves
+    over the small wheels (a wheel and the library share a folder: both files must be there after)."""
+    import lzma
+    import shutil
+    import tarfile
+    import zipfile
+
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    for script in ("gpu_checks.sh", "fa4_install.sh"):
+        shutil.copy(ROOT / "bench" / script, tree / "bench" / script)
+    library = tmp_path / "unpacked"
+    (library / "pkg_dsl" / "lib").mkdir(parents=True)
+    blob = os.urandom(300_000)  # incompressible: the archive is cut inside a member
+    (library / "pkg_dsl" / "lib" / "compiler.so").write_bytes(blob)
+    archive = tmp_path / "libs.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        tar.add(library / "pkg_dsl", arcname="pkg_dsl")
+    data = archive.read_bytes()
+    (tree / ".whl_fa4" / "a").mkdir(parents=True)
+    (tree / ".whl_fa4" / "b").mkdir(parents=True)
+    (tree / ".whl_fa4" / "a" / "libs.tar.xz.00").write_bytes(data[:200_000])
+    (tree / ".whl_fa4" / "b" / "libs.tar.xz.01").write_bytes(data[200_000:])
+    wheel = tree / ".whl_fa4" / "b" / "pkg_dsl-1.0-py3-none-any.whl"
+    files = {
+        "pkg_dsl/__init__.py": "VERSION = '1.0'\n",
+        "pkg_dsl-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: pkg-dsl\nVersion: 1.0\n",
+        "pkg_dsl-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + "pkg_dsl-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, text in {**files, "pkg_dsl-1.0.dist-info/RECORD": record}.items():
+            zf.writestr(name, text)
+    assert lzma.decompress(data)  # the two halves are one archive, not two
+
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    (tmp_path / "out").mkdir()
+    staged = subprocess.run(
+        ["bash", "bench/gpu_checks.sh", "fa4stage"], cwd=tree, env=env, capture_output=True, text=True
+    )
+    assert staged.returncode == 0, staged.stderr
+    assert (tree / ".fa4_stage" / "libs.tar.xz.00").read_bytes() == data[:200_000]
+    shutil.rmtree(tree / ".whl_fa4" / "a")  # the second call carries b/ alone
+    target = tmp_path / "site"
+    done = subprocess.run(
+        ["bash", "bench/fa4_install.sh", str(target)], cwd=tree, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert (target / "pkg_dsl" / "__init__.py").is_file()  # the wheel's file and the library's, side by side
+    assert (target / "pkg_dsl" / "lib" / "compiler.so").read_bytes() == blob
+    shutil.rmtree(tree / ".fa4_stage")
+    missing = subprocess.run(
+        ["bash", "bench/fa4_install.sh", str(target)], cwd=tree, env=env, capture_output=True, text=True
+    )
+    assert missing.returncode == 3 and "run the fa4stage part first" in missing.stderr
