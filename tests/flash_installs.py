@@ -230,6 +230,63 @@ SIGNATURES = {
             "learnable_sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, ...]:"
         ),
     ),
+    # flash-attn-4 4.0.0b40 as its wheel installs it (flash_attn/cute/interface.py), read 2026-12-04
+    "fa4-4.0.0b40-wheel": (
+        (
+            "def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qv: "
+            "Optional[torch.Tensor]=None, cu_seqlens_q: Optional[torch.Tensor]=None, cu_seqlens_k: "
+            "Optional[torch.Tensor]=None, max_seqlen_q: Optional[int]=None, max_seqlen_k: Optional[int]=None, "
+            "min_seqlen_k: Optional[int]=None, seqused_q: Optional[torch.Tensor]=None, seqused_k: "
+            "Optional[torch.Tensor]=None, gather_kv_indices: Optional[torch.Tensor]=None, page_table: "
+            "Optional[torch.Tensor]=None, softmax_scale: Optional[float]=None, causal: bool=False, window_size: "
+            "Tuple[Optional[int], Optional[int]]=(None, None), learnable_sink: Optional[torch.Tensor]=None, "
+            "softcap: float=0.0, num_splits: int=1, pack_gqa: Optional[bool]=None, deterministic: bool=False, "
+            "score_mod: Optional[Callable]=None, score_mod_bwd: Optional[Callable]=None, mask_mod: "
+            "Optional[Callable]=None, block_sparse_tensors: Optional[BlockSparseTensorsTorch]=None, aux_tensors: "
+            "Optional[list]=None, aux_scalars: Optional[tuple]=None, return_lse: bool=False, scheduler_metadata: "
+            "Optional[SchedulerMetadataTensorsTorch]=None, seqlen_k_per_split: Optional[int]=None, "
+            "disable_scheduler_metadata: bool=False, gather_bwd_recompute_p: bool=False, gather_bwd_token_chunk: "
+            "Optional[int]=None, config: FwdConfig | MlaFwdConfig | None=None, scales: TensorwiseScales | "
+            "None=None):"
+        ),
+        (
+            "def _flash_attn_fwd(q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: torch.Tensor, qv: "
+            "Optional[torch.Tensor]=None, cu_seqlens_q: Optional[torch.Tensor]=None, cu_seqlens_k: "
+            "Optional[torch.Tensor]=None, seqused_q: Optional[torch.Tensor]=None, seqused_k: "
+            "Optional[torch.Tensor]=None, max_seqlen_q: Optional[int]=None, max_seqlen_k: Optional[int]=None, "
+            "min_seqlen_k: Optional[int]=None, page_table: Optional[torch.Tensor]=None, softmax_scale: "
+            "Optional[float]=None, causal: bool=False, softcap: Optional[float]=None, window_size_left: "
+            "Optional[int]=None, window_size_right: Optional[int]=None, learnable_sink: "
+            "Optional[torch.Tensor]=None, tile_mn: Optional[Tuple[int, int]]=None, mma_pv_is_rs: "
+            "Optional[bool]=None, intra_wg_overlap: Optional[bool]=None, num_splits: int=1, pack_gqa: "
+            "Optional[bool]=None, _arch: Optional[int]=None, score_mod: Optional[Callable]=None, mask_mod: "
+            "Optional[Callable]=None, block_sparse_tensors: Optional[BlockSparseTensorsTorch]=None, return_lse: "
+            "bool=False, out: Optional[torch.Tensor]=None, lse: Optional[torch.Tensor]=None, aux_tensors: "
+            "Optional[list[torch.Tensor]]=None, aux_scalars: Optional[tuple]=None, scales: TensorwiseScales | "
+            "BlockScales | None=None, gather_kv_indices: Optional[torch.Tensor]=None, scheduler_metadata: "
+            "Optional[SchedulerMetadataTensorsTorch]=None, seqlen_k_per_split: Optional[int]=None, "
+            "disable_scheduler_metadata: bool=False, gather_bwd_recompute_p: bool=False, *, config: FwdConfig | "
+            "MlaFwdConfig | None=None) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], "
+            "Optional[torch.Tensor], Optional[torch.Tensor]]:"
+        ),
+        (
+            "def _flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: "
+            "torch.Tensor, lse: torch.Tensor, softmax_scale: Optional[float]=None, causal: bool=False, softcap: "
+            "float=0.0, window_size_left: Optional[int]=None, window_size_right: Optional[int]=None, "
+            "m_block_size: int=64, n_block_size: int=128, num_threads: int=256, pack_gqa: bool=False, "
+            "num_stages_Q: int=2, num_stages_dO: int=2, SdP_swapAB: bool=False, dKV_swapAB: bool=False, "
+            "dQ_swapAB: bool=False, AtomLayoutMSdP: int=2, AtomLayoutNdKV: int=2, AtomLayoutMdQ: int=2, "
+            "V_in_regs: bool=False, cu_seqlens_q: Optional[torch.Tensor]=None, cu_seqlens_k: "
+            "Optional[torch.Tensor]=None, seqused_q: Optional[torch.Tensor]=None, seqused_k: "
+            "Optional[torch.Tensor]=None, max_seqlen_q: Optional[int]=None, max_seqlen_k: Optional[int]=None, "
+            "deterministic: bool=False, dq: Optional[torch.Tensor]=None, dk: Optional[torch.Tensor]=None, dv: "
+            "Optional[torch.Tensor]=None, score_mod: Optional[Callable]=None, score_mod_bwd: "
+            "Optional[Callable]=None, mask_mod: Optional[Callable]=None, aux_tensors: "
+            "Optional[list[torch.Tensor]]=None, aux_scalars: Optional[tuple]=None, block_sparse_tensors: "
+            "Optional[BlockSparseTensorsTorch]=None, dlse: Optional[torch.Tensor]=None, learnable_sink: "
+            "Optional[torch.Tensor]=None, *, config: BwdConfig | None=None) -> Tuple[torch.Tensor, ...]:"
+        ),
+    ),
     "v2.8.3-cute": (
         (
             "def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, "
@@ -355,6 +412,26 @@ class BlockSparseTensorsTorch:
 
 class SchedulerMetadataTensorsTorch:
     pass
+
+
+class FwdConfig:
+    pass
+
+
+class BwdConfig:
+    pass
+
+
+class TensorwiseScales:
+    pass
+
+
+class BlockScales:
+    pass
+
+
+class MlaFwdConfig:
+    pass
 """
 
 # What each flash-attn-4 release's backward does, read in its flash_attn/cute/interface.py:
@@ -368,6 +445,7 @@ FA4_RELEASES = {
     "4.0.0b20": ("fa4-v4.0.0.beta20", (True, False, False, 4, True)),
     "4.0.0b25": ("fa4-v4.0.0.beta25", (True, True, False, 4, True)),
     "4.0.0b27": ("fa4-v4.0.0.beta27", (True, True, True, 4, False)),
+    "4.0.0b40": ("fa4-4.0.0b40-wheel", (True, True, True, 5, False)),  # what bench/fa4_wheels.sh fetches
 }
 
 
@@ -383,7 +461,7 @@ SM90_VARLEN_BWD, SOFTCAP_VARLEN_BWD, SINK_GRAD, FWD_OUTPUTS, SINK_BF16_ONLY = {f
         assert learnable_sink.dtype == torch.bfloat16, "learnable_sink must be bfloat16"
     out = torch.zeros_like(q)
     lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
-    return (out, lse) if FWD_OUTPUTS == 2 else (out, lse, None, None)
+    return (out, lse, *(None,) * (FWD_OUTPUTS - 2))
 
 
 {bwd}

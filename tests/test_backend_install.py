@@ -167,6 +167,7 @@ HOPPER_CASES = [
         "no sinks in the backward: flash-attn-4 4.0.0b25",
     ),
     (("nvidia-cutlass-dsl", "flash-attn-4 4.0.0b27"), frozenset({"sinks", "window"}), "flash_attn_4", None),
+    (("nvidia-cutlass-dsl", "flash-attn-4 4.0.0b40"), frozenset({"sinks", "window", "softcap"}), "flash_attn_4", None),
     (
         ("flash-attn 2.8.3", "nvidia-cutlass-dsl", "flash-attn-4 4.0.0b4"),
         frozenset({"window"}),
