@@ -17,7 +17,7 @@
 #   fa4stage  ~10 s  flash-attn 4, first call: keeps .whl_fa4/a/ (bash bench/fa4_wheels.sh here) on the machine in
 #                    .fa4_stage/ (git-ignored, so the next call finds it while the machine is still held); carry
 #                    [".whl_fa4/a"] alone, and call `fa4` right after (a machine idle 30 s is taken back)
-#   fa4     ~400 s  flash-attn 4, second call (carry [".whl", "demo_data", ".whl_fa4/b"]): installed from both halves,
+#   fa4     ~560 s  flash-attn 4, second call (carry [".whl", "demo_data", ".whl_fa4/b"]): installed from both halves,
 #                    lit-hbp's reason if it cannot run it, pytest -m gpu of its attention and compiled-op tests, then
 #                    bench/gpu_throughput.py's hbp_alone on flash_attn_4 and on torch_varlen in one call (16K MFU)
 #   graphs   ~200 s  bench/graph_modes.py: the 1B config's layers at its 4K level, one pack a step, compiled
@@ -100,13 +100,13 @@ run_part() {
     { echo "===== fa4: why_not"; python3 -c 'import torch; from lit_hbp.model.attention.backends import why_not
 for dt in (torch.bfloat16, torch.float16): print(dt, why_not("flash_attn_4", "cuda", dt, frozenset()) or "runs")'
     } >> $OUT/tests.log 2>&1
-    timeout 200 $PYT tests/test_attention.py tests/test_compile.py -k "flash_attn_4 and not 16 and not softcap and not sinks" \
+    timeout 150 $PYT tests/test_attention.py tests/test_compile.py -k "flash_attn_4 and not 16 and not softcap and not sinks" \
         > $TMP/t_fa4.log 2>&1  # each case compiles its own kernels: head dim 64, plain, windowed, all features
     at "fa4 tests exit $?"
     { echo "===== t_fa4.log"; cat $TMP/t_fa4.log; } >> $OUT/tests.log
     for backend in flash_attn_4 torch_varlen; do
       echo "===== attn_backend $backend" >> $OUT/throughput.log
-      timeout 200 $THROUGHPUT --modes hbp_alone --model.attn_backend=$backend >> $OUT/throughput.log 2>&1
+      timeout 180 $THROUGHPUT --modes hbp_alone --model.attn_backend=$backend >> $OUT/throughput.log 2>&1
       at "fa4 speed ($backend) exit $?"
     done ;;
   graphs)
