@@ -170,6 +170,43 @@ def test_the_token_cache_grows_with_samples_not_pixels(data, tmp_path):
     assert sizes[1] == sizes[8]  # (anyres: the tiny model's token count depends on the tiles, not the pixels)
 
 
+def test_an_edit_of_the_processors_own_settings_tokenizes_again(data, tmp_path):
+    """``num_additional_image_tokens`` 1 -> 0 in processor_config.json (LLaVA-NeXT: one token fewer per tile):
+    the same cache_dir re-tokenizes, and the records' image tokens are the edited processor's (the cache kept the
+    old ones and the pack trained; the unprepared model refuses them)."""
+    import shutil
+
+    root, source = data
+    folder = tmp_path / "model"
+    shutil.copytree(source, folder)
+    img_id = AutoProcessor.from_pretrained(folder).tokenizer.convert_tokens_to_ids("<image>")
+
+    def tokens() -> int:
+        dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                           cache_dir=str(tmp_path / "cache"))  # fmt: skip
+        dm.setup("fit")
+        (batch,) = list(dm.train_dataloader())
+        return int((batch.input_ids == img_id).sum())
+
+    def processors() -> int:
+        processor = AutoProcessor.from_pretrained(folder)
+        return sum(
+            int((processor.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt")["input_ids"]
+                 == img_id).sum())
+            if isinstance(msgs[0]["content"], list) else 0
+            for _, msgs in records(root)
+        )  # fmt: skip
+
+    before = tokens()
+    assert before == processors()
+    config = json.loads((folder / "processor_config.json").read_text())
+    assert config["num_additional_image_tokens"] == 1
+    (folder / "processor_config.json").write_text(json.dumps({**config, "num_additional_image_tokens": 0}))
+    assert processors() < before
+    assert tokens() == processors()
+    assert len(list((tmp_path / "cache").glob("d-*"))) == 2  # a cache of its own, the first one kept
+
+
 def alone(reference, encoded: list) -> torch.Tensor:
     """Summed cross-entropy of each record alone through the unprepared model: (the processor's own
     encoding of the record, its labels)."""

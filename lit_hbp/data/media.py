@@ -179,8 +179,11 @@ def video_token_id(processor) -> int | None:
 
 
 def processor_fingerprint(processor) -> str:
-    """What decides how many tokens an image or video becomes: the image (and video) processor's
-    settings (part of the token cache's key)."""
+    """What decides how many tokens an image or video becomes (part of the token cache's key): the image (and
+    video) processor's settings and the processor's own (LLaVA's ``patch_size``, ``num_additional_image_tokens``,
+    ``vision_feature_select_strategy``, ``image_seq_length``: an edit of processor_config.json changes every
+    record's image tokens, where the cache kept the old ones). Its plain values only: an object's repr names its
+    address, which would never key the same cache twice."""
     import json
 
     if processor is None:
@@ -189,7 +192,27 @@ def processor_fingerprint(processor) -> str:
     video = getattr(processor, "video_processor", None)
     if video is not None:
         settings["video_processor"] = video.to_dict()
+    own = {k: v for k, v in _processor_settings(processor).items() if k not in ("image_processor", "video_processor")}
+    settings["processor_settings"] = {k: v for k, v in own.items() if _plain(v)}
     return json.dumps({"processor": type(processor).__name__, **settings}, sort_keys=True, default=str)
+
+
+def _processor_settings(processor) -> dict:
+    try:
+        return processor.to_dict()
+    except Exception:  # a processor whose to_dict fails: its attributes as set
+        return dict(vars(processor))
+
+
+def _plain(value) -> bool:
+    """Whether ``value`` is JSON's own (numbers, strings, booleans, None, lists and dicts of them)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if isinstance(value, list | tuple):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
 
 
 def processor_inputs(clips: Sequence[Clip]) -> dict:
