@@ -24,6 +24,8 @@ from vision_models import (
     assert_same_grads,
     build_default,
     counted_records,
+    image,
+    record,
     three_records,
     trained,
     video_records,
@@ -369,6 +371,36 @@ def test_a_qwen_record_with_images_but_no_token_types_is_refused_as_the_model_al
         pack_samples(stripped, model=model)
     text_only = pack_samples(stripped[2:], model=model)  # a record without media needs none
     assert text_only.mm is None or "pixel_values" not in text_only.mm
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl"])
+def test_a_record_whose_image_is_in_another_record_of_the_pack_is_refused(folders, family):
+    """Record A: two images' placeholders, one image's pixels; record B: no placeholder, the other image's pixels.
+    Alone the unprepared model refuses each; the pack's totals agree, so the family's own check passed it and B's
+    image trained in A's place (loss 322.61 = A with both images + B as text, LLaVA). Refused, naming the record:
+    by its placeholders against its own images' encodings, or (Qwen) its patch rows against its grids."""
+    reference, model = pair(folders[family])
+    two = record(folders[family], [image(1, 24, 40), image(2, 24, 40)], "compare", "same")
+    a, b = dict(two), dict(record(folders[family], [], "the quick brown fox", "a"))
+    grid = "image_grid_thw" if family.startswith("qwen") else "image_sizes"
+    cut = two["pixel_values"].shape[0] // 2 if family.startswith("qwen") else 1
+    a["pixel_values"], b["pixel_values"] = two["pixel_values"][:cut], two["pixel_values"][cut:]
+    if grid in two and family.startswith("llava"):
+        a[grid], b[grid] = two[grid][:1], two[grid][1:]
+    a, b = trained(a, reference.config), trained(b, reference.config)
+    for alone in (a, b):
+        with pytest.raises(Exception):  # noqa: B017  (each family refuses it its own way)
+            reference(**{k: v for k, v in alone.items() if k != "labels"}, use_cache=False)
+    expected = (
+        "patch rows" if family.startswith("qwen") else "sample 0 of the pack: .* image placeholder tokens for its 1"
+    )
+    with pytest.raises(ValueError, match=expected):
+        packed_loss(model, pack_samples([a, b], model=model), "sum")
+    ok = trained(two, reference.config)  # the records as the processor gave them: trained, as alone
+    got = packed_loss(model, pack_samples([ok, trained(record(folders[family], [], "hi", "a"), reference.config)],
+                                          model=model), "sum").ce_sum  # fmt: skip
+    want = alone_ce(reference, [ok, trained(record(folders[family], [], "hi", "a"), reference.config)])
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-4)
 
 
 def test_a_pack_of_llava_onevision_records_trains_like_each_record_alone(tmp_path):

@@ -114,6 +114,13 @@ class PackedBatch:
     records concatenated in pack order (``pixel_values``, ``image_grid_thw``, ``image_sizes``, video fields;
     per-token ``mm_token_type_ids`` / ``token_type_ids`` as [1, T]) and, for multimodal RoPE,
     ``position_ids`` [3, 1, T] (each record's rows computed alone). None for text."""
+    media_items: dict[str, tuple[int, ...]] | None = None
+    """Per kind of media (``image``, ``video``), the items each record of a vision-language pack holds, in pack order,
+    where the processor fields tell them apart (``media_batch.media_items``), with the pack's token ids on the host
+    (``media_ids``): ``packed_loss`` checks each record's placeholders against its own items' encodings, where a
+    pack-wide count would let one record's image fill another's placeholders. None for text."""
+    media_ids: Any = None
+    """The whole pack's token ids as a host numpy array, beside ``media_items`` (typed loosely: never moved)."""
     sp_group: Any = None
     """The level's SP group on this rank and its kind, a ``lit_hbp.parallel.context.SPCall`` (typed
     loosely: the batch type sits below the parallel package): set by ``HBPStrategy`` when it hands

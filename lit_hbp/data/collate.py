@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from lit_hbp.data.batch import PackedBatch
-from lit_hbp.data.media_batch import MM_KEYS, MRopePositions, collate_media, media_of
+from lit_hbp.data.media_batch import MM_KEYS, MRopePositions, collate_media, media_items, media_of
 from lit_hbp.packing.context_split import padded_length
 
 
@@ -68,11 +68,12 @@ def collate_packs(
     sample_targets = np.repeat(per_sample, seg_lens)
     n_samples = int((per_sample[: lens.size] > 0).sum())
     labels = torch.from_numpy(labels)[None]
-    mm = None
+    mm = items = None
     if media is not None:
         extra = [media(int(i)) for i in sample_ids]
         if any(extra):
             mm = collate_media(extra, lens.tolist(), total)
+            items = media_items(extra)
             if rope is not None:
                 mm["position_ids"] = rope.pack([p[0] for p in parts], extra, total)
     return PackedBatch(
@@ -100,6 +101,8 @@ def collate_packs(
         epoch=epoch,
         micro_index=micro_index,
         mm=mm,
+        media_items=items or None,
+        media_ids=ids if items else None,
         bounds=tuple(cu.tolist()),
     )
 

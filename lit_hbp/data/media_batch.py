@@ -92,6 +92,54 @@ def collate_media(parts: Sequence[Mapping[str, torch.Tensor]], lengths: Sequence
     return out
 
 
+MEDIA_KINDS = {  # kind: (its pixels, fields with one row per item, first found counts them)
+    "image": ("pixel_values", ("image_grid_thw", "image_sizes")),
+    "video": ("pixel_values_videos", ("video_grid_thw",)),
+}
+
+
+def media_items(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]:
+    """Per kind of media, how many items each record (``media_of``) holds, in pack order: the rows of a per-item
+    field, else of pixels with one item per row (an image [C, H, W] or its tiles, a video's frames). A kind some
+    record's fields cannot count is left out."""
+    out = {}
+    for kind, (pixels, per_item) in MEDIA_KINDS.items():
+        counts = []
+        for r, part in enumerate(parts):
+            _check_grid_rows(part, pixels, per_item[0], f"record {r} of the pack")
+            field = next((k for k in per_item if part.get(k) is not None), None)
+            if field is not None:
+                counts.append(int(part[field].shape[0]))
+            elif part.get(pixels) is None:
+                counts.append(0)
+            elif part[pixels].dim() >= (4 if kind == "image" else 5):
+                counts.append(int(part[pixels].shape[0]))
+            else:
+                break
+        else:
+            if any(counts):
+                out[kind] = tuple(counts)
+    return out
+
+
+def _check_grid_rows(part: Mapping[str, torch.Tensor], pixels: str, grid: str, where: str) -> None:
+    """A multimodal-RoPE record's pixel rows are its items' patches: as many as its grids' (t, h, w) products
+    sum to, or the pack's joined pixels would give one record's patches to another's items."""
+    if part.get(pixels) is None or not grid.endswith("grid_thw"):
+        return
+    rows = int(part[pixels].shape[0])
+    if part.get(grid) is None:
+        if part[pixels].dim() == 2:
+            raise DataError(f"{where} has {pixels} ({rows} patch rows) but no {grid}: give the processor's {grid}")
+        return
+    want = int(part[grid].long().prod(-1).sum())
+    if part[pixels].dim() == 2 and rows != want:
+        raise DataError(
+            f"{where}: its {pixels} has {rows} patch rows, its {grid} {part[grid].tolist()} make {want}: give each "
+            "record its own items' pixels and grids, as the processor returns them"
+        )
+
+
 class MRopePositions:
     """Each record's multimodal-RoPE positions from the family's own ``get_rope_index``, computed on
     the record alone (so a pack gives each record what it gets alone), on the host."""
@@ -121,7 +169,14 @@ class MRopePositions:
             )
         kw["mm_token_type_ids"] = (types if types is not None else torch.zeros(len(ids), dtype=torch.long))[None]
         with torch.no_grad():
-            positions, _ = self.inner.get_rope_index(ids_t, **kw)
+            try:
+                positions, _ = self.inner.get_rope_index(ids_t, **kw)
+            except (StopIteration, IndexError, RuntimeError, ValueError) as e:  # the family's, on a record it refuses
+                grids = {k: v.shape[0] for k, v in kw.items() if k.endswith("grid_thw")}
+                raise DataError(
+                    f"{where}: its multimodal positions cannot be numbered ({type(e).__name__}: {e}); its image and "
+                    f"video placeholders must match its own {grids or 'grids'} (the processor's record does)"
+                ) from e
         return positions[:, 0].cpu()
 
     def pack(self, ids: Sequence[np.ndarray], media: Sequence[Mapping], total: int) -> torch.Tensor:

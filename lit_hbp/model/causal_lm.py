@@ -78,6 +78,7 @@ from lit_hbp.model.sp_media import split_encoder_outputs
 from lit_hbp.model.tiling import install_tiling, mlp_of, uninstall_tiling
 from lit_hbp.model.vision import (
     check_encoder_outputs,
+    check_record_placeholders,
     encoder_outputs,
     is_multimodal,
     refuse_batch_statistics,
@@ -359,6 +360,7 @@ def _encoded(record: Prepared, batch: PackedBatch, inputs: dict) -> dict:
             )
         else:
             encoded = encoder_outputs(record.runner, batch.mm)
+            check_record_placeholders(record.runner.config, batch.media_items, batch.media_ids, batch.bounds, encoded)
     kept = {k: v for k, v in inputs.items() if k not in ("pixel_values", "pixel_values_videos")}
     return {**kept, "mm_encoder_outputs": encoded}
 

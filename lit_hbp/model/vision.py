@@ -28,7 +28,9 @@ import functools
 import inspect
 import weakref
 from collections.abc import Mapping
+from typing import Any
 
+import numpy as np
 import torch
 
 from lit_hbp.data.media_batch import IMAGE_ARGS, VIDEO_ARGS, has_media
@@ -219,3 +221,42 @@ def encoder_outputs(inner: torch.nn.Module, mm: Mapping[str, torch.Tensor]) -> d
             kw["return_dict"] = True
         out[name] = fn(**kw)
     return out
+
+
+TOKEN_IDS = {"image": ("image_token_id", "image_token_index"), "video": ("video_token_id", "video_token_index")}
+
+
+def check_record_placeholders(config: Any, items: Mapping | None, ids: Any, bounds: Any, encoded: Mapping) -> None:
+    """Each record of a pack has as many placeholder tokens as its own images and videos encode to. The family's
+    own check counts the whole pack: a record with one image too few beside one whose image has no placeholder
+    trained the second record's image in the first's place (``pack_samples`` over records a user assembled).
+    ``items``: each kind's items per record (``PackedBatch.media_items``), ``ids`` the pack's token ids on the host,
+    ``bounds`` its records' boundaries; read from shapes and host ids alone (no device read)."""
+    for kind, per_record in (items or {}).items():
+        rows = _item_rows(encoded.get(kind))
+        token = next((getattr(config, a) for a in TOKEN_IDS[kind] if getattr(config, a, None) is not None), None)
+        if rows is None or token is None or len(rows) != sum(per_record):
+            continue  # the encodings do not come per item, or the family names no placeholder: its own check
+        ends = np.cumsum(per_record)
+        features = [sum(rows[e - n : e]) for e, n in zip(ends, per_record)]
+        placeholders = [int((ids[bounds[r] : bounds[r + 1]] == token).sum()) for r in range(len(per_record))]
+        if sum(placeholders) != sum(features):
+            continue  # the family adds rows of its own in its forward (or refuses the pack itself)
+        for r, n in enumerate(per_record):
+            if placeholders[r] != features[r]:
+                raise ValueError(
+                    f"sample {r} of the pack: {placeholders[r]} {kind} placeholder tokens for its {n} {kind}(s), which "
+                    f"encode to {features[r]}: each record needs its own {kind}s' placeholders (alone, the model "
+                    f"refuses it; packed, another record's {kind} would fill them); fix the record's {kind}s or text"
+                )
+
+
+def _item_rows(out: Any) -> list[int] | None:
+    """The encoding rows of each item in an encoder's output (a list of [rows, width] or one [items, rows, width]
+    tensor as ``pooler_output``), or None where they do not come per item."""
+    features = getattr(out, "pooler_output", out)
+    if isinstance(features, list | tuple) and all(torch.is_tensor(f) and f.dim() == 2 for f in features):
+        return [int(f.shape[0]) for f in features]
+    if torch.is_tensor(features) and features.dim() == 3:
+        return [int(features.shape[1])] * int(features.shape[0])
+    return None
