@@ -14,6 +14,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 cat "$STAGED"/libs.tar.xz.* .whl_fa4/b/libs.tar.xz.* | python3 -c '
 import sys, tarfile
 with tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz") as tar:
-    tar.extractall(sys.argv[1], filter="fully_trusted")
+    tar.extractall(sys.argv[1], **({"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}))
 ' "$TARGET"
 ls -d "$TARGET"/*.dist-info | sed "s|$TARGET/||"
