@@ -490,6 +490,29 @@ def test_an_export_folder_that_holds_what_the_run_writes_is_refused_before_train
     HBPExport(str(tmp_path / "ckpt" / "hf")).setup(trainer, module, "fit")
 
 
+def test_an_export_whose_staging_checkpoint_path_exists_is_refused_before_training(tmp_path):
+    """HBPExport saves the run's last checkpoint at ``<dirpath>.checkpoint`` and removes it after converting: a user's
+    file or folder of that name was overwritten and deleted without a word. Refused when fit sets up, left as it was;
+    without it the same dirpath is taken."""
+    import shutil
+
+    from lit_hbp.callbacks import HBPExport
+
+    module = HBPLitModule(model=TINY, vocab_size=300)
+    trainer = L.Trainer(logger=False, default_root_dir=tmp_path / "run", enable_checkpointing=False)
+    for kind in ("file", "folder"):
+        held = tmp_path / "out_hf.checkpoint"
+        if kind == "file":
+            held.write_text("my notes")
+        else:
+            (held / "inside").mkdir(parents=True)
+        with pytest.raises(ConfigError, match=f"^HBPExport dirpath {tmp_path / 'out_hf'}: {held} exists, where"):
+            HBPExport(str(tmp_path / "out_hf")).setup(trainer, module, "fit")
+        assert held.read_text() == "my notes" if kind == "file" else (held / "inside").is_dir()
+        held.unlink() if kind == "file" else shutil.rmtree(held)
+    HBPExport(str(tmp_path / "out_hf")).setup(trainer, module, "fit")
+
+
 def test_exporting_a_runs_checkpoints_folder_names_the_checkpoints_in_it(tmp_path, capsys):
     """``python -m lit_hbp.export runs/.../checkpoints OUT`` (the folder, not a checkpoint in it) said "a folder
     without DeepSpeed's `latest` file": it names the checkpoints inside and the one to give (``last.ckpt``, else

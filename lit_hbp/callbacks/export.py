@@ -38,6 +38,11 @@ class HBPExport(L.Callback):
             raise ConfigError(f"HBPExport dtype: {dtype!r}{did_you_mean(dtype, DTYPES)} is not one of {sorted(DTYPES)}")
         self.dirpath, self.dtype, self.merge_lora = Path(dirpath), dtype, merge_lora
 
+    @property
+    def _staging(self) -> Path:
+        """Where the run's last checkpoint is saved for the export, and removed from after it."""
+        return self.dirpath.with_name(self.dirpath.name + ".checkpoint")
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lit_hbp.export import check_adapter_servable, check_export_folder
         from lit_hbp.lightning.module import HBPLitModule
@@ -49,6 +54,11 @@ class HBPExport(L.Callback):
             )
         if stage == "fit":  # refused before training, not after it
             check_export_folder(self.dirpath, "HBPExport dirpath")
+            if self._staging.exists():
+                raise ConfigError(
+                    f"HBPExport dirpath {self.dirpath}: {self._staging} exists, where the export saves the run's "
+                    "last checkpoint before converting it (and removes it after): move it away or give another dirpath"
+                )
             for written in run_folders(trainer):
                 if self.dirpath.resolve() in (written, *written.parents):
                     raise ConfigError(
@@ -69,7 +79,7 @@ class HBPExport(L.Callback):
                 f"anyway: python -m lit_hbp.export {interrupted[0]} {self.dirpath}"
             )
             return
-        staging = self.dirpath.with_name(self.dirpath.name + ".checkpoint")
+        staging = self._staging
         trainer.save_checkpoint(staging)
         trainer.strategy.barrier("hbp_export_saved")
         if trainer.is_global_zero:
