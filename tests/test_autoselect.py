@@ -661,7 +661,17 @@ def test_autoselect_refuses_flags_it_would_not_read_or_could_not_use(tmp_path, c
             "MeasuredSelector steps: must be a whole number of timed steps >= 1, got 0",
         ),
         (lambda: MeasuredSelector(steps=-1), "MeasuredSelector steps: must be a whole number of timed steps >= 1"),
-        (lambda: MeasuredSelector(memory_gib=0), "MeasuredSelector memory_gib: must be > 0 (GiB per device), got 0"),
+        (
+            lambda: MeasuredSelector(memory_gib=0),
+            "MeasuredSelector memory_gib: must be a finite number > 0 (GiB per device), got 0",
+        ),
+        (lambda: MeasuredSelector(memory_gib=float("nan")), "MeasuredSelector memory_gib: must be a finite number > 0"),
+        (lambda: MeasuredSelector(memory_gib=float("inf")), "MeasuredSelector memory_gib: must be a finite number > 0"),
+        (
+            lambda: AnalyticSelector(margin_gib=float("nan")),
+            "AnalyticSelector margin_gib: must be a finite number >= 0",
+        ),
+        (lambda: MeasuredSelector(margin_gib=-1), "MeasuredSelector margin_gib: must be a finite number >= 0 (GiB)"),
         (lambda: MeasuredSelector(memory_gib=4, margin_gib=4), "MeasuredSelector margin_gib: 4 leaves nothing of"),
         (lambda: AnalyticSelector(margin_gib=100), "AnalyticSelector margin_gib: 100 leaves nothing of a h100's 79.6"),
     ],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from abc import abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -260,8 +261,8 @@ class Selector(LevelSelector):
         if bad:
             raise ConfigError(f"{name} candidates: must be pack lengths in whole tokens >= 1, got {bad}")
         self.candidates = sorted(int(c) for c in candidates) if candidates else None
-        if margin_gib < 0:
-            raise ConfigError(f"{name} margin_gib: must be >= 0, got {margin_gib}")
+        if not (0 <= margin_gib < math.inf):  # NaN too: it crashed the memory fit with a traceback
+            raise ConfigError(f"{name} margin_gib: must be a finite number >= 0 (GiB), got {margin_gib}")
         if max_len is not None and int(max_len) < 1:
             raise ConfigError(f"{name} max_len: must be a positive number of tokens, got {max_len}")
         self.margin_gib, self.sp_kind = float(margin_gib), sp_kind
@@ -381,8 +382,10 @@ class MeasuredSelector(Selector):
         super().__init__(candidates, margin_gib, sp_kind, max_len)
         if isinstance(steps, bool) or int(steps) != steps or steps < 1:  # 0: no step timed, the first candidate won
             raise ConfigError(f"MeasuredSelector steps: must be a whole number of timed steps >= 1, got {steps}")
-        if memory_gib is not None and memory_gib <= 0:
-            raise ConfigError(f"MeasuredSelector memory_gib: must be > 0 (GiB per device), got {memory_gib}")
+        if memory_gib is not None and not (0 < memory_gib < math.inf):
+            raise ConfigError(
+                f"MeasuredSelector memory_gib: must be a finite number > 0 (GiB per device), got {memory_gib}"
+            )
         if memory_gib is not None and margin_gib >= memory_gib:
             raise ConfigError(
                 f"MeasuredSelector margin_gib: {margin_gib} leaves nothing of memory_gib {memory_gib} to train in"
