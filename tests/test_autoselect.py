@@ -807,6 +807,16 @@ def test_simulate_and_autoselect_keep_the_4m_sample_with_liger_and_optimizer_off
     assert plan.dropped.size == 0
 
 
+def test_a_refusal_under_a_memory_margin_names_the_margin_in_what_is_left_to_use(tmp_path, capsys):
+    """``--margin-gib 60`` on 8 H100s: the refusal said "at best 35.6 GiB per GPU ...; 79.6 GiB to use", a level
+    below what it called usable, and never named the margin (the lever). What is left to use is the device less
+    the margin, said so."""
+    lengths = np.r_[np.full(64, 1000), 1 << 19].astype(np.int64)
+    (sim_code, sim), _, _ = both_tools(tmp_path, capsys, lengths, "--margin-gib", "60")
+    assert sim_code == 2, sim.err
+    assert "19.6 GiB to use (79.6 less the margin of 60.0 GiB kept free, margin_gib)" in sim.err, sim.err
+
+
 @pytest.mark.slow
 def test_without_the_flags_both_tools_refuse_naming_the_levers_that_fit(tmp_path, capsys):
     """As the model comes, 4M tokens fit no layout of 8 H100s (79.6 GiB as the device reports it): both

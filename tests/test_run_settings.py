@@ -421,7 +421,8 @@ def test_a_measured_refusal_is_priced_on_the_devices_gpu_in_its_own_flags(monkey
     with pytest.raises(NoLevelFits) as refused:
         MeasuredSelector(candidates=[64 << 20]).select(lengths, run)
     message = str(refused.value)
-    assert "fits no sp of 8 x NVIDIA H200 at ZeRO-2 (" in message and "140.4 GiB to use" in message
+    assert "fits no sp of 8 x NVIDIA H200 at ZeRO-2 (" in message
+    assert "138.4 GiB to use (140.4 less the margin of 2.0 GiB kept free, margin_gib)" in message
     assert "--devices " in message and "--gpus" not in message
     devices = [lever for lever in refused.value.levers if "world" in lever.changes]
     assert devices and devices[0].text.startswith(f"{devices[0].changes['world']} GPUs (--devices ")

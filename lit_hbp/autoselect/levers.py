@@ -196,9 +196,16 @@ def closest(q: FitQuestion, pack_len: int) -> str:
     memory, sp, cp, tiles = min(rows)
     how = ", offloaded" + (f", {tiles} MLP tiles" if tiles > 1 else "") if q.memory_settings else ""
     layout = f"sp {sp}" + (f" = ulysses {sp // cp} x cp {cp}" if cp > 1 else "")
+    return f"at best {memory / GIB:.1f} GiB per GPU at {layout} with all {layers} layers checkpointed{how}; {to_use(q)}"
+
+
+def to_use(q: FitQuestion) -> str:
+    """The memory a level may take, the margin named where one is kept free (its lever: a smaller margin)."""
+    if q.margin <= 0:
+        return f"{q.device_bytes / GIB:.1f} GiB to use"
     return (
-        f"at best {memory / GIB:.1f} GiB per GPU at {layout} with all {layers} layers checkpointed{how}; "
-        f"{q.device_bytes / GIB:.1f} GiB to use"
+        f"{(q.device_bytes - q.margin) / GIB:.1f} GiB to use ({q.device_bytes / GIB:.1f} less the margin of "
+        f"{q.margin / GIB:.1f} GiB kept free, margin_gib)"
     )
 
 
@@ -212,7 +219,7 @@ def static_note(q: FitQuestion) -> str:
     return (
         f"the parameters, gradients and Adam states{' (and autocast weight copies)' if q.cost.autocast else ''} "
         f"alone take {static / GIB:.1f} GiB per GPU under "
-        f"ZeRO-{q.cost.zero_stage} on {q.cost.world} GPUs, {q.device_bytes / GIB:.1f} GiB to use: a smaller model"
+        f"ZeRO-{q.cost.zero_stage} on {q.cost.world} GPUs, {to_use(q)}: a smaller model"
     )
 
 
