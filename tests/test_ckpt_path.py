@@ -323,6 +323,18 @@ def test_a_resume_with_model_settings_other_than_its_checkpoints_is_refused_at_p
     assert f"model.lr: 0.0001 (the checkpoint's {hparams['lr']!r})" in err and "tokenizing" not in err
 
 
+def run_checkpoints_folder(tmp_path, small_demo, monkeypatch) -> tuple[dict, Path]:
+    """In ``tmp_path``: the tiny config's module hyper-parameters and the run folder where ``--ckpt_path auto``
+    finds checkpoints (made)."""
+    monkeypatch.chdir(tmp_path)
+    config = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
+    hparams = dict(main(config, run=False).model.hparams)
+    hparams.pop("_instantiator", None)
+    folder = Path("runs/tiny_cpu/version_0/checkpoints")
+    folder.mkdir(parents=True)
+    return hparams, folder
+
+
 def test_a_resume_at_or_past_its_max_steps_is_refused_and_a_complete_run_found_by_auto_ends_at_once(
     tmp_path, small_demo, monkeypatch, capfd, caplog
 ):
@@ -330,12 +342,7 @@ def test_a_resume_at_or_past_its_max_steps_is_refused_and_a_complete_run_found_b
     model and stopped at once, status 0, having trained nothing. Named by the command: one line, exit 2, a file or
     a DeepSpeed folder. Found by ``--ckpt_path auto`` (a scheduler running a finished job's line again): the run is
     complete, said in one line, exit 0. Nothing tokenized either way."""
-    monkeypatch.chdir(tmp_path)
-    config = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
-    hparams = dict(main(config, run=False).model.hparams)
-    hparams.pop("_instantiator", None)
-    folder = Path("runs/tiny_cpu/version_0/checkpoints")
-    folder.mkdir(parents=True)
+    hparams, folder = run_checkpoints_folder(tmp_path, small_demo, monkeypatch)
     torch.save({"global_step": 2, "state_dict": {}, "hyper_parameters": hparams}, folder / "last.ckpt")
     states = tmp_path / "ds" / "step=2.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt"
     states.parent.mkdir(parents=True)
@@ -366,12 +373,7 @@ def test_a_resume_past_its_max_epochs_is_refused_and_a_mid_epoch_one_trains_on(
     exit 0. Refused by name, or complete when ``auto`` finds it; saved within that epoch, it trains on."""
     from lit_hbp.cli.resume import check_resumed_steps
 
-    monkeypatch.chdir(tmp_path)
-    config = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
-    hparams = dict(main(config, run=False).model.hparams)
-    hparams.pop("_instantiator", None)
-    folder = Path("runs/tiny_cpu/version_0/checkpoints")
-    folder.mkdir(parents=True)
+    hparams, folder = run_checkpoints_folder(tmp_path, small_demo, monkeypatch)
 
     def saved(processed: int) -> dict:
         progress = {"ready": 1, "started": 1, "processed": processed, "completed": 0}
