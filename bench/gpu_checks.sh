@@ -8,7 +8,9 @@
 #                    padding-free on SDPA and on FlexAttention, decoder layers compiled as lit-hbp's (HF's own
 #                    whole-model torch_compile took ~100 s a level on the H200: --peer-compile model)
 #   tests    ~240 s  pytest -m gpu in two parts at once: attention and the hybrids' mixers; the rest
-#   mixers   ~100 s  pytest -m gpu tests/test_mixers_gpu.py alone: the hybrids' packs on the GPU (issue 55)
+#   mixers   ~240 s  pytest -m gpu tests/test_mixers_gpu.py alone: the hybrids' packs on the GPU (issue 55); on the H200
+#                    of 2026-12-04 bamba, lfm2, mamba passed in ~20 s and qwen3_next (flash-linear-attention's Triton
+#                    kernels compiling) was still running when a 120 s box cut it
 #   bench    ~160 s  bench/step_overhead.py (the run's step beside a bare loop), bench/op_overhead.py (the attention
 #                    op's host time around torch's varlen kernel) and bench/mixer_batches.py
 #   trl      ~250 s  TRL's BFD on the same levels (bench/gpu_throughput.py --modes trl_bfd)
@@ -17,9 +19,10 @@
 #   fa4stage  ~10 s  flash-attn 4, first call: keeps .whl_fa4/a/ (bash bench/fa4_wheels.sh here) on the machine in
 #                    .fa4_stage/ (git-ignored, so the next call finds it while the machine is still held); carry
 #                    [".whl_fa4/a"] alone, and call `fa4` right after (a machine idle 30 s is taken back)
-#   fa4     ~560 s  flash-attn 4, second call (carry [".whl", "demo_data", ".whl_fa4/b"]): installed from both halves,
+#   fa4     ~330 s  flash-attn 4, second call (carry [".whl", "demo_data", ".whl_fa4/b"]): installed from both halves,
 #                    lit-hbp's reason if it cannot run it, pytest -m gpu of its attention and compiled-op tests, then
-#                    bench/gpu_throughput.py's hbp_alone on flash_attn_4 and on torch_varlen in one call (16K MFU)
+#                    bench/gpu_throughput.py's hbp_alone on flash_attn_4 and on torch_varlen in one call (16K MFU;
+#                    FA4_BACKENDS=flash_attn_4 for the first alone: ~210 s on the H200 of 2026-12-04)
 #   graphs   ~200 s  bench/graph_modes.py: the 1B config's layers at its 4K level, one pack a step, compiled
 #                    dynamic (the run's), static and under CUDA graphs (with inductor's graph partitions, which
 #                    stopped on the H200 of 2026-11-30, and without): whether one graph per level pays
@@ -74,7 +77,7 @@ run_part() {
     wait
     for log in t_attn t_other; do { echo "===== $log.log"; cat $TMP/$log.log; } >> $OUT/tests.log; done ;;
   mixers)
-    timeout 120 $PYT tests/test_mixers_gpu.py > $TMP/t_mix.log 2>&1
+    timeout 240 $PYT tests/test_mixers_gpu.py > $TMP/t_mix.log 2>&1
     at "mixers exit $?"
     { echo "===== t_mix.log"; cat $TMP/t_mix.log; } >> $OUT/tests.log ;;
   vision)
@@ -96,7 +99,7 @@ run_part() {
   fa4)
     { echo "===== fa4: install"; bash bench/fa4_install.sh /tmp/site_fa4; } >> $OUT/tests.log 2>&1
     at "fa4 install exit $?"
-    export PYTHONPATH=/tmp/site_fa4:$PYTHONPATH
+    export PYTHONPATH=$(cat /tmp/site_fa4/.pythonpath):$PYTHONPATH  # with the folders its .pth files add
     { echo "===== fa4: why_not"; python3 -c 'import torch; from lit_hbp.model.attention.backends import why_not
 for dt in (torch.bfloat16, torch.float16): print(dt, why_not("flash_attn_4", "cuda", dt, frozenset()) or "runs")'
     } >> $OUT/tests.log 2>&1
@@ -104,7 +107,7 @@ for dt in (torch.bfloat16, torch.float16): print(dt, why_not("flash_attn_4", "cu
         > $TMP/t_fa4.log 2>&1  # each case compiles its own kernels: head dim 64, plain, windowed, all features
     at "fa4 tests exit $?"
     { echo "===== t_fa4.log"; cat $TMP/t_fa4.log; } >> $OUT/tests.log
-    for backend in flash_attn_4 torch_varlen; do
+    for backend in ${FA4_BACKENDS:-flash_attn_4 torch_varlen}; do
       echo "===== attn_backend $backend" >> $OUT/throughput.log
       timeout 180 $THROUGHPUT --modes hbp_alone --model.attn_backend=$backend >> $OUT/throughput.log 2>&1
       at "fa4 speed ($backend) exit $?"

@@ -272,6 +272,10 @@ def test_flash_attn_4_travels_in_two_calls_and_installs_whole(tmp_path):
     wheel = tree / ".whl_fa4" / "b" / "pkg_dsl-1.0-py3-none-any.whl"
     files = {
         "pkg_dsl/__init__.py": "VERSION = '1.0'\n",
+        # as nvidia-cutlass-dsl: the package users import sits in a folder that a .pth file puts on sys.path
+        "pkg_dsl/dsl_packages/dslmod/__init__.py": "NAME = 'dslmod'\n",
+        "pkg_dsl_packages.pth": "import sys, os, pkg_dsl; "
+        "sys.path.insert(0, os.path.join(pkg_dsl.__path__[0], 'dsl_packages'))\n",
         "pkg_dsl-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: pkg-dsl\nVersion: 1.0\n",
         "pkg_dsl-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
         "Tag: py3-none-any\n",
@@ -297,6 +301,16 @@ def test_flash_attn_4_travels_in_two_calls_and_installs_whole(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (target / "pkg_dsl" / "__init__.py").is_file()  # the wheel's file and the library's, side by side
     assert (target / "pkg_dsl" / "lib" / "compiler.so").read_bytes() == blob
+    # a PYTHONPATH folder runs no .pth file: the folders it adds are in .pythonpath for gpu_checks.sh's fa4 part
+    pythonpath = (target / ".pythonpath").read_text().strip()
+    imported = subprocess.run(
+        [sys.executable, "-S", "-c", "import dslmod, pkg_dsl; print(dslmod.NAME, pkg_dsl.VERSION)"],
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+    )
+    assert imported.stdout.split() == ["dslmod", "1.0"], imported.stderr
+    assert "$(cat /tmp/site_fa4/.pythonpath)" in (ROOT / "bench" / "gpu_checks.sh").read_text()
     shutil.rmtree(tree / ".fa4_stage")
     missing = subprocess.run(
         ["bash", "bench/fa4_install.sh", str(target)], cwd=tree, env=env, capture_output=True, text=True
