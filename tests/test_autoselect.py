@@ -674,6 +674,11 @@ def test_autoselect_refuses_flags_it_would_not_read_or_could_not_use(tmp_path, c
         (lambda: MeasuredSelector(margin_gib=-1), "MeasuredSelector margin_gib: must be a finite number >= 0 (GiB)"),
         (lambda: MeasuredSelector(memory_gib=4, margin_gib=4), "MeasuredSelector margin_gib: 4 leaves nothing of"),
         (lambda: AnalyticSelector(margin_gib=100), "AnalyticSelector margin_gib: 100 leaves nothing of a h100's 79.6"),
+        # max_len 1.5 was cut to 1 token without a word (YAML's int refuses it; the Python API did not)
+        (lambda: AnalyticSelector(max_len=1.5), "AnalyticSelector max_len: must be a whole number of tokens >= 1"),
+        (lambda: MeasuredSelector(max_len=0), "MeasuredSelector max_len: must be a whole number of tokens >= 1, got 0"),
+        (lambda: AnalyticSelector(max_len=True), "AnalyticSelector max_len: must be a whole number of tokens >= 1"),
+        (lambda: AnalyticSelector(sp_kind="ulyses"), "AnalyticSelector sp_kind: unknown sp_kind 'ulyses'"),
     ],
 )
 def test_a_selector_refuses_settings_that_would_choose_levels_without_measuring_them(make, refused):

@@ -50,6 +50,7 @@ from lit_hbp.model.checks import position_range, rescaling_limit, takes_position
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level, LevelSelector
 from lit_hbp.packing.vision_load import VisionLoad
+from lit_hbp.parallel.kind import resolve_sp_kind
 
 
 @dataclass
@@ -263,8 +264,12 @@ class Selector(LevelSelector):
         self.candidates = sorted(int(c) for c in candidates) if candidates else None
         if not (0 <= margin_gib < math.inf):  # NaN too: it crashed the memory fit with a traceback
             raise ConfigError(f"{name} margin_gib: must be a finite number >= 0 (GiB), got {margin_gib}")
-        if max_len is not None and int(max_len) < 1:
-            raise ConfigError(f"{name} max_len: must be a positive number of tokens, got {max_len}")
+        if max_len is not None and (isinstance(max_len, bool) or not float(max_len).is_integer() or max_len < 1):
+            raise ConfigError(f"{name} max_len: must be a whole number of tokens >= 1, got {max_len}")
+        try:  # a misspelt kind would otherwise surface only inside the level search
+            resolve_sp_kind(sp_kind)
+        except ValueError as e:
+            raise ConfigError(f"{name} sp_kind: {e}") from None
         self.margin_gib, self.sp_kind = float(margin_gib), sp_kind
         self.max_len = None if max_len is None else int(max_len)
 
