@@ -81,6 +81,26 @@ def test_a_setting_the_processor_does_not_hold_is_refused_naming_it(data, tmp_pa
         module(root, folder, tmp_path, processor_kwargs=kwargs)
 
 
+def test_a_record_whose_images_the_processor_cannot_stack_is_refused_naming_it(data, tmp_path):
+    """LLaVA-NeXT with ``do_pad: false``: a record of two images of different tile counts is a ragged list that
+    its own processor cannot make a tensor of (the reference, below); lit-hbp said numpy's "inhomogeneous shape"
+    with no record, now a DataError naming the file and line."""
+    from lit_hbp.errors import DataError
+
+    root, folder = data
+    reference = AutoProcessor.from_pretrained(folder, do_pad=False)
+    ragged = []
+    for row, (_, msgs) in enumerate(records(root)):
+        try:
+            reference.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt")
+        except ValueError:
+            ragged.append(row)
+    assert ragged, "no record the unpadded processor cannot stack: the test would pass without the check"
+    dm = module(root, folder, tmp_path, processor_kwargs={"do_pad": False})
+    with pytest.raises(DataError, match=rf"d\.jsonl:{ragged[0] + 1}: .* pixel_values of different shapes .* do_pad"):
+        dm.setup("fit")
+
+
 def test_settings_for_a_text_checkpoint_are_refused(small_demo, tmp_path):
     with pytest.raises(ConfigError, match=r"data\.processor_kwargs: .* has no image processor \(a text checkpoint\)"):
         HBPDataModule(

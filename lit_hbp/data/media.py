@@ -283,6 +283,7 @@ class MediaExpander:
         except (ValueError, TypeError) as e:
             raise DataError(f"{where}: the processor refused the record: {e}") from None
         self.token_types |= "mm_token_type_ids" in enc
+        _one_tensor(enc, where)
         expanded = np.asarray(enc["input_ids"][0], dtype=ids.dtype)
         media_ids = [t for t in (self.image_id, self.video_id) if t is not None]
         replaced = replaced_tokens(ids, enc, self.processor.tokenizer, media_ids)
@@ -294,6 +295,21 @@ class MediaExpander:
         seen = encoded_of_record(enc, "video", len(clips)) or [encoded_video_pixels(self.processor, c) for c in clips]
         out += [Video(v, c.width, c.height, *s, c.count, r) for v, c, s, r in zip(videos, clips, seen, rates)]
         return expanded, out_target, out
+
+
+def _one_tensor(enc, where: str) -> None:
+    """A record's pixels must stack into one tensor, as the model's forward takes them: a processor set not to
+    pad (LLaVA-NeXT's ``do_pad: false``) gives images of different tile counts as a ragged list, which its own
+    ``return_tensors="pt"`` cannot stack either."""
+    for key in ("pixel_values", "pixel_values_videos"):
+        values = enc.get(key)
+        if isinstance(values, (list, tuple)) and len({np.shape(v) for v in values}) > 1:
+            shapes = [tuple(np.shape(v)) for v in values]
+            raise DataError(
+                f"{where}: the processor gives this record's items {key} of different shapes {shapes}, which the "
+                "model takes as one tensor (a processor set not to pad, data.processor_kwargs do_pad: false?): "
+                "let the processor pad (do_pad: true) or give the record images that encode alike"
+            )
 
 
 def encoded_of_record(enc, kind: str, count: int) -> list[tuple[int, int]] | None:
