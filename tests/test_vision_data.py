@@ -896,3 +896,23 @@ def test_image_records_tokenized_by_workers_in_small_chunks_give_the_same_cache(
     assert np.array_equal(one.supervised, two.supervised) and np.array_equal(one.rows, two.rows)
     assert [one.sample_media(i) for i in range(len(one))] == [two.sample_media(i) for i in range(len(two))]
     assert len(one) == 200 and any(one.sample_media(i) for i in range(len(one)))
+
+
+def test_a_pack_whose_images_cannot_be_joined_names_their_records():
+    """Images of different sizes that a family's forward takes as one [images, C, H, W] tensor (Mistral 3's, a
+    processor that resizes each image to its own size) are refused at the pack: the refusal named no record, now
+    each shape's first record as ``where`` names it (the loader passes its store's file:line)."""
+    from lit_hbp.data.collate import collate_packs
+
+    sizes = {0: 32, 1: 32, 2: 16}
+    media = lambda i: {"pixel_values": torch.zeros(1, 3, sizes[i], sizes[i])}  # noqa: E731
+    tokens = lambda i: (np.array([5, 500, 6, 7]), np.array([0, 0, 1, 1], bool))  # noqa: E731
+    where = lambda i: f"d.jsonl:{i + 1}"  # noqa: E731
+    with pytest.raises(DataError) as refused:
+        collate_packs([np.array([0, 1, 2])], tokens, media=media, where=where)
+    assert str(refused.value) == (
+        "a pack's records give pixel_values of different shapes: [3, 32, 32] (d.jsonl:1), [3, 16, 16] (d.jsonl:3), "
+        "which cannot be joined"
+    )
+    batch = collate_packs([np.array([0, 1])], tokens, media=media, where=where)  # one size: joined, in pack order
+    assert tuple(batch.mm["pixel_values"].shape) == (2, 3, 32, 32)

@@ -506,7 +506,8 @@ def test_llava_onevision_videos_train_like_each_record_alone_and_frame_counts_mu
     dm = HBPDataModule(sources=[str(tmp_path / "e.jsonl")], tokenizer=str(folder), levels=["2048:1"],
                        cache_dir=str(tmp_path / "cache"))  # fmt: skip
     dm.setup("fit")
-    with pytest.raises(DataError, match=r"pixel_values_videos of different shapes .* need one frame count"):
+    each = r"\[\d, 3, \d+, \d+\] \(.*e\.jsonl:\d\)"  # a shape, and the first record of it
+    with pytest.raises(DataError, match=rf"pixel_values_videos of different shapes: {each}, {each}, .* frame count"):
         list(dm.train_dataloader())
 
 

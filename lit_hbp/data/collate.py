@@ -36,11 +36,12 @@ def collate_packs(
     micro_index: int = 0,
     media: Callable[[int], Mapping[str, torch.Tensor]] | None = None,
     rope: MRopePositions | None = None,
+    where: Callable[[int], str] | None = None,
 ) -> PackedBatch:
     """The whole (unsharded) micro-batch of ``packs`` (arrays of sample ids), padded for ``sp``;
     ``tokens(i)`` gives (ids, supervised mask) of sample i; ``media(i)`` its images and videos (a
     vision-language record, ``lit_hbp.model.vision``), ``rope`` numbers a record's positions when the family's
-    depend on its images; the rest are the plan's fields."""
+    depend on its images, ``where(i)`` names sample i's record in a refusal; the rest are the plan's fields."""
     sample_ids = np.concatenate(packs) if packs else np.zeros(0, np.int64)
     parts = [tokens(int(i)) for i in sample_ids]
     lens = np.array([p[0].size for p in parts], dtype=np.int64)
@@ -72,7 +73,8 @@ def collate_packs(
     if media is not None:
         extra = [media(int(i)) for i in sample_ids]
         if any(extra):
-            mm = collate_media(extra, lens.tolist(), total)
+            names = [where(int(i)) if where else f"sample {int(i)}" for i in sample_ids]
+            mm = collate_media(extra, lens.tolist(), total, names)
             items = media_items(extra)
             if rope is not None:
                 mm["position_ids"] = rope.pack([p[0] for p in parts], extra, total)

@@ -57,9 +57,15 @@ def media_of(record: Mapping, i: int, length: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def collate_media(parts: Sequence[Mapping[str, torch.Tensor]], lengths: Sequence[int], total: int) -> dict:
+def collate_media(
+    parts: Sequence[Mapping[str, torch.Tensor]],
+    lengths: Sequence[int],
+    total: int,
+    names: Sequence[str] | None = None,
+) -> dict:
     """The pack's multimodal inputs from each record's (``media_of``) in pack order; per-token fields
-    padded with 0 to the pack's ``total`` tokens; the same keys present in every record or refused."""
+    padded with 0 to the pack's ``total`` tokens; the same keys present in every record or refused
+    (``names``: each part's record, for the refusal)."""
     keys = {k for p in parts for k in p}
     out: dict[str, torch.Tensor] = {}
     for key in TOKEN_KEYS:
@@ -72,7 +78,8 @@ def collate_media(parts: Sequence[Mapping[str, torch.Tensor]], lengths: Sequence
                 at += n
             out[key] = row[None]
     for key in CONCAT_KEYS:
-        values = [p[key] for p in parts if key in p]
+        holders = [j for j, p in enumerate(parts) if key in p]
+        values = [parts[j][key] for j in holders]
         if not values:
             continue
         if key == "pixel_values" and values[0].dim() == 5:  # anyres: [images, tiles, C, H, W]
@@ -80,14 +87,18 @@ def collate_media(parts: Sequence[Mapping[str, torch.Tensor]], lengths: Sequence
             values = [torch.nn.functional.pad(v, (0, 0, 0, 0, 0, 0, 0, tiles - v.shape[1])) for v in values]
         values = [v.reshape(1) if v.dim() == 0 else v for v in values]
         if len({v.shape[1:] for v in values}) > 1:
-            shapes = sorted({tuple(v.shape[1:]) for v in values})
+            first: dict[tuple, int] = {}
+            for j, v in zip(holders, values):
+                first.setdefault(tuple(v.shape[1:]), j)
+            shapes = ", ".join(f"{list(shape)} ({names[j] if names else f'record {j} of the pack'})"
+                               for shape, j in first.items())  # fmt: skip
             hint = (
                 ": the family's forward takes a pack's videos as one [videos, frames, ...] tensor (LLaVA-OneVision's), "
                 "so they need one frame count; set its video processor's num_frames with do_sample_frames: true, or "
                 "give videos of one length"
                 if key == "pixel_values_videos" else ""
             )  # fmt: skip
-            raise DataError(f"a pack's records give {key} of different shapes {shapes} that cannot be joined{hint}")
+            raise DataError(f"a pack's records give {key} of different shapes: {shapes}, which cannot be joined{hint}")
         out[key] = torch.cat(values, dim=0)
     return out
 

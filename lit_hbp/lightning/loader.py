@@ -60,7 +60,7 @@ class StoreSamples:
     def batch(self, packs: list[np.ndarray], lv: Level, sp_rank: int, pad_id: int = 0, **plan) -> PackedBatch:
         """This SP rank's shard of the micro-batch of ``packs`` (arrays of sample ids), cut as the level ``lv``
         cuts it; ``plan``: the plan's fields (``collate_packs``: the level's index, its checkpointing, ...)."""
-        media = {} if self.inputs is None else dict(media=self.media, rope=self.inputs.rope)
+        media = {} if self.inputs is None else dict(media=self.media, rope=self.inputs.rope, where=self.store.where)
         batch = collate_packs(
             packs, self.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=pad_id, **plan, **media
         )
