@@ -340,6 +340,46 @@ def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone
     assert assert_same_grads(model, reference) > 0
 
 
+@pytest.mark.parametrize("family", ["mistral3", "lighton_ocr"])
+def test_images_of_different_sizes_join_a_pack_where_the_tower_cuts_each_back(tmp_path, family):
+    """Pixtral's tower (Mistral 3, LightOnOCR) cuts each image back to its ``image_sizes``, and its processor pads a
+    batch's images to one size: a pack of a 32x32 and a 16x32 image pads the second likewise and equals each record
+    alone (loss 1e-5, every gradient 1e-4); without the model, pack_samples cannot know it and refuses by name."""
+    from lit_hbp.errors import DataError
+
+    reference, model = pair(build_default(tmp_path / family, family))
+    records = counted_records(tmp_path / family, sizes={1: (16, 32)})
+    assert [tuple(r["pixel_values"].shape[2:]) for r in records[:2]] == [(32, 32), (16, 32)]
+    want = alone_ce(reference, records)
+    want.backward()
+    batch = pack_samples(records, model=model)
+    assert tuple(batch.mm["pixel_values"].shape) == (2, 3, 32, 32)
+    assert not batch.mm["pixel_values"][1, :, 16:].any()  # padded below, as the processor pads
+    out = packed_loss(model, batch, "sum")
+    out.loss.backward()
+    assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
+    assert assert_same_grads(model, reference) > 0
+    with pytest.raises(DataError, match=r"pixel_values of different shapes: \[3, 32, 32\] \(sample 0\), \[3, 16, 32\] "
+                       r"\(sample 1\), .*image_sizes \(Pixtral's: pack_samples needs the model"):  # fmt: skip
+        pack_samples(records)
+
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.model.selfcheck import run_self_check
+
+    torch.manual_seed(0)
+    module = HBPLitModule(model=str(tmp_path / family), loss="sum")
+    module.configure_model()
+    module.model.float()
+    docs = [(r["input_ids"][0], {k: r[k] for k in ("pixel_values", "image_sizes")}) for r in records[:2]]
+    loss_err, grad_err, leak, _ = run_self_check(module, [1], media_docs=docs)[1]  # the run's images, padded alike
+    assert loss_err < 1e-5 and grad_err < 1e-4 and leak == 0.0
+    # its random text documents held the image placeholder (500 of 512 ids) twice: "tokens: 8, features: 384"
+    from lit_hbp.model.selfcheck import _documents
+
+    text = torch.cat([torch.as_tensor(ids) for ids, _ in _documents(512, module.model.config, None).values()])
+    assert not (text == 500).any() and text.max() >= 500
+
+
 PROJECTOR = {"qwen2_vl": "visual.merger.", "qwen2_5_vl": "visual.merger.", "qwen3_vl": "visual.merger.",
              "llava": "multi_modal_projector.", "llava_next": "multi_modal_projector."}  # fmt: skip
 
@@ -434,6 +474,8 @@ VLM_TESTED = {
     "llava_onevision": "images, sp 1 and 2 (a record's images encoded together); videos of one frame count",
     **{family: "images, sp 1 (its default config, shrunk)" for family in DEFAULT_BUILT},
     **{family: "images and videos, sp 1 (its default config, shrunk)" for family in DEFAULT_BUILT_VIDEOS},
+    **{family: "images, sp 1 (its default config, shrunk); images of different sizes in a pack"
+       for family in ("mistral3", "lighton_ocr")},  # test_images_of_different_sizes_join_a_pack_...
     **{family: "images, sp 1 and Ulysses sp 2; its Gated DeltaNet layers run document by document beside full "
                "attention (its default config, shrunk)" for family in HYBRID_VLMS},
 }  # fmt: skip

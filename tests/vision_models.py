@@ -420,10 +420,11 @@ def build_default(path: Path, family: str) -> Path:
     return _save(path, config)
 
 
-def counted_records(folder: Path, videos: bool = False) -> list[dict]:
+def counted_records(folder: Path, videos: bool = False, sizes: dict | None = None) -> list[dict]:
     """Two records with one image each (random pixels, the placeholder repeated as many times as the
     tower gives features for it) and a text-only record, labelled (image tokens untrained); with
-    ``videos``, a record with a 4-frame video too (its placeholder repeated as the tower's video features)."""
+    ``videos``, a record with a 4-frame video too (its placeholder repeated as the tower's video features);
+    ``sizes``: record -> (height, width) of its image, for a tower that takes ``image_sizes``."""
     import inspect
 
     from transformers import AutoModelForImageTextToText
@@ -454,9 +455,10 @@ def counted_records(folder: Path, videos: bool = False) -> list[dict]:
                 # anyres images: base + one tile; a video: its frames
                 tiles = (2,) if kind == "image" and getattr(config, "image_grid_pinpoints", None) else ()
                 tiles = (frames,) if kind == "video" else tiles
-                rec[pixels] = torch.randn(1, *tiles, getattr(vision, "num_channels", 3), size, size, generator=g)
+                shape = (sizes or {}).get(len(out), (size, size))
+                rec[pixels] = torch.randn(1, *tiles, getattr(vision, "num_channels", 3), *shape, generator=g)
             if "image_sizes" in takes:
-                rec["image_sizes"] = torch.tensor([[size, size]])
+                rec["image_sizes"] = torch.tensor([list(shape)])
             with torch.no_grad():
                 features = encode(**rec, return_dict=True).pooler_output
             n = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features)

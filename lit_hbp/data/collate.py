@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from lit_hbp.data.batch import PackedBatch
-from lit_hbp.data.media_batch import MM_KEYS, MRopePositions, collate_media, media_items, media_of
+from lit_hbp.data.media_batch import MM_KEYS, MRopePositions, collate_media, media_items, media_of, pads_images
 from lit_hbp.packing.context_split import padded_length
 
 
@@ -37,11 +37,13 @@ def collate_packs(
     media: Callable[[int], Mapping[str, torch.Tensor]] | None = None,
     rope: MRopePositions | None = None,
     where: Callable[[int], str] | None = None,
+    pad_images: bool = False,
 ) -> PackedBatch:
     """The whole (unsharded) micro-batch of ``packs`` (arrays of sample ids), padded for ``sp``;
     ``tokens(i)`` gives (ids, supervised mask) of sample i; ``media(i)`` its images and videos (a
     vision-language record, ``lit_hbp.model.vision``), ``rope`` numbers a record's positions when the family's
-    depend on its images, ``where(i)`` names sample i's record in a refusal; the rest are the plan's fields."""
+    depend on its images, ``where(i)`` names sample i's record in a refusal, ``pad_images`` lets images of
+    different sizes join (``media_batch.pads_images``); the rest are the plan's fields."""
     sample_ids = np.concatenate(packs) if packs else np.zeros(0, np.int64)
     parts = [tokens(int(i)) for i in sample_ids]
     lens = np.array([p[0].size for p in parts], dtype=np.int64)
@@ -74,7 +76,7 @@ def collate_packs(
         extra = [media(int(i)) for i in sample_ids]
         if any(extra):
             names = [where(int(i)) if where else f"sample {int(i)}" for i in sample_ids]
-            mm = collate_media(extra, lens.tolist(), total, names)
+            mm = collate_media(extra, lens.tolist(), total, names, pad_images)
             items = media_items(extra)
             if rope is not None:
                 mm["position_ids"] = rope.pack([p[0] for p in parts], extra, total)
@@ -134,7 +136,8 @@ def pack_samples(
     vision-language processor's (its ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, video
     fields, ...: ``lit_hbp.model.vision``). Each sample keeps its own positions and attends only to itself;
     ``model`` (the model the batch is for) numbers a record's positions when its family's depend on its
-    images (multimodal RoPE: Qwen2-VL and kin). ``ckpt_layers``, ``offload`` and ``mlp_tiles`` are the
+    images (multimodal RoPE: Qwen2-VL and kin) and lets images of different sizes join where its tower cuts
+    each back to its ``image_sizes`` (Pixtral's: Mistral 3). ``ckpt_layers``, ``offload`` and ``mlp_tiles`` are the
     level settings ``packed_loss`` applies for the call. Without ``loss_norm`` (the optimizer step's
     supervised tokens / (world size x accumulation): ``step_loss_norm`` computes it over the ranks) train
     with the ``token_mean`` or ``sum`` loss; levels with sequence parallelism need HBPDataModule's plan."""
@@ -151,6 +154,7 @@ def pack_samples(
     return collate_packs(
         [np.arange(len(parts))], lambda i: parts[i][:2], pad_id=pad_id, loss_norm=loss_norm, ckpt_layers=ckpt_layers,
         offload=offload, mlp_tiles=mlp_tiles, media=lambda i: parts[i][2], rope=rope,
+        pad_images=pads_images(getattr(model, "config", None)),
     )  # fmt: skip
 
 

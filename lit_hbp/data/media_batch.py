@@ -15,6 +15,7 @@ depend on the images (``MRopePositions``). How the model then encodes them: ``li
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,15 +58,29 @@ def media_of(record: Mapping, i: int, length: int) -> dict[str, torch.Tensor]:
     return out
 
 
+# Vision towers that cut each image back to its ``image_sizes`` before any work on it (Pixtral's: a patch
+# convolution whose stride is its kernel, then each image's own patches): their processor pads a batch's images
+# to one height and width, bottom and right, and so may a pack.
+CROPPING_TOWERS = frozenset({"pixtral"})
+
+
+def pads_images(config: Any) -> bool:
+    """Whether a pack of ``config``'s records may pad their images to one size (``CROPPING_TOWERS``)."""
+    return getattr(getattr(config, "vision_config", None), "model_type", None) in CROPPING_TOWERS
+
+
 def collate_media(
     parts: Sequence[Mapping[str, torch.Tensor]],
     lengths: Sequence[int],
     total: int,
     names: Sequence[str] | None = None,
+    pad_images: bool = False,
 ) -> dict:
     """The pack's multimodal inputs from each record's (``media_of``) in pack order; per-token fields
     padded with 0 to the pack's ``total`` tokens; the same keys present in every record or refused
-    (``names``: each part's record, for the refusal)."""
+    (``names``: each part's record, for the refusal). Anyres tiles are padded to the pack's most tiles;
+    with ``pad_images`` (``pads_images``) images of different sizes, each with its ``image_sizes``, to the
+    pack's largest height and width, as the family's processor pads a batch."""
     keys = {k for p in parts for k in p}
     out: dict[str, torch.Tensor] = {}
     for key in TOKEN_KEYS:
@@ -85,6 +100,10 @@ def collate_media(
         if key == "pixel_values" and values[0].dim() == 5:  # anyres: [images, tiles, C, H, W]
             tiles = max(v.shape[1] for v in values)
             values = [torch.nn.functional.pad(v, (0, 0, 0, 0, 0, 0, 0, tiles - v.shape[1])) for v in values]
+        sized = all("image_sizes" in parts[j] for j in holders)  # without them the tower would see the padding
+        if key == "pixel_values" and pad_images and sized and values[0].dim() == 4:
+            height, width = max(v.shape[2] for v in values), max(v.shape[3] for v in values)
+            values = [torch.nn.functional.pad(v, (0, width - v.shape[3], 0, height - v.shape[2])) for v in values]
         values = [v.reshape(1) if v.dim() == 0 else v for v in values]
         if len({v.shape[1:] for v in values}) > 1:
             first: dict[tuple, int] = {}
@@ -96,7 +115,10 @@ def collate_media(
                 ": the family's forward takes a pack's videos as one [videos, frames, ...] tensor (LLaVA-OneVision's), "
                 "so they need one frame count; set its video processor's num_frames with do_sample_frames: true, or "
                 "give videos of one length"
-                if key == "pixel_values_videos" else ""
+                if key == "pixel_values_videos" else
+                ": images of different sizes are padded to one only for a vision tower that cuts each back to its "
+                "image_sizes (Pixtral's: pack_samples needs the model, model=, to know it)"
+                if key == "pixel_values" and sized and not pad_images else ""
             )  # fmt: skip
             raise DataError(f"a pack's records give {key} of different shapes: {shapes}, which cannot be joined{hint}")
         out[key] = torch.cat(values, dim=0)

@@ -32,9 +32,10 @@ class MediaInputs:
 
     def __init__(self, processor, config, token_types: bool):
         from lit_hbp.data.media import WorkerMedia, rope_stand_in
-        from lit_hbp.data.media_batch import MRopePositions
+        from lit_hbp.data.media_batch import MRopePositions, pads_images
 
         self.media = WorkerMedia(processor, token_types)
+        self.pad_images = pads_images(config)
         inner = rope_stand_in(config) if config is not None else None
         self.rope = MRopePositions(inner) if inner is not None else None
 
@@ -60,7 +61,10 @@ class StoreSamples:
     def batch(self, packs: list[np.ndarray], lv: Level, sp_rank: int, pad_id: int = 0, **plan) -> PackedBatch:
         """This SP rank's shard of the micro-batch of ``packs`` (arrays of sample ids), cut as the level ``lv``
         cuts it; ``plan``: the plan's fields (``collate_packs``: the level's index, its checkpointing, ...)."""
-        media = {} if self.inputs is None else dict(media=self.media, rope=self.inputs.rope, where=self.store.where)
+        media = {}
+        if self.inputs is not None:
+            inputs = self.inputs
+            media = dict(media=self.media, rope=inputs.rope, where=self.store.where, pad_images=inputs.pad_images)
         batch = collate_packs(
             packs, self.tokens, sp=lv.sp, sp_kind=lv.sp_kind, cp=lv.layout[1], pad_id=pad_id, **plan, **media
         )

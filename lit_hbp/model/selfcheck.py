@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.data.media_batch import TOKEN_KEYS, MRopePositions, collate_media
+from lit_hbp.data.media_batch import TOKEN_KEYS, MRopePositions, collate_media, pads_images
+from lit_hbp.model.build import SPECIAL_TOKEN_IDS
 from lit_hbp.model.mixers import zero3_partitioned
 from lit_hbp.model.sp_media import KINDS
 from lit_hbp.parallel.context import SPCall
@@ -94,7 +95,28 @@ def _documents(vocab: int, config, max_len: int | None) -> dict[int, tuple[np.nd
     if windows and (max_len is None or min(windows) < max_len):
         lengths.insert(2, min(windows) + 8)
     rng = np.random.default_rng(1234)
-    return {i: (rng.integers(0, vocab, n), np.ones(n, bool)) for i, n in enumerate(lengths)}
+    docs = {i: rng.integers(0, vocab, n) for i, n in enumerate(lengths)}
+    marked = _marker_ids(config, vocab)
+    if marked.size:  # a placeholder in a text document asks the model for an image it does not have
+        allowed = np.setdiff1d(np.arange(vocab), marked)
+        for ids in docs.values():
+            hit = np.isin(ids, marked)
+            ids[hit] = allowed[ids[hit] % allowed.size]
+    return {i: (ids, np.ones(ids.size, bool)) for i, ids in docs.items()}
+
+
+def _marker_ids(config, vocab: int) -> np.ndarray:
+    """The ids a config gives a role (``*_token_id``, ``*_token_index``: an image or video placeholder, a
+    boundary) other than BOS, EOS and padding, in the model's and its parts' configs."""
+    holders = [config, *(getattr(config, k, None) for k in ("text_config", "vision_config", "audio_config"))]
+    ids = {
+        value
+        for holder in holders if holder is not None
+        for name, value in vars(holder).items()
+        if name.endswith(("_token_id", "_token_index")) and name not in SPECIAL_TOKEN_IDS
+        and isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab
+    }  # fmt: skip
+    return np.array(sorted(ids), dtype=np.int64)
 
 
 def _errors(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -143,7 +165,8 @@ def run_self_check(
             dtype = torch.get_autocast_dtype(on) if torch.is_autocast_enabled(on) else next(net.parameters()).dtype
             layouts = sorted({layout_key(x) for x in sp_degrees}, key=lambda k: (k, 1) if isinstance(k, int) else k)
             rope = MRopePositions.of(net) if media else None
-            packs = {key: _pack(docs, media, key, sp_groups, device, rope) for key in layouts}
+            pad = pads_images(net.config)
+            packs = {key: _pack(docs, media, key, sp_groups, device, rope, pad) for key in layouts}
             leaks = {sp: _leak(module, embed, pack, device) for sp, pack in packs.items()}  # cheapest verdict first
             for sp, leak in leaks.items():
                 if leak > LEAK_TOLERANCE:
@@ -277,7 +300,7 @@ def _alone_one(net, embed, ids, mm, device) -> dict:
                 routes=[r[0] if len(r) == 1 and len(r[0]) == len(ids) else None for r in routes])  # fmt: skip
 
 
-def _pack(docs, media, key, sp_groups, device, rope) -> dict:
+def _pack(docs, media, key, sp_groups, device, rope, pad_images: bool = False) -> dict:
     """The documents packed, this rank's shard at SP layout ``key`` (the whole pack's images travel with
     every shard), with where its positions are and which document owns each row of its pixels."""
     sp, cp = (key, 1) if isinstance(key, int) else key
@@ -286,7 +309,7 @@ def _pack(docs, media, key, sp_groups, device, rope) -> dict:
     order = list(docs)
     batch = collate_packs(
         [np.asarray(order)], docs.__getitem__, sp=sp, cp=cp, sp_kind=kind.name, loss_norm=1.0,
-        media=lambda i: media.get(i, {}), rope=rope,
+        media=lambda i: media.get(i, {}), rope=rope, pad_images=pad_images,
     )  # fmt: skip
     total = batch.input_ids.shape[1]
     if sp > 1:
@@ -298,6 +321,8 @@ def _pack(docs, media, key, sp_groups, device, rope) -> dict:
     rows = {k: np.repeat(np.arange(len(order)), [media[i][k].shape[0] if i in media and k in media[i] else 0
                                                    for i in order]) for k in PIXELS}  # fmt: skip
     return dict(batch=batch, ctx=ctx, kind=kind, total=total, part=part, bounds=bounds, doc_of=doc_of, docs=order,
+                pad_images=pad_images, sizes={i: {"image_sizes": media[i]["image_sizes"]} for i in order
+                                              if "image_sizes" in media.get(i, {})},
                 pixel_doc={k: torch.as_tensor(v, device=device) for k, v in rows.items()})  # fmt: skip
 
 
@@ -403,12 +428,12 @@ def _packed_errors(
         f", most at token {at - bounds[k]} of document {k} ({bounds[k + 1] - bounds[k]} tokens long)"
         if k < n_docs else ""
     )  # fmt: skip
-    for key, got in grad_pixels.items():  # laid out (and tile-padded) as the pack lays out the pixels
+    for key, got in grad_pixels.items():  # laid out (and tile- or size-padded) as the pack lays out the pixels
         parts = [
-            {key: reference[i]["pixels"][key].cpu() * float(keep[k])}
+            {key: reference[i]["pixels"][key].cpu() * float(keep[k]), **pack["sizes"].get(i, {})}
             for k, i in enumerate(pack["docs"]) if key in reference[i]["pixels"]
         ]  # fmt: skip
-        want = collate_media(parts, [0] * len(parts), 0)[key].to(device)
+        want = collate_media(parts, [0] * len(parts), 0, pad_images=pack["pad_images"])[key].to(device)
         errors.append(_errors(got, want))
     return loss_err, max(errors), left_out, int(rerouted.sum()), where
 
