@@ -20,7 +20,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
-from vision_models import assert_same_grads, build_llava, build_qwen, image, needs_torchvision, three_records
+from vision_models import (
+    assert_same_grads,
+    build_llava,
+    build_pixtral,
+    build_qwen,
+    image,
+    needs_torchvision,
+    three_records,
+)
 
 from lit_hbp import HBPDataModule, packed_loss, prepare_model
 from lit_hbp.data.media import image_token_id, rope_stand_in
@@ -112,8 +120,20 @@ def onevision_data(tmp_path_factory):
     return with_images_and_records(root), folder
 
 
-FAMILY_DATA = {"llava_next": "data", "qwen2_vl": "qwen_data", "llava_onevision": "onevision_data"}
-TURN_END = {"llava_next": "<|end|>", "qwen2_vl": "<|im_end|>", "llava_onevision": "<|end|>"}  # each toy template's
+@pytest.fixture(scope="module")
+def pixtral_data(tmp_path_factory):
+    """The same images and records beside a tiny Mistral 3 folder with its Pixtral processor: each image at its own
+    size (a pack pads them to one, as the processor pads a batch); the processor needs torchvision."""
+    needs_torchvision("mistral3")
+    root = tmp_path_factory.mktemp("pixtral_data")
+    folder = build_pixtral(root / "mistral3")
+    return with_images_and_records(root), folder
+
+
+FAMILY_DATA = {"llava_next": "data", "qwen2_vl": "qwen_data", "llava_onevision": "onevision_data",
+               "mistral3": "pixtral_data"}  # fmt: skip
+# each toy template's turn end
+TURN_END = {"llava_next": "<|end|>", "qwen2_vl": "<|im_end|>", "llava_onevision": "<|end|>", "mistral3": "<|end|>"}
 
 
 def write(path: Path, recs: list[dict]) -> Path:
@@ -141,7 +161,11 @@ def test_records_with_images_render_and_expand_as_the_processor_does(family, req
 
     # The cache holds each image's file, size and the pixels its encoder sees, in order, never pixels themselves.
     def seen(name):  # the image processor's pixels of the image alone (each pixel once a frame), its tiles
-        pv = processor.image_processor(images=[Image.open(root / "img" / name).convert("RGB")])["pixel_values"]
+        im = Image.open(root / "img" / name).convert("RGB")
+        if family == "mistral3":  # its processor sizes an image in patches of the merged size, its image processor not
+            (h, w) = processor(text=[processor.image_token], images=[[im]])["image_sizes"][0]
+            return int(h) * int(w), 1
+        pv = processor.image_processor(images=[im])["pixel_values"]
         shape = np.shape(pv)  # LLaVA-NeXT: [1, tiles, 3, h, w]; Qwen: [patches, 3 x frames x patch^2], one tile
         return int(np.prod(shape)) // 3, shape[1] if len(shape) == 5 else 1
 
@@ -235,6 +259,9 @@ def test_a_data_module_pack_of_image_records_trains_like_each_record_alone(famil
     assert batch.mm is not None and batch.mm[per_image].shape[0] == 4  # four images in the pack
     if family == "llava_onevision":  # each record's images read together, as its processor does: 1, 1, 2, none
         assert batch.mm["batch_num_images"].tolist() == [1, 1, 2]
+    if family == "mistral3":  # the records' images at 32x32, 48x32 and 32x32 (16x16 padded beside it): one size
+        assert batch.mm["image_sizes"].tolist() == [[32, 32], [48, 32], [16, 16], [32, 32]]
+        assert tuple(batch.mm["pixel_values"].shape) == (4, 3, 48, 32)
     reference = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager").float()
     model = prepare_model(AutoModelForImageTextToText.from_pretrained(folder).float())
     processor = AutoProcessor.from_pretrained(folder)

@@ -155,6 +155,25 @@ def build_llava(path: Path, family: str = "llava") -> Path:
     return _save(path, config, processor)
 
 
+def build_pixtral(path: Path, family: str = "mistral3") -> Path:
+    """Mistral 3 (or LightOnOCR) with its Pixtral processor: each image resized to its own size within 48 pixels,
+    a row of [IMG] tokens per two patches of 8 pixels, [IMG_BREAK] between rows, [IMG_END] last; the processor pads
+    a batch's images to one size and says each one's ``image_sizes``. Its processor needs torchvision."""
+    from transformers import AutoConfig, PixtralProcessor
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    template = LLAVA_TEMPLATE.replace("<image>", "[IMG]")
+    specials = ["<pad>", "<s>", "</s>", "<|end|>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    tok = toy_tokenizer(specials, pad="<pad>", eos="</s>", bos="<s>", chat_template=template)
+    images = PixtralImageProcessorPil(patch_size=8, size={"longest_edge": 48})  # the records' images: 16 to 48 high
+    processor = PixtralProcessor(images, tokenizer=tok, patch_size=8, spatial_merge_size=2, chat_template=template)
+    build_default(path, family)  # its default config shrunk (ids 0, 1, 2: padding, BOS, EOS, as the tokenizer's)
+    config = AutoConfig.from_pretrained(path)
+    config.image_token_id = tok.convert_tokens_to_ids("[IMG]")
+    config.vision_config.image_size = 48
+    return _save(path, config, processor)
+
+
 def needs_torchvision(family: str):
     """Skip where torchvision is missing (the main CI's CPU torch has none; Qwen's and LLaVA-OneVision's
     processors load a video processor that needs it), except in the CI's compatibility part

@@ -314,13 +314,17 @@ def _one_tensor(enc, where: str) -> None:
 
 def encoded_of_record(enc, kind: str, count: int) -> list[tuple[int, int]] | None:
     """Each image's (or video's) encoded pixels and tiles read off the processor's encoding of the whole
-    record, where its layout tells them apart: Qwen's patch rows by their grids, or the record's only
-    item; None otherwise (each is then encoded alone, ``encoded_pixels``)."""
+    record, where its layout tells them apart: Qwen's patch rows by their grids, images padded to one size by
+    their ``image_sizes`` (Pixtral's processor sizes them as its image processor alone does not: patches of its
+    merged size), or the record's only item; None otherwise (each is then encoded alone, ``encoded_pixels``)."""
     key = "pixel_values" if kind == "image" else "pixel_values_videos"
     values, grid = enc.get(key), enc.get(f"{kind}_grid_thw")
     if not count or values is None:
         return None if count else []
     shape = np.shape(values)
+    sizes = enc.get("image_sizes") if kind == "image" else None
+    if sizes is not None and len(shape) == 4 and len(sizes) == count:  # one [images, C, H, W], padded to the largest
+        return [(int(h) * int(w), 1) for h, w in np.asarray(sizes).reshape(-1, 2)]  # (Pixtral's): each its own size
     if grid is not None and len(shape) == 2:  # patch rows of C x T x p x p values: T x p x p pixels a row
         grid = np.asarray(grid).reshape(-1, 3)
         per_row = shape[1] // 3
