@@ -62,6 +62,7 @@ from lit_hbp.lightning.deepspeed_config import (  # noqa: E402
     without_idle_overlap,
     without_overflow_check,
 )
+from lit_hbp.lightning.op_builds import refuse_stale_build_locks  # noqa: E402
 from lit_hbp.model.build import family_of, zero3_loading  # noqa: E402
 from lit_hbp.model.mixers import ZERO3_REFUSAL, sp_refusal, stateful_mixers  # noqa: E402
 from lit_hbp.model.packed_call import record_of  # noqa: E402
@@ -421,6 +422,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         # Lightning destroys the process groups at exit for NCCL only: release_process_groups does it for
         # every backend, this strategy's SP groups included, before interpreter shutdown begins.
         _LIVE.add(self)
+        refuse_stale_build_locks()  # DeepSpeed's op builds would wait on a stopped build's lock without end
         if not self._on_cpu:
             return super().setup_distributed()
         # CPU devices have no index, which the parent's device-index check rejects.
@@ -592,9 +594,7 @@ class HBPDDPStrategy(LevelGroups, DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         """``--trainer.strategy hbp_ddp``."""
-        strategy_registry.register(
-            "hbp_ddp", cls, description="HBP: DDP (no sharding) with per-level SP", override=True
-        )
+        strategy_registry.register("hbp_ddp", cls, description="HBP: DDP (no sharding), per-level SP", override=True)
 
 
 HBPDDPStrategy.register_strategies(StrategyRegistry)
