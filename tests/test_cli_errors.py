@@ -256,6 +256,10 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             "false sets none (Lightning refuses the pair when the fit starts): remove trainer.logger: false or the "
             "callback\n",
         ),
+        "levels that fit nowhere": (  # NoLevelFits ended fit with a traceback and exit 1 (the tools said it, exit 2)
+            ["--data.levels", "{class_path: lit_hbp.autoselect.AnalyticSelector, init_args: {margin_gib: 79.5}}"],
+            "error: the longest sample (",
+        ),
         "a tokenizer folder whose tokenizer does not load": (
             ["--data.tokenizer", str(broken_tokenizer)],
             f"data.tokenizer: the tokenizer in {broken_tokenizer} does not load: ",
@@ -283,10 +287,11 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a timeline hardware lit-hbp has not", "an export dtype misspelled",
          "a throughput window of one log", "weight averaging under DeepSpeed", "a tokenizer folder without a tokenizer",
          "a file as the tokenizer", "a tokenizer folder whose tokenizer does not load",
-         "a learning-rate monitor without a logger"]  # fmt: skip
+         "a learning-rate monitor without a logger", "levels that fit nowhere"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
-AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch"}
+AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch",
+                    "levels that fit nowhere"}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)

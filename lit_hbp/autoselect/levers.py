@@ -22,6 +22,7 @@ from lit_hbp.autoselect.memory_fit import TILE_STEPS, Placement, fit_anywhere, l
 from lit_hbp.autoselect.profiler import MemoryProfiler
 from lit_hbp.cost.costmodel import GIB, CostModel
 from lit_hbp.cost.run_settings import CONFIG, SIMULATE, SWITCHES, Tool, problems, refusal
+from lit_hbp.errors import ConfigError
 from lit_hbp.packing.levels import Level
 from lit_hbp.parallel.context_parallel import ContextParallel
 from lit_hbp.parallel.groups import as_layout
@@ -223,10 +224,10 @@ def static_note(q: FitQuestion) -> str:
     )
 
 
-class NoLevelFits(ValueError):
+class NoLevelFits(ConfigError):
     """The longest sample fits no level this run can train. The message (one line) says how far the
     run falls short and names the levers that would make it fit; ``pack_len`` and ``levers`` (``Lever``s)
-    carry them for callers."""
+    carry them for callers. A ConfigError: ``fit`` ends with it in one line and exit 2, as the tools do."""
 
     def __init__(self, message: str, pack_len: int, found: list[Lever]):
         super().__init__(message)
