@@ -881,6 +881,29 @@ def test_a_length_beyond_every_lever_on_8_gpus_is_refused_naming_what_is_left():
     assert FitQuestion(replace(cost, world=world // 2), every_layout(cost)).where(64 << 20) is None
 
 
+def test_a_margin_that_alone_keeps_a_level_out_is_named_as_the_first_lever():
+    """A 2-process MeasuredSelector with memory_gib 2.5 (its default margin 2 GiB) was told "no lever makes it fit:
+    ... a smaller model" where a smaller margin_gib was all it took. The lever names the largest margin, in tenths
+    of a GiB, with which the level fits: brute force over the margins says it fits there and not 0.1 GiB above."""
+    from dataclasses import replace
+
+    from lit_hbp.autoselect.levers import FitQuestion, NoLevelFits, every_layout
+    from lit_hbp.autoselect.search import analytic_levels
+
+    cost = CostModel(MODELS["llama3.1-8b"], HARDWARE["h100"], 8)
+    free = FitQuestion(cost, every_layout(cost))
+    fits = lambda gib: replace(free, margin=gib * GIB).where(1 << 20) is not None  # noqa: E731
+    largest = next(t / 10 for t in range(800) if not fits((t + 1) / 10))  # brute force, a tenth at a time
+    assert largest >= 1.0
+    lengths = np.r_[np.full(50, 2000), 1 << 20]
+    with pytest.raises(NoLevelFits) as refused:
+        analytic_levels(cost, lengths, margin=(largest + 2.0) * GIB)
+    first = refused.value.levers[0]
+    assert first.margin_gib == pytest.approx(largest)
+    assert str(first).startswith(f"a margin of {largest:.1f} GiB (the selector's margin_gib: {largest:.1f}: ")
+    assert "no lever makes it fit" not in str(refused.value)
+
+
 def test_a_cap_keeps_the_largest_level_and_says_what_it_leaves_to_over_length():
     """--max-len (a selector's max_len, the model's positions) caps the largest level; what is
     longer is counted for data.over_length, not silently planned around."""

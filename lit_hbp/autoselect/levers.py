@@ -7,11 +7,13 @@ would reach. Each is a setting set-up accepts beside the run's others (``run_set
 as the tool that prints the refusal takes it (``run_settings.Tool``): offload and tiles where the search
 in use leaves them out (a measured search), the fewest of Liger's RMSNorm/SwiGLU, the Adam states on the
 host and a higher ZeRO stage, more GPUs (doubling the world: larger SP groups, smaller ZeRO partitions),
-and a shorter largest level (the samples beyond it then follow ``data.over_length``).
+and a shorter largest level (the samples beyond it then follow ``data.over_length``); first, where the run
+keeps a margin of memory free, the largest smaller one that fits.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import combinations
@@ -38,13 +40,14 @@ SHORTEST_LEVEL = 1024
 class Lever:
     """One way to make a level fit, found by asking the memory search with it: the run's settings it changes
     (``changes``: liger, optimizer_offload, zero_stage, world, as ``CostModel`` and ``Settings`` name them),
-    the largest level it caps (``max_len``), or the analytic search (``analytic``: offload and MLP tiles,
-    which a measured search leaves out); ``text`` is how the refusal says it."""
+    the largest level it caps (``max_len``), the analytic search (``analytic``: offload and MLP tiles,
+    which a measured search leaves out) or a smaller margin (``margin_gib``); ``text`` is how the refusal says it."""
 
     text: str
     changes: dict = field(default_factory=dict)
     max_len: int | None = None
     analytic: bool = False
+    margin_gib: float | None = None  # a smaller margin kept free
 
     def __str__(self) -> str:
         return self.text
@@ -109,6 +112,20 @@ class FitQuestion:
         return [as_layout(x) for x in layouts_at(self.layouts_of(world), pack_len, self.whole_past)]
 
 
+def margin_lever(q: FitQuestion, pack_len: int) -> list[Lever]:
+    """The largest margin (in tenths of a GiB, below the run's) with which ``pack_len`` fits, where one is kept:
+    the search's own question asked at each margin (a smaller one only frees memory), by bisection."""
+    fits = lambda tenths: replace(q, margin=tenths * GIB / 10).where(pack_len)  # noqa: E731
+    if q.margin <= 0 or fits(0) is None:
+        return []
+    low, high = 0, math.ceil(q.margin / GIB * 10)  # fits at low, not at high (the run's own margin)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) is not None else (low, mid)
+    where, spelled = fits(low), q.tool.spell("margin", f"{low / 10:.1f}")
+    return [Lever(f"a margin of {low / 10:.1f} GiB ({spelled}: {where.describe(q.device_bytes)})", margin_gib=low / 10)]
+
+
 def settings_lever(q: FitQuestion, pack_len: int) -> list[Lever]:
     """Offload and MLP tiles, when the search in use does not try them (a measured one)."""
     if q.memory_settings or (where := q.where(pack_len, memory_settings=True)) is None:
@@ -168,9 +185,11 @@ def shorter_lever(q: FitQuestion, pack_len: int, lengths) -> list[Lever]:
 
 def levers(q: FitQuestion, pack_len: int, lengths=None) -> list[Lever]:
     """What would make ``pack_len`` fit, each found by running the memory search with it, in the order
-    a user reaches for them (``settings_lever``, ``setting_levers``, ``gpu_lever``, ``shorter_lever``)."""
+    a user reaches for them (``margin_lever``, ``settings_lever``, ``setting_levers``, ``gpu_lever``,
+    ``shorter_lever``)."""
     return (
-        settings_lever(q, pack_len)
+        margin_lever(q, pack_len)
+        + settings_lever(q, pack_len)
         + setting_levers(q, pack_len)
         + gpu_lever(q, pack_len)
         + shorter_lever(q, pack_len, lengths)

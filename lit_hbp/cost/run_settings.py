@@ -375,12 +375,14 @@ CONFIG = Tool(
         "mlp_tiles": "mlp_tiles: {}",
         "world": "trainer.devices x trainer.num_nodes = {}",
         "max_len": "the selector's max_len: {}",
+        "margin": "the selector's margin_gib: {}",
         "analytic": "data.levels: lit_hbp.autoselect.AnalyticSelector",
     }
 )
 """A training config's words: a selector's refusal inside a fit, set-up's refusals."""
 
-_COMMAND = {"liger": "--liger", "optimizer_offload": "--offload-optimizer", "zero_stage": "--zero-stage {}"}
+_COMMAND = {"liger": "--liger", "optimizer_offload": "--offload-optimizer", "zero_stage": "--zero-stage {}",
+            "margin": "--margin-gib {}"}  # fmt: skip
 SIMULATE = Tool({**_COMMAND, "world": "--gpus {}", "max_len": "--max-len {}"})
 """``python -m lit_hbp.simulate``."""
 ANALYTIC = Tool({**_COMMAND, "world": "--gpus {}", "max_len": "--max-len {}"})
