@@ -1,7 +1,9 @@
 """DeepSpeed's ops (its CPU communication op, CPU Adam, ...) build at their first use into torch's extensions folder,
-one folder an op, guarded by a ``lock`` file that torch's ``FileBaton`` waits on without a word and without end. A
-build that was stopped (Ctrl-C, a killed job) leaves the lock behind: every later run on that folder hangs at
-DeepSpeed's set-up. ``HBPStrategy`` reads the locks before it starts DeepSpeed and refuses one a stopped build left.
+one folder an op, guarded by a ``lock`` file that torch's ``FileBaton`` (torch <= 2.13) waits on without a word and
+without end. A build that was stopped (Ctrl-C, a killed job) leaves the lock behind: every later run on that folder
+hangs at DeepSpeed's set-up. ``HBPStrategy`` reads the locks before it starts DeepSpeed and refuses one a stopped
+build left. torch 2.14 holds an OS lock instead, which the kernel releases with its process: its lock file stays,
+harmless to it (but not to an older torch building in the same folder), and nothing is checked there.
 """
 
 from __future__ import annotations
@@ -70,9 +72,19 @@ def check_build_locks(root: Path | None = None, recheck_s: float = RECHECK_S) ->
     return notes
 
 
+def waits_on_lock_files() -> bool:
+    """Whether this torch's extension builds wait while a lock file exists (``FileBaton``, torch <= 2.13)."""
+    from torch.utils import cpp_extension
+
+    build = getattr(cpp_extension, "_jit_compile", None)
+    return build is not None and "FileBaton" in build.__code__.co_names
+
+
 def refuse_stale_build_locks() -> None:
-    """``check_build_locks`` of torch's extensions folder, its notes said on rank 0."""
+    """``check_build_locks`` of torch's extensions folder where this torch waits on lock files, notes said on rank 0."""
     from lightning.pytorch.utilities import rank_zero_warn
 
+    if not waits_on_lock_files():
+        return
     for note in check_build_locks():
         rank_zero_warn(note)
