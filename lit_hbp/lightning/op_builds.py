@@ -62,8 +62,9 @@ def check_build_locks(root: Path | None = None, recheck_s: float = RECHECK_S) ->
         )
         if why:
             raise ConfigError(
-                f"{lock}: a build of {lock.parent.name} that was stopped left this lock ({why}); DeepSpeed's set-up "
-                f"would wait on it forever: remove it (rm {lock}) and run again"
+                f"{lock}: a build of {lock.parent.name} that was stopped (or one by torch >= 2.14, which keeps it) "
+                f"left this lock ({why}); DeepSpeed's set-up would wait on it forever: remove it (rm {lock}) and run "
+                "again"
             )
         notes.append(
             f"{lock} is {age:.0f} s old: a build of {lock.parent.name} in another process, or one that was stopped; "
