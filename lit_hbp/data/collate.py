@@ -75,8 +75,8 @@ def collate_packs(
     if media is not None:
         extra = [media(int(i)) for i in sample_ids]
         if any(extra):
-            names = [where(int(i)) if where else f"sample {int(i)}" for i in sample_ids]
-            mm = collate_media(extra, lens.tolist(), total, names, pad_images)
+            named = lambda j: where(int(sample_ids[j])) if where else f"sample {int(sample_ids[j])}"  # noqa: E731
+            mm = collate_media(extra, lens.tolist(), total, named, pad_images)  # named: read on a refusal only
             items = media_items(extra)
             if rope is not None:
                 mm["position_ids"] = rope.pack([p[0] for p in parts], extra, total)

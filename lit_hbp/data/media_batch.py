@@ -14,7 +14,7 @@ depend on the images (``MRopePositions``). How the model then encodes them: ``li
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,12 +73,12 @@ def collate_media(
     parts: Sequence[Mapping[str, torch.Tensor]],
     lengths: Sequence[int],
     total: int,
-    names: Sequence[str] | None = None,
+    names: Callable[[int], str] | None = None,
     pad_images: bool = False,
 ) -> dict:
     """The pack's multimodal inputs from each record's (``media_of``) in pack order; per-token fields
     padded with 0 to the pack's ``total`` tokens; the same keys present in every record or refused
-    (``names``: each part's record, for the refusal). Anyres tiles are padded to the pack's most tiles;
+    (``names(j)``: part j's record, for the refusal). Anyres tiles are padded to the pack's most tiles;
     with ``pad_images`` (``pads_images``) images of different sizes, each with its ``image_sizes``, to the
     pack's largest height and width, as the family's processor pads a batch."""
     keys = {k for p in parts for k in p}
@@ -109,7 +109,7 @@ def collate_media(
             first: dict[tuple, int] = {}
             for j, v in zip(holders, values):
                 first.setdefault(tuple(v.shape[1:]), j)
-            shapes = ", ".join(f"{list(shape)} ({names[j] if names else f'record {j} of the pack'})"
+            shapes = ", ".join(f"{list(shape)} ({names(j) if names else f'record {j} of the pack'})"
                                for shape, j in first.items())  # fmt: skip
             hint = (
                 ": the family's forward takes a pack's videos as one [videos, frames, ...] tensor (LLaVA-OneVision's), "
