@@ -474,8 +474,8 @@ VLM_TESTED = {
     "llava_onevision": "images, sp 1 and 2 (a record's images encoded together); videos of one frame count",
     **{family: "images, sp 1 (its default config, shrunk)" for family in DEFAULT_BUILT},
     **{family: "images and videos, sp 1 (its default config, shrunk)" for family in DEFAULT_BUILT_VIDEOS},
-    **{family: "images, sp 1 (its default config, shrunk); images of different sizes in a pack"
-       for family in ("mistral3", "lighton_ocr")},  # test_images_of_different_sizes_join_a_pack_...
+    **{family: "images, sp 1 and 2 (its default config, shrunk); images of different sizes in a pack"
+       for family in ("mistral3", "lighton_ocr")},  # test_images_of_different_sizes_join_a_pack_..., test_vision_sp
     **{family: "images, sp 1 and Ulysses sp 2; its Gated DeltaNet layers run document by document beside full "
                "attention (its default config, shrunk)" for family in HYBRID_VLMS},
 }  # fmt: skip

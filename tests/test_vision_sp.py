@@ -28,7 +28,12 @@ from vision_models import (
 from lit_hbp.model.sp_media import Route, owners
 
 EXACT = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next"]
-RECORDS = {"images": three_records, "videos": video_records, "counted": counted_records}
+RECORDS = {
+    "images": three_records,
+    "videos": video_records,
+    "counted": counted_records,
+    "sized": functools.partial(counted_records, sizes={1: (16, 32)}),  # a 32x32 and a 16x32 image
+}
 LAYOUTS = {"ulysses": (2, 1), "cp": (2, 2)}
 
 
@@ -47,12 +52,13 @@ def folders(tmp_path_factory):
 def collate(records, model, sp: int, cp: int, kind: str):
     """The whole pack of ``records`` (processor-style, with labels) padded for the layout."""
     from lit_hbp.data.collate import collate_packs
-    from lit_hbp.data.media_batch import MRopePositions, media_of
+    from lit_hbp.data.media_batch import MRopePositions, media_of, pads_images
 
     tokens = [(r["input_ids"][0].numpy(), (r["labels"][0] != -100).numpy()) for r in records]
     media = [media_of(r, i, len(t[0])) for i, (r, t) in enumerate(zip(records, tokens))]
     return collate_packs([np.arange(len(records))], tokens.__getitem__, sp=sp, cp=cp, sp_kind=kind, loss_norm=1.0,
-                         media=media.__getitem__, rope=MRopePositions.of(model))  # fmt: skip
+                         media=media.__getitem__, rope=MRopePositions.of(model),
+                         pad_images=pads_images(model.config))  # fmt: skip
 
 
 def sp_step(folder: str, weights: str, sp: int, cp: int, media: str = "images") -> dict:
@@ -168,6 +174,21 @@ def test_a_hybrid_vlms_image_pack_at_ulysses_sp_2_trains_like_each_record_alone(
     results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), 2, 1, "counted")
     assert_like_one_process(results, want_ce, want)
     assert sum(sum(r["encoded"], 0) for r in results) == 2  # the pack's two images, each encoded once
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("family", ["mistral3", "lighton_ocr"])
+def test_pixtral_images_of_different_sizes_are_padded_and_split_on_an_sp_level(pool, tmp_path, family, layout):
+    """Mistral 3 and LightOnOCR (Pixtral's tower cuts each image back to its ``image_sizes``): a pack of a 32x32 and
+    a 16x32 image and a text record, the second image padded to the first's size as its processor pads a batch, at
+    sp 2: each rank encodes one image (its own ``image_sizes`` row beside it), and the loss and every gradient equal
+    each record alone in one process."""
+    folder = build_default(tmp_path / family, family)
+    want_ce, want = reference(folder, tmp_path / "weights.pt", "sized")
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "sized")
+    assert_like_one_process(results, want_ce, want)
+    assert sorted(n for r in results for n in r["encoded"]) == [1, 1]  # one image on each rank
 
 
 @pytest.mark.parametrize("family", ["internvl", "video_llava"])
