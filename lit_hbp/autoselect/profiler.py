@@ -130,7 +130,7 @@ class AnalyticProfiler:
             self._stats[key] = pack_stats(
                 self.lengths, pack_len, self.seed, sp=key[1], cp=key[2], extra_work=work, model=self.cost.model,
                 memo=self._packs,
-            )
+            )  # fmt: skip
         tokens, sum_sq, vision = self._stats[key]
         mixer = None
         if self.cost.model.mixing:  # a hybrid's mixers: what the busiest rank runs of each pack, padding included
