@@ -116,6 +116,38 @@ def test_a_configs_clipping_must_be_the_trainers(tmp_path, small_demo):
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
+def test_lightnings_will_not_clip_warning_is_left_out_for_the_module_whose_clipping_deepspeed_runs(
+    tmp_path, small_demo, recwarn
+):
+    """Lightning warned on every HBPStrategy run that clips that HBPLitModule's configure_gradient_clipping "will not
+    actually clip gradients": DeepSpeed clips in its step at gradient_clip_val (here 1e-4 moves the weights otherwise
+    than no clipping), so the warning is left out for it. A user's module that overrides the hook itself still gets
+    it (DeepSpeed clips its run alike, whatever its hook does)."""
+    from lit_hbp.lightning.deepspeed_config import CLIPPING_WARNING
+
+    def weights(module):
+        return torch.cat([p.detach().flatten() for p in module.model.parameters()])
+
+    clipped = fit(tmp_path / "clip", small_demo, HBPStrategy(stage=2), gradient_clip_val=1e-4)
+    assert not [w for w in recwarn if CLIPPING_WARNING in str(w.message)]
+    free = fit(tmp_path / "free", small_demo, HBPStrategy(stage=2))
+    assert not torch.allclose(weights(clipped), weights(free))
+
+    class OwnClipping(HBPLitModule):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    L.seed_everything(0)
+    dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache")
+    module = OwnClipping(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+    recwarn.clear()
+    trainer = quiet_trainer(strategy=HBPStrategy(stage=2), max_steps=1, default_root_dir=tmp_path / "own",
+                            gradient_clip_val=1e-4)  # fmt: skip
+    trainer.fit(module, dm)
+    assert [w for w in recwarn if CLIPPING_WARNING in str(w.message)]
+    assert torch.allclose(weights(module), weights(clipped))
+
+
 def test_the_strategys_levels_must_lay_out_as_the_data_modules():
     """A strategy's CP level beside the data module's plain one: the batches trained Ulysses (cp 1) while the
     set-up line and the self-check said CP (the layout was not compared)."""

@@ -555,6 +555,26 @@ def test_a_fused_adamw_steps_under_bf16_mixed_precision_with_clipping(
     assert "optimizer: AdamW (fused)" in caplog.text
 
 
+@pytest.mark.parametrize("strategy", ["auto", "hbp_ddp"])
+def test_a_clip_value_of_zero_or_below_clips_nothing_as_in_lightning(chat_data, toy_tokenizer, tmp_path, strategy):
+    """Lightning's precision plugin clips nothing for ``gradient_clip_val <= 0``; the module's own clipping (one
+    device, DDP) took -1.0 as a norm of -1 and flipped every gradient (the loss rose each step, without a word).
+    Two steps with -1.0, 0.0 and no clipping end on the same weights; 1e-3 clips (the weights differ)."""
+    import lit_hbp.lightning.strategy  # noqa: F401  (registers hbp_ddp)
+
+    dm = HBPDataModule(
+        sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=[{"pack_len": 128}],
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    weights = {}
+    for clip in (None, -1.0, 0.0, 1e-3):
+        module = make_module(vocab=dm.vocab_size, lr=1e-2)
+        quiet_trainer(max_steps=2, strategy=strategy, gradient_clip_val=clip).fit(module, dm)
+        weights[clip] = torch.cat([p.detach().flatten() for p in module.model.parameters()])
+    assert torch.equal(weights[-1.0], weights[None]) and torch.equal(weights[0.0], weights[None])
+    assert not torch.allclose(weights[1e-3], weights[None])
+
+
 def test_a_fit_the_modules_schedule_or_model_cannot_follow_is_refused(chat_data, toy_tokenizer, tmp_path):
     """Lightning's StochasticWeightAveraging copied the module before its model was built and averaged nothing (the
     run ended on its last step's weights, its learning rates in place of the schedule); a run with neither

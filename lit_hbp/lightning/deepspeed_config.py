@@ -5,9 +5,11 @@ DeepSpeed leaves changed in torch after the run that it puts back."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -135,6 +137,24 @@ def check_clipping(user_clip: float | None, trainer_clip: float | None) -> None:
         f"{WHERE}: the DeepSpeed config's gradient_clipping {user_clip} and trainer.gradient_clip_val "
         f"{trainer_clip} differ, and DeepSpeed clips at the config's: give one of them"
     )
+
+
+# Lightning's warning at DeepSpeed's set-up for any module that overrides configure_gradient_clipping.
+CLIPPING_WARNING = "Since DeepSpeed handles gradient clipping internally"
+
+
+@contextlib.contextmanager
+def module_clipping_warning(module_type: type) -> Iterator[None]:
+    """Lightning warns at DeepSpeed's set-up that a module's own ``configure_gradient_clipping`` "will not actually
+    clip gradients". HBPLitModule's hands the clipping to DeepSpeed's step, at ``trainer.gradient_clip_val``
+    (``check_clipping``), so for it the warning is wrong (it printed on every HBPStrategy run that clips) and is
+    left out; any other module's own hook (a subclass's too) keeps it."""
+    hook = getattr(module_type, "configure_gradient_clipping", None)
+    ours = getattr(hook, "__qualname__", "") == "HBPLitModule.configure_gradient_clipping"
+    with warnings.catch_warnings():
+        if ours and getattr(hook, "__module__", "") == "lit_hbp.lightning.module":
+            warnings.filterwarnings("ignore", message=CLIPPING_WARNING)
+        yield
 
 
 def with_run_defaults(config: dict[str, Any]) -> dict[str, Any]:

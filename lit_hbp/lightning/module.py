@@ -560,7 +560,7 @@ class HBPLitModule(L.LightningModule):
         gradients (one device, DDP; not DeepSpeed, which clips in its own step, nor a sharding strategy,
         whose norm is over shards): ``clip_grad_norm_`` with torch's multi-tensor kernels, the norm left
         on the device (Lightning's own clips tensor by tensor off CUDA, and refuses the fused AdamW under
-        bf16 though bf16 has no loss scale to undo). Otherwise Lightning's."""
+        bf16 though bf16 has no loss scale to undo). Otherwise Lightning's. <= 0 clips nothing, as in Lightning."""
         from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
         trainer = self.trainer
@@ -570,7 +570,7 @@ class HBPLitModule(L.LightningModule):
         whole = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(
             strategy, DeepSpeedStrategy
         )
-        if gradient_clip_val and by_norm and unscaled and whole:
+        if gradient_clip_val is not None and gradient_clip_val > 0 and by_norm and unscaled and whole:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, gradient_clip_val, foreach=True)
             return

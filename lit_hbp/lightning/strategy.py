@@ -16,6 +16,9 @@ Also fixed here, for DeepSpeed:
   each save is a new tag and ``latest`` is written last (``lit_hbp.lightning.checkpoints``).
 - Lightning's DeepSpeedStrategy refuses CPU accelerators; on CPU this strategy initializes
   DeepSpeed with gloo and ``device_rank=local_rank``, so the whole path runs and is tested on CPU.
+
+Both strategies live in one module on purpose (just over 600 lines): they share ``LevelGroups``, the batch
+hand-over and the process-group release, and a config names either by this one path.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from lit_hbp.lightning.deepspeed_config import (  # noqa: E402
     check_config_sections,
     check_half_precision_stage,
     check_precision_sections,
+    module_clipping_warning,
     overflow_note,
     put_back_torch_linear,
     sharding_note,
@@ -407,6 +411,10 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         module = self.lightning_module
         check_clipping(self._user_clip, None if module is None else module.trainer.gradient_clip_val)
         self.config = without_overflow_check(self.config, self._overflow_check_asked)
+
+    def init_deepspeed(self) -> None:
+        with module_clipping_warning(type(self.lightning_module)):
+            super().init_deepspeed()
 
     @property
     def _on_cpu(self) -> bool:
