@@ -224,6 +224,11 @@ def test_pack_samples_takes_hugging_face_records_and_level_settings():
             pack_samples([pairs[0], flat])
     with pytest.raises(ValueError, match="sample 0: its attention_mask has zeros"):
         pack_samples([dict(records[0], attention_mask=[1] * (len(records[0]["input_ids"]) - 1) + [0])])
+    # None is no value, as the model's forward reads it: no mask (all attended), or no labels (then none given)
+    unmasked = pack_samples([dict(records[0], attention_mask=None)])
+    assert torch.equal(unmasked.labels, pack_samples([records[0]]).labels)
+    with pytest.raises(ValueError, match=r"sample 0: give input_ids and one of supervised or labels, got \['inpu"):
+        pack_samples([{"input_ids": records[0]["input_ids"], "labels": None}])
     with pytest.raises(ValueError, match=r"sample 0: pack_samples does not use \['cross_attention_mask'\]"):
         pack_samples([dict(records[0], cross_attention_mask=[0])])  # mllama's: its images are cross-attended
     with pytest.raises(ValueError, match=r"sample 0: token_type_ids must hold one value per token \(1 for 33\)"):

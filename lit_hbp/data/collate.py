@@ -184,6 +184,7 @@ def _sample(i: int, sample: Any) -> tuple[np.ndarray, np.ndarray, dict]:
     if not isinstance(sample, Mapping):
         ids, mask = _pair(i, sample)
     else:
+        sample = {k: v for k, v in sample.items() if v is not None}  # None is no value, as a model's forward reads it
         known = {"input_ids", "supervised", "labels", "attention_mask", *MM_KEYS}
         unknown = sorted(set(sample) - known - SAMPLE_INFO)
         if unknown:
