@@ -224,6 +224,10 @@ def test_pack_samples_takes_hugging_face_records_and_level_settings():
             pack_samples([pairs[0], flat])
     with pytest.raises(ValueError, match="sample 0: its attention_mask has zeros"):
         pack_samples([dict(records[0], attention_mask=[1] * (len(records[0]["input_ids"]) - 1) + [0])])
+    vocab = model.config.vocab_size
+    for pad_id, given, bound in ((-1, None, "vocabulary size"), (1.0, None, "vocabulary size"), (vocab, model, vocab)):
+        with pytest.raises(ValueError, match=rf"pad_id must be a token id in \[0, {bound}\), got {pad_id}"):
+            pack_samples([records[0]], pad_id=pad_id, model=given)
     # None is no value, as the model's forward reads it: no mask (all attended), or no labels (then none given)
     unmasked = pack_samples([dict(records[0], attention_mask=None)])
     assert torch.equal(unmasked.labels, pack_samples([records[0]]).labels)

@@ -141,6 +141,10 @@ def pack_samples(
     level settings ``packed_loss`` applies for the call. Without ``loss_norm`` (the optimizer step's
     supervised tokens / (world size x accumulation): ``step_loss_norm`` computes it over the ranks) train
     with the ``token_mean`` or ``sum`` loss; levels with sequence parallelism need HBPDataModule's plan."""
+    embed = getattr(model, "get_input_embeddings", lambda: None)() if model is not None else None
+    vocab = getattr(embed, "num_embeddings", None)
+    if not isinstance(pad_id, (int, np.integer)) or isinstance(pad_id, bool) or not 0 <= pad_id < (vocab or np.inf):
+        raise ValueError(f"pad_id must be a token id in [0, {vocab or 'vocabulary size'}), got {pad_id!r}")
     parts = [_sample(i, sample) for i, sample in enumerate(samples)]
     if not parts:
         raise ValueError("pack_samples got no samples")
