@@ -149,10 +149,11 @@ def module_clipping_warning(module_type: type) -> Iterator[None]:
     clip gradients". HBPLitModule's hands the clipping to DeepSpeed's step, at ``trainer.gradient_clip_val``
     (``check_clipping``), so for it the warning is wrong (it printed on every HBPStrategy run that clips) and is
     left out; any other module's own hook (a subclass's too) keeps it."""
-    hook = getattr(module_type, "configure_gradient_clipping", None)
-    ours = getattr(hook, "__qualname__", "") == "HBPLitModule.configure_gradient_clipping"
+    from lit_hbp.lightning.module import HBPLitModule  # here: the strategy also trains modules of one's own
+
+    ours = getattr(module_type, "configure_gradient_clipping", None) is HBPLitModule.configure_gradient_clipping
     with warnings.catch_warnings():
-        if ours and getattr(hook, "__module__", "") == "lit_hbp.lightning.module":
+        if ours:
             warnings.filterwarnings("ignore", message=CLIPPING_WARNING)
         yield
 
