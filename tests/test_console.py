@@ -7,6 +7,7 @@ import csv
 import glob
 import io
 import logging
+import re
 import types
 from pathlib import Path
 
@@ -311,6 +312,19 @@ def test_progress_bar_over_epochs_in_a_plain_project(tmp_path):
     ends = [(n, total, desc) for when, n, total, desc in probe.shown if when == "batch end"]
     assert ends[7] == (4, 8, "Epoch 0/1") and ends[-1] == (8, 8, "Epoch 1/1")
     assert ("epoch start", 4, 8, "Epoch 1/1") in probe.shown
+
+
+def test_progress_bar_in_a_log_file_renders_only_the_runs_steps(tmp_path, capsys):
+    """In a log file (not a terminal) every render of the bar is a line: Lightning's epoch start rendered two
+    more with the epoch's micro-batches as the total (``Epoch 1: 0/8``) and a negative rate. Reference: the
+    run's own counts (3 epochs of 8 batches, accumulate 2: 12 steps, 4 an epoch)."""
+    plain_fit(tmp_path, [HBPProgressBar()], max_epochs=3, accumulate_grad_batches=2, enable_progress_bar=True)
+    renders = [r.strip() for r in re.split(r"[\r\n]+", capsys.readouterr().out) if r.startswith("Epoch")]
+    shown = [re.match(r"Epoch (\d)/2: +\d+%\|.*\| (\d+)/12 steps \[[^-]*\]$", r) for r in renders]
+    assert all(shown), renders
+    steps_by_epoch = [[int(m[2]) for m in shown if int(m[1]) == e] for e in range(3)]
+    assert [s[0] for s in steps_by_epoch] == [0, 4, 8] and [s[-1] for s in steps_by_epoch] == [4, 8, 12]
+    assert all(s == sorted(s) for s in steps_by_epoch), renders
 
 
 def test_progress_bar_total_is_the_steps_the_run_trains_when_epochs_end_it_before_max_steps(tmp_path):

@@ -165,15 +165,17 @@ def test_transformers_loss_takes_the_labels_pre_shifted_or_refuses():
 
 def test_what_packed_loss_cannot_use_is_refused_by_name():
     """Each of these trained something else without a word (or stopped on a message about something else): a
-    loss_norm of 0, a negative or NaN one; weights of another length than the pack; a loss name beside weights;
-    labels replaced without their targets' positions; checkpointing a negative or fractional number of layers;
-    liger on a machine without CUDA."""
+    loss_norm of 0, a negative or NaN one, a tensor; weights of another length than the pack; a loss name beside
+    weights; labels replaced without their targets' positions; checkpointing a negative or fractional number of
+    layers; liger on a machine without CUDA."""
     model = prepare_model(tiny_model())
     batch = pack_samples(samples())
     for norm in (0.0, -10.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"loss_norm must be a finite number > 0 .* got"):
             packed_loss(model, batch.replace(loss_norm=norm))
     assert float(packed_loss(model, batch.replace(loss_norm=np.float32(4.0))).loss) > 0  # numpy numbers are numbers
+    with pytest.raises(TypeError, match=r"loss_norm must be a Python number \(float\(\.\.\.\) of it.* got a tensor"):
+        packed_loss(model, batch.replace(loss_norm=torch.tensor(4.0)))
     length = batch.input_ids.shape[1]
     for shape in ((length + 1,), (length - 1,), (), (2, length)):
         with pytest.raises(

@@ -54,14 +54,21 @@ class HBPProgressBar(TQDMProgressBar):
         self._show_run(trainer)  # a mid-epoch resume starts here: Lightning calls no on_train_epoch_start
 
     def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        super().on_train_epoch_start(trainer, *args)
+        # Not Lightning's: its reset and renaming render the bar twice with the epoch's micro-batches as the
+        # total and a negative rate, each render a line of its own in a log file.
+        if self._leave:
+            self.train_progress_bar = self.init_train_tqdm()
         self._show_run(trainer)
 
     def _show_run(self, trainer: L.Trainer) -> None:
         bar = self.train_progress_bar
+        shown = (bar.total, bar.n, bar.desc)
         bar.total = planned_steps(trainer)
-        bar.n = bar.initial = bar.last_print_n = trainer.global_step  # the rate counts this session's steps
-        bar.set_description(epoch_description(trainer))
+        bar.n = bar.initial = bar.last_print_n = trainer.global_step  # the rate counts this epoch's steps
+        bar.set_description(epoch_description(trainer), refresh=False)
+        if (bar.total, bar.n, bar.desc) != shown:  # an epoch's start after the run's start: rendered once
+            bar.last_print_t = bar.start_t = time.time()
+            bar.refresh()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int

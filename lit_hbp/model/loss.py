@@ -43,6 +43,12 @@ def token_scale(batch: PackedBatch, normalizer: str) -> float | None:
                 "(lit_hbp.step_loss_norm(the_steps_micro_batches) gives it; batch.replace(loss_norm=norm) sets it)"
             )
         norm = batch.loss_norm
+        if isinstance(norm, torch.Tensor):
+            raise TypeError(
+                f"loss_norm must be a Python number (float(...) of it: the step's supervised tokens per rank and "
+                f"micro-batch, step_loss_norm), got a tensor {norm!r}: a tensor's value would be read from the "
+                "device on every micro-batch"
+            )
         if isinstance(norm, bool) or not isinstance(norm, numbers.Real) or not 0 < norm < float("inf"):
             raise ValueError(
                 f"loss_norm must be a finite number > 0 (the step's supervised tokens per rank and micro-batch: "
