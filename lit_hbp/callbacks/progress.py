@@ -62,6 +62,8 @@ class HBPProgressBar(TQDMProgressBar):
 
     def _show_run(self, trainer: L.Trainer) -> None:
         bar = self.train_progress_bar
+        if bar.disable:  # ranks other than 0 (a disabled tqdm keeps no description)
+            return
         shown = (bar.total, bar.n, bar.desc)
         bar.total = planned_steps(trainer)
         bar.n = bar.initial = bar.last_print_n = trainer.global_step  # the rate counts this epoch's steps
