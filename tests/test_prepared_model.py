@@ -224,6 +224,12 @@ def test_pack_samples_takes_hugging_face_records_and_level_settings():
             pack_samples([pairs[0], flat])
     with pytest.raises(ValueError, match="sample 0: its attention_mask has zeros"):
         pack_samples([dict(records[0], attention_mask=[1] * (len(records[0]["input_ids"]) - 1) + [0])])
+    n = len(records[0]["input_ids"])
+    for wrong in ([1] * (n - 1), [1] * (n + 1), [[1] * n] * 2):  # the mask of another sample, or a batch's
+        with pytest.raises(
+            ValueError, match=rf"sample 0: its attention_mask must hold one value per token \(\d+ for {n}\)"
+        ):
+            pack_samples([dict(records[0], attention_mask=wrong)])
     vocab = model.config.vocab_size
     for pad_id, given, bound in ((-1, None, "vocabulary size"), (1.0, None, "vocabulary size"), (vocab, model, vocab)):
         with pytest.raises(ValueError, match=rf"pad_id must be a token id in \[0, {bound}\), got {pad_id}"):

@@ -200,11 +200,18 @@ def _sample(i: int, sample: Any) -> tuple[np.ndarray, np.ndarray, dict]:
         if "input_ids" not in sample or ("supervised" in sample) == ("labels" in sample):
             raise ValueError(f"sample {i}: give input_ids and one of supervised or labels, got {sorted(sample)}")
         ids = _row(sample["input_ids"])
-        if "attention_mask" in sample and not np.all(_row(sample["attention_mask"]) == 1):
-            raise ValueError(
-                f"sample {i}: its attention_mask has zeros (padding): pack samples without padding, each attends "
-                "only to itself"
-            )
+        if "attention_mask" in sample:
+            attend = _row(sample["attention_mask"])
+            if attend.shape != ids.shape:
+                raise ValueError(
+                    f"sample {i}: its attention_mask must hold one value per token ({attend.size} for {ids.size}): "
+                    "the mask of another sample, or of the sample before a cut?"
+                )
+            if not np.all(attend == 1):
+                raise ValueError(
+                    f"sample {i}: its attention_mask has zeros (padding): pack samples without padding, each "
+                    "attends only to itself"
+                )
         if "labels" in sample:
             labels = _row(sample["labels"])
             if labels.shape != ids.shape:

@@ -499,8 +499,15 @@ class RecordReader:
         return Conversation(None, self._required(record, "text", where), where)
 
     def _tokens(self, record: Mapping, where: str) -> TokenRecord:
-        mask = record.get(self.name("attention_mask"))
-        if mask is not None and not (isinstance(mask, (list, tuple)) and all(x == 1 for x in mask)):
+        mask, ids = record.get(self.name("attention_mask")), record.get(self.name("input_ids"))
+        n_ids = len(ids) if isinstance(ids, (list, tuple)) else None  # other input_ids are refused when read
+        if mask is not None and not (isinstance(mask, (list, tuple)) and len(mask) == (n_ids or len(mask))):
+            given = f"{len(mask)} values" if isinstance(mask, (list, tuple)) else f"a {type(mask).__name__}"
+            raise DataError(
+                f"{where}: attention_mask must hold one value per token of input_ids ({given} for {n_ids} tokens): "
+                "a pre-tokenized record holds one unpadded sample"
+            )
+        if mask is not None and not all(x == 1 for x in mask):
             raise DataError(
                 f"{where}: attention_mask has zeros: a pre-tokenized record must hold one unpadded sample "
                 "(lit-hbp packs and pads itself)"
