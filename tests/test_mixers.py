@@ -146,6 +146,28 @@ def test_a_pack_trains_like_each_document_alone_through_the_public_core(family):
     assert worst < 1e-4, f"{family}: gradient of {where} off by {worst:.1e}"
 
 
+@pytest.mark.parametrize("family", ["mamba", "mamba2", "falcon_mamba"])  # xLSTM bf16 fails in its own chunkwise code
+def test_bf16_weights_train_a_pack_as_each_document_alone(family):
+    """``model.to(torch.bfloat16)`` (a bf16-true run): Mamba's, Mamba2's and FalconMamba's decoders return fp32
+    hidden states, which their forward casts to the head's dtype (``packed_loss`` stopped on "expected m1 and m2
+    to have the same dtype"). Reference: each document alone through the unprepared bf16 model; both against the
+    fp32 model's, so the bound is bf16's own rounding (the packed run no further from fp32 than the alone one)."""
+    net32 = tiny(family).eval()
+    ref32, net = reference_of(net32), copy.deepcopy(net32).to(torch.bfloat16)
+    ref = reference_of(net)
+    docs = dict(enumerate(three_documents(net32.config.vocab_size)))
+    exact, alone = separate_loss(ref32, docs), separate_loss(ref, docs)
+    (exact + alone).backward()
+    prepare_model(net)
+    out = packed_loss(net.eval(), pack_samples(list(docs.values())), "sum")
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32 and out.ce_sum.dtype == torch.float32
+    assert abs(float(out.ce_sum) - float(exact)) <= 2 * abs(float(alone) - float(exact)) + 1e-3 * float(exact)
+    packed_off, where = gradient_error(net, ref32)
+    alone_off, _ = gradient_error(ref, ref32)
+    assert packed_off <= 2 * alone_off + 1e-2, f"{family}: {where} {packed_off:.2e} from fp32 (alone {alone_off:.2e})"
+
+
 @pytest.mark.parametrize("family", sorted(HYBRIDS))
 def test_the_cost_model_prices_attention_in_the_layers_that_attend(family, monkeypatch):
     """A hybrid's quadratic work is its attention layers' only (the mixers' is linear): the layers that ran

@@ -24,16 +24,27 @@ SCALES = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multipl
 CAPS = ("final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap")
 
 
+# Mamba's, Mamba2's, FalconMamba's, xLSTM's forward: ``self.lm_head(hidden_states.to(self.lm_head.weight.dtype))``
+# (their decoders return fp32 hidden states beside bf16 weights)
+CAST = re.compile(r"hidden_states\.to\(\s*(?:dtype\s*=\s*)?self\.lm_head\.weight\.dtype\s*\)")
+
+
 @dataclass(frozen=True)
 class OutputHead:
-    """logits = softcap(scale * linear(hidden)), as the family's forward computes them."""
+    """logits = softcap(scale * linear(hidden)), as the family's forward computes them; ``cast``: its forward
+    casts the hidden states to the layer's weight dtype first."""
 
     linear: torch.nn.Module
     scale: float = 1.0
     softcap: float | None = None
+    cast: bool = False
+
+    def inputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states as the layer takes them."""
+        return hidden.to(self.linear.weight.dtype) if self.cast else hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.linear(hidden)
+        out = self.linear(self.inputs(hidden))
         out = out.to(torch.promote_types(out.dtype, torch.float32))  # fp32 at least: float64 stays float64
         if self.scale != 1.0:
             out = out * self.scale
@@ -57,7 +68,8 @@ def output_head(net: torch.nn.Module) -> OutputHead:
     softcap = next(
         (float(getattr(config, n)) for n in CAPS if getattr(config, n, None) and (source is None or n in source)), None
     )
-    return OutputHead(net.get_output_embeddings(), scale, softcap)
+    cast = source is not None and CAST.search(source) is not None
+    return OutputHead(net.get_output_embeddings(), scale, softcap, cast)
 
 
 @functools.cache

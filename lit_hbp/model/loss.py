@@ -174,6 +174,7 @@ def fused_linear_cross_entropy(
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     h, target = _supervised(hidden, labels, index)
+    h = head.inputs(h)
     if head.scale != 1.0:
         h = h * head.scale
     linear = head.linear
