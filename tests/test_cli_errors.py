@@ -161,7 +161,7 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
         "stochastic weight averaging": (
             ["--trainer.callbacks+=lightning.pytorch.callbacks.StochasticWeightAveraging"]
             + ["--trainer.callbacks.swa_lrs", "0.001"],
-            "(StochasticWeightAveraging): it averages a copy of the module made before HBPLitModule builds its model",
+            "(StochasticWeightAveraging): it averages a copy of the module made before the model is built",
         ),
         "a run without an end": (
             ["--trainer.max_steps", "-1", "--trainer.max_epochs", "-1"],

@@ -273,6 +273,38 @@ def test_a_fast_dev_run_saves_what_lightning_alone_saves(tmp_path, save_last):
     assert saved(tmp_path / "lit_hbp", final=True) == saved(tmp_path / "lightning", final=False)
 
 
+class StepLosses(HBPLitModule):
+    """Each micro-batch's cross-entropy sum and supervised tokens, by the optimizer step it trains in."""
+
+    def training_step(self, batch, batch_idx):
+        loss, ce_sum, n = self(batch)
+        self._meter.add_loss(ce_sum, n)
+        self.seen.append((self.global_step + 1, float(ce_sum), n))
+        return loss
+
+
+def test_a_checkpoint_monitoring_train_loss_is_ranked_by_its_own_steps_loss(tmp_path, small_demo):
+    """``ModelCheckpoint(monitor="train/loss")`` saves in the callbacks' ``on_train_batch_end``, which ran before the
+    module logged the step's loss: every save was ranked by the step before's. Reference: each step's token mean of
+    its micro-batches' cross-entropy (accumulate 2), as a plain module logging in ``training_step`` is ranked."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="train/loss", every_n_train_steps=1, save_top_k=-1,
+                           filename="{step}")  # fmt: skip
+    L.seed_everything(0)
+    dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache")
+    module = StepLosses(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+    module.seen = []
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, accumulate_grad_batches=2, use_distributed_sampler=False,
+                        enable_model_summary=False, enable_progress_bar=False, logger=False, log_every_n_steps=1,
+                        default_root_dir=tmp_path, callbacks=[ckpt])  # fmt: skip
+    trainer.fit(module, dm)
+    want = {}
+    for step in sorted({s for s, _, _ in module.seen}):
+        ce, n = (sum(x) for x in zip(*[(c, k) for s, c, k in module.seen if s == step]))
+        want[f"step={step}.ckpt"] = ce / n
+    got = {Path(path).name: float(score) for path, score in ckpt.best_k_models.items()}
+    assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-5) for k in want), (got, want)
+
+
 # ---- 2. a resume says where it continues --------------------------------------------------------
 
 

@@ -595,6 +595,49 @@ def test_a_fit_the_modules_schedule_or_model_cannot_follow_is_refused(chat_data,
         endless.fit(make_module(vocab=dm.vocab_size), dm)
 
 
+def test_callbacks_that_would_act_on_no_model_or_another_schedule_are_refused(chat_data, toy_tokenizer, tmp_path):
+    """A BaseFinetuning freezing in its setup and ModelPruning collecting layers in its setup ran before the model
+    was built: nothing frozen (the "frozen" weights moved), nothing pruned, without a word; a LearningRateFinder
+    inside fit set the optimizer's rate, which the schedule took back at the next step; Tuner.lr_find with
+    accumulation read each step's last micro-batch's share of the loss. Each refused by name, before the model
+    loads; freezing on a model built before fit, and Tuner.lr_find one micro-batch a step, are served."""
+    from lightning.pytorch.callbacks import BaseFinetuning, LearningRateFinder, ModelPruning
+    from lightning.pytorch.tuner import Tuner
+
+    from lit_hbp.errors import ConfigError
+
+    class FreezeEmbeddings(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            for name, p in pl_module.named_parameters():
+                p.requires_grad_("embed_tokens" not in name)
+
+        def finetune_function(self, pl_module, epoch, optimizer):
+            pass
+
+    dm = HBPDataModule(
+        sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=[{"pack_len": 128}],
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    unbuilt = lambda: HBPLitModule(model=TINY, vocab_size=dm.vocab_size)  # noqa: E731
+    for callback, says in (
+        (FreezeEmbeddings(), "FreezeEmbeddings: it freezes the module's parameters in its setup"),
+        (ModelPruning("l1_unstructured", amount=0.5), "ModelPruning: it collects the module's layers in its setup"),
+        (LearningRateFinder(num_training_steps=4), "LearningRateFinder: inside fit it sets the optimizer's learning"),
+    ):
+        module = unbuilt()
+        with pytest.raises(ConfigError, match=says):
+            quiet_trainer(max_steps=2, callbacks=[callback]).fit(module, dm)
+        assert module.model is None  # refused before the model loads
+    built = make_module(vocab=dm.vocab_size)
+    embeddings = built.model.get_input_embeddings().weight.detach().clone()
+    quiet_trainer(max_steps=2, callbacks=[FreezeEmbeddings()]).fit(built, dm)
+    assert torch.equal(built.model.get_input_embeddings().weight, embeddings)
+    with pytest.raises(ConfigError, match="LearningRateFinder: with accumulate_grad_batches 2 its curve reads"):
+        Tuner(quiet_trainer(max_steps=2, accumulate_grad_batches=2)).lr_find(unbuilt(), dm, num_training=4)
+    found = Tuner(quiet_trainer(max_steps=2)).lr_find(unbuilt(), dm, num_training=4, min_lr=1e-4, max_lr=1e-2)
+    assert len(found.results["lr"]) == 4
+
+
 def test_weight_averaging_under_deepspeed_is_refused_where_no_checkpoint_would_hold_the_average(
     chat_data, toy_tokenizer, tmp_path
 ):

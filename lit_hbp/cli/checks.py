@@ -432,16 +432,15 @@ def check_fixed_accumulation(callbacks: Any) -> None:
             raise ConfigError(f"trainer.callbacks[{i}] ({kind.__name__}) {AVERAGED_UNDER_DEEPSPEED}")
 
 
-def check_no_swa(callbacks: Any) -> None:
-    """Lightning's ``StochasticWeightAveraging`` among the callbacks: refused (``module.SWA_REFUSED``)."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
-
-    from lit_hbp.lightning.module import SWA_REFUSED
+def check_refused_callbacks(callbacks: Any) -> None:
+    """A callback HBPLitModule cannot serve among the config's (``lightning.refused_callbacks``): refused now."""
+    from lit_hbp.lightning.refused_callbacks import refusal
 
     for i, entry in enumerate(_entries(callbacks)):
         kind = class_of(entry)
-        if isinstance(kind, type) and issubclass(kind, StochasticWeightAveraging):
-            raise ConfigError(f"trainer.callbacks[{i}] ({kind.__name__}): {SWA_REFUSED}")
+        why = refusal(kind) if isinstance(kind, type) else None
+        if why is not None:
+            raise ConfigError(f"trainer.callbacks[{i}] ({kind.__name__}): {why}")
 
 
 # What HBPLitModule and lit-hbp's callbacks log under a fixed name: a monitor a separator away from one is a typo
@@ -504,7 +503,7 @@ def check_trainer_values(section: Any) -> None:
         )
     if trainer.get("enable_checkpointing") is False or trainer.get("barebones") is True:
         check_no_checkpoint_callback(trainer.get("callbacks"), "barebones: true" if trainer.get("barebones") else "")
-    check_no_swa(trainer.get("callbacks"))
+    check_refused_callbacks(trainer.get("callbacks"))
     check_monitors(trainer.get("callbacks"))
     if is_deepspeed(trainer.get("strategy")):
         check_fixed_accumulation(trainer.get("callbacks"))

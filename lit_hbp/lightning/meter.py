@@ -58,7 +58,7 @@ class StepMeter:
     def __init__(self) -> None:
         self.ce: torch.Tensor | None = None
         self.targets = 0
-        self.ending = False  # in a micro-batch's callbacks' on_train_batch_end, before the module's own hook
+        self.logged = False  # this micro-step's metrics logged (by MicroStepEnd's call or the module's hook)
         self._spans: list[tuple[int, float, object, object]] = []
         self._start: object = None
 
@@ -68,6 +68,7 @@ class StepMeter:
         self.targets += targets
 
     def start(self, device: torch.device) -> None:
+        self.logged = False
         if device.type == "cuda":
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
@@ -75,7 +76,6 @@ class StepMeter:
             self._start = time.perf_counter()
 
     def stop(self, level: int, tokens: float) -> None:
-        self.ending = False
         if self._start is None:
             return
         if isinstance(self._start, float):
@@ -86,15 +86,17 @@ class StepMeter:
         self._spans.append((level, tokens, self._start, end))
         self._start = None
 
-    def read_loss(self, reduce=None) -> float | None:
+    def read_loss(self, reduce=None, keep: bool = False) -> float | None:
         """Token-mean cross-entropy since the last read over all ranks (``reduce`` sums a device
-        tensor over the world; every rank must call it), or None without a supervised token."""
+        tensor over the world; every rank must call it), or None without a supervised token. ``keep``: the
+        next read counts these micro-steps again (a stop's log, a point the uninterrupted run does not have)."""
         if self.ce is None:  # no micro-step since the last read, on any rank
             return None
         local = torch.stack([self.ce, torch.tensor(float(self.targets), device=self.ce.device)])
         total = reduce(local) if reduce is not None else local
         ce, targets = total.tolist()
-        self.ce, self.targets = None, 0
+        if not keep:
+            self.ce, self.targets = None, 0
         return ce / targets if targets > 0 else None
 
     def read_times(self) -> dict[int, tuple[float, float, int]]:
@@ -113,37 +115,28 @@ class StepMeter:
 
 
 class MicroStepEnd(L.Callback):
-    """Ends ``HBPLitModule``'s micro-step clock first among the callbacks' ``on_train_batch_end`` (the module adds it,
+    """Runs ``HBPLitModule.end_micro_step`` first among the callbacks' ``on_train_batch_end`` (the module adds it,
     ``configure_callbacks``): the module's own hook runs after every callback's, so a checkpoint saved at that step
-    (seconds, for a large model) counted as the level's training time, and its tokens per second fell at every save.
-    A checkpoint carries the loss since the last logged step: a resumed run's first ``train/loss`` averages the
-    micro-steps the uninterrupted run's did (it averaged only those after the resume). A run stopped between two
-    logged steps also logs them at its stop, as Lightning logs there: a point the uninterrupted run does not have."""
+    (seconds, for a large model) counted as the level's training time, and a ``ModelCheckpoint`` monitoring
+    ``train/loss`` ranked each save by the last logged step's loss. A checkpoint carries the loss since the last
+    logged step: a resumed run's first ``train/loss`` averages the micro-steps the uninterrupted run's did (it
+    averaged only those after the resume). A run stopped between two logged steps also logs them at its stop, as
+    Lightning logs there: a point the uninterrupted run does not have, which leaves them pending."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         trainer.callbacks = [self] + [c for c in trainer.callbacks if c is not self]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        meter = getattr(pl_module, "_meter", None)
-        if meter is not None:
-            meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # this rank's share of real tokens
-            meter.ending = True  # until the module's own hook, which reads the loss at a logging step
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        meter = getattr(pl_module, "_meter", None)
-        if meter is not None:
-            meter.ending = False  # the module's read will not come: a save on the exception carries the loss
+        end = getattr(pl_module, "end_micro_step", None)
+        if end is not None:
+            end(batch)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        """Every rank's loss since the last logged step, summed (each rank's save runs this), unless the module reads
-        it right after this save at a step of the logging schedule (a save in the callbacks' ``on_train_batch_end``):
-        the uninterrupted run logs it there too. A stop's own log (Lightning logs at the step a run stops at) is
-        extra: what the resumed run logs is still the uninterrupted run's."""
+        """Every rank's loss since the last logged step, summed (each rank's save runs this)."""
         meter = getattr(pl_module, "_meter", None)
         if meter is None:
             return
-        read_next = meter.ending and logs_by_schedule(trainer)
-        pending = (0.0, 0) if read_next or meter.ce is None else (float(meter.ce), meter.targets)
+        pending = (0.0, 0) if meter.ce is None else (float(meter.ce), meter.targets)
         # the strategy's device: after fit's teardown (an export's save at on_fit_end) the module is on the host
         total = torch.tensor(pending, dtype=torch.float64, device=trainer.strategy.root_device)
         if trainer.world_size > 1:
@@ -156,7 +149,7 @@ class MicroStepEnd(L.Callback):
         meter = getattr(pl_module, "_meter", None)
         if meter is None:
             return
-        meter.ce, meter.targets, meter.ending = None, 0, False
+        meter.ce, meter.targets = None, 0
         pending = checkpoint.get(PENDING_LOSS)
         if pending and trainer.global_rank == 0:  # summed over the world when the loss is read: counted once
             meter.add_loss(torch.tensor(pending["ce_sum"]), pending["targets"])

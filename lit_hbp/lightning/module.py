@@ -22,7 +22,7 @@ from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.checkpoints import AVERAGED_UNDER_DEEPSPEED, RESTORED, check_resumed_settings
-from lit_hbp.lightning.meter import MicroStepEnd, StepMeter, forget_last_window, logs_now
+from lit_hbp.lightning.meter import MicroStepEnd, StepMeter, forget_last_window, logs_by_schedule, logs_now
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
     check_optimizer_settings,
@@ -33,6 +33,7 @@ from lit_hbp.lightning.optimizer import (
     saved_group_sizes,
     zero_engine,
 )
+from lit_hbp.lightning.refused_callbacks import check_callbacks
 from lit_hbp.lightning.schedule import LR_SCHEDULE, long_warmup, lr_factor, run_steps, schedule_moved, take_schedule_now
 from lit_hbp.model import attention
 from lit_hbp.model.build import (
@@ -103,13 +104,6 @@ def _require_packed(batch: Any) -> None:
 
 
 ITER_REFUSED = "Lightning then hands the batch hooks no batch: take it (training_step(self, batch, batch_idx))"
-# Lightning's StochasticWeightAveraging copies the module at setup, before ``configure_model`` builds the model:
-# its average holds no weights, the run ends on its last step's, and its learning rates replace the schedule.
-SWA_REFUSED = (
-    "it averages a copy of the module made before HBPLitModule builds its model (configure_model), so it would "
-    "average nothing and replace the learning-rate schedule; use lightning.pytorch.callbacks.WeightAveraging "
-    "(an EMA of the weights), which builds the model first"
-)
 
 
 def _setting(key: str, apply, *args):
@@ -204,6 +198,8 @@ class HBPLitModule(L.LightningModule):
         self._resumed_step = 0
 
     def configure_model(self) -> None:
+        if self._trainer is not None and self.trainer.state.fn == "fit":
+            check_callbacks(self.trainer, built=self.model is not None)  # before a load, and a finder's fit
         if self.model is not None:
             return
         with zero3_loading(getattr(self._trainer, "strategy", None) if self._trainer is not None else None):
@@ -291,7 +287,7 @@ class HBPLitModule(L.LightningModule):
             take_schedule_now(self.lr_schedulers())  # the new schedule's rate from the resumed step on
 
     def on_fit_start(self) -> None:
-        from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+        from lightning.pytorch.callbacks import WeightAveraging
         from lightning.pytorch.strategies import DeepSpeedStrategy
         from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
@@ -299,8 +295,6 @@ class HBPLitModule(L.LightningModule):
             if is_param_in_hook_signature(getattr(self, hook), "dataloader_iter", explicit=True):
                 raise ConfigError(f"{type(self).__name__}.{hook}(dataloader_iter): {ITER_REFUSED}")
         for callback in getattr(self.trainer, "callbacks", ()):
-            if isinstance(callback, StochasticWeightAveraging):
-                raise ConfigError(f"trainer callback {type(callback).__name__}: {SWA_REFUSED}")
             if isinstance(callback, WeightAveraging) and isinstance(self.trainer.strategy, DeepSpeedStrategy):
                 raise ConfigError(f"trainer callback {type(callback).__name__}: {AVERAGED_UNDER_DEEPSPEED}")
         dm = getattr(self.trainer, "datamodule", None)
@@ -468,18 +462,23 @@ class HBPLitModule(L.LightningModule):
         return None if norm is None else norm.detach().float()
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """``MicroStepEnd``: the micro-step clock stops before the other callbacks' work (a checkpoint's save). A
-        subclass's own ``configure_callbacks`` keeps it with ``super().configure_callbacks()``."""
+        """``MicroStepEnd`` (``end_micro_step`` first); a subclass's keeps it with ``super().configure_callbacks()``."""
         return [MicroStepEnd()]
 
     def on_train_batch_end(self, outputs, batch: PackedBatch, batch_idx: int) -> None:
-        self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # unless MicroStepEnd did (a subclass's own)
-        if not logs_now(self.trainer):
+        self.end_micro_step(batch)  # again after the callbacks: one of them may have asked the run to stop
+
+    def end_micro_step(self, batch: PackedBatch) -> None:
+        """The micro-step's clock stopped and, at a step the loggers write, the step's metrics logged: first among
+        the callbacks' ``on_train_batch_end`` (``MicroStepEnd``), so a ``ModelCheckpoint`` or ``EarlyStopping``
+        monitoring ``train/loss`` at this step ranks this step's loss, as a plain module's ``training_step`` log."""
+        self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # once a micro-step: a second finds no start
+        if self._meter.logged or not logs_now(self.trainer):
             return
+        self._meter.logged = True
         forget_last_window(self.trainer)
-        # The micro-batch's plan fields, at the steps the loggers write (a value logged at another step
-        # would never be written: Lightning's self.log costs the host time all the same). Host values
-        # logged as host tensors: Lightning would copy a Python number to the device.
+        # The micro-batch's plan fields, at the steps the loggers write (a value logged at another step would never
+        # be written), as host tensors: Lightning would copy a Python number to the device.
         for key, value in (
             ("level", batch.level),
             ("sp", batch.sp),
@@ -490,7 +489,7 @@ class HBPLitModule(L.LightningModule):
             self.log(f"train/{key}", torch.tensor(float(value)), batch_size=1)
         # train/loss: token-mean CE over every rank and micro-step since the last logged step.
         reduce = partial(self.trainer.strategy.reduce, reduce_op="sum") if self.trainer.world_size > 1 else None
-        loss = self._meter.read_loss(reduce)
+        loss = self._meter.read_loss(reduce, keep=not logs_by_schedule(self.trainer))  # a stop's extra point
         if loss is not None:
             self.log("train/loss", torch.tensor(loss), prog_bar=True, batch_size=1)
         # The global gradient L2 norm before clipping, a device tensor read when the logger writes it.

@@ -1,0 +1,69 @@
+"""Lightning callbacks HBPLitModule cannot serve, refused by name before anything trains.
+
+Fine-tuning (freezing) and pruning callbacks act on the module in their ``setup``, before ``configure_model``
+builds the model, so they would act on nothing without a word (served where the model was built before fit);
+stochastic weight averaging copies the module there too and replaces the schedule; the learning-rate finder run
+inside ``fit`` sets the optimizer's rate, which the module's schedule takes back at the next step. Tuner's
+``lr_find`` (a finder that stops before training) is served, with one micro-batch per step: with several, the
+curve it reads is the last micro-batch's share of each step's loss (a token share, zero for an empty pack).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import BaseFinetuning, LearningRateFinder, ModelPruning, StochasticWeightAveraging
+
+from lit_hbp.errors import ConfigError
+
+BUILT_TOO_LATE = "(HBPLitModule builds its model in configure_model, after every callback's setup)"
+ALWAYS = {
+    StochasticWeightAveraging: (
+        f"it averages a copy of the module made before the model is built {BUILT_TOO_LATE}, so it would average "
+        "nothing and replace the learning-rate schedule; use lightning.pytorch.callbacks.WeightAveraging (an EMA of "
+        "the weights), which builds the model first"
+    ),
+}
+UNBUILT = {  # served where the module's model was built before fit (``module.configure_model()``)
+    BaseFinetuning: (
+        f"it freezes the module's parameters in its setup {BUILT_TOO_LATE}, so nothing would be frozen; freeze in a "
+        "subclass's configure_model, after super().configure_model() (requires_grad_(False) on the modules), or "
+        "train LoRA adapters (model.lora)"
+    ),
+    ModelPruning: (
+        f"it collects the module's layers in its setup {BUILT_TOO_LATE}, so nothing would be pruned; prune with "
+        "torch.nn.utils.prune in a callback of your own, on the built model"
+    ),
+}
+FINDER_IN_FIT = (
+    "inside fit it sets the optimizer's learning rate, which HBPLitModule's schedule takes back at the next step; "
+    "run lightning.pytorch.tuner.Tuner(trainer).lr_find(module, datamodule=...) before fit, then fit a module "
+    "made with lr set to its suggestion"
+)
+FINDER_ACCUMULATES = (
+    "with accumulate_grad_batches {n} its curve reads each step's last micro-batch's share of the loss (a share by "
+    "tokens, zero for an empty pack), not the step's loss; find the rate with accumulate_grad_batches 1"
+)
+
+
+def refusal(callback: Any, accumulate: int = 1, built: bool = False) -> str | None:
+    """Why ``callback`` (an instance or a class) cannot serve HBPLitModule, or None; ``built``: the module's model
+    was there at the callbacks' setup."""
+    kind = callback if isinstance(callback, type) else type(callback)
+    for refused, why in (ALWAYS | ({} if built else UNBUILT)).items():
+        if issubclass(kind, refused):
+            return why
+    if issubclass(kind, LearningRateFinder) and not isinstance(callback, type):
+        if not getattr(callback, "_early_exit", False):  # Tuner.lr_find's finder stops before training
+            return FINDER_IN_FIT
+        if accumulate > 1:
+            return FINDER_ACCUMULATES.format(n=accumulate)
+    return None
+
+
+def check_callbacks(trainer: Any, built: bool) -> None:
+    """The first of ``trainer``'s callbacks HBPLitModule cannot serve, refused by name (a ``ConfigError``)."""
+    for callback in trainer.callbacks:
+        why = refusal(callback, trainer.accumulate_grad_batches, built)
+        if why is not None:
+            raise ConfigError(f"trainer callback {type(callback).__name__}: {why}")
