@@ -838,7 +838,7 @@ def test_a_first_turn_that_trains_leaves_the_templates_preamble_out(train_on, qw
          r"messages\[0\].tool_calls\[0\] is a 'code' call: only function calls are read"),
         ({"input_ids": [1, 2, 3], "labels": [-100, None, 3]}, r"labels must be a flat list of integers"),
         ({"input_ids": [1.7, 2.2, 3.9]}, r"input_ids must be a flat list of integers"),
-        ({"input_ids": [1, 2, 3], "attention_mask": 1}, r"attention_mask must hold one value .*\(a int for 3"),
+        ({"input_ids": [1, 2, 3], "attention_mask": 1}, r"attention_mask must hold one value .*\(int 1 for 3"),
         ({"input_ids": [1, 2, 3], "attention_mask": [1, 1]}, r"attention_mask must hold one value .*\(2 values for 3"),
         ({"input_ids": [1, 2, 3], "attention_mask": [1, 0, 1]}, r"attention_mask has zeros"),
         ({"input_ids": [1, 2, 3], "labels": [-100, -100, 3], "assistant_masks": [0, 1, 1]},

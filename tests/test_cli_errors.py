@@ -163,6 +163,10 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             + ["--trainer.callbacks.swa_lrs", "0.001"],
             "(StochasticWeightAveraging): it averages a copy of the module made before the model is built",
         ),
+        "a learning-rate finder inside fit": (
+            ["--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateFinder"],
+            "(LearningRateFinder): inside fit it sets the optimizer's learning rate, which HBPLitModule's schedule",
+        ),
         "a run without an end": (
             ["--trainer.max_steps", "-1", "--trainer.max_epochs", "-1"],
             "trainer.max_steps: -1 with trainer.max_epochs: -1 trains without an end",

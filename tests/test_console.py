@@ -283,7 +283,34 @@ class StepLosses(HBPLitModule):
         return loss
 
 
-def test_a_checkpoint_monitoring_train_loss_is_ranked_by_its_own_steps_loss(tmp_path, small_demo):
+class OwnBatchStart(StepLosses):
+    """A subclass's own ``on_train_batch_start``, without ``super()``'s (the module's micro-step clock)."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        pass
+
+
+class StopAtStep(L.Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize(
+    "module_class, stop, log_every, saved",
+    [
+        (StepLosses, None, 1, [1, 2, 3, 4]),
+        (OwnBatchStart, None, 1, [1, 2, 3, 4]),  # logged at every step all the same
+        (StepLosses, StopAtStep(1), 50, [1, 2, 3, 4]),  # a stop min_steps holds: Lightning logs every step after it
+    ],
+    ids=["every_step", "own_batch_start", "stop_held_by_min_steps"],
+)
+def test_a_checkpoint_monitoring_train_loss_is_ranked_by_its_own_steps_loss(
+    tmp_path, small_demo, module_class, stop, log_every, saved
+):
     """``ModelCheckpoint(monitor="train/loss")`` saves in the callbacks' ``on_train_batch_end``, which ran before the
     module logged the step's loss: every save was ranked by the step before's. Reference: each step's token mean of
     its micro-batches' cross-entropy (accumulate 2), as a plain module logging in ``training_step`` is ranked."""
@@ -291,14 +318,15 @@ def test_a_checkpoint_monitoring_train_loss_is_ranked_by_its_own_steps_loss(tmp_
                            filename="{step}")  # fmt: skip
     L.seed_everything(0)
     dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache")
-    module = StepLosses(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+    module = module_class(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
     module.seen = []
-    trainer = L.Trainer(accelerator="cpu", max_steps=4, accumulate_grad_batches=2, use_distributed_sampler=False,
-                        enable_model_summary=False, enable_progress_bar=False, logger=False, log_every_n_steps=1,
-                        default_root_dir=tmp_path, callbacks=[ckpt])  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, min_steps=4, accumulate_grad_batches=2, logger=False,
+                        use_distributed_sampler=False, enable_model_summary=False, enable_progress_bar=False,
+                        log_every_n_steps=log_every, default_root_dir=tmp_path,
+                        callbacks=[ckpt, *([stop] if stop else [])])  # fmt: skip
     trainer.fit(module, dm)
     want = {}
-    for step in sorted({s for s, _, _ in module.seen}):
+    for step in saved:
         ce, n = (sum(x) for x in zip(*[(c, k) for s, c, k in module.seen if s == step]))
         want[f"step={step}.ckpt"] = ce / n
     got = {Path(path).name: float(score) for path, score in ckpt.best_k_models.items()}

@@ -601,15 +601,14 @@ def test_callbacks_that_would_act_on_no_model_or_another_schedule_are_refused(ch
     inside fit set the optimizer's rate, which the schedule took back at the next step; Tuner.lr_find with
     accumulation read each step's last micro-batch's share of the loss. Each refused by name, before the model
     loads; freezing on a model built before fit, and Tuner.lr_find one micro-batch a step, are served."""
-    from lightning.pytorch.callbacks import BaseFinetuning, LearningRateFinder, ModelPruning
+    from lightning.pytorch.callbacks import BaseFinetuning, LearningRateFinder, ModelPruning, WeightAveraging
     from lightning.pytorch.tuner import Tuner
 
     from lit_hbp.errors import ConfigError
 
     class FreezeEmbeddings(BaseFinetuning):
         def freeze_before_training(self, pl_module):
-            for name, p in pl_module.named_parameters():
-                p.requires_grad_("embed_tokens" not in name)
+            self.freeze(pl_module.model.get_input_embeddings())  # stopped on None.get_input_embeddings before
 
         def finetune_function(self, pl_module, epoch, optimizer):
             pass
@@ -628,10 +627,13 @@ def test_callbacks_that_would_act_on_no_model_or_another_schedule_are_refused(ch
         with pytest.raises(ConfigError, match=says):
             quiet_trainer(max_steps=2, callbacks=[callback]).fit(module, dm)
         assert module.model is None  # refused before the model loads
-    built = make_module(vocab=dm.vocab_size)
-    embeddings = built.model.get_input_embeddings().weight.detach().clone()
-    quiet_trainer(max_steps=2, callbacks=[FreezeEmbeddings()]).fit(built, dm)
-    assert torch.equal(built.model.get_input_embeddings().weight, embeddings)
+    for callbacks, module in (
+        ([FreezeEmbeddings()], make_module(vocab=dm.vocab_size)),  # built before fit
+        ([WeightAveraging(), FreezeEmbeddings()], unbuilt()),
+    ):  # built by the averaging's setup
+        quiet_trainer(max_steps=2, callbacks=callbacks).fit(module, dm)
+        embeddings = module.model.get_input_embeddings()
+        assert not embeddings.weight.requires_grad and embeddings.weight.grad is None
     with pytest.raises(ConfigError, match="LearningRateFinder: with accumulate_grad_batches 2 its curve reads"):
         Tuner(quiet_trainer(max_steps=2, accumulate_grad_batches=2)).lr_find(unbuilt(), dm, num_training=4)
     found = Tuner(quiet_trainer(max_steps=2)).lr_find(unbuilt(), dm, num_training=4, min_lr=1e-4, max_lr=1e-2)

@@ -40,6 +40,7 @@ from lit_hbp.callbacks.lost_rank import LostRankReport
 from lit_hbp.callbacks.summary import HBPModelSummary
 from lit_hbp.cli.checks import (
     check_logging_callbacks,
+    check_refused_callbacks,
     check_run_config,
     check_trainer_values,
     compact_config,
@@ -206,6 +207,7 @@ class HBPCLI(LightningCLI):
         self._guard(check_trainer_values, section)
         if self.subcommand == "fit":  # (Lightning's callbacks that need a logger ask for it in fit alone)
             self._guard(check_logging_callbacks, section.get("trainer"))
+            self._guard(check_refused_callbacks, (section.get("trainer") or {}).get("callbacks"))
         auto = section.get("ckpt_path") == AUTO
         self._guard(resolve_auto_resume, section)
         if auto and self.subcommand:  # the checkpoint found: its model settings, as an explicit --ckpt_path's

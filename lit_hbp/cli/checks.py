@@ -433,14 +433,13 @@ def check_fixed_accumulation(callbacks: Any) -> None:
 
 
 def check_refused_callbacks(callbacks: Any) -> None:
-    """A callback HBPLitModule cannot serve among the config's (``lightning.refused_callbacks``): refused now."""
-    from lit_hbp.lightning.refused_callbacks import refusal
+    """A callback HBPLitModule cannot serve in a fit among the config's (``lightning.refused_callbacks``; the
+    command line's model is built in ``configure_model``): refused before the data is read."""
+    from lit_hbp.lightning.refused_callbacks import refusals
 
-    for i, entry in enumerate(_entries(callbacks)):
-        kind = class_of(entry)
-        why = refusal(kind) if isinstance(kind, type) else None
-        if why is not None:
-            raise ConfigError(f"trainer.callbacks[{i}] ({kind.__name__}): {why}")
+    kinds = [k if isinstance(k := class_of(entry), type) else object for entry in _entries(callbacks)]
+    for i, kind, why in refusals(kinds):
+        raise ConfigError(f"trainer.callbacks[{i}] ({kind.__name__}): {why}")
 
 
 # What HBPLitModule and lit-hbp's callbacks log under a fixed name: a monitor a separator away from one is a typo
@@ -503,7 +502,6 @@ def check_trainer_values(section: Any) -> None:
         )
     if trainer.get("enable_checkpointing") is False or trainer.get("barebones") is True:
         check_no_checkpoint_callback(trainer.get("callbacks"), "barebones: true" if trainer.get("barebones") else "")
-    check_refused_callbacks(trainer.get("callbacks"))
     check_monitors(trainer.get("callbacks"))
     if is_deepspeed(trainer.get("strategy")):
         check_fixed_accumulation(trainer.get("callbacks"))

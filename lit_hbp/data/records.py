@@ -501,8 +501,9 @@ class RecordReader:
     def _tokens(self, record: Mapping, where: str) -> TokenRecord:
         mask, ids = record.get(self.name("attention_mask")), record.get(self.name("input_ids"))
         n_ids = len(ids) if isinstance(ids, (list, tuple)) else None  # other input_ids are refused when read
-        if mask is not None and not (isinstance(mask, (list, tuple)) and len(mask) == (n_ids or len(mask))):
-            given = f"{len(mask)} values" if isinstance(mask, (list, tuple)) else f"a {type(mask).__name__}"
+        listed = isinstance(mask, (list, tuple))
+        if mask is not None and not (listed and (n_ids is None or len(mask) == n_ids)):
+            given = f"{len(mask)} values" if listed else f"{type(mask).__name__} {mask!r}"
             raise DataError(
                 f"{where}: attention_mask must hold one value per token of input_ids ({given} for {n_ids} tokens): "
                 "a pre-tokenized record holds one unpadded sample"

@@ -58,7 +58,7 @@ class StepMeter:
     def __init__(self) -> None:
         self.ce: torch.Tensor | None = None
         self.targets = 0
-        self.logged = False  # this micro-step's metrics logged (by MicroStepEnd's call or the module's hook)
+        self.logged_at: int | None = None  # the micro-step (the fit loop's count) whose metrics were logged
         self._spans: list[tuple[int, float, object, object]] = []
         self._start: object = None
 
@@ -68,7 +68,6 @@ class StepMeter:
         self.targets += targets
 
     def start(self, device: torch.device) -> None:
-        self.logged = False
         if device.type == "cuda":
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()

@@ -198,8 +198,6 @@ class HBPLitModule(L.LightningModule):
         self._resumed_step = 0
 
     def configure_model(self) -> None:
-        if self._trainer is not None and self.trainer.state.fn == "fit":
-            check_callbacks(self.trainer, built=self.model is not None)  # before a load, and a finder's fit
         if self.model is not None:
             return
         with zero3_loading(getattr(self._trainer, "strategy", None) if self._trainer is not None else None):
@@ -462,20 +460,23 @@ class HBPLitModule(L.LightningModule):
         return None if norm is None else norm.detach().float()
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """``MicroStepEnd`` (``end_micro_step`` first); a subclass's keeps it with ``super().configure_callbacks()``."""
+        """``MicroStepEnd`` (``end_micro_step`` first); a subclass's keeps it with ``super().configure_callbacks()``.
+        Before any set-up: the callbacks a fit cannot serve are refused (``refused_callbacks``)."""
+        if self.trainer.state.fn == "fit":
+            check_callbacks(self.trainer, built=self.model is not None)
         return [MicroStepEnd()]
 
     def on_train_batch_end(self, outputs, batch: PackedBatch, batch_idx: int) -> None:
         self.end_micro_step(batch)  # again after the callbacks: one of them may have asked the run to stop
 
     def end_micro_step(self, batch: PackedBatch) -> None:
-        """The micro-step's clock stopped and, at a step the loggers write, the step's metrics logged: first among
-        the callbacks' ``on_train_batch_end`` (``MicroStepEnd``), so a ``ModelCheckpoint`` or ``EarlyStopping``
-        monitoring ``train/loss`` at this step ranks this step's loss, as a plain module's ``training_step`` log."""
+        """The micro-step's clock stopped and, at a step the loggers write, its metrics logged, first of the callbacks
+        (``MicroStepEnd``): a ``ModelCheckpoint`` of ``train/loss`` ranks this step's, as a ``training_step`` log."""
         self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # once a micro-step: a second finds no start
-        if self._meter.logged or not logs_now(self.trainer):
+        micro_step = self.trainer.fit_loop.epoch_loop.total_batch_idx
+        if self._meter.logged_at == micro_step or not logs_now(self.trainer):
             return
-        self._meter.logged = True
+        self._meter.logged_at = micro_step
         forget_last_window(self.trainer)
         # The micro-batch's plan fields, at the steps the loggers write (a value logged at another step would never
         # be written), as host tensors: Lightning would copy a Python number to the device.
@@ -489,7 +490,8 @@ class HBPLitModule(L.LightningModule):
             self.log(f"train/{key}", torch.tensor(float(value)), batch_size=1)
         # train/loss: token-mean CE over every rank and micro-step since the last logged step.
         reduce = partial(self.trainer.strategy.reduce, reduce_op="sum") if self.trainer.world_size > 1 else None
-        loss = self._meter.read_loss(reduce, keep=not logs_by_schedule(self.trainer))  # a stop's extra point
+        stops = self.trainer.should_stop and self.trainer.fit_loop._can_stop_early  # (not held by min_steps)
+        loss = self._meter.read_loss(reduce, keep=stops and not logs_by_schedule(self.trainer))  # a stop's extra point
         if loss is not None:
             self.log("train/loss", torch.tensor(loss), prog_bar=True, batch_size=1)
         # The global gradient L2 norm before clipping, a device tensor read when the logger writes it.

@@ -10,9 +10,16 @@ curve it reads is the last micro-batch's share of each step's loss (a token shar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from lightning.pytorch.callbacks import BaseFinetuning, LearningRateFinder, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    LearningRateFinder,
+    ModelPruning,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
 
 from lit_hbp.errors import ConfigError
 
@@ -47,23 +54,32 @@ FINDER_ACCUMULATES = (
 
 
 def refusal(callback: Any, accumulate: int = 1, built: bool = False) -> str | None:
-    """Why ``callback`` (an instance or a class) cannot serve HBPLitModule, or None; ``built``: the module's model
-    was there at the callbacks' setup."""
+    """Why ``callback`` (an instance, or a config's class) cannot serve HBPLitModule, or None; ``built``: the module's
+    model is there at the callback's setup."""
     kind = callback if isinstance(callback, type) else type(callback)
     for refused, why in (ALWAYS | ({} if built else UNBUILT)).items():
         if issubclass(kind, refused):
             return why
-    if issubclass(kind, LearningRateFinder) and not isinstance(callback, type):
-        if not getattr(callback, "_early_exit", False):  # Tuner.lr_find's finder stops before training
+    if issubclass(kind, LearningRateFinder):
+        if isinstance(callback, type) or not getattr(callback, "_early_exit", False):  # Tuner.lr_find's stops early
             return FINDER_IN_FIT
         if accumulate > 1:
             return FINDER_ACCUMULATES.format(n=accumulate)
     return None
 
 
+def refusals(callbacks: list, accumulate: int = 1, built: bool = False) -> Iterator[tuple[int, type, str]]:
+    """(index, class, why) of each of ``callbacks`` HBPLitModule cannot serve, in their order (their setups'):
+    a ``WeightAveraging`` builds the model in its setup, for the callbacks after it."""
+    for i, callback in enumerate(callbacks):
+        kind = callback if isinstance(callback, type) else type(callback)
+        why = refusal(callback, accumulate, built)
+        if why is not None:
+            yield i, kind, why
+        built = built or issubclass(kind, WeightAveraging)
+
+
 def check_callbacks(trainer: Any, built: bool) -> None:
     """The first of ``trainer``'s callbacks HBPLitModule cannot serve, refused by name (a ``ConfigError``)."""
-    for callback in trainer.callbacks:
-        why = refusal(callback, trainer.accumulate_grad_batches, built)
-        if why is not None:
-            raise ConfigError(f"trainer callback {type(callback).__name__}: {why}")
+    for _, kind, why in refusals(trainer.callbacks, trainer.accumulate_grad_batches, built):
+        raise ConfigError(f"trainer callback {kind.__name__}: {why}")

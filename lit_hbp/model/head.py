@@ -24,8 +24,8 @@ SCALES = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multipl
 CAPS = ("final_logit_softcapping", "output_logit_soft_cap", "logits_soft_cap")
 
 
-# Mamba's, Mamba2's, FalconMamba's, xLSTM's forward: ``self.lm_head(hidden_states.to(self.lm_head.weight.dtype))``
-# (their decoders return fp32 hidden states beside bf16 weights)
+# ``self.lm_head(hidden_states.to(self.lm_head.weight.dtype))``: the forward of Mamba, Mamba2, FalconMamba, xLSTM and
+# HY-V4 (the first three's decoders return fp32 hidden states beside bf16 weights)
 CAST = re.compile(r"hidden_states\.to\(\s*(?:dtype\s*=\s*)?self\.lm_head\.weight\.dtype\s*\)")
 
 
