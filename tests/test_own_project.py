@@ -153,6 +153,59 @@ def test_two_processes_at_sp_2_train_like_one(project, tmp_path):
     assert "call lit_hbp.prepare_model(self.model) in your module's configure_model" in message
 
 
+def sharded_losses(docs: list, vocab: int) -> dict:
+    """On each rank: the packed loss (sum) of ``docs`` through a tiny Llama sharded by FSDP2's ``fully_shard``, each
+    decoder layer a unit and then the whole model ("whole"), or with the decoder and the head as units too."""
+    from conftest import TINY_LLAMA
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_hbp import pack_samples, packed_loss, prepare_model
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for layout in ("whole", "units"):
+        torch.manual_seed(0)
+        net = prepare_model(AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA, vocab_size=vocab)))
+        for layer in net.model.layers:
+            fully_shard(layer, mesh=mesh)
+        if layout == "units":
+            fully_shard(net.model, mesh=mesh)
+            fully_shard(net.lm_head, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        try:
+            out[layout] = float(packed_loss(net, pack_samples(docs), "sum").loss)
+        except ValueError as e:
+            out[layout] = str(e)
+    return out
+
+
+def test_a_model_sharded_by_fully_shard_as_a_whole_is_refused_and_by_units_trains_like_alone():
+    """Your own project under Lightning's ModelParallelStrategy (FSDP2): ``fully_shard`` on the whole causal LM
+    leaves its embedding and head to the whole model's forward, which packed_loss does not call: it stopped inside
+    the embedding ("got mixed torch.Tensor and DTensor"); refused by name now, with the layout that trains.
+    Reference: each document alone through the unsharded, unprepared model with eager attention."""
+    from conftest import TINY_LLAMA, separate_loss
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(3, 128, n), np.ones(n, bool)) for n in (9, 14, 5)]
+    pool = Pool(2)
+    try:
+        ranks = pool.run(sharded_losses, docs, 128)
+    finally:
+        pool.close()
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY_LLAMA, vocab_size=128))
+    ref.set_attn_implementation("eager")
+    want = float(separate_loss(ref.eval(), dict(enumerate(docs))))
+    for rank in ranks:
+        assert rank["whole"].startswith("LlamaForCausalLM is sharded by fully_shard as a whole"), rank["whole"]
+        assert "model.embed_tokens.weight" in rank["whole"] and "fully_shard(model.lm_head)" in rank["whole"]
+        assert rank["units"] == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.slow
 def test_the_projects_script_runs_on_two_processes(project, tmp_path):
     """``python train.py --checkpoint ... --data ... --devices 2`` from the project's own folder."""

@@ -74,6 +74,7 @@ from lit_hbp.model.packed_call import (
 )
 from lit_hbp.model.param_counts import language_params
 from lit_hbp.model.position_limits import position_limits
+from lit_hbp.model.sharded_units import refuse_whole_model_shards
 from lit_hbp.model.sp_media import split_encoder_outputs
 from lit_hbp.model.tiling import install_tiling, mlp_of, uninstall_tiling
 from lit_hbp.model.vision import (
@@ -297,6 +298,7 @@ def packed_loss(
     if record is None:
         raise ValueError(_not_prepared(model))
     check_loss_function(net)  # also one replaced after prepare_model
+    refuse_whole_model_shards(net, record.runner, net.get_output_embeddings())
     inputs = pack_inputs(batch)  # checks the level's SP group came with the batch
     aux = router_loss and getattr(net.config.get_text_config(), "output_router_logits", False)
     if aux:
