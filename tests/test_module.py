@@ -601,7 +601,13 @@ def test_callbacks_that_would_act_on_no_model_or_another_schedule_are_refused(ch
     inside fit set the optimizer's rate, which the schedule took back at the next step; Tuner.lr_find with
     accumulation read each step's last micro-batch's share of the loss. Each refused by name, before the model
     loads; freezing on a model built before fit, and Tuner.lr_find one micro-batch a step, are served."""
-    from lightning.pytorch.callbacks import BaseFinetuning, LearningRateFinder, ModelPruning, WeightAveraging
+    from lightning.pytorch.callbacks import (
+        BaseFinetuning,
+        BatchSizeFinder,
+        LearningRateFinder,
+        ModelPruning,
+        WeightAveraging,
+    )
     from lightning.pytorch.tuner import Tuner
 
     from lit_hbp.errors import ConfigError
@@ -622,6 +628,7 @@ def test_callbacks_that_would_act_on_no_model_or_another_schedule_are_refused(ch
         (FreezeEmbeddings(), "FreezeEmbeddings: it freezes the module's parameters in its setup"),
         (ModelPruning("l1_unstructured", amount=0.5), "ModelPruning: it collects the module's layers in its setup"),
         (LearningRateFinder(num_training_steps=4), "LearningRateFinder: inside fit it sets the optimizer's learning"),
+        (BatchSizeFinder(), "BatchSizeFinder: a micro-batch is one pack of its level's tokens"),
     ):
         module = unbuilt()
         with pytest.raises(ConfigError, match=says):
@@ -638,6 +645,35 @@ def test_callbacks_that_would_act_on_no_model_or_another_schedule_are_refused(ch
         Tuner(quiet_trainer(max_steps=2, accumulate_grad_batches=2)).lr_find(unbuilt(), dm, num_training=4)
     found = Tuner(quiet_trainer(max_steps=2)).lr_find(unbuilt(), dm, num_training=4, min_lr=1e-4, max_lr=1e-2)
     assert len(found.results["lr"]) == 4
+    with pytest.raises(ConfigError, match="BatchSizeFinder: a micro-batch is one pack"):  # Lightning's: no batch_size
+        Tuner(quiet_trainer(max_steps=2)).scale_batch_size(unbuilt(), datamodule=dm)
+
+
+def test_a_subclass_that_drops_the_modules_own_callbacks_is_refused_before_a_step(chat_data, toy_tokenizer, tmp_path):
+    """A subclass's configure_callbacks without super()'s: the callback refusals never ran and the step's metrics
+    were logged after every callback had read them (a ModelCheckpoint of train/loss ranked each save by the step
+    before's). Refused naming the subclass before a step; with super()'s list and its own, it trains."""
+    from lit_hbp.errors import ConfigError
+
+    dm = HBPDataModule(
+        sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=[{"pack_len": 128}],
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    steps = []
+    count = type("Count", (L.Callback,), {"on_train_batch_start": lambda self, *a: steps.append(1)})
+    own = type("Own", (HBPLitModule,), {"configure_callbacks": lambda self: [count()]})
+    with pytest.raises(
+        ConfigError, match=r"^Own.configure_callbacks\(\) drops HBPLitModule's own callbacks: return supe"
+    ):
+        quiet_trainer(max_steps=2).fit(own(model=TINY, vocab_size=dm.vocab_size), dm)
+    assert steps == []
+    kept = type(
+        "Kept",
+        (HBPLitModule,),
+        {"configure_callbacks": lambda self: super(kept, self).configure_callbacks() + [count()]},
+    )
+    quiet_trainer(max_steps=2).fit(kept(model=TINY, vocab_size=dm.vocab_size), dm)
+    assert len(steps) == 2
 
 
 def test_weight_averaging_under_deepspeed_is_refused_where_no_checkpoint_would_hold_the_average(

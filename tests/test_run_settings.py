@@ -282,9 +282,15 @@ def test_an_offloaded_optimizer_is_accepted_by_setup_and_trains(strategy):
 
 def fake_trainer(stage: int, levels) -> SimpleNamespace:
     """What HBPLitModule.on_fit_start reads of a trainer: its data module's levels and a DeepSpeed strategy."""
+    from lit_hbp.lightning.meter import MicroStepEnd
+
     strategy = SimpleNamespace(sp_groups=None, config={"zero_optimization": {"stage": stage}})
     return SimpleNamespace(
-        datamodule=SimpleNamespace(levels=levels), strategy=strategy, world_size=1, precision="32-true"
+        datamodule=SimpleNamespace(levels=levels),
+        strategy=strategy,
+        world_size=1,
+        precision="32-true",
+        callbacks=[MicroStepEnd()],  # as configure_callbacks gives a fit
     )
 
 

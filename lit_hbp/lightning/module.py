@@ -21,7 +21,7 @@ from lit_hbp.cost.memory import not_fitting, trainer_cost
 from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.checkpoints import AVERAGED_UNDER_DEEPSPEED, RESTORED, check_resumed_settings
+from lit_hbp.lightning.checkpoints import RESTORED, check_resumed_settings
 from lit_hbp.lightning.meter import MicroStepEnd, StepMeter, forget_last_window, logs_by_schedule, logs_now
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
@@ -33,7 +33,7 @@ from lit_hbp.lightning.optimizer import (
     saved_group_sizes,
     zero_engine,
 )
-from lit_hbp.lightning.refused_callbacks import check_callbacks
+from lit_hbp.lightning.refused_callbacks import check_callbacks, check_started_callbacks
 from lit_hbp.lightning.schedule import LR_SCHEDULE, long_warmup, lr_factor, run_steps, schedule_moved, take_schedule_now
 from lit_hbp.model import attention
 from lit_hbp.model.build import (
@@ -285,16 +285,12 @@ class HBPLitModule(L.LightningModule):
             take_schedule_now(self.lr_schedulers())  # the new schedule's rate from the resumed step on
 
     def on_fit_start(self) -> None:
-        from lightning.pytorch.callbacks import WeightAveraging
-        from lightning.pytorch.strategies import DeepSpeedStrategy
         from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
         for hook in ("training_step", "validation_step"):
             if is_param_in_hook_signature(getattr(self, hook), "dataloader_iter", explicit=True):
                 raise ConfigError(f"{type(self).__name__}.{hook}(dataloader_iter): {ITER_REFUSED}")
-        for callback in getattr(self.trainer, "callbacks", ()):
-            if isinstance(callback, WeightAveraging) and isinstance(self.trainer.strategy, DeepSpeedStrategy):
-                raise ConfigError(f"trainer callback {type(callback).__name__}: {AVERAGED_UNDER_DEEPSPEED}")
+        check_started_callbacks(self, self.trainer)
         dm = getattr(self.trainer, "datamodule", None)
         levels = tuple(getattr(dm, "levels", None) or ())
         for i, lv in enumerate(levels):

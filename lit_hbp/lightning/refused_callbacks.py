@@ -2,7 +2,8 @@
 
 Fine-tuning (freezing) and pruning callbacks act on the module in their ``setup``, before ``configure_model``
 builds the model, so they would act on nothing without a word (served where the model was built before fit);
-stochastic weight averaging copies the module there too and replaces the schedule; the learning-rate finder run
+stochastic weight averaging copies the module there too and replaces the schedule; a batch-size finder scales a
+batch size the packs do not have (a micro-batch is a pack of its level's tokens); the learning-rate finder run
 inside ``fit`` sets the optimizer's rate, which the module's schedule takes back at the next step. Tuner's
 ``lr_find`` (a finder that stops before training) is served, with one micro-batch per step: with several, the
 curve it reads is the last micro-batch's share of each step's loss (a token share, zero for an empty pack).
@@ -15,6 +16,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import (
     BaseFinetuning,
+    BatchSizeFinder,
     LearningRateFinder,
     ModelPruning,
     StochasticWeightAveraging,
@@ -22,6 +24,8 @@ from lightning.pytorch.callbacks import (
 )
 
 from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.checkpoints import AVERAGED_UNDER_DEEPSPEED
+from lit_hbp.lightning.meter import MicroStepEnd
 
 BUILT_TOO_LATE = "(HBPLitModule builds its model in configure_model, after every callback's setup)"
 ALWAYS = {
@@ -29,6 +33,11 @@ ALWAYS = {
         f"it averages a copy of the module made before the model is built {BUILT_TOO_LATE}, so it would average "
         "nothing and replace the learning-rate schedule; use lightning.pytorch.callbacks.WeightAveraging (an EMA of "
         "the weights), which builds the model first"
+    ),
+    BatchSizeFinder: (
+        "a micro-batch is one pack of its level's tokens (data.levels: pack_len, packs_per_rank), not a number of "
+        "samples, so there is no batch size to scale; let the level search size the packs for the device's memory "
+        "(data.levels: class_path lit_hbp.autoselect.MeasuredSelector, docs/levels.md)"
     ),
 }
 UNBUILT = {  # served where the module's model was built before fit (``module.configure_model()``)
@@ -83,3 +92,21 @@ def check_callbacks(trainer: Any, built: bool) -> None:
     """The first of ``trainer``'s callbacks HBPLitModule cannot serve, refused by name (a ``ConfigError``)."""
     for _, kind, why in refusals(trainer.callbacks, trainer.accumulate_grad_batches, built):
         raise ConfigError(f"trainer callback {kind.__name__}: {why}")
+
+
+def check_started_callbacks(module: Any, trainer: Any) -> None:
+    """At the fit's start: a subclass whose ``configure_callbacks`` drops ``super()``'s (its refusals never ran,
+    and the step's metrics would be logged after the callbacks that read them: a ``ModelCheckpoint`` of
+    ``train/loss`` would rank each save by the step before's), and weight averaging under DeepSpeed."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if not any(isinstance(callback, MicroStepEnd) for callback in trainer.callbacks):
+        name = type(module).__name__
+        raise ConfigError(
+            f"{name}.configure_callbacks() drops HBPLitModule's own callbacks: return "
+            f"super().configure_callbacks() + [your callbacks] (they log each step's metrics before any callback "
+            "reads them, and refuse the callbacks a fit cannot serve)"
+        )
+    for callback in trainer.callbacks:
+        if isinstance(callback, WeightAveraging) and isinstance(trainer.strategy, DeepSpeedStrategy):
+            raise ConfigError(f"trainer callback {type(callback).__name__}: {AVERAGED_UNDER_DEEPSPEED}")
