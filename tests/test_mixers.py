@@ -14,6 +14,7 @@ import json
 import math
 import re
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -864,6 +865,51 @@ def test_the_ranks_of_an_sp_level_share_a_packs_documents_for_its_mixers(lengths
     load = np.bincount(owners, weights=lengths, minlength=ranks)
     assert load.max() <= sum(lengths) / ranks + max(lengths)
     assert owners == document_owners(lengths, ranks)  # the same on every rank: from the pack alone
+
+
+def lora_on_convolutions(family: str, prepared: bool = False) -> torch.nn.Module:
+    """``family`` with peft LoRA adapters on every ``torch.nn.Conv1d`` (rank: the depthwise groups, as peft asks),
+    added after ``prepare_model`` when ``prepared``."""
+    from peft import LoraConfig, get_peft_model
+
+    net = tiny(family).eval()
+    if prepared:
+        prepare_model(net).eval()
+    convs = [(name, m) for name, m in net.named_modules() if isinstance(m, torch.nn.Conv1d)]
+    config = LoraConfig(r=convs[0][1].groups, target_modules="|".join(re.escape(n) for n, _ in convs))
+    return get_peft_model(net, replace(config, init_lora_weights=False))
+
+
+@pytest.mark.parametrize("family", ["bamba", "lfm2", "qwen3_next"])
+def test_a_lora_adapter_on_a_convolution_its_mixer_never_calls_is_refused(family):
+    """transformers' Mamba2, short-convolution and gated-delta-rule mixers read their convolution's weight, never
+    calling it: an adapter there is not in the graph of the model's own forward (a document alone), so it would
+    train nothing without a word. prepare_model refuses it by name; RG-LRU calls its convolution, and trains its
+    adapter as each document alone."""
+    net = lora_on_convolutions(family)
+    docs = three_documents(net.config.vocab_size)
+    ids = torch.tensor(docs[0][0])[None]
+    trained = [name for name, p in net.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in name for name in trained)
+    assert not net(input_ids=ids, labels=ids, use_cache=False).loss.requires_grad  # alone: no adapter in its graph
+    refused = r"conv[^`]*` \(Conv1d\) holds a LoRA adapter, but \w+ never calls it as a module"
+    with pytest.raises(ValueError, match=refused):
+        prepare_model(net)
+    late = lora_on_convolutions(family, prepared=True)  # adapters added after prepare_model, as HBPLitModule does
+    with pytest.raises(ValueError, match=refused):
+        packed_loss(late, pack_samples(docs), "sum")
+    served = lora_on_convolutions("recurrent_gemma")
+    ref = reference_of(served)
+    prepare_model(served).eval()
+    out = packed_loss(served, pack_samples(docs), "sum")
+    out.loss.backward()
+    want = separate_loss(ref, dict(enumerate(docs)))
+    want.backward()
+    assert float(out.ce_sum) == pytest.approx(float(want), rel=1e-5)
+    grads = {name: p.grad for name, p in served.named_parameters() if "lora_" in name and "conv_1d" in name}
+    assert grads and all(grad is not None and grad.abs().max() > 0 for grad in grads.values())
+    worst, where = gradient_error(served, ref)
+    assert worst < 1e-4, f"gradient of {where} off by {worst:.1e}"
 
 
 def test_a_frozen_stateful_model_a_module_holds_is_refused_on_a_pack_unless_prepared():

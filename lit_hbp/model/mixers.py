@@ -198,8 +198,41 @@ def refuse_stateful_mixers(decoder: torch.nn.Module, family: str) -> list[Statef
     problem = mode_refusal(family, mixers, decoder.config)
     if problem is not None:
         raise ValueError(problem)
-    refuse_own_forwards({m.path: decoder.get_submodule(m.path) for m in mixers})
+    modules = {m.path: decoder.get_submodule(m.path) for m in mixers}
+    refuse_own_forwards(modules)
+    refuse_uncalled_adapters(modules)
     return mixers
+
+
+def holds_adapters(mixers: list[torch.nn.Module]) -> bool:
+    """Whether a child of any of ``mixers`` is a peft LoRA layer (cheap: a packed call asks it every time)."""
+    return any("lora_A" in child._modules for m in mixers for child in m._modules.values() if child is not None)
+
+
+@functools.cache
+def _calls_child(cls: type, name: str) -> bool:
+    """Whether ``cls``'s source calls its submodule ``name`` as a module (no source: assumed so)."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return True
+    return re.search(rf"self\.{re.escape(name)}\(", source) is not None
+
+
+def refuse_uncalled_adapters(mixers: dict[str, torch.nn.Module]) -> None:
+    """Raise when an adapter (peft's LoRA layer) wraps a mixer's submodule that the mixer's class never calls:
+    transformers' mixers read their convolution's weight directly (``self.conv1d.weight``), so the adapter would
+    train nothing, in their own forward as in a packed call, without a word. Checked at ``prepare_model`` and at
+    every packed call (adapters added after it, as ``HBPLitModule`` adds them)."""
+    for path, mixer in mixers.items():
+        for name, child in mixer.named_children():
+            if "lora_A" in child._modules and not _calls_child(type(mixer), name):
+                base = type(getattr(child, "base_layer", child)).__name__
+                raise ValueError(
+                    f"`{path}.{name}` ({base}) holds a LoRA adapter, but {type(mixer).__name__} never calls it as a "
+                    f"module (it reads its weight), so the adapter would train nothing, in the model's own forward "
+                    f"too: leave {name!r} out of LoRA's target_modules"
+                )
 
 
 def refuse_own_forwards(mixers: dict[str, torch.nn.Module]) -> None:

@@ -52,7 +52,7 @@ from lit_hbp.data.media_batch import TOKEN_KEYS
 from lit_hbp.model import calls
 from lit_hbp.model.checkpoint_wrappers import refuse_checkpoint_wrappers
 from lit_hbp.model.compile_scope import replay_free_checkpoints, sizes_apart
-from lit_hbp.model.mixers import refuse_own_forwards, whole_rows
+from lit_hbp.model.mixers import holds_adapters, refuse_own_forwards, refuse_uncalled_adapters, whole_rows
 from lit_hbp.model.offload import host_offload, offloaded_checkpoint
 from lit_hbp.model.position_limits import check_position_limits
 from lit_hbp.model.rope import rope_scope
@@ -263,6 +263,9 @@ def pack_scope(
     if any("forward" in m.__dict__ for m in prepared.mixers):  # kernelized after prepare_model: named, refused
         ids = {id(m) for m in prepared.mixers}
         refuse_own_forwards({name: m for name, m in prepared.decoder.named_modules() if id(m) in ids})
+    if holds_adapters(prepared.mixers):  # LoRA put on a mixer's convolution after prepare_model: named, refused
+        ids = {id(m) for m in prepared.mixers}
+        refuse_uncalled_adapters({name: m for name, m in prepared.decoder.named_modules() if id(m) in ids})
     layers, mlps = prepared.layers, prepared.mlps
     if ckpt_layers is not None:
         if isinstance(ckpt_layers, bool) or not isinstance(ckpt_layers, numbers.Integral) or ckpt_layers < 0:
