@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import quiet_trainer
+from conftest import TINY_LLAMA, quiet_trainer
 from test_packed_loss import alone, samples, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -182,6 +182,36 @@ def test_prepared_hands_the_model_back_as_it_was():
             before(ids, attention_mask=mask, labels=labels).logits,
         )
     assert unprepare_model(prepare_model(model)) is model and record_of(model) is None
+
+
+def test_a_part_its_project_put_in_eval_keeps_its_mode_and_trains_like_each_document_alone():
+    """A project's model in train mode with one decoder layer in eval (its dropout off): prepare_model put every
+    module in train mode, turning that layer's dropout back on (its attention gradients 100% off each document
+    alone). Each module's mode is kept now, and ``with prepared(model):`` hands each back as it was."""
+    from transformers import AutoConfig
+
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=64, attention_dropout=1.0, **cfg)  # p = 1: no randomness
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+    model.model.layers[0].eval()
+    reference = copy.deepcopy(model)
+    modes = [m.training for m in model.modules()]
+    with prepared(model):
+        assert [m.training for m in model.modules()] == modes
+        out = packed_loss(model, pack_samples(samples(), loss_norm=1.0))
+        out.loss.backward()
+        want, _ = alone(reference, samples())
+        want.backward()
+        close(out.ce_sum, want)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                close(p.grad, q.grad, rel=1e-4)
+        model.eval()  # the block hands back each module's mode as it was before it, whatever ran inside
+    assert [m.training for m in model.modules()] == modes
+    fresh = AutoModelForCausalLM.from_config(config).eval()  # wholly in eval, as from_pretrained gives it
+    assert all(m.training for m in prepare_model(fresh).modules())
 
 
 def test_a_deep_copy_is_prepared_on_its_own():

@@ -99,8 +99,9 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     itself, a level's sequence parallelism inside it) with the level's checkpointing, offload and MLP
     tiles, for the duration of the call (``lit_hbp.model.packed_call``). Every other call (padded batches
     with a mask, ordinary ``labels=``, the KV cache, ``generate()``) computes what the model computed
-    before. The model is put in train mode (``from_pretrained`` returns it in eval mode, which would
-    train without dropout and without checkpointing). A call of a pack's token ids without its
+    before. A model wholly in eval mode is put in train mode (``from_pretrained`` returns it so, which would
+    train without dropout and without checkpointing); one with any module in train mode keeps every module's mode
+    (a frozen part put in eval stays so). A call of a pack's token ids without its
     boundaries, and ``labels=`` of a pack (pre-shifted: its loss would shift them again) are refused.
     A family whose own code does what a packed call cannot see is refused before anything is done to it
     (``lit_hbp.model.family_checks``: attention outside transformers' AttentionInterface, a window in the mask
@@ -119,8 +120,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     record = record_of(net)
     if record is not None:
         record.backend = attn_backend
-        model.train()
-        return model
+        return train_unless_set(model)
     decoder = decoder_of(net)
     family = family_of(net)
     mixers = refuse_stateful_mixers(decoder, family)
@@ -174,7 +174,14 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         module.__dict__[PREPARED] = record  # plain attributes: not in the state dict
     net.__dict__.setdefault(OFFLOADER, HostOffload())
     install_call_hooks(record)
-    model.train()
+    return train_unless_set(model)
+
+
+def train_unless_set(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in train mode when every module of it is in eval (as ``from_pretrained`` returns it); else each
+    module's mode as its project set it (``model.train()`` would turn a frozen part's dropout back on)."""
+    if not any(module.training for module in model.modules()):
+        model.train()
     return model
 
 
@@ -205,8 +212,8 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
 @contextlib.contextmanager
 def prepared(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """``with prepared(model):`` the model trains on packs inside, and is handed back as it was
-    (attention, loss, train/eval mode) when the block ends."""
-    training = base_of(model).training
+    (attention, loss, each module's train/eval mode) when the block ends."""
+    modes = [(module, module.training) for module in model.modules()]
     was_prepared = record_of(model) is not None
     prepare_model(model)
     try:
@@ -214,7 +221,8 @@ def prepared(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     finally:
         if not was_prepared:
             unprepare_model(model)
-        model.train(training)
+        for module, training in modes:
+            module.training = training
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
