@@ -9,6 +9,7 @@ sequence parallelism, an unprepared model called on a pack) is refused, naming w
 
 import copy
 import gc
+import math
 import weakref
 
 import lightning as L
@@ -212,6 +213,44 @@ def test_a_part_its_project_put_in_eval_keeps_its_mode_and_trains_like_each_docu
     assert [m.training for m in model.modules()] == modes
     fresh = AutoModelForCausalLM.from_config(config).eval()  # wholly in eval, as from_pretrained gives it
     assert all(m.training for m in prepare_model(fresh).modules())
+
+
+def test_neftune_noise_scaled_by_the_row_is_refused_in_a_packed_call_and_eval_calls_run():
+    """transformers' NEFTune hook scales its noise by 1 / sqrt(row length x width): a packed call's row is the pack,
+    so each document got the pack's noise, not its own (the hook's own bounds differ, below), without a word.
+    Refused while it acts (train mode); in eval it adds nothing, and the pack equals each document alone."""
+    try:
+        from transformers.integrations.neftune import neftune_post_forward_hook
+    except ImportError:  # transformers before 5.x kept it with its Trainer
+        from transformers.trainer_utils import neftune_post_forward_hook
+
+    bounds = []
+
+    def noisy(module, args, output):
+        bounds.append(module.neftune_noise_alpha / math.sqrt(output.size(1) * output.size(2)))
+        return neftune_post_forward_hook(module, args, output)
+
+    model = tiny_model("eager").train()
+    reference = copy.deepcopy(model)
+    for net in (model, reference):
+        net.get_input_embeddings().neftune_noise_alpha = 5.0
+        net.get_input_embeddings().register_forward_hook(neftune_post_forward_hook)
+    batch = pack_samples(samples(), loss_norm=1.0)
+    with torch.no_grad():
+        alone(reference, samples())
+    prepare_model(model)
+    with pytest.raises(ValueError, match=r"^Embedding holds transformers' NEFTune hook \(neftune_noise_alpha 5.0\)"):
+        packed_loss(model, batch)
+    probe = tiny_model("eager").train()  # the hook's own noise bounds: each document alone, and the pack as a row
+    probe.get_input_embeddings().neftune_noise_alpha = 5.0
+    probe.get_input_embeddings().register_forward_hook(noisy)
+    with torch.no_grad():
+        alone(probe, samples())
+        probe(input_ids=batch.input_ids)
+    assert bounds[-1] not in bounds[:-1] and len(bounds) == len(samples()) + 1  # the pack's noise is no document's
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        close(packed_loss(model, batch).ce_sum, alone(reference, samples())[0])
 
 
 def test_a_deep_copy_is_prepared_on_its_own():
