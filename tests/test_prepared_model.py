@@ -327,11 +327,12 @@ class Distill(L.LightningModule):
     def configure_model(self):
         if self.student is None:
             self.student = prepare_model(AutoModelForCausalLM.from_pretrained(self.folder))
-            self.teacher = prepare_model(AutoModelForCausalLM.from_pretrained(self.folder)).requires_grad_(False)
+            self.teacher = prepare_model(AutoModelForCausalLM.from_pretrained(self.folder)).requires_grad_(False).eval()
             self.judge = AutoModelForCausalLM.from_pretrained(self.folder).requires_grad_(False)
 
     def training_step(self, batch, batch_idx):
         out = packed_loss(self.student, batch, "token_mean")
+        assert self.student.training and not any(m.training for m in self.teacher.modules())  # as docs/lightning.md
         with torch.no_grad():
             teacher = self.teacher(**pack_inputs(batch)).logits
             ids, mask, labels = padded([8, 5], 8)
