@@ -153,6 +153,53 @@ def test_two_processes_at_sp_2_train_like_one(project, tmp_path):
     assert "call lit_hbp.prepare_model(self.model) in your module's configure_model" in message
 
 
+def validated(ckpt: str, data: str, cache: str) -> dict:
+    """The project's ``val/ce`` from ``Trainer.validate`` on 2 processes (HBPStrategy, a level at sp 2), over a held
+    out share of the chats, and the held-out samples."""
+    import lightning as L
+
+    sys.path.insert(0, str(PROJECT))
+    from chat_lm import ChatLM
+
+    from lit_hbp import HBPDataModule, HBPStrategy
+
+    levels = [{"pack_len": 256, "sp": 1}, {"pack_len": 1024, "sp": 2}]
+    dm = HBPDataModule(sources=[data], tokenizer=ckpt, levels=levels, val_fraction=0.15, seed=0, cache_dir=cache)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=HBPStrategy(stage=2), use_distributed_sampler=False, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.validate(ChatLM(ckpt), dm)
+    return dict(ce=float(trainer.callback_metrics["val/ce"]), store=dm.val_store)
+
+
+@pytest.mark.slow
+def test_the_projects_validation_is_the_token_mean_of_each_held_out_sample_alone(project, tmp_path):
+    """``validation_step`` as the example logs it (this rank's shard weighted by its supervised tokens) gives the
+    validation set's token-mean cross-entropy on two processes, where the documented per-pack ``mean_ce`` was off
+    (a rank's empty pack counted as 0, the packs' means averaged unweighted). Reference: each held-out sample alone
+    through the model with eager attention, in one process."""
+    ckpt, data = project
+    pool = Pool(2)
+    try:
+        ranks = pool.run(validated, ckpt, data, str(tmp_path / "cache"))
+    finally:
+        pool.close()
+    from transformers import AutoModelForCausalLM
+
+    store = ranks[0]["store"]
+    net = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager").eval()
+    ce, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(store.lengths.size):
+            ids, target = store.tokens(i)
+            ids = torch.as_tensor(ids.astype(np.int64))
+            labels = torch.where(torch.as_tensor(target[1:]), ids[1:], -100)
+            ce += float(F.cross_entropy(net(input_ids=ids[None]).logits[0, :-1].double(), labels, reduction="sum"))
+            n += int((labels != -100).sum())
+    assert store.lengths.size >= 5 and ranks[0]["ce"] == ranks[1]["ce"] == pytest.approx(ce / n, rel=1e-5)
+
+
 def sharded_losses(docs: list, vocab: int) -> dict:
     """On each rank: the packed loss (sum) of ``docs`` through a tiny Llama sharded by FSDP2's ``fully_shard``, each
     decoder layer a unit and then the whole model ("whole"), or with the decoder and the head as units too."""
