@@ -676,6 +676,37 @@ def test_a_subclass_that_drops_the_modules_own_callbacks_is_refused_before_a_ste
     assert len(steps) == 2
 
 
+def test_a_validation_of_a_checkpoint_holds_out_the_records_its_fit_held_out(chat_data, toy_tokenizer, tmp_path):
+    """Trainer.validate(ckpt_path=...) in a later session with another data seed drew another val_fraction hold-out:
+    records the checkpoint trained on (its val/loss read 7.5% low), without a word. Refused naming the seed and the
+    share to give; given them, the validation's records are the fit's held-out ones."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_hbp.errors import ConfigError
+
+    def data(seed: int, fraction: float = 0.25) -> HBPDataModule:
+        return HBPDataModule(
+            sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=[{"pack_len": 128}],
+            val_fraction=fraction, seed=seed, cache_dir=str(tmp_path / "cache"),
+        )  # fmt: skip
+
+    def held_out(dm: HBPDataModule) -> set:
+        return set(zip(dm.val_store.source_of.tolist(), dm.val_store.row_of.tolist()))
+
+    fit = data(3)
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    quiet_trainer(max_steps=2, enable_checkpointing=True, callbacks=[saves]).fit(make_module(vocab=fit.vocab_size), fit)
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    for seed, fraction in ((0, 0.25), (3, 0.2)):
+        other = data(seed, fraction)
+        with pytest.raises(ConfigError, match=r"the checkpoint held out 0.25 of the training records with data seed 3"):
+            quiet_trainer().validate(HBPLitModule(model=TINY, vocab_size=other.vocab_size), other, ckpt_path=last)
+        assert held_out(other) != held_out(fit)  # what it would have validated on: other records
+    again = data(3)
+    quiet_trainer().validate(HBPLitModule(model=TINY, vocab_size=again.vocab_size), again, ckpt_path=last)
+    assert held_out(again) == held_out(fit)
+
+
 def test_weight_averaging_under_deepspeed_is_refused_where_no_checkpoint_would_hold_the_average(
     chat_data, toy_tokenizer, tmp_path
 ):

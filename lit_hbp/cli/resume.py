@@ -20,6 +20,7 @@ from lit_hbp.lightning.checkpoints import (
     check_resumed_settings,
     client_state_file,
     find_resumable,
+    plan_seed,
     safe_load,
     trusted_load,
 )
@@ -205,10 +206,7 @@ def checkpoint_data_seed(section: Any) -> int | None:
     that does not set ``data.seed`` takes it, whatever ``seed_everything`` says now (a run without one drew a
     random seed), so it re-creates the plan it stopped in. None without such a checkpoint (a fresh start,
     Lightning's ``last``, a checkpoint saved before its loader's first state)."""
-    loops = saved_state(section).get("loops") or {}
-    states = ((loops.get("fit_loop") or {}).get("state_dict") or {}).get("combined_loader") or []
-    seeds = [s["plan"].get("seed") for s in states if isinstance(s, dict) and isinstance(s.get("plan"), dict)]
-    return seeds[0] if seeds and isinstance(seeds[0], int) else None
+    return plan_seed(saved_state(section))
 
 
 def check_resumed_steps(section: Any, found: bool = False) -> str | None:

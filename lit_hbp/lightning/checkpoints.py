@@ -177,6 +177,31 @@ def check_resumed_settings(given: dict, saved: dict, option: str = "--ckpt_path"
         )
 
 
+def plan_seed(checkpoint: dict) -> int | None:
+    """The data seed a checkpoint's training loader planned with (its fit loop's saved loader state); None
+    without one (saved before its loader's first state)."""
+    loops = checkpoint.get("loops") or {}
+    states = ((loops.get("fit_loop") or {}).get("state_dict") or {}).get("combined_loader") or []
+    seeds = [s["plan"].get("seed") for s in states if isinstance(s, dict) and isinstance(s.get("plan"), dict)]
+    return seeds[0] if seeds and isinstance(seeds[0], int) else None
+
+
+def check_held_out(saved: dict, checkpoint: dict | None, seed: int, val_fraction: float) -> None:
+    """A validation of a checkpoint whose ``val_fraction`` hold-out was drawn with another data seed or share than
+    this run's: it would validate on other records, some the checkpoint trained on, and read low without a word.
+    ``saved``: the data module's state in it; ``checkpoint``: the whole (older ones name the seed in the loader's)."""
+    held_seed = saved.get("seed", plan_seed(checkpoint or {}))
+    held_fraction = saved.get("val_fraction", val_fraction)
+    if held_seed is None or (held_seed, held_fraction) == (seed, val_fraction):
+        return
+    raise ConfigError(
+        f"data.val_fraction: the checkpoint held out {held_fraction} of the training records with data seed "
+        f"{held_seed}; this run's seed {seed} and val_fraction {val_fraction} hold out other records, some of which "
+        f"it trained on: validate with the data module's seed={held_seed} and val_fraction={held_fraction} (data.seed, "
+        "data.val_fraction)"
+    )
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a whole checkpoint: a ``torch.save`` file whose zip directory (written last)
     reads, or a DeepSpeed folder whose ``latest`` names a tag folder with whole model-states files.

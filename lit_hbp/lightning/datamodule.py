@@ -38,6 +38,7 @@ from lit_hbp.data.tokenize import (
     tokenizer_fingerprint,
 )
 from lit_hbp.errors import ConfigError, DataError
+from lit_hbp.lightning.checkpoints import check_held_out
 from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their first home)
     FixedPlanSampler,
     MediaInputs,
@@ -226,7 +227,8 @@ class HBPDataModule(L.LightningDataModule):
         """The tokenizer's files, chat template included, and a vision-language checkpoint's processor
         files: a checkpoint is then all an export needs. Every rank's generators (``lightning.rng``; a collective:
         a checkpoint is dumped on every rank), which a resumed fit sets as it fetches its first micro-batch."""
-        state = {"tokenizer_files": tokenizer_files(self.tokenizer), "rng": every_rank_state()}
+        state = {"tokenizer_files": tokenizer_files(self.tokenizer), "rng": every_rank_state(), "seed": self.seed,
+                 "val_fraction": self.val_fraction}  # fmt: skip
         if self.processor is not None:
             state["processor_files"] = tokenizer_files(self.processor)
         return state
@@ -234,8 +236,11 @@ class HBPDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         """A resumed run keeps the tokenizer it was given (its data are tokenized with it); one that
         differs from the checkpoint's is said, since the ids and the chat format would change mid-run. A fit
-        takes this rank's generators of the checkpoint (``PlanLoader`` sets them)."""
+        takes this rank's generators of the checkpoint (``PlanLoader`` sets them); a validation holds out what the
+        checkpoint held out (``check_held_out``)."""
         trainer = self.trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.VALIDATING and self.val_fraction:
+            check_held_out(state, trainer._checkpoint_connector._loaded_checkpoint, self.seed, self.val_fraction)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             states = state.get("rng")
             self.resume_rng = states[trainer.global_rank] if len(states or ()) == trainer.world_size else {}
