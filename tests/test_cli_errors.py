@@ -198,6 +198,40 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             "model.lora: {} names no LoRA setting, and the full model would train",
         ),
         "an infinite learning rate": (["--model.lr", ".inf"], "model.lr must be a finite number >= 0, got inf"),
+        "LoRA target modules matching nothing": (
+            ["--model.lora", "{rank: 4, target_modules: [nonexistent]}"],
+            "model.lora: peft refuses these settings on LlamaForCausalLM: Target modules {'nonexistent'} not found",
+        ),
+        "the optimizer offloaded without ZeRO": (
+            [
+                "--trainer.strategy",
+                "lit_hbp.lightning.strategy.HBPStrategy",
+                "--trainer.strategy.stage",
+                "0",
+                "--trainer.strategy.offload_optimizer",
+                "true",
+            ],
+            "HBPStrategy offload_optimizer: true needs ZeRO stage 1-3, not 0",
+        ),  # fmt: skip
+        "MLP tiles under ZeRO-3": (
+            [
+                "--trainer.strategy",
+                "hbp_stage_3",
+                "--data.levels",
+                "[{pack_len: 1024}, {pack_len: 4096}, {pack_len: 16384, ckpt_layers: 2, mlp_tiles: 4}]",
+            ],
+            "level 2 (pack_len 16384): mlp_tiles: 4 needs ZeRO stage 0-2, not 3",
+        ),  # fmt: skip
+        "Lightning's best checkpoint in a new process": (
+            ["--ckpt_path", "best"],
+            "--ckpt_path best: Lightning's best model of a fit earlier in the same process; a new process has none",
+        ),
+        "an HPC checkpoint that is not there": (["--ckpt_path", "hpc"], "--ckpt_path hpc: no HPC checkpoint"),
+        "the model registry": (["--ckpt_path", "registry"], "--ckpt_path registry: Lightning's model registry"),
+        "a demo folder holding another demo": (
+            ["--data.demo", "vision"],
+            "data.demo: vision, but data.demo_dir",
+        ),
         "an accumulation schedule under DeepSpeed": (
             [
                 "--trainer.strategy",
@@ -284,6 +318,9 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "an option the tokenizer sets", "a misspelled over_length", "a null cache folder",
          "a misspelled attention backend",
          "a misspelled LoRA setting", "an empty LoRA mapping", "an infinite learning rate",
+         "LoRA target modules matching nothing", "the optimizer offloaded without ZeRO", "MLP tiles under ZeRO-3",
+         "Lightning's best checkpoint in a new process", "an HPC checkpoint that is not there", "the model registry",
+         "a demo folder holding another demo",
          "an accumulation schedule under DeepSpeed", "a precision DeepSpeed has not",
          "a CUDA-only attention backend on a CPU", "a data file as the list of sources",
          "a monitor a separator away from a logged metric", "a validation inside an optimizer step",
@@ -295,7 +332,8 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch",
-                    "levels that fit nowhere"}  # fmt: skip
+                    "levels that fit nowhere", "LoRA target modules matching nothing",
+                    "MLP tiles under ZeRO-3"}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -475,3 +513,13 @@ def test_the_console_script_on_the_path_is_named_alone(monkeypatch, tmp_path):
     assert program() == "lit-hbp"
     monkeypatch.setenv("PATH", str(tmp_path))  # another lit-hbp first on the PATH, or none: the path typed
     assert program() == shlex.join(["/v/bin/python3", str(script)])
+
+
+def test_validate_without_a_checkpoint_of_a_config_mappings_random_model_is_refused(tmp_path, small_demo, capsys):
+    """``validate`` without ``--ckpt_path`` scored the random weights a config mapping builds (val/loss 9.05, exit 0);
+    one short error now (a checkpoint folder as ``model.model`` is validated as it is)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["validate", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
+              "--data.cache_dir", str(tmp_path / "cache")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: validate without --ckpt_path scores the model as"), err

@@ -406,3 +406,30 @@ def test_dedent_is_python_311s_textwrap_dedent() -> None:
     }
     for lines, want in cases.items():
         assert demo._dedent(list(lines)) == want, lines
+
+
+def test_a_demo_folder_holding_another_kind_of_demo_is_refused_not_built_over(small_demo, tmp_path):
+    """``data.demo: vision`` on a folder holding the text demo wrote the vision demo into it (its manifest replaced)
+    and trained the config's text sources without a word; the next text run then rebuilt the text demo at its
+    default size over the user's. Refused now naming both kinds; the folder is left as it was."""
+    import json
+
+    from lit_hbp.demo import ensure_kind
+    from lit_hbp.errors import ConfigError
+
+    before = {p.name: p.stat().st_mtime_ns for p in small_demo.iterdir()}
+    with pytest.raises(ConfigError, match=r"^data.demo: vision, but data.demo_dir .* holds the text demo"):
+        ensure_kind(small_demo, "vision")
+    assert {p.name: p.stat().st_mtime_ns for p in small_demo.iterdir()} == before
+    ensure_kind(small_demo, "text")  # the kind it holds: kept as built (its size too)
+    assert {p.name: p.stat().st_mtime_ns for p in small_demo.iterdir()} == before
+    for held, manifest, asked in (
+        ("vision", {"version": "2", "args": {}, "records": 4, "images": 3}, "text"),
+        ("video", {"version": "1", "args": {}, "records": 4, "images": 3, "videos": 2}, "vision"),
+    ):
+        folder = tmp_path / held
+        folder.mkdir()
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ConfigError, match=rf"data.demo: {asked}, but .* holds the {held} demo .*data.demo: {held}"):
+            ensure_kind(folder, asked)
+        assert [p.name for p in folder.iterdir()] == ["manifest.json"]

@@ -930,6 +930,14 @@ def test_lora_settings_that_match_nothing_in_the_model_are_refused():
         make_module(lora={"rank": 4, "modules_to_save": ["nope"]})
     with pytest.raises(ConfigError, match="model.lora.bias: 'all' trains the model's biases, and LlamaForCausalLM has"):
         make_module(lora={"rank": 4, "bias": "all"})
+    for lora, says in (  # peft's own refusals: one ConfigError line (the command line's exit 2), not a traceback
+        ({"target_modules": ["nonexistent"]}, r"Target modules \{'nonexistent'\} not found"),
+        ({"layers_to_transform": [99]}, "`layers_to_transform` cannot be used when `target_modules` is a str"),
+    ):
+        with pytest.raises(
+            ConfigError, match=rf"^model.lora: peft refuses these settings on LlamaForCausalLM: .*{says}"
+        ):
+            make_module(lora={"rank": 4, **lora})
     saved = make_module(lora={"rank": 4, "modules_to_save": ["lm_head"]})
     trained = {name for name, p in saved.model.named_parameters() if p.requires_grad}
     assert any("lm_head" in name and "lora" not in name for name in trained), sorted(trained)

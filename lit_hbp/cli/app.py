@@ -81,6 +81,10 @@ from lit_hbp.model.build import check_model_before_data
 
 TERMINATED = 128 + 15  # a shell's status for a program ended by SIGTERM
 RUNS = "runs"  # the run folder's root (default_root_dir), relative to the working directory
+VALIDATE_WHAT = (
+    "validate without --ckpt_path scores the model as model.model builds it, and a config mapping builds random "
+    "weights: give --ckpt_path (a checkpoint of a fit), or model.model a checkpoint folder"
+)
 
 
 class HBPCLI(LightningCLI):
@@ -205,6 +209,12 @@ class HBPCLI(LightningCLI):
                 raise
             report_user_error(e)
         self._guard(check_trainer_values, section)
+        if (
+            self.subcommand == "validate"
+            and not section.get("ckpt_path")
+            and not isinstance(section.get("model.model"), str)
+        ):  # a config mapping builds random weights: their loss says nothing of a run
+            report_user_error(ConfigError(VALIDATE_WHAT))
         if self.subcommand == "fit":  # (Lightning's callbacks that need a logger ask for it in fit alone)
             self._guard(check_logging_callbacks, section.get("trainer"))
             self._guard(check_refused_callbacks, (section.get("trainer") or {}).get("callbacks"))

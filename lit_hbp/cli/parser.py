@@ -31,8 +31,10 @@ CLASS_REQUIRED = re.compile(
 )
 PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 # lit-hbp's own refusal (it names its config key) among the errors of a Union's subtypes in jsonargparse's report
-UNION_ERROR = re.compile(
-    r"Does not validate against any of the Union subtypes[\s\S]*?^\s*- ((?:trainer|data|model)\.\S.*)$", re.M
+UNION_ERROR = re.compile(  # a config key's own words, or HBPStrategy's refusal of its settings (run_settings.CONFIG)
+    r"Does not validate against any of the Union subtypes[\s\S]*?"
+    r"^\s*- ((?:(?:trainer|data|model)\.|HBPStrategy )\S.*)$",
+    re.M,
 )
 # An option another one sets (``link_arguments``), given on its own; what to set instead, per option.
 LINKED = re.compile(r"argument (\S+) --> (\S+):")

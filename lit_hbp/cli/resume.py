@@ -105,6 +105,11 @@ def resolve_auto_resume(section: Any) -> None:
 
 
 KEYWORDS = ("last", "best", "hpc", "registry")  # --ckpt_path values Lightning resolves itself
+RESUME_INSTEAD = "give the checkpoint's path, or --ckpt_path auto (the newest complete checkpoint of the run)"
+UNSERVED = {  # keywords a command line's fresh process cannot serve (Lightning stops on them with a traceback)
+    "best": f"Lightning's best model of a fit earlier in the same process; a new process has none: {RESUME_INSTEAD}",
+    "registry": f"Lightning's model registry (the litmodels package and its service, not here): {RESUME_INSTEAD}",
+}
 
 
 def check_resume(section: Any) -> None:
@@ -117,6 +122,13 @@ def check_resume(section: Any) -> None:
     ckpt = section.get("ckpt_path")
     if "weights_only" in section and section.get("weights_only") is None:
         section.weights_only = True  # torch's default since 2.6, said here for every torch and environment
+    if str(ckpt) in UNSERVED:
+        raise ConfigError(f"--ckpt_path {ckpt}: {UNSERVED[str(ckpt)]}")
+    if str(ckpt) == "hpc" and not any(Path(section.get("trainer.default_root_dir") or ".").glob("hpc_ckpt_*.ckpt")):
+        raise ConfigError(
+            f"--ckpt_path hpc: no HPC checkpoint (hpc_ckpt_*.ckpt) in {section.get('trainer.default_root_dir')}, where "
+            f"Lightning's SLURM requeue saves one: {RESUME_INSTEAD}"
+        )
     if not ckpt or str(ckpt) in (AUTO, *KEYWORDS) or "://" in str(ckpt):
         return  # auto: checked once resolve_auto_resume found the checkpoint
     path = Path(ckpt)

@@ -3,6 +3,7 @@ Python standard library (``text``: ``python -m lit_hbp.demo``), drawn-shape imag
 LLaVA-NeXT folder (``vision``: ``python -m lit_hbp.demo.vision``), and chats with short drawn videos and
 pictures with a tiny Qwen2-VL folder (``video``: ``python -m lit_hbp.demo.video``; torchvision needed)."""
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,12 @@ def ensure_kind(out_dir: str | os.PathLike[str], kind: str = "text") -> None:
         )
     if path.exists() and not path.is_dir():
         raise ConfigError(f"data.demo_dir: {out_dir} is a file, not a folder: give a folder (the demo is built there)")
+    held = held_kind(path)
+    if held is not None and held != kind:  # a build would write over it, and the config's sources read the old one
+        raise ConfigError(
+            f"data.demo: {kind}, but data.demo_dir {out_dir} holds the {held} demo (its manifest.json): give the "
+            f"{kind} demo a folder of its own (the configs use demo_data, demo_vlm, demo_video), or data.demo: {held}"
+        )
     if kind == "vision":
         from lit_hbp.demo.vision import ensure_vlm_demo
 
@@ -35,6 +42,19 @@ def ensure_kind(out_dir: str | os.PathLike[str], kind: str = "text") -> None:
         from lit_hbp.demo.text import ensure_demo
 
         ensure_demo(out_dir)
+
+
+def held_kind(path: Path) -> str | None:
+    """The demo a folder's manifest says it holds (text, vision or video), None without one."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    if "generator_version" in manifest:
+        return "text"
+    return "video" if "videos" in manifest else "vision"
 
 
 def __getattr__(name: str) -> Any:

@@ -478,7 +478,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         refuse_mixers_under_zero3(trained_model(trainer.lightning_module, self.levels), zero.zero_stage)
         for i, lv in enumerate(self.levels):
             if lv.mlp_tiles > 1 and (why := refusal("mlp_tiles", zero, value=lv.mlp_tiles)):
-                raise ValueError(f"level {i} (pack_len {lv.pack_len}): {why}")
+                raise ConfigError(f"level {i} (pack_len {lv.pack_len}): {why}")
         self.config = without_idle_overlap(self.config, self.world_size, self._overlap_comm_asked)
         shards = sharding_note(self.world_size, zero) + overflow_note(self.config, self._overflow_check_asked)
         rank_zero_info(f"HBPStrategy levels: {self.describe_levels()}; ZeRO stage {zero.zero_stage}{shards}")

@@ -359,7 +359,11 @@ def apply_lora(net, lora: dict):
     if "target_modules" not in kw and is_multimodal(net):  # the language model's layers, not the vision tower's
         kw["target_modules"] = language_linears(net, decoder_of(net))
     kw.setdefault("target_modules", "all-linear")
-    wrapped = get_peft_model(net, LoraConfig(task_type="CAUSAL_LM", **kw))
+    try:
+        wrapped = get_peft_model(net, LoraConfig(task_type="CAUSAL_LM", **kw))
+    except ValueError as e:  # peft's own refusal of the settings on this model (target modules matching nothing, ...)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model.lora: peft refuses these settings on {type(net).__name__}: {first}") from None
     check_lora_matches(wrapped, kw)
     return wrapped
 
