@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_LLAMA, quiet_trainer, separate_loss
+from conftest import CHAT_TEMPLATE, TINY_LLAMA, quiet_trainer, separate_loss
 
 from lit_hbp import pack_samples, packed_loss, prepare_model
 from lit_hbp.data.collate import collate_packs
@@ -705,6 +705,99 @@ def test_a_validation_of_a_checkpoint_holds_out_the_records_its_fit_held_out(cha
     again = data(3)
     quiet_trainer().validate(HBPLitModule(model=TINY, vocab_size=again.vocab_size), again, ckpt_path=last)
     assert held_out(again) == held_out(fit)
+
+
+def test_a_validation_holds_out_the_fits_records_whatever_else_changed(chat_data, toy_tokenizer, tmp_path):
+    """The hold-out is a seeded draw over every source's records: a validation of a checkpoint with a source added or
+    the list reordered (seed and share the fit's) validated on records the checkpoint trained on, without a word;
+    so did one of weights from ``load_from_checkpoint`` (no data state restored at all). Refused on both paths, with
+    a fit that held out nothing too; the same records moved to another folder or tokenized by another chat template
+    validate. Reference: the raw lines each run holds out and trains on."""
+    import shutil
+    from pathlib import Path
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_hbp.errors import ConfigError
+
+    lines = chat_data.read_text().splitlines()
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(lines[:20]) + "\n")
+    b.write_text("\n".join(lines[20:]) + "\n")
+    (tmp_path / "moved").mkdir()
+    for f in (a, b):
+        shutil.copy(f, tmp_path / "moved" / f.name)
+
+    def data(paths, fraction=0.25, seed=3, **kw) -> HBPDataModule:
+        return HBPDataModule(
+            sources=[{"path": str(x)} for x in paths], tokenizer=toy_tokenizer, levels=[{"pack_len": 128}],
+            val_fraction=fraction, seed=seed, cache_dir=str(tmp_path / "cache"), **kw,
+        )  # fmt: skip
+
+    def raw(store) -> set:
+        return {Path(store.sources[s].source.path).read_text().splitlines()[r]
+                for s, r in zip(store.source_of.tolist(), store.row_of.tolist())}  # fmt: skip
+
+    def fitted(dm: HBPDataModule, name: str) -> str:
+        saves = ModelCheckpoint(dirpath=tmp_path / name, save_last=True)
+        quiet_trainer(max_steps=2, enable_checkpointing=True, callbacks=[saves]).fit(make_module(vocab=dm.vocab_size), dm)
+        return str(tmp_path / name / "last.ckpt")
+
+    fit = data([a, b])
+    last = fitted(fit, "ckpt")
+    refused = r"^data.sources: this validation holds out \d+ records, the checkpoint's fit held out \d+ others"
+    for other in (data([b, a]), data([a, b, chat_data])):
+        with pytest.raises(ConfigError, match=refused):
+            quiet_trainer().validate(HBPLitModule(model=TINY, vocab_size=other.vocab_size), other, ckpt_path=last)
+        with pytest.raises(ConfigError, match=refused):
+            quiet_trainer().validate(HBPLitModule.load_from_checkpoint(last), other)
+        assert raw(other.val_store) & raw(fit.store)  # what it would have validated on: records the fit trained on
+    with pytest.raises(ConfigError, match=refused):  # another seed, through load_from_checkpoint
+        quiet_trainer().validate(HBPLitModule.load_from_checkpoint(last), data([a, b], seed=4))
+    template = CHAT_TEMPLATE.replace("|>\n", "|> ")  # the same records rendered to other tokens
+    assert template != CHAT_TEMPLATE
+    for same in (data([tmp_path / "moved" / "a.jsonl", tmp_path / "moved" / "b.jsonl"]),
+                 data([a, b], chat_template=template)):  # fmt: skip
+        quiet_trainer().validate(HBPLitModule.load_from_checkpoint(last), same)
+        quiet_trainer().validate(HBPLitModule(model=TINY, vocab_size=same.vocab_size), same, ckpt_path=last)
+        assert raw(same.val_store) == raw(fit.val_store)
+    unheld = fitted(data([a, b], fraction=0.0), "unheld")
+    with pytest.raises(ConfigError, match=r"this validation holds out 10 records, the checkpoint's fit held out 0 "):
+        quiet_trainer().validate(HBPLitModule.load_from_checkpoint(unheld), data([a, b]))
+
+
+def test_a_data_module_set_up_again_under_another_world_size_plans_for_it(chat_data, toy_tokenizer, tmp_path):
+    """A data module given to a second Trainer kept the first one's plans (keyed by epoch alone) and skipped its
+    checks: after a 2-rank plan a 1-rank run trained half the data; a Trainer with use_distributed_sampler went
+    unrefused. Reference: a fresh data module's plan under the same stand-in trainer."""
+    from types import SimpleNamespace
+
+    from lit_hbp.errors import ConfigError
+
+    def data() -> HBPDataModule:
+        return HBPDataModule(
+            sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=[{"pack_len": 128}],
+            val_fraction=0.25, cache_dir=str(tmp_path / "cache"),
+        )  # fmt: skip
+
+    def stand_in(world: int, accumulate: int = 1):
+        return SimpleNamespace(world_size=world, global_rank=0, accumulate_grad_batches=accumulate, callbacks=[],
+                               current_epoch=0, num_devices=world, loggers=[], lightning_module=None, is_global_zero=True)  # fmt: skip
+
+    reused = data()
+    for world, accumulate in ((2, 1), (1, 1), (1, 2), (2, 2)):
+        fresh = data()
+        for dm in (reused, fresh):
+            dm.trainer = stand_in(world, accumulate)
+            dm.setup("fit")
+        for plan, reference in ((reused.plan_for_epoch(0), fresh.plan_for_epoch(0)), (reused.val_plan(), fresh.val_plan())):
+            assert (plan.world_size, plan.accumulate) == (world, reference.accumulate)
+            for field in ("members", "offsets", "step_level"):
+                assert getattr(plan, field).tolist() == getattr(reference, field).tolist()
+        assert reused.plan_for_epoch(0).accumulate == accumulate
+    with pytest.raises(ConfigError, match=r"set Trainer\(use_distributed_sampler=False\)"):
+        reused.trainer = None
+        quiet_trainer(use_distributed_sampler=True).validate(make_module(vocab=reused.vocab_size), reused)
 
 
 def test_weight_averaging_under_deepspeed_is_refused_where_no_checkpoint_would_hold_the_average(

@@ -235,16 +235,31 @@ class SampleStore:
             return out
 
         def digest(i: int) -> bytes:
-            source, row = self.sources[int(records[i, 0])], int(records[i, 1])
-            ids, mask = source.sample(row)
-            h = hashlib.blake2b(np.asarray(ids, np.int64).tobytes(), digest_size=16)
-            h.update(np.packbits(mask).tobytes())
-            h.update(repr(source.sample_media(row)).encode())
-            return h.digest()
+            return self._record_digest(int(records[i, 0]), int(records[i, 1]))
 
         held = {digest(int(i)) for i in np.flatnonzero(reference & np.isin(sig, sig[candidates]))}
         out[[i for i in candidates if digest(int(i)) in held]] = True
         return out
+
+    def _record_digest(self, source_id: int, row: int) -> bytes:
+        """What record ``row`` of source ``source_id`` holds: its ids, supervised mask and media."""
+        source = self.sources[source_id]
+        ids, mask = source.sample(row)
+        h = hashlib.blake2b(np.asarray(ids, np.int64).tobytes(), digest_size=16)
+        h.update(np.packbits(mask).tobytes())
+        h.update(repr(source.sample_media(row)).encode())
+        return h.digest()
+
+    def records_identity(self, source_of: np.ndarray, row_of: np.ndarray) -> dict:
+        """Which records (source, row) these are, two ways: where they lie (each one's source path and row) and
+        what they hold (``_record_digest``). A later run holding out records that match either way holds out the
+        same ones (its data moved; its tokenizer changed); matching neither, other ones (a source added, removed
+        or moved in the list; another seed or share)."""
+        pairs = sorted(zip(np.asarray(source_of).tolist(), np.asarray(row_of).tolist()))
+        where = "\n".join(f"{self.sources[s].source.path}\0{r}" for s, r in pairs).encode()
+        what = b"".join(sorted(self._record_digest(s, r) for s, r in pairs))
+        where, what = (hashlib.blake2b(b, digest_size=16).hexdigest() for b in (where, what))
+        return dict(records=len(pairs), where=where, what=what)
 
     def count_training_copies(self, training: SampleStore, first: int) -> None:
         """Count (and name a few of) this validation set's records from sources ``first`` on (``val_sources``)

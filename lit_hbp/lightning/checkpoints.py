@@ -186,19 +186,42 @@ def plan_seed(checkpoint: dict) -> int | None:
     return seeds[0] if seeds and isinstance(seeds[0], int) else None
 
 
-def check_held_out(saved: dict, checkpoint: dict | None, seed: int, val_fraction: float) -> None:
+def check_held_out(
+    saved: dict, checkpoint: dict | None, seed: int, val_fraction: float, held_out: dict | None = None
+) -> None:
     """A validation of a checkpoint whose ``val_fraction`` hold-out was drawn with another data seed or share than
-    this run's: it would validate on other records, some the checkpoint trained on, and read low without a word.
-    ``saved``: the data module's state in it; ``checkpoint``: the whole (older ones name the seed in the loader's)."""
+    this run's, or from other sources (``check_same_records``): it would validate on other records, some the
+    checkpoint trained on, and read low without a word. ``saved``: the data module's state in it; ``checkpoint``:
+    the whole (older ones name the seed in the loader's); ``held_out``: this run's held-out records."""
     held_seed = saved.get("seed", plan_seed(checkpoint or {}))
     held_fraction = saved.get("val_fraction", val_fraction)
-    if held_seed is None or (held_seed, held_fraction) == (seed, val_fraction):
+    if held_seed is not None and (held_seed, held_fraction) != (seed, val_fraction):
+        raise ConfigError(
+            f"data.val_fraction: the checkpoint held out {held_fraction} of the training records with data seed "
+            f"{held_seed}; this run's seed {seed} and val_fraction {val_fraction} hold out other records, some of "
+            f"which it trained on: validate with the data module's seed={held_seed} and val_fraction={held_fraction} "
+            "(data.seed, data.val_fraction)"
+        )
+    check_same_records(saved.get("held_out"), held_out)
+
+
+def fit_held_out(checkpoint: dict) -> dict | None:
+    """The records a checkpoint's fit held out for validation (``HBPDataModule.state_dict``'s ``held_out``); None
+    from a checkpoint without them (another data module, or saved by an older lit-hbp)."""
+    states = [v for v in checkpoint.values() if isinstance(v, dict) and "tokenizer_files" in v]
+    return states[0].get("held_out") if states else None
+
+
+def check_same_records(fit: dict | None, now: dict | None) -> None:
+    """A validation holding out records (``SampleStore.records_identity``) other than its checkpoint's fit held
+    out, by where they lie and by what they hold: a source was added, removed or moved in the list (the hold-out
+    is a seeded draw over every source's records), or the fit held out none; some of them trained."""
+    if fit is None or now is None or not now["records"] or now["where"] == fit["where"] or now["what"] == fit["what"]:
         return
     raise ConfigError(
-        f"data.val_fraction: the checkpoint held out {held_fraction} of the training records with data seed "
-        f"{held_seed}; this run's seed {seed} and val_fraction {val_fraction} hold out other records, some of which "
-        f"it trained on: validate with the data module's seed={held_seed} and val_fraction={held_fraction} (data.seed, "
-        "data.val_fraction)"
+        f"data.sources: this validation holds out {now['records']} records, the checkpoint's fit held out "
+        f"{fit['records']} others and trained on some of these: its sources, their order, data.seed or "
+        "data.val_fraction differ from the fit's; validate with the fit's data settings"
     )
 
 

@@ -49,7 +49,7 @@ from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their fi
     accumulation_at,
     check_accumulation_windows,
     check_checkpoint_positions,
-    check_epoch_lengths,
+    check_data_trainer,
     check_validation_interval,
     ignore_sigint,
     media_inputs,
@@ -216,7 +216,8 @@ class HBPDataModule(L.LightningDataModule):
         self.warmup_steps, self.short_levels = 0, None
         self.resume_from: dict | None = None
         self.resume_rng: dict | None = None  # this rank's generators at the checkpoint ({} none), until fetched
-        self._plans: dict[int, Plan] = {}
+        self._plans: dict[tuple[int, int], Plan] = {}  # (epoch, accumulation): the epoch's plan
+        self._set_up_for, self.held_out = 0, None  # the world size, the held-out records (``records_identity``)
 
     @property
     def vocab_size(self) -> int:
@@ -228,7 +229,7 @@ class HBPDataModule(L.LightningDataModule):
         files: a checkpoint is then all an export needs. Every rank's generators (``lightning.rng``; a collective:
         a checkpoint is dumped on every rank), which a resumed fit sets as it fetches its first micro-batch."""
         state = {"tokenizer_files": tokenizer_files(self.tokenizer), "rng": every_rank_state(), "seed": self.seed,
-                 "val_fraction": self.val_fraction}  # fmt: skip
+                 "val_fraction": self.val_fraction, "held_out": self.held_out}  # fmt: skip
         if self.processor is not None:
             state["processor_files"] = tokenizer_files(self.processor)
         return state
@@ -240,7 +241,8 @@ class HBPDataModule(L.LightningDataModule):
         checkpoint held out (``check_held_out``)."""
         trainer = self.trainer
         if trainer is not None and trainer.state.fn == TrainerFn.VALIDATING and self.val_fraction:
-            check_held_out(state, trainer._checkpoint_connector._loaded_checkpoint, self.seed, self.val_fraction)
+            check_held_out(state, trainer._checkpoint_connector._loaded_checkpoint, self.seed, self.val_fraction,
+                           self.held_out)  # fmt: skip
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             states = state.get("rng")
             self.resume_rng = states[trainer.global_rank] if len(states or ()) == trainer.world_size else {}
@@ -360,34 +362,22 @@ class HBPDataModule(L.LightningDataModule):
                 self._tokenize(s, f"{field}[{i}]")
 
     def setup(self, stage: str) -> None:
+        """The data tokenized, held out and checked, once per world size: a data module set up again under a Trainer
+        of another size (``ddp_spawn`` after a one-device try) plans its ranks, levels and validation set anew."""
         self.resume_rng = None  # a checkpoint's generators are restored after this, for this fit only
-        if self.store is not None:
-            return
         world, rank, _ = self._world()
-        if self.trainer is not None and getattr(self.trainer, "_accelerator_connector", None) is not None:
-            if self.trainer._accelerator_connector.use_distributed_sampler:
-                raise ConfigError(
-                    "HBPDataModule assigns data to ranks itself: set Trainer(use_distributed_sampler=False)"
-                )
-            if self.trainer.overfit_batches:
-                raise ConfigError(
-                    f"trainer.overfit_batches must be 0 with HBPDataModule, got {self.trainer.overfit_batches!r}: "
-                    "its loader plans packs, levels and ranks, which Lightning's sequential overfit loader would "
-                    "replace; use limit_train_batches to train on a few batches"
-                )
-            if stage == "fit":
-                check_epoch_lengths(self.trainer, self.packer)
-                check_validation_interval(self.trainer)
-                check_accumulation_windows(self.trainer)
-                check_checkpoint_positions(self.trainer, bool(self.val_fraction or self.val_sources))
-        if stage == "validate" and not (self.val_fraction or self.val_sources):
+        validates = bool(self.val_fraction or self.val_sources)
+        check_data_trainer(self.trainer, stage, self.packer, validates)
+        if stage == "validate" and not validates:
             raise ConfigError(
                 "nothing to validate: the data has no validation split; set data.val_fraction (a share of the "
                 "training records held out) or data.val_sources"
             )
+        if self.store is not None and self._set_up_for == world:
+            return
         tokenized = self.tokenize_sources(progress=rank == 0)
         store = SampleStore.build(tokenized, None, self.over_length, self.seed)
-        if self.levels is None:
+        if self.selector is not None:  # chosen for this world
             if self.trainer is None:
                 raise ValueError(f"{type(self.selector).__name__} chooses levels for a run: set up through a Trainer")
             self.levels = self._selected_levels(store)
@@ -396,12 +386,13 @@ class HBPDataModule(L.LightningDataModule):
         if self.val_fraction:
             store, *held = store.hold_out(self.val_fraction, self.seed)
         self.val_store = self._validation_store(tokenized, *held, rank)
+        self.held_out = store.records_identity(*held)
         if self.val_sources and self.val_store is not None:
             self.val_store.count_training_copies(store, len(tokenized))
         shifted = store.apply_over_length(self.levels[-1].pack_len, self.over_length)
         if shifted:
             rank_zero_warn(shifted)
-        self.store = store
+        self.store, self._set_up_for, self._plans, self._val_plan = store, world, {}, None
         summary = self.store.summary()
         if self.val_store is not None:
             summary += "\nvalidation " + self.val_store.summary()
@@ -458,10 +449,10 @@ class HBPDataModule(L.LightningDataModule):
 
     def plan_for_epoch(self, epoch: int) -> Plan:
         """The plan of ``epoch`` (curriculum warm-up in the first epoch only)."""
-        if epoch not in self._plans:
+        world, _, accumulate = self._world(epoch)
+        if (epoch, accumulate) not in self._plans:
             if self.store is None:
                 raise RuntimeError("HBPDataModule.setup() must run before planning")
-            world, _, accumulate = self._world(epoch)
             plan = plan_hbp(
                 self.store.lengths,
                 self.levels,
@@ -475,12 +466,12 @@ class HBPDataModule(L.LightningDataModule):
                 short_levels=self.short_levels,
                 extra_work=self.vision_work(self.store),
             )
-            self._plans = {epoch: plan}
+            self._plans = {(epoch, accumulate): plan}
             m = plan.metrics()
             rank_zero_info(
                 f"epoch {epoch} {plan.summary()}\n  metrics: " + ", ".join(f"{k} {v:.4g}" for k, v in m.items())
             )
-        return self._plans[epoch]
+        return self._plans[epoch, accumulate]
 
     @property
     def plan(self) -> Plan | None:

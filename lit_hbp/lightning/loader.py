@@ -131,6 +131,28 @@ def epoch_batches(limit: int | float, micro_steps: int) -> int:
     return min(micro_steps, limit) if isinstance(limit, int) else int(micro_steps * limit)
 
 
+def check_data_trainer(trainer: Any, stage: str, packer: str, validates: bool) -> None:
+    """What every Trainer an ``HBPDataModule`` is set up under must allow, checked at each set-up (a data module
+    given to a second Trainer too): ranks are the plan's, not a distributed sampler's; no overfit loader; a fit's
+    epochs, validation interval, accumulation windows and checkpoints that fall where the plan's steps end."""
+    connector = getattr(trainer, "_accelerator_connector", None)
+    if connector is None:  # no Trainer, or a stand-in
+        return
+    if connector.use_distributed_sampler:
+        raise ConfigError("HBPDataModule assigns data to ranks itself: set Trainer(use_distributed_sampler=False)")
+    if trainer.overfit_batches:
+        raise ConfigError(
+            f"trainer.overfit_batches must be 0 with HBPDataModule, got {trainer.overfit_batches!r}: "
+            "its loader plans packs, levels and ranks, which Lightning's sequential overfit loader would "
+            "replace; use limit_train_batches to train on a few batches"
+        )
+    if stage == "fit":
+        check_epoch_lengths(trainer, packer)
+        check_validation_interval(trainer)
+        check_accumulation_windows(trainer)
+        check_checkpoint_positions(trainer, validates)
+
+
 def check_epoch_lengths(trainer: Any, packer: str) -> None:
     """Before the data is read: an epoch whose plan may have another number of micro-steps than the first's
     (the random packer's draw, an accumulation scheduled by epoch) needs its loader rebuilt, which Lightning

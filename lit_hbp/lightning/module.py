@@ -21,7 +21,7 @@ from lit_hbp.cost.memory import not_fitting, trainer_cost
 from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.checkpoints import RESTORED, check_resumed_settings
+from lit_hbp.lightning.checkpoints import RESTORED, check_resumed_settings, check_same_records, fit_held_out
 from lit_hbp.lightning.meter import MicroStepEnd, StepMeter, forget_last_window, logs_by_schedule, logs_now
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
@@ -195,6 +195,7 @@ class HBPLitModule(L.LightningModule):
         self._recompile_watch: RecompileLimitWatch | None = None
         self._schedule: dict | None = None  # this run's learning-rate schedule (optimizer steps, warm-up)
         self._resumed_schedule: dict | None = None  # the one the checkpoint a run resumes from followed
+        self._fit_held_out: dict | None = None  # the records its weights' fit held out (``check_same_records``)
         self._resumed_step = 0
 
     def configure_model(self) -> None:
@@ -263,7 +264,7 @@ class HBPLitModule(L.LightningModule):
         restored optimizer's (a DeepSpeed folder, ``last``: what the command line does not read first) is refused."""
         if self._trainer is not None and self.trainer.state.fn == "fit":
             check_resumed_settings(self.hparams, checkpoint.get("hyper_parameters") or {}, "ckpt_path", RESTORED)
-        self._resumed_schedule = checkpoint.get(LR_SCHEDULE)
+        self._resumed_schedule, self._fit_held_out = checkpoint.get(LR_SCHEDULE), fit_held_out(checkpoint)
         self._resumed_step = int(checkpoint.get("global_step", 0))
         self._say_schedule()
 
@@ -292,6 +293,7 @@ class HBPLitModule(L.LightningModule):
                 raise ConfigError(f"{type(self).__name__}.{hook}(dataloader_iter): {ITER_REFUSED}")
         check_started_callbacks(self, self.trainer)
         dm = getattr(self.trainer, "datamodule", None)
+        self._fit_held_out = getattr(dm, "held_out", None)  # what a later validation of these weights must hold out
         levels = tuple(getattr(dm, "levels", None) or ())
         for i, lv in enumerate(levels):
             if lv.ckpt_layers > self.num_layers:
@@ -507,6 +509,8 @@ class HBPLitModule(L.LightningModule):
                 self.log(f"time/level{level}_tokens_per_s_per_device", torch.tensor(tokens / seconds), batch_size=1)
 
     def on_validation_epoch_start(self) -> None:
+        if self.trainer.state.fn == "validate":  # weights loaded by load_from_checkpoint too: no data state restored
+            check_same_records(self._fit_held_out, getattr(self.trainer.datamodule, "held_out", None))
         self._val_ce: torch.Tensor | float = 0.0
         self._val_targets = 0
 
