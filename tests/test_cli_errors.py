@@ -250,6 +250,10 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             ["--model.attn_backend", "flex", "--trainer.accelerator", "cpu"],
             "model.attn_backend: 'flex' cannot run on cpu (CUDA only",
         ),
+        "a missing data file as the list of sources": (
+            ["--data.sources", "nothere.jsonl"],
+            "data.sources: nothere.jsonl cannot be read (no such file or folder here)",
+        ),
         "a data file as the list of sources": (
             ["--data.sources", str(demo / "short.jsonl")],
             "sources[0]: '{",  # jsonargparse read the file's records as the list
@@ -323,6 +327,7 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a demo folder holding another demo",
          "an accumulation schedule under DeepSpeed", "a precision DeepSpeed has not",
          "a CUDA-only attention backend on a CPU", "a data file as the list of sources",
+         "a missing data file as the list of sources",
          "a monitor a separator away from a logged metric", "a validation inside an optimizer step",
          "a checkpoint by time inside an optimizer step", "a negative curriculum warm-up",
          "a timeline hardware lit-hbp has not", "an export dtype misspelled",
@@ -523,3 +528,22 @@ def test_validate_without_a_checkpoint_of_a_config_mappings_random_model_is_refu
               "--data.cache_dir", str(tmp_path / "cache")])  # fmt: skip
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("error: validate without --ckpt_path scores the model as"), err
+
+
+def test_validate_with_auto_and_no_checkpoint_of_the_run_is_refused(tmp_path, small_demo, monkeypatch, capsys):
+    """``validate --ckpt_path auto`` with no checkpoint in the run's folders said "training starts from the
+    beginning" and scored the weights model.model builds (random ones for a config mapping): refused, naming where
+    it looked. ``fit --help`` says what ``--ckpt_path`` takes here (``auto``; not Lightning's best or registry)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["validate", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
+              "--data.cache_dir", str(tmp_path / "cache"), "--ckpt_path", "auto"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert stop.value.code == 2, err
+    assert err.startswith("error: --ckpt_path auto: no checkpoint in runs: nothing of this run to validate"), err
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert stop.value.code == 0
+    assert "'auto' (the newest complete checkpoint of this run's folders, else a fresh start)" in said, said
+    assert "registry" not in said.split("--ckpt_path CKPT_PATH", 2)[-1].split("--weights_only")[0]

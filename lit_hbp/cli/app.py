@@ -58,6 +58,7 @@ from lit_hbp.cli.parser import (
 from lit_hbp.cli.program import program
 from lit_hbp.cli.resume import (  # noqa: F401  (public here too: their first home)
     AUTO,
+    CKPT_PATH_HELP,
     check_resume,
     check_resumed_model,
     check_resumed_steps,
@@ -121,6 +122,14 @@ class HBPCLI(LightningCLI):
     def subcommands() -> dict[str, set[str]]:
         """Lightning's fit and validate: HBPLitModule has no test or predict loop (``command.NOT_OFFERED``)."""
         return {name: keys for name, keys in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        """Lightning's subcommand parser, its ``--ckpt_path`` help saying what this command line serves."""
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        for action in parser._actions:
+            if action.dest == "ckpt_path":
+                action.help = CKPT_PATH_HELP[subcommand]
+        return parser
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
@@ -219,7 +228,7 @@ class HBPCLI(LightningCLI):
             self._guard(check_logging_callbacks, section.get("trainer"))
             self._guard(check_refused_callbacks, (section.get("trainer") or {}).get("callbacks"))
         auto = section.get("ckpt_path") == AUTO
-        self._guard(resolve_auto_resume, section)
+        self._guard(resolve_auto_resume, section, self.subcommand == "validate")
         if auto and self.subcommand:  # the checkpoint found: its model settings, as an explicit --ckpt_path's
             self._read_checkpoint_model(self.subcommand, section)
             section = self.config[self.subcommand]

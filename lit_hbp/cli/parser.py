@@ -36,6 +36,7 @@ UNION_ERROR = re.compile(  # a config key's own words, or HBPStrategy's refusal 
     r"^\s*- ((?:(?:trainer|data|model)\.|HBPStrategy )\S.*)$",
     re.M,
 )
+MISSING_PATH = re.compile(r"Expected a path but (.+?) either not accessible or invalid")
 # An option another one sets (``link_arguments``), given on its own; what to set instead, per option.
 LINKED = re.compile(r"argument (\S+) --> (\S+):")
 LINKED_FIX = {
@@ -164,7 +165,7 @@ def short_error(message: str, parser: argparse.ArgumentParser) -> str:
     """jsonargparse's error report cut to what says what is wrong: an unknown init argument of a class
     (with the class, the nearest valid argument and the valid ones), a missing required one, an unknown
     option with the nearest valid one (or the key it stands for, ``ALIASES``), an option another one sets
-    (``LINKED``), a config file's YAML error with the file; any other message as it is."""
+    (``LINKED``), a path that is not there, a config file's YAML error with the file; any other message as it is."""
     found = CLASS_OPTION.search(message)
     if found:
         class_path, option = found.groups()
@@ -189,6 +190,10 @@ def short_error(message: str, parser: argparse.ArgumentParser) -> str:
         if option.split(".")[0] in ("optimizer", "lr_scheduler"):  # LightningCLI's, not offered (HBPCLI)
             return message.splitlines()[0] + OWN_OPTIMIZER
         return message.splitlines()[0] + alias_of(option, _option_keys(parser))
+    found = MISSING_PATH.search(message)
+    if found:  # a path option, or a list option given one path (data.sources), naming a file that is not there
+        key = PARSER_KEY.search(message)
+        return f"{key.group(1) + ': ' if key else ''}{found.group(1)} cannot be read (no such file or folder here)"
     return config_file_error(message, getattr(parser, "_hbp_args", None))
 
 

@@ -82,12 +82,12 @@ def _is_model_checkpoint(callback: Any) -> bool:
     return hasattr(callback, "get") and is_instance_entry(callback, ModelCheckpoint)
 
 
-def resolve_auto_resume(section: Any) -> None:
+def resolve_auto_resume(section: Any, validating: bool = False) -> None:
     """``--ckpt_path auto``: the newest complete checkpoint of the run's folders
     (``checkpoint_folders``, ``lit_hbp.lightning.checkpoints.find_resumable``), or none (training starts from
-    the beginning); said in the log either way, with each checkpoint it passed over and why (a
-    truncated ``last.ckpt``, a save cut short). A requeued or restarted job resumes with the same
-    command line."""
+    the beginning; a validation, which would score the weights ``model.model`` builds, is refused); said in the log
+    either way, with each checkpoint it passed over and why (a truncated ``last.ckpt``, a save cut short). A
+    requeued or restarted job resumes with the same command line."""
     if section.get("ckpt_path") != AUTO:
         return
     folders = checkpoint_folders(section)
@@ -101,6 +101,11 @@ def resolve_auto_resume(section: Any) -> None:
     else:
         where = ", ".join(str(f) for f in dict.fromkeys(folders))
         none = "no complete checkpoint" if skipped else "no checkpoint"
+        if validating:
+            raise ConfigError(
+                f"--ckpt_path {AUTO}: {none} in {where}: nothing of this run to validate; give the checkpoint's "
+                "path (or drop --ckpt_path to validate the weights model.model names)"
+            )
         rank_zero_info(f"--ckpt_path {AUTO}: {none} in {where}: training starts from the beginning")
 
 
@@ -109,6 +114,14 @@ RESUME_INSTEAD = "give the checkpoint's path, or --ckpt_path auto (the newest co
 UNSERVED = {  # keywords a command line's fresh process cannot serve (Lightning stops on them with a traceback)
     "best": f"Lightning's best model of a fit earlier in the same process; a new process has none: {RESUME_INSTEAD}",
     "registry": f"Lightning's model registry (the litmodels package and its service, not here): {RESUME_INSTEAD}",
+}
+
+CKPT_PATH_HELP = {
+    "fit": "the checkpoint to resume from: a .ckpt file, a DeepSpeed checkpoint folder (trainer.strategy hbp), "
+    "'auto' (the newest complete checkpoint of this run's folders, else a fresh start) or 'last' (the last "
+    "checkpoint ModelCheckpoint saved); checked before anything is built",
+    "validate": "the checkpoint whose weights are validated: a .ckpt file, a DeepSpeed checkpoint folder "
+    "(trainer.strategy hbp), 'auto' (the newest complete checkpoint of this run's folders) or 'last'",
 }
 
 
