@@ -740,7 +740,9 @@ def test_a_validation_holds_out_the_fits_records_whatever_else_changed(chat_data
 
     def fitted(dm: HBPDataModule, name: str) -> str:
         saves = ModelCheckpoint(dirpath=tmp_path / name, save_last=True)
-        quiet_trainer(max_steps=2, enable_checkpointing=True, callbacks=[saves]).fit(make_module(vocab=dm.vocab_size), dm)
+        quiet_trainer(max_steps=2, enable_checkpointing=True, callbacks=[saves]).fit(
+            make_module(vocab=dm.vocab_size), dm
+        )
         return str(tmp_path / name / "last.ckpt")
 
     fit = data([a, b])
@@ -782,7 +784,8 @@ def test_a_data_module_set_up_again_under_another_world_size_plans_for_it(chat_d
 
     def stand_in(world: int, accumulate: int = 1):
         return SimpleNamespace(world_size=world, global_rank=0, accumulate_grad_batches=accumulate, callbacks=[],
-                               current_epoch=0, num_devices=world, loggers=[], lightning_module=None, is_global_zero=True)  # fmt: skip
+                               current_epoch=0, num_devices=world, loggers=[], lightning_module=None,
+                               is_global_zero=True)  # fmt: skip
 
     reused = data()
     for world, accumulate in ((2, 1), (1, 1), (1, 2), (2, 2)):
@@ -790,7 +793,10 @@ def test_a_data_module_set_up_again_under_another_world_size_plans_for_it(chat_d
         for dm in (reused, fresh):
             dm.trainer = stand_in(world, accumulate)
             dm.setup("fit")
-        for plan, reference in ((reused.plan_for_epoch(0), fresh.plan_for_epoch(0)), (reused.val_plan(), fresh.val_plan())):
+        for plan, reference in (
+            (reused.plan_for_epoch(0), fresh.plan_for_epoch(0)),
+            (reused.val_plan(), fresh.val_plan()),
+        ):
             assert (plan.world_size, plan.accumulate) == (world, reference.accumulate)
             for field in ("members", "offsets", "step_level"):
                 assert getattr(plan, field).tolist() == getattr(reference, field).tolist()
