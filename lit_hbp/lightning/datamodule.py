@@ -126,7 +126,8 @@ class HBPDataModule(L.LightningDataModule):
             the export carry. A tokenizer without a template and no ``chat_template`` can tokenize only
             ``{"text"}`` and pre-tokenized records.
         num_proc: processes that tokenize a source; None (default): every core of the node for a
-            source over 8 MB (or 8,192 rows), the main process for a smaller one.
+            source over 8 MB (a table: 8,192 rows; records with images or videos: 128 KB), the main process for a
+            smaller one.
         processor_kwargs: a vision-language checkpoint's image (and video) processor settings instead of its
             folder's (``max_pixels``, ``size``, ``image_grid_pinpoints``: how many tokens an image becomes), each
             checked to be one the processor holds; checkpoints and the export carry the processor so set.
