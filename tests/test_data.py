@@ -261,6 +261,40 @@ def test_parquet_and_hf_disk_sources(tmp_path, toy_tokenizer):
         tokenize_source(Source(str(tmp_path / "hf"), split="test"), tok, progress=False)
 
 
+@pytest.mark.parametrize("fmt", ["numpy", "torch", "pandas", "arrow"])
+def test_a_disk_data_set_saved_with_a_format_reads_as_the_plain_one(tmp_path, toy_tokenizer, fmt):
+    """``load_from_disk`` restores the format ``save_to_disk`` kept: rows arrived as arrays, so TRL's per-token
+    ``completion_mask`` passed as metadata (every token trained, silent), chats were refused as not a list, and
+    pandas / arrow rows raised. Reference: the same rows saved without a format (records and refusals alike)."""
+    import datasets
+
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    ids = tok("hello world the quick fox")["input_ids"]
+    sets = {
+        "tokens": {"input_ids": [ids, ids[:4]], "labels": [[-100, -100] + ids[2:], [-100, *ids[1:4]]]},
+        "chats": {"messages": [chat("hello", "world")["messages"], chat("fox", "dog")["messages"]]},
+        "completion_mask": {
+            "input_ids": [ids, ids[:4]],
+            "completion_mask": [[0, 0] + [1] * (len(ids) - 2), [0, 1, 1, 1]],
+        },
+    }
+    for name, rows in sets.items():
+        results = []
+        for f in (None, fmt):
+            data = datasets.Dataset.from_dict(rows)
+            folder = tmp_path / f"{name}_{f}"
+            (data.with_format(f) if f else data).save_to_disk(str(folder))
+            try:
+                got = tokenize_source(
+                    Source(str(folder)), tok, cache_dir=tmp_path / "cache", progress=False, num_proc=1
+                )
+                results.append((np.asarray(got.ids).tolist(), [got.sample(i)[1].tolist() for i in range(len(got))]))
+            except DataError as e:
+                results.append(str(e).split(": ", 1)[1])  # the refusal, without the folder's name
+        assert results[0] == results[1], name
+    assert "has a value per token" in results[0]
+
+
 # ----------------------------------------------------------------------------- mixing, lengths
 
 

@@ -379,7 +379,8 @@ def _table(source: Source):
 
     if kind == "hub":
         try:
-            return datasets.load_dataset(str(path), name=source.subset, split=source.split or "train")
+            data = datasets.load_dataset(str(path), name=source.subset, split=source.split or "train")
+            return data.with_format(None)
         except ValueError as e:  # an unknown split or subset: datasets names the ones there are
             raise DataError(f"data source {source.path!r} (the Hub data set in {path}): {e}") from None
     data = datasets.load_from_disk(str(path))
@@ -393,7 +394,7 @@ def _table(source: Source):
             f"{path}: split {source.split!r}, but this folder holds one data set (save_to_disk of a Dataset, not a "
             "DatasetDict), which has no splits: drop split"
         )
-    return data
+    return data.with_format(None)  # rows as Python objects, whatever format save_to_disk kept (numpy, torch, ...)
 
 
 def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int | None = None) -> Iterator[Chunk]:
