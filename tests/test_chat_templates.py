@@ -276,3 +276,18 @@ def test_reasoning_a_template_drops_from_the_answer_stays_refused(family, tmp_pa
         assert THOUGHT not in family(name).apply_chat_template(messages, tokenize=False)
         with pytest.raises(DataError, match=rf"messages\[{i}\] \(assistant\): the chat template does not render its"):
             lit_hbp(family(name), {"messages": messages}, tmp_path, "last_assistant")
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen2.5", "hermes3"])
+def test_an_empty_tool_list_renders_as_apply_chat_template_renders_it(family, tmp_path, name):
+    """A record's ``"tools": []`` (a table's rows without tools) was read as no tools: Llama 3.1's template, which
+    asks ``tools is not none``, lost its tool preamble (silent) and Hermes 3's tool-use template was refused.
+    Reference: ``apply_chat_template(messages, tools=[])``, as TRL calls it."""
+    tok = family(name)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": "It is 21 degrees and sunny."}]  # fmt: skip
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps({"messages": messages, "tools": []}) + "\n")
+    got = tokenize_source(Source(str(path)), tok, "assistant", tmp_path / "cache", progress=False, num_proc=1)
+    want = tok.apply_chat_template(messages, tools=[], tokenize=True, return_dict=True)["input_ids"]
+    assert list(got.sample(0)[0]) == list(want)

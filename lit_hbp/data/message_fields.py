@@ -119,9 +119,10 @@ def _json(value: Any, at: str) -> Any:
 
 def tools_of(value: Any, at: str) -> list[dict] | None:
     """Tool definitions in OpenAI's form ``{"type": "function", "function": {name, description,
-    parameters}}``: a list (or its JSON string); a bare function description is wrapped."""
+    parameters}}``: a list (or its JSON string); a bare function description is wrapped. An empty list stays one, as
+    ``apply_chat_template(tools=[])`` takes it (Llama 3.1's template asks ``tools is not none``)."""
     value = _json(value, at)
-    if value is None or value == []:
+    if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise DataError(f"{at} must be a list of tool definitions (objects)")
