@@ -239,7 +239,7 @@ def test_auto_names_each_checkpoint_it_passed_over_and_why(tmp_path, caplog):
         str(folder / ".last.ckpt.partial"): "a save that was cut short (written beside its name, never renamed)",
     }
     assert why_incomplete(last).startswith("truncated")
-    trainer = Namespace(default_root_dir=str(tmp_path), callbacks=None, logger=None, strategy=None)
+    trainer = Namespace(default_root_dir=str(tmp_path), callbacks=None, logger=False, strategy=None)
     section = Namespace(ckpt_path="auto", weights_only=None, trainer=trainer)
     with caplog.at_level(logging.INFO):
         resolve_auto_resume(section)
@@ -363,6 +363,41 @@ def test_a_resume_at_or_past_its_max_steps_is_refused_and_a_complete_run_found_b
     said = f"--ckpt_path auto: {folder / 'last.ckpt'} is at optimizer step 2, trainer.max_steps 2: the run is complete"
     assert said in caplog.text + out + err, caplog.text + out + err
     assert not (tmp_path / "cache").exists()
+
+
+def test_auto_finds_the_checkpoints_of_lightnings_default_logger_and_last_is_refused_where_it_finds_none(
+    tmp_path, small_demo, monkeypatch, capfd, caplog
+):
+    """With no logger given (``--trainer.logger null``) Lightning logs with its default TensorBoardLogger, whose
+    checkpoints go to ``<default_root_dir>/lightning_logs/version_N/checkpoints``: ``--ckpt_path auto`` looked in
+    ``<default_root_dir>/checkpoints``, found nothing and a requeued job trained from the start. Found now (the run
+    complete: exit 0). ``--ckpt_path last`` with a versioned logger and no ModelCheckpoint dirpath (the shipped
+    configs) trained from the start in a new version folder (Lightning's warning only): refused, naming auto."""
+    hparams, _ = run_checkpoints_folder(tmp_path, small_demo, monkeypatch)
+    folder = Path("runs/lightning_logs/version_0/checkpoints")  # the tiny config's default_root_dir: runs
+    folder.mkdir(parents=True)
+    torch.save({"global_step": 2, "state_dict": {}, "hyper_parameters": hparams}, folder / "last.ckpt")
+    with caplog.at_level(logging.INFO):
+        code, out, err = run_cli(["--trainer.logger", "null", "--ckpt_path", "auto"], tmp_path, small_demo, capfd)
+    assert code == 0, err
+    said = f"--ckpt_path auto: {folder / 'last.ckpt'} is at optimizer step 2, trainer.max_steps 2: the run is complete"
+    assert said in caplog.text + out + err, caplog.text + out + err
+    for logger in ([], ["--trainer.logger", "null"]):
+        code, out, err = run_cli([*logger, "--ckpt_path", "last"], tmp_path, small_demo, capfd)
+        assert code == 2 and err.startswith("error: --ckpt_path last: Lightning looks for the last checkpoint"), err
+        assert "--ckpt_path auto" in err and not (tmp_path / "cache").exists()
+    # Where Lightning finds one (logger: false saves into <default_root_dir>/checkpoints), the file is checked as a
+    # path is: none there is refused (Lightning trained, or validated model.model's weights, from the start); one
+    # whose max_steps it reached is refused as by its path (Lightning trained nothing, exit 0).
+    code, out, err = run_cli(["--trainer.logger", "false", "--ckpt_path", "last"], tmp_path, small_demo, capfd)
+    assert code == 2 and err.startswith("error: --ckpt_path last: no last checkpoint (last*.ckpt) in runs/checkpoints")
+    Path("runs/checkpoints").mkdir()
+    (folder / "last.ckpt").rename("runs/checkpoints/last.ckpt")
+    code, out, err = run_cli(["--trainer.logger", "false", "--ckpt_path", "last"], tmp_path, small_demo, capfd)
+    assert code == 2, err
+    assert err.startswith("error: --ckpt_path runs/checkpoints/last.ckpt was saved at optimizer step 2 and trainer"), (
+        err
+    )
 
 
 def test_a_resume_past_its_max_epochs_is_refused_and_a_mid_epoch_one_trains_on(

@@ -240,6 +240,20 @@ def test_lora_adapter_gradients_equal_hf_and_peft_on_each_sample_alone():
     assert adapters == 2 * 7 * TINY["num_hidden_layers"]  # A and B of q, k, v, o, gate, up, down
 
 
+def test_the_self_check_passes_with_lora_on_the_input_embedding():
+    """LoRA with ``embed_tokens`` among its target modules: the self-check read ``num_embeddings`` off peft's
+    wrapper and stopped the fit with an AttributeError traceback. Its packed loss and every adapter's gradient are
+    exact (the check's own reference: each document alone); a broken pack is still caught."""
+    from lit_hbp.model.selfcheck import run_self_check
+
+    torch.manual_seed(0)
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["embed_tokens", "q_proj"], "init_lora_weights": False}
+    module = HBPLitModule(model=TINY, vocab_size=300, lora=lora)
+    module.configure_model()
+    loss_err, grad_err, leak, _ = run_self_check(module, [1])[1]
+    assert max(loss_err, grad_err, leak) < 1e-4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_lora_trains_only_adapters_under_zero_and_sp_and_exports(

@@ -286,3 +286,22 @@ def test_val_sources_records_that_train_are_counted_and_named(chats, toy_tokeniz
     without.setup("fit")
     assert without.val_store.report["records_that_train"] == 0
     assert "equal a training record" not in without.val_store.summary()
+
+
+def test_over_length_error_names_the_training_samples_not_only_the_held_out_ones(chats, toy_tokenizer, tmp_path):
+    """With ``over_length: error`` the validation set was checked first: the error named its one over-long sample
+    "in all" and none of the training set's. Reference: the training samples ``drop`` drops, by their lines."""
+    import re
+
+    from lit_hbp.errors import DataError
+
+    kept = datamodule(chats, toy_tokenizer, tmp_path / "cache", levels=("48:1", "96:1"), val_fraction=0.1,
+                      over_length="drop")  # fmt: skip
+    kept.setup("fit")
+    dropped = kept.store.final_report()["dropped"]  # every training sample dropped, by file:line
+    refused = datamodule(chats, toy_tokenizer, tmp_path / "cache", levels=("48:1", "96:1"), val_fraction=0.1)
+    with pytest.raises(DataError) as e:
+        refused.setup("fit")
+    said = str(e.value)
+    assert int(re.match(r"(\d+) sample\(s\) longer than the largest level", said).group(1)) == len(dropped), said
+    assert f"{dropped[0]} (" in said, said

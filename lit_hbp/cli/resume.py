@@ -45,8 +45,9 @@ def _run_folder_argument(logger: Any) -> tuple[str, str] | None:
 def checkpoint_folders(section: Any) -> list[Path]:
     """The folders a run of this config writes checkpoints into, over all its versions: each
     ``ModelCheckpoint``'s ``dirpath``; ``<save_dir>/<name>/<version>/checkpoints`` of the first logger
-    (where Lightning's checkpoint callbacks and ``interrupted.ckpt`` go), or
-    ``<default_root_dir>/checkpoints`` without a logger; ``default_root_dir`` (SLURM's
+    (where Lightning's checkpoint callbacks and ``interrupted.ckpt`` go; no logger given: Lightning's default
+    TensorBoardLogger's, ``<default_root_dir>/lightning_logs``), or ``<default_root_dir>/checkpoints`` with
+    ``logger: false``; ``default_root_dir`` (SLURM's
     ``hpc_ckpt_<n>.ckpt``). A logger whose folders are not known here is refused unless every
     checkpoint callback has a ``dirpath``."""
     root = Path(section.get("trainer.default_root_dir") or ".")
@@ -56,8 +57,10 @@ def checkpoint_folders(section: Any) -> list[Path]:
     folders += [Path(d) for d in dirpaths if d]
     logger = section.get("trainer.logger")
     logger = logger[0] if isinstance(logger, list) and logger else logger
-    if logger in (None, False, True, []):
+    if logger in (False, []):
         return folders + [root / "checkpoints"]
+    if logger in (None, True):  # Lightning's default: a TensorBoardLogger in <default_root_dir>/lightning_logs
+        logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {}}
     class_path, args = logger.get("class_path"), logger.get("init_args") or {}
     named = _run_folder_argument(logger)
     if named is None:
@@ -70,10 +73,11 @@ def checkpoint_folders(section: Any) -> list[Path]:
     key, default = named
     base = Path(args.get("save_dir") or root) / str(args.get(key) or default)
     version = args.get("version")
-    versions = [base / (version if isinstance(version, str) else f"version_{version}")] if version is not None else (
-        sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
-    )  # fmt: skip
-    return folders + [v / "checkpoints" for v in versions]
+    if version is not None:
+        return folders + [_version_folder(base, version)]
+    return folders + [
+        v / "checkpoints" for v in (sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else [])
+    ]
 
 
 def _is_model_checkpoint(callback: Any) -> bool:
@@ -119,9 +123,10 @@ UNSERVED = {  # keywords a command line's fresh process cannot serve (Lightning 
 CKPT_PATH_HELP = {
     "fit": "the checkpoint to resume from: a .ckpt file, a DeepSpeed checkpoint folder (trainer.strategy hbp), "
     "'auto' (the newest complete checkpoint of this run's folders, else a fresh start) or 'last' (the last "
-    "checkpoint ModelCheckpoint saved); checked before anything is built",
+    "checkpoint of a ModelCheckpoint with a dirpath); checked before anything is built",
     "validate": "the checkpoint whose weights are validated: a .ckpt file, a DeepSpeed checkpoint folder "
-    "(trainer.strategy hbp), 'auto' (the newest complete checkpoint of this run's folders) or 'last'",
+    "(trainer.strategy hbp), 'auto' (the newest complete checkpoint of this run's folders) or 'last' (the last "
+    "checkpoint of a ModelCheckpoint with a dirpath)",
 }
 
 
@@ -142,6 +147,8 @@ def check_resume(section: Any) -> None:
             f"--ckpt_path hpc: no HPC checkpoint (hpc_ckpt_*.ckpt) in {section.get('trainer.default_root_dir')}, where "
             f"Lightning's SLURM requeue saves one: {RESUME_INSTEAD}"
         )
+    if str(ckpt) == "last":
+        section.ckpt_path = ckpt = resolve_last(section)
     if not ckpt or str(ckpt) in (AUTO, *KEYWORDS) or "://" in str(ckpt):
         return  # auto: checked once resolve_auto_resume found the checkpoint
     path = Path(ckpt)
@@ -163,6 +170,51 @@ def check_resume(section: Any) -> None:
         )
     if path.is_dir() and not trust:
         check_resumed_world(path, world_size_of(section.get("trainer") or {}))
+
+
+def last_folders(section: Any) -> list[Path] | None:
+    """Where Lightning's ``--ckpt_path last`` looks for a checkpoint a run of this config saved before: each
+    ModelCheckpoint's ``dirpath``, ``<default_root_dir>/checkpoints`` with ``logger: false``, a logger's pinned
+    ``version`` folder; None where it is the next version of a versioned logger (a new process's, empty)."""
+    callbacks = section.get("trainer.callbacks") or []
+    dirpaths = [(cb.get("init_args") or {}).get("dirpath") for cb in callbacks if _is_model_checkpoint(cb)]
+    if any(dirpaths):
+        return [Path(d) for d in dirpaths if d]
+    root = Path(section.get("trainer.default_root_dir") or ".")
+    logger = section.get("trainer.logger")
+    logger = logger[0] if isinstance(logger, list) and logger else logger
+    if logger in (False, []):
+        return [root / "checkpoints"]
+    args = (logger.get("init_args") or {}) if hasattr(logger, "get") else {}
+    named = _run_folder_argument(logger) if hasattr(logger, "get") else None
+    if named is None or args.get("version") is None:
+        return None
+    key, default = named
+    return [_version_folder(Path(args.get("save_dir") or root) / str(args.get(key) or default), args["version"])]
+
+
+def _version_folder(base: Path, version: Any) -> Path:
+    """A versioned logger's run folder's checkpoints: ``version`` a name, or a number (``version_<n>``)."""
+    return base / (version if isinstance(version, str) else f"version_{version}") / "checkpoints"
+
+
+def resolve_last(section: Any) -> str:
+    """``--ckpt_path last`` as Lightning resolves it (the newest ``last*.ckpt`` where its ModelCheckpoint saves,
+    ``last_folders``), resolved here so that it is checked as a path is; refused where it would find none (Lightning
+    warns and trains, or validates, the weights ``model.model`` builds)."""
+    folders = last_folders(section)
+    if folders is None:
+        raise ConfigError(
+            "--ckpt_path last: Lightning looks for the last checkpoint in the folder its ModelCheckpoint saves into, "
+            "which for this config is a new run folder (the logger's next version) holding none yet, and would train "
+            f"from the start: {RESUME_INSTEAD}"
+        )
+    found = sorted((p for f in folders if f.is_dir() for p in f.glob("last*.ckpt")), key=lambda p: p.stat().st_mtime)
+    if not found:
+        where = ", ".join(str(f) for f in folders)
+        raise ConfigError(f"--ckpt_path last: no last checkpoint (last*.ckpt) in {where}: {RESUME_INSTEAD}")
+    rank_zero_info(f"--ckpt_path last: {found[-1]}")
+    return str(found[-1])
 
 
 def check_resumed_world(path: Path, world: int | None) -> None:

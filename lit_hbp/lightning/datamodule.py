@@ -386,13 +386,13 @@ class HBPDataModule(L.LightningDataModule):
         held = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         if self.val_fraction:
             store, *held = store.hold_out(self.val_fraction, self.seed)
+        shifted = store.apply_over_length(self.levels[-1].pack_len, self.over_length)  # training's first: the most
+        if shifted:
+            rank_zero_warn(shifted)
         self.val_store = self._validation_store(tokenized, *held, rank)
         self.held_out = store.records_identity(*held)
         if self.val_sources and self.val_store is not None:
             self.val_store.count_training_copies(store, len(tokenized))
-        shifted = store.apply_over_length(self.levels[-1].pack_len, self.over_length)
-        if shifted:
-            rank_zero_warn(shifted)
         self.store, self._set_up_for, self._plans, self._val_plan = store, world, {}, None
         summary = self.store.summary()
         if self.val_store is not None:

@@ -202,8 +202,9 @@ def run_self_check(
 
 def _vocab(net) -> int:
     """Token ids both the input embedding and the output head know."""
-    head = net.get_output_embeddings()
-    sizes = [net.get_input_embeddings().num_embeddings, getattr(head, "out_features", None)]
+    head, embedding = net.get_output_embeddings(), net.get_input_embeddings()
+    embedding = getattr(embedding, "base_layer", embedding)  # peft's LoRA wraps the embedding it adapts
+    sizes = [embedding.num_embeddings, getattr(getattr(head, "base_layer", head), "out_features", None)]
     return min(s for s in sizes if s)
 
 
