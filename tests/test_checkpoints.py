@@ -208,7 +208,7 @@ def test_the_folders_of_a_run(tmp_path, monkeypatch):
     assert checkpoint_folders(section(logger=tb)) == [
         Path("runs"), Path("logs/exp/version_0/checkpoints"), Path("logs/exp/version_1/checkpoints")
     ]  # fmt: skip
-    assert checkpoint_folders(section(logger=None, callbacks=[ckpt])) == [
+    assert checkpoint_folders(section(logger=False, callbacks=[ckpt])) == [
         Path("runs"),
         Path("mine"),
         Path("runs/checkpoints"),
