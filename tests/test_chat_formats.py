@@ -450,6 +450,10 @@ REFUSED = {
         {"input_ids": [5, 6, 7, 8], "completion_mask": [0, 0, 1, 1]},
         r"record field 'completion_mask' has a value per token, .*fields: \{assistant_masks: completion_mask\}",
     ),
+    "a function call turn of no call": (
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "[]"}]},
+        r"conversations\[1\].value is an empty list: a function call turn holds a call",
+    ),
     "unknown ShareGPT role": (
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "chatgpt", "value": "yo"}]},
         r"conversations\[1\] is from 'chatgpt', which is no ShareGPT role .*roles: \{chatgpt: assistant\}",

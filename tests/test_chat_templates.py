@@ -291,3 +291,35 @@ def test_an_empty_tool_list_renders_as_apply_chat_template_renders_it(family, tm
     got = tokenize_source(Source(str(path)), tok, "assistant", tmp_path / "cache", progress=False, num_proc=1)
     want = tok.apply_chat_template(messages, tools=[], tokenize=True, return_dict=True)["input_ids"]
     assert list(got.sample(0)[0]) == list(want)
+
+
+EMPTY_FIELDS = [{"role": "system", "content": "Be brief.", "name": ""},
+                {"role": "user", "content": "What is the weather in Paris?", "name": ""},
+                {"role": "assistant", "content": "It is sunny.", "reasoning_content": "", "tool_calls": []},
+                {"role": "user", "content": "Thanks.", "tool_calls": []},
+                {"role": "assistant", "content": "You are welcome.", "thinking": ""}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, train_on",
+    [("qwen3", "last_assistant"), ("qwen2.5", "assistant"), ("phi3.5", "last_assistant")],
+)  # fmt: skip
+def test_empty_message_fields_render_as_apply_chat_template_renders_them(name, train_on, family, tmp_path):
+    """``name: ""``, ``reasoning_content: ""``, ``thinking: ""`` and ``tool_calls: []`` (a table's rows where other
+    rows have them) carry nothing, yet were refused as "the chat template does not render it" (it renders them as
+    nothing) or "must be a non-empty list". Reference: ``apply_chat_template`` of the record as given."""
+    tok = family(name)
+    assert lit_hbp(tok, {"messages": EMPTY_FIELDS}, tmp_path, train_on) == reference(tok, EMPTY_FIELDS, None, train_on)
+
+
+def test_an_empty_tool_call_list_a_template_renders_otherwise_is_refused_as_apply_chat_template_fails(family, tmp_path):
+    """Where ``tool_calls: []`` changes the rendering, the record stays refused: DeepSeek-V3.1 renders the turn as a
+    call and drops its answer (as ``apply_chat_template`` does), Llama 3.1 fails as ``apply_chat_template`` fails."""
+    tok = family("deepseek3.1")
+    assert "It is sunny." not in tok.apply_chat_template(EMPTY_FIELDS, tokenize=False)
+    with pytest.raises(DataError, match=r"messages\[2\] \(assistant\): the chat template does not render its content"):
+        lit_hbp(tok, {"messages": EMPTY_FIELDS}, tmp_path)
+    with pytest.raises(Exception, match="only supports single tool-calls"):
+        family("llama3.1").apply_chat_template(EMPTY_FIELDS, tokenize=False)
+    with pytest.raises(DataError, match="cannot render this record: This model only supports single tool-calls"):
+        lit_hbp(family("llama3.1"), {"messages": EMPTY_FIELDS}, tmp_path)

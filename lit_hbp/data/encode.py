@@ -262,8 +262,9 @@ class _Encoder:
                     "the model would never see it: use a chat template that renders the role, or drop the message"
                 )
             # A tool result's name and call id link it to its call: the template may leave them out (elsewhere not).
+            # An empty value carries nothing: the template gets it as apply_chat_template hands it over.
             for key in RENDERED + (("name", "tool_call_id") if m["role"] != "tool" else ()):
-                if key in m:
+                if m.get(key) not in (None, "", []):
                     without = [*conv.messages[:i], {k: v for k, v in m.items() if k != key}]
                     if self._render(conv, i + 1) == self._render(conv, None, messages=without):
                         raise DataError(

@@ -139,9 +139,10 @@ def tools_of(value: Any, at: str) -> list[dict] | None:
 def tool_calls_of(value: Any, at: str) -> list[dict]:
     """Tool calls as chat templates read them, ``{"type": "function", "function": {"name", "arguments"}}`` and the
     call's ``id``; the arguments as given, as ``apply_chat_template`` takes them: OpenAI's JSON string stays a string
-    (checked to be JSON; Qwen3 and Hermes print it as written, a ``tojson`` quotes it), an object an object."""
-    if not isinstance(value, list) or not value:
-        raise DataError(f"{at} must be a non-empty list of calls")
+    (checked to be JSON; Qwen3 and Hermes print it as written, a ``tojson`` quotes it), an object an object. An empty
+    list (a table's rows without calls) stays empty, as the template gets it from ``apply_chat_template``."""
+    if not isinstance(value, list):
+        raise DataError(f"{at} must be a list of calls")
     out = []
     for j, call in enumerate(value):
         if not isinstance(call, dict):
@@ -170,4 +171,6 @@ def tool_calls_of(value: Any, at: str) -> list[dict]:
 def calls_of_json(value: Any, at: str) -> list[dict]:
     """ShareGPT's ``function_call`` turn: the JSON of one call ``{"name", "arguments"}`` or a list of them."""
     calls = _json(value, at)
+    if calls == []:
+        raise DataError(f"{at} is an empty list: a function call turn holds a call")
     return tool_calls_of(calls if isinstance(calls, list) else [calls], at)

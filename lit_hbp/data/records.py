@@ -396,16 +396,17 @@ class RecordReader:
         role = self._role(fields.pop("role"), at)
         content = fields.pop("content", None)
         if "function_call" in fields:  # the legacy single call: one tool call
-            if "tool_calls" in fields:
+            if fields.get("tool_calls"):
                 raise DataError(f"{at} has both function_call and tool_calls: give tool_calls")
             fields["tool_calls"] = [fields.pop("function_call")]
         if role == FUNCTION_CALL:  # ShareGPT's call turn inside messages: its content is the call
             role, fields["tool_calls"], content = "assistant", calls_of_json(content, f"{at}.content"), None
-        elif self.name("content") not in m and "tool_calls" not in fields:
+        calls = bool(fields.get("tool_calls"))  # an empty list calls nothing
+        if self.name("content") not in m and not calls:
             raise DataError(f"{at} has no {self.name('content')!r} field")
-        message = {"role": role, "content": text_of(content, f"{at}.{self.name('content')}", "tool_calls" in fields)}
+        message = {"role": role, "content": text_of(content, f"{at}.{self.name('content')}", calls)}
         if "tool_calls" in fields:
-            if role != "assistant":
+            if role != "assistant" and fields["tool_calls"] != []:
                 raise DataError(f"{at}: tool_calls on a {role!r} message; only assistant messages call tools")
             message["tool_calls"] = tool_calls_of(fields.pop("tool_calls"), f"{at}.tool_calls")
         for key in ("name", "tool_call_id", "reasoning_content", "thinking"):
