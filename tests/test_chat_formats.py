@@ -516,7 +516,8 @@ def test_a_template_that_cannot_render_tools_or_tool_calls_is_refused(toy_tokeni
 
 def test_config_mistakes_in_a_source_are_short_errors(qwen, tmp_path, capsys):
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                                "sys": "Be brief."}))  # fmt: skip
     cases = {
         "sharegtp": ({"format": "sharegtp"}, "format 'sharegtp' is not a record format (did you mean 'sharegpt'?)"),
         "file type": ({"format": "jsonl"}, "format 'jsonl' is a file type: write file_type: jsonl"),
@@ -527,12 +528,32 @@ def test_config_mistakes_in_a_source_are_short_errors(qwen, tmp_path, capsys):
         ),
         "role target": ({"roles": {"bot": "assistent"}}, "roles: 'bot' maps to 'assistent', which is no chat role"),
         "role no record has": ({"roles": {"bot": "assistant"}}, "roles maps 'bot', a role no record has"),
+        "field no record has": (  # the records' own system prompt would have gone untrained, as metadata
+            {"format": "openai", "fields": {"system": "instructions"}},
+            "fields renames system to 'instructions', a field no record has (the fields its records have and "
+            "lit-hbp does not read: sys): fix the name or drop it from fields",
+        ),
+        "message field no message has": (
+            {"format": "openai", "fields": {"weight": "train"}},
+            "fields renames weight to 'train', a field no record has",
+        ),
     }
     for name, (source, message) in cases.items():
         with pytest.raises(SystemExit) as stop:
             main(["preview", "--config", str(write_config(tmp_path, qwen, [{"path": str(path), **source}]))])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and message in err and "Traceback" not in err, (name, err)
+
+
+def test_fields_naming_a_message_field_some_records_have_is_read(qwen, tmp_path):
+    """A renamed message field is checked over the whole source: one turn of one record having it is enough."""
+    path = tmp_path / "d.jsonl"
+    turns = [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]
+    records = [{"conversations": turns}, {"conversations": [*turns[:1], {**turns[1], "train": 0}, *turns]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tok = AutoTokenizer.from_pretrained(qwen)
+    t = tokenize_source(Source(str(path), format="sharegpt", fields={"weight": "train"}), tok, progress=False)
+    assert int(t.sample(0)[1].sum()) > 0 and int(t.sample(1)[1].sum()) == int(t.sample(0)[1].sum())
 
 
 def test_a_hub_data_set_missing_from_the_cache_names_where_it_looked(qwen, tmp_path, monkeypatch):

@@ -226,6 +226,7 @@ class RecordReader:
             raise ConfigError(f"{label}: roles renames the roles of chat records; format {format} has none: drop roles")
         self.roles_said: set[str] = set()  # the unknown roles this reader warned of, each once
         self.roles_met: set[str] = set()  # the data set's role names read so far (a ``roles`` key none has: refused)
+        self.fields_met: set[str] = set()  # the ``fields`` names read so far (one no record has: refused)
         self.root = root  # the folder image paths are relative to (the data file's)
         targets = KNOWN_ROLES + (FUNCTION_CALL,)
         for key, value in self.roles.items():
@@ -245,6 +246,7 @@ class RecordReader:
         does not read); a field that would change training without being read is refused."""
         fmt = self.format if self.format != "auto" else detect_format(record, where)
         used = {self.name(k) for k in RECORD_FIELDS[fmt]}
+        self._met(record)
         extra = [k for k in record if k not in used]
         for key in extra:
             close = _near(key, sorted(used))
@@ -267,6 +269,11 @@ class RecordReader:
                     f"completion_mask) is read with fields: {{assistant_masks: {key}}}, else remove it"
                 )
         return getattr(self, f"_{fmt}")(record, where), extra
+
+    def _met(self, keys) -> None:
+        """Note the ``fields`` names among a record's or message's keys (set-up checks each names a field)."""
+        if self.fields:
+            self.fields_met.update(k for k in keys if k in self.fields.values())
 
     # ---------------------------------------------------------------------------------------- formats
 
@@ -380,6 +387,7 @@ class RecordReader:
         if not isinstance(m, dict):
             raise DataError(f"{at} must be an object with role and content")
         known = {self.name(k): k for k in MESSAGE_FIELDS["openai"]}
+        self._met(m)
         for key in m:
             if key in known or (key in EMPTY_ONLY and m[key] in (None, [], "")):
                 continue
@@ -432,6 +440,7 @@ class RecordReader:
             at = f"{where}: {self.name('conversations')}[{i}]"
             if not isinstance(t, dict):
                 raise DataError(f"{at} must be an object with {self.name('from')} and {self.name('value')}")
+            self._met(t)
             for key in t:
                 if key not in known:
                     close = _near(key, list(known))

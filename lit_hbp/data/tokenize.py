@@ -269,6 +269,7 @@ class ChunkResult:
     media: list[list[Image | Video]] = field(default_factory=list)  # per kept sample
     token_types: bool = False  # the processor returned mm_token_type_ids for its images and videos
     roles: set[str] = field(default_factory=set)  # the role names the chunk's records use
+    fields: set[str] = field(default_factory=set)  # the source's ``fields`` names the chunk's records have
 
 
 class ChunkTokenizer:
@@ -340,6 +341,7 @@ class ChunkTokenizer:
             media=out_media,
             token_types=self.expander is not None and self.expander.token_types,
             roles=reader.roles_met,
+            fields=reader.fields_met,
         )
 
 
@@ -441,6 +443,7 @@ def _write(
     records = 0
     token_types = False
     roles: set[str] = set()
+    fields: set[str] = set()
     started = time.perf_counter()
     total, unit = source_units(source)
     # records with images come in smaller chunks, which keep every worker busy on a source of a few MB
@@ -466,6 +469,7 @@ def _write(
                 records += result.records
                 token_types |= result.token_types
                 roles |= result.roles
+                fields |= result.fields
                 for reason, where in result.skipped:
                     skipped[reason] += 1
                     skipped_where[reason].append(where)
@@ -492,6 +496,15 @@ def _write(
         raise ConfigError(
             f"data source {source.path}: roles maps {', '.join(map(repr, unmet))}, a role no record has (its "
             f"records' roles: {used}): fix the name or drop it from roles"
+        )
+    unnamed = {k: v for k, v in (source.fields or {}).items() if v not in fields}
+    if unnamed:  # as for roles: the records' own field would go untrained as metadata, or the option does nothing
+        writer.abort()
+        said = ", ".join(f"{k} to {v!r}" for k, v in unnamed.items())
+        unread = f" (the fields its records have and lit-hbp does not read: {', '.join(sorted(metadata))})"
+        raise ConfigError(
+            f"data source {source.path}: fields renames {said}, a field no record has{unread if metadata else ''}: "
+            "fix the name or drop it from fields"
         )
     writer.commit(
         dict(
