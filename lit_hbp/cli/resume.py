@@ -42,6 +42,30 @@ def _run_folder_argument(logger: Any) -> tuple[str, str] | None:
     return None
 
 
+def _saving(section: Any) -> tuple[Path, list[str | None], Any]:
+    """What decides where a run of this config saves: ``default_root_dir``, each ModelCheckpoint's ``dirpath``
+    (None where unset) and the first logger (no logger given: Lightning's default TensorBoardLogger; False for
+    ``logger: false``)."""
+    callbacks = section.get("trainer.callbacks") or []
+    dirpaths = [(cb.get("init_args") or {}).get("dirpath") for cb in callbacks if _is_model_checkpoint(cb)]
+    logger = section.get("trainer.logger")
+    logger = logger[0] if isinstance(logger, list) and logger else logger
+    if logger is None or logger is True:
+        logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {}}
+    return Path(section.get("trainer.default_root_dir") or "."), dirpaths, logger if logger != [] else False
+
+
+def _run_base(root: Path, logger: Any) -> tuple[Path, Any] | None:
+    """A known logger's ``<save_dir>/<name>`` and its pinned version (None: the next one); None for a logger
+    whose folders are not known here."""
+    named = _run_folder_argument(logger) if hasattr(logger, "get") else None
+    if named is None:
+        return None
+    key, default = named
+    args = logger.get("init_args") or {}
+    return Path(args.get("save_dir") or root) / str(args.get(key) or default), args.get("version")
+
+
 def checkpoint_folders(section: Any) -> list[Path]:
     """The folders a run of this config writes checkpoints into, over all its versions: each
     ``ModelCheckpoint``'s ``dirpath``; ``<save_dir>/<name>/<version>/checkpoints`` of the first logger
@@ -50,29 +74,19 @@ def checkpoint_folders(section: Any) -> list[Path]:
     ``logger: false``; ``default_root_dir`` (SLURM's
     ``hpc_ckpt_<n>.ckpt``). A logger whose folders are not known here is refused unless every
     checkpoint callback has a ``dirpath``."""
-    root = Path(section.get("trainer.default_root_dir") or ".")
-    folders = [root]
-    callbacks = section.get("trainer.callbacks") or []
-    dirpaths = [cb.get("init_args", {}).get("dirpath") for cb in callbacks if _is_model_checkpoint(cb)]
-    folders += [Path(d) for d in dirpaths if d]
-    logger = section.get("trainer.logger")
-    logger = logger[0] if isinstance(logger, list) and logger else logger
-    if logger in (False, []):
+    root, dirpaths, logger = _saving(section)
+    folders = [root] + [Path(d) for d in dirpaths if d]
+    if logger is False:
         return folders + [root / "checkpoints"]
-    if logger in (None, True):  # Lightning's default: a TensorBoardLogger in <default_root_dir>/lightning_logs
-        logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {}}
-    class_path, args = logger.get("class_path"), logger.get("init_args") or {}
-    named = _run_folder_argument(logger)
-    if named is None:
+    run = _run_base(root, logger)
+    if run is None:
         if dirpaths and all(dirpaths):
             return folders
         raise ConfigError(
-            f"--ckpt_path {AUTO}: where {class_path} puts checkpoints is not known here; give each "
+            f"--ckpt_path {AUTO}: where {logger.get('class_path')} puts checkpoints is not known here; give each "
             "ModelCheckpoint a dirpath (trainer.callbacks), or resume with --ckpt_path <file>"
         )
-    key, default = named
-    base = Path(args.get("save_dir") or root) / str(args.get(key) or default)
-    version = args.get("version")
+    base, version = run
     if version is not None:
         return folders + [_version_folder(base, version)]
     return folders + [
@@ -176,21 +190,15 @@ def last_folders(section: Any) -> list[Path] | None:
     """Where Lightning's ``--ckpt_path last`` looks for a checkpoint a run of this config saved before: each
     ModelCheckpoint's ``dirpath``, ``<default_root_dir>/checkpoints`` with ``logger: false``, a logger's pinned
     ``version`` folder; None where it is the next version of a versioned logger (a new process's, empty)."""
-    callbacks = section.get("trainer.callbacks") or []
-    dirpaths = [(cb.get("init_args") or {}).get("dirpath") for cb in callbacks if _is_model_checkpoint(cb)]
+    root, dirpaths, logger = _saving(section)
     if any(dirpaths):
         return [Path(d) for d in dirpaths if d]
-    root = Path(section.get("trainer.default_root_dir") or ".")
-    logger = section.get("trainer.logger")
-    logger = logger[0] if isinstance(logger, list) and logger else logger
-    if logger in (False, []):
+    if logger is False:
         return [root / "checkpoints"]
-    args = (logger.get("init_args") or {}) if hasattr(logger, "get") else {}
-    named = _run_folder_argument(logger) if hasattr(logger, "get") else None
-    if named is None or args.get("version") is None:
+    run = _run_base(root, logger)
+    if run is None or run[1] is None:
         return None
-    key, default = named
-    return [_version_folder(Path(args.get("save_dir") or root) / str(args.get(key) or default), args["version"])]
+    return [_version_folder(*run)]
 
 
 def _version_folder(base: Path, version: Any) -> Path:
