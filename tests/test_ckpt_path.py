@@ -310,6 +310,14 @@ def test_a_resume_with_model_settings_other_than_its_checkpoints_is_refused_at_p
         assert f"model.lr: 0.0001 (the checkpoint's {hparams['lr']!r})" in err
         assert "model.loss: 'sum' (the checkpoint's 'ave_token')" in err
         assert "model.weight_decay" not in err and "tokenizing" not in err
+    with pytest.raises(SystemExit) as stop:  # a validation scores the checkpoint: it resumes no run
+        main(["validate", *config[:2], "--data.demo_dir", str(small_demo), "--ckpt_path", str(folder / "last.ckpt"),
+              "--model.loss", "sum"])  # fmt: skip
+    err = capfd.readouterr().err
+    assert stop.value.code == 2 and err.startswith(
+        "error: --ckpt_path validates the checkpoint with the model settings it saved, not"
+    ), err
+    assert "model.loss: 'sum' (the checkpoint's 'ave_token')" in err and "or validate from the exported model" in err
     # A DeepSpeed folder (HBPStrategy's): its settings are in its model-states file, where DeepSpeed keeps Lightning's.
     states = folder / "step=1.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt"
     states.parent.mkdir(parents=True)

@@ -175,7 +175,7 @@ class HBPCLI(LightningCLI):
         hparams.pop("_instantiator", None)
         if not hparams:
             return
-        self._guard(check_resumed_model, section.get("model"), hparams)
+        self._guard(check_resumed_model, section.get("model"), hparams, subcommand == "validate")
         if "_class_path" in hparams:
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         try:

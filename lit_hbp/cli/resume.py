@@ -267,12 +267,13 @@ def resume_in_run_folder(section: Any) -> None:
         rank_zero_info(f"resuming in the run folder {run_dir} (logs continue there)")
 
 
-def check_resumed_model(given: Any, saved: dict) -> None:
+def check_resumed_model(given: Any, saved: dict, validating: bool = False) -> None:
     """A resume continues the run as its checkpoint saved it: Lightning reads the module's arguments from the
     checkpoint over the config's, so a ``model.*`` value the config or command line changed would be dropped
-    without a word (``--model.lr 1e-4`` trained on at the checkpoint's 3e-3). Refused, naming each one."""
+    without a word (``--model.lr 1e-4`` trained on at the checkpoint's 3e-3). Refused, naming each one; a
+    validation (``validating``) likewise."""
     if isinstance(given, (dict, Namespace)):
-        check_resumed_settings(_plain(given), _plain(saved))
+        check_resumed_settings(_plain(given), _plain(saved), validating=validating)
 
 
 def _plain(value: Any) -> Any:

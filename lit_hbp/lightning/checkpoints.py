@@ -151,10 +151,13 @@ AVERAGED_UNDER_DEEPSPEED = (
 RESTORED = ("lr", "betas", "weight_decay")  # module arguments a resume's restored optimizer state sets over
 
 
-def check_resumed_settings(given: dict, saved: dict, option: str = "--ckpt_path", keys: tuple | None = None) -> None:
+def check_resumed_settings(
+    given: dict, saved: dict, option: str = "--ckpt_path", keys: tuple | None = None, validating: bool = False
+) -> None:
     """A resume continues the run as its checkpoint saved it: a module argument given otherwise than the checkpoint's
     run did (``keys``, all by default) would be dropped without a word (``lr``: the restored optimizer and schedule
-    train on at the checkpoint's rate). Refused, naming each one (tuples and lists alike)."""
+    train on at the checkpoint's rate). Refused, naming each one (tuples and lists alike); a validation of the
+    checkpoint (``validating``) likewise scores it with its own settings."""
 
     def plain(value: Any) -> Any:
         if isinstance(value, dict):
@@ -170,9 +173,15 @@ def check_resumed_settings(given: dict, saved: dict, option: str = "--ckpt_path"
         and plain(given[key]) != plain(value)
     ]
     if changed:
+        doing = (
+            "validates the checkpoint with the model settings it saved"
+            if validating
+            else ("resumes the run as its checkpoint saved it, with its model settings")
+        )
+        other = "validate" if validating else "start a new run"
         raise ConfigError(
-            f"{option} resumes the run as its checkpoint saved it, with its model settings, not these: "
-            f"{'; '.join(changed)}; give the run's own values (or drop them), or start a new run from the exported "
+            f"{option} {doing}, not these: "
+            f"{'; '.join(changed)}; give the run's own values (or drop them), or {other} from the exported "
             "model (python -m lit_hbp.export CKPT OUT, then model.model: OUT)"
         )
 
