@@ -288,7 +288,7 @@ def test_val_sources_records_that_train_are_counted_and_named(chats, toy_tokeniz
     assert "equal a training record" not in without.val_store.summary()
 
 
-def test_over_length_error_names_the_training_samples_not_only_the_held_out_ones(chats, toy_tokenizer, tmp_path):
+def test_over_length_error_names_the_training_samples_and_the_held_out_ones(chats, toy_tokenizer, tmp_path):
     """With ``over_length: error`` the validation set was checked first: the error named its one over-long sample
     "in all" and none of the training set's. Reference: the training samples ``drop`` drops, by their lines."""
     import re
@@ -305,3 +305,8 @@ def test_over_length_error_names_the_training_samples_not_only_the_held_out_ones
     said = str(e.value)
     assert int(re.match(r"(\d+) sample\(s\) longer than the largest level", said).group(1)) == len(dropped), said
     assert f"{dropped[0]} (" in said, said
+    # and the held-out ones in the same error, not one error at a time
+    held = kept.val_store.final_report()["dropped"]
+    assert held, "the held-out share has an over-long sample"
+    assert re.search(rf"and of the validation set: {len(held)} sample\(s\) longer than the largest level", said), said
+    assert f"{held[0]} (" in said and said.endswith("Add a larger level, or set over_length: drop | truncate"), said

@@ -30,6 +30,9 @@ def distinct(where: list[str]) -> list[str]:
     return list(dict.fromkeys(where))
 
 
+OVER_LENGTH_FIX = "Add a larger level, or set over_length: drop | truncate"
+
+
 def count_phrase(n: int, n_distinct: int) -> str:
     """'40 sample(s) (20 distinct records, repeated in the epoch)': occurrences alone mislead when
     sources repeat, since one long record of a source with repeat 2 is two dropped samples."""
@@ -305,6 +308,17 @@ class SampleStore:
         shown = ", ".join(f"{w} ({self.lengths[i]} tokens)" for w, i in list(first.items())[:limit])
         return shown + (f" and {len(first) - limit} more" if len(first) > limit else "")
 
+    def over_length_said(self, max_len: int) -> str | None:
+        """The samples longer than ``max_len``, named and counted as ``over_length: error`` says them; None for none."""
+        over = np.flatnonzero(self.lengths > max_len)
+        if not over.size:
+            return None
+        n_distinct = len(distinct([self.where(int(i)) for i in over]))
+        return (
+            f"{over.size} sample(s) longer than the largest level ({max_len} tokens): {self._describe(over)}; "
+            f"{count_phrase(int(over.size), n_distinct)} in all"
+        )
+
     def apply_over_length(self, max_len: int, policy: str) -> str | None:
         """Drop, truncate or reject (``error``) the samples longer than ``max_len``, and record them; returns a
         warning where sources mixed by weight lost samples unevenly (``weight_shares_note``)."""
@@ -314,12 +328,7 @@ class SampleStore:
             return None
         before = self._shares()
         if policy == "error":
-            n_distinct = len(distinct([self.where(int(i)) for i in over]))
-            raise DataError(
-                f"{over.size} sample(s) longer than the largest level ({max_len} tokens): {self._describe(over)}; "
-                f"{count_phrase(int(over.size), n_distinct)} in all. "
-                "Add a larger level, or set over_length: drop | truncate"
-            )
+            raise DataError(f"{self.over_length_said(max_len)}. {OVER_LENGTH_FIX}")
         keep = np.ones(self.lengths.size, dtype=bool)
         if policy == "drop":
             self.report["dropped"] = [self.where(int(i)) for i in over]

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit_hbp.data.sources import Source, check_sources
-from lit_hbp.data.store import SampleStore
+from lit_hbp.data.store import OVER_LENGTH_FIX, SampleStore
 from lit_hbp.data.tokenize import (
     TRAIN_ON,
     TokenizedSource,
@@ -386,10 +386,21 @@ class HBPDataModule(L.LightningDataModule):
         held = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         if self.val_fraction:
             store, *held = store.hold_out(self.val_fraction, self.seed)
-        shifted = store.apply_over_length(self.levels[-1].pack_len, self.over_length)  # training's first: the most
+        val = self._validation_store(tokenized, *held, rank)
+        max_len = self.levels[-1].pack_len
+        if self.over_length == "error":  # every over-long sample named at once: training's first, the most
+            said = [store.over_length_said(max_len), val.over_length_said(max_len) if val is not None else None]
+            if any(said):
+                parts = [said[0], said[1] and f"and of the validation set: {said[1]}"]
+                raise DataError("; ".join(p for p in parts if p) + f". {OVER_LENGTH_FIX}")
+        shifted = store.apply_over_length(max_len, self.over_length)
         if shifted:
             rank_zero_warn(shifted)
-        self.val_store = self._validation_store(tokenized, *held, rank)
+        if val is not None:
+            val.apply_over_length(max_len, self.over_length)
+            if val.lengths.size == 0:
+                raise DataError("the validation set is empty after its over-length samples were dropped")
+        self.val_store = val
         self.held_out = store.records_identity(*held)
         if self.val_sources and self.val_store is not None:
             self.val_store.count_training_copies(store, len(tokenized))
@@ -401,17 +412,14 @@ class HBPDataModule(L.LightningDataModule):
 
     def _validation_store(self, tokenized: list, held_src, held_rows, rank: int) -> SampleStore | None:
         """The validation samples, each once: the records held out of the training sources
-        (``val_fraction``) and every record of ``val_sources``; over-length ones follow ``over_length``."""
+        (``val_fraction``) and every record of ``val_sources``, over-length ones still in (``setup`` applies
+        ``over_length`` to both sets)."""
         extra = [self._tokenize(s, f"val_sources[{i}]", rank == 0) for i, s in enumerate(self.val_sources)]
         if not held_src.size and not extra:
             return None
         src = np.concatenate([held_src] + [np.full(len(t), len(tokenized) + k, np.int64) for k, t in enumerate(extra)])
         rows = np.concatenate([held_rows] + [np.arange(len(t), dtype=np.int64) for t in extra])
-        val = SampleStore.from_rows(tokenized + extra, src, rows)
-        val.apply_over_length(self.levels[-1].pack_len, self.over_length)
-        if val.lengths.size == 0:
-            raise DataError("the validation set is empty after its over-length samples were dropped")
-        return val
+        return SampleStore.from_rows(tokenized + extra, src, rows)
 
     def _selected_levels(self, store: SampleStore) -> tuple:
         """The selector's levels for ``store``, its images and videos counted (``vision_load``): a selector
