@@ -1160,3 +1160,18 @@ def test_autoselect_prices_the_configs_world_and_the_positions_of_its_model_opti
     config.write_text(RUN_CONFIG)
     assert autoselect_main([*base, "llama3.1-8b"]) == 2
     assert "names no count of GPUs to price: give --gpus" in capsys.readouterr().err
+
+
+def test_the_config_priced_with_the_data_seed_fit_plans_with():
+    """``data.seed: null`` (every ``--print_config`` dump) stopped the tool with "int() argument must be ...
+    not 'NoneType'", and a config without ``data.seed`` was priced with seed 0 where fit plans with
+    ``seed_everything``'s: the seed is the data module's (``data_seed``)."""
+    from lit_hbp.autoselect import RunSetting
+    from lit_hbp.cost.config import read_config
+
+    config = read_config(Path(__file__).parents[1] / "configs" / "llama_1b_1gpu.yaml")
+    for data_seed, run_seed in ((None, 7), (None, None), (3, 7)):
+        section = {k: v for k, v in config["data"].items() if k != "seed"}
+        given = dict(config, data={**section, "seed": data_seed}, seed_everything=run_seed)
+        want = data_seed if data_seed is not None else (run_seed or 0)  # as docs/data.md says fit plans
+        assert RunSetting.from_config(given, None, 8, MODELS["llama3.1-8b"]).seed == want, (data_seed, run_seed)

@@ -46,6 +46,10 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "a demo_dir that is a file": (["--data.demo_dir", broken], f"data.demo_dir: {broken} is a file, not a folder"),
         "missing data file": (["--data.sources", f"[{{path: {tmp / 'chats.jsonl'}}}]"], "data source not found"),
+        "a negative data seed": (  # numpy's traceback after the data was tokenized
+            ["--data.seed", "-1"],
+            "data.seed must be a non-negative integer (or null: the run's seed_everything), got -1",
+        ),
         "no devices": (
             ["--trainer.devices", "0"],
             "trainer.devices: `Trainer(devices='0')` value is not a valid input",
@@ -333,7 +337,7 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a timeline hardware lit-hbp has not", "an export dtype misspelled",
          "a throughput window of one log", "weight averaging under DeepSpeed", "a tokenizer folder without a tokenizer",
          "a file as the tokenizer", "a tokenizer folder whose tokenizer does not load",
-         "a learning-rate monitor without a logger", "levels that fit nowhere"]  # fmt: skip
+         "a learning-rate monitor without a logger", "levels that fit nowhere", "a negative data seed"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch",

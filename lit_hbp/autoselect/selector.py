@@ -43,6 +43,7 @@ from lit_hbp.cost.run_settings import (
     with_zero,
 )
 from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.datamodule import data_seed
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model.causal_lm import configured_spec
 from lit_hbp.model.checks import model_config as hf_config
@@ -171,7 +172,7 @@ class RunSetting:
         return cls(
             spec=spec or spec_of(model),
             world=world,
-            seed=int((config.get("data") or {}).get("seed", 0)),
+            seed=data_seed((config.get("data") or {}).get("seed"), config.get("seed_everything")),
             module_class=HBPLitModule,
             module_args=module_args,
             trainer_args={"accelerator": accelerator, "devices": world, **trainer_args},

@@ -551,6 +551,10 @@ def data_seed(seed: int | None, run_seed: Any = None) -> int:
     """The data's seed: ``data.seed`` where given, else the run's ``seed_everything`` (``run_seed``, else the
     ``PL_GLOBAL_SEED`` Lightning's ``seed_everything`` sets; False or none: 0)."""
     if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ConfigError(
+                f"data.seed must be a non-negative integer (or null: the run's seed_everything), got {seed!r}"
+            )
         return int(seed)
     run_seed = os.environ.get("PL_GLOBAL_SEED") if run_seed is None else run_seed
     return 0 if run_seed is None or isinstance(run_seed, bool) else int(run_seed)
