@@ -24,7 +24,7 @@ import torch
 
 from lit_hbp.autoselect.measured import MeasuredProfiler, synthetic_batch
 from lit_hbp.cost.config import model_config, read_config
-from lit_hbp.lightning.datamodule import config_lengths
+from lit_hbp.lightning.config_data import config_lengths
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.packing.levels import as_level
 from lit_hbp.report import format_table

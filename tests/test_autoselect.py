@@ -717,7 +717,7 @@ def test_autoselect_with_lengths_prices_the_model_fit_builds_and_names_a_config_
         f"data:\n  tokenizer: {toy_tokenizer}\n  sources: [{{path: {data}}}]\n  cache_dir: {tmp_path / 'cache'}\n"
     )
     from lit_hbp.cost.config import read_config
-    from lit_hbp.lightning.datamodule import config_samples
+    from lit_hbp.lightning.config_data import config_samples
 
     np.save(tmp_path / "lengths.npy", config_samples(read_config(config))[0])
     base = ["--config", str(config), "--candidates", "256", "2048"]

@@ -39,6 +39,13 @@ def fit(tmp_path, small_demo, strategy, **trainer_kw) -> HBPLitModule:
          "activation_checkpointing.partition_activations, activation_checkpointing.cpu_checkpointing configure"),
         (dict(config={"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}),
          r"gradient_accumulation_steps \(4\) is the trainer's to set: .* trainer.accumulate_grad_batches"),
+        # zero_optimization=False builds no ZeRO section: stage 3 and the offload trained at stage 0
+        (dict(zero_optimization=False, stage=3), "stage=3 beside zero_optimization=False, which builds no ZeRO"),
+        (dict(zero_optimization=False, offload_optimizer=True, reduce_bucket_size=1000),
+         "offload_optimizer=True, reduce_bucket_size=1000 beside zero_optimization=False"),
+        # a config's fp16 section is DeepSpeed's: the arguments' loss scaling was dropped (dynamic from 2**16)
+        (dict(config={"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, loss_scale=128.0,
+              initial_scale_power=8), r"loss_scale=128.0, initial_scale_power=8 beside a DeepSpeed config with an"),
     ],
 )  # fmt: skip
 def test_an_argument_the_strategy_would_not_use_is_refused(kwargs, refused):
@@ -66,6 +73,36 @@ def test_a_configs_precision_section_must_say_the_trainers_precision(tmp_path, s
     for config, agrees in (({"bf16": {"enabled": True}}, "bf16-mixed"), ({"fp16": {"enabled": False}}, "32-true"),
                            ({"fp16": {"enabled": True}}, "16-mixed"), ({}, "bf16-true")):  # fmt: skip
         check_precision_sections(config, agrees)
+
+
+def test_loss_scaling_arguments_are_refused_where_no_fp16_section_takes_them():
+    """Lightning writes ``loss_scale`` and the other scaling arguments into the fp16 section it adds under 16-mixed
+    or 16-true; under another precision they changed nothing. Under 16-mixed they reach the section DeepSpeed trains
+    (the reference: Lightning's own DeepSpeedStrategy, as written into its config)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    args = dict(loss_scale=128.0, initial_scale_power=8, loss_scale_window=50, hysteresis=4, min_loss_scale=16)
+    for precision in ("bf16-mixed", "32-true"):
+        with pytest.raises(
+            ConfigError, match=rf"loss_scale=128.0, .* scale fp16's loss, and trainer.precision is '{precision}'"
+        ):
+            HBPStrategy(precision_plugin=DeepSpeedPrecision(precision), **args)
+    strategy = HBPStrategy(precision_plugin=DeepSpeedPrecision("16-mixed"), **args)
+    plain = DeepSpeedStrategy(precision_plugin=DeepSpeedPrecision("16-mixed"), **args)
+    for s in (strategy, plain):
+        s._format_config()  # no module yet: the precision section alone
+    assert strategy.config["fp16"] == plain.config["fp16"] and strategy.config["fp16"]["loss_scale"] == 128.0
+    HBPStrategy(precision_plugin=DeepSpeedPrecision("bf16-mixed"), loss_scale=0, initial_scale_power=16)  # defaults
+
+
+def test_zero_optimization_false_is_priced_as_the_stage_0_it_trains():
+    """The cost tools priced ``zero_optimization=False`` at HBPStrategy's default stage 2 (``strategy_config``)."""
+    from lit_hbp.cost.run_settings import deepspeed_zero, strategy_config
+
+    strategy = HBPStrategy(zero_optimization=False)
+    assert "zero_optimization" not in strategy.config
+    assert deepspeed_zero(strategy_config({"zero_optimization": False})) == deepspeed_zero(strategy.config)
+    assert deepspeed_zero(strategy.config)["zero_stage"] == 0
 
 
 def test_the_callers_config_is_left_as_it_was():

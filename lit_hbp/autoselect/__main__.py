@@ -34,7 +34,7 @@ from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunS
 from lit_hbp.cost.config import config_vocab, config_world, load_spec, nonnegative_float, positive_int, read_config
 from lit_hbp.cost.costmodel import GIB, HARDWARE
 from lit_hbp.cost.run_settings import ANALYTIC, MEASURED
-from lit_hbp.lightning.datamodule import config_samples
+from lit_hbp.lightning.config_data import config_samples
 
 ANALYTIC_ONLY = ("gpus", "gpu", "model")  # the cluster the cost model prices
 MEASURED_ONLY = ("devices", "memory_gib")  # the local processes the probes run on

@@ -1,6 +1,6 @@
 """A training YAML read outside LightningCLI: its model, for the tools that price or probe a run before
 it starts (level auto-selection, the memory report, benchmarks). Its data's lengths and samples, which
-the data module's set-up computes: ``lit_hbp.lightning.datamodule.config_samples``."""
+the data module's set-up computes: ``lit_hbp.lightning.config_data.config_samples``."""
 
 from __future__ import annotations
 

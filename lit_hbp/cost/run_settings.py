@@ -93,6 +93,8 @@ def strategy_config(args: dict) -> dict:
         return json.loads(Path(config).read_text())
     if config is not None:
         return config
+    if args.get("zero_optimization") is False:  # no ZeRO section: stage 0 (stage and offloads refused beside it)
+        return {}
     stage = args.get("stage")  # None: HBPStrategy's default
     zero: dict[str, Any] = {"stage": 2 if stage is None else int(stage)}
     if args.get("offload_optimizer"):

@@ -261,8 +261,7 @@ class _Encoder:
                     f"{conv.where}: messages[{i}] ({m['role']}): the chat template does not render its content, so "
                     "the model would never see it: use a chat template that renders the role, or drop the message"
                 )
-            # A tool result's name and call id link it to its call: the template may leave them out (elsewhere not).
-            # An empty value carries nothing: the template gets it as apply_chat_template hands it over.
+            # A tool result's name and call id link it to its call (may go unrendered); an empty value carries nothing.
             for key in RENDERED + (("name", "tool_call_id") if m["role"] != "tool" else ()):
                 if m.get(key) not in (None, "", []):
                     without = [*conv.messages[:i], {k: v for k, v in m.items() if k != key}]

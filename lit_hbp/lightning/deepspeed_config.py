@@ -33,6 +33,10 @@ BUILD_CONFIG = (  # DeepSpeedStrategy's arguments it builds a config from when g
     "pin_memory", "block_size", "queue_depth", "single_submit", "overlap_events", "thread_count", "sub_group_size",
     "contiguous_gradients", "allgather_partitions", "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size",
 )  # fmt: skip
+AIO = ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")  # built with or without ZeRO
+# fp16's dynamic loss scaling, which Lightning writes into the fp16 section it adds (16-mixed and 16-true, a config
+# without an fp16 section) and reads nowhere else.
+LOSS_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 ACTIVATION_CHECKPOINTING = (  # DeepSpeed's activation checkpointing, which lit-hbp's layers never call
     "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
 )  # fmt: skip
@@ -60,6 +64,23 @@ def check_arguments(config: dict | None, given: dict[str, Any]) -> None:
             f"{WHERE}: {', '.join(unused)} configure DeepSpeed's activation checkpointing, which lit-hbp's layers do "
             "not use: a level's ckpt_layers and offload (data.levels) checkpoint and offload its layers; leave them out"
         )
+    defaults = {k: p.default for k, p in inspect.signature(DeepSpeedStrategy.__init__).parameters.items()}
+    defaults.update(stage=None, overlap_comm=None)  # HBPStrategy's own: any value given was asked for
+    asked = [k for k, v in given.items() if v != defaults.get(k, v)]  # a parser passes every default: not asked
+    if config is None and given.get("zero_optimization") is False:
+        zero = [k for k in asked if k in BUILD_CONFIG and k not in (*AIO, "zero_optimization")]
+        if zero:
+            raise ConfigError(
+                f"{WHERE}: {', '.join(f'{k}={given[k]!r}' for k in zero)} beside zero_optimization=False, which "
+                "builds no ZeRO section (DeepSpeed trains stage 0, nothing offloaded): leave zero_optimization out "
+                "to train as they say, or leave them out"
+            )
+    scaling = [k for k in asked if k in LOSS_SCALING]
+    if scaling and "fp16" in (config or {}):
+        raise ConfigError(
+            f"{WHERE}: {', '.join(f'{k}={given[k]!r}' for k in scaling)} beside a DeepSpeed config with an fp16 "
+            "section, which DeepSpeed trains as it says: set them in the section (or leave them out)"
+        )
     if config is None:
         return
     if "gradient_accumulation_steps" in config:  # Lightning's own refusal came as a traceback once the data was read
@@ -67,10 +88,9 @@ def check_arguments(config: dict | None, given: dict[str, Any]) -> None:
             f"{WHERE}: the DeepSpeed config's gradient_accumulation_steps ({config['gradient_accumulation_steps']!r}) "
             "is the trainer's to set: remove it and set trainer.accumulate_grad_batches"
         )
-    defaults = {k: p.default for k, p in inspect.signature(DeepSpeedStrategy.__init__).parameters.items()}
-    defaults.update(stage=None, overlap_comm=None)  # HBPStrategy's own: any value given was asked for
-    for name, value in given.items():
-        if name not in BUILD_CONFIG or value == defaults.get(name):  # a parser passes every default: not asked
+    for name in asked:
+        value = given[name]
+        if name not in BUILD_CONFIG:
             continue
         said = ARGUMENTS[name](config) if name in ARGUMENTS else None
         if name not in ARGUMENTS or value != said:
@@ -108,6 +128,22 @@ def check_half_precision_stage(config: dict) -> None:
             "training), so the run would not train as the module's optimizer says. Use stage 1 or 2, or "
             "strategy: hbp_ddp"
         )
+
+
+def check_loss_scaling(given: dict[str, Any], precision: str) -> None:
+    """fp16's loss-scaling arguments (``LOSS_SCALING``, non-default in ``given``) under a precision that is not
+    fp16: Lightning writes them nowhere, so they would change nothing."""
+    if given and not precision.startswith("16"):
+        raise ConfigError(
+            f"{WHERE}: {', '.join(f'{k}={v!r}' for k, v in given.items())} scale fp16's loss, and trainer.precision "
+            f"is {precision!r}: they would change nothing; leave them out (or train with precision 16-mixed)"
+        )
+
+
+def loss_scaling_asked(given: dict[str, Any]) -> dict[str, Any]:
+    """The loss-scaling arguments among ``given`` set otherwise than DeepSpeedStrategy's defaults."""
+    defaults = inspect.signature(DeepSpeedStrategy.__init__).parameters
+    return {k: v for k, v in given.items() if k in LOSS_SCALING and v != defaults[k].default}
 
 
 def check_precision_sections(config: dict | None, precision: str) -> None:

@@ -57,7 +57,9 @@ from lit_hbp.lightning.deepspeed_config import (  # noqa: E402
     check_clipping,
     check_config_sections,
     check_half_precision_stage,
+    check_loss_scaling,
     check_precision_sections,
+    loss_scaling_asked,
     module_clipping_warning,
     overflow_note,
     put_back_torch_linear,
@@ -390,6 +392,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         )  # fmt: skip
         user_config = kwargs.get("config") is not None or self.DEEPSPEED_ENV_VAR in os.environ
         check_arguments(self.config if user_config else None, given)
+        self._loss_scaling = loss_scaling_asked(given)
         asked = asked_settings(self.config if user_config else None, overlap_comm)
         self._user_clip, self._overlap_comm_asked, self._overflow_check_asked = asked
         if self.config is not None:
@@ -403,6 +406,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         """Set as the Trainer is built: a DeepSpeed config's precision section checked there, before any data."""
         if plugin is not None and getattr(self, "config", None) is not None:  # (set after a constructor's plugin)
             check_precision_sections(self.config, str(plugin.precision))
+            check_loss_scaling(self._loss_scaling, str(plugin.precision))
         self._precision_plugin = plugin
 
     def _format_config(self) -> None:
