@@ -192,6 +192,23 @@ def test_validate_without_a_validation_split_is_a_config_error(chats, toy_tokeni
     dm.setup("fit")  # training without validation is fine
 
 
+def test_a_deepspeed_folder_given_to_hbp_ddp_is_refused_by_name(chats, toy_tokenizer, tmp_path):
+    """``Trainer.validate(ckpt_path=<HBPStrategy's folder>)`` under HBPDDPStrategy stopped in torch's
+    IsADirectoryError; the folder is named, with what loads it."""
+    from lit_hbp.errors import ConfigError
+    from lit_hbp.lightning.strategy import HBPDDPStrategy
+
+    folder = tmp_path / "step=2.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)
+    torch.save({"module": {}}, folder / "checkpoint" / "mp_rank_00_model_states.pt")
+    (folder / "latest").write_text("checkpoint")
+    dm = datamodule(chats, toy_tokenizer, tmp_path / "cache", val_fraction=0.1)
+    module = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, self_check=False)
+    trainer = quiet_trainer(strategy=HBPDDPStrategy(), default_root_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"step=2.ckpt: a DeepSpeed checkpoint folder \(HBPStrategy's\), which"):
+        trainer.validate(module, dm, ckpt_path=str(folder))
+
+
 @pytest.fixture(scope="module")
 def duplicated(tmp_path_factory, toy_tokenizer):
     """Two sources whose records repeat on other lines and in the other source (as scraped chat sets do):

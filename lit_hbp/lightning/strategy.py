@@ -585,6 +585,16 @@ class HBPDDPStrategy(LevelGroups, DDPStrategy):
         _LIVE.add(self)  # its SP groups and process group released at exit (release_process_groups)
         super().setup_distributed()
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A DeepSpeed folder (``HBPStrategy``'s save) refused by name: torch's load stopped with IsADirectoryError."""
+        if os.path.isdir(checkpoint_path):
+            raise ConfigError(
+                f"ckpt_path {checkpoint_path}: a DeepSpeed checkpoint folder (HBPStrategy's), which HBPDDPStrategy "
+                "does not load: load it under HBPStrategy at the ZeRO stage that saved it, or export it (python -m "
+                "lit_hbp.export CKPT OUT) and give model.model: OUT"
+            )
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
     def setup(self, trainer) -> None:
         self.levels = self.prepare_levels(trainer)
         how = f"DDP over {self.world_size} processes" if self.world_size > 1 else "one device"
