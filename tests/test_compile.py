@@ -13,7 +13,8 @@ from conftest import TINY_LLAMA
 from test_attention import dense_reference, random_pack
 
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.lightning.module import HBPLitModule, set_recompile_limit
+from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.lightning.recompile import set_recompile_limit
 from lit_hbp.model import attention
 from lit_hbp.model.attention import flex, op
 from lit_hbp.model.attention.kernel import AttnArgs
@@ -261,7 +262,7 @@ def test_a_compiled_run_says_when_a_layer_falls_back_to_eager():
     graphs: the layers compile with the "eager" backend here, as the module compiles them otherwise."""
     import logging
 
-    from lit_hbp.lightning.module import DYNAMO_LOG, RecompileLimitWatch
+    from lit_hbp.lightning.recompile import DYNAMO_LOG, RecompileLimitWatch
 
     config = torch._dynamo.config
     before = config.recompile_limit

@@ -300,37 +300,55 @@ class StopAtStep(L.Callback):
 
 
 @pytest.mark.parametrize(
-    "module_class, stop, log_every, saved",
+    "module_class, stop, log_every, every, saved",
     [
-        (StepLosses, None, 1, [1, 2, 3, 4]),
-        (OwnBatchStart, None, 1, [1, 2, 3, 4]),  # logged at every step all the same
-        (StepLosses, StopAtStep(1), 50, [1, 2, 3, 4]),  # a stop min_steps holds: Lightning logs every step after it
+        (StepLosses, None, 1, 1, {1: [1], 2: [2], 3: [3], 4: [4]}),
+        (OwnBatchStart, None, 1, 1, {1: [1], 2: [2], 3: [3], 4: [4]}),  # logged at every step all the same
+        # a stop min_steps holds: Lightning logs every step after it
+        (StepLosses, StopAtStep(1), 50, 1, {1: [1], 2: [2], 3: [3], 4: [4]}),
+        # saves between the steps the loggers write (3, 6): ranked by the steps since the last written one, this one
+        # included; they were ranked by the last written window (step 4 by steps 1-3) or not at all (step 2)
+        (StepLosses, None, 3, 2, {2: [1, 2], 4: [4], 6: [4, 5, 6], 8: [7, 8]}),
     ],
-    ids=["every_step", "own_batch_start", "stop_held_by_min_steps"],
+    ids=["every_step", "own_batch_start", "stop_held_by_min_steps", "saves_between_logged_steps"],
 )
 def test_a_checkpoint_monitoring_train_loss_is_ranked_by_its_own_steps_loss(
-    tmp_path, small_demo, module_class, stop, log_every, saved
+    tmp_path, small_demo, module_class, stop, log_every, every, saved
 ):
     """``ModelCheckpoint(monitor="train/loss")`` saves in the callbacks' ``on_train_batch_end``, which ran before the
-    module logged the step's loss: every save was ranked by the step before's. Reference: each step's token mean of
-    its micro-batches' cross-entropy (accumulate 2), as a plain module logging in ``training_step`` is ranked."""
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="train/loss", every_n_train_steps=1, save_top_k=-1,
+    module logged the step's loss: every save was ranked by the step before's. Reference: the token mean of the
+    micro-batches' cross-entropy (accumulate 2) of the steps since the last one the loggers wrote (each step alone
+    where every step is written, as a plain module logging in ``training_step`` is ranked)."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="train/loss", every_n_train_steps=every, save_top_k=-1,
                            filename="{step}")  # fmt: skip
     L.seed_everything(0)
     dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache")
     module = module_class(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
     module.seen = []
-    trainer = L.Trainer(accelerator="cpu", max_steps=4, min_steps=4, accumulate_grad_batches=2, logger=False,
+    last = max(saved)
+    trainer = L.Trainer(accelerator="cpu", max_steps=last, min_steps=last, accumulate_grad_batches=2, logger=False,
                         use_distributed_sampler=False, enable_model_summary=False, enable_progress_bar=False,
                         log_every_n_steps=log_every, default_root_dir=tmp_path,
                         callbacks=[ckpt, *([stop] if stop else [])])  # fmt: skip
     trainer.fit(module, dm)
     want = {}
-    for step in saved:
-        ce, n = (sum(x) for x in zip(*[(c, k) for s, c, k in module.seen if s == step]))
+    for step, window in saved.items():
+        ce, n = (sum(x) for x in zip(*[(c, k) for s, c, k in module.seen if s in window]))
         want[f"step={step}.ckpt"] = ce / n
     got = {Path(path).name: float(score) for path, score in ckpt.best_k_models.items()}
     assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-5) for k in want), (got, want)
+
+
+def test_a_run_that_never_logs_keeps_no_time_per_micro_step(tmp_path, small_demo):
+    """``barebones`` (``log_every_n_steps`` 0) logs nothing, yet the meter kept a time span (two CUDA events on a
+    GPU) per micro-step for the whole run, never read."""
+    L.seed_everything(0)
+    dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache")
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, barebones=True, use_distributed_sampler=False,
+                        default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(module, dm)
+    assert trainer.global_step == 6 and module._meter._spans == []
 
 
 # ---- 2. a resume says where it continues --------------------------------------------------------

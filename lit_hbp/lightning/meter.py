@@ -41,6 +41,15 @@ def forget_last_window(trainer) -> None:
             metric.reset()
 
 
+def monitored_now(trainer) -> bool:
+    """True at the last micro-step of every optimizer step when a callback monitors a window metric (a
+    ``ModelCheckpoint`` or ``EarlyStopping`` of ``train/loss``): it may act at any step (every n steps, by time, at
+    an epoch's end or a validation), so the window so far is logged at each, as a ``training_step`` log would be;
+    the loggers still write the whole window's at theirs."""
+    monitors = any(getattr(callback, "monitor", None) in WINDOW_METRICS for callback in trainer.callbacks)
+    return monitors and not trainer.fit_loop._should_accumulate()
+
+
 def logs_by_schedule(trainer) -> bool:
     """``logs_now`` but for a stop: the step is one of every ``log_every_n_steps`` (Lightning also logs at the step a
     run stops at, which an uninterrupted run does not)."""
@@ -59,6 +68,7 @@ class StepMeter:
         self.ce: torch.Tensor | None = None
         self.targets = 0
         self.logged_at: int | None = None  # the micro-step (the fit loop's count) whose metrics were logged
+        self.monitored_at: int | None = None  # one whose window so far was logged for a monitor (``monitored_now``)
         self._spans: list[tuple[int, float, object, object]] = []
         self._start: object = None
 

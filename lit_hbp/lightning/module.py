@@ -22,7 +22,14 @@ from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.checkpoints import RESTORED, check_resumed_settings, check_same_records, fit_held_out
-from lit_hbp.lightning.meter import MicroStepEnd, StepMeter, forget_last_window, logs_by_schedule, logs_now
+from lit_hbp.lightning.meter import (
+    MicroStepEnd,
+    StepMeter,
+    forget_last_window,
+    logs_by_schedule,
+    logs_now,
+    monitored_now,
+)
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
     check_optimizer_settings,
@@ -33,6 +40,7 @@ from lit_hbp.lightning.optimizer import (
     saved_group_sizes,
     zero_engine,
 )
+from lit_hbp.lightning.recompile import DYNAMO_LOG, RECOMPILE_LIMIT, RecompileLimitWatch, set_recompile_limit
 from lit_hbp.lightning.refused_callbacks import check_callbacks, check_started_callbacks
 from lit_hbp.lightning.schedule import LR_SCHEDULE, long_warmup, lr_factor, run_steps, schedule_moved, take_schedule_now
 from lit_hbp.model import attention
@@ -56,8 +64,6 @@ from lit_hbp.model.vision import encoder_parameters, vision_tower
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level
 
-RECOMPILE_LIMIT = 16  # compiled graphs per decoder-layer code: levels x SP degrees x train/eval, with room
-
 
 def device_memory(device: torch.device) -> float | None:
     """Bytes of a GPU's memory, what ``fit`` checks each level's predicted peak against (None off GPUs:
@@ -65,34 +71,6 @@ def device_memory(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return float(torch.cuda.get_device_properties(device).total_memory)
-
-
-def set_recompile_limit(limit: int) -> int:
-    """Raise dynamo's per-code recompile limit to at least ``limit`` (a pack length per level, and the last pack
-    of an epoch, each compile a layer once more); returns the limit it had, to put back when the run ends."""
-    before = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(before, limit)
-    return before
-
-
-class RecompileLimitWatch(logging.Filter):
-    """Says, in lit-hbp's words, when dynamo stops compiling a code object of a compiled run: at its
-    recompile limit (levels x SP degrees x train/eval exceeded it, or a measured search's probes used it
-    up) that code runs uncompiled for the rest of the run, slower, where torch says so in a line a
-    progress bar scrolls away. A filter on dynamo's logger: its record passes unchanged."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith("torch._dynamo hit config.") and len(record.args or ()) >= 3:
-            limit, value, where = record.args[:3]
-            rank_zero_warn(
-                f"compile: dynamo hit its {limit} ({value}) at {where}, which runs uncompiled (slower) from now on; "
-                f"raise torch._dynamo.config.{limit}, or train fewer distinct levels (TORCH_LOGS=recompiles says "
-                "what each recompilation was for)"
-            )
-        return True
-
-
-DYNAMO_LOG = "torch._dynamo.convert_frame"
 
 
 def _require_packed(batch: Any) -> None:
@@ -409,7 +387,8 @@ class HBPLitModule(L.LightningModule):
     def on_train_batch_start(self, batch: PackedBatch, batch_idx: int) -> None:
         _require_packed(batch)
         self.flops_per_batch = self.micro_batch_flops(batch)
-        self._meter.start(batch.input_ids.device)
+        if self.trainer.log_every_n_steps:  # else (barebones) nothing is ever logged: no time kept per micro-step
+            self._meter.start(batch.input_ids.device)
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
         loss, ce_sum, n = self(batch)
@@ -423,7 +402,7 @@ class HBPLitModule(L.LightningModule):
         Under ZeRO 1-3 (partitioned gradients) the engine's own norm is read after its step. Nothing elsewhere."""
         self._grad_norm = None
         self._step_lr = None
-        if not logs_now(self.trainer):
+        if not (logs_now(self.trainer) or monitored_now(self.trainer)):
             return
         # The learning rate this step takes: Lightning steps the scheduler before on_train_batch_end.
         self._step_lr = float(optimizer.param_groups[0]["lr"])
@@ -472,7 +451,12 @@ class HBPLitModule(L.LightningModule):
         (``MicroStepEnd``): a ``ModelCheckpoint`` of ``train/loss`` ranks this step's, as a ``training_step`` log."""
         self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # once a micro-step: a second finds no start
         micro_step = self.trainer.fit_loop.epoch_loop.total_batch_idx
+        reduce = partial(self.trainer.strategy.reduce, reduce_op="sum") if self.trainer.world_size > 1 else None
         if self._meter.logged_at == micro_step or not logs_now(self.trainer):
+            if monitored_now(self.trainer) and micro_step not in (self._meter.logged_at, self._meter.monitored_at):
+                self._meter.monitored_at = micro_step  # the window so far, counted again where the loggers write
+                forget_last_window(self.trainer)
+                self._log_window(self._meter.read_loss(reduce, keep=True))
             return
         self._meter.logged_at = micro_step
         forget_last_window(self.trainer)
@@ -487,15 +471,8 @@ class HBPLitModule(L.LightningModule):
         ):
             self.log(f"train/{key}", torch.tensor(float(value)), batch_size=1)
         # train/loss: token-mean CE over every rank and micro-step since the last logged step.
-        reduce = partial(self.trainer.strategy.reduce, reduce_op="sum") if self.trainer.world_size > 1 else None
         stops = self.trainer.should_stop and self.trainer.fit_loop._can_stop_early  # (not held by min_steps)
-        loss = self._meter.read_loss(reduce, keep=stops and not logs_by_schedule(self.trainer))  # a stop's extra point
-        if loss is not None:
-            self.log("train/loss", torch.tensor(loss), prog_bar=True, batch_size=1)
-        # The global gradient L2 norm before clipping, a device tensor read when the logger writes it.
-        norm = self._logged_grad_norm()
-        if norm is not None:
-            self.log("train/grad_norm", norm, batch_size=1)
+        self._log_window(self._meter.read_loss(reduce, keep=stops and not logs_by_schedule(self.trainer)))
         # The learning rate the step took (a host value, read before the scheduler stepped), as Lightning's
         # LearningRateMonitor reports it; the optimizer's own when no step ran.
         lr = self._step_lr
@@ -507,6 +484,14 @@ class HBPLitModule(L.LightningModule):
             self.log(f"time/level{level}_micro_step_s", torch.tensor(seconds / count), batch_size=1)
             if seconds > 0:
                 self.log(f"time/level{level}_tokens_per_s_per_device", torch.tensor(tokens / seconds), batch_size=1)
+
+    def _log_window(self, loss: float | None) -> None:
+        """``train/loss`` and the global gradient L2 norm before clipping (a device tensor, read when logged)."""
+        if loss is not None:
+            self.log("train/loss", torch.tensor(loss), prog_bar=True, batch_size=1)
+        norm = self._logged_grad_norm()
+        if norm is not None:
+            self.log("train/grad_norm", norm, batch_size=1)
 
     def on_validation_epoch_start(self) -> None:
         if self.trainer.state.fn == "validate":  # weights loaded by load_from_checkpoint too: no data state restored
