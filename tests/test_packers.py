@@ -112,6 +112,27 @@ def test_every_packer_registered_and_deterministic():
         check_partition(a, lengths, 4096)
 
 
+@given(w=workloads(), seeds=st.tuples(st.integers(0, 2**31), st.integers(0, 2**31)))
+def test_only_the_seeded_packers_pack_otherwise_for_another_seed(w, seeds):
+    """``SEEDED_PACKERS`` decides which runs of several epochs must rebuild their loader each epoch (another seed +
+    epoch, another number of packs): every other packer packs the same bins whatever the seed."""
+    from lit_hbp.packing.packers import SEEDED_PACKERS
+
+    lengths, capacity = w
+    for name in set(PACKERS) - set(SEEDED_PACKERS):
+        a, b = (pack(lengths, capacity, name, seed=seed) for seed in seeds)
+        assert as_sorted_lists(a) == as_sorted_lists(b), name
+
+
+def test_the_seeded_packers_draw():
+    """Each of ``SEEDED_PACKERS`` gives another number of packs for some seed (so it belongs in the list)."""
+    from lit_hbp.packing.packers import SEEDED_PACKERS
+
+    lengths = np.random.default_rng(0).integers(1, 3000, 400)
+    for name in SEEDED_PACKERS:
+        assert len({len(pack(lengths, 4096, name, seed=seed)) for seed in range(20)}) > 1, name
+
+
 def test_decreasing_packers_reach_near_optimal_fill_on_short_data():
     rng = np.random.default_rng(0)
     lengths = np.clip(np.rint(rng.lognormal(np.log(700), 1.1, 20000)), 32, 16384).astype(np.int64)

@@ -192,6 +192,17 @@ def test_validate_without_a_validation_split_is_a_config_error(chats, toy_tokeni
     dm.setup("fit")  # training without validation is fine
 
 
+def test_a_training_set_the_over_length_policy_empties_is_refused_by_its_cause(chats, toy_tokenizer, tmp_path):
+    """Every sample over the largest level: the set-up passed with none, and the plan stopped with "empty dataset:
+    every source empty, or every sample skipped", naming neither the levels nor over_length."""
+    from lit_hbp.errors import DataError
+
+    dm = datamodule(chats, toy_tokenizer, tmp_path / "cache", levels=("2:1",), over_length="drop")
+    with pytest.raises(DataError, match=r"every training sample \(240\) is longer than the largest level \(2 tokens\) "
+                       r"and data.over_length: drop left none: add a larger level"):  # fmt: skip
+        dm.setup("fit")
+
+
 def test_a_deepspeed_folder_given_to_hbp_ddp_is_refused_by_name(chats, toy_tokenizer, tmp_path):
     """``Trainer.validate(ckpt_path=<HBPStrategy's folder>)`` under HBPDDPStrategy stopped in torch's
     IsADirectoryError; the folder is named, with what loads it."""

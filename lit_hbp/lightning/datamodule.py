@@ -392,9 +392,15 @@ class HBPDataModule(L.LightningDataModule):
             if any(said):
                 parts = [said[0], said[1] and f"and of the validation set: {said[1]}"]
                 raise DataError("; ".join(p for p in parts if p) + f". {OVER_LENGTH_FIX}")
+        before = store.lengths.size
         shifted = store.apply_over_length(max_len, self.over_length)
         if shifted:
             rank_zero_warn(shifted)
+        if store.lengths.size == 0 and before:
+            raise DataError(
+                f"every training sample ({before}) is longer than the largest level ({max_len} tokens) and "
+                f"data.over_length: {self.over_length} left none: add a larger level (data.levels)"
+            )
         if val is not None:
             val.apply_over_length(max_len, self.over_length)
             if val.lengths.size == 0:

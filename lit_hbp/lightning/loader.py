@@ -21,6 +21,7 @@ from lit_hbp.data.store import SampleStore
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.rng import set_rank_state
 from lit_hbp.packing import Level, MicroBatch, Plan
+from lit_hbp.packing.packers import SEEDED_PACKERS
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import sp_coords
 
@@ -155,14 +156,14 @@ def check_data_trainer(trainer: Any, stage: str, packer: str, validates: bool) -
 
 def check_epoch_lengths(trainer: Any, packer: str) -> None:
     """Before the data is read: an epoch whose plan may have another number of micro-steps than the first's
-    (the random packer's draw, an accumulation scheduled by epoch) needs its loader rebuilt, which Lightning
+    (a seeded packer's draw, an accumulation scheduled by epoch) needs its loader rebuilt, which Lightning
     does only with ``reload_dataloaders_every_n_epochs=1``; else the loader's length is the first epoch's."""
     t = trainer
     if t.reload_dataloaders_every_n_epochs == 1 or t.max_epochs == 1:
         return
     why = []
-    if packer == "random":
-        why.append("data.packer 'random' draws each epoch's packs anew")
+    if packer in SEEDED_PACKERS:
+        why.append(f"data.packer {packer!r} draws each epoch's packs anew")
     if len(set(accumulation_schedule(t)[0].values())) > 1:
         why.append("a GradientAccumulationScheduler changes the micro-steps per optimizer step")
     if why:

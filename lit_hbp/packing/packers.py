@@ -397,6 +397,9 @@ PACKERS: dict[str, PackerFn] = {
     "random": random,
 }
 
+# Packers that draw (their ``seed``): an epoch's packs, and how many there are, change with seed + epoch.
+SEEDED_PACKERS = ("isf", "ffs", "random")
+
 # Chosen by bench/plan_quality.py and bench/plan_speed.py (bench/RESULTS.md): best fill together
 # with ffd, fastest of the exact packers.
 DEFAULT_PACKER = "bfd"
