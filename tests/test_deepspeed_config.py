@@ -39,6 +39,10 @@ def fit(tmp_path, small_demo, strategy, **trainer_kw) -> HBPLitModule:
          "activation_checkpointing.partition_activations, activation_checkpointing.cpu_checkpointing configure"),
         (dict(config={"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}),
          r"gradient_accumulation_steps \(4\) is the trainer's to set: .* trainer.accumulate_grad_batches"),
+        # DeepSpeed overlaps at stage 3 unless told: False here was dropped
+        (dict(overlap_comm=False, config={"zero_optimization": {"stage": 3}}),
+         "overlap_comm=False beside a DeepSpeed config whose zero_optimization says True"),
+        (dict(config={"zero_optimization": True}), "zero_optimization: true is DeepSpeed's deprecated form"),
         # zero_optimization=False builds no ZeRO section: stage 3 and the offload trained at stage 0
         (dict(zero_optimization=False, stage=3), "stage=3 beside zero_optimization=False, which builds no ZeRO"),
         (dict(zero_optimization=False, offload_optimizer=True, reduce_bucket_size=1000),
@@ -73,6 +77,27 @@ def test_a_configs_precision_section_must_say_the_trainers_precision(tmp_path, s
     for config, agrees in (({"bf16": {"enabled": True}}, "bf16-mixed"), ({"fp16": {"enabled": False}}, "32-true"),
                            ({"fp16": {"enabled": True}}, "16-mixed"), ({}, "bf16-true")):  # fmt: skip
         check_precision_sections(config, agrees)
+
+
+@pytest.mark.parametrize("overlap", [None, True, False])
+@pytest.mark.parametrize("zero", [None, False, True, {}, {"stage": 1}, {"stage": 2}, {"stage": 3}])
+def test_a_configs_zero_settings_are_read_as_deepspeed_reads_them(zero, overlap):
+    """The stage and ``overlap_comm`` lit-hbp reads from a config (its checks, the cost model) are DeepSpeed's own
+    reading (``get_zero_config``): ``overlap_comm`` defaults on at stage 3, and the old ``zero_optimization: true``
+    is stage 1 (it was read as stage 0)."""
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    from lit_hbp.cost.run_settings import deepspeed_zero
+    from lit_hbp.lightning.deepspeed_config import ARGUMENTS
+
+    config = {} if zero is None else {"zero_optimization": zero}
+    if overlap is not None and isinstance(zero, dict):
+        config["zero_optimization"] = {**zero, "overlap_comm": overlap}
+    deepspeed = get_zero_config(copy.deepcopy(config))
+    assert deepspeed_zero(config)["zero_stage"] == deepspeed.stage
+    if not isinstance(zero, bool):  # the deprecated form is refused (above)
+        assert ARGUMENTS["overlap_comm"](config) == deepspeed.overlap_comm
+        assert ARGUMENTS["stage"](config) == deepspeed.stage
 
 
 def test_loss_scaling_arguments_are_refused_where_no_fp16_section_takes_them():

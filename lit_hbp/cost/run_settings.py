@@ -70,7 +70,7 @@ def deepspeed_zero(config: dict | None) -> dict:
     it: no ``zero_optimization`` section, or one without a stage, is stage 0; an offload counts where its
     device is not ``none``, or where DeepSpeed's older key (``cpu_offload``, ``cpu_offload_param``) is true."""
     zero = (config or {}).get("zero_optimization")
-    zero = zero if isinstance(zero, dict) else {}
+    zero = zero if isinstance(zero, dict) else {"stage": 1} if zero is True else {}  # true: DeepSpeed's old stage 1
 
     def offloaded(key: str, older: str) -> bool:
         if zero.get(older) is not None:  # DeepSpeed reads it as an offload to the CPU (both given: it refuses)

@@ -23,7 +23,10 @@ ARGUMENTS = {  # HBPStrategy's own arguments Lightning reads only without a conf
     "stage": lambda c: deepspeed_zero(c)["zero_stage"],
     "offload_optimizer": lambda c: deepspeed_zero(c)["optimizer_offload"],
     "offload_parameters": lambda c: deepspeed_zero(c)["param_offload"],
-    "overlap_comm": lambda c: bool(((c or {}).get("zero_optimization") or {}).get("overlap_comm", False)),
+    # DeepSpeed's default: on at stage 3, off below
+    "overlap_comm": lambda c: bool(
+        ((c or {}).get("zero_optimization") or {}).get("overlap_comm", deepspeed_zero(c)["zero_stage"] == 3)
+    ),
 }
 
 
@@ -83,6 +86,11 @@ def check_arguments(config: dict | None, given: dict[str, Any]) -> None:
         )
     if config is None:
         return
+    if isinstance(config.get("zero_optimization"), bool):  # DeepSpeed reads true as stage 1 and the old top-level keys
+        raise ConfigError(
+            f"{WHERE}: the DeepSpeed config's zero_optimization: {str(config['zero_optimization']).lower()} is "
+            "DeepSpeed's deprecated form: write the section, zero_optimization: {stage: 1} (true's) or {stage: 0}"
+        )
     if "gradient_accumulation_steps" in config:  # Lightning's own refusal came as a traceback once the data was read
         raise ConfigError(
             f"{WHERE}: the DeepSpeed config's gradient_accumulation_steps ({config['gradient_accumulation_steps']!r}) "
