@@ -254,3 +254,23 @@ def test_offloads_are_read_as_deepspeeds_own_config_reads_them(stage, offload, o
         ours = deepspeed_zero({"zero_optimization": zero})
         assert ours["optimizer_offload" if new == "offload_optimizer" else "param_offload"] == want, zero
         assert ours["zero_stage"] == int(DeepSpeedZeroConfig(**zero).stage)
+
+
+def test_lightnings_deepspeed_strategy_with_accumulation_is_refused(tmp_path, small_demo):
+    """Lightning's loop divides an accumulated loss by A and DeepSpeed's ``engine.backward`` (``scale_wrt_gas``) again:
+    under Lightning's own DeepSpeedStrategy every update was 1/A of the loss's (an audit's SGD run: 0.495x at A=2),
+    clipping A times as strong. HBPStrategy's backward divides once; a strategy with Lightning's is refused at fit."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lit_hbp.lightning.optimizer import check_deepspeed_accumulation
+
+    class LightningsBackward(HBPStrategy):  # HBPStrategy runs on CPU: here with DeepSpeedStrategy's backward
+        backward = DeepSpeedStrategy.backward
+
+    with pytest.raises(ConfigError, match="LightningsBackward with accumulate_grad_batches 2: Lightning and Deep"):
+        fit(tmp_path, small_demo, LightningsBackward(stage=2), accumulate_grad_batches=2)
+    with pytest.raises(ConfigError, match="DeepSpeedStrategy with accumulate_grad_batches 4: .* trainer.strategy hbp"):
+        check_deepspeed_accumulation(DeepSpeedStrategy(), 4)
+    check_deepspeed_accumulation(DeepSpeedStrategy(), 1)
+    check_deepspeed_accumulation(HBPStrategy(), 4)
+    fit(tmp_path / "ours", small_demo, HBPStrategy(stage=2), accumulate_grad_batches=2)

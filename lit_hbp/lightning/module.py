@@ -32,6 +32,7 @@ from lit_hbp.lightning.meter import (
 )
 from lit_hbp.lightning.optimizer import (
     adamw_kind,
+    check_deepspeed_accumulation,
     check_optimizer_settings,
     clips_scaled_gradients,
     decay_groups,
@@ -280,6 +281,7 @@ class HBPLitModule(L.LightningModule):
                     f"model has {self.num_layers} decoder layers"
                 )
         strategy = self.trainer.strategy
+        check_deepspeed_accumulation(strategy, self.trainer.accumulate_grad_batches)
         groups = getattr(strategy, "sp_groups", None)
         for i, lv in enumerate(levels):
             if lv.sp > 1 and groups is None:

@@ -5,6 +5,8 @@ device only at the steps the loggers write.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lit_hbp.cost.run_settings import deepspeed_zero
@@ -137,3 +139,19 @@ def check_optimizer_settings(
         bad.append(f"model.ce_chunk_size (a loss chunk's tokens) must be a whole number >= 1, got {ce_chunk_size!r}")
     if bad:
         raise ConfigError("; ".join(bad))
+
+
+def check_deepspeed_accumulation(strategy: Any, accumulate: int) -> None:
+    """Lightning's own ``DeepSpeedStrategy`` with gradient accumulation: Lightning's loop divides the loss by
+    ``accumulate_grad_batches`` and DeepSpeed's ``engine.backward`` divides it again, so every gradient is 1/A of
+    the module's loss (clipping A times as strong, ``train/grad_norm`` A times low). ``HBPStrategy``'s backward
+    divides once."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    plain = isinstance(strategy, DeepSpeedStrategy) and type(strategy).backward is DeepSpeedStrategy.backward
+    if accumulate > 1 and plain:
+        raise ConfigError(
+            f"trainer.strategy {type(strategy).__name__} with accumulate_grad_batches {accumulate}: Lightning and "
+            f"DeepSpeed's engine.backward each divide the loss by {accumulate}, so every gradient would be 1/"
+            f"{accumulate} of the loss's: train with trainer.strategy hbp (HBPStrategy, DeepSpeed dividing once)"
+        )
