@@ -9,6 +9,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 
 from lit_hbp.errors import ConfigError
@@ -274,3 +275,23 @@ def test_lightnings_deepspeed_strategy_with_accumulation_is_refused(tmp_path, sm
     check_deepspeed_accumulation(DeepSpeedStrategy(), 1)
     check_deepspeed_accumulation(HBPStrategy(), 4)
     fit(tmp_path / "ours", small_demo, HBPStrategy(stage=2), accumulate_grad_batches=2)
+
+
+def test_a_stage_0_runs_checkpoint_resumes(tmp_path, small_demo):
+    """A DeepSpeed config without a ``zero_optimization`` section (stage 0, or ``zero_optimization=False``) trained
+    and saved, and its checkpoint never loaded: ``KeyError: 'zero_optimization'``. It resumes as a run of the
+    section's stage does: the step after the saved one."""
+    for i, strategy in enumerate((lambda: HBPStrategy(config={"train_micro_batch_size_per_gpu": 1}),
+                                  lambda: HBPStrategy(zero_optimization=False))):  # fmt: skip
+        L.seed_everything(0)
+        dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache")
+        module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+        saves = ModelCheckpoint(tmp_path / str(i), "{step}", every_n_train_steps=1, save_top_k=-1)
+        first = quiet_trainer(
+            strategy=strategy(), max_steps=2, default_root_dir=tmp_path, callbacks=[saves], enable_checkpointing=True
+        )
+        first.fit(module, dm)
+        again = quiet_trainer(strategy=strategy(), max_steps=2, default_root_dir=tmp_path)
+        again.fit(HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False), dm,
+                  ckpt_path=tmp_path / str(i) / "step=1.ckpt")  # fmt: skip
+        assert again.global_step == 2

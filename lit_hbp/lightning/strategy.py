@@ -522,7 +522,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         check wants its fixed tag folder ``checkpoint``): ``latest`` naming a complete tag folder, saved by the
         ZeRO stage (3, or 0-2) loading it. A ZeRO-3 folder is loaded to train on only: DeepSpeed restores its
         partitioned weights through the optimizer, which a validation has not (its own load fails there)."""
-        stage = self.config["zero_optimization"].get("stage")
+        stage = deepspeed_zero(self.config)["zero_stage"]  # no section: stage 0
         check_zero_folder(checkpoint_path, stage, self.lightning_module.trainer.state.fn.value)
         with mock.patch("lightning.pytorch.strategies.deepspeed._validate_checkpoint_directory", _whole_folder):
             return super().load_checkpoint(checkpoint_path, weights_only)
