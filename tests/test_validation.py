@@ -203,6 +203,22 @@ def test_a_training_set_the_over_length_policy_empties_is_refused_by_its_cause(c
         dm.setup("fit")
 
 
+def test_a_second_call_of_the_same_trainer_takes_its_own_data_modules_levels(chats, toy_tokenizer, tmp_path):
+    """``trainer.fit(m, dm1)`` then ``trainer.validate(m, dm2)`` with other levels: the strategy kept the first call's
+    levels as if its caller had given them, and refused ("give the levels once"). Reference: the same weights
+    validated on dm2 by a fresh trainer."""
+    from lit_hbp.lightning.strategy import HBPDDPStrategy
+
+    dm1 = datamodule(chats, toy_tokenizer, tmp_path / "cache", val_fraction=0.1)
+    dm2 = datamodule(chats, toy_tokenizer, tmp_path / "cache", levels=("384:1",), val_fraction=0.1)
+    module = HBPLitModule(model=TINY, vocab_size=dm1.vocab_size, self_check=False)
+    trainer = quiet_trainer(strategy=HBPDDPStrategy(), max_steps=1, default_root_dir=tmp_path)
+    trainer.fit(module, dm1)
+    got = trainer.validate(module, dm2, verbose=False)[0]["val/loss"]
+    fresh = quiet_trainer(strategy=HBPDDPStrategy(), default_root_dir=tmp_path)
+    assert got == pytest.approx(fresh.validate(module, dm2, verbose=False)[0]["val/loss"], rel=1e-6)
+
+
 def test_a_deepspeed_folder_given_to_hbp_ddp_is_refused_by_name(chats, toy_tokenizer, tmp_path):
     """``Trainer.validate(ckpt_path=<HBPStrategy's folder>)`` under HBPDDPStrategy stopped in torch's
     IsADirectoryError; the folder is named, with what loads it."""

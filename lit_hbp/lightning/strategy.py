@@ -282,6 +282,7 @@ class LevelGroups:
 
     def init_levels(self, levels: list[Level | dict | str | int] | None) -> None:
         self.levels = None if levels is None else tuple(as_level(x) for x in levels)
+        self._given_levels = self.levels  # the caller's; ``levels`` becomes each run's (a later call's data module's)
         self.sp_groups = None
         self._sp_calls: dict[tuple, SPCall] = {}  # (sp, cp, kind) -> the level's SPCall, built on first use
         self._frozen_guards: list = []
@@ -290,7 +291,7 @@ class LevelGroups:
         """The run's levels laid out for its model and world (the data module's, or this strategy's if
         they agree), the SP groups they need, and the guards on frozen models."""
         data_levels = getattr(trainer.datamodule, "levels", None)
-        levels = self.levels or data_levels
+        levels = self._given_levels or data_levels
         if not levels:
             raise ValueError(f"{type(self).__name__} needs levels: pass levels=... or use a data module with .levels")
         module = trainer.lightning_module
@@ -307,7 +308,7 @@ class LevelGroups:
         )
         laid_out = tuple(layout_levels([as_level(x) for x in levels], cfg, node_size))
         theirs = data_levels and layout_levels([as_level(x) for x in data_levels], cfg, node_size)
-        if self.levels and theirs and _plan_fields(theirs) != _plan_fields(laid_out):
+        if self._given_levels and theirs and _plan_fields(theirs) != _plan_fields(laid_out):
             raise ValueError(
                 f"{type(self).__name__} levels {list(laid_out)} differ from the data module's {list(theirs)}: the "
                 "batches carry the data module's sp and layout; give the levels once (the strategy reads the data's)"
