@@ -219,6 +219,27 @@ def test_a_second_call_of_the_same_trainer_takes_its_own_data_modules_levels(cha
     assert got == pytest.approx(fresh.validate(module, dm2, verbose=False)[0]["val/loss"], rel=1e-6)
 
 
+def test_each_modules_mode_is_kept_through_the_sanity_validation_into_training(chats, toy_tokenizer, tmp_path):
+    """A layer the user put in eval mode (no dropout there) was put back in train mode as training started, as
+    Lightning does not: its evaluation loop restores each module's mode, and a fit starts in the modes it is given.
+    The rest of a checkpoint folder's model trains in train mode (``from_pretrained`` returns it in eval)."""
+    modes = []
+
+    class Peek(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 0:
+                modes.extend([module.model.training, module.model.model.layers[0].training,
+                              module.model.model.layers[1].training])  # fmt: skip
+
+    dm = datamodule(chats, toy_tokenizer, tmp_path / "cache", val_fraction=0.1)
+    module = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, self_check=False)
+    module.configure_model()
+    module.model.model.layers[0].eval()
+    trainer = quiet_trainer(max_steps=1, default_root_dir=tmp_path, num_sanity_val_steps=2, callbacks=[Peek()])
+    trainer.fit(module, dm)
+    assert trainer.sanity_checking is False and modes == [True, False, True]
+
+
 def test_a_deepspeed_folder_given_to_hbp_ddp_is_refused_by_name(chats, toy_tokenizer, tmp_path):
     """``Trainer.validate(ckpt_path=<HBPStrategy's folder>)`` under HBPDDPStrategy stopped in torch's
     IsADirectoryError; the folder is named, with what loads it."""

@@ -259,8 +259,7 @@ class HBPLitModule(L.LightningModule):
     def num_layers(self) -> int:
         return len(self._layers)
 
-    def on_train_start(self) -> None:
-        self.model.train()  # whatever ran before (a user's callback, a validation) left it in
+    def on_train_start(self) -> None:  # (each module's train or eval mode is kept, as Lightning keeps it)
         if self._schedule is not None and self._resumed_schedule not in (None, self._schedule):
             take_schedule_now(self.lr_schedulers())  # the new schedule's rate from the resumed step on
 
