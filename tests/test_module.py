@@ -316,6 +316,17 @@ def test_a_float_limit_that_ends_the_epoch_inside_an_optimizer_step_is_refused_b
     assert fits.global_step == (n - 2) // 2
 
 
+def test_an_accumulation_by_epoch_given_as_a_dict_is_refused_by_name(chat_data, toy_tokenizer, tmp_path):
+    """Lightning 1.x's ``accumulate_grad_batches={epoch: n}``, which Lightning 2 accepts and then fails on: a bare
+    ``TypeError: unhashable type: 'dict'`` once the data was read."""
+    dm = HBPDataModule(sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=["96:1", "256:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    module = make_module(vocab=dm.vocab_size, self_check=False)
+    trainer = quiet_trainer(devices=1, max_steps=2, accumulate_grad_batches={0: 1, 2: 2})
+    with pytest.raises(ConfigError, match=r"accumulate_grad_batches must be an int, got \{0: 1, 2: 2\}: .*Scheduler"):
+        trainer.fit(module, dm)
+
+
 @pytest.mark.parametrize("varies", ["random packer", "isf packer", "ffs packer", "accumulation schedule"])
 def test_epochs_of_another_length_without_reloaded_loaders_are_refused_before_the_data_is_read(
     varies, chat_data, toy_tokenizer, tmp_path

@@ -147,6 +147,12 @@ def check_data_trainer(trainer: Any, stage: str, packer: str, validates: bool) -
             "its loader plans packs, levels and ranks, which Lightning's sequential overfit loader would "
             "replace; use limit_train_batches to train on a few batches"
         )
+    accumulate = trainer.accumulate_grad_batches
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int):  # Lightning 1.x's {epoch: n} is no more
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches must be an int, got {accumulate!r}: schedule it by epoch with "
+            "lightning.pytorch.callbacks.GradientAccumulationScheduler"
+        )
     if stage == "fit":
         check_epoch_lengths(trainer, packer)
         check_validation_interval(trainer)
