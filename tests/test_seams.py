@@ -212,6 +212,48 @@ def test_a_data_module_takes_any_level_selector(small_demo, toy_tokenizer, tmp_p
         HBPDataModule(sources=[{"path": "x.jsonl"}], tokenizer=toy_tokenizer, levels="auto")
 
 
+class TimedSelector(LevelSelector):
+    """Chooses as a measured search may, by its timings: here two levels at the first search, one after."""
+
+    def __init__(self, searches: list):
+        self.searches = searches  # shared by the runs: how many searches ran
+
+    def levels_for(self, lengths, trainer):
+        self.searches.append(len(lengths))
+        longest = int(2 ** np.ceil(np.log2(np.max(lengths))))
+        return (Level(256), Level(longest)) if len(self.searches) == 1 else (Level(longest),)
+
+
+def test_a_resumed_fit_plans_with_the_levels_its_selector_chose_for_the_checkpoint(small_demo, toy_tokenizer, tmp_path):
+    """A measured search on resume chose other levels (its timings differ) and the resume was refused: "the plan of
+    its epoch 0 was made with other settings". The checkpoint keeps the chosen levels and a resumed fit plans with
+    them. Reference: the uninterrupted run's weights at the same step, equal to the bit."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.module import HBPLitModule
+
+    searches, model = [], {**TINY_LLAMA, "max_position_embeddings": 16384}
+
+    def run(max_steps, ckpt_path=None, callbacks=()):
+        L.seed_everything(0)
+        dm = HBPDataModule(sources=[{"path": str(small_demo / "short.jsonl")}], tokenizer=toy_tokenizer,
+                           levels=TimedSelector(searches), cache_dir=str(tmp_path / "cache"))  # fmt: skip
+        module = HBPLitModule(model=model, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+        trainer = quiet_trainer(max_steps=max_steps, callbacks=list(callbacks), enable_checkpointing=bool(callbacks),
+                                default_root_dir=tmp_path)  # fmt: skip
+        trainer.fit(module, dm, ckpt_path=ckpt_path)
+        return dm, module
+
+    saves = ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=2, save_top_k=-1)
+    first, whole = run(4, callbacks=[saves])
+    resumed, again = run(4, ckpt_path=tmp_path / "ckpt" / "step=2.ckpt")
+    assert len(searches) == 2 and len(first.levels) == 2 and resumed.levels == first.levels
+    for (name, a), b in zip(whole.model.named_parameters(), again.model.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_the_analytic_selector_is_algorithm_1_on_the_cost_model():
     from lit_hbp.autoselect import AnalyticProfiler, select_levels
 

@@ -64,7 +64,7 @@ from lit_hbp.lightning.renderers import (  # noqa: F401  (public here too: their
 )
 from lit_hbp.lightning.rng import every_rank_state
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
-from lit_hbp.packing.levels import LevelSelector, as_level
+from lit_hbp.packing.levels import LEVEL_FIELDS, LevelSelector, as_level
 from lit_hbp.packing.plan import OVER_LENGTH
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import layout_levels
@@ -175,6 +175,7 @@ class HBPDataModule(L.LightningDataModule):
             raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.val_fraction = val_fraction
         self.selector: LevelSelector | None = None
+        self._chosen: tuple[Level, ...] | None = None  # the selector's levels of the run a fit resumes
         if isinstance(levels, LevelSelector):
             self.selector, self.levels = levels, None
         elif isinstance(levels, str):
@@ -232,6 +233,8 @@ class HBPDataModule(L.LightningDataModule):
                  "val_fraction": self.val_fraction, "held_out": self.held_out}  # fmt: skip
         if self.processor is not None:
             state["processor_files"] = tokenizer_files(self.processor)
+        if self.selector is not None:  # what it chose: a search on resume may choose others (a measured one by time)
+            state["selected_levels"] = [{f: getattr(lv, f) for f in LEVEL_FIELDS} for lv in self.levels or ()]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -244,6 +247,7 @@ class HBPDataModule(L.LightningDataModule):
             check_held_out(state, trainer._checkpoint_connector._loaded_checkpoint, self.seed, self.val_fraction,
                            self.held_out)  # fmt: skip
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._resume_selection(state.get("selected_levels"))
             states = state.get("rng")
             self.resume_rng = states[trainer.global_rank] if len(states or ()) == trainer.world_size else {}
             if states is None or len(states) != trainer.world_size:
@@ -272,6 +276,20 @@ class HBPDataModule(L.LightningDataModule):
                 "the checkpoint was trained with another tokenizer (vocabulary, special tokens or chat template) "
                 "than data.tokenizer / data.chat_template give now; this run goes on with the new one and saves it"
             )
+
+    def _resume_selection(self, saved: list | None) -> None:
+        """A resumed fit plans with the levels its selector chose for the checkpoint's run: the search at this
+        set-up may have chosen others (a measured search by its timings), whose plan the resume cannot continue.
+        The data is set up again with them (its largest level decides over-long samples)."""
+        chosen = tuple(as_level(x) for x in saved or ())
+        if self.selector is None or not chosen or chosen == tuple(self.levels or ()):
+            return
+        rank_zero_info(
+            f"data.levels: resuming with the levels {type(self.selector).__name__} chose for the checkpoint's run "
+            f"({', '.join(f'{lv.pack_len}:{lv.sp}' for lv in chosen)}), not this set-up's search's"
+        )
+        self._chosen, self._set_up_for = chosen, None
+        self.setup("fit")
 
     def set_curriculum(self, warmup_steps: int, short_levels: list[int] | None = None) -> None:
         """Plan the first epoch with ``warmup_steps`` steps of the short levels first (HBPCurriculum)."""
@@ -380,7 +398,7 @@ class HBPDataModule(L.LightningDataModule):
         if self.selector is not None:  # chosen for this world
             if self.trainer is None:
                 raise ValueError(f"{type(self.selector).__name__} chooses levels for a run: set up through a Trainer")
-            self.levels = self._selected_levels(store)
+            self.levels = self._chosen or self._selected_levels(store)
         validate_levels(self.levels, world)
         held = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         if self.val_fraction:
