@@ -630,6 +630,37 @@ def test_autoselect_command_writes_the_levels_block(tmp_path, capsys, paper_shap
     assert "/nowhere/llama" in capsys.readouterr().err
 
 
+def test_the_command_searches_as_the_configs_own_selector_block_says(tmp_path, capsys):
+    """``data.levels: {class_path: AnalyticSelector, init_args: {gpu: a100, candidates: [1024, 2048], max_len: 2048,
+    margin_gib: 5}}`` was ignored: the tool priced H100s and wrote 8K and 16K levels where the fit chooses 1K and 2K.
+    Reference: the same search asked by flags on a config without the block; a flag still wins over the block."""
+    import yaml
+
+    lengths = tmp_path / "lengths.npy"
+    np.save(lengths, np.random.default_rng(0).integers(20, 12000, 600))
+    block = {"class_path": "lit_hbp.autoselect.AnalyticSelector",
+             "init_args": {"gpu": "a100", "candidates": [1024, 2048], "max_len": 2048, "margin_gib": 5}}  # fmt: skip
+    plain, selecting = tmp_path / "plain.yaml", tmp_path / "selecting.yaml"
+    plain.write_text(RUN_CONFIG)
+    config = yaml.safe_load(RUN_CONFIG)
+    selecting.write_text(yaml.safe_dump({**config, "data": {**config["data"], "levels": block}}))
+    base = ["--lengths", str(lengths), "--gpus", "8", "--model", "llama3.1-8b"]
+
+    def levels(config, *flags):
+        out = tmp_path / "out.yaml"
+        assert autoselect_main(["--config", str(config), *base, *flags, "--out", str(out)]) == 0, capsys.readouterr()
+        return yaml.safe_load(out.read_text())["levels"]
+
+    by_flags = ["--gpu", "a100", "--candidates", "1024", "2048", "--max-len", "2048", "--margin-gib", "5"]
+    chosen = levels(selecting)
+    assert chosen == levels(plain, *by_flags) and chosen[-1]["pack_len"] == 2048
+    assert levels(selecting, "--gpu", "h100") == levels(plain, "--gpu", "h100", *by_flags[2:])
+    own = {**config, "data": {**config["data"], "levels": {"class_path": "my.OwnSelector"}}}
+    selecting.write_text(yaml.safe_dump(own))
+    assert autoselect_main(["--config", str(selecting), *base]) == 2
+    assert "data.levels: OwnSelector is a selector of your own" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "flags, refused",
     [

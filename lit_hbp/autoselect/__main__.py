@@ -100,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             lengths, vocab, vision, samples = config_samples(config)
         spec = load_spec(args.model) if args.model else None
-        margin = {} if args.margin_gib is None else {"margin_gib": args.margin_gib}
-        if args.measured:
-            selector = MeasuredSelector(args.candidates, memory_gib=args.memory_gib, max_len=args.max_len, **margin)
+        measured, settings = selector_settings(config, args)
+        if measured:
+            selector = MeasuredSelector(**settings)
             run = replace(RunSetting.from_config(config, vocab, args.devices or 1), tool=MEASURED)
         else:
-            selector = AnalyticSelector(args.gpu or "h100", args.candidates, max_len=args.max_len, **margin)
+            selector = AnalyticSelector(**settings)
             world = config_world(config)
             if args.gpus is None and world is None:
                 raise ValueError(
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 _, covered, past = positions_of(args.model)
                 run = replace(run, max_len=covered, whole_past=past)
         run = run.with_flags(args.liger, args.offload_optimizer, args.zero_stage)
-        extra = {"samples": samples} if args.measured else {}  # measured probes pack a run's images (None: text)
+        extra = {"samples": samples} if measured else {}  # measured probes pack a run's images (None: text)
         selection = selector.select(lengths, run, vision, **extra)
     except (ValueError, TypeError, OSError, KeyError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -137,6 +137,30 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(block)
         print(f"wrote {args.out}")
     return 0
+
+
+SELECTORS = {"AnalyticSelector": False, "MeasuredSelector": True}  # class -> measured
+
+
+def selector_settings(config: dict, args: argparse.Namespace) -> tuple[bool, dict]:
+    """The search to run (measured or not) and its selector's arguments: the flags given, else the config's own
+    ``data.levels`` selector block (its class and ``init_args``), so the tool chooses what that fit would choose; the
+    block's arguments apply where it names the mode run. A selector of one's own is run by its fit only."""
+    block = (config.get("data") or {}).get("levels")
+    kind = str(block.get("class_path", "")).rsplit(".", 1)[-1] if isinstance(block, dict) else None
+    if kind is not None and kind not in SELECTORS and not (args.analytic or args.measured):
+        raise ValueError(
+            f"data.levels: {kind} is a selector of your own, which this tool does not run (its fit does): give "
+            "--analytic or --measured to search with lit-hbp's"
+        )
+    measured = args.measured or (not args.analytic and SELECTORS.get(kind, False))
+    given = dict(block.get("init_args") or {}) if kind is not None and SELECTORS.get(kind) == measured else {}
+    flags = {"candidates": args.candidates, "margin_gib": args.margin_gib, "max_len": args.max_len}
+    flags.update({"memory_gib": args.memory_gib} if measured else {"gpu": args.gpu})
+    settings = {**given, **{k: v for k, v in flags.items() if v is not None}}
+    if not measured:
+        settings.setdefault("gpu", "h100")
+    return measured, settings
 
 
 def levers_said(args: argparse.Namespace) -> str:
