@@ -75,6 +75,8 @@ def test_a_configs_precision_section_must_say_the_trainers_precision(tmp_path, s
         fit(tmp_path, small_demo, HBPStrategy(config=config), precision=precision)
     with pytest.raises(ConfigError, match=says):  # a plugin given to the strategy itself
         HBPStrategy(config=config, precision_plugin=DeepSpeedPrecision(precision))
+    with pytest.raises(ConfigError, match=r"config's bf16.enabled must be true or false, got 'false'"):
+        check_precision_sections({"bf16": {"enabled": "false"}}, "bf16-mixed")  # Python's bool("false") is True
     for config, agrees in (({"bf16": {"enabled": True}}, "bf16-mixed"), ({"fp16": {"enabled": False}}, "32-true"),
                            ({"fp16": {"enabled": True}}, "16-mixed"), ({}, "bf16-true")):  # fmt: skip
         check_precision_sections(config, agrees)

@@ -285,7 +285,7 @@ RUN_RULES = {
     "gradient_clip_val": (
         lambda v: v is None or v >= 0,
         "a number >= 0, or null for no clipping",
-        "a negative norm would flip the sign of every gradient it clips",
+        "Lightning clips nothing at a value <= 0, so a negative one is a mistyped norm (null or 0: no clipping)",
     ),
 }
 

@@ -163,7 +163,9 @@ def check_precision_sections(config: dict | None, precision: str) -> None:
         section = (config or {}).get(kind)
         if not isinstance(section, dict):
             continue
-        enabled = bool(section.get("enabled", False))  # DeepSpeed's default for both sections
+        enabled = section.get("enabled", False)  # DeepSpeed's default for both sections
+        if not isinstance(enabled, bool):  # DeepSpeed reads the string "false" as false, Python's bool() as true
+            raise ConfigError(f"{WHERE}: the DeepSpeed config's {kind}.enabled must be true or false, got {enabled!r}")
         if enabled != (kind == wanted):
             raise ConfigError(
                 f"{WHERE}: the DeepSpeed config's {kind} section says enabled: {str(enabled).lower()} and "
