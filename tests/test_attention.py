@@ -514,3 +514,39 @@ def test_a_head_dim_the_flash_kernels_cannot_run_takes_a_loop_on_cuda(head_dim, 
     # on CPU the loops keep their LSE kernels whatever the head dim: nothing recomputed
     assert backends.lse_why_not("sdpa", "cpu", needs) is None
     assert backends.lse_why_not("eager", "cpu", needs) is None
+
+
+def _recorder(signature: str, calls: list, result: str):
+    """A function with an upstream flash-attn signature (``flash_installs.SIGNATURES``) recording its arguments."""
+    scope = {"torch": torch, "calls": calls, "Optional": __import__("typing").Optional, "Tuple": tuple}
+    exec(f"{signature}\n    calls.append(dict(locals()))\n    return {result}", scope)
+    return scope[signature.split("(")[0].removeprefix("def ")]
+
+
+@pytest.mark.parametrize("asked", ["none", "torch", "hf_env"])
+def test_flash_kernels_run_deterministically_where_asked(asked, monkeypatch):
+    """``Trainer(deterministic=True)`` (torch's switch) and Hugging Face's ``FLASH_ATTENTION_DETERMINISTIC=1`` were
+    not read: the flash-attn backward ran its atomic (non-deterministic) kernels, where HF's flash path honours its
+    switch. Each call now passes ``deterministic`` as asked (flash-attn 2.8.3's signatures, recorded)."""
+    from flash_installs import SIGNATURES
+
+    varlen, _, bwd = SIGNATURES["v2.8.3"]
+    calls, bwd_calls = [], []
+    monkeypatch.setattr(flash, "_flash_fn", lambda name: _recorder(varlen, calls, "torch.zeros_like(q)"))
+    bwd_fn = _recorder(bwd, bwd_calls, "None")
+    monkeypatch.setattr(flash, "_flash_lse_fns", lambda name: (None, bwd_fn))
+    monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    if asked == "hf_env":
+        monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", "1")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(asked == "torch")
+    try:
+        q, k, v, cu = random_pack(1)
+        args = AttnArgs(torch.tensor(cu, dtype=torch.int32), max(np.diff(cu)), 0.3)
+        flash._flash_run("flash_attn")(q, k, v, args)
+        lse = torch.zeros(q.shape[1], q.shape[2])
+        flash._flash2_backward(torch.zeros_like(q), q, k, v, torch.zeros_like(q), lse, args)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert calls[0].get("deterministic", False) == (asked != "none")
+    assert bwd_calls[0]["deterministic"] == (asked != "none")

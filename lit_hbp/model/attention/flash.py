@@ -11,6 +11,7 @@ import base64
 import hashlib
 import importlib
 import importlib.metadata
+import os
 import re
 from collections.abc import Callable
 from functools import cache
@@ -61,6 +62,17 @@ FLASH_4_FLOORS: dict[str, tuple[Version, str]] = {
     "softcap": (Version("4.0.0b24"), "its varlen backward refuses soft-capping ('varlen + score_mod not supported')"),
     "sinks": (Version("4.0.0b26"), "its backward gives learnable_sink no gradient (the sinks would stay frozen)"),
 }
+
+
+def deterministic() -> bool:
+    """Whether the backward kernels run deterministically (flash-attn's ``deterministic``): where Hugging Face's
+    switch asks (``FLASH_ATTENTION_DETERMINISTIC=1``, which its Trainer's ``full_determinism`` sets) or torch's
+    (``torch.use_deterministic_algorithms``: Lightning's ``Trainer(deterministic=True)``)."""
+    return os.getenv("FLASH_ATTENTION_DETERMINISTIC", "0") == "1" or torch.are_deterministic_algorithms_enabled()
+
+
+def _deterministic_kw(fn) -> dict:
+    return {"deterministic": True} if "deterministic" in params_of(fn) and deterministic() else {}
 
 
 def _flash_fn(name: str):
@@ -231,7 +243,7 @@ def _flash_run(name: str):
         if a.sinks is not None:
             kw["learnable_sink"] = a.sinks
         fn = _flash_fn(name)
-        out = fn(flat(q), flat(k), flat(v), **completed(fn, 3, kw))
+        out = fn(flat(q), flat(k), flat(v), **completed(fn, 3, dict(kw, **_deterministic_kw(fn))))
         return unflat(out[0] if isinstance(out, tuple) else out)  # flash-attn 3 (some builds) and 4 add the LSE
 
     return run
@@ -351,7 +363,11 @@ def _flash2_backward(dout, q, k, v, out, lse, a: AttnArgs):
     dout_, q_, k_, v_, out_ = (_pad8(flat(x)) for x in (dout, q, k, v, out))
     grads = [x.new_empty(x.shape) for x in (q_, k_, v_)]  # contiguous, as flash-attn allocates them
     kw = dict(
-        dropout_p=0.0, alibi_slopes=None, deterministic=False, rng_state=None, **_flash_varlen_kw(params_of(bwd), a)
+        dropout_p=0.0,
+        alibi_slopes=None,
+        deterministic=deterministic(),
+        rng_state=None,
+        **_flash_varlen_kw(params_of(bwd), a),
     )
     kw.update(dout=dout_, q=q_, k=k_, v=v_, out=out_, softmax_lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
     bwd(**completed(bwd, 0, kw))
@@ -369,7 +385,7 @@ def _flash3_backward(dout, q, k, v, out, lse, a: AttnArgs):
     q_, k_, v_ = flat(q), flat(k), flat(v)
     grads = [x.new_empty(x.shape) for x in (q_, k_, v_)]  # contiguous, as flash-attn allocates them
     kw = dict(_flash_varlen_kw(params_of(bwd), a), dout=flat(dout), q=q_, k=k_, v=v_, out=flat(out), softmax_lse=lse)
-    bwd(**completed(bwd, 0, dict(kw, dq=grads[0], dk=grads[1], dv=grads[2])))
+    bwd(**completed(bwd, 0, dict(kw, dq=grads[0], dk=grads[1], dv=grads[2], **_deterministic_kw(bwd))))
     return (*(unflat(g) for g in grads), None)
 
 
@@ -393,7 +409,7 @@ def _flash4_forward(q, k, v, a: AttnArgs):
 
 def _flash4_backward(dout, q, k, v, out, lse, a: AttnArgs):
     _, bwd = _flash_lse_fns("flash_attn_4")
-    kw = dict(_flash4_kw(params_of(bwd), a), lse=lse)
+    kw = dict(_flash4_kw(params_of(bwd), a), lse=lse, **_deterministic_kw(bwd))
     kw.update(q=flat(q), k=flat(k), v=flat(v), out=flat(out), dout=flat(dout))
     res = bwd(**completed(bwd, 0, kw))
     dsinks = res[3].to(a.sinks.dtype) if a.sinks is not None else None
