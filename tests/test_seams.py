@@ -224,15 +224,20 @@ class TimedSelector(LevelSelector):
         return (Level(256), Level(longest)) if len(self.searches) == 1 else (Level(longest),)
 
 
-def test_a_resumed_fit_plans_with_the_levels_its_selector_chose_for_the_checkpoint(small_demo, toy_tokenizer, tmp_path):
+@pytest.mark.parametrize("deepspeed", [False, True], ids=["single", "hbp_zero2"])
+def test_a_resumed_fit_plans_with_the_levels_its_selector_chose_for_the_checkpoint(
+    small_demo, toy_tokenizer, tmp_path, deepspeed
+):
     """A measured search on resume chose other levels (its timings differ) and the resume was refused: "the plan of
     its epoch 0 was made with other settings". The checkpoint keeps the chosen levels and a resumed fit plans with
-    them. Reference: the uninterrupted run's weights at the same step, equal to the bit."""
+    them (DeepSpeed restores after its strategy set up: its levels are laid out again). Reference: the uninterrupted
+    run's weights at the same step, equal to the bit."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lit_hbp.lightning.datamodule import HBPDataModule
     from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.lightning.strategy import HBPStrategy
 
     searches, model = [], {**TINY_LLAMA, "max_position_embeddings": 16384}
 
@@ -241,9 +246,11 @@ def test_a_resumed_fit_plans_with_the_levels_its_selector_chose_for_the_checkpoi
         dm = HBPDataModule(sources=[{"path": str(small_demo / "short.jsonl")}], tokenizer=toy_tokenizer,
                            levels=TimedSelector(searches), cache_dir=str(tmp_path / "cache"))  # fmt: skip
         module = HBPLitModule(model=model, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+        strategy = {"strategy": HBPStrategy(stage=2)} if deepspeed else {}
         trainer = quiet_trainer(max_steps=max_steps, callbacks=list(callbacks), enable_checkpointing=bool(callbacks),
-                                default_root_dir=tmp_path)  # fmt: skip
+                                default_root_dir=tmp_path, **strategy)  # fmt: skip
         trainer.fit(module, dm, ckpt_path=ckpt_path)
+        assert not deepspeed or [lv.pack_len for lv in trainer.strategy.levels] == [lv.pack_len for lv in dm.levels]
         return dm, module
 
     saves = ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=2, save_top_k=-1)

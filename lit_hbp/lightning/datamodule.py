@@ -290,6 +290,9 @@ class HBPDataModule(L.LightningDataModule):
         )
         self._chosen, self._set_up_for = chosen, None
         self.setup("fit")
+        strategy = self.trainer.strategy
+        if getattr(strategy, "sp_groups", None) is not None:  # set up before the restore (DeepSpeed's): again
+            strategy.levels = strategy.prepare_levels(self.trainer)
 
     def set_curriculum(self, warmup_steps: int, short_levels: list[int] | None = None) -> None:
         """Plan the first epoch with ``warmup_steps`` steps of the short levels first (HBPCurriculum)."""

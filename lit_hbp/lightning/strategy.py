@@ -296,6 +296,8 @@ class LevelGroups:
             raise ValueError(f"{type(self).__name__} needs levels: pass levels=... or use a data module with .levels")
         module = trainer.lightning_module
         net = trained_model(module, [as_level(x) for x in levels])
+        for handle in self._frozen_guards:  # a second call's (a resume's selection, set up again)
+            handle.remove()
         self._frozen_guards = guard_frozen(module)
         cfg = net.config
         node_size = trainer.num_devices
