@@ -94,6 +94,11 @@ def _cache_of(kwargs: dict):
 def _check_packed_call(where: str, kwargs: dict) -> None:
     """What a packed call cannot honour: a KV cache, an attention mask other than all ones (one that pads
     inside the pack, a 4-D or per-layer mask of the caller's own: the boundaries decide what attends)."""
+    if kwargs.get("use_cache") is True:  # asked for: made of the pack, it would continue its documents as one row
+        raise ValueError(
+            f"{where}: a packed call (document boundaries) with use_cache=True: a pack's documents cannot be continued "
+            "as one row, so no cache is made of it; call it with use_cache=False, or unpacked"
+        )
     cache = _cache_of(kwargs)
     if cache is not None and (not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0):
         raise ValueError(
@@ -271,6 +276,7 @@ def _check_model_call(net: torch.nn.Module, args: tuple, kwargs: dict):
     pending[-1] = (prepared, packed, kwargs.get("position_ids"), level)
     if packed is None:
         return None
+    _check_packed_call(type(net).__name__, {"use_cache": kwargs.get("use_cache")})  # asked for: refused
     if _takes(net, "use_cache"):
         return args, {**kwargs, "use_cache": False}
     return args, kwargs  # named: as called
