@@ -371,18 +371,33 @@ def test_multimodal_rope_positions_in_the_loader_are_the_models_own(tmp_path):
         ({"messages": chat([{"type": "image", "image": "img/a.png", "detail": "high"}, {"type": "text", "text": "x"}],
                            "x")},
          r"d.jsonl:2: messages\[0\].content\[0\]: an image part's \['detail'\] is not read"),
+        # OpenAI's image_url object: its detail (a size the API would resize to) was dropped without a word
+        ({"messages": chat([{"type": "image_url", "image_url": {"url": "img/a.png", "detail": "low"}},
+                            {"type": "text", "text": "x"}], "x")},
+         r"d.jsonl:2: messages\[0\].content\[0\]: an image_url's \['detail'\] is not read .*data.processor_kwargs"),
+        # an image over PIL's pixel limit: PIL's DecompressionBombError escaped with no file or record named
+        ({"messages": chat([{"type": "image", "image": "img/a.png"}, {"type": "text", "text": "hi"}], "x"),
+          "pixel_limit": 10},
+         r"d.jsonl:2: image .*img/a.png cannot be read \(Image size .* raise PIL.Image.MAX_IMAGE_PIXELS"),
     ],
-    ids=["missing", "markers", "corrupt", "url", "video", "marker without images", "unread key"],
+    ids=["missing", "markers", "corrupt", "url", "video", "marker without images", "unread key", "unread url key",
+         "over PIL's limit"],
 )  # fmt: skip
-def test_a_bad_image_record_stops_with_its_file_and_line(data, tmp_path, record, error):
+def test_a_bad_image_record_stops_with_its_file_and_line(data, tmp_path, record, error, monkeypatch):
     root, folder = data
     d = tmp_path / "bad"
     (d / "img").mkdir(parents=True)
     for name in SIZES:
         (d / "img" / name).write_bytes((root / "img" / name).read_bytes())
     (d / "img" / "broken.png").write_bytes((root / "img" / "a.png").read_bytes()[:60])  # truncated
+    record = dict(record)
+    limit = record.pop("pixel_limit", None)
     write(d / "d.jsonl", [records(root)[3][0], record])
     processor = AutoProcessor.from_pretrained(folder)
+    if limit is not None:  # PIL refuses an image over twice its limit (a decompression bomb)
+        from PIL import Image
+
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
     with pytest.raises(DataError, match=error):
         tokenize_source(Source(str(d / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
 

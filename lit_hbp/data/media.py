@@ -73,6 +73,10 @@ def load_image(path: str, where: str):
             return ImageOps.exif_transpose(im).convert("RGB")
     except FileNotFoundError:
         raise DataError(f"{where}: image {path} does not exist") from None
+    except PILImage.DecompressionBombError as e:  # not an OSError: it escaped as PIL's traceback
+        raise DataError(
+            f"{where}: image {path} cannot be read ({e}): make it smaller, or raise PIL.Image.MAX_IMAGE_PIXELS"
+        ) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise DataError(f"{where}: image {path} cannot be read ({type(e).__name__}: {e})") from None
 

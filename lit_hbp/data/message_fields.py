@@ -76,7 +76,12 @@ def media_file(part: Mapping, kind: str, media: str, at: str) -> str | list[str]
     if unknown:
         raise DataError(f"{at}: {article} {media} part's {unknown} is not read (it has {', '.join(sorted(known))})")
     value = part.get(media, part.get("path", part.get("url"))) if direct else part.get(f"{media}_url")
-    if isinstance(value, Mapping):
+    if isinstance(value, Mapping):  # OpenAI's {"url": ..., "detail": ...}: the processor sizes the image, not detail
+        if set(value) - {"url"}:
+            raise DataError(
+                f"{at}: {article} {media}_url's {sorted(set(value) - {'url'})} is not read (it has url): the "
+                "processor sizes images (data.processor_kwargs); drop it"
+            )
         value = value.get("url")
     if not is_media_source(value, frames=media == "video"):
         example = '"image": "path/to/file.png"' if media == "image" else '"video": "path/to/frames/" or a list of them'
