@@ -281,7 +281,8 @@ def test_an_offloaded_optimizer_is_accepted_by_setup_and_trains(strategy):
 
 
 def fake_trainer(stage: int, levels) -> SimpleNamespace:
-    """What HBPLitModule.on_fit_start reads of a trainer: its data module's levels and a DeepSpeed strategy."""
+    """What HBPLitModule.on_fit_start reads of a trainer: its data module's levels, a DeepSpeed strategy, the
+    accumulation."""
     from lit_hbp.lightning.meter import MicroStepEnd
 
     strategy = SimpleNamespace(sp_groups=None, config={"zero_optimization": {"stage": stage}})
@@ -290,6 +291,7 @@ def fake_trainer(stage: int, levels) -> SimpleNamespace:
         strategy=strategy,
         world_size=1,
         precision="32-true",
+        accumulate_grad_batches=1,
         callbacks=[MicroStepEnd()],  # as configure_callbacks gives a fit
     )
 
