@@ -402,6 +402,43 @@ def test_a_bad_image_record_stops_with_its_file_and_line(data, tmp_path, record,
         tokenize_source(Source(str(d / "d.jsonl")), processor.tokenizer, processor=processor, progress=False)
 
 
+def test_a_pre_tokenized_record_holding_image_tokens_without_images_is_refused(data, tmp_path):
+    """A ``tokens`` record whose ids hold the image token and no images was kept (a chat record's marker is refused):
+    packed beside an image record, the first step stopped in transformers' "Image features and image tokens do not
+    match", naming no record."""
+    root, folder = data
+    processor = AutoProcessor.from_pretrained(folder)
+    image_id = image_token_id(processor)
+    ids = processor.tokenizer("what is this?")["input_ids"]
+    path = write(tmp_path / "d.jsonl", [{"input_ids": ids}, {"input_ids": [ids[0], image_id, *ids[1:]]}])
+    with pytest.raises(DataError, match=r"d.jsonl:2: the text holds the image token '<image>' but the record has no"):
+        tokenize_source(Source(str(path)), processor.tokenizer, processor=processor, progress=False)
+
+
+def test_image_paths_of_a_source_given_relative_to_the_run_are_kept_by_the_data_files_folder(
+    data, tmp_path, monkeypatch
+):
+    """``sources: [d.jsonl]`` from the data's folder kept ``./img/a.png`` in the token cache, which a run from another
+    folder sharing the cache read there: another image of the same size (no word), or a path the record never named.
+    The path is the data file's folder's."""
+    root, folder = data
+    processor = AutoProcessor.from_pretrained(folder)
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    for d, k in ((home, 0), (elsewhere, 3)):  # elsewhere: a decoy of the same size
+        (d / "img").mkdir(parents=True)
+        for name, (w, h) in SIZES.items():
+            image(k, h, w).save(d / "img" / name)
+    write(home / "d.jsonl", [r for r, _ in records(root)][:1])
+    monkeypatch.chdir(home)
+    first = tokenize_source(Source("d.jsonl"), processor.tokenizer, cache_dir=tmp_path / "cache", processor=processor,
+                            progress=False)  # fmt: skip
+    monkeypatch.chdir(elsewhere)
+    again = tokenize_source(Source(str(home / "d.jsonl")), processor.tokenizer, cache_dir=tmp_path / "cache",
+                            processor=processor, progress=False)  # fmt: skip
+    assert again.from_cache and first.sample_media(0) == again.sample_media(0)
+    assert all(Path(m.file).is_absolute() and Path(m.file).parent.parent == home for m in again.sample_media(0))
+
+
 def test_a_folder_whose_tokenizer_has_another_template_renders_as_its_processor_does(data, tmp_path):
     """A checkpoint folder may carry one chat template for its processor (chat_template.json) and another for its
     tokenizer (tokenizer_config.json): what trains is what the processor's own ``apply_chat_template`` renders."""

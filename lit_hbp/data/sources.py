@@ -137,7 +137,7 @@ class Source:
     def reader(self) -> RecordReader:
         """The reader of this source's records (its format, fields and roles; image paths relative to
         the data file's folder, or to the source's folder)."""
-        path = Path(self.path)
+        path = Path(self.path).absolute()  # the token cache keeps the paths: not relative to the run's folder
         root = str(path if path.is_dir() else path.parent)
         return RecordReader(self.format, self.fields, self.roles, label=f"source {self.path}", root=root)
 

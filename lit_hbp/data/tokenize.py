@@ -61,7 +61,8 @@ from lit_hbp.errors import ConfigError, DataError
 # 10: a table's rows without the other rows' null keys; text parts to a template that renders parts, as written.
 # 11: tool-call arguments given as a JSON string go to the template as that string (they were parsed).
 # 12: a tool_call_id the template does not render on a user or assistant message is refused (it was dropped).
-CACHE_VERSION = 12
+# 13: image paths by the data file's folder made absolute (a source given relative to the run kept "./img/a.png").
+CACHE_VERSION = 13
 # Below this much of a source, worker processes cost more to start than they save (num_proc=None).
 PARALLEL_MIN_BYTES = 8 << 20
 PARALLEL_MIN_ROWS = 8192
@@ -294,7 +295,10 @@ class ChunkTokenizer:
             for key in extra:
                 metadata[key] = metadata.get(key, 0) + 1
             if isinstance(read, TokenRecord):
-                kept.append((row, where, *pretokenized(read, self.vocab_size), []))
+                ids, target = pretokenized(read, self.vocab_size)
+                if self.expander is not None:  # ids holding image tokens, with no images to fill them
+                    self.expander.refuse_placeholders(ids, where)
+                kept.append((row, where, ids, target, []))
                 continue
             if (read.images or read.videos) and self.expander is None:
                 what = f"{len(read.images)} image(s)" if read.images else f"{len(read.videos)} video(s)"
