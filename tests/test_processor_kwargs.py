@@ -73,6 +73,8 @@ def test_the_settings_decide_the_image_tokens_as_the_processor_loaded_with_them_
         ({"image_grid_pinpoint": PINPOINTS}, r"pinpoint: .* does not hold it .*; it has .*image_grid_pinpoints"),
         ("max_pixels=5", r"data\.processor_kwargs must be a mapping"),
         ({"image_grid_pinpoints": PINPOINTS}, r"pinpoints: the model.s config\.json in .* holds \[\[.* forward reads"),
+        # the processor's own (from_pretrained sets it): refused as "loading with it changed none of its settings"
+        ({"num_additional_image_tokens": 0}, r"num_additional_image_tokens: a setting of .*'s processor itself"),
     ],
 )  # fmt: skip
 def test_a_setting_the_processor_does_not_hold_is_refused_naming_it(data, tmp_path, kwargs, says):

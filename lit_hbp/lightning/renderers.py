@@ -137,6 +137,11 @@ def _check_settings(processor, kwargs: dict, folder: Path) -> None:
             )
         if held:
             continue
+        if key in getattr(processor, "__dict__", {}):  # the processor's own: how many tokens it expands an image to
+            raise ConfigError(
+                f"data.processor_kwargs.{key}: a setting of {folder}'s processor itself ({type(processor).__name__}), "
+                "which expands images to as many tokens as the model's config says: not set here; remove it"
+            )
         if plain is None:
             plain = [part["held"] for part in _settings(AutoProcessor.from_pretrained(folder))]
         if not any(key in part["takes"] for part in parts) or [part["held"] for part in parts] == plain:
