@@ -344,6 +344,49 @@ def test_a_pack_with_a_mask_that_pads_or_a_cache_is_refused():
         model(**pack_inputs(batch), past_key_values=prefix)
 
 
+def test_a_packed_call_given_an_empty_cache_is_refused():
+    """An empty ``DynamicCache`` handed to a packed call was filled from the pack (the decoder writes into a cache it
+    is given): decoding on from it continued the pack as one row, 0.033 off the unprepared model, without a word."""
+    from transformers import DynamicCache
+
+    _, model = pair()
+    batch = pack_samples(samples())
+    cache = DynamicCache(config=model.config)
+    with pytest.raises(ValueError, match="a packed call .*with a KV cache: a pack's documents start from nothing"):
+        model(**{**pack_inputs(batch), "use_cache": None}, past_key_values=cache)
+    assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize(
+    "cu, longest, says",
+    [
+        ([0, 4, 8], 6, r"cu_seq_lens_q \[0, 4, 8\] must rise from 0 to the row's 10 tokens"),  # short of the end
+        ([0, 4, 12], 8, r"cu_seq_lens_q \[0, 4, 12\] must rise from 0 to the row's 10 tokens"),  # past it: silent
+        ([2, 4, 10], 6, r"must rise from 0"),
+        ([0, 6, 4, 10], 6, r"must rise from 0"),
+        ([0, 4, 10], 2, r"max_length_q 2 is below the longest document's 6 tokens"),  # silent on CPU
+        ("list", 6, r"cu_seq_lens_q must be a 1-D int32 tensor of boundaries \[0, ..., tokens\], got a list"),
+        ("k", 6, r"cu_seq_lens_k \[0, 10\] differs from cu_seq_lens_q: give the same boundaries"),  # silently ignored
+    ],
+)
+def test_boundaries_a_caller_gives_are_checked(cu, longest, says):
+    """A caller's own ``cu_seq_lens_q`` was taken as given: most wrong ones failed in the model's view to a shape
+    (``RuntimeError: shape '[1, 10, -1]' is invalid``), naming nothing; one past the row's end, a small
+    ``max_length_q`` and another ``cu_seq_lens_k`` passed. The right ones give each document as alone."""
+    reference, model = pair()
+    ids = torch.randint(1, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+    right = torch.tensor([0, 4, 10], dtype=torch.int32)
+    given = [0, 4, 10] if cu == "list" else right if cu == "k" else torch.tensor(cu, dtype=torch.int32)
+    k = torch.tensor([0, 10], dtype=torch.int32) if cu == "k" else given
+    call = dict(input_ids=ids, cu_seq_lens_q=given, cu_seq_lens_k=k, max_length_q=longest, max_length_k=longest)
+    with pytest.raises(ValueError, match=says):
+        model(**call)
+    with torch.no_grad():
+        got = model(input_ids=ids, cu_seq_lens_q=right, cu_seq_lens_k=right, max_length_q=6, max_length_k=6).logits
+        alone = torch.cat([reference(input_ids=ids[:, a:b]).logits for a, b in ((0, 4), (4, 10))], 1)
+    torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+
+
 def test_a_packed_call_that_asks_for_a_cache_is_refused():
     """``use_cache=True`` asked in a packed call (restarting positions, or the pack's boundaries) was set off without a
     word, the call attending per document; the unprepared model, asked for a cache, makes one and attends over the row

@@ -315,8 +315,8 @@ def test_generation_and_padded_batches_are_the_unprepared_models(family):
 )
 def test_the_models_own_call_on_a_pack_gives_each_document_alone_with_or_without_its_cache(family):
     """The model called on a pack as Hugging Face's DataCollatorWithFlattening calls it (a copy of the ids and
-    their restarting positions, the cache left to the model's default: on in eval), and on ``pack_inputs`` with
-    the cache asked for: each document's logits are its own alone, a 1-token document's too (with a cache made
+    their restarting positions, the cache left to the model's default: on in eval), and on ``pack_inputs`` (a
+    cache asked for is refused): each document's logits are its own alone, a 1-token document's too (with a cache made
     of the pack the family's decode path read the previous document's state), and the call leaves no cache of
     the pack. Mamba's, Mamba2's and FalconMamba's forwards pass their backbone neither positions nor
     boundaries: the model's hook hands them over."""
@@ -330,8 +330,10 @@ def test_the_models_own_call_on_a_pack_gives_each_document_alone_with_or_without
     batch = pack_samples(docs)
     calls = {
         "flattening": dict(input_ids=batch.input_ids.clone(), position_ids=batch.position_ids),
-        "pack_inputs, cache on": {**pack_inputs(batch), "use_cache": True},
+        "pack_inputs": pack_inputs(batch),
     }
+    with pytest.raises(ValueError, match="with use_cache=True: a pack's documents cannot be continued as one row"):
+        net(**{**pack_inputs(batch), "use_cache": True})  # asked for, a cache is refused (the default: none made)
     with torch.no_grad():
         alone = [ref(input_ids=torch.as_tensor(ids)[None], use_cache=False).logits[0] for ids, _ in docs]
         for name, kw in calls.items():

@@ -100,11 +100,20 @@ def _check_packed_call(where: str, kwargs: dict) -> None:
             "as one row, so no cache is made of it; call it with use_cache=False, or unpacked"
         )
     cache = _cache_of(kwargs)
-    if cache is not None and (not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0):
+    if cache is not None:  # one of earlier tokens, or an empty one the decoder would fill from the pack as one row
+        earlier = not hasattr(cache, "get_seq_length") or cache.get_seq_length() > 0
         raise ValueError(
-            f"{where}: a packed call (document boundaries) with a KV cache of earlier tokens: a pack's documents "
-            "start from nothing; call it without past_key_values"
+            f"{where}: a packed call (document boundaries) with a KV cache{' of earlier tokens' if earlier else ''}: "
+            "a pack's documents start from nothing and no cache is made of them; call it without past_key_values"
         )
+    if kwargs.get("cu_seq_lens_q") is not None:
+        _check_boundaries(where, kwargs["cu_seq_lens_q"], kwargs.get("max_length_q"), _row_tokens(kwargs))
+        k = kwargs.get("cu_seq_lens_k")
+        cpu = isinstance(k, torch.Tensor) and k.device.type == "cpu" and kwargs["cu_seq_lens_q"].device.type == "cpu"
+        if cpu and not torch.equal(k.long(), kwargs["cu_seq_lens_q"].long()):  # self-attention: the same documents
+            raise ValueError(
+                f"{where}: cu_seq_lens_k {k.tolist()} differs from cu_seq_lens_q: give the same boundaries"
+            )
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
         raise ValueError(
@@ -117,6 +126,34 @@ def _check_packed_call(where: str, kwargs: dict) -> None:
             f"{where}: a packed call with an attention_mask of its own ({shape}): lit-hbp's attention takes each "
             "document causally from the boundaries (cu_seq_lens_q) and would ignore it; drop the attention_mask"
         )
+
+
+def _row_tokens(kwargs: dict) -> int | None:
+    """The tokens of the call's row; None for a rank's shard of a pack under SP (the boundaries span the pack)."""
+    if kwargs.get("hbp_sp") is not None or kwargs.get("hbp_cp_shard") is not None:
+        return None
+    rows = next((kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
+    return int(rows.shape[1]) if isinstance(rows, torch.Tensor) and rows.dim() >= 2 else None
+
+
+def _check_boundaries(where: str, cu, longest, tokens: int | None) -> None:
+    """A caller's own ``cu_seq_lens_q``: a 1-D integer tensor rising from 0 to the row's tokens, ``max_length_q``
+    at least its longest document (they failed deep in the model, or passed: a pack past the row's end). Its
+    values are read where that is free, on the host (on a GPU the read would wait for the device)."""
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.is_floating_point():
+        got = f"a {cu.dim()}-D {cu.dtype} tensor" if isinstance(cu, torch.Tensor) else f"a {type(cu).__name__}"
+        raise ValueError(f"{where}: cu_seq_lens_q must be a 1-D int32 tensor of boundaries [0, ..., tokens], got {got}")
+    if cu.device.type != "cpu":
+        return
+    b = cu.tolist()
+    if b[0] != 0 or any(y < x for x, y in zip(b, b[1:])) or (tokens is not None and b[-1] != tokens):
+        raise ValueError(
+            f"{where}: cu_seq_lens_q {b if len(b) <= 8 else [*b[:4], '...', *b[-2:]]} must rise from 0 to the row's "
+            f"{tokens} tokens (each document's start, then the row's end)"
+        )
+    widest = max(y - x for x, y in zip(b, b[1:]))
+    if longest is not None and int(longest) < widest:
+        raise ValueError(f"{where}: max_length_q {int(longest)} is below the longest document's {widest} tokens")
 
 
 def install_call_hooks(prepared: Prepared) -> None:
