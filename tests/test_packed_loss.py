@@ -184,6 +184,10 @@ def test_what_packed_loss_cannot_use_is_refused_by_name():
             packed_loss(model, batch, weights=torch.ones(shape))
     one_per = packed_loss(model, batch, weights=torch.ones(length)).loss
     torch.testing.assert_close(packed_loss(model, batch, weights=torch.ones(1, length)).loss, one_per)  # labels'
+    for weights in (True, float("nan")):  # True trained as weight 1.0
+        with pytest.raises(ValueError, match=r"weights: a finite number or a tensor of one per position, got"):
+            packed_loss(model, batch, weights=weights)
+    torch.testing.assert_close(packed_loss(model, batch, weights=np.float32(1.0)).loss, one_per)  # numbers are
     with pytest.raises(ValueError, match="packed_loss's loss must be one of"):
         packed_loss(model, batch, "tokenmean")
     with pytest.raises(ValueError, match="a normalizer \\(loss='sum'\\) or weights, not both"):

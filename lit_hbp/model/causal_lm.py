@@ -292,6 +292,8 @@ def packed_loss(
     loss = "ave_token" if loss is None else loss
     if loss not in NORMALIZERS:
         raise ValueError(f"packed_loss's loss must be one of {NORMALIZERS}, got {loss!r}")
+    if isinstance(weights, bool) or not (weights is None or torch.is_tensor(weights) or math.isfinite(weights)):
+        raise ValueError(f"packed_loss's weights: a finite number or a tensor of one per position, got {weights!r}")
     if isinstance(weights, torch.Tensor):
         weights = weights[0] if weights.dim() == 2 and weights.shape[0] == 1 else weights  # labels' [1, T]
         if tuple(weights.shape) != (batch.input_ids.shape[1],):
