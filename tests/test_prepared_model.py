@@ -183,6 +183,8 @@ def test_prepared_hands_the_model_back_as_it_was():
             before(ids, attention_mask=mask, labels=labels).logits,
         )
     assert unprepare_model(prepare_model(model)) is model and record_of(model) is None
+    prepare_model(model).set_attn_implementation("eager")  # the project's choice since prepare_model: it stays
+    assert unprepare_model(model).config._attn_implementation == "eager"  # (it was put back to sdpa)
 
 
 def test_a_part_its_project_put_in_eval_keeps_its_mode_and_trains_like_each_document_alone():

@@ -197,10 +197,10 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
     for handle in record.hooks:
         handle.remove()
     for config, name in record.configs:
-        config._attn_implementation_internal = name
-    for mlp in record.mlps:
-        if mlp is not None:
-            uninstall_tiling(mlp)
+        if config._attn_implementation_internal in (None, attention.ATTN_NAME):  # one the project set since: kept
+            config._attn_implementation_internal = name
+    for mlp in (m for m in record.mlps if m is not None):
+        uninstall_tiling(mlp)
     for mixer in record.mixers:
         uninstall_per_document(mixer)
     net.__dict__.pop(OFFLOADER, None)
