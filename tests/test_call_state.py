@@ -387,6 +387,34 @@ def test_boundaries_a_caller_gives_are_checked(cu, longest, says):
     torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "opt", "llama"])
+def test_boundaries_given_without_positions_number_each_document_from_zero(family):
+    """A caller's ``cu_seq_lens_q`` without ``position_ids``: the decoder numbered the row as one sequence, so a
+    model with learned absolute positions read the second document at positions 4-9 (GPT-2's logits 0.46 off the
+    document alone, without a word). Each document is numbered from 0, as alone; rotary models too."""
+    from transformers import AutoConfig
+
+    sizes = dict(vocab_size=64, max_position_embeddings=64, n_positions=64)
+    shapes = {
+        "gpt2": dict(n_embd=32, n_layer=2, n_head=2),
+        "opt": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64, word_embed_proj_dim=32),
+        "llama": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
+    }
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **sizes, **shapes[family], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "eager"
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(reference.state_dict())
+    model = prepare_model(model).eval()
+    ids = torch.randint(3, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with torch.no_grad():
+        got = model(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6).logits
+        alone = torch.cat([reference(input_ids=ids[:, a:b]).logits for a, b in ((0, 4), (4, 10))], 1)
+    torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
+
+
 def test_a_packed_call_that_asks_for_a_cache_is_refused():
     """``use_cache=True`` asked in a packed call (restarting positions, or the pack's boundaries) was set off without a
     word, the call attending per document; the unprepared model, asked for a cache, makes one and attends over the row

@@ -136,6 +136,23 @@ def _row_tokens(kwargs: dict) -> int | None:
     return int(rows.shape[1]) if isinstance(rows, torch.Tensor) and rows.dim() >= 2 else None
 
 
+def _restarting_positions(where: str, kwargs: dict) -> torch.Tensor:
+    """Each document's positions from 0, for a caller's boundaries given without positions: the decoder would
+    number the row as one sequence, which learned absolute positions (GPT-2, OPT) read as other tokens than each
+    document alone. Computed on the boundaries' device (no read of it)."""
+    tokens = _row_tokens(kwargs)
+    if tokens is None:
+        raise ValueError(
+            f"{where}: a rank's shard of a pack with document boundaries but no position_ids: its positions cannot "
+            "be told from the shard; call it with **lit_hbp.pack_inputs(batch)"
+        )
+    rows = next(kwargs[k] for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None)
+    cu = kwargs["cu_seq_lens_q"].long()
+    step = torch.arange(tokens, device=cu.device)
+    starts = cu[torch.searchsorted(cu[1:], step, right=True)]
+    return (step - starts).to(rows.device).expand(rows.shape[0], tokens)
+
+
 def _check_boundaries(where: str, cu, longest, tokens: int | None) -> None:
     """A caller's own ``cu_seq_lens_q``: a 1-D integer tensor rising from 0 to the row's tokens, ``max_length_q``
     at least its longest document (they failed deep in the model, or passed: a pack past the row's end). Its
@@ -263,6 +280,8 @@ def _enter_call(decoder: torch.nn.Module, args: tuple, kwargs: dict):
         _check_own_loss(called)  # model.forward(...): PyTorch ran none of the model's hooks
     level = ids.__dict__.get(LEVEL_MARK) if isinstance(ids, torch.Tensor) else None
     level = level or (entry[3] if entry is not None else None)
+    if kwargs.get("position_ids") is None and "cu_seq_lens_q" in packed and _takes(decoder, "position_ids"):
+        kwargs = {**kwargs, "position_ids": _restarting_positions(type(decoder).__name__, kwargs)}
     pack = {**kwargs, **packed}
     names, open_ended = _parameters(type(decoder).forward)
     kwargs = {**kwargs, **{k: v for k, v in packed.items() if open_ended or k in names}}
