@@ -129,6 +129,30 @@ def test_a_ddp_communication_hook_on_one_cpu_device_is_refused_not_dropped(tmp_p
         trainer.fit(module, dm)
 
 
+def test_a_static_graph_with_accumulation_on_several_processes_is_refused(monkeypatch):
+    """``HBPDDPStrategy(static_graph=True)`` with ``accumulate_grad_batches`` 2 on two processes stopped in the first
+    backward with torch's ``expect_autograd_hooks_ INTERNAL ASSERT FAILED`` (reducer.cpp), asking to report a bug to
+    PyTorch: Lightning accumulates in ``no_sync``, which DDP's static graph does not take. Refused by name; with
+    accumulate 1 it reaches DDP's wrapper as before."""
+    import types
+
+    from lit_hbp.lightning.strategy import HBPDDPStrategy
+
+    wrapped = []
+    monkeypatch.setattr("lightning.pytorch.strategies.ddp.DDPStrategy.configure_ddp", lambda self: wrapped.append(1))
+    for accumulate in (2, 1):
+        strategy = HBPDDPStrategy(static_graph=True)
+        monkeypatch.setattr(type(strategy), "world_size", 2)
+        trainer = types.SimpleNamespace(accumulate_grad_batches=accumulate)
+        monkeypatch.setattr(type(strategy), "lightning_module", types.SimpleNamespace(trainer=trainer))
+        if accumulate > 1:
+            with pytest.raises(ConfigError, match=r"static_graph=True with accumulate_grad_batches 2: torch's DDP"):
+                strategy.configure_ddp()
+        else:
+            strategy.configure_ddp()
+    assert wrapped == [1]
+
+
 def test_every_key_of_every_causal_lm_default_config_is_valid():
     """The property the typo check must keep: nothing a family's own config writes is refused."""
     from transformers import AutoConfig

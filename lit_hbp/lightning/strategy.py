@@ -613,6 +613,12 @@ class HBPDDPStrategy(LevelGroups, DDPStrategy):
                 f"trainer.strategy (HBPDDPStrategy): ddp_comm_hook runs on CUDA devices only (Lightning registers it "
                 f"only there), not on {self.root_device.type}: remove it"
             )
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        if self.world_size > 1 and self._ddp_kwargs.get("static_graph") and accumulate > 1:
+            raise ConfigError(  # Lightning accumulates in no_sync, which DDP's static graph fails on (internal assert)
+                f"trainer.strategy (HBPDDPStrategy): static_graph=True with accumulate_grad_batches {accumulate}: torch's "
+                "DDP cannot skip the reduction of accumulating micro-steps (no_sync) on a static graph; drop static_graph"
+            )
         if self.world_size > 1 or hooked:
             super().configure_ddp()
 
