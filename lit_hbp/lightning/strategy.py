@@ -561,7 +561,8 @@ class HBPDDPStrategy(LevelGroups, DDPStrategy):
         levels: the HBP levels; by default those of the trainer's data module (HBPDataModule).
         timeout: how long a collective waits for the other ranks (10 minutes; see ``HBPStrategy``).
         Other arguments are DDPStrategy's (``find_unused_parameters=True`` for a model that leaves some
-        trainable weights unused in a step: mixture-of-experts, a vision tower on a text-only pack).
+        trainable weights unused in a step: mixture-of-experts, a vision tower on a text-only pack;
+        ``static_graph=True`` only without accumulation: DDP's static graph fails in ``no_sync``).
     """
 
     strategy_name = "hbp_ddp"
@@ -616,8 +617,9 @@ class HBPDDPStrategy(LevelGroups, DDPStrategy):
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
         if self.world_size > 1 and self._ddp_kwargs.get("static_graph") and accumulate > 1:
             raise ConfigError(  # Lightning accumulates in no_sync, which DDP's static graph fails on (internal assert)
-                f"trainer.strategy (HBPDDPStrategy): static_graph=True with accumulate_grad_batches {accumulate}: torch's "
-                "DDP cannot skip the reduction of accumulating micro-steps (no_sync) on a static graph; drop static_graph"
+                f"trainer.strategy (HBPDDPStrategy): static_graph=True with accumulate_grad_batches {accumulate}: "
+                "torch's DDP cannot skip the reduction of accumulating micro-steps (no_sync) on a static graph; drop "
+                "static_graph"
             )
         if self.world_size > 1 or hooked:
             super().configure_ddp()
