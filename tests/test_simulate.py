@@ -249,6 +249,41 @@ def test_simulate_prices_a_training_yamls_own_run_with_the_flags_over_it(tmp_pat
     assert said == "ZeRO-2, Liger, LoRA, bf16"  # DeepSpeed's bf16 weights, not autocast over fp32 ones
 
 
+def test_simulate_plans_a_training_yamls_own_world_levels_accumulation_packer_and_seed(tmp_path, capsys):
+    """``--model`` a training YAML: its devices x num_nodes, data.levels, accumulate_grad_batches, data.packer and
+    data.seed were replaced by the flags' defaults (32 GPUs, 16K:1 128K:8, 1, bfd, 0) without a word, so the YAML's
+    own run was never the one priced. Now the YAML's run is planned as if each were given as a flag; a flag given
+    wins; a selector's levels or ``devices: auto`` need the flag."""
+    path = tmp_path / "l.npy"
+    np.save(path, np.random.default_rng(0).integers(100, 6000, 400))
+    shape = "hidden_size: 256, intermediate_size: 512, num_hidden_layers: 4, num_attention_heads: 4, vocab_size: 99"
+    head = "seed_everything: 3\ntrainer:\n  devices: 2\n  num_nodes: 2\n  accumulate_grad_batches: 3\n"
+    head += "  precision: bf16-mixed\n  strategy: hbp_stage_2\n"
+    model = f"model:\n  model: {{model_type: llama, {shape}, max_position_embeddings: 8192}}\n"
+    levels = "  levels:\n    - {pack_len: 2048, sp: 1}\n    - 8K:2:3\n"
+    run = tmp_path / "run.yaml"
+    run.write_text(head + "data:\n  packer: ffd\n  seed: 7\n" + levels + model)
+    flags = ["--gpus", "4", "--accumulate", "3", "--packer", "ffd", "--seed", "7", "--levels", "2048:1:0", "8192:2:3"]
+    outputs = []
+    for given in ([], flags):
+        assert simulate_main([str(path), "--model", str(run), "--no-auto", *given]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    assert "on 4 x " in outputs[0] and "accumulate 3, packer ffd, seed 7; levels 2048 sp1 ckpt0, 8192 sp2" in outputs[0]
+    assert simulate_main([str(path), "--model", str(run), "--no-auto", "--seed", "1", "--gpus", "8"]) == 0
+    assert "on 8 x " in (out := capsys.readouterr().out) and "packer ffd, seed 1;" in out  # the flags win
+    run.write_text(head + "data:\n  seed: null\n" + levels + model)
+    assert simulate_main([str(path), "--model", str(run), "--no-auto"]) == 0
+    assert "packer bfd, seed 3;" in capsys.readouterr().out  # data.seed null: seed_everything's, as the fit plans
+    run.write_text(head + "data:\n  levels: {class_path: lit_hbp.autoselect.AnalyticSelector}\n" + model)
+    assert simulate_main([str(path), "--model", str(run), "--no-auto"]) == 2
+    said = "data.levels is a selector, which chooses the fit's levels as (d) does: give --levels"
+    assert said in capsys.readouterr().err
+    run.write_text(head.replace("devices: 2", "devices: auto") + "data:\n" + levels + model)
+    assert simulate_main([str(path), "--model", str(run), "--no-auto"]) == 2
+    assert "trainer.devices x num_nodes names no count of GPUs to price: give --gpus" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tool", ["simulate", "autoselect"])
 def test_a_switch_a_yaml_turned_on_is_refused_in_the_yamls_words(tmp_path, capsys, tool):
     """Liger (or the optimizer's offload) a YAML turned on, at a ZeRO stage that refuses it, was named as the flag

@@ -3,7 +3,8 @@
     python -m lit_hbp.simulate LENGTHS.npy --model llama3.1-8b --gpus 32 --gpu h100 [--plot FILE.png]
 
 --model is a preset (llama3.1-8b, llama3.1-70b, qwen2.5-32b, qwen2.5-72b), a Hugging Face
-config.json or checkpoint folder, or a lit-hbp training YAML (its model section). Levels are
+config.json or checkpoint folder, or a lit-hbp training YAML: its model, strategy and precision, and unless a
+flag says otherwise its devices x num_nodes, data.levels, accumulation, packer and seed. Levels are
 PACK_LEN:SP[:CKPT]; without CKPT the fewest checkpointed layers that fit are chosen (Algorithm 4).
 A level's sp is laid out as Ulysses on the largest degree the model's heads allow and context
 parallelism (CP) on the rest; the auto-selected levels (d) try every (ulysses, cp) layout. The
@@ -40,7 +41,7 @@ import numpy as np
 
 from lit_hbp.autoselect.search import Selection, analytic_levels
 from lit_hbp.autoselect.selector import positions_of
-from lit_hbp.cost.config import check_levels, load_spec, nonnegative_float, positive_int, read_config
+from lit_hbp.cost.config import check_levels, config_world, load_spec, nonnegative_float, positive_int, read_config
 from lit_hbp.cost.costmodel import GIB, HARDWARE
 from lit_hbp.cost.memory import not_fitting
 from lit_hbp.cost.run_settings import (
@@ -55,10 +56,12 @@ from lit_hbp.cost.run_settings import (
     settings_of,
     with_zero,
 )
+from lit_hbp.lightning.datamodule import data_seed
 from lit_hbp.model.checks import check_positions
 from lit_hbp.model_spec import ModelSpec
-from lit_hbp.packing import Level
+from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level
 from lit_hbp.packing.bins import load_lengths
+from lit_hbp.packing.levels import as_level
 from lit_hbp.parallel.topology import resolve_layout
 from lit_hbp.report import format_table
 from lit_hbp.simulate.simulator import COMM_PARTS, Simulation, compare, compare_auto, fill_checkpointing
@@ -161,6 +164,49 @@ def describe_levels(levels) -> str:
     return ", ".join(f"{lv.pack_len} sp{lv.sp}{layout_note(lv)} ckpt{lv.ckpt_layers}{lv.memory_note}" for lv in levels)
 
 
+RUN_DEFAULTS = {"gpus": 32, "levels": ["16384:1", "131072:8"], "accumulate": 1, "seed": 0, "packer": DEFAULT_PACKER}
+
+
+def run_shape(args: argparse.Namespace) -> list[bool]:
+    """``--gpus``, ``--levels``, ``--accumulate``, ``--seed`` and ``--packer`` as the flags give them, else as a
+    training YAML's fit runs them (``trainer.devices`` x ``num_nodes``, ``data.levels``, ``accumulate_grad_batches``,
+    ``data.seed``, ``data.packer``), else the defaults. Sets them on ``args``; returns, per level, whether its
+    checkpointing is to be chosen (a ``--levels`` spec without CKPT; a YAML's levels train as written)."""
+    config = read_config(Path(args.model)) if Path(args.model).suffix in (".yaml", ".yml") else {}
+    trainer, data = config.get("trainer") or {}, config.get("data") or {}
+    given = {}
+    if config:
+        world = config_world(config)
+        if world is not None:
+            given["gpus"] = world[0]
+        elif args.gpus is None:
+            raise ValueError(f"{args.model}: trainer.devices x num_nodes names no count of GPUs to price: give --gpus")
+        if "accumulate_grad_batches" in trainer:
+            given["accumulate"] = accumulate = trainer["accumulate_grad_batches"]
+            if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+                raise ValueError(f"trainer.accumulate_grad_batches must be a whole number >= 1, got {accumulate!r}")
+        given["seed"] = data_seed(data.get("seed"), config.get("seed_everything"))
+        if "packer" in data:
+            given["packer"] = data["packer"]
+        levels = data.get("levels")
+        if isinstance(levels, list):
+            given["levels"] = [as_level(spec, f"data.levels[{i}]") for i, spec in enumerate(levels)]
+        elif levels is not None and args.levels is None:
+            raise ValueError(
+                f"{args.model}: data.levels is a selector, which chooses the fit's levels as (d) does: give --levels "
+                "for (a)-(c)"
+            )
+    for name, default in RUN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, given.get(name, default))
+    if args.packer not in PACKERS:
+        raise ValueError(f"data.packer: unknown packer {args.packer!r}; choose one of {sorted(PACKERS)}")
+    if all(isinstance(lv, Level) for lv in args.levels):
+        return [False] * len(args.levels)
+    args.levels, auto = parse_levels(args.levels)
+    return auto
+
+
 def run_of(args: argparse.Namespace, spec: ModelSpec) -> tuple[Settings, Tool]:
     """The run priced, as the level search reads it (``RunSetting.with_flags``): a training YAML's ``--model`` brings
     its own (strategy, LoRA counted on ``spec``, liger, loss chunk, precision), else HBPStrategy's ZeRO-2 in bf16;
@@ -184,10 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("lengths", help=".npy array of sample lengths, or a text file with one per line")
     p.add_argument("--model", default="llama3.1-8b", help="preset, HF config/checkpoint, or training YAML")
-    p.add_argument("--gpus", type=positive_int, default=32)
+    p.add_argument("--gpus", type=positive_int, help="default: a YAML's devices x num_nodes, else 32")
     p.add_argument("--gpu", default="h100", choices=sorted(HARDWARE))
-    p.add_argument("--levels", nargs="+", default=["16384:1", "131072:8"], help="HBP levels PACK_LEN:SP[:CKPT]")
-    p.add_argument("--accumulate", type=positive_int, default=1)
+    p.add_argument(
+        "--levels",
+        nargs="+",
+        help="HBP levels PACK_LEN:SP[:CKPT] (default: a YAML's data.levels, else 16K:1 128K:8)",
+    )
+    p.add_argument("--accumulate", type=positive_int, help="default: a YAML's accumulate_grad_batches, else 1")
+    p.add_argument(
+        "--packer",
+        choices=sorted(PACKERS),
+        help=f"the packer (default: a YAML's data.packer, else {DEFAULT_PACKER})",
+    )
     p.add_argument(
         "--zero-stage", type=int, choices=[0, 1, 2, 3], help="DeepSpeed's ZeRO stage (default: a YAML's, else 2)"
     )
@@ -195,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--offload-optimizer", action="store_true", help="DeepSpeed offload_optimizer: Adam states on the host"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, help="the plan's seed (default: a YAML's data.seed or seed_everything, else 0)")
     p.add_argument("--no-auto", action="store_true", help="skip (d), the auto-selected levels")
     p.add_argument(
         "--max-len", type=positive_int, help="(d): the longest level the search may choose (default: no cap)"
@@ -220,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--plot: {e}")
     try:
         lengths = load_lengths(args.lengths)
+        auto_ckpt = run_shape(args)
         spec = load_spec(args.model)
         settings, tool = run_of(args, spec)
         check(settings, tool)
@@ -233,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.no_auto
             else analytic_levels(cost, lengths, args.seed, max_len, margin=margin, tool=tool, whole_past=past)
         )
-        levels, auto_ckpt = parse_levels(args.levels)
-        levels = [resolve_layout(lv, spec.heads, spec.kv_heads, cost.hardware.gpus_per_node) for lv in levels]
+        levels = [resolve_layout(lv, spec.heads, spec.kv_heads, cost.hardware.gpus_per_node) for lv in args.levels]
         if config is not None:
             check_positions(config, levels)  # the fit's gate: a level it refuses is priced for nothing
         chosen = fill_checkpointing([lv for lv, a in zip(levels, auto_ckpt) if a], cost, lengths, margin)
@@ -243,16 +298,17 @@ def main(argv: list[str] | None = None) -> int:
         unfit = not_fitting(cost, levels)  # a given level priced as if it fit would say nothing true
         if unfit:
             raise ValueError(unfit[0])
-        sims = compare(lengths, cost, levels, args.accumulate, args.seed)
-        auto = [] if selection is None else compare_auto(lengths, cost, selection, args.accumulate, args.seed)
+        sims = compare(lengths, cost, levels, args.accumulate, args.seed, args.packer)
+        auto = (
+            [] if selection is None else compare_auto(lengths, cost, selection, args.accumulate, args.seed, args.packer)
+        )
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
         f"{len(lengths):,} samples, {int(lengths.sum()):,} tokens; {spec.name} ({spec.params / 1e9:.1f}B) on "
-        f"{args.gpus} x {cost.hardware.name} (simulated with the cost model), {describe(cost)}; levels "
-        + describe_levels(levels)
-        + "\n"
+        f"{args.gpus} x {cost.hardware.name} (simulated with the cost model), {describe(cost)}; accumulate "
+        f"{args.accumulate}, packer {args.packer}, seed {args.seed}; levels " + describe_levels(levels) + "\n"
     )
     top = levels[-1].pack_len
     notice = left_out(lengths, top) if selection is None else left_out_beside_auto(lengths, top, selection)
