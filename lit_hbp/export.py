@@ -183,6 +183,9 @@ def model_from_checkpoint(ckpt: dict) -> torch.nn.Module:
     return net
 
 
+BASE_CHANGING_INITS = ("pissa", "olora", "corda")  # peft's inits that subtract the adapter's start from the base
+
+
 def check_adapter_servable(hparams: dict, merge_lora: bool) -> None:
     """A LoRA adapter names the base model it was trained on; a run whose base was built from a config mapping
     (random weights, held only in the checkpoint) has none a server can load: refused, the merged model is the
@@ -192,6 +195,13 @@ def check_adapter_servable(hparams: dict, merge_lora: bool) -> None:
             "the run's LoRA adapters were trained on a model built from a config mapping, whose base weights live "
             "only in this checkpoint: an adapter alone could not be loaded; export with --merge-lora (HBPExport: "
             "merge_lora: true)"
+        )
+    init = str((hparams.get("lora") or {}).get("init_lora_weights", ""))
+    if hparams.get("lora") and not merge_lora and init.startswith(BASE_CHANGING_INITS):
+        raise ConfigError(
+            f"the run's LoRA adapters were initialised with init_lora_weights {init!r}, which moved part of each "
+            "base weight into them: the adapter alone on the original base model would not be the trained model; "
+            "export with --merge-lora (HBPExport: merge_lora: true)"
         )
 
 

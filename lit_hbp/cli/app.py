@@ -78,7 +78,7 @@ from lit_hbp.lightning.checkpoints import (
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.lightning.strategy import config_zero_stage  # (registers --trainer.strategy hbp, hbp_stage_N)
-from lit_hbp.model.build import check_model_before_data
+from lit_hbp.model.build import check_lora_strategy, check_model_before_data
 
 TERMINATED = 128 + 15  # a shell's status for a program ended by SIGTERM
 RUNS = "runs"  # the run folder's root (default_root_dir), relative to the working directory
@@ -208,11 +208,10 @@ class HBPCLI(LightningCLI):
             # A subcommand trains with the config's callbacks; a tool that parses without one may drop them.
             check_run_config(section.as_dict(), trains=bool(self.subcommand))
             config = section.as_dict()
-            check_model_before_data(
-                (config.get("model") or {}).get("model"),
-                (config.get("data") or {}).get("levels"),
-                zero_stage=config_zero_stage((config.get("trainer") or {}).get("strategy")),
-            )
+            zero_stage = config_zero_stage((config.get("trainer") or {}).get("strategy"))
+            model = config.get("model") or {}
+            check_model_before_data(model.get("model"), (config.get("data") or {}).get("levels"), zero_stage=zero_stage)
+            check_lora_strategy(model.get("lora"), zero_stage)
         except ValueError as e:
             if debugging() or not self.parser.exit_on_error:
                 raise

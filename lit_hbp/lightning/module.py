@@ -51,6 +51,7 @@ from lit_hbp.model.build import (
     base_of,
     build_causal_lm,
     check_lora,
+    check_lora_strategy,
     freeze_vision,
     own_generation_config,
     saved_dtype,
@@ -196,6 +197,8 @@ class HBPLitModule(L.LightningModule):
         if self.hparams.freeze_vision:
             _setting("model.freeze_vision", freeze_vision, self.model)
         if self.hparams.lora:
+            stage3 = getattr(getattr(self._trainer, "strategy", None), "zero_stage_3", False)
+            check_lora_strategy(self.hparams.lora, 3 if stage3 else None)
             self.model = apply_lora(self.model, dict(self.hparams.lora))
         if self.hparams.compile:
             self._recompile_limit = set_recompile_limit(RECOMPILE_LIMIT)

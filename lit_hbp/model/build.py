@@ -32,6 +32,30 @@ LIGER_FLOOR = "liger-kernel>=0.6.2"  # the first release whose fused linear cros
 
 
 LORA_NAMES = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout"}
+# peft.LoraConfig fields lit-hbp cannot train as peft would, each with why (``check_lora``).
+LORA_REFUSED = {
+    "alora_invocation_tokens": "activated LoRA finds each call's invocation in PeftModel.forward, which a packed call "
+    "does not run: it would train as plain LoRA",
+    "layer_replication": "peft copies decoder layers after lit-hbp prepared them: the copies would let a pack's "
+    "documents attend to each other",
+    "inference_mode": "it freezes the adapters, so nothing would train",
+    "runtime_config": "it sets inference-time offloading, not training",
+    "megatron_config": "lit-hbp trains Hugging Face layers, not Megatron's",
+    "megatron_core": "lit-hbp trains Hugging Face layers, not Megatron's",
+    "loftq_config": "LoftQ quantizes the base weights, which lit-hbp trains unquantized",
+    "use_qalora": "QA-LoRA needs a quantized base model, which lit-hbp does not train",
+    "eva_config": "EVA initialises from activations of your data (peft's initialize_lora_eva_weights), which the run "
+    "does not compute",
+    "corda_config": "CorDA initialises from activations of your data (peft's preprocess_corda), which the run does "
+    "not compute",
+    "lora_ga_config": "LoRA-GA initialises from gradients of your data, which the run does not compute",
+    "velora_config": "not tested exact through packed calls",
+    "monteclora_config": "not tested exact through packed calls",
+    "arrow_config": "Arrow routes between several adapters, and the run trains one",
+    "kasa_config": "not tested exact through packed calls",
+    "use_bdlora": "not tested exact through packed calls",
+}
+LORA_INITS_REFUSED = ("eva", "corda", "loftq")  # init_lora_weights that need the data or a quantized base
 
 
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -332,6 +356,15 @@ def check_lora(lora: dict, key: str = "lora") -> None:
         raise ConfigError(f"{key}.dropout must be a probability in [0, 1), got {dropout!r}")
     if "task_type" in value:
         raise ConfigError(f"{key}.task_type: lit-hbp trains a causal language model (CAUSAL_LM, its own): leave it out")
+    for field, why in LORA_REFUSED.items():
+        if field in value and (value[field] or field not in ("inference_mode", "use_qalora", "use_bdlora")):
+            raise ConfigError(f"{key}.{field}: {value[field]!r} is refused: {why}; leave it out")
+    init = value.get("init_lora_weights")
+    if isinstance(init, str) and init in LORA_INITS_REFUSED:
+        raise ConfigError(
+            f"{key}.init_lora_weights: {init!r} is refused: it initialises from your data or quantizes the base "
+            "weights, which the run does not do; use true, 'gaussian', 'pissa', 'olora' or 'orthogonal'"
+        )
     unknown = sorted(k for k in (LORA_NAMES.get(k, k) for k in lora) if k not in fields)
     both = [(short, peft) for short, peft in LORA_NAMES.items() if short in lora and peft in lora]
     if both:  # one would be dropped by whichever came last
@@ -344,6 +377,16 @@ def check_lora(lora: dict, key: str = "lora") -> None:
         raise ConfigError(
             f"{key}: unknown setting(s) {unknown}; use rank, alpha, dropout, target_modules, modules_to_save "
             "or a peft.LoraConfig field"
+        )
+
+
+def check_lora_strategy(lora: Mapping | None, zero_stage: int | None) -> None:
+    """DoRA under ZeRO-3: peft's DoRA reads each adapted weight's shape and norm whole, which ZeRO-3 partitions (its
+    self-check failed with an IndexError blamed on the family); refused by name before the data is read."""
+    if lora and zero_stage == 3 and lora.get("use_dora"):
+        raise ConfigError(
+            "model.lora.use_dora: DoRA reads each adapted weight whole (its norm), which DeepSpeed ZeRO stage 3 "
+            "partitions: use ZeRO stage 0-2, or leave use_dora out"
         )
 
 
@@ -361,7 +404,7 @@ def apply_lora(net, lora: dict):
     kw.setdefault("target_modules", "all-linear")
     try:
         wrapped = get_peft_model(net, LoraConfig(task_type="CAUSAL_LM", **kw))
-    except ValueError as e:  # peft's own refusal of the settings on this model (target modules matching nothing, ...)
+    except (ValueError, TypeError, AttributeError, ImportError) as e:  # peft's own refusal of the settings here
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"model.lora: peft refuses these settings on {type(net).__name__}: {first}") from None
     check_lora_matches(wrapped, kw)
@@ -371,6 +414,7 @@ def apply_lora(net, lora: dict):
 def check_lora_matches(wrapped, kw: dict) -> None:
     """Refuse LoRA settings that matched nothing in the model and so change nothing: ``modules_to_save`` names
     that wrapped no module, a ``bias`` to train on a model without biases (peft says nothing of either)."""
+    from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
     saved = [name for name, m in wrapped.named_modules() if isinstance(m, ModulesToSaveWrapper)]
@@ -380,12 +424,17 @@ def check_lora_matches(wrapped, kw: dict) -> None:
                 f"model.lora.modules_to_save: {wanted!r} is no module of {type(wrapped.get_base_model()).__name__}, "
                 "so nothing more would train: give a module's name (e.g. lm_head, embed_tokens)"
             )
-    if kw.get("bias", "none") != "none" and not any(
-        name.endswith(".bias") for name, _ in wrapped.get_base_model().named_parameters()
-    ):
+    bias = kw.get("bias", "none")
+    adapted = [m.get_base_layer() for m in wrapped.modules() if isinstance(m, LoraLayer)]
+    if bias != "none" and not any(name.endswith(".bias") for name, _ in wrapped.get_base_model().named_parameters()):
         raise ConfigError(
-            f"model.lora.bias: {kw['bias']!r} trains the model's biases, and "
+            f"model.lora.bias: {bias!r} trains the model's biases, and "
             f"{type(wrapped.get_base_model()).__name__} has none: leave it out"
+        )
+    if bias == "lora_only" and not any(getattr(m, "bias", None) is not None for m in adapted):
+        raise ConfigError(
+            "model.lora.bias: 'lora_only' trains the biases of the layers LoRA adapts, and none of "
+            f"{type(wrapped.get_base_model()).__name__}'s adapted layers has one: leave it out"
         )
 
 

@@ -13,6 +13,7 @@ import difflib
 import functools
 import inspect
 import itertools
+import json
 import math
 import re
 import warnings
@@ -358,6 +359,15 @@ def local_checkpoint(model: str | Path) -> str:
     return hub_snapshot(str(model)) or str(model)
 
 
+def _json_file(path: Path) -> dict:
+    """A JSON file's mapping; empty where it is unreadable (its own error comes where it is loaded)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def check_model_source(model: Any, key: str = "model.model") -> None:
     """A ``model`` given as a path must be a checkpoint folder (a config.json inside) or a model in the
     Hugging Face cache: said at once, naming the nearest folders, not after the data is tokenized
@@ -365,7 +375,20 @@ def check_model_source(model: Any, key: str = "model.model") -> None:
     if isinstance(model, Mapping) or model is None:
         return
     path = Path(local_checkpoint(model))
+    if (path / "adapter_config.json").is_file():  # transformers loads the adapter too: frozen, or dropped by lora
+        raise ConfigError(
+            f"{key}: {str(model)!r} holds a peft adapter (adapter_config.json), which lit-hbp would not train as "
+            "given: merge it into its base model (PeftModel.merge_and_unload().save_pretrained(folder), or lit-hbp's "
+            "export with --merge-lora) and give that folder"
+        )
     if (path / "config.json").is_file():
+        quantized = _json_file(path / "config.json").get("quantization_config")
+        if quantized is not None:
+            method = quantized.get("quant_method", "?") if isinstance(quantized, Mapping) else quantized
+            raise ConfigError(
+                f"{key}: {str(model)!r} is a quantized checkpoint (quantization_config, quant_method {method!r}): "
+                "lit-hbp trains unquantized weights only; give the unquantized (bf16 or fp32) folder"
+            )
         return
     path = Path(str(model)).expanduser()
     if path.is_dir():

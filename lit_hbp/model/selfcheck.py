@@ -202,10 +202,16 @@ def run_self_check(
 
 def _vocab(net) -> int:
     """Token ids both the input embedding and the output head know."""
-    head, embedding = net.get_output_embeddings(), net.get_input_embeddings()
-    embedding = getattr(embedding, "base_layer", embedding)  # peft's LoRA wraps the embedding it adapts
-    sizes = [embedding.num_embeddings, getattr(getattr(head, "base_layer", head), "out_features", None)]
+    head, embedding = _unwrapped(net.get_output_embeddings()), _unwrapped(net.get_input_embeddings())
+    sizes = [embedding.num_embeddings, getattr(head, "out_features", None)]
     return min(s for s in sizes if s)
+
+
+def _unwrapped(module):
+    """The layer peft wrapped: LoRA's ``base_layer``, trainable tokens' ``token_adapter.base_layer``."""
+    while (inner := getattr(module, "token_adapter", None) or getattr(module, "base_layer", None)) is not None:
+        module = inner
+    return module
 
 
 def _weights_in_graph(loss: torch.Tensor, into: set[int]) -> None:
