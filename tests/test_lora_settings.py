@@ -137,3 +137,23 @@ def test_an_adapter_alone_of_an_init_that_moved_base_weights_is_refused(init):
         check_adapter_servable(hparams, merge_lora=False)
     check_adapter_servable(hparams, merge_lora=True)
     check_adapter_servable({"lora": {"rank": 4, "init_lora_weights": "gaussian"}, "model": "/f"}, merge_lora=False)
+
+
+@pytest.mark.parametrize("order", ["peft_then_prepare", "prepare_then_peft"])
+def test_a_users_own_activated_lora_is_refused_by_the_public_core(order):
+    """A user's own PeftModel with ``alora_invocation_tokens`` through ``prepare_model`` + ``packed_loss`` trained as
+    plain LoRA, silently: the invocation offsets are computed in PeftModel.forward, which a packed call skips."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lit_hbp import pack_samples, packed_loss, prepare_model
+
+    config = LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"}, vocab_size=64)
+    net = AutoModelForCausalLM.from_config(config)
+    lora = LoraConfig(r=4, alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"])
+    batch = pack_samples([(np.arange(1, 9), np.ones(8, bool)), (np.arange(3, 12), np.ones(9, bool))])
+    with pytest.raises(ValueError, match=r"activated LoRA \(alora_invocation_tokens\) .* would train as plain LoRA"):
+        if order == "peft_then_prepare":
+            prepare_model(get_peft_model(net, lora))
+        else:
+            packed_loss(get_peft_model(prepare_model(net), lora), batch)

@@ -144,6 +144,11 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
             f"{type(model).__name__}: peft's {kind} adds virtual tokens in the wrapper's own forward, which a packed "
             "call never runs: its prompt would not train; use LoRA or another adapter on the model's layers"
         )
+    if getattr(config, "alora_invocation_tokens", None):
+        raise ValueError(
+            f"{type(model).__name__}: activated LoRA (alora_invocation_tokens) finds each call's invocation in the "
+            "wrapper's own forward, which a packed call never runs: it would train as plain LoRA; use plain LoRA"
+        )
     return model.get_base_model()
 
 
