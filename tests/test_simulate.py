@@ -284,6 +284,34 @@ def test_simulate_plans_a_training_yamls_own_world_levels_accumulation_packer_an
     assert "trainer.devices x num_nodes names no count of GPUs to price: give --gpus" in capsys.readouterr().err
 
 
+def test_simulate_and_autoselect_price_a_yamls_nodes_of_its_devices(tmp_path, capsys):
+    """A YAML of 4 nodes of 4 GPUs: simulate priced and laid its levels out on the preset's nodes of 8 (Ulysses 8 across
+    two of the run's nodes), and autoselect did too once ``--gpus`` was given, even the config's own 16: each chose
+    other levels than the fit's nodes allow. Both now price nodes of ``trainer.devices`` and write the same block."""
+    from lit_hbp.autoselect.__main__ import main as autoselect_main
+
+    path = tmp_path / "l.npy"
+    rng = np.random.default_rng(0)
+    np.save(path, np.concatenate([rng.integers(50, 8000, 4000), [131072, 100000, 60000, 40000]]))
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        "trainer:\n  devices: 4\n  num_nodes: 4\n  precision: bf16-mixed\n  strategy: hbp_stage_2\n"
+        "data:\n  levels: ['16384:1:32', '131072:8:32']\n"
+        "model:\n  model: {model_type: llama, hidden_size: 4096, intermediate_size: 14336, num_hidden_layers: 32, "
+        "num_attention_heads: 32, num_key_value_heads: 8, vocab_size: 128256, max_position_embeddings: 131072}\n"
+    )
+    blocks = []
+    assert simulate_main([str(path), "--model", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "131072 sp8=4x2 ckpt32" in out  # the given level: Ulysses within a node of 4, CP across two
+    blocks.append("levels:" + out.split("\nauto-selected levels (d), ")[1].split("\nlevels:", 1)[1].split("\n\n")[0])
+    for gpus in ([], ["--gpus", "16"]):
+        assert autoselect_main(["--config", str(run), "--analytic", "--lengths", str(path), *gpus]) == 0
+        blocks.append("levels:" + capsys.readouterr().out.split("\nlevels:", 1)[1].split("\n\n")[0])
+    assert blocks[0] == blocks[1] == blocks[2], blocks
+    assert "ulysses: 8" not in blocks[0]
+
+
 @pytest.mark.parametrize("tool", ["simulate", "autoselect"])
 def test_a_switch_a_yaml_turned_on_is_refused_in_the_yamls_words(tmp_path, capsys, tool):
     """Liger (or the optimizer's offload) a YAML turned on, at a ZeRO stage that refuses it, was named as the flag

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(
                     f"{args.config}: trainer.devices x num_nodes names no count of GPUs to price: give --gpus"
                 )
-            gpus, node = (args.gpus, None) if args.gpus is not None else world
+            gpus, node = world or (None, None)  # priced on the config's nodes of trainer.devices, --gpus or not
+            gpus = args.gpus if args.gpus is not None else gpus
             run = replace(RunSetting.from_config(config, vocab, gpus, spec), tool=ANALYTIC, node_size=node)
             if args.model:  # the positions of the model priced, not of the config's
                 _, covered, past = positions_of(args.model)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -170,15 +171,16 @@ RUN_DEFAULTS = {"gpus": 32, "levels": ["16384:1", "131072:8"], "accumulate": 1, 
 def run_shape(args: argparse.Namespace) -> list[bool]:
     """``--gpus``, ``--levels``, ``--accumulate``, ``--seed`` and ``--packer`` as the flags give them, else as a
     training YAML's fit runs them (``trainer.devices`` x ``num_nodes``, ``data.levels``, ``accumulate_grad_batches``,
-    ``data.seed``, ``data.packer``), else the defaults. Sets them on ``args``; returns, per level, whether its
-    checkpointing is to be chosen (a ``--levels`` spec without CKPT; a YAML's levels train as written)."""
+    ``data.seed``, ``data.packer``; its nodes of ``trainer.devices``, flag or not), else the defaults. Sets them
+    on ``args``; returns, per level, whether its checkpointing is to be chosen (a ``--levels`` spec without CKPT; a
+    YAML's levels train as written)."""
     config = read_config(Path(args.model)) if Path(args.model).suffix in (".yaml", ".yml") else {}
     trainer, data = config.get("trainer") or {}, config.get("data") or {}
     given = {}
     if config:
         world = config_world(config)
         if world is not None:
-            given["gpus"] = world[0]
+            given["gpus"], args.node = world  # its nodes of trainer.devices, as the fit lays levels out
         elif args.gpus is None:
             raise ValueError(f"{args.model}: trainer.devices x num_nodes names no count of GPUs to price: give --gpus")
         if "accumulate_grad_batches" in trainer:
@@ -221,7 +223,10 @@ def run_of(args: argparse.Namespace, spec: ModelSpec) -> tuple[Settings, Tool]:
     tool = SIMULATE.with_config_words(config_switches(strategy, model, flags) if config else [])
     model["liger"] = bool(model.get("liger")) or args.liger
     strategy = with_zero(strategy, args.zero_stage, args.offload_optimizer)
-    return settings_of(HARDWARE[args.gpu], args.gpus, strategy, model, precision, spec), tool
+    hardware = HARDWARE[args.gpu]
+    if getattr(args, "node", None):  # a YAML's nodes of trainer.devices GPUs (Ulysses within one), as its fit's
+        hardware = replace(hardware, gpus_per_node=args.node)
+    return settings_of(hardware, args.gpus, strategy, model, precision, spec), tool
 
 
 def main(argv: list[str] | None = None) -> int:
