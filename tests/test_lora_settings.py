@@ -157,3 +157,68 @@ def test_a_users_own_activated_lora_is_refused_by_the_public_core(order):
             prepare_model(get_peft_model(net, lora))
         else:
             packed_loss(get_peft_model(prepare_model(net), lora), batch)
+
+
+@pytest.fixture
+def in_process_deepspeed():
+    """An in-process DeepSpeed fit leaves DeepSpeed holding its process groups: released the DeepSpeed way."""
+    deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    yield
+    if torch.distributed.is_initialized():
+        deepspeed.comm.destroy_process_group()
+
+
+@pytest.mark.parametrize("init", [True, "gaussian"])
+def test_lora_under_zero3_starts_as_its_base_model(sp_data, toy_tokenizer, tmp_path, in_process_deepspeed, init):
+    """Under ZeRO-3 peft made each adapter inside ``zero.Init``, which partitioned it as it was made, so peft's
+    ``lora_B = 0`` wrote into an empty shard: the run began from base + a random B A (0.63 off the base model's
+    logits; ZeRO-2 began at the base). Every adapter's B is zero when training starts, A drawn as peft draws it."""
+    import deepspeed
+    import lightning as L
+    from conftest import quiet_trainer
+
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.lightning.strategy import HBPStrategy
+
+    class Start(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            params = [(n, p) for n, p in pl_module.model.named_parameters() if "lora_" in n]
+            with deepspeed.zero.GatheredParameters([p for _, p in params]):
+                self.norms = {n: float(p.norm()) for n, p in params}
+                self.std = float(torch.cat([p.flatten() for n, p in params if "lora_A" in n]).std())
+
+    dm = HBPDataModule(sources=[{"path": str(sp_data)}], tokenizer=toy_tokenizer, levels=[256], cache_dir=str(tmp_path))
+    module = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, lora={"rank": 4, "init_lora_weights": init})
+    start = Start()
+    trainer = quiet_trainer(strategy=HBPStrategy(stage=3), max_steps=1, callbacks=[start])
+    trainer.fit(module, dm)
+    assert len(start.norms) == 2 * 7 * TINY["num_hidden_layers"]
+    assert all(v == 0 for n, v in start.norms.items() if "lora_B" in n), start.norms
+    assert all(v > 0 for n, v in start.norms.items() if "lora_A" in n), start.norms
+    if init == "gaussian":  # peft's gaussian start: std 1 / rank
+        assert start.std == pytest.approx(1 / 4, rel=0.15)
+
+
+def test_inits_from_the_base_weight_and_trainable_tokens_are_refused_under_zero3():
+    from lit_hbp.model.build import check_lora_strategy
+
+    for lora, field in (
+        ({"init_lora_weights": "pissa"}, "init_lora_weights"),
+        ({"init_lora_weights": "olora"}, "init_lora_weights"),
+        ({"init_lora_weights": "orthogonal"}, "init_lora_weights"),
+        ({"trainable_token_indices": [3]}, "trainable_token_indices"),
+        ({"use_dora": True}, "use_dora"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^model\.lora\.{field}: .* which DeepSpeed ZeRO stage 3 partitions"):
+            check_lora_strategy({"rank": 4, **lora}, 3)
+        check_lora_strategy({"rank": 4, **lora}, 2)
+    check_lora_strategy({"rank": 4, "init_lora_weights": "gaussian"}, 3)
+
+
+def test_peft_does_not_change_the_runs_lora_settings():
+    """peft rewrote ``modules_to_save: [embed_tokens]`` with ``ensure_weight_tying`` on a tied model to
+    ``[embed_tokens, model.embed_tokens]`` in the run's own hyperparameters, so a resume with the run's YAML was
+    refused as a changed setting."""
+    lora = {"rank": 4, "modules_to_save": ["embed_tokens"], "ensure_weight_tying": True}
+    module = module_of(dict(lora, modules_to_save=["embed_tokens"]), {**TINY, "tie_word_embeddings": True})
+    assert module.hparams.lora == lora

@@ -10,6 +10,7 @@ packs: ``lit_hbp.model.causal_lm``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import warnings
 from collections.abc import Iterator, Mapping
@@ -55,7 +56,7 @@ LORA_REFUSED = {
     "kasa_config": "not tested exact through packed calls",
     "use_bdlora": "not tested exact through packed calls",
 }
-LORA_INITS_REFUSED = ("eva", "corda", "loftq")  # init_lora_weights that need the data or a quantized base
+LORA_INITS_REFUSED = ("eva", "corda", "loftq", "lora_ga")  # init_lora_weights that need the data or a quantized base
 
 
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -381,13 +382,53 @@ def check_lora(lora: dict, key: str = "lora") -> None:
 
 
 def check_lora_strategy(lora: Mapping | None, zero_stage: int | None) -> None:
-    """DoRA under ZeRO-3: peft's DoRA reads each adapted weight's shape and norm whole, which ZeRO-3 partitions (its
-    self-check failed with an IndexError blamed on the family); refused by name before the data is read."""
-    if lora and zero_stage == 3 and lora.get("use_dora"):
-        raise ConfigError(
-            "model.lora.use_dora: DoRA reads each adapted weight whole (its norm), which DeepSpeed ZeRO stage 3 "
-            "partitions: use ZeRO stage 0-2, or leave use_dora out"
-        )
+    """What peft cannot build under ZeRO-3's ``zero.Init``, refused by name before the data is read: DoRA reads each
+    adapted weight's shape and norm whole (its self-check failed with an IndexError blamed on the family); trainable
+    tokens assert on the partitioned embedding; an init computed from the base weight (PiSSA, OLoRA, CorDA, MiCA,
+    orthogonal) writes adapters that are partitioned already, so they keep nn.Linear's random start while PiSSA's base
+    loses its part (``reinit_partitioned_lora`` restarts the plain inits)."""
+    if not lora or zero_stage != 3:
+        return
+    init = lora.get("init_lora_weights", True)
+    for field, why in (
+        ("use_dora", "DoRA reads each adapted weight whole (its norm)"),
+        ("trainable_token_indices", "peft's trainable tokens read the embedding whole"),
+        ("init_lora_weights", f"init_lora_weights {init!r} starts the adapters from the base weights"),
+    ):
+        given = lora.get(field)
+        if field == "init_lora_weights":
+            given = isinstance(init, str) and init.lower() != "gaussian"
+        if given:
+            raise ConfigError(
+                f"model.lora.{field}: {why}, which DeepSpeed ZeRO stage 3 partitions: use ZeRO stage 0-2, or leave "
+                f"{field} out"
+            )
+
+
+def reinit_partitioned_lora(wrapped) -> int:
+    """Under ZeRO-3 peft creates each adapter inside ``zero.Init``, which partitions it as it is made, so peft's start
+    (B = 0: the model starts as its base) wrote into an empty shard and the run began from base + a random B A
+    (0.63 off the base model's logits). Each adapter's start is made again on the gathered tensors; returns how
+    many layers were restarted (0 where nothing is partitioned)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in wrapped.modules() if isinstance(m, LoraLayer)]
+    partitioned = [m for m in layers if any(hasattr(p, "ds_id") for p in m.parameters(recurse=True))]
+    if not partitioned:
+        return 0
+    import deepspeed
+
+    for layer in partitioned:
+        adapters = [p for n, p in layer.named_parameters() if "lora_" in n]
+        with deepspeed.zero.GatheredParameters(adapters, modifier_rank=0):
+            for name in layer.lora_A.keys() | layer.lora_embedding_A.keys():
+                layer.reset_lora_parameters(name, layer_init(wrapped, name))
+    return len(partitioned)
+
+
+def layer_init(wrapped, adapter: str):
+    """The adapter's ``init_lora_weights`` (True, False or 'gaussian' under ZeRO-3: ``check_lora_strategy``)."""
+    return wrapped.peft_config[adapter].init_lora_weights
 
 
 def apply_lora(net, lora: dict):
@@ -398,7 +439,7 @@ def apply_lora(net, lora: dict):
     from peft import LoraConfig, get_peft_model
 
     check_lora(lora)
-    kw = {LORA_NAMES.get(k, k): v for k, v in lora.items()}
+    kw = {LORA_NAMES.get(k, k): copy.deepcopy(v) for k, v in lora.items()}  # peft edits some in place
     if "target_modules" not in kw and is_multimodal(net):  # the language model's layers, not the vision tower's
         kw["target_modules"] = language_linears(net, decoder_of(net))
     kw.setdefault("target_modules", "all-linear")
@@ -408,6 +449,7 @@ def apply_lora(net, lora: dict):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"model.lora: peft refuses these settings on {type(net).__name__}: {first}") from None
     check_lora_matches(wrapped, kw)
+    reinit_partitioned_lora(wrapped)
     return wrapped
 
 
