@@ -1198,3 +1198,20 @@ def test_misnamed_records_and_paths_say_the_fix_and_upper_case_suffixes_read(tmp
     for name in (*upper, "d.PARQUET"):
         reference = pq.read_table(tmp_path / name).to_pylist() if name.endswith("PARQUET") else records
         assert [r for r, _ in iter_records(Source(str(tmp_path / name)))] == reference, name
+
+
+@pytest.mark.parametrize("seed", [7, False])
+def test_preview_shows_the_records_fit_trains_with_the_runs_seed(qwen, tmp_path, capsys, seed):
+    """``seed_everything: 7`` with ``val_fraction: 0.5``: preview drew the hold-out with seed 0, so it showed records
+    the fit of seed 7 held out for validation. Preview's records are fit's training records, in order."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"instruction": f"say {i}", "output": f"{i} " * (i % 7 + 1)}) + "\n"
+                            for i in range(40)))  # fmt: skip
+    config = write_config(tmp_path, qwen, [{"path": str(path)}], val_fraction=0.5)
+    config.write_text(f"seed_everything: {str(seed).lower()}\n" + config.read_text())
+    shown = [g["line"] for g in preview_json(capsys, config)]
+    cli = main(["--config", str(config), "--trainer.accelerator", "cpu", "--trainer.logger", "false"], run=False)
+    cli.datamodule.setup("fit")
+    store = cli.datamodule.store
+    trained = [int(store.sources[s].rows[r]) for s, r in zip(store.source_of, store.row_of)]
+    assert shown == sorted(trained) and len(shown) == 20, (shown, sorted(trained))

@@ -30,7 +30,7 @@ from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf.errors import OmegaConfBaseException
 
@@ -307,8 +307,15 @@ class PreviewCLI(HBPCLI):
         )  # fmt: skip
 
     def before_instantiate_classes(self) -> None:
+        """``--n`` checked; ``data.seed`` as fit takes it (the run's ``seed_everything`` where the data names none),
+        so the hold-out and the drawn subsets are fit's (seed 0 previewed a run of seed 7's validation records)."""
         if self.config.n < 1:
             report_user_error(ConfigError(f"--n must be >= 1, got {self.config.n}"))
+        seed = self.config.get("seed_everything")
+        if self.config.get("data.seed") is None and seed is not None:
+            if seed is True:
+                rank_zero_warn("seed_everything: true draws a new seed for each fit: previewed with data.seed 0")
+            self.config["data.seed"] = seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
 
     def instantiate_classes(self) -> None:
         data = LightningArgumentParser(exit_on_error=False)
