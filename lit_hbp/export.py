@@ -216,6 +216,11 @@ def check_export_folder(out: Path, name: str) -> None:
     ``adapter_config.json`` beside a full model's weights) are what a Hugging Face loader would read."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{name} {out} is a file: give a folder to write the model into")
+    above = None if out.exists() else next((p for p in out.absolute().parents if p.exists()), None)  # made in it
+    if above is not None and not above.is_dir():
+        raise ConfigError(f"{name} {out}: {above} is a file, so no folder can be made under it: give another folder")
+    if above is not None and not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name} {out}: {above} is not writable: give a folder you can write")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held:
         shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")

@@ -525,6 +525,9 @@ def test_an_export_whose_staging_checkpoint_path_exists_is_refused_before_traini
         assert held.read_text() == "my notes" if kind == "file" else (held / "inside").is_dir()
         held.unlink() if kind == "file" else shutil.rmtree(held)
     HBPExport(str(tmp_path / "out_hf")).setup(trainer, module, "fit")
+    (tmp_path / "notes.txt").write_text("mine")  # a folder under a file: the whole run trained, then FileExistsError
+    with pytest.raises(ConfigError, match="notes.txt is a file, so no folder can be made under it"):
+        HBPExport(str(tmp_path / "notes.txt" / "hf")).setup(trainer, module, "fit")
 
 
 def test_exporting_a_runs_checkpoints_folder_names_the_checkpoints_in_it(tmp_path, capsys):

@@ -192,6 +192,8 @@ def test_an_export_is_refused_where_it_would_mix_with_other_files_or_drop_an_opt
         "held": ([ckpt, str(held)], f"OUT_DIR {held} already holds adapter_config.json: a loader would read them"),
         "tokenizer": ([ckpt, str(tmp_path / "a"), "--tokenizer", toy_tokenizer], "the checkpoint holds the tokenizer"),
         "merge": ([ckpt, str(tmp_path / "b"), "--merge-lora"], "--merge-lora: the checkpoint's run trained no LoRA"),
+        # under a file: a NotADirectoryError traceback after the checkpoint was read
+        "under_file": ([ckpt, str(tmp_path / "chats.jsonl" / "hf")], "chats.jsonl is a file, so no folder can be made"),
     }
     for name, (argv, said) in cases.items():
         assert main(argv) == 2, name
