@@ -222,3 +222,24 @@ def test_peft_does_not_change_the_runs_lora_settings():
     lora = {"rank": 4, "modules_to_save": ["embed_tokens"], "ensure_weight_tying": True}
     module = module_of(dict(lora, modules_to_save=["embed_tokens"]), {**TINY, "tie_word_embeddings": True})
     assert module.hparams.lora == lora
+
+
+@pytest.mark.parametrize(
+    "lora, says",
+    [
+        ({"rank_pattern": {"q_projj": 16}}, r"model\.lora\.rank_pattern: 'q_projj' matches no module LoRA adapts"),
+        ({"alpha_pattern": {"nope": 64}}, r"model\.lora\.alpha_pattern: 'nope' matches no module LoRA adapts"),
+        ({"exclude_modules": ["nope_proj"]}, r"model\.lora\.exclude_modules: 'nope_proj' names no module of"),
+        ({"target_modules": ["q_proj", "nope_proj"]}, r"model\.lora\.target_modules: 'nope_proj' names no adapted"),
+    ],
+)
+def test_lora_names_and_patterns_that_match_nothing_are_refused(lora, says):
+    """A pattern or a listed name that matched no module was taken and changed nothing (peft says nothing unless no
+    target at all matches), as ``modules_to_save`` naming no module was before it was refused. What matches is taken:
+    the q projections at rank 16, the others at 4."""
+    with pytest.raises(ConfigError, match=says):
+        module_of({"rank": 4, **lora})
+    module = module_of({"rank": 4, "rank_pattern": {"q_proj": 16}, "exclude_modules": ["lm_head"]})
+    ranks = {n.rsplit(".", 1)[-1]: m.r["default"] for n, m in module.model.named_modules() if "layers.0." in n
+             and isinstance(getattr(m, "r", None), dict)}  # fmt: skip
+    assert ranks["q_proj"] == 16 and ranks["k_proj"] == 4, ranks

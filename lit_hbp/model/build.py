@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import re
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -466,6 +467,23 @@ def check_lora_matches(wrapped, kw: dict) -> None:
                 f"model.lora.modules_to_save: {wanted!r} is no module of {type(wrapped.get_base_model()).__name__}, "
                 "so nothing more would train: give a module's name (e.g. lm_head, embed_tokens)"
             )
+    adapted_names = [name for name, m in wrapped.named_modules() if isinstance(m, LoraLayer)]
+    every = [name for name, _ in wrapped.get_base_model().named_modules()]
+    listed = [(f, k, adapted_names) for f in ("target_modules",) if isinstance(kw.get(f), list) for k in kw[f]]
+    listed += [(f, k, every) for f in ("exclude_modules",) if isinstance(kw.get(f), list) for k in kw[f]]
+    for field, key, names in listed:  # peft's own match of a listed name: the module's name or its last parts
+        if not any(name == key or name.endswith(f".{key}") for name in names):
+            raise ConfigError(
+                f"model.lora.{field}: {key!r} names no {'adapted ' if names is adapted_names else ''}module of "
+                f"{type(wrapped.get_base_model()).__name__}, so it changes nothing: fix or remove it"
+            )
+    for field in ("rank_pattern", "alpha_pattern"):  # peft's match of a pattern key (peft.utils.other.get_pattern_key)
+        for key in kw.get(field) or {}:
+            if not any(re.match(rf"(.*\.)?({key})$", name) for name in adapted_names):
+                raise ConfigError(
+                    f"model.lora.{field}: {key!r} matches no module LoRA adapts, so it changes nothing: fix or "
+                    "remove it"
+                )
     bias = kw.get("bias", "none")
     adapted = [m.get_base_layer() for m in wrapped.modules() if isinstance(m, LoraLayer)]
     if bias != "none" and not any(name.endswith(".bias") for name, _ in wrapped.get_base_model().named_parameters()):
