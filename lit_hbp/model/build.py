@@ -358,6 +358,8 @@ def check_lora(lora: dict, key: str = "lora") -> None:
         raise ConfigError(f"{key}.dropout must be a probability in [0, 1), got {dropout!r}")
     if "task_type" in value:
         raise ConfigError(f"{key}.task_type: lit-hbp trains a causal language model (CAUSAL_LM, its own): leave it out")
+    if isinstance(value.get("modules_to_save"), str):  # peft reads a string letter by letter
+        raise ConfigError(f"{key}.modules_to_save: give a list of module names, e.g. [{value['modules_to_save']}]")
     for field, why in LORA_REFUSED.items():
         if field in value and (value[field] or field not in ("inference_mode", "use_qalora", "use_bdlora")):
             raise ConfigError(f"{key}.{field}: {value[field]!r} is refused: {why}; leave it out")
