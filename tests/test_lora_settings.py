@@ -245,3 +245,17 @@ def test_lora_names_and_patterns_that_match_nothing_are_refused(lora, says):
     ranks = {n.rsplit(".", 1)[-1]: m.r["default"] for n, m in module.model.named_modules() if "layers.0." in n
              and isinstance(getattr(m, "r", None), dict)}  # fmt: skip
     assert ranks["q_proj"] == 16 and ranks["k_proj"] == 4, ranks
+
+
+def test_a_users_poly_adapter_is_refused_by_the_public_core():
+    """peft's Poly routes each call by the ``task_ids`` PeftModel.forward is given, which a packed call never runs:
+    ``prepare_model`` took it and the packed call failed deep in peft ("task_ids should not be None")."""
+    import peft
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lit_hbp import prepare_model
+
+    config = LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"}, vocab_size=64)
+    poly = peft.PolyConfig(task_type="CAUSAL_LM", r=4, n_tasks=2, n_skills=2, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match=r"peft's POLY routes each call by what the wrapper's own forward is given"):
+        prepare_model(peft.get_peft_model(AutoModelForCausalLM.from_config(config), poly))

@@ -130,6 +130,9 @@ def record_by_owner(owner: int) -> Prepared | None:
     return _by_owner.get(owner)
 
 
+WRAPPER_ROUTED = ("POLY", "XLORA")  # peft adapters that PeftModel.forward routes (task_ids, X-LoRA's classifier)
+
+
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model inside ``torch.compile``'s and peft's wrappers. A peft prompt-learning adapter
     (prompt, prefix, p-tuning) is refused: its virtual tokens are added in the wrapper's own forward, which a
@@ -143,6 +146,13 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(
             f"{type(model).__name__}: peft's {kind} adds virtual tokens in the wrapper's own forward, which a packed "
             "call never runs: its prompt would not train; use LoRA or another adapter on the model's layers"
+        )
+    kind = getattr(getattr(config, "peft_type", None), "value", None)
+    if kind in WRAPPER_ROUTED:
+        raise ValueError(
+            f"{type(model).__name__}: peft's {kind} routes each call by what the wrapper's own forward is given "
+            "(task_ids, or a classifier pass), which a packed call never runs; use LoRA or another adapter on the "
+            "model's layers"
         )
     if getattr(config, "alora_invocation_tokens", None):
         raise ValueError(
