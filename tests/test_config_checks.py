@@ -716,3 +716,30 @@ def test_the_callbacks_refused_without_a_logger_are_those_lightnings_fit_refuses
             assert not any(refused(n, logger=None) for n in stock)
         finally:
             logging.disable(logging.NOTSET)
+
+
+def test_a_level_yaml_reads_as_a_base_60_number_is_refused(tmp_path, capsys, monkeypatch):
+    """``levels: [1024:1, 4096:1]``: YAML 1.1 (PyYAML, jsonargparse, OmegaConf) reads an unquoted ``4096:1`` as the
+    base-60 number 245761, so the run planned levels of 61,441 and 245,761 tokens without a word (a curriculum naming
+    1024 happened to stop it). Refused by key and line, in a config file or on the command line, and by the tools
+    that read the YAML; quoted, the levels are what they say."""
+    import yaml
+
+    from lit_hbp.cost.config import read_config
+
+    monkeypatch.chdir(tmp_path)
+    assert yaml.safe_load("[4096:1]") == [245761]  # the reading refused (the independent reference: PyYAML)
+    extra = tmp_path / "levels.yaml"
+    extra.write_text("data:\n  levels:\n    - {pack_len: 512}\n    - 4096:1\n")
+    err = cli_error(capsys, ["fit", "--config", TINY, "--config", str(extra)])
+    assert err[0] == (
+        f"error: {extra}, line 4: data.levels[1]: 4096:1 reads as the base-60 number 245761 in YAML: quote it "
+        "('4096:1') or write a mapping, e.g. {pack_len: ..., sp: ...}"
+    ), err
+    err = cli_error(capsys, ["fit", "--config", TINY, "--data.levels", "[1024:1, '4096:1']"])
+    assert err[0].startswith("error: --data.levels[0]: 1024:1 reads as the base-60 number 61441"), err
+    with pytest.raises(ConfigError, match=r"line 4: data.levels\[1\]: 4096:1 reads as the base-60 number"):
+        read_config(extra)
+    extra.write_text("data:\n  levels: ['1024:1', '4096:1:2']\n")
+    cli = main(["--config", TINY, "--config", str(extra)], run=False)
+    assert [(lv.pack_len, lv.sp, lv.ckpt_layers) for lv in cli.datamodule.levels] == [(1024, 1, 0), (4096, 1, 2)]

@@ -43,6 +43,7 @@ from lit_hbp.cli.checks import (
     check_refused_callbacks,
     check_run_config,
     check_trainer_values,
+    check_yaml_numbers,
     compact_config,
     compact_yaml,
     dataclass_defaults,
@@ -406,6 +407,10 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     quiet_what_a_user_cannot_act_on()
     argv = sys.argv[1:] if args is None else list(args)
+    try:
+        check_yaml_numbers(argv)
+    except ConfigError as e:
+        report_user_error(e)
     at = subcommand_at(argv)
     if at is not None and argv[at] == "preview":
         # --print_config before the subcommand prints the config all options give (Lightning's `--print_config fit`):

@@ -574,3 +574,21 @@ def check_backend_device(backend: str, trainer: Any) -> None:
             f"model.attn_backend: {backend!r} cannot run on {device} ({sorted(reasons)[0]}): use auto, which "
             "takes the fastest backend the device runs"
         )
+
+
+def check_yaml_numbers(argv: Sequence[str]) -> None:
+    """``check_base60`` over what the command line hands YAML: its config files and its values."""
+    from pathlib import Path
+
+    from lit_hbp.cost.config import check_base60
+
+    for i, arg in enumerate(argv):
+        name, given, value = arg.partition("=")
+        if not given:
+            value = argv[i + 1] if i + 1 < len(argv) and arg.startswith("-") else None
+        if value is None or not name.startswith("-"):
+            continue
+        if name in ("--config", "-c") and Path(value).is_file():
+            check_base60(Path(value).read_text(), value)
+        elif ":" in value:
+            check_base60(value, "", name)

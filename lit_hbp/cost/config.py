@@ -43,10 +43,37 @@ def check_levels(levels: list, world: int, layers: int) -> None:
 
 
 def read_config(path: str | Path) -> dict:
-    """A training YAML with its ${...} interpolations resolved."""
+    """A training YAML with its ${...} interpolations resolved (``check_base60`` first)."""
     from omegaconf import OmegaConf
 
+    check_base60(Path(path).read_text(), str(path))
     return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
+def check_base60(text: str, where: str, key: str = "") -> None:
+    """YAML 1.1, which PyYAML, jsonargparse and OmegaConf read, takes an unquoted ``4096:1`` for the base-60 number
+    245761: a level written PACK_LEN:SP would train other pack lengths without a word. Any such number in ``text``
+    (a config file ``where``, or a command-line value: ``where`` empty, ``key`` its option) is refused by its key."""
+    import yaml
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return  # its own error comes where it is loaded
+    queue = [(root, key)]
+    while queue:
+        node, at = queue.pop(0)
+        if isinstance(node, yaml.MappingNode):
+            queue += [(v, f"{at}.{k.value}".lstrip(".")) for k, v in node.value]
+        elif isinstance(node, yaml.SequenceNode):
+            queue += [(v, f"{at}[{i}]") for i, v in enumerate(node.value)]
+        elif isinstance(node, yaml.ScalarNode) and node.tag.endswith(":int") and not node.style and ":" in node.value:
+            hint = " or write a mapping, e.g. {pack_len: ..., sp: ...}" if "levels" in at else ""
+            line = f"{where}, line {node.start_mark.line + 1}: " if where else ""
+            raise ConfigError(
+                f"{line}{at or 'the value'}: {node.value} reads as the base-60 number {yaml.safe_load(node.value)} "
+                f"in YAML: quote it ('{node.value}'){hint}"
+            )
 
 
 def config_world(config: dict) -> tuple[int, int] | None:
