@@ -7,6 +7,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from conftest import HANG_S, TINY_LLAMA, chat_datamodule, console_script, quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_hbp.callbacks import FinalCheckpoint, HBPExport, InterruptCheckpoint, ignore_sigint
+from lit_hbp.callbacks import FinalCheckpoint, HBPExport, InterruptCheckpoint, leave_signals_to_main
 from lit_hbp.callbacks.interrupt import FIRST_PRESS, resume_command, torchrun_argv
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.module import HBPLitModule
@@ -263,12 +264,19 @@ class Pids(torch.utils.data.Dataset):
         return os.getpid()
 
 
-def test_dataloader_workers_ignore_sigint():
-    loader = torch.utils.data.DataLoader(Pids(), num_workers=1, worker_init_fn=ignore_sigint)
+def test_dataloader_workers_leave_signals_to_main():
+    """A terminal's Ctrl-C and a scheduler's group signal reach the workers too: torch's workers die of SIGTERM by
+    a handler of their own, which ``leave_signals_to_main`` replaces; a second signal ends the worker. Five items
+    after the signals: more than the loader fetches ahead, so a dead worker could not have given them."""
+    loader = torch.utils.data.DataLoader(Pids(), num_workers=1, worker_init_fn=leave_signals_to_main)
     items = iter(loader)
     worker = int(next(items))
-    os.kill(worker, signal.SIGINT)
-    assert [int(pid) for pid in items] == [worker] * 19
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+        os.kill(worker, signum)
+    assert [int(next(items)) for _ in range(5)] == [worker] * 5
+    os.kill(worker, signal.SIGUSR1)
+    with pytest.raises(RuntimeError, match=f"{worker}"):
+        list(items)
 
 
 def _echo(conn):
@@ -278,11 +286,12 @@ def _echo(conn):
         conn.send(conn.recv())
 
 
-def test_a_forked_worker_told_to_end_ends():
-    """A DataLoader worker forked while the handlers are installed inherits them; SIGTERM (a loader's
-    shutdown terminates its workers with it) still ends the worker, SIGINT is left to the main process.
-    No waiting for a while: a signal sent before a message is handled before the message is read, so
-    the worker answering the message sent after SIGINT is the worker having survived it."""
+def test_a_forked_worker_leaves_a_first_signal_to_the_main_process_and_ends_at_a_second():
+    """A DataLoader worker forked while the handlers are installed inherits them. A signal to the whole process group
+    (SLURM's scancel, ``kill -TERM -<pgid>``) reaches the workers too: a worker that died of it failed the running step
+    with no checkpoint, so a first SIGTERM (as SIGINT) is left to the main process; a second one (a loader's shutdown
+    terminating a lingering worker after that) ends it. No waiting for a while: a signal sent before a message is
+    handled before the message is read, so the worker answering the message sent after a signal survived it."""
     import multiprocessing
 
     interrupt = InterruptCheckpoint()
@@ -294,9 +303,10 @@ def test_a_forked_worker_told_to_end_ends():
         worker = ctx.Process(target=_echo, args=(theirs,))
         worker.start()
         assert ours.poll(HANG_S) and ours.recv() == "started"
-        os.kill(worker.pid, signal.SIGINT)
-        ours.send("still there?")
-        assert ours.poll(HANG_S) and ours.recv() == "still there?"  # (EOFError if SIGINT had ended it)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+            os.kill(worker.pid, signum)
+            ours.send(f"still there after {signum}?")
+            assert ours.poll(HANG_S) and ours.recv() == f"still there after {signum}?"  # EOFError had it ended
         os.kill(worker.pid, signal.SIGTERM)
         worker.join(HANG_S)
         assert worker.exitcode == -signal.SIGTERM
@@ -304,6 +314,53 @@ def test_a_forked_worker_told_to_end_ends():
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+GROUP_SIGNAL_FIT = """
+import os, signal, sys
+from pathlib import Path
+import lightning as L, torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from conftest import TINY_LLAMA, chat_datamodule, quiet_trainer
+from lit_hbp.callbacks import InterruptCheckpoint
+from lit_hbp.lightning.module import HBPLitModule
+
+root, demo, signum = Path(sys.argv[1]), Path(sys.argv[2]), getattr(signal, sys.argv[3])
+
+class GroupSignal(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 4:
+            os.killpg(os.getpgrp(), signum)  # what scancel and `kill -TERM -<pgid>` do
+
+torch.set_num_threads(1)
+L.seed_everything(0)
+dm = chat_datamodule(demo, str(demo / "tokenizer"), root / "cache", num_workers=2)
+module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+interrupt = InterruptCheckpoint()
+trainer = quiet_trainer(max_steps=6, accumulate_grad_batches=2, default_root_dir=root, enable_checkpointing=True,
+                        callbacks=[ModelCheckpoint(root / "ckpt", save_last=True), GroupSignal(), interrupt])
+trainer.fit(module, dm)
+print("stopped at", trainer.global_step, "saved", os.path.basename(interrupt.checkpoint), flush=True)
+sys.exit(interrupt.exit_status)
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_the_process_group_with_loader_workers_saves_the_running_step(tmp_path, small_demo, signum):
+    """SLURM's scancel and ``srun --signal`` signal every process of the step, the loader's workers with it: the
+    workers died of it and the fit failed mid-step ("DataLoader worker exited unexpectedly", nothing saved). In a
+    session of its own, so the group signalled is the run's alone."""
+    run = subprocess.run(
+        [sys.executable, "-c", GROUP_SIGNAL_FIT, str(tmp_path), str(small_demo), signum],
+        cwd=Path(__file__).parent,
+        start_new_session=True,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert run.returncode == 128 + getattr(signal, signum), run.stderr[-3000:]
+    assert "stopped at 3 saved last.ckpt" in run.stdout
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 3
 
 
 def ddp_fit(root: str, demo: str, press_on_rank: int) -> dict:

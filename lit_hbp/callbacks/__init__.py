@@ -4,7 +4,7 @@ from lit_hbp.callbacks.checkpoint import FinalCheckpoint
 from lit_hbp.callbacks.curriculum import HBPCurriculum
 from lit_hbp.callbacks.defaults import with_default_callbacks
 from lit_hbp.callbacks.export import HBPExport
-from lit_hbp.callbacks.interrupt import InterruptCheckpoint, ignore_sigint
+from lit_hbp.callbacks.interrupt import InterruptCheckpoint, leave_signals_to_main
 from lit_hbp.callbacks.lost_rank import LostRankReport
 from lit_hbp.callbacks.packing_metrics import PackingMetrics
 from lit_hbp.callbacks.progress import HBPProgressBar, LevelSummary
@@ -22,6 +22,6 @@ __all__ = [
     "LevelSummary",
     "LostRankReport",
     "PackingMetrics",
-    "ignore_sigint",
+    "leave_signals_to_main",
     "with_default_callbacks",
 ]

@@ -28,7 +28,10 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.callbacks.checkpoint import FinalCheckpoint, StepEndCallback
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.loader import ignore_sigint  # noqa: F401  (public here too)
+from lit_hbp.lightning.loader import (
+    leave_signals_to_main,  # noqa: F401  (public here too)
+    worker_signal,
+)
 
 FIRST_PRESS = (
     "Ctrl-C: training stops after the current optimizer step and saves a checkpoint; "
@@ -90,8 +93,9 @@ class InterruptCheckpoint(StepEndCallback):
     device tensor read on the host, is switched off while these handlers are installed: they replace
     its SIGTERM handler.
 
-    DataLoader workers get the terminal's SIGINT too: give them ``ignore_sigint`` as
-    ``worker_init_fn``. The CLI adds this callback; in a plain Lightning project add it to
+    DataLoader workers get a terminal's Ctrl-C and a scheduler's group signal too: ``HBPDataModule``'s
+    loaders leave them to the main process (``leave_signals_to_main``, give it to your own loaders as
+    ``worker_init_fn``). The CLI adds this callback; in a plain Lightning project add it to
     ``Trainer(callbacks=...)`` and exit with ``exit_status`` when it is set.
 
     Args:
@@ -148,11 +152,10 @@ class InterruptCheckpoint(StepEndCallback):
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self._pid:  # a forked DataLoader worker inherited the handler
-            if signum != signal.SIGINT:  # a worker told to end (its loader's shutdown) ends, as it would without us
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-            return  # the terminal's Ctrl-C: the main process decides
+        if os.getpid() != self._pid:  # a forked DataLoader worker inherited the handler (see leave_signals_to_main)
+            if signum != signal.SIGINT:
+                worker_signal(signum, frame)
+            return
         if self.received is not None:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt

@@ -51,7 +51,7 @@ from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their fi
     check_checkpoint_positions,
     check_data_trainer,
     check_validation_interval,
-    ignore_sigint,
+    leave_signals_to_main,
     media_inputs,
 )
 from lit_hbp.lightning.renderers import (  # noqa: F401  (public here too: their first home)
@@ -557,7 +557,7 @@ class HBPDataModule(L.LightningDataModule):
         generator seeds them: a loader drawing from torch's global one at each epoch and validation would move
         the dropout masks a resumed run must draw as the uninterrupted one did (``lightning.rng``)."""
         generator = torch.Generator().manual_seed(seed)
-        return dict(num_workers=workers, worker_init_fn=ignore_sigint if workers else None, generator=generator)
+        return dict(num_workers=workers, worker_init_fn=leave_signals_to_main if workers else None, generator=generator)
 
     def train_dataloader(self) -> PlanLoader:
         epoch = self.trainer.current_epoch if self.trainer is not None else 0

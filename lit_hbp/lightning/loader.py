@@ -8,6 +8,7 @@ Lightning checkpoints (``HBPDataModule`` builds them; a measured level search pa
 from __future__ import annotations
 
 import math
+import os
 import signal
 from typing import Any
 
@@ -521,8 +522,26 @@ class FixedPlanSampler(Sampler[tuple[int, int, MicroBatch]]):
             yield 0, k, self.plan.micro_batch(self.rank, k)
 
 
-def ignore_sigint(worker_id: int) -> None:
-    """A DataLoader ``worker_init_fn``: the worker ignores SIGINT. A terminal's Ctrl-C reaches the
-    workers too; one that died of it would fail the step InterruptCheckpoint lets finish. The
-    workers still end with the main process."""
+WORKER_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")  # a scheduler's or SLURM's, left to the main process once
+_worker_signalled = False  # a worker process's own: it got one of WORKER_SIGNALS already
+
+
+def leave_signals_to_main(worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn``: the worker leaves the signals that stop a run to the main process. A
+    terminal's Ctrl-C and a signal to the whole process group (SLURM's ``scancel`` and ``srun --signal``,
+    ``kill -TERM -<pgid>``, ``timeout``) reach the workers too; one that died of it (torch's workers die of
+    SIGTERM) failed the step ``InterruptCheckpoint`` lets finish, with nothing saved. SIGINT is ignored; a
+    first SIGTERM, SIGUSR1 or SIGUSR2 too, a second ends the worker (a loader's shutdown terminating a
+    lingering worker, multiprocessing's exit its daemons). The workers still end with the main process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in WORKER_SIGNALS:
+        signal.signal(getattr(signal, name), worker_signal)
+
+
+def worker_signal(signum: int, frame: Any) -> None:
+    """A worker's handler: the first of ``WORKER_SIGNALS`` is the main process's to act on, a second ends it."""
+    global _worker_signalled
+    if _worker_signalled:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    _worker_signalled = True
