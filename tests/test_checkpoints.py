@@ -32,7 +32,13 @@ FORK = multiprocessing.get_context("fork")
 
 
 def state(step: int) -> dict:
-    return {"global_step": step, "weights": torch.full((4096,), float(step))}
+    """A checkpoint's entries as a fit's save has them (the optimizer's and the schedulers' states: a resumable one)."""
+    return {
+        "global_step": step,
+        "weights": torch.full((4096,), float(step)),
+        "optimizer_states": [],
+        "lr_schedulers": [],
+    }
 
 
 def die_after(n_bytes: int, f):
@@ -134,7 +140,7 @@ class FakeDeepSpeed:
 
 
 def _ds_save_cut(folder: str, step: int, cut: int) -> None:
-    save_deepspeed(FakeDeepSpeed(cut), {"global_step": step}, folder)
+    save_deepspeed(FakeDeepSpeed(cut), {"global_step": step, "lr_schedulers": []}, folder)
 
 
 def _ds_save_then_die(folder: str, step: int) -> None:
@@ -145,7 +151,7 @@ def _ds_save_then_die(folder: str, step: int) -> None:
     ck.write_atomically = lambda path, write: (
         os.kill(os.getpid(), signal.SIGKILL) if path.endswith(LATEST) else real(path, write)
     )
-    save_deepspeed(FakeDeepSpeed(), {"global_step": step}, folder)
+    save_deepspeed(FakeDeepSpeed(), {"global_step": step, "lr_schedulers": []}, folder)
 
 
 def _ds_step(folder: Path) -> int:
@@ -155,7 +161,7 @@ def _ds_step(folder: Path) -> int:
 
 def test_a_kill_during_a_deepspeed_save_leaves_the_previous_tag(tmp_path):
     folder = tmp_path / "last.ckpt"
-    save_deepspeed(FakeDeepSpeed(), {"global_step": 3}, str(folder))
+    save_deepspeed(FakeDeepSpeed(), {"global_step": 3, "lr_schedulers": []}, str(folder))
     assert _ds_step(folder) == 3 and is_complete(folder)
     killed_while_saving(_ds_save_cut, str(folder), 4, 100)
     assert _ds_step(folder) == 3 and is_complete(folder)
@@ -164,9 +170,9 @@ def test_a_kill_during_a_deepspeed_save_leaves_the_previous_tag(tmp_path):
     assert newest_checkpoint([tmp_path]) == str(folder)
     # The same step saved again goes to a new tag (the one `latest` names is never written over), and
     # the older tag folders, the killed saves' included, are removed once `latest` names the new one.
-    save_deepspeed(FakeDeepSpeed(), {"global_step": 3}, str(folder))
+    save_deepspeed(FakeDeepSpeed(), {"global_step": 3, "lr_schedulers": []}, str(folder))
     assert (folder / LATEST).read_text() == "global_step3.1"
-    save_deepspeed(FakeDeepSpeed(), {"global_step": 5}, str(folder))
+    save_deepspeed(FakeDeepSpeed(), {"global_step": 5, "lr_schedulers": []}, str(folder))
     assert _ds_step(folder) == 5
     assert sorted(p.name for p in folder.iterdir()) == ["global_step5", LATEST]
 
@@ -242,5 +248,5 @@ def test_the_folders_of_a_run_with_a_users_own_checkpoint_callback_and_logger(tm
     assert folders == [Path("runs"), Path("mine"), Path("logs/exp/version_0/checkpoints")]
     # A checkpoint in the subclass's folder is the one --ckpt_path auto resumes.
     (tmp_path / "mine").mkdir()
-    torch.save({"state_dict": {}}, tmp_path / "mine" / "last.ckpt")
+    torch.save({"state_dict": {}, "optimizer_states": [], "lr_schedulers": []}, tmp_path / "mine" / "last.ckpt")
     assert newest_checkpoint(folders) == str(Path("mine") / "last.ckpt")

@@ -39,8 +39,11 @@ class WritesAFile:
         return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
 
 
+RESUMABLE = {"optimizer_states": [], "lr_schedulers": []}  # a fit's save holds them (a weights-only one does not)
+
+
 def whole(path: Path, step: int = 1) -> Path:
-    torch.save({"global_step": step, "state_dict": {"w": torch.zeros(4096)}}, path)
+    torch.save({"global_step": step, "state_dict": {"w": torch.zeros(4096)}, **RESUMABLE}, path)
     return path
 
 
@@ -301,7 +304,7 @@ def test_a_resume_with_model_settings_other_than_its_checkpoints_is_refused_at_p
     hparams.pop("_instantiator", None)
     folder = Path("runs/tiny_cpu/version_0/checkpoints")  # where --ckpt_path auto finds the run's newest
     folder.mkdir(parents=True)
-    torch.save({"global_step": 1, "state_dict": {}, "hyper_parameters": hparams}, folder / "last.ckpt")
+    torch.save({"global_step": 1, "state_dict": {}, "hyper_parameters": hparams, **RESUMABLE}, folder / "last.ckpt")
     for given in (str(folder / "last.ckpt"), "auto"):  # auto: its checkpoint was resumed with the new settings
         code, _, err = run_cli(
             ["--ckpt_path", given, "--model.lr", "1e-4", "--model.loss", "sum"], tmp_path, small_demo, capfd
@@ -321,7 +324,7 @@ def test_a_resume_with_model_settings_other_than_its_checkpoints_is_refused_at_p
     # A DeepSpeed folder (HBPStrategy's): its settings are in its model-states file, where DeepSpeed keeps Lightning's.
     states = folder / "step=1.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt"
     states.parent.mkdir(parents=True)
-    torch.save({"global_step": 1, "module": {}, "hyper_parameters": hparams}, states)
+    torch.save({"global_step": 1, "module": {}, "hyper_parameters": hparams, **RESUMABLE}, states)
     (folder / "step=1.ckpt" / "latest").write_text("checkpoint")
     code, _, err = run_cli(
         ["--ckpt_path", str(folder / "step=1.ckpt"), "--trainer.strategy", "hbp", "--model.lr", "1e-4"],
@@ -351,10 +354,10 @@ def test_a_resume_at_or_past_its_max_steps_is_refused_and_a_complete_run_found_b
     a DeepSpeed folder. Found by ``--ckpt_path auto`` (a scheduler running a finished job's line again): the run is
     complete, said in one line, exit 0. Nothing tokenized either way."""
     hparams, folder = run_checkpoints_folder(tmp_path, small_demo, monkeypatch)
-    torch.save({"global_step": 2, "state_dict": {}, "hyper_parameters": hparams}, folder / "last.ckpt")
+    torch.save({"global_step": 2, "state_dict": {}, "hyper_parameters": hparams, **RESUMABLE}, folder / "last.ckpt")
     states = tmp_path / "ds" / "step=2.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt"
     states.parent.mkdir(parents=True)
-    torch.save({"global_step": 2, "module": {}, "hyper_parameters": hparams, "dp_world_size": 1}, states)
+    torch.save({"global_step": 2, "module": {}, "hyper_parameters": hparams, "dp_world_size": 1, **RESUMABLE}, states)
     (states.parents[1] / "latest").write_text("checkpoint")
     for given, more in ((folder / "last.ckpt", []), (states.parents[1], ["--trainer.strategy", "hbp"])):
         for max_steps in ("2", "1"):
@@ -384,7 +387,7 @@ def test_auto_finds_the_checkpoints_of_lightnings_default_logger_and_last_is_ref
     hparams, _ = run_checkpoints_folder(tmp_path, small_demo, monkeypatch)
     folder = Path("runs/lightning_logs/version_0/checkpoints")  # the tiny config's default_root_dir: runs
     folder.mkdir(parents=True)
-    torch.save({"global_step": 2, "state_dict": {}, "hyper_parameters": hparams}, folder / "last.ckpt")
+    torch.save({"global_step": 2, "state_dict": {}, "hyper_parameters": hparams, **RESUMABLE}, folder / "last.ckpt")
     with caplog.at_level(logging.INFO):
         code, out, err = run_cli(["--trainer.logger", "null", "--ckpt_path", "auto"], tmp_path, small_demo, capfd)
     assert code == 0, err
@@ -421,7 +424,14 @@ def test_a_resume_past_its_max_epochs_is_refused_and_a_mid_epoch_one_trains_on(
     def saved(processed: int) -> dict:
         progress = {"ready": 1, "started": 1, "processed": processed, "completed": 0}
         loops = {"fit_loop": {"epoch_progress": {"total": progress, "current": progress}}}
-        return {"global_step": 3, "epoch": 0, "state_dict": {}, "hyper_parameters": hparams, "loops": loops}
+        return {
+            "global_step": 3,
+            "epoch": 0,
+            "state_dict": {},
+            "hyper_parameters": hparams,
+            "loops": loops,
+            **RESUMABLE,
+        }
 
     torch.save(saved(1), folder / "last.ckpt")
     code, _, err = run_cli(
@@ -609,3 +619,48 @@ def test_a_zero3_folder_loads_under_stage_3_to_train_and_says_how_to_validate_it
     code, _, err = run_cli(["--trainer.strategy", "hbp", "--ckpt_path", str(folder), "--trainer.max_steps", "3"],
                            tmp_path, small_demo, capfd)  # fmt: skip
     assert code == 2 and "DeepSpeed's ZeRO stage 3 saved it, and this run's strategy is stage 2" in err, err
+
+
+def boring_saves(folder: Path) -> tuple[Path, Path]:
+    """(a full checkpoint of step 2, a newer weights-only one of step 2: a ``ModelCheckpoint(save_weights_only=True)``
+    beside the full one), saved by Lightning from its BoringModel."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    full = ModelCheckpoint(folder, "full-{step}", every_n_train_steps=2, save_top_k=-1)
+    light = ModelCheckpoint(folder, "weights-{step}", every_n_train_steps=1, save_top_k=-1, save_weights_only=True)
+    trainer = L.Trainer(max_steps=2, callbacks=[full, light], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=folder)  # fmt: skip
+    trainer.fit(BoringModel())
+    weights = folder / "weights-step=2.ckpt"
+    os.utime(weights, (os.path.getmtime(folder / "full-step=2.ckpt") + 1,) * 2)  # the newer, whatever the clock says
+    return folder / "full-step=2.ckpt", weights
+
+
+def test_a_weights_only_checkpoint_is_passed_over_by_auto_and_refused_by_fit(tmp_path, small_demo, monkeypatch, capfd):
+    """A ``save_weights_only`` checkpoint beside the full one: ``--ckpt_path auto`` resumed from it when it was the
+    newest and Lightning stopped in a ``KeyError`` after the data was read (every requeue of the job again); named, it
+    was not refused either. Lightning's own resume from it is the reference: it fails, and from the full one it does
+    not. A validation may read its weights."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lit_hbp.cli.resume import check_training_state
+    from lit_hbp.lightning.checkpoints import WEIGHTS_ONLY
+
+    full, weights = boring_saves(tmp_path / "checkpoints")
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(KeyError, match="contains only the model"):
+        L.Trainer(max_steps=3, **quiet).fit(BoringModel(), ckpt_path=weights)
+    resumed = L.Trainer(max_steps=3, **quiet)
+    resumed.fit(BoringModel(), ckpt_path=full)
+    assert resumed.global_step == 3
+
+    assert find_resumable([full.parent]) == (str(full), [(str(weights), WEIGHTS_ONLY)])
+    assert find_resumable([full.parent], training=False)[0] == str(weights)
+    check_training_state(Namespace(ckpt_path=str(full), weights_only=None))
+    with pytest.raises(ConfigError, match=f"--ckpt_path {weights}: saved with weights only"):
+        check_training_state(Namespace(ckpt_path=str(weights), weights_only=None))
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["--ckpt_path", str(weights)], tmp_path, small_demo, capfd)
+    assert code == 2 and "saved with weights only (a ModelCheckpoint's save_weights_only)" in err, err
+    assert not (tmp_path / "cache").exists()  # before any data is read

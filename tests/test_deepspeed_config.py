@@ -4,6 +4,7 @@ plain AdamW loop: stage 0's hidden AdamW step under bf16 0.032 off after 4 steps
 optimizer 2.7e-2 off, a stage beside a config trained at the config's)."""
 
 import copy
+import os
 
 import lightning as L
 import pytest
@@ -297,3 +298,26 @@ def test_a_stage_0_runs_checkpoint_resumes(tmp_path, small_demo):
         again.fit(HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False), dm,
                   ckpt_path=tmp_path / str(i) / "step=1.ckpt")  # fmt: skip
         assert again.global_step == 2
+
+
+def test_a_weights_only_deepspeed_folder_holds_no_training_state(tmp_path, small_demo):
+    """``--ckpt_path auto`` and ``fit`` pass over a ``save_weights_only`` save (``holds_training_state``): under
+    DeepSpeed the client state Lightning keeps in the folder tells, as Lightning's own resume from it fails."""
+    from lit_hbp.lightning.checkpoints import find_resumable, holds_training_state
+
+    L.seed_everything(0)
+    dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache")
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+    full = ModelCheckpoint(tmp_path / "ckpt", "full-{step}", every_n_train_steps=2, save_top_k=-1)
+    light = ModelCheckpoint(tmp_path / "ckpt", "weights-{step}", every_n_train_steps=1, save_top_k=-1,
+                            save_weights_only=True)  # fmt: skip
+    quiet_trainer(strategy=HBPStrategy(stage=2), max_steps=2, default_root_dir=tmp_path, callbacks=[full, light],
+                  enable_checkpointing=True).fit(module, dm)  # fmt: skip
+    full, weights = tmp_path / "ckpt" / "full-step=2.ckpt", tmp_path / "ckpt" / "weights-step=2.ckpt"
+    os.utime(weights / "latest", (os.path.getmtime(full / "latest") + 1,) * 2)  # the newer, whatever the clock says
+    assert holds_training_state(full) is True and holds_training_state(weights) is False
+    assert find_resumable([tmp_path / "ckpt"])[0] == str(full)
+    again = quiet_trainer(strategy=HBPStrategy(stage=2), max_steps=3, default_root_dir=tmp_path)
+    with pytest.raises(KeyError):
+        again.fit(HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False), dm,
+                  ckpt_path=weights)  # fmt: skip

@@ -63,6 +63,7 @@ from lit_hbp.cli.resume import (  # noqa: F401  (public here too: their first ho
     check_resume,
     check_resumed_model,
     check_resumed_steps,
+    check_training_state,
     checkpoint_data_seed,
     checkpoint_folders,
     resolve_auto_resume,
@@ -166,6 +167,8 @@ class HBPCLI(LightningCLI):
             return
         section = self.config[subcommand]
         self._guard(check_resume, section)
+        if subcommand == "fit":
+            self._guard(check_training_state, section)
         self._read_checkpoint_model(subcommand, section)
 
     def _read_checkpoint_model(self, subcommand: str, section: Any) -> None:

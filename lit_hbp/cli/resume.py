@@ -16,10 +16,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_hbp.cli.checks import is_deepspeed, is_instance_entry, world_size_of
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.checkpoints import (
+    WEIGHTS_ONLY,
     check_checkpoint,
     check_resumed_settings,
     client_state_file,
     find_resumable,
+    holds_training_state,
     plan_seed,
     safe_load,
     trusted_load,
@@ -109,7 +111,7 @@ def resolve_auto_resume(section: Any, validating: bool = False) -> None:
     if section.get("ckpt_path") != AUTO:
         return
     folders = checkpoint_folders(section)
-    found, skipped = find_resumable(folders)
+    found, skipped = find_resumable(folders, training=not validating)
     section.ckpt_path = found
     for path, why in skipped:
         rank_zero_info(f"--ckpt_path {AUTO}: skipped {path}: {why}")
@@ -184,6 +186,20 @@ def check_resume(section: Any) -> None:
         )
     if path.is_dir() and not trust:
         check_resumed_world(path, world_size_of(section.get("trainer") or {}))
+
+
+def check_training_state(section: Any) -> None:
+    """A fit resumed from a weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)``): Lightning stops
+    in a ``KeyError`` traceback once the data is read. Refused before anything is built (a validation reads its
+    weights as it reads any checkpoint's)."""
+    ckpt = section.get("ckpt_path")
+    if not ckpt or str(ckpt) in (AUTO, *KEYWORDS) or "://" in str(ckpt) or not Path(ckpt).exists():
+        return
+    if section.get("weights_only") is not False and holds_training_state(ckpt) is False:
+        raise ConfigError(
+            f"--ckpt_path {ckpt}: {WEIGHTS_ONLY}; resume from a full checkpoint of the run, or start a new run from "
+            f"its weights (python -m lit_hbp.export {ckpt} OUT, then --model.model OUT)"
+        )
 
 
 def last_folders(section: Any) -> list[Path] | None:

@@ -291,9 +291,9 @@ def _written_at(path: Path) -> float:
 
 
 def newest_checkpoint(folders: Iterable[str | os.PathLike]) -> str | None:
-    """The newest complete checkpoint (``*.ckpt``: a file or a DeepSpeed folder; ``is_complete``)
-    directly inside any of ``folders``, by the time it was completed; None when there is none.
-    Partial files (``.<name>.partial``) and incomplete checkpoints are passed over."""
+    """The newest checkpoint a fit resumes from (``*.ckpt``: a file or a DeepSpeed folder, complete and holding the
+    training state) directly inside any of ``folders``, by the time it was completed; None when there is none.
+    Partial files (``.<name>.partial``), incomplete and weights-only checkpoints are passed over."""
     return find_resumable(folders)[0]
 
 
@@ -345,10 +345,32 @@ def _why_not_zip(path: Path) -> str:
     return "not a checkpoint: not a file torch.save wrote (those are zip archives)"
 
 
-def find_resumable(folders: Iterable[str | os.PathLike]) -> tuple[str | None, list[tuple[str, str]]]:
-    """(the newest complete checkpoint directly inside any of ``folders``, by the time it was completed,
-    or None; each checkpoint-named entry passed over, with why): what ``--ckpt_path auto`` resumes from
-    and what it says it skipped. A left-over ``.<name>.partial`` file is a save that was cut short."""
+WEIGHTS_ONLY = (
+    "saved with weights only (a ModelCheckpoint's save_weights_only): no optimizer, scheduler or loop state to resume "
+    "training from"
+)
+
+
+def holds_training_state(path: str | os.PathLike) -> bool | None:
+    """Whether checkpoint ``path`` holds what a resumed fit restores: Lightning's ``lr_schedulers`` (and, in a file,
+    ``optimizer_states``; DeepSpeed keeps its own), which a ``ModelCheckpoint(save_weights_only=True)`` save leaves
+    out (Lightning's resume from it stops in a ``KeyError`` after the data is read). None where the file cannot be
+    read with the allow-list (the resume's checks refuse it by name)."""
+    try:
+        state = safe_load(client_state_file(path), mmap=True)
+    except (UserInputError, OSError, ValueError):
+        return None
+    keys = ("lr_schedulers",) if Path(path).is_dir() else ("lr_schedulers", "optimizer_states")
+    return isinstance(state, dict) and all(key in state for key in keys)
+
+
+def find_resumable(
+    folders: Iterable[str | os.PathLike], training: bool = True
+) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the newest complete checkpoint directly inside any of ``folders``, by the time it was completed, or None;
+    each checkpoint-named entry passed over, with why): what ``--ckpt_path auto`` resumes from and what it says it
+    skipped. A left-over ``.<name>.partial`` file is a save that was cut short; for ``training`` (a fit's resume) a
+    newer weights-only save is passed over too."""
     found: list[tuple[float, str]] = []
     skipped: list[tuple[str, str]] = []
     for folder in dict.fromkeys(Path(f) for f in folders):
@@ -364,7 +386,11 @@ def find_resumable(folders: Iterable[str | os.PathLike]) -> tuple[str | None, li
                 skipped.append((str(path), why))
         for path in sorted(folder.glob(f".*.ckpt{PARTIAL}")):
             skipped.append((str(path), "a save that was cut short (written beside its name, never renamed)"))
-    return (max(found)[1] if found else None), skipped
+    for _, path in sorted(found, reverse=True):
+        if not training or holds_training_state(path) is not False:
+            return path, skipped
+        skipped.append((path, WEIGHTS_ONLY))
+    return None, skipped
 
 
 # --- no pickle from a stranger ----------------------------------------------------------------------
