@@ -266,15 +266,17 @@ class Pids(torch.utils.data.Dataset):
 
 def test_dataloader_workers_leave_signals_to_main():
     """A terminal's Ctrl-C and a scheduler's group signal reach the workers too: torch's workers die of SIGTERM by
-    a handler of their own, which ``leave_signals_to_main`` replaces; a second signal ends the worker. Five items
-    after the signals: more than the loader fetches ahead, so a dead worker could not have given them."""
+    a handler of their own, which ``leave_signals_to_main`` replaces: a signal from another process (``kill``, as a
+    scheduler or torchrun sends it) is the main process's to act on; a SIGTERM from the main process (a loader's
+    shutdown terminating its workers) ends the worker, as torch's handler does. Five items after the signals: more
+    than the loader fetches ahead, so a dead worker could not have given them."""
     loader = torch.utils.data.DataLoader(Pids(), num_workers=1, worker_init_fn=leave_signals_to_main)
     items = iter(loader)
     worker = int(next(items))
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
-        os.kill(worker, signum)
+    for name in ("INT", "TERM", "USR1", "TERM", "USR2"):
+        subprocess.run(["kill", f"-{name}", str(worker)], check=True)
     assert [int(next(items)) for _ in range(5)] == [worker] * 5
-    os.kill(worker, signal.SIGUSR1)
+    os.kill(worker, signal.SIGTERM)  # from its main process
     with pytest.raises(RuntimeError, match=f"{worker}"):
         list(items)
 
@@ -286,12 +288,11 @@ def _echo(conn):
         conn.send(conn.recv())
 
 
-def test_a_forked_worker_leaves_a_first_signal_to_the_main_process_and_ends_at_a_second():
-    """A DataLoader worker forked while the handlers are installed inherits them. A signal to the whole process group
-    (SLURM's scancel, ``kill -TERM -<pgid>``) reaches the workers too: a worker that died of it failed the running step
-    with no checkpoint, so a first SIGTERM (as SIGINT) is left to the main process; a second one (a loader's shutdown
-    terminating a lingering worker after that) ends it. No waiting for a while: a signal sent before a message is
-    handled before the message is read, so the worker answering the message sent after a signal survived it."""
+def test_a_forked_process_told_to_end_ends():
+    """A process forked while the handlers are installed inherits them (a pool's workers, or a loader's without
+    ``leave_signals_to_main``): SIGTERM (a pool's terminate) still ends it, SIGINT is left to the main process. No
+    waiting for a while: a signal sent before a message is handled before the message is read, so the worker
+    answering the message sent after SIGINT is the worker having survived it."""
     import multiprocessing
 
     interrupt = InterruptCheckpoint()
@@ -303,10 +304,9 @@ def test_a_forked_worker_leaves_a_first_signal_to_the_main_process_and_ends_at_a
         worker = ctx.Process(target=_echo, args=(theirs,))
         worker.start()
         assert ours.poll(HANG_S) and ours.recv() == "started"
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
-            os.kill(worker.pid, signum)
-            ours.send(f"still there after {signum}?")
-            assert ours.poll(HANG_S) and ours.recv() == f"still there after {signum}?"  # EOFError had it ended
+        os.kill(worker.pid, signal.SIGINT)
+        ours.send("still there?")
+        assert ours.poll(HANG_S) and ours.recv() == "still there?"  # (EOFError if SIGINT had ended it)
         os.kill(worker.pid, signal.SIGTERM)
         worker.join(HANG_S)
         assert worker.exitcode == -signal.SIGTERM
@@ -317,7 +317,7 @@ def test_a_forked_worker_leaves_a_first_signal_to_the_main_process_and_ends_at_a
 
 
 GROUP_SIGNAL_FIT = """
-import os, signal, sys
+import os, signal, subprocess, sys
 from pathlib import Path
 import lightning as L, torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -330,7 +330,8 @@ root, demo, signum = Path(sys.argv[1]), Path(sys.argv[2]), getattr(signal, sys.a
 class GroupSignal(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 4:
-            os.killpg(os.getpgrp(), signum)  # what scancel and `kill -TERM -<pgid>` do
+            # what scancel and `kill -TERM -<pgid>` do: another process signals the group
+            subprocess.run(["kill", "-s", sys.argv[3][3:], "--", f"-{os.getpgrp()}"])
 
 torch.set_num_threads(1)
 L.seed_everything(0)

@@ -16,6 +16,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,10 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.callbacks.checkpoint import FinalCheckpoint, StepEndCallback
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.loader import (
-    leave_signals_to_main,  # noqa: F401  (public here too)
-    worker_signal,
-)
+from lit_hbp.lightning.loader import leave_signals_to_main  # noqa: F401  (public here too)
 
 FIRST_PRESS = (
     "Ctrl-C: training stops after the current optimizer step and saves a checkpoint; "
@@ -39,6 +37,7 @@ FIRST_PRESS = (
 )
 FALLBACK_NAME = "interrupted.ckpt"
 SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+REPEAT_S = 2.0  # the same signal again this soon is the first delivered twice (a scheduler's and a launcher's)
 
 
 def signal_label(signum: int) -> str:
@@ -60,7 +59,9 @@ class InterruptCheckpoint(StepEndCallback):
     """The first interrupting signal (Ctrl-C's SIGINT, the SIGTERM of SLURM, Kubernetes or torchrun, a
     SLURM warning signal such as ``--signal=USR1@90``) lets the running optimizer step finish, saves it
     and stops fit; a second signal stops at once (SIGINT: KeyboardInterrupt, Lightning's default; any
-    other: the signal's default action, the process ends by it). ``exit_status`` is then ``128 +
+    other: the signal's default action, the process ends by it), except the same signal within ``REPEAT_S``
+    of the first: one request delivered twice (SLURM signals every process of a step, torchrun among them,
+    and torchrun forwards the signal to its workers). ``exit_status`` is then ``128 +
     signal number`` (130 for Ctrl-C, 143 for SIGTERM), what a shell reports for a process ended by the
     signal: the CLI exits with it, so a scheduler and ``fit ... && export ...`` see an interrupted run.
 
@@ -110,6 +111,7 @@ class InterruptCheckpoint(StepEndCallback):
         self.requeued = False
         self._installed: dict[int, Any] = {}  # signal -> the handler to restore
         self._pid = 0
+        self._received_at = 0.0  # time.monotonic() of the first signal
         self._announce = False
         self._group: Any = None
         self._group_world: Any = None  # the default group ``_group`` was made under
@@ -152,18 +154,23 @@ class InterruptCheckpoint(StepEndCallback):
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self._pid:  # a forked DataLoader worker inherited the handler (see leave_signals_to_main)
-            if signum != signal.SIGINT:
-                worker_signal(signum, frame)
-            return
+        if (
+            os.getpid() != self._pid
+        ):  # a forked process inherited the handler (a loader's workers: leave_signals_to_main)
+            if signum != signal.SIGINT:  # one told to end (a pool's terminate) ends, as it would without us
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return  # the terminal's Ctrl-C: the main process decides
         if self.received is not None:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
+            if signum == self.received and time.monotonic() - self._received_at < REPEAT_S:
+                return  # the same request twice: SLURM signals every process of the step, torchrun forwards its own
             os.write(2, f"\n{signal_label(signum)} again: stopping at once without saving\n".encode())
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.received = signum
+        self.received, self._received_at = signum, time.monotonic()
         if self._announce:
             # os.write, not print: a handler that runs inside a buffered write to the same stream fails.
             os.write(2, f"\n{first_signal_note(signum)}\n".encode())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 from typing import Any
 
 import numpy as np
@@ -522,26 +523,27 @@ class FixedPlanSampler(Sampler[tuple[int, int, MicroBatch]]):
             yield 0, k, self.plan.micro_batch(self.rank, k)
 
 
-WORKER_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")  # a scheduler's or SLURM's, left to the main process once
-_worker_signalled = False  # a worker process's own: it got one of WORKER_SIGNALS already
+WORKER_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")  # a scheduler's, a launcher's: the main process decides
 
 
 def leave_signals_to_main(worker_id: int) -> None:
     """A DataLoader ``worker_init_fn``: the worker leaves the signals that stop a run to the main process. A
-    terminal's Ctrl-C and a signal to the whole process group (SLURM's ``scancel`` and ``srun --signal``,
-    ``kill -TERM -<pgid>``, ``timeout``) reach the workers too; one that died of it (torch's workers die of
-    SIGTERM) failed the step ``InterruptCheckpoint`` lets finish, with nothing saved. SIGINT is ignored; a
-    first SIGTERM, SIGUSR1 or SIGUSR2 too, a second ends the worker (a loader's shutdown terminating a
-    lingering worker, multiprocessing's exit its daemons). The workers still end with the main process."""
+    terminal's Ctrl-C and a signal to a whole process group (SLURM's ``scancel`` and ``srun --signal``, torchrun
+    forwarding a SIGTERM, ``kill -TERM -<pgid>``) reach the workers too; one that died of it (torch's workers die
+    of SIGTERM) failed the step ``InterruptCheckpoint`` lets finish, with nothing saved. SIGINT is ignored; SIGTERM,
+    SIGUSR1 and SIGUSR2 are waited for by a thread of the worker, which ends the worker on a SIGTERM from its own
+    main process (its loader's shutdown, multiprocessing's exit), as torch's own handler does, and leaves any other
+    to the main process. The workers still end with the main process (torch's watchdog)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for name in WORKER_SIGNALS:
-        signal.signal(getattr(signal, name), worker_signal)
+    if not hasattr(signal, "sigwaitinfo"):  # macOS: torch's own SIGTERM handler stays
+        return
+    waited = {getattr(signal, name) for name in WORKER_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_BLOCK, waited)  # every thread started from here on inherits it
+    threading.Thread(target=_wait_for_signals, args=(waited, os.getppid()), daemon=True, name="signals").start()
 
 
-def worker_signal(signum: int, frame: Any) -> None:
-    """A worker's handler: the first of ``WORKER_SIGNALS`` is the main process's to act on, a second ends it."""
-    global _worker_signalled
-    if _worker_signalled:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-    _worker_signalled = True
+def _wait_for_signals(waited: set[int], parent: int) -> None:
+    while True:
+        got = signal.sigwaitinfo(waited)
+        if got.si_signo == signal.SIGTERM and got.si_pid == parent:
+            os._exit(0)  # torch's worker handler: a SIGTERM from the main process ends the worker quietly
