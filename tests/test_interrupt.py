@@ -184,10 +184,14 @@ def test_a_slurm_job_is_requeued_at_the_step_and_resumes_by_itself(tmp_path, sma
     again = fit(job, small_demo, [Send(signal.SIGUSR1, 8), interrupt])
     assert again.rows == reference.rows[6:10]
     assert sorted(p.name for p in job.glob("hpc_ckpt_*")) == ["hpc_ckpt_2.ckpt"]  # the older one is removed
-    last = fit(job, small_demo, [])
+    last = fit(job, small_demo, [InterruptCheckpoint()])
     assert last.rows == reference.rows[10:]
     for name, value in last.weights.items():
         assert torch.equal(value, reference.weights[name]), name
+    # Complete: its requeue checkpoint is spent. Lightning resumed any hpc_ckpt in the folder by itself, so another
+    # run in it (the CLI's runs/ is every config's) continued this one, silently.
+    assert not list(job.glob("hpc_ckpt_*"))
+    assert fit(job, small_demo, [InterruptCheckpoint()], max_steps=2).rows == reference.rows[:4]
 
 
 def test_ctrl_c_stops_before_min_steps(tmp_path, small_demo):

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -259,6 +260,8 @@ class InterruptCheckpoint(StepEndCallback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore(trainer)
         self._release_group()
+        if self.signal is None:
+            _spend_requeue_checkpoint(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._restore(trainer)
@@ -281,6 +284,19 @@ class InterruptCheckpoint(StepEndCallback):
                 signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         self._installed = {}
         trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
+def _spend_requeue_checkpoint(trainer: L.Trainer) -> None:
+    """A run that resumed from a SLURM requeue checkpoint (``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``) and ended
+    without a signal removes it: Lightning resumes any such file there by itself under SLURM, and ``--ckpt_path auto``
+    finds it, so a later run of another config in the same folder continued this one's, silently."""
+    resumed = trainer.ckpt_path
+    if not resumed or "://" in str(resumed):
+        return
+    path = Path(resumed)
+    if path.name.startswith("hpc_ckpt_") and path.parent.resolve() == Path(trainer.default_root_dir).resolve():
+        trainer.strategy.remove_checkpoint(str(path))
+        rank_zero_info(f"training ended: the SLURM requeue checkpoint it resumed from, {path}, is removed")
 
 
 def _note_sigterm(connector: Any, signum: int, frame: Any) -> None:
