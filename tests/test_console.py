@@ -246,6 +246,16 @@ def test_final_step_with_the_default_checkpoint_and_with_save_last_link(tmp_path
     assert torch.load(tmp_path / "link" / "step=4.ckpt", weights_only=False)["global_step"] == 4
 
 
+def test_a_checkpoint_every_n_steps_that_keeps_them_all_holds_the_final_step(tmp_path):
+    """``ModelCheckpoint(every_n_train_steps=2, save_top_k=-1)`` without a monitor keeps every step it saves: the
+    final step 5 (max_steps) was in no checkpoint, the run's last 1 step lost, and ``--ckpt_path auto`` resumed at
+    step 4. It gets its own file, as a scheduled save at that step would write it."""
+    every = ModelCheckpoint(dirpath=tmp_path / "every", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    plain_fit(tmp_path, [every, FinalCheckpoint()], max_steps=5)
+    assert sorted(p.name for p in (tmp_path / "every").iterdir()) == ["step=2.ckpt", "step=4.ckpt", "step=5.ckpt"]
+    assert torch.load(tmp_path / "every" / "step=5.ckpt", weights_only=False)["global_step"] == 5
+
+
 def test_the_default_checkpoint_is_not_rewritten_after_lightning_closes_the_epoch(tmp_path):
     """Without validation the default checkpoint callback saves at epoch ends. max_steps 5 stops inside
     the 8-batch epoch: the final-step checkpoint must stay the mid-epoch one, so a resume with a larger

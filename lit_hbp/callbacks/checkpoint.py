@@ -41,8 +41,8 @@ class FinalCheckpoint(StepEndCallback):
 
     For each ``ModelCheckpoint`` of the trainer that did not save at the final step:
     ``save_last`` set: ``last.ckpt`` is written at the final step; no ``save_last``, no ``monitor``
-    and ``save_top_k == 1`` (the checkpoint callback Lightning adds by default, which keeps the
-    latest checkpoint): its checkpoint is written at the final step. A callback that ranks
+    and ``save_top_k`` 1 (the checkpoint callback Lightning adds by default, which keeps the latest
+    checkpoint) or -1 (every step it saves): its checkpoint is written at the final step. A callback that ranks
     checkpoints by a monitored metric and keeps no last one is left alone: the final step has no
     fresh value of that metric to rank it by. One with a last one that ranks at the epoch's end still ranks
     the final step there, as Lightning does, but does not write ``last.ckpt`` again after the epoch closed.
@@ -130,7 +130,7 @@ class FinalCheckpoint(StepEndCallback):
                 continue
             if cb._last_global_step_saved == step or self._saved_at.get(id(cb)) == step:
                 continue
-            keeps_latest = cb.monitor is None and cb.save_top_k == 1
+            keeps_latest = cb.monitor is None and cb.save_top_k != 0  # the newest (1) or every step it saved (-1)
             if not cb.save_last and not keeps_latest:
                 continue
             previous = cb._last_global_step_saved
