@@ -150,6 +150,20 @@ def test_sigterm_and_sigusr1_save_the_running_step_and_set_the_exit_status(tmp_p
     assert "_broadcast_sigterm_tensor" not in vars(run.trainer.fit_loop.epoch_loop)
 
 
+def test_a_signal_at_the_runs_final_step_ends_it_complete(tmp_path, small_demo, lightning_log, reference):
+    """SIGTERM inside the last optimizer step (max_steps): the run exited 143 as interrupted, its export was not
+    written, and the resume line it printed was refused (the checkpoint trains nothing more). It ends as the run
+    without a signal ends: the final step saved, no exit status, nothing to resume."""
+    interrupt = InterruptCheckpoint()
+    save = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    run = fit(tmp_path / "run", small_demo, [save, Send(signal.SIGTERM, 2 * MAX_STEPS - 1), interrupt],
+              enable_checkpointing=True)  # fmt: skip
+    assert run.trainer.global_step == MAX_STEPS and run.rows == reference.rows
+    assert interrupt.signal is None and interrupt.exit_status is None and interrupt.checkpoint is None
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == MAX_STEPS
+    assert f"SIGTERM at the run's final optimizer step {MAX_STEPS}: it ends complete" in "\n".join(lightning_log)
+
+
 def test_the_signals_handled_are_checked():
     assert InterruptCheckpoint(["TERM", "SIGUSR2"]).signals == (signal.SIGTERM, signal.SIGUSR2)
     with pytest.raises(ConfigError, match="SIGKILL cannot be handled"):

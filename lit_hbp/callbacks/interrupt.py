@@ -187,9 +187,21 @@ class InterruptCheckpoint(StepEndCallback):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
             got = flags.tolist()
         received = [s for s, flag in zip(self.signals, got) if flag]
-        if received:
-            requeue = _requeue_signal(trainer)
-            self._save_and_stop(trainer, min(received, key=lambda s: (s != requeue, s != signal.SIGTERM)))
+        if not received:
+            return
+        requeue = _requeue_signal(trainer)
+        signum = min(received, key=lambda s: (s != requeue, s != signal.SIGTERM))
+        ends = trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step
+        if ends or FinalCheckpoint.last_epoch_ends(trainer):
+            # The run's final step: it ends complete, as it would have (exit 0, its export written); a resume from
+            # here would train nothing, and a requeued job neither.
+            self._final.save_final(trainer)
+            self.received = None
+            rank_zero_info(
+                f"{signal_label(signum)} at the run's final optimizer step {trainer.global_step}: it ends complete"
+            )
+            return
+        self._save_and_stop(trainer, signum)
 
     def _save_and_stop(self, trainer: L.Trainer, signum: int) -> None:
         step = trainer.global_step
