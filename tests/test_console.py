@@ -540,6 +540,24 @@ def test_throughput_monitor_counts_packed_batches(first_run):
     assert float(rows[-1]["train/lengths"]) == pytest.approx(sum(r["tokens"] for r in first_run.rows))
 
 
+def test_a_resumed_runs_throughput_counts_go_on_from_the_checkpoints(first_run, small_demo, tmp_path):
+    """``train/batches``, ``train/samples`` and ``train/lengths`` are running counts: resumed from the step-4
+    checkpoint they started again from 0 (the "tokens seen" curve fell back in the same run folder); the resumed
+    run's step 5 logs what the uninterrupted run's step 5 logged."""
+    step_4 = first_run.root / "ckpt" / "step=4.ckpt"
+    hbp_fit(tmp_path, small_demo, MAX_STEPS, [HBPThroughputMonitor()], ckpt_path=step_4,
+            logger=CSVLogger(tmp_path / "logs"), log_every_n_steps=1, enable_checkpointing=False)  # fmt: skip
+    keys = ("train/batches", "train/samples", "train/lengths")
+
+    def logged(root):
+        (metrics,) = glob.glob(f"{root}/logs/**/metrics.csv", recursive=True)
+        return {int(r["step"]): [float(r[k]) for k in keys] for r in csv.DictReader(open(metrics)) if r.get(keys[0])}
+
+    resumed, uninterrupted = logged(tmp_path), logged(first_run.root)
+    assert list(resumed) == [MAX_STEPS - 1]  # the logger's step: global_step - 1
+    assert resumed[MAX_STEPS - 1] == uninterrupted[MAX_STEPS - 1]
+
+
 # ---- 6. a checkpoint folder fine-tuned through the CLI, validated, resumed into its own run folder ---------
 
 

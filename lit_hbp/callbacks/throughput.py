@@ -92,6 +92,7 @@ class HBPThroughputMonitor(ThroughputMonitor):
         )
         self._check_packed = packed  # counting PackedBatch micro-batches: the first batch is checked
         self._pending = dict(samples=0.0, tokens=0.0, flops=0.0, batches=0)
+        self._resumed: dict[str, float] = {}  # the counts of the checkpoint a run resumed from, until it starts
 
     def _check_batch(self, batch: Any) -> None:
         if self._check_packed and not isinstance(batch, PackedBatch):
@@ -119,6 +120,28 @@ class HBPThroughputMonitor(ThroughputMonitor):
             s: ShareThroughput(available_flops=self.available_flops, world_size=trainer.world_size, **self.kwargs)
             for s in stages
         }
+
+    def state_dict(self) -> dict[str, float]:
+        """The training stage's running counts (the micro-batches since the last logging step too): a resumed run
+        counts on from them, as the uninterrupted run does (its ``train/batches``, ``train/samples`` and
+        ``train/lengths`` started again from 0). Rank 0's, which counts; the rates start afresh."""
+        stage, pending = RunningStage.TRAINING, self._pending
+        return {
+            "batches": self._batches.get(stage, 0) + pending["batches"],
+            "samples": self._samples.get(stage, 0) + pending["samples"],
+            "lengths": self._lengths.get(stage, 0) + pending["tokens"],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, float]) -> None:
+        self._resumed = dict(state_dict)
+
+    @rank_zero_only
+    def on_train_start(self, trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)  # Lightning's start sets the counts to 0
+        resumed, self._resumed = self._resumed, {}
+        stage = RunningStage.TRAINING
+        for name, counts in (("batches", self._batches), ("samples", self._samples), ("lengths", self._lengths)):
+            counts[stage] += resumed.get(name, 0)
 
     @rank_zero_only
     def on_validation_start(self, trainer, *args: Any) -> None:
