@@ -348,6 +348,20 @@ def test_a_checkpoint_of_an_epochs_end_in_a_run_bounded_by_steps_is_refused(tmp_
     assert done.rows == []
 
 
+def test_with_final_checkpoint_an_epoch_end_checkpoint_of_a_run_bounded_by_steps_resumes_exactly(tmp_path, small_demo):
+    """The case above with FinalCheckpoint (the CLI adds it): what the callback saves at an epoch's end is saved at
+    that epoch's last step's end, before Lightning closes the epoch, and resumes exactly. A run with Lightning's
+    default checkpoint callback alone (``configs/llama_1b_1gpu.yaml``) killed past its first epoch had no checkpoint
+    a resume accepted."""
+    ends = ModelCheckpoint(tmp_path / "ckpt", save_on_train_epoch_end=True, save_top_k=-1, filename="{epoch}")
+    steps = dict(max_steps=6, max_epochs=-1)
+    reference = fit(tmp_path / "reference", small_demo, [ends, FinalCheckpoint()], enable_checkpointing=True, **steps)
+    assert torch.load(tmp_path / "ckpt" / "epoch=0.ckpt", weights_only=False)["global_step"] == 3
+    resumed = fit(tmp_path / "resumed", small_demo, ckpt_path=str(tmp_path / "ckpt" / "epoch=0.ckpt"), **steps)
+    assert resumed.rows == reference.rows[6:]
+    assert_same_weights(resumed.weights, reference.weights)
+
+
 def test_a_resumed_run_does_not_save_its_checkpoints_step_again_inside_the_next_step(tmp_path, small_demo):
     """A ModelCheckpoint keeps no record of the step it saved last: resumed at step 2 with ``every_n_train_steps``
     it saved step 2 again after the first micro-batch, inside step 3, over the very file resumed from (which a

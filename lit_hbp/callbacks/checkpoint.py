@@ -54,7 +54,9 @@ class FinalCheckpoint(StepEndCallback):
     the epoch, would resume at the next epoch and skip the rest of this one (a resume refuses one). So is the
     last step of a run that ends with its last epoch (``max_epochs``), before Lightning closes the epoch; what
     ends otherwise at an epoch's end (early stopping there) is saved in ``on_train_end``.
-    A resume from this checkpoint with the same ``max_steps`` trains nothing more.
+    A resume from this checkpoint with the same ``max_steps`` trains nothing more. In a run ``max_steps`` bounds,
+    what a callback without a monitor saves at an epoch's end is saved at that epoch's last step's end too
+    (``save_epoch_end``): written after Lightning closed the epoch, no resume can continue it exactly.
 
     The CLI adds this callback; in a plain Lightning project add it to ``Trainer(callbacks=...)``.
     """
@@ -76,6 +78,30 @@ class FinalCheckpoint(StepEndCallback):
         ends = trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step
         if self.stepped(trainer) and (ends or stopping or self.last_epoch_ends(trainer)):
             self.save_final(trainer)
+        elif self.stepped(trainer) and trainer.fit_loop._iteration_based_training():
+            if trainer.fit_loop.epoch_loop._num_ready_batches_reached():
+                self.save_epoch_end(trainer)
+
+    @staticmethod
+    def save_epoch_end(trainer: L.Trainer) -> None:
+        """At the last step of an epoch of a run ``max_steps`` bounds: what each ModelCheckpoint without a monitor
+        would save at the epoch's end (Lightning's default one saves only there) is saved at the step's end, before
+        Lightning closes the epoch. Written after, a resume trains the next epoch's micro-batches as this one's
+        (plain Lightning too), and is refused: a run the default callback alone saved had no checkpoint to resume
+        from. Its epoch-end hook then finds the step saved."""
+        for cb in trainer.checkpoint_callbacks:
+            due = isinstance(cb, ModelCheckpoint) and cb.monitor is None and cb._should_save_on_train_epoch_end(trainer)
+            every = getattr(cb, "_every_n_epochs", 0)
+            if (
+                not due
+                or every < 1
+                or (trainer.current_epoch + 1) % every
+                or cb._should_skip_saving_checkpoint(trainer)
+            ):
+                continue
+            candidates = cb._monitor_candidates(trainer)  # the calls of its own on_train_epoch_end
+            cb._save_topk_checkpoint(trainer, candidates)
+            cb._save_last_checkpoint(trainer, candidates)
 
     @staticmethod
     def last_epoch_ends(trainer: L.Trainer) -> bool:
