@@ -362,6 +362,27 @@ def test_with_final_checkpoint_an_epoch_end_checkpoint_of_a_run_bounded_by_steps
     assert_same_weights(resumed.weights, reference.weights)
 
 
+def test_a_resume_with_more_activation_checkpointing_or_without_the_curriculum_after_epoch_0_continues_exactly(
+    tmp_path, small_demo
+):
+    """A level's ``ckpt_layers`` does not change the plan (more checkpointing is how a run that ran out of memory
+    goes on), nor does ``HBPCurriculum`` after the first epoch: both were refused as "another plan". The resumed run
+    trains the uninterrupted one's micro-batches to the same weights."""
+    from lit_hbp.callbacks import HBPCurriculum
+
+    every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    curriculum = HBPCurriculum(warmup_steps=2)
+    reference = fit(tmp_path / "reference", small_demo, [every, curriculum], enable_checkpointing=True)
+    more = dict(levels=["256:1:1", "1024:1:2"])
+    resumed = fit(tmp_path / "ckpt_layers", small_demo, [HBPCurriculum(warmup_steps=2)], data=more,
+                  ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"))  # fmt: skip
+    assert resumed.rows == reference.rows[4:]
+    assert_same_weights(resumed.weights, reference.weights)
+    resumed = fit(tmp_path / "epoch_1", small_demo, ckpt_path=str(tmp_path / "ckpt" / "step=4.ckpt"))
+    assert resumed.rows == reference.rows[8:] and resumed.rows[0][0] == 1
+    assert_same_weights(resumed.weights, reference.weights)
+
+
 def test_a_resumed_run_does_not_save_its_checkpoints_step_again_inside_the_next_step(tmp_path, small_demo):
     """A ModelCheckpoint keeps no record of the step it saved last: resumed at step 2 with ``every_n_train_steps``
     it saved step 2 again after the first micro-batch, inside step 3, over the very file resumed from (which a

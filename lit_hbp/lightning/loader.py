@@ -336,6 +336,16 @@ def check_resumed_position(epoch: int, micro: int, batches: int, current_epoch: 
         )
 
 
+def planned_by(key: dict, epoch: int) -> dict:
+    """What of a ``plan_key`` the plan of ``epoch`` depends on: not a level's ``ckpt_layers`` (more checkpointing
+    is how a run that ran out of memory resumes), nor the curriculum after epoch 0 (it orders the first epoch only)."""
+    out = dict(key)
+    out["levels"] = [[p, sp, *rest] for p, sp, _, *rest in key.get("levels") or []]
+    if epoch > 0:
+        out["warmup_steps"], out["short_levels"] = 0, None
+    return out
+
+
 def check_epoch_end_restart(trainer: Any, epoch: int, micro: int, batches: int) -> None:
     """A checkpoint written in ``on_train_epoch_end`` (an epoch-end ModelCheckpoint) of a run bounded by
     ``max_steps``, at the epoch's end or after the run stopped inside it (``max_steps``, ``max_time``): Lightning's
@@ -460,8 +470,9 @@ class PlanLoader(DataLoader):
 
     def load_state_dict(self, state: dict) -> None:
         saved, now = state.get("plan"), self.dm.plan_key(state["epoch"])
-        if saved is not None and saved != now:
-            changed = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in now if saved.get(k) != now.get(k))
+        if saved is not None and planned_by(saved, state["epoch"]) != planned_by(now, state["epoch"]):
+            a, b = planned_by(saved, state["epoch"]), planned_by(now, state["epoch"])
+            changed = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in b if a.get(k) != b.get(k))
             raise ConfigError(
                 f"cannot resume from this checkpoint: the plan of its epoch {state['epoch']} was made with other "
                 f"settings ({changed}); its micro-step would point into a different plan and train samples twice or "
