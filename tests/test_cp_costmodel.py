@@ -250,3 +250,20 @@ def test_the_gradient_sync_moves_the_gradients_in_their_own_dtype(world):
         hand = 2 * moved * SPEC.params * (world - 1) / world / (bw * NODE.eff_link) * (1 - cost.grad_sync_overlap)
         assert cost.grad_sync_seconds() == pytest.approx(hand, rel=1e-12), (dtype_bytes, autocast)
     assert CostModel(SPEC, NODE, world=1, dtype_bytes=4).grad_sync_seconds() == 0.0
+
+
+@pytest.mark.parametrize("sp, cp", [(4, 1), (4, 2), (8, 4)])
+def test_sp_communication_moves_the_activations_in_their_own_dtype(sp, cp):
+    """The all-to-alls, the K/V gathers and a hybrid's mixer gathers move the activations as the run holds them:
+    an fp32 run (32-true) twice the bytes of a bf16 one, so twice the seconds on a link without latency (they were
+    priced in bf16 whatever the precision)."""
+    from test_mixer_costs import HYBRID
+
+    for spec in (SPEC, HYBRID):
+        if cp > 1 and spec is HYBRID:
+            continue  # a hybrid's mixers run on Ulysses levels
+        bf16 = CostModel(spec, NODE, world=8, dtype_bytes=2).comm_parts(1000.0, sp, 1, cp)
+        fp32 = CostModel(spec, NODE, world=8, dtype_bytes=4).comm_parts(1000.0, sp, 1, cp)
+        assert sum(bf16.values()) > 0
+        for part, seconds in bf16.items():
+            assert fp32[part] == pytest.approx(2 * seconds, rel=1e-12), (spec.name, part)

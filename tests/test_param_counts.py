@@ -182,3 +182,37 @@ def test_a_lora_run_of_a_model_that_cannot_be_built_here_is_refused_by_name():
     spec = ModelSpec("custom", 2, 64, 4, 4, 128, 300)
     with pytest.raises(ConfigError, match="model.lora: the cost model counts LoRA's trained parameters"):
         settings_of(HARDWARE["h100"], 1, None, {"lora": {"rank": 8}}, spec=spec)
+
+
+def test_the_gradient_sync_moves_a_trained_vision_towers_gradients_too(tmp_path):
+    """A Qwen2-VL folder trained whole: the gradient sync moves every trained parameter's gradient, the tower's
+    with the language model's (the tower's were held and stepped, but left out of the sync's time). Counted on the
+    folder's model."""
+    from vision_models import build_qwen
+
+    from lit_hbp.cost.costmodel import CostModel
+
+    folder = str(build_qwen(tmp_path / "qwen"))
+    everything = sum(p.numel() for p in build_causal_lm(folder).parameters())
+    spec, hw, world = spec_of(folder), HARDWARE["h100"], 8
+    cost = CostModel(spec, hw, world, vision_trained=True)
+    hand = 2 * 2 * everything * (world - 1) / world / (hw.intra_node_bw * hw.eff_link) * (1 - cost.grad_sync_overlap)
+    assert cost.grad_sync_seconds() == pytest.approx(hand, rel=1e-9)
+    assert CostModel(spec, hw, world, vision_trained=False).grad_sync_seconds() < 0.99 * hand
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_tiled_mlp_recomputes_and_sums_its_own_matrices(family):
+    """MLP tiles run each layer's MLP forward once more in the backward and sum its weights' gradients in fp32:
+    GPT-2's MLP has two matrices, Llama's three (priced three for every family: GPT-2's 1.5x). Counted on the
+    model transformers builds: a forward is 2 FLOPs per weight per token."""
+    from lit_hbp.cost.costmodel import CostModel
+
+    config, net = tiny(family)
+    layer = next(m for name, m in net.named_modules() if name.endswith(("h.0.mlp", "layers.0.mlp")))
+    weights = sum(p.numel() for name, p in layer.named_parameters() if p.dim() == 2)
+    spec, hw, tokens = spec_of(config), HARDWARE["h100"], 1000.0
+    cost = CostModel(spec, hw, 1)
+    extra = (cost.dense_seconds(tokens, 0, tiles=2) - cost.dense_seconds(tokens, 0)) * hw.peak_flops * hw.eff_dense
+    assert extra == pytest.approx(spec.layers * 2 * weights * tokens, rel=1e-9)
+    assert cost.working_bytes(0.0, 1, tiles=2) == pytest.approx(4 * weights)  # the fp32 sums, of no token

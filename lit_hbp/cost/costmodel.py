@@ -226,7 +226,7 @@ class CostModel:
         m = self.model
         recompute = ckpt * 2.0 * m.layer_params * tokens  # the checkpointed layers' second forward
         if tiles > 1:  # a tiled MLP runs its forward once more in the backward, tile by tile
-            recompute = recompute + m.layers * 2.0 * 3 * m.hidden * m.intermediate * tokens
+            recompute = recompute + m.layers * 2.0 * m.mlp_matrices * m.hidden * m.intermediate * tokens
         # Frozen weights (LoRA: ``trainable`` 0) run no weight gradient: a matmul's backward is one forward, not two.
         frozen = m.train_flops(tokens, 0.0, tokens, weight_grads=False)
         flops = frozen + self.trainable * (m.train_flops(tokens, 0.0, tokens) - frozen) + recompute
@@ -279,17 +279,18 @@ class CostModel:
         hw, layers = self.hardware, self.model.layers
         kind = resolve_sp_kind("cp" if cp > 1 else self.sp_kind)
         u = sp // cp
+        own = self.dtype_bytes / 2  # the kinds count bf16 activations; they move in the run's own dtype
         if cp == 1:
             m, local = self.model, min(sp, hw.gpus_per_node)
-            per_layer = kind.comm_bytes_per_layer(m, tokens, sp)
+            per_layer = own * kind.comm_bytes_per_layer(m, tokens, sp)
             ulysses = self._link_seconds(per_layer, sp, local)
             attending, mixing = m.attending, m.mixing
             comm = (2 * attending + ckpt * attending / layers) * (ulysses + 4 * hw.link_latency_s)
             if mixing:  # a hybrid's mixers: the pack's inputs gathered, the ranks' outputs reduce-scattered
-                mixer = self._link_seconds(mixer_comm_bytes(m, tokens, sp), sp, local)
+                mixer = self._link_seconds(own * mixer_comm_bytes(m, tokens, sp), sp, local)
                 comm = comm + (2 * mixing + ckpt * mixing / layers) * (mixer + 2 * hw.link_latency_s)
             return dict(ulysses_comm=comm, cp_comm=zero)
-        parts = kind.comm_breakdown(self.model, tokens, sp, cp)
+        parts = {name: own * nbytes for name, nbytes in kind.comm_breakdown(self.model, tokens, sp, cp).items()}
         out = dict(ulysses_comm=zero)
         if u > 1:
             ulysses = self._link_seconds(parts["ulysses"], u, min(u, hw.gpus_per_node))
@@ -338,13 +339,15 @@ class CostModel:
         """Per optimizer step: reduce-scatter of the gradients and all-gather of the parameters (or DDP's
         all-reduce, the same bytes on a ring) over the world, on the slowest link, minus the part overlapped
         with backward; in the parameters' dtype (``dtype_bytes``; fp32 under ``autocast``), of the trained
-        parameters only (LoRA's frozen weights have no gradient and no partition to gather)."""
+        parameters only (LoRA's frozen weights have no gradient and no partition to gather; a trained vision
+        tower's have)."""
         if self.world == 1:
             return 0.0
         hw = self.hardware
         bw = hw.inter_node_bw if self.world > hw.gpus_per_node else hw.intra_node_bw
-        bytes_per = 4 if self.autocast else self.dtype_bytes
-        per_collective = bytes_per * self.model.params * self.trainable * (self.world - 1) / self.world
+        bytes_per, m = (4 if self.autocast else self.dtype_bytes), self.model
+        trained = m.params + (m.vision.params(m.hidden) if m.vision is not None and self.vision_trained else 0.0)
+        per_collective = bytes_per * trained * self.trainable * (self.world - 1) / self.world
         return 2 * per_collective / (bw * hw.eff_link) * (1 - self.grad_sync_overlap)
 
     # --------------------------------------------------------------------------- memory
@@ -464,7 +467,7 @@ class CostModel:
         attention = b * (q + 2 * kv) * (2 if sp // cp > 1 else 1) + (2 * kv * (b + 4) * cp if cp > 1 else 0)
         per_token = 2 * b * m.hidden + max(mlp, norm, attention)
         # a tiled MLP sums its weights' gradients over the tiles in fp32
-        sums = 4 * 3 * m.hidden * m.intermediate * self.trainable if tiles > 1 else 0.0
+        sums = 4 * m.mlp_matrices * m.hidden * m.intermediate * self.trainable if tiles > 1 else 0.0
         return self.activation_overhead * per_token * tokens + sums
 
     def vision_bytes(self, tokens: float, ckpt: int) -> float:
