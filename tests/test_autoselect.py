@@ -1206,3 +1206,36 @@ def test_the_config_priced_with_the_data_seed_fit_plans_with():
         given = dict(config, data={**section, "seed": data_seed}, seed_everything=run_seed)
         want = data_seed if data_seed is not None else (run_seed or 0)  # as docs/data.md says fit plans
         assert RunSetting.from_config(given, None, 8, MODELS["llama3.1-8b"]).seed == want, (data_seed, run_seed)
+
+
+def test_the_level_search_offers_no_mlp_tiles_to_a_mixture_of_experts():
+    """Set-up refuses MLP tiles on an MoE block (a tiled router would split its logits: the packed call's refusal,
+    the reference, on a tiny Mixtral); the level search chose them for OLMoE's 1M-token level (60 GiB with two
+    tiles, 90 GiB without: it fitted only through what set-up refuses), and its advice named them."""
+    import numpy as np
+    from families import small_config
+    from transformers import OlmoeConfig
+
+    from lit_hbp.autoselect.levers import NoLevelFits
+    from lit_hbp.autoselect.search import analytic_levels
+    from lit_hbp.cost.costmodel import HARDWARE, CostModel
+    from lit_hbp.cost.run_settings import problems
+    from lit_hbp.data.collate import collate_packs
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.model_spec import ModelSpec
+
+    module = HBPLitModule(model=small_config("mixtral"), loss="sum")
+    module.configure_model()
+    samples = {i: (np.arange(3, 3 + n) % 300, np.ones(n, bool)) for i, n in enumerate([20, 12])}
+    batch = collate_packs([np.arange(2)], samples.__getitem__, loss_norm=1.0).replace(mlp_tiles=2)
+    with pytest.raises(ValueError, match="mlp_tiles 2: decoder layer 0 .* has no token-wise MLP"):
+        module(batch)
+
+    spec = ModelSpec.from_config(OlmoeConfig().to_dict(), name="olmoe-1b-7b")
+    cost = CostModel(spec, HARDWARE["h100"], world=8, zero_stage=2)
+    assert problems(cost, tiles=2) and "mixture of experts" in problems(cost, tiles=2)[0]
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(100, 4000, 2000), [(1 << 20) - 10] * 4])
+    with pytest.raises(NoLevelFits) as refused:  # 90 GiB at best without tiles: other advice, none naming them
+        analytic_levels(cost, lengths)
+    assert "ZeRO-2" in str(refused.value) and "tile" not in str(refused.value), str(refused.value)

@@ -332,6 +332,14 @@ RULES = (
     ),
     Rule(
         "mlp_tiles",
+        lambda run: getattr(getattr(run, "model", None), "mlp_values", None) is None,
+        "token-wise MLPs",
+        lambda run: "a mixture of experts",
+        "a tiled MoE block would split its router's logits over the tiles (the packed call refuses it)",
+        (("mlp_tiles", 1),),
+    ),
+    Rule(
+        "mlp_tiles",
         lambda run: run.zero_stage < 3,
         "ZeRO stage 0-2",
         _stage,
