@@ -347,6 +347,9 @@ class ModelSpec:
     it is not a gated MLP's four rows of ``intermediate``: a mixture of experts' (``Experts.saved``)."""
     mlp_bytes: float = 0.0
     """Bytes per token of a layer's routing beside ``mlp_values`` (fp32 probabilities, expert indices)."""
+    norm_values: float | None = None
+    """Values per token a layer's norms normalize, averaged over the layers (``param_counts.norm_values``: Gemma 3's
+    four of the hidden width, Qwen 3's and OLMo 2's query and key norms); None: two of the hidden width."""
     value_dim: int | None = None
     """Multi-head latent attention's value width per head (``attention_width`` less it: the query-key width)."""
     latent: tuple[int, int, int] | None = None

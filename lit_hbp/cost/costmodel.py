@@ -128,6 +128,8 @@ HARDWARE: dict[str, Hardware] = {
 # dtype of ``b`` bytes, per token and layer (``CostModel.layer_saved_bytes``):
 #   each RMSNorm: its input upcast to fp32 (4h), the normalized bf16 copy the weight multiplies and
 #     the output the next matmuls save (2 x b h)                                    2 x (4h + 2bh)
+#     (a layer's own norms where counted on the model: ``ModelSpec.norm_values`` values of 4 + 2b bytes, Gemma
+#     3's four, Qwen 3's and OLMo 2's query and key norms)
 #   attention: q and k after RoPE, v (the kernel's inputs), its output (o_proj's input is a view of
 #     it; the CPU sdpa backend keeps each document's output and their concatenation: 2 copies) and
 #     its fp32 log-sum-exp                                        b(q + 2kv) + b q copies + 4 heads
@@ -398,6 +400,8 @@ class CostModel:
             kept = b * (4 * m.hidden + 2 * q + 2 * kv + 3 * self._mlp_width()) + 4 * m.heads + 2 * 4
             return self.activation_overhead * (kept + m.mlp_bytes + masks)
         norms = 2 * (self._norm_input() + 2 * b * m.hidden)
+        if m.norm_values is not None and not self.liger:  # Hugging Face's norms, of the layer's own widths
+            norms = m.norm_values * (4 + 2 * b)
         if m.mlp_values is not None:  # a mixture of experts (Liger's SwiGLU replaces a dense gated MLP only)
             mlp = b * m.mlp_values + m.mlp_bytes if tiles == 1 else 0
         else:

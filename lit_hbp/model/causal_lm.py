@@ -72,7 +72,7 @@ from lit_hbp.model.packed_call import (
     pack_scope,
     record_of,
 )
-from lit_hbp.model.param_counts import language_params
+from lit_hbp.model.param_counts import language_params, layer_matrices, matmul_params, norm_values
 from lit_hbp.model.position_limits import position_limits
 from lit_hbp.model.sharded_units import refuse_whole_model_shards
 from lit_hbp.model.sp_media import split_encoder_outputs
@@ -545,7 +545,7 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module], mixers: list
     active = total = 0.0
     held: set[int] = set()  # a tensor of a layer shared, looped or nested in another: its matrices counted once
     for layer in layers:
-        for name, p in _matrices(layer):
+        for name, p in layer_matrices(layer):
             shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 keeps the full shape here
             if len(shape) < 2 or name.endswith("bias"):  # GPT-OSS's experts' biases: one row per expert
                 continue
@@ -555,7 +555,10 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module], mixers: list
             fused = len(shape) == 3 and shape[0] == experts  # one matrix per expert (JetMoE's input_linear)
             routed = experts and top_k and ("experts" in name.split(".") or fused) and "shared" not in name
             active += n * top_k / experts if routed else n
-    spec = replace(spec, active_layer_params=active / len(layers), total_layer_params=total / spec.layers)
+    norms = sum(norm_values(layer, spec) for layer in layers) / len(layers)
+    spec = replace(
+        spec, active_layer_params=active / len(layers), total_layer_params=total / spec.layers, norm_values=norms
+    )
     if mixers is None:
         record = record_of(net)
         mixers = [] if record is None else record.mixers
@@ -565,29 +568,11 @@ def model_spec(net: torch.nn.Module, layers: list[torch.nn.Module], mixers: list
             spec,
             attention_layers=attending_layers(layers, mixers),
             mixer_layers=len(mixers),
-            mixer_params=sum(map(_matmul_params, mixers)) / len(mixers),
+            mixer_params=sum(map(matmul_params, mixers)) / len(mixers),
             mixer_heads=heads.pop() if len(heads) == 1 else None,
             mixer_spanning=max(map(spanning_values, mixers)),
         )
     return spec
-
-
-def _matrices(layer: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """``layer.named_parameters()`` but a norm's own: a norm's weights scale rows, no token passes them as a matmul,
-    though one per expert is two-dimensional (Ergo's ``post_expert_norm``: experts x hidden)."""
-    seen: set[int] = set()  # a tensor two of its modules hold: once, as named_parameters gives it
-    for owner, module in layer.named_modules():
-        norm = type(module).__name__.endswith("Norm") or isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))
-        for name, p in module.named_parameters(prefix=owner, recurse=False):
-            if id(p) not in seen and not norm:
-                yield name, p
-            seen.add(id(p))
-
-
-def _matmul_params(module: torch.nn.Module) -> float:
-    """Parameters of ``module``'s matrices and convolutions (ZeRO-3's full shapes)."""
-    shapes = (tuple(getattr(p, "ds_shape", p.shape)) for p in module.parameters())
-    return float(sum(torch.Size(s).numel() for s in shapes if len(s) >= 2))
 
 
 def attending_layers(layers: list[torch.nn.Module], mixers: list[torch.nn.Module]) -> int:

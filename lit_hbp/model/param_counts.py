@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from lit_hbp.errors import ConfigError
 from lit_hbp.model.build import apply_lora, build_on_meta
 from lit_hbp.model.checks import model_config
+from lit_hbp.model_spec import ModelSpec
 
 # The published architectures of ``model_spec.MODELS``: their family, whose modules (names and shapes) LoRA targets.
 PRESET_FAMILIES = {"llama3.1-8b": "llama", "llama3.1-70b": "llama", "qwen2.5-32b": "qwen2", "qwen2.5-72b": "qwen2"}
@@ -112,3 +113,45 @@ def wrapped_lora(net: torch.nn.Module, spec: Any) -> dict[str, float]:
     tower = 0.0 if spec.vision is None else spec.vision.params(spec.hidden)
     trained = count(p for p in net.parameters() if p.requires_grad)
     return dict(trainable=trained / spec.params, added_params=count(net.parameters()) - spec.params - tower)
+
+
+def layer_matrices(layer: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``layer.named_parameters()`` but a norm's own: a norm's weights scale rows, no token passes them as a matmul,
+    though one per expert is two-dimensional (Ergo's ``post_expert_norm``: experts x hidden)."""
+    seen: set[int] = set()  # a tensor two of its modules hold: once, as named_parameters gives it
+    for owner, module in layer.named_modules():
+        norm = _is_norm(module)
+        for name, p in module.named_parameters(prefix=owner, recurse=False):
+            if id(p) not in seen and not norm:
+                yield name, p
+            seen.add(id(p))
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("Norm") or isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm))
+
+
+def norm_values(layer: torch.nn.Module, spec: ModelSpec) -> float:
+    """Values per token ``layer``'s norms normalize (each keeps an fp32 copy of its input and a normalized row for
+    its backward): a norm of the hidden width one row of it, a query or key norm per head (Qwen 3's, Gemma 3's) the
+    query's or the key-value heads' rows, one over its whole projection (OLMo 2's) that projection's width."""
+    total = 0.0
+    for name, module in layer.named_modules():
+        weight = getattr(module, "weight", None)
+        if not _is_norm(module) or (weight is not None and weight.dim() != 1):  # one norm per expert: not a row's
+            continue
+        shape = getattr(module, "normalized_shape", None)
+        width = weight.numel() if weight is not None else (int(torch.Size(shape).numel()) if shape else 0)
+        if spec.latent is not None and width in spec.latent[:2] and width != spec.hidden:
+            continue  # latent attention's low-rank norms: in its saved set (``CostModel._attention_saved``)
+        if width == spec.dim and width != spec.hidden:
+            key = name.rsplit(".", 1)[-1].lower().startswith("k")
+            width = (spec.kv_heads if key else spec.heads) * spec.dim
+        total += width
+    return total
+
+
+def matmul_params(module: torch.nn.Module) -> float:
+    """Parameters of ``module``'s matrices and convolutions (ZeRO-3's full shapes)."""
+    shapes = (tuple(getattr(p, "ds_shape", p.shape)) for p in module.parameters())
+    return float(sum(torch.Size(s).numel() for s in shapes if len(s) >= 2))
