@@ -372,6 +372,20 @@ class ModelSpec:
     (LoRA's adapters: ``param_counts.lora_settings``); None: a preset or a config's formula."""
 
     @property
+    def qk_width(self) -> int:
+        """A head's query and key width (multi-head latent attention's own; else ``dim``)."""
+        return (
+            self.dim
+            if self.value_dim is None or self.attention_width is None
+            else self.attention_width - self.value_dim
+        )
+
+    @property
+    def v_width(self) -> int:
+        """A head's value (and output) width (multi-head latent attention's own; else ``dim``)."""
+        return self.dim if self.value_dim is None or self.attention_width is None else self.value_dim
+
+    @property
     def attending(self) -> int:
         """The layers that attend (``attention_layers``, or every layer)."""
         return self.layers if self.attention_layers is None else self.attention_layers

@@ -203,3 +203,33 @@ def test_the_formula_gives_published_total_and_active_parameters(config, publish
     spec = ModelSpec.from_config(config)
     active = spec.layers * spec.layer_params + spec.hidden * spec.vocab
     assert (spec.params, active) == pytest.approx(published, rel=0.03)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama"])
+def test_the_cost_models_attention_time_and_sp_bytes_are_at_the_heads_own_widths(family):
+    """Multi-head latent attention's query-key heads are 192 wide in DeepSeek-V3 and its values 128, while its config's
+    ``head_dim`` is the rotary part (64): the time model priced attention and the Ulysses and CP bytes at ``head_dim``
+    (2.5x low for DeepSeek-V3), MFU at the real widths. Attention's forward against ``FlopCounterMode`` on the eager
+    model (it computes the whole score matrix: causal is half), bytes against the config's own widths."""
+    from lit_hbp.cost.costmodel import HARDWARE, CostModel
+    from lit_hbp.model.causal_lm import configured_spec
+    from lit_hbp.parallel.context_parallel import ContextParallel
+    from lit_hbp.parallel.ulysses import Ulysses
+
+    config, tokens = small_config(family), 16
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    net = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields), attn_implementation="eager")
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        net.eval()(input_ids=torch.arange(3, 3 + tokens)[None], use_cache=False)
+    scores = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "bmm" in str(op)) / 2
+    spec, hw = configured_spec(config), HARDWARE["h100"]
+    priced = CostModel(spec, hw, 1).attention_forward_seconds(tokens * tokens, 1) * hw.peak_flops * hw.eff_attn
+    assert priced * spec.attending == pytest.approx(scores, rel=1e-9)
+
+    hf = net.config
+    qk = getattr(hf, "qk_nope_head_dim", 0) + getattr(hf, "qk_rope_head_dim", 0) or hf.head_dim
+    v = getattr(hf, "v_head_dim", None) or hf.head_dim
+    heads, kv, sp, n = hf.num_attention_heads, hf.num_key_value_heads, 2, 1000.0
+    q_k_v_o = 2 * n * (heads * qk + max(kv, sp) * qk + max(kv, sp) * v + heads * v)  # bf16
+    assert Ulysses().comm_bytes_per_layer(spec, n, sp) == pytest.approx(q_k_v_o * (sp - 1) / sp)
+    assert ContextParallel().comm_breakdown(spec, n, 4, 2)["cp"] == pytest.approx(2 * n * kv * (qk + v))

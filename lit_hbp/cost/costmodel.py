@@ -238,10 +238,11 @@ class CostModel:
         return flops / (self.hardware.peak_flops * self.hardware.eff_dense)
 
     def attention_forward_seconds(self, sum_sq, sp: int):
-        """One layer's attention forward on a rank holding 1/sp of the work of ``sum_sq``."""
-        return (
-            2.0 * self.model.heads * self.model.dim * sum_sq / sp / (self.hardware.peak_flops * self.hardware.eff_attn)
-        )
+        """One layer's attention forward on a rank holding 1/sp of the work of ``sum_sq``: its heads' query-key and
+        value widths (``ModelSpec.train_flops``'s)."""
+        m = self.model
+        width = m.qk_width + m.v_width
+        return m.heads * width * sum_sq / sp / (self.hardware.peak_flops * self.hardware.eff_attn)
 
     def attention_seconds(self, sum_sq: float, sp: int, ckpt: int) -> float:
         """The attention of the layers that attend (a hybrid's mixers are dense work), its checkpointed
@@ -460,7 +461,7 @@ class CostModel:
     def working_bytes(self, tokens: float, sp: int, cp: int = 1, tiles: int = 1) -> float:
         """Transient bytes of the running layer's backward on a rank of ``tokens`` tokens."""
         m, b = self.model, self.dtype_bytes
-        q, kv = m.heads * m.dim, m.kv_heads * m.dim
+        q, kv = m.heads * m.qk_width, m.kv_heads * (m.qk_width + m.v_width) / 2  # (k and v: 2 kv)
         # Phases of the backward, at their largest: the MLP's (it frees its saved set as it makes
         # gradients, 1.5 b i beyond it; a tiled one recomputes a tile and keeps its input gradient
         # whole), an upcast RMSNorm's fp32 backward (8h) with attention's input gradients alive, and

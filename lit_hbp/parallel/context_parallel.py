@@ -313,7 +313,7 @@ class ContextParallel(SPKind):
         kv = max(model.kv_heads, u)  # kv heads replicated up to the Ulysses degree
         return {
             "ulysses": Ulysses().comm_bytes_per_layer(model, tokens, u),
-            "cp": 0.0 if cp == 1 else 2 * 2 * tokens * kv * model.dim * (cp - 1),
+            "cp": 0.0 if cp == 1 else 2 * tokens * kv * (model.qk_width + model.v_width) * (cp - 1),
         }
 
     def comm_bytes_per_layer(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> float:

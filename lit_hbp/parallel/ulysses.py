@@ -239,9 +239,10 @@ class Ulysses(SPKind):
         return check_heads(num_heads, num_kv_heads, sp)
 
     def comm_bytes_per_layer(self, model: ModelSpec, tokens: float, sp: int, cp: int = 1) -> float:
-        """The four all-to-alls (q, k, v, output) in bf16; a rank keeps 1/sp of what it holds."""
+        """The four all-to-alls (q, k, v, output) in bf16, at the heads' query-key and value widths; a rank keeps
+        1/sp of what it holds."""
         if sp == 1:
             return 0.0
         kv = max(model.kv_heads, sp)  # kv heads are replicated up to sp
-        per_token = 2 * (2 * model.heads * model.dim + 2 * kv * model.dim)
+        per_token = 2 * (model.heads + kv) * (model.qk_width + model.v_width)
         return tokens * per_token * (sp - 1) / sp
