@@ -15,5 +15,5 @@ def epoch_seconds(plan, cost, group_seconds: Callable[[object, np.ndarray], floa
         lv = plan.levels[step.level]
         for micro in step.micro:
             total += max(group_seconds(lv, np.concatenate(group).astype(int)) for group in micro)
-        total += cost.grad_sync_seconds()
+        total += cost.grad_sync_seconds(plan.accumulate)
     return total

@@ -154,7 +154,7 @@ def test_simulator_prices_a_cp_groups_attention_at_its_busiest_rank():
                 sum_sq = float((docs.astype(float) ** 2).sum()) * imbalance
                 times.append(cost.micro_step(docs.sum() / lv.sp, sum_sq, lv.sp, lv.ckpt_layers, cp)["total"])
             total += max(times)
-        total += cost.grad_sync_seconds()
+        total += cost.grad_sync_seconds(plan.accumulate)
     assert worst and sim.seconds == pytest.approx(total, rel=1e-9)
     assert sim.cp_abr() == pytest.approx(np.mean(1 - 1 / np.array(worst)))
     assert sim.parts["cp_comm"].sum() > 0
@@ -267,3 +267,56 @@ def test_sp_communication_moves_the_activations_in_their_own_dtype(sp, cp):
         assert sum(bf16.values()) > 0
         for part, seconds in bf16.items():
             assert fp32[part] == pytest.approx(2 * seconds, rel=1e-12), (spec.name, part)
+
+
+COUNT_REDUCTIONS = """
+import sys, torch, deepspeed
+import deepspeed.comm as dc
+
+stage, accumulate, calls = int(sys.argv[1]), int(sys.argv[2]), []
+for name in ("reduce_scatter_fn", "reduce_scatter_tensor", "all_reduce", "reduce", "reduce_scatter"):
+    if hasattr(dc, name):
+        def spy(*a, _real=getattr(dc, name), **k):
+            calls.append(1)
+            return _real(*a, **k)
+        setattr(dc, name, spy)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulate,
+          "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**9, "overlap_comm": False},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+micro_steps_reducing = 0
+for _ in range(accumulate):
+    before = len(calls)
+    engine.backward(engine(torch.randn(2, 64)).sum())
+    engine.step()
+    micro_steps_reducing += len(calls) > before
+print(micro_steps_reducing)
+"""
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_gradient_sync_reduces_as_often_as_deepspeeds_stage_does(stage):
+    """ZeRO-2 (HBPStrategy's default) reduces the gradients at every micro-step's backward, ZeRO-1 at the step's
+    last: the sync was priced once an optimizer step for both (accumulate 4 at ZeRO-2: 40% of what it moves). The
+    reference: the micro-steps in which DeepSpeed's own engine calls a reduction (one CPU process, gloo)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    accumulate = 4
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "DS_ACCELERATOR": "cpu"}  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", COUNT_REDUCTIONS, str(stage), str(accumulate)], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    reducing = int(run.stdout.strip().splitlines()[-1])
+    assert reducing == (accumulate if stage == 2 else 1)
+    cost = CostModel(SPEC, NODE, world=8, zero_stage=stage)
+    one = cost.grad_sync_seconds(1) / 2  # a reduction and a gather, each of the same bytes
+    assert cost.grad_sync_seconds(accumulate) == pytest.approx(one * (reducing + 1), rel=1e-12)

@@ -338,12 +338,14 @@ class CostModel:
         parts["total"] = sum(parts.values())
         return {**parts, **comm}
 
-    def grad_sync_seconds(self) -> float:
-        """Per optimizer step: reduce-scatter of the gradients and all-gather of the parameters (or DDP's
-        all-reduce, the same bytes on a ring) over the world, on the slowest link, minus the part overlapped
-        with backward; in the parameters' dtype (``dtype_bytes``; fp32 under ``autocast``), of the trained
+    def grad_sync_seconds(self, accumulate: int = 1) -> float:
+        """Per optimizer step of ``accumulate`` micro-steps: reduce-scatter of the gradients and all-gather of the
+        parameters (or DDP's all-reduce, the same bytes on a ring) over the world, on the slowest link, minus the part
+        overlapped with backward; in the parameters' dtype (``dtype_bytes``; fp32 under ``autocast``), of the trained
         parameters only (LoRA's frozen weights have no gradient and no partition to gather; a trained vision
-        tower's have)."""
+        tower's have). ZeRO-2 and 3 partition the gradients, so they reduce-scatter them at every micro-step's
+        backward (DeepSpeed's ``partition_gradients``), and ZeRO-3 gathers the parameters at every micro-step's
+        forward and backward; DDP and ZeRO 0-1 sync once, at the step's last micro-step."""
         if self.world == 1:
             return 0.0
         hw = self.hardware
@@ -351,7 +353,10 @@ class CostModel:
         bytes_per, m = (4 if self.autocast else self.dtype_bytes), self.model
         trained = m.params + (m.vision.params(m.hidden) if m.vision is not None and self.vision_trained else 0.0)
         per_collective = bytes_per * trained * self.trainable * (self.world - 1) / self.world
-        return 2 * per_collective / (bw * hw.eff_link) * (1 - self.grad_sync_overlap)
+        partitioned = self.deepspeed or self.zero_stage >= 1
+        reduces = accumulate if partitioned and self.zero_stage >= 2 else 1
+        gathers = 2 * accumulate if partitioned and self.zero_stage >= 3 else 1
+        return (reduces + gathers) * per_collective / (bw * hw.eff_link) * (1 - self.grad_sync_overlap)
 
     # --------------------------------------------------------------------------- memory
 

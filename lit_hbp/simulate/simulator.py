@@ -137,7 +137,7 @@ def simulate(
         g["group_sp"],
         parts,
         micro,
-        cost.grad_sync_seconds(),
+        cost.grad_sync_seconds(plan.accumulate),
         steps,
         group_cp,
         imbalance,
