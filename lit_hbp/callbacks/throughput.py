@@ -56,7 +56,9 @@ class ShareThroughput(Throughput):
 class HBPThroughputMonitor(ThroughputMonitor):
     """Logs samples/s, tokens/s, FLOP/s and (on GPUs whose peak ``lit_hbp.cost.gpu_peaks`` knows) MFU,
     where tokens are real sample tokens, never padding, and an SP group's ranks each count their 1/sp
-    share, so the world totals are right.
+    share. The world's rates are rank 0's counts times the world size (Lightning's ``Throughput``): HBP
+    balances the ranks' work, not their tokens, so they are the world's within about 1% over an epoch, and
+    off at a step where some ranks run empty completion packs (a level's last).
 
     Lightning's ThroughputMonitor synchronizes the GPU after every micro-batch to time it, which
     stops the host from queueing the next micro-batch while the GPU works. This one counts each
