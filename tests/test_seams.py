@@ -289,3 +289,21 @@ def test_measured_probes_shard_and_tag_with_the_selectors_kind():
     half = whole.input_ids.shape[1] // 2
     assert torch.equal(batch.input_ids, whole.input_ids[:, half:])
     assert MeasuredProfiler(lambda: None, lengths, 2**30, sp_kind=GATHER).sp_kind == GATHER
+
+
+def test_the_simulator_prices_each_levels_own_kind():
+    """A level's ``sp_kind`` is what the run shards its packs with: the simulator (and so ``lit_hbp.simulate`` and
+    the timeline) priced every level as Ulysses. A plan of one sp-4 level of the all-gather kind costs what the
+    cost model of that kind says for each of its groups."""
+    import numpy as np
+
+    from lit_hbp.packing import Level, plan_hbp
+    from lit_hbp.simulate.simulator import simulate
+
+    spec = ModelSpec.from_config({**TINY_LLAMA, "vocab_size": 300})
+    ulysses = CostModel(spec, HARDWARE["h100"], 8)
+    lengths = np.random.default_rng(0).integers(100, 4000, 200)
+    plans = {kind: plan_hbp(lengths, [Level(4096, 4, sp_kind=kind)], 8, 1) for kind in ("ulysses", GATHER)}
+    ours, theirs = simulate(plans[GATHER], ulysses), simulate(plans["ulysses"], ulysses)
+    assert ours.parts["ulysses_comm"].sum() > theirs.parts["ulysses_comm"].sum()
+    assert ours.seconds == pytest.approx(simulate(plans[GATHER], dataclasses.replace(ulysses, sp_kind=GATHER)).seconds)

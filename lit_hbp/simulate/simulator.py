@@ -118,7 +118,8 @@ def simulate(
     parts = {p: np.zeros(n) for p in (*PARTS, *COMM_PARTS, "total")}
     for i, lv in enumerate(plan.levels):
         sel = g["group_level"] == i
-        step = cost.micro_step(
+        kind = cost if lv.sp_kind == cost.sp_kind else replace(cost, sp_kind=lv.sp_kind)  # the level's own traffic
+        step = kind.micro_step(
             tokens[sel], sum_sq[sel], lv.sp, lv.ckpt_layers, lv.layout[1], lv.offload, lv.mlp_tiles, vision[sel],
             mixing[sel],
         )  # fmt: skip
