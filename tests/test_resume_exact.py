@@ -450,3 +450,20 @@ def test_the_final_checkpoint_of_a_run_max_epochs_ends_is_lightnings_checkpoint_
     by_lightning = fit(tmp_path / "by_lightning", small_demo, ckpt_path=str(reference), max_epochs=2, **run)
     assert resumed.rows == by_lightning.rows and [r[:2] for r in resumed.rows] == [(1, k) for k in range(6)]
     assert_same_weights(resumed.weights, by_lightning.weights)
+
+
+def test_a_finished_max_epochs_runs_own_final_checkpoint_is_complete(tmp_path, small_demo):
+    """FinalCheckpoint saves the last step of the last epoch before Lightning closes it, so the checkpoint counts
+    that epoch unprocessed: ``--ckpt_path auto`` on the finished run's line trained on (nothing to train, a new
+    checkpoint with another random state that ``auto`` then preferred) instead of saying the run is complete, and a
+    named one was not refused. The uninterrupted run's own checkpoint, read as the CLI reads it."""
+    from lit_hbp.cli.resume import check_resumed_steps
+
+    last = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    fit(tmp_path / "run", small_demo, [last, FinalCheckpoint()], enable_checkpointing=True)  # 2 epochs (EPOCHS)
+    path = str(tmp_path / "ckpt" / "last.ckpt")
+    said = check_resumed_steps({"ckpt_path": path, "trainer": {"max_epochs": 2, "max_steps": -1}}, found=True)
+    assert said is not None and "after 2 epoch(s), trainer.max_epochs 2: the run is complete" in said
+    with pytest.raises(ConfigError, match="was saved after 2 epoch"):
+        check_resumed_steps({"ckpt_path": path, "trainer": {"max_epochs": 2, "max_steps": -1}})
+    assert check_resumed_steps({"ckpt_path": path, "trainer": {"max_epochs": 3, "max_steps": -1}}) is None

@@ -324,7 +324,11 @@ def check_resumed_steps(section: Any, found: bool = False) -> str | None:
         return None  # -1 or unset: Lightning's default bound (1,000 epochs) is not a run's own
     state = saved_state(section)
     loops = (state.get("loops") or {}).get("fit_loop") or {}
-    epochs = (((loops.get("epoch_progress") or {}).get("current")) or {}).get("processed")
+    epoch = ((loops.get("epoch_progress") or {}).get("current")) or {}
+    epochs = epoch.get("processed")
+    if isinstance(epochs, int) and (loops.get("epoch_loop.batch_progress") or {}).get("is_last_batch"):
+        # saved at its epoch's last step, before Lightning closed the epoch (FinalCheckpoint): that epoch is done
+        epochs += int(epoch.get("started", epochs) > epochs)
     done = {"max_steps": state.get("global_step"), "max_epochs": epochs}
     for key, limit in limits:
         at = done[key]
