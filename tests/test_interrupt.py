@@ -164,6 +164,48 @@ def test_a_signal_at_the_runs_final_step_ends_it_complete(tmp_path, small_demo, 
     assert f"SIGTERM at the run's final optimizer step {MAX_STEPS}: it ends complete" in "\n".join(lightning_log)
 
 
+class Validated(L.Callback):
+    """(optimizer step, val/loss) of each validation of the fit."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.rows.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
+
+
+def test_a_signal_at_a_step_with_a_validation_due_validates_it_first(tmp_path, small_demo):
+    """SIGTERM in step 3 of a run validating at every optimizer step (2 micro-batches): the stopped run
+    skipped step 3's validation and the resumed one fast-forwarded it (a resume from a save at a step's end does), so
+    it never ran: its val/loss never logged nor ranked by a ModelCheckpoint monitoring it. It runs, the step is saved
+    at its end, and the two runs together validate what the uninterrupted one does."""
+    validating = dict(val_check_interval=2, check_val_every_n_epoch=None, limit_val_batches=2, num_sanity_val_steps=0,
+                      enable_checkpointing=True)  # fmt: skip
+
+    def run(root, callbacks, ckpt_path=None):
+        L.seed_everything(0)
+        dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache", val_fraction=0.05)
+        torch.manual_seed(0)
+        module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+        validated, trained = Validated(), Trained()
+        saves = ModelCheckpoint(tmp_path / root, monitor="val/loss", save_last=True, save_top_k=-1, filename="{step}")
+        trainer = quiet_trainer(max_steps=MAX_STEPS, accumulate_grad_batches=2, default_root_dir=tmp_path / root,
+                                callbacks=[saves, *callbacks, validated, trained], **validating)  # fmt: skip
+        trainer.fit(module, dm, ckpt_path=ckpt_path)
+        return validated.rows, trained.rows, module.state_dict()
+
+    reference = run("reference", [])
+    interrupt = InterruptCheckpoint()
+    stopped = run("stopped", [Send(signal.SIGTERM, 4), interrupt])
+    assert interrupt.exit_status == 128 + signal.SIGTERM and stopped[0][-1][0] == 3
+    resumed = run("resumed", [], interrupt.checkpoint)
+    assert stopped[0] + resumed[0] == reference[0]
+    assert stopped[1] + resumed[1] == reference[1]
+    for name, value in resumed[2].items():
+        assert torch.equal(value, reference[2][name]), name
+
+
 def test_the_signals_handled_are_checked():
     assert InterruptCheckpoint(["TERM", "SIGUSR2"]).signals == (signal.SIGTERM, signal.SIGUSR2)
     with pytest.raises(ConfigError, match="SIGKILL cannot be handled"):

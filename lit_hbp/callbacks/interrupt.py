@@ -75,8 +75,8 @@ class InterruptCheckpoint(StepEndCallback):
     ``last.ckpt`` of ``save_last``), or, when none holds the step with the trainer's state,
     ``interrupted.ckpt`` in the first checkpoint callback's ``dirpath``, else ``<log_dir>/checkpoints``,
     else ``default_root_dir``. Then ``should_stop`` is set (``min_steps``/``min_epochs`` do not hold it
-    back), the validation Lightning would run on a stop is skipped (it can take long; a resume from a
-    step-end save skips a validation scheduled at that step anyway), and every ``ModelCheckpoint``
+    back), the validation Lightning would run on a stop is skipped (it can take long; one scheduled at that
+    step runs first, as in the uninterrupted run, and the step is saved at its end), and every ``ModelCheckpoint``
     counts the step as saved: its epoch-end hook would otherwise save again after Lightning closed the
     epoch, and that file would resume at the next epoch. Rank 0 prints the path and the command that
     resumes (the run's command line, the torchrun one under torchrun, with ``--ckpt_path <path>``).
@@ -113,6 +113,7 @@ class InterruptCheckpoint(StepEndCallback):
         self._installed: dict[int, Any] = {}  # signal -> the handler to restore
         self._pid = 0
         self._received_at = 0.0  # time.monotonic() of the first signal
+        self._stop_after_validation: int | None = None  # the signal of a step whose validation runs first
         self._announce = False
         self._group: Any = None
         self._group_world: Any = None  # the default group ``_group`` was made under
@@ -138,6 +139,7 @@ class InterruptCheckpoint(StepEndCallback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.received, self.signal, self.checkpoint, self.requeued = None, None, None, False
+        self._stop_after_validation = None
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             if self._group is None or self._group_world is not dist.group.WORLD:
                 # new_group is collective: every rank reaches on_train_start.
@@ -201,7 +203,24 @@ class InterruptCheckpoint(StepEndCallback):
                 f"{signal_label(signum)} at the run's final optimizer step {trainer.global_step}: it ends complete"
             )
             return
+        if self._validation_due(trainer):
+            # The uninterrupted run validates at this step, and a resume from a save here skips that validation
+            # (Lightning fast-forwards it): it runs, and the step is saved at its end (``on_validation_end``).
+            self._stop_after_validation = signum
+            return
         self._save_and_stop(trainer, signum)
+
+    @staticmethod
+    def _validation_due(trainer: L.Trainer) -> bool:
+        """Whether Lightning validates right after this optimizer step (its epoch loop's own check)."""
+        loop = trainer.fit_loop
+        fetcher = getattr(loop, "_data_fetcher", None)
+        return fetcher is not None and bool(loop.epoch_loop._should_check_val_fx(fetcher))
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._stop_after_validation is not None and not trainer.sanity_checking:
+            signum, self._stop_after_validation = self._stop_after_validation, None
+            self._save_and_stop(trainer, signum)
 
     def _save_and_stop(self, trainer: L.Trainer, signum: int) -> None:
         step = trainer.global_step
