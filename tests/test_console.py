@@ -587,7 +587,13 @@ def test_cli_fine_tunes_a_folder_and_resumes_into_the_same_run_folder(
     run_dir = tmp_path / "runs" / "tiny_cpu" / "version_0"
     last = run_dir / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=False)["global_step"] == 4
+    config = (run_dir / "config.yaml").read_text()
+    # A resume refused once set up (another plan: other levels) left the refused config as the run's config.yaml.
+    with pytest.raises(SystemExit):
+        main(args + ["--trainer.max_steps", "8", "--ckpt_path", str(last), "--data.levels", "[1024, 2048, 5120]"])
     cli = main(args + ["--trainer.max_steps", "8", "--ckpt_path", str(last)])
+    assert (run_dir / "config.yaml").read_text() == config  # the run's own; the resume's beside it
+    assert "max_steps: 8" in (run_dir / "config.resumed.yaml").read_text()
     assert sorted(p.name for p in run_dir.parent.iterdir()) == ["version_0"]  # no version_1
     assert cli.trainer.logger.version == 0  # the progress bar's v_num=0 (a string would show "on_0")
     logged = tensorboard_scalars(run_dir)

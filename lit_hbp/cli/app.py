@@ -60,6 +60,7 @@ from lit_hbp.cli.program import program
 from lit_hbp.cli.resume import (  # noqa: F401  (public here too: their first home)
     AUTO,
     CKPT_PATH_HELP,
+    ResumeSaveConfig,
     check_resume,
     check_resumed_model,
     check_resumed_steps,
@@ -438,6 +439,7 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
                     "reload_dataloaders_every_n_epochs": 1,
                     "default_root_dir": RUNS,
                 },  # fmt: skip
+                save_config_callback=ResumeSaveConfig,
                 save_config_kwargs={"overwrite": True},
                 args=args,
                 run=run,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from jsonargparse import Namespace
+from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.cli.checks import is_deepspeed, is_instance_entry, world_size_of
@@ -355,3 +356,19 @@ def saved_state(section: Any) -> dict:
         return {}
     load = trusted_load if section.get("weights_only") is False else safe_load
     return load(client_state_file(ckpt), mmap=True)
+
+
+RESUMED_CONFIG = "config.resumed.yaml"
+
+
+class ResumeSaveConfig(SaveConfigCallback):
+    """LightningCLI's ``config.yaml`` writer, but a run resumed into its run folder (``resume_in_run_folder``) keeps
+    the folder's ``config.yaml`` (the run's own) and writes its config beside it (``config.resumed.yaml``): a resume
+    refused after set-up (another plan) replaced the run's config with the refused one."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        folder = trainer.log_dir
+        resumed = self.config.get("ckpt_path") if hasattr(self.config, "get") else None
+        if resumed and folder and (Path(folder) / "config.yaml").is_file() and self.config_filename == "config.yaml":
+            self.config_filename = RESUMED_CONFIG
+        super().setup(trainer, pl_module, stage)
