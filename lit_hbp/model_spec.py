@@ -435,9 +435,10 @@ class ModelSpec:
 
     @property
     def pair_flops(self) -> float:
-        """Forward FLOPs of one token pair's causal attention through every layer: the planner's unit of work
-        (``plan_hbp(extra_work=...)`` counts a vision tower's in it)."""
-        return 2.0 * self.attending * self.hidden
+        """Forward FLOPs of one token pair's causal attention through every layer, at the heads' query-key and value
+        widths (``CostModel.attention_forward_seconds``'s): the planner's unit of work (``plan_hbp(extra_work=...)``
+        counts a vision tower's in it). Not twice ``hidden``: Gemma 3's heads are wider than its hidden size."""
+        return float(self.attending * self.heads * (self.qk_width + self.v_width))
 
     @property
     def params(self) -> float:

@@ -233,3 +233,24 @@ def test_the_cost_models_attention_time_and_sp_bytes_are_at_the_heads_own_widths
     q_k_v_o = 2 * n * (heads * qk + max(kv, sp) * qk + max(kv, sp) * v + heads * v)  # bf16
     assert Ulysses().comm_bytes_per_layer(spec, n, sp) == pytest.approx(q_k_v_o * (sp - 1) / sp)
     assert ContextParallel().comm_breakdown(spec, n, 4, 2)["cp"] == pytest.approx(2 * n * kv * (qk + v))
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama"])
+def test_a_token_pairs_attention_work_is_the_heads_own(family):
+    """The planner weighs a vision tower's work in units of one token pair's attention through every layer
+    (``ModelSpec.pair_flops``): it was twice the hidden size, while Gemma 3's heads (and Gemma-3-27B's: 0.76x) are
+    wider, so images weighed less than they cost. Against ``FlopCounterMode`` on the eager model: it computes the
+    whole score matrix of a document of T tokens, twice its T * T / 2 causal pairs' work, priced at T * T."""
+    from lit_hbp.model.causal_lm import configured_spec
+
+    config, tokens = {**small_config(family), "head_dim": 24}, 16
+    config.pop("sliding_window", None)
+    config.pop("layer_types", None)
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    net = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields), attn_implementation="eager")
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        net.eval()(input_ids=torch.arange(3, 3 + tokens)[None], use_cache=False)
+    scores = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "bmm" in str(op))
+    spec = configured_spec(config)
+    assert spec.heads * spec.dim != spec.hidden  # the case: heads wider than the hidden size
+    assert spec.pair_flops * tokens * tokens == pytest.approx(scores / 2, rel=1e-9)
