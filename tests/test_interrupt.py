@@ -512,3 +512,46 @@ def test_a_run_resumed_after_a_stop_logs_the_loss_the_uninterrupted_run_logs(tmp
     assert sorted(logged) == [1, 3, 5]
     assert stopped.values("train/loss") == pytest.approx({1: logged[1], 2: step_3}, rel=1e-6)  # step 3's alone
     assert resumed.values("train/loss") == pytest.approx({3: logged[3], 5: logged[5]}, rel=1e-6)
+
+
+class SignalInValidation(L.Callback):
+    """Sends SIGTERM to this process in the first validation batch after optimizer step ``after``."""
+
+    def __init__(self, after: int):
+        self.after, self.sent = after, False
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking and trainer.global_step == self.after and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_during_a_validation_saves_at_its_end_and_resumes_exactly(tmp_path, small_demo):
+    """A validation ends at an optimizer step's end: a signal during it waited for it and a whole training step more
+    (a step of a long level can outlast a scheduler's grace period). Saved at the validation's end, the resumed run
+    trains and validates what the uninterrupted one does."""
+    validating = dict(val_check_interval=4, check_val_every_n_epoch=None, limit_val_batches=2, num_sanity_val_steps=0,
+                      enable_checkpointing=True)  # fmt: skip
+
+    def run(root, callbacks, ckpt_path=None):
+        L.seed_everything(0)
+        dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache", val_fraction=0.05)
+        torch.manual_seed(0)
+        module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+        validated, trained = Validated(), Trained()
+        saves = ModelCheckpoint(tmp_path / root, save_last=True)
+        trainer = quiet_trainer(max_steps=MAX_STEPS, accumulate_grad_batches=2, default_root_dir=tmp_path / root,
+                                callbacks=[saves, *callbacks, validated, trained], **validating)  # fmt: skip
+        trainer.fit(module, dm, ckpt_path=ckpt_path)
+        return validated.rows, trained.rows, module.state_dict()
+
+    reference = run("reference", [])
+    interrupt = InterruptCheckpoint()
+    stopped = run("stopped", [SignalInValidation(2), interrupt])
+    assert interrupt.exit_status == 128 + signal.SIGTERM and stopped[1][-1][2] == 2  # no step after the validation
+    assert torch.load(interrupt.checkpoint, weights_only=False)["global_step"] == 2
+    resumed = run("resumed", [], interrupt.checkpoint)
+    assert stopped[0] + resumed[0] == reference[0]
+    assert stopped[1] + resumed[1] == reference[1]
+    for name, value in resumed[2].items():
+        assert torch.equal(value, reference[2][name]), name

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.callbacks.checkpoint import FinalCheckpoint, StepEndCallback
@@ -183,25 +184,8 @@ class InterruptCheckpoint(StepEndCallback):
     ) -> None:
         if not self.stepped(trainer):
             return  # inside an accumulation
-        got = [int(self.received == s) for s in self.signals]
-        if self._group is not None:
-            flags = torch.tensor(got, dtype=torch.int32)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-            got = flags.tolist()
-        received = [s for s, flag in zip(self.signals, got) if flag]
-        if not received:
-            return
-        requeue = _requeue_signal(trainer)
-        signum = min(received, key=lambda s: (s != requeue, s != signal.SIGTERM))
-        ends = trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step
-        if ends or FinalCheckpoint.last_epoch_ends(trainer):
-            # The run's final step: it ends complete, as it would have (exit 0, its export written); a resume from
-            # here would train nothing, and a requeued job neither.
-            self._final.save_final(trainer)
-            self.received = None
-            rank_zero_info(
-                f"{signal_label(signum)} at the run's final optimizer step {trainer.global_step}: it ends complete"
-            )
+        signum = self._agreed_signal(trainer)
+        if signum is None or self._ends_here(trainer, signum):
             return
         if self._validation_due(trainer):
             # The uninterrupted run validates at this step, and a resume from a save here skips that validation
@@ -210,17 +194,51 @@ class InterruptCheckpoint(StepEndCallback):
             return
         self._save_and_stop(trainer, signum)
 
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        signum, self._stop_after_validation = self._stop_after_validation, None
+        if signum is None:
+            if trainer.fit_loop.epoch_loop.batch_progress.current.processed % trainer.accumulate_grad_batches:
+                return  # a validation inside an optimizer step: the step's end decides
+            # A signal during the validation: its end is a step's end, saved there rather than a whole step later.
+            signum = self._agreed_signal(trainer)
+            if signum is None or self._ends_here(trainer, signum):
+                return
+        self._save_and_stop(trainer, signum)
+
+    def _agreed_signal(self, trainer: L.Trainer) -> int | None:
+        """The signal the ranks stop for (any rank's: all-reduced over the agreement's group), or None."""
+        got = [int(self.received == s) for s in self.signals]
+        if self._group is not None:
+            flags = torch.tensor(got, dtype=torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+            got = flags.tolist()
+        received = [s for s, flag in zip(self.signals, got) if flag]
+        if not received:
+            return None
+        requeue = _requeue_signal(trainer)
+        return min(received, key=lambda s: (s != requeue, s != signal.SIGTERM))
+
+    def _ends_here(self, trainer: L.Trainer, signum: int) -> bool:
+        """At the run's final step it ends complete, as it would have (exit 0, its export written; a resume from here
+        would train nothing, and a requeued job neither): saved, the signal dropped."""
+        ends = trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step
+        if not (ends or FinalCheckpoint.last_epoch_ends(trainer)):
+            return False
+        self._final.save_final(trainer)
+        self.received = None
+        rank_zero_info(
+            f"{signal_label(signum)} at the run's final optimizer step {trainer.global_step}: it ends complete"
+        )
+        return True
+
     @staticmethod
     def _validation_due(trainer: L.Trainer) -> bool:
         """Whether Lightning validates right after this optimizer step (its epoch loop's own check)."""
         loop = trainer.fit_loop
         fetcher = getattr(loop, "_data_fetcher", None)
         return fetcher is not None and bool(loop.epoch_loop._should_check_val_fx(fetcher))
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._stop_after_validation is not None and not trainer.sanity_checking:
-            signum, self._stop_after_validation = self._stop_after_validation, None
-            self._save_and_stop(trainer, signum)
 
     def _save_and_stop(self, trainer: L.Trainer, signum: int) -> None:
         step = trainer.global_step
