@@ -70,10 +70,11 @@ class InterruptCheckpoint(StepEndCallback):
     While training runs (``on_train_start`` to ``on_train_end`` or a failure; before that Lightning's
     handlers apply, and there is nothing to save yet) handlers of the main thread record the signal.
     At the next optimizer-step boundary (``global_step`` increased, in ``on_train_batch_end`` after
-    the checkpoint callbacks' hooks, so the micro-batches of an accumulation complete first) the step
-    is saved where a scheduled ``every_n_train_steps`` save would be, i.e. the exact mid-epoch resume
-    state: into every ``ModelCheckpoint`` that keeps a latest checkpoint (``FinalCheckpoint.save_final``:
-    ``last.ckpt`` of ``save_last``), or, when none holds the step with the trainer's state,
+    the checkpoint callbacks' hooks, so the micro-batches of an accumulation complete first; or the end
+    of a validation running at a step's end, ``on_validation_end``) the step is saved where a scheduled
+    ``every_n_train_steps`` save would be, i.e. the exact mid-epoch resume state: into every
+    ``ModelCheckpoint`` that keeps a latest checkpoint (``FinalCheckpoint.save_final``: ``last.ckpt`` of
+    ``save_last``), or, when none holds the step with the trainer's state,
     ``interrupted.ckpt`` in the first checkpoint callback's ``dirpath``, else ``<log_dir>/checkpoints``,
     else ``default_root_dir``. Then ``should_stop`` is set (``min_steps``/``min_epochs`` do not hold it
     back), the validation Lightning would run on a stop is skipped (it can take long; one scheduled at that
