@@ -175,31 +175,33 @@ class Validated(L.Callback):
             self.rows.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
 
 
+def validating_fit(tmp_path, demo, every: int, root: str, callbacks: list, ckpt_path=None) -> tuple:
+    """The tiny model validating every ``every`` micro-batches (accumulate 2), saving ``last.ckpt`` and each step
+    ranked by its val/loss: (the validations, the micro-batches trained, the weights)."""
+    L.seed_everything(0)
+    dm = chat_datamodule(demo, str(demo / "tokenizer"), tmp_path / "cache", val_fraction=0.05)
+    torch.manual_seed(0)
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+    validated, trained = Validated(), Trained()
+    saves = ModelCheckpoint(tmp_path / root, monitor="val/loss", save_last=True, save_top_k=-1, filename="{step}")
+    trainer = quiet_trainer(max_steps=MAX_STEPS, accumulate_grad_batches=2, default_root_dir=tmp_path / root,
+                            callbacks=[saves, *callbacks, validated, trained], val_check_interval=every,
+                            check_val_every_n_epoch=None, limit_val_batches=2, num_sanity_val_steps=0,
+                            enable_checkpointing=True)  # fmt: skip
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return validated.rows, trained.rows, module.state_dict()
+
+
 def test_a_signal_at_a_step_with_a_validation_due_validates_it_first(tmp_path, small_demo):
     """SIGTERM in step 3 of a run validating at every optimizer step (2 micro-batches): the stopped run
     skipped step 3's validation and the resumed one fast-forwarded it (a resume from a save at a step's end does), so
     it never ran: its val/loss never logged nor ranked by a ModelCheckpoint monitoring it. It runs, the step is saved
     at its end, and the two runs together validate what the uninterrupted one does."""
-    validating = dict(val_check_interval=2, check_val_every_n_epoch=None, limit_val_batches=2, num_sanity_val_steps=0,
-                      enable_checkpointing=True)  # fmt: skip
-
-    def run(root, callbacks, ckpt_path=None):
-        L.seed_everything(0)
-        dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache", val_fraction=0.05)
-        torch.manual_seed(0)
-        module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
-        validated, trained = Validated(), Trained()
-        saves = ModelCheckpoint(tmp_path / root, monitor="val/loss", save_last=True, save_top_k=-1, filename="{step}")
-        trainer = quiet_trainer(max_steps=MAX_STEPS, accumulate_grad_batches=2, default_root_dir=tmp_path / root,
-                                callbacks=[saves, *callbacks, validated, trained], **validating)  # fmt: skip
-        trainer.fit(module, dm, ckpt_path=ckpt_path)
-        return validated.rows, trained.rows, module.state_dict()
-
-    reference = run("reference", [])
+    reference = validating_fit(tmp_path, small_demo, 2, "reference", [])
     interrupt = InterruptCheckpoint()
-    stopped = run("stopped", [Send(signal.SIGTERM, 4), interrupt])
+    stopped = validating_fit(tmp_path, small_demo, 2, "stopped", [Send(signal.SIGTERM, 4), interrupt])
     assert interrupt.exit_status == 128 + signal.SIGTERM and stopped[0][-1][0] == 3
-    resumed = run("resumed", [], interrupt.checkpoint)
+    resumed = validating_fit(tmp_path, small_demo, 2, "resumed", [], interrupt.checkpoint)
     assert stopped[0] + resumed[0] == reference[0]
     assert stopped[1] + resumed[1] == reference[1]
     for name, value in resumed[2].items():
@@ -530,27 +532,12 @@ def test_a_signal_during_a_validation_saves_at_its_end_and_resumes_exactly(tmp_p
     """A validation ends at an optimizer step's end: a signal during it waited for it and a whole training step more
     (a step of a long level can outlast a scheduler's grace period). Saved at the validation's end, the resumed run
     trains and validates what the uninterrupted one does."""
-    validating = dict(val_check_interval=4, check_val_every_n_epoch=None, limit_val_batches=2, num_sanity_val_steps=0,
-                      enable_checkpointing=True)  # fmt: skip
-
-    def run(root, callbacks, ckpt_path=None):
-        L.seed_everything(0)
-        dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache", val_fraction=0.05)
-        torch.manual_seed(0)
-        module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
-        validated, trained = Validated(), Trained()
-        saves = ModelCheckpoint(tmp_path / root, save_last=True)
-        trainer = quiet_trainer(max_steps=MAX_STEPS, accumulate_grad_batches=2, default_root_dir=tmp_path / root,
-                                callbacks=[saves, *callbacks, validated, trained], **validating)  # fmt: skip
-        trainer.fit(module, dm, ckpt_path=ckpt_path)
-        return validated.rows, trained.rows, module.state_dict()
-
-    reference = run("reference", [])
+    reference = validating_fit(tmp_path, small_demo, 4, "reference", [])
     interrupt = InterruptCheckpoint()
-    stopped = run("stopped", [SignalInValidation(2), interrupt])
+    stopped = validating_fit(tmp_path, small_demo, 4, "stopped", [SignalInValidation(2), interrupt])
     assert interrupt.exit_status == 128 + signal.SIGTERM and stopped[1][-1][2] == 2  # no step after the validation
     assert torch.load(interrupt.checkpoint, weights_only=False)["global_step"] == 2
-    resumed = run("resumed", [], interrupt.checkpoint)
+    resumed = validating_fit(tmp_path, small_demo, 4, "resumed", [], interrupt.checkpoint)
     assert stopped[0] + resumed[0] == reference[0]
     assert stopped[1] + resumed[1] == reference[1]
     for name, value in resumed[2].items():
