@@ -159,9 +159,8 @@ class InterruptCheckpoint(StepEndCallback):
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if (
-            os.getpid() != self._pid
-        ):  # a forked process inherited the handler (a loader's workers: leave_signals_to_main)
+        # A forked process inherited the handler (a loader's workers have leave_signals_to_main).
+        if os.getpid() != self._pid:
             if signum != signal.SIGINT:  # one told to end (a pool's terminate) ends, as it would without us
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)

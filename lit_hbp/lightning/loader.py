@@ -470,8 +470,8 @@ class PlanLoader(DataLoader):
 
     def load_state_dict(self, state: dict) -> None:
         saved, now = state.get("plan"), self.dm.plan_key(state["epoch"])
-        if saved is not None and planned_by(saved, state["epoch"]) != planned_by(now, state["epoch"]):
-            a, b = planned_by(saved, state["epoch"]), planned_by(now, state["epoch"])
+        a, b = (None, None) if saved is None else (planned_by(saved, state["epoch"]), planned_by(now, state["epoch"]))
+        if a != b:
             changed = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in b if a.get(k) != b.get(k))
             raise ConfigError(
                 f"cannot resume from this checkpoint: the plan of its epoch {state['epoch']} was made with other "
