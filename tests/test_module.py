@@ -4,6 +4,7 @@ model family is tests/test_families.py)."""
 
 import copy
 import json
+import math
 
 import lightning as L
 import numpy as np
@@ -291,6 +292,36 @@ def test_a_gradient_accumulation_schedule_plans_each_epoch_with_its_accumulation
     for step in (second[:2], second[2:]):
         assert [norm for *_, norm in step] == [sum(n for _, _, n, _ in step) / 2] * 2
     assert len(taken.rates) == 4 + 2
+
+
+@pytest.mark.parametrize("varies", ["accumulation schedule", "random packer"])
+def test_a_max_epochs_runs_schedule_spans_the_optimizer_steps_it_takes(varies, chat_data, toy_tokenizer, tmp_path):
+    """Lightning counts a ``max_epochs`` run's optimizer steps as its first epoch's times the epochs; an epoch that
+    accumulates more (a GradientAccumulationScheduler) or that a seeded packer plans with another number of
+    micro-steps makes the run shorter or longer than that, and the cosine ended short of its floor (52 counted,
+    40 run: 0.23 of lr at the last step, not 0.10). The schedule spans the steps the run takes (the reference:
+    the optimizer's own steps, counted by a hook)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lit_hbp.callbacks.progress import planned_steps
+
+    packer, callbacks, limit = (
+        ("bfd", [GradientAccumulationScheduler({0: 1, 1: 2})], 8) if "schedule" in varies else ("random", [], 1.0)
+    )
+    dm = HBPDataModule(sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=["96:1", "256:1"],
+                       cache_dir=str(tmp_path / "cache"), packer=packer, seed=2)  # fmt: skip
+    module = make_module(vocab=dm.vocab_size, lr=1e-3, warmup_steps=0, min_lr_ratio=0.1, self_check=False)
+    taken = RatesTaken()
+    trainer = quiet_trainer(devices=1, max_epochs=3, limit_train_batches=limit, reload_dataloaders_every_n_epochs=1,
+                            callbacks=[taken, *callbacks])  # fmt: skip
+    trainer.fit(module, dm)
+    steps = len(taken.rates)
+    counted = [dm.plan_for_epoch(e).n_micro_steps for e in range(3)]
+    if "packer" in varies:
+        assert counted[0] * 3 != sum(counted), counted  # this seed draws epochs Lightning would miscount
+    assert module._schedule["total"] == steps == trainer.global_step == planned_steps(trainer)  # the bar's total
+    cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (steps - 1) / steps))  # the last step's, one short of 0.1
+    assert taken.rates[-1] == pytest.approx(1e-3 * cosine)
 
 
 def test_a_float_limit_that_ends_the_epoch_inside_an_optimizer_step_is_refused_before_the_first_step(

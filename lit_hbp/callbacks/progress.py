@@ -20,15 +20,19 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.store import count_phrase, distinct
+from lit_hbp.lightning.loader import planned_optimizer_steps
 from lit_hbp.lightning.meter import StepMeter
 
 
 def planned_steps(trainer: L.Trainer) -> int | None:
-    """The run's optimizer steps: the fewer of ``max_steps`` and the steps of ``max_epochs`` epochs of the
-    current epoch's length (Lightning's ``estimated_stepping_batches``, what the LR schedule spans);
-    None when neither bounds the run."""
+    """The run's optimizer steps, what the LR schedule spans: the fewer of ``max_steps`` and the steps of
+    ``max_epochs`` epochs (Lightning's ``estimated_stepping_batches``, or each epoch's plan where epochs differ:
+    ``planned_optimizer_steps``); None when neither bounds the run."""
     estimate = trainer.estimated_stepping_batches
-    return None if math.isinf(estimate) or math.isnan(estimate) else int(estimate)
+    if math.isinf(estimate) or math.isnan(estimate):
+        return None
+    planned = planned_optimizer_steps(trainer)
+    return int(estimate) if planned is None else planned
 
 
 def epoch_description(trainer: L.Trainer) -> str:

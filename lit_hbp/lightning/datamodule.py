@@ -218,6 +218,7 @@ class HBPDataModule(L.LightningDataModule):
         self.resume_from: dict | None = None
         self.resume_rng: dict | None = None  # this rank's generators at the checkpoint ({} none), until fetched
         self._plans: dict[tuple[int, int], Plan] = {}  # (epoch, accumulation): the epoch's plan
+        self._planned_steps: tuple | None = None  # the run's optimizer steps, counted from its plans (loader's)
         self._set_up_for, self.held_out = 0, None  # the world size, the held-out records (``records_identity``)
 
     @property
@@ -298,6 +299,7 @@ class HBPDataModule(L.LightningDataModule):
         """Plan the first epoch with ``warmup_steps`` steps of the short levels first (HBPCurriculum)."""
         self.warmup_steps, self.short_levels = int(warmup_steps), short_levels
         self._plans.clear()
+        self._planned_steps = None
 
     def write_report(self) -> Path:
         """Write the data report (all skipped, dropped and truncated samples with their file and line)
@@ -431,6 +433,7 @@ class HBPDataModule(L.LightningDataModule):
         if self.val_sources and self.val_store is not None:
             self.val_store.count_training_copies(store, len(tokenized))
         self.store, self._set_up_for, self._plans, self._val_plan = store, world, {}, None
+        self._planned_steps = None
         summary = self.store.summary()
         if self.val_store is not None:
             summary += "\nvalidation " + self.val_store.summary()

@@ -134,6 +134,33 @@ def epoch_batches(limit: int | float, micro_steps: int) -> int:
     return min(micro_steps, limit) if isinstance(limit, int) else int(micro_steps * limit)
 
 
+def planned_optimizer_steps(trainer: Any) -> int | None:
+    """The optimizer steps of a ``max_epochs`` run of an ``HBPDataModule``, epoch by epoch from each epoch's plan:
+    Lightning counts the first epoch's times the epochs, which an accumulation scheduled by epoch or a seeded
+    packer's draw (epochs of other lengths) makes too many or too few, and the schedule would end elsewhere than
+    the run. None where Lightning's count is exact (every epoch planned alike) or the data is not lit-hbp's."""
+    datamodule = getattr(trainer, "datamodule", None)
+    if not hasattr(datamodule, "plan_for_epoch") or trainer.max_epochs is None or trainer.max_epochs < 1:
+        return None
+    epochs, limit = trainer.max_epochs, trainer.limit_train_batches
+    schedule = accumulation_schedule(trainer)[0]
+    if len(set(schedule.values())) == 1 and datamodule.packer not in SEEDED_PACKERS:
+        return None
+    bound = trainer.max_steps if trainer.max_steps >= 0 else math.inf
+    key = (epochs, limit, bound, tuple(sorted(schedule.items())), datamodule.seed, trainer.world_size)
+    known = getattr(datamodule, "_planned_steps", None)
+    if known is not None and known[0] == key:  # counted once a run: the progress bar asks each epoch
+        return known[1]
+    steps = 0
+    for epoch in range(epochs):
+        if steps >= bound:
+            break
+        batches = epoch_batches(limit, datamodule.plan_for_epoch(epoch).n_micro_steps)
+        steps += math.ceil(batches / accumulation_at(trainer, epoch))
+    datamodule._planned_steps = key, int(min(steps, bound))
+    return datamodule._planned_steps[1]
+
+
 def check_data_trainer(trainer: Any, stage: str, packer: str, validates: bool) -> None:
     """What every Trainer an ``HBPDataModule`` is set up under must allow, checked at each set-up (a data module
     given to a second Trainer too): ranks are the plan's, not a distributed sampler's; no overfit loader; a fit's

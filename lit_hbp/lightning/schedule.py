@@ -8,6 +8,7 @@ import math
 import torch
 
 from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.loader import planned_optimizer_steps
 
 LR_SCHEDULE = "hbp_lr_schedule"  # the checkpoint's key of the run's schedule: {"total": steps, "warmup": steps}
 NO_END = (
@@ -18,12 +19,15 @@ NO_END = (
 
 
 def run_steps(trainer) -> float:
-    """The run's optimizer steps (Lightning's ``estimated_stepping_batches``, what the schedule spans). For a run
+    """The run's optimizer steps (Lightning's ``estimated_stepping_batches``, or an ``HBPDataModule``'s count from
+    each epoch's plan where epochs differ: ``planned_optimizer_steps``), what the schedule spans. For a run
     bounded by ``max_epochs`` Lightning builds the train loader to count them, before the checkpoint being
     resumed is restored; that loader would never be given its saved position (the epoch trained again from its
     first micro-batch, without a word), so it is let go and built again after the restore, which hands it the
     position (on every fit: a strategy that restores after its set-up, DeepSpeed, names no checkpoint yet)."""
     steps = trainer.estimated_stepping_batches
+    if math.isfinite(steps) and (planned := planned_optimizer_steps(trainer)) is not None:
+        steps = planned
     loop = getattr(trainer, "fit_loop", None)
     if loop is not None:
         loop._combined_loader = None  # Lightning's fit loop builds it again in setup_data
