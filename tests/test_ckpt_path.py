@@ -16,7 +16,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lit_hbp.cli.app import check_trainer_values, main, resolve_auto_resume
+from lit_hbp.cli.app import HBPCLI, check_trainer_values, main, resolve_auto_resume
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.checkpoints import find_resumable, why_incomplete
 
@@ -332,6 +332,31 @@ def test_a_resume_with_model_settings_other_than_its_checkpoints_is_refused_at_p
     )  # fmt: skip
     assert code == 2 and err.startswith("error: --ckpt_path resumes the run as its checkpoint saved it"), err
     assert f"model.lr: 0.0001 (the checkpoint's {hparams['lr']!r})" in err and "tokenizing" not in err
+
+
+def test_a_resume_may_change_how_its_steps_are_computed_and_takes_the_configs(tmp_path, small_demo, monkeypatch):
+    """The attention kernel, compile, liger, the self-check and the loss's chunk choose how a step is computed, not
+    what it computes: a run resumed on another machine (no flash-attn there) or with compile off must not be refused
+    for them, and runs with the command line's values, not the checkpoint's; ``lr`` beside them is still refused."""
+    monkeypatch.chdir(tmp_path)
+    config = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo)]
+    hparams = dict(main(config, run=False).model.hparams)
+    hparams.pop("_instantiator", None)
+    saved = {**hparams, "attn_backend": "flash_attn_2", "compile": True, "liger": True, "ce_chunk_size": 4096}
+    path = tmp_path / "last.ckpt"
+    torch.save({"global_step": 1, "state_dict": {}, "hyper_parameters": saved, **RESUMABLE}, path)
+    now = {"attn_backend": "sdpa", "compile": False, "liger": False, "self_check": False, "ce_chunk_size": 64}
+    given = [a for k, v in now.items() for a in (f"--model.{k}", str(v).lower() if isinstance(v, bool) else str(v))]
+    fitted = []  # the module the fit would train, and the checkpoint it would resume
+    run = lambda cli, sub: fitted.append((dict(cli.model.hparams), cli.config[sub].ckpt_path))  # noqa: E731
+    monkeypatch.setattr(HBPCLI, "_run_subcommand", run)
+    main(["fit", *config, "--ckpt_path", str(path), *given])
+    ((taken, resumed),) = fitted
+    assert {k: taken[k] for k in now} == now and resumed == str(path)
+    assert taken["lr"] == hparams["lr"]
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", *config, "--ckpt_path", str(path), *given, "--model.lr", "1e-4"])
+    assert stop.value.code == 2 and len(fitted) == 1
 
 
 def run_checkpoints_folder(tmp_path, small_demo, monkeypatch) -> tuple[dict, Path]:

@@ -73,6 +73,7 @@ from lit_hbp.cli.resume import (  # noqa: F401  (public here too: their first ho
 )
 from lit_hbp.errors import ConfigError, UserInputError
 from lit_hbp.lightning.checkpoints import (
+    EXECUTION,
     TRUST_HINT,
     AtomicCheckpointIO,
     UnsafeCheckpoint,
@@ -174,13 +175,16 @@ class HBPCLI(LightningCLI):
 
     def _read_checkpoint_model(self, subcommand: str, section: Any) -> None:
         """The model settings of the checkpoint ``--ckpt_path`` names (a file or a DeepSpeed folder; ``auto``'s once
-        found), checked against the config's and read into it, as LightningCLI reads a file's. (Lightning's keywords,
-        ``last``, are found by the trainer: the module checks them when the checkpoint loads.)"""
+        found), checked against the config's and read into it, as LightningCLI reads a file's, but for the
+        ``EXECUTION`` settings, which stay the config's. (Lightning's keywords, ``last``, are found by the trainer:
+        the module checks them when the checkpoint loads.)"""
         hparams = saved_state(section).get("hyper_parameters", {})
         hparams.pop("_instantiator", None)
         if not hparams:
             return
         self._guard(check_resumed_model, section.get("model"), hparams, subcommand == "validate")
+        for key in EXECUTION:  # the config's: how this run computes its steps
+            hparams.pop(key, None)
         if "_class_path" in hparams:
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         try:

@@ -149,6 +149,9 @@ AVERAGED_UNDER_DEEPSPEED = (
     "engine's own, the current weights): train with trainer.strategy hbp_ddp, or without the averaging"
 )
 RESTORED = ("lr", "betas", "weight_decay")  # module arguments a resume's restored optimizer state sets over
+# Module arguments that choose how a step is computed, not what it computes: a resume may change them (another
+# machine's kernels, compile on or off, the self-check skipped) and takes the config's.
+EXECUTION = ("attn_backend", "compile", "liger", "self_check", "ce_chunk_size")
 
 
 def check_resumed_settings(
@@ -157,7 +160,7 @@ def check_resumed_settings(
     """A resume continues the run as its checkpoint saved it: a module argument given otherwise than the checkpoint's
     run did (``keys``, all by default) would be dropped without a word (``lr``: the restored optimizer and schedule
     train on at the checkpoint's rate). Refused, naming each one (tuples and lists alike); a validation of the
-    checkpoint (``validating``) likewise scores it with its own settings."""
+    checkpoint (``validating``) likewise scores it with its own settings. ``EXECUTION`` settings may change."""
 
     def plain(value: Any) -> Any:
         if isinstance(value, dict):
@@ -168,6 +171,7 @@ def check_resumed_settings(
         f"model.{key}: {plain(given[key])!r} (the checkpoint's {plain(value)!r})"
         for key, value in saved.items()
         if not key.startswith("_")
+        and key not in EXECUTION
         and key in given
         and (keys is None or key in keys)
         and plain(given[key]) != plain(value)
