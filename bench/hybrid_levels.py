@@ -24,7 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from lit_hbp.autoselect.search import analytic_levels
-from lit_hbp.cost.costmodel import HARDWARE
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.cost.run_settings import Settings, cost_model
 from lit_hbp.model.causal_lm import configured_spec
 from lit_hbp.packing import Level

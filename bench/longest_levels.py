@@ -18,7 +18,8 @@ import sys
 from dataclasses import replace
 
 from lit_hbp.autoselect.search import TILE_STEPS
-from lit_hbp.cost.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.model_spec import MODELS
 from lit_hbp.report import format_table
 

@@ -23,7 +23,8 @@ import numpy as np
 from transformers import AutoConfig
 
 from lit_hbp.autoselect.search import analytic_levels, with_vision
-from lit_hbp.cost.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.data.media import vision_load
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing import Level, plan_hbp, plan_single_level

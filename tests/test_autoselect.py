@@ -21,7 +21,8 @@ from lit_hbp.autoselect import (
     greedy_profile_ckpt,
 )
 from lit_hbp.autoselect.__main__ import main as autoselect_main
-from lit_hbp.cost.costmodel import HARDWARE, PAPER_ACTIVATION_OVERHEAD, CostModel
+from lit_hbp.cost.costmodel import PAPER_ACTIVATION_OVERHEAD, CostModel
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.model_spec import MODELS, ModelSpec
 from lit_hbp.packing import Level
 
@@ -1218,7 +1219,8 @@ def test_the_level_search_offers_no_mlp_tiles_to_a_mixture_of_experts():
 
     from lit_hbp.autoselect.levers import NoLevelFits
     from lit_hbp.autoselect.search import analytic_levels
-    from lit_hbp.cost.costmodel import HARDWARE, CostModel
+    from lit_hbp.cost.costmodel import CostModel
+    from lit_hbp.cost.hardware import HARDWARE
     from lit_hbp.cost.run_settings import problems
     from lit_hbp.data.collate import collate_packs
     from lit_hbp.lightning.module import HBPLitModule

@@ -54,7 +54,8 @@ def test_a_lora_runs_dense_time_is_priced_at_its_frozen_backwards_flops():
     and the gradient sync moves nothing; full fine-tuning's at its own count."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lit_hbp.cost.costmodel import CostModel, Hardware
+    from lit_hbp.cost.costmodel import CostModel
+    from lit_hbp.cost.hardware import Hardware
 
     module = built("llama")
     net = copy.deepcopy(module.model)

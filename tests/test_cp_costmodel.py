@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from lit_hbp.autoselect import sp_candidates
-from lit_hbp.cost.costmodel import CostModel, Hardware
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import Hardware
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.parallel.context_parallel import ContextParallel
 from lit_hbp.parallel.ulysses import Ulysses
@@ -163,7 +164,7 @@ def test_simulator_prices_a_cp_groups_attention_at_its_busiest_rank():
 def test_the_analytic_search_prices_cp_candidates_at_the_busiest_cp_rank(paper_shaped_mix):
     """Brute force over the same synthetic packs: each pack's sum of squares times its max / mean
     CP area under ``split_pack``; cp 1 is the plain mean."""
-    from lit_hbp.cost.costmodel import pack_stats, synthetic_pack
+    from lit_hbp.cost.sample_packs import pack_stats, synthetic_pack
     from lit_hbp.packing.context_split import split_pack
 
     lengths, pack_len = paper_shaped_mix[:20_000], 65536
@@ -181,7 +182,7 @@ def test_the_analytic_search_prices_cp_candidates_at_the_busiest_cp_rank(paper_s
 def test_the_search_draws_a_lengths_packs_once_and_prices_every_layout_as_a_fresh_draw(paper_shaped_mix):
     """The analytic profiler keeps one ``memo`` for all its layouts (packs drawn once per length, each split once
     per padding and cp): every layout, in any order, is priced exactly as a call of its own prices it."""
-    from lit_hbp.cost.costmodel import pack_stats
+    from lit_hbp.cost.sample_packs import pack_stats
 
     lengths, memo = paper_shaped_mix[:20_000], {}
     for pack_len, sp, cp in [(32768, 2, 2), (32768, 4, 2), (32768, 8, 4), (32768, 16, 2), (32768, 16, 16),

@@ -11,7 +11,8 @@ from conftest import TINY_LLAMA, flat_tokens
 from transformers import AutoTokenizer
 
 from lit_hbp.callbacks import PackingMetrics
-from lit_hbp.cost.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.data import sources as sources_module
 from lit_hbp.data.records import RecordReader
 from lit_hbp.data.sources import DataError, Source

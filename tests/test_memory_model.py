@@ -11,7 +11,8 @@ from live_bytes import LiveBytes
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_hbp import pack_samples, packed_loss, prepare_model
-from lit_hbp.cost.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.model.offload import host_offload
 from lit_hbp.model_spec import MODELS, ModelSpec
 

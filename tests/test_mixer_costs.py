@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from plan_walk import epoch_seconds
 
-from lit_hbp.cost.costmodel import CostModel, Hardware
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import Hardware
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.mixer_share import mixer_tokens, padded_tokens
 
@@ -105,7 +106,7 @@ def test_the_analytic_search_prices_a_hybrids_mixers_over_the_same_synthetic_pac
     of the packs ``pack_stats`` draws; a pack of one document each costs a non-splitting hybrid every
     document on both ranks and a splitting one half of it."""
     from lit_hbp.autoselect.profiler import AnalyticProfiler
-    from lit_hbp.cost.costmodel import pack_stats, synthetic_pack
+    from lit_hbp.cost.sample_packs import pack_stats, synthetic_pack
 
     lengths, pack_len = np.full(100, 4096), 4096
     for heads, want in ((None, 4096.0), (2, 2048.0)):

@@ -211,7 +211,8 @@ def test_the_cost_models_attention_time_and_sp_bytes_are_at_the_heads_own_widths
     ``head_dim`` is the rotary part (64): the time model priced attention and the Ulysses and CP bytes at ``head_dim``
     (2.5x low for DeepSeek-V3), MFU at the real widths. Attention's forward against ``FlopCounterMode`` on the eager
     model (it computes the whole score matrix: causal is half), bytes against the config's own widths."""
-    from lit_hbp.cost.costmodel import HARDWARE, CostModel
+    from lit_hbp.cost.costmodel import CostModel
+    from lit_hbp.cost.hardware import HARDWARE
     from lit_hbp.model.causal_lm import configured_spec
     from lit_hbp.parallel.context_parallel import ContextParallel
     from lit_hbp.parallel.ulysses import Ulysses

@@ -13,7 +13,8 @@ import torch
 from conftest import TINY_LLAMA, quiet_trainer, separate_loss
 
 from lit_hbp.autoselect.search import analytic_levels, fill_token_budget
-from lit_hbp.cost.costmodel import GIB, HARDWARE, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import GIB, HARDWARE
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule

@@ -12,7 +12,7 @@ from families import small_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_hbp.cost.config import spec_of
-from lit_hbp.cost.costmodel import HARDWARE
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.cost.run_settings import config_settings, cost_model
 from lit_hbp.errors import ConfigError
 from lit_hbp.model.build import apply_lora, build_causal_lm

@@ -13,7 +13,8 @@ from matplotlib.container import BarContainer
 from matplotlib.image import imread
 
 from lit_hbp.callbacks import PackingMetrics
-from lit_hbp.cost.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model_spec import ModelSpec

@@ -15,8 +15,8 @@ from lit_hbp.autoselect.levers import NoLevelFits
 from lit_hbp.autoselect.memory_fit import TILE_STEPS, greedy_profile_ckpt
 from lit_hbp.autoselect.profiler import MemoryProfiler
 from lit_hbp.autoselect.search import analytic_levels, covering_length
-from lit_hbp.cost import costmodel
-from lit_hbp.cost.costmodel import HARDWARE
+from lit_hbp.cost import hardware
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.cost.run_settings import (
     ANALYTIC,
     CONFIG,
@@ -47,7 +47,7 @@ def test_memory_is_counted_as_the_devices_report_it():
     """The H100 plans with the 79.6 GiB it reports, the H200 with 140.4 GiB, not the datasheets' decimal
     80 and 141 GB read as 10^9 bytes (74.5 and 131.3 GiB); no decimal GB is left as a memory unit."""
     assert {k: HARDWARE[k].memory_bytes for k in REPORTED} == REPORTED
-    assert not hasattr(costmodel, "GB") and costmodel.GIB == 1024**3
+    assert not hasattr(hardware, "GB") and hardware.GIB == 1024**3
     assert f"{HARDWARE['h100'].memory_bytes / 2**30:.1f}" == "79.6"
     assert f"{HARDWARE['h200'].memory_bytes / 2**30:.1f}" == "140.4"
     # 64K tokens at sp 8 on 8 H100s: the search checkpoints the fewest layers whose peak is within what the

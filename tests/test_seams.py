@@ -11,7 +11,8 @@ import torch
 from conftest import TINY_LLAMA, quiet_trainer
 
 from lit_hbp.autoselect import AnalyticSelector, RunSetting, Selection, sp_candidates
-from lit_hbp.cost.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.model_spec import ModelSpec

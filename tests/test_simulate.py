@@ -6,7 +6,8 @@ import pytest
 from plan_walk import epoch_seconds
 
 from lit_hbp.autoselect.search import analytic_levels
-from lit_hbp.cost.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.model_spec import MODELS, ModelSpec
 from lit_hbp.packing import Level, plan_hbp
 from lit_hbp.simulate import compare, compare_auto, fill_checkpointing, simulate
@@ -236,7 +237,7 @@ def test_simulate_prices_a_training_yamls_own_run_with_the_flags_over_it(tmp_pat
     # A run without DeepSpeed, and a lever asking for it: priced as the level search prices the same config and flag.
     from lit_hbp.autoselect import RunSetting
     from lit_hbp.cost.config import read_config
-    from lit_hbp.cost.costmodel import HARDWARE
+    from lit_hbp.cost.hardware import HARDWARE
     from lit_hbp.cost.run_settings import describe
 
     ddp = tmp_path / "ddp.yaml"

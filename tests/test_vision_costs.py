@@ -12,7 +12,8 @@ from live_bytes import LiveBytes
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForImageTextToText
 
-from lit_hbp.cost.costmodel import HARDWARE, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.model_spec import ModelSpec
 
 WIDTH, MLP = 128, 512  # the measured towers' width and MLP size
@@ -146,7 +147,7 @@ def test_levels_chosen_for_image_data_fit_with_the_towers_memory_where_text_only
     candidate's time counts the tower's encoding of the mean pack's images."""
     from lit_hbp.autoselect.profiler import AnalyticProfiler
     from lit_hbp.autoselect.search import analytic_levels, with_vision
-    from lit_hbp.cost.costmodel import pack_stats
+    from lit_hbp.cost.sample_packs import pack_stats
 
     lengths, vision = image_mix()
     assert vision.patches_per_token(lengths) == pytest.approx(4 * 4095 / (4095 + 100), rel=0.02)

@@ -32,7 +32,7 @@ import yaml
 
 from lit_hbp.autoselect.selector import AnalyticSelector, MeasuredSelector, RunSetting, positions_of
 from lit_hbp.cost.config import config_vocab, config_world, load_spec, nonnegative_float, positive_int, read_config
-from lit_hbp.cost.costmodel import GIB, HARDWARE
+from lit_hbp.cost.hardware import GIB, HARDWARE
 from lit_hbp.cost.run_settings import ANALYTIC, MEASURED
 from lit_hbp.lightning.config_data import config_samples
 

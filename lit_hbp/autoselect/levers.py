@@ -22,7 +22,8 @@ import numpy as np
 
 from lit_hbp.autoselect.memory_fit import TILE_STEPS, Placement, fit_anywhere, layouts_at
 from lit_hbp.autoselect.profiler import MemoryProfiler
-from lit_hbp.cost.costmodel import GIB, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import GIB
 from lit_hbp.cost.run_settings import CONFIG, SIMULATE, SWITCHES, Tool, problems, refusal
 from lit_hbp.errors import ConfigError
 from lit_hbp.packing.levels import Level

@@ -31,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lit_hbp.autoselect.profiler import Measurement
-from lit_hbp.cost.costmodel import synthetic_members, synthetic_pack
+from lit_hbp.cost.sample_packs import synthetic_members, synthetic_pack
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.lightning.strategy import HBPDDPStrategy, HBPStrategy

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from lit_hbp.autoselect.profiler import Candidate, Measurement, Profiler
-from lit_hbp.cost.costmodel import GIB
+from lit_hbp.cost.hardware import GIB
 from lit_hbp.parallel.groups import as_layout
 
 

@@ -14,8 +14,9 @@ from typing import Protocol
 
 import numpy as np
 
-from lit_hbp.cost.costmodel import CostModel, pack_mixer_tokens, pack_stats
+from lit_hbp.cost.costmodel import CostModel
 from lit_hbp.cost.run_settings import refusal
+from lit_hbp.cost.sample_packs import pack_mixer_tokens, pack_stats
 from lit_hbp.packing.vision_load import VisionLoad
 
 

@@ -21,7 +21,8 @@ from lit_hbp.autoselect.levers import FitQuestion, no_level_fits
 from lit_hbp.autoselect.memory_fit import TILE_STEPS as TILE_STEPS  # the tile counts, where bench/ reads them
 from lit_hbp.autoselect.memory_fit import fit_memory, layouts_at
 from lit_hbp.autoselect.profiler import AnalyticProfiler, Candidate, Profiler
-from lit_hbp.cost.costmodel import GIB, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import GIB
 from lit_hbp.cost.run_settings import CONFIG, Tool
 from lit_hbp.errors import ConfigError
 from lit_hbp.packing.levels import LAYOUT_KINDS, Level

@@ -28,7 +28,8 @@ from lit_hbp.autoselect.launch import launch
 from lit_hbp.autoselect.measured import MeasuredProfiler, probe_strategy_args
 from lit_hbp.autoselect.search import Selection, analytic_levels, select_levels, with_vision
 from lit_hbp.cost.config import model_config, read_config, spec_of
-from lit_hbp.cost.costmodel import GIB, HARDWARE, CostModel, Hardware
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import GIB, HARDWARE, Hardware
 from lit_hbp.cost.run_settings import (
     CONFIG,
     Settings,

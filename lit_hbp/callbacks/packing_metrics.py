@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from lit_hbp.cost.costmodel import HARDWARE
+from lit_hbp.cost.hardware import HARDWARE
 from lit_hbp.cost.run_settings import Settings, cost_model, trainer_settings
 from lit_hbp.errors import ConfigError, did_you_mean
 from lit_hbp.model_spec import ModelSpec
@@ -39,7 +39,7 @@ class PackingMetrics(L.Callback):
         time and SP communication the plan would cost on such a cluster. Its times are simulated,
         not measured on the devices of this run, and its titles say so. The model's shape comes from
         ``pl_module.model.config`` (a Hugging Face config); without one only the histogram is logged.
-    hardware: the cost model's GPU preset for the timeline, a key of ``lit_hbp.cost.costmodel.HARDWARE``.
+    hardware: the cost model's GPU preset for the timeline, a key of ``lit_hbp.cost.hardware.HARDWARE``.
     """
 
     def __init__(self, figures: bool = False, hardware: str = "h100") -> None:

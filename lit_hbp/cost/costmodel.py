@@ -7,8 +7,9 @@ InfiniBand, the recomputation of checkpointed layers, a tiled MLP's second forwa
 copies of offloaded layer inputs; and what it holds: ZeRO-partitioned parameters, gradients and Adam
 states, the activations of the layers run whole, the checkpointed inputs (on the device or the host),
 a layer's recompute and backward working set and the LM head's chunk (``memory_parts``). Every
-constant is written here with where it comes from. One module on purpose (over 600 lines): the time and
-the memory of a level price the same layout with the same constants, and the level search reads both.
+constant is written here with where it comes from (the GPU kinds' in ``hardware``); the time and the memory of a
+level price the same layout with the same constants, and the level search reads both. What a level's packs hold
+is drawn in ``sample_packs``.
 
 Time of a rank for a micro-step (seconds):
     dense        = tokens * 2 * (layer_params * (3 + c / L) + lm_head_params * 3) / (peak * eff_dense)
@@ -44,84 +45,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lit_hbp.cost.hardware import Hardware
 from lit_hbp.model_spec import ModelSpec
-from lit_hbp.packing.context_split import padded_length, split_micro_batch
-from lit_hbp.packing.mixer_share import PAD_SLACK, mixer_tokens, splits
+from lit_hbp.packing.mixer_share import PAD_SLACK, splits
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import cp_slices
-
-GIB = 1024**3
-"""Bytes of a GiB: memory is counted as devices report it (``torch.cuda.get_device_properties().total_memory``)."""
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One GPU kind and its links. Memory in bytes as the device reports it; bandwidths per GPU and per
-    direction in bytes/s, and FLOP/s, as the vendors' decimal numbers.
-
-    eff_dense / eff_attn: achieved share of peak bf16 FLOP/s for large matmuls and for flash
-    attention; eff_link: achieved share of link bandwidth in all-to-all and ring collectives.
-    accelerator: "cuda", or "cpu" for a measured search on CPU processes (Liger needs CUDA).
-    """
-
-    name: str
-    peak_flops: float
-    memory_bytes: float
-    intra_node_bw: float
-    inter_node_bw: float
-    gpus_per_node: int = 8
-    eff_dense: float = 0.60
-    eff_attn: float = 0.50
-    eff_link: float = 0.70
-    link_latency_s: float = 20e-6
-    host_bw: float = 0.0
-    host_memory_bytes: float = 0.0
-    source: str = ""
-    accelerator: str = "cuda"
-
-
-# Peak dense bf16 FLOP/s from NVIDIA's datasheets (H100 SXM5 and H200 SXM: 989 TFLOP/s; A100 SXM4 80GB:
-# 312 TFLOP/s). Memory: what ``torch.cuda.get_device_properties(i).total_memory`` reports, less than the
-# datasheets' decimal 80 / 141 GB: NVIDIA H100 80GB HBM3 81,559 MiB (79.6 GiB), NVIDIA H200 143,771 MiB
-# (140.4 GiB), NVIDIA A100-SXM4-80GB 81,251 MiB (79.3 GiB). NVLink: 900 GB/s (H100/H200, NVLink 4) and
-# 600 GB/s (A100, NVLink 3) total per GPU, i.e. half per direction. InfiniBand: one 400 Gb/s NDR NIC per
-# GPU (DGX H100/H200) = 50 GB/s, one 200 Gb/s HDR NIC per GPU (DGX A100) = 25 GB/s. Host: PCIe Gen5 x16
-# (Gen4 on the A100) per GPU, and the DGX's 2 TB of memory as the OS reports it (MemTotal ~2,000 GiB).
-# Efficiencies: ~60% of peak is what tuned bf16 GEMMs of LLM-sized matrices sustain in Megatron/DeepSpeed
-# reports (MFU 40-55% end to end), ~50% what flash-attention 2/3 reaches on long causal sequences, ~70% of
-# the link rate what NCCL all-to-all and ring collectives reach.
-HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware(
-        "H100-80GB",
-        989e12,
-        81559 * 2**20,
-        450e9,
-        50e9,
-        host_bw=50e9,
-        host_memory_bytes=2000 * GIB,
-        source="NVIDIA H100 SXM5 datasheet; DGX H100 (8x NVLink 4, 8x ConnectX-7 NDR 400, PCIe Gen5 x16, 2 TB)",
-    ),
-    "h200": Hardware(
-        "H200-141GB",
-        989e12,
-        143771 * 2**20,
-        450e9,
-        50e9,
-        host_bw=50e9,
-        host_memory_bytes=2000 * GIB,
-        source="NVIDIA H200 SXM datasheet; DGX H200 (NVLink 4, ConnectX-7 NDR 400, PCIe Gen5 x16, 2 TB)",
-    ),
-    "a100": Hardware(
-        "A100-80GB",
-        312e12,
-        81251 * 2**20,
-        300e9,
-        25e9,
-        host_bw=25e9,
-        host_memory_bytes=2000 * GIB,
-        source="NVIDIA A100 SXM4 80GB datasheet; DGX A100 (NVLink 3, ConnectX-6 HDR 200, PCIe Gen4 x16, 2 TB)",
-    ),
-}
 
 # Activation memory: the tensors lit-hbp's forward keeps for the backward, counted op by op for a
 # Llama-style decoder layer (RMSNorm, q/k/v/o projections with RoPE, a gated MLP) in the model's
@@ -611,94 +539,3 @@ def exposed(comm, compute, pieces: int):
     j + 1's transfer in flight while part j computes: the first part's transfer waits in full, each
     later one for what its part of the compute does not cover."""
     return comm / pieces + (pieces - 1) / pieces * np.maximum(comm - compute, 0.0)
-
-
-def synthetic_pack(lengths: np.ndarray, pack_len: int, rng: np.random.Generator, window: int = 4096) -> np.ndarray:
-    """Sample lengths of one pack of ``pack_len`` drawn from the data's length distribution, filled
-    the way the planner fills packs: draws that do not fit the space left are skipped, until the
-    pack is full or no drawn sample fits (samples longer than the pack are cut to it)."""
-    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), pack_len)
-    return lengths[synthetic_members(lengths, pack_len, rng, window)]
-
-
-def synthetic_members(lengths: np.ndarray, pack_len: int, rng: np.random.Generator, window: int = 4096) -> np.ndarray:
-    """The samples (indices into ``lengths``, each at most ``pack_len``) ``synthetic_pack`` draws.
-
-    Vectorized over ``window`` draws at a time (a 4M-token pack takes ~10^5 draws): the next draw
-    that fits is found by a scan, and the run of draws after it whose running sum fits is taken at
-    once; the first draw past that run does not fit, so the next scan skips it, as one draw at a
-    time would."""
-    valid = np.flatnonzero(lengths > 0)
-    smallest = int(lengths[valid].min())
-    draws = valid[rng.integers(0, valid.size, size=4 * pack_len // max(smallest, 1) + 1)]
-    drawn = lengths[draws]
-    room, pos, take = pack_len, 0, []
-    while pos < draws.size and room >= smallest:
-        hit = np.flatnonzero(drawn[pos : pos + window] <= room)
-        if not hit.size:
-            pos += window
-            continue
-        start = pos + int(hit[0])
-        run = drawn[start : start + window]
-        k = int(np.searchsorted(np.cumsum(run), room, side="right"))
-        take.append(draws[start : start + k])
-        room -= int(run[:k].sum())
-        pos = start + k
-    return np.concatenate(take) if take else np.zeros(0, np.int64)
-
-
-def _synthetic_packs(lengths, pack_len: int, seed: int, max_packs: int) -> tuple[np.ndarray, list, list]:
-    """The lengths cut to ``pack_len``, and ``max_packs`` synthetic packs' members and lengths (``seed``)."""
-    rng = np.random.default_rng(seed)
-    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), pack_len)
-    members = [synthetic_members(lengths, pack_len, rng) for _ in range(max_packs)]
-    return lengths, members, [lengths[m] for m in members]
-
-
-def pack_mixer_tokens(lengths, pack_len: int, sp: int, heads: int | None, seed: int = 0, max_packs: int = 64) -> float:
-    """Mean over the packs ``pack_stats`` draws (same ``seed``) of the tokens the busiest of ``sp`` ranks runs
-    through each of a hybrid's stateful mixers (``mixer_share.mixer_tokens``; ``heads``:
-    ``ModelSpec.mixer_heads``)."""
-    _, _, packs = _synthetic_packs(lengths, pack_len, seed, max_packs)
-    return float(np.mean([mixer_tokens(p.tolist(), sp, heads) for p in packs]))
-
-
-def _imbalance(memo: dict, pack: tuple, docs: np.ndarray, sp: int, cp: int) -> float:
-    """``split_micro_batch(docs, sp, cp).imbalance()``, kept in ``memo`` by the pack, its padding and ``cp``."""
-    total = int(docs.sum())
-    key = (pack, padded_length(total, sp) - total, cp)
-    if key not in memo:
-        memo[key] = split_micro_batch(docs, sp, cp).imbalance()
-    return memo[key]
-
-
-def pack_stats(
-    lengths,
-    pack_len: int,
-    seed: int = 0,
-    max_packs: int = 64,
-    sp: int = 1,
-    cp: int = 1,
-    extra_work=None,
-    model: ModelSpec | None = None,
-    memo: dict | None = None,
-) -> tuple[float, float, float]:
-    """Mean tokens, mean sum of squared lengths and mean extra work (per sample ``extra_work``: a
-    vision-language sample's image encoding, ``VisionLoad.work``; 0 without it) of a pack of ``pack_len``
-    filled from the data's length distribution: what a level's packs hold. With ``cp`` > 1 the sum of
-    squares is priced at the busiest CP rank (times its max / mean area under the split training uses at
-    degree ``sp``, ``split_micro_batch``), as the simulator prices CP groups. ``model``: its sliding windows and
-    chunks bound a long document's weight (``ModelSpec.attention_sq``). ``memo``: a dict kept across calls on the
-    same ``lengths`` (a search prices every layout of a length): the packs are drawn once per ``pack_len`` and each
-    split once per padding and ``cp`` (what it depends on), with the same results."""
-    memo = {} if memo is None else memo
-    key = (pack_len, seed, max_packs)
-    if key not in memo:
-        memo[key] = _synthetic_packs(lengths, pack_len, seed, max_packs)
-    lengths, members, packs = memo[key]
-    busiest = [_imbalance(memo, (key, i), p, sp, cp) if cp > 1 else 1.0 for i, p in enumerate(packs)]
-    weigh = (lambda p: (p.astype(np.float64) ** 2).sum()) if model is None else model.attention_sq
-    sum_sq = [weigh(p) * b for p, b in zip(packs, busiest)]
-    work = None if extra_work is None else np.asarray(extra_work, dtype=np.float64)
-    extra = 0.0 if work is None else float(np.mean([work[m].sum() for m in members]))
-    return float(np.mean([p.sum() for p in packs])), float(np.mean(sum_sq)), extra

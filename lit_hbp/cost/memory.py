@@ -30,7 +30,8 @@ from lit_hbp.cost.config import (
     read_config,
     spec_of,
 )
-from lit_hbp.cost.costmodel import GIB, HARDWARE, CostModel
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import GIB, HARDWARE
 from lit_hbp.cost.run_settings import (
     CONFIG,
     SWITCHES,

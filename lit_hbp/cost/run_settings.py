@@ -19,7 +19,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from lit_hbp.cost.costmodel import HARDWARE, CostModel, Hardware
+from lit_hbp.cost.costmodel import CostModel
+from lit_hbp.cost.hardware import HARDWARE, Hardware
 from lit_hbp.errors import ConfigError
 from lit_hbp.model_spec import ModelSpec
 

@@ -43,7 +43,7 @@ import numpy as np
 from lit_hbp.autoselect.search import Selection, analytic_levels
 from lit_hbp.autoselect.selector import positions_of
 from lit_hbp.cost.config import check_levels, config_world, load_spec, nonnegative_float, positive_int, read_config
-from lit_hbp.cost.costmodel import GIB, HARDWARE
+from lit_hbp.cost.hardware import GIB, HARDWARE
 from lit_hbp.cost.memory import not_fitting
 from lit_hbp.cost.run_settings import (
     SIMULATE,
