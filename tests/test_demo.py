@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from lit_hbp.demo import conversations
 from lit_hbp.demo import text as demo
 
 SMALL = {"n_short": 200, "n_long": 6, "vocab_size": 2048, "seed": 0}
@@ -120,8 +121,8 @@ def test_long_samples_are_long_and_spread(small: dict, tok) -> None:
     assert min(long_len) <= 4096 and min(long_len) >= 1500
     assert 10 <= min(short_len) and max(short_len) <= 8192
 
-    lo, hi = demo.LONG_TOKENS
-    targets = demo._long_targets(48, random.Random(0))
+    lo, hi = conversations.LONG_TOKENS
+    targets = conversations.long_targets(48, random.Random(0))
     assert max(targets) == hi and all(lo <= t <= hi for t in targets)
     positions = sorted(math.log(t / lo) / math.log(hi / lo) for t in targets)
     assert all(i / 48 - 1e-9 <= u <= (i + 1) / 48 + 1e-9 for i, u in enumerate(positions)), "stratified log-uniform"
