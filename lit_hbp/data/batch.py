@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from lit_hbp.model_spec import ModelSpec
 
 
 @dataclass
@@ -167,7 +170,7 @@ class PackedBatch:
         """Positions of the whole pack, padding included (T)."""
         return self.input_ids.shape[1] * self.sp
 
-    def attention_sq(self, spec) -> float:
+    def attention_sq(self, spec: ModelSpec) -> float:
         """``doc_sq`` as the attending layers of ``spec`` (a ``ModelSpec``) see the pack's documents: a sliding
         window or a chunk bounds a longer one's (``ModelSpec.attention_sq``), read from the host copy of the
         boundaries (``bounds``, the padding segment left out); ``doc_sq`` without that copy."""

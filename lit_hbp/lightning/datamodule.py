@@ -66,6 +66,7 @@ from lit_hbp.lightning.rng import every_rank_state
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LEVEL_FIELDS, LevelSelector, as_level
 from lit_hbp.packing.plan import OVER_LENGTH
+from lit_hbp.packing.vision_load import VisionLoad
 from lit_hbp.parallel.kind import resolve_sp_kind
 from lit_hbp.parallel.topology import layout_levels
 
@@ -337,7 +338,7 @@ class HBPDataModule(L.LightningDataModule):
             data=data,
         )
 
-    def trainer_setting(self, name: str):
+    def trainer_setting(self, name: str) -> Any:
         return getattr(self.trainer, name, None) if self.trainer is not None else None
 
     def _world(self, epoch: int | None = None) -> tuple[int, int, int]:
@@ -467,7 +468,7 @@ class HBPDataModule(L.LightningDataModule):
         samples = {"samples": StoreSamples(store, self._media_inputs(store))} if "samples" in takes else {}
         return tuple(self.selector.levels_for(store.lengths, self.trainer, vision=vision, **samples))
 
-    def vision_load(self, store: SampleStore):
+    def vision_load(self, store: SampleStore) -> VisionLoad | None:
         """Per sample of ``store``, the patches its images and videos give the tower and their work
         (``media.vision_load``): what the level search prices; None without images or a model config."""
         if not store.has_media or self.model_config is None:
@@ -476,7 +477,7 @@ class HBPDataModule(L.LightningDataModule):
 
         return vision_load(store.media_pixels(), self.model_config)
 
-    def vision_work(self, store: SampleStore):
+    def vision_work(self, store: SampleStore) -> np.ndarray | None:
         """Per sample of ``store``, its images' encoding in the planner's units (``media.vision_work``),
         so the balance weighs it beside attention; None without images or a model config."""
         if not store.has_media or self.model_config is None:

@@ -399,7 +399,7 @@ class HBPLitModule(L.LightningModule):
         self._meter.add_loss(ce_sum, n)
         return loss
 
-    def on_before_optimizer_step(self, optimizer) -> None:
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """At the optimizer steps whose metrics the loggers write, the global L2 norm of the gradients before
         clipping (Lightning clips after this hook), from the trainable parameters' ``.grad`` (under DDP or ZeRO
         stage 0 after the all-reduce, a loss scale divided out), kept on the device for ``train/grad_norm``.
@@ -447,7 +447,7 @@ class HBPLitModule(L.LightningModule):
             check_callbacks(self.trainer, built=self.model is not None)
         return [MicroStepEnd()]
 
-    def on_train_batch_end(self, outputs, batch: PackedBatch, batch_idx: int) -> None:
+    def on_train_batch_end(self, outputs: Any, batch: PackedBatch, batch_idx: int) -> None:
         self.end_micro_step(batch)  # again after the callbacks: one of them may have asked the run to stop
 
     def end_micro_step(self, batch: PackedBatch) -> None:
@@ -544,7 +544,10 @@ class HBPLitModule(L.LightningModule):
         )  # fmt: skip
 
     def configure_gradient_clipping(
-        self, optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
     ) -> None:
         """Clipping by norm where nothing scales the gradients (fp32, bf16) and every rank holds whole
         gradients (one device, DDP; not DeepSpeed, which clips in its own step, nor a sharding strategy,
@@ -566,7 +569,7 @@ class HBPLitModule(L.LightningModule):
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         groups = decay_groups(self.model, hp.weight_decay, saved_group_sizes(self._trainer))
         device = optimizer_device(self.trainer.strategy) if self._trainer is not None else None

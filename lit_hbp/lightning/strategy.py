@@ -43,7 +43,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
-from lightning.pytorch import LightningModule  # noqa: E402
+from lightning.pytorch import LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
@@ -477,7 +477,7 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         )
         return engine, ds_optimizer
 
-    def setup(self, trainer) -> None:
+    def setup(self, trainer: Trainer) -> None:
         self.levels = self.prepare_levels(trainer)
         own = getattr(type(trainer.lightning_module), "configure_optimizers", OWN_OPTIMIZERS)
         check_config_sections(self.config, own is not OWN_OPTIMIZERS)
@@ -508,7 +508,9 @@ class HBPStrategy(LevelGroups, DeepSpeedStrategy):
         finally:
             put_back_torch_linear(self.__dict__.pop("_torch_linear", None))
 
-    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         # Lightning already divided the loss by accumulate_grad_batches.
         kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -599,7 +601,7 @@ class HBPDDPStrategy(LevelGroups, DDPStrategy):
             )
         return super().load_checkpoint(checkpoint_path, weights_only)
 
-    def setup(self, trainer) -> None:
+    def setup(self, trainer: Trainer) -> None:
         self.levels = self.prepare_levels(trainer)
         how = f"DDP over {self.world_size} processes" if self.world_size > 1 else "one device"
         rank_zero_info(f"HBPDDPStrategy levels: {self.describe_levels()}; {how}")

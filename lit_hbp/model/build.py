@@ -196,7 +196,7 @@ def check_model_before_data(
 
 
 @contextlib.contextmanager
-def zero3_loading(strategy) -> Iterator[None]:
+def zero3_loading(strategy: Any) -> Iterator[None]:
     """Under a DeepSpeed strategy at ZeRO-3, ``from_pretrained`` inside this block loads the checkpoint
     into the partitioned parameters (DeepSpeed's config registered for transformers, as its own Trainer
     does); elsewhere it does nothing. ``HBPStrategy`` runs ``configure_model`` inside it: call it

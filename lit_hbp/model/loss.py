@@ -64,7 +64,7 @@ def token_scale(batch: PackedBatch, normalizer: str) -> float | None:
     raise ValueError(f"loss normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
 
 
-def step_loss_norm(micro_batches: Sequence[PackedBatch], group=None) -> float:
+def step_loss_norm(micro_batches: Sequence[PackedBatch], group: torch.distributed.ProcessGroup | None = None) -> float:
     """The ``ave_token`` normalizer of one optimizer step over your own data: ``micro_batches`` are this
     rank's micro-batches of the step (the same count on every rank), their supervised tokens summed
     over the ranks of ``group`` (torch.distributed's world when it is initialized), divided by ranks x

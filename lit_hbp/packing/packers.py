@@ -18,6 +18,7 @@ import heapq
 from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 
 from lit_hbp.packing.bins import Bins, check_lengths, describe_indices
 
@@ -416,7 +417,9 @@ def run_packer(lengths: np.ndarray, capacity: int, packer: str, seed: int = 0, *
     return fn(lengths, capacity, seed, **options)
 
 
-def pack(lengths, capacity: int, packer: str = DEFAULT_PACKER, seed: int = 0, **options) -> list[np.ndarray]:
+def pack(
+    lengths: npt.ArrayLike, capacity: int, packer: str = DEFAULT_PACKER, seed: int = 0, **options
+) -> list[np.ndarray]:
     """Pack samples into bins of ``capacity`` tokens; returns the sample indices of each bin.
 
     Every sample appears in exactly one bin. Lengths must be integers in [1, capacity]: zero-length

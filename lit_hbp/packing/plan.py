@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+import numpy.typing as npt
 
 from lit_hbp.errors import ConfigError, DataError
 from lit_hbp.packing.bins import Bins, check_lengths, describe_indices
@@ -479,18 +480,18 @@ def _build(
 
 
 def plan_hbp(
-    lengths,
+    lengths: npt.ArrayLike,
     levels: Sequence[Level | dict | str | int],
     world_size: int,
     accumulate: int = 1,
     seed: int = 0,
     packer: str = DEFAULT_PACKER,
-    loss_tokens=None,
+    loss_tokens: npt.ArrayLike | None = None,
     over_length: str = "error",
     warmup_steps: int = 0,
-    short_levels=None,
+    short_levels: Sequence[int] | None = None,
     balance: bool = True,
-    extra_work=None,
+    extra_work: npt.ArrayLike | None = None,
 ) -> Plan:
     """Hierarchical Balance Packing of one epoch.
 
@@ -550,14 +551,14 @@ def _merge_fill(members: np.ndarray, offsets: np.ndarray, extra: np.ndarray, ext
 
 
 def plan_single_level(
-    lengths,
+    lengths: npt.ArrayLike,
     level: Level | dict | str | int,
     world_size: int,
     accumulate: int = 1,
     seed: int = 0,
     packer: str = "isf",
     balance: bool = False,
-    loss_tokens=None,
+    loss_tokens: npt.ArrayLike | None = None,
     over_length: str = "error",
 ) -> Plan:
     """Naive packing: every sample in packs of one pack_len and sp (the paper's ISF baseline)."""
