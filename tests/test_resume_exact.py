@@ -4,6 +4,7 @@ mid-epoch (``max_time``, early stopping, a callback), a stop inside an optimizer
 by epoch. Each case trained otherwise before without a word (the epoch again from its first micro-batch; the rest
 of an epoch skipped; a step on one micro-batch)."""
 
+import logging
 import types
 
 import lightning as L
@@ -363,19 +364,25 @@ def test_with_final_checkpoint_an_epoch_end_checkpoint_of_a_run_bounded_by_steps
 
 
 def test_a_resume_with_more_activation_checkpointing_or_without_the_curriculum_after_epoch_0_continues_exactly(
-    tmp_path, small_demo
+    tmp_path, small_demo, caplog
 ):
     """A level's ``ckpt_layers`` does not change the plan (more checkpointing is how a run that ran out of memory
     goes on), nor does ``HBPCurriculum`` after the first epoch: both were refused as "another plan". The resumed run
-    trains the uninterrupted one's micro-batches to the same weights."""
+    trains the uninterrupted one's micro-batches to the same weights. A resume past the curriculum's warm-up does
+    not announce it again (it said the warm-up came first, at a step after it)."""
     from lit_hbp.callbacks import HBPCurriculum
 
     every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     curriculum = HBPCurriculum(warmup_steps=2)
-    reference = fit(tmp_path / "reference", small_demo, [every, curriculum], enable_checkpointing=True)
+    with caplog.at_level(logging.INFO):
+        reference = fit(tmp_path / "reference", small_demo, [every, curriculum], enable_checkpointing=True)
+    assert caplog.text.count("curriculum: 2 of 2 requested warm-up steps") == 1, caplog.text
+    caplog.clear()
     more = dict(levels=["256:1:1", "1024:1:2"])
-    resumed = fit(tmp_path / "ckpt_layers", small_demo, [HBPCurriculum(warmup_steps=2)], data=more,
-                  ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"))  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        resumed = fit(tmp_path / "ckpt_layers", small_demo, [HBPCurriculum(warmup_steps=2)], data=more,
+                      ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt"))  # fmt: skip
+    assert "requested warm-up steps" not in caplog.text and "moved to the front" in caplog.text
     assert resumed.rows == reference.rows[4:]
     assert_same_weights(resumed.weights, reference.weights)
     resumed = fit(tmp_path / "epoch_1", small_demo, ckpt_path=str(tmp_path / "ckpt" / "step=4.ckpt"))

@@ -41,7 +41,7 @@ class HBPCurriculum(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         moved = self._warmup_length(trainer)
         warm = trainer.current_epoch == 0 and batch_idx // trainer.accumulate_grad_batches < moved
-        if not self._announced and trainer.current_epoch == 0:
+        if not self._announced and trainer.current_epoch == 0 and (warm or batch_idx == 0):  # not past it on resume
             self._announced = True
             plan = trainer.datamodule.plan
             rank_zero_info(
