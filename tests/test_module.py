@@ -295,12 +295,16 @@ def test_a_gradient_accumulation_schedule_plans_each_epoch_with_its_accumulation
 
 
 @pytest.mark.parametrize("varies", ["accumulation schedule", "random packer"])
-def test_a_max_epochs_runs_schedule_spans_the_optimizer_steps_it_takes(varies, chat_data, toy_tokenizer, tmp_path):
+def test_a_max_epochs_runs_schedule_spans_the_optimizer_steps_it_takes(
+    varies, chat_data, toy_tokenizer, tmp_path, caplog
+):
     """Lightning counts a ``max_epochs`` run's optimizer steps as its first epoch's times the epochs; an epoch that
     accumulates more (a GradientAccumulationScheduler) or that a seeded packer plans with another number of
     micro-steps makes the run shorter or longer than that, and the cosine ended short of its floor (52 counted,
     40 run: 0.23 of lr at the last step, not 0.10). The schedule spans the steps the run takes (the reference:
-    the optimizer's own steps, counted by a hook)."""
+    the optimizer's own steps, counted by a hook). Each epoch's plan is logged once, as its epoch starts."""
+    import logging
+
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     from lit_hbp.callbacks.progress import planned_steps
@@ -314,7 +318,10 @@ def test_a_max_epochs_runs_schedule_spans_the_optimizer_steps_it_takes(varies, c
     taken = RatesTaken()
     trainer = quiet_trainer(devices=1, max_epochs=3, limit_train_batches=limit, reload_dataloaders_every_n_epochs=1,
                             callbacks=[taken, *callbacks])  # fmt: skip
-    trainer.fit(module, dm)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, dm)
+    said = [line.split(" plan:")[0] for line in caplog.messages if " plan: " in line]
+    assert said == ["epoch 0", "epoch 1", "epoch 2"], said
     steps = len(taken.rates)
     counted = [dm.plan_for_epoch(e).n_micro_steps for e in range(3)]
     if "packer" in varies:

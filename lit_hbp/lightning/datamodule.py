@@ -220,6 +220,7 @@ class HBPDataModule(L.LightningDataModule):
         self.resume_rng: dict | None = None  # this rank's generators at the checkpoint ({} none), until fetched
         self._plans: dict[tuple[int, int], Plan] = {}  # (epoch, accumulation): the epoch's plan
         self._planned_steps: tuple | None = None  # the run's optimizer steps, counted from its plans (loader's)
+        self._told: tuple[int, int] | None = None  # (epoch, accumulation) of the plan whose summary was logged last
         self._set_up_for, self.held_out = 0, None  # the world size, the held-out records (``records_identity``)
 
     @property
@@ -300,7 +301,7 @@ class HBPDataModule(L.LightningDataModule):
         """Plan the first epoch with ``warmup_steps`` steps of the short levels first (HBPCurriculum)."""
         self.warmup_steps, self.short_levels = int(warmup_steps), short_levels
         self._plans.clear()
-        self._planned_steps = None
+        self._planned_steps, self._told = None, None
 
     def write_report(self) -> Path:
         """Write the data report (all skipped, dropped and truncated samples with their file and line)
@@ -434,7 +435,7 @@ class HBPDataModule(L.LightningDataModule):
         if self.val_sources and self.val_store is not None:
             self.val_store.count_training_copies(store, len(tokenized))
         self.store, self._set_up_for, self._plans, self._val_plan = store, world, {}, None
-        self._planned_steps = None
+        self._planned_steps, self._told = None, None
         summary = self.store.summary()
         if self.val_store is not None:
             summary += "\nvalidation " + self.val_store.summary()
@@ -486,8 +487,9 @@ class HBPDataModule(L.LightningDataModule):
 
         return vision_work(store.media_pixels(), self.model_config)
 
-    def plan_for_epoch(self, epoch: int) -> Plan:
-        """The plan of ``epoch`` (curriculum warm-up in the first epoch only)."""
+    def plan_for_epoch(self, epoch: int, say: bool = True) -> Plan:
+        """The plan of ``epoch`` (curriculum warm-up in the first epoch only), its summary logged once (``say``
+        False: not yet, the plan counted before its epoch, ``loader.planned_optimizer_steps``)."""
         world, _, accumulate = self._world(epoch)
         if (epoch, accumulate) not in self._plans:
             if self.store is None:
@@ -506,11 +508,14 @@ class HBPDataModule(L.LightningDataModule):
                 extra_work=self.vision_work(self.store),
             )
             self._plans = {(epoch, accumulate): plan}
+        plan = self._plans[epoch, accumulate]
+        if say and self._told != (epoch, accumulate):
+            self._told = (epoch, accumulate)
             m = plan.metrics()
             rank_zero_info(
                 f"epoch {epoch} {plan.summary()}\n  metrics: " + ", ".join(f"{k} {v:.4g}" for k, v in m.items())
             )
-        return self._plans[epoch, accumulate]
+        return plan
 
     @property
     def plan(self) -> Plan | None:

@@ -155,8 +155,9 @@ def planned_optimizer_steps(trainer: Any) -> int | None:
     for epoch in range(epochs):
         if steps >= bound:
             break
-        batches = epoch_batches(limit, datamodule.plan_for_epoch(epoch).n_micro_steps)
+        batches = epoch_batches(limit, datamodule.plan_for_epoch(epoch, say=False).n_micro_steps)
         steps += math.ceil(batches / accumulation_at(trainer, epoch))
+    datamodule.plan_for_epoch(trainer.current_epoch, say=False)  # the one the loader plans next, kept
     datamodule._planned_steps = key, int(min(steps, bound))
     return datamodule._planned_steps[1]
 
