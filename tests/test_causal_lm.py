@@ -102,6 +102,35 @@ def test_router_loss_is_added_when_the_config_asks_for_it():
     torch.testing.assert_close(plain(batch)[0], ce_sum, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_completion_pack_adds_nothing_to_a_router_loss_step(family):
+    """A level's completion pack (no real token: the planner's filler, so every rank runs a micro-step) put the
+    family's load-balancing loss at 0 / 0: a NaN loss and NaN gradients, which the step's all-reduce spread to
+    every rank (DDP trained NaN weights from there on; DeepSpeed skipped the step as an overflow). The step of a
+    real pack and an empty one has the real pack's loss and gradients alone (the reference: that pack alone)."""
+    from lit_hbp import packed_loss
+
+    module = built(family, output_router_logits=True, router_aux_loss_coef=0.5)
+    net = module.model
+    rng = np.random.default_rng(0)
+    samples = {i: (rng.integers(0, 300, n), np.ones(n, bool)) for i, n in enumerate([20, 13, 31])}
+    real = collate_packs([np.arange(3)], samples.__getitem__, loss_norm=1.0)
+    empty = collate_packs([np.zeros(0, np.int64)], samples.__getitem__, loss_norm=1.0)
+    assert empty.n_tokens == 0 and empty.input_ids.shape[1] > 0
+    alone = packed_loss(net, real, "sum").loss
+    alone.backward()
+    want = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    net.zero_grad()
+    step = [packed_loss(net, b, "sum").loss for b in (real, empty)]
+    assert step[1].item() == 0.0 and step[0].item() == alone.item() > 0
+    sum(step).backward()
+    for name, p in net.named_parameters():
+        if name in want:
+            torch.testing.assert_close(p.grad, want[name], rtol=0, atol=0, msg=name)
+        else:
+            assert p.grad is None or not p.grad.any(), name
+
+
 def router_pack(module):
     rng = np.random.default_rng(1)
     samples = {i: (rng.integers(0, 300, n), np.ones(n, bool)) for i, n in enumerate([20, 13, 25])}  # 58: padded

@@ -435,9 +435,13 @@ def router_aux_loss(net: torch.nn.Module, router_logits, batch: PackedBatch) -> 
     ``load_balancing_loss_func``), over the real tokens of ``batch``'s whole pack (not its padding segment). The
     loss is a product of two means over the tokens, so on a sequence-parallel level every rank computes it over
     the whole pack's router logits, gathered by the level's SP kind (differentiable: a rank's shard gets the sum
-    of every rank's gradient of it, and the group's ranks average to the pack's own gradient)."""
+    of every rank's gradient of it, and the group's ranks average to the pack's own gradient). An empty pack (a
+    level's completion pack, no real token) has none: 0, where the family's function divides 0 by 0 (a NaN loss
+    and NaN gradients on every rank after the step's all-reduce)."""
     config = net.config.get_text_config()
     fn = sys.modules[type(net).__module__].load_balancing_loss_func
+    if batch.n_tokens == 0:
+        return sum(x.sum() for x in router_logits) * 0.0  # in the graph: every rank's parameters take a gradient
     sp = sp_call(batch)
     local = int(batch.input_ids.shape[1])
     if sp is not None:
