@@ -364,6 +364,10 @@ class ModelSpec:
     """A mixture of experts' MLP in the formula, per layer averaged over the layers (``Experts.mlp_params``): the matmul
     parameters a token passes through (router, shared and top-k experts, the dense layers' MLP) and those held; None:
     ``mlp_matrices`` of ``intermediate``."""
+    router_loss: bool = False
+    """Its config asks for a mixture of experts' load-balancing loss (``output_router_logits``), a mean over a whole
+    pack that every rank of a level's SP group gathers, which context parallelism does not: the level search leaves CP
+    layouts out, as for a hybrid's mixers."""
     counted_params: float | None = None
     """The language model's parameters counted on the built model, each tensor once (a layer shared, looped or
     nested counts once: ``param_counts.language_params``); None: the formula's (``params``)."""
@@ -558,6 +562,7 @@ class ModelSpec:
             attention_dropout=attention_dropout,
             mlp_matrices=matrices,
             mlp_params=experts.mlp_params(hidden, matrices) if experts else None,
+            router_loss=bool(c.get("output_router_logits")),
         )
 
 

@@ -188,6 +188,36 @@ def test_the_router_loss_of_a_sequence_parallel_pack_is_the_packs(shared_pool2):
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_router_loss_on_a_context_parallel_level_is_refused_at_set_up_naming_the_level():
+    """The router loss is a mean over the whole pack, which context parallelism does not gather: a fit with such a
+    level passed the self-check (its calls take no router loss), trained the levels before it and stopped at the
+    CP level's first micro-batch, saying a token mixer's documents were not built (Mixtral has none); the level
+    search could choose such a level. Refused at set-up, naming the level and the way out; a Ulysses level and a
+    model without the router loss pass; a call that gets there anyway says the same."""
+    from lit_hbp.errors import ConfigError
+    from lit_hbp.lightning.strategy import refuse_cp_under_router_loss
+    from lit_hbp.model.causal_lm import router_aux_loss
+    from lit_hbp.model_spec import ModelSpec
+    from lit_hbp.packing import Level
+    from lit_hbp.parallel.context import SPCall
+    from lit_hbp.parallel.groups import SPContext
+
+    module = built("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
+    cp = Level(256, 4, ulysses=2, cp=2)
+    says = r"mixtral: its router loss \(output_router_logits\) is a mean over the whole pack's tokens, .* \(cp, cp 2\)"
+    with pytest.raises(ConfigError, match=r"^data\.levels\[1\] \(pack_len 256, sp 4\): " + says + " does not gather"):
+        refuse_cp_under_router_loss(module.model, [Level(128), cp])
+    refuse_cp_under_router_loss(module.model, [Level(128), Level(256, 2, ulysses=2, cp=1)])
+    refuse_cp_under_router_loss(built("mixtral").model, [Level(128), cp])
+    group = SPCall.of(SPContext(None, 4, 0, (0, 1, 2, 3), cp=SPContext(None, 2, 0, (0, 2))), "cp")
+    shard = router_pack(module).replace(sp=4, sp_kind="cp", sp_group=group)
+    local = shard.input_ids.shape[1]
+    with pytest.raises(ValueError, match=r"^" + says + r" does not gather: give the level cp: 1"):
+        router_aux_loss(module.model, (torch.zeros(local, 4),), shard)  # where packed_loss takes it
+    spec = ModelSpec.from_config(module.model.config.to_dict())
+    assert spec.router_loss and not ModelSpec.from_config(built("mixtral").model.config.to_dict()).router_loss
+
+
 def test_a_router_loss_for_a_family_without_one_is_refused():
     with pytest.raises(ValueError, match="llama: output_router_logits is set but lit-hbp does not know"):
         built("llama", output_router_logits=True)

@@ -218,7 +218,8 @@ def test_a_hybrids_attention_and_sp_traffic_are_its_attending_layers_and_its_mix
 
 def test_the_level_search_offers_a_hybrid_no_context_parallel_layout(monkeypatch):
     """A hybrid's mixers run document by document, which a CP shard cannot (the strategy refuses such a
-    level): the search tries its Ulysses layouts only; a model whose every layer attends keeps CP's."""
+    level), nor does it gather a pack for a router loss: the search tries their Ulysses layouts only; a model whose
+    every layer attends keeps CP's."""
     from dataclasses import replace
 
     from lit_hbp.autoselect import search
@@ -233,11 +234,14 @@ def test_the_level_search_offers_a_hybrid_no_context_parallel_layout(monkeypatch
     qwen = ModelSpec("qwen2.5-7b-like", 28, 3584, 28, 4, 18944, 152064)  # 28 query heads over 4 kv heads
     lengths = np.array([1000, 70_000])
     offered = {}
-    for name, spec in (("plain", qwen), ("hybrid", replace(qwen, attention_layers=7))):
+    router = replace(qwen, router_loss=True)  # a mixture of experts' load-balancing loss: a mean over the whole pack
+    kinds = (("plain", qwen), ("hybrid", replace(qwen, attention_layers=7)), ("router", router))
+    for name, spec in kinds:
         with pytest.raises(Tried) as e:
             search.select_levels(object(), lengths, spec, 64)
         offered[name] = e.value.args[0]
-    assert (8, 2) in offered["plain"] and offered["hybrid"] == [(sp, 1) for sp, cp in offered["plain"] if cp == 1]
+    assert (8, 2) in offered["plain"]
+    assert offered["hybrid"] == offered["router"] == [(sp, 1) for sp, cp in offered["plain"] if cp == 1]
 
 
 @pytest.mark.parametrize("world", [8, 16])

@@ -70,12 +70,13 @@ from lit_hbp.lightning.deepspeed_config import (  # noqa: E402
 )
 from lit_hbp.lightning.op_builds import refuse_stale_build_locks  # noqa: E402
 from lit_hbp.model.build import family_of, zero3_loading  # noqa: E402
+from lit_hbp.model.causal_lm import ROUTER_CP  # noqa: E402
 from lit_hbp.model.mixers import ZERO3_REFUSAL, sp_refusal, stateful_mixers  # noqa: E402
 from lit_hbp.model.packed_call import record_of  # noqa: E402
 from lit_hbp.packing.levels import Level, as_level  # noqa: E402
 from lit_hbp.parallel.context import SPCall  # noqa: E402
 from lit_hbp.parallel.groups import SPGroups  # noqa: E402
-from lit_hbp.parallel.kind import validate_sp_setup  # noqa: E402
+from lit_hbp.parallel.kind import resolve_sp_kind, validate_sp_setup  # noqa: E402
 from lit_hbp.parallel.topology import layout_levels, model_heads  # noqa: E402
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -130,6 +131,19 @@ def refuse_sp_over_mixers(net, levels) -> None:
         problem = sp_refusal(family_of(net), mixers, lv, f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp})")
         if problem is not None:
             raise ConfigError(problem)
+
+
+def refuse_cp_under_router_loss(net, levels) -> None:
+    """A level (laid out) whose SP kind does not gather a pack's tokens (context parallelism) with a model trained on
+    its router loss (``output_router_logits``: a mean over the whole pack) is refused at set-up, naming the level,
+    rather than at its first micro-batch, after the levels before it trained (``packed_loss`` refuses it there)."""
+    if not getattr(net.config.get_text_config(), "output_router_logits", False):
+        return
+    for i, lv in enumerate(levels):
+        kind = resolve_sp_kind(lv.sp_kind)
+        if kind.mixer_problem(lv.layout[1]) is not None:
+            said = ROUTER_CP.format(family=family_of(net), kind=kind.name, cp=lv.layout[1])
+            raise ConfigError(f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp}): {said}")
 
 
 def refuse_mixers_under_zero3(net, stage: int) -> None:
@@ -316,6 +330,7 @@ class LevelGroups:
                 "batches carry the data module's sp and layout; give the levels once (the strategy reads the data's)"
             )
         refuse_sp_over_mixers(net, laid_out)
+        refuse_cp_under_router_loss(net, laid_out)
         degrees = [(lv.sp, lv.layout[1]) for lv in laid_out]
         if self.sp_groups is None:
             self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank, self._timeout)

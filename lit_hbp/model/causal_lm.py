@@ -430,6 +430,12 @@ def _experts(net: torch.nn.Module) -> tuple[int | None, int | None]:
     return tuple(v if isinstance(v, int) and not isinstance(v, bool) else f for v, f in zip(own, found))
 
 
+ROUTER_CP = (
+    "{family}: its router loss (output_router_logits) is a mean over the whole pack's tokens, which this level's SP "
+    "kind ({kind}, cp {cp}) does not gather: give the level cp: 1 (Ulysses alone), or set output_router_logits: false"
+)
+
+
 def router_aux_loss(net: torch.nn.Module, router_logits, batch: PackedBatch) -> torch.Tensor:
     """The load-balancing loss the family's forward adds when ``output_router_logits`` is set (its own
     ``load_balancing_loss_func``), over the real tokens of ``batch``'s whole pack (not its padding segment). The
@@ -470,11 +476,8 @@ def _whole_pack(logits: torch.Tensor, local: int, sp: SPCall, family: str) -> to
         raise ValueError(f"{family}: router logits of shape {tuple(logits.shape)} for a shard of {local} tokens")
     try:
         return sp.kind.gather_tokens(logits, sp.ctx, dim)
-    except ValueError as e:
-        raise ValueError(
-            f"{family}: its router loss (output_router_logits) is a mean over the whole pack, which this level's "
-            f"SP kind cannot gather: {e}"
-        ) from None
+    except ValueError:
+        raise ValueError(ROUTER_CP.format(family=family, kind=sp.kind.name, cp=sp.ctx.cp_size)) from None
 
 
 def check_router_loss(net: torch.nn.Module) -> None:
