@@ -204,6 +204,18 @@ def test_a_family_whose_encoder_hands_back_one_tensor_gets_one_on_an_sp_level(po
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_tower_of_no_deepstack_layer_trains_on_an_sp_level(pool, tmp_path, layout):
+    """Qwen3-VL-MoE's tower with no deepstack layer (a 2-block tower: the config's deepstack indexes past it)
+    returns an empty ``deepstack_features``, which the SP exchange dropped: the family's forward then stopped in an
+    AttributeError at sp 2 (sp 1 trained). Kept empty, the pack trains like each record alone."""
+    folder = build_default(tmp_path / "qwen3_vl_moe", "qwen3_vl_moe")
+    want_ce, want = reference(folder, tmp_path / "weights.pt", "counted")
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "counted")
+    assert_like_one_process(results, want_ce, want)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_a_videos_frames_are_split_over_the_sp_group_and_train_like_each_record_alone(
     pool, folders, tmp_path, family, layout

@@ -213,7 +213,8 @@ def split_encoder_outputs(
             tensor.fill_(float(isinstance(encoded.pooler_output, torch.Tensor)))
             extra = [f for f, v in encoded.items() if v is not None and f not in PLAIN_OUTPUT + PER_ROW]
             blocks = list(encoded.pooler_output) if encoded.pooler_output is not None else []
-            per_row = {f: [list(layer) for layer in getattr(encoded, f)] for f in PER_ROW if getattr(encoded, f, None)}
+            returned = [f for f in PER_ROW if getattr(encoded, f, None) is not None]
+            per_row = {f: [list(layer) for layer in getattr(encoded, f)] for f in returned}
             if extra:
                 problem = (
                     f"{type(inner).__name__}: its {kind.name} encoder also returns {extra}, which the model reads per "
@@ -275,14 +276,15 @@ def _moved(rows: list[torch.Tensor], route: Route, anchor: torch.Tensor, group, 
 
 
 def _per_row_layers(per_row: dict, device, group) -> dict[str, list[list[torch.Tensor]]]:
-    """Each ``PER_ROW`` field's layers on every rank of the group, a rank that encoded no item holding
-    empty ones (the layer count agreed over the group, so every rank joins each layer's exchange)."""
+    """Each ``PER_ROW`` field the encoder returned, its layers on every rank of the group, a rank that encoded no
+    item holding empty ones (the layer count agreed over the group, so every rank joins each layer's exchange; a
+    field of no layers, Qwen3-VL's deepstack of none, kept as the family's forward reads it)."""
     out = {}
     for field in PER_ROW:
-        count = torch.tensor([len(per_row.get(field, []))], device=device)
+        count = torch.tensor([len(per_row[field]) + 1 if field in per_row else 0], device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
         if int(count.item()):
-            out[field] = per_row.get(field) or [[] for _ in range(int(count.item()))]
+            out[field] = per_row.get(field) or [[] for _ in range(int(count.item()) - 1)]
     return out
 
 
