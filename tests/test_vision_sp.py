@@ -6,6 +6,7 @@ each record alone through the unprepared model with eager attention in one proce
 (sp 2) and context parallelism (sp 2 = cp 2)."""
 
 import functools
+import re
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +214,19 @@ def test_a_tower_of_no_deepstack_layer_trains_on_an_sp_level(pool, tmp_path, lay
     sp, cp = LAYOUTS[layout]
     results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "counted")
     assert_like_one_process(results, want_ce, want)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_family_that_checks_a_calls_image_boundaries_is_refused_on_an_sp_level(pool, tmp_path, layout):
+    """Ovis2.5's forward checks a call's image start and end tokens against its feature blocks: a shard holding two
+    image starts and one end stopped in transformers' "Expected 1 visual boundary tokens", not naming SP (a lucky
+    split ran). Refused on every rank, whatever the split, naming sp 1; its sp 1 pack is exact (the reference)."""
+    folder = build_default(tmp_path / "ovis2_5", "ovis2_5")
+    reference(folder, tmp_path / "weights.pt", "counted")
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "counted")
+    for r in results:
+        assert re.match(r"ovis2_5: its forward checks a call's image .* train its media samples on sp 1", r["error"])
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -52,6 +52,10 @@ KINDS = (
 )  # fmt: skip
 PLAIN_OUTPUT = ("last_hidden_state", "pooler_output", "hidden_states", "attentions")
 PER_ROW = ("deepstack_features",)  # per layer, one block per item row for row with pooler_output: moved alike
+# Families whose forward checks each call's item boundary tokens against its feature blocks (Ovis2.5: as many image
+# start and end tokens as images), which a shard of a pack does not keep: a shard may hold an image's start and not
+# its end. Refused on every rank alike (the config decides), naming the way out.
+WHOLE_ITEMS = frozenset({"ovis2_5"})
 
 
 def owners(weights: np.ndarray, groups: np.ndarray, size: int) -> np.ndarray:
@@ -198,6 +202,13 @@ def split_encoder_outputs(
         any(p.requires_grad for p in inner.parameters() if id(p) not in language)
         or any(mm[k.pixels].requires_grad for k in KINDS if mm.get(k.pixels) is not None)
     )
+    family = getattr(config, "model_type", None)
+    if family in WHOLE_ITEMS and any(mm.get(k.pixels) is not None for k in KINDS):
+        raise ValueError(
+            f"{family}: its forward checks a call's image (or video) start and end tokens against its feature "
+            "blocks, which a pack split over an SP group does not keep together: train its media samples on sp 1 "
+            "levels (give the levels that hold them sp: 1)"
+        )
     out = {}
     for kind in KINDS:
         if mm.get(kind.pixels) is None:
