@@ -99,8 +99,9 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     itself, a level's sequence parallelism inside it) with the level's checkpointing, offload and MLP
     tiles, for the duration of the call (``lit_hbp.model.packed_call``). Every other call (padded batches
     with a mask, ordinary ``labels=``, the KV cache, ``generate()``) computes what the model computed
-    before. A model wholly in eval mode is put in train mode (``from_pretrained`` returns it so, which would
-    train without dropout and without checkpointing); one with any module in train mode keeps every module's mode
+    before in the same mode. A model wholly in eval mode is put in train mode (``from_pretrained`` returns it so,
+    which would train without dropout and without checkpointing: call ``.eval()`` to generate as before, where its
+    config has dropout); one with any module in train mode keeps every module's mode
     (a frozen part put in eval stays so). A call of a pack's token ids without its
     boundaries, and ``labels=`` of a pack (pre-shifted: its loss would shift them again) are refused.
     A family whose own code does what a packed call cannot see is refused before anything is done to it
