@@ -634,7 +634,7 @@ def test_context_parallelism_over_a_document_by_document_mixer_is_refused_per_le
     attention area into ranges a mixer's state would have to cross: refused at set-up naming the level, and
     in a call that gets there anyway."""
     from lit_hbp import pack_inputs
-    from lit_hbp.lightning.strategy import refuse_sp_over_mixers
+    from lit_hbp.lightning.trained_model import refuse_sp_over_mixers
     from lit_hbp.parallel.context import SPCall
     from lit_hbp.parallel.groups import SPContext
 
@@ -919,7 +919,7 @@ def test_a_frozen_stateful_model_a_module_holds_is_refused_on_a_pack_unless_prep
     attention within documents but not its Mamba state, so the strategies' guard refuses it on a pack,
     naming the attribute, the mixer and the fix; on an ordinary batch it runs as before."""
     from lit_hbp import pack_inputs
-    from lit_hbp.lightning.strategy import guard_frozen
+    from lit_hbp.lightning.trained_model import guard_frozen
 
     holder = torch.nn.Module()
     holder.judge = tiny("bamba").requires_grad_(False).eval()
@@ -1080,7 +1080,7 @@ def test_a_hybrid_under_zero3_is_refused_by_name_at_set_up_and_in_the_call():
     (here: 2 gloo processes, every weight partitioned)."""
     from distributed import Pool
 
-    from lit_hbp.lightning.strategy import refuse_mixers_under_zero3
+    from lit_hbp.lightning.trained_model import refuse_mixers_under_zero3
 
     with pytest.raises(ConfigError, match=r"HBPStrategy stage 3: qwen3_next holds a stateful token mixer under"):
         refuse_mixers_under_zero3(prepare_model(tiny("qwen3_next")), 3)

@@ -34,7 +34,7 @@ from lit_hbp import (
     unprepare_model,
 )
 from lit_hbp.data.collate import collate_packs
-from lit_hbp.lightning.strategy import guard_frozen, trained_model
+from lit_hbp.lightning.trained_model import guard_frozen, trained_model
 from lit_hbp.model.packed_call import PREPARED, current_tiles, record_of
 from lit_hbp.parallel.ulysses import Ulysses
 
