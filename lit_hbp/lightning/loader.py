@@ -151,6 +151,8 @@ def planned_optimizer_steps(trainer: Any) -> int | None:
     known = getattr(datamodule, "_planned_steps", None)
     if known is not None and known[0] == key:  # counted once a run: the progress bar asks each epoch
         return known[1]
+    if epochs > 20:  # ~0.05 s a plan of 100K samples: say what the set-up is doing
+        rank_zero_info(f"counting the optimizer steps of {epochs} epochs' plans for the learning-rate schedule")
     steps = 0
     for epoch in range(epochs):
         if steps >= bound:
