@@ -218,8 +218,8 @@ def test_a_hybrids_attention_and_sp_traffic_are_its_attending_layers_and_its_mix
 
 def test_the_level_search_offers_a_hybrid_no_context_parallel_layout(monkeypatch):
     """A hybrid's mixers run document by document, which a CP shard cannot (the strategy refuses such a
-    level), nor does it gather a pack for a router loss: the search tries their Ulysses layouts only; a model whose
-    every layer attends keeps CP's."""
+    level; Falcon-H1's beside attention in every layer too), nor does it gather a pack for a router loss: the search
+    tries their Ulysses layouts only; a model whose every layer attends and holds no mixer keeps CP's."""
     from dataclasses import replace
 
     from lit_hbp.autoselect import search
@@ -235,13 +235,15 @@ def test_the_level_search_offers_a_hybrid_no_context_parallel_layout(monkeypatch
     lengths = np.array([1000, 70_000])
     offered = {}
     router = replace(qwen, router_loss=True)  # a mixture of experts' load-balancing loss: a mean over the whole pack
-    kinds = (("plain", qwen), ("hybrid", replace(qwen, attention_layers=7)), ("router", router))
+    beside = replace(qwen, mixer_layers=28)  # Falcon-H1's: a scan beside attention in every layer
+    kinds = (("plain", qwen), ("hybrid", replace(qwen, attention_layers=7)), ("router", router), ("beside", beside))
     for name, spec in kinds:
         with pytest.raises(Tried) as e:
             search.select_levels(object(), lengths, spec, 64)
         offered[name] = e.value.args[0]
     assert (8, 2) in offered["plain"]
-    assert offered["hybrid"] == offered["router"] == [(sp, 1) for sp, cp in offered["plain"] if cp == 1]
+    ulysses = [(sp, 1) for sp, cp in offered["plain"] if cp == 1]
+    assert offered["hybrid"] == offered["router"] == offered["beside"] == ulysses
 
 
 @pytest.mark.parametrize("world", [8, 16])

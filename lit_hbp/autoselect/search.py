@@ -237,9 +237,9 @@ def sp_candidates(
 
 def _without_cp(layouts_of, world: int) -> list[tuple[int, int]]:
     """The layouts of ``layouts_of(world)`` without context parallelism: a model with stateful token mixers
-    (``ModelSpec.attention_layers`` below its layers) runs them document by document, which a CP shard
-    cannot (``SPKind.mixer_problem``); a router loss (``ModelSpec.router_loss``) is over the whole pack's tokens,
-    which a CP shard does not gather."""
+    (``ModelSpec.mixing``: Falcon-H1's beside attention in every layer too) runs them document by document, which a
+    CP shard cannot (``SPKind.mixer_problem``); a router loss (``ModelSpec.router_loss``) is over the whole pack's
+    tokens, which a CP shard does not gather."""
     return [(sp, cp) for sp, cp in layouts_of(world) if cp == 1]
 
 
@@ -279,8 +279,8 @@ def select_levels(
         every_layout=every_layout,
         node_size=node_size,
     )
-    if (model.attention_layers is not None and model.attention_layers < model.layers) or model.router_loss:
-        layouts_of = partial(_without_cp, layouts_of)  # a hybrid's mixers, a router loss: the strategy refuses CP
+    if model.mixing or model.router_loss:  # a hybrid's mixers (beside attention too), a router loss: CP refused
+        layouts_of = partial(_without_cp, layouts_of)
     analytic = getattr(profiler, "memory_settings", False)
     question = None
     if cost is not None:
