@@ -414,6 +414,33 @@ def test_each_lever_a_refusal_names_fits_when_applied(gpu, longest, zero, liger)
         assert not any(lever.changes.get("optimizer_offload") and "zero_stage" not in lever.changes for lever in found)
 
 
+def test_a_hybrid_is_neither_searched_nor_advised_at_zero_stage_3():
+    """The strategy refuses a model with stateful token mixers under ZeRO-3 (``refuse_mixers_under_zero3``, the
+    reference here on a tiny Qwen3-Next), yet the search chose a hybrid's levels at stage 3 and its "no level fits"
+    refusal advised stage 3 as the only lever (Qwen3-Next on 8 H100s, one 32K sample): a run set so stopped at set-up.
+    Refused up front now, naming stage 2, and never advised; a model without mixers keeps stage 3 among its levers."""
+    from test_mixers import tiny
+
+    from lit_hbp import prepare_model
+    from lit_hbp.errors import ConfigError
+    from lit_hbp.lightning.trained_model import refuse_mixers_under_zero3
+
+    with pytest.raises(ConfigError, match="stage 3: qwen3_next holds a stateful token mixer under DeepSpeed ZeRO-3"):
+        refuse_mixers_under_zero3(prepare_model(tiny("qwen3_next")), 3)
+    dense = MODELS["qwen2.5-32b"]
+    hybrid = replace(dense, attention_layers=dense.layers // 4)  # three of four layers a stateful mixer
+    says = r"^--zero-stage 3 needs a model without stateful token mixers, not a hybrid's .*: use --zero-stage 2"
+    with pytest.raises(ValueError, match=says):
+        check(cost_model(hybrid, Settings(8, HARDWARE["h100"], 3)), SIMULATE)
+    levers = {}
+    for name, spec in (("dense", dense), ("hybrid", hybrid)):
+        with pytest.raises(NoLevelFits) as refused:
+            analytic_levels(cost_model(spec, Settings(8, HARDWARE["h100"], 2)), chats_and(32768), candidates=[32768])
+        levers[name] = [lever.changes for lever in refused.value.levers]
+    assert {"zero_stage": 3} in levers["dense"]
+    assert levers["hybrid"] and not any("zero_stage" in changes for changes in levers["hybrid"])
+
+
 def test_a_measured_refusal_is_priced_on_the_devices_gpu_in_its_own_flags(monkeypatch):
     """The measured selector prices its refusal with the GPU it runs on, as it reports itself (an H200
     here), and names more GPUs as its --devices; its probes sure to run out of memory are not run."""

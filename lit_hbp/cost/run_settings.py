@@ -300,6 +300,15 @@ def _stage(run: Run) -> str:
 
 RULES = (
     Rule(
+        "zero_stage",
+        lambda run: run.zero_stage < 3 or not getattr(getattr(run, "model", None), "mixing", 0),
+        "a model without stateful token mixers",
+        lambda run: "a hybrid's",
+        "ZeRO-3 gathers a module's weights only where it is called as a module, and transformers' mixers read their "
+        "convolution's weight directly: the strategy refuses it, mixers.ZERO3_REFUSAL",
+        (("zero_stage", 2),),
+    ),
+    Rule(
         "optimizer_offload",
         lambda run: run.zero_stage >= 1,
         "ZeRO stage 1-3",
@@ -426,6 +435,7 @@ def problems(run: Settings | CostModel, tool: Tool = CONFIG, tiles: int = 1) -> 
     """What set-up refuses of ``run`` (and of MLP tiles of ``tiles``), in ``tool``'s words."""
     on = [(s, True) for s in ("liger", "optimizer_offload", "param_offload") if getattr(run, s)]
     on += [("mlp_tiles", tiles)] if tiles > 1 else []
+    on += [("zero_stage", run.zero_stage)] if run.zero_stage == 3 else []
     return [why for s, value in on if (why := refusal(s, run, tool, value)) is not None]
 
 
