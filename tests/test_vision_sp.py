@@ -229,6 +229,33 @@ def test_a_family_that_checks_a_calls_image_boundaries_is_refused_on_an_sp_level
         assert re.match(r"ovis2_5: its forward checks a call's image .* train its media samples on sp 1", r["error"])
 
 
+def test_a_plan_putting_ovis_images_on_an_sp_level_is_refused_when_planned():
+    """The level search (and given levels) put Ovis2.5's image samples on SP levels, whose packed call refuses them
+    (above): the run stopped at such a level's first micro-batch, after the levels before it trained. The plan is
+    refused as it is made, naming the level; text-only samples there, images on sp 1 levels, or another family pass.
+    The reference: each sample's level read off the plan's packs by brute force."""
+    from lit_hbp.model.sp_media import whole_items_problem
+    from lit_hbp.packing import Level, plan_hbp
+
+    levels = [Level(64), Level(256, 2)]
+    lengths = np.array([30, 40, 200, 50, 180, 20])
+    plan = plan_hbp(lengths, levels, 2)
+    level_of = {int(m): int(plan.pack_level[p]) for p in range(len(plan.offsets) - 1) for m in plan.pack(p)}
+    on_sp = [i for i in range(lengths.size) if levels[level_of[i]].sp > 1]
+    assert on_sp and len(on_sp) < lengths.size
+    for imaged in range(lengths.size):
+        media = np.zeros(lengths.size, np.int64)
+        media[imaged] = 1
+        said = whole_items_problem("ovis2_5", plan, media, levels)
+        if imaged in on_sp:
+            assert said.startswith("data.levels[1] (pack_len 256, sp 2) holds samples with images or videos, and "
+                                   "ovis2_5's forward checks")  # fmt: skip
+        else:
+            assert said is None
+        assert whole_items_problem("qwen2_vl", plan, media, levels) is None
+    assert whole_items_problem("ovis2_5", plan, np.zeros(lengths.size, np.int64), levels) is None
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_a_videos_frames_are_split_over_the_sp_group_and_train_like_each_record_alone(

@@ -58,6 +58,24 @@ PER_ROW = ("deepstack_features",)  # per layer, one block per item row for row w
 WHOLE_ITEMS = frozenset({"ovis2_5"})
 
 
+def whole_items_problem(family: str | None, plan, media: np.ndarray, levels) -> str | None:
+    """Why a plan cannot train a ``WHOLE_ITEMS`` family: it puts a sample with images or videos (``media``: per
+    sample, how many) on a level with sp > 1, whose packed call refuses such a pack; said when the epoch is planned,
+    before a step of it trains. None otherwise."""
+    if family not in WHOLE_ITEMS or not media.any():
+        return None
+    member_level = np.repeat(plan.pack_level, np.diff(plan.offsets))
+    split = [i for i, lv in enumerate(levels) if lv.sp > 1 and media[plan.members[member_level == i]].any()]
+    if not split:
+        return None
+    lv = levels[split[0]]
+    return (
+        f"data.levels[{split[0]}] (pack_len {lv.pack_len}, sp {lv.sp}) holds samples with images or videos, and "
+        f"{family}'s forward checks a call's image start and end tokens against its feature blocks, which a pack "
+        "split over an SP group does not keep together: give the levels that hold them sp: 1"
+    )
+
+
 def owners(weights: np.ndarray, groups: np.ndarray, size: int) -> np.ndarray:
     """Per item, the SP rank that encodes it: groups of items (a record's images when the family
     reads them per record) dealt largest-first to the least-loaded rank (lowest on ties), so every
