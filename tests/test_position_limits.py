@@ -154,3 +154,42 @@ def test_a_collated_pack_counts_its_documents_on_its_token_ids_whatever_its_sp(s
     if sp > 1:
         shard = batch.replace(input_ids=batch.input_ids[:, : batch.input_ids.shape[1] // sp])
         assert shard.input_ids.__dict__[DOCS_MARK] == len(lens)
+
+
+def test_a_context_parallel_level_longer_than_a_chunk_is_refused_at_set_up_and_never_searched(monkeypatch):
+    """A CP level longer than ``attention_chunk_size`` stopped at its first document past a chunk, after the levels
+    before it trained (the packed call's refusal, above), and the level search chose such levels for Llama 4 (65,536
+    tokens at 1 x cp 4 on 32 GPUs). Refused at set-up naming the level; a Ulysses level, a CP level within a chunk
+    and a model without chunks pass; the search offers such a model no CP layout."""
+    from dataclasses import replace
+
+    from lit_hbp.autoselect import search
+    from lit_hbp.errors import ConfigError
+    from lit_hbp.lightning.trained_model import refuse_cp_past_chunks
+    from lit_hbp.model_spec import ModelSpec
+    from lit_hbp.packing import Level
+
+    _, model = pair(**CHUNKED)
+    says = r"^data\.levels\[1\] \(pack_len 16, sp 4\): llama4_text's layers attend within chunks of "
+    says += r"attention_chunk_size \(4\) .* \(cp 2\) does not cut: give the level cp: 1"
+    with pytest.raises(ConfigError, match=says):
+        refuse_cp_past_chunks(model, [Level(4), Level(16, 4, ulysses=2, cp=2)])
+    refuse_cp_past_chunks(model, [Level(4, 2, ulysses=1, cp=2), Level(16, 4, ulysses=4, cp=1)])
+    _, plain = pair(**TEMPERATURE)
+    refuse_cp_past_chunks(plain, [Level(4), Level(16, 4, ulysses=2, cp=2)])
+
+    class Tried(Exception):
+        pass
+
+    def tried(profiler, candidates, layouts, *rest):
+        raise Tried(layouts)
+
+    monkeypatch.setattr(search, "auto_select", tried)
+    spec = ModelSpec("llama4-like", 48, 5120, 40, 8, 8192, 202048)
+    offered = {}
+    for name, s in (("plain", spec), ("chunked", replace(spec, attention_windows=(("chunked", 8192), ("full", 0))))):
+        with pytest.raises(Tried) as e:
+            search.select_levels(object(), np.array([1000, 70_000]), s, 64)
+        offered[name] = e.value.args[0]
+    assert any(cp > 1 for _, cp in offered["plain"])
+    assert offered["chunked"] == [(sp, 1) for sp, cp in offered["plain"] if cp == 1]

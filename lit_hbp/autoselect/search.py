@@ -239,7 +239,8 @@ def _without_cp(layouts_of, world: int) -> list[tuple[int, int]]:
     """The layouts of ``layouts_of(world)`` without context parallelism: a model with stateful token mixers
     (``ModelSpec.mixing``: Falcon-H1's beside attention in every layer too) runs them document by document, which a
     CP shard cannot (``SPKind.mixer_problem``); a router loss (``ModelSpec.router_loss``) is over the whole pack's
-    tokens, which a CP shard does not gather."""
+    tokens, which a CP shard does not gather; chunked attention (Llama 4's) cuts each document into chunks, which a
+    CP shard's ranges do not (long levels are where CP would be chosen)."""
     return [(sp, cp) for sp, cp in layouts_of(world) if cp == 1]
 
 
@@ -279,7 +280,8 @@ def select_levels(
         every_layout=every_layout,
         node_size=node_size,
     )
-    if model.mixing or model.router_loss:  # a hybrid's mixers (beside attention too), a router loss: CP refused
+    chunked = any(kind == "chunked" for kind, _ in model.attention_windows)  # Llama 4's: CP past a chunk refused
+    if model.mixing or model.router_loss or chunked:  # a hybrid's mixers (beside attention too), a router loss
         layouts_of = partial(_without_cp, layouts_of)
     analytic = getattr(profiler, "memory_settings", False)
     question = None

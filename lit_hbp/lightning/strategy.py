@@ -70,6 +70,7 @@ from lit_hbp.lightning.deepspeed_config import (  # noqa: E402
 from lit_hbp.lightning.op_builds import refuse_stale_build_locks  # noqa: E402
 from lit_hbp.lightning.trained_model import (  # noqa: E402
     guard_frozen,
+    refuse_cp_past_chunks,
     refuse_cp_under_router_loss,
     refuse_mixers_under_zero3,
     refuse_sp_over_mixers,
@@ -213,6 +214,7 @@ class LevelGroups:
             )
         refuse_sp_over_mixers(net, laid_out)
         refuse_cp_under_router_loss(net, laid_out)
+        refuse_cp_past_chunks(net, laid_out)
         degrees = [(lv.sp, lv.layout[1]) for lv in laid_out]
         if self.sp_groups is None:
             self.sp_groups = SPGroups(degrees, self.world_size, self.global_rank, self._timeout)

@@ -1,6 +1,7 @@
 """What a strategy checks of the model a LightningModule trains, before its levels run: the Hugging Face model
 inside it (``trained_model``), the levels that model cannot run (stateful token mixers under context parallelism or
-ZeRO-3, a router loss under context parallelism), and the frozen models it holds unprepared (``guard_frozen``)."""
+ZeRO-3, a router loss or chunked attention under context parallelism), and the frozen models it holds unprepared
+(``guard_frozen``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from lit_hbp.model.build import family_of
 from lit_hbp.model.causal_lm import ROUTER_CP
 from lit_hbp.model.mixers import ZERO3_REFUSAL, sp_refusal, stateful_mixers
 from lit_hbp.model.packed_call import record_of
+from lit_hbp.model.position_limits import position_limits
 from lit_hbp.packing.levels import Level
 from lit_hbp.parallel.kind import resolve_sp_kind
 
@@ -72,6 +74,22 @@ def refuse_cp_under_router_loss(net: torch.nn.Module, levels: Sequence[Level]) -
         if kind.mixer_problem(lv.layout[1]) is not None:
             said = ROUTER_CP.format(family=family_of(net), kind=kind.name, cp=lv.layout[1])
             raise ConfigError(f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp}): {said}")
+
+
+def refuse_cp_past_chunks(net: torch.nn.Module, levels: Sequence[Level]) -> None:
+    """A level (laid out) with context parallelism longer than the chunks a model's layers attend within (Llama 4's
+    ``attention_chunk_size``: each document cut every so many positions, which a CP shard's ranges do not cut) is
+    refused at set-up, naming the level, rather than at its first long document (``position_limits``)."""
+    chunks = [lim for lim in position_limits(net.config.get_text_config()) if lim.field == "attention_chunk_size"]
+    for i, lv in enumerate(levels):
+        for lim in chunks:
+            if lv.layout[1] > 1 and lv.pack_len > lim.length:
+                raise ConfigError(
+                    f"data.levels[{i}] (pack_len {lv.pack_len}, sp {lv.sp}): {family_of(net)}'s layers attend within "
+                    f"chunks of attention_chunk_size ({lim.length}) positions of each document, which context "
+                    f"parallelism (cp {lv.layout[1]}) does not cut: give the level cp: 1 (Ulysses alone), or a "
+                    f"pack_len <= {lim.length}"
+                )
 
 
 def refuse_mixers_under_zero3(net: torch.nn.Module, stage: int) -> None:
