@@ -359,7 +359,7 @@ class AnalyticSelector(Selector):
 
     def select(self, lengths: np.ndarray, run: RunSetting, vision: VisionLoad | None = None) -> Selection:
         cost = self.cost_model(run)
-        check(cost, run.tool)
+        check(cost if vision is None else with_vision(cost, lengths, vision), run.tool)  # its images' rules too
         margin = self.margin_gib * GIB
         args = (self.cap(run), self.candidates, margin, self.sp_kind, run.node_size, run.tool, vision, run.whole_past)
         return analytic_levels(cost, lengths, run.seed, *args)
@@ -431,9 +431,9 @@ class MeasuredSelector(Selector):
         # The cost model refuses what set-up would refuse, screens out probes sure to run out of memory and
         # finds the levers a refusal names, priced on this device.
         cost = self.cost_model(run)
-        check(cost, run.tool)
         if vision is not None and cost.model.vision is not None:  # the screen counts what the tower keeps
             cost = with_vision(cost, lengths, vision)
+        check(cost, run.tool)
         if not run.in_world:
             cuda = run.trainer_args.get("accelerator") == "cuda"
             return launch(self.select, (lengths, replace(run, in_world=True), vision, samples), run.world, cuda)

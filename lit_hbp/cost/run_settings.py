@@ -309,6 +309,15 @@ RULES = (
         (("zero_stage", 2),),
     ),
     Rule(
+        "zero_stage",
+        lambda run: run.zero_stage < 3 or not getattr(run, "vision_patches_per_token", 0),
+        "text-only data",
+        lambda run: "samples with images or videos",
+        "ZeRO-3 gathers a module's weights when its forward runs, and the vision tower runs only on ranks whose pack "
+        "holds images: HBPLitModule refuses it",
+        (("zero_stage", 2),),
+    ),
+    Rule(
         "optimizer_offload",
         lambda run: run.zero_stage >= 1,
         "ZeRO stage 1-3",
