@@ -414,12 +414,13 @@ def test_each_lever_a_refusal_names_fits_when_applied(gpu, longest, zero, liger)
         assert not any(lever.changes.get("optimizer_offload") and "zero_stage" not in lever.changes for lever in found)
 
 
-def test_a_hybrid_or_image_data_is_neither_searched_nor_advised_at_zero_stage_3():
+def test_what_zero_stage_3_cannot_train_is_neither_searched_nor_advised():
     """The strategy refuses a model with stateful token mixers under ZeRO-3 (``refuse_mixers_under_zero3``, the
     reference here on a tiny Qwen3-Next), yet the search chose a hybrid's levels at stage 3 and its "no level fits"
     refusal advised stage 3 as the only lever (Qwen3-Next on 8 H100s, one 32K sample): a run set so stopped at set-up.
     Refused up front now, naming stage 2, and never advised; so too data with images, which HBPLitModule refuses under
-    ZeRO-3 (the search advised it for Qwen2.5-VL-72B); a text model without mixers keeps stage 3 among its levers."""
+    ZeRO-3 (the search advised it for Qwen2.5-VL-72B), and DoRA, which peft builds from whole weights (advised for
+    Llama-3.1-70B on 2 GPUs); a text model without mixers keeps stage 3 among its levers."""
     from test_mixers import tiny
 
     from lit_hbp import prepare_model
@@ -436,19 +437,27 @@ def test_a_hybrid_or_image_data_is_neither_searched_nor_advised_at_zero_stage_3(
     imaged = replace(cost_model(dense, Settings(8, HARDWARE["h100"], 3)), vision_patches_per_token=0.3)
     with pytest.raises(ValueError, match=r"^--zero-stage 3 needs text-only data, not samples with images or videos"):
         check(imaged, SIMULATE)  # HBPLitModule refuses ZeRO-3 with images (on_fit_start)
+    from lit_hbp.cost.run_settings import settings_of
+
+    big, dora_lora = MODELS["llama3.1-70b"], {"lora": {"r": 16, "use_dora": True}}
+    dora = cost_model(big, settings_of(HARDWARE["h100"], 2, {"stage": 2}, dora_lora, spec=big))
+    with pytest.raises(ValueError, match=r"^--zero-stage 3 needs LoRA settings .* not model\.lora\.use_dora"):
+        check(replace(dora, zero_stage=3), SIMULATE)  # HBPLitModule refuses it (build.check_lora_strategy)
     levers = {}
     runs = {
         "dense": cost_model(dense, Settings(8, HARDWARE["h100"], 2)),
         "hybrid": cost_model(hybrid, Settings(8, HARDWARE["h100"], 2)),
         "images": replace(imaged, zero_stage=2),
+        "dora": dora,
     }
     for name, cost in runs.items():
         with pytest.raises(NoLevelFits) as refused:
             analytic_levels(cost, chats_and(32768), candidates=[32768])
         levers[name] = [lever.changes for lever in refused.value.levers]
     assert {"zero_stage": 3} in levers["dense"]
-    for name in ("hybrid", "images"):
-        assert levers[name] and not any("zero_stage" in changes for changes in levers[name]), name
+    for name in ("hybrid", "images", "dora"):  # the rest of the levers, or none left
+        assert not any("zero_stage" in changes for changes in levers[name]), name
+    assert levers["hybrid"] and levers["images"]
 
 
 def test_a_measured_refusal_is_priced_on_the_devices_gpu_in_its_own_flags(monkeypatch):

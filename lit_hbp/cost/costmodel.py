@@ -113,6 +113,8 @@ class CostModel:
         False under ``freeze_vision`` and LoRA (it runs forward only).
     vision_patches_per_token: the most image patches the tower encodes per token of a pack, from the data
         (``VisionLoad.patches_per_token``; 0: no images): a pack of L tokens holds up to L times it.
+    lora_whole: the LoRA setting with which peft reads an adapted weight whole (``build.lora_reads_whole``: DoRA,
+        trainable tokens, an init from the base weights), which ZeRO-3 partitions; "": none.
     compiled: the decoder layers run compiled (``HBPLitModule(compile=True)``): inductor's partitioner keeps
         fewer of a layer's tensors for its backward than eager does (``layer_saved_bytes``).
     autocast: the parameters stay in fp32 and the layers compute in ``dtype_bytes`` under autocast (Lightning's
@@ -143,6 +145,7 @@ class CostModel:
     prefetch: bool = True
     vision_trained: bool = True
     vision_patches_per_token: float = 0.0
+    lora_whole: str = ""
     compiled: bool = False
     autocast: bool = False
     deepspeed: bool = True

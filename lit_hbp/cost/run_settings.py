@@ -37,7 +37,8 @@ class Settings:
     the parameters the run adds to the model's (LoRA's). dtype_bytes: the precision's bytes per parameter and
     activation (bf16 where no precision is known). ce_chunk: the loss's chunk (``HBPLitModule``'s
     ``ce_chunk_size``). vision_trained: a vision-language model's tower trains (not under ``freeze_vision`` or
-    LoRA). compiled: its decoder layers run compiled (``HBPLitModule(compile=True)``). autocast: a ``*-mixed``
+    LoRA). lora_whole: the LoRA setting that reads adapted weights whole (``CostModel.lora_whole``). compiled: its
+    decoder layers run compiled (``HBPLitModule(compile=True)``). autocast: a ``*-mixed``
     precision without DeepSpeed (fp32 parameters, the layers under autocast: ``CostModel.autocast``). deepspeed:
     DeepSpeed steps the optimizer (False: torch's AdamW over the parameters, ``CostModel.deepspeed``)."""
 
@@ -52,6 +53,7 @@ class Settings:
     dtype_bytes: int = 2
     ce_chunk: int = 1024
     vision_trained: bool = True
+    lora_whole: str = ""
     compiled: bool = False
     autocast: bool = False
     deepspeed: bool = True
@@ -197,13 +199,14 @@ def settings_of(
     they cannot be)."""
     zero = deepspeed_zero(None if strategy_args is None else strategy_config(strategy_args))
     lora = model_args.get("lora")
-    trained: dict[str, float] = {}
+    trained: dict = {}
     if lora:
+        from lit_hbp.model.build import lora_reads_whole
         from lit_hbp.model.param_counts import lora_settings
 
         if spec is None:
             raise ValueError("settings_of: a LoRA run's trained parameters are counted on its model: give spec")
-        trained = lora_settings(spec, lora)
+        trained = {**lora_settings(spec, lora), "lora_whole": (lora_reads_whole(lora) or ("",))[0]}
     return Settings(
         world,
         hardware,
@@ -315,6 +318,14 @@ RULES = (
         lambda run: "samples with images or videos",
         "ZeRO-3 gathers a module's weights when its forward runs, and the vision tower runs only on ranks whose pack "
         "holds images: HBPLitModule refuses it",
+        (("zero_stage", 2),),
+    ),
+    Rule(
+        "zero_stage",
+        lambda run: run.zero_stage < 3 or not getattr(run, "lora_whole", ""),
+        "LoRA settings that leave the adapted weights partitioned",
+        lambda run: f"model.lora.{run.lora_whole}",
+        "peft reads each adapted weight whole for it, which ZeRO-3 partitions: HBPLitModule refuses it",
         (("zero_stage", 2),),
     ),
     Rule(

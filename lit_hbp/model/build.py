@@ -384,14 +384,11 @@ def check_lora(lora: dict, key: str = "lora") -> None:
         )
 
 
-def check_lora_strategy(lora: Mapping | None, zero_stage: int | None) -> None:
-    """What peft cannot build under ZeRO-3's ``zero.Init``, refused by name before the data is read: DoRA reads each
-    adapted weight's shape and norm whole (its self-check failed with an IndexError blamed on the family); trainable
-    tokens assert on the partitioned embedding; an init computed from the base weight (PiSSA, OLoRA, CorDA, MiCA,
-    orthogonal) writes adapters that are partitioned already, so they keep nn.Linear's random start while PiSSA's base
-    loses its part (``reinit_partitioned_lora`` restarts the plain inits)."""
-    if not lora or zero_stage != 3:
-        return
+def lora_reads_whole(lora: Mapping | None) -> tuple[str, str] | None:
+    """The LoRA setting (its field, and why) with which peft reads an adapted weight whole, which ZeRO-3 partitions;
+    None without one (``check_lora_strategy``, and the level search's rule, ``run_settings.RULES``)."""
+    if not lora:
+        return None
     init = lora.get("init_lora_weights", True)
     for field, why in (
         ("use_dora", "DoRA reads each adapted weight whole (its norm)"),
@@ -402,10 +399,23 @@ def check_lora_strategy(lora: Mapping | None, zero_stage: int | None) -> None:
         if field == "init_lora_weights":
             given = isinstance(init, str) and init.lower() != "gaussian"
         if given:
-            raise ConfigError(
-                f"model.lora.{field}: {why}, which DeepSpeed ZeRO stage 3 partitions: use ZeRO stage 0-2, or leave "
-                f"{field} out"
-            )
+            return field, why
+    return None
+
+
+def check_lora_strategy(lora: Mapping | None, zero_stage: int | None) -> None:
+    """What peft cannot build under ZeRO-3's ``zero.Init``, refused by name before the data is read: DoRA reads each
+    adapted weight's shape and norm whole (its self-check failed with an IndexError blamed on the family); trainable
+    tokens assert on the partitioned embedding; an init computed from the base weight (PiSSA, OLoRA, CorDA, MiCA,
+    orthogonal) writes adapters that are partitioned already, so they keep nn.Linear's random start while PiSSA's base
+    loses its part (``reinit_partitioned_lora`` restarts the plain inits)."""
+    found = lora_reads_whole(lora) if zero_stage == 3 else None
+    if found is not None:
+        field, why = found
+        raise ConfigError(
+            f"model.lora.{field}: {why}, which DeepSpeed ZeRO stage 3 partitions: use ZeRO stage 0-2, or leave "
+            f"{field} out"
+        )
 
 
 def reinit_partitioned_lora(wrapped) -> int:
