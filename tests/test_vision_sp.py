@@ -34,6 +34,7 @@ RECORDS = {
     "videos": video_records,
     "counted": counted_records,
     "sized": functools.partial(counted_records, sizes={1: (16, 32)}),  # a 32x32 and a 16x32 image
+    "one image": lambda folder: counted_records(folder)[::2],  # an image's record and a text-only one
 }
 LAYOUTS = {"ulysses": (2, 1), "cp": (2, 2)}
 
@@ -102,11 +103,16 @@ def sp_step(folder: str, weights: str, sp: int, cp: int, media: str = "images") 
     out.loss.backward()
     ce = out.ce_sum.detach().clone()
     dist.all_reduce(ce, group=ctx.group)
+    # A tensor has a gradient where any rank's shard gave it one (a rank that encoded no image has none for the tower)
+    params = list(model.named_parameters())
+    has = torch.tensor([float(p.grad is not None) for _, p in params])
+    dist.all_reduce(has, group=ctx.group)
     grads = {}
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=ctx.group)
-            grads[name] = p.grad.numpy() / sp  # averaged, as the data-parallel all-reduce does (the loss carries sp)
+    for (name, p), any_rank in zip(params, has.tolist()):
+        if any_rank:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad, group=ctx.group)
+            grads[name] = grad.numpy() / sp  # averaged, as the data-parallel all-reduce does (the loss carries sp)
     return {"ce": float(ce), "grads": grads, "encoded": encoded, "videos": videos}
 
 
@@ -214,6 +220,23 @@ def test_a_tower_of_no_deepstack_layer_trains_on_an_sp_level(pool, tmp_path, lay
     sp, cp = LAYOUTS[layout]
     results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "counted")
     assert_like_one_process(results, want_ce, want)
+
+
+@pytest.mark.parametrize("media", ["counted", "one image"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_tower_of_no_pooled_output_whose_deepstack_comes_in_layer_pairs_trains_on_an_sp_level(
+    pool, tmp_path, layout, media
+):
+    """Granite 4 Vision's encoder gives no pooled output, only deepstack (language layer, blocks) pairs, the first
+    pair's blocks being what its placeholders take: at sp 2 the exchange read ``.shape`` off a layer index (an
+    AttributeError on the ranks that encoded, while a rank of no image waited in a collective). The pairs come back
+    as pairs, each pair's rows moved alike: like each record alone, with an image on each rank or on one only."""
+    folder = build_default(tmp_path / "granite4_vision", "granite4_vision")
+    want_ce, want = reference(folder, tmp_path / "weights.pt", media)
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, media)
+    assert_like_one_process(results, want_ce, want)
+    assert sorted(sum(r["encoded"], 0) for r in results) == ([1, 1] if media == "counted" else [0, 1])
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -353,7 +353,7 @@ def trained(rec: dict, config) -> dict:
 DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", "got_ocr2", "internvl",
                  "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "lighton_ocr", "llava_next_video", "mistral3",
                  "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe", "video_llava", "vipllava", "llava_onevision1_5",
-                 "ovis2_5")  # fmt: skip
+                 "ovis2_5", "granite4_vision")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 # Hybrid language models among them: Qwen3.5's Gated DeltaNet layer (run document by document) beside its full
 # attention layer (``_keep_layer_kinds`` keeps one of each).
@@ -363,11 +363,29 @@ _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_experts_per_tok=2)  # fmt: skip
 _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, depth=2, num_heads=2,
                out_hidden_size=64, image_size=32, patch_size=8, head_dim=16)  # fmt: skip
+
+
+def _granite4_vision(config) -> None:
+    """Granite 4 Vision's default has no deepstack map, and its Q-Former takes a head per 64 of the tower's width:
+    a 64-wide tower, one deepstack projector per tower layer and the four spatial projectors over a 6-layer language
+    model (each language layer adds one projector's features), dropout off in the Q-Former too."""
+    config.vision_config.hidden_size = 64
+    qformer = config.qformer_config
+    qformer.hidden_size = qformer.encoder_hidden_size = qformer.intermediate_size = 64
+    qformer.num_attention_heads = qformer.num_hidden_layers = 1
+    qformer.attention_probs_dropout_prob = qformer.hidden_dropout_prob = 0.0
+    config.downsample_rate = "1/2"
+    config.deepstack_layer_map = [(1, 0), (2, 1)]
+    config.get_text_config().num_hidden_layers = 6
+    config.spatial_target_layers = [2, 3, 4, 5]
+
+
 _FIXES = {  # what a family's default needs beyond the sizes above
     "vipllava": lambda c: setattr(c, "vision_feature_layers", [-1, -2]),
     **{f: lambda c: (setattr(c.vision_config, "image_size", [32, 32]), setattr(c.vision_config, "patch_size", [8, 8]))
        for f in ("internvl", "qianfan_ocr")},
     **{glm: lambda c: _mrope(c.get_text_config()) for glm in ("glm4v", "glm46v", "glm4v_moe", "glm_ocr", "glmga")},
+    "granite4_vision": _granite4_vision,
 }  # fmt: skip
 
 
@@ -479,7 +497,9 @@ def counted_records(folder: Path, videos: bool = False, sizes: dict | None = Non
             if "image_sizes" in takes:
                 rec["image_sizes"] = torch.tensor([list(shape)])
             with torch.no_grad():
-                features = encode(**rec, return_dict=True).pooler_output
+                encoded = encode(**rec, return_dict=True)
+            # Granite 4 Vision's tower gives no pooler output: its features are deepstack (layer, blocks) pairs
+            features = encoded.pooler_output if encoded.pooler_output is not None else encoded.deepstack_features[0][1]
             n = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features)
             token = image_token_id(config) if kind == "image" else video_token_id(config)
             block = torch.full((1, n), token)

@@ -13,6 +13,9 @@ feature row, and one all-to-all sends each row from the rank that encoded it to 
 Features the model reads per placeholder at later layers (Qwen3-VL's deepstack features: per deepstack
 layer, one block of rows per item, row for row with the item's features) travel the same way, each
 layer's rows along the same route, so each shard adds to its own image tokens what they would get alone.
+An encoder of no pooled output whose deepstack features are (language layer, blocks) pairs (Granite 4
+Vision: the first pair's blocks are the features the placeholders take) gets its pairs back so, each
+pair's rows moved alike.
 
 Refused rather than trained wrong, on every rank at once: an encoder whose output is not one block of
 feature rows per item, or carries fields beyond those (``PER_ROW``), and a pack whose placeholder tokens
@@ -235,16 +238,34 @@ def split_encoder_outputs(
         rows = items.rows
         owner = owners(items.weight, items.groups, size)
         mine = owner == me
-        problem, blocks, per_row = None, [], {}
-        tensor = torch.zeros(1, device=device)  # 1: the family's encoder hands back one tensor, not one per item
+        problem, blocks, per_row, keys = None, [], {}, {}
+        # How the family's encoder hands back its features: 0 one block per item, 1 one tensor, 2 none pooled
+        # (the first PER_ROW layer's blocks are the features); agreed over the group below.
+        pooled = torch.zeros(1, device=device)
         if mine.any():
             encoded = encoder_outputs(inner, _subset(mm, kind, items, mine))[kind.name]
-            tensor.fill_(float(isinstance(encoded.pooler_output, torch.Tensor)))
+            pooled.fill_(
+                2.0 if encoded.pooler_output is None else float(isinstance(encoded.pooler_output, torch.Tensor))
+            )
             extra = [f for f, v in encoded.items() if v is not None and f not in PLAIN_OUTPUT + PER_ROW]
-            blocks = list(encoded.pooler_output) if encoded.pooler_output is not None else []
             returned = [f for f in PER_ROW if getattr(encoded, f, None) is not None]
-            per_row = {f: [list(layer) for layer in getattr(encoded, f)] for f in returned}
-            if extra:
+            for f in returned:
+                layers = list(getattr(encoded, f))
+                if layers and all(_is_pair(layer) for layer in layers):  # (language layer, blocks) pairs
+                    keys[f] = [int(layer[0]) for layer in layers]
+                    layers = [layer[1] for layer in layers]
+                per_row[f] = [list(layer) for layer in layers]
+            if encoded.pooler_output is not None:
+                blocks = list(encoded.pooler_output)
+            elif per_row and next(iter(per_row.values())):
+                blocks = next(iter(per_row.values()))[0]
+            if any(not isinstance(b, torch.Tensor) for f in per_row.values() for layer in f for b in layer):
+                problem = (
+                    f"{type(inner).__name__}: its {kind.name} encoder's {sorted(per_row)} are not blocks of feature "
+                    "rows per item, so lit-hbp cannot split them over the SP group: train these samples on an sp 1 "
+                    "level"
+                )
+            elif extra:
                 problem = (
                     f"{type(inner).__name__}: its {kind.name} encoder also returns {extra}, which the model reads per "
                     "placeholder token; lit-hbp does not split those over the SP group yet: train these samples on "
@@ -284,14 +305,25 @@ def split_encoder_outputs(
         route = Route.of(np.repeat(owner, item_rows), needer, me, size)
         anchor = torch.zeros((), device=device, requires_grad=trains)
         moved = partial(_moved, route=route, anchor=anchor, group=group, like=torch.zeros(0, hidden, dtype=dtype))
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)  # what a rank without items cannot see itself
+        dist.all_reduce(pooled, op=dist.ReduceOp.MAX, group=group)  # what a rank without items cannot see itself
         # Its placeholders' rows as the family's forward reads its encoder's output: one [items, rows, hidden]
-        # tensor (here one item of all the rows), or one block per item.
-        mine_rows = moved(blocks)
-        out[kind.name] = BaseModelOutputWithPooling(pooler_output=mine_rows[None] if tensor.item() else (mine_rows,))
-        for field, layers in _per_row_layers(per_row, device, group).items():
-            setattr(out[kind.name], field, [(moved(rows),) for rows in layers])
+        # tensor (here one item of all the rows), one block per item, or none (the rows come as a PER_ROW layer).
+        how = int(pooled.item())
+        mine_rows = moved(blocks) if how < 2 else None
+        out[kind.name] = BaseModelOutputWithPooling(
+            pooler_output=None if how == 2 else mine_rows[None] if how == 1 else (mine_rows,)
+        )
+        for field, (layers, layer_keys) in _per_row_layers(per_row, keys, device, group).items():
+            got = [(moved(rows),) for rows in layers]
+            setattr(
+                out[kind.name], field, got if layer_keys is None else [(k, [r]) for k, (r,) in zip(layer_keys, got)]
+            )
     return out
+
+
+def _is_pair(layer) -> bool:
+    """A (language layer index, blocks) pair, as Granite 4 Vision's deepstack features come."""
+    return isinstance(layer, tuple) and len(layer) == 2 and isinstance(layer[0], int)
 
 
 def _moved(rows: list[torch.Tensor], route: Route, anchor: torch.Tensor, group, like: torch.Tensor) -> torch.Tensor:
@@ -304,16 +336,26 @@ def _moved(rows: list[torch.Tensor], route: Route, anchor: torch.Tensor, group, 
     return got[torch.as_tensor(route.order, dtype=torch.long, device=device)]
 
 
-def _per_row_layers(per_row: dict, device, group) -> dict[str, list[list[torch.Tensor]]]:
+def _per_row_layers(
+    per_row: dict, keys: dict, device, group
+) -> dict[str, tuple[list[list[torch.Tensor]], list | None]]:
     """Each ``PER_ROW`` field the encoder returned, its layers on every rank of the group, a rank that encoded no
     item holding empty ones (the layer count agreed over the group, so every rank joins each layer's exchange; a
-    field of no layers, Qwen3-VL's deepstack of none, kept as the family's forward reads it)."""
+    field of no layers, Qwen3-VL's deepstack of none, kept as the family's forward reads it), with the layers'
+    language layer indices where the field came as pairs (agreed too; None otherwise)."""
     out = {}
     for field in PER_ROW:
         count = torch.tensor([len(per_row[field]) + 1 if field in per_row else 0], device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        if int(count.item()):
-            out[field] = per_row.get(field) or [[] for _ in range(int(count.item()) - 1)]
+        n = int(count.item()) - 1
+        if n < 0:
+            continue
+        paired = torch.zeros(max(n, 1), dtype=torch.long, device=device)  # 1 + each layer's index, 0 where unpaired
+        if field in keys:
+            paired[:n] = torch.tensor(keys[field], device=device) + 1
+        dist.all_reduce(paired, op=dist.ReduceOp.MAX, group=group)
+        layer_keys = (paired[:n] - 1).tolist() if n and bool(paired.any()) else None
+        out[field] = (per_row.get(field) or [[] for _ in range(n)], layer_keys)
     return out
 
 
