@@ -35,6 +35,7 @@ RECORDS = {
     "counted": counted_records,
     "sized": functools.partial(counted_records, sizes={1: (16, 32)}),  # a 32x32 and a 16x32 image
     "one image": lambda folder: counted_records(folder)[::2],  # an image's record and a text-only one
+    "counted videos": functools.partial(counted_records, videos=True),  # and a 4-frame video's record
 }
 LAYOUTS = {"ulysses": (2, 1), "cp": (2, 2)}
 
@@ -88,9 +89,11 @@ def sp_step(folder: str, weights: str, sp: int, cp: int, media: str = "images") 
         encoded.append(int(grid.shape[0]) if grid is not None and grid.dim() == 2 else int(pixel_values.shape[0]))
         return own(pixel_values, *args, **kwargs)
 
-    def counted_videos(pixel_values_videos, video_grid_thw=None, **kwargs):
-        videos.extend(video_grid_thw.tolist())
-        return own_videos(pixel_values_videos, video_grid_thw, **kwargs)
+    def counted_videos(pixel_values_videos, *args, **kwargs):
+        grid = kwargs.get("video_grid_thw", args[0] if args else None)  # Qwen's (t, h, w) rows, else [videos, frames]
+        frames = [[int(pixel_values_videos.shape[1])]] * len(pixel_values_videos)
+        videos.extend(grid.tolist() if grid is not None else frames)
+        return own_videos(pixel_values_videos, *args, **kwargs)
 
     model.model.get_image_features = counted
     if own_videos is not None:
@@ -249,7 +252,9 @@ def test_a_family_that_checks_a_calls_image_boundaries_is_refused_on_an_sp_level
     sp, cp = LAYOUTS[layout]
     results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "counted")
     for r in results:
-        assert re.match(r"ovis2_5: its forward checks a call's image .* train its media samples on sp 1", r["error"])
+        assert re.match(
+            r"ovis2_5's forward checks a call's image .* train its samples with images or videos on sp 1", r["error"]
+        )
 
 
 def test_a_plan_putting_ovis_images_on_an_sp_level_is_refused_when_planned():
@@ -270,11 +275,14 @@ def test_a_plan_putting_ovis_images_on_an_sp_level_is_refused_when_planned():
         media = np.zeros(lengths.size, np.int64)
         media[imaged] = 1
         said = whole_items_problem("ovis2_5", plan, media, levels)
+        indicators = whole_items_problem("ovis2", plan, media, levels)
         if imaged in on_sp:
             assert said.startswith("data.levels[1] (pack_len 256, sp 2) holds samples with images or videos, and "
                                    "ovis2_5's forward checks")  # fmt: skip
+            assert indicators.startswith("data.levels[1] (pack_len 256, sp 2) holds samples with images, and "
+                                         "ovis2's image encoder also returns its visual indicator")  # fmt: skip
         else:
-            assert said is None
+            assert said is None and indicators is None
         assert whole_items_problem("qwen2_vl", plan, media, levels) is None
     assert whole_items_problem("ovis2_5", plan, np.zeros(lengths.size, np.int64), levels) is None
 
@@ -294,6 +302,21 @@ def test_a_videos_frames_are_split_over_the_sp_group_and_train_like_each_record_
     frames = [grid for r in results for grid in r["videos"]]
     assert sorted(frames) == sorted([[1, 4, 4]] * 4 + [[1, 4, 6]] * 2)  # six frames, each encoded once
     assert all(r["videos"] for r in results)  # by both ranks: a long video's encoding is split
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("family", ["video_llava", "llava_next_video"])
+def test_a_video_encoded_frame_by_frame_trains_on_an_sp_level(pool, tmp_path, family, layout):
+    """Video-LLaVA's video encoder hands back one tensor of a block per frame ([videos x frames, patches, hidden]):
+    at sp 2 its videos were refused ("does not return one block of feature rows per video"), sp 1 trained them. A
+    video's frames are dealt to one rank and their rows read as its block: like each record alone, as
+    LLaVA-NeXT-Video's (a block per video) already were."""
+    folder = build_default(tmp_path / family, family)
+    want_ce, want = reference(folder, tmp_path / "weights.pt", "counted videos")
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "counted videos")
+    assert_like_one_process(results, want_ce, want)
+    assert sum(len(r["videos"]) for r in results) == 1
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

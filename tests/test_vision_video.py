@@ -171,6 +171,28 @@ def test_the_plan_weighs_each_videos_encoding(video_data, tmp_path):
     assert by_row[0] == by_row[2] and by_row[3] == 0
 
 
+def test_the_store_counts_each_samples_images_and_videos_apart(video_data, tmp_path):
+    """What a plan-time SP refusal of one kind reads (Ovis2's images, not its videos): per sample, the media of the
+    kinds asked, read off the records as written (a video; an image and a video; a video; text only) and against
+    the store's own entries by brute force."""
+    root, folder = video_data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    store = dm.store
+    written = {0: (0, 1), 1: (1, 1), 2: (0, 1), 3: (0, 0)}  # row: (images, videos)
+    for kinds, want in ((("image",), 0), (("video",), 1)):
+        assert {r: int(c) for r, c in zip(store.row_of, store.media_counts(kinds))} == {
+            r: n[want] for r, n in written.items()
+        }
+        brute = [
+            sum(isinstance(m, Video) == (kinds == ("video",)) for m in store.media(i))
+            for i in range(len(store.lengths))
+        ]
+        assert store.media_counts(kinds).tolist() == brute
+    assert {r: int(c) for r, c in zip(store.row_of, store.media_counts())} == {r: sum(n) for r, n in written.items()}
+
+
 def test_preview_shows_where_each_video_stands_and_its_tokens(video_data, tmp_path):
     from lit_hbp.cli.preview import preview
 

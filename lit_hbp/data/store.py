@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lit_hbp.data.media import media_entry
 from lit_hbp.data.tokenize import TokenizedSource
 from lit_hbp.errors import ConfigError, DataError
 from lit_hbp.packing.plan import OVER_LENGTH
@@ -416,13 +417,18 @@ class SampleStore:
         """Per sample, each image's and video's (pixels, tiles) as its encoder sees them (``media.encoded_pixels``)."""
         return [[(int(m.pixels), int(m.tiles)) for m in self.media(i)] for i in range(self.lengths.size)]
 
-    def media_counts(self) -> np.ndarray:
-        """Per sample, how many images and videos it holds."""
+    def media_counts(self, kinds: tuple[str, ...] = ("image", "video")) -> np.ndarray:
+        """Per sample, how many images and videos it holds (of ``kinds``)."""
         counts = np.zeros(self.lengths.size, np.int64)
         for k, s in enumerate(self.sources):
             if s.media_offsets is not None:
                 sel = self.source_of == k
-                counts[sel] = np.diff(s.media_offsets)[self.row_of[sel]]
+                per_row = np.diff(s.media_offsets)
+                if set(kinds) != {"image", "video"}:
+                    of_kind = np.array([type(media_entry(m)).__name__.lower() in kinds for m in s.media], np.int64)
+                    owner = np.repeat(np.arange(per_row.size), per_row)
+                    per_row = np.bincount(owner, weights=of_kind, minlength=per_row.size).astype(np.int64)
+                counts[sel] = per_row[self.row_of[sel]]
         return counts
 
     @property

@@ -63,7 +63,7 @@ from lit_hbp.lightning.renderers import (  # noqa: F401  (public here too: their
     tokenizer_from_files,
 )
 from lit_hbp.lightning.rng import every_rank_state
-from lit_hbp.model.sp_media import whole_items_problem
+from lit_hbp.model.sp_media import WHOLE_ITEMS, whole_items_problem
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LEVEL_FIELDS, LevelSelector, as_level
 from lit_hbp.packing.plan import OVER_LENGTH
@@ -508,10 +508,11 @@ class HBPDataModule(L.LightningDataModule):
                 short_levels=self.short_levels,
                 extra_work=self.vision_work(self.store),
             )
-            media = self.store.media_counts() if self.store.has_media else np.zeros(0, np.int64)
             family = getattr(self.model_config, "model_type", None)
-            if (problem := whole_items_problem(family, plan, media, self.levels)) is not None:
-                raise ConfigError(problem)
+            if family in WHOLE_ITEMS and self.store.has_media and any(lv.sp > 1 for lv in self.levels):
+                media = self.store.media_counts(WHOLE_ITEMS[family][0])
+                if (problem := whole_items_problem(family, plan, media, self.levels)) is not None:
+                    raise ConfigError(problem)
             self._plans = {(epoch, accumulate): plan}
         plan = self._plans[epoch, accumulate]
         if say and self._told != (epoch, accumulate):

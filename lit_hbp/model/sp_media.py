@@ -55,15 +55,22 @@ KINDS = (
 )  # fmt: skip
 PLAIN_OUTPUT = ("last_hidden_state", "pooler_output", "hidden_states", "attentions")
 PER_ROW = ("deepstack_features",)  # per layer, one block per item row for row with pooler_output: moved alike
-# Families whose forward checks each call's item boundary tokens against its feature blocks (Ovis2.5: as many image
-# start and end tokens as images), which a shard of a pack does not keep: a shard may hold an image's start and not
-# its end. Refused on every rank alike (the config decides), naming the way out.
-WHOLE_ITEMS = frozenset({"ovis2_5"})
+# Families whose media of some kinds a pack split over an SP group cannot train, and why: Ovis2.5's forward checks a
+# call's image (video) start and end tokens against its feature blocks (a shard may hold an image's start and not
+# its end); Ovis2's image encoder also returns the embeddings of its visual indicator tokens, which the forward puts
+# wherever those tokens stand, not row for row with the image's features. Refused on every rank alike (the config
+# decides) when the call holds such media, and when an epoch's plan puts such a sample on an SP level.
+WHOLE_ITEMS = {
+    "ovis2_5": (("image", "video"), "'s forward checks a call's image (or video) start and end tokens against its "
+                "feature blocks, which a pack split over an SP group does not keep together"),
+    "ovis2": (("image",), "'s image encoder also returns its visual indicator tokens' embeddings, which its forward "
+              "puts wherever those tokens stand, not row for row with the image's features as an SP group needs"),
+}  # fmt: skip
 
 
 def whole_items_problem(family: str | None, plan, media: np.ndarray, levels) -> str | None:
-    """Why a plan cannot train a ``WHOLE_ITEMS`` family: it puts a sample with images or videos (``media``: per
-    sample, how many) on a level with sp > 1, whose packed call refuses such a pack; said when the epoch is planned,
+    """Why a plan cannot train a ``WHOLE_ITEMS`` family: it puts a sample with media of the kinds the family's SP
+    call refuses (``media``: per sample, how many of those) on a level with sp > 1; said when the epoch is planned,
     before a step of it trains. None otherwise."""
     if family not in WHOLE_ITEMS or not media.any():
         return None
@@ -72,11 +79,15 @@ def whole_items_problem(family: str | None, plan, media: np.ndarray, levels) -> 
     if not split:
         return None
     lv = levels[split[0]]
+    kinds, why = WHOLE_ITEMS[family]
     return (
-        f"data.levels[{split[0]}] (pack_len {lv.pack_len}, sp {lv.sp}) holds samples with images or videos, and "
-        f"{family}'s forward checks a call's image start and end tokens against its feature blocks, which a pack "
-        "split over an SP group does not keep together: give the levels that hold them sp: 1"
+        f"data.levels[{split[0]}] (pack_len {lv.pack_len}, sp {lv.sp}) holds samples with {_plural(kinds)}, and "
+        f"{family}{why}: give the levels that hold them sp: 1"
     )
+
+
+def _plural(kinds: tuple[str, ...]) -> str:
+    return " or ".join(f"{k}s" for k in kinds)
 
 
 def owners(weights: np.ndarray, groups: np.ndarray, size: int) -> np.ndarray:
@@ -224,17 +235,17 @@ def split_encoder_outputs(
         or any(mm[k.pixels].requires_grad for k in KINDS if mm.get(k.pixels) is not None)
     )
     family = getattr(config, "model_type", None)
-    if family in WHOLE_ITEMS and any(mm.get(k.pixels) is not None for k in KINDS):
+    kinds, why = WHOLE_ITEMS.get(family, ((), ""))
+    if any(mm.get(k.pixels) is not None for k in KINDS if k.name in kinds):
         raise ValueError(
-            f"{family}: its forward checks a call's image (or video) start and end tokens against its feature "
-            "blocks, which a pack split over an SP group does not keep together: train its media samples on sp 1 "
-            "levels (give the levels that hold them sp: 1)"
+            f"{family}{why}: train its samples with {_plural(kinds)} on sp 1 levels (give the levels that hold "
+            "them sp: 1)"
         )
     out = {}
     for kind in KINDS:
         if mm.get(kind.pixels) is None:
             continue
-        items = _items(mm, kind, frame_wise=getattr(config, "model_type", None) in FRAME_WISE)
+        items = _items(mm, kind, frame_wise=family in FRAME_WISE)
         rows = items.rows
         owner = owners(items.weight, items.groups, size)
         mine = owner == me
@@ -256,7 +267,8 @@ def split_encoder_outputs(
                     layers = [layer[1] for layer in layers]
                 per_row[f] = [list(layer) for layer in layers]
             if encoded.pooler_output is not None:
-                blocks = list(encoded.pooler_output)
+                blocks = list(_per_item(encoded.pooler_output, int(mine.sum())) if kind.name == "video" else
+                              encoded.pooler_output)  # fmt: skip
             elif per_row and next(iter(per_row.values())):
                 blocks = next(iter(per_row.values()))[0]
             if any(not isinstance(b, torch.Tensor) for f in per_row.values() for layer in f for b in layer):
@@ -319,6 +331,14 @@ def split_encoder_outputs(
                 out[kind.name], field, got if layer_keys is None else [(k, [r]) for k, (r,) in zip(layer_keys, got)]
             )
     return out
+
+
+def _per_item(features, items: int):
+    """A video encoder's one tensor of blocks per frame (Video-LLaVA's [videos x frames, patches, hidden], frames of a
+    video in a row) as one block per video: the rows in the order the family's forward reads them."""
+    if isinstance(features, torch.Tensor) and features.dim() == 3 and items and features.shape[0] % items == 0:
+        return features.reshape(items, -1, features.shape[-1])
+    return features
 
 
 def _is_pair(layer) -> bool:
