@@ -481,6 +481,8 @@ VLM_TESTED = {
     "qwen3_vl_moe": "images, sp 1 and 2 (its default config, shrunk: a tower of no deepstack layer)",
     "video_llava": "images and videos, sp 1 and 2 (its default config, shrunk; a video's frames dealt together)",
     "llava_next_video": "images and videos, sp 1; its videos at sp 2 too (its default config, shrunk)",
+    **{omni: "images, sp 1 and 2 (its default config, shrunk; numbered by its vision start tokens)"
+       for omni in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
     "granite4_vision": "images, sp 1 and 2 (its default config, shrunk: deepstack (layer, features) pairs, no pooled "
                        "output)",
     "ovis2_5": "images, sp 1 (its default config, shrunk); its image packs refused on SP levels (its forward checks a "

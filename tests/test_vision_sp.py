@@ -225,6 +225,21 @@ def test_a_tower_of_no_deepstack_layer_trains_on_an_sp_level(pool, tmp_path, lay
     assert_like_one_process(results, want_ce, want)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("family", ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"])
+def test_an_omni_thinkers_image_pack_trains_on_an_sp_level_like_each_record_alone(pool, tmp_path, family, layout):
+    """The Qwen Omni thinkers number a record's multimodal positions by the token after each vision start, from
+    ``get_rope_index(..., attention_mask, use_audio_in_video, audio_seqlens, second_per_grids)`` (no token types):
+    lit-hbp passed ``mm_token_type_ids`` to it, a TypeError for every record, text too, at any sp. Numbered with
+    the arguments the family takes, a pack trains like each record alone (given the processor's attention mask, which
+    the family's forward needs to number images at all), at sp 2 too."""
+    folder = build_default(tmp_path / family, family)
+    want_ce, want = reference(folder, tmp_path / "weights.pt", "counted")
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "counted")
+    assert_like_one_process(results, want_ce, want)
+
+
 @pytest.mark.parametrize("media", ["counted", "one image"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_tower_of_no_pooled_output_whose_deepstack_comes_in_layer_pairs_trains_on_an_sp_level(

@@ -353,7 +353,7 @@ def trained(rec: dict, config) -> dict:
 DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", "got_ocr2", "internvl",
                  "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "lighton_ocr", "llava_next_video", "mistral3",
                  "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe", "video_llava", "vipllava", "llava_onevision1_5",
-                 "ovis2_5", "granite4_vision")  # fmt: skip
+                 "ovis2_5", "granite4_vision", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 # Hybrid language models among them: Qwen3.5's Gated DeltaNet layer (run document by document) beside its full
 # attention layer (``_keep_layer_kinds`` keeps one of each).
@@ -380,12 +380,23 @@ def _granite4_vision(config) -> None:
     config.spatial_target_layers = [2, 3, 4, 5]
 
 
+def _omni_thinker(config) -> None:
+    """A Qwen Omni thinker's audio tower shrunk too, its vision start token (its multimodal positions find an
+    image by the token after a vision start) in the small vocabulary, its RoPE sections fitting the heads."""
+    audio = config.audio_config
+    _shrink(audio, dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, output_dim=64,
+                        downsample_hidden_size=32))  # fmt: skip
+    config.vision_start_token_id = 506
+    _mrope(config.get_text_config())
+
+
 _FIXES = {  # what a family's default needs beyond the sizes above
     "vipllava": lambda c: setattr(c, "vision_feature_layers", [-1, -2]),
     **{f: lambda c: (setattr(c.vision_config, "image_size", [32, 32]), setattr(c.vision_config, "patch_size", [8, 8]))
        for f in ("internvl", "qianfan_ocr")},
     **{glm: lambda c: _mrope(c.get_text_config()) for glm in ("glm4v", "glm46v", "glm4v_moe", "glm_ocr", "glmga")},
     "granite4_vision": _granite4_vision,
+    **{omni: _omni_thinker for omni in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
 }  # fmt: skip
 
 
@@ -506,10 +517,14 @@ def counted_records(folder: Path, videos: bool = False, sizes: dict | None = Non
             start, end = getattr(config, f"{kind}_start_token_id", None), getattr(config, f"{kind}_end_token_id", None)
             if start is not None and end is not None:  # Ovis2.5's: each image between boundary tokens of its own
                 block = torch.cat([torch.tensor([[start]]), block, torch.tensor([[end]])], 1)
+            numbering = getattr(model.model, "get_rope_index", None)
+            if numbering is not None and "mm_token_type_ids" not in inspect.signature(numbering).parameters:
+                block = torch.cat([torch.tensor([[config.vision_start_token_id]]), block], 1)  # the Omni thinkers'
             ids = torch.cat([ids[:, :5], block, ids[:, 5:]], 1)
             if grid in rec:
                 rec["mm_token_type_ids"] = (ids == token).long() * (1 if kind == "image" else 2)
         rec["input_ids"] = ids
+        rec["attention_mask"] = torch.ones_like(ids)  # as a processor gives it (the Omni thinkers number by it)
         out.append(trained(rec, config))
     return out
 

@@ -14,6 +14,7 @@ depend on the images (``MRopePositions``). How the model then encodes them: ``li
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -190,17 +191,29 @@ class MRopePositions:
         return cls(inner) if callable(getattr(inner, "get_rope_index", None)) else None
 
     def rows(self, ids: np.ndarray, media: Mapping[str, torch.Tensor], where: str = "a record") -> torch.Tensor:
-        """[3, L] positions of one record; its token types (``mm_token_type_ids``) are needed where it has media:
-        without them the family's own model refuses the record, and its image tokens would be numbered as text."""
+        """[3, L] positions of one record; its token types (``mm_token_type_ids``) are needed where it has media and
+        the family's numbering takes them: without them the family's own model refuses the record, and its image
+        tokens would be numbered as text."""
         ids_t = torch.tensor(np.asarray(ids), dtype=torch.long)[None]  # a copy: the cache's ids are read-only
-        kw = {k: media[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in media}
-        types = media.get("mm_token_type_ids")
-        if types is None and ("image_grid_thw" in kw or "video_grid_thw" in kw):
-            raise DataError(
-                f"{where} has images or videos but no mm_token_type_ids, which the model's multimodal positions "
-                "need: pass the processor's (transformers >= 5 returns them; older saved records lack them)"
-            )
-        kw["mm_token_type_ids"] = (types if types is not None else torch.zeros(len(ids), dtype=torch.long))[None]
+        params = inspect.signature(self.inner.get_rope_index).parameters
+        anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        # The record's grids and seconds per temporal patch under the names the family's own numbering takes
+        # (Qwen2.5-VL's second_per_grid_ts; the Omni thinkers' second_per_grids, their processor's
+        # video_second_per_grid), and its token types where it finds images by type (not by a vision start token).
+        kw = {k: media[k] for k in ("image_grid_thw", "video_grid_thw") if k in media}
+        given = [media[k] for k in ("second_per_grid_ts", "video_second_per_grid") if k in media]
+        if given:
+            kw["second_per_grids" if "second_per_grids" in params else "second_per_grid_ts"] = given[0]
+        if "mm_token_type_ids" in params or anything:
+            types = media.get("mm_token_type_ids")
+            if types is None and ("image_grid_thw" in kw or "video_grid_thw" in kw):
+                raise DataError(
+                    f"{where} has images or videos but no mm_token_type_ids, which the model's multimodal positions "
+                    "need: pass the processor's (transformers >= 5 returns them; older saved records lack them)"
+                )
+            kw["mm_token_type_ids"] = (types if types is not None else torch.zeros(len(ids), dtype=torch.long))[None]
+        if "attention_mask" in params:  # every token of a record alone is real (Qwen3-Omni's numbering reads it)
+            kw["attention_mask"] = torch.ones_like(ids_t)
         with torch.no_grad():
             try:
                 positions, _ = self.inner.get_rope_index(ids_t, **kw)
