@@ -17,6 +17,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +221,7 @@ class HBPDataModule(L.LightningDataModule):
         self.resume_from: dict | None = None
         self.resume_rng: dict | None = None  # this rank's generators at the checkpoint ({} none), until fetched
         self._plans: dict[tuple[int, int], Plan] = {}  # (epoch, accumulation): the epoch's plan
-        self._planned_steps: tuple | None = None  # the run's optimizer steps, counted from its plans (loader's)
+        self._planned_steps: tuple | None = None  # (key, count): ``counted_once``'s
         self._told: tuple[int, int] | None = None  # (epoch, accumulation) of the plan whose summary was logged last
         self._set_up_for, self.held_out = 0, None  # the world size, the held-out records (``records_identity``)
 
@@ -487,6 +488,13 @@ class HBPDataModule(L.LightningDataModule):
         from lit_hbp.data.media import vision_work
 
         return vision_work(store.media_pixels(), self.model_config)
+
+    def counted_once(self, key: tuple, count: Callable[[], int]) -> int:
+        """``count()`` of the plans (the run's optimizer steps, ``loader.planned_optimizer_steps``), counted once for
+        ``key`` until the data is planned anew (set up again, a curriculum set): the progress bar asks each epoch."""
+        if self._planned_steps is None or self._planned_steps[0] != key:
+            self._planned_steps = key, int(count())
+        return self._planned_steps[1]
 
     def plan_for_epoch(self, epoch: int, say: bool = True) -> Plan:
         """The plan of ``epoch`` (curriculum warm-up in the first epoch only), its summary logged once (``say``

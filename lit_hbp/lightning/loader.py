@@ -148,20 +148,20 @@ def planned_optimizer_steps(trainer: Any) -> int | None:
         return None
     bound = trainer.max_steps if trainer.max_steps >= 0 else math.inf
     key = (epochs, limit, bound, tuple(sorted(schedule.items())), datamodule.seed, trainer.world_size)
-    known = getattr(datamodule, "_planned_steps", None)
-    if known is not None and known[0] == key:  # counted once a run: the progress bar asks each epoch
-        return known[1]
-    if epochs > 20:  # ~0.05 s a plan of 100K samples: say what the set-up is doing
-        rank_zero_info(f"counting the optimizer steps of {epochs} epochs' plans for the learning-rate schedule")
-    steps = 0
-    for epoch in range(epochs):
-        if steps >= bound:
-            break
-        batches = epoch_batches(limit, datamodule.plan_for_epoch(epoch, say=False).n_micro_steps)
-        steps += math.ceil(batches / accumulation_at(trainer, epoch))
-    datamodule.plan_for_epoch(trainer.current_epoch, say=False)  # the one the loader plans next, kept
-    datamodule._planned_steps = key, int(min(steps, bound))
-    return datamodule._planned_steps[1]
+
+    def count() -> int:
+        if epochs > 20:  # ~0.05 s a plan of 100K samples: say what the set-up is doing
+            rank_zero_info(f"counting the optimizer steps of {epochs} epochs' plans for the learning-rate schedule")
+        steps = 0
+        for epoch in range(epochs):
+            if steps >= bound:
+                break
+            batches = epoch_batches(limit, datamodule.plan_for_epoch(epoch, say=False).n_micro_steps)
+            steps += math.ceil(batches / accumulation_at(trainer, epoch))
+        datamodule.plan_for_epoch(trainer.current_epoch, say=False)  # the one the loader plans next, kept
+        return int(min(steps, bound))
+
+    return datamodule.counted_once(key, count)
 
 
 def check_data_trainer(trainer: Any, stage: str, packer: str, validates: bool) -> None:
