@@ -528,6 +528,27 @@ def stateful_mixer_kind(family: str) -> str | None:
 SIDE_BY_SIDE = "its vision tower sits beside its language model on the top module, a layout lit-hbp does not run"
 
 
+def unseen_refusal(family: str) -> str | None:
+    """What ``prepare_model``'s family checks refuse in the family's language model (its default config, built on
+    the meta device), as the table says it: the message's reason, its family and ending cut; None where they pass or
+    the model cannot be built."""
+    from lit_hbp.model.build import decoder_of
+    from lit_hbp.model.family_checks import refuse_unseen
+
+    model = meta_model(family)
+    if model is None:
+        return None
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        try:
+            refuse_unseen(model, decoder_of(model), family, set(), False)
+        except ValueError as e:
+            return str(e).removeprefix(f"{family}: ").split(", so a pack's documents")[0] + " (prepare_model)"
+        except Exception:  # noqa: BLE001 (left to the self-check, as the table says)
+            return None
+    return None
+
+
 def tower_beside_language_model(family: str) -> bool:
     """Whether the family's model (its default config, built on the meta device) holds its vision tower on the
     top module beside its language model, with no inner model encoding images (False: it cannot be built)."""
@@ -572,6 +593,8 @@ def vlm_families() -> dict[str, tuple[str, str]]:
             out[family] = ("refused", unpacked_image_args(base))
         elif tower_beside_language_model(family):
             out[family] = ("refused", f"{SIDE_BY_SIDE} (prepare_model)")
+        elif why := unseen_refusal(family):
+            out[family] = ("refused", why)
         else:
             out[family] = ("self-check", "")
     meta_model.cache_clear()

@@ -353,7 +353,8 @@ def trained(rec: dict, config) -> dict:
 DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", "got_ocr2", "internvl",
                  "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "lighton_ocr", "llava_next_video", "mistral3",
                  "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe", "video_llava", "vipllava", "llava_onevision1_5",
-                 "ovis2_5", "granite4_vision", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")  # fmt: skip
+                 "ovis2_5", "granite4_vision", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "cosmos3_edge",
+                 "hyperclovax_vision_v2")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 # Hybrid language models among them: Qwen3.5's Gated DeltaNet layer (run document by document) beside its full
 # attention layer (``_keep_layer_kinds`` keeps one of each).
