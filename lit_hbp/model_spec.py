@@ -364,6 +364,12 @@ class ModelSpec:
     """A mixture of experts' MLP in the formula, per layer averaged over the layers (``Experts.mlp_params``): the matmul
     parameters a token passes through (router, shared and top-k experts, the dense layers' MLP) and those held; None:
     ``mlp_matrices`` of ``intermediate``."""
+    recompute_skipped: float = 0.0
+    """Matmul parameters per layer a checkpointed layer's recompute does not run again: torch's non-reentrant
+    checkpoint stops once it has rebuilt every tensor the backward reads, and a plain transformer layer's MLP output
+    projection only feeds the residual sum (``POST_MLP_NORMS`` families normalize it, a mixture of experts weighs it
+    by its routing: both keep it, all recomputed). A compiled layer, and one whose MLP is tiled, recomputes whole
+    (``CostModel.dense_seconds``)."""
     router_loss: bool = False
     """Its config asks for a mixture of experts' load-balancing loss (``output_router_logits``), a mean over a whole
     pack that every rank of a level's SP group gathers, which context parallelism does not: the level search leaves CP
@@ -563,7 +569,27 @@ class ModelSpec:
             mlp_matrices=matrices,
             mlp_params=experts.mlp_params(hidden, matrices) if experts else None,
             router_loss=bool(c.get("output_router_logits")),
+            recompute_skipped=float(hidden * width) if plain_mlp_end(c, experts) else 0.0,
         )
+
+
+POST_MLP_NORMS = ("afmoe", "axk1", "diffusion_gemma", "dory", "ergo", "exaone4", "flex_olmo", "gemma2", "gemma3",
+                  "gemma4", "glm4", "glm_image", "glm_ocr", "kolibri1", "lfm3", "muse_glimmer", "muse_spark", "olmo2",
+                  "olmo3", "olmo_hybrid", "t5gemma")  # fmt: skip
+"""Model types (by prefix: a VLM's ``_text`` config too) whose decoder layers normalize the MLP's output before the
+residual sum (Gemma 2's ``post_feedforward_layernorm``, OLMo 2's), keeping it for the norm's backward."""
+
+
+def plain_mlp_end(config: dict, experts) -> bool:
+    """Whether every layer ends in a dense MLP's output projection whose output only the residual sum takes (the
+    part of a checkpointed layer its recompute skips: ``ModelSpec.recompute_skipped``): a plain transformer (no
+    stateful mixers, no experts) neither normalizing the MLP's output nor dropping it (a residual dropout's mask is
+    drawn after the projection)."""
+    family = str(config.get("model_type") or "")
+    residual_dropout = any(_positive(config.get(k)) for k in RESIDUAL_DROPOUT)
+    return (
+        experts is None and not mixer_layers(config) and not residual_dropout and not family.startswith(POST_MLP_NORMS)
+    )
 
 
 BOUNDED_KINDS = {

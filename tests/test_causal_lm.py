@@ -48,6 +48,66 @@ def test_model_flops_match_a_flop_counter(family):
     assert counter.get_total_flops() == pytest.approx(expected, rel=0.02), family
 
 
+class MatmulFlops:
+    """Matmul FLOPs dispatched inside it (torch's FlopCounterMode registers module hooks that a tiled MLP's no-grad
+    forward refuses)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        aten, counted = torch.ops.aten, self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is aten.mm.default:
+                    counted.flops += 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1]
+                elif func is aten.addmm.default:
+                    counted.flops += 2 * args[1].shape[0] * args[1].shape[1] * args[2].shape[1]
+                elif func is aten.bmm.default:
+                    counted.flops += 2 * args[0].shape[0] * args[0].shape[1] * args[0].shape[2] * args[1].shape[2]
+                return func(*args, **(kwargs or {}))
+
+        self.flops, self.mode = 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize(
+    ("family", "tiles"),
+    [(f, t) for f in ("llama", "qwen3", "gpt2", "starcoder2", "gemma3_text", "olmo2") for t in (1, 2)]
+    + [("mixtral", 1)],  # a mixture of experts' MLP is not tiled (mlp_tiles refuses it)
+)
+def test_a_checkpointed_layers_recompute_is_priced_at_what_torch_recomputes(family, tiles):
+    """Torch's non-reentrant checkpoint stops recomputing a layer once it has rebuilt every tensor the backward reads:
+    a plain layer's MLP output projection only feeds the residual sum, so the recompute skips it (Llama's 0.73 of
+    the layer), while Gemma 3's and OLMo 2's post-MLP norms and a mixture of experts' routing weights keep it (the
+    whole layer), and so does a tiled MLP. The cost model priced every recompute at the whole layer; its extra dense
+    FLOPs of checkpointing every layer are now those counted in lit-hbp's packed call (matmuls dispatched)."""
+    from lit_hbp import pack_samples, packed_loss
+    from lit_hbp.cost.costmodel import CostModel
+    from lit_hbp.cost.hardware import Hardware
+
+    module = built(family, **({"attn_pdrop": 0.0} if family == "gpt2" else {}))  # GPT-2: its residual dropout only
+    net = module.model
+    if getattr(net.config, "_experts_implementation", None):
+        net.set_experts_implementation("eager")  # a grouped matmul is not an aten.mm
+    rng = np.random.default_rng(0)
+    docs = [(rng.integers(1, 300, n), np.ones(n, bool)) for n in (20, 28)]
+    counted = {}
+    for ckpt in (0, len(module._layers)):
+        with MatmulFlops() as counter:
+            packed_loss(net, pack_samples(docs, ckpt_layers=ckpt, mlp_tiles=tiles), "sum").loss.backward()
+        counted[ckpt] = counter.flops
+    hardware = Hardware("test", 1e15, 80e9, intra_node_bw=400e9, inter_node_bw=50e9, gpus_per_node=8)
+    cost = CostModel(module._spec, hardware, world=1)
+    layers = len(module._layers)
+    priced = (cost.dense_seconds(48, layers, tiles) - cost.dense_seconds(48, 0, tiles)) * hardware.peak_flops
+    assert counted[layers] - counted[0] == pytest.approx(priced * hardware.eff_dense, rel=1e-6)
+
+
 def test_a_lora_runs_dense_time_is_priced_at_its_frozen_backwards_flops():
     """Under LoRA (``trainable`` 0) the weights take no gradient: the cost model's dense time is torch's FLOP
     count of a forward and backward with every weight frozen (input gradients only, attention's counted apart),

@@ -157,7 +157,10 @@ class CostModel:
         ``mixer_tokens`` at their full width instead (``mixer_share.mixer_tokens``: on a Ulysses level, the
         busiest rank's documents, or every document on every rank; None: ``tokens``)."""
         m = self.model
-        recompute = ckpt * 2.0 * m.layer_params * tokens  # the checkpointed layers' second forward
+        # The checkpointed layers' second forward, up to the last tensor their backward reads (a compiled layer's and a
+        # tiled MLP's whole)
+        skipped = m.recompute_skipped if tiles == 1 and not self.compiled else 0.0
+        recompute = ckpt * 2.0 * (m.layer_params - skipped) * tokens
         if tiles > 1:  # a tiled MLP runs its forward once more in the backward, tile by tile
             recompute = recompute + m.layers * 2.0 * m.mlp_matrices * m.hidden * m.intermediate * tokens
         # Frozen weights (LoRA: ``trainable`` 0) run no weight gradient: a matmul's backward is one forward, not two.
