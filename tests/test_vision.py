@@ -472,7 +472,7 @@ VLM_TESTED = {
     "llava": "images, sp 1 and 2",
     "llava_next": "images (anyres tiles), sp 1 and 2; the data path, the demo",
     "llava_onevision": "images, sp 1 and 2 (a record's images encoded together); videos of one frame count",
-    **{family: "images, sp 1 (its default config, shrunk)" for family in DEFAULT_BUILT},
+    **{family: "images, sp 1 and 2 (its default config, shrunk)" for family in DEFAULT_BUILT},
     **{family: "images and videos, sp 1 (its default config, shrunk)" for family in DEFAULT_BUILT_VIDEOS},
     **{family: "images, sp 1 and 2 (its default config, shrunk); images of different sizes in a pack"
        for family in ("mistral3", "lighton_ocr")},  # test_images_of_different_sizes_join_a_pack_..., test_vision_sp
@@ -480,7 +480,7 @@ VLM_TESTED = {
                "attention (its default config, shrunk)" for family in HYBRID_VLMS},
     "qwen3_vl_moe": "images, sp 1 and 2 (its default config, shrunk: a tower of no deepstack layer)",
     "video_llava": "images and videos, sp 1 and 2 (its default config, shrunk; a video's frames dealt together)",
-    "llava_next_video": "images and videos, sp 1; its videos at sp 2 too (its default config, shrunk)",
+    "llava_next_video": "images and videos, sp 1 and 2 (its default config, shrunk)",
     **{omni: "images, sp 1 and 2 (its default config, shrunk; numbered by its vision start tokens)"
        for omni in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
     "granite4_vision": "images, sp 1 and 2 (its default config, shrunk: deepstack (layer, features) pairs, no pooled "

@@ -16,6 +16,7 @@ import transformers
 from transformers import AutoModelForImageTextToText
 from vision_models import (
     BUILDERS,
+    DEFAULT_BUILT,
     HYBRID_VLMS,
     build_default,
     build_llava,
@@ -64,8 +65,9 @@ def collate(records, model, sp: int, cp: int, kind: str):
                          pad_images=pads_images(model.config))  # fmt: skip
 
 
-def sp_step(folder: str, weights: str, sp: int, cp: int, media: str = "images") -> dict:
-    """This rank's shard of the pack through packed_loss; CE summed and gradients averaged over the SP group."""
+def sp_step(folder: str, weights: str, sp: int, cp: int, media: str = "images", fail_rank: int | None = None) -> dict:
+    """This rank's shard of the pack through packed_loss; CE summed and gradients averaged over the SP group
+    (``fail_rank``: that rank's image encoder runs out of memory)."""
     import torch.distributed as dist
 
     from lit_hbp import packed_loss, prepare_model
@@ -85,6 +87,8 @@ def sp_step(folder: str, weights: str, sp: int, cp: int, media: str = "images") 
 
     @functools.wraps(own)
     def counted(pixel_values, *args, **kwargs):
+        if dist.get_rank() == fail_rank:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         grid = kwargs.get("image_grid_thw", args[0] if args else None)
         encoded.append(int(grid.shape[0]) if grid is not None and grid.dim() == 2 else int(pixel_values.shape[0]))
         return own(pixel_values, *args, **kwargs)
@@ -103,6 +107,8 @@ def sp_step(folder: str, weights: str, sp: int, cp: int, media: str = "images") 
         out = packed_loss(model, shard, "sum")
     except ValueError as e:
         return {"error": str(e)}
+    except torch.OutOfMemoryError as e:
+        return {"crash": f"{type(e).__name__}: {e}"}
     out.loss.backward()
     ce = out.ce_sum.detach().clone()
     dist.all_reduce(ce, group=ctx.group)
@@ -257,6 +263,43 @@ def test_a_tower_of_no_pooled_output_whose_deepstack_comes_in_layer_pairs_trains
     assert sorted(sum(r["encoded"], 0) for r in results) == ([1, 1] if media == "counted" else [0, 1])
 
 
+# Default-built families a test of their own runs on SP levels (Ovis2.5's images refused there)
+OWN_SP_TESTS = {"qwen3_vl_moe", "granite4_vision", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "mistral3",
+                "lighton_ocr", "ovis2_5"}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("family", sorted(set(DEFAULT_BUILT) - OWN_SP_TESTS))
+def test_a_default_built_familys_image_pack_on_an_sp_level_trains_like_each_record_alone(
+    pool, tmp_path, family, layout
+):
+    """Every family built from transformers' default config (tested at sp 1 in test_vision.py), its pack of two image
+    records and a text-only one split over 2 ranks (Ulysses and CP): each image encoded once, on one rank, and the
+    pack trains like each record alone."""
+    folder = build_default(tmp_path / family, family)
+    want_ce, want = reference(folder, tmp_path / "weights.pt", "counted")
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "counted")
+    assert_like_one_process(results, want_ce, want)
+    assert sorted(sum(r["encoded"], 0) for r in results) == [1, 1]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_an_encoder_failing_on_one_rank_stops_every_rank_of_the_sp_group(pool, tmp_path, layout):
+    """One rank's share of the images failed in its encoder (out of memory on the rank dealt the largest image, the
+    tower's own check of an input): that rank raised, and the other waited for it in a collective until the process
+    group's timeout (30 minutes). Now the failing rank raises its own error and every other rank a ValueError saying
+    a peer failed, at once."""
+    folder = build_default(tmp_path / "vipllava", "vipllava")
+    reference(folder, tmp_path / "weights.pt", "counted")
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "counted", 1, timeout=120)
+    assert results[1] == {"crash": "OutOfMemoryError: CUDA out of memory (injected)"}
+    assert results[0] == {
+        "error": "another rank of the SP group failed encoding its share of this pack's images (its error names why)"
+    }
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_family_that_checks_a_calls_image_boundaries_is_refused_on_an_sp_level(pool, tmp_path, layout):
     """Ovis2.5's forward checks a call's image start and end tokens against its feature blocks: a shard holding two
@@ -300,6 +343,45 @@ def test_a_plan_putting_ovis_images_on_an_sp_level_is_refused_when_planned():
             assert said is None and indicators is None
         assert whole_items_problem("qwen2_vl", plan, media, levels) is None
     assert whole_items_problem("ovis2_5", plan, np.zeros(lengths.size, np.int64), levels) is None
+
+
+def test_a_validation_plan_putting_ovis_images_on_an_sp_level_is_refused_when_planned():
+    """The training plan's check of Ovis2.5's media on SP levels (above) was not made of the validation plan: the
+    first validation on such a level stopped in the packed call, after steps trained. ``HBPDataModule.val_plan``
+    (the data module's own method, on a stand-in holding a validation store of these samples) refuses it as it is
+    planned, naming the validation set; a plan with its images on sp 1 levels only, or another family, is made. The
+    reference: each sample's level read off the plan by brute force."""
+    import functools
+    import types
+
+    from lit_hbp.errors import ConfigError
+    from lit_hbp.lightning.datamodule import HBPDataModule
+    from lit_hbp.packing import Level, plan_hbp
+
+    lengths = np.array([30, 40, 200, 50, 180, 20])
+    levels = (Level(64), Level(256, 2))
+    plan = plan_hbp(lengths, levels, 2, 1, 0, "greedy", loss_tokens=lengths // 2, over_length="error")
+    level_of = {int(m): int(plan.pack_level[p]) for p in range(len(plan.offsets) - 1) for m in plan.pack(p)}
+    refused = []
+    for imaged, family in (([2, 4], "ovis2_5"), ([5], "ovis2_5"), ([2, 4], "qwen2_vl")):
+        media = np.zeros(lengths.size, np.int64)
+        media[imaged] = 1
+        store = types.SimpleNamespace(lengths=lengths, loss_tokens=lengths // 2, has_media=True,
+                                      media_counts=lambda kinds, m=media: m)  # fmt: skip
+        module = types.SimpleNamespace(val_store=store, levels=levels, seed=0, packer="greedy", _val_plan=None,
+                                       model_config=types.SimpleNamespace(model_type=family),
+                                       _world=lambda epoch=None: (2, 0, 1), vision_work=lambda s: None)  # fmt: skip
+        module._refuse_split_items = functools.partial(HBPDataModule._refuse_split_items, module)
+        split = family == "ovis2_5" and any(levels[level_of[i]].sp > 1 for i in imaged)
+        if split:
+            said = r"^the validation set: data.levels\[1\] \(pack_len 256, sp 2\) holds samples with images or videos"
+            with pytest.raises(ConfigError, match=said):
+                HBPDataModule.val_plan(module)
+            assert module._val_plan is None
+        else:
+            assert HBPDataModule.val_plan(module).pack_level.tolist() == plan.pack_level.tolist()
+        refused.append(split)
+    assert refused == [True, False, False]
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

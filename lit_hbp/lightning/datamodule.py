@@ -442,6 +442,9 @@ class HBPDataModule(L.LightningDataModule):
         if self.val_store is not None:
             summary += "\nvalidation " + self.val_store.summary()
         rank_zero_info(summary + f"\n  every skipped, dropped and truncated sample: {self.write_report()}")
+        family = getattr(self.model_config, "model_type", None)
+        if self.val_store is not None and self.val_store.has_media and family in WHOLE_ITEMS:
+            self.val_plan()  # its media on an SP level refused now, not at the first validation after steps trained
 
     def _validation_store(self, tokenized: list, held_src, held_rows, rank: int) -> SampleStore | None:
         """The validation samples, each once: the records held out of the training sources
@@ -516,11 +519,7 @@ class HBPDataModule(L.LightningDataModule):
                 short_levels=self.short_levels,
                 extra_work=self.vision_work(self.store),
             )
-            family = getattr(self.model_config, "model_type", None)
-            if family in WHOLE_ITEMS and self.store.has_media and any(lv.sp > 1 for lv in self.levels):
-                media = self.store.media_counts(WHOLE_ITEMS[family][0])
-                if (problem := whole_items_problem(family, plan, media, self.levels)) is not None:
-                    raise ConfigError(problem)
+            self._refuse_split_items(self.store, plan)
             self._plans = {(epoch, accumulate): plan}
         plan = self._plans[epoch, accumulate]
         if say and self._told != (epoch, accumulate):
@@ -530,6 +529,15 @@ class HBPDataModule(L.LightningDataModule):
                 f"epoch {epoch} {plan.summary()}\n  metrics: " + ", ".join(f"{k} {v:.4g}" for k, v in m.items())
             )
         return plan
+
+    def _refuse_split_items(self, store: SampleStore, plan: Plan, what: str = "") -> None:
+        """A plan putting media the family's SP call refuses on an SP level (``sp_media.WHOLE_ITEMS``: Ovis2.5's),
+        refused as it is made, before a step of it runs."""
+        family = getattr(self.model_config, "model_type", None)
+        if family in WHOLE_ITEMS and store.has_media and any(lv.sp > 1 for lv in self.levels):
+            media = store.media_counts(WHOLE_ITEMS[family][0])
+            if (problem := whole_items_problem(family, plan, media, self.levels)) is not None:
+                raise ConfigError(what + problem)
 
     @property
     def plan(self) -> Plan | None:
@@ -541,7 +549,7 @@ class HBPDataModule(L.LightningDataModule):
         """The validation set planned with the training levels, once (seed fixed, no curriculum)."""
         if self._val_plan is None:
             world, _, _ = self._world()
-            self._val_plan = plan_hbp(
+            plan = plan_hbp(
                 self.val_store.lengths,
                 self.levels,
                 world,
@@ -552,7 +560,9 @@ class HBPDataModule(L.LightningDataModule):
                 over_length="error",
                 extra_work=self.vision_work(self.val_store),
             )
-            rank_zero_info(f"validation {self._val_plan.summary()}")
+            self._refuse_split_items(self.val_store, plan, "the validation set: ")
+            self._val_plan = plan
+            rank_zero_info(f"validation {plan.summary()}")
         return self._val_plan
 
     def val_dataloader(self) -> DataLoader | list:

@@ -196,14 +196,21 @@ class _Exchange(torch.autograd.Function):
         return back, None, None, None, None
 
 
-def _agree_or_refuse(problem: str | None, device, group) -> None:
-    """Raise on every rank when any rank found ``problem`` (so none waits in a collective)."""
-    flag = torch.tensor([0.0 if problem is None else 1.0], device=device)
-    dist.all_reduce(flag, group=group)
+def _agree_or_refuse(problem: str | None, device, group, kind: str = "image", failure: Exception | None = None) -> None:
+    """Raise on every rank when any rank found ``problem`` or failed encoding its share (``failure``, an OOM, the
+    tower's own check: raised on its rank as it came), so none waits in a collective."""
+    flag = torch.tensor([2.0 if failure is not None else 0.0 if problem is None else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if failure is not None:
+        raise failure
+    if flag.item() == 2:
+        raise ValueError(
+            f"another rank of the SP group failed encoding its share of this pack's {kind}s (its error names why)"
+        )
     if flag.item() > 0:
         raise ValueError(
             problem
-            or "another rank of the SP group cannot split this pack's image encoding (its error names why); "
+            or f"another rank of the SP group cannot split this pack's {kind} encoding (its error names why); "
             "train these samples on an sp 1 level"
         )
 
@@ -249,52 +256,15 @@ def split_encoder_outputs(
         rows = items.rows
         owner = owners(items.weight, items.groups, size)
         mine = owner == me
-        problem, blocks, per_row, keys = None, [], {}, {}
-        # How the family's encoder hands back its features: 0 one block per item, 1 one tensor, 2 none pooled
-        # (the first PER_ROW layer's blocks are the features); agreed over the group below.
         pooled = torch.zeros(1, device=device)
+        failure, problem, blocks, per_row, keys = None, None, [], {}, {}
         if mine.any():
-            encoded = encoder_outputs(inner, _subset(mm, kind, items, mine))[kind.name]
-            pooled.fill_(
-                2.0 if encoded.pooler_output is None else float(isinstance(encoded.pooler_output, torch.Tensor))
-            )
-            extra = [f for f, v in encoded.items() if v is not None and f not in PLAIN_OUTPUT + PER_ROW]
-            returned = [f for f in PER_ROW if getattr(encoded, f, None) is not None]
-            for f in returned:
-                layers = list(getattr(encoded, f))
-                if layers and all(_is_pair(layer) for layer in layers):  # (language layer, blocks) pairs
-                    keys[f] = [int(layer[0]) for layer in layers]
-                    layers = [layer[1] for layer in layers]
-                per_row[f] = [list(layer) for layer in layers]
-            if encoded.pooler_output is not None:
-                blocks = list(_per_item(encoded.pooler_output, int(mine.sum())) if kind.name == "video" else
-                              encoded.pooler_output)  # fmt: skip
-            elif per_row and next(iter(per_row.values())):
-                blocks = next(iter(per_row.values()))[0]
-            if any(not isinstance(b, torch.Tensor) for f in per_row.values() for layer in f for b in layer):
-                problem = (
-                    f"{type(inner).__name__}: its {kind.name} encoder's {sorted(per_row)} are not blocks of feature "
-                    "rows per item, so lit-hbp cannot split them over the SP group: train these samples on an sp 1 "
-                    "level"
-                )
-            elif extra:
-                problem = (
-                    f"{type(inner).__name__}: its {kind.name} encoder also returns {extra}, which the model reads per "
-                    "placeholder token; lit-hbp does not split those over the SP group yet: train these samples on "
-                    "an sp 1 level"
-                )
-            elif any([b.shape for b in layer] != [b.shape for b in blocks] for f in per_row.values() for layer in f):
-                problem = (
-                    f"{type(inner).__name__}: its {kind.name} encoder's {sorted(per_row)} do not match its features "
-                    "row for row, so lit-hbp cannot split them over the SP group: train these samples on an sp 1 level"
-                )
-            elif len(blocks) != int(mine.sum()) or any(b.dim() != 2 or b.shape[1] != hidden for b in blocks):
-                problem = (
-                    f"{type(inner).__name__}: its {kind.name} encoder does not return one block of feature rows per "
-                    f"{kind.name} ({len(blocks)} for {int(mine.sum())}), so lit-hbp cannot split its work over the SP "
-                    "group: train these samples on an sp 1 level"
-                )
-        _agree_or_refuse(problem, device, group)
+            try:
+                how, problem, blocks, per_row, keys = _encode_share(inner, _subset(mm, kind, items, mine), kind, hidden)
+                pooled.fill_(how)
+            except Exception as e:  # noqa: BLE001 (said to the group, then raised here: no peer waits in a collective)
+                failure = e
+        _agree_or_refuse(problem, device, group, kind.name, failure)
         # Feature rows per item (from the rank that encoded it), and who holds each placeholder token.
         counts = torch.zeros(rows.size, dtype=torch.long, device=device)
         if blocks:
@@ -344,6 +314,51 @@ def _per_item(features, items: int):
 def _is_pair(layer) -> bool:
     """A (language layer index, blocks) pair, as Granite 4 Vision's deepstack features come."""
     return isinstance(layer, tuple) and len(layer) == 2 and isinstance(layer[0], int)
+
+
+def _encode_share(inner: torch.nn.Module, subset: dict, kind: MediaKind, hidden: int):
+    """This rank's items of ``kind`` through the family's own encoder: (how it hands back its features: 0 one block
+    per item, 1 one tensor, 2 none pooled (the first PER_ROW layer's blocks are the features); why lit-hbp cannot
+    split them, or None; the blocks per item; the PER_ROW fields' layers of blocks; the language layer of each of a
+    field's layers where it came as (layer, blocks) pairs)."""
+    items = len(subset[kind.grid]) if subset.get(kind.grid) is not None else len(subset[kind.pixels])
+    encoded = encoder_outputs(inner, subset)[kind.name]
+    how = 2 if encoded.pooler_output is None else int(isinstance(encoded.pooler_output, torch.Tensor))
+    extra = [f for f, v in encoded.items() if v is not None and f not in PLAIN_OUTPUT + PER_ROW]
+    per_row, keys, blocks, problem = {}, {}, [], None
+    for f in [f for f in PER_ROW if getattr(encoded, f, None) is not None]:
+        layers = list(getattr(encoded, f))
+        if layers and all(_is_pair(layer) for layer in layers):  # (language layer, blocks) pairs
+            keys[f] = [int(layer[0]) for layer in layers]
+            layers = [layer[1] for layer in layers]
+        per_row[f] = [list(layer) for layer in layers]
+    if encoded.pooler_output is not None:
+        blocks = list(_per_item(encoded.pooler_output, items) if kind.name == "video" else encoded.pooler_output)
+    elif per_row and next(iter(per_row.values())):
+        blocks = next(iter(per_row.values()))[0]
+    name = type(inner).__name__
+    if any(not isinstance(b, torch.Tensor) for f in per_row.values() for layer in f for b in layer):
+        problem = (
+            f"{name}: its {kind.name} encoder's {sorted(per_row)} are not blocks of feature rows per item, so lit-hbp "
+            "cannot split them over the SP group: train these samples on an sp 1 level"
+        )
+    elif extra:
+        problem = (
+            f"{name}: its {kind.name} encoder also returns {extra}, which the model reads per placeholder token; "
+            "lit-hbp does not split those over the SP group yet: train these samples on an sp 1 level"
+        )
+    elif any([b.shape for b in layer] != [b.shape for b in blocks] for f in per_row.values() for layer in f):
+        problem = (
+            f"{name}: its {kind.name} encoder's {sorted(per_row)} do not match its features row for row, so lit-hbp "
+            "cannot split them over the SP group: train these samples on an sp 1 level"
+        )
+    elif len(blocks) != items or any(b.dim() != 2 or b.shape[1] != hidden for b in blocks):
+        problem = (
+            f"{name}: its {kind.name} encoder does not return one block of feature rows per {kind.name} "
+            f"({len(blocks)} for {items}), so lit-hbp cannot split its work over the SP group: train these samples "
+            "on an sp 1 level"
+        )
+    return how, problem, blocks, per_row, keys
 
 
 def _moved(rows: list[torch.Tensor], route: Route, anchor: torch.Tensor, group, like: torch.Tensor) -> torch.Tensor:
