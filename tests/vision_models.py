@@ -354,7 +354,8 @@ DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", 
                  "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "lighton_ocr", "llava_next_video", "mistral3",
                  "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe", "video_llava", "vipllava", "llava_onevision1_5",
                  "ovis2_5", "granite4_vision", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "cosmos3_edge",
-                 "hyperclovax_vision_v2")  # fmt: skip
+                 "hyperclovax_vision_v2", "exaone4_5", "cohere_compass", "janus", "muse_glimmer", "muse_spark",
+                 "minimax_m3_vl", "kimi_k25", "paddleocr_vl")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 # Hybrid language models among them: Qwen3.5's Gated DeltaNet layer (run document by document) beside its full
 # attention layer (``_keep_layer_kinds`` keeps one of each).
@@ -391,6 +392,77 @@ def _omni_thinker(config) -> None:
     _mrope(config.get_text_config())
 
 
+def _one_kv_head_tower(config) -> None:
+    """EXAONE 4.5's tower names 8 key-value heads, beyond the shrunk 2 heads."""
+    config.vision_config.num_key_value_heads = 1
+
+
+def _cohere_compass(config) -> None:
+    """Rotary settings per layer kind (its default: none) with sections fitting the heads; one deepstack layer."""
+    config.get_text_config().rope_parameters = {
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+    }
+    config.vision_config.deepstack_visual_indexes = [0]
+
+
+def _janus(config) -> None:
+    """The aligner's output feeds the language model; the VQ model (image generation only) shrunk too."""
+    text, vision, vq = config.get_text_config(), config.vision_config, config.vq_config
+    vision.projection_dim = text.hidden_size
+    vision.num_image_tokens = (vision.image_size // vision.patch_size) ** 2
+    vq.projection_dim = vq.image_token_embed_dim = text.hidden_size
+    vq.num_embeddings, vq.base_channels, vq.latent_channels, vq.channel_multiplier = 64, 32, 32, [1, 1]
+
+
+def _muse(config) -> None:
+    """Muse Glimmer's and Muse Spark's towers: 3 channels, their temporal patch under the name the records read, the
+    adapter's input the pixel-shuffled tower width, a per-layer rotary list cut to the kept layers, a window that
+    bites within a record; Muse Spark's experts and audio tower shrunk."""
+    from transformers import AutoConfig
+
+    text, vision = config.get_text_config(), config.vision_config
+    vision.num_channels = 3
+    vision.temporal_patch_size = vision.patch_temporal
+    config.out_hidden_size = vision.hidden_size * vision.merge_size**2
+    config.projector_hidden_size = 64
+    kinds = AutoConfig.for_model(config.model_type).get_text_config().layer_types
+    kept = sorted({kinds.index(kind) for kind in kinds})[: text.num_hidden_layers]  # as _keep_layer_kinds keeps
+    text.layer_rope_theta = [text.layer_rope_theta[i] for i in kept]
+    text.sliding_window = 8
+    if getattr(config, "audio_config", None) is not None:
+        text.moe_hidden_size, text.num_local_experts = 32, 4
+        config.audio_config.out_hidden_size = text.hidden_size
+        config.audio_config.hidden_sizes, config.audio_config.depths = [8, 8, 16, 16], [1, 1, 1, 1]
+        config.audio_token_id = 503
+
+
+def _minimax_m3_vl(config) -> None:
+    """Its merged width is computed from the full-size language model; experts, rotary and indexer sizes shrunk."""
+    text, vision = config.get_text_config(), config.vision_config
+    config.merged_hidden_size = text.hidden_size * vision.spatial_merge_size**2
+    config.projector_hidden_size = 64
+    text.num_local_experts, text.rotary_dim = 4, 8
+    text.dense_intermediate_size, text.shared_intermediate_size = 128, 32
+    text.index_head_dim, text.index_n_heads, text.index_block_size, text.index_topk_blocks = 16, 2, 4, 2
+
+
+def _kimi_k25(config) -> None:
+    """Its tower names no channels; the projector's pre-norm width; its DeepSeek-V3 language model's latent
+    attention and experts shrunk."""
+    text, vision = config.get_text_config(), config.vision_config
+    vision.num_channels = 3
+    config.projection_hidden_size = vision.hidden_size
+    text.q_lora_rank = text.kv_lora_rank = 32
+    text.qk_nope_head_dim = text.qk_rope_head_dim = text.v_head_dim = text.head_dim = 16
+    text.qk_head_dim = 32
+    text.num_key_value_heads = text.num_attention_heads
+    text.n_routed_experts, text.n_group, text.topk_group, text.first_k_dense_replace = 4, 1, 1, 1
+
+
+# Families whose processor gives each patch of an image as a (channels, patch, patch) image, not a flat row
+PATCH_IMAGES = ("paddleocr_vl", "kimi_k25")
+
+
 _FIXES = {  # what a family's default needs beyond the sizes above
     "vipllava": lambda c: setattr(c, "vision_feature_layers", [-1, -2]),
     **{f: lambda c: (setattr(c.vision_config, "image_size", [32, 32]), setattr(c.vision_config, "patch_size", [8, 8]))
@@ -398,6 +470,13 @@ _FIXES = {  # what a family's default needs beyond the sizes above
     **{glm: lambda c: _mrope(c.get_text_config()) for glm in ("glm4v", "glm46v", "glm4v_moe", "glm_ocr", "glmga")},
     "granite4_vision": _granite4_vision,
     **{omni: _omni_thinker for omni in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
+    "exaone4_5": _one_kv_head_tower,
+    **{f: _muse for f in ("muse_glimmer", "muse_spark")},
+    "cohere_compass": _cohere_compass,
+    "janus": _janus,
+    "minimax_m3_vl": _minimax_m3_vl,
+    "kimi_k25": _kimi_k25,
+    "paddleocr_vl": lambda c: _mrope(c.get_text_config()),
 }  # fmt: skip
 
 
@@ -498,6 +577,8 @@ def counted_records(folder: Path, videos: bool = False, sizes: dict | None = Non
                 rows *= temporal * vision.patch_size**2
                 t = max(1, frames // temporal)  # an image: one temporal patch
                 rec[pixels] = torch.randn(16 * t, rows, generator=g)
+                if config.model_type in PATCH_IMAGES:
+                    rec[pixels] = rec[pixels].reshape(16 * t, -1, vision.patch_size, vision.patch_size)
                 rec[grid] = torch.tensor([[t, 4, 4]])
             else:
                 size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]

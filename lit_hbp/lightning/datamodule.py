@@ -6,7 +6,9 @@ placement is communicated and ``Trainer(use_distributed_sampler=False)`` is requ
 is resumable: a checkpoint records (epoch, micro-steps trained) and a resumed run continues with
 exactly the batches an uninterrupted run would have seen next. The tokenizer (with the chat template the
 run renders chats with) travels in every checkpoint (``state_dict``), so ``lit_hbp.export`` needs
-neither the tokenizer folder nor the base model folder.
+neither the tokenizer folder nor the base model folder. One module on purpose (over 600 lines): Lightning's data
+hooks, the state a resume restores and the plans they share live on the one object Lightning calls; what they
+compute lives in ``lit_hbp.data`` and ``lit_hbp.packing``.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from lit_hbp.lightning.renderers import (  # noqa: F401  (public here too: their
     tokenizer_from_files,
 )
 from lit_hbp.lightning.rng import every_rank_state
-from lit_hbp.model.sp_media import WHOLE_ITEMS, whole_items_problem
+from lit_hbp.model.sp_media import WHOLE_ITEMS, split_items_problem
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
 from lit_hbp.packing.levels import LEVEL_FIELDS, LevelSelector, as_level
 from lit_hbp.packing.plan import OVER_LENGTH
@@ -531,13 +533,10 @@ class HBPDataModule(L.LightningDataModule):
         return plan
 
     def _refuse_split_items(self, store: SampleStore, plan: Plan, what: str = "") -> None:
-        """A plan putting media the family's SP call refuses on an SP level (``sp_media.WHOLE_ITEMS``: Ovis2.5's),
-        refused as it is made, before a step of it runs."""
+        """A plan putting media the family's SP call refuses on an SP level, refused as it is made."""
         family = getattr(self.model_config, "model_type", None)
-        if family in WHOLE_ITEMS and store.has_media and any(lv.sp > 1 for lv in self.levels):
-            media = store.media_counts(WHOLE_ITEMS[family][0])
-            if (problem := whole_items_problem(family, plan, media, self.levels)) is not None:
-                raise ConfigError(what + problem)
+        if (problem := split_items_problem(family, store, plan, self.levels)) is not None:
+            raise ConfigError(what + problem)
 
     @property
     def plan(self) -> Plan | None:

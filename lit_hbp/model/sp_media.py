@@ -86,6 +86,14 @@ def whole_items_problem(family: str | None, plan, media: np.ndarray, levels) -> 
     )
 
 
+def split_items_problem(family: str | None, store, plan, levels) -> str | None:
+    """``whole_items_problem`` of a plan of ``store``'s samples (a ``SampleStore``), their media of the kinds the
+    family's SP call refuses counted only where it has such kinds and the levels split a pack."""
+    if family not in WHOLE_ITEMS or not store.has_media or all(lv.sp == 1 for lv in levels):
+        return None
+    return whole_items_problem(family, plan, store.media_counts(WHOLE_ITEMS[family][0]), levels)
+
+
 def _plural(kinds: tuple[str, ...]) -> str:
     return " or ".join(f"{k}s" for k in kinds)
 
