@@ -207,7 +207,13 @@ def _geometry(shard: CPShard) -> dict:
 
 @torch.compiler.disable  # collectives and host geometry: kept out of compiled graphs
 def cp_attention(q, k, v, sinks, ctx: SPContext, shard: CPShard, attend: Attend) -> torch.Tensor:
-    return _CPAttention.apply(q, k, v, sinks, ctx, shard, attend)
+    """Value heads narrower than the query-key heads (DeepSeek-V3's latent attention: 192 and 128) are zero-padded
+    to their width for the slices' LSE kernels, which take one head size (torch's CPU flash kernel), and the output
+    cut back: the padded columns are zero and take no gradient."""
+    width = v.shape[-1]
+    if width < q.shape[-1]:
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - width))
+    return _CPAttention.apply(q, k, v, sinks, ctx, shard, attend)[..., :width]
 
 
 class ContextParallel(SPKind):
