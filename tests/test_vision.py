@@ -483,6 +483,8 @@ VLM_TESTED = {
     "llava_next_video": "images and videos, sp 1 and 2 (its default config, shrunk)",
     **{omni: "images, sp 1 and 2 (its default config, shrunk; numbered by its vision start tokens)"
        for omni in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
+    "lfm3_vl": "images, sp 1 and Ulysses sp 2; its short convolution layers run document by document beside full "
+               "attention (its default config, shrunk)",
     "granite4_vision": "images, sp 1 and 2 (its default config, shrunk: deepstack (layer, features) pairs, no pooled "
                        "output)",
     "ovis2_5": "images, sp 1 (its default config, shrunk); its image packs refused on SP levels (its forward checks a "

@@ -268,8 +268,20 @@ OWN_SP_TESTS = {"qwen3_vl_moe", "granite4_vision", "qwen2_5_omni_thinker", "qwen
                 "lighton_ocr", "ovis2_5"}  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("family", sorted(set(DEFAULT_BUILT) - OWN_SP_TESTS))
+# LFM3-VL's language model is a hybrid: its short convolutions run document by document on Ulysses levels, and a CP
+# level is refused for them (as Qwen3.5's Gated DeltaNet)
+HYBRID = {"lfm3_vl"}
+
+
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [
+        (f, layout)
+        for f in sorted(set(DEFAULT_BUILT) - OWN_SP_TESTS)
+        for layout in sorted(LAYOUTS)
+        if not (f in HYBRID and layout == "cp")
+    ],  # fmt: skip
+)
 def test_a_default_built_familys_image_pack_on_an_sp_level_trains_like_each_record_alone(
     pool, tmp_path, family, layout
 ):

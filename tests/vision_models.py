@@ -354,8 +354,8 @@ DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", 
                  "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "lighton_ocr", "llava_next_video", "mistral3",
                  "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe", "video_llava", "vipllava", "llava_onevision1_5",
                  "ovis2_5", "granite4_vision", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "cosmos3_edge",
-                 "hyperclovax_vision_v2", "exaone4_5", "cohere_compass", "janus", "muse_glimmer", "muse_spark",
-                 "minimax_m3_vl", "kimi_k25", "paddleocr_vl")  # fmt: skip
+                 "hyperclovax_vision_v2", "exaone4_5", "lfm3_vl", "cohere_compass", "janus", "muse_glimmer",
+                 "muse_spark", "minimax_m3_vl", "kimi_k25", "paddleocr_vl")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 # Hybrid language models among them: Qwen3.5's Gated DeltaNet layer (run document by document) beside its full
 # attention layer (``_keep_layer_kinds`` keeps one of each).
@@ -393,7 +393,7 @@ def _omni_thinker(config) -> None:
 
 
 def _one_kv_head_tower(config) -> None:
-    """EXAONE 4.5's tower names 8 key-value heads, beyond the shrunk 2 heads."""
+    """EXAONE 4.5's and LFM3-VL's towers name 8 key-value heads, beyond the shrunk 2 heads."""
     config.vision_config.num_key_value_heads = 1
 
 
@@ -470,7 +470,7 @@ _FIXES = {  # what a family's default needs beyond the sizes above
     **{glm: lambda c: _mrope(c.get_text_config()) for glm in ("glm4v", "glm46v", "glm4v_moe", "glm_ocr", "glmga")},
     "granite4_vision": _granite4_vision,
     **{omni: _omni_thinker for omni in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
-    "exaone4_5": _one_kv_head_tower,
+    **{f: _one_kv_head_tower for f in ("exaone4_5", "lfm3_vl")},
     **{f: _muse for f in ("muse_glimmer", "muse_spark")},
     "cohere_compass": _cohere_compass,
     "janus": _janus,

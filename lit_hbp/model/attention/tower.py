@@ -28,8 +28,11 @@ from lit_hbp.model.attention.kernel import AttnArgs, call_needs
 from lit_hbp.model.calls import TOWER_NAME
 
 # what towers pass that the boundaries or this function's own arguments already say, or that asks the tower,
-# not its attention, for something (LLaVA's CLIP layers pass the model's output_hidden_states on)
-IGNORED = frozenset({"cu_seq_lens_k", "max_length_k", "position_ids", "output_attentions", "output_hidden_states"})
+# not its attention, for something (LLaVA's CLIP layers pass the model's output_hidden_states on; LFM3-VL's layers
+# pass every item's grid on, which its convolution reads and its attention, bounded by cu_seqlens, does not)
+IGNORED = frozenset(
+    {"cu_seq_lens_k", "max_length_k", "position_ids", "output_attentions", "output_hidden_states", "grid_thw"}
+)
 
 
 def documents(query: torch.Tensor, mask: torch.Tensor | None, cu: torch.Tensor | None, longest: int | None):
