@@ -575,9 +575,10 @@ class ModelSpec:
 
 POST_MLP_NORMS = ("afmoe", "axk1", "diffusion_gemma", "dory", "ergo", "exaone4", "flex_olmo", "gemma2", "gemma3",
                   "gemma4", "glm4", "glm_image", "glm_ocr", "kolibri1", "lfm3", "muse_glimmer", "muse_spark", "olmo2",
-                  "olmo3", "olmo_hybrid", "t5gemma")  # fmt: skip
-"""Model types (by prefix: a VLM's ``_text`` config too) whose decoder layers normalize the MLP's output before the
-residual sum (Gemma 2's ``post_feedforward_layernorm``, OLMo 2's), keeping it for the norm's backward."""
+                  "olmo3", "olmo_hybrid", "t5gemma", "beam", "chameleon", "mllama", "mpt")  # fmt: skip
+"""Model types (by prefix: a VLM's ``_text`` config too) whose decoder layers keep the MLP's output for their
+backward: a norm of it before the residual sum (Gemma 2's ``post_feedforward_layernorm``, OLMo 2's, Chameleon's
+``swin_norm``), a learned gate on it (Mllama's cross-attention layers), a dropout of it its config nests (MPT's)."""
 
 
 def plain_mlp_end(config: dict, experts) -> bool:

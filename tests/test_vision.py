@@ -613,6 +613,24 @@ def test_the_vision_language_family_table_is_what_the_code_decides():
     assert table == vlm_families()
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "qwen3_vl_moe"])
+def test_a_loader_workers_stand_in_numbers_each_records_positions_as_the_model_does(tmp_path, family):
+    """A DataLoader worker numbers multimodal positions without the model, on a stand-in built from the config
+    (``media.rope_stand_in``): for the Qwen Omni thinkers it looked for a module named after the thinker's model type
+    (ModuleNotFoundError) and lacked the merge size their model sets in ``__init__`` (AttributeError), so a data
+    module's loader stopped. Each record's positions equal the built model's own numbering."""
+    from lit_hbp.data.media import rope_stand_in
+    from lit_hbp.data.media_batch import MRopePositions, media_of
+
+    folder = build_default(tmp_path / family, family)
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    own, stand_in = MRopePositions.of(model), MRopePositions(rope_stand_in(AutoConfig.from_pretrained(folder)))
+    for i, rec in enumerate(counted_records(folder)):
+        ids = rec["input_ids"][0].numpy()
+        media = media_of(rec, i, len(ids))
+        assert torch.equal(stand_in.rows(ids, media), own.rows(ids, media))
+
+
 def test_multimodal_rope_positions_need_the_model(folders):
     records = [trained(r, AutoConfig.from_pretrained(folders["qwen2_vl"])) for r in three_records(folders["qwen2_vl"])]
     with pytest.raises(

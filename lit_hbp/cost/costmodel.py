@@ -157,9 +157,9 @@ class CostModel:
         ``mixer_tokens`` at their full width instead (``mixer_share.mixer_tokens``: on a Ulysses level, the
         busiest rank's documents, or every document on every rank; None: ``tokens``)."""
         m = self.model
-        # The checkpointed layers' second forward, up to the last tensor their backward reads (a compiled layer's and a
-        # tiled MLP's whole)
-        skipped = m.recompute_skipped if tiles == 1 and not self.compiled else 0.0
+        # The checkpointed layers' second forward, up to the last tensor their backward reads (a compiled layer's, a
+        # tiled MLP's and, under LoRA, whose adapter on the output projection runs after it, whole)
+        skipped = m.recompute_skipped if tiles == 1 and not self.compiled and self.trainable == 1.0 else 0.0
         recompute = ckpt * 2.0 * (m.layer_params - skipped) * tokens
         if tiles > 1:  # a tiled MLP runs its forward once more in the backward, tile by tile
             recompute = recompute + m.layers * 2.0 * m.mlp_matrices * m.hidden * m.intermediate * tokens

@@ -426,21 +426,19 @@ class ConfigOnly:
         self._cls = cls
 
     def __getattr__(self, name: str) -> Any:
+        if name == "spatial_merge_size" and not hasattr(self._cls, name):  # set in __init__ (the Omni thinkers')
+            return self.config.vision_config.spatial_merge_size
         return getattr(self._cls, name).__get__(self)
 
 
 def rope_stand_in(config) -> ConfigOnly | None:
     """A stand-in for the inner model of a family whose positions depend on its images (multimodal
     RoPE), built from the checkpoint's config; None for other families."""
-    import importlib
-
+    import transformers
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     name = MODEL_MAPPING_NAMES.get(getattr(config, "model_type", ""))
-    if name is None:
-        return None
-    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-    cls = getattr(module, name, None)
+    cls = getattr(transformers, name, None) if name is not None else None  # its module by the class (the thinkers')
     return ConfigOnly(cls, config) if callable(getattr(cls, "get_rope_index", None)) else None
 
 

@@ -198,12 +198,13 @@ class MRopePositions:
         params = inspect.signature(self.inner.get_rope_index).parameters
         anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         # The record's grids and seconds per temporal patch under the names the family's own numbering takes
-        # (Qwen2.5-VL's second_per_grid_ts; the Omni thinkers' second_per_grids, their processor's
-        # video_second_per_grid), and its token types where it finds images by type (not by a vision start token).
+        # (Qwen2.5-VL's second_per_grid_ts; the Omni thinkers' second_per_grids), and its token types where it finds
+        # images by type (not by a vision start token).
         kw = {k: media[k] for k in ("image_grid_thw", "video_grid_thw") if k in media}
-        given = [media[k] for k in ("second_per_grid_ts", "video_second_per_grid") if k in media]
-        if given:
-            kw["second_per_grids" if "second_per_grids" in params else "second_per_grid_ts"] = given[0]
+        if "second_per_grid_ts" in media:
+            kw["second_per_grids" if "second_per_grids" in params else "second_per_grid_ts"] = media[
+                "second_per_grid_ts"
+            ]
         if "mm_token_type_ids" in params or anything:
             types = media.get("mm_token_type_ids")
             if types is None and ("image_grid_thw" in kw or "video_grid_thw" in kw):

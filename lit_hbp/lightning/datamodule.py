@@ -445,7 +445,12 @@ class HBPDataModule(L.LightningDataModule):
             summary += "\nvalidation " + self.val_store.summary()
         rank_zero_info(summary + f"\n  every skipped, dropped and truncated sample: {self.write_report()}")
         family = getattr(self.model_config, "model_type", None)
-        if self.val_store is not None and self.val_store.has_media and family in WHOLE_ITEMS:
+        if (
+            stage in ("fit", "validate")
+            and self.val_store is not None
+            and self.val_store.has_media
+            and (family in WHOLE_ITEMS)
+        ):
             self.val_plan()  # its media on an SP level refused now, not at the first validation after steps trained
 
     def _validation_store(self, tokenized: list, held_src, held_rows, rank: int) -> SampleStore | None:
