@@ -507,23 +507,27 @@ def meta_model(family: str):
             return None
 
 
-def stateful_mixer_kind(family: str) -> str | None:
-    """The kind of the first token mixer in the family's language model (its default config, built on the
-    meta device) that carries state across documents and that lit-hbp cannot run document by document,
-    or None (none, or the config cannot be built)."""
-    from lit_hbp.model.build import decoder_of
-    from lit_hbp.model.mixers import stateful_mixers
-
+def read_meta(family: str, read, otherwise=None):
+    """``read`` of the family's model (its default config, built on the meta device), warnings quiet; ``otherwise``
+    where the model cannot be built or ``read`` fails (left to the self-check, as the table says)."""
     model = meta_model(family)
     if model is None:
-        return None
+        return otherwise
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         try:
-            mixers = stateful_mixers(decoder_of(model))
-        except Exception:  # noqa: BLE001 (left to the self-check, as the table says)
-            return None
-    refused = [m for m in mixers if not m.per_document]
+            return read(model)
+        except Exception:  # noqa: BLE001
+            return otherwise
+
+
+def stateful_mixer_kind(family: str) -> str | None:
+    """The kind of the first token mixer in the family's language model that carries state across documents and
+    that lit-hbp cannot run document by document, or None (none, or the config cannot be built)."""
+    from lit_hbp.model.build import decoder_of
+    from lit_hbp.model.mixers import stateful_mixers
+
+    refused = [m for m in read_meta(family, lambda model: stateful_mixers(decoder_of(model)), []) if not m.per_document]
     return refused[0].kind if refused else None
 
 
@@ -531,38 +535,27 @@ SIDE_BY_SIDE = "its vision tower sits beside its language model on the top modul
 
 
 def unseen_refusal(family: str) -> str | None:
-    """What ``prepare_model``'s family checks refuse in the family's language model (its default config, built on
-    the meta device), as the table says it: the message's reason, its family and ending cut; None where they pass or
-    the model cannot be built."""
+    """What ``prepare_model``'s family checks refuse in the family's language model, as the table says it: the
+    message's reason, its family and ending cut; None where they pass or the model cannot be built."""
     from lit_hbp.model.build import decoder_of
     from lit_hbp.model.family_checks import refuse_unseen
 
-    model = meta_model(family)
-    if model is None:
-        return None
-    with warnings.catch_warnings(), torch.device("meta"):
-        warnings.simplefilter("ignore")
+    def refusal(model) -> str | None:
         try:
             refuse_unseen(model, decoder_of(model), family, set(), False)
         except ValueError as e:
             return str(e).removeprefix(f"{family}: ").split(", so a pack's documents")[0] + " (prepare_model)"
-        except Exception:  # noqa: BLE001 (left to the self-check, as the table says)
-            return None
-    return None
+        return None
+
+    return read_meta(family, refusal)
 
 
 def tower_beside_language_model(family: str) -> bool:
-    """Whether the family's model (its default config, built on the meta device) holds its vision tower on the
-    top module beside its language model, with no inner model encoding images (False: it cannot be built)."""
+    """Whether the family's model holds its vision tower on the top module beside its language model, with no inner
+    model encoding images (False: it cannot be built)."""
     from lit_hbp.model.vision import tower_beside_language_model as beside
 
-    model = meta_model(family)
-    with warnings.catch_warnings(), torch.device("meta"):
-        warnings.simplefilter("ignore")
-        try:
-            return model is not None and beside(model) is not None
-        except Exception:  # noqa: BLE001 (left to the self-check, as the table says)
-            return False
+    return read_meta(family, lambda model: beside(model) is not None, False)
 
 
 def vlm_families() -> dict[str, tuple[str, str]]:
