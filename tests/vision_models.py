@@ -416,18 +416,13 @@ def _janus(config) -> None:
 
 def _muse(config) -> None:
     """Muse Glimmer's and Muse Spark's towers: 3 channels, their temporal patch under the name the records read, the
-    adapter's input the pixel-shuffled tower width, a per-layer rotary list cut to the kept layers, a window that
-    bites within a record; Muse Spark's experts and audio tower shrunk."""
-    from transformers import AutoConfig
-
+    adapter's input the pixel-shuffled tower width, a window that bites within a record; Muse Spark's experts and
+    audio tower shrunk."""
     text, vision = config.get_text_config(), config.vision_config
     vision.num_channels = 3
     vision.temporal_patch_size = vision.patch_temporal
     config.out_hidden_size = vision.hidden_size * vision.merge_size**2
     config.projector_hidden_size = 64
-    kinds = AutoConfig.for_model(config.model_type).get_text_config().layer_types
-    kept = sorted({kinds.index(kind) for kind in kinds})[: text.num_hidden_layers]  # as _keep_layer_kinds keeps
-    text.layer_rope_theta = [text.layer_rope_theta[i] for i in kept]
     text.sliding_window = 8
     if getattr(config, "audio_config", None) is not None:
         text.moe_hidden_size, text.num_local_experts = 32, 4
@@ -489,11 +484,15 @@ def _mrope(text) -> None:
 
 
 def _keep_layer_kinds(config) -> None:
-    """Per-layer lists (``layer_types``, MiniMax's ``mlp_layer_types``) cut to the shrunk layer count, keeping
-    the first layer of each kind (a hybrid's linear attention or convolution beside its full attention),
-    the same layers in every list."""
+    """Per-layer lists (``layer_types``, MiniMax's ``mlp_layer_types``, Muse's ``layer_rope_theta``) cut to the
+    shrunk layer count, keeping the first layer of each kind (a hybrid's linear attention or convolution beside its
+    full attention), the same layers in every list."""
     n = getattr(config, "num_hidden_layers", None)
-    lists = {k: v for k, v in vars(config).items() if k.endswith("layer_types") and isinstance(v, list)}
+    lists = {
+        k: v
+        for k, v in vars(config).items()
+        if (k.endswith("layer_types") or k.startswith("layer_")) and isinstance(v, list)
+    }
     if not n or "layer_types" not in lists or len(lists["layer_types"]) <= n:
         return
     kinds = lists["layer_types"]
