@@ -75,7 +75,9 @@ class Experts:
     """A mixture of experts' MLP as its config describes it (``experts_of``): ``experts`` routed experts of
     ``width`` (``matrices`` each: 3 gated, 2 up and down), ``top_k`` of them a token, shared experts of ``shared``
     width in all beside them (Qwen-MoE's behind a sigmoid gate of one row: ``shared_gate``), in ``routed`` of the
-    ``layers``; ``dense_layers`` of them a dense MLP of ``dense`` width."""
+    ``layers``; ``dense_layers`` of them a dense MLP of ``dense`` width. ``other_widths``: further sets of as many
+    experts, each behind a router of its own, that a text token does not pass (ERNIE 4.5-VL's vision experts, which
+    its image tokens take instead): held, not run."""
 
     experts: int
     top_k: int
@@ -87,6 +89,7 @@ class Experts:
     dense_layers: int = 0
     matrices: int = 3
     shared_gate: bool = False
+    other_widths: tuple[int, ...] = ()
 
     def mlp_params(self, hidden: int, dense_matrices: int = 3) -> tuple[float, float]:
         """(matmul parameters a token passes through, parameters held) of a layer's MLP, averaged over the layers:
@@ -96,7 +99,8 @@ class Experts:
         beside = hidden * self.experts + self.matrices * hidden * self.shared + hidden * self.shared_gate
         dense = self.dense_layers * dense_matrices * hidden * self.dense
         active = self.routed * (beside + self.top_k * expert) + dense
-        return active / self.layers, (self.routed * (beside + self.experts * expert) + dense) / self.layers
+        others = sum(hidden * self.experts * (1 + self.matrices * w) for w in self.other_widths)
+        return active / self.layers, (self.routed * (beside + self.experts * expert + others) + dense) / self.layers
 
     def saved(self, hidden: int) -> tuple[float, float]:
         """(values in the model's dtype, bytes) per token one layer's MLP keeps for its backward, averaged over the
@@ -119,14 +123,15 @@ def experts_of(config: dict, dense: int, layers: int) -> Experts | None:
         return None
     if config.get("is_moe") is False:
         return None
-    width = int(_first_of(config, EXPERT_WIDTH) or dense)
+    width = _first_of(config, EXPERT_WIDTH) or dense
+    width, *others = width if isinstance(width, (list, tuple)) else [width]  # ERNIE 4.5-VL's: text experts', vision's
     shared = _first_of(config, SHARED_WIDTH) or width * int(_first_of(config, SHARED_EXPERTS) or 0)
     family = config.get("model_type")
     shared += width if family in ONE_SHARED_EXPERT else 0
     return Experts(
         experts=experts,
         top_k=min(top_k, experts),
-        width=width,
+        width=int(width),
         shared=int(shared),
         dense=int(_first_of(config, DENSE_BESIDE_EXPERTS) or dense),
         routed=routed,
@@ -134,4 +139,5 @@ def experts_of(config: dict, dense: int, layers: int) -> Experts | None:
         dense_layers=dense_layers,
         matrices=2 if family in UNGATED_EXPERTS else 3,
         shared_gate=bool(config.get("shared_expert_intermediate_size")) and str(family).startswith(SHARED_GATE),
+        other_widths=tuple(int(w) for w in others),
     )

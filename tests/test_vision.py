@@ -487,6 +487,8 @@ VLM_TESTED = {
                "attention (its default config, shrunk)",
     "granite4_vision": "images, sp 1 and 2 (its default config, shrunk: deepstack (layer, features) pairs, no pooled "
                        "output)",
+    "ernie4_5_vl_moe": "images, sp 1 and 2 (its default config, shrunk; its text and vision experts routed by "
+                       "moe_mm_token_type_ids); the data path with its processor",
     "ovis2_5": "images, sp 1 (its default config, shrunk); its image packs refused on SP levels (its forward checks a "
                "call's image start and end tokens against its feature blocks, which a shard does not keep)",
 }  # fmt: skip

@@ -173,3 +173,36 @@ def test_data_with_images_on_a_model_without_a_tower_is_refused_by_the_search():
                      HARDWARE["h100"], 8)  # fmt: skip
     with pytest.raises(ValueError, match="the data has images or videos but the model .* has no vision_config"):
         analytic_levels(cost, lengths, vision=vision)
+
+
+def test_ernie_vls_experts_per_modality_are_priced_as_its_language_model_holds_and_runs_them(tmp_path):
+    """ERNIE 4.5-VL's ``moe_intermediate_size`` is a list (its text experts' width, its vision experts'): the config's
+    formula (the data side's, a config that cannot be built) stopped on it (TypeError). A text token passes its router,
+    top-k text experts and the shared experts; the layer holds both sets and both routers. Both against the matrices of
+    the built language model's layers (its routers' score-correction biases are no matmul)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from vision_models import build_default
+
+    folder = build_default(tmp_path / "ernie", "ernie4_5_vl_moe")
+    spec = ModelSpec.from_config(json.loads((folder / "config.json").read_text()))
+    layers = AutoModelForImageTextToText.from_pretrained(folder).model.language_model.layers
+    held = sum(
+        p.numel() for layer in layers for n, p in layer.named_parameters() if p.dim() >= 2 and "statics" not in n
+    )
+    assert spec.layers * spec.held_layer_params == held
+    top_k = layers[1].mlp.text_moe.top_k
+    ran = 0
+    for layer in layers:
+        matrices = dict(layer.named_parameters())
+        ran += sum(
+            p.numel()
+            for n, p in matrices.items()
+            if p.dim() == 2 and "vision_moe" not in n and "text_moe.experts" not in n and "statics" not in n
+        )
+        if "mlp.text_moe.experts.down_proj" in matrices:  # top-k of the text experts, each of them alike
+            ran += top_k * sum(matrices[f"mlp.text_moe.experts.{m}"][0].numel() for m in ("gate_up_proj", "down_proj"))
+    assert spec.layers * spec.layer_params == ran

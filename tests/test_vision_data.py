@@ -22,6 +22,7 @@ from PIL import Image
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from vision_models import (
     assert_same_grads,
+    build_ernie,
     build_llava,
     build_pixtral,
     build_qwen,
@@ -130,10 +131,22 @@ def pixtral_data(tmp_path_factory):
     return with_images_and_records(root), folder
 
 
+@pytest.fixture(scope="module")
+def ernie_data(tmp_path_factory):
+    """The same images and records beside a tiny ERNIE 4.5-VL folder with its processor (multimodal RoPE; its
+    experts routed by ``moe_mm_token_type_ids``, which mark each image's start and end tokens too); it needs
+    torchvision."""
+    needs_torchvision("ernie4_5_vl_moe")
+    root = tmp_path_factory.mktemp("ernie_data")
+    folder = build_ernie(root / "ernie4_5_vl_moe")
+    return with_images_and_records(root), folder
+
+
 FAMILY_DATA = {"llava_next": "data", "qwen2_vl": "qwen_data", "llava_onevision": "onevision_data",
-               "mistral3": "pixtral_data"}  # fmt: skip
+               "mistral3": "pixtral_data", "ernie4_5_vl_moe": "ernie_data"}  # fmt: skip
 # each toy template's turn end
-TURN_END = {"llava_next": "<|end|>", "qwen2_vl": "<|im_end|>", "llava_onevision": "<|end|>", "mistral3": "<|end|>"}
+TURN_END = {"llava_next": "<|end|>", "qwen2_vl": "<|im_end|>", "llava_onevision": "<|end|>", "mistral3": "<|end|>",
+            "ernie4_5_vl_moe": "<|im_end|>"}  # fmt: skip
 
 
 def write(path: Path, recs: list[dict]) -> Path:
@@ -255,10 +268,15 @@ def test_a_data_module_pack_of_image_records_trains_like_each_record_alone(famil
                        cache_dir=str(tmp_path / "cache"))  # fmt: skip
     dm.setup("fit")
     (batch,) = list(dm.train_dataloader())
-    per_image = "image_grid_thw" if family == "qwen2_vl" else "image_sizes"
+    per_image = "image_grid_thw" if family in ("qwen2_vl", "ernie4_5_vl_moe") else "image_sizes"
     assert batch.mm is not None and batch.mm[per_image].shape[0] == 4  # four images in the pack
     if family == "llava_onevision":  # each record's images read together, as its processor does: 1, 1, 2, none
         assert batch.mm["batch_num_images"].tolist() == [1, 1, 2]
+    if family == "ernie4_5_vl_moe":  # its experts' routing: each record's as its processor marks it, in pack order
+        processor = AutoProcessor.from_pretrained(folder)
+        routes = [processor.apply_chat_template(m, tokenize=True, return_dict=True)["moe_mm_token_type_ids"][0]
+                  for _, m in records(root)]  # fmt: skip
+        assert batch.mm["moe_mm_token_type_ids"][0, : sum(map(len, routes))].tolist() == sum(routes, [])
     if family == "mistral3":  # the records' images at 32x32, 48x32 and 32x32 (16x16 padded beside it): one size
         assert batch.mm["image_sizes"].tolist() == [[32, 32], [48, 32], [16, 16], [32, 32]]
         assert tuple(batch.mm["pixel_values"].shape) == (4, 3, 48, 32)

@@ -174,6 +174,40 @@ def build_pixtral(path: Path, family: str = "mistral3") -> Path:
     return _save(path, config, processor)
 
 
+ERNIE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|IMAGE_START|>", "<|IMAGE_END|>",
+                  "<|IMAGE_PLACEHOLDER|>", "<|VIDEO_START|>", "<|VIDEO_END|>", "<|VIDEO_PLACEHOLDER|>"]  # fmt: skip
+
+
+def build_ernie(path: Path) -> Path:
+    """ERNIE 4.5-VL with its processor: patch 4, merge 2, each image between its start and end tokens (which its
+    experts' routing, ``moe_mm_token_type_ids``, counts as the image's); video frames drawn on without a font. Its
+    processor needs torchvision."""
+    from transformers import AutoConfig, Ernie4_5_VLMoeProcessor, Ernie4_5_VLMoeVideoProcessor
+    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeImageProcessorPil,
+    )
+
+    template = QWEN_TEMPLATE.replace(
+        "<|vision_start|><|image_pad|><|vision_end|>", "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"
+    )
+    names = ["image", "image_start", "image_end", "video", "video_start", "video_end"]
+    tokens = ["<|IMAGE_PLACEHOLDER|>", "<|IMAGE_START|>", "<|IMAGE_END|>", "<|VIDEO_PLACEHOLDER|>", "<|VIDEO_START|>",
+              "<|VIDEO_END|>"]  # fmt: skip
+    mm = {f"{n}_token": t for n, t in zip(names, tokens)}
+    tok = toy_tokenizer(ERNIE_SPECIALS, pad="<|endoftext|>", eos="<|im_end|>", extra={"extra_special_tokens": mm},
+                        chat_template=template)  # fmt: skip
+    images = Ernie4_5_VLMoeImageProcessorPil(patch_size=4, merge_size=2, min_pixels=8 * 8, max_pixels=32 * 32)
+    videos = Ernie4_5_VLMoeVideoProcessor(patch_size=4, merge_size=2, draw_on_frames=False,
+                                          size={"shortest_edge": 8 * 8, "longest_edge": 32 * 32})  # fmt: skip
+    processor = Ernie4_5_VLMoeProcessor(images, tok, videos, chat_template=template)
+    build_default(path, "ernie4_5_vl_moe")
+    config = AutoConfig.from_pretrained(path)
+    for name, token in zip(names, tokens):
+        setattr(config, f"{name}_token_id", tok.convert_tokens_to_ids(token))
+    config.vision_config.patch_size = 4
+    return _save(path, config, processor)
+
+
 def needs_torchvision(family: str):
     """Skip where torchvision is missing (the main CI's CPU torch has none; Qwen's and LLaVA-OneVision's
     processors load a video processor that needs it), except in the CI's compatibility part
@@ -355,7 +389,7 @@ DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", 
                  "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe", "video_llava", "vipllava", "llava_onevision1_5",
                  "ovis2_5", "granite4_vision", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "cosmos3_edge",
                  "hyperclovax_vision_v2", "exaone4_5", "lfm3_vl", "cohere_compass", "janus", "muse_glimmer",
-                 "muse_spark", "minimax_m3_vl", "kimi_k25", "paddleocr_vl")  # fmt: skip
+                 "muse_spark", "minimax_m3_vl", "kimi_k25", "paddleocr_vl", "ernie4_5_vl_moe")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 # Hybrid language models among them: Qwen3.5's Gated DeltaNet layer (run document by document) beside its full
 # attention layer (``_keep_layer_kinds`` keeps one of each).
@@ -454,6 +488,13 @@ def _kimi_k25(config) -> None:
     text.n_routed_experts, text.n_group, text.topk_group, text.first_k_dense_replace = 4, 1, 1, 1
 
 
+def _ernie4_5_vl(config) -> None:
+    """ERNIE 4.5-VL's text and vision experts (a width each, told apart) shrunk, its RoPE sections fitting the heads."""
+    text = config.get_text_config()
+    text.moe_intermediate_size, text.moe_num_experts, text.moe_k, text.moe_num_shared_experts = [32, 16], 4, 2, 1
+    text.rope_parameters = {**text.rope_parameters, "mrope_section": [3, 3, 2]}
+
+
 # Families whose processor gives each patch of an image as a (channels, patch, patch) image, not a flat row
 PATCH_IMAGES = ("paddleocr_vl", "kimi_k25")
 
@@ -472,6 +513,7 @@ _FIXES = {  # what a family's default needs beyond the sizes above
     "minimax_m3_vl": _minimax_m3_vl,
     "kimi_k25": _kimi_k25,
     "paddleocr_vl": lambda c: _mrope(c.get_text_config()),
+    "ernie4_5_vl_moe": _ernie4_5_vl,
 }  # fmt: skip
 
 
@@ -604,6 +646,9 @@ def counted_records(folder: Path, videos: bool = False, sizes: dict | None = Non
             ids = torch.cat([ids[:, :5], block, ids[:, 5:]], 1)
             if grid in rec:
                 rec["mm_token_type_ids"] = (ids == token).long() * (1 if kind == "image" else 2)
+            if "moe_mm_token_type_ids" in inspect.signature(model.forward).parameters:  # ERNIE 4.5-VL's experts'
+                # routing: the processor marks the image's boundary tokens too
+                rec["moe_mm_token_type_ids"] = torch.isin(ids, block).long() * (1 if kind == "image" else 2)
         rec["input_ids"] = ids
         rec["attention_mask"] = torch.ones_like(ids)  # as a processor gives it (the Omni thinkers number by it)
         out.append(trained(rec, config))

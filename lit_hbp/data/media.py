@@ -442,7 +442,8 @@ def rope_stand_in(config) -> ConfigOnly | None:
     return ConfigOnly(cls, config) if callable(getattr(cls, "get_rope_index", None)) else None
 
 
-PER_TEXT = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")  # the placeholders' own
+PER_TEXT = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "moe_mm_token_type_ids")  # the
+# placeholders' own, not the record's: the worker makes the record's from its ids
 
 
 class WorkerMedia:
@@ -494,6 +495,8 @@ class WorkerMedia:
             if self.video_id is not None:
                 types[ids == self.video_id] = 2
             out["mm_token_type_ids"] = torch.as_tensor(types)
+        if callable(getattr(self.processor, "create_moe_mm_token_type_ids", None)):  # ERNIE 4.5-VL's expert routing
+            out["moe_mm_token_type_ids"] = torch.as_tensor(self.processor.create_moe_mm_token_type_ids(np.asarray(ids)))
         return out
 
 

@@ -28,7 +28,8 @@ CONCAT_KEYS = (
     "pixel_values", "image_grid_thw", "image_sizes", "batch_num_images",
     "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
 )  # fmt: skip
-TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")  # one value per token, concatenated like the ids
+# One value per token, concatenated like the ids (ERNIE 4.5-VL's experts' routing: moe_mm_token_type_ids)
+TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids", "moe_mm_token_type_ids")
 MM_KEYS = CONCAT_KEYS + TOKEN_KEYS
 IMAGE_ARGS = ("pixel_values", "image_grid_thw", "image_sizes", "batch_num_images")
 VIDEO_ARGS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
