@@ -21,10 +21,13 @@ from vision_models import (
     DEFAULT_BUILT,
     DEFAULT_BUILT_VIDEOS,
     HYBRID_VLMS,
+    MASKED_IMAGES,
     assert_same_grads,
     build_default,
     counted_records,
     image,
+    masked_records,
+    patch_records,
     record,
     three_records,
     trained,
@@ -340,6 +343,68 @@ def test_a_pack_of_a_default_built_familys_records_trains_like_each_record_alone
     assert assert_same_grads(model, reference) > 0
 
 
+@pytest.mark.parametrize("family", MASKED_IMAGES)
+def test_images_with_their_masks_join_a_pack_padded_as_their_processor_pads_a_batch(tmp_path, family):
+    """Idefics2/3, SmolVLM and Granite-Docling take a record's images as [1, images, C, H, W] with
+    ``pixel_attention_mask`` (each image's valid pixels; Granite-Docling's: which tiles are real): refused by name
+    before, now a pack's records are its rows, padded with zeros to the most images and, for Idefics2 (its perceiver
+    resamples an image's valid patches to a fixed count), the largest size (a record of two 32x32 images, one of them
+    16 rows padded; one of a 16x16 image; one of text), and the pack equals each record alone (loss 1e-5, every
+    gradient 1e-4). A record without its masks is refused by name, and so are images of different sizes where the
+    connector makes features of the padding (Idefics3's, SmolVLM's, Granite-Docling's)."""
+    from lit_hbp.errors import DataError
+
+    reference, model = pair(build_default(tmp_path / family, family))
+    records = masked_records(tmp_path / family)
+    want = alone_ce(reference, records)
+    want.backward()
+    batch = pack_samples(records, model=model)
+    assert tuple(batch.mm["pixel_values"].shape) == (2, 2, 3, 32, 32)
+    valid = [[32 * 32, 16 * 32], [16 * 16, 0]] if family == "idefics2" else [[32 * 32, 32 * 32], [32 * 32, 0]]
+    mask = batch.mm["pixel_attention_mask"]
+    assert (mask.long() * 32 * 32 if family == "granite_docling" else mask.sum((2, 3))).tolist() == valid
+    out = packed_loss(model, batch, "sum")
+    out.loss.backward()
+    assert float(out.ce_sum.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    assert assert_same_grads(model, reference) > 0
+    unmasked = [{k: v for k, v in r.items() if k != "pixel_attention_mask"} for r in records]
+    with pytest.raises(DataError, match=r"sample 0: its pixel_values \[1, 2, 3, 32, 32\] and "
+                                        r"pixel_attention_mask None are not one record's images"):  # fmt: skip
+        pack_samples(unmasked[:1] + records[1:], model=model)
+    if family != "idefics2":  # their connector shuffles padded patches into features: other sizes are refused
+        small = {**records[1], "pixel_values": records[1]["pixel_values"][..., :16, :16],
+                 "pixel_attention_mask": records[1]["pixel_attention_mask"][..., :16, :16]
+                 if family != "granite_docling" else records[1]["pixel_attention_mask"]}  # fmt: skip
+        with pytest.raises(DataError, match=r"images of different sizes: 32x32 \(sample 0\), 16x16 \(sample 1\); "
+                                            r"this family's connector"):  # fmt: skip
+            pack_samples([records[0], small], model=model)
+
+
+def test_lfm2_vls_image_patches_join_a_pack_padded_with_their_masks(tmp_path):
+    """LFM2-VL takes an image as a row of SigLIP 2 patches with its ``pixel_attention_mask`` and ``spatial_shapes``
+    (refused by name before): a pack's images are rows padded to its most patches (records of 4x4 and 2x4 patches,
+    of 4x2, of text), and the pack equals each record alone (loss 1e-5, every gradient 1e-4), its short convolution
+    layer run document by document beside attention; a record without its shapes is refused by name."""
+    from lit_hbp.errors import DataError
+
+    reference, model = pair(build_default(tmp_path / "lfm2_vl", "lfm2_vl"))
+    assert reference.config.get_text_config().layer_types == ["conv", "full_attention"]
+    records = patch_records(tmp_path / "lfm2_vl")
+    want = alone_ce(reference, records)
+    want.backward()
+    batch = pack_samples(records, model=model)
+    assert tuple(batch.mm["pixel_values"].shape[:2]) == (3, 16)
+    assert batch.mm["pixel_attention_mask"].sum(1).tolist() == [16, 8, 8]
+    assert batch.mm["spatial_shapes"].tolist() == [[4, 4], [2, 4], [4, 2]]
+    out = packed_loss(model, batch, "sum")
+    out.loss.backward()
+    assert float(out.ce_sum.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    assert assert_same_grads(model, reference) > 0
+    shapeless = {k: v for k, v in records[1].items() if k != "spatial_shapes"}
+    with pytest.raises(DataError, match=r"sample 1: its pixel_values \[1, 8, 192\] .* with spatial_shapes"):
+        pack_samples([records[0], shapeless], model=model)
+
+
 @pytest.mark.parametrize("family", ["mistral3", "lighton_ocr"])
 def test_images_of_different_sizes_join_a_pack_where_the_tower_cuts_each_back(tmp_path, family):
     """Pixtral's tower (Mistral 3, LightOnOCR) cuts each image back to its ``image_sizes``, and its processor pads a
@@ -487,6 +552,14 @@ VLM_TESTED = {
                "attention (its default config, shrunk)",
     "granite4_vision": "images, sp 1 and 2 (its default config, shrunk: deepstack (layer, features) pairs, no pooled "
                        "output)",
+    "lfm2_vl": "images, sp 1 and Ulysses sp 2 (its default config, shrunk, a short convolution layer beside attention; "
+               "an image's patches with their pixel_attention_mask and spatial_shapes, padded to the pack's most)",
+    "idefics2": "images, sp 1 and 2 (its default config, shrunk; a record's images with their pixel_attention_mask, "
+                "padded to the pack's most images and largest size)",
+    **{family: "images, sp 1 and 2 (its default config, shrunk; a record's images with their pixel_attention_mask, "
+               "padded to the pack's most images; images of different sizes refused)" + data
+       for family, data in (("idefics3", "; the data path with its processor"), ("smolvlm", ""),
+                            ("granite_docling", ""))},
     "ernie4_5_vl_moe": "images, sp 1 and 2 (its default config, shrunk; its text and vision experts routed by "
                        "moe_mm_token_type_ids); the data path with its processor",
     "ovis2_5": "images, sp 1 (its default config, shrunk); its image packs refused on SP levels (its forward checks a "

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from vision_models import (
     assert_same_grads,
     build_ernie,
+    build_idefics3,
     build_llava,
     build_pixtral,
     build_qwen,
@@ -142,11 +143,20 @@ def ernie_data(tmp_path_factory):
     return with_images_and_records(root), folder
 
 
+@pytest.fixture(scope="module")
+def idefics3_data(tmp_path_factory):
+    """The same images and records beside a tiny Idefics3 folder with its processor (each image split into tiles
+    and a global image: a record's images [1, images, C, H, W] with their pixel_attention_mask)."""
+    root = tmp_path_factory.mktemp("idefics3_data")
+    folder = build_idefics3(root / "idefics3")
+    return with_images_and_records(root), folder
+
+
 FAMILY_DATA = {"llava_next": "data", "qwen2_vl": "qwen_data", "llava_onevision": "onevision_data",
-               "mistral3": "pixtral_data", "ernie4_5_vl_moe": "ernie_data"}  # fmt: skip
+               "mistral3": "pixtral_data", "ernie4_5_vl_moe": "ernie_data", "idefics3": "idefics3_data"}  # fmt: skip
 # each toy template's turn end
 TURN_END = {"llava_next": "<|end|>", "qwen2_vl": "<|im_end|>", "llava_onevision": "<|end|>", "mistral3": "<|end|>",
-            "ernie4_5_vl_moe": "<|im_end|>"}  # fmt: skip
+            "ernie4_5_vl_moe": "<|im_end|>", "idefics3": "<|end|>"}  # fmt: skip
 
 
 def write(path: Path, recs: list[dict]) -> Path:
@@ -269,7 +279,10 @@ def test_a_data_module_pack_of_image_records_trains_like_each_record_alone(famil
     dm.setup("fit")
     (batch,) = list(dm.train_dataloader())
     per_image = "image_grid_thw" if family in ("qwen2_vl", "ernie4_5_vl_moe") else "image_sizes"
-    assert batch.mm is not None and batch.mm[per_image].shape[0] == 4  # four images in the pack
+    if family == "idefics3":  # a row per record with images, its images (tiles and a global image each) padded
+        assert batch.mm["pixel_values"].shape[0] == 3 and batch.mm["pixel_attention_mask"].shape[:2] == (3, 10)
+    else:
+        assert batch.mm is not None and batch.mm[per_image].shape[0] == 4  # four images in the pack
     if family == "llava_onevision":  # each record's images read together, as its processor does: 1, 1, 2, none
         assert batch.mm["batch_num_images"].tolist() == [1, 1, 2]
     if family == "ernie4_5_vl_moe":  # its experts' routing: each record's as its processor marks it, in pack order
@@ -337,6 +350,29 @@ def test_the_self_check_packs_the_runs_own_images_and_catches_a_leak_between_the
     with pytest.raises(SelfCheckError, match="influence each other"):
         run_self_check(module, [1], media_docs=docs)
     run_self_check(module, [1])  # the text documents alone do not see it: the images are what catches it
+
+
+def test_the_self_check_packs_the_runs_idefics3_images_with_their_masks(idefics3_data):
+    """The run's shortest samples with images (Idefics3's: a record's tiles and global image with their
+    pixel_attention_mask) pass the self-check packed beside the text documents: the loss, every gradient, the pixels'
+    gradients laid out as the pack pads them, no leak."""
+    from lit_hbp.lightning.module import HBPLitModule
+    from lit_hbp.model.selfcheck import run_self_check
+
+    root, folder = idefics3_data
+    dm = HBPDataModule(sources=[str(root / "d.jsonl")], tokenizer=str(folder), levels=["1024:1"],
+                       cache_dir=str(root / "cache_self_check"))  # fmt: skip
+    dm.setup("fit")
+    docs = dm.self_check_samples()
+    assert len(docs) == 2 and all(
+        mm["pixel_attention_mask"].shape == mm["pixel_values"][:, :, 0].shape for _, mm in docs
+    )
+    torch.manual_seed(0)
+    module = HBPLitModule(model=str(folder), loss="sum")
+    module.configure_model()
+    module.model.float()
+    loss_err, grad_err, leak, _ = run_self_check(module, [1], media_docs=docs)[1]
+    assert loss_err < 1e-5 and grad_err < 1e-4 and leak == 0.0
 
 
 @pytest.mark.parametrize("family", list(FAMILY_DATA))

@@ -18,10 +18,13 @@ from vision_models import (
     BUILDERS,
     DEFAULT_BUILT,
     HYBRID_VLMS,
+    MASKED_IMAGES,
     build_default,
     build_llava,
     counted_records,
+    masked_records,
     needs_torchvision,
+    patch_records,
     three_records,
     trained,
     video_records,
@@ -37,6 +40,8 @@ RECORDS = {
     "sized": functools.partial(counted_records, sizes={1: (16, 32)}),  # a 32x32 and a 16x32 image
     "one image": lambda folder: counted_records(folder)[::2],  # an image's record and a text-only one
     "counted videos": functools.partial(counted_records, videos=True),  # and a 4-frame video's record
+    "masked": masked_records,  # Idefics2/3, SmolVLM: a record's images padded to its largest, and their masks
+    "patches": patch_records,  # LFM2-VL: an image's patches a row, padded to the record's most, and their masks
 }
 LAYOUTS = {"ulysses": (2, 1), "cp": (2, 2)}
 
@@ -295,6 +300,32 @@ def test_a_default_built_familys_image_pack_on_an_sp_level_trains_like_each_reco
     results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "counted")
     assert_like_one_process(results, want_ce, want)
     assert sorted(sum(r["encoded"], 0) for r in results) == [1, 1]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("family", MASKED_IMAGES)
+def test_images_of_different_counts_and_sizes_with_their_masks_train_on_an_sp_level(pool, tmp_path, family, layout):
+    """Idefics2/3 and SmolVLM: a record's images with their ``pixel_attention_mask`` (a record of two images, one
+    padded below, and a record of one smaller image), the pack's rows padded to the most images and the largest size
+    as their processor pads a batch; split over 2 ranks, each record's images encoded on one rank (the model reads
+    them per record): like each record alone."""
+    folder = build_default(tmp_path / family, family)
+    want_ce, want = reference(folder, tmp_path / "weights.pt", "masked")
+    sp, cp = LAYOUTS[layout]
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), sp, cp, "masked")
+    assert_like_one_process(results, want_ce, want)
+    assert sorted(sum(r["encoded"], 0) for r in results) == [1, 1]
+
+
+def test_lfm2_vls_image_patches_train_on_a_ulysses_level(pool, tmp_path):
+    """LFM2-VL's images as rows of patches with their masks and spatial shapes (two records' images of different
+    patch counts), split over 2 ranks on a Ulysses level (its short convolutions refuse CP): each image encoded on
+    one rank, like each record alone."""
+    folder = build_default(tmp_path / "lfm2_vl", "lfm2_vl")
+    want_ce, want = reference(folder, tmp_path / "weights.pt", "patches")
+    results = pool.run(sp_step, str(folder), str(tmp_path / "weights.pt"), *LAYOUTS["ulysses"], "patches")
+    assert_like_one_process(results, want_ce, want)
+    assert sorted(sum(r["encoded"], 0) for r in results) == [1, 2]
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

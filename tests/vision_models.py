@@ -208,6 +208,25 @@ def build_ernie(path: Path) -> Path:
     return _save(path, config, processor)
 
 
+def build_idefics3(path: Path) -> Path:
+    """Idefics3 with its processor: an image of up to 64 pixels split into 32-pixel tiles (a row and column token
+    each) and a global 32-pixel image, each of 4 placeholders (patch 8, pixel-shuffled 2x2) between
+    ``<fake_token_around_image>`` tokens; its pixels ``[1, images, C, H, W]`` with ``pixel_attention_mask``."""
+    from transformers import AutoConfig, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tiles = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    specials = ["<pad>", "<s>", "</s>", "<|end|>", "<fake_token_around_image>", "<image>", "<end_of_utterance>",
+                "<global-img>", *tiles]  # fmt: skip
+    tok = toy_tokenizer(specials, pad="<pad>", eos="</s>", bos="<s>", chat_template=LLAVA_TEMPLATE)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(images, tok, image_seq_len=4, chat_template=LLAVA_TEMPLATE)
+    build_default(path, "idefics3")  # its default config shrunk (ids 0, 1, 2: padding, BOS, EOS, as the tokenizer's)
+    config = AutoConfig.from_pretrained(path)
+    config.image_token_id = tok.convert_tokens_to_ids("<image>")
+    return _save(path, config, processor)
+
+
 def needs_torchvision(family: str):
     """Skip where torchvision is missing (the main CI's CPU torch has none; Qwen's and LLaVA-OneVision's
     processors load a video processor that needs it), except in the CI's compatibility part
@@ -389,7 +408,8 @@ DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", 
                  "pp_chart2table", "qianfan_ocr", "qwen3_vl_moe", "video_llava", "vipllava", "llava_onevision1_5",
                  "ovis2_5", "granite4_vision", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "cosmos3_edge",
                  "hyperclovax_vision_v2", "exaone4_5", "lfm3_vl", "cohere_compass", "janus", "muse_glimmer",
-                 "muse_spark", "minimax_m3_vl", "kimi_k25", "paddleocr_vl", "ernie4_5_vl_moe")  # fmt: skip
+                 "muse_spark", "minimax_m3_vl", "kimi_k25", "paddleocr_vl", "ernie4_5_vl_moe", "idefics2", "idefics3",
+                 "smolvlm", "granite_docling")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 # Hybrid language models among them: Qwen3.5's Gated DeltaNet layer (run document by document) beside its full
 # attention layer (``_keep_layer_kinds`` keeps one of each).
@@ -495,6 +515,14 @@ def _ernie4_5_vl(config) -> None:
     text.rope_parameters = {**text.rope_parameters, "mrope_section": [3, 3, 2]}
 
 
+def _idefics2(config) -> None:
+    """Idefics2's perceiver resampler at the shrunk language model's width, fewer latents and heads."""
+    perceiver = config.perceiver_config
+    perceiver.hidden_size = config.get_text_config().hidden_size
+    perceiver.resampler_depth, perceiver.resampler_n_latents, perceiver.resampler_n_heads = 1, 8, 2
+    perceiver.resampler_head_dim, perceiver.num_key_value_heads = 16, 1
+
+
 # Families whose processor gives each patch of an image as a (channels, patch, patch) image, not a flat row
 PATCH_IMAGES = ("paddleocr_vl", "kimi_k25")
 
@@ -514,6 +542,8 @@ _FIXES = {  # what a family's default needs beyond the sizes above
     "kimi_k25": _kimi_k25,
     "paddleocr_vl": lambda c: _mrope(c.get_text_config()),
     "ernie4_5_vl_moe": _ernie4_5_vl,
+    "idefics2": _idefics2,
+    "lfm2_vl": lambda c: setattr(c.get_text_config(), "layer_types", ["conv", "full_attention"]),  # as LFM2-VL's
 }  # fmt: skip
 
 
@@ -628,6 +658,11 @@ def counted_records(folder: Path, videos: bool = False, sizes: dict | None = Non
                 tiles = (frames,) if kind == "video" else tiles
                 shape = (sizes or {}).get(len(out), (size, size))
                 rec[pixels] = torch.randn(1, *tiles, getattr(vision, "num_channels", 3), *shape, generator=g)
+                if "pixel_attention_mask" in takes:  # Idefics2/3, SmolVLM: [1, images, ...], each image's valid part
+                    rec[pixels] = rec[pixels][:, None]
+                    rec["pixel_attention_mask"] = torch.ones(1, 1, *shape, dtype=torch.long)
+                    if config.model_type == "granite_docling":  # its mask says which tiles are real
+                        rec["pixel_attention_mask"] = torch.ones(1, 1, dtype=torch.bool)
             if "image_sizes" in takes:
                 rec["image_sizes"] = torch.tensor([list(shape)])
             with torch.no_grad():
@@ -651,6 +686,76 @@ def counted_records(folder: Path, videos: bool = False, sizes: dict | None = Non
                 rec["moe_mm_token_type_ids"] = torch.isin(ids, block).long() * (1 if kind == "image" else 2)
         rec["input_ids"] = ids
         rec["attention_mask"] = torch.ones_like(ids)  # as a processor gives it (the Omni thinkers number by it)
+        out.append(trained(rec, config))
+    return out
+
+
+# A record's images [1, images, C, H, W] with pixel_attention_mask (Granite-Docling's: [1, images], its real tiles)
+MASKED_IMAGES = ("idefics2", "idefics3", "smolvlm", "granite_docling")
+
+
+def masked_records(folder: Path) -> list[dict]:
+    """Idefics2/3 and SmolVLM records as their processor gives them: a record's images padded with zeros to its
+    largest (``pixel_attention_mask`` 0 there): two images, one image, text only; Idefics2's of different sizes
+    (32x32 and 16x32 padded below, 16x16), which its perceiver resamples to a fixed count of features; Idefics3's and
+    SmolVLM's 32x32 (their processor resizes every image to tiles of one size). Each image's placeholders as many as
+    the tower gives features for it."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    config = model.config
+    out = []
+    sized = config.model_type == "idefics2"
+    for seed, sizes in ((1, [(32, 32), (16 if sized else 32, 32)]), (2, [(16, 16) if sized else (32, 32)]), (3, [])):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(10, 200, (1, 20), generator=g)
+        rec: dict = {}
+        if sizes:
+            height, width = max(h for h, _ in sizes), max(w for _, w in sizes)
+            rec["pixel_values"] = torch.zeros(1, len(sizes), 3, height, width)
+            rec["pixel_attention_mask"] = torch.zeros(1, len(sizes), height, width, dtype=torch.long)
+            for i, (h, w) in enumerate(sizes):
+                rec["pixel_values"][0, i, :, :h, :w] = torch.randn(3, h, w, generator=g)
+                rec["pixel_attention_mask"][0, i, :h, :w] = 1
+            if config.model_type == "granite_docling":  # its mask says which tiles are real
+                rec["pixel_attention_mask"] = torch.ones(1, len(sizes), dtype=torch.bool)
+            with torch.no_grad():
+                features = model.model.get_image_features(**rec, return_dict=True).pooler_output
+            n = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features)
+            ids = torch.cat([ids[:, :5], torch.full((1, n), image_token_id(config)), ids[:, 5:]], 1)
+        rec["input_ids"] = ids
+        out.append(trained(rec, config))
+    return out
+
+
+def patch_records(folder: Path) -> list[dict]:
+    """LFM2-VL records as its processor gives them (SigLIP 2's patches): a record's images as rows of flat patches,
+    each padded with zeros to the record's most (``pixel_attention_mask`` 0 there), with ``spatial_shapes`` (rows,
+    columns of patches): two images (4x4 and 2x4 patches), one of 4x2, text only; each image's placeholders as many
+    as the tower gives features for it."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    config = model.config
+    row = config.vision_config.num_channels * config.vision_config.patch_size**2
+    out = []
+    for seed, shapes in ((1, [(4, 4), (2, 4)]), (2, [(4, 2)]), (3, [])):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(10, 200, (1, 20), generator=g)
+        rec: dict = {}
+        if shapes:
+            most = max(h * w for h, w in shapes)
+            rec["pixel_values"] = torch.zeros(len(shapes), most, row)
+            rec["pixel_attention_mask"] = torch.zeros(len(shapes), most, dtype=torch.long)
+            for i, (h, w) in enumerate(shapes):
+                rec["pixel_values"][i, : h * w] = torch.randn(h * w, row, generator=g)
+                rec["pixel_attention_mask"][i, : h * w] = 1
+            rec["spatial_shapes"] = torch.tensor(shapes)
+            with torch.no_grad():
+                features = model.model.get_image_features(**rec, return_dict=True).pooler_output
+            n = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features)
+            ids = torch.cat([ids[:, :5], torch.full((1, n), image_token_id(config)), ids[:, 5:]], 1)
+        rec["input_ids"] = ids
         out.append(trained(rec, config))
     return out
 

@@ -25,13 +25,14 @@ from lit_hbp.errors import DataError
 
 # Concatenated along their first dimension, in record order.
 CONCAT_KEYS = (
-    "pixel_values", "image_grid_thw", "image_sizes", "batch_num_images",
+    "pixel_values", "image_grid_thw", "image_sizes", "batch_num_images", "pixel_attention_mask", "spatial_shapes",
     "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
 )  # fmt: skip
 # One value per token, concatenated like the ids (ERNIE 4.5-VL's experts' routing: moe_mm_token_type_ids)
 TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids", "moe_mm_token_type_ids")
 MM_KEYS = CONCAT_KEYS + TOKEN_KEYS
-IMAGE_ARGS = ("pixel_values", "image_grid_thw", "image_sizes", "batch_num_images")
+IMAGE_ARGS = ("pixel_values", "image_grid_thw", "image_sizes", "batch_num_images", "pixel_attention_mask",
+              "spatial_shapes")  # fmt: skip
 VIDEO_ARGS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
@@ -61,9 +62,12 @@ def media_of(record: Mapping, i: int, length: int) -> dict[str, torch.Tensor]:
 
 
 # Vision towers that cut each image back to its ``image_sizes`` before any work on it (Pixtral's: a patch
-# convolution whose stride is its kernel, then each image's own patches): their processor pads a batch's images
-# to one height and width, bottom and right, and so may a pack.
-CROPPING_TOWERS = frozenset({"pixtral"})
+# convolution whose stride is its kernel, then each image's own patches), or read it within its
+# ``pixel_attention_mask`` down to a feature count that does not grow with the padding (Idefics2's: the tower masks
+# the padded patches, its perceiver resamples the rest to a fixed number of latents): their processor pads a batch's
+# images to one height and width, bottom and right, and so may a pack. Idefics3's and SmolVLM's connectors shuffle
+# the padded patches into features too, so a pack of their images of different sizes is refused.
+CROPPING_TOWERS = frozenset({"pixtral", "idefics2_vision"})
 
 
 def pads_images(config: Any) -> bool:
@@ -94,10 +98,12 @@ def collate_media(
                     row[at : at + n] = part[key].long()
                 at += n
             out[key] = row[None]
+    masked = _pad_masked_images(parts, names, pad_images) if "pixel_attention_mask" in keys else {}
+    out.update(masked)
     for key in CONCAT_KEYS:
         holders = [j for j, p in enumerate(parts) if key in p]
         values = [parts[j][key] for j in holders]
-        if not values:
+        if not values or key in masked:
             continue
         if key == "pixel_values" and values[0].dim() == 5:  # anyres: [images, tiles, C, H, W]
             tiles = max(v.shape[1] for v in values)
@@ -127,8 +133,71 @@ def collate_media(
     return out
 
 
+def _pad_masked_images(parts: Sequence[Mapping[str, torch.Tensor]], names: Callable[[int], str] | None,
+                       pad_sizes: bool) -> dict:  # fmt: skip
+    """Idefics2's, Idefics3's, SmolVLM's and Granite-Docling's images: a record's as ``[1, images, C, H, W]`` with its
+    ``pixel_attention_mask``, ``[1, images, H, W]`` (each image's valid pixels) or ``[1, images]`` (Granite-Docling's
+    real tiles); a pack's one row per record with images, each padded with zeros to the pack's most images (padding
+    images, which the model drops) and, with ``pad_sizes`` (``pads_images``: Idefics2's), to its tallest and widest,
+    as their processor pads a batch."""
+    holders = [j for j, p in enumerate(parts) if "pixel_values" in p]
+    where = lambda j: names(j) if names else f"record {j} of the pack"  # noqa: E731
+    if any(parts[j]["pixel_values"].dim() == 3 for j in holders):
+        return _pad_patch_rows(parts, holders, where)
+    for j in holders:
+        pixels, mask = parts[j]["pixel_values"], parts[j].get("pixel_attention_mask")
+        if (
+            pixels.dim() != 5 or pixels.shape[0] != 1 or mask is None
+            or mask.shape not in (pixels[:, :, 0].shape, pixels.shape[:2])
+        ):  # fmt: skip
+            raise DataError(
+                f"{where(j)}: its pixel_values {list(pixels.shape)} and pixel_attention_mask "
+                f"{list(mask.shape) if mask is not None else None} are not one record's images as its processor "
+                "gives them ([1, images, C, H, W] and [1, images, H, W] or [1, images]); give each record both, as "
+                "the processor returns them"
+            )
+    pixels = [parts[j]["pixel_values"] for j in holders]
+    masks = [parts[j]["pixel_attention_mask"] for j in holders]
+    sizes = {tuple(v.shape[3:]): j for j, v in reversed(list(zip(holders, pixels)))}
+    if len(sizes) > 1 and not (pad_sizes and all(m.dim() == 4 for m in masks)):
+        said = ", ".join(f"{h}x{w} ({where(j)})" for (h, w), j in sorted(sizes.items(), key=lambda s: s[1]))
+        raise DataError(
+            f"a pack's records give images of different sizes: {said}; this family's connector makes features of the "
+            "padding too, so they cannot be padded to one: give its images at one size (its processor's own resizing "
+            "does: a tile of its max_image_size)"
+        )
+    images, height, width = (max(v.shape[d] for v in pixels) for d in (1, 3, 4))
+
+    def pad(v: torch.Tensor) -> torch.Tensor:  # a record's pixels or mask: its images, then its rows and columns
+        sized = (0, width - v.shape[-1], 0, height - v.shape[-2]) + (0, 0) * (v.dim() - 4) if v.dim() >= 4 else ()
+        return torch.nn.functional.pad(v, sized + (0, images - v.shape[1]))
+
+    return {
+        "pixel_values": torch.cat([pad(v) for v in pixels]),
+        "pixel_attention_mask": torch.cat(list(map(pad, masks))),
+    }
+
+
+def _pad_patch_rows(parts: Sequence[Mapping[str, torch.Tensor]], holders: list[int], where: Callable) -> dict:
+    """LFM2-VL's images (SigLIP 2's patches): an image a row of ``[images, patches, C x P x P]`` with its
+    ``pixel_attention_mask`` ``[images, patches]`` and ``spatial_shapes``; a pack's rows padded with zeros to its
+    most patches (masked: the tower attends past none, the model reads each image's tokens off its shape)."""
+    for j in holders:
+        pixels, mask = parts[j]["pixel_values"], parts[j].get("pixel_attention_mask")
+        if pixels.dim() != 3 or mask is None or mask.shape != pixels.shape[:2] or "spatial_shapes" not in parts[j]:
+            raise DataError(
+                f"{where(j)}: its pixel_values {list(pixels.shape)} and pixel_attention_mask "
+                f"{list(mask.shape) if mask is not None else None} are not one record's image patches as its processor "
+                "gives them ([images, patches, C x P x P] and [images, patches], with spatial_shapes); give each "
+                "record all three, as the processor returns them"
+            )
+    most = max(int(parts[j]["pixel_values"].shape[1]) for j in holders)
+    pad = lambda v: torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, most - v.shape[1]))  # noqa: E731
+    return {key: torch.cat([pad(parts[j][key]) for j in holders]) for key in ("pixel_values", "pixel_attention_mask")}
+
+
 MEDIA_KINDS = {  # kind: (its pixels, fields with one row per item, first found counts them)
-    "image": ("pixel_values", ("image_grid_thw", "image_sizes")),
+    "image": ("pixel_values", ("image_grid_thw", "image_sizes", "spatial_shapes")),
     "video": ("pixel_values_videos", ("video_grid_thw",)),
 }
 

@@ -328,9 +328,12 @@ def _pack(docs, media, key, sp_groups, device, rope, pad_images: bool = False) -
     rows = {k: np.repeat(np.arange(len(order)), [media[i][k].shape[0] if i in media and k in media[i] else 0
                                                    for i in order]) for k in PIXELS}  # fmt: skip
     return dict(batch=batch, ctx=ctx, kind=kind, total=total, part=part, bounds=bounds, doc_of=doc_of, docs=order,
-                pad_images=pad_images, sizes={i: {"image_sizes": media[i]["image_sizes"]} for i in order
-                                              if "image_sizes" in media.get(i, {})},
+                pad_images=pad_images, sizes={i: {k: v for k, v in media.get(i, {}).items() if k in SIZED}
+                                              for i in order},
                 pixel_doc={k: torch.as_tensor(v, device=device) for k, v in rows.items()})  # fmt: skip
+
+
+SIZED = ("image_sizes", "pixel_attention_mask")  # what says each image's own size, where the pack pads it
 
 
 def _with_pixel_leaves(batch):

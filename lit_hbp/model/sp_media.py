@@ -48,7 +48,8 @@ class MediaKind:
 
 
 KINDS = (
-    MediaKind("image", "pixel_values", "image_grid_thw", ("image_sizes", "image_grid_thw"),
+    MediaKind("image", "pixel_values", "image_grid_thw",
+              ("image_sizes", "image_grid_thw", "pixel_attention_mask", "spatial_shapes"),
               ("image_token_id", "image_token_index")),
     MediaKind("video", "pixel_values_videos", "video_grid_thw", ("video_grid_thw", "second_per_grid_ts"),
               ("video_token_id", "video_token_index")),
@@ -144,6 +145,10 @@ def _items(mm: Mapping[str, torch.Tensor], kind: MediaKind, frame_wise: bool = F
             grid = np.column_stack([np.ones(parent.size, np.int64), grid[parent, 1], grid[parent, 2]])
         rows = grid.prod(-1)
         weight = rows.astype(np.float64)
+    elif pixels.dim() == 3 and mm.get("spatial_shapes") is not None:  # LFM2-VL's: an image's patches a row
+        rows = np.ones(pixels.shape[0], np.int64)
+        parent = np.arange(rows.size)
+        weight = mm["pixel_attention_mask"].reshape(rows.size, -1).sum(-1).cpu().numpy().astype(np.float64)
     elif pixels.dim() >= 4:  # one image per row; anyres tiles zero-padded to the pack's widest
         rows = np.ones(pixels.shape[0], np.int64)
         parent = np.arange(rows.size)
