@@ -24,6 +24,7 @@ from vision_models import (
     assert_same_grads,
     build_ernie,
     build_idefics3,
+    build_lfm2_vl,
     build_llava,
     build_pixtral,
     build_qwen,
@@ -152,11 +153,22 @@ def idefics3_data(tmp_path_factory):
     return with_images_and_records(root), folder
 
 
+@pytest.fixture(scope="module")
+def lfm2_vl_data(tmp_path_factory):
+    """The same images and records beside a tiny LFM2-VL folder with its processor (an image's SigLIP 2 patches a
+    row, with its pixel_attention_mask and spatial_shapes); its image processor needs torchvision."""
+    needs_torchvision("lfm2_vl")
+    root = tmp_path_factory.mktemp("lfm2_vl_data")
+    folder = build_lfm2_vl(root / "lfm2_vl")
+    return with_images_and_records(root), folder
+
+
 FAMILY_DATA = {"llava_next": "data", "qwen2_vl": "qwen_data", "llava_onevision": "onevision_data",
-               "mistral3": "pixtral_data", "ernie4_5_vl_moe": "ernie_data", "idefics3": "idefics3_data"}  # fmt: skip
+               "mistral3": "pixtral_data", "ernie4_5_vl_moe": "ernie_data", "idefics3": "idefics3_data",
+               "lfm2_vl": "lfm2_vl_data"}  # fmt: skip
 # each toy template's turn end
 TURN_END = {"llava_next": "<|end|>", "qwen2_vl": "<|im_end|>", "llava_onevision": "<|end|>", "mistral3": "<|end|>",
-            "ernie4_5_vl_moe": "<|im_end|>", "idefics3": "<|end|>"}  # fmt: skip
+            "ernie4_5_vl_moe": "<|im_end|>", "idefics3": "<|end|>", "lfm2_vl": "<|end|>"}  # fmt: skip
 
 
 def write(path: Path, recs: list[dict]) -> Path:
@@ -278,7 +290,9 @@ def test_a_data_module_pack_of_image_records_trains_like_each_record_alone(famil
                        cache_dir=str(tmp_path / "cache"))  # fmt: skip
     dm.setup("fit")
     (batch,) = list(dm.train_dataloader())
-    per_image = "image_grid_thw" if family in ("qwen2_vl", "ernie4_5_vl_moe") else "image_sizes"
+    per_image = {"qwen2_vl": "image_grid_thw", "ernie4_5_vl_moe": "image_grid_thw", "lfm2_vl": "spatial_shapes"}.get(
+        family, "image_sizes"
+    )
     if family == "idefics3":  # a row per record with images, its images (tiles and a global image each) padded
         assert batch.mm["pixel_values"].shape[0] == 3 and batch.mm["pixel_attention_mask"].shape[:2] == (3, 10)
     else:

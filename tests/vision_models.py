@@ -227,6 +227,25 @@ def build_idefics3(path: Path) -> Path:
     return _save(path, config, processor)
 
 
+def build_lfm2_vl(path: Path) -> Path:
+    """LFM2-VL with its processor: patch 8, 2x2 patches a token, an image of 4 to 16 tokens (larger ones split into
+    32-pixel tiles beside a thumbnail), each image's patches a row padded to the processor's most, with its
+    ``pixel_attention_mask`` and ``spatial_shapes``; a short convolution layer beside attention. Its image processor
+    needs torchvision."""
+    from transformers import AutoConfig, Lfm2VlImageProcessor, Lfm2VlProcessor
+
+    specials = ["<pad>", "<s>", "</s>", "<|end|>", "<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
+                *(f"<|img_row_{i}_col_{j}|>" for i in range(1, 5) for j in range(1, 5))]  # fmt: skip
+    tok = toy_tokenizer(specials, pad="<pad>", eos="</s>", bos="<s>", chat_template=LLAVA_TEMPLATE)
+    images = Lfm2VlImageProcessor(encoder_patch_size=8, tile_size=32, min_image_tokens=4, max_image_tokens=16,
+                                  max_tiles=4)  # fmt: skip
+    processor = Lfm2VlProcessor(images, tok, chat_template=LLAVA_TEMPLATE)
+    build_default(path, "lfm2_vl")
+    config = AutoConfig.from_pretrained(path)
+    config.image_token_id = tok.convert_tokens_to_ids("<image>")
+    return _save(path, config, processor)
+
+
 def needs_torchvision(family: str):
     """Skip where torchvision is missing (the main CI's CPU torch has none; Qwen's and LLaVA-OneVision's
     processors load a video processor that needs it), except in the CI's compatibility part
