@@ -553,8 +553,8 @@ VLM_TESTED = {
     "granite4_vision": "images, sp 1 and 2 (its default config, shrunk: deepstack (layer, features) pairs, no pooled "
                        "output)",
     "lfm2_vl": "images, sp 1 and Ulysses sp 2 (its default config, shrunk, a short convolution layer beside "
-               "attention; an image's patches with their pixel_attention_mask and spatial_shapes, padded to the pack's most); the data "
-               "path with its processor",
+               "attention; an image's patches with their pixel_attention_mask and spatial_shapes, padded to the pack's "
+               "most); the data path with its processor",
     "idefics2": "images, sp 1 and 2 (its default config, shrunk; a record's images with their pixel_attention_mask, "
                 "padded to the pack's most images and largest size)",
     **{family: "images, sp 1 and 2 (its default config, shrunk; a record's images with their pixel_attention_mask, "
