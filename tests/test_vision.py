@@ -552,6 +552,8 @@ VLM_TESTED = {
                "attention (its default config, shrunk)",
     "granite4_vision": "images, sp 1 and 2 (its default config, shrunk: deepstack (layer, features) pairs, no pooled "
                        "output)",
+    "hunyuan_vl": "images, sp 1 and 2 (its default config, shrunk; its four multimodal RoPE axes handed to its "
+                  "language model alone in a prepared model's packed call)",
     "lfm2_vl": "images, sp 1 and Ulysses sp 2 (its default config, shrunk, a short convolution layer beside "
                "attention; an image's patches with their pixel_attention_mask and spatial_shapes, padded to the pack's "
                "most); the data path with its processor",
@@ -682,12 +684,13 @@ def test_the_vision_language_family_table_is_what_the_code_decides():
     assert table == vlm_families()
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "qwen3_vl_moe"])
+@pytest.mark.parametrize("family", ["qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "qwen3_vl_moe", "hunyuan_vl"])
 def test_a_loader_workers_stand_in_numbers_each_records_positions_as_the_model_does(tmp_path, family):
     """A DataLoader worker numbers multimodal positions without the model, on a stand-in built from the config
     (``media.rope_stand_in``): for the Qwen Omni thinkers it looked for a module named after the thinker's model type
     (ModuleNotFoundError) and lacked the merge size their model sets in ``__init__`` (AttributeError), so a data
-    module's loader stopped. Each record's positions equal the built model's own numbering."""
+    module's loader stopped. Each record's positions equal the built model's own numbering (HunYuan-VL's four axes
+    too)."""
     from lit_hbp.data.media import rope_stand_in
     from lit_hbp.data.media_batch import MRopePositions, media_of
 
@@ -847,6 +850,30 @@ def test_pack_inputs_give_each_records_logits_prepared_or_not(folders, family):
                 got = logits[start : start + want.shape[0]]
                 assert (got - want).abs().max().item() < 1e-5, type(m).__name__
                 start += want.shape[0]
+
+
+def test_hunyuan_vls_language_model_gets_its_rope_axes_alone_in_a_prepared_packed_call(tmp_path):
+    """HunYuan-VL numbers four multimodal RoPE axes (a sequence axis, then width, height, image index) and its
+    language model takes a text row before them without stripping it: a packed call's [text row, axes] raised there
+    (and a pack padded its positions with three rows: a shape error). On the prepared model, packed_loss and
+    ``model(**pack_inputs(batch))`` hand it its axes alone (the boundaries travel with the call): each record's
+    logits alone; the unprepared model, whose own packed path cannot keep them apart without the text row, still
+    refuses the call."""
+    folder = build_default(tmp_path / "hunyuan_vl", "hunyuan_vl")
+    reference, model = pair(folder)
+    records = counted_records(folder)
+    batch = pack_samples(records, model=model)
+    assert batch.mm["position_ids"].shape[0] == 4
+    with torch.no_grad():
+        alone = [reference(**{k: v for k, v in r.items() if k != "labels"}, use_cache=False).logits[0]
+                 for r in records]  # fmt: skip
+        logits = model.eval()(**pack_inputs(batch)).logits[0]
+        start = 0
+        for want in alone:
+            assert (logits[start : start + want.shape[0]] - want).abs().max().item() < 1e-5
+            start += want.shape[0]
+        with pytest.raises(ValueError, match=r"Expected 4 multimodal RoPE channels, got position_ids with shape \(5,"):
+            reference(**pack_inputs(batch))
 
 
 @pytest.mark.gpu

@@ -428,7 +428,7 @@ DEFAULT_BUILT = ("aya_vision", "cohere2_vision", "cosmos3_omni", "deepseek_vl", 
                  "ovis2_5", "granite4_vision", "qwen2_5_omni_thinker", "qwen3_omni_moe_thinker", "cosmos3_edge",
                  "hyperclovax_vision_v2", "exaone4_5", "lfm3_vl", "cohere_compass", "janus", "muse_glimmer",
                  "muse_spark", "minimax_m3_vl", "kimi_k25", "paddleocr_vl", "ernie4_5_vl_moe", "idefics2", "idefics3",
-                 "smolvlm", "granite_docling")  # fmt: skip
+                 "smolvlm", "granite_docling", "hunyuan_vl")  # fmt: skip
 DEFAULT_BUILT_VIDEOS = ("llava_next_video", "video_llava")  # and a record with a video
 # Hybrid language models among them: Qwen3.5's Gated DeltaNet layer (run document by document) beside its full
 # attention layer (``_keep_layer_kinds`` keeps one of each).
@@ -542,6 +542,17 @@ def _idefics2(config) -> None:
     perceiver.resampler_head_dim, perceiver.num_key_value_heads = 16, 1
 
 
+def _hunyuan_vl(config) -> None:
+    """HunYuan-VL's four multimodal RoPE axes (a sequence axis before width, height and image index) fitting the
+    shrunk heads, its tower's output at the language model's width, its image boundary and row-end tokens in the
+    small vocabulary."""
+    text = config.get_text_config()
+    text.head_dim = 16
+    text.rope_parameters = {**text.rope_parameters, "mrope_section": [2, 2, 2, 2]}
+    config.vision_config.text_hidden_size = config.vision_config.out_hidden_size = text.hidden_size
+    config.im_start_id, config.im_end_id, config.im_newline_id = 502, 503, 504
+
+
 # Families whose processor gives each patch of an image as a (channels, patch, patch) image, not a flat row
 PATCH_IMAGES = ("paddleocr_vl", "kimi_k25")
 
@@ -562,6 +573,7 @@ _FIXES = {  # what a family's default needs beyond the sizes above
     "paddleocr_vl": lambda c: _mrope(c.get_text_config()),
     "ernie4_5_vl_moe": _ernie4_5_vl,
     "idefics2": _idefics2,
+    "hunyuan_vl": _hunyuan_vl,
     "lfm2_vl": lambda c: setattr(c.get_text_config(), "layer_types", ["conv", "full_attention"]),  # as LFM2-VL's
 }  # fmt: skip
 

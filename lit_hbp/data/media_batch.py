@@ -297,8 +297,9 @@ class MRopePositions:
         return positions[:, 0].cpu()
 
     def pack(self, ids: Sequence[np.ndarray], media: Sequence[Mapping], total: int) -> torch.Tensor:
-        """[3, 1, total] rows of the pack: each record's, then an arange over the padding."""
+        """[axes, 1, total] rows of the pack (HunYuan-VL's four axes, others' three): each record's, then an arange
+        over the padding."""
         rows = [self.rows(i, m, f"record {k} of the pack") for k, (i, m) in enumerate(zip(ids, media))]
         n = sum(r.shape[1] for r in rows)
-        rows.append(torch.arange(total - n).expand(3, -1))
+        rows.append(torch.arange(total - n).expand(rows[0].shape[0], -1))
         return torch.cat(rows, dim=1)[:, None]

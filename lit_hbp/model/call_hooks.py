@@ -29,7 +29,13 @@ import torch
 from lit_hbp.data.batch import LEVEL_MARK, PACK_MARK, SHIFTED_MARK, SP_MARK
 from lit_hbp.model import calls
 from lit_hbp.model.packed_call import PREPARED, Prepared, pack_scope
-from lit_hbp.model.vision import attends_both_ways, has_batch_norms, refuse_batch_statistics, refuse_bidirectional
+from lit_hbp.model.vision import (
+    attends_both_ways,
+    has_batch_norms,
+    refuse_batch_statistics,
+    refuse_bidirectional,
+    without_unread_text_row,
+)
 
 
 def boundaries_from_positions(position_ids: torch.Tensor) -> dict | None:
@@ -309,7 +315,8 @@ def _leave_call(decoder: torch.nn.Module, args: tuple, kwargs: dict, output):
 @torch.compiler.disable  # host bookkeeping on real tensors, also inside a whole-model compile
 def _check_model_call(net: torch.nn.Module, args: tuple, kwargs: dict):
     """A packed call of the model as a whole: images or a prefix where its family attends both ways among
-    them (``lit_hbp.model.vision.attends_both_ways``) are refused, and so is its own loss where it would be wrong;
+    them (``lit_hbp.model.vision.attends_both_ways``) are refused, and so is its own loss where it would be wrong; a
+    multimodal text row its language model would not strip is taken off (``without_unread_text_row``);
     its boundaries and a PackedBatch's level settings are kept for its decoder's call (``_model_pack``) and no
     cache is made of it."""
     pending = getattr(calls._local, "model_packs", None)
@@ -324,8 +331,11 @@ def _check_model_call(net: torch.nn.Module, args: tuple, kwargs: dict):
         refuse_batch_statistics(net, kwargs)  # asked only of a model that has one: no read for any other
     _check_own_loss(kwargs)
     prepared = net.__dict__[PREPARED]
+    axes = without_unread_text_row(net, kwargs.get("position_ids"))
+    if axes is not None:  # HunYuan-VL's: a packed call's [text row, axes] as its language model reads them
+        kwargs = {**kwargs, "position_ids": axes}
     if calls.current(prepared) is not None:
-        return None
+        return None if axes is None else (args, kwargs)
     packed = _packed_keywords(kwargs)
     ids = kwargs.get("input_ids")
     level = ids.__dict__.get(LEVEL_MARK) if isinstance(ids, torch.Tensor) else None

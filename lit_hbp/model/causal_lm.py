@@ -85,6 +85,7 @@ from lit_hbp.model.vision import (
     refuse_batch_statistics,
     refuse_bidirectional,
     vision_tower,
+    without_unread_text_row,
 )
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.moe_spec import EXPERT_COUNT, EXPERTS_PER_TOKEN
@@ -311,6 +312,8 @@ def packed_loss(
     check_loss_function(net)  # also one replaced after prepare_model
     refuse_whole_model_shards(net, record.runner, net.get_output_embeddings())
     inputs = pack_inputs(batch)  # checks the level's SP group came with the batch
+    if (axes := without_unread_text_row(net, inputs["position_ids"])) is not None:  # HunYuan-VL's axes alone
+        inputs["position_ids"] = axes
     aux = router_loss and getattr(net.config.get_text_config(), "output_router_logits", False)
     if aux:
         check_router_loss(net)  # also a flag set after prepare_model: its router loss known, or refused here

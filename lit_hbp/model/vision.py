@@ -107,6 +107,22 @@ def attends_both_ways(net: torch.nn.Module) -> str | None:
     return None
 
 
+# Families whose language model numbers its own multimodal RoPE axes including a sequence axis (HunYuan-VL's: the
+# sequence, then width, height and image index) and takes a text row before them without stripping it (its forward
+# raises on the rows a packed call carries, [text row, axes]): a prepared model's packed call hands it its axes alone,
+# the pack's boundaries travelling with the call. Its unprepared model keeps the refusal.
+TEXT_ROW_UNREAD = frozenset({"hunyuan_vl"})
+
+
+def without_unread_text_row(net: torch.nn.Module, positions: Any) -> torch.Tensor | None:
+    """``positions`` without their text row where ``net``'s family reads its axes alone (``TEXT_ROW_UNREAD``), else
+    None (as called)."""
+    if getattr(net.config, "model_type", None) not in TEXT_ROW_UNREAD or not isinstance(positions, torch.Tensor):
+        return None
+    axes = len((net.config.get_text_config().rope_parameters or {}).get("mrope_section", ()))
+    return positions[1:] if positions.dim() == 3 and positions.shape[0] == axes + 1 else None
+
+
 def refuse_bidirectional(net: torch.nn.Module, mm: Mapping | None) -> None:
     """Raise when ``net``'s family lets marked tokens attend both ways and the pack holds such tokens
     (images, or ``token_type_ids`` 1)."""
