@@ -112,7 +112,9 @@ UNSEEN = {
     "blt": r"`local_encoder.cross_attn_layers.0` \(BltCrossAttention\) is not causal .* between positions of its own",
     "inkling_text": r"\(InklingAttention\) hands its attention function 'position_bias', which lit-hbp's varlen",
     "inkling2_text": r"hands its attention function 'position_bias', 'sinks', which lit-hbp's varlen attention",
+    "falcon": r"its config sets alibi \(ALiBi position biases, which its model adds to the attention mask",
 }
+OVERRIDES = {"phimoe": {"sliding_window": 24}, "falcon": {"alibi": True}}  # what the refusal is of
 
 
 @pytest.mark.parametrize("family", list(UNSEEN))
@@ -124,7 +126,7 @@ def test_prepare_model_refuses_what_a_packed_call_cannot_see_before_touching_the
 
     from lit_hbp import prepare_model
 
-    config = dict(small_config(family), **({"sliding_window": 24} if family == "phimoe" else {}))
+    config = dict(small_config(family), **OVERRIDES.get(family, {}))
     torch.manual_seed(0)
     net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
     before = net.config._attn_implementation

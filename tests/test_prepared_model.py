@@ -187,6 +187,21 @@ def test_prepared_hands_the_model_back_as_it_was():
     assert unprepare_model(model).config._attn_implementation == "eager"  # (it was put back to sdpa)
 
 
+def test_unprepare_model_hands_back_the_eval_mode_prepare_model_left():
+    """``prepare_model`` puts a model wholly in eval mode (as ``from_pretrained`` returns it) in train mode;
+    ``unprepare_model`` left it there, so a project evaluating the model it handed back ran its dropout (GPT-2's
+    0.1: logits 0.12 off). Now it is in eval mode again, unless the project set a mode since (kept); a model in
+    train mode before stays so."""
+    model = tiny_model().eval()
+    assert prepare_model(model).training
+    assert not any(m.training for m in unprepare_model(model).modules())
+    prepare_model(model).model.layers[0].eval()  # a part the project froze since: every mode as it set them
+    unprepare_model(model)
+    assert model.training and not model.model.layers[0].training
+    model.train()
+    assert all(m.training for m in unprepare_model(prepare_model(model)).modules())
+
+
 def test_a_part_its_project_put_in_eval_keeps_its_mode_and_trains_like_each_document_alone():
     """A project's model in train mode with one decoder layer in eval (its dropout off): prepare_model put every
     module in train mode, turning that layer's dropout back on (its attention gradients 100% off each document

@@ -176,6 +176,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         module.__dict__[PREPARED] = record  # plain attributes: not in the state dict
     net.__dict__.setdefault(OFFLOADER, HostOffload())
     install_call_hooks(record)
+    record.was_eval = not any(module.training for module in model.modules())
     return train_unless_set(model)
 
 
@@ -189,7 +190,8 @@ def train_unless_set(model: torch.nn.Module) -> torch.nn.Module:
 
 def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
     """Undo ``prepare_model``: the model's own attention, loss, MLP forwards and checkpointing as they
-    were, nothing of lit-hbp left on it (a project handing the model to code that expects it untouched)."""
+    were, nothing of lit-hbp left on it (a project handing the model to code that expects it untouched), and the
+    eval mode it was in where ``prepare_model`` put it in train mode (unless a module's mode was set since)."""
     net = base_of(model)
     record = record_of(net)
     if record is None:
@@ -208,6 +210,8 @@ def unprepare_model(model: torch.nn.Module) -> torch.nn.Module:
     net.__dict__.pop(OFFLOADER, None)
     for module in (net, record.decoder, record.runner, *(m for ms in record.attends for m in ms)):
         module.__dict__.pop(PREPARED, None)
+    if record.was_eval and all(module.training for module in model.modules()):  # the train mode prepare_model set
+        model.eval()
     return model
 
 

@@ -214,6 +214,11 @@ def refuse_unseen(net: torch.nn.Module, decoder: torch.nn.Module, family: str, m
                 f"{where} applies the config's sliding_window ({window}) through the attention mask only, which a "
                 f"packed call does not build, {end}"
             )
+    if getattr(config, "alibi", False) is True:
+        raise ValueError(
+            f"{family}: its config sets alibi (ALiBi position biases, which its model adds to the attention mask a "
+            f"packed call does not build), {end}"
+        )
     if _renumbers_positions(decoder):
         raise ValueError(
             f"{family}: its `{type(decoder).__name__}` numbers a call's positions itself (torch.arange over the row) "

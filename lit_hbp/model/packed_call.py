@@ -85,6 +85,7 @@ class Prepared:
     own: list | None = None  # layers' and blocks' own (checkpointing flag, function, dict flag) while packed calls run
     active: int = 0  # packed calls of the model running now, on any thread
     said_own_ckpt: bool = False
+    was_eval: bool = False  # every module in eval mode before prepare_model put it in train mode (unprepare: back)
     tower_said: set = field(default_factory=set)  # (device, dtype) the tower's attention in packed calls was logged for
     compiled: tuple | None = None  # (compile context, the decoder compiled with it) for a compiled model
     lock: threading.Lock = field(default_factory=threading.Lock)
