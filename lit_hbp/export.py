@@ -19,8 +19,9 @@ own generation_config.json (a run started from a folder that has one; saved in t
 ``hf_generation_config``) is kept: its sampling defaults (do_sample, temperature, top_p, ...) stay as
 they were, and none is added where it had none. It loads with ``AutoModelForCausalLM`` (and vLLM or
 the Hub) and is a valid ``model:`` of a new lit-hbp run. A LoRA run writes its adapter
-(``adapter_config.json`` + weights, for peft, with the tokenizer and generation config), or with
-``--merge-lora`` the merged full model.
+(``adapter_config.json`` + weights, for peft, with the tokenizer and generation config; its base model named by the
+folder's absolute path or the run's Hub id, said when not found here), or with ``--merge-lora`` the merged full
+model.
 
 The checkpoint is opened with ``torch.load(weights_only=True)`` and lit-hbp's allow-list of what its runs
 write (``lit_hbp.lightning.checkpoints``): a file whose pickle names anything else is refused, naming it, and
@@ -408,6 +409,22 @@ def untie_adapted_embeddings(net: torch.nn.Module) -> None:
             config.tie_word_embeddings = False
 
 
+def warn_unservable_base(name: str, out: Path) -> None:
+    """An adapter export names its base model (``base_model_name_or_path``): the run's folder by its absolute path,
+    or a Hub id (``org/name``). Said when neither holds here (the folder is gone, or an older run named it
+    relative to its own working directory), since a server would then load another folder of that name, or none."""
+    path = Path(name).expanduser()
+    hub_id = not path.is_absolute() and len(Path(name).parts) == 2 and not name.startswith(".")
+    if (path.is_absolute() and path.is_dir()) or (hub_id and not path.exists()):
+        return
+    warnings.warn(
+        f"the adapter names its base model {name!r} (base_model_name_or_path in {out / 'adapter_config.json'}), which "
+        "is not a folder here: a server would look for it in its own working directory or on the Hub; set it to the "
+        "base model's folder or Hub id",
+        stacklevel=3,
+    )
+
+
 def export_dtype(ckpt: dict) -> str:
     """The dtype an export writes when none is asked for: the one the run's base model was saved in (its
     config.json's ``dtype``, kept in the checkpoint as ``hf_saved_dtype``), float32 where it said none (a model
@@ -475,6 +492,7 @@ def export_checkpoint(
         net.save_pretrained(staging, safe_serialization=True)
         if base is not net:  # an adapter: the server reads the base model's config, but our stop ids from here
             base.generation_config.save_pretrained(staging)
+            warn_unservable_base(base.name_or_path, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if made:

@@ -5,6 +5,7 @@ peft, only adapters train under ZeRO and SP), the export callback and the strate
 import copy
 import json
 import os
+import shutil
 import stat
 
 import lightning as L
@@ -326,6 +327,38 @@ def one_step_checkpoint(model: str, chats, root) -> str:
     trainer.fit(module, dm)
     trainer.save_checkpoint(root / "run.ckpt")
     return str(root / "run.ckpt")
+
+
+def test_an_adapter_export_names_its_base_by_a_path_a_server_finds(chats, toy_tokenizer, tmp_path, monkeypatch):
+    """A LoRA run started from a folder given relative to the run's working directory (``model: base``) wrote
+    ``base_model_name_or_path: base`` in the exported adapter: from a server's working directory peft looked for it
+    on the Hub, or loaded another folder of that name (logits 0.65 off). The run now names its base by its absolute
+    path, which peft's own ``AutoPeftModelForCausalLM`` loads from anywhere; an adapter whose named base is gone
+    when it is exported is said."""
+    from conftest import save_pretrained_checkpoint
+    from peft import AutoPeftModelForCausalLM
+
+    from lit_hbp.lightning.datamodule import HBPDataModule
+
+    shape = {k: v for k, v in TINY.items() if k != "model_type"}
+    save_pretrained_checkpoint(tmp_path / "base", toy_tokenizer, "llama", **shape)
+    monkeypatch.chdir(tmp_path)
+    dm = HBPDataModule(sources=[{"path": str(chats)}], tokenizer="base", levels=["96:1", "384:1"], cache_dir="cache")
+    module = HBPLitModule(model="base", vocab_size=dm.vocab_size, self_check=False, lora={"rank": 4})
+    trainer = quiet_trainer(max_steps=1)
+    trainer.fit(module, dm)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    adapter = export_checkpoint(tmp_path / "run.ckpt", tmp_path / "adapter")
+    named = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == str((tmp_path / "base").resolve())
+    monkeypatch.chdir(tmp_path / "adapter")  # a server elsewhere
+    served = AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+    probe = torch.tensor([PROBE])
+    with torch.no_grad():
+        torch.testing.assert_close(served(input_ids=probe).logits, module.model.eval()(input_ids=probe).logits)
+    shutil.rmtree(tmp_path / "base")
+    with pytest.warns(UserWarning, match=r"the adapter names its base model '.*base' .* which is not a folder here"):
+        export_checkpoint(tmp_path / "run.ckpt", tmp_path / "adapter_again")
 
 
 @pytest.mark.parametrize("own", [True, False], ids=["base-generation-config", "none"])

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_hbp.errors import ConfigError
 from lit_hbp.model import attention, calls
-from lit_hbp.model.checks import check_model_config, local_checkpoint, model_config
+from lit_hbp.model.checks import base_model_name, check_model_config, local_checkpoint, model_config
 from lit_hbp.model.family_checks import refuse_unseen
 from lit_hbp.model.mixers import ZERO3_REFUSAL, mode_refusal, refusal, sp_refusal, stateful_mixers
 from lit_hbp.model.packed_call import unwrapped
@@ -117,6 +117,7 @@ def build_causal_lm(model: str | dict, vocab_size: int | None = None, tokenizer=
             net = auto.from_pretrained(folder, dtype=torch.get_default_dtype(), local_files_only=True, **attn)
         saved = saved_config.dtype  # from_pretrained set the config's to the loaded one
         net.config.use_cache = False
+        net.config._name_or_path = base_model_name(model)  # what an adapter export names as its base
         if vocab_size is not None and vocab_size > net.get_input_embeddings().num_embeddings:
             raise ValueError(
                 f"the tokenizer has {vocab_size} tokens but {model} embeds only "

@@ -352,6 +352,14 @@ def hub_snapshot(repo_id: str) -> str | None:
         return None
 
 
+def base_model_name(model: str | Path) -> str:
+    """How a run names the model it started from (what a LoRA adapter's ``base_model_name_or_path`` says): a local
+    folder by its absolute path (a relative one means nothing from a server's working directory), else the Hub id
+    as given (not this machine's cache folder of it)."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else str(model)
+
+
 def local_checkpoint(model: str | Path) -> str:
     """``model`` as a local folder: itself, or its snapshot in the Hugging Face cache."""
     if Path(model).expanduser().exists():
