@@ -111,6 +111,28 @@ def test_an_unprepared_model_or_a_foreign_batch_is_refused():
         quiet_trainer().validate(module, torch.utils.data.DataLoader(Padded(), batch_size=2))
 
 
+def ddp_packed_loss() -> str:
+    """packed_loss of a prepared model inside torch's DistributedDataParallel, on this rank: its refusal."""
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(prepare_model(tiny_model()))
+    try:
+        packed_loss(ddp, pack_samples(samples()))
+    except ValueError as e:
+        return str(e)
+    return "ran"
+
+
+def test_packed_loss_of_a_ddp_wrapped_model_says_why_and_what_to_call(shared_pool2):
+    """``packed_loss(DistributedDataParallel(model))`` said the model was not prepared (it was), and the call that ran,
+    ``packed_loss(ddp.module)``, bypasses DDP's forward, so no gradient is averaged (the ranks' gradients 3.9 apart):
+    the refusal names the wrapper and the calls that do average."""
+    for message in shared_pool2.run(ddp_packed_loss):
+        assert message.startswith(
+            "DistributedDataParallel wraps a prepared model: packed_loss runs the model's decoder"
+        )
+        assert "training_step" in message and "**lit_hbp.pack_inputs(batch)" in message
+
+
 def test_a_pack_is_recognised_by_its_boundaries_or_its_positions():
     """The model called on a pack's token ids with its positions but no boundaries (``cu_seq_lens``):
     the positions restart at each document, which says where the documents are, so each gets its

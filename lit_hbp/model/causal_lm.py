@@ -240,6 +240,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _not_prepared(model: torch.nn.Module) -> str:
+    inner = getattr(model, "module", None)  # torch's DistributedDataParallel, Fabric's module wrapper
+    if isinstance(inner, torch.nn.Module) and record_of(inner) is not None:
+        return (
+            f"{type(model).__name__} wraps a prepared model: packed_loss runs the model's decoder itself, outside the "
+            "wrapper's forward, where DistributedDataParallel averages no gradient (packed_loss of its .module would "
+            "train each rank on its own gradients): call packed_loss in a LightningModule's training_step (Lightning "
+            "wraps that module, HBPStrategy / HBPDDPStrategy), or call the wrapper with **lit_hbp.pack_inputs(batch) "
+            "and take the loss of its logits"
+        )
     return (
         f"{type(base_of(model)).__name__} is not prepared for packs: its attention would let the documents of a "
         "pack attend to each other and cannot run a level's sequence parallelism: call "
