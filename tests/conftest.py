@@ -509,8 +509,8 @@ def chat_datamodule(demo, tokenizer, cache, **kw):
     """The demo chats in 256- and 1024-token levels: the data of the short training runs."""
     from lit_hbp.lightning.datamodule import HBPDataModule
 
-    kw = {"levels": ["256:1", "1024:1"], "over_length": "drop", **kw}
-    return HBPDataModule(sources=[{"path": str(demo / "short.jsonl")}], tokenizer=tokenizer, cache_dir=str(cache), **kw)
+    kw = {"levels": ["256:1", "1024:1"], "over_length": "drop", "sources": [{"path": str(demo / "short.jsonl")}], **kw}
+    return HBPDataModule(tokenizer=tokenizer, cache_dir=str(cache), **kw)
 
 
 QUIET = dict(

@@ -294,24 +294,28 @@ def test_a_gradient_accumulation_schedule_plans_each_epoch_with_its_accumulation
     assert len(taken.rates) == 4 + 2
 
 
-@pytest.mark.parametrize("varies", ["accumulation schedule", "random packer"])
+@pytest.mark.parametrize("varies", ["accumulation schedule", "one scheduled accumulation", "random packer"])
 def test_a_max_epochs_runs_schedule_spans_the_optimizer_steps_it_takes(
     varies, chat_data, toy_tokenizer, tmp_path, caplog
 ):
     """Lightning counts a ``max_epochs`` run's optimizer steps as its first epoch's times the epochs; an epoch that
     accumulates more (a GradientAccumulationScheduler) or that a seeded packer plans with another number of
     micro-steps makes the run shorter or longer than that, and the cosine ended short of its floor (52 counted,
-    40 run: 0.23 of lr at the last step, not 0.10). The schedule spans the steps the run takes (the reference:
-    the optimizer's own steps, counted by a hook). Each epoch's plan is logged once, as its epoch starts."""
+    40 run: 0.23 of lr at the last step, not 0.10). A scheduler of one accumulation ({0: 2}) was taken for Lightning's
+    own count, which counts it as 1 (the scheduler sets the trainer's as an epoch starts): twice the steps run. The
+    schedule spans the steps the run takes (the reference: the optimizer's own steps, counted by a hook). Each epoch's
+    plan is logged once, as its epoch starts."""
     import logging
 
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
     from lit_hbp.callbacks.progress import planned_steps
 
-    packer, callbacks, limit = (
-        ("bfd", [GradientAccumulationScheduler({0: 1, 1: 2})], 8) if "schedule" in varies else ("random", [], 1.0)
-    )
+    packer, callbacks, limit = {
+        "accumulation schedule": ("bfd", [GradientAccumulationScheduler({0: 1, 1: 2})], 8),
+        "one scheduled accumulation": ("bfd", [GradientAccumulationScheduler({0: 2})], 8),
+        "random packer": ("random", [], 1.0),
+    }[varies]
     dm = HBPDataModule(sources=[{"path": str(chat_data)}], tokenizer=toy_tokenizer, levels=["96:1", "256:1"],
                        cache_dir=str(tmp_path / "cache"), packer=packer, seed=2)  # fmt: skip
     module = make_module(vocab=dm.vocab_size, lr=1e-3, warmup_steps=0, min_lr_ratio=0.1, self_check=False)

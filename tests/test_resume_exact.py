@@ -177,6 +177,20 @@ def test_a_checkpoint_no_resume_can_continue_exactly_is_refused(tmp_path, small_
         fit(tmp_path / "resumed", small_demo, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
 
 
+def test_a_resume_whose_limit_ends_the_epoch_before_the_checkpoints_position_is_refused(
+    tmp_path, small_demo, reference
+):
+    """trainer.limit_train_batches lowered on resume to or below the checkpoint's position in its epoch: the log said
+    the epoch was trained to its end and the next began, while Lightning trained the epoch again from its first
+    micro-batch (samples twice, more steps than the schedule spans). Refused, naming the limit and the position; a
+    limit past the position resumes where the run stopped."""
+    with pytest.raises(ConfigError, match=r"trainer.limit_train_batches 4: it was saved at micro-batch 4 of epoch 0, "
+                                          r"whose end the limit now puts at 4"):  # fmt: skip
+        fit(tmp_path / "lowered", small_demo, ckpt_path=str(reference.ckpt / "step=2.ckpt"), limit_train_batches=4)
+    resumed = fit(tmp_path / "same", small_demo, ckpt_path=str(reference.ckpt / "step=2.ckpt"))
+    assert resumed.rows == reference.rows[4:]
+
+
 def test_a_stop_held_by_min_steps_is_saved_once_when_it_stops(tmp_path, small_demo):
     """Lightning trains on past ``should_stop`` until ``min_steps``: nothing is saved before then (a checkpoint at
     every step, under ZeRO a full one each), the final step once."""
@@ -220,6 +234,41 @@ def test_an_accumulation_scheduled_by_epoch_resumes_with_the_epochs_accumulation
         )  # fmt: skip
         assert resumed.rows == reference.rows[rest:], name
         assert_same_weights(resumed.weights, reference.weights)
+
+
+def test_a_resume_at_an_epochs_last_step_trains_all_of_a_longer_next_epoch(tmp_path, small_demo):
+    """Resumed from the checkpoint of epoch 0's last step, a next epoch with more micro-batches (an accumulation
+    scheduled by epoch, 2 then 4 a step: its steps padded alike; a seeded packer's draw) trained only the difference
+    of the two lengths (2 of epoch 1's 36) and stopped, without a word: Lightning carried epoch 0's batch count into
+    epoch 1. The resumed run trains what the uninterrupted one trains."""
+    scheduled = [GradientAccumulationScheduler({0: 2, 1: 4})]
+    run = dict(limit_train_batches=1.0, reload_dataloaders_every_n_epochs=1, accumulate_grad_batches=1)
+
+    def lengths(seed: int) -> list[int]:  # the two epochs' micro-batches of a data seed's draw of the chats
+        dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache", **data(seed))
+        dm.trainer = quiet_trainer(callbacks=[GradientAccumulationScheduler({0: 2, 1: 4})], **run)
+        dm.setup("fit")
+        return [dm.plan_for_epoch(epoch, say=False).n_micro_steps for epoch in (0, 1)]
+
+    def data(seed: int) -> dict:
+        return dict(packer="bfd", seed=seed, sources=[{"path": str(small_demo / "short.jsonl"), "repeat": 0.3}])
+
+    seed = next(seed for seed in range(50) if (n := lengths(seed))[1] > n[0])
+    run["data"] = data(seed)
+    every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")
+    reference = fit(tmp_path / "reference", small_demo, [every, *scheduled], enable_checkpointing=True, **run)
+    epochs = [[r for r in reference.rows if r[0] == e] for e in (0, 1)]
+    assert len(epochs[1]) > len(epochs[0])  # the case: a longer epoch 1
+    last = epochs[0][-1][2]
+    resumed = fit(
+        tmp_path / "resumed",
+        small_demo,
+        scheduled,
+        ckpt_path=str(tmp_path / "ckpt" / f"epoch=0-step={last}.ckpt"),
+        **run,
+    )
+    assert resumed.rows == epochs[1]
+    assert_same_weights(resumed.weights, reference.weights)
 
 
 class DrawsAtStart(L.Callback):

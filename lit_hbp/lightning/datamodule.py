@@ -222,6 +222,7 @@ class HBPDataModule(L.LightningDataModule):
         self.warmup_steps, self.short_levels = 0, None
         self.resume_from: dict | None = None
         self.resume_rng: dict | None = None  # this rank's generators at the checkpoint ({} none), until fetched
+        self.carried_count: int | None = None  # a finished epoch's batch count Lightning carries into the next
         self._plans: dict[tuple[int, int], Plan] = {}  # (epoch, accumulation): the epoch's plan
         self._planned_steps: tuple | None = None  # (key, count): ``counted_once``'s
         self._told: tuple[int, int] | None = None  # (epoch, accumulation) of the plan whose summary was logged last
@@ -393,7 +394,7 @@ class HBPDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         """The data tokenized, held out and checked, once per world size: a data module set up again under a Trainer
         of another size (``ddp_spawn`` after a one-device try) plans its ranks, levels and validation set anew."""
-        self.resume_rng = None  # a checkpoint's generators are restored after this, for this fit only
+        self.resume_rng = self.carried_count = None  # a checkpoint's are restored after this, for this fit only
         world, rank, _ = self._world()
         validates = bool(self.val_fraction or self.val_sources)
         check_data_trainer(self.trainer, stage, self.packer, validates)

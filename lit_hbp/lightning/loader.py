@@ -144,8 +144,8 @@ def planned_optimizer_steps(trainer: Any) -> int | None:
         return None
     epochs, limit = trainer.max_epochs, trainer.limit_train_batches
     schedule = accumulation_schedule(trainer)[0]
-    if len(set(schedule.values())) == 1 and datamodule.packer not in SEEDED_PACKERS:
-        return None
+    if set(schedule.values()) == {trainer.accumulate_grad_batches} and datamodule.packer not in SEEDED_PACKERS:
+        return None  # (a scheduler's one accumulation is not yet the trainer's: Lightning counts it as 1)
     bound = trainer.max_steps if trainer.max_steps >= 0 else math.inf
     key = (epochs, limit, bound, tuple(sorted(schedule.items())), datamodule.seed, trainer.world_size)
 
@@ -491,12 +491,17 @@ class PlanLoader(DataLoader):
             for cb in trainer.callbacks:
                 if isinstance(cb, ModelCheckpoint):
                     cb._last_global_step_saved = max(cb._last_global_step_saved, trainer.global_step)
+        carried, self.dm.carried_count = self.dm.carried_count, None
+        if carried and trainer is not None:  # the fetcher and the epoch's progress have counted the restored position
+            restart_epoch_count(trainer, carried)
         yield from super().__iter__()
 
     def state_dict(self) -> dict:
-        trained = self.dm.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        trainer = self.dm.trainer
+        trained = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         epoch = self.sampler.epoch
-        return {"epoch": epoch, "micro_step": int(trained), "plan": self.dm.plan_key(epoch)}
+        batches = epoch_batches(trainer.limit_train_batches, self.dm.plan_for_epoch(epoch, say=False).n_micro_steps)
+        return {"epoch": epoch, "micro_step": int(trained), "batches": batches, "plan": self.dm.plan_key(epoch)}
 
     def load_state_dict(self, state: dict) -> None:
         saved, now = state.get("plan"), self.dm.plan_key(state["epoch"])
@@ -518,11 +523,20 @@ class PlanLoader(DataLoader):
             )
         trainer, epoch, micro = self.dm.trainer, state["epoch"], state["micro_step"]
         batches = epoch_batches(trainer.limit_train_batches, self.dm.plan_for_epoch(epoch).n_micro_steps)
+        saved = state.get("batches", batches)  # the epoch's micro-batches when it was saved (its limit's)
+        if batches <= micro < saved:
+            raise ConfigError(
+                f"cannot resume from this checkpoint with trainer.limit_train_batches {trainer.limit_train_batches}: "
+                f"it was saved at micro-batch {micro} of epoch {epoch}, whose end the limit now puts at {batches}, "
+                f"before it (Lightning would train the epoch again from its start); give a limit above {micro} (the "
+                f"checkpoint's run had {saved} micro-batches in the epoch)"
+            )
         check_epoch_end_restart(trainer, epoch, micro, batches)
-        if micro < batches:
+        if micro < saved:
             check_resumed_position(epoch, micro, batches, trainer.current_epoch, accumulation_at(trainer, epoch))
         rank_zero_info(self.resume_message(state, now))
-        if micro >= batches:  # saved at the end of its epoch: the next epoch starts from its beginning
+        if micro >= saved:  # saved at the end of its epoch: the next epoch starts from its beginning
+            self.dm.carried_count = micro  # which Lightning's fit loop may count as that epoch's first batches
             return
         self.dm.resume_from = dict(state)
         self.sampler.set_epoch(self.sampler.epoch)
@@ -539,6 +553,7 @@ class PlanLoader(DataLoader):
             f"seed {key['seed']} + epoch {epoch}, packer {key['packer']}"
         )
         end = plan.n_micro_steps if trainer is None else epoch_batches(trainer.limit_train_batches, plan.n_micro_steps)
+        end = state.get("batches", end)
         if micro >= end:
             return (
                 f"resuming at optimizer step {step}: epoch {epoch} was trained to its end ({end} "
@@ -548,6 +563,22 @@ class PlanLoader(DataLoader):
             f"resuming at optimizer step {step}, epoch {epoch}, micro-batch {micro} of {plan.n_micro_steps} of the "
             f"epoch's plan ({recreated}); the {micro} micro-batches before it are not trained again"
         )
+
+
+def restart_epoch_count(trainer: Any, carried: int) -> None:
+    """A resume from the last step of an epoch: Lightning's fit loop moves on to the next epoch with the finished
+    epoch's batch count, and resets it only when that count reaches the new epoch's length; a longer next epoch (a
+    seeded packer's, an accumulation scheduled by epoch) was cut to the difference of the two. As the new epoch's
+    first batch is fetched (its fetcher and progress then count the carried batches), the count restarts, as
+    Lightning restarts it for an epoch at least as short."""
+    loop = trainer.fit_loop.epoch_loop
+    fetcher = trainer.fit_loop._data_fetcher
+    if loop.batch_progress.current.ready != carried or fetcher is None:
+        return  # reset by Lightning itself
+    loop.batch_progress.reset_on_run()
+    loop.scheduler_progress.reset_on_run()
+    loop.automatic_optimization.optim_progress.reset_on_run()
+    fetcher.fetched -= carried
 
 
 class FixedPlanSampler(Sampler[tuple[int, int, MicroBatch]]):
