@@ -62,14 +62,18 @@ class OwnModule(L.LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
 
 
-def fit(root, demo, callbacks=(), ckpt_path=None, own_module=False, model=TINY_LLAMA, data=None, **trainer_kw):
+def fit(
+    root, demo, callbacks=(), ckpt_path=None, own_module=False, model=TINY_LLAMA, data=None, module=None, **trainer_kw
+):
     L.seed_everything(0)
     dm = chat_datamodule(demo, str(demo / "tokenizer"), root.parent / "cache", **(data or {}))
     torch.manual_seed(0)
     if own_module:
         module = OwnModule(dm.vocab_size)
     else:
-        module = HBPLitModule(model=model, vocab_size=dm.vocab_size, lr=1e-3, self_check=False)
+        module = HBPLitModule(
+            model=model, vocab_size=dm.vocab_size, **{"lr": 1e-3, "self_check": False, **(module or {})}
+        )
     trained = Trained()
     kw = {"accumulate_grad_batches": 2, "default_root_dir": root, **EPOCHS, **trainer_kw}
     trainer = quiet_trainer(callbacks=[*callbacks, trained], **kw)
@@ -189,6 +193,25 @@ def test_a_resume_whose_limit_ends_the_epoch_before_the_checkpoints_position_is_
         fit(tmp_path / "lowered", small_demo, ckpt_path=str(reference.ckpt / "step=2.ckpt"), limit_train_batches=4)
     resumed = fit(tmp_path / "same", small_demo, ckpt_path=str(reference.ckpt / "step=2.ckpt"))
     assert resumed.rows == reference.rows[4:]
+
+
+def test_a_restore_no_command_line_read_refuses_other_settings_and_another_model_config(
+    tmp_path, small_demo, reference
+):
+    """A checkpoint restored without the command line's checks (SLURM's requeue of hpc_ckpt_*.ckpt, a project's own
+    ``Trainer.fit(ckpt_path=...)``) trained on with the module arguments it was given (``loss: sum`` for the
+    checkpoint's ``ave_token``) and with a model folder's config edited since (RoPE's theta), without a word; only
+    the optimizer's arguments were compared. Both are refused by name; the same settings resume exactly."""
+    ckpt = str(reference.ckpt / "step=2.ckpt")
+    with pytest.raises(ConfigError, match=r"ckpt_path resumes the run as its checkpoint saved it, .* model.loss: "
+                                          r"'sum' \(the checkpoint's 'ave_token'\)"):  # fmt: skip
+        fit(tmp_path / "loss", small_demo, ckpt_path=ckpt, module={"loss": "sum"})
+    rope = {**TINY_LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
+    with pytest.raises(ConfigError, match=r"model.model now builds another config: rope_parameters: .*500.0"):
+        fit(tmp_path / "rope", small_demo, ckpt_path=ckpt, model=rope)
+    resumed = fit(tmp_path / "same", small_demo, ckpt_path=ckpt)
+    assert resumed.rows == reference.rows[4:]
+    assert_same_weights(resumed.weights, reference.weights)
 
 
 def test_a_stop_held_by_min_steps_is_saved_once_when_it_stops(tmp_path, small_demo):

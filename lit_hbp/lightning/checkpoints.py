@@ -148,7 +148,6 @@ AVERAGED_UNDER_DEEPSPEED = (
     "under DeepSpeed (trainer.strategy) the averaged weights reach no checkpoint and no export (DeepSpeed saves its "
     "engine's own, the current weights): train with trainer.strategy hbp_ddp, or without the averaging"
 )
-RESTORED = ("lr", "betas", "weight_decay")  # module arguments a resume's restored optimizer state sets over
 # Module arguments that choose how a step is computed, not what it computes: a resume may change them (another
 # machine's kernels, compile on or off, the self-check skipped) and takes the config's.
 EXECUTION = ("attn_backend", "compile", "liger", "self_check", "ce_chunk_size")
@@ -187,6 +186,45 @@ def check_resumed_settings(
             f"{option} {doing}, not these: "
             f"{'; '.join(changed)}; give the run's own values (or drop them), or {other} from the exported "
             "model (python -m lit_hbp.export CKPT OUT, then model.model: OUT)"
+        )
+
+
+# Config fields that say where or how a model was loaded, not what it computes
+LOADING_FIELDS = frozenset({"_name_or_path", "transformers_version", "use_cache", "dtype", "torch_dtype",
+                            "_attn_implementation_autoset", "attn_implementation", "_commit_hash"})  # fmt: skip
+
+
+def check_resumed_config(now: dict, saved: dict | None) -> None:
+    """A resume continues the model its checkpoint's run trained: the model config it builds now (``model.model``: a
+    folder edited since, a Hub id's new revision) must be the checkpoint's ``hf_config`` (the weights come from the
+    checkpoint, so a moved folder of the same model resumes); a field that differs (RoPE's theta, a norm's eps) would
+    train the checkpoint's weights under another computation without a word. Refused, naming the fields."""
+    if not saved:
+        return  # written before lit-hbp kept the config
+
+    def flat(config: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in config.items():
+            if key in LOADING_FIELDS:
+                continue
+            if isinstance(value, dict) and key.endswith("_config"):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    a, b = flat(saved), flat(now)
+    changed = [
+        f"{k}: {b.get(k)!r} (the checkpoint's {a.get(k)!r})"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k)
+    ]
+    if changed:
+        raise ConfigError(
+            f"ckpt_path resumes the model its checkpoint trained, but model.model now builds another config: "
+            f"{'; '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}; restore the model folder the run started "
+            "from, or start a new run from the exported model (python -m lit_hbp.export CKPT OUT, then model.model: "
+            "OUT)"
         )
 
 

@@ -500,7 +500,7 @@ class PlanLoader(DataLoader):
         trainer = self.dm.trainer
         trained = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         epoch = self.sampler.epoch
-        batches = epoch_batches(trainer.limit_train_batches, self.dm.plan_for_epoch(epoch, say=False).n_micro_steps)
+        batches = epoch_batches(trainer.limit_train_batches, len(self.sampler))  # the epoch's plan's micro-batches
         return {"epoch": epoch, "micro_step": int(trained), "batches": batches, "plan": self.dm.plan_key(epoch)}
 
     def load_state_dict(self, state: dict) -> None:

@@ -21,7 +21,12 @@ from lit_hbp.cost.memory import not_fitting, trainer_cost
 from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.checkpoints import RESTORED, check_resumed_settings, check_same_records, fit_held_out
+from lit_hbp.lightning.checkpoints import (
+    check_resumed_config,
+    check_resumed_settings,
+    check_same_records,
+    fit_held_out,
+)
 from lit_hbp.lightning.meter import (
     MicroStepEnd,
     StepMeter,
@@ -242,10 +247,13 @@ class HBPLitModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The learning-rate schedule the checkpoint's run followed, which the resumed run must follow (a
-        checkpoint written before lit-hbp saved it holds none). A fit resumed with optimizer arguments other than its
-        restored optimizer's (a DeepSpeed folder, ``last``: what the command line does not read first) is refused."""
-        if self._trainer is not None and self.trainer.state.fn == "fit":
-            check_resumed_settings(self.hparams, checkpoint.get("hyper_parameters") or {}, "ckpt_path", RESTORED)
+        checkpoint written before lit-hbp saved it holds none). A fit resumed with module arguments other than its
+        checkpoint's (a DeepSpeed folder, ``last``, SLURM's requeue, a project's own ``Trainer.fit``: what no command
+        line read first), or whose model folder now builds another config, is refused."""
+        if self._trainer is not None and self.trainer.state.fn == "fit":  # also a restore no command line read first
+            saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if k != "model"}
+            check_resumed_settings(self.hparams, saved, "ckpt_path")  # (SLURM's requeue, a project's Trainer.fit)
+            check_resumed_config(self.base_model.config.to_dict(), checkpoint.get("hf_config"))  # the model itself
         self._resumed_schedule, self._fit_held_out = checkpoint.get(LR_SCHEDULE), fit_held_out(checkpoint)
         self._resumed_step = int(checkpoint.get("global_step", 0))
         self._say_schedule()
