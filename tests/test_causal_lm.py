@@ -256,7 +256,7 @@ def test_a_router_loss_on_a_context_parallel_level_is_refused_at_set_up_naming_t
     model without the router loss pass; a call that gets there anyway says the same."""
     from lit_hbp.errors import ConfigError
     from lit_hbp.lightning.trained_model import refuse_cp_under_router_loss
-    from lit_hbp.model.causal_lm import router_aux_loss
+    from lit_hbp.model.router_loss import router_aux_loss
     from lit_hbp.model_spec import ModelSpec
     from lit_hbp.packing import Level
     from lit_hbp.parallel.context import SPCall

@@ -17,8 +17,8 @@ from conftest import TINY_LLAMA, quiet_trainer
 from lit_hbp.cli.app import main
 from lit_hbp.cli.checks import check_logging_callbacks, world_size_of
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.loader import accumulation_at, check_accumulation_windows, check_validation_interval
 from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.lightning.plan_checks import accumulation_at, check_accumulation_windows, check_validation_interval
 from lit_hbp.model.checks import check_model_config, check_positions, valid_config_keys
 from lit_hbp.packing import Level
 

@@ -360,12 +360,15 @@ def test_a_checkpoint_callback_is_refused_at_set_up_exactly_when_lightning_would
     for the run): refused (before the data is read, or once the plan's length is known for a share of the epoch)
     exactly when a save falls inside an optimizer step. Validations every 3 micro-batches unless the case says."""
     import lit_hbp.lightning.datamodule as datamodule
-    import lit_hbp.lightning.loader as loader
-    from lit_hbp.lightning.loader import check_checkpoint_positions
+    import lit_hbp.lightning.plan_checks as plan_checks
+    from lit_hbp.lightning.plan_checks import check_checkpoint_positions
 
     checkpoint, run = SAVES[case]
     val_fraction = run.pop("val_fraction", 0.1)
-    for bypassed in (datamodule, loader):  # at set-up (the loader's) and once the plan is known (the data module's)
+    for bypassed in (
+        datamodule,
+        plan_checks,
+    ):  # at set-up (the plan checks') and once the plan is known (the data module's)
         monkeypatch.setattr(bypassed, "check_checkpoint_positions", lambda *a, **k: None)
     L.seed_everything(0)
     dm = chat_datamodule(small_demo, str(small_demo / "tokenizer"), tmp_path / "cache", val_fraction=val_fraction)

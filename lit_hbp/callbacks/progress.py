@@ -20,8 +20,8 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.store import count_phrase, distinct
-from lit_hbp.lightning.loader import planned_optimizer_steps
 from lit_hbp.lightning.meter import StepMeter
+from lit_hbp.lightning.plan_checks import planned_optimizer_steps
 
 
 def planned_steps(trainer: L.Trainer) -> int | None:

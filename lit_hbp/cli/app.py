@@ -73,7 +73,6 @@ from lit_hbp.cli.resume import (  # noqa: F401  (public here too: their first ho
 )
 from lit_hbp.errors import ConfigError, UserInputError
 from lit_hbp.lightning.checkpoints import (
-    EXECUTION,
     TRUST_HINT,
     AtomicCheckpointIO,
     UnsafeCheckpoint,
@@ -81,6 +80,7 @@ from lit_hbp.lightning.checkpoints import (
 )
 from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
+from lit_hbp.lightning.resume_checks import EXECUTION
 from lit_hbp.lightning.strategy import config_zero_stage  # (registers --trainer.strategy hbp, hbp_stage_N)
 from lit_hbp.model.build import check_lora_strategy, check_model_before_data
 

@@ -393,7 +393,7 @@ def _entries(callbacks: Any) -> list:
 def step_callbacks(callbacks: Any) -> list:
     """The config's ``ModelCheckpoint`` and ``GradientAccumulationScheduler`` entries built (those whose
     arguments do not build are left to the run's own parse): what the probe ``Trainer`` needs to say where a
-    run's checkpoints fall against its optimizer steps (``loader.check_checkpoint_positions``)."""
+    run's checkpoints fall against its optimizer steps (``plan_checks.check_checkpoint_positions``)."""
     from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 
     built = []
@@ -479,7 +479,7 @@ def check_trainer_values(section: Any) -> None:
 
     from lightning.pytorch import Trainer
 
-    from lit_hbp.lightning.loader import (
+    from lit_hbp.lightning.plan_checks import (
         check_accumulation_windows,
         check_checkpoint_positions,
         check_validation_interval,

@@ -19,14 +19,13 @@ from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.checkpoints import (
     WEIGHTS_ONLY,
     check_checkpoint,
-    check_resumed_settings,
     client_state_file,
     find_resumable,
     holds_training_state,
-    plan_seed,
     safe_load,
     trusted_load,
 )
+from lit_hbp.lightning.resume_checks import check_resumed_settings, plan_seed
 
 AUTO = "auto"  # --ckpt_path auto: the newest complete checkpoint of the run's folders, if there is one
 # Loggers whose run folder is known from the config: class (or a subclass) -> (the init argument that names

@@ -41,7 +41,6 @@ from lit_hbp.data.tokenize import (
     tokenizer_fingerprint,
 )
 from lit_hbp.errors import ConfigError, DataError
-from lit_hbp.lightning.checkpoints import check_held_out
 from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their first home)
     FixedPlanSampler,
     MediaInputs,
@@ -49,13 +48,15 @@ from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their fi
     PlanLoader,
     PlanSampler,
     StoreSamples,
+    leave_signals_to_main,
+    media_inputs,
+)
+from lit_hbp.lightning.plan_checks import (  # noqa: F401  (public here too: their first home)
     accumulation_at,
     check_accumulation_windows,
     check_checkpoint_positions,
     check_data_trainer,
     check_validation_interval,
-    leave_signals_to_main,
-    media_inputs,
 )
 from lit_hbp.lightning.renderers import (  # noqa: F401  (public here too: their first home)
     PROCESSOR_FILES,
@@ -65,6 +66,7 @@ from lit_hbp.lightning.renderers import (  # noqa: F401  (public here too: their
     tokenizer_files,
     tokenizer_from_files,
 )
+from lit_hbp.lightning.resume_checks import check_held_out
 from lit_hbp.lightning.rng import every_rank_state
 from lit_hbp.model.sp_media import WHOLE_ITEMS, split_items_problem
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
@@ -501,15 +503,16 @@ class HBPDataModule(L.LightningDataModule):
         return vision_work(store.media_pixels(), self.model_config)
 
     def counted_once(self, key: tuple, count: Callable[[], int]) -> int:
-        """``count()`` of the plans (the run's optimizer steps, ``loader.planned_optimizer_steps``), counted once for
-        ``key`` until the data is planned anew (set up again, a curriculum set): the progress bar asks each epoch."""
+        """``count()`` of the plans (the run's optimizer steps, ``plan_checks.planned_optimizer_steps``), counted once
+        for ``key`` until the data is planned anew (set up again, a curriculum set): the progress bar asks each
+        epoch."""
         if self._planned_steps is None or self._planned_steps[0] != key:
             self._planned_steps = key, int(count())
         return self._planned_steps[1]
 
     def plan_for_epoch(self, epoch: int, say: bool = True) -> Plan:
         """The plan of ``epoch`` (curriculum warm-up in the first epoch only), its summary logged once (``say``
-        False: not yet, the plan counted before its epoch, ``loader.planned_optimizer_steps``)."""
+        False: not yet, the plan counted before its epoch, ``plan_checks.planned_optimizer_steps``)."""
         world, _, accumulate = self._world(epoch)
         if (epoch, accumulate) not in self._plans:
             if self.store is None:

@@ -21,12 +21,6 @@ from lit_hbp.cost.memory import not_fitting, trainer_cost
 from lit_hbp.cost.run_settings import check, local_hardware, trainer_settings
 from lit_hbp.data.batch import PackedBatch
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.checkpoints import (
-    check_resumed_config,
-    check_resumed_settings,
-    check_same_records,
-    fit_held_out,
-)
 from lit_hbp.lightning.meter import (
     MicroStepEnd,
     StepMeter,
@@ -48,6 +42,12 @@ from lit_hbp.lightning.optimizer import (
 )
 from lit_hbp.lightning.recompile import DYNAMO_LOG, RECOMPILE_LIMIT, RecompileLimitWatch, set_recompile_limit
 from lit_hbp.lightning.refused_callbacks import check_callbacks, check_started_callbacks
+from lit_hbp.lightning.resume_checks import (
+    check_resumed_config,
+    check_resumed_settings,
+    check_same_records,
+    fit_held_out,
+)
 from lit_hbp.lightning.schedule import LR_SCHEDULE, long_warmup, lr_factor, run_steps, schedule_moved, take_schedule_now
 from lit_hbp.model import attention
 from lit_hbp.model.build import (

@@ -8,7 +8,7 @@ import math
 import torch
 
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.loader import planned_optimizer_steps
+from lit_hbp.lightning.plan_checks import planned_optimizer_steps
 
 LR_SCHEDULE = "hbp_lr_schedule"  # the checkpoint's key of the run's schedule: {"total": steps, "warmup": steps}
 NO_END = (

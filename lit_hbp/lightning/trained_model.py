@@ -14,10 +14,10 @@ from torch.utils.hooks import RemovableHandle
 from lit_hbp.data.batch import PACK_MARK, SP_MARK
 from lit_hbp.errors import ConfigError
 from lit_hbp.model.build import family_of
-from lit_hbp.model.causal_lm import ROUTER_CP
 from lit_hbp.model.mixers import ZERO3_REFUSAL, sp_refusal, stateful_mixers
 from lit_hbp.model.packed_call import record_of
 from lit_hbp.model.position_limits import position_limits
+from lit_hbp.model.router_loss import ROUTER_CP
 from lit_hbp.packing.levels import Level
 from lit_hbp.parallel.kind import resolve_sp_kind
 

@@ -43,7 +43,7 @@ CONSUMED_KEYS = frozenset(
 # num_hiden_layers / num_hidden_layers is 0.97; gemma2's real hidden_act / hidden_size only 0.76.
 TYPO_CUTOFF = 0.85
 # Keys lit-hbp reads from any family's config itself, and refuses with its own message where the family
-# cannot honour them (``causal_lm.check_router_loss``).
+# cannot honour them (``router_loss.check_router_loss``).
 LIT_HBP_KEYS = frozenset({"output_router_logits"})
 # Legacy RoPE keys, folded into ``rope_parameters`` by configs that have it (set silently otherwise).
 ROPE_KEYS = frozenset({"rope_scaling", "rope_theta", "partial_rotary_factor"})

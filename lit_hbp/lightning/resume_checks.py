@@ -1,0 +1,137 @@
+"""What a resume must keep of the run its checkpoint saved: the module's arguments (but for those that choose how a
+step is computed), the model config it trained, and the records a fit held out for validation; refused, naming
+each, where a resume or a validation of the checkpoint would otherwise train or score something else without a word.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lit_hbp.errors import ConfigError
+
+# Module arguments that choose how a step is computed, not what it computes: a resume may change them (another
+# machine's kernels, compile on or off, the self-check skipped) and takes the config's.
+EXECUTION = ("attn_backend", "compile", "liger", "self_check", "ce_chunk_size")
+
+
+def check_resumed_settings(
+    given: dict, saved: dict, option: str = "--ckpt_path", keys: tuple | None = None, validating: bool = False
+) -> None:
+    """A resume continues the run as its checkpoint saved it: a module argument given otherwise than the checkpoint's
+    run did (``keys``, all by default) would be dropped without a word (``lr``: the restored optimizer and schedule
+    train on at the checkpoint's rate). Refused, naming each one (tuples and lists alike); a validation of the
+    checkpoint (``validating``) likewise scores it with its own settings. ``EXECUTION`` settings may change."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+    changed = [
+        f"model.{key}: {plain(given[key])!r} (the checkpoint's {plain(value)!r})"
+        for key, value in saved.items()
+        if not key.startswith("_")
+        and key not in EXECUTION
+        and key in given
+        and (keys is None or key in keys)
+        and plain(given[key]) != plain(value)
+    ]
+    if changed:
+        doing = (
+            "validates the checkpoint with the model settings it saved"
+            if validating
+            else ("resumes the run as its checkpoint saved it, with its model settings")
+        )
+        other = "validate" if validating else "start a new run"
+        raise ConfigError(
+            f"{option} {doing}, not these: "
+            f"{'; '.join(changed)}; give the run's own values (or drop them), or {other} from the exported "
+            "model (python -m lit_hbp.export CKPT OUT, then model.model: OUT)"
+        )
+
+
+# Config fields that say where or how a model was loaded, not what it computes
+LOADING_FIELDS = frozenset({"_name_or_path", "transformers_version", "use_cache", "dtype", "torch_dtype",
+                            "_attn_implementation_autoset", "attn_implementation", "_commit_hash"})  # fmt: skip
+
+
+def check_resumed_config(now: dict, saved: dict | None) -> None:
+    """A resume continues the model its checkpoint's run trained: the model config it builds now (``model.model``: a
+    folder edited since, a Hub id's new revision) must be the checkpoint's ``hf_config`` (the weights come from the
+    checkpoint, so a moved folder of the same model resumes); a field that differs (RoPE's theta, a norm's eps) would
+    train the checkpoint's weights under another computation without a word. Refused, naming the fields."""
+    if not saved:
+        return  # written before lit-hbp kept the config
+
+    def flat(config: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in config.items():
+            if key in LOADING_FIELDS:
+                continue
+            if isinstance(value, dict) and key.endswith("_config"):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    a, b = flat(saved), flat(now)
+    changed = [
+        f"{k}: {b.get(k)!r} (the checkpoint's {a.get(k)!r})"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k)
+    ]
+    if changed:
+        raise ConfigError(
+            f"ckpt_path resumes the model its checkpoint trained, but model.model now builds another config: "
+            f"{'; '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}; restore the model folder the run started "
+            "from, or start a new run from the exported model (python -m lit_hbp.export CKPT OUT, then model.model: "
+            "OUT)"
+        )
+
+
+def plan_seed(checkpoint: dict) -> int | None:
+    """The data seed a checkpoint's training loader planned with (its fit loop's saved loader state); None
+    without one (saved before its loader's first state)."""
+    loops = checkpoint.get("loops") or {}
+    states = ((loops.get("fit_loop") or {}).get("state_dict") or {}).get("combined_loader") or []
+    seeds = [s["plan"].get("seed") for s in states if isinstance(s, dict) and isinstance(s.get("plan"), dict)]
+    return seeds[0] if seeds and isinstance(seeds[0], int) else None
+
+
+def check_held_out(
+    saved: dict, checkpoint: dict | None, seed: int, val_fraction: float, held_out: dict | None = None
+) -> None:
+    """A validation of a checkpoint whose ``val_fraction`` hold-out was drawn with another data seed or share than
+    this run's, or from other sources (``check_same_records``): it would validate on other records, some the
+    checkpoint trained on, and read low without a word. ``saved``: the data module's state in it; ``checkpoint``:
+    the whole (older ones name the seed in the loader's); ``held_out``: this run's held-out records."""
+    held_seed = saved.get("seed", plan_seed(checkpoint or {}))
+    held_fraction = saved.get("val_fraction", val_fraction)
+    if held_seed is not None and (held_seed, held_fraction) != (seed, val_fraction):
+        raise ConfigError(
+            f"data.val_fraction: the checkpoint held out {held_fraction} of the training records with data seed "
+            f"{held_seed}; this run's seed {seed} and val_fraction {val_fraction} hold out other records, some of "
+            f"which it trained on: validate with the data module's seed={held_seed} and val_fraction={held_fraction} "
+            "(data.seed, data.val_fraction)"
+        )
+    check_same_records(saved.get("held_out"), held_out)
+
+
+def fit_held_out(checkpoint: dict) -> dict | None:
+    """The records a checkpoint's fit held out for validation (``HBPDataModule.state_dict``'s ``held_out``); None
+    from a checkpoint without them (another data module, or saved by an older lit-hbp)."""
+    states = [v for v in checkpoint.values() if isinstance(v, dict) and "tokenizer_files" in v]
+    return states[0].get("held_out") if states else None
+
+
+def check_same_records(fit: dict | None, now: dict | None) -> None:
+    """A validation holding out records (``SampleStore.records_identity``) other than its checkpoint's fit held
+    out, by where they lie and by what they hold: a source was added, removed or moved in the list (the hold-out
+    is a seeded draw over every source's records), or the fit held out none; some of them trained."""
+    if fit is None or now is None or not now["records"] or now["where"] == fit["where"] or now["what"] == fit["what"]:
+        return
+    raise ConfigError(
+        f"data.sources: this validation holds out {now['records']} records, the checkpoint's fit held out "
+        f"{fit['records']} others and trained on some of these: its sources, their order, data.seed or "
+        "data.val_fraction differ from the fit's; validate with the fit's data settings"
+    )
