@@ -478,6 +478,31 @@ def test_a_resume_past_its_max_epochs_is_refused_and_a_mid_epoch_one_trains_on(
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_resume_whose_max_time_its_checkpoint_spent_is_refused_or_complete(tmp_path, small_demo, monkeypatch):
+    """Lightning's Timer counts a run's training time over its resumes (its state is in the checkpoint): a run stopped
+    by ``trainer.max_time`` and resumed with the same bound, by its path or ``auto`` (a requeued job), built the model,
+    read the data, trained nothing and ended 0, every time. Refused by name, or complete when ``auto`` finds it; a
+    larger bound trains on. The reference is Lightning's own Timer: its state as it saves it, its reading of the
+    bound."""
+    from lightning.pytorch.callbacks import Timer
+
+    from lit_hbp.cli.resume import check_resumed_steps
+
+    hparams, folder = run_checkpoints_folder(tmp_path, small_demo, monkeypatch)
+    timer = Timer(duration="00:00:00:08")
+    timer._offset = 9.0  # as a resumed Timer holds the time its checkpoint counted
+    state = {"global_step": 3, "epoch": 0, "state_dict": {}, "hyper_parameters": hparams, **RESUMABLE}
+    torch.save({**state, "callbacks": {timer.state_key: timer.state_dict()}}, folder / "last.ckpt")
+    section = {"ckpt_path": str(folder / "last.ckpt"), "trainer": {"max_time": "00:00:00:08", "max_steps": 100}}
+    said = r"was saved after 9 s of training \(Lightning's Timer counts it over resumes\) and trainer.max_time is "
+    with pytest.raises(ConfigError, match=said + r"00:00:00:08: the resumed run would train nothing"):
+        check_resumed_steps(section)
+    assert check_resumed_steps(section, found=True).endswith("trainer.max_time 00:00:00:08: the run is complete, "
+                                                              "nothing left to train")  # fmt: skip
+    for more in ("00:00:01:00", {"minutes": 1}):
+        assert check_resumed_steps({**section, "trainer": {"max_time": more}}) is None
+
+
 @pytest.mark.parametrize("strategy", ["auto", "deepspeed"])
 def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
     strategy, tmp_path, small_demo, toy_tokenizer

@@ -312,7 +312,8 @@ def checkpoint_data_seed(section: Any) -> int | None:
 
 
 def check_resumed_steps(section: Any, found: bool = False) -> str | None:
-    """A resume whose ``trainer.max_steps`` or ``trainer.max_epochs`` the checkpoint has reached already would build
+    """A resume whose ``trainer.max_steps``, ``trainer.max_epochs`` or ``trainer.max_time`` (Lightning's Timer counts
+    the training time over resumes) the checkpoint has reached already would build
     the model, read the data and stop at once with status 0, having trained nothing (Lightning's loop ends there). A
     checkpoint the command named: refused, naming both numbers. One ``--ckpt_path auto`` ``found``: the run is
     complete, what a scheduler running the same line again meets; the line that says so is returned (the command
@@ -320,6 +321,8 @@ def check_resumed_steps(section: Any, found: bool = False) -> str | None:
     trainer = section.get("trainer") or {}
     limits = [(key, trainer.get(key)) for key in ("max_steps", "max_epochs")]
     limits = [(k, v) for k, v in limits if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    if trainer.get("max_time") is not None:
+        limits.append(("max_time", trainer["max_time"]))
     if not limits:
         return None  # -1 or unset: Lightning's default bound (1,000 epochs) is not a run's own
     state = saved_state(section)
@@ -329,12 +332,18 @@ def check_resumed_steps(section: Any, found: bool = False) -> str | None:
     if isinstance(epochs, int) and (loops.get("epoch_loop.batch_progress") or {}).get("is_last_batch"):
         # saved at its epoch's last step, before Lightning closed the epoch (FinalCheckpoint): that epoch is done
         epochs += int(epoch.get("started", epochs) > epochs)
-    done = {"max_steps": state.get("global_step"), "max_epochs": epochs}
+    done = {"max_steps": state.get("global_step"), "max_epochs": epochs, "max_time": _trained_seconds(state)}
     for key, limit in limits:
         at = done[key]
-        if not isinstance(at, int) or at < limit:
+        if key == "max_time":  # Lightning's Timer counts the run's training time over its resumes
+            if at is None or at < _seconds(limit):
+                continue
+            limit, at = trainer["max_time"], f"{at:.0f} s"
+        elif not isinstance(at, int) or at < limit:
             continue
-        where = f"at optimizer step {at}" if key == "max_steps" else f"after {at} epoch(s)"
+        where = {"max_steps": f"at optimizer step {at}", "max_epochs": f"after {at} epoch(s)"}.get(
+            key, f"after {at} of training (Lightning's Timer counts it over resumes)"
+        )
         if found:
             return (
                 f"--ckpt_path auto: {section.get('ckpt_path')} is {where}, trainer.{key} {limit}: the run is "
@@ -345,6 +354,21 @@ def check_resumed_steps(section: Any, found: bool = False) -> str | None:
             f"run would train nothing; set trainer.{key} above {at} to train on"
         )
     return None
+
+
+def _trained_seconds(state: dict) -> float | None:
+    """The training time Lightning's ``Timer`` counted up to the checkpoint (its state), or None without one."""
+    timers = [v for k, v in (state.get("callbacks") or {}).items() if str(k).startswith("Timer")]
+    seconds = ((timers[0] if timers else {}).get("time_elapsed") or {}).get("train")
+    return float(seconds) if isinstance(seconds, (int, float)) else None
+
+
+def _seconds(max_time: Any) -> float:
+    """``trainer.max_time`` (``"DD:HH:MM:SS"``, a mapping of timedelta's fields, a timedelta) in seconds, as
+    Lightning's Timer reads it."""
+    from lightning.pytorch.callbacks import Timer
+
+    return float(Timer(duration=max_time)._duration)
 
 
 def saved_state(section: Any) -> dict:
