@@ -214,7 +214,15 @@ def held_tokenizer(ckpt: dict) -> dict | None:
 
 def check_export_folder(out: Path, name: str) -> None:
     """An export goes into a new or empty folder: files of an earlier one left beside it (a LoRA adapter's
-    ``adapter_config.json`` beside a full model's weights) are what a Hugging Face loader would read."""
+    ``adapter_config.json`` beside a full model's weights) are what a Hugging Face loader would read. A path the
+    system cannot even look up (a name too long) is said as such."""
+    try:
+        _check_export_folder(out, name)
+    except OSError as e:
+        raise ConfigError(f"{name} {out}: {e.strerror or e}: give another folder") from None
+
+
+def _check_export_folder(out: Path, name: str) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{name} {out} is a file: give a folder to write the model into")
     above = None if out.exists() else next((p for p in out.absolute().parents if p.exists()), None)  # made in it
@@ -477,7 +485,10 @@ def export_checkpoint(
     # Written beside OUT_DIR (an empty folder, or a link to one, is kept: the files move into it), then moved there:
     # a failure leaves nothing a second export would refuse.
     made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a folder the checks could not foresee refusing it (/proc, a read-only mount)
+        raise ConfigError(f"{option} {out}: cannot make it ({e.strerror or e}): give another folder") from None
     staging = Path(tempfile.mkdtemp(dir=out.resolve().parent, prefix=f".{out.resolve().name}."))
     try:
         tok = run_tokenizer(ckpt, staging, tokenizer)

@@ -500,6 +500,21 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_is_one_error_line(chat
         assert len(err.strip().splitlines()) == 1 and not (tmp_path / name).exists()
 
 
+def test_an_output_folder_that_cannot_be_looked_up_or_made_is_one_error_line(chats, tiny_folder, tmp_path, capsys):
+    """An OUT_DIR whose name is too long for the file system (``out.exists()`` raised), or one under a folder that
+    takes no new folders though it looks writable (``/proc``: the checks pass, ``mkdir`` fails after the model is
+    built), ended in a traceback and status 1; one line naming OUT_DIR, status 2, nothing written."""
+    from lit_hbp.export import main
+
+    ckpt = one_step_checkpoint(tiny_folder, chats, tmp_path)
+    capsys.readouterr()
+    for out in (tmp_path / ("x" * 300), "/proc/lit_hbp_export_test"):
+        assert main([ckpt, str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: OUT_DIR {out}") and len(err.strip().splitlines()) == 1, err
+    assert not any(p.name.startswith(".x") for p in tmp_path.iterdir())
+
+
 def test_an_adapter_export_of_a_mappings_model_is_refused_before_training(tmp_path):
     """HBPExport of a LoRA run whose base model was built from a config mapping: refused when fit sets up (after
     training, the adapter alone could not be loaded anywhere); with merge_lora it exports the merged model."""
