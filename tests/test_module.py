@@ -419,7 +419,7 @@ def test_a_setting_torch_would_train_wrongly_on_is_refused_by_name(setting, says
     fails on stopped in a traceback after the data was read."""
     with pytest.raises(ConfigError, match=says):
         HBPLitModule(model=TINY, **setting)
-    with pytest.raises(ValueError, match="ce_chunk_size .* must be >= 1, got -4"):
+    with pytest.raises(ValueError, match="ce_chunk_size .* must be an int >= 1, got -4"):
         packed_loss(make_module(), pack_samples([(np.arange(3, 9), np.ones(6))]), "sum", ce_chunk_size=-4)
 
 

@@ -209,6 +209,10 @@ def test_what_packed_loss_cannot_use_is_refused_by_name():
     for weights in (True, float("nan")):  # True trained as weight 1.0
         with pytest.raises(ValueError, match=r"weights: a finite number or a tensor of one per position, got"):
             packed_loss(model, batch, weights=weights)
+    with pytest.raises(ValueError, match=r"weights: a finite number or a tensor of one per position, got a ndarray"):
+        packed_loss(model, batch, weights=np.ones(length))  # (a bare TypeError before)
+    chunked = packed_loss(model, batch, weights=torch.ones(length), ce_chunk_size=np.int64(3)).loss  # numpy's int
+    torch.testing.assert_close(chunked, one_per)
     torch.testing.assert_close(packed_loss(model, batch, weights=np.float32(1.0)).loss, one_per)  # numbers are
     with pytest.raises(ValueError, match="packed_loss's loss must be one of"):
         packed_loss(model, batch, "tokenmean")

@@ -63,10 +63,11 @@ class OwnModule(L.LightningModule):
 
 
 def fit(
-    root, demo, callbacks=(), ckpt_path=None, own_module=False, model=TINY_LLAMA, data=None, module=None, **trainer_kw
-):
+    root, demo, callbacks=(), ckpt_path=None, own_module=False, model=TINY_LLAMA, data=None, module=None,
+    tokenizer=None, **trainer_kw,
+):  # fmt: skip
     L.seed_everything(0)
-    dm = chat_datamodule(demo, str(demo / "tokenizer"), root.parent / "cache", **(data or {}))
+    dm = chat_datamodule(demo, str(tokenizer or demo / "tokenizer"), root.parent / "cache", **(data or {}))
     torch.manual_seed(0)
     if own_module:
         module = OwnModule(dm.vocab_size)
@@ -201,11 +202,19 @@ def test_a_restore_no_command_line_read_refuses_other_settings_and_another_model
     """A checkpoint restored without the command line's checks (SLURM's requeue of hpc_ckpt_*.ckpt, a project's own
     ``Trainer.fit(ckpt_path=...)``) trained on with the module arguments it was given (``loss: sum`` for the
     checkpoint's ``ave_token``) and with a model folder's config edited since (RoPE's theta), without a word; only
-    the optimizer's arguments were compared. Both are refused by name; the same settings resume exactly."""
+    the optimizer's arguments were compared. Both are refused by name, and so is another tokenizer's vocabulary (it
+    ended in torch's size-mismatch traceback); the same settings resume exactly."""
     ckpt = str(reference.ckpt / "step=2.ckpt")
     with pytest.raises(ConfigError, match=r"ckpt_path resumes the run as its checkpoint saved it, .* model.loss: "
                                           r"'sum' \(the checkpoint's 'ave_token'\)"):  # fmt: skip
         fit(tmp_path / "loss", small_demo, ckpt_path=ckpt, module={"loss": "sum"})
+    from transformers import AutoTokenizer
+
+    wider = AutoTokenizer.from_pretrained(small_demo / "tokenizer")
+    wider.add_tokens([f"<extra_{i}>" for i in range(100)])  # another tokenizer: its embedding 100 rows larger
+    wider.save_pretrained(tmp_path / "wider")
+    with pytest.raises(ConfigError, match=r"model.vocab_size: \d+ \(the checkpoint's \d+\)"):  # not torch's traceback
+        fit(tmp_path / "tokenizer", small_demo, ckpt_path=ckpt, tokenizer=tmp_path / "wider")
     rope = {**TINY_LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
     with pytest.raises(ConfigError, match=r"model.model now builds another config: rope_parameters: .*500.0"):
         fit(tmp_path / "rope", small_demo, ckpt_path=ckpt, model=rope)

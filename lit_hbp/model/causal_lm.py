@@ -22,6 +22,7 @@ import contextlib
 import functools
 import inspect
 import math
+import numbers
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -305,8 +306,10 @@ def packed_loss(
     loss = "ave_token" if loss is None else loss
     if loss not in NORMALIZERS:
         raise ValueError(f"packed_loss's loss must be one of {NORMALIZERS}, got {loss!r}")
-    if isinstance(weights, bool) or not (weights is None or torch.is_tensor(weights) or math.isfinite(weights)):
-        raise ValueError(f"packed_loss's weights: a finite number or a tensor of one per position, got {weights!r}")
+    number = isinstance(weights, numbers.Real) and not isinstance(weights, bool)
+    if not (weights is None or torch.is_tensor(weights) or (number and math.isfinite(weights))):
+        got = f"a {type(weights).__name__}" if not number else repr(weights)
+        raise ValueError(f"packed_loss's weights: a finite number or a tensor of one per position, got {got}")
     if isinstance(weights, torch.Tensor):
         weights = weights[0] if weights.dim() == 2 and weights.shape[0] == 1 else weights  # labels' [1, T]
         if tuple(weights.shape) != (batch.input_ids.shape[1],):
@@ -314,8 +317,11 @@ def packed_loss(
                 f"packed_loss's weights: one per position of the pack (this rank's shard: {batch.input_ids.shape[1]}), "
                 f"as [T] or the labels' [1, T], got shape {tuple(weights.shape)}"
             )
-    if not isinstance(ce_chunk_size, int) or isinstance(ce_chunk_size, bool) or ce_chunk_size < 1:
-        raise ValueError(f"packed_loss's ce_chunk_size (a loss chunk's tokens) must be >= 1, got {ce_chunk_size!r}")
+    if not isinstance(ce_chunk_size, numbers.Integral) or isinstance(ce_chunk_size, bool) or ce_chunk_size < 1:
+        raise ValueError(
+            f"packed_loss's ce_chunk_size (a loss chunk's tokens) must be an int >= 1, got {ce_chunk_size!r}"
+        )
+    ce_chunk_size = int(ce_chunk_size)  # numpy's integers too
     net = base_of(model)
     record = record_of(net)
     if record is None:
