@@ -3,6 +3,7 @@ and the guards that refuse what would train wrong without them: a model called o
 document boundaries or positions, transformers' loss shifting lit-hbp's pre-shifted labels again, a batch
 that is no PackedBatch."""
 
+import copy
 import re
 
 import numpy as np
@@ -164,6 +165,55 @@ def test_a_pack_is_recognised_by_its_boundaries_or_its_positions():
         model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=ones)
     with_mask = model(**pack_inputs(batch), attention_mask=ones).logits[0]  # the boundaries decide
     torch.testing.assert_close(with_mask, logits, rtol=0, atol=0)
+
+
+ROWS = [{"input_ids": ids.tolist(), "supervised": mask.astype(int).tolist()} for ids, mask in samples()]
+
+
+def test_a_batch_from_a_dataloader_worker_keeps_its_marks():
+    """A plain DataLoader with workers hands each batch over pickled, and its tensors lost the marks that say
+    they are a pack: the prepared model ran the pack as one document (its documents attending to each other),
+    and its own loss shifted the pre-shifted labels again, both without a word. The marks are set again."""
+    model = prepare_model(tiny_model())
+    loader = torch.utils.data.DataLoader(ROWS, batch_size=len(ROWS), collate_fn=pack_samples, num_workers=1)
+    batch = next(iter(loader))
+    with pytest.raises(ValueError, match=r"on a packed micro-batch of \d+ segments without their"):
+        model(input_ids=batch.input_ids)
+    with pytest.raises(ValueError, match="pre-shifted"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, labels=batch.labels)
+    here = pack_samples(ROWS)
+    want = float(packed_loss(model, here, "token_mean").loss)
+    assert float(packed_loss(model, batch, "token_mean").loss) == want
+    assert float(packed_loss(model, copy.deepcopy(here), "token_mean").loss) == want  # a copy is not a change
+
+
+@pytest.mark.parametrize("field", ["labels", "target_index", "sample_targets"])
+def test_labels_changed_in_place_after_packing_are_refused(field):
+    """A token's label set to -100 in place (a user's own training_step masking it) was still counted in the
+    normalizer (the collation's counts) and one set from -100 was never trained (the LM head runs on the
+    collation's positions only): refused wherever the batch goes next, a packed loss or a copy to a device.
+    The same samples packed with the new mask equal each sample alone."""
+    model = prepare_model(tiny_model())
+    pairs = samples()
+    batch = pack_samples(pairs)
+    packed_loss(model, batch, "token_mean")  # untouched: runs
+    getattr(batch, field)[0 if field == "target_index" else (0, int(batch.target_index[0]))] = (
+        -100 if field == "labels" else 1
+    )
+    with pytest.raises(ValueError, match=rf"PackedBatch.{field} was changed in place after packing"):
+        packed_loss(model, batch, "token_mean")
+    for move in (lambda b: b.to("cpu").replace(level=1), lambda b: b.to("meta")):
+        with pytest.raises(ValueError, match=rf"PackedBatch.{field} was changed in place"):
+            move(batch)
+    # The fix the message names: the new supervised mask packed.
+    (ids, mask), rest = pairs[0], pairs[1:]
+    mask = mask.copy()
+    mask[int(np.flatnonzero(mask)[0])] = False  # the first supervised position of the first sample's mask...
+    reference = tiny_model("eager").float()
+    model.load_state_dict(reference.state_dict())
+    ce, n = alone(reference, [(ids, mask), *rest])
+    out = packed_loss(model, pack_samples([(ids, mask), *rest]), "token_mean")
+    assert out.n_targets == n and float(out.loss) == pytest.approx(float(ce) / n, rel=1e-5)
 
 
 def test_transformers_loss_takes_the_labels_pre_shifted_or_refuses():

@@ -54,6 +54,14 @@ DOCS_MARK = "_hbp_pack_documents"  # ... and how many of them are documents (the
 SP_MARK = "_hbp_pack_sp"  # ... and the level's SP degree: above 1, the ids are one rank's shard of the pack
 LEVEL_MARK = "_hbp_pack_level"  # ... and the level's (ckpt_layers, offload, mlp_tiles), for a call of its own
 SHIFTED_MARK = "_hbp_labels_shifted"  # on a PackedBatch's labels: pre-shifted (labels[t] the target of position t)
+VERSION_MARK = "_hbp_packed_version"  # on the fields the collation derives together: their version when packed
+
+
+def _own_version(t: torch.Tensor) -> int | None:
+    """The version ``t`` had when packed, where the mark is its own (a deep copy's tensor carries its original's
+    ``__dict__``, and its own version counter)."""
+    mark = t.__dict__.get(VERSION_MARK)
+    return mark[1] if mark is not None and mark[0] == id(t) else None
 
 
 @dataclass
@@ -136,6 +144,9 @@ class PackedBatch:
     included): a stateful token mixer's per-document run reads them here, not back from the device."""
 
     TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("input_ids", "labels", "position_ids", "sample_targets")
+    DERIVED_FIELDS: ClassVar[tuple[str, ...]] = ("labels", "target_index", "sample_targets")
+    """Fields the collation derives from the supervised masks together (with the counts n_targets and
+    n_loss_samples): one changed in place alone would be trained in part, so it is refused."""
 
     def __post_init__(self) -> None:
         # The pack's segment count on its token ids (a host int): a prepared model called on them
@@ -150,6 +161,11 @@ class PackedBatch:
         self.input_ids.__dict__[SP_MARK] = int(self.sp)
         self.input_ids.__dict__[LEVEL_MARK] = (self.ckpt_layers, bool(self.offload), self.mlp_tiles)
         self.labels.__dict__[SHIFTED_MARK] = True  # the model's own loss would shift them again: refused
+        self.check_untouched()
+        for name in self.DERIVED_FIELDS:
+            t = getattr(self, name)
+            if _own_version(t) is None and not t.is_inference():  # (an inference tensor keeps no version)
+                t.__dict__[VERSION_MARK] = (id(t), t._version)
         if self.bounds is not None:  # the host copy of the boundaries stays the boundaries (on the host: read)
             same = len(self.bounds) == self.cu_seqlens.shape[0] and (
                 self.cu_seqlens.device.type != "cpu" or list(self.bounds) == self.cu_seqlens.tolist()
@@ -158,6 +174,25 @@ class PackedBatch:
                 raise ValueError(
                     "PackedBatch: bounds (the host copy of cu_seqlens) no longer match cu_seqlens: replace both, or "
                     "set bounds=None (a stateful mixer then reads them from cu_seqlens)"
+                )
+
+    def __setstate__(self, state: dict) -> None:
+        # A DataLoader worker's batch arrives pickled, its tensors without the marks above: set them again.
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    def check_untouched(self) -> None:
+        """Refuse labels (or their positions and counts) changed in place since they were packed: the loss runs
+        the LM head on ``target_index`` and normalizes by the collation's counts, so a label set to -100 would
+        still be counted and one set from -100 never trained. Read from the tensors' version counters (host)."""
+        for name in self.DERIVED_FIELDS:
+            t = getattr(self, name)
+            mark = _own_version(t)
+            if mark is not None and not t.is_inference() and t._version != mark:
+                raise ValueError(
+                    f"PackedBatch.{name} was changed in place after packing: the loss takes the supervised positions "
+                    "and their counts from the collation, so the change would train in part. Pack the samples with "
+                    "their new supervised masks (lit_hbp.pack_samples), or weigh tokens with packed_loss's weights="
                 )
 
     @property
@@ -211,6 +246,7 @@ class PackedBatch:
         return torch.arange(size, device=self.input_ids.device) + self.sp_rank * size
 
     def _map(self, fn) -> PackedBatch:
+        self.check_untouched()  # a copy elsewhere would carry the change with a fresh version
         fields = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
         changes = {name: fn(value) for name, value in fields if isinstance(value, torch.Tensor)}
         if self.cp_shard is not None:

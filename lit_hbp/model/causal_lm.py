@@ -322,6 +322,7 @@ def packed_loss(
             f"packed_loss's ce_chunk_size (a loss chunk's tokens) must be an int >= 1, got {ce_chunk_size!r}"
         )
     ce_chunk_size = int(ce_chunk_size)  # numpy's integers too
+    batch.check_untouched()
     net = base_of(model)
     record = record_of(net)
     if record is None:
