@@ -16,7 +16,7 @@ import lit_hbp
 PACKAGE = Path(lit_hbp.__file__).parent
 # Bottom to top; a room imports only from rooms at its own rank or below.
 STACK = [
-    {"errors", "model_spec", "moe_spec", "report", "demo"},
+    {"errors", "model_spec", "moe_spec", "mixer_spec", "report", "demo"},
     {"packing"},
     {"data"},
     {"parallel"},
