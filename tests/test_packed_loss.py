@@ -404,3 +404,23 @@ def test_a_packed_call_gives_each_documents_hidden_states_as_it_alone():
         for packed, own in zip(states, alone):
             torch.testing.assert_close(packed[0, start : start + len(ids)], own[0], rtol=1e-5, atol=1e-5)
         start += len(ids)
+
+
+def test_a_model_built_with_hbp_varlen_but_not_prepared_is_told_to_prepare():
+    """``attn_implementation="hbp_varlen"`` set by hand on a Llama: its plain calls and generate() were refused
+    with "this family's layers do not pass the attention keywords on, lit-hbp cannot train it packed" (Llama
+    trains packed); they name prepare_model, and its packed call still gives each document alone."""
+    model = tiny_model("hbp_varlen")
+    for call in (lambda: model(input_ids=torch.tensor([[1, 2, 3]])), lambda: model.generate(torch.tensor([[1, 2]]))):
+        with pytest.raises(ValueError, match=r"a model lit_hbp.prepare_model did not prepare .*prepare_model\(model\)"):
+            call()
+    with pytest.raises(ValueError, match=r"is not prepared for packs.*call lit_hbp.prepare_model\(model\) first"):
+        packed_loss(model, pack_samples(samples()), "sum")
+    reference = tiny_model("eager")
+    pairs = samples()
+    logits = model(**pack_inputs(pack_samples(pairs))).logits[0]
+    start = 0
+    for ids, _ in pairs:
+        want = reference(input_ids=torch.as_tensor(ids)[None]).logits[0]
+        torch.testing.assert_close(logits[start : start + len(ids)], want, rtol=1e-5, atol=1e-5)
+        start += len(ids)

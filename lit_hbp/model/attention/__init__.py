@@ -213,12 +213,18 @@ def varlen_attention(
         if call is not None:
             cu_seq_lens_q, max_length_q = call.pack.get("cu_seq_lens_q"), call.pack.get("max_length_q")
             kwargs = {**call.pack, **kwargs}
+    if cu_seq_lens_q is None and record is None:
+        raise ValueError(
+            f"{type(module).__name__} ran {ATTN_NAME} attention in a model lit_hbp.prepare_model did not prepare "
+            f"(built with attn_implementation={ATTN_NAME!r}?): it attends only within a pack's document boundaries, "
+            "and this call has none. Build the model with its own attention (sdpa, eager) and call "
+            "lit_hbp.prepare_model(model): its packed calls then run this attention, every other call its own"
+        )
     if cu_seq_lens_q is None:
         raise ValueError(
             f"{type(module).__name__} ran {ATTN_NAME} attention without the pack's document boundaries "
             "(cu_seq_lens_q), so its documents would attend to each other: this family's layers do not pass the "
-            "attention keywords on, and lit-hbp cannot train it packed (docs/families.md). A model built with "
-            f"attn_implementation={ATTN_NAME!r}: build it with its own attention and call lit_hbp.prepare_model"
+            "attention keywords on, and lit-hbp cannot train it packed (docs/families.md)"
         )
     if record is not None and record.position_limits:  # layers that take positions from the row (Llama 4)
         query, cu_seq_lens_q, max_length_q = _own_positions(module, record, query, cu_seq_lens_q, max_length_q)
