@@ -550,3 +550,24 @@ def test_flash_kernels_run_deterministically_where_asked(asked, monkeypatch):
         torch.use_deterministic_algorithms(before)
     assert calls[0].get("deterministic", False) == (asked != "none")
     assert bwd_calls[0]["deterministic"] == (asked != "none")
+
+
+def test_a_prepared_model_keeps_its_backend_unless_another_is_named():
+    """``prepare_model(model)`` again (``with prepared(model):`` does it) reset a model prepared with a backend to
+    ``auto``; and one prepared again with another backend listed in ``choices`` what its calls ran before, with the
+    old backend. A model keeps its backend unless another is named; a new one empties its list."""
+    from test_packed_loss import samples, tiny_model
+
+    from lit_hbp import pack_samples, packed_loss, prepared
+
+    model = prepare_model(tiny_model(), attn_backend="eager")
+    batch = pack_samples(samples())
+    for again in (lambda: prepare_model(model), lambda: prepared(model).__enter__()):
+        again()
+        assert record_of(model).backend == "eager"
+        packed_loss(model, batch, "sum")
+        assert [(c["backend"], c["why"]) for c in attention.choices(model)] == [("eager", "forced")]
+    prepare_model(model, attn_backend="sdpa")
+    assert attention.choices(model) == []
+    packed_loss(model, batch, "sum")
+    assert [(c["backend"], c["why"]) for c in attention.choices(model)] == [("sdpa", "forced")]

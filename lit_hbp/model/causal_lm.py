@@ -91,7 +91,7 @@ from lit_hbp.model.vision import (
 from lit_hbp.model_spec import ModelSpec
 
 
-def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.nn.Module:
+def prepare_model(model: torch.nn.Module, attn_backend: str | None = None) -> torch.nn.Module:
     """Make a Hugging Face causal LM (or its peft wrapper) train on lit-hbp's packs; returns it.
 
     Only packed calls change: those that carry a pack's document boundaries (``packed_loss``, or
@@ -112,15 +112,20 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
     so is refused before anything is done to it.
     ``attn_backend``: the kernel of its packed calls (``auto``:
     the fastest that runs each kind of call; ``lit_hbp.model.attention.backends``), the model's own: another
-    model keeps its own. ``unprepare_model`` (or ``with prepared(model):``) undoes it."""
+    model keeps its own; None (the default) keeps a prepared model's, ``auto`` for one not yet prepared.
+    ``unprepare_model`` (or ``with prepared(model):``) undoes it."""
     net = base_of(model)
     if not hasattr(net, "set_attn_implementation") or not hasattr(net, "config"):
         raise TypeError(f"prepare_model takes a Hugging Face causal LM (a PreTrainedModel), got {type(net).__name__}")
-    attention.check_backend(attn_backend)
+    if attn_backend is not None:
+        attention.check_backend(attn_backend)
     refuse_checkpoint_wrappers(net)  # torch's own around decoder layers: it would recompute outside packed calls
     record = record_of(net)
     if record is not None:
-        record.backend = attn_backend
+        if attn_backend not in (None, record.backend):  # what its calls ran (attention.choices) is said again
+            record.backend = attn_backend
+            record.ran.clear()
+            record.tower_said.clear()
         return train_unless_set(model)
     decoder = decoder_of(net)
     family = family_of(net)
@@ -161,7 +166,7 @@ def prepare_model(model: torch.nn.Module, attn_backend: str = "auto") -> torch.n
         mlps=[mlp_of(layer) for layer in layers],
         attends=[[m for m in layer.modules() if hasattr(m, "config")] for layer in layers],
         mixers=[decoder.get_submodule(m.path) for m in mixers],
-        backend=attn_backend,
+        backend=attn_backend or "auto",
         rope_limit=rescaling_limit(decoder.config),
         position_limits=position_limits(decoder.config, decoder),
         routes_kernels=kernel_routing(layers),
