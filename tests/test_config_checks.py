@@ -372,6 +372,59 @@ def test_a_command_line_callback_list_does_not_inherit_the_configs_arguments(tmp
     assert err[0] == "error: trainer.callbacks: lit_hbp.callbacks.HBPCurriculum needs warmup_steps", err
 
 
+def test_an_option_of_one_item_of_a_data_list_is_refused(tmp_path, small_demo, capsys, monkeypatch):
+    """``--data.levels.pack_len 512``: jsonargparse set the last level's alone (a 1024 level became 512 and its
+    samples too long, without a word), ``--data.sources.path`` swapped the last source keeping its ``repeat``, and
+    the indexed forms were refused as unknown fields. Each names the whole-list form, status 2; Lightning's idiom
+    for a class list (``--trainer.callbacks+=... --trainer.callbacks.monitor ...``: the one just added) stays."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", TINY, "--data.demo_dir", str(small_demo)]
+    for option, value in (
+        ("--data.levels.pack_len", "512"),
+        ("--data.levels.0.pack_len", "512"),
+        ("--data.sources.path", f"{small_demo}/short.jsonl"),
+        ("--data.sources.repeat", "2"),
+        ("--data.val_sources.path", f"{small_demo}/short.jsonl"),
+    ):
+        whole = option.split(".")[0] + "." + option.split(".")[1]
+        err = cli_error(capsys, [*args, option, value])
+        assert err[0] == (
+            f"error: {option}: a field of one item of the list {whole} is not an option (it would set the last "
+            f"item's alone); give the whole list, e.g. {whole} '[{{...}}, {{...}}]' (--print_config shows it), or "
+            "edit it in the config file"
+        ), err
+    cli = main([*args, "--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor=val/loss"], run=False)
+    stops = [c for c in cli.trainer.callbacks if type(c).__name__ == "EarlyStopping"]
+    assert [c.monitor for c in stops] == ["val/loss"]
+
+
+def test_a_key_given_twice_in_a_yaml_mapping_is_refused(tmp_path, capsys, monkeypatch):
+    """A second ``sources:`` pasted below the first, or a second ``trainer:`` section: YAML keeps the last and the
+    first was dropped without a word (its source read nowhere). Refused with both lines, in a config file, on the
+    command line and by the tools that read the YAML; once, it runs."""
+    import yaml
+
+    from lit_hbp.cost.config import read_config
+
+    monkeypatch.chdir(tmp_path)
+    text = "data:\n  sources: [a.jsonl]\n  levels: [{pack_len: 512}]\n  sources: [b.jsonl]\n"
+    assert yaml.safe_load(text)["data"]["sources"] == ["b.jsonl"]  # what was read (the reference: PyYAML)
+    extra = tmp_path / "twice.yaml"
+    extra.write_text(text)
+    want = (
+        f"error: {extra}: data.sources is given twice (lines 2 and 4): YAML would keep the last and drop the first "
+        "without a word; write it once (a list option holds all its items in one list)"
+    )
+    assert cli_error(capsys, ["fit", "--config", TINY, "--config", str(extra)])[0] == want
+    extra.write_text("trainer:\n  max_steps: 3\ntrainer:\n  max_epochs: 1\n")
+    err = cli_error(capsys, ["fit", "--config", TINY, "--config", str(extra)])
+    assert err[0].startswith(f"error: {extra}: trainer is given twice (lines 1 and 3)"), err
+    err = cli_error(capsys, ["fit", "--config", TINY, "--data.levels", "[{pack_len: 512, pack_len: 1024}]"])
+    assert err[0].startswith("error: --data.levels[0].pack_len is given twice (lines 1 and 1)"), err
+    with pytest.raises(ConfigError, match=r"trainer is given twice \(lines 1 and 3\)"):
+        read_config(extra)
+
+
 # ------------------------------------------------------------------- 4. the resolved config, once and compact
 
 

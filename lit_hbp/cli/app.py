@@ -43,7 +43,7 @@ from lit_hbp.cli.checks import (
     check_refused_callbacks,
     check_run_config,
     check_trainer_values,
-    check_yaml_numbers,
+    check_yaml_texts,
     compact_config,
     compact_yaml,
     dataclass_defaults,
@@ -416,7 +416,7 @@ def main(args: list[str] | None = None, run: bool = True) -> HBPCLI:
     quiet_what_a_user_cannot_act_on()
     argv = sys.argv[1:] if args is None else list(args)
     try:
-        check_yaml_numbers(argv)
+        check_yaml_texts(argv)
     except ConfigError as e:
         report_user_error(e)
     at = subcommand_at(argv)

@@ -576,11 +576,11 @@ def check_backend_device(backend: str, trainer: Any) -> None:
         )
 
 
-def check_yaml_numbers(argv: Sequence[str]) -> None:
-    """``check_base60`` over what the command line hands YAML: its config files and its values."""
+def check_yaml_texts(argv: Sequence[str]) -> None:
+    """``check_yaml_text`` over what the command line hands YAML: its config files and its values."""
     from pathlib import Path
 
-    from lit_hbp.cost.config import check_base60
+    from lit_hbp.cost.config import check_yaml_text
 
     for i, arg in enumerate(argv):
         name, given, value = arg.partition("=")
@@ -589,6 +589,6 @@ def check_yaml_numbers(argv: Sequence[str]) -> None:
         if value is None or not name.startswith("-"):
             continue
         if name in ("--config", "-c") and Path(value).is_file():
-            check_base60(Path(value).read_text(), value)
+            check_yaml_text(Path(value).read_text(), value)
         elif ":" in value:
-            check_base60(value, "", name)
+            check_yaml_text(value, "", name)

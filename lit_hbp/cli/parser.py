@@ -227,6 +227,8 @@ class _ListReplacingAction(ActionTypeHint):
     def __call__(self, *args: Any, **kwargs: Any):
         if len(args) == 4:  # parser, cfg, value, option string: the option on the command line
             _, cfg, value, option = args
+            if self.dest.startswith("data."):  # a list of classes (trainer.callbacks) keeps Lightning's idiom:
+                refuse_item_option(option, self.option_strings)  # --trainer.callbacks.patience sets the last added
             whole_list = isinstance(value, list) or (isinstance(value, str) and value.lstrip().startswith("["))
             if option in self.option_strings and whole_list:
                 cfg[self.dest] = None
@@ -237,6 +239,21 @@ class _ListReplacingAction(ActionTypeHint):
             cfg = cfg.clone()  # a config file given after another: its list does not see the earlier one
             cfg[self.dest] = None
         return super()._check_type(value, append=append, cfg=cfg, mode=mode)
+
+
+def refuse_item_option(option: str, list_options: Iterable[str]) -> None:
+    """``--data.levels.pack_len 512``: jsonargparse sets the field of the list's last item alone (a user meaning
+    every level changes one; ``--data.sources.path`` swaps the last source, keeping its ``repeat``), and
+    ``--data.levels.0.pack_len`` names no field. Refused, naming the whole-list form. (A list of classes,
+    ``--trainer.callbacks+=EarlyStopping --trainer.callbacks.patience 3``, is Lightning's idiom for the one just
+    added: left to it.)"""
+    whole = next((o for o in list_options if option.startswith(o + ".")), None)
+    if whole is not None:
+        raise ConfigError(
+            f"{option}: a field of one item of the list {whole} is not an option (it would set the last item's "
+            f"alone); give the whole list, e.g. {whole} '[{{...}}, {{...}}]' (--print_config shows it), or edit it in "
+            "the config file"
+        )
 
 
 def replace_lists_from_command_line(parser: argparse.ArgumentParser) -> None:

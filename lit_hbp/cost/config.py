@@ -43,17 +43,19 @@ def check_levels(levels: list, world: int, layers: int) -> None:
 
 
 def read_config(path: str | Path) -> dict:
-    """A training YAML with its ${...} interpolations resolved (``check_base60`` first)."""
+    """A training YAML with its ${...} interpolations resolved (``check_yaml_text`` first)."""
     from omegaconf import OmegaConf
 
-    check_base60(Path(path).read_text(), str(path))
+    check_yaml_text(Path(path).read_text(), str(path))
     return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
 
-def check_base60(text: str, where: str, key: str = "") -> None:
-    """YAML 1.1, which PyYAML, jsonargparse and OmegaConf read, takes an unquoted ``4096:1`` for the base-60 number
-    245761: a level written PACK_LEN:SP would train other pack lengths without a word. Any such number in ``text``
-    (a config file ``where``, or a command-line value: ``where`` empty, ``key`` its option) is refused by its key."""
+def check_yaml_text(text: str, where: str, key: str = "") -> None:
+    """What YAML 1.1 (PyYAML, jsonargparse and OmegaConf read it) would take silently, refused by its key in ``text``
+    (a config file ``where``, or a command-line value: ``where`` empty, ``key`` its option):
+    - an unquoted ``4096:1`` is the base-60 number 245761: a level written PACK_LEN:SP would train other pack lengths;
+    - a key given twice in one mapping keeps the last: a second ``sources:`` pasted below the first, or a second
+      ``trainer:`` section, drops the first without a word."""
     import yaml
 
     try:
@@ -63,13 +65,23 @@ def check_base60(text: str, where: str, key: str = "") -> None:
     queue = [(root, key)]
     while queue:
         node, at = queue.pop(0)
+        line = f"{where}, line {node.start_mark.line + 1}: " if where and node is not None else ""
         if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for k, _ in node.value:
+                name = k.value if isinstance(k, yaml.ScalarNode) else None
+                if name is not None and name != "<<" and name in seen:
+                    raise ConfigError(
+                        f"{where + ': ' if where else ''}{f'{at}.{name}'.lstrip('.')} is given twice (lines "
+                        f"{seen[name] + 1} and {k.start_mark.line + 1}): YAML would keep the last and drop the "
+                        "first without a word; write it once (a list option holds all its items in one list)"
+                    )
+                seen.setdefault(name, k.start_mark.line)
             queue += [(v, f"{at}.{k.value}".lstrip(".")) for k, v in node.value]
         elif isinstance(node, yaml.SequenceNode):
             queue += [(v, f"{at}[{i}]") for i, v in enumerate(node.value)]
         elif isinstance(node, yaml.ScalarNode) and node.tag.endswith(":int") and not node.style and ":" in node.value:
             hint = " or write a mapping, e.g. {pack_len: ..., sp: ...}" if "levels" in at else ""
-            line = f"{where}, line {node.start_mark.line + 1}: " if where else ""
             raise ConfigError(
                 f"{line}{at or 'the value'}: {node.value} reads as the base-60 number {yaml.safe_load(node.value)} "
                 f"in YAML: quote it ('{node.value}'){hint}"
