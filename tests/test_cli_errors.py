@@ -162,6 +162,26 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             + ["--trainer.callbacks.monitor", "val_loss"],
             "(EarlyStopping): monitor 'val_loss' is logged by nothing; lit-hbp logs 'val/loss'",
         ),
+        "a monitor with Lightning's epoch ending": (
+            ["--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping"]
+            + ["--trainer.callbacks.monitor", "train/loss_epoch"],
+            "(EarlyStopping): monitor 'train/loss_epoch' is logged by nothing; lit-hbp logs 'train/loss'",
+        ),
+        "a validation metric monitored without validation data": (  # no checkpoint saved, without a word
+            ["--data.val_fraction", "0"],
+            "(ModelCheckpoint): monitor 'val/loss', but the run has no validation data (data.val_fraction 0, no "
+            "data.val_sources): hold out records (data.val_fraction) or give data.val_sources, or monitor train/loss",
+        ),
+        "a validation metric monitored with no validation batches": (
+            ["--trainer.limit_val_batches", "0"],
+            "(ModelCheckpoint): monitor 'val/loss', but trainer.limit_val_batches is 0",
+        ),
+        "an accumulation scheduler beside accumulate_grad_batches": (  # Lightning's traceback at the fit's start
+            ["--trainer.callbacks+=lightning.pytorch.callbacks.GradientAccumulationScheduler"]
+            + ["--trainer.callbacks.scheduling", "{0: 2}"],
+            "(GradientAccumulationScheduler) beside trainer.accumulate_grad_batches 2: each sets the accumulation; "
+            "keep one",
+        ),
         "stochastic weight averaging": (
             ["--trainer.callbacks+=lightning.pytorch.callbacks.StochasticWeightAveraging"]
             + ["--trainer.callbacks.swa_lrs", "0.001"],
@@ -337,7 +357,10 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a timeline hardware lit-hbp has not", "an export dtype misspelled",
          "a throughput window of one log", "weight averaging under DeepSpeed", "a tokenizer folder without a tokenizer",
          "a file as the tokenizer", "a tokenizer folder whose tokenizer does not load",
-         "a learning-rate monitor without a logger", "levels that fit nowhere", "a negative data seed"]  # fmt: skip
+         "a learning-rate monitor without a logger", "levels that fit nowhere", "a negative data seed",
+         "a monitor with Lightning's epoch ending", "a validation metric monitored without validation data",
+         "a validation metric monitored with no validation batches",
+         "an accumulation scheduler beside accumulate_grad_batches", "a learning-rate finder inside fit"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch",
@@ -414,7 +437,7 @@ def test_a_monitor_that_is_a_projects_own_metric_is_left_to_lightning():
 
     for own in ("val/losses", "train/gradnorm2", "val/acc", "packing/levels", "val/loss"):
         check_monitors([entry(own)])
-    for typo in ("val_loss", "Val/Loss", "train.grad_norm"):
+    for typo in ("val_loss", "Val/Loss", "train.grad_norm", "train/loss_step", "val/loss_epoch"):
         with pytest.raises(ConfigError, match=f"monitor {typo!r} is logged by nothing"):
             check_monitors([entry(typo)])
 

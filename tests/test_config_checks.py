@@ -95,8 +95,9 @@ def test_the_attention_lit_hbp_sets_is_refused_in_a_model_mapping_and_a_ddp_argu
     [
         ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"}, "but torchrun started 2 (--nnodes x --nproc_per_node)"),
         ({"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"}, "but SLURM started 2 (--nodes x --ntasks-per-node)"),
+        ({"WORLD_SIZE": "2", "LOCAL_RANK": "0", "RANK": "0"}, "but its launcher started 2 (the WORLD_SIZE it set)"),
     ],
-    ids=["torchrun", "slurm"],
+    ids=["torchrun", "slurm", "deepspeed_or_mpirun"],
 )
 def test_a_launcher_that_started_another_count_of_processes_is_refused(tmp_path, capsys, monkeypatch, env, said):
     """``torchrun --nproc_per_node 2`` (or srun with 2 tasks) of a config with ``devices: 1`` trained two separate
@@ -112,6 +113,24 @@ def test_a_launcher_that_started_another_count_of_processes_is_refused(tmp_path,
     from lit_hbp.cli.checks import check_launcher
 
     check_launcher({"devices": 1})
+
+
+def test_a_slurm_layout_other_than_the_configs_is_refused_in_one_line(monkeypatch):
+    """SLURM's 2 tasks on 2 nodes for a config of 2 devices on 1 node: the counts agree, and Lightning stopped on a
+    traceback about --ntasks-per-node after the data was read; refused first, naming the key. Its layout runs."""
+    from lit_hbp.cli.checks import check_launcher
+
+    for key, value in dict(
+        SLURM_NTASKS="2", SLURM_JOB_NAME="train", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="1"
+    ).items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"trainer.devices is 2 a node, but SLURM starts 1 \(--ntasks-per-node\)"):
+        check_launcher({"devices": 2, "num_nodes": 1})
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2(x2)")  # SLURM's form for a count repeated over nodes
+    with pytest.raises(ConfigError, match=r"trainer.num_nodes is 1, but SLURM gave 2 nodes \(--nodes\)"):
+        check_launcher({"devices": 2, "num_nodes": 1})
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    check_launcher({"devices": 2, "num_nodes": 2})
 
 
 def test_a_ddp_communication_hook_on_one_cpu_device_is_refused_not_dropped(tmp_path, sp_data, toy_tokenizer):

@@ -122,9 +122,11 @@ def check_curriculum(levels: Sequence[Any], callbacks: Any) -> None:
 
 
 def check_launcher(trainer: Mapping[str, Any]) -> None:
-    """A launcher (torchrun, SLURM's srun) that started another count of processes than the config's
-    ``trainer.devices x trainer.num_nodes``: Lightning checks the two only for several devices, so one device
-    under two processes trained two separate copies of the run, each saying "world 1", into one run folder."""
+    """A launcher (torchrun, SLURM's srun, or any that sets ``WORLD_SIZE`` and ``LOCAL_RANK``: DeepSpeed's, an
+    mpirun script) that started another count of processes than the config's ``trainer.devices x
+    trainer.num_nodes``: Lightning checks the two only for several devices, so one device under two processes
+    trained two separate copies of the run, each saying "world 1". Under SLURM the layout too: a count per node
+    other than ``trainer.devices`` stopped on Lightning's traceback."""
     import os
 
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
@@ -133,16 +135,41 @@ def check_launcher(trainer: Mapping[str, Any]) -> None:
     world = world_size_of(trainer)
     if world is None:
         return
+    env = os.environ
     if TorchElasticEnvironment.detect():
-        started, how = int(os.environ["WORLD_SIZE"]), "torchrun started {} (--nnodes x --nproc_per_node)"
+        started, how = int(env["WORLD_SIZE"]), "torchrun started {} (--nnodes x --nproc_per_node)"
     elif _is_srun_used():
-        started, how = int(os.environ["SLURM_NTASKS"]), "SLURM started {} (--nodes x --ntasks-per-node)"
+        started, how = int(env["SLURM_NTASKS"]), "SLURM started {} (--nodes x --ntasks-per-node)"
+        check_slurm_layout(trainer, world)
+    elif "LOCAL_RANK" in env and env.get("WORLD_SIZE", "").isdigit():  # Lightning takes such a run as launched
+        started, how = int(env["WORLD_SIZE"]), "its launcher started {} (the WORLD_SIZE it set)"
     else:
         return
     if started != world:
         raise ConfigError(
             f"the config trains on {world} process{'es' if world > 1 else ''} (trainer.devices x trainer.num_nodes), "
             f"but {how.format(started)}: launch as many as it trains on, or set trainer.devices (docs/cluster.md)"
+        )
+
+
+def check_slurm_layout(trainer: Mapping[str, Any], world: int) -> None:
+    """SLURM's processes per node (``--ntasks-per-node``, else its tasks over its nodes) against
+    ``trainer.devices``, and its nodes against ``trainer.num_nodes`` (where SLURM says them)."""
+    import os
+
+    nodes = int(trainer.get("num_nodes", 1))
+    devices = world // nodes
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    slurm_nodes = os.environ.get("SLURM_NNODES") or os.environ.get("SLURM_JOB_NUM_NODES") or ""
+    if per_node.isdigit() and int(per_node) != devices:
+        raise ConfigError(
+            f"trainer.devices is {devices} a node, but SLURM starts {per_node} (--ntasks-per-node): launch one "
+            "task per device, or set trainer.devices (docs/cluster.md)"
+        )
+    if slurm_nodes.isdigit() and int(slurm_nodes) != nodes:
+        raise ConfigError(
+            f"trainer.num_nodes is {nodes}, but SLURM gave {slurm_nodes} nodes (--nodes): set trainer.num_nodes to "
+            "it (docs/cluster.md)"
         )
 
 
@@ -156,6 +183,8 @@ def check_run_config(config: Mapping[str, Any], trains: bool = True) -> None:
 
         ensure_kind(data["demo_dir"], data["demo"])
     check_launcher(config.get("trainer") or {})
+    if trains:
+        check_monitored_validation(config)
     model = (config.get("model") or {}).get("model")
     check_model_source(model)
     if isinstance(model, Mapping):
@@ -448,25 +477,70 @@ LOGGED = ("train/loss", "train/grad_norm", "train/lr", "val/loss", "val/ppl", "p
           "packing/cp_area_imbalance", "curriculum/warmup")  # fmt: skip
 
 
+def _monitors(callbacks: Any) -> list[tuple[int, str, str]]:
+    """(index, class name, monitor) of the config's callbacks that monitor a metric."""
+    out = []
+    for i, entry in enumerate(_entries(callbacks)):
+        args = entry.get("init_args") if isinstance(entry, (Mapping, argparse.Namespace)) else vars(entry)
+        monitor = args.get("monitor") if isinstance(args, (Mapping, argparse.Namespace)) else None
+        if isinstance(monitor, str):
+            out.append((i, getattr(class_of(entry), "__name__", "callback"), monitor))
+    return out
+
+
 def check_monitors(callbacks: Any) -> None:
     """A callback's ``monitor`` (ModelCheckpoint, EarlyStopping, ...) that is a metric lit-hbp logs but for its
-    separators or case (``val_loss`` for ``val/loss``): refused now, naming it. Any other name is left to Lightning
-    (a project's own metric)."""
+    separators or case (``val_loss`` for ``val/loss``), or with Lightning's ``_step``/``_epoch`` ending (lit-hbp
+    logs each once, under its own name): refused now, naming it. Any other name is left to Lightning (a project's
+    own metric)."""
 
     def bare(name: str) -> str:
         return re.sub(r"[/_.\-\s]", "", name).lower()
 
-    for i, entry in enumerate(_entries(callbacks)):
-        args = entry.get("init_args") if isinstance(entry, (Mapping, argparse.Namespace)) else vars(entry)
-        monitor = args.get("monitor") if isinstance(args, (Mapping, argparse.Namespace)) else None
-        if not isinstance(monitor, str) or monitor in LOGGED:
+    for i, kind, monitor in _monitors(callbacks):
+        if monitor in LOGGED:
             continue
-        near = [name for name in LOGGED if bare(name) == bare(monitor)]
+        near = [name for name in LOGGED if bare(monitor) in (bare(name), bare(name) + "step", bare(name) + "epoch")]
         if near:
-            kind = class_of(entry)
             raise ConfigError(
-                f"trainer.callbacks[{i}] ({getattr(kind, '__name__', 'callback')}): monitor {monitor!r} is logged by "
-                f"nothing; lit-hbp logs {near[0]!r}"
+                f"trainer.callbacks[{i}] ({kind}): monitor {monitor!r} is logged by nothing; lit-hbp logs {near[0]!r}"
+            )
+
+
+def check_monitored_validation(config: Mapping[str, Any]) -> None:
+    """A callback monitoring a validation metric (``val/loss``) in a fit that validates nothing (no
+    ``data.val_fraction``, no ``data.val_sources``, or ``trainer.limit_val_batches: 0``): a ModelCheckpoint
+    saved no checkpoint and an EarlyStopping never stopped, without a word (Lightning warns only where it
+    validates every epoch). Refused before the data is read."""
+    data, trainer = config.get("data") or {}, config.get("trainer") or {}
+    if data.get("val_fraction") or data.get("val_sources"):
+        if trainer.get("limit_val_batches") not in (0, 0.0):
+            return
+        why = "trainer.limit_val_batches is 0"
+    else:
+        why = "the run has no validation data (data.val_fraction 0, no data.val_sources)"
+    for i, kind, monitor in _monitors(trainer.get("callbacks")):
+        if monitor.startswith("val/"):
+            raise ConfigError(
+                f"trainer.callbacks[{i}] ({kind}): monitor {monitor!r}, but {why}: hold out records "
+                "(data.val_fraction) or give data.val_sources, or monitor train/loss"
+            )
+
+
+def check_one_accumulation(trainer: Mapping[str, Any]) -> None:
+    """A ``GradientAccumulationScheduler`` beside ``trainer.accumulate_grad_batches`` other than 1: Lightning refuses
+    the pair when training starts, on a traceback after the data is read and the model built; refused now."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    accumulate = trainer.get("accumulate_grad_batches")
+    if accumulate in (None, 1):
+        return
+    for i, entry in enumerate(_entries(trainer.get("callbacks"))):
+        kind = class_of(entry)
+        if isinstance(kind, type) and issubclass(kind, GradientAccumulationScheduler):
+            raise ConfigError(
+                f"trainer.callbacks[{i}] ({kind.__name__}) beside trainer.accumulate_grad_batches {accumulate}: "
+                "each sets the accumulation; keep one (the scheduler's epoch 0 entry for the first)"
             )
 
 
@@ -505,6 +579,7 @@ def check_trainer_values(section: Any) -> None:
     check_monitors(trainer.get("callbacks"))
     if is_deepspeed(trainer.get("strategy")):
         check_fixed_accumulation(trainer.get("callbacks"))
+    check_one_accumulation(trainer)
     if trainer.get("max_steps") == -1 and trainer.get("max_epochs") == -1:
         from lit_hbp.lightning.schedule import NO_END
 
