@@ -182,6 +182,20 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             "(GradientAccumulationScheduler) beside trainer.accumulate_grad_batches 2: each sets the accumulation; "
             "keep one",
         ),
+        "a validation interval of 0": (  # Lightning's ZeroDivisionError after the first micro-batch trained
+            ["--trainer.val_check_interval", "0"],
+            "trainer.val_check_interval must be a number of micro-batches >= 1 or a share of the epoch > 0, or null, "
+            "got 0",
+        ),
+        "a negative logging interval": (  # Lightning logged every step
+            ["--trainer.log_every_n_steps", "-1"],
+            "trainer.log_every_n_steps must be a whole number >= 0 (0: never), got -1",
+        ),
+        "several nodes from one plain process": (  # Lightning waited half an hour for the other node
+            ["--trainer.num_nodes", "2"],
+            "trainer.num_nodes is 2, but this process was started alone (no torchrun, srun, or NODE_RANK and "
+            "MASTER_ADDR a node's processes find each other by): launch one per node (docs/cluster.md)",
+        ),
         "stochastic weight averaging": (
             ["--trainer.callbacks+=lightning.pytorch.callbacks.StochasticWeightAveraging"]
             + ["--trainer.callbacks.swa_lrs", "0.001"],
@@ -360,7 +374,9 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a learning-rate monitor without a logger", "levels that fit nowhere", "a negative data seed",
          "a monitor with Lightning's epoch ending", "a validation metric monitored without validation data",
          "a validation metric monitored with no validation batches",
-         "an accumulation scheduler beside accumulate_grad_batches", "a learning-rate finder inside fit"]  # fmt: skip
+         "an accumulation scheduler beside accumulate_grad_batches", "a learning-rate finder inside fit",
+         "a validation interval of 0", "a negative logging interval",
+         "several nodes from one plain process"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch",
@@ -374,7 +390,8 @@ def test_a_users_mistake_is_one_short_error_with_exit_status_2(case, tmp_path, s
         pytest.skip("transformer-engine is installed here: the precision trains")
     caplog.set_level("INFO")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("LIT_HBP_DEBUG", raising=False)
+    for name in ("LIT_HBP_DEBUG", "MASTER_ADDR", "NODE_RANK"):  # (a second node's address: not this test's)
+        monkeypatch.delenv(name, raising=False)
     args, says = bad_inputs(tmp_path, small_demo)[case]
     base = ["fit", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--data.demo_dir", str(small_demo),
             "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"]  # fmt: skip

@@ -121,6 +121,11 @@ def check_curriculum(levels: Sequence[Any], callbacks: Any) -> None:
                 )
 
 
+# What a multi-node launch leaves in a process's environment: Lightning's own NODE_RANK and MASTER_ADDR
+# (Kubeflow's too), MPI's (Open MPI, PMI), LSF's jsrun.
+LAUNCHER_MARKS = {"NODE_RANK", "MASTER_ADDR", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "LSB_JOBID"}
+
+
 def check_launcher(trainer: Mapping[str, Any]) -> None:
     """A launcher (torchrun, SLURM's srun, or any that sets ``WORLD_SIZE`` and ``LOCAL_RANK``: DeepSpeed's, an
     mpirun script) that started another count of processes than the config's ``trainer.devices x
@@ -143,6 +148,12 @@ def check_launcher(trainer: Mapping[str, Any]) -> None:
         check_slurm_layout(trainer, world)
     elif "LOCAL_RANK" in env and env.get("WORLD_SIZE", "").isdigit():  # Lightning takes such a run as launched
         started, how = int(env["WORLD_SIZE"]), "its launcher started {} (the WORLD_SIZE it set)"
+    elif int(trainer.get("num_nodes", 1)) > 1 and not LAUNCHER_MARKS & set(env):
+        raise ConfigError(  # Lightning would start this node's processes and wait for the others for half an hour
+            f"trainer.num_nodes is {trainer.get('num_nodes')}, but this process was started alone (no torchrun, "
+            "srun, or NODE_RANK and MASTER_ADDR a node's processes find each other by): launch one per node "
+            "(docs/cluster.md)"
+        )
     else:
         return
     if started != world:
@@ -315,6 +326,16 @@ RUN_RULES = {
         lambda v: v is None or v >= 0,
         "a number >= 0, or null for no clipping",
         "Lightning clips nothing at a value <= 0, so a negative one is a mistyped norm (null or 0: no clipping)",
+    ),
+    "val_check_interval": (
+        lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+        "a number of micro-batches >= 1 or a share of the epoch > 0, or null",
+        "Lightning divides by it after the first micro-batch trained",
+    ),
+    "log_every_n_steps": (
+        lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+        "a whole number >= 0 (0: never)",
+        "Lightning logs every step at a negative one",
     ),
 }
 
