@@ -144,6 +144,14 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             "ModelCheckpoint saves after each validation, which runs every 7 micro-batches "
             "(trainer.val_check_interval), but an optimizer step accumulates 2 micro-batches",
         ),
+        "a validation inside an optimizer step, Lightning's default checkpoint": (  # the user named none
+            ["--trainer.callbacks", "[]", "--trainer.val_check_interval", "7"],
+            "Lightning's default ModelCheckpoint (trainer.enable_checkpointing adds it when none is given) saves after "
+            "each validation, which runs every 7 micro-batches (trainer.val_check_interval), but an optimizer step "
+            "accumulates 2 micro-batches (trainer.accumulate_grad_batches): a checkpoint saved inside a step cannot "
+            "be resumed exactly. Give a val_check_interval that is a multiple of 2, or add a ModelCheckpoint with "
+            "save_on_train_epoch_end: true, or trainer.enable_checkpointing: false",
+        ),
         "a checkpoint by time inside an optimizer step": (
             [
                 "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
@@ -376,7 +384,8 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "a validation metric monitored with no validation batches",
          "an accumulation scheduler beside accumulate_grad_batches", "a learning-rate finder inside fit",
          "a validation interval of 0", "a negative logging interval",
-         "several nodes from one plain process"]  # fmt: skip
+         "several nodes from one plain process",
+         "a validation inside an optimizer step, Lightning's default checkpoint"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch",

@@ -812,6 +812,16 @@ def test_a_level_yaml_reads_as_a_base_60_number_is_refused(tmp_path, capsys, mon
     assert err[0].startswith("error: --data.levels[0]: 1024:1 reads as the base-60 number 61441"), err
     with pytest.raises(ConfigError, match=r"line 4: data.levels\[1\]: 4096:1 reads as the base-60 number"):
         read_config(extra)
+    assert yaml.safe_load("a: 0:00:00.5")["a"] == 0.5  # a time with a fraction: a base-60 float
+    extra.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+        "      init_args: {train_time_interval: 0:00:00.5}\n"
+    )
+    err = cli_error(capsys, ["fit", "--config", TINY, "--config", str(extra)])
+    assert err[0] == (
+        f"error: {extra}, line 4: trainer.callbacks[0].init_args.train_time_interval: 0:00:00.5 reads as the base-60 "
+        "number 0.5 in YAML: quote it ('0:00:00.5')"
+    ), err
     extra.write_text("data:\n  levels: ['1024:1', '4096:1:2']\n")
     cli = main(["--config", TINY, "--config", str(extra)], run=False)
     assert [(lv.pack_len, lv.sp, lv.ckpt_layers) for lv in cli.datamodule.levels] == [(1024, 1, 0), (4096, 1, 2)]

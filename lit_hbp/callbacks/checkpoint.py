@@ -48,7 +48,8 @@ class FinalCheckpoint(StepEndCallback):
     the final step there, as Lightning does, but does not write ``last.ckpt`` again after the epoch closed.
 
     When ``max_steps`` ends the run, or it is stopped (``trainer.should_stop``: ``max_time``, early stopping,
-    a callback; a stop asked inside an optimizer step is held until the step's end), the save happens at that
+    a callback; a stop asked inside an optimizer step is held until the step's end, where Lightning validates
+    once more, as after any stop asked there: a second ``val/loss``, of the final weights), the save happens at that
     step's end (in ``on_train_batch_end`` / ``on_validation_end``, after the checkpoint callbacks' own hooks),
     as a scheduled ``every_n_train_steps`` save would: a checkpoint written later, after Lightning has closed
     the epoch, would resume at the next epoch and skip the rest of this one (a resume refuses one). So is the

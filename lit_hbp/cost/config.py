@@ -54,6 +54,7 @@ def check_yaml_text(text: str, where: str, key: str = "") -> None:
     """What YAML 1.1 (PyYAML, jsonargparse and OmegaConf read it) would take silently, refused by its key in ``text``
     (a config file ``where``, or a command-line value: ``where`` empty, ``key`` its option):
     - an unquoted ``4096:1`` is the base-60 number 245761: a level written PACK_LEN:SP would train other pack lengths;
+      ``0:00:00.5`` the number 0.5 (a ``train_time_interval`` then stopped on a 20-line report of every type tried);
     - a key given twice in one mapping keeps the last: a second ``sources:`` pasted below the first, or a second
       ``trainer:`` section, drops the first without a word."""
     import yaml
@@ -80,7 +81,9 @@ def check_yaml_text(text: str, where: str, key: str = "") -> None:
             queue += [(v, f"{at}.{k.value}".lstrip(".")) for k, v in node.value]
         elif isinstance(node, yaml.SequenceNode):
             queue += [(v, f"{at}[{i}]") for i, v in enumerate(node.value)]
-        elif isinstance(node, yaml.ScalarNode) and node.tag.endswith(":int") and not node.style and ":" in node.value:
+        elif isinstance(node, yaml.ScalarNode) and node.tag.endswith((":int", ":float")) and not node.style:
+            if ":" not in node.value:
+                continue
             hint = " or write a mapping, e.g. {pack_len: ..., sp: ...}" if "levels" in at else ""
             raise ConfigError(
                 f"{line}{at or 'the value'}: {node.value} reads as the base-60 number {yaml.safe_load(node.value)} "

@@ -245,11 +245,38 @@ def check_checkpoint_positions(
         )
         saves = saves or (cb.save_last == "link" and cb.save_top_k == 0)
         if saves and not on_epoch_end:
+            default = is_default_checkpoint(cb)
+            if default:
+                name = "Lightning's default ModelCheckpoint (trainer.enable_checkpointing adds it when none is given)"
+            fix = (
+                "add a ModelCheckpoint with save_on_train_epoch_end: true, or trainer.enable_checkpointing: false"
+                if default
+                else "save_on_train_epoch_end: true"
+            )
             raise ConfigError(
                 f"{name} saves after each validation, which runs {every} (trainer.val_check_interval), but {step}: "
                 "a checkpoint saved inside a step cannot be resumed exactly. Give a val_check_interval that is a "
-                f"multiple of {math.lcm(*accumulations)}, or save_on_train_epoch_end: true"
+                f"multiple of {math.lcm(*accumulations)}, or {fix}"
             )
+
+
+def is_default_checkpoint(cb: Any) -> bool:
+    """Whether ``cb`` is a ``ModelCheckpoint()`` with every setting Lightning's default: the one
+    ``enable_checkpointing`` adds when the trainer has none, which a user cannot find in their callbacks."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return (
+        type(cb) is ModelCheckpoint
+        and cb.dirpath is None
+        and cb.filename is None
+        and cb.monitor is None
+        and cb.save_last is None
+        and cb.save_top_k == 1
+        and not cb._every_n_train_steps
+        and cb._every_n_epochs == 1
+        and cb._train_time_interval is None
+        and cb._save_on_train_epoch_end is None
+    )
 
 
 def check_resumed_position(epoch: int, micro: int, batches: int, current_epoch: int, accumulate: int) -> None:
