@@ -164,7 +164,7 @@ TRAINER_VALUES = [
     ("num_sanity_val_steps", -2), ("num_sanity_val_steps", -1), ("log_every_n_steps", -1),
     ("check_val_every_n_epoch", 1.5), ("reload_dataloaders_every_n_epochs", -1), ("num_nodes", 0),
     ("gradient_clip_algorithm", "max"), ("gradient_clip_algorithm", "norm"), ("max_time", "00:99"),
-    ("max_time", "00:00:10:00"),
+    ("max_time", "00:00:10:00"), ("val_check_interval", 0), ("log_every_n_steps", 0), ("val_check_interval", 0.25),
 ]  # fmt: skip
 
 
@@ -178,7 +178,10 @@ def test_the_trainer_check_refuses_exactly_what_lightning_refuses(key, value):
     except Exception:  # whatever Lightning raises for the value
         lightning_refuses = True
     section = Namespace(trainer=Namespace(**{key: value}))
-    if lightning_refuses:
+    from lit_hbp.cli.checks import RUN_RULES
+
+    stricter = key in RUN_RULES and not RUN_RULES[key][0](value)  # what lit-hbp refuses beyond Lightning, on purpose
+    if lightning_refuses or stricter:
         with pytest.raises(ConfigError, match=r"^trainer"):
             check_trainer_values(section)
     else:

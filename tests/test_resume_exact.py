@@ -558,3 +558,39 @@ def test_a_finished_max_epochs_runs_own_final_checkpoint_is_complete(tmp_path, s
     with pytest.raises(ConfigError, match="was saved after 2 epoch"):
         check_resumed_steps({"ckpt_path": path, "trainer": {"max_epochs": 2, "max_steps": -1}})
     assert check_resumed_steps({"ckpt_path": path, "trainer": {"max_epochs": 3, "max_steps": -1}}) is None
+
+
+def test_a_resume_validating_on_other_records_is_refused_where_a_callback_ranks_val_scores(tmp_path, small_demo):
+    """``data.val_sources`` changed between a run and its resume: the val/ scores of the two sets are not
+    comparable, and a ModelCheckpoint monitoring val/loss ranked (and deleted) checkpoints by both without a word.
+    Refused then; said (a warning) without such a callback; the same records from a moved file resume as before."""
+    import json
+    import shutil
+
+    def chats(path, words):
+        rows = [{"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": f"{w} {w}"}]}
+                for w in words]  # fmt: skip
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    first = chats(tmp_path / "val_a.jsonl", ["red", "green", "blue", "amber"])
+    other = chats(tmp_path / "val_b.jsonl", ["one", "two", "three"])
+    every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    steps = dict(max_steps=2, max_epochs=-1, limit_val_batches=0)
+    fit(tmp_path / "reference", small_demo, [every], enable_checkpointing=True, data={"val_sources": [{"path": first}]},
+        **steps)  # fmt: skip
+    ckpt = str(tmp_path / "ckpt" / "step=1.ckpt")
+    ranks = ModelCheckpoint(tmp_path / "best", monitor="val/loss")
+    with pytest.raises(ConfigError, match=r"this run validates on 3 records, the checkpoint's run on 4 others \("
+                       r"data.val_sources\): ModelCheckpoint \(monitor 'val/loss'\) would rank"):  # fmt: skip
+        fit(tmp_path / "ranked", small_demo, [ranks], enable_checkpointing=True, ckpt_path=ckpt,
+            data={"val_sources": [{"path": other}]}, **steps)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"validates on nothing, the checkpoint's run on 4 others .*not comparable"):
+        fit(tmp_path / "none", small_demo, ckpt_path=ckpt, **steps)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.copy(first, moved / "val_a.jsonl")
+    same = fit(tmp_path / "same", small_demo, [ModelCheckpoint(tmp_path / "best2", monitor="val/loss")],
+               enable_checkpointing=True, ckpt_path=ckpt, data={"val_sources": [{"path": str(moved / "val_a.jsonl")}]},
+               **steps)  # fmt: skip
+    assert len(same.rows) == 2  # step 2's micro-batches, trained on

@@ -66,7 +66,7 @@ from lit_hbp.lightning.renderers import (  # noqa: F401  (public here too: their
     tokenizer_files,
     tokenizer_from_files,
 )
-from lit_hbp.lightning.resume_checks import check_held_out
+from lit_hbp.lightning.resume_checks import check_held_out, check_same_validation
 from lit_hbp.lightning.rng import every_rank_state
 from lit_hbp.model.sp_media import WHOLE_ITEMS, split_items_problem
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
@@ -229,6 +229,7 @@ class HBPDataModule(L.LightningDataModule):
         self._planned_steps: tuple | None = None  # (key, count): ``counted_once``'s
         self._told: tuple[int, int] | None = None  # (epoch, accumulation) of the plan whose summary was logged last
         self._set_up_for, self.held_out = 0, None  # the world size, the held-out records (``records_identity``)
+        self.validation: dict | None = None  # the validation set's records (``records_identity``)
 
     @property
     def vocab_size(self) -> int:
@@ -240,7 +241,8 @@ class HBPDataModule(L.LightningDataModule):
         files: a checkpoint is then all an export needs. Every rank's generators (``lightning.rng``; a collective:
         a checkpoint is dumped on every rank), which a resumed fit sets as it fetches its first micro-batch."""
         state = {"tokenizer_files": tokenizer_files(self.tokenizer), "rng": every_rank_state(), "seed": self.seed,
-                 "val_fraction": self.val_fraction, "held_out": self.held_out}  # fmt: skip
+                 "val_fraction": self.val_fraction, "held_out": self.held_out,
+                 "validation": self.validation}  # fmt: skip
         if self.processor is not None:
             state["processor_files"] = tokenizer_files(self.processor)
         if self.selector is not None:  # what it chose: a search on resume may choose others (a measured one by time)
@@ -251,13 +253,16 @@ class HBPDataModule(L.LightningDataModule):
         """A resumed run keeps the tokenizer it was given (its data are tokenized with it); one that
         differs from the checkpoint's is said, since the ids and the chat format would change mid-run. A fit
         takes this rank's generators of the checkpoint (``PlanLoader`` sets them); a validation holds out what the
-        checkpoint held out (``check_held_out``)."""
+        checkpoint held out (``check_held_out``); a resumed fit that validates on other records says so, or refuses
+        where a callback ranks val/ scores (``check_same_validation``)."""
         trainer = self.trainer
         if trainer is not None and trainer.state.fn == TrainerFn.VALIDATING and self.val_fraction:
             check_held_out(state, trainer._checkpoint_connector._loaded_checkpoint, self.seed, self.val_fraction,
                            self.held_out)  # fmt: skip
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._resume_selection(state.get("selected_levels"))
+            if "validation" in state:  # (saved since lit-hbp knew it)
+                check_same_validation(state["validation"], self.validation, trainer.callbacks)
             states = state.get("rng")
             self.resume_rng = states[trainer.global_rank] if len(states or ()) == trainer.world_size else {}
             if states is None or len(states) != trainer.world_size:
@@ -439,6 +444,8 @@ class HBPDataModule(L.LightningDataModule):
                 raise DataError("the validation set is empty after its over-length samples were dropped")
         self.val_store = val
         self.held_out = store.records_identity(*held)
+        none = dict(records=0, where="", what="")
+        self.validation = val.records_identity(val.source_of, val.row_of) if val is not None else none
         if self.val_sources and self.val_store is not None:
             self.val_store.count_training_copies(store, len(tokenized))
         self.store, self._set_up_for, self._plans, self._val_plan = store, world, {}, None

@@ -135,3 +135,30 @@ def check_same_records(fit: dict | None, now: dict | None) -> None:
         f"{fit['records']} others and trained on some of these: its sources, their order, data.seed or "
         "data.val_fraction differ from the fit's; validate with the fit's data settings"
     )
+
+
+def check_same_validation(saved: dict | None, now: dict | None, callbacks: list) -> None:
+    """A resumed fit that validates on other records than its checkpoint's run (``data.val_sources`` changed;
+    identities by ``SampleStore.records_identity``, either way of matching keeps it the same): its ``val/`` scores
+    cannot be compared with the earlier ones. A callback monitoring one (a ModelCheckpoint's top-k, an
+    EarlyStopping's best) would rank them together without a word, keeping or deleting checkpoints by the old
+    set's scores, so that is refused; otherwise it is said."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    same = saved is None or now is None or now["where"] == saved["where"] or now["what"] == saved["what"]
+    if same or (not saved["records"] and not now["records"]):
+        return
+    what = f"{now['records']} records" if now["records"] else "nothing"
+    theirs = f"{saved['records']} others" if saved["records"] else "nothing"
+    monitors = [
+        f"{type(cb).__name__} (monitor {cb.monitor!r})"
+        for cb in callbacks
+        if isinstance(getattr(cb, "monitor", None), str) and cb.monitor.startswith("val/")
+    ]
+    said = f"this run validates on {what}, the checkpoint's run on {theirs} (data.val_sources"
+    if monitors:
+        raise ConfigError(
+            f"{said}): {', '.join(monitors)} would rank their val/ scores beside the earlier ones, which are not "
+            "comparable; keep the checkpoint's validation data, or train on from its weights as a new run"
+        )
+    rank_zero_warn(f"{said}): val/ metrics from here on are not comparable with the earlier ones")
