@@ -401,7 +401,7 @@ def untie_adapted_embeddings(net: torch.nn.Module) -> None:
     """Before LoRA is merged into a model whose output head shares the input embedding's weight: give the head
     its own copy when an adapter sits on either side. The run trained ``E + dE`` for the input and the shared
     ``E`` (or ``E + dH``) for the output; merged into one shared tensor, the adapter of one would reach both.
-    The export then stores both matrices and says they are no longer tied."""
+    The export then stores both matrices and says they are no longer tied (``say_untied``)."""
     base = net.get_base_model()
     inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
     if inputs is None or outputs is None:
@@ -412,7 +412,17 @@ def untie_adapted_embeddings(net: torch.nn.Module) -> None:
     if head.weight is not shared_in or not adapted:
         return
     head.weight = torch.nn.Parameter(shared_in.detach().clone(), requires_grad=head.weight.requires_grad)
-    for config in {id(c): c for c in (base.config, base.config.get_text_config())}.values():
+
+
+def say_untied(net: torch.nn.Module) -> None:
+    """A model whose output head no longer shares the input embedding's tensor (an untied adapter merged, a
+    trained ``modules_to_save`` copy of the head) says so in every config that carries ``tie_word_embeddings``:
+    peft unties only the top level's, and a loader reading ``text_config`` (a vision-language model's text model,
+    a server) would tie the trained head back to the embedding."""
+    inputs, outputs = net.get_input_embeddings(), net.get_output_embeddings()
+    if inputs is None or outputs is None or outputs.weight is inputs.weight:
+        return
+    for config in {id(c): c for c in (net.config, net.config.get_text_config())}.values():
         if getattr(config, "tie_word_embeddings", False):
             config.tie_word_embeddings = False
 
@@ -431,6 +441,24 @@ def warn_unservable_base(name: str, out: Path) -> None:
         "base model's folder or Hub id",
         stacklevel=3,
     )
+
+
+def warn_half_frozen(ckpt: dict, dtype: str) -> None:
+    """DeepSpeed keeps the weights a run did not train (a LoRA run's base, a frozen vision tower) only as its
+    module's copies, in the run's half precision (``frozen_param_fragments``): an export wider than that writes
+    them rounded, not the base folder's values. What the run computed with, but said, since an adapter export over
+    the base folder then serves other logits than the merged one."""
+    frozen = ckpt.get("frozen_param_fragments") or {}
+    width = torch.finfo(DTYPES[dtype]).bits
+    half = sorted({str(t.dtype).removeprefix("torch.") for t in frozen.values() if torch.is_tensor(t)
+                   and t.is_floating_point() and torch.finfo(t.dtype).bits < width})  # fmt: skip
+    if half:
+        warnings.warn(
+            f"the checkpoint holds the {len(frozen)} weights the run did not train in {', '.join(half)}, as DeepSpeed "
+            f"kept them: this {dtype} export writes them rounded so, not the base model's values (a LoRA run's "
+            "adapters exported alone, without --merge-lora, leave them to the base folder)",
+            stacklevel=3,
+        )
 
 
 def export_dtype(ckpt: dict) -> str:
@@ -474,9 +502,12 @@ def export_checkpoint(
             f"--tokenizer {tokenizer}: the checkpoint holds the tokenizer the run trained with, which the export "
             "writes; --tokenizer is for checkpoints written before lit-hbp kept it: drop it"
         )
+    if not adapters_only:
+        warn_half_frozen(ckpt, dtype)
     if hasattr(net, "peft_config") and merge_lora:
         untie_adapted_embeddings(net)
         net = net.merge_and_unload()
+        say_untied(net)
     net = cast_for_saving(net, DTYPES[dtype])
     base = net.get_base_model() if hasattr(net, "peft_config") else net
     for key in base.config.sub_configs:  # save_pretrained writes the top level's; sub-configs say the same (as

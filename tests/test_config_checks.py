@@ -15,7 +15,8 @@ import yaml
 from conftest import TINY_LLAMA, quiet_trainer
 
 from lit_hbp.cli.app import main
-from lit_hbp.cli.checks import check_logging_callbacks, world_size_of
+from lit_hbp.cli.checks import check_logging_callbacks
+from lit_hbp.cli.launch import world_size_of
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.lightning.plan_checks import accumulation_at, check_accumulation_windows, check_validation_interval
@@ -110,7 +111,7 @@ def test_a_launcher_that_started_another_count_of_processes_is_refused(tmp_path,
     assert err[0] == f"error: the config trains on 1 process (trainer.devices x trainer.num_nodes), {said}: launch " \
         "as many as it trains on, or set trainer.devices (docs/cluster.md)", err  # fmt: skip
     monkeypatch.setenv(*next((k, "1") for k in ("WORLD_SIZE", "SLURM_NTASKS") if k in env))
-    from lit_hbp.cli.checks import check_launcher
+    from lit_hbp.cli.launch import check_launcher
 
     check_launcher({"devices": 1})
 
@@ -118,7 +119,7 @@ def test_a_launcher_that_started_another_count_of_processes_is_refused(tmp_path,
 def test_a_slurm_layout_other_than_the_configs_is_refused_in_one_line(monkeypatch):
     """SLURM's 2 tasks on 2 nodes for a config of 2 devices on 1 node: the counts agree, and Lightning stopped on a
     traceback about --ntasks-per-node after the data was read; refused first, naming the key. Its layout runs."""
-    from lit_hbp.cli.checks import check_launcher
+    from lit_hbp.cli.launch import check_launcher
 
     for key, value in dict(
         SLURM_NTASKS="2", SLURM_JOB_NAME="train", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE="1"

@@ -272,3 +272,69 @@ def test_a_vision_language_export_says_one_eos_at_the_top_level_in_its_text_conf
     assert alone.generation_config.eos_token_id == tok.eos_token_id
     assert GenerationConfig.from_model_config(served.text_config).eos_token_id == tok.eos_token_id
     assert generated(alone, [20, other, 21, tok.eos_token_id, 22]) == [20, other, 21, tok.eos_token_id]
+
+
+def test_a_trained_copy_of_a_tied_head_is_untied_in_every_config_of_a_vision_language_export(tmp_path):
+    """Gemma 3 tied (its top level and ``text_config``), LoRA with ``modules_to_save: [lm_head]``: merged, the head is
+    the trained copy, but peft untied the top level's flag only, so a text model built from the export's
+    ``text_config`` (a server reading it) tied the head back to the embedding. The reference: the export loaded
+    both ways against the trained module's own logits."""
+    from transformers import Gemma3ForCausalLM
+    from vision_models import build_gemma3
+
+    from lit_hbp import unprepare_model
+
+    folder = build_gemma3(tmp_path / "gemma3")
+    assert AutoConfig.from_pretrained(folder).get_text_config().tie_word_embeddings
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"hello {i} the fox", "response": "a cat on a mat"}) + "\n"
+                            for i in range(16)))  # fmt: skip
+    dm = HBPDataModule(sources=[{"path": str(data)}], tokenizer=str(folder), levels=["128:1"], cache_dir=str(tmp_path))
+    torch.manual_seed(0)
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}
+    module = HBPLitModule(model=str(folder), vocab_size=dm.vocab_size, self_check=False, lr=1e-2, lora=lora)
+    trainer = quiet_trainer(max_steps=3)
+    trainer.fit(module, dm)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    net = unprepare_model(copy.deepcopy(module.model))
+    net.get_base_model().set_attn_implementation("eager")
+    probe = torch.tensor([PROBE])
+    with torch.no_grad():
+        want = net.eval()(input_ids=probe, use_cache=False).logits[0]
+    out = export_checkpoint(tmp_path / "run.ckpt", tmp_path / "merged", merge_lora=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["text_config"]["tie_word_embeddings"] is False
+    whole = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    text = Gemma3ForCausalLM(AutoConfig.from_pretrained(out).text_config)  # what a text-only reader builds
+    assert text.lm_head.weight is not text.model.embed_tokens.weight
+    with torch.no_grad():
+        torch.testing.assert_close(whole.eval()(input_ids=probe, use_cache=False).logits[0], want, atol=2e-5, rtol=1e-5)
+
+
+def test_a_deepspeed_half_precision_runs_frozen_weights_are_exported_as_it_kept_them_and_said(
+    chats, toy_tokenizer, tmp_path, recwarn
+):
+    """ZeRO-2 in bf16 keeps a LoRA run's frozen base weights only as its module's bf16 copies: the merged float32
+    export writes them rounded to bf16 (what the run computed with), no longer the base folder's values, while the
+    adapter export leaves them to the base folder. Said for the merged export, not for the adapters alone. The
+    reference: the base folder's weights and torch's own bf16 rounding of them."""
+    from safetensors.torch import load_file
+
+    from lit_hbp.lightning.strategy import HBPStrategy
+
+    base = save_pretrained_checkpoint(tmp_path / "base", toy_tokenizer, "llama", **SHAPE)
+    dm = HBPDataModule(sources=[{"path": str(chats)}], tokenizer=str(base), levels=["128:1"], cache_dir=str(tmp_path))
+    torch.manual_seed(0)
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj"]}
+    module = HBPLitModule(model=str(base), vocab_size=dm.vocab_size, self_check=False, lr=1e-2, lora=lora)
+    trainer = quiet_trainer(max_steps=1, strategy=HBPStrategy(stage=2), devices=1, precision="bf16-mixed")
+    trainer.fit(module, dm)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    recwarn.clear()
+    export_checkpoint(tmp_path / "run.ckpt", tmp_path / "adapter")
+    assert not [w for w in recwarn if "did not train" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"holds the \d+ weights the run did not train in bfloat16, as DeepSpeed"):
+        out = export_checkpoint(tmp_path / "run.ckpt", tmp_path / "merged", merge_lora=True)
+    name = "model.layers.0.mlp.down_proj.weight"  # no adapter on it
+    kept, saved = load_file(base / "model.safetensors")[name], load_file(out / "model.safetensors")[name]
+    assert saved.dtype == torch.float32 and torch.equal(saved, kept.bfloat16().float()) and not torch.equal(saved, kept)

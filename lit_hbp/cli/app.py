@@ -44,10 +44,8 @@ from lit_hbp.cli.checks import (
     check_run_config,
     check_trainer_values,
     check_yaml_texts,
-    compact_config,
-    compact_yaml,
-    dataclass_defaults,
 )
+from lit_hbp.cli.compact import compact_config, compact_yaml, dataclass_defaults
 from lit_hbp.cli.parser import (
     DEBUG_ENV,
     HBPArgumentParser,

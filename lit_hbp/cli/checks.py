@@ -6,72 +6,20 @@ against the levels), and the compact resolved config printed after set-up.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import importlib
 import importlib.util
 import logging
 import re
-import typing
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import yaml
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lit_hbp.cli.launch import check_launcher, world_size_of
 from lit_hbp.cost.run_settings import check_deepspeed_precision
 from lit_hbp.errors import ConfigError, did_you_mean
 from lit_hbp.model.checks import check_model_config, check_model_source, model_config
-
-# (field names, field defaults) of the dataclasses a list option's entries may be.
-EntryDefaults = list[tuple[frozenset[str], dict[str, Any]]]
-
-
-def _device_count(devices: Any, accelerator: Any) -> int | None:
-    """Devices per node as Lightning will count them, or None when only the started run knows."""
-    kind = accelerator.lower() if isinstance(accelerator, str) else None
-    if isinstance(devices, bool) or devices is None:
-        return None
-    if isinstance(devices, (list, tuple)):
-        return len(devices) or None
-    if isinstance(devices, str):
-        text = devices.strip()
-        if text == "auto":
-            return 1 if kind == "cpu" else _all_devices(kind)
-        if "," in text:  # device indices
-            return len([x for x in text.split(",") if x.strip()]) or None
-        try:
-            devices = int(text)
-        except ValueError:
-            return None
-    if isinstance(devices, int):
-        if devices > 0:
-            return devices
-        if devices == -1 and kind != "cpu":
-            return _all_devices(kind)
-    return None
-
-
-def _all_devices(kind: str | None) -> int | None:
-    if kind not in ("gpu", "cuda", "auto"):
-        return None
-    from lightning.fabric.accelerators.cuda import num_cuda_devices
-
-    n = num_cuda_devices()  # NVML where it can: does not initialize CUDA in this process
-    if n > 0:
-        return n
-    return 1 if kind == "auto" else None
-
-
-def world_size_of(trainer: Mapping[str, Any]) -> int | None:
-    """trainer.devices x trainer.num_nodes from a trainer config section, or None when it cannot be
-    known before the run starts (e.g. ``devices: auto`` on an accelerator this process cannot count)."""
-    n = _device_count(trainer.get("devices", "auto"), trainer.get("accelerator", "auto"))
-    nodes = trainer.get("num_nodes", 1)
-    if n is None or isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-        return None
-    return n * nodes
 
 
 def check_sp_setup(levels: Sequence[Any], world_size: int, model: Any) -> None:
@@ -121,69 +69,6 @@ def check_curriculum(levels: Sequence[Any], callbacks: Any) -> None:
                 )
 
 
-# What a multi-node launch leaves in a process's environment: Lightning's own NODE_RANK and MASTER_ADDR
-# (Kubeflow's too), MPI's (Open MPI, PMI), LSF's jsrun.
-LAUNCHER_MARKS = {"NODE_RANK", "MASTER_ADDR", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "LSB_JOBID"}
-
-
-def check_launcher(trainer: Mapping[str, Any]) -> None:
-    """A launcher (torchrun, SLURM's srun, or any that sets ``WORLD_SIZE`` and ``LOCAL_RANK``: DeepSpeed's, an
-    mpirun script) that started another count of processes than the config's ``trainer.devices x
-    trainer.num_nodes``: Lightning checks the two only for several devices, so one device under two processes
-    trained two separate copies of the run, each saying "world 1". Under SLURM the layout too: a count per node
-    other than ``trainer.devices`` stopped on Lightning's traceback."""
-    import os
-
-    from lightning.fabric.plugins.environments import TorchElasticEnvironment
-    from lightning.fabric.plugins.environments.slurm import _is_srun_used
-
-    world = world_size_of(trainer)
-    if world is None:
-        return
-    env = os.environ
-    if TorchElasticEnvironment.detect():
-        started, how = int(env["WORLD_SIZE"]), "torchrun started {} (--nnodes x --nproc_per_node)"
-    elif _is_srun_used():
-        started, how = int(env["SLURM_NTASKS"]), "SLURM started {} (--nodes x --ntasks-per-node)"
-        check_slurm_layout(trainer, world)
-    elif "LOCAL_RANK" in env and env.get("WORLD_SIZE", "").isdigit():  # Lightning takes such a run as launched
-        started, how = int(env["WORLD_SIZE"]), "its launcher started {} (the WORLD_SIZE it set)"
-    elif int(trainer.get("num_nodes", 1)) > 1 and not LAUNCHER_MARKS & set(env):
-        raise ConfigError(  # Lightning would start this node's processes and wait for the others for half an hour
-            f"trainer.num_nodes is {trainer.get('num_nodes')}, but this process was started alone (no torchrun, "
-            "srun, or NODE_RANK and MASTER_ADDR a node's processes find each other by): launch one per node "
-            "(docs/cluster.md)"
-        )
-    else:
-        return
-    if started != world:
-        raise ConfigError(
-            f"the config trains on {world} process{'es' if world > 1 else ''} (trainer.devices x trainer.num_nodes), "
-            f"but {how.format(started)}: launch as many as it trains on, or set trainer.devices (docs/cluster.md)"
-        )
-
-
-def check_slurm_layout(trainer: Mapping[str, Any], world: int) -> None:
-    """SLURM's processes per node (``--ntasks-per-node``, else its tasks over its nodes) against
-    ``trainer.devices``, and its nodes against ``trainer.num_nodes`` (where SLURM says them)."""
-    import os
-
-    nodes = int(trainer.get("num_nodes", 1))
-    devices = world // nodes
-    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-    slurm_nodes = os.environ.get("SLURM_NNODES") or os.environ.get("SLURM_JOB_NUM_NODES") or ""
-    if per_node.isdigit() and int(per_node) != devices:
-        raise ConfigError(
-            f"trainer.devices is {devices} a node, but SLURM starts {per_node} (--ntasks-per-node): launch one "
-            "task per device, or set trainer.devices (docs/cluster.md)"
-        )
-    if slurm_nodes.isdigit() and int(slurm_nodes) != nodes:
-        raise ConfigError(
-            f"trainer.num_nodes is {nodes}, but SLURM gave {slurm_nodes} nodes (--nodes): set trainer.num_nodes to "
-            "it (docs/cluster.md)"
-        )
-
-
 def check_run_config(config: Mapping[str, Any], trains: bool = True) -> None:
     """What a LightningCLI config (the subcommand's section, as plain data) shows wrong before any
     process spawns: the model (its folder, or the mapping's keys), the levels against the world size
@@ -208,102 +93,6 @@ def check_run_config(config: Mapping[str, Any], trains: bool = True) -> None:
     world = world_size_of(config.get("trainer") or {})
     if world is not None:
         check_sp_setup(levels, world, model)
-
-
-# ---- the resolved config, compact ------------------------------------------------------------------
-
-
-@functools.cache
-def class_arguments(class_path: str) -> dict[str, Any]:
-    """The init arguments jsonargparse accepts for a class (``**kwargs`` resolved the way it resolves
-    them) with their defaults as a config dump writes them; {} when the class cannot be resolved."""
-    from jsonargparse import ArgumentParser
-
-    module, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-        parser = ArgumentParser(exit_on_error=False)
-        parser.add_class_arguments(cls, fail_untyped=False)
-        dumped = parser.dump(parser.get_defaults(), skip_validation=True, skip_none=False)
-    except (ImportError, AttributeError, TypeError, ValueError, argparse.ArgumentError):
-        return {}
-    return yaml.safe_load(dumped) or {}
-
-
-def dataclass_defaults(typehint: Any) -> EntryDefaults:
-    """(field names, field defaults) of every dataclass a type hint names (``list[Source | dict]``:
-    Source's)."""
-    out = []
-    if dataclasses.is_dataclass(typehint) and isinstance(typehint, type):
-        fields = dataclasses.fields(typehint)
-        defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
-        out.append((frozenset(f.name for f in fields), defaults))
-    for arg in typing.get_args(typehint):
-        out += dataclass_defaults(arg)
-    return out
-
-
-def _compact_value(value: Any, entry_defaults: EntryDefaults) -> Any:
-    if isinstance(value, list):
-        return [_compact_value(v, entry_defaults) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if "class_path" in value:
-        init = value.get("init_args") or {}
-        defaults = class_arguments(value["class_path"])
-        init = {k: v for k, v in init.items() if k not in defaults or defaults[k] != v}
-        return {"class_path": value["class_path"], **({"init_args": init} if init else {})}
-    for names, defaults in entry_defaults:  # a dataclass entry: the fields it sets to other than their default
-        if set(value) <= names:
-            return {k: v for k, v in value.items() if k not in defaults or defaults[k] != v}
-    return value
-
-
-def compact_config(
-    config: Mapping[str, Any],
-    defaults: Mapping[str, Any],
-    entry_defaults: Mapping[str, EntryDefaults] | None = None,
-) -> dict[str, Any]:
-    """``config`` without what equals ``defaults`` (nested by section), class specs without their
-    default init_args, and dataclass entries (``entry_defaults``: per dotted key) without default
-    fields: what a run actually sets, short enough to read at the start of its log."""
-    entry_defaults = entry_defaults or {}
-
-    def walk(cfg: Mapping[str, Any], dflt: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-        out = {}
-        for key, value in cfg.items():
-            dotted = f"{prefix}{key}"
-            default = dflt.get(key, dataclasses.MISSING) if isinstance(dflt, Mapping) else dataclasses.MISSING
-            if isinstance(value, Mapping) and "class_path" not in value and isinstance(default, Mapping):
-                sub = walk(value, default, f"{dotted}.")
-                if sub:
-                    out[key] = sub
-            elif value != default:
-                out[key] = _compact_value(value, entry_defaults.get(dotted, []))
-        return out
-
-    return walk(config, defaults, "")
-
-
-class _CompactDumper(yaml.SafeDumper):
-    """Block YAML whose short leaf collections (no nested ones) are written on one line."""
-
-
-def _represent_compact(dumper: yaml.SafeDumper, data: dict | list) -> yaml.Node:
-    items = data.values() if isinstance(data, dict) else data
-    flow = bool(data) and not any(isinstance(v, (dict, list)) for v in items) and len(repr(data)) <= 72
-    if isinstance(data, dict):
-        return dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=flow)
-    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
-
-
-_CompactDumper.add_representer(dict, _represent_compact)
-_CompactDumper.add_representer(list, _represent_compact)
-
-
-def compact_yaml(data: Mapping[str, Any]) -> str:
-    """``data`` as block YAML in its own key order, short leaf lists and mappings inline."""
-    return yaml.dump(dict(data), Dumper=_CompactDumper, sort_keys=False, width=120).rstrip()
 
 
 # Trainer arguments whose values need this machine's hardware or a built object to check: the probe in

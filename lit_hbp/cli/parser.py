@@ -20,7 +20,7 @@ from jsonargparse._typehints import ActionTypeHint  # jsonargparse exports no pu
 from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.utilities import rank_zero_only
 
-from lit_hbp.cli.checks import class_arguments
+from lit_hbp.cli.compact import class_arguments
 from lit_hbp.errors import ConfigError, UserInputError, did_you_mean
 
 DEBUG_ENV = "LIT_HBP_DEBUG"  # the full traceback instead of the short error

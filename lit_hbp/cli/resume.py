@@ -14,7 +14,8 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_hbp.cli.checks import is_deepspeed, is_instance_entry, world_size_of
+from lit_hbp.cli.checks import is_deepspeed, is_instance_entry
+from lit_hbp.cli.launch import world_size_of
 from lit_hbp.errors import ConfigError
 from lit_hbp.lightning.checkpoints import (
     WEIGHTS_ONLY,

@@ -66,7 +66,7 @@ from lit_hbp.lightning.renderers import (  # noqa: F401  (public here too: their
     tokenizer_files,
     tokenizer_from_files,
 )
-from lit_hbp.lightning.resume_checks import check_held_out, check_same_validation
+from lit_hbp.lightning.resume_checks import check_held_out, check_same_validation, same_records
 from lit_hbp.lightning.rng import every_rank_state
 from lit_hbp.model.sp_media import WHOLE_ITEMS, split_items_problem
 from lit_hbp.packing import DEFAULT_PACKER, PACKERS, Level, Plan, plan_hbp, validate_levels
@@ -261,8 +261,8 @@ class HBPDataModule(L.LightningDataModule):
                            self.held_out)  # fmt: skip
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             self._resume_selection(state.get("selected_levels"))
-            if "validation" in state:  # (saved since lit-hbp knew it)
-                check_same_validation(state["validation"], self.validation, trainer.callbacks)
+            if same_records(state.get("held_out"), self.held_out):  # else the plan's own checks refuse the resume
+                check_same_validation(state.get("validation"), self.validation, trainer.callbacks)
             states = state.get("rng")
             self.resume_rng = states[trainer.global_rank] if len(states or ()) == trainer.world_size else {}
             if states is None or len(states) != trainer.world_size:

@@ -137,6 +137,14 @@ def check_same_records(fit: dict | None, now: dict | None) -> None:
     )
 
 
+def same_records(saved: dict | None, now: dict | None) -> bool:
+    """Whether two ``SampleStore.records_identity`` name the same records (by where they lie or by what they
+    hold; None: not known, taken as the same)."""
+    if saved is None or now is None or (not saved["records"] and not now["records"]):
+        return True
+    return now["where"] == saved["where"] or now["what"] == saved["what"]
+
+
 def check_same_validation(saved: dict | None, now: dict | None, callbacks: list) -> None:
     """A resumed fit that validates on other records than its checkpoint's run (``data.val_sources`` changed;
     identities by ``SampleStore.records_identity``, either way of matching keeps it the same): its ``val/`` scores
@@ -145,8 +153,7 @@ def check_same_validation(saved: dict | None, now: dict | None, callbacks: list)
     set's scores, so that is refused; otherwise it is said."""
     from lightning.pytorch.utilities import rank_zero_warn
 
-    same = saved is None or now is None or now["where"] == saved["where"] or now["what"] == saved["what"]
-    if same or (not saved["records"] and not now["records"]):
+    if same_records(saved, now):
         return
     what = f"{now['records']} records" if now["records"] else "nothing"
     theirs = f"{saved['records']} others" if saved["records"] else "nothing"
