@@ -551,9 +551,10 @@ def test_a_prefix_that_attends_both_ways_is_refused_in_a_pack():
 
 def test_a_mask_given_by_position_is_read_as_a_mask():
     """``model(ids, mask, position_ids=...)``: the mask given second is the attention mask it is. An all-ones mask
-    with restarting positions attends over the row as one (as the unprepared model, eager), not split at the
-    restarts (read as no mask, it was); a left-padded row with generate's positions is the unprepared model's
-    call, not refused as a pack that pads."""
+    with restarting positions is refused, given by name or by position (the unprepared model attends over the row as
+    one, so the documents the positions mark would attend to each other; read as no mask, it was split at the
+    restarts); a left-padded row with generate's positions is the unprepared model's call, not refused as a pack
+    that pads."""
     reference, model = pair()
     ids = torch.randint(1, 64, (1, 12), generator=torch.Generator().manual_seed(0))
     restarting = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2]])
@@ -561,10 +562,15 @@ def test_a_mask_given_by_position_is_read_as_a_mask():
     padded = torch.tensor([[0, 0, 0] + [1] * 9])
     generating = (padded.cumsum(-1) - 1).masked_fill(padded == 0, 1)
     with torch.no_grad():
-        for mask, positions, kept in ((ones, restarting, ones), (padded, generating, padded)):
-            want = reference(ids, mask, position_ids=positions).logits[kept.bool()]
-            assert max_diff(model(ids, mask, position_ids=positions).logits[kept.bool()], want) < 1e-5
-            assert max_diff(model(ids, attention_mask=mask, position_ids=positions).logits[kept.bool()], want) < 1e-5
+        want = reference(ids, padded, position_ids=generating).logits[padded.bool()]
+        assert max_diff(model(ids, padded, position_ids=generating).logits[padded.bool()], want) < 1e-5
+        assert max_diff(model(ids, attention_mask=padded, position_ids=generating).logits[padded.bool()], want) < 1e-5
+        for call in (
+            lambda: model(ids, ones, position_ids=restarting),
+            lambda: model(ids, attention_mask=ones, position_ids=restarting),
+        ):
+            with pytest.raises(ValueError, match="restart .* beside an all-ones attention_mask"):
+                call()
         split = model(input_ids=ids, position_ids=restarting).logits  # no mask: a pack of three documents
         assert max_diff(split, reference(ids, ones, position_ids=restarting).logits) > 1e-2
 

@@ -699,3 +699,68 @@ def test_a_packed_call_refuses_a_mask_of_its_own_and_attention_weights_asked_by_
     model.config.output_attentions = False
     reference.config.output_attentions = True  # outside a pack the prepared model gives what the unprepared does
     assert len(reference(input_ids=torch.as_tensor(pairs[0][0])[None]).attentions) == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "falcon", "gpt_bigcode", "stablelm"])
+def test_attention_weights_asked_in_a_packed_call_are_refused_in_families_that_take_the_keyword_themselves(family):
+    """``model(**pack_inputs(batch), output_attentions=True)``: GPT-2, OPT, Falcon, GPTBigCode and StableLM take the
+    keyword as their own argument and never pass it to the attention, which computes no weights in a pack: they gave
+    back empty or None weights without a word. The unprepared model returns one tensor a layer."""
+    from transformers import AutoConfig
+
+    shape = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    if family in ("gpt2", "gpt_bigcode"):
+        shape = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4)
+    elif family == "opt":
+        shape = {**shape, "ffn_dim": 64, "word_embed_proj_dim": 32}
+        shape.pop("intermediate_size")
+    elif family == "falcon":
+        shape.pop("intermediate_size")
+    elif family == "stablelm":
+        shape["num_key_value_heads"] = 4
+    config = AutoConfig.for_model(family, **shape)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model = prepare_model(copy.deepcopy(reference)).eval()
+    batch = pack_samples(pairs := samples(3))
+    with pytest.raises(ValueError, match="a packed call with output_attentions=True"), torch.no_grad():
+        model(**pack_inputs(batch), output_attentions=True)
+    one = torch.as_tensor(pairs[0][0])[None]
+    with torch.no_grad():  # outside a pack: what the unprepared model gives
+        got, want = (m(input_ids=one, output_attentions=True).attentions for m in (model, reference))
+    assert len(got) == len(want) == 2 and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
+
+
+def test_restarting_positions_in_rows_the_call_runs_whole_are_refused():
+    """Positions that restart inside a row mark a pack's documents, but beside an all-ones attention_mask (a pack the
+    user flattened, a copy of its ids) or in a batch of several rows (packs as padded rows, TRL's ``packing`` without
+    padding-free) the call runs each row as one sequence, as transformers does: the documents attended to each other
+    (logits 0.46 off each document alone). Refused; a row a mask pads, generation, and a pack called as one row without
+    a mask are unchanged (each against the unprepared model or each document alone)."""
+    reference = tiny_model("eager").float().eval()
+    model = prepare_model(copy.deepcopy(reference)).eval()
+    first, second = pack_samples(a := samples(2, seed=1)), pack_samples(samples(2, seed=2))
+    one, two = pack_inputs(first), pack_inputs(second)
+    ids, pos = one["input_ids"].clone(), one["position_ids"]
+    ones = torch.ones_like(ids)
+    with pytest.raises(ValueError, match="position_ids of a row restart .* beside an all-ones attention_mask"):
+        model(input_ids=ids, position_ids=pos, attention_mask=ones)
+    width = min(ids.shape[1], two["input_ids"].shape[1])
+    rows = {k: torch.cat([one[k][:, :width], two[k][:, :width]]) for k in ("input_ids", "position_ids")}
+    with pytest.raises(ValueError, match="position_ids of rows of a batch of 2 restart"):
+        model(**rows)
+    with pytest.raises(ValueError, match="position_ids of rows of a batch of 2 restart"):
+        model(**rows, attention_mask=torch.ones_like(rows["input_ids"]))
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos).logits[0]  # one row, no mask: a pack
+        cu = first.cu_seqlens.tolist()
+        for j, (x, _) in enumerate(a):
+            close(packed[cu[j] : cu[j + 1]], reference(input_ids=torch.as_tensor(x)[None]).logits[0])
+        prompt = torch.tensor([[0, 0, 0, 5, 9, 11, 13, 4]])
+        mask = (prompt != 0).long()
+        left = mask.cumsum(-1) - 1
+        left.masked_fill_(mask == 0, 1)  # generation's positions of a left-padded row: they step back, padded
+        got, want = (m(input_ids=prompt, attention_mask=mask, position_ids=left).logits for m in (model, reference))
+        close(got[mask.bool()], want[mask.bool()])
+        kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(prompt, **kw), reference.generate(prompt, **kw))

@@ -97,6 +97,33 @@ def _cache_of(kwargs: dict):
     return kwargs.get("past_key_values", kwargs.get("cache"))
 
 
+def _refuse_merged_documents(where: str, kwargs: dict) -> None:
+    """A call taken as unpacked whose positions restart inside a row of real tokens (beside an all-ones
+    ``attention_mask``, or in a batch of several rows: packs as padded rows, TRL's ``packing`` without padding-free):
+    its documents would attend to each other as one sequence, as transformers runs it. Refused; rows a mask pads
+    and decoding steps (a cache) are left alone. One read-back from the device, for such calls only."""
+    pos, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
+    if not isinstance(pos, torch.Tensor) or _cache_of(kwargs) is not None:
+        return
+    if pos.dim() == 3 and pos.shape[0] == 4:  # multimodal RoPE: row 0 is the text row
+        pos = pos[0]
+    plain_mask = mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape == pos.shape)
+    if pos.dim() != 2 or pos.shape[1] < 2 or not plain_mask or (mask is None and pos.shape[0] == 1):
+        return
+    restarts = (torch.diff(pos, dim=-1) <= 0).any(dim=-1)
+    if mask is not None:
+        restarts &= mask.bool().all(dim=-1)
+    if not bool(restarts.any()):
+        return
+    rows = "a row" if pos.shape[0] == 1 else f"rows of a batch of {pos.shape[0]}"
+    beside = " beside an all-ones attention_mask" if mask is not None else ""
+    raise ValueError(
+        f"{where}: the position_ids of {rows} restart (the documents of a pack){beside}, but the call runs each row "
+        "as one sequence, so its documents would attend to each other: call a pack as one row without an "
+        "attention_mask (**lit_hbp.pack_inputs(batch)), or give its boundaries (cu_seq_lens_q)"
+    )
+
+
 def _check_packed_call(where: str, kwargs: dict) -> None:
     """What a packed call cannot honour: a KV cache, an attention mask other than all ones (one that pads
     inside the pack, a 4-D or per-layer mask of the caller's own: the boundaries decide what attends)."""
@@ -104,6 +131,11 @@ def _check_packed_call(where: str, kwargs: dict) -> None:
         raise ValueError(
             f"{where}: a packed call (document boundaries) with use_cache=True: a pack's documents cannot be continued "
             "as one row, so no cache is made of it; call it with use_cache=False, or unpacked"
+        )
+    if kwargs.get("output_attentions"):  # families that take it as their own argument never pass it to attention
+        raise ValueError(
+            f"{where}: a packed call with output_attentions=True: the packed attention computes no weights (a "
+            "family's own attention would return none or empty ones); call it unpacked, each document alone"
         )
     cache = _cache_of(kwargs)
     if cache is not None:  # one of earlier tokens, or an empty one the decoder would fill from the pack as one row
@@ -279,6 +311,7 @@ def _enter_call(decoder: torch.nn.Module, args: tuple, kwargs: dict):
                 "they would attend to each other: compute the loss with "
                 "lit_hbp.packed_loss(model, batch), or call the model with **lit_hbp.pack_inputs(batch)"
             )
+        _refuse_merged_documents(type(decoder).__name__, kwargs)
         return None
     _check_packed_call(type(decoder).__name__, kwargs)
     entry = _model_entry(prepared)
