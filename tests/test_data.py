@@ -523,3 +523,41 @@ def test_a_fractional_repeat_trains_the_same_subset_every_epoch_and_text_gets_sp
     for row in (0, 7):
         want = tok(f"hello {row} world")["input_ids"] + [tok.eos_token_id]
         assert text.sample(row)[0].tolist() == want
+
+
+def test_a_text_record_that_starts_with_the_tokenizers_bos_keeps_one(tmp_path, toy_tokenizer):
+    """A ``{"text"}`` record rendered with ``apply_chat_template(tokenize=False)`` starts with the BOS; a tokenizer
+    that prepends its own (Gemma's, Llama's) made it two, the second trained as a target. The reference: the text
+    as written, tokenized without the tokenizer's additions. A text without a BOS still gets the tokenizer's."""
+    from tokenizers import processors
+
+    from lit_hbp.lightning.datamodule import HBPDataModule
+
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    bos = "<|system|>"
+    tok.bos_token = bos
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.convert_tokens_to_ids(bos))]
+    )
+    tok.save_pretrained(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    written, plain = f"{bos}hello world<|endoftext|>", "the lazy dog"
+    assert tok(written)["input_ids"][:2] == [tok.bos_token_id] * 2  # the tokenizer's own BOS before the text's
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": written}, {"text": plain}])
+    dm = HBPDataModule(sources=[{"path": str(path)}], tokenizer=str(tmp_path / "tok"), levels=["64"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.setup("fit")
+    got = sorted((dm.store.tokens(i) for i in range(2)), key=lambda t: len(t[0]))
+    want = tok(written, add_special_tokens=False)["input_ids"]
+    own = [tok.bos_token_id, *tok(plain, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    by_ids = {tuple(np.asarray(ids).tolist()): np.asarray(mask).tolist() for ids, mask in got}
+    assert set(by_ids) == {tuple(want), tuple(own)}, by_ids
+    assert by_ids[tuple(want)] == [False] + [True] * (len(want) - 1)
+
+
+def test_a_pretokenized_records_null_labels_are_refused(tmp_path, toy_tokenizer):
+    """``"labels": null`` (or ``assistant_masks``) read as no field, so every token trained without a word."""
+    for field in ("labels", "assistant_masks"):
+        path = write_jsonl(tmp_path / f"{field}.jsonl", [{"input_ids": [5, 6, 7], field: None}])
+        with pytest.raises(DataError, match=rf"{field}.jsonl:1: {field} is null: give it"):
+            tokenize_source(Source(str(path)), AutoTokenizer.from_pretrained(toy_tokenizer), progress=False)

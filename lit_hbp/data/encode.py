@@ -572,6 +572,12 @@ class _Encoder:
             )
         return blocks
 
+    def _doubled_bos(self, text: str, ids: np.ndarray) -> bool:
+        """Whether the tokenizer put its BOS before a text that starts with it (a chat rendered with
+        ``apply_chat_template(tokenize=False)``): the text as written, and the template's ids, hold one."""
+        bos, token = self.tok.bos_token_id, self.tok.bos_token
+        return bool(bos is not None and token and text.startswith(token) and ids.size > 1 and ids[0] == ids[1] == bos)
+
     def encode_batch(self, prepared: list[tuple[str, list | None, bool]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Tokenize a batch in one call per kind (the fast tokenizer parallelizes it)."""
         out: list = [None] * len(prepared)
@@ -589,6 +595,8 @@ class _Encoder:
                 spans = prepared[i][1]
                 if is_text and self.eos is not None and (ids.size == 0 or ids[-1] != self.eos):
                     ids = np.r_[ids, np.int32(self.eos)]
+                if is_text and self._doubled_bos(prepared[i][0], ids):  # a rendered chat's own BOS: kept alone
+                    ids = ids[1:]
                 target = np.ones(ids.size, dtype=bool)
                 if spans is not None:  # a token trains when it overlaps a trained turn (as char_to_token maps)
                     offsets = np.asarray(enc["offset_mapping"][j], dtype=np.int64).reshape(-1, 2)

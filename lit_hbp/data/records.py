@@ -523,6 +523,12 @@ class RecordReader:
                 f"{where}: attention_mask has zeros: a pre-tokenized record must hold one unpadded sample "
                 "(lit-hbp packs and pads itself)"
             )
+        for field in ("labels", "assistant_masks"):
+            if self.name(field) in record and record[self.name(field)] is None:
+                raise DataError(
+                    f"{where}: {self.name(field)} is null: give it (labels: -100 on the tokens that do not train; "
+                    "assistant_masks: 1 on those that do), or leave the field out for every token to train"
+                )
         return TokenRecord(
             record[self.name("input_ids")],
             record.get(self.name("labels")),

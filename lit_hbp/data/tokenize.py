@@ -62,7 +62,9 @@ from lit_hbp.errors import ConfigError, DataError
 # 11: tool-call arguments given as a JSON string go to the template as that string (they were parsed).
 # 12: a tool_call_id the template does not render on a user or assistant message is refused (it was dropped).
 # 13: image paths by the data file's folder made absolute (a source given relative to the run kept "./img/a.png").
-CACHE_VERSION = 13
+# 14: a text record that starts with the tokenizer's BOS keeps it alone (the tokenizer's own was put before it); a
+#     pre-tokenized record's null labels / assistant_masks refused (every token trained).
+CACHE_VERSION = 14
 # Below this much of a source, worker processes cost more to start than they save (num_proc=None).
 PARALLEL_MIN_BYTES = 8 << 20
 PARALLEL_MIN_ROWS = 8192
