@@ -152,6 +152,15 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             "be resumed exactly. Give a val_check_interval that is a multiple of 2, or add a ModelCheckpoint with "
             "save_on_train_epoch_end: true, or trainer.enable_checkpointing: false",
         ),
+        "liger on the CPU": (  # refused once the data was tokenized (50 s of the demo; hours of a corpus)
+            ["--model.liger", "true"],
+            "model.liger: liger=True needs a CUDA GPU (Liger's kernels are Triton kernels), but trainer.accelerator "
+            "is cpu",
+        ),
+        "a frozen vision tower of a text model": (  # refused once the data was tokenized
+            ["--model.freeze_vision", "true"],
+            "model.freeze_vision: LlamaForCausalLM has no vision tower (a text-only model)",
+        ),
         "a checkpoint by time inside an optimizer step": (
             [
                 "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
@@ -385,7 +394,8 @@ CASES = ["malformed JSON", "record without messages", "empty file", "over-length
          "an accumulation scheduler beside accumulate_grad_batches", "a learning-rate finder inside fit",
          "a validation interval of 0", "a negative logging interval",
          "several nodes from one plain process",
-         "a validation inside an optimizer step, Lightning's default checkpoint"]  # fmt: skip
+         "a validation inside an optimizer step, Lightning's default checkpoint", "liger on the CPU",
+         "a frozen vision tower of a text model"]  # fmt: skip
 # Found from the config, the paths and the files' first bytes, before the resolved config is printed; the
 # others (a record's content) when the data is tokenized, after it.
 AFTER_THE_CONFIG = {"malformed JSON", "record without messages", "over-length", "a validation interval past the epoch",

@@ -3,6 +3,7 @@ every count of samples left out says how many distinct records it is and why."""
 
 import json
 import os
+import re
 import types
 
 import numpy as np
@@ -434,3 +435,24 @@ def test_a_data_file_read_as_the_list_of_sources_is_named_whatever_its_records_l
     record = json.dumps({"messages": [{"role": "user", "content": "word " * 200}]})
     with pytest.raises(DataError, match=r"sources\[0\]: .* is a record, not a path"):
         Source.of(record, "sources[0]")
+
+
+def test_a_parquet_source_that_is_not_one_is_a_data_error_naming_it(tmp_path, toy_tokenizer):
+    """A Parquet file cut short, or a JSONL file given ``file_type: parquet``: pyarrow's ArrowInvalid stopped the run
+    on a 40-line traceback naming neither (an Arrow or Hub file_type on the same file was named)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from lit_hbp.data.tokenize import tokenize_source
+
+    rows = [{"prompt": f"q {i}", "response": f"a {i}"} for i in range(200)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "whole.parquet")
+    data = (tmp_path / "whole.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    for source in (Source(str(tmp_path / "cut.parquet")), Source(str(tmp_path / "d.jsonl"), file_type="parquet")):
+        with pytest.raises(DataError, match=rf"^{re.escape(str(source.local_path))}: not a Parquet file .*file_type"):
+            tokenize_source(source, tok, progress=False)
+    assert tokenize_source(Source(str(tmp_path / "whole.parquet")), tok, progress=False).where(0).endswith(":row 1")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +150,32 @@ def test_the_gpu_extra_requires_the_liger_that_apply_liger_accepts():
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert LIGER_FLOOR in project["optional-dependencies"]["gpu"]
+
+
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        ({"loss": "sample_mean"}, "the token weights differ per token"),
+        ({"lora": {"rank": 4, "modules_to_save": ["lm_head"]}}, "the LM head is wrapped"),
+        ({"lora": {"rank": 4, "target_modules": ["q_proj", "lm_head"]}}, "the LM head is wrapped"),
+    ],
+)
+def test_liger_says_where_its_fused_loss_does_not_apply(liger, setting, says):
+    """``liger=True`` with a loss whose weights differ per token or an LM head an adapter wraps ran the chunked loss
+    (the same values) without a word, while the run looked like a fused one; a plain head with ``ave_token`` fuses
+    and says nothing."""
+    pytest.importorskip("peft", reason="peft is not installed")
+    functional, _ = liger()
+    batch = micro_batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = HBPLitModule(model=TINY_LLAMA, vocab_size=300, liger=True, attn_backend="sdpa")
+        fused.configure_model()
+        fused(batch)
+    assert len(functional.CALLS) == 1 and not [w for w in caught if "fused linear cross-entropy" in str(w.message)]
+    functional.CALLS.clear()
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=300, liger=True, attn_backend="sdpa", **setting)
+    module.configure_model()
+    with pytest.warns(UserWarning, match=f"Liger's fused linear cross-entropy is not used, since {says}"):
+        module(batch)
+    assert functional.CALLS == []

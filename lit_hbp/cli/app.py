@@ -80,7 +80,7 @@ from lit_hbp.lightning.datamodule import HBPDataModule
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.lightning.resume_checks import EXECUTION
 from lit_hbp.lightning.strategy import config_zero_stage  # (registers --trainer.strategy hbp, hbp_stage_N)
-from lit_hbp.model.build import check_lora_strategy, check_model_before_data
+from lit_hbp.model.build import check_liger_before_data, check_lora_strategy, check_model_before_data
 
 TERMINATED = 128 + 15  # a shell's status for a program ended by SIGTERM
 RUNS = "runs"  # the run folder's root (default_root_dir), relative to the working directory
@@ -217,8 +217,12 @@ class HBPCLI(LightningCLI):
             config = section.as_dict()
             zero_stage = config_zero_stage((config.get("trainer") or {}).get("strategy"))
             model = config.get("model") or {}
-            check_model_before_data(model.get("model"), (config.get("data") or {}).get("levels"), zero_stage=zero_stage)
+            levels = (config.get("data") or {}).get("levels")
+            freeze = bool(model.get("freeze_vision"))
+            check_model_before_data(model.get("model"), levels, zero_stage=zero_stage, freeze=freeze)
             check_lora_strategy(model.get("lora"), zero_stage)
+            if model.get("liger"):
+                check_liger_before_data((config.get("trainer") or {}).get("accelerator"))
         except ValueError as e:
             if debugging() or not self.parser.exit_on_error:
                 raise

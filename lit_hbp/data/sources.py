@@ -355,10 +355,19 @@ def source_units(source: Source) -> tuple[int, str]:
     if kind in ("jsonl", "json"):
         return path.stat().st_size, "B"
     if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows, " rows"
+        return _parquet(path).metadata.num_rows, " rows"
     return len(_table(source)), " rows"
+
+
+def _parquet(path: Path):
+    """A Parquet file opened, or a DataError naming it (a file cut short, another format named parquet)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: not a Parquet file ({e}): a file cut short, or set the source's file_type") from None
 
 
 def _table(source: Source):
@@ -421,10 +430,16 @@ def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int 
     elif kind == "json":
         yield from _array_chunks(path, chunk_bytes, chunk_rows)
     elif kind == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow as pa
 
-        row = 1
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=chunk_rows):
+        row, batches = 1, _parquet(path).iter_batches(batch_size=chunk_rows)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowInvalid, OSError) as e:  # a page cut or damaged after the footer read well
+                raise DataError(f"{path}: rows from {row} on cannot be read ({e})") from None
+            if batch is None:
+                return
             yield Chunk(first=row, records=[without_nulls(r) for r in batch.to_pylist()], size=batch.num_rows)
             row += batch.num_rows
     else:

@@ -123,16 +123,18 @@ class HBPLitModule(L.LightningModule):
         self_check: at the start of fit, check that this model trains a pack of short documents
             exactly as it trains them one by one, at every level's SP degree (``lit_hbp.model.selfcheck``;
             a few forward/backward passes); refuse to train otherwise. On by default.
-        lora: train LoRA adapters (peft) instead of the full model: ``{rank: 16, alpha: 32,
+        lora: train LoRA adapters (peft) instead of the full model, e.g. ``{rank: 16, alpha: 32,
             dropout: 0.05, target_modules: all-linear, modules_to_save: [lm_head]}`` (other
-            ``peft.LoraConfig`` fields by their own names). Only the adapters (and the modules to
+            ``peft.LoraConfig`` fields by their own names); what is not given is peft's default (rank 8,
+            alpha 8, dropout 0, no modules to save) but ``target_modules``: all-linear. Only the adapters (and the modules to
             save) get gradients and optimizer states; every level's SP degree, checkpointing and
             ZeRO stage work as for full fine-tuning. Export writes the adapter, or merged weights.
         liger: Liger kernels on a CUDA GPU (``pip install lit-hbp[gpu]``): RMSNorm, RoPE and SwiGLU
             of the model family where Liger has them (applied before LoRA wraps the model), and the
             fused linear cross-entropy in place of the chunked one, the LM head's gradient
-            accumulated in fp32 (not for ``sample_mean``, whose weights differ per token, nor under
-            ZeRO-3, which partitions the LM head's weight). Liger's loss reads two values on the
+            accumulated in fp32 (not for ``sample_mean``, whose weights differ per token, nor for an LM head
+            an adapter wraps, both said, nor under ZeRO-3, which partitions the LM head's weight). Refused
+            before the data is read on the CPU. Liger's loss reads two values on the
             host per micro-step (docs/design.md section 11). Off by default.
         freeze_vision: a vision-language model's image encoder keeps its weights (its projector and
             language model train); refused for a text-only model. Off by default: the tower trains.

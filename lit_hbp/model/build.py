@@ -157,7 +157,7 @@ def build_on_meta(config: Any) -> torch.nn.Module | None:
 
 
 def check_model_before_data(
-    model: Any, levels: Any = None, key: str = "model.model", zero_stage: int | None = None
+    model: Any, levels: Any = None, key: str = "model.model", zero_stage: int | None = None, freeze: bool = False
 ) -> None:
     """A ``model`` argument (checkpoint folder or config mapping) holding a token mixer that carries state
     across documents (``lit_hbp.model.mixers``) and that lit-hbp cannot run document by document, or one that
@@ -166,11 +166,13 @@ def check_model_before_data(
     own code does what a packed call cannot see (``lit_hbp.model.family_checks``), is refused before the data is
     read: the model is built from its config on the meta device (no weights, no memory) and looked at as
     ``prepare_model`` will look at the real one. A config that cannot be built here is left to where it is
-    built."""
+    built. ``freeze``: ``model.freeze_vision`` asked, refused for a model without a vision tower."""
     config = model_config(model)
     net = None if config is None else build_on_meta(config)
     if net is None:
         return
+    if freeze and vision_tower(net) is None:
+        raise ConfigError(f"model.freeze_vision: {type(net).__name__} has no vision tower (a text-only model)")
     decoder = decoder_of(net)
     mixers = stateful_mixers(decoder)
     refused = [m for m in mixers if not m.per_document]
@@ -289,6 +291,19 @@ def checkpoint_layers(net: torch.nn.Module) -> list[torch.nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in net.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def check_liger_before_data(accelerator: Any) -> None:
+    """``liger=True`` refused before the data is read where it will be refused at set-up: on the CPU
+    (``trainer.accelerator``, or a machine with no CUDA device, counted without initializing CUDA) or without
+    liger-kernel installed."""
+    from lightning.fabric.accelerators.cuda import num_cuda_devices
+
+    if accelerator == "cpu" or (accelerator in (None, "auto", "gpu", "cuda") and num_cuda_devices() == 0):
+        where = "trainer.accelerator is cpu" if accelerator == "cpu" else "this machine has no CUDA device"
+        raise ConfigError(f"model.liger: liger=True needs a CUDA GPU (Liger's kernels are Triton kernels), but {where}")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("model.liger: liger=True needs liger-kernel: pip install 'lit-hbp[gpu]'")
 
 
 def check_liger() -> None:

@@ -23,6 +23,7 @@ import functools
 import inspect
 import math
 import numbers
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -278,6 +279,23 @@ class PackedLoss(NamedTuple):
         return stats[0] / stats[1].clamp(min=1.0)
 
 
+def warn_liger_unfused(head, plain_head: bool, scale) -> None:
+    """Said where ``liger=True`` cannot fuse the LM head with the cross-entropy (the chunked loss runs, same
+    values; Liger's other kernels stay): shown once per reason by Python's warning filter."""
+    why = []
+    if not plain_head:
+        why.append(f"the LM head is wrapped ({type(head.linear).__name__}: a LoRA adapter or a modules_to_save copy)")
+    if not isinstance(scale, float):
+        why.append("the token weights differ per token (loss sample_mean, or weights given)")
+    if plain_head and head.scale != 1.0 and head.linear.bias is not None:
+        why.append("the head has both a logit scale and a bias")
+    warnings.warn(
+        f"liger=True: Liger's fused linear cross-entropy is not used, since {' and '.join(why)}: the chunked "
+        "cross-entropy computes the loss (the same values; Liger's other kernels still run)",
+        stacklevel=3,
+    )
+
+
 def packed_loss(
     model: torch.nn.Module,
     batch: PackedBatch,
@@ -355,6 +373,8 @@ def packed_loss(
     fusable = plain_head and isinstance(scale, float) and (head.scale == 1.0 or head.linear.bias is None)
     if liger:
         check_liger()
+        if not fusable:
+            warn_liger_unfused(head, plain_head, scale)
     if liger and fusable:
         total, ce_sum, n = fused_linear_cross_entropy(hidden[0], head, labels, scale, batch.target_index)
     else:
