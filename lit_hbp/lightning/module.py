@@ -126,9 +126,9 @@ class HBPLitModule(L.LightningModule):
         lora: train LoRA adapters (peft) instead of the full model, e.g. ``{rank: 16, alpha: 32,
             dropout: 0.05, target_modules: all-linear, modules_to_save: [lm_head]}`` (other
             ``peft.LoraConfig`` fields by their own names); what is not given is peft's default (rank 8,
-            alpha 8, dropout 0, no modules to save) but ``target_modules``: all-linear. Only the adapters (and the modules to
-            save) get gradients and optimizer states; every level's SP degree, checkpointing and
-            ZeRO stage work as for full fine-tuning. Export writes the adapter, or merged weights.
+            alpha 8, dropout 0, no modules to save) but ``target_modules``: all-linear. Only the
+            adapters (and the modules to save) get gradients and optimizer states; every level's SP degree,
+            checkpointing and ZeRO stage work as for full fine-tuning. Export writes the adapter, or merged weights.
         liger: Liger kernels on a CUDA GPU (``pip install lit-hbp[gpu]``): RMSNorm, RoPE and SwiGLU
             of the model family where Liger has them (applied before LoRA wraps the model), and the
             fused linear cross-entropy in place of the chunked one, the LM head's gradient
