@@ -567,7 +567,7 @@ def test_a_resume_on_another_learning_rate_schedule_says_where_the_rate_moves(
     assert said == [
         "resumed at step 2 on a learning-rate schedule of 4 optimizer steps (1 of warm-up); the checkpoint's run "
         "followed 2 (1): the learning rate moves from 2e-06 to 1.55e-05 here and follows the new schedule (resume "
-        "with the run's own max_steps to keep its)"
+        "with the run's own max_steps, max_epochs and limit_train_batches to keep its)"
     ]
     assert rates.taken == pytest.approx([1.55e-5, 6.5e-6], rel=1e-6)  # step 2 took the old schedule's 2e-6
     trainer, said = run(2, ce_chunk_size=7)  # a setting of the run alone (the loss's chunk) is taken as given

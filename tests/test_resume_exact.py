@@ -594,3 +594,32 @@ def test_a_resume_validating_on_other_records_is_refused_where_a_callback_ranks_
                enable_checkpointing=True, ckpt_path=ckpt, data={"val_sources": [{"path": str(moved / "val_a.jsonl")}]},
                **steps)  # fmt: skip
     assert len(same.rows) == 2  # step 2's micro-batches, trained on
+
+
+@pytest.mark.parametrize(
+    "changed, says",
+    [
+        (dict(gradient_clip_val=0.05), r"trainer.gradient_clip_val None -> 0.05 from the checkpoint's run"),
+        (
+            dict(precision="bf16-true"),
+            r"trainer.precision '32-true' -> 'bf16-true' .*\(its fp32 weights and optimizer "
+            r"state are cast to the new precision\)",
+        ),  # fmt: skip
+    ],
+)
+def test_a_resume_with_other_clipping_or_precision_says_so(tmp_path, small_demo, changed, says):
+    """Lightning applies the config's clipping and precision to a resumed run without a word: a run resumed with
+    clipping it never had trained on otherwise (weights 1.7e-3 off the run it continues), and one resumed in
+    ``bf16-true`` cast the fp32 weights and AdamW moments. Said, naming each; the same settings say nothing."""
+    import warnings
+
+    every = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    steps = dict(max_steps=3, max_epochs=-1)
+    fit(tmp_path / "reference", small_demo, [every], enable_checkpointing=True, **steps)
+    ckpt = str(tmp_path / "ckpt" / "step=2.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path / "same", small_demo, ckpt_path=ckpt, **steps)
+    assert not [w for w in caught if "from the checkpoint's run" in str(w.message)]
+    with pytest.warns(UserWarning, match=says):
+        fit(tmp_path / "changed", small_demo, ckpt_path=ckpt, **steps, **changed)

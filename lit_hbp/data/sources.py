@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_hbp.data.records import RECORD_FORMATS, RecordReader
+from lit_hbp.data.tables import open_parquet, open_table
 from lit_hbp.errors import ConfigError, DataError
 
 FILE_TYPES = ("auto", "jsonl", "json", "parquet", "arrow", "hf", "hub")
@@ -355,55 +356,8 @@ def source_units(source: Source) -> tuple[int, str]:
     if kind in ("jsonl", "json"):
         return path.stat().st_size, "B"
     if kind == "parquet":
-        return _parquet(path).metadata.num_rows, " rows"
-    return len(_table(source)), " rows"
-
-
-def _parquet(path: Path):
-    """A Parquet file opened, or a DataError naming it (a file cut short, another format named parquet)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"{path}: not a Parquet file ({e}): a file cut short, or set the source's file_type") from None
-
-
-def _table(source: Source):
-    """A memory-mapped table source: an Arrow IPC file or stream, a ``datasets.save_to_disk`` folder,
-    or a Hub data set's snapshot read by ``datasets`` (offline: its files are on this machine)."""
-    kind, path = source.resolved_file_type, source.local_path
-    if kind == "arrow":
-        import pyarrow as pa
-
-        try:
-            return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
-        except pa.ArrowInvalid:
-            try:
-                return pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
-            except pa.ArrowInvalid as e:
-                raise DataError(f"{path}: not an Arrow IPC file or stream ({e})") from None
-    import datasets
-
-    if kind == "hub":
-        try:
-            data = datasets.load_dataset(str(path), name=source.subset, split=source.split or "train")
-            return data.with_format(None)
-        except ValueError as e:  # an unknown split or subset: datasets names the ones there are
-            raise DataError(f"data source {source.path!r} (the Hub data set in {path}): {e}") from None
-    data = datasets.load_from_disk(str(path))
-    if isinstance(data, datasets.DatasetDict):
-        split = source.split or "train"
-        if split not in data:
-            raise DataError(f"{path}: split {split!r} not found; splits are {sorted(data)}")
-        data = data[split]
-    elif source.split is not None:
-        raise DataError(
-            f"{path}: split {source.split!r}, but this folder holds one data set (save_to_disk of a Dataset, not a "
-            "DatasetDict), which has no splits: drop split"
-        )
-    return data.with_format(None)  # rows as Python objects, whatever format save_to_disk kept (numpy, torch, ...)
+        return open_parquet(path).metadata.num_rows, " rows"
+    return len(open_table(source)), " rows"
 
 
 def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int | None = None) -> Iterator[Chunk]:
@@ -432,7 +386,7 @@ def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int 
     elif kind == "parquet":
         import pyarrow as pa
 
-        row, batches = 1, _parquet(path).iter_batches(batch_size=chunk_rows)
+        row, batches = 1, open_parquet(path).iter_batches(batch_size=chunk_rows)
         while True:
             try:
                 batch = next(batches, None)
@@ -443,7 +397,7 @@ def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int 
             yield Chunk(first=row, records=[without_nulls(r) for r in batch.to_pylist()], size=batch.num_rows)
             row += batch.num_rows
     else:
-        table = _table(source)
+        table = open_table(source)
         for row in range(0, len(table), chunk_rows):
             part = table.slice(row, chunk_rows) if kind == "arrow" else table[row : row + chunk_rows]
             records = part.to_pylist() if kind == "arrow" else [dict(zip(part, v)) for v in zip(*part.values())]

@@ -31,12 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from lit_hbp.data.cache import CacheWriter, cache_lock, is_complete, mask_spans, read_cache, spans_mask
-from lit_hbp.data.encode import (  # noqa: F401  (public here too: their first home)
-    CHAT_TEMPLATES,
-    TRAIN_ON,
-    _Encoder,
-    resolve_chat_template,
-)
+from lit_hbp.data.chat_templates import CHAT_TEMPLATES, resolve_chat_template  # noqa: F401  (public here too)
+from lit_hbp.data.encode import TRAIN_ON, _Encoder  # noqa: F401  (TRAIN_ON: public here too)
 from lit_hbp.data.media import Image, MediaExpander, Video, media_entry, processor_fingerprint
 from lit_hbp.data.pretokenized import IGNORE_INDEX, pretokenized  # noqa: F401  (IGNORE_INDEX: public here too)
 from lit_hbp.data.records import TokenRecord

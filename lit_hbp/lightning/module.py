@@ -34,6 +34,7 @@ from lit_hbp.lightning.optimizer import (
     check_deepspeed_accumulation,
     check_optimizer_settings,
     clips_scaled_gradients,
+    clips_whole_gradients,
     decay_groups,
     grad_norm,
     optimizer_device,
@@ -43,10 +44,11 @@ from lit_hbp.lightning.optimizer import (
 from lit_hbp.lightning.recompile import DYNAMO_LOG, RECOMPILE_LIMIT, RecompileLimitWatch, set_recompile_limit
 from lit_hbp.lightning.refused_callbacks import check_callbacks, check_started_callbacks
 from lit_hbp.lightning.resume_checks import (
-    check_resumed_config,
-    check_resumed_settings,
+    TRAINER_SETTINGS,
+    check_resumed_fit,
     check_same_records,
     fit_held_out,
+    kept_trainer_settings,
 )
 from lit_hbp.lightning.schedule import LR_SCHEDULE, long_warmup, lr_factor, run_steps, schedule_moved, take_schedule_now
 from lit_hbp.model import attention
@@ -238,11 +240,14 @@ class HBPLitModule(L.LightningModule):
         """The model's config travels with its weights, so export needs nothing but the checkpoint (the run's folder
         may be gone): ``hf_config``, the dtype its base was saved in (``hf_saved_dtype``: the export's), and the
         model folder's own generation config (sampling defaults, every EOS id) as ``hf_generation_config`` (its
-        non-default fields; without one the export rebuilds it from the config and tokenizer)."""
+        non-default fields; without one the export rebuilds it from the config and tokenizer); the trainer's clipping
+        and precision (``kept_trainer_settings``), which a resume that changes them says."""
         net = self.base_model
         checkpoint["hf_config"], checkpoint["hf_saved_dtype"] = net.config.to_dict(), saved_dtype(net)
         if self._schedule is not None:
             checkpoint[LR_SCHEDULE] = dict(self._schedule)
+        if self._trainer is not None:
+            checkpoint[TRAINER_SETTINGS] = kept_trainer_settings(self._trainer)
         generation = getattr(net, "generation_config", None)
         if generation is not None and own_generation_config(generation, net.config):
             checkpoint["hf_generation_config"] = generation.to_diff_dict()
@@ -251,11 +256,9 @@ class HBPLitModule(L.LightningModule):
         """The learning-rate schedule the checkpoint's run followed, which the resumed run must follow (a
         checkpoint written before lit-hbp saved it holds none). A fit resumed with module arguments other than its
         checkpoint's (a DeepSpeed folder, ``last``, SLURM's requeue, a project's own ``Trainer.fit``: what no command
-        line read first), or whose model folder now builds another config, is refused."""
+        line read first), or whose model folder now builds another config, is refused (``check_resumed_fit``)."""
         if self._trainer is not None and self.trainer.state.fn == "fit":  # also a restore no command line read first
-            saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if k != "model"}
-            check_resumed_settings(self.hparams, saved, "ckpt_path")  # (SLURM's requeue, a project's Trainer.fit)
-            check_resumed_config(self.base_model.config.to_dict(), checkpoint.get("hf_config"))  # the model itself
+            check_resumed_fit(self.hparams, checkpoint, self.base_model.config.to_dict(), self.trainer)
         self._resumed_schedule, self._fit_held_out = checkpoint.get(LR_SCHEDULE), fit_held_out(checkpoint)
         self._resumed_step = int(checkpoint.get("global_step", 0))
         self._say_schedule()
@@ -564,16 +567,7 @@ class HBPLitModule(L.LightningModule):
         whose norm is over shards): ``clip_grad_norm_`` with torch's multi-tensor kernels, the norm left
         on the device (Lightning's own clips tensor by tensor off CUDA, and refuses the fused AdamW under
         bf16 though bf16 has no loss scale to undo). Otherwise Lightning's. <= 0 clips nothing, as in Lightning."""
-        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
-
-        trainer = self.trainer
-        by_norm = gradient_clip_algorithm is None or gradient_clip_algorithm == "norm"  # a str or Lightning's str enum
-        unscaled = getattr(trainer.precision_plugin, "scaler", None) is None
-        strategy = trainer.strategy  # whole gradients on every rank: one device, DDP (not DeepSpeed's, not FSDP's)
-        whole = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(
-            strategy, DeepSpeedStrategy
-        )
-        if gradient_clip_val is not None and gradient_clip_val > 0 and by_norm and unscaled and whole:
+        if clips_whole_gradients(self.trainer, gradient_clip_val, gradient_clip_algorithm):
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(params, gradient_clip_val, foreach=True)
             return

@@ -155,3 +155,15 @@ def check_deepspeed_accumulation(strategy: Any, accumulate: int) -> None:
             f"DeepSpeed's engine.backward each divide the loss by {accumulate}, so every gradient would be 1/"
             f"{accumulate} of the loss's: train with trainer.strategy hbp (HBPStrategy, DeepSpeed dividing once)"
         )
+
+
+def clips_whole_gradients(trainer: Any, value: float | None, algorithm: Any) -> bool:
+    """Whether ``configure_gradient_clipping`` clips by norm itself: a value > 0, by norm, nothing scaling the
+    gradients, and whole gradients on every rank (one device, DDP; not DeepSpeed's, not a sharding strategy's)."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+    by_norm = algorithm is None or algorithm == "norm"  # a str or Lightning's str enum
+    unscaled = getattr(trainer.precision_plugin, "scaler", None) is None
+    strategy = trainer.strategy
+    whole = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, DeepSpeedStrategy)
+    return value is not None and value > 0 and by_norm and unscaled and whole

@@ -169,3 +169,56 @@ def check_same_validation(saved: dict | None, now: dict | None, callbacks: list)
             "comparable; keep the checkpoint's validation data, or train on from its weights as a new run"
         )
     rank_zero_warn(f"{said}): val/ metrics from here on are not comparable with the earlier ones")
+
+
+# Trainer settings a resume may change (Lightning takes the config's) but whose change is said: the run then goes on
+# otherwise than the one it continues.
+TRAINER_KEPT = ("gradient_clip_val", "gradient_clip_algorithm", "precision")
+TRAINER_SETTINGS = "hbp_trainer"  # the checkpoint's key of them
+
+
+def kept_trainer_settings(trainer: Any) -> dict:
+    """The run's ``TRAINER_KEPT`` settings as its trainer holds them (what a checkpoint keeps as ``hbp_trainer``)."""
+    out = {}
+    for key in TRAINER_KEPT:
+        value = getattr(trainer, key, None)
+        value = getattr(value, "value", value)  # an enum (Lightning's GradClipAlgorithmType): its plain value
+        out[key] = value if value is None or isinstance(value, (int, float)) else str(value)
+    out["gradient_clip_val"] = out["gradient_clip_val"] or None  # 0: no clipping, as None
+    out["gradient_clip_algorithm"] = out["gradient_clip_algorithm"] or "norm"  # Lightning's default
+    return out
+
+
+def kept_settings_moved(saved: dict | None, now: dict) -> str | None:
+    """What a fit resumed with other clipping or precision than its checkpoint's run says (Lightning applies the
+    config's without a word): the run goes on with these, not as the run it continues would have. None when the
+    same, or the checkpoint holds none (written before lit-hbp kept them)."""
+    if not saved:
+        return None
+    moved = [
+        f"trainer.{k} {saved[k]!r} -> {now.get(k)!r}" for k in TRAINER_KEPT if k in saved and saved[k] != now.get(k)
+    ]
+    if not moved:
+        return None
+    was, will = str(saved.get("precision", "")), str(now.get("precision", ""))
+    half = will.endswith("-true") and not will.startswith(("32", "64"))
+    cast = (
+        " (its fp32 weights and optimizer state are cast to the new precision)" if was.startswith("32") and half else ""
+    )
+    return (
+        f"resumed with {', '.join(moved)} from the checkpoint's run: it goes on with these from here{cast}, not as the "
+        "run it continues would have (resume with the run's own to keep them)"
+    )
+
+
+def check_resumed_fit(hparams: Any, checkpoint: dict, config: dict, trainer: Any) -> None:
+    """A fit resumed from ``checkpoint``: module arguments (``hparams``) other than its run's refused, as is a model
+    whose ``config`` is not the one it trained (``check_resumed_config``); other clipping or precision said."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if k != "model"}
+    check_resumed_settings(hparams, saved, "ckpt_path")  # (SLURM's requeue, a project's Trainer.fit)
+    check_resumed_config(config, checkpoint.get("hf_config"))  # the model itself
+    said = kept_settings_moved(checkpoint.get(TRAINER_SETTINGS), kept_trainer_settings(trainer))
+    if said is not None:
+        rank_zero_warn(said)

@@ -81,5 +81,5 @@ def schedule_moved(resumed: dict | None, now: dict | None, step: int, lr: float,
         f"resumed at step {step} on a learning-rate schedule of {now['total']} optimizer steps ({now['warmup']} of "
         f"warm-up); the checkpoint's run followed {resumed['total']} ({resumed['warmup']}): the learning rate "
         f"moves from {was:.3g} to {will:.3g} here and follows the new schedule (resume with the run's own "
-        "max_steps to keep its)"
+        "max_steps, max_epochs and limit_train_batches to keep its)"
     )
