@@ -46,6 +46,15 @@ def alone(model, pairs) -> tuple[torch.Tensor, int]:
     return ce, n
 
 
+def assert_logits_alone(logits: torch.Tensor, reference, pairs, tol: float = 1e-5) -> None:
+    """A pack's logits (one row: [T, V]) against each document's alone through ``reference`` (unprepared)."""
+    start = 0
+    for ids, _ in pairs:
+        want = reference(input_ids=torch.as_tensor(ids)[None]).logits[0]
+        torch.testing.assert_close(logits[start : start + len(ids)], want, rtol=tol, atol=tol)
+        start += len(ids)
+
+
 def test_a_float64_model_computes_its_packed_loss_in_float64():
     """The loss is taken in fp32 at least, never narrowed: a float64 model's loss and CE sum are float64 and
     equal each sample alone (eager, float64) far below fp32's precision."""
@@ -418,9 +427,4 @@ def test_a_model_built_with_hbp_varlen_but_not_prepared_is_told_to_prepare():
         packed_loss(model, pack_samples(samples()), "sum")
     reference = tiny_model("eager")
     pairs = samples()
-    logits = model(**pack_inputs(pack_samples(pairs))).logits[0]
-    start = 0
-    for ids, _ in pairs:
-        want = reference(input_ids=torch.as_tensor(ids)[None]).logits[0]
-        torch.testing.assert_close(logits[start : start + len(ids)], want, rtol=1e-5, atol=1e-5)
-        start += len(ids)
+    assert_logits_alone(model(**pack_inputs(pack_samples(pairs))).logits[0], reference, pairs)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import separate_loss
+from test_packed_loss import assert_logits_alone
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_hbp import pack_inputs, pack_samples, packed_loss, prepare_model
@@ -61,12 +62,7 @@ def test_a_llama4_pack_past_its_chunk_and_floor_scale_trains_like_each_document_
     assert_like_alone(model, reference, pairs, loss)
     # A project's own call of the pack (boundaries on the device only) gives each document its logits alone.
     with torch.no_grad():
-        logits = model(**pack_inputs(pack_samples(pairs))).logits[0]
-        start = 0
-        for ids, _ in pairs:
-            alone = reference(input_ids=torch.as_tensor(ids)[None]).logits[0]
-            torch.testing.assert_close(logits[start : start + len(ids)], alone, atol=1e-5, rtol=1e-5)
-            start += len(ids)
+        assert_logits_alone(model(**pack_inputs(pack_samples(pairs))).logits[0], reference, pairs)
     # The limits are the model's: past them its logits are not those of full causal attention without them.
     ids = torch.as_tensor(documents([12])[0][0])[None]
     plain, _ = pair()  # the defaults' chunk and floor_scale (8192): neither binds on 12 tokens

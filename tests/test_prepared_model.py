@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import TINY_LLAMA, quiet_trainer
-from test_packed_loss import alone, samples, tiny_model
+from test_packed_loss import alone, assert_logits_alone, samples, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from lit_hbp import (
@@ -752,10 +752,7 @@ def test_restarting_positions_in_rows_the_call_runs_whole_are_refused():
     with pytest.raises(ValueError, match="position_ids of rows of a batch of 2 restart"):
         model(**rows, attention_mask=torch.ones_like(rows["input_ids"]))
     with torch.no_grad():
-        packed = model(input_ids=ids, position_ids=pos).logits[0]  # one row, no mask: a pack
-        cu = first.cu_seqlens.tolist()
-        for j, (x, _) in enumerate(a):
-            close(packed[cu[j] : cu[j + 1]], reference(input_ids=torch.as_tensor(x)[None]).logits[0])
+        assert_logits_alone(model(input_ids=ids, position_ids=pos).logits[0], reference, a)  # one row, no mask
         prompt = torch.tensor([[0, 0, 0, 5, 9, 11, 13, 4]])
         mask = (prompt != 0).long()
         left = mask.cumsum(-1) - 1
