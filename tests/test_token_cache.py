@@ -345,6 +345,41 @@ def test_pre_tokenized_sources_are_taken_as_they_are(tmp_path, toy_tokenizer, fm
     assert np.array_equal(target, expected) and len(t) == len(rows)
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "arrow", "hf"])
+@pytest.mark.parametrize("field", ["labels", "assistant_masks"])
+def test_a_tables_null_labels_in_one_row_are_refused_not_trained_on_every_token(tmp_path, toy_tokenizer, fmt, field):
+    """A table's column holds every row: a row whose ``labels`` (or ``assistant_masks``) cell is null read back
+    without the field and trained every token of it, where its JSON twin is refused. Renamed fields too."""
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    rows = [{k: r[k] for k in ("input_ids", field)} for r in pretokenized_rows(tok)[:4]]
+    rows[2][field] = None
+    renamed = [{("targets" if k == field else k): v for k, v in r.items()} for r in rows]
+    for written, fields in ((rows, None), (renamed, {field: "targets"})):
+        table = pa.Table.from_pylist(written)
+        path = tmp_path / f"{fmt}-{bool(fields)}"
+        if fmt == "parquet":
+            pq.write_table(table, path.with_suffix(".parquet"), row_group_size=2)
+            path = path.with_suffix(".parquet")
+        elif fmt == "arrow":
+            path = path.with_suffix(".arrow")
+            with pa.ipc.new_stream(path, table.schema) as w:
+                w.write_table(table)
+        else:
+            import datasets
+
+            datasets.Dataset.from_list(written).save_to_disk(str(path))
+        name = "targets" if fields else field
+        with pytest.raises(DataError, match=rf":row 3: {name} is null: give it .*give the input_ids as labels"):
+            source = Source(str(path), format="tokens", fields=fields) if fields else Source(str(path))
+            tokenize_source(source, tok, progress=False, num_proc=1)
+    # A table with no such column at all trains every token, as a JSON record without the field does.
+    whole = pa.Table.from_pylist([{"input_ids": r["input_ids"]} for r in rows])
+    pq.write_table(whole, tmp_path / "whole.parquet")
+    t = tokenize_source(Source(str(tmp_path / "whole.parquet")), tok, progress=False, num_proc=1)
+    ids, target = flat_tokens(t)
+    assert target.sum() == len(ids) - len(rows)
+
+
 @pytest.mark.parametrize(
     "record, message",
     [

@@ -527,7 +527,8 @@ class RecordReader:
             if self.name(field) in record and record[self.name(field)] is None:
                 raise DataError(
                     f"{where}: {self.name(field)} is null: give it (labels: -100 on the tokens that do not train; "
-                    "assistant_masks: 1 on those that do), or leave the field out for every token to train"
+                    "assistant_masks: 1 on those that do), or leave the field out for every token to train (in a "
+                    "table, whose column has every row, give the input_ids as labels)"
                 )
         return TokenRecord(
             record[self.name("input_ids")],

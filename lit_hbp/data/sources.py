@@ -386,7 +386,7 @@ def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int 
     elif kind == "parquet":
         import pyarrow as pa
 
-        row, batches = 1, open_parquet(path).iter_batches(batch_size=chunk_rows)
+        row, batches, kept = 1, open_parquet(path).iter_batches(batch_size=chunk_rows), _token_fields(source)
         while True:
             try:
                 batch = next(batches, None)
@@ -394,14 +394,15 @@ def iter_chunks(source: Source, chunk_bytes: int | None = None, chunk_rows: int 
                 raise DataError(f"{path}: rows from {row} on cannot be read ({e})") from None
             if batch is None:
                 return
-            yield Chunk(first=row, records=[without_nulls(r) for r in batch.to_pylist()], size=batch.num_rows)
+            records = [_table_row(r, kept) for r in batch.to_pylist()]
+            yield Chunk(first=row, records=records, size=batch.num_rows)
             row += batch.num_rows
     else:
-        table = open_table(source)
+        table, kept = open_table(source), _token_fields(source)
         for row in range(0, len(table), chunk_rows):
             part = table.slice(row, chunk_rows) if kind == "arrow" else table[row : row + chunk_rows]
             records = part.to_pylist() if kind == "arrow" else [dict(zip(part, v)) for v in zip(*part.values())]
-            yield Chunk(first=row + 1, records=[without_nulls(r) for r in records], size=len(records))
+            yield Chunk(first=row + 1, records=[_table_row(r, kept) for r in records], size=len(records))
 
 
 class DuplicateKey(ValueError):
@@ -434,6 +435,24 @@ def without_nulls(value: Any) -> Any:
     if isinstance(value, list):
         return [without_nulls(v) for v in value]
     return value
+
+
+def _token_fields(source: Source) -> tuple[str, tuple[str, ...]]:
+    """The source's names of a pre-tokenized record's ``input_ids`` and of the fields whose null means no
+    value rather than no column (``labels``, ``assistant_masks``)."""
+    name = source.reader().name
+    return name("input_ids"), (name("labels"), name("assistant_masks"))
+
+
+def _table_row(row: dict, token_fields: tuple[str, tuple[str, ...]]) -> dict:
+    """A table row without its null keys (``without_nulls``), but a pre-tokenized row keeps a null ``labels``
+    or ``assistant_masks``: its column holds them for other rows, and dropping the null would train every
+    token of this one without a word (the record reader refuses it, as it does a JSON null)."""
+    ids, kept = token_fields
+    record = without_nulls(row)
+    if row.get(ids) is not None:
+        record.update({k: None for k in kept if k in row and row[k] is None})
+    return record
 
 
 class _ArrayReader:

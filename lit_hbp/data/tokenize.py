@@ -60,7 +60,8 @@ from lit_hbp.errors import ConfigError, DataError
 # 13: image paths by the data file's folder made absolute (a source given relative to the run kept "./img/a.png").
 # 14: a text record that starts with the tokenizer's BOS keeps it alone (the tokenizer's own was put before it); a
 #     pre-tokenized record's null labels / assistant_masks refused (every token trained).
-CACHE_VERSION = 14
+# 15: a table's pre-tokenized row with a null labels / assistant_masks cell refused (every token trained).
+CACHE_VERSION = 15
 # Below this much of a source, worker processes cost more to start than they save (num_proc=None).
 PARALLEL_MIN_BYTES = 8 << 20
 PARALLEL_MIN_ROWS = 8192
