@@ -623,3 +623,45 @@ def test_a_resume_with_other_clipping_or_precision_says_so(tmp_path, small_demo,
     assert not [w for w in caught if "from the checkpoint's run" in str(w.message)]
     with pytest.warns(UserWarning, match=says):
         fit(tmp_path / "changed", small_demo, ckpt_path=ckpt, **steps, **changed)
+
+
+def test_a_resume_refusal_names_the_data_settings_that_changed():
+    """The plan key's ``settings`` turned into the words of a refusal, by setting; none for an older checkpoint's
+    key (no settings kept), and the edited sources where no setting changed."""
+    from lit_hbp.lightning.data_identity import data_changes, edited_sources
+    from lit_hbp.lightning.plan_checks import planned_by
+
+    settings = dict(
+        sources=[{"path": "a.jsonl"}, {"path": "b.jsonl", "repeat": 2.0}],
+        train_on="assistant", over_length="error", val_fraction=0.0, tokenizer="t1", chat_template="c1",
+        processor=None, renderers={"jinja2": "3.1.6", "transformers": "5.24.0"},
+    )  # fmt: skip
+    saved = dict(data="x", settings=settings, content=["d1", "d2"])
+
+    def now(**changes):
+        return dict(data="y", settings={**settings, **changes}, content=["d1", "d2"])
+
+    assert planned_by(saved, 0) == planned_by({**now(), "data": "x"}, 0)  # settings and content: said, not compared
+    assert data_changes(saved, now(train_on="all")) == ["data.train_on: assistant -> all"]
+    assert data_changes(saved, now(chat_template="c2", tokenizer="t2")) == [
+        "data.chat_template: the tokenizer's chat template is another"
+    ]
+    assert data_changes(saved, now(tokenizer="t2")) == [
+        "data.tokenizer: its vocabulary, special tokens or encoding are other"
+    ]
+    assert data_changes(saved, now(renderers={"jinja2": "3.1.6", "transformers": "5.25.0"})) == [
+        "transformers 5.24.0 -> 5.25.0 (it renders or splits records otherwise)"
+    ]
+    assert data_changes(saved, now(sources=[{"path": "a.jsonl"}, {"path": "b.jsonl"}])) == [
+        "data.sources[1] (b.jsonl) repeat: 2.0 -> None"
+    ]
+    assert data_changes(saved, now(sources=settings["sources"][::-1])) == [
+        "data.sources: ['a.jsonl', 'b.jsonl'] -> ['b.jsonl', 'a.jsonl']"
+    ]
+    edited = {**now(), "content": ["d1", "d3"]}
+    assert data_changes(saved, edited) == [
+        "the records of data.sources[1] (b.jsonl) hold other tokens (edited in place?)"
+    ]
+    assert edited_sources(saved, edited) == ["data.sources[1] (b.jsonl)"]
+    older = dict(data="x")  # a checkpoint of a lit-hbp that kept neither
+    assert data_changes(older, now()) == [] and edited_sources(older, edited) == []

@@ -387,7 +387,7 @@ def test_a_tables_null_labels_in_one_row_are_refused_not_trained_on_every_token(
         (dict(input_ids=[1, 2, 3], labels=[1, 2]), r"row 2: labels has 2 entries for 3 input_ids"),
         (dict(input_ids=[1, 2, 3], labels=[-100, 5, 3]), r"row 2: labels\[1\] = 5 is neither -100 nor input_ids"),
         (dict(input_ids=[1, 2, 3], assistant_masks=[0, 1]), r"row 2: assistant_masks has 2 entries for 3"),
-        (dict(input_ids=[1, -2, 3], labels=None), r"row 2: input_ids holds token id -2"),
+        (dict(input_ids=[1, -2, 3], labels=[-100, -2, 3]), r"row 2: input_ids holds token id -2"),
     ],
 )
 def test_bad_pre_tokenized_records_name_the_row_and_the_problem(tmp_path, toy_tokenizer, record, message):

@@ -109,8 +109,9 @@ class Record(L.Callback):
 
 def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None, accumulate=2, seed=0):
     L.seed_everything(seed)  # the data's seed too (HBPDataModule without a seed takes the run's)
+    sources = data if isinstance(data, list) else [{"path": str(data)}]
     dm = HBPDataModule(
-        sources=[{"path": str(data)}], tokenizer=tokenizer, levels=["128:1", "512:1"], cache_dir=str(tmp_path / "cache")
+        sources=sources, tokenizer=tokenizer, levels=["128:1", "512:1"], cache_dir=str(tmp_path / "cache")
     )
     torch.manual_seed(0)
     module = HBPLitModule(
@@ -198,6 +199,45 @@ def test_resume_refuses_a_different_plan(tmp_path, resume_data, toy_tokenizer):
     # A resume under another seed_everything (the data module given no seed): the seed to set is named.
     with pytest.raises(ValueError, match=r"seed: 0 -> 1.* Its data seed was 0: set data.seed 0"):
         run(tmp_path / "seeded", resume_data, toy_tokenizer, max_steps=6, ckpt_path=ckpt, seed=1)
+
+
+def write_token_records(path: Path, seed: int, lengths: list[int]) -> Path:
+    """Pre-tokenized records of ``lengths`` tokens whose second half trains: an edit may keep every length."""
+    rng = np.random.default_rng(seed)
+    with path.open("w") as f:
+        for n in lengths:
+            ids = rng.integers(5, 200, n).tolist()
+            f.write(json.dumps({"input_ids": ids, "labels": [-100] * (n // 2) + ids[n // 2 :]}) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_a_resume_names_the_data_setting_that_changed_and_says_a_source_edited_in_place(tmp_path, toy_tokenizer):
+    """A resume whose samples changed was refused naming a hash (``data: 4c93.. -> ..``), and one whose source was
+    edited in place keeping every length and supervised count went on without a word. Now the refusal names the
+    setting (a source added, a source's repeat) or the edited source, and an edit that keeps the plan is said."""
+    lengths = np.random.default_rng(0).integers(8, 60, 30).tolist()
+    data = write_token_records(tmp_path / "d.jsonl", 1, lengths)
+    run(tmp_path / "full", data, toy_tokenizer, max_steps=3, every=3)
+    ckpt = tmp_path / "full" / "ckpt" / "step=3.ckpt"
+    extra = write_token_records(tmp_path / "e.jsonl", 2, [20] * 4)
+    refusals = {
+        "added": (
+            [{"path": str(data)}, {"path": str(extra)}],
+            rf"data.sources: \['{data}'\] -> \['{data}', '{extra}'\]",
+        ),
+        "repeat": ([{"path": str(data), "repeat": 2}], rf"data.sources\[0\] \({data}\) repeat: None -> 2"),
+    }
+    for name, (sources, match) in refusals.items():
+        with pytest.raises(ValueError, match=r"cannot resume from this checkpoint: the plan .*" + match):
+            run(tmp_path / name, sources, toy_tokenizer, max_steps=4, ckpt_path=ckpt)
+    write_token_records(data, 3, [n + (i == 4) for i, n in enumerate(lengths)])  # one sample one token longer
+    with pytest.raises(ValueError, match=rf"\(the records of data.sources\[0\] \({data}\) hold other tokens"):
+        run(tmp_path / "longer", data, toy_tokenizer, max_steps=4, ckpt_path=ckpt)
+    write_token_records(data, 4, lengths)  # other tokens, every length and supervised count kept: the same plan
+    with pytest.warns(UserWarning, match=rf"the records of data.sources\[0\] \({data}\) hold other tokens than"):
+        rows, _ = run(tmp_path / "edited", data, toy_tokenizer, max_steps=4, ckpt_path=ckpt)
+    assert len(rows) == 2  # the fourth step trained (two micro-batches)
 
 
 def test_cli_links_vocab_size_and_interpolates(tmp_path, small_demo, monkeypatch):

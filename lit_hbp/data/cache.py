@@ -12,7 +12,8 @@ Layout of ``<cache_dir>/<name>-<key>/``:
 - ``media.json``: only for records with images or videos: each image's file, width and height, each
   video's frames (folder, list or file), frame size and count, and the pixels its encoder sees
   (samples.npz's ``media_offsets`` says whose), never the pixels themselves: the DataLoader workers load them;
-- ``meta.json``: counts, dtype, skipped records; written last.
+- ``meta.json``: counts, dtype, skipped records, a digest of what the samples hold (``content``: their ids,
+  supervised runs and media, so a resume can tell a source edited in place); written last.
 
 The writer fills a hidden sibling folder and renames it into place when complete, so a reader sees
 the whole cache or none. One process per cache writes it: ``cache_lock`` is an ``flock`` the kernel
@@ -23,6 +24,7 @@ removes the crashed writer's half-written folder.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -94,6 +96,7 @@ class CacheWriter:
         self._span_counts: list[np.ndarray] = []
         self._media_counts: list[np.ndarray] = []  # per sample: how many images and videos
         self._media: list[tuple] = []  # every image's and video's entry (``media.Image``, ``media.Video``)
+        self._content = hashlib.blake2b(self.dtype.name.encode(), digest_size=16)  # what the samples hold
 
     def append(
         self, ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray, spans: np.ndarray, span_counts, media=None
@@ -104,8 +107,20 @@ class CacheWriter:
         self._media += [m for ms in media or () for m in ms]
         if len(ids) and int(np.max(ids)) > np.iinfo(self.dtype).max:
             raise DataError(f"token id {int(np.max(ids))} does not fit the cache's {self.dtype.name} ids")
-        self._ids.write(np.ascontiguousarray(ids, self.dtype).tobytes())
-        self._spans.write(np.ascontiguousarray(spans, np.int32).tobytes())
+        ids_bytes, spans_bytes = (
+            np.ascontiguousarray(ids, self.dtype).tobytes(),
+            np.ascontiguousarray(spans, np.int32).tobytes(),
+        )
+        self._ids.write(ids_bytes)
+        self._spans.write(spans_bytes)
+        for part in (
+            np.asarray(lengths, np.int64).tobytes(),
+            np.asarray(span_counts, np.int64).tobytes(),
+            ids_bytes,
+            spans_bytes,
+        ):
+            self._content.update(part)
+        self._content.update(repr(media or ()).encode())
         self.tokens += int(ids.size)
         self.n_spans += int(spans.shape[0])
         span_counts = np.asarray(span_counts, np.int64)
@@ -135,6 +150,7 @@ class CacheWriter:
             (self.tmp / "media.json").write_text(json.dumps([list(m) for m in self._media]))
         np.savez(self.tmp / "samples.npz", **arrays)
         meta = {**meta, "samples": int(lengths.size), "tokens": self.tokens, "spans": self.n_spans}
+        meta["content"] = self._content.hexdigest()
         (self.tmp / "meta.json").write_text(json.dumps({**meta, "id_dtype": self.dtype.name}, indent=1))
         if self.folder.exists():  # a stale folder that failed ``is_complete``: we hold the lock
             shutil.rmtree(self.folder)

@@ -95,6 +95,7 @@ class TokenizedSource:
     media_offsets: np.ndarray | None = None
     media: list | None = None
     token_types: bool = False  # its processor marks image tokens in mm_token_type_ids
+    content: str | None = None  # a digest of what its samples hold (``CacheWriter``): a resume tells an edit
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -554,4 +555,5 @@ def _load(folder: Path, source: Source, from_cache: bool = True) -> TokenizedSou
         media_offsets=a.get("media_offsets"),
         media=a.get("media"),
         token_types=bool(meta.get("token_types", False)),
+        content=meta.get("content"),
     )

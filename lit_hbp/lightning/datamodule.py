@@ -41,6 +41,7 @@ from lit_hbp.data.tokenize import (
     tokenizer_fingerprint,
 )
 from lit_hbp.errors import ConfigError, DataError
+from lit_hbp.lightning.data_identity import data_settings
 from lit_hbp.lightning.loader import (  # noqa: F401  (public here too: their first home)
     FixedPlanSampler,
     MediaInputs,
@@ -289,7 +290,8 @@ class HBPDataModule(L.LightningDataModule):
         if saved != tokenizer_fingerprint(self.tokenizer):
             rank_zero_warn(
                 "the checkpoint was trained with another tokenizer (vocabulary, special tokens or chat template) "
-                "than data.tokenizer / data.chat_template give now; this run goes on with the new one and saves it"
+                "than data.tokenizer / data.chat_template give now; where the samples keep their lengths, the run "
+                "goes on with the new one and saves it"
             )
 
     def _resume_selection(self, saved: list | None) -> None:
@@ -336,7 +338,8 @@ class HBPDataModule(L.LightningDataModule):
         return self.levels if config is None else layout_levels(self.levels, config, self.trainer.num_devices)
 
     def plan_key(self, epoch: int | None = None) -> dict:
-        """What the plan of ``epoch`` (the current one by default) depends on: a resumed run must plan the same."""
+        """What the plan of ``epoch`` (the current one by default) depends on: a resumed run must plan the same
+        (``settings`` and ``content`` name what changed, ``lightning.data_identity``)."""
         world, _, accumulate = self._world(epoch)
         data = hashlib.sha1(self.store.lengths.tobytes() + self.store.loss_tokens.tobytes()).hexdigest()[:16]
         return dict(
@@ -349,6 +352,8 @@ class HBPDataModule(L.LightningDataModule):
             short_levels=self.short_levels,
             samples=int(self.store.lengths.size),
             data=data,
+            settings=data_settings(self),  # what made the samples; said, never compared, by a resume
+            content=[ts.content for ts in self.store.sources],
         )
 
     def trainer_setting(self, name: str) -> Any:

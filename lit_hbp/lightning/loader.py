@@ -20,6 +20,7 @@ from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.store import SampleStore
 from lit_hbp.errors import ConfigError
+from lit_hbp.lightning.data_identity import data_changes, say_edited_sources
 from lit_hbp.lightning.plan_checks import (
     accumulation_at,
     check_epoch_end_restart,
@@ -200,7 +201,13 @@ class PlanLoader(DataLoader):
         saved, now = state.get("plan"), self.dm.plan_key(state["epoch"])
         a, b = (None, None) if saved is None else (planned_by(saved, state["epoch"]), planned_by(now, state["epoch"]))
         if a != b:
-            changed = ", ".join(f"{k}: {saved.get(k)} -> {now.get(k)}" for k in b if a.get(k) != b.get(k))
+            changed = ", ".join(
+                ", ".join(data_changes(saved, now)) or f"data: {a[k]} -> {b[k]}"
+                if k == "data"
+                else f"{k}: {saved.get(k)} -> {now.get(k)}"
+                for k in b
+                if a.get(k) != b.get(k)
+            )
             raise ConfigError(
                 f"cannot resume from this checkpoint: the plan of its epoch {state['epoch']} was made with other "
                 f"settings ({changed}); its micro-step would point into a different plan and train samples twice or "
@@ -214,6 +221,8 @@ class PlanLoader(DataLoader):
                     else ""
                 )
             )
+        if saved is not None:
+            say_edited_sources(saved, now)
         trainer, epoch, micro = self.dm.trainer, state["epoch"], state["micro_step"]
         batches = epoch_batches(trainer.limit_train_batches, self.dm.plan_for_epoch(epoch).n_micro_steps)
         saved = state.get("batches", batches)  # the epoch's micro-batches when it was saved (its limit's)

@@ -304,7 +304,7 @@ def check_resumed_position(epoch: int, micro: int, batches: int, current_epoch: 
 def planned_by(key: dict, epoch: int) -> dict:
     """What of a ``plan_key`` the plan of ``epoch`` depends on: not a level's ``ckpt_layers`` (more checkpointing
     is how a run that ran out of memory resumes), nor the curriculum after epoch 0 (it orders the first epoch only)."""
-    out = dict(key)
+    out = {k: v for k, v in key.items() if k not in ("settings", "content")}  # named by a refusal, not compared
     out["levels"] = [[p, sp, *rest] for p, sp, _, *rest in key.get("levels") or []]
     if epoch > 0:
         out["warmup_steps"], out["short_levels"] = 0, None
