@@ -324,6 +324,31 @@ def test_mixing_by_repeat_and_weight(tmp_path, toy_tokenizer):
         SampleStore.build([a, c], max_len=10_000)
 
 
+def test_weights_keep_the_epochs_total_sample_count_exactly(tmp_path, toy_tokenizer):
+    """Weights 1:2:1 over 7 + 8 + 7 samples share 22 as 5.5 / 11 / 5.5: each source's share was rounded alone (to
+    6 / 11 / 6, half to even on the repeat's fraction: 23 samples, not the total the docs promise). Now each share
+    is a whole count within one sample of its own and the counts add up to the total."""
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    sizes, weights = (7, 8, 7), (1.0, 2.0, 1.0)
+    sources = [
+        tokenized(tmp_path, tok, f"{k}.jsonl", [chat(f"q {k} {i}", "a") for i in range(n)], weight=w)
+        for k, (n, w) in enumerate(zip(sizes, weights))
+    ]
+    for seed in range(3):
+        store = SampleStore.build(sources, max_len=10_000, seed=seed)
+        counts = np.bincount(store.source_of, minlength=3)
+        assert counts.sum() == sum(sizes) and [m["in_epoch"] for m in store.report["sources"]] == counts.tolist()
+        shares = np.asarray(weights) / sum(weights) * sum(sizes)
+        assert np.all(np.abs(counts - shares) < 1), counts
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # the repeat factors turn back into those whole counts in the build's arithmetic
+        n = rng.integers(1, 50, rng.integers(1, 6))
+        w = rng.random(n.size) + 0.01
+        reps = mixture_repeats(n.tolist(), [None] * n.size, w.tolist())
+        counts = [int(r) * k + int(round((r - int(r)) * k)) for r, k in zip(reps, n)]
+        assert sum(counts) == n.sum() and np.all(np.abs(np.asarray(counts) - w / w.sum() * n.sum()) < 1)
+
+
 def test_over_length_error_drop_truncate_name_the_samples(tmp_path, toy_tokenizer):
     tok = AutoTokenizer.from_pretrained(toy_tokenizer)
     long_answer = chat("hello", "the quick brown fox " * 40)

@@ -543,3 +543,21 @@ def test_a_new_version_with_the_same_size_and_mtime_tokenizes_again(tmp_path, to
     os.utime(new, ns=stamp)
     os.replace(new, path)
     check()
+
+
+def test_a_cache_read_under_another_name_of_its_file_reports_the_skipped_records_by_that_name(
+    tmp_path, toy_tokenizer, monkeypatch
+):
+    """The cache is keyed by the file (its resolved path), so a run naming it otherwise (relative, then absolute)
+    reads the first run's cache: its skipped records were reported under the first run's name, a relative path
+    that points elsewhere from another folder, while its kept samples used the run's own."""
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "a.jsonl", [good, {"messages": []}, good])
+    monkeypatch.chdir(tmp_path)
+    cache = tmp_path / "cache"
+    for name in ("data/a.jsonl", str(tmp_path / "data" / "a.jsonl")):
+        t = tokenize_source(Source(name), tok, cache_dir=cache, progress=False, num_proc=1)
+        assert t.skipped_where["empty conversation"] == [f"{name}:2"]
+    assert t.from_cache and len(list(cache.glob("a*"))) == 1

@@ -72,8 +72,8 @@ def truncation_window(spans: np.ndarray, length: int, max_len: int) -> int:
 
 
 def mixture_repeats(sizes: list[int], repeats: list[float | None], weights: list[float | None]) -> list[float]:
-    """Repeat factor per source. Weights share the total sample count of all sources; sources with
-    neither repeat nor weight enter once."""
+    """Repeat factor per source. Weights share the total sample count of all sources (each share a whole count
+    of samples, the total kept exactly); sources with neither repeat nor weight enter once."""
     if any(w is not None for w in weights) and any(r is not None for r in repeats):
         raise ConfigError("mix sources by repeat or by weight, not both")
     if any(w is not None for w in weights):
@@ -88,7 +88,10 @@ def mixture_repeats(sizes: list[int], repeats: list[float | None], weights: list
                     f"data.sources[{i}] has weight {w} but no sample (every record skipped: see the data report); "
                     "fix the source or drop it from the mix"
                 )
-        return [w / total_w * total_n / n if n else 0.0 for w, n in zip(weights, sizes)]
+        shares = np.asarray(weights, float) / total_w * total_n
+        counts = np.floor(shares).astype(np.int64)  # whole samples, then the largest remainders: the total kept
+        counts[np.argsort(-(shares - counts), kind="stable")[: total_n - int(counts.sum())]] += 1
+        return [int(c) / n if n else 0.0 for c, n in zip(counts, sizes)]
     return [1.0 if r is None else float(r) for r in repeats]
 
 

@@ -539,6 +539,9 @@ def _in_order(pool, source: Source, window: int, **chunks):
 
 def _load(folder: Path, source: Source, from_cache: bool = True) -> TokenizedSource:
     meta, a = read_cache(folder)
+    written, given = f"{meta.get('source')}:", f"{source.path}:"  # the cache is by the file, not how a run names it
+    where = {r: [given + w.removeprefix(written) if w.startswith(written) else w for w in ws] for r, ws in
+             meta["skipped_where"].items()}  # fmt: skip
     return TokenizedSource(
         source=source,
         ids=a["ids"],
@@ -548,7 +551,7 @@ def _load(folder: Path, source: Source, from_cache: bool = True) -> TokenizedSou
         spans=a["spans"],
         span_offsets=a["span_offsets"],
         skipped=meta["skipped"],
-        skipped_where=meta["skipped_where"],
+        skipped_where=where,
         metadata=meta["metadata"],
         from_cache=from_cache,
         folder=folder,
