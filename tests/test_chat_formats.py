@@ -7,6 +7,7 @@ messages written here by hand in the form chat templates take, through ``lit-hbp
 through a ``Trainer.fit``'s batches."""
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -1050,6 +1051,41 @@ def test_tool_records_in_a_table_render_as_written_not_with_the_other_rows_keys(
             got, mask = tokens.sample(i)
             assert got.tolist() == ids, (path.name, i, tok.decode(got.tolist()))
             assert mask.astype(int).tolist() == supervised, (path.name, i)
+
+
+def test_a_tables_struct_arguments_in_another_key_order_are_said(qwen, tmp_path):
+    """Arrow keeps one key order (the first rows') and one number type per struct column: a call's arguments
+    written ``{"unit", "city"}`` after a row's ``{"city", "unit"}`` rendered as ``{"city", "unit"}`` from a table
+    (and 1 beside 1.5 as 1.0), where the same records in JSONL render as written, without a word. Said now,
+    naming the columns; arguments kept as JSON strings (OpenAI's form) keep each row's own and are not."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def record(arguments):
+        call = {"type": "function", "function": {"name": "weather", "arguments": arguments}}
+        return {"messages": [{"role": "user", "content": "Weather?"},
+                             {"role": "assistant", "content": "", "tool_calls": [call]},
+                             {"role": "tool", "content": "sunny"},
+                             {"role": "assistant", "content": "it is sunny"}]}  # fmt: skip
+
+    records = [record({"city": "Paris", "unit": "c"}), record({"unit": "f", "city": "Rome"})]
+    tok = AutoTokenizer.from_pretrained(qwen)
+    want = [reference(tok, r["messages"])[0] for r in records]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "calls.parquet")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    for path in (tmp_path / "calls.parquet", tmp_path / "saved"):
+        with pytest.warns(UserWarning, match=r"holds messages.tool_calls.function.arguments as struct columns"):
+            tokens = tokenize_source(Source(str(path)), tok, progress=False)
+        assert tokens.sample(0)[0].tolist() == want[0]
+        assert tokens.sample(1)[0].tolist() != want[1]  # what the warning says: the column's order, not the row's
+    as_strings = [record(json.dumps(r["messages"][1]["tool_calls"][0]["function"]["arguments"])) for r in records]
+    pq.write_table(pa.Table.from_pylist(as_strings), tmp_path / "strings.parquet")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*struct columns")
+        tokens = tokenize_source(Source(str(tmp_path / "strings.parquet")), tok, progress=False)
+    for i, r in enumerate(as_strings):
+        assert tokens.sample(i)[0].tolist() == reference(tok, r["messages"])[0]
 
 
 CONTENT = (  # as Gemma 3's and Llama 4's: a string's content trimmed, or each text part trimmed

@@ -54,3 +54,36 @@ def open_table(source: Any):
             "DatasetDict), which has no splits: drop split"
         )
     return data.with_format(None)  # rows as Python objects, whatever format save_to_disk kept (numpy, torch, ...)
+
+
+# Fields a chat template writes out key by key (``tojson``): a tool's parameters, a tool call's arguments.
+KEYED_FIELDS = ("arguments", "parameters")
+
+
+def keyed_struct_fields(source: Any) -> list[str]:
+    """The dotted names of a table source's struct columns (at any depth) that a chat template writes out as JSON
+    (``KEYED_FIELDS``): Arrow keeps one field order and one type per column, the first rows' order and the
+    union of the numbers' types, so a row whose record wrote other keys first, or 1 beside another row's 1.5
+    (read 1.0), renders otherwise than the record did. A JSON string (OpenAI's ``arguments``) keeps each row's."""
+    import pyarrow as pa
+
+    kind = source.resolved_file_type
+    if kind == "parquet":
+        schema = open_parquet(source.local_path).schema_arrow
+    else:
+        table = open_table(source)
+        schema = table.schema if isinstance(table, pa.Table) else table.data.schema
+    found: list[str] = []
+
+    def walk(name: str, t: pa.DataType) -> None:
+        if pa.types.is_struct(t):
+            if name.rsplit(".", 1)[-1] in KEYED_FIELDS:
+                found.append(name)
+            for f in t:
+                walk(f"{name}.{f.name}", f.type)
+        elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+            walk(name, t.value_type)
+
+    for f in schema:
+        walk(f.name, f.type)
+    return found

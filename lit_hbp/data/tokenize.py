@@ -23,6 +23,7 @@ import socket
 import sys
 import tempfile
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -46,6 +47,7 @@ from lit_hbp.data.sources import (
     iter_chunks,
     source_units,
 )
+from lit_hbp.data.tables import keyed_struct_fields
 from lit_hbp.errors import ConfigError, DataError
 
 # 5: no silent default chat template (caches of v4 may hold chats rendered with one).
@@ -440,6 +442,7 @@ def _write(
     from tqdm.auto import tqdm
 
     run = ChunkTokenizer(tokenizer, train_on, processor)  # checks the settings before any worker starts
+    _say_keyed_structs(source)
     writer = CacheWriter(folder, id_bound(tokenizer))
     skipped = dict.fromkeys(SKIP_REASONS, 0)
     skipped_where: dict[str, list[str]] = {r: [] for r in SKIP_REASONS}
@@ -524,6 +527,22 @@ def _write(
             token_types=token_types,
         )
     )
+
+
+def _say_keyed_structs(source: Source) -> None:
+    """Warn where a table source holds tool parameters or call arguments as struct columns (``keyed_struct_fields``):
+    its rows render with the column's key order and number type, not always their records' own."""
+    if source.resolved_file_type not in ("parquet", "arrow", "hf", "hub"):
+        return
+    keyed = keyed_struct_fields(source)
+    if keyed:
+        warnings.warn(
+            f"data source {source.path}: its table holds {', '.join(keyed)} as struct columns, which keep one key "
+            "order and one number type per column (the first rows' order; 1 beside another row's 1.5 reads 1.0): a "
+            "record that wrote its keys in another order, or a whole number, renders otherwise than it wrote them; "
+            "store them as JSON strings (OpenAI's arguments) to keep each record's own",
+            stacklevel=3,
+        )
 
 
 def _in_order(pool, source: Source, window: int, **chunks):
