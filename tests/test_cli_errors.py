@@ -55,6 +55,10 @@ def bad_inputs(tmp: Path, demo: Path) -> dict[str, tuple[list[str], str]]:
             "trainer.devices: `Trainer(devices='0')` value is not a valid input",
         ),
         "another trainer's option name": (["--model.learning_rate", "0.1"], "(did you mean 'model.lr'?)"),
+        "transformers' attention option": (
+            ["--model.attn_implementation", "eager"],
+            "(did you mean 'model.attn_backend'?)",
+        ),
         "a config file that is no YAML": (["--config", broken], f"in {broken}, line 3, column 11"),
         "levels without the curriculum's": (
             ["--data.levels", "[1024, 8192]"],

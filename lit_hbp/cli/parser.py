@@ -126,6 +126,7 @@ ALIASES = {  # what users of other trainers type, and lit-hbp's key for it
     "fp16": "precision",
     "gpus": "devices",
     "num_gpus": "devices",
+    "attn_implementation": "attn_backend",  # lit-hbp sets the model's attention; its backend is the choice
 }
 
 
