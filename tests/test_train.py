@@ -1,5 +1,6 @@
 """End to end: the tiny CPU config trains and logs; a mid-epoch resume continues exactly."""
 
+import csv
 import glob
 import json
 import os
@@ -199,6 +200,43 @@ def test_resume_refuses_a_different_plan(tmp_path, resume_data, toy_tokenizer):
     # A resume under another seed_everything (the data module given no seed): the seed to set is named.
     with pytest.raises(ValueError, match=r"seed: 0 -> 1.* Its data seed was 0: set data.seed 0"):
         run(tmp_path / "seeded", resume_data, toy_tokenizer, max_steps=6, ckpt_path=ckpt, seed=1)
+
+
+@pytest.mark.slow
+def test_the_logged_token_counts_are_the_optimizer_steps(tmp_path, mixed_data, toy_tokenizer):
+    """``train/tokens`` and ``train/supervised_tokens`` were the step's last micro-batch's (0 at a step whose last
+    micro-batch was an empty completion pack, 16 trained): they are the step's, summed over its micro-batches,
+    checked against the store's lengths and supervised counts of the samples each micro-batch held."""
+    from collections import defaultdict
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    L.seed_everything(0)
+    dm = HBPDataModule(
+        sources=[{"path": str(mixed_data)}], tokenizer=toy_tokenizer, levels=["128:1", "512:1"],
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    module = HBPLitModule(model=TINY_LLAMA, vocab_size=dm.vocab_size, lr=1e-3)
+    want: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    empty = []
+
+    class Count(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            index = batch.sample_index.numpy()
+            empty.append(index.size == 0)
+            want[trainer.global_step][0] += int(dm.store.lengths[index].sum())
+            want[trainer.global_step][1] += int(dm.store.loss_tokens[index].sum())
+
+    logger = CSVLogger(tmp_path, name="log")
+    trainer = quiet_trainer(max_epochs=1, accumulate_grad_batches=2, callbacks=[Count()], logger=logger,
+                            log_every_n_steps=1)  # fmt: skip
+    trainer.fit(module, dm)
+    assert any(empty), "the plan must end a step with an empty completion pack"
+    rows = [r for r in csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")) if r.get("train/tokens")]
+    got = {int(r["step"]): [float(r["train/tokens"]), float(r["train/supervised_tokens"])] for r in rows}
+    assert len(got) == dm.plan_for_epoch(0).n_steps and got == {
+        step: [float(a), float(b)] for step, (a, b) in want.items()
+    }, (got, dict(want))
 
 
 def write_token_records(path: Path, seed: int, lengths: list[int]) -> Path:

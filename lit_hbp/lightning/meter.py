@@ -71,6 +71,19 @@ class StepMeter:
         self.monitored_at: int | None = None  # one whose window so far was logged for a monitor (``monitored_now``)
         self._spans: list[tuple[int, float, object, object]] = []
         self._start: object = None
+        self.step_tokens = self.step_targets = 0  # this rank's, in the optimizer step so far (``count``)
+        self._counted: tuple[int, bool] | None = None  # (the micro-step counted last, whether it ended its step)
+
+    def count(self, micro_step: int, tokens: int, targets: int, ends_step: bool) -> None:
+        """Add a micro-step's tokens and supervised tokens to its optimizer step's (once a micro-step; a step's
+        counts start again at its first): the step's, not its last micro-batch's (an empty completion pack's 0)."""
+        if self._counted is not None and self._counted[0] == micro_step:
+            return
+        if self._counted is None or self._counted[1]:
+            self.step_tokens = self.step_targets = 0
+        self.step_tokens += tokens
+        self.step_targets += targets
+        self._counted = (micro_step, ends_step)
 
     def add_loss(self, ce_sum: torch.Tensor, targets: int) -> None:
         ce_sum = ce_sum.detach().float()

@@ -468,6 +468,8 @@ class HBPLitModule(L.LightningModule):
         (``MicroStepEnd``): a ``ModelCheckpoint`` of ``train/loss`` ranks this step's, as a ``training_step`` log."""
         self._meter.stop(int(batch.level), batch.n_tokens / batch.sp)  # once a micro-step: a second finds no start
         micro_step = self.trainer.fit_loop.epoch_loop.total_batch_idx
+        ends = not self.trainer.fit_loop._should_accumulate()
+        self._meter.count(micro_step, batch.n_tokens, batch.n_targets, ends)
         reduce = partial(self.trainer.strategy.reduce, reduce_op="sum") if self.trainer.world_size > 1 else None
         if self._meter.logged_at == micro_step or not logs_now(self.trainer):
             if monitored_now(self.trainer) and micro_step not in (self._meter.logged_at, self._meter.monitored_at):
@@ -477,14 +479,14 @@ class HBPLitModule(L.LightningModule):
             return
         self._meter.logged_at = micro_step
         forget_last_window(self.trainer)
-        # The micro-batch's plan fields, at the steps the loggers write (a value logged at another step would never
-        # be written), as host tensors: Lightning would copy a Python number to the device.
+        # The step's plan fields and this rank's counts, at the steps the loggers write (a value logged at another step
+        # would never be written), as host tensors: Lightning would copy a Python number to the device.
         for key, value in (
             ("level", batch.level),
             ("sp", batch.sp),
             ("ckpt_layers", batch.ckpt_layers),
-            ("supervised_tokens", batch.n_targets),
-            ("tokens", batch.n_tokens),
+            ("supervised_tokens", self._meter.step_targets),
+            ("tokens", self._meter.step_tokens),
         ):
             self.log(f"train/{key}", torch.tensor(float(value)), batch_size=1)
         # train/loss: token-mean CE over every rank and micro-step since the last logged step.
