@@ -717,3 +717,31 @@ def test_a_weights_only_checkpoint_is_passed_over_by_auto_and_refused_by_fit(tmp
     code, out, err = run_cli(["--ckpt_path", str(weights)], tmp_path, small_demo, capfd)
     assert code == 2 and "saved with weights only (a ModelCheckpoint's save_weights_only)" in err, err
     assert not (tmp_path / "cache").exists()  # before any data is read
+
+
+def test_a_resume_into_its_run_folder_from_an_older_checkpoint_says_the_steps_logged_again(tmp_path):
+    """A rollback (``--ckpt_path`` a step's checkpoint, a later one beside it) resumed into the run folder and
+    logged its steps a second time beside the first run's, without a word. Said now; the newest one is not."""
+    import warnings
+
+    from lit_hbp.cli.resume import resume_in_run_folder
+
+    folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
+    folder.mkdir(parents=True)
+    old, last = folder / "epoch=0-step=10.ckpt", folder / "last.ckpt"
+    old.write_bytes(b"x")
+    last.write_bytes(b"x")
+    os.utime(old, (1_000_000, 1_000_000))
+
+    def section(ckpt):
+        logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                           init_args=Namespace(save_dir=str(tmp_path / "runs"), name="tiny", version=None))  # fmt: skip
+        return Namespace(ckpt_path=str(ckpt), trainer=Namespace(logger=logger))
+
+    older = section(old)
+    with pytest.warns(UserWarning, match=r"last.ckpt in its folder was saved after it, .* logged there again"):
+        resume_in_run_folder(older)
+    assert older.trainer.logger.init_args.version == 0  # still into the run folder
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resume_in_run_folder(section(last))

@@ -281,6 +281,37 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path, small_demo):
     assert interrupt.checkpoint is None and not list(tmp_path.rglob("*.ckpt"))
 
 
+class Fails(L.Callback):
+    """Raises at the end of micro-batch ``at`` (a project's callback with a bug)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.at:
+            raise RuntimeError("a bug of the project's own")
+
+
+def test_a_run_stopped_by_an_error_names_its_newest_checkpoint_and_the_resume(tmp_path, small_demo, lightning_log):
+    """A fit that stops on an exception ended in its traceback alone: which checkpoint holds the run (the steps
+    after it train again) and how to resume were left to the user to find, and a run with none said nothing."""
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="a bug of the project's own"):
+        fit(tmp_path / "run", small_demo, [Fails(9), InterruptCheckpoint(), every], enable_checkpointing=True)
+    path = str(tmp_path / "ckpt" / "step=4.ckpt")
+    assert torch.load(path, weights_only=False)["global_step"] == 4
+    (said,) = [m for m in lightning_log if m.startswith("the run stopped on an error")]
+    assert said.startswith(f"the run stopped on an error at optimizer step 5; its newest checkpoint, {path}, holds "
+                           "step 4 (the steps after it train again): once mended, resume with: ")  # fmt: skip
+    assert said.endswith(f"--ckpt_path {path}")
+    lightning_log.clear()
+    with pytest.raises(RuntimeError):
+        fit(tmp_path / "none", small_demo, [Fails(3), InterruptCheckpoint()])
+    assert (
+        "the run stopped on an error at optimizer step 2 with no checkpoint saved: its steps are lost" in lightning_log
+    )
+
+
 def test_resume_command_replaces_the_ckpt_path():
     argv = ["python", "-u", "train.py", "fit", "--ckpt_path", "old.ckpt", "--config", "a b.yaml", "--ckpt_path=x"]
     assert resume_command("runs/last.ckpt", argv) == (

@@ -108,7 +108,7 @@ class Record(L.Callback):
         )
 
 
-def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None, accumulate=2, seed=0):
+def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None, accumulate=2, seed=0, callbacks=()):
     L.seed_everything(seed)  # the data's seed too (HBPDataModule without a seed takes the run's)
     sources = data if isinstance(data, list) else [{"path": str(data)}]
     dm = HBPDataModule(
@@ -121,7 +121,7 @@ def run(tmp_path, data, tokenizer, max_steps, ckpt_path=None, every=None, accumu
         lr=1e-3,
     )
     record = Record()
-    callbacks = [record, HBPCurriculum(3), PackingMetrics()]
+    callbacks = [record, HBPCurriculum(3), PackingMetrics(), *callbacks]
     if every:
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(
@@ -159,6 +159,37 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, resume_data
         expected = full[2 * stop :]
         assert [r[:3] + r[4:] for r in resumed] == [r[:3] + r[4:] for r in expected]
         np.testing.assert_allclose([r[3] for r in resumed], [r[3] for r in expected], rtol=1e-6, atol=1e-7)
+
+
+class EpochStarts(L.Callback):
+    """The epochs whose start the callbacks were told of, and the fit loop's epoch counts at the run's end."""
+
+    def __init__(self):
+        self.epochs, self.progress = [], None
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.epochs.append(trainer.current_epoch)
+
+    def on_train_end(self, trainer, pl_module):
+        self.progress = trainer.fit_loop.epoch_progress.state_dict()
+
+
+@pytest.mark.slow
+def test_a_resume_from_an_epochs_last_step_starts_the_next_epoch_as_the_uninterrupted_run(
+    tmp_path, resume_data, toy_tokenizer
+):
+    """Saved at the last step of epoch 0, a resume trained epoch 1 exactly but never called its start hooks:
+    Lightning's fit loop took the restore for one inside epoch 0 (``PackingMetrics`` logged nothing of epoch 1's
+    plan; a project's own epoch-start callback was skipped), and its epoch counts lagged one behind from there."""
+    _, dm = run(tmp_path / "probe", resume_data, toy_tokenizer, max_steps=1)
+    steps = dm.plan_for_epoch(0).n_steps
+    full = EpochStarts()
+    run(tmp_path / "full", resume_data, toy_tokenizer, max_steps=steps + 3, every=steps, callbacks=[full])
+    assert full.epochs == [0, 1]
+    resumed = EpochStarts()
+    ckpt = tmp_path / "full" / "ckpt" / f"step={steps}.ckpt"
+    run(tmp_path / "resumed", resume_data, toy_tokenizer, max_steps=steps + 3, ckpt_path=ckpt, callbacks=[resumed])
+    assert resumed.epochs == [1] and resumed.progress == full.progress, (resumed.progress, full.progress)
 
 
 @pytest.fixture(scope="module")

@@ -315,6 +315,8 @@ class InterruptCheckpoint(StepEndCallback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._restore(trainer)
         self._release_group()
+        if trainer.state.fn == TrainerFn.FITTING:
+            say_newest_checkpoint(trainer)
 
     def _release_group(self) -> None:
         """Destroy the gloo group of the agreement now: its worker threads, joined when the group is
@@ -333,6 +335,29 @@ class InterruptCheckpoint(StepEndCallback):
                 signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         self._installed = {}
         trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
+def say_newest_checkpoint(trainer: L.Trainer) -> None:
+    """A fit stopped by an error (a callback's, a rank lost, a second Ctrl-C during a save) ends in its traceback
+    alone: say which checkpoint holds the run and how to resume it, or that none was saved (the steps are lost)."""
+    saved = [
+        (cb._last_global_step_saved, path)
+        for cb in trainer.checkpoint_callbacks
+        if isinstance(cb, ModelCheckpoint)
+        for path in (cb._last_checkpoint_saved, cb.last_model_path)
+        if path and os.path.exists(path)
+    ]
+    step = trainer.global_step
+    if not saved:
+        rank_zero_info(
+            f"the run stopped on an error at optimizer step {step} with no checkpoint saved: its steps are lost"
+        )
+        return
+    at, path = max(saved, key=lambda x: (x[0], os.path.getmtime(x[1])))
+    rank_zero_info(
+        f"the run stopped on an error at optimizer step {step}; its newest checkpoint, {path}, holds step {at} "
+        f"(the steps after it train again): once mended, resume with: {resume_command(path)}"
+    )
 
 
 def _spend_requeue_checkpoint(trainer: L.Trainer) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from jsonargparse import Namespace
 from lightning.pytorch.cli import SaveConfigCallback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_hbp.cli.checks import is_deepspeed, is_instance_entry
 from lit_hbp.cli.launch import world_size_of
@@ -282,6 +282,25 @@ def resume_in_run_folder(section: Any) -> None:
         number = re.fullmatch(r"version_(\d+)", run_dir.name)
         args.version = int(number.group(1)) if number else run_dir.name
         rank_zero_info(f"resuming in the run folder {run_dir} (logs continue there)")
+        say_later_checkpoints(Path(ckpt))
+
+
+def say_later_checkpoints(ckpt: Path) -> None:
+    """A resume into its run folder from a checkpoint older than another one there (a rollback, after a loss spike):
+    the folder's logs go past its step, and the steps from it on are logged there a second time (the loggers keep
+    both points of a step). Said, naming the later checkpoint and how to keep the curves apart."""
+    try:
+        saved = ckpt.stat().st_mtime
+        later = [p for p in ckpt.parent.glob("*.ckpt") if p.resolve() != ckpt.resolve() and p.stat().st_mtime > saved]
+    except OSError:
+        return
+    if later:
+        newest = max(later, key=lambda p: p.stat().st_mtime)
+        rank_zero_warn(
+            f"--ckpt_path {ckpt}: {newest.name} in its folder was saved after it, so the run folder's logs go past "
+            "this checkpoint's step: the steps from it on are logged there again, beside the first run's (give "
+            "trainer.logger.init_args.version a new name to log this continuation apart)"
+        )
 
 
 def check_resumed_model(given: Any, saved: dict, validating: bool = False) -> None:

@@ -29,6 +29,7 @@ from lit_hbp.lightning.plan_checks import (
     epoch_batches,
     planned_by,
     restart_epoch_count,
+    start_skipped_epoch,
 )
 from lit_hbp.lightning.rng import set_rank_state
 from lit_hbp.packing import Level, MicroBatch, Plan
@@ -188,6 +189,7 @@ class PlanLoader(DataLoader):
         carried, self.dm.carried_count = self.dm.carried_count, None
         if carried and trainer is not None:  # the fetcher and the epoch's progress have counted the restored position
             restart_epoch_count(trainer, carried)
+            start_skipped_epoch(trainer)
         yield from super().__iter__()
 
     def state_dict(self) -> dict:

@@ -371,3 +371,21 @@ def restart_epoch_count(trainer: Any, carried: int) -> None:
     loop.scheduler_progress.reset_on_run()
     loop.automatic_optimization.optim_progress.reset_on_run()
     fetcher.fetched -= carried
+
+
+def start_skipped_epoch(trainer: Any) -> None:
+    """A resume from the last step of an epoch (saved at its last batch's end): Lightning's fit loop takes the
+    restore for one inside that epoch, moves on to the next and skips its start: no ``on_train_epoch_start`` of
+    any callback or the module (``PackingMetrics`` logged nothing of its plan), and the epoch counts ``ready`` and
+    ``started`` one behind for the rest of the run (a later restore then misread). Here, as the next epoch's first
+    batch is fetched, its start runs as Lightning's ``on_advance_start`` runs it for an epoch not resumed."""
+    from lightning.pytorch.trainer import call
+
+    loop = trainer.fit_loop
+    progress = loop.epoch_progress.total
+    if not loop.restarted_mid_epoch or progress.started != progress.processed:
+        return  # Lightning started this epoch itself
+    loop.epoch_progress.increment_ready()
+    call._call_callback_hooks(trainer, "on_train_epoch_start")
+    call._call_lightning_module_hook(trainer, "on_train_epoch_start")
+    loop.epoch_progress.increment_started()
