@@ -505,6 +505,15 @@ def export_checkpoint(
     if not adapters_only:
         warn_half_frozen(ckpt, dtype)
     if hasattr(net, "peft_config") and merge_lora:
+        from lit_hbp.model.build import unmergeable_lora_bias
+
+        unmergeable = unmergeable_lora_bias(net)
+        if unmergeable:
+            raise ConfigError(
+                f"--merge-lora: the run trained a LoRA bias (model.lora.lora_bias) beside {len(unmergeable)} layer(s) "
+                f"without a bias of their own ({unmergeable[0]}, ...), which a merged model cannot hold: export the "
+                "adapter (without --merge-lora)"
+            )
         untie_adapted_embeddings(net)
         net = net.merge_and_unload()
         say_untied(net)

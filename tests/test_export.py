@@ -329,6 +329,41 @@ def one_step_checkpoint(model: str, chats, root) -> str:
     return str(root / "run.ckpt")
 
 
+def test_a_lora_bias_beside_layers_without_one_exports_as_an_adapter_and_merging_is_refused_in_one_line(
+    chats, toy_tokenizer, tmp_path
+):
+    """``lora_bias: true`` on Llama (no layer has a bias): it trained, and ``--merge-lora`` stopped in peft's
+    traceback ("Impossible to merge LoRA with lora_bias=True because the base layer has no bias"). The run says at
+    set-up that it exports as an adapter only; the merge is refused in one line; a base built from a config mapping
+    (no adapter export either) is refused before training."""
+    from conftest import save_pretrained_checkpoint
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lit_hbp.lightning.datamodule import HBPDataModule
+
+    shape = {k: v for k, v in TINY.items() if k != "model_type"}
+    base = save_pretrained_checkpoint(tmp_path / "base", toy_tokenizer, "llama", **shape)
+    lora = {"rank": 4, "lora_bias": True}
+    dm = HBPDataModule(sources=[{"path": str(chats)}], tokenizer=str(base), levels=["96:1", "384:1"],
+                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    module = HBPLitModule(model=str(base), vocab_size=dm.vocab_size, self_check=False, lora=lora)
+    trainer = quiet_trainer(max_steps=1)
+    with pytest.warns(UserWarning, match=r"lora_bias: true trains a bias beside \d+ adapted layer\(s\) without a bias"):
+        trainer.fit(module, dm)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    with pytest.raises(ConfigError, match=r"--merge-lora: the run trained a LoRA bias .* export the adapter"):
+        export_checkpoint(tmp_path / "run.ckpt", tmp_path / "merged", merge_lora=True)
+    adapter = export_checkpoint(tmp_path / "run.ckpt", tmp_path / "adapter")
+    served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+    probe = torch.tensor([PROBE])
+    with torch.no_grad():
+        torch.testing.assert_close(served(input_ids=probe).logits, module.model.eval()(input_ids=probe).logits)
+    mapping = HBPLitModule(model=TINY, vocab_size=dm.vocab_size, lora=lora)
+    with pytest.raises(ConfigError, match=r"built from a config mapping has no base folder .* leave lora_bias out"):
+        mapping.configure_model()
+
+
 def test_an_adapter_export_names_its_base_by_a_path_a_server_finds(chats, toy_tokenizer, tmp_path, monkeypatch):
     """A LoRA run started from a folder given relative to the run's working directory (``model: base``) wrote
     ``base_model_name_or_path: base`` in the exported adapter: from a server's working directory peft looked for it

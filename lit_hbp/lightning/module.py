@@ -54,14 +54,13 @@ from lit_hbp.lightning.schedule import LR_SCHEDULE, long_warmup, lr_factor, run_
 from lit_hbp.model import attention
 from lit_hbp.model.build import (
     apply_liger,
-    apply_lora,
     base_of,
     build_causal_lm,
     check_lora,
-    check_lora_strategy,
     freeze_vision,
     own_generation_config,
     saved_dtype,
+    train_lora,
     zero3_loading,
 )
 from lit_hbp.model.causal_lm import PackedLoss, decoder_layers, model_spec, packed_loss, prepare_model
@@ -207,8 +206,7 @@ class HBPLitModule(L.LightningModule):
             _setting("model.freeze_vision", freeze_vision, self.model)
         if self.hparams.lora:
             stage3 = getattr(getattr(self._trainer, "strategy", None), "zero_stage_3", False)
-            check_lora_strategy(self.hparams.lora, 3 if stage3 else None)
-            self.model = apply_lora(self.model, dict(self.hparams.lora))
+            self.model = train_lora(self.model, self.hparams.lora, stage3, not isinstance(self.hparams.model, str))
         if self.hparams.compile:
             self._recompile_limit = set_recompile_limit(RECOMPILE_LIMIT)
             self._recompile_watch = RecompileLimitWatch()

@@ -482,6 +482,39 @@ def apply_lora(net, lora: dict):
     return wrapped
 
 
+def train_lora(net, lora: Mapping, zero_stage3: bool, from_mapping: bool):
+    """``apply_lora`` for a training run (ZeRO-3 ``zero_stage3``, a base built from a config mapping
+    ``from_mapping``): its settings checked against the strategy, and a LoRA bias no merged model can hold said
+    (refused where no adapter export exists either)."""
+    check_lora_strategy(lora, 3 if zero_stage3 else None)
+    wrapped = apply_lora(net, dict(lora))
+    unmergeable = unmergeable_lora_bias(wrapped)
+    if unmergeable:
+        said = (
+            f"model.lora.lora_bias: true trains a bias beside {len(unmergeable)} adapted layer(s) without a bias of "
+            f"their own ({unmergeable[0]}, ...), which a merged model cannot hold"
+        )
+        if from_mapping:
+            raise ConfigError(f"{said}, and an adapter of a model built from a config mapping has no base folder to "
+                              "load on: the run could not be exported; leave lora_bias out")  # fmt: skip
+        rank_zero_warn(f"{said}: the run exports as an adapter only (python -m lit_hbp.export without --merge-lora)")
+    return wrapped
+
+
+def unmergeable_lora_bias(wrapped) -> list[str]:
+    """The adapted layers whose LoRA bias (peft's ``lora_bias``) has no bias of the base layer to merge into: peft's
+    ``merge_and_unload`` stops on them."""
+    from peft.tuners.lora import LoraLayer
+
+    if not any(getattr(c, "lora_bias", False) for c in getattr(wrapped, "peft_config", {}).values()):
+        return []
+    return [
+        name
+        for name, m in wrapped.named_modules()
+        if isinstance(m, LoraLayer) and getattr(m.get_base_layer(), "bias", None) is None
+    ]
+
+
 def check_lora_matches(wrapped, kw: dict) -> None:
     """Refuse LoRA settings that matched nothing in the model and so change nothing: ``modules_to_save`` names
     that wrapped no module, a ``bias`` to train on a model without biases (peft says nothing of either)."""
