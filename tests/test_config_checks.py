@@ -272,10 +272,12 @@ def test_a_model_takes_positions_exactly_when_its_logits_depend_on_them(family, 
 
 
 @pytest.mark.parametrize(("family", "overrides"), NOPE)
-def test_a_hybrid_without_positions_trains_levels_past_max_position_embeddings(family, overrides):
+def test_a_hybrid_without_positions_trains_levels_past_max_position_embeddings(family, overrides, tmp_path):
     """A NoPE hybrid at max_position_embeddings 64 takes a level of 128 (the fit's check on the built model,
-    the command line's and the simulator's on the config, the level search's limit) and trains a 100-token
-    document in it as that document alone through the unprepared model; a Llama at 64 is still refused."""
+    the command line's and the simulator's on the config, the level search's limit, also on its saved folder: a
+    Nemotron-H folder's config.json, read as plain JSON, held transformers' ``{"__float__": "Infinity"}`` and
+    built nothing, so the search capped it at 64) and trains a 100-token document in it as that document alone
+    through the unprepared model; a Llama at 64 is still refused."""
     from conftest import separate_loss
     from test_mixers import reference_of, tiny
 
@@ -287,6 +289,11 @@ def test_a_hybrid_without_positions_trains_levels_past_max_position_embeddings(f
     assert check_positions(net.config, levels, net) is None
     assert check_positions(net.config, levels) is None
     assert position_limit(net.config) is None
+    net.config.save_pretrained(tmp_path)
+    assert position_limit(tmp_path) is None and position_limit(tmp_path / "config.json") is None
+    from lit_hbp.cost.config import load_spec  # the cost tools' --model: its config.json priced as its folder
+
+    assert load_spec(str(tmp_path / "config.json")) == load_spec(str(tmp_path))
     rng = np.random.default_rng(0)
     docs = [(rng.integers(3, net.config.vocab_size, n), np.ones(n, bool)) for n in (100, 20)]
     reference = reference_of(net)

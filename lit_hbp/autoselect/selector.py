@@ -11,7 +11,6 @@ a training config, and the measured selector's launcher calls it in every proces
 from __future__ import annotations
 
 import inspect
-import json
 import math
 from abc import abstractmethod
 from dataclasses import dataclass, field, replace
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from lit_hbp.autoselect.launch import launch
 from lit_hbp.autoselect.measured import MeasuredProfiler, probe_strategy_args
@@ -48,7 +47,7 @@ from lit_hbp.lightning.datamodule import data_seed
 from lit_hbp.lightning.module import HBPLitModule
 from lit_hbp.model.causal_lm import configured_spec
 from lit_hbp.model.checks import model_config as hf_config
-from lit_hbp.model.checks import position_range, rescaling_limit, takes_positions
+from lit_hbp.model.checks import position_range, read_config_json, rescaling_limit, takes_positions
 from lit_hbp.model_spec import ModelSpec
 from lit_hbp.packing.levels import Level, LevelSelector
 from lit_hbp.packing.vision_load import VisionLoad
@@ -200,8 +199,12 @@ def config_of(model) -> Any:
         path = path / "config.json" if path.is_dir() else path
         if not path.is_file():
             return None
+        try:  # as the fit reads it: transformers' own encoding too (an infinite value as {"__float__": "Infinity"})
+            return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError):  # a family this transformers does not know
+            pass
         try:
-            model = json.loads(path.read_text())
+            model = read_config_json(path)
         except (OSError, ValueError):
             return None
     return SimpleNamespace(**model)

@@ -5,7 +5,6 @@ the data module's set-up computes: ``lit_hbp.lightning.config_data.config_sample
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -168,6 +167,7 @@ def load_spec(spec: str) -> ModelSpec:
     """A tool's ``--model``: ``load_model_spec``'s (a preset, a config.json or checkpoint folder, a training YAML's
     model), counted on its model built on the meta device (``configured_spec``), as a run prices it."""
     from lit_hbp.model.causal_lm import configured_spec
+    from lit_hbp.model.checks import read_config_json
     from lit_hbp.model_spec import MODELS
 
     base = load_model_spec(spec)
@@ -177,6 +177,6 @@ def load_spec(spec: str) -> ModelSpec:
     if path.suffix in (".yaml", ".yml"):
         model = model_config(read_config(path), None)
     else:
-        model = str(path) if path.is_dir() else json.loads(path.read_text())
+        model = str(path) if path.is_dir() else read_config_json(path)
     built = configured_spec(model)
     return base if built is None else replace(built, name=base.name)

@@ -325,6 +325,17 @@ def check_module_positions(module: Any) -> None:
         rank_zero_info(note)
 
 
+def read_config_json(path: Path) -> dict:
+    """A config.json as transformers wrote it: its infinite and NaN values (Mamba2's ``time_step_limit``) are
+    ``{"__float__": "Infinity"}`` there, which plain JSON reads as a mapping no config builds from."""
+
+    def floats(pairs: list) -> Any:
+        obj = dict(pairs)
+        return float(obj["__float__"]) if set(obj) == {"__float__"} and isinstance(obj["__float__"], str) else obj
+
+    return json.loads(Path(path).read_text(), object_pairs_hook=floats)
+
+
 def model_config(model: Any):
     """The Hugging Face config a ``model`` argument describes (mapping or local checkpoint), or None."""
     from transformers import AutoConfig
