@@ -1079,6 +1079,11 @@ def test_a_tables_struct_arguments_in_another_key_order_are_said(qwen, tmp_path)
             tokens = tokenize_source(Source(str(path)), tok, progress=False)
         assert tokens.sample(0)[0].tolist() == want[0]
         assert tokens.sample(1)[0].tolist() != want[1]  # what the warning says: the column's order, not the row's
+    sampling = [{**r, "meta": {"parameters": {"temperature": 0.7}}} for r in records]  # not a tool's: not said
+    pq.write_table(pa.Table.from_pylist(sampling), tmp_path / "sampling.parquet")
+    with pytest.warns(UserWarning) as said:
+        tokenize_source(Source(str(tmp_path / "sampling.parquet")), tok, progress=False)
+    assert [str(w.message) for w in said if "struct columns" in str(w.message)][0].count("parameters") == 0
     as_strings = [record(json.dumps(r["messages"][1]["tool_calls"][0]["function"]["arguments"])) for r in records]
     pq.write_table(pa.Table.from_pylist(as_strings), tmp_path / "strings.parquet")
     with warnings.catch_warnings():

@@ -721,17 +721,18 @@ def test_a_weights_only_checkpoint_is_passed_over_by_auto_and_refused_by_fit(tmp
 
 def test_a_resume_into_its_run_folder_from_an_older_checkpoint_says_the_steps_logged_again(tmp_path):
     """A rollback (``--ckpt_path`` a step's checkpoint, a later one beside it) resumed into the run folder and
-    logged its steps a second time beside the first run's, without a word. Said now; the newest one is not."""
+    logged its steps a second time beside the first run's, without a word. Said now, by the checkpoints' steps (a
+    ``save_last`` copy of the same step, written a moment later, is no later one)."""
     import warnings
 
     from lit_hbp.cli.resume import resume_in_run_folder
 
     folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
     folder.mkdir(parents=True)
-    old, last = folder / "epoch=0-step=10.ckpt", folder / "last.ckpt"
-    old.write_bytes(b"x")
-    last.write_bytes(b"x")
-    os.utime(old, (1_000_000, 1_000_000))
+    old, last, copy = folder / "epoch=0-step=10.ckpt", folder / "last.ckpt", folder / "epoch=0-step=14.ckpt"
+    torch.save({"global_step": 10}, old)
+    torch.save({"global_step": 14}, last)
+    torch.save({"global_step": 14}, copy)  # save_last's copy of the same step, written a moment later
 
     def section(ckpt):
         logger = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger",
@@ -739,9 +740,10 @@ def test_a_resume_into_its_run_folder_from_an_older_checkpoint_says_the_steps_lo
         return Namespace(ckpt_path=str(ckpt), trainer=Namespace(logger=logger))
 
     older = section(old)
-    with pytest.warns(UserWarning, match=r"last.ckpt in its folder was saved after it, .* logged there again"):
+    with pytest.warns(UserWarning, match=r"(last|epoch=0-step=14).ckpt in its folder was saved after it, .* again"):
         resume_in_run_folder(older)
     assert older.trainer.logger.init_args.version == 0  # still into the run folder
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        resume_in_run_folder(section(copy))
         resume_in_run_folder(section(last))

@@ -340,6 +340,10 @@ def test_weights_keep_the_epochs_total_sample_count_exactly(tmp_path, toy_tokeni
         assert counts.sum() == sum(sizes) and [m["in_epoch"] for m in store.report["sources"]] == counts.tolist()
         shares = np.asarray(weights) / sum(weights) * sum(sizes)
         assert np.all(np.abs(counts - shares) < 1), counts
+    tiny = tokenized(tmp_path, tok, "tiny.jsonl", [chat("q tiny", "a")], weight=0.01)
+    with pytest.raises(ConfigError, match=r"sources\[3\] \(.*tiny.jsonl\): its weight 0.01 shares 0.0574 of the "
+                       r"epoch's samples, which the apportionment to whole samples rounds to none"):  # fmt: skip
+        SampleStore.build([*sources, tiny], max_len=10_000)
     rng = np.random.default_rng(0)
     for _ in range(200):  # the repeat factors turn back into those whole counts in the build's arithmetic
         n = rng.integers(1, 50, rng.integers(1, 6))

@@ -310,6 +310,10 @@ def test_a_run_stopped_by_an_error_names_its_newest_checkpoint_and_the_resume(tm
     assert (
         "the run stopped on an error at optimizer step 2 with no checkpoint saved: its steps are lost" in lightning_log
     )
+    lightning_log.clear()  # an error before this fit trained a step: the run is where it was, nothing to say
+    with pytest.raises(RuntimeError):
+        fit(tmp_path / "early", small_demo, [Fails(0), InterruptCheckpoint()])
+    assert not [m for m in lightning_log if m.startswith("the run stopped on an error")]
 
 
 def test_resume_command_replaces_the_ckpt_path():

@@ -628,7 +628,7 @@ def test_a_resume_with_other_clipping_or_precision_says_so(tmp_path, small_demo,
 def test_a_resume_refusal_names_the_data_settings_that_changed():
     """The plan key's ``settings`` turned into the words of a refusal, by setting; none for an older checkpoint's
     key (no settings kept), and the edited sources where no setting changed."""
-    from lit_hbp.lightning.data_identity import data_changes, edited_sources
+    from lit_hbp.lightning.data_identity import data_changes, edited_sources, older_key_note
     from lit_hbp.lightning.plan_checks import planned_by
 
     settings = dict(
@@ -665,3 +665,4 @@ def test_a_resume_refusal_names_the_data_settings_that_changed():
     assert edited_sources(saved, edited) == ["data.sources[1] (b.jsonl)"]
     older = dict(data="x")  # a checkpoint of a lit-hbp that kept neither
     assert data_changes(older, now()) == [] and edited_sources(older, edited) == []
+    assert "kept no record of its data settings" in older_key_note(older) and older_key_note(saved) == ""

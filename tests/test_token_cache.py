@@ -372,6 +372,16 @@ def test_a_tables_null_labels_in_one_row_are_refused_not_trained_on_every_token(
         with pytest.raises(DataError, match=rf":row 3: {name} is null: give it .*give the input_ids as labels"):
             source = Source(str(path), format="tokens", fields=fields) if fields else Source(str(path))
             tokenize_source(source, tok, progress=False, num_proc=1)
+    # A table joined from two data sets: each row gives one of the two fields, the other's cell null: read by it.
+    joined = [dict(r, **{other: None}) for r in pretokenized_rows(tok)[:4]
+              for other in ({"labels", "assistant_masks"} - {field})]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(joined), tmp_path / "joined.parquet")
+    t = tokenize_source(Source(str(tmp_path / "joined.parquet")), tok, progress=False, num_proc=1)
+    pq.write_table(
+        pa.Table.from_pylist([{k: r[k] for k in ("input_ids", field)} for r in joined]), tmp_path / "one.parquet"
+    )
+    alone = tokenize_source(Source(str(tmp_path / "one.parquet")), tok, progress=False, num_proc=1)
+    assert [t.sample(i)[1].tolist() for i in range(4)] == [alone.sample(i)[1].tolist() for i in range(4)]
     # A table with no such column at all trains every token, as a JSON record without the field does.
     whole = pa.Table.from_pylist([{"input_ids": r["input_ids"]} for r in rows])
     pq.write_table(whole, tmp_path / "whole.parquet")
@@ -561,3 +571,28 @@ def test_a_cache_read_under_another_name_of_its_file_reports_the_skipped_records
         t = tokenize_source(Source(name), tok, cache_dir=cache, progress=False, num_proc=1)
         assert t.skipped_where["empty conversation"] == [f"{name}:2"]
     assert t.from_cache and len(list(cache.glob("a*"))) == 1
+
+
+def test_a_sources_content_digest_is_what_its_samples_hold_not_how_it_was_read(tmp_path, toy_tokenizer, monkeypatch):
+    """The digest a resume compares (``CacheWriter``'s ``content``): the same records read in other chunks or by
+    two processes give the same one; one record's answer changed to another of the same length gives another."""
+    import lit_hbp.data.sources as sources
+
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer)
+    rows = records(40)
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    digests = [tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "a", progress=False, num_proc=1).content]
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 300)
+    digests.append(
+        tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "b", progress=False, num_proc=1).content
+    )
+    digests.append(
+        tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "c", progress=False, num_proc=2).content
+    )
+    assert digests[0] and len(set(digests)) == 1, digests
+    answer = rows[0]["messages"][1]["content"]
+    rows[0]["messages"][1]["content"] = " ".join(reversed(answer.split()))  # the same words, another order
+    edited = tokenize_source(Source(str(write_jsonl(path, rows))), tok, cache_dir=tmp_path / "d", progress=False)
+    assert np.array_equal(edited.lengths, tokenize_source(Source(str(path)), tok, cache_dir=tmp_path / "a",
+                                                          progress=False).lengths)  # fmt: skip
+    assert edited.content != digests[0] or answer == rows[0]["messages"][1]["content"]

@@ -201,7 +201,7 @@ def config_of(model) -> Any:
             return None
         try:  # as the fit reads it: transformers' own encoding too (an infinite value as {"__float__": "Infinity"})
             return AutoConfig.from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError, KeyError, TypeError):  # a family this transformers does not know
+        except Exception:  # noqa: BLE001 - a family this transformers does not know or cannot build: the file as it is
             pass
         try:
             model = read_config_json(path)

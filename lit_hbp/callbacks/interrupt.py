@@ -113,6 +113,7 @@ class InterruptCheckpoint(StepEndCallback):
         self.checkpoint: str | None = None  # the file saved at the interrupt
         self.requeued = False
         self._installed: dict[int, Any] = {}  # signal -> the handler to restore
+        self._started_at: int | None = None  # the optimizer step this fit started from (on_train_start)
         self._pid = 0
         self._received_at = 0.0  # time.monotonic() of the first signal
         self._stop_after_validation: int | None = None  # the signal of a step whose validation runs first
@@ -142,6 +143,7 @@ class InterruptCheckpoint(StepEndCallback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.received, self.signal, self.checkpoint, self.requeued = None, None, None, False
         self._stop_after_validation = None
+        self._started_at = trainer.global_step  # the step this fit starts from (restored by now)
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             if self._group is None or self._group_world is not dist.group.WORLD:
                 # new_group is collective: every rank reaches on_train_start.
@@ -316,7 +318,7 @@ class InterruptCheckpoint(StepEndCallback):
         self._restore(trainer)
         self._release_group()
         if trainer.state.fn == TrainerFn.FITTING:
-            say_newest_checkpoint(trainer)
+            say_newest_checkpoint(trainer, self._started_at)
 
     def _release_group(self) -> None:
         """Destroy the gloo group of the agreement now: its worker threads, joined when the group is
@@ -337,17 +339,23 @@ class InterruptCheckpoint(StepEndCallback):
         trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
 
-def say_newest_checkpoint(trainer: L.Trainer) -> None:
-    """A fit stopped by an error (a callback's, a rank lost, a second Ctrl-C during a save) ends in its traceback
-    alone: say which checkpoint holds the run and how to resume it, or that none was saved (the steps are lost)."""
+def say_newest_checkpoint(trainer: L.Trainer, started_at: int | None) -> None:
+    """A fit stopped by an error (a callback's, a rank lost, a second Ctrl-C during a save) after it trained a step
+    (``started_at``: the step it started from) ends in its traceback alone: say which checkpoint holds the run and
+    how to resume it (one saved since, or the one it resumed from), or that none was saved (the steps are lost).
+    Nothing where no step was trained (an error at set-up or in the restore: the run is where it was)."""
+    step = trainer.global_step
+    if started_at is None or step <= started_at:
+        return
     saved = [
         (cb._last_global_step_saved, path)
         for cb in trainer.checkpoint_callbacks
-        if isinstance(cb, ModelCheckpoint)
+        if isinstance(cb, ModelCheckpoint) and cb._last_global_step_saved > started_at
         for path in (cb._last_checkpoint_saved, cb.last_model_path)
         if path and os.path.exists(path)
     ]
-    step = trainer.global_step
+    if not saved and trainer.ckpt_path and os.path.exists(trainer.ckpt_path):
+        saved = [(started_at, trainer.ckpt_path)]
     if not saved:
         rank_zero_info(
             f"the run stopped on an error at optimizer step {step} with no checkpoint saved: its steps are lost"

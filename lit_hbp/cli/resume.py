@@ -289,18 +289,28 @@ def say_later_checkpoints(ckpt: Path) -> None:
     """A resume into its run folder from a checkpoint older than another one there (a rollback, after a loss spike):
     the folder's logs go past its step, and the steps from it on are logged there a second time (the loggers keep
     both points of a step). Said, naming the later checkpoint and how to keep the curves apart."""
-    try:
-        saved = ckpt.stat().st_mtime
-        later = [p for p in ckpt.parent.glob("*.ckpt") if p.resolve() != ckpt.resolve() and p.stat().st_mtime > saved]
-    except OSError:
+    step = saved_step(ckpt)
+    if step is None:
         return
+    steps = {p: saved_step(p) for p in ckpt.parent.glob("*.ckpt") if p.resolve() != ckpt.resolve()}
+    later = {p: s for p, s in steps.items() if s is not None and s > step}
     if later:
-        newest = max(later, key=lambda p: p.stat().st_mtime)
+        newest = max(later, key=later.get)
         rank_zero_warn(
             f"--ckpt_path {ckpt}: {newest.name} in its folder was saved after it, so the run folder's logs go past "
             "this checkpoint's step: the steps from it on are logged there again, beside the first run's (give "
             "trainer.logger.init_args.version a new name to log this continuation apart)"
         )
+
+
+def saved_step(path: Path) -> int | None:
+    """The optimizer step a checkpoint (a file, or a DeepSpeed folder's client state) was saved at; None where it
+    cannot be read (its own error comes where it is loaded)."""
+    try:
+        step = safe_load(client_state_file(path), mmap=True).get("global_step")
+    except Exception:  # noqa: BLE001 - a file cut short, not a checkpoint, unsafe: not this function's to say
+        return None
+    return step if isinstance(step, int) else None
 
 
 def check_resumed_model(given: Any, saved: dict, validating: bool = False) -> None:

@@ -96,7 +96,10 @@ class CacheWriter:
         self._span_counts: list[np.ndarray] = []
         self._media_counts: list[np.ndarray] = []  # per sample: how many images and videos
         self._media: list[tuple] = []  # every image's and video's entry (``media.Image``, ``media.Video``)
-        self._content = hashlib.blake2b(self.dtype.name.encode(), digest_size=16)  # what the samples hold
+        # what the samples hold, a digest per stream (not per chunk: another chunk size keeps it)
+        self._content = {
+            k: hashlib.blake2b(digest_size=16) for k in ("lengths", "span_counts", "ids", "spans", "media")
+        }
 
     def append(
         self, ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray, spans: np.ndarray, span_counts, media=None
@@ -113,14 +116,13 @@ class CacheWriter:
         )
         self._ids.write(ids_bytes)
         self._spans.write(spans_bytes)
-        for part in (
-            np.asarray(lengths, np.int64).tobytes(),
-            np.asarray(span_counts, np.int64).tobytes(),
-            ids_bytes,
-            spans_bytes,
-        ):
-            self._content.update(part)
-        self._content.update(repr(media or ()).encode())
+        content = self._content
+        content["lengths"].update(np.asarray(lengths, np.int64).tobytes())
+        content["span_counts"].update(np.asarray(span_counts, np.int64).tobytes())
+        content["ids"].update(ids_bytes)
+        content["spans"].update(spans_bytes)
+        for sample in media or ():
+            content["media"].update(repr(_named(sample)).encode() + b"\n")
         self.tokens += int(ids.size)
         self.n_spans += int(spans.shape[0])
         span_counts = np.asarray(span_counts, np.int64)
@@ -150,7 +152,10 @@ class CacheWriter:
             (self.tmp / "media.json").write_text(json.dumps([list(m) for m in self._media]))
         np.savez(self.tmp / "samples.npz", **arrays)
         meta = {**meta, "samples": int(lengths.size), "tokens": self.tokens, "spans": self.n_spans}
-        meta["content"] = self._content.hexdigest()
+        whole = hashlib.blake2b(self.dtype.name.encode(), digest_size=16)
+        for part in self._content.values():
+            whole.update(part.digest())
+        meta["content"] = whole.hexdigest()
         (self.tmp / "meta.json").write_text(json.dumps({**meta, "id_dtype": self.dtype.name}, indent=1))
         if self.folder.exists():  # a stale folder that failed ``is_complete``: we hold the lock
             shutil.rmtree(self.folder)
@@ -161,6 +166,16 @@ class CacheWriter:
         for f in (self._ids, self._spans):
             f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _named(value):
+    """A media entry with each absolute path as its file name: a cache rebuilt with the data under another root
+    holds the same samples (``CacheWriter``'s content digest)."""
+    if isinstance(value, str):
+        return os.path.basename(value) if os.path.isabs(value) else value
+    if isinstance(value, (list, tuple)):
+        return [_named(v) for v in value]
+    return value
 
 
 def read_cache(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:

@@ -445,13 +445,14 @@ def _token_fields(source: Source) -> tuple[str, tuple[str, ...]]:
 
 
 def _table_row(row: dict, token_fields: tuple[str, tuple[str, ...]]) -> dict:
-    """A table row without its null keys (``without_nulls``), but a pre-tokenized row keeps a null ``labels``
-    or ``assistant_masks``: its column holds them for other rows, and dropping the null would train every
-    token of this one without a word (the record reader refuses it, as it does a JSON null)."""
+    """A table row without its null keys (``without_nulls``), but a pre-tokenized row whose ``labels`` and
+    ``assistant_masks`` cells are all null keeps them: their columns hold them for other rows, and dropping the
+    nulls would train every token of this one without a word (the record reader refuses it, as it does a JSON
+    null). A row giving one of them (a table joined from two data sets) is read by that one."""
     ids, kept = token_fields
     record = without_nulls(row)
-    if row.get(ids) is not None:
-        record.update({k: None for k in kept if k in row and row[k] is None})
+    if row.get(ids) is not None and not any(row.get(k) is not None for k in kept):  # one of them given: that one
+        record.update({k: None for k in kept if k in row})
     return record
 
 

@@ -142,6 +142,15 @@ class SampleStore:
             whole, frac = int(r), r - int(r)
             part = np.sort(rng.permutation(n)[: int(round(frac * n))])
             chosen = np.r_[np.tile(np.arange(n), whole), part].astype(np.int64)
+            weight = s.source.weight
+            if weight is not None and weight > 0 and n > 0 and chosen.size == 0:
+                total = sum(x.source.weight for x in sources) or 1.0
+                share = weight / total * sum(len(x) for x in sources)
+                raise ConfigError(
+                    f"sources[{k}] ({s.source.path}): its weight {weight} shares {share:.3g} of the epoch's samples, "
+                    "which the apportionment to whole samples rounds to none (each source's share a whole count, the "
+                    "total kept): give it a larger weight, or remove the source"
+                )
             if r > 0 and n > 0 and chosen.size == 0:
                 given = f"repeat {s.source.repeat}" if s.source.repeat is not None else f"weight {s.source.weight}"
                 raise ConfigError(

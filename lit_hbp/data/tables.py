@@ -77,7 +77,8 @@ def keyed_struct_fields(source: Any) -> list[str]:
 
     def walk(name: str, t: pa.DataType) -> None:
         if pa.types.is_struct(t):
-            if name.rsplit(".", 1)[-1] in KEYED_FIELDS:
+            parts = name.split(".")
+            if parts[-1] in KEYED_FIELDS and {"tools", "tool_calls"} & set(parts):
                 found.append(name)
             for f in t:
                 walk(f"{name}.{f.name}", f.type)

@@ -532,7 +532,7 @@ def _write(
 def _say_keyed_structs(source: Source) -> None:
     """Warn where a table source holds tool parameters or call arguments as struct columns (``keyed_struct_fields``):
     its rows render with the column's key order and number type, not always their records' own."""
-    if source.resolved_file_type not in ("parquet", "arrow", "hf", "hub"):
+    if source.resolved_file_type not in ("parquet", "arrow", "hf", "hub") or source.format in ("tokens", "text"):
         return
     keyed = keyed_struct_fields(source)
     if keyed:

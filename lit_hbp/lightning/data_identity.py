@@ -77,6 +77,16 @@ def data_changes(saved: dict, now: dict) -> list[str]:
     return out
 
 
+def older_key_note(saved: dict) -> str:
+    """What a refusal can say of a checkpoint whose plan key kept no data settings (an older lit-hbp's)."""
+    if saved.get("settings"):
+        return ""
+    return (
+        " (the checkpoint's lit-hbp kept no record of its data settings: compare them with its run's config.yaml; "
+        "since then a mix by weight takes each source's share to the whole sample, which can move it by one)"
+    )
+
+
 def edited_sources(saved: dict, now: dict) -> list[str]:
     """The training sources (``data.sources[i] (path)``) whose records hold other tokens than at the save."""
     was, is_ = saved.get("content"), now.get("content")

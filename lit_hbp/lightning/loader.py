@@ -20,7 +20,7 @@ from lit_hbp.data.batch import PackedBatch
 from lit_hbp.data.collate import collate_packs
 from lit_hbp.data.store import SampleStore
 from lit_hbp.errors import ConfigError
-from lit_hbp.lightning.data_identity import data_changes, say_edited_sources
+from lit_hbp.lightning.data_identity import data_changes, older_key_note, say_edited_sources
 from lit_hbp.lightning.plan_checks import (
     accumulation_at,
     check_epoch_end_restart,
@@ -204,7 +204,7 @@ class PlanLoader(DataLoader):
         a, b = (None, None) if saved is None else (planned_by(saved, state["epoch"]), planned_by(now, state["epoch"]))
         if a != b:
             changed = ", ".join(
-                ", ".join(data_changes(saved, now)) or f"data: {a[k]} -> {b[k]}"
+                ", ".join(data_changes(saved, now)) or f"data: {a[k]} -> {b[k]}{older_key_note(saved)}"
                 if k == "data"
                 else f"{k}: {saved.get(k)} -> {now.get(k)}"
                 for k in b

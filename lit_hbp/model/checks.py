@@ -328,12 +328,13 @@ def check_module_positions(module: Any) -> None:
 def read_config_json(path: Path) -> dict:
     """A config.json as transformers wrote it: its infinite and NaN values (Mamba2's ``time_step_limit``) are
     ``{"__float__": "Infinity"}`` there, which plain JSON reads as a mapping no config builds from."""
+    return json.loads(Path(path).read_text(), object_pairs_hook=_special_floats)
 
-    def floats(pairs: list) -> Any:
-        obj = dict(pairs)
-        return float(obj["__float__"]) if set(obj) == {"__float__"} and isinstance(obj["__float__"], str) else obj
 
-    return json.loads(Path(path).read_text(), object_pairs_hook=floats)
+def _special_floats(pairs: list) -> Any:
+    """A JSON object as transformers' ``{"__float__": "Infinity"}`` means it (``read_config_json``)."""
+    obj = dict(pairs)
+    return float(obj["__float__"]) if set(obj) == {"__float__"} and isinstance(obj["__float__"], str) else obj
 
 
 def model_config(model: Any):
@@ -381,7 +382,7 @@ def local_checkpoint(model: str | Path) -> str:
 def _json_file(path: Path) -> dict:
     """A JSON file's mapping; empty where it is unreadable (its own error comes where it is loaded)."""
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(), object_pairs_hook=_special_floats)
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
