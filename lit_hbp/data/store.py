@@ -151,11 +151,11 @@ class SampleStore:
                     "which the apportionment to whole samples rounds to none (each source's share a whole count, the "
                     "total kept): give it a larger weight, or remove the source"
                 )
-            if r > 0 and n > 0 and chosen.size == 0:
-                given = f"repeat {s.source.repeat}" if s.source.repeat is not None else f"weight {s.source.weight}"
+            if r > 0 and n > 0 and chosen.size == 0:  # a repeat (a weight's whole share is refused above)
                 raise ConfigError(
-                    f"sources[{k}] ({s.source.path}): its {given} takes {r * n:.3g} of its {n} samples into an epoch, "
-                    f"which rounds to none: it needs a repeat of at least {0.5 / n:.3g}, or remove the source"
+                    f"sources[{k}] ({s.source.path}): its repeat {s.source.repeat} takes {r * n:.3g} of its {n} "
+                    f"samples into an epoch, which rounds to none: it needs a repeat of at least {0.5 / n:.3g}, or "
+                    "remove the source"
                 )
             src.append(np.full(chosen.size, k, dtype=np.int64))
             rows.append(chosen)
